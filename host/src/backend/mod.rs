@@ -1,0 +1,1 @@
+//! Backends: tensor storage and kernels.

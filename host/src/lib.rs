@@ -1,0 +1,14 @@
+//! chimera: a serving platform for hybrid Transformer/SSM language models.
+//!
+//! The crate is both the `chimera` binary and a library so that integration tests and
+//! benchmarks can drive each part directly. Module map (see DESIGN.md):
+//!
+//! - [`model`]: Hugging Face model loading and the architectures, written once over the
+//!   [`backend::Backend`] seam; the forward pass takes batch inputs and caches as arguments.
+//! - [`backend`]: tensor storage and kernels (`cpu` reference backend).
+//! - [`tokenizer`]: tokenizer and chat template loading.
+
+pub mod backend;
+pub mod model;
+pub mod policy;
+pub mod tokenizer;

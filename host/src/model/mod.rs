@@ -1,0 +1,5 @@
+//! Model loading and architectures.
+
+pub mod batch;
+
+pub use batch::{BatchInputs, CacheSpec, SeqChunk, SsmSnapshot};
