@@ -9,6 +9,7 @@
 //! - [`tokenizer`]: tokenizer and chat template loading.
 
 pub mod backend;
+pub mod engine;
 pub mod model;
 pub mod policy;
 pub mod tokenizer;

@@ -1,0 +1,218 @@
+//! The engine's public face: what the server and router send to a replica and get back.
+//!
+//! An engine replica is a plain OS thread that owns its scheduler, caches, model runner and
+//! policy instances. The async side talks to it only through an [`EngineHandle`]: bounded
+//! command channel in, one event channel per request out, and a `watch` of load statistics.
+//! Nothing here depends on how the engine schedules or caches.
+
+use std::sync::mpsc;
+
+use tokio::sync::{mpsc as tmpsc, watch};
+
+/// Per-request sampling parameters (OpenAI semantics; 0 / 1 disables as noted).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// 1 disables.
+    pub top_p: f32,
+    /// 0 disables.
+    pub top_k: u32,
+    /// 0 disables.
+    pub min_p: f32,
+    /// Seed for reproducible sampling; the engine derives one from the request id when unset.
+    pub seed: Option<u64>,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    /// 1 disables.
+    pub repetition_penalty: f32,
+    /// Return this many top alternatives' logprobs per generated token (None: no logprobs).
+    pub logprobs: Option<u32>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            seed: None,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logprobs: None,
+        }
+    }
+}
+
+/// A request as the engine sees it: token ids in, token ids out.
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    /// Unique per server; used to cancel.
+    pub id: u64,
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    pub max_tokens: u32,
+    /// Generation stops after any of these tokens (EOS is added unless `ignore_eos`).
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    /// Also return the prompt tokens' logprobs (`echo` with `logprobs`).
+    pub prompt_logprobs: bool,
+}
+
+/// Logprob of one generated token and of its top alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    /// (token, logprob), best first.
+    pub top: Vec<(u32, f32)>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS or a stop token was produced.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// Cancelled by the client (or the server, e.g. after a stop string matched).
+    Cancelled,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    /// Prompt tokens whose computation was skipped thanks to the prefix cache.
+    pub cached_tokens: u32,
+}
+
+/// What a request's output channel carries, in order: any number of `Tokens`, then exactly one
+/// `Finished` or `Failed`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EngineEvent {
+    Tokens {
+        tokens: Vec<u32>,
+        /// One entry per token when logprobs were asked for.
+        logprobs: Option<Vec<TokenLogprob>>,
+    },
+    Finished {
+        reason: FinishReason,
+        usage: Usage,
+    },
+    Failed {
+        /// Stable kind string (used as a metric label), e.g. "prompt_too_long".
+        kind: &'static str,
+        message: String,
+    },
+}
+
+/// Commands into the engine thread.
+#[derive(Debug)]
+pub enum Command {
+    Add {
+        request: GenerateRequest,
+        events: tmpsc::UnboundedSender<EngineEvent>,
+    },
+    Cancel {
+        id: u64,
+    },
+    /// Drop every cached (unreferenced) block and snapshot; running requests are unaffected.
+    ResetPrefixCache,
+    /// Finish: cancel everything in flight and stop the loop.
+    Shutdown,
+}
+
+/// Load and cache statistics, published by the engine after every step.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineStats {
+    pub step: u64,
+    pub running: u32,
+    pub waiting: u32,
+    pub paused: u32,
+    pub total_blocks: u32,
+    pub free_blocks: u32,
+    pub cached_blocks: u32,
+    pub ssm_slots_total: u32,
+    pub ssm_snapshots_used: u32,
+    pub prompt_tokens_computed: u64,
+    pub prompt_tokens_cached: u64,
+    pub generation_tokens: u64,
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
+    pub ssm_restores: u64,
+    pub preemptions: u64,
+    pub requests_finished: u64,
+}
+
+/// A block-level cache event, published only after the step that made it succeeded. Hashes are
+/// the prefix-index block hashes (see `cache::hash`), so a router can mirror each replica's
+/// prefix index exactly.
+#[derive(Debug, Clone, PartialEq)]
+pub enum KvEvent {
+    Stored { hashes: Vec<u64>, with_snapshot: Vec<bool> },
+    Removed { hashes: Vec<u64> },
+    SnapshotRemoved { hashes: Vec<u64> },
+    Cleared,
+}
+
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+pub enum SubmitError {
+    #[error("the engine's queue is full")]
+    QueueFull,
+    #[error("the engine is shutting down")]
+    ShuttingDown,
+}
+
+/// The async side's handle to one engine replica. Cheap to clone.
+#[derive(Clone)]
+pub struct EngineHandle {
+    pub(crate) commands: mpsc::SyncSender<Command>,
+    /// Cancels never wait behind a full queue: they have their own unbounded channel.
+    pub(crate) cancels: mpsc::Sender<u64>,
+    pub(crate) stats: watch::Receiver<EngineStats>,
+}
+
+impl EngineHandle {
+    pub fn new(
+        commands: mpsc::SyncSender<Command>,
+        cancels: mpsc::Sender<u64>,
+        stats: watch::Receiver<EngineStats>,
+    ) -> Self {
+        Self { commands, cancels, stats }
+    }
+
+    /// Submits a request without blocking; its events arrive on the returned receiver.
+    pub fn submit(
+        &self,
+        request: GenerateRequest,
+    ) -> Result<tmpsc::UnboundedReceiver<EngineEvent>, SubmitError> {
+        let (events, rx) = tmpsc::unbounded_channel();
+        match self.commands.try_send(Command::Add { request, events }) {
+            Ok(()) => Ok(rx),
+            Err(mpsc::TrySendError::Full(_)) => Err(SubmitError::QueueFull),
+            Err(mpsc::TrySendError::Disconnected(_)) => Err(SubmitError::ShuttingDown),
+        }
+    }
+
+    /// Cancels a request; a no-op if it already finished.
+    pub fn cancel(&self, id: u64) {
+        let _ = self.cancels.send(id);
+    }
+
+    /// Sends a control command (reset, shutdown), waiting for room in the queue.
+    pub fn control(&self, command: Command) -> Result<(), SubmitError> {
+        self.commands
+            .send(command)
+            .map_err(|_| SubmitError::ShuttingDown)
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        self.stats.borrow().clone()
+    }
+
+    pub fn stats_watch(&self) -> watch::Receiver<EngineStats> {
+        self.stats.clone()
+    }
+}
