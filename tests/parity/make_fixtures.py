@@ -1,0 +1,598 @@
+#!/usr/bin/env python3
+"""Build the tiny random-weight model fixtures and their reference outputs.
+
+How to run (from the repository root; needs torch, transformers, safetensors, tokenizers):
+
+    OMP_NUM_THREADS=1 python3 tests/parity/make_fixtures.py             # every model + bad cases
+    OMP_NUM_THREADS=1 python3 tests/parity/make_fixtures.py llama-gqa   # only the named models
+    python3 tests/parity/make_fixtures.py --bad-only                    # only tests/fixtures/bad/
+
+What it writes:
+    tests/fixtures/models/<name>/   a Hugging Face model folder (config.json, *.safetensors,
+                                    tokenizer.json, tokenizer_config.json) plus
+                                    reference.safetensors and reference.json (schema in
+                                    tests/fixtures/README.md)
+    tests/fixtures/bad/<case>/      broken model folders for loader error tests
+
+The tokenizer comes from host/assets/tokenizer/ (made by make_tokenizer.py). References are
+computed in float32 by transformers from the weights as read back from disk, so a bf16 or f16
+checkpoint's reference is the float32 computation on the upcast stored weights. Everything is
+seeded: running the script twice with the same torch/transformers versions gives the same
+bytes (thread count fixed by OMP_NUM_THREADS=1).
+"""
+
+import argparse
+import inspect
+import json
+import math
+import os
+import shutil
+import sys
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    BambaConfig,
+    BambaForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Mamba2Config,
+    Mamba2ForCausalLM,
+    NemotronHConfig,
+    NemotronHForCausalLM,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOKENIZER_DIR = os.path.join(ROOT, "host", "assets", "tokenizer")
+OUT_MODELS = os.path.join(ROOT, "tests", "fixtures", "models")
+OUT_BAD = os.path.join(ROOT, "tests", "fixtures", "bad")
+
+VOCAB = 512
+N_SPECIAL = 5  # ids 0..4 are <|pad|> <|bos|> <|eos|> <|im_start|> <|im_end|>
+TOKEN_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+PROMPT_LENS = [1, 7, 33, 131]
+GREEDY_STEPS = 32
+# Prompts longer than this store only some positions' logits (the file stays small).
+FULL_LOGITS_MAX_LEN = 40
+SAMPLED_POSITIONS = [0, 1, 2, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100]
+LAST_POSITIONS = 8
+# Decode steps whose logits are stored (step t's logits come from feeding greedy[t-1]).
+DECODE_STEPS = [1, 2, 16, 31]
+# A prompt is redrawn (next seed) while some greedy step has top-1 minus top-2 logit below this,
+# so that float32 rounding differences between implementations cannot flip a greedy choice.
+MIN_GREEDY_MARGIN = 2e-3
+MAX_PROMPT_DRAWS = 20
+
+LLAMA_BASE = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    hidden_act="silu",
+)
+
+MAMBA2_BASE = dict(
+    state_size=16,
+    conv_kernel=4,
+    expand=2,
+    use_bias=False,
+    use_conv_bias=True,
+    layer_norm_epsilon=1e-5,
+    residual_in_fp32=True,
+)
+
+NEMOTRONH_BASE = dict(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=96,
+    mlp_hidden_act="relu2",
+    ssm_state_size=16,
+    mamba_num_heads=8,
+    mamba_head_dim=16,
+    n_groups=2,
+    conv_kernel=4,
+    expand=2,
+    chunk_size=16,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    moe_shared_expert_intermediate_size=48,
+    n_shared_experts=1,
+    max_position_embeddings=512,
+    layer_norm_epsilon=1e-5,
+    use_mamba_kernels=False,
+)
+
+BAMBA_BASE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    mamba_n_heads=8,
+    mamba_d_head=16,
+    mamba_d_state=16,
+    mamba_d_conv=4,
+    mamba_expand=2,
+    mamba_chunk_size=16,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+)
+
+# name, model class, config class, config kwargs, on-disk dtype, shard count, what it covers
+SPECS = [
+    dict(
+        name="llama-gqa",
+        cls=LlamaForCausalLM,
+        cfg=LlamaConfig,
+        kwargs=dict(LLAMA_BASE, num_key_value_heads=2, tie_word_embeddings=False),
+        dtype="float32",
+        shards=1,
+        covers="GQA 4q/2kv, head_dim 16, untied embeddings, default RoPE theta 10000",
+    ),
+    dict(
+        name="mamba2-g1",
+        cls=Mamba2ForCausalLM,
+        cfg=Mamba2Config,
+        kwargs=dict(
+            MAMBA2_BASE,
+            hidden_size=32,
+            num_heads=4,
+            head_dim=16,
+            n_groups=1,
+            num_hidden_layers=2,
+            chunk_size=8,
+            tie_word_embeddings=False,
+        ),
+        dtype="float32",
+        shards=1,
+        covers="Mamba2, n_groups 1, chunk_size 8 (prompts 33/131 are not multiples), untied",
+    ),
+    dict(
+        name="llama-mqa-tied",
+        cls=LlamaForCausalLM,
+        cfg=LlamaConfig,
+        kwargs=dict(LLAMA_BASE, num_key_value_heads=1, head_dim=24, tie_word_embeddings=True,
+                    num_hidden_layers=3, rope_parameters=dict(rope_type="default", rope_theta=500.0)),
+        dtype="bfloat16",
+        shards=1,
+        covers="MQA 4q/1kv, head_dim 24 != hidden/heads, tied embeddings, rope_theta 500, bf16 on disk",
+    ),
+    dict(
+        name="llama-mha-llama3rope",
+        cls=LlamaForCausalLM,
+        cfg=LlamaConfig,
+        kwargs=dict(
+            LLAMA_BASE,
+            hidden_size=48,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            num_hidden_layers=2,
+            tie_word_embeddings=False,
+            max_position_embeddings=1024,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+        dtype="float16",
+        shards=1,
+        covers="MHA 4/4, head_dim 12, llama3 rope scaling (factor 8, original 64), f16 on disk",
+    ),
+    dict(
+        name="llama-sharded-bias",
+        cls=LlamaForCausalLM,
+        cfg=LlamaConfig,
+        kwargs=dict(LLAMA_BASE, num_key_value_heads=2, num_hidden_layers=4, attention_bias=True,
+                    tie_word_embeddings=False),
+        dtype="float32",
+        shards=2,
+        covers="GQA 4q/2kv, 4 layers, q/k/v/o biases (Qwen2-like), 2 safetensors shards + index",
+    ),
+    dict(
+        name="mamba2-g2",
+        cls=Mamba2ForCausalLM,
+        cfg=Mamba2Config,
+        kwargs=dict(
+            MAMBA2_BASE,
+            hidden_size=64,
+            num_heads=8,
+            head_dim=16,
+            n_groups=2,
+            num_hidden_layers=3,
+            chunk_size=16,
+            tie_word_embeddings=True,
+        ),
+        dtype="float32",
+        shards=1,
+        covers="Mamba2, n_groups 2, chunk_size 16, 3 layers, tied embeddings",
+    ),
+    dict(
+        name="nemotronh-a",
+        cls=NemotronHForCausalLM,
+        cfg=NemotronHConfig,
+        kwargs=dict(
+            NEMOTRONH_BASE,
+            hybrid_override_pattern="M-M*EM",
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        ),
+        dtype="float32",
+        shards=1,
+        covers="NemotronH pattern M-M*EM, MoE 8 experts top-2, n_group 1, norm_topk_prob, scale 2.5",
+    ),
+    dict(
+        name="nemotronh-b",
+        cls=NemotronHForCausalLM,
+        cfg=NemotronHConfig,
+        kwargs=dict(
+            NEMOTRONH_BASE,
+            hybrid_override_pattern="*EME-M",
+            n_group=4,
+            topk_group=2,
+            num_experts_per_tok=3,
+            routed_scaling_factor=1.5,
+            norm_topk_prob=False,
+            n_groups=1,
+            chunk_size=8,
+            tie_word_embeddings=False,
+        ),
+        dtype="bfloat16",
+        shards=1,
+        covers="NemotronH pattern *EME-M, grouped routing n_group 4 / topk_group 2, top-3, "
+        "no norm_topk_prob, mamba n_groups 1, chunk 8, bf16 on disk",
+    ),
+    dict(
+        name="bamba-a",
+        cls=BambaForCausalLM,
+        cfg=BambaConfig,
+        kwargs=dict(
+            BAMBA_BASE,
+            num_hidden_layers=3,
+            attn_layer_indices=[1],
+            mamba_n_groups=1,
+            tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+        ),
+        dtype="float32",
+        shards=1,
+        covers="Bamba, attention at layer 1 of 3, partial rotary 0.5, mamba n_groups 1",
+    ),
+    dict(
+        name="bamba-b",
+        cls=BambaForCausalLM,
+        cfg=BambaConfig,
+        kwargs=dict(
+            BAMBA_BASE,
+            num_hidden_layers=4,
+            attn_layer_indices=[0, 3],
+            mamba_n_groups=2,
+            mamba_chunk_size=8,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+        ),
+        dtype="float32",
+        shards=1,
+        covers="Bamba, attention at layers 0 and 3 of 4, MQA, mamba n_groups 2, chunk 8, tied",
+    ),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Random weights
+
+
+def inv_softplus(x):
+    return x + torch.log(-torch.expm1(-x))
+
+
+def randomize(model, gen):
+    """Give every parameter (and the MoE score-correction buffer) a non-trivial random value.
+
+    transformers initializes several tensors to constants (A_log, D, dt_bias, norm weights,
+    conv and linear biases, e_score_correction_bias); constants could hide indexing bugs, so
+    each kind gets its own random distribution here. Matrices get std 1/sqrt(fan_in) so
+    activations stay O(1); lm_head gets a larger scale so greedy choices have clear margins.
+    """
+
+    def normal(shape, std):
+        return torch.randn(shape, generator=gen) * std
+
+    def uniform(shape, lo, hi):
+        return lo + (hi - lo) * torch.rand(shape, generator=gen)
+
+    tensors = dict(model.named_parameters())
+    for name, buf in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            tensors[name] = buf
+    seen = set()
+    for name in sorted(tensors):
+        t = tensors[name]
+        if id(t) in seen:  # tied weights appear once
+            continue
+        seen.add(id(t))
+        shape = t.shape
+        leaf = name.split(".")[-1]
+        if leaf == "A_log":
+            v = torch.log(uniform(shape, 1.0, 16.0))
+        elif leaf == "D":
+            v = uniform(shape, 0.5, 1.5)
+        elif leaf == "dt_bias":
+            v = inv_softplus(torch.exp(uniform(shape, math.log(0.01), math.log(0.3))))
+        elif leaf == "e_score_correction_bias":
+            v = normal(shape, 0.1)
+        elif "norm" in name and leaf == "weight":
+            v = uniform(shape, 0.6, 1.4)
+        elif "conv1d" in name and leaf == "weight":
+            v = normal(shape, 1.0 / math.sqrt(shape[-1]))
+        elif leaf == "bias":
+            v = normal(shape, 0.2)
+        elif "embed" in name:
+            v = normal(shape, 1.0)
+        elif name.startswith("lm_head"):
+            v = normal(shape, 3.0 / math.sqrt(shape[-1]))
+        elif t.dim() >= 2:
+            v = normal(shape, 1.0 / math.sqrt(shape[-1]))
+        else:
+            raise SystemExit(f"randomize: no rule for {name} {tuple(shape)}")
+        with torch.no_grad():
+            t.copy_(v.to(t.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving
+
+
+def copy_tokenizer(dst):
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(os.path.join(TOKENIZER_DIR, f), os.path.join(dst, f))
+
+
+def reshard_in_two(path):
+    """Split model.safetensors into two shards plus model.safetensors.index.json."""
+    single = os.path.join(path, "model.safetensors")
+    tensors = load_file(single)
+    names = sorted(tensors)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    first, acc = [], 0
+    for n in names:  # first shard takes names until half of the bytes
+        if acc >= total // 2:
+            break
+        first.append(n)
+        acc += tensors[n].numel() * tensors[n].element_size()
+    shard_names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    weight_map = {}
+    for i, part in enumerate([first, names[len(first):]]):
+        save_file({n: tensors[n].contiguous() for n in part}, os.path.join(path, shard_names[i]),
+                  metadata={"format": "pt"})
+        for n in part:
+            weight_map[n] = shard_names[i]
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2,
+                  sort_keys=True)
+        f.write("\n")
+    os.remove(single)
+
+
+def save_model(spec, model, path):
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    disk_dtype = getattr(torch, spec["dtype"])
+    model.to(disk_dtype).save_pretrained(path)
+    model.to(torch.float32)
+    if spec["shards"] == 2:
+        reshard_in_two(path)
+    copy_tokenizer(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# References
+
+
+def prompt_seed(model_index, length, draw):
+    return 1_000_000 * (model_index + 1) + 1000 * length + draw
+
+
+def prompt_ids(seed, length):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(N_SPECIAL, VOCAB, (length,), generator=gen)
+
+
+def stored_positions(length):
+    if length <= FULL_LOGITS_MAX_LEN:
+        return list(range(length))
+    pos = {p for p in SAMPLED_POSITIONS if p < length}
+    pos.update(range(length - LAST_POSITIONS, length))
+    return sorted(pos)
+
+
+def forward_kwargs(model):
+    return "position_ids" in inspect.signature(model.forward).parameters
+
+
+@torch.no_grad()
+def full_logits(model, ids):
+    out = model(input_ids=ids[None, :], use_cache=False)
+    return out.logits[0].float()
+
+
+@torch.no_grad()
+def greedy_with_cache(model, ids, steps):
+    """Prefill the prompt into a cache, then decode one token at a time.
+
+    Returns (tokens [steps], logits used for each choice [steps, vocab]).
+    """
+    wants_pos = forward_kwargs(model)
+    n = ids.shape[0]
+    kw = dict(input_ids=ids[None, :], use_cache=True)
+    if wants_pos:
+        kw["position_ids"] = torch.arange(n)[None, :]
+    out = model(**kw)
+    cache = out.cache
+    step_logits = [out.logits[0, -1].float()]
+    tokens = [int(step_logits[0].argmax())]
+    for t in range(1, steps):
+        kw = dict(input_ids=torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True)
+        if wants_pos:
+            kw["position_ids"] = torch.tensor([[n + t - 1]])
+        out = model(**kw)
+        cache = out.cache
+        step_logits.append(out.logits[0, -1].float())
+        tokens.append(int(step_logits[-1].argmax()))
+    return torch.tensor(tokens), torch.stack(step_logits)
+
+
+@torch.no_grad()
+def generate_tokens(model, ids, steps):
+    out = model.generate(
+        input_ids=ids[None, :],
+        attention_mask=torch.ones(1, ids.shape[0], dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=steps,
+        min_new_tokens=steps,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, ids.shape[0]:]
+
+
+def margins(step_logits):
+    top2 = step_logits.topk(2, dim=-1).values
+    return top2[:, 0] - top2[:, 1]
+
+
+def make_references(spec, model_index, model, path):
+    tensors = {}
+    report = []
+    seeds = {}
+    for n in PROMPT_LENS:
+        for draw in range(MAX_PROMPT_DRAWS):
+            seeds[n] = prompt_seed(model_index, n, draw)
+            ids = prompt_ids(seeds[n], n)
+            tokens, step_logits = greedy_with_cache(model, ids, GREEDY_STEPS)
+            if margins(step_logits).min().item() >= MIN_GREEDY_MARGIN:
+                break
+        else:
+            raise SystemExit(f"{spec['name']}: no prompt of length {n} with clear greedy margins")
+        logits = full_logits(model, ids)
+        pos = stored_positions(n)
+
+        # Self-consistency: cached prefill+decode vs one full forward over prompt + greedy.
+        seq = torch.cat([ids, tokens[:-1]])
+        teacher = full_logits(model, seq)[n - 1:]
+        decode_err = (teacher - step_logits).abs().max().item()
+        prefill_err = (teacher[0] - logits[-1]).abs().max().item()
+        gen = generate_tokens(model, ids, GREEDY_STEPS)
+        gen_match = bool(torch.equal(gen, tokens))
+        m = margins(step_logits)
+        report.append(dict(len=n, seed=seeds[n], decode_vs_full_max_abs=decode_err, prefill_vs_full=prefill_err,
+                           generate_matches=gen_match, min_margin=m.min().item(),
+                           logit_absmax=logits.abs().max().item()))
+
+        tensors[f"prompt_{n}"] = ids.to(torch.int32)
+        tensors[f"positions_{n}"] = torch.tensor(pos, dtype=torch.int32)
+        tensors[f"logits_{n}"] = logits[pos].contiguous()
+        tensors[f"greedy_{n}"] = tokens.to(torch.int32)
+        tensors[f"greedy_margin_{n}"] = m.contiguous()
+        tensors[f"decode_steps_{n}"] = torch.tensor(DECODE_STEPS, dtype=torch.int32)
+        tensors[f"decode_logits_{n}"] = step_logits[DECODE_STEPS].contiguous()
+    save_file(tensors, os.path.join(path, "reference.safetensors"), metadata={"format": "pt"})
+    meta = dict(
+        name=spec["name"],
+        architecture=spec["cls"].__name__,
+        covers=spec["covers"],
+        disk_dtype=spec["dtype"],
+        shards=spec["shards"],
+        prompt_lengths=PROMPT_LENS,
+        prompt_seeds={str(k): v for k, v in seeds.items()},
+        min_greedy_margin=MIN_GREEDY_MARGIN,
+        greedy_steps=GREEDY_STEPS,
+        decode_steps=DECODE_STEPS,
+        compute_dtype="float32",
+        num_parameters=sum(p.numel() for p in model.parameters()),
+        self_check=report,
+        transformers_version=transformers.__version__,
+        torch_version=torch.__version__,
+    )
+    with open(os.path.join(path, "reference.json"), "w") as f:
+        json.dump(meta, f, indent=2)
+        f.write("\n")
+    return report
+
+
+def build_model(spec, model_index):
+    torch.manual_seed(model_index)
+    config = spec["cfg"](vocab_size=VOCAB, **TOKEN_IDS, **spec["kwargs"])
+    config._attn_implementation = "eager"
+    model = spec["cls"](config).float().eval()
+    gen = torch.Generator().manual_seed(1234 + model_index)
+    randomize(model, gen)
+    return model
+
+
+def check_roundtrip(before, after, disk_dtype):
+    sd_b = before.state_dict()
+    sd_a = after.state_dict()
+    assert set(sd_b) == set(sd_a), set(sd_b) ^ set(sd_a)
+    for k in sd_b:
+        want = sd_b[k].to(disk_dtype).float()
+        assert torch.equal(want, sd_a[k].float()), k
+
+
+def make_model(spec, model_index):
+    path = os.path.join(OUT_MODELS, spec["name"])
+    model = build_model(spec, model_index)
+    save_model(spec, model, path)
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                  attn_implementation="eager").eval()
+    check_roundtrip(model, loaded, getattr(torch, spec["dtype"]))
+    report = make_references(spec, model_index, loaded, path)
+    size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+    print(f"{spec['name']}: {size / 1024:.0f} KiB")
+    for r in report:
+        print("   ", json.dumps(r))
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("names", nargs="*", help="models to build (default: all)")
+    ap.add_argument("--bad-only", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    if not args.bad_only:
+        known = [s["name"] for s in SPECS]
+        for n in args.names:
+            if n not in known:
+                raise SystemExit(f"unknown model {n}; known: {known}")
+        for i, spec in enumerate(SPECS):
+            if args.names and spec["name"] not in args.names:
+                continue
+            make_model(spec, i)
+    if args.bad_only or not args.names:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import make_bad_fixtures
+
+        make_bad_fixtures.write_all(OUT_BAD, os.path.join(OUT_MODELS, "llama-gqa"))
+
+
+if __name__ == "__main__":
+    main()
