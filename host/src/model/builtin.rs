@@ -87,7 +87,7 @@ impl Rng {
     }
 }
 
-fn gen(rng: &mut Rng, shape: &[usize], f: impl Fn(&mut Rng, usize) -> f32) -> (Vec<f32>, Vec<usize>) {
+fn fill(rng: &mut Rng, shape: &[usize], f: impl Fn(&mut Rng, usize) -> f32) -> (Vec<f32>, Vec<usize>) {
     let n: usize = shape.iter().product();
     ((0..n).map(|i| f(rng, i)).collect(), shape.to_vec())
 }
@@ -101,10 +101,10 @@ fn tensors(vocab: usize) -> HashMap<String, (Vec<f32>, Vec<usize>)> {
     };
     let dense = |rng: &mut Rng, out: usize, inp: usize| {
         let scale = (3.0 / inp as f32).sqrt();
-        gen(rng, &[out, inp], |r, _| r.uniform() * scale)
+        fill(rng, &[out, inp], |r, _| r.uniform() * scale)
     };
-    let norm = |rng: &mut Rng, n: usize| gen(rng, &[n], |r, _| 1.0 + 0.1 * r.uniform());
-    put("backbone.embeddings.weight".into(), gen(&mut rng, &[vocab, HIDDEN], |r, _| r.uniform() * 1.7));
+    let norm = |rng: &mut Rng, n: usize| fill(rng, &[n], |r, _| 1.0 + 0.1 * r.uniform());
+    put("backbone.embeddings.weight".into(), fill(&mut rng, &[vocab, HIDDEN], |r, _| r.uniform() * 1.7));
     put("backbone.norm_f.weight".into(), norm(&mut rng, HIDDEN));
     let d_inner = M_HEADS * M_HEAD_DIM;
     let conv_dim = d_inner + 2 * M_GROUPS * M_STATE;
@@ -115,15 +115,15 @@ fn tensors(vocab: usize) -> HashMap<String, (Vec<f32>, Vec<usize>)> {
         match kind {
             'M' => {
                 put(format!("{m}.in_proj.weight"), dense(&mut rng, d_inner + conv_dim + M_HEADS, HIDDEN));
-                put(format!("{m}.conv1d.weight"), gen(&mut rng, &[conv_dim, 1, M_CONV], |r, _| r.uniform() * 0.5));
-                put(format!("{m}.conv1d.bias"), gen(&mut rng, &[conv_dim], |r, _| r.uniform() * 0.1));
+                put(format!("{m}.conv1d.weight"), fill(&mut rng, &[conv_dim, 1, M_CONV], |r, _| r.uniform() * 0.5));
+                put(format!("{m}.conv1d.bias"), fill(&mut rng, &[conv_dim], |r, _| r.uniform() * 0.1));
                 // dt in [1e-3, 1e-1] log-uniformly, stored as softplus⁻¹(dt).
-                put(format!("{m}.dt_bias"), gen(&mut rng, &[M_HEADS], |r, _| {
+                put(format!("{m}.dt_bias"), fill(&mut rng, &[M_HEADS], |r, _| {
                     let dt = (0.001f32.ln() + (r.uniform() + 1.0) * 0.5 * (0.1f32.ln() - 0.001f32.ln())).exp();
                     dt + (-(-dt).exp_m1()).ln()
                 }));
-                put(format!("{m}.A_log"), gen(&mut rng, &[M_HEADS], |_, h| ((h + 1) as f32).ln()));
-                put(format!("{m}.D"), gen(&mut rng, &[M_HEADS], |r, _| 1.0 + 0.1 * r.uniform()));
+                put(format!("{m}.A_log"), fill(&mut rng, &[M_HEADS], |_, h| ((h + 1) as f32).ln()));
+                put(format!("{m}.D"), fill(&mut rng, &[M_HEADS], |r, _| 1.0 + 0.1 * r.uniform()));
                 put(format!("{m}.norm.weight"), norm(&mut rng, d_inner));
                 put(format!("{m}.out_proj.weight"), dense(&mut rng, HIDDEN, d_inner));
             }
@@ -139,7 +139,7 @@ fn tensors(vocab: usize) -> HashMap<String, (Vec<f32>, Vec<usize>)> {
             }
             _ => {
                 put(format!("{m}.gate.weight"), dense(&mut rng, EXPERTS, HIDDEN));
-                put(format!("{m}.gate.e_score_correction_bias"), gen(&mut rng, &[EXPERTS], |r, _| 0.05 * r.uniform()));
+                put(format!("{m}.gate.e_score_correction_bias"), fill(&mut rng, &[EXPERTS], |r, _| 0.05 * r.uniform()));
                 for e in 0..EXPERTS {
                     put(format!("{m}.experts.{e}.up_proj.weight"), dense(&mut rng, EXPERT_INTER, HIDDEN));
                     put(format!("{m}.experts.{e}.down_proj.weight"), dense(&mut rng, HIDDEN, EXPERT_INTER));

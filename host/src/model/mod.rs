@@ -258,3 +258,58 @@ pub fn load<B: Backend>(dir: &Path, backend: &B) -> Result<Model<B>, ModelError>
     let store = weights::WeightStore::open(dir)?;
     arch::build(&config, &store, backend)
 }
+
+/// Index of the largest value (first on ties).
+pub fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in row.iter().enumerate() {
+        if *v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Greedy decoding of one sequence straight on the model, with private caches: the reference
+/// path used by `chimera generate` and the parity tests (the engine is the serving path).
+/// Prefills `prompt` in chunks of at most `prefill_chunk` tokens, then decodes up to
+/// `max_tokens`, stopping after any of `stop_ids`.
+pub fn greedy_generate<B: Backend>(
+    model: &Model<B>,
+    backend: &B,
+    prompt: &[u32],
+    max_tokens: usize,
+    stop_ids: &[u32],
+    prefill_chunk: usize,
+) -> Result<Vec<u32>, ModelError> {
+    const BLOCK: usize = 16;
+    if prompt.is_empty() {
+        return Err(ModelError::Unsupported("an empty prompt has nothing to continue".into()));
+    }
+    let total = prompt.len() + max_tokens;
+    let blocks = total.div_ceil(BLOCK);
+    let mut caches = model.new_caches(backend, blocks, BLOCK, 1);
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    let mut done = 0;
+    let mut logits = Vec::new();
+    for chunk in prompt.chunks(prefill_chunk.max(1)) {
+        let mut batch = BatchInputs::default();
+        let last = done + chunk.len() == prompt.len();
+        batch.push(chunk, done, table.clone(), 0, last);
+        logits = model.forward(backend, &batch, &mut caches, LogitsMode::Last)?;
+        done += chunk.len();
+    }
+    let mut out = Vec::with_capacity(max_tokens);
+    for _ in 0..max_tokens {
+        let next = argmax(&logits);
+        out.push(next);
+        if stop_ids.contains(&next) || out.len() == max_tokens {
+            break;
+        }
+        let mut batch = BatchInputs::default();
+        batch.push(&[next], done, table.clone(), 0, true);
+        logits = model.forward(backend, &batch, &mut caches, LogitsMode::Last)?;
+        done += 1;
+    }
+    Ok(out)
+}
