@@ -14,7 +14,9 @@ What it writes:
                                     tests/fixtures/README.md)
     tests/fixtures/bad/<case>/      broken model folders for loader error tests
 
-The tokenizer comes from host/assets/tokenizer/ (made by make_tokenizer.py). References are
+After writing the models it runs check_references.py (an independent float64 NumPy
+implementation) on them and fails if any reference disagrees. The tokenizer comes from
+host/assets/tokenizer/ (made by make_tokenizer.py). References are
 computed in float32 by transformers from the weights as read back from disk, so a bf16 or f16
 checkpoint's reference is the float32 computation on the upcast stored weights. Everything is
 seeded: running the script twice with the same torch/transformers versions gives the same
@@ -717,10 +719,20 @@ def main():
         for n in args.names:
             if n not in known:
                 raise SystemExit(f"unknown model {n}; known: {known}")
+        built = []
         for i, spec in enumerate(SPECS):
             if args.names and spec["name"] not in args.names:
                 continue
             make_model(spec, i)
+            built.append(spec["name"])
+        # Independent check: a token-by-token float64 NumPy implementation must agree.
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import check_references
+
+        for name in built:
+            ok, _ = check_references.check(name)
+            if not ok:
+                raise SystemExit(f"{name}: references disagree with check_references.py")
     if args.bad_only or not args.names:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import make_bad_fixtures
