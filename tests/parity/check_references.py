@@ -391,7 +391,13 @@ def check(name):
     model = Model(path)
     ok = True
     worst = 0.0
-    for n in meta["prompt_lengths"]:
+    if "branch" in meta["cases"]:
+        shared = meta["branch"]["shared_tokens"]
+        src = ref["prompt_" + meta["branch"]["prefix_of"]][:shared]
+        if ref["prompt_branch"][:shared].tolist() != src.tolist():
+            print(f"  {name}: branch prompt does not share its prefix  FAIL")
+            ok = False
+    for n in meta["cases"]:
         model.fresh()
         logits = np.stack([model.step(int(t)) for t in ref[f"prompt_{n}"]])
         pos = ref[f"positions_{n}"]
@@ -408,7 +414,7 @@ def check(name):
         worst = max(worst, err_prefill, err_decode)
         good = same and err_prefill <= TOLERANCE and err_decode <= TOLERANCE and clamped == 0
         ok &= good
-        print(f"  {name:22s} L={n:4d} prefill max|d|={err_prefill:.2e} decode max|d|={err_decode:.2e}"
+        print(f"  {name:22s} {n:>6s} prefill max|d|={err_prefill:.2e} decode max|d|={err_decode:.2e}"
               f" greedy {'same' if same else 'DIFFERENT'}{'' if clamped == 0 else f' dt clamped {clamped}x'}"
               f"{'' if good else '  FAIL'}")
     return ok, worst

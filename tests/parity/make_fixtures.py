@@ -65,6 +65,13 @@ SAMPLED_POSITIONS = [0, 1, 2, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100]
 LAST_POSITIONS = 8
 # Decode steps whose logits are stored (step t's logits come from feeding greedy[t-1]).
 DECODE_STEPS = [1, 2, 16, 31]
+# The "branch" case shares the first BRANCH_SHARED tokens of the BRANCH_OF-token prompt and
+# then diverges (for prefix-cache and SSM-snapshot tests); its stored positions straddle the
+# divergence and cover the end.
+BRANCH_OF = 131
+BRANCH_SHARED = 48
+BRANCH_LEN = 65
+BRANCH_POSITIONS = [47, 48, 49] + list(range(BRANCH_LEN - LAST_POSITIONS, BRANCH_LEN))
 # A prompt is redrawn (next seed) while some greedy step has top-1 minus top-2 logit below this,
 # so that float32 rounding differences between implementations cannot flip a greedy choice.
 MIN_GREEDY_MARGIN = 2e-3
@@ -598,49 +605,64 @@ def margins(step_logits):
     return top2[:, 0] - top2[:, 1]
 
 
+def run_case(model, ids, pos):
+    """Reference tensors and self-check numbers for one prompt, or None if margins are unclear."""
+    n = ids.shape[0]
+    routing = RoutingMargins(model)
+    tokens, step_logits = greedy_with_cache(model, ids, GREEDY_STEPS)
+    routing.close()
+    m = margins(step_logits)
+    if m.min().item() < MIN_GREEDY_MARGIN or routing.min < MIN_ROUTING_MARGIN:
+        return None
+    logits = full_logits(model, ids)
+    # Self-consistency: cached prefill+decode vs one full forward over prompt + greedy.
+    teacher = full_logits(model, torch.cat([ids, tokens[:-1]]))[n - 1:]
+    decode_err = (teacher - step_logits).abs().max().item()
+    prefill_err = (teacher[0] - logits[-1]).abs().max().item()
+    gen_match = bool(torch.equal(generate_tokens(model, ids, GREEDY_STEPS), tokens))
+    report = dict(decode_vs_full_max_abs=decode_err, prefill_vs_full=prefill_err,
+                  generate_matches=gen_match, min_margin=m.min().item(),
+                  min_routing_margin=routing.min if routing.handles else None,
+                  logit_absmax=logits.abs().max().item())
+    if not (decode_err <= MAX_SELF_CHECK_ERR and prefill_err <= MAX_SELF_CHECK_ERR and gen_match):
+        raise SystemExit(f"self-check failed: {report}")
+    tensors = dict(
+        prompt=ids.to(torch.int32),
+        positions=torch.tensor(pos, dtype=torch.int32),
+        logits=logits[pos].contiguous(),
+        greedy=tokens.to(torch.int32),
+        greedy_margin=m.contiguous(),
+        decode_steps=torch.tensor(DECODE_STEPS, dtype=torch.int32),
+        decode_logits=step_logits[DECODE_STEPS].contiguous(),
+    )
+    return tensors, report
+
+
 def make_references(spec, model_index, model, path):
     tensors = {}
     report = []
     seeds = {}
-    for n in PROMPT_LENS:
+    cases = [(str(n), n) for n in PROMPT_LENS] + [("branch", None)]
+    for label, n in cases:
         for draw in range(MAX_PROMPT_DRAWS):
-            seeds[n] = prompt_seed(model_index, n, draw)
-            ids = prompt_ids(seeds[n], n)
-            routing = RoutingMargins(model)
-            tokens, step_logits = greedy_with_cache(model, ids, GREEDY_STEPS)
-            routing.close()
-            if (margins(step_logits).min().item() >= MIN_GREEDY_MARGIN
-                    and routing.min >= MIN_ROUTING_MARGIN):
+            if n is not None:
+                seeds[label] = prompt_seed(model_index, n, draw)
+                ids = prompt_ids(seeds[label], n)
+                pos = stored_positions(n)
+            else:  # the 131-token prompt's first BRANCH_SHARED tokens, then new ones
+                seeds[label] = prompt_seed(model_index, 999, draw)
+                shared = tensors[f"prompt_{BRANCH_OF}"][:BRANCH_SHARED].long()
+                ids = torch.cat([shared, prompt_ids(seeds[label], BRANCH_LEN - BRANCH_SHARED)])
+                pos = BRANCH_POSITIONS
+            result = run_case(model, ids, pos)
+            if result is not None:
                 break
         else:
-            raise SystemExit(f"{spec['name']}: no prompt of length {n} with clear greedy margins")
-        logits = full_logits(model, ids)
-        pos = stored_positions(n)
-
-        # Self-consistency: cached prefill+decode vs one full forward over prompt + greedy.
-        seq = torch.cat([ids, tokens[:-1]])
-        teacher = full_logits(model, seq)[n - 1:]
-        decode_err = (teacher - step_logits).abs().max().item()
-        prefill_err = (teacher[0] - logits[-1]).abs().max().item()
-        gen = generate_tokens(model, ids, GREEDY_STEPS)
-        gen_match = bool(torch.equal(gen, tokens))
-        m = margins(step_logits)
-        if not (decode_err <= MAX_SELF_CHECK_ERR and prefill_err <= MAX_SELF_CHECK_ERR
-                and gen_match):
-            raise SystemExit(f"{spec['name']} L={n}: self-check failed: decode {decode_err:.2e}, "
-                             f"prefill {prefill_err:.2e}, generate matches {gen_match}")
-        report.append(dict(len=n, seed=seeds[n], decode_vs_full_max_abs=decode_err, prefill_vs_full=prefill_err,
-                           generate_matches=gen_match, min_margin=m.min().item(),
-                           min_routing_margin=routing.min if routing.handles else None,
-                           logit_absmax=logits.abs().max().item()))
-
-        tensors[f"prompt_{n}"] = ids.to(torch.int32)
-        tensors[f"positions_{n}"] = torch.tensor(pos, dtype=torch.int32)
-        tensors[f"logits_{n}"] = logits[pos].contiguous()
-        tensors[f"greedy_{n}"] = tokens.to(torch.int32)
-        tensors[f"greedy_margin_{n}"] = m.contiguous()
-        tensors[f"decode_steps_{n}"] = torch.tensor(DECODE_STEPS, dtype=torch.int32)
-        tensors[f"decode_logits_{n}"] = step_logits[DECODE_STEPS].contiguous()
+            raise SystemExit(f"{spec['name']}: no prompt for case {label} with clear margins")
+        case_tensors, case_report = result
+        report.append(dict(case=label, len=int(ids.shape[0]), seed=seeds[label], **case_report))
+        for k, v in case_tensors.items():
+            tensors[f"{k}_{label}"] = v
     save_file(tensors, os.path.join(path, "reference.safetensors"), metadata={"format": "pt"})
     meta = dict(
         name=spec["name"],
@@ -650,9 +672,12 @@ def make_references(spec, model_index, model, path):
         f32_on_disk=list(spec.get("keep_f32", [])),
         legacy_config=spec["legacy_config"].__doc__ if spec.get("legacy_config") else None,
         shards=spec["shards"],
+        cases=[label for label, _ in cases],
         prompt_lengths=PROMPT_LENS,
-        prompt_seeds={str(k): v for k, v in seeds.items()},
+        branch=dict(prefix_of=str(BRANCH_OF), shared_tokens=BRANCH_SHARED, length=BRANCH_LEN),
+        prompt_seeds=seeds,
         min_greedy_margin=MIN_GREEDY_MARGIN,
+        min_routing_margin=MIN_ROUTING_MARGIN,
         greedy_steps=GREEDY_STEPS,
         decode_steps=DECODE_STEPS,
         compute_dtype="float32",
