@@ -762,7 +762,7 @@ def main():
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import make_bad_fixtures
 
-        make_bad_fixtures.write_all(OUT_BAD, os.path.join(OUT_MODELS, "llama-gqa"))
+        make_bad_fixtures.write_all(OUT_BAD)
 
 
 if __name__ == "__main__":
