@@ -80,7 +80,7 @@ def edit_tensors(path, fn):
     save_file(tensors, st, metadata={"format": "pt"})
 
 
-def write_all(out, _unused_model_dir=None):
+def write_all(out):
     if os.path.exists(out):
         shutil.rmtree(out)
     os.makedirs(out)

@@ -9,6 +9,10 @@ How to run (from the repository root, needs the `tokenizers` Python package):
 What it writes:
     tokenizer.json         byte-level BPE, VOCAB_SIZE entries, special tokens first (ids 0..4)
     tokenizer_config.json  bos/eos/pad tokens and a ChatML `chat_template`
+    tests/fixtures/tokenizer/cases.json
+                           golden encode/decode/chat-template cases computed by the Python
+                           `tokenizers` package and transformers' apply_chat_template (jinja2)
+                           from the saved files (skipped if transformers is not installed)
 
 The training text is the top-level modules of the running Python's standard library, read in
 sorted order, so the result depends only on the Python version and the `tokenizers` version.
@@ -98,6 +102,75 @@ def tokenizer_config():
     }
 
 
+ENCODE_TEXTS = [
+    "",
+    "hello world",
+    "def main():\n    return 42\n",
+    "  leading spaces,\ttabs\tand\n\nblank lines  ",
+    "unicode: caf\u00e9 na\u00efve \u2713 \u65e5\u672c\u8a9e \U0001f600",
+    "special tokens inside text: <|im_start|>user\nhi<|im_end|> <|eos|>",
+    "numbers 1234567890 and symbols !@#$%^&*()[]{}",
+]
+
+CHATS = [
+    ("user only", [{"role": "user", "content": "What is 2 + 2?"}]),
+    ("system and user", [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a color."},
+    ]),
+    ("multi turn", [
+        {"role": "system", "content": "Be kind."},
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello \u2014 how can I help?"},
+        {"role": "user", "content": "Tell me a joke\nabout code."},
+    ]),
+]
+
+
+def write_cases(tok_dir, out_path):
+    """Golden tokenizer cases for the Rust tokenizer and chat-template code."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        print("transformers not installed: tests/fixtures/tokenizer/cases.json not rewritten")
+        return
+    hf = AutoTokenizer.from_pretrained(tok_dir)
+    raw = Tokenizer.from_file(os.path.join(tok_dir, "tokenizer.json"))
+    encode = []
+    for text in ENCODE_TEXTS:
+        ids = raw.encode(text, add_special_tokens=True).ids
+        assert ids == hf(text)["input_ids"], text
+        encode.append({
+            "text": text,
+            "ids": ids,
+            "decoded": raw.decode(ids, skip_special_tokens=False),
+            "decoded_skip_special": raw.decode(ids, skip_special_tokens=True),
+        })
+    chat = []
+    for name, messages in CHATS:
+        for gen in (False, True):
+            text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+            chat.append({
+                "name": name,
+                "messages": messages,
+                "add_generation_prompt": gen,
+                "text": text,
+                "ids": raw.encode(text, add_special_tokens=True).ids,
+            })
+    cases = {
+        "vocab_size": raw.get_vocab_size(),
+        "special_tokens": {t: i for i, t in enumerate(SPECIAL_TOKENS)},
+        "bos_token": "<|bos|>",
+        "eos_token": "<|eos|>",
+        "encode": encode,
+        "chat": chat,
+    }
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    with open(out_path, "w") as f:
+        json.dump(cases, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
 def main():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     ap = argparse.ArgumentParser()
@@ -115,6 +188,7 @@ def main():
         json.dump(tokenizer_config(), f, indent=2)
         f.write("\n")
     print(f"vocab {tok.get_vocab_size()}, '{sample!r}' -> {len(tok.encode(sample).ids)} tokens")
+    write_cases(args.out, os.path.join(root, "tests", "fixtures", "tokenizer", "cases.json"))
 
 
 if __name__ == "__main__":
