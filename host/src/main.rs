@@ -11,7 +11,11 @@ use chimera::model::{self, builtin};
 use chimera::tokenizer::Tokenizer;
 
 #[derive(Parser)]
-#[command(name = "chimera", version, about = "Serving platform for hybrid Transformer/SSM language models")]
+#[command(
+    name = "chimera",
+    version,
+    about = "Serving platform for hybrid Transformer/SSM language models"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -64,7 +68,10 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
             let tokenizer = Tokenizer::embedded()?;
             let eos = tokenizer.eos_ids.first().copied().unwrap_or(0);
             let bos = tokenizer.bos_id.unwrap_or(0);
-            (builtin::load(&backend, tokenizer.vocab_size(), eos, bos)?, tokenizer)
+            (
+                builtin::load(&backend, tokenizer.vocab_size(), eos, bos)?,
+                tokenizer,
+            )
         }
     };
     let loaded = started.elapsed();

@@ -37,7 +37,10 @@ pub struct Tokenizer {
 fn token_str(v: Option<&Value>) -> Option<String> {
     match v? {
         Value::String(s) => Some(s.clone()),
-        Value::Object(o) => o.get("content").and_then(|c| c.as_str()).map(str::to_string),
+        Value::Object(o) => o
+            .get("content")
+            .and_then(|c| c.as_str())
+            .map(str::to_string),
         _ => None,
     }
 }

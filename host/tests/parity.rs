@@ -95,7 +95,10 @@ impl Reference {
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 fn scale(a: &[f32]) -> f32 {
@@ -139,7 +142,10 @@ fn logits_and_greedy_match_transformers() {
                 let want = &reference[i * vocab..(i + 1) * vocab];
                 let d = max_abs_diff(got, want);
                 worst = worst.max(d / scale(reference));
-                assert!(d <= tol, "{name} L={len} position {p}: max |Δlogit| {d} > {tol}");
+                assert!(
+                    d <= tol,
+                    "{name} L={len} position {p}: max |Δlogit| {d} > {tol}"
+                );
             }
             // 2. Greedy continuation, token for token (prefill, then cached decode).
             let greedy = r.ids(&format!("greedy_{len}"));
@@ -158,7 +164,10 @@ fn logits_and_greedy_match_transformers() {
                 let want = &dref[i * vocab..(i + 1) * vocab];
                 let d = max_abs_diff(got, want);
                 worst = worst.max(d / scale(dref));
-                assert!(d <= REL_TOL * scale(dref), "{name} L={len} decode step {t}: {d}");
+                assert!(
+                    d <= REL_TOL * scale(dref),
+                    "{name} L={len} decode step {t}: {d}"
+                );
             }
         }
         report.push(format!(
@@ -170,17 +179,29 @@ fn logits_and_greedy_match_transformers() {
 }
 
 /// Logits of every position computed by prefilling in chunks and decoding one at a time.
-fn incremental(m: &Model<CpuBackend>, tokens: &[u32], chunk: usize, decode_from: usize) -> Vec<f32> {
+fn incremental(
+    m: &Model<CpuBackend>,
+    tokens: &[u32],
+    chunk: usize,
+    decode_from: usize,
+) -> Vec<f32> {
     let blocks = tokens.len().div_ceil(BLOCK);
     let mut caches = m.new_caches(&CpuBackend, blocks, BLOCK, 1);
     let table: Vec<u32> = (0..blocks as u32).collect();
     let mut out = Vec::new();
     let mut done = 0;
     while done < tokens.len() {
-        let n = if done < decode_from { chunk.min(decode_from - done) } else { 1 };
+        let n = if done < decode_from {
+            chunk.min(decode_from - done)
+        } else {
+            1
+        };
         let mut batch = BatchInputs::default();
         batch.push(&tokens[done..done + n], done, table.clone(), 0, true);
-        out.extend(m.forward(&CpuBackend, &batch, &mut caches, LogitsMode::All).expect("forward"));
+        out.extend(
+            m.forward(&CpuBackend, &batch, &mut caches, LogitsMode::All)
+                .expect("forward"),
+        );
         done += n;
     }
     out
@@ -200,7 +221,11 @@ fn prefill_chunks_and_decode_equal_full_forward() {
         for (chunk, decode_from) in [(40, 40), (16, tokens.len()), (7, tokens.len()), (5, 60)] {
             let inc = incremental(&m, &tokens, chunk, decode_from);
             let d = max_abs_diff(&inc, &full);
-            assert!(d <= tol, "{}: chunk {chunk}, decode from {decode_from}: {d} > {tol}", dir.display());
+            assert!(
+                d <= tol,
+                "{}: chunk {chunk}, decode from {decode_from}: {d} > {tol}",
+                dir.display()
+            );
         }
     }
 }
@@ -210,7 +235,11 @@ fn batch_of_sequences_equals_each_alone() {
     for dir in model_dirs() {
         let m = load(&dir);
         let r = Reference::load(&dir);
-        let prompts: Vec<Vec<u32>> = r.lengths.iter().map(|l| r.ids(&format!("prompt_{l}"))).collect();
+        let prompts: Vec<Vec<u32>> = r
+            .lengths
+            .iter()
+            .map(|l| r.ids(&format!("prompt_{l}")))
+            .collect();
         let alone: Vec<Vec<f32>> = prompts.iter().map(|p| full_forward(&m, p)).collect();
         // All prompts in one batch, each with its own blocks (room for one more token) and
         // its own SSM slot.
@@ -225,7 +254,9 @@ fn batch_of_sequences_equals_each_alone() {
             next_block += blocks;
         }
         let mut caches = m.new_caches(&CpuBackend, next_block as usize, BLOCK, prompts.len());
-        let together = m.forward(&CpuBackend, &batch, &mut caches, LogitsMode::All).expect("forward");
+        let together = m
+            .forward(&CpuBackend, &batch, &mut caches, LogitsMode::All)
+            .expect("forward");
         let vocab = m.info.vocab_size;
         let mut row = 0;
         let mut step = BatchInputs::default();
@@ -233,7 +264,11 @@ fn batch_of_sequences_equals_each_alone() {
         for (i, (p, a)) in prompts.iter().zip(&alone).enumerate() {
             let got = &together[row * vocab..(row + p.len()) * vocab];
             let d = max_abs_diff(got, a);
-            assert!(d <= REL_TOL * scale(a), "{}: batched vs alone {d}", dir.display());
+            assert!(
+                d <= REL_TOL * scale(a),
+                "{}: batched vs alone {d}",
+                dir.display()
+            );
             row += p.len();
             let next = model::argmax(&got[(p.len() - 1) * vocab..]);
             step.push(&[next], p.len(), tables[i].clone(), i as u32, true);
@@ -242,12 +277,18 @@ fn batch_of_sequences_equals_each_alone() {
             extended.push(e);
         }
         // One decode step for all sequences together equals each sequence's full forward.
-        let decoded = m.forward(&CpuBackend, &step, &mut caches, LogitsMode::Last).expect("decode");
+        let decoded = m
+            .forward(&CpuBackend, &step, &mut caches, LogitsMode::Last)
+            .expect("decode");
         for (i, e) in extended.iter().enumerate() {
             let full = full_forward(&m, e);
             let want = &full[(e.len() - 1) * vocab..];
             let d = max_abs_diff(&decoded[i * vocab..(i + 1) * vocab], want);
-            assert!(d <= REL_TOL * scale(want), "{}: batched decode vs alone {d}", dir.display());
+            assert!(
+                d <= REL_TOL * scale(want),
+                "{}: batched decode vs alone {d}",
+                dir.display()
+            );
         }
     }
 }
@@ -266,7 +307,10 @@ fn bad_checkpoints_give_clear_errors() {
         ("missing-config", &["config.json"]),
         ("config-not-json", &["config.json", "JSON"]),
         ("unsupported-arch", &["GPT2LMHeadModel", "LlamaForCausalLM"]),
-        ("wrong-shape", &["model.layers.0.self_attn.k_proj.weight", "[8, 8]", "[4, 8]"]),
+        (
+            "wrong-shape",
+            &["model.layers.0.self_attn.k_proj.weight", "[8, 8]", "[4, 8]"],
+        ),
         ("wrong-dtype", &["model.norm.weight", "I32"]),
         ("missing-tensor", &["model.layers.0.mlp.down_proj.weight"]),
         ("truncated", &["model.safetensors"]),

@@ -87,7 +87,11 @@ impl Rng {
     }
 }
 
-fn fill(rng: &mut Rng, shape: &[usize], f: impl Fn(&mut Rng, usize) -> f32) -> (Vec<f32>, Vec<usize>) {
+fn fill(
+    rng: &mut Rng,
+    shape: &[usize],
+    f: impl Fn(&mut Rng, usize) -> f32,
+) -> (Vec<f32>, Vec<usize>) {
     let n: usize = shape.iter().product();
     ((0..n).map(|i| f(rng, i)).collect(), shape.to_vec())
 }
@@ -104,7 +108,10 @@ fn tensors(vocab: usize) -> HashMap<String, (Vec<f32>, Vec<usize>)> {
         fill(rng, &[out, inp], |r, _| r.uniform() * scale)
     };
     let norm = |rng: &mut Rng, n: usize| fill(rng, &[n], |r, _| 1.0 + 0.1 * r.uniform());
-    put("backbone.embeddings.weight".into(), fill(&mut rng, &[vocab, HIDDEN], |r, _| r.uniform() * 1.7));
+    put(
+        "backbone.embeddings.weight".into(),
+        fill(&mut rng, &[vocab, HIDDEN], |r, _| r.uniform() * 1.7),
+    );
     put("backbone.norm_f.weight".into(), norm(&mut rng, HIDDEN));
     let d_inner = M_HEADS * M_HEAD_DIM;
     let conv_dim = d_inner + 2 * M_GROUPS * M_STATE;
@@ -114,38 +121,94 @@ fn tensors(vocab: usize) -> HashMap<String, (Vec<f32>, Vec<usize>)> {
         let m = format!("{p}.mixer");
         match kind {
             'M' => {
-                put(format!("{m}.in_proj.weight"), dense(&mut rng, d_inner + conv_dim + M_HEADS, HIDDEN));
-                put(format!("{m}.conv1d.weight"), fill(&mut rng, &[conv_dim, 1, M_CONV], |r, _| r.uniform() * 0.5));
-                put(format!("{m}.conv1d.bias"), fill(&mut rng, &[conv_dim], |r, _| r.uniform() * 0.1));
+                put(
+                    format!("{m}.in_proj.weight"),
+                    dense(&mut rng, d_inner + conv_dim + M_HEADS, HIDDEN),
+                );
+                put(
+                    format!("{m}.conv1d.weight"),
+                    fill(&mut rng, &[conv_dim, 1, M_CONV], |r, _| r.uniform() * 0.5),
+                );
+                put(
+                    format!("{m}.conv1d.bias"),
+                    fill(&mut rng, &[conv_dim], |r, _| r.uniform() * 0.1),
+                );
                 // dt in [1e-3, 1e-1] log-uniformly, stored as softplus⁻¹(dt).
-                put(format!("{m}.dt_bias"), fill(&mut rng, &[M_HEADS], |r, _| {
-                    let dt = (0.001f32.ln() + (r.uniform() + 1.0) * 0.5 * (0.1f32.ln() - 0.001f32.ln())).exp();
-                    dt + (-(-dt).exp_m1()).ln()
-                }));
-                put(format!("{m}.A_log"), fill(&mut rng, &[M_HEADS], |_, h| ((h + 1) as f32).ln()));
-                put(format!("{m}.D"), fill(&mut rng, &[M_HEADS], |r, _| 1.0 + 0.1 * r.uniform()));
+                put(
+                    format!("{m}.dt_bias"),
+                    fill(&mut rng, &[M_HEADS], |r, _| {
+                        let dt = (0.001f32.ln()
+                            + (r.uniform() + 1.0) * 0.5 * (0.1f32.ln() - 0.001f32.ln()))
+                        .exp();
+                        dt + (-(-dt).exp_m1()).ln()
+                    }),
+                );
+                put(
+                    format!("{m}.A_log"),
+                    fill(&mut rng, &[M_HEADS], |_, h| ((h + 1) as f32).ln()),
+                );
+                put(
+                    format!("{m}.D"),
+                    fill(&mut rng, &[M_HEADS], |r, _| 1.0 + 0.1 * r.uniform()),
+                );
                 put(format!("{m}.norm.weight"), norm(&mut rng, d_inner));
-                put(format!("{m}.out_proj.weight"), dense(&mut rng, HIDDEN, d_inner));
+                put(
+                    format!("{m}.out_proj.weight"),
+                    dense(&mut rng, HIDDEN, d_inner),
+                );
             }
             '*' => {
-                put(format!("{m}.q_proj.weight"), dense(&mut rng, A_HEADS * A_HEAD_DIM, HIDDEN));
-                put(format!("{m}.k_proj.weight"), dense(&mut rng, A_KV * A_HEAD_DIM, HIDDEN));
-                put(format!("{m}.v_proj.weight"), dense(&mut rng, A_KV * A_HEAD_DIM, HIDDEN));
-                put(format!("{m}.o_proj.weight"), dense(&mut rng, HIDDEN, A_HEADS * A_HEAD_DIM));
+                put(
+                    format!("{m}.q_proj.weight"),
+                    dense(&mut rng, A_HEADS * A_HEAD_DIM, HIDDEN),
+                );
+                put(
+                    format!("{m}.k_proj.weight"),
+                    dense(&mut rng, A_KV * A_HEAD_DIM, HIDDEN),
+                );
+                put(
+                    format!("{m}.v_proj.weight"),
+                    dense(&mut rng, A_KV * A_HEAD_DIM, HIDDEN),
+                );
+                put(
+                    format!("{m}.o_proj.weight"),
+                    dense(&mut rng, HIDDEN, A_HEADS * A_HEAD_DIM),
+                );
             }
             '-' => {
-                put(format!("{m}.up_proj.weight"), dense(&mut rng, MLP_INTER, HIDDEN));
-                put(format!("{m}.down_proj.weight"), dense(&mut rng, HIDDEN, MLP_INTER));
+                put(
+                    format!("{m}.up_proj.weight"),
+                    dense(&mut rng, MLP_INTER, HIDDEN),
+                );
+                put(
+                    format!("{m}.down_proj.weight"),
+                    dense(&mut rng, HIDDEN, MLP_INTER),
+                );
             }
             _ => {
                 put(format!("{m}.gate.weight"), dense(&mut rng, EXPERTS, HIDDEN));
-                put(format!("{m}.gate.e_score_correction_bias"), fill(&mut rng, &[EXPERTS], |r, _| 0.05 * r.uniform()));
+                put(
+                    format!("{m}.gate.e_score_correction_bias"),
+                    fill(&mut rng, &[EXPERTS], |r, _| 0.05 * r.uniform()),
+                );
                 for e in 0..EXPERTS {
-                    put(format!("{m}.experts.{e}.up_proj.weight"), dense(&mut rng, EXPERT_INTER, HIDDEN));
-                    put(format!("{m}.experts.{e}.down_proj.weight"), dense(&mut rng, HIDDEN, EXPERT_INTER));
+                    put(
+                        format!("{m}.experts.{e}.up_proj.weight"),
+                        dense(&mut rng, EXPERT_INTER, HIDDEN),
+                    );
+                    put(
+                        format!("{m}.experts.{e}.down_proj.weight"),
+                        dense(&mut rng, HIDDEN, EXPERT_INTER),
+                    );
                 }
-                put(format!("{m}.shared_experts.up_proj.weight"), dense(&mut rng, EXPERT_INTER, HIDDEN));
-                put(format!("{m}.shared_experts.down_proj.weight"), dense(&mut rng, HIDDEN, EXPERT_INTER));
+                put(
+                    format!("{m}.shared_experts.up_proj.weight"),
+                    dense(&mut rng, EXPERT_INTER, HIDDEN),
+                );
+                put(
+                    format!("{m}.shared_experts.down_proj.weight"),
+                    dense(&mut rng, HIDDEN, EXPERT_INTER),
+                );
             }
         }
     }
@@ -153,7 +216,12 @@ fn tensors(vocab: usize) -> HashMap<String, (Vec<f32>, Vec<usize>)> {
 }
 
 /// Builds the embedded model for a tokenizer with `vocab` tokens.
-pub fn load<B: Backend>(backend: &B, vocab: usize, eos: u32, bos: u32) -> Result<Model<B>, ModelError> {
+pub fn load<B: Backend>(
+    backend: &B,
+    vocab: usize,
+    eos: u32,
+    bos: u32,
+) -> Result<Model<B>, ModelError> {
     let config = HfConfig::parse(&config_json(vocab, eos, bos), NAME.into())?;
     let store = WeightStore::from_memory(tensors(vocab));
     super::arch::build(&config, &store, backend)

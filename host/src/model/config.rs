@@ -83,12 +83,11 @@ impl HfConfig {
     }
 
     pub fn parse(text: &str, path: PathBuf) -> Result<Self, ModelError> {
-        let json: Value = serde_json::from_str(&sanitize_non_finite(text)).map_err(|e| {
-            ModelError::Config {
+        let json: Value =
+            serde_json::from_str(&sanitize_non_finite(text)).map_err(|e| ModelError::Config {
                 path: path.clone(),
                 message: format!("not valid JSON: {e}"),
-            }
-        })?;
+            })?;
         if !json.is_object() {
             return Err(ModelError::Config {
                 path,
@@ -116,7 +115,9 @@ impl HfConfig {
             .and_then(|a| a.first())
             .and_then(|v| v.as_str())
             .map(str::to_string)
-            .ok_or_else(|| self.err("missing `architectures` (a list naming the model class)".into()))
+            .ok_or_else(|| {
+                self.err("missing `architectures` (a list naming the model class)".into())
+            })
     }
 
     pub fn usize(&self, key: &str) -> Result<usize, ModelError> {
@@ -127,10 +128,9 @@ impl HfConfig {
     pub fn opt_usize(&self, key: &str) -> Result<Option<usize>, ModelError> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .map(|u| Some(u as usize))
-                .ok_or_else(|| self.err(format!("`{key}` must be a non-negative integer, got {v}"))),
+            Some(v) => v.as_u64().map(|u| Some(u as usize)).ok_or_else(|| {
+                self.err(format!("`{key}` must be a non-negative integer, got {v}"))
+            }),
         }
     }
 
@@ -185,14 +185,20 @@ impl HfConfig {
     pub fn token_ids(&self, key: &str) -> Vec<u32> {
         match self.get(key) {
             Some(Value::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
-            Some(Value::Array(a)) => a.iter().filter_map(|v| v.as_u64()).map(|v| v as u32).collect(),
+            Some(Value::Array(a)) => a
+                .iter()
+                .filter_map(|v| v.as_u64())
+                .map(|v| v as u32)
+                .collect(),
             _ => Vec::new(),
         }
     }
 
     /// RoPE settings, from `rope_parameters` (transformers 5) or the older top-level keys.
     pub fn rope_settings(&self) -> Result<RopeSettings, ModelError> {
-        let params = self.get("rope_parameters").or_else(|| self.get("rope_scaling"));
+        let params = self
+            .get("rope_parameters")
+            .or_else(|| self.get("rope_scaling"));
         let pick = |key: &str| -> Option<f64> {
             params
                 .and_then(|p| p.get(key))
@@ -254,7 +260,10 @@ mod tests {
     fn type_errors_name_the_key() {
         let c = HfConfig::parse(r#"{"hidden_size": "big"}"#, "x/config.json".into()).unwrap();
         let e = c.usize("hidden_size").unwrap_err().to_string();
-        assert!(e.contains("hidden_size") && e.contains("x/config.json"), "{e}");
+        assert!(
+            e.contains("hidden_size") && e.contains("x/config.json"),
+            "{e}"
+        );
         let e = c.usize("num_heads").unwrap_err().to_string();
         assert!(e.contains("num_heads"), "{e}");
     }

@@ -40,7 +40,9 @@ pub enum ModelError {
         got: Vec<usize>,
         expected: Vec<usize>,
     },
-    #[error("{path}: tensor `{tensor}` has dtype {dtype}; only f32, bf16, f16 and f64 weights load")]
+    #[error(
+        "{path}: tensor `{tensor}` has dtype {dtype}; only f32, bf16, f16 and f64 weights load"
+    )]
     TensorDtype {
         path: PathBuf,
         tensor: String,
@@ -226,7 +228,10 @@ fn validate<B: Backend>(inputs: &BatchInputs, caches: &ModelCaches<B>) -> Result
     let mut next = 0;
     for s in &inputs.seqs {
         if s.offset != next || s.len == 0 {
-            return bad(format!("chunk at {} of {} tokens is not contiguous", s.offset, s.len));
+            return bad(format!(
+                "chunk at {} of {} tokens is not contiguous",
+                s.offset, s.len
+            ));
         }
         next += s.len;
         let needed = (s.context_len + s.len).div_ceil(caches.block_size.max(1));
@@ -237,7 +242,10 @@ fn validate<B: Backend>(inputs: &BatchInputs, caches: &ModelCaches<B>) -> Result
             ));
         }
         if !caches.ssm.is_empty() && s.ssm_slot as usize >= caches.num_slots {
-            return bad(format!("SSM slot {} out of {}", s.ssm_slot, caches.num_slots));
+            return bad(format!(
+                "SSM slot {} out of {}",
+                s.ssm_slot, caches.num_slots
+            ));
         }
     }
     if next != inputs.tokens.len() {
@@ -284,7 +292,9 @@ pub fn greedy_generate<B: Backend>(
 ) -> Result<Vec<u32>, ModelError> {
     const BLOCK: usize = 16;
     if prompt.is_empty() {
-        return Err(ModelError::Unsupported("an empty prompt has nothing to continue".into()));
+        return Err(ModelError::Unsupported(
+            "an empty prompt has nothing to continue".into(),
+        ));
     }
     let total = prompt.len() + max_tokens;
     let blocks = total.div_ceil(BLOCK);

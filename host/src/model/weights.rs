@@ -156,15 +156,18 @@ impl WeightStore {
         if let Some((data, shape)) = self.memory.get(name) {
             return Ok((data.clone(), shape.clone()));
         }
-        let idx = *self.by_name.get(name).ok_or_else(|| ModelError::MissingTensor {
-            tensor: name.to_string(),
-            files: self
-                .shards
-                .iter()
-                .map(|s| s.path.display().to_string())
-                .collect::<Vec<_>>()
-                .join(", "),
-        })?;
+        let idx = *self
+            .by_name
+            .get(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                tensor: name.to_string(),
+                files: self
+                    .shards
+                    .iter()
+                    .map(|s| s.path.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            })?;
         let shard = &self.shards[idx];
         let info = &shard.tensors[name];
         let (start, end) = info.data_offsets;
@@ -210,8 +213,11 @@ fn open_shard(path: &Path) -> Result<Shard, ModelError> {
         path: path.to_path_buf(),
         message,
     };
-    let (header_len, metadata) = SafeTensors::read_metadata(&mmap[..])
-        .map_err(|e| bad(format!("not a valid safetensors file (truncated or corrupt?): {e}")))?;
+    let (header_len, metadata) = SafeTensors::read_metadata(&mmap[..]).map_err(|e| {
+        bad(format!(
+            "not a valid safetensors file (truncated or corrupt?): {e}"
+        ))
+    })?;
     let data_start = 8 + header_len;
     let mut tensors = HashMap::new();
     for (name, info) in metadata.tensors() {

@@ -59,7 +59,9 @@ pub(super) fn paged_attention(
     let mut token_seq = vec![0usize; n];
     for (si, seq) in seqs.iter().enumerate() {
         if seq.offset + seq.len > n {
-            return Err(BackendError::Invalid("sequence chunk exceeds the batch".into()));
+            return Err(BackendError::Invalid(
+                "sequence chunk exceeds the batch".into(),
+            ));
         }
         for i in 0..seq.len {
             let t = seq.offset + i;
@@ -91,7 +93,11 @@ pub(super) fn paged_attention(
                 let mut max = f32::NEG_INFINITY;
                 for (s, &slot) in scores.iter_mut().zip(&slots) {
                     let kb = slot * kv_width + kvh * head_dim;
-                    let dot: f32 = qh.iter().zip(&kc[kb..kb + head_dim]).map(|(a, b)| a * b).sum();
+                    let dot: f32 = qh
+                        .iter()
+                        .zip(&kc[kb..kb + head_dim])
+                        .map(|(a, b)| a * b)
+                        .sum();
                     *s = dot * scale;
                     max = max.max(*s);
                 }

@@ -318,7 +318,9 @@ impl Backend for CpuBackend {
         let (n, cols) = dst.rows_cols();
         let (sn, scols) = src.rows_cols();
         if scols != cols || sn != rows.len() || weights.len() != rows.len() {
-            return Err(BackendError::Invalid("scatter_add_rows: shapes disagree".into()));
+            return Err(BackendError::Invalid(
+                "scatter_add_rows: shapes disagree".into(),
+            ));
         }
         for (i, (&r, &wt)) in rows.iter().zip(weights).enumerate() {
             let r = r as usize;

@@ -77,7 +77,11 @@ pub(super) fn causal_conv1d(
             let w = &weight.data[c * kernel..(c + 1) * kernel];
             let b = bias.map_or(0.0, |b| b.data[c]);
             for i in 0..seq.len {
-                let acc: f32 = w.iter().zip(&window[i..i + kernel]).map(|(a, v)| a * v).sum();
+                let acc: f32 = w
+                    .iter()
+                    .zip(&window[i..i + kernel])
+                    .map(|(a, v)| a * v)
+                    .sum();
                 out[(seq.offset + i) * ch + c] = super::silu(acc + b);
             }
             for snap in &seq.snapshots {
@@ -114,7 +118,11 @@ pub fn ssm_recurrent_head(
 ) {
     for t in 0..dt.len() {
         let decay = (dt[t] * a).exp();
-        let (xt, bt, ct) = (&x[t * p..(t + 1) * p], &b[t * n..(t + 1) * n], &c[t * n..(t + 1) * n]);
+        let (xt, bt, ct) = (
+            &x[t * p..(t + 1) * p],
+            &b[t * n..(t + 1) * n],
+            &c[t * n..(t + 1) * n],
+        );
         for pi in 0..p {
             let row = &mut state[pi * n..(pi + 1) * n];
             let dx = dt[t] * xt[pi];
@@ -260,7 +268,9 @@ pub(super) fn ssm_scan(
             .into_par_iter()
             .map(|h| {
                 let g = h / heads_per_group;
-                let inp = gather_head(x, b, c, dt, dt_bias, seq, h, g, p, n, heads, groups, dt_min, dt_max);
+                let inp = gather_head(
+                    x, b, c, dt, dt_bias, seq, h, g, p, n, heads, groups, dt_min, dt_max,
+                );
                 let a = -a_log.data[h].exp();
                 let dh = d.data[h];
                 let mut s = live[h * head_state..(h + 1) * head_state].to_vec();
@@ -330,9 +340,12 @@ fn gather_head(
     };
     for i in 0..seq.len {
         let r = seq.offset + i;
-        out.x.extend_from_slice(&x.data[r * xcols + h * p..r * xcols + (h + 1) * p]);
-        out.b.extend_from_slice(&b.data[r * bc_cols + g * n..r * bc_cols + (g + 1) * n]);
-        out.c.extend_from_slice(&c.data[r * bc_cols + g * n..r * bc_cols + (g + 1) * n]);
+        out.x
+            .extend_from_slice(&x.data[r * xcols + h * p..r * xcols + (h + 1) * p]);
+        out.b
+            .extend_from_slice(&b.data[r * bc_cols + g * n..r * bc_cols + (g + 1) * n]);
+        out.c
+            .extend_from_slice(&c.data[r * bc_cols + g * n..r * bc_cols + (g + 1) * n]);
         let v = softplus(dt.data[r * heads + h] + dt_bias.data[h]);
         out.dt.push(v.clamp(dt_min, dt_max));
     }
@@ -344,7 +357,9 @@ mod tests {
     use super::*;
 
     fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
     }
 
@@ -363,9 +378,20 @@ mod tests {
             let (mut y1, mut y2) = (vec![0.0; len * p], vec![0.0; len * p]);
             ssm_recurrent_head(&x, &b, &c, &dt, a, d, p, n, &mut s1, &mut y1);
             ssm_chunked_head(&x, &b, &c, &dt, a, d, p, n, chunk, &mut s2, &mut y2);
-            let dy = y1.iter().zip(&y2).map(|(u, v)| (u - v).abs()).fold(0.0, f32::max);
-            let ds = s1.iter().zip(&s2).map(|(u, v)| (u - v).abs()).fold(0.0, f32::max);
-            assert!(dy < 1e-4 && ds < 1e-4, "len {len} chunk {chunk}: dy {dy} ds {ds}");
+            let dy = y1
+                .iter()
+                .zip(&y2)
+                .map(|(u, v)| (u - v).abs())
+                .fold(0.0, f32::max);
+            let ds = s1
+                .iter()
+                .zip(&s2)
+                .map(|(u, v)| (u - v).abs())
+                .fold(0.0, f32::max);
+            assert!(
+                dy < 1e-4 && ds < 1e-4,
+                "len {len} chunk {chunk}: dy {dy} ds {ds}"
+            );
         }
     }
 }

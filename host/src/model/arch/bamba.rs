@@ -29,7 +29,12 @@ pub fn build<B: Backend>(c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, Mo
     let attn_layers: Vec<usize> = c
         .get("attn_layer_indices")
         .and_then(|v| v.as_array())
-        .map(|a| a.iter().filter_map(|v| v.as_u64()).map(|v| v as usize).collect())
+        .map(|a| {
+            a.iter()
+                .filter_map(|v| v.as_u64())
+                .map(|v| v as usize)
+                .collect()
+        })
         .unwrap_or_default();
 
     let m_heads = c.usize("mamba_n_heads")?;
@@ -80,7 +85,14 @@ pub fn build<B: Backend>(c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, Mo
             )?)
         } else {
             n_ssm += 1;
-            Mixer::Mamba2(Mamba2Mixer::load(l, &format!("{p}.mamba"), Mamba2Spec { cache: n_ssm - 1, ..mamba })?)
+            Mixer::Mamba2(Mamba2Mixer::load(
+                l,
+                &format!("{p}.mamba"),
+                Mamba2Spec {
+                    cache: n_ssm - 1,
+                    ..mamba
+                },
+            )?)
         };
         subs.push(Sublayer {
             norm: l.rms_norm(&format!("{p}.input_layernorm.weight"), hidden, eps)?,
@@ -88,7 +100,14 @@ pub fn build<B: Backend>(c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, Mo
         });
         subs.push(Sublayer {
             norm: l.rms_norm(&format!("{p}.pre_ff_layernorm.weight"), hidden, eps)?,
-            mixer: Mixer::Mlp(Mlp::load_gated(l, &format!("{p}.feed_forward"), hidden, inter, mlp_bias, act)?),
+            mixer: Mixer::Mlp(Mlp::load_gated(
+                l,
+                &format!("{p}.feed_forward"),
+                hidden,
+                inter,
+                mlp_bias,
+                act,
+            )?),
         });
     }
     Assembly {
@@ -101,7 +120,11 @@ pub fn build<B: Backend>(c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, Mo
         final_norm: l.rms_norm("model.final_layernorm.weight", hidden, eps)?,
         tie: bool_any(c, &["tie_word_embeddings"], false)?,
         lm_head_name: "lm_head.weight",
-        kv: if n_attn > 0 { (kv_heads, head_dim) } else { (0, 0) },
+        kv: if n_attn > 0 {
+            (kv_heads, head_dim)
+        } else {
+            (0, 0)
+        },
         attn_layers: n_attn,
         mamba: if n_ssm > 0 { Some(mamba) } else { None },
         ssm_layers: n_ssm,

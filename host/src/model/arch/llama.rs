@@ -46,7 +46,14 @@ pub fn build<B: Backend>(c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, Mo
         });
         subs.push(Sublayer {
             norm: l.rms_norm(&format!("{p}.post_attention_layernorm.weight"), hidden, eps)?,
-            mixer: Mixer::Mlp(Mlp::load_gated(l, &format!("{p}.mlp"), hidden, inter, mlp_bias, act)?),
+            mixer: Mixer::Mlp(Mlp::load_gated(
+                l,
+                &format!("{p}.mlp"),
+                hidden,
+                inter,
+                mlp_bias,
+                act,
+            )?),
         });
     }
     Assembly {

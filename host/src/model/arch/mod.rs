@@ -39,7 +39,11 @@ pub fn build<B: Backend>(
 
 /// The first of several alternative keys that is present (configs rename keys across
 /// versions), as a usize.
-pub(super) fn usize_any(c: &HfConfig, keys: &[&str], default: Option<usize>) -> Result<usize, ModelError> {
+pub(super) fn usize_any(
+    c: &HfConfig,
+    keys: &[&str],
+    default: Option<usize>,
+) -> Result<usize, ModelError> {
     for k in keys {
         if let Some(v) = c.opt_usize(k)? {
             return Ok(v);
@@ -116,7 +120,10 @@ impl<B: Backend> Assembly<B> {
                         tensor: self.lm_head_name.to_string(),
                         files: format!(
                             "{} (tie_word_embeddings is false)",
-                            c.path.parent().map(|p| p.display().to_string()).unwrap_or_default()
+                            c.path
+                                .parent()
+                                .map(|p| p.display().to_string())
+                                .unwrap_or_default()
                         ),
                     });
                 }

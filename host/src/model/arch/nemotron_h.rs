@@ -57,11 +57,19 @@ pub fn build<B: Backend>(c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, Mo
     let vocab = c.usize("vocab_size")?;
     let kinds = layer_kinds(c)?;
     let eps = c.f64_or("layer_norm_epsilon", 1e-5)?;
-    let root = if l.store.has("backbone.embeddings.weight") { "backbone" } else { "model" };
+    let root = if l.store.has("backbone.embeddings.weight") {
+        "backbone"
+    } else {
+        "model"
+    };
 
     let heads = c.usize_or("num_attention_heads", 0)?;
     let kv_heads = usize_any(c, &["num_key_value_heads"], Some(heads))?;
-    let head_dim = usize_any(c, &["head_dim", "attention_head_dim"], Some(hidden / heads.max(1)))?;
+    let head_dim = usize_any(
+        c,
+        &["head_dim", "attention_head_dim"],
+        Some(hidden / heads.max(1)),
+    )?;
     let attn_bias = c.bool_or("attention_bias", false)?;
     let mlp_bias = c.bool_or("mlp_bias", false)?;
     let mlp_act_name = c.str_or("mlp_hidden_act", "relu2")?;
@@ -106,7 +114,14 @@ pub fn build<B: Backend>(c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, Mo
             Kind::Mamba => {
                 let spec = mamba.ok_or_else(|| c.error("no Mamba2 settings"))?;
                 n_ssm += 1;
-                Mixer::Mamba2(Mamba2Mixer::load(l, &mixer_prefix, Mamba2Spec { cache: n_ssm - 1, ..spec })?)
+                Mixer::Mamba2(Mamba2Mixer::load(
+                    l,
+                    &mixer_prefix,
+                    Mamba2Spec {
+                        cache: n_ssm - 1,
+                        ..spec
+                    },
+                )?)
             }
             Kind::Attention => {
                 n_attn += 1;
@@ -169,7 +184,11 @@ pub fn build<B: Backend>(c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, Mo
         final_norm: l.rms_norm(&format!("{root}.norm_f.weight"), hidden, eps)?,
         tie: bool_any(c, &["tie_word_embeddings"], false)?,
         lm_head_name: "lm_head.weight",
-        kv: if n_attn > 0 { (kv_heads, head_dim) } else { (0, 0) },
+        kv: if n_attn > 0 {
+            (kv_heads, head_dim)
+        } else {
+            (0, 0)
+        },
         attn_layers: n_attn,
         mamba,
         ssm_layers: n_ssm,

@@ -88,19 +88,37 @@ impl<B: Backend> Mamba2Mixer<B> {
         let bc = sh.groups * sh.state_size;
         let zxbcdt = self.in_proj.forward(b, x)?;
         let mut parts = b.split_cols(&zxbcdt, &[d_inner, d_inner + 2 * bc, sh.heads])?;
-        let dt = parts.pop().ok_or_else(|| ModelError::Backend("split".into()))?;
-        let xbc = parts.pop().ok_or_else(|| ModelError::Backend("split".into()))?;
-        let z = parts.pop().ok_or_else(|| ModelError::Backend("split".into()))?;
+        let dt = parts
+            .pop()
+            .ok_or_else(|| ModelError::Backend("split".into()))?;
+        let xbc = parts
+            .pop()
+            .ok_or_else(|| ModelError::Backend("split".into()))?;
+        let z = parts
+            .pop()
+            .ok_or_else(|| ModelError::Backend("split".into()))?;
         let state = ctx
             .ssm
             .get_mut(self.cache)
             .ok_or_else(|| ModelError::Backend(format!("no SSM state for layer {}", self.cache)))?;
-        let xbc = b.causal_conv1d(&xbc, &self.conv_w, self.conv_b.as_ref(), &mut state.conv, ctx.seqs)?;
+        let xbc = b.causal_conv1d(
+            &xbc,
+            &self.conv_w,
+            self.conv_b.as_ref(),
+            &mut state.conv,
+            ctx.seqs,
+        )?;
         let mut parts = b.split_cols(&xbc, &[d_inner, bc, bc])?;
         let (cm, bm, xs) = (
-            parts.pop().ok_or_else(|| ModelError::Backend("split".into()))?,
-            parts.pop().ok_or_else(|| ModelError::Backend("split".into()))?,
-            parts.pop().ok_or_else(|| ModelError::Backend("split".into()))?,
+            parts
+                .pop()
+                .ok_or_else(|| ModelError::Backend("split".into()))?,
+            parts
+                .pop()
+                .ok_or_else(|| ModelError::Backend("split".into()))?,
+            parts
+                .pop()
+                .ok_or_else(|| ModelError::Backend("split".into()))?,
         );
         let y = b.ssm_scan(
             &xs,

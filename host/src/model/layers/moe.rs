@@ -67,12 +67,26 @@ impl<B: Backend> Moe<B> {
         } else {
             (0..s.experts)
                 .map(|i| {
-                    Mlp::load_plain(l, &p(&format!("experts.{i}")), s.hidden, s.expert_inter, s.bias, s.act)
+                    Mlp::load_plain(
+                        l,
+                        &p(&format!("experts.{i}")),
+                        s.hidden,
+                        s.expert_inter,
+                        s.bias,
+                        s.act,
+                    )
                 })
                 .collect::<Result<_, _>>()?
         };
         let shared = if s.shared_inter > 0 {
-            Some(Mlp::load_plain(l, &p("shared_experts"), s.hidden, s.shared_inter, s.bias, s.act)?)
+            Some(Mlp::load_plain(
+                l,
+                &p("shared_experts"),
+                s.hidden,
+                s.shared_inter,
+                s.bias,
+                s.act,
+            )?)
         } else {
             None
         };
@@ -93,7 +107,11 @@ impl<B: Backend> Moe<B> {
     pub fn route(&self, logits: &[f32]) -> Vec<(usize, f32)> {
         let e = logits.len();
         let scores: Vec<f32> = logits.iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect();
-        let choice: Vec<f32> = scores.iter().zip(&self.correction_bias).map(|(s, b)| s + b).collect();
+        let choice: Vec<f32> = scores
+            .iter()
+            .zip(&self.correction_bias)
+            .map(|(s, b)| s + b)
+            .collect();
         let per_group = e / self.n_group;
         // Group score = sum of its two best choice scores (or the one, for single-expert groups).
         let mut groups: Vec<(usize, f32)> = (0..self.n_group)
@@ -185,11 +203,15 @@ fn stacked_experts<B: Backend>(
             Ok(Mlp {
                 gate: None,
                 up: Linear {
-                    w: l.backend.from_host(up[x * i * h..(x + 1) * i * h].to_vec(), &[i, h]).map_err(be)?,
+                    w: l.backend
+                        .from_host(up[x * i * h..(x + 1) * i * h].to_vec(), &[i, h])
+                        .map_err(be)?,
                     b: None,
                 },
                 down: Linear {
-                    w: l.backend.from_host(down[x * h * i..(x + 1) * h * i].to_vec(), &[h, i]).map_err(be)?,
+                    w: l.backend
+                        .from_host(down[x * h * i..(x + 1) * h * i].to_vec(), &[h, i])
+                        .map_err(be)?,
                     b: None,
                 },
                 act: s.act,

@@ -43,7 +43,11 @@ pub fn build(settings: &RopeSettings, head_dim: usize) -> Result<Rope, ModelErro
             let high_wavelen = old_ctx / high;
             for f in &mut inv_freq {
                 let wavelen = 2.0 * std::f32::consts::PI / *f;
-                let scaled = if wavelen > low_wavelen { *f / factor } else { *f };
+                let scaled = if wavelen > low_wavelen {
+                    *f / factor
+                } else {
+                    *f
+                };
                 let smooth = (old_ctx / wavelen - low) / (high - low);
                 let smoothed = (1.0 - smooth) * scaled / factor + smooth * scaled;
                 let medium = wavelen >= high_wavelen && wavelen <= low_wavelen;
