@@ -63,7 +63,13 @@ pub struct BlockPool {
 impl BlockPool {
     pub fn new(num_blocks: u32, evictor: Option<Box<dyn Evictor>>) -> Self {
         let meta = vec![
-            Meta { refs: 0, hash: None, parent: NO_PARENT, children: 0, last_access: 0 };
+            Meta {
+                refs: 0,
+                hash: None,
+                parent: NO_PARENT,
+                children: 0,
+                last_access: 0
+            };
             num_blocks as usize
         ];
         // Pop order: block 0 first.
@@ -117,13 +123,19 @@ impl BlockPool {
 
     /// Length of the leading run of `hashes` present in the index.
     pub fn match_len(&self, hashes: &[BlockHash]) -> usize {
-        hashes.iter().take_while(|h| self.index.contains_key(h)).count()
+        hashes
+            .iter()
+            .take_while(|h| self.index.contains_key(h))
+            .count()
     }
 
     /// Adds a user to an indexed block (a prefix-cache hit); a cached block stops being
     /// evictable.
     pub fn pin(&mut self, block: u32, step: u64) -> Result<(), PoolError> {
-        let m = self.meta.get_mut(block as usize).ok_or(PoolError::BadBlock(block))?;
+        let m = self
+            .meta
+            .get_mut(block as usize)
+            .ok_or(PoolError::BadBlock(block))?;
         if m.refs == 0 {
             if m.hash.is_none() {
                 return Err(PoolError::BadBlock(block));
@@ -148,7 +160,10 @@ impl BlockPool {
     /// short. On error nothing changed.
     pub fn allocate(&mut self, n: usize, step: u64, out: &mut Vec<u32>) -> Result<(), PoolError> {
         if n > self.available() {
-            return Err(PoolError::NoSpace { need: n, available: self.available() });
+            return Err(PoolError::NoSpace {
+                need: n,
+                available: self.available(),
+            });
         }
         if self.free.len() < n {
             self.evict(n - self.free.len(), step);
@@ -156,7 +171,10 @@ impl BlockPool {
         for _ in 0..n {
             // `evict` produced enough free blocks: the free list cannot run dry here.
             let Some(b) = self.free.pop() else {
-                return Err(PoolError::NoSpace { need: n, available: 0 });
+                return Err(PoolError::NoSpace {
+                    need: n,
+                    available: 0,
+                });
             };
             let m = &mut self.meta[b as usize];
             m.refs = 1;
@@ -170,7 +188,10 @@ impl BlockPool {
     /// or free. Duplicates in `blocks` count once each.
     pub fn release(&mut self, blocks: &[u32], step: u64) -> Result<(), PoolError> {
         for &b in blocks {
-            let m = self.meta.get_mut(b as usize).ok_or(PoolError::BadBlock(b))?;
+            let m = self
+                .meta
+                .get_mut(b as usize)
+                .ok_or(PoolError::BadBlock(b))?;
             if m.refs == 0 {
                 return Err(PoolError::DoubleFree(b));
             }
@@ -199,12 +220,16 @@ impl BlockPool {
         if self.index.contains_key(&hash) {
             return false;
         }
-        let Some(m) = self.meta.get(block as usize) else { return false };
+        let Some(m) = self.meta.get(block as usize) else {
+            return false;
+        };
         if m.hash.is_some() || m.refs == 0 {
             return false;
         }
         if parent != NO_PARENT {
-            let Some(p) = self.meta.get_mut(parent as usize) else { return false };
+            let Some(p) = self.meta.get_mut(parent as usize) else {
+                return false;
+            };
             if p.hash.is_none() {
                 return false;
             }
@@ -244,7 +269,9 @@ impl BlockPool {
             }
         }
         while done < count {
-            let Some(&(_, v)) = self.lru.first() else { break };
+            let Some(&(_, v)) = self.lru.first() else {
+                break;
+            };
             self.evict_block(v, step);
             done += 1;
         }
@@ -278,7 +305,11 @@ impl BlockPool {
 
     /// Records a snapshot event for the evictor (the SSM pool lives in the cache manager).
     pub fn note_snapshot(&mut self, block: u32, stored: bool, step: u64) {
-        let kind = if stored { EventKind::SnapshotStored } else { EventKind::SnapshotRemoved };
+        let kind = if stored {
+            EventKind::SnapshotStored
+        } else {
+            EventKind::SnapshotRemoved
+        };
         self.events.push(kind, block, NO_PARENT, step);
     }
 
@@ -294,7 +325,9 @@ impl BlockPool {
     }
 
     fn is_evictable_leaf(&self, b: u32) -> bool {
-        self.meta.get(b as usize).is_some_and(|m| m.refs == 0 && m.hash.is_some() && m.children == 0)
+        self.meta
+            .get(b as usize)
+            .is_some_and(|m| m.refs == 0 && m.hash.is_some() && m.children == 0)
     }
 
     fn evict_block(&mut self, b: u32, step: u64) {
@@ -330,7 +363,11 @@ impl BlockPool {
             }
         }
         let used = self.meta.iter().filter(|m| m.refs > 0).count();
-        let cached = self.meta.iter().filter(|m| m.refs == 0 && m.hash.is_some()).count();
+        let cached = self
+            .meta
+            .iter()
+            .filter(|m| m.refs == 0 && m.hash.is_some())
+            .count();
         if cached != self.cached || used + cached + self.free.len() != self.meta.len() {
             return Err(format!(
                 "used {used} + cached {cached} ({}) + free {} != total {}",
@@ -347,7 +384,10 @@ impl BlockPool {
                 }
                 if m.parent != NO_PARENT {
                     if self.meta[m.parent as usize].hash.is_none() {
-                        return Err(format!("block {b} cached but its parent {} is not", m.parent));
+                        return Err(format!(
+                            "block {b} cached but its parent {} is not",
+                            m.parent
+                        ));
                     }
                     children[m.parent as usize] += 1;
                 }
@@ -355,7 +395,10 @@ impl BlockPool {
         }
         for (b, m) in self.meta.iter().enumerate() {
             if m.hash.is_some() && children[b] != m.children {
-                return Err(format!("block {b} child count {} != {}", m.children, children[b]));
+                return Err(format!(
+                    "block {b} child count {} != {}",
+                    m.children, children[b]
+                ));
             }
             let leaf = m.refs == 0 && m.hash.is_some() && m.children == 0;
             if leaf != self.lru.contains(&(m.last_access, b as u32)) {

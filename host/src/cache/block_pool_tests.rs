@@ -92,7 +92,13 @@ fn pinned_blocks_are_never_evicted_and_no_space_changes_nothing() {
     pool.pin(c[1], 2).unwrap();
     let mut got = Vec::new();
     let err = pool.allocate(2, 3, &mut got).unwrap_err();
-    assert_eq!(err, PoolError::NoSpace { need: 2, available: 1 });
+    assert_eq!(
+        err,
+        PoolError::NoSpace {
+            need: 2,
+            available: 1
+        }
+    );
     assert!(got.is_empty());
     assert_eq!(pool.match_len(&[h(1), h(2)]), 2);
     pool.check_invariants().unwrap();
@@ -145,7 +151,10 @@ fn evictor_victims_are_used_when_valid() {
     let mut pool = BlockPool::new(4, None);
     let a = cached_chain(&mut pool, 1, 1, 1);
     let b = cached_chain(&mut pool, 2, 1, 2);
-    pool.evictor = Some(Box::new(Scripted { answer: vec![b[0]], seen: Vec::new() }));
+    pool.evictor = Some(Box::new(Scripted {
+        answer: vec![b[0]],
+        seen: Vec::new(),
+    }));
     pool.pin(a[0], 3).unwrap();
     pool.release(&[a[0]], 3).unwrap();
     let mut got = Vec::new();
@@ -161,7 +170,10 @@ fn invalid_evictor_victim_falls_back_to_lru() {
     let mut pool = BlockPool::new(3, None);
     let c = cached_chain(&mut pool, 1, 2, 1);
     // c[0] is the parent of c[1]: evicting it first would orphan the child.
-    pool.evictor = Some(Box::new(Scripted { answer: vec![c[0]], seen: Vec::new() }));
+    pool.evictor = Some(Box::new(Scripted {
+        answer: vec![c[0]],
+        seen: Vec::new(),
+    }));
     let mut got = Vec::new();
     pool.allocate(2, 2, &mut got).unwrap();
     assert_eq!(pool.evictor_fallbacks(), 1);
@@ -174,11 +186,20 @@ fn invalid_evictor_victim_falls_back_to_lru() {
 enum Op {
     /// Allocate n blocks for a new user; register a prefix of them as a chain rooted at a
     /// previously registered chain or a new root.
-    Alloc { n: usize, register: usize, seed: u8 },
+    Alloc {
+        n: usize,
+        register: usize,
+        seed: u8,
+    },
     /// A new user pins the matched prefix of a known chain and allocates more.
-    Hit { which: usize, extra: usize },
+    Hit {
+        which: usize,
+        extra: usize,
+    },
     /// Release a user.
-    Release { which: usize },
+    Release {
+        which: usize,
+    },
     Clear,
 }
 

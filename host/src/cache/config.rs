@@ -66,7 +66,11 @@ impl ByteSize {
             "MiB" => 1 << 20,
             "GiB" => 1 << 30,
             "TiB" => 1 << 40,
-            u => return Err(format!("unknown size unit `{u}` (use B, KB, MB, GB, KiB, MiB, GiB)")),
+            u => {
+                return Err(format!(
+                    "unknown size unit `{u}` (use B, KB, MB, GB, KiB, MiB, GiB)"
+                ));
+            }
         };
         Ok(Self((num * mult as f64) as u64))
     }
@@ -111,13 +115,22 @@ pub enum CacheConfigError {
          engine.max_running request, {slot} each, {need} in total): raise cache.memory_budget, \
          raise cache.ssm_share, or lower engine.max_running"
     )]
-    LiveSlots { budget: ByteSize, live: usize, slot: ByteSize, need: ByteSize },
+    LiveSlots {
+        budget: ByteSize,
+        live: usize,
+        slot: ByteSize,
+        need: ByteSize,
+    },
     #[error(
         "cache.memory_budget = {budget} leaves {blocks} KV blocks of {block} each (at least 2 \
          are needed): raise cache.memory_budget, lower cache.ssm_share or engine.max_running, \
          or lower cache.block_size"
     )]
-    TooFewBlocks { budget: ByteSize, blocks: usize, block: ByteSize },
+    TooFewBlocks {
+        budget: ByteSize,
+        blocks: usize,
+        block: ByteSize,
+    },
 }
 
 /// Pool sizes derived from the budget.
@@ -172,7 +185,11 @@ impl CacheLayout {
                     need: ByteSize(live_need),
                 });
             }
-            let durable = if cfg.prefix_caching { (ssm_budget - live_need) / slot } else { 0 };
+            let durable = if cfg.prefix_caching {
+                (ssm_budget - live_need) / slot
+            } else {
+                0
+            };
             (max_running, durable as usize, live_need + durable * slot)
         } else {
             (0, 0, 0)
@@ -238,7 +255,10 @@ mod tests {
     #[test]
     fn transformer_budget_is_all_kv() {
         // One block: 2 (K,V) * 2 layers * 16 tokens * 2 heads * 4 dims * 4 bytes = 2048 B.
-        let cfg = CacheConfig { memory_budget: ByteSize(10 * 2048 + 100), ..Default::default() };
+        let cfg = CacheConfig {
+            memory_budget: ByteSize(10 * 2048 + 100),
+            ..Default::default()
+        };
         let l = CacheLayout::plan(&cfg, &spec(0), 8).unwrap();
         assert_eq!(l.num_blocks, 10);
         assert_eq!(l.ssm_slots(), 0);
@@ -261,17 +281,29 @@ mod tests {
 
     #[test]
     fn hybrid_auto_share_gives_snapshots_a_fifth_of_the_rest() {
-        let cfg = CacheConfig { memory_budget: ByteSize(100_000), ..Default::default() };
+        let cfg = CacheConfig {
+            memory_budget: ByteSize(100_000),
+            ..Default::default()
+        };
         let l = CacheLayout::plan(&cfg, &spec(3), 4).unwrap();
         let rest = 100_000 - 4 * 384;
         assert_eq!(l.durable_slots as u64, (rest as f64 * 0.2) as u64 / 384);
-        let off = CacheConfig { prefix_caching: false, ..cfg };
-        assert_eq!(CacheLayout::plan(&off, &spec(3), 4).unwrap().durable_slots, 0);
+        let off = CacheConfig {
+            prefix_caching: false,
+            ..cfg
+        };
+        assert_eq!(
+            CacheLayout::plan(&off, &spec(3), 4).unwrap().durable_slots,
+            0
+        );
     }
 
     #[test]
     fn impossible_budgets_say_what_to_change() {
-        let cfg = CacheConfig { memory_budget: ByteSize(3000), ..Default::default() };
+        let cfg = CacheConfig {
+            memory_budget: ByteSize(3000),
+            ..Default::default()
+        };
         let e = CacheLayout::plan(&cfg, &spec(0), 1).unwrap_err();
         assert!(e.to_string().contains("raise cache.memory_budget"), "{e}");
         let cfg = CacheConfig {
@@ -280,9 +312,15 @@ mod tests {
             ..Default::default()
         };
         let e = CacheLayout::plan(&cfg, &spec(3), 64).unwrap_err();
-        assert!(matches!(e, CacheConfigError::LiveSlots { live: 64, .. }), "{e}");
+        assert!(
+            matches!(e, CacheConfigError::LiveSlots { live: 64, .. }),
+            "{e}"
+        );
         assert!(e.to_string().contains("engine.max_running"));
-        let bad = CacheConfig { block_size: 1, ..Default::default() };
+        let bad = CacheConfig {
+            block_size: 1,
+            ..Default::default()
+        };
         assert_eq!(
             CacheLayout::plan(&bad, &spec(0), 1),
             Err(CacheConfigError::BlockSize(1))

@@ -26,7 +26,15 @@ fn run_prompt(cm: &mut CacheManager, seq: u32, tokens: &[u32]) -> (PrefixMatch, 
     let init = cm.admit(seq, &h, m, tokens.len()).unwrap();
     let ctx = m.skip_blocks * BS;
     let mut snaps = Vec::new();
-    cm.plan_snapshots(seq, &h, tokens.len(), m.kv_blocks, ctx, tokens.len() - ctx, &mut snaps);
+    cm.plan_snapshots(
+        seq,
+        &h,
+        tokens.len(),
+        m.kv_blocks,
+        ctx,
+        tokens.len() - ctx,
+        &mut snaps,
+    );
     cm.commit_seq(seq, &h, tokens.len());
     cm.commit_step();
     (m, init)
@@ -43,7 +51,13 @@ fn second_request_skips_the_cached_prefix() {
     let mut b = a.clone();
     b.extend([77, 78, 79]);
     let (m, _) = run_prompt(&mut cm, 1, &b);
-    assert_eq!(m, PrefixMatch { kv_blocks: 2, skip_blocks: 2 });
+    assert_eq!(
+        m,
+        PrefixMatch {
+            kv_blocks: 2,
+            skip_blocks: 2
+        }
+    );
     assert_eq!(cm.counters.prefix_hits, 2);
     // The table starts with the cached blocks.
     let first = cm.pool().lookup(hashes(&a)[0]).unwrap();
@@ -60,12 +74,30 @@ fn skip_leaves_at_least_two_tokens() {
     run_prompt(&mut cm, 0, &a);
     cm.release(0).unwrap();
     // Fully cached, block-aligned: recompute the last block.
-    assert_eq!(cm.match_prefix(&hashes(&a), 8), PrefixMatch { kv_blocks: 2, skip_blocks: 1 });
+    assert_eq!(
+        cm.match_prefix(&hashes(&a), 8),
+        PrefixMatch {
+            kv_blocks: 2,
+            skip_blocks: 1
+        }
+    );
     // One token past the cache: skipping 2 blocks would leave 1 token, so back off.
     let b: Vec<u32> = (0..9).collect();
-    assert_eq!(cm.match_prefix(&hashes(&b), 9), PrefixMatch { kv_blocks: 2, skip_blocks: 1 });
+    assert_eq!(
+        cm.match_prefix(&hashes(&b), 9),
+        PrefixMatch {
+            kv_blocks: 2,
+            skip_blocks: 1
+        }
+    );
     let c: Vec<u32> = (0..10).collect();
-    assert_eq!(cm.match_prefix(&hashes(&c), 10), PrefixMatch { kv_blocks: 2, skip_blocks: 2 });
+    assert_eq!(
+        cm.match_prefix(&hashes(&c), 10),
+        PrefixMatch {
+            kv_blocks: 2,
+            skip_blocks: 2
+        }
+    );
 }
 
 #[test]
@@ -99,21 +131,42 @@ fn hybrid_restores_only_where_a_snapshot_exists() {
     b.extend([90, 91, 92, 93, 94, 95]);
     let h = hashes(&b);
     let m = cm.match_prefix(&h, b.len());
-    assert_eq!(m, PrefixMatch { kv_blocks: 3, skip_blocks: 3 });
+    assert_eq!(
+        m,
+        PrefixMatch {
+            kv_blocks: 3,
+            skip_blocks: 3
+        }
+    );
     let init = cm.admit(1, &h, m, b.len()).unwrap();
-    let snap = cm.ssm().snapshot_of(cm.pool().lookup(h[2]).unwrap()).unwrap();
+    let snap = cm
+        .ssm()
+        .snapshot_of(cm.pool().lookup(h[2]).unwrap())
+        .unwrap();
     assert!(matches!(init, SsmInit::Restore { from, .. } if from == snap));
     cm.release(1).unwrap();
     // A prompt sharing only 1 block: KV matches 1 block but there is no snapshot at 4.
     let mut c = a[..4].to_vec();
     c.extend([50, 51, 52, 53, 54, 55]);
     let m = cm.match_prefix(&hashes(&c), c.len());
-    assert_eq!(m, PrefixMatch { kv_blocks: 1, skip_blocks: 0 });
+    assert_eq!(
+        m,
+        PrefixMatch {
+            kv_blocks: 1,
+            skip_blocks: 0
+        }
+    );
     // ...and computing it snapshots the divergence point (block 1), usable next time.
     run_prompt(&mut cm, 2, &c);
     cm.release(2).unwrap();
     let m = cm.match_prefix(&hashes(&c), c.len());
-    assert_eq!(m, PrefixMatch { kv_blocks: 2, skip_blocks: 2 });
+    assert_eq!(
+        m,
+        PrefixMatch {
+            kv_blocks: 2,
+            skip_blocks: 2
+        }
+    );
     assert_eq!(cm.counters.ssm_restores, 1);
     cm.check_invariants().unwrap();
 }

@@ -61,8 +61,13 @@ pub struct PrefixMatch {
 pub enum SsmInit {
     /// Not a hybrid model.
     None,
-    Zero { live: u32 },
-    Restore { from: u32, live: u32 },
+    Zero {
+        live: u32,
+    },
+    Restore {
+        from: u32,
+        live: u32,
+    },
 }
 
 #[derive(Debug, Default)]
@@ -177,7 +182,10 @@ impl CacheManager {
             }
             skip -= 1;
         }
-        PrefixMatch { kv_blocks: kv, skip_blocks: skip }
+        PrefixMatch {
+            kv_blocks: kv,
+            skip_blocks: skip,
+        }
     }
 
     fn snapshot_at(&self, hash: BlockHash) -> Option<u32> {
@@ -192,7 +200,10 @@ impl CacheManager {
     }
 
     fn matched_blocks(&self, hashes: &[BlockHash], n: usize) -> Vec<u32> {
-        hashes[..n].iter().filter_map(|&h| self.pool.lookup(h)).collect()
+        hashes[..n]
+            .iter()
+            .filter_map(|&h| self.pool.lookup(h))
+            .collect()
     }
 
     /// Gives sequence slot `seq` its blocks: the matched prefix (pinned first), then fresh
@@ -240,7 +251,12 @@ impl CacheManager {
             SsmInit::Zero { live } | SsmInit::Restore { live, .. } => live,
             SsmInit::None => 0,
         };
-        let sc = SeqCache { blocks, keepalive, live_slot, committed: m.skip_blocks };
+        let sc = SeqCache {
+            blocks,
+            keepalive,
+            live_slot,
+            committed: m.skip_blocks,
+        };
         if self.seqs.len() <= seq as usize {
             self.seqs.resize_with(seq as usize + 1, || None);
         }
@@ -352,7 +368,10 @@ impl CacheManager {
                 continue;
             };
             self.pending.push(PendingSnapshot { seq, hash, slot });
-            out.push(SsmSnapshot { after: p - ctx, slot });
+            out.push(SsmSnapshot {
+                after: p - ctx,
+                slot,
+            });
         }
     }
 
@@ -364,7 +383,9 @@ impl CacheManager {
         }
         let full = (computed / self.block_size).min(hashes.len());
         let step = self.step;
-        let Some(s) = self.seqs.get_mut(seq as usize).and_then(Option::as_mut) else { return };
+        let Some(s) = self.seqs.get_mut(seq as usize).and_then(Option::as_mut) else {
+            return;
+        };
         while s.committed < full {
             let j = s.committed;
             let parent = match j {
@@ -410,7 +431,9 @@ impl CacheManager {
 
     fn finish_events(&mut self) {
         if !self.removed.is_empty() {
-            self.events.push(KvEvent::Removed { hashes: std::mem::take(&mut self.removed) });
+            self.events.push(KvEvent::Removed {
+                hashes: std::mem::take(&mut self.removed),
+            });
         }
         if !self.stored.is_empty() || !self.snapshot_only.is_empty() {
             let mut hashes = Vec::with_capacity(self.stored.len() + self.snapshot_only.len());
@@ -423,7 +446,10 @@ impl CacheManager {
             }
             all.clear();
             self.stored = all;
-            self.events.push(KvEvent::Stored { hashes, with_snapshot });
+            self.events.push(KvEvent::Stored {
+                hashes,
+                with_snapshot,
+            });
         }
         self.pool.flush_events();
     }

@@ -118,7 +118,10 @@ mod tests {
         let a = p.reserve().unwrap();
         let b = p.reserve().unwrap();
         assert!(p.attach(7, a));
-        assert!(!p.attach(7, b), "second snapshot of the same block is refused");
+        assert!(
+            !p.attach(7, b),
+            "second snapshot of the same block is refused"
+        );
         assert_eq!(p.durable_used(), 1);
         assert_eq!(p.snapshot_of(7), Some(a));
         assert!(p.drop_block(7));
