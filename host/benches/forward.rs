@@ -17,7 +17,10 @@ fn models() -> Vec<(String, Model<CpuBackend>)> {
     )];
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/models");
     for name in ["llama-gqa", "mamba2-g2", "nemotronh-a", "bamba-b"] {
-        out.push((name.to_string(), model::load(&dir.join(name), &CpuBackend).expect("fixture")));
+        out.push((
+            name.to_string(),
+            model::load(&dir.join(name), &CpuBackend).expect("fixture"),
+        ));
     }
     out
 }
@@ -30,7 +33,10 @@ fn bench(c: &mut Criterion) {
             let mut caches = m.new_caches(&CpuBackend, blocks, BLOCK, 1);
             let mut batch = BatchInputs::default();
             batch.push(&prompt, 0, (0..blocks as u32).collect(), 0, true);
-            b.iter(|| m.forward(&CpuBackend, &batch, &mut caches, LogitsMode::Last).expect("forward"))
+            b.iter(|| {
+                m.forward(&CpuBackend, &batch, &mut caches, LogitsMode::Last)
+                    .expect("forward")
+            })
         });
         for batch_size in [1usize, 32] {
             let mut caches = m.new_caches(&CpuBackend, blocks * batch_size, BLOCK, batch_size);
@@ -41,9 +47,13 @@ fn bench(c: &mut Criterion) {
                 prefill.push(&prompt, 0, table.clone(), s as u32, true);
                 step.push(&[7], prompt.len(), table, s as u32, true);
             }
-            m.forward(&CpuBackend, &prefill, &mut caches, LogitsMode::Last).expect("prefill");
+            m.forward(&CpuBackend, &prefill, &mut caches, LogitsMode::Last)
+                .expect("prefill");
             c.bench_function(&format!("{name}/decode-batch-{batch_size}"), |b| {
-                b.iter(|| m.forward(&CpuBackend, &step, &mut caches, LogitsMode::Last).expect("decode"))
+                b.iter(|| {
+                    m.forward(&CpuBackend, &step, &mut caches, LogitsMode::Last)
+                        .expect("decode")
+                })
             });
         }
     }
