@@ -53,8 +53,10 @@ pub struct StepTimings {
     pub inputs_ns: u64,
     /// The executor's forward pass.
     pub execute_ns: u64,
-    /// Sampling, committing the step to the cache and sending events.
+    /// Sampling, committing the step to the cache and sending events (includes `sample_ns`).
     pub update_ns: u64,
+    /// Penalties, top-K candidates, the sampler call and logprobs.
+    pub sample_ns: u64,
 }
 
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
@@ -377,6 +379,7 @@ impl<E: StepExecutor> Engine<E> {
             fallback_sampler,
             ..
         } = &mut self.policies;
+        let t = Instant::now();
         self.sampling.sample(
             &mut self.logits,
             &rows,
@@ -384,6 +387,7 @@ impl<E: StepExecutor> Engine<E> {
             fallback_sampler.as_mut(),
             &mut self.sampled,
         );
+        self.timings.sample_ns += t.elapsed().as_nanos() as u64;
         drop(rows);
         self.tokens.clear();
         self.tokens.extend(self.sampled.iter().map(|s| s.token));
