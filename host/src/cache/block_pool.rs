@@ -112,6 +112,10 @@ impl BlockPool {
     pub fn refs(&self, block: u32) -> u32 {
         self.meta.get(block as usize).map_or(0, |m| m.refs)
     }
+    /// Step of the block's latest Stored / Hit / Released event.
+    pub fn last_access(&self, block: u32) -> u64 {
+        self.meta.get(block as usize).map_or(0, |m| m.last_access)
+    }
     pub fn hash_of(&self, block: u32) -> Option<BlockHash> {
         self.meta.get(block as usize).and_then(|m| m.hash)
     }

@@ -252,3 +252,48 @@ fn admission_is_all_or_nothing() {
     assert_eq!(cm.pool().cached_unused(), 2);
     cm.check_invariants().unwrap();
 }
+
+#[test]
+fn full_snapshot_slots_reclaim_the_least_recently_used_unused_one() {
+    // Two durable slots; each 9-token prompt wants two snapshots (at 4 and 8).
+    let mut cm = CacheManager::new(&layout(32, 2, 2), true, true, None);
+    let a: Vec<u32> = (0..9).collect();
+    run_prompt(&mut cm, 0, &a);
+    cm.release(0).unwrap();
+    assert_eq!(cm.ssm().snapshots(), 2);
+    cm.begin_step(5);
+    let b: Vec<u32> = (100..109).collect();
+    run_prompt(&mut cm, 0, &b);
+    // A's blocks were unused: their snapshots made room for B's; A's KV stays cached.
+    assert_eq!(cm.ssm().snapshots(), 2);
+    assert_eq!(
+        cm.match_prefix(&hashes(&a), 9),
+        PrefixMatch {
+            kv_blocks: 2,
+            skip_blocks: 0
+        }
+    );
+    assert_eq!(cm.match_prefix(&hashes(&b), 9).skip_blocks, 1);
+    let mut ev = Vec::new();
+    cm.take_events(&mut ev);
+    assert!(
+        ev.iter()
+            .any(|e| matches!(e, KvEvent::SnapshotRemoved { hashes } if hashes.len() == 2)),
+        "{ev:?}"
+    );
+    // While B runs, its snapshots cannot be taken: a third prompt goes without.
+    let c: Vec<u32> = (200..209).collect();
+    run_prompt(&mut cm, 1, &c);
+    assert_eq!(cm.counters.snapshots_skipped, 2);
+    cm.release(0).unwrap();
+    cm.release(1).unwrap();
+    assert_eq!(
+        cm.match_prefix(&hashes(&c), 9),
+        PrefixMatch {
+            kv_blocks: 2,
+            skip_blocks: 0
+        }
+    );
+    assert_eq!(cm.match_prefix(&hashes(&b), 9).skip_blocks, 1);
+    cm.check_invariants().unwrap();
+}

@@ -101,6 +101,7 @@ pub struct CacheManager {
     stored: Vec<BlockHash>,
     snapshot_only: Vec<BlockHash>,
     removed: Vec<u64>,
+    snapshot_removed: Vec<u64>,
     events: Vec<KvEvent>,
     pub counters: CacheCounters,
 }
@@ -125,6 +126,7 @@ impl CacheManager {
             stored: Vec::new(),
             snapshot_only: Vec::new(),
             removed: Vec::new(),
+            snapshot_removed: Vec::new(),
             events: Vec::new(),
             counters: CacheCounters::default(),
         }
@@ -333,7 +335,9 @@ impl CacheManager {
 
     /// Plans SSM snapshots inside the chunk `ctx .. ctx + len` of a hybrid prompt: at the end
     /// of the cached prefix (`kv_blocks`), at the last block boundary of the prompt and at the
-    /// one before it, wherever no snapshot exists yet and a durable slot is free.
+    /// one before it, wherever no snapshot exists yet. When every durable slot is taken, the
+    /// least recently used snapshot of an unused block gives its slot up; when none can, the
+    /// snapshot is skipped (serving goes on without it).
     #[allow(clippy::too_many_arguments)]
     pub fn plan_snapshots(
         &mut self,
@@ -363,9 +367,16 @@ impl CacheManager {
             if self.snapshot_at(hash).is_some() {
                 continue;
             }
-            let Some(slot) = self.ssm.reserve() else {
-                self.counters.snapshots_skipped += 1;
-                continue;
+            let slot = match self.ssm.reserve() {
+                Some(slot) => slot,
+                None if self.reclaim_snapshot() => match self.ssm.reserve() {
+                    Some(slot) => slot,
+                    None => continue,
+                },
+                None => {
+                    self.counters.snapshots_skipped += 1;
+                    continue;
+                }
             };
             self.pending.push(PendingSnapshot { seq, hash, slot });
             out.push(SsmSnapshot {
@@ -402,6 +413,25 @@ impl CacheManager {
         }
     }
 
+    /// Frees the durable slot of the least recently used snapshot whose block nobody uses
+    /// (its KV stays cached). False when every snapshot belongs to a block in use.
+    fn reclaim_snapshot(&mut self) -> bool {
+        let pool = &self.pool;
+        let victim = self
+            .ssm
+            .blocks()
+            .filter(|&b| pool.refs(b) == 0)
+            .min_by_key(|&b| (pool.last_access(b), b));
+        let Some(b) = victim else { return false };
+        self.ssm.drop_block(b);
+        self.pool.note_snapshot(b, false, self.step);
+        if let Some(h) = self.pool.hash_of(b) {
+            self.snapshot_removed.push(h.short());
+        }
+        self.counters.snapshots_dropped += 1;
+        true
+    }
+
     /// After a successful step (once every sequence was committed): attaches the snapshots
     /// taken during the step to their blocks.
     pub fn commit_step(&mut self) {
@@ -435,6 +465,10 @@ impl CacheManager {
                 hashes: std::mem::take(&mut self.removed),
             });
         }
+        if !self.snapshot_removed.is_empty() {
+            let hashes = std::mem::take(&mut self.snapshot_removed);
+            self.events.push(KvEvent::SnapshotRemoved { hashes });
+        }
         if !self.stored.is_empty() || !self.snapshot_only.is_empty() {
             let mut hashes = Vec::with_capacity(self.stored.len() + self.snapshot_only.len());
             let mut with_snapshot = Vec::with_capacity(hashes.capacity());
@@ -460,6 +494,7 @@ impl CacheManager {
         self.pool.clear_index(self.step);
         self.after_pool_change();
         self.removed.clear();
+        self.snapshot_removed.clear();
         self.stored.clear();
         self.snapshot_only.clear();
         self.events.clear();

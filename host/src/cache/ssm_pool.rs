@@ -81,6 +81,11 @@ impl SsmPool {
         true
     }
 
+    /// Blocks that hold a snapshot, in no particular order.
+    pub fn blocks(&self) -> impl Iterator<Item = u32> + '_ {
+        self.by_block.keys().copied()
+    }
+
     pub fn snapshot_of(&self, block: u32) -> Option<u32> {
         self.by_block.get(&block).copied()
     }

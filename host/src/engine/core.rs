@@ -8,6 +8,8 @@
 //! back the step's snapshot reservations and leaves every other request and the cache intact.
 //! An idle step changes nothing. The thread loop around it lives in `engine::thread`.
 
+use std::time::Instant;
+
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::api::{EngineEvent, EngineStats, FinishReason, GenerateRequest, KvEvent, Usage};
@@ -39,6 +41,22 @@ impl Policies {
             evictor: None,
         }
     }
+}
+
+/// Cumulative wall time of each phase of the steps that ran a batch (nanoseconds).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepTimings {
+    pub steps: u64,
+    /// Scheduling, admission and cache bookkeeping.
+    pub schedule_ns: u64,
+    /// Building `BatchInputs` and SSM slot setup.
+    pub inputs_ns: u64,
+    /// The executor's forward pass.
+    pub execute_ns: u64,
+    /// Sampling, committing the step to the cache and sending events (includes `sample_ns`).
+    pub update_ns: u64,
+    /// Penalties, top-K candidates, the sampler call and logprobs.
+    pub sample_ns: u64,
 }
 
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
@@ -75,6 +93,7 @@ pub struct Engine<E: StepExecutor> {
     closed: Vec<u64>,
     kv_events: Vec<KvEvent>,
     stats: EngineStats,
+    timings: StepTimings,
 }
 
 impl<E: StepExecutor> Engine<E> {
@@ -137,6 +156,7 @@ impl<E: StepExecutor> Engine<E> {
             closed: Vec::new(),
             kv_events: Vec::new(),
             stats,
+            timings: StepTimings::default(),
         })
     }
 
@@ -157,6 +177,9 @@ impl<E: StepExecutor> Engine<E> {
     }
     pub fn is_idle(&self) -> bool {
         self.sched.is_idle()
+    }
+    pub fn timings(&self) -> &StepTimings {
+        &self.timings
     }
     /// Cache events of the steps since the last call (only from steps that succeeded).
     pub fn take_kv_events(&mut self, out: &mut Vec<KvEvent>) {
@@ -206,6 +229,7 @@ impl<E: StepExecutor> Engine<E> {
         if let Some(r) = self.sched.remove(id, &mut self.cache) {
             self.finish(r, FinishReason::Cancelled);
         }
+        self.refresh_stats();
     }
 
     /// Cancels everything in flight (shutdown).
@@ -238,6 +262,7 @@ impl<E: StepExecutor> Engine<E> {
 
     /// Runs one step. Returns false when there was nothing to run.
     pub fn step(&mut self) -> bool {
+        let t0 = Instant::now();
         self.sched.schedule(&mut self.cache);
         for rej in self.sched.take_rejected() {
             self.fail(rej.request, rej.kind, rej.message);
@@ -251,7 +276,15 @@ impl<E: StepExecutor> Engine<E> {
             self.refresh_stats();
             return false;
         }
-        let result = self.prepare_and_execute();
+        let t1 = Instant::now();
+        let result = self.prepare_inputs().and_then(|()| {
+            let t2 = Instant::now();
+            self.timings.inputs_ns += (t2 - t1).as_nanos() as u64;
+            let r = self.executor.execute(&self.inputs, &mut self.logits);
+            self.timings.execute_ns += t2.elapsed().as_nanos() as u64;
+            r
+        });
+        let t3 = Instant::now();
         match result {
             Ok(()) => self.apply_output(),
             Err(e) => self.fail_batch(e),
@@ -261,11 +294,14 @@ impl<E: StepExecutor> Engine<E> {
             self.cancel(id);
         }
         self.refresh_stats();
+        self.timings.steps += 1;
+        self.timings.schedule_ns += (t1 - t0).as_nanos() as u64;
+        self.timings.update_ns += t3.elapsed().as_nanos() as u64;
         true
     }
 
-    /// Builds the batch inputs, sets up new sequences' SSM state and runs the forward pass.
-    fn prepare_and_execute(&mut self) -> Result<(), ExecutorError> {
+    /// Builds the batch inputs and sets up new sequences' SSM state.
+    fn prepare_inputs(&mut self) -> Result<(), ExecutorError> {
         let out = self.sched.output();
         let inputs = &mut self.inputs;
         inputs.tokens.clear();
@@ -310,7 +346,7 @@ impl<E: StepExecutor> Engine<E> {
                 SsmInit::Restore { from, live } => self.executor.copy_ssm_slot(from, live)?,
             }
         }
-        self.executor.execute(&self.inputs, &mut self.logits)
+        Ok(())
     }
 
     fn apply_output(&mut self) {
@@ -343,6 +379,7 @@ impl<E: StepExecutor> Engine<E> {
             fallback_sampler,
             ..
         } = &mut self.policies;
+        let t = Instant::now();
         self.sampling.sample(
             &mut self.logits,
             &rows,
@@ -350,6 +387,7 @@ impl<E: StepExecutor> Engine<E> {
             fallback_sampler.as_mut(),
             &mut self.sampled,
         );
+        self.timings.sample_ns += t.elapsed().as_nanos() as u64;
         drop(rows);
         self.tokens.clear();
         self.tokens.extend(self.sampled.iter().map(|s| s.token));
@@ -405,7 +443,9 @@ impl<E: StepExecutor> Engine<E> {
         }
     }
 
-    fn refresh_stats(&mut self) {
+    /// Brings the load and cache figures of [`Self::stats`] up to date (done after every step;
+    /// call it after commands to publish their effect).
+    pub fn refresh_stats(&mut self) {
         let s = &mut self.stats;
         let pool = self.cache.pool();
         let c = self.cache.counters;

@@ -24,7 +24,7 @@ pub mod scheduler;
 pub mod thread;
 
 pub use config::{EngineConfig, EngineSetup};
-pub use core::{Engine, EngineError, Policies};
+pub use core::{Engine, EngineError, Policies, StepTimings};
 pub use executor::{CacheAllocation, ExecutorError, Logits, StepExecutor};
 pub use mock::{MockConfig, MockExecutor};
 pub use model_runner::ModelRunner;

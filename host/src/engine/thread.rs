@@ -128,6 +128,7 @@ fn run<E: StepExecutor>(
         // A step with requests present but nothing runnable waits briefly for commands
         // instead of spinning.
         idle_wait = !engine.is_idle() && !engine.step();
+        engine.refresh_stats();
         stats.send_replace(engine.stats().clone());
         engine.take_kv_events(&mut events);
         for e in events.drain(..) {
@@ -135,6 +136,7 @@ fn run<E: StepExecutor>(
         }
     }
     engine.cancel_all();
+    engine.refresh_stats();
     stats.send_replace(engine.stats().clone());
     engine.take_kv_events(&mut events);
     for e in events.drain(..) {
