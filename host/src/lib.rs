@@ -7,9 +7,12 @@
 //!   [`backend::Backend`] seam; the forward pass takes batch inputs and caches as arguments.
 //! - [`backend`]: tensor storage and kernels (`cpu` reference backend).
 //! - [`tokenizer`]: tokenizer and chat template loading.
+//! - [`plugins`]: WebAssembly policy plugins (load, sandbox, fall back, reload) behind the
+//!   [`policy`] traits, whose native twins live in `policy::native`.
 
 pub mod backend;
 pub mod engine;
 pub mod model;
+pub mod plugins;
 pub mod policy;
 pub mod tokenizer;
