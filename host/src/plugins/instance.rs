@@ -137,10 +137,6 @@ impl Instance {
         Ok(this)
     }
 
-    pub fn plugin(&self) -> &Arc<LoadedPlugin> {
-        &self.plugin
-    }
-
     /// Calls function `index` of [`abi::functions`] under the deadline and memory limit.
     fn call<P, R>(&mut self, index: usize, params: P) -> Result<R, CallError>
     where

@@ -123,7 +123,7 @@ impl PluginRuntime {
         for (export, item) in ty.exports(&self.engine) {
             match abi::parse_export(export) {
                 Some((Some(kind), version))
-                    if matches!(item, ComponentItem::ComponentInstance(_)) =>
+                    if matches!(item.ty, ComponentItem::ComponentInstance(_)) =>
                 {
                     if found.is_some() {
                         return Err(PluginError::Exports {

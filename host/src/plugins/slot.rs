@@ -89,10 +89,6 @@ impl Slot {
         }
     }
 
-    pub fn handle(&self) -> &Arc<PluginHandle> {
-        &self.handle
-    }
-
     /// The instance to call, after switching to a reloaded plugin or replacing a poisoned
     /// instance; `Err` (reason `Unavailable`) when none can be had for this call.
     pub fn ready(&mut self) -> Result<Ready<'_>, CallError> {
@@ -155,13 +151,5 @@ impl Slot {
     fn reset_backoff(&mut self) {
         self.skip = 0;
         self.backoff = 1;
-    }
-
-    /// Name of the plugin currently answering (for logs and metrics).
-    pub fn plugin_name(&self) -> String {
-        match &self.instance {
-            Some(i) => i.plugin().name.clone(),
-            None => self.handle.current().name.clone(),
-        }
     }
 }

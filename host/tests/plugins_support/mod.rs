@@ -9,7 +9,10 @@ use chimera::policy::{CacheEvents, ReplicaColumns, RouteRequest, SamplerBatch};
 use chimera_policy_core::rng::Rng;
 
 pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("host/ is in the repo root").to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("host/ is in the repo root")
+        .to_path_buf()
 }
 
 /// Builds `tests/plugins` (its own workspace) for wasm32 once per test binary and returns
@@ -25,7 +28,14 @@ pub fn test_plugins_dir() -> &'static Path {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let status = Command::new(cargo)
             .current_dir(root.join("tests/plugins"))
-            .args(["build", "--release", "--locked", "--target", "wasm32-unknown-unknown", "--target-dir"])
+            .args([
+                "build",
+                "--release",
+                "--locked",
+                "--target",
+                "wasm32-unknown-unknown",
+                "--target-dir",
+            ])
             .arg(&target_dir)
             .env_remove("RUSTFLAGS")
             .env_remove("CARGO_ENCODED_RUSTFLAGS")
@@ -40,7 +50,8 @@ pub fn test_plugins_dir() -> &'static Path {
 /// A core module implementing `world` of the 0.1.0 WIT with `@0.1.0` replaced by
 /// `@{version}`: every function body is `unreachable`, so every call traps.
 pub fn dummy_plugin(world: &str, version: &str) -> Vec<u8> {
-    let wit = std::fs::read_to_string(repo_root().join("plugin-sdk/wit/v0.1.0/plugin.wit")).expect("read WIT");
+    let wit = std::fs::read_to_string(repo_root().join("plugin-sdk/wit/v0.1.0/plugin.wit"))
+        .expect("read WIT");
     let wit = wit.replace("@0.1.0", &format!("@{version}"));
     let mut resolve = wit_parser::Resolve::default();
     let pkg = resolve.push_str("plugin.wit", &wit).expect("parse WIT");
@@ -50,8 +61,13 @@ pub fn dummy_plugin(world: &str, version: &str) -> Vec<u8> {
         world,
         wit_parser::ManglingAndAbi::Legacy(wit_parser::LiftLowerAbi::Sync),
     );
-    wit_component::embed_component_metadata(&mut module, &resolve, world, wit_component::StringEncoding::UTF8)
-        .expect("embed metadata");
+    wit_component::embed_component_metadata(
+        &mut module,
+        &resolve,
+        world,
+        wit_component::StringEncoding::UTF8,
+    )
+    .expect("embed metadata");
     module
 }
 
@@ -72,19 +88,38 @@ pub fn random_replicas(rng: &mut Rng, n: usize) -> ReplicaColumns {
 }
 
 pub fn random_request(rng: &mut Rng) -> RouteRequest {
-    RouteRequest { prompt_tokens: rng.next_below(4000), prompt_blocks: rng.next_below(25), tenant: "t".into() }
+    RouteRequest {
+        prompt_tokens: rng.next_below(4000),
+        prompt_blocks: rng.next_below(25),
+        tenant: "t".into(),
+    }
 }
 
 pub fn random_batch(rng: &mut Rng, n: usize, k: usize) -> SamplerBatch {
-    let mut b = SamplerBatch { k: k as u32, ..SamplerBatch::default() };
+    let mut b = SamplerBatch {
+        k: k as u32,
+        ..SamplerBatch::default()
+    };
     for _ in 0..n {
         b.temperature.push(match rng.next_below(4) {
             0 => 0.0,
             _ => 0.05 + rng.next_f32() * 2.0,
         });
-        b.top_k.push(if rng.next_below(2) == 0 { 0 } else { 1 + rng.next_below(k as u32) });
-        b.top_p.push(if rng.next_below(2) == 0 { 1.0 } else { 0.05 + rng.next_f32() * 0.95 });
-        b.min_p.push(if rng.next_below(3) == 0 { rng.next_f32() * 0.3 } else { 0.0 });
+        b.top_k.push(if rng.next_below(2) == 0 {
+            0
+        } else {
+            1 + rng.next_below(k as u32)
+        });
+        b.top_p.push(if rng.next_below(2) == 0 {
+            1.0
+        } else {
+            0.05 + rng.next_f32() * 0.95
+        });
+        b.min_p.push(if rng.next_below(3) == 0 {
+            rng.next_f32() * 0.3
+        } else {
+            0.0
+        });
         b.seed.push(rng.next_u64());
         b.counter.push(rng.next_below(1000) as u64);
         let mut logit = rng.next_f32() * 20.0 - 10.0;
@@ -108,7 +143,12 @@ pub struct CacheHistory {
 
 impl CacheHistory {
     pub fn new(seed: u64) -> Self {
-        Self { rng: Rng::new(seed, 0), step: 0, next: 0, blocks: Default::default() }
+        Self {
+            rng: Rng::new(seed, 0),
+            step: 0,
+            next: 0,
+            blocks: Default::default(),
+        }
     }
 
     /// Appends one step of events to `ev` (cleared first).
@@ -141,7 +181,12 @@ impl CacheHistory {
                     ev.push(EventKind::Hit, b, 0, self.step);
                 }
                 3 => {
-                    let used: Vec<u32> = self.blocks.iter().filter(|(_, v)| v.1 > 0).map(|(b, _)| *b).collect();
+                    let used: Vec<u32> = self
+                        .blocks
+                        .iter()
+                        .filter(|(_, v)| v.1 > 0)
+                        .map(|(b, _)| *b)
+                        .collect();
                     if !used.is_empty() {
                         let b = used[self.rng.next_below(used.len() as u32) as usize];
                         if let Some(e) = self.blocks.get_mut(&b) {
