@@ -103,18 +103,19 @@ impl CacheSim {
         (sim, ev)
     }
 
-    /// One engine step: a new 16-block chain stored and released, 32 hits + releases.
-    fn step(&mut self, rng: &mut Rng, ev: &mut CacheEvents) {
+    /// One engine step: a new `chain`-block chain stored and released, `hits` hits + releases
+    /// (2 × (chain + hits) events).
+    fn step(&mut self, rng: &mut Rng, ev: &mut CacheEvents, chain: u32, hits: u32) {
         ev.clear();
         self.step += 1;
         let mut parent = u32::MAX;
-        for _ in 0..16 {
+        for _ in 0..chain {
             ev.push(EventKind::Stored, self.next, parent, self.step);
             ev.push(EventKind::Released, self.next, 0, self.step);
             parent = self.next;
             self.next += 1;
         }
-        for _ in 0..16 {
+        for _ in 0..hits {
             let b = self.live[rng.next_below(self.live.len() as u32) as usize];
             ev.push(EventKind::Hit, b, 0, self.step);
             ev.push(EventKind::Released, b, 0, self.step);
@@ -195,30 +196,35 @@ fn main() {
     });
     row("sampler default, 256 × 64", w, n, "< 150 µs/step");
 
-    // Evictor: warm both with ~20k blocks, then per step: events + choose 8.
-    let (mut sim_w, warm) = CacheSim::warm(20_000);
-    let mut wasm_evictor = policies.evictor();
-    let mut native_evictor = LruEvictor::new();
-    wasm_evictor.on_events(&warm);
-    native_evictor.on_events(&warm);
-    let mut sim_n = CacheSim {
-        next: sim_w.next,
-        step: sim_w.step,
-        live: sim_w.live.clone(),
-    };
-    let (mut rng_w, mut rng_n) = (Rng::new(7, 0), Rng::new(7, 0));
-    let mut ev = CacheEvents::default();
-    let w = measure(15, 500, || {
-        sim_w.step(&mut rng_w, &mut ev);
-        wasm_evictor.on_events(&ev);
-        black_box(wasm_evictor.choose_victims(8, sim_w.step));
-    });
-    let n = measure(15, 500, || {
-        sim_n.step(&mut rng_n, &mut ev);
-        native_evictor.on_events(&ev);
-        black_box(native_evictor.choose_victims(8, sim_n.step));
-    });
-    row("evictor lru, 64 events + choose 8", w, n, "< 20 µs/step");
+    // Evictor: warm both with ~20k blocks, then per step: events + choose victims.
+    for (label, chain, hits, victims) in [
+        ("evictor lru, 64 events + choose 8", 16, 16, 8),
+        ("evictor lru, 16 events + choose 2", 4, 4, 2),
+    ] {
+        let (mut sim_w, warm) = CacheSim::warm(20_000);
+        let mut wasm_evictor = policies.evictor();
+        let mut native_evictor = LruEvictor::new();
+        wasm_evictor.on_events(&warm);
+        native_evictor.on_events(&warm);
+        let mut sim_n = CacheSim {
+            next: sim_w.next,
+            step: sim_w.step,
+            live: sim_w.live.clone(),
+        };
+        let (mut rng_w, mut rng_n) = (Rng::new(7, 0), Rng::new(7, 0));
+        let mut ev = CacheEvents::default();
+        let w = measure(15, 500, || {
+            sim_w.step(&mut rng_w, &mut ev, chain, hits);
+            wasm_evictor.on_events(&ev);
+            black_box(wasm_evictor.choose_victims(victims, sim_w.step));
+        });
+        let n = measure(15, 500, || {
+            sim_n.step(&mut rng_n, &mut ev, chain, hits);
+            native_evictor.on_events(&ev);
+            black_box(native_evictor.choose_victims(victims, sim_n.step));
+        });
+        row(label, w, n, "< 20 µs/step");
+    }
 
     let fallbacks: u64 = metrics.fallback_samples().iter().map(|s| s.value).sum();
     println!("fallbacks during the run: {fallbacks} (must be 0)");

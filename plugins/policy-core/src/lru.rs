@@ -39,10 +39,96 @@ pub enum VictimError {
     NotLeaf { block: u32 },
 }
 
+/// Block ids below this are stored in a dense table (the block pool hands out small dense ids);
+/// larger ids go to an ordered map.
+const DENSE_LIMIT: u32 = 1 << 22;
+
+/// Nodes by block id.
+#[derive(Debug, Clone, Default)]
+struct Nodes {
+    dense: Vec<Option<Node>>,
+    sparse: BTreeMap<u32, Node>,
+    len: usize,
+}
+
+impl Nodes {
+    fn get(&self, id: u32) -> Option<&Node> {
+        if id < DENSE_LIMIT {
+            self.dense.get(id as usize).and_then(Option::as_ref)
+        } else {
+            self.sparse.get(&id)
+        }
+    }
+
+    fn get_mut(&mut self, id: u32) -> Option<&mut Node> {
+        if id < DENSE_LIMIT {
+            self.dense.get_mut(id as usize).and_then(Option::as_mut)
+        } else {
+            self.sparse.get_mut(&id)
+        }
+    }
+
+    fn contains_key(&self, id: &u32) -> bool {
+        self.get(*id).is_some()
+    }
+
+    fn insert(&mut self, id: u32, node: Node) {
+        let old = if id < DENSE_LIMIT {
+            let i = id as usize;
+            if i >= self.dense.len() {
+                self.dense.resize(i + 1, None);
+            }
+            self.dense[i].replace(node)
+        } else {
+            self.sparse.insert(id, node)
+        };
+        if old.is_none() {
+            self.len += 1;
+        }
+    }
+
+    fn remove(&mut self, id: &u32) -> Option<Node> {
+        let old = if *id < DENSE_LIMIT {
+            self.dense.get_mut(*id as usize).and_then(Option::take)
+        } else {
+            self.sparse.remove(id)
+        };
+        if old.is_some() {
+            self.len -= 1;
+        }
+        old
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// All nodes in ascending id order.
+    fn iter(&self) -> impl Iterator<Item = (u32, &Node)> {
+        let dense = self
+            .dense
+            .iter()
+            .enumerate()
+            .filter_map(|(i, n)| n.as_ref().map(|n| (i as u32, n)));
+        dense.chain(self.sparse.iter().map(|(id, n)| (*id, n)))
+    }
+
+    fn values_mut(&mut self) -> impl Iterator<Item = &mut Node> {
+        self.dense
+            .iter_mut()
+            .filter_map(Option::as_mut)
+            .chain(self.sparse.values_mut())
+    }
+}
+
 /// The evictor's view of the cache.
 #[derive(Debug, Clone, Default)]
 pub struct LruState {
-    nodes: BTreeMap<u32, Node>,
+    nodes: Nodes,
     candidates: BTreeSet<(u64, u32)>,
 }
 
@@ -101,7 +187,7 @@ impl LruState {
         } else {
             NO_PARENT
         };
-        if let Some(p) = self.nodes.get_mut(&parent) {
+        if let Some(p) = self.nodes.get_mut(parent) {
             if Self::is_candidate(p) {
                 self.candidates.remove(&(p.last_access, parent));
             }
@@ -119,7 +205,7 @@ impl LruState {
     }
 
     fn touch(&mut self, block: u32, step: u64, released: bool) {
-        let Some(node) = self.nodes.get_mut(&block) else {
+        let Some(node) = self.nodes.get_mut(block) else {
             return;
         };
         if Self::is_candidate(node) {
@@ -151,7 +237,7 @@ impl LruState {
                 }
             }
         }
-        if let Some(p) = self.nodes.get_mut(&node.parent) {
+        if let Some(p) = self.nodes.get_mut(node.parent) {
             p.children = p.children.saturating_sub(1);
             if Self::is_candidate(p) {
                 self.candidates.insert((p.last_access, node.parent));
@@ -160,7 +246,7 @@ impl LruState {
     }
 
     fn set_snapshot(&mut self, block: u32, present: bool) {
-        if let Some(node) = self.nodes.get_mut(&block) {
+        if let Some(node) = self.nodes.get_mut(block) {
             node.has_snapshot = present;
         }
     }
@@ -185,7 +271,7 @@ impl LruState {
         let mut sim = Simulation::default();
         let mut result = Ok(());
         for &block in victims {
-            let verdict = match self.nodes.get(&block) {
+            let verdict = match self.nodes.get(block) {
                 None => Err(VictimError::NotCached { block }),
                 Some(n) if !n.evictable => Err(VictimError::InUse { block }),
                 Some(n) if n.children > 0 => Err(VictimError::NotLeaf { block }),
@@ -210,8 +296,8 @@ impl LruState {
     fn take(&mut self, sim: &mut Simulation, key: (u64, u32)) {
         self.candidates.remove(&key);
         sim.taken.push(key);
-        let parent = self.nodes.get(&key.1).map_or(NO_PARENT, |n| n.parent);
-        if let Some(p) = self.nodes.get_mut(&parent) {
+        let parent = self.nodes.get(key.1).map_or(NO_PARENT, |n| n.parent);
+        if let Some(p) = self.nodes.get_mut(parent) {
             p.children -= 1;
             sim.decremented.push(parent);
             if Self::is_candidate(p) {
@@ -227,7 +313,7 @@ impl LruState {
             self.candidates.remove(key);
         }
         for parent in sim.decremented {
-            if let Some(p) = self.nodes.get_mut(&parent) {
+            if let Some(p) = self.nodes.get_mut(parent) {
                 p.children += 1;
             }
         }
@@ -243,7 +329,7 @@ impl LruState {
     pub fn replay_events(&self, out: &mut ReplayEvents) {
         let mut kids: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
         let mut stack = Vec::new();
-        for (&id, n) in &self.nodes {
+        for (id, n) in self.nodes.iter() {
             if self.nodes.contains_key(&n.parent) {
                 kids.entry(n.parent).or_default().push(id);
             } else {
@@ -252,7 +338,7 @@ impl LruState {
         }
         stack.reverse();
         while let Some(block) = stack.pop() {
-            let Some(n) = self.nodes.get(&block) else {
+            let Some(n) = self.nodes.get(block) else {
                 continue;
             };
             out.push(event_kind::STORED, block, n.parent, n.last_access);

@@ -6,7 +6,8 @@
 //! `min_p` times the best one's (0 disables); top-p keeps the shortest prefix whose mass
 //! reaches `top_p` of what is left (1 disables); one draw from `Rng::new(seed, counter)` picks
 //! among the survivors. Every sum runs in candidate order, so the result is the same bit for
-//! bit in every build. NaN logits count as −∞; a request whose logits are all −∞ gets its first
+//! bit in every build. Candidates whose probability is below e^-16 of the best one's count as
+//! impossible (this skips their `exp`). NaN logits count as −∞; a request whose logits are all −∞ gets its first
 //! candidate.
 
 use alloc::vec::Vec;
@@ -14,6 +15,9 @@ use alloc::vec::Vec;
 use crate::columns::SamplerBatchView;
 use crate::math;
 use crate::rng::Rng;
+
+/// Scaled logits below this (probability under e^-16 ≈ 1e-7 of the best) are treated as 0.
+const NEGLIGIBLE: f32 = -16.0;
 
 /// Per-request knobs, as in one row of the batch.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -67,25 +71,26 @@ pub fn sample_index(p: &Params, logits: &[f32], probs: &mut Vec<f32>) -> usize {
     }
     let max = logits[best];
     let inv_t = 1.0 / p.temperature;
+    // One pass: probability relative to the best candidate (1 for the best), min-p, and the
+    // running total, all in candidate order.
+    let min_p = if p.min_p > 0.0 { p.min_p } else { 0.0 };
     probs.clear();
-    probs.extend(logits[..n].iter().map(|&l| {
+    let mut total = 0.0f32;
+    for &l in &logits[..n] {
         let x = (l - max) * inv_t;
-        if x.is_nan() { 0.0 } else { math::exp(x) }
-    }));
-    // min-p, relative to the best candidate's probability (1 before normalisation).
-    if p.min_p > 0.0 {
-        for q in probs.iter_mut() {
-            if *q < p.min_p {
-                *q = 0.0;
-            }
+        // NaN and anything below e^-16 of the best count as impossible.
+        let mut q = if x >= NEGLIGIBLE { math::exp(x) } else { 0.0 };
+        if q < min_p {
+            q = 0.0;
         }
+        total += q;
+        probs.push(q);
     }
-    // top-p over what is left, in candidate order.
-    let mut total: f32 = probs.iter().sum();
+    // top-p: the shortest prefix whose mass reaches `top_p` of the total.
+    let mut end = n;
     if p.top_p < 1.0 && p.top_p > 0.0 {
         let cut = p.top_p * total;
         let mut cum = 0.0f32;
-        let mut end = n;
         for (i, &q) in probs.iter().enumerate() {
             cum += q;
             if cum >= cut {
@@ -93,15 +98,12 @@ pub fn sample_index(p: &Params, logits: &[f32], probs: &mut Vec<f32>) -> usize {
                 break;
             }
         }
-        for q in &mut probs[end..] {
-            *q = 0.0;
-        }
-        total = probs[..end].iter().sum();
+        total = cum;
     }
     let u = Rng::new(p.seed, p.counter).next_f32() * total;
     let mut cum = 0.0f32;
     let mut last_kept = best;
-    for (i, &q) in probs.iter().enumerate() {
+    for (i, &q) in probs[..end].iter().enumerate() {
         if q > 0.0 {
             cum += q;
             last_kept = i;
