@@ -8,10 +8,13 @@
 //! - [`backend`]: tensor storage and kernels (`cpu` reference backend).
 //! - [`cache`]: the KV block pool, prefix index and SSM-state pool of one replica.
 //! - [`tokenizer`]: tokenizer and chat template loading.
+//! - [`plugins`]: WebAssembly policy plugins (load, sandbox, fall back, reload) behind the
+//!   [`policy`] traits, whose native twins live in `policy::native`.
 
 pub mod backend;
 pub mod cache;
 pub mod engine;
 pub mod model;
+pub mod plugins;
 pub mod policy;
 pub mod tokenizer;
