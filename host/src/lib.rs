@@ -7,8 +7,10 @@
 //!   [`backend::Backend`] seam; the forward pass takes batch inputs and caches as arguments.
 //! - [`backend`]: tensor storage and kernels (`cpu` reference backend).
 //! - [`tokenizer`]: tokenizer and chat template loading.
+//! - [`bench`]: `chimera bench`, a load generator for OpenAI-compatible streaming servers.
 
 pub mod backend;
+pub mod bench;
 pub mod engine;
 pub mod model;
 pub mod policy;
