@@ -7,6 +7,8 @@
 //! allow for scheduling delay on a busy machine (a sleep never ends early, so lower bounds are
 //! exact).
 
+#![allow(clippy::unwrap_used)]
+
 use std::collections::HashSet;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -607,6 +609,41 @@ async fn sweep_writes_json_and_svg_and_duration_bounds_sending() {
         recs.len()
     );
     assert!(recs.iter().all(|r| r.start_s < 0.3 && r.error.is_none()));
+
+    // Warm-up requests are sent but kept out of the statistics; a baseline file is accepted.
+    let script = Script::default();
+    let url = spawn_mock(script.clone()).await;
+    let report = run(args(
+        &url,
+        &[
+            "--model",
+            "m",
+            "--tokenizer",
+            "words",
+            "--workload",
+            "random",
+            "--input-len",
+            "5",
+            "--output-len",
+            "2",
+            "--num-requests",
+            "4",
+            "--concurrency",
+            "1,2",
+            "--warmup",
+            "3",
+            "--baseline",
+            out.to_str().unwrap(),
+        ],
+    ))
+    .await
+    .unwrap();
+    assert_eq!(script.count.load(Ordering::SeqCst), 3 + 4 + 4);
+    assert_eq!(
+        (report.run.warmup_requests, report.run.warmup_failed),
+        (3, 0)
+    );
+    assert!(report.points.iter().all(|p| p.summary.requests.sent == 4));
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -616,7 +653,7 @@ fn bad_arguments_are_clear_errors() {
         .enable_all()
         .build()
         .unwrap();
-    let cases: [(&[&str], &str); 5] = [
+    let cases: [(&[&str], &str); 6] = [
         (&["--workload", "file"], "--prompts-file"),
         (&["--extra-body", "[1]"], "JSON object"),
         (
@@ -631,6 +668,7 @@ fn bad_arguments_are_clear_errors() {
             &["--tokenizer", "/nonexistent/tok.json"],
             "--tokenizer words",
         ),
+        (&["--baseline", "/nonexistent/base.json"], "base.json"),
     ];
     for (extra, needle) in cases {
         let mut a = vec!["--model", "m"];

@@ -129,6 +129,7 @@ impl Arrivals {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

@@ -393,6 +393,7 @@ fn truncate(s: &str) -> String {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
     use crate::bench::tokens::Prompt;

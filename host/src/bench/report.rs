@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::BenchError;
-use super::stats::{Distribution, PointSummary, RequestRecord};
+use super::stats::{Distribution, Latencies, PointSummary, RequestRecord};
 use super::workload::LenRange;
 
 /// Identifier of the JSON layout written by this version.
@@ -66,6 +66,9 @@ pub struct RunInfo {
     pub temperature: f32,
     pub ignore_eos: bool,
     pub extra_body: Value,
+    /// Warm-up requests sent before the first point, and how many of them failed.
+    pub warmup_requests: usize,
+    pub warmup_failed: usize,
 }
 
 /// One load point: its summary, and the per-request records when `--save-requests` is given.
@@ -165,6 +168,87 @@ impl BenchReport {
         }
         s
     }
+}
+
+/// Ratios of `new` to `base` for each point pair (matched by position): throughputs and
+/// latency percentiles as `new / base`, cache-hit ratio as `base -> new` percentages.
+pub fn comparison_table(base: &BenchReport, new: &BenchReport) -> String {
+    let mut s = String::new();
+    let name = |r: &BenchReport| r.label.clone().unwrap_or_else(|| "unlabelled".into());
+    let _ = writeln!(s, "ratios {} / {} (new / baseline)", name(new), name(base));
+    let _ = writeln!(
+        s,
+        "{:>12} {:>8} {:>10} {:>9} {:>9} {:>8} {:>9} {:>15}",
+        "load",
+        "req/s",
+        "out tok/s",
+        "TTFT p50",
+        "TTFT p99",
+        "ITL p50",
+        "E2E p50",
+        "hit% base->new"
+    );
+    let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(n), Some(d)) if d > 0.0 => format!("{:.3}x", n / d),
+        _ => "-".into(),
+    };
+    let mut mismatched = false;
+    for (b, n) in base.points.iter().zip(&new.points) {
+        let (b, n) = (&b.summary, &n.summary);
+        let mut load = load_label(n);
+        if b.load != n.load {
+            load.push('*');
+            mismatched = true;
+        }
+        let q = |p: &PointSummary, f: fn(&Latencies) -> Option<f64>| f(&p.latency_ms);
+        let hit = |p: &PointSummary| {
+            p.cache_hit_ratio
+                .map_or("-".into(), |r| format!("{:.1}", r * 100.0))
+        };
+        let _ = writeln!(
+            s,
+            "{:>12} {:>8} {:>10} {:>9} {:>9} {:>8} {:>9} {:>15}",
+            load,
+            ratio(
+                Some(n.throughput.requests_per_s),
+                Some(b.throughput.requests_per_s)
+            ),
+            ratio(
+                Some(n.throughput.output_tokens_per_s),
+                Some(b.throughput.output_tokens_per_s)
+            ),
+            ratio(
+                q(n, |l| l.ttft.as_ref().map(|d| d.p50)),
+                q(b, |l| l.ttft.as_ref().map(|d| d.p50))
+            ),
+            ratio(
+                q(n, |l| l.ttft.as_ref().map(|d| d.p99)),
+                q(b, |l| l.ttft.as_ref().map(|d| d.p99))
+            ),
+            ratio(
+                q(n, |l| l.itl.as_ref().map(|d| d.p50)),
+                q(b, |l| l.itl.as_ref().map(|d| d.p50))
+            ),
+            ratio(
+                q(n, |l| l.e2e.as_ref().map(|d| d.p50)),
+                q(b, |l| l.e2e.as_ref().map(|d| d.p50))
+            ),
+            format!("{} -> {}", hit(b), hit(n)),
+        );
+    }
+    if base.points.len() != new.points.len() {
+        let _ = writeln!(
+            s,
+            "(baseline has {} points, this run {}; compared the first {})",
+            base.points.len(),
+            new.points.len(),
+            base.points.len().min(new.points.len())
+        );
+    }
+    if mismatched {
+        let _ = writeln!(s, "* the baseline point had a different offered load");
+    }
+    s
 }
 
 fn load_label(p: &PointSummary) -> String {
@@ -370,4 +454,131 @@ pub fn write_plot(report: &BenchReport, path: &Path) -> Result<(), BenchError> {
     }
     root.present().map_err(|e| err(e.to_string()))?;
     Ok(())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::bench::arrivals::LoadPoint;
+
+    fn point(load: LoadPoint, ttft: f64, n: usize) -> PointReport {
+        let records: Vec<RequestRecord> = (0..n)
+            .map(|_| RequestRecord {
+                ttft_s: Some(ttft),
+                e2e_s: ttft + 0.1,
+                itl_s: vec![0.01; 10],
+                prompt_tokens: Some(100),
+                completion_tokens: Some(11),
+                cached_tokens: Some(50),
+                ..Default::default()
+            })
+            .collect();
+        PointReport {
+            summary: PointSummary::compute(&load, &records, 1.0, 0),
+            records: None,
+        }
+    }
+
+    fn report(points: Vec<PointReport>) -> BenchReport {
+        BenchReport {
+            schema: SCHEMA.into(),
+            label: Some("x".into()),
+            metadata: BTreeMap::new(),
+            started_at_unix_s: 0.0,
+            server: ServerInfo {
+                url: "http://h".into(),
+                endpoint: "completions".into(),
+                path: "/v1/completions".into(),
+                model: "m".into(),
+            },
+            workload: WorkloadInfo {
+                kind: "random".into(),
+                seed: 0,
+                sweep_prompts: "fresh".into(),
+                tokenizer: "words".into(),
+                prompt_format: "text".into(),
+                groups: None,
+                prompts_per_group: None,
+                prefix_len: None,
+                question_len: None,
+                input_len: Some(LenRange::fixed(100)),
+                output_len: Some(LenRange::fixed(11)),
+                conversations: None,
+                turns: None,
+                prompts_file: None,
+                shuffle: None,
+                sessions_per_pass: 1,
+                requests_per_pass: 1,
+            },
+            run: RunInfo {
+                max_requests: None,
+                duration_s: None,
+                timeout_s: 1.0,
+                temperature: 0.0,
+                ignore_eos: false,
+                extra_body: Value::Null,
+                warmup_requests: 0,
+                warmup_failed: 0,
+            },
+            points,
+        }
+    }
+
+    #[test]
+    fn tables_show_the_numbers() {
+        let r = report(vec![
+            point(LoadPoint::Concurrency(1), 0.05, 4),
+            point(LoadPoint::Concurrency(4), 0.2, 8),
+        ]);
+        let t = point_table(&r.points[0].summary);
+        assert!(t.contains("sent 4  completed 4  failed 0"), "{t}");
+        assert!(t.contains("cache hit 50.0%"), "{t}");
+        assert!(t.contains("4.00 req/s"), "{t}");
+        let sweep = r.sweep_table();
+        assert_eq!(sweep.lines().count(), 3);
+        assert!(sweep.contains("c=4") && sweep.contains("200.0"), "{sweep}");
+    }
+
+    #[test]
+    fn comparison_gives_new_over_base() {
+        let base = report(vec![point(LoadPoint::Concurrency(2), 0.2, 4)]);
+        let new = report(vec![point(LoadPoint::Concurrency(2), 0.05, 8)]);
+        let t = comparison_table(&base, &new);
+        // req/s 8 / 4, TTFT 50 / 200 ms.
+        assert!(t.contains("2.000x"), "{t}");
+        assert!(t.contains("0.250x"), "{t}");
+        assert!(t.contains("50.0 -> 50.0"), "{t}");
+        assert!(!t.contains('*'));
+        let other = report(vec![point(LoadPoint::Concurrency(3), 0.05, 8)]);
+        assert!(comparison_table(&base, &other).contains("c=3*"));
+    }
+
+    #[test]
+    fn plot_skips_infinite_rate_and_needs_one_finite_point() {
+        let dir = std::env::temp_dir().join(format!("chimera-plot-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let inf = LoadPoint::Rate {
+            rate: f64::INFINITY,
+            burstiness: 1.0,
+            max_concurrency: None,
+        };
+        let only_inf = report(vec![point(inf, 0.1, 2)]);
+        assert!(write_plot(&only_inf, &dir.join("a.svg")).is_err());
+        let rate = |r| LoadPoint::Rate {
+            rate: r,
+            burstiness: 1.0,
+            max_concurrency: None,
+        };
+        let r = report(vec![
+            point(rate(2.0), 0.1, 2),
+            point(rate(4.0), 0.3, 2),
+            point(inf, 0.5, 2),
+        ]);
+        let path = dir.join("b.svg");
+        write_plot(&r, &path).unwrap();
+        let svg = std::fs::read_to_string(&path).unwrap();
+        assert!(svg.contains("request rate (req/s)") && svg.contains("throughput"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -142,7 +142,7 @@ pub async fn run_point(
                 let (ctx, clock, sem) = (ctx.clone(), clock.clone(), sem.clone());
                 tasks.spawn(async move { run_session(&ctx, &clock, session, granted, sem).await });
                 idx += 1;
-                if idx % 64 == 0 {
+                if idx.is_multiple_of(64) {
                     tokio::task::yield_now().await;
                 }
             }
@@ -233,6 +233,7 @@ async fn run_session(
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

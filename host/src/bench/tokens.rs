@@ -263,6 +263,7 @@ impl PromptTokenizer {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 pub(crate) mod tests {
     use super::*;
     use std::collections::HashMap;

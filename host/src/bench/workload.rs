@@ -339,6 +339,7 @@ const ENTRY_HELP: &str = "each entry is a string or an object with `prompt` (str
     `turns` (list of strings), and optional `system` (string) and `output_len` (integer)";
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
