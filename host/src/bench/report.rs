@@ -446,7 +446,12 @@ pub fn write_plot(report: &BenchReport, path: &Path) -> Result<(), BenchError> {
         }
         chart
             .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
+            // Latencies usually rise to the right; throughput starts low on the left.
+            .position(if panel < 3 {
+                SeriesLabelPosition::LowerRight
+            } else {
+                SeriesLabelPosition::UpperLeft
+            })
             .background_style(WHITE.mix(0.8))
             .border_style(BLACK)
             .draw()

@@ -215,7 +215,6 @@ async fn run_session(
             completion_tokens: ex.completion_tokens,
             cached_tokens: ex.cached_tokens,
             error: ex.error,
-            output_text: String::new(),
         };
         records.push(rec);
         ctx.progress.inc(1);

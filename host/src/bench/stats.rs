@@ -55,9 +55,6 @@ pub struct RequestRecord {
     pub completion_tokens: Option<u64>,
     pub cached_tokens: Option<u64>,
     pub error: Option<Failure>,
-    /// Generated text (kept for multi-turn continuation, not written to JSON).
-    #[serde(skip)]
-    pub output_text: String,
 }
 
 impl RequestRecord {
