@@ -6,11 +6,13 @@
 //! - [`model`]: Hugging Face model loading and the architectures, written once over the
 //!   [`backend::Backend`] seam; the forward pass takes batch inputs and caches as arguments.
 //! - [`backend`]: tensor storage and kernels (`cpu` reference backend).
+//! - [`cache`]: the KV block pool, prefix index and SSM-state pool of one replica.
 //! - [`tokenizer`]: tokenizer and chat template loading.
 //! - [`bench`]: `chimera bench`, a load generator for OpenAI-compatible streaming servers.
 
 pub mod backend;
 pub mod bench;
+pub mod cache;
 pub mod engine;
 pub mod model;
 pub mod policy;
