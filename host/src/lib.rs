@@ -10,8 +10,10 @@
 //! - [`tokenizer`]: tokenizer and chat template loading.
 //! - [`plugins`]: WebAssembly policy plugins (load, sandbox, fall back, reload) behind the
 //!   [`policy`] traits, whose native twins live in `policy::native`.
+//! - [`bench`]: `chimera bench`, a load generator for OpenAI-compatible streaming servers.
 
 pub mod backend;
+pub mod bench;
 pub mod cache;
 pub mod engine;
 pub mod model;
