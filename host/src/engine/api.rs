@@ -151,9 +151,16 @@ pub struct EngineStats {
 /// prefix index exactly.
 #[derive(Debug, Clone, PartialEq)]
 pub enum KvEvent {
-    Stored { hashes: Vec<u64>, with_snapshot: Vec<bool> },
-    Removed { hashes: Vec<u64> },
-    SnapshotRemoved { hashes: Vec<u64> },
+    Stored {
+        hashes: Vec<u64>,
+        with_snapshot: Vec<bool>,
+    },
+    Removed {
+        hashes: Vec<u64>,
+    },
+    SnapshotRemoved {
+        hashes: Vec<u64>,
+    },
     Cleared,
 }
 
@@ -180,7 +187,11 @@ impl EngineHandle {
         cancels: mpsc::Sender<u64>,
         stats: watch::Receiver<EngineStats>,
     ) -> Self {
-        Self { commands, cancels, stats }
+        Self {
+            commands,
+            cancels,
+            stats,
+        }
     }
 
     /// Submits a request without blocking; its events arrive on the returned receiver.
