@@ -27,6 +27,8 @@ pub struct ServerConfig {
     pub max_queued_requests: u32,
     /// Largest accepted request body; larger bodies get 413.
     pub max_body_bytes: usize,
+    /// A request body must arrive within this many seconds.
+    pub body_read_timeout_secs: u32,
     /// Largest `n × prompts` in one request.
     pub max_choices_per_request: u32,
     pub max_stop_strings: u32,
@@ -52,6 +54,7 @@ impl Default for ServerConfig {
             admin_token: None,
             max_queued_requests: 256,
             max_body_bytes: 2 * 1024 * 1024,
+            body_read_timeout_secs: 30,
             max_choices_per_request: 64,
             max_stop_strings: 16,
             max_stop_len: 256,
@@ -86,6 +89,9 @@ impl ServerConfig {
         }
         if self.max_body_bytes < 1024 {
             return err("max_body_bytes", "must be at least 1024");
+        }
+        if self.body_read_timeout_secs == 0 {
+            return err("body_read_timeout_secs", "must be at least 1");
         }
         if self.max_choices_per_request == 0 {
             return err("max_choices_per_request", "must be at least 1");

@@ -130,6 +130,8 @@ impl MockEngine {
             running: Vec::new(),
             cache: HashSet::new(),
             cache_order: VecDeque::new(),
+            early_cancels: HashSet::new(),
+            early_order: VecDeque::new(),
             stats: EngineStats::default(),
         };
         let thread = std::thread::Builder::new()
@@ -164,6 +166,8 @@ struct MockLoop {
     running: Vec<Running>,
     cache: HashSet<u64>,
     cache_order: VecDeque<u64>,
+    early_cancels: HashSet<u64>,
+    early_order: VecDeque<u64>,
     stats: EngineStats,
 }
 
@@ -258,6 +262,18 @@ impl MockLoop {
                 recent.pop_front();
             }
         }
+        if self.early_cancels.remove(&req.id) {
+            self.counters.cancelled.fetch_add(1, Ordering::SeqCst);
+            let usage = Usage {
+                prompt_tokens: req.prompt.len() as u32,
+                ..Usage::default()
+            };
+            let _ = events.send(EngineEvent::Finished {
+                reason: FinishReason::Cancelled,
+                usage,
+            });
+            return;
+        }
         let fail = |kind: &'static str, message: String| {
             let _ = events.send(EngineEvent::Failed { kind, message });
         };
@@ -300,6 +316,21 @@ impl MockLoop {
     }
 
     fn cancel(&mut self, id: u64) {
+        if !self.running.iter().any(|r| r.req.id == id)
+            && !self.waiting.iter().any(|r| r.req.id == id)
+        {
+            // Cancels travel on their own channel and can overtake the request's Add: remember
+            // them (bounded; a cancel of an already finished request is also kept a while).
+            if self.early_cancels.insert(id) {
+                self.early_order.push_back(id);
+                if self.early_order.len() > 4096
+                    && let Some(old) = self.early_order.pop_front()
+                {
+                    self.early_cancels.remove(&old);
+                }
+            }
+            return;
+        }
         let finish = |r: Running, counters: &MockCounters| {
             counters.cancelled.fetch_add(1, Ordering::SeqCst);
             let usage = usage_of(&r);
@@ -392,6 +423,7 @@ impl MockLoop {
     fn step(&mut self) {
         let mut running = std::mem::take(&mut self.running);
         let mut keep = Vec::with_capacity(running.len());
+        let mut late_cancels = Vec::new();
         for mut r in running.drain(..) {
             let token = self.next_token(&mut r);
             r.generated += 1;
@@ -415,7 +447,15 @@ impl MockLoop {
                 })
                 .is_err()
             {
-                self.counters.orphaned.fetch_add(1, Ordering::SeqCst);
+                // The receiver went away; a cancel sent just before that counts as a cancel.
+                late_cancels.extend(self.cancels.try_iter());
+
+                if let Some(pos) = late_cancels.iter().position(|id| *id == r.req.id) {
+                    late_cancels.swap_remove(pos);
+                    self.counters.cancelled.fetch_add(1, Ordering::SeqCst);
+                } else {
+                    self.counters.orphaned.fetch_add(1, Ordering::SeqCst);
+                }
                 continue;
             }
             let is_eos = !r.req.ignore_eos && self.config.eos_token_id == Some(token);
@@ -437,6 +477,9 @@ impl MockLoop {
             }
         }
         self.running = keep;
+        for id in late_cancels {
+            self.cancel(id);
+        }
     }
 
     fn publish(&mut self) {

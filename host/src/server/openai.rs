@@ -9,12 +9,11 @@
 //! (that is `pipeline`) or build bodies (that is `respond`).
 
 use std::collections::HashSet;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::extract::rejection::BytesRejection;
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, header};
 use axum::response::{IntoResponse, Response};
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
@@ -32,14 +31,38 @@ use crate::engine::api::GenerateRequest;
 /// Prompt tokens kept as detokenizer context (for correct leading spaces).
 const DETOK_CONTEXT: usize = 4;
 
-fn read_body(body: Result<Bytes, BytesRejection>, state: &AppState) -> Result<Bytes, AppError> {
-    body.map_err(|rej| {
-        if rej.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            AppError::PayloadTooLarge(state.config().max_body_bytes)
-        } else {
-            AppError::InvalidJson(rej.body_text())
+/// Reads the body within the size limit and the read timeout. A declared `Content-Length` over
+/// the limit is refused before reading anything.
+async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<Bytes, AppError> {
+    let limit = state.config().max_body_bytes;
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(AppError::PayloadTooLarge(limit));
+    }
+    let timeout = Duration::from_secs(u64::from(state.config().body_read_timeout_secs));
+    match tokio::time::timeout(timeout, axum::body::to_bytes(body, limit)).await {
+        Err(_) => Err(AppError::InvalidJson(
+            "timed out reading the request body".into(),
+        )),
+        Ok(Ok(b)) => Ok(b),
+        Ok(Err(e)) => {
+            // axum reports the limit as a boxed `LengthLimitError` somewhere in the chain.
+            let mut too_large = false;
+            let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+            while let Some(err) = cur {
+                too_large |= err.to_string().contains("length limit");
+                cur = err.source();
+            }
+            if too_large {
+                Err(AppError::PayloadTooLarge(limit))
+            } else {
+                Err(AppError::InvalidJson(format!("cannot read the body: {e}")))
+            }
         }
-    })
+    }
 }
 
 fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, AppError> {
@@ -291,13 +314,14 @@ async fn finish(
 
 pub async fn completions(
     State(state): State<AppState>,
-    body: Result<Bytes, BytesRejection>,
+    headers: HeaderMap,
+    body: Body,
 ) -> Result<Response, AppError> {
     let start = Instant::now();
     if state.is_shutting_down() {
         return Err(AppError::ShuttingDown);
     }
-    let body = read_body(body, &state)?;
+    let body = read_body(&state, &headers, body).await?;
     let req: CompletionRequest = parse(&body)?;
     check_model(&state, req.common.model.as_deref())?;
     if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
@@ -389,13 +413,14 @@ fn messages_json(messages: &[ChatMessage]) -> Result<Value, AppError> {
 
 pub async fn chat_completions(
     State(state): State<AppState>,
-    body: Result<Bytes, BytesRejection>,
+    headers: HeaderMap,
+    body: Body,
 ) -> Result<Response, AppError> {
     let start = Instant::now();
     if state.is_shutting_down() {
         return Err(AppError::ShuttingDown);
     }
-    let body = read_body(body, &state)?;
+    let body = read_body(&state, &headers, body).await?;
     let req: ChatRequest = parse(&body)?;
     check_model(&state, req.common.model.as_deref())?;
     if req

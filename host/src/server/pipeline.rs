@@ -202,8 +202,9 @@ impl OutputState {
 pub struct ChoiceRun {
     index: u32,
     prompt_idx: usize,
-    rx: mpsc::UnboundedReceiver<EngineEvent>,
+    // Declared before `rx` so that on drop the cancel is sent before the receiver closes.
     guard: RequestGuard,
+    rx: mpsc::UnboundedReceiver<EngineEvent>,
     state: Option<OutputState>,
     abort: watch::Receiver<bool>,
     metrics: Arc<Metrics>,
