@@ -6,10 +6,12 @@
 //! - [`model`]: Hugging Face model loading and the architectures, written once over the
 //!   [`backend::Backend`] seam; the forward pass takes batch inputs and caches as arguments.
 //! - [`backend`]: tensor storage and kernels (`cpu` reference backend).
+//! - [`cache`]: the KV block pool, prefix index and SSM-state pool of one replica.
 //! - [`server`]: the OpenAI-compatible HTTP server, replica router and metrics.
 //! - [`tokenizer`]: tokenizer and chat template loading.
 
 pub mod backend;
+pub mod cache;
 pub mod engine;
 pub mod model;
 pub mod policy;

@@ -42,7 +42,7 @@ pub struct MockEngineConfig {
     pub eos_one_in: u32,
     pub block_size: u32,
     pub total_blocks: u32,
-    pub cache_salt: u64,
+    pub cache_salt: String,
     /// Requests whose prompt + max_tokens exceed this fail with `prompt_too_long`.
     pub max_model_len: u32,
     /// A prompt containing this token fails with kind `mock_failure` (to test error paths).
@@ -63,7 +63,7 @@ impl Default for MockEngineConfig {
             eos_one_in: 0,
             block_size: 4,
             total_blocks: 1024,
-            cache_salt: 0,
+            cache_salt: "mock".into(),
             max_model_len: 4096,
             fail_token: None,
             record_requests: 64,
@@ -355,7 +355,7 @@ impl MockLoop {
                 break;
             };
             let hashes = prompt_block_hashes(
-                self.config.cache_salt,
+                &self.config.cache_salt,
                 &r.req.prompt,
                 self.config.block_size,
             );

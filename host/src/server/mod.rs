@@ -60,8 +60,8 @@ pub struct ModelInfo {
     pub max_model_len: u32,
     /// KV block size, for prefix hashing and `cache_config_info`.
     pub block_size: u32,
-    /// Salt of the cache's block hashes (must match the engines').
-    pub cache_salt: u64,
+    /// Salt of the cache's block hashes (the model id; must match the engines').
+    pub cache_salt: String,
     pub num_blocks: u32,
     pub prefix_caching: bool,
 }

@@ -140,7 +140,7 @@ async fn prepare(
     logprobs: bool,
 ) -> Result<Vec<Prepared>, AppError> {
     let codec = state.inner().codec.clone();
-    let salt = state.inner().model.cache_salt;
+    let salt = state.inner().model.cache_salt.clone();
     let block = state.inner().model.block_size;
     let vocab = state.inner().limits.vocab_size;
     tokio::task::spawn_blocking(move || {
@@ -174,7 +174,7 @@ async fn prepare(
                 } else {
                     Vec::new()
                 };
-                let hashes = prompt_block_hashes(salt, &ids, block);
+                let hashes = prompt_block_hashes(&salt, &ids, block);
                 Ok(Prepared {
                     ids,
                     hashes,

@@ -7,37 +7,21 @@
 //! than that, the mirror is cleared, which can only cost routing quality, never correctness).
 //! It must not decide routes: it answers "how deep does this prompt hit here".
 //!
-//! [`prompt_block_hashes`] must compute exactly what the cache's prefix index computes. It is the
-//! one place to re-point at the cache's own hash function once that is exported.
+//! [`prompt_block_hashes`] computes exactly what the cache's prefix index computes, by calling
+//! the cache's own hash function.
 
 use std::collections::HashMap;
 
-use sha2::{Digest, Sha256};
-
+use crate::cache::hash::{BlockHash, HashSeed};
 use crate::engine::api::KvEvent;
 
-/// Chained hashes of the prompt's full blocks: `h_i = H(h_{i-1} ‖ tokens of block i)`, seeded
-/// with `salt`. A trailing partial block has no hash.
-///
-/// Stand-in for the cache's `cache::hash`; the mock engine uses the same function, so the
-/// server and the mock agree. Re-point this one function when the real one lands.
-pub fn prompt_block_hashes(salt: u64, tokens: &[u32], block_size: u32) -> Vec<u64> {
-    let block_size = block_size.max(1) as usize;
-    let mut out = Vec::with_capacity(tokens.len() / block_size);
-    let mut parent = salt.to_le_bytes();
-    for block in tokens.chunks_exact(block_size) {
-        let mut hasher = Sha256::new();
-        hasher.update(parent);
-        for t in block {
-            hasher.update(t.to_le_bytes());
-        }
-        let digest = hasher.finalize();
-        let mut first = [0u8; 8];
-        first.copy_from_slice(&digest[..8]);
-        out.push(u64::from_le_bytes(first));
-        parent = first;
-    }
-    out
+/// Short (u64) chained hashes of the prompt's full blocks, exactly as the cache publishes them
+/// in `KvEvent`s (`cache::hash`: `h_i = H(h_{i-1} ‖ tokens of block i)`, seeded with the salt).
+/// A trailing partial block has no hash.
+pub fn prompt_block_hashes(salt: &str, tokens: &[u32], block_size: u32) -> Vec<u64> {
+    let mut hashes = Vec::with_capacity(tokens.len() / block_size.max(1) as usize);
+    HashSeed::new(salt).extend(&mut hashes, tokens, block_size.max(1) as usize);
+    hashes.into_iter().map(BlockHash::short).collect()
 }
 
 /// What a prompt would reuse on one replica.
@@ -137,20 +121,20 @@ mod tests {
 
     #[test]
     fn hashes_are_chained_and_salted() {
-        let a = prompt_block_hashes(1, &[1, 2, 3, 4, 5, 6, 7], 2);
+        let a = prompt_block_hashes("m", &[1, 2, 3, 4, 5, 6, 7], 2);
         assert_eq!(a.len(), 3);
-        let b = prompt_block_hashes(1, &[1, 2, 3, 4, 9, 9], 2);
+        let b = prompt_block_hashes("m", &[1, 2, 3, 4, 9, 9], 2);
         assert_eq!(a[..2], b[..2]);
         assert_ne!(a[2], b[2]);
         // Same block content at a different depth hashes differently (chaining).
-        let c = prompt_block_hashes(1, &[5, 6], 2);
+        let c = prompt_block_hashes("m", &[5, 6], 2);
         assert_ne!(c[0], a[2]);
-        assert_ne!(prompt_block_hashes(2, &[1, 2], 2), a[..1]);
+        assert_ne!(prompt_block_hashes("other", &[1, 2], 2), a[..1]);
     }
 
     #[test]
     fn mirror_tracks_store_remove_snapshot_clear() {
-        let h = prompt_block_hashes(0, &[1, 2, 3, 4, 5, 6], 2);
+        let h = prompt_block_hashes("m", &[1, 2, 3, 4, 5, 6], 2);
         let mut m = PrefixMirror::new(100);
         m.apply(&KvEvent::Stored {
             hashes: h.clone(),

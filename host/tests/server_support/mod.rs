@@ -97,7 +97,7 @@ impl TestServer {
                 name: MODEL.into(),
                 max_model_len: opts.max_model_len,
                 block_size: opts.engine.block_size,
-                cache_salt: opts.engine.cache_salt,
+                cache_salt: opts.engine.cache_salt.clone(),
                 num_blocks: opts.engine.total_blocks,
                 prefix_caching: true,
             },
