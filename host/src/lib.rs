@@ -7,6 +7,7 @@
 //!   [`backend::Backend`] seam; the forward pass takes batch inputs and caches as arguments.
 //! - [`backend`]: tensor storage and kernels (`cpu` reference backend).
 //! - [`cache`]: the KV block pool, prefix index and SSM-state pool of one replica.
+//! - [`server`]: the OpenAI-compatible HTTP server, replica router and metrics.
 //! - [`tokenizer`]: tokenizer and chat template loading.
 //! - [`plugins`]: WebAssembly policy plugins (load, sandbox, fall back, reload) behind the
 //!   [`policy`] traits, whose native twins live in `policy::native`.
@@ -19,4 +20,5 @@ pub mod engine;
 pub mod model;
 pub mod plugins;
 pub mod policy;
+pub mod server;
 pub mod tokenizer;
