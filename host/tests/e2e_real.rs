@@ -129,8 +129,8 @@ async fn shared_prefix_requests_reuse_the_replica_that_holds_the_prefix() {
         "later requests should hit the prefix cache on the replica that holds it: {cached:?}"
     );
     let m = wait_idle(live.addr).await;
-    let r0 = parse_metric(&m, "chimera:router_requests_total{replica=\"0\"");
-    let r1 = parse_metric(&m, "chimera:router_requests_total{replica=\"1\"");
+    let r0 = parse_metric(&m, "chimera:router_requests_total{engine=\"0\"");
+    let r1 = parse_metric(&m, "chimera:router_requests_total{engine=\"1\"");
     eprintln!("routed: replica 0 = {r0}, replica 1 = {r1}; cached tokens {cached:?}");
     assert_eq!(
         r0 + r1,
