@@ -1,6 +1,7 @@
 //! Text ⇄ tokens for the server: the Hugging Face tokenizer and the chat template.
 //!
-//! Owns: a loaded `tokenizers::Tokenizer`, the model's chat template compiled once with
+//! Owns: a loaded [`crate::tokenizer::Tokenizer`] (BOS handling, EOS ids), the model's chat
+//! template compiled once with
 //! minijinja (Hugging Face helpers: `raise_exception`, Python string methods, `tojson`,
 //! `bos_token` / `eos_token`, `add_generation_prompt`), and the EOS ids generation stops on.
 //! Invariants: immutable after load and `Send + Sync`, so one `Arc<TextCodec>` is shared by the
@@ -9,9 +10,9 @@
 
 use std::path::Path;
 
+use crate::tokenizer::{Tokenizer, TokenizerError};
 use minijinja::{Environment, Error as JinjaError, ErrorKind, context};
 use serde_json::Value;
-use tokenizers::Tokenizer;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TextError {
@@ -48,65 +49,45 @@ impl std::fmt::Debug for TextCodec {
     }
 }
 
-/// `bos_token` / `eos_token` in tokenizer_config.json are a string or `{"content": ...}`.
-fn token_text(v: Option<&Value>) -> Option<String> {
-    match v? {
-        Value::String(s) => Some(s.clone()),
-        Value::Object(o) => o.get("content").and_then(Value::as_str).map(str::to_string),
-        _ => None,
-    }
-}
-
-/// `chat_template` is a string or a list of `{name, template}` (the one named "default" wins).
-fn template_text(v: Option<&Value>) -> Option<String> {
-    match v? {
-        Value::String(s) => Some(s.clone()),
-        Value::Array(items) => {
-            let pick = |want: Option<&str>| {
-                items.iter().find_map(|it| {
-                    let name = it.get("name").and_then(Value::as_str);
-                    if want.is_none() || name == want {
-                        it.get("template")
-                            .and_then(Value::as_str)
-                            .map(str::to_string)
-                    } else {
-                        None
-                    }
-                })
-            };
-            pick(Some("default")).or_else(|| pick(None))
-        }
-        _ => None,
-    }
-}
-
-fn read(path: &Path) -> Result<Option<Vec<u8>>, TextError> {
-    match std::fs::read(path) {
-        Ok(b) => Ok(Some(b)),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(TextError::Load {
+fn load_err(e: TokenizerError) -> TextError {
+    match e {
+        TokenizerError::Load { path, message } => TextError::Load {
             path: path.display().to_string(),
-            message: e.to_string(),
-        }),
+            message,
+        },
+        TokenizerError::Codec(m) => TextError::Tokenizer(m),
     }
 }
 
 impl TextCodec {
-    /// Loads `tokenizer.json`, `tokenizer_config.json`, and optionally `chat_template.jinja`
-    /// and `generation_config.json` (extra EOS ids) from a model folder.
+    /// Wraps a loaded tokenizer and compiles its chat template.
+    pub fn new(tokenizer: Tokenizer) -> Result<Self, TextError> {
+        let env = match tokenizer.chat_template.clone() {
+            Some(src) => Some(build_env(src)?),
+            None => None,
+        };
+        Ok(Self {
+            bos_token: tokenizer.bos_token.clone().unwrap_or_default(),
+            eos_token: tokenizer.eos_token.clone().unwrap_or_default(),
+            eos_token_ids: tokenizer.eos_ids.clone(),
+            tokenizer,
+            env,
+        })
+    }
+
+    /// The embedded model's tokenizer and template.
+    pub fn embedded() -> Result<Self, TextError> {
+        Self::new(Tokenizer::embedded().map_err(load_err)?)
+    }
+
+    /// Loads a model folder's tokenizer files (see `tokenizer::Tokenizer::from_dir`) plus the
+    /// extra EOS ids of `generation_config.json`, if any.
     pub fn from_dir(dir: &Path) -> Result<Self, TextError> {
-        let tok_path = dir.join("tokenizer.json");
-        let tokenizer = read(&tok_path)?.ok_or_else(|| TextError::Load {
-            path: tok_path.display().to_string(),
-            message: "not found".into(),
-        })?;
-        let config = read(&dir.join("tokenizer_config.json"))?;
-        let jinja = read(&dir.join("chat_template.jinja"))?
-            .map(|b| String::from_utf8_lossy(&b).into_owned());
-        let mut codec = Self::from_parts(&tokenizer, config.as_deref(), jinja)?;
-        if let Some(gen_cfg) = read(&dir.join("generation_config.json"))? {
-            let v: Value = serde_json::from_slice(&gen_cfg).map_err(|e| TextError::Load {
-                path: dir.join("generation_config.json").display().to_string(),
+        let mut codec = Self::new(Tokenizer::from_dir(dir).map_err(load_err)?)?;
+        let gen_path = dir.join("generation_config.json");
+        if let Ok(bytes) = std::fs::read(&gen_path) {
+            let v: Value = serde_json::from_slice(&bytes).map_err(|e| TextError::Load {
+                path: gen_path.display().to_string(),
                 message: e.to_string(),
             })?;
             let ids: Vec<u32> = match v.get("eos_token_id") {
@@ -133,36 +114,20 @@ impl TextCodec {
         tokenizer_config_json: Option<&[u8]>,
         chat_template: Option<String>,
     ) -> Result<Self, TextError> {
-        let tokenizer = Tokenizer::from_bytes(tokenizer_json).map_err(|e| TextError::Load {
-            path: "tokenizer.json".into(),
-            message: e.to_string(),
-        })?;
-        let config: Value = match tokenizer_config_json {
-            Some(b) => serde_json::from_slice(b).map_err(|e| TextError::Load {
-                path: "tokenizer_config.json".into(),
-                message: e.to_string(),
-            })?,
-            None => Value::Null,
-        };
-        let bos_token = token_text(config.get("bos_token")).unwrap_or_default();
-        let eos_token = token_text(config.get("eos_token")).unwrap_or_default();
-        let eos_token_ids = tokenizer.token_to_id(&eos_token).into_iter().collect();
-        let template = chat_template.or_else(|| template_text(config.get("chat_template")));
-        let env = match template {
-            Some(src) => Some(build_env(src)?),
-            None => None,
-        };
-        Ok(Self {
-            tokenizer,
-            env,
-            bos_token,
-            eos_token,
-            eos_token_ids,
-        })
+        let mut tok = Tokenizer::from_bytes(
+            tokenizer_json,
+            tokenizer_config_json.unwrap_or(b"{}"),
+            Path::new("<tokenizer>"),
+        )
+        .map_err(load_err)?;
+        if chat_template.is_some() {
+            tok.chat_template = chat_template;
+        }
+        Self::new(tok)
     }
 
     pub fn vocab_size(&self) -> u32 {
-        self.tokenizer.get_vocab_size(true) as u32
+        self.tokenizer.vocab_size() as u32
     }
 
     pub fn eos_token_ids(&self) -> &[u32] {
@@ -176,14 +141,13 @@ impl TextCodec {
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TextError> {
         self.tokenizer
             .encode(text, add_special_tokens)
-            .map(|e| e.get_ids().to_vec())
-            .map_err(|e| TextError::Tokenizer(e.to_string()))
+            .map_err(load_err)
     }
 
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, TextError> {
         self.tokenizer
             .decode(ids, skip_special_tokens)
-            .map_err(|e| TextError::Tokenizer(e.to_string()))
+            .map_err(load_err)
     }
 
     /// Renders the chat template over `messages` (a JSON list of `{role, content, ...}`).
@@ -285,6 +249,20 @@ mod tests {
                 .unwrap(),
             "HI"
         );
+    }
+
+    #[test]
+    fn embedded_tokenizer_renders_and_round_trips() {
+        let c = TextCodec::embedded().unwrap();
+        assert!(c.has_chat_template());
+        assert!(!c.eos_token_ids().is_empty());
+        let text = c
+            .render_chat(&json!([{"role": "user", "content": "hello"}]), true)
+            .unwrap();
+        assert!(text.contains("hello"));
+        let ids = c.encode(&text, false).unwrap();
+        assert!(ids.iter().all(|t| *t < c.vocab_size()));
+        assert_eq!(c.decode(&ids, false).unwrap(), text);
     }
 
     #[test]
