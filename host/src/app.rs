@@ -18,7 +18,6 @@ use crate::policy::native::DefaultSampler;
 use crate::server::metrics::MetricsSource;
 use crate::server::router::Replica;
 use crate::server::{AdminHooks, AppParts, AppState, ModelInfo, TextCodec};
-use crate::tokenizer::{EMBEDDED_TOKENIZER, EMBEDDED_TOKENIZER_CONFIG};
 
 /// The tokenizer and a loader for the configured model (called once per replica).
 pub struct LoadedModel {
@@ -30,8 +29,7 @@ pub struct LoadedModel {
 impl LoadedModel {
     pub fn open(path: &str) -> anyhow::Result<Self> {
         if path == builtin::NAME {
-            let codec =
-                TextCodec::from_parts(EMBEDDED_TOKENIZER, Some(EMBEDDED_TOKENIZER_CONFIG), None)?;
+            let codec = TextCodec::embedded()?;
             return Ok(Self {
                 name: "tiny-hybrid".into(),
                 codec,
