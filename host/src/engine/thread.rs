@@ -37,6 +37,8 @@ pub fn spawn_engine<E: StepExecutor + 'static>(
         .spawn(move || {
             let engine = match Engine::new(setup, executor, policies) {
                 Ok(e) => {
+                    // Publish the cache layout before anyone reads the stats.
+                    let _ = stats_tx.send(e.stats().clone());
                     let _ = ready_tx.send(Ok(()));
                     e
                 }
