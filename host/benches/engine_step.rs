@@ -5,6 +5,8 @@
 //! Run: `cargo bench -p chimera --bench engine_step`. Prints a table; ratios are against the
 //! 1-request case measured in the same run.
 
+#![allow(clippy::unwrap_used)]
+
 use std::hint::black_box;
 use std::time::Instant;
 

@@ -104,6 +104,7 @@ pub struct EngineSetup {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

@@ -226,5 +226,6 @@ fn log_sum_exp(row: &[f32]) -> f32 {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 #[path = "sampling_tests.rs"]
 mod tests;

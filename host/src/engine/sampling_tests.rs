@@ -110,7 +110,7 @@ fn logprobs_are_a_log_softmax_over_the_full_row() {
         ..Default::default()
     };
     let row = vec![1.0f32, 2.0, 0.5, -1.0, 3.0];
-    let mut l = logits(&[row.clone()]);
+    let mut l = logits(std::slice::from_ref(&row));
     let mut st = SamplingStage::new(2);
     let mut out = Vec::new();
     st.sample(
