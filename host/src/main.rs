@@ -1,1 +1,142 @@
-fn main() {}
+//! The `chimera` command line: `serve`, `generate`, `bench`, `plugin check`.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+
+use chimera::app::LoadedModel;
+use chimera::backend::cpu::CpuBackend;
+use chimera::config::{Config, Overrides};
+use chimera::model;
+
+#[derive(Parser)]
+#[command(
+    name = "chimera",
+    version,
+    about = "Serving platform for hybrid Transformer/SSM language models"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve an OpenAI-compatible HTTP API (the embedded model on the CPU by default).
+    Serve(ServeArgs),
+    /// Continue a prompt (greedy) and print the continuation.
+    Generate(GenerateArgs),
+    /// Drive an OpenAI-compatible server with a workload and report latencies.
+    Bench(chimera::bench::BenchArgs),
+    /// Work with policy plugins.
+    #[command(subcommand)]
+    Plugin(PluginCommand),
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// A TOML configuration file (default: the built-in configs/default.toml).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Overrides `model.path`: a Hugging Face folder or `builtin:tiny-hybrid`.
+    #[arg(long)]
+    model: Option<String>,
+    #[arg(long)]
+    host: Option<String>,
+    #[arg(long)]
+    port: Option<u16>,
+    /// Overrides `engine.replicas`.
+    #[arg(long)]
+    replicas: Option<usize>,
+}
+
+#[derive(clap::Args)]
+struct GenerateArgs {
+    /// A Hugging Face model folder; the embedded tiny hybrid model when omitted.
+    #[arg(long)]
+    model: Option<String>,
+    #[arg(long)]
+    prompt: String,
+    #[arg(long, default_value_t = 32)]
+    max_tokens: usize,
+    /// Print timing to stderr.
+    #[arg(long)]
+    verbose: bool,
+}
+
+#[derive(Subcommand)]
+enum PluginCommand {
+    /// Validate a plugin: kind, ABI version, exports, a dry call.
+    Check { file: PathBuf },
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().command {
+        Command::Serve(args) => serve(args),
+        Command::Generate(args) => generate(args),
+        Command::Bench(args) => {
+            runtime()?.block_on(async { chimera::bench::run(args).await.map(drop) })
+        }
+        Command::Plugin(PluginCommand::Check { file }) => {
+            let report = chimera::plugins::check_plugin(&file)
+                .with_context(|| format!("checking {}", file.display()))?;
+            println!("{report}");
+            Ok(())
+        }
+    }
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?)
+}
+
+fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let config = Config::load(args.config.as_deref())?.with_overrides(Overrides {
+        model: args.model,
+        host: args.host,
+        port: args.port,
+        replicas: args.replicas,
+    })?;
+    runtime()?.block_on(chimera::app::serve(config))
+}
+
+fn generate(args: GenerateArgs) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let path = args
+        .model
+        .unwrap_or_else(|| chimera::model::builtin::NAME.to_string());
+    let loaded = LoadedModel::open(&path)?;
+    let model = loaded.model()?;
+    let codec = &loaded.codec;
+    let load_time = started.elapsed();
+    let prompt = codec.encode(&args.prompt, true)?;
+    let mut stop = model.info.eos_token_ids.clone();
+    stop.extend(codec.eos_token_ids());
+    let t0 = Instant::now();
+    let out = model::greedy_generate(&model, &CpuBackend, &prompt, args.max_tokens, &stop, 512)?;
+    let took = t0.elapsed();
+    println!("{}", codec.decode(&out, true)?);
+    if args.verbose {
+        eprintln!(
+            "{}: loaded in {:.1?}; {} prompt + {} generated tokens in {:.1?} ({:.1} tok/s)",
+            model.info.architecture,
+            load_time,
+            prompt.len(),
+            out.len(),
+            took,
+            out.len() as f64 / took.as_secs_f64()
+        );
+    }
+    Ok(())
+}

@@ -12,6 +12,10 @@ use crate::cache::CacheConfig;
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct EngineConfig {
+    /// Where the model runs: "cpu" (the f32 reference backend).
+    pub backend: String,
+    /// Engine replicas (data parallel, one engine thread each) behind the router.
+    pub replicas: usize,
     /// Tokens computed per step over all requests (prefill chunks + decodes).
     pub max_batched_tokens: usize,
     /// Requests holding cache state at once (running + paused).
@@ -28,6 +32,8 @@ pub struct EngineConfig {
 impl Default for EngineConfig {
     fn default() -> Self {
         Self {
+            backend: "cpu".into(),
+            replicas: 1,
             max_batched_tokens: 2048,
             max_running: 256,
             max_waiting: 4096,
@@ -58,6 +64,16 @@ impl EngineConfig {
                 why,
             })
         };
+        if self.backend != "cpu" {
+            return Err(ConfigError::Invalid {
+                key: "backend",
+                value: self.backend.clone(),
+                why: "only \"cpu\" is built in this version",
+            });
+        }
+        if self.replicas == 0 || self.replicas > 64 {
+            return bad("replicas", self.replicas, "must be between 1 and 64");
+        }
         if self.max_batched_tokens < 2 {
             return bad(
                 "max_batched_tokens",

@@ -9,6 +9,8 @@
 //! All bulk data is passed as columns of primitives (one slice per field), mirroring the WIT
 //! ABI in `plugin-sdk/wit/`, so an adapter can hand the slices to a plugin without reshaping.
 
+pub mod native;
+
 /// A policy's answer: a concrete choice, or "let the host's built-in default decide".
 #[derive(Debug, Clone, PartialEq)]
 pub enum Decision<T> {

@@ -1,0 +1,231 @@
+//! Per-call cost of the built-in Wasm plugins against their native twins, measured in one run.
+//!
+//! `cargo bench -p chimera --bench plugins` prints a table: median and p90 per call for each
+//! policy through its Wasm adapter (marshalling, the deadline, validation and the adapter's
+//! bookkeeping included) and through the native twin, and the ratio. Shapes: router over 8
+//! replicas; sampler over 256 requests × 64 candidates; evictor fed one engine step of events
+//! (about 64) from a cache of ~20k blocks and asked for 8 victims. Timing loops only; no
+//! assertions (the agreement of the two builds is checked in tests/plugins.rs).
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::Instant;
+
+use chimera::plugins::{PluginMetrics, PluginsConfig, PolicyConfig, PolicyPlugins};
+use chimera::policy::native::{DefaultSampler, LeastLoadedRouter, LruEvictor, PrefixAwareRouter};
+use chimera::policy::{
+    CacheEvents, EventKind, Evictor, ReplicaColumns, RouteRequest, Router, Sampler, SamplerBatch,
+};
+use chimera_policy_core::rng::Rng;
+
+/// Median and p90 of `runs` timings of `iters` calls each, in microseconds per call.
+fn measure(runs: usize, iters: usize, mut f: impl FnMut()) -> (f64, f64) {
+    for _ in 0..iters.min(100) {
+        f();
+    }
+    let mut per_call: Vec<f64> = (0..runs)
+        .map(|_| {
+            let t = Instant::now();
+            for _ in 0..iters {
+                f();
+            }
+            t.elapsed().as_secs_f64() * 1e6 / iters as f64
+        })
+        .collect();
+    per_call.sort_by(f64::total_cmp);
+    (per_call[runs / 2], per_call[(runs * 9) / 10])
+}
+
+fn replicas(rng: &mut Rng, n: usize) -> ReplicaColumns {
+    let mut c = ReplicaColumns::default();
+    for _ in 0..n {
+        let total = 4096;
+        let free = rng.next_below(total);
+        c.waiting.push(rng.next_below(16));
+        c.running.push(rng.next_below(64));
+        c.free_blocks.push(free);
+        c.total_blocks.push(total);
+        c.kv_usage.push(1.0 - free as f32 / total as f32);
+        c.prefix_hit_blocks.push(rng.next_below(32));
+        c.ssm_hit_blocks.push(0);
+    }
+    c
+}
+
+fn batch(rng: &mut Rng, n: usize, k: usize) -> SamplerBatch {
+    let mut b = SamplerBatch {
+        k: k as u32,
+        ..SamplerBatch::default()
+    };
+    for i in 0..n {
+        b.temperature.push(if i % 8 == 0 { 0.0 } else { 0.7 });
+        b.top_k.push(if i % 3 == 0 { 40 } else { 0 });
+        b.top_p.push(if i % 2 == 0 { 0.9 } else { 1.0 });
+        b.min_p.push(if i % 5 == 0 { 0.05 } else { 0.0 });
+        b.seed.push(i as u64);
+        b.counter.push(0);
+        let mut logit = 10.0f32;
+        for j in 0..k {
+            b.cand_tokens.push((i * 1000 + j) as u32);
+            b.cand_logits.push(logit);
+            logit -= rng.next_f32() * 0.5;
+        }
+    }
+    b
+}
+
+/// A cache history: `blocks` blocks in chains of 16, all released; then per-step batches.
+struct CacheSim {
+    next: u32,
+    step: u64,
+    live: Vec<u32>,
+}
+
+impl CacheSim {
+    fn warm(blocks: u32) -> (Self, CacheEvents) {
+        let mut ev = CacheEvents::default();
+        let mut sim = Self {
+            next: 0,
+            step: 1,
+            live: Vec::new(),
+        };
+        while sim.next < blocks {
+            let mut parent = u32::MAX;
+            for _ in 0..16 {
+                ev.push(EventKind::Stored, sim.next, parent, sim.step);
+                ev.push(EventKind::Released, sim.next, 0, sim.step);
+                sim.live.push(sim.next);
+                parent = sim.next;
+                sim.next += 1;
+            }
+            sim.step += 1;
+        }
+        (sim, ev)
+    }
+
+    /// One engine step: a new `chain`-block chain stored and released, `hits` hits + releases
+    /// (2 × (chain + hits) events).
+    fn step(&mut self, rng: &mut Rng, ev: &mut CacheEvents, chain: u32, hits: u32) {
+        ev.clear();
+        self.step += 1;
+        let mut parent = u32::MAX;
+        for _ in 0..chain {
+            ev.push(EventKind::Stored, self.next, parent, self.step);
+            ev.push(EventKind::Released, self.next, 0, self.step);
+            parent = self.next;
+            self.next += 1;
+        }
+        for _ in 0..hits {
+            let b = self.live[rng.next_below(self.live.len() as u32) as usize];
+            ev.push(EventKind::Hit, b, 0, self.step);
+            ev.push(EventKind::Released, b, 0, self.step);
+        }
+    }
+}
+
+fn row(name: &str, wasm: (f64, f64), native: (f64, f64), target: &str) {
+    println!(
+        "{name:<34} {:>10.2} {:>10.2} {:>10.2} {:>10.2} {:>7.2}x   {target}",
+        wasm.0,
+        wasm.1,
+        native.0,
+        native.1,
+        wasm.0 / native.0
+    );
+}
+
+fn main() {
+    let metrics = PluginMetrics::new();
+    let policies = match PolicyPlugins::new(
+        &PolicyConfig::default(),
+        &PluginsConfig::default(),
+        Arc::clone(&metrics),
+    ) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("cannot load the built-in plugins: {e}");
+            std::process::exit(1);
+        }
+    };
+    let mut rng = Rng::new(2024, 0);
+    println!(
+        "{:<34} {:>10} {:>10} {:>10} {:>10} {:>8}   target",
+        "call (µs per call)", "wasm p50", "wasm p90", "native p50", "native p90", "ratio"
+    );
+
+    // Router: prefix-aware (the default) and least-loaded over 8 replicas.
+    let cols = replicas(&mut rng, 8);
+    let req = RouteRequest {
+        prompt_tokens: 512,
+        prompt_blocks: 32,
+        tenant: "bench".into(),
+    };
+    let mut wasm_router = policies.router();
+    let mut native_router = PrefixAwareRouter::default();
+    let w = measure(15, 20_000, || {
+        black_box(wasm_router.route(black_box(&req), black_box(&cols)));
+    });
+    let n = measure(15, 20_000, || {
+        black_box(native_router.route(black_box(&req), black_box(&cols)));
+    });
+    row("router prefix-aware, 8 replicas", w, n, "< 5 µs");
+
+    let mut ll_policy = PolicyConfig::default();
+    ll_policy.router.plugin = "builtin:least-loaded".into();
+    if let Ok(p) = PolicyPlugins::new(&ll_policy, &PluginsConfig::default(), Arc::clone(&metrics)) {
+        let mut wasm_ll = p.router();
+        let mut native_ll = LeastLoadedRouter;
+        let w = measure(15, 20_000, || {
+            black_box(wasm_ll.route(black_box(&req), black_box(&cols)));
+        });
+        let n = measure(15, 20_000, || {
+            black_box(native_ll.route(black_box(&req), black_box(&cols)));
+        });
+        row("router least-loaded, 8 replicas", w, n, "< 5 µs");
+    }
+
+    // Sampler: 256 requests × 64 candidates.
+    let b = batch(&mut rng, 256, 64);
+    let mut wasm_sampler = policies.sampler();
+    let mut native_sampler = DefaultSampler::default();
+    let w = measure(15, 200, || {
+        black_box(wasm_sampler.sample(black_box(&b)));
+    });
+    let n = measure(15, 200, || {
+        black_box(native_sampler.sample(black_box(&b)));
+    });
+    row("sampler default, 256 × 64", w, n, "< 150 µs/step");
+
+    // Evictor: warm both with ~20k blocks, then per step: events + choose victims.
+    for (label, chain, hits, victims) in [
+        ("evictor lru, 64 events + choose 8", 16, 16, 8),
+        ("evictor lru, 16 events + choose 2", 4, 4, 2),
+    ] {
+        let (mut sim_w, warm) = CacheSim::warm(20_000);
+        let mut wasm_evictor = policies.evictor();
+        let mut native_evictor = LruEvictor::new();
+        wasm_evictor.on_events(&warm);
+        native_evictor.on_events(&warm);
+        let mut sim_n = CacheSim {
+            next: sim_w.next,
+            step: sim_w.step,
+            live: sim_w.live.clone(),
+        };
+        let (mut rng_w, mut rng_n) = (Rng::new(7, 0), Rng::new(7, 0));
+        let mut ev = CacheEvents::default();
+        let w = measure(15, 500, || {
+            sim_w.step(&mut rng_w, &mut ev, chain, hits);
+            wasm_evictor.on_events(&ev);
+            black_box(wasm_evictor.choose_victims(victims, sim_w.step));
+        });
+        let n = measure(15, 500, || {
+            sim_n.step(&mut rng_n, &mut ev, chain, hits);
+            native_evictor.on_events(&ev);
+            black_box(native_evictor.choose_victims(victims, sim_n.step));
+        });
+        row(label, w, n, "< 20 µs/step");
+    }
+
+    let fallbacks: u64 = metrics.fallback_samples().iter().map(|s| s.value).sum();
+    println!("fallbacks during the run: {fallbacks} (must be 0)");
+}

@@ -1,0 +1,185 @@
+//! The one configuration file: TOML → serde structs (unknown keys are errors) → validation →
+//! an immutable [`Config`]. Each section's struct lives with the part that reads it; this
+//! module only assembles them, applies the few CLI overrides, and validates across sections.
+//!
+//! ```toml
+//! [server]          # host, port, admin_token, queue and body limits
+//! [model]           # path = "builtin:tiny-hybrid" or a Hugging Face folder
+//! [engine]          # backend, replicas, max_batched_tokens, max_running, ...
+//! [cache]           # memory_budget, block_size, prefix_caching, ssm_share
+//! [policy.router]   # plugin = "builtin:prefix-aware" | "native:NAME" | "path.wasm"; config = {...}
+//! [policy.evictor]
+//! [policy.sampler]
+//! [plugins]         # deadline_ms, memory_bytes, max_instances
+//! ```
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::cache::config::CacheConfig;
+use crate::engine::EngineConfig;
+use crate::model::builtin;
+use crate::plugins::{PluginsConfig, PolicyConfig};
+use crate::server::ServerConfig;
+
+/// The configuration shipped as the laptop default (`configs/default.toml`).
+pub const DEFAULT_TOML: &str = include_str!("../../configs/default.toml");
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{file}: {message}")]
+    Parse { file: String, message: String },
+    #[error("{file}: {key}: {message}")]
+    Invalid {
+        file: String,
+        key: String,
+        message: String,
+    },
+}
+
+/// `[model]`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    /// `builtin:tiny-hybrid` or a Hugging Face model folder.
+    pub path: String,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self {
+            path: builtin::NAME.into(),
+        }
+    }
+}
+
+/// Everything a `chimera serve` process reads.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub model: ModelConfig,
+    pub engine: EngineConfig,
+    pub cache: CacheConfig,
+    pub policy: PolicyConfig,
+    pub plugins: PluginsConfig,
+}
+
+/// Command-line flags that override config keys.
+#[derive(Debug, Clone, Default)]
+pub struct Overrides {
+    pub model: Option<String>,
+    pub host: Option<String>,
+    pub port: Option<u16>,
+    pub replicas: Option<usize>,
+}
+
+impl Config {
+    /// Parses and validates `text`; `file` names it in errors.
+    pub fn parse(text: &str, file: &str) -> Result<Self, ConfigError> {
+        let config: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            file: file.into(),
+            message: e.to_string(),
+        })?;
+        config.validate(file)?;
+        Ok(config)
+    }
+
+    /// Reads `path`, or the built-in default when `None`.
+    pub fn load(path: Option<&Path>) -> Result<Self, ConfigError> {
+        match path {
+            None => Self::parse(DEFAULT_TOML, "configs/default.toml"),
+            Some(p) => {
+                let file = p.display().to_string();
+                let text = std::fs::read_to_string(p).map_err(|e| ConfigError::Parse {
+                    file: file.clone(),
+                    message: e.to_string(),
+                })?;
+                Self::parse(&text, &file)
+            }
+        }
+    }
+
+    /// Applies CLI flags, then validates again.
+    pub fn with_overrides(mut self, o: Overrides) -> Result<Self, ConfigError> {
+        if let Some(m) = o.model {
+            self.model.path = m;
+        }
+        if let Some(h) = o.host {
+            self.server.host = h;
+        }
+        if let Some(p) = o.port {
+            self.server.port = p;
+        }
+        if let Some(r) = o.replicas {
+            self.engine.replicas = r;
+        }
+        self.validate("command line")?;
+        Ok(self)
+    }
+
+    fn validate(&self, file: &str) -> Result<(), ConfigError> {
+        let invalid = |key: String, message: String| ConfigError::Invalid {
+            file: file.into(),
+            key,
+            message,
+        };
+        self.server
+            .validate()
+            .map_err(|e| invalid(format!("server.{}", e.key), e.message))?;
+        self.engine
+            .validate()
+            .map_err(|e| invalid("engine".into(), e.to_string()))?;
+        self.policy
+            .validate("policy")
+            .map_err(|e| invalid(e.path.clone(), e.message.clone()))?;
+        self.plugins
+            .validate("plugins")
+            .map_err(|e| invalid(e.path.clone(), e.message.clone()))?;
+        if self.model.path.trim().is_empty() {
+            return Err(invalid("model.path".into(), "must name a model".into()));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_file_parses() {
+        let c = Config::load(None).unwrap();
+        assert_eq!(c.model.path, builtin::NAME);
+        assert_eq!(c.server.host, "127.0.0.1");
+    }
+
+    #[test]
+    fn unknown_keys_are_errors_that_name_them() {
+        let e = Config::parse("[engine]\nmax_batched_tokns = 5\n", "x.toml").unwrap_err();
+        assert!(e.to_string().contains("max_batched_tokns"), "{e}");
+        let e = Config::parse("[sever]\nport = 1\n", "x.toml").unwrap_err();
+        assert!(e.to_string().contains("sever"), "{e}");
+        let e =
+            Config::parse("[policy.router]\nplugin = \"builtin:nope\"\n", "x.toml").unwrap_err();
+        assert!(e.to_string().contains("policy.router"), "{e}");
+    }
+
+    #[test]
+    fn overrides_apply_and_are_validated() {
+        let c = Config::default()
+            .with_overrides(Overrides {
+                port: Some(9001),
+                replicas: Some(2),
+                ..Default::default()
+            })
+            .unwrap();
+        assert_eq!((c.server.port, c.engine.replicas), (9001, 2));
+        let e = Config::default().with_overrides(Overrides {
+            replicas: Some(0),
+            ..Default::default()
+        });
+        assert!(e.is_err());
+    }
+}

@@ -1,0 +1,186 @@
+//! `chimera plugin check FILE.wasm`: load a plugin the way the server would and report.
+//!
+//! Loads with default limits, lists what the plugin exports and imports, calls `init` with an
+//! empty config, then makes one dry call with a small canned input and shows the answer and
+//! how long it took. A plugin that cannot be loaded is an error; a plugin that loads but
+//! rejects the empty config or fails the dry call is reported (the report says what failed).
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use chimera_policy_core::Config;
+
+use super::abi::{self, ACCEPTED, AbiRange, AbiVersion};
+use super::config::PluginsConfig;
+use super::instance::Instance;
+use super::runtime::{LoadedPlugin, PluginRuntime};
+use super::{PluginError, PluginKind};
+use crate::policy::{CacheEvents, EventKind, ReplicaColumns, RouteRequest, SamplerBatch};
+
+/// What `check_plugin` found.
+#[derive(Debug, Clone)]
+pub struct CheckReport {
+    pub path: PathBuf,
+    pub size: usize,
+    pub componentized: bool,
+    pub kind: PluginKind,
+    pub abi: AbiVersion,
+    pub accepted: AbiRange,
+    pub export: String,
+    pub functions: Vec<&'static str>,
+    /// `init` with an empty config: `Err(message)` if the plugin rejected it.
+    pub init: Result<(), String>,
+    /// The dry call's input and answer, or why it failed.
+    pub dry_call: Result<String, String>,
+    pub dry_call_time: Option<Duration>,
+}
+
+impl CheckReport {
+    /// Whether the plugin is usable as is (it accepted an empty config and answered).
+    pub fn ok(&self) -> bool {
+        self.init.is_ok() && self.dry_call.is_ok()
+    }
+}
+
+impl fmt::Display for CheckReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "plugin:    {}", self.path.display())?;
+        let form = if self.componentized {
+            "core module (componentized at load)"
+        } else {
+            "component"
+        };
+        writeln!(f, "format:    {form}, {} bytes", self.size)?;
+        writeln!(f, "kind:      {} (interface {})", self.kind, self.export)?;
+        writeln!(
+            f,
+            "abi:       {} (this host accepts {})",
+            self.abi, self.accepted
+        )?;
+        writeln!(f, "exports:   {}", self.functions.join(", "))?;
+        writeln!(f, "imports:   none")?;
+        match &self.init {
+            Ok(()) => writeln!(f, "init:      ok with an empty config")?,
+            Err(m) => writeln!(f, "init:      rejected an empty config: {m}")?,
+        }
+        match (&self.dry_call, self.dry_call_time) {
+            (Ok(a), Some(t)) => writeln!(
+                f,
+                "dry call:  {a} ({:.1} µs incl. instantiation)",
+                t.as_secs_f64() * 1e6
+            )?,
+            (Ok(a), None) => writeln!(f, "dry call:  {a}")?,
+            (Err(e), _) => writeln!(f, "dry call:  FAILED: {e}")?,
+        }
+        write!(
+            f,
+            "verdict:   {}",
+            if self.ok() {
+                "ok"
+            } else {
+                "not usable with an empty config"
+            }
+        )
+    }
+}
+
+/// Loads `path` as a plugin and reports its kind, ABI version, exports and a dry call.
+pub fn check_plugin(path: impl AsRef<Path>) -> Result<CheckReport, PluginError> {
+    let path = path.as_ref();
+    let wasm = std::fs::read(path).map_err(|e| PluginError::Io {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })?;
+    let runtime = PluginRuntime::new(&PluginsConfig::default())?;
+    let name = path.display().to_string();
+    let plugin = Arc::new(runtime.compile(&name, &wasm, &Config::default())?);
+    let mut report = CheckReport {
+        path: path.to_path_buf(),
+        size: plugin.size,
+        componentized: plugin.componentized,
+        kind: plugin.kind,
+        abi: plugin.abi,
+        accepted: ACCEPTED,
+        export: plugin.export.clone(),
+        functions: abi::functions(plugin.kind).to_vec(),
+        init: Ok(()),
+        dry_call: Err("not run".into()),
+        dry_call_time: None,
+    };
+    let start = Instant::now();
+    let mut instance = match Instance::new(plugin.clone()) {
+        Ok(i) => i,
+        Err(e) => {
+            report.init = Err(e.to_string());
+            report.dry_call = Err("skipped: init failed".into());
+            return Ok(report);
+        }
+    };
+    report.dry_call = dry_call(&plugin, &mut instance);
+    report.dry_call_time = Some(start.elapsed());
+    Ok(report)
+}
+
+fn dry_call(plugin: &LoadedPlugin, instance: &mut Instance) -> Result<String, String> {
+    match plugin.kind {
+        PluginKind::Router => {
+            let request = RouteRequest {
+                prompt_tokens: 64,
+                prompt_blocks: 4,
+                tenant: "check".into(),
+            };
+            let cols = ReplicaColumns {
+                waiting: vec![2, 0, 1],
+                running: vec![4, 1, 3],
+                free_blocks: vec![10, 90, 40],
+                total_blocks: vec![100; 3],
+                kv_usage: vec![0.9, 0.1, 0.6],
+                prefix_hit_blocks: vec![4, 0, 2],
+                ssm_hit_blocks: vec![0; 3],
+            };
+            let (req, r) = super::adapters::route_args(&request, &cols);
+            match instance.route(req, r).map_err(|e| e.to_string())? {
+                Some(i) if (i as usize) < cols.len() => {
+                    Ok(format!("route over 3 replicas -> replica {i}"))
+                }
+                Some(i) => Err(format!("route over 3 replicas -> {i}, out of range")),
+                None => Ok("route over 3 replicas -> use default".into()),
+            }
+        }
+        PluginKind::Evictor => {
+            let mut ev = CacheEvents::default();
+            ev.push(EventKind::Stored, 0, u32::MAX, 1);
+            ev.push(EventKind::Stored, 1, 0, 1);
+            ev.push(EventKind::Stored, 2, u32::MAX, 2);
+            for b in [1, 0, 2] {
+                ev.push(EventKind::Released, b, 0, 3);
+            }
+            instance
+                .on_events(super::adapters::events_arg(&ev))
+                .map_err(|e| e.to_string())?;
+            let victims = instance.choose_victims(2, 4).map_err(|e| e.to_string())?;
+            Ok(format!(
+                "3 cached blocks (0 <- 1, 2), choose 2 -> {victims:?}"
+            ))
+        }
+        PluginKind::Sampler => {
+            let batch = SamplerBatch {
+                k: 3,
+                temperature: vec![0.0, 0.8],
+                top_k: vec![0, 0],
+                top_p: vec![1.0, 0.9],
+                min_p: vec![0.0, 0.05],
+                seed: vec![1, 2],
+                counter: vec![0, 0],
+                cand_tokens: vec![10, 11, 12, 20, 21, 22],
+                cand_logits: vec![3.0, 2.0, 1.0, 0.5, 0.4, 0.1],
+            };
+            let tokens = instance
+                .sample(super::adapters::batch_arg(&batch))
+                .map_err(|e| e.to_string())?;
+            Ok(format!("2 requests × 3 candidates -> {tokens:?}"))
+        }
+    }
+}

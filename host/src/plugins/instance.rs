@@ -1,0 +1,193 @@
+//! One live plugin instance: its store, limits, deadline and typed calls.
+//!
+//! Owns a wasmtime `Store` with a memory limiter and the plugin's exported functions. Every
+//! call re-arms the epoch deadline and classifies a failure as trap, timeout or memory; a
+//! failed instance is poisoned (wasmtime leaves a trapped instance in an undefined state), so
+//! its owner must drop it and create a new one. Must not fall back or count: the adapters do.
+
+use std::sync::Arc;
+
+use wasmtime::component::{ComponentNamedList, Func, Lift, Lower};
+use wasmtime::{ResourceLimiter, Store, Trap};
+
+use super::PluginError;
+use super::abi::{self, WitCacheEvents, WitReplicaColumns, WitRouteRequest, WitSamplerBatch};
+use super::metrics::FallbackReason;
+use super::runtime::{EPOCH_TICK, LoadedPlugin};
+
+/// Per-store state: the memory limiter.
+pub struct StoreData {
+    limiter: MemoryLimiter,
+}
+
+struct MemoryLimiter {
+    max_bytes: usize,
+    /// Set when a growth was refused since the last call started.
+    denied: bool,
+}
+
+impl ResourceLimiter for MemoryLimiter {
+    fn memory_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        if desired > self.max_bytes {
+            self.denied = true;
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
+    fn table_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        Ok(desired <= 1 << 20)
+    }
+}
+
+/// Why a call produced no answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CallError {
+    pub reason: FallbackReason,
+    pub detail: String,
+}
+
+impl CallError {
+    fn unavailable(detail: String) -> Self {
+        Self {
+            reason: FallbackReason::Unavailable,
+            detail,
+        }
+    }
+
+    /// Load-time view of an instantiation failure.
+    pub fn into_load_error(self, plugin: &str) -> PluginError {
+        match self.reason {
+            FallbackReason::Invalid => PluginError::Init {
+                plugin: plugin.to_string(),
+                message: self.detail,
+            },
+            _ => PluginError::Instantiate {
+                plugin: plugin.to_string(),
+                message: self.detail,
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for CallError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.reason, self.detail)
+    }
+}
+
+pub struct Instance {
+    store: Store<StoreData>,
+    funcs: Vec<Func>,
+    plugin: Arc<LoadedPlugin>,
+    deadline_ticks: u64,
+}
+
+impl Instance {
+    /// Instantiates `plugin` and calls its `init` with the plugin's config. A config the
+    /// plugin rejects is reported with reason `Invalid` and the plugin's message.
+    pub fn new(plugin: Arc<LoadedPlugin>) -> Result<Self, CallError> {
+        let limiter = MemoryLimiter {
+            max_bytes: plugin.limits.memory_bytes as usize,
+            denied: false,
+        };
+        let mut store = Store::new(plugin.pre.engine(), StoreData { limiter });
+        store.limiter(|d| &mut d.limiter);
+        let deadline_ticks = plugin
+            .limits
+            .deadline_ms
+            .div_ceil(EPOCH_TICK.as_millis() as u64)
+            .max(1);
+        store.set_epoch_deadline(deadline_ticks);
+        store.epoch_deadline_trap();
+        let instance = plugin
+            .pre
+            .instantiate(&mut store)
+            .map_err(|e| CallError::unavailable(format!("instantiation failed: {e:#}")))?;
+        let mut funcs = Vec::with_capacity(plugin.functions.len());
+        for idx in &plugin.functions {
+            let f = instance
+                .get_func(&mut store, idx)
+                .ok_or_else(|| CallError::unavailable("exported function vanished".into()))?;
+            funcs.push(f);
+        }
+        let mut this = Self {
+            store,
+            funcs,
+            plugin,
+            deadline_ticks,
+        };
+        let entries = abi::config_entries(&this.plugin.config);
+        let (result,) =
+            this.call::<(&[abi::WitConfigEntry],), (Result<(), String>,)>(0, (&entries,))?;
+        result.map_err(|message| CallError {
+            reason: FallbackReason::Invalid,
+            detail: message,
+        })?;
+        Ok(this)
+    }
+
+    /// Calls function `index` of [`abi::functions`] under the deadline and memory limit.
+    fn call<P, R>(&mut self, index: usize, params: P) -> Result<R, CallError>
+    where
+        P: ComponentNamedList + Lower,
+        R: ComponentNamedList + Lift,
+    {
+        let func = self.funcs[index];
+        let typed = func.typed::<P, R>(&self.store).map_err(|e| CallError {
+            reason: FallbackReason::Invalid,
+            detail: format!(
+                "function `{}` has an unexpected type: {e:#}",
+                abi::functions(self.plugin.kind)[index]
+            ),
+        })?;
+        self.store.data_mut().limiter.denied = false;
+        self.store.set_epoch_deadline(self.deadline_ticks);
+        typed.call(&mut self.store, params).map_err(|e| {
+            let reason = if e.downcast_ref::<Trap>() == Some(&Trap::Interrupt) {
+                FallbackReason::Timeout
+            } else if self.store.data().limiter.denied {
+                FallbackReason::Memory
+            } else {
+                FallbackReason::Trap
+            };
+            CallError {
+                reason,
+                detail: format!("{e:#}"),
+            }
+        })
+    }
+
+    pub fn route(
+        &mut self,
+        request: WitRouteRequest<'_>,
+        replicas: WitReplicaColumns<'_>,
+    ) -> Result<Option<u32>, CallError> {
+        self.call::<_, (Option<u32>,)>(1, (request, replicas))
+            .map(|(r,)| r)
+    }
+
+    pub fn on_events(&mut self, events: WitCacheEvents<'_>) -> Result<(), CallError> {
+        self.call::<_, ()>(1, (events,))
+    }
+
+    pub fn choose_victims(&mut self, count: u32, step: u64) -> Result<Option<Vec<u32>>, CallError> {
+        self.call::<_, (Option<Vec<u32>>,)>(2, (count, step))
+            .map(|(r,)| r)
+    }
+
+    pub fn sample(&mut self, batch: WitSamplerBatch<'_>) -> Result<Option<Vec<u32>>, CallError> {
+        self.call::<_, (Option<Vec<u32>>,)>(1, (batch,))
+            .map(|(r,)| r)
+    }
+}

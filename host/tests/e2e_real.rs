@@ -1,0 +1,159 @@
+//! End to end with the real stack: `chimera::app` assembles the embedded tiny hybrid model,
+//! real engine threads, the built-in Wasm policies and the HTTP server, exactly as
+//! `chimera serve` does, on a loopback port.
+
+mod server_support;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use chimera::config::Config;
+use chimera::server::AppState;
+use serde_json::{Value, json};
+use server_support::{parse_metric, post, post_and_hang_up, request};
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+
+struct Live {
+    addr: SocketAddr,
+    state: AppState,
+    stop: Option<oneshot::Sender<()>>,
+}
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        self.state.abort_in_flight();
+    }
+}
+
+/// Starts the default configuration with `n` replicas on a loopback port.
+async fn start(n: usize) -> Live {
+    let text = chimera::config::DEFAULT_TOML.replace("replicas = 1", &format!("replicas = {n}"));
+    let config = Config::parse(&text, "test").expect("config");
+    assert_eq!(config.engine.replicas, n);
+    let state = tokio::task::spawn_blocking(move || {
+        chimera::app::build(&config)
+            .expect("stack")
+            .into_state()
+            .expect("state")
+    })
+    .await
+    .expect("build");
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (tx, rx) = oneshot::channel::<()>();
+    let s = state.clone();
+    tokio::spawn(async move {
+        let _ = chimera::server::serve_with_shutdown(s, listener, async {
+            let _ = rx.await;
+        })
+        .await;
+    });
+    Live {
+        addr,
+        state,
+        stop: Some(tx),
+    }
+}
+
+async fn metrics(addr: SocketAddr) -> String {
+    request(addr, "GET", "/metrics", &[], b"").await.text()
+}
+
+async fn wait_idle(addr: SocketAddr) -> String {
+    for _ in 0..500 {
+        let m = metrics(addr).await;
+        if parse_metric(&m, "chimera:num_requests_running") == 0.0
+            && parse_metric(&m, "chimera:num_requests_waiting") == 0.0
+        {
+            return m;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("the server did not become idle");
+}
+
+fn completion_text(v: &Value) -> String {
+    v["choices"][0]["text"].as_str().expect("text").to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_and_plain_completions_agree_on_the_real_model() {
+    let live = start(1).await;
+    let body = json!({"model": "tiny-hybrid", "prompt": "def parse(line):", "max_tokens": 12, "temperature": 0});
+    let plain = post(live.addr, "/v1/completions", &body).await;
+    assert_eq!(plain.status, 200, "{}", plain.text());
+    let plain = plain.json();
+    assert_eq!(plain["usage"]["completion_tokens"], 12);
+    let mut sbody = body.clone();
+    sbody["stream"] = json!(true);
+    let streamed = post(live.addr, "/v1/completions", &sbody).await;
+    let joined: String = streamed
+        .sse()
+        .iter()
+        .filter_map(|e| e["choices"][0]["text"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(joined, completion_text(&plain));
+    let chat = post(
+        live.addr,
+        "/v1/chat/completions",
+        &json!({"model": "tiny-hybrid", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}),
+    )
+    .await;
+    assert_eq!(chat.status, 200, "{}", chat.text());
+    assert_eq!(chat.json()["usage"]["completion_tokens"], 5);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_prefix_requests_reuse_the_replica_that_holds_the_prefix() {
+    // Two replicas with the prefix-aware router (the default policy).
+    let live = start(2).await;
+    let shared = "import os\nimport sys\n".repeat(24);
+    let mut cached = Vec::new();
+    for i in 0..6 {
+        let body = json!({"model": "tiny-hybrid", "prompt": format!("{shared}# question {i}\n"), "max_tokens": 2});
+        let r = post(live.addr, "/v1/completions", &body).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        cached.push(
+            r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap_or(0),
+        );
+    }
+    assert_eq!(cached[0], 0);
+    assert!(
+        cached[1..].iter().all(|&c| c >= 16),
+        "later requests should hit the prefix cache on the replica that holds it: {cached:?}"
+    );
+    let m = wait_idle(live.addr).await;
+    let r0 = parse_metric(&m, "chimera:router_requests_total{engine=\"0\"");
+    let r1 = parse_metric(&m, "chimera:router_requests_total{engine=\"1\"");
+    eprintln!("routed: replica 0 = {r0}, replica 1 = {r1}; cached tokens {cached:?}");
+    assert_eq!(
+        r0 + r1,
+        6.0,
+        "every request is counted on the replica it was routed to"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_hangs_up_frees_its_blocks() {
+    let live = start(1).await;
+    let body = json!({"model": "tiny-hybrid", "prompt": "x = 1\n".repeat(40), "max_tokens": 2000, "stream": true});
+    let got = post_and_hang_up(live.addr, "/v1/completions", &body, 200).await;
+    assert!(got >= 200, "the stream never started");
+    let m = wait_idle(live.addr).await;
+    assert_eq!(
+        parse_metric(&m, "chimera:kv_cache_usage_perc"),
+        0.0,
+        "blocks still in use:\n{m}"
+    );
+    let generated = parse_metric(&m, "chimera:generation_tokens_total");
+    assert!(
+        generated < 2000.0,
+        "the request ran to the end instead of being cancelled ({generated} tokens)"
+    );
+}

@@ -1,0 +1,511 @@
+//! Plugin integration tests: built-in Wasm plugins against their native twins, a custom
+//! plugin built outside the workspace, deliberately broken plugins and the fallback path,
+//! ABI version checks, reload, and `check_plugin`.
+
+mod plugins_support;
+
+use std::sync::Arc;
+
+use chimera::plugins::{
+    FallbackReason, PluginError, PluginKind, PluginMetrics, PluginsConfig, PolicyConfig,
+    PolicyPlugins, PolicySpec, check_plugin,
+};
+use chimera::policy::native::{DefaultSampler, LeastLoadedRouter, LruEvictor, PrefixAwareRouter};
+use chimera::policy::{
+    CacheEvents, Decision, Evictor, ReplicaColumns, RouteRequest, Router, Sampler,
+};
+use chimera_policy_core::Config;
+use chimera_policy_core::rng::Rng;
+use plugins_support::*;
+
+fn spec(plugin: &str, config: &str) -> PolicySpec {
+    PolicySpec {
+        plugin: plugin.into(),
+        config: toml::from_str(config).expect("config table"),
+    }
+}
+
+fn policies_with(router: PolicySpec, limits: PluginsConfig) -> (PolicyPlugins, Arc<PluginMetrics>) {
+    let metrics = PluginMetrics::new();
+    let policy = PolicyConfig {
+        router,
+        ..PolicyConfig::default()
+    };
+    let p = PolicyPlugins::new(&policy, &limits, metrics.clone()).expect("load policies");
+    (p, metrics)
+}
+
+fn fallbacks(metrics: &PluginMetrics, plugin: &str, reason: FallbackReason) -> u64 {
+    metrics
+        .fallback_samples()
+        .iter()
+        .filter(|s| s.plugin == plugin && s.reason == reason.as_str())
+        .map(|s| s.value)
+        .sum()
+}
+
+fn total_fallbacks(metrics: &PluginMetrics) -> u64 {
+    metrics.fallback_samples().iter().map(|s| s.value).sum()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Built-in plugins agree with their native twins
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn builtin_routers_agree_with_native_twins() {
+    for (name, config) in [
+        ("least-loaded", ""),
+        ("prefix-aware", ""),
+        ("prefix-aware", "alpha = 0.3\nsaturation_waiting = 3"),
+    ] {
+        let (p, metrics) = policies_with(
+            spec(&format!("builtin:{name}"), config),
+            PluginsConfig::default(),
+        );
+        let mut wasm = p.router();
+        let cfg = PolicySpec {
+            plugin: String::new(),
+            config: toml::from_str(config).unwrap(),
+        }
+        .flat_config("policy.router")
+        .unwrap();
+        let mut native: Box<dyn Router> = match name {
+            "least-loaded" => Box::new(LeastLoadedRouter::from_config(&cfg).unwrap()),
+            _ => Box::new(PrefixAwareRouter::from_config(&cfg).unwrap()),
+        };
+        let mut rng = Rng::new(11, 0);
+        for i in 0..2000 {
+            let cols = random_replicas(&mut rng, 1 + (i % 16));
+            let req = random_request(&mut rng);
+            assert_eq!(
+                wasm.route(&req, &cols),
+                native.route(&req, &cols),
+                "{name} input {i}"
+            );
+        }
+        assert_eq!(
+            total_fallbacks(&metrics),
+            0,
+            "every answer came from the Wasm build"
+        );
+        assert_eq!(
+            metrics
+                .counters(&format!("builtin:{name}"), PluginKind::Router)
+                .calls(),
+            2000
+        );
+    }
+}
+
+#[test]
+fn builtin_sampler_agrees_with_native_twin() {
+    let metrics = PluginMetrics::new();
+    let p = PolicyPlugins::new(
+        &PolicyConfig::default(),
+        &PluginsConfig::default(),
+        metrics.clone(),
+    )
+    .unwrap();
+    let mut wasm = p.sampler();
+    let mut native = DefaultSampler::default();
+    let mut rng = Rng::new(5, 0);
+    for i in 0..300 {
+        let k = 1 + (i % 64);
+        let batch = random_batch(&mut rng, 1 + (i % 40), k);
+        assert_eq!(wasm.sample(&batch), native.sample(&batch), "batch {i}");
+    }
+    assert_eq!(total_fallbacks(&metrics), 0);
+}
+
+#[test]
+fn builtin_lru_agrees_with_native_twin_over_a_cache_history() {
+    let metrics = PluginMetrics::new();
+    let p = PolicyPlugins::new(
+        &PolicyConfig::default(),
+        &PluginsConfig::default(),
+        metrics.clone(),
+    )
+    .unwrap();
+    let mut wasm = p.evictor();
+    let mut native = LruEvictor::new();
+    let mut history = CacheHistory::new(99);
+    let mut ev = CacheEvents::default();
+    let mut evicted = 0;
+    for step in 0..600 {
+        history.step(&mut ev);
+        wasm.on_events(&ev);
+        native.on_events(&ev);
+        if step % 3 == 0 {
+            let count = (step % 7) as u32;
+            let a = wasm.choose_victims(count, history.step_number());
+            let b = native.choose_victims(count, history.step_number());
+            assert_eq!(a, b, "step {step}");
+            if let Decision::Use(victims) = a {
+                evicted += victims.len();
+                history.evict(&victims, &mut ev);
+                wasm.on_events(&ev);
+                native.on_events(&ev);
+            }
+        }
+    }
+    assert!(evicted > 50, "the history evicted only {evicted} blocks");
+    assert_eq!(total_fallbacks(&metrics), 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// A custom plugin built outside the workspace
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn custom_pin_router_changes_routing() {
+    let path = test_plugins_dir().join("pin_router.wasm");
+    let (p, metrics) = policies_with(
+        spec(path.to_str().unwrap(), "replica = 2"),
+        PluginsConfig::default(),
+    );
+    let mut router = p.router();
+    let mut rng = Rng::new(3, 0);
+    let mut native = PrefixAwareRouter::default();
+    let mut differs = 0;
+    for _ in 0..200 {
+        let cols = random_replicas(&mut rng, 4);
+        let req = random_request(&mut rng);
+        assert_eq!(router.route(&req, &cols), Decision::Use(2));
+        differs += usize::from(native.route(&req, &cols) != Decision::Use(2));
+    }
+    assert!(
+        differs > 50,
+        "the default would also have picked replica 2 ({differs} differ)"
+    );
+    // Two replicas only: the plugin declines and the default (prefix-aware) answers.
+    let cols = random_replicas(&mut rng, 2);
+    let req = random_request(&mut rng);
+    assert_eq!(router.route(&req, &cols), native.route(&req, &cols));
+    assert_eq!(
+        fallbacks(&metrics, path.to_str().unwrap(), FallbackReason::Declined),
+        1
+    );
+
+    let report = check_plugin(&path).unwrap();
+    assert_eq!(report.kind, PluginKind::Router);
+    assert_eq!(report.abi.to_string(), "0.1.0");
+    assert!(report.componentized);
+    assert!(report.ok(), "{report}");
+    let text = report.to_string();
+    assert!(
+        text.contains("routing@0.1.0") && text.contains("replica 0"),
+        "{text}"
+    );
+}
+
+#[test]
+fn bad_config_is_rejected_with_the_plugin_message() {
+    let metrics = PluginMetrics::new();
+    let policy = PolicyConfig {
+        router: spec("builtin:prefix-aware", "alpha = 2.0"),
+        ..PolicyConfig::default()
+    };
+    let err = PolicyPlugins::new(&policy, &PluginsConfig::default(), metrics.clone())
+        .err()
+        .expect("must fail");
+    let text = err.to_string();
+    assert!(text.contains("alpha") && text.contains("[0, 1]"), "{text}");
+
+    let path = test_plugins_dir().join("misbehave_router.wasm");
+    let policy = PolicyConfig {
+        router: spec(path.to_str().unwrap(), "reject = true"),
+        ..PolicyConfig::default()
+    };
+    let err = PolicyPlugins::new(&policy, &PluginsConfig::default(), metrics)
+        .err()
+        .expect("must fail");
+    assert!(matches!(err, PluginError::Init { .. }), "{err}");
+    assert!(
+        err.to_string().contains("configured to reject its config"),
+        "{err}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Misbehaving plugins fall back, are counted, and the host keeps serving
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn misbehaving_router_falls_back_and_recovers() {
+    let path = test_plugins_dir().join("misbehave_router.wasm");
+    let name = path.to_str().unwrap().to_string();
+    let limits = PluginsConfig {
+        deadline_ms: 50,
+        memory_bytes: 16 << 20,
+        max_instances: 8,
+    };
+    let (p, metrics) = policies_with(spec(&name, "replica = 3"), limits);
+    let mut router = p.router();
+    let mut native = PrefixAwareRouter::default();
+    let mut rng = Rng::new(8, 0);
+    let cols: ReplicaColumns = random_replicas(&mut rng, 5);
+    let good = RouteRequest {
+        tenant: "good".into(),
+        ..random_request(&mut rng)
+    };
+    assert_eq!(router.route(&good, &cols), Decision::Use(3));
+
+    for (tenant, reason) in [
+        ("trap", FallbackReason::Trap),
+        ("loop", FallbackReason::Timeout),
+        ("bomb", FallbackReason::Memory),
+        ("wrong", FallbackReason::Invalid),
+        ("decline", FallbackReason::Declined),
+    ] {
+        let req = RouteRequest {
+            tenant: tenant.into(),
+            ..good.clone()
+        };
+        let started = std::time::Instant::now();
+        assert_eq!(
+            router.route(&req, &cols),
+            native.route(&req, &cols),
+            "{tenant}: native answer"
+        );
+        assert!(
+            started.elapsed().as_secs() < 5,
+            "{tenant} took {:?}",
+            started.elapsed()
+        );
+        assert_eq!(
+            fallbacks(&metrics, &name, reason),
+            1,
+            "{tenant} counted as {reason}"
+        );
+        // The next well-behaved call is answered by the plugin again (a new instance after a
+        // trap, timeout or memory failure).
+        assert_eq!(
+            router.route(&good, &cols),
+            Decision::Use(3),
+            "recovered after {tenant}"
+        );
+    }
+    let mut text = String::new();
+    metrics.render_prometheus(&mut text);
+    assert!(
+        text.contains(&format!(
+            "plugin_fallbacks_total{{plugin=\"{name}\",reason=\"timeout\"}} 1"
+        )),
+        "{text}"
+    );
+}
+
+#[test]
+fn plugin_whose_init_traps_is_refused_at_load() {
+    let dir = std::env::temp_dir().join(format!("chimera-dummy-plugins-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let evictor = dir.join("evictor.wasm");
+    let sampler = dir.join("sampler.wasm");
+    std::fs::write(&evictor, dummy_plugin("evictor", "0.1.0")).unwrap();
+    std::fs::write(&sampler, dummy_plugin("sampler", "0.1.0")).unwrap();
+    // Every function of a dummy plugin traps, `init` included: loading must fail cleanly.
+    let metrics = PluginMetrics::new();
+    let policy = PolicyConfig {
+        evictor: spec(evictor.to_str().unwrap(), ""),
+        ..PolicyConfig::default()
+    };
+    let err = PolicyPlugins::new(&policy, &PluginsConfig::default(), metrics)
+        .err()
+        .expect("init traps");
+    assert!(matches!(err, PluginError::Instantiate { .. }), "{err}");
+    let policy = PolicyConfig {
+        sampler: spec(sampler.to_str().unwrap(), ""),
+        ..PolicyConfig::default()
+    };
+    assert!(PolicyPlugins::new(&policy, &PluginsConfig::default(), PluginMetrics::new()).is_err());
+}
+
+#[test]
+fn misbehaving_evictor_falls_back_and_its_state_is_rebuilt_after_a_trap() {
+    let path = test_plugins_dir().join("misbehave_evictor.wasm");
+    let name = path.to_str().unwrap().to_string();
+    let metrics = PluginMetrics::new();
+    let policy = PolicyConfig {
+        evictor: spec(&name, ""),
+        ..PolicyConfig::default()
+    };
+    let p = PolicyPlugins::new(&policy, &PluginsConfig::default(), metrics.clone()).unwrap();
+    let mut wasm = p.evictor();
+    let mut native = LruEvictor::new();
+    let mut history = CacheHistory::new(4);
+    let mut ev = CacheEvents::default();
+    for _ in 0..200 {
+        history.step(&mut ev);
+        wasm.on_events(&ev);
+        native.on_events(&ev);
+    }
+    assert!(
+        native.evictable_leaves() > 15,
+        "history too small: {}",
+        native.evictable_leaves()
+    );
+    let step = history.step_number();
+    for (count, reason) in [
+        (13, FallbackReason::Trap),
+        (14, FallbackReason::Invalid),
+        (15, FallbackReason::Invalid),
+    ] {
+        assert_eq!(
+            wasm.choose_victims(count, step),
+            native.choose_victims(count, step),
+            "count {count}"
+        );
+        assert!(
+            fallbacks(&metrics, &name, reason) >= 1,
+            "count {count} counted as {reason}"
+        );
+        // Well-behaved calls after the failure agree with the native LRU: after the trap the
+        // new instance must have been given the whole cache state again.
+        for c in [1, 5, 9] {
+            assert_eq!(
+                wasm.choose_victims(c, step),
+                native.choose_victims(c, step),
+                "after {count}"
+            );
+        }
+    }
+    assert_eq!(fallbacks(&metrics, &name, FallbackReason::Trap), 1);
+    assert_eq!(fallbacks(&metrics, &name, FallbackReason::Invalid), 2);
+}
+
+#[test]
+fn misbehaving_sampler_falls_back_to_the_native_sampler() {
+    let path = test_plugins_dir().join("misbehave_sampler.wasm");
+    let name = path.to_str().unwrap().to_string();
+    let metrics = PluginMetrics::new();
+    let policy = PolicyConfig {
+        sampler: spec(&name, ""),
+        ..PolicyConfig::default()
+    };
+    let p = PolicyPlugins::new(&policy, &PluginsConfig::default(), metrics.clone()).unwrap();
+    let mut wasm = p.sampler();
+    let mut native = DefaultSampler::default();
+    let mut rng = Rng::new(77, 0);
+    for (seed, reason) in [
+        (13, FallbackReason::Trap),
+        (14, FallbackReason::Invalid),
+        (15, FallbackReason::Invalid),
+    ] {
+        let mut batch = random_batch(&mut rng, 8, 16);
+        batch.seed[0] = seed;
+        assert_eq!(wasm.sample(&batch), native.sample(&batch), "seed {seed}");
+        assert!(
+            fallbacks(&metrics, &name, reason) >= 1,
+            "seed {seed} counted as {reason}"
+        );
+        // The next good batch is answered by the plugin (a new instance after the trap).
+        let good = random_batch(&mut rng, 8, 16);
+        assert_eq!(wasm.sample(&good), native.sample(&good));
+    }
+    assert_eq!(
+        total_fallbacks(&metrics),
+        3,
+        "good batches were answered by the plugin"
+    );
+    assert_eq!(fallbacks(&metrics, &name, FallbackReason::Trap), 1);
+    assert_eq!(fallbacks(&metrics, &name, FallbackReason::Invalid), 2);
+}
+
+#[test]
+fn plugin_reloaded_while_serving_swaps_at_the_next_call_and_bad_reload_keeps_old() {
+    let (p, metrics) = policies_with(spec("builtin:least-loaded", ""), PluginsConfig::default());
+    let mut router = p.router();
+    let mut rng = Rng::new(21, 0);
+    let cols = random_replicas(&mut rng, 6);
+    let req = random_request(&mut rng);
+    let before = router.route(&req, &cols);
+    assert_eq!(before, LeastLoadedRouter.route(&req, &cols));
+
+    let wasm = std::fs::read(test_plugins_dir().join("pin_router.wasm")).unwrap();
+    let cfg = spec("x.wasm", "replica = 5")
+        .flat_config("policy.router")
+        .unwrap();
+    // Compile off the serving thread, as the admin endpoint would.
+    let reloaded = std::thread::scope(|s| {
+        s.spawn(|| p.reload(PluginKind::Router, "pin-router", &wasm, &cfg))
+            .join()
+            .unwrap()
+    });
+    assert!(reloaded.is_ok());
+    assert_eq!(router.route(&req, &cols), Decision::Use(5));
+
+    // A broken reload (not Wasm, wrong kind, bad config) is refused; the pin router stays.
+    assert!(matches!(
+        p.reload(PluginKind::Router, "junk", b"not wasm", &Config::default()),
+        Err(PluginError::NotWasm { .. })
+    ));
+    let lru = chimera::plugins::builtin::find(PluginKind::Evictor, "lru").unwrap();
+    assert!(matches!(
+        p.reload(PluginKind::Router, "lru", lru.wasm, &Config::default()),
+        Err(PluginError::WrongKind { .. })
+    ));
+    let bad_cfg = spec("x.wasm", "replica = 5000")
+        .flat_config("policy.router")
+        .unwrap();
+    assert!(matches!(
+        p.reload(PluginKind::Router, "pin", &wasm, &bad_cfg),
+        Err(PluginError::Init { .. })
+    ));
+    assert_eq!(router.route(&req, &cols), Decision::Use(5));
+    assert_eq!(total_fallbacks(&metrics), 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// ABI versions and `check_plugin`
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn wrong_abi_version_is_refused_at_load_naming_both_versions() {
+    let dir = std::env::temp_dir().join(format!("chimera-abi-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for version in ["0.9.0", "1.0.0", "0.0.4"] {
+        let path = dir.join(format!("router-{version}.wasm"));
+        std::fs::write(&path, dummy_plugin("router", version)).unwrap();
+        let err = check_plugin(&path).err().expect("must be refused");
+        let text = err.to_string();
+        assert!(matches!(err, PluginError::AbiVersion { .. }), "{text}");
+        assert!(
+            text.contains(version) && text.contains(">=0.1.0, <0.2.0"),
+            "{text}"
+        );
+        let policy = PolicyConfig {
+            router: spec(path.to_str().unwrap(), ""),
+            ..PolicyConfig::default()
+        };
+        assert!(
+            PolicyPlugins::new(&policy, &PluginsConfig::default(), PluginMetrics::new()).is_err()
+        );
+    }
+    // A later patch of the accepted minor loads (its init traps, which check reports).
+    let path = dir.join("router-0.1.9.wasm");
+    std::fs::write(&path, dummy_plugin("router", "0.1.9")).unwrap();
+    let report = check_plugin(&path).expect("0.1.9 is accepted");
+    assert_eq!(report.abi.to_string(), "0.1.9");
+    assert!(report.init.is_err() && !report.ok(), "{report}");
+}
+
+#[test]
+fn check_reports_every_builtin() {
+    let dir = std::env::temp_dir().join(format!("chimera-check-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for b in chimera::plugins::builtin::BUILTINS {
+        let path = dir.join(format!("{}.wasm", b.name));
+        std::fs::write(&path, b.wasm).unwrap();
+        let report = check_plugin(&path).unwrap();
+        assert_eq!(report.kind, b.kind);
+        assert!(report.ok(), "{report}");
+    }
+    let junk = dir.join("junk.wasm");
+    std::fs::write(&junk, b"\0asm\x01\0\0\0garbage").unwrap();
+    assert!(check_plugin(&junk).is_err());
+    assert!(matches!(
+        check_plugin(dir.join("missing.wasm")),
+        Err(PluginError::Io { .. })
+    ));
+}

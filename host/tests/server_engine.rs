@@ -1,0 +1,191 @@
+//! The server in front of the real engine: two replicas of a tiny hybrid fixture model
+//! (NemotronH: Mamba2 + attention) on the CPU, with the fixture tokenizer and chat template.
+//! Checks the contract end to end: streaming equals non-streaming, prefix-cache hits are
+//! reported and routed to the replica holding the prefix (from the real cache's KvEvents), and
+//! a client that hangs up stops generation early.
+
+mod server_support;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use chimera::backend::cpu::CpuBackend;
+use chimera::cache::config::{ByteSize, CacheConfig};
+use chimera::engine::{EngineConfig, EngineSetup, ModelRunner, Policies, spawn_engine};
+use chimera::policy::{Decision, ReplicaColumns, RouteRequest, Router};
+use chimera::server::router::least_loaded;
+use chimera::server::{
+    AppParts, AppState, ModelInfo, Replica, ServerConfig, TextCodec, serve_with_shutdown,
+};
+use serde_json::json;
+use server_support::*;
+
+const SALT: &str = "nemotronh-a";
+const BLOCK: u32 = 16;
+
+fn model_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/models/nemotronh-a")
+}
+
+/// Deepest prefix hit wins; otherwise least-loaded.
+struct PrefixAware;
+
+impl Router for PrefixAware {
+    fn route(&mut self, _r: &RouteRequest, cols: &ReplicaColumns) -> Decision<u32> {
+        let best =
+            (0..cols.len()).max_by_key(|&i| (cols.prefix_hit_blocks[i], std::cmp::Reverse(i)));
+        match best {
+            Some(i) if cols.prefix_hit_blocks[i] > 0 => Decision::Use(i as u32),
+            _ => Decision::Use(least_loaded(cols) as u32),
+        }
+    }
+}
+
+struct Live {
+    addr: std::net::SocketAddr,
+    state: AppState,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+async fn start() -> Live {
+    let mut replicas = Vec::new();
+    for _ in 0..2 {
+        let m = chimera::model::load(&model_dir(), &CpuBackend).expect("fixture model");
+        let setup = EngineSetup {
+            engine: EngineConfig {
+                max_running: 8,
+                ..EngineConfig::default()
+            },
+            cache: CacheConfig {
+                memory_budget: ByteSize(64 << 20),
+                block_size: BLOCK as usize,
+                prefix_caching: true,
+                ..CacheConfig::default()
+            },
+            hash_salt: SALT.into(),
+        };
+        let (handle, _join, kv) =
+            spawn_engine(setup, ModelRunner::new(CpuBackend, m), Policies::greedy())
+                .expect("engine");
+        replicas.push(Replica {
+            handle,
+            kv_events: Some(kv),
+        });
+    }
+    let parts = AppParts {
+        config: ServerConfig {
+            port: 0,
+            ..ServerConfig::default()
+        },
+        model: ModelInfo {
+            name: "nemotronh-a".into(),
+            max_model_len: 1024,
+            block_size: BLOCK,
+            cache_salt: SALT.into(),
+            num_blocks: 0,
+            prefix_caching: true,
+        },
+        codec: TextCodec::from_dir(&model_dir()).expect("tokenizer"),
+        replicas,
+        policy: Box::new(PrefixAware),
+        admin_hooks: None,
+    };
+    let state = AppState::new(parts).expect("state");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(serve_with_shutdown(state.clone(), listener, async move {
+        let _ = rx.await;
+    }));
+    Live {
+        addr,
+        state,
+        _stop: tx,
+    }
+}
+
+async fn metric(addr: std::net::SocketAddr, prefix: &str) -> f64 {
+    parse_metric(
+        &request(addr, "GET", "/metrics", &[], b"").await.text(),
+        prefix,
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_engine_behind_the_server() {
+    let s = start().await;
+    // Streaming and non-streaming agree (greedy), for completions and chat.
+    let body = json!({"prompt": "hello world, the cat", "max_tokens": 24, "temperature": 0, "ignore_eos": true});
+    let full = post(s.addr, "/v1/completions", &body).await;
+    assert_eq!(full.status, 200, "{}", full.text());
+    let v = full.json();
+    assert_eq!(v["usage"]["completion_tokens"], 24);
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    let st = post(s.addr, "/v1/completions", &sb).await;
+    assert_eq!(join_stream(&st.sse())[0].0, texts(&v)[0]);
+    let chat = json!({"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 8, "temperature": 0});
+    let c = post(s.addr, "/v1/chat/completions", &chat).await;
+    assert_eq!(c.status, 200, "{}", c.text());
+    let mut cs = chat.clone();
+    cs["stream"] = json!(true);
+    let cst = post(s.addr, "/v1/chat/completions", &cs).await;
+    assert_eq!(join_stream(&cst.sse())[0].0, texts(&c.json())[0]);
+
+    // A long shared prefix: the second request hits the cache on the replica that holds it.
+    let prefix = "the quick brown fox jumps over the lazy dog. ".repeat(8);
+    let a = post(
+        s.addr,
+        "/v1/completions",
+        &json!({"prompt": format!("{prefix}first"), "max_tokens": 2, "temperature": 0}),
+    )
+    .await
+    .json();
+    assert_eq!(a["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let routed: Vec<u64> = (0..2).map(|i| s.state.metrics().routed_count(i)).collect();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let b = post(
+        s.addr,
+        "/v1/completions",
+        &json!({"prompt": format!("{prefix}second"), "max_tokens": 2, "temperature": 0}),
+    )
+    .await
+    .json();
+    let cached = b["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached >= u64::from(BLOCK), "cached {cached}");
+    let after: Vec<u64> = (0..2).map(|i| s.state.metrics().routed_count(i)).collect();
+    let first_home = (0..2).find(|&i| routed[i] > 0 && after[i] > routed[i]);
+    assert!(
+        first_home.is_some(),
+        "the shared prefix changed replica: {routed:?} -> {after:?}"
+    );
+
+    // A client that hangs up stops generation early: far fewer than 900 tokens are generated.
+    let gen_before = metric(s.addr, "chimera:generation_tokens_total").await;
+    let long = json!({"prompt": "count", "max_tokens": 900, "temperature": 0, "ignore_eos": true, "stream": true});
+    post_and_hang_up(s.addr, "/v1/completions", &long, 300).await;
+    let mut idle = false;
+    for _ in 0..500 {
+        let running = metric(s.addr, "chimera:num_requests_running").await
+            + metric(s.addr, "chimera:server_requests_in_flight").await;
+        if running == 0.0 {
+            idle = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(idle, "request still running after the client left");
+    let generated = metric(s.addr, "chimera:generation_tokens_total").await - gen_before;
+    assert!(
+        generated < 900.0,
+        "generated {generated} tokens for a client that left"
+    );
+    assert_eq!(
+        metric(s.addr, "chimera:client_disconnects_total").await,
+        1.0
+    );
+}

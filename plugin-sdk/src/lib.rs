@@ -1,0 +1,162 @@
+//! Write chimera routing, eviction and sampling policies as WebAssembly plugins.
+//!
+//! A plugin is a type implementing one of [`RouterPlugin`], [`EvictorPlugin`] or
+//! [`SamplerPlugin`], plus one export macro ([`export_router!`], [`export_evictor!`],
+//! [`export_sampler!`]). Build the crate as a `cdylib` for `wasm32-unknown-unknown`; chimera
+//! loads the resulting `.wasm` directly. Natively the same crate compiles without any glue,
+//! so the plugin is unit-tested with plain `cargo test` by calling the trait methods on the
+//! column views in [`testing`].
+//!
+//! The ABI is the WIT package `chimera:plugin@0.1.0` in `wit/v0.1.0/` ([`ABI_VERSION`]).
+//! Plugins get no clock, filesystem, network or randomness: use [`math`] for a fast
+//! deterministic `exp`/`ln` and [`rng`] for seeded draws. The built-in policies are in
+//! [`algos`] for reuse.
+//!
+//! This crate depends on nothing in the chimera host.
+
+#![no_std]
+
+extern crate alloc;
+// Lets generated code name this crate the same way from inside and from plugin crates.
+extern crate self as chimera_plugin_sdk;
+
+use alloc::string::String;
+use alloc::vec::Vec;
+
+pub use chimera_policy_core::columns::{NO_PARENT, event_kind};
+pub use chimera_policy_core::{
+    Config, ConfigValue, EventsView, ReplicaView, RouteRequestView, SamplerBatchView, math, rng,
+};
+
+/// The built-in algorithms (least-loaded, prefix-aware, LRU, default sampler) for reuse.
+pub mod algos {
+    pub use chimera_policy_core::{lru, router, sampler};
+}
+
+pub mod testing;
+
+#[cfg(target_arch = "wasm32")]
+#[doc(hidden)]
+pub mod __private;
+
+/// The WIT package version this SDK builds plugins against.
+pub const ABI_VERSION: &str = "0.1.0";
+
+/// A routing policy: picks the replica for each new request.
+pub trait RouterPlugin: Sized + 'static {
+    /// Builds the plugin from its `config` table; an `Err` message is shown to the operator.
+    fn init(config: &Config) -> Result<Self, String>;
+
+    /// A replica index in `0..replicas.len()`, or `None` to let the host decide.
+    fn route(&mut self, request: &RouteRequestView<'_>, replicas: &ReplicaView<'_>) -> Option<u32>;
+}
+
+/// An eviction policy: keeps its own view of the cache from events and orders victims.
+pub trait EvictorPlugin: Sized + 'static {
+    fn init(config: &Config) -> Result<Self, String>;
+
+    /// Cache events since the last call, in order (see [`event_kind`]).
+    fn on_events(&mut self, events: &EventsView<'_>);
+
+    /// Up to `count` evictable leaf blocks in eviction order, or `None` to let the host decide.
+    fn choose_victims(&mut self, count: u32, step: u64) -> Option<Vec<u32>>;
+}
+
+/// A sampling policy: picks one token per request among its candidates.
+pub trait SamplerPlugin: Sized + 'static {
+    fn init(config: &Config) -> Result<Self, String>;
+
+    /// One token per request (each among that request's candidates), or `None`.
+    fn sample(&mut self, batch: &SamplerBatchView<'_>) -> Option<Vec<u32>>;
+}
+
+/// Exports a [`RouterPlugin`] implementation as the plugin's router (Wasm builds only).
+#[macro_export]
+macro_rules! export_router {
+    ($plugin:ty) => {
+        #[cfg(target_arch = "wasm32")]
+        const _: () = {
+            static PLUGIN: $crate::__private::PluginCell<$plugin> =
+                $crate::__private::PluginCell::new();
+            struct Export;
+            impl $crate::__private::router::exports::chimera::plugin::routing::Guest for Export {
+                fn init(
+                    config: $crate::__private::alloc::vec::Vec<
+                        $crate::__private::router::exports::chimera::plugin::routing::ConfigEntry,
+                    >,
+                ) -> Result<(), $crate::__private::alloc::string::String> {
+                    $crate::__private::router_init(&PLUGIN, config)
+                }
+                fn route(
+                    request: $crate::__private::router::exports::chimera::plugin::routing::RouteRequest,
+                    replicas: $crate::__private::router::exports::chimera::plugin::routing::ReplicaColumns,
+                ) -> Option<u32> {
+                    $crate::__private::router_route(&PLUGIN, request, replicas)
+                }
+            }
+            $crate::__private::router::export!(Export with_types_in $crate::__private::router);
+        };
+    };
+}
+
+/// Exports an [`EvictorPlugin`] implementation as the plugin's evictor (Wasm builds only).
+#[macro_export]
+macro_rules! export_evictor {
+    ($plugin:ty) => {
+        #[cfg(target_arch = "wasm32")]
+        const _: () = {
+            static PLUGIN: $crate::__private::PluginCell<$plugin> =
+                $crate::__private::PluginCell::new();
+            struct Export;
+            impl $crate::__private::evictor::exports::chimera::plugin::eviction::Guest for Export {
+                fn init(
+                    config: $crate::__private::alloc::vec::Vec<
+                        $crate::__private::evictor::exports::chimera::plugin::eviction::ConfigEntry,
+                    >,
+                ) -> Result<(), $crate::__private::alloc::string::String> {
+                    $crate::__private::evictor_init(&PLUGIN, config)
+                }
+                fn on_events(
+                    events: $crate::__private::evictor::exports::chimera::plugin::eviction::CacheEvents,
+                ) {
+                    $crate::__private::evictor_on_events(&PLUGIN, events)
+                }
+                fn choose_victims(
+                    count: u32,
+                    step: u64,
+                ) -> Option<$crate::__private::alloc::vec::Vec<u32>> {
+                    $crate::__private::evictor_choose(&PLUGIN, count, step)
+                }
+            }
+            $crate::__private::evictor::export!(Export with_types_in $crate::__private::evictor);
+        };
+    };
+}
+
+/// Exports a [`SamplerPlugin`] implementation as the plugin's sampler (Wasm builds only).
+#[macro_export]
+macro_rules! export_sampler {
+    ($plugin:ty) => {
+        #[cfg(target_arch = "wasm32")]
+        const _: () = {
+            static PLUGIN: $crate::__private::PluginCell<$plugin> =
+                $crate::__private::PluginCell::new();
+            struct Export;
+            impl $crate::__private::sampler::exports::chimera::plugin::sampling::Guest for Export {
+                fn init(
+                    config: $crate::__private::alloc::vec::Vec<
+                        $crate::__private::sampler::exports::chimera::plugin::sampling::ConfigEntry,
+                    >,
+                ) -> Result<(), $crate::__private::alloc::string::String> {
+                    $crate::__private::sampler_init(&PLUGIN, config)
+                }
+                fn sample(
+                    batch: $crate::__private::sampler::exports::chimera::plugin::sampling::SamplerBatch,
+                ) -> Option<$crate::__private::alloc::vec::Vec<u32>> {
+                    $crate::__private::sampler_sample(&PLUGIN, batch)
+                }
+            }
+            $crate::__private::sampler::export!(Export with_types_in $crate::__private::sampler);
+        };
+    };
+}

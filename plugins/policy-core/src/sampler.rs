@@ -1,0 +1,253 @@
+//! The default sampler: greedy, temperature, top-k, min-p, top-p, drawn with a seeded RNG.
+//!
+//! Input per request: `k` candidates best first (logits after the host applied penalties).
+//! Steps, in order: temperature scaling (0 or less, or NaN, means greedy argmax); top-k keeps
+//! the first `top_k` candidates (0 disables); min-p drops candidates whose probability is below
+//! `min_p` times the best one's (0 disables); top-p keeps the shortest prefix whose mass
+//! reaches `top_p` of what is left (1 disables); one draw from `Rng::new(seed, counter)` picks
+//! among the survivors. Every sum runs in candidate order, so the result is the same bit for
+//! bit in every build. Candidates whose probability is below e^-16 of the best one's count as
+//! impossible (this skips their `exp`). NaN logits count as −∞; a request whose logits are all −∞ gets its first
+//! candidate.
+
+use alloc::vec::Vec;
+
+use crate::columns::SamplerBatchView;
+use crate::math;
+use crate::rng::Rng;
+
+/// Scaled logits below this (probability under e^-16 ≈ 1e-7 of the best) are treated as 0.
+const NEGLIGIBLE: f32 = -16.0;
+
+/// Per-request knobs, as in one row of the batch.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Params {
+    pub temperature: f32,
+    pub top_k: u32,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub seed: u64,
+    pub counter: u64,
+}
+
+/// Samples every request of `batch` into `out` (cleared first). Returns `false`, leaving `out`
+/// empty, when the batch's columns are inconsistent.
+pub fn sample_batch(
+    batch: &SamplerBatchView<'_>,
+    scratch: &mut Vec<f32>,
+    out: &mut Vec<u32>,
+) -> bool {
+    out.clear();
+    if !batch.is_consistent() {
+        return false;
+    }
+    out.reserve(batch.len());
+    for i in 0..batch.len() {
+        let params = Params {
+            temperature: batch.temperature[i],
+            top_k: batch.top_k[i],
+            top_p: batch.top_p[i],
+            min_p: batch.min_p[i],
+            seed: batch.seed[i],
+            counter: batch.counter[i],
+        };
+        let idx = sample_index(&params, batch.logits_of(i), scratch);
+        out.push(batch.tokens_of(i)[idx]);
+    }
+    true
+}
+
+/// Index of the chosen candidate among `logits` (which must not be empty).
+pub fn sample_index(p: &Params, logits: &[f32], probs: &mut Vec<f32>) -> usize {
+    let n = match p.top_k {
+        0 => logits.len(),
+        k => logits.len().min(k as usize),
+    };
+    let Some(best) = argmax(&logits[..n]) else {
+        return 0;
+    };
+    if !(p.temperature > 0.0) || n == 1 {
+        return best;
+    }
+    let max = logits[best];
+    let inv_t = 1.0 / p.temperature;
+    // One pass: probability relative to the best candidate (1 for the best), min-p, and the
+    // running total, all in candidate order.
+    let min_p = if p.min_p > 0.0 { p.min_p } else { 0.0 };
+    probs.clear();
+    let mut total = 0.0f32;
+    for &l in &logits[..n] {
+        let x = (l - max) * inv_t;
+        // NaN and anything below e^-16 of the best count as impossible.
+        let mut q = if x >= NEGLIGIBLE { math::exp(x) } else { 0.0 };
+        if q < min_p {
+            q = 0.0;
+        }
+        total += q;
+        probs.push(q);
+    }
+    // top-p: the shortest prefix whose mass reaches `top_p` of the total.
+    let mut end = n;
+    if p.top_p < 1.0 && p.top_p > 0.0 {
+        let cut = p.top_p * total;
+        let mut cum = 0.0f32;
+        for (i, &q) in probs.iter().enumerate() {
+            cum += q;
+            if cum >= cut {
+                end = i + 1;
+                break;
+            }
+        }
+        total = cum;
+    }
+    let u = Rng::new(p.seed, p.counter).next_f32() * total;
+    let mut cum = 0.0f32;
+    let mut last_kept = best;
+    for (i, &q) in probs[..end].iter().enumerate() {
+        if q > 0.0 {
+            cum += q;
+            last_kept = i;
+            if u < cum {
+                return i;
+            }
+        }
+    }
+    last_kept
+}
+
+/// First index of the largest non-NaN value, `None` if all are NaN or −∞.
+fn argmax(logits: &[f32]) -> Option<usize> {
+    let mut best: Option<usize> = None;
+    for (i, &l) in logits.iter().enumerate() {
+        if l.is_nan() || l == f32::NEG_INFINITY {
+            continue;
+        }
+        match best {
+            Some(b) if logits[b] >= l => {}
+            _ => best = Some(i),
+        }
+    }
+    best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use alloc::vec;
+
+    fn params(temperature: f32) -> Params {
+        Params {
+            temperature,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 1,
+            counter: 0,
+        }
+    }
+
+    #[test]
+    fn greedy_takes_argmax_and_skips_nan() {
+        let mut s = Vec::new();
+        assert_eq!(sample_index(&params(0.0), &[1.0, 3.0, 2.0], &mut s), 1);
+        assert_eq!(sample_index(&params(0.0), &[f32::NAN, 0.5, 0.5], &mut s), 1);
+        assert_eq!(sample_index(&params(0.7), &[f32::NAN, f32::NAN], &mut s), 0);
+        assert_eq!(sample_index(&params(f32::NAN), &[0.0, 2.0], &mut s), 1);
+    }
+
+    #[test]
+    fn top_k_one_and_tiny_top_p_are_greedy() {
+        let mut s = Vec::new();
+        let logits = [5.0, 4.9, 4.8, 4.7];
+        for counter in 0..50 {
+            let p = Params {
+                top_k: 1,
+                counter,
+                ..params(1.0)
+            };
+            assert_eq!(sample_index(&p, &logits, &mut s), 0);
+            let p = Params {
+                top_p: 0.01,
+                counter,
+                ..params(1.0)
+            };
+            assert_eq!(sample_index(&p, &logits, &mut s), 0);
+        }
+    }
+
+    #[test]
+    fn min_p_removes_unlikely_candidates() {
+        let mut s = Vec::new();
+        // exp(-5) ≈ 0.0067 < 0.1: candidate 2 can never be drawn.
+        let logits = [0.0, -0.1, -5.0];
+        for counter in 0..500 {
+            let p = Params {
+                min_p: 0.1,
+                counter,
+                ..params(1.0)
+            };
+            assert_ne!(sample_index(&p, &logits, &mut s), 2);
+        }
+    }
+
+    #[test]
+    fn draws_follow_the_distribution_and_repeat_per_seed() {
+        let mut s = Vec::new();
+        // Probabilities ∝ (1, e^-1, e^-2) = (0.665, 0.245, 0.090).
+        let logits = [0.0, -1.0, -2.0];
+        let mut counts = [0u32; 3];
+        for counter in 0..20_000 {
+            let p = Params {
+                counter,
+                ..params(1.0)
+            };
+            let i = sample_index(&p, &logits, &mut s);
+            assert_eq!(i, sample_index(&p, &logits, &mut s));
+            counts[i] += 1;
+        }
+        let f: Vec<f32> = counts.iter().map(|&c| c as f32 / 20_000.0).collect();
+        assert!(
+            (f[0] - 0.665).abs() < 0.02 && (f[1] - 0.245).abs() < 0.02,
+            "{f:?}"
+        );
+        // A high temperature flattens the distribution.
+        let mut hot = [0u32; 3];
+        for counter in 0..20_000 {
+            hot[sample_index(
+                &Params {
+                    counter,
+                    ..params(100.0)
+                },
+                &logits,
+                &mut s,
+            )] += 1;
+        }
+        assert!(hot[2] > 6_000, "{hot:?}");
+    }
+
+    #[test]
+    fn batch_checks_columns_and_maps_to_tokens() {
+        let tokens = vec![10, 11, 20, 21];
+        let logits = vec![0.0, 1.0, 3.0, 2.0];
+        let batch = SamplerBatchView {
+            k: 2,
+            temperature: &[0.0, 0.0],
+            top_k: &[0, 0],
+            top_p: &[1.0, 1.0],
+            min_p: &[0.0, 0.0],
+            seed: &[0, 0],
+            counter: &[0, 0],
+            cand_tokens: &tokens,
+            cand_logits: &logits,
+        };
+        let (mut s, mut out) = (Vec::new(), Vec::new());
+        assert!(sample_batch(&batch, &mut s, &mut out));
+        assert_eq!(out, vec![11, 20]);
+        let bad = SamplerBatchView {
+            cand_logits: &logits[..3],
+            ..batch
+        };
+        assert!(!sample_batch(&bad, &mut s, &mut out));
+        assert!(out.is_empty());
+    }
+}
