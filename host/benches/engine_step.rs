@@ -5,6 +5,8 @@
 //! Run: `cargo bench -p chimera --bench engine_step`. Prints a table; ratios are against the
 //! 1-request case measured in the same run.
 
+#![allow(clippy::unwrap_used)]
+
 use std::hint::black_box;
 use std::time::Instant;
 
@@ -171,7 +173,13 @@ fn main() {
     );
     let mut base = None;
     for c in &cases {
-        let (per_step, t) = run(c);
+        // This machine is shared and noisy: keep the fastest of three runs.
+        let (per_step, t) = (0..3)
+            .map(|_| run(c))
+            .min_by_key(|(_, t)| {
+                (t.schedule_ns + t.inputs_ns + t.update_ns - t.sample_ns) / t.steps.max(1)
+            })
+            .expect("three runs");
         let us = |ns: u64| ns as f64 / 1e3 / t.steps.max(1) as f64;
         let update = t.update_ns - t.sample_ns;
         let bookkeeping = us(t.schedule_ns + t.inputs_ns + update);
@@ -192,5 +200,7 @@ fn main() {
     println!("µs per step. bookkeep = sched + inputs + update: the engine's own cost without the");
     println!("mock forward pass and without sampling (top-K over a {VOCAB}-token vocabulary).");
     println!("update includes committing the step to the cache and sending one event per request.");
-    println!("ratio = bookkeep against the 1-running case of this run.");
+    println!(
+        "ratio = bookkeep against the 1-running case of this run; each row is the fastest of 3 runs."
+    );
 }

@@ -2,6 +2,8 @@
 //! chunking, budgets or memory pressure; prefix reuse and SSM restores happen exactly where
 //! expected; eviction and cancellation leave nothing behind.
 
+#![allow(clippy::unwrap_used)]
+
 mod engine_common;
 
 use chimera::engine::api::{FinishReason, KvEvent};
@@ -216,7 +218,7 @@ fn random_cancellations_leave_every_block_free() {
         let mut x = 99u64;
         let run = drive_with(&mut e, work, |e, step| {
             x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
-            if (x >> 33) % 3 == 0 {
+            if (x >> 33).is_multiple_of(3) {
                 e.cancel((x >> 40) % 64);
             }
             let _ = step;

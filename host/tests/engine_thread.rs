@@ -1,6 +1,8 @@
 //! The engine thread through its handle: submit, stream, cancel, stats, cache events,
 //! reset and shutdown, the way the server drives it.
 
+#![allow(clippy::unwrap_used)]
+
 mod engine_common;
 
 use std::time::{Duration, Instant};

@@ -320,10 +320,10 @@ impl BlockPool {
     /// Delivers pending events to the evictor (called before each `choose_victims` and at the
     /// end of every step).
     pub fn flush_events(&mut self) {
-        if let Some(e) = self.evictor.as_mut() {
-            if !self.events.is_empty() {
-                e.on_events(&self.events);
-            }
+        if let Some(e) = self.evictor.as_mut()
+            && !self.events.is_empty()
+        {
+            e.on_events(&self.events);
         }
         self.events.clear();
     }
@@ -417,5 +417,6 @@ impl BlockPool {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 #[path = "block_pool_tests.rs"]
 mod tests;

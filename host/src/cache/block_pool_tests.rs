@@ -73,7 +73,7 @@ fn lru_order_is_last_access_then_id() {
     let z = cached_chain(&mut pool, 3, 1, 3);
     let mut got = Vec::new();
     pool.allocate(3, 6, &mut got).unwrap();
-    let mut tie = vec![y[0], z[0]];
+    let mut tie = [y[0], z[0]];
     tie.sort();
     assert_eq!(evicted_order(&mut pool), vec![tie[0], tie[1], x[0]]);
 }

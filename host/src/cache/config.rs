@@ -160,10 +160,10 @@ impl CacheLayout {
         if !(2..=4096).contains(&bs) {
             return Err(CacheConfigError::BlockSize(bs));
         }
-        if let Some(r) = cfg.ssm_share {
-            if !(0.0..1.0).contains(&r) {
-                return Err(CacheConfigError::Share(r));
-            }
+        if let Some(r) = cfg.ssm_share
+            && !(0.0..1.0).contains(&r)
+        {
+            return Err(CacheConfigError::Share(r));
         }
         let budget = cfg.memory_budget.0;
         let block_bytes = spec.kv_block_bytes(bs).max(1) as u64;
@@ -214,6 +214,7 @@ impl CacheLayout {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

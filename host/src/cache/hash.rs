@@ -92,6 +92,7 @@ impl std::hash::Hasher for DigestHasher {
 pub type DigestBuildHasher = std::hash::BuildHasherDefault<DigestHasher>;
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

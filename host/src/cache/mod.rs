@@ -537,5 +537,6 @@ impl CacheManager {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 #[path = "manager_tests.rs"]
 mod tests;

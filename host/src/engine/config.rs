@@ -120,6 +120,7 @@ pub struct EngineSetup {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

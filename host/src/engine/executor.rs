@@ -49,11 +49,7 @@ impl Logits {
         self.data.resize(rows * vocab, 0.0);
     }
     pub fn rows(&self) -> usize {
-        if self.vocab == 0 {
-            0
-        } else {
-            self.data.len() / self.vocab
-        }
+        self.data.len().checked_div(self.vocab).unwrap_or(0)
     }
     pub fn row(&self, i: usize) -> &[f32] {
         &self.data[i * self.vocab..(i + 1) * self.vocab]

@@ -242,6 +242,7 @@ impl StepExecutor for MockExecutor {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
     use crate::model::SsmSnapshot;

@@ -44,7 +44,7 @@ pub struct SamplingStage {
     batch: SamplerBatch,
     lse: Vec<f32>,
     scratch: Vec<u32>,
-    cand: Vec<(f32, u32)>,
+    cand: Vec<u64>,
     /// Answers rejected (invalid or `UseDefault`) from the configured sampler.
     pub fallbacks: u64,
 }
@@ -181,35 +181,45 @@ impl SamplingStage {
 
     /// Appends the `k` best (logit, token) of `row` to the batch, best first.
     fn top_k(&mut self, row: &[f32], k: usize) {
-        let better = |a: &(f32, u32), b: &(f32, u32)| a.0 > b.0 || (a.0 == b.0 && a.1 < b.1);
         self.cand.clear();
         let mut worst = 0;
         for (t, &x) in row.iter().enumerate() {
-            let x = if x.is_nan() { f32::NEG_INFINITY } else { x };
-            let c = (x, t as u32);
+            let c = order_key(x, t as u32);
             if self.cand.len() < k {
                 self.cand.push(c);
                 if self.cand.len() == k {
-                    worst = argworst(&self.cand, better);
+                    worst = argmax(&self.cand);
                 }
-            } else if better(&c, &self.cand[worst]) {
+            } else if c < self.cand[worst] {
                 self.cand[worst] = c;
-                worst = argworst(&self.cand, better);
+                worst = argmax(&self.cand);
             }
         }
-        self.cand
-            .sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-        for &(x, t) in &self.cand {
+        self.cand.sort_unstable();
+        for &c in &self.cand {
+            let t = c as u32;
+            let x = row[t as usize];
             self.batch.cand_tokens.push(t);
-            self.batch.cand_logits.push(x);
+            self.batch
+                .cand_logits
+                .push(if x.is_nan() { f32::NEG_INFINITY } else { x });
         }
     }
 }
 
-fn argworst(c: &[(f32, u32)], better: impl Fn(&(f32, u32), &(f32, u32)) -> bool) -> usize {
+/// A key whose ascending order is descending logit, then ascending token id (NaN ranks as
+/// negative infinity), so candidates sort as plain integers.
+fn order_key(x: f32, t: u32) -> u64 {
+    let x = if x.is_nan() { f32::NEG_INFINITY } else { x };
+    let b = x.to_bits();
+    let ascending = if b >> 31 == 1 { !b } else { b | 0x8000_0000 };
+    (u64::from(!ascending) << 32) | u64::from(t)
+}
+
+fn argmax(c: &[u64]) -> usize {
     let mut w = 0;
     for i in 1..c.len() {
-        if better(&c[w], &c[i]) {
+        if c[i] > c[w] {
             w = i;
         }
     }
@@ -226,5 +236,6 @@ fn log_sum_exp(row: &[f32]) -> f32 {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 #[path = "sampling_tests.rs"]
 mod tests;

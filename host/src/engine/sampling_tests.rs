@@ -110,7 +110,7 @@ fn logprobs_are_a_log_softmax_over_the_full_row() {
         ..Default::default()
     };
     let row = vec![1.0f32, 2.0, 0.5, -1.0, 3.0];
-    let mut l = logits(&[row.clone()]);
+    let mut l = logits(std::slice::from_ref(&row));
     let mut st = SamplingStage::new(2);
     let mut out = Vec::new();
     st.sample(
@@ -170,4 +170,43 @@ fn invalid_answers_fall_back() {
     );
     assert_eq!(out.iter().map(|s| s.token).collect::<Vec<_>>(), vec![3, 0]);
     assert_eq!(st.fallbacks, 2);
+}
+
+#[test]
+fn top_k_orders_negative_zero_and_nan_like_a_float_sort() {
+    let row = vec![
+        -1.5,
+        0.0,
+        f32::NAN,
+        -0.0,
+        2.5,
+        -7.0,
+        2.5,
+        f32::NEG_INFINITY,
+        1e-30,
+        -1e-30,
+    ];
+    let mut st = SamplingStage::new(10);
+    st.reset_batch(10);
+    st.top_k(&row, 10);
+    let clean = |x: f32| if x.is_nan() { f32::NEG_INFINITY } else { x };
+    let mut want: Vec<(f32, u32)> = row
+        .iter()
+        .enumerate()
+        .map(|(t, &x)| (clean(x), t as u32))
+        .collect();
+    want.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+    assert_eq!(
+        st.batch.cand_tokens,
+        want.iter().map(|c| c.1).collect::<Vec<_>>()
+    );
+    assert_eq!(st.batch.cand_tokens[..2], [4, 6]);
+    assert!(st.batch.cand_logits.iter().all(|x| !x.is_nan()));
+    // With k smaller than the row the same prefix comes out.
+    st.reset_batch(3);
+    st.top_k(&row, 3);
+    assert_eq!(
+        st.batch.cand_tokens,
+        want[..3].iter().map(|c| c.1).collect::<Vec<_>>()
+    );
 }

@@ -291,23 +291,23 @@ impl Scheduler {
         last: bool,
     ) {
         let mut snapshots = Vec::new();
-        if let Some(r) = self.slots[slot as usize].as_ref() {
-            if start < r.prompt_len {
-                cache.plan_snapshots(
-                    slot,
-                    &r.hashes,
-                    r.prompt_len,
-                    r.kv_match,
-                    start,
-                    n,
-                    &mut snapshots,
-                );
-                let bs = self.block_size;
-                let end = ((start + n) / bs).min(r.hashes.len());
-                for &h in &r.hashes[(start / bs).min(end)..end] {
-                    if !cache.is_cached(h) {
-                        self.pending.insert(h);
-                    }
+        if let Some(r) = self.slots[slot as usize].as_ref()
+            && start < r.prompt_len
+        {
+            cache.plan_snapshots(
+                slot,
+                &r.hashes,
+                r.prompt_len,
+                r.kv_match,
+                start,
+                n,
+                &mut snapshots,
+            );
+            let bs = self.block_size;
+            let end = ((start + n) / bs).min(r.hashes.len());
+            for &h in &r.hashes[(start / bs).min(end)..end] {
+                if !cache.is_cached(h) {
+                    self.pending.insert(h);
                 }
             }
         }
@@ -486,5 +486,6 @@ fn chunk_len(bs: usize, chunked: bool, ctx: usize, remaining: usize, budget: usi
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 #[path = "scheduler_tests.rs"]
 mod tests;
