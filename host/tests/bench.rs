@@ -26,6 +26,9 @@ use chimera::bench::{BenchArgs, BenchReport, run};
 use clap::Parser;
 use serde_json::{Value, json};
 
+/// The tests of this file run one at a time so that their timings do not compete for the CPU.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 const FIRST_MS: u64 = 50;
 const ITL_MS: u64 = 10;
 
@@ -207,6 +210,7 @@ fn in_range(x: f64, lo: f64, hi: f64) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn closed_loop_latencies_and_counts_follow_the_script() {
+    let _serial = SERIAL.lock().await;
     let url = spawn_mock(Script::default()).await;
     let report = run(args(
         &url,
@@ -250,11 +254,11 @@ async fn closed_loop_latencies_and_counts_follow_the_script() {
     // Script: TTFT 50 ms, 7 gaps of 10 ms, so E2E 120 ms and TPOT 10 ms.
     assert_eq!(ttft.count, 10);
     assert!(ttft.min >= 50.0, "ttft min {}", ttft.min);
-    assert!(in_range(ttft.p50, 50.0, 65.0), "ttft p50 {}", ttft.p50);
+    assert!(in_range(ttft.p50, 50.0, 70.0), "ttft p50 {}", ttft.p50);
     assert!(e2e.min >= 120.0, "e2e min {}", e2e.min);
-    assert!(in_range(e2e.p50, 120.0, 150.0), "e2e p50 {}", e2e.p50);
-    assert!(in_range(itl.p50, 9.0, 15.0), "itl p50 {}", itl.p50);
-    assert!(in_range(tpot.p50, 10.0, 14.0), "tpot p50 {}", tpot.p50);
+    assert!(in_range(e2e.p50, 120.0, 170.0), "e2e p50 {}", e2e.p50);
+    assert!(in_range(itl.p50, 9.0, 16.0), "itl p50 {}", itl.p50);
+    assert!(in_range(tpot.p50, 10.0, 16.0), "tpot p50 {}", tpot.p50);
     // ITL samples: 7 per request unless two chunks arrived in one read.
     assert!(
         in_range(itl.count as f64, 60.0, 70.0),
@@ -287,6 +291,7 @@ async fn closed_loop_latencies_and_counts_follow_the_script() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shared_prefix_cache_hits_are_exact_with_a_tokenizer_file() {
+    let _serial = SERIAL.lock().await;
     let tok = word_tokenizer_file("prefix");
     let script = Script {
         prefix_words: 32,
@@ -352,6 +357,7 @@ async fn shared_prefix_cache_hits_are_exact_with_a_tokenizer_file() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failures_are_counted_by_kind_and_never_dropped() {
+    let _serial = SERIAL.lock().await;
     let url = spawn_mock(Script {
         fail_every: Some(3),
         break_every: Some(5),
@@ -424,6 +430,7 @@ async fn failures_are_counted_by_kind_and_never_dropped() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poisson_arrivals_follow_the_seeded_schedule() {
+    let _serial = SERIAL.lock().await;
     let url = spawn_mock(Script::default()).await;
     let report = run(args(
         &url,
@@ -475,6 +482,7 @@ async fn poisson_arrivals_follow_the_seeded_schedule() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn multi_turn_turns_extend_the_conversation() {
+    let _serial = SERIAL.lock().await;
     for endpoint in ["completions", "chat"] {
         let script = Script::default();
         let url = spawn_mock(script.clone()).await;
@@ -536,6 +544,7 @@ async fn multi_turn_turns_extend_the_conversation() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sweep_writes_json_and_svg_and_duration_bounds_sending() {
+    let _serial = SERIAL.lock().await;
     let url = spawn_mock(Script::default()).await;
     let dir = std::env::temp_dir().join(format!("chimera-bench-sweep-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

@@ -30,6 +30,7 @@ pub mod workload;
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressStyle};
@@ -116,6 +117,28 @@ async fn discover_model(
         })
 }
 
+/// Stops the interrupt watcher however `run` returns.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// First Ctrl-C: stop starting requests, let those in flight finish, and report what was
+/// measured. A second Ctrl-C exits at once.
+async fn watch_interrupt(stop: Arc<AtomicBool>) {
+    if tokio::signal::ctrl_c().await.is_err() {
+        return;
+    }
+    stop.store(true, Ordering::Relaxed);
+    eprintln!("interrupted: finishing requests in flight (Ctrl-C again to quit)");
+    if tokio::signal::ctrl_c().await.is_ok() {
+        std::process::exit(130);
+    }
+}
+
 fn progress_bar(args: &BenchArgs, len: Option<usize>, what: &str) -> ProgressBar {
     if args.no_progress || args.quiet {
         return ProgressBar::hidden();
@@ -164,6 +187,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<BenchReport> {
         extra_body: plan.extra_body.clone(),
     };
     let joined = args.endpoint == Endpoint::Completions;
+    let stop = Arc::new(AtomicBool::new(false));
+    let _watcher = AbortOnDrop(tokio::spawn(watch_interrupt(stop.clone())));
     let started_at_unix_s = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64());
@@ -191,6 +216,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<BenchReport> {
             extra_body: Value::Object(plan.extra_body.clone()),
             warmup_requests: 0,
             warmup_failed: 0,
+            interrupted: false,
         },
         points: Vec::new(),
     };
@@ -219,6 +245,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<BenchReport> {
             tokenizer: tokenizer.clone(),
             timeout: plan.timeout,
             progress: progress.clone(),
+            stop: stop.clone(),
         });
         let bounds = Bounds {
             max_requests: Some(args.warmup),
@@ -237,6 +264,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<BenchReport> {
         }
     }
     for (i, point) in plan.points.iter().enumerate() {
+        if stop.load(Ordering::Relaxed) {
+            break;
+        }
         let seed = match args.sweep_prompts {
             SweepPrompts::Fresh => args.seed.wrapping_add(i as u64),
             SweepPrompts::Same => args.seed,
@@ -264,6 +294,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<BenchReport> {
             tokenizer: tokenizer.clone(),
             timeout: plan.timeout,
             progress: progress.clone(),
+            stop: stop.clone(),
         });
         let out = runner::run_point(ctx, *point, bounds, seed).await;
         progress.finish_and_clear();
@@ -275,6 +306,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<BenchReport> {
             summary,
             records: args.save_requests.then_some(out.records),
         });
+    }
+    report.run.interrupted = stop.load(Ordering::Relaxed);
+    if report.run.interrupted && !args.quiet {
+        println!("interrupted: the last point is partial and later points were not run");
     }
     if !args.quiet && report.points.len() > 1 {
         print!("\n{}", report.sweep_table());

@@ -69,6 +69,8 @@ pub struct RunInfo {
     /// Warm-up requests sent before the first point, and how many of them failed.
     pub warmup_requests: usize,
     pub warmup_failed: usize,
+    /// The run was stopped with Ctrl-C: the last point is partial and later ones are missing.
+    pub interrupted: bool,
 }
 
 /// One load point: its summary, and the per-request records when `--save-requests` is given.
@@ -525,6 +527,7 @@ mod tests {
                 extra_body: Value::Null,
                 warmup_requests: 0,
                 warmup_failed: 0,
+                interrupted: false,
             },
             points,
         }

@@ -12,7 +12,7 @@
 //! flight then are awaited (up to the request timeout). Must not compute statistics.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use indicatif::ProgressBar;
@@ -35,6 +35,8 @@ pub struct PointContext {
     pub tokenizer: Arc<PromptTokenizer>,
     pub timeout: Duration,
     pub progress: ProgressBar,
+    /// Set on interruption: no new request starts; requests in flight finish.
+    pub stop: Arc<AtomicBool>,
 }
 
 /// What one load point produced.
@@ -66,11 +68,13 @@ impl Budget {
 struct Clock {
     start: Instant,
     deadline: Option<Instant>,
+    stop: Arc<AtomicBool>,
 }
 
 impl Clock {
+    /// True once the deadline passed or the run was interrupted.
     fn expired(&self) -> bool {
-        self.deadline.is_some_and(|d| Instant::now() >= d)
+        self.stop.load(Ordering::Relaxed) || self.deadline.is_some_and(|d| Instant::now() >= d)
     }
 }
 
@@ -85,6 +89,7 @@ pub async fn run_point(
     let clock = Arc::new(Clock {
         start,
         deadline: bounds.duration.map(|d| start + d),
+        stop: ctx.stop.clone(),
     });
     let budget = Arc::new(Budget(AtomicUsize::new(
         bounds.max_requests.unwrap_or(usize::MAX),
@@ -129,6 +134,9 @@ pub async fn run_point(
                     break;
                 }
                 tokio::time::sleep_until(at).await;
+                if clock.expired() {
+                    break;
+                }
                 let session = idx % n_sessions;
                 let turns = ctx
                     .workload
@@ -185,7 +193,7 @@ async fn run_session(
     let mut answers: Vec<String> = Vec::new();
     let mut known_tokens = session.system.as_ref().map_or(0, |s| s.tokens());
     for k in 0..turns {
-        if k > 0 && clock.expired() {
+        if clock.expired() {
             break;
         }
         let Some(turn) = session.turns.get(k) else {
@@ -235,6 +243,56 @@ async fn run_session(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn an_interrupted_point_sends_nothing_new() {
+        let tok = PromptTokenizer::words();
+        let spec = crate::bench::workload::WorkloadSpec::Random {
+            requests: 3,
+            input_len: crate::bench::workload::LenRange::fixed(4),
+            output_len: crate::bench::workload::LenRange::fixed(2),
+        };
+        let workload = crate::bench::workload::build(&spec, &tok, 0, true).unwrap();
+        let ctx = Arc::new(PointContext {
+            client: HttpClient::new("http://127.0.0.1:9", None).unwrap(),
+            path: "/v1/completions".into(),
+            opts: RequestOptions {
+                endpoint: crate::bench::client::Endpoint::Completions,
+                model: "m".into(),
+                prompt_format: PromptFormat::Text,
+                temperature: 0.0,
+                ignore_eos: false,
+                extra_body: serde_json::Map::new(),
+            },
+            workload,
+            tokenizer: Arc::new(tok),
+            timeout: Duration::from_secs(5),
+            progress: ProgressBar::hidden(),
+            stop: Arc::new(AtomicBool::new(true)),
+        });
+        let bounds = Bounds {
+            max_requests: Some(3),
+            duration: None,
+        };
+        let rate = LoadPoint::Rate {
+            rate: f64::INFINITY,
+            burstiness: 1.0,
+            max_concurrency: None,
+        };
+        for point in [LoadPoint::Concurrency(2), rate] {
+            let out = run_point(ctx.clone(), point, bounds, 0).await;
+            assert!(out.records.is_empty(), "{point:?}");
+        }
+        // Not stopped: the same point sends all three (connection refused, counted).
+        ctx.stop.store(false, Ordering::Relaxed);
+        let out = run_point(ctx, LoadPoint::Concurrency(2), bounds, 0).await;
+        assert_eq!(out.records.len(), 3);
+        assert!(
+            out.records
+                .iter()
+                .all(|r| r.error.as_ref().unwrap().kind == "connect")
+        );
+    }
 
     #[test]
     fn budget_grants_until_empty() {

@@ -359,6 +359,25 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn repository_tokenizer_gives_exact_lengths() {
+        // The tokenizer the tiny built-in models use (byte-level BPE).
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/assets/tokenizer/tokenizer.json"
+        );
+        let tok = PromptTokenizer::from_file(Path::new(path)).unwrap();
+        assert!(tok.is_real());
+        assert!(tok.pool_size() >= 10, "pool {}", tok.pool_size());
+        let mut rng = Rng::new(3);
+        for n in [1usize, 64, 300, 2048] {
+            let head = tok.extend_exact("", 0, &mut rng, n).unwrap();
+            assert_eq!(tok.count(&head.text).unwrap(), n);
+            let q = tok.extend_exact(&head.text, n, &mut rng, 128).unwrap();
+            assert_eq!(tok.count(&head.concat(&q).text).unwrap(), n + 128);
+        }
+    }
+
+    #[test]
     fn words_fallback_counts_whitespace_words() {
         let tok = PromptTokenizer::words();
         assert!(!tok.is_real());
