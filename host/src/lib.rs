@@ -6,13 +6,19 @@
 //! - [`model`]: Hugging Face model loading and the architectures, written once over the
 //!   [`backend::Backend`] seam; the forward pass takes batch inputs and caches as arguments.
 //! - [`backend`]: tensor storage and kernels (`cpu` reference backend).
+//! - [`cache`]: the KV block pool, prefix index and SSM-state pool of one replica.
+//! - [`server`]: the OpenAI-compatible HTTP server, replica router and metrics.
 //! - [`tokenizer`]: tokenizer and chat template loading.
 //! - [`plugins`]: WebAssembly policy plugins (load, sandbox, fall back, reload) behind the
 //!   [`policy`] traits, whose native twins live in `policy::native`.
+//! - [`bench`]: `chimera bench`, a load generator for OpenAI-compatible streaming servers.
 
 pub mod backend;
+pub mod bench;
+pub mod cache;
 pub mod engine;
 pub mod model;
 pub mod plugins;
 pub mod policy;
+pub mod server;
 pub mod tokenizer;

@@ -1,0 +1,397 @@
+//! Mamba2 kernels on the CPU: the depthwise causal conv and the selective scan.
+//!
+//! Both continue from a per-sequence state slot and leave the updated state there. A sequence
+//! chunk may ask for snapshots "after N tokens": the state at that point is copied into the
+//! snapshot slot, which is how the engine makes prefix-cache entries for SSM state. The scan
+//! splits a chunk at snapshot points; the math is the same whichever way a sequence is split.
+//!
+//! The scan has two forms with identical results (up to rounding): the chunked SSD form for
+//! prompts (quadratic within a chunk, state passing between chunks) and the recurrent step for
+//! single tokens. Both are public so tests can check one against the other.
+
+use rayon::prelude::*;
+
+use super::{CpuTensor, slot_elems};
+use crate::backend::{BackendError, Result, SsmShape};
+use crate::model::SeqChunk;
+
+fn check_slot(state: &CpuTensor, slot: u32) -> Result<usize> {
+    let slots = state.shape.first().copied().unwrap_or(0);
+    if slot as usize >= slots {
+        return Err(BackendError::Invalid(format!(
+            "SSM slot {slot} out of {slots}"
+        )));
+    }
+    Ok(slot as usize)
+}
+
+/// Sorted, de-duplicated split points strictly inside the chunk, then the chunk end.
+fn segment_ends(seq: &SeqChunk) -> Result<Vec<usize>> {
+    let mut ends: Vec<usize> = Vec::with_capacity(seq.snapshots.len() + 1);
+    for s in &seq.snapshots {
+        if s.after == 0 || s.after > seq.len {
+            return Err(BackendError::Invalid(format!(
+                "snapshot after {} tokens of a {}-token chunk",
+                s.after, seq.len
+            )));
+        }
+        ends.push(s.after);
+    }
+    ends.push(seq.len);
+    ends.sort_unstable();
+    ends.dedup();
+    Ok(ends)
+}
+
+pub(super) fn causal_conv1d(
+    x: &CpuTensor,
+    weight: &CpuTensor,
+    bias: Option<&CpuTensor>,
+    state: &mut CpuTensor,
+    seqs: &[SeqChunk],
+) -> Result<CpuTensor> {
+    let (n, ch) = x.rows_cols();
+    let kernel = weight.shape.last().copied().unwrap_or(0);
+    if weight.data.len() != ch * kernel || kernel < 2 {
+        return Err(BackendError::Invalid(format!(
+            "conv1d weight {:?} for {ch} channels",
+            weight.shape
+        )));
+    }
+    let hist = kernel - 1;
+    if slot_elems(state) != ch * hist {
+        return Err(BackendError::Invalid(format!(
+            "conv state {:?} for {ch} channels, kernel {kernel}",
+            state.shape
+        )));
+    }
+    let mut out = vec![0.0f32; n * ch];
+    let mut window = Vec::new();
+    for seq in seqs {
+        let slot = check_slot(state, seq.ssm_slot)?;
+        let base = slot * ch * hist;
+        for c in 0..ch {
+            window.clear();
+            window.extend_from_slice(&state.data[base + c * hist..base + (c + 1) * hist]);
+            window.extend((0..seq.len).map(|i| x.data[(seq.offset + i) * ch + c]));
+            let w = &weight.data[c * kernel..(c + 1) * kernel];
+            let b = bias.map_or(0.0, |b| b.data[c]);
+            for i in 0..seq.len {
+                let acc: f32 = w
+                    .iter()
+                    .zip(&window[i..i + kernel])
+                    .map(|(a, v)| a * v)
+                    .sum();
+                out[(seq.offset + i) * ch + c] = super::silu(acc + b);
+            }
+            for snap in &seq.snapshots {
+                let sbase = check_slot(state, snap.slot)? * ch * hist;
+                state.data[sbase + c * hist..sbase + (c + 1) * hist]
+                    .copy_from_slice(&window[snap.after..snap.after + hist]);
+            }
+            state.data[base + c * hist..base + (c + 1) * hist]
+                .copy_from_slice(&window[seq.len..seq.len + hist]);
+        }
+    }
+    CpuTensor::new(out, &[n, ch])
+}
+
+#[inline]
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 { x } else { x.exp().ln_1p() }
+}
+
+/// One head's recurrence over `len` tokens: `S ← exp(dt·a)·S + dt·x⊗B`, `y = S·C + d·x`.
+/// `x`/`y` are `[len, p]`, `b`/`c` `[len, n]`, `state` `[p, n]`.
+#[allow(clippy::too_many_arguments)]
+pub fn ssm_recurrent_head(
+    x: &[f32],
+    b: &[f32],
+    c: &[f32],
+    dt: &[f32],
+    a: f32,
+    d: f32,
+    p: usize,
+    n: usize,
+    state: &mut [f32],
+    y: &mut [f32],
+) {
+    for t in 0..dt.len() {
+        let decay = (dt[t] * a).exp();
+        let (xt, bt, ct) = (
+            &x[t * p..(t + 1) * p],
+            &b[t * n..(t + 1) * n],
+            &c[t * n..(t + 1) * n],
+        );
+        for pi in 0..p {
+            let row = &mut state[pi * n..(pi + 1) * n];
+            let dx = dt[t] * xt[pi];
+            let mut acc = 0.0f32;
+            for ni in 0..n {
+                row[ni] = row[ni] * decay + dx * bt[ni];
+                acc += row[ni] * ct[ni];
+            }
+            y[t * p + pi] = acc + d * xt[pi];
+        }
+    }
+}
+
+/// The same result as [`ssm_recurrent_head`], computed chunk by chunk in the SSD form:
+/// within a chunk `y_l = exp(A_l)·C_l·S + Σ_{s≤l} exp(A_l − A_s)·dt_s·(C_l·B_s)·x_s + d·x_l`
+/// (A = cumulative `dt·a`), and the state is carried from chunk to chunk.
+#[allow(clippy::too_many_arguments)]
+pub fn ssm_chunked_head(
+    x: &[f32],
+    b: &[f32],
+    c: &[f32],
+    dt: &[f32],
+    a: f32,
+    d: f32,
+    p: usize,
+    n: usize,
+    chunk: usize,
+    state: &mut [f32],
+    y: &mut [f32],
+) {
+    let len = dt.len();
+    let chunk = chunk.max(1);
+    let mut acum = vec![0.0f32; chunk];
+    let mut cb = vec![0.0f32; chunk];
+    let mut start = 0;
+    while start < len {
+        let end = (start + chunk).min(len);
+        let l_len = end - start;
+        let mut run = 0.0f32;
+        for l in 0..l_len {
+            run += dt[start + l] * a;
+            acum[l] = run;
+        }
+        for l in 0..l_len {
+            let t = start + l;
+            let ct = &c[t * n..(t + 1) * n];
+            // Scores C_l·B_s for s ≤ l, weighted by decay and dt_s.
+            for s in 0..=l {
+                let bs = &b[(start + s) * n..(start + s + 1) * n];
+                let dot: f32 = ct.iter().zip(bs).map(|(u, v)| u * v).sum();
+                cb[s] = dot * (acum[l] - acum[s]).exp() * dt[start + s];
+            }
+            let decay_in = acum[l].exp();
+            for pi in 0..p {
+                let srow = &state[pi * n..(pi + 1) * n];
+                let from_state: f32 = srow.iter().zip(ct).map(|(u, v)| u * v).sum();
+                let mut acc = decay_in * from_state;
+                for s in 0..=l {
+                    acc += cb[s] * x[(start + s) * p + pi];
+                }
+                y[t * p + pi] = acc + d * x[t * p + pi];
+            }
+        }
+        // Carry the state to the end of the chunk.
+        let last = acum[l_len - 1];
+        let total = last.exp();
+        for v in state.iter_mut() {
+            *v *= total;
+        }
+        for s in 0..l_len {
+            let t = start + s;
+            let w = (last - acum[s]).exp() * dt[t];
+            let bs = &b[t * n..(t + 1) * n];
+            for pi in 0..p {
+                let wx = w * x[t * p + pi];
+                let row = &mut state[pi * n..(pi + 1) * n];
+                for (r, bv) in row.iter_mut().zip(bs) {
+                    *r += wx * bv;
+                }
+            }
+        }
+        start = end;
+    }
+}
+
+/// Per-head inputs for one sequence chunk, gathered into contiguous arrays.
+struct HeadInputs {
+    x: Vec<f32>,
+    b: Vec<f32>,
+    c: Vec<f32>,
+    dt: Vec<f32>,
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn ssm_scan(
+    x: &CpuTensor,
+    b: &CpuTensor,
+    c: &CpuTensor,
+    dt: &CpuTensor,
+    a_log: &CpuTensor,
+    d: &CpuTensor,
+    dt_bias: &CpuTensor,
+    shape: SsmShape,
+    state: &mut CpuTensor,
+    seqs: &[SeqChunk],
+) -> Result<CpuTensor> {
+    let SsmShape {
+        heads,
+        head_dim: p,
+        groups,
+        state_size: n,
+        chunk_size,
+        dt_min,
+        dt_max,
+    } = shape;
+    let (rows, xcols) = x.rows_cols();
+    let bc_cols = groups * n;
+    if xcols != heads * p
+        || b.rows_cols() != (rows, bc_cols)
+        || c.rows_cols() != (rows, bc_cols)
+        || dt.rows_cols() != (rows, heads)
+        || groups == 0
+        || heads % groups != 0
+        || slot_elems(state) != heads * p * n
+    {
+        return Err(BackendError::Invalid(format!(
+            "ssm_scan: x {:?} b {:?} c {:?} dt {:?} state {:?} for {shape:?}",
+            x.shape, b.shape, c.shape, dt.shape, state.shape
+        )));
+    }
+    let heads_per_group = heads / groups;
+    let head_state = p * n;
+    let mut y = vec![0.0f32; rows * xcols];
+    for seq in seqs {
+        let slot = check_slot(state, seq.ssm_slot)?;
+        let ends = segment_ends(seq)?;
+        for snap in &seq.snapshots {
+            check_slot(state, snap.slot)?;
+        }
+        let live = &state.data[slot * heads * head_state..(slot + 1) * heads * head_state];
+        // Each head runs independently; results are written back below.
+        let results: Vec<(Vec<f32>, Vec<f32>, Vec<Vec<f32>>)> = (0..heads)
+            .into_par_iter()
+            .map(|h| {
+                let g = h / heads_per_group;
+                let inp = gather_head(
+                    x, b, c, dt, dt_bias, seq, h, g, p, n, heads, groups, dt_min, dt_max,
+                );
+                let a = -a_log.data[h].exp();
+                let dh = d.data[h];
+                let mut s = live[h * head_state..(h + 1) * head_state].to_vec();
+                let mut yh = vec![0.0f32; seq.len * p];
+                let mut snaps = Vec::with_capacity(ends.len());
+                let mut from = 0;
+                for &to in &ends {
+                    let (xs, bs, cs, dts) = (
+                        &inp.x[from * p..to * p],
+                        &inp.b[from * n..to * n],
+                        &inp.c[from * n..to * n],
+                        &inp.dt[from..to],
+                    );
+                    let ys = &mut yh[from * p..to * p];
+                    if to - from == 1 {
+                        ssm_recurrent_head(xs, bs, cs, dts, a, dh, p, n, &mut s, ys);
+                    } else {
+                        ssm_chunked_head(xs, bs, cs, dts, a, dh, p, n, chunk_size, &mut s, ys);
+                    }
+                    snaps.push(s.clone());
+                    from = to;
+                }
+                (yh, s, snaps)
+            })
+            .collect();
+        for (h, (yh, s, snaps)) in results.into_iter().enumerate() {
+            for i in 0..seq.len {
+                let row = (seq.offset + i) * xcols + h * p;
+                y[row..row + p].copy_from_slice(&yh[i * p..(i + 1) * p]);
+            }
+            for snap in &seq.snapshots {
+                let idx = ends.iter().position(|&e| e == snap.after).unwrap_or(0);
+                let dst = (snap.slot as usize * heads + h) * head_state;
+                state.data[dst..dst + head_state].copy_from_slice(&snaps[idx]);
+            }
+            let dst = (slot * heads + h) * head_state;
+            state.data[dst..dst + head_state].copy_from_slice(&s);
+        }
+    }
+    CpuTensor::new(y, &[rows, xcols])
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gather_head(
+    x: &CpuTensor,
+    b: &CpuTensor,
+    c: &CpuTensor,
+    dt: &CpuTensor,
+    dt_bias: &CpuTensor,
+    seq: &SeqChunk,
+    h: usize,
+    g: usize,
+    p: usize,
+    n: usize,
+    heads: usize,
+    groups: usize,
+    dt_min: f32,
+    dt_max: f32,
+) -> HeadInputs {
+    let xcols = heads * p;
+    let bc_cols = groups * n;
+    let mut out = HeadInputs {
+        x: Vec::with_capacity(seq.len * p),
+        b: Vec::with_capacity(seq.len * n),
+        c: Vec::with_capacity(seq.len * n),
+        dt: Vec::with_capacity(seq.len),
+    };
+    for i in 0..seq.len {
+        let r = seq.offset + i;
+        out.x
+            .extend_from_slice(&x.data[r * xcols + h * p..r * xcols + (h + 1) * p]);
+        out.b
+            .extend_from_slice(&b.data[r * bc_cols + g * n..r * bc_cols + (g + 1) * n]);
+        out.c
+            .extend_from_slice(&c.data[r * bc_cols + g * n..r * bc_cols + (g + 1) * n]);
+        let v = softplus(dt.data[r * heads + h] + dt_bias.data[h]);
+        out.dt.push(v.clamp(dt_min, dt_max));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lcg(seed: &mut u64) -> f32 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((*seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+    }
+
+    #[test]
+    fn chunked_scan_equals_recurrence() {
+        let (p, n) = (8, 16);
+        for &(len, chunk) in &[(1usize, 4usize), (7, 4), (33, 8), (100, 16), (101, 256)] {
+            let mut seed = len as u64 * 31 + chunk as u64;
+            let x: Vec<f32> = (0..len * p).map(|_| lcg(&mut seed)).collect();
+            let b: Vec<f32> = (0..len * n).map(|_| lcg(&mut seed)).collect();
+            let c: Vec<f32> = (0..len * n).map(|_| lcg(&mut seed)).collect();
+            let dt: Vec<f32> = (0..len).map(|_| softplus(lcg(&mut seed) * 4.0)).collect();
+            let init: Vec<f32> = (0..p * n).map(|_| lcg(&mut seed)).collect();
+            let (a, d) = (-0.7, 0.3);
+            let (mut s1, mut s2) = (init.clone(), init);
+            let (mut y1, mut y2) = (vec![0.0; len * p], vec![0.0; len * p]);
+            ssm_recurrent_head(&x, &b, &c, &dt, a, d, p, n, &mut s1, &mut y1);
+            ssm_chunked_head(&x, &b, &c, &dt, a, d, p, n, chunk, &mut s2, &mut y2);
+            let dy = y1
+                .iter()
+                .zip(&y2)
+                .map(|(u, v)| (u - v).abs())
+                .fold(0.0, f32::max);
+            let ds = s1
+                .iter()
+                .zip(&s2)
+                .map(|(u, v)| (u - v).abs())
+                .fold(0.0, f32::max);
+            assert!(
+                dy < 1e-4 && ds < 1e-4,
+                "len {len} chunk {chunk}: dy {dy} ds {ds}"
+            );
+        }
+    }
+}

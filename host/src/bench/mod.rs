@@ -1,0 +1,303 @@
+//! `chimera bench`: a load generator for chimera or any OpenAI-compatible streaming server.
+//!
+//! Owns [`run`],
+//! which sends the workload at each load point of a sweep and returns (and optionally writes)
+//! a [`BenchReport`]. The parts:
+//!
+//! - [`workload`]: shared-prefix groups, random lengths, multi-turn conversations, or a
+//!   prompts file, built reproducibly from a seed;
+//! - [`tokens`]: prompt text of an exact token length for the served model's tokenizer;
+//! - [`arrivals`]: closed-loop clients or gamma/Poisson arrivals, and the stop bounds;
+//! - [`client`] and [`sse`]: one streamed request, timed per chunk;
+//! - [`runner`]: the dispatch loops of one load point;
+//! - [`stats`]: per-request records, percentiles and the point summary;
+//! - [`report`]: JSON (schema in `docs/bench-schema.md`), tables and the sweep plot.
+//!
+//! Invariants: the same arguments and seed send the same prompts in the same order with the
+//! same arrival offsets; every request sent is in the statistics, failed ones as failures.
+//! Must not depend on the rest of chimera: it talks to servers only over HTTP.
+
+mod args;
+pub mod arrivals;
+pub mod client;
+pub mod report;
+pub mod rng;
+mod runner;
+pub mod sse;
+pub mod stats;
+pub mod tokens;
+pub mod workload;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::Value;
+
+pub use args::{BenchArgs, SweepPrompts, WorkloadKind};
+pub use arrivals::{Bounds, LoadPoint, Rate};
+pub use client::{Endpoint, PromptFormat};
+pub use report::{BenchReport, PointReport};
+pub use stats::{PointSummary, RequestRecord};
+pub use workload::LenRange;
+
+use client::{HttpClient, RequestOptions};
+use report::{RunInfo, SCHEMA, ServerInfo};
+use runner::PointContext;
+use tokens::PromptTokenizer;
+
+/// Mixed into the seed of warm-up prompts so they differ from every measured point's.
+const WARMUP_SEED: u64 = 0x5741_524D_5550;
+
+/// Where the benchmark looks for a tokenizer when `--tokenizer` is not given.
+pub const DEFAULT_TOKENIZER: &str = "host/assets/tokenizer/tokenizer.json";
+
+/// Errors of the benchmark; each has a stable kind string.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error("invalid argument: {0}")]
+    InvalidArg(String),
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("workload: {0}")]
+    Workload(String),
+    #[error("server: {0}")]
+    Server(String),
+    #[error("report: {0}")]
+    Report(String),
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl BenchError {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            BenchError::InvalidArg(_) => "invalid_arg",
+            BenchError::Tokenizer(_) => "tokenizer",
+            BenchError::Workload(_) => "workload",
+            BenchError::Server(_) => "server",
+            BenchError::Report(_) => "report",
+            BenchError::Io { .. } => "io",
+        }
+    }
+}
+
+/// Asks the server for its first model id.
+async fn discover_model(
+    client: &HttpClient,
+    path: &str,
+    timeout: Duration,
+) -> Result<String, BenchError> {
+    let models_path = match path
+        .rsplit_once("/chat/completions")
+        .or_else(|| path.rsplit_once("/completions"))
+    {
+        Some((prefix, "")) => format!("{prefix}/models"),
+        _ => "/v1/models".to_string(),
+    };
+    let v = client.get_json(&models_path, timeout).await.map_err(|f| {
+        BenchError::Server(format!(
+            "GET {models_path} failed ({}: {}); pass --model NAME",
+            f.kind, f.message
+        ))
+    })?;
+    v.pointer("/data/0/id")
+        .and_then(Value::as_str)
+        .map(str::to_string)
+        .ok_or_else(|| {
+            BenchError::Server(format!(
+                "GET {models_path} listed no model; pass --model NAME"
+            ))
+        })
+}
+
+fn progress_bar(args: &BenchArgs, len: Option<usize>, what: &str) -> ProgressBar {
+    if args.no_progress || args.quiet {
+        return ProgressBar::hidden();
+    }
+    let pb = match len {
+        Some(n) => ProgressBar::new(n as u64),
+        None => ProgressBar::no_length(),
+    };
+    let template = if len.is_some() {
+        "{prefix} [{elapsed_precise}] {wide_bar} {pos}/{len} requests"
+    } else {
+        "{prefix} [{elapsed_precise}] {spinner} {pos} requests"
+    };
+    if let Ok(style) = ProgressStyle::with_template(template) {
+        pb.set_style(style);
+    }
+    pb.set_prefix(what.to_string());
+    pb
+}
+
+/// Runs the benchmark described by `args`: every load point in turn, printing a table per
+/// point (unless `--quiet`) and writing the JSON report and plot when asked.
+pub async fn run(args: BenchArgs) -> anyhow::Result<BenchReport> {
+    let plan = args.plan()?;
+    let baseline = args
+        .baseline
+        .as_deref()
+        .map(BenchReport::read_json)
+        .transpose()?;
+    let tokenizer = Arc::new(PromptTokenizer::load(&plan.tokenizer)?);
+    let client = HttpClient::new(&args.url, args.api_key.clone())?;
+    let path = args
+        .path
+        .clone()
+        .unwrap_or_else(|| args.endpoint.default_path().to_string());
+    let model = match &args.model {
+        Some(m) => m.clone(),
+        None => discover_model(&client, &path, plan.timeout).await?,
+    };
+    let opts = RequestOptions {
+        endpoint: args.endpoint,
+        model: model.clone(),
+        prompt_format: args.prompt_format,
+        temperature: args.temperature,
+        ignore_eos: args.ignore_eos,
+        extra_body: plan.extra_body.clone(),
+    };
+    let joined = args.endpoint == Endpoint::Completions;
+    let started_at_unix_s = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    let mut report = BenchReport {
+        schema: SCHEMA.into(),
+        label: args.label.clone(),
+        metadata: plan.metadata.clone(),
+        started_at_unix_s,
+        server: ServerInfo {
+            url: args.url.clone(),
+            endpoint: match args.endpoint {
+                Endpoint::Completions => "completions".into(),
+                Endpoint::Chat => "chat".into(),
+            },
+            path: path.clone(),
+            model,
+        },
+        workload: args.workload_info(&plan, 0, 0),
+        run: RunInfo {
+            max_requests: plan.bounds.max_requests,
+            duration_s: plan.bounds.duration.map(|d| d.as_secs_f64()),
+            timeout_s: plan.timeout.as_secs_f64(),
+            temperature: args.temperature,
+            ignore_eos: args.ignore_eos,
+            extra_body: Value::Object(plan.extra_body.clone()),
+            warmup_requests: 0,
+            warmup_failed: 0,
+        },
+        points: Vec::new(),
+    };
+    if !args.quiet {
+        println!("{}", report.header());
+    }
+    if args.warmup > 0 {
+        let first = plan
+            .points
+            .first()
+            .copied()
+            .unwrap_or(LoadPoint::Concurrency(1));
+        let clients = match first {
+            LoadPoint::Concurrency(c) => c,
+            LoadPoint::Rate {
+                max_concurrency, ..
+            } => max_concurrency.unwrap_or(1),
+        };
+        let workload = workload::build(&plan.spec, &tokenizer, args.seed ^ WARMUP_SEED, joined)?;
+        let progress = progress_bar(&args, Some(args.warmup), "warm-up");
+        let ctx = Arc::new(PointContext {
+            client: client.clone(),
+            path: path.clone(),
+            opts: opts.clone(),
+            workload,
+            tokenizer: tokenizer.clone(),
+            timeout: plan.timeout,
+            progress: progress.clone(),
+        });
+        let bounds = Bounds {
+            max_requests: Some(args.warmup),
+            duration: None,
+        };
+        let point = LoadPoint::Concurrency(clients.clamp(1, args.warmup));
+        let out = runner::run_point(ctx, point, bounds, args.seed).await;
+        progress.finish_and_clear();
+        report.run.warmup_requests = out.records.len();
+        report.run.warmup_failed = out.records.iter().filter(|r| !r.ok()).count();
+        if !args.quiet {
+            println!(
+                "warm-up: {} requests, {} failed",
+                report.run.warmup_requests, report.run.warmup_failed
+            );
+        }
+    }
+    for (i, point) in plan.points.iter().enumerate() {
+        let seed = match args.sweep_prompts {
+            SweepPrompts::Fresh => args.seed.wrapping_add(i as u64),
+            SweepPrompts::Same => args.seed,
+        };
+        let workload = workload::build(&plan.spec, &tokenizer, seed, joined)?;
+        if i == 0 {
+            report.workload =
+                args.workload_info(&plan, workload.sessions.len(), workload.total_requests());
+        }
+        let bounds = Bounds {
+            max_requests: plan.bounds.max_requests.or_else(|| {
+                plan.bounds
+                    .duration
+                    .is_none()
+                    .then(|| workload.total_requests())
+            }),
+            duration: plan.bounds.duration,
+        };
+        let progress = progress_bar(&args, bounds.max_requests, &point.describe());
+        let ctx = Arc::new(PointContext {
+            client: client.clone(),
+            path: path.clone(),
+            opts: opts.clone(),
+            workload,
+            tokenizer: tokenizer.clone(),
+            timeout: plan.timeout,
+            progress: progress.clone(),
+        });
+        let out = runner::run_point(ctx, *point, bounds, seed).await;
+        progress.finish_and_clear();
+        let summary = PointSummary::compute(point, &out.records, out.duration_s, out.skipped_turns);
+        if !args.quiet {
+            print!("{}", report::point_table(&summary));
+        }
+        report.points.push(PointReport {
+            summary,
+            records: args.save_requests.then_some(out.records),
+        });
+    }
+    if !args.quiet && report.points.len() > 1 {
+        print!("\n{}", report.sweep_table());
+    }
+    if let (Some(base), false) = (&baseline, args.quiet) {
+        print!("\n{}", report::comparison_table(base, &report));
+    }
+    if let Some(out) = &args.output {
+        report.write_json(out)?;
+        if !args.quiet {
+            println!("wrote {}", out.display());
+        }
+    }
+    let plot = args.plot.clone().or_else(|| {
+        (report.points.len() > 1)
+            .then(|| args.output.as_ref().map(|o| o.with_extension("svg")))
+            .flatten()
+    });
+    if let Some(p) = plot {
+        report::write_plot(&report, &p)?;
+        if !args.quiet {
+            println!("wrote {}", p.display());
+        }
+    }
+    Ok(report)
+}

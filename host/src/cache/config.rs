@@ -1,0 +1,329 @@
+//! The `[cache]` configuration section and how a memory budget becomes pool sizes.
+//!
+//! One byte budget is split between paged KV blocks and SSM-state slots (one live slot per
+//! running request plus durable snapshot slots). Sizes follow from the model's [`CacheSpec`];
+//! an impossible budget is an error that names the keys to change. Nothing here allocates.
+
+use std::fmt;
+
+use serde::{Deserialize, Deserializer};
+
+use crate::model::CacheSpec;
+
+/// Share of the budget left after live SSM slots that goes to durable snapshots when
+/// `ssm_share` is not set.
+pub const AUTO_SNAPSHOT_SHARE: f64 = 0.2;
+
+/// `[cache]` section.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CacheConfig {
+    /// Bytes for KV blocks and SSM slots together: an integer or a string like "8GiB".
+    pub memory_budget: ByteSize,
+    /// Tokens per KV block (and the granularity of prefix matching and SSM snapshots).
+    pub block_size: usize,
+    /// Reuse cached prompt blocks (and SSM snapshots) across requests.
+    pub prefix_caching: bool,
+    /// Fraction of `memory_budget` for SSM slots (live + durable snapshots), hybrid models
+    /// only. Unset: live slots for `engine.max_running` requests, then
+    /// [`AUTO_SNAPSHOT_SHARE`] of the rest for snapshots.
+    pub ssm_share: Option<f64>,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        Self {
+            memory_budget: ByteSize(1 << 30),
+            block_size: 16,
+            prefix_caching: true,
+            ssm_share: None,
+        }
+    }
+}
+
+/// A byte count, deserialized from an integer or a string with a unit (B, KB, MB, GB, TB,
+/// KiB, MiB, GiB, TiB).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ByteSize(pub u64);
+
+impl ByteSize {
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        let split = s
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(s.len());
+        let (num, unit) = s.split_at(split);
+        let num: f64 = num
+            .parse()
+            .map_err(|_| format!("`{s}` is not a size (expected e.g. 8GiB, 512MiB, 1000000)"))?;
+        let mult: u64 = match unit.trim() {
+            "" | "B" => 1,
+            "KB" => 1_000,
+            "MB" => 1_000_000,
+            "GB" => 1_000_000_000,
+            "TB" => 1_000_000_000_000,
+            "KiB" => 1 << 10,
+            "MiB" => 1 << 20,
+            "GiB" => 1 << 30,
+            "TiB" => 1 << 40,
+            u => {
+                return Err(format!(
+                    "unknown size unit `{u}` (use B, KB, MB, GB, KiB, MiB, GiB)"
+                ));
+            }
+        };
+        Ok(Self((num * mult as f64) as u64))
+    }
+}
+
+impl fmt::Display for ByteSize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let b = self.0 as f64;
+        if b >= (1u64 << 30) as f64 {
+            write!(f, "{:.2}GiB", b / (1u64 << 30) as f64)
+        } else if b >= (1u64 << 20) as f64 {
+            write!(f, "{:.2}MiB", b / (1u64 << 20) as f64)
+        } else {
+            write!(f, "{}B", self.0)
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Int(u64),
+            Str(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Int(n) => Ok(ByteSize(n)),
+            Raw::Str(s) => ByteSize::parse(&s).map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+pub enum CacheConfigError {
+    #[error("cache.block_size = {0}: must be between 2 and 4096")]
+    BlockSize(usize),
+    #[error("cache.ssm_share = {0}: must be in [0, 1)")]
+    Share(f64),
+    #[error(
+        "cache.memory_budget = {budget} cannot hold the {live} live SSM slots (one per \
+         engine.max_running request, {slot} each, {need} in total): raise cache.memory_budget, \
+         raise cache.ssm_share, or lower engine.max_running"
+    )]
+    LiveSlots {
+        budget: ByteSize,
+        live: usize,
+        slot: ByteSize,
+        need: ByteSize,
+    },
+    #[error(
+        "cache.memory_budget = {budget} leaves {blocks} KV blocks of {block} each (at least 2 \
+         are needed): raise cache.memory_budget, lower cache.ssm_share or engine.max_running, \
+         or lower cache.block_size"
+    )]
+    TooFewBlocks {
+        budget: ByteSize,
+        blocks: usize,
+        block: ByteSize,
+    },
+}
+
+/// Pool sizes derived from the budget.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CacheLayout {
+    pub block_size: usize,
+    pub num_blocks: usize,
+    pub live_slots: usize,
+    pub durable_slots: usize,
+    pub kv_bytes: u64,
+    pub ssm_bytes: u64,
+}
+
+impl CacheLayout {
+    pub fn ssm_slots(&self) -> usize {
+        self.live_slots + self.durable_slots
+    }
+
+    /// Splits `cfg.memory_budget` for a model with `spec`, serving up to `max_running`
+    /// requests at once.
+    pub fn plan(
+        cfg: &CacheConfig,
+        spec: &CacheSpec,
+        max_running: usize,
+    ) -> Result<Self, CacheConfigError> {
+        let bs = cfg.block_size;
+        if !(2..=4096).contains(&bs) {
+            return Err(CacheConfigError::BlockSize(bs));
+        }
+        if let Some(r) = cfg.ssm_share {
+            if !(0.0..1.0).contains(&r) {
+                return Err(CacheConfigError::Share(r));
+            }
+        }
+        let budget = cfg.memory_budget.0;
+        let block_bytes = spec.kv_block_bytes(bs).max(1) as u64;
+        let (live_slots, durable_slots, ssm_bytes) = if spec.is_hybrid() {
+            let slot = spec.ssm_slot_bytes().max(1) as u64;
+            let live_need = slot * max_running as u64;
+            let ssm_budget = match cfg.ssm_share {
+                Some(r) => (budget as f64 * r) as u64,
+                None => {
+                    live_need
+                        + (budget.saturating_sub(live_need) as f64 * AUTO_SNAPSHOT_SHARE) as u64
+                }
+            };
+            if ssm_budget < live_need {
+                return Err(CacheConfigError::LiveSlots {
+                    budget: cfg.memory_budget,
+                    live: max_running,
+                    slot: ByteSize(slot),
+                    need: ByteSize(live_need),
+                });
+            }
+            let durable = if cfg.prefix_caching {
+                (ssm_budget - live_need) / slot
+            } else {
+                0
+            };
+            (max_running, durable as usize, live_need + durable * slot)
+        } else {
+            (0, 0, 0)
+        };
+        let num_blocks = (budget.saturating_sub(ssm_bytes) / block_bytes) as usize;
+        if num_blocks < 2 {
+            return Err(CacheConfigError::TooFewBlocks {
+                budget: cfg.memory_budget,
+                blocks: num_blocks,
+                block: ByteSize(block_bytes),
+            });
+        }
+        Ok(Self {
+            block_size: bs,
+            num_blocks: num_blocks.min(u32::MAX as usize - 1),
+            live_slots,
+            durable_slots,
+            kv_bytes: num_blocks as u64 * block_bytes,
+            ssm_bytes,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(ssm_layers: usize) -> CacheSpec {
+        CacheSpec {
+            attn_layers: 2,
+            kv_heads: 2,
+            head_dim: 4,
+            ssm_layers,
+            conv_state_elems: 8,
+            ssm_state_elems: 24,
+            dtype_bytes: 4,
+        }
+    }
+
+    #[test]
+    fn byte_sizes_parse() {
+        assert_eq!(ByteSize::parse("8GiB"), Ok(ByteSize(8 << 30)));
+        assert_eq!(ByteSize::parse("512 MiB"), Ok(ByteSize(512 << 20)));
+        assert_eq!(ByteSize::parse("1.5GB"), Ok(ByteSize(1_500_000_000)));
+        assert_eq!(ByteSize::parse("1000"), Ok(ByteSize(1000)));
+        assert!(ByteSize::parse("8 parsecs").is_err());
+        assert!(ByteSize::parse("lots").is_err());
+    }
+
+    #[test]
+    fn toml_section_rejects_unknown_keys() {
+        let ok: CacheConfig =
+            toml::from_str("memory_budget = \"2MiB\"\nblock_size = 32\nssm_share = 0.5").unwrap();
+        assert_eq!(ok.memory_budget, ByteSize(2 << 20));
+        assert_eq!(ok.block_size, 32);
+        assert!(ok.prefix_caching);
+        let int: CacheConfig = toml::from_str("memory_budget = 4096").unwrap();
+        assert_eq!(int.memory_budget, ByteSize(4096));
+        let err = toml::from_str::<CacheConfig>("block_sise = 16").unwrap_err();
+        assert!(err.to_string().contains("block_sise"), "{err}");
+    }
+
+    #[test]
+    fn transformer_budget_is_all_kv() {
+        // One block: 2 (K,V) * 2 layers * 16 tokens * 2 heads * 4 dims * 4 bytes = 2048 B.
+        let cfg = CacheConfig {
+            memory_budget: ByteSize(10 * 2048 + 100),
+            ..Default::default()
+        };
+        let l = CacheLayout::plan(&cfg, &spec(0), 8).unwrap();
+        assert_eq!(l.num_blocks, 10);
+        assert_eq!(l.ssm_slots(), 0);
+    }
+
+    #[test]
+    fn hybrid_explicit_share_splits_budget() {
+        // Slot: 3 layers * 32 elems * 4 bytes = 384 B.
+        let cfg = CacheConfig {
+            memory_budget: ByteSize(100_000),
+            ssm_share: Some(0.25),
+            ..Default::default()
+        };
+        let l = CacheLayout::plan(&cfg, &spec(3), 4).unwrap();
+        assert_eq!(l.live_slots, 4);
+        assert_eq!(l.durable_slots, (25_000 - 4 * 384) / 384);
+        assert_eq!(l.num_blocks as u64, (100_000 - l.ssm_bytes) / 2048);
+        assert!(l.kv_bytes + l.ssm_bytes <= 100_000);
+    }
+
+    #[test]
+    fn hybrid_auto_share_gives_snapshots_a_fifth_of_the_rest() {
+        let cfg = CacheConfig {
+            memory_budget: ByteSize(100_000),
+            ..Default::default()
+        };
+        let l = CacheLayout::plan(&cfg, &spec(3), 4).unwrap();
+        let rest = 100_000 - 4 * 384;
+        assert_eq!(l.durable_slots as u64, (rest as f64 * 0.2) as u64 / 384);
+        let off = CacheConfig {
+            prefix_caching: false,
+            ..cfg
+        };
+        assert_eq!(
+            CacheLayout::plan(&off, &spec(3), 4).unwrap().durable_slots,
+            0
+        );
+    }
+
+    #[test]
+    fn impossible_budgets_say_what_to_change() {
+        let cfg = CacheConfig {
+            memory_budget: ByteSize(3000),
+            ..Default::default()
+        };
+        let e = CacheLayout::plan(&cfg, &spec(0), 1).unwrap_err();
+        assert!(e.to_string().contains("raise cache.memory_budget"), "{e}");
+        let cfg = CacheConfig {
+            memory_budget: ByteSize(100_000),
+            ssm_share: Some(0.01),
+            ..Default::default()
+        };
+        let e = CacheLayout::plan(&cfg, &spec(3), 64).unwrap_err();
+        assert!(
+            matches!(e, CacheConfigError::LiveSlots { live: 64, .. }),
+            "{e}"
+        );
+        assert!(e.to_string().contains("engine.max_running"));
+        let bad = CacheConfig {
+            block_size: 1,
+            ..Default::default()
+        };
+        assert_eq!(
+            CacheLayout::plan(&bad, &spec(0), 1),
+            Err(CacheConfigError::BlockSize(1))
+        );
+    }
+}

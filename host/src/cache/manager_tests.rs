@@ -1,0 +1,299 @@
+use super::*;
+
+const BS: usize = 4;
+
+fn layout(blocks: usize, live: usize, durable: usize) -> CacheLayout {
+    CacheLayout {
+        block_size: BS,
+        num_blocks: blocks,
+        live_slots: live,
+        durable_slots: durable,
+        kv_bytes: 0,
+        ssm_bytes: 0,
+    }
+}
+
+fn hashes(tokens: &[u32]) -> Vec<BlockHash> {
+    let mut h = Vec::new();
+    HashSeed::new("test").extend(&mut h, tokens, BS);
+    h
+}
+
+/// Admits, "computes" the whole prompt in one step (with planned snapshots) and commits.
+fn run_prompt(cm: &mut CacheManager, seq: u32, tokens: &[u32]) -> (PrefixMatch, SsmInit) {
+    let h = hashes(tokens);
+    let m = cm.match_prefix(&h, tokens.len());
+    let init = cm.admit(seq, &h, m, tokens.len()).unwrap();
+    let ctx = m.skip_blocks * BS;
+    let mut snaps = Vec::new();
+    cm.plan_snapshots(
+        seq,
+        &h,
+        tokens.len(),
+        m.kv_blocks,
+        ctx,
+        tokens.len() - ctx,
+        &mut snaps,
+    );
+    cm.commit_seq(seq, &h, tokens.len());
+    cm.commit_step();
+    (m, init)
+}
+
+#[test]
+fn second_request_skips_the_cached_prefix() {
+    let mut cm = CacheManager::new(&layout(16, 0, 0), true, false, None);
+    let a: Vec<u32> = (0..10).collect();
+    let (m, _) = run_prompt(&mut cm, 0, &a);
+    assert_eq!(m, PrefixMatch::default());
+    cm.release(0).unwrap();
+    assert_eq!(cm.pool().cached_unused(), 2, "two full blocks stay cached");
+    let mut b = a.clone();
+    b.extend([77, 78, 79]);
+    let (m, _) = run_prompt(&mut cm, 1, &b);
+    assert_eq!(
+        m,
+        PrefixMatch {
+            kv_blocks: 2,
+            skip_blocks: 2
+        }
+    );
+    assert_eq!(cm.counters.prefix_hits, 2);
+    // The table starts with the cached blocks.
+    let first = cm.pool().lookup(hashes(&a)[0]).unwrap();
+    assert_eq!(cm.block_table(1)[0], first);
+    cm.release(1).unwrap();
+    assert_eq!(cm.available_blocks(), 16);
+    cm.check_invariants().unwrap();
+}
+
+#[test]
+fn skip_leaves_at_least_two_tokens() {
+    let mut cm = CacheManager::new(&layout(16, 0, 0), true, false, None);
+    let a: Vec<u32> = (0..8).collect();
+    run_prompt(&mut cm, 0, &a);
+    cm.release(0).unwrap();
+    // Fully cached, block-aligned: recompute the last block.
+    assert_eq!(
+        cm.match_prefix(&hashes(&a), 8),
+        PrefixMatch {
+            kv_blocks: 2,
+            skip_blocks: 1
+        }
+    );
+    // One token past the cache: skipping 2 blocks would leave 1 token, so back off.
+    let b: Vec<u32> = (0..9).collect();
+    assert_eq!(
+        cm.match_prefix(&hashes(&b), 9),
+        PrefixMatch {
+            kv_blocks: 2,
+            skip_blocks: 1
+        }
+    );
+    let c: Vec<u32> = (0..10).collect();
+    assert_eq!(
+        cm.match_prefix(&hashes(&c), 10),
+        PrefixMatch {
+            kv_blocks: 2,
+            skip_blocks: 2
+        }
+    );
+}
+
+#[test]
+fn fully_cached_prompt_keeps_its_matched_tail_pinned() {
+    let mut cm = CacheManager::new(&layout(4, 0, 0), true, false, None);
+    let a: Vec<u32> = (0..8).collect();
+    run_prompt(&mut cm, 0, &a);
+    cm.release(0).unwrap();
+    let (m, _) = run_prompt(&mut cm, 1, &a);
+    assert_eq!(m.skip_blocks, 1);
+    // Block 1 is recomputed into a fresh block but the cached copy stays pinned and indexed.
+    let cached = cm.pool().lookup(hashes(&a)[1]).unwrap();
+    assert_ne!(cm.block_table(1)[1], cached);
+    assert_eq!(cm.pool().refs(cached), 1);
+    cm.release(1).unwrap();
+    assert_eq!(cm.available_blocks(), 4);
+    cm.check_invariants().unwrap();
+}
+
+#[test]
+fn hybrid_restores_only_where_a_snapshot_exists() {
+    let mut cm = CacheManager::new(&layout(32, 2, 8), true, true, None);
+    // 14 tokens: blocks 0..3 full; snapshots planned at 8 (last - 1) and 12 (last boundary).
+    let a: Vec<u32> = (0..14).collect();
+    let (_, init) = run_prompt(&mut cm, 0, &a);
+    assert_eq!(init, SsmInit::Zero { live: 0 });
+    assert_eq!(cm.ssm().snapshots(), 2);
+    cm.release(0).unwrap();
+    // A longer prompt shares 3 blocks: KV for all 3, snapshot at block 3 → restore there.
+    let mut b = a[..12].to_vec();
+    b.extend([90, 91, 92, 93, 94, 95]);
+    let h = hashes(&b);
+    let m = cm.match_prefix(&h, b.len());
+    assert_eq!(
+        m,
+        PrefixMatch {
+            kv_blocks: 3,
+            skip_blocks: 3
+        }
+    );
+    let init = cm.admit(1, &h, m, b.len()).unwrap();
+    let snap = cm
+        .ssm()
+        .snapshot_of(cm.pool().lookup(h[2]).unwrap())
+        .unwrap();
+    assert!(matches!(init, SsmInit::Restore { from, .. } if from == snap));
+    cm.release(1).unwrap();
+    // A prompt sharing only 1 block: KV matches 1 block but there is no snapshot at 4.
+    let mut c = a[..4].to_vec();
+    c.extend([50, 51, 52, 53, 54, 55]);
+    let m = cm.match_prefix(&hashes(&c), c.len());
+    assert_eq!(
+        m,
+        PrefixMatch {
+            kv_blocks: 1,
+            skip_blocks: 0
+        }
+    );
+    // ...and computing it snapshots the divergence point (block 1), usable next time.
+    run_prompt(&mut cm, 2, &c);
+    cm.release(2).unwrap();
+    let m = cm.match_prefix(&hashes(&c), c.len());
+    assert_eq!(
+        m,
+        PrefixMatch {
+            kv_blocks: 2,
+            skip_blocks: 2
+        }
+    );
+    assert_eq!(cm.counters.ssm_restores, 1);
+    cm.check_invariants().unwrap();
+}
+
+#[test]
+fn evicting_a_block_drops_its_snapshot() {
+    let mut cm = CacheManager::new(&layout(4, 1, 4), true, true, None);
+    let a: Vec<u32> = (0..9).collect();
+    run_prompt(&mut cm, 0, &a);
+    cm.release(0).unwrap();
+    assert_eq!(cm.ssm().snapshots(), 2);
+    let mut ev = Vec::new();
+    cm.take_events(&mut ev);
+    assert!(matches!(&ev[0], KvEvent::Stored { hashes, with_snapshot }
+        if hashes.len() == 2 && with_snapshot == &vec![true, true]));
+    // An unrelated 16-token prompt needs all 4 blocks: both cached blocks are evicted.
+    let b: Vec<u32> = (100..116).collect();
+    run_prompt(&mut cm, 0, &b);
+    assert_eq!(cm.match_prefix(&hashes(&a), 9).kv_blocks, 0);
+    assert_eq!(cm.counters.snapshots_dropped, 2);
+    ev.clear();
+    cm.take_events(&mut ev);
+    let removed: Vec<u64> = hashes(&a).iter().map(|h| h.short()).collect();
+    assert!(ev.iter().any(|e| matches!(e, KvEvent::Removed { hashes }
+        if { let mut x = hashes.clone(); x.sort(); let mut y = removed.clone(); y.sort(); x == y })));
+    cm.check_invariants().unwrap();
+}
+
+#[test]
+fn aborted_step_indexes_nothing_and_frees_reservations() {
+    let mut cm = CacheManager::new(&layout(8, 1, 4), true, true, None);
+    let a: Vec<u32> = (0..9).collect();
+    let h = hashes(&a);
+    let m = cm.match_prefix(&h, 9);
+    cm.admit(0, &h, m, 9).unwrap();
+    let mut snaps = Vec::new();
+    cm.plan_snapshots(0, &h, 9, 0, 0, 9, &mut snaps);
+    assert_eq!(snaps.len(), 2);
+    assert_eq!(cm.ssm().durable_used(), 2);
+    cm.abort_step();
+    assert_eq!(cm.ssm().durable_used(), 0);
+    cm.release(0).unwrap();
+    assert_eq!(cm.pool().indexed(), 0);
+    let mut ev = Vec::new();
+    cm.take_events(&mut ev);
+    assert!(ev.is_empty());
+    cm.check_invariants().unwrap();
+}
+
+#[test]
+fn reset_drops_cache_but_not_running_blocks() {
+    let mut cm = CacheManager::new(&layout(8, 0, 0), true, false, None);
+    let a: Vec<u32> = (0..8).collect();
+    run_prompt(&mut cm, 0, &a);
+    run_prompt(&mut cm, 1, &(20..28).collect::<Vec<u32>>());
+    cm.release(1).unwrap();
+    cm.reset_prefix_cache();
+    assert_eq!(cm.pool().indexed(), 0);
+    assert_eq!(cm.block_table(0).len(), 2);
+    assert_eq!(cm.available_blocks(), 6);
+    let mut ev = Vec::new();
+    cm.take_events(&mut ev);
+    assert_eq!(ev, vec![KvEvent::Cleared]);
+    cm.release(0).unwrap();
+    assert_eq!(cm.pool().free_count(), 8);
+    cm.check_invariants().unwrap();
+}
+
+#[test]
+fn admission_is_all_or_nothing() {
+    let mut cm = CacheManager::new(&layout(3, 0, 0), true, false, None);
+    let a: Vec<u32> = (0..8).collect();
+    run_prompt(&mut cm, 0, &a);
+    cm.release(0).unwrap();
+    let mut b = a.clone();
+    b.extend(0..8);
+    let h = hashes(&b);
+    let m = cm.match_prefix(&h, b.len());
+    assert_eq!(m.skip_blocks, 2);
+    // Needs 2 more blocks; only 1 is free once the matched 2 are pinned.
+    assert!(!cm.can_admit(&h, m, b.len()));
+    assert_eq!(cm.admit(1, &h, m, b.len()), Err(CacheError::NoSpace));
+    assert_eq!(cm.pool().cached_unused(), 2);
+    cm.check_invariants().unwrap();
+}
+
+#[test]
+fn full_snapshot_slots_reclaim_the_least_recently_used_unused_one() {
+    // Two durable slots; each 9-token prompt wants two snapshots (at 4 and 8).
+    let mut cm = CacheManager::new(&layout(32, 2, 2), true, true, None);
+    let a: Vec<u32> = (0..9).collect();
+    run_prompt(&mut cm, 0, &a);
+    cm.release(0).unwrap();
+    assert_eq!(cm.ssm().snapshots(), 2);
+    cm.begin_step(5);
+    let b: Vec<u32> = (100..109).collect();
+    run_prompt(&mut cm, 0, &b);
+    // A's blocks were unused: their snapshots made room for B's; A's KV stays cached.
+    assert_eq!(cm.ssm().snapshots(), 2);
+    assert_eq!(
+        cm.match_prefix(&hashes(&a), 9),
+        PrefixMatch {
+            kv_blocks: 2,
+            skip_blocks: 0
+        }
+    );
+    assert_eq!(cm.match_prefix(&hashes(&b), 9).skip_blocks, 1);
+    let mut ev = Vec::new();
+    cm.take_events(&mut ev);
+    assert!(
+        ev.iter()
+            .any(|e| matches!(e, KvEvent::SnapshotRemoved { hashes } if hashes.len() == 2)),
+        "{ev:?}"
+    );
+    // While B runs, its snapshots cannot be taken: a third prompt goes without.
+    let c: Vec<u32> = (200..209).collect();
+    run_prompt(&mut cm, 1, &c);
+    assert_eq!(cm.counters.snapshots_skipped, 2);
+    cm.release(0).unwrap();
+    cm.release(1).unwrap();
+    assert_eq!(
+        cm.match_prefix(&hashes(&c), 9),
+        PrefixMatch {
+            kv_blocks: 2,
+            skip_blocks: 0
+        }
+    );
+    assert_eq!(cm.match_prefix(&hashes(&b), 9).skip_blocks, 1);
+    cm.check_invariants().unwrap();
+}

@@ -1,0 +1,541 @@
+//! The cache manager: one facade over the KV block pool, the prefix index and the SSM-state
+//! pool of one engine replica (DESIGN.md §4).
+//!
+//! The scheduler talks to it in plain data (sequence slots, token counts, prefix hashes) and
+//! never sees block ids or free lists; the model runner reads block tables and slot ids from
+//! it. What it guarantees:
+//! - matched blocks are pinned before new ones are allocated, and an admission either fully
+//!   succeeds or changes nothing;
+//! - a sequence skips only whole blocks, leaves at least 2 prompt tokens to compute, and on a
+//!   hybrid model skips only to a boundary that has both cached KV and an SSM snapshot (a
+//!   missing snapshot at restore time is an error, never a zero state);
+//! - prompt blocks enter the index, and snapshots attach to blocks, only after the step that
+//!   computed them succeeded ([`CacheManager::commit_step`]); a failed step is rolled back with
+//!   [`CacheManager::abort_step`];
+//! - evicting a block drops its snapshot; `reset_prefix_cache` drops every cached entry while
+//!   running sequences keep their blocks.
+//!
+//! It knows nothing of models, backends, HTTP or requests beyond their slot numbers.
+
+pub mod block_pool;
+pub mod config;
+pub mod hash;
+pub mod ssm_pool;
+mod stats;
+
+pub use block_pool::{BlockPool, NO_PARENT, PoolError};
+pub use config::{ByteSize, CacheConfig, CacheConfigError, CacheLayout};
+pub use hash::{BlockHash, HashSeed};
+pub use ssm_pool::SsmPool;
+pub use stats::CacheCounters;
+
+use crate::engine::api::KvEvent;
+use crate::model::SsmSnapshot;
+use crate::policy::Evictor;
+
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+pub enum CacheError {
+    #[error("not enough free KV blocks")]
+    NoSpace,
+    #[error("no SSM snapshot at the restore boundary (block {0})")]
+    RestoreMissing(u32),
+    #[error("no free live SSM slot")]
+    NoLiveSlot,
+    #[error("sequence slot {0} is not admitted")]
+    UnknownSeq(u32),
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+}
+
+/// How much of a prompt the cache can serve.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefixMatch {
+    /// Leading prompt blocks whose KV is cached.
+    pub kv_blocks: usize,
+    /// Leading blocks whose computation is skipped (≤ `kv_blocks`).
+    pub skip_blocks: usize,
+}
+
+/// The SSM-state operation a new sequence needs before its first chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SsmInit {
+    /// Not a hybrid model.
+    None,
+    Zero {
+        live: u32,
+    },
+    Restore {
+        from: u32,
+        live: u32,
+    },
+}
+
+#[derive(Debug, Default)]
+struct SeqCache {
+    /// Block table.
+    blocks: Vec<u32>,
+    /// Matched blocks pinned to keep the chain alive while this sequence recomputes them.
+    keepalive: Vec<u32>,
+    live_slot: u32,
+    /// Leading prompt blocks already offered to the index.
+    committed: usize,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct PendingSnapshot {
+    seq: u32,
+    hash: BlockHash,
+    slot: u32,
+}
+
+pub struct CacheManager {
+    pool: BlockPool,
+    ssm: SsmPool,
+    hybrid: bool,
+    prefix_caching: bool,
+    block_size: usize,
+    step: u64,
+    seqs: Vec<Option<SeqCache>>,
+    pending: Vec<PendingSnapshot>,
+    removed_scratch: Vec<(u32, BlockHash)>,
+    stored: Vec<BlockHash>,
+    snapshot_only: Vec<BlockHash>,
+    removed: Vec<u64>,
+    snapshot_removed: Vec<u64>,
+    events: Vec<KvEvent>,
+    pub counters: CacheCounters,
+}
+
+impl CacheManager {
+    pub fn new(
+        layout: &CacheLayout,
+        prefix_caching: bool,
+        hybrid: bool,
+        evictor: Option<Box<dyn Evictor>>,
+    ) -> Self {
+        Self {
+            pool: BlockPool::new(layout.num_blocks as u32, evictor),
+            ssm: SsmPool::new(layout.live_slots as u32, layout.durable_slots as u32),
+            hybrid,
+            prefix_caching,
+            block_size: layout.block_size,
+            step: 0,
+            seqs: Vec::new(),
+            pending: Vec::new(),
+            removed_scratch: Vec::new(),
+            stored: Vec::new(),
+            snapshot_only: Vec::new(),
+            removed: Vec::new(),
+            snapshot_removed: Vec::new(),
+            events: Vec::new(),
+            counters: CacheCounters::default(),
+        }
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+    pub fn is_hybrid(&self) -> bool {
+        self.hybrid
+    }
+    pub fn prefix_caching(&self) -> bool {
+        self.prefix_caching
+    }
+    pub fn total_blocks(&self) -> usize {
+        self.pool.total()
+    }
+    /// Blocks an allocation can obtain (free plus evictable cached).
+    pub fn available_blocks(&self) -> usize {
+        self.pool.available()
+    }
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+    pub fn ssm(&self) -> &SsmPool {
+        &self.ssm
+    }
+
+    pub fn begin_step(&mut self, step: u64) {
+        self.step = step;
+    }
+
+    fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_size)
+    }
+
+    /// Is this hash already in the index?
+    pub fn is_cached(&self, hash: BlockHash) -> bool {
+        self.pool.lookup(hash).is_some()
+    }
+
+    /// The usable cached prefix of a prompt with these full-block `hashes`.
+    pub fn match_prefix(&self, hashes: &[BlockHash], prompt_len: usize) -> PrefixMatch {
+        if !self.prefix_caching {
+            return PrefixMatch::default();
+        }
+        let kv = self.pool.match_len(hashes);
+        let bs = self.block_size;
+        let mut skip = kv;
+        while skip > 0 {
+            let leaves_two = prompt_len >= skip * bs + 2;
+            let restorable = !self.hybrid || self.snapshot_at(hashes[skip - 1]).is_some();
+            if leaves_two && restorable {
+                break;
+            }
+            skip -= 1;
+        }
+        PrefixMatch {
+            kv_blocks: kv,
+            skip_blocks: skip,
+        }
+    }
+
+    fn snapshot_at(&self, hash: BlockHash) -> Option<u32> {
+        self.pool.lookup(hash).and_then(|b| self.ssm.snapshot_of(b))
+    }
+
+    /// Whether `admit` with these arguments would find enough blocks.
+    pub fn can_admit(&self, hashes: &[BlockHash], m: PrefixMatch, cover_tokens: usize) -> bool {
+        let matched = self.matched_blocks(hashes, m.kv_blocks);
+        let new = self.blocks_for(cover_tokens).saturating_sub(m.skip_blocks);
+        self.pool.available() - self.pool.count_unused(&matched) >= new
+    }
+
+    fn matched_blocks(&self, hashes: &[BlockHash], n: usize) -> Vec<u32> {
+        hashes[..n]
+            .iter()
+            .filter_map(|&h| self.pool.lookup(h))
+            .collect()
+    }
+
+    /// Gives sequence slot `seq` its blocks: the matched prefix (pinned first), then fresh
+    /// blocks covering `cover_tokens`, and a live SSM slot. All or nothing.
+    pub fn admit(
+        &mut self,
+        seq: u32,
+        hashes: &[BlockHash],
+        m: PrefixMatch,
+        cover_tokens: usize,
+    ) -> Result<SsmInit, CacheError> {
+        let matched = self.matched_blocks(hashes, m.kv_blocks);
+        if matched.len() != m.kv_blocks || m.skip_blocks > m.kv_blocks {
+            return Err(CacheError::NoSpace);
+        }
+        let new = self.blocks_for(cover_tokens).saturating_sub(m.skip_blocks);
+        if self.pool.available() - self.pool.count_unused(&matched) < new {
+            return Err(CacheError::NoSpace);
+        }
+        let init = if self.hybrid {
+            let restore = match m.skip_blocks {
+                0 => None,
+                k => Some(
+                    self.ssm
+                        .snapshot_of(matched[k - 1])
+                        .ok_or(CacheError::RestoreMissing(matched[k - 1]))?,
+                ),
+            };
+            let live = self.ssm.alloc_live().ok_or(CacheError::NoLiveSlot)?;
+            match restore {
+                Some(from) => SsmInit::Restore { from, live },
+                None => SsmInit::Zero { live },
+            }
+        } else {
+            SsmInit::None
+        };
+        for &b in &matched {
+            self.pool.pin(b, self.step)?;
+        }
+        let mut blocks = matched;
+        let keepalive = blocks.split_off(m.skip_blocks);
+        self.pool.allocate(new, self.step, &mut blocks)?;
+        self.after_pool_change();
+        let live_slot = match init {
+            SsmInit::Zero { live } | SsmInit::Restore { live, .. } => live,
+            SsmInit::None => 0,
+        };
+        let sc = SeqCache {
+            blocks,
+            keepalive,
+            live_slot,
+            committed: m.skip_blocks,
+        };
+        if self.seqs.len() <= seq as usize {
+            self.seqs.resize_with(seq as usize + 1, || None);
+        }
+        self.seqs[seq as usize] = Some(sc);
+        self.counters.prefix_queries += hashes.len() as u64;
+        self.counters.prefix_hits += m.skip_blocks as u64;
+        if matches!(init, SsmInit::Restore { .. }) {
+            self.counters.ssm_restores += 1;
+        }
+        Ok(init)
+    }
+
+    /// New blocks sequence `seq` needs to hold `tokens` tokens.
+    pub fn blocks_to_grow(&self, seq: u32, tokens: usize) -> usize {
+        let have = self.seq(seq).map_or(0, |s| s.blocks.len());
+        self.blocks_for(tokens).saturating_sub(have)
+    }
+
+    /// Extends sequence `seq` to hold `tokens` tokens.
+    pub fn grow(&mut self, seq: u32, tokens: usize) -> Result<(), CacheError> {
+        let need = self.blocks_to_grow(seq, tokens);
+        if need == 0 {
+            return Ok(());
+        }
+        if need > self.pool.available() {
+            return Err(CacheError::NoSpace);
+        }
+        let step = self.step;
+        let s = self
+            .seqs
+            .get_mut(seq as usize)
+            .and_then(Option::as_mut)
+            .ok_or(CacheError::UnknownSeq(seq))?;
+        self.pool.allocate(need, step, &mut s.blocks)?;
+        self.after_pool_change();
+        Ok(())
+    }
+
+    /// Releases every block and slot of sequence `seq` (finish, cancel, preemption).
+    pub fn release(&mut self, seq: u32) -> Result<(), CacheError> {
+        let s = self
+            .seqs
+            .get_mut(seq as usize)
+            .and_then(Option::take)
+            .ok_or(CacheError::UnknownSeq(seq))?;
+        let mut i = 0;
+        while i < self.pending.len() {
+            if self.pending[i].seq == seq {
+                let p = self.pending.swap_remove(i);
+                self.ssm.unreserve(p.slot);
+            } else {
+                i += 1;
+            }
+        }
+        self.pool.release(&s.blocks, self.step)?;
+        self.pool.release(&s.keepalive, self.step)?;
+        if self.hybrid {
+            self.ssm.free_live(s.live_slot);
+        }
+        Ok(())
+    }
+
+    fn seq(&self, seq: u32) -> Option<&SeqCache> {
+        self.seqs.get(seq as usize).and_then(Option::as_ref)
+    }
+
+    pub fn block_table(&self, seq: u32) -> &[u32] {
+        self.seq(seq).map_or(&[], |s| &s.blocks)
+    }
+
+    pub fn live_slot(&self, seq: u32) -> u32 {
+        self.seq(seq).map_or(0, |s| s.live_slot)
+    }
+
+    /// Plans SSM snapshots inside the chunk `ctx .. ctx + len` of a hybrid prompt: at the end
+    /// of the cached prefix (`kv_blocks`), at the last block boundary of the prompt and at the
+    /// one before it, wherever no snapshot exists yet. When every durable slot is taken, the
+    /// least recently used snapshot of an unused block gives its slot up; when none can, the
+    /// snapshot is skipped (serving goes on without it).
+    #[allow(clippy::too_many_arguments)]
+    pub fn plan_snapshots(
+        &mut self,
+        seq: u32,
+        hashes: &[BlockHash],
+        prompt_len: usize,
+        kv_blocks: usize,
+        ctx: usize,
+        len: usize,
+        out: &mut Vec<SsmSnapshot>,
+    ) {
+        if !self.hybrid || !self.prefix_caching || self.ssm.durable_total() == 0 {
+            return;
+        }
+        let bs = self.block_size;
+        let last = prompt_len / bs;
+        let mut points = [kv_blocks, last.saturating_sub(1), last];
+        points.sort_unstable();
+        let mut prev = usize::MAX;
+        for blocks in points {
+            let p = blocks * bs;
+            if blocks == 0 || blocks == prev || p <= ctx || p > ctx + len || blocks > hashes.len() {
+                continue;
+            }
+            prev = blocks;
+            let hash = hashes[blocks - 1];
+            if self.snapshot_at(hash).is_some() {
+                continue;
+            }
+            let slot = match self.ssm.reserve() {
+                Some(slot) => slot,
+                None if self.reclaim_snapshot() => match self.ssm.reserve() {
+                    Some(slot) => slot,
+                    None => continue,
+                },
+                None => {
+                    self.counters.snapshots_skipped += 1;
+                    continue;
+                }
+            };
+            self.pending.push(PendingSnapshot { seq, hash, slot });
+            out.push(SsmSnapshot {
+                after: p - ctx,
+                slot,
+            });
+        }
+    }
+
+    /// After a successful step: offers the prompt blocks that sequence `seq` completed (its
+    /// first `computed` tokens are now in the cache) to the index.
+    pub fn commit_seq(&mut self, seq: u32, hashes: &[BlockHash], computed: usize) {
+        if !self.prefix_caching {
+            return;
+        }
+        let full = (computed / self.block_size).min(hashes.len());
+        let step = self.step;
+        let Some(s) = self.seqs.get_mut(seq as usize).and_then(Option::as_mut) else {
+            return;
+        };
+        while s.committed < full {
+            let j = s.committed;
+            let parent = match j {
+                0 => NO_PARENT,
+                _ => match self.pool.lookup(hashes[j - 1]) {
+                    Some(p) => p,
+                    None => break,
+                },
+            };
+            if self.pool.register(s.blocks[j], hashes[j], parent, step) {
+                self.stored.push(hashes[j]);
+            }
+            s.committed += 1;
+        }
+    }
+
+    /// Frees the durable slot of the least recently used snapshot whose block nobody uses
+    /// (its KV stays cached). False when every snapshot belongs to a block in use.
+    fn reclaim_snapshot(&mut self) -> bool {
+        let pool = &self.pool;
+        let victim = self
+            .ssm
+            .blocks()
+            .filter(|&b| pool.refs(b) == 0)
+            .min_by_key(|&b| (pool.last_access(b), b));
+        let Some(b) = victim else { return false };
+        self.ssm.drop_block(b);
+        self.pool.note_snapshot(b, false, self.step);
+        if let Some(h) = self.pool.hash_of(b) {
+            self.snapshot_removed.push(h.short());
+        }
+        self.counters.snapshots_dropped += 1;
+        true
+    }
+
+    /// After a successful step (once every sequence was committed): attaches the snapshots
+    /// taken during the step to their blocks.
+    pub fn commit_step(&mut self) {
+        for p in std::mem::take(&mut self.pending) {
+            match self.pool.lookup(p.hash) {
+                Some(b) if self.ssm.attach(b, p.slot) => {
+                    self.pool.note_snapshot(b, true, self.step);
+                    self.counters.snapshots_taken += 1;
+                    if !self.stored.contains(&p.hash) {
+                        self.snapshot_only.push(p.hash);
+                    }
+                }
+                Some(_) => {}
+                None => self.ssm.unreserve(p.slot),
+            }
+        }
+        self.finish_events();
+    }
+
+    /// After a failed step: frees the snapshot reservations (nothing was indexed).
+    pub fn abort_step(&mut self) {
+        for p in std::mem::take(&mut self.pending) {
+            self.ssm.unreserve(p.slot);
+        }
+        self.finish_events();
+    }
+
+    fn finish_events(&mut self) {
+        if !self.removed.is_empty() {
+            self.events.push(KvEvent::Removed {
+                hashes: std::mem::take(&mut self.removed),
+            });
+        }
+        if !self.snapshot_removed.is_empty() {
+            let hashes = std::mem::take(&mut self.snapshot_removed);
+            self.events.push(KvEvent::SnapshotRemoved { hashes });
+        }
+        if !self.stored.is_empty() || !self.snapshot_only.is_empty() {
+            let mut hashes = Vec::with_capacity(self.stored.len() + self.snapshot_only.len());
+            let mut with_snapshot = Vec::with_capacity(hashes.capacity());
+            let mut all = std::mem::take(&mut self.stored);
+            all.append(&mut self.snapshot_only);
+            for &h in &all {
+                hashes.push(h.short());
+                with_snapshot.push(self.snapshot_at(h).is_some());
+            }
+            all.clear();
+            self.stored = all;
+            self.events.push(KvEvent::Stored {
+                hashes,
+                with_snapshot,
+            });
+        }
+        self.pool.flush_events();
+    }
+
+    /// Drops every cached block and snapshot; running sequences keep their blocks (which are
+    /// no longer indexed). Unpublished events are superseded by `Cleared`.
+    pub fn reset_prefix_cache(&mut self) {
+        self.pool.clear_index(self.step);
+        self.after_pool_change();
+        self.removed.clear();
+        self.snapshot_removed.clear();
+        self.stored.clear();
+        self.snapshot_only.clear();
+        self.events.clear();
+        self.events.push(KvEvent::Cleared);
+        for s in self.seqs.iter_mut().flatten() {
+            s.committed = usize::MAX;
+        }
+        self.pool.flush_events();
+    }
+
+    /// Events of the steps committed since the last call, oldest first.
+    pub fn take_events(&mut self, out: &mut Vec<KvEvent>) {
+        out.append(&mut self.events);
+    }
+
+    /// Drops what hangs off blocks the pool unhashed (evicted or cleared).
+    fn after_pool_change(&mut self) {
+        self.pool.take_removed(&mut self.removed_scratch);
+        for (b, h) in self.removed_scratch.drain(..) {
+            // The evictor learns from the block's `Removed` event that its snapshot is gone.
+            if self.ssm.drop_block(b) {
+                self.counters.snapshots_dropped += 1;
+            }
+            self.removed.push(h.short());
+        }
+    }
+
+    pub fn check_invariants(&self) -> Result<(), String> {
+        self.pool.check_invariants()?;
+        let durable = self.ssm.durable_used() as usize;
+        if durable != self.ssm.snapshots() + self.pending.len() {
+            return Err(format!(
+                "durable slots used {durable} != snapshots {} + pending {}",
+                self.ssm.snapshots(),
+                self.pending.len()
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+#[path = "manager_tests.rs"]
+mod tests;

@@ -1,0 +1,132 @@
+//! The `[engine]` configuration section (batching limits) and the engine's whole config.
+//!
+//! Serde structs with `deny_unknown_fields`; `validate` turns a bad value into an error naming
+//! the key. The global config embeds [`EngineConfig`] under `[engine]` and
+//! [`crate::cache::CacheConfig`] under `[cache]`.
+
+use serde::Deserialize;
+
+use crate::cache::CacheConfig;
+
+/// `[engine]` section: batching limits of one replica.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineConfig {
+    /// Tokens computed per step over all requests (prefill chunks + decodes).
+    pub max_batched_tokens: usize,
+    /// Requests holding cache state at once (running + paused).
+    pub max_running: usize,
+    /// Requests waiting for admission; more are refused with "queue_full".
+    pub max_waiting: usize,
+    /// Split long prompts into chunks mixed with decodes. When off, a prompt runs in one step
+    /// and prompts longer than `max_batched_tokens` are refused.
+    pub chunked_prefill: bool,
+    /// Candidates per request handed to the sampler (the full vocabulary if smaller).
+    pub sampler_candidates: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            max_batched_tokens: 2048,
+            max_running: 256,
+            max_waiting: 4096,
+            chunked_prefill: true,
+            sampler_candidates: 64,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+pub enum ConfigError {
+    #[error("engine.{key} = {value}: {why}")]
+    Invalid {
+        key: &'static str,
+        value: String,
+        why: &'static str,
+    },
+    #[error(transparent)]
+    Cache(#[from] crate::cache::CacheConfigError),
+}
+
+impl EngineConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |key, value: usize, why| {
+            Err(ConfigError::Invalid {
+                key,
+                value: value.to_string(),
+                why,
+            })
+        };
+        if self.max_batched_tokens < 2 {
+            return bad(
+                "max_batched_tokens",
+                self.max_batched_tokens,
+                "must be at least 2",
+            );
+        }
+        if self.max_running == 0 || self.max_running > 1 << 20 {
+            return bad(
+                "max_running",
+                self.max_running,
+                "must be between 1 and 1048576",
+            );
+        }
+        if self.max_running > self.max_batched_tokens {
+            return bad(
+                "max_running",
+                self.max_running,
+                "must not exceed engine.max_batched_tokens (each running request decodes one token per step)",
+            );
+        }
+        if self.max_waiting == 0 {
+            return bad("max_waiting", self.max_waiting, "must be at least 1");
+        }
+        if self.sampler_candidates == 0 {
+            return bad(
+                "sampler_candidates",
+                self.sampler_candidates,
+                "must be at least 1",
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Everything one engine replica needs from the configuration.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineSetup {
+    pub engine: EngineConfig,
+    pub cache: CacheConfig,
+    /// Mixed into every prefix hash (model id and revision): replicas of different models
+    /// never share cache entries.
+    pub hash_salt: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_rejects_unknown_keys() {
+        let c: EngineConfig = toml::from_str("max_batched_tokens = 512\nmax_running = 8").unwrap();
+        assert_eq!(c.max_batched_tokens, 512);
+        assert_eq!(c.max_running, 8);
+        assert!(c.chunked_prefill);
+        assert_eq!(c.sampler_candidates, 64);
+        let e = toml::from_str::<EngineConfig>("max_runing = 8").unwrap_err();
+        assert!(e.to_string().contains("max_runing"), "{e}");
+    }
+
+    #[test]
+    fn validation_names_the_key() {
+        let c = EngineConfig {
+            max_running: 4096,
+            max_batched_tokens: 512,
+            ..Default::default()
+        };
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.starts_with("engine.max_running = 4096"), "{e}");
+        assert!(EngineConfig::default().validate().is_ok());
+    }
+}

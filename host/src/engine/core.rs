@@ -1,0 +1,463 @@
+//! `Engine`: one replica's synchronous step — schedule → build inputs → forward → sample →
+//! update — over a [`StepExecutor`].
+//!
+//! The engine owns the scheduler, the cache manager, the sampling stage and its policy
+//! instances; the executor only sees [`BatchInputs`]. Every request's events go out in order:
+//! `Tokens`…, then exactly one `Finished` or `Failed`. Cache events of a step are released
+//! only after its forward pass succeeded; a failed pass fails the requests in that batch, rolls
+//! back the step's snapshot reservations and leaves every other request and the cache intact.
+//! An idle step changes nothing. The thread loop around it lives in `engine::thread`.
+
+use std::time::Instant;
+
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::api::{EngineEvent, EngineStats, FinishReason, GenerateRequest, KvEvent, Usage};
+use super::config::{ConfigError, EngineSetup};
+use super::executor::{CacheAllocation, ExecutorError, Logits, StepExecutor};
+use super::request::Request;
+use super::sampling::{GreedySampler, RowInfo, Sampled, SamplingStage};
+use super::scheduler::{Scheduler, StopReason};
+use crate::cache::{CacheLayout, CacheManager, HashSeed, SsmInit};
+use crate::model::BatchInputs;
+use crate::policy::{Evictor, Sampler};
+
+/// The policy instances of one replica.
+pub struct Policies {
+    /// The configured sampler (a Wasm plugin or a native one).
+    pub sampler: Box<dyn Sampler>,
+    /// The built-in sampler used when `sampler` answers `UseDefault` or something invalid.
+    pub fallback_sampler: Box<dyn Sampler>,
+    /// The configured eviction policy; `None` uses the cache's native LRU order.
+    pub evictor: Option<Box<dyn Evictor>>,
+}
+
+impl Policies {
+    /// Greedy sampling and native LRU eviction.
+    pub fn greedy() -> Self {
+        Self {
+            sampler: Box::new(GreedySampler),
+            fallback_sampler: Box::new(GreedySampler),
+            evictor: None,
+        }
+    }
+}
+
+/// Cumulative wall time of each phase of the steps that ran a batch (nanoseconds).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepTimings {
+    pub steps: u64,
+    /// Scheduling, admission and cache bookkeeping.
+    pub schedule_ns: u64,
+    /// Building `BatchInputs` and SSM slot setup.
+    pub inputs_ns: u64,
+    /// The executor's forward pass.
+    pub execute_ns: u64,
+    /// Sampling, committing the step to the cache and sending events (includes `sample_ns`).
+    pub update_ns: u64,
+    /// Penalties, top-K candidates, the sampler call and logprobs.
+    pub sample_ns: u64,
+}
+
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+pub enum EngineError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(
+        "engine.max_batched_tokens = {tokens} is too small: with engine.max_running = {running} decoding requests a prefill chunk needs at least cache.block_size + 1 = {need} more tokens; raise engine.max_batched_tokens or lower engine.max_running"
+    )]
+    BudgetTooSmall {
+        tokens: usize,
+        running: usize,
+        need: usize,
+    },
+    #[error("the executor could not allocate the caches: {0}")]
+    Executor(#[from] ExecutorError),
+}
+
+pub struct Engine<E: StepExecutor> {
+    setup: EngineSetup,
+    executor: E,
+    layout: CacheLayout,
+    cache: CacheManager,
+    sched: Scheduler,
+    sampling: SamplingStage,
+    policies: Policies,
+    eos: Vec<u32>,
+    vocab: usize,
+    inputs: BatchInputs,
+    logits: Logits,
+    sampled: Vec<Sampled>,
+    tokens: Vec<u32>,
+    finished: Vec<(u32, StopReason)>,
+    closed: Vec<u64>,
+    kv_events: Vec<KvEvent>,
+    stats: EngineStats,
+    timings: StepTimings,
+}
+
+impl<E: StepExecutor> Engine<E> {
+    /// Sizes the caches from the memory budget and lets the executor allocate them.
+    pub fn new(
+        setup: EngineSetup,
+        mut executor: E,
+        mut policies: Policies,
+    ) -> Result<Self, EngineError> {
+        let cfg = &setup.engine;
+        cfg.validate()?;
+        let spec = executor.cache_spec();
+        let layout =
+            CacheLayout::plan(&setup.cache, &spec, cfg.max_running).map_err(ConfigError::from)?;
+        let need = layout.block_size + 1;
+        if cfg.chunked_prefill && cfg.max_batched_tokens < cfg.max_running - 1 + need {
+            return Err(EngineError::BudgetTooSmall {
+                tokens: cfg.max_batched_tokens,
+                running: cfg.max_running,
+                need,
+            });
+        }
+        executor.allocate(CacheAllocation {
+            num_blocks: layout.num_blocks,
+            block_size: layout.block_size,
+            num_ssm_slots: layout.ssm_slots(),
+        })?;
+        let cache = CacheManager::new(
+            &layout,
+            setup.cache.prefix_caching,
+            spec.is_hybrid(),
+            policies.evictor.take(),
+        );
+        let sched = Scheduler::new(
+            cfg.clone(),
+            layout.block_size,
+            HashSeed::new(&setup.hash_salt),
+        );
+        let stats = EngineStats {
+            total_blocks: layout.num_blocks as u32,
+            free_blocks: layout.num_blocks as u32,
+            ssm_slots_total: layout.ssm_slots() as u32,
+            ..Default::default()
+        };
+        Ok(Self {
+            sampling: SamplingStage::new(cfg.sampler_candidates),
+            eos: executor.eos_token_ids().to_vec(),
+            vocab: executor.vocab_size(),
+            setup,
+            executor,
+            layout,
+            cache,
+            sched,
+            policies,
+            inputs: BatchInputs::default(),
+            logits: Logits::default(),
+            sampled: Vec::new(),
+            tokens: Vec::new(),
+            finished: Vec::new(),
+            closed: Vec::new(),
+            kv_events: Vec::new(),
+            stats,
+            timings: StepTimings::default(),
+        })
+    }
+
+    pub fn layout(&self) -> &CacheLayout {
+        &self.layout
+    }
+    pub fn cache(&self) -> &CacheManager {
+        &self.cache
+    }
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.sched
+    }
+    pub fn executor(&self) -> &E {
+        &self.executor
+    }
+    pub fn stats(&self) -> &EngineStats {
+        &self.stats
+    }
+    pub fn is_idle(&self) -> bool {
+        self.sched.is_idle()
+    }
+    pub fn timings(&self) -> &StepTimings {
+        &self.timings
+    }
+    /// Cache events of the steps since the last call (only from steps that succeeded).
+    pub fn take_kv_events(&mut self, out: &mut Vec<KvEvent>) {
+        out.append(&mut self.kv_events);
+    }
+
+    /// Queues a request; bad input is answered with `Failed` on its own channel.
+    pub fn add(&mut self, req: GenerateRequest, events: UnboundedSender<EngineEvent>) {
+        let fail = |kind: &'static str, message: String| {
+            let _ = events.send(EngineEvent::Failed { kind, message });
+        };
+        if req.prompt.is_empty() {
+            return fail("invalid_request", "the prompt is empty".into());
+        }
+        if req.max_tokens == 0 {
+            return fail("invalid_request", "max_tokens must be at least 1".into());
+        }
+        if req.prompt_logprobs {
+            return fail(
+                "unsupported",
+                "prompt logprobs are not supported yet".into(),
+            );
+        }
+        if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= self.vocab) {
+            return fail(
+                "invalid_request",
+                format!("token id {t} is outside the vocabulary ({})", self.vocab),
+            );
+        }
+        if self.sched.contains(req.id) {
+            return fail(
+                "invalid_request",
+                format!("request id {} is already in use", req.id),
+            );
+        }
+        if self.sched.num_waiting() >= self.setup.engine.max_waiting {
+            return fail(
+                "queue_full",
+                format!("{} requests are already waiting", self.sched.num_waiting()),
+            );
+        }
+        self.sched.add(|slot| Request::new(req, slot, events));
+    }
+
+    /// Cancels a request wherever it is; its blocks return to the pool at once.
+    pub fn cancel(&mut self, id: u64) {
+        if let Some(r) = self.sched.remove(id, &mut self.cache) {
+            self.finish(r, FinishReason::Cancelled);
+        }
+        self.refresh_stats();
+    }
+
+    /// Cancels everything in flight (shutdown).
+    pub fn cancel_all(&mut self) {
+        for id in self.sched.ids() {
+            self.cancel(id);
+        }
+    }
+
+    /// Drops every cached block and snapshot; running requests keep theirs.
+    pub fn reset_prefix_cache(&mut self) {
+        self.cache.reset_prefix_cache();
+        self.cache.take_events(&mut self.kv_events);
+        self.refresh_stats();
+    }
+
+    fn finish(&mut self, r: Request, reason: FinishReason) {
+        let usage = Usage {
+            prompt_tokens: r.orig_prompt_len as u32,
+            completion_tokens: r.generated() as u32,
+            cached_tokens: r.cached_tokens as u32,
+        };
+        let _ = r.events.send(EngineEvent::Finished { reason, usage });
+        self.stats.requests_finished += 1;
+    }
+
+    fn fail(&mut self, r: Request, kind: &'static str, message: String) {
+        let _ = r.events.send(EngineEvent::Failed { kind, message });
+    }
+
+    /// Runs one step. Returns false when there was nothing to run.
+    pub fn step(&mut self) -> bool {
+        let t0 = Instant::now();
+        self.sched.schedule(&mut self.cache);
+        for rej in self.sched.take_rejected() {
+            self.fail(rej.request, rej.kind, rej.message);
+        }
+        let out = self.sched.output();
+        self.stats.step = out.step;
+        self.stats.preemptions += out.evicted.len() as u64;
+        if out.is_empty() {
+            self.cache.commit_step();
+            self.cache.take_events(&mut self.kv_events);
+            self.refresh_stats();
+            return false;
+        }
+        let t1 = Instant::now();
+        let result = self.prepare_inputs().and_then(|()| {
+            let t2 = Instant::now();
+            self.timings.inputs_ns += (t2 - t1).as_nanos() as u64;
+            let r = self.executor.execute(&self.inputs, &mut self.logits);
+            self.timings.execute_ns += t2.elapsed().as_nanos() as u64;
+            r
+        });
+        let t3 = Instant::now();
+        match result {
+            Ok(()) => self.apply_output(),
+            Err(e) => self.fail_batch(e),
+        }
+        self.cache.take_events(&mut self.kv_events);
+        for id in std::mem::take(&mut self.closed) {
+            self.cancel(id);
+        }
+        self.refresh_stats();
+        self.timings.steps += 1;
+        self.timings.schedule_ns += (t1 - t0).as_nanos() as u64;
+        self.timings.update_ns += t3.elapsed().as_nanos() as u64;
+        true
+    }
+
+    /// Builds the batch inputs and sets up new sequences' SSM state.
+    fn prepare_inputs(&mut self) -> Result<(), ExecutorError> {
+        let out = self.sched.output();
+        let inputs = &mut self.inputs;
+        inputs.tokens.clear();
+        inputs.positions.clear();
+        let mut n = 0;
+        for s in &out.seqs {
+            let Some(r) = self.sched.request(s.slot) else {
+                continue;
+            };
+            let offset = inputs.tokens.len();
+            inputs
+                .tokens
+                .extend_from_slice(&r.tokens[s.start..s.start + s.len]);
+            inputs
+                .positions
+                .extend((s.start..s.start + s.len).map(|p| p as u32));
+            if inputs.seqs.len() <= n {
+                inputs.seqs.push(Default::default());
+            }
+            let c = &mut inputs.seqs[n];
+            c.offset = offset;
+            c.len = s.len;
+            c.context_len = s.start;
+            c.block_table.clear();
+            c.block_table
+                .extend_from_slice(self.cache.block_table(s.slot));
+            c.ssm_slot = self.cache.live_slot(s.slot);
+            c.snapshots.clear();
+            c.snapshots.extend_from_slice(&s.snapshots);
+            c.want_logits = s.want_logits;
+            n += 1;
+            if s.start < r.prompt_len {
+                self.stats.prompt_tokens_computed +=
+                    (s.start + s.len).min(r.prompt_len) as u64 - s.start as u64;
+            }
+        }
+        inputs.seqs.truncate(n);
+        for init in &out.ssm_init {
+            match *init {
+                SsmInit::None => {}
+                SsmInit::Zero { live } => self.executor.zero_ssm_slot(live)?,
+                SsmInit::Restore { from, live } => self.executor.copy_ssm_slot(from, live)?,
+            }
+        }
+        Ok(())
+    }
+
+    fn apply_output(&mut self) {
+        let out = self.sched.output();
+        let rows: Vec<RowInfo<'_>> = out
+            .seqs
+            .iter()
+            .filter(|s| s.want_logits)
+            .filter_map(|s| self.sched.request(s.slot))
+            .map(|r| RowInfo {
+                params: &r.params,
+                prompt: &r.tokens[..r.orig_prompt_len],
+                output: r.output(),
+                seed: r.seed,
+            })
+            .collect();
+        if rows.len() != self.logits.rows() || self.logits.vocab != self.vocab {
+            let msg = format!(
+                "executor returned {} logits rows of {}, expected {} of {}",
+                self.logits.rows(),
+                self.logits.vocab,
+                rows.len(),
+                self.vocab
+            );
+            drop(rows);
+            return self.fail_batch(ExecutorError::InvalidBatch(msg));
+        }
+        let Policies {
+            sampler,
+            fallback_sampler,
+            ..
+        } = &mut self.policies;
+        let t = Instant::now();
+        self.sampling.sample(
+            &mut self.logits,
+            &rows,
+            sampler.as_mut(),
+            fallback_sampler.as_mut(),
+            &mut self.sampled,
+        );
+        self.timings.sample_ns += t.elapsed().as_nanos() as u64;
+        drop(rows);
+        self.tokens.clear();
+        self.tokens.extend(self.sampled.iter().map(|s| s.token));
+        self.stats.generation_tokens += self.tokens.len() as u64;
+        self.finished.clear();
+        self.sched
+            .update_from_output(&mut self.cache, &self.tokens, &self.eos, &mut self.finished);
+        let out = self.sched.output();
+        let mut row = 0;
+        for s in out.seqs.iter().filter(|s| s.want_logits) {
+            let Some(r) = self.sched.request(s.slot) else {
+                continue;
+            };
+            let sampled = &mut self.sampled[row];
+            row += 1;
+            let ev = EngineEvent::Tokens {
+                tokens: vec![sampled.token],
+                logprobs: sampled.logprob.take().map(|l| vec![l]),
+            };
+            if r.events.send(ev).is_err() {
+                self.closed.push(r.id);
+            }
+        }
+        for (slot, why) in std::mem::take(&mut self.finished) {
+            let Some(id) = self.sched.request(slot).map(|r| r.id) else {
+                continue;
+            };
+            if let Some(r) = self.sched.remove(id, &mut self.cache) {
+                let reason = match why {
+                    StopReason::Stop => FinishReason::Stop,
+                    StopReason::Length => FinishReason::Length,
+                };
+                self.finish(r, reason);
+            }
+        }
+    }
+
+    /// A failed forward pass: the requests of this batch fail, nothing of the step is cached.
+    fn fail_batch(&mut self, e: ExecutorError) {
+        tracing::error!(error = %e, "step failed");
+        self.cache.abort_step();
+        let ids: Vec<u64> = self
+            .sched
+            .output()
+            .seqs
+            .iter()
+            .filter_map(|s| self.sched.request(s.slot).map(|r| r.id))
+            .collect();
+        for id in ids {
+            if let Some(r) = self.sched.remove(id, &mut self.cache) {
+                self.fail(r, e.kind(), e.to_string());
+            }
+        }
+    }
+
+    /// Brings the load and cache figures of [`Self::stats`] up to date (done after every step;
+    /// call it after commands to publish their effect).
+    pub fn refresh_stats(&mut self) {
+        let s = &mut self.stats;
+        let pool = self.cache.pool();
+        let c = self.cache.counters;
+        s.running = self.sched.num_running() as u32;
+        s.waiting = self.sched.num_waiting() as u32;
+        s.paused = self.sched.num_paused() as u32;
+        s.free_blocks = pool.available() as u32;
+        s.cached_blocks = pool.indexed() as u32;
+        s.ssm_snapshots_used = self.cache.ssm().snapshots() as u32;
+        s.prompt_tokens_cached = c.prefix_hits * self.layout.block_size as u64;
+        s.prefix_cache_queries = c.prefix_queries;
+        s.prefix_cache_hits = c.prefix_hits;
+        s.ssm_restores = c.ssm_restores;
+    }
+}

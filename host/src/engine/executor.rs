@@ -1,0 +1,117 @@
+//! The seam between the engine and a model: [`StepExecutor`].
+//!
+//! The engine owns scheduling and every cache decision; an executor owns the device memory of
+//! the caches and runs one forward pass per step over [`BatchInputs`] (token ids, positions,
+//! block tables, SSM slot ids, snapshot points) that the engine built. The executor never
+//! decides which blocks or slots to use; it only reads and writes the ones it is given.
+//!
+//! Call order: `cache_spec` → `allocate` once (sizes from the memory budget) → per step any
+//! `zero_ssm_slot` / `copy_ssm_slot` for new sequences, then `execute`.
+
+use crate::model::{BatchInputs, CacheSpec};
+
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+pub enum ExecutorError {
+    #[error("cache allocation failed: {0}")]
+    Allocation(String),
+    #[error("invalid batch: {0}")]
+    InvalidBatch(String),
+    #[error("SSM slot {0} out of range")]
+    BadSlot(u32),
+    #[error("forward pass failed: {0}")]
+    Forward(String),
+}
+
+impl ExecutorError {
+    /// Stable kind string (metric label).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Allocation(_) => "cache_allocation",
+            Self::InvalidBatch(_) => "invalid_batch",
+            Self::BadSlot(_) => "bad_ssm_slot",
+            Self::Forward(_) => "forward_failed",
+        }
+    }
+}
+
+/// Logits of one step: one row of `vocab` f32 per sequence with `want_logits`, in batch order.
+#[derive(Debug, Clone, Default)]
+pub struct Logits {
+    pub data: Vec<f32>,
+    pub vocab: usize,
+}
+
+impl Logits {
+    /// Empties the buffer (keeping its capacity) for `rows` rows of `vocab`, zero-filled.
+    pub fn reset(&mut self, rows: usize, vocab: usize) {
+        self.vocab = vocab;
+        self.data.clear();
+        self.data.resize(rows * vocab, 0.0);
+    }
+    pub fn rows(&self) -> usize {
+        if self.vocab == 0 {
+            0
+        } else {
+            self.data.len() / self.vocab
+        }
+    }
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.vocab..(i + 1) * self.vocab]
+    }
+    pub fn row_mut(&mut self, i: usize) -> &mut [f32] {
+        &mut self.data[i * self.vocab..(i + 1) * self.vocab]
+    }
+}
+
+/// What `allocate` must provide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheAllocation {
+    pub num_blocks: usize,
+    pub block_size: usize,
+    /// SSM-state slots (live and durable together; ids `0..num_ssm_slots`).
+    pub num_ssm_slots: usize,
+}
+
+/// A model behind the engine: the real model runner, or [`super::mock::MockExecutor`].
+pub trait StepExecutor: Send {
+    /// Per-block and per-slot cache sizes, used to split the memory budget.
+    fn cache_spec(&self) -> CacheSpec;
+    fn vocab_size(&self) -> usize;
+    /// Tokens that end generation unless a request sets `ignore_eos`.
+    fn eos_token_ids(&self) -> &[u32];
+    /// Allocates the paged KV cache and the SSM slots; called once before the first step.
+    fn allocate(&mut self, alloc: CacheAllocation) -> Result<(), ExecutorError>;
+    /// Runs one forward pass. `logits` must be filled with one row per sequence that has
+    /// `want_logits`, in order (`Logits::reset(rows, vocab)` then write the rows). Snapshot
+    /// points in `SeqChunk::snapshots` are written during the pass.
+    fn execute(&mut self, inputs: &BatchInputs, logits: &mut Logits) -> Result<(), ExecutorError>;
+    /// Copies all layers' SSM state of slot `src` into slot `dst` (restore before a sequence's
+    /// first chunk).
+    fn copy_ssm_slot(&mut self, src: u32, dst: u32) -> Result<(), ExecutorError>;
+    /// Clears slot `slot` to the initial state (a sequence starting from token 0).
+    fn zero_ssm_slot(&mut self, slot: u32) -> Result<(), ExecutorError>;
+}
+
+impl<E: StepExecutor + ?Sized> StepExecutor for Box<E> {
+    fn cache_spec(&self) -> CacheSpec {
+        (**self).cache_spec()
+    }
+    fn vocab_size(&self) -> usize {
+        (**self).vocab_size()
+    }
+    fn eos_token_ids(&self) -> &[u32] {
+        (**self).eos_token_ids()
+    }
+    fn allocate(&mut self, alloc: CacheAllocation) -> Result<(), ExecutorError> {
+        (**self).allocate(alloc)
+    }
+    fn execute(&mut self, inputs: &BatchInputs, logits: &mut Logits) -> Result<(), ExecutorError> {
+        (**self).execute(inputs, logits)
+    }
+    fn copy_ssm_slot(&mut self, src: u32, dst: u32) -> Result<(), ExecutorError> {
+        (**self).copy_ssm_slot(src, dst)
+    }
+    fn zero_ssm_slot(&mut self, slot: u32) -> Result<(), ExecutorError> {
+        (**self).zero_ssm_slot(slot)
+    }
+}

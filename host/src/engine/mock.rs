@@ -1,0 +1,309 @@
+//! `MockExecutor`: a deterministic, model-free [`StepExecutor`] for tests and benchmarks.
+//!
+//! It behaves like a tiny causal model whose "KV cache" stores the token id written at each
+//! (block, offset) and whose "SSM state" per slot is a running hash of every token it has
+//! consumed. The logits of a sequence are a pseudo-random function of
+//! - (with `verify_kv`) every token id read back *through the block table* for positions
+//!   `0 ..= last`, so a wrong table, a stale or overwritten block, or a wrong skip changes them;
+//! - (for a hybrid spec) the live SSM state, so a missing or wrong snapshot restore changes them.
+//!
+//! Hence a correct engine produces identical outputs with prefix caching, chunking, budgets and
+//! preemption on or off, and a broken one does not. It also rejects malformed batches (slots
+//! and blocks out of range, reading KV never written, using an uninitialised SSM slot, restoring
+//! from an empty snapshot slot). Without `verify_kv` the logits depend only on the last token
+//! and its position (constant cost per row, for benchmarks).
+
+use super::executor::{CacheAllocation, ExecutorError, Logits, StepExecutor};
+use crate::model::{BatchInputs, CacheSpec};
+
+const UNWRITTEN: u32 = u32::MAX;
+const SSM_INIT: u64 = 0x9e37_79b9_7f4a_7c15;
+
+#[derive(Debug, Clone)]
+pub struct MockConfig {
+    pub vocab: usize,
+    pub eos: Vec<u32>,
+    /// Number of fake SSM layers (0: a plain transformer).
+    pub ssm_layers: usize,
+    /// Read the whole context back through the block table for every logits row.
+    pub verify_kv: bool,
+    /// Fail the `execute` call with this 0-based index (to test failure handling).
+    pub fail_at_call: Option<u64>,
+}
+
+impl Default for MockConfig {
+    fn default() -> Self {
+        Self {
+            vocab: 64,
+            eos: vec![0],
+            ssm_layers: 0,
+            verify_kv: true,
+            fail_at_call: None,
+        }
+    }
+}
+
+/// What the mock has seen, for assertions.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MockCounters {
+    pub calls: u64,
+    pub tokens: u64,
+    pub rows: u64,
+    pub restores: u64,
+    pub zeros: u64,
+    pub snapshots: u64,
+}
+
+pub struct MockExecutor {
+    cfg: MockConfig,
+    block_size: usize,
+    kv: Vec<u32>,
+    ssm: Vec<Option<u64>>,
+    pub counters: MockCounters,
+}
+
+impl MockExecutor {
+    pub fn new(cfg: MockConfig) -> Self {
+        Self {
+            cfg,
+            block_size: 0,
+            kv: Vec::new(),
+            ssm: Vec::new(),
+            counters: MockCounters::default(),
+        }
+    }
+
+    pub fn transformer() -> Self {
+        Self::new(MockConfig::default())
+    }
+
+    pub fn hybrid() -> Self {
+        Self::new(MockConfig {
+            ssm_layers: 2,
+            ..MockConfig::default()
+        })
+    }
+
+    fn slot(&mut self, slot: u32) -> Result<&mut Option<u64>, ExecutorError> {
+        self.ssm
+            .get_mut(slot as usize)
+            .ok_or(ExecutorError::BadSlot(slot))
+    }
+
+    fn kv_index(&self, table: &[u32], pos: usize) -> Result<usize, ExecutorError> {
+        let bs = self.block_size;
+        let block = *table
+            .get(pos / bs)
+            .ok_or_else(|| ExecutorError::InvalidBatch(format!("position {pos} outside table")))?;
+        let i = block as usize * bs + pos % bs;
+        if i >= self.kv.len() {
+            return Err(ExecutorError::InvalidBatch(format!(
+                "block {block} out of range"
+            )));
+        }
+        Ok(i)
+    }
+}
+
+fn mix(h: u64, x: u64) -> u64 {
+    let mut z = (h ^ x).wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+impl StepExecutor for MockExecutor {
+    fn cache_spec(&self) -> CacheSpec {
+        CacheSpec {
+            attn_layers: 2,
+            kv_heads: 1,
+            head_dim: 8,
+            ssm_layers: self.cfg.ssm_layers,
+            conv_state_elems: 16,
+            ssm_state_elems: 48,
+            dtype_bytes: 4,
+        }
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.cfg.vocab
+    }
+
+    fn eos_token_ids(&self) -> &[u32] {
+        &self.cfg.eos
+    }
+
+    fn allocate(&mut self, alloc: CacheAllocation) -> Result<(), ExecutorError> {
+        self.block_size = alloc.block_size;
+        self.kv = vec![UNWRITTEN; alloc.num_blocks * alloc.block_size];
+        self.ssm = vec![None; alloc.num_ssm_slots];
+        Ok(())
+    }
+
+    fn execute(&mut self, inputs: &BatchInputs, logits: &mut Logits) -> Result<(), ExecutorError> {
+        let call = self.counters.calls;
+        self.counters.calls += 1;
+        if self.cfg.fail_at_call == Some(call) {
+            return Err(ExecutorError::Forward("injected failure".into()));
+        }
+        if inputs.tokens.len() != inputs.positions.len() {
+            return Err(ExecutorError::InvalidBatch(
+                "tokens and positions differ".into(),
+            ));
+        }
+        let rows = inputs.seqs.iter().filter(|s| s.want_logits).count();
+        logits.reset(rows, self.cfg.vocab);
+        let hybrid = self.cfg.ssm_layers > 0;
+        let mut row = 0;
+        for s in &inputs.seqs {
+            if s.len == 0 || s.offset + s.len > inputs.tokens.len() {
+                return Err(ExecutorError::InvalidBatch("chunk out of range".into()));
+            }
+            let toks = &inputs.tokens[s.offset..s.offset + s.len];
+            for (i, &t) in toks.iter().enumerate() {
+                let pos = s.context_len + i;
+                if inputs.positions[s.offset + i] as usize != pos {
+                    return Err(ExecutorError::InvalidBatch(
+                        "positions do not continue".into(),
+                    ));
+                }
+                let k = self.kv_index(&s.block_table, pos)?;
+                self.kv[k] = t;
+            }
+            let mut state = 0;
+            if hybrid {
+                let mut st = self.slot(s.ssm_slot)?.ok_or_else(|| {
+                    ExecutorError::InvalidBatch("live SSM slot uninitialised".into())
+                })?;
+                let mut snaps = s.snapshots.iter().peekable();
+                for (i, &t) in toks.iter().enumerate() {
+                    st = mix(st, u64::from(t));
+                    while let Some(sn) = snaps.next_if(|sn| sn.after == i + 1) {
+                        if sn.slot == s.ssm_slot {
+                            return Err(ExecutorError::InvalidBatch(
+                                "snapshot into live slot".into(),
+                            ));
+                        }
+                        *self.slot(sn.slot)? = Some(st);
+                        self.counters.snapshots += 1;
+                    }
+                }
+                if snaps.next().is_some() {
+                    return Err(ExecutorError::InvalidBatch(
+                        "snapshot point outside chunk".into(),
+                    ));
+                }
+                *self.slot(s.ssm_slot)? = Some(st);
+                state = st;
+            }
+            self.counters.tokens += s.len as u64;
+            if !s.want_logits {
+                continue;
+            }
+            let last = s.context_len + s.len - 1;
+            let mut seed = mix(state, last as u64);
+            if self.cfg.verify_kv {
+                for pos in 0..=last {
+                    let t = self.kv[self.kv_index(&s.block_table, pos)?];
+                    if t == UNWRITTEN {
+                        return Err(ExecutorError::InvalidBatch(format!(
+                            "KV at {pos} never written"
+                        )));
+                    }
+                    seed = mix(seed, u64::from(t));
+                }
+            } else {
+                seed = mix(seed, u64::from(toks[s.len - 1]));
+            }
+            for (v, out) in logits.row_mut(row).iter_mut().enumerate() {
+                let r = mix(seed, v as u64);
+                *out = (r >> 40) as f32 / (1u64 << 24) as f32 * 8.0 - 4.0;
+            }
+            row += 1;
+            self.counters.rows += 1;
+        }
+        Ok(())
+    }
+
+    fn copy_ssm_slot(&mut self, src: u32, dst: u32) -> Result<(), ExecutorError> {
+        let v = self.slot(src)?.ok_or_else(|| {
+            ExecutorError::InvalidBatch(format!("restore from empty SSM slot {src}"))
+        })?;
+        *self.slot(dst)? = Some(v);
+        self.counters.restores += 1;
+        Ok(())
+    }
+
+    fn zero_ssm_slot(&mut self, slot: u32) -> Result<(), ExecutorError> {
+        *self.slot(slot)? = Some(SSM_INIT);
+        self.counters.zeros += 1;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::SsmSnapshot;
+
+    fn alloc(m: &mut MockExecutor) {
+        m.allocate(CacheAllocation {
+            num_blocks: 8,
+            block_size: 4,
+            num_ssm_slots: 3,
+        })
+        .unwrap();
+    }
+
+    #[test]
+    fn chunked_and_whole_prefill_agree_and_snapshots_restore() {
+        let toks: Vec<u32> = (1..=10).collect();
+        // Whole prompt in one chunk, snapshot after 8 tokens into slot 2.
+        let mut a = MockExecutor::hybrid();
+        alloc(&mut a);
+        a.zero_ssm_slot(0).unwrap();
+        let mut inp = BatchInputs::default();
+        inp.push(&toks, 0, vec![0, 1, 2], 0, true)
+            .snapshots
+            .push(SsmSnapshot { after: 8, slot: 2 });
+        let mut la = Logits::default();
+        a.execute(&inp, &mut la).unwrap();
+        // Restore the snapshot into slot 1, reuse blocks 0-1, compute the last 2 tokens.
+        a.copy_ssm_slot(2, 1).unwrap();
+        let mut inp = BatchInputs::default();
+        inp.push(&toks[8..], 8, vec![0, 1, 5], 1, true);
+        let mut lb = Logits::default();
+        a.execute(&inp, &mut lb).unwrap();
+        assert_eq!(la.data, lb.data);
+        // Restoring from a zeroed slot instead gives different logits.
+        a.zero_ssm_slot(1).unwrap();
+        let mut lc = Logits::default();
+        a.execute(&inp, &mut lc).unwrap();
+        assert_ne!(la.data, lc.data);
+    }
+
+    #[test]
+    fn wrong_block_table_changes_logits_or_errors() {
+        let toks: Vec<u32> = (1..=6).collect();
+        let mut m = MockExecutor::transformer();
+        alloc(&mut m);
+        let mut inp = BatchInputs::default();
+        inp.push(&toks, 0, vec![3, 4], 0, true);
+        let mut l1 = Logits::default();
+        m.execute(&inp, &mut l1).unwrap();
+        let mut inp = BatchInputs::default();
+        inp.push(&toks[4..], 4, vec![5, 4], 0, true);
+        assert!(
+            m.execute(&inp, &mut Logits::default()).is_err(),
+            "block 5 never written"
+        );
+    }
+
+    #[test]
+    fn restore_from_empty_slot_fails() {
+        let mut m = MockExecutor::hybrid();
+        alloc(&mut m);
+        assert!(m.copy_ssm_slot(2, 0).is_err());
+        assert_eq!(m.zero_ssm_slot(9), Err(ExecutorError::BadSlot(9)));
+    }
+}

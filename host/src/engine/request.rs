@@ -1,0 +1,96 @@
+//! `Request`: the engine-side state of one generation request.
+//!
+//! Token bookkeeping: `tokens` is the prompt followed by every generated token. The first
+//! `computed` tokens have their K/V in the cache (and, on hybrids, are folded into the live SSM
+//! slot). While `computed < prompt_len` the request is prefilling. After a recompute
+//! preemption the generated tokens become part of the prompt (`prompt_len = tokens.len()`) and
+//! are hashed like prompt tokens, so the re-admitted request can hit its own cached blocks.
+//! `orig_prompt_len` never changes and is what usage reports.
+
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::api::{EngineEvent, GenerateRequest, SamplingParams};
+use crate::cache::BlockHash;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// In the queue, holding no cache state.
+    Waiting,
+    /// Holding blocks and scheduled every step it fits.
+    Running,
+    /// Holding blocks but not scheduled: no block was free for its next tokens.
+    Paused,
+}
+
+#[derive(Debug)]
+pub struct Request {
+    pub id: u64,
+    /// Slot in the scheduler's table; also the sequence id in the cache manager.
+    pub slot: u32,
+    pub phase: Phase,
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    pub orig_prompt_len: usize,
+    pub computed: usize,
+    /// Chained hashes of the full blocks of `tokens[..prompt_len]`.
+    pub hashes: Vec<BlockHash>,
+    /// Cached KV blocks found at the latest admission (where this prompt leaves the cache).
+    pub kv_match: usize,
+    /// Prompt tokens skipped thanks to the prefix cache at the first admission.
+    pub cached_tokens: usize,
+    pub admitted_once: bool,
+    pub params: SamplingParams,
+    pub max_tokens: usize,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    pub seed: u64,
+    pub preemptions: u32,
+    pub events: UnboundedSender<EngineEvent>,
+}
+
+impl Request {
+    pub fn new(req: GenerateRequest, slot: u32, events: UnboundedSender<EngineEvent>) -> Self {
+        let seed = req.params.seed.unwrap_or_else(|| derive_seed(req.id));
+        let prompt_len = req.prompt.len();
+        Self {
+            id: req.id,
+            slot,
+            phase: Phase::Waiting,
+            tokens: req.prompt,
+            prompt_len,
+            orig_prompt_len: prompt_len,
+            computed: 0,
+            hashes: Vec::new(),
+            kv_match: 0,
+            cached_tokens: 0,
+            admitted_once: false,
+            params: req.params,
+            max_tokens: req.max_tokens as usize,
+            stop_token_ids: req.stop_token_ids,
+            ignore_eos: req.ignore_eos,
+            seed,
+            preemptions: 0,
+            events,
+        }
+    }
+
+    pub fn generated(&self) -> usize {
+        self.tokens.len() - self.orig_prompt_len
+    }
+
+    pub fn output(&self) -> &[u32] {
+        &self.tokens[self.orig_prompt_len..]
+    }
+
+    pub fn is_prefill(&self) -> bool {
+        self.computed < self.prompt_len
+    }
+}
+
+/// A request's default sampling seed (reproducible per request id).
+pub fn derive_seed(id: u64) -> u64 {
+    let mut z = id.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}

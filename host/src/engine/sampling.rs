@@ -1,0 +1,230 @@
+//! The engine's sampling stage: logits rows → one token per request.
+//!
+//! Per row: apply repetition / presence / frequency penalties from the request's token history,
+//! take the top-K candidates (K from `engine.sampler_candidates`, the whole vocabulary if
+//! smaller; best first, ties to the lower token id), hand all rows to the [`Sampler`] policy as
+//! one [`SamplerBatch`] of columns, and validate its answer: every chosen token must be one of
+//! its row's candidates, otherwise the built-in fallback sampler decides (and, should that
+//! fail too, the best candidate). Logprobs are log-softmax over the full penalised row; the
+//! top-N alternatives come from the candidates (N ≤ K).
+//!
+//! It owns no request state and knows nothing of caches or scheduling.
+
+use super::api::{SamplingParams, TokenLogprob};
+use super::executor::Logits;
+use crate::policy::{Decision, Sampler, SamplerBatch};
+
+/// What the stage needs to know about the request behind one logits row.
+pub struct RowInfo<'a> {
+    pub params: &'a SamplingParams,
+    pub prompt: &'a [u32],
+    pub output: &'a [u32],
+    pub seed: u64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampled {
+    pub token: u32,
+    pub logprob: Option<TokenLogprob>,
+}
+
+/// The native greedy policy: the best candidate of every row.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct GreedySampler;
+
+impl Sampler for GreedySampler {
+    fn sample(&mut self, batch: &SamplerBatch) -> Decision<Vec<u32>> {
+        let k = batch.k as usize;
+        Decision::Use((0..batch.len()).map(|i| batch.cand_tokens[i * k]).collect())
+    }
+}
+
+pub struct SamplingStage {
+    k: usize,
+    batch: SamplerBatch,
+    lse: Vec<f32>,
+    scratch: Vec<u32>,
+    cand: Vec<(f32, u32)>,
+    /// Answers rejected (invalid or `UseDefault`) from the configured sampler.
+    pub fallbacks: u64,
+}
+
+impl SamplingStage {
+    pub fn new(k: usize) -> Self {
+        Self {
+            k: k.max(1),
+            batch: SamplerBatch::default(),
+            lse: Vec::new(),
+            scratch: Vec::new(),
+            cand: Vec::new(),
+            fallbacks: 0,
+        }
+    }
+
+    /// Samples one token per row of `logits` (rows are modified by the penalties).
+    pub fn sample(
+        &mut self,
+        logits: &mut Logits,
+        rows: &[RowInfo<'_>],
+        sampler: &mut dyn Sampler,
+        fallback: &mut dyn Sampler,
+        out: &mut Vec<Sampled>,
+    ) {
+        out.clear();
+        let k = self.k.min(logits.vocab).max(1);
+        self.reset_batch(k);
+        self.lse.clear();
+        for (i, info) in rows.iter().enumerate() {
+            let row = logits.row_mut(i);
+            self.apply_penalties(row, info);
+            self.top_k(row, k);
+            let p = info.params;
+            self.batch.temperature.push(p.temperature);
+            self.batch.top_k.push(p.top_k);
+            self.batch.top_p.push(p.top_p);
+            self.batch.min_p.push(p.min_p);
+            self.batch.seed.push(info.seed);
+            self.batch.counter.push(info.output.len() as u64);
+            self.lse.push(if p.logprobs.is_some() {
+                log_sum_exp(row)
+            } else {
+                0.0
+            });
+        }
+        let chosen = match self.validated(sampler.sample(&self.batch)) {
+            Some(v) => v,
+            None => {
+                self.fallbacks += 1;
+                tracing::debug!("sampler answer rejected; using the fallback sampler");
+                self.validated(fallback.sample(&self.batch))
+                    .unwrap_or_else(|| {
+                        (0..rows.len())
+                            .map(|i| self.batch.cand_tokens[i * k])
+                            .collect()
+                    })
+            }
+        };
+        for (i, (&token, info)) in chosen.iter().zip(rows).enumerate() {
+            let logprob = info.params.logprobs.map(|n| {
+                let lse = self.lse[i];
+                let top = (0..(n as usize).min(k))
+                    .map(|j| {
+                        (
+                            self.batch.cand_tokens[i * k + j],
+                            self.batch.cand_logits[i * k + j] - lse,
+                        )
+                    })
+                    .collect();
+                TokenLogprob {
+                    token,
+                    logprob: logits.row(i)[token as usize] - lse,
+                    top,
+                }
+            });
+            out.push(Sampled { token, logprob });
+        }
+    }
+
+    fn reset_batch(&mut self, k: usize) {
+        let b = &mut self.batch;
+        b.k = k as u32;
+        b.temperature.clear();
+        b.top_k.clear();
+        b.top_p.clear();
+        b.min_p.clear();
+        b.seed.clear();
+        b.counter.clear();
+        b.cand_tokens.clear();
+        b.cand_logits.clear();
+    }
+
+    /// Checks a policy answer: one token per row, each among its row's candidates.
+    fn validated(&self, d: Decision<Vec<u32>>) -> Option<Vec<u32>> {
+        let Decision::Use(v) = d else { return None };
+        let k = self.batch.k as usize;
+        let ok = v.len() == self.batch.len()
+            && v.iter()
+                .enumerate()
+                .all(|(i, t)| self.batch.cand_tokens[i * k..(i + 1) * k].contains(t));
+        ok.then_some(v)
+    }
+
+    fn apply_penalties(&mut self, row: &mut [f32], info: &RowInfo<'_>) {
+        let p = info.params;
+        let vocab = row.len();
+        if p.repetition_penalty != 1.0 && p.repetition_penalty > 0.0 {
+            self.scratch.clear();
+            self.scratch.extend(info.prompt.iter().chain(info.output));
+            self.scratch.sort_unstable();
+            self.scratch.dedup();
+            for &t in &self.scratch {
+                if let Some(x) = row.get_mut(t as usize) {
+                    *x = if *x > 0.0 {
+                        *x / p.repetition_penalty
+                    } else {
+                        *x * p.repetition_penalty
+                    };
+                }
+            }
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            self.scratch.clear();
+            self.scratch
+                .extend(info.output.iter().filter(|&&t| (t as usize) < vocab));
+            self.scratch.sort_unstable();
+            for run in self.scratch.chunk_by(|a, b| a == b) {
+                let x = &mut row[run[0] as usize];
+                *x -= p.frequency_penalty * run.len() as f32 + p.presence_penalty;
+            }
+        }
+    }
+
+    /// Appends the `k` best (logit, token) of `row` to the batch, best first.
+    fn top_k(&mut self, row: &[f32], k: usize) {
+        let better = |a: &(f32, u32), b: &(f32, u32)| a.0 > b.0 || (a.0 == b.0 && a.1 < b.1);
+        self.cand.clear();
+        let mut worst = 0;
+        for (t, &x) in row.iter().enumerate() {
+            let x = if x.is_nan() { f32::NEG_INFINITY } else { x };
+            let c = (x, t as u32);
+            if self.cand.len() < k {
+                self.cand.push(c);
+                if self.cand.len() == k {
+                    worst = argworst(&self.cand, better);
+                }
+            } else if better(&c, &self.cand[worst]) {
+                self.cand[worst] = c;
+                worst = argworst(&self.cand, better);
+            }
+        }
+        self.cand
+            .sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        for &(x, t) in &self.cand {
+            self.batch.cand_tokens.push(t);
+            self.batch.cand_logits.push(x);
+        }
+    }
+}
+
+fn argworst(c: &[(f32, u32)], better: impl Fn(&(f32, u32), &(f32, u32)) -> bool) -> usize {
+    let mut w = 0;
+    for i in 1..c.len() {
+        if better(&c[w], &c[i]) {
+            w = i;
+        }
+    }
+    w
+}
+
+fn log_sum_exp(row: &[f32]) -> f32 {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if !max.is_finite() {
+        return max;
+    }
+    let sum: f32 = row.iter().map(|&x| (x - max).exp()).sum();
+    max + sum.ln()
+}
+
+#[cfg(test)]
+#[path = "sampling_tests.rs"]
+mod tests;

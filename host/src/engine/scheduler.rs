@@ -1,0 +1,490 @@
+//! The scheduler: which requests run this step and how many tokens each (continuous batching
+//! with chunked prefill, one code path for prefill and decode).
+//!
+//! Each step, under a token budget and a running-request budget:
+//! 1. running requests get their tokens: decodes first (one token each), then prefill chunks,
+//!    oldest first; a request whose next tokens need a block that cannot be had is *paused*
+//!    (keeps its blocks, skips the step); a paused request *resumes* as soon as its block can
+//!    be had;
+//! 2. if paused requests exist and nothing at all could run, the newest paused request is
+//!    *evicted*: its blocks are released and it goes to the front of the queue to be
+//!    recomputed (prompt + generated tokens, re-hashed);
+//! 3. only when nothing is paused, waiting requests are admitted in order; a request whose next
+//!    uncached prompt block is being computed by another request this step waits one step so it
+//!    hits the cache instead (the others go ahead); a request that can never fit fails.
+//!
+//! Chunk rules: a non-final prefill chunk ends on a block boundary and leaves at least 2
+//! prompt tokens, so no 1-token prefill chunk exists; only the first chunk of a request may
+//! skip tokens (by the cache manager's match), never a continuation chunk.
+//!
+//! The output is plain data ([`SchedulerOutput`]); `schedule` and `update_from_output` run
+//! without a model. The scheduler never touches block ids or device memory.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+
+use super::config::EngineConfig;
+use super::request::{Phase, Request};
+use crate::cache::{BlockHash, CacheManager, HashSeed, SsmInit};
+use crate::model::SsmSnapshot;
+
+/// One request's share of a step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScheduledSeq {
+    pub slot: u32,
+    /// Tokens of the request already in the cache (= start of this chunk).
+    pub start: usize,
+    pub len: usize,
+    /// The chunk reaches the end of the known tokens: sample from its last logits.
+    pub want_logits: bool,
+    pub snapshots: Vec<SsmSnapshot>,
+}
+
+/// A request leaving the scheduler because it can never run.
+#[derive(Debug)]
+pub struct Rejected {
+    pub request: Request,
+    pub kind: &'static str,
+    pub message: String,
+}
+
+/// The plan for one step.
+#[derive(Debug, Default)]
+pub struct SchedulerOutput {
+    pub step: u64,
+    pub seqs: Vec<ScheduledSeq>,
+    pub num_tokens: usize,
+    /// SSM-state setup of newly admitted requests, to run before the forward pass.
+    pub ssm_init: Vec<SsmInit>,
+    pub admitted: Vec<u64>,
+    pub resumed: Vec<u64>,
+    pub paused: Vec<u64>,
+    pub evicted: Vec<u64>,
+    /// Requests that waited a step for a prefix another request is computing.
+    pub deferred: Vec<u64>,
+}
+
+impl SchedulerOutput {
+    fn clear(&mut self) {
+        self.seqs.clear();
+        self.num_tokens = 0;
+        self.ssm_init.clear();
+        self.admitted.clear();
+        self.resumed.clear();
+        self.paused.clear();
+        self.evicted.clear();
+        self.deferred.clear();
+    }
+    pub fn is_empty(&self) -> bool {
+        self.seqs.is_empty()
+    }
+}
+
+/// Why a sampled token ended a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    Stop,
+    Length,
+}
+
+pub struct Scheduler {
+    cfg: EngineConfig,
+    block_size: usize,
+    seed: HashSeed,
+    slots: Vec<Option<Request>>,
+    free_slots: Vec<u32>,
+    by_id: HashMap<u64, u32>,
+    waiting: VecDeque<u32>,
+    /// Running and paused requests in admission order.
+    running: Vec<u32>,
+    num_paused: usize,
+    step: u64,
+    pending: HashSet<BlockHash, crate::cache::hash::DigestBuildHasher>,
+    out: SchedulerOutput,
+    rejected: Vec<Rejected>,
+    pub preemptions: u64,
+    pub prefix_waits: u64,
+}
+
+impl Scheduler {
+    pub fn new(cfg: EngineConfig, block_size: usize, seed: HashSeed) -> Self {
+        Self {
+            cfg,
+            block_size,
+            seed,
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            by_id: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            num_paused: 0,
+            step: 0,
+            pending: HashSet::default(),
+            out: SchedulerOutput::default(),
+            rejected: Vec::new(),
+            preemptions: 0,
+            prefix_waits: 0,
+        }
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+    pub fn num_running(&self) -> usize {
+        self.running.len() - self.num_paused
+    }
+    pub fn num_paused(&self) -> usize {
+        self.num_paused
+    }
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty()
+    }
+    pub fn contains(&self, id: u64) -> bool {
+        self.by_id.contains_key(&id)
+    }
+    pub fn request(&self, slot: u32) -> Option<&Request> {
+        self.slots.get(slot as usize).and_then(Option::as_ref)
+    }
+    pub fn request_mut(&mut self, slot: u32) -> Option<&mut Request> {
+        self.slots.get_mut(slot as usize).and_then(Option::as_mut)
+    }
+    /// Requests rejected by the latest `schedule` (they hold no cache state).
+    pub fn take_rejected(&mut self) -> Vec<Rejected> {
+        std::mem::take(&mut self.rejected)
+    }
+
+    /// Queues a request built by `make` for a fresh slot (the slot becomes its sequence id).
+    pub fn add(&mut self, make: impl FnOnce(u32) -> Request) {
+        let slot = self.free_slots.pop().unwrap_or_else(|| {
+            self.slots.push(None);
+            (self.slots.len() - 1) as u32
+        });
+        let mut r = make(slot);
+        r.slot = slot;
+        r.phase = Phase::Waiting;
+        self.by_id.insert(r.id, slot);
+        self.slots[slot as usize] = Some(r);
+        self.waiting.push_back(slot);
+    }
+
+    /// Removes a request wherever it is, releasing its cache state at once.
+    pub fn remove(&mut self, id: u64, cache: &mut CacheManager) -> Option<Request> {
+        let slot = self.by_id.remove(&id)?;
+        let r = self.slots.get_mut(slot as usize)?.take()?;
+        match r.phase {
+            Phase::Waiting => self.waiting.retain(|&s| s != slot),
+            Phase::Running | Phase::Paused => {
+                if r.phase == Phase::Paused {
+                    self.num_paused -= 1;
+                }
+                self.running.retain(|&s| s != slot);
+                if let Err(e) = cache.release(slot) {
+                    tracing::error!(request = id, error = %e, "releasing cache state failed");
+                }
+            }
+        }
+        self.free_slots.push(slot);
+        Some(r)
+    }
+
+    /// Ids of every request, in no particular order.
+    pub fn ids(&self) -> Vec<u64> {
+        self.by_id.keys().copied().collect()
+    }
+
+    /// Plans one step.
+    pub fn schedule(&mut self, cache: &mut CacheManager) -> &SchedulerOutput {
+        self.step += 1;
+        cache.begin_step(self.step);
+        self.out.clear();
+        self.out.step = self.step;
+        self.pending.clear();
+        let mut budget = self.cfg.max_batched_tokens;
+        loop {
+            self.schedule_running(cache, &mut budget, true);
+            self.schedule_running(cache, &mut budget, false);
+            if !self.out.seqs.is_empty() || self.num_paused == 0 {
+                break;
+            }
+            self.evict_newest_paused(cache);
+        }
+        if self.num_paused == 0 {
+            self.admit_waiting(cache, &mut budget);
+        }
+        self.out.num_tokens = self.cfg.max_batched_tokens - budget;
+        &self.out
+    }
+
+    pub fn output(&self) -> &SchedulerOutput {
+        &self.out
+    }
+
+    /// Length of the next chunk of a prompt with `remaining` tokens left from `ctx`.
+    fn chunk_len(&self, ctx: usize, remaining: usize, budget: usize) -> usize {
+        chunk_len(
+            self.block_size,
+            self.cfg.chunked_prefill,
+            ctx,
+            remaining,
+            budget,
+        )
+    }
+
+    fn schedule_running(&mut self, cache: &mut CacheManager, budget: &mut usize, decodes: bool) {
+        for i in 0..self.running.len() {
+            if *budget == 0 {
+                return;
+            }
+            let slot = self.running[i];
+            let Some(r) = self.slots[slot as usize].as_ref() else {
+                continue;
+            };
+            let (start, total, phase) = (r.computed, r.tokens.len(), r.phase);
+            if r.is_prefill() == decodes {
+                continue;
+            }
+            let n = if decodes {
+                1
+            } else {
+                self.chunk_len(start, r.prompt_len - start, *budget)
+            };
+            if n == 0 {
+                continue;
+            }
+            if cache.grow(slot, start + n).is_err() {
+                if phase == Phase::Running {
+                    self.set_phase(slot, Phase::Paused);
+                    self.out.paused.push(self.id_of(slot));
+                }
+                continue;
+            }
+            if phase == Phase::Paused {
+                self.set_phase(slot, Phase::Running);
+                self.out.resumed.push(self.id_of(slot));
+            }
+            self.push_seq(cache, slot, start, n, start + n == total);
+            *budget -= n;
+        }
+    }
+
+    fn set_phase(&mut self, slot: u32, phase: Phase) {
+        if let Some(r) = self.slots[slot as usize].as_mut() {
+            match (r.phase, phase) {
+                (Phase::Running, Phase::Paused) => self.num_paused += 1,
+                (Phase::Paused, Phase::Running | Phase::Waiting) => self.num_paused -= 1,
+                _ => {}
+            }
+            r.phase = phase;
+        }
+    }
+
+    fn id_of(&self, slot: u32) -> u64 {
+        self.request(slot).map_or(u64::MAX, |r| r.id)
+    }
+
+    /// Adds a chunk to the output, with SSM snapshot points and the hashes it will complete.
+    fn push_seq(
+        &mut self,
+        cache: &mut CacheManager,
+        slot: u32,
+        start: usize,
+        n: usize,
+        last: bool,
+    ) {
+        let mut snapshots = Vec::new();
+        if let Some(r) = self.slots[slot as usize].as_ref() {
+            if start < r.prompt_len {
+                cache.plan_snapshots(
+                    slot,
+                    &r.hashes,
+                    r.prompt_len,
+                    r.kv_match,
+                    start,
+                    n,
+                    &mut snapshots,
+                );
+                let bs = self.block_size;
+                let end = ((start + n) / bs).min(r.hashes.len());
+                for &h in &r.hashes[(start / bs).min(end)..end] {
+                    if !cache.is_cached(h) {
+                        self.pending.insert(h);
+                    }
+                }
+            }
+        }
+        self.out.seqs.push(ScheduledSeq {
+            slot,
+            start,
+            len: n,
+            want_logits: last,
+            snapshots,
+        });
+    }
+
+    fn evict_newest_paused(&mut self, cache: &mut CacheManager) {
+        let Some(pos) = self
+            .running
+            .iter()
+            .rposition(|&s| self.request(s).is_some_and(|r| r.phase == Phase::Paused))
+        else {
+            return;
+        };
+        let slot = self.running.remove(pos);
+        self.set_phase(slot, Phase::Waiting);
+        if let Err(e) = cache.release(slot) {
+            tracing::error!(slot, error = %e, "releasing an evicted request failed");
+        }
+        let seed = self.seed;
+        let bs = self.block_size;
+        if let Some(r) = self.slots[slot as usize].as_mut() {
+            r.prompt_len = r.tokens.len();
+            r.computed = 0;
+            r.preemptions += 1;
+            seed.extend(&mut r.hashes, &r.tokens, bs);
+            self.out.evicted.push(r.id);
+        }
+        self.preemptions += 1;
+        self.waiting.push_front(slot);
+    }
+
+    fn reject(&mut self, i: usize, kind: &'static str, message: String) {
+        if let Some(slot) = self.waiting.remove(i) {
+            if let Some(r) = self.slots[slot as usize].take() {
+                self.by_id.remove(&r.id);
+                self.rejected.push(Rejected {
+                    request: r,
+                    kind,
+                    message,
+                });
+            }
+            self.free_slots.push(slot);
+        }
+    }
+
+    fn admit_waiting(&mut self, cache: &mut CacheManager, budget: &mut usize) {
+        let bs = self.block_size;
+        let mut i = 0;
+        while i < self.waiting.len() && *budget > 0 && self.running.len() < self.cfg.max_running {
+            let slot = self.waiting[i];
+            let Some(r) = self.slots[slot as usize].as_mut() else {
+                self.waiting.remove(i);
+                continue;
+            };
+            let prompt_len = r.prompt_len;
+            if prompt_len.div_ceil(bs) > cache.total_blocks() {
+                let msg = format!(
+                    "the prompt needs {} KV blocks but the cache holds {}: raise cache.memory_budget or shorten the prompt",
+                    prompt_len.div_ceil(bs),
+                    cache.total_blocks()
+                );
+                self.reject(i, "prompt_too_long", msg);
+                continue;
+            }
+            if !self.cfg.chunked_prefill && prompt_len > self.cfg.max_batched_tokens {
+                let msg = format!(
+                    "the prompt has {prompt_len} tokens but engine.max_batched_tokens is {} and chunked prefill is off",
+                    self.cfg.max_batched_tokens
+                );
+                self.reject(i, "prompt_too_long", msg);
+                continue;
+            }
+            if r.hashes.len() < prompt_len / bs {
+                self.seed.extend(&mut r.hashes, &r.tokens[..prompt_len], bs);
+            }
+            let m = cache.match_prefix(&r.hashes, prompt_len);
+            if cache.prefix_caching()
+                && r.hashes
+                    .get(m.kv_blocks)
+                    .is_some_and(|h| self.pending.contains(h))
+            {
+                self.out.deferred.push(r.id);
+                self.prefix_waits += 1;
+                i += 1;
+                continue;
+            }
+            let ctx = m.skip_blocks * bs;
+            let n = chunk_len(bs, self.cfg.chunked_prefill, ctx, prompt_len - ctx, *budget);
+            if n == 0 || !cache.can_admit(&r.hashes, m, ctx + n) {
+                break;
+            }
+            let init = match cache.admit(slot, &r.hashes, m, ctx + n) {
+                Ok(init) => init,
+                Err(e) => {
+                    self.reject(i, "cache_error", e.to_string());
+                    continue;
+                }
+            };
+            r.computed = ctx;
+            r.kv_match = m.kv_blocks;
+            if !r.admitted_once {
+                r.admitted_once = true;
+                r.cached_tokens = ctx;
+            }
+            r.phase = Phase::Running;
+            self.out.admitted.push(r.id);
+            let last = ctx + n == r.tokens.len();
+            self.out.ssm_init.push(init);
+            self.waiting.remove(i);
+            self.running.push(slot);
+            self.push_seq(cache, slot, ctx, n, last);
+            *budget -= n;
+        }
+    }
+
+    /// Applies a successful step: advances every scheduled request, offers completed prompt
+    /// blocks and snapshots to the cache, and appends the sampled tokens (`sampled[i]` for the
+    /// i-th sequence with `want_logits`). Returns the requests that stopped, with the reason.
+    pub fn update_from_output(
+        &mut self,
+        cache: &mut CacheManager,
+        sampled: &[u32],
+        eos: &[u32],
+        finished: &mut Vec<(u32, StopReason)>,
+    ) {
+        for s in &self.out.seqs {
+            if let Some(r) = self.slots[s.slot as usize].as_mut() {
+                r.computed = s.start + s.len;
+                cache.commit_seq(s.slot, &r.hashes, r.computed.min(r.prompt_len));
+            }
+        }
+        cache.commit_step();
+        let mut row = 0;
+        for s in &self.out.seqs {
+            if !s.want_logits {
+                continue;
+            }
+            let Some(&tok) = sampled.get(row) else { break };
+            row += 1;
+            let Some(r) = self.slots[s.slot as usize].as_mut() else {
+                continue;
+            };
+            r.tokens.push(tok);
+            let stop = r.stop_token_ids.contains(&tok) || (!r.ignore_eos && eos.contains(&tok));
+            if stop {
+                finished.push((s.slot, StopReason::Stop));
+            } else if r.generated() >= r.max_tokens {
+                finished.push((s.slot, StopReason::Length));
+            }
+        }
+    }
+}
+
+/// Length of the next prefill chunk from `ctx` with `remaining` prompt tokens left and
+/// `budget` tokens available (0: not this step).
+fn chunk_len(bs: usize, chunked: bool, ctx: usize, remaining: usize, budget: usize) -> usize {
+    if remaining <= budget {
+        return remaining;
+    }
+    if !chunked {
+        return 0;
+    }
+
+    let mut end = (ctx + budget) / bs * bs;
+    while end > ctx && ctx + remaining - end < 2 {
+        end -= bs;
+    }
+    end.saturating_sub(ctx)
+}
+
+#[cfg(test)]
+#[path = "scheduler_tests.rs"]
+mod tests;

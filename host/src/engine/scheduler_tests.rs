@@ -1,0 +1,209 @@
+use tokio::sync::mpsc::unbounded_channel;
+
+use super::*;
+use crate::cache::CacheLayout;
+use crate::engine::api::{GenerateRequest, SamplingParams};
+
+const BS: usize = 4;
+
+fn setup(blocks: usize, budget: usize, chunked: bool) -> (Scheduler, CacheManager) {
+    let cfg = EngineConfig {
+        max_batched_tokens: budget,
+        max_running: 8,
+        chunked_prefill: chunked,
+        ..Default::default()
+    };
+    let layout = CacheLayout {
+        block_size: BS,
+        num_blocks: blocks,
+        live_slots: 0,
+        durable_slots: 0,
+        kv_bytes: 0,
+        ssm_bytes: 0,
+    };
+    (
+        Scheduler::new(cfg, BS, HashSeed::new("t")),
+        CacheManager::new(&layout, true, false, None),
+    )
+}
+
+fn add(s: &mut Scheduler, id: u64, prompt: Vec<u32>, max_tokens: u32) {
+    let (tx, _rx) = unbounded_channel();
+    let req = GenerateRequest {
+        id,
+        prompt,
+        params: SamplingParams::default(),
+        max_tokens,
+        stop_token_ids: vec![],
+        ignore_eos: true,
+        prompt_logprobs: false,
+    };
+    s.add(|slot| Request::new(req, slot, tx));
+}
+
+/// (request id, start, len) of each scheduled chunk.
+fn plan(s: &mut Scheduler, c: &mut CacheManager) -> Vec<(u64, usize, usize)> {
+    let out = s.schedule(c);
+    let seqs = out.seqs.clone();
+    seqs.iter()
+        .map(|q| (s.request(q.slot).unwrap().id, q.start, q.len))
+        .collect()
+}
+
+/// Completes the step, sampling token 7 for every row.
+fn finish_step(s: &mut Scheduler, c: &mut CacheManager) -> Vec<(u32, StopReason)> {
+    let rows = s.output().seqs.iter().filter(|q| q.want_logits).count();
+    let mut fin = Vec::new();
+    s.update_from_output(c, &vec![7; rows], &[], &mut fin);
+    fin
+}
+
+#[test]
+fn chunks_end_on_block_boundaries_and_never_leave_one_token() {
+    let (mut s, mut c) = setup(64, 10, true);
+    add(&mut s, 1, (0..21).collect(), 4);
+    // Budget 10 → first chunk ends at 8 (block boundary).
+    assert_eq!(plan(&mut s, &mut c), vec![(1, 0, 8)]);
+    finish_step(&mut s, &mut c);
+    assert_eq!(plan(&mut s, &mut c), vec![(1, 8, 8)]);
+    finish_step(&mut s, &mut c);
+    // 5 left, all fit: the final chunk.
+    assert_eq!(plan(&mut s, &mut c), vec![(1, 16, 5)]);
+    finish_step(&mut s, &mut c);
+    assert_eq!(plan(&mut s, &mut c), vec![(1, 21, 1)], "then decode");
+    // 17 tokens with budget 16: 16 would leave 1, so the chunk backs off to 12.
+    let (mut s, mut c) = setup(64, 16, true);
+    add(&mut s, 2, (100..117).collect(), 4);
+    assert_eq!(plan(&mut s, &mut c), vec![(2, 0, 12)]);
+    finish_step(&mut s, &mut c);
+    assert_eq!(plan(&mut s, &mut c), vec![(2, 12, 5)]);
+}
+
+#[test]
+fn decodes_and_prefill_chunks_share_a_step() {
+    let (mut s, mut c) = setup(64, 12, true);
+    add(&mut s, 1, vec![1, 2, 3], 8);
+    assert_eq!(plan(&mut s, &mut c), vec![(1, 0, 3)]);
+    finish_step(&mut s, &mut c);
+    add(&mut s, 2, (10..40).collect(), 8);
+    // Decode of 1 first, then 11 tokens of budget: chunk to the boundary at 8.
+    assert_eq!(plan(&mut s, &mut c), vec![(1, 3, 1), (2, 0, 8)]);
+}
+
+#[test]
+fn without_chunking_a_prompt_runs_whole_or_waits() {
+    let (mut s, mut c) = setup(64, 12, false);
+    add(&mut s, 1, (0..10).collect(), 8);
+    add(&mut s, 2, (50..58).collect(), 8);
+    assert_eq!(plan(&mut s, &mut c), vec![(1, 0, 10)]);
+    finish_step(&mut s, &mut c);
+    assert_eq!(plan(&mut s, &mut c), vec![(1, 10, 1), (2, 0, 8)]);
+    add(&mut s, 3, (0..13).collect(), 8);
+    finish_step(&mut s, &mut c);
+    s.schedule(&mut c);
+    let rej = s.take_rejected();
+    assert_eq!(rej.len(), 1);
+    assert_eq!(rej[0].kind, "prompt_too_long");
+}
+
+#[test]
+fn same_step_shared_prefix_waits_one_step_then_hits() {
+    let (mut s, mut c) = setup(64, 64, true);
+    let shared: Vec<u32> = (0..12).collect();
+    add(&mut s, 1, [shared.clone(), vec![90, 91]].concat(), 4);
+    add(&mut s, 2, [shared.clone(), vec![80, 81, 82]].concat(), 4);
+    add(&mut s, 3, vec![5, 5, 5, 5, 5, 5], 4);
+    // 2 shares 1's uncached prefix: it waits; 3 is unrelated and goes ahead.
+    assert_eq!(plan(&mut s, &mut c), vec![(1, 0, 14), (3, 0, 6)]);
+    assert_eq!(s.output().deferred, vec![2]);
+    finish_step(&mut s, &mut c);
+    let p = plan(&mut s, &mut c);
+    assert!(
+        p.contains(&(2, 12, 3)),
+        "{p:?}: request 2 skips the 12 cached tokens"
+    );
+    assert_eq!(
+        s.request(s.output().seqs[2].slot).unwrap().cached_tokens,
+        12
+    );
+}
+
+#[test]
+fn pause_then_evict_to_front_when_nothing_can_run() {
+    // 4 blocks of 4 tokens. Two requests of 7 tokens take 2 blocks each.
+    let (mut s, mut c) = setup(4, 32, true);
+    add(&mut s, 1, (0..7).collect(), 20);
+    add(&mut s, 2, (10..17).collect(), 20);
+    assert_eq!(plan(&mut s, &mut c).len(), 2);
+    finish_step(&mut s, &mut c);
+    // Both decode the 8th token into their second block: no new block needed.
+    assert_eq!(plan(&mut s, &mut c), vec![(1, 7, 1), (2, 7, 1)]);
+    finish_step(&mut s, &mut c);
+    // Now each needs a third block; none is free: both pause, the newest (2) is evicted and
+    // its blocks let 1 resume in the same step.
+    assert_eq!(plan(&mut s, &mut c), vec![(1, 8, 1)]);
+    let out = s.output();
+    assert_eq!(out.evicted, vec![2]);
+    assert_eq!(out.resumed, vec![1]);
+    assert_eq!(s.num_waiting(), 1);
+    assert_eq!(s.preemptions, 1);
+    finish_step(&mut s, &mut c);
+    // While 1 runs, 2 waits at the queue front; its prompt is now 9 tokens (7 + 2 generated).
+    let slot2 = s.waiting[0];
+    assert_eq!(s.request(slot2).unwrap().prompt_len, 9);
+    assert_eq!(s.request(slot2).unwrap().hashes.len(), 2);
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn prompt_larger_than_the_cache_fails_clearly() {
+    let (mut s, mut c) = setup(4, 64, true);
+    add(&mut s, 1, (0..17).collect(), 2);
+    assert!(plan(&mut s, &mut c).is_empty());
+    let rej = s.take_rejected();
+    assert_eq!(rej[0].kind, "prompt_too_long");
+    assert!(
+        rej[0].message.contains("cache holds 4"),
+        "{}",
+        rej[0].message
+    );
+    assert!(s.is_idle());
+}
+
+#[test]
+fn removing_a_request_releases_every_block() {
+    let (mut s, mut c) = setup(16, 64, true);
+    add(&mut s, 1, (0..30).collect(), 5);
+    plan(&mut s, &mut c);
+    finish_step(&mut s, &mut c);
+    assert!(c.available_blocks() < 16);
+    let r = s.remove(1, &mut c).unwrap();
+    assert_eq!(r.id, 1);
+    assert_eq!(c.available_blocks(), 16);
+    assert!(s.is_idle());
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn max_tokens_and_stop_tokens_finish() {
+    let (mut s, mut c) = setup(16, 64, true);
+    add(&mut s, 1, vec![1, 2, 3], 2);
+    plan(&mut s, &mut c);
+    assert!(finish_step(&mut s, &mut c).is_empty());
+    plan(&mut s, &mut c);
+    assert_eq!(finish_step(&mut s, &mut c), vec![(0, StopReason::Length)]);
+    let (tx, _rx) = unbounded_channel();
+    let req = GenerateRequest {
+        id: 9,
+        prompt: vec![4, 5],
+        params: SamplingParams::default(),
+        max_tokens: 10,
+        stop_token_ids: vec![7],
+        ignore_eos: true,
+        prompt_logprobs: false,
+    };
+    s.add(|slot| Request::new(req, slot, tx));
+    plan(&mut s, &mut c);
+    let fin = finish_step(&mut s, &mut c);
+    assert!(fin.iter().any(|&(_, r)| r == StopReason::Stop));
+}

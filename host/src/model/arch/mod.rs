@@ -1,0 +1,170 @@
+//! One small file per architecture: which shared layers, in which order, under which names.
+
+mod bamba;
+mod llama;
+mod mamba2;
+mod nemotron_h;
+
+use super::config::HfConfig;
+use super::layers::mamba2::Mamba2Spec;
+use super::layers::{Linear, Loader, RmsNorm, Sublayer};
+use super::weights::WeightStore;
+use super::{CacheSpec, Model, ModelError, ModelInfo};
+use crate::backend::{Backend, SsmShape};
+
+/// `architectures` values this build can load.
+pub const SUPPORTED: &[&str] = &[
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Mamba2ForCausalLM",
+    "NemotronHForCausalLM",
+    "BambaForCausalLM",
+];
+
+pub fn build<B: Backend>(
+    config: &HfConfig,
+    store: &WeightStore,
+    backend: &B,
+) -> Result<Model<B>, ModelError> {
+    let arch = config.architecture()?;
+    let l = Loader { store, backend };
+    match arch.as_str() {
+        "LlamaForCausalLM" | "MistralForCausalLM" => llama::build(config, &l),
+        "Mamba2ForCausalLM" => mamba2::build(config, &l),
+        "NemotronHForCausalLM" => nemotron_h::build(config, &l),
+        "BambaForCausalLM" => bamba::build(config, &l),
+        _ => Err(ModelError::UnsupportedArchitecture(arch)),
+    }
+}
+
+/// The first of several alternative keys that is present (configs rename keys across
+/// versions), as a usize.
+pub(super) fn usize_any(
+    c: &HfConfig,
+    keys: &[&str],
+    default: Option<usize>,
+) -> Result<usize, ModelError> {
+    for k in keys {
+        if let Some(v) = c.opt_usize(k)? {
+            return Ok(v);
+        }
+    }
+    default.ok_or_else(|| c.error(format!("missing required key `{}`", keys[0])))
+}
+
+pub(super) fn bool_any(c: &HfConfig, keys: &[&str], default: bool) -> Result<bool, ModelError> {
+    for k in keys {
+        if c.get(k).is_some() {
+            return c.bool_or(k, default);
+        }
+    }
+    Ok(default)
+}
+
+/// The SSM shape of a Mamba2 mixer from config values.
+pub(super) fn ssm_shape(
+    c: &HfConfig,
+    heads: usize,
+    head_dim: usize,
+    groups: usize,
+    state: usize,
+    chunk: usize,
+) -> Result<SsmShape, ModelError> {
+    let (lo, hi) = c.f64_pair_or("time_step_limit", (0.0, f64::INFINITY))?;
+    if heads == 0 || head_dim == 0 || groups == 0 || heads % groups != 0 || chunk == 0 {
+        return Err(c.error(format!(
+            "invalid Mamba2 shape: {heads} heads × {head_dim}, {groups} groups, chunk {chunk}"
+        )));
+    }
+    Ok(SsmShape {
+        heads,
+        head_dim,
+        groups,
+        state_size: state,
+        chunk_size: chunk,
+        dt_min: lo as f32,
+        dt_max: hi as f32,
+    })
+}
+
+/// The parts every architecture ends with.
+pub(super) struct Assembly<B: Backend> {
+    pub arch: String,
+    pub vocab: usize,
+    pub hidden: usize,
+    pub max_positions: usize,
+    pub embed: B::Tensor,
+    pub layers: Vec<Sublayer<B>>,
+    pub final_norm: RmsNorm<B>,
+    pub tie: bool,
+    pub lm_head_name: &'static str,
+    /// KV heads and head dim of the attention layers (0 if none).
+    pub kv: (usize, usize),
+    pub attn_layers: usize,
+    pub mamba: Option<Mamba2Spec>,
+    pub ssm_layers: usize,
+}
+
+impl<B: Backend> Assembly<B> {
+    pub fn finish(self, c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, ModelError> {
+        let lm_head = if self.tie && !l.store.has(self.lm_head_name) {
+            None
+        } else if !self.tie || l.store.has(self.lm_head_name) {
+            match l.store.has(self.lm_head_name) {
+                true => Some(Linear {
+                    w: l.tensor(self.lm_head_name, &[self.vocab, self.hidden])?,
+                    b: None,
+                }),
+                false => {
+                    return Err(ModelError::MissingTensor {
+                        tensor: self.lm_head_name.to_string(),
+                        files: format!(
+                            "{} (tie_word_embeddings is false)",
+                            c.path
+                                .parent()
+                                .map(|p| p.display().to_string())
+                                .unwrap_or_default()
+                        ),
+                    });
+                }
+            }
+        } else {
+            None
+        };
+        let (conv_shape, ssm_shape, conv_elems, ssm_elems) = match &self.mamba {
+            Some(m) => (
+                (m.conv_dim(), m.conv_kernel - 1),
+                (m.shape.heads, m.shape.head_dim, m.shape.state_size),
+                m.conv_state_elems(),
+                m.shape.state_elems(),
+            ),
+            None => ((0, 0), (0, 0, 0), 0, 0),
+        };
+        let mut eos = c.token_ids("eos_token_id");
+        eos.dedup();
+        Ok(Model {
+            info: ModelInfo {
+                architecture: self.arch,
+                vocab_size: self.vocab,
+                hidden_size: self.hidden,
+                max_position_embeddings: self.max_positions,
+                eos_token_ids: eos,
+                cache: CacheSpec {
+                    attn_layers: self.attn_layers,
+                    kv_heads: self.kv.0,
+                    head_dim: self.kv.1,
+                    ssm_layers: self.ssm_layers,
+                    conv_state_elems: conv_elems,
+                    ssm_state_elems: ssm_elems,
+                    dtype_bytes: 4,
+                },
+            },
+            embed: self.embed,
+            layers: self.layers,
+            final_norm: self.final_norm,
+            lm_head,
+            conv_shape,
+            ssm_shape,
+        })
+    }
+}

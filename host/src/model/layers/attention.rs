@@ -1,0 +1,77 @@
+//! Multi-head attention with grouped KV heads, optional RoPE and a paged KV cache.
+
+use super::{Linear, Loader, StepCtx};
+use crate::backend::{AttnShape, Backend, Rope};
+use crate::model::ModelError;
+
+pub struct Attention<B: Backend> {
+    pub q: Linear<B>,
+    pub k: Linear<B>,
+    pub v: Linear<B>,
+    pub o: Linear<B>,
+    pub shape: AttnShape,
+    /// None for position-free attention (NemotronH).
+    pub rope: Option<Rope>,
+    /// Index of this layer among the model's attention layers (its KV cache).
+    pub cache: usize,
+}
+
+/// What an architecture file states about one attention layer.
+pub struct AttentionSpec {
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub bias: bool,
+    pub out_bias: bool,
+    pub rope: Option<Rope>,
+    pub cache: usize,
+}
+
+impl<B: Backend> Attention<B> {
+    pub fn load(l: &Loader<'_, B>, prefix: &str, s: AttentionSpec) -> Result<Self, ModelError> {
+        if s.heads == 0 || s.kv_heads == 0 || s.heads % s.kv_heads != 0 {
+            return Err(ModelError::Unsupported(format!(
+                "{} attention heads with {} KV heads (must divide evenly)",
+                s.heads, s.kv_heads
+            )));
+        }
+        let (q_out, kv_out) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
+        Ok(Self {
+            q: l.linear(&format!("{prefix}.q_proj"), q_out, s.hidden, s.bias)?,
+            k: l.linear(&format!("{prefix}.k_proj"), kv_out, s.hidden, s.bias)?,
+            v: l.linear(&format!("{prefix}.v_proj"), kv_out, s.hidden, s.bias)?,
+            o: l.linear(&format!("{prefix}.o_proj"), s.hidden, q_out, s.out_bias)?,
+            shape: AttnShape {
+                heads: s.heads,
+                kv_heads: s.kv_heads,
+                head_dim: s.head_dim,
+                scale: (s.head_dim as f32).powf(-0.5),
+            },
+            rope: s.rope,
+            cache: s.cache,
+        })
+    }
+
+    pub fn forward(
+        &self,
+        b: &B,
+        x: &B::Tensor,
+        ctx: &mut StepCtx<'_, B>,
+    ) -> Result<B::Tensor, ModelError> {
+        let mut q = self.q.forward(b, x)?;
+        let mut k = self.k.forward(b, x)?;
+        let v = self.v.forward(b, x)?;
+        let s = self.shape;
+        if let Some(rope) = &self.rope {
+            b.apply_rope(&mut q, s.heads, s.head_dim, rope, ctx.positions)?;
+            b.apply_rope(&mut k, s.kv_heads, s.head_dim, rope, ctx.positions)?;
+        }
+        let cache = ctx
+            .kv
+            .get_mut(self.cache)
+            .ok_or_else(|| ModelError::Backend(format!("no KV cache for layer {}", self.cache)))?;
+        let out = b.paged_attention(&q, &k, &v, cache, ctx.block_size, s, ctx.seqs)?;
+        self.o.forward(b, &out)
+    }
+}

@@ -1,0 +1,139 @@
+//! The Mamba2 mixer: in_proj → (gate z | xBC | dt) → causal conv on xBC → selective scan →
+//! gated RMSNorm with z → out_proj. Used by Mamba2, NemotronH and Bamba alike.
+
+use super::{Linear, Loader, StepCtx};
+use crate::backend::{Backend, SsmShape};
+use crate::model::ModelError;
+
+pub struct Mamba2Mixer<B: Backend> {
+    pub in_proj: Linear<B>,
+    pub conv_w: B::Tensor,
+    pub conv_b: Option<B::Tensor>,
+    pub dt_bias: B::Tensor,
+    pub a_log: B::Tensor,
+    pub d: B::Tensor,
+    pub norm_w: B::Tensor,
+    pub out_proj: Linear<B>,
+    pub shape: SsmShape,
+    pub conv_kernel: usize,
+    pub eps: f32,
+    /// Index of this layer among the model's SSM layers (its state slots).
+    pub cache: usize,
+}
+
+/// What an architecture file states about one Mamba2 mixer.
+#[derive(Debug, Clone, Copy)]
+pub struct Mamba2Spec {
+    pub hidden: usize,
+    pub shape: SsmShape,
+    pub conv_kernel: usize,
+    pub conv_bias: bool,
+    pub proj_bias: bool,
+    pub eps: f64,
+    pub cache: usize,
+}
+
+impl Mamba2Spec {
+    pub fn conv_dim(&self) -> usize {
+        self.shape.d_inner() + 2 * self.shape.groups * self.shape.state_size
+    }
+
+    /// f32 elements of conv state per slot.
+    pub fn conv_state_elems(&self) -> usize {
+        self.conv_dim() * (self.conv_kernel - 1)
+    }
+}
+
+impl<B: Backend> Mamba2Mixer<B> {
+    pub fn load(l: &Loader<'_, B>, prefix: &str, s: Mamba2Spec) -> Result<Self, ModelError> {
+        let sh = s.shape;
+        if sh.groups == 0 || sh.heads % sh.groups != 0 || s.conv_kernel < 2 {
+            return Err(ModelError::Unsupported(format!(
+                "Mamba2 with {} heads, {} groups, conv kernel {}",
+                sh.heads, sh.groups, s.conv_kernel
+            )));
+        }
+        let d_inner = sh.d_inner();
+        let conv_dim = s.conv_dim();
+        let proj = d_inner + conv_dim + sh.heads;
+        let p = |n: &str| format!("{prefix}.{n}");
+        Ok(Self {
+            in_proj: l.linear(&p("in_proj"), proj, s.hidden, s.proj_bias)?,
+            conv_w: l.tensor(&p("conv1d.weight"), &[conv_dim, 1, s.conv_kernel])?,
+            conv_b: if s.conv_bias {
+                Some(l.tensor(&p("conv1d.bias"), &[conv_dim])?)
+            } else {
+                None
+            },
+            dt_bias: l.tensor(&p("dt_bias"), &[sh.heads])?,
+            a_log: l.tensor(&p("A_log"), &[sh.heads])?,
+            d: l.tensor(&p("D"), &[sh.heads])?,
+            norm_w: l.tensor(&p("norm.weight"), &[d_inner])?,
+            out_proj: l.linear(&p("out_proj"), s.hidden, d_inner, s.proj_bias)?,
+            shape: sh,
+            conv_kernel: s.conv_kernel,
+            eps: s.eps as f32,
+            cache: s.cache,
+        })
+    }
+
+    pub fn forward(
+        &self,
+        b: &B,
+        x: &B::Tensor,
+        ctx: &mut StepCtx<'_, B>,
+    ) -> Result<B::Tensor, ModelError> {
+        let sh = self.shape;
+        let d_inner = sh.d_inner();
+        let bc = sh.groups * sh.state_size;
+        let zxbcdt = self.in_proj.forward(b, x)?;
+        let mut parts = b.split_cols(&zxbcdt, &[d_inner, d_inner + 2 * bc, sh.heads])?;
+        let dt = parts
+            .pop()
+            .ok_or_else(|| ModelError::Backend("split".into()))?;
+        let xbc = parts
+            .pop()
+            .ok_or_else(|| ModelError::Backend("split".into()))?;
+        let z = parts
+            .pop()
+            .ok_or_else(|| ModelError::Backend("split".into()))?;
+        let state = ctx
+            .ssm
+            .get_mut(self.cache)
+            .ok_or_else(|| ModelError::Backend(format!("no SSM state for layer {}", self.cache)))?;
+        let xbc = b.causal_conv1d(
+            &xbc,
+            &self.conv_w,
+            self.conv_b.as_ref(),
+            &mut state.conv,
+            ctx.seqs,
+        )?;
+        let mut parts = b.split_cols(&xbc, &[d_inner, bc, bc])?;
+        let (cm, bm, xs) = (
+            parts
+                .pop()
+                .ok_or_else(|| ModelError::Backend("split".into()))?,
+            parts
+                .pop()
+                .ok_or_else(|| ModelError::Backend("split".into()))?,
+            parts
+                .pop()
+                .ok_or_else(|| ModelError::Backend("split".into()))?,
+        );
+        let y = b.ssm_scan(
+            &xs,
+            &bm,
+            &cm,
+            &dt,
+            &self.a_log,
+            &self.d,
+            &self.dt_bias,
+            sh,
+            &mut state.ssm,
+            ctx.seqs,
+        )?;
+        let group = d_inner / sh.groups;
+        let y = b.gated_rms_norm(&y, &z, &self.norm_w, group, self.eps)?;
+        self.out_proj.forward(b, &y)
+    }
+}

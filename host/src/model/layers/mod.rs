@@ -1,0 +1,132 @@
+//! Layers shared by every architecture: written once, composed by the files in `arch/`.
+//!
+//! A model is an embedding, a stack of pre-norm residual [`Sublayer`]s (`h += mixer(norm(h))`)
+//! and a final norm + LM head. What differs between architectures is only which mixers appear
+//! in which order and how tensors are named on disk.
+
+pub mod attention;
+pub mod mamba2;
+pub mod mlp;
+pub mod moe;
+pub mod rope;
+
+use super::ModelError;
+use super::weights::WeightStore;
+use crate::backend::{Backend, KvLayer, SsmLayer};
+use crate::model::SeqChunk;
+
+pub use attention::Attention;
+pub use mamba2::Mamba2Mixer;
+pub use mlp::Mlp;
+pub use moe::Moe;
+
+/// Loads named tensors with shape checks, for one backend.
+pub struct Loader<'a, B: Backend> {
+    pub store: &'a WeightStore,
+    pub backend: &'a B,
+}
+
+impl<B: Backend> Loader<'_, B> {
+    pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<B::Tensor, ModelError> {
+        self.store.load(self.backend, name, shape)
+    }
+
+    pub fn optional(&self, name: &str, shape: &[usize]) -> Result<Option<B::Tensor>, ModelError> {
+        if self.store.has(name) {
+            self.tensor(name, shape).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// `{prefix}.weight` `[out, inp]` and, when `bias`, `{prefix}.bias` `[out]`.
+    pub fn linear(
+        &self,
+        prefix: &str,
+        out: usize,
+        inp: usize,
+        bias: bool,
+    ) -> Result<Linear<B>, ModelError> {
+        let w = self.tensor(&format!("{prefix}.weight"), &[out, inp])?;
+        let b = if bias {
+            Some(self.tensor(&format!("{prefix}.bias"), &[out])?)
+        } else {
+            None
+        };
+        Ok(Linear { w, b })
+    }
+
+    pub fn rms_norm(&self, name: &str, width: usize, eps: f64) -> Result<RmsNorm<B>, ModelError> {
+        Ok(RmsNorm {
+            w: self.tensor(name, &[width])?,
+            eps: eps as f32,
+        })
+    }
+}
+
+/// A dense projection `y = x·Wᵀ (+ b)`.
+pub struct Linear<B: Backend> {
+    pub w: B::Tensor,
+    pub b: Option<B::Tensor>,
+}
+
+impl<B: Backend> Linear<B> {
+    pub fn forward(&self, backend: &B, x: &B::Tensor) -> Result<B::Tensor, ModelError> {
+        Ok(backend.linear(x, &self.w, self.b.as_ref())?)
+    }
+}
+
+pub struct RmsNorm<B: Backend> {
+    pub w: B::Tensor,
+    pub eps: f32,
+}
+
+impl<B: Backend> RmsNorm<B> {
+    pub fn forward(&self, backend: &B, x: &B::Tensor) -> Result<B::Tensor, ModelError> {
+        Ok(backend.rms_norm(x, &self.w, self.eps)?)
+    }
+}
+
+/// Everything a mixer may need besides its input: the batch layout and the caches.
+pub struct StepCtx<'a, B: Backend> {
+    pub positions: &'a [u32],
+    pub seqs: &'a [SeqChunk],
+    pub kv: &'a mut [KvLayer<B::Tensor>],
+    pub ssm: &'a mut [SsmLayer<B::Tensor>],
+    pub block_size: usize,
+}
+
+/// The token mixer (or channel mixer) inside one residual sublayer.
+pub enum Mixer<B: Backend> {
+    /// `cache` indexes the model's attention layers.
+    Attention(Attention<B>),
+    /// `cache` indexes the model's SSM layers.
+    Mamba2(Mamba2Mixer<B>),
+    Mlp(Mlp<B>),
+    Moe(Moe<B>),
+}
+
+/// `h += mixer(norm(h))`.
+pub struct Sublayer<B: Backend> {
+    pub norm: RmsNorm<B>,
+    pub mixer: Mixer<B>,
+}
+
+impl<B: Backend> Sublayer<B> {
+    pub fn forward(
+        &self,
+        backend: &B,
+        h: &mut B::Tensor,
+        ctx: &mut StepCtx<'_, B>,
+    ) -> Result<(), ModelError> {
+        let x = self.norm.forward(backend, h)?;
+        let y = match &self.mixer {
+            Mixer::Attention(a) => a.forward(backend, &x, ctx)?,
+            Mixer::Mamba2(m) => m.forward(backend, &x, ctx)?,
+            Mixer::Mlp(m) => m.forward(backend, &x)?,
+            Mixer::Moe(m) => m.forward(backend, &x)?,
+        };
+        backend.add_assign(h, &y)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,128 @@
+//! The `[server]` section of the configuration.
+//!
+//! Owns: the serde shape of `[server]` (every key known; unknown keys are errors that name the
+//! key), its defaults and its validation (errors name `server.<key>` and what is allowed).
+//! It must not read files or parse other sections.
+
+use serde::Deserialize;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("server.{key}: {message}")]
+pub struct ConfigError {
+    pub key: &'static str,
+    pub message: String,
+}
+
+/// `[server]`: where to listen and how much work to admit.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// Address to bind (loopback unless the operator opens it).
+    pub host: String,
+    pub port: u16,
+    /// Bearer token for `/admin/*`; admin endpoints are off (404) when unset.
+    pub admin_token: Option<String>,
+    /// Engine requests (choices) the server holds at once; beyond this it answers 503 with
+    /// `Retry-After`.
+    pub max_queued_requests: u32,
+    /// Largest accepted request body; larger bodies get 413.
+    pub max_body_bytes: usize,
+    /// A request body must arrive within this many seconds.
+    pub body_read_timeout_secs: u32,
+    /// Largest `n × prompts` in one request.
+    pub max_choices_per_request: u32,
+    pub max_stop_strings: u32,
+    /// Longest stop string, in characters.
+    pub max_stop_len: u32,
+    /// Largest `logprobs` / `top_logprobs`.
+    pub max_logprobs: u32,
+    /// Seconds advertised in `Retry-After` when overloaded.
+    pub retry_after_secs: u32,
+    /// On shutdown, in-flight requests get this long to finish before they are cancelled.
+    pub shutdown_grace_secs: u32,
+    /// Name reported by `/v1/models` and accepted in `model`; defaults to the model's name.
+    pub served_model_name: Option<String>,
+    /// Upper bound on each replica's prefix-index mirror, in blocks.
+    pub router_mirror_max_blocks: u32,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            host: "127.0.0.1".into(),
+            port: 8000,
+            admin_token: None,
+            max_queued_requests: 256,
+            max_body_bytes: 2 * 1024 * 1024,
+            body_read_timeout_secs: 30,
+            max_choices_per_request: 64,
+            max_stop_strings: 16,
+            max_stop_len: 256,
+            max_logprobs: 20,
+            retry_after_secs: 1,
+            shutdown_grace_secs: 30,
+            served_model_name: None,
+            router_mirror_max_blocks: 1 << 20,
+        }
+    }
+}
+
+impl ServerConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let err = |key, message: &str| {
+            Err(ConfigError {
+                key,
+                message: message.into(),
+            })
+        };
+        if self.host.trim().is_empty() {
+            return err("host", "must be an address such as \"127.0.0.1\"");
+        }
+        if self.admin_token.as_deref().is_some_and(|t| t.len() < 8) {
+            return err(
+                "admin_token",
+                "must be at least 8 characters (or unset to disable admin)",
+            );
+        }
+        if self.max_queued_requests == 0 {
+            return err("max_queued_requests", "must be at least 1");
+        }
+        if self.max_body_bytes < 1024 {
+            return err("max_body_bytes", "must be at least 1024");
+        }
+        if self.body_read_timeout_secs == 0 {
+            return err("body_read_timeout_secs", "must be at least 1");
+        }
+        if self.max_choices_per_request == 0 {
+            return err("max_choices_per_request", "must be at least 1");
+        }
+        if self.max_stop_len == 0 {
+            return err("max_stop_len", "must be at least 1");
+        }
+        if self.router_mirror_max_blocks == 0 {
+            return err("router_mirror_max_blocks", "must be at least 1");
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_defaults_and_rejects_unknown_keys() {
+        let c: ServerConfig =
+            toml::from_str("port = 9000\nadmin_token = \"secret-token\"").unwrap();
+        assert_eq!(c.port, 9000);
+        assert_eq!(c.host, "127.0.0.1");
+        c.validate().unwrap();
+        let e = toml::from_str::<ServerConfig>("prot = 1").unwrap_err();
+        assert!(e.to_string().contains("prot"), "{e}");
+        let c = ServerConfig {
+            max_queued_requests: 0,
+            ..Default::default()
+        };
+        assert_eq!(c.validate().unwrap_err().key, "max_queued_requests");
+    }
+}

@@ -1,0 +1,196 @@
+//! The server's error type and its one mapping to HTTP.
+//!
+//! Owns: [`AppError`], every failure a request can meet between the socket and the engine, and
+//! its `IntoResponse` (status, OpenAI error JSON `{"error": {message, type, param, code}}`, and
+//! `Retry-After` for overload). Invariants: each variant has a stable [`AppError::kind`] string,
+//! used as the `code` field and as the `kind` label of the error metric; no other module chooses
+//! an HTTP status for an error.
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+use super::text::TextError;
+use crate::engine::api::SubmitError;
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum AppError {
+    #[error("invalid JSON body: {0}")]
+    InvalidJson(String),
+    #[error("{message}")]
+    InvalidRequest {
+        message: String,
+        param: Option<&'static str>,
+    },
+    #[error("{0}")]
+    ContextLength(String),
+    #[error("the model `{0}` does not exist")]
+    ModelNotFound(String),
+    #[error("no route for {0}")]
+    NotFound(String),
+    #[error("method not allowed")]
+    MethodNotAllowed,
+    #[error("request body larger than {0} bytes")]
+    PayloadTooLarge(usize),
+    #[error("missing or invalid admin bearer token")]
+    Unauthorized,
+    #[error("the server is at capacity; retry later")]
+    Overloaded { retry_after_secs: u32 },
+    #[error("the server is shutting down")]
+    ShuttingDown,
+    #[error("chat template: {0}")]
+    ChatTemplate(String),
+    #[error("not supported: {0}")]
+    Unsupported(String),
+    #[error("engine error ({kind}): {message}")]
+    Engine { kind: &'static str, message: String },
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl AppError {
+    pub fn invalid(param: &'static str, message: impl Into<String>) -> Self {
+        Self::InvalidRequest {
+            message: message.into(),
+            param: Some(param),
+        }
+    }
+
+    /// Stable kind string: the error `code` and the metric label.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::InvalidJson(_) => "invalid_json",
+            Self::InvalidRequest { .. } => "invalid_request",
+            Self::ContextLength(_) => "context_length_exceeded",
+            Self::ModelNotFound(_) => "model_not_found",
+            Self::NotFound(_) => "not_found",
+            Self::MethodNotAllowed => "method_not_allowed",
+            Self::PayloadTooLarge(_) => "payload_too_large",
+            Self::Unauthorized => "unauthorized",
+            Self::Overloaded { .. } => "overloaded",
+            Self::ShuttingDown => "shutting_down",
+            Self::ChatTemplate(_) => "chat_template_error",
+            Self::Unsupported(_) => "unsupported",
+            Self::Engine { kind, .. } => kind,
+            Self::Internal(_) => "internal_error",
+        }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::InvalidJson(_)
+            | Self::InvalidRequest { .. }
+            | Self::ContextLength(_)
+            | Self::ChatTemplate(_)
+            | Self::Unsupported(_) => StatusCode::BAD_REQUEST,
+            Self::ModelNotFound(_) | Self::NotFound(_) => StatusCode::NOT_FOUND,
+            Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::Unauthorized => StatusCode::UNAUTHORIZED,
+            Self::Overloaded { .. } | Self::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            // The engine rejects prompts it cannot hold; everything else it reports is ours.
+            Self::Engine { kind, .. } if *kind == "prompt_too_long" || *kind == "empty_prompt" => {
+                StatusCode::BAD_REQUEST
+            }
+            Self::Engine { .. } | Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    fn error_type(&self) -> &'static str {
+        match self.status().as_u16() {
+            401 => "authentication_error",
+            404 => "not_found_error",
+            503 => "service_unavailable",
+            s if s >= 500 => "server_error",
+            _ => "invalid_request_error",
+        }
+    }
+
+    fn param(&self) -> Option<&'static str> {
+        match self {
+            Self::InvalidRequest { param, .. } => *param,
+            Self::ContextLength(_) => Some("messages"),
+            Self::ModelNotFound(_) => Some("model"),
+            _ => None,
+        }
+    }
+
+    /// The OpenAI error object (also sent as an SSE event when a stream fails).
+    pub fn to_json(&self) -> serde_json::Value {
+        json!({"error": {
+            "message": self.to_string(),
+            "type": self.error_type(),
+            "param": self.param(),
+            "code": self.kind(),
+        }})
+    }
+}
+
+impl IntoResponse for AppError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        let mut resp = (status, axum::Json(self.to_json())).into_response();
+        if let Self::Overloaded { retry_after_secs } = &self {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(*retry_after_secs));
+        } else if let Self::ShuttingDown = &self {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(5u32));
+        }
+        // Handlers store the error so middleware can count it by kind.
+        resp.extensions_mut().insert(ErrorKind(self.kind()));
+        resp
+    }
+}
+
+/// Response extension carrying the error kind, read by the metrics middleware.
+#[derive(Debug, Clone, Copy)]
+pub struct ErrorKind(pub &'static str);
+
+impl From<TextError> for AppError {
+    fn from(e: TextError) -> Self {
+        match e {
+            TextError::Render(m) => Self::ChatTemplate(m),
+            TextError::NoChatTemplate => Self::ChatTemplate(e.to_string()),
+            TextError::Tokenizer(m) => Self::InvalidRequest {
+                message: m,
+                param: None,
+            },
+            other => Self::Internal(other.to_string()),
+        }
+    }
+}
+
+impl AppError {
+    pub fn from_submit(e: SubmitError, retry_after_secs: u32) -> Self {
+        match e {
+            SubmitError::QueueFull => Self::Overloaded { retry_after_secs },
+            SubmitError::ShuttingDown => Self::ShuttingDown,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_and_kinds_are_stable() {
+        let e = AppError::Overloaded {
+            retry_after_secs: 2,
+        };
+        let r = e.clone().into_response();
+        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(r.headers().get(header::RETRY_AFTER).unwrap(), "2");
+        assert_eq!(e.kind(), "overloaded");
+        let e = AppError::Engine {
+            kind: "prompt_too_long",
+            message: "x".into(),
+        };
+        assert_eq!(e.status(), StatusCode::BAD_REQUEST);
+        let j = AppError::invalid("n", "n must be >= 1").to_json();
+        assert_eq!(j["error"]["param"], "n");
+        assert_eq!(j["error"]["code"], "invalid_request");
+        assert_eq!(j["error"]["type"], "invalid_request_error");
+    }
+}

@@ -1,0 +1,460 @@
+//! Prometheus metrics: every name the server exports, the server-side recorders, and the text
+//! exposition at `/metrics`.
+//!
+//! Owns: the metric names (vLLM's where one exists, with `chimera:` in place of `vllm:`, so
+//! dashboards and endpoint pickers written for vLLM can scrape chimera), lock-free histograms
+//! and counters recorded by the request pipeline and router, and rendering. Engine-side numbers
+//! (running, waiting, KV usage, prefix-cache counters, preemptions, token counts) are read from
+//! each replica's `EngineStats` at scrape time, never copied. Other parts add series through
+//! [`MetricsSource`] (the hook for engine-side plugin counters). Nothing here blocks for long:
+//! the only lock guards a small map and is never held across `.await`.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::engine::api::EngineStats;
+
+/// Metric names, in one place.
+pub mod names {
+    pub const NUM_REQUESTS_RUNNING: &str = "chimera:num_requests_running";
+    pub const NUM_REQUESTS_WAITING: &str = "chimera:num_requests_waiting";
+    pub const KV_CACHE_USAGE_PERC: &str = "chimera:kv_cache_usage_perc";
+    pub const PREFIX_CACHE_QUERIES: &str = "chimera:prefix_cache_queries_total";
+    pub const PREFIX_CACHE_HITS: &str = "chimera:prefix_cache_hits_total";
+    pub const NUM_PREEMPTIONS: &str = "chimera:num_preemptions_total";
+    pub const PROMPT_TOKENS: &str = "chimera:prompt_tokens_total";
+    pub const GENERATION_TOKENS: &str = "chimera:generation_tokens_total";
+    pub const CACHE_CONFIG_INFO: &str = "chimera:cache_config_info";
+    pub const TIME_TO_FIRST_TOKEN: &str = "chimera:time_to_first_token_seconds";
+    pub const INTER_TOKEN_LATENCY: &str = "chimera:inter_token_latency_seconds";
+    pub const E2E_REQUEST_LATENCY: &str = "chimera:e2e_request_latency_seconds";
+    pub const REQUEST_SUCCESS: &str = "chimera:request_success_total";
+    // chimera's own.
+    pub const SSM_SNAPSHOT_HITS: &str = "chimera:ssm_snapshot_hits_total";
+    pub const ROUTED_REQUESTS: &str = "chimera:router_requests_total";
+    pub const PLUGIN_CALL_LATENCY: &str = "chimera:plugin_call_latency_seconds";
+    pub const PLUGIN_FALLBACKS: &str = "chimera:plugin_fallbacks_total";
+    pub const REQUEST_ERRORS: &str = "chimera:request_errors_total";
+    pub const CLIENT_DISCONNECTS: &str = "chimera:client_disconnects_total";
+    pub const SERVER_IN_FLIGHT: &str = "chimera:server_requests_in_flight";
+}
+
+const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+const ITL_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+    7.5, 10.0, 20.0, 40.0, 80.0,
+];
+const E2E_BUCKETS: &[f64] = &[
+    0.01, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+];
+const PLUGIN_BUCKETS: &[f64] = &[1e-6, 5e-6, 1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 1e-1];
+
+/// A fixed-bucket histogram updated with atomics.
+#[derive(Debug)]
+pub struct Histogram {
+    bounds: &'static [f64],
+    counts: Vec<AtomicU64>,
+    count: AtomicU64,
+    sum_bits: AtomicU64,
+}
+
+impl Histogram {
+    pub fn new(bounds: &'static [f64]) -> Self {
+        Self {
+            bounds,
+            counts: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
+            count: AtomicU64::new(0),
+            sum_bits: AtomicU64::new(0f64.to_bits()),
+        }
+    }
+
+    pub fn observe(&self, v: f64) {
+        if !v.is_finite() {
+            return;
+        }
+        if let Some(i) = self.bounds.iter().position(|b| v <= *b) {
+            self.counts[i].fetch_add(1, Ordering::Relaxed);
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        let _ = self
+            .sum_bits
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+                Some((f64::from_bits(bits) + v).to_bits())
+            });
+    }
+
+    pub fn count(&self) -> u64 {
+        self.count.load(Ordering::Relaxed)
+    }
+
+    fn render(&self, out: &mut String, name: &str, labels: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let sep = if labels.is_empty() { "" } else { "," };
+        let mut cumulative = 0;
+        for (b, c) in self.bounds.iter().zip(&self.counts) {
+            cumulative += c.load(Ordering::Relaxed);
+            let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"{b}\"}} {cumulative}");
+        }
+        let count = self.count();
+        let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {count}");
+        let sum = f64::from_bits(self.sum_bits.load(Ordering::Relaxed));
+        let _ = writeln!(
+            out,
+            "{name}_sum{{{labels}}} {sum}\n{name}_count{{{labels}}} {count}"
+        );
+    }
+}
+
+/// Adds series to `/metrics` (e.g. the engine's plugin call counters).
+pub trait MetricsSource: Send + Sync {
+    fn render(&self, out: &mut String);
+}
+
+/// Static facts shown in `cache_config_info`.
+#[derive(Debug, Clone, Default)]
+pub struct CacheInfo {
+    pub block_size: u32,
+    pub num_gpu_blocks: u32,
+    pub prefix_caching: bool,
+}
+
+/// Finish reasons counted in `request_success_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finished {
+    Stop,
+    Length,
+    Abort,
+}
+
+impl Finished {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+            Self::Abort => "abort",
+        }
+    }
+}
+
+/// Server-side recorders.
+pub struct Metrics {
+    pub ttft: Histogram,
+    pub itl: Histogram,
+    pub e2e: Histogram,
+    pub router_latency: Histogram,
+    finished: [AtomicU64; 3],
+    errors: Mutex<BTreeMap<&'static str, u64>>,
+    routed: Vec<AtomicU64>,
+    router_fallbacks: AtomicU64,
+    client_disconnects: AtomicU64,
+    in_flight: AtomicI64,
+    sources: Mutex<Vec<Arc<dyn MetricsSource>>>,
+}
+
+impl Metrics {
+    pub fn new(replicas: usize) -> Self {
+        Self {
+            ttft: Histogram::new(TTFT_BUCKETS),
+            itl: Histogram::new(ITL_BUCKETS),
+            e2e: Histogram::new(E2E_BUCKETS),
+            router_latency: Histogram::new(PLUGIN_BUCKETS),
+            finished: Default::default(),
+            errors: Mutex::new(BTreeMap::new()),
+            routed: (0..replicas).map(|_| AtomicU64::new(0)).collect(),
+            router_fallbacks: AtomicU64::new(0),
+            client_disconnects: AtomicU64::new(0),
+            in_flight: AtomicI64::new(0),
+            sources: Mutex::new(Vec::new()),
+        }
+    }
+
+    pub fn add_source(&self, source: Arc<dyn MetricsSource>) {
+        if let Ok(mut s) = self.sources.lock() {
+            s.push(source);
+        }
+    }
+
+    pub fn finished(&self, how: Finished) {
+        self.finished[how as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn error(&self, kind: &'static str) {
+        if let Ok(mut e) = self.errors.lock() {
+            *e.entry(kind).or_insert(0) += 1;
+        }
+    }
+
+    pub fn routed(&self, replica: usize) {
+        if let Some(c) = self.routed.get(replica) {
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    pub fn routed_count(&self, replica: usize) -> u64 {
+        self.routed
+            .get(replica)
+            .map_or(0, |c| c.load(Ordering::Relaxed))
+    }
+
+    pub fn router_fallback(&self) {
+        self.router_fallbacks.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn client_disconnect(&self) {
+        self.client_disconnects.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn in_flight_add(&self, d: i64) {
+        self.in_flight.fetch_add(d, Ordering::Relaxed);
+    }
+
+    pub fn in_flight(&self) -> i64 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// The whole exposition text.
+    pub fn render(&self, model: &str, stats: &[EngineStats], cache: &CacheInfo) -> String {
+        use names::*;
+        let mut out = String::with_capacity(8 * 1024);
+        let m = escape(model);
+        let per_engine = |out: &mut String,
+                          name: &str,
+                          kind: &str,
+                          help: &str,
+                          f: &dyn Fn(&EngineStats) -> f64| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+            for (i, s) in stats.iter().enumerate() {
+                let _ = writeln!(out, "{name}{{model_name=\"{m}\",engine=\"{i}\"}} {}", f(s));
+            }
+        };
+        per_engine(
+            &mut out,
+            NUM_REQUESTS_RUNNING,
+            "gauge",
+            "Requests in model execution batches.",
+            &|s| f64::from(s.running),
+        );
+        per_engine(
+            &mut out,
+            NUM_REQUESTS_WAITING,
+            "gauge",
+            "Requests waiting to be processed.",
+            &|s| f64::from(s.waiting + s.paused),
+        );
+        per_engine(
+            &mut out,
+            KV_CACHE_USAGE_PERC,
+            "gauge",
+            "KV-cache usage, 1 means 100 percent.",
+            &|s| {
+                if s.total_blocks == 0 {
+                    0.0
+                } else {
+                    f64::from(s.total_blocks.saturating_sub(s.free_blocks))
+                        / f64::from(s.total_blocks)
+                }
+            },
+        );
+        per_engine(
+            &mut out,
+            PREFIX_CACHE_QUERIES,
+            "counter",
+            "Prefix-cache queries, in tokens.",
+            &|s| s.prefix_cache_queries as f64,
+        );
+        per_engine(
+            &mut out,
+            PREFIX_CACHE_HITS,
+            "counter",
+            "Prefix-cache hits, in tokens.",
+            &|s| s.prefix_cache_hits as f64,
+        );
+        per_engine(
+            &mut out,
+            NUM_PREEMPTIONS,
+            "counter",
+            "Cumulative preemptions.",
+            &|s| s.preemptions as f64,
+        );
+        per_engine(
+            &mut out,
+            PROMPT_TOKENS,
+            "counter",
+            "Prefill tokens processed (computed plus cached).",
+            &|s| (s.prompt_tokens_computed + s.prompt_tokens_cached) as f64,
+        );
+        per_engine(
+            &mut out,
+            GENERATION_TOKENS,
+            "counter",
+            "Generation tokens processed.",
+            &|s| s.generation_tokens as f64,
+        );
+        per_engine(
+            &mut out,
+            SSM_SNAPSHOT_HITS,
+            "counter",
+            "Requests restored from an SSM-state snapshot.",
+            &|s| s.ssm_restores as f64,
+        );
+
+        let _ = writeln!(
+            out,
+            "# HELP {CACHE_CONFIG_INFO} Cache configuration.\n# TYPE {CACHE_CONFIG_INFO} gauge"
+        );
+        let _ = writeln!(
+            out,
+            "{CACHE_CONFIG_INFO}{{block_size=\"{}\",num_gpu_blocks=\"{}\",enable_prefix_caching=\"{}\"}} 1",
+            cache.block_size, cache.num_gpu_blocks, cache.prefix_caching
+        );
+
+        let labels = format!("model_name=\"{m}\"");
+        self.ttft.render(
+            &mut out,
+            TIME_TO_FIRST_TOKEN,
+            &labels,
+            "Time to first token in seconds.",
+        );
+        self.itl.render(
+            &mut out,
+            INTER_TOKEN_LATENCY,
+            &labels,
+            "Time between output tokens in seconds.",
+        );
+        self.e2e.render(
+            &mut out,
+            E2E_REQUEST_LATENCY,
+            &labels,
+            "End-to-end request latency in seconds.",
+        );
+        self.router_latency.render(
+            &mut out,
+            PLUGIN_CALL_LATENCY,
+            "kind=\"router\"",
+            "Policy plugin call latency in seconds.",
+        );
+
+        let _ = writeln!(
+            out,
+            "# HELP {REQUEST_SUCCESS} Finished requests by reason.\n# TYPE {REQUEST_SUCCESS} counter"
+        );
+        for how in [Finished::Stop, Finished::Length, Finished::Abort] {
+            let v = self.finished[how as usize].load(Ordering::Relaxed);
+            let _ = writeln!(
+                out,
+                "{REQUEST_SUCCESS}{{{labels},finished_reason=\"{}\"}} {v}",
+                how.as_str()
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP {ROUTED_REQUESTS} Requests routed per replica.\n# TYPE {ROUTED_REQUESTS} counter"
+        );
+        for (i, c) in self.routed.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "{ROUTED_REQUESTS}{{engine=\"{i}\"}} {}",
+                c.load(Ordering::Relaxed)
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP {PLUGIN_FALLBACKS} Policy answers replaced by the built-in default.\n# TYPE {PLUGIN_FALLBACKS} counter"
+        );
+        let _ = writeln!(
+            out,
+            "{PLUGIN_FALLBACKS}{{kind=\"router\"}} {}",
+            self.router_fallbacks.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP {REQUEST_ERRORS} Requests answered with an error, by kind.\n# TYPE {REQUEST_ERRORS} counter"
+        );
+        if let Ok(errors) = self.errors.lock() {
+            for (kind, v) in errors.iter() {
+                let _ = writeln!(out, "{REQUEST_ERRORS}{{kind=\"{kind}\"}} {v}");
+            }
+        }
+        let _ = writeln!(
+            out,
+            "# HELP {CLIENT_DISCONNECTS} Engine requests cancelled because the client went away.\n# TYPE {CLIENT_DISCONNECTS} counter"
+        );
+        let _ = writeln!(
+            out,
+            "{CLIENT_DISCONNECTS} {}",
+            self.client_disconnects.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP {SERVER_IN_FLIGHT} Engine requests the server is waiting on.\n# TYPE {SERVER_IN_FLIGHT} gauge"
+        );
+        let _ = writeln!(out, "{SERVER_IN_FLIGHT} {}", self.in_flight());
+        let sources = self.sources.lock().map(|s| s.clone()).unwrap_or_default();
+        for s in sources {
+            s.render(&mut out);
+        }
+        out
+    }
+}
+
+fn escape(s: &str) -> String {
+    s.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_is_cumulative() {
+        let h = Histogram::new(&[1.0, 2.0]);
+        for v in [0.5, 1.5, 1.7, 9.0, f64::NAN] {
+            h.observe(v);
+        }
+        let mut out = String::new();
+        h.render(&mut out, "x", "", "help");
+        assert!(out.contains("x_bucket{le=\"1\"} 1\n"), "{out}");
+        assert!(out.contains("x_bucket{le=\"2\"} 3\n"), "{out}");
+        assert!(out.contains("x_bucket{le=\"+Inf\"} 4\n"), "{out}");
+        assert!(out.contains("x_sum{} 12.7"), "{out}");
+    }
+
+    #[test]
+    fn renders_engine_gauges_per_replica() {
+        let m = Metrics::new(2);
+        m.routed(1);
+        m.error("overloaded");
+        let s = [
+            EngineStats {
+                running: 3,
+                total_blocks: 10,
+                free_blocks: 5,
+                ..Default::default()
+            },
+            EngineStats {
+                waiting: 2,
+                ..Default::default()
+            },
+        ];
+        let out = m.render("tiny\"m", &s, &CacheInfo::default());
+        assert!(
+            out.contains("chimera:num_requests_running{model_name=\"tiny\\\"m\",engine=\"0\"} 3")
+        );
+        assert!(
+            out.contains("chimera:kv_cache_usage_perc{model_name=\"tiny\\\"m\",engine=\"0\"} 0.5")
+        );
+        assert!(
+            out.contains("chimera:num_requests_waiting{model_name=\"tiny\\\"m\",engine=\"1\"} 2")
+        );
+        assert!(out.contains("chimera:router_requests_total{engine=\"1\"} 1"));
+        assert!(out.contains("chimera:request_errors_total{kind=\"overloaded\"} 1"));
+    }
+}

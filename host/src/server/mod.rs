@@ -1,0 +1,291 @@
+//! The OpenAI-compatible HTTP server (axum on tokio).
+//!
+//! Owns: the HTTP surface (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`,
+//! `/metrics`, `/admin/*`), request admission (a bounded number of engine requests in flight,
+//! a bounded body size), tokenization off the event loop, the replica [`router`], and graceful
+//! shutdown. It talks to engines only through `EngineHandle`s behind the router; it never
+//! touches caches, schedulers or models.
+//!
+//! Wiring: build an [`AppState`] from [`AppParts`] (config, model facts, tokenizer, replicas,
+//! routing policy) inside a tokio runtime, then [`serve`] it on a bound listener. Swapping the
+//! mock engine for the real one changes only the `replicas` given to [`AppParts`].
+//!
+//! Module map: [`config`] (`[server]`), [`error`] (the one error → HTTP mapping), [`protocol`]
+//! (OpenAI shapes), [`params`] (validation), [`text`] (tokenizer, chat template), [`detok`]
+//! (incremental detokenizer, stop strings), [`pipeline`] (one engine request → chunks),
+//! [`respond`] (JSON / SSE bodies), [`openai`] (handlers), [`ops`] (health, metrics, admin),
+//! [`router`] + [`prefix_mirror`] (replica choice), [`metrics`], [`mock_engine`] and
+//! [`mock_tokenizer`] (model-free stand-ins for tests).
+
+pub mod config;
+pub mod detok;
+pub mod error;
+pub mod metrics;
+pub mod mock_engine;
+pub mod mock_tokenizer;
+pub mod openai;
+pub mod ops;
+pub mod params;
+pub mod pipeline;
+pub mod prefix_mirror;
+pub mod protocol;
+pub mod respond;
+pub mod router;
+pub mod text;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::Router as HttpRouter;
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+use tokio::net::TcpListener;
+use tokio::sync::{Semaphore, watch};
+
+pub use config::{ConfigError, ServerConfig};
+pub use error::AppError;
+pub use router::{LeastLoaded, Replica, RouterHandle};
+pub use text::TextCodec;
+
+use metrics::{CacheInfo, Metrics};
+use params::Limits;
+
+/// Facts about the served model the server needs.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    pub name: String,
+    /// Longest prompt + output, in tokens.
+    pub max_model_len: u32,
+    /// KV block size, for prefix hashing and `cache_config_info`.
+    pub block_size: u32,
+    /// Salt of the cache's block hashes (the model id; must match the engines').
+    pub cache_salt: String,
+    pub num_blocks: u32,
+    pub prefix_caching: bool,
+}
+
+/// Hooks the admin endpoints call; the binary supplies them.
+pub trait AdminHooks: Send + Sync {
+    /// Reloads policy plugins from their configured paths; returns a short summary.
+    fn reload_plugins(&self) -> Result<String, String>;
+}
+
+/// Everything needed to start serving.
+pub struct AppParts {
+    pub config: ServerConfig,
+    pub model: ModelInfo,
+    pub codec: TextCodec,
+    pub replicas: Vec<Replica>,
+    pub policy: Box<dyn crate::policy::Router>,
+    pub admin_hooks: Option<Arc<dyn AdminHooks>>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("the server needs at least one engine replica")]
+    NoReplicas,
+    #[error("server I/O: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Shared, immutable server state (plus atomics); cheap to clone.
+#[derive(Clone)]
+pub struct AppState {
+    inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    pub config: ServerConfig,
+    pub model: ModelInfo,
+    pub served_name: String,
+    pub codec: Arc<TextCodec>,
+    pub router: RouterHandle,
+    pub metrics: Arc<Metrics>,
+    pub admission: Arc<Semaphore>,
+    pub limits: Limits,
+    pub created: u64,
+    pub admin_hooks: Option<Arc<dyn AdminHooks>>,
+    next_id: AtomicU64,
+    shutting_down: AtomicBool,
+    abort_tx: watch::Sender<bool>,
+}
+
+impl AppState {
+    /// Validates the config and starts the router actor (needs a tokio runtime).
+    pub fn new(parts: AppParts) -> Result<Self, ServeError> {
+        parts.config.validate()?;
+        if parts.replicas.is_empty() {
+            return Err(ServeError::NoReplicas);
+        }
+        let metrics = Arc::new(Metrics::new(parts.replicas.len()));
+        let router = RouterHandle::spawn(
+            parts.replicas,
+            parts.policy,
+            metrics.clone(),
+            parts.model.block_size,
+            parts.config.router_mirror_max_blocks as usize,
+        );
+        let limits = Limits {
+            max_n: parts.config.max_choices_per_request,
+            max_stop_strings: parts.config.max_stop_strings as usize,
+            max_stop_len: parts.config.max_stop_len as usize,
+            max_logprobs: parts.config.max_logprobs,
+            vocab_size: parts.codec.vocab_size(),
+        };
+        let served_name = parts
+            .config
+            .served_model_name
+            .clone()
+            .unwrap_or_else(|| parts.model.name.clone());
+        let created = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        let (abort_tx, _) = watch::channel(false);
+        Ok(Self {
+            inner: Arc::new(Inner {
+                admission: Arc::new(Semaphore::new(parts.config.max_queued_requests as usize)),
+                config: parts.config,
+                model: parts.model,
+                served_name,
+                codec: Arc::new(parts.codec),
+                router,
+                metrics,
+                limits,
+                created,
+                admin_hooks: parts.admin_hooks,
+                next_id: AtomicU64::new(1),
+                shutting_down: AtomicBool::new(false),
+                abort_tx,
+            }),
+        })
+    }
+
+    pub(crate) fn inner(&self) -> &Inner {
+        &self.inner
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.inner.metrics
+    }
+
+    pub fn router(&self) -> &RouterHandle {
+        &self.inner.router
+    }
+
+    pub fn config(&self) -> &ServerConfig {
+        &self.inner.config
+    }
+
+    pub(crate) fn next_id(&self) -> u64 {
+        self.inner.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub fn is_shutting_down(&self) -> bool {
+        self.inner.shutting_down.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn abort_rx(&self) -> watch::Receiver<bool> {
+        self.inner.abort_tx.subscribe()
+    }
+
+    /// Stops admitting work (new requests get 503).
+    pub fn begin_shutdown(&self) {
+        self.inner.shutting_down.store(true, Ordering::SeqCst);
+    }
+
+    /// Cancels every request still running (they end with finish_reason "abort").
+    pub fn abort_in_flight(&self) {
+        self.inner.abort_tx.send_replace(true);
+    }
+
+    pub(crate) fn cache_info(&self) -> CacheInfo {
+        CacheInfo {
+            block_size: self.inner.model.block_size,
+            num_gpu_blocks: self.inner.model.num_blocks,
+            prefix_caching: self.inner.model.prefix_caching,
+        }
+    }
+}
+
+/// The axum router with every endpoint, the body limit and JSON fallbacks.
+pub fn build_router(state: AppState) -> HttpRouter {
+    let limit = state.inner.config.max_body_bytes;
+    HttpRouter::new()
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/models", get(openai::models))
+        .route("/health", get(ops::health))
+        .route("/metrics", get(ops::metrics))
+        .route("/admin/reset_prefix_cache", post(ops::reset_prefix_cache))
+        .route("/admin/reload_plugins", post(ops::reload_plugins))
+        .fallback(ops::not_found)
+        .method_not_allowed_fallback(ops::method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            ops::count_errors,
+        ))
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(state)
+}
+
+/// Serves until Ctrl-C / SIGTERM, then shuts down gracefully.
+pub async fn serve(state: AppState, listener: TcpListener) -> Result<(), ServeError> {
+    serve_with_shutdown(state, listener, shutdown_signal()).await
+}
+
+/// Serves until `signal` completes. Then: new requests get 503, in-flight requests get
+/// `shutdown_grace_secs` to finish, the rest are cancelled (finish_reason "abort"), and the
+/// function returns once every connection is closed.
+pub async fn serve_with_shutdown(
+    state: AppState,
+    listener: TcpListener,
+    signal: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    let app = build_router(state.clone());
+    let grace = Duration::from_secs(u64::from(state.inner.config.shutdown_grace_secs));
+    let on_signal = {
+        let state = state.clone();
+        async move {
+            signal.await;
+            tracing::info!("shutting down: draining in-flight requests");
+            state.begin_shutdown();
+            let state = state.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(grace).await;
+                state.abort_in_flight();
+            });
+        }
+    };
+    axum::serve(listener, app)
+        .with_graceful_shutdown(on_signal)
+        .await?;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}

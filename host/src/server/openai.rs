@@ -1,0 +1,489 @@
+//! Handlers of the OpenAI endpoints: parse, validate, admit, tokenize, route, submit, respond.
+//!
+//! Owns: the request flow shared by `/v1/completions` and `/v1/chat/completions` and the
+//! `/v1/models` listing. Order matters and is: shutting-down check → body parse (400 / 413) →
+//! model check (404) → parameter validation (400) → admission (503 + Retry-After, before any
+//! CPU work) → tokenization and chat templating on the blocking pool → context-length check
+//! (400) → routing → submit (503 when an engine queue is full). A failure after some choices
+//! were submitted drops them, and their guards cancel them. It must not decode engine output
+//! (that is `pipeline`) or build bodies (that is `respond`).
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, header};
+use axum::response::{IntoResponse, Response};
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+use tokio::sync::OwnedSemaphorePermit;
+
+use super::AppState;
+use super::error::AppError;
+use super::params::{GenParams, validate_common};
+use super::pipeline::{ChoiceRun, OutputState, RequestGuard};
+use super::prefix_mirror::prompt_block_hashes;
+use super::protocol::*;
+use super::respond::{Meta, Shape, full_response, stream_response};
+use crate::engine::api::GenerateRequest;
+
+/// Prompt tokens kept as detokenizer context (for correct leading spaces).
+const DETOK_CONTEXT: usize = 4;
+
+/// Reads the body within the size limit and the read timeout. A declared `Content-Length` over
+/// the limit is refused before reading anything.
+async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<Bytes, AppError> {
+    let limit = state.config().max_body_bytes;
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(AppError::PayloadTooLarge(limit));
+    }
+    let timeout = Duration::from_secs(u64::from(state.config().body_read_timeout_secs));
+    match tokio::time::timeout(timeout, axum::body::to_bytes(body, limit)).await {
+        Err(_) => Err(AppError::InvalidJson(
+            "timed out reading the request body".into(),
+        )),
+        Ok(Ok(b)) => Ok(b),
+        Ok(Err(e)) => {
+            // axum reports the limit as a boxed `LengthLimitError` somewhere in the chain.
+            let mut too_large = false;
+            let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+            while let Some(err) = cur {
+                too_large |= err.to_string().contains("length limit");
+                cur = err.source();
+            }
+            if too_large {
+                Err(AppError::PayloadTooLarge(limit))
+            } else {
+                Err(AppError::InvalidJson(format!("cannot read the body: {e}")))
+            }
+        }
+    }
+}
+
+fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, AppError> {
+    serde_json::from_slice(body).map_err(|e| {
+        let msg = e.to_string();
+        match e.classify() {
+            serde_json::error::Category::Data => {
+                if msg.contains("PromptInput") {
+                    AppError::invalid(
+                        "prompt",
+                        "prompt must be a string, a list of strings, a list of token ids, or a list of token-id lists",
+                    )
+                } else if msg.contains("MessageContent") {
+                    AppError::invalid("messages", "message content must be a string or a list of content parts")
+                } else if msg.contains("StopInput") {
+                    AppError::invalid("stop", "stop must be a string or a list of strings")
+                } else {
+                    AppError::InvalidRequest { message: msg, param: None }
+                }
+            }
+            _ => AppError::InvalidJson(msg),
+        }
+    })
+}
+
+fn check_model(state: &AppState, model: Option<&str>) -> Result<(), AppError> {
+    match model {
+        None => Ok(()),
+        Some(m) if m == state.inner().served_name => Ok(()),
+        Some(m) => Err(AppError::ModelNotFound(m.chars().take(200).collect())),
+    }
+}
+
+fn admit(state: &AppState, choices: usize) -> Result<OwnedSemaphorePermit, AppError> {
+    if state.is_shutting_down() {
+        return Err(AppError::ShuttingDown);
+    }
+    let max = state.config().max_choices_per_request as usize;
+    if choices > max {
+        return Err(AppError::invalid(
+            "n",
+            format!("n × prompts = {choices} exceeds the limit of {max}"),
+        ));
+    }
+    let n = u32::try_from(choices).map_err(|_| AppError::invalid("n", "too many choices"))?;
+    state
+        .inner()
+        .admission
+        .clone()
+        .try_acquire_many_owned(n)
+        .map_err(|_| AppError::Overloaded {
+            retry_after_secs: state.config().retry_after_secs,
+        })
+}
+
+/// What the user sent as one prompt.
+enum PromptSource {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+/// One prompt, tokenized.
+struct Prepared {
+    ids: Vec<u32>,
+    hashes: Vec<u64>,
+    echo: Option<String>,
+    echo_tokens: Vec<String>,
+}
+
+async fn prepare(
+    state: &AppState,
+    sources: Vec<PromptSource>,
+    add_special: bool,
+    echo: bool,
+    logprobs: bool,
+) -> Result<Vec<Prepared>, AppError> {
+    let codec = state.inner().codec.clone();
+    let salt = state.inner().model.cache_salt.clone();
+    let block = state.inner().model.block_size;
+    let vocab = state.inner().limits.vocab_size;
+    tokio::task::spawn_blocking(move || {
+        sources
+            .into_iter()
+            .map(|src| {
+                let (ids, text) = match src {
+                    PromptSource::Text(t) => (codec.encode(&t, add_special)?, Some(t)),
+                    PromptSource::Tokens(ids) => {
+                        if let Some(bad) = ids.iter().find(|t| **t >= vocab) {
+                            return Err(AppError::invalid(
+                                "prompt",
+                                format!("token id {bad} is outside the vocabulary (size {vocab})"),
+                            ));
+                        }
+                        (ids, None)
+                    }
+                };
+                if ids.is_empty() {
+                    return Err(AppError::invalid("prompt", "the prompt is empty"));
+                }
+                let echo_text = match (echo, text) {
+                    (false, _) => None,
+                    (true, Some(t)) => Some(t),
+                    (true, None) => Some(codec.decode(&ids, false)?),
+                };
+                let echo_tokens = if echo && logprobs {
+                    ids.iter()
+                        .map(|t| codec.decode(&[*t], false))
+                        .collect::<Result<_, _>>()?
+                } else {
+                    Vec::new()
+                };
+                let hashes = prompt_block_hashes(&salt, &ids, block);
+                Ok(Prepared {
+                    ids,
+                    hashes,
+                    echo: echo_text,
+                    echo_tokens,
+                })
+            })
+            .collect()
+    })
+    .await
+    .map_err(|e| AppError::Internal(format!("tokenizer task failed: {e}")))?
+}
+
+/// Resolves `max_tokens` against the context window for one prompt.
+fn budget(state: &AppState, prompt_len: usize, asked: Option<u32>) -> Result<u32, AppError> {
+    let max_len = state.inner().model.max_model_len as usize;
+    if prompt_len >= max_len {
+        return Err(AppError::ContextLength(format!(
+            "this model's maximum context length is {max_len} tokens, but the prompt has {prompt_len} tokens"
+        )));
+    }
+    let room = (max_len - prompt_len) as u32;
+    match asked {
+        None => Ok(room),
+        Some(m) if m <= room => Ok(m),
+        Some(m) => Err(AppError::ContextLength(format!(
+            "this model's maximum context length is {max_len} tokens; the prompt has {prompt_len} tokens and max_tokens is {m}"
+        ))),
+    }
+}
+
+/// Routes and submits every choice; returns the runs and their (index, prompt) pairs.
+async fn submit(
+    state: &AppState,
+    prepared: &[Prepared],
+    params: &GenParams,
+    mut permit: OwnedSemaphorePermit,
+    tenant: String,
+    start: Instant,
+) -> Result<(Vec<ChoiceRun>, Vec<(u32, usize)>), AppError> {
+    let budgets = prepared
+        .iter()
+        .map(|p| budget(state, p.ids.len(), params.max_tokens))
+        .collect::<Result<Vec<_>, _>>()?;
+    let inner = state.inner();
+    let mut stop_ids: HashSet<u32> = params.stop_token_ids.iter().copied().collect();
+    if !params.ignore_eos {
+        stop_ids.extend(inner.codec.eos_token_ids().iter().copied());
+    }
+    let mut runs = Vec::with_capacity(prepared.len() * params.n as usize);
+    let mut indices = Vec::with_capacity(runs.capacity());
+    for (p, (prep, max_tokens)) in prepared.iter().zip(budgets).enumerate() {
+        let placement = inner
+            .router
+            .route(prep.hashes.clone(), prep.ids.len() as u32, tenant.clone())
+            .await?;
+        let handle = inner
+            .router
+            .replicas()
+            .get(placement.replica)
+            .cloned()
+            .ok_or_else(|| AppError::Internal("router chose a missing replica".into()))?;
+        let tail = &prep.ids[prep.ids.len().saturating_sub(DETOK_CONTEXT)..];
+        for k in 0..params.n {
+            let index = p as u32 * params.n + k;
+            let id = state.next_id();
+            let mut sampling = params.sampling.clone();
+            // Distinct but reproducible draws for the n choices of a seeded request.
+            sampling.seed = sampling.seed.map(|s| s.wrapping_add(u64::from(k)));
+            let request = GenerateRequest {
+                id,
+                prompt: prep.ids.clone(),
+                params: sampling,
+                max_tokens,
+                stop_token_ids: params.stop_token_ids.clone(),
+                ignore_eos: params.ignore_eos,
+                prompt_logprobs: false,
+            };
+            let one = permit
+                .split(1)
+                .ok_or_else(|| AppError::Internal("admission accounting".into()))?;
+            let rx = handle
+                .submit(request)
+                .map_err(|e| AppError::from_submit(e, inner.config.retry_after_secs))?;
+            let guard = RequestGuard::new(handle.clone(), id, inner.metrics.clone(), one);
+            let out = OutputState::new(
+                inner.codec.clone(),
+                tail,
+                params.stop.clone(),
+                stop_ids.clone(),
+                params.skip_special_tokens,
+            );
+            runs.push(ChoiceRun::new(
+                index,
+                p,
+                rx,
+                guard,
+                out,
+                state.abort_rx(),
+                inner.metrics.clone(),
+                start,
+            ));
+            indices.push((index, p));
+        }
+    }
+    Ok((runs, indices))
+}
+
+fn meta(state: &AppState, prefix: &str, params: &GenParams, prepared: &[Prepared]) -> Meta {
+    Meta {
+        id: format!("{prefix}-{:016x}", state.next_id()),
+        created: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        model: state.inner().served_name.clone(),
+        logprobs: params.logprobs.is_some(),
+        include_usage: params.include_usage,
+        prompt_tokens: prepared.iter().map(|p| p.ids.len() as u32).collect(),
+    }
+}
+
+async fn finish(
+    shape: Shape,
+    meta: Meta,
+    params: &GenParams,
+    runs: Vec<ChoiceRun>,
+    indices: Vec<(u32, usize)>,
+) -> Result<Response, AppError> {
+    if params.stream {
+        return Ok(stream_response(shape, meta, runs, indices));
+    }
+    let outputs = futures_util::future::join_all(runs.into_iter().map(ChoiceRun::collect)).await;
+    let choices = outputs.into_iter().collect::<Result<Vec<_>, _>>()?;
+    Ok(full_response(&shape, &meta, choices))
+}
+
+pub async fn completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, AppError> {
+    let start = Instant::now();
+    if state.is_shutting_down() {
+        return Err(AppError::ShuttingDown);
+    }
+    let body = read_body(&state, &headers, body).await?;
+    let req: CompletionRequest = parse(&body)?;
+    check_model(&state, req.common.model.as_deref())?;
+    if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+        return Err(AppError::Unsupported("suffix".into()));
+    }
+    let params = validate_common(
+        &req.common,
+        req.common.max_tokens,
+        req.logprobs,
+        &state.inner().limits,
+    )?;
+    if let Some(b) = req.best_of
+        && b != params.n
+    {
+        return Err(AppError::Unsupported("best_of different from n".into()));
+    }
+    let sources: Vec<PromptSource> = match req.prompt {
+        PromptInput::Text(t) => vec![PromptSource::Text(t)],
+        PromptInput::Tokens(ids) => vec![PromptSource::Tokens(ids)],
+        PromptInput::TextBatch(v) => v.into_iter().map(PromptSource::Text).collect(),
+        PromptInput::TokenBatch(v) => v.into_iter().map(PromptSource::Tokens).collect(),
+    };
+    if sources.is_empty() {
+        return Err(AppError::invalid("prompt", "the prompt list is empty"));
+    }
+    let permit = admit(&state, sources.len() * params.n as usize)?;
+    let echo = req.echo.unwrap_or(false);
+    let prepared = prepare(&state, sources, true, echo, params.logprobs.is_some()).await?;
+    let tenant = req.common.user.clone().unwrap_or_default();
+    let (runs, indices) = submit(&state, &prepared, &params, permit, tenant, start).await?;
+    let meta = meta(&state, "cmpl", &params, &prepared);
+    let shape = Shape::Completion {
+        echo: prepared.iter().map(|p| p.echo.clone()).collect(),
+        echo_tokens: prepared.into_iter().map(|p| p.echo_tokens).collect(),
+    };
+    finish(shape, meta, &params, runs, indices).await
+}
+
+const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
+
+fn messages_json(messages: &[ChatMessage]) -> Result<Value, AppError> {
+    if messages.is_empty() {
+        return Err(AppError::invalid("messages", "messages must not be empty"));
+    }
+    let mut out = Vec::with_capacity(messages.len());
+    for m in messages {
+        if !ROLES.contains(&m.role.as_str()) {
+            return Err(AppError::invalid(
+                "messages",
+                format!(
+                    "unknown role `{}`",
+                    m.role.chars().take(50).collect::<String>()
+                ),
+            ));
+        }
+        let content = match &m.content {
+            None => String::new(),
+            Some(MessageContent::Text(t)) => t.clone(),
+            Some(MessageContent::Parts(parts)) => {
+                let mut s = String::new();
+                for p in parts {
+                    match (p.kind.as_str(), &p.text) {
+                        ("text", Some(t)) => s.push_str(t),
+                        ("text", None) => {
+                            return Err(AppError::invalid(
+                                "messages",
+                                "a text content part needs `text`",
+                            ));
+                        }
+                        (other, _) => {
+                            return Err(AppError::Unsupported(format!(
+                                "content part type `{}`",
+                                other.chars().take(50).collect::<String>()
+                            )));
+                        }
+                    }
+                }
+                s
+            }
+        };
+        let mut v = json!({"role": m.role, "content": content});
+        if let Some(name) = &m.name {
+            v["name"] = Value::String(name.clone());
+        }
+        out.push(v);
+    }
+    Ok(Value::Array(out))
+}
+
+pub async fn chat_completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, AppError> {
+    let start = Instant::now();
+    if state.is_shutting_down() {
+        return Err(AppError::ShuttingDown);
+    }
+    let body = read_body(&state, &headers, body).await?;
+    let req: ChatRequest = parse(&body)?;
+    check_model(&state, req.common.model.as_deref())?;
+    if req
+        .tools
+        .as_ref()
+        .is_some_and(|t| !t.is_null() && t.as_array().is_none_or(|a| !a.is_empty()))
+    {
+        return Err(AppError::Unsupported("tools".into()));
+    }
+    if let Some(rf) = &req.response_format
+        && !rf.is_null()
+        && rf.get("type").and_then(Value::as_str) != Some("text")
+    {
+        return Err(AppError::Unsupported(
+            "response_format other than text".into(),
+        ));
+    }
+    let logprobs = match (req.logprobs, req.top_logprobs) {
+        (Some(true), k) => Some(k.unwrap_or(0)),
+        (_, Some(k)) if k > 0 => {
+            return Err(AppError::invalid(
+                "top_logprobs",
+                "top_logprobs requires logprobs: true",
+            ));
+        }
+        _ => None,
+    };
+    let max_tokens = req.max_completion_tokens.or(req.common.max_tokens);
+    let params = validate_common(&req.common, max_tokens, logprobs, &state.inner().limits)?;
+    let messages = messages_json(&req.messages)?;
+    let permit = admit(&state, params.n as usize)?;
+    let codec = state.inner().codec.clone();
+    let add_generation_prompt = req.add_generation_prompt.unwrap_or(true);
+    let rendered =
+        tokio::task::spawn_blocking(move || codec.render_chat(&messages, add_generation_prompt))
+            .await
+            .map_err(|e| AppError::Internal(format!("template task failed: {e}")))??;
+    // The template already holds BOS and special markers.
+    let prepared = prepare(
+        &state,
+        vec![PromptSource::Text(rendered)],
+        false,
+        false,
+        false,
+    )
+    .await?;
+    let tenant = req.common.user.clone().unwrap_or_default();
+    let (runs, indices) = submit(&state, &prepared, &params, permit, tenant, start).await?;
+    let meta = meta(&state, "chatcmpl", &params, &prepared);
+    finish(Shape::Chat, meta, &params, runs, indices).await
+}
+
+pub async fn models(State(state): State<AppState>) -> Response {
+    let inner = state.inner();
+    let list = ModelList {
+        object: "list",
+        data: vec![ModelCard {
+            id: inner.served_name.clone(),
+            object: "model",
+            created: inner.created,
+            owned_by: "chimera",
+            max_model_len: inner.model.max_model_len,
+        }],
+    };
+    axum::Json(list).into_response()
+}

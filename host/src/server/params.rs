@@ -1,0 +1,267 @@
+//! Request validation: OpenAI fields → checked generation parameters.
+//!
+//! Owns: every range and cross-field rule on request parameters (temperature, top_p, top_k,
+//! min_p, penalties, n, stop, logprobs, stream options, unsupported features). The output,
+//! [`GenParams`], is what the pipeline trusts without further checks. It must not tokenize or
+//! look at the model beyond the limits it is given.
+
+use super::error::AppError;
+use super::protocol::{CommonFields, StopInput};
+use crate::engine::api::SamplingParams;
+
+/// Limits from the server configuration that bound a single request.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub max_n: u32,
+    pub max_stop_strings: usize,
+    pub max_stop_len: usize,
+    pub max_logprobs: u32,
+    pub vocab_size: u32,
+}
+
+/// Checked parameters for one request (shared by all its choices).
+#[derive(Debug, Clone)]
+pub struct GenParams {
+    pub sampling: SamplingParams,
+    /// `None`: as many as the context allows.
+    pub max_tokens: Option<u32>,
+    pub n: u32,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    pub skip_special_tokens: bool,
+    /// Top alternatives per token when logprobs were asked for.
+    pub logprobs: Option<u32>,
+}
+
+fn finite(param: &'static str, v: Option<f64>) -> Result<Option<f64>, AppError> {
+    match v {
+        Some(x) if !x.is_finite() => {
+            Err(AppError::invalid(param, format!("{param} must be finite")))
+        }
+        other => Ok(other),
+    }
+}
+
+fn in_range(
+    param: &'static str,
+    v: Option<f64>,
+    lo: f64,
+    hi: f64,
+    default: f64,
+) -> Result<f32, AppError> {
+    let x = finite(param, v)?.unwrap_or(default);
+    if x < lo || x > hi {
+        return Err(AppError::invalid(
+            param,
+            format!("{param} must be in [{lo}, {hi}], got {x}"),
+        ));
+    }
+    Ok(x as f32)
+}
+
+/// Validates the fields both endpoints share. `logprobs` is the endpoint's own logprobs ask.
+pub fn validate_common(
+    c: &CommonFields,
+    max_tokens: Option<u32>,
+    logprobs: Option<u32>,
+    limits: &Limits,
+) -> Result<GenParams, AppError> {
+    let temperature = in_range("temperature", c.temperature, 0.0, 2.0, 1.0)?;
+    let top_p = in_range("top_p", c.top_p, 0.0, 1.0, 1.0)?;
+    if top_p <= 0.0 {
+        return Err(AppError::invalid("top_p", "top_p must be in (0, 1]"));
+    }
+    let top_k = match c.top_k {
+        None | Some(-1) | Some(0) => 0,
+        Some(k) if k > 0 && k <= i64::from(u32::MAX) => k as u32,
+        Some(k) => {
+            return Err(AppError::invalid(
+                "top_k",
+                format!("top_k must be -1, 0 or positive, got {k}"),
+            ));
+        }
+    };
+    let min_p = in_range("min_p", c.min_p, 0.0, 1.0, 0.0)?;
+    let presence_penalty = in_range("presence_penalty", c.presence_penalty, -2.0, 2.0, 0.0)?;
+    let frequency_penalty = in_range("frequency_penalty", c.frequency_penalty, -2.0, 2.0, 0.0)?;
+    let repetition_penalty = in_range("repetition_penalty", c.repetition_penalty, 0.0, 10.0, 1.0)?;
+    if repetition_penalty <= 0.0 {
+        return Err(AppError::invalid(
+            "repetition_penalty",
+            "repetition_penalty must be > 0",
+        ));
+    }
+    let n = c.n.unwrap_or(1);
+    if n == 0 || n > limits.max_n {
+        return Err(AppError::invalid(
+            "n",
+            format!("n must be in [1, {}], got {n}", limits.max_n),
+        ));
+    }
+    if max_tokens == Some(0) {
+        return Err(AppError::invalid(
+            "max_tokens",
+            "max_tokens must be at least 1",
+        ));
+    }
+    let stream = c.stream.unwrap_or(false);
+    if c.stream_options.is_some() && !stream {
+        return Err(AppError::invalid(
+            "stream_options",
+            "stream_options is only allowed when stream is true",
+        ));
+    }
+    let include_usage = c
+        .stream_options
+        .as_ref()
+        .and_then(|o| o.include_usage)
+        .unwrap_or(false);
+    let stop = match &c.stop {
+        None => Vec::new(),
+        Some(StopInput::One(s)) => vec![s.clone()],
+        Some(StopInput::Many(v)) => v.clone(),
+    };
+    if stop.len() > limits.max_stop_strings {
+        return Err(AppError::invalid(
+            "stop",
+            format!(
+                "at most {} stop strings are allowed",
+                limits.max_stop_strings
+            ),
+        ));
+    }
+    for s in &stop {
+        if s.is_empty() {
+            return Err(AppError::invalid("stop", "stop strings must not be empty"));
+        }
+        if s.chars().count() > limits.max_stop_len {
+            return Err(AppError::invalid(
+                "stop",
+                format!(
+                    "stop strings are limited to {} characters",
+                    limits.max_stop_len
+                ),
+            ));
+        }
+    }
+    let stop_token_ids = c.stop_token_ids.clone().unwrap_or_default();
+    if stop_token_ids.len() > 256 {
+        return Err(AppError::invalid(
+            "stop_token_ids",
+            "at most 256 stop token ids are allowed",
+        ));
+    }
+    if let Some(bad) = stop_token_ids.iter().find(|t| **t >= limits.vocab_size) {
+        return Err(AppError::invalid(
+            "stop_token_ids",
+            format!("token id {bad} is outside the vocabulary"),
+        ));
+    }
+    if let Some(lp) = logprobs
+        && lp > limits.max_logprobs
+    {
+        return Err(AppError::invalid(
+            "logprobs",
+            format!(
+                "at most {} logprobs per token are allowed",
+                limits.max_logprobs
+            ),
+        ));
+    }
+    if c.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
+        return Err(AppError::Unsupported("logit_bias".into()));
+    }
+    Ok(GenParams {
+        sampling: SamplingParams {
+            temperature,
+            top_p,
+            top_k,
+            min_p,
+            seed: c.seed.map(|s| s as u64),
+            presence_penalty,
+            frequency_penalty,
+            repetition_penalty,
+            logprobs,
+        },
+        max_tokens,
+        n,
+        stream,
+        include_usage,
+        stop,
+        stop_token_ids,
+        ignore_eos: c.ignore_eos.unwrap_or(false),
+        skip_special_tokens: c.skip_special_tokens.unwrap_or(true),
+        logprobs,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> Limits {
+        Limits {
+            max_n: 8,
+            max_stop_strings: 4,
+            max_stop_len: 16,
+            max_logprobs: 20,
+            vocab_size: 100,
+        }
+    }
+
+    #[test]
+    fn defaults_and_ranges() {
+        let p = validate_common(&CommonFields::default(), None, None, &limits()).unwrap();
+        assert_eq!(p.sampling.temperature, 1.0);
+        assert_eq!(p.n, 1);
+        assert!(p.skip_special_tokens);
+        let bad = [
+            CommonFields {
+                temperature: Some(2.5),
+                ..Default::default()
+            },
+            CommonFields {
+                top_p: Some(0.0),
+                ..Default::default()
+            },
+            CommonFields {
+                top_k: Some(-2),
+                ..Default::default()
+            },
+            CommonFields {
+                n: Some(9),
+                ..Default::default()
+            },
+            CommonFields {
+                stop: Some(StopInput::One(String::new())),
+                ..Default::default()
+            },
+            CommonFields {
+                stop_token_ids: Some(vec![100]),
+                ..Default::default()
+            },
+            CommonFields {
+                repetition_penalty: Some(0.0),
+                ..Default::default()
+            },
+        ];
+        for c in bad {
+            assert!(validate_common(&c, None, None, &limits()).is_err(), "{c:?}");
+        }
+        assert!(validate_common(&CommonFields::default(), Some(0), None, &limits()).is_err());
+        assert!(validate_common(&CommonFields::default(), None, Some(21), &limits()).is_err());
+        let k = CommonFields {
+            top_k: Some(-1),
+            seed: Some(-1),
+            ..Default::default()
+        };
+        let p = validate_common(&k, Some(3), Some(2), &limits()).unwrap();
+        assert_eq!(
+            (p.sampling.top_k, p.sampling.seed, p.logprobs),
+            (0, Some(u64::MAX), Some(2))
+        );
+    }
+}

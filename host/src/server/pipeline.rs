@@ -1,0 +1,440 @@
+//! One choice's life after admission: engine events in, text chunks out.
+//!
+//! Owns: [`ChoiceRun`] (the event receiver of one engine request, its detokenizer and stop
+//! matcher, and timing metrics) and [`RequestGuard`] (cancels the engine request when the run is
+//! dropped before the engine finished it: a client that disconnects drops the response future
+//! or body stream, which drops the run, which cancels within one engine step). Invariants: every
+//! submitted engine request ends in exactly one of finish, cancel-on-drop, or cancel-on-stop;
+//! detokenization runs on the blocking pool, never on the event loop; the admission permit is
+//! released when the run ends. It must not format HTTP bodies.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tokio::sync::{OwnedSemaphorePermit, mpsc, watch};
+
+use super::detok::{IncrementalDetokenizer, StopMatcher};
+use super::error::AppError;
+use super::metrics::{Finished, Metrics};
+use super::text::{TextCodec, TextError};
+use crate::engine::api::{EngineEvent, EngineHandle, FinishReason, TokenLogprob, Usage};
+
+/// Cancels the engine request on drop unless the engine already finished it.
+pub struct RequestGuard {
+    handle: EngineHandle,
+    id: u64,
+    armed: bool,
+    metrics: Arc<Metrics>,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl RequestGuard {
+    pub fn new(
+        handle: EngineHandle,
+        id: u64,
+        metrics: Arc<Metrics>,
+        permit: OwnedSemaphorePermit,
+    ) -> Self {
+        metrics.in_flight_add(1);
+        Self {
+            handle,
+            id,
+            armed: true,
+            metrics,
+            _permit: permit,
+        }
+    }
+
+    /// The engine finished (or failed) the request: nothing to cancel.
+    fn disarm(&mut self) {
+        self.armed = false;
+    }
+
+    /// The server itself ends the request (stop string, shutdown).
+    fn cancel_now(&mut self) {
+        if self.armed {
+            self.handle.cancel(self.id);
+            self.armed = false;
+        }
+    }
+}
+
+impl Drop for RequestGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            self.handle.cancel(self.id);
+            self.metrics.client_disconnect();
+            self.metrics.finished(Finished::Abort);
+        }
+        self.metrics.in_flight_add(-1);
+    }
+}
+
+/// Logprob of one output token, already turned into text.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenInfo {
+    pub token: String,
+    pub logprob: f32,
+    pub top: Vec<(String, f32)>,
+}
+
+/// How a choice ended.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FinishInfo {
+    /// OpenAI finish_reason: "stop", "length" or "abort".
+    pub reason: &'static str,
+    /// The stop string or stop token id that ended it, if any.
+    pub stop_reason: Option<Value>,
+    pub usage: Usage,
+}
+
+/// A piece of one choice's output.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChoiceChunk {
+    pub index: u32,
+    pub prompt_idx: usize,
+    pub text: String,
+    pub logprobs: Vec<TokenInfo>,
+    pub finish: Option<FinishInfo>,
+}
+
+/// Everything the blocking pool needs to turn events into text (moved there and back).
+pub struct OutputState {
+    codec: Arc<TextCodec>,
+    detok: IncrementalDetokenizer,
+    stop: StopMatcher,
+    stop_ids: HashSet<u32>,
+    generated: u32,
+    stop_token: Option<u32>,
+}
+
+/// Result of processing a batch of events.
+#[derive(Debug, Default)]
+struct Processed {
+    text: String,
+    logprobs: Vec<TokenInfo>,
+    stop_string: Option<String>,
+    finished: Option<(FinishReason, Usage)>,
+    failed: Option<(&'static str, String)>,
+}
+
+impl OutputState {
+    pub fn new(
+        codec: Arc<TextCodec>,
+        prompt_tail: &[u32],
+        stops: Vec<String>,
+        stop_ids: HashSet<u32>,
+        skip_special: bool,
+    ) -> Self {
+        Self {
+            detok: IncrementalDetokenizer::new(prompt_tail, skip_special),
+            codec,
+            stop: StopMatcher::new(stops),
+            stop_ids,
+            generated: 0,
+            stop_token: None,
+        }
+    }
+
+    fn token_info(&self, lp: &TokenLogprob) -> Result<TokenInfo, TextError> {
+        let text = |t: u32| self.codec.decode(&[t], false);
+        let top = lp
+            .top
+            .iter()
+            .map(|(t, l)| Ok((text(*t)?, *l)))
+            .collect::<Result<_, TextError>>()?;
+        Ok(TokenInfo {
+            token: text(lp.token)?,
+            logprob: lp.logprob,
+            top,
+        })
+    }
+
+    fn process(&mut self, events: Vec<EngineEvent>) -> Result<Processed, TextError> {
+        let mut out = Processed::default();
+        for ev in events {
+            match ev {
+                EngineEvent::Tokens { tokens, logprobs } => {
+                    for (j, t) in tokens.iter().enumerate() {
+                        self.generated += 1;
+                        if let Some(lp) = logprobs.as_ref().and_then(|l| l.get(j)) {
+                            out.logprobs.push(self.token_info(lp)?);
+                        }
+                        if self.stop_ids.contains(t) {
+                            // A stop token ends the text; the engine's Finished follows.
+                            self.stop_token = Some(*t);
+                            continue;
+                        }
+                        let delta = self.detok.push(&self.codec, *t)?;
+                        let released = self.stop.push(&delta);
+                        out.text.push_str(&released.text);
+                        if released.stopped.is_some() {
+                            out.stop_string = released.stopped;
+                            return Ok(out);
+                        }
+                    }
+                }
+                EngineEvent::Finished { reason, usage } => {
+                    let tail = self.detok.flush(&self.codec)?;
+                    let released = self.stop.push(&tail);
+                    out.text.push_str(&released.text);
+                    if released.stopped.is_some() {
+                        out.stop_string = released.stopped;
+                    } else {
+                        out.text.push_str(&self.stop.finish());
+                    }
+                    out.finished = Some((reason, usage));
+                    return Ok(out);
+                }
+                EngineEvent::Failed { kind, message } => {
+                    out.failed = Some((kind, message));
+                    return Ok(out);
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// One engine request being turned into output chunks.
+pub struct ChoiceRun {
+    index: u32,
+    prompt_idx: usize,
+    // Declared before `rx` so that on drop the cancel is sent before the receiver closes.
+    guard: RequestGuard,
+    rx: mpsc::UnboundedReceiver<EngineEvent>,
+    state: Option<OutputState>,
+    abort: watch::Receiver<bool>,
+    metrics: Arc<Metrics>,
+    start: Instant,
+    last_token: Option<Instant>,
+    done: bool,
+}
+
+async fn aborted(rx: &mut watch::Receiver<bool>) {
+    if rx.wait_for(|v| *v).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+impl ChoiceRun {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        index: u32,
+        prompt_idx: usize,
+        rx: mpsc::UnboundedReceiver<EngineEvent>,
+        guard: RequestGuard,
+        state: OutputState,
+        abort: watch::Receiver<bool>,
+        metrics: Arc<Metrics>,
+        start: Instant,
+    ) -> Self {
+        Self {
+            index,
+            prompt_idx,
+            rx,
+            guard,
+            state: Some(state),
+            abort,
+            metrics,
+            start,
+            last_token: None,
+            done: false,
+        }
+    }
+
+    fn chunk(
+        &self,
+        text: String,
+        logprobs: Vec<TokenInfo>,
+        finish: Option<FinishInfo>,
+    ) -> ChoiceChunk {
+        ChoiceChunk {
+            index: self.index,
+            prompt_idx: self.prompt_idx,
+            text,
+            logprobs,
+            finish,
+        }
+    }
+
+    fn observe_tokens(&mut self, events: &[EngineEvent]) {
+        let n: usize = events
+            .iter()
+            .map(|e| {
+                if let EngineEvent::Tokens { tokens, .. } = e {
+                    tokens.len()
+                } else {
+                    0
+                }
+            })
+            .sum();
+        if n == 0 {
+            return;
+        }
+        let now = Instant::now();
+        match self.last_token {
+            None => self.metrics.ttft.observe((now - self.start).as_secs_f64()),
+            Some(last) => {
+                let gap = (now - last).as_secs_f64() / n as f64;
+                for _ in 0..n {
+                    self.metrics.itl.observe(gap);
+                }
+            }
+        }
+        self.last_token = Some(now);
+    }
+
+    fn end(&mut self, how: Finished) {
+        self.done = true;
+        self.metrics.finished(how);
+        self.metrics.e2e.observe(self.start.elapsed().as_secs_f64());
+    }
+
+    /// Waits for the engine's own end of a request the server cancelled, for its usage.
+    async fn drain_usage(&mut self) -> Option<Usage> {
+        let wait = async {
+            while let Some(ev) = self.rx.recv().await {
+                if let EngineEvent::Finished { usage, .. } = ev {
+                    return Some(usage);
+                }
+                if let EngineEvent::Failed { .. } = ev {
+                    return None;
+                }
+            }
+            None
+        };
+        tokio::time::timeout(Duration::from_secs(2), wait)
+            .await
+            .ok()
+            .flatten()
+    }
+
+    /// The next chunk of output; `None` once the choice is over.
+    pub async fn next(&mut self) -> Option<Result<ChoiceChunk, AppError>> {
+        loop {
+            if self.done {
+                return None;
+            }
+            let first = tokio::select! {
+                ev = self.rx.recv() => ev,
+                _ = aborted(&mut self.abort) => {
+                    self.guard.cancel_now();
+                    let usage = self.drain_usage().await.unwrap_or_default();
+                    self.end(Finished::Abort);
+                    let finish = FinishInfo { reason: "abort", stop_reason: None, usage };
+                    return Some(Ok(self.chunk(String::new(), Vec::new(), Some(finish))));
+                }
+            };
+            let Some(first) = first else {
+                self.guard.disarm();
+                self.end(Finished::Abort);
+                return Some(Err(AppError::Internal(
+                    "the engine dropped a request without finishing it".into(),
+                )));
+            };
+            let mut events = vec![first];
+            while !matches!(
+                events.last(),
+                Some(EngineEvent::Finished { .. } | EngineEvent::Failed { .. })
+            ) {
+                match self.rx.try_recv() {
+                    Ok(ev) => events.push(ev),
+                    Err(_) => break,
+                }
+            }
+            self.observe_tokens(&events);
+            let Some(mut state) = self.state.take() else {
+                self.done = true;
+                return Some(Err(AppError::Internal("output state lost".into())));
+            };
+            let joined = tokio::task::spawn_blocking(move || {
+                let r = state.process(events);
+                (state, r)
+            })
+            .await;
+            let (state, result) = match joined {
+                Ok(v) => v,
+                Err(e) => {
+                    self.done = true;
+                    return Some(Err(AppError::Internal(format!(
+                        "detokenizer task failed: {e}"
+                    ))));
+                }
+            };
+            let generated = state.generated;
+            let stop_token = state.stop_token;
+            self.state = Some(state);
+            let out = match result {
+                Ok(out) => out,
+                Err(e) => {
+                    self.end(Finished::Abort);
+                    self.guard.cancel_now();
+                    return Some(Err(AppError::Internal(e.to_string())));
+                }
+            };
+            if let Some((kind, message)) = out.failed {
+                self.guard.disarm();
+                self.end(Finished::Abort);
+                return Some(Err(AppError::Engine { kind, message }));
+            }
+            let finish = if let Some(stop) = out.stop_string {
+                self.guard.cancel_now();
+                let mut usage = self.drain_usage().await.unwrap_or_default();
+                usage.completion_tokens = generated;
+                self.end(Finished::Stop);
+                Some(FinishInfo {
+                    reason: "stop",
+                    stop_reason: Some(Value::String(stop)),
+                    usage,
+                })
+            } else if let Some((reason, usage)) = out.finished {
+                self.guard.disarm();
+                let (name, how) = match reason {
+                    FinishReason::Stop => ("stop", Finished::Stop),
+                    FinishReason::Length => ("length", Finished::Length),
+                    FinishReason::Cancelled => ("abort", Finished::Abort),
+                };
+                self.end(how);
+                let stop_reason = stop_token.map(Value::from);
+                Some(FinishInfo {
+                    reason: name,
+                    stop_reason,
+                    usage,
+                })
+            } else {
+                None
+            };
+            if out.text.is_empty() && out.logprobs.is_empty() && finish.is_none() {
+                continue;
+            }
+            return Some(Ok(self.chunk(out.text, out.logprobs, finish)));
+        }
+    }
+
+    /// Runs to the end and returns the whole output as one chunk.
+    pub async fn collect(mut self) -> Result<ChoiceChunk, AppError> {
+        let mut all = self.chunk(String::new(), Vec::new(), None);
+        while let Some(c) = self.next().await {
+            let c = c?;
+            all.text.push_str(&c.text);
+            all.logprobs.extend(c.logprobs);
+            if c.finish.is_some() {
+                all.finish = c.finish;
+            }
+        }
+        Ok(all)
+    }
+
+    /// The run as a stream of chunks.
+    pub fn into_stream(
+        self,
+    ) -> impl futures_util::Stream<Item = Result<ChoiceChunk, AppError>> + Send {
+        futures_util::stream::unfold(
+            self,
+            |mut run| async move { run.next().await.map(|c| (c, run)) },
+        )
+    }
+}

@@ -1,0 +1,246 @@
+//! OpenAI wire shapes: request bodies as parsed and response bodies as sent.
+//!
+//! Owns: the serde structs of `/v1/completions`, `/v1/chat/completions` and `/v1/models`
+//! (requests and responses, streaming chunks included). Only shapes live here: ranges and
+//! cross-field rules are checked in `params`. Unknown request fields are ignored, as OpenAI's
+//! SDKs send fields newer than any server (`service_tier`, `metadata`, …); fields this server
+//! knows but does not implement (`tools`, `logit_bias`, `suffix`, …) are parsed so that `params`
+//! can reject them instead of silently ignoring them.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// A completions prompt: text, token ids, or a batch of either.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum PromptInput {
+    Text(String),
+    Tokens(Vec<u32>),
+    TextBatch(Vec<String>),
+    TokenBatch(Vec<Vec<u32>>),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum StopInput {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: Option<bool>,
+}
+
+/// Sampling and output fields shared by both endpoints.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct CommonFields {
+    pub model: Option<String>,
+    pub max_tokens: Option<u32>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f64>,
+    pub seed: Option<i64>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    pub n: Option<u32>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub stop: Option<StopInput>,
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub ignore_eos: Option<bool>,
+    pub skip_special_tokens: Option<bool>,
+    pub logit_bias: Option<serde_json::Map<String, Value>>,
+    pub user: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    pub prompt: PromptInput,
+    #[serde(flatten)]
+    pub common: CommonFields,
+    /// Number of top alternatives per token (legacy completions shape).
+    pub logprobs: Option<u32>,
+    pub echo: Option<bool>,
+    pub best_of: Option<u32>,
+    pub suffix: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum MessageContent {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: Option<MessageContent>,
+    pub name: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<ChatMessage>,
+    #[serde(flatten)]
+    pub common: CommonFields,
+    pub max_completion_tokens: Option<u32>,
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<u32>,
+    pub tools: Option<Value>,
+    pub tool_choice: Option<Value>,
+    pub response_format: Option<Value>,
+    pub add_generation_prompt: Option<bool>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Responses
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: u32,
+}
+
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
+pub struct UsageBody {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub total_tokens: u32,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// Legacy completions logprobs: parallel lists.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct CompletionLogprobs {
+    pub tokens: Vec<String>,
+    pub token_logprobs: Vec<Option<f32>>,
+    pub top_logprobs: Vec<Option<serde_json::Map<String, Value>>>,
+    pub text_offset: Vec<u32>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct CompletionChoice {
+    pub index: u32,
+    pub text: String,
+    pub logprobs: Option<CompletionLogprobs>,
+    pub finish_reason: Option<&'static str>,
+    /// The stop string or stop token that ended the choice (vLLM's extension).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stop_reason: Option<Value>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct CompletionResponse {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<CompletionChoice>,
+    /// Always present in a full response; on stream chunks present (as `null`) only when
+    /// `include_usage` was asked, and filled on the last chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Option<UsageBody>>,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct TopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ChatTokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct ChatLogprobs {
+    pub content: Vec<ChatTokenLogprob>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatMessageOut {
+    pub role: &'static str,
+    pub content: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatChoice {
+    pub index: u32,
+    pub message: ChatMessageOut,
+    pub logprobs: Option<ChatLogprobs>,
+    pub finish_reason: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stop_reason: Option<Value>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatResponse {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChoice>,
+    pub usage: UsageBody,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ChatDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatChunkChoice {
+    pub index: u32,
+    pub delta: ChatDelta,
+    pub logprobs: Option<ChatLogprobs>,
+    pub finish_reason: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stop_reason: Option<Value>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatChunk {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChunkChoice>,
+    /// Present (as `null`) on every chunk when `include_usage` was asked, filled on the last.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Option<UsageBody>>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelCard {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub owned_by: &'static str,
+    pub max_model_len: u32,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelList {
+    pub object: &'static str,
+    pub data: Vec<ModelCard>,
+}

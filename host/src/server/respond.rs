@@ -1,0 +1,408 @@
+//! Output formatting: choice chunks → OpenAI JSON bodies and SSE streams.
+//!
+//! Owns: the mapping from pipeline [`ChoiceChunk`]s to completion / chat response bodies, the
+//! SSE framing (`data: {json}\n\n`, a final usage chunk when `include_usage`, `data: [DONE]`),
+//! and usage accounting across prompts and choices. Invariants: a streamed response carries the
+//! same text, tokens and finish reasons as the non-streamed one for the same request; an error
+//! after the stream started is sent as one `data: {"error": ...}` event before `[DONE]`. It must
+//! not talk to engines: dropping the stream (client gone) drops the runs, which cancel.
+
+use std::collections::{HashMap, VecDeque};
+use std::convert::Infallible;
+use std::pin::Pin;
+
+use axum::body::{Body, Bytes};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::Response;
+use futures_util::{Stream, StreamExt};
+use serde::Serialize;
+use serde_json::{Map, Value};
+
+use super::error::AppError;
+use super::pipeline::{ChoiceChunk, ChoiceRun, TokenInfo};
+use super::protocol::*;
+
+/// Which OpenAI endpoint shape to produce.
+#[derive(Debug, Clone)]
+pub enum Shape {
+    Completion {
+        /// Per prompt: text to echo before the output (when `echo`).
+        echo: Vec<Option<String>>,
+        /// Per prompt: the prompt tokens' strings, for echo + logprobs.
+        echo_tokens: Vec<Vec<String>>,
+    },
+    Chat,
+}
+
+/// Identity and bookkeeping shared by every chunk of one response.
+#[derive(Debug, Clone)]
+pub struct Meta {
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+    pub logprobs: bool,
+    pub include_usage: bool,
+    /// Per prompt: its token count (usage counts each prompt once, whatever `n`).
+    pub prompt_tokens: Vec<u32>,
+}
+
+/// Sums usage: prompts once each, completions over all choices, cached tokens per prompt.
+fn usage(meta: &Meta, finished: &[(usize, u32, u32)]) -> UsageBody {
+    let prompt_tokens: u32 = meta.prompt_tokens.iter().sum();
+    let mut cached: HashMap<usize, u32> = HashMap::new();
+    let mut completion_tokens = 0;
+    for (p, gen_tokens, c) in finished {
+        completion_tokens += gen_tokens;
+        let e = cached.entry(*p).or_insert(0);
+        *e = (*e).max(*c);
+    }
+    UsageBody {
+        prompt_tokens,
+        completion_tokens,
+        total_tokens: prompt_tokens + completion_tokens,
+        prompt_tokens_details: PromptTokensDetails {
+            cached_tokens: cached.values().sum(),
+        },
+    }
+}
+
+fn chat_logprobs(infos: &[TokenInfo]) -> ChatLogprobs {
+    ChatLogprobs {
+        content: infos
+            .iter()
+            .map(|t| ChatTokenLogprob {
+                token: t.token.clone(),
+                logprob: t.logprob,
+                bytes: t.token.as_bytes().to_vec(),
+                top_logprobs: t
+                    .top
+                    .iter()
+                    .map(|(s, l)| TopLogprob {
+                        token: s.clone(),
+                        logprob: *l,
+                        bytes: s.as_bytes().to_vec(),
+                    })
+                    .collect(),
+            })
+            .collect(),
+    }
+}
+
+/// Appends tokens to legacy completion logprobs, advancing `offset` (characters).
+fn push_completion_logprobs(lp: &mut CompletionLogprobs, infos: &[TokenInfo], offset: &mut u32) {
+    for t in infos {
+        lp.tokens.push(t.token.clone());
+        lp.token_logprobs.push(Some(t.logprob));
+        let mut top = Map::new();
+        for (s, l) in &t.top {
+            top.entry(s.clone()).or_insert(Value::from(*l));
+        }
+        lp.top_logprobs.push(Some(top));
+        lp.text_offset.push(*offset);
+        *offset += t.token.chars().count() as u32;
+    }
+}
+
+/// Prompt tokens in legacy logprobs: strings only, no logprob (chimera does not score prompts).
+fn push_prompt_tokens(lp: &mut CompletionLogprobs, tokens: &[String], offset: &mut u32) {
+    for t in tokens {
+        lp.tokens.push(t.clone());
+        lp.token_logprobs.push(None);
+        lp.top_logprobs.push(None);
+        lp.text_offset.push(*offset);
+        *offset += t.chars().count() as u32;
+    }
+}
+
+/// The whole non-streamed body.
+pub fn full_response(shape: &Shape, meta: &Meta, mut choices: Vec<ChoiceChunk>) -> Response {
+    choices.sort_by_key(|c| c.index);
+    let finished: Vec<(usize, u32, u32)> = choices
+        .iter()
+        .map(|c| {
+            let u = c.finish.as_ref().map(|f| f.usage).unwrap_or_default();
+            (c.prompt_idx, u.completion_tokens, u.cached_tokens)
+        })
+        .collect();
+    let usage = usage(meta, &finished);
+    let body = match shape {
+        Shape::Completion { echo, echo_tokens } => {
+            let choices = choices
+                .into_iter()
+                .map(|c| {
+                    let prefix = echo.get(c.prompt_idx).cloned().flatten();
+                    let logprobs = meta.logprobs.then(|| {
+                        let mut lp = CompletionLogprobs::default();
+                        let mut offset = 0;
+                        if prefix.is_some()
+                            && let Some(toks) = echo_tokens.get(c.prompt_idx)
+                        {
+                            push_prompt_tokens(&mut lp, toks, &mut offset);
+                        }
+                        push_completion_logprobs(&mut lp, &c.logprobs, &mut offset);
+                        lp
+                    });
+                    CompletionChoice {
+                        index: c.index,
+                        text: format!("{}{}", prefix.unwrap_or_default(), c.text),
+                        logprobs,
+                        finish_reason: c.finish.as_ref().map(|f| f.reason),
+                        stop_reason: c.finish.and_then(|f| f.stop_reason),
+                    }
+                })
+                .collect();
+            to_json(&CompletionResponse {
+                id: meta.id.clone(),
+                object: "text_completion",
+                created: meta.created,
+                model: meta.model.clone(),
+                choices,
+                usage: Some(Some(usage)),
+            })
+        }
+        Shape::Chat => {
+            let choices = choices
+                .into_iter()
+                .map(|c| ChatChoice {
+                    index: c.index,
+                    message: ChatMessageOut {
+                        role: "assistant",
+                        content: c.text,
+                    },
+                    logprobs: meta.logprobs.then(|| chat_logprobs(&c.logprobs)),
+                    finish_reason: c.finish.as_ref().map(|f| f.reason),
+                    stop_reason: c.finish.and_then(|f| f.stop_reason),
+                })
+                .collect();
+            to_json(&ChatResponse {
+                id: meta.id.clone(),
+                object: "chat.completion",
+                created: meta.created,
+                model: meta.model.clone(),
+                choices,
+                usage,
+            })
+        }
+    };
+    json_response(StatusCode::OK, body)
+}
+
+fn to_json<T: Serialize>(v: &T) -> Vec<u8> {
+    serde_json::to_vec(v).unwrap_or_else(|e| {
+        AppError::Internal(e.to_string())
+            .to_json()
+            .to_string()
+            .into_bytes()
+    })
+}
+
+fn json_response(status: StatusCode, body: Vec<u8>) -> Response {
+    let mut r = Response::new(Body::from(body));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+fn sse_frame(json: &[u8]) -> Bytes {
+    let mut v = Vec::with_capacity(json.len() + 8);
+    v.extend_from_slice(b"data: ");
+    v.extend_from_slice(json);
+    v.extend_from_slice(b"\n\n");
+    Bytes::from(v)
+}
+
+type ChunkStream = Pin<Box<dyn Stream<Item = Result<ChoiceChunk, AppError>> + Send>>;
+
+struct SseState {
+    shape: Shape,
+    meta: Meta,
+    merged: futures_util::stream::SelectAll<ChunkStream>,
+    pending: VecDeque<Bytes>,
+    finished: Vec<(usize, u32, u32)>,
+    offsets: HashMap<u32, u32>,
+    over: bool,
+}
+
+impl SseState {
+    fn chunk_frame(&mut self, c: ChoiceChunk) -> Bytes {
+        let usage_field = self.meta.include_usage.then_some(None);
+        if let Some(f) = &c.finish {
+            self.finished.push((
+                c.prompt_idx,
+                f.usage.completion_tokens,
+                f.usage.cached_tokens,
+            ));
+        }
+        let body = match &self.shape {
+            Shape::Completion { .. } => {
+                let logprobs = self.meta.logprobs.then(|| {
+                    let mut lp = CompletionLogprobs::default();
+                    let offset = self.offsets.entry(c.index).or_insert(0);
+                    push_completion_logprobs(&mut lp, &c.logprobs, offset);
+                    lp
+                });
+                to_json(&CompletionResponse {
+                    id: self.meta.id.clone(),
+                    object: "text_completion",
+                    created: self.meta.created,
+                    model: self.meta.model.clone(),
+                    choices: vec![CompletionChoice {
+                        index: c.index,
+                        text: c.text,
+                        logprobs,
+                        finish_reason: c.finish.as_ref().map(|f| f.reason),
+                        stop_reason: c.finish.and_then(|f| f.stop_reason),
+                    }],
+                    usage: usage_field,
+                })
+            }
+            Shape::Chat => to_json(&ChatChunk {
+                id: self.meta.id.clone(),
+                object: "chat.completion.chunk",
+                created: self.meta.created,
+                model: self.meta.model.clone(),
+                choices: vec![ChatChunkChoice {
+                    index: c.index,
+                    delta: ChatDelta {
+                        role: None,
+                        content: (!c.text.is_empty() || c.finish.is_none()).then_some(c.text),
+                    },
+                    logprobs: self.meta.logprobs.then(|| chat_logprobs(&c.logprobs)),
+                    finish_reason: c.finish.as_ref().map(|f| f.reason),
+                    stop_reason: c.finish.and_then(|f| f.stop_reason),
+                }],
+                usage: usage_field,
+            }),
+        };
+        sse_frame(&body)
+    }
+
+    fn usage_frame(&self) -> Bytes {
+        let usage = usage(&self.meta, &self.finished);
+        let body = match &self.shape {
+            Shape::Completion { .. } => to_json(&CompletionResponse {
+                id: self.meta.id.clone(),
+                object: "text_completion",
+                created: self.meta.created,
+                model: self.meta.model.clone(),
+                choices: Vec::new(),
+                usage: Some(Some(usage)),
+            }),
+            Shape::Chat => to_json(&ChatChunk {
+                id: self.meta.id.clone(),
+                object: "chat.completion.chunk",
+                created: self.meta.created,
+                model: self.meta.model.clone(),
+                choices: Vec::new(),
+                usage: Some(Some(usage)),
+            }),
+        };
+        sse_frame(&body)
+    }
+
+    /// Opening frames: the assistant role (chat) or the echoed prompt (completions).
+    fn opening(&mut self, indices: &[(u32, usize)]) {
+        for &(index, prompt_idx) in indices {
+            let text = match &self.shape {
+                Shape::Chat => {
+                    let usage_field = self.meta.include_usage.then_some(None);
+                    let body = to_json(&ChatChunk {
+                        id: self.meta.id.clone(),
+                        object: "chat.completion.chunk",
+                        created: self.meta.created,
+                        model: self.meta.model.clone(),
+                        choices: vec![ChatChunkChoice {
+                            index,
+                            delta: ChatDelta {
+                                role: Some("assistant"),
+                                content: Some(String::new()),
+                            },
+                            logprobs: None,
+                            finish_reason: None,
+                            stop_reason: None,
+                        }],
+                        usage: usage_field,
+                    });
+                    self.pending.push_back(sse_frame(&body));
+                    continue;
+                }
+                Shape::Completion { echo, .. } => echo.get(prompt_idx).cloned().flatten(),
+            };
+            if let Some(text) = text {
+                let frame = self.chunk_frame(ChoiceChunk {
+                    index,
+                    prompt_idx,
+                    text,
+                    logprobs: Vec::new(),
+                    finish: None,
+                });
+                self.pending.push_back(frame);
+            }
+        }
+    }
+}
+
+/// The streamed response. Dropping its body (client gone) drops every run, which cancels.
+pub fn stream_response(
+    shape: Shape,
+    meta: Meta,
+    runs: Vec<ChoiceRun>,
+    indices: Vec<(u32, usize)>,
+) -> Response {
+    let streams: Vec<ChunkStream> = runs
+        .into_iter()
+        .map(|r| Box::pin(r.into_stream()) as ChunkStream)
+        .collect();
+    let mut state = SseState {
+        shape,
+        meta,
+        merged: futures_util::stream::select_all(streams),
+        pending: VecDeque::new(),
+        finished: Vec::new(),
+        offsets: HashMap::new(),
+        over: false,
+    };
+    state.opening(&indices);
+    let body = futures_util::stream::unfold(state, |mut s| async move {
+        loop {
+            if let Some(frame) = s.pending.pop_front() {
+                return Some((Ok::<Bytes, Infallible>(frame), s));
+            }
+            if s.over {
+                return None;
+            }
+            match s.merged.next().await {
+                Some(Ok(chunk)) => {
+                    let frame = s.chunk_frame(chunk);
+                    s.pending.push_back(frame);
+                }
+                Some(Err(e)) => {
+                    s.pending
+                        .push_back(sse_frame(e.to_json().to_string().as_bytes()));
+                    s.pending.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+                    s.merged = futures_util::stream::select_all(Vec::new());
+                    s.over = true;
+                }
+                None => {
+                    if s.meta.include_usage {
+                        let frame = s.usage_frame();
+                        s.pending.push_back(frame);
+                    }
+                    s.pending.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+                    s.over = true;
+                }
+            }
+        }
+    });
+    let mut r = Response::new(Body::from_stream(body));
+    let h = r.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    r
+}

@@ -1,0 +1,340 @@
+//! Engine behaviour with the model-free mock executor: outputs must not depend on caching,
+//! chunking, budgets or memory pressure; prefix reuse and SSM restores happen exactly where
+//! expected; eviction and cancellation leave nothing behind.
+
+mod engine_common;
+
+use chimera::engine::api::{FinishReason, KvEvent};
+use chimera::engine::{MockConfig, MockExecutor, StepExecutor};
+use engine_common::*;
+
+const VOCAB: u32 = 64;
+
+fn configs() -> Vec<(&'static str, Knobs)> {
+    let base = Knobs::default();
+    vec![
+        (
+            "prefix caching on",
+            Knobs {
+                prefix_caching: true,
+                ..base
+            },
+        ),
+        (
+            "chunked prefill off",
+            Knobs {
+                chunked_prefill: false,
+                max_batched_tokens: 64,
+                ..base
+            },
+        ),
+        (
+            "small token budget",
+            Knobs {
+                max_batched_tokens: 12,
+                max_running: 4,
+                ..base
+            },
+        ),
+        (
+            "few blocks",
+            Knobs {
+                blocks: 10,
+                max_batched_tokens: 16,
+                ..base
+            },
+        ),
+        (
+            "few blocks, no caching",
+            Knobs {
+                blocks: 10,
+                prefix_caching: false,
+                ..base
+            },
+        ),
+        (
+            "few snapshot slots",
+            Knobs {
+                snapshots: 2,
+                max_batched_tokens: 9,
+                max_running: 4,
+                ..base
+            },
+        ),
+    ]
+}
+
+/// Runs the shared-prefix workload on every config and compares with caching and chunking off.
+fn outputs_do_not_depend_on_config(make: impl Fn() -> MockExecutor) {
+    let work = shared_prefix_workload(7, 24, VOCAB);
+    let baseline_knobs = Knobs {
+        prefix_caching: false,
+        chunked_prefill: false,
+        ..Knobs::default()
+    };
+    let mut baseline_engine = engine(make(), baseline_knobs);
+    let baseline = drive(&mut baseline_engine, work.clone());
+    assert!(
+        baseline
+            .outcomes
+            .values()
+            .all(|o| o.failed.is_none() && o.finish.is_some())
+    );
+    let base_computed = baseline_engine.stats().prompt_tokens_computed;
+    for (name, k) in configs() {
+        let mut e = engine(make(), k);
+        let run = drive(&mut e, work.clone());
+        assert_eq!(
+            run.tokens(),
+            baseline.tokens(),
+            "outputs differ with {name}"
+        );
+        let s = e.stats();
+        assert_eq!(s.free_blocks, s.total_blocks, "{name}: blocks left in use");
+        if k.prefix_caching && k.blocks > 100 {
+            assert!(
+                s.prompt_tokens_cached > 0,
+                "{name}: the cache was never hit"
+            );
+            assert!(s.prompt_tokens_computed < base_computed, "{name}");
+        }
+        if k.blocks < 16 {
+            assert!(s.preemptions > 0, "{name}: the pool never ran out");
+        }
+        for (id, o) in &run.outcomes {
+            assert_eq!(
+                o.usage.prompt_tokens as usize,
+                work[*id as usize].1.prompt.len()
+            );
+            assert_eq!(o.usage.completion_tokens as usize, o.tokens.len());
+        }
+    }
+}
+
+#[test]
+fn transformer_outputs_do_not_depend_on_config() {
+    outputs_do_not_depend_on_config(MockExecutor::transformer);
+}
+
+#[test]
+fn hybrid_outputs_do_not_depend_on_config() {
+    outputs_do_not_depend_on_config(MockExecutor::hybrid);
+}
+
+#[test]
+fn staged_shared_prefixes_skip_exactly_the_expected_tokens() {
+    let mut t = Tokens::new(3);
+    let a = t.take(14, VOCAB);
+    let b = [&a[..12], &t.take(6, VOCAB)[..]].concat();
+    let c = [&a[..6], &t.take(5, VOCAB)[..]].concat();
+    let d = [&a[..4], &t.take(7, VOCAB)[..]].concat();
+    let stage = |e: &mut chimera::engine::Engine<MockExecutor>, id, p: &Vec<u32>| {
+        drive(e, vec![(0, request(id, p.clone(), 3))]).outcomes[&id]
+            .usage
+            .cached_tokens
+    };
+    // Transformer: any cached full block is skipped.
+    let mut e = engine(MockExecutor::transformer(), Knobs::default());
+    assert_eq!(stage(&mut e, 1, &a), 0);
+    assert_eq!(stage(&mut e, 2, &b), 12);
+    assert_eq!(stage(&mut e, 3, &c), 4);
+    assert_eq!(stage(&mut e, 4, &d), 4);
+    assert_eq!(e.stats().prefix_cache_hits, 3 + 1 + 1);
+
+    // Hybrid: only to a boundary with a snapshot. A (14 tokens) snapshots at 8 and 12.
+    let mut e = engine(MockExecutor::hybrid(), Knobs::default());
+    assert_eq!(stage(&mut e, 1, &a), 0);
+    assert_eq!(e.stats().ssm_snapshots_used, 2);
+    // B restores at block 3 (token 12): one restore, 6 tokens computed.
+    let before = e.stats().prompt_tokens_computed;
+    assert_eq!(stage(&mut e, 2, &b), 12);
+    assert_eq!(e.stats().prompt_tokens_computed - before, 6);
+    assert_eq!(e.stats().ssm_restores, 1);
+    assert_eq!(e.executor().counters.restores, 1);
+    // C shares block 0's KV but there is no snapshot at 4: nothing skipped, and C snapshots
+    // the divergence point for later.
+    assert_eq!(stage(&mut e, 3, &c), 0);
+    assert_eq!(e.stats().ssm_restores, 1);
+    // D now restores at 4.
+    assert_eq!(stage(&mut e, 4, &d), 4);
+    assert_eq!(e.stats().ssm_restores, 2);
+}
+
+#[test]
+fn evicting_a_prefix_drops_kv_and_snapshot_and_the_repeat_recomputes() {
+    let k = Knobs {
+        blocks: 6,
+        max_batched_tokens: 32,
+        ..Knobs::default()
+    };
+    let mut t = Tokens::new(11);
+    let a = t.take(9, VOCAB);
+    let f = t.take(21, VOCAB);
+    let mut e = engine(MockExecutor::hybrid(), k);
+    let first = drive(&mut e, vec![(0, request(1, a.clone(), 3))]);
+    assert_eq!(e.stats().ssm_snapshots_used, 2);
+    assert_eq!(e.stats().cached_blocks, 2);
+    // F needs all 6 blocks: A's blocks (and their snapshots) are evicted.
+    let run_f = drive(&mut e, vec![(0, request(2, f, 3))]);
+    assert!(run_f.outcomes[&2].failed.is_none());
+    let removed: usize = run_f
+        .kv_events
+        .iter()
+        .map(|ev| {
+            if let KvEvent::Removed { hashes } = ev {
+                hashes.len()
+            } else {
+                0
+            }
+        })
+        .sum();
+    assert_eq!(removed, 2);
+    let again = drive(&mut e, vec![(0, request(3, a, 3))]);
+    assert_eq!(again.outcomes[&3].usage.cached_tokens, 0);
+    assert_eq!(again.outcomes[&3].tokens, first.outcomes[&1].tokens);
+    assert_eq!(e.stats().ssm_restores, 0);
+}
+
+#[test]
+fn random_cancellations_leave_every_block_free() {
+    for make in [
+        MockExecutor::transformer as fn() -> MockExecutor,
+        MockExecutor::hybrid,
+    ] {
+        let k = Knobs {
+            blocks: 24,
+            max_batched_tokens: 24,
+            max_running: 6,
+            ..Knobs::default()
+        };
+        let mut e = engine(make(), k);
+        let mut work = shared_prefix_workload(5, 64, VOCAB);
+        for (_, r) in &mut work {
+            r.max_tokens = 40;
+            r.ignore_eos = true;
+        }
+        let mut x = 99u64;
+        let run = drive_with(&mut e, work, |e, step| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+            if (x >> 33) % 3 == 0 {
+                e.cancel((x >> 40) % 64);
+            }
+            let _ = step;
+        });
+        let cancelled = run
+            .outcomes
+            .values()
+            .filter(|o| o.finish == Some(FinishReason::Cancelled))
+            .count();
+        assert!(cancelled > 10, "only {cancelled} cancellations happened");
+        assert!(
+            run.outcomes
+                .values()
+                .all(|o| o.finish.is_some() && o.failed.is_none())
+        );
+        let s = e.stats();
+        assert_eq!((s.running, s.waiting, s.paused), (0, 0, 0));
+        assert_eq!(s.free_blocks, s.total_blocks);
+        assert_eq!(e.cache().pool().available(), e.cache().pool().total());
+        assert_eq!(
+            e.cache().ssm().live_free() as u32,
+            if make().cache_spec().is_hybrid() {
+                6
+            } else {
+                0
+            }
+        );
+    }
+}
+
+#[test]
+fn a_failed_step_fails_its_batch_and_caches_nothing() {
+    let exec = MockExecutor::new(MockConfig {
+        fail_at_call: Some(1),
+        ..MockConfig::default()
+    });
+    let mut e = engine(exec, Knobs::default());
+    let mut t = Tokens::new(1);
+    let p = t.take(10, VOCAB);
+    // Request 1 prefills at call 0 and decodes at call 1 (which fails) together with 2.
+    let run = drive(
+        &mut e,
+        vec![
+            (0, request(1, p.clone(), 5)),
+            (1, request(2, t.take(9, VOCAB), 5)),
+        ],
+    );
+    assert!(run.outcomes[&1].failed.is_some());
+    assert_eq!(
+        run.outcomes[&2].failed.as_ref().map(|f| f.0),
+        Some("forward_failed")
+    );
+    // Request 2's blocks never entered the index; request 1's prompt did (its step succeeded).
+    let stored: usize = run
+        .kv_events
+        .iter()
+        .map(|ev| {
+            if let KvEvent::Stored { hashes, .. } = ev {
+                hashes.len()
+            } else {
+                0
+            }
+        })
+        .sum();
+    assert_eq!(stored, 2);
+    // The engine keeps serving.
+    let again = drive(&mut e, vec![(0, request(3, p, 2))]);
+    assert_eq!(again.outcomes[&3].usage.cached_tokens, 8);
+    assert_eq!(again.outcomes[&3].tokens.len(), 2);
+}
+
+#[test]
+fn idle_steps_keep_the_prefix_cache() {
+    let mut e = engine(MockExecutor::hybrid(), Knobs::default());
+    let p = Tokens::new(4).take(12, VOCAB);
+    drive(&mut e, vec![(0, request(1, p.clone(), 2))]);
+    for _ in 0..5 {
+        assert!(!e.step());
+    }
+    let run = drive(&mut e, vec![(0, request(2, p, 2))]);
+    assert_eq!(run.outcomes[&2].usage.cached_tokens, 8);
+    e.reset_prefix_cache();
+    assert_eq!(e.stats().cached_blocks, 0);
+    assert_eq!(e.stats().ssm_snapshots_used, 0);
+}
+
+#[test]
+fn prompt_longer_than_the_cache_fails_instead_of_waiting() {
+    let mut e = engine(
+        MockExecutor::transformer(),
+        Knobs {
+            blocks: 4,
+            max_batched_tokens: 64,
+            ..Knobs::default()
+        },
+    );
+    let run = drive(
+        &mut e,
+        vec![(0, request(1, Tokens::new(2).take(17, VOCAB), 2))],
+    );
+    let (kind, msg) = run.outcomes[&1].failed.clone().expect("failed");
+    assert_eq!(kind, "prompt_too_long");
+    assert!(msg.contains("memory_budget"), "{msg}");
+}
+
+#[test]
+fn stored_events_carry_the_prefix_hashes() {
+    let mut e = engine(MockExecutor::transformer(), Knobs::default());
+    let p = Tokens::new(8).take(9, VOCAB);
+    let run = drive(&mut e, vec![(0, request(1, p.clone(), 1))]);
+    let mut want = Vec::new();
+    chimera::cache::HashSeed::new("test-model").extend(&mut want, &p, 4);
+    let want: Vec<u64> = want.iter().map(|h| h.short()).collect();
+    assert_eq!(
+        run.kv_events,
+        vec![KvEvent::Stored {
+            hashes: want,
+            with_snapshot: vec![false, false]
+        }]
+    );
+}

@@ -1,0 +1,224 @@
+//! Shared helpers for the engine behaviour tests: build an engine over any executor, feed it
+//! requests at given steps, step it to completion and collect what each request received.
+//! Everything is generic over `StepExecutor`, so a real model runs the same scenarios.
+
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+
+use chimera::cache::{ByteSize, CacheConfig};
+use chimera::engine::api::{
+    EngineEvent, FinishReason, GenerateRequest, KvEvent, SamplingParams, Usage,
+};
+use chimera::engine::{Engine, EngineConfig, EngineSetup, Policies, StepExecutor};
+use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
+
+/// The knobs the scenarios vary.
+#[derive(Debug, Clone, Copy)]
+pub struct Knobs {
+    pub block_size: usize,
+    pub blocks: usize,
+    /// Durable SSM snapshot slots (hybrid executors only).
+    pub snapshots: usize,
+    pub max_running: usize,
+    pub max_batched_tokens: usize,
+    pub prefix_caching: bool,
+    pub chunked_prefill: bool,
+}
+
+impl Default for Knobs {
+    fn default() -> Self {
+        Self {
+            block_size: 4,
+            blocks: 256,
+            snapshots: 64,
+            max_running: 8,
+            max_batched_tokens: 256,
+            prefix_caching: true,
+            chunked_prefill: true,
+        }
+    }
+}
+
+/// A setup whose memory budget gives exactly `k.blocks` KV blocks and `k.snapshots` durable
+/// slots for `exec`'s cache spec.
+pub fn setup<E: StepExecutor>(exec: &E, k: Knobs) -> EngineSetup {
+    let spec = exec.cache_spec();
+    let kv = (spec.kv_block_bytes(k.block_size) * k.blocks) as u64;
+    let (ssm, share) = if spec.is_hybrid() {
+        let slot = spec.ssm_slot_bytes() as u64;
+        let slots = (k.max_running + if k.prefix_caching { k.snapshots } else { 0 }) as u64;
+        let ssm = slots * slot;
+        // Half a slot of slack so the share's rounding lands on exactly `slots`.
+        (
+            ssm,
+            Some((ssm as f64 + slot as f64 / 2.0) / (kv + ssm) as f64),
+        )
+    } else {
+        (0, None)
+    };
+    EngineSetup {
+        engine: EngineConfig {
+            max_batched_tokens: k.max_batched_tokens,
+            max_running: k.max_running,
+            chunked_prefill: k.chunked_prefill,
+            ..Default::default()
+        },
+        cache: CacheConfig {
+            memory_budget: ByteSize(kv + ssm),
+            block_size: k.block_size,
+            prefix_caching: k.prefix_caching,
+            ssm_share: share,
+        },
+        hash_salt: "test-model".into(),
+    }
+}
+
+pub fn engine<E: StepExecutor>(exec: E, k: Knobs) -> Engine<E> {
+    let s = setup(&exec, k);
+    let e = Engine::new(s, exec, Policies::greedy()).expect("engine");
+    assert_eq!(e.layout().num_blocks, k.blocks);
+    e
+}
+
+pub fn request(id: u64, prompt: Vec<u32>, max_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        id,
+        prompt,
+        params: SamplingParams::default(),
+        max_tokens,
+        stop_token_ids: vec![],
+        ignore_eos: false,
+        prompt_logprobs: false,
+    }
+}
+
+/// What one request received.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Outcome {
+    pub tokens: Vec<u32>,
+    pub finish: Option<FinishReason>,
+    pub usage: Usage,
+    pub failed: Option<(&'static str, String)>,
+}
+
+#[derive(Debug, Default)]
+pub struct Run {
+    pub outcomes: BTreeMap<u64, Outcome>,
+    pub kv_events: Vec<KvEvent>,
+    pub steps: u64,
+}
+
+impl Run {
+    pub fn tokens(&self) -> BTreeMap<u64, Vec<u32>> {
+        self.outcomes
+            .iter()
+            .map(|(&id, o)| (id, o.tokens.clone()))
+            .collect()
+    }
+}
+
+/// Submits each request at its step (relative to the start of this call), steps until every
+/// request ended, and checks the cache invariants after every step.
+pub fn drive<E: StepExecutor>(
+    engine: &mut Engine<E>,
+    arrivals: Vec<(u64, GenerateRequest)>,
+) -> Run {
+    drive_with(engine, arrivals, |_, _| {})
+}
+
+/// Like [`drive`], calling `each_step(engine, step)` after every step (e.g. to cancel).
+pub fn drive_with<E: StepExecutor>(
+    engine: &mut Engine<E>,
+    mut arrivals: Vec<(u64, GenerateRequest)>,
+    mut each_step: impl FnMut(&mut Engine<E>, u64),
+) -> Run {
+    arrivals.sort_by_key(|a| a.0);
+    let mut arrivals = arrivals.into_iter().peekable();
+    let mut rx: BTreeMap<u64, UnboundedReceiver<EngineEvent>> = BTreeMap::new();
+    let mut run = Run::default();
+    let mut step = 0u64;
+    loop {
+        while let Some((_, req)) = arrivals.next_if(|a| a.0 <= step) {
+            let (tx, r) = unbounded_channel();
+            run.outcomes.insert(req.id, Outcome::default());
+            rx.insert(req.id, r);
+            engine.add(req, tx);
+        }
+        engine.step();
+        engine.cache().check_invariants().expect("cache invariants");
+        each_step(engine, step);
+        engine.take_kv_events(&mut run.kv_events);
+        step += 1;
+        collect(&mut rx, &mut run);
+        if arrivals.peek().is_none() && rx.is_empty() {
+            break;
+        }
+        assert!(step < 100_000, "the engine made no progress");
+    }
+    run.steps = step;
+    run
+}
+
+fn collect(rx: &mut BTreeMap<u64, UnboundedReceiver<EngineEvent>>, run: &mut Run) {
+    let mut done = Vec::new();
+    for (&id, r) in rx.iter_mut() {
+        let o = run.outcomes.entry(id).or_default();
+        while let Ok(ev) = r.try_recv() {
+            match ev {
+                EngineEvent::Tokens { tokens, .. } => o.tokens.extend(tokens),
+                EngineEvent::Finished { reason, usage } => {
+                    o.finish = Some(reason);
+                    o.usage = usage;
+                    done.push(id);
+                }
+                EngineEvent::Failed { kind, message } => {
+                    o.failed = Some((kind, message));
+                    done.push(id);
+                }
+            }
+        }
+    }
+    for id in done {
+        rx.remove(&id);
+    }
+}
+
+/// A deterministic token stream (xorshift) for building prompts.
+pub struct Tokens(u64);
+
+impl Tokens {
+    pub fn new(seed: u64) -> Self {
+        Self(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+    }
+    pub fn next(&mut self, vocab: u32) -> u32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        // Token 0 is the mock's EOS: keep it out of prompts.
+        1 + (self.0 % u64::from(vocab - 1)) as u32
+    }
+    pub fn take(&mut self, n: usize, vocab: u32) -> Vec<u32> {
+        (0..n).map(|_| self.next(vocab)).collect()
+    }
+}
+
+/// A workload of requests sharing prefixes at several depths, arriving over time.
+pub fn shared_prefix_workload(seed: u64, n: usize, vocab: u32) -> Vec<(u64, GenerateRequest)> {
+    let mut t = Tokens::new(seed);
+    let roots: Vec<Vec<u32>> = (0..3).map(|_| t.take(13, vocab)).collect();
+    (0..n as u64)
+        .map(|i| {
+            let root = &roots[(i % 3) as usize];
+            let keep = [4, 9, 13, 6][(i % 4) as usize];
+            let tail = (i as usize * 7) % 9;
+            let mut prompt = root[..keep].to_vec();
+            prompt.extend(t.take(tail, vocab));
+            if prompt.len() < 2 {
+                prompt.push(t.next(vocab));
+            }
+            let max_tokens = 1 + (i as u32 * 5) % 9;
+            (i / 2 * 3, request(i, prompt, max_tokens))
+        })
+        .collect()
+}

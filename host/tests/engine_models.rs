@@ -1,0 +1,342 @@
+//! The engine with real models: continuous batching, chunked prefill, prefix caching (KV and
+//! SSM snapshots) and eviction pressure must never change what a request generates.
+//!
+//! Every request's greedy output is compared with the model-level reference
+//! (`model::greedy_generate`, one sequence, private caches), for the tiny fixture models of all
+//! four architectures (`tests/fixtures/models/`).
+
+use std::path::{Path, PathBuf};
+
+use chimera::backend::cpu::CpuBackend;
+use chimera::cache::config::{ByteSize, CacheConfig, CacheLayout};
+use chimera::engine::api::{EngineEvent, FinishReason, GenerateRequest, SamplingParams, Usage};
+use chimera::engine::{Engine, EngineConfig, EngineSetup, ModelRunner, Policies};
+use chimera::model::{self, Model};
+use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
+
+const MODELS: &[&str] = &["llama-gqa", "mamba2-g2", "nemotronh-a", "bamba-b"];
+
+fn model_dir(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/models")
+        .join(name)
+}
+
+fn load(name: &str) -> Model<CpuBackend> {
+    model::load(&model_dir(name), &CpuBackend).expect("fixture model")
+}
+
+/// Deterministic pseudo-random prompt tokens in the fixtures' non-special range.
+fn tokens(seed: u64, n: usize) -> Vec<u32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            5 + (s % 500) as u32
+        })
+        .collect()
+}
+
+#[derive(Clone)]
+struct Setup {
+    prefix_caching: bool,
+    chunked: bool,
+    max_batched_tokens: usize,
+    budget: u64,
+}
+
+impl Default for Setup {
+    fn default() -> Self {
+        Self {
+            prefix_caching: true,
+            chunked: true,
+            max_batched_tokens: 2048,
+            budget: 64 << 20,
+        }
+    }
+}
+
+fn engine(m: Model<CpuBackend>, s: &Setup) -> Engine<ModelRunner<CpuBackend>> {
+    let setup = EngineSetup {
+        engine: EngineConfig {
+            max_batched_tokens: s.max_batched_tokens,
+            max_running: 8,
+            chunked_prefill: s.chunked,
+            ..EngineConfig::default()
+        },
+        cache: CacheConfig {
+            memory_budget: ByteSize(s.budget),
+            block_size: 16,
+            prefix_caching: s.prefix_caching,
+            ..CacheConfig::default()
+        },
+        hash_salt: "test".into(),
+    };
+    Engine::new(setup, ModelRunner::new(CpuBackend, m), Policies::greedy()).expect("engine")
+}
+
+struct Outcome {
+    tokens: Vec<u32>,
+    usage: Usage,
+    reason: FinishReason,
+}
+
+fn submit(
+    e: &mut Engine<ModelRunner<CpuBackend>>,
+    id: u64,
+    prompt: &[u32],
+    max_tokens: u32,
+) -> UnboundedReceiver<EngineEvent> {
+    let (tx, rx) = unbounded_channel();
+    e.add(
+        GenerateRequest {
+            id,
+            prompt: prompt.to_vec(),
+            params: SamplingParams::default(),
+            max_tokens,
+            stop_token_ids: Vec::new(),
+            ignore_eos: true,
+            prompt_logprobs: false,
+        },
+        tx,
+    );
+    rx
+}
+
+fn collect(rx: &mut UnboundedReceiver<EngineEvent>) -> Option<Outcome> {
+    let mut tokens = Vec::new();
+    while let Ok(ev) = rx.try_recv() {
+        match ev {
+            EngineEvent::Tokens { tokens: t, .. } => tokens.extend(t),
+            EngineEvent::Finished { reason, usage } => {
+                return Some(Outcome {
+                    tokens,
+                    usage,
+                    reason,
+                });
+            }
+            EngineEvent::Failed { kind, message } => panic!("request failed: {kind}: {message}"),
+        }
+    }
+    None
+}
+
+/// Runs the engine until it is idle and returns each request's outcome.
+fn run_all(
+    e: &mut Engine<ModelRunner<CpuBackend>>,
+    mut rxs: Vec<UnboundedReceiver<EngineEvent>>,
+) -> Vec<Outcome> {
+    let mut steps = 0;
+    while e.step() {
+        steps += 1;
+        assert!(steps < 10_000, "engine did not finish");
+    }
+    rxs.iter_mut()
+        .map(|rx| {
+            let mut all = Vec::new();
+            let mut last = None;
+            while let Some(o) = collect(rx) {
+                all.extend(o.tokens.clone());
+                last = Some(o);
+            }
+            let mut o = last.expect("request finished");
+            o.tokens = all;
+            o
+        })
+        .collect()
+}
+
+fn reference(m: &Model<CpuBackend>, prompt: &[u32], n: usize) -> Vec<u32> {
+    model::greedy_generate(m, &CpuBackend, prompt, n, &[], 512).expect("reference")
+}
+
+#[test]
+fn outputs_do_not_depend_on_batching_or_caching() {
+    let variants = [
+        ("default", Setup::default()),
+        (
+            "no prefix caching",
+            Setup {
+                prefix_caching: false,
+                ..Setup::default()
+            },
+        ),
+        (
+            "no chunked prefill",
+            Setup {
+                chunked: false,
+                ..Setup::default()
+            },
+        ),
+        (
+            "token budget 40",
+            Setup {
+                max_batched_tokens: 40,
+                ..Setup::default()
+            },
+        ),
+        // A pool of a few blocks: requests pause, get evicted and recompute.
+        (
+            "eviction pressure",
+            Setup {
+                budget: 0,
+                max_batched_tokens: 40,
+                ..Setup::default()
+            },
+        ),
+    ];
+    for name in MODELS {
+        let m = load(name);
+        // Requests sharing prefixes, of different lengths, in one batch.
+        let base = tokens(7, 70);
+        let mut prompts: Vec<Vec<u32>> = vec![base.clone(), tokens(8, 5), tokens(9, 33)];
+        prompts.push([&base[..48], &tokens(10, 20)[..]].concat());
+        prompts.push([&base[..], &tokens(11, 9)[..]].concat());
+        let want: Vec<Vec<u32>> = prompts.iter().map(|p| reference(&m, p, 12)).collect();
+        for (label, setup) in &variants {
+            let mut setup = setup.clone();
+            if setup.budget == 0 {
+                setup.budget = tight_budget(&m, 9);
+            }
+            let mut e = engine(load(name), &setup);
+            let rxs = prompts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| submit(&mut e, i as u64, p, 12))
+                .collect();
+            let got = run_all(&mut e, rxs);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(&g.tokens, w, "{name} [{label}] request {i}");
+                assert_eq!(g.reason, FinishReason::Length);
+            }
+            let stats = e.stats();
+            assert_eq!(stats.running, 0, "{name} [{label}]");
+
+            assert_eq!(
+                e.cache().pool().available(),
+                e.cache().total_blocks(),
+                "{name} [{label}]: blocks still held after every request finished"
+            );
+            e.cache().check_invariants().expect("cache invariants");
+        }
+    }
+}
+
+/// The smallest memory budget whose planned layout has exactly `blocks` KV blocks.
+fn tight_budget(m: &Model<CpuBackend>, blocks: usize) -> u64 {
+    let kv = m.info.cache.kv_block_bytes(16).max(1) as u64;
+    let mut budget = kv * blocks as u64;
+    loop {
+        let cfg = CacheConfig {
+            memory_budget: ByteSize(budget),
+            block_size: 16,
+            ..CacheConfig::default()
+        };
+        if let Ok(l) = CacheLayout::plan(&cfg, &m.info.cache, 8) {
+            assert!(
+                l.num_blocks <= blocks,
+                "no budget gives exactly {blocks} blocks"
+            );
+            if l.num_blocks == blocks {
+                return budget;
+            }
+        }
+        budget += kv / 8 + 1;
+    }
+}
+
+#[test]
+fn requests_that_all_need_a_block_are_evicted_and_recomputed() {
+    for name in ["llama-gqa", "bamba-b"] {
+        let m = load(name);
+        // Three 48-token prompts fill 9 blocks exactly; their first decode token needs a
+        // tenth block, so every request pauses and the newest is evicted to the queue.
+        let prompts: Vec<Vec<u32>> = (0..3).map(|i| tokens(40 + i, 48)).collect();
+        let setup = Setup {
+            budget: tight_budget(&m, 9),
+            ..Setup::default()
+        };
+        let mut e = engine(load(name), &setup);
+        assert_eq!(
+            e.cache().total_blocks(),
+            9,
+            "{name}: test assumes a 9-block pool"
+        );
+        let rxs = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| submit(&mut e, i as u64, p, 12))
+            .collect();
+        let got = run_all(&mut e, rxs);
+        for (i, (g, p)) in got.iter().zip(&prompts).enumerate() {
+            assert_eq!(g.tokens, reference(&m, p, 12), "{name} request {i}");
+        }
+        assert!(e.stats().preemptions > 0, "{name}: no request was evicted");
+        assert_eq!(e.cache().pool().available(), 9, "{name}: blocks leaked");
+        e.cache().check_invariants().expect("cache invariants");
+    }
+}
+
+#[test]
+fn staged_shared_prefixes_skip_exactly_the_cached_blocks() {
+    for name in MODELS {
+        let m = load(name);
+        let hybrid = m.info.cache.is_hybrid();
+        let x = tokens(21, 131);
+        let a = x.clone();
+        // Extends A: reuses A's 8 full blocks (A snapshotted its last boundary, 128).
+        let b = [&x[..], &tokens(22, 20)[..]].concat();
+        // Diverges from A after 3 blocks. Attention-only: reuses 48 tokens. Hybrid: A has no
+        // snapshot at 48, so nothing is reused, but C snapshots at its divergence point...
+        let c = [&x[..48], &tokens(23, 30)[..]].concat();
+        // ...so D, diverging at the same point, restores there.
+        let d = [&x[..48], &tokens(24, 30)[..]].concat();
+        let expected_cached = [0, 128, if hybrid { 0 } else { 48 }, 48];
+        let mut e = engine(load(name), &Setup::default());
+        for (i, (p, want_cached)) in [a, b, c, d].iter().zip(expected_cached).enumerate() {
+            let rx = submit(&mut e, i as u64, p, 8);
+            let before = e.stats().ssm_restores;
+            let out = run_all(&mut e, vec![rx]).pop().expect("outcome");
+            assert_eq!(out.tokens, reference(&m, p, 8), "{name} request {i}");
+            assert_eq!(
+                out.usage.cached_tokens, want_cached,
+                "{name} request {i}: cached tokens"
+            );
+            let restored = e.stats().ssm_restores - before;
+            let want_restores = u64::from(hybrid && want_cached > 0);
+            assert_eq!(restored, want_restores, "{name} request {i}: SSM restores");
+        }
+    }
+}
+
+#[test]
+fn evicting_a_prefix_drops_kv_and_snapshot_then_recomputes_correctly() {
+    for name in MODELS {
+        let m = load(name);
+        let x = tokens(31, 64);
+        let mut e = engine(load(name), &Setup::default());
+        let rx = submit(&mut e, 1, &x, 6);
+        let first = run_all(&mut e, vec![rx]).pop().expect("first");
+        let cached_blocks = e.stats().cached_blocks;
+        assert!(
+            cached_blocks > 0,
+            "{name}: nothing cached after the first request"
+        );
+        // Dropping the cache removes every block and snapshot...
+        e.reset_prefix_cache();
+        assert_eq!(e.stats().cached_blocks, 0, "{name}");
+        assert_eq!(
+            e.cache().ssm().durable_used(),
+            0,
+            "{name}: snapshots survived"
+        );
+        // ...and the same prompt is recomputed from scratch, with the same output.
+        let rx = submit(&mut e, 2, &x, 6);
+        let again = run_all(&mut e, vec![rx]).pop().expect("again");
+        assert_eq!(again.usage.cached_tokens, 0, "{name}");
+        assert_eq!(again.tokens, first.tokens, "{name}");
+        assert_eq!(again.tokens, reference(&m, &x, 6), "{name}");
+    }
+}

@@ -1,0 +1,595 @@
+//! Endpoint and parameter tests over real loopback HTTP against the mock engine.
+
+mod server_support;
+
+use std::time::Duration;
+
+use chimera::server::mock_tokenizer;
+use serde_json::{Value, json};
+use server_support::*;
+
+async fn server() -> TestServer {
+    TestServer::start(Options::default()).await
+}
+
+fn completion(prompt: Value, extra: Value) -> Value {
+    let mut b = json!({"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0});
+    for (k, v) in extra.as_object().expect("object") {
+        b[k] = v.clone();
+    }
+    b
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_health_and_metrics() {
+    let s = server().await;
+    let r = request(s.addr, "GET", "/v1/models", &[], b"").await;
+    assert_eq!(r.status, 200);
+    let v = r.json();
+    assert_eq!(v["object"], "list");
+    assert_eq!(v["data"][0]["id"], MODEL);
+    assert_eq!(v["data"][0]["max_model_len"], 4096);
+    let h = request(s.addr, "GET", "/health", &[], b"").await;
+    assert_eq!(h.status, 200, "{}", h.text());
+    let m = s.metrics().await;
+    for name in [
+        "chimera:num_requests_running",
+        "chimera:num_requests_waiting",
+        "chimera:kv_cache_usage_perc",
+        "chimera:prefix_cache_queries_total",
+        "chimera:prefix_cache_hits_total",
+        "chimera:time_to_first_token_seconds_bucket",
+        "chimera:inter_token_latency_seconds_bucket",
+        "chimera:e2e_request_latency_seconds_bucket",
+        "chimera:prompt_tokens_total",
+        "chimera:generation_tokens_total",
+        "chimera:num_preemptions_total",
+        "chimera:cache_config_info",
+        "chimera:router_requests_total",
+        "chimera:ssm_snapshot_hits_total",
+        "chimera:plugin_call_latency_seconds_bucket",
+        "chimera:plugin_fallbacks_total",
+    ] {
+        assert!(m.contains(name), "missing {name}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completion_text_prompt_counts_tokens_and_finishes_by_length() {
+    let s = server().await;
+    let r = post(
+        s.addr,
+        "/v1/completions",
+        &completion(json!("hello world"), json!({})),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["model"], MODEL);
+    assert!(v["id"].as_str().unwrap().starts_with("cmpl-"));
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert!(!v["choices"][0]["text"].as_str().unwrap().is_empty());
+    let prompt_len = tokenizer()
+        .encode("hello world", true)
+        .unwrap()
+        .get_ids()
+        .len() as u64;
+    assert_eq!(v["usage"]["prompt_tokens"], prompt_len);
+    assert_eq!(v["usage"]["completion_tokens"], 24);
+    assert_eq!(v["usage"]["total_tokens"], prompt_len + 24);
+    assert!(v["usage"]["prompt_tokens_details"]["cached_tokens"].is_u64());
+    // The engine saw exactly the tokenized prompt and max_tokens.
+    let seen = s.counters[0].recent_requests();
+    let last = seen.last().unwrap();
+    assert_eq!(
+        last.prompt,
+        tokenizer().encode("hello world", true).unwrap().get_ids()
+    );
+    assert_eq!(last.max_tokens, 24);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_and_non_streaming_agree() {
+    let s = server().await;
+    for prompt in [json!("the cat sat"), json!([5, 6, 7, 8, 9]), json!("😀 é")] {
+        let full = post(
+            s.addr,
+            "/v1/completions",
+            &completion(prompt.clone(), json!({"max_tokens": 40})),
+        )
+        .await;
+        let want = texts(&full.json());
+        let st = post(
+            s.addr,
+            "/v1/completions",
+            &completion(prompt.clone(), json!({"max_tokens": 40, "stream": true})),
+        )
+        .await;
+        assert_eq!(st.status, 200);
+        assert_eq!(st.header("content-type"), Some("text/event-stream"));
+        let events = st.sse();
+        for e in &events {
+            for c in e["choices"].as_array().unwrap() {
+                assert!(
+                    !c["text"].as_str().unwrap().contains('\u{fffd}'),
+                    "split UTF-8 in {c}"
+                );
+            }
+            assert!(e.get("usage").is_none(), "usage only with include_usage");
+        }
+        let got = join_stream(&events);
+        assert_eq!(got[0].0, want[0], "prompt {prompt}");
+        assert_eq!(got[0].1.as_deref(), Some("length"));
+    }
+    // The mock's units include characters split over byte tokens; some output must hold them.
+    let r = post(
+        s.addr,
+        "/v1/completions",
+        &completion(json!("the cat sat"), json!({"max_tokens": 200})),
+    )
+    .await;
+    let text = &texts(&r.json())[0];
+    assert!(
+        text.chars().any(|c| !c.is_ascii()),
+        "no multi-byte characters generated: {text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_lists_and_n_choices() {
+    let s = server().await;
+    let body = completion(
+        json!(["the cat", "a dog ran"]),
+        json!({"n": 2, "max_tokens": 8}),
+    );
+    let v = post(s.addr, "/v1/completions", &body).await.json();
+    let t = texts(&v);
+    assert_eq!(t.len(), 4);
+    // Greedy: both choices of a prompt agree, the two prompts differ.
+    assert_eq!(t[0], t[1]);
+    assert_eq!(t[2], t[3]);
+    assert_ne!(t[0], t[2]);
+    let tok = tokenizer();
+    let p: u64 = ["the cat", "a dog ran"]
+        .iter()
+        .map(|p| tok.encode(*p, true).unwrap().get_ids().len() as u64)
+        .sum();
+    assert_eq!(v["usage"]["prompt_tokens"], p);
+    assert_eq!(v["usage"]["completion_tokens"], 32);
+    let v = post(
+        s.addr,
+        "/v1/completions",
+        &completion(json!([[1, 2, 3], [4, 5]]), json!({"max_tokens": 3})),
+    )
+    .await
+    .json();
+    assert_eq!(texts(&v).len(), 2);
+    assert_eq!(v["usage"]["prompt_tokens"], 5);
+    // Streamed n > 1 interleaves choices but reassembles to the same texts.
+    let st = post(
+        s.addr,
+        "/v1/completions",
+        &completion(
+            json!(["the cat", "a dog ran"]),
+            json!({"n": 2, "max_tokens": 8, "stream": true}),
+        ),
+    )
+    .await;
+    let joined: Vec<String> = join_stream(&st.sse()).into_iter().map(|x| x.0).collect();
+    assert_eq!(joined, t);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sampling_parameters_reach_the_engine_and_seed_is_reproducible() {
+    let s = server().await;
+    let body = json!({"model": MODEL, "prompt": "hello", "max_tokens": 12, "temperature": 0.7, "top_p": 0.9,
+        "top_k": 5, "min_p": 0.1, "seed": 42, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+        "repetition_penalty": 1.2, "stop_token_ids": [7], "ignore_eos": true});
+    let a = post(s.addr, "/v1/completions", &body).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let req = s.counters[0].recent_requests().pop().unwrap();
+    let p = &req.params;
+    assert_eq!(
+        (p.temperature, p.top_p, p.top_k, p.min_p),
+        (0.7, 0.9, 5, 0.1)
+    );
+    assert_eq!(p.seed, Some(42));
+    assert_eq!(
+        (
+            p.presence_penalty,
+            p.frequency_penalty,
+            p.repetition_penalty
+        ),
+        (0.5, -0.5, 1.2)
+    );
+    assert_eq!(req.stop_token_ids, vec![7]);
+    assert!(req.ignore_eos);
+    assert_eq!(p.logprobs, None);
+    let b = post(s.addr, "/v1/completions", &body).await;
+    assert_eq!(texts(&a.json()), texts(&b.json()), "same seed, same text");
+    let mut other = body.clone();
+    other["seed"] = json!(43);
+    let c = post(s.addr, "/v1/completions", &other).await;
+    assert_ne!(
+        texts(&a.json()),
+        texts(&c.json()),
+        "different seed, different text"
+    );
+    // top_k = -1 means disabled, as in vLLM.
+    let mut off = body.clone();
+    off["top_k"] = json!(-1);
+    assert_eq!(post(s.addr, "/v1/completions", &off).await.status, 200);
+    assert_eq!(
+        s.counters[0].recent_requests().pop().unwrap().params.top_k,
+        0
+    );
+}
+
+/// Token strings of a greedy completion, via logprobs.
+async fn token_strings(s: &TestServer, prompt: &str, max_tokens: u32) -> (String, Vec<String>) {
+    let v = post(
+        s.addr,
+        "/v1/completions",
+        &completion(
+            json!(prompt),
+            json!({"max_tokens": max_tokens, "logprobs": 1}),
+        ),
+    )
+    .await
+    .json();
+    let toks = v["choices"][0]["logprobs"]["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap().to_string())
+        .collect();
+    (texts(&v)[0].clone(), toks)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_strings_split_across_tokens() {
+    let s = server().await;
+    let (text, toks) = token_strings(&s, "the cat sat on", 60).await;
+    // Pick two adjacent whole-word tokens and a stop string straddling their boundary.
+    let i = toks
+        .windows(2)
+        .position(|w| w.iter().all(|t| t.len() >= 3 && t.is_ascii()))
+        .expect("two adjacent word tokens");
+    let (a, b) = (&toks[i], &toks[i + 1]);
+    let stop = format!("{}{}", &a[a.len() - 2..], &b[..2]);
+    let cut = text.find(&stop).expect("stop string occurs in the text");
+    let cancels_before = s.counter(|c| c.get(&c.cancelled));
+    for stream in [false, true] {
+        let body = completion(
+            json!("the cat sat on"),
+            json!({"max_tokens": 60, "stop": [stop.clone(), "zzzz"], "stream": stream}),
+        );
+        let r = post(s.addr, "/v1/completions", &body).await;
+        let (got, finish) = if stream {
+            let ev = r.sse();
+            let last = ev
+                .iter()
+                .rev()
+                .find(|e| e["choices"][0]["finish_reason"].is_string())
+                .unwrap()
+                .clone();
+            assert_eq!(last["choices"][0]["stop_reason"], json!(stop));
+            join_stream(&ev).remove(0)
+        } else {
+            let v = r.json();
+            assert_eq!(v["choices"][0]["stop_reason"], json!(stop));
+            (
+                texts(&v)[0].clone(),
+                v["choices"][0]["finish_reason"].as_str().map(String::from),
+            )
+        };
+        assert_eq!(got, text[..cut], "stream={stream}");
+        assert_eq!(finish.as_deref(), Some("stop"));
+    }
+    // A stop string ends the engine request through a cancel.
+    assert!(s.wait_idle(Duration::from_secs(5)).await);
+    assert_eq!(s.counter(|c| c.get(&c.cancelled)), cancels_before + 2);
+    // A stop string that never matches releases everything held back.
+    let r = post(
+        s.addr,
+        "/v1/completions",
+        &completion(
+            json!("the cat sat on"),
+            json!({"max_tokens": 60, "stop": ["the cat sat on the mat and ran"]}),
+        ),
+    )
+    .await;
+    assert_eq!(texts(&r.json())[0], text);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_token_ids_end_the_text() {
+    let s = server().await;
+    let (text, toks) = token_strings(&s, "a dog", 40).await;
+    let word = toks
+        .iter()
+        .skip(2)
+        .find(|t| t.len() >= 3 && t.is_ascii())
+        .expect("a word token")
+        .clone();
+    let id = tokenizer()
+        .token_to_id(&word.replace(' ', "Ġ"))
+        .expect("word id");
+    let r = post(
+        s.addr,
+        "/v1/completions",
+        &completion(
+            json!("a dog"),
+            json!({"max_tokens": 40, "stop_token_ids": [id]}),
+        ),
+    )
+    .await
+    .json();
+    assert_eq!(r["choices"][0]["finish_reason"], "stop");
+    assert_eq!(r["choices"][0]["stop_reason"], json!(id));
+    let cut = text.find(&word).unwrap();
+    assert_eq!(texts(&r)[0], text[..cut]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completion_logprobs_and_echo() {
+    let s = server().await;
+    let v = post(
+        s.addr,
+        "/v1/completions",
+        &completion(json!("hello"), json!({"max_tokens": 6, "logprobs": 3})),
+    )
+    .await
+    .json();
+    let lp = &v["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), 6);
+    assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), 6);
+    assert_eq!(lp["text_offset"].as_array().unwrap().len(), 6);
+    for top in lp["top_logprobs"].as_array().unwrap() {
+        let n = top.as_object().unwrap().len();
+        assert!((1..=3).contains(&n), "{top}");
+    }
+    assert!(lp["token_logprobs"][0].as_f64().unwrap() < 0.0);
+    assert_eq!(
+        s.counters[0]
+            .recent_requests()
+            .pop()
+            .unwrap()
+            .params
+            .logprobs,
+        Some(3)
+    );
+    // echo puts the prompt in front; with logprobs the prompt tokens come first (no logprob).
+    let plain = texts(
+        &post(
+            s.addr,
+            "/v1/completions",
+            &completion(json!("hello"), json!({"max_tokens": 6})),
+        )
+        .await
+        .json(),
+    )[0]
+    .clone();
+    let e = post(
+        s.addr,
+        "/v1/completions",
+        &completion(
+            json!("hello"),
+            json!({"max_tokens": 6, "echo": true, "logprobs": 0}),
+        ),
+    )
+    .await
+    .json();
+    assert_eq!(texts(&e)[0], format!("hello{plain}"));
+    let toks = e["choices"][0]["logprobs"]["token_logprobs"]
+        .as_array()
+        .unwrap();
+    let prompt_len = tokenizer().encode("hello", true).unwrap().get_ids().len();
+    assert_eq!(toks.len(), prompt_len + 6);
+    assert!(toks[0].is_null());
+    let st = post(
+        s.addr,
+        "/v1/completions",
+        &completion(
+            json!("hello"),
+            json!({"max_tokens": 6, "echo": true, "stream": true}),
+        ),
+    )
+    .await;
+    assert_eq!(join_stream(&st.sse())[0].0, format!("hello{plain}"));
+}
+
+fn chat(messages: Value, extra: Value) -> Value {
+    let mut b = json!({"model": MODEL, "messages": messages, "max_tokens": 20, "temperature": 0});
+    for (k, v) in extra.as_object().expect("object") {
+        b[k] = v.clone();
+    }
+    b
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_completion_stream_and_usage() {
+    let s = server().await;
+    let msgs = json!([{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hello"}]}]);
+    let r = post(
+        s.addr,
+        "/v1/chat/completions",
+        &chat(msgs.clone(), json!({})),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    // The engine got the chat template's rendering, tokenized without extra special tokens.
+    let rendered = "<|bos|><|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n";
+    let want: Vec<u32> = tokenizer()
+        .encode(rendered, false)
+        .unwrap()
+        .get_ids()
+        .to_vec();
+    assert_eq!(s.counters[0].recent_requests().pop().unwrap().prompt, want);
+    assert_eq!(v["usage"]["prompt_tokens"], want.len() as u64);
+
+    let st = post(
+        s.addr,
+        "/v1/chat/completions",
+        &chat(
+            msgs.clone(),
+            json!({"stream": true, "stream_options": {"include_usage": true}}),
+        ),
+    )
+    .await;
+    let ev = st.sse();
+    assert_eq!(ev[0]["object"], "chat.completion.chunk");
+    assert_eq!(ev[0]["choices"][0]["delta"]["role"], "assistant");
+    let last = ev.last().unwrap();
+    assert_eq!(last["choices"].as_array().unwrap().len(), 0);
+    for k in ["prompt_tokens", "completion_tokens", "total_tokens"] {
+        assert_eq!(last["usage"][k], v["usage"][k], "{k}");
+    }
+    // The second identical prompt reuses the first one's cached blocks.
+    assert!(
+        last["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+    for e in &ev[..ev.len() - 1] {
+        assert!(
+            e["usage"].is_null(),
+            "usage must be null before the last chunk"
+        );
+    }
+    let joined = join_stream(&ev);
+    assert_eq!(
+        joined[0].0,
+        v["choices"][0]["message"]["content"].as_str().unwrap()
+    );
+    assert_eq!(joined[0].1.as_deref(), Some("length"));
+    // max_completion_tokens wins over max_tokens.
+    let v = post(
+        s.addr,
+        "/v1/chat/completions",
+        &chat(msgs, json!({"max_completion_tokens": 3})),
+    )
+    .await
+    .json();
+    assert_eq!(v["usage"]["completion_tokens"], 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_logprobs_shape_and_n() {
+    let s = server().await;
+    let msgs = json!([{"role": "user", "content": "the cat"}]);
+    let v = post(s.addr, "/v1/chat/completions", &chat(msgs.clone(), json!({"logprobs": true, "top_logprobs": 2, "max_tokens": 5, "n": 3, "temperature": 1.0, "seed": 7}))).await.json();
+    assert_eq!(v["choices"].as_array().unwrap().len(), 3);
+    for c in v["choices"].as_array().unwrap() {
+        let content = c["logprobs"]["content"].as_array().unwrap();
+        assert_eq!(content.len(), 5);
+        for t in content {
+            assert!(t["token"].is_string() && t["logprob"].is_f64() && t["bytes"].is_array());
+            assert_eq!(t["top_logprobs"].as_array().unwrap().len(), 2);
+        }
+    }
+    // Seeded n > 1: choices differ from each other but repeat across calls.
+    let t = texts(&v);
+    assert!(t[0] != t[1] || t[1] != t[2]);
+    let again = post(s.addr, "/v1/chat/completions", &chat(msgs.clone(), json!({"logprobs": true, "top_logprobs": 2, "max_tokens": 5, "n": 3, "temperature": 1.0, "seed": 7}))).await.json();
+    assert_eq!(texts(&again), t);
+    let no = post(s.addr, "/v1/chat/completions", &chat(msgs, json!({})))
+        .await
+        .json();
+    assert!(no["choices"][0]["logprobs"].is_null());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cached_tokens_reported_on_a_repeated_prompt() {
+    let s = server().await;
+    let prompt = "the cat sat on the mat and the dog ran on the mat and the cat sat here";
+    let first = post(
+        s.addr,
+        "/v1/completions",
+        &completion(json!(prompt), json!({"max_tokens": 2})),
+    )
+    .await
+    .json();
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let second = post(
+        s.addr,
+        "/v1/completions",
+        &completion(json!(prompt), json!({"max_tokens": 2})),
+    )
+    .await
+    .json();
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    let len = second["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(cached > 0 && cached < len, "cached {cached} of {len}");
+    assert!(s.metric_sum("chimera:prefix_cache_hits_total").await >= cached as f64);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eos_ends_generation_and_is_not_printed() {
+    let mut opts = Options::default();
+    opts.engine.eos_one_in = 4;
+    let s = TestServer::start(opts).await;
+    let mut saw_stop = false;
+    for p in ["a", "b", "c", "d", "e"] {
+        let v = post(
+            s.addr,
+            "/v1/completions",
+            &completion(json!(p), json!({"max_tokens": 64})),
+        )
+        .await
+        .json();
+        let t = &texts(&v)[0];
+        assert!(!t.contains(mock_tokenizer::EOS));
+        if v["choices"][0]["finish_reason"] == "stop" {
+            saw_stop = true;
+            assert!(v["usage"]["completion_tokens"].as_u64().unwrap() < 64);
+        }
+        // ignore_eos runs to max_tokens.
+        let v = post(
+            s.addr,
+            "/v1/completions",
+            &completion(json!(p), json!({"max_tokens": 64, "ignore_eos": true})),
+        )
+        .await
+        .json();
+        assert_eq!(v["choices"][0]["finish_reason"], "length");
+    }
+    assert!(saw_stop);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_failure_maps_to_an_error() {
+    let mut opts = Options::default();
+    opts.engine.fail_token = Some(3);
+    let s = TestServer::start(opts).await;
+    let r = post(
+        s.addr,
+        "/v1/completions",
+        &completion(json!([1, 2, 3]), json!({})),
+    )
+    .await;
+    assert_eq!(r.status, 500);
+    assert_eq!(r.json()["error"]["code"], "mock_failure");
+    let st = post(
+        s.addr,
+        "/v1/completions",
+        &completion(json!([1, 2, 3]), json!({"stream": true})),
+    )
+    .await;
+    assert_eq!(st.status, 200);
+    let ev = st.sse();
+    assert_eq!(ev.last().unwrap()["error"]["code"], "mock_failure");
+    assert!(
+        s.metric_sum("chimera:request_errors_total{kind=\"mock_failure\"")
+            .await
+            >= 1.0
+    );
+}

@@ -1,0 +1,293 @@
+//! Cancellation, admission, admin and shutdown over real loopback HTTP.
+
+mod server_support;
+
+use std::time::{Duration, Instant};
+
+use chimera::server::ServerConfig;
+use serde_json::json;
+use server_support::*;
+
+fn slow() -> Options {
+    let mut o = Options::default();
+    o.engine.token_delay = Duration::from_millis(10);
+    o
+}
+
+fn long_request(stream: bool) -> serde_json::Value {
+    json!({"model": MODEL, "prompt": "the cat", "max_tokens": 2000, "temperature": 0, "stream": stream})
+}
+
+async fn wait_for(what: &str, within: Duration, mut f: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if f().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_disconnect_cancels_the_engine_request() {
+    let s = TestServer::start(slow()).await;
+    for (round, stream) in [(1, true), (2, false)] {
+        let addr = s.addr;
+        let hang_up = tokio::spawn(async move {
+            if stream {
+                // Read the headers and a few chunks, then hang up.
+                post_and_hang_up(addr, "/v1/completions", &long_request(true), 400).await
+            } else {
+                // Wait until the request runs, then hang up without reading anything.
+                post_and_leave(
+                    addr,
+                    "/v1/completions",
+                    &long_request(false),
+                    Duration::from_millis(300),
+                )
+                .await;
+                0
+            }
+        });
+        // The request is running in the engine before the client leaves.
+        wait_for("the request to run", Duration::from_secs(5), async || {
+            s.counter(|c| c.get(&c.added)) == round
+        })
+        .await;
+        let _ = hang_up.await;
+        // The guard cancels: running returns to 0 and the engine counted a cancel, long before
+        // the 2000 tokens (20 s) would have finished.
+        let started = Instant::now();
+        assert!(
+            s.wait_idle(Duration::from_secs(5)).await,
+            "round {round}: still running"
+        );
+        assert!(started.elapsed() < Duration::from_secs(5));
+        assert_eq!(s.counter(|c| c.get(&c.cancelled)), round, "round {round}");
+        assert_eq!(s.counter(|c| c.get(&c.finished)), 0);
+    }
+    assert_eq!(s.metric_sum("chimera:client_disconnects_total").await, 2.0);
+    assert_eq!(
+        s.metric_sum(
+            "chimera:request_success_total{model_name=\"tiny-mock\",finished_reason=\"abort\""
+        )
+        .await,
+        2.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_answers_503_with_retry_after() {
+    let mut o = slow();
+    o.server = ServerConfig {
+        port: 0,
+        max_queued_requests: 2,
+        retry_after_secs: 3,
+        ..ServerConfig::default()
+    };
+    let s = TestServer::start(o).await;
+    let addr = s.addr;
+    let a = tokio::spawn(async move {
+        post(
+            addr,
+            "/v1/completions",
+            &json!({"prompt": "a", "max_tokens": 60}),
+        )
+        .await
+    });
+    let b = tokio::spawn(async move {
+        post(
+            addr,
+            "/v1/completions",
+            &json!({"prompt": "b", "max_tokens": 60}),
+        )
+        .await
+    });
+    wait_for("two admitted", Duration::from_secs(5), async || {
+        s.counter(|c| c.get(&c.added)) == 2
+    })
+    .await;
+    let r = post(
+        s.addr,
+        "/v1/completions",
+        &json!({"prompt": "c", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(r.header("retry-after"), Some("3"));
+    assert_eq!(r.json()["error"]["code"], "overloaded");
+    // n counts against the same budget.
+    assert_eq!(
+        post(
+            s.addr,
+            "/v1/completions",
+            &json!({"prompt": "c", "max_tokens": 2, "n": 3})
+        )
+        .await
+        .status,
+        503
+    );
+    assert_eq!(a.await.unwrap().status, 200);
+    assert_eq!(b.await.unwrap().status, 200);
+    // Capacity is back once they finish.
+    assert_eq!(
+        post(
+            s.addr,
+            "/v1/completions",
+            &json!({"prompt": "c", "max_tokens": 2})
+        )
+        .await
+        .status,
+        200
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_queue_full_is_503() {
+    let mut o = slow();
+    o.engine.queue_capacity = 1;
+    o.engine.max_running = 1;
+    let s = TestServer::start(o).await;
+    let mut tasks = Vec::new();
+    for i in 0..12 {
+        let addr = s.addr;
+        tasks.push(tokio::spawn(async move {
+            post(
+                addr,
+                "/v1/completions",
+                &json!({"prompt": format!("p{i}"), "max_tokens": 20}),
+            )
+            .await
+        }));
+    }
+    let mut statuses = Vec::new();
+    for t in tasks {
+        let r = t.await.unwrap();
+        if r.status == 503 {
+            assert!(r.header("retry-after").is_some());
+        }
+        statuses.push(r.status);
+    }
+    assert!(
+        statuses.iter().all(|s| *s == 200 || *s == 503),
+        "{statuses:?}"
+    );
+    assert!(statuses.contains(&200));
+    assert!(s.wait_idle(Duration::from_secs(10)).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_endpoints_need_the_token() {
+    let mut o = Options::default();
+    o.server = ServerConfig {
+        port: 0,
+        admin_token: Some("s3cret-token".into()),
+        ..ServerConfig::default()
+    };
+    let s = TestServer::start(o).await;
+    let path = "/admin/reset_prefix_cache";
+    assert_eq!(request(s.addr, "POST", path, &[], b"").await.status, 401);
+    assert_eq!(
+        request(
+            s.addr,
+            "POST",
+            path,
+            &[("Authorization", "Bearer wrong-token")],
+            b""
+        )
+        .await
+        .status,
+        401
+    );
+    assert_eq!(
+        request(
+            s.addr,
+            "POST",
+            path,
+            &[("Authorization", "s3cret-token")],
+            b""
+        )
+        .await
+        .status,
+        401
+    );
+    // Fill the prefix cache, reset it, and see the next identical prompt miss.
+    let body = json!({"prompt": "the cat sat on the mat and the dog ran", "max_tokens": 1});
+    post(s.addr, "/v1/completions", &body).await;
+    let hit = post(s.addr, "/v1/completions", &body).await.json();
+    assert!(
+        hit["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+    let r = request(
+        s.addr,
+        "POST",
+        path,
+        &[("Authorization", "Bearer s3cret-token")],
+        b"",
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    wait_for("the reset", Duration::from_secs(5), async || {
+        s.counter(|c| c.get(&c.resets)) == 1
+    })
+    .await;
+    let miss = post(s.addr, "/v1/completions", &body).await.json();
+    assert_eq!(miss["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    // Plugin reload exists but this server has no reload hook.
+    let r = request(
+        s.addr,
+        "POST",
+        "/admin/reload_plugins",
+        &[("Authorization", "Bearer s3cret-token")],
+        b"",
+    )
+    .await;
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"]["code"], "unsupported");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_finishes_or_cancels_in_flight_work() {
+    let mut o = slow();
+    o.server = ServerConfig {
+        port: 0,
+        shutdown_grace_secs: 1,
+        ..ServerConfig::default()
+    };
+    let mut s = TestServer::start(o).await;
+    let addr = s.addr;
+    // One request that finishes within the grace period, one that cannot.
+    let short = tokio::spawn(async move {
+        post(
+            addr,
+            "/v1/completions",
+            &json!({"prompt": "a", "max_tokens": 20}),
+        )
+        .await
+    });
+    let long =
+        tokio::spawn(async move { post(addr, "/v1/completions", &long_request(true)).await });
+    wait_for("both running", Duration::from_secs(5), async || {
+        s.counter(|c| c.get(&c.added)) == 2
+    })
+    .await;
+    s.shutdown();
+    let short = short.await.unwrap();
+    assert_eq!(short.status, 200);
+    assert_eq!(short.json()["choices"][0]["finish_reason"], "length");
+    let long = long.await.unwrap();
+    let ev = long.sse();
+    assert_eq!(join_stream(&ev)[0].1.as_deref(), Some("abort"));
+    let served = tokio::time::timeout(Duration::from_secs(10), s.task.take().unwrap()).await;
+    assert!(
+        matches!(served, Ok(Ok(Ok(())))),
+        "serve did not return cleanly"
+    );
+    assert_eq!(s.counter(|c| c.get(&c.cancelled)), 1);
+    // The listener is closed.
+    assert!(tokio::net::TcpStream::connect(addr).await.is_err());
+}

@@ -1,0 +1,168 @@
+//! Bounded load over loopback: 512 requests from 32 concurrent clients, about 10% of which hang
+//! up mid-request. Every answer must match its single-request baseline, every engine request
+//! must end (finished or cancelled), and the server must be idle and healthy afterwards.
+
+mod server_support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use chimera::server::ServerConfig;
+use serde_json::json;
+use server_support::*;
+
+const PROMPTS: [&str; 8] = [
+    "the cat",
+    "a dog ran",
+    "hello world",
+    "the mat",
+    "stop here",
+    "and the",
+    "cat sat on",
+    "world END",
+];
+const TOTAL: u64 = 512;
+const CLIENTS: u64 = 32;
+
+fn body(p: usize, stream: bool) -> serde_json::Value {
+    json!({"model": MODEL, "prompt": PROMPTS[p], "max_tokens": 6 + 3 * p, "temperature": 0, "stream": stream})
+}
+
+/// Deterministic pseudo-random numbers (no test flakiness from a global RNG).
+fn lcg(x: &mut u64) -> u64 {
+    *x = x
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    *x >> 33
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_with_random_disconnects() {
+    let mut o = Options {
+        replicas: 2,
+        ..Options::default()
+    };
+    o.server = ServerConfig {
+        port: 0,
+        max_queued_requests: 256,
+        ..ServerConfig::default()
+    };
+    let s = TestServer::start(o).await;
+    let mut baseline = Vec::new();
+    for p in 0..PROMPTS.len() {
+        let r = post(s.addr, "/v1/completions", &body(p, false)).await;
+        assert_eq!(r.status, 200);
+        baseline.push(texts(&r.json())[0].clone());
+    }
+    let base_added = s.counter(|c| c.get(&c.added));
+    let baseline = Arc::new(baseline);
+    let next = Arc::new(AtomicU64::new(0));
+    let (ok, hung_up, wrong) = (
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicU64::new(0)),
+    );
+    let started = Instant::now();
+    let mut clients = Vec::new();
+    for c in 0..CLIENTS {
+        let (addr, baseline, next) = (s.addr, baseline.clone(), next.clone());
+        let (ok, hung_up, wrong) = (ok.clone(), hung_up.clone(), wrong.clone());
+        clients.push(tokio::spawn(async move {
+            let mut rng = 0x5EED + c;
+            loop {
+                let i = next.fetch_add(1, Ordering::SeqCst);
+                if i >= TOTAL {
+                    break;
+                }
+                let p = (lcg(&mut rng) % PROMPTS.len() as u64) as usize;
+                let stream = lcg(&mut rng) % 2 == 0;
+                if lcg(&mut rng) % 10 == 0 {
+                    let min_bytes = (lcg(&mut rng) % 400) as usize;
+                    post_and_hang_up(addr, "/v1/completions", &body(p, stream), min_bytes).await;
+                    hung_up.fetch_add(1, Ordering::SeqCst);
+                    continue;
+                }
+                let r = post(addr, "/v1/completions", &body(p, stream)).await;
+                let good = r.status == 200 && {
+                    let (text, finish) = if stream {
+                        join_stream(&r.sse()).remove(0)
+                    } else {
+                        let v = r.json();
+                        (
+                            texts(&v)[0].clone(),
+                            v["choices"][0]["finish_reason"].as_str().map(String::from),
+                        )
+                    };
+                    text == baseline[p] && finish.as_deref() == Some("length")
+                };
+                if good {
+                    ok.fetch_add(1, Ordering::SeqCst);
+                } else {
+                    eprintln!("mis-answered request {i}: status {} {}", r.status, r.text());
+                    wrong.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        }));
+    }
+    let all = async {
+        for c in clients {
+            c.await.expect("client task");
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(180), all)
+        .await
+        .expect("load test ran past its time bound");
+    let elapsed = started.elapsed();
+    let (ok, hung_up, wrong) = (
+        ok.load(Ordering::SeqCst),
+        hung_up.load(Ordering::SeqCst),
+        wrong.load(Ordering::SeqCst),
+    );
+    println!(
+        "load: {TOTAL} requests, {CLIENTS} clients, {ok} ok, {hung_up} hung up, {wrong} wrong, {:.2}s",
+        elapsed.as_secs_f64()
+    );
+    assert_eq!(wrong, 0);
+    assert_eq!(ok + hung_up, TOTAL);
+    assert!(
+        hung_up > TOTAL / 20 && hung_up < TOTAL / 5,
+        "about 10% hang up: {hung_up}"
+    );
+
+    // Every engine request is accounted for: finished or cancelled, nothing left running.
+    assert!(
+        s.wait_idle(Duration::from_secs(10)).await,
+        "requests left running"
+    );
+    let added = s.counter(|c| c.get(&c.added)) - base_added;
+    let finished = s.counter(|c| c.get(&c.finished)) - base_added;
+    let cancelled = s.counter(|c| c.get(&c.cancelled));
+    let orphaned = s.counter(|c| c.get(&c.orphaned));
+    println!(
+        "engine: {added} added, {finished} finished, {cancelled} cancelled, {orphaned} dropped without cancel"
+    );
+    assert_eq!(added, finished + cancelled + orphaned);
+    assert!(added >= ok && added <= TOTAL);
+    assert!(finished >= ok);
+    assert!(cancelled + orphaned <= hung_up);
+    assert_eq!(
+        orphaned, 0,
+        "every abandoned request must be cancelled, not left to run"
+    );
+    assert_eq!(
+        s.metric_sum("chimera:client_disconnects_total").await,
+        cancelled as f64
+    );
+    assert_eq!(s.metric_sum("chimera:server_requests_in_flight").await, 0.0);
+    // Both replicas took load, and the server still answers.
+    for (i, c) in s.counters.iter().enumerate() {
+        assert!(c.get(&c.added) > 0, "replica {i} got nothing");
+    }
+    assert_eq!(
+        request(s.addr, "GET", "/health", &[], b"").await.status,
+        200
+    );
+    let r = post(s.addr, "/v1/completions", &body(0, false)).await;
+    assert_eq!(texts(&r.json())[0], baseline[0]);
+}

@@ -1,0 +1,170 @@
+//! Data-parallel routing over two mock replicas: a prefix-aware policy sends shared-prefix
+//! requests to the replica that holds the prefix (as seen through the KvEvent mirror), and bad
+//! policy answers fall back to least-loaded.
+
+mod server_support;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chimera::policy::{Decision, ReplicaColumns, RouteRequest, Router};
+use serde_json::json;
+use server_support::*;
+
+/// Test policy: deepest KV prefix hit wins; without any hit, round-robin (so prefixes spread).
+struct PrefixThenRoundRobin {
+    next: u32,
+    seen: Arc<Mutex<Vec<ReplicaColumns>>>,
+}
+
+impl Router for PrefixThenRoundRobin {
+    fn route(&mut self, _request: &RouteRequest, cols: &ReplicaColumns) -> Decision<u32> {
+        if let Ok(mut s) = self.seen.lock() {
+            s.push(cols.clone());
+        }
+        let best =
+            (0..cols.len()).max_by_key(|&i| (cols.prefix_hit_blocks[i], std::cmp::Reverse(i)));
+        match best {
+            Some(i) if cols.prefix_hit_blocks[i] > 0 => Decision::Use(i as u32),
+            _ => {
+                let i = self.next % cols.len() as u32;
+                self.next += 1;
+                Decision::Use(i)
+            }
+        }
+    }
+}
+
+const PREFIXES: [&str; 4] = [
+    "the cat sat on the mat and the dog ran on the mat and the cat sat here and",
+    "hello world hello world the dog ran and the cat ran and hello world again",
+    "a dog a cat a mat a dog a cat a mat stop here the end and a dog ran",
+    "END END the mat sat on the cat and the world ran here and there and so on",
+];
+
+fn added(s: &TestServer) -> Vec<u64> {
+    s.counters.iter().map(|c| c.get(&c.added)).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_prefixes_follow_the_replica_that_holds_them() {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let opts = Options {
+        replicas: 2,
+        policy: Some(Box::new(PrefixThenRoundRobin {
+            next: 0,
+            seen: seen.clone(),
+        })),
+        ..Options::default()
+    };
+    let s = TestServer::start(opts).await;
+    let tok = tokenizer();
+    let mut home = Vec::new();
+    for p in PREFIXES {
+        let before = added(&s);
+        let r = post(
+            s.addr,
+            "/v1/completions",
+            &json!({"prompt": format!("{p} q0"), "max_tokens": 2}),
+        )
+        .await;
+        assert_eq!(r.status, 200);
+        let after = added(&s);
+        home.push(
+            (0..2)
+                .find(|&i| after[i] > before[i])
+                .expect("some replica ran it"),
+        );
+    }
+    assert_eq!(home, vec![0, 1, 0, 1], "first requests spread round-robin");
+    // Let the replicas' KvEvents reach the router's mirrors.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for round in 1..=3 {
+        for (k, p) in PREFIXES.iter().enumerate() {
+            let before = added(&s);
+            let prompt = format!("{p} q{round} and more");
+            let r = post(
+                s.addr,
+                "/v1/completions",
+                &json!({"prompt": prompt, "max_tokens": 2}),
+            )
+            .await;
+            assert_eq!(r.status, 200);
+            let after = added(&s);
+            assert!(
+                after[home[k]] > before[home[k]],
+                "prefix {k} left its replica {}",
+                home[k]
+            );
+            // The policy saw the prefix depth the cache really holds (mock snapshots every block).
+            let cols = seen.lock().unwrap().last().unwrap().clone();
+            let a = tok
+                .encode(format!("{p} q0"), true)
+                .unwrap()
+                .get_ids()
+                .to_vec();
+            let b = tok
+                .encode(prompt.as_str(), true)
+                .unwrap()
+                .get_ids()
+                .to_vec();
+            let common = a.iter().zip(&b).take_while(|(x, y)| x == y).count() as u32;
+            let block = 4;
+            let full_blocks_of_first = a.len() as u32 / block;
+            let expect = (common / block).min(full_blocks_of_first);
+            assert_eq!(cols.prefix_hit_blocks[home[k]], expect, "prefix {k}");
+            assert_eq!(cols.ssm_hit_blocks[home[k]], expect, "prefix {k}");
+            assert_eq!(cols.prefix_hit_blocks[1 - home[k]], 0);
+        }
+    }
+    // Routed counts agree with what each replica ran.
+    for (i, a) in added(&s).iter().enumerate() {
+        let routed = s
+            .metric_sum(&format!("chimera:router_requests_total{{engine=\"{i}\""))
+            .await;
+        assert_eq!(routed, *a as f64, "replica {i}");
+        assert_eq!(s.state.metrics().routed_count(i), *a);
+    }
+    assert_eq!(s.metric_sum("chimera:plugin_fallbacks_total").await, 0.0);
+}
+
+/// A policy that answers out of range, then panics, then declines.
+struct Misbehaving(u32);
+
+impl Router for Misbehaving {
+    fn route(&mut self, _request: &RouteRequest, _cols: &ReplicaColumns) -> Decision<u32> {
+        self.0 += 1;
+        match self.0 % 3 {
+            1 => Decision::Use(7),
+            2 => panic!("policy bug"),
+            _ => Decision::UseDefault,
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_policy_answers_fall_back_to_least_loaded() {
+    let opts = Options {
+        replicas: 2,
+        policy: Some(Box::new(Misbehaving(0))),
+        ..Options::default()
+    };
+    let s = TestServer::start(opts).await;
+    for i in 0..6 {
+        let r = post(
+            s.addr,
+            "/v1/completions",
+            &json!({"prompt": format!("hello {i}"), "max_tokens": 2}),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    // Out-of-range and panic count as fallbacks; "use default" does not.
+    assert_eq!(s.metric_sum("chimera:plugin_fallbacks_total").await, 4.0);
+    assert_eq!(added(&s).iter().sum::<u64>(), 6);
+    assert!(
+        s.metric_sum("chimera:plugin_call_latency_seconds_count")
+            .await
+            >= 6.0
+    );
+}

@@ -1,0 +1,434 @@
+#!/usr/bin/env python3
+"""Check the fixture references against an independent, token-by-token NumPy implementation.
+
+How to run (from the repository root; needs only numpy and safetensors, no torch):
+
+    python3 tests/parity/check_references.py                 # every model under tests/fixtures/models
+    python3 tests/parity/check_references.py nemotronh-a     # only the named models
+
+What it does: reads each fixture's config.json (any of the accepted forms) and weights, runs
+the model one token at a time in float64 (attention with a growing K/V list, Mamba2 mixers as
+the plain recurrence h = exp(dt*A) h + dt * B x, never the chunked scan), and compares the
+result with reference.safetensors: prompt logits at the stored positions, the 32 greedy
+tokens, and the stored decode-step logits. It prints the largest differences and exits non-zero
+if any logit differs by more than TOLERANCE or any greedy token differs.
+
+This is the written-down meaning of each architecture that the Rust model code must match, and
+a guard that the references do not rest on a transformers quirk (it is what found that
+transformers' NemotronH clamps dt in prefill but not in decode).
+"""
+
+import json
+import math
+import os
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODELS = os.path.join(ROOT, "tests", "fixtures", "models")
+TOLERANCE = 1e-3
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def untag(v):
+    if isinstance(v, dict) and "__float__" in v:
+        return float(v["__float__"])
+    if isinstance(v, list):
+        return [untag(x) for x in v]
+    return v
+
+
+def load_config(path):
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = {k: untag(v) for k, v in json.load(f).items()}  # json accepts bare Infinity
+    rope = dict(cfg.get("rope_parameters") or {})
+    if not rope:  # older form: top-level rope_theta (+ rope_scaling, partial_rotary_factor)
+        rope = dict(cfg.get("rope_scaling") or {})
+        rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+        if "partial_rotary_factor" in cfg:
+            rope["partial_rotary_factor"] = cfg["partial_rotary_factor"]
+    rope.setdefault("rope_type", rope.pop("type", "default"))
+    cfg["rope"] = rope
+    return cfg
+
+
+NUMPY_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4"}
+
+
+def read_safetensors(path):
+    """A minimal safetensors reader: u64 header length, JSON header, raw little-endian data.
+
+    Written out here (rather than safetensors.numpy) because NumPy has no bfloat16: BF16 is
+    widened by placing its 16 bits in the high half of a float32.
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    (n,) = np.frombuffer(data[:8], dtype="<u8")
+    header = json.loads(data[8: 8 + int(n)])
+    base = 8 + int(n)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = info["data_offsets"]
+        raw = data[base + start: base + end]
+        if info["dtype"] == "BF16":
+            arr = (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+        else:
+            arr = np.frombuffer(raw, dtype=NUMPY_DTYPES[info["dtype"]])
+        out[name] = arr.reshape(info["shape"])
+    return out
+
+
+def load_weights(path):
+    index = os.path.join(path, "model.safetensors.index.json")
+    files = ["model.safetensors"]
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    w = {}
+    for name in files:
+        for k, v in read_safetensors(os.path.join(path, name)).items():
+            w[k] = v.astype(np.float64)
+    return w
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared layers (one token at a time; x is a 1-D vector)
+
+
+def rms_norm(x, weight, eps):
+    return weight * (x / np.sqrt(np.mean(x * x) + eps))
+
+
+def silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def softplus(x):
+    return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0))))
+
+
+def linear(w, x, prefix):
+    y = w[prefix + ".weight"] @ x
+    if prefix + ".bias" in w:
+        y = y + w[prefix + ".bias"]
+    return y
+
+
+def rope_inv_freq(head_dim, rope):
+    rot = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+    inv = 1.0 / rope["rope_theta"] ** (np.arange(0, rot, 2, dtype=np.float64) / rot)
+    if rope["rope_type"] == "llama3":
+        factor = rope["factor"]
+        low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+        old = rope["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        mixed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / high) & (wavelen <= old / low)
+        inv = np.where(medium, mixed, scaled)
+    elif rope["rope_type"] != "default":
+        raise SystemExit(f"rope_type {rope['rope_type']} not implemented here")
+    return inv
+
+
+def apply_rope(x, pos, inv):
+    """x: [heads, head_dim]; rotates the first 2*len(inv) dims (rotate-half pairing)."""
+    rot = 2 * len(inv)
+    ang = pos * inv
+    cos = np.concatenate([np.cos(ang), np.cos(ang)])
+    sin = np.concatenate([np.sin(ang), np.sin(ang)])
+    xr, xp = x[:, :rot], x[:, rot:]
+    half = rot // 2
+    rotated = np.concatenate([-xr[:, half:], xr[:, :half]], axis=1)
+    return np.concatenate([xr * cos + rotated * sin, xp], axis=1)
+
+
+class Attention:
+    """Causal self-attention with GQA; `inv` None means no positional encoding (NemotronH)."""
+
+    def __init__(self, w, prefix, n_heads, n_kv, head_dim, inv):
+        self.w, self.p = w, prefix
+        self.nh, self.nkv, self.hd, self.inv = n_heads, n_kv, head_dim, inv
+        self.keys, self.values = [], []
+
+    def step(self, x, pos):
+        q = linear(self.w, x, self.p + ".q_proj").reshape(self.nh, self.hd)
+        k = linear(self.w, x, self.p + ".k_proj").reshape(self.nkv, self.hd)
+        v = linear(self.w, x, self.p + ".v_proj").reshape(self.nkv, self.hd)
+        if self.inv is not None:
+            q, k = apply_rope(q, pos, self.inv), apply_rope(k, pos, self.inv)
+        self.keys.append(k)
+        self.values.append(v)
+        K, V = np.stack(self.keys), np.stack(self.values)  # [t, nkv, hd]
+        out = np.empty((self.nh, self.hd))
+        per_kv = self.nh // self.nkv
+        for h in range(self.nh):
+            s = K[:, h // per_kv] @ q[h] / math.sqrt(self.hd)
+            p = np.exp(s - s.max())
+            out[h] = (p / p.sum()) @ V[:, h // per_kv]
+        return linear(self.w, out.reshape(-1), self.p + ".o_proj")
+
+
+class Mamba2Mixer:
+    """The Mamba2 mixer as a recurrence: depthwise causal conv, selective SSM, gated RMSNorm."""
+
+    def __init__(self, w, prefix, n_heads, head_dim, n_groups, state, eps, dt_min):
+        self.w, self.p = w, prefix
+        self.nh, self.hd, self.ng, self.n = n_heads, head_dim, n_groups, state
+        self.eps, self.dt_min = eps, dt_min
+        self.d_inner = n_heads * head_dim
+        self.conv_w = w[prefix + ".conv1d.weight"][:, 0, :]  # [conv_dim, K]
+        self.conv_b = w.get(prefix + ".conv1d.bias")
+        self.conv_dim, self.k = self.conv_w.shape
+        self.window = np.zeros((self.k, self.conv_dim))
+        self.ssm = np.zeros((n_heads, head_dim, state))
+        self.A = -np.exp(w[prefix + ".A_log"])
+        self.clamped = 0
+
+    def step(self, x, _pos):
+        proj = linear(self.w, x, self.p + ".in_proj")
+        z = proj[: self.d_inner]
+        xbc = proj[self.d_inner: self.d_inner + self.conv_dim]
+        dt = proj[self.d_inner + self.conv_dim:]
+        self.window = np.concatenate([self.window[1:], xbc[None, :]])
+        conv = np.einsum("kc,ck->c", self.window, self.conv_w)
+        if self.conv_b is not None:
+            conv = conv + self.conv_b
+        conv = silu(conv)
+        xs = conv[: self.d_inner].reshape(self.nh, self.hd)
+        B = conv[self.d_inner: self.d_inner + self.ng * self.n].reshape(self.ng, self.n)
+        C = conv[self.d_inner + self.ng * self.n:].reshape(self.ng, self.n)
+        dt = softplus(dt + self.w[self.p + ".dt_bias"])
+        self.clamped += int((dt < self.dt_min).sum())
+        dt = np.maximum(dt, self.dt_min)
+        y = np.empty((self.nh, self.hd))
+        per_group = self.nh // self.ng
+        for h in range(self.nh):
+            g = h // per_group
+            self.ssm[h] = self.ssm[h] * math.exp(dt[h] * self.A[h]) + dt[h] * np.outer(xs[h], B[g])
+            y[h] = self.ssm[h] @ C[g] + self.w[self.p + ".D"][h] * xs[h]
+        y = y.reshape(-1) * silu(z)
+        y = y.reshape(self.ng, -1)
+        y = y / np.sqrt(np.mean(y * y, axis=1, keepdims=True) + self.eps)
+        y = y.reshape(-1) * self.w[self.p + ".norm.weight"]
+        return linear(self.w, y, self.p + ".out_proj")
+
+
+class Stateless:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def step(self, x, _pos):
+        return self.fn(x)
+
+
+def swiglu(w, prefix):
+    return lambda x: linear(w, silu(linear(w, x, prefix + ".gate_proj")) * linear(
+        w, x, prefix + ".up_proj"), prefix + ".down_proj")
+
+
+def relu2_mlp(w, prefix):
+    return lambda x: linear(w, np.maximum(linear(w, x, prefix + ".up_proj"), 0.0) ** 2,
+                            prefix + ".down_proj")
+
+
+def nemotron_moe(w, prefix, cfg):
+    E, k = cfg["n_routed_experts"], cfg["num_experts_per_tok"]
+    groups, keep_groups = cfg["n_group"], cfg["topk_group"]
+    gate_w = w[prefix + ".gate.weight"]
+    bias = w[prefix + ".gate.e_score_correction_bias"]
+    experts = [relu2_mlp(w, f"{prefix}.experts.{e}") for e in range(E)]
+    shared = relu2_mlp(w, prefix + ".shared_experts")
+
+    def moe(x):
+        s = 1.0 / (1.0 + np.exp(-(gate_w @ x)))
+        choice = s + bias
+        per = E // groups
+        group_score = np.sort(choice.reshape(groups, per), axis=1)[:, -2:].sum(axis=1)
+        kept = np.argsort(-group_score, kind="stable")[:keep_groups]
+        allowed = np.full(E, -np.inf)
+        for g in kept:
+            allowed[g * per:(g + 1) * per] = choice[g * per:(g + 1) * per]
+        picked = np.argsort(-allowed, kind="stable")[:k]
+        weights = s[picked]
+        if cfg["norm_topk_prob"]:
+            weights = weights / (weights.sum() + 1e-20)
+        weights = weights * cfg["routed_scaling_factor"]
+        out = sum(wt * experts[e](x) for e, wt in zip(picked, weights))
+        return out + shared(x)
+
+    return moe
+
+
+# ---------------------------------------------------------------------------------------------
+# Architectures: each returns (embedding, list of blocks, final norm weight, lm_head, eps)
+# where a block is a list of (norm weight, mixer) applied as x += mixer(norm(x)).
+
+
+def build_llama(cfg, w):
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    inv = rope_inv_freq(hd, cfg["rope"])
+    blocks = []
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        attn = Attention(w, p + ".self_attn", cfg["num_attention_heads"],
+                         cfg["num_key_value_heads"], hd, inv)
+        blocks.append([(w[p + ".input_layernorm.weight"], attn),
+                       (w[p + ".post_attention_layernorm.weight"], Stateless(swiglu(w, p + ".mlp")))])
+    emb = w["model.embed_tokens.weight"]
+    return emb, blocks, w["model.norm.weight"], w.get("lm_head.weight", emb), cfg["rms_norm_eps"]
+
+
+def build_mamba2(cfg, w):
+    eps = cfg["layer_norm_epsilon"]
+    blocks = []
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"backbone.layers.{i}"
+        mixer = Mamba2Mixer(w, p + ".mixer", cfg["num_heads"], cfg["head_dim"], cfg["n_groups"],
+                            cfg["state_size"], eps, cfg["time_step_limit"][0])
+        blocks.append([(w[p + ".norm.weight"], mixer)])
+    emb = w["backbone.embeddings.weight"]
+    return emb, blocks, w["backbone.norm_f.weight"], w.get("lm_head.weight", emb), eps
+
+
+def nemotron_pattern(cfg):
+    if "hybrid_override_pattern" in cfg:
+        return cfg["hybrid_override_pattern"]
+    letter = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*",
+              "mlp": "-", "moe": "E"}
+    return "".join(letter[t] for t in cfg["layers_block_type"])
+
+
+def build_nemotronh(cfg, w):
+    eps = cfg["layer_norm_epsilon"]
+    blocks = []
+    for i, kind in enumerate(nemotron_pattern(cfg)):
+        p = f"backbone.layers.{i}.mixer"
+        if kind == "M":
+            # transformers clamps dt at time_step_min in prefill only; the fixtures keep dt above
+            # it, and `clamped` below proves the clamp never bound.
+            mixer = Mamba2Mixer(w, p, cfg["mamba_num_heads"], cfg["mamba_head_dim"],
+                                cfg["n_groups"], cfg["ssm_state_size"], eps, cfg["time_step_min"])
+        elif kind == "*":
+            mixer = Attention(w, p, cfg["num_attention_heads"], cfg["num_key_value_heads"],
+                              cfg["head_dim"], None)
+        elif kind == "-":
+            mixer = Stateless(relu2_mlp(w, p))
+        elif kind == "E":
+            mixer = Stateless(nemotron_moe(w, p, cfg))
+        else:
+            raise SystemExit(f"unknown NemotronH block {kind!r}")
+        blocks.append([(w[f"backbone.layers.{i}.norm.weight"], mixer)])
+    emb = w["backbone.embeddings.weight"]
+    return emb, blocks, w["backbone.norm_f.weight"], w.get("lm_head.weight", emb), eps
+
+
+def build_bamba(cfg, w):
+    eps = cfg["rms_norm_eps"]
+    hd = cfg["hidden_size"] // cfg["num_attention_heads"]
+    inv = rope_inv_freq(hd, cfg["rope"])
+    blocks = []
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        if i in cfg["attn_layer_indices"]:
+            mixer = Attention(w, p + ".self_attn", cfg["num_attention_heads"],
+                              cfg["num_key_value_heads"], hd, inv)
+        else:
+            mixer = Mamba2Mixer(w, p + ".mamba", cfg["mamba_n_heads"], cfg["mamba_d_head"],
+                                cfg["mamba_n_groups"], cfg["mamba_d_state"], eps,
+                                cfg["time_step_limit"][0])
+        blocks.append([(w[p + ".input_layernorm.weight"], mixer),
+                       (w[p + ".pre_ff_layernorm.weight"], Stateless(swiglu(w, p + ".feed_forward")))])
+    emb = w["model.embed_tokens.weight"]
+    return emb, blocks, w["model.final_layernorm.weight"], w.get("lm_head.weight", emb), eps
+
+
+BUILDERS = {
+    "LlamaForCausalLM": build_llama,
+    "Mamba2ForCausalLM": build_mamba2,
+    "NemotronHForCausalLM": build_nemotronh,
+    "BambaForCausalLM": build_bamba,
+}
+
+
+class Model:
+    def __init__(self, path):
+        cfg = load_config(path)
+        w = load_weights(path)
+        self.build = lambda: BUILDERS[cfg["architectures"][0]](cfg, w)
+
+    def fresh(self):
+        self.emb, self.blocks, self.norm_f, self.head, self.eps = self.build()
+        self.pos = 0
+
+    def step(self, token):
+        x = self.emb[token].copy()
+        for block in self.blocks:
+            for norm_w, mixer in block:
+                x = x + mixer.step(rms_norm(x, norm_w, self.eps), self.pos)
+        self.pos += 1
+        return self.head @ rms_norm(x, self.norm_f, self.eps)
+
+    def clamped(self):
+        return sum(getattr(m, "clamped", 0) for b in self.blocks for _, m in b)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def check(name):
+    path = os.path.join(MODELS, name)
+    ref = read_safetensors(os.path.join(path, "reference.safetensors"))
+    with open(os.path.join(path, "reference.json")) as f:
+        meta = json.load(f)
+    model = Model(path)
+    ok = True
+    worst = 0.0
+    if "branch" in meta["cases"]:
+        shared = meta["branch"]["shared_tokens"]
+        src = ref["prompt_" + meta["branch"]["prefix_of"]][:shared]
+        if ref["prompt_branch"][:shared].tolist() != src.tolist():
+            print(f"  {name}: branch prompt does not share its prefix  FAIL")
+            ok = False
+    for n in meta["cases"]:
+        model.fresh()
+        logits = np.stack([model.step(int(t)) for t in ref[f"prompt_{n}"]])
+        pos = ref[f"positions_{n}"]
+        err_prefill = np.abs(logits[pos] - ref[f"logits_{n}"]).max()
+        tokens, step_logits = [], [logits[-1]]
+        tokens.append(int(np.argmax(logits[-1])))
+        for _ in range(1, meta["greedy_steps"]):
+            step_logits.append(model.step(tokens[-1]))
+            tokens.append(int(np.argmax(step_logits[-1])))
+        steps = ref[f"decode_steps_{n}"]
+        err_decode = np.abs(np.stack(step_logits)[steps] - ref[f"decode_logits_{n}"]).max()
+        same = tokens == ref[f"greedy_{n}"].tolist()
+        clamped = model.clamped()
+        worst = max(worst, err_prefill, err_decode)
+        good = same and err_prefill <= TOLERANCE and err_decode <= TOLERANCE and clamped == 0
+        ok &= good
+        print(f"  {name:22s} {n:>6s} prefill max|d|={err_prefill:.2e} decode max|d|={err_decode:.2e}"
+              f" greedy {'same' if same else 'DIFFERENT'}{'' if clamped == 0 else f' dt clamped {clamped}x'}"
+              f"{'' if good else '  FAIL'}")
+    return ok, worst
+
+
+def main():
+    names = sys.argv[1:] or sorted(os.listdir(MODELS))
+    results = [check(n) for n in names]
+    worst = max(w for _, w in results)
+    failed = [n for n, (ok, _) in zip(names, results) if not ok]
+    print(f"{len(names)} models, largest logit difference {worst:.2e}, "
+          f"{'all match' if not failed else 'FAILED: ' + ', '.join(failed)}")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
