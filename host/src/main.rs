@@ -25,6 +25,20 @@ struct Cli {
 enum Command {
     /// Continue a prompt (greedy) and print the continuation.
     Generate(GenerateArgs),
+    /// Work with policy plugins.
+    Plugin {
+        #[command(subcommand)]
+        command: PluginCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum PluginCommand {
+    /// Load a plugin as the server would (kind, ABI version, exports, a dry call) and report.
+    Check {
+        /// The plugin's `.wasm` file (core module or component).
+        file: PathBuf,
+    },
 }
 
 #[derive(clap::Args)]
@@ -51,6 +65,18 @@ fn main() -> anyhow::Result<()> {
         .init();
     match Cli::parse().command {
         Command::Generate(args) => generate(args),
+        Command::Plugin {
+            command: PluginCommand::Check { file },
+        } => {
+            let report = chimera::plugins::check_plugin(&file)?;
+            println!("{report}");
+            anyhow::ensure!(
+                report.ok(),
+                "{} loads but is not usable as configured above",
+                file.display()
+            );
+            Ok(())
+        }
     }
 }
 
