@@ -17,8 +17,12 @@ struct Request {
 #[test]
 fn cache_fallback_native_twin_and_wasm_plugin_evict_alike() {
     let metrics = PluginMetrics::new();
-    let policies = PolicyPlugins::new(&PolicyConfig::default(), &PluginsConfig::default(), metrics.clone())
-        .expect("built-in plugins load");
+    let policies = PolicyPlugins::new(
+        &PolicyConfig::default(),
+        &PluginsConfig::default(),
+        metrics.clone(),
+    )
+    .expect("built-in plugins load");
     let mut pools = [
         BlockPool::new(BLOCKS, None),
         BlockPool::new(BLOCKS, Some(Box::new(LruEvictor::new()))),
@@ -28,24 +32,42 @@ fn cache_fallback_native_twin_and_wasm_plugin_evict_alike() {
     let mut running: Vec<Request> = Vec::new();
     let mut next_hash: u128 = 1;
     let mut evictions = 0usize;
+    // Parent of each registered block (a prefix hit pins the whole path from the root).
+    let mut parent_of = std::collections::HashMap::new();
     for step in 1..3000u64 {
         match rng.next_below(6) {
             // A new request: maybe extend a cached block (a prefix hit), then new blocks.
             0..=2 => {
                 let len = 1 + rng.next_below(5) as usize;
-                if pools[0].available() < len + 1 {
-                    continue;
-                }
                 let mut blocks = Vec::new();
                 let mut parent = NO_PARENT;
-                let indexed: Vec<u32> = (0..BLOCKS).filter(|&b| pools[0].hash_of(b).is_some()).collect();
+                let indexed: Vec<u32> = (0..BLOCKS)
+                    .filter(|&b| pools[0].hash_of(b).is_some())
+                    .collect();
                 if !indexed.is_empty() && rng.next_below(2) == 0 {
                     let hit = indexed[rng.next_below(indexed.len() as u32) as usize];
-                    for pool in pools.iter_mut() {
-                        pool.pin(hit, step).expect("pin an indexed block");
+                    let mut path = vec![hit];
+                    while let Some(&p) = parent_of.get(path.last().unwrap()) {
+                        if p == NO_PARENT {
+                            break;
+                        }
+                        path.push(p);
                     }
-                    blocks.push(hit);
+                    path.reverse();
+                    if pools[0].available() < len + path.len() {
+                        continue;
+                    }
+                    for &b in &path {
+                        for pool in pools.iter_mut() {
+                            pool.pin(b, step).expect("pin an indexed block");
+                        }
+                    }
+                    blocks.extend(&path);
                     parent = hit;
+                }
+                if pools[0].available() < len {
+                    // Only reachable without a hit; nothing was pinned.
+                    continue;
                 }
                 let mut got: Vec<Vec<u32>> = Vec::new();
                 for pool in pools.iter_mut() {
@@ -53,14 +75,21 @@ fn cache_fallback_native_twin_and_wasm_plugin_evict_alike() {
                     pool.allocate(len, step, &mut out).expect("allocate");
                     got.push(out);
                 }
-                assert_eq!(got[0], got[1], "step {step}: native twin chose other victims than the cache");
-                assert_eq!(got[0], got[2], "step {step}: Wasm plugin chose other victims than the cache");
+                assert_eq!(
+                    got[0], got[1],
+                    "step {step}: native twin chose other victims than the cache"
+                );
+                assert_eq!(
+                    got[0], got[2],
+                    "step {step}: Wasm plugin chose other victims than the cache"
+                );
                 for &b in &got[0] {
                     let hash = BlockHash(next_hash);
                     next_hash += 1;
                     for pool in pools.iter_mut() {
                         assert!(pool.register(b, hash, parent, step));
                     }
+                    parent_of.insert(b, parent);
                     parent = b;
                 }
                 blocks.extend(&got[0]);
@@ -90,8 +119,26 @@ fn cache_fallback_native_twin_and_wasm_plugin_evict_alike() {
             assert_eq!(h, pools[2].hash_of(b), "step {step} block {b}");
         }
     }
-    assert!(evictions > 100, "the history evicted only {evictions} blocks explicitly");
-    assert_eq!(pools[1].evictor_fallbacks(), 0, "cache rejected a native twin victim");
-    assert_eq!(pools[2].evictor_fallbacks(), 0, "cache rejected a Wasm plugin victim");
-    assert_eq!(metrics.fallback_samples().iter().map(|s| s.value).sum::<u64>(), 0);
+    assert!(
+        evictions > 100,
+        "the history evicted only {evictions} blocks explicitly"
+    );
+    assert_eq!(
+        pools[1].evictor_fallbacks(),
+        0,
+        "cache rejected a native twin victim"
+    );
+    assert_eq!(
+        pools[2].evictor_fallbacks(),
+        0,
+        "cache rejected a Wasm plugin victim"
+    );
+    assert_eq!(
+        metrics
+            .fallback_samples()
+            .iter()
+            .map(|s| s.value)
+            .sum::<u64>(),
+        0
+    );
 }
