@@ -90,6 +90,11 @@ fn main() -> anyhow::Result<()> {
             let report = chimera::plugins::check_plugin(&file)
                 .with_context(|| format!("checking {}", file.display()))?;
             println!("{report}");
+            anyhow::ensure!(
+                report.ok(),
+                "{} loads but is not usable as configured above",
+                file.display()
+            );
             Ok(())
         }
     }

@@ -467,7 +467,9 @@ fn wrong_abi_version_is_refused_at_load_naming_both_versions() {
     for version in ["0.9.0", "1.0.0", "0.0.4"] {
         let path = dir.join(format!("router-{version}.wasm"));
         std::fs::write(&path, dummy_plugin("router", version)).unwrap();
-        let err = check_plugin(&path).err().expect("must be refused");
+        let err = check_plugin(&path)
+            .err()
+            .unwrap_or_else(|| panic!("must be refused"));
         let text = err.to_string();
         assert!(matches!(err, PluginError::AbiVersion { .. }), "{text}");
         assert!(

@@ -7,8 +7,8 @@
 //! reaches `top_p` of what is left (1 disables); one draw from `Rng::new(seed, counter)` picks
 //! among the survivors. Every sum runs in candidate order, so the result is the same bit for
 //! bit in every build. Candidates whose probability is below e^-16 of the best one's count as
-//! impossible (this skips their `exp`). NaN logits count as −∞; a request whose logits are all −∞ gets its first
-//! candidate.
+//! impossible (this skips their `exp`). NaN logits count as −∞; a request whose logits are all
+//! −∞ gets its first candidate.
 
 use alloc::vec::Vec;
 
@@ -66,7 +66,7 @@ pub fn sample_index(p: &Params, logits: &[f32], probs: &mut Vec<f32>) -> usize {
     let Some(best) = argmax(&logits[..n]) else {
         return 0;
     };
-    if !(p.temperature > 0.0) || n == 1 {
+    if p.temperature.is_nan() || p.temperature <= 0.0 || n == 1 {
         return best;
     }
     let max = logits[best];
