@@ -81,7 +81,7 @@ impl Default for PluginsConfig {
         Self {
             deadline_ms: 20,
             memory_bytes: 64 << 20,
-            max_instances: 32,
+            max_instances: 128,
         }
     }
 }
