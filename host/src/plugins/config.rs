@@ -71,7 +71,8 @@ pub struct PluginsConfig {
     pub deadline_ms: u64,
     /// Most linear memory one plugin instance may grow to.
     pub memory_bytes: u64,
-    /// Plugin instances that may exist at once (pooling allocator slots), reloads included.
+    /// Plugin instances that may exist at once (pooling allocator slots): one router, one
+    /// evictor and one sampler per replica, twice over while a reload is under way.
     pub max_instances: u32,
 }
 
@@ -80,7 +81,7 @@ impl Default for PluginsConfig {
         Self {
             deadline_ms: 20,
             memory_bytes: 64 << 20,
-            max_instances: 32,
+            max_instances: 128,
         }
     }
 }
