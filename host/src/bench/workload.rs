@@ -6,13 +6,15 @@
 //! after another, each extending the conversation so far.
 //!
 //! Invariants: the same spec, tokenizer and seed give the same sessions; every generated
-//! piece's token count is exact for the tokenizer in use (see [`super::tokens`]); each group,
-//! conversation and random prompt draws from its own RNG stream, so changing one count never
-//! changes another group's text. Must not send requests or measure time.
+//! piece's token count is exact for the tokenizer in use (see [`super::tokens`]); each prefix,
+//! question, conversation and random prompt draws from its own RNG stream, so changing one
+//! count never changes another group's text and generation can run in parallel (rayon) with
+//! the same result on any number of threads. Must not send requests or measure time.
 
 use std::path::PathBuf;
 use std::str::FromStr;
 
+use rayon::prelude::*;
 use serde::Deserialize;
 
 use super::BenchError;
@@ -68,6 +70,9 @@ impl std::fmt::Display for LenRange {
         }
     }
 }
+
+/// RNG stream (under the workload seed) of the shared-prefix questions.
+const QUESTION_STREAM: u64 = 0x5155_4553_5449_4F4E;
 
 /// What to generate.
 #[derive(Debug, Clone)]
@@ -155,28 +160,39 @@ pub fn build(
             output_len,
             shuffle,
         } => {
-            let mut sessions = Vec::with_capacity(groups * prompts_per_group);
-            for g in 0..*groups {
-                let mut rng = Rng::fork(seed, g as u64);
-                let n = prefix_len.sample(&mut rng);
-                let prefix = tok.extend_exact("", 0, &mut rng, n)?;
-                let (head, head_tokens) = if joined {
-                    (prefix.text.as_str(), prefix.tokens())
-                } else {
-                    ("", 0)
-                };
-                for _ in 0..*prompts_per_group {
+            // Prefixes, then questions, each in parallel; every prefix and every question has
+            // its own RNG stream, so the result does not depend on the thread count.
+            let prefixes: Vec<Prompt> = (0..*groups)
+                .into_par_iter()
+                .map(|g| {
+                    let mut rng = Rng::fork(seed, g as u64);
+                    let n = prefix_len.sample(&mut rng);
+                    tok.extend_exact("", 0, &mut rng, n)
+                })
+                .collect::<Result<_, _>>()?;
+            let question_seed = Rng::fork(seed, QUESTION_STREAM).next_u64();
+            let mut sessions: Vec<Session> = (0..groups * prompts_per_group)
+                .into_par_iter()
+                .map(|i| {
+                    let g = i / prompts_per_group;
+                    let prefix = &prefixes[g];
+                    let mut rng = Rng::fork(question_seed, i as u64);
+                    let (head, head_tokens) = if joined {
+                        (prefix.text.as_str(), prefix.tokens())
+                    } else {
+                        ("", 0)
+                    };
                     let q = question_len.sample(&mut rng);
                     let user = tok.extend_exact(head, head_tokens, &mut rng, q)?;
                     let output_len = output_len.sample(&mut rng) as u32;
-                    sessions.push(Session {
-                        id: sessions.len(),
+                    Ok(Session {
+                        id: i,
                         group: Some(g),
                         system: Some(prefix.clone()),
                         turns: vec![Turn { user, output_len }],
-                    });
-                }
-            }
+                    })
+                })
+                .collect::<Result<_, BenchError>>()?;
             if *shuffle {
                 Rng::fork(seed, u64::MAX).shuffle(&mut sessions);
             }
@@ -190,19 +206,21 @@ pub fn build(
             input_len,
             output_len,
         } => {
-            let mut sessions = Vec::with_capacity(*requests);
-            for i in 0..*requests {
-                let mut rng = Rng::fork(seed, i as u64);
-                let n = input_len.sample(&mut rng);
-                let user = tok.extend_exact("", 0, &mut rng, n)?;
-                let output_len = output_len.sample(&mut rng) as u32;
-                sessions.push(Session {
-                    id: i,
-                    group: None,
-                    system: None,
-                    turns: vec![Turn { user, output_len }],
-                });
-            }
+            let sessions: Vec<Session> = (0..*requests)
+                .into_par_iter()
+                .map(|i| {
+                    let mut rng = Rng::fork(seed, i as u64);
+                    let n = input_len.sample(&mut rng);
+                    let user = tok.extend_exact("", 0, &mut rng, n)?;
+                    let output_len = output_len.sample(&mut rng) as u32;
+                    Ok(Session {
+                        id: i,
+                        group: None,
+                        system: None,
+                        turns: vec![Turn { user, output_len }],
+                    })
+                })
+                .collect::<Result<_, BenchError>>()?;
             Ok(Workload {
                 kind: "random",
                 sessions,
@@ -215,29 +233,31 @@ pub fn build(
             question_len,
             output_len,
         } => {
-            let mut sessions = Vec::with_capacity(*conversations);
-            for c in 0..*conversations {
-                let mut rng = Rng::fork(seed, c as u64);
-                let n = prefix_len.sample(&mut rng);
-                let system = if n > 0 {
-                    Some(tok.extend_exact("", 0, &mut rng, n)?)
-                } else {
-                    None
-                };
-                let mut ts = Vec::with_capacity(*turns);
-                for _ in 0..*turns {
-                    let q = question_len.sample(&mut rng);
-                    let user = tok.extend_exact("", 0, &mut rng, q)?;
-                    let output_len = output_len.sample(&mut rng) as u32;
-                    ts.push(Turn { user, output_len });
-                }
-                sessions.push(Session {
-                    id: c,
-                    group: None,
-                    system,
-                    turns: ts,
-                });
-            }
+            let sessions: Vec<Session> = (0..*conversations)
+                .into_par_iter()
+                .map(|c| {
+                    let mut rng = Rng::fork(seed, c as u64);
+                    let n = prefix_len.sample(&mut rng);
+                    let system = if n > 0 {
+                        Some(tok.extend_exact("", 0, &mut rng, n)?)
+                    } else {
+                        None
+                    };
+                    let mut ts = Vec::with_capacity(*turns);
+                    for _ in 0..*turns {
+                        let q = question_len.sample(&mut rng);
+                        let user = tok.extend_exact("", 0, &mut rng, q)?;
+                        let output_len = output_len.sample(&mut rng) as u32;
+                        ts.push(Turn { user, output_len });
+                    }
+                    Ok(Session {
+                        id: c,
+                        group: None,
+                        system,
+                        turns: ts,
+                    })
+                })
+                .collect::<Result<_, BenchError>>()?;
             Ok(Workload {
                 kind: "multi-turn",
                 sessions,
@@ -413,6 +433,13 @@ mod tests {
         };
         assert_eq!(texts(&w), texts(&w2));
         assert_ne!(texts(&w), texts(&build(&spec, &t, 10, true).unwrap()));
+        // The same on one thread as on many.
+        let one = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        let w1 = one.install(|| build(&spec, &t, 9, true).unwrap());
+        assert_eq!(texts(&w), texts(&w1));
     }
 
     #[test]
