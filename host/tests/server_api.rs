@@ -393,11 +393,23 @@ async fn completion_logprobs_and_echo() {
         "/v1/completions",
         &completion(
             json!("hello"),
-            json!({"max_tokens": 6, "echo": true, "stream": true}),
+            json!({"max_tokens": 6, "echo": true, "stream": true, "logprobs": 0}),
         ),
     )
     .await;
-    assert_eq!(join_stream(&st.sse())[0].0, format!("hello{plain}"));
+    let ev = st.sse();
+    assert_eq!(join_stream(&ev)[0].0, format!("hello{plain}"));
+    // The streamed logprobs, joined, equal the non-streamed ones (prompt tokens first).
+    let mut streamed = Vec::new();
+    for x in &ev {
+        if let Some(t) = x["choices"][0]["logprobs"]["tokens"].as_array() {
+            streamed.extend(t.iter().cloned());
+        }
+    }
+    assert_eq!(
+        &streamed,
+        e["choices"][0]["logprobs"]["tokens"].as_array().unwrap()
+    );
 }
 
 fn chat(messages: Value, extra: Value) -> Value {

@@ -301,7 +301,7 @@ impl MockLoop {
         let mut seed = req
             .prompt
             .iter()
-            .fold(0xC0FF_EEu64, |h, t| splitmix(h ^ u64::from(*t)));
+            .fold(0x00C0_FFEE_u64, |h, t| splitmix(h ^ u64::from(*t)));
         if req.params.temperature > 0.0 {
             seed = splitmix(seed ^ req.params.seed.unwrap_or(req.id.wrapping_mul(31)));
         }
@@ -342,10 +342,10 @@ impl MockLoop {
         if let Some(pos) = self.running.iter().position(|r| r.req.id == id) {
             let r = self.running.swap_remove(pos);
             finish(r, &self.counters);
-        } else if let Some(pos) = self.waiting.iter().position(|r| r.req.id == id) {
-            if let Some(r) = self.waiting.remove(pos) {
-                finish(r, &self.counters);
-            }
+        } else if let Some(pos) = self.waiting.iter().position(|r| r.req.id == id)
+            && let Some(r) = self.waiting.remove(pos)
+        {
+            finish(r, &self.counters);
         }
     }
 
@@ -408,7 +408,7 @@ impl MockLoop {
         if let Some(eos) = self.config.eos_token_id
             && self.config.eos_one_in > 0
             && !r.req.ignore_eos
-            && (r.rng >> 40) % u64::from(self.config.eos_one_in) == 0
+            && (r.rng >> 40).is_multiple_of(u64::from(self.config.eos_one_in))
         {
             return eos;
         }
@@ -515,4 +515,45 @@ fn usage_of(r: &Running) -> Usage {
         completion_tokens: r.generated,
         cached_tokens: r.cached_tokens,
     }
+}
+
+/// Server parts in front of `replicas` mock replicas, with the embedded tokenizer: a server that
+/// runs without any model (demos, client tests). Returns the replicas' counters too.
+pub fn mock_app_parts(
+    config: super::ServerConfig,
+    replicas: usize,
+    engine: MockEngineConfig,
+) -> Result<(super::AppParts, Vec<Arc<MockCounters>>), String> {
+    let codec = super::TextCodec::embedded().map_err(|e| e.to_string())?;
+    let mut parts = Vec::new();
+    let mut counters = Vec::new();
+    for _ in 0..replicas.max(1) {
+        let cfg = MockEngineConfig {
+            vocab_size: codec.vocab_size(),
+            ..engine.clone()
+        };
+        let mut e = MockEngine::spawn(cfg).map_err(|e| e.to_string())?;
+        counters.push(e.counters.clone());
+        parts.push(super::Replica {
+            handle: e.handle.clone(),
+            kv_events: e.kv_events.take(),
+        });
+    }
+    let model = super::ModelInfo {
+        name: "mock".into(),
+        max_model_len: engine.max_model_len,
+        block_size: engine.block_size,
+        cache_salt: engine.cache_salt.clone(),
+        num_blocks: engine.total_blocks,
+        prefix_caching: true,
+    };
+    let app = super::AppParts {
+        config,
+        model,
+        codec,
+        replicas: parts,
+        policy: Box::new(super::LeastLoaded),
+        admin_hooks: None,
+    };
+    Ok((app, counters))
 }

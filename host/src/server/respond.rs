@@ -305,42 +305,56 @@ impl SseState {
 
     /// Opening frames: the assistant role (chat) or the echoed prompt (completions).
     fn opening(&mut self, indices: &[(u32, usize)]) {
+        let usage_field = self.meta.include_usage.then_some(None);
         for &(index, prompt_idx) in indices {
-            let text = match &self.shape {
-                Shape::Chat => {
-                    let usage_field = self.meta.include_usage.then_some(None);
-                    let body = to_json(&ChatChunk {
+            let body = match &self.shape {
+                Shape::Chat => to_json(&ChatChunk {
+                    id: self.meta.id.clone(),
+                    object: "chat.completion.chunk",
+                    created: self.meta.created,
+                    model: self.meta.model.clone(),
+                    choices: vec![ChatChunkChoice {
+                        index,
+                        delta: ChatDelta {
+                            role: Some("assistant"),
+                            content: Some(String::new()),
+                        },
+                        logprobs: None,
+                        finish_reason: None,
+                        stop_reason: None,
+                    }],
+                    usage: usage_field,
+                }),
+                Shape::Completion { echo, echo_tokens } => {
+                    let Some(text) = echo.get(prompt_idx).cloned().flatten() else {
+                        continue;
+                    };
+                    // Echoed prompt tokens lead the logprobs, as in the non-streamed body.
+                    let logprobs = self.meta.logprobs.then(|| {
+                        let mut lp = CompletionLogprobs::default();
+                        let offset = self.offsets.entry(index).or_insert(0);
+                        if let Some(toks) = echo_tokens.get(prompt_idx) {
+                            push_prompt_tokens(&mut lp, toks, offset);
+                        }
+                        lp
+                    });
+                    to_json(&CompletionResponse {
                         id: self.meta.id.clone(),
-                        object: "chat.completion.chunk",
+                        object: "text_completion",
                         created: self.meta.created,
                         model: self.meta.model.clone(),
-                        choices: vec![ChatChunkChoice {
+                        choices: vec![CompletionChoice {
                             index,
-                            delta: ChatDelta {
-                                role: Some("assistant"),
-                                content: Some(String::new()),
-                            },
-                            logprobs: None,
+                            text,
+                            logprobs,
                             finish_reason: None,
                             stop_reason: None,
                         }],
                         usage: usage_field,
-                    });
-                    self.pending.push_back(sse_frame(&body));
-                    continue;
+                    })
                 }
-                Shape::Completion { echo, .. } => echo.get(prompt_idx).cloned().flatten(),
             };
-            if let Some(text) = text {
-                let frame = self.chunk_frame(ChoiceChunk {
-                    index,
-                    prompt_idx,
-                    text,
-                    logprobs: Vec::new(),
-                    finish: None,
-                });
-                self.pending.push_back(frame);
-            }
+            self.pending.push_back(sse_frame(&body));
         }
     }
 }
