@@ -5,7 +5,8 @@
 //! Output tokens are a pure function of the prompt (and, when `temperature > 0`, of the seed or
 //! request id), so a test can predict them by asking twice. It honours `max_tokens`,
 //! `stop_token_ids`, EOS, cancellation, `ResetPrefixCache`, `Shutdown`, logprobs, a per-token
-//! delay, a bounded running set with a waiting queue, and publishes `EngineStats` and
+//! delay, a bounded running set with a waiting queue, cancels that overtake their `Add` (they
+//! travel on a separate channel), and publishes `EngineStats` and
 //! `KvEvent`s (prefix blocks hashed with [`prompt_block_hashes`]). It must not be used to serve
 //! real traffic; it is not compiled only for tests so integration tests and benches can reuse it.
 

@@ -10,6 +10,12 @@
 //! routing policy) inside a tokio runtime, then [`serve`] it on a bound listener. Swapping the
 //! mock engine for the real one changes only the `replicas` given to [`AppParts`].
 //!
+//! Decisions: unknown JSON fields are ignored (OpenAI's SDKs send fields newer than any server),
+//! but known fields this server does not implement (`tools`, `logit_bias`, `suffix`, non-text
+//! `response_format`, non-text content parts) are rejected with 400 `unsupported`. Overload
+//! (admission limit or a full engine queue) is 503 with `Retry-After`; the `openai` SDK retries
+//! it like 429. `model` may be omitted; a wrong name is 404.
+//!
 //! Module map: [`config`] (`[server]`), [`error`] (the one error → HTTP mapping), [`protocol`]
 //! (OpenAI shapes), [`params`] (validation), [`text`] (tokenizer, chat template), [`detok`]
 //! (incremental detokenizer, stop strings), [`pipeline`] (one engine request → chunks),
