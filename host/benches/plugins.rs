@@ -5,7 +5,9 @@
 //! bookkeeping included) and through the native twin, and the ratio. Shapes: router over 8
 //! replicas; sampler over 256 requests × 64 candidates; evictor fed one engine step of events
 //! (about 64) from a cache of ~20k blocks and asked for 8 victims. Timing loops only; no
-//! assertions (the agreement of the two builds is checked in tests/plugins.rs).
+//! assertions (the agreement of the two builds is checked in tests/plugins.rs). An argument
+//! (`cargo bench -p chimera --bench plugins -- sampler`) runs only the rows whose name
+//! contains it.
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -135,6 +137,12 @@ fn row(name: &str, wasm: (f64, f64), native: (f64, f64), target: &str) {
 }
 
 fn main() {
+    // `cargo bench` passes `--bench`; the first other argument filters rows.
+    let filter = std::env::args()
+        .skip(1)
+        .find(|a| !a.starts_with('-'))
+        .unwrap_or_default();
+    let wanted = |name: &str| name.contains(filter.as_str());
     let metrics = PluginMetrics::new();
     let policies = match PolicyPlugins::new(
         &PolicyConfig::default(),
@@ -160,19 +168,23 @@ fn main() {
         prompt_blocks: 32,
         tenant: "bench".into(),
     };
-    let mut wasm_router = policies.router();
-    let mut native_router = PrefixAwareRouter::default();
-    let w = measure(15, 20_000, || {
-        black_box(wasm_router.route(black_box(&req), black_box(&cols)));
-    });
-    let n = measure(15, 20_000, || {
-        black_box(native_router.route(black_box(&req), black_box(&cols)));
-    });
-    row("router prefix-aware, 8 replicas", w, n, "< 5 µs");
+    if wanted("router prefix-aware") {
+        let mut wasm_router = policies.router();
+        let mut native_router = PrefixAwareRouter::default();
+        let w = measure(15, 20_000, || {
+            black_box(wasm_router.route(black_box(&req), black_box(&cols)));
+        });
+        let n = measure(15, 20_000, || {
+            black_box(native_router.route(black_box(&req), black_box(&cols)));
+        });
+        row("router prefix-aware, 8 replicas", w, n, "< 5 µs");
+    }
 
     let mut ll_policy = PolicyConfig::default();
     ll_policy.router.plugin = "builtin:least-loaded".into();
-    if let Ok(p) = PolicyPlugins::new(&ll_policy, &PluginsConfig::default(), Arc::clone(&metrics)) {
+    let least_loaded = wanted("router least-loaded")
+        .then(|| PolicyPlugins::new(&ll_policy, &PluginsConfig::default(), Arc::clone(&metrics)));
+    if let Some(Ok(p)) = least_loaded {
         let mut wasm_ll = p.router();
         let mut native_ll = LeastLoadedRouter;
         let w = measure(15, 20_000, || {
@@ -185,22 +197,27 @@ fn main() {
     }
 
     // Sampler: 256 requests × 64 candidates.
-    let b = batch(&mut rng, 256, 64);
-    let mut wasm_sampler = policies.sampler();
-    let mut native_sampler = DefaultSampler::default();
-    let w = measure(15, 200, || {
-        black_box(wasm_sampler.sample(black_box(&b)));
-    });
-    let n = measure(15, 200, || {
-        black_box(native_sampler.sample(black_box(&b)));
-    });
-    row("sampler default, 256 × 64", w, n, "< 150 µs/step");
+    if wanted("sampler default") {
+        let b = batch(&mut rng, 256, 64);
+        let mut wasm_sampler = policies.sampler();
+        let mut native_sampler = DefaultSampler::default();
+        let w = measure(15, 200, || {
+            black_box(wasm_sampler.sample(black_box(&b)));
+        });
+        let n = measure(15, 200, || {
+            black_box(native_sampler.sample(black_box(&b)));
+        });
+        row("sampler default, 256 × 64", w, n, "< 150 µs/step");
+    }
 
     // Evictor: warm both with ~20k blocks, then per step: events + choose victims.
     for (label, chain, hits, victims) in [
         ("evictor lru, 64 events + choose 8", 16, 16, 8),
         ("evictor lru, 16 events + choose 2", 4, 4, 2),
     ] {
+        if !wanted(label) {
+            continue;
+        }
         let (mut sim_w, warm) = CacheSim::warm(20_000);
         let mut wasm_evictor = policies.evictor();
         let mut native_evictor = LruEvictor::new();

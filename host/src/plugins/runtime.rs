@@ -230,6 +230,11 @@ impl std::fmt::Debug for LoadedPlugin {
 fn engine_config(limits: &PluginsConfig, pooling: bool) -> wasmtime::Config {
     let mut cfg = wasmtime::Config::new();
     cfg.epoch_interruption(true);
+    // Lets `perf` name plugin functions (it reads /tmp/perf-PID.map): for plugin authors
+    // profiling their code inside the server.
+    if std::env::var_os("CHIMERA_PLUGIN_PERFMAP").is_some() {
+        cfg.profiler(wasmtime::ProfilingStrategy::PerfMap);
+    }
     cfg.wasm_component_model(true);
     if pooling {
         let n = limits.max_instances;

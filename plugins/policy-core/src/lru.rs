@@ -10,11 +10,17 @@
 //!   access, within the same `choose_victims` call.
 //!
 //! `choose_victims` does not change the state: the cache reports what it really evicted with
-//! `Removed` events. Invariants: `candidates` holds exactly the evictable leaves, keyed by
-//! their current last access; a node's `children` counts its cached children.
+//! `Removed` events. A node's `children` counts its cached children.
+//!
+//! The candidates live in a min-heap with lazy deletion: a block is pushed with its key each
+//! time it becomes an evictable leaf or is touched, and entries that no longer match a
+//! candidate's current key are dropped when they reach the top. Touching a block is then O(1)
+//! (a new key is the largest, so the push stops at once), and only choosing victims pays
+//! O(log n) per victim. Stale entries are swept out when they outnumber the live ones.
 
-use alloc::collections::{BTreeMap, BTreeSet};
+use alloc::collections::{BTreeMap, BinaryHeap};
 use alloc::vec::Vec;
+use core::cmp::Reverse;
 
 use crate::columns::{EventsView, NO_PARENT, event_kind};
 
@@ -25,6 +31,8 @@ struct Node {
     last_access: u64,
     evictable: bool,
     has_snapshot: bool,
+    /// Taken by the eviction being simulated right now.
+    taken: bool,
     hits: u32,
 }
 
@@ -125,11 +133,20 @@ impl Nodes {
     }
 }
 
+/// A heap entry: `(last_access, block)`, smallest first.
+type Key = Reverse<(u64, u32)>;
+
+/// Heap entries allowed beyond twice the live candidates before a sweep.
+const STALE_SLACK: usize = 1024;
+
 /// The evictor's view of the cache.
 #[derive(Debug, Clone, Default)]
 pub struct LruState {
     nodes: Nodes,
-    candidates: BTreeSet<(u64, u32)>,
+    /// Every evictable leaf under its current key, plus stale entries.
+    heap: BinaryHeap<Key>,
+    /// Evictable leaves right now.
+    candidates: usize,
 }
 
 impl LruState {
@@ -148,7 +165,7 @@ impl LruState {
 
     /// Evictable leaves right now.
     pub fn evictable_leaves(&self) -> usize {
-        self.candidates.len()
+        self.candidates
     }
 
     /// Applies events in order. Events about unknown blocks are ignored; inconsistent columns
@@ -172,10 +189,40 @@ impl LruState {
                 _ => {}
             }
         }
+        if self.heap.len() > 2 * self.candidates + STALE_SLACK {
+            self.sweep();
+        }
     }
 
     fn is_candidate(node: &Node) -> bool {
-        node.evictable && node.children == 0
+        node.evictable && node.children == 0 && !node.taken
+    }
+
+    /// Records that `block` (with `node`'s new state) went from candidate `was` to whatever
+    /// it is now, pushing its key when it is a candidate under a new key.
+    fn changed(&mut self, block: u32, was: Option<u64>) {
+        let now = self
+            .nodes
+            .get(block)
+            .filter(|n| Self::is_candidate(n))
+            .map(|n| n.last_access);
+        match (was, now) {
+            (None, Some(t)) => {
+                self.candidates += 1;
+                self.heap.push(Reverse((t, block)));
+            }
+            (Some(_), None) => self.candidates -= 1,
+            (Some(a), Some(b)) if a != b => self.heap.push(Reverse((b, block))),
+            _ => {}
+        }
+    }
+
+    /// The key of `block` if it is a candidate.
+    fn candidate_key(&self, block: u32) -> Option<u64> {
+        self.nodes
+            .get(block)
+            .filter(|n| Self::is_candidate(n))
+            .map(|n| n.last_access)
     }
 
     fn stored(&mut self, block: u32, parent: u32, step: u64) {
@@ -187,11 +234,10 @@ impl LruState {
         } else {
             NO_PARENT
         };
+        let was = self.candidate_key(parent);
         if let Some(p) = self.nodes.get_mut(parent) {
-            if Self::is_candidate(p) {
-                self.candidates.remove(&(p.last_access, parent));
-            }
             p.children += 1;
+            self.changed(parent, was);
         }
         let node = Node {
             parent,
@@ -199,35 +245,32 @@ impl LruState {
             last_access: step,
             evictable: false,
             has_snapshot: false,
+            taken: false,
             hits: 0,
         };
         self.nodes.insert(block, node);
     }
 
     fn touch(&mut self, block: u32, step: u64, released: bool) {
+        let was = self.candidate_key(block);
         let Some(node) = self.nodes.get_mut(block) else {
             return;
         };
-        if Self::is_candidate(node) {
-            self.candidates.remove(&(node.last_access, block));
-        }
         node.last_access = step;
         node.evictable = released;
         if !released {
             node.hits = node.hits.saturating_add(1);
         }
-        if Self::is_candidate(node) {
-            self.candidates.insert((step, block));
-        }
+        self.changed(block, was);
     }
 
     fn removed(&mut self, block: u32) {
+        let was = self.candidate_key(block);
         let Some(node) = self.nodes.remove(&block) else {
             return;
         };
-        if Self::is_candidate(&node) {
-            self.candidates.remove(&(node.last_access, block));
-        }
+        // Its heap entries are stale now: nothing matches them.
+        self.changed(block, was);
         if node.children > 0 {
             // Only a wholesale clear removes a parent first; detach its children so a later
             // reuse of this id is not mistaken for their parent.
@@ -237,11 +280,10 @@ impl LruState {
                 }
             }
         }
+        let was = self.candidate_key(node.parent);
         if let Some(p) = self.nodes.get_mut(node.parent) {
             p.children = p.children.saturating_sub(1);
-            if Self::is_candidate(p) {
-                self.candidates.insert((p.last_access, node.parent));
-            }
+            self.changed(node.parent, was);
         }
     }
 
@@ -251,16 +293,42 @@ impl LruState {
         }
     }
 
+    /// Whether heap entry `key` names a candidate under its current key.
+    fn is_live(&self, Reverse((t, block)): Key) -> bool {
+        self.candidate_key(block) == Some(t)
+    }
+
+    /// Rebuilds the heap from the candidates, dropping stale entries.
+    fn sweep(&mut self) {
+        let mut keys = core::mem::take(&mut self.heap).into_vec();
+        keys.clear();
+        keys.extend(
+            self.nodes
+                .iter()
+                .filter(|(_, n)| Self::is_candidate(n))
+                .map(|(id, n)| Reverse((n.last_access, id))),
+        );
+        self.heap = BinaryHeap::from(keys);
+    }
+
     /// Up to `count` victims in eviction order (fewer when fewer blocks are evictable).
     pub fn choose_victims(&mut self, count: u32) -> Vec<u32> {
         let mut sim = Simulation::default();
-        let mut victims = Vec::with_capacity((count as usize).min(self.candidates.len()));
+        let mut victims = Vec::with_capacity((count as usize).min(self.candidates));
         while victims.len() < count as usize {
-            let Some(&first) = self.candidates.first() else {
+            let Some(key) = self.heap.pop() else {
                 break;
             };
-            self.take(&mut sim, first);
-            victims.push(first.1);
+            if !self.is_live(key) {
+                // Stale (or a duplicate of a block already taken): gone for good.
+                continue;
+            }
+            sim.popped.push(key);
+            let block = key.0.1;
+            victims.push(block);
+            if let Some(parent) = self.take(&mut sim, block) {
+                self.heap.push(Reverse((parent.1, parent.0)));
+            }
         }
         self.undo(sim);
         victims
@@ -273,55 +341,47 @@ impl LruState {
         for &block in victims {
             let verdict = match self.nodes.get(block) {
                 None => Err(VictimError::NotCached { block }),
+                Some(n) if n.taken => Err(VictimError::NotCached { block }),
                 Some(n) if !n.evictable => Err(VictimError::InUse { block }),
                 Some(n) if n.children > 0 => Err(VictimError::NotLeaf { block }),
-                Some(n) if !self.candidates.contains(&(n.last_access, block)) => {
-                    Err(VictimError::NotCached { block })
-                }
-                Some(n) => Ok((n.last_access, block)),
+                Some(_) => Ok(()),
             };
-            match verdict {
-                Ok(key) => self.take(&mut sim, key),
-                Err(e) => {
-                    result = Err(e);
-                    break;
-                }
+            if let Err(e) = verdict {
+                result = Err(e);
+                break;
             }
+            self.take(&mut sim, block);
         }
         self.undo(sim);
         result
     }
 
-    /// Takes candidate `key` out as if evicted, promoting its parent if it becomes a leaf.
-    fn take(&mut self, sim: &mut Simulation, key: (u64, u32)) {
-        self.candidates.remove(&key);
-        sim.taken.push(key);
-        let parent = self.nodes.get(key.1).map_or(NO_PARENT, |n| n.parent);
-        if let Some(p) = self.nodes.get_mut(parent) {
-            p.children -= 1;
-            sim.decremented.push(parent);
-            if Self::is_candidate(p) {
-                let pk = (p.last_access, parent);
-                self.candidates.insert(pk);
-                sim.promoted.insert(pk);
-            }
-        }
+    /// Marks candidate `block` as evicted in `sim`. Returns its parent `(id, last_access)` when
+    /// that made the parent a candidate.
+    fn take(&mut self, sim: &mut Simulation, block: u32) -> Option<(u32, u64)> {
+        let node = self.nodes.get_mut(block)?;
+        node.taken = true;
+        let parent = node.parent;
+        sim.taken.push(block);
+        let p = self.nodes.get_mut(parent)?;
+        p.children -= 1;
+        sim.decremented.push(parent);
+        Self::is_candidate(p).then_some((parent, p.last_access))
     }
 
     fn undo(&mut self, sim: Simulation) {
-        for key in &sim.promoted {
-            self.candidates.remove(key);
+        for block in sim.taken {
+            if let Some(n) = self.nodes.get_mut(block) {
+                n.taken = false;
+            }
         }
         for parent in sim.decremented {
             if let Some(p) = self.nodes.get_mut(parent) {
                 p.children += 1;
             }
         }
-        for key in sim.taken {
-            if !sim.promoted.contains(&key) {
-                self.candidates.insert(key);
-            }
-        }
+        // Entries pushed for promoted parents are stale again; the victims go back.
+        self.heap.extend(sim.popped);
     }
 
     /// Events that rebuild this state from empty (parents before children), e.g. for a fresh
@@ -358,9 +418,10 @@ impl LruState {
 /// Changes made while simulating evictions, undone afterwards.
 #[derive(Default)]
 struct Simulation {
-    taken: Vec<(u64, u32)>,
-    promoted: BTreeSet<(u64, u32)>,
+    taken: Vec<u32>,
     decremented: Vec<u32>,
+    /// Heap entries of the victims, pushed back afterwards.
+    popped: Vec<Key>,
 }
 
 /// Owned event columns produced by [`LruState::replay_events`].
@@ -404,6 +465,7 @@ mod tests {
         // block -> (parent, last_access, users)
         blocks: BTreeMap<u32, (u32, u64, u32)>,
         next_id: u32,
+        freed: Vec<u32>,
     }
 
     impl Model {
@@ -452,8 +514,15 @@ mod tests {
                     } else {
                         ids[rng.next_below(ids.len() as u32) as usize]
                     };
-                    let id = model.next_id;
-                    model.next_id += 1;
+                    // Freed ids come back, as the block pool reuses them.
+                    let id = match model.freed.pop() {
+                        Some(id) if rng.next_below(2) == 0 => id,
+                        other => {
+                            model.freed.extend(other);
+                            model.next_id += 1;
+                            model.next_id - 1
+                        }
+                    };
                     model.blocks.insert(id, (parent, step, 1));
                     ev.push(event_kind::STORED, id, parent, step);
                 }
@@ -485,11 +554,21 @@ mod tests {
                     if !leaves.is_empty() {
                         let (_, b) = leaves[rng.next_below(leaves.len() as u32) as usize];
                         model.blocks.remove(&b);
+                        model.freed.push(b);
                         ev.push(event_kind::REMOVED, b, NO_PARENT, step);
                     }
                 }
             }
             state.apply(&ev.view());
+            // Choosing in between must neither disturb the state nor go stale.
+            if rng.next_below(5) == 0 {
+                let count = rng.next_below(6) as usize;
+                assert_eq!(
+                    state.choose_victims(count as u32),
+                    model.lru_order(count),
+                    "step {step}"
+                );
+            }
         }
         let _ = ev;
         (state, model)
@@ -528,6 +607,35 @@ mod tests {
             s.validate_victims(&[3]),
             Err(VictimError::InUse { block: 3 })
         );
+    }
+
+    #[test]
+    fn stale_entries_are_swept() {
+        let mut s = LruState::new();
+        let mut ev = ReplayEvents::default();
+        for b in 0..10 {
+            ev.push(event_kind::STORED, b, NO_PARENT, 0);
+            ev.push(event_kind::RELEASED, b, NO_PARENT, 0);
+        }
+        s.apply(&ev.view());
+        // Each hit + release leaves one stale entry behind.
+        for step in 1..5_000u64 {
+            let b = (step * 7 % 10) as u32;
+            let mut ev = ReplayEvents::default();
+            ev.push(event_kind::HIT, b, NO_PARENT, step);
+            ev.push(event_kind::RELEASED, b, NO_PARENT, step);
+            s.apply(&ev.view());
+            assert!(s.heap.len() <= 2 * 10 + STALE_SLACK + 2);
+        }
+        assert_eq!(s.evictable_leaves(), 10);
+        // Block b was last touched at the last step ≡ 3b (mod 10) below 5000.
+        let mut want: Vec<(u64, u32)> = (0..10u32)
+            .map(|b| (4990 + (3 * b as u64) % 10, b))
+            .map(|(t, b)| (if t >= 5000 { t - 10 } else { t }, b))
+            .collect();
+        want.sort_unstable();
+        let want: Vec<u32> = want.into_iter().map(|(_, b)| b).collect();
+        assert_eq!(s.choose_victims(10), want);
     }
 
     #[test]

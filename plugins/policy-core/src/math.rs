@@ -31,14 +31,34 @@ pub fn exp(x: f32) -> f32 {
     if x < EXP_MIN {
         return 0.0;
     }
-    // x = n ln2 + r with |r| <= ln2 / 2; round half away from zero.
-    let t = x * LOG2_E;
-    let n = if t < 0.0 {
-        (t - 0.5) as i32
-    } else {
-        (t + 0.5) as i32
-    };
-    let nf = n as f32;
+    exp_in_range(x)
+}
+
+/// `e^x` for `x` in `[EXP_MIN, 0]`, without branches, so loops over it vectorise. Gives the
+/// same bits as [`exp`] there.
+#[inline(always)]
+pub fn exp_nonpositive(x: f32) -> f32 {
+    let (p, n) = exp_parts(x);
+    // n >= -126 here: 2^n is a normal number and one product suffices.
+    p * pow2(n)
+}
+
+#[inline(always)]
+fn exp_in_range(x: f32) -> f32 {
+    let (p, n) = exp_parts(x);
+    scale_by_pow2(p, n)
+}
+
+/// `(p, n)` with `e^x = p · 2^n`, for `|x| < 89`.
+#[inline(always)]
+fn exp_parts(x: f32) -> (f32, i32) {
+    // x = n ln2 + r with |r| <= ln2 / 2. Adding 1.5 · 2^23 rounds x·log2(e) to the nearest
+    // integer (ties to even) and leaves that integer in the low mantissa bits: no float-to-int
+    // conversion, so the same plain IEEE operations run in scalar and vector code.
+    const SHIFTER: f32 = 12_582_912.0;
+    let k = x * LOG2_E + SHIFTER;
+    let nf = k - SHIFTER;
+    let n = k.to_bits() as i32 - SHIFTER.to_bits() as i32;
     let r = (x - nf * LN2_HI) - nf * LN2_LO;
     // Taylor polynomial of e^r to degree 7 (error < 1e-8 on |r| <= 0.347).
     let p = 1.0
@@ -47,7 +67,7 @@ pub fn exp(x: f32) -> f32 {
                 + r * (1.0 / 6.0
                     + r * (1.0 / 24.0
                         + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
-    scale_by_pow2(p, n)
+    (p, n)
 }
 
 /// `p · 2^n` for `p` in [0.7, 1.42] and `n` in the range `exp` produces.
@@ -122,6 +142,16 @@ mod tests {
             x += 0.000_731;
         }
         assert!(worst < 3e-7, "worst relative error {worst}");
+    }
+
+    #[test]
+    fn exp_nonpositive_matches_exp() {
+        let mut x = EXP_MIN;
+        while x <= 0.0 {
+            assert_eq!(exp_nonpositive(x).to_bits(), exp(x).to_bits(), "x={x}");
+            x += 0.000_913;
+        }
+        assert_eq!(exp_nonpositive(0.0), 1.0);
     }
 
     #[test]

@@ -5,10 +5,15 @@
 //! the first `top_k` candidates (0 disables); min-p drops candidates whose probability is below
 //! `min_p` times the best one's (0 disables); top-p keeps the shortest prefix whose mass
 //! reaches `top_p` of what is left (1 disables); one draw from `Rng::new(seed, counter)` picks
-//! among the survivors. Every sum runs in candidate order, so the result is the same bit for
-//! bit in every build. Candidates whose probability is below e^-16 of the best one's count as
-//! impossible (this skips their `exp`). NaN logits count as −∞; a request whose logits are all
-//! −∞ gets its first candidate.
+//! among the survivors. NaN logits count as −∞; a request whose logits are all −∞ gets its
+//! first candidate.
+//!
+//! Candidates whose probability is below e^-16 of the best one's count as impossible. Because
+//! candidates come best first, the weights are computed in blocks of [`BLOCK`] and the scan
+//! stops after the first block that ends with an impossible candidate: everything after it is
+//! impossible too. Every sum has a fixed order (four interleaved partial sums for the total,
+//! candidate order for the prefix scans), so the result is the same bit for bit in every build,
+//! scalar or vectorised, native or Wasm.
 
 use alloc::vec::Vec;
 
@@ -18,6 +23,9 @@ use crate::rng::Rng;
 
 /// Scaled logits below this (probability under e^-16 ≈ 1e-7 of the best) are treated as 0.
 const NEGLIGIBLE: f32 = -16.0;
+
+/// Candidates weighed at a time.
+const BLOCK: usize = 8;
 
 /// Per-request knobs, as in one row of the batch.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -58,7 +66,7 @@ pub fn sample_batch(
 }
 
 /// Index of the chosen candidate among `logits` (which must not be empty).
-pub fn sample_index(p: &Params, logits: &[f32], probs: &mut Vec<f32>) -> usize {
+pub fn sample_index(p: &Params, logits: &[f32], weights: &mut Vec<f32>) -> usize {
     let n = match p.top_k {
         0 => logits.len(),
         k => logits.len().min(k as usize),
@@ -69,43 +77,34 @@ pub fn sample_index(p: &Params, logits: &[f32], probs: &mut Vec<f32>) -> usize {
     if p.temperature.is_nan() || p.temperature <= 0.0 || n == 1 {
         return best;
     }
-    let max = logits[best];
-    let inv_t = 1.0 / p.temperature;
-    // One pass: probability relative to the best candidate (1 for the best), min-p, and the
-    // running total, all in candidate order.
-    let min_p = if p.min_p > 0.0 { p.min_p } else { 0.0 };
-    probs.clear();
-    let mut total = 0.0f32;
-    for &l in &logits[..n] {
-        let x = (l - max) * inv_t;
-        // NaN and anything below e^-16 of the best count as impossible.
-        let mut q = if x >= NEGLIGIBLE { math::exp(x) } else { 0.0 };
-        if q < min_p {
-            q = 0.0;
-        }
-        total += q;
-        probs.push(q);
-    }
+    let total = weigh(
+        &logits[..n],
+        logits[best],
+        1.0 / p.temperature,
+        p.min_p.max(0.0),
+        weights,
+    );
     // top-p: the shortest prefix whose mass reaches `top_p` of the total.
-    let mut end = n;
+    let mut end = weights.len();
+    let mut kept = total;
     if p.top_p < 1.0 && p.top_p > 0.0 {
         let cut = p.top_p * total;
         let mut cum = 0.0f32;
-        for (i, &q) in probs.iter().enumerate() {
-            cum += q;
+        for (i, &w) in weights.iter().enumerate() {
+            cum += w;
             if cum >= cut {
                 end = i + 1;
                 break;
             }
         }
-        total = cum;
+        kept = cum;
     }
-    let u = Rng::new(p.seed, p.counter).next_f32() * total;
+    let u = Rng::new(p.seed, p.counter).next_f32() * kept;
     let mut cum = 0.0f32;
     let mut last_kept = best;
-    for (i, &q) in probs[..end].iter().enumerate() {
-        if q > 0.0 {
-            cum += q;
+    for (i, &w) in weights[..end].iter().enumerate() {
+        if w > 0.0 {
+            cum += w;
             last_kept = i;
             if u < cum {
                 return i;
@@ -115,19 +114,56 @@ pub fn sample_index(p: &Params, logits: &[f32], probs: &mut Vec<f32>) -> usize {
     last_kept
 }
 
-/// First index of the largest non-NaN value, `None` if all are NaN or −∞.
-fn argmax(logits: &[f32]) -> Option<usize> {
-    let mut best: Option<usize> = None;
-    for (i, &l) in logits.iter().enumerate() {
-        if l.is_nan() || l == f32::NEG_INFINITY {
-            continue;
+/// Fills `weights` with each candidate's probability relative to the best one (1 for the
+/// best; 0 for NaN, negligible and min-p-filtered candidates), stopping after the first block
+/// that ends with a 0, and returns their total.
+fn weigh(logits: &[f32], max: f32, inv_t: f32, min_p: f32, weights: &mut Vec<f32>) -> f32 {
+    weights.clear();
+    // One partial sum per position in the block, added up in a fixed order at the end.
+    let mut lanes = [0.0f32; BLOCK];
+    for block in logits.chunks(BLOCK) {
+        // A short last block is padded with impossible candidates.
+        let mut l = [f32::NEG_INFINITY; BLOCK];
+        l[..block.len()].copy_from_slice(block);
+        let mut w = [0.0f32; BLOCK];
+        for j in 0..BLOCK {
+            let x = (l[j] - max) * inv_t;
+            // NaN compares false: impossible.
+            let possible = x >= NEGLIGIBLE;
+            // Plain selects rather than `min`/`max`, whose NaN rules cost extra instructions.
+            let clamped = if x < 0.0 { x } else { 0.0 };
+            let q = math::exp_nonpositive(if possible { clamped } else { NEGLIGIBLE });
+            w[j] = if possible && q >= min_p { q } else { 0.0 };
+            lanes[j] += w[j];
         }
-        match best {
-            Some(b) if logits[b] >= l => {}
-            _ => best = Some(i),
+        weights.extend_from_slice(&w[..block.len()]);
+        if w[block.len() - 1] == 0.0 {
+            break;
         }
     }
-    best
+    let [a, b, c, d, e, f, g, h] = lanes;
+    ((a + b) + (c + d)) + ((e + f) + (g + h))
+}
+
+/// First index of the largest non-NaN value, `None` if all are NaN or −∞.
+fn argmax(logits: &[f32]) -> Option<usize> {
+    // The maximum in eight independent lanes (NaN never wins a `>`), then its first position.
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let mut blocks = logits.chunks_exact(8);
+    for block in &mut blocks {
+        for (m, &l) in lanes.iter_mut().zip(block) {
+            *m = if l > *m { l } else { *m };
+        }
+    }
+    let max = blocks
+        .remainder()
+        .iter()
+        .chain(&lanes)
+        .fold(f32::NEG_INFINITY, |m, &l| if l > m { l } else { m });
+    if max == f32::NEG_INFINITY {
+        return None;
+    }
+    logits.iter().position(|&l| l == max)
 }
 
 #[cfg(test)]
