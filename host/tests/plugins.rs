@@ -297,6 +297,59 @@ fn misbehaving_router_falls_back_and_recovers() {
 }
 
 #[test]
+fn plugin_failing_every_call_is_quarantined_then_tried_again() {
+    let path = test_plugins_dir().join("misbehave_router.wasm");
+    let name = path.to_str().unwrap().to_string();
+    let deadline_ms = 20;
+    let limits = PluginsConfig {
+        deadline_ms,
+        memory_bytes: 16 << 20,
+        max_instances: 8,
+    };
+    let (p, metrics) = policies_with(spec(&name, "replica = 3"), limits);
+    let mut router = p.router();
+    let mut native = PrefixAwareRouter::default();
+    let mut rng = Rng::new(9, 0);
+    let cols: ReplicaColumns = random_replicas(&mut rng, 5);
+    let good = RouteRequest {
+        tenant: "good".into(),
+        ..random_request(&mut rng)
+    };
+    let looping = RouteRequest {
+        tenant: "loop".into(),
+        ..good.clone()
+    };
+    let want = native.route(&looping, &cols);
+
+    // Three timeouts in a row start a quarantine.
+    for _ in 0..3 {
+        assert_eq!(router.route(&looping, &cols), want);
+    }
+    assert_eq!(fallbacks(&metrics, &name, FallbackReason::Timeout), 3);
+    // While quarantined the plugin is not called: each answer comes at native speed instead
+    // of after a deadline (even if a stall on a busy machine ends the quarantine early, the
+    // next three timeouts start a longer one).
+    let started = std::time::Instant::now();
+    for _ in 0..20 {
+        assert_eq!(router.route(&looping, &cols), want);
+    }
+    let took = started.elapsed();
+    assert!(
+        took < std::time::Duration::from_millis(10 * deadline_ms),
+        "20 calls took {took:?}"
+    );
+    assert!(fallbacks(&metrics, &name, FallbackReason::Quarantined) >= 17);
+    // Good requests are answered natively too while it lasts...
+    assert_eq!(router.route(&good, &cols), native.route(&good, &cols));
+    // ...and by a fresh instance of the plugin once it is over.
+    std::thread::sleep(std::time::Duration::from_millis(700));
+    assert_eq!(router.route(&good, &cols), Decision::Use(3));
+    let mut text = String::new();
+    metrics.render_prometheus(&mut text);
+    assert!(text.contains("reason=\"quarantined\""), "{text}");
+}
+
+#[test]
 fn plugin_whose_init_traps_is_refused_at_load() {
     let dir = std::env::temp_dir().join(format!("chimera-dummy-plugins-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use super::abi::{WitCacheEvents, WitReplicaColumns, WitRouteRequest, WitSamplerBatch};
 use super::instance::CallError;
 use super::metrics::{FallbackReason, PluginCounters};
-use super::slot::{PluginHandle, Slot};
+use super::slot::{PluginHandle, QUARANTINE_AFTER, Slot};
 use crate::policy::native::LruEvictor;
 use crate::policy::{
     CacheEvents, Decision, Evictor, ReplicaColumns, RouteRequest, Router, Sampler, SamplerBatch,
@@ -33,19 +33,43 @@ impl Guard {
         }
     }
 
-    /// Records a failed call: count, log once, and drop the instance if it may be poisoned.
+    /// Records a failed call: count, log once, drop the instance if it may be poisoned, and
+    /// quarantine the plugin after repeated failures.
     fn failed(&mut self, e: &CallError) {
         self.counters.record_fallback(e.reason, &e.detail);
-        if matches!(
-            e.reason,
-            FallbackReason::Trap | FallbackReason::Timeout | FallbackReason::Memory
-        ) {
-            self.slot.poison();
+        let poisoned = match e.reason {
+            FallbackReason::Trap | FallbackReason::Timeout | FallbackReason::Memory => true,
+            // Skipped while quarantined, or already counted by the slot.
+            FallbackReason::Quarantined | FallbackReason::Unavailable => return,
+            FallbackReason::Invalid | FallbackReason::Declined => false,
+        };
+        self.strike(poisoned);
+    }
+
+    /// Records an answer the host cannot use; `Declined` is a legitimate answer, not a failure.
+    fn rejected(&mut self, reason: FallbackReason, detail: &dyn std::fmt::Display) {
+        self.counters.record_fallback(reason, detail);
+        if reason == FallbackReason::Declined {
+            self.slot.succeeded();
+        } else {
+            self.strike(false);
         }
     }
 
-    fn rejected(&self, reason: FallbackReason, detail: &dyn std::fmt::Display) {
-        self.counters.record_fallback(reason, detail);
+    fn strike(&mut self, poisoned: bool) {
+        if let Some(length) = self.slot.failed(poisoned) {
+            tracing::warn!(
+                plugin = %self.counters.plugin(),
+                failures = QUARANTINE_AFTER,
+                quarantine_ms = length.as_millis() as u64,
+                "plugin failed calls in a row; not calling it for a while (the native default answers)"
+            );
+        }
+    }
+
+    /// Records a good answer.
+    fn ok(&mut self) {
+        self.slot.succeeded();
     }
 }
 
@@ -123,7 +147,10 @@ impl WasmRouter {
             Err(e) => Err(e),
         };
         match answer {
-            Ok(Some(i)) if (i as usize) < replicas.len() => Ok(i),
+            Ok(Some(i)) if (i as usize) < replicas.len() => {
+                self.guard.ok();
+                Ok(i)
+            }
             Ok(Some(i)) => {
                 self.guard.rejected(
                     FallbackReason::Invalid,
@@ -210,7 +237,10 @@ impl WasmEvictor {
                 Err(())
             }
             Ok(Some(v)) => match self.native.validate(&v) {
-                Ok(()) => Ok(v),
+                Ok(()) => {
+                    self.guard.ok();
+                    Ok(v)
+                }
                 Err(e) => {
                     self.guard
                         .rejected(FallbackReason::Invalid, &format_args!("{e:?}"));
@@ -233,10 +263,15 @@ impl WasmEvictor {
 impl Evictor for WasmEvictor {
     fn on_events(&mut self, events: &CacheEvents) {
         self.native.on_events(events);
-        if let Err(e) = self.feed(Some(events)) {
-            // The plugin's view is now stale; a new instance will be rebuilt from the twin.
-            self.guard.failed(&e);
-            self.guard.slot.poison();
+        match self.feed(Some(events)) {
+            Ok(()) => {}
+            // No instance to keep current: the next one is sent the whole state.
+            Err(e) if e.reason == FallbackReason::Quarantined => {}
+            Err(e) => {
+                // The plugin's view is now stale; a new instance will be rebuilt from the twin.
+                self.guard.failed(&e);
+                self.guard.slot.poison();
+            }
         }
     }
 
@@ -278,7 +313,10 @@ impl WasmSampler {
         };
         match answer {
             Ok(Some(tokens)) => match check_tokens(batch, &tokens) {
-                Ok(()) => Ok(tokens),
+                Ok(()) => {
+                    self.guard.ok();
+                    Ok(tokens)
+                }
                 Err(msg) => {
                     self.guard.rejected(FallbackReason::Invalid, &msg);
                     Err(())

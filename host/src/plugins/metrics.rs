@@ -31,16 +31,19 @@ pub enum FallbackReason {
     Declined,
     /// No instance could be created (instantiation or `init` failed after a trap or reload).
     Unavailable,
+    /// Not called: the plugin is quarantined after failing several calls in a row.
+    Quarantined,
 }
 
 impl FallbackReason {
-    pub const ALL: [FallbackReason; 6] = [
+    pub const ALL: [FallbackReason; 7] = [
         FallbackReason::Trap,
         FallbackReason::Timeout,
         FallbackReason::Memory,
         FallbackReason::Invalid,
         FallbackReason::Declined,
         FallbackReason::Unavailable,
+        FallbackReason::Quarantined,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -51,6 +54,7 @@ impl FallbackReason {
             FallbackReason::Invalid => "invalid",
             FallbackReason::Declined => "declined",
             FallbackReason::Unavailable => "unavailable",
+            FallbackReason::Quarantined => "quarantined",
         }
     }
 
@@ -71,8 +75,8 @@ pub struct PluginCounters {
     plugin: String,
     kind: PluginKind,
     calls: AtomicU64,
-    fallbacks: [AtomicU64; 6],
-    logged: [AtomicBool; 6],
+    fallbacks: [AtomicU64; FallbackReason::ALL.len()],
+    logged: [AtomicBool; FallbackReason::ALL.len()],
 }
 
 impl PluginCounters {

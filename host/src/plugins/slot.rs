@@ -6,12 +6,17 @@
 //! boundary (one atomic load per call) and replaces its instance. A failed reload leaves the
 //! old plugin in place; an adapter that cannot instantiate the new one keeps its old instance.
 //!
-//! A [`Slot`] is one adapter's instance: created lazily, dropped after any failed call (a
-//! trapped instance is poisoned) and re-created at the next call, with a growing back-off when
-//! re-creation keeps failing. The slot lock is never held across a plugin call.
+//! A [`Slot`] is one adapter's instance: created lazily, dropped after a trap, timeout or
+//! memory denial (the instance may be poisoned) and re-created at the next call. A plugin that
+//! fails [`QUARANTINE_AFTER`] calls in a row (or cannot be instantiated) is quarantined: it is
+//! not called at all for a while, 100 ms at first and doubling up to a minute while it keeps
+//! failing, so a plugin that loops forever costs a few deadlines per quarantine instead of one
+//! per engine step. One good answer ends the doubling; a reload ends the quarantine. The slot
+//! lock is never held across a plugin call.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use super::PluginKind;
 use super::instance::{CallError, Instance};
@@ -57,17 +62,21 @@ impl PluginHandle {
     }
 }
 
-/// Most calls skipped between two failed re-creation attempts.
-const MAX_BACKOFF: u32 = 1024;
+/// Failed calls in a row that put a plugin in quarantine.
+pub const QUARANTINE_AFTER: u32 = 3;
+/// The first quarantine; each one after it, without a good answer between, lasts twice as long.
+const FIRST_QUARANTINE: Duration = Duration::from_millis(100);
+const MAX_QUARANTINE: Duration = Duration::from_secs(60);
 
 /// One adapter's instance of the handle's plugin.
 pub struct Slot {
     handle: Arc<PluginHandle>,
     seen_generation: u64,
     instance: Option<Instance>,
-    /// Calls to skip before trying to create an instance again, and the next back-off.
-    skip: u32,
-    backoff: u32,
+    /// Failed calls (and instantiations) since the last good answer.
+    failures: u32,
+    quarantined_until: Option<Instant>,
+    next_quarantine: Duration,
 }
 
 /// A usable instance, and whether it was just created (its plugin state is empty).
@@ -84,13 +93,15 @@ impl Slot {
             handle,
             seen_generation,
             instance,
-            skip: 0,
-            backoff: 1,
+            failures: 0,
+            quarantined_until: None,
+            next_quarantine: FIRST_QUARANTINE,
         }
     }
 
     /// The instance to call, after switching to a reloaded plugin or replacing a poisoned
-    /// instance; `Err` (reason `Unavailable`) when none can be had for this call.
+    /// instance; `Err` (reason `Quarantined` or `Unavailable`) when none may or can be had for
+    /// this call.
     pub fn ready(&mut self) -> Result<Ready<'_>, CallError> {
         let mut fresh = false;
         let generation = self.handle.generation();
@@ -101,7 +112,9 @@ impl Slot {
                 Ok(i) => {
                     self.instance = Some(i);
                     fresh = true;
-                    self.reset_backoff();
+                    // A new plugin starts with a clean record.
+                    self.succeeded();
+                    self.quarantined_until = None;
                 }
                 Err(e) => tracing::warn!(
                     plugin = %self.handle.current().name,
@@ -110,23 +123,23 @@ impl Slot {
                 ),
             }
         }
-        if self.instance.is_none() {
-            if self.skip > 0 {
-                self.skip -= 1;
+        if let Some(until) = self.quarantined_until {
+            if Instant::now() < until {
                 return Err(CallError {
-                    reason: FallbackReason::Unavailable,
-                    detail: "instance re-creation is backing off after failures".into(),
+                    reason: FallbackReason::Quarantined,
+                    detail: "quarantined after repeated failures".into(),
                 });
             }
+            self.quarantined_until = None;
+        }
+        if self.instance.is_none() {
             match Instance::new(self.handle.current()) {
                 Ok(i) => {
                     self.instance = Some(i);
                     fresh = true;
-                    self.reset_backoff();
                 }
                 Err(e) => {
-                    self.skip = self.backoff;
-                    self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+                    self.failed(false);
                     return Err(CallError {
                         reason: FallbackReason::Unavailable,
                         detail: e.to_string(),
@@ -143,13 +156,34 @@ impl Slot {
         }
     }
 
-    /// Drops the instance after a failed call; the next call creates a new one.
-    pub fn poison(&mut self) {
-        self.instance = None;
+    /// Records a good answer (a `none` counts as one).
+    pub fn succeeded(&mut self) {
+        self.failures = 0;
+        self.next_quarantine = FIRST_QUARANTINE;
     }
 
-    fn reset_backoff(&mut self) {
-        self.skip = 0;
-        self.backoff = 1;
+    /// Records a failed call, dropping the instance if it may be poisoned. Returns how long the
+    /// plugin is quarantined if this failure started a quarantine.
+    pub fn failed(&mut self, poisoned: bool) -> Option<Duration> {
+        if poisoned {
+            self.instance = None;
+        }
+        self.failures += 1;
+        if self.failures < QUARANTINE_AFTER {
+            return None;
+        }
+        // The instance is dropped: after the quarantine a fresh one starts from a clean state
+        // (an evictor's is sent the whole cache again).
+        self.instance = None;
+        self.failures = 0;
+        let length = self.next_quarantine;
+        self.quarantined_until = Some(Instant::now() + length);
+        self.next_quarantine = (length * 2).min(MAX_QUARANTINE);
+        Some(length)
+    }
+
+    /// Drops the instance; the next call creates a new one.
+    pub fn poison(&mut self) {
+        self.instance = None;
     }
 }
