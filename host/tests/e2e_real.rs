@@ -2,6 +2,7 @@
 //! real engine threads, the built-in Wasm policies and the HTTP server, exactly as
 //! `chimera serve` does, on a loopback port.
 
+mod plugins_support;
 mod server_support;
 
 use std::net::SocketAddr;
@@ -32,7 +33,32 @@ impl Drop for Live {
 /// Starts the default configuration with `n` replicas on a loopback port.
 async fn start(n: usize) -> Live {
     let text = chimera::config::DEFAULT_TOML.replace("replicas = 1", &format!("replicas = {n}"));
-    let config = Config::parse(&text, "test").expect("config");
+    start_with(&text, n).await
+}
+
+/// The default configuration with `n` replicas and the `[policy.*]` tables replaced by
+/// `policy` (TOML text).
+fn config_with_policy(n: usize, policy: &str) -> String {
+    let default = chimera::config::DEFAULT_TOML;
+    let cut = default
+        .find("[policy.router]")
+        .expect("default has [policy.router]");
+    let rest = &default[cut..];
+    let plugins = rest.find("[plugins]").expect("default has [plugins]");
+    format!(
+        "{}{policy}\n{}",
+        default[..cut].replace("replicas = 1", &format!("replicas = {n}")),
+        &rest[plugins..]
+    )
+}
+
+/// TOML string literal of a path.
+fn toml_path(p: &std::path::Path) -> String {
+    toml::Value::String(p.to_str().expect("utf-8 path").to_string()).to_string()
+}
+
+async fn start_with(text: &str, n: usize) -> Live {
+    let config = Config::parse(text, "test").expect("config");
     assert_eq!(config.engine.replicas, n);
     let state = tokio::task::spawn_blocking(move || {
         chimera::app::build(&config)
@@ -156,4 +182,106 @@ async fn a_client_that_hangs_up_frees_its_blocks() {
         generated < 2000.0,
         "the request ran to the end instead of being cancelled ({generated} tokens)"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_plugin_built_outside_the_workspace_pins_every_request_from_toml() {
+    let pin = plugins_support::test_plugins_dir().join("pin_router.wasm");
+    let policy = format!(
+        "[policy.router]\nplugin = {}\nconfig = {{ replica = 2 }}\n",
+        toml_path(&pin)
+    );
+    let live = start_with(&config_with_policy(3, &policy), 3).await;
+    for i in 0..6 {
+        let body = json!({"model": "tiny-hybrid", "prompt": format!("request {i}: {}", "ab ".repeat(i * 7)), "max_tokens": 2});
+        let r = post(live.addr, "/v1/completions", &body).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let m = wait_idle(live.addr).await;
+    let routed: Vec<f64> = (0..3)
+        .map(|e| {
+            parse_metric(
+                &m,
+                &format!("chimera:router_requests_total{{engine=\"{e}\""),
+            )
+        })
+        .collect();
+    assert_eq!(
+        routed,
+        vec![0.0, 0.0, 6.0],
+        "all traffic pinned to replica 2"
+    );
+}
+
+/// Completions of `cases` (prompt, seed, user; seeded sampling) from a server, in order,
+/// `pause` apart.
+async fn sampled_texts(
+    addr: SocketAddr,
+    cases: &[(&str, u64, &str)],
+    pause: Duration,
+) -> Vec<String> {
+    let mut out = Vec::new();
+    for (prompt, seed, user) in cases {
+        tokio::time::sleep(pause).await;
+        let body = json!({"model": "tiny-hybrid", "prompt": prompt, "max_tokens": 8,
+                          "temperature": 0.9, "seed": seed, "user": user});
+        let r = post(addr, "/v1/completions", &body).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        out.push(completion_text(&r.json()));
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn misbehaving_plugins_in_the_server_change_no_output() {
+    let dir = plugins_support::test_plugins_dir();
+    // The sampler traps on seed 13 and answers nonsense on 14 and 15; the router traps, loops
+    // forever or allocates without end for users "trap", "loop" and "bomb".
+    let policy = format!(
+        "[policy.router]\nplugin = {}\nconfig = {{ replica = 1 }}\n\n[policy.sampler]\nplugin = {}\n",
+        toml_path(&dir.join("misbehave_router.wasm")),
+        toml_path(&dir.join("misbehave_sampler.wasm")),
+    );
+    // Each bad request fails every step, so its plugin gets quarantined (100 ms); the pause
+    // lets that end, and the good request in between resets the doubling, so every kind of
+    // failure is met by a live plugin.
+    let cases = [
+        ("def parse(line):", 7, "good"),
+        ("def parse(line):", 13, "trap"),
+        ("x = [", 7, "good"),
+        ("import os\n", 14, "loop"),
+        ("for i in", 21, "good"),
+        ("class A:", 15, "bomb"),
+        ("x = [", 8, "good"),
+    ];
+    let pause = Duration::from_millis(300);
+    // A small memory limit and a roomy deadline, so the allocating plugin meets the limit
+    // before the deadline even on a slow machine.
+    let text = config_with_policy(2, &policy)
+        .replace("deadline_ms = 20", "deadline_ms = 100")
+        .replace("memory_bytes = 67108864", "memory_bytes = 8388608");
+    assert!(text.contains("memory_bytes = 8388608"));
+    let bad = start_with(&text, 2).await;
+    let got = sampled_texts(bad.addr, &cases, pause).await;
+    let m = wait_idle(bad.addr).await;
+    drop(bad);
+    // The same requests against the native twins.
+    let native = "[policy.router]\nplugin = \"native:prefix-aware\"\n\n[policy.sampler]\nplugin = \"native:default\"\n";
+    let reference = start_with(&config_with_policy(2, native), 2).await;
+    let want = sampled_texts(reference.addr, &cases, Duration::ZERO).await;
+    assert_eq!(
+        got, want,
+        "fallbacks must answer exactly as the native defaults"
+    );
+    for reason in ["trap", "timeout", "memory", "invalid"] {
+        let n: f64 = m
+            .lines()
+            .filter(|l| {
+                l.starts_with("plugin_fallbacks_total")
+                    && l.contains(&format!("reason=\"{reason}\""))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        assert!(n >= 1.0, "no {reason} fallback counted:\n{m}");
+    }
 }

@@ -48,7 +48,7 @@ async fn models_health_and_metrics() {
         "chimera:router_requests_total",
         "chimera:ssm_snapshot_hits_total",
         "chimera:plugin_call_latency_seconds_bucket",
-        "chimera:plugin_fallbacks_total",
+        "chimera:router_placement_fallbacks_total",
     ] {
         assert!(m.contains(name), "missing {name}");
     }

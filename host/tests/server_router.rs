@@ -125,7 +125,11 @@ async fn shared_prefixes_follow_the_replica_that_holds_them() {
         assert_eq!(routed, *a as f64, "replica {i}");
         assert_eq!(s.state.metrics().routed_count(i), *a);
     }
-    assert_eq!(s.metric_sum("chimera:plugin_fallbacks_total").await, 0.0);
+    assert_eq!(
+        s.metric_sum("chimera:router_placement_fallbacks_total")
+            .await,
+        0.0
+    );
 }
 
 /// A policy that answers out of range, then panics, then declines.
@@ -160,7 +164,11 @@ async fn bad_policy_answers_fall_back_to_least_loaded() {
         assert_eq!(r.status, 200, "{}", r.text());
     }
     // Out-of-range and panic count as fallbacks; "use default" does not.
-    assert_eq!(s.metric_sum("chimera:plugin_fallbacks_total").await, 4.0);
+    assert_eq!(
+        s.metric_sum("chimera:router_placement_fallbacks_total")
+            .await,
+        4.0
+    );
     assert_eq!(added(&s).iter().sum::<u64>(), 6);
     assert!(
         s.metric_sum("chimera:plugin_call_latency_seconds_count")

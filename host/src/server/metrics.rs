@@ -35,7 +35,9 @@ pub mod names {
     pub const SSM_SNAPSHOT_HITS: &str = "chimera:ssm_snapshot_hits_total";
     pub const ROUTED_REQUESTS: &str = "chimera:router_requests_total";
     pub const PLUGIN_CALL_LATENCY: &str = "chimera:plugin_call_latency_seconds";
-    pub const PLUGIN_FALLBACKS: &str = "chimera:plugin_fallbacks_total";
+    /// Last-resort placements, after the router policy (plugin or its native twin) gave an
+    /// unusable answer; per-plugin fallbacks are `plugin_fallbacks_total{plugin,reason}`.
+    pub const PLACEMENT_FALLBACKS: &str = "chimera:router_placement_fallbacks_total";
     pub const REQUEST_ERRORS: &str = "chimera:request_errors_total";
     pub const CLIENT_DISCONNECTS: &str = "chimera:client_disconnects_total";
     pub const SERVER_IN_FLIGHT: &str = "chimera:server_requests_in_flight";
@@ -365,11 +367,11 @@ impl Metrics {
         }
         let _ = writeln!(
             out,
-            "# HELP {PLUGIN_FALLBACKS} Policy answers replaced by the built-in default.\n# TYPE {PLUGIN_FALLBACKS} counter"
+            "# HELP {PLACEMENT_FALLBACKS} Requests placed by least-loaded because the router policy answered out of range or panicked.\n# TYPE {PLACEMENT_FALLBACKS} counter"
         );
         let _ = writeln!(
             out,
-            "{PLUGIN_FALLBACKS}{{kind=\"router\"}} {}",
+            "{PLACEMENT_FALLBACKS} {}",
             self.router_fallbacks.load(Ordering::Relaxed)
         );
         let _ = writeln!(

@@ -1,5 +1,7 @@
 //! Helpers for the plugin integration tests: building the out-of-workspace test plugins,
 //! making deliberately broken modules, and random policy inputs.
+// Each test binary uses its own subset.
+#![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
