@@ -68,7 +68,14 @@ fn configs() -> Vec<(&'static str, Knobs)> {
 
 /// Runs the shared-prefix workload on every config and compares with caching and chunking off.
 fn outputs_do_not_depend_on_config(make: impl Fn() -> MockExecutor) {
-    let work = shared_prefix_workload(7, 24, VOCAB);
+    let mut work = shared_prefix_workload(7, 24, VOCAB);
+    // Every third request also scores its prompt (with two alternatives per token).
+    for (_, req) in work.iter_mut() {
+        if req.id % 3 == 0 {
+            req.prompt_logprobs = true;
+            req.params.logprobs = Some(2);
+        }
+    }
     let baseline_knobs = Knobs {
         prefix_caching: false,
         chunked_prefill: false,
@@ -104,11 +111,28 @@ fn outputs_do_not_depend_on_config(make: impl Fn() -> MockExecutor) {
             assert!(s.preemptions > 0, "{name}: the pool never ran out");
         }
         for (id, o) in &run.outcomes {
-            assert_eq!(
-                o.usage.prompt_tokens as usize,
-                work[*id as usize].1.prompt.len()
-            );
+            let prompt_len = work[*id as usize].1.prompt.len();
+            assert_eq!(o.usage.prompt_tokens as usize, prompt_len);
             assert_eq!(o.usage.completion_tokens as usize, o.tokens.len());
+            // Prompt logprobs: sent once, whole, whatever the chunking, caching or preemption.
+            assert_eq!(
+                o.prompt_logprobs, baseline.outcomes[id].prompt_logprobs,
+                "{name}: prompt logprobs of {id}"
+            );
+            if id % 3 == 0 {
+                let lp = o.prompt_logprobs.as_ref().expect("prompt logprobs sent");
+                assert_eq!(lp.len(), prompt_len);
+                assert!(
+                    lp[0].is_none()
+                        && lp[1..]
+                            .iter()
+                            .all(|x| x.as_ref().is_some_and(|x| x.top.len() == 2))
+                );
+                assert_eq!(
+                    o.usage.cached_tokens, 0,
+                    "{name}: {id} skipped prompt tokens"
+                );
+            }
         }
     }
 }

@@ -11,7 +11,7 @@ use chimera::backend::cpu::CpuBackend;
 use chimera::cache::config::{ByteSize, CacheConfig, CacheLayout};
 use chimera::engine::api::{EngineEvent, FinishReason, GenerateRequest, SamplingParams, Usage};
 use chimera::engine::{Engine, EngineConfig, EngineSetup, ModelRunner, Policies};
-use chimera::model::{self, Model};
+use chimera::model::{self, BatchInputs, LogitsMode, Model};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 const MODELS: &[&str] = &["llama-gqa", "mamba2-g2", "nemotronh-a", "bamba-b"];
@@ -118,6 +118,7 @@ fn collect(rx: &mut UnboundedReceiver<EngineEvent>) -> Option<Outcome> {
                 });
             }
             EngineEvent::Failed { kind, message } => panic!("request failed: {kind}: {message}"),
+            EngineEvent::PromptLogprobs { .. } => {}
         }
     }
     None
@@ -338,5 +339,106 @@ fn evicting_a_prefix_drops_kv_and_snapshot_then_recomputes_correctly() {
         assert_eq!(again.usage.cached_tokens, 0, "{name}");
         assert_eq!(again.tokens, first.tokens, "{name}");
         assert_eq!(again.tokens, reference(&m, &x, 6), "{name}");
+    }
+}
+
+/// Logprob of each prompt token given the ones before it, from one full forward pass.
+fn reference_prompt_logprobs(m: &Model<CpuBackend>, prompt: &[u32]) -> Vec<f32> {
+    let blocks = prompt.len().div_ceil(16);
+    let mut caches = m.new_caches(&CpuBackend, blocks, 16, 1);
+    let mut batch = BatchInputs::default();
+    batch.push(prompt, 0, (0..blocks as u32).collect(), 0, true);
+    let logits = m
+        .forward(&CpuBackend, &batch, &mut caches, LogitsMode::All)
+        .expect("forward");
+    let vocab = m.info.vocab_size;
+    (1..prompt.len())
+        .map(|p| {
+            let row = &logits[(p - 1) * vocab..p * vocab];
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let lse = max + row.iter().map(|x| (x - max).exp()).sum::<f32>().ln();
+            row[prompt[p] as usize] - lse
+        })
+        .collect()
+}
+
+#[test]
+fn prompt_logprobs_match_the_full_forward_pass_despite_chunks_and_cache() {
+    for name in MODELS {
+        let m = load(name);
+        let reference_model = load(name);
+        let prompt = tokens(41, 75);
+        let want = reference_prompt_logprobs(&reference_model, &prompt);
+        // Small chunks, and the same prompt already in the prefix cache: prompt logprobs
+        // must still come from computing every position.
+        let setup = Setup {
+            max_batched_tokens: 24,
+            ..Setup::default()
+        };
+        let mut e = engine(m, &setup);
+        let warm = submit(&mut e, 1, &prompt, 2);
+        let _ = run_all(&mut e, vec![warm]);
+        let (tx, mut rx) = unbounded_channel();
+        e.add(
+            GenerateRequest {
+                id: 2,
+                prompt: prompt.clone(),
+                params: SamplingParams {
+                    logprobs: Some(3),
+                    ..SamplingParams::default()
+                },
+                max_tokens: 4,
+                stop_token_ids: Vec::new(),
+                ignore_eos: true,
+                prompt_logprobs: true,
+            },
+            tx,
+        );
+        // A plain request in the same batches, whose rows sit between the prompt rows.
+        let other = submit(&mut e, 3, &tokens(43, 50), 6);
+        let outcomes_other = run_all(&mut e, vec![other]);
+        assert_eq!(
+            outcomes_other[0].tokens,
+            reference(&reference_model, &tokens(43, 50), 6),
+            "{name}: the neighbour's output"
+        );
+        let mut events = Vec::new();
+        while let Ok(ev) = rx.try_recv() {
+            events.push(ev);
+        }
+        let Some(EngineEvent::PromptLogprobs { logprobs }) = events.first() else {
+            panic!(
+                "{name}: first event is not PromptLogprobs: {:?}",
+                events.first()
+            );
+        };
+        assert_eq!(logprobs.len(), prompt.len());
+        assert!(logprobs[0].is_none(), "the first token has no logprob");
+        for (p, lp) in logprobs.iter().enumerate().skip(1) {
+            let lp = lp.as_ref().expect("every later prompt token is scored");
+            assert_eq!(lp.token, prompt[p]);
+            assert!(
+                (lp.logprob - want[p - 1]).abs() < 1e-4,
+                "{name} position {p}: {} vs {}",
+                lp.logprob,
+                want[p - 1]
+            );
+            assert_eq!(lp.top.len(), 3);
+            assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1));
+            assert!(lp.top[0].1 >= lp.logprob - 1e-6);
+        }
+        let generated: Vec<u32> = events
+            .iter()
+            .filter_map(|ev| match ev {
+                EngineEvent::Tokens { tokens, .. } => Some(tokens.clone()),
+                _ => None,
+            })
+            .flatten()
+            .collect();
+        assert_eq!(generated, reference(&reference_model, &prompt, 4), "{name}");
+        let Some(EngineEvent::Finished { usage, .. }) = events.last() else {
+            panic!("{name}: not finished");
+        };
+        assert_eq!(usage.cached_tokens, 0, "{name}: nothing may be skipped");
     }
 }

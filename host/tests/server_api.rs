@@ -360,12 +360,14 @@ async fn completion_logprobs_and_echo() {
             .logprobs,
         Some(3)
     );
-    // echo puts the prompt in front; with logprobs the prompt tokens come first (no logprob).
+    let echo_prompt = "hello there, general";
+    // echo puts the prompt in front; with logprobs the prompt tokens come first, scored by
+    // the engine (the first one has nothing before it: null).
     let plain = texts(
         &post(
             s.addr,
             "/v1/completions",
-            &completion(json!("hello"), json!({"max_tokens": 6})),
+            &completion(json!(echo_prompt), json!({"max_tokens": 6})),
         )
         .await
         .json(),
@@ -375,30 +377,51 @@ async fn completion_logprobs_and_echo() {
         s.addr,
         "/v1/completions",
         &completion(
-            json!("hello"),
+            json!(echo_prompt),
             json!({"max_tokens": 6, "echo": true, "logprobs": 0}),
         ),
     )
     .await
     .json();
-    assert_eq!(texts(&e)[0], format!("hello{plain}"));
+    assert_eq!(texts(&e)[0], format!("{echo_prompt}{plain}"));
     let toks = e["choices"][0]["logprobs"]["token_logprobs"]
         .as_array()
         .unwrap();
-    let prompt_len = tokenizer().encode("hello", true).unwrap().get_ids().len();
+    let prompt_len = tokenizer()
+        .encode(echo_prompt, true)
+        .unwrap()
+        .get_ids()
+        .len();
     assert_eq!(toks.len(), prompt_len + 6);
     assert!(toks[0].is_null());
+    assert!(
+        prompt_len >= 2,
+        "the test needs a prompt of two tokens or more"
+    );
+    for (p, t) in toks.iter().enumerate().take(prompt_len).skip(1) {
+        // The mock engine scores prompt position p as -(p mod 7 + 1) / 4.
+        let want = -((p % 7) as f64 + 1.0) / 4.0;
+        assert_eq!(t.as_f64(), Some(want), "prompt token {p}");
+    }
+    assert!(
+        s.counters[0]
+            .recent_requests()
+            .pop()
+            .unwrap()
+            .prompt_logprobs,
+        "echo + logprobs asks the engine for prompt logprobs"
+    );
     let st = post(
         s.addr,
         "/v1/completions",
         &completion(
-            json!("hello"),
+            json!(echo_prompt),
             json!({"max_tokens": 6, "echo": true, "stream": true, "logprobs": 0}),
         ),
     )
     .await;
     let ev = st.sse();
-    assert_eq!(join_stream(&ev)[0].0, format!("hello{plain}"));
+    assert_eq!(join_stream(&ev)[0].0, format!("{echo_prompt}{plain}"));
     // The streamed logprobs, joined, equal the non-streamed ones (prompt tokens first).
     let mut streamed = Vec::new();
     for x in &ev {
@@ -410,6 +433,13 @@ async fn completion_logprobs_and_echo() {
         &streamed,
         e["choices"][0]["logprobs"]["tokens"].as_array().unwrap()
     );
+    let mut streamed_lp = Vec::new();
+    for x in &ev {
+        if let Some(t) = x["choices"][0]["logprobs"]["token_logprobs"].as_array() {
+            streamed_lp.extend(t.iter().take(prompt_len).cloned());
+        }
+    }
+    assert_eq!(&streamed_lp[..prompt_len], &toks[..prompt_len]);
 }
 
 fn chat(messages: Value, extra: Value) -> Value {

@@ -80,6 +80,20 @@ def test_chat_logprobs():
     assert all(len(t.top_logprobs) == 2 for t in content)
 
 
+def test_echo_with_prompt_logprobs():
+    prompt = "the cat sat on the mat"
+    r = client.completions.create(model=model(), prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    c = r.choices[0]
+    assert c.text.startswith(prompt)
+    lp = c.logprobs
+    n_prompt = r.usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + r.usage.completion_tokens
+    # Every prompt token but the first is scored by the model.
+    assert lp.token_logprobs[0] is None
+    assert all(isinstance(x, float) and x <= 0.0 for x in lp.token_logprobs[1:])
+    assert all(top and len(top) <= 2 for top in lp.top_logprobs[1:])
+
+
 def test_stop_string():
     kw = dict(model=model(), prompt="a dog ran", max_tokens=32, temperature=0)
     text = client.completions.create(**kw).choices[0].text

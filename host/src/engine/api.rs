@@ -57,7 +57,8 @@ pub struct GenerateRequest {
     /// Generation stops after any of these tokens (EOS is added unless `ignore_eos`).
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
-    /// Also return the prompt tokens' logprobs (`echo` with `logprobs`).
+    /// Also return the prompt tokens' logprobs (`echo` with `logprobs`). The whole prompt is
+    /// then computed: cached prefixes have no logits to give.
     pub prompt_logprobs: bool,
 }
 
@@ -88,10 +89,15 @@ pub struct Usage {
     pub cached_tokens: u32,
 }
 
-/// What a request's output channel carries, in order: any number of `Tokens`, then exactly one
-/// `Finished` or `Failed`.
+/// What a request's output channel carries, in order: one `PromptLogprobs` when they were
+/// asked for, any number of `Tokens`, then exactly one `Finished` or `Failed`.
 #[derive(Debug, Clone, PartialEq)]
 pub enum EngineEvent {
+    /// One entry per prompt token; the first is `None` (nothing precedes it). Each has the
+    /// request's `logprobs` count of top alternatives.
+    PromptLogprobs {
+        logprobs: Vec<Option<TokenLogprob>>,
+    },
     Tokens {
         tokens: Vec<u32>,
         /// One entry per token when logprobs were asked for.

@@ -12,11 +12,13 @@ use std::time::Instant;
 
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::api::{EngineEvent, EngineStats, FinishReason, GenerateRequest, KvEvent, Usage};
+use super::api::{
+    EngineEvent, EngineStats, FinishReason, GenerateRequest, KvEvent, TokenLogprob, Usage,
+};
 use super::config::{ConfigError, EngineSetup};
 use super::executor::{CacheAllocation, ExecutorError, Logits, StepExecutor};
 use super::request::Request;
-use super::sampling::{GreedySampler, RowInfo, Sampled, SamplingStage};
+use super::sampling::{GreedySampler, RowInfo, Sampled, SamplingStage, token_logprob};
 use super::scheduler::{Scheduler, StopReason};
 use crate::cache::{CacheLayout, CacheManager, HashSeed, SsmInit};
 use crate::model::BatchInputs;
@@ -91,6 +93,8 @@ pub struct Engine<E: StepExecutor> {
     tokens: Vec<u32>,
     finished: Vec<(u32, StopReason)>,
     closed: Vec<u64>,
+    /// Prompt logprobs completed this step, by slot, sent with the first token.
+    prompt_done: Vec<(u32, Vec<Option<TokenLogprob>>)>,
     kv_events: Vec<KvEvent>,
     stats: EngineStats,
     timings: StepTimings,
@@ -154,6 +158,7 @@ impl<E: StepExecutor> Engine<E> {
             tokens: Vec::new(),
             finished: Vec::new(),
             closed: Vec::new(),
+            prompt_done: Vec::new(),
             kv_events: Vec::new(),
             stats,
             timings: StepTimings::default(),
@@ -196,12 +201,6 @@ impl<E: StepExecutor> Engine<E> {
         }
         if req.max_tokens == 0 {
             return fail("invalid_request", "max_tokens must be at least 1".into());
-        }
-        if req.prompt_logprobs {
-            return fail(
-                "unsupported",
-                "prompt logprobs are not supported yet".into(),
-            );
         }
         if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= self.vocab) {
             return fail(
@@ -332,6 +331,7 @@ impl<E: StepExecutor> Engine<E> {
             c.snapshots.clear();
             c.snapshots.extend_from_slice(&s.snapshots);
             c.want_logits = s.want_logits;
+            c.all_logits = s.all_logits;
             n += 1;
             if s.start < r.prompt_len {
                 self.stats.prompt_tokens_computed +=
@@ -350,6 +350,9 @@ impl<E: StepExecutor> Engine<E> {
     }
 
     fn apply_output(&mut self) {
+        if let Err(e) = self.take_prompt_rows() {
+            return self.fail_batch(e);
+        }
         let out = self.sched.output();
         let rows: Vec<RowInfo<'_>> = out
             .seqs
@@ -403,6 +406,20 @@ impl<E: StepExecutor> Engine<E> {
             };
             let sampled = &mut self.sampled[row];
             row += 1;
+            if s.all_logits
+                && let Some(i) = self
+                    .prompt_done
+                    .iter()
+                    .position(|(slot, _)| *slot == s.slot)
+            {
+                let (_, logprobs) = self.prompt_done.swap_remove(i);
+                if r.events
+                    .send(EngineEvent::PromptLogprobs { logprobs })
+                    .is_err()
+                {
+                    self.closed.push(r.id);
+                }
+            }
             let ev = EngineEvent::Tokens {
                 tokens: vec![sampled.token],
                 logprobs: sampled.logprob.take().map(|l| vec![l]),
@@ -423,6 +440,65 @@ impl<E: StepExecutor> Engine<E> {
                 self.finish(r, reason);
             }
         }
+    }
+
+    /// Moves the rows of prompt positions (chunks with `all_logits`) into their requests'
+    /// prompt logprobs, leaving one row per `want_logits` chunk, in order, for sampling.
+    fn take_prompt_rows(&mut self) -> Result<(), ExecutorError> {
+        self.prompt_done.clear();
+        let seqs: Vec<(u32, usize, usize, bool, bool)> = self
+            .sched
+            .output()
+            .seqs
+            .iter()
+            .map(|s| (s.slot, s.start, s.len, s.want_logits, s.all_logits))
+            .collect();
+        if !seqs.iter().any(|s| s.4) {
+            return Ok(());
+        }
+        let expected: usize = seqs
+            .iter()
+            .map(|&(_, _, len, want, all)| if all { len } else { usize::from(want) })
+            .sum();
+        let vocab = self.vocab;
+        if self.logits.rows() != expected || self.logits.vocab != vocab {
+            return Err(ExecutorError::InvalidBatch(format!(
+                "executor returned {} logits rows of {}, expected {expected} of {vocab}",
+                self.logits.rows(),
+                self.logits.vocab,
+            )));
+        }
+        let data = &mut self.logits.data;
+        let (mut src, mut dst) = (0, 0);
+        for (slot, start, len, want, all) in seqs {
+            let rows = if all { len } else { usize::from(want) };
+            if all && let Some(r) = self.sched.request_mut(slot) {
+                let top = r.params.logprobs.unwrap_or(0) as usize;
+                let (tokens, prompt_len) = (&r.tokens, r.orig_prompt_len);
+                if let Some(acc) = r.prompt_logprobs.as_mut() {
+                    // Row j holds the distribution of the token at position start + j + 1.
+                    for j in 0..len {
+                        let pos = start + j + 1;
+                        if pos >= prompt_len {
+                            break;
+                        }
+                        let row = &data[(src + j) * vocab..(src + j + 1) * vocab];
+                        acc[pos] = Some(token_logprob(row, tokens[pos], top));
+                    }
+                }
+                // The prompt is complete: hand them over with the first sampled token.
+                if want && let Some(done) = r.prompt_logprobs.take() {
+                    self.prompt_done.push((slot, done));
+                }
+            }
+            src += rows;
+            if want {
+                data.copy_within((src - 1) * vocab..src * vocab, dst * vocab);
+                dst += 1;
+            }
+        }
+        data.truncate(dst * vocab);
+        Ok(())
     }
 
     /// A failed forward pass: the requests of this batch fail, nothing of the step is cached.

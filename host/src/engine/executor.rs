@@ -34,7 +34,8 @@ impl ExecutorError {
     }
 }
 
-/// Logits of one step: one row of `vocab` f32 per sequence with `want_logits`, in batch order.
+/// Logits of one step, in batch order: one row of `vocab` f32 per token of each chunk with
+/// `all_logits`, and one per other chunk with `want_logits`.
 #[derive(Debug, Clone, Default)]
 pub struct Logits {
     pub data: Vec<f32>,
@@ -77,7 +78,8 @@ pub trait StepExecutor: Send {
     fn eos_token_ids(&self) -> &[u32];
     /// Allocates the paged KV cache and the SSM slots; called once before the first step.
     fn allocate(&mut self, alloc: CacheAllocation) -> Result<(), ExecutorError>;
-    /// Runs one forward pass. `logits` must be filled with one row per sequence that has
+    /// Runs one forward pass. `logits` must be filled as [`Logits`] says: a row for every token
+    /// of a chunk with `all_logits`, a row for the last token of any other chunk with
     /// `want_logits`, in order (`Logits::reset(rows, vocab)` then write the rows). Snapshot
     /// points in `SeqChunk::snapshots` are written during the pass.
     fn execute(&mut self, inputs: &BatchInputs, logits: &mut Logits) -> Result<(), ExecutorError>;

@@ -151,7 +151,14 @@ impl StepExecutor for MockExecutor {
                 "tokens and positions differ".into(),
             ));
         }
-        let rows = inputs.seqs.iter().filter(|s| s.want_logits).count();
+        let rows = inputs
+            .seqs
+            .iter()
+            .map(|s| match (s.all_logits, s.want_logits) {
+                (true, _) => s.len,
+                (false, want) => usize::from(want),
+            })
+            .sum();
         logits.reset(rows, self.cfg.vocab);
         let hybrid = self.cfg.ssm_layers > 0;
         let mut row = 0;
@@ -197,6 +204,17 @@ impl StepExecutor for MockExecutor {
                 state = st;
             }
             self.counters.tokens += s.len as u64;
+            if s.all_logits {
+                // Prompt positions: a pure function of position and token. The last token of
+                // a final chunk gets the sampling row below.
+                let upto = if s.want_logits { s.len - 1 } else { s.len };
+                for (i, &t) in toks[..upto].iter().enumerate() {
+                    let seed = mix(mix(0x5eed, (s.context_len + i) as u64), u64::from(t));
+                    fill_row(logits.row_mut(row), seed);
+                    row += 1;
+                    self.counters.rows += 1;
+                }
+            }
             if !s.want_logits {
                 continue;
             }
@@ -215,10 +233,7 @@ impl StepExecutor for MockExecutor {
             } else {
                 seed = mix(seed, u64::from(toks[s.len - 1]));
             }
-            for (v, out) in logits.row_mut(row).iter_mut().enumerate() {
-                let r = mix(seed, v as u64);
-                *out = (r >> 40) as f32 / (1u64 << 24) as f32 * 8.0 - 4.0;
-            }
+            fill_row(logits.row_mut(row), seed);
             row += 1;
             self.counters.rows += 1;
         }
@@ -238,6 +253,14 @@ impl StepExecutor for MockExecutor {
         *self.slot(slot)? = Some(SSM_INIT);
         self.counters.zeros += 1;
         Ok(())
+    }
+}
+
+/// Deterministic logits in [-4, 4) from `seed`.
+fn fill_row(row: &mut [f32], seed: u64) {
+    for (v, out) in row.iter_mut().enumerate() {
+        let r = mix(seed, v as u64);
+        *out = (r >> 40) as f32 / (1u64 << 24) as f32 * 8.0 - 4.0;
     }
 }
 

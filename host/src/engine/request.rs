@@ -9,7 +9,7 @@
 
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::api::{EngineEvent, GenerateRequest, SamplingParams};
+use super::api::{EngineEvent, GenerateRequest, SamplingParams, TokenLogprob};
 use crate::cache::BlockHash;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,6 +45,9 @@ pub struct Request {
     pub ignore_eos: bool,
     pub seed: u64,
     pub preemptions: u32,
+    /// Prompt logprobs by position while they are being computed (`Some` only when asked for
+    /// and not yet sent).
+    pub prompt_logprobs: Option<Vec<Option<TokenLogprob>>>,
     pub events: UnboundedSender<EngineEvent>,
 }
 
@@ -52,6 +55,7 @@ impl Request {
     pub fn new(req: GenerateRequest, slot: u32, events: UnboundedSender<EngineEvent>) -> Self {
         let seed = req.params.seed.unwrap_or_else(|| derive_seed(req.id));
         let prompt_len = req.prompt.len();
+        let prompt_logprobs = req.prompt_logprobs.then(|| vec![None; prompt_len]);
         Self {
             id: req.id,
             slot,
@@ -70,6 +74,7 @@ impl Request {
             ignore_eos: req.ignore_eos,
             seed,
             preemptions: 0,
+            prompt_logprobs,
             events,
         }
     }

@@ -226,6 +226,38 @@ fn argmax(c: &[u64]) -> usize {
     w
 }
 
+/// The logprob of `token` under the logits `row`, with the `top` best alternatives (ties to
+/// the lower token id), for prompt logprobs.
+pub fn token_logprob(row: &[f32], token: u32, top: usize) -> TokenLogprob {
+    let lse = log_sum_exp(row);
+    let mut best: Vec<u64> = Vec::with_capacity(top);
+    if top > 0 {
+        let mut worst = 0;
+        for (t, &x) in row.iter().enumerate() {
+            let c = order_key(x, t as u32);
+            if best.len() < top {
+                best.push(c);
+                if best.len() == top {
+                    worst = argmax(&best);
+                }
+            } else if c < best[worst] {
+                best[worst] = c;
+                worst = argmax(&best);
+            }
+        }
+        best.sort_unstable();
+    }
+    let logprob = |t: u32| row.get(t as usize).map_or(f32::NEG_INFINITY, |&x| x - lse);
+    TokenLogprob {
+        token,
+        logprob: logprob(token),
+        top: best
+            .into_iter()
+            .map(|c| (c as u32, logprob(c as u32)))
+            .collect(),
+    }
+}
+
 fn log_sum_exp(row: &[f32]) -> f32 {
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     if !max.is_finite() {

@@ -36,6 +36,8 @@ pub struct ScheduledSeq {
     pub len: usize,
     /// The chunk reaches the end of the known tokens: sample from its last logits.
     pub want_logits: bool,
+    /// Logits of every token of the chunk are wanted too (prompt logprobs).
+    pub all_logits: bool,
     pub snapshots: Vec<SsmSnapshot>,
 }
 
@@ -291,6 +293,9 @@ impl Scheduler {
         last: bool,
     ) {
         let mut snapshots = Vec::new();
+        let all_logits = self.slots[slot as usize]
+            .as_ref()
+            .is_some_and(|r| r.prompt_logprobs.is_some() && start < r.orig_prompt_len);
         if let Some(r) = self.slots[slot as usize].as_ref()
             && start < r.prompt_len
         {
@@ -316,6 +321,7 @@ impl Scheduler {
             start,
             len: n,
             want_logits: last,
+            all_logits,
             snapshots,
         });
     }
@@ -390,7 +396,13 @@ impl Scheduler {
             if r.hashes.len() < prompt_len / bs {
                 self.seed.extend(&mut r.hashes, &r.tokens[..prompt_len], bs);
             }
-            let m = cache.match_prefix(&r.hashes, prompt_len);
+            let mut m = cache.match_prefix(&r.hashes, prompt_len);
+            if r.prompt_logprobs.is_some() {
+                // Prompt logprobs need the logits of every prompt position: nothing is
+                // skipped. The matched blocks stay pinned, as when an SSM snapshot is missing,
+                // so the cache's parent links hold while the prompt is recomputed.
+                m.skip_blocks = 0;
+            }
             if cache.prefix_caching()
                 && r.hashes
                     .get(m.kv_blocks)

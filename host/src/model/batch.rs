@@ -35,6 +35,9 @@ pub struct SeqChunk {
     /// Whether the logits of the chunk's last token are wanted (false for non-final prefill
     /// chunks).
     pub want_logits: bool,
+    /// Whether the logits of every token of the chunk are wanted (prompt logprobs); implies
+    /// the last token's.
+    pub all_logits: bool,
 }
 
 /// "After `after` tokens of this chunk, copy the live SSM state (all layers) into `slot`."
@@ -67,6 +70,7 @@ impl BatchInputs {
             ssm_slot,
             snapshots: Vec::new(),
             want_logits,
+            all_logits: false,
         });
         let last = self.seqs.len() - 1;
         &mut self.seqs[last]

@@ -76,7 +76,8 @@ pub struct ModelInfo {
 /// Which logits a forward pass returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogitsMode {
-    /// The last token of every chunk with `want_logits` (one row each, in order).
+    /// Per chunk, in order: every token when `all_logits`, else the last token when
+    /// `want_logits`.
     Last,
     /// Every token of every chunk (one row per token; prompt logprobs, parity tests).
     All,
@@ -202,8 +203,15 @@ impl<B: Backend> Model<B> {
             LogitsMode::Last => inputs
                 .seqs
                 .iter()
-                .filter(|s| s.want_logits)
-                .map(|s| (s.offset + s.len - 1) as u32)
+                .flat_map(|s| {
+                    let end = s.offset + s.len;
+                    let first = match (s.all_logits, s.want_logits) {
+                        (true, _) => s.offset,
+                        (false, true) => end - 1,
+                        (false, false) => end,
+                    };
+                    (first as u32)..(end as u32)
+                })
                 .collect(),
             LogitsMode::All => (0..inputs.tokens.len() as u32).collect(),
         };

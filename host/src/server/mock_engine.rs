@@ -426,6 +426,25 @@ impl MockLoop {
         let mut keep = Vec::with_capacity(running.len());
         let mut late_cancels = Vec::new();
         for mut r in running.drain(..) {
+            if r.generated == 0 && r.req.prompt_logprobs {
+                // Scores the prompt: token p gets -(p mod 7 + 1) / 4, its alternatives below.
+                let k = r.req.params.logprobs.unwrap_or(0);
+                let logprobs = r
+                    .req
+                    .prompt
+                    .iter()
+                    .enumerate()
+                    .map(|(p, &t)| {
+                        let lp = -((p % 7) as f32 + 1.0) / 4.0;
+                        (p > 0).then(|| TokenLogprob {
+                            token: t,
+                            logprob: lp,
+                            top: (0..k).map(|j| (t + j, lp - j as f32)).collect(),
+                        })
+                    })
+                    .collect();
+                let _ = r.events.send(EngineEvent::PromptLogprobs { logprobs });
+            }
             let token = self.next_token(&mut r);
             r.generated += 1;
             self.stats.generation_tokens += 1;

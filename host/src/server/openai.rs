@@ -251,7 +251,8 @@ async fn submit(
                 max_tokens,
                 stop_token_ids: params.stop_token_ids.clone(),
                 ignore_eos: params.ignore_eos,
-                prompt_logprobs: false,
+                // `echo` with `logprobs` scores the prompt too.
+                prompt_logprobs: prep.echo.is_some() && params.logprobs.is_some(),
             };
             let one = permit
                 .split(1)

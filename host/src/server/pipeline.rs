@@ -97,6 +97,9 @@ pub struct ChoiceChunk {
     pub prompt_idx: usize,
     pub text: String,
     pub logprobs: Vec<TokenInfo>,
+    /// The prompt tokens' logprobs (first `None`), in the chunk where they arrive (`echo` with
+    /// `logprobs`).
+    pub prompt_logprobs: Option<Vec<Option<TokenInfo>>>,
     pub finish: Option<FinishInfo>,
 }
 
@@ -115,6 +118,7 @@ pub struct OutputState {
 struct Processed {
     text: String,
     logprobs: Vec<TokenInfo>,
+    prompt_logprobs: Option<Vec<Option<TokenInfo>>>,
     stop_string: Option<String>,
     finished: Option<(FinishReason, Usage)>,
     failed: Option<(&'static str, String)>,
@@ -156,6 +160,14 @@ impl OutputState {
         let mut out = Processed::default();
         for ev in events {
             match ev {
+                EngineEvent::PromptLogprobs { logprobs } => {
+                    out.prompt_logprobs = Some(
+                        logprobs
+                            .iter()
+                            .map(|lp| lp.as_ref().map(|lp| self.token_info(lp)).transpose())
+                            .collect::<Result<_, _>>()?,
+                    );
+                }
                 EngineEvent::Tokens { tokens, logprobs } => {
                     for (j, t) in tokens.iter().enumerate() {
                         self.generated += 1;
@@ -256,6 +268,7 @@ impl ChoiceRun {
             prompt_idx: self.prompt_idx,
             text,
             logprobs,
+            prompt_logprobs: None,
             finish,
         }
     }
@@ -407,10 +420,16 @@ impl ChoiceRun {
             } else {
                 None
             };
-            if out.text.is_empty() && out.logprobs.is_empty() && finish.is_none() {
+            if out.text.is_empty()
+                && out.logprobs.is_empty()
+                && out.prompt_logprobs.is_none()
+                && finish.is_none()
+            {
                 continue;
             }
-            return Some(Ok(self.chunk(out.text, out.logprobs, finish)));
+            let mut chunk = self.chunk(out.text, out.logprobs, finish);
+            chunk.prompt_logprobs = out.prompt_logprobs;
+            return Some(Ok(chunk));
         }
     }
 
@@ -421,6 +440,9 @@ impl ChoiceRun {
             let c = c?;
             all.text.push_str(&c.text);
             all.logprobs.extend(c.logprobs);
+            if c.prompt_logprobs.is_some() {
+                all.prompt_logprobs = c.prompt_logprobs;
+            }
             if c.finish.is_some() {
                 all.finish = c.finish;
             }

@@ -103,12 +103,25 @@ fn push_completion_logprobs(lp: &mut CompletionLogprobs, infos: &[TokenInfo], of
     }
 }
 
-/// Prompt tokens in legacy logprobs: strings only, no logprob (chimera does not score prompts).
-fn push_prompt_tokens(lp: &mut CompletionLogprobs, tokens: &[String], offset: &mut u32) {
-    for t in tokens {
+/// Prompt tokens in legacy logprobs, with their logprobs when the engine computed them (the
+/// first token has none).
+fn push_prompt_tokens(
+    lp: &mut CompletionLogprobs,
+    tokens: &[String],
+    infos: Option<&[Option<TokenInfo>]>,
+    offset: &mut u32,
+) {
+    for (i, t) in tokens.iter().enumerate() {
+        let info = infos.and_then(|v| v.get(i)).and_then(Option::as_ref);
         lp.tokens.push(t.clone());
-        lp.token_logprobs.push(None);
-        lp.top_logprobs.push(None);
+        lp.token_logprobs.push(info.map(|x| x.logprob));
+        lp.top_logprobs.push(info.map(|x| {
+            let mut top = Map::new();
+            for (s, l) in &x.top {
+                top.entry(s.clone()).or_insert(Value::from(*l));
+            }
+            top
+        }));
         lp.text_offset.push(*offset);
         *offset += t.chars().count() as u32;
     }
@@ -137,7 +150,12 @@ pub fn full_response(shape: &Shape, meta: &Meta, mut choices: Vec<ChoiceChunk>) 
                         if prefix.is_some()
                             && let Some(toks) = echo_tokens.get(c.prompt_idx)
                         {
-                            push_prompt_tokens(&mut lp, toks, &mut offset);
+                            push_prompt_tokens(
+                                &mut lp,
+                                toks,
+                                c.prompt_logprobs.as_deref(),
+                                &mut offset,
+                            );
                         }
                         push_completion_logprobs(&mut lp, &c.logprobs, &mut offset);
                         lp
@@ -223,6 +241,8 @@ struct SseState {
     pending: VecDeque<Bytes>,
     finished: Vec<(usize, u32, u32)>,
     offsets: HashMap<u32, u32>,
+    /// Choices whose echoed prompt waits for their first chunk (index → prompt).
+    echo_pending: HashMap<u32, usize>,
     over: bool,
 }
 
@@ -237,13 +257,27 @@ impl SseState {
             ));
         }
         let body = match &self.shape {
-            Shape::Completion { .. } => {
+            Shape::Completion { echo, echo_tokens } => {
+                // A deferred echo (with logprobs) leads the first chunk of its choice.
+                let echoed = self.echo_pending.remove(&c.index).map(|p| {
+                    (
+                        echo.get(p).cloned().flatten().unwrap_or_default(),
+                        echo_tokens.get(p).map(Vec::as_slice).unwrap_or_default(),
+                    )
+                });
                 let logprobs = self.meta.logprobs.then(|| {
                     let mut lp = CompletionLogprobs::default();
                     let offset = self.offsets.entry(c.index).or_insert(0);
+                    if let Some((_, toks)) = &echoed {
+                        push_prompt_tokens(&mut lp, toks, c.prompt_logprobs.as_deref(), offset);
+                    }
                     push_completion_logprobs(&mut lp, &c.logprobs, offset);
                     lp
                 });
+                let text = match echoed {
+                    Some((prefix, _)) => prefix + &c.text,
+                    None => c.text,
+                };
                 to_json(&CompletionResponse {
                     id: self.meta.id.clone(),
                     object: "text_completion",
@@ -251,7 +285,7 @@ impl SseState {
                     model: self.meta.model.clone(),
                     choices: vec![CompletionChoice {
                         index: c.index,
-                        text: c.text,
+                        text,
                         logprobs,
                         finish_reason: c.finish.as_ref().map(|f| f.reason),
                         stop_reason: c.finish.and_then(|f| f.stop_reason),
@@ -329,15 +363,13 @@ impl SseState {
                     let Some(text) = echo.get(prompt_idx).cloned().flatten() else {
                         continue;
                     };
-                    // Echoed prompt tokens lead the logprobs, as in the non-streamed body.
-                    let logprobs = self.meta.logprobs.then(|| {
-                        let mut lp = CompletionLogprobs::default();
-                        let offset = self.offsets.entry(index).or_insert(0);
-                        if let Some(toks) = echo_tokens.get(prompt_idx) {
-                            push_prompt_tokens(&mut lp, toks, offset);
-                        }
-                        lp
-                    });
+                    if self.meta.logprobs {
+                        // The prompt's logprobs come from the engine with the first output:
+                        // the echo leads that chunk instead.
+                        self.echo_pending.insert(index, prompt_idx);
+                        continue;
+                    }
+                    let _ = echo_tokens;
                     to_json(&CompletionResponse {
                         id: self.meta.id.clone(),
                         object: "text_completion",
@@ -346,7 +378,7 @@ impl SseState {
                         choices: vec![CompletionChoice {
                             index,
                             text,
-                            logprobs,
+                            logprobs: None,
                             finish_reason: None,
                             stop_reason: None,
                         }],
@@ -377,6 +409,7 @@ pub fn stream_response(
         pending: VecDeque::new(),
         finished: Vec::new(),
         offsets: HashMap::new(),
+        echo_pending: HashMap::new(),
         over: false,
     };
     state.opening(&indices);

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use chimera::cache::{ByteSize, CacheConfig};
 use chimera::engine::api::{
-    EngineEvent, FinishReason, GenerateRequest, KvEvent, SamplingParams, Usage,
+    EngineEvent, FinishReason, GenerateRequest, KvEvent, SamplingParams, TokenLogprob, Usage,
 };
 use chimera::engine::{Engine, EngineConfig, EngineSetup, Policies, StepExecutor};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
@@ -100,6 +100,7 @@ pub struct Outcome {
     pub finish: Option<FinishReason>,
     pub usage: Usage,
     pub failed: Option<(&'static str, String)>,
+    pub prompt_logprobs: Option<Vec<Option<TokenLogprob>>>,
 }
 
 #[derive(Debug, Default)]
@@ -167,6 +168,7 @@ fn collect(rx: &mut BTreeMap<u64, UnboundedReceiver<EngineEvent>>, run: &mut Run
         while let Ok(ev) = r.try_recv() {
             match ev {
                 EngineEvent::Tokens { tokens, .. } => o.tokens.extend(tokens),
+                EngineEvent::PromptLogprobs { logprobs } => o.prompt_logprobs = Some(logprobs),
                 EngineEvent::Finished { reason, usage } => {
                     o.finish = Some(reason);
                     o.usage = usage;
