@@ -50,7 +50,7 @@ impl LoadedModel {
         })
     }
 
-    /// Loads the weights (once per replica: each replica owns its model).
+    /// Loads the weights.
     pub fn model(&self) -> anyhow::Result<Model<CpuBackend>> {
         match &self.dir {
             None => {
@@ -94,9 +94,10 @@ impl AdminHooks for ReloadHook {
             };
             let wasm = std::fs::read(file).map_err(|e| format!("{}: {e}", file.display()))?;
             let config = spec.flat_config(&path).map_err(|e| e.to_string())?;
+            let grants = spec.grants(&path).map_err(|e| e.to_string())?;
             let plugin = self
                 .plugins
-                .reload(kind, &source.to_string(), &wasm, &config)
+                .reload(kind, &source.to_string(), &wasm, &config, grants)
                 .map_err(|e| e.to_string())?;
             done.push(format!("{kind}: {} (ABI {})", plugin.name, plugin.abi));
         }
@@ -137,8 +138,10 @@ pub fn build(config: &Config) -> anyhow::Result<Stack> {
     let salt = format!("{}:{}", config.model.path, loaded.name);
     let mut replicas = Vec::with_capacity(config.engine.replicas);
     let mut info = None;
+    // One copy of the weights, read by every replica (each has its own caches).
+    let model = Arc::new(loaded.model()?);
     for r in 0..config.engine.replicas {
-        let model = loaded.model()?;
+        let model = Arc::clone(&model);
         let max_len = model.info.max_position_embeddings.min(u32::MAX as usize) as u32;
         let setup = EngineSetup {
             engine: config.engine.clone(),

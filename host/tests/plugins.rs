@@ -7,7 +7,7 @@ mod plugins_support;
 use std::sync::Arc;
 
 use chimera::plugins::{
-    FallbackReason, PluginError, PluginKind, PluginMetrics, PluginsConfig, PolicyConfig,
+    FallbackReason, Grants, PluginError, PluginKind, PluginMetrics, PluginsConfig, PolicyConfig,
     PolicyPlugins, PolicySpec, check_plugin,
 };
 use chimera::policy::native::{DefaultSampler, LeastLoadedRouter, LruEvictor, PrefixAwareRouter};
@@ -22,6 +22,7 @@ fn spec(plugin: &str, config: &str) -> PolicySpec {
     PolicySpec {
         plugin: plugin.into(),
         config: toml::from_str(config).expect("config table"),
+        grants: Vec::new(),
     }
 }
 
@@ -67,6 +68,7 @@ fn builtin_routers_agree_with_native_twins() {
         let cfg = PolicySpec {
             plugin: String::new(),
             config: toml::from_str(config).unwrap(),
+            grants: Vec::new(),
         }
         .flat_config("policy.router")
         .unwrap();
@@ -189,12 +191,12 @@ fn custom_pin_router_changes_routing() {
 
     let report = check_plugin(&path).unwrap();
     assert_eq!(report.kind, PluginKind::Router);
-    assert_eq!(report.abi.to_string(), "0.1.0");
+    assert_eq!(report.abi.to_string(), "0.1.1");
     assert!(report.componentized);
     assert!(report.ok(), "{report}");
     let text = report.to_string();
     assert!(
-        text.contains("routing@0.1.0") && text.contains("replica 0"),
+        text.contains("routing@0.1.1") && text.contains("replica 0"),
         "{text}"
     );
 }
@@ -350,6 +352,60 @@ fn plugin_failing_every_call_is_quarantined_then_tried_again() {
 }
 
 #[test]
+fn host_functions_load_only_with_their_grants_and_work() {
+    let path = test_plugins_dir().join("clock_router.wasm");
+    let name = path.to_str().unwrap().to_string();
+    let load = |grants: &[&str]| {
+        let mut s = spec(&name, "switch_after_ms = 150");
+        s.grants = grants.iter().map(|g| g.to_string()).collect();
+        let policy = PolicyConfig {
+            router: s,
+            ..PolicyConfig::default()
+        };
+        PolicyPlugins::new(&policy, &PluginsConfig::default(), PluginMetrics::new())
+    };
+    // Without a grant the plugin is refused at load, naming the function and the grant.
+    for (grants, missing) in [
+        (&[][..], None),
+        (&["clock"][..], Some("log")),
+        (&["log"][..], Some("clock")),
+    ] {
+        let err = load(grants)
+            .err()
+            .expect("refused without every grant")
+            .to_string();
+        assert!(err.contains("grants = ["), "{err}");
+        if let Some(g) = missing {
+            assert!(err.contains(&format!("[\"{g}\"]")), "{grants:?}: {err}");
+        }
+    }
+    let err = load(&["clock", "filesystem"])
+        .err()
+        .expect("unknown grant")
+        .to_string();
+    assert!(
+        err.contains("policy.router.grants.1") && err.contains("filesystem"),
+        "{err}"
+    );
+    // With both it loads, and its clock moves: replica 0 first, replica 1 after 150 ms.
+    let p = load(&["clock", "log"]).expect("loads with its grants");
+    let mut router = p.router();
+    let mut rng = Rng::new(5, 0);
+    let cols = random_replicas(&mut rng, 3);
+    let req = random_request(&mut rng);
+    assert_eq!(router.route(&req, &cols), Decision::Use(0));
+    std::thread::sleep(std::time::Duration::from_millis(250));
+    assert_eq!(router.route(&req, &cols), Decision::Use(1));
+    let report = check_plugin(&path).unwrap();
+    assert_eq!(report.abi.to_string(), "0.1.1");
+    let text = report.to_string();
+    assert!(
+        text.contains("host.now-ns (needs grants = [\"clock\"])"),
+        "{text}"
+    );
+}
+
+#[test]
 fn plugin_whose_init_traps_is_refused_at_load() {
     let dir = std::env::temp_dir().join(format!("chimera-dummy-plugins-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -481,7 +537,7 @@ fn plugin_reloaded_while_serving_swaps_at_the_next_call_and_bad_reload_keeps_old
         .unwrap();
     // Compile off the serving thread, as the admin endpoint would.
     let reloaded = std::thread::scope(|s| {
-        s.spawn(|| p.reload(PluginKind::Router, "pin-router", &wasm, &cfg))
+        s.spawn(|| p.reload(PluginKind::Router, "pin-router", &wasm, &cfg, Grants::NONE))
             .join()
             .unwrap()
     });
@@ -490,19 +546,31 @@ fn plugin_reloaded_while_serving_swaps_at_the_next_call_and_bad_reload_keeps_old
 
     // A broken reload (not Wasm, wrong kind, bad config) is refused; the pin router stays.
     assert!(matches!(
-        p.reload(PluginKind::Router, "junk", b"not wasm", &Config::default()),
+        p.reload(
+            PluginKind::Router,
+            "junk",
+            b"not wasm",
+            &Config::default(),
+            Grants::NONE
+        ),
         Err(PluginError::NotWasm { .. })
     ));
     let lru = chimera::plugins::builtin::find(PluginKind::Evictor, "lru").unwrap();
     assert!(matches!(
-        p.reload(PluginKind::Router, "lru", lru.wasm, &Config::default()),
+        p.reload(
+            PluginKind::Router,
+            "lru",
+            lru.wasm,
+            &Config::default(),
+            Grants::NONE
+        ),
         Err(PluginError::WrongKind { .. })
     ));
     let bad_cfg = spec("x.wasm", "replica = 5000")
         .flat_config("policy.router")
         .unwrap();
     assert!(matches!(
-        p.reload(PluginKind::Router, "pin", &wasm, &bad_cfg),
+        p.reload(PluginKind::Router, "pin", &wasm, &bad_cfg, Grants::NONE),
         Err(PluginError::Init { .. })
     ));
     assert_eq!(router.route(&req, &cols), Decision::Use(5));
@@ -555,6 +623,9 @@ fn check_reports_every_builtin() {
         let report = check_plugin(&path).unwrap();
         assert_eq!(report.kind, b.kind);
         assert!(report.ok(), "{report}");
+        // Built against ABI 0.1.1 and calling no host function: they need no grant.
+        assert_eq!(report.abi.to_string(), "0.1.1");
+        assert!(report.host_functions.is_empty(), "{report}");
     }
     let junk = dir.join("junk.wasm");
     std::fs::write(&junk, b"\0asm\x01\0\0\0garbage").unwrap();

@@ -21,7 +21,7 @@ use crate::{
 
 pub mod router {
     wit_bindgen::generate!({
-        path: "wit/v0.1.0",
+        path: "wit/v0.1.1",
         world: "router",
         pub_export_macro: true,
         export_macro_name: "export",
@@ -32,7 +32,7 @@ pub mod router {
 
 pub mod evictor {
     wit_bindgen::generate!({
-        path: "wit/v0.1.0",
+        path: "wit/v0.1.1",
         world: "evictor",
         pub_export_macro: true,
         export_macro_name: "export",
@@ -43,7 +43,7 @@ pub mod evictor {
 
 pub mod sampler {
     wit_bindgen::generate!({
-        path: "wit/v0.1.0",
+        path: "wit/v0.1.1",
         world: "sampler",
         pub_export_macro: true,
         export_macro_name: "export",
@@ -59,8 +59,9 @@ use sampler::exports::chimera::plugin::sampling as sm;
 /// The module's one plugin instance, created by `init`.
 pub struct PluginCell<T>(UnsafeCell<Option<T>>);
 
-// SAFETY: a `wasm32-unknown-unknown` plugin runs on one thread and imports nothing, so an
-// export can never be re-entered while another runs; the cell is never shared across threads.
+// SAFETY: a `wasm32-unknown-unknown` plugin runs on one thread and its imports (clock, log)
+// never call back into it, so an export can never be re-entered while another runs; the cell
+// is never shared across threads.
 unsafe impl<T> Sync for PluginCell<T> {}
 
 impl<T> PluginCell<T> {

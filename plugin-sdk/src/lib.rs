@@ -7,10 +7,10 @@
 //! so the plugin is unit-tested with plain `cargo test` by calling the trait methods on the
 //! column views in [`testing`].
 //!
-//! The ABI is the WIT package `chimera:plugin@0.1.0` in `wit/v0.1.0/` ([`ABI_VERSION`]).
-//! Plugins get no clock, filesystem, network or randomness: use [`math`] for a fast
-//! deterministic `exp`/`ln` and [`rng`] for seeded draws. The built-in policies are in
-//! [`algos`] for reuse.
+//! The ABI is the WIT package `chimera:plugin@0.1.1` in `wit/v0.1.1/` ([`ABI_VERSION`]).
+//! Plugins get no filesystem, network or randomness: use [`math`] for a fast deterministic
+//! `exp`/`ln` and [`rng`] for seeded draws. [`host`] has a clock and a logger, each usable
+//! only where the operator grants it. The built-in policies are in [`algos`] for reuse.
 //!
 //! This crate depends on nothing in the chimera host.
 
@@ -40,7 +40,52 @@ pub mod testing;
 pub mod __private;
 
 /// The WIT package version this SDK builds plugins against.
-pub const ABI_VERSION: &str = "0.1.0";
+pub const ABI_VERSION: &str = "0.1.1";
+
+/// Host functions (ABI 0.1.1). Calling one makes the plugin import it, and such a plugin loads
+/// only where its TOML section grants it (`grants = ["clock"]`, `grants = ["log"]`); a plugin
+/// that calls neither imports nothing and loads on any 0.1 host. Natively (in tests) the clock
+/// reads [`testing::set_now_ns`] and `log` does nothing.
+pub mod host {
+    use alloc::string::String;
+
+    /// Severity for [`log`].
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Level {
+        Error = 0,
+        Warn = 1,
+        Info = 2,
+        Debug = 3,
+    }
+
+    /// Nanoseconds on the host's monotonic clock (arbitrary origin). Grant: `clock`.
+    pub fn now_ns() -> u64 {
+        #[cfg(target_arch = "wasm32")]
+        {
+            crate::__private::router::chimera::plugin::host::now_ns()
+        }
+        #[cfg(not(target_arch = "wasm32"))]
+        {
+            crate::testing::now_ns()
+        }
+    }
+
+    /// Writes `message` to the server's log under the plugin's name (rate-limited by the
+    /// host). Grant: `log`.
+    pub fn log(level: Level, message: &str) {
+        #[cfg(target_arch = "wasm32")]
+        crate::__private::router::chimera::plugin::host::log(level as u8, message);
+        #[cfg(not(target_arch = "wasm32"))]
+        let _ = (level, message);
+    }
+
+    /// [`log`] with `format!` arguments.
+    pub fn log_fmt(level: Level, args: core::fmt::Arguments<'_>) {
+        let mut s = String::new();
+        let _ = core::fmt::write(&mut s, args);
+        log(level, &s);
+    }
+}
 
 /// A routing policy: picks the replica for each new request.
 pub trait RouterPlugin: Sized + 'static {

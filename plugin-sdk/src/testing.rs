@@ -4,6 +4,7 @@
 //! your trait implementation exactly as the guest glue would in the Wasm build.
 
 use alloc::vec::Vec;
+use core::sync::atomic::{AtomicU64, Ordering};
 
 use crate::{EventsView, ReplicaView, SamplerBatchView, event_kind};
 
@@ -144,4 +145,16 @@ impl SamplerInput {
             cand_logits: &self.cand_logits,
         }
     }
+}
+
+static NOW_NS: AtomicU64 = AtomicU64::new(0);
+
+/// Sets what [`crate::host::now_ns`] returns in native builds.
+pub fn set_now_ns(ns: u64) {
+    NOW_NS.store(ns, Ordering::Relaxed);
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+pub(crate) fn now_ns() -> u64 {
+    NOW_NS.load(Ordering::Relaxed)
 }

@@ -1,5 +1,8 @@
 //! The real model behind the engine: [`ModelRunner`] implements [`StepExecutor`] for any
-//! [`Model`] on any [`Backend`], owning the model's device caches.
+//! [`Model`] on any [`Backend`], owning the model's device caches. The weights are shared
+//! (`Arc`): replicas on one device read the same copy, each with its own caches.
+
+use std::sync::Arc;
 
 use super::executor::{CacheAllocation, ExecutorError, Logits, StepExecutor};
 use crate::backend::Backend;
@@ -7,15 +10,16 @@ use crate::model::{BatchInputs, CacheSpec, LogitsMode, Model, ModelCaches};
 
 pub struct ModelRunner<B: Backend> {
     backend: B,
-    model: Model<B>,
+    model: Arc<Model<B>>,
     caches: Option<ModelCaches<B>>,
 }
 
 impl<B: Backend> ModelRunner<B> {
-    pub fn new(backend: B, model: Model<B>) -> Self {
+    /// A runner over `model` (a `Model` or an `Arc` of one shared with other replicas).
+    pub fn new(backend: B, model: impl Into<Arc<Model<B>>>) -> Self {
         Self {
             backend,
-            model,
+            model: model.into(),
             caches: None,
         }
     }

@@ -73,6 +73,12 @@ pub const ACCEPTED: AbiRange = AbiRange {
     below: AbiVersion::new(0, 2, 0),
 };
 
+/// The version of a host-interface import `chimera:plugin/host@<version>`, if it is one.
+pub fn parse_host_import(name: &str) -> Option<AbiVersion> {
+    let version = name.strip_prefix(PACKAGE)?.strip_prefix("/host@")?;
+    AbiVersion::parse(version)
+}
+
 /// Parses an export name `chimera:plugin/<interface>@<version>` into kind and version.
 /// Returns `None` for names outside the package; `Some((None, v))` for an unknown interface.
 pub fn parse_export(name: &str) -> Option<(Option<PluginKind>, Option<AbiVersion>)> {

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use chimera_policy_core::Config;
 
 use super::abi::{self, ACCEPTED, AbiRange, AbiVersion};
-use super::config::PluginsConfig;
+use super::config::{Grants, PluginsConfig};
 use super::instance::Instance;
 use super::runtime::{LoadedPlugin, PluginRuntime};
 use super::{PluginError, PluginKind};
@@ -30,6 +30,8 @@ pub struct CheckReport {
     pub accepted: AbiRange,
     pub export: String,
     pub functions: Vec<&'static str>,
+    /// Host functions it calls, with the grant each needs, e.g. `("now-ns", "clock")`.
+    pub host_functions: Vec<(String, &'static str)>,
     /// `init` with an empty config: `Err(message)` if the plugin rejected it.
     pub init: Result<(), String>,
     /// The dry call's input and answer, or why it failed.
@@ -60,7 +62,16 @@ impl fmt::Display for CheckReport {
             self.abi, self.accepted
         )?;
         writeln!(f, "exports:   {}", self.functions.join(", "))?;
-        writeln!(f, "imports:   none")?;
+        if self.host_functions.is_empty() {
+            writeln!(f, "imports:   none")?;
+        } else {
+            let list: Vec<String> = self
+                .host_functions
+                .iter()
+                .map(|(func, grant)| format!("host.{func} (needs grants = [\"{grant}\"])"))
+                .collect();
+            writeln!(f, "imports:   {}", list.join(", "))?;
+        }
         match &self.init {
             Ok(()) => writeln!(f, "init:      ok with an empty config")?,
             Err(m) => writeln!(f, "init:      rejected an empty config: {m}")?,
@@ -95,7 +106,8 @@ pub fn check_plugin(path: impl AsRef<Path>) -> Result<CheckReport, PluginError> 
     })?;
     let runtime = PluginRuntime::new(&PluginsConfig::default())?;
     let name = path.display().to_string();
-    let plugin = Arc::new(runtime.compile(&name, &wasm, &Config::default())?);
+    // Everything the host can grant, so the report can say what the plugin needs.
+    let plugin = Arc::new(runtime.compile(&name, &wasm, &Config::default(), Grants::ALL)?);
     let mut report = CheckReport {
         path: path.to_path_buf(),
         size: plugin.size,
@@ -105,6 +117,11 @@ pub fn check_plugin(path: impl AsRef<Path>) -> Result<CheckReport, PluginError> 
         accepted: ACCEPTED,
         export: plugin.export.clone(),
         functions: abi::functions(plugin.kind).to_vec(),
+        host_functions: plugin
+            .host_functions
+            .iter()
+            .map(|f| (f.clone(), Grants::needed_for(f).unwrap_or("?")))
+            .collect(),
         init: Ok(()),
         dry_call: Err("not run".into()),
         dry_call_time: None,

@@ -43,6 +43,9 @@ pub struct PolicySpec {
     pub plugin: String,
     #[serde(default)]
     pub config: toml::Table,
+    /// Host functions the plugin may call: `"clock"`, `"log"` (ABI 0.1.1). None by default.
+    #[serde(default)]
+    pub grants: Vec<String>,
 }
 
 impl PolicySpec {
@@ -50,6 +53,7 @@ impl PolicySpec {
         Self {
             plugin: format!("builtin:{name}"),
             config: toml::Table::new(),
+            grants: Vec::new(),
         }
     }
     fn default_router() -> Self {
@@ -130,7 +134,69 @@ pub fn builtin_names(kind: PluginKind) -> &'static [&'static str] {
     }
 }
 
+/// Host functions granted to one plugin (`grants = [...]` in its `[policy.*]` section).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Grants {
+    /// `host.now-ns`: a monotonic clock.
+    pub clock: bool,
+    /// `host.log`: lines in the server's log.
+    pub log: bool,
+}
+
+impl Grants {
+    pub const NONE: Grants = Grants {
+        clock: false,
+        log: false,
+    };
+    pub const ALL: Grants = Grants {
+        clock: true,
+        log: true,
+    };
+
+    /// Parses grant names; `path` is the key path of the list.
+    pub fn parse(names: &[String], path: &str) -> Result<Self, ConfigError> {
+        let mut g = Self::NONE;
+        for (i, name) in names.iter().enumerate() {
+            match name.as_str() {
+                "clock" => g.clock = true,
+                "log" => g.log = true,
+                other => {
+                    return Err(ConfigError::new(
+                        format!("{path}.{i}"),
+                        format!(
+                            "unknown grant `{other}`: the host offers \"clock\" and \"log\" (filesystem and network access are never granted)"
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(g)
+    }
+
+    /// The grant that allows calling host function `function` (a WIT name), if any.
+    pub fn needed_for(function: &str) -> Option<&'static str> {
+        match function {
+            "now-ns" => Some("clock"),
+            "log" => Some("log"),
+            _ => None,
+        }
+    }
+
+    pub fn allows(&self, grant: &str) -> bool {
+        match grant {
+            "clock" => self.clock,
+            "log" => self.log,
+            _ => false,
+        }
+    }
+}
+
 impl PolicySpec {
+    /// The parsed `grants`; `path` is this section's key path, e.g. `policy.router`.
+    pub fn grants(&self, path: &str) -> Result<Grants, ConfigError> {
+        Grants::parse(&self.grants, &format!("{path}.grants"))
+    }
+
     /// Parses `plugin`; `path` is this section's key path, e.g. `policy.router`.
     pub fn source(&self, kind: PluginKind, path: &str) -> Result<PluginSource, ConfigError> {
         let key = format!("{path}.plugin");
@@ -227,6 +293,7 @@ impl PolicyConfig {
             let here = format!("{path}.{}", kind.section());
             spec.source(kind, &here)?;
             spec.flat_config(&here)?;
+            spec.grants(&here)?;
         }
         Ok(())
     }

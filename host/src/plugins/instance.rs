@@ -5,7 +5,8 @@
 //! failed instance is poisoned (wasmtime leaves a trapped instance in an undefined state), so
 //! its owner must drop it and create a new one. Must not fall back or count: the adapters do.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
 
 use wasmtime::component::{ComponentNamedList, Func, Lift, Lower};
 use wasmtime::{ResourceLimiter, Store, Trap};
@@ -15,9 +16,58 @@ use super::abi::{self, WitCacheEvents, WitReplicaColumns, WitRouteRequest, WitSa
 use super::metrics::FallbackReason;
 use super::runtime::{EPOCH_TICK, LoadedPlugin};
 
-/// Per-store state: the memory limiter.
+/// Per-store state: the memory limiter, and what the host functions need.
 pub struct StoreData {
     limiter: MemoryLimiter,
+    log: LogBudget,
+}
+
+/// Log lines a plugin instance may write per second; the rest are counted and reported once
+/// the next second starts.
+const LOG_LINES_PER_SECOND: u32 = 20;
+
+struct LogBudget {
+    plugin: Arc<str>,
+    window: Instant,
+    written: u32,
+    dropped: u32,
+}
+
+/// `chimera:plugin/host.now-ns`: nanoseconds since the first call in this process.
+pub fn host_now_ns() -> u64 {
+    static ORIGIN: OnceLock<Instant> = OnceLock::new();
+    ORIGIN.get_or_init(Instant::now).elapsed().as_nanos() as u64
+}
+
+/// `chimera:plugin/host.log`: a line in the server's log, rate-limited per instance.
+pub fn host_log(data: &mut StoreData, level: u8, message: &str) {
+    let b = &mut data.log;
+    if b.window.elapsed().as_secs() >= 1 {
+        if b.dropped > 0 {
+            tracing::warn!(plugin = %b.plugin, dropped = b.dropped, "plugin log lines dropped (rate limit)");
+        }
+        b.window = Instant::now();
+        b.written = 0;
+        b.dropped = 0;
+    }
+    if b.written >= LOG_LINES_PER_SECOND {
+        b.dropped += 1;
+        return;
+    }
+    b.written += 1;
+    // Bounded, and control characters cannot forge extra log lines.
+    let text: String = message
+        .chars()
+        .take(1024)
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    let plugin = &*b.plugin;
+    match level {
+        0 => tracing::error!(plugin, "{text}"),
+        1 => tracing::warn!(plugin, "{text}"),
+        2 => tracing::info!(plugin, "{text}"),
+        _ => tracing::debug!(plugin, "{text}"),
+    }
 }
 
 struct MemoryLimiter {
@@ -101,7 +151,13 @@ impl Instance {
             max_bytes: plugin.limits.memory_bytes as usize,
             denied: false,
         };
-        let mut store = Store::new(plugin.pre.engine(), StoreData { limiter });
+        let log = LogBudget {
+            plugin: Arc::from(plugin.name.as_str()),
+            window: Instant::now(),
+            written: 0,
+            dropped: 0,
+        };
+        let mut store = Store::new(plugin.pre.engine(), StoreData { limiter, log });
         store.limiter(|d| &mut d.limiter);
         let deadline_ticks = plugin
             .limits

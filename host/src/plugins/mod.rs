@@ -36,7 +36,7 @@ use chimera_policy_core::Config;
 
 pub use adapters::{WasmEvictor, WasmRouter, WasmSampler};
 pub use check::{CheckReport, check_plugin};
-pub use config::{ConfigError, PluginSource, PluginsConfig, PolicyConfig, PolicySpec};
+pub use config::{ConfigError, Grants, PluginSource, PluginsConfig, PolicyConfig, PolicySpec};
 pub use metrics::{FallbackReason, PluginCounters, PluginMetrics};
 pub use runtime::{LoadedPlugin, PluginRuntime};
 pub use slot::PluginHandle;
@@ -105,11 +105,19 @@ pub enum PluginError {
     #[error("plugin {plugin}: does not compile: {message}")]
     Compile { plugin: String, message: String },
     #[error(
-        "plugin {plugin}: imports {imports:?}, but ABI 0.1 grants no imports (no filesystem, network or clock)"
+        "plugin {plugin}: imports {imports:?}; the host offers only chimera:plugin/host (clock and log, when granted), never a filesystem or network (was it built for wasm32-unknown-unknown?)"
     )]
     Imports {
         plugin: String,
         imports: Vec<String>,
+    },
+    #[error(
+        "plugin {plugin}: calls host function `{function}`, which its TOML section does not grant: add grants = [\"{grant}\"]"
+    )]
+    NotGranted {
+        plugin: String,
+        function: String,
+        grant: &'static str,
     },
     #[error("plugin {plugin}: {message}")]
     Exports { plugin: String, message: String },
@@ -188,6 +196,7 @@ impl PolicyPlugins {
         let path = format!("policy.{}", kind.section());
         let source = spec.source(kind, &path)?;
         let config = spec.flat_config(&path)?;
+        let grants = spec.grants(&path)?;
         let (wasm, fallback, fallback_config) = match &source {
             PluginSource::Native(name) => {
                 let name = static_name(kind, name);
@@ -219,7 +228,7 @@ impl PolicyPlugins {
             plugin: source.to_string(),
             message,
         })?;
-        let plugin = runtime.load(&source.to_string(), &wasm, Some(kind), &config)?;
+        let plugin = runtime.load(&source.to_string(), &wasm, Some(kind), &config, grants)?;
         Ok(Provider::Wasm {
             handle: PluginHandle::new(plugin),
             fallback,
@@ -300,14 +309,15 @@ impl PolicyPlugins {
     }
 
     /// Replaces the plugin of `kind` while serving: compiles and checks `wasm` with `config`
-    /// on the calling thread (call it off the engine threads), then swaps it in; every adapter
-    /// switches at its next call. On error the running plugin stays.
+    /// and `grants` on the calling thread (call it off the engine threads), then swaps it in;
+    /// every adapter switches at its next call. On error the running plugin stays.
     pub fn reload(
         &self,
         kind: PluginKind,
         name: &str,
         wasm: &[u8],
         config: &Config,
+        grants: Grants,
     ) -> Result<Arc<LoadedPlugin>, PluginError> {
         let Some(handle) = self.handle(kind) else {
             return Err(PluginError::Exports {
@@ -315,7 +325,7 @@ impl PolicyPlugins {
                 message: format!("the {kind} policy is native; only Wasm policies can be reloaded"),
             });
         };
-        let plugin = self.runtime.load(name, wasm, Some(kind), config)?;
+        let plugin = self.runtime.load(name, wasm, Some(kind), config, grants)?;
         handle.swap(plugin.clone());
         tracing::info!(plugin = name, %kind, abi = %plugin.abi, "plugin reloaded");
         Ok(plugin)

@@ -5,8 +5,9 @@
 //! compiled, checked plugin ready to be instantiated many times. Loading is slow (tens of
 //! milliseconds of Cranelift) and must run off the engine threads. A loaded plugin has
 //! passed every load-time check: it is a component (a core module is componentized first),
-//! imports nothing, exports exactly one `chimera:plugin` interface with a version the host
-//! accepts and the functions that version defines, and a fresh instance accepted its config.
+//! imports nothing but the `chimera:plugin/host` functions its TOML section grants, exports
+//! exactly one `chimera:plugin` interface with a version the host accepts and the functions
+//! that version defines, and a fresh instance accepted its config.
 //! Must not decide fallbacks: that is the adapters' job.
 
 use std::sync::Arc;
@@ -20,8 +21,8 @@ use wasmtime::component::{
 use wasmtime::{Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
 
 use super::abi::{self, ACCEPTED, AbiVersion};
-use super::config::PluginsConfig;
-use super::instance::{Instance, StoreData};
+use super::config::{Grants, PluginsConfig};
+use super::instance::{Instance, StoreData, host_log, host_now_ns};
 use super::{PluginError, PluginKind};
 
 /// Length of one epoch tick; deadlines are whole ticks.
@@ -79,8 +80,9 @@ impl PluginRuntime {
         wasm: &[u8],
         expected: Option<PluginKind>,
         config: &Config,
+        grants: Grants,
     ) -> Result<Arc<LoadedPlugin>, PluginError> {
-        let plugin = Arc::new(self.compile(name, wasm, config)?);
+        let plugin = Arc::new(self.compile(name, wasm, config, grants)?);
         if let Some(kind) = expected
             && plugin.kind != kind
         {
@@ -101,6 +103,7 @@ impl PluginRuntime {
         name: &str,
         wasm: &[u8],
         config: &Config,
+        grants: Grants,
     ) -> Result<LoadedPlugin, PluginError> {
         let (bytes, componentized) = to_component(name, wasm)?;
         let component = Component::new(&self.engine, &bytes).map_err(|e| PluginError::Compile {
@@ -108,14 +111,52 @@ impl PluginRuntime {
             message: format!("{e:#}"),
         })?;
         let ty = component.component_type();
-        let imports: Vec<String> = ty
-            .imports(&self.engine)
-            .map(|(n, _)| n.to_string())
-            .collect();
-        if !imports.is_empty() {
+        let mut linker: Linker<StoreData> = Linker::new(&self.engine);
+        let mut host_functions = Vec::new();
+        let mut others = Vec::new();
+        for (import, item) in ty.imports(&self.engine) {
+            let ComponentItem::ComponentInstance(instance) = item.ty else {
+                others.push(import.to_string());
+                continue;
+            };
+            if !abi::parse_host_import(import).is_some_and(|v| ACCEPTED.contains(v)) {
+                others.push(import.to_string());
+                continue;
+            }
+            let mut host = linker.instance(import).map_err(|e| PluginError::Compile {
+                plugin: name.to_string(),
+                message: format!("{e:#}"),
+            })?;
+            for (function, _) in instance.exports(&self.engine) {
+                let Some(grant) = Grants::needed_for(function) else {
+                    others.push(format!("{import}#{function}"));
+                    continue;
+                };
+                if !grants.allows(grant) {
+                    return Err(PluginError::NotGranted {
+                        plugin: name.to_string(),
+                        function: function.to_string(),
+                        grant,
+                    });
+                }
+                let defined = match function {
+                    "now-ns" => host.func_wrap("now-ns", |_, (): ()| Ok((host_now_ns(),))),
+                    _ => host.func_wrap("log", |mut cx, (level, message): (u8, String)| {
+                        host_log(cx.data_mut(), level, &message);
+                        Ok(())
+                    }),
+                };
+                defined.map_err(|e| PluginError::Compile {
+                    plugin: name.to_string(),
+                    message: format!("{e:#}"),
+                })?;
+                host_functions.push(function.to_string());
+            }
+        }
+        if !others.is_empty() {
             return Err(PluginError::Imports {
                 plugin: name.to_string(),
-                imports,
+                imports: others,
             });
         }
         let mut found = None;
@@ -176,7 +217,6 @@ impl PluginRuntime {
                 }
             }
         }
-        let linker: Linker<StoreData> = Linker::new(&self.engine);
         let pre = linker
             .instantiate_pre(&component)
             .map_err(|e| PluginError::Compile {
@@ -191,6 +231,7 @@ impl PluginRuntime {
             componentized,
             size: wasm.len(),
             functions,
+            host_functions,
             pre,
             config: config.clone(),
             limits: self.limits.clone(),
@@ -211,6 +252,8 @@ pub struct LoadedPlugin {
     pub size: usize,
     /// Export indices of [`abi::functions`] for this kind, in that order.
     pub(crate) functions: Vec<ComponentExportIndex>,
+    /// The `chimera:plugin/host` functions it calls (each one granted), e.g. `now-ns`.
+    pub host_functions: Vec<String>,
     pub(crate) pre: InstancePre<StoreData>,
     pub config: Config,
     pub(crate) limits: PluginsConfig,
