@@ -247,7 +247,7 @@ impl Scheduler {
             let n = if decodes {
                 1
             } else {
-                self.chunk_len(start, r.prompt_len - start, *budget)
+                self.chunk_len(start, r.prompt_len - start, prefill_budget(r, *budget))
             };
             if n == 0 {
                 continue;
@@ -414,7 +414,13 @@ impl Scheduler {
                 continue;
             }
             let ctx = m.skip_blocks * bs;
-            let n = chunk_len(bs, self.cfg.chunked_prefill, ctx, prompt_len - ctx, *budget);
+            let n = chunk_len(
+                bs,
+                self.cfg.chunked_prefill,
+                ctx,
+                prompt_len - ctx,
+                prefill_budget(r, *budget),
+            );
             if n == 0 || !cache.can_admit(&r.hashes, m, ctx + n) {
                 break;
             }
@@ -477,6 +483,20 @@ impl Scheduler {
                 finished.push((s.slot, StopReason::Length));
             }
         }
+    }
+}
+
+/// Prompt tokens per step of a request that wants prompt logprobs: every one of them returns
+/// a full row of logits, so this bounds that request's rows to this many × vocab per step
+/// (with chunked prefill on).
+const PROMPT_LOGITS_CHUNK: usize = 128;
+
+/// The token budget `r`'s next prefill chunk may use.
+fn prefill_budget(r: &Request, budget: usize) -> usize {
+    if r.prompt_logprobs.is_some() {
+        budget.min(PROMPT_LOGITS_CHUNK)
+    } else {
+        budget
     }
 }
 

@@ -207,3 +207,37 @@ fn max_tokens_and_stop_tokens_finish() {
     let fin = finish_step(&mut s, &mut c);
     assert!(fin.iter().any(|&(_, r)| r == StopReason::Stop));
 }
+
+#[test]
+fn prompt_logprob_requests_take_bounded_chunks_with_every_logit() {
+    let (mut s, mut c) = setup(256, 2048, true);
+    let (tx, _rx) = unbounded_channel();
+    let req = GenerateRequest {
+        id: 1,
+        prompt: (0..300).collect(),
+        params: SamplingParams::default(),
+        max_tokens: 2,
+        stop_token_ids: vec![],
+        ignore_eos: true,
+        prompt_logprobs: true,
+    };
+    s.add(|slot| Request::new(req, slot, tx));
+    add(&mut s, 2, (1000..1300).collect(), 2);
+    // The plain request takes its whole prompt; the scoring one at most 128 tokens a step,
+    // every chunk asking for all its logits.
+    assert_eq!(plan(&mut s, &mut c), vec![(1, 0, 128), (2, 0, 300)]);
+    let flags: Vec<(bool, bool)> = s
+        .output()
+        .seqs
+        .iter()
+        .map(|q| (q.all_logits, q.want_logits))
+        .collect();
+    assert_eq!(flags, vec![(true, false), (false, true)]);
+    finish_step(&mut s, &mut c);
+    let first = |p: Vec<(u64, usize, usize)>| p.into_iter().find(|q| q.0 == 1);
+    assert_eq!(first(plan(&mut s, &mut c)), Some((1, 128, 128)));
+    finish_step(&mut s, &mut c);
+    assert_eq!(first(plan(&mut s, &mut c)), Some((1, 256, 44)));
+    let last = s.output().seqs.iter().find(|q| q.start == 256).unwrap();
+    assert!(last.all_logits && last.want_logits);
+}
