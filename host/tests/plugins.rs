@@ -328,19 +328,21 @@ fn plugin_failing_every_call_is_quarantined_then_tried_again() {
         assert_eq!(router.route(&looping, &cols), want);
     }
     assert_eq!(fallbacks(&metrics, &name, FallbackReason::Timeout), 3);
-    // While quarantined the plugin is not called: each answer comes at native speed instead
-    // of after a deadline (even if a stall on a busy machine ends the quarantine early, the
-    // next three timeouts start a longer one).
-    let started = std::time::Instant::now();
+    // While quarantined the plugin is not called: the next 20 calls are answered natively
+    // without running into the deadline. (A stall on a busy machine may end a quarantine
+    // early; three more timeouts then start a longer one. Without quarantine all 20 would
+    // time out.)
     for _ in 0..20 {
         assert_eq!(router.route(&looping, &cols), want);
     }
-    let took = started.elapsed();
-    assert!(
-        took < std::time::Duration::from_millis(10 * deadline_ms),
-        "20 calls took {took:?}"
+    let timeouts = fallbacks(&metrics, &name, FallbackReason::Timeout);
+    let skipped = fallbacks(&metrics, &name, FallbackReason::Quarantined);
+    assert!(timeouts <= 3 + 6, "{timeouts} timeouts");
+    assert_eq!(
+        skipped + (timeouts - 3),
+        20,
+        "every call is either skipped or timed out"
     );
-    assert!(fallbacks(&metrics, &name, FallbackReason::Quarantined) >= 17);
     // Good requests are answered natively too while it lasts...
     assert_eq!(router.route(&good, &cols), native.route(&good, &cols));
     // ...and by a fresh instance of the plugin once it is over.
