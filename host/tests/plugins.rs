@@ -358,7 +358,7 @@ fn host_functions_load_only_with_their_grants_and_work() {
     let path = test_plugins_dir().join("clock_router.wasm");
     let name = path.to_str().unwrap().to_string();
     let load = |grants: &[&str]| {
-        let mut s = spec(&name, "switch_after_ms = 150");
+        let mut s = spec(&name, "switch_after_ms = 400");
         s.grants = grants.iter().map(|g| g.to_string()).collect();
         let policy = PolicyConfig {
             router: s,
@@ -389,14 +389,14 @@ fn host_functions_load_only_with_their_grants_and_work() {
         err.contains("policy.router.grants.1") && err.contains("filesystem"),
         "{err}"
     );
-    // With both it loads, and its clock moves: replica 0 first, replica 1 after 150 ms.
+    // With both it loads, and its clock moves: replica 0 first, replica 1 after 400 ms.
     let p = load(&["clock", "log"]).expect("loads with its grants");
     let mut router = p.router();
     let mut rng = Rng::new(5, 0);
     let cols = random_replicas(&mut rng, 3);
     let req = random_request(&mut rng);
     assert_eq!(router.route(&req, &cols), Decision::Use(0));
-    std::thread::sleep(std::time::Duration::from_millis(250));
+    std::thread::sleep(std::time::Duration::from_millis(500));
     assert_eq!(router.route(&req, &cols), Decision::Use(1));
     let report = check_plugin(&path).unwrap();
     assert_eq!(report.abi.to_string(), "0.1.1");
