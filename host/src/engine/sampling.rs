@@ -181,21 +181,7 @@ impl SamplingStage {
 
     /// Appends the `k` best (logit, token) of `row` to the batch, best first.
     fn top_k(&mut self, row: &[f32], k: usize) {
-        self.cand.clear();
-        let mut worst = 0;
-        for (t, &x) in row.iter().enumerate() {
-            let c = order_key(x, t as u32);
-            if self.cand.len() < k {
-                self.cand.push(c);
-                if self.cand.len() == k {
-                    worst = argmax(&self.cand);
-                }
-            } else if c < self.cand[worst] {
-                self.cand[worst] = c;
-                worst = argmax(&self.cand);
-            }
-        }
-        self.cand.sort_unstable();
+        best_keys(row, k, &mut self.cand);
         for &c in &self.cand {
             let t = c as u32;
             let x = row[t as usize];
@@ -205,6 +191,28 @@ impl SamplingStage {
                 .push(if x.is_nan() { f32::NEG_INFINITY } else { x });
         }
     }
+}
+
+/// The [`order_key`]s of the `k` best entries of `row` into `out`, best first.
+fn best_keys(row: &[f32], k: usize, out: &mut Vec<u64>) {
+    out.clear();
+    if k == 0 {
+        return;
+    }
+    let mut worst = 0;
+    for (t, &x) in row.iter().enumerate() {
+        let c = order_key(x, t as u32);
+        if out.len() < k {
+            out.push(c);
+            if out.len() == k {
+                worst = argmax(out);
+            }
+        } else if c < out[worst] {
+            out[worst] = c;
+            worst = argmax(out);
+        }
+    }
+    out.sort_unstable();
 }
 
 /// A key whose ascending order is descending logit, then ascending token id (NaN ranks as
@@ -230,23 +238,8 @@ fn argmax(c: &[u64]) -> usize {
 /// the lower token id), for prompt logprobs.
 pub fn token_logprob(row: &[f32], token: u32, top: usize) -> TokenLogprob {
     let lse = log_sum_exp(row);
-    let mut best: Vec<u64> = Vec::with_capacity(top);
-    if top > 0 {
-        let mut worst = 0;
-        for (t, &x) in row.iter().enumerate() {
-            let c = order_key(x, t as u32);
-            if best.len() < top {
-                best.push(c);
-                if best.len() == top {
-                    worst = argmax(&best);
-                }
-            } else if c < best[worst] {
-                best[worst] = c;
-                worst = argmax(&best);
-            }
-        }
-        best.sort_unstable();
-    }
+    let mut best = Vec::with_capacity(top);
+    best_keys(row, top, &mut best);
     let logprob = |t: u32| row.get(t as usize).map_or(f32::NEG_INFINITY, |&x| x - lse);
     TokenLogprob {
         token,
