@@ -88,18 +88,31 @@ fn chat_logprobs(infos: &[TokenInfo]) -> ChatLogprobs {
     }
 }
 
-/// Appends tokens to legacy completion logprobs, advancing `offset` (characters).
-fn push_completion_logprobs(lp: &mut CompletionLogprobs, infos: &[TokenInfo], offset: &mut u32) {
-    for t in infos {
-        lp.tokens.push(t.token.clone());
-        lp.token_logprobs.push(Some(t.logprob));
+/// Appends one token to legacy completion logprobs, advancing `offset` (characters); `info`
+/// is `None` for a token without a logprob (the first prompt token).
+fn push_token(
+    lp: &mut CompletionLogprobs,
+    token: &str,
+    info: Option<&TokenInfo>,
+    offset: &mut u32,
+) {
+    lp.tokens.push(token.to_string());
+    lp.token_logprobs.push(info.map(|x| x.logprob));
+    lp.top_logprobs.push(info.map(|x| {
         let mut top = Map::new();
-        for (s, l) in &t.top {
+        for (s, l) in &x.top {
             top.entry(s.clone()).or_insert(Value::from(*l));
         }
-        lp.top_logprobs.push(Some(top));
-        lp.text_offset.push(*offset);
-        *offset += t.token.chars().count() as u32;
+        top
+    }));
+    lp.text_offset.push(*offset);
+    *offset += token.chars().count() as u32;
+}
+
+/// Appends generated tokens to legacy completion logprobs.
+fn push_completion_logprobs(lp: &mut CompletionLogprobs, infos: &[TokenInfo], offset: &mut u32) {
+    for t in infos {
+        push_token(lp, &t.token, Some(t), offset);
     }
 }
 
@@ -113,17 +126,7 @@ fn push_prompt_tokens(
 ) {
     for (i, t) in tokens.iter().enumerate() {
         let info = infos.and_then(|v| v.get(i)).and_then(Option::as_ref);
-        lp.tokens.push(t.clone());
-        lp.token_logprobs.push(info.map(|x| x.logprob));
-        lp.top_logprobs.push(info.map(|x| {
-            let mut top = Map::new();
-            for (s, l) in &x.top {
-                top.entry(s.clone()).or_insert(Value::from(*l));
-            }
-            top
-        }));
-        lp.text_offset.push(*offset);
-        *offset += t.chars().count() as u32;
+        push_token(lp, t, info, offset);
     }
 }
 
@@ -359,7 +362,7 @@ impl SseState {
                     }],
                     usage: usage_field,
                 }),
-                Shape::Completion { echo, echo_tokens } => {
+                Shape::Completion { echo, .. } => {
                     let Some(text) = echo.get(prompt_idx).cloned().flatten() else {
                         continue;
                     };
@@ -369,7 +372,6 @@ impl SseState {
                         self.echo_pending.insert(index, prompt_idx);
                         continue;
                     }
-                    let _ = echo_tokens;
                     to_json(&CompletionResponse {
                         id: self.meta.id.clone(),
                         object: "text_completion",
