@@ -198,15 +198,10 @@ impl LruState {
         node.evictable && node.children == 0 && !node.taken
     }
 
-    /// Records that `block` (with `node`'s new state) went from candidate `was` to whatever
-    /// it is now, pushing its key when it is a candidate under a new key.
+    /// Records that `block` went from candidate key `was` to whatever it is now, pushing its
+    /// key when it is a candidate under a new key.
     fn changed(&mut self, block: u32, was: Option<u64>) {
-        let now = self
-            .nodes
-            .get(block)
-            .filter(|n| Self::is_candidate(n))
-            .map(|n| n.last_access);
-        match (was, now) {
+        match (was, self.candidate_key(block)) {
             (None, Some(t)) => {
                 self.candidates += 1;
                 self.heap.push(Reverse((t, block)));
