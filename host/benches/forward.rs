@@ -3,21 +3,22 @@
 
 use criterion::{Criterion, criterion_group, criterion_main};
 
+use chimera::backend::StepPlan;
 use chimera::backend::cpu::CpuBackend;
-use chimera::model::{self, BatchInputs, LogitsMode, Model, builtin};
+use chimera::model::{self, LogitsMode, Model, builtin};
 
 const BLOCK: usize = 16;
 
 fn models() -> Vec<(String, Model<CpuBackend>)> {
     let mut out = vec![(
         "builtin-tiny-hybrid".to_string(),
-        builtin::load(&CpuBackend, 512, 2, 1).expect("builtin"),
+        builtin::load(&CpuBackend::default(), 512, 2, 1).expect("builtin"),
     )];
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/models");
     for name in ["llama-gqa", "mamba2-g2", "nemotronh-a", "bamba-b"] {
         out.push((
             name.to_string(),
-            model::load(&dir.join(name), &CpuBackend).expect("fixture"),
+            model::load(&dir.join(name), &CpuBackend::default()).expect("fixture"),
         ));
     }
     out
@@ -28,29 +29,59 @@ fn bench(c: &mut Criterion) {
         let prompt: Vec<u32> = (0..128).map(|i| 5 + (i * 37) % 500).collect();
         let blocks = (prompt.len() + 1).div_ceil(BLOCK);
         c.bench_function(&format!("{name}/prefill-128"), |b| {
-            let mut caches = m.new_caches(&CpuBackend, blocks, BLOCK, 1);
-            let mut batch = BatchInputs::default();
-            batch.push(&prompt, 0, (0..blocks as u32).collect(), 0, true);
+            let mut caches = m
+                .new_caches(&CpuBackend::default(), blocks, BLOCK, 1)
+                .expect("caches");
+            let mut batch = StepPlan::new(BLOCK);
+            batch.push(
+                &prompt,
+                0,
+                &(0..blocks as u32).collect::<Vec<u32>>(),
+                0,
+                true,
+            );
             b.iter(|| {
-                m.forward(&CpuBackend, &batch, &mut caches, LogitsMode::Last)
-                    .expect("forward")
+                m.forward_host(
+                    &CpuBackend::default(),
+                    &mut batch,
+                    &mut caches,
+                    LogitsMode::Last,
+                )
+                .expect("forward")
             })
         });
         for batch_size in [1usize, 32] {
-            let mut caches = m.new_caches(&CpuBackend, blocks * batch_size, BLOCK, batch_size);
-            let mut prefill = BatchInputs::default();
-            let mut step = BatchInputs::default();
+            let mut caches = m
+                .new_caches(
+                    &CpuBackend::default(),
+                    blocks * batch_size,
+                    BLOCK,
+                    batch_size,
+                )
+                .expect("caches");
+            let mut prefill = StepPlan::new(BLOCK);
+            let mut step = StepPlan::new(BLOCK);
             for s in 0..batch_size {
                 let table: Vec<u32> = ((s * blocks) as u32..((s + 1) * blocks) as u32).collect();
-                prefill.push(&prompt, 0, table.clone(), s as u32, true);
-                step.push(&[7], prompt.len(), table, s as u32, true);
+                prefill.push(&prompt, 0, &table, s as u32, true);
+                step.push(&[7], prompt.len(), &table, s as u32, true);
             }
-            m.forward(&CpuBackend, &prefill, &mut caches, LogitsMode::Last)
-                .expect("prefill");
+            m.forward_host(
+                &CpuBackend::default(),
+                &mut prefill,
+                &mut caches,
+                LogitsMode::Last,
+            )
+            .expect("prefill");
             c.bench_function(&format!("{name}/decode-batch-{batch_size}"), |b| {
                 b.iter(|| {
-                    m.forward(&CpuBackend, &step, &mut caches, LogitsMode::Last)
-                        .expect("decode")
+                    m.forward_host(
+                        &CpuBackend::default(),
+                        &mut step,
+                        &mut caches,
+                        LogitsMode::Last,
+                    )
+                    .expect("decode")
                 })
             });
         }

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use tokio::net::TcpListener;
 
+use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
 use crate::config::Config;
 use crate::engine::{EngineSetup, ModelRunner, Policies, spawn_engine};
@@ -50,19 +51,19 @@ impl LoadedModel {
         })
     }
 
-    /// Loads the weights.
-    pub fn model(&self) -> anyhow::Result<Model<CpuBackend>> {
+    /// Loads the weights onto `backend` (replicas on one device share this copy).
+    pub fn model<B: Backend>(&self, backend: &B) -> anyhow::Result<Model<B>> {
         match &self.dir {
             None => {
                 let eos = self.codec.eos_token_ids().first().copied().unwrap_or(0);
                 Ok(builtin::load(
-                    &CpuBackend,
+                    backend,
                     self.codec.vocab_size() as usize,
                     eos,
                     1,
                 )?)
             }
-            Some(dir) => model::load(dir, &CpuBackend)
+            Some(dir) => model::load(dir, backend)
                 .with_context(|| format!("loading the model in {}", dir.display())),
         }
     }
@@ -139,7 +140,12 @@ pub fn build(config: &Config) -> anyhow::Result<Stack> {
     let mut replicas = Vec::with_capacity(config.engine.replicas);
     let mut info = None;
     // One copy of the weights, read by every replica (each has its own caches).
-    let model = Arc::new(loaded.model()?);
+    // `engine.backend` is validated at load; "cpu" is the one backend built so far.
+    let backend = match config.engine.backend.as_str() {
+        "cpu" => CpuBackend::default(),
+        other => anyhow::bail!("engine.backend = {other:?} is not available in this build"),
+    };
+    let model = Arc::new(loaded.model(&backend)?);
     for r in 0..config.engine.replicas {
         let model = Arc::clone(&model);
         let max_len = model.info.max_position_embeddings.min(u32::MAX as usize) as u32;
@@ -154,7 +160,8 @@ pub fn build(config: &Config) -> anyhow::Result<Stack> {
             evictor: Some(plugins.evictor()),
         };
         let (handle, _join, kv) =
-            spawn_engine(setup, ModelRunner::new(CpuBackend, model), policies)
+            // Each replica gets its own backend handle (stream and step arena on a device).
+            spawn_engine(setup, ModelRunner::new(CpuBackend::default(), model), policies)
                 .with_context(|| format!("starting engine replica {r}"))?;
         let stats = handle.stats();
         info.get_or_insert(ModelInfo {

@@ -122,14 +122,15 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         .model
         .unwrap_or_else(|| chimera::model::builtin::NAME.to_string());
     let loaded = LoadedModel::open(&path)?;
-    let model = loaded.model()?;
+    let backend = CpuBackend::default();
+    let model = loaded.model(&backend)?;
     let codec = &loaded.codec;
     let load_time = started.elapsed();
     let prompt = codec.encode(&args.prompt, true)?;
     let mut stop = model.info.eos_token_ids.clone();
     stop.extend(codec.eos_token_ids());
     let t0 = Instant::now();
-    let out = model::greedy_generate(&model, &CpuBackend, &prompt, args.max_tokens, &stop, 512)?;
+    let out = model::greedy_generate(&model, &backend, &prompt, args.max_tokens, &stop, 512)?;
     let took = t0.elapsed();
     println!("{}", codec.decode(&out, true)?);
     if args.verbose {

@@ -7,11 +7,12 @@
 
 use std::path::{Path, PathBuf};
 
+use chimera::backend::StepPlan;
 use chimera::backend::cpu::CpuBackend;
 use chimera::cache::config::{ByteSize, CacheConfig, CacheLayout};
 use chimera::engine::api::{EngineEvent, FinishReason, GenerateRequest, SamplingParams, Usage};
 use chimera::engine::{Engine, EngineConfig, EngineSetup, ModelRunner, Policies};
-use chimera::model::{self, BatchInputs, LogitsMode, Model};
+use chimera::model::{self, LogitsMode, Model};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 const MODELS: &[&str] = &["llama-gqa", "mamba2-g2", "nemotronh-a", "bamba-b"];
@@ -23,7 +24,7 @@ fn model_dir(name: &str) -> PathBuf {
 }
 
 fn load(name: &str) -> Model<CpuBackend> {
-    model::load(&model_dir(name), &CpuBackend).expect("fixture model")
+    model::load(&model_dir(name), &CpuBackend::default()).expect("fixture model")
 }
 
 /// Deterministic pseudo-random prompt tokens in the fixtures' non-special range.
@@ -74,7 +75,12 @@ fn engine(m: Model<CpuBackend>, s: &Setup) -> Engine<ModelRunner<CpuBackend>> {
         },
         hash_salt: "test".into(),
     };
-    Engine::new(setup, ModelRunner::new(CpuBackend, m), Policies::greedy()).expect("engine")
+    Engine::new(
+        setup,
+        ModelRunner::new(CpuBackend::default(), m),
+        Policies::greedy(),
+    )
+    .expect("engine")
 }
 
 struct Outcome {
@@ -150,7 +156,7 @@ fn run_all(
 }
 
 fn reference(m: &Model<CpuBackend>, prompt: &[u32], n: usize) -> Vec<u32> {
-    model::greedy_generate(m, &CpuBackend, prompt, n, &[], 512).expect("reference")
+    model::greedy_generate(m, &CpuBackend::default(), prompt, n, &[], 512).expect("reference")
 }
 
 #[test]
@@ -345,11 +351,24 @@ fn evicting_a_prefix_drops_kv_and_snapshot_then_recomputes_correctly() {
 /// Logprob of each prompt token given the ones before it, from one full forward pass.
 fn reference_prompt_logprobs(m: &Model<CpuBackend>, prompt: &[u32]) -> Vec<f32> {
     let blocks = prompt.len().div_ceil(16);
-    let mut caches = m.new_caches(&CpuBackend, blocks, 16, 1);
-    let mut batch = BatchInputs::default();
-    batch.push(prompt, 0, (0..blocks as u32).collect(), 0, true);
+    let mut caches = m
+        .new_caches(&CpuBackend::default(), blocks, 16, 1)
+        .expect("caches");
+    let mut batch = StepPlan::new(16);
+    batch.push(
+        prompt,
+        0,
+        &(0..blocks as u32).collect::<Vec<u32>>(),
+        0,
+        true,
+    );
     let logits = m
-        .forward(&CpuBackend, &batch, &mut caches, LogitsMode::All)
+        .forward_host(
+            &CpuBackend::default(),
+            &mut batch,
+            &mut caches,
+            LogitsMode::All,
+        )
         .expect("forward");
     let vocab = m.info.vocab_size;
     (1..prompt.len())

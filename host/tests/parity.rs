@@ -10,8 +10,9 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use chimera::backend::StepPlan;
 use chimera::backend::cpu::CpuBackend;
-use chimera::model::{self, BatchInputs, LogitsMode, Model};
+use chimera::model::{self, LogitsMode, Model};
 use safetensors::{Dtype, SafeTensors};
 
 const BLOCK: usize = 16;
@@ -108,15 +109,28 @@ fn scale(a: &[f32]) -> f32 {
 /// Full forward over `tokens` in one chunk, logits of every position.
 fn full_forward(m: &Model<CpuBackend>, tokens: &[u32]) -> Vec<f32> {
     let blocks = tokens.len().div_ceil(BLOCK);
-    let mut caches = m.new_caches(&CpuBackend, blocks, BLOCK, 1);
-    let mut batch = BatchInputs::default();
-    batch.push(tokens, 0, (0..blocks as u32).collect(), 0, true);
-    m.forward(&CpuBackend, &batch, &mut caches, LogitsMode::All)
-        .expect("forward")
+    let mut caches = m
+        .new_caches(&CpuBackend::default(), blocks, BLOCK, 1)
+        .expect("caches");
+    let mut batch = StepPlan::new(BLOCK);
+    batch.push(
+        tokens,
+        0,
+        &(0..blocks as u32).collect::<Vec<u32>>(),
+        0,
+        true,
+    );
+    m.forward_host(
+        &CpuBackend::default(),
+        &mut batch,
+        &mut caches,
+        LogitsMode::All,
+    )
+    .expect("forward")
 }
 
 fn load(dir: &Path) -> Model<CpuBackend> {
-    model::load(dir, &CpuBackend).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+    model::load(dir, &CpuBackend::default()).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
 }
 
 #[test]
@@ -149,8 +163,9 @@ fn logits_and_greedy_match_transformers() {
             }
             // 2. Greedy continuation, token for token (prefill, then cached decode).
             let greedy = r.ids(&format!("greedy_{len}"));
-            let ours = model::greedy_generate(&m, &CpuBackend, &prompt, greedy.len(), &[], 512)
-                .expect("generate");
+            let ours =
+                model::greedy_generate(&m, &CpuBackend::default(), &prompt, greedy.len(), &[], 512)
+                    .expect("generate");
             assert_eq!(ours, greedy, "{name} L={len}: greedy continuation differs");
             // 3. Logits of cached decode steps.
             let steps = r.ids(&format!("decode_steps_{len}"));
@@ -186,7 +201,9 @@ fn incremental(
     decode_from: usize,
 ) -> Vec<f32> {
     let blocks = tokens.len().div_ceil(BLOCK);
-    let mut caches = m.new_caches(&CpuBackend, blocks, BLOCK, 1);
+    let mut caches = m
+        .new_caches(&CpuBackend::default(), blocks, BLOCK, 1)
+        .expect("caches");
     let table: Vec<u32> = (0..blocks as u32).collect();
     let mut out = Vec::new();
     let mut done = 0;
@@ -196,11 +213,16 @@ fn incremental(
         } else {
             1
         };
-        let mut batch = BatchInputs::default();
-        batch.push(&tokens[done..done + n], done, table.clone(), 0, true);
+        let mut batch = StepPlan::new(BLOCK);
+        batch.push(&tokens[done..done + n], done, &table, 0, true);
         out.extend(
-            m.forward(&CpuBackend, &batch, &mut caches, LogitsMode::All)
-                .expect("forward"),
+            m.forward_host(
+                &CpuBackend::default(),
+                &mut batch,
+                &mut caches,
+                LogitsMode::All,
+            )
+            .expect("forward"),
         );
         done += n;
     }
@@ -243,23 +265,35 @@ fn batch_of_sequences_equals_each_alone() {
         let alone: Vec<Vec<f32>> = prompts.iter().map(|p| full_forward(&m, p)).collect();
         // All prompts in one batch, each with its own blocks (room for one more token) and
         // its own SSM slot.
-        let mut batch = BatchInputs::default();
+        let mut batch = StepPlan::new(BLOCK);
         let mut tables = Vec::new();
         let mut next_block = 0u32;
         for (i, p) in prompts.iter().enumerate() {
             let blocks = (p.len() + 1).div_ceil(BLOCK) as u32;
             let table: Vec<u32> = (next_block..next_block + blocks).collect();
-            batch.push(p, 0, table.clone(), i as u32, true);
+            batch.push(p, 0, &table, i as u32, true);
             tables.push(table);
             next_block += blocks;
         }
-        let mut caches = m.new_caches(&CpuBackend, next_block as usize, BLOCK, prompts.len());
+        let mut caches = m
+            .new_caches(
+                &CpuBackend::default(),
+                next_block as usize,
+                BLOCK,
+                prompts.len(),
+            )
+            .expect("caches");
         let together = m
-            .forward(&CpuBackend, &batch, &mut caches, LogitsMode::All)
+            .forward_host(
+                &CpuBackend::default(),
+                &mut batch,
+                &mut caches,
+                LogitsMode::All,
+            )
             .expect("forward");
         let vocab = m.info.vocab_size;
         let mut row = 0;
-        let mut step = BatchInputs::default();
+        let mut step = StepPlan::new(BLOCK);
         let mut extended = Vec::new();
         for (i, (p, a)) in prompts.iter().zip(&alone).enumerate() {
             let got = &together[row * vocab..(row + p.len()) * vocab];
@@ -271,14 +305,19 @@ fn batch_of_sequences_equals_each_alone() {
             );
             row += p.len();
             let next = model::argmax(&got[(p.len() - 1) * vocab..]);
-            step.push(&[next], p.len(), tables[i].clone(), i as u32, true);
+            step.push(&[next], p.len(), &tables[i], i as u32, true);
             let mut e = p.clone();
             e.push(next);
             extended.push(e);
         }
         // One decode step for all sequences together equals each sequence's full forward.
         let decoded = m
-            .forward(&CpuBackend, &step, &mut caches, LogitsMode::Last)
+            .forward_host(
+                &CpuBackend::default(),
+                &mut step,
+                &mut caches,
+                LogitsMode::Last,
+            )
             .expect("decode");
         for (i, e) in extended.iter().enumerate() {
             let full = full_forward(&m, e);
@@ -297,7 +336,7 @@ fn batch_of_sequences_equals_each_alone() {
 fn bad_checkpoints_give_clear_errors() {
     let bad = fixtures().join("bad");
     let err = |case: &str| -> String {
-        match model::load(&bad.join(case), &CpuBackend) {
+        match model::load(&bad.join(case), &CpuBackend::default()) {
             Ok(_) => panic!("{case} loaded"),
             Err(e) => e.to_string(),
         }

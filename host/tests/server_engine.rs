@@ -50,7 +50,7 @@ struct Live {
 async fn start() -> Live {
     let mut replicas = Vec::new();
     for _ in 0..2 {
-        let m = chimera::model::load(&model_dir(), &CpuBackend).expect("fixture model");
+        let m = chimera::model::load(&model_dir(), &CpuBackend::default()).expect("fixture model");
         let setup = EngineSetup {
             engine: EngineConfig {
                 max_running: 8,
@@ -64,9 +64,12 @@ async fn start() -> Live {
             },
             hash_salt: SALT.into(),
         };
-        let (handle, _join, kv) =
-            spawn_engine(setup, ModelRunner::new(CpuBackend, m), Policies::greedy())
-                .expect("engine");
+        let (handle, _join, kv) = spawn_engine(
+            setup,
+            ModelRunner::new(CpuBackend::default(), m),
+            Policies::greedy(),
+        )
+        .expect("engine");
         replicas.push(Replica {
             handle,
             kv_events: Some(kv),

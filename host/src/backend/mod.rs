@@ -3,12 +3,106 @@
 //! The model code (`crate::model`) is written once against the [`Backend`] trait; a backend
 //! owns tensor storage and implements every kernel the architectures need. The CPU backend is
 //! the f32 reference (always built, used by CI and as the oracle for accelerated backends).
-//! Backends know tensors and kernels, not requests: sequence structure arrives as the plain
-//! [`SeqChunk`] slices the engine built.
+//!
+//! The contract is shaped for a device that is not the host:
+//! - **Tensors carry a dtype** ([`DType`]). Weights arrive as [`HostTensor`]s in their
+//!   checkpoint dtype, straight from the memory map; the backend decides what it keeps (the CPU
+//!   widens to f32, a GPU keeps bf16).
+//! - **One upload per step.** The batch arrives once as a [`StepPlan`] through
+//!   [`Backend::upload_step`]; kernels read the backend's step object, never host slices.
+//! - **Temporaries come from a per-step arena**; [`Backend::arena_stats`] reports its growth,
+//!   which stops after the first steps.
+//! - **The step ends on the backend**: [`Backend::sample`] applies penalties, takes the per-row
+//!   top-K candidates, log-sum-exp and argmax, and performs the step's one device-to-host copy.
+//! - **MoE routing and expert compute** are one backend operation over stacked expert weights.
+//! - **SSM state pools are slot-major** (`[slots, layers, …]`): all of a step's restores and
+//!   zeros are one call ([`Backend::ssm_slot_ops`]).
+//! - Every operation returns a [`Result`] with a typed [`BackendError`].
+//!
+//! Backends know tensors and kernels, not requests: this module imports nothing from the
+//! model, the caches, the engine or the server.
 
+pub mod counting;
 pub mod cpu;
+pub mod step;
 
-use crate::model::SeqChunk;
+pub use step::{PlanError, SeqChunk, SlotOp, SnapshotTarget, StepPlan};
+
+/// Element types of tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    F32,
+    BF16,
+    F16,
+}
+
+impl DType {
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::BF16 | DType::F16 => 2,
+        }
+    }
+}
+
+/// A tensor in host memory, in its own dtype: little-endian bytes, row-major.
+#[derive(Debug, Clone, Copy)]
+pub struct HostTensor<'a> {
+    pub dtype: DType,
+    pub shape: &'a [usize],
+    pub bytes: &'a [u8],
+}
+
+impl<'a> HostTensor<'a> {
+    /// An f32 tensor over `values`.
+    pub fn f32(values: &'a [f32], shape: &'a [usize]) -> Self {
+        Self {
+            dtype: DType::F32,
+            shape,
+            bytes: f32_bytes(values),
+        }
+    }
+
+    /// The values widened to f32.
+    pub fn to_f32(&self) -> Vec<f32> {
+        let b = self.bytes;
+        match self.dtype {
+            DType::F32 => b
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            DType::BF16 => b
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            DType::F16 => b
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+        }
+    }
+
+    fn check(&self) -> Result<()> {
+        let n: usize = self.shape.iter().product();
+        if n * self.dtype.size() != self.bytes.len() {
+            return Err(BackendError::Invalid(format!(
+                "{} bytes of {:?} do not fill shape {:?}",
+                self.bytes.len(),
+                self.dtype,
+                self.shape
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The bytes of an f32 slice (little-endian hosts only, which every supported target is).
+pub fn f32_bytes(values: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding and any byte pattern is a valid u8; the length is exact.
+    unsafe {
+        std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values))
+    }
+}
 
 /// Element-wise activations used by the supported architectures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,17 +165,51 @@ impl SsmShape {
     }
 }
 
+/// How a MoE layer picks experts: sigmoid scores, plus a correction bias for the choice only,
+/// grouped top-k (group score = sum of its two best choices), top-k experts among the allowed
+/// groups, optional renormalisation, then a scaling factor. Ties go to the lower index.
+pub struct MoeRouting<T> {
+    pub correction_bias: T,
+    pub top_k: usize,
+    pub n_group: usize,
+    pub topk_group: usize,
+    pub norm_topk_prob: bool,
+    pub scaling: f32,
+}
+
+/// Expert weights stacked over experts: `up [E, I, H]`, `down [E, H, I]`, optional `gate
+/// [E, I, H]` (`down(act(gate x) · up x)` when present, `down(act(up x))` otherwise).
+pub struct StackedExperts<T> {
+    pub up: T,
+    pub down: T,
+    pub gate: Option<T>,
+    pub act: Activation,
+}
+
 /// Paged K and V of one attention layer: `[num_blocks, block_size, kv_heads, head_dim]` each.
 pub struct KvLayer<T> {
     pub k: T,
     pub v: T,
 }
 
-/// SSM state of one Mamba2 layer for every slot: conv `[slots, conv_dim, kernel - 1]` and
-/// recurrent `[slots, heads, head_dim, state_size]`.
-pub struct SsmLayer<T> {
+/// SSM state of every slot, slot-major over layers: conv `[slots, layers, conv_dim, kernel −
+/// 1]` and recurrent `[slots, layers, heads, head_dim, state_size]`. One slot's state of all
+/// layers is contiguous, so a restore or zero of a slot is one copy.
+pub struct SsmPools<T> {
     pub conv: T,
     pub ssm: T,
+    pub slots: usize,
+    pub layers: usize,
+}
+
+/// Growth of a backend's per-step arena (temporaries); it stops once the largest step shapes
+/// have been seen.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ArenaStats {
+    /// Times a temporary needed memory the arena did not have.
+    pub grown: u64,
+    /// Bytes the arena holds.
+    pub bytes: u64,
 }
 
 /// Errors a backend reports (shape mismatches are programming errors upstream, but they must
@@ -96,6 +224,12 @@ pub enum BackendError {
     },
     #[error("{0}")]
     Invalid(String),
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    #[error("out of device memory: {0}")]
+    OutOfMemory(String),
+    #[error("device error: {0}")]
+    Device(String),
 }
 
 pub type Result<T> = std::result::Result<T, BackendError>;
@@ -103,18 +237,34 @@ pub type Result<T> = std::result::Result<T, BackendError>;
 /// The kernel seam. Tensors are row-major; a "matrix" is `[rows, cols]`.
 pub trait Backend: Send + Sync + 'static {
     type Tensor: Send + Sync;
+    /// The backend's copy of a [`StepPlan`] (device buffers on an accelerator).
+    type Step: Send;
 
     fn name(&self) -> &'static str;
 
     // ---- storage ------------------------------------------------------------------------
-    fn from_host(&self, data: Vec<f32>, shape: &[usize]) -> Result<Self::Tensor>;
-    fn to_host(&self, t: &Self::Tensor) -> Vec<f32>;
+    /// Copies a host tensor in (weights: straight from the checkpoint's memory map).
+    fn upload(&self, host: HostTensor<'_>) -> Result<Self::Tensor>;
+    /// Copies a tensor out, widened to f32 (a device-to-host transfer; not on the step path
+    /// except for prompt-logprob rows).
+    fn download(&self, t: &Self::Tensor) -> Result<Vec<f32>>;
     fn shape<'a>(&self, t: &'a Self::Tensor) -> &'a [usize];
-    fn zeros(&self, shape: &[usize]) -> Self::Tensor;
+    fn dtype(&self, t: &Self::Tensor) -> DType;
+    /// A persistent zeroed tensor (caches), allocated at start, not from the step arena.
+    fn zeros(&self, shape: &[usize], dtype: DType) -> Result<Self::Tensor>;
+
+    // ---- the step -----------------------------------------------------------------------
+    /// An empty step object, sized lazily by the first uploads.
+    fn new_step(&self) -> Result<Self::Step>;
+    /// The step's one host-to-device upload.
+    fn upload_step(&self, plan: &StepPlan, step: &mut Self::Step) -> Result<()>;
+    fn arena_stats(&self) -> ArenaStats;
 
     // ---- dense math ---------------------------------------------------------------------
-    /// Rows of `table` picked by `ids`: `[ids.len(), cols]`.
-    fn embedding(&self, table: &Self::Tensor, ids: &[u32]) -> Result<Self::Tensor>;
+    /// A zeroed step temporary shaped like `x`.
+    fn zeros_like(&self, x: &Self::Tensor) -> Result<Self::Tensor>;
+    /// Rows of `table` picked by the step's token ids: `[tokens, cols]`.
+    fn embedding(&self, table: &Self::Tensor, step: &Self::Step) -> Result<Self::Tensor>;
     /// `x[n, k] · w[m, k]ᵀ (+ bias[m])` → `[n, m]`.
     fn linear(
         &self,
@@ -124,7 +274,7 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<Self::Tensor>;
     /// `x += y` (same shape).
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
-    fn scale_assign(&self, x: &mut Self::Tensor, s: f32);
+    fn scale_assign(&self, x: &mut Self::Tensor, s: f32) -> Result<()>;
     /// RMS norm over the last dim, times `w`.
     fn rms_norm(&self, x: &Self::Tensor, w: &Self::Tensor, eps: f32) -> Result<Self::Tensor>;
     /// `rms_norm_grouped(x * silu(gate)) * w`, normalising each `group`-wide slice on its own.
@@ -136,7 +286,7 @@ pub trait Backend: Send + Sync + 'static {
         group: usize,
         eps: f32,
     ) -> Result<Self::Tensor>;
-    fn activate(&self, x: &mut Self::Tensor, act: Activation);
+    fn activate(&self, x: &mut Self::Tensor, act: Activation) -> Result<()>;
     /// `act(gate) * up`.
     fn gated_activation(
         &self,
@@ -144,59 +294,60 @@ pub trait Backend: Send + Sync + 'static {
         up: &Self::Tensor,
         act: Activation,
     ) -> Result<Self::Tensor>;
-    /// Splits columns into consecutive pieces of the given widths (which must sum to cols).
-    fn split_cols(&self, x: &Self::Tensor, widths: &[usize]) -> Result<Vec<Self::Tensor>>;
-    fn gather_rows(&self, x: &Self::Tensor, rows: &[u32]) -> Result<Self::Tensor>;
-    /// `dst[rows[i]] += weights[i] * src[i]`.
-    fn scatter_add_rows(
+    /// Consecutive column ranges of the given widths (which must sum to cols). A backend that
+    /// can address strided columns returns views; the CPU reference copies.
+    fn split_cols<const N: usize>(
         &self,
-        dst: &mut Self::Tensor,
-        src: &Self::Tensor,
-        rows: &[u32],
-        weights: &[f32],
-    ) -> Result<()>;
+        x: &Self::Tensor,
+        widths: [usize; N],
+    ) -> Result<[Self::Tensor; N]>;
+    /// The rows of `x` listed in the step's `logit_rows`.
+    fn gather_logit_rows(&self, x: &Self::Tensor, step: &Self::Step) -> Result<Self::Tensor>;
 
     // ---- attention ----------------------------------------------------------------------
     /// Rotates the leading `rope.rotary_dim` dims of every head of `x[n, heads * head_dim]`
-    /// (non-interleaved halves, as Hugging Face's `rotate_half`).
+    /// at the step's positions (non-interleaved halves, as Hugging Face's `rotate_half`).
     fn apply_rope(
         &self,
         x: &mut Self::Tensor,
         heads: usize,
         head_dim: usize,
         rope: &Rope,
-        positions: &[u32],
+        step: &Self::Step,
     ) -> Result<()>;
-    /// Writes this step's K/V into their paged slots, then computes causal attention of every
-    /// query over its sequence's cached + new keys. Returns `[n, heads * head_dim]`.
-    #[allow(clippy::too_many_arguments)]
+    /// Writes this step's K/V into their paged rows (the step's slot mapping), then computes
+    /// causal attention of every query over its sequence's cached + new keys. Returns
+    /// `[n, heads * head_dim]`.
     fn paged_attention(
         &self,
         q: &Self::Tensor,
         k: &Self::Tensor,
         v: &Self::Tensor,
         cache: &mut KvLayer<Self::Tensor>,
-        block_size: usize,
         shape: AttnShape,
-        seqs: &[SeqChunk],
+        step: &Self::Step,
     ) -> Result<Self::Tensor>;
 
     // ---- state-space layers -------------------------------------------------------------
+    /// Applies the step's SSM slot restores and zeros to every layer at once.
+    fn ssm_slot_ops(&self, pools: &mut SsmPools<Self::Tensor>, step: &Self::Step) -> Result<()>;
     /// Depthwise causal conv1d over `x[n, channels]` with weights `[channels, kernel]`,
-    /// continuing from each sequence's conv state (then updating it), followed by SiLU.
-    /// Writes the conv state at each snapshot point into the snapshot slot.
+    /// continuing from each sequence's conv state of SSM layer `layer` (then updating it),
+    /// followed by SiLU. Writes the conv state at each snapshot target into its slot.
     fn causal_conv1d(
         &self,
         x: &Self::Tensor,
         weight: &Self::Tensor,
         bias: Option<&Self::Tensor>,
-        state: &mut Self::Tensor,
-        seqs: &[SeqChunk],
+        pools: &mut SsmPools<Self::Tensor>,
+        layer: usize,
+        step: &Self::Step,
     ) -> Result<Self::Tensor>;
     /// The Mamba2 selective scan. `x[n, heads*head_dim]`, `b`/`c` `[n, groups*state]`,
     /// `dt[n, heads]` (raw: bias and softplus applied here). Continues from and updates each
-    /// sequence's recurrent state; prompts use the chunked (SSD) form, single tokens the
-    /// recurrent step. Adds the `D` skip. Returns `y[n, heads*head_dim]`.
+    /// sequence's recurrent state of SSM layer `layer`; prompts use the chunked (SSD) form,
+    /// single tokens the recurrent step; snapshot targets receive the state at their offsets.
+    /// Adds the `D` skip. Returns `y[n, heads*head_dim]`.
     #[allow(clippy::too_many_arguments)]
     fn ssm_scan(
         &self,
@@ -208,10 +359,21 @@ pub trait Backend: Send + Sync + 'static {
         d: &Self::Tensor,
         dt_bias: &Self::Tensor,
         shape: SsmShape,
-        state: &mut Self::Tensor,
-        seqs: &[SeqChunk],
+        pools: &mut SsmPools<Self::Tensor>,
+        layer: usize,
+        step: &Self::Step,
     ) -> Result<Self::Tensor>;
-    /// Copies slot `src` to slot `dst` in a per-slot state tensor (first dim = slots).
-    fn copy_slot(&self, t: &mut Self::Tensor, src: u32, dst: u32) -> Result<()>;
-    fn zero_slot(&self, t: &mut Self::Tensor, slot: u32) -> Result<()>;
+
+    // ---- mixture of experts -------------------------------------------------------------
+    /// Routes every row of `x[n, hidden]` from `router_logits[n, experts]` and adds the
+    /// weighted outputs of its experts to `out[n, hidden]` (experts in ascending id order),
+    /// all on the backend.
+    fn moe(
+        &self,
+        x: &Self::Tensor,
+        router_logits: &Self::Tensor,
+        routing: &MoeRouting<Self::Tensor>,
+        experts: &StackedExperts<Self::Tensor>,
+        out: &mut Self::Tensor,
+    ) -> Result<()>;
 }

@@ -2,7 +2,7 @@
 //! update — over a [`StepExecutor`].
 //!
 //! The engine owns the scheduler, the cache manager, the sampling stage and its policy
-//! instances; the executor only sees [`BatchInputs`]. Every request's events go out in order:
+//! instances; the executor only sees the step's [`StepPlan`]. Every request's events go out in order:
 //! `Tokens`…, then exactly one `Finished` or `Failed`. Cache events of a step are released
 //! only after its forward pass succeeded; a failed pass fails the requests in that batch, rolls
 //! back the step's snapshot reservations and leaves every other request and the cache intact.
@@ -20,8 +20,8 @@ use super::executor::{CacheAllocation, ExecutorError, Logits, StepExecutor};
 use super::request::Request;
 use super::sampling::{GreedySampler, RowInfo, Sampled, SamplingStage, token_logprob};
 use super::scheduler::{Scheduler, StopReason};
+use crate::backend::{SlotOp, StepPlan};
 use crate::cache::{CacheLayout, CacheManager, HashSeed, SsmInit};
-use crate::model::BatchInputs;
 use crate::policy::{Evictor, Sampler};
 
 /// The policy instances of one replica.
@@ -51,7 +51,7 @@ pub struct StepTimings {
     pub steps: u64,
     /// Scheduling, admission and cache bookkeeping.
     pub schedule_ns: u64,
-    /// Building `BatchInputs` and SSM slot setup.
+    /// Building the step plan.
     pub inputs_ns: u64,
     /// The executor's forward pass.
     pub execute_ns: u64,
@@ -87,7 +87,7 @@ pub struct Engine<E: StepExecutor> {
     policies: Policies,
     eos: Vec<u32>,
     vocab: usize,
-    inputs: BatchInputs,
+    inputs: StepPlan,
     logits: Logits,
     sampled: Vec<Sampled>,
     tokens: Vec<u32>,
@@ -152,7 +152,7 @@ impl<E: StepExecutor> Engine<E> {
             cache,
             sched,
             policies,
-            inputs: BatchInputs::default(),
+            inputs: StepPlan::default(),
             logits: Logits::default(),
             sampled: Vec::new(),
             tokens: Vec::new(),
@@ -299,54 +299,42 @@ impl<E: StepExecutor> Engine<E> {
         true
     }
 
-    /// Builds the batch inputs and sets up new sequences' SSM state.
+    /// Builds the step plan: chunks, block tables, snapshot targets and SSM slot set-up.
     fn prepare_inputs(&mut self) -> Result<(), ExecutorError> {
         let out = self.sched.output();
-        let inputs = &mut self.inputs;
-        inputs.tokens.clear();
-        inputs.positions.clear();
-        let mut n = 0;
+        let plan = &mut self.inputs;
+        plan.clear(self.layout.block_size);
         for s in &out.seqs {
             let Some(r) = self.sched.request(s.slot) else {
                 continue;
             };
-            let offset = inputs.tokens.len();
-            inputs
-                .tokens
-                .extend_from_slice(&r.tokens[s.start..s.start + s.len]);
-            inputs
-                .positions
-                .extend((s.start..s.start + s.len).map(|p| p as u32));
-            if inputs.seqs.len() <= n {
-                inputs.seqs.push(Default::default());
+            let chunk = plan.push(
+                &r.tokens[s.start..s.start + s.len],
+                s.start,
+                self.cache.block_table(s.slot),
+                self.cache.live_slot(s.slot),
+                s.want_logits,
+            );
+            chunk.all_logits = s.all_logits;
+            for snap in &s.snapshots {
+                plan.snapshot(snap.after, snap.slot);
             }
-            let c = &mut inputs.seqs[n];
-            c.offset = offset;
-            c.len = s.len;
-            c.context_len = s.start;
-            c.block_table.clear();
-            c.block_table
-                .extend_from_slice(self.cache.block_table(s.slot));
-            c.ssm_slot = self.cache.live_slot(s.slot);
-            c.snapshots.clear();
-            c.snapshots.extend_from_slice(&s.snapshots);
-            c.want_logits = s.want_logits;
-            c.all_logits = s.all_logits;
-            n += 1;
             if s.start < r.prompt_len {
                 self.stats.prompt_tokens_computed +=
                     (s.start + s.len).min(r.prompt_len) as u64 - s.start as u64;
             }
         }
-        inputs.seqs.truncate(n);
         for init in &out.ssm_init {
             match *init {
                 SsmInit::None => {}
-                SsmInit::Zero { live } => self.executor.zero_ssm_slot(live)?,
-                SsmInit::Restore { from, live } => self.executor.copy_ssm_slot(from, live)?,
+                SsmInit::Zero { live } => plan.slot_ops.push(SlotOp::Zero { slot: live }),
+                SsmInit::Restore { from, live } => {
+                    plan.slot_ops.push(SlotOp::Copy { from, to: live })
+                }
             }
         }
-        Ok(())
+        plan.finish()
+            .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))
     }
 
     fn apply_output(&mut self) {

@@ -1,14 +1,16 @@
 //! The seam between the engine and a model: [`StepExecutor`].
 //!
 //! The engine owns scheduling and every cache decision; an executor owns the device memory of
-//! the caches and runs one forward pass per step over [`BatchInputs`] (token ids, positions,
-//! block tables, SSM slot ids, snapshot points) that the engine built. The executor never
-//! decides which blocks or slots to use; it only reads and writes the ones it is given.
+//! the caches and runs one forward pass per step over the [`StepPlan`] (token ids, positions,
+//! slot mapping, block tables, SSM slot restores/zeros and snapshot targets, logit rows) that
+//! the engine built. The executor never decides which blocks or slots to use; it only reads
+//! and writes the ones it is given.
 //!
-//! Call order: `cache_spec` → `allocate` once (sizes from the memory budget) → per step any
-//! `zero_ssm_slot` / `copy_ssm_slot` for new sequences, then `execute`.
+//! Call order: `cache_spec` → `allocate` once (sizes from the memory budget) → `execute` per
+//! step (the plan's slot operations run first, inside the step).
 
-use crate::model::{BatchInputs, CacheSpec};
+use crate::backend::StepPlan;
+use crate::model::CacheSpec;
 
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
 pub enum ExecutorError {
@@ -78,16 +80,11 @@ pub trait StepExecutor: Send {
     fn eos_token_ids(&self) -> &[u32];
     /// Allocates the paged KV cache and the SSM slots; called once before the first step.
     fn allocate(&mut self, alloc: CacheAllocation) -> Result<(), ExecutorError>;
-    /// Runs one forward pass. `logits` must be filled as [`Logits`] says: a row for every token
-    /// of a chunk with `all_logits`, a row for the last token of any other chunk with
-    /// `want_logits`, in order (`Logits::reset(rows, vocab)` then write the rows). Snapshot
-    /// points in `SeqChunk::snapshots` are written during the pass.
-    fn execute(&mut self, inputs: &BatchInputs, logits: &mut Logits) -> Result<(), ExecutorError>;
-    /// Copies all layers' SSM state of slot `src` into slot `dst` (restore before a sequence's
-    /// first chunk).
-    fn copy_ssm_slot(&mut self, src: u32, dst: u32) -> Result<(), ExecutorError>;
-    /// Clears slot `slot` to the initial state (a sequence starting from token 0).
-    fn zero_ssm_slot(&mut self, slot: u32) -> Result<(), ExecutorError>;
+    /// Runs one step: the plan's SSM slot restores and zeros, then the forward pass.
+    /// `logits` must be filled as [`Logits`] says: a row for every token of a chunk with
+    /// `all_logits`, a row for the last token of any other chunk with `want_logits`, in order
+    /// (the plan's `logit_rows`). Snapshot targets are written during the pass.
+    fn execute(&mut self, plan: &StepPlan, logits: &mut Logits) -> Result<(), ExecutorError>;
 }
 
 impl<E: StepExecutor + ?Sized> StepExecutor for Box<E> {
@@ -103,13 +100,7 @@ impl<E: StepExecutor + ?Sized> StepExecutor for Box<E> {
     fn allocate(&mut self, alloc: CacheAllocation) -> Result<(), ExecutorError> {
         (**self).allocate(alloc)
     }
-    fn execute(&mut self, inputs: &BatchInputs, logits: &mut Logits) -> Result<(), ExecutorError> {
-        (**self).execute(inputs, logits)
-    }
-    fn copy_ssm_slot(&mut self, src: u32, dst: u32) -> Result<(), ExecutorError> {
-        (**self).copy_ssm_slot(src, dst)
-    }
-    fn zero_ssm_slot(&mut self, slot: u32) -> Result<(), ExecutorError> {
-        (**self).zero_ssm_slot(slot)
+    fn execute(&mut self, plan: &StepPlan, logits: &mut Logits) -> Result<(), ExecutorError> {
+        (**self).execute(plan, logits)
     }
 }

@@ -14,7 +14,8 @@
 //! and its position (constant cost per row, for benchmarks).
 
 use super::executor::{CacheAllocation, ExecutorError, Logits, StepExecutor};
-use crate::model::{BatchInputs, CacheSpec};
+use crate::backend::{SlotOp, StepPlan};
+use crate::model::CacheSpec;
 
 const UNWRITTEN: u32 = u32::MAX;
 const SSM_INIT: u64 = 0x9e37_79b9_7f4a_7c15;
@@ -140,11 +141,20 @@ impl StepExecutor for MockExecutor {
         Ok(())
     }
 
-    fn execute(&mut self, inputs: &BatchInputs, logits: &mut Logits) -> Result<(), ExecutorError> {
+    fn execute(&mut self, inputs: &StepPlan, logits: &mut Logits) -> Result<(), ExecutorError> {
         let call = self.counters.calls;
         self.counters.calls += 1;
         if self.cfg.fail_at_call == Some(call) {
             return Err(ExecutorError::Forward("injected failure".into()));
+        }
+        inputs
+            .validate()
+            .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))?;
+        for op in &inputs.slot_ops {
+            match *op {
+                SlotOp::Copy { from, to } => self.copy_ssm_slot(from, to)?,
+                SlotOp::Zero { slot } => self.zero_ssm_slot(slot)?,
+            }
         }
         if inputs.tokens.len() != inputs.positions.len() {
             return Err(ExecutorError::InvalidBatch(
@@ -162,7 +172,8 @@ impl StepExecutor for MockExecutor {
         logits.reset(rows, self.cfg.vocab);
         let hybrid = self.cfg.ssm_layers > 0;
         let mut row = 0;
-        for s in &inputs.seqs {
+        for (si, s) in inputs.seqs.iter().enumerate() {
+            let block_table = inputs.block_table(si);
             if s.len == 0 || s.offset + s.len > inputs.tokens.len() {
                 return Err(ExecutorError::InvalidBatch("chunk out of range".into()));
             }
@@ -174,7 +185,7 @@ impl StepExecutor for MockExecutor {
                         "positions do not continue".into(),
                     ));
                 }
-                let k = self.kv_index(&s.block_table, pos)?;
+                let k = self.kv_index(block_table, pos)?;
                 self.kv[k] = t;
             }
             let mut state = 0;
@@ -182,10 +193,10 @@ impl StepExecutor for MockExecutor {
                 let mut st = self.slot(s.ssm_slot)?.ok_or_else(|| {
                     ExecutorError::InvalidBatch("live SSM slot uninitialised".into())
                 })?;
-                let mut snaps = s.snapshots.iter().peekable();
+                let mut snaps = inputs.snapshots_of(si).iter().peekable();
                 for (i, &t) in toks.iter().enumerate() {
                     st = mix(st, u64::from(t));
-                    while let Some(sn) = snaps.next_if(|sn| sn.after == i + 1) {
+                    while let Some(sn) = snaps.next_if(|sn| sn.after as usize == i + 1) {
                         if sn.slot == s.ssm_slot {
                             return Err(ExecutorError::InvalidBatch(
                                 "snapshot into live slot".into(),
@@ -222,7 +233,7 @@ impl StepExecutor for MockExecutor {
             let mut seed = mix(state, last as u64);
             if self.cfg.verify_kv {
                 for pos in 0..=last {
-                    let t = self.kv[self.kv_index(&s.block_table, pos)?];
+                    let t = self.kv[self.kv_index(block_table, pos)?];
                     if t == UNWRITTEN {
                         return Err(ExecutorError::InvalidBatch(format!(
                             "KV at {pos} never written"
@@ -239,7 +250,9 @@ impl StepExecutor for MockExecutor {
         }
         Ok(())
     }
+}
 
+impl MockExecutor {
     fn copy_ssm_slot(&mut self, src: u32, dst: u32) -> Result<(), ExecutorError> {
         let v = self.slot(src)?.ok_or_else(|| {
             ExecutorError::InvalidBatch(format!("restore from empty SSM slot {src}"))
@@ -268,7 +281,12 @@ fn fill_row(row: &mut [f32], seed: u64) {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use crate::model::SsmSnapshot;
+
+    fn plan() -> StepPlan {
+        let mut p = StepPlan::default();
+        p.clear(4);
+        p
+    }
 
     fn alloc(m: &mut MockExecutor) {
         m.allocate(CacheAllocation {
@@ -285,22 +303,23 @@ mod tests {
         // Whole prompt in one chunk, snapshot after 8 tokens into slot 2.
         let mut a = MockExecutor::hybrid();
         alloc(&mut a);
-        a.zero_ssm_slot(0).unwrap();
-        let mut inp = BatchInputs::default();
-        inp.push(&toks, 0, vec![0, 1, 2], 0, true)
-            .snapshots
-            .push(SsmSnapshot { after: 8, slot: 2 });
+        let mut inp = plan();
+        inp.slot_ops.push(SlotOp::Zero { slot: 0 });
+        inp.push(&toks, 0, &[0, 1, 2], 0, true);
+        inp.snapshot(8, 2);
+        inp.finish().unwrap();
         let mut la = Logits::default();
         a.execute(&inp, &mut la).unwrap();
         // Restore the snapshot into slot 1, reuse blocks 0-1, compute the last 2 tokens.
-        a.copy_ssm_slot(2, 1).unwrap();
-        let mut inp = BatchInputs::default();
-        inp.push(&toks[8..], 8, vec![0, 1, 5], 1, true);
+        let mut inp = plan();
+        inp.slot_ops.push(SlotOp::Copy { from: 2, to: 1 });
+        inp.push(&toks[8..], 8, &[0, 1, 5], 1, true);
+        inp.finish().unwrap();
         let mut lb = Logits::default();
         a.execute(&inp, &mut lb).unwrap();
         assert_eq!(la.data, lb.data);
         // Restoring from a zeroed slot instead gives different logits.
-        a.zero_ssm_slot(1).unwrap();
+        inp.slot_ops = vec![SlotOp::Zero { slot: 1 }];
         let mut lc = Logits::default();
         a.execute(&inp, &mut lc).unwrap();
         assert_ne!(la.data, lc.data);
@@ -311,12 +330,14 @@ mod tests {
         let toks: Vec<u32> = (1..=6).collect();
         let mut m = MockExecutor::transformer();
         alloc(&mut m);
-        let mut inp = BatchInputs::default();
-        inp.push(&toks, 0, vec![3, 4], 0, true);
+        let mut inp = plan();
+        inp.push(&toks, 0, &[3, 4], 0, true);
+        inp.finish().unwrap();
         let mut l1 = Logits::default();
         m.execute(&inp, &mut l1).unwrap();
-        let mut inp = BatchInputs::default();
-        inp.push(&toks[4..], 4, vec![5, 4], 0, true);
+        let mut inp = plan();
+        inp.push(&toks[4..], 4, &[5, 4], 0, true);
+        inp.finish().unwrap();
         assert!(
             m.execute(&inp, &mut Logits::default()).is_err(),
             "block 5 never written"

@@ -1,17 +1,20 @@
 //! The real model behind the engine: [`ModelRunner`] implements [`StepExecutor`] for any
-//! [`Model`] on any [`Backend`], owning the model's device caches. The weights are shared
-//! (`Arc`): replicas on one device read the same copy, each with its own caches.
+//! [`Model`] on any [`Backend`]. It owns the model's device caches and the backend's step
+//! object: each step's plan is uploaded once, the forward pass reads only the uploaded step,
+//! and the logits come back in one device-to-host copy. The weights are shared (`Arc`):
+//! replicas on one device read the same copy, each with its own caches.
 
 use std::sync::Arc;
 
 use super::executor::{CacheAllocation, ExecutorError, Logits, StepExecutor};
-use crate::backend::Backend;
-use crate::model::{BatchInputs, CacheSpec, LogitsMode, Model, ModelCaches};
+use crate::backend::{Backend, StepPlan};
+use crate::model::{CacheSpec, Model, ModelCaches};
 
 pub struct ModelRunner<B: Backend> {
     backend: B,
     model: Arc<Model<B>>,
     caches: Option<ModelCaches<B>>,
+    step: Option<B::Step>,
 }
 
 impl<B: Backend> ModelRunner<B> {
@@ -21,11 +24,16 @@ impl<B: Backend> ModelRunner<B> {
             backend,
             model: model.into(),
             caches: None,
+            step: None,
         }
     }
 
     pub fn model(&self) -> &Model<B> {
         &self.model
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
     }
 }
 
@@ -43,57 +51,46 @@ impl<B: Backend> StepExecutor for ModelRunner<B> {
     }
 
     fn allocate(&mut self, alloc: CacheAllocation) -> Result<(), ExecutorError> {
-        self.caches = Some(self.model.new_caches(
-            &self.backend,
-            alloc.num_blocks,
-            alloc.block_size,
-            alloc.num_ssm_slots,
-        ));
+        let caches = self
+            .model
+            .new_caches(
+                &self.backend,
+                alloc.num_blocks,
+                alloc.block_size,
+                alloc.num_ssm_slots,
+            )
+            .map_err(|e| ExecutorError::Allocation(e.to_string()))?;
+        self.caches = Some(caches);
+        self.step = Some(
+            self.backend
+                .new_step()
+                .map_err(|e| ExecutorError::Allocation(e.to_string()))?,
+        );
         Ok(())
     }
 
-    fn execute(&mut self, inputs: &BatchInputs, logits: &mut Logits) -> Result<(), ExecutorError> {
+    fn execute(&mut self, plan: &StepPlan, logits: &mut Logits) -> Result<(), ExecutorError> {
         let vocab = self.model.info.vocab_size;
-        let caches = self
-            .caches
-            .as_mut()
-            .ok_or_else(|| ExecutorError::Allocation("caches used before allocate()".into()))?;
-        let rows = self
+        let (Some(caches), Some(step)) = (self.caches.as_mut(), self.step.as_mut()) else {
+            return Err(ExecutorError::Allocation(
+                "caches used before allocate()".into(),
+            ));
+        };
+        caches
+            .check(plan)
+            .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))?;
+        self.backend
+            .upload_step(plan, step)
+            .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))?;
+        let out = self
             .model
-            .forward(&self.backend, inputs, caches, LogitsMode::Last)
+            .forward(&self.backend, step, caches)
             .map_err(|e| ExecutorError::Forward(e.to_string()))?;
         logits.vocab = vocab;
-        logits.data = rows;
+        logits.data = self
+            .backend
+            .download(&out)
+            .map_err(|e| ExecutorError::Forward(e.to_string()))?;
         Ok(())
-    }
-
-    fn copy_ssm_slot(&mut self, src: u32, dst: u32) -> Result<(), ExecutorError> {
-        let Self {
-            backend, caches, ..
-        } = self;
-        let caches = caches
-            .as_mut()
-            .ok_or_else(|| ExecutorError::Allocation("caches used before allocate()".into()))?;
-        if src as usize >= caches.num_slots || dst as usize >= caches.num_slots {
-            return Err(ExecutorError::BadSlot(src.max(dst)));
-        }
-        caches
-            .copy_ssm_slot(backend, src, dst)
-            .map_err(|e| ExecutorError::Forward(e.to_string()))
-    }
-
-    fn zero_ssm_slot(&mut self, slot: u32) -> Result<(), ExecutorError> {
-        let Self {
-            backend, caches, ..
-        } = self;
-        let caches = caches
-            .as_mut()
-            .ok_or_else(|| ExecutorError::Allocation("caches used before allocate()".into()))?;
-        if slot as usize >= caches.num_slots {
-            return Err(ExecutorError::BadSlot(slot));
-        }
-        caches
-            .zero_ssm_slot(backend, slot)
-            .map_err(|e| ExecutorError::Forward(e.to_string()))
     }
 }

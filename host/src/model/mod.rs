@@ -3,8 +3,10 @@
 //! [`load`] reads `config.json`, picks the architecture file for `architectures[0]`, and
 //! builds a [`Model`] from shared layers: an embedding, pre-norm residual sublayers, a final
 //! norm and an LM head. The model owns weights only. The engine owns every cache and passes it
-//! in ([`ModelCaches`]) together with [`BatchInputs`]; the model never allocates per-request
-//! state and knows nothing of how blocks or slots were chosen.
+//! in ([`ModelCaches`]) together with the backend's step object (uploaded once from a
+//! [`StepPlan`]); the model never allocates per-request state, never reads host-side batch
+//! data, and knows nothing of how blocks or slots were chosen. Model code may branch on
+//! shapes, never on token values or per-sequence lengths.
 
 pub mod arch;
 pub mod batch;
@@ -15,9 +17,9 @@ pub mod weights;
 
 use std::path::{Path, PathBuf};
 
-pub use batch::{BatchInputs, CacheSpec, SeqChunk, SsmSnapshot};
+pub use batch::{CacheSpec, SsmSnapshot};
 
-use crate::backend::{Backend, BackendError, KvLayer, SsmLayer};
+use crate::backend::{Backend, BackendError, DType, KvLayer, SsmPools, StepPlan};
 use layers::{Linear, RmsNorm, StepCtx, Sublayer};
 
 #[derive(Debug, thiserror::Error)]
@@ -86,7 +88,8 @@ pub enum LogitsMode {
 /// The caches a forward pass reads and writes, owned by the engine.
 pub struct ModelCaches<B: Backend> {
     pub kv: Vec<KvLayer<B::Tensor>>,
-    pub ssm: Vec<SsmLayer<B::Tensor>>,
+    /// Slot-major state of every SSM layer (`None` for models without SSM layers).
+    pub ssm: Option<SsmPools<B::Tensor>>,
     pub block_size: usize,
     pub num_blocks: usize,
     pub num_slots: usize,
@@ -94,7 +97,7 @@ pub struct ModelCaches<B: Backend> {
 
 impl<B: Backend> ModelCaches<B> {
     /// Zeroed caches: `num_blocks` KV blocks of `block_size` tokens per attention layer and
-    /// `num_slots` SSM-state slots per SSM layer.
+    /// `num_slots` SSM-state slots holding every SSM layer.
     pub fn new(
         backend: &B,
         spec: &CacheSpec,
@@ -103,45 +106,55 @@ impl<B: Backend> ModelCaches<B> {
         num_blocks: usize,
         block_size: usize,
         num_slots: usize,
-    ) -> Self {
+    ) -> Result<Self, ModelError> {
         let kv_shape = [num_blocks, block_size, spec.kv_heads, spec.head_dim];
         let kv = (0..spec.attn_layers)
-            .map(|_| KvLayer {
-                k: backend.zeros(&kv_shape),
-                v: backend.zeros(&kv_shape),
+            .map(|_| {
+                Ok(KvLayer {
+                    k: backend.zeros(&kv_shape, DType::F32)?,
+                    v: backend.zeros(&kv_shape, DType::F32)?,
+                })
             })
-            .collect();
-        let ssm = (0..spec.ssm_layers)
-            .map(|_| SsmLayer {
-                conv: backend.zeros(&[num_slots, conv_shape.0, conv_shape.1]),
-                ssm: backend.zeros(&[num_slots, ssm_shape.0, ssm_shape.1, ssm_shape.2]),
+            .collect::<Result<_, BackendError>>()?;
+        let layers = spec.ssm_layers;
+        let ssm = if layers > 0 {
+            Some(SsmPools {
+                conv: backend
+                    .zeros(&[num_slots, layers, conv_shape.0, conv_shape.1], DType::F32)?,
+                ssm: backend.zeros(
+                    &[num_slots, layers, ssm_shape.0, ssm_shape.1, ssm_shape.2],
+                    DType::F32,
+                )?,
+                slots: num_slots,
+                layers,
             })
-            .collect();
-        Self {
+        } else {
+            None
+        };
+        Ok(Self {
             kv,
             ssm,
             block_size,
             num_blocks,
             num_slots,
-        }
+        })
     }
 
-    /// Copies one SSM slot (every layer) to another: snapshot restore and save.
-    pub fn copy_ssm_slot(&mut self, backend: &B, src: u32, dst: u32) -> Result<(), ModelError> {
-        for layer in &mut self.ssm {
-            backend.copy_slot(&mut layer.conv, src, dst)?;
-            backend.copy_slot(&mut layer.ssm, src, dst)?;
+    /// Checks the plan against the caches' sizes (block ids, table lengths, slots).
+    pub fn check(&self, plan: &StepPlan) -> Result<(), ModelError> {
+        if plan.block_size != self.block_size && !self.kv.is_empty() {
+            return Err(ModelError::Backend(format!(
+                "invalid batch: block size {} for caches of {}",
+                plan.block_size, self.block_size
+            )));
         }
-        Ok(())
-    }
-
-    /// Zeroes one SSM slot (every layer): a request that starts from scratch.
-    pub fn zero_ssm_slot(&mut self, backend: &B, slot: u32) -> Result<(), ModelError> {
-        for layer in &mut self.ssm {
-            backend.zero_slot(&mut layer.conv, slot)?;
-            backend.zero_slot(&mut layer.ssm, slot)?;
-        }
-        Ok(())
+        plan.check_caches(
+            self.num_blocks,
+            !self.kv.is_empty(),
+            self.num_slots,
+            self.ssm.is_some(),
+        )
+        .map_err(|e| ModelError::Backend(e.to_string()))
     }
 }
 
@@ -167,7 +180,7 @@ impl<B: Backend> Model<B> {
         num_blocks: usize,
         block_size: usize,
         num_slots: usize,
-    ) -> ModelCaches<B> {
+    ) -> Result<ModelCaches<B>, ModelError> {
         ModelCaches::new(
             backend,
             &self.info.cache,
@@ -179,87 +192,57 @@ impl<B: Backend> Model<B> {
         )
     }
 
-    /// One forward pass over the batch. Returns logits rows (`[rows, vocab]`, row-major).
+    /// One forward pass over the uploaded step. Returns the logits of the step's
+    /// `logit_rows`, `[rows, vocab]`, on the backend.
     pub fn forward(
         &self,
         backend: &B,
-        inputs: &BatchInputs,
+        step: &B::Step,
         caches: &mut ModelCaches<B>,
-        mode: LogitsMode,
-    ) -> Result<Vec<f32>, ModelError> {
-        validate(inputs, caches)?;
-        let mut h = backend.embedding(&self.embed, &inputs.tokens)?;
+    ) -> Result<B::Tensor, ModelError> {
+        if let Some(pools) = caches.ssm.as_mut() {
+            backend.ssm_slot_ops(pools, step)?;
+        }
+        let mut h = backend.embedding(&self.embed, step)?;
         let mut ctx = StepCtx {
-            positions: &inputs.positions,
-            seqs: &inputs.seqs,
+            step,
             kv: &mut caches.kv,
-            ssm: &mut caches.ssm,
-            block_size: caches.block_size,
+            ssm: caches.ssm.as_mut(),
         };
         for layer in &self.layers {
             layer.forward(backend, &mut h, &mut ctx)?;
         }
-        let rows: Vec<u32> = match mode {
-            LogitsMode::Last => inputs
-                .seqs
-                .iter()
-                .flat_map(|s| {
-                    let end = s.offset + s.len;
-                    let first = match (s.all_logits, s.want_logits) {
-                        (true, _) => s.offset,
-                        (false, true) => end - 1,
-                        (false, false) => end,
-                    };
-                    (first as u32)..(end as u32)
-                })
-                .collect(),
-            LogitsMode::All => (0..inputs.tokens.len() as u32).collect(),
-        };
-        if rows.is_empty() {
-            return Ok(Vec::new());
-        }
-        let h = backend.gather_rows(&h, &rows)?;
+        let h = backend.gather_logit_rows(&h, step)?;
         let h = self.final_norm.forward(backend, &h)?;
-        let logits = match &self.lm_head {
+        Ok(match &self.lm_head {
             Some(head) => head.forward(backend, &h)?,
             None => backend.linear(&h, &self.embed, None)?,
-        };
-        Ok(backend.to_host(&logits))
+        })
     }
-}
 
-fn validate<B: Backend>(inputs: &BatchInputs, caches: &ModelCaches<B>) -> Result<(), ModelError> {
-    let bad = |m: String| Err(ModelError::Backend(format!("invalid batch: {m}")));
-    if inputs.positions.len() != inputs.tokens.len() {
-        return bad("positions and tokens differ in length".into());
-    }
-    let mut next = 0;
-    for s in &inputs.seqs {
-        if s.offset != next || s.len == 0 {
-            return bad(format!(
-                "chunk at {} of {} tokens is not contiguous",
-                s.offset, s.len
-            ));
+    /// The reference path for tests and `chimera generate`: finishes `plan` (every token's
+    /// logits when `mode` is [`LogitsMode::All`]), uploads it, runs the pass and returns the
+    /// logits rows on the host.
+    pub fn forward_host(
+        &self,
+        backend: &B,
+        plan: &mut StepPlan,
+        caches: &mut ModelCaches<B>,
+        mode: LogitsMode,
+    ) -> Result<Vec<f32>, ModelError> {
+        if mode == LogitsMode::All {
+            for s in &mut plan.seqs {
+                s.all_logits = true;
+                s.want_logits = true;
+            }
         }
-        next += s.len;
-        let needed = (s.context_len + s.len).div_ceil(caches.block_size.max(1));
-        if !caches.kv.is_empty() && s.block_table.len() < needed {
-            return bad(format!(
-                "block table has {} blocks, {needed} needed",
-                s.block_table.len()
-            ));
-        }
-        if !caches.ssm.is_empty() && s.ssm_slot as usize >= caches.num_slots {
-            return bad(format!(
-                "SSM slot {} out of {}",
-                s.ssm_slot, caches.num_slots
-            ));
-        }
+        plan.finish().map_err(BackendError::from)?;
+        caches.check(plan)?;
+        let mut step = backend.new_step()?;
+        backend.upload_step(plan, &mut step)?;
+        let logits = self.forward(backend, &step, caches)?;
+        Ok(backend.download(&logits)?)
     }
-    if next != inputs.tokens.len() {
-        return bad("chunks do not cover the tokens".into());
-    }
-    Ok(())
 }
 
 /// Loads the model in `dir` (Hugging Face layout) onto `backend`.
@@ -306,15 +289,19 @@ pub fn greedy_generate<B: Backend>(
     }
     let total = prompt.len() + max_tokens;
     let blocks = total.div_ceil(BLOCK);
-    let mut caches = model.new_caches(backend, blocks, BLOCK, 1);
+    let mut caches = model.new_caches(backend, blocks, BLOCK, 1)?;
     let table: Vec<u32> = (0..blocks as u32).collect();
     let mut done = 0;
     let mut logits = Vec::new();
+    let mut plan = StepPlan::default();
     for chunk in prompt.chunks(prefill_chunk.max(1)) {
-        let mut batch = BatchInputs::default();
+        plan.clear(BLOCK);
+        if done == 0 {
+            plan.slot_ops.push(crate::backend::SlotOp::Zero { slot: 0 });
+        }
         let last = done + chunk.len() == prompt.len();
-        batch.push(chunk, done, table.clone(), 0, last);
-        logits = model.forward(backend, &batch, &mut caches, LogitsMode::Last)?;
+        plan.push(chunk, done, &table, 0, last);
+        logits = model.forward_host(backend, &mut plan, &mut caches, LogitsMode::Last)?;
         done += chunk.len();
     }
     let mut out = Vec::with_capacity(max_tokens);
@@ -324,9 +311,9 @@ pub fn greedy_generate<B: Backend>(
         if stop_ids.contains(&next) || out.len() == max_tokens {
             break;
         }
-        let mut batch = BatchInputs::default();
-        batch.push(&[next], done, table.clone(), 0, true);
-        logits = model.forward(backend, &batch, &mut caches, LogitsMode::Last)?;
+        plan.clear(BLOCK);
+        plan.push(&[next], done, &table, 0, true);
+        logits = model.forward_host(backend, &mut plan, &mut caches, LogitsMode::Last)?;
         done += 1;
     }
     Ok(out)

@@ -1,5 +1,6 @@
-//! Safetensors weights: one file or many (`model.safetensors.index.json`), memory-mapped,
-//! converted to f32 on load (f32, bf16, f16 and f64 on disk).
+//! Safetensors weights: one file or many (`model.safetensors.index.json`), memory-mapped and
+//! handed to the backend in their checkpoint dtype straight from the map (f32, bf16 and f16;
+//! f64 is narrowed to f32 on the host first). The backend decides what it keeps.
 //!
 //! Every failure names the file and, where there is one, the tensor: a missing tensor, a wrong
 //! shape, a non-float dtype, a truncated file or a shard the index points to that is absent.
@@ -12,8 +13,27 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors, tensor::TensorInfo};
 
+use std::borrow::Cow;
+
 use super::ModelError;
-use crate::backend::Backend;
+use crate::backend::{Backend, DType, HostTensor, f32_bytes};
+
+/// A tensor's bytes as stored (or narrowed to f32 for f64 checkpoints), with its dtype.
+pub struct RawTensor<'a> {
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub bytes: Cow<'a, [u8]>,
+}
+
+impl RawTensor<'_> {
+    pub fn host(&self) -> HostTensor<'_> {
+        HostTensor {
+            dtype: self.dtype,
+            shape: &self.shape,
+            bytes: &self.bytes,
+        }
+    }
+}
 
 struct Shard {
     path: PathBuf,
@@ -126,35 +146,49 @@ impl WeightStore {
         shard.tensors.get(name).map(|i| i.shape.clone())
     }
 
-    /// Loads `name` as f32 with exactly `shape`.
+    /// Uploads `name`, which must have exactly `shape`, in its checkpoint dtype.
     pub fn load<B: Backend>(
         &self,
         backend: &B,
         name: &str,
         shape: &[usize],
     ) -> Result<B::Tensor, ModelError> {
-        let (data, got) = self.read_f32(name)?;
-        if got != shape {
-            let path = match self.by_name.get(name) {
-                Some(&i) => self.shards[i].path.clone(),
-                None => PathBuf::from("<embedded>"),
-            };
+        let raw = self.raw(name)?;
+        if raw.shape != shape {
             return Err(ModelError::TensorShape {
-                path,
+                path: self.path_of(name),
                 tensor: name.to_string(),
-                got,
+                got: raw.shape,
                 expected: shape.to_vec(),
             });
         }
         backend
-            .from_host(data, shape)
+            .upload(raw.host())
             .map_err(|e| ModelError::Backend(e.to_string()))
     }
 
-    /// Loads `name` as f32 with its on-disk shape.
+    /// The file a tensor comes from (for error messages).
+    pub fn path_of(&self, name: &str) -> PathBuf {
+        match self.by_name.get(name) {
+            Some(&i) => self.shards[i].path.clone(),
+            None => PathBuf::from("<embedded>"),
+        }
+    }
+
+    /// Loads `name` as f32 with its on-disk shape (small host-side tensors only).
     pub fn read_f32(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>), ModelError> {
+        let raw = self.raw(name)?;
+        Ok((raw.host().to_f32(), raw.shape))
+    }
+
+    /// The stored bytes of `name`, borrowed from the memory map.
+    pub fn raw(&self, name: &str) -> Result<RawTensor<'_>, ModelError> {
         if let Some((data, shape)) = self.memory.get(name) {
-            return Ok((data.clone(), shape.clone()));
+            return Ok(RawTensor {
+                dtype: DType::F32,
+                shape: shape.clone(),
+                bytes: Cow::Borrowed(f32_bytes(data)),
+            });
         }
         let idx = *self
             .by_name
@@ -172,13 +206,38 @@ impl WeightStore {
         let info = &shard.tensors[name];
         let (start, end) = info.data_offsets;
         let bytes = &shard.mmap[shard.data_start + start..shard.data_start + end];
-        let data = convert(bytes, info.dtype).ok_or_else(|| ModelError::TensorDtype {
+        let unsupported = || ModelError::TensorDtype {
             path: shard.path.clone(),
             tensor: name.to_string(),
             dtype: format!("{:?}", info.dtype),
-        })?;
+        };
+        let (dtype, bytes) = match info.dtype {
+            Dtype::F32 => (DType::F32, Cow::Borrowed(bytes)),
+            Dtype::BF16 => (DType::BF16, Cow::Borrowed(bytes)),
+            Dtype::F16 => (DType::F16, Cow::Borrowed(bytes)),
+            Dtype::F64 => {
+                let narrowed: Vec<u8> = bytes
+                    .chunks_exact(8)
+                    .flat_map(|b| {
+                        let v =
+                            f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
+                        (v as f32).to_le_bytes()
+                    })
+                    .collect();
+                (DType::F32, Cow::Owned(narrowed))
+            }
+            _ => return Err(unsupported()),
+        };
+        let expected: usize = info.shape.iter().product::<usize>() * dtype.size();
+        if bytes.len() != expected {
+            return Err(unsupported());
+        }
         self.report_progress(end - start);
-        Ok((data, info.shape.clone()))
+        Ok(RawTensor {
+            dtype,
+            shape: info.shape.clone(),
+            bytes,
+        })
     }
 
     fn report_progress(&self, bytes: usize) {
@@ -235,36 +294,4 @@ fn open_shard(path: &Path) -> Result<Shard, ModelError> {
         data_start,
         tensors,
     })
-}
-
-fn convert(bytes: &[u8], dtype: Dtype) -> Option<Vec<f32>> {
-    match dtype {
-        Dtype::F32 => Some(
-            bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-        ),
-        Dtype::BF16 => Some(
-            bytes
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-        ),
-        Dtype::F16 => Some(
-            bytes
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-        ),
-        Dtype::F64 => Some(
-            bytes
-                .chunks_exact(8)
-                .map(|b| {
-                    f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f32
-                })
-                .collect(),
-        ),
-        _ => None,
-    }
 }

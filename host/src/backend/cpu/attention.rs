@@ -6,46 +6,38 @@
 use rayon::prelude::*;
 
 use super::CpuTensor;
-use crate::backend::{AttnShape, BackendError, KvLayer, Result};
-use crate::model::SeqChunk;
-
-fn slot_index(seq: &SeqChunk, pos: usize, block_size: usize, num_blocks: usize) -> Result<usize> {
-    let block = *seq.block_table.get(pos / block_size).ok_or_else(|| {
-        BackendError::Invalid(format!(
-            "block table of {} blocks does not cover position {pos}",
-            seq.block_table.len()
-        ))
-    })? as usize;
-    if block >= num_blocks {
-        return Err(BackendError::Invalid(format!(
-            "block id {block} out of {num_blocks}"
-        )));
-    }
-    Ok(block * block_size + pos % block_size)
-}
+use crate::backend::{AttnShape, BackendError, KvLayer, Result, StepPlan};
 
 pub(super) fn paged_attention(
     q: &CpuTensor,
     k: &CpuTensor,
     v: &CpuTensor,
     cache: &mut KvLayer<CpuTensor>,
-    block_size: usize,
     shape: AttnShape,
-    seqs: &[SeqChunk],
-) -> Result<CpuTensor> {
+    plan: &StepPlan,
+    out: &mut CpuTensor,
+) -> Result<()> {
     let AttnShape {
         heads,
         kv_heads,
         head_dim,
         scale,
     } = shape;
+    let block_size = plan.block_size.max(1);
     let kv_width = kv_heads * head_dim;
     let (n, qcols) = q.rows_cols();
-    if qcols != heads * head_dim || k.rows_cols() != (n, kv_width) || v.rows_cols() != (n, kv_width)
+    if qcols != heads * head_dim
+        || k.rows_cols() != (n, kv_width)
+        || v.rows_cols() != (n, kv_width)
+        || out.data.len() != n * qcols
+        || plan.slot_mapping.len() != n
     {
         return Err(BackendError::Invalid(format!(
-            "attention inputs q {:?} k {:?} v {:?} do not match {heads}q/{kv_heads}kv × {head_dim}",
-            q.shape, k.shape, v.shape
+            "attention inputs q {:?} k {:?} v {:?} do not match {heads}q/{kv_heads}kv × {head_dim} over {} tokens",
+            q.shape,
+            k.shape,
+            v.shape,
+            plan.slot_mapping.len()
         )));
     }
     if heads % kv_heads != 0 {
@@ -53,38 +45,47 @@ pub(super) fn paged_attention(
             "{heads} query heads are not a multiple of {kv_heads} kv heads"
         )));
     }
-    let num_blocks = cache.k.shape.first().copied().unwrap_or(0);
+    let rows = cache.k.data.len() / kv_width.max(1);
 
-    // 1. Scatter this step's keys and values into their paged slots.
-    let mut token_seq = vec![0usize; n];
-    for (si, seq) in seqs.iter().enumerate() {
-        if seq.offset + seq.len > n {
-            return Err(BackendError::Invalid(
-                "sequence chunk exceeds the batch".into(),
-            ));
+    // 1. Scatter this step's keys and values into their paged rows.
+    for (t, &slot) in plan.slot_mapping.iter().enumerate() {
+        let slot = slot as usize;
+        if slot >= rows {
+            return Err(BackendError::Invalid(format!(
+                "KV row {slot} out of {rows} (block table too short or block id out of range)"
+            )));
         }
-        for i in 0..seq.len {
-            let t = seq.offset + i;
-            token_seq[t] = si;
-            let slot = slot_index(seq, seq.context_len + i, block_size, num_blocks)?;
-            cache.k.data[slot * kv_width..(slot + 1) * kv_width]
-                .copy_from_slice(&k.data[t * kv_width..(t + 1) * kv_width]);
-            cache.v.data[slot * kv_width..(slot + 1) * kv_width]
-                .copy_from_slice(&v.data[t * kv_width..(t + 1) * kv_width]);
-        }
+        cache.k.data[slot * kv_width..(slot + 1) * kv_width]
+            .copy_from_slice(&k.data[t * kv_width..(t + 1) * kv_width]);
+        cache.v.data[slot * kv_width..(slot + 1) * kv_width]
+            .copy_from_slice(&v.data[t * kv_width..(t + 1) * kv_width]);
     }
+    let slot_index = |seq: usize, pos: usize| -> Result<usize> {
+        let table = plan.block_table(seq);
+        let block = *table.get(pos / block_size).ok_or_else(|| {
+            BackendError::Invalid(format!(
+                "block table of {} blocks does not cover position {pos}",
+                table.len()
+            ))
+        })? as usize;
+        let row = block * block_size + pos % block_size;
+        if row >= rows {
+            return Err(BackendError::Invalid(format!("KV row {row} out of {rows}")));
+        }
+        Ok(row)
+    };
 
     // 2. Attend: each query token independently, over positions 0..=its own position.
     let group = heads / kv_heads;
     let (kc, vc) = (&cache.k.data, &cache.v.data);
-    let mut out = vec![0.0f32; n * qcols];
-    out.par_chunks_mut(qcols)
+    out.data
+        .par_chunks_mut(qcols)
         .enumerate()
         .try_for_each(|(t, orow)| -> Result<()> {
-            let seq = &seqs[token_seq[t]];
-            let pos = seq.context_len + (t - seq.offset);
+            let si = plan.token_seq[t] as usize;
+            let pos = plan.positions[t] as usize;
             let slots: Vec<usize> = (0..=pos)
-                .map(|p| slot_index(seq, p, block_size, num_blocks))
+                .map(|p| slot_index(si, p))
                 .collect::<Result<_>>()?;
             let mut scores = vec![0.0f32; slots.len()];
             for h in 0..heads {
@@ -117,5 +118,5 @@ pub(super) fn paged_attention(
             }
             Ok(())
         })?;
-    CpuTensor::new(out, &[n, qcols])
+    Ok(())
 }

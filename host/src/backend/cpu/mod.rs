@@ -2,23 +2,62 @@
 //!
 //! It is the oracle the accelerated backends are checked against, so clarity beats speed, but
 //! it is threaded where it pays: GEMMs go through `matrixmultiply` (multi-threaded), attention
-//! parallelises over query tokens and the SSM scan over heads (rayon).
+//! parallelises over query tokens and the SSM scan over heads (rayon). Weights of any dtype
+//! are widened to f32 on upload; cache dtypes are f32 too. Temporaries come from an [`Arena`]
+//! of recycled buffers: a tensor made by a kernel returns its memory to the arena when dropped,
+//! so once the largest step shapes have been seen, kernels stop asking the allocator for
+//! tensor memory. (Scratch inside a kernel — rayon's per-head vectors, matrixmultiply's
+//! packing buffers — is not drawn from the arena.)
 
 mod attention;
 mod ssm;
 
 pub use ssm::{ssm_chunked_head, ssm_recurrent_head};
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
 use rayon::prelude::*;
 
-use super::{Activation, AttnShape, Backend, BackendError, KvLayer, Result, Rope, SsmShape};
-use crate::model::SeqChunk;
+use super::{
+    Activation, ArenaStats, AttnShape, Backend, BackendError, DType, HostTensor, KvLayer,
+    MoeRouting, Result, Rope, SlotOp, SsmPools, SsmShape, StackedExperts, StepPlan,
+};
 
 /// A dense f32 tensor in host memory.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Default)]
 pub struct CpuTensor {
     pub data: Vec<f32>,
     pub shape: Vec<usize>,
+    /// Where the memory goes back when the tensor is dropped (temporaries only).
+    arena: Option<Arc<Arena>>,
+}
+
+impl Clone for CpuTensor {
+    fn clone(&self) -> Self {
+        Self {
+            data: self.data.clone(),
+            shape: self.shape.clone(),
+            arena: None,
+        }
+    }
+}
+
+impl PartialEq for CpuTensor {
+    fn eq(&self, other: &Self) -> bool {
+        self.shape == other.shape && self.data == other.data
+    }
+}
+
+impl Drop for CpuTensor {
+    fn drop(&mut self) {
+        if let Some(arena) = self.arena.take() {
+            arena.give(
+                std::mem::take(&mut self.data),
+                std::mem::take(&mut self.shape),
+            );
+        }
+    }
 }
 
 impl CpuTensor {
@@ -33,6 +72,7 @@ impl CpuTensor {
         Ok(Self {
             data,
             shape: shape.to_vec(),
+            arena: None,
         })
     }
 
@@ -49,9 +89,74 @@ impl CpuTensor {
     }
 }
 
-/// The CPU backend. Stateless: every kernel is a function of its arguments.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct CpuBackend;
+/// Recycled buffers for the tensors kernels create.
+#[derive(Debug, Default)]
+pub struct Arena {
+    free: Mutex<Vec<(Vec<f32>, Vec<usize>)>>,
+    grown: AtomicU64,
+    bytes: AtomicU64,
+}
+
+impl Arena {
+    /// A zeroed tensor of `shape`, reusing the smallest free buffer that fits.
+    fn take(self: &Arc<Self>, shape: &[usize]) -> CpuTensor {
+        let len: usize = shape.iter().product();
+        let (mut data, mut dims) = {
+            let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+            let best = free
+                .iter()
+                .enumerate()
+                .filter(|(_, (d, _))| d.capacity() >= len)
+                .min_by_key(|(_, (d, _))| d.capacity())
+                .map(|(i, _)| i);
+            match best {
+                Some(i) => free.swap_remove(i),
+                // None fits: grow the largest free buffer (or start a new one).
+                None => match free
+                    .iter()
+                    .enumerate()
+                    .max_by_key(|(_, (d, _))| d.capacity())
+                    .map(|(i, _)| i)
+                {
+                    Some(i) => free.swap_remove(i),
+                    None => (Vec::new(), Vec::new()),
+                },
+            }
+        };
+        if data.capacity() < len {
+            self.grown.fetch_add(1, Ordering::Relaxed);
+            self.bytes
+                .fetch_add(((len - data.capacity()) * 4) as u64, Ordering::Relaxed);
+        }
+        data.clear();
+        data.resize(len, 0.0);
+        dims.clear();
+        dims.extend_from_slice(shape);
+        CpuTensor {
+            data,
+            shape: dims,
+            arena: Some(self.clone()),
+        }
+    }
+
+    fn give(&self, data: Vec<f32>, shape: Vec<usize>) {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        free.push((data, shape));
+    }
+}
+
+/// The CPU backend: stateless kernels plus the arena its temporaries come from. Clones share
+/// the arena; replicas get their own backend (and arena).
+#[derive(Debug, Clone, Default)]
+pub struct CpuBackend {
+    arena: Arc<Arena>,
+}
+
+/// The CPU's step object: its own copy of the plan.
+#[derive(Debug, Default)]
+pub struct CpuStep {
+    pub plan: StepPlan,
+}
 
 fn same_shape(what: &str, a: &CpuTensor, b: &CpuTensor) -> Result<()> {
     if a.shape != b.shape {
@@ -113,45 +218,84 @@ pub(crate) fn gemm_nt(a: &[f32], b: &[f32], c: &mut [f32], m: usize, k: usize, n
     }
 }
 
+impl CpuBackend {
+    fn tmp(&self, shape: &[usize]) -> CpuTensor {
+        self.arena.take(shape)
+    }
+}
+
 impl Backend for CpuBackend {
     type Tensor = CpuTensor;
+    type Step = CpuStep;
 
     fn name(&self) -> &'static str {
         "cpu"
     }
 
-    fn from_host(&self, data: Vec<f32>, shape: &[usize]) -> Result<CpuTensor> {
-        CpuTensor::new(data, shape)
+    fn upload(&self, host: HostTensor<'_>) -> Result<CpuTensor> {
+        host.check()?;
+        CpuTensor::new(host.to_f32(), host.shape)
     }
 
-    fn to_host(&self, t: &CpuTensor) -> Vec<f32> {
-        t.data.clone()
+    fn download(&self, t: &CpuTensor) -> Result<Vec<f32>> {
+        Ok(t.data.clone())
     }
 
     fn shape<'a>(&self, t: &'a CpuTensor) -> &'a [usize] {
         &t.shape
     }
 
-    fn zeros(&self, shape: &[usize]) -> CpuTensor {
-        CpuTensor {
-            data: vec![0.0; shape.iter().product()],
-            shape: shape.to_vec(),
+    fn dtype(&self, _t: &CpuTensor) -> DType {
+        DType::F32
+    }
+
+    fn zeros(&self, shape: &[usize], _dtype: DType) -> Result<CpuTensor> {
+        let n = shape
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .ok_or_else(|| BackendError::OutOfMemory(format!("shape {shape:?} overflows")))?;
+        let mut data = Vec::new();
+        data.try_reserve_exact(n)
+            .map_err(|e| BackendError::OutOfMemory(format!("{n} f32 for {shape:?}: {e}")))?;
+        data.resize(n, 0.0);
+        CpuTensor::new(data, shape)
+    }
+
+    fn new_step(&self) -> Result<CpuStep> {
+        Ok(CpuStep::default())
+    }
+
+    fn upload_step(&self, plan: &StepPlan, step: &mut CpuStep) -> Result<()> {
+        plan.validate()?;
+        step.plan.clone_from(plan);
+        Ok(())
+    }
+
+    fn arena_stats(&self) -> ArenaStats {
+        ArenaStats {
+            grown: self.arena.grown.load(Ordering::Relaxed),
+            bytes: self.arena.bytes.load(Ordering::Relaxed),
         }
     }
 
-    fn embedding(&self, table: &CpuTensor, ids: &[u32]) -> Result<CpuTensor> {
+    fn zeros_like(&self, x: &CpuTensor) -> Result<CpuTensor> {
+        Ok(self.tmp(&x.shape))
+    }
+
+    fn embedding(&self, table: &CpuTensor, step: &CpuStep) -> Result<CpuTensor> {
         let (rows, cols) = table.rows_cols();
-        let mut out = Vec::with_capacity(ids.len() * cols);
-        for &id in ids {
+        let ids = &step.plan.tokens;
+        let mut out = self.tmp(&[ids.len(), cols]);
+        for (o, &id) in out.data.chunks_mut(cols.max(1)).zip(ids) {
             let id = id as usize;
             if id >= rows {
                 return Err(BackendError::Invalid(format!(
                     "token id {id} is outside the vocabulary of {rows}"
                 )));
             }
-            out.extend_from_slice(table.row(id));
+            o.copy_from_slice(table.row(id));
         }
-        CpuTensor::new(out, &[ids.len(), cols])
+        Ok(out)
     }
 
     fn linear(&self, x: &CpuTensor, w: &CpuTensor, bias: Option<&CpuTensor>) -> Result<CpuTensor> {
@@ -164,8 +308,8 @@ impl Backend for CpuBackend {
                 expected: vec![m, k],
             });
         }
-        let mut out = vec![0.0f32; n * m];
-        gemm_nt(&x.data, &w.data, &mut out, n, k, m);
+        let mut out = self.tmp(&[n, m]);
+        gemm_nt(&x.data, &w.data, &mut out.data, n, k, m);
         if let Some(b) = bias {
             if b.data.len() != m {
                 return Err(BackendError::Shape {
@@ -174,13 +318,13 @@ impl Backend for CpuBackend {
                     expected: vec![m],
                 });
             }
-            for row in out.chunks_mut(m) {
+            for row in out.data.chunks_mut(m.max(1)) {
                 for (o, bv) in row.iter_mut().zip(&b.data) {
                     *o += bv;
                 }
             }
         }
-        CpuTensor::new(out, &[n, m])
+        Ok(out)
     }
 
     fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
@@ -191,10 +335,11 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn scale_assign(&self, x: &mut CpuTensor, s: f32) {
+    fn scale_assign(&self, x: &mut CpuTensor, s: f32) -> Result<()> {
         for a in &mut x.data {
             *a *= s;
         }
+        Ok(())
     }
 
     fn rms_norm(&self, x: &CpuTensor, w: &CpuTensor, eps: f32) -> Result<CpuTensor> {
@@ -206,15 +351,16 @@ impl Backend for CpuBackend {
                 expected: vec![cols],
             });
         }
-        let mut out = x.data.clone();
-        out.par_chunks_mut(cols.max(1)).for_each(|row| {
+        let mut out = self.tmp(&x.shape);
+        out.data.copy_from_slice(&x.data);
+        out.data.par_chunks_mut(cols.max(1)).for_each(|row| {
             let ms = row.iter().map(|v| v * v).sum::<f32>() / cols as f32;
             let inv = 1.0 / (ms + eps).sqrt();
             for (v, wv) in row.iter_mut().zip(&w.data) {
                 *v = wv * (*v * inv);
             }
         });
-        CpuTensor::new(out, &x.shape)
+        Ok(out)
     }
 
     fn gated_rms_norm(
@@ -233,25 +379,27 @@ impl Backend for CpuBackend {
                 w.shape
             )));
         }
-        let mut out: Vec<f32> = x
-            .data
-            .iter()
-            .zip(&gate.data)
-            .map(|(v, g)| v * silu(*g))
-            .collect();
-        out.par_chunks_mut(group).enumerate().for_each(|(i, seg)| {
-            let ms = seg.iter().map(|v| v * v).sum::<f32>() / group as f32;
-            let inv = 1.0 / (ms + eps).sqrt();
-            let base = (i * group) % cols;
-            for (j, v) in seg.iter_mut().enumerate() {
-                *v = w.data[base + j] * (*v * inv);
-            }
-        });
-        CpuTensor::new(out, &x.shape)
+        let mut out = self.tmp(&x.shape);
+        for ((o, v), g) in out.data.iter_mut().zip(&x.data).zip(&gate.data) {
+            *o = v * silu(*g);
+        }
+        out.data
+            .par_chunks_mut(group)
+            .enumerate()
+            .for_each(|(i, seg)| {
+                let ms = seg.iter().map(|v| v * v).sum::<f32>() / group as f32;
+                let inv = 1.0 / (ms + eps).sqrt();
+                let base = (i * group) % cols;
+                for (j, v) in seg.iter_mut().enumerate() {
+                    *v = w.data[base + j] * (*v * inv);
+                }
+            });
+        Ok(out)
     }
 
-    fn activate(&self, x: &mut CpuTensor, act: Activation) {
+    fn activate(&self, x: &mut CpuTensor, act: Activation) -> Result<()> {
         x.data.par_iter_mut().for_each(|v| *v = apply_act(*v, act));
+        Ok(())
     }
 
     fn gated_activation(
@@ -261,78 +409,48 @@ impl Backend for CpuBackend {
         act: Activation,
     ) -> Result<CpuTensor> {
         same_shape("gated_activation", gate, up)?;
-        let out = gate
-            .data
-            .par_iter()
-            .zip(&up.data)
-            .map(|(g, u)| apply_act(*g, act) * u)
-            .collect();
-        CpuTensor::new(out, &gate.shape)
+        let mut out = self.tmp(&gate.shape);
+        out.data
+            .par_iter_mut()
+            .zip(gate.data.par_iter().zip(&up.data))
+            .for_each(|(o, (g, u))| *o = apply_act(*g, act) * u);
+        Ok(out)
     }
 
-    fn split_cols(&self, x: &CpuTensor, widths: &[usize]) -> Result<Vec<CpuTensor>> {
+    fn split_cols<const N: usize>(
+        &self,
+        x: &CpuTensor,
+        widths: [usize; N],
+    ) -> Result<[CpuTensor; N]> {
         let (rows, cols) = x.rows_cols();
         if widths.iter().sum::<usize>() != cols {
             return Err(BackendError::Invalid(format!(
                 "split widths {widths:?} do not sum to {cols} columns"
             )));
         }
-        let mut parts: Vec<Vec<f32>> = widths
-            .iter()
-            .map(|w| Vec::with_capacity(rows * w))
-            .collect();
+        let mut parts: [CpuTensor; N] = std::array::from_fn(|i| self.tmp(&[rows, widths[i]]));
         for r in 0..rows {
             let row = x.row(r);
             let mut start = 0;
-            for (p, w) in parts.iter_mut().zip(widths) {
-                p.extend_from_slice(&row[start..start + w]);
+            for (p, &w) in parts.iter_mut().zip(&widths) {
+                p.data[r * w..(r + 1) * w].copy_from_slice(&row[start..start + w]);
                 start += w;
             }
         }
-        parts
-            .into_iter()
-            .zip(widths)
-            .map(|(p, w)| CpuTensor::new(p, &[rows, *w]))
-            .collect()
+        Ok(parts)
     }
 
-    fn gather_rows(&self, x: &CpuTensor, rows: &[u32]) -> Result<CpuTensor> {
+    fn gather_logit_rows(&self, x: &CpuTensor, step: &CpuStep) -> Result<CpuTensor> {
         let (n, cols) = x.rows_cols();
-        let mut out = Vec::with_capacity(rows.len() * cols);
-        for &r in rows {
+        let rows = &step.plan.logit_rows;
+        let mut out = self.tmp(&[rows.len(), cols]);
+        for (o, &r) in out.data.chunks_mut(cols.max(1)).zip(rows) {
             if r as usize >= n {
                 return Err(BackendError::Invalid(format!("row {r} out of {n}")));
             }
-            out.extend_from_slice(x.row(r as usize));
+            o.copy_from_slice(x.row(r as usize));
         }
-        CpuTensor::new(out, &[rows.len(), cols])
-    }
-
-    fn scatter_add_rows(
-        &self,
-        dst: &mut CpuTensor,
-        src: &CpuTensor,
-        rows: &[u32],
-        weights: &[f32],
-    ) -> Result<()> {
-        let (n, cols) = dst.rows_cols();
-        let (sn, scols) = src.rows_cols();
-        if scols != cols || sn != rows.len() || weights.len() != rows.len() {
-            return Err(BackendError::Invalid(
-                "scatter_add_rows: shapes disagree".into(),
-            ));
-        }
-        for (i, (&r, &wt)) in rows.iter().zip(weights).enumerate() {
-            let r = r as usize;
-            if r >= n {
-                return Err(BackendError::Invalid(format!("row {r} out of {n}")));
-            }
-            let s = &src.data[i * cols..(i + 1) * cols];
-            for (d, v) in dst.data[r * cols..(r + 1) * cols].iter_mut().zip(s) {
-                *d += wt * v;
-            }
-        }
-        Ok(())
+        Ok(out)
     }
 
     fn apply_rope(
@@ -341,8 +459,9 @@ impl Backend for CpuBackend {
         heads: usize,
         head_dim: usize,
         rope: &Rope,
-        positions: &[u32],
+        step: &CpuStep,
     ) -> Result<()> {
+        let positions = &step.plan.positions;
         let (n, cols) = x.rows_cols();
         if cols != heads * head_dim || n != positions.len() || rope.rotary_dim > head_dim {
             return Err(BackendError::Invalid(format!(
@@ -379,11 +498,45 @@ impl Backend for CpuBackend {
         k: &CpuTensor,
         v: &CpuTensor,
         cache: &mut KvLayer<CpuTensor>,
-        block_size: usize,
         shape: AttnShape,
-        seqs: &[SeqChunk],
+        step: &CpuStep,
     ) -> Result<CpuTensor> {
-        attention::paged_attention(q, k, v, cache, block_size, shape, seqs)
+        let mut out = self.tmp(&q.shape);
+        attention::paged_attention(q, k, v, cache, shape, &step.plan, &mut out)?;
+        Ok(out)
+    }
+
+    fn ssm_slot_ops(&self, pools: &mut SsmPools<CpuTensor>, step: &CpuStep) -> Result<()> {
+        for pool in [&mut pools.conv, &mut pools.ssm] {
+            let per = slot_elems(pool);
+            let slots = pool.shape.first().copied().unwrap_or(0);
+            for op in &step.plan.slot_ops {
+                match *op {
+                    SlotOp::Copy { from, to } => {
+                        let (from, to) = (from as usize, to as usize);
+                        if from >= slots || to >= slots {
+                            return Err(BackendError::Invalid(format!(
+                                "state slot {from} or {to} out of {slots}"
+                            )));
+                        }
+                        if from != to {
+                            pool.data
+                                .copy_within(from * per..(from + 1) * per, to * per);
+                        }
+                    }
+                    SlotOp::Zero { slot } => {
+                        let slot = slot as usize;
+                        if slot >= slots {
+                            return Err(BackendError::Invalid(format!(
+                                "state slot {slot} out of {slots}"
+                            )));
+                        }
+                        pool.data[slot * per..(slot + 1) * per].fill(0.0);
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     fn causal_conv1d(
@@ -391,10 +544,14 @@ impl Backend for CpuBackend {
         x: &CpuTensor,
         weight: &CpuTensor,
         bias: Option<&CpuTensor>,
-        state: &mut CpuTensor,
-        seqs: &[SeqChunk],
+        pools: &mut SsmPools<CpuTensor>,
+        layer: usize,
+        step: &CpuStep,
     ) -> Result<CpuTensor> {
-        ssm::causal_conv1d(x, weight, bias, state, seqs)
+        let mut out = self.tmp(&x.shape);
+        let state = ssm::LayerState::new(&mut pools.conv, layer)?;
+        ssm::causal_conv1d(x, weight, bias, state, &step.plan, &mut out)?;
+        Ok(out)
     }
 
     fn ssm_scan(
@@ -407,41 +564,40 @@ impl Backend for CpuBackend {
         d: &CpuTensor,
         dt_bias: &CpuTensor,
         shape: SsmShape,
-        state: &mut CpuTensor,
-        seqs: &[SeqChunk],
+        pools: &mut SsmPools<CpuTensor>,
+        layer: usize,
+        step: &CpuStep,
     ) -> Result<CpuTensor> {
-        ssm::ssm_scan(x, b, c, dt, a_log, d, dt_bias, shape, state, seqs)
+        let mut out = self.tmp(&x.shape);
+        let state = ssm::LayerState::new(&mut pools.ssm, layer)?;
+        ssm::ssm_scan(
+            x, b, c, dt, a_log, d, dt_bias, shape, state, &step.plan, &mut out,
+        )?;
+        Ok(out)
     }
 
-    fn copy_slot(&self, t: &mut CpuTensor, src: u32, dst: u32) -> Result<()> {
-        let per = slot_elems(t);
-        let slots = t.shape.first().copied().unwrap_or(0);
-        let (src, dst) = (src as usize, dst as usize);
-        if src >= slots || dst >= slots {
-            return Err(BackendError::Invalid(format!(
-                "state slot {src} or {dst} out of {slots}"
-            )));
-        }
-        if src != dst {
-            t.data.copy_within(src * per..(src + 1) * per, dst * per);
-        }
-        Ok(())
-    }
-
-    fn zero_slot(&self, t: &mut CpuTensor, slot: u32) -> Result<()> {
-        let per = slot_elems(t);
-        let slots = t.shape.first().copied().unwrap_or(0);
-        let slot = slot as usize;
-        if slot >= slots {
-            return Err(BackendError::Invalid(format!(
-                "state slot {slot} out of {slots}"
-            )));
-        }
-        t.data[slot * per..(slot + 1) * per].fill(0.0);
-        Ok(())
+    fn moe(
+        &self,
+        x: &CpuTensor,
+        router_logits: &CpuTensor,
+        routing: &MoeRouting<CpuTensor>,
+        experts: &StackedExperts<CpuTensor>,
+        out: &mut CpuTensor,
+    ) -> Result<()> {
+        moe_forward(x, router_logits, routing, experts, out)
     }
 }
 
 pub(crate) fn slot_elems(t: &CpuTensor) -> usize {
     t.shape.iter().skip(1).product()
+}
+
+fn moe_forward(
+    _x: &CpuTensor,
+    _router_logits: &CpuTensor,
+    _routing: &MoeRouting<CpuTensor>,
+    _experts: &StackedExperts<CpuTensor>,
+    _out: &mut CpuTensor,
+) -> Result<()> {
+    Err(BackendError::Invalid("MoE kernel pending".into()))
 }

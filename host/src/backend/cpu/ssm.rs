@@ -11,33 +11,63 @@
 
 use rayon::prelude::*;
 
-use super::{CpuTensor, slot_elems};
-use crate::backend::{BackendError, Result, SsmShape};
-use crate::model::SeqChunk;
+use super::CpuTensor;
+use crate::backend::{BackendError, Result, SeqChunk, SnapshotTarget, SsmShape, StepPlan};
 
-fn check_slot(state: &CpuTensor, slot: u32) -> Result<usize> {
-    let slots = state.shape.first().copied().unwrap_or(0);
-    if slot as usize >= slots {
-        return Err(BackendError::Invalid(format!(
-            "SSM slot {slot} out of {slots}"
-        )));
+/// One SSM layer's state inside a slot-major pool `[slots, layers, per-layer elems]`.
+pub(super) struct LayerState<'a> {
+    data: &'a mut [f32],
+    slots: usize,
+    layers: usize,
+    layer: usize,
+    per: usize,
+}
+
+impl<'a> LayerState<'a> {
+    pub(super) fn new(pool: &'a mut CpuTensor, layer: usize) -> Result<Self> {
+        let slots = pool.shape.first().copied().unwrap_or(0);
+        let layers = pool.shape.get(1).copied().unwrap_or(0);
+        if layer >= layers {
+            return Err(BackendError::Invalid(format!(
+                "SSM layer {layer} out of {layers} in a pool of shape {:?}",
+                pool.shape
+            )));
+        }
+        let per = pool.shape.iter().skip(2).product();
+        Ok(Self {
+            data: &mut pool.data,
+            slots,
+            layers,
+            layer,
+            per,
+        })
     }
-    Ok(slot as usize)
+
+    /// Offset of `slot`'s state of this layer.
+    fn base(&self, slot: u32) -> Result<usize> {
+        if slot as usize >= self.slots {
+            return Err(BackendError::Invalid(format!(
+                "SSM slot {slot} out of {}",
+                self.slots
+            )));
+        }
+        Ok((slot as usize * self.layers + self.layer) * self.per)
+    }
 }
 
 /// Sorted, de-duplicated split points strictly inside the chunk, then the chunk end.
-fn segment_ends(seq: &SeqChunk) -> Result<Vec<usize>> {
-    let mut ends: Vec<usize> = Vec::with_capacity(seq.snapshots.len() + 1);
-    for s in &seq.snapshots {
-        if s.after == 0 || s.after > seq.len {
+fn segment_ends(len: usize, snaps: &[SnapshotTarget]) -> Result<Vec<usize>> {
+    let mut ends: Vec<usize> = Vec::with_capacity(snaps.len() + 1);
+    for s in snaps {
+        let after = s.after as usize;
+        if after == 0 || after > len {
             return Err(BackendError::Invalid(format!(
-                "snapshot after {} tokens of a {}-token chunk",
-                s.after, seq.len
+                "snapshot after {after} tokens of a {len}-token chunk"
             )));
         }
-        ends.push(s.after);
+        ends.push(after);
     }
-    ends.push(seq.len);
+    ends.push(len);
     ends.sort_unstable();
     ends.dedup();
     Ok(ends)
@@ -47,29 +77,29 @@ pub(super) fn causal_conv1d(
     x: &CpuTensor,
     weight: &CpuTensor,
     bias: Option<&CpuTensor>,
-    state: &mut CpuTensor,
-    seqs: &[SeqChunk],
-) -> Result<CpuTensor> {
+    state: LayerState<'_>,
+    plan: &StepPlan,
+    out: &mut CpuTensor,
+) -> Result<()> {
     let (n, ch) = x.rows_cols();
     let kernel = weight.shape.last().copied().unwrap_or(0);
-    if weight.data.len() != ch * kernel || kernel < 2 {
+    if weight.data.len() != ch * kernel || kernel < 2 || out.data.len() != n * ch {
         return Err(BackendError::Invalid(format!(
             "conv1d weight {:?} for {ch} channels",
             weight.shape
         )));
     }
     let hist = kernel - 1;
-    if slot_elems(state) != ch * hist {
+    if state.per != ch * hist {
         return Err(BackendError::Invalid(format!(
-            "conv state {:?} for {ch} channels, kernel {kernel}",
-            state.shape
+            "conv state of {} values for {ch} channels, kernel {kernel}",
+            state.per
         )));
     }
-    let mut out = vec![0.0f32; n * ch];
     let mut window = Vec::new();
-    for seq in seqs {
-        let slot = check_slot(state, seq.ssm_slot)?;
-        let base = slot * ch * hist;
+    for (si, seq) in plan.seqs.iter().enumerate() {
+        let base = state.base(seq.ssm_slot)?;
+        let snaps = plan.snapshots_of(si);
         for c in 0..ch {
             window.clear();
             window.extend_from_slice(&state.data[base + c * hist..base + (c + 1) * hist]);
@@ -82,18 +112,25 @@ pub(super) fn causal_conv1d(
                     .zip(&window[i..i + kernel])
                     .map(|(a, v)| a * v)
                     .sum();
-                out[(seq.offset + i) * ch + c] = super::silu(acc + b);
+                out.data[(seq.offset + i) * ch + c] = super::silu(acc + b);
             }
-            for snap in &seq.snapshots {
-                let sbase = check_slot(state, snap.slot)? * ch * hist;
+            for snap in snaps {
+                let after = snap.after as usize;
+                if after == 0 || after > seq.len {
+                    return Err(BackendError::Invalid(format!(
+                        "snapshot after {after} tokens of a {}-token chunk",
+                        seq.len
+                    )));
+                }
+                let sbase = state.base(snap.slot)?;
                 state.data[sbase + c * hist..sbase + (c + 1) * hist]
-                    .copy_from_slice(&window[snap.after..snap.after + hist]);
+                    .copy_from_slice(&window[after..after + hist]);
             }
             state.data[base + c * hist..base + (c + 1) * hist]
                 .copy_from_slice(&window[seq.len..seq.len + hist]);
         }
     }
-    CpuTensor::new(out, &[n, ch])
+    Ok(())
 }
 
 #[inline]
@@ -217,6 +254,7 @@ struct HeadInputs {
 }
 
 #[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments)]
 pub(super) fn ssm_scan(
     x: &CpuTensor,
     b: &CpuTensor,
@@ -226,9 +264,10 @@ pub(super) fn ssm_scan(
     d: &CpuTensor,
     dt_bias: &CpuTensor,
     shape: SsmShape,
-    state: &mut CpuTensor,
-    seqs: &[SeqChunk],
-) -> Result<CpuTensor> {
+    state: LayerState<'_>,
+    plan: &StepPlan,
+    out: &mut CpuTensor,
+) -> Result<()> {
     let SsmShape {
         heads,
         head_dim: p,
@@ -246,23 +285,26 @@ pub(super) fn ssm_scan(
         || dt.rows_cols() != (rows, heads)
         || groups == 0
         || heads % groups != 0
-        || slot_elems(state) != heads * p * n
+        || state.per != heads * p * n
+        || out.data.len() != rows * xcols
     {
         return Err(BackendError::Invalid(format!(
-            "ssm_scan: x {:?} b {:?} c {:?} dt {:?} state {:?} for {shape:?}",
-            x.shape, b.shape, c.shape, dt.shape, state.shape
+            "ssm_scan: x {:?} b {:?} c {:?} dt {:?} state of {} values for {shape:?}",
+            x.shape, b.shape, c.shape, dt.shape, state.per
         )));
     }
     let heads_per_group = heads / groups;
     let head_state = p * n;
-    let mut y = vec![0.0f32; rows * xcols];
-    for seq in seqs {
-        let slot = check_slot(state, seq.ssm_slot)?;
-        let ends = segment_ends(seq)?;
-        for snap in &seq.snapshots {
-            check_slot(state, snap.slot)?;
+    let y = &mut out.data;
+    for (si, seq) in plan.seqs.iter().enumerate() {
+        let live_base = state.base(seq.ssm_slot)?;
+        let snap_targets = plan.snapshots_of(si);
+        let ends = segment_ends(seq.len, snap_targets)?;
+        let mut snap_bases = Vec::with_capacity(snap_targets.len());
+        for snap in snap_targets {
+            snap_bases.push(state.base(snap.slot)?);
         }
-        let live = &state.data[slot * heads * head_state..(slot + 1) * heads * head_state];
+        let live = &state.data[live_base..live_base + heads * head_state];
         // Each head runs independently; results are written back below.
         let results: Vec<(Vec<f32>, Vec<f32>, Vec<Vec<f32>>)> = (0..heads)
             .into_par_iter()
@@ -301,16 +343,19 @@ pub(super) fn ssm_scan(
                 let row = (seq.offset + i) * xcols + h * p;
                 y[row..row + p].copy_from_slice(&yh[i * p..(i + 1) * p]);
             }
-            for snap in &seq.snapshots {
-                let idx = ends.iter().position(|&e| e == snap.after).unwrap_or(0);
-                let dst = (snap.slot as usize * heads + h) * head_state;
+            for (snap, &sbase) in snap_targets.iter().zip(&snap_bases) {
+                let idx = ends
+                    .iter()
+                    .position(|&e| e == snap.after as usize)
+                    .unwrap_or(0);
+                let dst = sbase + h * head_state;
                 state.data[dst..dst + head_state].copy_from_slice(&snaps[idx]);
             }
-            let dst = (slot * heads + h) * head_state;
+            let dst = live_base + h * head_state;
             state.data[dst..dst + head_state].copy_from_slice(&s);
         }
     }
-    CpuTensor::new(y, &[rows, xcols])
+    Ok(())
 }
 
 #[allow(clippy::too_many_arguments)]

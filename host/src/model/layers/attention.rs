@@ -64,14 +64,14 @@ impl<B: Backend> Attention<B> {
         let v = self.v.forward(b, x)?;
         let s = self.shape;
         if let Some(rope) = &self.rope {
-            b.apply_rope(&mut q, s.heads, s.head_dim, rope, ctx.positions)?;
-            b.apply_rope(&mut k, s.kv_heads, s.head_dim, rope, ctx.positions)?;
+            b.apply_rope(&mut q, s.heads, s.head_dim, rope, ctx.step)?;
+            b.apply_rope(&mut k, s.kv_heads, s.head_dim, rope, ctx.step)?;
         }
         let cache = ctx
             .kv
             .get_mut(self.cache)
             .ok_or_else(|| ModelError::Backend(format!("no KV cache for layer {}", self.cache)))?;
-        let out = b.paged_attention(&q, &k, &v, cache, ctx.block_size, s, ctx.seqs)?;
+        let out = b.paged_attention(&q, &k, &v, cache, s, ctx.step)?;
         self.o.forward(b, &out)
     }
 }

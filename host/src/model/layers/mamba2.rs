@@ -87,39 +87,20 @@ impl<B: Backend> Mamba2Mixer<B> {
         let d_inner = sh.d_inner();
         let bc = sh.groups * sh.state_size;
         let zxbcdt = self.in_proj.forward(b, x)?;
-        let mut parts = b.split_cols(&zxbcdt, &[d_inner, d_inner + 2 * bc, sh.heads])?;
-        let dt = parts
-            .pop()
-            .ok_or_else(|| ModelError::Backend("split".into()))?;
-        let xbc = parts
-            .pop()
-            .ok_or_else(|| ModelError::Backend("split".into()))?;
-        let z = parts
-            .pop()
-            .ok_or_else(|| ModelError::Backend("split".into()))?;
-        let state = ctx
+        let [z, xbc, dt] = b.split_cols(&zxbcdt, [d_inner, d_inner + 2 * bc, sh.heads])?;
+        let pools = ctx
             .ssm
-            .get_mut(self.cache)
+            .as_deref_mut()
             .ok_or_else(|| ModelError::Backend(format!("no SSM state for layer {}", self.cache)))?;
         let xbc = b.causal_conv1d(
             &xbc,
             &self.conv_w,
             self.conv_b.as_ref(),
-            &mut state.conv,
-            ctx.seqs,
+            pools,
+            self.cache,
+            ctx.step,
         )?;
-        let mut parts = b.split_cols(&xbc, &[d_inner, bc, bc])?;
-        let (cm, bm, xs) = (
-            parts
-                .pop()
-                .ok_or_else(|| ModelError::Backend("split".into()))?,
-            parts
-                .pop()
-                .ok_or_else(|| ModelError::Backend("split".into()))?,
-            parts
-                .pop()
-                .ok_or_else(|| ModelError::Backend("split".into()))?,
-        );
+        let [xs, bm, cm] = b.split_cols(&xbc, [d_inner, bc, bc])?;
         let y = b.ssm_scan(
             &xs,
             &bm,
@@ -129,8 +110,9 @@ impl<B: Backend> Mamba2Mixer<B> {
             &self.d,
             &self.dt_bias,
             sh,
-            &mut state.ssm,
-            ctx.seqs,
+            pools,
+            self.cache,
+            ctx.step,
         )?;
         let group = d_inner / sh.groups;
         let y = b.gated_rms_norm(&y, &z, &self.norm_w, group, self.eps)?;

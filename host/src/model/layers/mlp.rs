@@ -51,7 +51,7 @@ impl<B: Backend> Mlp<B> {
             Some(gate) => b.gated_activation(&gate.forward(b, x)?, &up, self.act)?,
             None => {
                 let mut up = up;
-                b.activate(&mut up, self.act);
+                b.activate(&mut up, self.act)?;
                 up
             }
         };

@@ -12,8 +12,7 @@ pub mod rope;
 
 use super::ModelError;
 use super::weights::WeightStore;
-use crate::backend::{Backend, KvLayer, SsmLayer};
-use crate::model::SeqChunk;
+use crate::backend::{Backend, KvLayer, SsmPools};
 
 pub use attention::Attention;
 pub use mamba2::Mamba2Mixer;
@@ -87,13 +86,11 @@ impl<B: Backend> RmsNorm<B> {
     }
 }
 
-/// Everything a mixer may need besides its input: the batch layout and the caches.
+/// Everything a mixer may need besides its input: the uploaded step and the caches.
 pub struct StepCtx<'a, B: Backend> {
-    pub positions: &'a [u32],
-    pub seqs: &'a [SeqChunk],
+    pub step: &'a B::Step,
     pub kv: &'a mut [KvLayer<B::Tensor>],
-    pub ssm: &'a mut [SsmLayer<B::Tensor>],
-    pub block_size: usize,
+    pub ssm: Option<&'a mut SsmPools<B::Tensor>>,
 }
 
 /// The token mixer (or channel mixer) inside one residual sublayer.

@@ -1,23 +1,20 @@
 //! Mixture of experts with shared experts and sigmoid top-k routing with grouped selection
 //! and a score-correction bias (NemotronH; the DeepSeek-V3 routing as transformers runs it).
 //!
-//! Routing is computed on the host from the router logits (a small `[tokens, experts]`
-//! matrix); each selected expert then runs on the rows routed to it.
+//! The router projection, the routing and the expert compute all run on the backend
+//! ([`Backend::moe`]) over expert weights stacked at load time (`up [E, I, H]`, `down [E, H,
+//! I]`), whether the checkpoint stores experts one by one or already stacked. Nothing goes
+//! back to the host.
 
-use super::{Linear, Loader, Mlp};
-use crate::backend::{Activation, Backend};
+use super::{Loader, Mlp};
+use crate::backend::{Activation, Backend, HostTensor, MoeRouting, StackedExperts};
 use crate::model::ModelError;
 
 pub struct Moe<B: Backend> {
     pub router: B::Tensor,
-    pub correction_bias: Vec<f32>,
-    pub experts: Vec<Mlp<B>>,
+    pub routing: MoeRouting<B::Tensor>,
+    pub experts: StackedExperts<B::Tensor>,
     pub shared: Option<Mlp<B>>,
-    pub top_k: usize,
-    pub n_group: usize,
-    pub topk_group: usize,
-    pub norm_topk_prob: bool,
-    pub scaling: f32,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -48,35 +45,31 @@ impl<B: Backend> Moe<B> {
                 s.experts, s.n_group, s.top_k, s.topk_group
             )));
         }
+        if s.bias {
+            return Err(ModelError::Unsupported(
+                "MoE experts with biases".to_string(),
+            ));
+        }
         let p = |n: &str| format!("{prefix}.{n}");
         let router = l.tensor(&p("gate.weight"), &[s.experts, s.hidden])?;
-        let correction_bias = match l.store.has(&p("gate.e_score_correction_bias")) {
-            true => l.store.read_f32(&p("gate.e_score_correction_bias"))?.0,
-            false => vec![0.0; s.experts],
-        };
-        if correction_bias.len() != s.experts {
-            return Err(ModelError::TensorShape {
-                path: "".into(),
-                tensor: p("gate.e_score_correction_bias"),
-                got: vec![correction_bias.len()],
-                expected: vec![s.experts],
-            });
-        }
-        let experts = if l.store.has(&p("experts.up_proj")) {
-            stacked_experts(l, prefix, s)?
+        let bias_name = p("gate.e_score_correction_bias");
+        let correction_bias = if l.store.has(&bias_name) {
+            l.tensor(&bias_name, &[s.experts])?
         } else {
-            (0..s.experts)
-                .map(|i| {
-                    Mlp::load_plain(
-                        l,
-                        &p(&format!("experts.{i}")),
-                        s.hidden,
-                        s.expert_inter,
-                        s.bias,
-                        s.act,
-                    )
-                })
-                .collect::<Result<_, _>>()?
+            let zeros = vec![0.0f32; s.experts];
+            l.backend.upload(HostTensor::f32(&zeros, &[s.experts]))?
+        };
+        let (e, i, h) = (s.experts, s.expert_inter, s.hidden);
+        let (up, down) = if l.store.has(&p("experts.up_proj")) {
+            (
+                l.tensor(&p("experts.up_proj"), &[e, i, h])?,
+                l.tensor(&p("experts.down_proj"), &[e, h, i])?,
+            )
+        } else {
+            (
+                stack(l, prefix, "up_proj", [e, i, h])?,
+                stack(l, prefix, "down_proj", [e, h, i])?,
+            )
         };
         let shared = if s.shared_inter > 0 {
             Some(Mlp::load_plain(
@@ -92,130 +85,67 @@ impl<B: Backend> Moe<B> {
         };
         Ok(Self {
             router,
-            correction_bias,
-            experts,
+            routing: MoeRouting {
+                correction_bias,
+                top_k: s.top_k,
+                n_group: s.n_group,
+                topk_group: s.topk_group,
+                norm_topk_prob: s.norm_topk_prob,
+                scaling: s.scaling as f32,
+            },
+            experts: StackedExperts {
+                up,
+                down,
+                gate: None,
+                act: s.act,
+            },
             shared,
-            top_k: s.top_k,
-            n_group: s.n_group,
-            topk_group: s.topk_group,
-            norm_topk_prob: s.norm_topk_prob,
-            scaling: s.scaling as f32,
         })
     }
 
-    /// Picks `(expert, weight)` pairs for one token from its router logits.
-    pub fn route(&self, logits: &[f32]) -> Vec<(usize, f32)> {
-        let e = logits.len();
-        let scores: Vec<f32> = logits.iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect();
-        let choice: Vec<f32> = scores
-            .iter()
-            .zip(&self.correction_bias)
-            .map(|(s, b)| s + b)
-            .collect();
-        let per_group = e / self.n_group;
-        // Group score = sum of its two best choice scores (or the one, for single-expert groups).
-        let mut groups: Vec<(usize, f32)> = (0..self.n_group)
-            .map(|g| {
-                let mut v: Vec<f32> = choice[g * per_group..(g + 1) * per_group].to_vec();
-                v.sort_by(|a, b| b.total_cmp(a));
-                (g, v.iter().take(2).sum())
-            })
-            .collect();
-        groups.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        let mut allowed = vec![false; self.n_group];
-        for (g, _) in groups.iter().take(self.topk_group) {
-            allowed[*g] = true;
-        }
-        let mut cand: Vec<(usize, f32)> = (0..e)
-            .filter(|i| allowed[i / per_group])
-            .map(|i| (i, choice[i]))
-            .collect();
-        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        cand.truncate(self.top_k);
-        let mut picked: Vec<(usize, f32)> = cand.iter().map(|&(i, _)| (i, scores[i])).collect();
-        if self.norm_topk_prob {
-            let sum: f32 = picked.iter().map(|p| p.1).sum::<f32>() + 1e-20;
-            for p in &mut picked {
-                p.1 /= sum;
-            }
-        }
-        for p in &mut picked {
-            p.1 *= self.scaling;
-        }
-        picked
-    }
-
     pub fn forward(&self, b: &B, x: &B::Tensor) -> Result<B::Tensor, ModelError> {
-        let logits = b.to_host(&b.linear(x, &self.router, None)?);
-        let e = self.experts.len();
-        let tokens = logits.len() / e.max(1);
-        let mut rows: Vec<Vec<u32>> = vec![Vec::new(); e];
-        let mut weights: Vec<Vec<f32>> = vec![Vec::new(); e];
-        for t in 0..tokens {
-            for (ex, w) in self.route(&logits[t * e..(t + 1) * e]) {
-                rows[ex].push(t as u32);
-                weights[ex].push(w);
-            }
-        }
+        let logits = b.linear(x, &self.router, None)?;
         let mut out = match &self.shared {
             Some(shared) => shared.forward(b, x)?,
-            None => b.zeros(b.shape(x)),
+            None => b.zeros_like(x)?,
         };
-        for (ex, expert) in self.experts.iter().enumerate() {
-            if rows[ex].is_empty() {
-                continue;
-            }
-            let xi = b.gather_rows(x, &rows[ex])?;
-            let yi = expert.forward(b, &xi)?;
-            b.scatter_add_rows(&mut out, &yi, &rows[ex], &weights[ex])?;
-        }
+        b.moe(x, &logits, &self.routing, &self.experts, &mut out)?;
         Ok(out)
     }
 }
 
-/// Experts stored as stacked 3-D tensors `experts.up_proj [E, I, H]`, `experts.down_proj [E, H, I]`.
-fn stacked_experts<B: Backend>(
+/// Stacks per-expert weights `experts.{j}.{name}.weight` (each `[rows, cols]`) into one
+/// `[E, rows, cols]` tensor in the checkpoint's dtype (one host copy at load time).
+fn stack<B: Backend>(
     l: &Loader<'_, B>,
     prefix: &str,
-    s: MoeSpec,
-) -> Result<Vec<Mlp<B>>, ModelError> {
-    let up_name = format!("{prefix}.experts.up_proj");
-    let down_name = format!("{prefix}.experts.down_proj");
-    let (up, up_shape) = l.store.read_f32(&up_name)?;
-    let (down, down_shape) = l.store.read_f32(&down_name)?;
-    let (e, i, h) = (s.experts, s.expert_inter, s.hidden);
-    for (name, got, want) in [
-        (&up_name, &up_shape, vec![e, i, h]),
-        (&down_name, &down_shape, vec![e, h, i]),
-    ] {
-        if *got != want {
+    name: &str,
+    [e, rows, cols]: [usize; 3],
+) -> Result<B::Tensor, ModelError> {
+    let mut bytes = Vec::new();
+    let mut dtype = None;
+    for j in 0..e {
+        let tensor = format!("{prefix}.experts.{j}.{name}.weight");
+        let raw = l.store.raw(&tensor)?;
+        if raw.shape != [rows, cols] {
             return Err(ModelError::TensorShape {
-                path: "".into(),
-                tensor: name.clone(),
-                got: got.clone(),
-                expected: want,
+                path: l.store.path_of(&tensor),
+                tensor,
+                got: raw.shape,
+                expected: vec![rows, cols],
             });
         }
+        if *dtype.get_or_insert(raw.dtype) != raw.dtype {
+            return Err(ModelError::Unsupported(format!(
+                "experts of {prefix} stored in different dtypes"
+            )));
+        }
+        bytes.extend_from_slice(&raw.bytes);
     }
-    let be = |e: crate::backend::BackendError| ModelError::Backend(e.to_string());
-    (0..e)
-        .map(|x| {
-            Ok(Mlp {
-                gate: None,
-                up: Linear {
-                    w: l.backend
-                        .from_host(up[x * i * h..(x + 1) * i * h].to_vec(), &[i, h])
-                        .map_err(be)?,
-                    b: None,
-                },
-                down: Linear {
-                    w: l.backend
-                        .from_host(down[x * h * i..(x + 1) * h * i].to_vec(), &[h, i])
-                        .map_err(be)?,
-                    b: None,
-                },
-                act: s.act,
-            })
-        })
-        .collect()
+    let host = HostTensor {
+        dtype: dtype.unwrap_or(crate::backend::DType::F32),
+        shape: &[e, rows, cols],
+        bytes: &bytes,
+    };
+    Ok(l.backend.upload(host)?)
 }

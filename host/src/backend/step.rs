@@ -1,0 +1,462 @@
+//! The step plan: everything one forward pass needs to know about the batch, as plain columns.
+//!
+//! The engine's model runner builds one [`StepPlan`] per step with [`StepPlan::push`] (one call
+//! per sequence chunk) and [`StepPlan::finish`] (the derived columns), then hands it to the
+//! backend in **one** call ([`super::Backend::upload_step`]); kernels read the backend's step
+//! object, never host slices. Every column is flat (CSR-style where a sequence owns several
+//! entries), so a device backend uploads it as a handful of contiguous copies.
+//!
+//! Invariants after `finish` (checked by [`StepPlan::validate`]): chunks are contiguous and
+//! cover `tokens`; `positions[t]` continues each chunk's context; `slot_mapping[t]` is the KV
+//! cache row of token `t` (`block * block_size + pos % block_size`); `cu_seqlens` are the chunk
+//! boundaries; every token is in exactly one of the decode/prefill chunk lists; snapshot targets
+//! lie strictly inside or at the end of their chunk; `logit_rows` lists, in chunk order, every
+//! token of an `all_logits` chunk and the last token of any other `want_logits` chunk.
+//!
+//! Nothing here knows what a request is or why a block was chosen.
+
+/// "After `after` tokens of chunk `seq`, copy the live SSM state (all layers) into `slot`."
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SnapshotTarget {
+    pub seq: u32,
+    /// In `1 ..= len` of the chunk.
+    pub after: u32,
+    pub slot: u32,
+}
+
+/// One sequence's share of the step.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SeqChunk {
+    /// Start of this chunk in [`StepPlan::tokens`].
+    pub offset: usize,
+    /// Number of tokens computed this step (≥ 1).
+    pub len: usize,
+    /// Tokens of this sequence whose K/V are already in the paged cache (and whose effect is
+    /// already folded into the live SSM slot) before this chunk.
+    pub context_len: usize,
+    /// This chunk's blocks are `block_tables[blocks.0 .. blocks.0 + blocks.1]`.
+    pub blocks: (u32, u32),
+    /// The live SSM-state slot of this sequence (ignored by models without SSM layers).
+    pub ssm_slot: u32,
+    /// This chunk's snapshot targets are `snapshots[snaps.0 .. snaps.0 + snaps.1]`.
+    pub snaps: (u32, u32),
+    /// Whether the logits of the chunk's last token are wanted.
+    pub want_logits: bool,
+    /// Whether the logits of every token of the chunk are wanted (prompt logprobs).
+    pub all_logits: bool,
+}
+
+/// SSM slot set-up done before the step's layers run: all restores and zeros in one batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotOp {
+    /// Copy every layer's state of `from` into `to`.
+    Copy {
+        from: u32,
+        to: u32,
+    },
+    Zero {
+        slot: u32,
+    },
+}
+
+/// One engine step, as the backend sees it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepPlan {
+    pub block_size: usize,
+    /// Token ids of every chunk, concatenated in chunk order.
+    pub tokens: Vec<u32>,
+    /// Absolute position of each token in its sequence.
+    pub positions: Vec<u32>,
+    /// Chunk index of each token.
+    pub token_seq: Vec<u32>,
+    /// KV cache row of each token (`block * block_size + pos % block_size`).
+    pub slot_mapping: Vec<u32>,
+    pub seqs: Vec<SeqChunk>,
+    /// Every chunk's block table, concatenated (see [`SeqChunk::blocks`]).
+    pub block_tables: Vec<u32>,
+    /// Chunk boundaries in `tokens`: `cu_seqlens[i] .. cu_seqlens[i + 1]` (varlen kernels).
+    pub cu_seqlens: Vec<u32>,
+    /// Chunks of one token that continue a sequence (decodes) and the others (prefill chunks).
+    pub decode_seqs: Vec<u32>,
+    pub prefill_seqs: Vec<u32>,
+    /// Snapshot targets of every chunk, concatenated (see [`SeqChunk::snaps`]).
+    pub snapshots: Vec<SnapshotTarget>,
+    /// Restores and zeros of SSM slots, applied before the layers run.
+    pub slot_ops: Vec<SlotOp>,
+    /// Rows of the hidden states whose logits are computed, in output order.
+    pub logit_rows: Vec<u32>,
+}
+
+/// A plan that breaks an invariant (a bug in whoever built it).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid step plan: {0}")]
+pub struct PlanError(pub String);
+
+impl StepPlan {
+    /// An empty plan for caches of `block_size`-token blocks.
+    pub fn new(block_size: usize) -> Self {
+        Self {
+            block_size,
+            ..Self::default()
+        }
+    }
+
+    /// Empties the plan, keeping every buffer's capacity (the persistent batch).
+    pub fn clear(&mut self, block_size: usize) {
+        self.block_size = block_size;
+        self.tokens.clear();
+        self.positions.clear();
+        self.token_seq.clear();
+        self.slot_mapping.clear();
+        self.seqs.clear();
+        self.block_tables.clear();
+        self.cu_seqlens.clear();
+        self.decode_seqs.clear();
+        self.prefill_seqs.clear();
+        self.snapshots.clear();
+        self.slot_ops.clear();
+        self.logit_rows.clear();
+    }
+
+    /// Adds a chunk: `tokens` at positions `context_len ..`, the sequence's block table and
+    /// live SSM slot. Returns the chunk for further settings (snapshots, `all_logits`).
+    pub fn push(
+        &mut self,
+        tokens: &[u32],
+        context_len: usize,
+        block_table: &[u32],
+        ssm_slot: u32,
+        want_logits: bool,
+    ) -> &mut SeqChunk {
+        let offset = self.tokens.len();
+        self.tokens.extend_from_slice(tokens);
+        self.positions
+            .extend((context_len..context_len + tokens.len()).map(|p| p as u32));
+        let blocks = (self.block_tables.len() as u32, block_table.len() as u32);
+        self.block_tables.extend_from_slice(block_table);
+        self.seqs.push(SeqChunk {
+            offset,
+            len: tokens.len(),
+            context_len,
+            blocks,
+            ssm_slot,
+            snaps: (self.snapshots.len() as u32, 0),
+            want_logits,
+            all_logits: false,
+        });
+        let last = self.seqs.len() - 1;
+        &mut self.seqs[last]
+    }
+
+    /// Asks for a snapshot after `after` tokens of the chunk added last.
+    pub fn snapshot(&mut self, after: usize, slot: u32) {
+        let seq = self.seqs.len().saturating_sub(1);
+        if let Some(s) = self.seqs.last_mut() {
+            s.snaps.1 += 1;
+        }
+        self.snapshots.push(SnapshotTarget {
+            seq: seq as u32,
+            after: after as u32,
+            slot,
+        });
+    }
+
+    /// Fills the derived columns (slot mapping, chunk boundaries, decode/prefill lists, logit
+    /// rows) and checks the invariants.
+    pub fn finish(&mut self) -> Result<(), PlanError> {
+        let bs = self.block_size.max(1);
+        self.token_seq.clear();
+        self.slot_mapping.clear();
+        self.cu_seqlens.clear();
+        self.decode_seqs.clear();
+        self.prefill_seqs.clear();
+        self.logit_rows.clear();
+        self.cu_seqlens.push(0);
+        for (i, s) in self.seqs.iter().enumerate() {
+            let table = &self.block_tables[s.blocks.0 as usize..(s.blocks.0 + s.blocks.1) as usize];
+            for p in s.context_len..s.context_len + s.len {
+                // A table too short is reported by `validate`; map to the table's reach here.
+                let block = table.get(p / bs).copied().unwrap_or(u32::MAX);
+                let row = block
+                    .saturating_mul(bs as u32)
+                    .saturating_add((p % bs) as u32);
+                self.slot_mapping.push(row);
+                self.token_seq.push(i as u32);
+            }
+            self.cu_seqlens.push((s.offset + s.len) as u32);
+            if s.len == 1 && s.context_len > 0 {
+                self.decode_seqs.push(i as u32);
+            } else {
+                self.prefill_seqs.push(i as u32);
+            }
+            let end = (s.offset + s.len) as u32;
+            if s.all_logits {
+                self.logit_rows.extend(s.offset as u32..end);
+            } else if s.want_logits {
+                self.logit_rows.push(end - 1);
+            }
+        }
+        self.validate()
+    }
+
+    /// Checks the invariants listed in the module docs.
+    pub fn validate(&self) -> Result<(), PlanError> {
+        let bad = |m: String| Err(PlanError(m));
+        if self.positions.len() != self.tokens.len() {
+            return bad("positions and tokens differ in length".into());
+        }
+        let mut next = 0;
+        for (i, s) in self.seqs.iter().enumerate() {
+            if s.offset != next || s.len == 0 {
+                return bad(format!(
+                    "chunk {i} at {} of {} tokens is not contiguous",
+                    s.offset, s.len
+                ));
+            }
+            next += s.len;
+            if (s.blocks.0 + s.blocks.1) as usize > self.block_tables.len()
+                || (s.snaps.0 + s.snaps.1) as usize > self.snapshots.len()
+            {
+                return bad(format!(
+                    "chunk {i} points past the block tables or snapshots"
+                ));
+            }
+            for t in &self.snapshots[s.snaps.0 as usize..(s.snaps.0 + s.snaps.1) as usize] {
+                if t.seq as usize != i || t.after == 0 || t.after as usize > s.len {
+                    return bad(format!(
+                        "snapshot after {} tokens of the {}-token chunk {i}",
+                        t.after, s.len
+                    ));
+                }
+            }
+        }
+        if next != self.tokens.len() {
+            return bad("chunks do not cover the tokens".into());
+        }
+        if self.slot_mapping.len() != self.tokens.len()
+            || self.cu_seqlens.len() != self.seqs.len() + 1
+        {
+            return bad("derived columns are stale: call finish()".into());
+        }
+        Ok(())
+    }
+
+    /// Checks that every chunk's block table covers its positions and that block ids and
+    /// slots are inside the caches.
+    pub fn check_caches(
+        &self,
+        num_blocks: usize,
+        has_kv: bool,
+        num_slots: usize,
+        has_ssm: bool,
+    ) -> Result<(), PlanError> {
+        let bs = self.block_size.max(1);
+        for (i, s) in self.seqs.iter().enumerate() {
+            if has_kv {
+                let needed = (s.context_len + s.len).div_ceil(bs);
+                if (s.blocks.1 as usize) < needed {
+                    return Err(PlanError(format!(
+                        "block table of chunk {i} has {} blocks, {needed} needed",
+                        s.blocks.1
+                    )));
+                }
+                if let Some(b) = self
+                    .block_table(i)
+                    .iter()
+                    .find(|&&b| b as usize >= num_blocks)
+                {
+                    return Err(PlanError(format!("block id {b} out of {num_blocks}")));
+                }
+            }
+            if has_ssm {
+                let slots =
+                    std::iter::once(s.ssm_slot).chain(self.snapshots_of(i).iter().map(|t| t.slot));
+                for slot in slots {
+                    if slot as usize >= num_slots {
+                        return Err(PlanError(format!("SSM slot {slot} out of {num_slots}")));
+                    }
+                }
+            }
+        }
+        if has_ssm {
+            for op in &self.slot_ops {
+                let (a, b) = match *op {
+                    SlotOp::Copy { from, to } => (from, to),
+                    SlotOp::Zero { slot } => (slot, slot),
+                };
+                if a.max(b) as usize >= num_slots {
+                    return Err(PlanError(format!(
+                        "SSM slot {} out of {num_slots}",
+                        a.max(b)
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub fn num_tokens(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn block_table(&self, seq: usize) -> &[u32] {
+        let (start, len) = self.seqs[seq].blocks;
+        &self.block_tables[start as usize..(start + len) as usize]
+    }
+
+    pub fn snapshots_of(&self, seq: usize) -> &[SnapshotTarget] {
+        let (start, len) = self.seqs[seq].snaps;
+        &self.snapshots[start as usize..(start + len) as usize]
+    }
+
+    /// Rows of logits that are sampled (one per `want_logits` chunk, its last token), as
+    /// indices into `logit_rows`.
+    pub fn sampled_rows(&self) -> impl Iterator<Item = usize> + '_ {
+        let mut row = 0usize;
+        self.seqs.iter().filter_map(move |s| {
+            let rows = if s.all_logits {
+                s.len
+            } else {
+                usize::from(s.want_logits)
+            };
+            row += rows;
+            if s.want_logits { Some(row - 1) } else { None }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn plan(block_size: usize) -> StepPlan {
+        let mut p = StepPlan::default();
+        p.clear(block_size);
+        p
+    }
+
+    #[test]
+    fn slot_mapping_follows_block_tables() {
+        let mut p = plan(4);
+        p.push(&[1, 2, 3], 5, &[7, 2], 0, true);
+        p.push(&[9], 0, &[3], 1, true);
+        p.finish().unwrap();
+        // Positions 5, 6, 7 live in block 2 (table index 1) rows 1..=3; position 0 in block 3.
+        assert_eq!(p.slot_mapping, vec![9, 10, 11, 12]);
+        assert_eq!(p.positions, vec![5, 6, 7, 0]);
+        assert_eq!(p.token_seq, vec![0, 0, 0, 1]);
+        assert_eq!(p.cu_seqlens, vec![0, 3, 4]);
+        // A one-token chunk at position 0 is a prefill (no context), not a decode.
+        assert_eq!(p.prefill_seqs, vec![0, 1]);
+        assert!(p.decode_seqs.is_empty());
+        assert_eq!(p.logit_rows, vec![2, 3]);
+    }
+
+    #[test]
+    fn logit_rows_and_sampled_rows() {
+        let mut p = plan(16);
+        p.push(&[1, 2, 3], 0, &[0], 0, false);
+        p.push(&[4], 9, &[1], 1, true);
+        p.push(&[5, 6], 0, &[2], 2, true).all_logits = true;
+        p.push(&[7, 8], 3, &[3], 3, true);
+        p.finish().unwrap();
+        assert_eq!(p.logit_rows, vec![3, 4, 5, 7]);
+        assert_eq!(p.sampled_rows().collect::<Vec<_>>(), vec![0, 2, 3]);
+        assert_eq!(p.decode_seqs, vec![1]);
+        assert_eq!(p.prefill_seqs, vec![0, 2, 3]);
+    }
+
+    #[test]
+    fn snapshots_are_checked() {
+        let mut p = plan(4);
+        p.push(&[1; 8], 0, &[0, 1], 0, true);
+        p.snapshot(4, 3);
+        p.snapshot(8, 4);
+        p.push(&[1], 8, &[0, 1, 2], 1, true);
+        p.finish().unwrap();
+        assert_eq!(p.snapshots_of(0).len(), 2);
+        assert_eq!(p.snapshots_of(1).len(), 0);
+        assert!(p.check_caches(3, true, 5, true).is_ok());
+        assert!(p.check_caches(3, true, 4, true).is_err(), "slot 4 of 4");
+        assert!(p.check_caches(2, true, 5, true).is_err(), "block 2 of 2");
+        let mut bad = plan(4);
+        bad.push(&[1; 3], 0, &[0], 0, true);
+        bad.snapshot(4, 1);
+        assert!(bad.finish().is_err(), "a snapshot past the chunk end");
+        let mut short = plan(4);
+        short.push(&[1; 5], 0, &[0], 0, true);
+        short.finish().unwrap();
+        assert!(
+            short.check_caches(8, true, 1, false).is_err(),
+            "5 tokens need 2 blocks"
+        );
+        assert!(
+            short.check_caches(8, false, 1, false).is_ok(),
+            "no KV layers: no tables needed"
+        );
+    }
+
+    #[test]
+    fn clear_keeps_capacity() {
+        let mut p = plan(16);
+        p.push(&[1; 100], 0, &[0; 7], 0, true);
+        p.finish().unwrap();
+        let cap = (p.tokens.capacity(), p.slot_mapping.capacity());
+        p.clear(16);
+        assert!(p.tokens.is_empty() && p.seqs.is_empty());
+        assert_eq!((p.tokens.capacity(), p.slot_mapping.capacity()), cap);
+    }
+
+    proptest! {
+        /// Random batches: the derived columns agree with a direct per-token computation.
+        #[test]
+        fn derived_columns_match_definition(
+            chunks in prop::collection::vec((1usize..40, 0usize..70, any::<bool>(), any::<bool>()), 1..8),
+            bs in prop::sample::select(vec![1usize, 4, 16]),
+        ) {
+            let mut p = plan(bs);
+            let mut next_block = 0u32;
+            for (len, ctx, want, all) in &chunks {
+                let nblocks = (ctx + len).div_ceil(bs);
+                let table: Vec<u32> = (next_block..next_block + nblocks as u32).rev().collect();
+                next_block += nblocks as u32;
+                p.push(&vec![3; *len], *ctx, &table, 0, *want || *all).all_logits = *all;
+                for cut in (1..=*len).filter(|c| (ctx + c) % bs == 0) {
+                    p.snapshot(cut, 1);
+                }
+            }
+            p.finish().unwrap();
+            prop_assert!(p.check_caches(next_block as usize, true, 2, true).is_ok());
+            let mut t = 0;
+            let mut rows = Vec::new();
+            for (i, (len, ctx, want, all)) in chunks.iter().enumerate() {
+                prop_assert_eq!(p.cu_seqlens[i] as usize, t);
+                let table = p.block_table(i);
+                for j in 0..*len {
+                    let pos = ctx + j;
+                    prop_assert_eq!(p.positions[t] as usize, pos);
+                    prop_assert_eq!(p.slot_mapping[t], table[pos / bs] * bs as u32 + (pos % bs) as u32);
+                    prop_assert_eq!(p.token_seq[t] as usize, i);
+                    if *all || (*want && j + 1 == *len) {
+                        rows.push(t as u32);
+                    }
+                    t += 1;
+                }
+                for s in p.snapshots_of(i) {
+                    prop_assert_eq!((ctx + s.after as usize) % bs, 0, "cuts on block boundaries");
+                }
+                let decode = *len == 1 && *ctx > 0;
+                prop_assert_eq!(p.decode_seqs.contains(&(i as u32)), decode);
+                prop_assert_eq!(p.prefill_seqs.contains(&(i as u32)), !decode);
+            }
+            prop_assert_eq!(p.logit_rows, rows);
+            // Every KV row is used once: distinct blocks per sequence.
+            let mut seen = p.slot_mapping.clone();
+            seen.sort_unstable();
+            seen.dedup();
+            prop_assert_eq!(seen.len(), t);
+        }
+    }
+}
