@@ -7,6 +7,7 @@
 //! [`SeqChunk`] slices the engine built.
 
 pub mod cpu;
+pub mod sample;
 
 use crate::model::SeqChunk;
 

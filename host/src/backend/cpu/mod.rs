@@ -5,6 +5,8 @@
 //! parallelises over query tokens and the SSM scan over heads (rayon).
 
 mod attention;
+pub mod moe;
+pub mod sample;
 mod ssm;
 
 pub use ssm::{ssm_chunked_head, ssm_recurrent_head};
