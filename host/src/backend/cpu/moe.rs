@@ -82,7 +82,7 @@ fn check_routing(
     weights: &[f32],
 ) -> Result<()> {
     let groups_ok = r.n_group > 0
-        && r.experts % r.n_group == 0
+        && r.experts.is_multiple_of(r.n_group)
         && r.topk_group <= r.n_group
         && r.top_k > 0
         && r.top_k <= r.topk_group * (r.experts / r.n_group);
