@@ -24,6 +24,7 @@
 
 pub mod counting;
 pub mod cpu;
+pub mod sample;
 pub mod step;
 
 pub use step::{PlanError, SeqChunk, SlotOp, SnapshotTarget, StepPlan};

@@ -8,11 +8,30 @@
 //! fail too, the best candidate). Logprobs are log-softmax over the full penalised row; the
 //! top-N alternatives come from the candidates (N ≤ K).
 //!
+//! Two entry points: [`SamplingStage::sample`] does all of this over full logits rows on the
+//! host; [`SamplingStage::sample_candidates`] starts from the candidate columns a backend's
+//! sampling tail produced ([`SampleOut`], described to it by [`SamplingStage::sample_rows`])
+//! and gives the same tokens, policy batch and logprobs without the full rows.
+//!
 //! It owns no request state and knows nothing of caches or scheduling.
 
 use super::api::{SamplingParams, TokenLogprob};
 use super::executor::Logits;
+use crate::backend::sample::{Penalties, SampleOut, SampleRows};
 use crate::policy::{Decision, Sampler, SamplerBatch};
+
+/// Candidate columns whose lengths do not fit the rows being sampled.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "candidate columns ({tokens} tokens, {logits} logits, {lse} lse) do not fit {rows} rows of {k}"
+)]
+pub struct CandidateShapeError {
+    pub rows: usize,
+    pub k: usize,
+    pub tokens: usize,
+    pub logits: usize,
+    pub lse: usize,
+}
 
 /// What the stage needs to know about the request behind one logits row.
 pub struct RowInfo<'a> {
@@ -78,32 +97,14 @@ impl SamplingStage {
             let row = logits.row_mut(i);
             self.apply_penalties(row, info);
             self.top_k(row, k);
-            let p = info.params;
-            self.batch.temperature.push(p.temperature);
-            self.batch.top_k.push(p.top_k);
-            self.batch.top_p.push(p.top_p);
-            self.batch.min_p.push(p.min_p);
-            self.batch.seed.push(info.seed);
-            self.batch.counter.push(info.output.len() as u64);
-            self.lse.push(if p.logprobs.is_some() {
+            self.push_params(info);
+            self.lse.push(if info.params.logprobs.is_some() {
                 log_sum_exp(row)
             } else {
                 0.0
             });
         }
-        let chosen = match self.validated(sampler.sample(&self.batch)) {
-            Some(v) => v,
-            None => {
-                self.fallbacks += 1;
-                tracing::debug!("sampler answer rejected; using the fallback sampler");
-                self.validated(fallback.sample(&self.batch))
-                    .unwrap_or_else(|| {
-                        (0..rows.len())
-                            .map(|i| self.batch.cand_tokens[i * k])
-                            .collect()
-                    })
-            }
-        };
+        let chosen = self.decide(sampler, fallback);
         for (i, (&token, info)) in chosen.iter().zip(rows).enumerate() {
             let logprob = info.params.logprobs.map(|n| {
                 let lse = self.lse[i];
@@ -123,6 +124,110 @@ impl SamplingStage {
             });
             out.push(Sampled { token, logprob });
         }
+    }
+
+    /// Describes `rows` for the backend's sampling tail ([`crate::backend::cpu::sample`] on
+    /// the CPU): this stage's K, each row's penalties, whether it needs its log-sum-exp, and
+    /// its history (prompt and output) as distinct tokens with output counts.
+    pub fn sample_rows(&self, rows: &[RowInfo<'_>], out: &mut SampleRows) {
+        out.clear(self.k);
+        for info in rows {
+            let p = info.params;
+            let pen = Penalties {
+                repetition: p.repetition_penalty,
+                presence: p.presence_penalty,
+                frequency: p.frequency_penalty,
+            };
+            out.push_row(pen, p.logprobs.is_some(), info.prompt, info.output);
+        }
+    }
+
+    /// Samples one token per row from the candidate columns the backend's sampling tail
+    /// produced for `rows` (see [`Self::sample_rows`]): the same [`SamplerBatch`], the same
+    /// validation and fallback, and the same logprobs as [`Self::sample`] over full rows
+    /// (the chosen token is always a candidate, so its logit is among them).
+    pub fn sample_candidates(
+        &mut self,
+        cands: &SampleOut,
+        rows: &[RowInfo<'_>],
+        sampler: &mut dyn Sampler,
+        fallback: &mut dyn Sampler,
+        out: &mut Vec<Sampled>,
+    ) -> Result<(), CandidateShapeError> {
+        out.clear();
+        let (n, k) = (rows.len(), cands.k);
+        if k == 0
+            || cands.cand_tokens.len() != n * k
+            || cands.cand_logits.len() != n * k
+            || cands.lse.len() != n
+        {
+            return Err(CandidateShapeError {
+                rows: n,
+                k,
+                tokens: cands.cand_tokens.len(),
+                logits: cands.cand_logits.len(),
+                lse: cands.lse.len(),
+            });
+        }
+        self.reset_batch(k);
+        for info in rows {
+            self.push_params(info);
+        }
+        self.batch.cand_tokens.extend_from_slice(&cands.cand_tokens);
+        self.batch.cand_logits.extend(
+            cands
+                .cand_logits
+                .iter()
+                .map(|&x| if x.is_nan() { f32::NEG_INFINITY } else { x }),
+        );
+        let chosen = self.decide(sampler, fallback);
+        for (i, (&token, info)) in chosen.iter().zip(rows).enumerate() {
+            let logprob = info.params.logprobs.map(|top| {
+                let lse = cands.lse[i];
+                let row = i * k..(i + 1) * k;
+                let at = cands.cand_tokens[row.clone()]
+                    .iter()
+                    .position(|&t| t == token)
+                    .unwrap_or(0);
+                TokenLogprob {
+                    token,
+                    logprob: cands.cand_logits[row.start + at] - lse,
+                    top: (row.start..row.start + (top as usize).min(k))
+                        .map(|j| (self.batch.cand_tokens[j], self.batch.cand_logits[j] - lse))
+                        .collect(),
+                }
+            });
+            out.push(Sampled { token, logprob });
+        }
+        Ok(())
+    }
+
+    /// Appends one row's sampler parameters to the batch.
+    fn push_params(&mut self, info: &RowInfo<'_>) {
+        let p = info.params;
+        self.batch.temperature.push(p.temperature);
+        self.batch.top_k.push(p.top_k);
+        self.batch.top_p.push(p.top_p);
+        self.batch.min_p.push(p.min_p);
+        self.batch.seed.push(info.seed);
+        self.batch.counter.push(info.output.len() as u64);
+    }
+
+    /// The sampler's validated answer for the batch, else the fallback's, else the best
+    /// candidate of every row.
+    fn decide(&mut self, sampler: &mut dyn Sampler, fallback: &mut dyn Sampler) -> Vec<u32> {
+        if let Some(v) = self.validated(sampler.sample(&self.batch)) {
+            return v;
+        }
+        self.fallbacks += 1;
+        tracing::debug!("sampler answer rejected; using the fallback sampler");
+        self.validated(fallback.sample(&self.batch))
+            .unwrap_or_else(|| {
+                let k = self.batch.k as usize;
+                (0..self.batch.len())
+                    .map(|i| self.batch.cand_tokens[i * k])
+                    .collect()
+            })
     }
 
     fn reset_batch(&mut self, k: usize) {

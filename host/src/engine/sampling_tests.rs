@@ -210,3 +210,226 @@ fn top_k_orders_negative_zero_and_nan_like_a_float_sort() {
         want[..3].iter().map(|c| c.1).collect::<Vec<_>>()
     );
 }
+
+// ---- the backend's sampling tail + `sample_candidates` against `sample` over full rows ----
+
+mod tail {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::backend::cpu::sample::sample_tail;
+    use crate::backend::sample::{SampleOut, SampleRows};
+
+    /// A sampler that records every batch it sees and answers by `mode`: 0 a valid non-greedy
+    /// pick per row, 1 an invalid token, 2 `UseDefault`.
+    struct Recording {
+        mode: u8,
+        seen: Vec<SamplerBatch>,
+    }
+
+    impl Sampler for Recording {
+        fn sample(&mut self, b: &SamplerBatch) -> Decision<Vec<u32>> {
+            self.seen.push(b.clone());
+            let k = b.k as usize;
+            match self.mode {
+                0 => Decision::Use(
+                    (0..b.len())
+                        .map(|i| b.cand_tokens[i * k + (b.seed[i] as usize + i) % k])
+                        .collect(),
+                ),
+                1 => Decision::Use(vec![u32::MAX; b.len()]),
+                _ => Decision::UseDefault,
+            }
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    struct Row {
+        logits: Vec<f32>,
+        params: SamplingParams,
+        prompt: Vec<u32>,
+        output: Vec<u32>,
+        seed: u64,
+    }
+
+    fn logit() -> impl Strategy<Value = f32> {
+        prop_oneof![
+            12 => (-6i8..6).prop_map(|v| f32::from(v) * 0.5),
+            6 => -10.0f32..10.0,
+            1 => proptest::sample::select(vec![
+                f32::NAN,
+                f32::INFINITY,
+                f32::NEG_INFINITY,
+                -0.0,
+            ]),
+        ]
+    }
+
+    fn params() -> impl Strategy<Value = SamplingParams> {
+        use proptest::sample::select;
+        (
+            select(vec![1.0f32, 1.0, 0.0, -1.0, 0.5, 1.3, 2.0]),
+            select(vec![0.0f32, 0.0, -0.0, 0.5, -0.3]),
+            select(vec![0.0f32, 0.0, 0.25, -0.1]),
+            proptest::option::of(0u32..60),
+            (select(vec![0.0f32, 0.7, 1.0]), 0u32..5),
+            (select(vec![1.0f32, 0.9]), select(vec![0.0f32, 0.05])),
+        )
+            .prop_map(
+                |(rep, pres, freq, logprobs, (temperature, top_k), (top_p, min_p))| {
+                    SamplingParams {
+                        temperature,
+                        top_p,
+                        top_k,
+                        min_p,
+                        seed: None,
+                        presence_penalty: pres,
+                        frequency_penalty: freq,
+                        repetition_penalty: rep,
+                        logprobs,
+                    }
+                },
+            )
+    }
+
+    fn row(vocab: usize) -> impl Strategy<Value = Row> {
+        let token = 0..vocab as u32 + 3; // a few ids outside the vocabulary
+        (
+            proptest::collection::vec(logit(), vocab),
+            params(),
+            proptest::collection::vec(token.clone(), 0..24),
+            proptest::collection::vec(token, 0..12),
+            any::<u64>(),
+        )
+            .prop_map(|(logits, params, prompt, output, seed)| Row {
+                logits,
+                params,
+                prompt,
+                output,
+                seed,
+            })
+    }
+
+    /// `(vocab, stage K, rows)`; K runs past the vocabulary.
+    fn case() -> impl Strategy<Value = (usize, usize, Vec<Row>)> {
+        (1usize..40, 1usize..48).prop_flat_map(|(vocab, k)| {
+            (
+                Just(vocab),
+                Just(k),
+                proptest::collection::vec(row(vocab), 1..5),
+            )
+        })
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// Every column the sampler policy sees, one by one.
+    fn assert_same_batch(a: &SamplerBatch, b: &SamplerBatch) {
+        assert_eq!(a.k, b.k, "k");
+        assert_eq!(bits(&a.temperature), bits(&b.temperature), "temperature");
+        assert_eq!(a.top_k, b.top_k, "top_k");
+        assert_eq!(bits(&a.top_p), bits(&b.top_p), "top_p");
+        assert_eq!(bits(&a.min_p), bits(&b.min_p), "min_p");
+        assert_eq!(a.seed, b.seed, "seed");
+        assert_eq!(a.counter, b.counter, "counter");
+        assert_eq!(a.cand_tokens, b.cand_tokens, "cand_tokens");
+        assert_eq!(bits(&a.cand_logits), bits(&b.cand_logits), "cand_logits");
+    }
+
+    fn assert_same_sampled(a: &[Sampled], b: &[Sampled]) {
+        assert_eq!(a.len(), b.len());
+        for (x, y) in a.iter().zip(b) {
+            assert_eq!(x.token, y.token);
+            match (&x.logprob, &y.logprob) {
+                (None, None) => {}
+                (Some(p), Some(q)) => {
+                    assert_eq!(p.token, q.token);
+                    assert_eq!(p.logprob.to_bits(), q.logprob.to_bits(), "{p:?} vs {q:?}");
+                    assert_eq!(p.top.len(), q.top.len());
+                    for (s, t) in p.top.iter().zip(&q.top) {
+                        assert_eq!((s.0, s.1.to_bits()), (t.0, t.1.to_bits()), "{p:?} vs {q:?}");
+                    }
+                }
+                _ => panic!("logprobs on one path only: {x:?} vs {y:?}"),
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+        #[test]
+        fn tail_and_candidates_equal_full_rows(
+            (vocab, k, rows) in case(),
+            mode in 0u8..3,
+            fallback_mode in proptest::sample::select(vec![0u8, 2]),
+        ) {
+            let infos: Vec<RowInfo<'_>> = rows
+                .iter()
+                .map(|r| RowInfo {
+                    params: &r.params,
+                    prompt: &r.prompt,
+                    output: &r.output,
+                    seed: r.seed,
+                })
+                .collect();
+            let data: Vec<f32> = rows.iter().flat_map(|r| r.logits.clone()).collect();
+            let sampler = || Recording { mode, seen: Vec::new() };
+            let fallback = || Recording { mode: fallback_mode, seen: Vec::new() };
+
+            // Today: full rows on the host.
+            let mut full = Logits { data: data.clone(), vocab };
+            let mut old = SamplingStage::new(k);
+            let (mut s_old, mut f_old, mut out_old) = (sampler(), fallback(), Vec::new());
+            old.sample(&mut full, &infos, &mut s_old, &mut f_old, &mut out_old);
+
+            // The tail on the backend, candidates on the host.
+            let mut new = SamplingStage::new(k);
+            let mut sample_rows = SampleRows::default();
+            new.sample_rows(&infos, &mut sample_rows);
+            let mut tail_logits = data;
+            let mut cands = SampleOut::default();
+            sample_tail(&mut tail_logits, vocab, &sample_rows, &mut cands).unwrap();
+            let (mut s_new, mut f_new, mut out_new) = (sampler(), fallback(), Vec::new());
+            new.sample_candidates(&cands, &infos, &mut s_new, &mut f_new, &mut out_new)
+                .unwrap();
+
+            prop_assert_eq!(bits(&tail_logits), bits(&full.data));
+            prop_assert_eq!(s_old.seen.len(), 1);
+            prop_assert_eq!(s_new.seen.len(), 1);
+            assert_same_batch(&s_old.seen[0], &s_new.seen[0]);
+            prop_assert_eq!(f_old.seen.len(), f_new.seen.len());
+            for (a, b) in f_old.seen.iter().zip(&f_new.seen) {
+                assert_same_batch(a, b);
+            }
+            prop_assert_eq!(old.fallbacks, new.fallbacks);
+            assert_same_sampled(&out_old, &out_new);
+        }
+    }
+
+    #[test]
+    fn candidates_that_do_not_fit_the_rows_are_an_error() {
+        let p = SamplingParams::default();
+        let infos = [info(&p, &[], &[]), info(&p, &[], &[])];
+        let mut st = SamplingStage::new(2);
+        let cands = SampleOut {
+            k: 2,
+            cand_tokens: vec![0, 1],
+            cand_logits: vec![1.0, 0.0],
+            lse: vec![0.0],
+        };
+        let mut out = Vec::new();
+        let err = st
+            .sample_candidates(
+                &cands,
+                &infos,
+                &mut GreedySampler,
+                &mut GreedySampler,
+                &mut out,
+            )
+            .unwrap_err();
+        assert_eq!((err.rows, err.k, err.tokens), (2, 2, 2));
+        assert!(out.is_empty());
+    }
+}

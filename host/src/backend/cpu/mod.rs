@@ -10,6 +10,8 @@
 //! packing buffers — is not drawn from the arena.)
 
 mod attention;
+pub mod moe;
+pub mod sample;
 mod ssm;
 
 pub use ssm::{ssm_chunked_head, ssm_recurrent_head};
@@ -592,12 +594,56 @@ pub(crate) fn slot_elems(t: &CpuTensor) -> usize {
     t.shape.iter().skip(1).product()
 }
 
+/// Routing then expert compute over stacked weights (see [`moe`]).
 fn moe_forward(
-    _x: &CpuTensor,
-    _router_logits: &CpuTensor,
-    _routing: &MoeRouting<CpuTensor>,
-    _experts: &StackedExperts<CpuTensor>,
-    _out: &mut CpuTensor,
+    x: &CpuTensor,
+    router_logits: &CpuTensor,
+    routing: &MoeRouting<CpuTensor>,
+    experts: &StackedExperts<CpuTensor>,
+    out: &mut CpuTensor,
 ) -> Result<()> {
-    Err(BackendError::Invalid("MoE kernel pending".into()))
+    let (tokens, hidden) = x.rows_cols();
+    let (_, n_experts) = router_logits.rows_cols();
+    same_shape("moe output", x, out)?;
+    if experts.gate.is_some() || experts.up.shape.len() != 3 {
+        return Err(BackendError::Invalid(format!(
+            "moe: stacked experts up {:?} (gated experts are not supported on the CPU yet)",
+            experts.up.shape
+        )));
+    }
+    let inter = experts.up.shape[1];
+    let r = moe::MoeRouting {
+        experts: n_experts,
+        n_group: routing.n_group,
+        topk_group: routing.topk_group,
+        top_k: routing.top_k,
+        norm_topk_prob: routing.norm_topk_prob,
+        scaling: routing.scaling,
+    };
+    let n = tokens * routing.top_k;
+    let (mut ids, mut weights) = (vec![0u32; n], vec![0f32; n]);
+    moe::moe_route(
+        &router_logits.data,
+        tokens,
+        &r,
+        &routing.correction_bias.data,
+        &mut ids,
+        &mut weights,
+    )?;
+    let shape = moe::ExpertShape {
+        experts: n_experts,
+        hidden,
+        inter,
+        top_k: routing.top_k,
+        act: experts.act,
+    };
+    moe::moe_experts(
+        &x.data,
+        &ids,
+        &weights,
+        &experts.up.data,
+        &experts.down.data,
+        &shape,
+        &mut out.data,
+    )
 }

@@ -37,7 +37,7 @@ impl<B: Backend> Moe<B> {
         if s.n_group == 0
             || s.experts % s.n_group != 0
             || s.topk_group > s.n_group
-            || s.top_k > s.experts
+            || s.top_k > s.topk_group * (s.experts / s.n_group)
             || s.top_k == 0
         {
             return Err(ModelError::Unsupported(format!(

@@ -1,0 +1,288 @@
+//! Mixture-of-experts kernels on the CPU: sigmoid routing with grouped top-k selection and a
+//! score-correction bias (NemotronH; DeepSeek-V3 routing as transformers runs it), and the
+//! routed experts' MLPs over stacked expert weights.
+//!
+//! They reproduce the host routing the model layer used before routing moved onto the backend:
+//! the same expert ids in the same order, the same weights bit for bit, and per output row the
+//! same summation order (experts in ascending id, each expert's tokens in ascending order). Experts are plain MLPs
+//! (`down(act(up(x)))`, no gate, no bias), one GEMM pair per expert over the tokens routed to it.
+
+use rayon::prelude::*;
+
+use super::{apply_act, gemm_nt};
+use crate::backend::{Activation, BackendError, Result};
+
+/// Routing constants of one MoE layer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MoeRouting {
+    pub experts: usize,
+    /// Experts are split into `n_group` equal consecutive groups.
+    pub n_group: usize,
+    /// Groups allowed per token (the best by the sum of their two best biased scores).
+    pub topk_group: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Divide the picked weights by their sum (+1e-20) before scaling.
+    pub norm_topk_prob: bool,
+    pub scaling: f32,
+}
+
+/// Shape of the stacked experts: `up [experts, inter, hidden]`, `down [experts, hidden, inter]`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ExpertShape {
+    pub experts: usize,
+    pub hidden: usize,
+    pub inter: usize,
+    /// Experts per token (the width of the routing columns).
+    pub top_k: usize,
+    pub act: Activation,
+}
+
+/// Routes every token from its router logits (`[tokens, experts]`): `ids_out` and
+/// `weights_out` (`[tokens, top_k]`) get the picked experts, best first (ties to the lower
+/// id), and their weights: the sigmoid score (without the correction bias, which only steers
+/// the choice), optionally normalised, times `scaling`.
+pub fn moe_route(
+    router_logits: &[f32],
+    tokens: usize,
+    r: &MoeRouting,
+    correction_bias: &[f32],
+    ids_out: &mut [u32],
+    weights_out: &mut [f32],
+) -> Result<()> {
+    check_routing(
+        router_logits,
+        tokens,
+        r,
+        correction_bias,
+        ids_out,
+        weights_out,
+    )?;
+    if tokens == 0 {
+        return Ok(());
+    }
+    router_logits
+        .par_chunks(r.experts)
+        .zip(ids_out.par_chunks_mut(r.top_k))
+        .zip(weights_out.par_chunks_mut(r.top_k))
+        .for_each_init(
+            || RouteScratch::new(r),
+            |s, ((logits, ids), weights)| route_token(logits, r, correction_bias, s, ids, weights),
+        );
+    Ok(())
+}
+
+fn check_routing(
+    logits: &[f32],
+    tokens: usize,
+    r: &MoeRouting,
+    bias: &[f32],
+    ids: &[u32],
+    weights: &[f32],
+) -> Result<()> {
+    let groups_ok = r.n_group > 0
+        && r.experts.is_multiple_of(r.n_group)
+        && r.topk_group <= r.n_group
+        && r.top_k > 0
+        && r.top_k <= r.topk_group * (r.experts / r.n_group);
+    if !groups_ok {
+        return Err(BackendError::Invalid(format!(
+            "moe_route: top-{} of {} experts in {} groups, {} groups allowed",
+            r.top_k, r.experts, r.n_group, r.topk_group
+        )));
+    }
+    let n = tokens * r.top_k;
+    if logits.len() != tokens * r.experts
+        || bias.len() != r.experts
+        || ids.len() != n
+        || weights.len() != n
+    {
+        return Err(BackendError::Invalid(format!(
+            "moe_route: {} logits, {} biases, {} ids, {} weights for {tokens} tokens × {} \
+             experts, top-{}",
+            logits.len(),
+            bias.len(),
+            ids.len(),
+            weights.len(),
+            r.experts,
+            r.top_k
+        )));
+    }
+    Ok(())
+}
+
+/// Per-thread temporaries of the router.
+struct RouteScratch {
+    scores: Vec<f32>,
+    choice: Vec<f32>,
+    group_score: Vec<f32>,
+    order: Vec<u32>,
+    allowed: Vec<bool>,
+}
+
+impl RouteScratch {
+    fn new(r: &MoeRouting) -> Self {
+        Self {
+            scores: vec![0.0; r.experts],
+            choice: vec![0.0; r.experts],
+            group_score: vec![0.0; r.n_group],
+            order: Vec::with_capacity(r.experts.max(r.n_group)),
+            allowed: vec![false; r.n_group],
+        }
+    }
+}
+
+fn route_token(
+    logits: &[f32],
+    r: &MoeRouting,
+    bias: &[f32],
+    s: &mut RouteScratch,
+    ids: &mut [u32],
+    weights: &mut [f32],
+) {
+    for (((sc, ch), &v), &b) in s.scores.iter_mut().zip(&mut s.choice).zip(logits).zip(bias) {
+        *sc = 1.0 / (1.0 + (-v).exp());
+        *ch = *sc + b;
+    }
+    // Group score: the sum of the group's two best choice scores (the one, for groups of one).
+    let per_group = r.experts / r.n_group;
+    for (g, gs) in s.group_score.iter_mut().enumerate() {
+        let group = &s.choice[g * per_group..(g + 1) * per_group];
+        let (mut best, mut m) = ([0f32; 2], 0);
+        for &v in group {
+            if m == 0 {
+                (best[0], m) = (v, 1);
+            } else if v.total_cmp(&best[0]).is_gt() {
+                (best[1], best[0], m) = (best[0], v, 2);
+            } else if m == 1 || v.total_cmp(&best[1]).is_gt() {
+                (best[1], m) = (v, 2);
+            }
+        }
+        // Summed as `Iterator::sum` over the sorted group would: best first.
+        *gs = best[..m].iter().sum();
+    }
+    // Allowed groups: the `topk_group` best (ties to the lower group).
+    s.order.clear();
+    s.order.extend(0..r.n_group as u32);
+    let gsc = &s.group_score;
+    s.order
+        .sort_unstable_by(|&x, &y| gsc[y as usize].total_cmp(&gsc[x as usize]).then(x.cmp(&y)));
+    s.allowed.fill(false);
+    for &g in &s.order[..r.topk_group] {
+        s.allowed[g as usize] = true;
+    }
+    // Experts of the allowed groups by choice score (ties to the lower id), the best `top_k`.
+    s.order.clear();
+    s.order
+        .extend((0..r.experts as u32).filter(|&e| s.allowed[e as usize / per_group]));
+    let ch = &s.choice;
+    s.order
+        .sort_unstable_by(|&x, &y| ch[y as usize].total_cmp(&ch[x as usize]).then(x.cmp(&y)));
+    for ((id, w), &e) in ids.iter_mut().zip(weights.iter_mut()).zip(&s.order) {
+        *id = e;
+        *w = s.scores[e as usize];
+    }
+    if r.norm_topk_prob {
+        let sum: f32 = weights.iter().sum::<f32>() + 1e-20;
+        for w in weights.iter_mut() {
+            *w /= sum;
+        }
+    }
+    for w in weights.iter_mut() {
+        *w *= r.scaling;
+    }
+}
+
+/// Adds every token's routed experts to `out` (`[tokens, hidden]`, accumulated into):
+/// `out[t] += weights[t, j] · down_e(act(up_e(x[t])))` for `e = ids[t, j]`, with `x`
+/// `[tokens, hidden]` and the stacked expert weights `up [E, inter, hidden]`,
+/// `down [E, hidden, inter]`. Tokens are grouped per expert, so each expert is one GEMM pair
+/// over its rows; experts run in ascending id, each over its tokens in ascending order.
+pub fn moe_experts(
+    x: &[f32],
+    ids: &[u32],
+    weights: &[f32],
+    up: &[f32],
+    down: &[f32],
+    s: &ExpertShape,
+    out: &mut [f32],
+) -> Result<()> {
+    let (h, i) = (s.hidden, s.inter);
+    let tokens = x.len().checked_div(h).unwrap_or(0);
+    let shapes_ok = h > 0
+        && x.len() == tokens * h
+        && out.len() == x.len()
+        && ids.len() == tokens * s.top_k
+        && weights.len() == ids.len()
+        && up.len() == s.experts * i * h
+        && down.len() == s.experts * h * i;
+    if !shapes_ok {
+        return Err(BackendError::Invalid(format!(
+            "moe_experts: x {}, out {}, ids {}, weights {}, up {}, down {} for hidden {h}, \
+             inter {i}, {} experts, top-{}",
+            x.len(),
+            out.len(),
+            ids.len(),
+            weights.len(),
+            up.len(),
+            down.len(),
+            s.experts,
+            s.top_k
+        )));
+    }
+    if let Some(&bad) = ids.iter().find(|&&e| e as usize >= s.experts) {
+        return Err(BackendError::Invalid(format!(
+            "moe_experts: expert {bad} out of {}",
+            s.experts
+        )));
+    }
+    // Counting sort of the (token, weight) pairs by expert, tokens ascending within an expert.
+    let mut start = vec![0usize; s.experts + 1];
+    for &e in ids {
+        start[e as usize + 1] += 1;
+    }
+    for e in 0..s.experts {
+        start[e + 1] += start[e];
+    }
+    let mut fill = start.clone();
+    let mut rows = vec![0usize; ids.len()];
+    let mut row_w = vec![0f32; ids.len()];
+    for (j, (&e, &w)) in ids.iter().zip(weights).enumerate() {
+        let at = &mut fill[e as usize];
+        rows[*at] = j / s.top_k.max(1);
+        row_w[*at] = w;
+        *at += 1;
+    }
+    let most = (0..s.experts)
+        .map(|e| start[e + 1] - start[e])
+        .max()
+        .unwrap_or(0);
+    let mut xs = vec![0f32; most * h];
+    let mut mid = vec![0f32; most * i];
+    let mut ys = vec![0f32; most * h];
+    for e in 0..s.experts {
+        let (a, b) = (start[e], start[e + 1]);
+        let n = b - a;
+        if n == 0 {
+            continue;
+        }
+        for (dst, &t) in xs.chunks_exact_mut(h).zip(&rows[a..b]) {
+            dst.copy_from_slice(&x[t * h..(t + 1) * h]);
+        }
+        let (xs, mid, ys) = (&xs[..n * h], &mut mid[..n * i], &mut ys[..n * h]);
+        gemm_nt(xs, &up[e * i * h..(e + 1) * i * h], mid, n, h, i);
+        mid.par_iter_mut().for_each(|v| *v = apply_act(*v, s.act));
+        gemm_nt(mid, &down[e * h * i..(e + 1) * h * i], ys, n, i, h);
+        for ((y, &t), &w) in ys.chunks_exact(h).zip(&rows[a..b]).zip(&row_w[a..b]) {
+            for (o, v) in out[t * h..(t + 1) * h].iter_mut().zip(y) {
+                *o += w * v;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+#[path = "moe_tests.rs"]
+mod tests;

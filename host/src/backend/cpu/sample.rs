@@ -1,0 +1,167 @@
+//! The sampling tail on the CPU: penalties, top-K candidates and log-sum-exp per logits row
+//! (see [`crate::backend::sample`] for the columns and their invariants).
+//!
+//! This is the reference the device kernels are checked against, and it reproduces the host
+//! sampling stage's arithmetic exactly: the same penalty formulas, the same candidate order
+//! (descending logit, then ascending token id, NaN as negative infinity) and the same
+//! sequential log-sum-exp, so a step that ends here gives bit-identical tokens and logprobs.
+//! Rows are independent and run in parallel.
+
+use rayon::prelude::*;
+
+use crate::backend::sample::{Penalties, SampleOut, SampleRows};
+use crate::backend::{BackendError, Result};
+
+/// Applies each row's penalties to `logits` (`[rows, vocab]`, modified in place), then writes
+/// its top-K candidates and, where wanted, its log-sum-exp into `out`.
+pub fn sample_tail(
+    logits: &mut [f32],
+    vocab: usize,
+    rows: &SampleRows,
+    out: &mut SampleOut,
+) -> Result<()> {
+    check(logits, vocab, rows)?;
+    let n = rows.len();
+    let k = rows.k.min(vocab).max(1);
+    out.reshape(n, k);
+    let SampleOut {
+        cand_tokens,
+        cand_logits,
+        lse,
+        ..
+    } = out;
+    logits
+        .par_chunks_mut(vocab)
+        .zip(cand_tokens.par_chunks_mut(k))
+        .zip(cand_logits.par_chunks_mut(k))
+        .zip(lse.par_iter_mut())
+        .enumerate()
+        .for_each_init(
+            || Vec::with_capacity(k),
+            |keys, (i, (((row, tokens), cand), lse))| {
+                let pen = Penalties {
+                    repetition: rows.repetition[i],
+                    presence: rows.presence[i],
+                    frequency: rows.frequency[i],
+                };
+                let (hist, counts) = rows.history(i);
+                apply_penalties(row, pen, hist, counts);
+                best_keys(row, k, keys);
+                for ((c, t), x) in keys.iter().zip(tokens.iter_mut()).zip(cand.iter_mut()) {
+                    *t = *c as u32;
+                    *x = row[*t as usize];
+                }
+                *lse = if rows.want_lse[i] {
+                    log_sum_exp(row)
+                } else {
+                    0.0
+                };
+            },
+        );
+    Ok(())
+}
+
+fn check(logits: &[f32], vocab: usize, rows: &SampleRows) -> Result<()> {
+    let n = rows.len();
+    let bad = |what: String| Err(BackendError::Invalid(format!("sample_tail: {what}")));
+    if vocab == 0 || logits.len() != n * vocab {
+        return bad(format!(
+            "{} logits are not {n} rows of vocabulary {vocab}",
+            logits.len()
+        ));
+    }
+    if rows.presence.len() != n || rows.frequency.len() != n || rows.want_lse.len() != n {
+        return bad("per-row columns differ in length".into());
+    }
+    let h = rows.hist_tokens.len();
+    let offsets_ok = rows.hist_offsets.len() == n + 1
+        && rows.hist_offsets[0] == 0
+        && rows.hist_offsets.windows(2).all(|w| w[0] <= w[1])
+        && rows.hist_offsets[n] as usize == h
+        && rows.hist_counts.len() == h;
+    if !offsets_ok {
+        return bad("history offsets do not describe the history columns".into());
+    }
+    Ok(())
+}
+
+/// Penalises the logits of the row's history tokens (distinct; ids outside the row are
+/// ignored): repetition first, then `frequency · count + presence` for output tokens.
+fn apply_penalties(row: &mut [f32], pen: Penalties, hist: &[u32], counts: &[u32]) {
+    let (rep, pf) = (pen.repetition_on(), pen.counts_on());
+    if !rep && !pf {
+        return;
+    }
+    for (&t, &c) in hist.iter().zip(counts) {
+        let Some(x) = row.get_mut(t as usize) else {
+            continue;
+        };
+        if rep {
+            *x = if *x > 0.0 {
+                *x / pen.repetition
+            } else {
+                *x * pen.repetition
+            };
+        }
+        if pf && c > 0 {
+            *x -= pen.frequency * c as f32 + pen.presence;
+        }
+    }
+}
+
+/// The [`order_key`]s of the `k` best entries of `row` into `out`, best first.
+pub fn best_keys(row: &[f32], k: usize, out: &mut Vec<u64>) {
+    out.clear();
+    if k == 0 {
+        return;
+    }
+    let mut worst = 0;
+    for (t, &x) in row.iter().enumerate() {
+        let c = order_key(x, t as u32);
+        if out.len() < k {
+            out.push(c);
+            if out.len() == k {
+                worst = max_at(out);
+            }
+        } else if c < out[worst] {
+            out[worst] = c;
+            worst = max_at(out);
+        }
+    }
+    out.sort_unstable();
+}
+
+/// A key whose ascending order is descending logit, then ascending token id (NaN ranks as
+/// negative infinity); the token id is the low 32 bits.
+pub fn order_key(x: f32, t: u32) -> u64 {
+    let x = if x.is_nan() { f32::NEG_INFINITY } else { x };
+    let b = x.to_bits();
+    let ascending = if b >> 31 == 1 { !b } else { b | 0x8000_0000 };
+    (u64::from(!ascending) << 32) | u64::from(t)
+}
+
+fn max_at(c: &[u64]) -> usize {
+    let mut w = 0;
+    for i in 1..c.len() {
+        if c[i] > c[w] {
+            w = i;
+        }
+    }
+    w
+}
+
+/// `ln Σ exp(x)` over the row, shifted by its maximum and summed in order (NaN entries make it
+/// NaN; an all-`-inf` row gives `-inf`, a row holding `+inf` gives `+inf`).
+pub fn log_sum_exp(row: &[f32]) -> f32 {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if !max.is_finite() {
+        return max;
+    }
+    let sum: f32 = row.iter().map(|&x| (x - max).exp()).sum();
+    max + sum.ln()
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+#[path = "sample_tests.rs"]
+mod tests;
