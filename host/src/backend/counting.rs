@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::{
     Activation, ArenaStats, AttnShape, Backend, DType, HostTensor, KvLayer, MoeRouting, Result,
-    Rope, SsmPools, SsmShape, StackedExperts, StepPlan,
+    Rope, SampleOut, SsmPools, SsmShape, StackedExperts, StepPlan,
 };
 
 /// Counts shared by every clone of a [`Counting`] backend.
@@ -17,6 +17,8 @@ pub struct Traffic {
     pub step_uploads: AtomicU64,
     /// [`Backend::download`] calls.
     pub downloads: AtomicU64,
+    /// [`Backend::sample`] calls (the step's candidate read).
+    pub candidate_reads: AtomicU64,
     /// [`Backend::upload`] calls (weights, at load).
     pub uploads: AtomicU64,
     /// Kernel launches between uploads (any operation that takes a tensor).
@@ -28,6 +30,7 @@ pub struct Traffic {
 pub struct TrafficCounts {
     pub step_uploads: u64,
     pub downloads: u64,
+    pub candidate_reads: u64,
     pub uploads: u64,
     pub kernels: u64,
 }
@@ -37,6 +40,7 @@ impl Traffic {
         TrafficCounts {
             step_uploads: self.step_uploads.load(Ordering::Relaxed),
             downloads: self.downloads.load(Ordering::Relaxed),
+            candidate_reads: self.candidate_reads.load(Ordering::Relaxed),
             uploads: self.uploads.load(Ordering::Relaxed),
             kernels: self.kernels.load(Ordering::Relaxed),
         }
@@ -219,6 +223,15 @@ impl<B: Backend> Backend for Counting<B> {
         self.kernel();
         self.inner
             .ssm_scan(x, b, c, dt, a_log, d, dt_bias, shape, pools, layer, step)
+    }
+    fn sample(
+        &self,
+        logits: &mut Self::Tensor,
+        step: &Self::Step,
+        out: &mut SampleOut,
+    ) -> Result<()> {
+        self.traffic.candidate_reads.fetch_add(1, Ordering::Relaxed);
+        self.inner.sample(logits, step, out)
     }
     fn moe(
         &self,

@@ -27,6 +27,7 @@ pub mod cpu;
 pub mod sample;
 pub mod step;
 
+pub use sample::{SampleOut, SampleRows};
 pub use step::{PlanError, SeqChunk, SlotOp, SnapshotTarget, StepPlan};
 
 /// Element types of tensors.
@@ -364,6 +365,14 @@ pub trait Backend: Send + Sync + 'static {
         layer: usize,
         step: &Self::Step,
     ) -> Result<Self::Tensor>;
+
+    // ---- end of the step ----------------------------------------------------------------
+    /// The sampling tail over the step's `sample_rows` of `logits` (`[logit rows, vocab]`):
+    /// penalties (applied in place), per-row top-K candidates ordered best first with ties to
+    /// the lower id, log-sum-exp where wanted. Its result in `out` is the step's one
+    /// device-to-host copy.
+    fn sample(&self, logits: &mut Self::Tensor, step: &Self::Step, out: &mut SampleOut)
+    -> Result<()>;
 
     // ---- mixture of experts -------------------------------------------------------------
     /// Routes every row of `x[n, hidden]` from `router_logits[n, experts]` and adds the

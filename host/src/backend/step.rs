@@ -15,6 +15,8 @@
 //!
 //! Nothing here knows what a request is or why a block was chosen.
 
+use super::sample::SampleRows;
+
 /// "After `after` tokens of chunk `seq`, copy the live SSM state (all layers) into `slot`."
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SnapshotTarget {
@@ -85,6 +87,12 @@ pub struct StepPlan {
     pub slot_ops: Vec<SlotOp>,
     /// Rows of the hidden states whose logits are computed, in output order.
     pub logit_rows: Vec<u32>,
+    /// Rows of the logits (indices into `logit_rows`) that are sampled: the last row of every
+    /// `want_logits` chunk, in chunk order.
+    pub sample_rows: Vec<u32>,
+    /// Per-row sampling inputs (penalties, token history, K) for `sample_rows`, filled by the
+    /// engine's sampling stage.
+    pub sampling: SampleRows,
 }
 
 /// A plan that breaks an invariant (a bug in whoever built it).
@@ -116,6 +124,9 @@ impl StepPlan {
         self.snapshots.clear();
         self.slot_ops.clear();
         self.logit_rows.clear();
+        self.sample_rows.clear();
+        let k = self.sampling.k;
+        self.sampling.clear(k);
     }
 
     /// Adds a chunk: `tokens` at positions `context_len ..`, the sequence's block table and
@@ -171,6 +182,7 @@ impl StepPlan {
         self.decode_seqs.clear();
         self.prefill_seqs.clear();
         self.logit_rows.clear();
+        self.sample_rows.clear();
         self.cu_seqlens.push(0);
         for (i, s) in self.seqs.iter().enumerate() {
             let table = &self.block_tables[s.blocks.0 as usize..(s.blocks.0 + s.blocks.1) as usize];
@@ -194,6 +206,9 @@ impl StepPlan {
                 self.logit_rows.extend(s.offset as u32..end);
             } else if s.want_logits {
                 self.logit_rows.push(end - 1);
+            }
+            if s.want_logits {
+                self.sample_rows.push(self.logit_rows.len() as u32 - 1);
             }
         }
         self.validate()
@@ -309,19 +324,10 @@ impl StepPlan {
         &self.snapshots[start as usize..(start + len) as usize]
     }
 
-    /// Rows of logits that are sampled (one per `want_logits` chunk, its last token), as
-    /// indices into `logit_rows`.
-    pub fn sampled_rows(&self) -> impl Iterator<Item = usize> + '_ {
-        let mut row = 0usize;
-        self.seqs.iter().filter_map(move |s| {
-            let rows = if s.all_logits {
-                s.len
-            } else {
-                usize::from(s.want_logits)
-            };
-            row += rows;
-            if s.want_logits { Some(row - 1) } else { None }
-        })
+    /// Whether any chunk asks for every token's logits (prompt logprobs): those steps read
+    /// full rows back besides the sampling candidates.
+    pub fn wants_full_rows(&self) -> bool {
+        self.seqs.iter().any(|s| s.all_logits)
     }
 }
 
@@ -363,7 +369,7 @@ mod tests {
         p.push(&[7, 8], 3, &[3], 3, true);
         p.finish().unwrap();
         assert_eq!(p.logit_rows, vec![3, 4, 5, 7]);
-        assert_eq!(p.sampled_rows().collect::<Vec<_>>(), vec![0, 2, 3]);
+        assert_eq!(p.sample_rows, vec![0, 2, 3]);
         assert_eq!(p.decode_seqs, vec![1]);
         assert_eq!(p.prefill_seqs, vec![0, 2, 3]);
     }

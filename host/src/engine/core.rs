@@ -16,7 +16,7 @@ use super::api::{
     EngineEvent, EngineStats, FinishReason, GenerateRequest, KvEvent, TokenLogprob, Usage,
 };
 use super::config::{ConfigError, EngineSetup};
-use super::executor::{CacheAllocation, ExecutorError, Logits, StepExecutor};
+use super::executor::{CacheAllocation, ExecutorError, StepExecutor, StepOutput};
 use super::request::Request;
 use super::sampling::{GreedySampler, RowInfo, Sampled, SamplingStage, token_logprob};
 use super::scheduler::{Scheduler, StopReason};
@@ -88,7 +88,7 @@ pub struct Engine<E: StepExecutor> {
     eos: Vec<u32>,
     vocab: usize,
     inputs: StepPlan,
-    logits: Logits,
+    output: StepOutput,
     sampled: Vec<Sampled>,
     tokens: Vec<u32>,
     finished: Vec<(u32, StopReason)>,
@@ -153,7 +153,7 @@ impl<E: StepExecutor> Engine<E> {
             sched,
             policies,
             inputs: StepPlan::default(),
-            logits: Logits::default(),
+            output: StepOutput::default(),
             sampled: Vec::new(),
             tokens: Vec::new(),
             finished: Vec::new(),
@@ -279,7 +279,7 @@ impl<E: StepExecutor> Engine<E> {
         let result = self.prepare_inputs().and_then(|()| {
             let t2 = Instant::now();
             self.timings.inputs_ns += (t2 - t1).as_nanos() as u64;
-            let r = self.executor.execute(&self.inputs, &mut self.logits);
+            let r = self.executor.execute(&self.inputs, &mut self.output);
             self.timings.execute_ns += t2.elapsed().as_nanos() as u64;
             r
         });
@@ -333,6 +333,9 @@ impl<E: StepExecutor> Engine<E> {
                 }
             }
         }
+        // Per-row sampling inputs, in the order of the sampled rows.
+        let rows = sampled_rows(&self.sched);
+        self.sampling.sample_rows(&rows, &mut plan.sampling);
         plan.finish()
             .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))
     }
@@ -341,43 +344,24 @@ impl<E: StepExecutor> Engine<E> {
         if let Err(e) = self.take_prompt_rows() {
             return self.fail_batch(e);
         }
-        let out = self.sched.output();
-        let rows: Vec<RowInfo<'_>> = out
-            .seqs
-            .iter()
-            .filter(|s| s.want_logits)
-            .filter_map(|s| self.sched.request(s.slot))
-            .map(|r| RowInfo {
-                params: &r.params,
-                prompt: &r.tokens[..r.orig_prompt_len],
-                output: r.output(),
-                seed: r.seed,
-            })
-            .collect();
-        if rows.len() != self.logits.rows() || self.logits.vocab != self.vocab {
-            let msg = format!(
-                "executor returned {} logits rows of {}, expected {} of {}",
-                self.logits.rows(),
-                self.logits.vocab,
-                rows.len(),
-                self.vocab
-            );
-            drop(rows);
-            return self.fail_batch(ExecutorError::InvalidBatch(msg));
-        }
+        let rows = sampled_rows(&self.sched);
         let Policies {
             sampler,
             fallback_sampler,
             ..
         } = &mut self.policies;
         let t = Instant::now();
-        self.sampling.sample(
-            &mut self.logits,
+        let sampled = self.sampling.sample_candidates(
+            &self.output.cands,
             &rows,
             sampler.as_mut(),
             fallback_sampler.as_mut(),
             &mut self.sampled,
         );
+        if let Err(e) = sampled {
+            drop(rows);
+            return self.fail_batch(ExecutorError::InvalidBatch(e.to_string()));
+        }
         self.timings.sample_ns += t.elapsed().as_nanos() as u64;
         drop(rows);
         self.tokens.clear();
@@ -430,62 +414,57 @@ impl<E: StepExecutor> Engine<E> {
         }
     }
 
-    /// Moves the rows of prompt positions (chunks with `all_logits`) into their requests'
-    /// prompt logprobs, leaving one row per `want_logits` chunk, in order, for sampling.
+    /// Turns the full rows of prompt positions (chunks with `all_logits`) into their
+    /// requests' prompt logprobs.
     fn take_prompt_rows(&mut self) -> Result<(), ExecutorError> {
         self.prompt_done.clear();
-        let seqs: Vec<(u32, usize, usize, bool, bool)> = self
-            .sched
-            .output()
-            .seqs
-            .iter()
-            .map(|s| (s.slot, s.start, s.len, s.want_logits, s.all_logits))
-            .collect();
-        if !seqs.iter().any(|s| s.4) {
+        if !self.inputs.wants_full_rows() {
             return Ok(());
         }
-        let expected: usize = seqs
-            .iter()
-            .map(|&(_, _, len, want, all)| if all { len } else { usize::from(want) })
-            .sum();
+        let full = &self.output.full;
+        let expected = self.inputs.logit_rows.len();
         let vocab = self.vocab;
-        if self.logits.rows() != expected || self.logits.vocab != vocab {
+        if full.rows() != expected || full.vocab != vocab {
             return Err(ExecutorError::InvalidBatch(format!(
                 "executor returned {} logits rows of {}, expected {expected} of {vocab}",
-                self.logits.rows(),
-                self.logits.vocab,
+                full.rows(),
+                full.vocab,
             )));
         }
-        let data = &mut self.logits.data;
-        let (mut src, mut dst) = (0, 0);
-        for (slot, start, len, want, all) in seqs {
-            let rows = if all { len } else { usize::from(want) };
-            if all && let Some(r) = self.sched.request_mut(slot) {
+        let starts: Vec<(u32, usize)> = (self.sched.output().seqs.iter())
+            .map(|s| (s.slot, s.start))
+            .collect();
+        let mut src = 0;
+        for (&(slot, start), c) in starts.iter().zip(&self.inputs.seqs) {
+            let rows = if c.all_logits {
+                c.len
+            } else {
+                usize::from(c.want_logits)
+            };
+            if c.all_logits
+                && let Some(r) = self.sched.request_mut(slot)
+            {
                 let top = r.params.logprobs.unwrap_or(0) as usize;
                 let (tokens, prompt_len) = (&r.tokens, r.orig_prompt_len);
                 if let Some(acc) = r.prompt_logprobs.as_mut() {
                     // Row j holds the distribution of the token at position start + j + 1.
-                    for j in 0..len {
+                    for j in 0..c.len {
                         let pos = start + j + 1;
                         if pos >= prompt_len {
                             break;
                         }
-                        let row = &data[(src + j) * vocab..(src + j + 1) * vocab];
-                        acc[pos] = Some(token_logprob(row, tokens[pos], top));
+                        acc[pos] = Some(token_logprob(full.row(src + j), tokens[pos], top));
                     }
                 }
                 // The prompt is complete: hand them over with the first sampled token.
-                if want && let Some(done) = r.prompt_logprobs.take() {
+                if c.want_logits
+                    && let Some(done) = r.prompt_logprobs.take()
+                {
                     self.prompt_done.push((slot, done));
                 }
             }
             src += rows;
-            if want {
-                data.copy_within((src - 1) * vocab..src * vocab, dst * vocab);
-                dst += 1;
-            }
         }
-        data.truncate(dst * vocab);
         Ok(())
     }
 
@@ -524,4 +503,21 @@ impl<E: StepExecutor> Engine<E> {
         s.prefix_cache_hits = c.prefix_hits;
         s.ssm_restores = c.ssm_restores;
     }
+}
+
+/// What the sampling stage needs about each sampled row of this step, in row order.
+fn sampled_rows(sched: &Scheduler) -> Vec<RowInfo<'_>> {
+    sched
+        .output()
+        .seqs
+        .iter()
+        .filter(|s| s.want_logits)
+        .filter_map(|s| sched.request(s.slot))
+        .map(|r| RowInfo {
+            params: &r.params,
+            prompt: &r.tokens[..r.orig_prompt_len],
+            output: r.output(),
+            seed: r.seed,
+        })
+        .collect()
 }

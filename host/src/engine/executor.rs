@@ -9,7 +9,7 @@
 //! Call order: `cache_spec` → `allocate` once (sizes from the memory budget) → `execute` per
 //! step (the plan's slot operations run first, inside the step).
 
-use crate::backend::StepPlan;
+use crate::backend::{SampleOut, StepPlan};
 use crate::model::CacheSpec;
 
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
@@ -62,6 +62,17 @@ impl Logits {
     }
 }
 
+/// What a step returns to the host.
+#[derive(Debug, Clone, Default)]
+pub struct StepOutput {
+    /// The sampling tail's candidate columns: one row per sampled logits row (the plan's
+    /// `sample_rows`), computed from the plan's `sampling` inputs.
+    pub cands: SampleOut,
+    /// Every logits row of the plan's `logit_rows`, unpenalised — filled only on steps whose
+    /// plan [`StepPlan::wants_full_rows`] (prompt logprobs).
+    pub full: Logits,
+}
+
 /// What `allocate` must provide.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CacheAllocation {
@@ -80,11 +91,10 @@ pub trait StepExecutor: Send {
     fn eos_token_ids(&self) -> &[u32];
     /// Allocates the paged KV cache and the SSM slots; called once before the first step.
     fn allocate(&mut self, alloc: CacheAllocation) -> Result<(), ExecutorError>;
-    /// Runs one step: the plan's SSM slot restores and zeros, then the forward pass.
-    /// `logits` must be filled as [`Logits`] says: a row for every token of a chunk with
-    /// `all_logits`, a row for the last token of any other chunk with `want_logits`, in order
-    /// (the plan's `logit_rows`). Snapshot targets are written during the pass.
-    fn execute(&mut self, plan: &StepPlan, logits: &mut Logits) -> Result<(), ExecutorError>;
+    /// Runs one step: the plan's SSM slot restores and zeros, the forward pass (snapshot
+    /// targets are written during it) and the sampling tail, filling `out` as
+    /// [`StepOutput`] says.
+    fn execute(&mut self, plan: &StepPlan, out: &mut StepOutput) -> Result<(), ExecutorError>;
 }
 
 impl<E: StepExecutor + ?Sized> StepExecutor for Box<E> {
@@ -100,7 +110,7 @@ impl<E: StepExecutor + ?Sized> StepExecutor for Box<E> {
     fn allocate(&mut self, alloc: CacheAllocation) -> Result<(), ExecutorError> {
         (**self).allocate(alloc)
     }
-    fn execute(&mut self, plan: &StepPlan, logits: &mut Logits) -> Result<(), ExecutorError> {
-        (**self).execute(plan, logits)
+    fn execute(&mut self, plan: &StepPlan, out: &mut StepOutput) -> Result<(), ExecutorError> {
+        (**self).execute(plan, out)
     }
 }

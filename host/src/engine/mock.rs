@@ -13,7 +13,8 @@
 //! from an empty snapshot slot). Without `verify_kv` the logits depend only on the last token
 //! and its position (constant cost per row, for benchmarks).
 
-use super::executor::{CacheAllocation, ExecutorError, Logits, StepExecutor};
+use super::executor::{CacheAllocation, ExecutorError, Logits, StepExecutor, StepOutput};
+use crate::backend::cpu::sample::sample_tail;
 use crate::backend::{SlotOp, StepPlan};
 use crate::model::CacheSpec;
 
@@ -60,6 +61,8 @@ pub struct MockExecutor {
     block_size: usize,
     kv: Vec<u32>,
     ssm: Vec<Option<u64>>,
+    /// The sampled rows gathered for the sampling tail.
+    sampled: Vec<f32>,
     pub counters: MockCounters,
 }
 
@@ -70,6 +73,7 @@ impl MockExecutor {
             block_size: 0,
             kv: Vec::new(),
             ssm: Vec::new(),
+            sampled: Vec::new(),
             counters: MockCounters::default(),
         }
     }
@@ -141,7 +145,26 @@ impl StepExecutor for MockExecutor {
         Ok(())
     }
 
-    fn execute(&mut self, inputs: &StepPlan, logits: &mut Logits) -> Result<(), ExecutorError> {
+    fn execute(&mut self, plan: &StepPlan, out: &mut StepOutput) -> Result<(), ExecutorError> {
+        self.logits_rows(plan, &mut out.full)?;
+        if plan.sampling.is_empty() {
+            out.cands.reshape(0, 1);
+            return Ok(());
+        }
+        // The sampling tail over the sampled rows, with the CPU backend's kernel.
+        let vocab = out.full.vocab;
+        self.sampled.clear();
+        for &r in &plan.sample_rows {
+            self.sampled.extend_from_slice(out.full.row(r as usize));
+        }
+        sample_tail(&mut self.sampled, vocab, &plan.sampling, &mut out.cands)
+            .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))
+    }
+}
+
+impl MockExecutor {
+    /// Every logits row of the plan (`logit_rows` order), unpenalised.
+    fn logits_rows(&mut self, inputs: &StepPlan, logits: &mut Logits) -> Result<(), ExecutorError> {
         let call = self.counters.calls;
         self.counters.calls += 1;
         if self.cfg.fail_at_call == Some(call) {
@@ -250,9 +273,7 @@ impl StepExecutor for MockExecutor {
         }
         Ok(())
     }
-}
 
-impl MockExecutor {
     fn copy_ssm_slot(&mut self, src: u32, dst: u32) -> Result<(), ExecutorError> {
         let v = self.slot(src)?.ok_or_else(|| {
             ExecutorError::InvalidBatch(format!("restore from empty SSM slot {src}"))
@@ -308,21 +329,21 @@ mod tests {
         inp.push(&toks, 0, &[0, 1, 2], 0, true);
         inp.snapshot(8, 2);
         inp.finish().unwrap();
-        let mut la = Logits::default();
+        let mut la = StepOutput::default();
         a.execute(&inp, &mut la).unwrap();
         // Restore the snapshot into slot 1, reuse blocks 0-1, compute the last 2 tokens.
         let mut inp = plan();
         inp.slot_ops.push(SlotOp::Copy { from: 2, to: 1 });
         inp.push(&toks[8..], 8, &[0, 1, 5], 1, true);
         inp.finish().unwrap();
-        let mut lb = Logits::default();
+        let mut lb = StepOutput::default();
         a.execute(&inp, &mut lb).unwrap();
-        assert_eq!(la.data, lb.data);
+        assert_eq!(la.full.data, lb.full.data);
         // Restoring from a zeroed slot instead gives different logits.
         inp.slot_ops = vec![SlotOp::Zero { slot: 1 }];
-        let mut lc = Logits::default();
+        let mut lc = StepOutput::default();
         a.execute(&inp, &mut lc).unwrap();
-        assert_ne!(la.data, lc.data);
+        assert_ne!(la.full.data, lc.full.data);
     }
 
     #[test]
@@ -333,13 +354,13 @@ mod tests {
         let mut inp = plan();
         inp.push(&toks, 0, &[3, 4], 0, true);
         inp.finish().unwrap();
-        let mut l1 = Logits::default();
+        let mut l1 = StepOutput::default();
         m.execute(&inp, &mut l1).unwrap();
         let mut inp = plan();
         inp.push(&toks[4..], 4, &[5, 4], 0, true);
         inp.finish().unwrap();
         assert!(
-            m.execute(&inp, &mut Logits::default()).is_err(),
+            m.execute(&inp, &mut StepOutput::default()).is_err(),
             "block 5 never written"
         );
     }

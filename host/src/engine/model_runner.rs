@@ -1,12 +1,13 @@
 //! The real model behind the engine: [`ModelRunner`] implements [`StepExecutor`] for any
 //! [`Model`] on any [`Backend`]. It owns the model's device caches and the backend's step
 //! object: each step's plan is uploaded once, the forward pass reads only the uploaded step,
-//! and the logits come back in one device-to-host copy. The weights are shared (`Arc`):
+//! and the step ends on the backend with the sampling tail, whose candidate columns are the
+//! one device-to-host copy (plus full rows on steps that score prompt tokens). The weights are shared (`Arc`):
 //! replicas on one device read the same copy, each with its own caches.
 
 use std::sync::Arc;
 
-use super::executor::{CacheAllocation, ExecutorError, Logits, StepExecutor};
+use super::executor::{CacheAllocation, ExecutorError, StepExecutor, StepOutput};
 use crate::backend::{Backend, StepPlan};
 use crate::model::{CacheSpec, Model, ModelCaches};
 
@@ -69,7 +70,7 @@ impl<B: Backend> StepExecutor for ModelRunner<B> {
         Ok(())
     }
 
-    fn execute(&mut self, plan: &StepPlan, logits: &mut Logits) -> Result<(), ExecutorError> {
+    fn execute(&mut self, plan: &StepPlan, out: &mut StepOutput) -> Result<(), ExecutorError> {
         let vocab = self.model.info.vocab_size;
         let (Some(caches), Some(step)) = (self.caches.as_mut(), self.step.as_mut()) else {
             return Err(ExecutorError::Allocation(
@@ -82,15 +83,18 @@ impl<B: Backend> StepExecutor for ModelRunner<B> {
         self.backend
             .upload_step(plan, step)
             .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))?;
-        let out = self
+        let forward = |e: crate::backend::BackendError| ExecutorError::Forward(e.to_string());
+        let mut logits = self
             .model
             .forward(&self.backend, step, caches)
             .map_err(|e| ExecutorError::Forward(e.to_string()))?;
-        logits.vocab = vocab;
-        logits.data = self
-            .backend
-            .download(&out)
-            .map_err(|e| ExecutorError::Forward(e.to_string()))?;
-        Ok(())
+        out.full.vocab = vocab;
+        out.full.data.clear();
+        if plan.wants_full_rows() {
+            out.full.data = self.backend.download(&logits).map_err(forward)?;
+        }
+        self.backend
+            .sample(&mut logits, step, &mut out.cands)
+            .map_err(forward)
     }
 }

@@ -23,7 +23,7 @@ use rayon::prelude::*;
 
 use super::{
     Activation, ArenaStats, AttnShape, Backend, BackendError, DType, HostTensor, KvLayer,
-    MoeRouting, Result, Rope, SlotOp, SsmPools, SsmShape, StackedExperts, StepPlan,
+    MoeRouting, Result, Rope, SampleOut, SlotOp, SsmPools, SsmShape, StackedExperts, StepPlan,
 };
 
 /// A dense f32 tensor in host memory.
@@ -576,6 +576,30 @@ impl Backend for CpuBackend {
             x, b, c, dt, a_log, d, dt_bias, shape, state, &step.plan, &mut out,
         )?;
         Ok(out)
+    }
+
+    fn sample(&self, logits: &mut CpuTensor, step: &CpuStep, out: &mut SampleOut) -> Result<()> {
+        let plan = &step.plan;
+        let (rows, vocab) = logits.rows_cols();
+        if plan.sampling.len() != plan.sample_rows.len() {
+            return Err(BackendError::Invalid(format!(
+                "{} sampling rows for {} sampled logits rows",
+                plan.sampling.len(),
+                plan.sample_rows.len()
+            )));
+        }
+        if plan.sample_rows.len() == rows {
+            return sample::sample_tail(&mut logits.data, vocab, &plan.sampling, out);
+        }
+        // Prompt-logprob rows are interleaved: sample a gathered copy of the sampled rows.
+        let mut picked = self.tmp(&[plan.sample_rows.len(), vocab]);
+        for (dst, &r) in picked.data.chunks_mut(vocab.max(1)).zip(&plan.sample_rows) {
+            if r as usize >= rows {
+                return Err(BackendError::Invalid(format!("logits row {r} out of {rows}")));
+            }
+            dst.copy_from_slice(logits.row(r as usize));
+        }
+        sample::sample_tail(&mut picked.data, vocab, &plan.sampling, out)
     }
 
     fn moe(
