@@ -461,3 +461,118 @@ fn prompt_logprobs_match_the_full_forward_pass_despite_chunks_and_cache() {
         assert_eq!(usage.cached_tokens, 0, "{name}: nothing may be skipped");
     }
 }
+
+/// The device-step contract on every architecture, through the real engine: each step that
+/// runs a batch uploads its plan exactly once and reads exactly one thing back (the sampling
+/// candidates) — no per-layer host reads — and once the largest step shapes have run, the
+/// backend's step arena stops growing. The steps mix prefill chunks over a cached prefix,
+/// decodes, SSM snapshots and restores.
+#[test]
+fn each_step_uploads_once_and_reads_once() {
+    use chimera::backend::Backend;
+    use chimera::backend::counting::Counting;
+
+    for name in MODELS {
+        let backend = Counting::new(CpuBackend::default());
+        let traffic = backend.traffic.clone();
+        let m = model::load(&model_dir(name), &backend).expect("fixture model");
+        let s = Setup {
+            max_batched_tokens: 40,
+            ..Setup::default()
+        };
+        let setup = EngineSetup {
+            engine: EngineConfig {
+                max_batched_tokens: s.max_batched_tokens,
+                max_running: 8,
+                ..EngineConfig::default()
+            },
+            cache: CacheConfig {
+                memory_budget: ByteSize(s.budget),
+                block_size: 16,
+                ..CacheConfig::default()
+            },
+            hash_salt: "test".into(),
+        };
+        let mut e = Engine::new(
+            setup,
+            ModelRunner::new(backend.clone(), m),
+            Policies::greedy(),
+        )
+        .expect("engine");
+        let base = tokens(3, 50);
+        let prompts = |seed: u64| -> Vec<Vec<u32>> {
+            (0..4)
+                .map(|i| [&base[..], &tokens(seed + i, 9 + 7 * i as usize)[..]].concat())
+                .collect()
+        };
+        let mut steps = 0;
+        let mut round =
+            |e: &mut Engine<ModelRunner<Counting<CpuBackend>>>, first_id: u64, ps: &[Vec<u32>]| {
+                let mut rxs = Vec::new();
+                for (i, p) in ps.iter().enumerate() {
+                    let (tx, rx) = unbounded_channel();
+                    rxs.push(rx);
+                    e.add(
+                        GenerateRequest {
+                            id: first_id + i as u64,
+                            prompt: p.clone(),
+                            params: SamplingParams::default(),
+                            max_tokens: 5,
+                            stop_token_ids: Vec::new(),
+                            ignore_eos: true,
+                            prompt_logprobs: false,
+                        },
+                        tx,
+                    );
+                }
+                loop {
+                    let before = traffic.counts();
+                    if !e.step() {
+                        break;
+                    }
+                    let after = traffic.counts();
+                    assert_eq!(
+                        after.step_uploads - before.step_uploads,
+                        1,
+                        "{name}: uploads"
+                    );
+                    assert_eq!(
+                        after.candidate_reads - before.candidate_reads,
+                        1,
+                        "{name}: reads"
+                    );
+                    assert_eq!(after.downloads, before.downloads, "{name}: host reads");
+                    assert_eq!(after.uploads, before.uploads, "{name}: weight uploads");
+                    assert!(after.kernels > before.kernels, "{name}: kernels ran");
+                    steps += 1;
+                }
+                for rx in &mut rxs {
+                    let o = collect(rx).expect("finished");
+                    assert_eq!(
+                        (o.reason, o.tokens.len()),
+                        (FinishReason::Length, 5),
+                        "{name}"
+                    );
+                }
+            };
+        // Warm-up: the largest shapes (full 40-token chunks, the widest decode batch).
+        round(&mut e, 0, &prompts(100));
+        let warm = backend.arena_stats();
+        assert!(warm.grown > 0, "{name}: the arena was used");
+        // The same shapes with other tokens, then the first prompts again (prefix hits, and
+        // SSM restores on the hybrids): no growth.
+        round(&mut e, 10, &prompts(200));
+        round(&mut e, 20, &prompts(100));
+        assert_eq!(
+            backend.arena_stats(),
+            warm,
+            "{name}: the arena grew after warm-up"
+        );
+        assert!(steps > 20, "{name}: {steps} steps");
+        let stats = e.stats();
+        assert!(stats.prefix_cache_hits > 0, "{name}: prefix hits");
+        if *name != "llama-gqa" {
+            assert!(stats.ssm_restores > 0, "{name}: SSM restores");
+        }
+    }
+}

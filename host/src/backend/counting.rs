@@ -91,8 +91,8 @@ impl<B: Backend> Backend for Counting<B> {
     fn zeros(&self, shape: &[usize], dtype: DType) -> Result<Self::Tensor> {
         self.inner.zeros(shape, dtype)
     }
-    fn new_step(&self) -> Result<Self::Step> {
-        self.inner.new_step()
+    fn new_step(&self, max_tokens: usize) -> Result<Self::Step> {
+        self.inner.new_step(max_tokens)
     }
     fn upload_step(&self, plan: &StepPlan, step: &mut Self::Step) -> Result<()> {
         self.traffic.step_uploads.fetch_add(1, Ordering::Relaxed);

@@ -256,8 +256,9 @@ pub trait Backend: Send + Sync + 'static {
     fn zeros(&self, shape: &[usize], dtype: DType) -> Result<Self::Tensor>;
 
     // ---- the step -----------------------------------------------------------------------
-    /// An empty step object, sized lazily by the first uploads.
-    fn new_step(&self) -> Result<Self::Step>;
+    /// An empty step object for steps of at most `max_tokens` tokens; the step arena is
+    /// sized for that bucket (a step beyond it still runs, and grows the arena).
+    fn new_step(&self, max_tokens: usize) -> Result<Self::Step>;
     /// The step's one host-to-device upload.
     fn upload_step(&self, plan: &StepPlan, step: &mut Self::Step) -> Result<()>;
     fn arena_stats(&self) -> ArenaStats;
@@ -371,8 +372,12 @@ pub trait Backend: Send + Sync + 'static {
     /// penalties (applied in place), per-row top-K candidates ordered best first with ties to
     /// the lower id, log-sum-exp where wanted. Its result in `out` is the step's one
     /// device-to-host copy.
-    fn sample(&self, logits: &mut Self::Tensor, step: &Self::Step, out: &mut SampleOut)
-    -> Result<()>;
+    fn sample(
+        &self,
+        logits: &mut Self::Tensor,
+        step: &Self::Step,
+        out: &mut SampleOut,
+    ) -> Result<()>;
 
     // ---- mixture of experts -------------------------------------------------------------
     /// Routes every row of `x[n, hidden]` from `router_logits[n, experts]` and adds the

@@ -124,6 +124,7 @@ impl<E: StepExecutor> Engine<E> {
             num_blocks: layout.num_blocks,
             block_size: layout.block_size,
             num_ssm_slots: layout.ssm_slots(),
+            max_tokens: cfg.max_batched_tokens,
         })?;
         let cache = CacheManager::new(
             &layout,

@@ -80,6 +80,8 @@ pub struct CacheAllocation {
     pub block_size: usize,
     /// SSM-state slots (live and durable together; ids `0..num_ssm_slots`).
     pub num_ssm_slots: usize,
+    /// Tokens of the largest step (`engine.max_batched_tokens`): sizes step temporaries.
+    pub max_tokens: usize,
 }
 
 /// A model behind the engine: the real model runner, or [`super::mock::MockExecutor`].

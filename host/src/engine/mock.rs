@@ -314,6 +314,7 @@ mod tests {
             num_blocks: 8,
             block_size: 4,
             num_ssm_slots: 3,
+            max_tokens: 64,
         })
         .unwrap();
     }

@@ -64,7 +64,7 @@ impl<B: Backend> StepExecutor for ModelRunner<B> {
         self.caches = Some(caches);
         self.step = Some(
             self.backend
-                .new_step()
+                .new_step(alloc.max_tokens)
                 .map_err(|e| ExecutorError::Allocation(e.to_string()))?,
         );
         Ok(())

@@ -238,7 +238,7 @@ impl<B: Backend> Model<B> {
         }
         plan.finish().map_err(BackendError::from)?;
         caches.check(plan)?;
-        let mut step = backend.new_step()?;
+        let mut step = backend.new_step(plan.num_tokens())?;
         backend.upload_step(plan, &mut step)?;
         let logits = self.forward(backend, &step, caches)?;
         Ok(backend.download(&logits)?)

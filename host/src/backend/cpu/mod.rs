@@ -16,7 +16,8 @@ mod ssm;
 
 pub use ssm::{ssm_chunked_head, ssm_recurrent_head};
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use rayon::prelude::*;
@@ -91,44 +92,34 @@ impl CpuTensor {
     }
 }
 
-/// Recycled buffers for the tensors kernels create.
+/// Recycled buffers for the tensors kernels create, kept per row width. Every buffer holds
+/// `max_rows` rows of its width, so any later temporary of that width fits whatever the
+/// step's token count: after the first step of a model, the arena grows only if more
+/// temporaries of one width are alive at once than ever before.
 #[derive(Debug, Default)]
 pub struct Arena {
-    free: Mutex<Vec<(Vec<f32>, Vec<usize>)>>,
+    free: Mutex<HashMap<usize, Vec<(Vec<f32>, Vec<usize>)>>>,
+    max_rows: AtomicUsize,
     grown: AtomicU64,
     bytes: AtomicU64,
 }
 
 impl Arena {
-    /// A zeroed tensor of `shape`, reusing the smallest free buffer that fits.
+    /// A zeroed tensor of `shape` on a recycled buffer of its width.
     fn take(self: &Arc<Self>, shape: &[usize]) -> CpuTensor {
         let len: usize = shape.iter().product();
+        let cols = shape.last().copied().unwrap_or(1).max(1);
+        let rows = len / cols;
         let (mut data, mut dims) = {
             let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
-            let best = free
-                .iter()
-                .enumerate()
-                .filter(|(_, (d, _))| d.capacity() >= len)
-                .min_by_key(|(_, (d, _))| d.capacity())
-                .map(|(i, _)| i);
-            match best {
-                Some(i) => free.swap_remove(i),
-                // None fits: grow the largest free buffer (or start a new one).
-                None => match free
-                    .iter()
-                    .enumerate()
-                    .max_by_key(|(_, (d, _))| d.capacity())
-                    .map(|(i, _)| i)
-                {
-                    Some(i) => free.swap_remove(i),
-                    None => (Vec::new(), Vec::new()),
-                },
-            }
+            free.get_mut(&cols).and_then(Vec::pop).unwrap_or_default()
         };
         if data.capacity() < len {
+            let want = rows.max(self.max_rows.load(Ordering::Relaxed)) * cols;
             self.grown.fetch_add(1, Ordering::Relaxed);
             self.bytes
-                .fetch_add(((len - data.capacity()) * 4) as u64, Ordering::Relaxed);
+                .fetch_add(((want - data.capacity()) * 4) as u64, Ordering::Relaxed);
+            data.reserve_exact(want - data.len());
         }
         data.clear();
         data.resize(len, 0.0);
@@ -142,8 +133,9 @@ impl Arena {
     }
 
     fn give(&self, data: Vec<f32>, shape: Vec<usize>) {
+        let cols = shape.last().copied().unwrap_or(1).max(1);
         let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
-        free.push((data, shape));
+        free.entry(cols).or_default().push((data, shape));
     }
 }
 
@@ -263,7 +255,8 @@ impl Backend for CpuBackend {
         CpuTensor::new(data, shape)
     }
 
-    fn new_step(&self) -> Result<CpuStep> {
+    fn new_step(&self, max_tokens: usize) -> Result<CpuStep> {
+        self.arena.max_rows.fetch_max(max_tokens, Ordering::Relaxed);
         Ok(CpuStep::default())
     }
 
@@ -595,7 +588,9 @@ impl Backend for CpuBackend {
         let mut picked = self.tmp(&[plan.sample_rows.len(), vocab]);
         for (dst, &r) in picked.data.chunks_mut(vocab.max(1)).zip(&plan.sample_rows) {
             if r as usize >= rows {
-                return Err(BackendError::Invalid(format!("logits row {r} out of {rows}")));
+                return Err(BackendError::Invalid(format!(
+                    "logits row {r} out of {rows}"
+                )));
             }
             dst.copy_from_slice(logits.row(r as usize));
         }
