@@ -45,6 +45,7 @@ fn make_engine(blocks: usize, max_running: usize) -> Engine<MockExecutor> {
             block_size: BS,
             prefix_caching: true,
             ssm_share: None,
+            ..CacheConfig::default()
         },
         hash_salt: "bench".into(),
     };

@@ -3,16 +3,31 @@
 //! One byte budget is split between paged KV blocks and SSM-state slots (one live slot per
 //! running request plus durable snapshot slots). Sizes follow from the model's [`CacheSpec`];
 //! an impossible budget is an error that names the keys to change. Nothing here allocates.
+//!
+//! Attention-free models (pure Mamba2) have KV blocks that hold no data, yet the block pool
+//! still needs logical blocks: block tables of running sequences and the prefix index that
+//! SSM snapshots hang off. Their count is bounded by what can be indexed usefully (see
+//! [`CacheLayout::plan`]), not by dividing the budget by a zero block size.
 
 use std::fmt;
 
 use serde::{Deserialize, Deserializer};
 
-use crate::model::CacheSpec;
+use super::spec::{CacheSpec, SsmStateDtype};
 
 /// Share of the budget left after live SSM slots that goes to durable snapshots when
 /// `ssm_share` is not set.
 pub const AUTO_SNAPSHOT_SHARE: f64 = 0.2;
+
+/// Attention-free models: tokens of sequence each SSM slot (live or durable) gets logical
+/// blocks for. A live slot's request, or the prefix chain a durable snapshot hangs off, longer
+/// than this still fits as long as the others are shorter: the pool is shared.
+pub const ATTENTION_FREE_TOKENS_PER_SLOT: usize = 32 * 1024;
+
+/// Attention-free models: host bytes one logical block may cost (its metadata and free-list
+/// entry, plus prefix-index and LRU entries while cached), charged against the budget so the
+/// pool's bookkeeping never outgrows it.
+pub const BLOCK_BOOKKEEPING_BYTES: u64 = 256;
 
 /// `[cache]` section.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -28,6 +43,10 @@ pub struct CacheConfig {
     /// only. Unset: live slots for `engine.max_running` requests, then
     /// [`AUTO_SNAPSHOT_SHARE`] of the rest for snapshots.
     pub ssm_share: Option<f64>,
+    /// Storage type of the SSM recurrent state: "float32" (default) or "bfloat16". It sizes
+    /// the SSM slots. The CPU backend computes and stores the state in f32 whatever this says,
+    /// so on the CPU it only changes how the budget is split.
+    pub ssm_state_dtype: SsmStateDtype,
 }
 
 impl Default for CacheConfig {
@@ -37,6 +56,7 @@ impl Default for CacheConfig {
             block_size: 16,
             prefix_caching: true,
             ssm_share: None,
+            ssm_state_dtype: SsmStateDtype::Float32,
         }
     }
 }
@@ -150,7 +170,14 @@ impl CacheLayout {
     }
 
     /// Splits `cfg.memory_budget` for a model with `spec`, serving up to `max_running`
-    /// requests at once.
+    /// requests at once. SSM slots are sized with `cfg.ssm_state_dtype`.
+    ///
+    /// KV blocks get what the SSM slots leave. On an attention-free model a block holds no
+    /// data, so the count is the smaller of
+    /// - `ssm_slots() * ceil(ATTENTION_FREE_TOKENS_PER_SLOT / block_size)`: every live slot's
+    ///   request and every snapshot's prefix chain fully indexed, and
+    /// - what is left of the budget over [`BLOCK_BOOKKEEPING_BYTES`]: the pool's host memory
+    ///   stays within the budget.
     pub fn plan(
         cfg: &CacheConfig,
         spec: &CacheSpec,
@@ -165,8 +192,8 @@ impl CacheLayout {
         {
             return Err(CacheConfigError::Share(r));
         }
+        let spec = spec.with_ssm_state_dtype(cfg.ssm_state_dtype);
         let budget = cfg.memory_budget.0;
-        let block_bytes = spec.kv_block_bytes(bs).max(1) as u64;
         let (live_slots, durable_slots, ssm_bytes) = if spec.is_hybrid() {
             let slot = spec.ssm_slot_bytes().max(1) as u64;
             let live_need = slot * max_running as u64;
@@ -194,20 +221,30 @@ impl CacheLayout {
         } else {
             (0, 0, 0)
         };
-        let num_blocks = (budget.saturating_sub(ssm_bytes) / block_bytes) as usize;
+        let kv_budget = budget.saturating_sub(ssm_bytes);
+        let kv_block = spec.kv_block_bytes(bs) as u64;
+        let (num_blocks, charged) = if spec.is_attention_free() {
+            let per_slot = ATTENTION_FREE_TOKENS_PER_SLOT.div_ceil(bs) as u64;
+            let useful = (live_slots + durable_slots) as u64 * per_slot;
+            let bookkeeping = kv_budget / BLOCK_BOOKKEEPING_BYTES;
+            (useful.min(bookkeeping), BLOCK_BOOKKEEPING_BYTES)
+        } else {
+            (kv_budget / kv_block, kv_block)
+        };
+        let num_blocks = num_blocks.min(u32::MAX as u64 - 1) as usize;
         if num_blocks < 2 {
             return Err(CacheConfigError::TooFewBlocks {
                 budget: cfg.memory_budget,
                 blocks: num_blocks,
-                block: ByteSize(block_bytes),
+                block: ByteSize(charged),
             });
         }
         Ok(Self {
             block_size: bs,
-            num_blocks: num_blocks.min(u32::MAX as usize - 1),
+            num_blocks,
             live_slots,
             durable_slots,
-            kv_bytes: num_blocks as u64 * block_bytes,
+            kv_bytes: num_blocks as u64 * kv_block,
             ssm_bytes,
         })
     }
@@ -226,7 +263,25 @@ mod tests {
             ssm_layers,
             conv_state_elems: 8,
             ssm_state_elems: 24,
-            dtype_bytes: 4,
+            kv_elem_bytes: 4,
+            conv_elem_bytes: 4,
+            ssm_elem_bytes: 4,
+        }
+    }
+
+    /// A 3-layer Mamba2 with the mixer of mamba2-130m (d_model 768, expand 2, 24 heads of 64,
+    /// state 128, 1 group, conv kernel 4): no attention, 2.4 MB per f32 slot.
+    fn mamba2_3_layers() -> CacheSpec {
+        CacheSpec {
+            attn_layers: 0,
+            kv_heads: 0,
+            head_dim: 0,
+            ssm_layers: 3,
+            conv_state_elems: (1536 + 2 * 128) * 3,
+            ssm_state_elems: 24 * 64 * 128,
+            kv_elem_bytes: 4,
+            conv_elem_bytes: 4,
+            ssm_elem_bytes: 4,
         }
     }
 
@@ -251,6 +306,87 @@ mod tests {
         assert_eq!(int.memory_budget, ByteSize(4096));
         let err = toml::from_str::<CacheConfig>("block_sise = 16").unwrap_err();
         assert!(err.to_string().contains("block_sise"), "{err}");
+    }
+
+    #[test]
+    fn ssm_state_dtype_key_is_validated() {
+        assert_eq!(
+            CacheConfig::default().ssm_state_dtype,
+            SsmStateDtype::Float32
+        );
+        let bf: CacheConfig = toml::from_str("ssm_state_dtype = \"bfloat16\"").unwrap();
+        assert_eq!(bf.ssm_state_dtype, SsmStateDtype::Bfloat16);
+        let err = toml::from_str::<CacheConfig>("ssm_state_dtype = \"float16\"")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(
+                "cache.ssm_state_dtype = \"float16\": must be \"float32\" or \"bfloat16\""
+            ),
+            "{err}"
+        );
+        assert!(toml::from_str::<CacheConfig>("ssm_state_dtype = 16").is_err());
+    }
+
+    #[test]
+    fn ssm_slots_are_sized_with_the_ssm_state_dtype() {
+        // Slot: 3 layers * (8 conv * 4 bytes + 24 state * 2 bytes) = 240 B; KV unchanged.
+        let cfg = CacheConfig {
+            memory_budget: ByteSize(100_000),
+            ssm_share: Some(0.25),
+            ssm_state_dtype: SsmStateDtype::Bfloat16,
+            ..Default::default()
+        };
+        let l = CacheLayout::plan(&cfg, &spec(3), 4).unwrap();
+        assert_eq!(l.durable_slots, (25_000 - 4 * 240) / 240);
+        assert_eq!(l.ssm_bytes, (4 + l.durable_slots as u64) * 240);
+        assert_eq!(l.num_blocks as u64, (100_000 - l.ssm_bytes) / 2048);
+    }
+
+    #[test]
+    fn attention_free_pool_is_bounded_by_what_slots_can_index() {
+        let cfg = CacheConfig {
+            memory_budget: ByteSize(256 << 20),
+            ..Default::default()
+        };
+        let spec = mamba2_3_layers();
+        let slot = 3 * (5376 + 196_608) * 4;
+        assert_eq!(spec.ssm_slot_bytes(), slot);
+        let l = CacheLayout::plan(&cfg, &spec, 64).unwrap();
+        let rest = (256u64 << 20) - 64 * slot as u64;
+        assert_eq!(
+            l.durable_slots as u64,
+            (rest as f64 * 0.2) as u64 / slot as u64
+        );
+        assert_eq!(l.durable_slots, 9);
+        // (64 live + 9 durable) slots * 32768 tokens / 16 per block. Dividing the leftover by
+        // a 1-byte block (the old rule) gave one block per byte: 91_497_472 blocks.
+        assert_eq!(l.num_blocks, 73 * 2048);
+        assert_eq!((256 << 20) - l.ssm_bytes, 91_497_472);
+        assert_eq!(l.kv_bytes, 0);
+        assert!(l.ssm_bytes <= 256 << 20);
+    }
+
+    #[test]
+    fn attention_free_pool_bookkeeping_stays_within_the_budget() {
+        // Tiny slots: thousands of snapshots would index more blocks than the budget can keep
+        // the bookkeeping of, so the leftover budget over 256 bytes per block decides.
+        let tiny = CacheSpec {
+            attn_layers: 0,
+            ..spec(2)
+        };
+        let cfg = CacheConfig {
+            memory_budget: ByteSize(256 << 20),
+            ..Default::default()
+        };
+        let l = CacheLayout::plan(&cfg, &tiny, 64).unwrap();
+        assert!(l.ssm_slots() * 2048 > l.num_blocks);
+        assert_eq!(
+            l.num_blocks as u64,
+            ((256u64 << 20) - l.ssm_bytes) / BLOCK_BOOKKEEPING_BYTES
+        );
+        // The old rule: 214_735_360 blocks (~14 GB of block metadata).
+        assert_eq!(l.num_blocks, 838_810);
     }
 
     #[test]

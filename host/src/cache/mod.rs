@@ -19,18 +19,20 @@
 
 pub mod block_pool;
 pub mod config;
+pub mod events;
 pub mod hash;
+pub mod spec;
 pub mod ssm_pool;
 mod stats;
 
 pub use block_pool::{BlockPool, NO_PARENT, PoolError};
 pub use config::{ByteSize, CacheConfig, CacheConfigError, CacheLayout};
+pub use events::KvEvent;
 pub use hash::{BlockHash, HashSeed};
+pub use spec::{CacheSpec, SsmStateDtype};
 pub use ssm_pool::SsmPool;
 pub use stats::CacheCounters;
 
-use crate::engine::api::KvEvent;
-use crate::model::SsmSnapshot;
 use crate::policy::Evictor;
 
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
@@ -54,6 +56,15 @@ pub struct PrefixMatch {
     pub kv_blocks: usize,
     /// Leading blocks whose computation is skipped (≤ `kv_blocks`).
     pub skip_blocks: usize,
+}
+
+/// "After `after` tokens of this chunk, copy the live SSM state (all layers) into `slot`."
+/// `after` is in `1 ..= len`. Planned by [`CacheManager::plan_snapshots`], carried to the model
+/// in its batch inputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SsmSnapshot {
+    pub after: usize,
+    pub slot: u32,
 }
 
 /// The SSM-state operation a new sequence needs before its first chunk.

@@ -152,23 +152,8 @@ pub struct EngineStats {
     pub requests_finished: u64,
 }
 
-/// A block-level cache event, published only after the step that made it succeeded. Hashes are
-/// the prefix-index block hashes (see `cache::hash`), so a router can mirror each replica's
-/// prefix index exactly.
-#[derive(Debug, Clone, PartialEq)]
-pub enum KvEvent {
-    Stored {
-        hashes: Vec<u64>,
-        with_snapshot: Vec<bool>,
-    },
-    Removed {
-        hashes: Vec<u64>,
-    },
-    SnapshotRemoved {
-        hashes: Vec<u64>,
-    },
-    Cleared,
-}
+/// Block-level cache events live with the cache; re-exported for the server and router.
+pub use crate::cache::KvEvent;
 
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
 pub enum SubmitError {

@@ -126,7 +126,9 @@ impl StepExecutor for MockExecutor {
             ssm_layers: self.cfg.ssm_layers,
             conv_state_elems: 16,
             ssm_state_elems: 48,
-            dtype_bytes: 4,
+            kv_elem_bytes: 4,
+            conv_elem_bytes: 4,
+            ssm_elem_bytes: 4,
         }
     }
 

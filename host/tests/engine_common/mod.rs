@@ -69,6 +69,7 @@ pub fn setup<E: StepExecutor>(exec: &E, k: Knobs) -> EngineSetup {
             block_size: k.block_size,
             prefix_caching: k.prefix_caching,
             ssm_share: share,
+            ..CacheConfig::default()
         },
         hash_salt: "test-model".into(),
     }
