@@ -99,6 +99,7 @@ fn submit(
             stop_token_ids: Vec::new(),
             ignore_eos: true,
             prompt_logprobs: false,
+            block_hashes: None,
         },
         tx,
     );
@@ -391,6 +392,7 @@ fn prompt_logprobs_match_the_full_forward_pass_despite_chunks_and_cache() {
                 stop_token_ids: Vec::new(),
                 ignore_eos: true,
                 prompt_logprobs: true,
+                block_hashes: None,
             },
             tx,
         );

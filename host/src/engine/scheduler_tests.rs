@@ -2,7 +2,7 @@ use tokio::sync::mpsc::unbounded_channel;
 
 use super::*;
 use crate::cache::CacheLayout;
-use crate::engine::api::{GenerateRequest, SamplingParams};
+use crate::engine::api::{FailureKind, GenerateRequest, SamplingParams};
 
 const BS: usize = 4;
 
@@ -37,6 +37,7 @@ fn add(s: &mut Scheduler, id: u64, prompt: Vec<u32>, max_tokens: u32) {
         stop_token_ids: vec![],
         ignore_eos: true,
         prompt_logprobs: false,
+        block_hashes: None,
     };
     s.add(|slot| Request::new(req, slot, tx));
 }
@@ -103,7 +104,7 @@ fn without_chunking_a_prompt_runs_whole_or_waits() {
     s.schedule(&mut c);
     let rej = s.take_rejected();
     assert_eq!(rej.len(), 1);
-    assert_eq!(rej[0].kind, "prompt_too_long");
+    assert_eq!(rej[0].kind, FailureKind::PromptTooLong);
 }
 
 #[test]
@@ -161,7 +162,7 @@ fn prompt_larger_than_the_cache_fails_clearly() {
     add(&mut s, 1, (0..17).collect(), 2);
     assert!(plan(&mut s, &mut c).is_empty());
     let rej = s.take_rejected();
-    assert_eq!(rej[0].kind, "prompt_too_long");
+    assert_eq!(rej[0].kind, FailureKind::PromptTooLong);
     assert!(
         rej[0].message.contains("cache holds 4"),
         "{}",
@@ -201,6 +202,7 @@ fn max_tokens_and_stop_tokens_finish() {
         stop_token_ids: vec![7],
         ignore_eos: true,
         prompt_logprobs: false,
+        block_hashes: None,
     };
     s.add(|slot| Request::new(req, slot, tx));
     plan(&mut s, &mut c);
@@ -220,6 +222,7 @@ fn prompt_logprob_requests_take_bounded_chunks_with_every_logit() {
         stop_token_ids: vec![],
         ignore_eos: true,
         prompt_logprobs: true,
+        block_hashes: None,
     };
     s.add(|slot| Request::new(req, slot, tx));
     add(&mut s, 2, (1000..1300).collect(), 2);

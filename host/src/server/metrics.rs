@@ -225,6 +225,8 @@ impl Metrics {
         use names::*;
         let mut out = String::with_capacity(8 * 1024);
         let m = escape(model);
+        // The engine counts prefix-cache queries and hits in blocks.
+        let block_tokens = f64::from(cache.block_size);
         let per_engine = |out: &mut String,
                           name: &str,
                           kind: &str,
@@ -268,14 +270,14 @@ impl Metrics {
             PREFIX_CACHE_QUERIES,
             "counter",
             "Prefix-cache queries, in tokens.",
-            &|s| s.prefix_cache_queries as f64,
+            &|s| s.prefix_cache_queries as f64 * block_tokens,
         );
         per_engine(
             &mut out,
             PREFIX_CACHE_HITS,
             "counter",
             "Prefix-cache hits, in tokens.",
-            &|s| s.prefix_cache_hits as f64,
+            &|s| s.prefix_cache_hits as f64 * block_tokens,
         );
         per_engine(
             &mut out,
