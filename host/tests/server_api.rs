@@ -1,6 +1,8 @@
 //! Endpoint and parameter tests over real loopback HTTP against the real engine over the
 //! model-free mock executor.
 
+#![allow(clippy::unwrap_used)]
+
 mod server_support;
 
 use std::time::Duration;
@@ -113,10 +115,15 @@ async fn streaming_and_non_streaming_agree() {
         let events = st.sse();
         for e in &events {
             for c in e["choices"].as_array().unwrap() {
-                assert!(
-                    !c["text"].as_str().unwrap().contains('\u{fffd}'),
-                    "split UTF-8 in {c}"
-                );
+                // A chunk never ends inside a character. Only the length limit can cut the
+                // last one, and then the whole text ends with the replacement too.
+                let text = c["text"].as_str().unwrap();
+                if c["finish_reason"] == "length" && want[0].ends_with('\u{fffd}') {
+                    let whole = text.trim_end_matches('\u{fffd}');
+                    assert!(!whole.contains('\u{fffd}'), "split UTF-8 in {c}");
+                } else {
+                    assert!(!text.contains('\u{fffd}'), "split UTF-8 in {c}");
+                }
             }
             assert!(e.get("usage").is_none(), "usage only with include_usage");
         }
@@ -134,7 +141,7 @@ async fn streaming_and_non_streaming_agree() {
     .await;
     let text = &texts(&r.json())[0];
     assert!(
-        text.chars().any(|c| !c.is_ascii()),
+        !text.is_ascii(),
         "no multi-byte characters generated: {text}"
     );
 }

@@ -1,5 +1,8 @@
 //! A table of malformed and hostile inputs, each answered with the right status and an OpenAI
-//! error body; the server stays healthy afterwards.
+//! error body; the server stays healthy afterwards. Every failure kind of the engine reaches the
+//! client with the status the error map gives it.
+
+#![allow(clippy::unwrap_used)]
 
 mod server_support;
 
@@ -622,8 +625,12 @@ fn the_engine_fails_malformed_requests_as_invalid_request() {
     use chimera::engine::{Engine, MockExecutor};
 
     let o = Options::default();
-    let mut e = Engine::new(o.setup(), MockExecutor::new(o.mock.clone()), Options::policies())
-        .expect("engine");
+    let mut e = Engine::new(
+        o.setup(),
+        MockExecutor::new(o.mock.clone()),
+        Options::policies(),
+    )
+    .expect("engine");
     let req = |id: u64, prompt: Vec<u32>, max_tokens: u32| GenerateRequest {
         id,
         prompt,

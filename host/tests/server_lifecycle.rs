@@ -1,6 +1,8 @@
 //! Cancellation, admission, admin and shutdown over real loopback HTTP, in front of real engine
 //! threads over the mock executor.
 
+#![allow(clippy::unwrap_used)]
+
 mod server_support;
 
 use std::time::{Duration, Instant};
@@ -56,9 +58,16 @@ async fn client_disconnect_cancels_the_engine_request() {
         );
         assert!(started.elapsed() < Duration::from_secs(5));
         assert_eq!(s.counter(|c| c.get(&c.cancels)), round, "round {round}");
-        assert_eq!(s.engine_sum(|e| e.requests_finished), round, "round {round}");
+        assert_eq!(
+            s.engine_sum(|e| e.requests_finished),
+            round,
+            "round {round}"
+        );
         let generated = s.engine_sum(|e| e.generation_tokens);
-        assert!(generated < 1000, "round {round}: {generated} tokens generated");
+        assert!(
+            generated < 1000,
+            "round {round}: {generated} tokens generated"
+        );
     }
     assert_eq!(s.metric_sum("chimera:client_disconnects_total").await, 2.0);
     assert_eq!(
@@ -176,11 +185,13 @@ async fn engine_queue_full_is_503() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_endpoints_need_the_token() {
-    let mut o = Options::default();
-    o.server = ServerConfig {
-        port: 0,
-        admin_token: Some("s3cret-token".into()),
-        ..ServerConfig::default()
+    let o = Options {
+        server: ServerConfig {
+            port: 0,
+            admin_token: Some("s3cret-token".into()),
+            ..ServerConfig::default()
+        },
+        ..Options::default()
     };
     let s = TestServer::start(o).await;
     let path = "/admin/reset_prefix_cache";

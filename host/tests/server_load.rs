@@ -3,6 +3,8 @@
 //! must match its single-request baseline (batching changes no output), every engine request
 //! must end (finished or cancelled), and the server must be idle and healthy afterwards.
 
+#![allow(clippy::unwrap_used)]
+
 mod server_support;
 
 use std::sync::Arc;
@@ -77,8 +79,8 @@ async fn load_with_random_disconnects() {
                     break;
                 }
                 let p = (lcg(&mut rng) % PROMPTS.len() as u64) as usize;
-                let stream = lcg(&mut rng) % 2 == 0;
-                if lcg(&mut rng) % 10 == 0 {
+                let stream = lcg(&mut rng).is_multiple_of(2);
+                if lcg(&mut rng).is_multiple_of(10) {
                     let min_bytes = (lcg(&mut rng) % 400) as usize;
                     post_and_hang_up(addr, "/v1/completions", &body(p, stream), min_bytes).await;
                     hung_up.fetch_add(1, Ordering::SeqCst);
@@ -142,7 +144,9 @@ async fn load_with_random_disconnects() {
     let ended = s.engine_sum(|e| e.requests_finished) - base_added;
     let cancels = s.counter(|c| c.get(&c.cancels));
     let by_length = s
-        .metric_sum("chimera:request_success_total{model_name=\"tiny-mock\",finished_reason=\"length\"")
+        .metric_sum(
+            "chimera:request_success_total{model_name=\"tiny-mock\",finished_reason=\"length\"",
+        )
         .await as u64
         - base_added;
     println!(

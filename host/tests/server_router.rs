@@ -3,6 +3,8 @@
 //! seen through the KvEvent mirror), bad policy answers fall back to least-loaded, and the
 //! block hashes the server computes to route are the ones the engine uses.
 
+#![allow(clippy::unwrap_used)]
+
 mod server_support;
 
 use std::sync::{Arc, Mutex};

@@ -115,7 +115,10 @@ pub enum EngineEvent {
         reason: FinishReason,
         usage: Usage,
     },
-    Failed { kind: FailureKind, message: String },
+    Failed {
+        kind: FailureKind,
+        message: String,
+    },
 }
 
 /// Why the engine failed a request. The server maps each kind to an HTTP status in one place
@@ -284,5 +287,24 @@ impl EngineHandle {
 
     pub fn stats_watch(&self) -> watch::Receiver<EngineStats> {
         self.stats.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failure_kind_strings_are_distinct_snake_case() {
+        let mut seen = std::collections::HashSet::new();
+        for k in FailureKind::ALL {
+            let s = k.as_str();
+            assert!(seen.insert(s), "{s} twice");
+            assert!(
+                s.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'),
+                "{s}"
+            );
+            assert_eq!(k.to_string(), s);
+        }
     }
 }

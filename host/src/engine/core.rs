@@ -229,7 +229,8 @@ impl<E: StepExecutor> Engine<E> {
             && !self.sched.adopt_hashes(id, &h)
         {
             // A server whose cache salt or block size differs from the engine's: said once.
-            static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+            static WARNED: std::sync::atomic::AtomicBool =
+                std::sync::atomic::AtomicBool::new(false);
             if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
                 tracing::warn!(
                     request = id,

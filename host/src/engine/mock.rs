@@ -455,6 +455,79 @@ mod tests {
         );
     }
 
+    /// Greedy decoding, one token per call, from `prompt` (8 blocks of 4: up to 32 tokens).
+    fn greedy(m: &mut MockExecutor, prompt: &[u32], n: usize) -> Vec<u32> {
+        let table: Vec<u32> = (0..8).collect();
+        let mut toks = prompt.to_vec();
+        let mut chunk = (0, prompt.to_vec());
+        for _ in 0..n {
+            let mut inp = BatchInputs::default();
+            inp.push(&chunk.1, chunk.0, table.clone(), 0, true);
+            let mut l = Logits::default();
+            m.execute(&inp, &mut l).unwrap();
+            let row = l.row(0);
+            let best = (0..row.len())
+                .max_by(|&a, &b| row[a].total_cmp(&row[b]))
+                .unwrap();
+            chunk = (toks.len(), vec![best as u32]);
+            toks.push(best as u32);
+        }
+        toks.split_off(prompt.len())
+    }
+
+    #[test]
+    fn units_shape_the_output_into_whole_units_and_eos() {
+        let units = vec![vec![3], vec![5, 6, 7], vec![9, 10], vec![2, 99]];
+        let mut m = MockExecutor::new(MockConfig {
+            vocab: 16,
+            eos: vec![0],
+            units: units.clone(),
+            eos_one_in: 3,
+            ..MockConfig::default()
+        });
+        alloc(&mut m);
+        // The prompt ends inside unit [5, 6, 7]: the output completes it first.
+        let out = greedy(&mut m, &[1, 5, 6], 28);
+        assert_eq!(out[0], 7);
+        let (mut i, mut eos) = (1, 0);
+        while i < out.len() {
+            if out[i] == 0 {
+                eos += 1;
+                i += 1;
+                continue;
+            }
+            // [2, 99] has a token outside the vocabulary: it is never used.
+            let u = units[..3]
+                .iter()
+                .find(|u| u[0] == out[i])
+                .unwrap_or_else(|| panic!("{out:?}: {} starts no unit", out[i]));
+            let end = (i + u.len()).min(out.len());
+            assert_eq!(out[i..end], u[..end - i], "{out:?}");
+            i = end;
+        }
+        assert!(eos > 0 && eos < 14, "EOS about one boundary in 3: {out:?}");
+        // Without eos_one_in, EOS never comes.
+        m.cfg.eos_one_in = 0;
+        assert!(!greedy(&mut m, &[1, 5, 6], 28).contains(&0));
+    }
+
+    #[test]
+    fn fail_on_token_fails_the_batch_that_holds_it() {
+        let mut m = MockExecutor::new(MockConfig {
+            fail_on_token: Some(7),
+            ..MockConfig::default()
+        });
+        alloc(&mut m);
+        let mut inp = BatchInputs::default();
+        inp.push(&[1, 2], 0, vec![0], 0, true);
+        assert!(m.execute(&inp, &mut Logits::default()).is_ok());
+        inp.push(&[7], 0, vec![1], 0, true);
+        assert!(matches!(
+            m.execute(&inp, &mut Logits::default()),
+            Err(ExecutorError::Forward(_))
+        ));
+    }
+
     #[test]
     fn restore_from_empty_slot_fails() {
         let mut m = MockExecutor::hybrid();

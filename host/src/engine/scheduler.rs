@@ -188,8 +188,7 @@ impl Scheduler {
         else {
             return false;
         };
-        if r.phase != Phase::Waiting || !r.hashes.is_empty() || hashes.len() != r.prompt_len / bs
-        {
+        if r.phase != Phase::Waiting || !r.hashes.is_empty() || hashes.len() != r.prompt_len / bs {
             return false;
         }
         if let Some(&first) = hashes.first() {

@@ -244,3 +244,27 @@ fn prompt_logprob_requests_take_bounded_chunks_with_every_logit() {
     let last = s.output().seqs.iter().find(|q| q.start == 256).unwrap();
     assert!(last.all_logits && last.want_logits);
 }
+
+#[test]
+fn adopted_hashes_replace_hashing_only_when_they_are_this_schedulers_chain() {
+    let (mut s, mut c) = setup(64, 64, true);
+    let prompt: Vec<u32> = (0..10).collect();
+    let mut chain = Vec::new();
+    HashSeed::new("t").extend(&mut chain, &prompt, BS);
+    let mut other = Vec::new();
+    HashSeed::new("another salt").extend(&mut other, &prompt, BS);
+    add(&mut s, 1, prompt.clone(), 4);
+    assert!(!s.adopt_hashes(1, &chain[..1]), "one block short");
+    assert!(!s.adopt_hashes(1, &other), "another salt");
+    assert!(!s.adopt_hashes(9, &chain), "no such request");
+    assert_eq!(s.blocks_hashed, 1, "the salt check hashed the first block");
+    assert!(s.adopt_hashes(1, &chain));
+    assert_eq!(s.blocks_hashed, 2);
+    plan(&mut s, &mut c);
+    assert_eq!(s.blocks_hashed, 2, "admission hashed nothing more");
+    assert!(!s.adopt_hashes(1, &chain), "only a waiting request adopts");
+    // Without adopted hashes, admission hashes every full block.
+    add(&mut s, 2, (20..30).collect(), 4);
+    plan(&mut s, &mut c);
+    assert_eq!(s.blocks_hashed, 4);
+}

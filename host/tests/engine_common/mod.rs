@@ -8,7 +8,8 @@ use std::collections::BTreeMap;
 
 use chimera::cache::{ByteSize, CacheConfig};
 use chimera::engine::api::{
-    EngineEvent, FailureKind, FinishReason, GenerateRequest, KvEvent, SamplingParams, TokenLogprob, Usage,
+    EngineEvent, FailureKind, FinishReason, GenerateRequest, KvEvent, SamplingParams, TokenLogprob,
+    Usage,
 };
 use chimera::engine::{Engine, EngineConfig, EngineSetup, Policies, StepExecutor};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};

@@ -409,10 +409,7 @@ impl Resp {
 
 fn decode_chunked(mut body: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
-    loop {
-        let Some(pos) = body.windows(2).position(|w| w == b"\r\n") else {
-            break;
-        };
+    while let Some(pos) = body.windows(2).position(|w| w == b"\r\n") {
         let size_line = String::from_utf8_lossy(&body[..pos]);
         let size = usize::from_str_radix(size_line.split(';').next().unwrap_or("0").trim(), 16)
             .unwrap_or(0);
