@@ -461,4 +461,24 @@ mod tests {
         assert!(out.contains("chimera:router_requests_total{engine=\"1\"} 1"));
         assert!(out.contains("chimera:request_errors_total{kind=\"overloaded\"} 1"));
     }
+
+    #[test]
+    fn prefix_cache_counters_are_in_tokens() {
+        let s = [EngineStats {
+            prefix_cache_queries: 5,
+            prefix_cache_hits: 3,
+            ..Default::default()
+        }];
+        let cache = CacheInfo {
+            block_size: 16,
+            ..Default::default()
+        };
+        let out = Metrics::new(1).render("m", &s, &cache);
+        let line = |name: &str| format!("{name}{{model_name=\"m\",engine=\"0\"}} ");
+        assert!(out.contains(&format!(
+            "{}80\n",
+            line("chimera:prefix_cache_queries_total")
+        )));
+        assert!(out.contains(&format!("{}48\n", line("chimera:prefix_cache_hits_total"))));
+    }
 }
