@@ -234,7 +234,7 @@ impl<E: StepExecutor> Engine<E> {
             if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
                 tracing::warn!(
                     request = id,
-                    "block hashes sent with a request do not match this engine's salt or block size; the engine hashes prompts itself"
+                    "sent block hashes differ from the engine's (salt or block size); rehashing"
                 );
             }
         }
