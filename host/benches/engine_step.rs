@@ -70,6 +70,7 @@ fn request(id: u64, prompt_len: usize, max_tokens: u32) -> GenerateRequest {
         stop_token_ids: vec![],
         ignore_eos: true,
         prompt_logprobs: false,
+        block_hashes: None,
     }
 }
 

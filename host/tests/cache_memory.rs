@@ -94,6 +94,7 @@ fn attention_free_engine_stays_near_its_budget() {
             stop_token_ids: Vec::new(),
             ignore_eos: true,
             prompt_logprobs: false,
+            block_hashes: None,
         },
         tx,
     );

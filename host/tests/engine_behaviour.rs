@@ -6,7 +6,7 @@
 
 mod engine_common;
 
-use chimera::engine::api::{FinishReason, KvEvent};
+use chimera::engine::api::{FailureKind, FinishReason, KvEvent};
 use chimera::engine::{MockConfig, MockExecutor, StepExecutor};
 use engine_common::*;
 
@@ -293,7 +293,7 @@ fn a_failed_step_fails_its_batch_and_caches_nothing() {
     assert!(run.outcomes[&1].failed.is_some());
     assert_eq!(
         run.outcomes[&2].failed.as_ref().map(|f| f.0),
-        Some("forward_failed")
+        Some(FailureKind::Executor)
     );
     // Request 2's blocks never entered the index; request 1's prompt did (its step succeeded).
     let stored: usize = run
@@ -344,7 +344,7 @@ fn prompt_longer_than_the_cache_fails_instead_of_waiting() {
         vec![(0, request(1, Tokens::new(2).take(17, VOCAB), 2))],
     );
     let (kind, msg) = run.outcomes[&1].failed.clone().expect("failed");
-    assert_eq!(kind, "prompt_too_long");
+    assert_eq!(kind, FailureKind::PromptTooLong);
     assert!(msg.contains("memory_budget"), "{msg}");
 }
 

@@ -105,6 +105,7 @@ fn submit(
             stop_token_ids: Vec::new(),
             ignore_eos: true,
             prompt_logprobs: false,
+            block_hashes: None,
         },
         tx,
     );
@@ -410,6 +411,7 @@ fn prompt_logprobs_match_the_full_forward_pass_despite_chunks_and_cache() {
                 stop_token_ids: Vec::new(),
                 ignore_eos: true,
                 prompt_logprobs: true,
+                block_hashes: None,
             },
             tx,
         );
@@ -521,6 +523,7 @@ fn each_step_uploads_once_and_reads_once() {
                             stop_token_ids: Vec::new(),
                             ignore_eos: true,
                             prompt_logprobs: false,
+                            block_hashes: None,
                         },
                         tx,
                     );

@@ -1,5 +1,8 @@
 //! A table of malformed and hostile inputs, each answered with the right status and an OpenAI
-//! error body; the server stays healthy afterwards.
+//! error body; the server stays healthy afterwards. Every failure kind of the engine reaches the
+//! client with the status the error map gives it.
+
+#![allow(clippy::unwrap_used)]
 
 mod server_support;
 
@@ -523,4 +526,139 @@ async fn hostile_inputs_get_the_right_status() {
     let counted = s.metric_sum("chimera:request_errors_total").await;
     assert!(counted >= cases.len() as f64, "counted {counted} errors");
     assert!(s.wait_idle(std::time::Duration::from_secs(5)).await);
+}
+
+/// Every failure kind the engine produces, driven through a real engine thread (over the mock
+/// executor) up to the HTTP answer. The server's own checks pass these requests (the engine's
+/// vocabulary, cache and queue are smaller than what the server knows of), so each answer is
+/// the error map's verdict on the engine's `FailureKind`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_failure_kinds_reach_the_client_with_their_status() {
+    let mut o = Options {
+        // 64 blocks of 4 tokens: a 300-token prompt can never fit.
+        blocks: 64,
+        server: ServerConfig {
+            port: 0,
+            retry_after_secs: 3,
+            ..ServerConfig::default()
+        },
+        ..Options::default()
+    };
+    // The model's vocabulary is the 256 byte tokens; the tokenizer knows more.
+    o.mock.vocab = 256;
+    o.mock.fail_on_token = Some(200);
+    o.mock.step_delay = std::time::Duration::from_millis(20);
+    o.engine.max_running = 1;
+    o.engine.max_waiting = 1;
+    assert!(codec().vocab_size() > 300);
+    let s = TestServer::start(o).await;
+    let body = |prompt: Value| json!({"model": MODEL, "prompt": prompt, "max_tokens": 4});
+
+    // InvalidRequest: a token id the tokenizer has but the model does not.
+    let r = post(s.addr, C, &body(json!([1, 300]))).await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    let e = &r.json()["error"];
+    assert_eq!(e["code"], "invalid_request");
+    assert!(
+        e["message"]
+            .as_str()
+            .unwrap()
+            .contains("token id 300 is outside the vocabulary (256)"),
+        "not the engine's check: {e}"
+    );
+
+    // PromptTooLong: more blocks than the cache holds (the context window allows it).
+    let long: Vec<u32> = (0..300).map(|i| 1 + i % 150).collect();
+    let r = post(s.addr, C, &body(json!(long))).await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "prompt_too_long");
+
+    // Executor: the forward pass fails.
+    let r = post(s.addr, C, &body(json!([200, 201]))).await;
+    assert_eq!(r.status, 500, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "executor_failed");
+
+    // QueueFull: one request running, one waiting (engine.max_waiting = 1), then a third. The
+    // first two fit the cache (203 tokens), run longer (4 s) than their clients stay (3 s).
+    let long_body = json!({"model": MODEL, "prompt": [10, 11, 12], "max_tokens": 200});
+    let addr = s.addr;
+    let leave = std::time::Duration::from_secs(3);
+    let b1 = long_body.clone();
+    let running = tokio::spawn(async move { post_and_leave(addr, C, &b1, leave).await });
+    wait_for("one running", leave, async || {
+        s.engines[0].stats().running == 1
+    })
+    .await;
+    let b2 = long_body.clone();
+    let waiting = tokio::spawn(async move { post_and_leave(addr, C, &b2, leave).await });
+    wait_for("one waiting", leave, async || {
+        s.engines[0].stats().waiting == 1
+    })
+    .await;
+    let r = post(s.addr, C, &body(json!([20, 21]))).await;
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(r.header("retry-after"), Some("3"));
+    assert_eq!(r.json()["error"]["code"], "queue_full");
+    running.await.unwrap();
+    waiting.await.unwrap();
+
+    // Each kind is counted under its own label, and the server recovers.
+    for kind in [
+        "invalid_request",
+        "prompt_too_long",
+        "executor_failed",
+        "queue_full",
+    ] {
+        let label = format!("chimera:request_errors_total{{kind=\"{kind}\"");
+        assert_eq!(s.metric_sum(&label).await, 1.0, "{kind}");
+    }
+    assert!(s.wait_idle(std::time::Duration::from_secs(5)).await);
+    let r = post(s.addr, C, &body(json!([20, 21]))).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+}
+
+/// The engine's own checks, for requests the server never lets through: each is failed as
+/// `InvalidRequest` (400 through the error map, like the out-of-vocabulary id above).
+#[test]
+fn the_engine_fails_malformed_requests_as_invalid_request() {
+    use chimera::engine::api::{EngineEvent, FailureKind, GenerateRequest, SamplingParams};
+    use chimera::engine::{Engine, MockExecutor};
+
+    let o = Options::default();
+    let mut e = Engine::new(
+        o.setup(),
+        MockExecutor::new(o.mock.clone()),
+        Options::policies(),
+    )
+    .expect("engine");
+    let req = |id: u64, prompt: Vec<u32>, max_tokens: u32| GenerateRequest {
+        id,
+        prompt,
+        params: SamplingParams::default(),
+        max_tokens,
+        stop_token_ids: vec![],
+        ignore_eos: false,
+        prompt_logprobs: false,
+        block_hashes: None,
+    };
+    let vocab = o.mock.vocab as u32;
+    let cases = [
+        ("empty prompt", req(1, vec![], 4)),
+        ("max_tokens 0", req(2, vec![1, 2], 0)),
+        ("token outside the vocabulary", req(3, vec![1, vocab], 4)),
+        ("id in use", req(4, vec![1, 2], 4)),
+    ];
+    // Request 4 is queued first, so its second submission reuses a live id.
+    let (tx, _keep) = tokio::sync::mpsc::unbounded_channel();
+    e.add(req(4, vec![5, 6], 4), tx);
+    for (what, r) in cases {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        e.add(r, tx);
+        match rx.try_recv() {
+            Ok(EngineEvent::Failed { kind, .. }) => {
+                assert_eq!(kind, FailureKind::InvalidRequest, "{what}")
+            }
+            other => panic!("{what}: {other:?}"),
+        }
+    }
 }

@@ -1,13 +1,20 @@
-//! Data-parallel routing over two mock replicas: a prefix-aware policy sends shared-prefix
-//! requests to the replica that holds the prefix (as seen through the KvEvent mirror), and bad
-//! policy answers fall back to least-loaded.
+//! Data-parallel routing over two replicas (real engine threads over the hybrid mock executor):
+//! a prefix-aware policy sends shared-prefix requests to the replica that holds the prefix (as
+//! seen through the KvEvent mirror), bad policy answers fall back to least-loaded, and the
+//! block hashes the server computes to route are the ones the engine uses.
+
+#![allow(clippy::unwrap_used)]
 
 mod server_support;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use chimera::cache::BlockHash;
+use chimera::engine::api::{GenerateRequest, KvEvent, SamplingParams};
+use chimera::engine::{Engine, MockExecutor};
 use chimera::policy::{Decision, ReplicaColumns, RouteRequest, Router};
+use chimera::server::prefix_mirror::prompt_block_hashes;
 use serde_json::json;
 use server_support::*;
 
@@ -43,13 +50,13 @@ const PREFIXES: [&str; 4] = [
 ];
 
 fn added(s: &TestServer) -> Vec<u64> {
-    s.counters.iter().map(|c| c.get(&c.added)).collect()
+    s.recorders.iter().map(|c| c.get(&c.added)).collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shared_prefixes_follow_the_replica_that_holds_them() {
     let seen = Arc::new(Mutex::new(Vec::new()));
-    let opts = Options {
+    let mut opts = Options {
         replicas: 2,
         policy: Some(Box::new(PrefixThenRoundRobin {
             next: 0,
@@ -57,6 +64,7 @@ async fn shared_prefixes_follow_the_replica_that_holds_them() {
         })),
         ..Options::default()
     };
+    opts.mock.ssm_layers = 2;
     let s = TestServer::start(opts).await;
     let tok = tokenizer();
     let mut home = Vec::new();
@@ -96,7 +104,10 @@ async fn shared_prefixes_follow_the_replica_that_holds_them() {
                 "prefix {k} left its replica {}",
                 home[k]
             );
-            // The policy saw the prefix depth the cache really holds (mock snapshots every block).
+            // The policy saw the prefix depth the cache really holds. The engine snapshots SSM
+            // state at the last two block boundaries of a prompt and where its cached prefix
+            // ends; the prompts of one prefix differ only after its first prompt's second-last
+            // block boundary, so a snapshot sits exactly at the end of the shared blocks.
             let cols = seen.lock().unwrap().last().unwrap().clone();
             let a = tok
                 .encode(format!("{p} q0"), true)
@@ -175,4 +186,77 @@ async fn bad_policy_answers_fall_back_to_least_loaded() {
             .await
             >= 6.0
     );
+}
+
+/// Runs a request with `given` block hashes on a fresh engine; returns how many block hashes
+/// the engine computed itself and the hashes its cache announced.
+fn run_with_hashes(prompt: &[u32], given: Option<Vec<BlockHash>>) -> (u64, Vec<u64>) {
+    let opts = Options::default();
+    let exec = MockExecutor::new(opts.mock.clone());
+    let mut e = Engine::new(opts.setup(), exec, Options::policies()).expect("engine");
+    let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
+    let request = GenerateRequest {
+        id: 1,
+        prompt: prompt.to_vec(),
+        params: SamplingParams::default(),
+        max_tokens: 1,
+        stop_token_ids: vec![],
+        ignore_eos: true,
+        prompt_logprobs: false,
+        block_hashes: given.map(Into::into),
+    };
+    e.add(request, tx);
+    while !e.is_idle() {
+        e.step();
+    }
+    let mut events = Vec::new();
+    e.take_kv_events(&mut events);
+    let stored = events
+        .into_iter()
+        .flat_map(|ev| match ev {
+            KvEvent::Stored { hashes, .. } => hashes,
+            _ => Vec::new(),
+        })
+        .collect();
+    (e.scheduler().blocks_hashed, stored)
+}
+
+#[test]
+fn the_engine_adopts_the_block_hashes_the_server_computed() {
+    let prompt: Vec<u32> = (1..=42).collect();
+    let server = prompt_block_hashes(SALT, &prompt, 4);
+    assert_eq!(server.len(), 10);
+    let short: Vec<u64> = server.iter().map(|h| h.short()).collect();
+    // Left alone, the engine computes the very same chain (same salt, same block size).
+    assert_eq!(run_with_hashes(&prompt, None), (10, short.clone()));
+    // Given the server's, it hashes only the first block, to check them.
+    assert_eq!(run_with_hashes(&prompt, Some(server)), (1, short.clone()));
+    // Hashes under another salt are refused and computed again: the index stays the engine's.
+    let foreign = prompt_block_hashes("another-model", &prompt, 4);
+    assert_eq!(run_with_hashes(&prompt, Some(foreign)), (11, short));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_server_sends_its_routing_hashes_with_the_request() {
+    let s = TestServer::start(Options::default()).await;
+    let prompt = "the cat sat on the mat and the dog ran on the mat";
+    let r = post(
+        s.addr,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 2, "n": 2}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let ids = tokenizer().encode(prompt, true).unwrap().get_ids().to_vec();
+    let want = prompt_block_hashes(SALT, &ids, 4);
+    assert!(want.len() >= 3);
+    let sent = s.recorders[0].recent_requests();
+    assert_eq!(sent.len(), 2);
+    for req in &sent {
+        assert_eq!(req.prompt, ids);
+        assert_eq!(req.block_hashes.as_deref(), Some(&want[..]));
+    }
+    // Both choices share one computation.
+    let (a, b) = (&sent[0].block_hashes, &sent[1].block_hashes);
+    assert!(Arc::ptr_eq(a.as_ref().unwrap(), b.as_ref().unwrap()));
 }

@@ -5,9 +5,12 @@
 //! command channel in, one event channel per request out, and a `watch` of load statistics.
 //! Nothing here depends on how the engine schedules or caches.
 
-use std::sync::mpsc;
+use std::fmt;
+use std::sync::{Arc, mpsc};
 
 use tokio::sync::{mpsc as tmpsc, watch};
+
+use crate::cache::BlockHash;
 
 /// Per-request sampling parameters (OpenAI semantics; 0 / 1 disables as noted).
 #[derive(Debug, Clone, PartialEq)]
@@ -60,6 +63,11 @@ pub struct GenerateRequest {
     /// Also return the prompt tokens' logprobs (`echo` with `logprobs`). The whole prompt is
     /// then computed: cached prefixes have no logits to give.
     pub prompt_logprobs: bool,
+    /// The prompt's chained block hashes (`cache::hash`, one per full block), when the sender
+    /// already computed them (the server does, to route). The engine adopts them instead of
+    /// hashing the prompt again, after checking their count and first block against its own
+    /// salt and block size; `None` (or a mismatch) makes the engine hash the prompt itself.
+    pub block_hashes: Option<Arc<[BlockHash]>>,
 }
 
 /// Logprob of one generated token and of its top alternatives.
@@ -108,10 +116,56 @@ pub enum EngineEvent {
         usage: Usage,
     },
     Failed {
-        /// Stable kind string (used as a metric label), e.g. "prompt_too_long".
-        kind: &'static str,
+        kind: FailureKind,
         message: String,
     },
+}
+
+/// Why the engine failed a request. The server maps each kind to an HTTP status in one place
+/// (`server::error`); [`FailureKind::as_str`] is its stable kind string (error code, metric
+/// label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FailureKind {
+    /// The request itself is malformed: an empty prompt, `max_tokens` 0, a prompt token id
+    /// outside the model's vocabulary, or an id already in use.
+    InvalidRequest,
+    /// The replica's waiting queue (`engine.max_waiting`) is full; a later retry can succeed.
+    QueueFull,
+    /// The prompt can never run on this replica: it needs more KV blocks than the cache holds,
+    /// or more tokens than one step takes with chunked prefill off.
+    PromptTooLong,
+    /// The executor failed the step the request was in (forward pass, SSM slot setup, or
+    /// logits of the wrong shape).
+    Executor,
+    /// The cache refused a state change the scheduler planned (an engine bug).
+    Cache,
+}
+
+impl FailureKind {
+    pub const ALL: [FailureKind; 5] = [
+        Self::InvalidRequest,
+        Self::QueueFull,
+        Self::PromptTooLong,
+        Self::Executor,
+        Self::Cache,
+    ];
+
+    /// Stable kind string: the error code and metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::InvalidRequest => "invalid_request",
+            Self::QueueFull => "queue_full",
+            Self::PromptTooLong => "prompt_too_long",
+            Self::Executor => "executor_failed",
+            Self::Cache => "cache_error",
+        }
+    }
+}
+
+impl fmt::Display for FailureKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// Commands into the engine thread.
@@ -145,7 +199,9 @@ pub struct EngineStats {
     pub prompt_tokens_computed: u64,
     pub prompt_tokens_cached: u64,
     pub generation_tokens: u64,
+    /// Full prompt blocks looked up in the prefix cache.
     pub prefix_cache_queries: u64,
+    /// Prompt blocks whose computation the prefix cache saved.
     pub prefix_cache_hits: u64,
     pub ssm_restores: u64,
     pub preemptions: u64,
@@ -216,5 +272,24 @@ impl EngineHandle {
 
     pub fn stats_watch(&self) -> watch::Receiver<EngineStats> {
         self.stats.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failure_kind_strings_are_distinct_snake_case() {
+        let mut seen = std::collections::HashSet::new();
+        for k in FailureKind::ALL {
+            let s = k.as_str();
+            assert!(seen.insert(s), "{s} twice");
+            assert!(
+                s.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'),
+                "{s}"
+            );
+            assert_eq!(k.to_string(), s);
+        }
     }
 }

@@ -13,7 +13,8 @@ use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::api::{
-    EngineEvent, EngineStats, FinishReason, GenerateRequest, KvEvent, TokenLogprob, Usage,
+    EngineEvent, EngineStats, FailureKind, FinishReason, GenerateRequest, KvEvent, TokenLogprob,
+    Usage,
 };
 use super::config::{ConfigError, EngineSetup};
 use super::executor::{CacheAllocation, ExecutorError, StepExecutor, StepOutput};
@@ -192,36 +193,52 @@ impl<E: StepExecutor> Engine<E> {
         out.append(&mut self.kv_events);
     }
 
-    /// Queues a request; bad input is answered with `Failed` on its own channel.
-    pub fn add(&mut self, req: GenerateRequest, events: UnboundedSender<EngineEvent>) {
-        let fail = |kind: &'static str, message: String| {
+    /// Queues a request; bad input is answered with `Failed` on its own channel. Block hashes
+    /// the sender computed are adopted rather than computed again.
+    pub fn add(&mut self, mut req: GenerateRequest, events: UnboundedSender<EngineEvent>) {
+        use FailureKind::{InvalidRequest, QueueFull};
+        let fail = |kind: FailureKind, message: String| {
             let _ = events.send(EngineEvent::Failed { kind, message });
         };
         if req.prompt.is_empty() {
-            return fail("invalid_request", "the prompt is empty".into());
+            return fail(InvalidRequest, "the prompt is empty".into());
         }
         if req.max_tokens == 0 {
-            return fail("invalid_request", "max_tokens must be at least 1".into());
+            return fail(InvalidRequest, "max_tokens must be at least 1".into());
         }
         if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= self.vocab) {
             return fail(
-                "invalid_request",
+                InvalidRequest,
                 format!("token id {t} is outside the vocabulary ({})", self.vocab),
             );
         }
         if self.sched.contains(req.id) {
             return fail(
-                "invalid_request",
+                InvalidRequest,
                 format!("request id {} is already in use", req.id),
             );
         }
         if self.sched.num_waiting() >= self.setup.engine.max_waiting {
             return fail(
-                "queue_full",
+                QueueFull,
                 format!("{} requests are already waiting", self.sched.num_waiting()),
             );
         }
+        let (id, hashes) = (req.id, req.block_hashes.take());
         self.sched.add(|slot| Request::new(req, slot, events));
+        if let Some(h) = hashes
+            && !self.sched.adopt_hashes(id, &h)
+        {
+            // A server whose cache salt or block size differs from the engine's: said once.
+            static WARNED: std::sync::atomic::AtomicBool =
+                std::sync::atomic::AtomicBool::new(false);
+            if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                tracing::warn!(
+                    request = id,
+                    "sent block hashes differ from the engine's (salt or block size); rehashing"
+                );
+            }
+        }
     }
 
     /// Cancels a request wherever it is; its blocks return to the pool at once.
@@ -256,7 +273,7 @@ impl<E: StepExecutor> Engine<E> {
         self.stats.requests_finished += 1;
     }
 
-    fn fail(&mut self, r: Request, kind: &'static str, message: String) {
+    fn fail(&mut self, r: Request, kind: FailureKind, message: String) {
         let _ = r.events.send(EngineEvent::Failed { kind, message });
     }
 
@@ -482,7 +499,7 @@ impl<E: StepExecutor> Engine<E> {
             .collect();
         for id in ids {
             if let Some(r) = self.sched.remove(id, &mut self.cache) {
-                self.fail(r, e.kind(), e.to_string());
+                self.fail(r, FailureKind::Executor, e.to_string());
             }
         }
     }

@@ -12,6 +12,13 @@
 //! and blocks out of range, reading KV never written, using an uninitialised SSM slot, restoring
 //! from an empty snapshot slot). Without `verify_kv` the logits depend only on the last token
 //! and its position (constant cost per row, for benchmarks).
+//!
+//! To stand in for a model behind the HTTP server it can also shape its output: `units`
+//! restricts the sampled tokens to whole words and whole UTF-8 characters (a character split
+//! over byte tokens is always completed), `eos_one_in` makes EOS likely now and then,
+//! `step_delay` makes it slow, and `fail_on_token` fails any step that reads a given token.
+
+use std::time::Duration;
 
 use super::executor::{CacheAllocation, ExecutorError, Logits, StepExecutor, StepOutput};
 use crate::backend::cpu::sample::sample_tail;
@@ -20,6 +27,12 @@ use crate::model::CacheSpec;
 
 const UNWRITTEN: u32 = u32::MAX;
 const SSM_INIT: u64 = 0x9e37_79b9_7f4a_7c15;
+/// Subtracted from the logit of a token `units` rule out (finite, so penalties and
+/// temperatures stay well defined; its probability is below e^-60).
+const RULED_OUT: f32 = 64.0;
+/// The logit EOS gets when `eos_one_in` draws it (every other logit is below 4).
+const EOS_LOGIT: f32 = 8.0;
+const EOS_DRAW: u64 = 0xe05;
 
 #[derive(Debug, Clone)]
 pub struct MockConfig {
@@ -31,6 +44,19 @@ pub struct MockConfig {
     pub verify_kv: bool,
     /// Fail the `execute` call with this 0-based index (to test failure handling).
     pub fail_at_call: Option<u64>,
+    /// Fail every `execute` call whose batch holds this token id (a request that always fails).
+    pub fail_on_token: Option<u32>,
+    /// Output units (token sequences). When non-empty, a sampling row rules out every token
+    /// except the next one of the unit the context ends inside of (the longest match), or, at
+    /// a unit boundary, the first tokens of all units; so output is whole units, e.g. whole
+    /// UTF-8 characters over byte tokens. Empty: every token is possible.
+    pub units: Vec<Vec<u32>>,
+    /// With `units`: at a unit boundary, EOS (`eos[0]`) is the most likely token for about one
+    /// context in this many (a pure function of the context), and ruled out otherwise.
+    /// 0: EOS is always ruled out.
+    pub eos_one_in: u32,
+    /// Sleep this long in every `execute` call (a slow model).
+    pub step_delay: Duration,
 }
 
 impl Default for MockConfig {
@@ -41,7 +67,62 @@ impl Default for MockConfig {
             ssm_layers: 0,
             verify_kv: true,
             fail_at_call: None,
+            fail_on_token: None,
+            units: Vec::new(),
+            eos_one_in: 0,
+            step_delay: Duration::ZERO,
         }
+    }
+}
+
+/// The output rule of [`MockConfig::units`].
+#[derive(Debug, Default)]
+struct Grammar {
+    units: Vec<Vec<u32>>,
+    /// Per token id: it starts a unit.
+    starts: Vec<bool>,
+    /// Longest unit, in tokens.
+    longest: usize,
+}
+
+impl Grammar {
+    fn new(units: &[Vec<u32>], vocab: usize) -> Self {
+        let units: Vec<Vec<u32>> = units
+            .iter()
+            .filter(|u| !u.is_empty() && u.iter().all(|&t| (t as usize) < vocab))
+            .cloned()
+            .collect();
+        let mut starts = vec![false; if units.is_empty() { 0 } else { vocab }];
+        for u in &units {
+            starts[u[0] as usize] = true;
+        }
+        let longest = units.iter().map(Vec::len).max().unwrap_or(0);
+        Self {
+            units,
+            starts,
+            longest,
+        }
+    }
+
+    fn is_active(&self) -> bool {
+        !self.units.is_empty()
+    }
+
+    /// The token that continues the unit `tail` (the context's last tokens) ends inside of.
+    fn continuation(&self, tail: &[u32]) -> Option<u32> {
+        let mut best: Option<(usize, u32)> = None;
+        for u in &self.units {
+            for j in (1..u.len()).rev() {
+                if best.is_some_and(|(b, _)| b >= j) {
+                    break;
+                }
+                if tail.ends_with(&u[..j]) {
+                    best = Some((j, u[j]));
+                    break;
+                }
+            }
+        }
+        best.map(|(_, t)| t)
     }
 }
 
@@ -58,6 +139,7 @@ pub struct MockCounters {
 
 pub struct MockExecutor {
     cfg: MockConfig,
+    grammar: Grammar,
     block_size: usize,
     kv: Vec<u32>,
     ssm: Vec<Option<u64>>,
@@ -69,6 +151,7 @@ pub struct MockExecutor {
 impl MockExecutor {
     pub fn new(cfg: MockConfig) -> Self {
         Self {
+            grammar: Grammar::new(&cfg.units, cfg.vocab),
             cfg,
             block_size: 0,
             kv: Vec::new(),
@@ -107,6 +190,42 @@ impl MockExecutor {
             )));
         }
         Ok(i)
+    }
+
+    /// Applies `units` and `eos_one_in` to the sampling row of a context ending at `last`.
+    fn shape_row(
+        &self,
+        row: &mut [f32],
+        table: &[u32],
+        last: usize,
+        seed: u64,
+    ) -> Result<(), ExecutorError> {
+        let g = &self.grammar;
+        let from = (last + 1).saturating_sub(g.longest.saturating_sub(1));
+        let tail = (from..=last)
+            .map(|pos| self.kv_index(table, pos).map(|k| self.kv[k]))
+            .collect::<Result<Vec<u32>, _>>()?;
+        if let Some(next) = g.continuation(&tail) {
+            for (v, x) in row.iter_mut().enumerate() {
+                if v != next as usize {
+                    *x -= RULED_OUT;
+                }
+            }
+            return Ok(());
+        }
+        for (x, &start) in row.iter_mut().zip(&g.starts) {
+            if !start {
+                *x -= RULED_OUT;
+            }
+        }
+        if let Some(&eos) = self.cfg.eos.first()
+            && self.cfg.eos_one_in > 0
+            && mix(seed, EOS_DRAW).is_multiple_of(u64::from(self.cfg.eos_one_in))
+            && let Some(x) = row.get_mut(eos as usize)
+        {
+            *x = EOS_LOGIT;
+        }
+        Ok(())
     }
 }
 
@@ -169,8 +288,18 @@ impl MockExecutor {
     fn logits_rows(&mut self, inputs: &StepPlan, logits: &mut Logits) -> Result<(), ExecutorError> {
         let call = self.counters.calls;
         self.counters.calls += 1;
+        if !self.cfg.step_delay.is_zero() {
+            std::thread::sleep(self.cfg.step_delay);
+        }
         if self.cfg.fail_at_call == Some(call) {
             return Err(ExecutorError::Forward("injected failure".into()));
+        }
+        if let Some(t) = self.cfg.fail_on_token
+            && inputs.tokens.contains(&t)
+        {
+            return Err(ExecutorError::Forward(format!(
+                "injected failure: the batch holds token {t}"
+            )));
         }
         inputs
             .validate()
@@ -270,6 +399,9 @@ impl MockExecutor {
                 seed = mix(seed, u64::from(toks[s.len - 1]));
             }
             fill_row(logits.row_mut(row), seed);
+            if self.grammar.is_active() {
+                self.shape_row(logits.row_mut(row), block_table, last, seed)?;
+            }
             row += 1;
             self.counters.rows += 1;
         }
@@ -366,6 +498,82 @@ mod tests {
             m.execute(&inp, &mut StepOutput::default()).is_err(),
             "block 5 never written"
         );
+    }
+
+    /// Greedy decoding, one token per call, from `prompt` (8 blocks of 4: up to 32 tokens).
+    fn greedy(m: &mut MockExecutor, prompt: &[u32], n: usize) -> Vec<u32> {
+        let table: Vec<u32> = (0..8).collect();
+        let mut toks = prompt.to_vec();
+        let mut chunk = (0, prompt.to_vec());
+        for _ in 0..n {
+            let mut inp = plan();
+            inp.push(&chunk.1, chunk.0, &table, 0, true);
+            inp.finish().unwrap();
+            let mut l = StepOutput::default();
+            m.execute(&inp, &mut l).unwrap();
+            let row = l.full.row(0);
+            let best = (0..row.len())
+                .max_by(|&a, &b| row[a].total_cmp(&row[b]))
+                .unwrap();
+            chunk = (toks.len(), vec![best as u32]);
+            toks.push(best as u32);
+        }
+        toks.split_off(prompt.len())
+    }
+
+    #[test]
+    fn units_shape_the_output_into_whole_units_and_eos() {
+        let units = vec![vec![3], vec![5, 6, 7], vec![9, 10], vec![2, 99]];
+        let mut m = MockExecutor::new(MockConfig {
+            vocab: 16,
+            eos: vec![0],
+            units: units.clone(),
+            eos_one_in: 3,
+            ..MockConfig::default()
+        });
+        alloc(&mut m);
+        // The prompt ends inside unit [5, 6, 7]: the output completes it first.
+        let out = greedy(&mut m, &[1, 5, 6], 28);
+        assert_eq!(out[0], 7);
+        let (mut i, mut eos) = (1, 0);
+        while i < out.len() {
+            if out[i] == 0 {
+                eos += 1;
+                i += 1;
+                continue;
+            }
+            // [2, 99] has a token outside the vocabulary: it is never used.
+            let u = units[..3]
+                .iter()
+                .find(|u| u[0] == out[i])
+                .unwrap_or_else(|| panic!("{out:?}: {} starts no unit", out[i]));
+            let end = (i + u.len()).min(out.len());
+            assert_eq!(out[i..end], u[..end - i], "{out:?}");
+            i = end;
+        }
+        assert!(eos > 0 && eos < 14, "EOS about one boundary in 3: {out:?}");
+        // Without eos_one_in, EOS never comes.
+        m.cfg.eos_one_in = 0;
+        assert!(!greedy(&mut m, &[1, 5, 6], 28).contains(&0));
+    }
+
+    #[test]
+    fn fail_on_token_fails_the_batch_that_holds_it() {
+        let mut m = MockExecutor::new(MockConfig {
+            fail_on_token: Some(7),
+            ..MockConfig::default()
+        });
+        alloc(&mut m);
+        let mut inp = plan();
+        inp.push(&[1, 2], 0, &[0], 0, true);
+        inp.finish().unwrap();
+        assert!(m.execute(&inp, &mut StepOutput::default()).is_ok());
+        inp.push(&[7], 0, &[1], 0, true);
+        inp.finish().unwrap();
+        assert!(matches!(
+            m.execute(&inp, &mut StepOutput::default()),
+            Err(ExecutorError::Forward(_))
+        ));
     }
 
     #[test]

@@ -22,6 +22,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
+use super::api::FailureKind;
 use super::config::EngineConfig;
 use super::request::{Phase, Request};
 use crate::cache::{BlockHash, CacheManager, HashSeed, SsmInit};
@@ -45,7 +46,7 @@ pub struct ScheduledSeq {
 #[derive(Debug)]
 pub struct Rejected {
     pub request: Request,
-    pub kind: &'static str,
+    pub kind: FailureKind,
     pub message: String,
 }
 
@@ -105,6 +106,9 @@ pub struct Scheduler {
     rejected: Vec<Rejected>,
     pub preemptions: u64,
     pub prefix_waits: u64,
+    /// Block hashes this scheduler computed itself (prompts without adopted hashes, checks
+    /// of adopted ones, recomputes after preemption).
+    pub blocks_hashed: u64,
 }
 
 impl Scheduler {
@@ -125,6 +129,7 @@ impl Scheduler {
             rejected: Vec::new(),
             preemptions: 0,
             prefix_waits: 0,
+            blocks_hashed: 0,
         }
     }
 
@@ -166,6 +171,34 @@ impl Scheduler {
         self.by_id.insert(r.id, slot);
         self.slots[slot as usize] = Some(r);
         self.waiting.push_back(slot);
+    }
+
+    /// Gives the waiting request `id` the block hashes its sender computed, if they are the
+    /// chain this scheduler would compute: one per full prompt block, and the first equal to
+    /// this scheduler's hash of the first block (same salt, same block size; this check is the
+    /// only hashing an adopted prompt costs). Returns whether they were adopted; if not, the
+    /// prompt is hashed at admission as usual.
+    pub fn adopt_hashes(&mut self, id: u64, hashes: &[BlockHash]) -> bool {
+        let bs = self.block_size;
+        let Some(r) = self
+            .by_id
+            .get(&id)
+            .and_then(|&slot| self.slots.get_mut(slot as usize))
+            .and_then(Option::as_mut)
+        else {
+            return false;
+        };
+        if r.phase != Phase::Waiting || !r.hashes.is_empty() || hashes.len() != r.prompt_len / bs {
+            return false;
+        }
+        if let Some(&first) = hashes.first() {
+            self.blocks_hashed += 1;
+            if self.seed.block(None, &r.tokens[..bs]) != first {
+                return false;
+            }
+        }
+        r.hashes.extend_from_slice(hashes);
+        true
     }
 
     /// Removes a request wherever it is, releasing its cache state at once.
@@ -345,14 +378,16 @@ impl Scheduler {
             r.prompt_len = r.tokens.len();
             r.computed = 0;
             r.preemptions += 1;
+            let before = r.hashes.len();
             seed.extend(&mut r.hashes, &r.tokens, bs);
+            self.blocks_hashed += (r.hashes.len() - before) as u64;
             self.out.evicted.push(r.id);
         }
         self.preemptions += 1;
         self.waiting.push_front(slot);
     }
 
-    fn reject(&mut self, i: usize, kind: &'static str, message: String) {
+    fn reject(&mut self, i: usize, kind: FailureKind, message: String) {
         if let Some(slot) = self.waiting.remove(i) {
             if let Some(r) = self.slots[slot as usize].take() {
                 self.by_id.remove(&r.id);
@@ -382,7 +417,7 @@ impl Scheduler {
                     prompt_len.div_ceil(bs),
                     cache.total_blocks()
                 );
-                self.reject(i, "prompt_too_long", msg);
+                self.reject(i, FailureKind::PromptTooLong, msg);
                 continue;
             }
             if !self.cfg.chunked_prefill && prompt_len > self.cfg.max_batched_tokens {
@@ -390,11 +425,13 @@ impl Scheduler {
                     "the prompt has {prompt_len} tokens but engine.max_batched_tokens is {} and chunked prefill is off",
                     self.cfg.max_batched_tokens
                 );
-                self.reject(i, "prompt_too_long", msg);
+                self.reject(i, FailureKind::PromptTooLong, msg);
                 continue;
             }
             if r.hashes.len() < prompt_len / bs {
+                let before = r.hashes.len();
                 self.seed.extend(&mut r.hashes, &r.tokens[..prompt_len], bs);
+                self.blocks_hashed += (r.hashes.len() - before) as u64;
             }
             let mut m = cache.match_prefix(&r.hashes, prompt_len);
             if r.prompt_logprobs.is_some() {
@@ -427,7 +464,7 @@ impl Scheduler {
             let init = match cache.admit(slot, &r.hashes, m, ctx + n) {
                 Ok(init) => init,
                 Err(e) => {
-                    self.reject(i, "cache_error", e.to_string());
+                    self.reject(i, FailureKind::Cache, e.to_string());
                     continue;
                 }
             };

@@ -2,7 +2,7 @@ use tokio::sync::mpsc::unbounded_channel;
 
 use super::*;
 use crate::cache::CacheLayout;
-use crate::engine::api::{GenerateRequest, SamplingParams};
+use crate::engine::api::{FailureKind, GenerateRequest, SamplingParams};
 
 const BS: usize = 4;
 
@@ -37,6 +37,7 @@ fn add(s: &mut Scheduler, id: u64, prompt: Vec<u32>, max_tokens: u32) {
         stop_token_ids: vec![],
         ignore_eos: true,
         prompt_logprobs: false,
+        block_hashes: None,
     };
     s.add(|slot| Request::new(req, slot, tx));
 }
@@ -103,7 +104,7 @@ fn without_chunking_a_prompt_runs_whole_or_waits() {
     s.schedule(&mut c);
     let rej = s.take_rejected();
     assert_eq!(rej.len(), 1);
-    assert_eq!(rej[0].kind, "prompt_too_long");
+    assert_eq!(rej[0].kind, FailureKind::PromptTooLong);
 }
 
 #[test]
@@ -161,7 +162,7 @@ fn prompt_larger_than_the_cache_fails_clearly() {
     add(&mut s, 1, (0..17).collect(), 2);
     assert!(plan(&mut s, &mut c).is_empty());
     let rej = s.take_rejected();
-    assert_eq!(rej[0].kind, "prompt_too_long");
+    assert_eq!(rej[0].kind, FailureKind::PromptTooLong);
     assert!(
         rej[0].message.contains("cache holds 4"),
         "{}",
@@ -201,6 +202,7 @@ fn max_tokens_and_stop_tokens_finish() {
         stop_token_ids: vec![7],
         ignore_eos: true,
         prompt_logprobs: false,
+        block_hashes: None,
     };
     s.add(|slot| Request::new(req, slot, tx));
     plan(&mut s, &mut c);
@@ -220,6 +222,7 @@ fn prompt_logprob_requests_take_bounded_chunks_with_every_logit() {
         stop_token_ids: vec![],
         ignore_eos: true,
         prompt_logprobs: true,
+        block_hashes: None,
     };
     s.add(|slot| Request::new(req, slot, tx));
     add(&mut s, 2, (1000..1300).collect(), 2);
@@ -240,4 +243,28 @@ fn prompt_logprob_requests_take_bounded_chunks_with_every_logit() {
     assert_eq!(first(plan(&mut s, &mut c)), Some((1, 256, 44)));
     let last = s.output().seqs.iter().find(|q| q.start == 256).unwrap();
     assert!(last.all_logits && last.want_logits);
+}
+
+#[test]
+fn adopted_hashes_replace_hashing_only_when_they_are_this_schedulers_chain() {
+    let (mut s, mut c) = setup(64, 64, true);
+    let prompt: Vec<u32> = (0..10).collect();
+    let mut chain = Vec::new();
+    HashSeed::new("t").extend(&mut chain, &prompt, BS);
+    let mut other = Vec::new();
+    HashSeed::new("another salt").extend(&mut other, &prompt, BS);
+    add(&mut s, 1, prompt.clone(), 4);
+    assert!(!s.adopt_hashes(1, &chain[..1]), "one block short");
+    assert!(!s.adopt_hashes(1, &other), "another salt");
+    assert!(!s.adopt_hashes(9, &chain), "no such request");
+    assert_eq!(s.blocks_hashed, 1, "the salt check hashed the first block");
+    assert!(s.adopt_hashes(1, &chain));
+    assert_eq!(s.blocks_hashed, 2);
+    plan(&mut s, &mut c);
+    assert_eq!(s.blocks_hashed, 2, "admission hashed nothing more");
+    assert!(!s.adopt_hashes(1, &chain), "only a waiting request adopts");
+    // Without adopted hashes, admission hashes every full block.
+    add(&mut s, 2, (20..30).collect(), 4);
+    plan(&mut s, &mut c);
+    assert_eq!(s.blocks_hashed, 4);
 }

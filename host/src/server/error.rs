@@ -3,15 +3,16 @@
 //! Owns: [`AppError`], every failure a request can meet between the socket and the engine, and
 //! its `IntoResponse` (status, OpenAI error JSON `{"error": {message, type, param, code}}`, and
 //! `Retry-After` for overload). Invariants: each variant has a stable [`AppError::kind`] string,
-//! used as the `code` field and as the `kind` label of the error metric; no other module chooses
-//! an HTTP status for an error.
+//! used as the `code` field and as the `kind` label of the error metric (an engine failure keeps
+//! its [`FailureKind`] string); no other module chooses an HTTP status for an error, and every
+//! engine [`FailureKind`] is mapped here, exhaustively.
 
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
 use super::text::TextError;
-use crate::engine::api::SubmitError;
+use crate::engine::api::{FailureKind, SubmitError};
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum AppError {
@@ -42,8 +43,14 @@ pub enum AppError {
     ChatTemplate(String),
     #[error("not supported: {0}")]
     Unsupported(String),
+    /// The engine failed the request (`EngineEvent::Failed`).
     #[error("engine error ({kind}): {message}")]
-    Engine { kind: &'static str, message: String },
+    Engine {
+        kind: FailureKind,
+        message: String,
+        /// `Retry-After` when the kind is worth retrying (a full queue).
+        retry_after_secs: u32,
+    },
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -71,7 +78,7 @@ impl AppError {
             Self::ShuttingDown => "shutting_down",
             Self::ChatTemplate(_) => "chat_template_error",
             Self::Unsupported(_) => "unsupported",
-            Self::Engine { kind, .. } => kind,
+            Self::Engine { kind, .. } => kind.as_str(),
             Self::Internal(_) => "internal_error",
         }
     }
@@ -88,11 +95,26 @@ impl AppError {
             Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
             Self::Overloaded { .. } | Self::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
-            // The engine rejects prompts it cannot hold; everything else it reports is ours.
-            Self::Engine { kind, .. } if *kind == "prompt_too_long" || *kind == "empty_prompt" => {
-                StatusCode::BAD_REQUEST
-            }
-            Self::Engine { .. } | Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::Engine { kind, .. } => match kind {
+                FailureKind::InvalidRequest | FailureKind::PromptTooLong => StatusCode::BAD_REQUEST,
+                FailureKind::QueueFull => StatusCode::SERVICE_UNAVAILABLE,
+                FailureKind::Executor | FailureKind::Cache => StatusCode::INTERNAL_SERVER_ERROR,
+            },
+            Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// Seconds for the `Retry-After` header of an error a client may retry.
+    pub fn retry_after(&self) -> Option<u32> {
+        match self {
+            Self::Overloaded { retry_after_secs }
+            | Self::Engine {
+                kind: FailureKind::QueueFull,
+                retry_after_secs,
+                ..
+            } => Some(*retry_after_secs),
+            Self::ShuttingDown => Some(5),
+            _ => None,
         }
     }
 
@@ -130,12 +152,9 @@ impl IntoResponse for AppError {
     fn into_response(self) -> Response {
         let status = self.status();
         let mut resp = (status, axum::Json(self.to_json())).into_response();
-        if let Self::Overloaded { retry_after_secs } = &self {
+        if let Some(secs) = self.retry_after() {
             resp.headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(*retry_after_secs));
-        } else if let Self::ShuttingDown = &self {
-            resp.headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(5u32));
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
         // Handlers store the error so middleware can count it by kind.
         resp.extensions_mut().insert(ErrorKind(self.kind()));
@@ -183,14 +202,36 @@ mod tests {
         assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(r.headers().get(header::RETRY_AFTER).unwrap(), "2");
         assert_eq!(e.kind(), "overloaded");
-        let e = AppError::Engine {
-            kind: "prompt_too_long",
-            message: "x".into(),
-        };
-        assert_eq!(e.status(), StatusCode::BAD_REQUEST);
         let j = AppError::invalid("n", "n must be >= 1").to_json();
         assert_eq!(j["error"]["param"], "n");
         assert_eq!(j["error"]["code"], "invalid_request");
         assert_eq!(j["error"]["type"], "invalid_request_error");
+    }
+
+    #[test]
+    fn every_engine_failure_kind_has_its_status() {
+        for kind in FailureKind::ALL {
+            let e = AppError::Engine {
+                kind,
+                message: "x".into(),
+                retry_after_secs: 7,
+            };
+            let (status, retry) = match kind {
+                FailureKind::InvalidRequest | FailureKind::PromptTooLong => (400, None),
+                FailureKind::QueueFull => (503, Some("7")),
+                FailureKind::Executor | FailureKind::Cache => (500, None),
+            };
+            let r = e.clone().into_response();
+            assert_eq!(r.status().as_u16(), status, "{kind}");
+            assert_eq!(
+                r.headers()
+                    .get(header::RETRY_AFTER)
+                    .map(|v| v.to_str().unwrap()),
+                retry,
+                "{kind}"
+            );
+            assert_eq!(e.kind(), kind.as_str());
+            assert_eq!(e.to_json()["error"]["code"], kind.as_str());
+        }
     }
 }

@@ -225,6 +225,8 @@ impl Metrics {
         use names::*;
         let mut out = String::with_capacity(8 * 1024);
         let m = escape(model);
+        // The engine counts prefix-cache queries and hits in blocks.
+        let block_tokens = f64::from(cache.block_size);
         let per_engine = |out: &mut String,
                           name: &str,
                           kind: &str,
@@ -268,14 +270,14 @@ impl Metrics {
             PREFIX_CACHE_QUERIES,
             "counter",
             "Prefix-cache queries, in tokens.",
-            &|s| s.prefix_cache_queries as f64,
+            &|s| s.prefix_cache_queries as f64 * block_tokens,
         );
         per_engine(
             &mut out,
             PREFIX_CACHE_HITS,
             "counter",
             "Prefix-cache hits, in tokens.",
-            &|s| s.prefix_cache_hits as f64,
+            &|s| s.prefix_cache_hits as f64 * block_tokens,
         );
         per_engine(
             &mut out,
@@ -458,5 +460,25 @@ mod tests {
         );
         assert!(out.contains("chimera:router_requests_total{engine=\"1\"} 1"));
         assert!(out.contains("chimera:request_errors_total{kind=\"overloaded\"} 1"));
+    }
+
+    #[test]
+    fn prefix_cache_counters_are_in_tokens() {
+        let s = [EngineStats {
+            prefix_cache_queries: 5,
+            prefix_cache_hits: 3,
+            ..Default::default()
+        }];
+        let cache = CacheInfo {
+            block_size: 16,
+            ..Default::default()
+        };
+        let out = Metrics::new(1).render("m", &s, &cache);
+        let line = |name: &str| format!("{name}{{model_name=\"m\",engine=\"0\"}} ");
+        assert!(out.contains(&format!(
+            "{}80\n",
+            line("chimera:prefix_cache_queries_total")
+        )));
+        assert!(out.contains(&format!("{}48\n", line("chimera:prefix_cache_hits_total"))));
     }
 }

@@ -1,4 +1,4 @@
-//! A small byte-level BPE tokenizer, built in code, for tests and the mock engine.
+//! A small byte-level BPE tokenizer, built in code, for tests and the mock executor.
 //!
 //! Owns: the `tokenizer.json` / `tokenizer_config.json` text of a GPT-2-style byte-level BPE
 //! with the 256 byte tokens (ids 0..256, in byte order), a handful of merged English words and
@@ -105,8 +105,8 @@ pub fn tokenizer_config_json() -> String {
     .to_string()
 }
 
-/// Output units for the mock engine over this tokenizer's ids: the merged words (one token
-/// each) and multi-byte characters split into their byte tokens (é: 2, €: 3, 😀: 4).
+/// Output units (`engine::MockConfig::units`) over this tokenizer's ids: the merged words (one
+/// token each) and multi-byte characters split into their byte tokens (é: 2, €: 3, 😀: 4).
 pub fn mock_units(tokenizer: &tokenizers::Tokenizer) -> Vec<Vec<u32>> {
     let mut units = Vec::new();
     for word in WORDS {

@@ -7,8 +7,9 @@
 //! touches caches, schedulers or models.
 //!
 //! Wiring: build an [`AppState`] from [`AppParts`] (config, model facts, tokenizer, replicas,
-//! routing policy) inside a tokio runtime, then [`serve`] it on a bound listener. Swapping the
-//! mock engine for the real one changes only the `replicas` given to [`AppParts`].
+//! routing policy) inside a tokio runtime, then [`serve`] it on a bound listener. The replicas
+//! are engine threads (`engine::spawn_engine`); tests run them over the model-free
+//! `engine::MockExecutor`, so the server is always tested against the real engine.
 //!
 //! Decisions: unknown JSON fields are ignored (OpenAI's SDKs send fields newer than any server),
 //! but known fields this server does not implement (`tools`, `logit_bias`, `suffix`, non-text
@@ -20,14 +21,13 @@
 //! (OpenAI shapes), [`params`] (validation), [`text`] (tokenizer, chat template), [`detok`]
 //! (incremental detokenizer, stop strings), [`pipeline`] (one engine request → chunks),
 //! [`respond`] (JSON / SSE bodies), [`openai`] (handlers), [`ops`] (health, metrics, admin),
-//! [`router`] + [`prefix_mirror`] (replica choice), [`metrics`], [`mock_engine`] and
-//! [`mock_tokenizer`] (model-free stand-ins for tests).
+//! [`router`] + [`prefix_mirror`] (replica choice), [`metrics`], and [`mock_tokenizer`] (a
+//! small tokenizer for tests).
 
 pub mod config;
 pub mod detok;
 pub mod error;
 pub mod metrics;
-pub mod mock_engine;
 pub mod mock_tokenizer;
 pub mod openai;
 pub mod ops;

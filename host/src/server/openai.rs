@@ -9,6 +9,7 @@
 //! (that is `pipeline`) or build bodies (that is `respond`).
 
 use std::collections::HashSet;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes};
@@ -22,10 +23,11 @@ use tokio::sync::OwnedSemaphorePermit;
 use super::AppState;
 use super::error::AppError;
 use super::params::{GenParams, validate_common};
-use super::pipeline::{ChoiceRun, OutputState, RequestGuard};
+use super::pipeline::{ChoiceRun, OutputState, RequestGuard, RunContext};
 use super::prefix_mirror::prompt_block_hashes;
 use super::protocol::*;
 use super::respond::{Meta, Shape, full_response, stream_response};
+use crate::cache::BlockHash;
 use crate::engine::api::GenerateRequest;
 
 /// Prompt tokens kept as detokenizer context (for correct leading spaces).
@@ -127,7 +129,8 @@ enum PromptSource {
 /// One prompt, tokenized.
 struct Prepared {
     ids: Vec<u32>,
-    hashes: Vec<u64>,
+    /// Computed once: the router probes its mirrors with them and the engine adopts them.
+    hashes: Arc<[BlockHash]>,
     echo: Option<String>,
     echo_tokens: Vec<String>,
 }
@@ -174,7 +177,7 @@ async fn prepare(
                 } else {
                     Vec::new()
                 };
-                let hashes = prompt_block_hashes(&salt, &ids, block);
+                let hashes = prompt_block_hashes(&salt, &ids, block).into();
                 Ok(Prepared {
                     ids,
                     hashes,
@@ -224,6 +227,12 @@ async fn submit(
     if !params.ignore_eos {
         stop_ids.extend(inner.codec.eos_token_ids().iter().copied());
     }
+    let ctx = RunContext {
+        abort: state.abort_rx(),
+        metrics: inner.metrics.clone(),
+        start,
+        retry_after_secs: inner.config.retry_after_secs,
+    };
     let mut runs = Vec::with_capacity(prepared.len() * params.n as usize);
     let mut indices = Vec::with_capacity(runs.capacity());
     for (p, (prep, max_tokens)) in prepared.iter().zip(budgets).enumerate() {
@@ -253,6 +262,7 @@ async fn submit(
                 ignore_eos: params.ignore_eos,
                 // `echo` with `logprobs` scores the prompt too.
                 prompt_logprobs: prep.echo.is_some() && params.logprobs.is_some(),
+                block_hashes: Some(prep.hashes.clone()),
             };
             let one = permit
                 .split(1)
@@ -268,16 +278,7 @@ async fn submit(
                 stop_ids.clone(),
                 params.skip_special_tokens,
             );
-            runs.push(ChoiceRun::new(
-                index,
-                p,
-                rx,
-                guard,
-                out,
-                state.abort_rx(),
-                inner.metrics.clone(),
-                start,
-            ));
+            runs.push(ChoiceRun::new(index, p, rx, guard, out, ctx.clone()));
             indices.push((index, p));
         }
     }

@@ -19,7 +19,9 @@ use super::detok::{IncrementalDetokenizer, StopMatcher};
 use super::error::AppError;
 use super::metrics::{Finished, Metrics};
 use super::text::{TextCodec, TextError};
-use crate::engine::api::{EngineEvent, EngineHandle, FinishReason, TokenLogprob, Usage};
+use crate::engine::api::{
+    EngineEvent, EngineHandle, FailureKind, FinishReason, TokenLogprob, Usage,
+};
 
 /// Cancels the engine request on drop unless the engine already finished it.
 pub struct RequestGuard {
@@ -121,7 +123,7 @@ struct Processed {
     prompt_logprobs: Option<Vec<Option<TokenInfo>>>,
     stop_string: Option<String>,
     finished: Option<(FinishReason, Usage)>,
-    failed: Option<(&'static str, String)>,
+    failed: Option<(FailureKind, String)>,
 }
 
 impl OutputState {
@@ -210,6 +212,18 @@ impl OutputState {
     }
 }
 
+/// What every choice of one HTTP request shares.
+#[derive(Clone)]
+pub struct RunContext {
+    /// Turns true when the server cancels everything in flight (shutdown).
+    pub abort: watch::Receiver<bool>,
+    pub metrics: Arc<Metrics>,
+    /// When the HTTP request arrived (time to first token, end-to-end latency).
+    pub start: Instant,
+    /// `Retry-After` for an engine failure worth retrying (a full queue).
+    pub retry_after_secs: u32,
+}
+
 /// One engine request being turned into output chunks.
 pub struct ChoiceRun {
     index: u32,
@@ -221,6 +235,7 @@ pub struct ChoiceRun {
     abort: watch::Receiver<bool>,
     metrics: Arc<Metrics>,
     start: Instant,
+    retry_after_secs: u32,
     last_token: Option<Instant>,
     done: bool,
 }
@@ -232,16 +247,13 @@ async fn aborted(rx: &mut watch::Receiver<bool>) {
 }
 
 impl ChoiceRun {
-    #[allow(clippy::too_many_arguments)]
     pub fn new(
         index: u32,
         prompt_idx: usize,
         rx: mpsc::UnboundedReceiver<EngineEvent>,
         guard: RequestGuard,
         state: OutputState,
-        abort: watch::Receiver<bool>,
-        metrics: Arc<Metrics>,
-        start: Instant,
+        ctx: RunContext,
     ) -> Self {
         Self {
             index,
@@ -249,9 +261,10 @@ impl ChoiceRun {
             rx,
             guard,
             state: Some(state),
-            abort,
-            metrics,
-            start,
+            abort: ctx.abort,
+            metrics: ctx.metrics,
+            start: ctx.start,
+            retry_after_secs: ctx.retry_after_secs,
             last_token: None,
             done: false,
         }
@@ -391,7 +404,11 @@ impl ChoiceRun {
             if let Some((kind, message)) = out.failed {
                 self.guard.disarm();
                 self.end(Finished::Abort);
-                return Some(Err(AppError::Engine { kind, message }));
+                return Some(Err(AppError::Engine {
+                    kind,
+                    message,
+                    retry_after_secs: self.retry_after_secs,
+                }));
             }
             let finish = if let Some(stop) = out.stop_string {
                 self.guard.cancel_now();

@@ -8,20 +8,21 @@
 //! It must not decide routes: it answers "how deep does this prompt hit here".
 //!
 //! [`prompt_block_hashes`] computes exactly what the cache's prefix index computes, by calling
-//! the cache's own hash function.
+//! the cache's own hash function. The server computes them once per prompt: the router probes
+//! the mirrors with them and the engine adopts them (`GenerateRequest::block_hashes`).
 
 use std::collections::HashMap;
 
 use crate::cache::hash::{BlockHash, HashSeed};
 use crate::engine::api::KvEvent;
 
-/// Short (u64) chained hashes of the prompt's full blocks, exactly as the cache publishes them
-/// in `KvEvent`s (`cache::hash`: `h_i = H(h_{i-1} ‖ tokens of block i)`, seeded with the salt).
-/// A trailing partial block has no hash.
-pub fn prompt_block_hashes(salt: &str, tokens: &[u32], block_size: u32) -> Vec<u64> {
+/// Chained hashes of the prompt's full blocks, exactly as the engine's cache computes them
+/// (`cache::hash`: `h_i = H(h_{i-1} ‖ tokens of block i)`, seeded with the salt); their
+/// [`BlockHash::short`] forms are what `KvEvent`s carry. A trailing partial block has no hash.
+pub fn prompt_block_hashes(salt: &str, tokens: &[u32], block_size: u32) -> Vec<BlockHash> {
     let mut hashes = Vec::with_capacity(tokens.len() / block_size.max(1) as usize);
     HashSeed::new(salt).extend(&mut hashes, tokens, block_size.max(1) as usize);
-    hashes.into_iter().map(BlockHash::short).collect()
+    hashes
 }
 
 /// What a prompt would reuse on one replica.
@@ -98,10 +99,10 @@ impl PrefixMirror {
 
     /// How many leading blocks of `hashes` this replica holds, and the deepest of those with a
     /// snapshot.
-    pub fn hit(&self, hashes: &[u64]) -> PrefixHit {
+    pub fn hit(&self, hashes: &[BlockHash]) -> PrefixHit {
         let mut hit = PrefixHit::default();
         for (i, h) in hashes.iter().enumerate() {
-            match self.blocks.get(h) {
+            match self.blocks.get(&h.short()) {
                 Some(snap) => {
                     hit.kv_blocks = i as u32 + 1;
                     if *snap {
@@ -132,12 +133,16 @@ mod tests {
         assert_ne!(prompt_block_hashes("other", &[1, 2], 2), a[..1]);
     }
 
+    fn short(h: &[BlockHash]) -> Vec<u64> {
+        h.iter().map(|h| h.short()).collect()
+    }
+
     #[test]
     fn mirror_tracks_store_remove_snapshot_clear() {
         let h = prompt_block_hashes("m", &[1, 2, 3, 4, 5, 6], 2);
         let mut m = PrefixMirror::new(100);
         m.apply(&KvEvent::Stored {
-            hashes: h.clone(),
+            hashes: short(&h),
             with_snapshot: vec![false, true, false],
         });
         assert_eq!(
@@ -147,7 +152,9 @@ mod tests {
                 ssm_blocks: 2
             }
         );
-        m.apply(&KvEvent::SnapshotRemoved { hashes: vec![h[1]] });
+        m.apply(&KvEvent::SnapshotRemoved {
+            hashes: vec![h[1].short()],
+        });
         assert_eq!(
             m.hit(&h),
             PrefixHit {
@@ -155,7 +162,9 @@ mod tests {
                 ssm_blocks: 0
             }
         );
-        m.apply(&KvEvent::Removed { hashes: vec![h[1]] });
+        m.apply(&KvEvent::Removed {
+            hashes: vec![h[1].short()],
+        });
         assert_eq!(
             m.hit(&h),
             PrefixHit {

@@ -17,6 +17,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::error::AppError;
 use super::metrics::Metrics;
 use super::prefix_mirror::{PrefixHit, PrefixMirror};
+use crate::cache::BlockHash;
 use crate::engine::api::{EngineHandle, EngineStats, KvEvent};
 use crate::policy::{self, Decision, ReplicaColumns, RouteRequest};
 
@@ -36,7 +37,7 @@ pub struct Placement {
 }
 
 struct Query {
-    hashes: Vec<u64>,
+    hashes: Arc<[BlockHash]>,
     prompt_tokens: u32,
     tenant: String,
     reply: oneshot::Sender<Placement>,
@@ -125,10 +126,10 @@ impl RouterHandle {
         self.replicas.iter().map(EngineHandle::stats).collect()
     }
 
-    /// Places a prompt given its block hashes.
+    /// Places a prompt given its block hashes (`prefix_mirror::prompt_block_hashes`).
     pub async fn route(
         &self,
-        hashes: Vec<u64>,
+        hashes: Arc<[BlockHash]>,
         prompt_tokens: u32,
         tenant: String,
     ) -> Result<Placement, AppError> {

@@ -8,7 +8,8 @@ use std::collections::BTreeMap;
 
 use chimera::cache::{ByteSize, CacheConfig};
 use chimera::engine::api::{
-    EngineEvent, FinishReason, GenerateRequest, KvEvent, SamplingParams, TokenLogprob, Usage,
+    EngineEvent, FailureKind, FinishReason, GenerateRequest, KvEvent, SamplingParams, TokenLogprob,
+    Usage,
 };
 use chimera::engine::{Engine, EngineConfig, EngineSetup, Policies, StepExecutor};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
@@ -91,6 +92,7 @@ pub fn request(id: u64, prompt: Vec<u32>, max_tokens: u32) -> GenerateRequest {
         stop_token_ids: vec![],
         ignore_eos: false,
         prompt_logprobs: false,
+        block_hashes: None,
     }
 }
 
@@ -100,7 +102,7 @@ pub struct Outcome {
     pub tokens: Vec<u32>,
     pub finish: Option<FinishReason>,
     pub usage: Usage,
-    pub failed: Option<(&'static str, String)>,
+    pub failed: Option<(FailureKind, String)>,
     pub prompt_logprobs: Option<Vec<Option<TokenLogprob>>>,
 }
 

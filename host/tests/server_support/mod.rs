@@ -1,15 +1,25 @@
 //! Shared helpers for the server integration tests: a server on a loopback port in front of
-//! mock engines, and a small raw HTTP/1.1 client (raw so tests can send malformed requests and
-//! hang up mid-response).
+//! real engine threads over the model-free `MockExecutor`, a recorder between the server and
+//! each engine (what the engine was sent), and a small raw HTTP/1.1 client (raw so tests can
+//! send malformed requests and hang up mid-response).
 
 #![allow(dead_code)]
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use chimera::cache::{ByteSize, CacheConfig};
+use chimera::engine::api::{Command, EngineEvent, EngineHandle, EngineStats, GenerateRequest};
+use chimera::engine::{
+    Engine, EngineConfig, EngineSetup, MockConfig, MockExecutor, Policies, StepExecutor,
+    spawn_engine,
+};
 use chimera::policy;
-use chimera::server::mock_engine::{MockCounters, MockEngine, MockEngineConfig};
+use chimera::policy::native::DefaultSampler;
 use chimera::server::{
     AppParts, AppState, LeastLoaded, ModelInfo, Replica, ServerConfig, TextCodec, mock_tokenizer,
     serve_with_shutdown,
@@ -20,6 +30,8 @@ use std::io::{Read, Write};
 use tokio::net::TcpListener;
 
 pub const MODEL: &str = "tiny-mock";
+/// Salt of the server's and the engines' block hashes.
+pub const SALT: &str = "tiny-mock-salt";
 
 pub fn codec() -> TextCodec {
     TextCodec::from_parts(
@@ -37,7 +49,16 @@ pub fn tokenizer() -> tokenizers::Tokenizer {
 
 pub struct Options {
     pub replicas: usize,
-    pub engine: MockEngineConfig,
+    /// The executor of every replica. By default: the tokenizer's vocabulary and EOS, output
+    /// in whole words and characters (`mock_units`), EOS never, 1 ms per step.
+    pub mock: MockConfig,
+    /// Batching limits of every replica.
+    pub engine: EngineConfig,
+    pub block_size: usize,
+    /// KV blocks per replica.
+    pub blocks: usize,
+    /// Durable SSM snapshot slots per replica (hybrid executors only).
+    pub snapshots: usize,
     pub server: ServerConfig,
     pub policy: Option<Box<dyn policy::Router>>,
     pub max_model_len: u32,
@@ -46,16 +67,24 @@ pub struct Options {
 impl Default for Options {
     fn default() -> Self {
         let tok = tokenizer();
-        let eos = tok.token_to_id(mock_tokenizer::EOS);
+        let eos = tok.token_to_id(mock_tokenizer::EOS).expect("EOS id");
         Self {
             replicas: 1,
-            engine: MockEngineConfig {
+            mock: MockConfig {
+                vocab: tok.get_vocab_size(true),
+                eos: vec![eos],
                 units: mock_tokenizer::mock_units(&tok),
-                vocab_size: tok.get_vocab_size(true) as u32,
-                eos_token_id: eos,
-                token_delay: Duration::from_millis(1),
-                ..MockEngineConfig::default()
+                step_delay: Duration::from_millis(1),
+                ..MockConfig::default()
             },
+            engine: EngineConfig {
+                max_running: 64,
+                max_waiting: 256,
+                ..EngineConfig::default()
+            },
+            block_size: 4,
+            blocks: 1024,
+            snapshots: 64,
             server: ServerConfig {
                 port: 0,
                 ..ServerConfig::default()
@@ -66,11 +95,153 @@ impl Default for Options {
     }
 }
 
+impl Options {
+    /// The setup of one replica: a memory budget giving exactly `blocks` KV blocks (and, for a
+    /// hybrid executor, `max_running` live plus `snapshots` durable SSM slots).
+    pub fn setup(&self) -> EngineSetup {
+        let spec = MockExecutor::new(self.mock.clone()).cache_spec();
+        let kv = (spec.kv_block_bytes(self.block_size) * self.blocks) as u64;
+        let (ssm, share) = if spec.is_hybrid() {
+            let slot = spec.ssm_slot_bytes() as u64;
+            let ssm = (self.engine.max_running + self.snapshots) as u64 * slot;
+            // Half a slot of slack so the share's rounding lands on exactly that many slots.
+            let share = (ssm as f64 + slot as f64 / 2.0) / (kv + ssm) as f64;
+            (ssm, Some(share))
+        } else {
+            (0, None)
+        };
+        EngineSetup {
+            engine: self.engine.clone(),
+            cache: CacheConfig {
+                memory_budget: ByteSize(kv + ssm),
+                block_size: self.block_size,
+                prefix_caching: true,
+                ssm_share: share,
+                ..CacheConfig::default()
+            },
+            hash_salt: SALT.into(),
+        }
+    }
+
+    /// The replicas' policies: the built-in sampler (seeded temperature sampling, as the binary
+    /// configures it), native LRU eviction.
+    pub fn policies() -> Policies {
+        Policies {
+            sampler: Box::new(DefaultSampler::default()),
+            fallback_sampler: Box::new(DefaultSampler::default()),
+            evictor: None,
+        }
+    }
+
+    /// Runs `request` alone on a fresh engine of this setup (no thread, no server) and returns
+    /// its events: what the server's replicas must produce for it.
+    pub fn run_direct(&self, request: GenerateRequest) -> Vec<EngineEvent> {
+        let exec = MockExecutor::new(self.mock.clone());
+        let mut e = Engine::new(self.setup(), exec, Self::policies()).expect("engine");
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        e.add(request, tx);
+        while !e.is_idle() {
+            e.step();
+        }
+        let mut out = Vec::new();
+        while let Ok(ev) = rx.try_recv() {
+            out.push(ev);
+        }
+        out
+    }
+}
+
+/// What one replica was sent, recorded on the way from the server to its engine thread.
+#[derive(Debug, Default)]
+pub struct Recorder {
+    /// `Add` commands (requests submitted).
+    pub added: AtomicU64,
+    /// Cancels sent (by request guards, stop strings and shutdown).
+    pub cancels: AtomicU64,
+    /// `ResetPrefixCache` commands.
+    pub resets: AtomicU64,
+    recent: Mutex<VecDeque<GenerateRequest>>,
+}
+
+impl Recorder {
+    pub fn get(&self, c: &AtomicU64) -> u64 {
+        c.load(Ordering::SeqCst)
+    }
+
+    /// The most recent requests (up to 64), oldest first.
+    pub fn recent_requests(&self) -> Vec<GenerateRequest> {
+        self.recent
+            .lock()
+            .map(|r| r.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    fn record(&self, cmd: &Command) {
+        match cmd {
+            Command::Add { request, .. } => {
+                self.added.fetch_add(1, Ordering::SeqCst);
+                if let Ok(mut r) = self.recent.lock() {
+                    r.push_back(request.clone());
+                    while r.len() > 64 {
+                        r.pop_front();
+                    }
+                }
+            }
+            Command::ResetPrefixCache => {
+                self.resets.fetch_add(1, Ordering::SeqCst);
+            }
+            Command::Cancel { .. } | Command::Shutdown => {}
+        }
+    }
+}
+
+/// A handle to `engine` whose commands and cancels pass through a recording thread. That thread
+/// keeps the engine thread's ordering guarantee (a cancel sent after its request's `Add` is
+/// never applied before it): each round it collects the pending cancels, then forwards every
+/// queued command, then those cancels. Its queue has the engine's capacity.
+fn recorded(engine: EngineHandle, capacity: usize) -> (EngineHandle, Arc<Recorder>) {
+    let (cmd_tx, cmd_rx) = mpsc::sync_channel::<Command>(capacity.max(1));
+    let (cancel_tx, cancel_rx) = mpsc::channel::<u64>();
+    let rec = Arc::new(Recorder::default());
+    let handle = EngineHandle::new(cmd_tx, cancel_tx, engine.stats_watch());
+    let r = rec.clone();
+    std::thread::Builder::new()
+        .name("engine-recorder".into())
+        .spawn(move || {
+            loop {
+                let first = match cmd_rx.recv_timeout(Duration::from_millis(1)) {
+                    Ok(c) => Some(c),
+                    Err(RecvTimeoutError::Timeout) => None,
+                    Err(RecvTimeoutError::Disconnected) => break,
+                };
+                let cancels: Vec<u64> = cancel_rx.try_iter().collect();
+                for cmd in first.into_iter().chain(cmd_rx.try_iter()) {
+                    r.record(&cmd);
+                    if engine.control(cmd).is_err() {
+                        return;
+                    }
+                }
+                for id in cancels {
+                    r.cancels.fetch_add(1, Ordering::SeqCst);
+                    engine.cancel(id);
+                }
+            }
+            for id in cancel_rx.try_iter() {
+                r.cancels.fetch_add(1, Ordering::SeqCst);
+                engine.cancel(id);
+            }
+        })
+        .expect("recorder thread");
+    (handle, rec)
+}
+
 pub struct TestServer {
     pub addr: SocketAddr,
     pub state: AppState,
-    pub counters: Vec<Arc<MockCounters>>,
-    pub engines: Vec<chimera::engine::api::EngineHandle>,
+    /// Per replica: what it was sent.
+    pub recorders: Vec<Arc<Recorder>>,
+    /// Per replica: the engine thread's own handle (its stats are the engine's truth).
+    pub engines: Vec<EngineHandle>,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
     pub task: Option<tokio::task::JoinHandle<Result<(), chimera::server::ServeError>>>,
 }
@@ -78,17 +249,21 @@ pub struct TestServer {
 impl TestServer {
     pub async fn start(opts: Options) -> Self {
         let mut replicas = Vec::new();
-        let mut counters = Vec::new();
+        let mut recorders = Vec::new();
         let mut engines = Vec::new();
+        let setup = opts.setup();
+        let mut num_blocks = 0;
         for _ in 0..opts.replicas {
-            let mut cfg = opts.engine.clone();
-            cfg.max_model_len = opts.max_model_len;
-            let mut e = MockEngine::spawn(cfg).expect("mock engine");
-            counters.push(e.counters.clone());
-            engines.push(e.handle.clone());
+            let exec = MockExecutor::new(opts.mock.clone());
+            let (handle, _join, kv) =
+                spawn_engine(setup.clone(), exec, Options::policies()).expect("engine");
+            num_blocks = handle.stats().total_blocks;
+            let (front, rec) = recorded(handle.clone(), opts.engine.max_waiting);
+            recorders.push(rec);
+            engines.push(handle);
             replicas.push(Replica {
-                handle: e.handle.clone(),
-                kv_events: e.kv_events.take(),
+                handle: front,
+                kv_events: Some(kv),
             });
         }
         let parts = AppParts {
@@ -96,9 +271,9 @@ impl TestServer {
             model: ModelInfo {
                 name: MODEL.into(),
                 max_model_len: opts.max_model_len,
-                block_size: opts.engine.block_size,
-                cache_salt: opts.engine.cache_salt.clone(),
-                num_blocks: opts.engine.total_blocks,
+                block_size: opts.block_size as u32,
+                cache_salt: SALT.into(),
+                num_blocks,
                 prefix_caching: true,
             },
             codec: codec(),
@@ -116,7 +291,7 @@ impl TestServer {
         Self {
             addr,
             state,
-            counters,
+            recorders,
             engines,
             shutdown: Some(tx),
             task: Some(task),
@@ -129,8 +304,14 @@ impl TestServer {
         }
     }
 
-    pub fn counter(&self, f: impl Fn(&MockCounters) -> u64) -> u64 {
-        self.counters.iter().map(|c| f(c)).sum()
+    /// Sum over replicas of a recorder count.
+    pub fn counter(&self, f: impl Fn(&Recorder) -> u64) -> u64 {
+        self.recorders.iter().map(|c| f(c)).sum()
+    }
+
+    /// Sum over replicas of an engine statistic.
+    pub fn engine_sum(&self, f: impl Fn(&EngineStats) -> u64) -> u64 {
+        self.engines.iter().map(|e| f(&e.stats())).sum()
     }
 
     pub async fn metrics(&self) -> String {
@@ -166,6 +347,18 @@ impl Drop for TestServer {
         self.shutdown();
         self.state.abort_in_flight();
     }
+}
+
+/// Polls `f` every 10 ms until it holds; panics after `within`.
+pub async fn wait_for(what: &str, within: Duration, mut f: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if f().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("timed out waiting for {what}");
 }
 
 pub fn parse_metric(text: &str, prefix: &str) -> f64 {
@@ -217,10 +410,7 @@ impl Resp {
 
 fn decode_chunked(mut body: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
-    loop {
-        let Some(pos) = body.windows(2).position(|w| w == b"\r\n") else {
-            break;
-        };
+    while let Some(pos) = body.windows(2).position(|w| w == b"\r\n") {
         let size_line = String::from_utf8_lossy(&body[..pos]);
         let size = usize::from_str_radix(size_line.split(';').next().unwrap_or("0").trim(), 16)
             .unwrap_or(0);
