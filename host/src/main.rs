@@ -29,7 +29,7 @@ enum Command {
     /// Continue a prompt (greedy) and print the continuation.
     Generate(GenerateArgs),
     /// Drive an OpenAI-compatible server with a workload and report latencies.
-    Bench(chimera::bench::BenchArgs),
+    Bench(Box<chimera::bench::BenchArgs>),
     /// Work with policy plugins.
     #[command(subcommand)]
     Plugin(PluginCommand),
@@ -84,7 +84,7 @@ fn main() -> anyhow::Result<()> {
         Command::Serve(args) => serve(args),
         Command::Generate(args) => generate(args),
         Command::Bench(args) => {
-            runtime()?.block_on(async { chimera::bench::run(args).await.map(drop) })
+            runtime()?.block_on(async { chimera::bench::run(*args).await.map(drop) })
         }
         Command::Plugin(PluginCommand::Check { file }) => {
             let report = chimera::plugins::check_plugin(&file)

@@ -82,7 +82,7 @@ impl CpuTensor {
     /// `(rows, cols)` treating every leading dim as rows.
     pub fn rows_cols(&self) -> (usize, usize) {
         let cols = self.shape.last().copied().unwrap_or(1);
-        let rows = if cols == 0 { 0 } else { self.data.len() / cols };
+        let rows = self.data.len().checked_div(cols).unwrap_or(0);
         (rows, cols)
     }
 
@@ -96,9 +96,12 @@ impl CpuTensor {
 /// `max_rows` rows of its width, so any later temporary of that width fits whatever the
 /// step's token count: after the first step of a model, the arena grows only if more
 /// temporaries of one width are alive at once than ever before.
+/// A recycled tensor buffer: its values and its shape vector.
+type FreeBuffer = (Vec<f32>, Vec<usize>);
+
 #[derive(Debug, Default)]
 pub struct Arena {
-    free: Mutex<HashMap<usize, Vec<(Vec<f32>, Vec<usize>)>>>,
+    free: Mutex<HashMap<usize, Vec<FreeBuffer>>>,
     max_rows: AtomicUsize,
     grown: AtomicU64,
     bytes: AtomicU64,

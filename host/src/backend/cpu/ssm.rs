@@ -229,9 +229,9 @@ pub fn ssm_chunked_head(
         for v in state.iter_mut() {
             *v *= total;
         }
-        for s in 0..l_len {
+        for (s, &a) in acum.iter().enumerate().take(l_len) {
             let t = start + s;
-            let w = (last - acum[s]).exp() * dt[t];
+            let w = (last - a).exp() * dt[t];
             let bs = &b[t * n..(t + 1) * n];
             for pi in 0..p {
                 let wx = w * x[t * p + pi];
@@ -245,6 +245,14 @@ pub fn ssm_chunked_head(
     }
 }
 
+/// One head's scan over one chunk: its output rows, its final state and the state at each
+/// segment end (for snapshots).
+struct HeadResult {
+    y: Vec<f32>,
+    state: Vec<f32>,
+    snaps: Vec<Vec<f32>>,
+}
+
 /// Per-head inputs for one sequence chunk, gathered into contiguous arrays.
 struct HeadInputs {
     x: Vec<f32>,
@@ -253,7 +261,6 @@ struct HeadInputs {
     dt: Vec<f32>,
 }
 
-#[allow(clippy::too_many_arguments)]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn ssm_scan(
     x: &CpuTensor,
@@ -306,7 +313,7 @@ pub(super) fn ssm_scan(
         }
         let live = &state.data[live_base..live_base + heads * head_state];
         // Each head runs independently; results are written back below.
-        let results: Vec<(Vec<f32>, Vec<f32>, Vec<Vec<f32>>)> = (0..heads)
+        let results: Vec<HeadResult> = (0..heads)
             .into_par_iter()
             .map(|h| {
                 let g = h / heads_per_group;
@@ -335,10 +342,19 @@ pub(super) fn ssm_scan(
                     snaps.push(s.clone());
                     from = to;
                 }
-                (yh, s, snaps)
+                HeadResult {
+                    y: yh,
+                    state: s,
+                    snaps,
+                }
             })
             .collect();
-        for (h, (yh, s, snaps)) in results.into_iter().enumerate() {
+        for (h, r) in results.into_iter().enumerate() {
+            let HeadResult {
+                y: yh,
+                state: s,
+                snaps,
+            } = r;
             for i in 0..seq.len {
                 let row = (seq.offset + i) * xcols + h * p;
                 y[row..row + p].copy_from_slice(&yh[i * p..(i + 1) * p]);

@@ -71,7 +71,7 @@ pub(super) fn ssm_shape(
     chunk: usize,
 ) -> Result<SsmShape, ModelError> {
     let (lo, hi) = c.f64_pair_or("time_step_limit", (0.0, f64::INFINITY))?;
-    if heads == 0 || head_dim == 0 || groups == 0 || heads % groups != 0 || chunk == 0 {
+    if heads == 0 || head_dim == 0 || groups == 0 || !heads.is_multiple_of(groups) || chunk == 0 {
         return Err(c.error(format!(
             "invalid Mamba2 shape: {heads} heads × {head_dim}, {groups} groups, chunk {chunk}"
         )));

@@ -30,7 +30,7 @@ pub struct AttentionSpec {
 
 impl<B: Backend> Attention<B> {
     pub fn load(l: &Loader<'_, B>, prefix: &str, s: AttentionSpec) -> Result<Self, ModelError> {
-        if s.heads == 0 || s.kv_heads == 0 || s.heads % s.kv_heads != 0 {
+        if s.heads == 0 || s.kv_heads == 0 || !s.heads.is_multiple_of(s.kv_heads) {
             return Err(ModelError::Unsupported(format!(
                 "{} attention heads with {} KV heads (must divide evenly)",
                 s.heads, s.kv_heads

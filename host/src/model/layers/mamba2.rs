@@ -47,7 +47,7 @@ impl Mamba2Spec {
 impl<B: Backend> Mamba2Mixer<B> {
     pub fn load(l: &Loader<'_, B>, prefix: &str, s: Mamba2Spec) -> Result<Self, ModelError> {
         let sh = s.shape;
-        if sh.groups == 0 || sh.heads % sh.groups != 0 || s.conv_kernel < 2 {
+        if sh.groups == 0 || !sh.heads.is_multiple_of(sh.groups) || s.conv_kernel < 2 {
             return Err(ModelError::Unsupported(format!(
                 "Mamba2 with {} heads, {} groups, conv kernel {}",
                 sh.heads, sh.groups, s.conv_kernel

@@ -35,7 +35,7 @@ pub struct MoeSpec {
 impl<B: Backend> Moe<B> {
     pub fn load(l: &Loader<'_, B>, prefix: &str, s: MoeSpec) -> Result<Self, ModelError> {
         if s.n_group == 0
-            || s.experts % s.n_group != 0
+            || !s.experts.is_multiple_of(s.n_group)
             || s.topk_group > s.n_group
             || s.top_k > s.topk_group * (s.experts / s.n_group)
             || s.top_k == 0
