@@ -19,10 +19,11 @@ use super::api::{
 use super::config::{ConfigError, EngineSetup};
 use super::executor::{CacheAllocation, ExecutorError, StepExecutor, StepOutput};
 use super::request::Request;
-use super::sampling::{GreedySampler, RowInfo, Sampled, SamplingStage, token_logprob};
+use super::sampling::{GreedySampler, Sampled, SamplingStage, token_logprob};
 use super::scheduler::{Scheduler, StopReason};
-use crate::backend::{SlotOp, StepPlan};
-use crate::cache::{CacheLayout, CacheManager, HashSeed, SsmInit};
+use super::step_plan;
+use crate::backend::StepPlan;
+use crate::cache::{CacheLayout, CacheManager, HashSeed};
 use crate::policy::{Evictor, Sampler};
 
 /// The policy instances of one replica.
@@ -317,52 +318,25 @@ impl<E: StepExecutor> Engine<E> {
         true
     }
 
-    /// Builds the step plan: chunks, block tables, snapshot targets and SSM slot set-up.
+    /// Builds the step plan (see [`super::step_plan`]).
     fn prepare_inputs(&mut self) -> Result<(), ExecutorError> {
-        let out = self.sched.output();
-        let plan = &mut self.inputs;
-        plan.clear(self.layout.block_size);
-        for s in &out.seqs {
-            let Some(r) = self.sched.request(s.slot) else {
-                continue;
-            };
-            let chunk = plan.push(
-                &r.tokens[s.start..s.start + s.len],
-                s.start,
-                self.cache.block_table(s.slot),
-                self.cache.live_slot(s.slot),
-                s.want_logits,
-            );
-            chunk.all_logits = s.all_logits;
-            for snap in &s.snapshots {
-                plan.snapshot(snap.after, snap.slot);
-            }
-            if s.start < r.prompt_len {
-                self.stats.prompt_tokens_computed +=
-                    (s.start + s.len).min(r.prompt_len) as u64 - s.start as u64;
-            }
-        }
-        for init in &out.ssm_init {
-            match *init {
-                SsmInit::None => {}
-                SsmInit::Zero { live } => plan.slot_ops.push(SlotOp::Zero { slot: live }),
-                SsmInit::Restore { from, live } => {
-                    plan.slot_ops.push(SlotOp::Copy { from, to: live })
-                }
-            }
-        }
-        // Per-row sampling inputs, in the order of the sampled rows.
-        let rows = sampled_rows(&self.sched);
-        self.sampling.sample_rows(&rows, &mut plan.sampling);
-        plan.finish()
-            .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))
+        let prompt_tokens = step_plan::build(
+            &mut self.inputs,
+            self.layout.block_size,
+            &self.sched,
+            &self.cache,
+            &self.sampling,
+        )
+        .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))?;
+        self.stats.prompt_tokens_computed += prompt_tokens;
+        Ok(())
     }
 
     fn apply_output(&mut self) {
         if let Err(e) = self.take_prompt_rows() {
             return self.fail_batch(e);
         }
-        let rows = sampled_rows(&self.sched);
+        let rows = step_plan::sampled_rows(&self.sched);
         let Policies {
             sampler,
             fallback_sampler,
@@ -388,6 +362,10 @@ impl<E: StepExecutor> Engine<E> {
         self.finished.clear();
         self.sched
             .update_from_output(&mut self.cache, &self.tokens, &self.eos, &mut self.finished);
+        // The step succeeded: its cache changes (new blocks, snapshots) become visible. The
+        // engine is the one place that commits (here, and on idle steps) or aborts
+        // (`fail_batch`) a step.
+        self.cache.commit_step();
         let out = self.sched.output();
         let mut row = 0;
         for s in out.seqs.iter().filter(|s| s.want_logits) {
@@ -521,21 +499,4 @@ impl<E: StepExecutor> Engine<E> {
         s.prefix_cache_hits = c.prefix_hits;
         s.ssm_restores = c.ssm_restores;
     }
-}
-
-/// What the sampling stage needs about each sampled row of this step, in row order.
-fn sampled_rows(sched: &Scheduler) -> Vec<RowInfo<'_>> {
-    sched
-        .output()
-        .seqs
-        .iter()
-        .filter(|s| s.want_logits)
-        .filter_map(|s| sched.request(s.slot))
-        .map(|r| RowInfo {
-            params: &r.params,
-            prompt: &r.tokens[..r.orig_prompt_len],
-            output: r.output(),
-            seed: r.seed,
-        })
-        .collect()
 }

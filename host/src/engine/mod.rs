@@ -21,6 +21,7 @@ pub mod model_runner;
 pub mod request;
 pub mod sampling;
 pub mod scheduler;
+pub mod step_plan;
 pub mod thread;
 
 pub use config::{EngineConfig, EngineSetup};

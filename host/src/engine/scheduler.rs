@@ -501,7 +501,6 @@ impl Scheduler {
                 cache.commit_seq(s.slot, &r.hashes, r.computed.min(r.prompt_len));
             }
         }
-        cache.commit_step();
         let mut row = 0;
         for s in &self.out.seqs {
             if !s.want_logits {

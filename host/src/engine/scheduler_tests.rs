@@ -56,6 +56,7 @@ fn finish_step(s: &mut Scheduler, c: &mut CacheManager) -> Vec<(u32, StopReason)
     let rows = s.output().seqs.iter().filter(|q| q.want_logits).count();
     let mut fin = Vec::new();
     s.update_from_output(c, &vec![7; rows], &[], &mut fin);
+    c.commit_step();
     fin
 }
 

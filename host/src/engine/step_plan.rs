@@ -1,0 +1,178 @@
+//! The one place the engine turns a step's schedule into the backend's [`StepPlan`]: each
+//! scheduled chunk's tokens, its block table and live SSM slot, its snapshot targets, the SSM
+//! restores and zeros of newly admitted requests, and the per-row sampling inputs. The plan is
+//! the engine's persistent batch: its buffers are cleared and refilled every step, never
+//! reallocated once warm. The plan's own invariants are tested in `backend::step`; this
+//! builder's mapping from scheduler and cache state is tested below.
+
+use super::sampling::{RowInfo, SamplingStage};
+use super::scheduler::Scheduler;
+use crate::backend::{PlanError, SlotOp, StepPlan};
+use crate::cache::{CacheManager, SsmInit};
+
+/// Fills `plan` for the scheduler's current output. Returns the number of prompt tokens the
+/// step computes (for the engine's counters).
+pub fn build(
+    plan: &mut StepPlan,
+    block_size: usize,
+    sched: &Scheduler,
+    cache: &CacheManager,
+    sampling: &SamplingStage,
+) -> Result<u64, PlanError> {
+    let out = sched.output();
+    plan.clear(block_size);
+    let mut prompt_tokens = 0;
+    for s in &out.seqs {
+        let r = sched
+            .request(s.slot)
+            .ok_or_else(|| PlanError(format!("scheduled slot {} holds no request", s.slot)))?;
+        let chunk = plan.push(
+            &r.tokens[s.start..s.start + s.len],
+            s.start,
+            cache.block_table(s.slot),
+            cache.live_slot(s.slot),
+            s.want_logits,
+        );
+        chunk.all_logits = s.all_logits;
+        for snap in &s.snapshots {
+            plan.snapshot(snap.after, snap.slot);
+        }
+        if s.start < r.prompt_len {
+            prompt_tokens += (s.start + s.len).min(r.prompt_len) as u64 - s.start as u64;
+        }
+    }
+    for init in &out.ssm_init {
+        match *init {
+            SsmInit::None => {}
+            SsmInit::Zero { live } => plan.slot_ops.push(SlotOp::Zero { slot: live }),
+            SsmInit::Restore { from, live } => plan.slot_ops.push(SlotOp::Copy { from, to: live }),
+        }
+    }
+    sampling.sample_rows(&sampled_rows(sched), &mut plan.sampling);
+    plan.finish()?;
+    Ok(prompt_tokens)
+}
+
+/// What the sampling stage needs about each sampled row of this step, in row order.
+pub fn sampled_rows(sched: &Scheduler) -> Vec<RowInfo<'_>> {
+    sched
+        .output()
+        .seqs
+        .iter()
+        .filter(|s| s.want_logits)
+        .filter_map(|s| sched.request(s.slot))
+        .map(|r| RowInfo {
+            params: &r.params,
+            prompt: &r.tokens[..r.orig_prompt_len],
+            output: r.output(),
+            seed: r.seed,
+        })
+        .collect()
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use tokio::sync::mpsc::unbounded_channel;
+
+    use super::*;
+    use crate::cache::{CacheLayout, HashSeed};
+    use crate::engine::api::{GenerateRequest, SamplingParams};
+    use crate::engine::config::EngineConfig;
+    use crate::engine::request::Request;
+
+    const BS: usize = 4;
+
+    fn add(s: &mut Scheduler, id: u64, prompt: Vec<u32>) {
+        let (tx, _rx) = unbounded_channel();
+        let req = GenerateRequest {
+            id,
+            prompt,
+            params: SamplingParams {
+                repetition_penalty: 1.3,
+                ..SamplingParams::default()
+            },
+            max_tokens: 4,
+            stop_token_ids: vec![],
+            ignore_eos: true,
+            prompt_logprobs: false,
+            block_hashes: None,
+        };
+        s.add(|slot| Request::new(req, slot, tx));
+    }
+
+    /// A hybrid cache, two requests over a shared 8-token prefix, 12 tokens a step: the plan
+    /// carries each chunk's tokens, positions and table, zeroes or restores new live slots,
+    /// snapshots at block boundaries only, and one sampling row per final chunk.
+    #[test]
+    fn plan_follows_the_schedule_and_the_cache() {
+        let cfg = EngineConfig {
+            max_batched_tokens: 12,
+            max_running: 4,
+            ..Default::default()
+        };
+        let layout = CacheLayout {
+            block_size: BS,
+            num_blocks: 32,
+            live_slots: 4,
+            durable_slots: 8,
+            kv_bytes: 0,
+            ssm_bytes: 0,
+        };
+        let mut sched = Scheduler::new(cfg.clone(), BS, HashSeed::new("t"));
+        let mut cache = CacheManager::new(&layout, true, true, None);
+        let sampling = SamplingStage::new(cfg.sampler_candidates);
+        add(&mut sched, 1, (1..=10).collect());
+        add(&mut sched, 2, (1..=8).chain(50..53).collect());
+        let mut plan = StepPlan::default();
+        let (mut seen_zero, mut seen_copy) = (0, 0);
+        let mut snapshot_slots = Vec::new();
+        let mut sampled = 0;
+        for _ in 0..4 {
+            sched.schedule(&mut cache);
+            if sched.output().is_empty() {
+                break;
+            }
+            build(&mut plan, BS, &sched, &cache, &sampling).unwrap();
+            let out = sched.output();
+            assert_eq!(plan.seqs.len(), out.seqs.len());
+            for (i, (c, s)) in plan.seqs.iter().zip(&out.seqs).enumerate() {
+                let r = sched.request(s.slot).unwrap();
+                let toks = &plan.tokens[c.offset..c.offset + c.len];
+                assert_eq!(toks, &r.tokens[s.start..s.start + s.len]);
+                assert_eq!(plan.positions[c.offset] as usize, s.start);
+                assert_eq!(plan.block_table(i), cache.block_table(s.slot));
+                assert_eq!(c.ssm_slot, cache.live_slot(s.slot));
+                for t in plan.snapshots_of(i) {
+                    assert_eq!((s.start + t.after as usize) % BS, 0, "block boundary");
+                    assert_ne!(t.slot, c.ssm_slot, "snapshots go to durable slots");
+                }
+            }
+            for op in &plan.slot_ops {
+                match *op {
+                    SlotOp::Zero { .. } => seen_zero += 1,
+                    // A restore reads a snapshot an earlier step of this test asked for.
+                    SlotOp::Copy { from, .. } => {
+                        assert!(snapshot_slots.contains(&from), "restore from {from}");
+                        seen_copy += 1;
+                    }
+                }
+            }
+            snapshot_slots.extend(plan.snapshots.iter().map(|t| t.slot));
+            assert_eq!(plan.sampling.len(), plan.sample_rows.len());
+            // The repetition penalty is on, so every sampled row carries its history.
+            for i in 0..plan.sampling.len() {
+                assert!(!plan.sampling.history(i).0.is_empty());
+            }
+            sampled += plan.sample_rows.len();
+            let tokens = vec![7; plan.sample_rows.len()];
+            let mut fin = Vec::new();
+            sched.update_from_output(&mut cache, &tokens, &[], &mut fin);
+            cache.commit_step();
+        }
+        // The first request starts from zero; the second shares its 8-token prefix and
+        // restores the snapshot taken at that boundary.
+        assert_eq!((seen_zero, seen_copy), (1, 1));
+        assert!(sampled >= 2);
+    }
+}
