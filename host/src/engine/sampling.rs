@@ -8,15 +8,17 @@
 //! fail too, the best candidate). Logprobs are log-softmax over the full penalised row; the
 //! top-N alternatives come from the candidates (N ≤ K).
 //!
-//! Two entry points: [`SamplingStage::sample`] does all of this over full logits rows on the
-//! host; [`SamplingStage::sample_candidates`] starts from the candidate columns a backend's
-//! sampling tail produced ([`SampleOut`], described to it by [`SamplingStage::sample_rows`])
-//! and gives the same tokens, policy batch and logprobs without the full rows.
+//! The penalties, top-K and log-sum-exp run on the backend (its sampling tail, described to it
+//! by [`SamplingStage::sample_rows`]); [`SamplingStage::sample_candidates`] starts from the
+//! candidate columns it returns ([`SampleOut`]). The full-row host path (`sample`, test builds
+//! only) is the reference the candidate path is checked against.
 //!
 //! It owns no request state and knows nothing of caches or scheduling.
 
 use super::api::{SamplingParams, TokenLogprob};
+#[cfg(test)]
 use super::executor::Logits;
+use crate::backend::cpu::sample::{best_keys, log_sum_exp};
 use crate::backend::sample::{Penalties, SampleOut, SampleRows};
 use crate::policy::{Decision, Sampler, SamplerBatch};
 
@@ -61,8 +63,12 @@ impl Sampler for GreedySampler {
 pub struct SamplingStage {
     k: usize,
     batch: SamplerBatch,
+    /// Scratch of the full-row reference path.
+    #[cfg(test)]
     lse: Vec<f32>,
+    #[cfg(test)]
     scratch: Vec<u32>,
+    #[cfg(test)]
     cand: Vec<u64>,
     /// Answers rejected (invalid or `UseDefault`) from the configured sampler.
     pub fallbacks: u64,
@@ -73,14 +79,18 @@ impl SamplingStage {
         Self {
             k: k.max(1),
             batch: SamplerBatch::default(),
+            #[cfg(test)]
             lse: Vec::new(),
+            #[cfg(test)]
             scratch: Vec::new(),
+            #[cfg(test)]
             cand: Vec::new(),
             fallbacks: 0,
         }
     }
 
     /// Samples one token per row of `logits` (rows are modified by the penalties).
+    #[cfg(test)]
     pub fn sample(
         &mut self,
         logits: &mut Logits,
@@ -254,6 +264,7 @@ impl SamplingStage {
         ok.then_some(v)
     }
 
+    #[cfg(test)]
     fn apply_penalties(&mut self, row: &mut [f32], info: &RowInfo<'_>) {
         let p = info.params;
         let vocab = row.len();
@@ -285,6 +296,7 @@ impl SamplingStage {
     }
 
     /// Appends the `k` best (logit, token) of `row` to the batch, best first.
+    #[cfg(test)]
     fn top_k(&mut self, row: &[f32], k: usize) {
         best_keys(row, k, &mut self.cand);
         for &c in &self.cand {
@@ -296,47 +308,6 @@ impl SamplingStage {
                 .push(if x.is_nan() { f32::NEG_INFINITY } else { x });
         }
     }
-}
-
-/// The [`order_key`]s of the `k` best entries of `row` into `out`, best first.
-fn best_keys(row: &[f32], k: usize, out: &mut Vec<u64>) {
-    out.clear();
-    if k == 0 {
-        return;
-    }
-    let mut worst = 0;
-    for (t, &x) in row.iter().enumerate() {
-        let c = order_key(x, t as u32);
-        if out.len() < k {
-            out.push(c);
-            if out.len() == k {
-                worst = argmax(out);
-            }
-        } else if c < out[worst] {
-            out[worst] = c;
-            worst = argmax(out);
-        }
-    }
-    out.sort_unstable();
-}
-
-/// A key whose ascending order is descending logit, then ascending token id (NaN ranks as
-/// negative infinity), so candidates sort as plain integers.
-fn order_key(x: f32, t: u32) -> u64 {
-    let x = if x.is_nan() { f32::NEG_INFINITY } else { x };
-    let b = x.to_bits();
-    let ascending = if b >> 31 == 1 { !b } else { b | 0x8000_0000 };
-    (u64::from(!ascending) << 32) | u64::from(t)
-}
-
-fn argmax(c: &[u64]) -> usize {
-    let mut w = 0;
-    for i in 1..c.len() {
-        if c[i] > c[w] {
-            w = i;
-        }
-    }
-    w
 }
 
 /// The logprob of `token` under the logits `row`, with the `top` best alternatives (ties to
@@ -354,15 +325,6 @@ pub fn token_logprob(row: &[f32], token: u32, top: usize) -> TokenLogprob {
             .map(|c| (c as u32, logprob(c as u32)))
             .collect(),
     }
-}
-
-fn log_sum_exp(row: &[f32]) -> f32 {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    if !max.is_finite() {
-        return max;
-    }
-    let sum: f32 = row.iter().map(|&x| (x - max).exp()).sum();
-    max + sum.ln()
 }
 
 #[cfg(test)]
