@@ -70,6 +70,18 @@ impl SampleRows {
         self.hist_counts.clear();
     }
 
+    /// Becomes a copy of `src`, reusing this value's buffers (no allocation once warm).
+    pub fn copy_from(&mut self, src: &SampleRows) {
+        self.k = src.k;
+        self.repetition.clone_from(&src.repetition);
+        self.presence.clone_from(&src.presence);
+        self.frequency.clone_from(&src.frequency);
+        self.want_lse.clone_from(&src.want_lse);
+        self.hist_offsets.clone_from(&src.hist_offsets);
+        self.hist_tokens.clone_from(&src.hist_tokens);
+        self.hist_counts.clone_from(&src.hist_counts);
+    }
+
     pub fn len(&self) -> usize {
         self.repetition.len()
     }

@@ -129,6 +129,26 @@ impl StepPlan {
         self.sampling.clear(k);
     }
 
+    /// Becomes a copy of `src`, reusing this plan's buffers (a backend's host-side staging
+    /// copy; no allocation once warm — a derived `clone_from` would reallocate every column).
+    pub fn copy_from(&mut self, src: &StepPlan) {
+        self.block_size = src.block_size;
+        self.tokens.clone_from(&src.tokens);
+        self.positions.clone_from(&src.positions);
+        self.token_seq.clone_from(&src.token_seq);
+        self.slot_mapping.clone_from(&src.slot_mapping);
+        self.seqs.clone_from(&src.seqs);
+        self.block_tables.clone_from(&src.block_tables);
+        self.cu_seqlens.clone_from(&src.cu_seqlens);
+        self.decode_seqs.clone_from(&src.decode_seqs);
+        self.prefill_seqs.clone_from(&src.prefill_seqs);
+        self.snapshots.clone_from(&src.snapshots);
+        self.slot_ops.clone_from(&src.slot_ops);
+        self.logit_rows.clone_from(&src.logit_rows);
+        self.sample_rows.clone_from(&src.sample_rows);
+        self.sampling.copy_from(&src.sampling);
+    }
+
     /// Adds a chunk: `tokens` at positions `context_len ..`, the sequence's block table and
     /// live SSM slot. Returns the chunk for further settings (snapshots, `all_logits`).
     pub fn push(
@@ -186,14 +206,18 @@ impl StepPlan {
         self.cu_seqlens.push(0);
         for (i, s) in self.seqs.iter().enumerate() {
             let table = &self.block_tables[s.blocks.0 as usize..(s.blocks.0 + s.blocks.1) as usize];
-            for p in s.context_len..s.context_len + s.len {
-                // A table too short is reported by `validate`; map to the table's reach here.
-                let block = table.get(p / bs).copied().unwrap_or(u32::MAX);
-                let row = block
-                    .saturating_mul(bs as u32)
-                    .saturating_add((p % bs) as u32);
-                self.slot_mapping.push(row);
+            // Walk the table instead of dividing per token.
+            let (mut block, mut row) = (s.context_len / bs, s.context_len % bs);
+            for _ in 0..s.len {
+                // A table too short is caught by `check_caches`; map past its reach here.
+                let id = table.get(block).copied().unwrap_or(u32::MAX);
+                self.slot_mapping
+                    .push(id.saturating_mul(bs as u32).saturating_add(row as u32));
                 self.token_seq.push(i as u32);
+                row += 1;
+                if row == bs {
+                    (block, row) = (block + 1, 0);
+                }
             }
             self.cu_seqlens.push((s.offset + s.len) as u32);
             if s.len == 1 && s.context_len > 0 {
@@ -402,6 +426,19 @@ mod tests {
             short.check_caches(8, false, 1, false).is_ok(),
             "no KV layers: no tables needed"
         );
+    }
+
+    #[test]
+    fn copy_from_copies_every_column() {
+        let mut a = plan(4);
+        a.push(&[1, 2, 3, 4, 5], 3, &[6, 7], 2, true).all_logits = true;
+        a.snapshot(1, 9);
+        a.slot_ops.push(SlotOp::Copy { from: 9, to: 2 });
+        a.finish().unwrap();
+        let mut b = plan(16);
+        b.push(&[9; 40], 0, &[1, 2, 3], 0, true);
+        b.copy_from(&a);
+        assert_eq!(b, a);
     }
 
     #[test]

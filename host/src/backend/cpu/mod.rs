@@ -108,8 +108,9 @@ pub struct Arena {
 }
 
 impl Arena {
-    /// A zeroed tensor of `shape` on a recycled buffer of its width.
-    fn take(self: &Arc<Self>, shape: &[usize]) -> CpuTensor {
+    /// A tensor of `shape` on a recycled buffer of its width: zeroed when `zero`, otherwise
+    /// holding stale values for a kernel that writes every element.
+    fn take(self: &Arc<Self>, shape: &[usize], zero: bool) -> CpuTensor {
         let len: usize = shape.iter().product();
         let cols = shape.last().copied().unwrap_or(1).max(1);
         let rows = len / cols;
@@ -124,7 +125,11 @@ impl Arena {
                 .fetch_add(((want - data.capacity()) * 4) as u64, Ordering::Relaxed);
             data.reserve_exact(want - data.len());
         }
-        data.clear();
+        if zero {
+            data.clear();
+        } else {
+            data.truncate(len);
+        }
         data.resize(len, 0.0);
         dims.clear();
         dims.extend_from_slice(shape);
@@ -193,6 +198,10 @@ pub(crate) fn gemm_nt(a: &[f32], b: &[f32], c: &mut [f32], m: usize, k: usize, n
     if m == 0 || n == 0 {
         return;
     }
+    if k == 0 {
+        c.fill(0.0);
+        return;
+    }
     // SAFETY: the slices hold m*k, n*k and m*n elements (checked by the callers) and the
     // strides below address exactly those ranges; `c` does not alias `a` or `b`.
     unsafe {
@@ -216,8 +225,25 @@ pub(crate) fn gemm_nt(a: &[f32], b: &[f32], c: &mut [f32], m: usize, k: usize, n
 }
 
 impl CpuBackend {
+    /// A step temporary the kernel overwrites completely (not zeroed).
     fn tmp(&self, shape: &[usize]) -> CpuTensor {
-        self.arena.take(shape)
+        self.arena.take(shape, false)
+    }
+
+    /// Fills every free arena buffer with NaN, so a test can show that no kernel reads a
+    /// temporary it did not write (stale values would surface in its outputs).
+    pub fn poison_arena(&self) {
+        let mut free = self.arena.free.lock().unwrap_or_else(|p| p.into_inner());
+        for (data, _) in free.values_mut().flatten() {
+            let cap = data.capacity();
+            data.clear();
+            data.resize(cap, f32::NAN);
+        }
+    }
+
+    /// A zeroed step temporary (for kernels that accumulate into it).
+    fn tmp_zeroed(&self, shape: &[usize]) -> CpuTensor {
+        self.arena.take(shape, true)
     }
 }
 
@@ -265,7 +291,7 @@ impl Backend for CpuBackend {
 
     fn upload_step(&self, plan: &StepPlan, step: &mut CpuStep) -> Result<()> {
         plan.validate()?;
-        step.plan.clone_from(plan);
+        step.plan.copy_from(plan);
         Ok(())
     }
 
@@ -277,7 +303,7 @@ impl Backend for CpuBackend {
     }
 
     fn zeros_like(&self, x: &CpuTensor) -> Result<CpuTensor> {
-        Ok(self.tmp(&x.shape))
+        Ok(self.tmp_zeroed(&x.shape))
     }
 
     fn embedding(&self, table: &CpuTensor, step: &CpuStep) -> Result<CpuTensor> {
@@ -499,7 +525,7 @@ impl Backend for CpuBackend {
         shape: AttnShape,
         step: &CpuStep,
     ) -> Result<CpuTensor> {
-        let mut out = self.tmp(&q.shape);
+        let mut out = self.tmp_zeroed(&q.shape);
         attention::paged_attention(q, k, v, cache, shape, &step.plan, &mut out)?;
         Ok(out)
     }
