@@ -336,7 +336,6 @@ impl<E: StepExecutor> Engine<E> {
         if let Err(e) = self.take_prompt_rows() {
             return self.fail_batch(e);
         }
-        let rows = step_plan::sampled_rows(&self.sched);
         let Policies {
             sampler,
             fallback_sampler,
@@ -345,17 +344,15 @@ impl<E: StepExecutor> Engine<E> {
         let t = Instant::now();
         let sampled = self.sampling.sample_candidates(
             &self.output.cands,
-            &rows,
+            step_plan::sampled_rows(&self.sched),
             sampler.as_mut(),
             fallback_sampler.as_mut(),
             &mut self.sampled,
         );
         if let Err(e) = sampled {
-            drop(rows);
             return self.fail_batch(ExecutorError::InvalidBatch(e.to_string()));
         }
         self.timings.sample_ns += t.elapsed().as_nanos() as u64;
-        drop(rows);
         self.tokens.clear();
         self.tokens.extend(self.sampled.iter().map(|s| s.token));
         self.stats.generation_tokens += self.tokens.len() as u64;

@@ -36,6 +36,7 @@ pub struct CandidateShapeError {
 }
 
 /// What the stage needs to know about the request behind one logits row.
+#[derive(Clone, Copy)]
 pub struct RowInfo<'a> {
     pub params: &'a SamplingParams,
     pub prompt: &'a [u32],
@@ -142,30 +143,42 @@ impl SamplingStage {
     pub fn sample_rows(&self, rows: &[RowInfo<'_>], out: &mut SampleRows) {
         out.clear(self.k);
         for info in rows {
-            let p = info.params;
-            let pen = Penalties {
-                repetition: p.repetition_penalty,
-                presence: p.presence_penalty,
-                frequency: p.frequency_penalty,
-            };
-            out.push_row(pen, p.logprobs.is_some(), info.prompt, info.output);
+            Self::push_sample_row(out, info);
         }
+    }
+
+    /// Appends one row's sampling inputs to `out` (after `out.clear(k)` with this stage's K,
+    /// see [`Self::k`]).
+    pub fn push_sample_row(out: &mut SampleRows, info: &RowInfo<'_>) {
+        let p = info.params;
+        let pen = Penalties {
+            repetition: p.repetition_penalty,
+            presence: p.presence_penalty,
+            frequency: p.frequency_penalty,
+        };
+        out.push_row(pen, p.logprobs.is_some(), info.prompt, info.output);
+    }
+
+    /// Candidates per row this stage asks the backend for.
+    pub fn k(&self) -> usize {
+        self.k
     }
 
     /// Samples one token per row from the candidate columns the backend's sampling tail
     /// produced for `rows` (see [`Self::sample_rows`]): the same [`SamplerBatch`], the same
     /// validation and fallback, and the same logprobs as [`Self::sample`] over full rows
     /// (the chosen token is always a candidate, so its logit is among them).
-    pub fn sample_candidates(
+    /// `rows` is walked twice (parameters, then logprobs), so it is a cloneable iterator.
+    pub fn sample_candidates<'r>(
         &mut self,
         cands: &SampleOut,
-        rows: &[RowInfo<'_>],
+        rows: impl Iterator<Item = RowInfo<'r>> + Clone,
         sampler: &mut dyn Sampler,
         fallback: &mut dyn Sampler,
         out: &mut Vec<Sampled>,
     ) -> Result<(), CandidateShapeError> {
         out.clear();
-        let (n, k) = (rows.len(), cands.k);
+        let (n, k) = (rows.clone().count(), cands.k);
         if k == 0
             || cands.cand_tokens.len() != n * k
             || cands.cand_logits.len() != n * k
@@ -180,8 +193,8 @@ impl SamplingStage {
             });
         }
         self.reset_batch(k);
-        for info in rows {
-            self.push_params(info);
+        for info in rows.clone() {
+            self.push_params(&info);
         }
         self.batch.cand_tokens.extend_from_slice(&cands.cand_tokens);
         self.batch.cand_logits.extend(

@@ -392,7 +392,7 @@ mod tail {
             let mut cands = SampleOut::default();
             sample_tail(&mut tail_logits, vocab, &sample_rows, &mut cands).unwrap();
             let (mut s_new, mut f_new, mut out_new) = (sampler(), fallback(), Vec::new());
-            new.sample_candidates(&cands, &infos, &mut s_new, &mut f_new, &mut out_new)
+            new.sample_candidates(&cands, infos.iter().copied(), &mut s_new, &mut f_new, &mut out_new)
                 .unwrap();
 
             prop_assert_eq!(bits(&tail_logits), bits(&full.data));
@@ -423,7 +423,7 @@ mod tail {
         let err = st
             .sample_candidates(
                 &cands,
-                &infos,
+                infos.iter().copied(),
                 &mut GreedySampler,
                 &mut GreedySampler,
                 &mut out,

@@ -21,6 +21,7 @@ pub fn build(
 ) -> Result<u64, PlanError> {
     let out = sched.output();
     plan.clear(block_size);
+    plan.sampling.clear(sampling.k());
     let mut prompt_tokens = 0;
     for s in &out.seqs {
         let r = sched
@@ -34,6 +35,15 @@ pub fn build(
             s.want_logits,
         );
         chunk.all_logits = s.all_logits;
+        if s.want_logits {
+            let row = RowInfo {
+                params: &r.params,
+                prompt: &r.tokens[..r.orig_prompt_len],
+                output: r.output(),
+                seed: r.seed,
+            };
+            SamplingStage::push_sample_row(&mut plan.sampling, &row);
+        }
         for snap in &s.snapshots {
             plan.snapshot(snap.after, snap.slot);
         }
@@ -48,13 +58,12 @@ pub fn build(
             SsmInit::Restore { from, live } => plan.slot_ops.push(SlotOp::Copy { from, to: live }),
         }
     }
-    sampling.sample_rows(&sampled_rows(sched), &mut plan.sampling);
     plan.finish()?;
     Ok(prompt_tokens)
 }
 
 /// What the sampling stage needs about each sampled row of this step, in row order.
-pub fn sampled_rows(sched: &Scheduler) -> Vec<RowInfo<'_>> {
+pub fn sampled_rows(sched: &Scheduler) -> impl Iterator<Item = RowInfo<'_>> + Clone {
     sched
         .output()
         .seqs
@@ -67,7 +76,6 @@ pub fn sampled_rows(sched: &Scheduler) -> Vec<RowInfo<'_>> {
             output: r.output(),
             seed: r.seed,
         })
-        .collect()
 }
 
 #[cfg(test)]

@@ -12,6 +12,9 @@ use rayon::prelude::*;
 use crate::backend::sample::{Penalties, SampleOut, SampleRows};
 use crate::backend::{BackendError, Result};
 
+/// Logits handled by one parallel task at least.
+const MIN_PARALLEL_ELEMS: usize = 1 << 16;
+
 /// Applies each row's penalties to `logits` (`[rows, vocab]`, modified in place), then writes
 /// its top-K candidates and, where wanted, its log-sum-exp into `out`.
 pub fn sample_tail(
@@ -36,6 +39,8 @@ pub fn sample_tail(
         .zip(cand_logits.par_chunks_mut(k))
         .zip(lse.par_iter_mut())
         .enumerate()
+        // Small rows run together on one thread: waking workers costs more than the work.
+        .with_min_len((MIN_PARALLEL_ELEMS / vocab).max(1))
         .for_each_init(
             || Vec::with_capacity(k),
             |keys, (i, (((row, tokens), cand), lse))| {
