@@ -3,7 +3,7 @@
 Runs against a live server at $CHIMERA_BASE_URL (default http://127.0.0.1:8000/v1), with
 pytest or as a plain script (`python3 test_openai.py`, which prints "N passed, M failed").
 Outputs are compared between streamed and non-streamed calls at temperature 0, so the checks
-hold for any model, the mock engine's included.
+hold for any model, the embedded random-weight one included.
 """
 
 import os

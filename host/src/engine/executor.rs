@@ -24,18 +24,6 @@ pub enum ExecutorError {
     Forward(String),
 }
 
-impl ExecutorError {
-    /// Stable kind string (metric label).
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Self::Allocation(_) => "cache_allocation",
-            Self::InvalidBatch(_) => "invalid_batch",
-            Self::BadSlot(_) => "bad_ssm_slot",
-            Self::Forward(_) => "forward_failed",
-        }
-    }
-}
-
 /// Logits of one step, in batch order: one row of `vocab` f32 per token of each chunk with
 /// `all_logits`, and one per other chunk with `want_logits`.
 #[derive(Debug, Clone, Default)]
