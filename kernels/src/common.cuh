@@ -1,0 +1,80 @@
+// Shared device helpers for chimera's kernels. NVRTC compiles these sources with no toolkit
+// headers, so everything a kernel needs (bf16 conversion, fixed-width integers, reductions)
+// is defined here.
+#pragma once
+
+typedef unsigned int u32;
+typedef int i32;
+typedef unsigned long long u64;
+typedef long long i64;
+typedef unsigned short u16;
+
+// bf16 is stored as its 16 raw bits; arithmetic happens in f32.
+struct bf16 {
+    u16 bits;
+};
+
+__device__ __forceinline__ float bf16_to_f32(bf16 v) {
+    return __uint_as_float(((u32)v.bits) << 16);
+}
+
+// Round to nearest even (the hardware conversion; NaN stays NaN).
+__device__ __forceinline__ bf16 f32_to_bf16(float f) {
+    u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    bf16 b;
+    b.bits = r;
+    return b;
+}
+
+// Two f32 packed into one bf16x2 register (lo in the low half), as mma.sync wants them.
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// Element access for kernels templated on the storage type (float or bf16).
+__device__ __forceinline__ float load(const float* p, i64 i) { return p[i]; }
+__device__ __forceinline__ float load(const bf16* p, i64 i) { return bf16_to_f32(p[i]); }
+__device__ __forceinline__ void store(float* p, i64 i, float v) { p[i] = v; }
+__device__ __forceinline__ void store(bf16* p, i64 i, float v) { p[i] = f32_to_bf16(v); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets
+// the result. `scratch` holds 32 floats of shared memory.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    int warps = (blockDim.x + 31) >> 5;
+    v = lane < warps ? scratch[lane] : 0.0f;
+    return warp_sum(v);
+}
+
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    int warps = (blockDim.x + 31) >> 5;
+    v = lane < warps ? scratch[lane] : -__int_as_float(0x7f800000);
+    return warp_max(v);
+}
+
+#define CHIMERA_INF __int_as_float(0x7f800000)
+#define CHIMERA_NAN __int_as_float(0x7fc00000)

@@ -1,0 +1,246 @@
+//! chimera's CUDA kernels.
+//!
+//! The kernels are CUDA C++ written here (`src/*.cu`, `src/*.cuh`), embedded in the binary
+//! with `include_str!` and compiled at run time by NVRTC for the device's architecture
+//! (`sm_90a` on an H200). No CUDA toolkit is needed to build the project, and NVRTC needs no
+//! toolkit headers: the sources include only project headers, which are inlined textually
+//! before compilation ([`Source::text`]).
+//!
+//! Every kernel entry point is declared in a Rust table ([`Entry`]: name and parameter
+//! kinds) next to its source. The host launches kernels only through that table, and a test
+//! compiles every source with NVRTC and checks the PTX `.entry` parameter lists against it,
+//! so an argument-ABI mistake is caught on a machine without a GPU.
+//!
+//! Compiled CUBINs are cached on disk ([`KernelCache`]), keyed by the inlined source, the
+//! options, the NVRTC version and the architecture; sources compile in parallel.
+
+pub mod attention;
+pub mod nvrtc;
+pub mod sample;
+
+pub use nvrtc::{Compiled, KernelCache, KernelError, compile, compile_all, nvrtc_version};
+
+/// One kernel launch as a planner describes it: the entry, the geometry and the arguments
+/// in parameter order. `A` is the planner's own enum of symbolic arguments (a tensor, a step
+/// column, a scalar), which the backend maps to device pointers and values.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Launch<A> {
+    pub entry: &'static str,
+    pub grid: (u32, u32, u32),
+    pub block: (u32, u32, u32),
+    /// Dynamic shared memory in bytes.
+    pub smem: u32,
+    pub args: Vec<A>,
+}
+
+/// A kernel parameter as the launch code passes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Param {
+    /// A device pointer (`.u64` in PTX).
+    Ptr,
+    U32,
+    I32,
+    U64,
+    F32,
+}
+
+impl Param {
+    /// The PTX parameter type NVRTC emits for this kind.
+    pub fn ptx(self) -> &'static str {
+        match self {
+            Param::Ptr | Param::U64 => "u64",
+            Param::U32 | Param::I32 => "u32",
+            Param::F32 => "f32",
+        }
+    }
+}
+
+/// One `extern "C" __global__` entry point.
+#[derive(Debug, Clone, Copy)]
+pub struct Entry {
+    pub name: &'static str,
+    pub params: &'static [Param],
+}
+
+/// One compilation unit: a `.cu` file and its entry points.
+#[derive(Debug, Clone, Copy)]
+pub struct Source {
+    pub name: &'static str,
+    pub code: &'static str,
+    pub entries: &'static [Entry],
+}
+
+/// Project headers that sources may `#include "name"`.
+pub const HEADERS: &[(&str, &str)] = &[("common.cuh", include_str!("common.cuh"))];
+
+/// Bumped whenever a kernel's parameters change meaning without changing its source text.
+pub const ABI_VERSION: u32 = 1;
+
+/// Every compilation unit.
+pub fn sources() -> &'static [Source] {
+    const SOURCES: &[Source] = &[
+        Source {
+            name: "dense.cu",
+            code: include_str!("dense.cu"),
+            entries: dense::ENTRIES,
+        },
+        Source {
+            name: "attention.cu",
+            code: include_str!("attention.cu"),
+            entries: attention::ENTRIES,
+        },
+        Source {
+            name: "sample.cu",
+            code: include_str!("sample.cu"),
+            entries: sample::ENTRIES,
+        },
+    ];
+    SOURCES
+}
+
+/// The entry named `name`, in whichever source declares it.
+pub fn entry(name: &str) -> Option<(&'static Source, &'static Entry)> {
+    sources()
+        .iter()
+        .find_map(|s| s.entries.iter().find(|e| e.name == name).map(|e| (s, e)))
+}
+
+impl Source {
+    /// The source with project headers inlined (each once), as NVRTC compiles it.
+    pub fn text(&self) -> Result<String, KernelError> {
+        let mut out = String::with_capacity(self.code.len() + 4096);
+        let mut seen = Vec::new();
+        inline_into(self.name, self.code, &mut out, &mut seen)?;
+        Ok(out)
+    }
+}
+
+fn inline_into(
+    file: &str,
+    code: &str,
+    out: &mut String,
+    seen: &mut Vec<&'static str>,
+) -> Result<(), KernelError> {
+    for line in code.lines() {
+        let t = line.trim();
+        if t == "#pragma once" {
+            continue;
+        }
+        if let Some(rest) = t.strip_prefix("#include") {
+            let name = rest.trim().trim_matches('"');
+            let Some(&(hname, hcode)) = HEADERS.iter().find(|(n, _)| *n == name) else {
+                return Err(KernelError::Source(format!(
+                    "{file}: #include {name}: not a project header (NVRTC has no toolkit headers)"
+                )));
+            };
+            if !seen.contains(&hname) {
+                seen.push(hname);
+                inline_into(hname, hcode, out, seen)?;
+            }
+            continue;
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    Ok(())
+}
+
+/// Dense-path kernels (`dense.cu`): embedding, norms, rotary, activations, gathers, casts,
+/// KV writes, dummy weights. Most come in an `_f32` and a `_bf16` instantiation with the same
+/// parameters.
+pub mod dense {
+    use super::Entry;
+    use super::Param::{self, F32, Ptr, U32, U64};
+
+    const fn e(name: &'static str, params: &'static [Param]) -> Entry {
+        Entry { name, params }
+    }
+
+    const EMBED: &[Param] = &[Ptr, Ptr, Ptr, U32, U32, Ptr];
+    const RMS: &[Param] = &[Ptr, Ptr, Ptr, U32, F32];
+    const ADD_RMS: &[Param] = &[Ptr, Ptr, Ptr, Ptr, U32, F32];
+    const GATED_RMS: &[Param] = &[Ptr, Ptr, Ptr, Ptr, U32, U32, F32];
+    const ROPE: &[Param] = &[Ptr, U32, U32, U32, U32, Ptr, Ptr, F32, U32];
+    const ACT: &[Param] = &[Ptr, U64, U32];
+    const ACT_MUL: &[Param] = &[Ptr, Ptr, Ptr, U64, U32];
+    const BINARY: &[Param] = &[Ptr, Ptr, U64];
+    const SCALE: &[Param] = &[Ptr, U64, F32];
+    const GATHER: &[Param] = &[Ptr, Ptr, Ptr, U32, U32, U32, Ptr];
+    const KV_WRITE: &[Param] = &[Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U64, Ptr];
+    const BIAS: &[Param] = &[Ptr, Ptr, U32, U32];
+    const COPY_COLS: &[Param] = &[Ptr, Ptr, U32, U32, U32, U32];
+    const CAST: &[Param] = &[Ptr, Ptr, U64];
+    const FILL_RANDOM: &[Param] = &[Ptr, U64, U64, F32];
+    const FILL: &[Param] = &[Ptr, U64, F32];
+
+    pub const ENTRIES: &[Entry] = &[
+        e("embedding_f32", EMBED),
+        e("embedding_bf16", EMBED),
+        e("rms_norm_f32", RMS),
+        e("rms_norm_bf16", RMS),
+        e("add_rms_norm_f32", ADD_RMS),
+        e("add_rms_norm_bf16", ADD_RMS),
+        e("gated_rms_norm_f32", GATED_RMS),
+        e("gated_rms_norm_bf16", GATED_RMS),
+        e("rope_f32", ROPE),
+        e("rope_bf16", ROPE),
+        e("activate_f32", ACT),
+        e("activate_bf16", ACT),
+        e("act_mul_f32", ACT_MUL),
+        e("act_mul_bf16", ACT_MUL),
+        e("add_assign_f32", BINARY),
+        e("add_assign_bf16", BINARY),
+        e("scale_assign_f32", SCALE),
+        e("scale_assign_bf16", SCALE),
+        e("gather_rows_f32", GATHER),
+        e("gather_rows_bf16", GATHER),
+        e("kv_write_f32", KV_WRITE),
+        e("kv_write_bf16", KV_WRITE),
+        e("add_bias_f32", BIAS),
+        e("add_bias_bf16", BIAS),
+        e("copy_cols_f32", COPY_COLS),
+        e("copy_cols_bf16", COPY_COLS),
+        e("cast_f32_to_bf16", CAST),
+        e("cast_bf16_to_f32", CAST),
+        e("cast_f16_to_bf16", CAST),
+        e("cast_f16_to_f32", CAST),
+        e("fill_random_f32", FILL_RANDOM),
+        e("fill_random_bf16", FILL_RANDOM),
+        e("fill_f32", FILL),
+        e("fill_bf16", FILL),
+    ];
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_source_inlines_and_names_unique_entries() {
+        let mut names = std::collections::HashSet::new();
+        for s in sources() {
+            let text = s.text().unwrap_or_else(|e| panic!("{e}"));
+            assert!(!text.contains("#include"), "{}: include left", s.name);
+            for e in s.entries {
+                assert!(names.insert(e.name), "entry {} declared twice", e.name);
+                assert!(
+                    text.contains(&format!(" {}(", e.name)),
+                    "{}: entry {} not found in the source",
+                    s.name,
+                    e.name
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_toolkit_header_is_refused() {
+        let bad = Source {
+            name: "bad.cu",
+            code: "#include \"cuda_bf16.h\"\n",
+            entries: &[],
+        };
+        let err = bad.text().expect_err("toolkit header must be refused");
+        assert!(err.to_string().contains("not a project header"), "{err}");
+    }
+}
