@@ -1,1 +1,271 @@
+// Dense-path kernels: embedding gather, RMS norms (plain, fused residual add, gated), rotary
+// embedding, activations, element-wise updates, row gathers, paged KV writes, column copies,
+// casts and dummy-weight fills.
+//
+// Every kernel is a template over the storage type T (float in the f32 oracle mode, bf16 in
+// the serving mode) with f32 arithmetic, instantiated as `<name>_f32` and `<name>_bf16` at the
+// bottom of the file. The f32 instantiations follow the CPU reference's formulas and operation
+// order, so the two backends agree to rounding. Element-wise kernels use grid-stride loops;
+// row kernels use one block per row.
 #include "common.cuh"
+
+// Activation codes (the host's `Activation` enum).
+#define ACT_SILU 0u
+#define ACT_RELU2 1u
+#define ACT_GELU 2u
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+
+__device__ __forceinline__ float apply_act(float x, u32 act) {
+    if (act == ACT_SILU) return silu(x);
+    if (act == ACT_RELU2) {
+        float r = fmaxf(x, 0.0f);
+        return r * r;
+    }
+    return 0.5f * x * (1.0f + tanhf(0.7978846f * (x + 0.044715f * x * x * x)));
+}
+
+#define GRID_STRIDE(i, n) \
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
+
+// out[t, :] = table[ids[t], :]; ids outside the table give zero rows (the engine validates
+// token ids before they reach a step).
+template <typename T>
+__device__ void embedding(T* out, const T* table, const u32* ids, u32 n, u32 cols, u32 vocab) {
+    u32 t = blockIdx.x;
+    if (t >= n) return;
+    u32 id = ids[t];
+    for (u32 c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = id < vocab ? load(table, (i64)id * cols + c) : 0.0f;
+        store(out, (i64)t * cols + c, v);
+    }
+}
+
+// One row per block: out = w * (x / sqrt(mean(x²) + eps)).
+template <typename T>
+__device__ void rms_norm(T* out, const T* x, const T* w, u32 cols, float eps) {
+    __shared__ float scratch[32];
+    i64 base = (i64)blockIdx.x * cols;
+    float ss = 0.0f;
+    for (u32 c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = load(x, base + c);
+        ss += v * v;
+    }
+    ss = block_sum(ss, scratch);
+    float inv = 1.0f / sqrtf(ss / (float)cols + eps);
+    for (u32 c = threadIdx.x; c < cols; c += blockDim.x)
+        store(out, base + c, load(w, c) * (load(x, base + c) * inv));
+}
+
+// residual += delta (rounded to T), then out = rms_norm(residual): the sublayer's residual
+// add fused into the next norm. The norm reads the rounded sum, as the unfused pair would.
+template <typename T>
+__device__ void add_rms_norm(T* out, T* residual, const T* delta, const T* w, u32 cols, float eps) {
+    __shared__ float scratch[32];
+    i64 base = (i64)blockIdx.x * cols;
+    float ss = 0.0f;
+    for (u32 c = threadIdx.x; c < cols; c += blockDim.x) {
+        store(residual, base + c, load(residual, base + c) + load(delta, base + c));
+        float v = load(residual, base + c);
+        ss += v * v;
+    }
+    ss = block_sum(ss, scratch);
+    float inv = 1.0f / sqrtf(ss / (float)cols + eps);
+    for (u32 c = threadIdx.x; c < cols; c += blockDim.x)
+        store(out, base + c, load(w, c) * (load(residual, base + c) * inv));
+}
+
+// Block (row, g): y = x * silu(gate) over group g, normalised over the group, times w.
+template <typename T>
+__device__ void gated_rms_norm(T* out, const T* x, const T* gate, const T* w, u32 cols, u32 group,
+                               float eps) {
+    __shared__ float scratch[32];
+    i64 base = (i64)blockIdx.x * cols + (i64)blockIdx.y * group;
+    float ss = 0.0f;
+    for (u32 c = threadIdx.x; c < group; c += blockDim.x) {
+        float v = load(x, base + c) * silu(load(gate, base + c));
+        ss += v * v;
+    }
+    ss = block_sum(ss, scratch);
+    float inv = 1.0f / sqrtf(ss / (float)group + eps);
+    for (u32 c = threadIdx.x; c < group; c += blockDim.x) {
+        float v = load(x, base + c) * silu(load(gate, base + c));
+        store(out, base + c, load(w, blockIdx.y * group + c) * (v * inv));
+    }
+}
+
+// Rotates the leading 2·half dims of every head of row t (non-interleaved halves, Hugging
+// Face's rotate_half) by positions[t] · inv_freq[i]. One block per row.
+template <typename T>
+__device__ void rope(T* x, u32 n, u32 heads, u32 head_dim, u32 half, const u32* positions,
+                     const float* inv_freq, float scaling, u32 row_stride) {
+    u32 t = blockIdx.x;
+    if (t >= n) return;
+    float p = (float)positions[t];
+    i64 row = (i64)t * row_stride;
+    for (u32 j = threadIdx.x; j < heads * half; j += blockDim.x) {
+        u32 h = j / half, i = j % half;
+        float s, c;
+        sincosf(inv_freq[i] * p, &s, &c);
+        s *= scaling;
+        c *= scaling;
+        i64 b = row + (i64)h * head_dim;
+        float x1 = load(x, b + i), x2 = load(x, b + i + half);
+        store(x, b + i, x1 * c - x2 * s);
+        store(x, b + i + half, x2 * c + x1 * s);
+    }
+}
+
+template <typename T>
+__device__ void activate(T* x, u64 n, u32 act) {
+    GRID_STRIDE(i, n) store(x, i, apply_act(load(x, i), act));
+}
+
+template <typename T>
+__device__ void act_mul(T* out, const T* gate, const T* up, u64 n, u32 act) {
+    GRID_STRIDE(i, n) store(out, i, apply_act(load(gate, i), act) * load(up, i));
+}
+
+template <typename T>
+__device__ void add_assign(T* x, const T* y, u64 n) {
+    GRID_STRIDE(i, n) store(x, i, load(x, i) + load(y, i));
+}
+
+template <typename T>
+__device__ void scale_assign(T* x, u64 n, float s) {
+    GRID_STRIDE(i, n) store(x, i, load(x, i) * s);
+}
+
+// out[r, :] = x[rows[r], :]; a row index outside x gives a NaN row (visible, never silent).
+template <typename T>
+__device__ void gather_rows(T* out, const T* x, const u32* rows, u32 n_out, u32 cols, u32 n_in) {
+    u32 r = blockIdx.x;
+    if (r >= n_out) return;
+    u32 src = rows[r];
+    for (u32 c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = src < n_in ? load(x, (i64)src * cols + c) : CHIMERA_NAN;
+        store(out, (i64)r * cols + c, v);
+    }
+}
+
+// Writes token t's K and V rows into cache row slot_mapping[t] (a slot ≥ cache_rows, e.g. the
+// padding slot 0xffffffff, is skipped). One block per token.
+template <typename T>
+__device__ void kv_write(T* k_cache, T* v_cache, const T* k, const T* v, const u32* slot_mapping,
+                         u32 n, u32 kv_width, u64 cache_rows) {
+    u32 t = blockIdx.x;
+    if (t >= n) return;
+    u64 slot = slot_mapping[t];
+    if (slot >= cache_rows) return;
+    for (u32 c = threadIdx.x; c < kv_width; c += blockDim.x) {
+        k_cache[slot * kv_width + c] = k[(i64)t * kv_width + c];
+        v_cache[slot * kv_width + c] = v[(i64)t * kv_width + c];
+    }
+}
+
+// x[r, c] += b[c].
+template <typename T>
+__device__ void add_bias(T* x, const T* b, u32 rows, u32 cols) {
+    GRID_STRIDE(i, (u64)rows * cols) store(x, i, load(x, i) + load(b, i % cols));
+}
+
+// out[r, :] = x[r, col_start .. col_start + out_cols] (x has in_cols columns).
+template <typename T>
+__device__ void copy_cols(T* out, const T* x, u32 rows, u32 out_cols, u32 in_cols, u32 col_start) {
+    GRID_STRIDE(i, (u64)rows * out_cols) {
+        u64 r = i / out_cols, c = i % out_cols;
+        out[i] = x[r * in_cols + col_start + c];
+    }
+}
+
+// A counter-based hash (splitmix64): element i of tensor `seed` gets a uniform value in
+// [-a, a) with a = std·√3, so the values have standard deviation `std`.
+__device__ __forceinline__ float hash_uniform(u64 seed, u64 i, float std) {
+    u64 z = seed * 0x9E3779B97F4A7C15ull + i + 0x632BE59BD9B4E019ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    float u = (float)(z >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+    return (2.0f * u - 1.0f) * std * 1.7320508f;
+}
+
+template <typename T>
+__device__ void fill_random(T* out, u64 n, u64 seed, float std) {
+    GRID_STRIDE(i, n) store(out, i, hash_uniform(seed, i, std));
+}
+
+template <typename T>
+__device__ void fill(T* out, u64 n, float v) {
+    GRID_STRIDE(i, n) store(out, i, v);
+}
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+extern "C" __global__ void cast_f32_to_bf16(bf16* out, const float* in, u64 n) {
+    GRID_STRIDE(i, n) out[i] = f32_to_bf16(in[i]);
+}
+extern "C" __global__ void cast_bf16_to_f32(float* out, const bf16* in, u64 n) {
+    GRID_STRIDE(i, n) out[i] = bf16_to_f32(in[i]);
+}
+extern "C" __global__ void cast_f16_to_bf16(bf16* out, const u16* in, u64 n) {
+    GRID_STRIDE(i, n) out[i] = f32_to_bf16(f16_to_f32(in[i]));
+}
+extern "C" __global__ void cast_f16_to_f32(float* out, const u16* in, u64 n) {
+    GRID_STRIDE(i, n) out[i] = f16_to_f32(in[i]);
+}
+
+// The `_f32` / `_bf16` entry points.
+#define INSTANTIATE(T, S)                                                                           \
+    extern "C" __global__ void embedding_##S(T* out, const T* table, const u32* ids, u32 n,         \
+                                             u32 cols, u32 vocab) {                                 \
+        embedding(out, table, ids, n, cols, vocab);                                                 \
+    }                                                                                               \
+    extern "C" __global__ void rms_norm_##S(T* out, const T* x, const T* w, u32 cols, float eps) { \
+        rms_norm(out, x, w, cols, eps);                                                             \
+    }                                                                                               \
+    extern "C" __global__ void add_rms_norm_##S(T* out, T* residual, const T* delta, const T* w,    \
+                                                u32 cols, float eps) {                              \
+        add_rms_norm(out, residual, delta, w, cols, eps);                                           \
+    }                                                                                               \
+    extern "C" __global__ void gated_rms_norm_##S(T* out, const T* x, const T* gate, const T* w,    \
+                                                  u32 cols, u32 group, float eps) {                 \
+        gated_rms_norm(out, x, gate, w, cols, group, eps);                                          \
+    }                                                                                               \
+    extern "C" __global__ void rope_##S(T* x, u32 n, u32 heads, u32 head_dim, u32 half,             \
+                                        const u32* positions, const float* inv_freq,                \
+                                        float scaling, u32 row_stride) {                            \
+        rope(x, n, heads, head_dim, half, positions, inv_freq, scaling, row_stride);                \
+    }                                                                                               \
+    extern "C" __global__ void activate_##S(T* x, u64 n, u32 act) { activate(x, n, act); }         \
+    extern "C" __global__ void act_mul_##S(T* out, const T* gate, const T* up, u64 n, u32 act) {   \
+        act_mul(out, gate, up, n, act);                                                             \
+    }                                                                                               \
+    extern "C" __global__ void add_assign_##S(T* x, const T* y, u64 n) { add_assign(x, y, n); }    \
+    extern "C" __global__ void scale_assign_##S(T* x, u64 n, float s) { scale_assign(x, n, s); }   \
+    extern "C" __global__ void gather_rows_##S(T* out, const T* x, const u32* rows, u32 n_out,      \
+                                               u32 cols, u32 n_in) {                                \
+        gather_rows(out, x, rows, n_out, cols, n_in);                                               \
+    }                                                                                               \
+    extern "C" __global__ void kv_write_##S(T* k_cache, T* v_cache, const T* k, const T* v,         \
+                                            const u32* slot_mapping, u32 n, u32 kv_width,           \
+                                            u64 cache_rows) {                                       \
+        kv_write(k_cache, v_cache, k, v, slot_mapping, n, kv_width, cache_rows);                    \
+    }                                                                                               \
+    extern "C" __global__ void add_bias_##S(T* x, const T* b, u32 rows, u32 cols) {                \
+        add_bias(x, b, rows, cols);                                                                 \
+    }                                                                                               \
+    extern "C" __global__ void copy_cols_##S(T* out, const T* x, u32 rows, u32 out_cols,            \
+                                             u32 in_cols, u32 col_start) {                          \
+        copy_cols(out, x, rows, out_cols, in_cols, col_start);                                      \
+    }                                                                                               \
+    extern "C" __global__ void fill_random_##S(T* out, u64 n, u64 seed, float std) {               \
+        fill_random(out, n, seed, std);                                                             \
+    }                                                                                               \
+    extern "C" __global__ void fill_##S(T* out, u64 n, float v) { fill(out, n, v); }
+
+INSTANTIATE(float, f32)
+INSTANTIATE(bf16, bf16)

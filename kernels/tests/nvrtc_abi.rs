@@ -1,0 +1,98 @@
+//! Every kernel compiles for the H200 (`sm_90a`) with NVRTC, spills no registers, and each
+//! PTX `.entry` parameter list matches the Rust table the host launches through.
+//!
+//! Needs `libnvrtc.so.13` on the library path (CI installs NVRTC from PyPI; no GPU and no
+//! toolkit are needed). Without it the test says so and passes, unless
+//! `CHIMERA_REQUIRE_NVRTC=1`, which CI sets.
+
+use chimera_kernels::{Param, compile, nvrtc_version, sources};
+
+/// `(entry name, parameter types)` of every `.entry` in a PTX module.
+fn ptx_entries(ptx: &str) -> Vec<(String, Vec<String>)> {
+    let mut out = Vec::new();
+    let mut rest = ptx;
+    while let Some(at) = rest.find(".entry ") {
+        rest = &rest[at + ".entry ".len()..];
+        let name_end = rest.find('(').expect("entry without parameter list");
+        let name = rest[..name_end].trim().to_string();
+        let close = rest.find(')').expect("unclosed parameter list");
+        let params = rest[name_end + 1..close]
+            .split(',')
+            .filter_map(|p| {
+                let p = p.trim();
+                let ty = p.strip_prefix(".param .")?;
+                Some(ty.split_whitespace().next()?.to_string())
+            })
+            .collect();
+        out.push((name, params));
+        rest = &rest[close..];
+    }
+    out
+}
+
+#[test]
+fn every_kernel_compiles_for_sm90a_without_spills_and_matches_its_abi_table() {
+    let version = match nvrtc_version() {
+        Ok(v) => v,
+        Err(e) => {
+            assert!(
+                std::env::var("CHIMERA_REQUIRE_NVRTC").as_deref() != Ok("1"),
+                "CHIMERA_REQUIRE_NVRTC=1 but NVRTC is unusable: {e}"
+            );
+            eprintln!("skipped: {e}");
+            return;
+        }
+    };
+    eprintln!("NVRTC {}.{}", version.0, version.1);
+    let mut failures = Vec::new();
+    for source in sources() {
+        let started = std::time::Instant::now();
+        let compiled = match compile(source, "sm_90a", true, true) {
+            Ok(c) => c,
+            Err(e) => {
+                failures.push(format!("{e}"));
+                continue;
+            }
+        };
+        eprintln!(
+            "{}: {} bytes of CUBIN in {:.0?}",
+            source.name,
+            compiled.cubin.len(),
+            started.elapsed()
+        );
+        for line in compiled.log.lines() {
+            if line.contains("spill") && !line.contains(" 0 bytes spill stores, 0 bytes spill loads")
+            {
+                failures.push(format!("{}: {line}", source.name));
+            }
+        }
+        let ptx = compiled.ptx.as_deref().unwrap_or_default();
+        let found = ptx_entries(ptx);
+        for entry in source.entries {
+            let want: Vec<&str> = entry.params.iter().map(|p| Param::ptx(*p)).collect();
+            match found.iter().find(|(n, _)| n == entry.name) {
+                None => failures.push(format!("{}: entry {} missing from the PTX", source.name, entry.name)),
+                Some((_, got)) if *got != want => failures.push(format!(
+                    "{}: entry {} takes {got:?} in PTX but the table says {want:?}",
+                    source.name, entry.name
+                )),
+                Some(_) => {}
+            }
+        }
+        for (name, _) in &found {
+            if !source.entries.iter().any(|e| e.name == name) {
+                failures.push(format!("{}: PTX entry {name} is not in the table", source.name));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn the_ptx_entry_parser_reads_parameter_types() {
+    let ptx = ".visible .entry foo_f32(\n\t.param .u64 foo_param_0,\n\t.param .u32 foo_param_1,\n\t.param .f32 foo_param_2\n)\n{ ret; }\n.visible .entry bar()\n{}";
+    let e = ptx_entries(ptx);
+    assert_eq!(e[0].0, "foo_f32");
+    assert_eq!(e[0].1, vec!["u64", "u32", "f32"]);
+    assert_eq!(e[1], ("bar".to_string(), vec![]));
+}
