@@ -9,8 +9,9 @@ use std::sync::Arc;
 use anyhow::Context;
 use tokio::net::TcpListener;
 
-use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
+use crate::backend::cuda::{CudaBackend, CudaOptions};
+use crate::backend::{Backend, DType};
 use crate::config::Config;
 use crate::engine::{EngineSetup, ModelRunner, Policies, spawn_engine};
 use crate::model::{self, Model, builtin};
@@ -51,9 +52,12 @@ impl LoadedModel {
         })
     }
 
-    /// Loads the weights onto `backend` (replicas on one device share this copy).
-    pub fn model<B: Backend>(&self, backend: &B) -> anyhow::Result<Model<B>> {
+    /// Loads the weights onto `backend` (replicas on one device share this copy); with
+    /// `dummy`, seeded random weights of the configured shapes instead of the checkpoint.
+    pub fn model<B: Backend>(&self, backend: &B, dummy: bool) -> anyhow::Result<Model<B>> {
         match &self.dir {
+            Some(dir) if dummy => model::load_dummy(dir, backend, 0)
+                .with_context(|| format!("building dummy weights for {}", dir.display())),
             None => {
                 let eos = self.codec.eos_token_ids().first().copied().unwrap_or(0);
                 Ok(builtin::load(
@@ -128,30 +132,123 @@ impl Stack {
     }
 }
 
+/// Where the replicas run, resolved from `engine.backend` and `model.dtype`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendChoice {
+    Cpu,
+    Cuda(DType),
+}
+
+/// Resolves `engine.backend = "auto"` (CUDA when a usable GPU is present) and the dtype.
+pub fn choose_backend(config: &Config) -> anyhow::Result<BackendChoice> {
+    let first = config.engine.devices.first().copied().unwrap_or(0);
+    let cuda = match config.engine.backend.as_str() {
+        "cpu" => false,
+        "cuda" => {
+            if let Some(why) = crate::backend::cuda::device::probe_error(first) {
+                anyhow::bail!("engine.backend = \"cuda\": {why}");
+            }
+            true
+        }
+        _ => match crate::backend::cuda::device::probe_error(first) {
+            None => true,
+            Some(why) => {
+                tracing::info!("engine.backend = \"auto\": serving on the CPU ({why})");
+                false
+            }
+        },
+    };
+    Ok(match (cuda, config.model.dtype.as_str()) {
+        (false, "bfloat16") => anyhow::bail!(
+            "model.dtype = \"bfloat16\" needs a GPU; the CPU backend computes in float32"
+        ),
+        (false, _) => BackendChoice::Cpu,
+        (true, "float32") => BackendChoice::Cuda(DType::F32),
+        (true, _) => BackendChoice::Cuda(DType::BF16),
+    })
+}
+
 /// Builds the whole serving stack (engine threads started) from a validated config.
 pub fn build(config: &Config) -> anyhow::Result<Stack> {
     let loaded = LoadedModel::open(&config.model.path)?;
+    let dummy = config.model.load_format == "dummy";
+    match choose_backend(config)? {
+        BackendChoice::Cpu => {
+            // One copy of the weights, read by every replica (each has its own backend
+            // handle: its step arena).
+            let backend = CpuBackend::default();
+            let model = Arc::new(loaded.model(&backend, dummy)?);
+            let replicas = (0..config.engine.replicas)
+                .map(|_| (CpuBackend::default(), model.clone(), config.cache.clone()))
+                .collect();
+            start(config, loaded, replicas)
+        }
+        BackendChoice::Cuda(dtype) => {
+            let devices = &config.engine.devices;
+            let count = config.engine.replicas.max(devices.len());
+            let mut replicas = Vec::with_capacity(count);
+            for (i, &device) in devices.iter().enumerate() {
+                let started = std::time::Instant::now();
+                let backend = CudaBackend::new(CudaOptions { device, dtype })
+                    .with_context(|| format!("opening CUDA device {device}"))?;
+                let model = Arc::new(loaded.model(&backend, dummy)?);
+                backend.synchronize()?;
+                if let Some(missing) = model.cuda_gaps() {
+                    anyhow::bail!(
+                        "{} has {missing}, which the CUDA backend does not run yet: serve it with \
+                         engine.backend = \"cpu\"",
+                        model.info.architecture
+                    );
+                }
+                let mut cache = config.cache.clone();
+                if let Some(f) = cache.memory_fraction {
+                    let (free, total) = backend.mem_info()?;
+                    cache.memory_budget = crate::cache::ByteSize((free as f64 * f) as u64);
+                    tracing::info!(
+                        device,
+                        free_gib = free as f64 / f64::from(1u32 << 30),
+                        total_gib = total as f64 / f64::from(1u32 << 30),
+                        budget = %cache.memory_budget,
+                        "cache budget from cache.memory_fraction = {f}"
+                    );
+                }
+                tracing::info!(
+                    device,
+                    gpu = %backend.device().name,
+                    arch = %backend.device().arch,
+                    dtype = ?dtype,
+                    seconds = started.elapsed().as_secs_f64(),
+                    "model loaded on the GPU"
+                );
+                // Replicas r ≡ i (mod devices) run here, each on its own stream.
+                for _ in (i..count).step_by(devices.len()) {
+                    replicas.push((backend.replica()?, model.clone(), cache.clone()));
+                }
+            }
+            start(config, loaded, replicas)
+        }
+    }
+}
+
+/// Starts one engine thread per `(backend, model, cache config)` and assembles the stack.
+fn start<B: Backend>(
+    config: &Config,
+    loaded: LoadedModel,
+    replicas_in: Vec<(B, Arc<Model<B>>, crate::cache::CacheConfig)>,
+) -> anyhow::Result<Stack> {
     let plugin_metrics = PluginMetrics::new();
     let plugins = Arc::new(
         PolicyPlugins::new(&config.policy, &config.plugins, plugin_metrics.clone())
             .context("loading policy plugins")?,
     );
     let salt = format!("{}:{}", config.model.path, loaded.name);
-    let mut replicas = Vec::with_capacity(config.engine.replicas);
+    let mut replicas = Vec::with_capacity(replicas_in.len());
     let mut info = None;
-    // One copy of the weights, read by every replica (each has its own caches).
-    // `engine.backend` is validated at load; "cpu" is the one backend built so far.
-    let backend = match config.engine.backend.as_str() {
-        "cpu" => CpuBackend::default(),
-        other => anyhow::bail!("engine.backend = {other:?} is not available in this build"),
-    };
-    let model = Arc::new(loaded.model(&backend)?);
-    for r in 0..config.engine.replicas {
-        let model = Arc::clone(&model);
+    for (r, (backend, model, cache)) in replicas_in.into_iter().enumerate() {
         let max_len = model.info.max_position_embeddings.min(u32::MAX as usize) as u32;
         let setup = EngineSetup {
             engine: config.engine.clone(),
-            cache: config.cache.clone(),
+            cache,
             hash_salt: salt.clone(),
         };
         let policies = Policies {
@@ -159,10 +256,8 @@ pub fn build(config: &Config) -> anyhow::Result<Stack> {
             fallback_sampler: Box::new(DefaultSampler::default()),
             evictor: Some(plugins.evictor()),
         };
-        let (handle, _join, kv) =
-            // Each replica gets its own backend handle (stream and step arena on a device).
-            spawn_engine(setup, ModelRunner::new(CpuBackend::default(), model), policies)
-                .with_context(|| format!("starting engine replica {r}"))?;
+        let (handle, _join, kv) = spawn_engine(setup, ModelRunner::new(backend, model), policies)
+            .with_context(|| format!("starting engine replica {r}"))?;
         let stats = handle.stats();
         info.get_or_insert(ModelInfo {
             name: loaded.name.clone(),

@@ -44,12 +44,20 @@ pub enum ConfigError {
 pub struct ModelConfig {
     /// `builtin:tiny-hybrid` or a Hugging Face model folder.
     pub path: String,
+    /// Weights and activations: "auto" (bfloat16 on a GPU, float32 on the CPU), "bfloat16"
+    /// (GPU serving) or "float32" (the CPU, and the GPU's oracle mode).
+    pub dtype: String,
+    /// "auto" (the checkpoint) or "dummy" (seeded random weights of the right shapes: a
+    /// full-size `config.json` runs without its weights).
+    pub load_format: String,
 }
 
 impl Default for ModelConfig {
     fn default() -> Self {
         Self {
             path: builtin::NAME.into(),
+            dtype: "auto".into(),
+            load_format: "auto".into(),
         }
     }
 }
@@ -73,6 +81,10 @@ pub struct Overrides {
     pub host: Option<String>,
     pub port: Option<u16>,
     pub replicas: Option<usize>,
+    pub backend: Option<String>,
+    pub devices: Option<Vec<usize>>,
+    pub dtype: Option<String>,
+    pub load_format: Option<String>,
 }
 
 impl Config {
@@ -115,6 +127,18 @@ impl Config {
         if let Some(r) = o.replicas {
             self.engine.replicas = r;
         }
+        if let Some(b) = o.backend {
+            self.engine.backend = b;
+        }
+        if let Some(d) = o.devices {
+            self.engine.devices = d;
+        }
+        if let Some(d) = o.dtype {
+            self.model.dtype = d;
+        }
+        if let Some(f) = o.load_format {
+            self.model.load_format = f;
+        }
         self.validate("command line")?;
         Ok(self)
     }
@@ -139,6 +163,25 @@ impl Config {
             .map_err(|e| invalid(e.path.clone(), e.message.clone()))?;
         if self.model.path.trim().is_empty() {
             return Err(invalid("model.path".into(), "must name a model".into()));
+        }
+        if !matches!(self.model.dtype.as_str(), "auto" | "bfloat16" | "float32") {
+            return Err(invalid(
+                "model.dtype".into(),
+                format!("{:?}: must be \"auto\", \"bfloat16\" or \"float32\"", self.model.dtype),
+            ));
+        }
+        if self.model.dtype == "bfloat16" && self.engine.backend == "cpu" {
+            return Err(invalid(
+                "model.dtype".into(),
+                "\"bfloat16\" needs engine.backend = \"cuda\" (the CPU backend computes in float32)"
+                    .into(),
+            ));
+        }
+        if !matches!(self.model.load_format.as_str(), "auto" | "dummy") {
+            return Err(invalid(
+                "model.load_format".into(),
+                format!("{:?}: must be \"auto\" or \"dummy\"", self.model.load_format),
+            ));
         }
         Ok(())
     }

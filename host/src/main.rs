@@ -50,6 +50,18 @@ struct ServeArgs {
     /// Overrides `engine.replicas`.
     #[arg(long)]
     replicas: Option<usize>,
+    /// Overrides `engine.backend`: cpu, cuda or auto.
+    #[arg(long)]
+    backend: Option<String>,
+    /// Overrides `engine.devices` (comma-separated CUDA device ordinals).
+    #[arg(long, value_delimiter = ',')]
+    devices: Option<Vec<usize>>,
+    /// Overrides `model.dtype`: auto, bfloat16 or float32.
+    #[arg(long)]
+    dtype: Option<String>,
+    /// Overrides `model.load_format`: auto or dummy (seeded random weights).
+    #[arg(long)]
+    load_format: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -112,6 +124,10 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         host: args.host,
         port: args.port,
         replicas: args.replicas,
+        backend: args.backend,
+        devices: args.devices,
+        dtype: args.dtype,
+        load_format: args.load_format,
     })?;
     runtime()?.block_on(chimera::app::serve(config))
 }
@@ -123,7 +139,7 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         .unwrap_or_else(|| chimera::model::builtin::NAME.to_string());
     let loaded = LoadedModel::open(&path)?;
     let backend = CpuBackend::default();
-    let model = loaded.model(&backend)?;
+    let model = loaded.model(&backend, false)?;
     let codec = &loaded.codec;
     let load_time = started.elapsed();
     let prompt = codec.encode(&args.prompt, true)?;

@@ -88,8 +88,15 @@ impl<B: Backend> Backend for Counting<B> {
     fn dtype(&self, t: &Self::Tensor) -> DType {
         self.inner.dtype(t)
     }
+    fn act_dtype(&self) -> DType {
+        self.inner.act_dtype()
+    }
     fn zeros(&self, shape: &[usize], dtype: DType) -> Result<Self::Tensor> {
         self.inner.zeros(shape, dtype)
+    }
+    fn fill_dummy(&self, t: &mut Self::Tensor, seed: u64, std: f32, mean: f32) -> Result<()> {
+        self.kernel();
+        self.inner.fill_dummy(t, seed, std, mean)
     }
     fn new_step(&self, max_tokens: usize) -> Result<Self::Step> {
         self.inner.new_step(max_tokens)
@@ -129,6 +136,16 @@ impl<B: Backend> Backend for Counting<B> {
     fn rms_norm(&self, x: &Self::Tensor, w: &Self::Tensor, eps: f32) -> Result<Self::Tensor> {
         self.kernel();
         self.inner.rms_norm(x, w, eps)
+    }
+    fn add_rms_norm(
+        &self,
+        residual: &mut Self::Tensor,
+        delta: &Self::Tensor,
+        w: &Self::Tensor,
+        eps: f32,
+    ) -> Result<Self::Tensor> {
+        self.kernel();
+        self.inner.add_rms_norm(residual, delta, w, eps)
     }
     fn gated_rms_norm(
         &self,

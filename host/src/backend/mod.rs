@@ -24,6 +24,7 @@
 
 pub mod counting;
 pub mod cpu;
+pub mod cuda;
 pub mod sample;
 pub mod step;
 
@@ -84,7 +85,7 @@ impl<'a> HostTensor<'a> {
         }
     }
 
-    fn check(&self) -> Result<()> {
+    pub(crate) fn check(&self) -> Result<()> {
         let n: usize = self.shape.iter().product();
         if n * self.dtype.size() != self.bytes.len() {
             return Err(BackendError::Invalid(format!(
@@ -104,6 +105,21 @@ pub fn f32_bytes(values: &[f32]) -> &[u8] {
     unsafe {
         std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values))
     }
+}
+
+/// The made-up weight value of element `i` of a tensor seeded `seed`: uniform in
+/// `[-std·√3, std·√3)` (standard deviation `std`) from a splitmix64 hash. The CUDA kernel
+/// `fill_random` computes the same f32 operations.
+pub fn dummy_value(seed: u64, i: u64, std: f32) -> f32 {
+    let mut z = seed
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .wrapping_add(i)
+        .wrapping_add(0x632B_E59B_D9B4_E019);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    let u = (z >> 40) as f32 * (1.0 / 16_777_216.0);
+    (2.0 * u - 1.0) * std * 1.732_050_8
 }
 
 /// Element-wise activations used by the supported architectures.
@@ -244,6 +260,12 @@ pub trait Backend: Send + Sync + 'static {
 
     fn name(&self) -> &'static str;
 
+    /// The dtype of activations, weights and KV caches on this backend (the CPU computes in
+    /// f32; a GPU serves in bf16, or f32 in its oracle mode).
+    fn act_dtype(&self) -> DType {
+        DType::F32
+    }
+
     // ---- storage ------------------------------------------------------------------------
     /// Copies a host tensor in (weights: straight from the checkpoint's memory map).
     fn upload(&self, host: HostTensor<'_>) -> Result<Self::Tensor>;
@@ -254,6 +276,10 @@ pub trait Backend: Send + Sync + 'static {
     fn dtype(&self, t: &Self::Tensor) -> DType;
     /// A persistent zeroed tensor (caches), allocated at start, not from the step arena.
     fn zeros(&self, shape: &[usize], dtype: DType) -> Result<Self::Tensor>;
+    /// Fills `t` with made-up weights (`model.load_format = "dummy"`): element `i` is
+    /// [`dummy_value`]`(seed, i, std)`, or `mean` everywhere when `std` is 0. Every backend
+    /// produces the same values, rounded to the tensor's dtype.
+    fn fill_dummy(&self, t: &mut Self::Tensor, seed: u64, std: f32, mean: f32) -> Result<()>;
 
     // ---- the step -----------------------------------------------------------------------
     /// An empty step object for steps of at most `max_tokens` tokens; the step arena is
@@ -280,6 +306,18 @@ pub trait Backend: Send + Sync + 'static {
     fn scale_assign(&self, x: &mut Self::Tensor, s: f32) -> Result<()>;
     /// RMS norm over the last dim, times `w`.
     fn rms_norm(&self, x: &Self::Tensor, w: &Self::Tensor, eps: f32) -> Result<Self::Tensor>;
+    /// `residual += delta`, then `rms_norm(residual, w)`: a sublayer's residual add fused
+    /// into the next norm (one pass on a device; the default runs the two operations).
+    fn add_rms_norm(
+        &self,
+        residual: &mut Self::Tensor,
+        delta: &Self::Tensor,
+        w: &Self::Tensor,
+        eps: f32,
+    ) -> Result<Self::Tensor> {
+        self.add_assign(residual, delta)?;
+        self.rms_norm(residual, w, eps)
+    }
     /// `rms_norm_grouped(x * silu(gate)) * w`, normalising each `group`-wide slice on its own.
     fn gated_rms_norm(
         &self,

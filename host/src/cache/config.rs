@@ -47,6 +47,9 @@ pub struct CacheConfig {
     /// the SSM slots. The CPU backend computes and stores the state in f32 whatever this says,
     /// so on the CPU it only changes how the budget is split.
     pub ssm_state_dtype: SsmStateDtype,
+    /// On a GPU: the budget is this fraction of the device memory left free once the weights
+    /// are loaded (replacing `memory_budget`); the rest stays for activations. Ignored on the CPU.
+    pub memory_fraction: Option<f64>,
 }
 
 impl Default for CacheConfig {
@@ -57,6 +60,7 @@ impl Default for CacheConfig {
             prefix_caching: true,
             ssm_share: None,
             ssm_state_dtype: SsmStateDtype::Float32,
+            memory_fraction: None,
         }
     }
 }

@@ -12,8 +12,12 @@ use crate::cache::CacheConfig;
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct EngineConfig {
-    /// Where the model runs: "cpu" (the f32 reference backend).
+    /// Where the model runs: "cpu" (the f32 reference backend), "cuda" (NVIDIA GPUs), or
+    /// "auto" (CUDA when a usable GPU is present, else the CPU).
     pub backend: String,
+    /// CUDA devices to serve on; replicas are spread over them round-robin (at least one
+    /// replica per device).
+    pub devices: Vec<usize>,
     /// Engine replicas (data parallel, one engine thread each) behind the router.
     pub replicas: usize,
     /// Tokens computed per step over all requests (prefill chunks + decodes).
@@ -33,6 +37,7 @@ impl Default for EngineConfig {
     fn default() -> Self {
         Self {
             backend: "cpu".into(),
+            devices: vec![0],
             replicas: 1,
             max_batched_tokens: 2048,
             max_running: 256,
@@ -64,11 +69,24 @@ impl EngineConfig {
                 why,
             })
         };
-        if self.backend != "cpu" {
+        if !matches!(self.backend.as_str(), "cpu" | "cuda" | "auto") {
             return Err(ConfigError::Invalid {
                 key: "backend",
                 value: self.backend.clone(),
-                why: "only \"cpu\" is built in this version",
+                why: "must be \"cpu\", \"cuda\" or \"auto\"",
+            });
+        }
+        if self.devices.is_empty() || self.devices.len() > 64 {
+            return bad("devices", self.devices.len(), "must list between 1 and 64 devices");
+        }
+        let mut seen = self.devices.clone();
+        seen.sort_unstable();
+        seen.dedup();
+        if seen.len() != self.devices.len() {
+            return Err(ConfigError::Invalid {
+                key: "devices",
+                value: format!("{:?}", self.devices),
+                why: "lists a device twice",
             });
         }
         if self.replicas == 0 || self.replicas > 64 {

@@ -111,8 +111,8 @@ impl<B: Backend> ModelCaches<B> {
         let kv = (0..spec.attn_layers)
             .map(|_| {
                 Ok(KvLayer {
-                    k: backend.zeros(&kv_shape, DType::F32)?,
-                    v: backend.zeros(&kv_shape, DType::F32)?,
+                    k: backend.zeros(&kv_shape, backend.act_dtype())?,
+                    v: backend.zeros(&kv_shape, backend.act_dtype())?,
                 })
             })
             .collect::<Result<_, BackendError>>()?;
@@ -192,6 +192,19 @@ impl<B: Backend> Model<B> {
         )
     }
 
+    /// What this model needs that the CUDA backend lacks so far (SSM layers, experts), if
+    /// anything.
+    pub fn cuda_gaps(&self) -> Option<&'static str> {
+        if self.info.cache.ssm_layers > 0 {
+            return Some("Mamba2 layers");
+        }
+        let moe = self
+            .layers
+            .iter()
+            .any(|l| matches!(l.mixer, layers::Mixer::Moe(_)));
+        moe.then_some("mixture-of-experts layers")
+    }
+
     /// One forward pass over the uploaded step. Returns the logits of the step's
     /// `logit_rows`, `[rows, vocab]`, on the backend.
     pub fn forward(
@@ -209,11 +222,25 @@ impl<B: Backend> Model<B> {
             kv: &mut caches.kv,
             ssm: caches.ssm.as_mut(),
         };
+        // Each sublayer's residual add is fused into the next norm (`add_rms_norm`); the
+        // last one is applied to the logit rows only, fused into the final norm.
+        let mut pending: Option<B::Tensor> = None;
         for layer in &self.layers {
-            layer.forward(backend, &mut h, &mut ctx)?;
+            let x = match pending.take() {
+                None => layer.norm.forward(backend, &h)?,
+                Some(y) => backend.add_rms_norm(&mut h, &y, &layer.norm.w, layer.norm.eps)?,
+            };
+            pending = Some(layer.mix(backend, &x, &mut ctx)?);
         }
-        let h = backend.gather_logit_rows(&h, step)?;
-        let h = self.final_norm.forward(backend, &h)?;
+        let mut h = backend.gather_logit_rows(&h, step)?;
+        let norm = &self.final_norm;
+        let h = match pending {
+            None => norm.forward(backend, &h)?,
+            Some(y) => {
+                let y = backend.gather_logit_rows(&y, step)?;
+                backend.add_rms_norm(&mut h, &y, &norm.w, norm.eps)?
+            }
+        };
         Ok(match &self.lm_head {
             Some(head) => head.forward(backend, &h)?,
             None => backend.linear(&h, &self.embed, None)?,
@@ -255,6 +282,20 @@ pub fn load<B: Backend>(dir: &Path, backend: &B) -> Result<Model<B>, ModelError>
     }
     let config = config::HfConfig::load(dir)?;
     let store = weights::WeightStore::open(dir)?;
+    arch::build(&config, &store, backend)
+}
+
+/// Builds the model described by the `config.json` in `dir` (or the file itself) with
+/// made-up weights (`model.load_format = "dummy"`): seeded random values of the right shapes,
+/// norm weights ones. Full-size configs run without their checkpoints.
+pub fn load_dummy<B: Backend>(path: &Path, backend: &B, seed: u64) -> Result<Model<B>, ModelError> {
+    let dir = if path.is_dir() {
+        path.to_path_buf()
+    } else {
+        path.parent().map(Path::to_path_buf).unwrap_or_default()
+    };
+    let config = config::HfConfig::load(&dir)?;
+    let store = weights::WeightStore::dummy(seed);
     arch::build(&config, &store, backend)
 }
 

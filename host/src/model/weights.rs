@@ -52,6 +52,10 @@ pub struct WeightStore {
     total_bytes: usize,
     loaded_bytes: Cell<usize>,
     next_report: Cell<usize>,
+    /// `model.load_format = "dummy"`: no files; every tensor is seeded random values of the
+    /// shape the architecture asks for (norm weights are ones), so full-size configs run
+    /// without their weights. The value is the seed.
+    dummy: Option<u64>,
 }
 
 impl WeightStore {
@@ -118,6 +122,7 @@ impl WeightStore {
             total_bytes,
             loaded_bytes: Cell::new(0),
             next_report: Cell::new(0),
+            dummy: None,
         })
     }
 
@@ -130,11 +135,21 @@ impl WeightStore {
             total_bytes: 0,
             loaded_bytes: Cell::new(0),
             next_report: Cell::new(0),
+            dummy: None,
+        }
+    }
+
+    /// A store with no files that makes up every tensor it is asked for (see `dummy`).
+    /// Optional tensors (biases, untied heads present only in some checkpoints) are absent.
+    pub fn dummy(seed: u64) -> Self {
+        Self {
+            dummy: Some(seed),
+            ..Self::from_memory(HashMap::new())
         }
     }
 
     pub fn has(&self, name: &str) -> bool {
-        self.memory.contains_key(name) || self.by_name.contains_key(name)
+        self.dummy.is_none() && self.memory.contains_key(name) || self.by_name.contains_key(name)
     }
 
     /// The stored shape of a tensor, if present.
@@ -153,6 +168,9 @@ impl WeightStore {
         name: &str,
         shape: &[usize],
     ) -> Result<B::Tensor, ModelError> {
+        if let Some(seed) = self.dummy {
+            return dummy_tensor(backend, name, shape, seed);
+        }
         let raw = self.raw(name)?;
         if raw.shape != shape {
             return Err(ModelError::TensorShape {
@@ -294,4 +312,29 @@ fn open_shard(path: &Path) -> Result<Shard, ModelError> {
         data_start,
         tensors,
     })
+}
+
+/// A made-up weight: ones for norm weights, else uniform values of standard deviation 0.02
+/// seeded by the tensor's name (the same on every backend and every run).
+fn dummy_tensor<B: Backend>(
+    backend: &B,
+    name: &str,
+    shape: &[usize],
+    seed: u64,
+) -> Result<B::Tensor, ModelError> {
+    let backend_err = |e: crate::backend::BackendError| ModelError::Backend(e.to_string());
+    let mut t = backend
+        .zeros(shape, backend.act_dtype())
+        .map_err(backend_err)?;
+    let is_norm = shape.len() == 1 && name.contains("norm");
+    let (std, mean) = if is_norm { (0.0, 1.0) } else { (0.02, 0.0) };
+    // FNV-1a over the name, mixed with the store's seed.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ seed;
+    for b in name.bytes() {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    backend
+        .fill_dummy(&mut t, h, std, mean)
+        .map_err(backend_err)?;
+    Ok(t)
 }

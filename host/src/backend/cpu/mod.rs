@@ -284,6 +284,17 @@ impl Backend for CpuBackend {
         CpuTensor::new(data, shape)
     }
 
+    fn fill_dummy(&self, t: &mut CpuTensor, seed: u64, std: f32, mean: f32) -> Result<()> {
+        for (i, v) in t.data.iter_mut().enumerate() {
+            *v = if std == 0.0 {
+                mean
+            } else {
+                super::dummy_value(seed, i as u64, std)
+            };
+        }
+        Ok(())
+    }
+
     fn new_step(&self, max_tokens: usize) -> Result<CpuStep> {
         self.arena.max_rows.fetch_max(max_tokens, Ordering::Relaxed);
         Ok(CpuStep::default())

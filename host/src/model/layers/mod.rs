@@ -117,13 +117,23 @@ impl<B: Backend> Sublayer<B> {
         ctx: &mut StepCtx<'_, B>,
     ) -> Result<(), ModelError> {
         let x = self.norm.forward(backend, h)?;
-        let y = match &self.mixer {
-            Mixer::Attention(a) => a.forward(backend, &x, ctx)?,
-            Mixer::Mamba2(m) => m.forward(backend, &x, ctx)?,
-            Mixer::Mlp(m) => m.forward(backend, &x)?,
-            Mixer::Moe(m) => m.forward(backend, &x)?,
-        };
+        let y = self.mix(backend, &x, ctx)?;
         backend.add_assign(h, &y)?;
         Ok(())
+    }
+
+    /// The mixer alone, on the already normalised input: `mixer(x)`.
+    pub fn mix(
+        &self,
+        backend: &B,
+        x: &B::Tensor,
+        ctx: &mut StepCtx<'_, B>,
+    ) -> Result<B::Tensor, ModelError> {
+        match &self.mixer {
+            Mixer::Attention(a) => a.forward(backend, x, ctx),
+            Mixer::Mamba2(m) => m.forward(backend, x, ctx),
+            Mixer::Mlp(m) => m.forward(backend, x),
+            Mixer::Moe(m) => m.forward(backend, x),
+        }
     }
 }

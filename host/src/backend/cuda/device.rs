@@ -1,0 +1,289 @@
+//! One CUDA device as the backend uses it: the context (cudarc, loaded dynamically, event
+//! tracking off before any allocation), the compiled kernel modules, and launches checked
+//! against the kernel crate's entry tables.
+//!
+//! Everything here is raw driver calls through `cudarc::driver::result`: the backend manages
+//! its own memory ([`super::memory`]) and passes device pointers as kernel arguments, so the
+//! launch code is the same for weights, caches and arena temporaries.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use chimera_kernels::{Entry, KernelCache, Param};
+use cudarc::driver::{CudaContext, result, sys};
+
+use crate::backend::{BackendError, Result};
+
+/// Why no usable CUDA device is there, with what to do about it.
+pub fn probe_error(ordinal: usize) -> Option<String> {
+    // SAFETY: probing for the shared library has no preconditions.
+    if !unsafe { sys::is_culib_present() } {
+        return Some(
+            "no CUDA driver (libcuda.so) was found: install the NVIDIA driver, or set \
+             engine.backend = \"cpu\""
+                .into(),
+        );
+    }
+    if let Err(e) = result::init() {
+        return Some(format!(
+            "the CUDA driver failed to initialise ({e:?}): check `nvidia-smi`, or set engine.backend = \"cpu\""
+        ));
+    }
+    match result::device::get_count() {
+        Ok(n) if (n as usize) > ordinal => None,
+        Ok(n) => Some(format!(
+            "CUDA device {ordinal} does not exist ({n} visible): fix engine.devices or CUDA_VISIBLE_DEVICES"
+        )),
+        Err(e) => Some(format!("counting CUDA devices failed: {e:?}")),
+    }
+}
+
+pub(crate) fn dev_err(what: &str, e: impl std::fmt::Debug) -> BackendError {
+    BackendError::Device(format!("{what}: {e:?}"))
+}
+
+/// A loaded kernel: its driver handle and its declared parameters.
+#[derive(Clone, Copy)]
+pub struct Kernel {
+    pub func: sys::CUfunction,
+    pub entry: &'static Entry,
+}
+
+// SAFETY: CUfunction handles are valid from any thread once the module is loaded.
+unsafe impl Send for Kernel {}
+unsafe impl Sync for Kernel {}
+
+/// A kernel argument; its kind must match the entry's declared parameter.
+#[derive(Debug, Clone, Copy)]
+pub enum Arg {
+    Ptr(u64),
+    U32(u32),
+    I32(i32),
+    U64(u64),
+    F32(f32),
+}
+
+impl Arg {
+    fn kind(&self) -> Param {
+        match self {
+            Arg::Ptr(_) => Param::Ptr,
+            Arg::U32(_) => Param::U32,
+            Arg::I32(_) => Param::I32,
+            Arg::U64(_) => Param::U64,
+            Arg::F32(_) => Param::F32,
+        }
+    }
+}
+
+/// A device: context, modules and facts about it.
+pub struct Device {
+    pub ctx: Arc<CudaContext>,
+    pub ordinal: usize,
+    pub name: String,
+    /// `sm_90a`-style NVRTC target.
+    pub arch: String,
+    pub sm_count: u32,
+    kernels: HashMap<&'static str, Kernel>,
+    modules: Vec<sys::CUmodule>,
+    /// Set by the first error that leaves the context unusable (an illegal address, a
+    /// launch failure): the replica is out of service from then on.
+    pub(crate) sticky: AtomicBool,
+}
+
+// SAFETY: module handles are only unloaded in Drop; the context is bound per thread before use.
+unsafe impl Send for Device {}
+unsafe impl Sync for Device {}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            for &m in &self.modules {
+                // SAFETY: each module was loaded once by this device and is unloaded once.
+                unsafe {
+                    let _ = result::module::unload(m);
+                }
+            }
+        }
+    }
+}
+
+impl Device {
+    /// Opens device `ordinal`, turns event tracking off (before any allocation: graph capture
+    /// needs it) and loads every kernel, compiling what the on-disk cache lacks.
+    pub fn open(ordinal: usize, cache: &KernelCache) -> Result<Arc<Self>> {
+        if let Some(why) = probe_error(ordinal) {
+            return Err(BackendError::Device(why));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| dev_err("creating the CUDA context", e))?;
+        // SAFETY: the backend synchronises its one stream itself; no cudarc-managed slices
+        // cross streams.
+        unsafe { ctx.disable_event_tracking() };
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| dev_err("reading the compute capability", e))?;
+        if major < 8 {
+            return Err(BackendError::Device(format!(
+                "GPU compute capability {major}.{minor} is too old: chimera's CUDA kernels need \
+                 sm_80 or newer (Ampere, Hopper); set engine.backend = \"cpu\""
+            )));
+        }
+        // Hopper-only instructions (wgmma) need the `a` target.
+        let arch = if major == 9 {
+            format!("sm_{major}{minor}a")
+        } else {
+            format!("sm_{major}{minor}")
+        };
+        let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let sm_count = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| dev_err("reading the SM count", e))? as u32;
+        let compiled = chimera_kernels::compile_all(Some(cache), &arch).map_err(|e| {
+            BackendError::Device(format!("compiling the CUDA kernels for {arch}: {e}"))
+        })?;
+        let mut kernels = HashMap::new();
+        let mut modules = Vec::new();
+        for c in &compiled {
+            let source = chimera_kernels::sources()
+                .iter()
+                .find(|s| s.name == c.source)
+                .ok_or_else(|| BackendError::Device(format!("unknown source {}", c.source)))?;
+            // SAFETY: the image is a CUBIN NVRTC produced for this device's architecture.
+            let module = unsafe { result::module::load_data(c.cubin.as_ptr().cast()) }
+                .map_err(|e| dev_err(&format!("loading {}", c.source), e))?;
+            modules.push(module);
+            for entry in source.entries {
+                let cname = std::ffi::CString::new(entry.name)
+                    .map_err(|_| BackendError::Device("kernel name".into()))?;
+                // SAFETY: the module is loaded; the name is NUL-terminated.
+                let func = unsafe { result::module::get_function(module, cname) }
+                    .map_err(|e| dev_err(&format!("finding kernel {}", entry.name), e))?;
+                kernels.insert(entry.name, Kernel { func, entry });
+            }
+        }
+        Ok(Arc::new(Self {
+            ctx,
+            ordinal,
+            name,
+            arch,
+            sm_count,
+            kernels,
+            modules,
+            sticky: AtomicBool::new(false),
+        }))
+    }
+
+    pub fn kernel(&self, name: &str) -> Result<Kernel> {
+        self.kernels
+            .get(name)
+            .copied()
+            .ok_or_else(|| BackendError::Device(format!("no kernel named {name}")))
+    }
+
+    pub fn bind(&self) -> Result<()> {
+        if self.sticky.load(Ordering::Relaxed) {
+            return Err(BackendError::Device(format!(
+                "CUDA device {} had an unrecoverable error earlier; this replica is out of service",
+                self.ordinal
+            )));
+        }
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| self.fail("binding the CUDA context", e))
+    }
+
+    /// Maps a driver error to a backend error, marking the device out of service when the
+    /// error is one a context does not survive.
+    pub fn fail(&self, what: &str, e: result::DriverError) -> BackendError {
+        use sys::cudaError_enum as E;
+        let sticky = matches!(
+            e.0,
+            E::CUDA_ERROR_ILLEGAL_ADDRESS
+                | E::CUDA_ERROR_LAUNCH_FAILED
+                | E::CUDA_ERROR_ILLEGAL_INSTRUCTION
+                | E::CUDA_ERROR_MISALIGNED_ADDRESS
+                | E::CUDA_ERROR_INVALID_PC
+                | E::CUDA_ERROR_HARDWARE_STACK_ERROR
+                | E::CUDA_ERROR_ECC_UNCORRECTABLE
+                | E::CUDA_ERROR_CONTEXT_IS_DESTROYED
+        );
+        if sticky {
+            self.sticky.store(true, Ordering::Relaxed);
+        }
+        if e.0 == E::CUDA_ERROR_OUT_OF_MEMORY {
+            return BackendError::OutOfMemory(format!("{what} on CUDA device {}", self.ordinal));
+        }
+        BackendError::Device(format!("{what}: {e:?}"))
+    }
+
+    /// Launches `kernel` on `stream` after checking `args` against its declared parameters.
+    pub fn launch(
+        &self,
+        stream: sys::CUstream,
+        kernel: Kernel,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        let params = kernel.entry.params;
+        if params.len() != args.len()
+            || params.iter().zip(args).any(|(p, a)| *p != a.kind() && !(*p == Param::U64 && a.kind() == Param::Ptr))
+        {
+            return Err(BackendError::Invalid(format!(
+                "kernel {} takes {params:?}, launched with {args:?}",
+                kernel.entry.name
+            )));
+        }
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(());
+        }
+        // Argument storage: each pointer handed to the driver points at a value here.
+        let mut vals: [u64; 24] = [0; 24];
+        let mut ptrs: [*mut c_void; 24] = [std::ptr::null_mut(); 24];
+        if args.len() > vals.len() {
+            return Err(BackendError::Invalid(format!(
+                "kernel {} has too many arguments",
+                kernel.entry.name
+            )));
+        }
+        for (i, a) in args.iter().enumerate() {
+            vals[i] = match *a {
+                Arg::Ptr(p) | Arg::U64(p) => p,
+                Arg::U32(v) => u64::from(v),
+                Arg::I32(v) => u64::from(v as u32),
+                Arg::F32(v) => u64::from(v.to_bits()),
+            };
+        }
+        for (i, p) in ptrs.iter_mut().enumerate().take(args.len()) {
+            // 4-byte parameters read the low half of the slot (little-endian).
+            *p = (&mut vals[i] as *mut u64).cast();
+        }
+        if smem > 48 * 1024 {
+            // SAFETY: a valid function handle and attribute.
+            unsafe {
+                result::function::set_function_attribute(
+                    kernel.func,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+            }
+            .map_err(|e| self.fail(&format!("configuring {}", kernel.entry.name), e))?;
+        }
+        // SAFETY: the arguments match the kernel's declared parameters (checked above and,
+        // against the PTX, by the kernel crate's ABI test); every pointer argument is a live
+        // device allocation of this context owned by the caller until the stream passes it.
+        unsafe {
+            result::launch_kernel(
+                kernel.func,
+                grid,
+                block,
+                smem,
+                stream,
+                &mut ptrs[..args.len()],
+            )
+        }
+        .map_err(|e| self.fail(&format!("launching {}", kernel.entry.name), e))
+    }
+}

@@ -1,0 +1,254 @@
+//! GEMMs through cuBLASLt with cached descriptors and algorithms.
+//!
+//! `linear` is `y[n, m] = x[n, k] · w[m, k]ᵀ (+ b)` on row-major tensors. cuBLASLt is
+//! column-major, so the product is computed as `yᵀ (m×n) = op_T(W) · Xᵀ`: the row-major weight
+//! `[m, k]` is the column-major `k×m` matrix transposed, and row-major `x` is column-major
+//! `k×n`. The bias is cuBLASLt's BIAS epilogue (one value per output feature).
+//!
+//! Everything that does not depend on the data pointers — the operation descriptor, the
+//! three layouts and the heuristic's algorithm — is created once per `(m, n, k, bias, dtype)`
+//! and reused; eager prefill steps would otherwise pay the heuristic on every GEMM. The
+//! workspace is allocated once. f32 mode computes in plain FP32 (`CUBLAS_COMPUTE_32F`, no
+//! TF32), bf16 mode multiplies bf16 with f32 accumulation.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublaslt::{result as lt, sys as lts};
+use cudarc::driver::sys as drv;
+
+use super::device::Device;
+use super::memory::{DevAlloc, MemStats};
+use crate::backend::{BackendError, DType, Result};
+
+const WORKSPACE_BYTES: usize = 32 << 20;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Key {
+    m: usize,
+    n: usize,
+    k: usize,
+    bias: bool,
+    dtype: DType,
+}
+
+struct Plan {
+    desc: lts::cublasLtMatmulDesc_t,
+    a: lts::cublasLtMatrixLayout_t,
+    b: lts::cublasLtMatrixLayout_t,
+    d: lts::cublasLtMatrixLayout_t,
+    algo: lts::cublasLtMatmulAlgo_t,
+}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: each handle was created once for this plan and is destroyed once.
+        unsafe {
+            let _ = lt::destroy_matrix_layout(self.a);
+            let _ = lt::destroy_matrix_layout(self.b);
+            let _ = lt::destroy_matrix_layout(self.d);
+            let _ = lt::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+struct Handle(lts::cublasLtHandle_t);
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        // SAFETY: created once by create_handle.
+        unsafe {
+            let _ = lt::destroy_handle(self.0);
+        }
+    }
+}
+
+/// A cuBLASLt handle, its workspace and the plan cache of one backend (one stream).
+pub struct Gemm {
+    handle: Handle,
+    workspace: DevAlloc,
+    plans: Mutex<HashMap<Key, Plan>>,
+    device: Arc<Device>,
+}
+
+// SAFETY: cuBLASLt handles and descriptors are used under the plan mutex by one stream.
+unsafe impl Send for Gemm {}
+unsafe impl Sync for Gemm {}
+
+fn lt_err(what: &str, e: lt::CublasError) -> BackendError {
+    BackendError::Device(format!("cuBLASLt {what}: {e:?}"))
+}
+
+fn data_type(d: DType) -> lts::cudaDataType {
+    match d {
+        DType::F32 => lts::cudaDataType::CUDA_R_32F,
+        DType::BF16 => lts::cudaDataType::CUDA_R_16BF,
+        DType::F16 => lts::cudaDataType::CUDA_R_16F,
+    }
+}
+
+impl Gemm {
+    pub fn new(device: &Arc<Device>, stats: &MemStats) -> Result<Self> {
+        // SAFETY: probing for the shared library has no preconditions.
+        if !unsafe { lts::is_culib_present() } {
+            return Err(BackendError::Device(
+                "cuBLASLt (libcublasLt.so.13) was not found: install the CUDA 13 runtime \
+                 libraries (e.g. `pip install nvidia-cublas`) and put them on LD_LIBRARY_PATH"
+                    .into(),
+            ));
+        }
+        device.bind()?;
+        let handle = Handle(lt::create_handle().map_err(|e| lt_err("creating a handle", e))?);
+        let workspace = DevAlloc::new(device, WORKSPACE_BYTES, stats)?;
+        Ok(Self {
+            handle,
+            workspace,
+            plans: Mutex::new(HashMap::new()),
+            device: device.clone(),
+        })
+    }
+
+    fn plan(&self, key: Key) -> Result<Plan> {
+        let ty = data_type(key.dtype);
+        let desc = lt::create_matmul_desc(
+            lts::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            lts::cudaDataType::CUDA_R_32F,
+        )
+        .map_err(|e| lt_err("creating a matmul descriptor", e))?;
+        let set = |attr, v: *const c_void, size| {
+            // SAFETY: `desc` is live; `v` points at `size` readable bytes.
+            unsafe { lt::set_matmul_desc_attribute(desc, attr, v, size) }
+                .map_err(|e| lt_err("setting a descriptor attribute", e))
+        };
+        let (op_t, op_n): (i32, i32) = (1, 0);
+        set(
+            lts::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+            (&op_t as *const i32).cast(),
+            4,
+        )?;
+        set(
+            lts::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
+            (&op_n as *const i32).cast(),
+            4,
+        )?;
+        if key.bias {
+            let epi = lts::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
+            set(
+                lts::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE,
+                (&epi as *const lts::cublasLtEpilogue_t).cast(),
+                std::mem::size_of::<lts::cublasLtEpilogue_t>(),
+            )?;
+        }
+        let layout = |rows: usize, cols: usize, ld: usize| {
+            lt::create_matrix_layout(ty, rows as u64, cols as u64, ld as i64)
+                .map_err(|e| lt_err("creating a layout", e))
+        };
+        let a = layout(key.k, key.m, key.k)?;
+        let b = layout(key.k, key.n, key.k)?;
+        let d = layout(key.m, key.n, key.m)?;
+        let pref = lt::create_matmul_pref().map_err(|e| lt_err("creating a preference", e))?;
+        let ws = WORKSPACE_BYTES as u64;
+        // SAFETY: `pref` is live; the value is a u64 as the attribute requires.
+        let heuristic = unsafe {
+            lt::set_matmul_pref_attribute(
+                pref,
+                lts::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                (&ws as *const u64).cast(),
+                8,
+            )
+            .map_err(|e| lt_err("setting the workspace preference", e))?;
+            let h = lt::get_matmul_algo_heuristic(self.handle.0, desc, a, b, d, d, pref);
+            let _ = lt::destroy_matmul_pref(pref);
+            h
+        };
+        let plan = Plan {
+            desc,
+            a,
+            b,
+            d,
+            algo: lts::cublasLtMatmulAlgo_t { data: [0; 8] },
+        };
+        let heuristic = heuristic.map_err(|e| {
+            lt_err(
+                &format!(
+                    "finding an algorithm for {}×{}·{}ᵀ ({:?})",
+                    key.n, key.k, key.m, key.dtype
+                ),
+                e,
+            )
+        })?;
+        Ok(Plan {
+            algo: heuristic.algo,
+            ..plan
+        })
+    }
+
+    /// `y[n, m] = x[n, k] · w[m, k]ᵀ (+ bias[m])`, all of `dtype`, enqueued on `stream`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear(
+        &self,
+        stream: drv::CUstream,
+        dtype: DType,
+        x: u64,
+        w: u64,
+        bias: Option<u64>,
+        y: u64,
+        (n, k, m): (usize, usize, usize),
+    ) -> Result<()> {
+        if n == 0 || m == 0 {
+            return Ok(());
+        }
+        let key = Key {
+            m,
+            n,
+            k,
+            bias: bias.is_some(),
+            dtype,
+        };
+        let mut plans = self.plans.lock().unwrap_or_else(|p| p.into_inner());
+        if !plans.contains_key(&key) {
+            let p = self.plan(key)?;
+            plans.insert(key, p);
+        }
+        let plan = plans
+            .get(&key)
+            .ok_or_else(|| BackendError::Device("GEMM plan vanished".into()))?;
+        if let Some(b) = bias {
+            // SAFETY: the descriptor is live; the value is a device pointer.
+            unsafe {
+                lt::set_matmul_desc_attribute(
+                    plan.desc,
+                    lts::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                    (&b as *const u64).cast(),
+                    8,
+                )
+            }
+            .map_err(|e| lt_err("setting the bias pointer", e))?;
+        }
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // SAFETY: the plan's layouts describe the buffers' extents (checked by the caller's
+        // shape checks); the workspace is this backend's and the stream orders its reuse.
+        unsafe {
+            lt::matmul(
+                self.handle.0,
+                plan.desc,
+                (&alpha as *const f32).cast(),
+                (&beta as *const f32).cast(),
+                w as *const c_void,
+                plan.a,
+                x as *const c_void,
+                plan.b,
+                y as *const c_void,
+                plan.d,
+                y as *mut c_void,
+                plan.d,
+                &plan.algo,
+                self.workspace.ptr as *mut c_void,
+                WORKSPACE_BYTES,
+                stream as lts::cudaStream_t,
+            )
+        }
+        .map_err(|e| lt_err(&format!("matmul {n}×{k}·{m}ᵀ on device {}", self.device.ordinal), e))
+    }
+}

@@ -1,0 +1,206 @@
+//! Device memory: persistent allocations (weights, caches, step buffers), the step arena of
+//! recycled temporaries, and pinned host staging.
+//!
+//! The arena works like the CPU backend's: buffers are kept per row width in bytes, each sized
+//! for the step bucket's `max_rows`, so once the largest step shapes have been seen no kernel
+//! temporary reaches the driver. Reuse is safe without events because one stream orders every
+//! use: a buffer returned to the arena by a dropped tensor is only handed to work enqueued
+//! later on the same stream. Every driver allocation is counted ([`MemStats`]), so a test can
+//! assert that the step loop allocates nothing once warm.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{result, sys};
+
+use super::device::Device;
+use crate::backend::{BackendError, Result};
+
+/// Driver allocation counters of one backend (device allocations only).
+#[derive(Debug, Default)]
+pub struct MemStats {
+    pub allocations: AtomicU64,
+    pub bytes: AtomicU64,
+    /// Arena growths (temporaries that found no recycled buffer).
+    pub arena_grown: AtomicU64,
+    pub arena_bytes: AtomicU64,
+}
+
+/// One device allocation, freed on drop.
+pub struct DevAlloc {
+    pub ptr: u64,
+    pub bytes: usize,
+    device: Arc<Device>,
+}
+
+impl std::fmt::Debug for DevAlloc {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DevAlloc({:#x}, {} bytes)", self.ptr, self.bytes)
+    }
+}
+
+impl DevAlloc {
+    pub fn new(device: &Arc<Device>, bytes: usize, stats: &MemStats) -> Result<Self> {
+        device.bind()?;
+        // A zero-byte request still gets a real (tiny) allocation, so every pointer is valid.
+        // SAFETY: the context is current on this thread.
+        let ptr = unsafe { result::malloc_sync(bytes.max(256)) }
+            .map_err(|e| device.fail(&format!("allocating {bytes} bytes"), e))?;
+        stats.allocations.fetch_add(1, Ordering::Relaxed);
+        stats.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+        Ok(Self {
+            ptr,
+            bytes,
+            device: device.clone(),
+        })
+    }
+}
+
+impl Drop for DevAlloc {
+    fn drop(&mut self) {
+        if self.device.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by malloc_sync in this context and freed once; cuMemFree waits
+            // for pending work that uses it.
+            unsafe {
+                let _ = result::free_sync(self.ptr);
+            }
+        }
+    }
+}
+
+/// Recycled temporaries keyed by row width in bytes.
+pub struct Arena {
+    device: Arc<Device>,
+    free: Mutex<HashMap<usize, Vec<DevAlloc>>>,
+    pub max_rows: AtomicUsize,
+    pub stats: Arc<MemStats>,
+}
+
+impl Arena {
+    pub fn new(device: Arc<Device>, stats: Arc<MemStats>) -> Self {
+        Self {
+            device,
+            free: Mutex::new(HashMap::new()),
+            max_rows: AtomicUsize::new(1),
+            stats,
+        }
+    }
+
+    /// A buffer for `rows` rows of `row_bytes`, from the free list when one is big enough.
+    pub fn take(&self, rows: usize, row_bytes: usize) -> Result<DevAlloc> {
+        let need = rows * row_bytes;
+        let key = row_bytes.max(1);
+        {
+            let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(list) = free.get_mut(&key)
+                && let Some(i) = list.iter().position(|b| b.bytes >= need)
+            {
+                return Ok(list.swap_remove(i));
+            }
+        }
+        let want = rows.max(self.max_rows.load(Ordering::Relaxed)) * key;
+        self.stats.arena_grown.fetch_add(1, Ordering::Relaxed);
+        self.stats
+            .arena_bytes
+            .fetch_add(want as u64, Ordering::Relaxed);
+        DevAlloc::new(&self.device, want, &self.stats)
+    }
+
+    pub fn give(&self, row_bytes: usize, buf: DevAlloc) {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        free.entry(row_bytes.max(1)).or_default().push(buf);
+    }
+
+    /// Drops every recycled buffer (memory goes back to the driver).
+    pub fn trim(&self) {
+        self.free
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+    }
+}
+
+/// Page-locked host memory for staging copies (portable, not write-combined: the host reads
+/// the sampling results back from it).
+pub struct Pinned {
+    ptr: *mut u8,
+    pub bytes: usize,
+    device: Arc<Device>,
+}
+
+// SAFETY: the buffer is plain host memory owned by this value; access goes through &mut self.
+unsafe impl Send for Pinned {}
+unsafe impl Sync for Pinned {}
+
+impl Pinned {
+    pub fn new(device: &Arc<Device>, bytes: usize) -> Result<Self> {
+        device.bind()?;
+        // SAFETY: the context is current; flags 0 = plain page-locked memory.
+        let ptr = unsafe { result::malloc_host(bytes.max(64), 0) }
+            .map_err(|e| device.fail(&format!("pinning {bytes} bytes of host memory"), e))?;
+        Ok(Self {
+            ptr: ptr.cast(),
+            bytes,
+            device: device.clone(),
+        })
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: `bytes` bytes were allocated at `ptr` and are exclusively borrowed.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.bytes) }
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: as above, shared.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.bytes) }
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        if self.device.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by malloc_host and freed once.
+            unsafe {
+                let _ = result::free_host(self.ptr.cast());
+            }
+        }
+    }
+}
+
+/// Copies host bytes to the device on `stream` (pageable sources are staged by the driver).
+///
+/// # Safety
+/// `dst` must hold `src.len()` bytes; for pinned sources, `src` must stay untouched until the
+/// stream passes this copy.
+pub unsafe fn htod(device: &Device, stream: sys::CUstream, dst: u64, src: &[u8]) -> Result<()> {
+    if src.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: guaranteed by the caller.
+    unsafe { result::memcpy_htod_async(dst, src, stream) }
+        .map_err(|e| device.fail("copying to the device", e))
+}
+
+/// Copies device bytes to the host on `stream` (the caller synchronises before reading).
+///
+/// # Safety
+/// `src` must hold `dst.len()` bytes and `dst` must stay alive until the stream passes it.
+pub unsafe fn dtoh(device: &Device, stream: sys::CUstream, dst: &mut [u8], src: u64) -> Result<()> {
+    if dst.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: guaranteed by the caller.
+    unsafe { result::memcpy_dtoh_async(dst, src, stream) }
+        .map_err(|e| device.fail("copying from the device", e))
+}
+
+pub fn sync(device: &Device, stream: sys::CUstream) -> Result<()> {
+    // SAFETY: a live stream of this context.
+    unsafe { result::stream::synchronize(stream) }.map_err(|e| device.fail("synchronising", e))
+}
+
+/// An error that says a pointer is not a device allocation of this backend.
+pub fn bad_tensor(what: &str) -> BackendError {
+    BackendError::Invalid(format!("{what}: not a tensor of this CUDA backend"))
+}

@@ -1,0 +1,975 @@
+//! The CUDA backend: the same contract as the CPU reference, on an NVIDIA GPU.
+//!
+//! - **Two numeric modes.** [`DType::BF16`] (serving: bf16 weights, activations and KV, f32
+//!   accumulation) and [`DType::F32`] (the oracle mode: the same kernels instantiated for
+//!   f32, SGEMM without TF32), so end-to-end parity with the CPU can be held tight.
+//! - **Kernels** come from the `chimera-kernels` crate, compiled by NVRTC for the device at
+//!   start (cached on disk) and launched through their entry tables ([`device::Device`]).
+//!   GEMMs go through cuBLASLt with cached plans ([`gemm::Gemm`]).
+//! - **Memory.** Weights and caches are persistent allocations taken at start; step
+//!   temporaries come from a recycling arena ([`memory::Arena`]); the step's metadata is one
+//!   buffer uploaded with one copy ([`step::CudaStep`]); the sampling tail's candidates come
+//!   back with one copy into pinned memory, which is the step's one synchronisation.
+//! - **One stream per backend.** Each engine replica gets its own backend
+//!   ([`CudaBackend::replica`]): its own stream, arena and cuBLASLt workspace over the same
+//!   device and kernels. Weights are shared through the model.
+//! - **Errors.** Every driver error becomes a [`BackendError`]; an error the context cannot
+//!   survive (an illegal address) takes the device out of service: later calls fail at once.
+//!
+//! Hybrid operations (SSM scan, causal conv, slot ops, MoE) are not on the GPU yet: they
+//! return an error naming what is missing, and [`CudaBackend::supports`] lets the loader
+//! refuse such a model at start instead.
+
+pub mod device;
+pub mod gemm;
+pub mod memory;
+pub mod step;
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+use chimera_kernels::KernelCache;
+use chimera_kernels::attention::{AttnArg, AttnDims};
+use chimera_kernels::sample::SampleArg;
+use cudarc::driver::{CudaStream, result, sys};
+
+use self::device::{Arg, Device};
+use self::memory::{Arena, DevAlloc, MemStats, Pinned, bad_tensor, dtoh, htod, sync};
+pub use self::step::CudaStep;
+use super::{
+    Activation, ArenaStats, AttnShape, Backend, BackendError, DType, HostTensor, KvLayer,
+    MoeRouting, Result, Rope, SampleOut, SsmPools, SsmShape, StackedExperts, StepPlan,
+};
+
+/// Where a tensor's memory comes from.
+enum Mem {
+    /// A persistent allocation (weights, caches), kept alive by the tensor.
+    Owned(#[allow(dead_code, reason = "owns the memory `ptr` points into")] Arc<DevAlloc>),
+    /// A step temporary, returned to the arena on drop.
+    Arena {
+        arena: Arc<Arena>,
+        buf: Option<DevAlloc>,
+        row_bytes: usize,
+    },
+}
+
+/// A dense row-major tensor in device memory.
+pub struct CudaTensor {
+    ptr: u64,
+    shape: Vec<usize>,
+    dtype: DType,
+    mem: Mem,
+}
+
+impl std::fmt::Debug for CudaTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaTensor({:?} {:?} @ {:#x})", self.dtype, self.shape, self.ptr)
+    }
+}
+
+impl Drop for CudaTensor {
+    fn drop(&mut self) {
+        if let Mem::Arena {
+            arena,
+            buf,
+            row_bytes,
+        } = &mut self.mem
+            && let Some(b) = buf.take()
+        {
+            arena.give(*row_bytes, b);
+        }
+    }
+}
+
+impl CudaTensor {
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// `(rows, cols)` treating every leading dim as rows.
+    fn rows_cols(&self) -> (usize, usize) {
+        let cols = self.shape.last().copied().unwrap_or(1);
+        (self.len().checked_div(cols).unwrap_or(0), cols)
+    }
+}
+
+/// Which numeric mode and device a backend runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaOptions {
+    pub device: usize,
+    /// `F32` (oracle) or `BF16` (serving).
+    pub dtype: DType,
+}
+
+struct Inner {
+    device: Arc<Device>,
+    stream: Arc<CudaStream>,
+    dtype: DType,
+    arena: Arc<Arena>,
+    stats: Arc<MemStats>,
+    gemm: gemm::Gemm,
+    /// Rotary tables on the device, keyed by their inverse frequencies' bits.
+    ropes: Mutex<HashMap<Vec<u32>, DevAlloc>>,
+    /// Pinned memory the sampling tail's results come back into.
+    readback: Mutex<Option<Pinned>>,
+}
+
+/// The CUDA backend of one replica (see the module docs). Clones share everything.
+#[derive(Clone)]
+pub struct CudaBackend {
+    inner: Arc<Inner>,
+}
+
+const BLOCK: u32 = 256;
+
+impl CudaBackend {
+    /// Opens `opts.device`, compiles or loads the kernels and creates the stream.
+    pub fn new(opts: CudaOptions) -> Result<Self> {
+        if !matches!(opts.dtype, DType::F32 | DType::BF16) {
+            return Err(BackendError::Invalid(format!(
+                "the CUDA backend runs in float32 or bfloat16, not {:?}",
+                opts.dtype
+            )));
+        }
+        let device = Device::open(opts.device, &KernelCache::from_env())?;
+        Self::on(device, opts.dtype)
+    }
+
+    fn on(device: Arc<Device>, dtype: DType) -> Result<Self> {
+        device.bind()?;
+        let stream = device
+            .ctx
+            .new_stream()
+            .map_err(|e| device.fail("creating a stream", e))?;
+        let stats = Arc::new(MemStats::default());
+        let gemm = gemm::Gemm::new(&device, &stats)?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                arena: Arc::new(Arena::new(device.clone(), stats.clone())),
+                device,
+                stream,
+                dtype,
+                stats,
+                gemm,
+                ropes: Mutex::new(HashMap::new()),
+                readback: Mutex::new(None),
+            }),
+        })
+    }
+
+    /// A backend for another replica on the same device: its own stream, arena and GEMM
+    /// workspace; the kernels are shared.
+    pub fn replica(&self) -> Result<Self> {
+        Self::on(self.inner.device.clone(), self.inner.dtype)
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.inner.device
+    }
+
+    /// The activation (and weight, and KV) dtype.
+    pub fn dtype(&self) -> DType {
+        self.inner.dtype
+    }
+
+    /// Free and total device memory in bytes.
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        self.inner.device.bind()?;
+        result::mem_get_info().map_err(|e| self.inner.device.fail("reading free memory", e))
+    }
+
+    /// Driver allocations made by this backend so far (the step loop adds none once warm).
+    pub fn driver_allocations(&self) -> u64 {
+        self.inner.stats.allocations.load(Ordering::Relaxed)
+    }
+
+    /// Whether the device is out of service after an unrecoverable error.
+    pub fn is_broken(&self) -> bool {
+        self.inner.device.sticky.load(Ordering::Relaxed)
+    }
+
+    /// Waits for all work enqueued so far.
+    pub fn synchronize(&self) -> Result<()> {
+        self.inner.device.bind()?;
+        sync(&self.inner.device, self.stream())
+    }
+
+    fn stream(&self) -> sys::CUstream {
+        self.inner.stream.cu_stream()
+    }
+
+    fn dev(&self) -> &Arc<Device> {
+        &self.inner.device
+    }
+
+    /// Launches `<name>_f32` / `<name>_bf16` (by `dtype`) with a 1-D block of [`BLOCK`].
+    fn launch(&self, name: &str, dtype: DType, grid: u32, args: &[Arg]) -> Result<()> {
+        self.launch_geo(name, dtype, (grid, 1, 1), (BLOCK, 1, 1), 0, args)
+    }
+
+    fn launch_geo(
+        &self,
+        name: &str,
+        dtype: DType,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        let suffix = match dtype {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            DType::F16 => return Err(BackendError::Invalid("f16 tensors on CUDA".into())),
+        };
+        let k = self.dev().kernel(&format!("{name}_{suffix}"))?;
+        self.dev().launch(self.stream(), k, grid, block, smem, args)
+    }
+
+    fn launch_exact(
+        &self,
+        entry: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        let k = self.dev().kernel(entry)?;
+        self.dev().launch(self.stream(), k, grid, block, smem, args)
+    }
+
+    /// A step temporary of `shape` (contents undefined: the kernel writes every element).
+    fn tmp(&self, shape: &[usize], dtype: DType) -> Result<CudaTensor> {
+        let cols = shape.last().copied().unwrap_or(1).max(1);
+        let rows = shape.iter().product::<usize>() / cols;
+        let row_bytes = cols * dtype.size();
+        let buf = self.inner.arena.take(rows, row_bytes)?;
+        Ok(CudaTensor {
+            ptr: buf.ptr,
+            shape: shape.to_vec(),
+            dtype,
+            mem: Mem::Arena {
+                arena: self.inner.arena.clone(),
+                buf: Some(buf),
+                row_bytes,
+            },
+        })
+    }
+
+    fn memset_zero(&self, ptr: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: `ptr` is a live allocation of at least `bytes` owned by the caller.
+        unsafe { result::memset_d8_async(ptr, 0, bytes, self.stream()) }
+            .map_err(|e| self.dev().fail("clearing memory", e))
+    }
+
+    fn check_dtype(&self, what: &str, t: &CudaTensor) -> Result<()> {
+        if t.dtype != self.inner.dtype {
+            return Err(BackendError::Invalid(format!(
+                "{what}: tensor is {:?}, the backend runs {:?}",
+                t.dtype, self.inner.dtype
+            )));
+        }
+        Ok(())
+    }
+
+    fn step_ready(&self, step: &CudaStep) -> Result<()> {
+        if !step.uploaded {
+            return Err(BackendError::Invalid(
+                "kernel called with a step that was not uploaded".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn rope_table(&self, rope: &Rope) -> Result<u64> {
+        let key: Vec<u32> = rope.inv_freq.iter().map(|f| f.to_bits()).collect();
+        let mut ropes = self.inner.ropes.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(b) = ropes.get(&key) {
+            return Ok(b.ptr);
+        }
+        let buf = DevAlloc::new(self.dev(), 4 * key.len(), &self.inner.stats)?;
+        let bytes = super::f32_bytes(&rope.inv_freq);
+        // SAFETY: the buffer holds exactly these bytes; the source is synchronised below.
+        unsafe { htod(self.dev(), self.stream(), buf.ptr, bytes)? };
+        sync(self.dev(), self.stream())?;
+        let ptr = buf.ptr;
+        ropes.insert(key, buf);
+        Ok(ptr)
+    }
+}
+
+/// Blocks for a grid-stride loop over `n` elements.
+fn grid_for(n: u64) -> u32 {
+    n.div_ceil(u64::from(BLOCK)).clamp(1, 65_535) as u32
+}
+
+fn unsupported(op: &str) -> BackendError {
+    BackendError::Invalid(format!(
+        "{op} is not implemented on the CUDA backend yet (hybrid models run on the CPU backend \
+         for now: engine.backend = \"cpu\")"
+    ))
+}
+
+fn shape_err(what: &str, got: &[usize], expected: Vec<usize>) -> BackendError {
+    BackendError::Shape {
+        what: what.into(),
+        got: got.to_vec(),
+        expected,
+    }
+}
+
+impl Backend for CudaBackend {
+    type Tensor = CudaTensor;
+    type Step = CudaStep;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn act_dtype(&self) -> DType {
+        self.inner.dtype
+    }
+
+    fn upload(&self, host: HostTensor<'_>) -> Result<CudaTensor> {
+        host.check()?;
+        let dev = self.dev();
+        dev.bind()?;
+        let n: usize = host.shape.iter().product();
+        let to = self.inner.dtype;
+        let dst = Arc::new(DevAlloc::new(dev, n * to.size(), &self.inner.stats)?);
+        if host.dtype == to {
+            // SAFETY: the allocation holds `n * size` bytes, the source's length.
+            unsafe { htod(dev, self.stream(), dst.ptr, host.bytes)? };
+        } else {
+            // Checkpoint dtype → device, then converted there (no f32 staging on the host).
+            let staged = DevAlloc::new(dev, host.bytes.len(), &self.inner.stats)?;
+            // SAFETY: as above for the staging buffer.
+            unsafe { htod(dev, self.stream(), staged.ptr, host.bytes)? };
+            let entry = match (host.dtype, to) {
+                (DType::F32, DType::BF16) => "cast_f32_to_bf16",
+                (DType::BF16, DType::F32) => "cast_bf16_to_f32",
+                (DType::F16, DType::BF16) => "cast_f16_to_bf16",
+                (DType::F16, DType::F32) => "cast_f16_to_f32",
+                (from, to) => {
+                    return Err(BackendError::Invalid(format!(
+                        "no conversion from {from:?} to {to:?}"
+                    )));
+                }
+            };
+            let n = n as u64;
+            self.launch_exact(
+                entry,
+                (grid_for(n), 1, 1),
+                (BLOCK, 1, 1),
+                0,
+                &[Arg::Ptr(dst.ptr), Arg::Ptr(staged.ptr), Arg::U64(n)],
+            )?;
+            // The staging buffer is freed on drop: wait for the cast first.
+            sync(dev, self.stream())?;
+        }
+        sync(dev, self.stream())?;
+        Ok(CudaTensor {
+            ptr: dst.ptr,
+            shape: host.shape.to_vec(),
+            dtype: to,
+            mem: Mem::Owned(dst),
+        })
+    }
+
+    fn download(&self, t: &CudaTensor) -> Result<Vec<f32>> {
+        let dev = self.dev();
+        dev.bind()?;
+        let mut bytes = vec![0u8; t.len() * t.dtype.size()];
+        // SAFETY: the tensor holds that many bytes; the copy completes before `sync` returns.
+        unsafe { dtoh(dev, self.stream(), &mut bytes, t.ptr)? };
+        sync(dev, self.stream())?;
+        Ok(HostTensor {
+            dtype: t.dtype,
+            shape: &t.shape,
+            bytes: &bytes,
+        }
+        .to_f32())
+    }
+
+    fn shape<'a>(&self, t: &'a CudaTensor) -> &'a [usize] {
+        &t.shape
+    }
+
+    fn dtype(&self, t: &CudaTensor) -> DType {
+        t.dtype
+    }
+
+    fn zeros(&self, shape: &[usize], dtype: DType) -> Result<CudaTensor> {
+        let n = shape
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .and_then(|n| n.checked_mul(dtype.size()))
+            .ok_or_else(|| BackendError::OutOfMemory(format!("shape {shape:?} overflows")))?;
+        self.dev().bind()?;
+        let buf = Arc::new(DevAlloc::new(self.dev(), n, &self.inner.stats)?);
+        self.memset_zero(buf.ptr, n)?;
+        sync(self.dev(), self.stream())?;
+        Ok(CudaTensor {
+            ptr: buf.ptr,
+            shape: shape.to_vec(),
+            dtype,
+            mem: Mem::Owned(buf),
+        })
+    }
+
+    fn fill_dummy(&self, t: &mut CudaTensor, seed: u64, std: f32, mean: f32) -> Result<()> {
+        let n = t.len() as u64;
+        if std == 0.0 {
+            self.launch("fill", t.dtype, grid_for(n), &[Arg::Ptr(t.ptr), Arg::U64(n), Arg::F32(mean)])?;
+        } else {
+            self.launch(
+                "fill_random",
+                t.dtype,
+                grid_for(n),
+                &[Arg::Ptr(t.ptr), Arg::U64(n), Arg::U64(seed), Arg::F32(std)],
+            )?;
+        }
+        sync(self.dev(), self.stream())
+    }
+
+    fn new_step(&self, max_tokens: usize) -> Result<CudaStep> {
+        self.inner
+            .arena
+            .max_rows
+            .fetch_max(max_tokens.max(1), Ordering::Relaxed);
+        Ok(CudaStep::new())
+    }
+
+    fn upload_step(&self, plan: &StepPlan, step: &mut CudaStep) -> Result<()> {
+        plan.validate()?;
+        self.dev().bind()?;
+        step.upload(self.dev(), &self.inner.stats, self.stream(), plan)
+    }
+
+    fn arena_stats(&self) -> ArenaStats {
+        ArenaStats {
+            grown: self.inner.stats.arena_grown.load(Ordering::Relaxed),
+            bytes: self.inner.stats.arena_bytes.load(Ordering::Relaxed),
+        }
+    }
+
+    fn zeros_like(&self, x: &CudaTensor) -> Result<CudaTensor> {
+        let t = self.tmp(&x.shape, x.dtype)?;
+        self.memset_zero(t.ptr, t.len() * t.dtype.size())?;
+        Ok(t)
+    }
+
+    fn embedding(&self, table: &CudaTensor, step: &CudaStep) -> Result<CudaTensor> {
+        self.step_ready(step)?;
+        let (vocab, cols) = table.rows_cols();
+        let n = step.dims.tokens;
+        let out = self.tmp(&[n, cols], table.dtype)?;
+        self.launch(
+            "embedding",
+            table.dtype,
+            n as u32,
+            &[
+                Arg::Ptr(out.ptr),
+                Arg::Ptr(table.ptr),
+                Arg::Ptr(step.col(step.cols.tokens)),
+                Arg::U32(n as u32),
+                Arg::U32(cols as u32),
+                Arg::U32(vocab as u32),
+            ],
+        )?;
+        Ok(out)
+    }
+
+    fn linear(&self, x: &CudaTensor, w: &CudaTensor, bias: Option<&CudaTensor>) -> Result<CudaTensor> {
+        let (n, k) = x.rows_cols();
+        let (m, wk) = w.rows_cols();
+        if wk != k {
+            return Err(shape_err("linear weight", &w.shape, vec![m, k]));
+        }
+        if let Some(b) = bias
+            && b.len() != m
+        {
+            return Err(shape_err("linear bias", &b.shape, vec![m]));
+        }
+        self.check_dtype("linear input", x)?;
+        self.check_dtype("linear weight", w)?;
+        let out = self.tmp(&[n, m], x.dtype)?;
+        self.inner.gemm.linear(
+            self.stream(),
+            x.dtype,
+            x.ptr,
+            w.ptr,
+            bias.map(|b| b.ptr),
+            out.ptr,
+            (n, k, m),
+        )?;
+        Ok(out)
+    }
+
+    fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
+        if x.shape != y.shape || x.dtype != y.dtype {
+            return Err(shape_err("add", &y.shape, x.shape.clone()));
+        }
+        let n = x.len() as u64;
+        self.launch("add_assign", x.dtype, grid_for(n), &[Arg::Ptr(x.ptr), Arg::Ptr(y.ptr), Arg::U64(n)])
+    }
+
+    fn scale_assign(&self, x: &mut CudaTensor, s: f32) -> Result<()> {
+        let n = x.len() as u64;
+        self.launch("scale_assign", x.dtype, grid_for(n), &[Arg::Ptr(x.ptr), Arg::U64(n), Arg::F32(s)])
+    }
+
+    fn rms_norm(&self, x: &CudaTensor, w: &CudaTensor, eps: f32) -> Result<CudaTensor> {
+        let (rows, cols) = x.rows_cols();
+        if w.len() != cols {
+            return Err(shape_err("rms_norm weight", &w.shape, vec![cols]));
+        }
+        let out = self.tmp(&x.shape, x.dtype)?;
+        self.launch(
+            "rms_norm",
+            x.dtype,
+            rows as u32,
+            &[Arg::Ptr(out.ptr), Arg::Ptr(x.ptr), Arg::Ptr(w.ptr), Arg::U32(cols as u32), Arg::F32(eps)],
+        )?;
+        Ok(out)
+    }
+
+    fn add_rms_norm(
+        &self,
+        residual: &mut CudaTensor,
+        delta: &CudaTensor,
+        w: &CudaTensor,
+        eps: f32,
+    ) -> Result<CudaTensor> {
+        let (rows, cols) = residual.rows_cols();
+        if delta.shape != residual.shape || w.len() != cols {
+            return Err(shape_err("add_rms_norm", &delta.shape, residual.shape.clone()));
+        }
+        let out = self.tmp(&residual.shape, residual.dtype)?;
+        self.launch(
+            "add_rms_norm",
+            residual.dtype,
+            rows as u32,
+            &[
+                Arg::Ptr(out.ptr),
+                Arg::Ptr(residual.ptr),
+                Arg::Ptr(delta.ptr),
+                Arg::Ptr(w.ptr),
+                Arg::U32(cols as u32),
+                Arg::F32(eps),
+            ],
+        )?;
+        Ok(out)
+    }
+
+    fn gated_rms_norm(
+        &self,
+        x: &CudaTensor,
+        gate: &CudaTensor,
+        w: &CudaTensor,
+        group: usize,
+        eps: f32,
+    ) -> Result<CudaTensor> {
+        let (rows, cols) = x.rows_cols();
+        if gate.shape != x.shape || w.len() != cols || group == 0 || cols % group != 0 {
+            return Err(BackendError::Invalid(format!(
+                "gated_rms_norm: x {:?}, gate {:?}, weight {:?}, group {group}",
+                x.shape, gate.shape, w.shape
+            )));
+        }
+        let out = self.tmp(&x.shape, x.dtype)?;
+        self.launch_geo(
+            "gated_rms_norm",
+            x.dtype,
+            (rows as u32, (cols / group) as u32, 1),
+            (BLOCK, 1, 1),
+            0,
+            &[
+                Arg::Ptr(out.ptr),
+                Arg::Ptr(x.ptr),
+                Arg::Ptr(gate.ptr),
+                Arg::Ptr(w.ptr),
+                Arg::U32(cols as u32),
+                Arg::U32(group as u32),
+                Arg::F32(eps),
+            ],
+        )?;
+        Ok(out)
+    }
+
+    fn activate(&self, x: &mut CudaTensor, act: Activation) -> Result<()> {
+        let n = x.len() as u64;
+        self.launch("activate", x.dtype, grid_for(n), &[Arg::Ptr(x.ptr), Arg::U64(n), Arg::U32(act_code(act))])
+    }
+
+    fn gated_activation(&self, gate: &CudaTensor, up: &CudaTensor, act: Activation) -> Result<CudaTensor> {
+        if gate.shape != up.shape {
+            return Err(shape_err("gated_activation", &up.shape, gate.shape.clone()));
+        }
+        let out = self.tmp(&gate.shape, gate.dtype)?;
+        let n = out.len() as u64;
+        self.launch(
+            "act_mul",
+            gate.dtype,
+            grid_for(n),
+            &[Arg::Ptr(out.ptr), Arg::Ptr(gate.ptr), Arg::Ptr(up.ptr), Arg::U64(n), Arg::U32(act_code(act))],
+        )?;
+        Ok(out)
+    }
+
+    fn split_cols<const N: usize>(&self, x: &CudaTensor, widths: [usize; N]) -> Result<[CudaTensor; N]> {
+        let (rows, cols) = x.rows_cols();
+        if widths.iter().sum::<usize>() != cols {
+            return Err(BackendError::Invalid(format!(
+                "split widths {widths:?} do not sum to {cols} columns"
+            )));
+        }
+        let mut parts = Vec::with_capacity(N);
+        let mut start = 0;
+        for &w in &widths {
+            let p = self.tmp(&[rows, w], x.dtype)?;
+            let n = (rows * w) as u64;
+            self.launch(
+                "copy_cols",
+                x.dtype,
+                grid_for(n),
+                &[
+                    Arg::Ptr(p.ptr),
+                    Arg::Ptr(x.ptr),
+                    Arg::U32(rows as u32),
+                    Arg::U32(w as u32),
+                    Arg::U32(cols as u32),
+                    Arg::U32(start as u32),
+                ],
+            )?;
+            start += w;
+            parts.push(p);
+        }
+        parts
+            .try_into()
+            .map_err(|_| BackendError::Invalid("split_cols arity".into()))
+    }
+
+    fn gather_logit_rows(&self, x: &CudaTensor, step: &CudaStep) -> Result<CudaTensor> {
+        self.step_ready(step)?;
+        let (n, cols) = x.rows_cols();
+        let rows = step.dims.logit_rows;
+        let out = self.tmp(&[rows, cols], x.dtype)?;
+        self.launch(
+            "gather_rows",
+            x.dtype,
+            rows as u32,
+            &[
+                Arg::Ptr(out.ptr),
+                Arg::Ptr(x.ptr),
+                Arg::Ptr(step.col(step.cols.logit_rows)),
+                Arg::U32(rows as u32),
+                Arg::U32(cols as u32),
+                Arg::U32(n as u32),
+            ],
+        )?;
+        Ok(out)
+    }
+
+    fn apply_rope(
+        &self,
+        x: &mut CudaTensor,
+        heads: usize,
+        head_dim: usize,
+        rope: &Rope,
+        step: &CudaStep,
+    ) -> Result<()> {
+        self.step_ready(step)?;
+        let (n, cols) = x.rows_cols();
+        if cols != heads * head_dim || n != step.dims.tokens || rope.rotary_dim > head_dim {
+            return Err(BackendError::Invalid(format!(
+                "rope: x {:?}, {heads} heads × {head_dim}, {} positions",
+                x.shape, step.dims.tokens
+            )));
+        }
+        let table = self.rope_table(rope)?;
+        self.launch(
+            "rope",
+            x.dtype,
+            n as u32,
+            &[
+                Arg::Ptr(x.ptr),
+                Arg::U32(n as u32),
+                Arg::U32(heads as u32),
+                Arg::U32(head_dim as u32),
+                Arg::U32((rope.rotary_dim / 2) as u32),
+                Arg::Ptr(step.col(step.cols.positions)),
+                Arg::Ptr(table),
+                Arg::F32(rope.attention_scaling),
+                Arg::U32(cols as u32),
+            ],
+        )
+    }
+
+    fn paged_attention(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        cache: &mut KvLayer<CudaTensor>,
+        shape: AttnShape,
+        step: &CudaStep,
+    ) -> Result<CudaTensor> {
+        self.step_ready(step)?;
+        let AttnShape {
+            heads,
+            kv_heads,
+            head_dim,
+            scale,
+        } = shape;
+        let n = step.dims.tokens;
+        let kv_width = kv_heads * head_dim;
+        if q.rows_cols() != (n, heads * head_dim)
+            || k.rows_cols() != (n, kv_width)
+            || v.rows_cols() != (n, kv_width)
+            || heads % kv_heads.max(1) != 0
+            || cache.k.shape.len() != 4
+            || cache.k.shape[2] * cache.k.shape[3] != kv_width
+        {
+            return Err(BackendError::Invalid(format!(
+                "attention inputs q {:?} k {:?} v {:?} cache {:?} do not match {heads}q/{kv_heads}kv × {head_dim} over {n} tokens",
+                q.shape, k.shape, v.shape, cache.k.shape
+            )));
+        }
+        for t in [q, k, v, &cache.k, &cache.v] {
+            self.check_dtype("attention", t)?;
+        }
+        let cache_rows = (cache.k.shape[0] * cache.k.shape[1]) as u64;
+        self.launch(
+            "kv_write",
+            q.dtype,
+            n as u32,
+            &[
+                Arg::Ptr(cache.k.ptr),
+                Arg::Ptr(cache.v.ptr),
+                Arg::Ptr(k.ptr),
+                Arg::Ptr(v.ptr),
+                Arg::Ptr(step.col(step.cols.slot_mapping)),
+                Arg::U32(n as u32),
+                Arg::U32(kv_width as u32),
+                Arg::U64(cache_rows),
+            ],
+        )?;
+        let out = self.tmp(&q.shape, q.dtype)?;
+        let dims = AttnDims {
+            heads,
+            kv_heads,
+            head_dim,
+            block_size: step.dims.block_size,
+            num_seqs: step.dims.seqs,
+        };
+        let bf16 = q.dtype == DType::BF16;
+        let scratch: Vec<CudaTensor> = chimera_kernels::attention::scratch_bytes(&step.attn, &dims)
+            .into_iter()
+            .map(|b| self.tmp(&[b.div_ceil(4).max(1)], DType::F32))
+            .collect::<Result<_>>()?;
+        for l in chimera_kernels::attention::launches(&step.attn, &dims, bf16) {
+            let args: Vec<Arg> = l
+                .args
+                .iter()
+                .map(|a| {
+                    Ok(match *a {
+                        AttnArg::Q => Arg::Ptr(q.ptr),
+                        AttnArg::KCache => Arg::Ptr(cache.k.ptr),
+                        AttnArg::VCache => Arg::Ptr(cache.v.ptr),
+                        AttnArg::Out => Arg::Ptr(out.ptr),
+                        AttnArg::CuSeqlens => Arg::Ptr(step.col(step.cols.cu_seqlens)),
+                        AttnArg::CtxLens => Arg::Ptr(step.col(step.cols.ctx_lens)),
+                        AttnArg::BtOffsets => Arg::Ptr(step.col(step.cols.bt_offsets)),
+                        AttnArg::BlockTables => Arg::Ptr(step.col(step.cols.block_tables)),
+                        AttnArg::Work(i) => Arg::Ptr(step.col(
+                            *step.cols.attn.get(i).ok_or_else(|| {
+                                BackendError::Invalid(format!("attention work column {i}"))
+                            })?,
+                        )),
+                        AttnArg::Scratch(i) => Arg::Ptr(
+                            scratch
+                                .get(i)
+                                .ok_or_else(|| BackendError::Invalid(format!("attention scratch {i}")))?
+                                .ptr,
+                        ),
+                        AttnArg::U32(v) => Arg::U32(v),
+                        AttnArg::Scale => Arg::F32(scale),
+                    })
+                })
+                .collect::<Result<_>>()?;
+            self.launch_exact(l.entry, l.grid, l.block, l.smem, &args)?;
+        }
+        Ok(out)
+    }
+
+    fn ssm_slot_ops(&self, _pools: &mut SsmPools<CudaTensor>, _step: &CudaStep) -> Result<()> {
+        Err(unsupported("SSM slot restores"))
+    }
+
+    fn causal_conv1d(
+        &self,
+        _x: &CudaTensor,
+        _weight: &CudaTensor,
+        _bias: Option<&CudaTensor>,
+        _pools: &mut SsmPools<CudaTensor>,
+        _layer: usize,
+        _step: &CudaStep,
+    ) -> Result<CudaTensor> {
+        Err(unsupported("the causal conv1d"))
+    }
+
+    fn ssm_scan(
+        &self,
+        _x: &CudaTensor,
+        _b: &CudaTensor,
+        _c: &CudaTensor,
+        _dt: &CudaTensor,
+        _a_log: &CudaTensor,
+        _d: &CudaTensor,
+        _dt_bias: &CudaTensor,
+        _shape: SsmShape,
+        _pools: &mut SsmPools<CudaTensor>,
+        _layer: usize,
+        _step: &CudaStep,
+    ) -> Result<CudaTensor> {
+        Err(unsupported("the Mamba2 scan"))
+    }
+
+    fn sample(&self, logits: &mut CudaTensor, step: &CudaStep, out: &mut SampleOut) -> Result<()> {
+        self.step_ready(step)?;
+        let (rows, vocab) = logits.rows_cols();
+        let n = step.dims.sample_rows;
+        if rows != step.dims.logit_rows {
+            return Err(BackendError::Invalid(format!(
+                "{rows} logits rows for {} logit rows in the step",
+                step.dims.logit_rows
+            )));
+        }
+        let k = step.dims.k.min(vocab).max(1);
+        out.reshape(n, k);
+        if n == 0 {
+            return Ok(());
+        }
+        // The tail works on f32 rows; bf16 logits are widened first.
+        let widened;
+        let lg: &CudaTensor = if logits.dtype == DType::F32 {
+            logits
+        } else {
+            let w = self.tmp(&logits.shape, DType::F32)?;
+            let len = w.len() as u64;
+            self.launch_exact(
+                "cast_bf16_to_f32",
+                (grid_for(len), 1, 1),
+                (BLOCK, 1, 1),
+                0,
+                &[Arg::Ptr(w.ptr), Arg::Ptr(logits.ptr), Arg::U64(len)],
+            )?;
+            widened = w;
+            &widened
+        };
+        // Results land in one buffer: tokens [n·k] u32, logits [n·k] f32, lse [n] f32.
+        let words = 2 * n * k + n;
+        let res = self.tmp(&[words], DType::F32)?;
+        let (tok_ptr, cand_ptr, lse_ptr) = (
+            res.ptr,
+            res.ptr + 4 * (n * k) as u64,
+            res.ptr + 8 * (n * k) as u64,
+        );
+        let scratch: Vec<CudaTensor> = chimera_kernels::sample::scratch_bytes(n, vocab, k)
+            .into_iter()
+            .map(|b| self.tmp(&[b.div_ceil(4).max(1)], DType::F32))
+            .collect::<Result<_>>()?;
+        let c = &step.cols;
+        for l in chimera_kernels::sample::launches(n, vocab, k) {
+            let args: Vec<Arg> = l
+                .args
+                .iter()
+                .map(|a| {
+                    Ok(match *a {
+                        SampleArg::Logits => Arg::Ptr(lg.ptr),
+                        SampleArg::SampleRows => Arg::Ptr(step.col(c.sample_rows)),
+                        SampleArg::Repetition => Arg::Ptr(step.col(c.repetition)),
+                        SampleArg::Presence => Arg::Ptr(step.col(c.presence)),
+                        SampleArg::Frequency => Arg::Ptr(step.col(c.frequency)),
+                        SampleArg::WantLse => Arg::Ptr(step.col(c.want_lse)),
+                        SampleArg::HistOffsets => Arg::Ptr(step.col(c.hist_offsets)),
+                        SampleArg::HistTokens => Arg::Ptr(step.col(c.hist_tokens)),
+                        SampleArg::HistCounts => Arg::Ptr(step.col(c.hist_counts)),
+                        SampleArg::CandTokens => Arg::Ptr(tok_ptr),
+                        SampleArg::CandLogits => Arg::Ptr(cand_ptr),
+                        SampleArg::Lse => Arg::Ptr(lse_ptr),
+                        SampleArg::Scratch(i) => Arg::Ptr(
+                            scratch
+                                .get(i)
+                                .ok_or_else(|| BackendError::Invalid(format!("sampling scratch {i}")))?
+                                .ptr,
+                        ),
+                        SampleArg::U32(v) => Arg::U32(v),
+                    })
+                })
+                .collect::<Result<_>>()?;
+            self.launch_exact(l.entry, l.grid, l.block, l.smem, &args)?;
+        }
+        // Penalties were applied to the f32 copy; keep the caller's rows in step with them.
+        if logits.dtype != DType::F32 {
+            let len = lg.len() as u64;
+            self.launch_exact(
+                "cast_f32_to_bf16",
+                (grid_for(len), 1, 1),
+                (BLOCK, 1, 1),
+                0,
+                &[Arg::Ptr(logits.ptr), Arg::Ptr(lg.ptr), Arg::U64(len)],
+            )?;
+        }
+        // The step's one device-to-host copy, and its one synchronisation.
+        let bytes = 4 * words;
+        let mut rb = self.inner.readback.lock().unwrap_or_else(|p| p.into_inner());
+        if rb.as_ref().is_none_or(|p| p.bytes < bytes) {
+            *rb = Some(Pinned::new(self.dev(), bytes.next_power_of_two())?);
+        }
+        let Some(pinned) = rb.as_mut() else {
+            return Err(bad_tensor("readback"));
+        };
+        let dst = &mut pinned.as_mut_slice()[..bytes];
+        // SAFETY: `res` holds `bytes`; the pinned buffer outlives the synchronisation below.
+        unsafe { dtoh(self.dev(), self.stream(), dst, res.ptr)? };
+        sync(self.dev(), self.stream())?;
+        let src = &pinned.as_slice()[..bytes];
+        let word = |i: usize| u32::from_le_bytes([src[4 * i], src[4 * i + 1], src[4 * i + 2], src[4 * i + 3]]);
+        for i in 0..n * k {
+            out.cand_tokens[i] = word(i);
+            out.cand_logits[i] = f32::from_bits(word(n * k + i));
+        }
+        for i in 0..n {
+            out.lse[i] = f32::from_bits(word(2 * n * k + i));
+        }
+        Ok(())
+    }
+
+    fn moe(
+        &self,
+        _x: &CudaTensor,
+        _router_logits: &CudaTensor,
+        _routing: &MoeRouting<CudaTensor>,
+        _experts: &StackedExperts<CudaTensor>,
+        _out: &mut CudaTensor,
+    ) -> Result<()> {
+        Err(unsupported("mixture-of-experts"))
+    }
+}
+
+fn act_code(a: Activation) -> u32 {
+    match a {
+        Activation::Silu => 0,
+        Activation::Relu2 => 1,
+        Activation::Gelu => 2,
+    }
+}

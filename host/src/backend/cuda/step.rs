@@ -1,0 +1,164 @@
+//! The CUDA step object: every column of a [`StepPlan`] that kernels read, packed into one
+//! pinned staging buffer and copied to one device buffer with a single host-to-device copy.
+//!
+//! Columns are u32 words (f32 columns as their bits) at fixed offsets recorded in
+//! [`Columns`]; the device buffer only grows (a step larger than any before), so after warm-up
+//! a step costs one `cuMemcpyHtoDAsync` and no allocation.
+
+use std::sync::Arc;
+
+use chimera_kernels::attention::AttnPlan;
+
+use super::device::Device;
+use super::memory::{DevAlloc, MemStats, Pinned, htod};
+use crate::backend::{Result, StepPlan};
+
+/// Word offsets of each column in the step buffer.
+#[derive(Debug, Clone, Default)]
+pub struct Columns {
+    pub tokens: usize,
+    pub positions: usize,
+    pub slot_mapping: usize,
+    pub cu_seqlens: usize,
+    pub ctx_lens: usize,
+    pub bt_offsets: usize,
+    pub block_tables: usize,
+    pub logit_rows: usize,
+    pub sample_rows: usize,
+    pub repetition: usize,
+    pub presence: usize,
+    pub frequency: usize,
+    pub want_lse: usize,
+    pub hist_offsets: usize,
+    pub hist_tokens: usize,
+    pub hist_counts: usize,
+    /// The attention planner's work columns.
+    pub attn: Vec<usize>,
+}
+
+/// Host-side facts about the uploaded step that launches need (sizes, not data).
+#[derive(Debug, Clone, Default)]
+pub struct StepDims {
+    pub tokens: usize,
+    pub seqs: usize,
+    pub block_size: usize,
+    pub logit_rows: usize,
+    pub sample_rows: usize,
+    pub k: usize,
+}
+
+pub struct CudaStep {
+    pub(super) cols: Columns,
+    pub(super) dims: StepDims,
+    pub(super) attn: AttnPlan,
+    staging: Vec<u32>,
+    pinned: Option<Pinned>,
+    buf: Option<DevAlloc>,
+    /// Set by a successful upload; kernels refuse a step that was never uploaded.
+    pub(super) uploaded: bool,
+}
+
+impl CudaStep {
+    pub fn new() -> Self {
+        Self {
+            cols: Columns::default(),
+            dims: StepDims::default(),
+            attn: AttnPlan::default(),
+            staging: Vec::new(),
+            pinned: None,
+            buf: None,
+            uploaded: false,
+        }
+    }
+
+    /// Device address of the column at word offset `off`.
+    pub fn col(&self, off: usize) -> u64 {
+        self.buf.as_ref().map_or(0, |b| b.ptr) + 4 * off as u64
+    }
+
+    fn push(staging: &mut Vec<u32>, words: impl IntoIterator<Item = u32>) -> usize {
+        let at = staging.len();
+        staging.extend(words);
+        // Keep every column 16-byte aligned for vector loads.
+        while staging.len() % 4 != 0 {
+            staging.push(0);
+        }
+        at
+    }
+
+    /// Packs `plan` and copies it to the device on `stream`.
+    pub fn upload(
+        &mut self,
+        device: &Arc<Device>,
+        stats: &MemStats,
+        stream: cudarc::driver::sys::CUstream,
+        plan: &StepPlan,
+    ) -> Result<()> {
+        self.uploaded = false;
+        chimera_kernels::attention::plan(&plan.cu_seqlens, &ctx_lens(plan), &mut self.attn);
+        let s = &mut self.staging;
+        s.clear();
+        let seqs = &plan.seqs;
+        let c = &mut self.cols;
+        c.tokens = Self::push(s, plan.tokens.iter().copied());
+        c.positions = Self::push(s, plan.positions.iter().copied());
+        c.slot_mapping = Self::push(s, plan.slot_mapping.iter().copied());
+        c.cu_seqlens = Self::push(s, plan.cu_seqlens.iter().copied());
+        c.ctx_lens = Self::push(s, seqs.iter().map(|q| q.context_len as u32));
+        c.bt_offsets = Self::push(s, seqs.iter().map(|q| q.blocks.0));
+        c.block_tables = Self::push(s, plan.block_tables.iter().copied());
+        c.logit_rows = Self::push(s, plan.logit_rows.iter().copied());
+        c.sample_rows = Self::push(s, plan.sample_rows.iter().copied());
+        let r = &plan.sampling;
+        c.repetition = Self::push(s, r.repetition.iter().map(|v| v.to_bits()));
+        c.presence = Self::push(s, r.presence.iter().map(|v| v.to_bits()));
+        c.frequency = Self::push(s, r.frequency.iter().map(|v| v.to_bits()));
+        c.want_lse = Self::push(s, r.want_lse.iter().map(|&w| u32::from(w)));
+        c.hist_offsets = Self::push(s, r.hist_offsets.iter().copied());
+        c.hist_tokens = Self::push(s, r.hist_tokens.iter().copied());
+        c.hist_counts = Self::push(s, r.hist_counts.iter().copied());
+        c.attn.clear();
+        for col in self.attn.columns() {
+            c.attn.push(Self::push(s, col.iter().copied()));
+        }
+        self.dims = StepDims {
+            tokens: plan.tokens.len(),
+            seqs: seqs.len(),
+            block_size: plan.block_size,
+            logit_rows: plan.logit_rows.len(),
+            sample_rows: plan.sample_rows.len(),
+            k: r.k,
+        };
+        let bytes = 4 * s.len();
+        if self.pinned.as_ref().is_none_or(|p| p.bytes < bytes) {
+            // Grow with headroom so a slowly growing batch does not re-pin every step.
+            let cap = (bytes * 3 / 2).max(64 << 10);
+            self.pinned = Some(Pinned::new(device, cap)?);
+            self.buf = Some(DevAlloc::new(device, cap, stats)?);
+        }
+        let (Some(pinned), Some(buf)) = (self.pinned.as_mut(), self.buf.as_ref()) else {
+            return Ok(());
+        };
+        // The previous step's copy out of this staging buffer finished: every step ends with
+        // a synchronising read-back.
+        let dst = pinned.as_mut_slice();
+        for (d, w) in dst.chunks_exact_mut(4).zip(s.iter()) {
+            d.copy_from_slice(&w.to_le_bytes());
+        }
+        // SAFETY: the device buffer holds at least `bytes`; the pinned source is not touched
+        // again before the next step, which starts after this one's synchronisation.
+        unsafe { htod(device, stream, buf.ptr, &pinned.as_slice()[..bytes])? };
+        self.uploaded = true;
+        Ok(())
+    }
+}
+
+impl Default for CudaStep {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn ctx_lens(plan: &StepPlan) -> Vec<u32> {
+    plan.seqs.iter().map(|q| q.context_len as u32).collect()
+}
