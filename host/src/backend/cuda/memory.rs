@@ -112,6 +112,15 @@ impl Arena {
         free.entry(row_bytes.max(1)).or_default().push(buf);
     }
 
+    /// Calls `f(ptr, bytes)` for every recycled buffer.
+    pub fn for_each_free(&self, mut f: impl FnMut(u64, usize) -> Result<()>) -> Result<()> {
+        let free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        for b in free.values().flatten() {
+            f(b.ptr, b.bytes)?;
+        }
+        Ok(())
+    }
+
     /// Drops every recycled buffer (memory goes back to the driver).
     pub fn trim(&self) {
         self.free

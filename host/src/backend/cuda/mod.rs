@@ -168,6 +168,24 @@ impl CudaBackend {
         Self::on(self.inner.device.clone(), self.inner.dtype)
     }
 
+    /// A backend on the same device (kernels shared) in another numeric mode.
+    pub fn with_dtype(&self, dtype: DType) -> Result<Self> {
+        Self::on(self.inner.device.clone(), dtype)
+    }
+
+    /// Fills every free arena buffer with NaN (all-ones bytes, NaN in f32 and bf16), so a
+    /// test sees any output element a kernel failed to write.
+    pub fn poison_arena(&self) -> Result<()> {
+        self.inner.device.bind()?;
+        self.inner.arena.for_each_free(|ptr, bytes| {
+            // SAFETY: a free arena buffer of `bytes` bytes that no pending work uses as an output
+            // (all work that used it was enqueued earlier on this stream).
+            unsafe { result::memset_d8_async(ptr, 0xFF, bytes, self.stream()) }
+                .map_err(|e| self.dev().fail("poisoning the arena", e))
+        })?;
+        sync(self.dev(), self.stream())
+    }
+
     pub fn device(&self) -> &Device {
         &self.inner.device
     }

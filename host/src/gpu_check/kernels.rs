@@ -1,0 +1,449 @@
+//! The `kernels` suite: every CUDA kernel against the CPU reference on fresh random inputs,
+//! in f32 mode (relative error ≤ 1e-5, ≤ 1e-4 for reductions over long axes) and bf16 mode
+//! (≤ 1e-2; the CPU gets the same inputs rounded to bf16). The GPU's arena is poisoned with NaN
+//! before every check, so an output element a kernel did not write fails the check.
+
+use super::rng::Rng;
+use super::{Report, rel_err};
+use crate::backend::cpu::{CpuBackend, CpuTensor};
+use crate::backend::cuda::{CudaBackend, CudaTensor};
+use crate::backend::sample::Penalties;
+use crate::backend::{
+    Activation, AttnShape, Backend, DType, HostTensor, KvLayer, Rope, SampleOut, StepPlan,
+};
+
+type R<T> = anyhow::Result<T>;
+
+struct Ctx<'a> {
+    cpu: CpuBackend,
+    gpu: &'a CudaBackend,
+    mode: DType,
+    rng: Rng,
+    report: &'a mut Report,
+}
+
+fn bf16_round(v: f32) -> f32 {
+    half::bf16::from_f32(v).to_f32()
+}
+
+impl Ctx<'_> {
+    fn tag(&self) -> &'static str {
+        if self.mode == DType::F32 { "f32" } else { "bf16" }
+    }
+
+    fn tol(&self, reduction: bool) -> f64 {
+        match (self.mode, reduction) {
+            (DType::F32, false) => 1e-5,
+            (DType::F32, true) => 1e-4,
+            _ => 1e-2,
+        }
+    }
+
+    /// Random values (rounded to bf16 in bf16 mode, so both backends see the same inputs).
+    fn rand(&mut self, n: usize, a: f32) -> Vec<f32> {
+        let mut v = self.rng.vec(n, a);
+        if self.mode == DType::BF16 {
+            v.iter_mut().for_each(|x| *x = bf16_round(*x));
+        }
+        v
+    }
+
+    fn up(&self, v: &[f32], shape: &[usize]) -> R<(CpuTensor, CudaTensor)> {
+        let h = HostTensor::f32(v, shape);
+        Ok((self.cpu.upload(h)?, self.gpu.upload(h)?))
+    }
+
+    fn steps(&self, plan: &StepPlan) -> R<(<CpuBackend as Backend>::Step, <CudaBackend as Backend>::Step)> {
+        let mut c = self.cpu.new_step(plan.num_tokens())?;
+        self.cpu.upload_step(plan, &mut c)?;
+        let mut g = self.gpu.new_step(plan.num_tokens())?;
+        self.gpu.upload_step(plan, &mut g)?;
+        Ok((c, g))
+    }
+
+    /// Runs one comparison: `f` returns (gpu, cpu) outputs.
+    fn check(&mut self, name: &str, reduction: bool, f: impl FnOnce(&mut Self) -> R<(Vec<f32>, Vec<f32>)>) {
+        let label = format!("{} {name}", self.tag());
+        if let Err(e) = self.gpu.poison_arena() {
+            self.report.failed("kernels", label, e);
+            return;
+        }
+        let tol = self.tol(reduction);
+        match f(self) {
+            Ok((g, c)) => self.report.err("kernels", label, rel_err(&g, &c), tol),
+            Err(e) => self.report.failed("kernels", label, e),
+        }
+    }
+}
+
+/// A plan of chunks `(context_len, new tokens)` with random token ids and random distinct
+/// block ids out of `num_blocks` (every chunk's table covers context + new tokens).
+fn plan_of(rng: &mut Rng, chunks: &[(usize, usize)], block_size: usize, num_blocks: usize, vocab: usize) -> StepPlan {
+    let need: usize = chunks.iter().map(|&(c, q)| (c + q).div_ceil(block_size)).sum();
+    let ids = rng.distinct(need, num_blocks);
+    let mut plan = StepPlan::new(block_size);
+    let mut at = 0;
+    for &(ctx, q) in chunks {
+        let nb = (ctx + q).div_ceil(block_size);
+        let table = &ids[at..at + nb];
+        at += nb;
+        let tokens: Vec<u32> = (0..q).map(|_| rng.below(vocab) as u32).collect();
+        plan.push(&tokens, ctx, table, 0, true);
+    }
+    plan
+}
+
+pub fn run(report: &mut Report, f32_gpu: &CudaBackend, bf16_gpu: &CudaBackend, seed: u64) {
+    for (i, gpu) in [f32_gpu, bf16_gpu].into_iter().enumerate() {
+        let mut c = Ctx {
+            cpu: CpuBackend::default(),
+            gpu,
+            mode: gpu.dtype(),
+            rng: Rng::new(seed.wrapping_add(i as u64)),
+            report,
+        };
+        dense(&mut c);
+        attention(&mut c);
+        if c.mode == DType::F32 {
+            sampling(&mut c);
+        }
+        let report_ref = &mut *c.report;
+        let _ = report_ref;
+    }
+}
+
+fn dense(c: &mut Ctx<'_>) {
+    for &(n, k, m, bias) in &[
+        (1usize, 4096usize, 6144usize, false),
+        (7, 96, 40, true),
+        (33, 128, 512, true),
+        (131, 4096, 4096, false),
+        (1000, 24, 512, false),
+    ] {
+        c.check(&format!("linear {n}×{k}·{m}ᵀ{}", if bias { " +bias" } else { "" }), k > 1024, |c| {
+            let x = c.rand(n * k, 1.0);
+            let w = c.rand(m * k, 0.05);
+            let b = c.rand(m, 0.5);
+            let (xc, xg) = c.up(&x, &[n, k])?;
+            let (wc, wg) = c.up(&w, &[m, k])?;
+            let (bc, bg) = c.up(&b, &[m])?;
+            let g = c.gpu.linear(&xg, &wg, bias.then_some(&bg))?;
+            let r = c.cpu.linear(&xc, &wc, bias.then_some(&bc))?;
+            Ok((c.gpu.download(&g)?, c.cpu.download(&r)?))
+        });
+    }
+    for &(n, cols) in &[(1usize, 32usize), (7, 4096), (1000, 48), (33, 8192)] {
+        c.check(&format!("rms_norm {n}×{cols}"), cols > 1024, |c| {
+            let x = c.rand(n * cols, 2.0);
+            let w = c.rand(cols, 1.0);
+            let (xc, xg) = c.up(&x, &[n, cols])?;
+            let (wc, wg) = c.up(&w, &[cols])?;
+            Ok((c.gpu.download(&c.gpu.rms_norm(&xg, &wg, 1e-5)?)?, c.cpu.download(&c.cpu.rms_norm(&xc, &wc, 1e-5)?)?))
+        });
+        c.check(&format!("add_rms_norm {n}×{cols} (norm and residual)"), cols > 1024, |c| {
+            let x = c.rand(n * cols, 2.0);
+            let d = c.rand(n * cols, 2.0);
+            let w = c.rand(cols, 1.0);
+            let (mut xc, mut xg) = c.up(&x, &[n, cols])?;
+            let (dc, dg) = c.up(&d, &[n, cols])?;
+            let (wc, wg) = c.up(&w, &[cols])?;
+            let mut g = c.gpu.download(&c.gpu.add_rms_norm(&mut xg, &dg, &wg, 1e-6)?)?;
+            let mut r = c.cpu.download(&c.cpu.add_rms_norm(&mut xc, &dc, &wc, 1e-6)?)?;
+            g.extend(c.gpu.download(&xg)?);
+            r.extend(c.cpu.download(&xc)?);
+            Ok((g, r))
+        });
+    }
+    c.check("gated_rms_norm 9×256 group 64", false, |c| {
+        let (n, cols) = (9, 256);
+        let x = c.rand(n * cols, 2.0);
+        let z = c.rand(n * cols, 2.0);
+        let w = c.rand(cols, 1.0);
+        let (xc, xg) = c.up(&x, &[n, cols])?;
+        let (zc, zg) = c.up(&z, &[n, cols])?;
+        let (wc, wg) = c.up(&w, &[cols])?;
+        Ok((
+            c.gpu.download(&c.gpu.gated_rms_norm(&xg, &zg, &wg, 64, 1e-5)?)?,
+            c.cpu.download(&c.cpu.gated_rms_norm(&xc, &zc, &wc, 64, 1e-5)?)?,
+        ))
+    });
+    for act in [Activation::Silu, Activation::Relu2, Activation::Gelu] {
+        c.check(&format!("activate {act:?} 77×333"), false, |c| {
+            let x = c.rand(77 * 333, 4.0);
+            let (mut xc, mut xg) = c.up(&x, &[77, 333])?;
+            c.gpu.activate(&mut xg, act)?;
+            c.cpu.activate(&mut xc, act)?;
+            Ok((c.gpu.download(&xg)?, c.cpu.download(&xc)?))
+        });
+        c.check(&format!("act_and_mul {act:?} 131×1000"), false, |c| {
+            let g = c.rand(131 * 1000, 4.0);
+            let u = c.rand(131 * 1000, 2.0);
+            let (gc, gg) = c.up(&g, &[131, 1000])?;
+            let (uc, ug) = c.up(&u, &[131, 1000])?;
+            Ok((
+                c.gpu.download(&c.gpu.gated_activation(&gg, &ug, act)?)?,
+                c.cpu.download(&c.cpu.gated_activation(&gc, &uc, act)?)?,
+            ))
+        });
+    }
+    c.check("split_cols 33×(7,100,21)", false, |c| {
+        let x = c.rand(33 * 128, 1.0);
+        let (xc, xg) = c.up(&x, &[33, 128])?;
+        let g = c.gpu.split_cols(&xg, [7, 100, 21])?;
+        let r = c.cpu.split_cols(&xc, [7, 100, 21])?;
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        for (gt, ct) in g.iter().zip(&r) {
+            a.extend(c.gpu.download(gt)?);
+            b.extend(c.cpu.download(ct)?);
+        }
+        Ok((a, b))
+    });
+    c.check("add_assign and scale_assign 1000×77", false, |c| {
+        let x = c.rand(77_000, 1.0);
+        let y = c.rand(77_000, 1.0);
+        let (mut xc, mut xg) = c.up(&x, &[1000, 77])?;
+        let (yc, yg) = c.up(&y, &[1000, 77])?;
+        c.gpu.add_assign(&mut xg, &yg)?;
+        c.cpu.add_assign(&mut xc, &yc)?;
+        c.gpu.scale_assign(&mut xg, 0.75)?;
+        c.cpu.scale_assign(&mut xc, 0.75)?;
+        Ok((c.gpu.download(&xg)?, c.cpu.download(&xc)?))
+    });
+    c.check("embedding + gather_logit_rows (3 chunks, 160 tokens)", false, |c| {
+        let (vocab, cols) = (5000, 96);
+        let mut plan = plan_of(&mut c.rng, &[(0, 131), (40, 1), (17, 28)], 16, 64, vocab);
+        plan.seqs[0].all_logits = true;
+        plan.finish()?;
+        let table = c.rand(vocab * cols, 1.0);
+        let (tc, tg) = c.up(&table, &[vocab, cols])?;
+        let (sc, sg) = c.steps(&plan)?;
+        let eg = c.gpu.embedding(&tg, &sg)?;
+        let ec = c.cpu.embedding(&tc, &sc)?;
+        let mut g = c.gpu.download(&c.gpu.gather_logit_rows(&eg, &sg)?)?;
+        let mut r = c.cpu.download(&c.cpu.gather_logit_rows(&ec, &sc)?)?;
+        g.extend(c.gpu.download(&eg)?);
+        r.extend(c.cpu.download(&ec)?);
+        Ok((g, r))
+    });
+    let ropes = [
+        ("default θ=10000, d128", 128usize, 1.0f64, 1.0f32, 10_000.0f32),
+        ("partial 0.5, d64", 64, 0.5, 1.0, 500_000.0),
+        ("scaled ×1.2, d24", 24, 1.0, 1.2, 10_000.0),
+    ];
+    for (label, head_dim, partial, scaling, theta) in ropes {
+        c.check(&format!("rope {label}, positions to 40000"), false, |c| {
+            let rotary = ((head_dim as f64 * partial) as usize) & !1;
+            let rope = Rope {
+                inv_freq: (0..rotary / 2)
+                    .map(|i| 1.0 / theta.powf((2 * i) as f32 / rotary as f32))
+                    .collect(),
+                rotary_dim: rotary,
+                attention_scaling: scaling,
+            };
+            let heads = 4;
+            let mut plan = plan_of(&mut c.rng, &[(40_000, 3), (0, 37), (1234, 1)], 16, 4096, 100);
+            plan.finish()?;
+            let n = plan.num_tokens();
+            let x = c.rand(n * heads * head_dim, 1.0);
+            let (mut xc, mut xg) = c.up(&x, &[n, heads * head_dim])?;
+            let (sc, sg) = c.steps(&plan)?;
+            c.gpu.apply_rope(&mut xg, heads, head_dim, &rope, &sg)?;
+            c.cpu.apply_rope(&mut xc, heads, head_dim, &rope, &sc)?;
+            Ok((c.gpu.download(&xg)?, c.cpu.download(&xc)?))
+        });
+    }
+}
+
+/// One mixed attention batch: `chunks` of `(context, new tokens)`.
+fn attention_case(
+    c: &mut Ctx<'_>,
+    (heads, kv_heads, head_dim): (usize, usize, usize),
+    block_size: usize,
+    num_blocks: usize,
+    chunks: &[(usize, usize)],
+) {
+    let label = format!(
+        "attention {heads}q/{kv_heads}kv d{head_dim} bs{block_size} {num_blocks} blocks {chunks:?}"
+    );
+    c.check(&label, true, |c| {
+        let mut plan = plan_of(&mut c.rng, chunks, block_size, num_blocks, 100);
+        plan.finish()?;
+        let n = plan.num_tokens();
+        let kvw = kv_heads * head_dim;
+        // The cache holds random K/V in every block a chunk's context uses.
+        let rows = num_blocks * block_size;
+        let mut kc = vec![0.0f32; rows * kvw];
+        let mut vc = vec![0.0f32; rows * kvw];
+        for (i, s) in plan.seqs.iter().enumerate() {
+            let table = plan.block_table(i).to_vec();
+            for p in 0..s.context_len {
+                let row = table[p / block_size] as usize * block_size + p % block_size;
+                for j in 0..kvw {
+                    kc[row * kvw + j] = c.rng.sym(1.0);
+                    vc[row * kvw + j] = c.rng.sym(1.0);
+                }
+            }
+            let _ = s;
+        }
+        if c.mode == DType::BF16 {
+            kc.iter_mut().chain(vc.iter_mut()).for_each(|x| *x = bf16_round(*x));
+        }
+        let shape = [num_blocks, block_size, kv_heads, head_dim];
+        let (kcc, kcg) = c.up(&kc, &shape)?;
+        let (vcc, vcg) = c.up(&vc, &shape)?;
+        drop((kc, vc));
+        let mut cache_c = KvLayer { k: kcc, v: vcc };
+        let mut cache_g = KvLayer { k: kcg, v: vcg };
+        let q = c.rand(n * heads * head_dim, 1.0);
+        let k = c.rand(n * kvw, 1.0);
+        let v = c.rand(n * kvw, 1.0);
+        let (qc, qg) = c.up(&q, &[n, heads * head_dim])?;
+        let (kc, kg) = c.up(&k, &[n, kvw])?;
+        let (vc, vg) = c.up(&v, &[n, kvw])?;
+        let (sc, sg) = c.steps(&plan)?;
+        let shape = AttnShape {
+            heads,
+            kv_heads,
+            head_dim,
+            scale: (head_dim as f32).powf(-0.5),
+        };
+        let g = c.gpu.paged_attention(&qg, &kg, &vg, &mut cache_g, shape, &sg)?;
+        let r = c.cpu.paged_attention(&qc, &kc, &vc, &mut cache_c, shape, &sc)?;
+        let mut gv = c.gpu.download(&g)?;
+        let mut rv = c.cpu.download(&r)?;
+        // The KV write: every slot this step wrote, read back from both caches.
+        let kg_all = c.gpu.download(&cache_g.v)?;
+        let kc_all = c.cpu.download(&cache_c.v)?;
+        for &slot in &plan.slot_mapping {
+            let s = slot as usize * kvw;
+            gv.extend_from_slice(&kg_all[s..s + kvw]);
+            rv.extend_from_slice(&kc_all[s..s + kvw]);
+        }
+        Ok((gv, rv))
+    });
+}
+
+fn attention(c: &mut Ctx<'_>) {
+    // The plan's matrix: decodes over long contexts, fresh prefills, chunks over cached prefixes
+    // whose context is not block-aligned; GQA/MQA/MHA; block sizes 16 and 32; large block ids.
+    attention_case(c, (32, 8, 128), 16, 2048, &[(1327, 1), (0, 131), (463, 129), (36, 1), (0, 7)]);
+    attention_case(c, (8, 2, 64), 32, 32768, &[(2011, 1), (17, 33), (0, 1000), (523, 1)]);
+    attention_case(c, (4, 1, 24), 16, 2048, &[(0, 33), (5, 18), (1, 1), (129, 77)]);
+    attention_case(c, (4, 4, 12), 16, 512, &[(0, 7), (100, 1), (31, 2)]);
+    attention_case(c, (4, 2, 8), 32, 512, &[(0, 131), (65, 1), (66, 1)]);
+    attention_case(c, (8, 2, 128), 16, 4096, &[(16_000, 1), (9000, 1), (0, 1), (3000, 5)]);
+    if c.mode == DType::F32 {
+        attention_case(c, (8, 2, 64), 16, 1024, &[(0, 4097)]);
+    } else {
+        attention_case(c, (32, 8, 128), 16, 1024, &[(0, 4097)]);
+    }
+}
+
+/// The sampling tail: candidates must equal the CPU's bit for bit in f32 mode (ties, NaN,
+/// infinities, penalties), log-sum-exp within rounding.
+fn sampling(c: &mut Ctx<'_>) {
+    let cases: &[(usize, usize, usize, &str)] = &[
+        (1, 512, 64, "decode"),
+        (5, 131_072, 64, "decode"),
+        (64, 512, 512, "decode"),
+        (3, 32_000, 1, "decode"),
+        (8, 50_000, 200, "decode"),
+        (4, 2048, 64, "prompt-logprob rows interleaved"),
+    ];
+    for &(n, vocab, k, kind) in cases {
+        let label = format!("sample n={n} vocab={vocab} k={k} {kind}, ties/NaN/inf/penalties");
+        let tag = c.tag();
+        if let Err(e) = c.gpu.poison_arena() {
+            c.report.failed("kernels", format!("{tag} {label}"), e);
+            continue;
+        }
+        match sample_case(c, n, vocab, k, kind != "decode") {
+            Ok((exact, lse_err)) => {
+                c.report.push(
+                    "kernels",
+                    format!("{tag} {label}: candidates identical"),
+                    if exact { 1.0 } else { 0.0 },
+                    if exact { "identical".into() } else { "DIFFER".into() },
+                    "identical".into(),
+                    exact,
+                );
+                c.report.err("kernels", format!("{tag} {label}: log-sum-exp"), lse_err, 1e-5);
+            }
+            Err(e) => c.report.failed("kernels", format!("{tag} {label}"), e),
+        }
+    }
+}
+
+fn sample_case(c: &mut Ctx<'_>, n: usize, vocab: usize, k: usize, prompt_rows: bool) -> R<(bool, f64)> {
+    let mut plan = StepPlan::new(16);
+    let table: Vec<u32> = (0..8).collect();
+    if prompt_rows {
+        plan.push(&[1, 2, 3], 0, &table, 0, true).all_logits = true;
+    }
+    for i in 0..n {
+        plan.push(&[(i % 100) as u32], 7, &table, 0, true);
+    }
+    plan.finish()?;
+    let rows = plan.sample_rows.len();
+    plan.sampling.clear(k);
+    for r in 0..rows {
+        let pen = match r % 3 {
+            0 => Penalties { repetition: 1.0, presence: 0.0, frequency: 0.0 },
+            1 => Penalties { repetition: 1.3, presence: 0.5, frequency: 0.25 },
+            _ => Penalties { repetition: 0.8, presence: -0.5, frequency: 0.0 },
+        };
+        let prompt: Vec<u32> = (0..20).map(|_| c.rng.below(vocab) as u32).collect();
+        let output: Vec<u32> = (0..15).map(|_| c.rng.below(vocab.min(64)) as u32).collect();
+        plan.sampling.push_row(pen, r % 2 == 0, &prompt, &output);
+    }
+    let lrows = plan.logit_rows.len();
+    // Logits on a coarse grid (many ties), with NaN, ±inf and a constant row mixed in.
+    let mut logits: Vec<f32> = (0..lrows * vocab)
+        .map(|_| (c.rng.sym(8.0) * 4.0).round() / 4.0)
+        .collect();
+    for r in 0..lrows {
+        let row = &mut logits[r * vocab..(r + 1) * vocab];
+        match r % 5 {
+            1 => {
+                for _ in 0..10 {
+                    row[c.rng.below(vocab)] = f32::NAN;
+                }
+            }
+            2 => {
+                row[c.rng.below(vocab)] = f32::INFINITY;
+                row[c.rng.below(vocab)] = f32::NEG_INFINITY;
+            }
+            3 => row.fill(0.5),
+            _ => {}
+        }
+    }
+    let (mut lc, mut lg) = c.up(&logits, &[lrows, vocab])?;
+    let (sc, sg) = c.steps(&plan)?;
+    let mut og = SampleOut::default();
+    let mut oc = SampleOut::default();
+    c.gpu.sample(&mut lg, &sg, &mut og)?;
+    c.cpu.sample(&mut lc, &sc, &mut oc)?;
+    let same_bits = |a: &[f32], b: &[f32]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()));
+    let exact = og.k == oc.k && og.cand_tokens == oc.cand_tokens && same_bits(&og.cand_logits, &oc.cand_logits);
+    if !exact {
+        let first = og
+            .cand_tokens
+            .iter()
+            .zip(&oc.cand_tokens)
+            .position(|(a, b)| a != b);
+        eprintln!("      sample mismatch: k {} vs {}, first differing candidate {first:?}", og.k, oc.k);
+    }
+    let lse_err = og
+        .lse
+        .iter()
+        .zip(&oc.lse)
+        .map(|(a, b)| {
+            if a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()) {
+                0.0
+            } else {
+                f64::from((a - b).abs()) / f64::from(b.abs().max(1e-6))
+            }
+        })
+        .fold(0.0, f64::max);
+    Ok((exact, lse_err))
+}

@@ -1,0 +1,204 @@
+//! `chimera gpu-check`: the GPU test and measurement suites, run on a machine with a GPU by a
+//! binary built without one (`tests/gpu/run.sh`).
+//!
+//! Every check compares the CUDA backend with the CPU reference (or measures it against a
+//! ceiling measured in the same run) and becomes one row of a table: check | measured | bound
+//! | pass. The table is printed last and written as JSON; the command fails if any row fails.
+//!
+//! Suites: `kernels` (each kernel against the CPU on fresh random inputs, outputs poisoned
+//! first), `parity` (the Llama fixtures end to end, f32 mode against the CPU; bf16 logits are
+//! written for the transformers comparison), `bench` (Llama-3-8B-shaped dummy model: load time,
+//! eager decode against the memory floor, driver allocations in the step loop; causal
+//! attention at 8192 tokens).
+
+mod bench;
+mod kernels;
+mod parity;
+pub mod rng;
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use serde::Serialize;
+
+use crate::backend::DType;
+use crate::backend::cuda::{CudaBackend, CudaOptions};
+
+#[derive(Debug, clap::Args)]
+pub struct GpuCheckArgs {
+    /// kernels, parity, bench or all.
+    #[arg(long, default_value = "all")]
+    pub suite: String,
+    /// The committed model fixtures (`tests/fixtures/models`).
+    #[arg(long, default_value = "tests/fixtures/models")]
+    pub fixtures: PathBuf,
+    /// Where to write the rows as JSON.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Folder for logits dumps (the bf16-vs-transformers comparison reads them).
+    #[arg(long)]
+    pub dump: Option<PathBuf>,
+    /// A `config.json` of a full-size model for the bench suite (dummy weights).
+    #[arg(long, default_value = "tests/gpu/configs/llama-3-8b")]
+    pub bench_model: PathBuf,
+    /// CUDA device.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    /// Seed for the random inputs (default: from the clock, printed).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Decode steps timed per batch size in the bench suite.
+    #[arg(long, default_value_t = 1000)]
+    pub steps: usize,
+}
+
+/// One row of the table.
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    pub suite: String,
+    pub check: String,
+    pub measured: String,
+    pub bound: String,
+    pub pass: bool,
+    /// The measured number (NaN when the check failed before measuring).
+    pub value: f64,
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct Report {
+    pub device: String,
+    pub seed: u64,
+    pub rows: Vec<Row>,
+}
+
+impl Report {
+    fn push(&mut self, suite: &str, check: impl Into<String>, value: f64, measured: String, bound: String, pass: bool) {
+        let row = Row {
+            suite: suite.into(),
+            check: check.into(),
+            measured,
+            bound,
+            pass,
+            value,
+        };
+        eprintln!(
+            "{} {:<60} {:>14} {:>14}",
+            if row.pass { "  ok " } else { "FAIL " },
+            row.check,
+            row.measured,
+            row.bound
+        );
+        self.rows.push(row);
+    }
+
+    /// A relative error against a maximum.
+    fn err(&mut self, suite: &str, check: impl Into<String>, err: f64, max: f64) {
+        let pass = err.is_finite() && err <= max;
+        self.push(suite, check, err, format!("{err:.2e}"), format!("≤ {max:.0e}"), pass);
+    }
+
+    /// A check that errored before it could measure.
+    fn failed(&mut self, suite: &str, check: impl Into<String>, why: impl std::fmt::Display) {
+        let why = why.to_string();
+        let short: String = why.chars().take(60).collect();
+        eprintln!("      error: {why}");
+        self.push(suite, check, f64::NAN, format!("error: {short}"), "-".into(), false);
+    }
+
+    pub fn failures(&self) -> usize {
+        self.rows.iter().filter(|r| !r.pass).count()
+    }
+
+    /// The table, one row per check.
+    pub fn table(&self) -> String {
+        let w = self.rows.iter().map(|r| r.check.len()).max().unwrap_or(5).max(5);
+        let mut out = format!(
+            "{:<8} | {:<w$} | {:>16} | {:>16} | pass\n",
+            "suite", "check", "measured", "bound"
+        );
+        out.push_str(&format!("{}\n", "-".repeat(w + 54)));
+        for r in &self.rows {
+            out.push_str(&format!(
+                "{:<8} | {:<w$} | {:>16} | {:>16} | {}\n",
+                r.suite,
+                r.check,
+                r.measured,
+                r.bound,
+                if r.pass { "yes" } else { "NO" }
+            ));
+        }
+        out.push_str(&format!(
+            "{} checks, {} failed ({}, seed {})\n",
+            self.rows.len(),
+            self.failures(),
+            self.device,
+            self.seed
+        ));
+        out
+    }
+}
+
+/// `‖a − b‖ / ‖b‖` in f64; infinite when `a` holds a NaN or the lengths differ.
+pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    if a.len() != b.len() || a.iter().any(|x| x.is_nan()) {
+        return f64::INFINITY;
+    }
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        let d = f64::from(x) - f64::from(y);
+        num += d * d;
+        den += f64::from(y) * f64::from(y);
+    }
+    if den == 0.0 {
+        return if num == 0.0 { 0.0 } else { f64::INFINITY };
+    }
+    (num / den).sqrt()
+}
+
+/// Runs the suites and returns the report (the caller prints it and sets the exit code).
+pub fn run(args: &GpuCheckArgs) -> anyhow::Result<Report> {
+    let seed = args.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1)
+    });
+    let started = Instant::now();
+    let f32_gpu = CudaBackend::new(CudaOptions {
+        device: args.device,
+        dtype: DType::F32,
+    })
+    .context("opening the GPU in f32 mode")?;
+    let bf16_gpu = f32_gpu.with_dtype(DType::BF16)?;
+    let mut report = Report {
+        device: format!("{} ({})", f32_gpu.device().name, f32_gpu.device().arch),
+        seed,
+        rows: Vec::new(),
+    };
+    eprintln!(
+        "{}: kernels ready in {:.1?}, seed {seed}",
+        report.device,
+        started.elapsed()
+    );
+    let all = args.suite == "all";
+    let mut ran = false;
+    if all || args.suite == "kernels" {
+        ran = true;
+        kernels::run(&mut report, &f32_gpu, &bf16_gpu, seed);
+    }
+    if all || args.suite == "parity" {
+        ran = true;
+        parity::run(&mut report, &f32_gpu, &bf16_gpu, args);
+    }
+    if all || args.suite == "bench" {
+        ran = true;
+        bench::run(&mut report, &bf16_gpu, args);
+    }
+    anyhow::ensure!(ran, "unknown suite {:?} (kernels, parity, bench, all)", args.suite);
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(report)
+}
