@@ -5,7 +5,8 @@
 //!
 //! - [`model`]: Hugging Face model loading and the architectures, written once over the
 //!   [`backend::Backend`] seam; the forward pass takes batch inputs and caches as arguments.
-//! - [`backend`]: tensor storage and kernels (`cpu` reference backend).
+//! - [`backend`]: tensor storage and kernels (`cpu` reference backend, `cuda` on NVIDIA
+//!   GPUs with the kernels of the `chimera-kernels` crate).
 //! - [`cache`]: the KV block pool, prefix index and SSM-state pool of one replica.
 //! - [`server`]: the OpenAI-compatible HTTP server, replica router and metrics.
 //! - [`tokenizer`]: the embedded model's tokenizer files.
@@ -13,6 +14,8 @@
 //! - [`plugins`]: WebAssembly policy plugins (load, sandbox, fall back, reload) behind the
 //!   [`policy`] traits, whose native twins live in `policy::native`.
 //! - [`bench`]: `chimera bench`, a load generator for OpenAI-compatible streaming servers.
+//! - [`gpu_check`]: `chimera gpu-check`, the GPU suites (kernels and models against the CPU,
+//!   speed against ceilings measured in the same run).
 
 pub mod app;
 pub mod backend;
@@ -20,6 +23,7 @@ pub mod bench;
 pub mod cache;
 pub mod config;
 pub mod engine;
+pub mod gpu_check;
 pub mod model;
 pub mod plugins;
 pub mod policy;

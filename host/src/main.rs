@@ -33,6 +33,22 @@ enum Command {
     /// Work with policy plugins.
     #[command(subcommand)]
     Plugin(PluginCommand),
+    /// The CUDA kernels: `chimera kernels build` compiles them for this machine's GPU (or
+    /// `--arch`) into the on-disk cache.
+    #[command(subcommand)]
+    Kernels(KernelsCommand),
+    /// Run the GPU suites (kernels and models against the CPU, speed) and print one table.
+    GpuCheck(Box<chimera::gpu_check::GpuCheckArgs>),
+}
+
+#[derive(Subcommand)]
+enum KernelsCommand {
+    /// Compile every kernel into the cache ($CHIMERA_KERNEL_CACHE or ~/.cache/chimera/kernels).
+    Build {
+        /// Target architecture (e.g. sm_90a); default: the GPU's, through the driver.
+        #[arg(long)]
+        arch: Option<String>,
+    },
 }
 
 #[derive(clap::Args)]
@@ -98,6 +114,13 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(args) => {
             runtime()?.block_on(async { chimera::bench::run(*args).await.map(drop) })
         }
+        Command::Kernels(KernelsCommand::Build { arch }) => kernels_build(arch),
+        Command::GpuCheck(args) => {
+            let report = chimera::gpu_check::run(&args)?;
+            println!("{}", report.table());
+            anyhow::ensure!(report.failures() == 0, "{} GPU checks failed", report.failures());
+            Ok(())
+        }
         Command::Plugin(PluginCommand::Check { file }) => {
             let report = chimera::plugins::check_plugin(&file)
                 .with_context(|| format!("checking {}", file.display()))?;
@@ -110,6 +133,33 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+fn kernels_build(arch: Option<String>) -> anyhow::Result<()> {
+    let arch = match arch {
+        Some(a) => a,
+        None => {
+            let backend = chimera::backend::cuda::CudaBackend::new(chimera::backend::cuda::CudaOptions {
+                device: 0,
+                dtype: chimera::backend::DType::BF16,
+            })?;
+            // Opening the device already compiled everything into the cache.
+            println!("kernels ready for {} ({})", backend.device().name, backend.device().arch);
+            return Ok(());
+        }
+    };
+    let cache = chimera_kernels::KernelCache::from_env();
+    let started = Instant::now();
+    let compiled = chimera_kernels::compile_all(Some(&cache), &arch)?;
+    let fresh = compiled.iter().filter(|c| !c.from_cache).count();
+    println!(
+        "{} kernel sources for {arch} in {} ({fresh} compiled, {} from the cache) in {:.1?}",
+        compiled.len(),
+        cache.dir.display(),
+        compiled.len() - fresh,
+        started.elapsed()
+    );
+    Ok(())
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {

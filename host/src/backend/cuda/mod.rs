@@ -206,6 +206,35 @@ impl CudaBackend {
         self.inner.stats.allocations.load(Ordering::Relaxed)
     }
 
+    /// Bytes this backend has taken from the driver so far (weights, caches, arena, buffers).
+    pub fn allocated_bytes(&self) -> u64 {
+        self.inner.stats.bytes.load(Ordering::Relaxed)
+    }
+
+    /// Device-to-device copy bandwidth in bytes per second (read + write counted), measured
+    /// over copies of `bytes` bytes.
+    pub fn copy_bandwidth(&self, bytes: usize) -> Result<f64> {
+        let dev = self.dev();
+        dev.bind()?;
+        let a = DevAlloc::new(dev, bytes, &self.inner.stats)?;
+        let b = DevAlloc::new(dev, bytes, &self.inner.stats)?;
+        self.memset_zero(a.ptr, bytes)?;
+        let copy = || {
+            // SAFETY: both buffers hold `bytes` bytes and do not overlap.
+            unsafe { result::memcpy_dtod_async(b.ptr, a.ptr, bytes, self.stream()) }
+                .map_err(|e| dev.fail("copying on the device", e))
+        };
+        copy()?;
+        sync(dev, self.stream())?;
+        let reps = 10;
+        let t0 = std::time::Instant::now();
+        for _ in 0..reps {
+            copy()?;
+        }
+        sync(dev, self.stream())?;
+        Ok(2.0 * (bytes * reps) as f64 / t0.elapsed().as_secs_f64())
+    }
+
     /// Whether the device is out of service after an unrecoverable error.
     pub fn is_broken(&self) -> bool {
         self.inner.device.sticky.load(Ordering::Relaxed)
