@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# On the GPU machine, from the repository root, with the stripped binary in .gpu/chimera
+# (tests/gpu/prepare.sh makes it on a machine without a GPU):
+#
+#   tests/gpu/run.sh kernels|parity|bench|serve|all
+#
+# Prints one table (check | measured | bound | pass), writes every row as JSON under $OUT (or
+# .gpu/out), and exits non-zero if any row fails. Each suite finishes in under 8 minutes.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+suite=${1:-all}
+out=${OUT:-.gpu/out}
+mkdir -p "$out"
+bin=.gpu/chimera
+[ -x "$bin" ] || { echo "no $bin: run tests/gpu/prepare.sh on the build machine first" >&2; exit 2; }
+
+# NVRTC and cuBLASLt from the CUDA toolkit or the nvidia-* Python wheels, whichever is there.
+libs=$(python3 - <<'PY' 2>/dev/null
+import glob, os
+dirs = set()
+for pat in ["/usr/local/cuda/lib64", "/usr/local/cuda/targets/x86_64-linux/lib"]:
+    dirs.update(glob.glob(pat))
+try:
+    import nvidia
+    for base in nvidia.__path__:
+        for lib in glob.glob(os.path.join(base, "**", "lib"), recursive=True):
+            if glob.glob(os.path.join(lib, "libnvrtc.so*")) or glob.glob(os.path.join(lib, "libcublasLt.so*")):
+                dirs.add(lib)
+except ImportError:
+    pass
+print(":".join(sorted(dirs)))
+PY
+)
+export LD_LIBRARY_PATH="${libs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export CHIMERA_KERNEL_CACHE="$out/kernel-cache"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader || true
+
+status=0
+run_check() {
+  local s=$1
+  echo "== gpu-check $s"
+  timeout 470 "$bin" gpu-check --suite "$s" --json "$out/$s.json" --dump "$out/logits" \
+    > "$out/$s.log" 2>&1 || status=1
+  tail -n 5 "$out/$s.log"
+}
+
+serve_suite() {
+  # The repo's openai-client test against `chimera serve` on the GPU (f32 mode, a Llama
+  # fixture), with streaming and prefix caching; then a hung-up stream must free its blocks.
+  echo "== serve"
+  if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+      && export PYTHONPATH=/tmp/site
+  fi
+  local port=8017
+  "$bin" serve --model tests/fixtures/models/llama-gqa --backend cuda --dtype float32 \
+    --port $port > "$out/serve.log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 1 120); do
+    curl -sf "http://127.0.0.1:$port/health" > /dev/null && break
+    sleep 0.5
+  done
+  CHIMERA_BASE_URL="http://127.0.0.1:$port/v1" timeout 300 python3 tests/openai_client/test_openai.py \
+    > "$out/openai.log" 2>&1
+  local rc=$?
+  tail -n 3 "$out/openai.log"
+  python3 tests/gpu/hangup.py --port $port --json "$out/serve.json" --openai-rc $rc \
+    --openai-log "$out/openai.log" || status=1
+  kill $pid 2>/dev/null
+  wait $pid 2>/dev/null
+}
+
+case $suite in
+  kernels|parity|bench) run_check "$suite" ;;
+  serve) serve_suite ;;
+  all) run_check kernels; run_check parity; run_check bench; serve_suite ;;
+  *) echo "unknown suite $suite" >&2; exit 2 ;;
+esac
+if [ "$suite" = parity ] || [ "$suite" = all ]; then
+  timeout 300 python3 tests/gpu/hf_bf16.py --fixtures tests/fixtures/models --dump "$out/logits" \
+    --json "$out/hf_bf16.json" || status=1
+fi
+if [ "$suite" = bench ] || [ "$suite" = all ]; then
+  timeout 120 python3 tests/gpu/peers.py --json "$out/peers.json" || status=1
+fi
+python3 tests/gpu/table.py "$out"/*.json || status=1
+exit $status
