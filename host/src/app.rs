@@ -173,16 +173,7 @@ pub fn build(config: &Config) -> anyhow::Result<Stack> {
     let loaded = LoadedModel::open(&config.model.path)?;
     let dummy = config.model.load_format == "dummy";
     match choose_backend(config)? {
-        BackendChoice::Cpu => {
-            // One copy of the weights, read by every replica (each has its own backend
-            // handle: its step arena).
-            let backend = CpuBackend::default();
-            let model = Arc::new(loaded.model(&backend, dummy)?);
-            let replicas = (0..config.engine.replicas)
-                .map(|_| (CpuBackend::default(), model.clone(), config.cache.clone()))
-                .collect();
-            start(config, loaded, replicas)
-        }
+        BackendChoice::Cpu => build_cpu(config, loaded),
         BackendChoice::Cuda(dtype) => {
             let devices = &config.engine.devices;
             let count = config.engine.replicas.max(devices.len());
@@ -194,6 +185,15 @@ pub fn build(config: &Config) -> anyhow::Result<Stack> {
                 let model = Arc::new(loaded.model(&backend, dummy)?);
                 backend.synchronize()?;
                 if let Some(missing) = model.cuda_gaps() {
+                    if config.engine.backend == "auto" {
+                        tracing::info!(
+                            "engine.backend = \"auto\": {} has {missing}, which the CUDA backend \
+                             does not run yet; serving on the CPU",
+                            model.info.architecture
+                        );
+                        drop(model);
+                        return build_cpu(config, loaded);
+                    }
                     anyhow::bail!(
                         "{} has {missing}, which the CUDA backend does not run yet: serve it with \
                          engine.backend = \"cpu\"",
@@ -228,6 +228,17 @@ pub fn build(config: &Config) -> anyhow::Result<Stack> {
             start(config, loaded, replicas)
         }
     }
+}
+
+fn build_cpu(config: &Config, loaded: LoadedModel) -> anyhow::Result<Stack> {
+    // One copy of the weights, read by every replica (each has its own backend handle: its
+    // step arena).
+    let backend = CpuBackend::default();
+    let model = Arc::new(loaded.model(&backend, config.model.load_format == "dummy")?);
+    let replicas = (0..config.engine.replicas)
+        .map(|_| (CpuBackend::default(), model.clone(), config.cache.clone()))
+        .collect();
+    start(config, loaded, replicas)
 }
 
 /// Starts one engine thread per `(backend, model, cache config)` and assembles the stack.
@@ -314,4 +325,34 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
     );
     crate::server::serve(state, listener).await?;
     Ok(())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cuda_without_a_usable_gpu_is_a_startup_error_that_names_the_fix() {
+        let mut c = Config::default();
+        c.engine.backend = "cuda".into();
+        match crate::backend::cuda::device::probe_error(0) {
+            Some(_) => {
+                let e = choose_backend(&c).unwrap_err().to_string();
+                assert!(e.contains("engine.backend = \"cuda\""), "{e}");
+                assert!(e.contains("engine.backend = \"cpu\"") || e.contains("engine.devices"), "{e}");
+                // "auto" serves on the CPU instead, and bf16 then has nowhere to run.
+                c.engine.backend = "auto".into();
+                assert_eq!(choose_backend(&c).unwrap(), BackendChoice::Cpu);
+                c.model.dtype = "bfloat16".into();
+                let e = choose_backend(&c).unwrap_err().to_string();
+                assert!(e.contains("model.dtype"), "{e}");
+            }
+            None => {
+                assert_eq!(choose_backend(&c).unwrap(), BackendChoice::Cuda(DType::BF16));
+                c.model.dtype = "float32".into();
+                assert_eq!(choose_backend(&c).unwrap(), BackendChoice::Cuda(DType::F32));
+            }
+        }
+    }
 }

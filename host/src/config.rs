@@ -177,6 +177,14 @@ impl Config {
                     .into(),
             ));
         }
+        if let Some(f) = self.cache.memory_fraction
+            && !(f > 0.0 && f <= 1.0)
+        {
+            return Err(invalid(
+                "cache.memory_fraction".into(),
+                format!("{f}: must be in (0, 1]"),
+            ));
+        }
         if !matches!(self.model.load_format.as_str(), "auto" | "dummy") {
             return Err(invalid(
                 "model.load_format".into(),
@@ -207,6 +215,25 @@ mod tests {
         let e =
             Config::parse("[policy.router]\nplugin = \"builtin:nope\"\n", "x.toml").unwrap_err();
         assert!(e.to_string().contains("policy.router"), "{e}");
+    }
+
+    #[test]
+    fn backend_and_model_keys_are_validated() {
+        let e = Config::parse("[engine]\nbackend = \"tpu\"\n", "x.toml").unwrap_err();
+        assert!(e.to_string().contains("engine.backend = tpu"), "{e}");
+        let e = Config::parse("[model]\ndtype = \"bfloat16\"\n", "x.toml").unwrap_err();
+        assert!(e.to_string().contains("model.dtype"), "{e}");
+        let e = Config::parse("[model]\nload_format = \"gguf\"\n", "x.toml").unwrap_err();
+        assert!(e.to_string().contains("model.load_format"), "{e}");
+        let e = Config::parse("[engine]\ndevices = [0, 0]\n", "x.toml").unwrap_err();
+        assert!(e.to_string().contains("devices"), "{e}");
+        let c = Config::parse(
+            "[engine]\nbackend = \"cuda\"\ndevices = [0, 1]\n[model]\ndtype = \"bfloat16\"\nload_format = \"dummy\"\n[cache]\nmemory_fraction = 0.8\n",
+            "x.toml",
+        )
+        .unwrap();
+        assert_eq!(c.engine.devices, vec![0, 1]);
+        assert_eq!(c.cache.memory_fraction, Some(0.8));
     }
 
     #[test]

@@ -617,6 +617,40 @@ async fn engine_failure_kinds_reach_the_client_with_their_status() {
     assert_eq!(r.status, 200, "{}", r.text());
 }
 
+/// A replica whose device is lost (a sticky GPU error) fails its batch, stops, shows as dead on
+/// `/health`, and the router sends later requests to the live replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_device_takes_its_replica_out_of_service() {
+    let mut o = Options {
+        replicas: 2,
+        server: ServerConfig {
+            port: 0,
+            ..ServerConfig::default()
+        },
+        ..Options::default()
+    };
+    o.mock.lose_device_on_token = Some(200);
+    let s = TestServer::start(o).await;
+    let body = |prompt: Value| json!({"model": MODEL, "prompt": prompt, "max_tokens": 4});
+    // Both replicas are idle: the first goes to replica 0, whose device is lost.
+    let r = post(s.addr, C, &body(json!([200, 201]))).await;
+    assert_eq!(r.status, 500, "{}", r.text());
+    assert!(r.text().contains("device lost"), "{}", r.text());
+    wait_for("replica 0 stops", std::time::Duration::from_secs(5), async || {
+        !s.engines[0].is_alive()
+    })
+    .await;
+    let h = request(s.addr, "GET", "/health", &[], b"").await;
+    assert_eq!(h.status, 503, "{}", h.text());
+    assert_eq!(h.json()["dead_replicas"], json!([0]));
+    // Later requests are served by replica 1.
+    for _ in 0..3 {
+        let r = post(s.addr, C, &body(json!([20, 21]))).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    assert!(s.engines[1].is_alive());
+}
+
 /// The engine's own checks, for requests the server never lets through: each is failed as
 /// `InvalidRequest` (400 through the error map, like the out-of-vocabulary id above).
 #[test]

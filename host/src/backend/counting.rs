@@ -91,6 +91,9 @@ impl<B: Backend> Backend for Counting<B> {
     fn act_dtype(&self) -> DType {
         self.inner.act_dtype()
     }
+    fn is_lost(&self) -> bool {
+        self.inner.is_lost()
+    }
     fn zeros(&self, shape: &[usize], dtype: DType) -> Result<Self::Tensor> {
         self.inner.zeros(shape, dtype)
     }

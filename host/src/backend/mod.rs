@@ -266,6 +266,11 @@ pub trait Backend: Send + Sync + 'static {
         DType::F32
     }
 
+    /// Whether the backend's device had an error it cannot recover from (the replica must stop).
+    fn is_lost(&self) -> bool {
+        false
+    }
+
     // ---- storage ------------------------------------------------------------------------
     /// Copies a host tensor in (weights: straight from the checkpoint's memory map).
     fn upload(&self, host: HostTensor<'_>) -> Result<Self::Tensor>;

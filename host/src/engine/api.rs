@@ -273,6 +273,12 @@ impl EngineHandle {
     pub fn stats_watch(&self) -> watch::Receiver<EngineStats> {
         self.stats.clone()
     }
+
+    /// Whether the replica's engine thread is still running (it exits on shutdown and when
+    /// its device is lost).
+    pub fn is_alive(&self) -> bool {
+        self.stats.has_changed().is_ok()
+    }
 }
 
 #[cfg(test)]

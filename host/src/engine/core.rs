@@ -100,6 +100,8 @@ pub struct Engine<E: StepExecutor> {
     kv_events: Vec<KvEvent>,
     stats: EngineStats,
     timings: StepTimings,
+    /// Set when a step failed with [`ExecutorError::DeviceLost`].
+    lost: bool,
 }
 
 impl<E: StepExecutor> Engine<E> {
@@ -146,6 +148,7 @@ impl<E: StepExecutor> Engine<E> {
             ..Default::default()
         };
         Ok(Self {
+            lost: false,
             sampling: SamplingStage::new(cfg.sampler_candidates),
             eos: executor.eos_token_ids().to_vec(),
             vocab: executor.vocab_size(),
@@ -185,6 +188,12 @@ impl<E: StepExecutor> Engine<E> {
     }
     pub fn is_idle(&self) -> bool {
         self.sched.is_idle()
+    }
+
+    /// Whether the executor's device was lost: the engine must stop (its thread exits, the
+    /// router stops sending it work and `/health` reports the replica dead).
+    pub fn is_lost(&self) -> bool {
+        self.lost
     }
     pub fn timings(&self) -> &StepTimings {
         &self.timings
@@ -464,6 +473,9 @@ impl<E: StepExecutor> Engine<E> {
     /// A failed forward pass: the requests of this batch fail, nothing of the step is cached.
     fn fail_batch(&mut self, e: ExecutorError) {
         tracing::error!(error = %e, "step failed");
+        if matches!(e, ExecutorError::DeviceLost(_)) {
+            self.lost = true;
+        }
         self.cache.abort_step();
         let ids: Vec<u64> = self
             .sched

@@ -22,6 +22,9 @@ pub enum ExecutorError {
     BadSlot(u32),
     #[error("forward pass failed: {0}")]
     Forward(String),
+    /// The device had an error its context does not survive: this replica is out of service.
+    #[error("device lost, replica out of service: {0}")]
+    DeviceLost(String),
 }
 
 /// Logits of one step, in batch order: one row of `vocab` f32 per token of each chunk with

@@ -46,6 +46,9 @@ pub struct MockConfig {
     pub fail_at_call: Option<u64>,
     /// Fail every `execute` call whose batch holds this token id (a request that always fails).
     pub fail_on_token: Option<u32>,
+    /// Lose the device (an unrecoverable error: the replica stops) on the first batch that
+    /// holds this token id.
+    pub lose_device_on_token: Option<u32>,
     /// Output units (token sequences). When non-empty, a sampling row rules out every token
     /// except the next one of the unit the context ends inside of (the longest match), or, at
     /// a unit boundary, the first tokens of all units; so output is whole units, e.g. whole
@@ -68,6 +71,7 @@ impl Default for MockConfig {
             verify_kv: true,
             fail_at_call: None,
             fail_on_token: None,
+            lose_device_on_token: None,
             units: Vec::new(),
             eos_one_in: 0,
             step_delay: Duration::ZERO,
@@ -293,6 +297,13 @@ impl MockExecutor {
         }
         if self.cfg.fail_at_call == Some(call) {
             return Err(ExecutorError::Forward("injected failure".into()));
+        }
+        if let Some(t) = self.cfg.lose_device_on_token
+            && inputs.tokens.contains(&t)
+        {
+            return Err(ExecutorError::DeviceLost(format!(
+                "injected: an illegal address in a batch holding token {t}"
+            )));
         }
         if let Some(t) = self.cfg.fail_on_token
             && inputs.tokens.contains(&t)

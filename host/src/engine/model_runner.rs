@@ -71,6 +71,18 @@ impl<B: Backend> StepExecutor for ModelRunner<B> {
     }
 
     fn execute(&mut self, plan: &StepPlan, out: &mut StepOutput) -> Result<(), ExecutorError> {
+        self.run_step(plan, out).map_err(|e| {
+            if self.backend.is_lost() {
+                ExecutorError::DeviceLost(e.to_string())
+            } else {
+                e
+            }
+        })
+    }
+}
+
+impl<B: Backend> ModelRunner<B> {
+    fn run_step(&mut self, plan: &StepPlan, out: &mut StepOutput) -> Result<(), ExecutorError> {
         let vocab = self.model.info.vocab_size;
         let (Some(caches), Some(step)) = (self.caches.as_mut(), self.step.as_mut()) else {
             return Err(ExecutorError::Allocation(

@@ -130,6 +130,10 @@ fn run<E: StepExecutor>(
         // A step with requests present but nothing runnable waits briefly for commands
         // instead of spinning.
         idle_wait = !engine.is_idle() && !engine.step();
+        if engine.is_lost() {
+            tracing::error!("the replica's device was lost; the replica stops serving");
+            break;
+        }
         engine.refresh_stats();
         stats.send_replace(engine.stats().clone());
         engine.take_kv_events(&mut events);

@@ -198,8 +198,16 @@ impl Actor {
         let n = self.replicas.len();
         let mut cols = ReplicaColumns::default();
         let mut hits = Vec::with_capacity(n);
+        let alive: Vec<bool> = self.replicas.iter().map(EngineHandle::is_alive).collect();
         for (i, h) in self.replicas.iter().enumerate() {
-            let s = h.stats();
+            let mut s = h.stats();
+            if !alive[i] {
+                // Out of service (its device was lost): as loaded and as full as can be, so
+                // no policy prefers it.
+                s.running = u32::MAX / 4;
+                s.waiting = u32::MAX / 4;
+                s.free_blocks = 0;
+            }
             let hit = self
                 .mirrors
                 .get(i)
@@ -246,6 +254,12 @@ impl Actor {
                 self.metrics.router_fallback();
                 (least_loaded(&cols), true)
             }
+        };
+        // A policy that picks a dead replica gets the least-loaded live one instead.
+        let (replica, fallback) = if alive.get(replica).copied().unwrap_or(false) {
+            (replica, fallback)
+        } else {
+            (least_loaded(&cols), true)
         };
         self.metrics.routed(replica);
         Placement {

@@ -384,6 +384,10 @@ impl Backend for CudaBackend {
         self.inner.dtype
     }
 
+    fn is_lost(&self) -> bool {
+        self.is_broken()
+    }
+
     fn upload(&self, host: HostTensor<'_>) -> Result<CudaTensor> {
         host.check()?;
         let dev = self.dev();
