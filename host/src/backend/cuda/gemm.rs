@@ -162,26 +162,26 @@ impl Gemm {
             let _ = lt::destroy_matmul_pref(pref);
             h
         };
-        let plan = Plan {
+        // The plan owns the handles from here on (its Drop destroys them, also on error).
+        let mut plan = Plan {
             desc,
             a,
             b,
             d,
             algo: lts::cublasLtMatmulAlgo_t { data: [0; 8] },
         };
-        let heuristic = heuristic.map_err(|e| {
-            lt_err(
-                &format!(
-                    "finding an algorithm for {}×{}·{}ᵀ ({:?})",
-                    key.n, key.k, key.m, key.dtype
-                ),
-                e,
-            )
-        })?;
-        Ok(Plan {
-            algo: heuristic.algo,
-            ..plan
-        })
+        plan.algo = heuristic
+            .map_err(|e| {
+                lt_err(
+                    &format!(
+                        "finding an algorithm for {}×{}·{}ᵀ ({:?})",
+                        key.n, key.k, key.m, key.dtype
+                    ),
+                    e,
+                )
+            })?
+            .algo;
+        Ok(plan)
     }
 
     /// `y[n, m] = x[n, k] · w[m, k]ᵀ (+ bias[m])`, all of `dtype`, enqueued on `stream`.
