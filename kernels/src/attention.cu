@@ -1,1 +1,818 @@
+// Paged attention for chimera's mixed batches (decodes, fresh prefills, chunks over a cached
+// prefix), causal, GQA/MQA/MHA, over a block-table KV cache. The host planner
+// (`attention.rs`) owns the work decomposition; these kernels execute it.
+//
+// Algorithm. FlashAttention-2 online softmax (Dao 2023, arXiv 2307.08691): a CTA keeps a
+// running row max m, a running sum l and an unnormalised f32 accumulator O for its query
+// rows, and streams the KV range tile by tile: S = Q·Kᵀ·scale, m' = max(m, rowmax S),
+// P = exp(S − m'), O = O·exp(m − m') + P·V, l = l·exp(m − m') + rowsum P; at the end O / l.
+// A row whose keys in a tile are all masked keeps m = −inf; exponentials are then taken
+// against 0 instead of −inf, so no (−inf) − (−inf) NaN can appear.
+//
+// Work items (the planner's columns, see attention.rs): chunk s, a tile of at most 128
+// query tokens [q_first, q_first + q_count), a KV range [kv_first, kv_end) and a
+// partial-row base `part`. Query token i of chunk s sits at position ctx_lens[s] + i and
+// sees positions < min(kv_end, ctx_lens[s] + i + 1).
+//
+// GQA head packing (as FlashInfer does for decode): a CTA serves one kv head and packs the
+// query heads of its group into its rows, row r = (token r / G, head kv_head·G + r % G),
+// so K/V are read once per kv head. grid.x = kv_heads × row tiles, grid.y = items.
+//
+// Split-KV (flash-decoding): when the planner splits a tile's KV range, each piece writes
+// its unnormalised O, its m (natural-log units, scaled scores) and its l as f32 partials;
+// `attn_combine` merges the pieces: O = Σ e^(m_j−M) O_j / Σ e^(m_j−M) l_j.
+//
+// Kernels:
+// - attn_simt_{f32,bf16}: SIMT, any head_dim ≤ 256, f32 accumulation, `expf` (the f32
+//   oracle path; bf16 fallback for head dims without a tensor-core kernel). 16 rows per CTA,
+//   4 rows per warp; K/V tiles gathered into shared memory as f32.
+// - attn_decode_d{64,128}_bf16: tensor cores (mma.sync m16n8k16 bf16 → f32) for at most 16
+//   packed rows (a decode's G query heads): the 4 warps share the rows and each takes 16 keys
+//   of every 64-key tile (one warp alone would leave the tensor pipes of 3 SM quarters idle);
+//   their (m, l, O) merge through shared memory at the end. K+V tiles in a 2-stage ring.
+// - attn_mma_d{64,128,256}_bf16: 4 warps × 16 rows, Q fragments in registers, KV tiles of 64
+//   keys (16 for d = 256); small chunks, and every tile for d = 64 and 256.
+// - attn_prefill_d128_bf16: 8 warps × 32 rows (two m16 tiles share each K/V fragment), Q
+//   re-read from shared memory; prefill tiles of d = 128.
+// Tensor-core loop: KV tiles are gathered row by row through the block table (one thread
+// per key reads the table into a double-buffered row list) with 16-byte cp.async,
+// zero-filled past the range, into XOR-swizzled shared memory read by ldmatrix. With one
+// stage, K and V have one buffer each and overlap as in FA2: V(j) loads during S = QKᵀ,
+// K(j+1) during O += PV. The causal mask is applied only on tiles reaching past the CTA's
+// first row's limit.
+// - attn_combine_{f32,bf16}: merges split-KV partials into `out`.
+//
+// Learned from: the FlashAttention-2 paper; the flash-decoding write-up; vLLM's paged
+// attention and `triton_unified_attention` docs (one kernel for a mixed batch driven by a
+// query-tile work list); FlashInfer's docs (plan/run split, GQA head packing). The PTX ISA
+// manual for mma.sync / ldmatrix / cp.async fragment layouts. No code was copied.
 #include "common.cuh"
+
+namespace attn {
+
+constexpr u32 NO_PART = 0xffffffffu;  // attention.rs: NO_PART
+constexpr int THREADS = 128;           // SIMT and combine CTAs (tensor-core: 32 × NW)
+constexpr int WARPS = THREADS / 32;
+constexpr float LN2 = 0.6931471805599453f;
+constexpr float LOG2E = 1.4426950408889634f;
+
+template <typename T>
+struct Args {
+    const T* q;                // [tokens, heads * D]
+    const T* k_cache;          // [blocks, block_size, kv_heads, D]
+    const T* v_cache;
+    T* out;                    // [tokens, heads * D]
+    const u32* cu_seqlens;     // [S + 1]
+    const u32* ctx_lens;       // [S]
+    const u32* bt_offsets;     // [S]
+    const u32* block_tables;
+    const u32* w_seq;          // work columns (attention.rs: WorkCol)
+    const u32* w_q_first;
+    const u32* w_q_count;
+    const u32* w_kv_first;
+    const u32* w_kv_end;
+    const u32* w_part;
+    float* part_o;             // [partial rows, heads, D]
+    float* part_ml;            // [partial rows, heads, 2]: (m, l)
+    u32 item_base;
+    u32 heads, kv_heads, head_dim, block_size;
+    float scale;
+};
+
+// What one CTA works on: its item, kv head and rows [r0, r0 + nrows) of the item's
+// q_count × G packed rows.
+struct Tile {
+    u32 kvh, group;
+    u32 q_first, kv_first, kv_end, part;
+    u32 ctx, tok0;             // chunk's cached length; global index of the item's token 0
+    const u32* bt;             // the chunk's block table
+    u32 r0;
+    int nrows;
+    u32 hi;                    // end of the CTA's KV range (limit of its last row)
+    u32 lo_full;               // positions below this are visible to every row of the CTA
+};
+
+// Returns false when this CTA has no rows (a row tile past the item's rows).
+template <typename T>
+__device__ __forceinline__ bool tile_of(const Args<T>& a, int rows_per_cta, Tile& t) {
+    const u32 item = a.item_base + blockIdx.y;
+    t.kvh = blockIdx.x % a.kv_heads;
+    const u32 rt = blockIdx.x / a.kv_heads;
+    t.group = a.heads / a.kv_heads;
+    const u32 rows = a.w_q_count[item] * t.group;
+    t.r0 = rt * (u32)rows_per_cta;
+    if (t.r0 >= rows) return false;
+    t.nrows = (int)min((u32)rows_per_cta, rows - t.r0);
+    const u32 s = a.w_seq[item];
+    t.q_first = a.w_q_first[item];
+    t.kv_first = a.w_kv_first[item];
+    t.kv_end = a.w_kv_end[item];
+    t.part = a.w_part[item];
+    t.ctx = a.ctx_lens[s];
+    t.tok0 = a.cu_seqlens[s] + t.q_first;
+    t.bt = a.block_tables + a.bt_offsets[s];
+    t.hi = min(t.kv_end, t.ctx + t.q_first + (t.r0 + (u32)t.nrows - 1) / t.group + 1);
+    t.lo_full = min(t.kv_end, t.ctx + t.q_first + t.r0 / t.group + 1);
+    return true;
+}
+
+// Exclusive KV limit of CTA-local row r (valid rows only).
+__device__ __forceinline__ u32 row_limit(const Tile& t, int r) {
+    return min(t.kv_end, t.ctx + t.q_first + (t.r0 + (u32)r) / t.group + 1);
+}
+
+// Element offset of row r's (token, head) vector in q / out.
+template <typename T>
+__device__ __forceinline__ i64 qo_offset(const Args<T>& a, const Tile& t, int r) {
+    const u32 rr = t.r0 + (u32)r;
+    const u32 h = t.kvh * t.group + rr % t.group;
+    return (i64)(t.tok0 + rr / t.group) * a.heads * a.head_dim + (i64)h * a.head_dim;
+}
+
+// Index of row r's (partial row, head) pair in part_o (× D) and part_ml (× 2).
+template <typename T>
+__device__ __forceinline__ i64 part_index(const Args<T>& a, const Tile& t, int r) {
+    const u32 rr = t.r0 + (u32)r;
+    const u32 h = t.kvh * t.group + rr % t.group;
+    return (i64)(t.part + rr / t.group) * a.heads + h;
+}
+
+// Cache row (block * block_size + offset) of position p.
+__device__ __forceinline__ u32 cache_row(const u32* bt, u32 p, u32 block_size) {
+    return bt[p / block_size] * block_size + p % block_size;
+}
+
+__device__ __forceinline__ i64 kv_offset(u32 row, u32 kv_heads, u32 kvh, u32 head_dim) {
+    return ((i64)row * kv_heads + kvh) * head_dim;
+}
+
+// ---------------------------------------------------------------------------------------
+// SIMT kernel: any head_dim ≤ 256.
+
+constexpr int S_ROWS_PER_WARP = 4;
+constexpr int S_ROWS = WARPS * S_ROWS_PER_WARP;  // 16 rows per CTA (attention.rs: SIMT_ROWS)
+constexpr int S_MAX_D = 256;
+constexpr int S_KV_FLOATS = 6144;                 // K tile [kt][D + 1] + V tile [kt][D]
+constexpr int S_MAX_KT = 64;
+constexpr int S_DPL = S_MAX_D / 32;               // dims per lane
+
+template <typename T>
+__device__ __forceinline__ void simt(const Args<T>& a) {
+    __shared__ float sq[S_ROWS * S_MAX_D];
+    __shared__ float skv[S_KV_FLOATS];
+    __shared__ float sp[WARPS][S_ROWS_PER_WARP][S_MAX_KT];
+
+    if (blockDim.x != THREADS) __trap();  // attention.rs launches 128 threads
+    Tile t;
+    if (!tile_of(a, S_ROWS, t)) return;
+    const int D = (int)a.head_dim;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+
+    for (int i = threadIdx.x; i < S_ROWS * D; i += THREADS) {
+        const int r = i / D, d = i - r * D;
+        sq[i] = r < t.nrows ? load(a.q, qo_offset(a, t, r) + d) : 0.0f;
+    }
+
+    const int row0 = warp * S_ROWS_PER_WARP;
+    const bool active = row0 < t.nrows;
+    u32 lim[S_ROWS_PER_WARP];
+#pragma unroll
+    for (int j = 0; j < S_ROWS_PER_WARP; ++j)
+        lim[j] = row0 + j < t.nrows ? row_limit(t, row0 + j) : 0;
+
+    const int kt = min(S_MAX_KT, S_KV_FLOATS / (2 * D + 1));
+    float* sk = skv;
+    float* sv = skv + kt * (D + 1);
+
+    float m[S_ROWS_PER_WARP], l[S_ROWS_PER_WARP], acc[S_ROWS_PER_WARP][S_DPL];
+#pragma unroll
+    for (int j = 0; j < S_ROWS_PER_WARP; ++j) {
+        m[j] = -CHIMERA_INF;
+        l[j] = 0.0f;
+#pragma unroll
+        for (int k = 0; k < S_DPL; ++k) acc[j][k] = 0.0f;
+    }
+
+    for (u32 p0 = t.kv_first; p0 < t.hi; p0 += kt) {
+        const int n = (int)min((u32)kt, t.hi - p0);
+        __syncthreads();  // the previous tile is consumed (and sq is written, first time)
+        for (int i = threadIdx.x; i < n * D; i += THREADS) {
+            const int key = i / D, d = i - key * D;
+            const u32 row = cache_row(t.bt, p0 + key, a.block_size);
+            const i64 off = kv_offset(row, a.kv_heads, t.kvh, D) + d;
+            sk[key * (D + 1) + d] = load(a.k_cache, off);
+            sv[key * D + d] = load(a.v_cache, off);
+        }
+        __syncthreads();
+        if (!active) continue;
+
+        // Scores: lane handles keys lane and lane + 32 for the warp's 4 rows.
+        float sc[S_ROWS_PER_WARP][2];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const int key = lane + 32 * c;
+            float dot[S_ROWS_PER_WARP];
+#pragma unroll
+            for (int j = 0; j < S_ROWS_PER_WARP; ++j) dot[j] = 0.0f;
+            if (key < n) {
+                const float* kr = sk + key * (D + 1);
+                const float* qr = sq + row0 * D;
+                for (int d = 0; d < D; ++d) {
+                    const float kd = kr[d];
+#pragma unroll
+                    for (int j = 0; j < S_ROWS_PER_WARP; ++j) dot[j] = fmaf(qr[j * D + d], kd, dot[j]);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < S_ROWS_PER_WARP; ++j)
+                sc[j][c] = key < n && p0 + key < lim[j] ? dot[j] * a.scale : -CHIMERA_INF;
+        }
+
+#pragma unroll
+        for (int j = 0; j < S_ROWS_PER_WARP; ++j) {
+            const float mx = warp_max(fmaxf(sc[j][0], sc[j][1]));
+            const float m_new = fmaxf(m[j], mx);
+            const float base = m_new == -CHIMERA_INF ? 0.0f : m_new;
+            const float alpha = expf(m[j] - base);
+            const float e0 = expf(sc[j][0] - base);
+            const float e1 = expf(sc[j][1] - base);
+            l[j] = l[j] * alpha + warp_sum(e0 + e1);
+            m[j] = m_new;
+#pragma unroll
+            for (int k = 0; k < S_DPL; ++k) acc[j][k] *= alpha;
+            sp[warp][j][lane] = e0;
+            sp[warp][j][lane + 32] = e1;
+        }
+        __syncwarp();
+        for (int key = 0; key < n; ++key) {
+            const float* vr = sv + key * D;
+#pragma unroll
+            for (int k = 0; k < S_DPL; ++k) {
+                const int d = lane + 32 * k;
+                if (d < D) {
+                    const float vd = vr[d];
+#pragma unroll
+                    for (int j = 0; j < S_ROWS_PER_WARP; ++j)
+                        acc[j][k] = fmaf(sp[warp][j][key], vd, acc[j][k]);
+                }
+            }
+        }
+        __syncwarp();
+    }
+
+    if (!active) return;
+#pragma unroll
+    for (int j = 0; j < S_ROWS_PER_WARP; ++j) {
+        const int r = row0 + j;
+        if (r >= t.nrows) continue;
+        if (t.part == NO_PART) {
+            const i64 o = qo_offset(a, t, r);
+            const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;
+#pragma unroll
+            for (int k = 0; k < S_DPL; ++k) {
+                const int d = lane + 32 * k;
+                if (d < D) store(a.out, o + d, acc[j][k] * inv);
+            }
+        } else {
+            const i64 pi = part_index(a, t, r);
+#pragma unroll
+            for (int k = 0; k < S_DPL; ++k) {
+                const int d = lane + 32 * k;
+                if (d < D) a.part_o[pi * D + d] = acc[j][k];
+            }
+            if (lane == 0) {
+                a.part_ml[pi * 2] = m[j];
+                a.part_ml[pi * 2 + 1] = l[j];
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Tensor-core kernel (bf16, head_dim D ∈ {64, 128, 256}).
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// 16 bytes global → shared; bytes = 0 writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// c += a · b for one m16n8k16 tile.
+__device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 2^x (the hardware approximation; 2^-inf = 0). bf16 path only.
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Shared-memory byte offset of 16-byte chunk c of row r in a [rows][D] bf16 tile whose
+// chunks are XOR-swizzled by the row's low 3 bits (ldmatrix and cp.async conflict-free).
+template <int D>
+__device__ __forceinline__ u32 swz(int r, int c) {
+    return (u32)(r * D * 2 + ((c ^ (r & 7)) << 4));
+}
+
+extern __shared__ __align__(128) u16 attn_dyn_smem[];
+
+__device__ __forceinline__ u32 dynamic_smem_size() {
+    u32 r;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+    return r;
+}
+
+// Shared memory of the tensor-core kernel: the KV tiles (STAGES slots of a K tile and a V
+// tile), then Q when it stays in shared memory (else Q is staged over the KV tiles), then
+// two tables of a KV tile's cache rows. attention.rs: `mma` mirrors this.
+template <int D, int BN, int MT, bool Q_SMEM, int NW, int STAGES, bool WS>
+struct MmaShape {
+    static constexpr int BM = WS ? 16 : 16 * MT * NW;  // rows per CTA: NW warps × MT × 16
+    static constexpr int TILE_BYTES = BN * D * 2;
+    static constexpr int KV_BYTES = 2 * STAGES * TILE_BYTES;
+    static constexpr int Q_BYTES = BM * D * 2;
+    static constexpr int TILES_BYTES = Q_SMEM ? KV_BYTES + Q_BYTES : (KV_BYTES > Q_BYTES ? KV_BYTES : Q_BYTES);
+    static constexpr int SMEM = TILES_BYTES + 2 * BN * 4;
+};
+
+// Warp-split epilogue: each warp holds (m, l, O) of the CTA's 16 rows over its share of the
+// keys; they are merged through shared memory (the KV tiles are done with) and stored.
+template <int D, int NW, int NTH>
+__device__ __forceinline__ void merge_warps(const Args<bf16>& a, const Tile& t, float (&o)[D / 8][4],
+                                            float (&m)[2], float (&l)[2]) {
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, tq = lane & 3;
+    float* so = (float*)attn_dyn_smem;  // [NW][16][D]
+    float* sml = so + NW * 16 * D;      // [NW][16]: (m, l)
+    cp_async_wait_all();
+    __syncthreads();  // every warp is done with the KV tiles
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float lh = l[h];
+        lh += __shfl_xor_sync(0xffffffffu, lh, 1);
+        lh += __shfl_xor_sync(0xffffffffu, lh, 2);
+        const int r = warp * 16 + g + 8 * h;
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) {
+            so[r * D + i * 8 + 2 * tq] = o[i][2 * h];
+            so[r * D + i * 8 + 2 * tq + 1] = o[i][2 * h + 1];
+        }
+        if (tq == 0) {
+            sml[r * 2] = m[h];
+            sml[r * 2 + 1] = lh;
+        }
+    }
+    __syncthreads();
+    for (int idx = tid; idx < t.nrows * D; idx += NTH) {
+        const int r = idx / D, c = idx - r * D;
+        float mx = -CHIMERA_INF;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) mx = fmaxf(mx, sml[(w * 16 + r) * 2]);
+        const float base = mx == -CHIMERA_INF ? 0.0f : mx;
+        float acc = 0.0f, sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) {
+            const float f = ex2(sml[(w * 16 + r) * 2] - base);  // 0 for a warp that saw no key
+            acc += f * so[(w * 16 + r) * D + c];
+            sum += f * sml[(w * 16 + r) * 2 + 1];
+        }
+        if (t.part == NO_PART) {
+            store(a.out, qo_offset(a, t, r) + c, sum > 0.0f ? acc / sum : 0.0f);
+        } else {
+            const i64 pi = part_index(a, t, r);
+            a.part_o[pi * D + c] = acc;
+            if (c == 0) {
+                a.part_ml[pi * 2] = mx == -CHIMERA_INF ? mx : mx * LN2;  // natural-log units
+                a.part_ml[pi * 2 + 1] = sum;
+            }
+        }
+    }
+}
+
+// The tensor-core kernel. D: head dim; BN: keys per KV tile; MT: m16 tiles per warp; Q_SMEM:
+// Q re-read from shared memory (else held as A fragments in registers, MT = 1); NW: warps;
+// STAGES = 1: one K and one V buffer overlapping as in FA2 (V(j) loads during QKᵀ, K(j+1)
+// during PV, two barriers a tile); STAGES ≥ 2: a ring of K+V tiles, STAGES − 1 in flight,
+// one barrier a tile. WS (warp split, for decodes): the warps share one m16 tile of rows and
+// each takes 16 keys of every KV tile; their (m, l, O) are merged through shared memory.
+template <int D, int BN, int MT, bool Q_SMEM, int NW, int STAGES, bool WS = false>
+__device__ __forceinline__ void mma(const Args<bf16>& a) {
+    using Sh = MmaShape<D, BN, MT, Q_SMEM, NW, STAGES, WS>;
+    constexpr int BM = Sh::BM;
+    constexpr int NTH = 32 * NW;
+    constexpr int CPR = D / 8;             // 16-byte chunks per row
+    constexpr int RPP = NTH / CPR;         // rows a pass of cp.async covers
+    constexpr int KV_PASSES = BN / RPP;
+    constexpr int Q_PASSES = BM / RPP;
+    constexpr int KSTEPS = D / 16;
+    constexpr int NT = BN / 8;             // S n-tiles
+    constexpr int DT = D / 8;              // O n-tiles
+    constexpr int QA = Q_SMEM ? 1 : KSTEPS;
+    static_assert(NTH % CPR == 0 && BN % RPP == 0 && BM % RPP == 0 && BN % 16 == 0, "tile shape");
+    static_assert(Q_SMEM || MT == 1, "Q fragments in registers only for one m-tile");
+    static_assert(BN <= NTH && STAGES >= 1, "one thread per key of a tile");
+    static_assert(!WS || (MT == 1 && !Q_SMEM && BN == 16 * NW), "warp split: 16 keys a warp");
+    static_assert(!WS || NW * 16 * (D + 2) * 4 <= Sh::SMEM, "warp split merge area");
+    constexpr int NTW = WS ? 2 : NT;       // S n-tiles of a warp
+    constexpr int KKW = WS ? 1 : BN / 16;  // PV k-steps of a warp
+
+    // A launch that disagrees with attention.rs fails loudly rather than computing garbage.
+    if (blockDim.x != NTH || dynamic_smem_size() < (u32)Sh::SMEM) __trap();
+    Tile t;
+    if (!tile_of(a, BM, t)) return;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, tq = lane & 3;
+    const int my_chunk = tid % CPR, my_row = tid / CPR;
+    const u32 s_kv = smem_u32(attn_dyn_smem);  // slot i: K at s_kv + 2i·TILE, V after it
+    const u32 s_q = Q_SMEM ? s_kv + Sh::KV_BYTES : s_kv;
+    // Cache row of each key of a KV tile (NO_PART past the range: zeros), double-buffered.
+    u32* rows = (u32*)((char*)attn_dyn_smem + Sh::TILES_BYTES);
+    const int wrow = WS ? 0 : warp * 16 * MT;  // the warp's first row
+    const int key0 = WS ? warp * 16 : 0;       // the warp's first key of a tile
+
+#pragma unroll
+    for (int k = 0; k < Q_PASSES; ++k) {
+        const int r = my_row + k * RPP;
+        const bf16* src = a.q;
+        u32 bytes = 0;
+        if (r < t.nrows) {
+            src = a.q + qo_offset(a, t, r) + my_chunk * 8;
+            bytes = 16;
+        }
+        cp_async16(s_q + swz<D>(r, my_chunk), src, bytes);
+    }
+    cp_async_commit();
+
+    // One thread per key looks a tile's cache rows up (once, not once per 16-byte chunk).
+    auto rows_of = [&](int tile, u32* dst) {
+        if (tid < BN) {
+            const u32 p = t.kv_first + (u32)tile * BN + (u32)tid;
+            dst[tid] = p < t.hi ? cache_row(t.bt, p, a.block_size) : NO_PART;
+        }
+    };
+    // Gathers one K or V tile through a row table (no commit).
+    auto gather = [&](u32 dst, const bf16* cache, const u32* tile_rows) {
+#pragma unroll
+        for (int k = 0; k < KV_PASSES; ++k) {
+            const int r = my_row + k * RPP;
+            const u32 row = tile_rows[r];
+            const bf16* src = cache;
+            u32 bytes = 0;
+            if (row != NO_PART) {
+                src = cache + kv_offset(row, a.kv_heads, t.kvh, D) + my_chunk * 8;
+                bytes = 16;
+            }
+            cp_async16(dst + swz<D>(r, my_chunk), src, bytes);
+        }
+    };
+
+    // A-fragment address parts: row within a 16-row tile and chunk parity of this lane.
+    const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8, a_hi = lane >> 4;
+    u32 qa[QA][4];
+    rows_of(0, rows);
+    if (!Q_SMEM) {
+        cp_async_wait_all();
+        __syncthreads();
+#pragma unroll
+        for (int ks = 0; ks < QA; ++ks) ldsm_x4(qa[ks], s_q + swz<D>(wrow + a_row, 2 * ks + a_hi));
+    }
+    __syncthreads();  // the first row table is written; Q staging (if any) is consumed
+
+    u32 lim[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = wrow + mt * 16 + g + 8 * h;
+            lim[mt][h] = r < t.nrows ? row_limit(t, r) : t.hi;
+        }
+    const bool active = wrow < t.nrows;
+    const float sl2 = a.scale * LOG2E;  // exponentials in base 2
+
+    float o[MT][DT][4];
+    float m[MT][2], l[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int i = 0; i < DT; ++i) o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.0f;
+        m[mt][0] = m[mt][1] = -CHIMERA_INF;
+        l[mt][0] = l[mt][1] = 0.0f;
+    }
+    u32 pa[MT][KKW][4];  // P as A fragments
+
+    // S = Q·Kᵀ for tile j (keys from p0), masked, online softmax, P → pa; rescales o and l.
+    auto scores = [&](u32 s_k, u32 p0) {
+        float sc[MT][NTW][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int i = 0; i < NTW; ++i) sc[mt][i][0] = sc[mt][i][1] = sc[mt][i][2] = sc[mt][i][3] = 0.0f;
+        const int b_row = (lane & 7) + ((lane >> 4) << 3), b_hi = (lane >> 3) & 1;
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ++ks) {
+            u32 qf[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if (Q_SMEM) {
+                    ldsm_x4(qf[mt], s_q + swz<D>(wrow + mt * 16 + a_row, 2 * ks + a_hi));
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) qf[mt][e] = qa[Q_SMEM ? 0 : ks][e];
+                }
+            }
+#pragma unroll
+            for (int np = 0; np < NTW / 2; ++np) {
+                u32 b[4];
+                ldsm_x4(b, s_k + swz<D>(key0 + np * 16 + b_row, 2 * ks + b_hi));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma16816(sc[mt][2 * np], qf[mt], b[0], b[1]);
+                    mma16816(sc[mt][2 * np + 1], qf[mt], b[2], b[3]);
+                }
+            }
+        }
+        const bool masked = p0 + BN > t.lo_full;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            float mx[2] = {-CHIMERA_INF, -CHIMERA_INF};
+#pragma unroll
+            for (int i = 0; i < NTW; ++i) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    if (masked) {
+                        const u32 key = p0 + (u32)(key0 + i * 8 + 2 * tq + (e & 1));
+                        if (key >= lim[mt][e >> 1]) sc[mt][i][e] = -CHIMERA_INF;
+                    }
+                    mx[e >> 1] = fmaxf(mx[e >> 1], sc[mt][i][e]);
+                }
+            }
+            float base[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+                const float mn = fmaxf(m[mt][h], mx[h] * sl2);  // scores scaled to log2 units
+                base[h] = mn == -CHIMERA_INF ? 0.0f : mn;
+                const float alpha = ex2(m[mt][h] - base[h]);
+                m[mt][h] = mn;
+                l[mt][h] *= alpha;
+#pragma unroll
+                for (int i = 0; i < DT; ++i) {
+                    o[mt][i][2 * h] *= alpha;
+                    o[mt][i][2 * h + 1] *= alpha;
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < NTW; ++i) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float p = ex2(fmaf(sc[mt][i][e], sl2, -base[e >> 1]));
+                    sc[mt][i][e] = p;
+                    l[mt][e >> 1] += p;  // per-thread partial sums; the quad sums at the end
+                }
+            }
+#pragma unroll
+            for (int kk = 0; kk < KKW; ++kk) {
+                pa[mt][kk][0] = pack_bf16x2(sc[mt][2 * kk][0], sc[mt][2 * kk][1]);
+                pa[mt][kk][1] = pack_bf16x2(sc[mt][2 * kk][2], sc[mt][2 * kk][3]);
+                pa[mt][kk][2] = pack_bf16x2(sc[mt][2 * kk + 1][0], sc[mt][2 * kk + 1][1]);
+                pa[mt][kk][3] = pack_bf16x2(sc[mt][2 * kk + 1][2], sc[mt][2 * kk + 1][3]);
+            }
+        }
+    };
+    // O += P·V for one tile.
+    auto accumulate = [&](u32 s_v) {
+        const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3), v_hi = lane >> 4;
+#pragma unroll
+        for (int kk = 0; kk < KKW; ++kk) {
+#pragma unroll
+            for (int dn = 0; dn < D / 16; ++dn) {
+                u32 b[4];
+                ldsm_x4_t(b, s_v + swz<D>(key0 + kk * 16 + v_row, 2 * dn + v_hi));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma16816(o[mt][2 * dn], pa[mt][kk], b[0], b[1]);
+                    mma16816(o[mt][2 * dn + 1], pa[mt][kk], b[2], b[3]);
+                }
+            }
+        }
+    };
+
+    const int ntiles = t.hi > t.kv_first ? (int)((t.hi - t.kv_first + BN - 1) / BN) : 0;
+    if (STAGES == 1) {
+        const u32 s_k = s_kv, s_v = s_kv + Sh::TILE_BYTES;
+        if (ntiles > 0) {
+            gather(s_k, a.k_cache, rows);
+            cp_async_commit();
+        }
+        for (int j = 0; j < ntiles; ++j) {
+            const u32 p0 = t.kv_first + (u32)j * BN;
+            u32* cur = rows + (j & 1) * BN;
+            u32* next = rows + ((j + 1) & 1) * BN;
+            cp_async_wait_all();  // K(j) (and Q, the first time)
+            __syncthreads();      // ... visible to all; every warp is done with V(j-1)
+            gather(s_v, a.v_cache, cur);
+            cp_async_commit();
+            // The next tile's block-table reads overlap this tile's maths; its readers come
+            // after the barrier below, and this buffer's last readers were before the last.
+            if (j + 1 < ntiles) rows_of(j + 1, next);
+            if (active) scores(s_k, p0);
+            cp_async_wait_all();  // V(j)
+            __syncthreads();      // ... visible to all; every warp is done with K(j)
+            if (j + 1 < ntiles) {
+                gather(s_k, a.k_cache, next);
+                cp_async_commit();
+            }
+            if (active) accumulate(s_v);
+        }
+    } else {
+        // Prologue: tiles 0 .. STAGES-2 in flight, the table of tile STAGES-1 written.
+        for (int i = 0; i < STAGES - 1; ++i) {
+            if (i < ntiles) {
+                const u32* tr = rows + (i & 1) * BN;
+                const u32 slot = s_kv + 2 * i * Sh::TILE_BYTES;
+                gather(slot, a.k_cache, tr);
+                gather(slot + Sh::TILE_BYTES, a.v_cache, tr);
+            }
+            cp_async_commit();
+            __syncthreads();  // every thread has read table i & 1
+            if (i + 1 < ntiles) rows_of(i + 1, rows + ((i + 1) & 1) * BN);
+            __syncthreads();
+        }
+        for (int j = 0; j < ntiles; ++j) {
+            const u32 p0 = t.kv_first + (u32)j * BN;
+            // Groups committed so far: one per tile < j + STAGES - 1 (and Q's, first).
+            asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2) : "memory");
+            __syncthreads();  // tile j visible to all; every warp is done with tile j-1
+            const int ahead = j + STAGES - 1;
+            if (ahead < ntiles) {
+                const u32* tr = rows + (ahead & 1) * BN;
+                const u32 slot = s_kv + 2 * (ahead % STAGES) * Sh::TILE_BYTES;
+                gather(slot, a.k_cache, tr);
+                gather(slot + Sh::TILE_BYTES, a.v_cache, tr);
+            }
+            cp_async_commit();  // possibly empty: keeps one group per tile
+            // Table of tile ahead + 1: read after the next barrier; its buffer's last
+            // reader was the gather of tile ahead - 1, before this barrier.
+            if (ahead + 1 < ntiles) rows_of(ahead + 1, rows + ((ahead + 1) & 1) * BN);
+            if (active) {
+                const u32 slot = s_kv + 2 * (j % STAGES) * Sh::TILE_BYTES;
+                scores(slot, p0);
+                accumulate(slot + Sh::TILE_BYTES);
+            }
+        }
+    }
+
+    if (WS) {
+        merge_warps<D, NW, NTH>(a, t, o[0], m[0], l[0]);
+        return;
+    }
+    if (!active) return;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float lh = l[mt][h];
+            lh += __shfl_xor_sync(0xffffffffu, lh, 1);
+            lh += __shfl_xor_sync(0xffffffffu, lh, 2);
+            const int r = wrow + mt * 16 + g + 8 * h;
+            if (r >= t.nrows) continue;
+            if (t.part == NO_PART) {
+                bf16* dst = a.out + qo_offset(a, t, r) + 2 * tq;
+                const float inv = lh > 0.0f ? 1.0f / lh : 0.0f;
+#pragma unroll
+                for (int i = 0; i < DT; ++i)
+                    *(u32*)(dst + i * 8) = pack_bf16x2(o[mt][i][2 * h] * inv, o[mt][i][2 * h + 1] * inv);
+            } else {
+                const i64 pi = part_index(a, t, r);
+                float* dst = a.part_o + pi * D + 2 * tq;
+#pragma unroll
+                for (int i = 0; i < DT; ++i)
+                    *(float2*)(dst + i * 8) = make_float2(o[mt][i][2 * h], o[mt][i][2 * h + 1]);
+                if (tq == 0) {
+                    const float mh = m[mt][h];
+                    a.part_ml[pi * 2] = mh == -CHIMERA_INF ? mh : mh * LN2;  // natural-log units
+                    a.part_ml[pi * 2 + 1] = lh;
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Split-KV combine: one CTA per (head, combined token).
+
+template <typename T>
+__device__ __forceinline__ void combine(T* out, const float* part_o, const float* part_ml,
+                                        const u32* c_token, const u32* c_part,
+                                        const u32* c_stride, const u32* c_splits, u32 item_base,
+                                        u32 heads, u32 head_dim) {
+    const u32 c = item_base + blockIdx.y, h = blockIdx.x;
+    const u32 first = c_part[c], stride = c_stride[c], n = c_splits[c];
+    float mmax = -CHIMERA_INF;
+    for (u32 j = 0; j < n; ++j)
+        mmax = fmaxf(mmax, part_ml[((i64)(first + j * stride) * heads + h) * 2]);
+    float denom = 0.0f;
+    for (u32 j = 0; j < n; ++j) {
+        const i64 pi = (i64)(first + j * stride) * heads + h;
+        const float m = part_ml[pi * 2];
+        if (m != -CHIMERA_INF) denom += expf(m - mmax) * part_ml[pi * 2 + 1];
+    }
+    const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+    const i64 o = (i64)c_token[c] * heads * head_dim + (i64)h * head_dim;
+    for (u32 d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float acc = 0.0f;
+        for (u32 j = 0; j < n; ++j) {
+            const i64 pi = (i64)(first + j * stride) * heads + h;
+            const float m = part_ml[pi * 2];
+            if (m != -CHIMERA_INF) acc += expf(m - mmax) * part_o[pi * head_dim + d];
+        }
+        store(out, o + d, acc * inv);
+    }
+}
+
+}  // namespace attn
+
+// ---------------------------------------------------------------------------------------
+// Entry points (attention.rs: ENTRIES). Every main kernel takes the same parameters.
+
+#define ATTN_PARAMS(T)                                                                        \
+    const T *q, const T *k_cache, const T *v_cache, T *out, const u32 *cu_seqlens,            \
+        const u32 *ctx_lens, const u32 *bt_offsets, const u32 *block_tables, const u32 *w_seq, \
+        const u32 *w_q_first, const u32 *w_q_count, const u32 *w_kv_first,                    \
+        const u32 *w_kv_end, const u32 *w_part, float *part_o, float *part_ml, u32 item_base, \
+        u32 heads, u32 kv_heads, u32 head_dim, u32 block_size, float scale
+#define ATTN_ARGS(T)                                                                         \
+    attn::Args<T> {                                                                          \
+        q, k_cache, v_cache, out, cu_seqlens, ctx_lens, bt_offsets, block_tables, w_seq,     \
+            w_q_first, w_q_count, w_kv_first, w_kv_end, w_part, part_o, part_ml, item_base, \
+            heads, kv_heads, head_dim, block_size, scale                                     \
+    }
+
+extern "C" __global__ void __launch_bounds__(128) attn_simt_f32(ATTN_PARAMS(float)) {
+    attn::simt(ATTN_ARGS(float));
+}
+extern "C" __global__ void __launch_bounds__(128) attn_simt_bf16(ATTN_PARAMS(bf16)) {
+    attn::simt(ATTN_ARGS(bf16));
+}
+// Decodes (at most 16 packed rows): 4 warps split every 64-key tile, 2-stage K+V ring.
+// d = 128 takes 64.5 KiB of dynamic shared memory (the limit must be raised).
+extern "C" __global__ void __launch_bounds__(128) attn_decode_d64_bf16(ATTN_PARAMS(bf16)) {
+    attn::mma<64, 64, 1, false, 4, 2, true>(ATTN_ARGS(bf16));
+}
+extern "C" __global__ void __launch_bounds__(128) attn_decode_d128_bf16(ATTN_PARAMS(bf16)) {
+    attn::mma<128, 64, 1, false, 4, 2, true>(ATTN_ARGS(bf16));
+}
+// Small chunks, and the tiles of head dims without a prefill kernel: 4 warps × 16 rows.
+extern "C" __global__ void __launch_bounds__(128) attn_mma_d64_bf16(ATTN_PARAMS(bf16)) {
+    attn::mma<64, 64, 1, false, 4, 1>(ATTN_ARGS(bf16));
+}
+extern "C" __global__ void __launch_bounds__(128) attn_mma_d128_bf16(ATTN_PARAMS(bf16)) {
+    attn::mma<128, 64, 1, false, 4, 1>(ATTN_ARGS(bf16));
+}
+extern "C" __global__ void __launch_bounds__(128) attn_mma_d256_bf16(ATTN_PARAMS(bf16)) {
+    attn::mma<256, 16, 1, false, 4, 1>(ATTN_ARGS(bf16));
+}
+// Prefill tiles, d = 128: 8 warps × 32 rows, Q in shared memory (96.5 KiB: the limit must
+// be raised).
+extern "C" __global__ void __launch_bounds__(256) attn_prefill_d128_bf16(ATTN_PARAMS(bf16)) {
+    attn::mma<128, 64, 2, true, 8, 1>(ATTN_ARGS(bf16));
+}
+
+#define COMBINE_PARAMS(T)                                                                  \
+    T *out, const float *part_o, const float *part_ml, const u32 *c_token, const u32 *c_part, \
+        const u32 *c_stride, const u32 *c_splits, u32 item_base, u32 heads, u32 head_dim
+
+extern "C" __global__ void __launch_bounds__(128) attn_combine_f32(COMBINE_PARAMS(float)) {
+    attn::combine(out, part_o, part_ml, c_token, c_part, c_stride, c_splits, item_base, heads,
+                  head_dim);
+}
+extern "C" __global__ void __launch_bounds__(128) attn_combine_bf16(COMBINE_PARAMS(bf16)) {
+    attn::combine(out, part_o, part_ml, c_token, c_part, c_stride, c_splits, item_base, heads,
+                  head_dim);
+}

@@ -162,6 +162,21 @@ impl Device {
                 kernels.insert(entry.name, Kernel { func, entry });
             }
         }
+        // Kernels that launch with more than the default 48 KiB of dynamic shared memory.
+        for (name, bytes) in chimera_kernels::attention::smem_opt_in() {
+            let k = kernels
+                .get(name)
+                .ok_or_else(|| BackendError::Device(format!("no kernel named {name}")))?;
+            // SAFETY: a loaded function and a valid attribute value.
+            unsafe {
+                result::function::set_function_attribute(
+                    k.func,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes as i32,
+                )
+            }
+            .map_err(|e| dev_err(&format!("raising the shared memory of {name}"), e))?;
+        }
         Ok(Arc::new(Self {
             ctx,
             ordinal,
@@ -259,17 +274,6 @@ impl Device {
         for (i, p) in ptrs.iter_mut().enumerate().take(args.len()) {
             // 4-byte parameters read the low half of the slot (little-endian).
             *p = (&mut vals[i] as *mut u64).cast();
-        }
-        if smem > 48 * 1024 {
-            // SAFETY: a valid function handle and attribute.
-            unsafe {
-                result::function::set_function_attribute(
-                    kernel.func,
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem as i32,
-                )
-            }
-            .map_err(|e| self.fail(&format!("configuring {}", kernel.entry.name), e))?;
         }
         // SAFETY: the arguments match the kernel's declared parameters (checked above and,
         // against the PTX, by the kernel crate's ABI test); every pointer argument is a live

@@ -815,18 +815,20 @@ impl Backend for CudaBackend {
         )?;
         let out = self.tmp(&q.shape, q.dtype)?;
         let dims = AttnDims {
-            heads,
-            kv_heads,
-            head_dim,
-            block_size: step.dims.block_size,
-            num_seqs: step.dims.seqs,
+            heads: heads as u32,
+            kv_heads: kv_heads as u32,
+            head_dim: head_dim as u32,
+            block_size: step.dims.block_size as u32,
+            num_seqs: step.dims.seqs as u32,
         };
         let bf16 = q.dtype == DType::BF16;
-        let scratch: Vec<CudaTensor> = chimera_kernels::attention::scratch_bytes(&step.attn, &dims)
+        let attn_err = |e: chimera_kernels::attention::AttnError| BackendError::Invalid(e.to_string());
+        let launches = chimera_kernels::attention::launches(&step.attn, dims, bf16).map_err(attn_err)?;
+        let scratch: Vec<CudaTensor> = chimera_kernels::attention::scratch_bytes(&step.attn, dims)
             .into_iter()
             .map(|b| self.tmp(&[b.div_ceil(4).max(1)], DType::F32))
             .collect::<Result<_>>()?;
-        for l in chimera_kernels::attention::launches(&step.attn, &dims, bf16) {
+        for l in launches {
             let args: Vec<Arg> = l
                 .args
                 .iter()
@@ -840,11 +842,7 @@ impl Backend for CudaBackend {
                         AttnArg::CtxLens => Arg::Ptr(step.col(step.cols.ctx_lens)),
                         AttnArg::BtOffsets => Arg::Ptr(step.col(step.cols.bt_offsets)),
                         AttnArg::BlockTables => Arg::Ptr(step.col(step.cols.block_tables)),
-                        AttnArg::Work(i) => Arg::Ptr(step.col(
-                            *step.cols.attn.get(i).ok_or_else(|| {
-                                BackendError::Invalid(format!("attention work column {i}"))
-                            })?,
-                        )),
+                        AttnArg::Work(c) => Arg::Ptr(step.attn_col(c)),
                         AttnArg::Scratch(i) => Arg::Ptr(
                             scratch
                                 .get(i)
@@ -852,7 +850,7 @@ impl Backend for CudaBackend {
                                 .ptr,
                         ),
                         AttnArg::U32(v) => Arg::U32(v),
-                        AttnArg::Scale => Arg::F32(scale),
+                        AttnArg::F32Scale => Arg::F32(scale),
                     })
                 })
                 .collect::<Result<_>>()?;

@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use chimera_kernels::attention::AttnPlan;
+use chimera_kernels::attention::{AttnPlan, WorkCol};
 
 use super::device::Device;
 use super::memory::{DevAlloc, MemStats, Pinned, htod};
@@ -32,8 +32,8 @@ pub struct Columns {
     pub hist_offsets: usize,
     pub hist_tokens: usize,
     pub hist_counts: usize,
-    /// The attention planner's work columns.
-    pub attn: Vec<usize>,
+    /// The attention planner's work columns, in [`WorkCol::ALL`] order.
+    pub attn: [usize; WorkCol::ALL.len()],
 }
 
 /// Host-side facts about the uploaded step that launches need (sizes, not data).
@@ -51,6 +51,7 @@ pub struct CudaStep {
     pub(super) cols: Columns,
     pub(super) dims: StepDims,
     pub(super) attn: AttnPlan,
+    ctx_lens: Vec<u32>,
     staging: Vec<u32>,
     pinned: Option<Pinned>,
     buf: Option<DevAlloc>,
@@ -64,11 +65,18 @@ impl CudaStep {
             cols: Columns::default(),
             dims: StepDims::default(),
             attn: AttnPlan::default(),
+            ctx_lens: Vec::new(),
             staging: Vec::new(),
             pinned: None,
             buf: None,
             uploaded: false,
         }
+    }
+
+    /// Device address of the attention work column `c`.
+    pub fn attn_col(&self, c: WorkCol) -> u64 {
+        let i = WorkCol::ALL.iter().position(|x| *x == c).unwrap_or(0);
+        self.col(self.cols.attn[i])
     }
 
     /// Device address of the column at word offset `off`.
@@ -95,7 +103,10 @@ impl CudaStep {
         plan: &StepPlan,
     ) -> Result<()> {
         self.uploaded = false;
-        chimera_kernels::attention::plan(&plan.cu_seqlens, &ctx_lens(plan), &mut self.attn);
+        self.ctx_lens.clear();
+        self.ctx_lens
+            .extend(plan.seqs.iter().map(|q| q.context_len as u32));
+        chimera_kernels::attention::plan(&plan.cu_seqlens, &self.ctx_lens, &mut self.attn);
         let s = &mut self.staging;
         s.clear();
         let seqs = &plan.seqs;
@@ -104,7 +115,7 @@ impl CudaStep {
         c.positions = Self::push(s, plan.positions.iter().copied());
         c.slot_mapping = Self::push(s, plan.slot_mapping.iter().copied());
         c.cu_seqlens = Self::push(s, plan.cu_seqlens.iter().copied());
-        c.ctx_lens = Self::push(s, seqs.iter().map(|q| q.context_len as u32));
+        c.ctx_lens = Self::push(s, self.ctx_lens.iter().copied());
         c.bt_offsets = Self::push(s, seqs.iter().map(|q| q.blocks.0));
         c.block_tables = Self::push(s, plan.block_tables.iter().copied());
         c.logit_rows = Self::push(s, plan.logit_rows.iter().copied());
@@ -117,9 +128,8 @@ impl CudaStep {
         c.hist_offsets = Self::push(s, r.hist_offsets.iter().copied());
         c.hist_tokens = Self::push(s, r.hist_tokens.iter().copied());
         c.hist_counts = Self::push(s, r.hist_counts.iter().copied());
-        c.attn.clear();
-        for col in self.attn.columns() {
-            c.attn.push(Self::push(s, col.iter().copied()));
+        for (at, col) in c.attn.iter_mut().zip(WorkCol::ALL) {
+            *at = Self::push(s, self.attn.column(col).iter().copied());
         }
         self.dims = StepDims {
             tokens: plan.tokens.len(),
@@ -157,8 +167,4 @@ impl Default for CudaStep {
     fn default() -> Self {
         Self::new()
     }
-}
-
-fn ctx_lens(plan: &StepPlan) -> Vec<u32> {
-    plan.seqs.iter().map(|q| q.context_len as u32).collect()
 }
