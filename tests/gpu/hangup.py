@@ -32,10 +32,13 @@ rows = [{"suite": "serve", "check": "openai client test against chimera serve --
 
 before = metric("chimera:kv_cache_usage_perc")
 c = http.client.HTTPConnection("127.0.0.1", args.port, timeout=30)
-body = json.dumps({"model": "llama-gqa", "prompt": "a b c d e f g h", "max_tokens": 4000,
+# The fixture's context is 512 tokens: a short prompt and 480 new tokens keep it busy.
+body = json.dumps({"model": "llama-gqa", "prompt": [1, 2, 3, 4, 5, 6, 7, 8], "max_tokens": 480,
                    "stream": True, "ignore_eos": True})
 c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
 r = c.getresponse()
+if r.status != 200:
+    print("stream refused:", r.status, r.read()[:300])
 for _ in range(3):
     r.readline()
 running = metric("chimera:num_requests_running")

@@ -109,7 +109,7 @@ fn decode(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs, bw: f64) 
         SUITE,
         format!("{name} dummy weights: load (alloc + fill) time"),
         load_s,
-        format!("{load_s:.1} s"),
+        format!("{load_s:.2} s"),
         "≤ 60 s".into(),
         load_s <= 60.0,
     );

@@ -148,6 +148,11 @@ impl WeightStore {
         }
     }
 
+    /// Whether this store makes up its tensors (`model.load_format = "dummy"`).
+    pub fn is_dummy(&self) -> bool {
+        self.dummy.is_some()
+    }
+
     pub fn has(&self, name: &str) -> bool {
         self.dummy.is_none() && self.memory.contains_key(name) || self.by_name.contains_key(name)
     }

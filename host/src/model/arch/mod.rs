@@ -107,10 +107,12 @@ pub(super) struct Assembly<B: Backend> {
 
 impl<B: Backend> Assembly<B> {
     pub fn finish(self, c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, ModelError> {
-        let lm_head = if self.tie && !l.store.has(self.lm_head_name) {
+        // Dummy weights have no files to look in: the config's tie flag decides.
+        let has_head = l.store.has(self.lm_head_name) || (l.store.is_dummy() && !self.tie);
+        let lm_head = if self.tie && !has_head {
             None
-        } else if !self.tie || l.store.has(self.lm_head_name) {
-            match l.store.has(self.lm_head_name) {
+        } else if !self.tie || has_head {
+            match has_head {
                 true => Some(Linear {
                     w: l.tensor(self.lm_head_name, &[self.vocab, self.hidden])?,
                     b: None,
