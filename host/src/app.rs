@@ -340,7 +340,10 @@ mod tests {
             Some(_) => {
                 let e = choose_backend(&c).unwrap_err().to_string();
                 assert!(e.contains("engine.backend = \"cuda\""), "{e}");
-                assert!(e.contains("engine.backend = \"cpu\"") || e.contains("engine.devices"), "{e}");
+                assert!(
+                    e.contains("engine.backend = \"cpu\"") || e.contains("engine.devices"),
+                    "{e}"
+                );
                 // "auto" serves on the CPU instead, and bf16 then has nowhere to run.
                 c.engine.backend = "auto".into();
                 assert_eq!(choose_backend(&c).unwrap(), BackendChoice::Cpu);
@@ -349,7 +352,10 @@ mod tests {
                 assert!(e.contains("model.dtype"), "{e}");
             }
             None => {
-                assert_eq!(choose_backend(&c).unwrap(), BackendChoice::Cuda(DType::BF16));
+                assert_eq!(
+                    choose_backend(&c).unwrap(),
+                    BackendChoice::Cuda(DType::BF16)
+                );
                 c.model.dtype = "float32".into();
                 assert_eq!(choose_backend(&c).unwrap(), BackendChoice::Cuda(DType::F32));
             }

@@ -167,7 +167,10 @@ impl Config {
         if !matches!(self.model.dtype.as_str(), "auto" | "bfloat16" | "float32") {
             return Err(invalid(
                 "model.dtype".into(),
-                format!("{:?}: must be \"auto\", \"bfloat16\" or \"float32\"", self.model.dtype),
+                format!(
+                    "{:?}: must be \"auto\", \"bfloat16\" or \"float32\"",
+                    self.model.dtype
+                ),
             ));
         }
         if self.model.dtype == "bfloat16" && self.engine.backend == "cpu" {
@@ -188,7 +191,10 @@ impl Config {
         if !matches!(self.model.load_format.as_str(), "auto" | "dummy") {
             return Err(invalid(
                 "model.load_format".into(),
-                format!("{:?}: must be \"auto\" or \"dummy\"", self.model.load_format),
+                format!(
+                    "{:?}: must be \"auto\" or \"dummy\"",
+                    self.model.load_format
+                ),
             ));
         }
         Ok(())

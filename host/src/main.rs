@@ -118,7 +118,11 @@ fn main() -> anyhow::Result<()> {
         Command::GpuCheck(args) => {
             let report = chimera::gpu_check::run(&args)?;
             println!("{}", report.table());
-            anyhow::ensure!(report.failures() == 0, "{} GPU checks failed", report.failures());
+            anyhow::ensure!(
+                report.failures() == 0,
+                "{} GPU checks failed",
+                report.failures()
+            );
             Ok(())
         }
         Command::Plugin(PluginCommand::Check { file }) => {
@@ -139,12 +143,17 @@ fn kernels_build(arch: Option<String>) -> anyhow::Result<()> {
     let arch = match arch {
         Some(a) => a,
         None => {
-            let backend = chimera::backend::cuda::CudaBackend::new(chimera::backend::cuda::CudaOptions {
-                device: 0,
-                dtype: chimera::backend::DType::BF16,
-            })?;
+            let backend =
+                chimera::backend::cuda::CudaBackend::new(chimera::backend::cuda::CudaOptions {
+                    device: 0,
+                    dtype: chimera::backend::DType::BF16,
+                })?;
             // Opening the device already compiled everything into the cache.
-            println!("kernels ready for {} ({})", backend.device().name, backend.device().arch);
+            println!(
+                "kernels ready for {} ({})",
+                backend.device().name,
+                backend.device().arch
+            );
             return Ok(());
         }
     };

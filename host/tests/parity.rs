@@ -380,7 +380,10 @@ fn dummy_weights_follow_the_config_and_are_reproducible() {
     assert_ne!(a.embed.data, real.embed.data);
     let std = (a.embed.data.iter().map(|x| x * x).sum::<f32>() / a.embed.data.len() as f32).sqrt();
     assert!((std - 0.02).abs() < 0.002, "weights have std {std}");
-    assert!(a.final_norm.w.data.iter().all(|&x| x == 1.0), "norm weights are ones");
+    assert!(
+        a.final_norm.w.data.iter().all(|&x| x == 1.0),
+        "norm weights are ones"
+    );
     let c = model::load_dummy(&dir, &CpuBackend::default(), 1).expect("dummy load");
     assert_ne!(a.embed.data, c.embed.data, "another seed, other weights");
     let logits = full_forward(&a, &[1, 2, 3, 4, 5]);

@@ -636,9 +636,11 @@ async fn a_lost_device_takes_its_replica_out_of_service() {
     let r = post(s.addr, C, &body(json!([200, 201]))).await;
     assert_eq!(r.status, 500, "{}", r.text());
     assert!(r.text().contains("device lost"), "{}", r.text());
-    wait_for("replica 0 stops", std::time::Duration::from_secs(5), async || {
-        !s.engines[0].is_alive()
-    })
+    wait_for(
+        "replica 0 stops",
+        std::time::Duration::from_secs(5),
+        async || !s.engines[0].is_alive(),
+    )
     .await;
     let h = request(s.addr, "GET", "/health", &[], b"").await;
     assert_eq!(h.status, 503, "{}", h.text());

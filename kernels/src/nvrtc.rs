@@ -154,7 +154,10 @@ pub fn compile(
             let mut n = 0usize;
             check("nvrtcGetPTXSize", sys::nvrtcGetPTXSize(prog.0, &mut n))?;
             let mut buf = vec![0u8; n];
-            check("nvrtcGetPTX", sys::nvrtcGetPTX(prog.0, buf.as_mut_ptr().cast()))?;
+            check(
+                "nvrtcGetPTX",
+                sys::nvrtcGetPTX(prog.0, buf.as_mut_ptr().cast()),
+            )?;
             Some(cstr_lossy(&buf))
         } else {
             None
@@ -227,7 +230,10 @@ impl KernelCache {
         h.update(format!("abi {ABI_VERSION}").as_bytes());
         let digest = h.finalize();
         let hex: String = digest.iter().take(16).map(|b| format!("{b:02x}")).collect();
-        Ok(format!("{}-{arch}-{hex}.cubin", source.name.trim_end_matches(".cu")))
+        Ok(format!(
+            "{}-{arch}-{hex}.cubin",
+            source.name.trim_end_matches(".cu")
+        ))
     }
 
     fn path(&self, key: &str) -> PathBuf {
@@ -244,9 +250,7 @@ impl KernelCache {
             err,
         };
         std::fs::create_dir_all(&self.dir).map_err(|e| err(&self.dir, e))?;
-        let tmp = self
-            .dir
-            .join(format!(".{key}.{}.tmp", std::process::id()));
+        let tmp = self.dir.join(format!(".{key}.{}.tmp", std::process::id()));
         std::fs::write(&tmp, cubin).map_err(|e| err(&tmp, e))?;
         let dst = self.path(key);
         std::fs::rename(&tmp, &dst).map_err(|e| err(&dst, e))

@@ -61,7 +61,8 @@ fn every_kernel_compiles_for_sm90a_without_spills_and_matches_its_abi_table() {
             started.elapsed()
         );
         for line in compiled.log.lines() {
-            if line.contains("spill") && !line.contains(" 0 bytes spill stores, 0 bytes spill loads")
+            if line.contains("spill")
+                && !line.contains(" 0 bytes spill stores, 0 bytes spill loads")
             {
                 failures.push(format!("{}: {line}", source.name));
             }
@@ -71,7 +72,10 @@ fn every_kernel_compiles_for_sm90a_without_spills_and_matches_its_abi_table() {
         for entry in source.entries {
             let want: Vec<&str> = entry.params.iter().map(|p| Param::ptx(*p)).collect();
             match found.iter().find(|(n, _)| n == entry.name) {
-                None => failures.push(format!("{}: entry {} missing from the PTX", source.name, entry.name)),
+                None => failures.push(format!(
+                    "{}: entry {} missing from the PTX",
+                    source.name, entry.name
+                )),
                 Some((_, got)) if *got != want => failures.push(format!(
                     "{}: entry {} takes {got:?} in PTX but the table says {want:?}",
                     source.name, entry.name
@@ -81,7 +85,10 @@ fn every_kernel_compiles_for_sm90a_without_spills_and_matches_its_abi_table() {
         }
         for (name, _) in &found {
             if !source.entries.iter().any(|e| e.name == name) {
-                failures.push(format!("{}: PTX entry {name} is not in the table", source.name));
+                failures.push(format!(
+                    "{}: PTX entry {name} is not in the table",
+                    source.name
+                ));
             }
         }
     }

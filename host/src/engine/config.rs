@@ -77,7 +77,11 @@ impl EngineConfig {
             });
         }
         if self.devices.is_empty() || self.devices.len() > 64 {
-            return bad("devices", self.devices.len(), "must list between 1 and 64 devices");
+            return bad(
+                "devices",
+                self.devices.len(),
+                "must list between 1 and 64 devices",
+            );
         }
         let mut seen = self.devices.clone();
         seen.sort_unstable();

@@ -97,7 +97,12 @@ fn attention_8k(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn decode(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs, bw: f64) -> anyhow::Result<()> {
+fn decode(
+    report: &mut Report,
+    gpu: &CudaBackend,
+    args: &GpuCheckArgs,
+    bw: f64,
+) -> anyhow::Result<()> {
     let started = Instant::now();
     let before = gpu.allocated_bytes();
     let m: Model<CudaBackend> = model::load_dummy(&args.bench_model, gpu, 0)?;
@@ -114,12 +119,17 @@ fn decode(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs, bw: f64) 
         load_s <= 60.0,
     );
     let spec = m.info.cache.clone();
-    let kv_token_bytes = (2 * spec.attn_layers * spec.kv_heads * spec.head_dim * gpu.dtype().size()) as f64;
+    let kv_token_bytes =
+        (2 * spec.attn_layers * spec.kv_heads * spec.head_dim * gpu.dtype().size()) as f64;
     let weight_bytes = weights_read_per_step(&m, gpu, weights_total) as f64;
     let per_seq = CONTEXT.div_ceil(BLOCK) + 1;
     let max_batch = 256;
     let mut caches = m.new_caches(gpu, per_seq * max_batch, BLOCK, 1)?;
-    for (batch, steps) in [(1usize, args.steps), (64, args.steps.min(200)), (256, args.steps.min(100))] {
+    for (batch, steps) in [
+        (1usize, args.steps),
+        (64, args.steps.min(200)),
+        (256, args.steps.min(100)),
+    ] {
         let mut plan = StepPlan::new(BLOCK);
         for s in 0..batch {
             let table: Vec<u32> = ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect();
@@ -160,7 +170,9 @@ fn decode(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs, bw: f64) 
         let floor_ms = (weight_bytes + (batch * CONTEXT) as f64 * kv_token_bytes) / bw * 1e3;
         report.push(
             SUITE,
-            format!("{name} eager decode bs{batch} ctx{CONTEXT} (floor {floor_ms:.2} ms; reported)"),
+            format!(
+                "{name} eager decode bs{batch} ctx{CONTEXT} (floor {floor_ms:.2} ms; reported)"
+            ),
             ms,
             format!("{ms:.2} ms ({:.2}×)", ms / floor_ms),
             "reported".into(),

@@ -28,7 +28,11 @@ fn bf16_round(v: f32) -> f32 {
 
 impl Ctx<'_> {
     fn tag(&self) -> &'static str {
-        if self.mode == DType::F32 { "f32" } else { "bf16" }
+        if self.mode == DType::F32 {
+            "f32"
+        } else {
+            "bf16"
+        }
     }
 
     fn tol(&self, reduction: bool) -> f64 {
@@ -53,7 +57,13 @@ impl Ctx<'_> {
         Ok((self.cpu.upload(h)?, self.gpu.upload(h)?))
     }
 
-    fn steps(&self, plan: &StepPlan) -> R<(<CpuBackend as Backend>::Step, <CudaBackend as Backend>::Step)> {
+    fn steps(
+        &self,
+        plan: &StepPlan,
+    ) -> R<(
+        <CpuBackend as Backend>::Step,
+        <CudaBackend as Backend>::Step,
+    )> {
         let mut c = self.cpu.new_step(plan.num_tokens())?;
         self.cpu.upload_step(plan, &mut c)?;
         let mut g = self.gpu.new_step(plan.num_tokens())?;
@@ -62,7 +72,12 @@ impl Ctx<'_> {
     }
 
     /// Runs one comparison: `f` returns (gpu, cpu) outputs.
-    fn check(&mut self, name: &str, reduction: bool, f: impl FnOnce(&mut Self) -> R<(Vec<f32>, Vec<f32>)>) {
+    fn check(
+        &mut self,
+        name: &str,
+        reduction: bool,
+        f: impl FnOnce(&mut Self) -> R<(Vec<f32>, Vec<f32>)>,
+    ) {
         let label = format!("{} {name}", self.tag());
         if let Err(e) = self.gpu.poison_arena() {
             self.report.failed("kernels", label, e);
@@ -78,8 +93,17 @@ impl Ctx<'_> {
 
 /// A plan of chunks `(context_len, new tokens)` with random token ids and random distinct
 /// block ids out of `num_blocks` (every chunk's table covers context + new tokens).
-fn plan_of(rng: &mut Rng, chunks: &[(usize, usize)], block_size: usize, num_blocks: usize, vocab: usize) -> StepPlan {
-    let need: usize = chunks.iter().map(|&(c, q)| (c + q).div_ceil(block_size)).sum();
+fn plan_of(
+    rng: &mut Rng,
+    chunks: &[(usize, usize)],
+    block_size: usize,
+    num_blocks: usize,
+    vocab: usize,
+) -> StepPlan {
+    let need: usize = chunks
+        .iter()
+        .map(|&(c, q)| (c + q).div_ceil(block_size))
+        .sum();
     let ids = rng.distinct(need, num_blocks);
     let mut plan = StepPlan::new(block_size);
     let mut at = 0;
@@ -120,17 +144,21 @@ fn dense(c: &mut Ctx<'_>) {
         (131, 4096, 4096, false),
         (1000, 24, 512, false),
     ] {
-        c.check(&format!("linear {n}×{k}·{m}ᵀ{}", if bias { " +bias" } else { "" }), k > 1024, |c| {
-            let x = c.rand(n * k, 1.0);
-            let w = c.rand(m * k, 0.05);
-            let b = c.rand(m, 0.5);
-            let (xc, xg) = c.up(&x, &[n, k])?;
-            let (wc, wg) = c.up(&w, &[m, k])?;
-            let (bc, bg) = c.up(&b, &[m])?;
-            let g = c.gpu.linear(&xg, &wg, bias.then_some(&bg))?;
-            let r = c.cpu.linear(&xc, &wc, bias.then_some(&bc))?;
-            Ok((c.gpu.download(&g)?, c.cpu.download(&r)?))
-        });
+        c.check(
+            &format!("linear {n}×{k}·{m}ᵀ{}", if bias { " +bias" } else { "" }),
+            k > 1024,
+            |c| {
+                let x = c.rand(n * k, 1.0);
+                let w = c.rand(m * k, 0.05);
+                let b = c.rand(m, 0.5);
+                let (xc, xg) = c.up(&x, &[n, k])?;
+                let (wc, wg) = c.up(&w, &[m, k])?;
+                let (bc, bg) = c.up(&b, &[m])?;
+                let g = c.gpu.linear(&xg, &wg, bias.then_some(&bg))?;
+                let r = c.cpu.linear(&xc, &wc, bias.then_some(&bc))?;
+                Ok((c.gpu.download(&g)?, c.cpu.download(&r)?))
+            },
+        );
     }
     for &(n, cols) in &[(1usize, 32usize), (7, 4096), (1000, 48), (33, 8192)] {
         c.check(&format!("rms_norm {n}×{cols}"), cols > 1024, |c| {
@@ -138,21 +166,32 @@ fn dense(c: &mut Ctx<'_>) {
             let w = c.rand(cols, 1.0);
             let (xc, xg) = c.up(&x, &[n, cols])?;
             let (wc, wg) = c.up(&w, &[cols])?;
-            Ok((c.gpu.download(&c.gpu.rms_norm(&xg, &wg, 1e-5)?)?, c.cpu.download(&c.cpu.rms_norm(&xc, &wc, 1e-5)?)?))
+            Ok((
+                c.gpu.download(&c.gpu.rms_norm(&xg, &wg, 1e-5)?)?,
+                c.cpu.download(&c.cpu.rms_norm(&xc, &wc, 1e-5)?)?,
+            ))
         });
-        c.check(&format!("add_rms_norm {n}×{cols} (norm and residual)"), cols > 1024, |c| {
-            let x = c.rand(n * cols, 2.0);
-            let d = c.rand(n * cols, 2.0);
-            let w = c.rand(cols, 1.0);
-            let (mut xc, mut xg) = c.up(&x, &[n, cols])?;
-            let (dc, dg) = c.up(&d, &[n, cols])?;
-            let (wc, wg) = c.up(&w, &[cols])?;
-            let mut g = c.gpu.download(&c.gpu.add_rms_norm(&mut xg, &dg, &wg, 1e-6)?)?;
-            let mut r = c.cpu.download(&c.cpu.add_rms_norm(&mut xc, &dc, &wc, 1e-6)?)?;
-            g.extend(c.gpu.download(&xg)?);
-            r.extend(c.cpu.download(&xc)?);
-            Ok((g, r))
-        });
+        c.check(
+            &format!("add_rms_norm {n}×{cols} (norm and residual)"),
+            cols > 1024,
+            |c| {
+                let x = c.rand(n * cols, 2.0);
+                let d = c.rand(n * cols, 2.0);
+                let w = c.rand(cols, 1.0);
+                let (mut xc, mut xg) = c.up(&x, &[n, cols])?;
+                let (dc, dg) = c.up(&d, &[n, cols])?;
+                let (wc, wg) = c.up(&w, &[cols])?;
+                let mut g = c
+                    .gpu
+                    .download(&c.gpu.add_rms_norm(&mut xg, &dg, &wg, 1e-6)?)?;
+                let mut r = c
+                    .cpu
+                    .download(&c.cpu.add_rms_norm(&mut xc, &dc, &wc, 1e-6)?)?;
+                g.extend(c.gpu.download(&xg)?);
+                r.extend(c.cpu.download(&xc)?);
+                Ok((g, r))
+            },
+        );
     }
     c.check("gated_rms_norm 9×256 group 64", false, |c| {
         let (n, cols) = (9, 256);
@@ -163,8 +202,10 @@ fn dense(c: &mut Ctx<'_>) {
         let (zc, zg) = c.up(&z, &[n, cols])?;
         let (wc, wg) = c.up(&w, &[cols])?;
         Ok((
-            c.gpu.download(&c.gpu.gated_rms_norm(&xg, &zg, &wg, 64, 1e-5)?)?,
-            c.cpu.download(&c.cpu.gated_rms_norm(&xc, &zc, &wc, 64, 1e-5)?)?,
+            c.gpu
+                .download(&c.gpu.gated_rms_norm(&xg, &zg, &wg, 64, 1e-5)?)?,
+            c.cpu
+                .download(&c.cpu.gated_rms_norm(&xc, &zc, &wc, 64, 1e-5)?)?,
         ))
     });
     for act in [Activation::Silu, Activation::Relu2, Activation::Gelu] {
@@ -209,24 +250,34 @@ fn dense(c: &mut Ctx<'_>) {
         c.cpu.scale_assign(&mut xc, 0.75)?;
         Ok((c.gpu.download(&xg)?, c.cpu.download(&xc)?))
     });
-    c.check("embedding + gather_logit_rows (3 chunks, 160 tokens)", false, |c| {
-        let (vocab, cols) = (5000, 96);
-        let mut plan = plan_of(&mut c.rng, &[(0, 131), (40, 1), (17, 28)], 16, 64, vocab);
-        plan.seqs[0].all_logits = true;
-        plan.finish()?;
-        let table = c.rand(vocab * cols, 1.0);
-        let (tc, tg) = c.up(&table, &[vocab, cols])?;
-        let (sc, sg) = c.steps(&plan)?;
-        let eg = c.gpu.embedding(&tg, &sg)?;
-        let ec = c.cpu.embedding(&tc, &sc)?;
-        let mut g = c.gpu.download(&c.gpu.gather_logit_rows(&eg, &sg)?)?;
-        let mut r = c.cpu.download(&c.cpu.gather_logit_rows(&ec, &sc)?)?;
-        g.extend(c.gpu.download(&eg)?);
-        r.extend(c.cpu.download(&ec)?);
-        Ok((g, r))
-    });
+    c.check(
+        "embedding + gather_logit_rows (3 chunks, 160 tokens)",
+        false,
+        |c| {
+            let (vocab, cols) = (5000, 96);
+            let mut plan = plan_of(&mut c.rng, &[(0, 131), (40, 1), (17, 28)], 16, 64, vocab);
+            plan.seqs[0].all_logits = true;
+            plan.finish()?;
+            let table = c.rand(vocab * cols, 1.0);
+            let (tc, tg) = c.up(&table, &[vocab, cols])?;
+            let (sc, sg) = c.steps(&plan)?;
+            let eg = c.gpu.embedding(&tg, &sg)?;
+            let ec = c.cpu.embedding(&tc, &sc)?;
+            let mut g = c.gpu.download(&c.gpu.gather_logit_rows(&eg, &sg)?)?;
+            let mut r = c.cpu.download(&c.cpu.gather_logit_rows(&ec, &sc)?)?;
+            g.extend(c.gpu.download(&eg)?);
+            r.extend(c.cpu.download(&ec)?);
+            Ok((g, r))
+        },
+    );
     let ropes = [
-        ("default θ=10000, d128", 128usize, 1.0f64, 1.0f32, 10_000.0f32),
+        (
+            "default θ=10000, d128",
+            128usize,
+            1.0f64,
+            1.0f32,
+            10_000.0f32,
+        ),
         ("partial 0.5, d64", 64, 0.5, 1.0, 500_000.0),
         ("scaled ×1.2, d24", 24, 1.0, 1.2, 10_000.0),
     ];
@@ -241,7 +292,13 @@ fn dense(c: &mut Ctx<'_>) {
                 attention_scaling: scaling,
             };
             let heads = 4;
-            let mut plan = plan_of(&mut c.rng, &[(40_000, 3), (0, 37), (1234, 1)], 16, 4096, 100);
+            let mut plan = plan_of(
+                &mut c.rng,
+                &[(40_000, 3), (0, 37), (1234, 1)],
+                16,
+                4096,
+                100,
+            );
             plan.finish()?;
             let n = plan.num_tokens();
             let x = c.rand(n * heads * head_dim, 1.0);
@@ -286,7 +343,9 @@ fn attention_case(
             let _ = s;
         }
         if c.mode == DType::BF16 {
-            kc.iter_mut().chain(vc.iter_mut()).for_each(|x| *x = bf16_round(*x));
+            kc.iter_mut()
+                .chain(vc.iter_mut())
+                .for_each(|x| *x = bf16_round(*x));
         }
         let shape = [num_blocks, block_size, kv_heads, head_dim];
         let (kcc, kcg) = c.up(&kc, &shape)?;
@@ -307,8 +366,12 @@ fn attention_case(
             head_dim,
             scale: (head_dim as f32).powf(-0.5),
         };
-        let g = c.gpu.paged_attention(&qg, &kg, &vg, &mut cache_g, shape, &sg)?;
-        let r = c.cpu.paged_attention(&qc, &kc, &vc, &mut cache_c, shape, &sc)?;
+        let g = c
+            .gpu
+            .paged_attention(&qg, &kg, &vg, &mut cache_g, shape, &sg)?;
+        let r = c
+            .cpu
+            .paged_attention(&qc, &kc, &vc, &mut cache_c, shape, &sc)?;
         let mut gv = c.gpu.download(&g)?;
         let mut rv = c.cpu.download(&r)?;
         // The KV write: every slot this step wrote, read back from both caches.
@@ -326,12 +389,36 @@ fn attention_case(
 fn attention(c: &mut Ctx<'_>) {
     // The plan's matrix: decodes over long contexts, fresh prefills, chunks over cached prefixes
     // whose context is not block-aligned; GQA/MQA/MHA; block sizes 16 and 32; large block ids.
-    attention_case(c, (32, 8, 128), 16, 2048, &[(1327, 1), (0, 131), (463, 129), (36, 1), (0, 7)]);
-    attention_case(c, (8, 2, 64), 32, 32768, &[(2011, 1), (17, 33), (0, 1000), (523, 1)]);
-    attention_case(c, (4, 1, 24), 16, 2048, &[(0, 33), (5, 18), (1, 1), (129, 77)]);
+    attention_case(
+        c,
+        (32, 8, 128),
+        16,
+        2048,
+        &[(1327, 1), (0, 131), (463, 129), (36, 1), (0, 7)],
+    );
+    attention_case(
+        c,
+        (8, 2, 64),
+        32,
+        32768,
+        &[(2011, 1), (17, 33), (0, 1000), (523, 1)],
+    );
+    attention_case(
+        c,
+        (4, 1, 24),
+        16,
+        2048,
+        &[(0, 33), (5, 18), (1, 1), (129, 77)],
+    );
     attention_case(c, (4, 4, 12), 16, 512, &[(0, 7), (100, 1), (31, 2)]);
     attention_case(c, (4, 2, 8), 32, 512, &[(0, 131), (65, 1), (66, 1)]);
-    attention_case(c, (8, 2, 128), 16, 4096, &[(16_000, 1), (9000, 1), (0, 1), (3000, 5)]);
+    attention_case(
+        c,
+        (8, 2, 128),
+        16,
+        4096,
+        &[(16_000, 1), (9000, 1), (0, 1), (3000, 5)],
+    );
     if c.mode == DType::F32 {
         attention_case(c, (8, 2, 64), 16, 1024, &[(0, 4097)]);
     } else {
@@ -363,18 +450,33 @@ fn sampling(c: &mut Ctx<'_>) {
                     "kernels",
                     format!("{tag} {label}: candidates identical"),
                     if exact { 1.0 } else { 0.0 },
-                    if exact { "identical".into() } else { "DIFFER".into() },
+                    if exact {
+                        "identical".into()
+                    } else {
+                        "DIFFER".into()
+                    },
                     "identical".into(),
                     exact,
                 );
-                c.report.err("kernels", format!("{tag} {label}: log-sum-exp"), lse_err, 1e-5);
+                c.report.err(
+                    "kernels",
+                    format!("{tag} {label}: log-sum-exp"),
+                    lse_err,
+                    1e-5,
+                );
             }
             Err(e) => c.report.failed("kernels", format!("{tag} {label}"), e),
         }
     }
 }
 
-fn sample_case(c: &mut Ctx<'_>, n: usize, vocab: usize, k: usize, prompt_rows: bool) -> R<(bool, f64)> {
+fn sample_case(
+    c: &mut Ctx<'_>,
+    n: usize,
+    vocab: usize,
+    k: usize,
+    prompt_rows: bool,
+) -> R<(bool, f64)> {
     let mut plan = StepPlan::new(16);
     let table: Vec<u32> = (0..8).collect();
     if prompt_rows {
@@ -388,9 +490,21 @@ fn sample_case(c: &mut Ctx<'_>, n: usize, vocab: usize, k: usize, prompt_rows: b
     plan.sampling.clear(k);
     for r in 0..rows {
         let pen = match r % 3 {
-            0 => Penalties { repetition: 1.0, presence: 0.0, frequency: 0.0 },
-            1 => Penalties { repetition: 1.3, presence: 0.5, frequency: 0.25 },
-            _ => Penalties { repetition: 0.8, presence: -0.5, frequency: 0.0 },
+            0 => Penalties {
+                repetition: 1.0,
+                presence: 0.0,
+                frequency: 0.0,
+            },
+            1 => Penalties {
+                repetition: 1.3,
+                presence: 0.5,
+                frequency: 0.25,
+            },
+            _ => Penalties {
+                repetition: 0.8,
+                presence: -0.5,
+                frequency: 0.0,
+            },
         };
         let prompt: Vec<u32> = (0..20).map(|_| c.rng.below(vocab) as u32).collect();
         let output: Vec<u32> = (0..15).map(|_| c.rng.below(vocab.min(64)) as u32).collect();
@@ -423,15 +537,25 @@ fn sample_case(c: &mut Ctx<'_>, n: usize, vocab: usize, k: usize, prompt_rows: b
     let mut oc = SampleOut::default();
     c.gpu.sample(&mut lg, &sg, &mut og)?;
     c.cpu.sample(&mut lc, &sc, &mut oc)?;
-    let same_bits = |a: &[f32], b: &[f32]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()));
-    let exact = og.k == oc.k && og.cand_tokens == oc.cand_tokens && same_bits(&og.cand_logits, &oc.cand_logits);
+    let same_bits = |a: &[f32], b: &[f32]| {
+        a.len() == b.len()
+            && a.iter()
+                .zip(b)
+                .all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()))
+    };
+    let exact = og.k == oc.k
+        && og.cand_tokens == oc.cand_tokens
+        && same_bits(&og.cand_logits, &oc.cand_logits);
     if !exact {
         let first = og
             .cand_tokens
             .iter()
             .zip(&oc.cand_tokens)
             .position(|(a, b)| a != b);
-        eprintln!("      sample mismatch: k {} vs {}, first differing candidate {first:?}", og.k, oc.k);
+        eprintln!(
+            "      sample mismatch: k {} vs {}, first differing candidate {first:?}",
+            og.k, oc.k
+        );
     }
     let lse_err = og
         .lse

@@ -73,7 +73,15 @@ pub struct Report {
 }
 
 impl Report {
-    fn push(&mut self, suite: &str, check: impl Into<String>, value: f64, measured: String, bound: String, pass: bool) {
+    fn push(
+        &mut self,
+        suite: &str,
+        check: impl Into<String>,
+        value: f64,
+        measured: String,
+        bound: String,
+        pass: bool,
+    ) {
         let row = Row {
             suite: suite.into(),
             check: check.into(),
@@ -95,7 +103,14 @@ impl Report {
     /// A relative error against a maximum.
     fn err(&mut self, suite: &str, check: impl Into<String>, err: f64, max: f64) {
         let pass = err.is_finite() && err <= max;
-        self.push(suite, check, err, format!("{err:.2e}"), format!("≤ {max:.0e}"), pass);
+        self.push(
+            suite,
+            check,
+            err,
+            format!("{err:.2e}"),
+            format!("≤ {max:.0e}"),
+            pass,
+        );
     }
 
     /// A check that errored before it could measure.
@@ -103,7 +118,14 @@ impl Report {
         let why = why.to_string();
         let short: String = why.chars().take(60).collect();
         eprintln!("      error: {why}");
-        self.push(suite, check, f64::NAN, format!("error: {short}"), "-".into(), false);
+        self.push(
+            suite,
+            check,
+            f64::NAN,
+            format!("error: {short}"),
+            "-".into(),
+            false,
+        );
     }
 
     pub fn failures(&self) -> usize {
@@ -112,7 +134,13 @@ impl Report {
 
     /// The table, one row per check.
     pub fn table(&self) -> String {
-        let w = self.rows.iter().map(|r| r.check.len()).max().unwrap_or(5).max(5);
+        let w = self
+            .rows
+            .iter()
+            .map(|r| r.check.len())
+            .max()
+            .unwrap_or(5)
+            .max(5);
         let mut out = format!(
             "{:<8} | {:<w$} | {:>16} | {:>16} | pass\n",
             "suite", "check", "measured", "bound"
@@ -195,7 +223,11 @@ pub fn run(args: &GpuCheckArgs) -> anyhow::Result<Report> {
         ran = true;
         bench::run(&mut report, &bf16_gpu, args);
     }
-    anyhow::ensure!(ran, "unknown suite {:?} (kernels, parity, bench, all)", args.suite);
+    anyhow::ensure!(
+        ran,
+        "unknown suite {:?} (kernels, parity, bench, all)",
+        args.suite
+    );
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&report)?)
             .with_context(|| format!("writing {}", path.display()))?;

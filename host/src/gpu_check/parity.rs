@@ -33,7 +33,11 @@ fn max_rel(a: &[f32], b: &[f32]) -> f64 {
     if a.len() != b.len() || a.iter().any(|x| x.is_nan()) {
         return f64::INFINITY;
     }
-    let d = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+    let d = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
     f64::from(d / scale(b))
 }
 
@@ -48,7 +52,12 @@ fn full<B: Backend>(m: &Model<B>, b: &B, tokens: &[u32]) -> anyhow::Result<Vec<f
 }
 
 /// The last position's logits after prefilling `tokens` in chunks of `chunk`.
-fn chunked_last<B: Backend>(m: &Model<B>, b: &B, tokens: &[u32], chunk: usize) -> anyhow::Result<Vec<f32>> {
+fn chunked_last<B: Backend>(
+    m: &Model<B>,
+    b: &B,
+    tokens: &[u32],
+    chunk: usize,
+) -> anyhow::Result<Vec<f32>> {
     let blocks = tokens.len().div_ceil(BLOCK);
     let mut caches = m.new_caches(b, blocks, BLOCK, 1)?;
     let table: Vec<u32> = (0..blocks as u32).collect();
@@ -97,7 +106,12 @@ fn prompts(dir: &Path) -> anyhow::Result<Vec<Vec<u32>>> {
         .collect()
 }
 
-pub fn run(report: &mut Report, f32_gpu: &CudaBackend, bf16_gpu: &CudaBackend, args: &GpuCheckArgs) {
+pub fn run(
+    report: &mut Report,
+    f32_gpu: &CudaBackend,
+    bf16_gpu: &CudaBackend,
+    args: &GpuCheckArgs,
+) {
     let mut dirs: Vec<_> = match std::fs::read_dir(&args.fixtures) {
         Ok(d) => d.filter_map(|e| e.ok().map(|e| e.path())).collect(),
         Err(e) => {
@@ -107,12 +121,15 @@ pub fn run(report: &mut Report, f32_gpu: &CudaBackend, bf16_gpu: &CudaBackend, a
     };
     dirs.sort();
     for dir in dirs {
-        let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let name = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
         if !name.starts_with("llama") {
             continue;
         }
         if let Err(e) = fixture(report, &dir, &name, f32_gpu, bf16_gpu, args) {
-            report.failed(SUITE, format!("{name}"), format!("{e:#}"));
+            report.failed(SUITE, name.clone(), format!("{e:#}"));
         }
     }
 }
@@ -150,12 +167,21 @@ fn fixture(
             std::fs::write(dump.join(format!("{name}_{}.f32", p.len())), bytes)?;
         }
     }
-    report.err(SUITE, format!("{name} f32 logits vs CPU (max|Δ|/scale)"), worst, 1e-4);
+    report.err(
+        SUITE,
+        format!("{name} f32 logits vs CPU (max|Δ|/scale)"),
+        worst,
+        1e-4,
+    );
     report.push(
         SUITE,
         format!("{name} f32 32-step greedy vs CPU"),
         if greedy_same { 1.0 } else { 0.0 },
-        if greedy_same { "identical".into() } else { "DIFFER".into() },
+        if greedy_same {
+            "identical".into()
+        } else {
+            "DIFFER".into()
+        },
         "identical".into(),
         greedy_same,
     );
@@ -169,10 +195,19 @@ fn fixture(
         true,
     );
     // Chunked prefill equals one shot; a batch equals each sequence alone.
-    let longest = prompts.iter().max_by_key(|p| p.len()).cloned().unwrap_or_default();
+    let longest = prompts
+        .iter()
+        .max_by_key(|p| p.len())
+        .cloned()
+        .unwrap_or_default();
     let one = chunked_last(&mg, f32_gpu, &longest, 4096)?;
     let chunked = chunked_last(&mg, f32_gpu, &longest, 7)?;
-    report.err(SUITE, format!("{name} f32 chunked(7) = one shot"), max_rel(&chunked, &one), 1e-4);
+    report.err(
+        SUITE,
+        format!("{name} f32 chunked(7) = one shot"),
+        max_rel(&chunked, &one),
+        1e-4,
+    );
     let batch = batched_last(&mg, f32_gpu, &prompts)?;
     let vocab = mg.info.vocab_size;
     let mut alone = Vec::with_capacity(batch.len());
@@ -180,7 +215,12 @@ fn fixture(
         alone.extend(chunked_last(&mg, f32_gpu, p, 4096)?);
     }
     let _ = vocab;
-    report.err(SUITE, format!("{name} f32 batch = alone"), max_rel(&batch, &alone), 1e-4);
+    report.err(
+        SUITE,
+        format!("{name} f32 batch = alone"),
+        max_rel(&batch, &alone),
+        1e-4,
+    );
     prefix_caching(report, name, f32_gpu, mg, &longest)?;
     Ok(())
 }
@@ -253,12 +293,16 @@ fn prefix_caching(
             for (&id, r) in rx.iter_mut() {
                 while let Ok(ev) = r.try_recv() {
                     match ev {
-                        EngineEvent::Tokens { tokens: t, .. } => tokens.entry(id).or_default().extend(t),
+                        EngineEvent::Tokens { tokens: t, .. } => {
+                            tokens.entry(id).or_default().extend(t)
+                        }
                         EngineEvent::Finished { usage, .. } => {
                             cached += u64::from(usage.cached_tokens);
                             done += 1;
                         }
-                        EngineEvent::Failed { message, .. } => anyhow::bail!("request {id} failed: {message}"),
+                        EngineEvent::Failed { message, .. } => {
+                            anyhow::bail!("request {id} failed: {message}")
+                        }
                         EngineEvent::PromptLogprobs { .. } => {}
                     }
                 }
@@ -267,16 +311,29 @@ fn prefix_caching(
                 break;
             }
         }
-        anyhow::ensure!(done == requests.len(), "the engine did not finish every request");
-        engine.cache().check_invariants().map_err(|e| anyhow::anyhow!("{e}"))?;
+        anyhow::ensure!(
+            done == requests.len(),
+            "the engine did not finish every request"
+        );
+        engine
+            .cache()
+            .check_invariants()
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
         outs.push((tokens, cached));
     }
     let same = outs[0].0 == outs[1].0;
     report.push(
         SUITE,
-        format!("{name} f32 engine: prefix caching on = off ({} cached tokens)", outs[1].1),
+        format!(
+            "{name} f32 engine: prefix caching on = off ({} cached tokens)",
+            outs[1].1
+        ),
         outs[1].1 as f64,
-        if same { "identical".into() } else { "DIFFER".into() },
+        if same {
+            "identical".into()
+        } else {
+            "DIFFER".into()
+        },
         "identical, cached > 0".into(),
         same && outs[1].1 > 0 && outs[0].1 == 0,
     );

@@ -233,7 +233,7 @@ impl Device {
     }
 
     /// Launches `kernel` on `stream` after checking `args` against its declared parameters.
-    pub fn launch(
+    pub(crate) fn launch(
         &self,
         stream: sys::CUstream,
         kernel: Kernel,
@@ -244,7 +244,10 @@ impl Device {
     ) -> Result<()> {
         let params = kernel.entry.params;
         if params.len() != args.len()
-            || params.iter().zip(args).any(|(p, a)| *p != a.kind() && !(*p == Param::U64 && a.kind() == Param::Ptr))
+            || params
+                .iter()
+                .zip(args)
+                .any(|(p, a)| *p != a.kind() && !(*p == Param::U64 && a.kind() == Param::Ptr))
         {
             return Err(BackendError::Invalid(format!(
                 "kernel {} takes {params:?}, launched with {args:?}",

@@ -186,7 +186,7 @@ impl Gemm {
 
     /// `y[n, m] = x[n, k] · w[m, k]ᵀ (+ bias[m])`, all of `dtype`, enqueued on `stream`.
     #[allow(clippy::too_many_arguments)]
-    pub fn linear(
+    pub(crate) fn linear(
         &self,
         stream: drv::CUstream,
         dtype: DType,
@@ -207,13 +207,10 @@ impl Gemm {
             dtype,
         };
         let mut plans = self.plans.lock().unwrap_or_else(|p| p.into_inner());
-        if !plans.contains_key(&key) {
-            let p = self.plan(key)?;
-            plans.insert(key, p);
-        }
-        let plan = plans
-            .get(&key)
-            .ok_or_else(|| BackendError::Device("GEMM plan vanished".into()))?;
+        let plan = match plans.entry(key) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => v.insert(self.plan(key)?),
+        };
         if let Some(b) = bias {
             // SAFETY: the descriptor is live; the value is a device pointer.
             unsafe {
@@ -249,6 +246,11 @@ impl Gemm {
                 stream as lts::cudaStream_t,
             )
         }
-        .map_err(|e| lt_err(&format!("matmul {n}×{k}·{m}ᵀ on device {}", self.device.ordinal), e))
+        .map_err(|e| {
+            lt_err(
+                &format!("matmul {n}×{k}·{m}ᵀ on device {}", self.device.ordinal),
+                e,
+            )
+        })
     }
 }

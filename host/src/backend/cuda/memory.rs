@@ -123,10 +123,7 @@ impl Arena {
 
     /// Drops every recycled buffer (memory goes back to the driver).
     pub fn trim(&self) {
-        self.free
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clear();
+        self.free.lock().unwrap_or_else(|p| p.into_inner()).clear();
     }
 }
 
@@ -182,7 +179,12 @@ impl Drop for Pinned {
 /// # Safety
 /// `dst` must hold `src.len()` bytes; for pinned sources, `src` must stay untouched until the
 /// stream passes this copy.
-pub unsafe fn htod(device: &Device, stream: sys::CUstream, dst: u64, src: &[u8]) -> Result<()> {
+pub(crate) unsafe fn htod(
+    device: &Device,
+    stream: sys::CUstream,
+    dst: u64,
+    src: &[u8],
+) -> Result<()> {
     if src.is_empty() {
         return Ok(());
     }
@@ -195,7 +197,12 @@ pub unsafe fn htod(device: &Device, stream: sys::CUstream, dst: u64, src: &[u8])
 ///
 /// # Safety
 /// `src` must hold `dst.len()` bytes and `dst` must stay alive until the stream passes it.
-pub unsafe fn dtoh(device: &Device, stream: sys::CUstream, dst: &mut [u8], src: u64) -> Result<()> {
+pub(crate) unsafe fn dtoh(
+    device: &Device,
+    stream: sys::CUstream,
+    dst: &mut [u8],
+    src: u64,
+) -> Result<()> {
     if dst.is_empty() {
         return Ok(());
     }
@@ -204,7 +211,7 @@ pub unsafe fn dtoh(device: &Device, stream: sys::CUstream, dst: &mut [u8], src: 
         .map_err(|e| device.fail("copying from the device", e))
 }
 
-pub fn sync(device: &Device, stream: sys::CUstream) -> Result<()> {
+pub(crate) fn sync(device: &Device, stream: sys::CUstream) -> Result<()> {
     // SAFETY: a live stream of this context.
     unsafe { result::stream::synchronize(stream) }.map_err(|e| device.fail("synchronising", e))
 }

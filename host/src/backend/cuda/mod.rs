@@ -64,7 +64,11 @@ pub struct CudaTensor {
 
 impl std::fmt::Debug for CudaTensor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "CudaTensor({:?} {:?} @ {:#x})", self.dtype, self.shape, self.ptr)
+        write!(
+            f,
+            "CudaTensor({:?} {:?} @ {:#x})",
+            self.dtype, self.shape, self.ptr
+        )
     }
 }
 
@@ -478,7 +482,12 @@ impl Backend for CudaBackend {
     fn fill_dummy(&self, t: &mut CudaTensor, seed: u64, std: f32, mean: f32) -> Result<()> {
         let n = t.len() as u64;
         if std == 0.0 {
-            self.launch("fill", t.dtype, grid_for(n), &[Arg::Ptr(t.ptr), Arg::U64(n), Arg::F32(mean)])?;
+            self.launch(
+                "fill",
+                t.dtype,
+                grid_for(n),
+                &[Arg::Ptr(t.ptr), Arg::U64(n), Arg::F32(mean)],
+            )?;
         } else {
             self.launch(
                 "fill_random",
@@ -538,7 +547,12 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
-    fn linear(&self, x: &CudaTensor, w: &CudaTensor, bias: Option<&CudaTensor>) -> Result<CudaTensor> {
+    fn linear(
+        &self,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        bias: Option<&CudaTensor>,
+    ) -> Result<CudaTensor> {
         let (n, k) = x.rows_cols();
         let (m, wk) = w.rows_cols();
         if wk != k {
@@ -569,12 +583,22 @@ impl Backend for CudaBackend {
             return Err(shape_err("add", &y.shape, x.shape.clone()));
         }
         let n = x.len() as u64;
-        self.launch("add_assign", x.dtype, grid_for(n), &[Arg::Ptr(x.ptr), Arg::Ptr(y.ptr), Arg::U64(n)])
+        self.launch(
+            "add_assign",
+            x.dtype,
+            grid_for(n),
+            &[Arg::Ptr(x.ptr), Arg::Ptr(y.ptr), Arg::U64(n)],
+        )
     }
 
     fn scale_assign(&self, x: &mut CudaTensor, s: f32) -> Result<()> {
         let n = x.len() as u64;
-        self.launch("scale_assign", x.dtype, grid_for(n), &[Arg::Ptr(x.ptr), Arg::U64(n), Arg::F32(s)])
+        self.launch(
+            "scale_assign",
+            x.dtype,
+            grid_for(n),
+            &[Arg::Ptr(x.ptr), Arg::U64(n), Arg::F32(s)],
+        )
     }
 
     fn rms_norm(&self, x: &CudaTensor, w: &CudaTensor, eps: f32) -> Result<CudaTensor> {
@@ -587,7 +611,13 @@ impl Backend for CudaBackend {
             "rms_norm",
             x.dtype,
             rows as u32,
-            &[Arg::Ptr(out.ptr), Arg::Ptr(x.ptr), Arg::Ptr(w.ptr), Arg::U32(cols as u32), Arg::F32(eps)],
+            &[
+                Arg::Ptr(out.ptr),
+                Arg::Ptr(x.ptr),
+                Arg::Ptr(w.ptr),
+                Arg::U32(cols as u32),
+                Arg::F32(eps),
+            ],
         )?;
         Ok(out)
     }
@@ -601,7 +631,11 @@ impl Backend for CudaBackend {
     ) -> Result<CudaTensor> {
         let (rows, cols) = residual.rows_cols();
         if delta.shape != residual.shape || w.len() != cols {
-            return Err(shape_err("add_rms_norm", &delta.shape, residual.shape.clone()));
+            return Err(shape_err(
+                "add_rms_norm",
+                &delta.shape,
+                residual.shape.clone(),
+            ));
         }
         let out = self.tmp(&residual.shape, residual.dtype)?;
         self.launch(
@@ -657,10 +691,20 @@ impl Backend for CudaBackend {
 
     fn activate(&self, x: &mut CudaTensor, act: Activation) -> Result<()> {
         let n = x.len() as u64;
-        self.launch("activate", x.dtype, grid_for(n), &[Arg::Ptr(x.ptr), Arg::U64(n), Arg::U32(act_code(act))])
+        self.launch(
+            "activate",
+            x.dtype,
+            grid_for(n),
+            &[Arg::Ptr(x.ptr), Arg::U64(n), Arg::U32(act_code(act))],
+        )
     }
 
-    fn gated_activation(&self, gate: &CudaTensor, up: &CudaTensor, act: Activation) -> Result<CudaTensor> {
+    fn gated_activation(
+        &self,
+        gate: &CudaTensor,
+        up: &CudaTensor,
+        act: Activation,
+    ) -> Result<CudaTensor> {
         if gate.shape != up.shape {
             return Err(shape_err("gated_activation", &up.shape, gate.shape.clone()));
         }
@@ -670,12 +714,22 @@ impl Backend for CudaBackend {
             "act_mul",
             gate.dtype,
             grid_for(n),
-            &[Arg::Ptr(out.ptr), Arg::Ptr(gate.ptr), Arg::Ptr(up.ptr), Arg::U64(n), Arg::U32(act_code(act))],
+            &[
+                Arg::Ptr(out.ptr),
+                Arg::Ptr(gate.ptr),
+                Arg::Ptr(up.ptr),
+                Arg::U64(n),
+                Arg::U32(act_code(act)),
+            ],
         )?;
         Ok(out)
     }
 
-    fn split_cols<const N: usize>(&self, x: &CudaTensor, widths: [usize; N]) -> Result<[CudaTensor; N]> {
+    fn split_cols<const N: usize>(
+        &self,
+        x: &CudaTensor,
+        widths: [usize; N],
+    ) -> Result<[CudaTensor; N]> {
         let (rows, cols) = x.rows_cols();
         if widths.iter().sum::<usize>() != cols {
             return Err(BackendError::Invalid(format!(
@@ -822,8 +876,10 @@ impl Backend for CudaBackend {
             num_seqs: step.dims.seqs as u32,
         };
         let bf16 = q.dtype == DType::BF16;
-        let attn_err = |e: chimera_kernels::attention::AttnError| BackendError::Invalid(e.to_string());
-        let launches = chimera_kernels::attention::launches(&step.attn, dims, bf16).map_err(attn_err)?;
+        let attn_err =
+            |e: chimera_kernels::attention::AttnError| BackendError::Invalid(e.to_string());
+        let launches =
+            chimera_kernels::attention::launches(&step.attn, dims, bf16).map_err(attn_err)?;
         let scratch: Vec<CudaTensor> = chimera_kernels::attention::scratch_bytes(&step.attn, dims)
             .into_iter()
             .map(|b| self.tmp(&[b.div_ceil(4).max(1)], DType::F32))
@@ -846,7 +902,9 @@ impl Backend for CudaBackend {
                         AttnArg::Scratch(i) => Arg::Ptr(
                             scratch
                                 .get(i)
-                                .ok_or_else(|| BackendError::Invalid(format!("attention scratch {i}")))?
+                                .ok_or_else(|| {
+                                    BackendError::Invalid(format!("attention scratch {i}"))
+                                })?
                                 .ptr,
                         ),
                         AttnArg::U32(v) => Arg::U32(v),
@@ -958,7 +1016,9 @@ impl Backend for CudaBackend {
                         SampleArg::Scratch(i) => Arg::Ptr(
                             scratch
                                 .get(i)
-                                .ok_or_else(|| BackendError::Invalid(format!("sampling scratch {i}")))?
+                                .ok_or_else(|| {
+                                    BackendError::Invalid(format!("sampling scratch {i}"))
+                                })?
                                 .ptr,
                         ),
                         SampleArg::U32(v) => Arg::U32(v),
@@ -980,7 +1040,11 @@ impl Backend for CudaBackend {
         }
         // The step's one device-to-host copy, and its one synchronisation.
         let bytes = 4 * words;
-        let mut rb = self.inner.readback.lock().unwrap_or_else(|p| p.into_inner());
+        let mut rb = self
+            .inner
+            .readback
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         if rb.as_ref().is_none_or(|p| p.bytes < bytes) {
             *rb = Some(Pinned::new(self.dev(), bytes.next_power_of_two())?);
         }
@@ -992,7 +1056,9 @@ impl Backend for CudaBackend {
         unsafe { dtoh(self.dev(), self.stream(), dst, res.ptr)? };
         sync(self.dev(), self.stream())?;
         let src = &pinned.as_slice()[..bytes];
-        let word = |i: usize| u32::from_le_bytes([src[4 * i], src[4 * i + 1], src[4 * i + 2], src[4 * i + 3]]);
+        let word = |i: usize| {
+            u32::from_le_bytes([src[4 * i], src[4 * i + 1], src[4 * i + 2], src[4 * i + 3]])
+        };
         for i in 0..n * k {
             out.cand_tokens[i] = word(i);
             out.cand_logits[i] = f32::from_bits(word(n * k + i));

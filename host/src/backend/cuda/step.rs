@@ -88,14 +88,14 @@ impl CudaStep {
         let at = staging.len();
         staging.extend(words);
         // Keep every column 16-byte aligned for vector loads.
-        while staging.len() % 4 != 0 {
+        while !staging.len().is_multiple_of(4) {
             staging.push(0);
         }
         at
     }
 
     /// Packs `plan` and copies it to the device on `stream`.
-    pub fn upload(
+    pub(crate) fn upload(
         &mut self,
         device: &Arc<Device>,
         stats: &MemStats,
