@@ -1,5 +1,6 @@
 // Dense-path kernels: embedding gather, RMS norms (plain, fused residual add, gated), rotary
-// embedding, activations, element-wise updates, row gathers, paged KV writes, column copies,
+// embedding (alone, and fused into the paged KV write), activations, element-wise updates, row
+// gathers, paged KV writes, column copies,
 // casts and dummy-weight fills.
 //
 // Every kernel is a template over the storage type T (float in the f32 oracle mode, bf16 in
@@ -163,6 +164,42 @@ __device__ void kv_write(T* k_cache, T* v_cache, const T* k, const T* v, const u
     }
 }
 
+// Rotates token t's keys (as `rope`) on their way into the cache and writes its values: the
+// RoPE of K fused with the paged KV write. One block per token; a slot ≥ cache_rows (padding)
+// is skipped. `k` itself is left as it was.
+template <typename T>
+__device__ void rope_kv_write(T* k_cache, T* v_cache, const T* k, const T* v,
+                              const u32* slot_mapping, u32 n, u32 kv_heads, u32 head_dim,
+                              u32 half, const u32* positions, const float* inv_freq,
+                              float scaling, u64 cache_rows) {
+    u32 t = blockIdx.x;
+    if (t >= n) return;
+    u64 slot = slot_mapping[t];
+    if (slot >= cache_rows) return;
+    u32 width = kv_heads * head_dim;
+    float p = (float)positions[t];
+    const T* src = k + (i64)t * width;
+    T* dst = k_cache + slot * width;
+    for (u32 j = threadIdx.x; j < width; j += blockDim.x) {
+        u32 d = j % head_dim;
+        i64 base = (i64)(j - d);
+        float out;
+        if (d < half) {
+            float s, c;
+            sincosf(inv_freq[d] * p, &s, &c);
+            out = load(src, base + d) * (c * scaling) - load(src, base + d + half) * (s * scaling);
+        } else if (d < 2 * half) {
+            float s, c;
+            sincosf(inv_freq[d - half] * p, &s, &c);
+            out = load(src, base + d) * (c * scaling) + load(src, base + d - half) * (s * scaling);
+        } else {
+            out = load(src, base + d);
+        }
+        store(dst, j, out);
+        v_cache[slot * width + j] = v[(i64)t * width + j];
+    }
+}
+
 // x[r, c] += b[c].
 template <typename T>
 __device__ void add_bias(T* x, const T* b, u32 rows, u32 cols) {
@@ -254,6 +291,13 @@ extern "C" __global__ void cast_f16_to_f32(float* out, const u16* in, u64 n) {
                                             const u32* slot_mapping, u32 n, u32 kv_width,           \
                                             u64 cache_rows) {                                       \
         kv_write(k_cache, v_cache, k, v, slot_mapping, n, kv_width, cache_rows);                    \
+    }                                                                                               \
+    extern "C" __global__ void rope_kv_write_##S(                                                  \
+        T* k_cache, T* v_cache, const T* k, const T* v, const u32* slot_mapping, u32 n,             \
+        u32 kv_heads, u32 head_dim, u32 half, const u32* positions, const float* inv_freq,          \
+        float scaling, u64 cache_rows) {                                                            \
+        rope_kv_write(k_cache, v_cache, k, v, slot_mapping, n, kv_heads, head_dim, half, positions, \
+                      inv_freq, scaling, cache_rows);                                               \
     }                                                                                               \
     extern "C" __global__ void add_bias_##S(T* x, const T* b, u32 rows, u32 cols) {                \
         add_bias(x, b, rows, cols);                                                                 \

@@ -167,6 +167,9 @@ pub mod dense {
     const SCALE: &[Param] = &[Ptr, U64, F32];
     const GATHER: &[Param] = &[Ptr, Ptr, Ptr, U32, U32, U32];
     const KV_WRITE: &[Param] = &[Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U64];
+    const ROPE_KV_WRITE: &[Param] = &[
+        Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, Ptr, Ptr, F32, U64,
+    ];
     const BIAS: &[Param] = &[Ptr, Ptr, U32, U32];
     const COPY_COLS: &[Param] = &[Ptr, Ptr, U32, U32, U32, U32];
     const CAST: &[Param] = &[Ptr, Ptr, U64];
@@ -196,6 +199,8 @@ pub mod dense {
         e("gather_rows_bf16", GATHER),
         e("kv_write_f32", KV_WRITE),
         e("kv_write_bf16", KV_WRITE),
+        e("rope_kv_write_f32", ROPE_KV_WRITE),
+        e("rope_kv_write_bf16", ROPE_KV_WRITE),
         e("add_bias_f32", BIAS),
         e("add_bias_bf16", BIAS),
         e("copy_cols_f32", COPY_COLS),

@@ -197,6 +197,20 @@ impl<B: Backend> Backend for Counting<B> {
         self.kernel();
         self.inner.apply_rope(x, heads, head_dim, rope, step)
     }
+    fn rope_paged_attention(
+        &self,
+        q: &Self::Tensor,
+        k: Self::Tensor,
+        v: &Self::Tensor,
+        cache: &mut KvLayer<Self::Tensor>,
+        shape: AttnShape,
+        rope: &Rope,
+        step: &Self::Step,
+    ) -> Result<Self::Tensor> {
+        self.kernel();
+        self.inner
+            .rope_paged_attention(q, k, v, cache, shape, rope, step)
+    }
     fn paged_attention(
         &self,
         q: &Self::Tensor,

@@ -374,6 +374,24 @@ pub trait Backend: Send + Sync + 'static {
         step: &Self::Step,
     ) -> Result<Self::Tensor>;
 
+    /// [`Backend::paged_attention`] with RoPE applied to `k` on its way into the cache (`q`
+    /// must already be rotated). A device fuses the rotation into the KV write; the default
+    /// rotates `k` first.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_paged_attention(
+        &self,
+        q: &Self::Tensor,
+        mut k: Self::Tensor,
+        v: &Self::Tensor,
+        cache: &mut KvLayer<Self::Tensor>,
+        shape: AttnShape,
+        rope: &Rope,
+        step: &Self::Step,
+    ) -> Result<Self::Tensor> {
+        self.apply_rope(&mut k, shape.kv_heads, shape.head_dim, rope, step)?;
+        self.paged_attention(q, &k, v, cache, shape, step)
+    }
+
     // ---- state-space layers -------------------------------------------------------------
     /// Applies the step's SSM slot restores and zeros to every layer at once.
     fn ssm_slot_ops(&self, pools: &mut SsmPools<Self::Tensor>, step: &Self::Step) -> Result<()>;

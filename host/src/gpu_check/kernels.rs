@@ -319,8 +319,35 @@ fn attention_case(
     num_blocks: usize,
     chunks: &[(usize, usize)],
 ) {
+    attention_rope_case(
+        c,
+        (heads, kv_heads, head_dim),
+        block_size,
+        num_blocks,
+        chunks,
+        None,
+    );
+}
+
+/// One mixed attention batch; with `rope`, K is rotated on its way into the cache
+/// (`rope_paged_attention`: fused on the GPU, rotate-then-attend on the CPU).
+fn attention_rope_case(
+    c: &mut Ctx<'_>,
+    (heads, kv_heads, head_dim): (usize, usize, usize),
+    block_size: usize,
+    num_blocks: usize,
+    chunks: &[(usize, usize)],
+    rope: Option<Rope>,
+) {
     let label = format!(
-        "attention {heads}q/{kv_heads}kv d{head_dim} bs{block_size} {num_blocks} blocks {chunks:?}"
+        "attention {heads}q/{kv_heads}kv d{head_dim} bs{block_size} {num_blocks} blocks {chunks:?}{}",
+        match &rope {
+            Some(r) => format!(
+                " + RoPE on K (rotary {}, ×{})",
+                r.rotary_dim, r.attention_scaling
+            ),
+            None => String::new(),
+        }
     );
     c.check(&label, true, |c| {
         let mut plan = plan_of(&mut c.rng, chunks, block_size, num_blocks, 100);
@@ -375,12 +402,14 @@ fn attention_case(
         let mut gv = c.gpu.download(&g)?;
         let mut rv = c.cpu.download(&r)?;
         // The KV write: every slot this step wrote, read back from both caches.
-        let kg_all = c.gpu.download(&cache_g.v)?;
-        let kc_all = c.cpu.download(&cache_c.v)?;
-        for &slot in &plan.slot_mapping {
-            let s = slot as usize * kvw;
-            gv.extend_from_slice(&kg_all[s..s + kvw]);
-            rv.extend_from_slice(&kc_all[s..s + kvw]);
+        for (tg, tc) in [(&cache_g.k, &cache_c.k), (&cache_g.v, &cache_c.v)] {
+            let all_g = c.gpu.download(tg)?;
+            let all_c = c.cpu.download(tc)?;
+            for &slot in &plan.slot_mapping {
+                let s = slot as usize * kvw;
+                gv.extend_from_slice(&all_g[s..s + kvw]);
+                rv.extend_from_slice(&all_c[s..s + kvw]);
+            }
         }
         Ok((gv, rv))
     });
@@ -418,6 +447,30 @@ fn attention(c: &mut Ctx<'_>) {
         16,
         4096,
         &[(16_000, 1), (9000, 1), (0, 1), (3000, 5)],
+    );
+    let rope = |rotary: usize, scaling: f32, theta: f32| Rope {
+        inv_freq: (0..rotary / 2)
+            .map(|i| 1.0 / theta.powf((2 * i) as f32 / rotary as f32))
+            .collect(),
+        rotary_dim: rotary,
+        attention_scaling: scaling,
+    };
+    let mixed = [(1327, 1), (0, 131), (463, 129), (36, 1)];
+    attention_rope_case(
+        c,
+        (32, 8, 128),
+        16,
+        2048,
+        &mixed,
+        Some(rope(128, 1.0, 500_000.0)),
+    );
+    attention_rope_case(
+        c,
+        (4, 2, 24),
+        32,
+        512,
+        &[(0, 33), (70, 1)],
+        Some(rope(12, 1.2, 10_000.0)),
     );
     if c.mode == DType::F32 {
         attention_case(c, (8, 2, 64), 16, 1024, &[(0, 4097)]);

@@ -45,8 +45,19 @@ impl DevAlloc {
         device.bind()?;
         // A zero-byte request still gets a real (tiny) allocation, so every pointer is valid.
         // SAFETY: the context is current on this thread.
-        let ptr = unsafe { result::malloc_sync(bytes.max(256)) }
-            .map_err(|e| device.fail(&format!("allocating {bytes} bytes"), e))?;
+        let ptr = unsafe { result::malloc_sync(bytes.max(256)) }.map_err(|e| {
+            let free = result::mem_get_info()
+                .map(|(free, total)| {
+                    format!(
+                        " ({:.2} GiB free of {:.2} GiB: lower cache.memory_budget or \
+                         engine.max_batched_tokens, or set cache.memory_fraction)",
+                        free as f64 / f64::from(1u32 << 30),
+                        total as f64 / f64::from(1u32 << 30)
+                    )
+                })
+                .unwrap_or_default();
+            device.fail(&format!("allocating {bytes} bytes{free}"), e)
+        })?;
         stats.allocations.fetch_add(1, Ordering::Relaxed);
         stats.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
         Ok(Self {

@@ -60,18 +60,21 @@ impl<B: Backend> Attention<B> {
         ctx: &mut StepCtx<'_, B>,
     ) -> Result<B::Tensor, ModelError> {
         let mut q = self.q.forward(b, x)?;
-        let mut k = self.k.forward(b, x)?;
+        let k = self.k.forward(b, x)?;
         let v = self.v.forward(b, x)?;
         let s = self.shape;
-        if let Some(rope) = &self.rope {
-            b.apply_rope(&mut q, s.heads, s.head_dim, rope, ctx.step)?;
-            b.apply_rope(&mut k, s.kv_heads, s.head_dim, rope, ctx.step)?;
-        }
         let cache = ctx
             .kv
             .get_mut(self.cache)
             .ok_or_else(|| ModelError::Backend(format!("no KV cache for layer {}", self.cache)))?;
-        let out = b.paged_attention(&q, &k, &v, cache, s, ctx.step)?;
+        let out = match &self.rope {
+            Some(rope) => {
+                b.apply_rope(&mut q, s.heads, s.head_dim, rope, ctx.step)?;
+                // K is rotated on its way into the cache.
+                b.rope_paged_attention(&q, k, &v, cache, s, rope, ctx.step)?
+            }
+            None => b.paged_attention(&q, &k, &v, cache, s, ctx.step)?,
+        };
         self.o.forward(b, &out)
     }
 }
