@@ -1,7 +1,7 @@
-// Dense-path kernels: embedding gather, RMS norms (plain, fused residual add, gated), rotary
-// embedding (alone, and fused into the paged KV write), activations, element-wise updates, row
-// gathers, paged KV writes, column copies,
-// casts and dummy-weight fills.
+// Dense-path kernels: row gathers (embedding lookup, logit rows), RMS norms (plain, fused
+// residual add, gated), rotary embedding (alone, and fused into the paged KV write),
+// activations, element-wise updates, paged KV writes, column copies, casts and dummy-weight
+// fills.
 //
 // Every kernel is a template over the storage type T (float in the f32 oracle mode, bf16 in
 // the serving mode) with f32 arithmetic, instantiated as `<name>_f32` and `<name>_bf16` at the
@@ -28,19 +28,6 @@ __device__ __forceinline__ float apply_act(float x, u32 act) {
 
 #define GRID_STRIDE(i, n) \
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
-
-// out[t, :] = table[ids[t], :]; ids outside the table give zero rows (the engine validates
-// token ids before they reach a step).
-template <typename T>
-__device__ void embedding(T* out, const T* table, const u32* ids, u32 n, u32 cols, u32 vocab) {
-    u32 t = blockIdx.x;
-    if (t >= n) return;
-    u32 id = ids[t];
-    for (u32 c = threadIdx.x; c < cols; c += blockDim.x) {
-        float v = id < vocab ? load(table, (i64)id * cols + c) : 0.0f;
-        store(out, (i64)t * cols + c, v);
-    }
-}
 
 // One row per block: out = w * (x / sqrt(mean(x²) + eps)).
 template <typename T>
@@ -257,10 +244,6 @@ extern "C" __global__ void cast_f16_to_f32(float* out, const u16* in, u64 n) {
 
 // The `_f32` / `_bf16` entry points.
 #define INSTANTIATE(T, S)                                                                           \
-    extern "C" __global__ void embedding_##S(T* out, const T* table, const u32* ids, u32 n,         \
-                                             u32 cols, u32 vocab) {                                 \
-        embedding(out, table, ids, n, cols, vocab);                                                 \
-    }                                                                                               \
     extern "C" __global__ void rms_norm_##S(T* out, const T* x, const T* w, u32 cols, float eps) { \
         rms_norm(out, x, w, cols, eps);                                                             \
     }                                                                                               \

@@ -145,7 +145,7 @@ fn inline_into(
     Ok(())
 }
 
-/// Dense-path kernels (`dense.cu`): embedding, norms, rotary, activations, gathers, casts,
+/// Dense-path kernels (`dense.cu`): row gathers, norms, rotary, activations, casts,
 /// KV writes, dummy weights. Most come in an `_f32` and a `_bf16` instantiation with the same
 /// parameters.
 pub mod dense {
@@ -156,7 +156,6 @@ pub mod dense {
         Entry { name, params }
     }
 
-    const EMBED: &[Param] = &[Ptr, Ptr, Ptr, U32, U32, U32];
     const RMS: &[Param] = &[Ptr, Ptr, Ptr, U32, F32];
     const ADD_RMS: &[Param] = &[Ptr, Ptr, Ptr, Ptr, U32, F32];
     const GATED_RMS: &[Param] = &[Ptr, Ptr, Ptr, Ptr, U32, U32, F32];
@@ -177,8 +176,6 @@ pub mod dense {
     const FILL: &[Param] = &[Ptr, U64, F32];
 
     pub const ENTRIES: &[Entry] = &[
-        e("embedding_f32", EMBED),
-        e("embedding_bf16", EMBED),
         e("rms_norm_f32", RMS),
         e("rms_norm_bf16", RMS),
         e("add_rms_norm_f32", ADD_RMS),

@@ -528,23 +528,7 @@ impl Backend for CudaBackend {
 
     fn embedding(&self, table: &CudaTensor, step: &CudaStep) -> Result<CudaTensor> {
         self.step_ready(step)?;
-        let (vocab, cols) = table.rows_cols();
-        let n = step.dims.tokens;
-        let out = self.tmp(&[n, cols], table.dtype)?;
-        self.launch(
-            "embedding",
-            table.dtype,
-            n as u32,
-            &[
-                Arg::Ptr(out.ptr),
-                Arg::Ptr(table.ptr),
-                Arg::Ptr(step.col(step.cols.tokens)),
-                Arg::U32(n as u32),
-                Arg::U32(cols as u32),
-                Arg::U32(vocab as u32),
-            ],
-        )?;
-        Ok(out)
+        self.gather_rows(table, step.col(step.cols.tokens), step.dims.tokens)
     }
 
     fn linear(
@@ -764,23 +748,7 @@ impl Backend for CudaBackend {
 
     fn gather_logit_rows(&self, x: &CudaTensor, step: &CudaStep) -> Result<CudaTensor> {
         self.step_ready(step)?;
-        let (n, cols) = x.rows_cols();
-        let rows = step.dims.logit_rows;
-        let out = self.tmp(&[rows, cols], x.dtype)?;
-        self.launch(
-            "gather_rows",
-            x.dtype,
-            rows as u32,
-            &[
-                Arg::Ptr(out.ptr),
-                Arg::Ptr(x.ptr),
-                Arg::Ptr(step.col(step.cols.logit_rows)),
-                Arg::U32(rows as u32),
-                Arg::U32(cols as u32),
-                Arg::U32(n as u32),
-            ],
-        )?;
-        Ok(out)
+        self.gather_rows(x, step.col(step.cols.logit_rows), step.dims.logit_rows)
     }
 
     fn apply_rope(
@@ -1055,6 +1023,27 @@ impl Backend for CudaBackend {
 }
 
 impl CudaBackend {
+    /// `out[r] = x[rows[r]]` for the `n` row indices at device address `rows` (a step
+    /// column); an index outside `x` gives a NaN row, never a silent wrong one.
+    fn gather_rows(&self, x: &CudaTensor, rows: u64, n: usize) -> Result<CudaTensor> {
+        let (n_in, cols) = x.rows_cols();
+        let out = self.tmp(&[n, cols], x.dtype)?;
+        self.launch(
+            "gather_rows",
+            x.dtype,
+            n as u32,
+            &[
+                Arg::Ptr(out.ptr),
+                Arg::Ptr(x.ptr),
+                Arg::Ptr(rows),
+                Arg::U32(n as u32),
+                Arg::U32(cols as u32),
+                Arg::U32(n_in as u32),
+            ],
+        )?;
+        Ok(out)
+    }
+
     fn check_attention(
         &self,
         q: &CudaTensor,
