@@ -1,7 +1,7 @@
 // Dense-path kernels: row gathers (embedding lookup, logit rows), RMS norms (plain, fused
 // residual add, gated), rotary embedding (alone, and fused into the paged KV write),
-// activations, element-wise updates, paged KV writes, column copies, casts and dummy-weight
-// fills.
+// activations, element-wise updates, paged KV writes, MoE routing and expert scatter, column
+// copies, casts and dummy-weight fills.
 //
 // Every kernel is a template over the storage type T (float in the f32 oracle mode, bf16 in
 // the serving mode) with f32 arithmetic, instantiated as `<name>_f32` and `<name>_bf16` at the
@@ -187,6 +187,83 @@ __device__ void rope_kv_write(T* k_cache, T* v_cache, const T* k, const T* v,
     }
 }
 
+// MoE routing, one thread per token, exactly as the CPU reference (`backend/cpu/moe.rs`):
+// sigmoid scores; choice = score + correction bias; group score = the sum of the group's two
+// best choices (best first); the `topk_group` best groups (ties to the lower group); the
+// `top_k` best choices among their experts (ties to the lower id); weights are the scores
+// (not the choices), optionally normalised by their sum + 1e-20, times `scaling`.
+// Scratch: `experts` floats of choices per token in `choice` ([tokens, experts]).
+template <typename T>
+__device__ void moe_route(u32* ids, float* weights, float* choice, const T* logits,
+                          const T* bias, u32 tokens, u32 experts, u32 n_group, u32 topk_group,
+                          u32 top_k, u32 norm, float scaling) {
+    u32 t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= tokens) return;
+    const T* row = logits + (i64)t * experts;
+    float* ch = choice + (i64)t * experts;
+    for (u32 e = 0; e < experts; ++e) {
+        float s = 1.0f / (1.0f + expf(-load(row, e)));
+        ch[e] = s + load(bias, e);
+    }
+    u32 per = experts / n_group;
+    // Allowed groups as a bit mask (at most 64 groups).
+    u64 allowed = 0;
+    for (u32 pick = 0; pick < topk_group; ++pick) {
+        int best_g = -1;
+        float best_s = 0.0f;
+        for (u32 g = 0; g < n_group; ++g) {
+            if (allowed >> g & 1ull) continue;
+            float b0 = -CHIMERA_INF, b1 = -CHIMERA_INF;
+            u32 m = 0;
+            for (u32 e = g * per; e < (g + 1) * per; ++e) {
+                float v = ch[e];
+                if (m == 0) { b0 = v; m = 1; }
+                else if (v > b0) { b1 = b0; b0 = v; m = 2; }
+                else if (m == 1 || v > b1) { b1 = v; m = 2; }
+            }
+            float gs = m == 2 ? b0 + b1 : b0;
+            if (best_g < 0 || gs > best_s) { best_g = (int)g; best_s = gs; }
+        }
+        allowed |= 1ull << best_g;
+    }
+    // Top-k experts of the allowed groups by choice (ties to the lower id): selection.
+    float sum = 0.0f;
+    u32* out_ids = ids + (i64)t * top_k;
+    float* out_w = weights + (i64)t * top_k;
+    for (u32 j = 0; j < top_k; ++j) {
+        int best = -1;
+        float best_v = 0.0f;
+        for (u32 e = 0; e < experts; ++e) {
+            if (!(allowed >> (e / per) & 1ull)) continue;
+            bool taken = false;
+            for (u32 q = 0; q < j; ++q) taken |= out_ids[q] == e;
+            if (taken) continue;
+            float v = ch[e];
+            if (best < 0 || v > best_v) { best = (int)e; best_v = v; }
+        }
+        out_ids[j] = (u32)best;
+        float w = 1.0f / (1.0f + expf(-load(row, (u32)best)));
+        out_w[j] = w;
+        sum += w;
+    }
+    if (norm) {
+        sum += 1e-20f;
+        for (u32 j = 0; j < top_k; ++j) out_w[j] = out_w[j] / sum;
+    }
+    for (u32 j = 0; j < top_k; ++j) out_w[j] *= scaling;
+}
+
+// out[rows[i], :] += w[i] * y[i, :] for the `n` rows of one expert (distinct tokens: no race).
+template <typename T>
+__device__ void moe_scatter_add(T* out, const T* y, const u32* rows, const float* w, u32 n,
+                                u32 cols) {
+    u32 i = blockIdx.x;
+    if (i >= n) return;
+    i64 dst = (i64)rows[i] * cols, src = (i64)i * cols;
+    for (u32 c = threadIdx.x; c < cols; c += blockDim.x)
+        store(out, dst + c, load(out, dst + c) + w[i] * load(y, src + c));
+}
+
 // x[r, c] += b[c].
 template <typename T>
 __device__ void add_bias(T* x, const T* b, u32 rows, u32 cols) {
@@ -281,6 +358,17 @@ extern "C" __global__ void cast_f16_to_f32(float* out, const u16* in, u64 n) {
         float scaling, u64 cache_rows) {                                                            \
         rope_kv_write(k_cache, v_cache, k, v, slot_mapping, n, kv_heads, head_dim, half, positions, \
                       inv_freq, scaling, cache_rows);                                               \
+    }                                                                                               \
+    extern "C" __global__ void moe_route_##S(u32* ids, float* weights, float* choice,               \
+                                             const T* logits, const T* bias, u32 tokens,            \
+                                             u32 experts, u32 n_group, u32 topk_group, u32 top_k,   \
+                                             u32 norm, float scaling) {                             \
+        moe_route(ids, weights, choice, logits, bias, tokens, experts, n_group, topk_group, top_k,  \
+                  norm, scaling);                                                                   \
+    }                                                                                               \
+    extern "C" __global__ void moe_scatter_add_##S(T* out, const T* y, const u32* rows,             \
+                                                   const float* w, u32 n, u32 cols) {               \
+        moe_scatter_add(out, y, rows, w, n, cols);                                                  \
     }                                                                                               \
     extern "C" __global__ void add_bias_##S(T* x, const T* b, u32 rows, u32 cols) {                \
         add_bias(x, b, rows, cols);                                                                 \

@@ -170,6 +170,8 @@ pub mod dense {
         Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, Ptr, Ptr, F32, U64,
     ];
     const BIAS: &[Param] = &[Ptr, Ptr, U32, U32];
+    const MOE_ROUTE: &[Param] = &[Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, U32, U32, F32];
+    const MOE_SCATTER: &[Param] = &[Ptr, Ptr, Ptr, Ptr, U32, U32];
     const COPY_COLS: &[Param] = &[Ptr, Ptr, U32, U32, U32, U32];
     const CAST: &[Param] = &[Ptr, Ptr, U64];
     const FILL_RANDOM: &[Param] = &[Ptr, U64, U64, F32];
@@ -198,6 +200,10 @@ pub mod dense {
         e("kv_write_bf16", KV_WRITE),
         e("rope_kv_write_f32", ROPE_KV_WRITE),
         e("rope_kv_write_bf16", ROPE_KV_WRITE),
+        e("moe_route_f32", MOE_ROUTE),
+        e("moe_route_bf16", MOE_ROUTE),
+        e("moe_scatter_add_f32", MOE_SCATTER),
+        e("moe_scatter_add_bf16", MOE_SCATTER),
         e("add_bias_f32", BIAS),
         e("add_bias_bf16", BIAS),
         e("copy_cols_f32", COPY_COLS),

@@ -6,12 +6,13 @@
 //! | pass. The table is printed last and written as JSON; the command fails if any row fails.
 //!
 //! Suites: `kernels` (each kernel against the CPU on fresh random inputs, outputs poisoned
-//! first), `parity` (the Llama fixtures end to end, f32 mode against the CPU; bf16 logits are
+//! first), `hybrid` (MoE routing and experts, SSM slot operations), `parity` (the Llama fixtures end to end, f32 mode against the CPU; bf16 logits are
 //! written for the transformers comparison), `bench` (Llama-3-8B-shaped dummy model: load time,
 //! eager decode against the memory floor, driver allocations in the step loop; causal
 //! attention at 8192 tokens).
 
 mod bench;
+mod hybrid;
 mod kernels;
 mod parity;
 pub mod rng;
@@ -27,7 +28,7 @@ use crate::backend::cuda::{CudaBackend, CudaOptions};
 
 #[derive(Debug, clap::Args)]
 pub struct GpuCheckArgs {
-    /// kernels, parity, bench or all.
+    /// kernels, hybrid, parity, bench or all.
     #[arg(long, default_value = "all")]
     pub suite: String,
     /// The committed model fixtures (`tests/fixtures/models`).
@@ -214,6 +215,10 @@ pub fn run(args: &GpuCheckArgs) -> anyhow::Result<Report> {
     if all || args.suite == "kernels" {
         ran = true;
         kernels::run(&mut report, &f32_gpu, &bf16_gpu, seed);
+    }
+    if all || args.suite == "hybrid" {
+        ran = true;
+        hybrid::run(&mut report, &f32_gpu, &bf16_gpu, seed);
     }
     if all || args.suite == "parity" {
         ran = true;

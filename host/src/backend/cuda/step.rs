@@ -57,6 +57,8 @@ pub struct CudaStep {
     buf: Option<DevAlloc>,
     /// Set by a successful upload; kernels refuse a step that was never uploaded.
     pub(super) uploaded: bool,
+    /// The step's SSM slot restores and zeros (applied with copies, not kernels).
+    pub(super) slot_ops: Vec<crate::backend::SlotOp>,
 }
 
 impl CudaStep {
@@ -70,6 +72,7 @@ impl CudaStep {
             pinned: None,
             buf: None,
             uploaded: false,
+            slot_ops: Vec::new(),
         }
     }
 
@@ -103,6 +106,7 @@ impl CudaStep {
         plan: &StepPlan,
     ) -> Result<()> {
         self.uploaded = false;
+        self.slot_ops.clone_from(&plan.slot_ops);
         self.ctx_lens.clear();
         self.ctx_lens
             .extend(plan.seqs.iter().map(|q| q.context_len as u32));
