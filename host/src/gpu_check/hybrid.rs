@@ -131,9 +131,11 @@ fn experts_case(gpu: &CudaBackend, rng: &mut Rng) -> R<(Vec<f32>, Vec<f32>)> {
     let down = round(rng.vec(experts * hidden * inter, 0.1));
     let base = round(rng.vec(tokens * hidden, 1.0));
     let bias = vec![0.0f32; experts];
+    /// The layer's host inputs: x, router logits, up, down, the output's starting values, bias.
+    type Inputs<'a> = [&'a [f32]; 6];
     fn both<B: Backend>(
         b: &B,
-        (x, logits, up, down, base, bias): (&[f32], &[f32], &[f32], &[f32], &[f32], &[f32]),
+        [x, logits, up, down, base, bias]: Inputs<'_>,
         (tokens, hidden, inter, experts): (usize, usize, usize, usize),
     ) -> R<Vec<f32>> {
         let xt = b.upload(HostTensor::f32(x, &[tokens, hidden]))?;
