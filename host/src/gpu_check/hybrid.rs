@@ -158,14 +158,14 @@ fn experts_case(gpu: &CudaBackend, rng: &mut Rng) -> R<(Vec<f32>, Vec<f32>)> {
         b.moe(&xt, &lt, &routing, &stacked, &mut out)?;
         Ok(b.download(&out)?)
     }
-    let data = (
+    let data = [
         &x[..],
         &logits[..],
         &up[..],
         &down[..],
         &base[..],
         &bias[..],
-    );
+    ];
     let dims = (tokens, hidden, inter, experts);
     Ok((both(gpu, data, dims)?, both(&cpu, data, dims)?))
 }
