@@ -4,7 +4,7 @@
 //! fixtures end to end (see `parity`).
 
 use super::rng::Rng;
-use super::{Report, rel_err};
+use super::{GpuCheckArgs, Report, rel_err};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cpu::moe as cpu_moe;
 use crate::backend::cuda::CudaBackend;
@@ -15,7 +15,13 @@ use crate::backend::{
 const SUITE: &str = "hybrid";
 type R<T> = anyhow::Result<T>;
 
-pub fn run(report: &mut Report, f32_gpu: &CudaBackend, bf16_gpu: &CudaBackend, seed: u64) {
+pub fn run(
+    report: &mut Report,
+    f32_gpu: &CudaBackend,
+    bf16_gpu: &CudaBackend,
+    args: &GpuCheckArgs,
+    seed: u64,
+) {
     let mut rng = Rng::new(seed ^ 0x4859_4252);
     for &(tokens, experts, n_group, topk_group, top_k, norm) in &[
         (37usize, 16usize, 4usize, 2usize, 4usize, true),
@@ -69,6 +75,75 @@ pub fn run(report: &mut Report, f32_gpu: &CudaBackend, bf16_gpu: &CudaBackend, s
         Ok((g, c)) => report.err(SUITE, label, rel_err(&g, &c), 0.0),
         Err(e) => report.failed(SUITE, label, format!("{e:#}")),
     }
+    // The hybrid fixtures end to end, as the Llama ones in `parity`.
+    let mut dirs: Vec<_> = std::fs::read_dir(&args.fixtures)
+        .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).collect())
+        .unwrap_or_default();
+    dirs.sort();
+    for dir in dirs {
+        let name = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        if name.starts_with("llama") || !dir.join("reference.json").exists() {
+            continue;
+        }
+        if let Err(e) = super::parity::fixture(report, &dir, &name, f32_gpu, bf16_gpu, args) {
+            report.failed(SUITE, name.clone(), format!("{e:#}"));
+        }
+    }
+    let dir = args.fixtures.join("nemotronh-a");
+    let label = "nemotronh-a f32 engine, 64 requests in 8 prefix groups: GPU = CPU, caching on = off";
+    if let Err(e) = prefix_groups(report, &dir, f32_gpu) {
+        report.failed(SUITE, label, format!("{e:#}"));
+    }
+}
+
+/// 64 requests in 8 groups sharing a 4-block prefix, submitted in a fixed order, through the
+/// real engine on the CPU and on the GPU (f32): identical tokens, caching on = off on the GPU,
+/// and the same prefix hits and SSM restores as the CPU (more than none).
+fn prefix_groups(report: &mut Report, dir: &std::path::Path, gpu: &CudaBackend) -> R<()> {
+    use super::parity::drive_engine;
+    use std::sync::Arc;
+    let cpu = CpuBackend::default();
+    let mc = Arc::new(crate::model::load(dir, &cpu)?);
+    let mg = Arc::new(crate::model::load(dir, gpu)?);
+    let requests: Vec<Vec<u32>> = (0..64u32)
+        .map(|i| {
+            let g = i % 8;
+            let mut p: Vec<u32> = (0..64).map(|j| (g * 37 + j * 11) % 500 + 1).collect();
+            p.extend((0..3 + i % 5).map(|j| (i * 7 + j * 3) % 500 + 1));
+            p
+        })
+        .collect();
+    let c = drive_engine(cpu, mc, &requests, true, 8)?;
+    let g = drive_engine(gpu.replica()?, mg.clone(), &requests, true, 8)?;
+    let g_off = drive_engine(gpu.replica()?, mg, &requests, false, 8)?;
+    let same = c.0 == g.0 && g.0 == g_off.0;
+    report.push(
+        SUITE,
+        "nemotronh-a f32 engine, 64 requests in 8 prefix groups: tokens GPU = CPU, on = off",
+        if same { 1.0 } else { 0.0 },
+        if same { "identical".into() } else { "DIFFER".into() },
+        "identical".into(),
+        same,
+    );
+    let (cs, gs) = (&c.1, &g.1);
+    let counts_same = cs.ssm_restores == gs.ssm_restores
+        && cs.prefix_cache_hits == gs.prefix_cache_hits
+        && gs.ssm_restores > 0;
+    report.push(
+        SUITE,
+        format!(
+            "nemotronh-a SSM restores / prefix hits on the GPU = CPU ({} / {})",
+            gs.ssm_restores, gs.prefix_cache_hits
+        ),
+        gs.ssm_restores as f64,
+        format!("{} / {}", gs.ssm_restores, gs.prefix_cache_hits),
+        format!("{} / {}, > 0", cs.ssm_restores, cs.prefix_cache_hits),
+        counts_same,
+    );
+    Ok(())
 }
 
 /// Router logits on a coarse grid (many ties) through both routers.

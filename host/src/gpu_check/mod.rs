@@ -218,7 +218,7 @@ pub fn run(args: &GpuCheckArgs) -> anyhow::Result<Report> {
     }
     if all || args.suite == "hybrid" {
         ran = true;
-        hybrid::run(&mut report, &f32_gpu, &bf16_gpu, seed);
+        hybrid::run(&mut report, &f32_gpu, &bf16_gpu, args, seed);
     }
     if all || args.suite == "parity" {
         ran = true;

@@ -125,6 +125,7 @@ pub fn run(
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
+        // The hybrid fixtures run in the `hybrid` suite.
         if !name.starts_with("llama") {
             continue;
         }
@@ -134,7 +135,7 @@ pub fn run(
     }
 }
 
-fn fixture(
+pub(super) fn fixture(
     report: &mut Report,
     dir: &Path,
     name: &str,
@@ -243,99 +244,94 @@ fn prefix_caching(
             p
         })
         .collect();
-    let mut outs = Vec::new();
-    for caching in [false, true] {
-        let setup = EngineSetup {
-            engine: EngineConfig {
-                max_batched_tokens: 64,
-                max_running: 4,
-                ..Default::default()
-            },
-            cache: CacheConfig {
-                memory_budget: ByteSize(64 << 20),
-                block_size: BLOCK,
-                prefix_caching: caching,
-                ..Default::default()
-            },
-            hash_salt: "gpu-check".into(),
-        };
-        let runner = ModelRunner::new(gpu.replica()?, model.clone());
-        let mut engine = Engine::new(setup, runner, Policies::greedy())?;
-        let mut rx = BTreeMap::new();
-        for (i, p) in requests.iter().enumerate() {
-            let (tx, r) = unbounded_channel();
-            engine.add(
-                GenerateRequest {
-                    id: i as u64,
-                    prompt: p.clone(),
-                    params: SamplingParams::default(),
-                    max_tokens: 16,
-                    stop_token_ids: vec![],
-                    ignore_eos: true,
-                    prompt_logprobs: false,
-                    block_hashes: None,
-                },
-                tx,
-            );
-            rx.insert(i as u64, r);
-            // Later requests arrive after the first has filled the cache.
-            if i == 0 {
-                for _ in 0..8 {
-                    engine.step();
-                }
-            }
-        }
-        let mut tokens: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
-        let mut cached = 0u64;
-        let mut done = 0;
-        for _ in 0..10_000 {
-            engine.step();
-            for (&id, r) in rx.iter_mut() {
-                while let Ok(ev) = r.try_recv() {
-                    match ev {
-                        EngineEvent::Tokens { tokens: t, .. } => {
-                            tokens.entry(id).or_default().extend(t)
-                        }
-                        EngineEvent::Finished { usage, .. } => {
-                            cached += u64::from(usage.cached_tokens);
-                            done += 1;
-                        }
-                        EngineEvent::Failed { message, .. } => {
-                            anyhow::bail!("request {id} failed: {message}")
-                        }
-                        EngineEvent::PromptLogprobs { .. } => {}
-                    }
-                }
-            }
-            if done == requests.len() {
-                break;
-            }
-        }
-        anyhow::ensure!(
-            done == requests.len(),
-            "the engine did not finish every request"
-        );
-        engine
-            .cache()
-            .check_invariants()
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
-        outs.push((tokens, cached));
-    }
-    let same = outs[0].0 == outs[1].0;
+    let off = drive_engine(gpu.replica()?, model.clone(), &requests, false, 16)?;
+    let on = drive_engine(gpu.replica()?, model, &requests, true, 16)?;
+    let cached = on.1.prompt_tokens_cached;
+    let same = off.0 == on.0;
     report.push(
         SUITE,
-        format!(
-            "{name} f32 engine: prefix caching on = off ({} cached tokens)",
-            outs[1].1
-        ),
-        outs[1].1 as f64,
-        if same {
-            "identical".into()
-        } else {
-            "DIFFER".into()
-        },
+        format!("{name} f32 engine: prefix caching on = off ({cached} cached tokens)"),
+        cached as f64,
+        if same { "identical".into() } else { "DIFFER".into() },
         "identical, cached > 0".into(),
-        same && outs[1].1 > 0 && outs[0].1 == 0,
+        same && cached > 0 && off.1.prompt_tokens_cached == 0,
     );
     Ok(())
+}
+
+/// Runs `requests` (greedy, `max_tokens` each, EOS ignored) through a real engine over
+/// `backend`: the first alone for 8 steps (so it fills the cache), the rest after it. Returns
+/// every request's tokens and the engine's final statistics; the cache invariants must hold.
+pub(super) fn drive_engine<B: Backend>(
+    backend: B,
+    model: std::sync::Arc<Model<B>>,
+    requests: &[Vec<u32>],
+    caching: bool,
+    max_tokens: u32,
+) -> anyhow::Result<(BTreeMap<u64, Vec<u32>>, crate::engine::api::EngineStats)> {
+    let setup = EngineSetup {
+        engine: EngineConfig {
+            max_batched_tokens: 64,
+            max_running: 4,
+            ..Default::default()
+        },
+        cache: CacheConfig {
+            memory_budget: ByteSize(64 << 20),
+            block_size: BLOCK,
+            prefix_caching: caching,
+            ..Default::default()
+        },
+        hash_salt: "gpu-check".into(),
+    };
+    let mut engine = Engine::new(setup, ModelRunner::new(backend, model), Policies::greedy())?;
+    let mut rx = BTreeMap::new();
+    for (i, p) in requests.iter().enumerate() {
+        let (tx, r) = unbounded_channel();
+        engine.add(
+            GenerateRequest {
+                id: i as u64,
+                prompt: p.clone(),
+                params: SamplingParams::default(),
+                max_tokens,
+                stop_token_ids: vec![],
+                ignore_eos: true,
+                prompt_logprobs: false,
+                block_hashes: None,
+            },
+            tx,
+        );
+        rx.insert(i as u64, r);
+        if i == 0 {
+            for _ in 0..8 {
+                engine.step();
+            }
+        }
+    }
+    let mut tokens: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
+    let mut done = 0;
+    for _ in 0..100_000 {
+        engine.step();
+        for (&id, r) in rx.iter_mut() {
+            while let Ok(ev) = r.try_recv() {
+                match ev {
+                    EngineEvent::Tokens { tokens: t, .. } => tokens.entry(id).or_default().extend(t),
+                    EngineEvent::Finished { .. } => done += 1,
+                    EngineEvent::Failed { message, .. } => {
+                        anyhow::bail!("request {id} failed: {message}")
+                    }
+                    EngineEvent::PromptLogprobs { .. } => {}
+                }
+            }
+        }
+        if done == requests.len() {
+            break;
+        }
+    }
+    anyhow::ensure!(done == requests.len(), "the engine did not finish every request");
+    engine
+        .cache()
+        .check_invariants()
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    engine.refresh_stats();
+    Ok((tokens, engine.stats().clone()))
 }
