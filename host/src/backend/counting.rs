@@ -94,6 +94,9 @@ impl<B: Backend> Backend for Counting<B> {
     fn is_lost(&self) -> bool {
         self.inner.is_lost()
     }
+    fn set_ssm_chunk_size(&self, chunk: usize) {
+        self.inner.set_ssm_chunk_size(chunk);
+    }
     fn zeros(&self, shape: &[usize], dtype: DType) -> Result<Self::Tensor> {
         self.inner.zeros(shape, dtype)
     }

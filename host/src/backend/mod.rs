@@ -266,6 +266,10 @@ pub trait Backend: Send + Sync + 'static {
         DType::F32
     }
 
+    /// Told at load: the SSD chunk size of the model's Mamba2 layers. A device backend cuts its
+    /// scan chunks when the step is uploaded, before any layer runs; the CPU ignores it.
+    fn set_ssm_chunk_size(&self, _chunk: usize) {}
+
     /// Whether the backend's device had an error it cannot recover from (the replica must stop).
     fn is_lost(&self) -> bool {
         false

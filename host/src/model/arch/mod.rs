@@ -107,6 +107,9 @@ pub(super) struct Assembly<B: Backend> {
 
 impl<B: Backend> Assembly<B> {
     pub fn finish(self, c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, ModelError> {
+        if let Some(m) = &self.mamba {
+            l.backend.set_ssm_chunk_size(m.shape.chunk_size);
+        }
         // Dummy weights have no files to look in: the config's tie flag decides.
         let has_head = l.store.has(self.lm_head_name) || (l.store.is_dummy() && !self.tie);
         let lm_head = if self.tie && !has_head {
