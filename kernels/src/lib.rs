@@ -17,6 +17,7 @@
 pub mod attention;
 pub mod nvrtc;
 pub mod sample;
+pub mod ssm;
 
 pub use nvrtc::{Compiled, KernelCache, KernelError, compile, compile_all, nvrtc_version};
 
@@ -93,6 +94,11 @@ pub fn sources() -> &'static [Source] {
             name: "sample.cu",
             code: include_str!("sample.cu"),
             entries: sample::ENTRIES,
+        },
+        Source {
+            name: "ssm.cu",
+            code: include_str!("ssm.cu"),
+            entries: ssm::ENTRIES,
         },
     ];
     SOURCES

@@ -1,0 +1,999 @@
+// Mamba2 state-space kernels for chimera: the depthwise causal conv1d, the selective scan
+// (chunked SSD for prompt chunks, the recurrent step for single tokens) and the SSM slot
+// restores/zeros. The host planner (`ssm.rs`) owns the work decomposition; these kernels
+// execute it. Activations and weights are T (float: the f32 oracle mode; bf16: serving);
+// the state pools and every in-kernel sum are f32.
+//
+// Work columns (ssm.rs: WorkCol). Sequence entries e (decodes, i.e. one-token chunks, first:
+// e < dec_count): first token row, length, live slot, first chunk and chunk count (prompt
+// chunks only), snapshot range (its one token, decodes only). SSD chunks c: first token row,
+// length (≤ the plan's chunk size), sequence entry, and the snapshot range at the chunk's
+// end. The planner cuts a prompt at every snapshot offset and then every chunk_size tokens
+// (as the CPU reference does), so a snapshot is always a chunk-end state. `snap_slot` holds
+// the destination slots. A slot ≥ `slots` (padding) is never read or written.
+//
+// State layouts: conv pool [slots, layers, channels, k − 1], ssm pool [slots, layers, heads,
+// head_dim, state]; layer l of slot s starts at (s·layers + l)·per_layer.
+//
+// Causal conv1d (after Dao-AILab causal-conv1d and vLLM's varlen Triton conv):
+// out_t = silu(bias + Σ_j w_j·in(t − (k−1) + j)), where in(q < 0) reads the live conv state.
+// - ssm_conv_chunks: one thread per channel walks CONV_ROWS rows of one chunk with a
+//   right-aligned register window; the block holding a chunk's end writes the snapshot states
+//   (the k − 1 inputs before the chunk end). It only reads the live state.
+// - ssm_conv_update: one thread per (sequence, channel): the new live state (the last k − 1
+//   inputs of the sequence), and for decodes the output and snapshots. Launched after
+//   conv_chunks, so prompt chunks have read the old state before it is replaced.
+//
+// Selective scan (Dao & Gu 2024, "Transformers are SSMs", arXiv 2405.21060, the SSD
+// algorithm; pipeline after mamba_ssm's Triton kernels: chunk cumsum → chunk states → state
+// passing → chunk scan). For head h of group g, token s of a chunk: dt_s = clamp(softplus(
+// dt_raw + dt_bias)), a = −exp(A_log), A_s = Σ_{r≤s} dt_r·a (cumulative within the chunk).
+// - ssd_dt: dt_s and A_s per (token, head) into f32 scratch (the CPU's serial sum order).
+// - ssd_states: each chunk's local end state S_c[p][n] = Σ_s exp(A_end − A_s)·dt_s·x_s[p]·B_s[n]
+//   (a P×N GEMM over the chunk's tokens), into scratch `states`.
+// - ssd_pass: per (sequence, head, element tile) h = live state; per chunk: states[c] ← h
+//   (the state entering c), h = exp(A_end)·h + S_c, snapshot slots of c ← h; live ← h.
+// - ssd_scan: y_l = exp(A_l)·C_l·h_c + Σ_{s≤l} (C_l·B_s)·exp(A_l − A_s)·dt_s·x_s + D·x_l.
+// - ssm_decode: one token: S ← exp(dt·a)·S + dt·x⊗B, y = S·C + D·x (f32), live and snapshots.
+//
+// Tiling. SIMT kernels (f32; bf16 fallback for other shapes): 256 threads, 32×64 output
+// tiles, each thread a 4×2 micro-tile, operands staged as f32 in shared memory over 32-wide
+// k tiles. Tensor-core kernels (bf16, head_dim 64, state 64 or 128): mma.sync m16n8k16
+// bf16 → f32 with ldmatrix (.trans where the operand's k runs across rows);
+// - ssd_states_mma: 4 warps × 16 rows of p, all N columns; 64-token k tiles; B is scaled by
+//   exp(A_end − A_s)·dt_s in f32 and rounded to bf16 as it is staged.
+// - ssd_scan_mma: 4 warps × 16 rows of l (a 64-row block of a chunk); the state term
+//   C·h_cᵀ first (h_c rounded to bf16), then per 64-token block of s ≤ l: scores C·Bᵀ
+//   (f32), decay and causal mask in registers, re-packed as bf16 A fragments (the FA2
+//   accumulator-to-operand trick) for P·X. Rows past the diagonal are skipped per warp.
+// This is the rounding mamba_ssm's Triton kernels also make (states and decayed scores in
+// the input dtype before the second product).
+//
+// Learned from: the SSD paper and its `ssd_minimal`; mamba_ssm's ssd_* Triton kernels and
+// selective_state_update; Dao-AILab causal-conv1d; vLLM's mamba varlen kernels (cu_seqlens,
+// state indices, intermediate states). The PTX ISA manual for mma/ldmatrix fragment
+// layouts. No code was copied.
+#include "common.cuh"
+
+namespace ssm {
+
+constexpr u32 NONE = 0xffffffffu;  // ssm.rs: ZERO_OP (op_from of a zero op)
+constexpr int MAXK = 8;            // ssm.rs: MAX_CONV_KERNEL
+constexpr int CONV_THREADS = 128;  // ssm.rs: CONV_THREADS
+constexpr int CONV_ROWS = 32;      // ssm.rs: CONV_ROWS
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+
+// The CPU's softplus and clamp (NaN stays NaN).
+__device__ __forceinline__ float dt_of(float raw, float bias, float lo, float hi) {
+    const float x = raw + bias;
+    const float v = x > 20.0f ? x : log1pf(expf(x));
+    return v < lo ? lo : (v > hi ? hi : v);
+}
+
+// Base of one layer's state of `slot` in a slot-major pool; null for a slot out of range.
+__device__ __forceinline__ float* layer_state(float* pool, u32 slot, u32 slots, u32 layer,
+                                              u32 layers, u64 per) {
+    if (slot >= slots) return nullptr;
+    return pool + ((u64)slot * layers + layer) * per;
+}
+
+// ---------------------------------------------------------------------------------------
+// Slot ops: op i copies slot op_from[i] (or zeroes, op_from = NONE) into op_to[i], both pools,
+// all layers. The planner groups ops into waves without read/write conflicts.
+
+template <bool V4>
+__device__ void slot_ops(float* conv, float* ssmp, const u32* op_from, const u32* op_to,
+                         u32 op_base, u32 slots, u64 conv_per, u64 ssm_per) {
+    const u32 op = op_base + blockIdx.y;
+    const u32 from = op_from[op], to = op_to[op];
+    if (to >= slots || (from != NONE && from >= slots)) return;
+    const u64 w = V4 ? 4 : 1;
+    const u64 cn = conv_per / w, sn = ssm_per / w;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < cn + sn; i += stride) {
+        const bool is_conv = i < cn;
+        float* pool = is_conv ? conv : ssmp;
+        const u64 per = is_conv ? cn : sn;
+        const u64 j = is_conv ? i : i - cn;
+        if (V4) {
+            float4* p = reinterpret_cast<float4*>(pool);
+            p[(u64)to * per + j] = from == NONE ? make_float4(0.f, 0.f, 0.f, 0.f) : p[(u64)from * per + j];
+        } else {
+            pool[(u64)to * per + j] = from == NONE ? 0.0f : pool[(u64)from * per + j];
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Causal conv1d.
+
+// Input of channel c at sequence position q (q < 0: the live conv state).
+template <typename T>
+__device__ __forceinline__ float conv_in(const T* x, u32 x_ld, u32 stok, int q, u32 c,
+                                         const float* st, int hist) {
+    if (q >= 0) return load(x, (i64)(stok + (u32)q) * x_ld + c);
+    return st ? st[hist + q] : 0.0f;
+}
+
+template <typename T>
+__device__ void conv_chunks(const T* x, const T* weight, const T* bias, T* out, float* pool,
+                            const u32* seq_tok, const u32* seq_slot, const u32* ck_tok,
+                            const u32* ck_len, const u32* ck_seq, const u32* ck_snap,
+                            const u32* ck_snaps, const u32* snap_slot, u32 channels, u32 kernel,
+                            u32 x_ld, u32 out_ld, u32 layer, u32 layers, u32 slots,
+                            u32 ch_blocks, u32 row_blocks) {
+    const u32 cb = blockIdx.x % ch_blocks;
+    const u32 rest = blockIdx.x / ch_blocks;
+    const u32 rb = rest % row_blocks, ck = rest / row_blocks;
+    const u32 c = cb * CONV_THREADS + threadIdx.x;
+    const u32 len = ck_len[ck];
+    const u32 r0 = rb * CONV_ROWS;
+    if (c >= channels || r0 >= len) return;
+    const u32 r1 = min(len, r0 + CONV_ROWS);
+    const u32 e = ck_seq[ck];
+    const u32 stok = seq_tok[e];
+    const int hist = (int)kernel - 1;
+    const u64 per = (u64)channels * hist;
+    const float* st = layer_state(pool, seq_slot[e], slots, layer, layers, per);
+    if (st) st += (u64)c * hist;
+    // Right-aligned: win[MAXK−1] is the newest input, wr[MAXK−k + j] = w_j.
+    float wr[MAXK], win[MAXK];
+#pragma unroll
+    for (int j = 0; j < MAXK; ++j) {
+        const int src = j - (MAXK - (int)kernel);
+        wr[j] = src >= 0 ? load(weight, (i64)c * kernel + src) : 0.0f;
+        win[j] = 0.0f;
+    }
+    const float b = bias ? load(bias, c) : 0.0f;
+    const u32 t0 = ck_tok[ck] + r0;
+    const int q0 = (int)(t0 - stok);
+#pragma unroll
+    for (int j = 0; j < MAXK; ++j) {
+        const int m = MAXK - j;  // win[j] holds in(q0 − m)
+        if (m <= hist) win[j] = conv_in(x, x_ld, stok, q0 - m, c, st, hist);
+    }
+    for (u32 r = 0; r < r1 - r0; ++r) {
+#pragma unroll
+        for (int j = 0; j < MAXK - 1; ++j) win[j] = win[j + 1];
+        win[MAXK - 1] = load(x, (i64)(t0 + r) * x_ld + c);
+        float acc = 0.0f;  // the CPU's order: Σ_j w_j·in_j from j = 0
+#pragma unroll
+        for (int j = 0; j < MAXK; ++j)
+            if (j >= MAXK - (int)kernel) acc += wr[j] * win[j];
+        store(out, (i64)(t0 + r) * out_ld + c, silu(acc + b));
+    }
+    if (r1 != len) return;
+    const u32 k0 = ck_snap[ck], nk = ck_snaps[ck];
+    for (u32 k = k0; k < k0 + nk; ++k) {
+        float* dst = layer_state(pool, snap_slot[k], slots, layer, layers, per);
+        if (!dst) continue;
+        dst += (u64)c * hist;
+#pragma unroll
+        for (int j = 0; j < MAXK; ++j)
+            if (j >= MAXK - hist) dst[j - (MAXK - hist)] = win[j];
+    }
+}
+
+template <typename T>
+__device__ void conv_update(const T* x, const T* weight, const T* bias, T* out, float* pool,
+                            const u32* seq_tok, const u32* seq_len, const u32* seq_slot,
+                            const u32* seq_snap, const u32* seq_snaps, const u32* snap_slot,
+                            u32 dec_count, u32 channels, u32 kernel, u32 x_ld, u32 out_ld,
+                            u32 layer, u32 layers, u32 slots, u32 ch_blocks) {
+    const u32 e = blockIdx.x / ch_blocks;
+    const u32 c = (blockIdx.x % ch_blocks) * CONV_THREADS + threadIdx.x;
+    if (c >= channels) return;
+    const u32 stok = seq_tok[e], len = seq_len[e];
+    const bool dec = e < dec_count;
+    const int hist = (int)kernel - 1;
+    const u64 per = (u64)channels * hist;
+    float* st = layer_state(pool, seq_slot[e], slots, layer, layers, per);
+    if (!st) {
+        if (dec) store(out, (i64)stok * out_ld + c, 0.0f);
+        return;
+    }
+    st += (u64)c * hist;
+    // Every read of the old state happens before the first write.
+    float nw[MAXK - 1];
+#pragma unroll
+    for (int j = 0; j < MAXK - 1; ++j)
+        nw[j] = j < hist ? conv_in(x, x_ld, stok, (int)len - hist + j, c, st, hist) : 0.0f;
+    if (dec) {
+        const float x0 = load(x, (i64)stok * x_ld + c);
+        float acc = 0.0f;
+#pragma unroll
+        for (int j = 0; j < MAXK; ++j)
+            if (j < (int)kernel) acc += load(weight, (i64)c * kernel + j) * (j < hist ? st[j] : x0);
+        const float b = bias ? load(bias, c) : 0.0f;
+        store(out, (i64)stok * out_ld + c, silu(acc + b));
+    }
+#pragma unroll
+    for (int j = 0; j < MAXK - 1; ++j)
+        if (j < hist) st[j] = nw[j];
+    if (!dec) return;
+    const u32 k0 = seq_snap[e], nk = seq_snaps[e];
+    for (u32 k = k0; k < k0 + nk; ++k) {
+        float* dst = layer_state(pool, snap_slot[k], slots, layer, layers, per);
+        if (!dst) continue;
+        dst += (u64)c * hist;
+#pragma unroll
+        for (int j = 0; j < MAXK - 1; ++j)
+            if (j < hist) dst[j] = nw[j];
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Decode: the recurrent step for one-token entries. CTA (entry, head), 8 warps over rows p,
+// lanes over the state columns n; two rows in flight per warp.
+
+constexpr int DEC_THREADS = 256;  // ssm.rs: DEC_THREADS
+constexpr int DEC_WARPS = DEC_THREADS / 32;
+
+template <typename T>
+__device__ void decode(const T* x, const T* b, const T* c, const T* dt, const T* a_log,
+                       const T* d, const T* dt_bias, T* out, float* pool, const u32* seq_tok,
+                       const u32* seq_slot, const u32* seq_snap, const u32* seq_snaps,
+                       const u32* snap_slot, u32 heads, u32 P, u32 groups, u32 N, u32 x_ld,
+                       u32 bc_ld, u32 dt_ld, u32 out_ld, u32 layer, u32 layers, u32 slots,
+                       float dt_min, float dt_max) {
+    const u32 h = blockIdx.x % heads, e = blockIdx.x / heads;
+    const u32 tok = seq_tok[e];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u64 pn = (u64)P * N;
+    float* st = layer_state(pool, seq_slot[e], slots, layer, layers, pn * heads);
+    const i64 yrow = (i64)tok * out_ld + (i64)h * P;
+    if (!st) {
+        for (u32 p = threadIdx.x; p < P; p += DEC_THREADS) store(out, yrow + p, 0.0f);
+        return;
+    }
+    st += h * pn;
+    const float dtv = dt_of(load(dt, (i64)tok * dt_ld + h), load(dt_bias, h), dt_min, dt_max);
+    const float a = -expf(load(a_log, h));
+    const float decay = expf(dtv * a);
+    const float dh = load(d, h);
+    const u32 g = h / (heads / groups);
+    const i64 brow = (i64)tok * bc_ld + (i64)g * N;
+    const i64 xrow = (i64)tok * x_ld + (i64)h * P;
+    const u32 k0 = seq_snap[e], nk = seq_snaps[e];
+    for (u32 p = warp; p < P; p += 2 * DEC_WARPS) {
+        const u32 p2 = p + DEC_WARPS;
+        const bool two = p2 < P;
+        const float x1 = load(x, xrow + p), x2 = two ? load(x, xrow + p2) : 0.0f;
+        const float dx1 = dtv * x1, dx2 = dtv * x2;
+        float acc1 = 0.0f, acc2 = 0.0f;
+        for (u32 n0 = 0; n0 < N; n0 += 128) {
+            float s1[4], s2[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const u32 n = n0 + lane + 32 * j;
+                s1[j] = n < N ? st[p * N + n] : 0.0f;
+                s2[j] = (two && n < N) ? st[p2 * N + n] : 0.0f;
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const u32 n = n0 + lane + 32 * j;
+                if (n >= N) continue;
+                const float bn = load(b, brow + n), cn = load(c, brow + n);
+                s1[j] = s1[j] * decay + dx1 * bn;
+                acc1 += s1[j] * cn;
+                st[p * N + n] = s1[j];
+                if (two) {
+                    s2[j] = s2[j] * decay + dx2 * bn;
+                    acc2 += s2[j] * cn;
+                    st[p2 * N + n] = s2[j];
+                }
+                for (u32 k = k0; k < k0 + nk; ++k) {
+                    float* dst = layer_state(pool, snap_slot[k], slots, layer, layers, pn * heads);
+                    if (!dst) continue;
+                    dst += h * pn;
+                    dst[p * N + n] = s1[j];
+                    if (two) dst[p2 * N + n] = s2[j];
+                }
+            }
+        }
+        acc1 = warp_sum(acc1);
+        acc2 = warp_sum(acc2);
+        if (lane == 0) {
+            store(out, yrow + p, acc1 + dh * x1);
+            if (two) store(out, yrow + p2, acc2 + dh * x2);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// SSD step 1: dt and the within-chunk cumulative dA, per (token, head), into scratch.
+
+constexpr int DT_THREADS = 256;  // ssm.rs: DT_THREADS
+constexpr int DT_HEADS = 32;     // ssm.rs: DT_HEADS
+constexpr int DT_ROWS = 64;
+
+template <typename T>
+__device__ void ssd_dt(const T* dt, const T* dt_bias, const T* a_log, float* dtv, float* acum,
+                       const u32* ck_tok, const u32* ck_len, u32 heads, u32 dt_ld,
+                       u32 head_blocks, float dt_min, float dt_max) {
+    __shared__ float v[DT_ROWS][DT_HEADS + 1];
+    const u32 ck = blockIdx.x / head_blocks;
+    const u32 h0 = (blockIdx.x % head_blocks) * DT_HEADS;
+    const u32 tok = ck_tok[ck], len = ck_len[ck];
+    const u32 hm = threadIdx.x < DT_HEADS ? h0 + threadIdx.x : heads;
+    const float a = hm < heads ? -expf(load(a_log, hm)) : 0.0f;
+    float run = 0.0f;
+    for (u32 base = 0; base < len; base += DT_ROWS) {
+        const u32 rows = min((u32)DT_ROWS, len - base);
+        for (u32 i = threadIdx.x; i < DT_ROWS * DT_HEADS; i += DT_THREADS) {
+            const u32 r = i / DT_HEADS, hh = i % DT_HEADS, h = h0 + hh;
+            if (r < rows && h < heads)
+                v[r][hh] = dt_of(load(dt, (i64)(tok + base + r) * dt_ld + h), load(dt_bias, h),
+                                 dt_min, dt_max);
+        }
+        __syncthreads();
+        if (hm < heads) {
+            for (u32 r = 0; r < rows; ++r) {
+                const float d = v[r][threadIdx.x];
+                run += __fmul_rn(d, a);  // the CPU's order and rounding: run += dt·a
+                const u64 o = (u64)(tok + base + r) * heads + hm;
+                dtv[o] = d;
+                acum[o] = run;
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// SIMT tiles (f32 operands in shared memory): 256 threads as 8 (m) × 32 (n); a thread owns
+// rows m = ty + 8i (i < 4) and columns n = tx + 32j (j < 2) of a 32 × 64 tile.
+
+constexpr int ST_THREADS = 256;  // ssm.rs: SIMT_THREADS
+constexpr int TM = 32, TN = 64, TK = 32;
+
+// acc += Σ_k A[k][m]·B[k][n] over one k tile.
+__device__ __forceinline__ void simt_fma(float (&acc)[4][2], const float (*As)[TM + 1],
+                                         const float (*Bs)[TN + 1], int ty, int tx) {
+#pragma unroll 8
+    for (int k = 0; k < TK; ++k) {
+        float a[4], b[2];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[i] = As[k][ty + 8 * i];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) b[j] = Bs[k][tx + 32 * j];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) acc[i][j] += a[i] * b[j];
+    }
+}
+
+// SSD step 2 (SIMT): S_c[p][n] = Σ_s x_s[p]·(w_s·B_s[n]), w_s = exp(A_end − A_s)·dt_s.
+// CTA (head, p tile, n tile, chunk); m = p, n = state column, k = token.
+template <typename T>
+__device__ void states_simt(const T* x, const T* b, const float* dtv, const float* acum,
+                            float* states, const u32* ck_tok, const u32* ck_len, u32 heads,
+                            u32 P, u32 groups, u32 N, u32 x_ld, u32 bc_ld, u32 p_tiles,
+                            u32 n_tiles) {
+    __shared__ float As[TK][TM + 1];
+    __shared__ float Bs[TK][TN + 1];
+    __shared__ float ws[TK];
+    u32 r = blockIdx.x;
+    const u32 h = r % heads;
+    r /= heads;
+    const u32 nt = r % n_tiles;
+    r /= n_tiles;
+    const u32 pt = r % p_tiles;
+    const u32 ck = r / p_tiles;
+    const u32 tok = ck_tok[ck], len = ck_len[ck];
+    const u32 g = h / (heads / groups);
+    const u32 p0 = pt * TM, n0 = nt * TN;
+    const int tid = threadIdx.x, ty = tid >> 5, tx = tid & 31;
+    const float a_end = acum[(u64)(tok + len - 1) * heads + h];
+    float acc[4][2] = {};
+    for (u32 s0 = 0; s0 < len; s0 += TK) {
+        if (tid < TK) {
+            const u32 s = s0 + tid;
+            ws[tid] = s < len ? expf(a_end - acum[(u64)(tok + s) * heads + h]) * dtv[(u64)(tok + s) * heads + h]
+                              : 0.0f;
+        }
+        __syncthreads();
+        for (int i = tid; i < TK * TM; i += ST_THREADS) {
+            const int k = i / TM, m = i % TM;
+            const u32 s = s0 + k, p = p0 + m;
+            As[k][m] = (s < len && p < P) ? load(x, (i64)(tok + s) * x_ld + (i64)h * P + p) : 0.0f;
+        }
+        for (int i = tid; i < TK * TN; i += ST_THREADS) {
+            const int k = i / TN, n = i % TN;
+            const u32 s = s0 + k, col = n0 + n;
+            Bs[k][n] = (s < len && col < N) ? ws[k] * load(b, (i64)(tok + s) * bc_ld + (i64)g * N + col) : 0.0f;
+        }
+        __syncthreads();
+        simt_fma(acc, As, Bs, ty, tx);
+        __syncthreads();
+    }
+    float* out = states + ((u64)ck * heads + h) * P * N;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const u32 p = p0 + ty + 8 * i, n = n0 + tx + 32 * j;
+            if (p < P && n < N) out[(u64)p * N + n] = acc[i][j];
+        }
+}
+
+// SSD step 4 (SIMT): y for rows [l0, l0 + 32) and columns [p0, p0 + 64) of chunk ck, head h.
+template <typename T>
+__device__ void scan_simt(const T* x, const T* b, const T* c, const T* d, const float* dtv,
+                          const float* acum, const float* states, T* out, const u32* ck_tok,
+                          const u32* ck_len, u32 heads, u32 P, u32 groups, u32 N, u32 x_ld,
+                          u32 bc_ld, u32 out_ld, u32 l_tiles, u32 p_tiles) {
+    __shared__ float Cs[TK][TM + 1];   // C[l0 + m][k0 + k] as [k][m]
+    __shared__ float Bs[TK][TN + 1];   // h_c[p0 + n][k0 + k], then B[s0 + n][k0 + k], as [k][n]
+    __shared__ float Gs[TK][TM + 1];   // decayed scores as [s][m]
+    __shared__ float Xs[TK][TN + 1];   // x[s0 + k][p0 + n]
+    __shared__ float al[TM], as_[TK], ds[TK];
+    u32 r = blockIdx.x;
+    const u32 h = r % heads;
+    r /= heads;
+    const u32 pt = r % p_tiles;
+    r /= p_tiles;
+    const u32 lt = r % l_tiles;
+    const u32 ck = r / l_tiles;
+    const u32 tok = ck_tok[ck], len = ck_len[ck];
+    const u32 l0 = lt * TM, p0 = pt * TN;
+    if (l0 >= len) return;
+    const u32 g = h / (heads / groups);
+    const int tid = threadIdx.x, ty = tid >> 5, tx = tid & 31;
+    const i64 crow = (i64)g * N;
+    if (tid < TM) al[tid] = l0 + tid < len ? acum[(u64)(tok + l0 + tid) * heads + h] : 0.0f;
+
+    // State term: Y = C·h_cᵀ, then rows scaled by exp(A_l).
+    const float* hc = states + ((u64)ck * heads + h) * P * N;
+    float acc[4][2] = {};
+    for (u32 k0 = 0; k0 < N; k0 += TK) {
+        for (int i = tid; i < TK * TM; i += ST_THREADS) {
+            const int m = i / TK, k = i % TK;
+            const u32 l = l0 + m, col = k0 + k;
+            Cs[k][m] = (l < len && col < N) ? load(c, (i64)(tok + l) * bc_ld + crow + col) : 0.0f;
+        }
+        for (int i = tid; i < TK * TN; i += ST_THREADS) {
+            const int n = i / TK, k = i % TK;
+            const u32 p = p0 + n, col = k0 + k;
+            Bs[k][n] = (p < P && col < N) ? hc[(u64)p * N + col] : 0.0f;
+        }
+        __syncthreads();
+        simt_fma(acc, Cs, Bs, ty, tx);
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float e = expf(al[ty + 8 * i]);
+        acc[i][0] *= e;
+        acc[i][1] *= e;
+    }
+
+    // Intra-chunk term over s tiles up to the diagonal.
+    for (u32 s0 = 0; s0 <= l0 + TM - 1 && s0 < len; s0 += TK) {
+        if (tid < TK) {
+            const u32 s = s0 + tid;
+            as_[tid] = s < len ? acum[(u64)(tok + s) * heads + h] : 0.0f;
+            ds[tid] = s < len ? dtv[(u64)(tok + s) * heads + h] : 0.0f;
+        }
+        // G[m][s] = C_l·B_s: thread owns m = ty + 8i, s = tx.
+        float gacc[4] = {0.f, 0.f, 0.f, 0.f};
+        for (u32 k0 = 0; k0 < N; k0 += TK) {
+            for (int i = tid; i < TK * TM; i += ST_THREADS) {
+                const int m = i / TK, k = i % TK;
+                const u32 l = l0 + m, col = k0 + k;
+                Cs[k][m] = (l < len && col < N) ? load(c, (i64)(tok + l) * bc_ld + crow + col) : 0.0f;
+            }
+            for (int i = tid; i < TK * TK; i += ST_THREADS) {
+                const int n = i / TK, k = i % TK;
+                const u32 s = s0 + n, col = k0 + k;
+                Bs[k][n] = (s < len && col < N) ? load(b, (i64)(tok + s) * bc_ld + crow + col) : 0.0f;
+            }
+            __syncthreads();
+#pragma unroll 8
+            for (int k = 0; k < TK; ++k) {
+                const float bv = Bs[k][tx];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) gacc[i] += Cs[k][ty + 8 * i] * bv;
+            }
+            __syncthreads();
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int m = ty + 8 * i;
+            const u32 l = l0 + m, s = s0 + tx;
+            Gs[tx][m] = (s <= l && s < len && l < len) ? gacc[i] * (expf(al[m] - as_[tx]) * ds[tx]) : 0.0f;
+        }
+        for (int i = tid; i < TK * TN; i += ST_THREADS) {
+            const int k = i / TN, n = i % TN;
+            const u32 s = s0 + k, p = p0 + n;
+            Xs[k][n] = (s < len && p < P) ? load(x, (i64)(tok + s) * x_ld + (i64)h * P + p) : 0.0f;
+        }
+        __syncthreads();
+        simt_fma(acc, Gs, Xs, ty, tx);
+        __syncthreads();
+    }
+
+    const float dh = load(d, h);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const u32 l = l0 + ty + 8 * i, p = p0 + tx + 32 * j;
+            if (l < len && p < P) {
+                const i64 xi = (i64)(tok + l) * x_ld + (i64)h * P + p;
+                store(out, (i64)(tok + l) * out_ld + (i64)h * P + p, acc[i][j] + dh * load(x, xi));
+            }
+        }
+}
+
+// ---------------------------------------------------------------------------------------
+// SSD step 3: state passing (f32). CTA (head, element tile, prompt entry); each thread
+// carries PASS_PER elements of the head's P×N state, strided by the CTA size.
+
+constexpr int PASS_THREADS = 256;  // ssm.rs: PASS_THREADS
+constexpr int PASS_PER = 4;        // ssm.rs: PASS_PER
+
+__device__ void ssd_pass(float* states, const float* acum, float* pool, const u32* seq_slot,
+                         const u32* seq_chunk, const u32* seq_chunks, const u32* ck_tok,
+                         const u32* ck_len, const u32* ck_snap, const u32* ck_snaps,
+                         const u32* snap_slot, u32 seq_base, u32 heads, u32 pn, u32 layer,
+                         u32 layers, u32 slots, u32 tiles) {
+    u32 r = blockIdx.x;
+    const u32 h = r % heads;
+    r /= heads;
+    const u32 tile = r % tiles;
+    const u32 e = seq_base + r / tiles;
+    const u64 per = (u64)heads * pn;
+    float* live = layer_state(pool, seq_slot[e], slots, layer, layers, per);
+    if (live) live += (u64)h * pn;
+    const u32 i0 = tile * PASS_THREADS * PASS_PER + threadIdx.x;
+    float hv[PASS_PER];
+#pragma unroll
+    for (int v = 0; v < PASS_PER; ++v) {
+        const u32 i = i0 + v * PASS_THREADS;
+        hv[v] = (live && i < pn) ? live[i] : 0.0f;
+    }
+    const u32 c0 = seq_chunk[e], nc = seq_chunks[e];
+    for (u32 ck = c0; ck < c0 + nc; ++ck) {
+        float* sp = states + ((u64)ck * heads + h) * pn;
+        const float decay = expf(acum[(u64)(ck_tok[ck] + ck_len[ck] - 1) * heads + h]);
+        float s[PASS_PER];
+#pragma unroll
+        for (int v = 0; v < PASS_PER; ++v) {
+            const u32 i = i0 + v * PASS_THREADS;
+            s[v] = i < pn ? sp[i] : 0.0f;
+        }
+#pragma unroll
+        for (int v = 0; v < PASS_PER; ++v) {
+            const u32 i = i0 + v * PASS_THREADS;
+            if (i < pn) sp[i] = hv[v];
+            hv[v] = decay * hv[v] + s[v];
+        }
+        const u32 k0 = ck_snap[ck], nk = ck_snaps[ck];
+        for (u32 k = k0; k < k0 + nk; ++k) {
+            float* dst = layer_state(pool, snap_slot[k], slots, layer, layers, per);
+            if (!dst) continue;
+            dst += (u64)h * pn;
+#pragma unroll
+            for (int v = 0; v < PASS_PER; ++v) {
+                const u32 i = i0 + v * PASS_THREADS;
+                if (i < pn) dst[i] = hv[v];
+            }
+        }
+    }
+    if (!live) return;
+#pragma unroll
+    for (int v = 0; v < PASS_PER; ++v) {
+        const u32 i = i0 + v * PASS_THREADS;
+        if (i < pn) live[i] = hv[v];
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Tensor-core kernels (bf16).
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ void ldsm4(u32 (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldsm4_t(u32 (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p)));
+}
+
+// c += a·b for one m16n8k16 tile (bf16 in, f32 accumulate).
+__device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Rows of `rows` bf16 tiles are padded by 8 elements (16 bytes): ldmatrix rows of a
+// 8-row group then fall in distinct banks.
+template <int W>
+struct Pad {
+    static constexpr int LD = W + 8;
+};
+
+// Copies `rows` × W bf16 from global rows (16-byte chunks) into a padded tile; rows ≥ valid
+// are zero. W is a multiple of 8; src rows 16-byte aligned.
+template <int W, int THREADS>
+__device__ __forceinline__ void stage_rows(bf16* dst, const bf16* src, i64 ld, int rows, int valid) {
+    constexpr int CH = W / 8;
+    for (int i = threadIdx.x; i < rows * CH; i += THREADS) {
+        const int r = i / CH, cc = i % CH;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (r < valid) v = *reinterpret_cast<const uint4*>(src + (i64)r * ld + cc * 8);
+        *reinterpret_cast<uint4*>(dst + r * Pad<W>::LD + cc * 8) = v;
+    }
+}
+
+constexpr int MMA_THREADS = 128;  // ssm.rs: MMA_THREADS (4 warps)
+constexpr int MMA_ROWS = 64;      // ssm.rs: MMA_ROWS (tokens per k tile / rows per CTA)
+
+// SSD step 2 (tensor cores): S_c = Xᵀ·(w∘B). Warp w owns p rows [16w, 16w + 16) (P = 64).
+template <int P, int N>
+__device__ void states_mma(const bf16* x, const bf16* b, const float* dtv, const float* acum,
+                           float* states, const u32* ck_tok, const u32* ck_len, u32 heads,
+                           u32 groups, u32 x_ld, u32 bc_ld) {
+    static_assert(P == 16 * (MMA_THREADS / 32), "one 16-row slice of p per warp");
+    __shared__ __align__(16) bf16 Xs[MMA_ROWS * Pad<P>::LD];
+    __shared__ __align__(16) bf16 Bw[MMA_ROWS * Pad<N>::LD];
+    __shared__ float ws[MMA_ROWS];
+    const u32 h = blockIdx.x % heads, ck = blockIdx.x / heads;
+    const u32 tok = ck_tok[ck], len = ck_len[ck];
+    const u32 g = h / (heads / groups);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int mat = lane >> 3, mr = lane & 7;
+    const float a_end = acum[(u64)(tok + len - 1) * heads + h];
+    float acc[N / 8][4] = {};
+    for (u32 s0 = 0; s0 < len; s0 += MMA_ROWS) {
+        const int valid = (int)min((u32)MMA_ROWS, len - s0);
+        if (threadIdx.x < MMA_ROWS) {
+            const int s = threadIdx.x;
+            const u64 o = (u64)(tok + s0 + s) * heads + h;
+            ws[s] = s < valid ? expf(a_end - acum[o]) * dtv[o] : 0.0f;
+        }
+        stage_rows<P, MMA_THREADS>(Xs, x + (i64)(tok + s0) * x_ld + (i64)h * P, x_ld, MMA_ROWS, valid);
+        __syncthreads();
+        constexpr int CH = N / 8;
+        const bf16* bsrc = b + (i64)(tok + s0) * bc_ld + (i64)g * N;
+        for (int i = threadIdx.x; i < MMA_ROWS * CH; i += MMA_THREADS) {
+            const int r = i / CH, cc = i % CH;
+            uint4 o = make_uint4(0u, 0u, 0u, 0u);
+            if (r < valid) {
+                const uint4 v = *reinterpret_cast<const uint4*>(bsrc + (i64)r * bc_ld + cc * 8);
+                const float w = ws[r];
+                const u32 in[4] = {v.x, v.y, v.z, v.w};
+                u32 res[4];
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const float lo = __uint_as_float(in[q] << 16) * w;
+                    const float hi = __uint_as_float(in[q] & 0xffff0000u) * w;
+                    res[q] = pack_bf16x2(lo, hi);
+                }
+                o = make_uint4(res[0], res[1], res[2], res[3]);
+            }
+            *reinterpret_cast<uint4*>(Bw + r * Pad<N>::LD + cc * 8) = o;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < MMA_ROWS / 16; ++kk) {
+            if (16 * kk >= valid) break;
+            // A (m = p, k = s) from Xs[s][p], transposed.
+            u32 a[4];
+            ldsm4_t(a, Xs + (16 * kk + mr + ((mat >> 1) << 3)) * Pad<P>::LD + 16 * warp + ((mat & 1) << 3));
+#pragma unroll
+            for (int j = 0; j < N / 8; j += 2) {
+                // B (k = s, n) from Bw[s][n], transposed: (b0, b1) of n tiles j and j + 1.
+                u32 bb[4];
+                ldsm4_t(bb, Bw + (16 * kk + mr + ((mat & 1) << 3)) * Pad<N>::LD + 8 * j + ((mat >> 1) << 3));
+                mma(acc[j], a, bb[0], bb[1]);
+                mma(acc[j + 1], a, bb[2], bb[3]);
+            }
+        }
+        __syncthreads();
+    }
+    float* out = states + ((u64)ck * heads + h) * P * N;
+    const int gq = lane >> 2, tq = lane & 3;
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+        const int p = 16 * warp + gq, n = 8 * j + 2 * tq;
+        *reinterpret_cast<float2*>(out + (u64)p * N + n) = make_float2(acc[j][0], acc[j][1]);
+        *reinterpret_cast<float2*>(out + (u64)(p + 8) * N + n) = make_float2(acc[j][2], acc[j][3]);
+    }
+}
+
+// SSD step 4 (tensor cores): rows [l0, l0 + 64) of chunk ck, head h; warp w owns rows
+// l0 + 16w + [0, 16). Shared: C rows, h_c (later the B tile), the x tile, decays.
+template <int P, int N>
+struct ScanSmem {
+    static constexpr int HB_ROWS = P > MMA_ROWS ? P : MMA_ROWS;
+    bf16 cs[MMA_ROWS * Pad<N>::LD];
+    bf16 hb[HB_ROWS * Pad<N>::LD];
+    bf16 xs[MMA_ROWS * Pad<P>::LD];
+    float al[MMA_ROWS], as_[MMA_ROWS], ds[MMA_ROWS];
+};
+
+template <int P, int N>
+__device__ void scan_mma(const bf16* x, const bf16* b, const bf16* c, const bf16* d,
+                         const float* dtv, const float* acum, const float* states, bf16* out,
+                         const u32* ck_tok, const u32* ck_len, u32 heads, u32 groups, u32 x_ld,
+                         u32 bc_ld, u32 out_ld, u32 l_blocks) {
+    __shared__ __align__(16) ScanSmem<P, N> sm;
+    u32 r = blockIdx.x;
+    const u32 h = r % heads;
+    r /= heads;
+    const u32 lb = r % l_blocks, ck = r / l_blocks;
+    const u32 tok = ck_tok[ck], len = ck_len[ck];
+    const u32 l0 = lb * MMA_ROWS;
+    if (l0 >= len) return;
+    const int lvalid = (int)min((u32)MMA_ROWS, len - l0);
+    const u32 g = h / (heads / groups);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int mat = lane >> 3, mr = lane & 7, gq = lane >> 2, tq = lane & 3;
+    constexpr int LDN = Pad<N>::LD, LDP = Pad<P>::LD;
+
+    stage_rows<N, MMA_THREADS>(sm.cs, c + (i64)(tok + l0) * bc_ld + (i64)g * N, bc_ld, MMA_ROWS, lvalid);
+    {
+        // h_c (f32 [P][N]) → bf16.
+        const float* hc = states + ((u64)ck * heads + h) * P * N;
+        constexpr int CH = N / 8;
+        for (int i = threadIdx.x; i < P * CH; i += MMA_THREADS) {
+            const int p = i / CH, cc = i % CH;
+            const float4 u = *reinterpret_cast<const float4*>(hc + (u64)p * N + cc * 8);
+            const float4 v = *reinterpret_cast<const float4*>(hc + (u64)p * N + cc * 8 + 4);
+            *reinterpret_cast<uint4*>(sm.hb + p * LDN + cc * 8) =
+                make_uint4(pack_bf16x2(u.x, u.y), pack_bf16x2(u.z, u.w), pack_bf16x2(v.x, v.y),
+                           pack_bf16x2(v.z, v.w));
+        }
+    }
+    if (threadIdx.x < MMA_ROWS)
+        sm.al[threadIdx.x] = (int)threadIdx.x < lvalid ? acum[(u64)(tok + l0 + threadIdx.x) * heads + h] : 0.0f;
+    __syncthreads();
+
+    const int row0 = 16 * warp;  // this warp's first row within the block
+    const bf16* a_base = sm.cs + (row0 + mr + ((mat & 1) << 3)) * LDN + ((mat >> 1) << 3);
+    float y[P / 8][4] = {};
+    // State term: y = C·h_cᵀ (k = state column).
+#pragma unroll
+    for (int kk = 0; kk < N / 16; ++kk) {
+        u32 a[4];
+        ldsm4(a, a_base + 16 * kk);
+#pragma unroll
+        for (int j = 0; j < P / 8; j += 2) {
+            u32 bb[4];
+            ldsm4(bb, sm.hb + (8 * j + mr + ((mat >> 1) << 3)) * LDN + 16 * kk + ((mat & 1) << 3));
+            mma(y[j], a, bb[0], bb[1]);
+            mma(y[j + 1], a, bb[2], bb[3]);
+        }
+    }
+    {
+        const float e0 = expf(sm.al[row0 + gq]), e1 = expf(sm.al[row0 + gq + 8]);
+#pragma unroll
+        for (int j = 0; j < P / 8; ++j) {
+            y[j][0] *= e0;
+            y[j][1] *= e0;
+            y[j][2] *= e1;
+            y[j][3] *= e1;
+        }
+    }
+    const float al0 = sm.al[row0 + gq], al1 = sm.al[row0 + gq + 8];
+    const int lr0 = (int)l0 + row0 + gq;  // chunk-relative rows of c[0..1] and c[2..3]
+    const int lr1 = lr0 + 8;
+    __syncthreads();
+
+    for (u32 sb = 0; sb <= lb; ++sb) {
+        const u32 s0 = sb * MMA_ROWS;
+        const int svalid = (int)min((u32)MMA_ROWS, len - s0);
+        stage_rows<N, MMA_THREADS>(sm.hb, b + (i64)(tok + s0) * bc_ld + (i64)g * N, bc_ld, MMA_ROWS, svalid);
+        stage_rows<P, MMA_THREADS>(sm.xs, x + (i64)(tok + s0) * x_ld + (i64)h * P, x_ld, MMA_ROWS, svalid);
+        if (threadIdx.x < MMA_ROWS) {
+            const int s = threadIdx.x;
+            const u64 o = (u64)(tok + s0 + s) * heads + h;
+            sm.as_[s] = s < svalid ? acum[o] : 0.0f;
+            sm.ds[s] = s < svalid ? dtv[o] : 0.0f;
+        }
+        __syncthreads();
+        // On the diagonal block, warp w needs s < 16w + 16 only: 8-wide s tiles j < 2w + 2.
+        const int jmax = sb == lb ? 2 * warp + 2 : MMA_ROWS / 8;
+        float sc[MMA_ROWS / 8][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < N / 16; ++kk) {
+            u32 a[4];
+            ldsm4(a, a_base + 16 * kk);
+#pragma unroll
+            for (int j = 0; j < MMA_ROWS / 8; j += 2) {
+                if (j >= jmax) break;
+                u32 bb[4];
+                ldsm4(bb, sm.hb + (8 * j + mr + ((mat >> 1) << 3)) * LDN + 16 * kk + ((mat & 1) << 3));
+                mma(sc[j], a, bb[0], bb[1]);
+                mma(sc[j + 1], a, bb[2], bb[3]);
+            }
+        }
+        // Decay and causal mask: sc[j][0..1] at (lr0, s), (lr0, s + 1); [2..3] at lr1.
+#pragma unroll
+        for (int j = 0; j < MMA_ROWS / 8; ++j) {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int sl = 8 * j + 2 * tq + (q & 1);
+                const int s = (int)s0 + sl;
+                const int l = q < 2 ? lr0 : lr1;
+                const float al = q < 2 ? al0 : al1;
+                const bool ok = s <= l && sl < svalid && l < (int)len;
+                sc[j][q] = ok ? sc[j][q] * (expf(al - sm.as_[sl]) * sm.ds[sl]) : 0.0f;
+            }
+        }
+        // y += scores · x (k = s).
+#pragma unroll
+        for (int kk = 0; kk < MMA_ROWS / 16; ++kk) {
+            if (2 * kk >= jmax) break;
+            const u32 pa[4] = {pack_bf16x2(sc[2 * kk][0], sc[2 * kk][1]),
+                               pack_bf16x2(sc[2 * kk][2], sc[2 * kk][3]),
+                               pack_bf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                               pack_bf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+#pragma unroll
+            for (int j = 0; j < P / 8; j += 2) {
+                u32 bb[4];
+                ldsm4_t(bb, sm.xs + (16 * kk + mr + ((mat & 1) << 3)) * LDP + 8 * j + ((mat >> 1) << 3));
+                mma(y[j], pa, bb[0], bb[1]);
+                mma(y[j + 1], pa, bb[2], bb[3]);
+            }
+        }
+        __syncthreads();
+    }
+
+    const float dh = bf16_to_f32(d[h]);
+#pragma unroll
+    for (int j = 0; j < P / 8; ++j) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int l = half ? lr1 : lr0;
+            if (l >= (int)len) continue;
+            const int p = 8 * j + 2 * tq;
+            const i64 xi = (i64)(tok + l) * x_ld + (i64)h * P + p;
+            const i64 oi = (i64)(tok + l) * out_ld + (i64)h * P + p;
+            store(out, oi, y[j][2 * half] + dh * load(x, xi));
+            store(out, oi + 1, y[j][2 * half + 1] + dh * load(x, xi + 1));
+        }
+    }
+}
+
+}  // namespace ssm
+
+// ---------------------------------------------------------------------------------------
+// Entry points (ssm.rs: ENTRIES).
+
+extern "C" __global__ void __launch_bounds__(256)
+    ssm_slot_ops(float* conv, float* ssmp, const u32* op_from, const u32* op_to, u32 op_base,
+                 u32 slots, u64 conv_per, u64 ssm_per) {
+    ssm::slot_ops<false>(conv, ssmp, op_from, op_to, op_base, slots, conv_per, ssm_per);
+}
+extern "C" __global__ void __launch_bounds__(256)
+    ssm_slot_ops_v4(float* conv, float* ssmp, const u32* op_from, const u32* op_to, u32 op_base,
+                    u32 slots, u64 conv_per, u64 ssm_per) {
+    ssm::slot_ops<true>(conv, ssmp, op_from, op_to, op_base, slots, conv_per, ssm_per);
+}
+
+#define CONV_CHUNKS_PARAMS(T)                                                                \
+    const T *x, const T *weight, const T *bias, T *out, float *pool, const u32 *seq_tok,       \
+        const u32 *seq_slot, const u32 *ck_tok, const u32 *ck_len, const u32 *ck_seq,        \
+        const u32 *ck_snap, const u32 *ck_snaps, const u32 *snap_slot, u32 channels,         \
+        u32 kernel, u32 x_ld, u32 out_ld, u32 layer, u32 layers, u32 slots, u32 ch_blocks,   \
+        u32 row_blocks
+#define CONV_CHUNKS_ARGS                                                                     \
+    x, weight, bias, out, pool, seq_tok, seq_slot, ck_tok, ck_len, ck_seq, ck_snap, ck_snaps, \
+        snap_slot, channels, kernel, x_ld, out_ld, layer, layers, slots, ch_blocks, row_blocks
+
+extern "C" __global__ void __launch_bounds__(128) ssm_conv_chunks_f32(CONV_CHUNKS_PARAMS(float)) {
+    ssm::conv_chunks(CONV_CHUNKS_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(128) ssm_conv_chunks_bf16(CONV_CHUNKS_PARAMS(bf16)) {
+    ssm::conv_chunks(CONV_CHUNKS_ARGS);
+}
+
+#define CONV_UPDATE_PARAMS(T)                                                                \
+    const T *x, const T *weight, const T *bias, T *out, float *pool, const u32 *seq_tok,       \
+        const u32 *seq_len, const u32 *seq_slot, const u32 *seq_snap, const u32 *seq_snaps,  \
+        const u32 *snap_slot, u32 dec_count, u32 channels, u32 kernel, u32 x_ld, u32 out_ld,  \
+        u32 layer, u32 layers, u32 slots, u32 ch_blocks
+#define CONV_UPDATE_ARGS                                                                      \
+    x, weight, bias, out, pool, seq_tok, seq_len, seq_slot, seq_snap, seq_snaps, snap_slot,    \
+        dec_count, channels, kernel, x_ld, out_ld, layer, layers, slots, ch_blocks
+
+extern "C" __global__ void __launch_bounds__(128) ssm_conv_update_f32(CONV_UPDATE_PARAMS(float)) {
+    ssm::conv_update(CONV_UPDATE_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(128) ssm_conv_update_bf16(CONV_UPDATE_PARAMS(bf16)) {
+    ssm::conv_update(CONV_UPDATE_ARGS);
+}
+
+#define DECODE_PARAMS(T)                                                                      \
+    const T *x, const T *b, const T *c, const T *dt, const T *a_log, const T *d,                \
+        const T *dt_bias, T *out, float *pool, const u32 *seq_tok, const u32 *seq_slot,        \
+        const u32 *seq_snap, const u32 *seq_snaps, const u32 *snap_slot, u32 heads,           \
+        u32 head_dim, u32 groups, u32 state, u32 x_ld, u32 bc_ld, u32 dt_ld, u32 out_ld,      \
+        u32 layer, u32 layers, u32 slots, float dt_min, float dt_max
+#define DECODE_ARGS                                                                           \
+    x, b, c, dt, a_log, d, dt_bias, out, pool, seq_tok, seq_slot, seq_snap, seq_snaps,         \
+        snap_slot, heads, head_dim, groups, state, x_ld, bc_ld, dt_ld, out_ld, layer, layers,  \
+        slots, dt_min, dt_max
+
+extern "C" __global__ void __launch_bounds__(256) ssm_decode_f32(DECODE_PARAMS(float)) {
+    ssm::decode(DECODE_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256) ssm_decode_bf16(DECODE_PARAMS(bf16)) {
+    ssm::decode(DECODE_ARGS);
+}
+
+#define DT_PARAMS(T)                                                                          \
+    const T *dt, const T *dt_bias, const T *a_log, float *dtv, float *acum, const u32 *ck_tok, \
+        const u32 *ck_len, u32 heads, u32 dt_ld, u32 head_blocks, float dt_min, float dt_max
+#define DT_ARGS dt, dt_bias, a_log, dtv, acum, ck_tok, ck_len, heads, dt_ld, head_blocks, dt_min, dt_max
+
+extern "C" __global__ void __launch_bounds__(256) ssd_dt_f32(DT_PARAMS(float)) { ssm::ssd_dt(DT_ARGS); }
+extern "C" __global__ void __launch_bounds__(256) ssd_dt_bf16(DT_PARAMS(bf16)) { ssm::ssd_dt(DT_ARGS); }
+
+#define STATES_PARAMS(T)                                                                      \
+    const T *x, const T *b, const float *dtv, const float *acum, float *states,                \
+        const u32 *ck_tok, const u32 *ck_len, u32 heads, u32 head_dim, u32 groups, u32 state,  \
+        u32 x_ld, u32 bc_ld, u32 p_tiles, u32 n_tiles
+
+extern "C" __global__ void __launch_bounds__(256) ssd_states_simt_f32(STATES_PARAMS(float)) {
+    ssm::states_simt(x, b, dtv, acum, states, ck_tok, ck_len, heads, head_dim, groups, state,
+                     x_ld, bc_ld, p_tiles, n_tiles);
+}
+extern "C" __global__ void __launch_bounds__(256) ssd_states_simt_bf16(STATES_PARAMS(bf16)) {
+    ssm::states_simt(x, b, dtv, acum, states, ck_tok, ck_len, heads, head_dim, groups, state,
+                     x_ld, bc_ld, p_tiles, n_tiles);
+}
+extern "C" __global__ void __launch_bounds__(128) ssd_states_mma_p64n64_bf16(STATES_PARAMS(bf16)) {
+    ssm::states_mma<64, 64>(x, b, dtv, acum, states, ck_tok, ck_len, heads, groups, x_ld, bc_ld);
+}
+extern "C" __global__ void __launch_bounds__(128) ssd_states_mma_p64n128_bf16(STATES_PARAMS(bf16)) {
+    ssm::states_mma<64, 128>(x, b, dtv, acum, states, ck_tok, ck_len, heads, groups, x_ld, bc_ld);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    ssd_pass(float* states, const float* acum, float* pool, const u32* seq_slot,
+             const u32* seq_chunk, const u32* seq_chunks, const u32* ck_tok, const u32* ck_len,
+             const u32* ck_snap, const u32* ck_snaps, const u32* snap_slot, u32 seq_base,
+             u32 heads, u32 pn, u32 layer, u32 layers, u32 slots, u32 tiles) {
+    ssm::ssd_pass(states, acum, pool, seq_slot, seq_chunk, seq_chunks, ck_tok, ck_len, ck_snap,
+                  ck_snaps, snap_slot, seq_base, heads, pn, layer, layers, slots, tiles);
+}
+
+#define SCAN_PARAMS(T)                                                                        \
+    const T *x, const T *b, const T *c, const T *d, const float *dtv, const float *acum,        \
+        const float *states, T *out, const u32 *ck_tok, const u32 *ck_len, u32 heads,          \
+        u32 head_dim, u32 groups, u32 state, u32 x_ld, u32 bc_ld, u32 out_ld, u32 l_tiles,     \
+        u32 p_tiles
+
+extern "C" __global__ void __launch_bounds__(256, 2) ssd_scan_simt_f32(SCAN_PARAMS(float)) {
+    ssm::scan_simt(x, b, c, d, dtv, acum, states, out, ck_tok, ck_len, heads, head_dim, groups,
+                   state, x_ld, bc_ld, out_ld, l_tiles, p_tiles);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) ssd_scan_simt_bf16(SCAN_PARAMS(bf16)) {
+    ssm::scan_simt(x, b, c, d, dtv, acum, states, out, ck_tok, ck_len, heads, head_dim, groups,
+                   state, x_ld, bc_ld, out_ld, l_tiles, p_tiles);
+}
+extern "C" __global__ void __launch_bounds__(128, 3) ssd_scan_mma_p64n64_bf16(SCAN_PARAMS(bf16)) {
+    ssm::scan_mma<64, 64>(x, b, c, d, dtv, acum, states, out, ck_tok, ck_len, heads, groups,
+                          x_ld, bc_ld, out_ld, l_tiles);
+}
+extern "C" __global__ void __launch_bounds__(128, 3) ssd_scan_mma_p64n128_bf16(SCAN_PARAMS(bf16)) {
+    ssm::scan_mma<64, 128>(x, b, c, d, dtv, acum, states, out, ck_tok, ck_len, heads, groups,
+                           x_ld, bc_ld, out_ld, l_tiles);
+}
