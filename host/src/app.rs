@@ -184,22 +184,6 @@ pub fn build(config: &Config) -> anyhow::Result<Stack> {
                     .with_context(|| format!("opening CUDA device {device}"))?;
                 let model = Arc::new(loaded.model(&backend, dummy)?);
                 backend.synchronize()?;
-                if let Some(missing) = model.cuda_gaps() {
-                    if config.engine.backend == "auto" {
-                        tracing::info!(
-                            "engine.backend = \"auto\": {} has {missing}, which the CUDA backend \
-                             does not run yet; serving on the CPU",
-                            model.info.architecture
-                        );
-                        drop(model);
-                        return build_cpu(config, loaded);
-                    }
-                    anyhow::bail!(
-                        "{} has {missing}, which the CUDA backend does not run yet: serve it with \
-                         engine.backend = \"cpu\"",
-                        model.info.architecture
-                    );
-                }
                 let mut cache = config.cache.clone();
                 if let Some(f) = cache.memory_fraction {
                     let (free, total) = backend.mem_info()?;

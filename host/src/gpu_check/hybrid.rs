@@ -75,6 +75,60 @@ pub fn run(
         Ok((g, c)) => report.err(SUITE, label, rel_err(&g, &c), 0.0),
         Err(e) => report.failed(SUITE, label, format!("{e:#}")),
     }
+    // Mamba2 layers: SSD chunk sizes 8, 29, 128, 256 (lengths not multiples of the chunk),
+    // varlen batches of 5+ sequences mixing decodes and prompts, starting states, snapshots at
+    // every 16-token block boundary of a 131-token chunk.
+    let sh = |heads, head_dim, groups, state, chunk| crate::backend::SsmShape {
+        heads,
+        head_dim,
+        groups,
+        state_size: state,
+        chunk_size: chunk,
+        dt_min: 0.001,
+        dt_max: 100.0,
+    };
+    for gpu in [f32_gpu, bf16_gpu] {
+        ssm_layer_case(
+            report,
+            gpu,
+            &mut rng,
+            sh(8, 16, 2, 16, 8),
+            &[131, 1, 40, 1, 7, 1],
+            16,
+        );
+        ssm_layer_case(
+            report,
+            gpu,
+            &mut rng,
+            sh(4, 32, 1, 32, 29),
+            &[131, 1, 100, 3],
+            16,
+        );
+        ssm_layer_case(
+            report,
+            gpu,
+            &mut rng,
+            sh(16, 64, 4, 64, 128),
+            &[131, 1, 1, 300, 1],
+            16,
+        );
+        ssm_layer_case(
+            report,
+            gpu,
+            &mut rng,
+            sh(8, 64, 2, 128, 256),
+            &[131, 1, 517, 1, 1],
+            16,
+        );
+        ssm_layer_case(
+            report,
+            gpu,
+            &mut rng,
+            sh(128, 64, 8, 128, 128),
+            &[1000, 1, 1, 1, 1],
+            0,
+        );
+    }
     // The hybrid fixtures end to end, as the Llama ones in `parity`.
     let mut dirs: Vec<_> = std::fs::read_dir(&args.fixtures)
         .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).collect())
@@ -93,7 +147,8 @@ pub fn run(
         }
     }
     let dir = args.fixtures.join("nemotronh-a");
-    let label = "nemotronh-a f32 engine, 64 requests in 8 prefix groups: GPU = CPU, caching on = off";
+    let label =
+        "nemotronh-a f32 engine, 64 requests in 8 prefix groups: GPU = CPU, caching on = off";
     if let Err(e) = prefix_groups(report, &dir, f32_gpu) {
         report.failed(SUITE, label, format!("{e:#}"));
     }
@@ -124,7 +179,11 @@ fn prefix_groups(report: &mut Report, dir: &std::path::Path, gpu: &CudaBackend) 
         SUITE,
         "nemotronh-a f32 engine, 64 requests in 8 prefix groups: tokens GPU = CPU, on = off",
         if same { 1.0 } else { 0.0 },
-        if same { "identical".into() } else { "DIFFER".into() },
+        if same {
+            "identical".into()
+        } else {
+            "DIFFER".into()
+        },
         "identical".into(),
         same,
     );
@@ -285,4 +344,225 @@ fn slot_ops_case(gpu: &CudaBackend, rng: &mut Rng) -> R<(Vec<f32>, Vec<f32>)> {
         apply(gpu, &plan, &conv, &ssm, slots, layers)?,
         apply(&cpu, &plan, &conv, &ssm, slots, layers)?,
     ))
+}
+
+/// One Mamba2 layer (conv + scan) on both backends over a varlen batch whose chunks continue
+/// from random states, with snapshot targets: outputs, live states and snapshot slots compared,
+/// and every snapshot checked against the CPU state of a separate run of that many tokens.
+pub(super) fn ssm_layer_case(
+    report: &mut Report,
+    gpu: &CudaBackend,
+    rng: &mut Rng,
+    shape: crate::backend::SsmShape,
+    chunks: &[usize],
+    snapshot_every: usize,
+) {
+    let tag = if gpu.dtype() == DType::F32 {
+        "f32"
+    } else {
+        "bf16"
+    };
+    let label = format!(
+        "{tag} mamba2 conv+scan {}h×{} g{} n{} chunk {} seqs {chunks:?}, snapshots every {snapshot_every}",
+        shape.heads, shape.head_dim, shape.groups, shape.state_size, shape.chunk_size
+    );
+    match ssm_layer(gpu, rng, shape, chunks, snapshot_every) {
+        Ok((out_err, state_err, snap_err, snaps)) => {
+            let (tol, state_tol) = if gpu.dtype() == DType::F32 {
+                (1e-4, 1e-4)
+            } else {
+                (1e-2, 1e-2)
+            };
+            report.err(SUITE, format!("{label}: y"), out_err, tol);
+            report.err(
+                SUITE,
+                format!("{label}: live + snapshot states"),
+                state_err,
+                state_tol,
+            );
+            if gpu.dtype() == DType::F32 {
+                report.err(
+                    SUITE,
+                    format!("{label}: {snaps} snapshots = separate runs"),
+                    snap_err,
+                    1e-5,
+                );
+            }
+        }
+        Err(e) => report.failed(SUITE, label, format!("{e:#}")),
+    }
+}
+
+type LayerErrs = (f64, f64, f64, usize);
+
+fn ssm_layer(
+    gpu: &CudaBackend,
+    rng: &mut Rng,
+    shape: crate::backend::SsmShape,
+    chunks: &[usize],
+    snapshot_every: usize,
+) -> R<LayerErrs> {
+    let cpu = CpuBackend::default();
+    gpu.set_ssm_chunk_size(shape.chunk_size);
+    let bf16 = gpu.dtype() == DType::BF16;
+    let round = |v: Vec<f32>| -> Vec<f32> {
+        if bf16 {
+            v.into_iter()
+                .map(|x| half::bf16::from_f32(x).to_f32())
+                .collect()
+        } else {
+            v
+        }
+    };
+    let (h, p, g, n) = (shape.heads, shape.head_dim, shape.groups, shape.state_size);
+    let d_inner = h * p;
+    let conv_dim = d_inner + 2 * g * n;
+    let kernel = 4;
+    let layers = 2;
+    let layer = 1;
+    // Live slots 0..seqs, snapshot slots after them.
+    let mut plan = StepPlan::new(16);
+    let table: Vec<u32> = (0..4096).collect();
+    let mut targets = Vec::new();
+    let mut next_slot = chunks.len() as u32;
+    for (i, &len) in chunks.iter().enumerate() {
+        let tokens: Vec<u32> = (0..len).map(|t| (t % 100) as u32 + 1).collect();
+        plan.push(&tokens, 7, &table, i as u32, true);
+        if len > 1 && snapshot_every > 0 {
+            let mut after = snapshot_every;
+            while after <= len {
+                plan.snapshot(after, next_slot);
+                targets.push((i, after, next_slot));
+                next_slot += 1;
+                after += snapshot_every;
+            }
+        }
+    }
+    plan.finish()?;
+    let slots = next_slot as usize;
+    let tokens = plan.num_tokens();
+    let conv0 = rng.vec(slots * layers * conv_dim * (kernel - 1), 1.0);
+    let ssm0 = rng.vec(slots * layers * h * p * n, 1.0);
+    let x = round(rng.vec(tokens * conv_dim, 1.0));
+    let w = round(rng.vec(conv_dim * kernel, 0.5));
+    let cb = round(rng.vec(conv_dim, 0.1));
+    let dt = round(rng.vec(tokens * h, 1.0));
+    let a_log = round((0..h).map(|_| rng.unit() * 2.0).collect());
+    let d = round(rng.vec(h, 1.0));
+    let dt_bias = round(rng.vec(h, 0.5));
+    #[allow(clippy::too_many_arguments)]
+    fn layer_on<B: Backend>(
+        b: &B,
+        plan: &StepPlan,
+        pools0: (&[f32], &[f32]),
+        dims: (usize, usize, usize, usize, usize),
+        inputs: [&[f32]; 7],
+        shape: crate::backend::SsmShape,
+    ) -> R<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        let (slots, layers, conv_dim, kernel, layer) = dims;
+        let [x, w, cb, dt, a_log, d, dt_bias] = inputs;
+        let (h, p, g, n) = (shape.heads, shape.head_dim, shape.groups, shape.state_size);
+        // SSM pools are f32 in every mode; a bf16 backend uploads in bf16, so there the
+        // states start at zero (random starting states are checked in f32 mode).
+        let (conv_shape, ssm_shape) = (
+            [slots, layers, conv_dim, kernel - 1],
+            [slots, layers, h, p, n],
+        );
+        let mut pools = if b.act_dtype() == DType::F32 {
+            SsmPools {
+                conv: b.upload(HostTensor::f32(pools0.0, &conv_shape))?,
+                ssm: b.upload(HostTensor::f32(pools0.1, &ssm_shape))?,
+                slots,
+                layers,
+            }
+        } else {
+            SsmPools {
+                conv: b.zeros(&conv_shape, DType::F32)?,
+                ssm: b.zeros(&ssm_shape, DType::F32)?,
+                slots,
+                layers,
+            }
+        };
+        let t = plan.num_tokens();
+        let xt = b.upload(HostTensor::f32(x, &[t, conv_dim]))?;
+        let wt = b.upload(HostTensor::f32(w, &[conv_dim, 1, kernel]))?;
+        let bt = b.upload(HostTensor::f32(cb, &[conv_dim]))?;
+        let dtt = b.upload(HostTensor::f32(dt, &[t, h]))?;
+        let al = b.upload(HostTensor::f32(a_log, &[h]))?;
+        let dd = b.upload(HostTensor::f32(d, &[h]))?;
+        let db = b.upload(HostTensor::f32(dt_bias, &[h]))?;
+        let mut step = b.new_step(t)?;
+        b.upload_step(plan, &mut step)?;
+        let conv = b.causal_conv1d(&xt, &wt, Some(&bt), &mut pools, layer, &step)?;
+        let [xs, bm, cm] = b.split_cols(&conv, [h * p, g * n, g * n])?;
+        let y = b.ssm_scan(
+            &xs, &bm, &cm, &dtt, &al, &dd, &db, shape, &mut pools, layer, &step,
+        )?;
+        let mut out = b.download(&conv)?;
+        out.extend(b.download(&y)?);
+        Ok((out, b.download(&pools.conv)?, b.download(&pools.ssm)?))
+    }
+    let dims = (slots, layers, conv_dim, kernel, layer);
+    let inputs = [
+        &x[..],
+        &w[..],
+        &cb[..],
+        &dt[..],
+        &a_log[..],
+        &d[..],
+        &dt_bias[..],
+    ];
+    // In bf16 mode both backends start from zero states (see `layer_on`).
+    let (conv0, ssm0) = if bf16 {
+        (vec![0.0; conv0.len()], vec![0.0; ssm0.len()])
+    } else {
+        (conv0, ssm0)
+    };
+    let (go, gconv, gssm) = layer_on(gpu, &plan, (&conv0, &ssm0), dims, inputs, shape)?;
+    let (co, cconv, cssm) = layer_on(&cpu, &plan, (&conv0, &ssm0), dims, inputs, shape)?;
+    let out_err = rel_err(&go, &co);
+    let mut gs = gconv.clone();
+    gs.extend(&gssm);
+    let mut cs = cconv.clone();
+    cs.extend(&cssm);
+    let state_err = rel_err(&gs, &cs);
+    // Each snapshot against the CPU's state after a separate run of that many tokens.
+    let per_ssm = layers * h * p * n;
+    let per_conv = layers * conv_dim * (kernel - 1);
+    let mut snap_err = 0.0f64;
+    for &(seq, after, slot) in &targets {
+        let s = &plan.seqs[seq];
+        let mut alone = StepPlan::new(16);
+        let toks: Vec<u32> = (0..after).map(|t| (t % 100) as u32 + 1).collect();
+        alone.push(&toks, 7, &table, seq as u32, true);
+        alone.finish()?;
+        let rows = s.offset..s.offset + after;
+        let xs: Vec<f32> = x[rows.start * conv_dim..rows.end * conv_dim].to_vec();
+        let dts: Vec<f32> = dt[rows.start * h..rows.end * h].to_vec();
+        let inputs = [
+            &xs[..],
+            &w[..],
+            &cb[..],
+            &dts[..],
+            &a_log[..],
+            &d[..],
+            &dt_bias[..],
+        ];
+        let (_, aconv, assm) = layer_on(&cpu, &alone, (&conv0, &ssm0), dims, inputs, shape)?;
+        let live = seq;
+        let want_ssm = &assm[live * per_ssm..(live + 1) * per_ssm];
+        let got_ssm = &gssm[slot as usize * per_ssm..(slot as usize + 1) * per_ssm];
+        let want_conv = &aconv[live * per_conv..(live + 1) * per_conv];
+        let got_conv = &gconv[slot as usize * per_conv..(slot as usize + 1) * per_conv];
+        // Only this layer's share of the slot is written by this layer's kernels.
+        let lw =
+            |v: &[f32], per_layer: usize| v[layer * per_layer..(layer + 1) * per_layer].to_vec();
+        snap_err = snap_err
+            .max(rel_err(&lw(got_ssm, h * p * n), &lw(want_ssm, h * p * n)))
+            .max(rel_err(
+                &lw(got_conv, conv_dim * (kernel - 1)),
+                &lw(want_conv, conv_dim * (kernel - 1)),
+            ));
+    }
+    Ok((out_err, state_err, snap_err, targets.len()))
 }

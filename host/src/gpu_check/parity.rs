@@ -252,7 +252,11 @@ fn prefix_caching(
         SUITE,
         format!("{name} f32 engine: prefix caching on = off ({cached} cached tokens)"),
         cached as f64,
-        if same { "identical".into() } else { "DIFFER".into() },
+        if same {
+            "identical".into()
+        } else {
+            "DIFFER".into()
+        },
         "identical, cached > 0".into(),
         same && cached > 0 && off.1.prompt_tokens_cached == 0,
     );
@@ -314,7 +318,9 @@ pub(super) fn drive_engine<B: Backend>(
         for (&id, r) in rx.iter_mut() {
             while let Ok(ev) = r.try_recv() {
                 match ev {
-                    EngineEvent::Tokens { tokens: t, .. } => tokens.entry(id).or_default().extend(t),
+                    EngineEvent::Tokens { tokens: t, .. } => {
+                        tokens.entry(id).or_default().extend(t)
+                    }
                     EngineEvent::Finished { .. } => done += 1,
                     EngineEvent::Failed { message, .. } => {
                         anyhow::bail!("request {id} failed: {message}")
@@ -327,7 +333,10 @@ pub(super) fn drive_engine<B: Backend>(
             break;
         }
     }
-    anyhow::ensure!(done == requests.len(), "the engine did not finish every request");
+    anyhow::ensure!(
+        done == requests.len(),
+        "the engine did not finish every request"
+    );
     engine
         .cache()
         .check_invariants()

@@ -192,19 +192,6 @@ impl<B: Backend> Model<B> {
         )
     }
 
-    /// What this model needs that the CUDA backend lacks so far (SSM layers, experts), if
-    /// anything.
-    pub fn cuda_gaps(&self) -> Option<&'static str> {
-        if self.info.cache.ssm_layers > 0 {
-            return Some("Mamba2 layers");
-        }
-        let moe = self
-            .layers
-            .iter()
-            .any(|l| matches!(l.mixer, layers::Mixer::Moe(_)));
-        moe.then_some("mixture-of-experts layers")
-    }
-
     /// One forward pass over the uploaded step. Returns the logits of the step's
     /// `logit_rows`, `[rows, vocab]`, on the backend.
     pub fn forward(

@@ -90,6 +90,8 @@ pub struct Device {
     /// Set by the first error that leaves the context unusable (an illegal address, a
     /// launch failure): the replica is out of service from then on.
     pub(crate) sticky: AtomicBool,
+    /// The SSD chunk size of the model's Mamba2 layers (0: none), set at model load.
+    pub(crate) ssm_chunk: std::sync::atomic::AtomicU32,
 }
 
 // SAFETY: module handles are only unloaded in Drop; the context is bound per thread before use.
@@ -186,6 +188,7 @@ impl Device {
             kernels,
             modules,
             sticky: AtomicBool::new(false),
+            ssm_chunk: std::sync::atomic::AtomicU32::new(0),
         }))
     }
 

@@ -16,9 +16,10 @@
 //! - **Errors.** Every driver error becomes a [`BackendError`]; an error the context cannot
 //!   survive (an illegal address) takes the device out of service: later calls fail at once.
 //!
-//! Hybrid operations (SSM scan, causal conv, slot ops, MoE) are not on the GPU yet: they
-//! return an error naming what is missing, and [`CudaBackend::supports`] lets the loader
-//! refuse such a model at start instead.
+//! Hybrid models run too: the Mamba2 conv and SSD scan with snapshots written straight into
+//! their slots, batched slot restores and zeros (kernels of `chimera_kernels::ssm`, planned
+//! when the step is uploaded), and MoE with routing on the device and a per-expert GEMM path
+//! (one read-back of the routing per MoE layer).
 
 pub mod device;
 pub mod gemm;
@@ -32,6 +33,7 @@ use std::sync::{Arc, Mutex};
 use chimera_kernels::KernelCache;
 use chimera_kernels::attention::{AttnArg, AttnDims};
 use chimera_kernels::sample::SampleArg;
+use chimera_kernels::ssm;
 use cudarc::driver::{CudaStream, result, sys};
 
 use self::device::{Arg, Device};
@@ -39,7 +41,7 @@ use self::memory::{Arena, DevAlloc, MemStats, Pinned, bad_tensor, dtoh, htod, sy
 pub use self::step::CudaStep;
 use super::{
     Activation, ArenaStats, AttnShape, Backend, BackendError, DType, HostTensor, KvLayer,
-    MoeRouting, Result, Rope, SampleOut, SlotOp, SsmPools, SsmShape, StackedExperts, StepPlan,
+    MoeRouting, Result, Rope, SampleOut, SsmPools, SsmShape, StackedExperts, StepPlan,
 };
 
 /// Where a tensor's memory comes from.
@@ -361,13 +363,6 @@ fn grid_for(n: u64) -> u32 {
     n.div_ceil(u64::from(BLOCK)).clamp(1, 65_535) as u32
 }
 
-fn unsupported(op: &str) -> BackendError {
-    BackendError::Invalid(format!(
-        "{op} is not implemented on the CUDA backend yet (hybrid models run on the CPU backend \
-         for now: engine.backend = \"cpu\")"
-    ))
-}
-
 fn shape_err(what: &str, got: &[usize], expected: Vec<usize>) -> BackendError {
     BackendError::Shape {
         what: what.into(),
@@ -390,6 +385,13 @@ impl Backend for CudaBackend {
 
     fn is_lost(&self) -> bool {
         self.is_broken()
+    }
+
+    fn set_ssm_chunk_size(&self, chunk: usize) {
+        self.inner
+            .device
+            .ssm_chunk
+            .store(chunk as u32, Ordering::Relaxed);
     }
 
     fn upload(&self, host: HostTensor<'_>) -> Result<CudaTensor> {
@@ -504,7 +506,9 @@ impl Backend for CudaBackend {
             .arena
             .max_rows
             .fetch_max(max_tokens.max(1), Ordering::Relaxed);
-        Ok(CudaStep::new())
+        let mut step = CudaStep::new();
+        step.ssm_chunk = self.inner.device.ssm_chunk.load(Ordering::Relaxed);
+        Ok(step)
     }
 
     fn upload_step(&self, plan: &StepPlan, step: &mut CudaStep) -> Result<()> {
@@ -860,68 +864,131 @@ impl Backend for CudaBackend {
 
     fn ssm_slot_ops(&self, pools: &mut SsmPools<CudaTensor>, step: &CudaStep) -> Result<()> {
         self.step_ready(step)?;
-        // A slot's state of every layer is contiguous (slot-major pools): one copy or clear
-        // per operation and pool.
-        for pool in [&pools.conv, &pools.ssm] {
-            let slots = pool.shape.first().copied().unwrap_or(0);
-            let per = pool.len() / slots.max(1) * pool.dtype.size();
-            for op in &step.slot_ops {
-                let (from, to) = match *op {
-                    SlotOp::Copy { from, to } => (Some(from as usize), to as usize),
-                    SlotOp::Zero { slot } => (None, slot as usize),
-                };
-                if to >= slots || from.is_some_and(|f| f >= slots) {
-                    return Err(BackendError::Invalid(format!(
-                        "state slot {op:?} out of {slots}"
-                    )));
-                }
-                let dst = pool.ptr + (to * per) as u64;
-                match from {
-                    Some(f) if f == to => {}
-                    // SAFETY: both ranges lie inside the pool and do not overlap (f ≠ to).
-                    Some(f) => unsafe {
-                        result::memcpy_dtod_async(
-                            dst,
-                            pool.ptr + (f * per) as u64,
-                            per,
-                            self.stream(),
-                        )
-                    }
-                    .map_err(|e| self.dev().fail("copying a state slot", e))?,
-                    None => self.memset_zero(dst, per)?,
-                }
-            }
+        if step.ssm.ops() == 0 {
+            return Ok(());
         }
-        Ok(())
+        self.check_pools(pools, step)?;
+        let per_slot = |t: &CudaTensor| (t.len() / pools.slots.max(1)) as u64;
+        let dims = ssm::PoolDims {
+            slots: pools.slots as u32,
+            conv_per_slot: per_slot(&pools.conv),
+            ssm_per_slot: per_slot(&pools.ssm),
+        };
+        let launches = ssm::launches_slot_ops(&step.ssm, dims);
+        self.run_ssm(launches, step, pools, &SsmTensors::default(), &[])
     }
 
     fn causal_conv1d(
         &self,
-        _x: &CudaTensor,
-        _weight: &CudaTensor,
-        _bias: Option<&CudaTensor>,
-        _pools: &mut SsmPools<CudaTensor>,
-        _layer: usize,
-        _step: &CudaStep,
+        x: &CudaTensor,
+        weight: &CudaTensor,
+        bias: Option<&CudaTensor>,
+        pools: &mut SsmPools<CudaTensor>,
+        layer: usize,
+        step: &CudaStep,
     ) -> Result<CudaTensor> {
-        Err(unsupported("the causal conv1d"))
+        self.step_ready(step)?;
+        self.check_pools(pools, step)?;
+        let (n, channels) = x.rows_cols();
+        let kernel = weight.shape.last().copied().unwrap_or(0);
+        if weight.len() != channels * kernel || n != step.dims.tokens || layer >= pools.layers {
+            return Err(BackendError::Invalid(format!(
+                "causal_conv1d: x {:?}, weight {:?}, layer {layer} of {}",
+                x.shape, weight.shape, pools.layers
+            )));
+        }
+        let out = self.tmp(&x.shape, x.dtype)?;
+        let dims = ssm::ConvDims {
+            channels: channels as u32,
+            kernel: kernel as u32,
+            layer: layer as u32,
+            layers: pools.layers as u32,
+            slots: pools.slots as u32,
+            x_ld: channels as u32,
+            out_ld: channels as u32,
+        };
+        let launches = ssm::launches_conv(&step.ssm, dims, x.dtype == DType::BF16)
+            .map_err(|e| BackendError::Invalid(e.to_string()))?;
+        let t = SsmTensors {
+            x: x.ptr,
+            weight: weight.ptr,
+            bias: bias.map_or(0, |b| b.ptr),
+            out: out.ptr,
+            ..SsmTensors::default()
+        };
+        self.run_ssm(launches, step, pools, &t, &[])?;
+        Ok(out)
     }
 
     fn ssm_scan(
         &self,
-        _x: &CudaTensor,
-        _b: &CudaTensor,
-        _c: &CudaTensor,
-        _dt: &CudaTensor,
-        _a_log: &CudaTensor,
-        _d: &CudaTensor,
-        _dt_bias: &CudaTensor,
-        _shape: SsmShape,
-        _pools: &mut SsmPools<CudaTensor>,
-        _layer: usize,
-        _step: &CudaStep,
+        x: &CudaTensor,
+        b: &CudaTensor,
+        c: &CudaTensor,
+        dt: &CudaTensor,
+        a_log: &CudaTensor,
+        d: &CudaTensor,
+        dt_bias: &CudaTensor,
+        shape: SsmShape,
+        pools: &mut SsmPools<CudaTensor>,
+        layer: usize,
+        step: &CudaStep,
     ) -> Result<CudaTensor> {
-        Err(unsupported("the Mamba2 scan"))
+        self.step_ready(step)?;
+        self.check_pools(pools, step)?;
+        let n = step.dims.tokens;
+        let bc = shape.groups * shape.state_size;
+        if x.rows_cols() != (n, shape.d_inner())
+            || b.rows_cols() != (n, bc)
+            || c.rows_cols() != (n, bc)
+            || dt.rows_cols() != (n, shape.heads)
+            || layer >= pools.layers
+        {
+            return Err(BackendError::Invalid(format!(
+                "ssm_scan: x {:?} b {:?} c {:?} dt {:?} for {shape:?} over {n} tokens",
+                x.shape, b.shape, c.shape, dt.shape
+            )));
+        }
+        if step.ssm.chunks() > 0 && step.ssm.chunk_size() as usize != shape.chunk_size.min(256) {
+            return Err(BackendError::Invalid(format!(
+                "ssm_scan: the step was planned with chunk size {}, the layer has {}",
+                step.ssm.chunk_size(),
+                shape.chunk_size
+            )));
+        }
+        let out = self.tmp(&x.shape, x.dtype)?;
+        let dims = ssm::ScanDims {
+            layer: layer as u32,
+            layers: pools.layers as u32,
+            slots: pools.slots as u32,
+            dt_min: shape.dt_min,
+            dt_max: shape.dt_max,
+            ..ssm::ScanDims::packed(
+                shape.heads as u32,
+                shape.head_dim as u32,
+                shape.groups as u32,
+                shape.state_size as u32,
+            )
+        };
+        let launches = ssm::launches_scan(&step.ssm, dims, x.dtype == DType::BF16)
+            .map_err(|e| BackendError::Invalid(e.to_string()))?;
+        let scratch: Vec<CudaTensor> = ssm::scratch_bytes(&step.ssm, dims)
+            .into_iter()
+            .map(|bytes| self.tmp(&[bytes.div_ceil(4).max(1)], DType::F32))
+            .collect::<Result<_>>()?;
+        let t = SsmTensors {
+            x: x.ptr,
+            b: b.ptr,
+            c: c.ptr,
+            dt: dt.ptr,
+            a_log: a_log.ptr,
+            d: d.ptr,
+            dt_bias: dt_bias.ptr,
+            out: out.ptr,
+            ..SsmTensors::default()
+        };
+        self.run_ssm(launches, step, pools, &t, &scratch)?;
+        Ok(out)
     }
 
     fn sample(&self, logits: &mut CudaTensor, step: &CudaStep, out: &mut SampleOut) -> Result<()> {
@@ -1142,7 +1209,90 @@ impl Backend for CudaBackend {
     }
 }
 
+/// Device addresses of one SSM operation's tensors (0 where the operation has none).
+#[derive(Debug, Default, Clone, Copy)]
+struct SsmTensors {
+    x: u64,
+    b: u64,
+    c: u64,
+    dt: u64,
+    a_log: u64,
+    d: u64,
+    dt_bias: u64,
+    weight: u64,
+    bias: u64,
+    out: u64,
+}
+
 impl CudaBackend {
+    fn check_pools(&self, pools: &SsmPools<CudaTensor>, step: &CudaStep) -> Result<()> {
+        if step.ssm_chunk == 0 {
+            return Err(BackendError::Invalid(
+                "SSM operation on a step planned without an SSD chunk size \
+                 (Backend::set_ssm_chunk_size was not called when the model loaded)"
+                    .into(),
+            ));
+        }
+        for (what, t) in [("conv", &pools.conv), ("ssm", &pools.ssm)] {
+            if t.dtype != DType::F32
+                || t.shape.first() != Some(&pools.slots)
+                || t.shape.get(1) != Some(&pools.layers)
+            {
+                return Err(BackendError::Invalid(format!(
+                    "{what} pool {:?} {:?} is not f32 [{} slots, {} layers, …]",
+                    t.dtype, t.shape, pools.slots, pools.layers
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Launches an SSM planner's kernels, mapping its symbolic arguments.
+    fn run_ssm(
+        &self,
+        launches: Vec<chimera_kernels::Launch<ssm::SsmArg>>,
+        step: &CudaStep,
+        pools: &SsmPools<CudaTensor>,
+        t: &SsmTensors,
+        scratch: &[CudaTensor],
+    ) -> Result<()> {
+        use ssm::SsmArg as A;
+        for l in launches {
+            let args: Vec<Arg> = l
+                .args
+                .iter()
+                .map(|a| {
+                    Ok(match *a {
+                        A::X => Arg::Ptr(t.x),
+                        A::B => Arg::Ptr(t.b),
+                        A::C => Arg::Ptr(t.c),
+                        A::Dt => Arg::Ptr(t.dt),
+                        A::ALog => Arg::Ptr(t.a_log),
+                        A::D => Arg::Ptr(t.d),
+                        A::DtBias => Arg::Ptr(t.dt_bias),
+                        A::Weight => Arg::Ptr(t.weight),
+                        A::Bias => Arg::Ptr(t.bias),
+                        A::Out => Arg::Ptr(t.out),
+                        A::ConvPool => Arg::Ptr(pools.conv.ptr),
+                        A::SsmPool => Arg::Ptr(pools.ssm.ptr),
+                        A::Work(c) => Arg::Ptr(step.ssm_col(c)),
+                        A::Scratch(i) => Arg::Ptr(
+                            scratch
+                                .get(i)
+                                .ok_or_else(|| BackendError::Invalid(format!("SSM scratch {i}")))?
+                                .ptr,
+                        ),
+                        A::U32(v) => Arg::U32(v),
+                        A::U64(v) => Arg::U64(v),
+                        A::F32(v) => Arg::F32(v),
+                    })
+                })
+                .collect::<Result<_>>()?;
+            self.launch_exact(l.entry, l.grid, l.block, l.smem, &args)?;
+        }
+        Ok(())
+    }
+
     /// Routes every token on the device (the CPU's rule, bit for bit in f32 mode) and brings
     /// the expert ids and weights (`[tokens, top_k]`) back to the host.
     pub fn moe_route(

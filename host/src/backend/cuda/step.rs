@@ -8,6 +8,7 @@
 use std::sync::Arc;
 
 use chimera_kernels::attention::{AttnPlan, WorkCol};
+use chimera_kernels::ssm::{self, SsmPlan};
 
 use super::device::Device;
 use super::memory::{DevAlloc, MemStats, Pinned, htod};
@@ -34,6 +35,8 @@ pub struct Columns {
     pub hist_counts: usize,
     /// The attention planner's work columns, in [`WorkCol::ALL`] order.
     pub attn: [usize; WorkCol::ALL.len()],
+    /// The SSM planner's work columns, in [`ssm::WorkCol::ALL`] order.
+    pub ssm: [usize; ssm::WorkCol::ALL.len()],
 }
 
 /// Host-side facts about the uploaded step that launches need (sizes, not data).
@@ -51,14 +54,18 @@ pub struct CudaStep {
     pub(super) cols: Columns,
     pub(super) dims: StepDims,
     pub(super) attn: AttnPlan,
+    pub(super) ssm: SsmPlan,
+    /// The SSD chunk size the scan chunks are cut with (0: the model has no SSM layers).
+    pub(super) ssm_chunk: u32,
     ctx_lens: Vec<u32>,
+    seq_slots: Vec<u32>,
+    snaps: Vec<ssm::Snapshot>,
+    ops: Vec<ssm::SlotOp>,
     staging: Vec<u32>,
     pinned: Option<Pinned>,
     buf: Option<DevAlloc>,
     /// Set by a successful upload; kernels refuse a step that was never uploaded.
     pub(super) uploaded: bool,
-    /// The step's SSM slot restores and zeros (applied with copies, not kernels).
-    pub(super) slot_ops: Vec<crate::backend::SlotOp>,
 }
 
 impl CudaStep {
@@ -67,13 +74,23 @@ impl CudaStep {
             cols: Columns::default(),
             dims: StepDims::default(),
             attn: AttnPlan::default(),
+            ssm: SsmPlan::default(),
+            ssm_chunk: 0,
             ctx_lens: Vec::new(),
+            seq_slots: Vec::new(),
+            snaps: Vec::new(),
+            ops: Vec::new(),
             staging: Vec::new(),
             pinned: None,
             buf: None,
             uploaded: false,
-            slot_ops: Vec::new(),
         }
+    }
+
+    /// Device address of the SSM work column `c`.
+    pub fn ssm_col(&self, c: ssm::WorkCol) -> u64 {
+        let i = ssm::WorkCol::ALL.iter().position(|x| *x == c).unwrap_or(0);
+        self.col(self.cols.ssm[i])
     }
 
     /// Device address of the attention work column `c`.
@@ -106,11 +123,13 @@ impl CudaStep {
         plan: &StepPlan,
     ) -> Result<()> {
         self.uploaded = false;
-        self.slot_ops.clone_from(&plan.slot_ops);
         self.ctx_lens.clear();
         self.ctx_lens
             .extend(plan.seqs.iter().map(|q| q.context_len as u32));
         chimera_kernels::attention::plan(&plan.cu_seqlens, &self.ctx_lens, &mut self.attn);
+        if self.ssm_chunk > 0 {
+            self.plan_ssm(plan)?;
+        }
         let s = &mut self.staging;
         s.clear();
         let seqs = &plan.seqs;
@@ -134,6 +153,9 @@ impl CudaStep {
         c.hist_counts = Self::push(s, r.hist_counts.iter().copied());
         for (at, col) in c.attn.iter_mut().zip(WorkCol::ALL) {
             *at = Self::push(s, self.attn.column(col).iter().copied());
+        }
+        for (at, col) in c.ssm.iter_mut().zip(ssm::WorkCol::ALL) {
+            *at = Self::push(s, self.ssm.column(col).iter().copied());
         }
         self.dims = StepDims {
             tokens: plan.tokens.len(),
@@ -164,6 +186,38 @@ impl CudaStep {
         unsafe { htod(device, stream, buf.ptr, &pinned.as_slice()[..bytes])? };
         self.uploaded = true;
         Ok(())
+    }
+}
+
+impl CudaStep {
+    /// Cuts the step's SSD chunks (also at every snapshot offset) and lists its decodes,
+    /// snapshot slots and slot operations for the SSM kernels.
+    fn plan_ssm(&mut self, plan: &StepPlan) -> Result<()> {
+        self.seq_slots.clear();
+        self.seq_slots.extend(plan.seqs.iter().map(|q| q.ssm_slot));
+        self.snaps.clear();
+        self.snaps
+            .extend(plan.snapshots.iter().map(|t| ssm::Snapshot {
+                seq: t.seq,
+                after: t.after,
+                slot: t.slot,
+            }));
+        self.ops.clear();
+        self.ops.extend(plan.slot_ops.iter().map(|op| match *op {
+            crate::backend::SlotOp::Copy { from, to } => ssm::SlotOp::Copy { from, to },
+            crate::backend::SlotOp::Zero { slot } => ssm::SlotOp::Zero { slot },
+        }));
+        ssm::plan(
+            ssm::SsmStepInputs {
+                cu_seqlens: &plan.cu_seqlens,
+                slots: &self.seq_slots,
+                snapshots: &self.snaps,
+                slot_ops: &self.ops,
+                chunk_size: self.ssm_chunk,
+            },
+            &mut self.ssm,
+        )
+        .map_err(|e| crate::backend::BackendError::Invalid(e.to_string()))
     }
 }
 
