@@ -46,6 +46,8 @@
 //! Times (bf16, 128 heads × 64, 8 groups, state 128, chunk 128): scan T = 8192 2.17 ms
 //! (dt 0.03, chunk states 0.32, state passing 1.05, chunk scan 0.83), conv 0.30 ms; decode
 //! batch 256 0.66 ms (3.24 TB/s of f32 state), conv update 0.06 ms. f32 (SIMT): scan 7.97 ms.
+//! (Measured at commit c5d5f8d; `ssd_pass` then moved to 8 elements per thread and one wave
+//! of CTAs, not yet measured.)
 //!
 //! **What the backend must do.** Build the plan once per step with the chunk size of the
 //! model's SSM layers (every Mamba2 layer of one model shares it; a layer with another chunk
@@ -79,7 +81,7 @@ const SIMT_THREADS: u32 = 256;
 const SIMT_TM: u32 = 32;
 const SIMT_TN: u32 = 64;
 const PASS_THREADS: u32 = 256;
-const PASS_PER: u32 = 4;
+const PASS_PER: u32 = 8;
 const MMA_THREADS: u32 = 128;
 const MMA_ROWS: u32 = 64;
 const OPS_THREADS: u32 = 256;
