@@ -530,10 +530,13 @@ __device__ void scan_simt(const T* x, const T* b, const T* c, const T* d, const 
 
 // ---------------------------------------------------------------------------------------
 // SSD step 3: state passing (f32). CTA (head, element tile, prompt entry); each thread
-// carries PASS_PER elements of the head's P×N state, strided by the CTA size.
+// carries PASS_PER elements of the head's P×N state, strided by the CTA size. The chain over
+// chunks is latency-bound: enough loads must be in flight. 4 elements per thread ran at
+// 0.5 TB/s on an H200 (47 registers: 5 CTAs per SM, two waves at T = 8192); 8 per thread at
+// ≤ 64 registers keeps 4 CTAs per SM and one wave (not yet measured).
 
 constexpr int PASS_THREADS = 256;  // ssm.rs: PASS_THREADS
-constexpr int PASS_PER = 4;        // ssm.rs: PASS_PER
+constexpr int PASS_PER = 8;        // ssm.rs: PASS_PER
 
 __device__ void ssd_pass(float* states, const float* acum, float* pool, const u32* seq_slot,
                          const u32* seq_chunk, const u32* seq_chunks, const u32* ck_tok,
@@ -966,7 +969,7 @@ extern "C" __global__ void __launch_bounds__(128) ssd_states_mma_p64n128_bf16(ST
     ssm::states_mma<64, 128>(x, b, dtv, acum, states, ck_tok, ck_len, heads, groups, x_ld, bc_ld);
 }
 
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(256, 4)
     ssd_pass(float* states, const float* acum, float* pool, const u32* seq_slot,
              const u32* seq_chunk, const u32* seq_chunks, const u32* ck_tok, const u32* ck_len,
              const u32* ck_snap, const u32* ck_snaps, const u32* snap_slot, u32 seq_base,
