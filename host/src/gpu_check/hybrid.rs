@@ -47,7 +47,7 @@ pub fn run(
                 } else {
                     "DIFFER".into()
                 },
-                "identical ids, order, weights".into(),
+                "ids+order identical, weights ≤ 1e-6".into(),
                 same,
             ),
             Err(e) => report.failed(SUITE, label, format!("{e:#}")),
@@ -239,12 +239,13 @@ fn routing_case(
     };
     let (mut ci, mut cw) = (vec![0u32; tokens * top_k], vec![0f32; tokens * top_k]);
     cpu_moe::moe_route(&logits, tokens, &r, &bias, &mut ci, &mut cw)?;
-    let same_w = gw.iter().zip(&cw).all(|(a, b)| a.to_bits() == b.to_bits());
-    if gi != ci || !same_w {
+    // The sigmoid's exp may differ from the CPU's in the last bit: weights agree to rounding.
+    let w_err = rel_err(&gw, &cw);
+    if gi != ci || w_err > 1e-6 {
         let at = gi.iter().zip(&ci).position(|(a, b)| a != b);
-        eprintln!("      routing differs: first id mismatch at {at:?}, weights bit-equal {same_w}");
+        eprintln!("      routing differs: first id mismatch at {at:?}, weights rel err {w_err:.2e}");
     }
-    Ok(gi == ci && same_w)
+    Ok(gi == ci && w_err <= 1e-6)
 }
 
 fn experts_case(gpu: &CudaBackend, rng: &mut Rng) -> R<(Vec<f32>, Vec<f32>)> {

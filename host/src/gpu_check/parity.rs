@@ -71,17 +71,19 @@ fn chunked_last<B: Backend>(
     Ok(out)
 }
 
-/// The last logits of every prompt, run as one batch.
+/// The last logits of every prompt, run as one batch (each sequence with its own blocks and
+/// its own zeroed SSM slot).
 fn batched_last<B: Backend>(m: &Model<B>, b: &B, prompts: &[Vec<u32>]) -> anyhow::Result<Vec<f32>> {
     let blocks: Vec<usize> = prompts.iter().map(|p| p.len().div_ceil(BLOCK)).collect();
     let total: usize = blocks.iter().sum();
-    let mut caches = m.new_caches(b, total, BLOCK, 1)?;
+    let mut caches = m.new_caches(b, total, BLOCK, prompts.len())?;
     let mut plan = StepPlan::new(BLOCK);
     let mut next = 0u32;
-    for (p, &nb) in prompts.iter().zip(&blocks) {
+    for (i, (p, &nb)) in prompts.iter().zip(&blocks).enumerate() {
         let table: Vec<u32> = (next..next + nb as u32).collect();
         next += nb as u32;
-        plan.push(p, 0, &table, 0, true);
+        plan.push(p, 0, &table, i as u32, true);
+        plan.slot_ops.push(crate::backend::SlotOp::Zero { slot: i as u32 });
     }
     Ok(m.forward_host(b, &mut plan, &mut caches, LogitsMode::Last)?)
 }

@@ -261,8 +261,8 @@ impl Device {
             return Ok(());
         }
         // Argument storage: each pointer handed to the driver points at a value here.
-        let mut vals: [u64; 24] = [0; 24];
-        let mut ptrs: [*mut c_void; 24] = [std::ptr::null_mut(); 24];
+        let mut vals: [u64; 32] = [0; 32];
+        let mut ptrs: [*mut c_void; 32] = [std::ptr::null_mut(); 32];
         if args.len() > vals.len() {
             return Err(BackendError::Invalid(format!(
                 "kernel {} has too many arguments",

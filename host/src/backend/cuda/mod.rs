@@ -867,7 +867,7 @@ impl Backend for CudaBackend {
         if step.ssm.ops() == 0 {
             return Ok(());
         }
-        self.check_pools(pools, step)?;
+        self.check_pools(pools, step, false)?;
         let per_slot = |t: &CudaTensor| (t.len() / pools.slots.max(1)) as u64;
         let dims = ssm::PoolDims {
             slots: pools.slots as u32,
@@ -888,7 +888,7 @@ impl Backend for CudaBackend {
         step: &CudaStep,
     ) -> Result<CudaTensor> {
         self.step_ready(step)?;
-        self.check_pools(pools, step)?;
+        self.check_pools(pools, step, true)?;
         let (n, channels) = x.rows_cols();
         let kernel = weight.shape.last().copied().unwrap_or(0);
         if weight.len() != channels * kernel || n != step.dims.tokens || layer >= pools.layers {
@@ -935,7 +935,7 @@ impl Backend for CudaBackend {
         step: &CudaStep,
     ) -> Result<CudaTensor> {
         self.step_ready(step)?;
-        self.check_pools(pools, step)?;
+        self.check_pools(pools, step, true)?;
         let n = step.dims.tokens;
         let bc = shape.groups * shape.state_size;
         if x.rows_cols() != (n, shape.d_inner())
@@ -1225,8 +1225,10 @@ struct SsmTensors {
 }
 
 impl CudaBackend {
-    fn check_pools(&self, pools: &SsmPools<CudaTensor>, step: &CudaStep) -> Result<()> {
-        if step.ssm_chunk == 0 {
+    /// Checks the pools, and (for the conv and the scan) that the step's scan chunks were
+    /// planned: slot operations need no chunk size.
+    fn check_pools(&self, pools: &SsmPools<CudaTensor>, step: &CudaStep, scan: bool) -> Result<()> {
+        if scan && step.ssm_chunk == 0 {
             return Err(BackendError::Invalid(
                 "SSM operation on a step planned without an SSD chunk size \
                  (Backend::set_ssm_chunk_size was not called when the model loaded)"

@@ -127,8 +127,11 @@ impl CudaStep {
         self.ctx_lens
             .extend(plan.seqs.iter().map(|q| q.context_len as u32));
         chimera_kernels::attention::plan(&plan.cu_seqlens, &self.ctx_lens, &mut self.attn);
-        if self.ssm_chunk > 0 {
+        // SSM models plan their scan chunks; slot operations are planned whatever the model.
+        if self.ssm_chunk > 0 || !plan.slot_ops.is_empty() {
             self.plan_ssm(plan)?;
+        } else {
+            self.ssm = SsmPlan::default();
         }
         let s = &mut self.staging;
         s.clear();
@@ -213,7 +216,7 @@ impl CudaStep {
                 slots: &self.seq_slots,
                 snapshots: &self.snaps,
                 slot_ops: &self.ops,
-                chunk_size: self.ssm_chunk,
+                chunk_size: self.ssm_chunk.max(1),
             },
             &mut self.ssm,
         )
