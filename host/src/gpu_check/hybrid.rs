@@ -152,6 +152,7 @@ pub fn run(
     if let Err(e) = prefix_groups(report, &dir, f32_gpu) {
         report.failed(SUITE, label, format!("{e:#}"));
     }
+    stress(report, f32_gpu, &dir, seed);
 }
 
 /// 64 requests in 8 groups sharing a 4-block prefix, submitted in a fixed order, through the
@@ -566,4 +567,127 @@ fn ssm_layer(
             ));
     }
     Ok((out_err, state_err, snap_err, targets.len()))
+}
+
+/// 500 requests with random prompt and output lengths over 8 shared prefixes, a tenth of them
+/// cancelled mid-flight, through the real engine on a hybrid fixture on the GPU: every request
+/// ends, no device error, and once the prefix cache is reset every block and state slot is
+/// free. Driver allocations after the first 50 steps are reported.
+pub(super) fn stress(report: &mut Report, gpu: &CudaBackend, dir: &std::path::Path, seed: u64) {
+    let label = "nemotronh-a f32 engine stress: 500 requests, 10% cancelled";
+    match stress_run(gpu, dir, seed) {
+        Ok((ended, free, allocs)) => {
+            report.push(
+                SUITE,
+                format!("{label}: all ended, all blocks and slots free"),
+                f64::from(u8::from(ended && free)),
+                format!("ended {ended}, free {free}"),
+                "both".into(),
+                ended && free && !gpu.is_broken(),
+            );
+            report.push(
+                SUITE,
+                format!("{label}: driver allocations after step 50 (reported)"),
+                allocs as f64,
+                allocs.to_string(),
+                "reported".into(),
+                true,
+            );
+        }
+        Err(e) => report.failed(SUITE, label, format!("{e:#}")),
+    }
+}
+
+fn stress_run(gpu: &CudaBackend, dir: &std::path::Path, seed: u64) -> R<(bool, bool, u64)> {
+    use crate::cache::{ByteSize, CacheConfig};
+    use crate::engine::api::{EngineEvent, GenerateRequest, SamplingParams};
+    use crate::engine::{Engine, EngineConfig, EngineSetup, ModelRunner, Policies};
+    let backend = gpu.replica()?;
+    let model = std::sync::Arc::new(crate::model::load(dir, &backend)?);
+    let setup = EngineSetup {
+        engine: EngineConfig {
+            max_batched_tokens: 256,
+            max_running: 16,
+            ..Default::default()
+        },
+        cache: CacheConfig {
+            memory_budget: ByteSize(32 << 20),
+            block_size: 16,
+            prefix_caching: true,
+            ..Default::default()
+        },
+        hash_salt: "stress".into(),
+    };
+    let mut engine = Engine::new(setup, ModelRunner::new(backend.clone(), model), Policies::greedy())?;
+    let mut rng = Rng::new(seed ^ 0x5354_5245);
+    let mut rx = Vec::new();
+    let mut cancel_at = std::collections::BTreeMap::new();
+    let total = 500u64;
+    let (mut added, mut ended) = (0u64, 0u64);
+    let mut allocs_at_50 = None;
+    for step in 0..200_000u64 {
+        for _ in 0..4 {
+            if added == total {
+                break;
+            }
+            let group = rng.below(8) as u32;
+            let len = 1 + rng.below(200);
+            let prompt: Vec<u32> = (0..len as u32)
+                .map(|j| if j < 48 { (group * 31 + j * 7) % 500 + 1 } else { rng.below(500) as u32 + 1 })
+                .collect();
+            let (tx, r) = tokio::sync::mpsc::unbounded_channel();
+            engine.add(
+                GenerateRequest {
+                    id: added,
+                    prompt,
+                    params: SamplingParams::default(),
+                    max_tokens: 1 + rng.below(32) as u32,
+                    stop_token_ids: vec![],
+                    ignore_eos: true,
+                    prompt_logprobs: false,
+                    block_hashes: None,
+                },
+                tx,
+            );
+            if rng.below(10) == 0 {
+                cancel_at.insert(step + 1 + rng.below(20) as u64, added);
+            }
+            rx.push((added, r, false));
+            added += 1;
+        }
+        while let Some((&at, &id)) = cancel_at.first_key_value() {
+            if at > step {
+                break;
+            }
+            cancel_at.remove(&at);
+            engine.cancel(id);
+        }
+        engine.step();
+        if step == 50 {
+            allocs_at_50 = Some(backend.driver_allocations());
+        }
+        for (_, r, done) in rx.iter_mut().filter(|x| !x.2) {
+            while let Ok(ev) = r.try_recv() {
+                if matches!(ev, EngineEvent::Finished { .. } | EngineEvent::Failed { .. }) {
+                    *done = true;
+                }
+            }
+            // A cancelled request's channel closes without an event.
+            if !*done && r.is_closed() && r.is_empty() {
+                *done = true;
+            }
+        }
+        ended = rx.iter().filter(|x| x.2).count() as u64;
+        if added == total && ended == total && engine.is_idle() {
+            break;
+        }
+        anyhow::ensure!(!backend.is_broken(), "the device was lost at step {step}");
+    }
+    engine.reset_prefix_cache();
+    engine.refresh_stats();
+    engine.cache().check_invariants().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let s = engine.stats();
+    let free = s.free_blocks == s.total_blocks && s.ssm_snapshots_used == 0 && s.running == 0;
+    let allocs = backend.driver_allocations() - allocs_at_50.unwrap_or(0);
+    Ok((ended == total, free, allocs))
 }
