@@ -264,13 +264,6 @@ async fn submit(
                 prompt_logprobs: prep.echo.is_some() && params.logprobs.is_some(),
                 block_hashes: Some(prep.hashes.clone()),
             };
-            let one = permit
-                .split(1)
-                .ok_or_else(|| AppError::Internal("admission accounting".into()))?;
-            let rx = handle
-                .submit(request)
-                .map_err(|e| AppError::from_submit(e, inner.config.retry_after_secs))?;
-            let guard = RequestGuard::new(handle.clone(), id, inner.metrics.clone(), one);
             let out = OutputState::new(
                 inner.codec.clone(),
                 tail,
@@ -278,6 +271,13 @@ async fn submit(
                 stop_ids.clone(),
                 params.skip_special_tokens,
             );
+            let one = permit
+                .split(1)
+                .ok_or_else(|| AppError::Internal("admission accounting".into()))?;
+            let rx = handle
+                .submit(request)
+                .map_err(|e| AppError::from_submit(e, inner.config.retry_after_secs))?;
+            let guard = RequestGuard::new(handle.clone(), id, inner.metrics.clone(), one);
             runs.push(ChoiceRun::new(index, p, rx, guard, out, ctx.clone()));
             indices.push((index, p));
         }

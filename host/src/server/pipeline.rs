@@ -135,7 +135,7 @@ impl OutputState {
         skip_special: bool,
     ) -> Self {
         Self {
-            detok: IncrementalDetokenizer::new(prompt_tail, skip_special),
+            detok: IncrementalDetokenizer::new(&codec, prompt_tail, skip_special),
             codec,
             stop: StopMatcher::new(stops),
             stop_ids,
