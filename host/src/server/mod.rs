@@ -46,6 +46,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Router as HttpRouter;
 use axum::extract::DefaultBodyLimit;
+use axum::serve::ListenerExt;
 use axum::routing::{get, post};
 use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, watch};
@@ -244,7 +245,7 @@ pub async fn serve(state: AppState, listener: TcpListener) -> Result<(), ServeEr
     serve_with_shutdown(state, listener, shutdown_signal()).await
 }
 
-/// Serves until `signal` completes. Then: new requests get 503, in-flight requests get
+/// Serves until `signal` completes; accepted connections set `TCP_NODELAY`. Then: new requests get 503, in-flight requests get
 /// `shutdown_grace_secs` to finish, the rest are cancelled (finish_reason "abort"), and the
 /// function returns once every connection is closed.
 pub async fn serve_with_shutdown(
@@ -267,6 +268,13 @@ pub async fn serve_with_shutdown(
             });
         }
     };
+    // Streamed events are small writes: with Nagle's algorithm each would wait for the
+    // client's delayed ACK (~40 ms) on a reused connection.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::warn!("cannot set TCP_NODELAY on an accepted connection: {e}");
+        }
+    });
     axum::serve(listener, app)
         .with_graceful_shutdown(on_signal)
         .await?;

@@ -598,3 +598,52 @@ pub fn join_stream(events: &[Value]) -> Vec<(String, Option<String>)> {
     }
     out
 }
+
+/// Sends the streaming request `body` to `path` `n` times, one after another, over one
+/// keep-alive TCP connection with the client's default socket options (Nagle and delayed ACKs
+/// on, as most clients leave them), and returns each request's time from sending it to the
+/// first `data:` event.
+pub async fn stream_ttfts_on_one_connection(
+    addr: SocketAddr,
+    path: &str,
+    body: &Value,
+    n: usize,
+) -> Vec<Duration> {
+    let b = serde_json::to_vec(body).expect("json");
+    let mut req = format!(
+        "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        b.len()
+    )
+    .into_bytes();
+    req.extend_from_slice(&b);
+    tokio::task::spawn_blocking(move || {
+        let mut s = std::net::TcpStream::connect(addr).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(20)))
+            .expect("timeout");
+        let mut out = Vec::with_capacity(n);
+        let mut buf = [0u8; 16 * 1024];
+        for _ in 0..n {
+            let sent = Instant::now();
+            s.write_all(&req).expect("write");
+            let mut got: Vec<u8> = Vec::new();
+            let mut first = None;
+            // The chunked body ends with the zero-size chunk after `data: [DONE]`.
+            while !(contains(&got, b"data: [DONE]") && got.ends_with(b"0\r\n\r\n")) {
+                let k = s.read(&mut buf).expect("read");
+                assert!(k > 0, "the server closed the connection");
+                got.extend_from_slice(&buf[..k]);
+                if first.is_none() && contains(&got, b"data: {") {
+                    first = Some(sent.elapsed());
+                }
+            }
+            out.push(first.expect("a data event"));
+        }
+        out
+    })
+    .await
+    .expect("client task")
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
+}
