@@ -270,6 +270,7 @@ impl TestServer {
             config: opts.server.clone(),
             model: ModelInfo {
                 name: MODEL.into(),
+                aliases: Vec::new(),
                 max_model_len: opts.max_model_len,
                 block_size: opts.block_size as u32,
                 cache_salt: SALT.into(),
