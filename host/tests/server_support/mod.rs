@@ -62,6 +62,8 @@ pub struct Options {
     pub server: ServerConfig,
     pub policy: Option<Box<dyn policy::Router>>,
     pub max_model_len: u32,
+    /// Other ids the model answers to (`ModelInfo::aliases`).
+    pub aliases: Vec<String>,
 }
 
 impl Default for Options {
@@ -91,6 +93,7 @@ impl Default for Options {
             },
             policy: None,
             max_model_len: 4096,
+            aliases: Vec::new(),
         }
     }
 }
@@ -270,7 +273,7 @@ impl TestServer {
             config: opts.server.clone(),
             model: ModelInfo {
                 name: MODEL.into(),
-                aliases: Vec::new(),
+                aliases: opts.aliases.clone(),
                 max_model_len: opts.max_model_len,
                 block_size: opts.block_size as u32,
                 cache_salt: SALT.into(),
@@ -647,4 +650,37 @@ pub async fn stream_ttfts_on_one_connection(
 
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
     hay.windows(needle.len()).any(|w| w == needle)
+}
+
+/// Log lines of this test binary: a global subscriber (installed on first use) that keeps
+/// `chimera` events at debug level in memory, so tests can check what the server logs.
+pub fn captured_logs() -> String {
+    static LOGS: std::sync::OnceLock<Arc<Mutex<Vec<u8>>>> = std::sync::OnceLock::new();
+    let buf = LOGS.get_or_init(|| {
+        let buf = Arc::new(Mutex::new(Vec::new()));
+        let sink = LogSink(buf.clone());
+        let subscriber = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new("chimera=debug"))
+            .with_ansi(false)
+            .with_writer(move || sink.clone())
+            .finish();
+        tracing::subscriber::set_global_default(subscriber).expect("one global subscriber");
+        buf
+    });
+    String::from_utf8_lossy(&buf.lock().expect("log buffer")).into_owned()
+}
+
+#[derive(Clone)]
+struct LogSink(Arc<Mutex<Vec<u8>>>);
+
+impl Write for LogSink {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        if let Ok(mut v) = self.0.lock() {
+            v.extend_from_slice(b);
+        }
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
