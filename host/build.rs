@@ -183,8 +183,8 @@ fn copy_prebuilt(root: &Path, out_dir: &Path) {
             .map(|(sum, _)| sum.trim().to_string())
             .unwrap_or_else(|| panic!("{} lists no checksum for {file}", sums_path.display()));
         let path = dir.join(file);
-        let bytes = std::fs::read(&path)
-            .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+        let bytes =
+            std::fs::read(&path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
         let actual = hex(&Sha256::digest(&bytes));
         if actual != expected {
             panic!(

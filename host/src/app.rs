@@ -348,7 +348,9 @@ mod tests {
 
     #[test]
     fn a_wrong_model_path_says_the_folder_does_not_exist() {
-        let e = LoadedModel::open("/nonexistent/chimera-model").err().unwrap();
+        let e = LoadedModel::open("/nonexistent/chimera-model")
+            .err()
+            .unwrap();
         let msg = format!("{e:#}");
         assert!(
             msg.contains("\"/nonexistent/chimera-model\": the folder does not exist"),

@@ -236,9 +236,15 @@ mod tests {
         assert_eq!(c, expected);
         // Values the file sets where the code once differed.
         assert_eq!(c.cache.memory_budget, crate::cache::ByteSize(256 << 20));
-        assert_eq!((c.engine.max_running, c.engine.max_batched_tokens), (64, 1024));
+        assert_eq!(
+            (c.engine.max_running, c.engine.max_batched_tokens),
+            (64, 1024)
+        );
         assert_eq!(c.server.max_queued_requests, 1024);
-        assert_eq!(c.policy.router.config.get("alpha"), Some(&toml::Value::Float(0.5)));
+        assert_eq!(
+            c.policy.router.config.get("alpha"),
+            Some(&toml::Value::Float(0.5))
+        );
     }
 
     /// The fields a section accepts, read from serde's "unknown field" error (which lists them
@@ -282,7 +288,10 @@ mod tests {
             }
         }
         let top = fields_of("");
-        assert_eq!(top, ["server", "model", "engine", "cache", "policy", "plugins"]);
+        assert_eq!(
+            top,
+            ["server", "model", "engine", "cache", "policy", "plugins"]
+        );
         let mut sections: Vec<String> = top.into_iter().filter(|s| s != "policy").collect();
         sections.extend(["policy.router", "policy.evictor", "policy.sampler"].map(String::from));
         let mut missing = Vec::new();
@@ -295,7 +304,10 @@ mod tests {
                 }
             }
         }
-        assert!(missing.is_empty(), "configs/default.toml does not document {missing:?}");
+        assert!(
+            missing.is_empty(),
+            "configs/default.toml does not document {missing:?}"
+        );
         // And what it documents in comments parses: uncommented, the file is still valid.
         let uncommented: String = DEFAULT_TOML
             .lines()

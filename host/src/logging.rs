@@ -73,10 +73,7 @@ mod tests {
 
     #[test]
     fn compiler_chatter_is_quiet_unless_asked_for() {
-        assert_eq!(
-            filter_directives(None),
-            "info,wasmtime=warn,cranelift=warn"
-        );
+        assert_eq!(filter_directives(None), "info,wasmtime=warn,cranelift=warn");
         assert_eq!(
             filter_directives(Some("chimera=debug")),
             "chimera=debug,wasmtime=warn,cranelift=warn"
@@ -85,7 +82,10 @@ mod tests {
             filter_directives(Some("debug,cranelift_codegen=info")),
             "debug,cranelift_codegen=info,wasmtime=warn"
         );
-        assert_eq!(filter_directives(Some(" ")), "info,wasmtime=warn,cranelift=warn");
+        assert_eq!(
+            filter_directives(Some(" ")),
+            "info,wasmtime=warn,cranelift=warn"
+        );
     }
 
     /// A writer into a shared buffer.

@@ -689,7 +689,8 @@ async fn streamed_first_token_is_not_delayed_on_a_reused_connection() {
     let server_ttft = s
         .metric_sum("chimera:time_to_first_token_seconds_sum")
         .await
-        / s.metric_sum("chimera:time_to_first_token_seconds_count").await;
+        / s.metric_sum("chimera:time_to_first_token_seconds_count")
+            .await;
     eprintln!(
         "client TTFT per request: {times:?}; median on the reused connection {median:?}; \
          server's own mean TTFT {:.2} ms",
@@ -787,7 +788,10 @@ async fn completions_without_max_tokens_generate_16() {
         &json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}),
     )
     .await;
-    assert_eq!(r.status, 400, "the chat prompt alone overflows this context");
+    assert_eq!(
+        r.status, 400,
+        "the chat prompt alone overflows this context"
+    );
 }
 
 /// Unknown fields are ignored but logged (so `"max_token": 5` does not pass silently), and each
@@ -808,8 +812,14 @@ async fn unknown_fields_are_warned_about_and_each_request_is_logged() {
         .find(|l| l.contains("zz_field_of_this_test"))
         .unwrap_or_else(|| panic!("no warning about the unknown fields in:\n{logs}"));
     assert!(warning.contains("WARN"), "{warning}");
-    assert!(warning.contains("fields=max_token, zz_field_of_this_test"), "{warning}");
-    assert!(warning.contains("endpoint=\"/v1/completions\""), "{warning}");
+    assert!(
+        warning.contains("fields=max_token, zz_field_of_this_test"),
+        "{warning}"
+    );
+    assert!(
+        warning.contains("endpoint=\"/v1/completions\""),
+        "{warning}"
+    );
     let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap();
     let line = logs
         .lines()
@@ -836,8 +846,8 @@ async fn api_key_protects_the_v1_endpoints() {
     let mut o = Options::default();
     o.server.api_key = Some("sk-test-key".into());
     let s = TestServer::start(o).await;
-    let body = serde_json::to_vec(&json!({"model": MODEL, "prompt": "hi", "max_tokens": 2}))
-        .unwrap();
+    let body =
+        serde_json::to_vec(&json!({"model": MODEL, "prompt": "hi", "max_tokens": 2})).unwrap();
     for auth in [None, Some("Bearer sk-wrong-key"), Some("sk-test-key")] {
         let mut headers = vec![("Content-Type", "application/json")];
         if let Some(a) = auth {
@@ -859,7 +869,15 @@ async fn api_key_protects_the_v1_endpoints() {
     let r = request(s.addr, "GET", "/v1/models", &headers, b"").await;
     assert_eq!(r.status, 200, "{}", r.text());
     for path in ["/health", "/metrics"] {
-        assert_eq!(request(s.addr, "GET", path, &[], b"").await.status, 200, "{path}");
+        assert_eq!(
+            request(s.addr, "GET", path, &[], b"").await.status,
+            200,
+            "{path}"
+        );
     }
-    assert_eq!(s.metric_sum("chimera:request_errors_total{kind=\"unauthorized\"").await, 6.0);
+    assert_eq!(
+        s.metric_sum("chimera:request_errors_total{kind=\"unauthorized\"")
+            .await,
+        6.0
+    );
 }

@@ -109,7 +109,10 @@ impl ServerConfig {
             );
         }
         if self.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
-            return err("api_key", "must not be empty (or unset to serve without a key)");
+            return err(
+                "api_key",
+                "must not be empty (or unset to serve without a key)",
+            );
         }
         if let Some(names) = &self.served_model_name {
             let names = names.names();

@@ -168,9 +168,7 @@ fn release_utf8(pending: &mut Vec<u8>, all: bool) -> String {
             }
             Err(e) => {
                 let valid = e.valid_up_to();
-                out.push_str(
-                    std::str::from_utf8(&pending[at..at + valid]).unwrap_or_default(),
-                );
+                out.push_str(std::str::from_utf8(&pending[at..at + valid]).unwrap_or_default());
                 at += valid;
                 match e.error_len() {
                     Some(bad) => {

@@ -70,7 +70,9 @@ fn stream(c: &TextCodec, context: &[u32], ids: &[u32], skip: bool) -> (Vec<Strin
 
 /// Ids of the embedded tokenizer's single-byte tokens, indexed by byte.
 fn byte_ids(c: &TextCodec) -> Vec<u32> {
-    let table = c.byte_table().expect("the embedded tokenizer is byte-level");
+    let table = c
+        .byte_table()
+        .expect("the embedded tokenizer is byte-level");
     (0..=255u8)
         .map(|b| {
             (0..c.vocab_size())
@@ -137,26 +139,26 @@ proptest::proptest! {
         skip in proptest::bool::ANY,
     ) {
         let c = embedded();
-        let bytes = byte_ids(&c);
+        let bytes = byte_ids(c);
         // Mix in high bytes, so multi-byte sequences (valid, cut short, invalid) are common.
         let ids: Vec<u32> = ids
             .iter()
             .zip(bias.iter().chain(std::iter::repeat(&0)))
             .map(|(id, b)| if id % 3 == 0 && *b != 0 { bytes[*b as usize] } else { *id })
             .collect();
-        let mut d = IncrementalDetokenizer::new(&c, &[], skip);
+        let mut d = IncrementalDetokenizer::new(c, &[], skip);
         let mut sent = String::new();
         for i in 0..ids.len() {
-            sent.push_str(&d.push(&c, ids[i]).unwrap());
+            sent.push_str(&d.push(c, ids[i]).unwrap());
             let text = c.decode(&ids[..=i], skip).unwrap();
-            let expected = if ends_incomplete(&c, &ids[..=i], skip, &bytes) {
+            let expected = if ends_incomplete(c, &ids[..=i], skip, &bytes) {
                 &text[..text.len() - '\u{fffd}'.len_utf8()]
             } else {
                 &text[..]
             };
             proptest::prop_assert_eq!(&sent, expected, "after {} ids {:?}", i + 1, &ids[..=i]);
         }
-        sent.push_str(&d.flush(&c).unwrap());
+        sent.push_str(&d.flush(c).unwrap());
         proptest::prop_assert_eq!(sent, c.decode(&ids, skip).unwrap());
     }
 }
@@ -169,7 +171,18 @@ fn embedded() -> &'static TextCodec {
 /// A SentencePiece-style tokenizer (metaspace words, no byte tokens): not byte-level, so the
 /// detokenizer decodes windows of ids.
 fn metaspace_codec() -> TextCodec {
-    let words = ["<unk>", "▁hello", "▁world", "▁the", "s", ",", "▁", "é", "▁naïve", "<eos>"];
+    let words = [
+        "<unk>",
+        "▁hello",
+        "▁world",
+        "▁the",
+        "s",
+        ",",
+        "▁",
+        "é",
+        "▁naïve",
+        "<eos>",
+    ];
     let vocab: serde_json::Map<String, serde_json::Value> = words
         .iter()
         .enumerate()

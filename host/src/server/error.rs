@@ -25,7 +25,10 @@ pub enum AppError {
     },
     #[error("{0}")]
     ContextLength(String),
-    #[error("the model `{model}` does not exist; this server serves {}", quoted(served))]
+    #[error(
+        "the model `{model}` does not exist; this server serves {}",
+        quoted(served)
+    )]
     ModelNotFound { model: String, served: Vec<String> },
     #[error("no route for {0}")]
     NotFound(String),

@@ -49,8 +49,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Router as HttpRouter;
 use axum::extract::DefaultBodyLimit;
-use axum::serve::ListenerExt;
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, watch};
 

@@ -66,7 +66,10 @@ impl RequestGuard {
 impl Drop for RequestGuard {
     fn drop(&mut self) {
         if self.armed {
-            tracing::debug!(engine_id = self.id, "request cancelled: the client went away");
+            tracing::debug!(
+                engine_id = self.id,
+                "request cancelled: the client went away"
+            );
             self.handle.cancel(self.id);
             self.metrics.client_disconnect();
             self.metrics.finished(Finished::Abort);
