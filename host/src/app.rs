@@ -39,6 +39,18 @@ impl LoadedModel {
             });
         }
         let dir = std::path::PathBuf::from(path);
+        if !dir.is_dir() {
+            let what = if dir.exists() {
+                "is not a folder"
+            } else {
+                "does not exist"
+            };
+            anyhow::bail!(
+                "model.path = {path:?}: the folder {what} (give a Hugging Face model folder \
+                 with config.json, tokenizer.json and *.safetensors, or `{}`)",
+                builtin::NAME
+            );
+        }
         let codec = TextCodec::from_dir(&dir)
             .with_context(|| format!("loading the tokenizer in {path}"))?;
         let name = dir
@@ -255,7 +267,9 @@ fn start<B: Backend>(
             .with_context(|| format!("starting engine replica {r}"))?;
         let stats = handle.stats();
         info.get_or_insert(ModelInfo {
-            name: loaded.name.clone(),
+            // vLLM's default: the id is `--model` as given; the short name is accepted too.
+            name: config.model.path.clone(),
+            aliases: vec![loaded.name.clone()],
             max_model_len: max_len,
             block_size: config.cache.block_size as u32,
             cache_salt: salt.clone(),
@@ -315,6 +329,23 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_wrong_model_path_says_the_folder_does_not_exist() {
+        let e = LoadedModel::open("/nonexistent/chimera-model")
+            .err()
+            .unwrap();
+        let msg = format!("{e:#}");
+        assert!(
+            msg.contains("\"/nonexistent/chimera-model\": the folder does not exist"),
+            "{msg}"
+        );
+        let file = std::env::temp_dir().join(format!("chimera-not-a-dir-{}", std::process::id()));
+        std::fs::write(&file, b"x").unwrap();
+        let e = LoadedModel::open(file.to_str().unwrap()).err().unwrap();
+        std::fs::remove_file(&file).unwrap();
+        assert!(format!("{e:#}").contains("is not a folder"), "{e:#}");
+    }
 
     #[test]
     fn cuda_without_a_usable_gpu_is_a_startup_error_that_names_the_fix() {

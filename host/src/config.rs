@@ -78,6 +78,8 @@ pub struct Config {
 #[derive(Debug, Clone, Default)]
 pub struct Overrides {
     pub model: Option<String>,
+    pub served_model_name: Option<Vec<String>>,
+    pub api_key: Option<String>,
     pub host: Option<String>,
     pub port: Option<u16>,
     pub replicas: Option<usize>,
@@ -117,6 +119,12 @@ impl Config {
     pub fn with_overrides(mut self, o: Overrides) -> Result<Self, ConfigError> {
         if let Some(m) = o.model {
             self.model.path = m;
+        }
+        if let Some(names) = o.served_model_name {
+            self.server.served_model_name = Some(crate::server::config::ServedNames::Many(names));
+        }
+        if let Some(k) = o.api_key {
+            self.server.api_key = Some(k);
         }
         if let Some(h) = o.host {
             self.server.host = h;
@@ -210,6 +218,106 @@ mod tests {
         let c = Config::load(None).unwrap();
         assert_eq!(c.model.path, builtin::NAME);
         assert_eq!(c.server.host, "127.0.0.1");
+    }
+
+    #[test]
+    fn a_partial_config_inherits_the_default_file() {
+        let file = Config::load(None).unwrap();
+        // The code's defaults are the file's values: an empty file, empty sections, or one
+        // key changed leave everything else as configs/default.toml says.
+        assert_eq!(Config::parse("", "empty.toml").unwrap(), file);
+        assert_eq!(Config::default(), file);
+        let sections = "[server]\n[model]\n[engine]\n[cache]\n[plugins]\n";
+        assert_eq!(Config::parse(sections, "x.toml").unwrap(), file);
+        let c = Config::parse("[engine]\nreplicas = 2\n", "x.toml").unwrap();
+        assert_eq!(c.engine.replicas, 2);
+        let mut expected = file.clone();
+        expected.engine.replicas = 2;
+        assert_eq!(c, expected);
+        // Values the file sets where the code once differed.
+        assert_eq!(c.cache.memory_budget, crate::cache::ByteSize(256 << 20));
+        assert_eq!(
+            (c.engine.max_running, c.engine.max_batched_tokens),
+            (64, 1024)
+        );
+        assert_eq!(c.server.max_queued_requests, 1024);
+        assert_eq!(
+            c.policy.router.config.get("alpha"),
+            Some(&toml::Value::Float(0.5))
+        );
+    }
+
+    /// The fields a section accepts, read from serde's "unknown field" error (which lists them
+    /// all), so the check follows the structs without a list to keep in step.
+    fn fields_of(section: &str) -> Vec<String> {
+        let probe = if section.is_empty() {
+            "[zz_probe]\n".to_string()
+        } else {
+            format!("[{section}]\nzz_probe = 1\n")
+        };
+        let e = Config::parse(&probe, "probe.toml").unwrap_err().to_string();
+        let expected = e
+            .split("expected one of ")
+            .nth(1)
+            .or_else(|| e.split("expected ").nth(1))
+            .unwrap_or_else(|| panic!("no field list in {e}"));
+        expected
+            .split(',')
+            .map(|f| f.trim().trim_matches('`').to_string())
+            .filter(|f| !f.is_empty())
+            .map(|f| f.lines().next().unwrap_or("").trim_matches('`').to_string())
+            .collect()
+    }
+
+    #[test]
+    fn the_default_file_documents_every_key() {
+        // Keys written in the file, set or commented out (`# key = ...`), per section.
+        let mut documented: std::collections::BTreeSet<(String, String)> = Default::default();
+        let mut section = String::new();
+        for line in DEFAULT_TOML.lines() {
+            let line = line.trim();
+            if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+                section = name.to_string();
+                continue;
+            }
+            let body = line.strip_prefix('#').map_or(line, str::trim);
+            if let Some((key, _)) = body.split_once(" = ")
+                && !key.contains(' ')
+            {
+                documented.insert((section.clone(), key.to_string()));
+            }
+        }
+        let top = fields_of("");
+        assert_eq!(
+            top,
+            ["server", "model", "engine", "cache", "policy", "plugins"]
+        );
+        let mut sections: Vec<String> = top.into_iter().filter(|s| s != "policy").collect();
+        sections.extend(["policy.router", "policy.evictor", "policy.sampler"].map(String::from));
+        let mut missing = Vec::new();
+        for section in &sections {
+            let fields = fields_of(section);
+            assert!(fields.len() >= 3, "{section}: {fields:?}");
+            for f in fields {
+                if !documented.contains(&(section.clone(), f.clone())) {
+                    missing.push(format!("{section}.{f}"));
+                }
+            }
+        }
+        assert!(
+            missing.is_empty(),
+            "configs/default.toml does not document {missing:?}"
+        );
+        // And what it documents in comments parses: uncommented, the file is still valid.
+        let uncommented: String = DEFAULT_TOML
+            .lines()
+            .map(|l| match l.strip_prefix("# ") {
+                Some(rest) if rest.contains(" = ") && !rest.contains(". ") => rest,
+                _ => l,
+            })
+            .collect::<Vec<_>>()
+            .join("\n");
+        Config::parse(&uncommented, "uncommented default.toml").unwrap();
     }
 
     #[test]

@@ -10,7 +10,8 @@
 //! - [`cache`]: the KV block pool, prefix index and SSM-state pool of one replica.
 //! - [`server`]: the OpenAI-compatible HTTP server, replica router and metrics.
 //! - [`tokenizer`]: the embedded model's tokenizer files.
-//! - [`config`]: the TOML configuration; [`app`]: assembling a serving process from it.
+//! - [`config`]: the TOML configuration; [`app`]: assembling a serving process from it;
+//!   [`logging`]: the binary's log output (text or JSON, filter, colour).
 //! - [`plugins`]: WebAssembly policy plugins (load, sandbox, fall back, reload) behind the
 //!   [`policy`] traits, whose native twins live in `policy::native`.
 //! - [`bench`]: `chimera bench`, a load generator for OpenAI-compatible streaming servers.
@@ -24,6 +25,7 @@ pub mod cache;
 pub mod config;
 pub mod engine;
 pub mod gpu_check;
+pub mod logging;
 pub mod model;
 pub mod plugins;
 pub mod policy;

@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 use chimera::app::LoadedModel;
 use chimera::backend::cpu::CpuBackend;
 use chimera::config::{Config, Overrides};
+use chimera::logging::LogFormat;
 use chimera::model;
 
 #[derive(Parser)]
@@ -20,6 +21,10 @@ use chimera::model;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Log line format on stderr: `text` (colours only on a terminal) or `json` (one object
+    /// per line). The level comes from RUST_LOG (default `info`).
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
 }
 
 #[derive(Subcommand)]
@@ -59,8 +64,18 @@ struct ServeArgs {
     /// Overrides `model.path`: a Hugging Face folder or `builtin:tiny-hybrid`.
     #[arg(long)]
     model: Option<String>,
+    /// Overrides `server.served_model_name`: the model ids the API accepts (the first is the
+    /// one responses carry). Default: the `--model` value, then the model's short name.
+    #[arg(long, num_args = 1..)]
+    served_model_name: Option<Vec<String>>,
+    /// Overrides `server.api_key`: every `/v1/*` request must send
+    /// `Authorization: Bearer <key>`.
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Overrides `server.host`: the address to listen on.
     #[arg(long)]
     host: Option<String>,
+    /// Overrides `server.port`.
     #[arg(long)]
     port: Option<u16>,
     /// Overrides `engine.replicas`.
@@ -101,14 +116,9 @@ enum PluginCommand {
 }
 
 fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    match Cli::parse().command {
+    let cli = Cli::parse();
+    chimera::logging::init(cli.log_format)?;
+    match cli.command {
         Command::Serve(args) => serve(args),
         Command::Generate(args) => generate(args),
         Command::Bench(args) => {
@@ -180,6 +190,8 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let config = Config::load(args.config.as_deref())?.with_overrides(Overrides {
         model: args.model,
+        served_model_name: args.served_model_name,
+        api_key: args.api_key,
         host: args.host,
         port: args.port,
         replicas: args.replicas,

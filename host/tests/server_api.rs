@@ -672,3 +672,212 @@ async fn engine_failure_maps_to_an_error() {
             >= 1.0
     );
 }
+
+/// Streaming over a reused keep-alive connection: with Nagle's algorithm on the server's
+/// socket, each small SSE write waits for the client's delayed ACK (~40 ms on Linux) — the
+/// first token arrived ~40 ms late although the engine had it in a few ms. Accepted
+/// connections set TCP_NODELAY, so the first event comes within a few ms.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_first_token_is_not_delayed_on_a_reused_connection() {
+    let s = server().await;
+    let body = completion(json!("hello"), json!({"stream": true, "max_tokens": 4}));
+    let times = stream_ttfts_on_one_connection(s.addr, "/v1/completions", &body, 9).await;
+    // The first request runs while the connection is new (TCP's quick-ACK mode hides Nagle).
+    let mut reused = times[1..].to_vec();
+    reused.sort();
+    let median = reused[reused.len() / 2];
+    let server_ttft = s
+        .metric_sum("chimera:time_to_first_token_seconds_sum")
+        .await
+        / s.metric_sum("chimera:time_to_first_token_seconds_count")
+            .await;
+    eprintln!(
+        "client TTFT per request: {times:?}; median on the reused connection {median:?}; \
+         server's own mean TTFT {:.2} ms",
+        server_ttft * 1e3
+    );
+    assert!(
+        median < Duration::from_millis(20),
+        "first token {median:?} after the request on a reused connection (all: {times:?})"
+    );
+}
+
+/// The id responses carry comes first in `/v1/models`, every alias is accepted, and a 404
+/// for an unknown id lists the served ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn served_names_and_aliases_are_accepted_and_a_404_lists_them() {
+    let s = TestServer::start(Options {
+        aliases: vec!["mock-alias".into()],
+        ..Options::default()
+    })
+    .await;
+    let models = request(s.addr, "GET", "/v1/models", &[], b"").await.json();
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, [MODEL, "mock-alias"]);
+    for name in [MODEL, "mock-alias"] {
+        let body = json!({"model": name, "prompt": "hi", "max_tokens": 2});
+        let r = post(s.addr, "/v1/completions", &body).await;
+        assert_eq!(r.status, 200, "{name}: {}", r.text());
+        assert_eq!(r.json()["model"], MODEL);
+    }
+    let body = json!({"model": "nope", "prompt": "hi", "max_tokens": 2});
+    let r = post(s.addr, "/v1/completions", &body).await;
+    assert_eq!(r.status, 404);
+    let e = r.json();
+    assert_eq!(e["error"]["code"], "model_not_found");
+    assert_eq!(
+        e["error"]["message"],
+        format!("the model `nope` does not exist; this server serves `{MODEL}` and `mock-alias`")
+    );
+
+    // `served_model_name` replaces the defaults: only its names are accepted.
+    let mut o = Options::default();
+    o.server.served_model_name = Some(chimera::server::config::ServedNames::Many(vec![
+        "org/model".into(),
+        "short".into(),
+    ]));
+    let s = TestServer::start(o).await;
+    for (name, status) in [("org/model", 200), ("short", 200), (MODEL, 404)] {
+        let body = json!({"model": name, "prompt": "hi", "max_tokens": 2});
+        let r = post(s.addr, "/v1/completions", &body).await;
+        assert_eq!(r.status, status, "{name}: {}", r.text());
+        if status == 200 {
+            assert_eq!(r.json()["model"], "org/model");
+        }
+    }
+}
+
+/// OpenAI and vLLM: `max_tokens` omitted on `/v1/completions` means 16 (capped by the room
+/// the context leaves); on chat it means the rest of the context.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_without_max_tokens_generate_16() {
+    let s = server().await;
+    let r = post(
+        s.addr,
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": "the cat", "temperature": 0}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["usage"]["completion_tokens"], 16);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    // A prompt that leaves 5 tokens of room gets 5, not an error.
+    let prompt_len = tokenizer().encode("the cat", true).unwrap().get_ids().len() as u32;
+    let s = TestServer::start(Options {
+        max_model_len: prompt_len + 5,
+        ..Options::default()
+    })
+    .await;
+    let r = post(
+        s.addr,
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": "the cat"}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["usage"]["completion_tokens"], 5);
+    let r = post(
+        s.addr,
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await;
+    assert_eq!(
+        r.status, 400,
+        "the chat prompt alone overflows this context"
+    );
+}
+
+/// Unknown fields are ignored but logged (so `"max_token": 5` does not pass silently), and each
+/// finished request leaves one debug line with its id, token counts and timings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_fields_are_warned_about_and_each_request_is_logged() {
+    captured_logs();
+    let s = server().await;
+    let body = json!({"model": MODEL, "prompt": "the cat sat", "max_token": 5,
+                      "zz_field_of_this_test": true, "max_tokens": 3});
+    let r = post(s.addr, "/v1/completions", &body).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    let id = v["id"].as_str().unwrap().to_string();
+    let logs = captured_logs();
+    let warning = logs
+        .lines()
+        .find(|l| l.contains("zz_field_of_this_test"))
+        .unwrap_or_else(|| panic!("no warning about the unknown fields in:\n{logs}"));
+    assert!(warning.contains("WARN"), "{warning}");
+    assert!(
+        warning.contains("fields=max_token, zz_field_of_this_test"),
+        "{warning}"
+    );
+    assert!(
+        warning.contains("endpoint=\"/v1/completions\""),
+        "{warning}"
+    );
+    let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    let line = logs
+        .lines()
+        .find(|l| l.contains(&format!("request_id={id}")))
+        .unwrap_or_else(|| panic!("no log line for {id} in:\n{logs}"));
+    assert!(line.contains("DEBUG"), "{line}");
+    assert!(line.contains("request finished"), "{line}");
+    for field in [
+        format!("prompt_tokens={prompt_tokens}"),
+        "output_tokens=3".to_string(),
+        "cached_tokens=0".to_string(),
+        "finish=\"length\"".to_string(),
+        "ttft_ms=".to_string(),
+        "e2e_ms=".to_string(),
+    ] {
+        assert!(line.contains(&field), "{field} missing from {line}");
+    }
+}
+
+/// With `server.api_key`, `/v1/*` needs `Authorization: Bearer <key>` (401 with the OpenAI
+/// error shape otherwise); `/health` and `/metrics` stay open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_key_protects_the_v1_endpoints() {
+    let mut o = Options::default();
+    o.server.api_key = Some("sk-test-key".into());
+    let s = TestServer::start(o).await;
+    let body =
+        serde_json::to_vec(&json!({"model": MODEL, "prompt": "hi", "max_tokens": 2})).unwrap();
+    for auth in [None, Some("Bearer sk-wrong-key"), Some("sk-test-key")] {
+        let mut headers = vec![("Content-Type", "application/json")];
+        if let Some(a) = auth {
+            headers.push(("Authorization", a));
+        }
+        for (method, path) in [("POST", "/v1/completions"), ("GET", "/v1/models")] {
+            let r = request(s.addr, method, path, &headers, &body).await;
+            assert_eq!(r.status, 401, "{auth:?} {path}: {}", r.text());
+            assert_eq!(r.json()["error"]["code"], "unauthorized");
+            assert_eq!(r.header("www-authenticate"), Some("Bearer"));
+        }
+    }
+    let headers = [
+        ("Content-Type", "application/json"),
+        ("Authorization", "Bearer sk-test-key"),
+    ];
+    let r = request(s.addr, "POST", "/v1/completions", &headers, &body).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let r = request(s.addr, "GET", "/v1/models", &headers, b"").await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    for path in ["/health", "/metrics"] {
+        assert_eq!(
+            request(s.addr, "GET", path, &[], b"").await.status,
+            200,
+            "{path}"
+        );
+    }
+    assert_eq!(
+        s.metric_sum("chimera:request_errors_total{kind=\"unauthorized\"")
+            .await,
+        6.0
+    );
+}

@@ -82,6 +82,7 @@ async fn start() -> Live {
         },
         model: ModelInfo {
             name: "nemotronh-a".into(),
+            aliases: Vec::new(),
             max_model_len: 1024,
             block_size: BLOCK,
             cache_salt: SALT.into(),

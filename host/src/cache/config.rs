@@ -52,10 +52,11 @@ pub struct CacheConfig {
     pub memory_fraction: Option<f64>,
 }
 
+/// The values of `configs/default.toml` (a test checks they agree).
 impl Default for CacheConfig {
     fn default() -> Self {
         Self {
-            memory_budget: ByteSize(1 << 30),
+            memory_budget: ByteSize(256 << 20),
             block_size: 16,
             prefix_caching: true,
             ssm_share: None,

@@ -33,14 +33,15 @@ pub struct EngineConfig {
     pub sampler_candidates: usize,
 }
 
+/// The values of `configs/default.toml` (a test checks they agree).
 impl Default for EngineConfig {
     fn default() -> Self {
         Self {
             backend: "cpu".into(),
             devices: vec![0],
             replicas: 1,
-            max_batched_tokens: 2048,
-            max_running: 256,
+            max_batched_tokens: 1024,
+            max_running: 64,
             max_waiting: 4096,
             chunked_prefill: true,
             sampler_candidates: 64,

@@ -56,8 +56,12 @@ impl PolicySpec {
             grants: Vec::new(),
         }
     }
+    /// `configs/default.toml`'s router: prefix-aware with `alpha = 0.5` (a `[policy.router]`
+    /// section that is written replaces all of it: its `config` starts empty).
     fn default_router() -> Self {
-        Self::builtin("prefix-aware")
+        let mut spec = Self::builtin("prefix-aware");
+        spec.config.insert("alpha".into(), toml::Value::Float(0.5));
+        spec
     }
     fn default_evictor() -> Self {
         Self::builtin("lru")

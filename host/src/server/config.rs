@@ -22,6 +22,9 @@ pub struct ServerConfig {
     pub port: u16,
     /// Bearer token for `/admin/*`; admin endpoints are off (404) when unset.
     pub admin_token: Option<String>,
+    /// Bearer token every `/v1/*` request must carry (`Authorization: Bearer <key>`, as
+    /// vLLM's `--api-key`); `/health` and `/metrics` stay open. Unset: no authentication.
+    pub api_key: Option<String>,
     /// Engine requests (choices) the server holds at once; beyond this it answers 503 with
     /// `Retry-After`.
     pub max_queued_requests: u32,
@@ -40,19 +43,23 @@ pub struct ServerConfig {
     pub retry_after_secs: u32,
     /// On shutdown, in-flight requests get this long to finish before they are cancelled.
     pub shutdown_grace_secs: u32,
-    /// Name reported by `/v1/models` and accepted in `model`; defaults to the model's name.
-    pub served_model_name: Option<String>,
+    /// Model ids the API accepts in `model` and lists in `/v1/models`: one name or a list;
+    /// the first is the id responses carry. Unset: `model.path` as given, then the model's
+    /// short name (`builtin:tiny-hybrid` and `tiny-hybrid`; a folder path and its last part).
+    pub served_model_name: Option<ServedNames>,
     /// Upper bound on each replica's prefix-index mirror, in blocks.
     pub router_mirror_max_blocks: u32,
 }
 
+/// The values of `configs/default.toml` (a test checks they agree).
 impl Default for ServerConfig {
     fn default() -> Self {
         Self {
             host: "127.0.0.1".into(),
             port: 8000,
             admin_token: None,
-            max_queued_requests: 256,
+            api_key: None,
+            max_queued_requests: 1024,
             max_body_bytes: 2 * 1024 * 1024,
             body_read_timeout_secs: 30,
             max_choices_per_request: 64,
@@ -63,6 +70,23 @@ impl Default for ServerConfig {
             shutdown_grace_secs: 30,
             served_model_name: None,
             router_mirror_max_blocks: 1 << 20,
+        }
+    }
+}
+
+/// `served_model_name`: one name or a list of names.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum ServedNames {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl ServedNames {
+    pub fn names(&self) -> Vec<String> {
+        match self {
+            Self::One(n) => vec![n.clone()],
+            Self::Many(v) => v.clone(),
         }
     }
 }
@@ -83,6 +107,21 @@ impl ServerConfig {
                 "admin_token",
                 "must be at least 8 characters (or unset to disable admin)",
             );
+        }
+        if self.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
+            return err(
+                "api_key",
+                "must not be empty (or unset to serve without a key)",
+            );
+        }
+        if let Some(names) = &self.served_model_name {
+            let names = names.names();
+            if names.is_empty() || names.iter().any(|n| n.trim().is_empty()) {
+                return err(
+                    "served_model_name",
+                    "must be a non-empty name or a non-empty list of non-empty names",
+                );
+            }
         }
         if self.max_queued_requests == 0 {
             return err("max_queued_requests", "must be at least 1");

@@ -1,68 +1,199 @@
 //! Incremental detokenization and stop-string matching for one output stream.
 //!
-//! Owns: [`IncrementalDetokenizer`] (prefix/read offsets, as vLLM and TGI do: text is released
-//! only when the decoded window grows and does not end in an incomplete UTF-8 character, so a
-//! stream never splits a character) and [`StopMatcher`] (holds back any tail that could still
+//! Owns: [`IncrementalDetokenizer`] and [`StopMatcher`] (holds back any tail that could still
 //! become a stop string; matches across token boundaries; the stop string is not released).
-//! Invariants: the concatenation of everything released equals what a one-shot decode and
-//! match would give. Pure CPU work with no I/O: callers run it on the blocking pool.
+//!
+//! The detokenizer's contract: the concatenation of everything it releases (pushes, then
+//! `flush`) equals the tokenizer's one-shot decode of the output ids, and text is released as
+//! soon as no later token can change it. For a byte-level tokenizer (GPT-2 style: Llama 3,
+//! Qwen, the embedded model) it works on the tokens' raw bytes: it holds back only a trailing
+//! sequence that can still become a valid UTF-8 character (at most 3 bytes), and releases
+//! U+FFFD as soon as a sequence can no longer become valid — exactly where the one-shot lossy
+//! decode puts it. For other decoders (SentencePiece and the like) it decodes a sliding window
+//! of ids with a few prompt tokens as context (so the first word keeps its leading space),
+//! releases all but a trailing run of (at most three) U+FFFD, and never drops text when a window's decode is not an
+//! extension of what was sent. Pure CPU work with no I/O: callers run it on the blocking pool.
 
 use super::text::{TextCodec, TextError};
+
+/// A window that has not become clean text after this many ids releases its trailing U+FFFD
+/// anyway (bounds the re-decoding cost of a long run of invalid bytes).
+const MAX_WINDOW: usize = 32;
 
 /// Turns a growing token sequence into text deltas.
 #[derive(Debug, Clone)]
 pub struct IncrementalDetokenizer {
-    tokens: Vec<u32>,
-    prefix_offset: usize,
-    read_offset: usize,
     skip_special: bool,
+    mode: Mode,
+}
+
+#[derive(Debug, Clone)]
+enum Mode {
+    /// Byte-level tokenizer: the bytes not yet released (an incomplete UTF-8 sequence).
+    Bytes { pending: Vec<u8> },
+    /// Any other decoder: ids decoded as a sliding window.
+    Window {
+        tokens: Vec<u32>,
+        /// The window: `tokens[prefix_offset..]`.
+        prefix_offset: usize,
+        /// Where the window's unreleased ids start (the ids before it are there for context).
+        read_offset: usize,
+        /// The window's text that was already released (or is context); `None` until the
+        /// first id arrives (decoding is left to the blocking pool).
+        sent: Option<String>,
+    },
 }
 
 impl IncrementalDetokenizer {
-    /// `context`: the last few prompt tokens, so the first generated token decodes with the
-    /// right leading space; they are never part of the output.
-    pub fn new(context: &[u32], skip_special: bool) -> Self {
-        Self {
-            tokens: context.to_vec(),
-            prefix_offset: 0,
-            read_offset: context.len(),
-            skip_special,
-        }
+    /// `context`: the last few prompt tokens, so that with a non-byte-level decoder the first
+    /// generated token decodes with the right leading space; they are never part of the
+    /// output (a byte-level decoder needs no context: its tokens carry their spaces).
+    pub fn new(codec: &TextCodec, context: &[u32], skip_special: bool) -> Self {
+        let mode = if codec.byte_table().is_some() {
+            Mode::Bytes {
+                pending: Vec::new(),
+            }
+        } else {
+            Mode::Window {
+                tokens: context.to_vec(),
+                prefix_offset: 0,
+                read_offset: context.len(),
+                sent: None,
+            }
+        };
+        Self { skip_special, mode }
     }
 
-    /// Adds one token and returns the newly complete text (possibly empty).
+    /// Adds one token and returns the text it completes (possibly empty).
     pub fn push(&mut self, codec: &TextCodec, token: u32) -> Result<String, TextError> {
-        self.tokens.push(token);
-        let prefix = codec.decode(
-            &self.tokens[self.prefix_offset..self.read_offset],
-            self.skip_special,
-        )?;
-        let full = codec.decode(&self.tokens[self.prefix_offset..], self.skip_special)?;
-        if full.len() > prefix.len() && !full.ends_with('\u{fffd}') {
-            let delta = full.get(prefix.len()..).unwrap_or("").to_string();
-            self.prefix_offset = self.read_offset;
-            self.read_offset = self.tokens.len();
-            Ok(delta)
-        } else {
-            Ok(String::new())
+        let skip_special = self.skip_special;
+        match &mut self.mode {
+            Mode::Bytes { pending } => {
+                let table = codec.byte_table().ok_or_else(|| {
+                    TextError::Tokenizer("the tokenizer lost its byte table".into())
+                })?;
+                if !(skip_special && table.is_special(token)) {
+                    pending.extend_from_slice(table.bytes(token));
+                }
+                Ok(release_utf8(pending, false))
+            }
+            Mode::Window { tokens, .. } => {
+                tokens.push(token);
+                self.release_window(codec, false)
+            }
         }
     }
 
-    /// Releases whatever is still held (an incomplete character becomes U+FFFD).
+    /// End of output: releases whatever is held (an incomplete character becomes U+FFFD).
     pub fn flush(&mut self, codec: &TextCodec) -> Result<String, TextError> {
-        let prefix = codec.decode(
-            &self.tokens[self.prefix_offset..self.read_offset],
-            self.skip_special,
-        )?;
-        let full = codec.decode(&self.tokens[self.prefix_offset..], self.skip_special)?;
-        self.prefix_offset = self.read_offset;
-        self.read_offset = self.tokens.len();
-        Ok(if full.len() > prefix.len() {
-            full.get(prefix.len()..).unwrap_or("").to_string()
-        } else {
-            String::new()
-        })
+        match &mut self.mode {
+            Mode::Bytes { pending } => Ok(release_utf8(pending, true)),
+            Mode::Window { .. } => self.release_window(codec, true),
+        }
     }
+
+    fn release_window(&mut self, codec: &TextCodec, all: bool) -> Result<String, TextError> {
+        let skip = self.skip_special;
+        let Mode::Window {
+            tokens,
+            prefix_offset,
+            read_offset,
+            sent,
+        } = &mut self.mode
+        else {
+            return Ok(String::new());
+        };
+        let sent = match sent {
+            Some(s) => s,
+            None => {
+                // A context that ends inside a character would merge with the output's bytes.
+                let context = &tokens[..*read_offset];
+                let mut keep = context.len();
+                let mut text = codec.decode(context, skip)?;
+                while keep > 0 && text.ends_with(char::REPLACEMENT_CHARACTER) {
+                    keep -= 1;
+                    text = codec.decode(&context[..keep], skip)?;
+                }
+                tokens.drain(keep..*read_offset);
+                *read_offset = keep;
+                sent.insert(text)
+            }
+        };
+        let full = codec.decode(&tokens[*prefix_offset..], skip)?;
+        // Normally the window's text extends what was sent; if the decoder rewrote earlier
+        // text, resend from where they agree (duplicating a little rather than losing any).
+        let agree = if full.starts_with(sent.as_str()) {
+            sent.len()
+        } else {
+            common_prefix_len(sent, &full)
+        };
+        // A trailing U+FFFD may be an incomplete character that a later id completes (a
+        // byte-fallback decoder writes one per byte, so up to three of them).
+        let trailing = full
+            .chars()
+            .rev()
+            .take(3)
+            .take_while(|c| *c == char::REPLACEMENT_CHARACTER)
+            .count();
+        let held_back = !all && trailing > 0 && tokens.len() - *prefix_offset <= MAX_WINDOW;
+        let end = if held_back {
+            full.len() - trailing * char::REPLACEMENT_CHARACTER.len_utf8()
+        } else {
+            full.len()
+        }
+        .max(agree);
+        let delta = full[agree..end].to_string();
+        if held_back {
+            full[..end].clone_into(sent);
+        } else {
+            *prefix_offset = *read_offset;
+            *read_offset = tokens.len();
+            *sent = codec.decode(&tokens[*prefix_offset..*read_offset], skip)?;
+        }
+        Ok(delta)
+    }
+}
+
+/// Releases the longest prefix of `pending` whose lossy UTF-8 reading no later byte can
+/// change: valid characters, and U+FFFD for every sequence that can no longer become valid.
+/// Keeps a trailing incomplete sequence unless `all`.
+fn release_utf8(pending: &mut Vec<u8>, all: bool) -> String {
+    let mut out = String::new();
+    let mut at = 0;
+    while at < pending.len() {
+        match std::str::from_utf8(&pending[at..]) {
+            Ok(s) => {
+                out.push_str(s);
+                at = pending.len();
+            }
+            Err(e) => {
+                let valid = e.valid_up_to();
+                out.push_str(std::str::from_utf8(&pending[at..at + valid]).unwrap_or_default());
+                at += valid;
+                match e.error_len() {
+                    Some(bad) => {
+                        out.push(char::REPLACEMENT_CHARACTER);
+                        at += bad;
+                    }
+                    None if all => {
+                        out.push(char::REPLACEMENT_CHARACTER);
+                        at = pending.len();
+                    }
+                    None => break,
+                }
+            }
+        }
+    }
+    pending.drain(..at);
+    out
+}
+
+/// Length of the longest common prefix of `a` and `b` that ends on a character boundary.
+fn common_prefix_len(a: &str, b: &str) -> usize {
+    a.char_indices()
+        .zip(b.chars())
+        .find(|((_, x), y)| x != y)
+        .map_or_else(|| a.len().min(b.len()), |((i, _), _)| i)
 }
 
 /// What the matcher says about newly added text.
@@ -151,67 +282,5 @@ impl StopMatcher {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::server::mock_tokenizer;
-
-    fn codec() -> TextCodec {
-        TextCodec::from_parts(mock_tokenizer::tokenizer_json().as_bytes(), None, None).unwrap()
-    }
-
-    #[test]
-    fn never_splits_a_character_and_matches_one_shot_decode() {
-        let c = codec();
-        let text = "hello 😀 world é€ the cat";
-        // Byte-level BPE without merges for these characters: each byte is its own token.
-        let split = c.encode(text, false).unwrap();
-        let partial = split
-            .iter()
-            .filter(|t| c.decode(&[**t], false).unwrap().contains('\u{fffd}'))
-            .count();
-        assert!(
-            partial >= 9,
-            "the test needs characters split across tokens"
-        );
-        let mut d = IncrementalDetokenizer::new(&[], true);
-        let mut out = String::new();
-        for t in &split {
-            let delta = d.push(&c, *t).unwrap();
-            assert!(!delta.contains('\u{fffd}'), "split character in {delta:?}");
-            out.push_str(&delta);
-        }
-        out.push_str(&d.flush(&c).unwrap());
-        assert_eq!(out, c.decode(&split, true).unwrap());
-    }
-
-    #[test]
-    fn stop_strings_across_pieces() {
-        let mut m = StopMatcher::new(vec!["END".into(), "xyz".into()]);
-        let mut out = String::new();
-        for piece in ["abc E", "N", "x", "D tail"] {
-            let r = m.push(piece);
-            assert_eq!(r.stopped, None);
-            out.push_str(&r.text);
-        }
-        out.push_str(&m.finish());
-        // "ENx" cannot become "END", so "EN" is released once "x" arrives.
-        assert_eq!(out, "abc ENxD tail");
-        let mut m = StopMatcher::new(vec!["END".into()]);
-        assert_eq!(m.push("abc E").text, "abc ");
-        let r = m.push("ND more");
-        assert_eq!((r.text.as_str(), r.stopped.as_deref()), ("", Some("END")));
-        let mut m = StopMatcher::new(vec!["END".into()]);
-        assert_eq!(m.push("xx EN").text, "xx ");
-        assert_eq!(m.finish(), "EN");
-    }
-
-    #[test]
-    fn earliest_stop_wins_and_multibyte_tails_are_safe() {
-        let mut m = StopMatcher::new(vec!["cd".into(), "b".into(), "é!".into()]);
-        let r = m.push("abcd");
-        assert_eq!((r.text.as_str(), r.stopped.as_deref()), ("a", Some("b")));
-        let mut m = StopMatcher::new(vec!["é!".into()]);
-        assert_eq!(m.push("xé").text, "x");
-        assert_eq!(m.push("?").text, "é?");
-    }
-}
+#[path = "detok_tests.rs"]
+mod tests;

@@ -25,16 +25,20 @@ pub enum AppError {
     },
     #[error("{0}")]
     ContextLength(String),
-    #[error("the model `{0}` does not exist")]
-    ModelNotFound(String),
+    #[error(
+        "the model `{model}` does not exist; this server serves {}",
+        quoted(served)
+    )]
+    ModelNotFound { model: String, served: Vec<String> },
     #[error("no route for {0}")]
     NotFound(String),
     #[error("method not allowed")]
     MethodNotAllowed,
     #[error("request body larger than {0} bytes")]
     PayloadTooLarge(usize),
-    #[error("missing or invalid admin bearer token")]
-    Unauthorized,
+    /// A missing or wrong bearer token; says which one (`admin` or `API key`).
+    #[error("missing or invalid {0} (send `Authorization: Bearer <token>`)")]
+    Unauthorized(&'static str),
     #[error("the server is at capacity; retry later")]
     Overloaded { retry_after_secs: u32 },
     #[error("the server is shutting down")]
@@ -69,11 +73,11 @@ impl AppError {
             Self::InvalidJson(_) => "invalid_json",
             Self::InvalidRequest { .. } => "invalid_request",
             Self::ContextLength(_) => "context_length_exceeded",
-            Self::ModelNotFound(_) => "model_not_found",
+            Self::ModelNotFound { .. } => "model_not_found",
             Self::NotFound(_) => "not_found",
             Self::MethodNotAllowed => "method_not_allowed",
             Self::PayloadTooLarge(_) => "payload_too_large",
-            Self::Unauthorized => "unauthorized",
+            Self::Unauthorized(_) => "unauthorized",
             Self::Overloaded { .. } => "overloaded",
             Self::ShuttingDown => "shutting_down",
             Self::ChatTemplate(_) => "chat_template_error",
@@ -90,10 +94,10 @@ impl AppError {
             | Self::ContextLength(_)
             | Self::ChatTemplate(_)
             | Self::Unsupported(_) => StatusCode::BAD_REQUEST,
-            Self::ModelNotFound(_) | Self::NotFound(_) => StatusCode::NOT_FOUND,
+            Self::ModelNotFound { .. } | Self::NotFound(_) => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::Unauthorized => StatusCode::UNAUTHORIZED,
+            Self::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             Self::Overloaded { .. } | Self::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             Self::Engine { kind, .. } => match kind {
                 FailureKind::InvalidRequest | FailureKind::PromptTooLong => StatusCode::BAD_REQUEST,
@@ -132,7 +136,7 @@ impl AppError {
         match self {
             Self::InvalidRequest { param, .. } => *param,
             Self::ContextLength(_) => Some("messages"),
-            Self::ModelNotFound(_) => Some("model"),
+            Self::ModelNotFound { .. } => Some("model"),
             _ => None,
         }
     }
@@ -156,6 +160,10 @@ impl IntoResponse for AppError {
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
+        if let Self::Unauthorized(_) = self {
+            resp.headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
         // Handlers store the error so middleware can count it by kind.
         resp.extensions_mut().insert(ErrorKind(self.kind()));
         resp
@@ -165,6 +173,16 @@ impl IntoResponse for AppError {
 /// Response extension carrying the error kind, read by the metrics middleware.
 #[derive(Debug, Clone, Copy)]
 pub struct ErrorKind(pub &'static str);
+
+/// `a`, `b` and `c` in backticks.
+fn quoted(names: &[String]) -> String {
+    let q: Vec<String> = names.iter().map(|n| format!("`{n}`")).collect();
+    match q.as_slice() {
+        [] => "no model".into(),
+        [one] => one.clone(),
+        [rest @ .., last] => format!("{} and {last}", rest.join(", ")),
+    }
+}
 
 impl From<TextError> for AppError {
     fn from(e: TextError) -> Self {

@@ -11,11 +11,14 @@
 //! are engine threads (`engine::spawn_engine`); tests run them over the model-free
 //! `engine::MockExecutor`, so the server is always tested against the real engine.
 //!
-//! Decisions: unknown JSON fields are ignored (OpenAI's SDKs send fields newer than any server),
-//! but known fields this server does not implement (`tools`, `logit_bias`, `suffix`, non-text
-//! `response_format`, non-text content parts) are rejected with 400 `unsupported`. Overload
-//! (admission limit or a full engine queue) is 503 with `Retry-After`; the `openai` SDK retries
-//! it like 429. `model` may be omitted; a wrong name is 404.
+//! Decisions: unknown JSON fields are ignored with a warning in the log (OpenAI's SDKs send
+//! fields newer than any server), but known fields this server does not implement (`tools`,
+//! `logit_bias`, `suffix`, non-text `response_format`, non-text content parts) are rejected
+//! with 400 `unsupported`. Overload (admission limit or a full engine queue) is 503 with
+//! `Retry-After`; the `openai` SDK retries it like 429. `model` may be omitted; a name that is
+//! not one of the served names is 404 (the message lists them). `max_tokens` omitted means 16
+//! on `/v1/completions` (OpenAI's and vLLM's default) and the rest of the context on chat.
+//! With `server.api_key` set, `/v1/*` needs it as a bearer token (401 otherwise).
 //!
 //! Module map: [`config`] (`[server]`), [`error`] (the one error → HTTP mapping), [`protocol`]
 //! (OpenAI shapes), [`params`] (validation), [`text`] (tokenizer, chat template), [`detok`]
@@ -47,6 +50,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use axum::Router as HttpRouter;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, watch};
 
@@ -61,7 +65,10 @@ use params::Limits;
 /// Facts about the served model the server needs.
 #[derive(Debug, Clone)]
 pub struct ModelInfo {
+    /// The model's id: what responses carry unless `server.served_model_name` says otherwise.
     pub name: String,
+    /// Other ids the API accepts for it (e.g. the short name of `builtin:tiny-hybrid`).
+    pub aliases: Vec<String>,
     /// Longest prompt + output, in tokens.
     pub max_model_len: u32,
     /// KV block size, for prefix hashing and `cache_config_info`.
@@ -107,7 +114,8 @@ pub struct AppState {
 pub(crate) struct Inner {
     pub config: ServerConfig,
     pub model: ModelInfo,
-    pub served_name: String,
+    /// Ids accepted in `model`; the first is the one responses carry.
+    pub served_names: Vec<String>,
     pub codec: Arc<TextCodec>,
     pub router: RouterHandle,
     pub metrics: Arc<Metrics>,
@@ -142,11 +150,18 @@ impl AppState {
             max_logprobs: parts.config.max_logprobs,
             vocab_size: parts.codec.vocab_size(),
         };
-        let served_name = parts
-            .config
-            .served_model_name
-            .clone()
-            .unwrap_or_else(|| parts.model.name.clone());
+        let served_names = match &parts.config.served_model_name {
+            Some(names) => names.names(),
+            None => {
+                let mut names = vec![parts.model.name.clone()];
+                for alias in &parts.model.aliases {
+                    if !names.contains(alias) {
+                        names.push(alias.clone());
+                    }
+                }
+                names
+            }
+        };
         let created = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs())
@@ -157,7 +172,7 @@ impl AppState {
                 admission: Arc::new(Semaphore::new(parts.config.max_queued_requests as usize)),
                 config: parts.config,
                 model: parts.model,
-                served_name,
+                served_names,
                 codec: Arc::new(parts.codec),
                 router,
                 metrics,
@@ -173,6 +188,14 @@ impl AppState {
 
     pub(crate) fn inner(&self) -> &Inner {
         &self.inner
+    }
+
+    /// The model id responses carry (the first served name).
+    pub fn model_id(&self) -> &str {
+        self.inner
+            .served_names
+            .first()
+            .map_or(self.inner.model.name.as_str(), String::as_str)
     }
 
     pub fn metrics(&self) -> &Arc<Metrics> {
@@ -233,6 +256,10 @@ pub fn build_router(state: AppState) -> HttpRouter {
         .method_not_allowed_fallback(ops::method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
+            ops::require_api_key,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
             ops::count_errors,
         ))
         .layer(DefaultBodyLimit::max(limit))
@@ -244,7 +271,7 @@ pub async fn serve(state: AppState, listener: TcpListener) -> Result<(), ServeEr
     serve_with_shutdown(state, listener, shutdown_signal()).await
 }
 
-/// Serves until `signal` completes. Then: new requests get 503, in-flight requests get
+/// Serves until `signal` completes; accepted connections set `TCP_NODELAY`. Then: new requests get 503, in-flight requests get
 /// `shutdown_grace_secs` to finish, the rest are cancelled (finish_reason "abort"), and the
 /// function returns once every connection is closed.
 pub async fn serve_with_shutdown(
@@ -267,6 +294,13 @@ pub async fn serve_with_shutdown(
             });
         }
     };
+    // Streamed events are small writes: with Nagle's algorithm each would wait for the
+    // client's delayed ACK (~40 ms) on a reused connection.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::warn!("cannot set TCP_NODELAY on an accepted connection: {e}");
+        }
+    });
     axum::serve(listener, app)
         .with_graceful_shutdown(on_signal)
         .await?;

@@ -90,11 +90,27 @@ fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, AppError> {
     })
 }
 
+/// Logs the fields of a request body this server does not know (they are ignored).
+fn warn_unknown(endpoint: &str, unknown: &serde_json::Map<String, Value>) {
+    if !unknown.is_empty() {
+        let names: Vec<&str> = unknown.keys().map(String::as_str).take(20).collect();
+        tracing::warn!(
+            endpoint,
+            fields = %names.join(", "),
+            "the request has fields this server does not know; they are ignored"
+        );
+    }
+}
+
 fn check_model(state: &AppState, model: Option<&str>) -> Result<(), AppError> {
+    let served = &state.inner().served_names;
     match model {
         None => Ok(()),
-        Some(m) if m == state.inner().served_name => Ok(()),
-        Some(m) => Err(AppError::ModelNotFound(m.chars().take(200).collect())),
+        Some(m) if served.iter().any(|s| s == m) => Ok(()),
+        Some(m) => Err(AppError::ModelNotFound {
+            model: m.chars().take(200).collect(),
+            served: served.clone(),
+        }),
     }
 }
 
@@ -191,8 +207,11 @@ async fn prepare(
     .map_err(|e| AppError::Internal(format!("tokenizer task failed: {e}")))?
 }
 
+/// `max_tokens` of a `/v1/completions` request that omits it (OpenAI's and vLLM's default).
+const COMPLETIONS_DEFAULT_MAX_TOKENS: u32 = 16;
+
 /// Resolves `max_tokens` against the context window for one prompt.
-fn budget(state: &AppState, prompt_len: usize, asked: Option<u32>) -> Result<u32, AppError> {
+fn budget(state: &AppState, prompt_len: usize, params: &GenParams) -> Result<u32, AppError> {
     let max_len = state.inner().model.max_model_len as usize;
     if prompt_len >= max_len {
         return Err(AppError::ContextLength(format!(
@@ -200,8 +219,8 @@ fn budget(state: &AppState, prompt_len: usize, asked: Option<u32>) -> Result<u32
         )));
     }
     let room = (max_len - prompt_len) as u32;
-    match asked {
-        None => Ok(room),
+    match params.max_tokens {
+        None => Ok(params.default_max_tokens.map_or(room, |d| d.min(room))),
         Some(m) if m <= room => Ok(m),
         Some(m) => Err(AppError::ContextLength(format!(
             "this model's maximum context length is {max_len} tokens; the prompt has {prompt_len} tokens and max_tokens is {m}"
@@ -217,10 +236,11 @@ async fn submit(
     mut permit: OwnedSemaphorePermit,
     tenant: String,
     start: Instant,
+    request_id: &str,
 ) -> Result<(Vec<ChoiceRun>, Vec<(u32, usize)>), AppError> {
     let budgets = prepared
         .iter()
-        .map(|p| budget(state, p.ids.len(), params.max_tokens))
+        .map(|p| budget(state, p.ids.len(), params))
         .collect::<Result<Vec<_>, _>>()?;
     let inner = state.inner();
     let mut stop_ids: HashSet<u32> = params.stop_token_ids.iter().copied().collect();
@@ -232,6 +252,7 @@ async fn submit(
         metrics: inner.metrics.clone(),
         start,
         retry_after_secs: inner.config.retry_after_secs,
+        request_id: request_id.into(),
     };
     let mut runs = Vec::with_capacity(prepared.len() * params.n as usize);
     let mut indices = Vec::with_capacity(runs.capacity());
@@ -264,13 +285,6 @@ async fn submit(
                 prompt_logprobs: prep.echo.is_some() && params.logprobs.is_some(),
                 block_hashes: Some(prep.hashes.clone()),
             };
-            let one = permit
-                .split(1)
-                .ok_or_else(|| AppError::Internal("admission accounting".into()))?;
-            let rx = handle
-                .submit(request)
-                .map_err(|e| AppError::from_submit(e, inner.config.retry_after_secs))?;
-            let guard = RequestGuard::new(handle.clone(), id, inner.metrics.clone(), one);
             let out = OutputState::new(
                 inner.codec.clone(),
                 tail,
@@ -278,6 +292,13 @@ async fn submit(
                 stop_ids.clone(),
                 params.skip_special_tokens,
             );
+            let one = permit
+                .split(1)
+                .ok_or_else(|| AppError::Internal("admission accounting".into()))?;
+            let rx = handle
+                .submit(request)
+                .map_err(|e| AppError::from_submit(e, inner.config.retry_after_secs))?;
+            let guard = RequestGuard::new(handle.clone(), id, inner.metrics.clone(), one);
             runs.push(ChoiceRun::new(index, p, rx, guard, out, ctx.clone()));
             indices.push((index, p));
         }
@@ -292,7 +313,7 @@ fn meta(state: &AppState, prefix: &str, params: &GenParams, prepared: &[Prepared
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0),
-        model: state.inner().served_name.clone(),
+        model: state.model_id().to_string(),
         logprobs: params.logprobs.is_some(),
         include_usage: params.include_usage,
         prompt_tokens: prepared.iter().map(|p| p.ids.len() as u32).collect(),
@@ -325,16 +346,18 @@ pub async fn completions(
     }
     let body = read_body(&state, &headers, body).await?;
     let req: CompletionRequest = parse(&body)?;
+    warn_unknown("/v1/completions", &req.unknown);
     check_model(&state, req.common.model.as_deref())?;
     if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(AppError::Unsupported("suffix".into()));
     }
-    let params = validate_common(
+    let mut params = validate_common(
         &req.common,
         req.common.max_tokens,
         req.logprobs,
         &state.inner().limits,
     )?;
+    params.default_max_tokens = Some(COMPLETIONS_DEFAULT_MAX_TOKENS);
     if let Some(b) = req.best_of
         && b != params.n
     {
@@ -353,8 +376,9 @@ pub async fn completions(
     let echo = req.echo.unwrap_or(false);
     let prepared = prepare(&state, sources, true, echo, params.logprobs.is_some()).await?;
     let tenant = req.common.user.clone().unwrap_or_default();
-    let (runs, indices) = submit(&state, &prepared, &params, permit, tenant, start).await?;
     let meta = meta(&state, "cmpl", &params, &prepared);
+    let (runs, indices) =
+        submit(&state, &prepared, &params, permit, tenant, start, &meta.id).await?;
     let shape = Shape::Completion {
         echo: prepared.iter().map(|p| p.echo.clone()).collect(),
         echo_tokens: prepared.into_iter().map(|p| p.echo_tokens).collect(),
@@ -424,6 +448,7 @@ pub async fn chat_completions(
     }
     let body = read_body(&state, &headers, body).await?;
     let req: ChatRequest = parse(&body)?;
+    warn_unknown("/v1/chat/completions", &req.unknown);
     check_model(&state, req.common.model.as_deref())?;
     if req
         .tools
@@ -470,8 +495,9 @@ pub async fn chat_completions(
     )
     .await?;
     let tenant = req.common.user.clone().unwrap_or_default();
-    let (runs, indices) = submit(&state, &prepared, &params, permit, tenant, start).await?;
     let meta = meta(&state, "chatcmpl", &params, &prepared);
+    let (runs, indices) =
+        submit(&state, &prepared, &params, permit, tenant, start, &meta.id).await?;
     finish(Shape::Chat, meta, &params, runs, indices).await
 }
 
@@ -479,13 +505,17 @@ pub async fn models(State(state): State<AppState>) -> Response {
     let inner = state.inner();
     let list = ModelList {
         object: "list",
-        data: vec![ModelCard {
-            id: inner.served_name.clone(),
-            object: "model",
-            created: inner.created,
-            owned_by: "chimera",
-            max_model_len: inner.model.max_model_len,
-        }],
+        data: inner
+            .served_names
+            .iter()
+            .map(|id| ModelCard {
+                id: id.clone(),
+                object: "model",
+                created: inner.created,
+                owned_by: "chimera",
+                max_model_len: inner.model.max_model_len,
+            })
+            .collect(),
     };
     axum::Json(list).into_response()
 }

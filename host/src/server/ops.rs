@@ -2,8 +2,9 @@
 //!
 //! Owns: readiness (ready while not shutting down and every replica's engine thread is alive),
 //! the Prometheus scrape, the admin endpoints (bearer token from `[server] admin_token`; with no
-//! token configured they do not exist and answer 404), and the middleware that counts error
-//! responses by kind. It must not format OpenAI bodies.
+//! token configured they do not exist and answer 404), the `/v1` API-key check
+//! (`[server] api_key`), and the middleware that counts error responses by kind. It must not
+//! format OpenAI bodies.
 
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -44,7 +45,7 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
     let stats = state.router().stats();
     let text = state
         .metrics()
-        .render(&state.inner().served_name, &stats, &state.cache_info());
+        .render(state.model_id(), &stats, &state.cache_info());
     let mut r = Response::new(Body::from(text));
     r.headers_mut().insert(
         header::CONTENT_TYPE,
@@ -61,20 +62,36 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// The token of an `Authorization: Bearer <token>` header ("" when there is none).
+fn bearer(headers: &HeaderMap) -> &str {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("")
+}
+
 fn authorize(state: &AppState, headers: &HeaderMap, path: &str) -> Result<(), AppError> {
     let Some(token) = state.config().admin_token.as_deref() else {
         return Err(AppError::NotFound(path.to_string()));
     };
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
-    if constant_time_eq(given.as_bytes(), token.as_bytes()) {
+    if constant_time_eq(bearer(headers).as_bytes(), token.as_bytes()) {
         Ok(())
     } else {
-        Err(AppError::Unauthorized)
+        Err(AppError::Unauthorized("admin token"))
     }
+}
+
+/// With `server.api_key` set, every `/v1/*` request must carry it as a bearer token (401
+/// otherwise, as vLLM's `--api-key`); `/health`, `/metrics` and `/admin/*` are not affected.
+pub async fn require_api_key(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    if let Some(key) = state.config().api_key.as_deref()
+        && (req.uri().path() == "/v1" || req.uri().path().starts_with("/v1/"))
+        && !constant_time_eq(bearer(req.headers()).as_bytes(), key.as_bytes())
+    {
+        return AppError::Unauthorized("API key").into_response();
+    }
+    next.run(req).await
 }
 
 pub async fn reset_prefix_cache(

@@ -23,8 +23,11 @@ pub struct Limits {
 #[derive(Debug, Clone)]
 pub struct GenParams {
     pub sampling: SamplingParams,
-    /// `None`: as many as the context allows.
+    /// `None`: `default_max_tokens`, capped by the context.
     pub max_tokens: Option<u32>,
+    /// Without `max_tokens`: at most this many (`None`: as many as the context allows). The
+    /// endpoint sets it: 16 on `/v1/completions`, as OpenAI and vLLM.
+    pub default_max_tokens: Option<u32>,
     pub n: u32,
     pub stream: bool,
     pub include_usage: bool,
@@ -187,6 +190,7 @@ pub fn validate_common(
             logprobs,
         },
         max_tokens,
+        default_max_tokens: None,
         n,
         stream,
         include_usage,

@@ -66,6 +66,10 @@ impl RequestGuard {
 impl Drop for RequestGuard {
     fn drop(&mut self) {
         if self.armed {
+            tracing::debug!(
+                engine_id = self.id,
+                "request cancelled: the client went away"
+            );
             self.handle.cancel(self.id);
             self.metrics.client_disconnect();
             self.metrics.finished(Finished::Abort);
@@ -135,7 +139,7 @@ impl OutputState {
         skip_special: bool,
     ) -> Self {
         Self {
-            detok: IncrementalDetokenizer::new(prompt_tail, skip_special),
+            detok: IncrementalDetokenizer::new(&codec, prompt_tail, skip_special),
             codec,
             stop: StopMatcher::new(stops),
             stop_ids,
@@ -222,6 +226,8 @@ pub struct RunContext {
     pub start: Instant,
     /// `Retry-After` for an engine failure worth retrying (a full queue).
     pub retry_after_secs: u32,
+    /// The response's id (`cmpl-…`), for the log.
+    pub request_id: Arc<str>,
 }
 
 /// One engine request being turned into output chunks.
@@ -236,6 +242,8 @@ pub struct ChoiceRun {
     metrics: Arc<Metrics>,
     start: Instant,
     retry_after_secs: u32,
+    request_id: Arc<str>,
+    first_token: Option<Instant>,
     last_token: Option<Instant>,
     done: bool,
 }
@@ -265,6 +273,8 @@ impl ChoiceRun {
             metrics: ctx.metrics,
             start: ctx.start,
             retry_after_secs: ctx.retry_after_secs,
+            request_id: ctx.request_id,
+            first_token: None,
             last_token: None,
             done: false,
         }
@@ -302,7 +312,10 @@ impl ChoiceRun {
         }
         let now = Instant::now();
         match self.last_token {
-            None => self.metrics.ttft.observe((now - self.start).as_secs_f64()),
+            None => {
+                self.first_token = Some(now);
+                self.metrics.ttft.observe((now - self.start).as_secs_f64());
+            }
             Some(last) => {
                 let gap = (now - last).as_secs_f64() / n as f64;
                 for _ in 0..n {
@@ -313,10 +326,27 @@ impl ChoiceRun {
         self.last_token = Some(now);
     }
 
-    fn end(&mut self, how: Finished) {
+    fn end(&mut self, how: Finished, usage: Option<&Usage>) {
         self.done = true;
         self.metrics.finished(how);
-        self.metrics.e2e.observe(self.start.elapsed().as_secs_f64());
+        let e2e = self.start.elapsed();
+        self.metrics.e2e.observe(e2e.as_secs_f64());
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            let ms = |d: Duration| d.as_secs_f64() * 1e3;
+            let generated = self.state.as_ref().map_or(0, |s| s.generated);
+            tracing::debug!(
+                request_id = %self.request_id,
+                choice = self.index,
+                engine_id = self.guard.id,
+                finish = how.as_str(),
+                prompt_tokens = usage.map(|u| u.prompt_tokens),
+                output_tokens = usage.map_or(generated, |u| u.completion_tokens),
+                cached_tokens = usage.map(|u| u.cached_tokens),
+                ttft_ms = self.first_token.map(|t| ms(t - self.start)),
+                e2e_ms = ms(e2e),
+                "request finished"
+            );
+        }
     }
 
     /// Waits for the engine's own end of a request the server cancelled, for its usage.
@@ -349,14 +379,14 @@ impl ChoiceRun {
                 _ = aborted(&mut self.abort) => {
                     self.guard.cancel_now();
                     let usage = self.drain_usage().await.unwrap_or_default();
-                    self.end(Finished::Abort);
+                    self.end(Finished::Abort, Some(&usage));
                     let finish = FinishInfo { reason: "abort", stop_reason: None, usage };
                     return Some(Ok(self.chunk(String::new(), Vec::new(), Some(finish))));
                 }
             };
             let Some(first) = first else {
                 self.guard.disarm();
-                self.end(Finished::Abort);
+                self.end(Finished::Abort, None);
                 return Some(Err(AppError::Internal(
                     "the engine dropped a request without finishing it".into(),
                 )));
@@ -396,14 +426,14 @@ impl ChoiceRun {
             let out = match result {
                 Ok(out) => out,
                 Err(e) => {
-                    self.end(Finished::Abort);
+                    self.end(Finished::Abort, None);
                     self.guard.cancel_now();
                     return Some(Err(AppError::Internal(e.to_string())));
                 }
             };
             if let Some((kind, message)) = out.failed {
                 self.guard.disarm();
-                self.end(Finished::Abort);
+                self.end(Finished::Abort, None);
                 return Some(Err(AppError::Engine {
                     kind,
                     message,
@@ -414,7 +444,7 @@ impl ChoiceRun {
                 self.guard.cancel_now();
                 let mut usage = self.drain_usage().await.unwrap_or_default();
                 usage.completion_tokens = generated;
-                self.end(Finished::Stop);
+                self.end(Finished::Stop, Some(&usage));
                 Some(FinishInfo {
                     reason: "stop",
                     stop_reason: Some(Value::String(stop)),
@@ -427,7 +457,7 @@ impl ChoiceRun {
                     FinishReason::Length => ("length", Finished::Length),
                     FinishReason::Cancelled => ("abort", Finished::Abort),
                 };
-                self.end(how);
+                self.end(how, Some(&usage));
                 let stop_reason = stop_token.map(Value::from);
                 Some(FinishInfo {
                     reason: name,

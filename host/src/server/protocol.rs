@@ -2,8 +2,10 @@
 //!
 //! Owns: the serde structs of `/v1/completions`, `/v1/chat/completions` and `/v1/models`
 //! (requests and responses, streaming chunks included). Only shapes live here: ranges and
-//! cross-field rules are checked in `params`. Unknown request fields are ignored, as OpenAI's
-//! SDKs send fields newer than any server (`service_tier`, `metadata`, …); fields this server
+//! cross-field rules are checked in `params`. Unknown request fields are collected (the
+//! handlers log them as a warning, as vLLM does, so `"max_token": 5` does not pass silently)
+//! and otherwise ignored, as OpenAI's SDKs send fields newer than any server (`service_tier`,
+//! `metadata`, …); fields this server
 //! knows but does not implement (`tools`, `logit_bias`, `suffix`, …) are parsed so that `params`
 //! can reject them instead of silently ignoring them.
 
@@ -67,6 +69,9 @@ pub struct CompletionRequest {
     pub echo: Option<bool>,
     pub best_of: Option<u32>,
     pub suffix: Option<String>,
+    /// Fields this server does not know (logged as a warning, then ignored).
+    #[serde(flatten)]
+    pub unknown: serde_json::Map<String, Value>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -102,6 +107,9 @@ pub struct ChatRequest {
     pub tool_choice: Option<Value>,
     pub response_format: Option<Value>,
     pub add_generation_prompt: Option<bool>,
+    /// Fields this server does not know (logged as a warning, then ignored).
+    #[serde(flatten)]
+    pub unknown: serde_json::Map<String, Value>,
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -150,6 +150,12 @@ impl TextCodec {
             .map_err(load_err)
     }
 
+    /// Each token's raw bytes, when the tokenizer is byte-level (streaming uses them to cut
+    /// UTF-8 exactly where a one-shot decode would).
+    pub fn byte_table(&self) -> Option<&crate::tokenizer::ByteTable> {
+        self.tokenizer.byte_table()
+    }
+
     /// Renders the chat template over `messages` (a JSON list of `{role, content, ...}`).
     pub fn render_chat(
         &self,

@@ -62,6 +62,8 @@ pub struct Options {
     pub server: ServerConfig,
     pub policy: Option<Box<dyn policy::Router>>,
     pub max_model_len: u32,
+    /// Other ids the model answers to (`ModelInfo::aliases`).
+    pub aliases: Vec<String>,
 }
 
 impl Default for Options {
@@ -91,6 +93,7 @@ impl Default for Options {
             },
             policy: None,
             max_model_len: 4096,
+            aliases: Vec::new(),
         }
     }
 }
@@ -270,6 +273,7 @@ impl TestServer {
             config: opts.server.clone(),
             model: ModelInfo {
                 name: MODEL.into(),
+                aliases: opts.aliases.clone(),
                 max_model_len: opts.max_model_len,
                 block_size: opts.block_size as u32,
                 cache_salt: SALT.into(),
@@ -597,4 +601,86 @@ pub fn join_stream(events: &[Value]) -> Vec<(String, Option<String>)> {
         }
     }
     out
+}
+
+/// Sends the streaming request `body` to `path` `n` times, one after another, over one
+/// keep-alive TCP connection with the client's default socket options (Nagle and delayed ACKs
+/// on, as most clients leave them), and returns each request's time from sending it to the
+/// first `data:` event.
+pub async fn stream_ttfts_on_one_connection(
+    addr: SocketAddr,
+    path: &str,
+    body: &Value,
+    n: usize,
+) -> Vec<Duration> {
+    let b = serde_json::to_vec(body).expect("json");
+    let mut req = format!(
+        "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        b.len()
+    )
+    .into_bytes();
+    req.extend_from_slice(&b);
+    tokio::task::spawn_blocking(move || {
+        let mut s = std::net::TcpStream::connect(addr).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(20)))
+            .expect("timeout");
+        let mut out = Vec::with_capacity(n);
+        let mut buf = [0u8; 16 * 1024];
+        for _ in 0..n {
+            let sent = Instant::now();
+            s.write_all(&req).expect("write");
+            let mut got: Vec<u8> = Vec::new();
+            let mut first = None;
+            // The chunked body ends with the zero-size chunk after `data: [DONE]`.
+            while !(contains(&got, b"data: [DONE]") && got.ends_with(b"0\r\n\r\n")) {
+                let k = s.read(&mut buf).expect("read");
+                assert!(k > 0, "the server closed the connection");
+                got.extend_from_slice(&buf[..k]);
+                if first.is_none() && contains(&got, b"data: {") {
+                    first = Some(sent.elapsed());
+                }
+            }
+            out.push(first.expect("a data event"));
+        }
+        out
+    })
+    .await
+    .expect("client task")
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
+}
+
+/// Log lines of this test binary: a global subscriber (installed on first use) that keeps
+/// `chimera` events at debug level in memory, so tests can check what the server logs.
+pub fn captured_logs() -> String {
+    static LOGS: std::sync::OnceLock<Arc<Mutex<Vec<u8>>>> = std::sync::OnceLock::new();
+    let buf = LOGS.get_or_init(|| {
+        let buf = Arc::new(Mutex::new(Vec::new()));
+        let sink = LogSink(buf.clone());
+        let subscriber = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new("chimera=debug"))
+            .with_ansi(false)
+            .with_writer(move || sink.clone())
+            .finish();
+        tracing::subscriber::set_global_default(subscriber).expect("one global subscriber");
+        buf
+    });
+    String::from_utf8_lossy(&buf.lock().expect("log buffer")).into_owned()
+}
+
+#[derive(Clone)]
+struct LogSink(Arc<Mutex<Vec<u8>>>);
+
+impl Write for LogSink {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        if let Ok(mut v) = self.0.lock() {
+            v.extend_from_slice(b);
+        }
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
