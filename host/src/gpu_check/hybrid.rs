@@ -244,7 +244,9 @@ fn routing_case(
     let w_err = rel_err(&gw, &cw);
     if gi != ci || w_err > 1e-6 {
         let at = gi.iter().zip(&ci).position(|(a, b)| a != b);
-        eprintln!("      routing differs: first id mismatch at {at:?}, weights rel err {w_err:.2e}");
+        eprintln!(
+            "      routing differs: first id mismatch at {at:?}, weights rel err {w_err:.2e}"
+        );
     }
     Ok(gi == ci && w_err <= 1e-6)
 }
@@ -618,7 +620,11 @@ fn stress_run(gpu: &CudaBackend, dir: &std::path::Path, seed: u64) -> R<(bool, b
         },
         hash_salt: "stress".into(),
     };
-    let mut engine = Engine::new(setup, ModelRunner::new(backend.clone(), model), Policies::greedy())?;
+    let mut engine = Engine::new(
+        setup,
+        ModelRunner::new(backend.clone(), model),
+        Policies::greedy(),
+    )?;
     let mut rng = Rng::new(seed ^ 0x5354_5245);
     let mut rx = Vec::new();
     let mut cancel_at = std::collections::BTreeMap::new();
@@ -633,7 +639,13 @@ fn stress_run(gpu: &CudaBackend, dir: &std::path::Path, seed: u64) -> R<(bool, b
             let group = rng.below(8) as u32;
             let len = 1 + rng.below(200);
             let prompt: Vec<u32> = (0..len as u32)
-                .map(|j| if j < 48 { (group * 31 + j * 7) % 500 + 1 } else { rng.below(500) as u32 + 1 })
+                .map(|j| {
+                    if j < 48 {
+                        (group * 31 + j * 7) % 500 + 1
+                    } else {
+                        rng.below(500) as u32 + 1
+                    }
+                })
                 .collect();
             let (tx, r) = tokio::sync::mpsc::unbounded_channel();
             engine.add(
@@ -668,7 +680,10 @@ fn stress_run(gpu: &CudaBackend, dir: &std::path::Path, seed: u64) -> R<(bool, b
         }
         for (_, r, done) in rx.iter_mut().filter(|x| !x.2) {
             while let Ok(ev) = r.try_recv() {
-                if matches!(ev, EngineEvent::Finished { .. } | EngineEvent::Failed { .. }) {
+                if matches!(
+                    ev,
+                    EngineEvent::Finished { .. } | EngineEvent::Failed { .. }
+                ) {
                     *done = true;
                 }
             }
@@ -685,7 +700,10 @@ fn stress_run(gpu: &CudaBackend, dir: &std::path::Path, seed: u64) -> R<(bool, b
     }
     engine.reset_prefix_cache();
     engine.refresh_stats();
-    engine.cache().check_invariants().map_err(|e| anyhow::anyhow!("{e}"))?;
+    engine
+        .cache()
+        .check_invariants()
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
     let s = engine.stats();
     let free = s.free_blocks == s.total_blocks && s.ssm_snapshots_used == 0 && s.running == 0;
     let allocs = backend.driver_allocations() - allocs_at_50.unwrap_or(0);

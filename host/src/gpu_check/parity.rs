@@ -83,7 +83,8 @@ fn batched_last<B: Backend>(m: &Model<B>, b: &B, prompts: &[Vec<u32>]) -> anyhow
         let table: Vec<u32> = (next..next + nb as u32).collect();
         next += nb as u32;
         plan.push(p, 0, &table, i as u32, true);
-        plan.slot_ops.push(crate::backend::SlotOp::Zero { slot: i as u32 });
+        plan.slot_ops
+            .push(crate::backend::SlotOp::Zero { slot: i as u32 });
     }
     Ok(m.forward_host(b, &mut plan, &mut caches, LogitsMode::Last)?)
 }
