@@ -881,3 +881,67 @@ async fn api_key_protects_the_v1_endpoints() {
         6.0
     );
 }
+
+/// `/tokenize` and `/detokenize` (vLLM's shapes): the ids a prompt or a chat would be served
+/// with, and text back from ids; bad input is a 400 that names the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenize_and_detokenize() {
+    let s = server().await;
+    let c = codec();
+    let text = "hello tokenizer world";
+    let r = post(
+        s.addr,
+        "/tokenize",
+        &json!({"model": MODEL, "prompt": text}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    let want = c.encode(text, true).unwrap();
+    let got: Vec<u32> = serde_json::from_value(v["tokens"].clone()).unwrap();
+    assert_eq!(got, want);
+    assert_eq!(v["count"], want.len());
+    assert_eq!(v["max_model_len"], 4096);
+    // Without special tokens, detokenize gives the text back.
+    let r = post(
+        s.addr,
+        "/tokenize",
+        &json!({"prompt": text, "add_special_tokens": false}),
+    )
+    .await;
+    let ids = r.json()["tokens"].clone();
+    let r = post(
+        s.addr,
+        "/detokenize",
+        &json!({"model": MODEL, "tokens": ids}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["prompt"], text);
+    // Chat messages go through the chat template, as /v1/chat/completions renders them.
+    let messages = json!([{"role": "user", "content": "hi there"}]);
+    let r = post(s.addr, "/tokenize", &json!({"messages": messages})).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let rendered = c.render_chat(&messages, true).unwrap();
+    let got: Vec<u32> = serde_json::from_value(r.json()["tokens"].clone()).unwrap();
+    assert_eq!(got, c.encode(&rendered, false).unwrap());
+    // Bad input.
+    for (body, field) in [
+        (json!({"prompt": "a", "messages": messages}), "prompt"),
+        (json!({}), "prompt"),
+    ] {
+        let r = post(s.addr, "/tokenize", &body).await;
+        assert_eq!(r.status, 400, "{body}: {}", r.text());
+        assert_eq!(r.json()["error"]["param"], field, "{}", r.text());
+    }
+    let r = post(s.addr, "/detokenize", &json!({"tokens": [1, 99999999]})).await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.text().contains("outside the vocabulary"), "{}", r.text());
+    let r = post(
+        s.addr,
+        "/tokenize",
+        &json!({"model": "nope", "prompt": "a"}),
+    )
+    .await;
+    assert_eq!(r.status, 404, "{}", r.text());
+}

@@ -248,6 +248,8 @@ pub fn build_router(state: AppState) -> HttpRouter {
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/models", get(openai::models))
+        .route("/tokenize", post(openai::tokenize))
+        .route("/detokenize", post(openai::detokenize))
         .route("/health", get(ops::health))
         .route("/metrics", get(ops::metrics))
         .route("/admin/reset_prefix_cache", post(ops::reset_prefix_cache))

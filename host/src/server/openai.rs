@@ -519,3 +519,98 @@ pub async fn models(State(state): State<AppState>) -> Response {
     };
     axum::Json(list).into_response()
 }
+
+/// `POST /tokenize` (vLLM's shape): a `prompt` string, or chat `messages` rendered through the
+/// chat template, to the token ids a request would be served with.
+#[derive(Debug, serde::Deserialize)]
+pub struct TokenizeRequest {
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    prompt: Option<String>,
+    #[serde(default)]
+    messages: Option<Vec<ChatMessage>>,
+    /// Default true for a prompt; a rendered chat template already holds its special tokens.
+    #[serde(default)]
+    add_special_tokens: Option<bool>,
+    #[serde(default)]
+    add_generation_prompt: Option<bool>,
+    #[serde(flatten)]
+    unknown: serde_json::Map<String, Value>,
+}
+
+pub async fn tokenize(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, AppError> {
+    let body = read_body(&state, &headers, body).await?;
+    let req: TokenizeRequest = parse(&body)?;
+    warn_unknown("/tokenize", &req.unknown);
+    check_model(&state, req.model.as_deref())?;
+    let codec = state.inner().codec.clone();
+    let (text, add_special) = match (req.prompt, req.messages) {
+        (Some(p), None) => (p, req.add_special_tokens.unwrap_or(true)),
+        (None, Some(m)) => {
+            let messages = messages_json(&m)?;
+            let add_generation_prompt = req.add_generation_prompt.unwrap_or(true);
+            let codec = codec.clone();
+            let rendered = tokio::task::spawn_blocking(move || {
+                codec.render_chat(&messages, add_generation_prompt)
+            })
+            .await
+            .map_err(|e| AppError::Internal(format!("template task failed: {e}")))??;
+            (rendered, req.add_special_tokens.unwrap_or(false))
+        }
+        _ => {
+            return Err(AppError::invalid(
+                "prompt",
+                "give exactly one of `prompt` (a string) and `messages`",
+            ));
+        }
+    };
+    let tokens = tokio::task::spawn_blocking(move || codec.encode(&text, add_special))
+        .await
+        .map_err(|e| AppError::Internal(format!("tokenizer task failed: {e}")))??;
+    let body = json!({
+        "count": tokens.len(),
+        "max_model_len": state.inner().model.max_model_len,
+        "tokens": tokens,
+        "token_strs": Value::Null,
+    });
+    Ok(axum::Json(body).into_response())
+}
+
+/// `POST /detokenize` (vLLM's shape): token ids back to text.
+#[derive(Debug, serde::Deserialize)]
+pub struct DetokenizeRequest {
+    #[serde(default)]
+    model: Option<String>,
+    tokens: Vec<u32>,
+    #[serde(flatten)]
+    unknown: serde_json::Map<String, Value>,
+}
+
+pub async fn detokenize(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, AppError> {
+    let body = read_body(&state, &headers, body).await?;
+    let req: DetokenizeRequest = parse(&body)?;
+    warn_unknown("/detokenize", &req.unknown);
+    check_model(&state, req.model.as_deref())?;
+    let vocab = state.inner().limits.vocab_size;
+    if let Some(bad) = req.tokens.iter().find(|t| **t >= vocab) {
+        return Err(AppError::invalid(
+            "tokens",
+            format!("token id {bad} is outside the vocabulary (size {vocab})"),
+        ));
+    }
+    let codec = state.inner().codec.clone();
+    let tokens = req.tokens;
+    let text = tokio::task::spawn_blocking(move || codec.decode(&tokens, false))
+        .await
+        .map_err(|e| AppError::Internal(format!("tokenizer task failed: {e}")))??;
+    Ok(axum::Json(json!({ "prompt": text })).into_response())
+}
