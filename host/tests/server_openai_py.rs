@@ -1,6 +1,7 @@
 //! Runs tests/openai_client/test_openai.py (the official `openai` Python client) against a
 //! live server on loopback in front of the mock engine. Skipped, with a message, when Python or
-//! the `openai` package is missing (CI installs it).
+//! the `openai` package is missing; CI installs it and sets `CHIMERA_REQUIRE_OPENAI=1`, under
+//! which a missing client fails the test.
 
 mod server_support;
 
@@ -17,6 +18,10 @@ async fn official_openai_client_passes() {
         .map(|o| o.status.success())
         .unwrap_or(false);
     if !has_openai {
+        assert!(
+            std::env::var("CHIMERA_REQUIRE_OPENAI").as_deref() != Ok("1"),
+            "CHIMERA_REQUIRE_OPENAI=1 but python3 cannot import `openai`"
+        );
         eprintln!(
             "skipped: python3 with the `openai` package is not installed (pip install openai)"
         );
