@@ -131,8 +131,6 @@ pub fn run(report: &mut Report, f32_gpu: &CudaBackend, bf16_gpu: &CudaBackend, s
         if c.mode == DType::F32 {
             sampling(&mut c);
         }
-        let report_ref = &mut *c.report;
-        let _ = report_ref;
     }
 }
 
@@ -367,7 +365,6 @@ fn attention_rope_case(
                     vc[row * kvw + j] = c.rng.sym(1.0);
                 }
             }
-            let _ = s;
         }
         if c.mode == DType::BF16 {
             kc.iter_mut()

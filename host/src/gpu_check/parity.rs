@@ -213,12 +213,10 @@ pub(super) fn fixture(
         1e-4,
     );
     let batch = batched_last(&mg, f32_gpu, &prompts)?;
-    let vocab = mg.info.vocab_size;
     let mut alone = Vec::with_capacity(batch.len());
     for p in &prompts {
         alone.extend(chunked_last(&mg, f32_gpu, p, 4096)?);
     }
-    let _ = vocab;
     report.err(
         SUITE,
         format!("{name} f32 batch = alone"),

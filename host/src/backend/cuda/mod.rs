@@ -342,11 +342,13 @@ impl CudaBackend {
     }
 
     fn rope_table(&self, rope: &Rope) -> Result<u64> {
-        let key: Vec<u32> = rope.inv_freq.iter().map(|f| f.to_bits()).collect();
+        // Looked up by the frequencies' bits without building a key: this runs per layer.
+        let bits = f32_bits(&rope.inv_freq);
         let mut ropes = self.inner.ropes.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(b) = ropes.get(&key) {
+        if let Some(b) = ropes.get(bits) {
             return Ok(b.ptr);
         }
+        let key = bits.to_vec();
         let buf = DevAlloc::new(self.dev(), 4 * key.len(), &self.inner.stats)?;
         let bytes = super::f32_bytes(&rope.inv_freq);
         // SAFETY: the buffer holds exactly these bytes; the source is synchronised below.
@@ -1118,7 +1120,7 @@ impl Backend for CudaBackend {
         experts: &StackedExperts<CudaTensor>,
         out: &mut CudaTensor,
     ) -> Result<()> {
-        let (tokens, hidden) = x.rows_cols();
+        let hidden = x.rows_cols().1;
         if experts.gate.is_some() || experts.up.shape.len() != 3 || out.shape != x.shape {
             return Err(BackendError::Invalid(format!(
                 "moe: stacked experts up {:?}, out {:?} for x {:?} (gated experts are not supported yet)",
@@ -1204,7 +1206,6 @@ impl Backend for CudaBackend {
                 ],
             )?;
         }
-        let _ = tokens;
         Ok(())
     }
 }
@@ -1488,6 +1489,12 @@ impl CudaBackend {
 
 fn cache_rows(cache: &KvLayer<CudaTensor>) -> u64 {
     (cache.k.shape[0] * cache.k.shape[1]) as u64
+}
+
+/// An f32 slice's bit patterns as u32 (same size and alignment; no copy).
+fn f32_bits(v: &[f32]) -> &[u32] {
+    // SAFETY: f32 and u32 have the same size and alignment and every bit pattern is a valid u32.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u32>(), v.len()) }
 }
 
 /// The bytes of a u32 slice (little-endian hosts only, as everywhere in the backends).
