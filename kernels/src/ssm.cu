@@ -72,8 +72,9 @@ __device__ __forceinline__ float dt_of(float raw, float bias, float lo, float hi
 }
 
 // Base of one layer's state of `slot` in a slot-major pool; null for a slot out of range.
-__device__ __forceinline__ float* layer_state(float* pool, u32 slot, u32 slots, u32 layer,
-                                              u32 layers, u64 per) {
+template <typename S>
+__device__ __forceinline__ S* layer_state(S* pool, u32 slot, u32 slots, u32 layer, u32 layers,
+                                          u64 per) {
     if (slot >= slots) return nullptr;
     return pool + ((u64)slot * layers + layer) * per;
 }
@@ -81,6 +82,8 @@ __device__ __forceinline__ float* layer_state(float* pool, u32 slot, u32 slots, 
 // ---------------------------------------------------------------------------------------
 // Slot ops: op i copies slot op_from[i] (or zeroes, op_from = NONE) into op_to[i], both pools,
 // all layers. The planner groups ops into waves without read/write conflicts.
+// Counts are 4-byte words: a pool stored as bf16 passes half its element count, and the copy
+// moves raw bits either way (a zero word is +0 in both types).
 
 template <bool V4>
 __device__ void slot_ops(float* conv, float* ssmp, const u32* op_from, const u32* op_to,
@@ -230,9 +233,9 @@ __device__ void conv_update(const T* x, const T* weight, const T* bias, T* out, 
 constexpr int DEC_THREADS = 256;  // ssm.rs: DEC_THREADS
 constexpr int DEC_WARPS = DEC_THREADS / 32;
 
-template <typename T>
+template <typename T, typename S>
 __device__ void decode(const T* x, const T* b, const T* c, const T* dt, const T* a_log,
-                       const T* d, const T* dt_bias, T* out, float* pool, const u32* seq_tok,
+                       const T* d, const T* dt_bias, T* out, S* pool, const u32* seq_tok,
                        const u32* seq_slot, const u32* seq_snap, const u32* seq_snaps,
                        const u32* snap_slot, u32 heads, u32 P, u32 groups, u32 N, u32 x_ld,
                        u32 bc_ld, u32 dt_ld, u32 out_ld, u32 layer, u32 layers, u32 slots,
@@ -241,7 +244,7 @@ __device__ void decode(const T* x, const T* b, const T* c, const T* dt, const T*
     const u32 tok = seq_tok[e];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u64 pn = (u64)P * N;
-    float* st = layer_state(pool, seq_slot[e], slots, layer, layers, pn * heads);
+    S* st = layer_state(pool, seq_slot[e], slots, layer, layers, pn * heads);
     const i64 yrow = (i64)tok * out_ld + (i64)h * P;
     if (!st) {
         for (u32 p = threadIdx.x; p < P; p += DEC_THREADS) store(out, yrow + p, 0.0f);
@@ -267,8 +270,8 @@ __device__ void decode(const T* x, const T* b, const T* c, const T* dt, const T*
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const u32 n = n0 + lane + 32 * j;
-                s1[j] = n < N ? st[p * N + n] : 0.0f;
-                s2[j] = (two && n < N) ? st[p2 * N + n] : 0.0f;
+                s1[j] = n < N ? load(st, p * N + n) : 0.0f;
+                s2[j] = (two && n < N) ? load(st, p2 * N + n) : 0.0f;
             }
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
@@ -277,18 +280,18 @@ __device__ void decode(const T* x, const T* b, const T* c, const T* dt, const T*
                 const float bn = load(b, brow + n), cn = load(c, brow + n);
                 s1[j] = s1[j] * decay + dx1 * bn;
                 acc1 += s1[j] * cn;
-                st[p * N + n] = s1[j];
+                store(st, p * N + n, s1[j]);
                 if (two) {
                     s2[j] = s2[j] * decay + dx2 * bn;
                     acc2 += s2[j] * cn;
-                    st[p2 * N + n] = s2[j];
+                    store(st, p2 * N + n, s2[j]);
                 }
                 for (u32 k = k0; k < k0 + nk; ++k) {
-                    float* dst = layer_state(pool, snap_slot[k], slots, layer, layers, pn * heads);
+                    S* dst = layer_state(pool, snap_slot[k], slots, layer, layers, pn * heads);
                     if (!dst) continue;
                     dst += h * pn;
-                    dst[p * N + n] = s1[j];
-                    if (two) dst[p2 * N + n] = s2[j];
+                    store(dst, p * N + n, s1[j]);
+                    if (two) store(dst, p2 * N + n, s2[j]);
                 }
             }
         }
@@ -538,7 +541,8 @@ __device__ void scan_simt(const T* x, const T* b, const T* c, const T* d, const 
 constexpr int PASS_THREADS = 256;  // ssm.rs: PASS_THREADS
 constexpr int PASS_PER = 8;        // ssm.rs: PASS_PER
 
-__device__ void ssd_pass(float* states, const float* acum, float* pool, const u32* seq_slot,
+template <typename S>
+__device__ void ssd_pass(float* states, const float* acum, S* pool, const u32* seq_slot,
                          const u32* seq_chunk, const u32* seq_chunks, const u32* ck_tok,
                          const u32* ck_len, const u32* ck_snap, const u32* ck_snaps,
                          const u32* snap_slot, u32 seq_base, u32 heads, u32 pn, u32 layer,
@@ -549,14 +553,14 @@ __device__ void ssd_pass(float* states, const float* acum, float* pool, const u3
     const u32 tile = r % tiles;
     const u32 e = seq_base + r / tiles;
     const u64 per = (u64)heads * pn;
-    float* live = layer_state(pool, seq_slot[e], slots, layer, layers, per);
+    S* live = layer_state(pool, seq_slot[e], slots, layer, layers, per);
     if (live) live += (u64)h * pn;
     const u32 i0 = tile * PASS_THREADS * PASS_PER + threadIdx.x;
     float hv[PASS_PER];
 #pragma unroll
     for (int v = 0; v < PASS_PER; ++v) {
         const u32 i = i0 + v * PASS_THREADS;
-        hv[v] = (live && i < pn) ? live[i] : 0.0f;
+        hv[v] = (live && i < pn) ? load(live, i) : 0.0f;
     }
     const u32 c0 = seq_chunk[e], nc = seq_chunks[e];
     for (u32 ck = c0; ck < c0 + nc; ++ck) {
@@ -576,13 +580,13 @@ __device__ void ssd_pass(float* states, const float* acum, float* pool, const u3
         }
         const u32 k0 = ck_snap[ck], nk = ck_snaps[ck];
         for (u32 k = k0; k < k0 + nk; ++k) {
-            float* dst = layer_state(pool, snap_slot[k], slots, layer, layers, per);
+            S* dst = layer_state(pool, snap_slot[k], slots, layer, layers, per);
             if (!dst) continue;
             dst += (u64)h * pn;
 #pragma unroll
             for (int v = 0; v < PASS_PER; ++v) {
                 const u32 i = i0 + v * PASS_THREADS;
-                if (i < pn) dst[i] = hv[v];
+                if (i < pn) store(dst, i, hv[v]);
             }
         }
     }
@@ -590,7 +594,7 @@ __device__ void ssd_pass(float* states, const float* acum, float* pool, const u3
 #pragma unroll
     for (int v = 0; v < PASS_PER; ++v) {
         const u32 i = i0 + v * PASS_THREADS;
-        if (i < pn) live[i] = hv[v];
+        if (i < pn) store(live, i, hv[v]);
     }
 }
 
@@ -923,9 +927,9 @@ extern "C" __global__ void __launch_bounds__(128) ssm_conv_update_bf16(CONV_UPDA
     ssm::conv_update(CONV_UPDATE_ARGS);
 }
 
-#define DECODE_PARAMS(T)                                                                      \
+#define DECODE_PARAMS(T, S)                                                                   \
     const T *x, const T *b, const T *c, const T *dt, const T *a_log, const T *d,                \
-        const T *dt_bias, T *out, float *pool, const u32 *seq_tok, const u32 *seq_slot,        \
+        const T *dt_bias, T *out, S *pool, const u32 *seq_tok, const u32 *seq_slot,        \
         const u32 *seq_snap, const u32 *seq_snaps, const u32 *snap_slot, u32 heads,           \
         u32 head_dim, u32 groups, u32 state, u32 x_ld, u32 bc_ld, u32 dt_ld, u32 out_ld,      \
         u32 layer, u32 layers, u32 slots, float dt_min, float dt_max
@@ -934,10 +938,17 @@ extern "C" __global__ void __launch_bounds__(128) ssm_conv_update_bf16(CONV_UPDA
         snap_slot, heads, head_dim, groups, state, x_ld, bc_ld, dt_ld, out_ld, layer, layers,  \
         slots, dt_min, dt_max
 
-extern "C" __global__ void __launch_bounds__(256) ssm_decode_f32(DECODE_PARAMS(float)) {
+extern "C" __global__ void __launch_bounds__(256) ssm_decode_f32(DECODE_PARAMS(float, float)) {
     ssm::decode(DECODE_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(256) ssm_decode_bf16(DECODE_PARAMS(bf16)) {
+extern "C" __global__ void __launch_bounds__(256) ssm_decode_bf16(DECODE_PARAMS(bf16, float)) {
+    ssm::decode(DECODE_ARGS);
+}
+// bf16 state storage (cache.ssm_state_dtype = "bfloat16"): read and written as bf16, updated in f32.
+extern "C" __global__ void __launch_bounds__(256) ssm_decode_f32_sbf16(DECODE_PARAMS(float, bf16)) {
+    ssm::decode(DECODE_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256) ssm_decode_bf16_sbf16(DECODE_PARAMS(bf16, bf16)) {
     ssm::decode(DECODE_ARGS);
 }
 
@@ -969,13 +980,20 @@ extern "C" __global__ void __launch_bounds__(128) ssd_states_mma_p64n128_bf16(ST
     ssm::states_mma<64, 128>(x, b, dtv, acum, states, ck_tok, ck_len, heads, groups, x_ld, bc_ld);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 4)
-    ssd_pass(float* states, const float* acum, float* pool, const u32* seq_slot,
-             const u32* seq_chunk, const u32* seq_chunks, const u32* ck_tok, const u32* ck_len,
-             const u32* ck_snap, const u32* ck_snaps, const u32* snap_slot, u32 seq_base,
-             u32 heads, u32 pn, u32 layer, u32 layers, u32 slots, u32 tiles) {
-    ssm::ssd_pass(states, acum, pool, seq_slot, seq_chunk, seq_chunks, ck_tok, ck_len, ck_snap,
-                  ck_snaps, snap_slot, seq_base, heads, pn, layer, layers, slots, tiles);
+#define PASS_PARAMS(S)                                                                        \
+    float *states, const float *acum, S *pool, const u32 *seq_slot, const u32 *seq_chunk,       \
+        const u32 *seq_chunks, const u32 *ck_tok, const u32 *ck_len, const u32 *ck_snap,        \
+        const u32 *ck_snaps, const u32 *snap_slot, u32 seq_base, u32 heads, u32 pn, u32 layer,  \
+        u32 layers, u32 slots, u32 tiles
+#define PASS_ARGS                                                                             \
+    states, acum, pool, seq_slot, seq_chunk, seq_chunks, ck_tok, ck_len, ck_snap, ck_snaps,    \
+        snap_slot, seq_base, heads, pn, layer, layers, slots, tiles
+
+extern "C" __global__ void __launch_bounds__(256, 4) ssd_pass(PASS_PARAMS(float)) {
+    ssm::ssd_pass(PASS_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256, 4) ssd_pass_sbf16(PASS_PARAMS(bf16)) {
+    ssm::ssd_pass(PASS_ARGS);
 }
 
 #define SCAN_PARAMS(T)                                                                        \

@@ -141,6 +141,8 @@ pub const ENTRIES: &[Entry] = &[
     e("ssm_conv_update_bf16", CONV_UPDATE),
     e("ssm_decode_f32", DECODE),
     e("ssm_decode_bf16", DECODE),
+    e("ssm_decode_f32_sbf16", DECODE),
+    e("ssm_decode_bf16_sbf16", DECODE),
     e("ssd_dt_f32", DT),
     e("ssd_dt_bf16", DT),
     e("ssd_states_simt_f32", STATES),
@@ -148,6 +150,7 @@ pub const ENTRIES: &[Entry] = &[
     e("ssd_states_mma_p64n64_bf16", STATES),
     e("ssd_states_mma_p64n128_bf16", STATES),
     e("ssd_pass", PASS),
+    e("ssd_pass_sbf16", PASS),
     e("ssd_scan_simt_f32", SCAN),
     e("ssd_scan_simt_bf16", SCAN),
     e("ssd_scan_mma_p64n64_bf16", SCAN),
@@ -525,7 +528,8 @@ impl SsmArg {
     }
 }
 
-/// Elements per slot of each pool (all layers: `layers · per-layer elements`).
+/// 4-byte words per slot of each pool (all layers: `layers · per-layer elements`, halved for a
+/// pool stored as bf16). The slot ops copy raw words, whatever the element type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PoolDims {
     pub slots: u32,
@@ -567,6 +571,10 @@ pub struct ScanDims {
     /// dt is clamped to `[dt_min, dt_max]` after the softplus.
     pub dt_min: f32,
     pub dt_max: f32,
+    /// The SSM pool stores bf16 (`cache.ssm_state_dtype = "bfloat16"`): the kernels read and
+    /// write it as bf16 and keep every update in f32, so the state is rounded once per step
+    /// (and at each snapshot), never inside a step.
+    pub state_bf16: bool,
 }
 
 impl ScanDims {
@@ -586,6 +594,7 @@ impl ScanDims {
             out_ld: heads * head_dim,
             dt_min: 0.0,
             dt_max: f32::INFINITY,
+            state_bf16: false,
         }
     }
 
@@ -626,6 +635,11 @@ impl ScanDims {
 
 fn suffix(bf16: bool) -> &'static str {
     if bf16 { "bf16" } else { "f32" }
+}
+
+/// The entry-name suffix of kernels that touch the SSM pool, by its storage type.
+fn state_suffix(bf16: bool) -> &'static str {
+    if bf16 { "_sbf16" } else { "" }
 }
 
 /// `entry` as a `&'static str` from the table (names are built from parts).
@@ -820,7 +834,7 @@ pub fn launches_scan(
             F32(dims.dt_max),
         ]);
         out.push(Launch {
-            entry: entry_name(&format!("ssm_decode_{ty}")),
+            entry: entry_name(&format!("ssm_decode_{ty}{}", state_suffix(dims.state_bf16))),
             grid: grid(plan.decodes as u64 * heads)?,
             block: (DEC_THREADS, 1, 1),
             smem: 0,
@@ -926,7 +940,7 @@ pub fn launches_scan(
         U32(pass_tiles),
     ]);
     out.push(Launch {
-        entry: "ssd_pass",
+        entry: entry_name(&format!("ssd_pass{}", state_suffix(dims.state_bf16))),
         grid: grid(plan.prompts() as u64 * heads * u64::from(pass_tiles))?,
         block: (PASS_THREADS, 1, 1),
         smem: 0,

@@ -94,6 +94,9 @@ impl<B: Backend> Backend for Counting<B> {
     fn is_lost(&self) -> bool {
         self.inner.is_lost()
     }
+    fn bf16_ssm_state(&self) -> bool {
+        self.inner.bf16_ssm_state()
+    }
     fn set_ssm_chunk_size(&self, chunk: usize) {
         self.inner.set_ssm_chunk_size(chunk);
     }

@@ -275,6 +275,13 @@ pub trait Backend: Send + Sync + 'static {
         false
     }
 
+    /// Whether the SSM recurrent-state pool may be stored as bf16 (`cache.ssm_state_dtype =
+    /// "bfloat16"`). A backend that cannot keeps it in f32, and the setting then only sizes the
+    /// slots (the CPU backend).
+    fn bf16_ssm_state(&self) -> bool {
+        false
+    }
+
     // ---- storage ------------------------------------------------------------------------
     /// Copies a host tensor in (weights: straight from the checkpoint's memory map).
     fn upload(&self, host: HostTensor<'_>) -> Result<Self::Tensor>;

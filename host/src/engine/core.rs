@@ -129,6 +129,7 @@ impl<E: StepExecutor> Engine<E> {
             block_size: layout.block_size,
             num_ssm_slots: layout.ssm_slots(),
             max_tokens: cfg.max_batched_tokens,
+            ssm_state_dtype: setup.cache.ssm_state_dtype,
         })?;
         let cache = CacheManager::new(
             &layout,

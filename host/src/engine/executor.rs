@@ -10,6 +10,7 @@
 //! step (the plan's slot operations run first, inside the step).
 
 use crate::backend::{SampleOut, StepPlan};
+use crate::cache::SsmStateDtype;
 use crate::model::CacheSpec;
 
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
@@ -73,6 +74,8 @@ pub struct CacheAllocation {
     pub num_ssm_slots: usize,
     /// Tokens of the largest step (`engine.max_batched_tokens`): sizes step temporaries.
     pub max_tokens: usize,
+    /// Storage type of the SSM recurrent state (`cache.ssm_state_dtype`).
+    pub ssm_state_dtype: SsmStateDtype,
 }
 
 /// A model behind the engine: the real model runner, or [`super::mock::MockExecutor`].

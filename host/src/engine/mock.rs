@@ -460,6 +460,7 @@ mod tests {
             block_size: 4,
             num_ssm_slots: 3,
             max_tokens: 64,
+            ssm_state_dtype: Default::default(),
         })
         .unwrap();
     }

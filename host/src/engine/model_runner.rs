@@ -54,11 +54,12 @@ impl<B: Backend> StepExecutor for ModelRunner<B> {
     fn allocate(&mut self, alloc: CacheAllocation) -> Result<(), ExecutorError> {
         let caches = self
             .model
-            .new_caches(
+            .new_caches_with_state(
                 &self.backend,
                 alloc.num_blocks,
                 alloc.block_size,
                 alloc.num_ssm_slots,
+                alloc.ssm_state_dtype,
             )
             .map_err(|e| ExecutorError::Allocation(e.to_string()))?;
         self.caches = Some(caches);

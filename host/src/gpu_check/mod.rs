@@ -43,6 +43,10 @@ pub struct GpuCheckArgs {
     /// A `config.json` of a full-size model for the bench suite (dummy weights).
     #[arg(long, default_value = "tests/gpu/configs/llama-3-8b")]
     pub bench_model: PathBuf,
+    /// A `config.json` of a full-size hybrid model for the hybrid suite's stress run (dummy
+    /// weights).
+    #[arg(long, default_value = "tests/gpu/configs/nemotron-h-8b")]
+    pub hybrid_model: PathBuf,
     /// CUDA device.
     #[arg(long, default_value_t = 0)]
     pub device: usize,

@@ -274,14 +274,27 @@ pub(super) fn drive_engine<B: Backend>(
     caching: bool,
     max_tokens: u32,
 ) -> anyhow::Result<(BTreeMap<u64, Vec<u32>>, crate::engine::api::EngineStats)> {
+    drive_engine_with(backend, model, requests, caching, max_tokens, 64 << 20, 4)
+}
+
+/// [`drive_engine`] with a cache budget in bytes and a running-request limit.
+pub(super) fn drive_engine_with<B: Backend>(
+    backend: B,
+    model: std::sync::Arc<Model<B>>,
+    requests: &[Vec<u32>],
+    caching: bool,
+    max_tokens: u32,
+    budget: u64,
+    max_running: usize,
+) -> anyhow::Result<(BTreeMap<u64, Vec<u32>>, crate::engine::api::EngineStats)> {
     let setup = EngineSetup {
         engine: EngineConfig {
             max_batched_tokens: 64,
-            max_running: 4,
+            max_running,
             ..Default::default()
         },
         cache: CacheConfig {
-            memory_budget: ByteSize(64 << 20),
+            memory_budget: ByteSize(budget),
             block_size: BLOCK,
             prefix_caching: caching,
             ..Default::default()

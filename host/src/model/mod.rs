@@ -18,6 +18,7 @@ pub mod weights;
 use std::path::{Path, PathBuf};
 
 pub use batch::{CacheSpec, SsmSnapshot};
+use crate::cache::SsmStateDtype;
 
 use crate::backend::{Backend, BackendError, DType, KvLayer, SsmPools, StepPlan};
 use layers::{Linear, RmsNorm, StepCtx, Sublayer};
@@ -97,7 +98,9 @@ pub struct ModelCaches<B: Backend> {
 
 impl<B: Backend> ModelCaches<B> {
     /// Zeroed caches: `num_blocks` KV blocks of `block_size` tokens per attention layer and
-    /// `num_slots` SSM-state slots holding every SSM layer.
+    /// `num_slots` SSM-state slots holding every SSM layer. The recurrent state is stored as
+    /// `ssm_state` where the backend can (bf16 is opt-in), else f32.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         backend: &B,
         spec: &CacheSpec,
@@ -106,6 +109,7 @@ impl<B: Backend> ModelCaches<B> {
         num_blocks: usize,
         block_size: usize,
         num_slots: usize,
+        ssm_state: SsmStateDtype,
     ) -> Result<Self, ModelError> {
         let kv_shape = [num_blocks, block_size, spec.kv_heads, spec.head_dim];
         let kv = (0..spec.attn_layers)
@@ -123,7 +127,11 @@ impl<B: Backend> ModelCaches<B> {
                     .zeros(&[num_slots, layers, conv_shape.0, conv_shape.1], DType::F32)?,
                 ssm: backend.zeros(
                     &[num_slots, layers, ssm_shape.0, ssm_shape.1, ssm_shape.2],
-                    DType::F32,
+                    if ssm_state == SsmStateDtype::Bfloat16 && backend.bf16_ssm_state() {
+                        DType::BF16
+                    } else {
+                        DType::F32
+                    },
                 )?,
                 slots: num_slots,
                 layers,
@@ -181,6 +189,25 @@ impl<B: Backend> Model<B> {
         block_size: usize,
         num_slots: usize,
     ) -> Result<ModelCaches<B>, ModelError> {
+        self.new_caches_with_state(
+            backend,
+            num_blocks,
+            block_size,
+            num_slots,
+            SsmStateDtype::Float32,
+        )
+    }
+
+    /// [`Self::new_caches`] with the recurrent state stored as `ssm_state` (where the backend
+    /// supports it).
+    pub fn new_caches_with_state(
+        &self,
+        backend: &B,
+        num_blocks: usize,
+        block_size: usize,
+        num_slots: usize,
+        ssm_state: SsmStateDtype,
+    ) -> Result<ModelCaches<B>, ModelError> {
         ModelCaches::new(
             backend,
             &self.info.cache,
@@ -189,6 +216,7 @@ impl<B: Backend> Model<B> {
             num_blocks,
             block_size,
             num_slots,
+            ssm_state,
         )
     }
 

@@ -1,14 +1,17 @@
 //! Device memory: persistent allocations (weights, caches, step buffers), the step arena of
 //! recycled temporaries, and pinned host staging.
 //!
-//! The arena works like the CPU backend's: buffers are kept per row width in bytes, each sized
-//! for the step bucket's `max_rows`, so once the largest step shapes have been seen no kernel
-//! temporary reaches the driver. Reuse is safe without events because one stream orders every
+//! The arena works like the CPU backend's: buffers of activations are kept per row width in
+//! bytes, each sized for the step bucket's `max_rows`. Flat buffers (scratch, work lists: a
+//! size that depends on the step, not a row count) are kept by capacity, a power of two, and
+//! a request takes the smallest free one that fits, so scratch sized for a large step serves
+//! every smaller one. Once the largest step shapes have been seen no kernel temporary reaches
+//! the driver. Reuse is safe without events because one stream orders every
 //! use: a buffer returned to the arena by a dropped tensor is only handed to work enqueued
 //! later on the same stream. Every driver allocation is counted ([`MemStats`]), so a test can
 //! assert that the step loop allocates nothing once warm.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -84,6 +87,8 @@ impl Drop for DevAlloc {
 pub struct Arena {
     device: Arc<Device>,
     free: Mutex<HashMap<usize, Vec<DevAlloc>>>,
+    /// Flat buffers by capacity in bytes.
+    flat: Mutex<BTreeMap<usize, Vec<DevAlloc>>>,
     pub max_rows: AtomicUsize,
     pub stats: Arc<MemStats>,
 }
@@ -93,6 +98,7 @@ impl Arena {
         Self {
             device,
             free: Mutex::new(HashMap::new()),
+            flat: Mutex::new(BTreeMap::new()),
             max_rows: AtomicUsize::new(1),
             stats,
         }
@@ -110,7 +116,39 @@ impl Arena {
                 return Ok(list.swap_remove(i));
             }
         }
-        let want = rows.max(self.max_rows.load(Ordering::Relaxed)) * key;
+        // Past the bucket (MoE rows are tokens × top-k), round up so that growth is rare.
+        let max_rows = self.max_rows.load(Ordering::Relaxed);
+        let want = if rows > max_rows {
+            rows.next_power_of_two()
+        } else {
+            max_rows
+        } * key;
+        self.grow(want)
+    }
+
+    /// A flat buffer of at least `bytes`: the smallest free one that fits, else a new one of
+    /// the next power of two (at least 4 KiB).
+    pub fn take_flat(&self, bytes: usize) -> Result<DevAlloc> {
+        {
+            let mut flat = self.flat.lock().unwrap_or_else(|p| p.into_inner());
+            let fit = flat
+                .range_mut(bytes.max(1)..)
+                .find(|(_, list)| !list.is_empty())
+                .and_then(|(_, list)| list.pop());
+            if let Some(b) = fit {
+                return Ok(b);
+            }
+        }
+        self.grow(bytes.max(4096).next_power_of_two())
+    }
+
+    /// Returns a flat buffer.
+    pub fn give_flat(&self, buf: DevAlloc) {
+        let mut flat = self.flat.lock().unwrap_or_else(|p| p.into_inner());
+        flat.entry(buf.bytes).or_default().push(buf);
+    }
+
+    fn grow(&self, want: usize) -> Result<DevAlloc> {
         self.stats.arena_grown.fetch_add(1, Ordering::Relaxed);
         self.stats
             .arena_bytes
@@ -129,12 +167,17 @@ impl Arena {
         for b in free.values().flatten() {
             f(b.ptr, b.bytes)?;
         }
+        let flat = self.flat.lock().unwrap_or_else(|p| p.into_inner());
+        for b in flat.values().flatten() {
+            f(b.ptr, b.bytes)?;
+        }
         Ok(())
     }
 
     /// Drops every recycled buffer (memory goes back to the driver).
     pub fn trim(&self) {
         self.free.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        self.flat.lock().unwrap_or_else(|p| p.into_inner()).clear();
     }
 }
 

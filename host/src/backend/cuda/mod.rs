@@ -48,11 +48,12 @@ use super::{
 enum Mem {
     /// A persistent allocation (weights, caches), kept alive by the tensor.
     Owned(#[allow(dead_code, reason = "owns the memory `ptr` points into")] Arc<DevAlloc>),
-    /// A step temporary, returned to the arena on drop.
+    /// A step temporary, returned to the arena on drop: to its row-width list, or (`None`)
+    /// to the flat buffers.
     Arena {
         arena: Arc<Arena>,
         buf: Option<DevAlloc>,
-        row_bytes: usize,
+        row_bytes: Option<usize>,
     },
 }
 
@@ -83,7 +84,10 @@ impl Drop for CudaTensor {
         } = &mut self.mem
             && let Some(b) = buf.take()
         {
-            arena.give(*row_bytes, b);
+            match row_bytes {
+                Some(w) => arena.give(*w, b),
+                None => arena.give_flat(b),
+            }
         }
     }
 }
@@ -95,6 +99,10 @@ impl CudaTensor {
 
     fn len(&self) -> usize {
         self.shape.iter().product()
+    }
+
+    fn bytes(&self) -> usize {
+        self.len() * self.dtype.size()
     }
 
     /// `(rows, cols)` treating every leading dim as rows.
@@ -297,10 +305,17 @@ impl CudaBackend {
 
     /// A step temporary of `shape` (contents undefined: the kernel writes every element).
     fn tmp(&self, shape: &[usize], dtype: DType) -> Result<CudaTensor> {
-        let cols = shape.last().copied().unwrap_or(1).max(1);
-        let rows = shape.iter().product::<usize>() / cols;
-        let row_bytes = cols * dtype.size();
-        let buf = self.inner.arena.take(rows, row_bytes)?;
+        // Rows of activations are recycled by row width; one-dimensional temporaries (scratch
+        // and lists whose size depends on the step) by capacity.
+        let (buf, row_bytes) = if shape.len() <= 1 {
+            let bytes = shape.first().copied().unwrap_or(1) * dtype.size();
+            (self.inner.arena.take_flat(bytes)?, None)
+        } else {
+            let cols = shape.last().copied().unwrap_or(1).max(1);
+            let rows = shape.iter().product::<usize>() / cols;
+            let row_bytes = cols * dtype.size();
+            (self.inner.arena.take(rows, row_bytes)?, Some(row_bytes))
+        };
         Ok(CudaTensor {
             ptr: buf.ptr,
             shape: shape.to_vec(),
@@ -463,6 +478,10 @@ impl Backend for CudaBackend {
 
     fn dtype(&self, t: &CudaTensor) -> DType {
         t.dtype
+    }
+
+    fn bf16_ssm_state(&self) -> bool {
+        true
     }
 
     fn zeros(&self, shape: &[usize], dtype: DType) -> Result<CudaTensor> {
@@ -870,7 +889,8 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         self.check_pools(pools, step, false)?;
-        let per_slot = |t: &CudaTensor| (t.len() / pools.slots.max(1)) as u64;
+        // Raw 4-byte words per slot: the SSM pool may be stored as bf16.
+        let per_slot = |t: &CudaTensor| (t.bytes() / 4 / pools.slots.max(1)) as u64;
         let dims = ssm::PoolDims {
             slots: pools.slots as u32,
             conv_per_slot: per_slot(&pools.conv),
@@ -965,6 +985,7 @@ impl Backend for CudaBackend {
             slots: pools.slots as u32,
             dt_min: shape.dt_min,
             dt_max: shape.dt_max,
+            state_bf16: pools.ssm.dtype == DType::BF16,
             ..ssm::ScanDims::packed(
                 shape.heads as u32,
                 shape.head_dim as u32,
@@ -1236,14 +1257,22 @@ impl CudaBackend {
                     .into(),
             ));
         }
-        for (what, t) in [("conv", &pools.conv), ("ssm", &pools.ssm)] {
-            if t.dtype != DType::F32
+        // The conv state is f32; the recurrent state f32 or (opt-in) bf16, an even number of
+        // elements per slot so that the slot ops move whole 4-byte words.
+        for (what, t, bf16_ok) in [("conv", &pools.conv, false), ("ssm", &pools.ssm, true)] {
+            let dtype_ok = t.dtype == DType::F32 || (bf16_ok && t.dtype == DType::BF16);
+            if !dtype_ok
+                || t.bytes() % (4 * pools.slots.max(1)) != 0
                 || t.shape.first() != Some(&pools.slots)
                 || t.shape.get(1) != Some(&pools.layers)
             {
                 return Err(BackendError::Invalid(format!(
-                    "{what} pool {:?} {:?} is not f32 [{} slots, {} layers, …]",
-                    t.dtype, t.shape, pools.slots, pools.layers
+                    "{what} pool {:?} {:?} is not {} [{} slots, {} layers, …]",
+                    t.dtype,
+                    t.shape,
+                    if bf16_ok { "f32 or bf16" } else { "f32" },
+                    pools.slots,
+                    pools.layers
                 )));
             }
         }
