@@ -263,7 +263,8 @@ fn start<B: Backend>(
             fallback_sampler: Box::new(DefaultSampler::default()),
             evictor: Some(plugins.evictor()),
         };
-        let (handle, _join, kv) = spawn_engine(setup, ModelRunner::new(backend, model), policies)
+        let runner = ModelRunner::new(backend, model).with_graphs(config.engine.cuda_graphs);
+        let (handle, _join, kv) = spawn_engine(setup, runner, policies)
             .with_context(|| format!("starting engine replica {r}"))?;
         let stats = handle.stats();
         info.get_or_insert(ModelInfo {

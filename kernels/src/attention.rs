@@ -293,6 +293,55 @@ pub fn plan(cu_seqlens: &[u32], ctx_lens: &[u32], out: &mut AttnPlan) {
     });
 }
 
+/// A decode-only work list whose shape depends only on the number of chunks and `splits`, for
+/// CUDA graphs: the captured grids stay valid for every step with that many decodes, whatever
+/// their context lengths. Every chunk must be one query token; each becomes `splits` pieces
+/// of its KV range (boundaries on [`SPLIT_ALIGN`] multiples; pieces past the end are empty and
+/// the combine skips them), or one unsplit item when `splits` is 1. Returns `false` (and
+/// leaves `out` empty) when a chunk is not a single token or the partial rows would exceed
+/// [`MAX_PARTIAL_ROWS`].
+pub fn plan_decode_fixed(
+    cu_seqlens: &[u32],
+    ctx_lens: &[u32],
+    splits: u32,
+    out: &mut AttnPlan,
+) -> bool {
+    for c in &mut out.cols {
+        c.clear();
+    }
+    let n = ctx_lens.len();
+    out.num_seqs = n;
+    out.partial_rows = 0;
+    out.max_q_large = 0;
+    out.max_q_small = 1;
+    out.split_len = 0;
+    out.small = 0;
+    let splits = splits.max(1);
+    let single = cu_seqlens.len() == n + 1 && cu_seqlens.windows(2).all(|w| w[1] == w[0] + 1);
+    if !single || (splits > 1 && n as u64 * u64::from(splits) > u64::from(MAX_PARTIAL_ROWS)) {
+        out.num_seqs = 0;
+        return false;
+    }
+    for (s, &ctx) in ctx_lens.iter().enumerate() {
+        let (s, kv_end) = (s as u32, ctx + 1);
+        if splits == 1 {
+            out.push_item([s, 0, 1, 0, kv_end, NO_PART]);
+            continue;
+        }
+        let len = kv_end.div_ceil(splits).next_multiple_of(SPLIT_ALIGN);
+        let base = out.partial_rows;
+        for j in 0..splits {
+            let first = kv_end.min(j * len);
+            let end = kv_end.min(first.saturating_add(len));
+            out.push_item([s, 0, 1, first, end, base + j]);
+        }
+        out.push_combine([cu_seqlens[s as usize], base, 1, splits]);
+        out.partial_rows += splits;
+    }
+    out.small = out.items();
+    true
+}
+
 /// One attention layer's shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttnDims {
@@ -620,9 +669,24 @@ mod tests {
     /// combine indexing) and checks that every (token, head) is written exactly once and
     /// sees exactly the keys `0..=ctx + i`, each once.
     fn check_coverage(q_lens: &[u32], ctx: &[u32], shape: AttnDims, bf16: bool) {
+        check_plan_coverage(q_lens, ctx, shape, bf16, None);
+    }
+
+    /// As [`check_coverage`], of [`plan`] or (`fixed`: the split count) [`plan_decode_fixed`],
+    /// whose pieces past a range's end are empty.
+    fn check_plan_coverage(
+        q_lens: &[u32],
+        ctx: &[u32],
+        shape: AttnDims,
+        bf16: bool,
+        fixed: Option<u32>,
+    ) {
         let cu = cu_of(q_lens);
         let mut p = AttnPlan::new();
-        plan(&cu, ctx, &mut p);
+        match fixed {
+            Some(splits) => assert!(plan_decode_fixed(&cu, ctx, splits, &mut p)),
+            None => plan(&cu, ctx, &mut p),
+        }
         let n_items = p.items();
         for c in &WorkCol::ALL[..6] {
             assert_eq!(p.column(*c).len(), n_items, "{c:?}");
@@ -640,7 +704,8 @@ mod tests {
                 "item {i} class"
             );
             assert!(
-                col(WorkCol::KvFirst, i) < col(WorkCol::KvEnd, i),
+                col(WorkCol::KvFirst, i) < col(WorkCol::KvEnd, i)
+                    || (fixed.is_some() && col(WorkCol::KvFirst, i) == col(WorkCol::KvEnd, i)),
                 "empty piece {i}"
             );
         }
@@ -745,6 +810,36 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_fixed_decode_plan_has_the_same_shape_for_any_context() {
+        let shape = dims(32, 8, 128, 4);
+        let mut shapes = Vec::new();
+        for ctx in [[0u32, 5, 70, 3000], [40_000, 1, 1, 1], [63, 64, 65, 128]] {
+            for splits in [1u32, 4, 16] {
+                let mut p = AttnPlan::new();
+                assert!(plan_decode_fixed(&[0, 1, 2, 3, 4], &ctx, splits, &mut p));
+                assert_eq!(p.items(), 4 * splits as usize);
+                assert_eq!(p.combine_rows(), if splits > 1 { 4 } else { 0 });
+                let l = launches(&p, shape, true).expect("shape");
+                let grids: Vec<_> = l.iter().map(|l| (l.entry, l.grid, l.smem)).collect();
+                shapes.push((splits, grids));
+                check_plan_coverage(&[1, 1, 1, 1], &ctx, shape, true, Some(splits));
+                check_plan_coverage(&[1, 1, 1, 1], &ctx, shape, false, Some(splits));
+            }
+        }
+        // Same split count, same launches, whatever the contexts.
+        for (splits, grids) in &shapes {
+            let first = shapes.iter().find(|(s, _)| s == splits).expect("seen");
+            assert_eq!(&first.1, grids, "splits {splits}");
+        }
+        // Not decodes, or too many partial rows: refused.
+        let mut p = AttnPlan::new();
+        assert!(!plan_decode_fixed(&[0, 2], &[5], 4, &mut p));
+        let many: Vec<u32> = (0..=300).collect();
+        assert!(!plan_decode_fixed(&many, &[9; 300], 16, &mut p));
+        assert_eq!(p.items(), 0);
     }
 
     #[test]

@@ -97,6 +97,24 @@ impl<B: Backend> Backend for Counting<B> {
     fn bf16_ssm_state(&self) -> bool {
         self.inner.bf16_ssm_state()
     }
+    fn graph_buckets(&self, max_batch: usize) -> Vec<usize> {
+        self.inner.graph_buckets(max_batch)
+    }
+    fn upload_graph_step(
+        &self,
+        plan: &StepPlan,
+        step: &mut Self::Step,
+        bucket: usize,
+        max_blocks: usize,
+    ) -> Result<bool> {
+        self.inner.upload_graph_step(plan, step, bucket, max_blocks)
+    }
+    fn capture_graph(&self, run: &mut dyn FnMut() -> Result<()>) -> Result<usize> {
+        self.inner.capture_graph(run)
+    }
+    fn replay_graph(&self, id: usize) -> Result<()> {
+        self.inner.replay_graph(id)
+    }
     fn set_ssm_chunk_size(&self, chunk: usize) {
         self.inner.set_ssm_chunk_size(chunk);
     }

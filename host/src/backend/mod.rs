@@ -305,6 +305,42 @@ pub trait Backend: Send + Sync + 'static {
     fn upload_step(&self, plan: &StepPlan, step: &mut Self::Step) -> Result<()>;
     fn arena_stats(&self) -> ArenaStats;
 
+    // ---- device graphs (decode steps replayed without per-kernel launches) ---------------
+    /// Decode batch sizes this backend replays as captured graphs, for batches of at most
+    /// `max_batch` (empty: no graphs; the CPU).
+    fn graph_buckets(&self, _max_batch: usize) -> Vec<usize> {
+        Vec::new()
+    }
+
+    /// Uploads a decode-only `plan` padded to `bucket` one-token chunks in the fixed layout
+    /// of a graph step (`max_blocks` block-table words per chunk at most). `Ok(false)`, with
+    /// nothing uploaded, when the plan does not fit a graph (run it eagerly instead).
+    fn upload_graph_step(
+        &self,
+        _plan: &StepPlan,
+        _step: &mut Self::Step,
+        _bucket: usize,
+        _max_blocks: usize,
+    ) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// Records everything `run` enqueues (on this backend's stream) as a graph, without
+    /// executing it, and returns the graph's id. `run` must enqueue the same work whatever
+    /// the step's data (no host read-back, no allocation that the graph would outlive).
+    fn capture_graph(&self, _run: &mut dyn FnMut() -> Result<()>) -> Result<usize> {
+        Err(BackendError::Invalid(
+            "this backend has no device graphs".into(),
+        ))
+    }
+
+    /// Replays graph `id` (its step object holds the current step's metadata).
+    fn replay_graph(&self, _id: usize) -> Result<()> {
+        Err(BackendError::Invalid(
+            "this backend has no device graphs".into(),
+        ))
+    }
+
     // ---- dense math ---------------------------------------------------------------------
     /// A zeroed step temporary shaped like `x`.
     fn zeros_like(&self, x: &Self::Tensor) -> Result<Self::Tensor>;

@@ -31,6 +31,9 @@ pub struct EngineConfig {
     pub chunked_prefill: bool,
     /// Candidates per request handed to the sampler (the full vocabulary if smaller).
     pub sampler_candidates: usize,
+    /// Replay decode steps (up to 256 sequences) from CUDA graphs captured at start; ignored
+    /// on the CPU. Output is the same either way.
+    pub cuda_graphs: bool,
 }
 
 /// The values of `configs/default.toml` (a test checks they agree).
@@ -45,6 +48,7 @@ impl Default for EngineConfig {
             max_waiting: 4096,
             chunked_prefill: true,
             sampler_candidates: 64,
+            cuda_graphs: true,
         }
     }
 }

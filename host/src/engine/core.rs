@@ -130,6 +130,7 @@ impl<E: StepExecutor> Engine<E> {
             num_ssm_slots: layout.ssm_slots(),
             max_tokens: cfg.max_batched_tokens,
             ssm_state_dtype: setup.cache.ssm_state_dtype,
+            max_running: cfg.max_running,
         })?;
         let cache = CacheManager::new(
             &layout,

@@ -76,6 +76,8 @@ pub struct CacheAllocation {
     pub max_tokens: usize,
     /// Storage type of the SSM recurrent state (`cache.ssm_state_dtype`).
     pub ssm_state_dtype: SsmStateDtype,
+    /// Most sequences in one step (`engine.max_running`).
+    pub max_running: usize,
 }
 
 /// A model behind the engine: the real model runner, or [`super::mock::MockExecutor`].

@@ -461,6 +461,7 @@ mod tests {
             num_ssm_slots: 3,
             max_tokens: 64,
             ssm_state_dtype: Default::default(),
+            max_running: 4,
         })
         .unwrap();
     }

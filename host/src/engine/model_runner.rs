@@ -4,6 +4,14 @@
 //! and the step ends on the backend with the sampling tail, whose candidate columns are the
 //! one device-to-host copy (plus full rows on steps that score prompt tokens). The weights are shared (`Arc`):
 //! replicas on one device read the same copy, each with its own caches.
+//!
+//! **Graphs.** On a backend with device graphs (CUDA), the forward pass of a decode-only step
+//! of up to 256 sequences is captured once per batch bucket when the caches are allocated,
+//! and each such step replays the smallest bucket that holds it: the plan is uploaded padded
+//! to the bucket in a fixed layout (padding rows write no cache and no state), the graph
+//! runs, and the sampling tail runs after it as usual. Other steps (prefill chunks, slot
+//! restores, prompt logprobs, more sequences than the largest bucket) run eagerly. Output is
+//! the same either way (`engine.cuda_graphs = false` turns graphs off).
 
 use std::sync::Arc;
 
@@ -16,6 +24,24 @@ pub struct ModelRunner<B: Backend> {
     model: Arc<Model<B>>,
     caches: Option<ModelCaches<B>>,
     step: Option<B::Step>,
+    use_graphs: bool,
+    graphs: Vec<DecodeGraph<B>>,
+    /// The step object the graphs read (its buffer never moves).
+    graph_step: Option<B::Step>,
+    /// Block-table words per sequence a graph step holds.
+    graph_blocks: usize,
+    /// Steps replayed from a graph, and steps run eagerly.
+    pub graph_steps: u64,
+    pub eager_steps: u64,
+    /// Seconds spent capturing the graphs.
+    pub capture_seconds: f64,
+}
+
+/// One captured decode bucket: its graph and the logits tensor the graph writes.
+struct DecodeGraph<B: Backend> {
+    bucket: usize,
+    id: usize,
+    logits: B::Tensor,
 }
 
 impl<B: Backend> ModelRunner<B> {
@@ -26,7 +52,98 @@ impl<B: Backend> ModelRunner<B> {
             model: model.into(),
             caches: None,
             step: None,
+            use_graphs: true,
+            graphs: Vec::new(),
+            graph_step: None,
+            graph_blocks: 0,
+            graph_steps: 0,
+            eager_steps: 0,
+            capture_seconds: 0.0,
         }
+    }
+
+    /// Whether decode steps replay captured graphs where the backend has them (default on).
+    pub fn with_graphs(mut self, on: bool) -> Self {
+        self.use_graphs = on;
+        self
+    }
+
+    /// Decode buckets captured (empty without graphs).
+    pub fn graph_buckets(&self) -> Vec<usize> {
+        self.graphs.iter().map(|g| g.bucket).collect()
+    }
+
+    /// Captures a graph of the forward pass for every decode bucket the backend offers, the
+    /// largest first (it sizes the graph step's buffer). A capture that fails (a model whose
+    /// forward pass reads results back on the host) leaves the runner without graphs.
+    fn capture_graphs(&mut self, max_batch: usize) -> Result<(), ExecutorError> {
+        let mut buckets = self.backend.graph_buckets(max_batch);
+        let Some(caches) = self.caches.as_mut() else {
+            return Ok(());
+        };
+        if buckets.is_empty() {
+            return Ok(());
+        }
+        let started = std::time::Instant::now();
+        buckets.sort_unstable_by(|a, b| b.cmp(a));
+        let per_seq = self
+            .model
+            .info
+            .max_position_embeddings
+            .max(1)
+            .div_ceil(caches.block_size.max(1));
+        self.graph_blocks = per_seq.min(caches.num_blocks).max(1);
+        let alloc = |e: crate::backend::BackendError| ExecutorError::Allocation(e.to_string());
+        let mut step = self.backend.new_step(buckets[0]).map_err(alloc)?;
+        let mut empty = StepPlan::new(caches.block_size);
+        empty
+            .finish()
+            .map_err(|e| ExecutorError::Allocation(e.to_string()))?;
+        let mut graphs = Vec::new();
+        for bucket in buckets {
+            let uploaded = self
+                .backend
+                .upload_graph_step(&empty, &mut step, bucket, self.graph_blocks)
+                .map_err(alloc)?;
+            if !uploaded {
+                continue;
+            }
+            // An eager run first: it grows the arena and builds lazy tables, so the capture
+            // allocates nothing and uploads nothing.
+            let (backend, model) = (&self.backend, &self.model);
+            model
+                .forward(backend, &step, caches)
+                .map_err(|e| ExecutorError::Allocation(e.to_string()))?;
+            let mut logits = None;
+            let captured = backend.capture_graph(&mut || {
+                logits = Some(
+                    model
+                        .forward(backend, &step, caches)
+                        .map_err(|e| crate::backend::BackendError::Invalid(e.to_string()))?,
+                );
+                Ok(())
+            });
+            match (captured, logits) {
+                (Ok(id), Some(logits)) => graphs.push(DecodeGraph { bucket, id, logits }),
+                (Err(e), _) => {
+                    tracing::warn!(
+                        "decode steps run without CUDA graphs: capturing batch {bucket} failed: {e}"
+                    );
+                    return Ok(());
+                }
+                (Ok(_), None) => return Ok(()),
+            }
+        }
+        graphs.sort_by_key(|g| g.bucket);
+        self.graphs = graphs;
+        self.graph_step = Some(step);
+        self.capture_seconds = started.elapsed().as_secs_f64();
+        tracing::info!(
+            buckets = ?self.graph_buckets(),
+            seconds = self.capture_seconds,
+            "captured decode graphs"
+        );
+        Ok(())
     }
 
     pub fn model(&self) -> &Model<B> {
@@ -68,6 +185,9 @@ impl<B: Backend> StepExecutor for ModelRunner<B> {
                 .new_step(alloc.max_tokens)
                 .map_err(|e| ExecutorError::Allocation(e.to_string()))?,
         );
+        if self.use_graphs {
+            self.capture_graphs(alloc.max_running.min(alloc.max_tokens))?;
+        }
         Ok(())
     }
 
@@ -93,10 +213,29 @@ impl<B: Backend> ModelRunner<B> {
         caches
             .check(plan)
             .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))?;
+        let forward = |e: crate::backend::BackendError| ExecutorError::Forward(e.to_string());
+        // A decode step that a graph holds: upload padded, replay, sample.
+        if !plan.wants_full_rows()
+            && let Some(g) = self.graphs.iter_mut().find(|g| g.bucket >= plan.seqs.len())
+            && let Some(gstep) = self.graph_step.as_mut()
+            && self
+                .backend
+                .upload_graph_step(plan, gstep, g.bucket, self.graph_blocks)
+                .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))?
+        {
+            self.backend.replay_graph(g.id).map_err(forward)?;
+            out.full.vocab = vocab;
+            out.full.data.clear();
+            self.graph_steps += 1;
+            return self
+                .backend
+                .sample(&mut g.logits, gstep, &mut out.cands)
+                .map_err(forward);
+        }
+        self.eager_steps += 1;
         self.backend
             .upload_step(plan, step)
             .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))?;
-        let forward = |e: crate::backend::BackendError| ExecutorError::Forward(e.to_string());
         let mut logits = self
             .model
             .forward(&self.backend, step, caches)

@@ -9,6 +9,7 @@ use super::rng::Rng;
 use super::{GpuCheckArgs, Report};
 use crate::backend::cuda::CudaBackend;
 use crate::backend::{AttnShape, Backend, HostTensor, KvLayer, SampleOut, StepPlan};
+
 use crate::model::{self, Model};
 
 const SUITE: &str = "bench";
@@ -36,8 +37,14 @@ pub fn run(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) {
     if let Err(e) = attention_8k(report, gpu) {
         report.failed(SUITE, "attention T=8192", format!("{e:#}"));
     }
-    if let Err(e) = decode(report, gpu, args, bw) {
-        report.failed(SUITE, "dummy 8B decode", format!("{e:#}"));
+    for dir in [&args.bench_model, &args.hybrid_model] {
+        if let Err(e) = decode(report, gpu, dir, bw, args.steps) {
+            report.failed(
+                SUITE,
+                format!("dummy {} decode", dir.display()),
+                format!("{e:#}"),
+            );
+        }
     }
 }
 
@@ -100,12 +107,13 @@ fn attention_8k(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()> {
 fn decode(
     report: &mut Report,
     gpu: &CudaBackend,
-    args: &GpuCheckArgs,
+    dir: &std::path::Path,
     bw: f64,
+    steps_bs1: usize,
 ) -> anyhow::Result<()> {
     let started = Instant::now();
     let before = gpu.allocated_bytes();
-    let m: Model<CudaBackend> = model::load_dummy(&args.bench_model, gpu, 0)?;
+    let m: Model<CudaBackend> = model::load_dummy(dir, gpu, 0)?;
     gpu.synchronize()?;
     let weights_total = (gpu.allocated_bytes() - before) as usize;
     let load_s = started.elapsed().as_secs_f64();
@@ -121,19 +129,23 @@ fn decode(
     let spec = m.info.cache.clone();
     let kv_token_bytes =
         (2 * spec.attn_layers * spec.kv_heads * spec.head_dim * gpu.dtype().size()) as f64;
+    // Each sequence's recurrent state is read and written once per step (f32 state).
+    let state_bytes = 2.0 * spec.ssm_slot_bytes() as f64;
     let weight_bytes = weights_read_per_step(&m, gpu, weights_total) as f64;
     let per_seq = CONTEXT.div_ceil(BLOCK) + 1;
     let max_batch = 256;
-    let mut caches = m.new_caches(gpu, per_seq * max_batch, BLOCK, 1)?;
+    let slots = if spec.is_hybrid() { max_batch } else { 1 };
+    let mut caches = m.new_caches(gpu, per_seq * max_batch, BLOCK, slots)?;
     for (batch, steps) in [
-        (1usize, args.steps),
-        (64, args.steps.min(200)),
-        (256, args.steps.min(100)),
+        (1usize, steps_bs1),
+        (64, steps_bs1.min(200)),
+        (256, steps_bs1.min(100)),
     ] {
         let mut plan = StepPlan::new(BLOCK);
         for s in 0..batch {
             let table: Vec<u32> = ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect();
-            plan.push(&[(s % 1000) as u32 + 1], CONTEXT, &table, 0, true);
+            let slot = if spec.is_hybrid() { s as u32 } else { 0 };
+            plan.push(&[(s % 1000) as u32 + 1], CONTEXT, &table, slot, true);
         }
         plan.finish()?;
         plan.sampling.clear(64);
@@ -149,6 +161,11 @@ fn decode(
                 &[],
             );
         }
+        let floor_ms =
+            (weight_bytes + (batch * CONTEXT) as f64 * kv_token_bytes + batch as f64 * state_bytes)
+                / bw
+                * 1e3;
+        // Eager: every kernel launched from the host.
         let mut step = gpu.new_step(batch)?;
         let mut out = SampleOut::default();
         let mut one = |step: &mut _, out: &mut SampleOut| -> anyhow::Result<()> {
@@ -165,16 +182,15 @@ fn decode(
         for _ in 0..steps {
             one(&mut step, &mut out)?;
         }
-        let ms = t0.elapsed().as_secs_f64() * 1e3 / steps as f64;
+        let eager_ms = t0.elapsed().as_secs_f64() * 1e3 / steps as f64;
         let grew = gpu.driver_allocations() - allocs;
-        let floor_ms = (weight_bytes + (batch * CONTEXT) as f64 * kv_token_bytes) / bw * 1e3;
         report.push(
             SUITE,
             format!(
                 "{name} eager decode bs{batch} ctx{CONTEXT} (floor {floor_ms:.2} ms; reported)"
             ),
-            ms,
-            format!("{ms:.2} ms ({:.2}×)", ms / floor_ms),
+            eager_ms,
+            format!("{eager_ms:.2} ms ({:.2}×)", eager_ms / floor_ms),
             "reported".into(),
             true,
         );
@@ -185,6 +201,49 @@ fn decode(
             grew.to_string(),
             "0".into(),
             grew == 0,
+        );
+        // The same step replayed from a graph (upload, replay, sampling tail).
+        let mut gstep = gpu.new_step(batch)?;
+        anyhow::ensure!(
+            gpu.upload_graph_step(&plan, &mut gstep, batch, per_seq)?,
+            "the decode step does not fit a graph step"
+        );
+        drop(m.forward(gpu, &gstep, &mut caches)?);
+        let mut logits = None;
+        let t0 = Instant::now();
+        let id = gpu.capture_graph(&mut || {
+            logits = Some(
+                m.forward(gpu, &gstep, &mut caches)
+                    .map_err(|e| crate::backend::BackendError::Invalid(e.to_string()))?,
+            );
+            Ok(())
+        })?;
+        let capture_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let mut logits = logits.ok_or_else(|| anyhow::anyhow!("nothing captured"))?;
+        let mut replay = |out: &mut SampleOut| -> anyhow::Result<()> {
+            gpu.upload_graph_step(&plan, &mut gstep, batch, per_seq)?;
+            gpu.replay_graph(id)?;
+            gpu.sample(&mut logits, &gstep, out)?;
+            Ok(())
+        };
+        let mut check = SampleOut::default();
+        for _ in 0..3 {
+            replay(&mut check)?;
+        }
+        let t0 = Instant::now();
+        for _ in 0..steps {
+            replay(&mut check)?;
+        }
+        let ms = t0.elapsed().as_secs_f64() * 1e3 / steps as f64;
+        report.push(
+            SUITE,
+            format!(
+                "{name} graph decode bs{batch} ctx{CONTEXT} (floor {floor_ms:.2} ms; eager {eager_ms:.2} ms; capture {capture_ms:.0} ms; reported)"
+            ),
+            ms,
+            format!("{ms:.2} ms ({:.2}×)", ms / floor_ms),
+            "reported".into(),
+            true,
         );
     }
     Ok(())

@@ -201,7 +201,13 @@ pub fn run(
     }
     stress(report, f32_gpu, "nemotronh-a", &fixture, seed);
     // The same on a full-size NemotronH-8B shape (dummy weights) in the serving mode.
-    stress(report, bf16_gpu, "NemotronH-8B (dummy)", &args.hybrid_model, seed);
+    stress(
+        report,
+        bf16_gpu,
+        "NemotronH-8B (dummy)",
+        &args.hybrid_model,
+        seed,
+    );
 }
 
 /// A prompt prefilled in 512-token chunks, then `decodes` greedy steps (or, with `forced`,
@@ -269,7 +275,10 @@ fn state_drift(
         .zip(&ref_logits)
         .map(|(a, b)| {
             let scale = b.iter().fold(1e-6f32, |s, v| s.max(v.abs()));
-            let d = a.iter().zip(b).fold(0.0f32, |s, (x, y)| s.max((x - y).abs()));
+            let d = a
+                .iter()
+                .zip(b)
+                .fold(0.0f32, |s, (x, y)| s.max((x - y).abs()));
             f64::from(d / scale)
         })
         .collect();
@@ -374,9 +383,21 @@ fn pressure(report: &mut Report, dir: &std::path::Path, gpu: &CudaBackend, label
         budget += step;
     };
     let requests: Vec<Vec<u32>> = (0..12u32)
-        .map(|i| (0..64).map(|j| (i * 37 + j * 11 + j * j) % 500 + 1).collect())
+        .map(|i| {
+            (0..64)
+                .map(|j| (i * 37 + j * 11 + j * j) % 500 + 1)
+                .collect()
+        })
         .collect();
-    let free = drive_engine_with(gpu.replica()?, mg.clone(), &requests, true, 24, 64 << 20, 16)?;
+    let free = drive_engine_with(
+        gpu.replica()?,
+        mg.clone(),
+        &requests,
+        true,
+        24,
+        64 << 20,
+        16,
+    )?;
     let tight = drive_engine_with(gpu.replica()?, mg, &requests, true, 24, budget, 16)?;
     let cpu_tight = drive_engine_with(cpu, mc, &requests, true, 24, budget, 16)?;
     let (p, cp) = (tight.1.preemptions, cpu_tight.1.preemptions);
@@ -669,7 +690,15 @@ fn decode_steps_case(
     let mut plan = StepPlan::new(16);
     plan.push(&tokens, 7, &table, 0, true);
     plan.finish()?;
-    let inputs = [&x[..], &w[..], &cb[..], &dt[..], &a_log[..], &d[..], &dt_bias[..]];
+    let inputs = [
+        &x[..],
+        &w[..],
+        &cb[..],
+        &dt[..],
+        &a_log[..],
+        &d[..],
+        &dt_bias[..],
+    ];
     let (one, conv1, ssm1) = layer_on(gpu, &plan, pools(&conv0, &ssm0)?, dims, inputs, shape)?;
     // The chunk's output rows: conv (len × conv_dim) then y (len × h·p).
     let (one_conv, one_y) = one.split_at(len * conv_dim);

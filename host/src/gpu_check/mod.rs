@@ -9,9 +9,11 @@
 //! first), `hybrid` (MoE routing and experts, SSM slot operations), `parity` (the Llama fixtures end to end, f32 mode against the CPU; bf16 logits are
 //! written for the transformers comparison), `bench` (Llama-3-8B-shaped dummy model: load time,
 //! eager decode against the memory floor, driver allocations in the step loop; causal
-//! attention at 8192 tokens).
+//! attention at 8192 tokens), `graphs` (decode steps replayed from CUDA graphs against the same
+//! steps run eagerly).
 
 mod bench;
+mod graphs;
 mod hybrid;
 mod kernels;
 mod parity;
@@ -228,13 +230,17 @@ pub fn run(args: &GpuCheckArgs) -> anyhow::Result<Report> {
         ran = true;
         parity::run(&mut report, &f32_gpu, &bf16_gpu, args);
     }
+    if all || args.suite == "graphs" {
+        ran = true;
+        graphs::run(&mut report, &f32_gpu, &bf16_gpu, args);
+    }
     if all || args.suite == "bench" {
         ran = true;
         bench::run(&mut report, &bf16_gpu, args);
     }
     anyhow::ensure!(
         ran,
-        "unknown suite {:?} (kernels, parity, bench, all)",
+        "unknown suite {:?} (kernels, hybrid, parity, graphs, bench, all)",
         args.suite
     );
     if let Some(path) = &args.json {

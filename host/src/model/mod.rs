@@ -17,8 +17,8 @@ pub mod weights;
 
 use std::path::{Path, PathBuf};
 
-pub use batch::{CacheSpec, SsmSnapshot};
 use crate::cache::SsmStateDtype;
+pub use batch::{CacheSpec, SsmSnapshot};
 
 use crate::backend::{Backend, BackendError, DType, KvLayer, SsmPools, StepPlan};
 use layers::{Linear, RmsNorm, StepCtx, Sublayer};

@@ -131,7 +131,32 @@ struct Inner {
     ropes: Mutex<HashMap<Vec<u32>, DevAlloc>>,
     /// Pinned memory the sampling tail's results come back into.
     readback: Mutex<Option<Pinned>>,
+    /// Captured graphs, by id.
+    graphs: Mutex<Vec<Graph>>,
 }
+
+/// A captured and instantiated CUDA graph, destroyed with the backend.
+struct Graph {
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+}
+
+// SAFETY: graph handles are plain driver handles; the driver allows their use from any thread
+// with the context current, and every use here goes through the backend's mutex.
+unsafe impl Send for Graph {}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        // SAFETY: created by this backend and destroyed once.
+        unsafe {
+            let _ = result::graph::exec_destroy(self.exec);
+            let _ = result::graph::destroy(self.graph);
+        }
+    }
+}
+
+/// Decode batch sizes captured as graphs.
+const GRAPH_BUCKETS: [usize; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
 
 /// The CUDA backend of one replica (see the module docs). Clones share everything.
 #[derive(Clone)]
@@ -172,6 +197,7 @@ impl CudaBackend {
                 gemm,
                 ropes: Mutex::new(HashMap::new()),
                 readback: Mutex::new(None),
+                graphs: Mutex::new(Vec::new()),
             }),
         })
     }
@@ -530,6 +556,78 @@ impl Backend for CudaBackend {
         let mut step = CudaStep::new();
         step.ssm_chunk = self.inner.device.ssm_chunk.load(Ordering::Relaxed);
         Ok(step)
+    }
+
+    fn graph_buckets(&self, max_batch: usize) -> Vec<usize> {
+        GRAPH_BUCKETS
+            .iter()
+            .copied()
+            .filter(|&b| b <= max_batch.next_power_of_two())
+            .collect()
+    }
+
+    fn upload_graph_step(
+        &self,
+        plan: &StepPlan,
+        step: &mut CudaStep,
+        bucket: usize,
+        max_blocks: usize,
+    ) -> Result<bool> {
+        self.dev().bind()?;
+        let shape = step::GraphShape {
+            bucket,
+            splits: step::GraphShape::splits_for(bucket),
+            table_cap: bucket * max_blocks + 1,
+        };
+        step.upload_graph(self.dev(), &self.inner.stats, self.stream(), plan, shape)
+    }
+
+    fn capture_graph(&self, run: &mut dyn FnMut() -> Result<()>) -> Result<usize> {
+        let dev = self.dev();
+        dev.bind()?;
+        sync(dev, self.stream())?;
+        // Relaxed: allocations on other threads (another replica) stay legal meanwhile.
+        // SAFETY: a live stream of this context, not capturing.
+        unsafe {
+            result::stream::begin_capture(
+                self.stream(),
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+            )
+        }
+        .map_err(|e| dev.fail("starting a graph capture", e))?;
+        let ran = run();
+        // The capture ends whatever `run` did, so the stream is usable again.
+        // SAFETY: this stream is capturing (begun above).
+        let graph = unsafe { result::stream::end_capture(self.stream()) };
+        ran?;
+        let graph = graph.map_err(|e| dev.fail("ending a graph capture", e))?;
+        // SAFETY: a graph just captured; flags 0.
+        let exec =
+            match unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) } {
+                Ok(exec) => exec,
+                Err(e) => {
+                    // SAFETY: the graph was created above and is not used again.
+                    unsafe {
+                        let _ = result::graph::destroy(graph);
+                    }
+                    return Err(dev.fail("instantiating a graph", e));
+                }
+            };
+        let mut graphs = self.inner.graphs.lock().unwrap_or_else(|p| p.into_inner());
+        graphs.push(Graph { graph, exec });
+        Ok(graphs.len() - 1)
+    }
+
+    fn replay_graph(&self, id: usize) -> Result<()> {
+        let dev = self.dev();
+        dev.bind()?;
+        let graphs = self.inner.graphs.lock().unwrap_or_else(|p| p.into_inner());
+        let g = graphs
+            .get(id)
+            .ok_or_else(|| BackendError::Invalid(format!("no graph {id}")))?;
+        // SAFETY: an instantiated graph of this context, launched on its stream.
+        unsafe { result::graph::launch(g.exec, self.stream()) }
+            .map_err(|e| dev.fail("replaying a graph", e))
     }
 
     fn upload_step(&self, plan: &StepPlan, step: &mut CudaStep) -> Result<()> {

@@ -66,6 +66,37 @@ pub struct CudaStep {
     buf: Option<DevAlloc>,
     /// Set by a successful upload; kernels refuse a step that was never uploaded.
     pub(super) uploaded: bool,
+    /// A captured graph holds this step's device addresses: its buffer must not move.
+    pub(super) frozen: bool,
+    pad_tables: Vec<u32>,
+    pad_cu: Vec<u32>,
+}
+
+/// The padded, fixed layout of a decode step replayed by a CUDA graph: `bucket` one-token
+/// chunks (the real ones first, then padding rows on the PAD slot), every column the graph
+/// reads at an offset that depends only on the bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GraphShape {
+    pub bucket: usize,
+    /// Split-KV pieces per decode ([`chimera_kernels::attention::plan_decode_fixed`]).
+    pub splits: u32,
+    /// Block-table words the step can hold (the padding rows' one block included).
+    pub table_cap: usize,
+}
+
+/// Padding rows' KV slot: the KV writes skip it.
+const PAD: u32 = u32::MAX;
+
+impl GraphShape {
+    /// Split-KV pieces for `bucket` decodes: enough CTAs to fill the GPU at small batches.
+    pub fn splits_for(bucket: usize) -> u32 {
+        (64 / bucket.max(1)).clamp(1, 64) as u32
+    }
+
+    /// Most snapshot targets a graph step takes (a decode crosses one block boundary).
+    fn snap_cap(&self) -> usize {
+        self.bucket
+    }
 }
 
 impl CudaStep {
@@ -84,6 +115,9 @@ impl CudaStep {
             pinned: None,
             buf: None,
             uploaded: false,
+            frozen: false,
+            pad_tables: Vec::new(),
+            pad_cu: Vec::new(),
         }
     }
 
@@ -112,6 +146,199 @@ impl CudaStep {
             staging.push(0);
         }
         at
+    }
+
+    /// As [`Self::push`], padded with zeros to `cap` words (a fixed layout); `None` when the
+    /// column is longer.
+    fn push_cap(
+        staging: &mut Vec<u32>,
+        words: impl IntoIterator<Item = u32>,
+        cap: usize,
+    ) -> Option<usize> {
+        let at = staging.len();
+        staging.extend(words);
+        if staging.len() - at > cap {
+            return None;
+        }
+        staging.resize(at + cap, 0);
+        Self::push(staging, []);
+        Some(at)
+    }
+
+    /// Packs a decode-only `plan` padded to `g.bucket` chunks in the graph layout and copies
+    /// it to the device. `Ok(false)` (nothing uploaded) when the plan does not fit the graph:
+    /// a chunk that is not one decode token, prompt logprobs, slot operations, more chunks,
+    /// block-table words or snapshots than the shape holds, or (once frozen) a buffer too small.
+    pub(crate) fn upload_graph(
+        &mut self,
+        device: &Arc<Device>,
+        stats: &MemStats,
+        stream: cudarc::driver::sys::CUstream,
+        plan: &StepPlan,
+        g: GraphShape,
+    ) -> Result<bool> {
+        self.uploaded = false;
+        let n = plan.seqs.len();
+        let fits = n <= g.bucket
+            && plan
+                .seqs
+                .iter()
+                .all(|q| q.len == 1 && !q.all_logits && q.want_logits)
+            && plan.slot_ops.is_empty()
+            && plan.block_tables.len() < g.table_cap
+            && plan.snapshots.len() <= g.snap_cap();
+        if !fits {
+            return Ok(false);
+        }
+        let pad = g.bucket - n;
+        // Padding rows read one key from a real block (the first of the tables, else 0) and
+        // write nothing.
+        let pad_at = plan.block_tables.len() as u32;
+        self.pad_tables.clear();
+        self.pad_tables.extend_from_slice(&plan.block_tables);
+        self.pad_tables
+            .push(plan.block_tables.first().copied().unwrap_or(0));
+        self.pad_cu.clear();
+        self.pad_cu.extend(0..=g.bucket as u32);
+        self.ctx_lens.clear();
+        self.ctx_lens
+            .extend(plan.seqs.iter().map(|q| q.context_len as u32));
+        self.ctx_lens.resize(g.bucket, 0);
+        if !chimera_kernels::attention::plan_decode_fixed(
+            &self.pad_cu,
+            &self.ctx_lens,
+            g.splits,
+            &mut self.attn,
+        ) {
+            return Ok(false);
+        }
+        if self.ssm_chunk > 0 {
+            self.seq_slots.clear();
+            self.seq_slots.extend(plan.seqs.iter().map(|q| q.ssm_slot));
+            self.seq_slots.resize(g.bucket, PAD);
+            self.snaps.clear();
+            self.snaps
+                .extend(plan.snapshots.iter().map(|t| ssm::Snapshot {
+                    seq: t.seq,
+                    after: t.after,
+                    slot: t.slot,
+                }));
+            self.ops.clear();
+            ssm::plan(
+                ssm::SsmStepInputs {
+                    cu_seqlens: &self.pad_cu,
+                    slots: &self.seq_slots,
+                    snapshots: &self.snaps,
+                    slot_ops: &self.ops,
+                    chunk_size: self.ssm_chunk,
+                },
+                &mut self.ssm,
+            )
+            .map_err(|e| crate::backend::BackendError::Invalid(e.to_string()))?;
+        } else {
+            self.ssm = SsmPlan::default();
+        }
+        let b = g.bucket;
+        let s = &mut self.staging;
+        s.clear();
+        let c = &mut self.cols;
+        let z = |k: usize| std::iter::repeat_n(0u32, k);
+        // The columns the graph reads, at offsets fixed by the bucket.
+        let fixed = (|| {
+            c.tokens = Self::push_cap(s, plan.tokens.iter().copied().chain(z(pad)), b)?;
+            c.positions = Self::push_cap(s, plan.positions.iter().copied().chain(z(pad)), b)?;
+            c.slot_mapping = Self::push_cap(
+                s,
+                plan.slot_mapping
+                    .iter()
+                    .copied()
+                    .chain(std::iter::repeat_n(PAD, pad)),
+                b,
+            )?;
+            c.cu_seqlens = Self::push_cap(s, self.pad_cu.iter().copied(), b + 1)?;
+            c.ctx_lens = Self::push_cap(s, self.ctx_lens.iter().copied(), b)?;
+            c.bt_offsets = Self::push_cap(
+                s,
+                plan.seqs
+                    .iter()
+                    .map(|q| q.blocks.0)
+                    .chain(std::iter::repeat_n(pad_at, pad)),
+                b,
+            )?;
+            c.block_tables = Self::push_cap(s, self.pad_tables.iter().copied(), g.table_cap)?;
+            c.logit_rows = Self::push_cap(s, 0..b as u32, b)?;
+            for (at, col) in c.attn.iter_mut().zip(WorkCol::ALL) {
+                let words = self.attn.column(col);
+                *at = Self::push_cap(s, words.iter().copied(), words.len())?;
+            }
+            for (at, col) in c.ssm.iter_mut().zip(ssm::WorkCol::ALL) {
+                let words = self.ssm.column(col);
+                let cap = if col == ssm::WorkCol::SnapSlot {
+                    g.snap_cap()
+                } else {
+                    words.len()
+                };
+                *at = Self::push_cap(s, words.iter().copied(), cap)?;
+            }
+            Some(())
+        })();
+        if fixed.is_none() {
+            return Ok(false);
+        }
+        // Sampling runs after the replay, outside the graph: its columns may vary.
+        c.sample_rows = Self::push(s, plan.sample_rows.iter().copied());
+        let r = &plan.sampling;
+        c.repetition = Self::push(s, r.repetition.iter().map(|v| v.to_bits()));
+        c.presence = Self::push(s, r.presence.iter().map(|v| v.to_bits()));
+        c.frequency = Self::push(s, r.frequency.iter().map(|v| v.to_bits()));
+        c.want_lse = Self::push(s, r.want_lse.iter().map(|&w| u32::from(w)));
+        c.hist_offsets = Self::push(s, r.hist_offsets.iter().copied());
+        c.hist_tokens = Self::push(s, r.hist_tokens.iter().copied());
+        c.hist_counts = Self::push(s, r.hist_counts.iter().copied());
+        self.dims = StepDims {
+            tokens: b,
+            seqs: b,
+            block_size: plan.block_size,
+            logit_rows: b,
+            sample_rows: plan.sample_rows.len(),
+            k: r.k,
+        };
+        let bytes = 4 * s.len();
+        if self.pinned.as_ref().is_none_or(|p| p.bytes < bytes) {
+            if self.frozen {
+                return Ok(false);
+            }
+            // Room for the sampling columns of long histories too.
+            let cap = (bytes * 2).max(4 << 20);
+            self.pinned = Some(Pinned::new(device, cap)?);
+            self.buf = Some(DevAlloc::new(device, cap, stats)?);
+        }
+        self.copy_staged(device, stream)?;
+        self.uploaded = true;
+        // Graphs captured from here on hold this buffer's addresses.
+        self.frozen = true;
+        Ok(true)
+    }
+
+    /// Copies the staged words to the device buffer through the pinned buffer.
+    fn copy_staged(
+        &mut self,
+        device: &Arc<Device>,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<()> {
+        let bytes = 4 * self.staging.len();
+        let (Some(pinned), Some(buf)) = (self.pinned.as_mut(), self.buf.as_ref()) else {
+            return Ok(());
+        };
+        // The previous step's copy out of this staging buffer finished: every step ends with
+        // a synchronising read-back.
+        let dst = pinned.as_mut_slice();
+        for (d, w) in dst.chunks_exact_mut(4).zip(self.staging.iter()) {
+            d.copy_from_slice(&w.to_le_bytes());
+        }
+        // SAFETY: the device buffer holds at least `bytes`; the pinned source is not touched
+        // again before the next step, which starts after this one's synchronisation.
+        unsafe { htod(device, stream, buf.ptr, &pinned.as_slice()[..bytes]) }
     }
 
     /// Packs `plan` and copies it to the device on `stream`.
@@ -170,23 +397,17 @@ impl CudaStep {
         };
         let bytes = 4 * s.len();
         if self.pinned.as_ref().is_none_or(|p| p.bytes < bytes) {
+            if self.frozen {
+                return Err(crate::backend::BackendError::Invalid(
+                    "a step object that a CUDA graph uses cannot grow".into(),
+                ));
+            }
             // Grow with headroom so a slowly growing batch does not re-pin every step.
             let cap = (bytes * 3 / 2).max(64 << 10);
             self.pinned = Some(Pinned::new(device, cap)?);
             self.buf = Some(DevAlloc::new(device, cap, stats)?);
         }
-        let (Some(pinned), Some(buf)) = (self.pinned.as_mut(), self.buf.as_ref()) else {
-            return Ok(());
-        };
-        // The previous step's copy out of this staging buffer finished: every step ends with
-        // a synchronising read-back.
-        let dst = pinned.as_mut_slice();
-        for (d, w) in dst.chunks_exact_mut(4).zip(s.iter()) {
-            d.copy_from_slice(&w.to_le_bytes());
-        }
-        // SAFETY: the device buffer holds at least `bytes`; the pinned source is not touched
-        // again before the next step, which starts after this one's synchronisation.
-        unsafe { htod(device, stream, buf.ptr, &pinned.as_slice()[..bytes])? };
+        self.copy_staged(device, stream)?;
         self.uploaded = true;
         Ok(())
     }

@@ -1,0 +1,182 @@
+//! The `graphs` suite: decode steps replayed from CUDA graphs against the same steps run
+//! eagerly, through the real model runner, on dense and hybrid fixtures in f32 and bf16 mode.
+//!
+//! Two runners share a device, one with graphs and one without. Forty sequences are prefilled
+//! (eagerly in both), then decoded for 24 rounds over changing subsets (1 to 40 sequences,
+//! new positions and block tables every round, so each replay runs on metadata the capture
+//! never saw), every round feeding both runners the eager argmax. Checks: the candidate tokens
+//! agree, the logits agree within the mode's tolerance, and every decode round was replayed.
+
+use std::sync::Arc;
+
+use super::rng::Rng;
+use super::{GpuCheckArgs, Report};
+use crate::backend::cuda::CudaBackend;
+use crate::backend::sample::Penalties;
+use crate::backend::{DType, SlotOp, StepPlan};
+use crate::cache::SsmStateDtype;
+use crate::engine::ModelRunner;
+use crate::engine::executor::{CacheAllocation, StepExecutor, StepOutput};
+
+const SUITE: &str = "graphs";
+const BLOCK: usize = 16;
+const SEQS: usize = 40;
+const ROUNDS: usize = 24;
+
+pub fn run(
+    report: &mut Report,
+    f32_gpu: &CudaBackend,
+    bf16_gpu: &CudaBackend,
+    args: &GpuCheckArgs,
+) {
+    for name in [
+        "llama-gqa",
+        "llama-sharded-bias",
+        "bamba-b",
+        "mamba2-g2",
+        "nemotronh-a",
+    ] {
+        let dir = args.fixtures.join(name);
+        for gpu in [f32_gpu, bf16_gpu] {
+            let tag = if gpu.dtype() == DType::F32 {
+                "f32"
+            } else {
+                "bf16"
+            };
+            let label = format!("{name} {tag}: decode graphs = eager");
+            if let Err(e) = case(report, gpu, &dir, &label) {
+                report.failed(SUITE, label, format!("{e:#}"));
+            }
+        }
+    }
+}
+
+/// The step's sampling rows: 4 candidates, no penalties, for every decode.
+fn sampling(plan: &mut StepPlan) {
+    plan.sampling.clear(4);
+    let none = Penalties {
+        repetition: 1.0,
+        presence: 0.0,
+        frequency: 0.0,
+    };
+    for _ in 0..plan.sample_rows.len() {
+        plan.sampling.push_row(none, false, &[], &[]);
+    }
+}
+
+fn case(
+    report: &mut Report,
+    gpu: &CudaBackend,
+    dir: &std::path::Path,
+    label: &str,
+) -> anyhow::Result<()> {
+    let model = Arc::new(crate::model::load(dir, gpu)?);
+    let vocab = model.info.vocab_size;
+    let alloc = CacheAllocation {
+        num_blocks: SEQS * 8,
+        block_size: BLOCK,
+        num_ssm_slots: SEQS,
+        max_tokens: 2048,
+        ssm_state_dtype: SsmStateDtype::Float32,
+        max_running: SEQS,
+    };
+    let mut eager = ModelRunner::new(gpu.replica()?, model.clone()).with_graphs(false);
+    let mut graphs = ModelRunner::new(gpu.replica()?, model.clone()).with_graphs(true);
+    eager.allocate(alloc)?;
+    graphs.allocate(alloc)?;
+    let buckets = graphs.graph_buckets();
+    anyhow::ensure!(
+        !buckets.is_empty(),
+        "no decode graph was captured (see the log)"
+    );
+    let mut rng = Rng::new(0x4752_4150);
+    // Sequence i owns blocks 8i..8i+8 (128 tokens) and SSM slot i.
+    let tables: Vec<Vec<u32>> = (0..SEQS as u32)
+        .map(|i| (8 * i..8 * i + 8).collect())
+        .collect();
+    let mut seqs: Vec<Vec<u32>> = (0..SEQS)
+        .map(|_| {
+            let len = 1 + rng.below(60);
+            (0..len).map(|_| 5 + rng.below(vocab - 5) as u32).collect()
+        })
+        .collect();
+    let mut plan = StepPlan::new(BLOCK);
+    for (i, s) in seqs.iter().enumerate() {
+        plan.push(s, 0, &tables[i], i as u32, true);
+        plan.slot_ops.push(SlotOp::Zero { slot: i as u32 });
+    }
+    plan.finish()?;
+    sampling(&mut plan);
+    let (mut oe, mut og) = (StepOutput::default(), StepOutput::default());
+    eager.execute(&plan, &mut oe)?;
+    graphs.execute(&plan, &mut og)?;
+    let mut same = oe.cands.cand_tokens == og.cands.cand_tokens;
+    let mut next: Vec<u32> = (0..SEQS)
+        .map(|i| oe.cands.cand_tokens[i * oe.cands.k])
+        .collect();
+    let mut worst = 0.0f64;
+    let before = graphs.graph_steps;
+    let sizes = [1usize, 3, 40, 17, 2, 33, 8, 40, 5, 1, 26, 40];
+    for round in 0..ROUNDS {
+        let m = sizes[round % sizes.len()];
+        let start = (round * 7) % SEQS;
+        let pick: Vec<usize> = (0..m).map(|j| (start + j) % SEQS).collect();
+        plan.clear(BLOCK);
+        for &i in &pick {
+            plan.push(&[next[i]], seqs[i].len(), &tables[i], i as u32, true);
+        }
+        plan.finish()?;
+        sampling(&mut plan);
+        eager.execute(&plan, &mut oe)?;
+        graphs.execute(&plan, &mut og)?;
+        same &= oe.cands.cand_tokens == og.cands.cand_tokens;
+        let scale = oe
+            .cands
+            .cand_logits
+            .iter()
+            .fold(1e-6f32, |s, v| s.max(v.abs()));
+        let d = oe
+            .cands
+            .cand_logits
+            .iter()
+            .zip(&og.cands.cand_logits)
+            .fold(0.0f32, |s, (a, b)| s.max((a - b).abs()));
+        worst = worst.max(f64::from(d / scale));
+        for (r, &i) in pick.iter().enumerate() {
+            seqs[i].push(next[i]);
+            next[i] = oe.cands.cand_tokens[r * oe.cands.k];
+        }
+    }
+    let replayed = graphs.graph_steps - before;
+    let tol = if gpu.dtype() == DType::F32 {
+        1e-5
+    } else {
+        2e-2
+    };
+    report.push(
+        SUITE,
+        format!(
+            "{label}: top-4 tokens over {ROUNDS} decode rounds of 1–40 sequences (buckets {buckets:?}, captured in {:.2} s)",
+            graphs.capture_seconds
+        ),
+        f64::from(u8::from(same)),
+        if same { "identical".into() } else { "DIFFER".into() },
+        "identical".into(),
+        same,
+    );
+    report.err(
+        SUITE,
+        format!("{label}: candidate logits (max|Δ|/scale)"),
+        worst,
+        tol,
+    );
+    report.push(
+        SUITE,
+        format!("{label}: decode rounds replayed from a graph"),
+        replayed as f64,
+        format!("{replayed}/{ROUNDS}"),
+        format!("{ROUNDS}/{ROUNDS}"),
+        replayed == ROUNDS as u64,
+    );
+    Ok(())
+}
