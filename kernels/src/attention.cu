@@ -725,32 +725,49 @@ __device__ __forceinline__ void mma(const Args<bf16>& a) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Split-KV combine: one CTA per (head, combined token).
+// Split-KV combine: one CTA per (head, combined token). The pieces' maxima and sums are read
+// in parallel (one thread per piece) and their weights e^(m_j−M) kept in shared memory, so the
+// output loop's loads are independent of each other.
+constexpr int COMBINE_SMEM = 256;  // pieces whose weights fit in shared memory
 
 template <typename T>
 __device__ __forceinline__ void combine(T* out, const float* part_o, const float* part_ml,
                                         const u32* c_token, const u32* c_part,
                                         const u32* c_stride, const u32* c_splits, u32 item_base,
                                         u32 heads, u32 head_dim) {
+    __shared__ float red[32];
+    __shared__ float wgt[COMBINE_SMEM];
     const u32 c = item_base + blockIdx.y, h = blockIdx.x;
     const u32 first = c_part[c], stride = c_stride[c], n = c_splits[c];
-    float mmax = -CHIMERA_INF;
-    for (u32 j = 0; j < n; ++j)
-        mmax = fmaxf(mmax, part_ml[((i64)(first + j * stride) * heads + h) * 2]);
-    float denom = 0.0f;
-    for (u32 j = 0; j < n; ++j) {
-        const i64 pi = (i64)(first + j * stride) * heads + h;
-        const float m = part_ml[pi * 2];
-        if (m != -CHIMERA_INF) denom += expf(m - mmax) * part_ml[pi * 2 + 1];
+    auto ml = [&](u32 j) { return ((i64)(first + j * stride) * heads + h) * 2; };
+    float mloc = -CHIMERA_INF;
+    for (u32 j = threadIdx.x; j < n; j += blockDim.x) mloc = fmaxf(mloc, part_ml[ml(j)]);
+    const float mmax = block_max(mloc, red);
+    __syncthreads();
+    float dloc = 0.0f;
+    for (u32 j = threadIdx.x; j < n; j += blockDim.x) {
+        const float m = part_ml[ml(j)];
+        const float wj = m != -CHIMERA_INF ? expf(m - mmax) : 0.0f;
+        if (j < COMBINE_SMEM) wgt[j] = wj;
+        dloc += wj * part_ml[ml(j) + 1];
     }
+    const float denom = block_sum(dloc, red);
+    __syncthreads();
     const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
     const i64 o = (i64)c_token[c] * heads * head_dim + (i64)h * head_dim;
     for (u32 d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float acc = 0.0f;
+#pragma unroll 8
         for (u32 j = 0; j < n; ++j) {
+            float wj;
+            if (j < COMBINE_SMEM) {
+                wj = wgt[j];
+            } else {
+                const float m = part_ml[ml(j)];
+                wj = m != -CHIMERA_INF ? expf(m - mmax) : 0.0f;
+            }
             const i64 pi = (i64)(first + j * stride) * heads + h;
-            const float m = part_ml[pi * 2];
-            if (m != -CHIMERA_INF) acc += expf(m - mmax) * part_o[pi * head_dim + d];
+            if (wj != 0.0f) acc += wj * part_o[pi * head_dim + d];
         }
         store(out, o + d, acc * inv);
     }

@@ -30,9 +30,43 @@ __device__ __forceinline__ float apply_act(float x, u32 act) {
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
 
 // One row per block: out = w * (x / sqrt(mean(x²) + eps)).
+// Row kernels hold their row in registers when it fits (R elements per thread): every load is
+// issued before the first store, so a lone row (a decode) costs about one memory round trip
+// instead of one per loop trip (the compiler cannot reorder loads past stores that may alias).
+// Wider rows take the looping fallback.
+template <typename T>
+__device__ __forceinline__ float round_to(float v);
+template <>
+__device__ __forceinline__ float round_to<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ float round_to<bf16>(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+
+template <typename T, int R>
+__device__ void rms_norm_reg(T* out, const T* x, const T* w, u32 cols, float eps, float* scratch) {
+    const i64 base = (i64)blockIdx.x * cols;
+    float v[R];
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+        const u32 c = threadIdx.x + k * blockDim.x;
+        v[k] = c < cols ? load(x, base + c) : 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < R; ++k) ss += v[k] * v[k];
+    ss = block_sum(ss, scratch);
+    const float inv = 1.0f / sqrtf(ss / (float)cols + eps);
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+        const u32 c = threadIdx.x + k * blockDim.x;
+        if (c < cols) store(out, base + c, load(w, c) * (v[k] * inv));
+    }
+}
+
 template <typename T>
 __device__ void rms_norm(T* out, const T* x, const T* w, u32 cols, float eps) {
     __shared__ float scratch[32];
+    if (cols <= 8 * blockDim.x) return rms_norm_reg<T, 8>(out, x, w, cols, eps, scratch);
+    if (cols <= 32 * blockDim.x) return rms_norm_reg<T, 32>(out, x, w, cols, eps, scratch);
     i64 base = (i64)blockIdx.x * cols;
     float ss = 0.0f;
     for (u32 c = threadIdx.x; c < cols; c += blockDim.x) {
@@ -45,11 +79,42 @@ __device__ void rms_norm(T* out, const T* x, const T* w, u32 cols, float eps) {
         store(out, base + c, load(w, c) * (load(x, base + c) * inv));
 }
 
+template <typename T, int R>
+__device__ void add_rms_norm_reg(T* out, T* residual, const T* delta, const T* w, u32 cols,
+                                 float eps, float* scratch) {
+    const i64 base = (i64)blockIdx.x * cols;
+    float v[R];
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+        const u32 c = threadIdx.x + k * blockDim.x;
+        v[k] = c < cols ? load(residual, base + c) + load(delta, base + c) : 0.0f;
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+        const u32 c = threadIdx.x + k * blockDim.x;
+        v[k] = round_to<T>(v[k]);
+        if (c < cols) store(residual, base + c, v[k]);
+        ss += v[k] * v[k];
+    }
+    ss = block_sum(ss, scratch);
+    const float inv = 1.0f / sqrtf(ss / (float)cols + eps);
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+        const u32 c = threadIdx.x + k * blockDim.x;
+        if (c < cols) store(out, base + c, load(w, c) * (v[k] * inv));
+    }
+}
+
 // residual += delta (rounded to T), then out = rms_norm(residual): the sublayer's residual
 // add fused into the next norm. The norm reads the rounded sum, as the unfused pair would.
 template <typename T>
 __device__ void add_rms_norm(T* out, T* residual, const T* delta, const T* w, u32 cols, float eps) {
     __shared__ float scratch[32];
+    if (cols <= 8 * blockDim.x)
+        return add_rms_norm_reg<T, 8>(out, residual, delta, w, cols, eps, scratch);
+    if (cols <= 32 * blockDim.x)
+        return add_rms_norm_reg<T, 32>(out, residual, delta, w, cols, eps, scratch);
     i64 base = (i64)blockIdx.x * cols;
     float ss = 0.0f;
     for (u32 c = threadIdx.x; c < cols; c += blockDim.x) {
@@ -91,16 +156,32 @@ __device__ void rope(T* x, u32 n, u32 heads, u32 head_dim, u32 half, const u32* 
     if (t >= n) return;
     float p = (float)positions[t];
     i64 row = (i64)t * row_stride;
-    for (u32 j = threadIdx.x; j < heads * half; j += blockDim.x) {
-        u32 h = j / half, i = j % half;
-        float s, c;
-        sincosf(inv_freq[i] * p, &s, &c);
-        s *= scaling;
-        c *= scaling;
-        i64 b = row + (i64)h * head_dim;
-        float x1 = load(x, b + i), x2 = load(x, b + i + half);
-        store(x, b + i, x1 * c - x2 * s);
-        store(x, b + i + half, x2 * c + x1 * s);
+    const u32 pairs = heads * half;
+    // Up to 8 pairs per thread: all loads first (see the row kernels above).
+    constexpr int R = 8;
+    u32 j0 = threadIdx.x;
+    for (; j0 < pairs; j0 += R * blockDim.x) {
+        float x1[R], x2[R];
+#pragma unroll
+        for (int k = 0; k < R; ++k) {
+            const u32 j = j0 + k * blockDim.x;
+            const i64 b = row + (i64)(j / half) * head_dim + j % half;
+            x1[k] = j < pairs ? load(x, b) : 0.0f;
+            x2[k] = j < pairs ? load(x, b + half) : 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < R; ++k) {
+            const u32 j = j0 + k * blockDim.x;
+            if (j >= pairs) continue;
+            const u32 i = j % half;
+            float s, c;
+            sincosf(inv_freq[i] * p, &s, &c);
+            s *= scaling;
+            c *= scaling;
+            const i64 b = row + (i64)(j / half) * head_dim + i;
+            store(x, b, x1[k] * c - x2[k] * s);
+            store(x, b + half, x2[k] * c + x1[k] * s);
+        }
     }
 }
 
@@ -167,23 +248,37 @@ __device__ void rope_kv_write(T* k_cache, T* v_cache, const T* k, const T* v,
     float p = (float)positions[t];
     const T* src = k + (i64)t * width;
     T* dst = k_cache + slot * width;
-    for (u32 j = threadIdx.x; j < width; j += blockDim.x) {
-        u32 d = j % head_dim;
-        i64 base = (i64)(j - d);
-        float out;
-        if (d < half) {
-            float s, c;
-            sincosf(inv_freq[d] * p, &s, &c);
-            out = load(src, base + d) * (c * scaling) - load(src, base + d + half) * (s * scaling);
-        } else if (d < 2 * half) {
-            float s, c;
-            sincosf(inv_freq[d - half] * p, &s, &c);
-            out = load(src, base + d) * (c * scaling) + load(src, base + d - half) * (s * scaling);
-        } else {
-            out = load(src, base + d);
+    // Up to 8 elements per thread: all loads first (see the row kernels above).
+    constexpr int R = 8;
+    for (u32 j0 = threadIdx.x; j0 < width; j0 += R * blockDim.x) {
+        float own[R], other[R];
+        T vv[R];
+#pragma unroll
+        for (int k = 0; k < R; ++k) {
+            const u32 j = j0 + k * blockDim.x;
+            const u32 d = j % head_dim;
+            const i64 base = (i64)(j - d);
+            const bool in = j < width;
+            own[k] = in ? load(src, base + d) : 0.0f;
+            const i64 pair = d < half ? base + d + half : base + d - half;
+            other[k] = in && d < 2 * half ? load(src, pair) : 0.0f;
+            if (in) vv[k] = v[(i64)t * width + j];
         }
-        store(dst, j, out);
-        v_cache[slot * width + j] = v[(i64)t * width + j];
+#pragma unroll
+        for (int k = 0; k < R; ++k) {
+            const u32 j = j0 + k * blockDim.x;
+            if (j >= width) continue;
+            const u32 d = j % head_dim;
+            float out = own[k];
+            if (d < 2 * half) {
+                float s, c;
+                sincosf(inv_freq[d < half ? d : d - half] * p, &s, &c);
+                out = d < half ? own[k] * (c * scaling) - other[k] * (s * scaling)
+                               : own[k] * (c * scaling) + other[k] * (s * scaling);
+            }
+            store(dst, j, out);
+            v_cache[slot * width + j] = vv[k];
+        }
     }
 }
 
