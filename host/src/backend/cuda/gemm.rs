@@ -39,24 +39,6 @@ struct Plan {
     b: lts::cublasLtMatrixLayout_t,
     d: lts::cublasLtMatrixLayout_t,
     algo: lts::cublasLtMatmulAlgo_t,
-    /// The heuristic's candidates, timed on the first eager call of a small-batch shape
-    /// (empty once tuned, and for shapes that are not tuned).
-    candidates: Vec<lts::cublasLtMatmulAlgo_t>,
-}
-
-/// Shapes of at most this many rows (decode batches) have their algorithm picked by timing
-/// the heuristic's first [`CANDIDATES`] candidates once: for a few tokens its first choice is
-/// often a split-K kernel plus a separate reduction kernel.
-const TUNE_ROWS: usize = 256;
-const CANDIDATES: usize = 8;
-
-/// Tuned choices by (device ordinal, shape), shared by every replica of the process, so that
-/// replicas on one device compute a shape the same way (the same input gives the same output,
-/// whichever replica serves it).
-fn tuned() -> &'static Mutex<HashMap<(usize, Key), [u64; 8]>> {
-    static TUNED: std::sync::OnceLock<Mutex<HashMap<(usize, Key), [u64; 8]>>> =
-        std::sync::OnceLock::new();
-    TUNED.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
 impl Drop for Plan {
@@ -167,23 +149,8 @@ impl Gemm {
         let d = layout(key.m, key.n, key.m)?;
         let pref = lt::create_matmul_pref().map_err(|e| lt_err("creating a preference", e))?;
         let ws = WORKSPACE_BYTES as u64;
-        // The plan owns the handles from here on (its Drop destroys them, also on error).
-        let mut plan = Plan {
-            desc,
-            a,
-            b,
-            d,
-            algo: lts::cublasLtMatmulAlgo_t { data: [0; 8] },
-            candidates: Vec::new(),
-        };
-        let want = if key.n <= TUNE_ROWS { CANDIDATES } else { 1 };
-        // SAFETY: the results are plain data, zero is a valid value of each field.
-        let mut results =
-            vec![unsafe { std::mem::zeroed::<lts::cublasLtMatmulHeuristicResult_t>() }; want];
-        let mut found = 0i32;
-        // SAFETY: `pref` is live; the value is a u64 as the attribute requires; the handle,
-        // descriptor and layouts are live and `results` holds `want` entries.
-        let status = unsafe {
+        // SAFETY: `pref` is live; the value is a u64 as the attribute requires.
+        let heuristic = unsafe {
             lt::set_matmul_pref_attribute(
                 pref,
                 lts::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
@@ -191,39 +158,29 @@ impl Gemm {
                 8,
             )
             .map_err(|e| lt_err("setting the workspace preference", e))?;
-            let st = lts::cublasLtMatmulAlgoGetHeuristic(
-                self.handle.0,
-                desc,
-                a,
-                b,
-                d,
-                d,
-                pref,
-                want as i32,
-                results.as_mut_ptr(),
-                &mut found,
-            );
+            let h = lt::get_matmul_algo_heuristic(self.handle.0, desc, a, b, d, d, pref);
             let _ = lt::destroy_matmul_pref(pref);
-            st
+            h
         };
-        let usable: Vec<_> = results[..found.clamp(0, want as i32) as usize]
-            .iter()
-            .filter(|r| {
-                r.state == lts::cublasStatus_t::CUBLAS_STATUS_SUCCESS
-                    && r.workspaceSize <= WORKSPACE_BYTES
-            })
-            .map(|r| r.algo)
-            .collect();
-        if status != lts::cublasStatus_t::CUBLAS_STATUS_SUCCESS || usable.is_empty() {
-            return Err(BackendError::Device(format!(
-                "cuBLASLt found no algorithm for {}×{}·{}ᵀ ({:?}): {status:?}",
-                key.n, key.k, key.m, key.dtype
-            )));
-        }
-        plan.algo = usable[0];
-        if usable.len() > 1 {
-            plan.candidates = usable;
-        }
+        // The plan owns the handles from here on (its Drop destroys them, also on error).
+        let mut plan = Plan {
+            desc,
+            a,
+            b,
+            d,
+            algo: lts::cublasLtMatmulAlgo_t { data: [0; 8] },
+        };
+        plan.algo = heuristic
+            .map_err(|e| {
+                lt_err(
+                    &format!(
+                        "finding an algorithm for {}×{}·{}ᵀ ({:?})",
+                        key.n, key.k, key.m, key.dtype
+                    ),
+                    e,
+                )
+            })?
+            .algo;
         Ok(plan)
     }
 
@@ -266,106 +223,6 @@ impl Gemm {
             }
             .map_err(|e| lt_err("setting the bias pointer", e))?;
         }
-        if !plan.candidates.is_empty() {
-            let id = (self.device.ordinal, key);
-            let known = tuned()
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .get(&id)
-                .copied();
-            match known {
-                Some(data) => {
-                    plan.algo = lts::cublasLtMatmulAlgo_t { data };
-                    plan.candidates.clear();
-                }
-                None => {
-                    if self.tune(stream, plan, x, w, y)? {
-                        tuned()
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .insert(id, plan.algo.data);
-                    }
-                }
-            }
-        }
-        self.run(stream, plan, x, w, y, &plan.algo).map_err(|e| {
-            lt_err(
-                &format!("matmul {n}×{k}·{m}ᵀ on device {}", self.device.ordinal),
-                e,
-            )
-        })
-    }
-
-    /// Times each candidate of `plan` on these buffers (one untimed run, then three timed)
-    /// and keeps the fastest (`Ok(true)`). Skipped while the stream is being captured into a graph: the
-    /// shape keeps the heuristic's choice until an eager call tunes it.
-    fn tune(&self, stream: drv::CUstream, plan: &mut Plan, x: u64, w: u64, y: u64) -> Result<bool> {
-        use cudarc::driver::result::{event, stream as st};
-        // SAFETY: a live stream of this context.
-        let capturing = unsafe { st::is_capturing(stream) }
-            .map(|s| s != drv::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
-            .unwrap_or(true);
-        if capturing {
-            return Ok(false);
-        }
-        let fail = |what: &str, e| self.device.fail(what, e);
-        let flags = drv::CUevent_flags::CU_EVENT_DEFAULT;
-        let start = event::create(flags).map_err(|e| fail("creating an event", e))?;
-        let end = match event::create(flags) {
-            Ok(e) => e,
-            Err(e) => {
-                // SAFETY: created above, destroyed once.
-                unsafe {
-                    let _ = event::destroy(start);
-                }
-                return Err(fail("creating an event", e));
-            }
-        };
-        let candidates = std::mem::take(&mut plan.candidates);
-        let mut best = (f32::INFINITY, plan.algo);
-        let mut time_all = || -> Result<()> {
-            for algo in &candidates {
-                if self.run(stream, plan, x, w, y, algo).is_err() {
-                    continue;
-                }
-                // SAFETY: events of this context, recorded on its stream and waited for
-                // before they are read.
-                let ms = unsafe {
-                    event::record(start, stream).map_err(|e| fail("recording an event", e))?;
-                    for _ in 0..3 {
-                        let _ = self.run(stream, plan, x, w, y, algo);
-                    }
-                    event::record(end, stream).map_err(|e| fail("recording an event", e))?;
-                    event::synchronize(end).map_err(|e| fail("waiting for an event", e))?;
-                    event::elapsed(start, end).map_err(|e| fail("timing a matmul", e))?
-                };
-                if ms < best.0 {
-                    best = (ms, *algo);
-                }
-            }
-            Ok(())
-        };
-        let timed = time_all();
-        // SAFETY: created above, destroyed once (the stream has passed both records).
-        unsafe {
-            let _ = event::destroy(start);
-            let _ = event::destroy(end);
-        }
-        timed?;
-        plan.algo = best.1;
-        Ok(true)
-    }
-
-    /// One matmul of `plan` with `algo`, enqueued on `stream`.
-    fn run(
-        &self,
-        stream: drv::CUstream,
-        plan: &Plan,
-        x: u64,
-        w: u64,
-        y: u64,
-        algo: &lts::cublasLtMatmulAlgo_t,
-    ) -> std::result::Result<(), lt::CublasError> {
         let (alpha, beta) = (1.0f32, 0.0f32);
         // SAFETY: the plan's layouts describe the buffers' extents (checked by the caller's
         // shape checks); the workspace is this backend's and the stream orders its reuse.
@@ -383,11 +240,17 @@ impl Gemm {
                 plan.d,
                 y as *mut c_void,
                 plan.d,
-                algo,
+                &plan.algo,
                 self.workspace.ptr as *mut c_void,
                 WORKSPACE_BYTES,
                 stream as lts::cudaStream_t,
             )
         }
+        .map_err(|e| {
+            lt_err(
+                &format!("matmul {n}×{k}·{m}ᵀ on device {}", self.device.ordinal),
+                e,
+            )
+        })
     }
 }
