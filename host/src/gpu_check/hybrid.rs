@@ -658,6 +658,7 @@ fn stress_run(gpu: &CudaBackend, dir: &std::path::Path, seed: u64) -> R<(bool, b
                     ignore_eos: true,
                     prompt_logprobs: false,
                     block_hashes: None,
+                    checkpoints: Vec::new(),
                 },
                 tx,
             );

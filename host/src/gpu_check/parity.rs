@@ -302,6 +302,7 @@ pub(super) fn drive_engine<B: Backend>(
                 ignore_eos: true,
                 prompt_logprobs: false,
                 block_hashes: None,
+                checkpoints: Vec::new(),
             },
             tx,
         );
