@@ -637,6 +637,7 @@ fn multi_turn_conversation_is_served_from_cache_through_each_reply() {
             let mut e = engine(load(name), &setup);
             let mut prompt = tokens(61, 37);
             let mut ended_at = 0;
+            let mut misses = 0;
             for turn in 0..3u64 {
                 let restores = e.stats().ssm_restores;
                 let rx = submit(&mut e, turn, &prompt, 20);
@@ -645,6 +646,7 @@ fn multi_turn_conversation_is_served_from_cache_through_each_reply() {
                 assert_eq!(out.tokens, reference(&m, &prompt, 20), "{label}: output");
                 let u = out.usage;
                 assert_eq!(u.cacheable_tokens as usize, (prompt.len() - 2) / 16 * 16);
+                misses += u32::from(u.cache_miss.is_some());
                 if !caching {
                     assert_eq!(u.cached_tokens, 0, "{label}");
                     assert_eq!(u.cache_miss, Some(MissReason::CachingOff), "{label}");
@@ -659,8 +661,9 @@ fn multi_turn_conversation_is_served_from_cache_through_each_reply() {
                         "{label}: cached {cached}, previous turn ended at {ended_at}"
                     );
                     assert_eq!(cached % 16, 0, "{label}");
-                    // The new message itself was never computed.
-                    assert_eq!(u.cache_miss, Some(MissReason::NoKvMatch), "{label}");
+                    // Short of the cacheable prefix only where the new message starts.
+                    let want = (u.cached_tokens < u.cacheable_tokens).then_some(MissReason::NoKvMatch);
+                    assert_eq!(u.cache_miss, want, "{label}");
                     let restored = e.stats().ssm_restores - restores;
                     assert_eq!(restored, u64::from(hybrid), "{label}: restores");
                 }
@@ -676,7 +679,12 @@ fn multi_turn_conversation_is_served_from_cache_through_each_reply() {
             } else {
                 assert_eq!(s.ssm_rolling_copies, 0, "{name} caching {caching}");
             }
-            assert_eq!(s.cache_misses.iter().sum::<u64>(), 3, "{name}: one per turn");
+            assert!(misses >= 1, "{name}: the first turn misses");
+            assert_eq!(
+                s.cache_misses.iter().sum::<u64>(),
+                u64::from(misses),
+                "{name}: misses counted"
+            );
             e.cache().check_invariants().expect("cache invariants");
             assert_eq!(e.cache().pool().available(), e.cache().total_blocks());
         }

@@ -30,7 +30,7 @@ pub enum MissReason {
     /// The next block was in the index but was evicted to make room.
     Evicted,
     /// The KV is cached but the snapshot at that boundary was skipped or given up because
-    /// every durable SSM slot was in use.
+    /// every durable SSM slot was in use (or the budget has no durable slot at all).
     SnapshotBudgetFull,
 }
 

@@ -260,7 +260,8 @@ impl CacheManager {
         if m.kv_blocks > m.skip_blocks {
             // KV reaches further than the skip: the deepest usable KV boundary has no snapshot.
             let boundary = hashes[m.kv_blocks.min(cacheable) - 1];
-            return Some(if self.memory.lost_snapshot(boundary) {
+            let no_slots = self.ssm.durable_total() == 0;
+            return Some(if no_slots || self.memory.lost_snapshot(boundary) {
                 MissReason::SnapshotBudgetFull
             } else {
                 MissReason::NoSnapshot
