@@ -662,7 +662,8 @@ fn multi_turn_conversation_is_served_from_cache_through_each_reply() {
                     );
                     assert_eq!(cached % 16, 0, "{label}");
                     // Short of the cacheable prefix only where the new message starts.
-                    let want = (u.cached_tokens < u.cacheable_tokens).then_some(MissReason::NoKvMatch);
+                    let want =
+                        (u.cached_tokens < u.cacheable_tokens).then_some(MissReason::NoKvMatch);
                     assert_eq!(u.cache_miss, want, "{label}");
                     let restored = e.stats().ssm_restores - restores;
                     assert_eq!(restored, u64::from(hybrid), "{label}: restores");
@@ -674,7 +675,10 @@ fn multi_turn_conversation_is_served_from_cache_through_each_reply() {
             let s = e.stats();
             if caching && hybrid {
                 assert!(s.ssm_rolling_copies > 0, "{name}: no rolling snapshot");
-                assert!(s.ssm_rolling_kept >= 2, "{name}: rolling snapshots not kept");
+                assert!(
+                    s.ssm_rolling_kept >= 2,
+                    "{name}: rolling snapshots not kept"
+                );
                 assert!(s.ssm_snapshot_copies >= s.ssm_rolling_copies);
             } else {
                 assert_eq!(s.ssm_rolling_copies, 0, "{name} caching {caching}");

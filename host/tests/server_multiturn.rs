@@ -99,7 +99,13 @@ async fn conversation_continues_in_token_space_and_is_served_from_cache() {
     assert_eq!(s.engine_sum(|e| e.ssm_restores), 2);
     assert!(s.engine_sum(|e| e.ssm_rolling_kept) >= 2);
     let m = s.metrics().await;
-    assert!(parse_metric(&m, "chimera:ssm_snapshot_copies_total{model_name=\"tiny-mock\",engine=\"0\",kind=\"rolling\"") > 0.0, "{m}");
+    assert!(
+        parse_metric(
+            &m,
+            "chimera:ssm_snapshot_copies_total{model_name=\"tiny-mock\",engine=\"0\",kind=\"rolling\""
+        ) > 0.0,
+        "{m}"
+    );
     assert_eq!(
         parse_metric(
             &m,
@@ -138,7 +144,9 @@ async fn chat_returns_token_ids_whole_and_streamed() {
     assert_eq!(reply, cold(&hybrid(), &want_prompt, 10));
     let mut stream_body = body.clone();
     stream_body["stream"] = json!(true);
-    let ev = post(s.addr, "/v1/chat/completions", &stream_body).await.sse();
+    let ev = post(s.addr, "/v1/chat/completions", &stream_body)
+        .await
+        .sse();
     assert_eq!(ids(&ev[0]["prompt_token_ids"]), want_prompt);
     let mut streamed = Vec::new();
     for (i, e) in ev.iter().enumerate() {
@@ -159,7 +167,10 @@ async fn chat_returns_token_ids_whole_and_streamed() {
     )
     .await
     .sse();
-    assert_eq!(ids(&ev[0]["choices"][0]["prompt_token_ids"]), vec![5, 6, 7, 8, 9]);
+    assert_eq!(
+        ids(&ev[0]["choices"][0]["prompt_token_ids"]),
+        vec![5, 6, 7, 8, 9]
+    );
     let with_prompt = ev
         .iter()
         .filter(|e| e["choices"][0].get("prompt_token_ids").is_some())
@@ -183,7 +194,10 @@ async fn every_miss_says_why() {
         assert_eq!(r.status, 200, "{}", r.text());
         let v = r.json();
         let d = v["usage"]["prompt_tokens_details"].clone();
-        (d["cache_miss_reason"].clone(), d["cached_tokens"].as_u64().unwrap())
+        (
+            d["cache_miss_reason"].clone(),
+            d["cached_tokens"].as_u64().unwrap(),
+        )
     };
     let long: Vec<u32> = (10..40).collect();
     let req = |prompt: &[u32]| json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
@@ -252,12 +266,19 @@ async fn render_endpoints_give_what_would_be_served() {
     let v = r.json();
     let list = v.as_array().unwrap();
     assert_eq!(list.len(), 2);
-    assert_eq!(ids(&list[0]["token_ids"]), c.encode("the cat", true).unwrap());
-    assert_eq!(ids(&list[1]["token_ids"]), c.encode("a dog ran", true).unwrap());
+    assert_eq!(
+        ids(&list[0]["token_ids"]),
+        c.encode("the cat", true).unwrap()
+    );
+    assert_eq!(
+        ids(&list[1]["token_ids"]),
+        c.encode("a dog ran", true).unwrap()
+    );
     assert_eq!(list[0]["sampling_params"]["max_tokens"], 16);
     assert_eq!(list[0]["sampling_params"]["temperature"], 0.5);
     assert_eq!(list[0]["model"], MODEL);
-    let messages = json!([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]);
+    let messages =
+        json!([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]);
     let r = post(
         s.addr,
         "/v1/chat/completions/render",
@@ -272,9 +293,19 @@ async fn render_endpoints_give_what_would_be_served() {
     // Nothing was generated.
     assert_eq!(s.engine_sum(|e| e.generation_tokens), 0);
     assert_eq!(s.counter(|r| r.get(&r.added)), 0);
-    let r = post(s.addr, "/v1/chat/completions/render", &json!({"messages": []})).await;
+    let r = post(
+        s.addr,
+        "/v1/chat/completions/render",
+        &json!({"messages": []}),
+    )
+    .await;
     assert_eq!(r.status, 400, "{}", r.text());
-    let r = post(s.addr, "/v1/completions/render", &json!({"prompt": "a", "top_p": 7})).await;
+    let r = post(
+        s.addr,
+        "/v1/completions/render",
+        &json!({"prompt": "a", "top_p": 7}),
+    )
+    .await;
     assert_eq!(r.status, 400, "{}", r.text());
 }
 
@@ -303,7 +334,10 @@ async fn checkpoints_are_validated_passed_on_and_counted() {
     )
     .await;
     assert_eq!(r.status, 200, "{}", r.text());
-    assert_eq!(s.recorders[0].recent_requests().pop().unwrap().checkpoints, vec![9, 20]);
+    assert_eq!(
+        s.recorders[0].recent_requests().pop().unwrap().checkpoints,
+        vec![9, 20]
+    );
     let messages = json!([
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "tell me about the cat"}
@@ -328,11 +362,17 @@ async fn checkpoints_are_validated_passed_on_and_counted() {
         .encode(&c.render_chat(&first, false).unwrap(), false)
         .unwrap()
         .len() as u32;
-    assert_eq!(s.recorders[0].recent_requests().pop().unwrap().checkpoints, vec![end]);
+    assert_eq!(
+        s.recorders[0].recent_requests().pop().unwrap().checkpoints,
+        vec![end]
+    );
     // Offsets past the first block count (the chat one too: its system message is long
     // enough).
     assert!(end as usize >= BS);
     assert_eq!(s.engine_sum(|e| e.checkpoints_requested), 3);
     let m = s.metrics().await;
-    assert_eq!(parse_metric(&m, "chimera:cache_checkpoints_requested_total"), 3.0);
+    assert_eq!(
+        parse_metric(&m, "chimera:cache_checkpoints_requested_total"),
+        3.0
+    );
 }

@@ -328,7 +328,10 @@ fn every_miss_has_its_reason() {
     let mut cm = CacheManager::new(&layout(32, 2, 8), true, true, None);
     // 5 tokens: a skip of one block would leave one token, so nothing is cacheable.
     assert_eq!(cm.cacheable_blocks(5), 0);
-    assert_eq!(reason(&cm, &a[..5], false), Some(MissReason::PromptTooShort));
+    assert_eq!(
+        reason(&cm, &a[..5], false),
+        Some(MissReason::PromptTooShort)
+    );
     assert_eq!(reason(&cm, &a, false), Some(MissReason::NoKvMatch));
     run_prompt(&mut cm, 0, &a);
     cm.release(0).unwrap();
@@ -387,11 +390,17 @@ fn rolling_snapshot_follows_decoding_and_is_kept_at_release() {
     assert_eq!(cm.ssm().durable_used(), 2);
     assert_eq!(cm.counters.rolling_copies, 2);
     let h = hashes(&t);
-    assert!(cm.is_cached(h[2]), "the block completed by decoding is indexed");
+    assert!(
+        cm.is_cached(h[2]),
+        "the block completed by decoding is indexed"
+    );
     cm.release(0).unwrap();
     // The rolling slot became the snapshot at 12: a follow-up turn restores there.
     assert_eq!(cm.counters.rolling_kept, 1);
-    assert_eq!(cm.ssm().snapshot_of(cm.pool().lookup(h[2]).unwrap()), Some(slots[1].2));
+    assert_eq!(
+        cm.ssm().snapshot_of(cm.pool().lookup(h[2]).unwrap()),
+        Some(slots[1].2)
+    );
     let mut next = t[..13].to_vec();
     next.extend([70, 71, 72]);
     let m = cm.match_prefix(&hashes(&next), next.len());
@@ -399,8 +408,12 @@ fn rolling_snapshot_follows_decoding_and_is_kept_at_release() {
     let mut ev = Vec::new();
     cm.commit_step();
     cm.take_events(&mut ev);
-    assert!(ev.iter().any(|e| matches!(e, KvEvent::Stored { hashes, with_snapshot }
-        if hashes == &vec![h[2].short()] && with_snapshot == &vec![true])), "{ev:?}");
+    assert!(
+        ev.iter()
+            .any(|e| matches!(e, KvEvent::Stored { hashes, with_snapshot }
+        if hashes == &vec![h[2].short()] && with_snapshot == &vec![true])),
+        "{ev:?}"
+    );
     cm.check_invariants().unwrap();
 }
 
@@ -435,8 +448,16 @@ fn rolling_snapshot_of_a_failed_step_is_not_kept_and_a_full_budget_skips() {
     cm.abort_step();
     cm.release(0).unwrap();
     assert_eq!(cm.counters.rolling_kept, 0);
-    assert_eq!(cm.ssm().durable_used(), 1, "only the prompt's snapshot remains");
-    assert!(cm.ssm().snapshot_of(cm.pool().lookup(h[0]).unwrap()).is_some());
+    assert_eq!(
+        cm.ssm().durable_used(),
+        1,
+        "only the prompt's snapshot remains"
+    );
+    assert!(
+        cm.ssm()
+            .snapshot_of(cm.pool().lookup(h[0]).unwrap())
+            .is_some()
+    );
     cm.check_invariants().unwrap();
 }
 
@@ -452,7 +473,10 @@ fn checkpoints_add_snapshot_points_rounded_down_to_blocks() {
     cm.plan_snapshots(0, &h, t.len(), 0, &[9, 3, 17], 0, t.len(), &mut snaps);
     let after: Vec<usize> = snaps.iter().map(|s| s.after).collect();
     assert_eq!(after, vec![8, 16, 20]);
-    assert_eq!(cm.counters.checkpoint_copies, 1, "17 rounds to 16, already planned");
+    assert_eq!(
+        cm.counters.checkpoint_copies, 1,
+        "17 rounds to 16, already planned"
+    );
     assert_eq!(cm.counters.snapshot_copies, 3);
     cm.commit_seq(0, &h, t.len());
     cm.commit_step();

@@ -180,7 +180,11 @@ mod tests {
         for (i, r) in MissReason::ALL.iter().enumerate() {
             assert_eq!(r.index(), i);
             assert!(seen.insert(r.as_str()), "{r} twice");
-            assert!(r.as_str().bytes().all(|b| b.is_ascii_lowercase() || b == b'_'));
+            assert!(
+                r.as_str()
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b == b'_')
+            );
         }
     }
 

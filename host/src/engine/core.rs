@@ -227,7 +227,8 @@ impl<E: StepExecutor> Engine<E> {
                 format!("token id {t} is outside the vocabulary ({})", self.vocab),
             );
         }
-        if let Some(&o) = (req.checkpoints.iter()).find(|&&o| o == 0 || o as usize > req.prompt.len())
+        if let Some(&o) =
+            (req.checkpoints.iter()).find(|&&o| o == 0 || o as usize > req.prompt.len())
         {
             return fail(
                 InvalidRequest,
@@ -251,7 +252,8 @@ impl<E: StepExecutor> Engine<E> {
         }
         let (id, hashes) = (req.id, req.block_hashes.take());
         let bs = self.layout.block_size as u32;
-        self.stats.checkpoints_requested += req.checkpoints.iter().filter(|&&o| o >= bs).count() as u64;
+        self.stats.checkpoints_requested +=
+            req.checkpoints.iter().filter(|&&o| o >= bs).count() as u64;
         self.sched.add(|slot| Request::new(req, slot, events));
         if let Some(h) = hashes
             && !self.sched.adopt_hashes(id, &h)
