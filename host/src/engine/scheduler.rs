@@ -332,7 +332,7 @@ impl Scheduler {
         let bs = self.block_size;
         if let Some(r) = self.slots[slot as usize].as_mut()
             && start >= r.prompt_len
-            && (start + n) % bs == 0
+            && (start + n).is_multiple_of(bs)
             && cache.prefix_caching()
         {
             // A decode completes an output block: hash it (it enters the index when this step
