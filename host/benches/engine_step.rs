@@ -71,6 +71,7 @@ fn request(id: u64, prompt_len: usize, max_tokens: u32) -> GenerateRequest {
         ignore_eos: true,
         prompt_logprobs: false,
         block_hashes: None,
+        checkpoints: Vec::new(),
     }
 }
 

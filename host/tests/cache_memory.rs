@@ -95,6 +95,7 @@ fn attention_free_engine_stays_near_its_budget() {
             ignore_eos: true,
             prompt_logprobs: false,
             block_hashes: None,
+            checkpoints: Vec::new(),
         },
         tx,
     );

@@ -10,7 +10,9 @@ use std::path::{Path, PathBuf};
 use chimera::backend::StepPlan;
 use chimera::backend::cpu::CpuBackend;
 use chimera::cache::config::{ByteSize, CacheConfig, CacheLayout};
-use chimera::engine::api::{EngineEvent, FinishReason, GenerateRequest, SamplingParams, Usage};
+use chimera::engine::api::{
+    EngineEvent, FailureKind, FinishReason, GenerateRequest, MissReason, SamplingParams, Usage,
+};
 use chimera::engine::{Engine, EngineConfig, EngineSetup, ModelRunner, Policies};
 use chimera::model::{self, LogitsMode, Model};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
@@ -106,6 +108,7 @@ fn submit(
             ignore_eos: true,
             prompt_logprobs: false,
             block_hashes: None,
+            checkpoints: Vec::new(),
         },
         tx,
     );
@@ -412,6 +415,7 @@ fn prompt_logprobs_match_the_full_forward_pass_despite_chunks_and_cache() {
                 ignore_eos: true,
                 prompt_logprobs: true,
                 block_hashes: None,
+                checkpoints: Vec::new(),
             },
             tx,
         );
@@ -461,6 +465,11 @@ fn prompt_logprobs_match_the_full_forward_pass_despite_chunks_and_cache() {
             panic!("{name}: not finished");
         };
         assert_eq!(usage.cached_tokens, 0, "{name}: nothing may be skipped");
+        assert_eq!(
+            usage.cache_miss,
+            Some(MissReason::PromptLogprobs),
+            "{name}: the miss says why"
+        );
     }
 }
 
@@ -524,6 +533,7 @@ fn each_step_uploads_once_and_reads_once() {
                             ignore_eos: true,
                             prompt_logprobs: false,
                             block_hashes: None,
+                            checkpoints: Vec::new(),
                         },
                         tx,
                     );
@@ -606,5 +616,148 @@ fn recycled_temporaries_are_fully_written() {
             again.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
             "{name}"
         );
+    }
+}
+
+/// A three-turn conversation in token ids, each turn the previous prompt, the model's own reply
+/// and a new message: from turn 2 on the cache serves everything up to at most one block
+/// before where the previous turn ended (its output blocks were indexed, and on hybrids the
+/// rolling snapshot became durable), the restores are counted, and every turn's output equals
+/// a cold run's; with caching off the tokens are the same and nothing is served.
+#[test]
+fn multi_turn_conversation_is_served_from_cache_through_each_reply() {
+    for name in MODELS {
+        let m = load(name);
+        let hybrid = m.info.cache.is_hybrid();
+        for caching in [true, false] {
+            let setup = Setup {
+                prefix_caching: caching,
+                ..Setup::default()
+            };
+            let mut e = engine(load(name), &setup);
+            let mut prompt = tokens(61, 37);
+            let mut ended_at = 0;
+            let mut misses = 0;
+            for turn in 0..3u64 {
+                let restores = e.stats().ssm_restores;
+                let rx = submit(&mut e, turn, &prompt, 20);
+                let out = run_all(&mut e, vec![rx]).pop().expect("outcome");
+                let label = format!("{name} caching {caching} turn {}", turn + 1);
+                assert_eq!(out.tokens, reference(&m, &prompt, 20), "{label}: output");
+                let u = out.usage;
+                assert_eq!(u.cacheable_tokens as usize, (prompt.len() - 2) / 16 * 16);
+                misses += u32::from(u.cache_miss.is_some());
+                if !caching {
+                    assert_eq!(u.cached_tokens, 0, "{label}");
+                    assert_eq!(u.cache_miss, Some(MissReason::CachingOff), "{label}");
+                } else if turn == 0 {
+                    assert_eq!(u.cached_tokens, 0, "{label}");
+                    assert_eq!(u.cache_miss, Some(MissReason::NoKvMatch), "{label}");
+                } else {
+                    // The previous turn computed all but its last sampled token.
+                    let cached = u.cached_tokens as usize;
+                    assert!(
+                        cached + 16 >= ended_at && cached < ended_at,
+                        "{label}: cached {cached}, previous turn ended at {ended_at}"
+                    );
+                    assert_eq!(cached % 16, 0, "{label}");
+                    // Short of the cacheable prefix only where the new message starts.
+                    let want =
+                        (u.cached_tokens < u.cacheable_tokens).then_some(MissReason::NoKvMatch);
+                    assert_eq!(u.cache_miss, want, "{label}");
+                    let restored = e.stats().ssm_restores - restores;
+                    assert_eq!(restored, u64::from(hybrid), "{label}: restores");
+                }
+                prompt.extend(&out.tokens);
+                ended_at = prompt.len();
+                prompt.extend(tokens(70 + turn, 9));
+            }
+            let s = e.stats();
+            if caching && hybrid {
+                assert!(s.ssm_rolling_copies > 0, "{name}: no rolling snapshot");
+                assert!(
+                    s.ssm_rolling_kept >= 2,
+                    "{name}: rolling snapshots not kept"
+                );
+                assert!(s.ssm_snapshot_copies >= s.ssm_rolling_copies);
+            } else {
+                assert_eq!(s.ssm_rolling_copies, 0, "{name} caching {caching}");
+            }
+            assert!(misses >= 1, "{name}: the first turn misses");
+            assert_eq!(
+                s.cache_misses.iter().sum::<u64>(),
+                u64::from(misses),
+                "{name}: misses counted"
+            );
+            e.cache().check_invariants().expect("cache invariants");
+            assert_eq!(e.cache().pool().available(), e.cache().total_blocks());
+        }
+    }
+}
+
+fn submit_checkpoints(
+    e: &mut Engine<ModelRunner<CpuBackend>>,
+    id: u64,
+    prompt: &[u32],
+    checkpoints: Vec<u32>,
+) -> UnboundedReceiver<EngineEvent> {
+    let (tx, rx) = unbounded_channel();
+    e.add(
+        GenerateRequest {
+            id,
+            prompt: prompt.to_vec(),
+            params: SamplingParams::default(),
+            max_tokens: 4,
+            stop_token_ids: Vec::new(),
+            ignore_eos: true,
+            prompt_logprobs: false,
+            block_hashes: None,
+            checkpoints,
+        },
+        tx,
+    );
+    rx
+}
+
+/// A client checkpoint keeps the SSM state where the prompt's later requests diverge: without
+/// it a hybrid cannot restore there (and says so), with it the next request restores exactly
+/// at the checkpoint's block; offsets outside the prompt are refused.
+#[test]
+fn client_checkpoints_make_a_divergence_point_restorable() {
+    for name in ["nemotronh-a", "bamba-b"] {
+        let m = load(name);
+        let x = tokens(81, 100);
+        let follow = [&x[..53], &tokens(82, 20)[..]].concat();
+        for with in [false, true] {
+            let mut e = engine(load(name), &Setup::default());
+            let marks = if with { vec![53, 100] } else { Vec::new() };
+            let rx = submit_checkpoints(&mut e, 1, &x, marks);
+            run_all(&mut e, vec![rx]);
+            let rx = submit_checkpoints(&mut e, 2, &follow, Vec::new());
+            let out = run_all(&mut e, vec![rx]).pop().expect("outcome");
+            assert_eq!(out.tokens, reference(&m, &follow, 4), "{name} {with}");
+            let s = e.stats();
+            if with {
+                assert_eq!(out.usage.cached_tokens, 48, "{name}");
+                assert_eq!(out.usage.cache_miss, Some(MissReason::NoKvMatch), "{name}");
+                assert_eq!(s.checkpoints_requested, 2, "{name}");
+                assert_eq!(s.ssm_checkpoint_copies, 1, "{name}: 96 was planned anyway");
+            } else {
+                assert_eq!(out.usage.cached_tokens, 0, "{name}");
+                assert_eq!(out.usage.cache_miss, Some(MissReason::NoSnapshot), "{name}");
+                assert_eq!(s.ssm_checkpoint_copies, 0, "{name}");
+            }
+        }
+        let mut e = engine(load(name), &Setup::default());
+        for bad in [0, 101] {
+            let mut rx = submit_checkpoints(&mut e, 9, &x, vec![16, bad]);
+            match rx.try_recv() {
+                Ok(EngineEvent::Failed { kind, message }) => {
+                    assert_eq!(kind, FailureKind::InvalidRequest);
+                    assert!(message.contains(&format!("offset {bad}")), "{message}");
+                }
+                other => panic!("{name}: offset {bad} accepted: {other:?}"),
+            }
+        }
     }
 }

@@ -427,6 +427,7 @@ async fn completion_logprobs_and_echo() {
         ignore_eos: false,
         prompt_logprobs: true,
         block_hashes: None,
+        checkpoints: Vec::new(),
     });
     let want = direct
         .iter()

@@ -676,6 +676,7 @@ fn the_engine_fails_malformed_requests_as_invalid_request() {
         ignore_eos: false,
         prompt_logprobs: false,
         block_hashes: None,
+        checkpoints: Vec::new(),
     };
     let vocab = o.mock.vocab as u32;
     let cases = [

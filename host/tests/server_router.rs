@@ -204,6 +204,7 @@ fn run_with_hashes(prompt: &[u32], given: Option<Vec<BlockHash>>) -> (u64, Vec<u
         ignore_eos: true,
         prompt_logprobs: false,
         block_hashes: given.map(Into::into),
+        checkpoints: Vec::new(),
     };
     e.add(request, tx);
     while !e.is_idle() {

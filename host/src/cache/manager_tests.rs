@@ -31,6 +31,7 @@ fn run_prompt(cm: &mut CacheManager, seq: u32, tokens: &[u32]) -> (PrefixMatch, 
         &h,
         tokens.len(),
         m.kv_blocks,
+        &[],
         ctx,
         tokens.len() - ctx,
         &mut snaps,
@@ -185,8 +186,14 @@ fn evicting_a_block_drops_its_snapshot() {
     // An unrelated 16-token prompt needs all 4 blocks: both cached blocks are evicted.
     let b: Vec<u32> = (100..116).collect();
     run_prompt(&mut cm, 0, &b);
-    assert_eq!(cm.match_prefix(&hashes(&a), 9).kv_blocks, 0);
+    let m = cm.match_prefix(&hashes(&a), 9);
+    assert_eq!(m.kv_blocks, 0);
     assert_eq!(cm.counters.snapshots_dropped, 2);
+    // The miss says the blocks were evicted, until the cache is dropped on purpose.
+    assert_eq!(
+        cm.miss_reason(&hashes(&a), 9, m, false),
+        Some(MissReason::Evicted)
+    );
     ev.clear();
     cm.take_events(&mut ev);
     let removed: Vec<u64> = hashes(&a).iter().map(|h| h.short()).collect();
@@ -203,7 +210,7 @@ fn aborted_step_indexes_nothing_and_frees_reservations() {
     let m = cm.match_prefix(&h, 9);
     cm.admit(0, &h, m, 9).unwrap();
     let mut snaps = Vec::new();
-    cm.plan_snapshots(0, &h, 9, 0, 0, 9, &mut snaps);
+    cm.plan_snapshots(0, &h, 9, 0, &[], 0, 9, &mut snaps);
     assert_eq!(snaps.len(), 2);
     assert_eq!(cm.ssm().durable_used(), 2);
     cm.abort_step();
@@ -295,5 +302,187 @@ fn full_snapshot_slots_reclaim_the_least_recently_used_unused_one() {
         }
     );
     assert_eq!(cm.match_prefix(&hashes(&b), 9).skip_blocks, 1);
+    // C's KV is cached but its snapshots were skipped for want of a slot; A's were given up.
+    for p in [&c, &a] {
+        let m = cm.match_prefix(&hashes(p), 9);
+        assert_eq!(
+            cm.miss_reason(&hashes(p), 9, m, false),
+            Some(MissReason::SnapshotBudgetFull)
+        );
+    }
+    cm.check_invariants().unwrap();
+}
+
+/// Each miss reason, staged: the reason reported is exactly the one staged.
+#[test]
+fn every_miss_has_its_reason() {
+    let reason = |cm: &CacheManager, p: &[u32], logprobs: bool| {
+        let h = hashes(p);
+        let m = cm.match_prefix(&h, p.len());
+        cm.miss_reason(&h, p.len(), m, logprobs)
+    };
+    let a: Vec<u32> = (0..14).collect();
+    // Caching off: whatever the prompt.
+    let off = CacheManager::new(&layout(16, 0, 0), false, false, None);
+    assert_eq!(reason(&off, &a, false), Some(MissReason::CachingOff));
+    let mut cm = CacheManager::new(&layout(32, 2, 8), true, true, None);
+    // 5 tokens: a skip of one block would leave one token, so nothing is cacheable.
+    assert_eq!(cm.cacheable_blocks(5), 0);
+    assert_eq!(
+        reason(&cm, &a[..5], false),
+        Some(MissReason::PromptTooShort)
+    );
+    assert_eq!(reason(&cm, &a, false), Some(MissReason::NoKvMatch));
+    run_prompt(&mut cm, 0, &a);
+    cm.release(0).unwrap();
+    // Cached at 8 and 12 with snapshots: a longer prompt is served in full...
+    let mut b = a[..12].to_vec();
+    b.extend([90, 91, 92]);
+    assert_eq!(reason(&cm, &b, false), None);
+    // ...unless it asks for prompt logprobs.
+    assert_eq!(reason(&cm, &b, true), Some(MissReason::PromptLogprobs));
+    // Shares one block, whose end has no snapshot.
+    let mut c = a[..4].to_vec();
+    c.extend([50, 51, 52, 53, 54, 55]);
+    assert_eq!(reason(&cm, &c, false), Some(MissReason::NoSnapshot));
+    // Reaches past the cache: no KV for block 4.
+    let mut d = a[..12].to_vec();
+    d.extend(60..70);
+    assert_eq!(reason(&cm, &d, false), Some(MissReason::NoKvMatch));
+    // A miss is counted per reason.
+    cm.count_miss(Some(MissReason::NoKvMatch));
+    cm.count_miss(None);
+    assert_eq!(cm.counters.misses[MissReason::NoKvMatch.index()], 1);
+    assert_eq!(cm.counters.misses.iter().sum::<u64>(), 1);
+}
+
+/// Decodes `tokens[start]` of sequence `seq` (one-token chunk): grows the table, plans the
+/// rolling snapshot when it completes a block, commits the step.
+fn decode(cm: &mut CacheManager, seq: u32, tokens: &[u32], start: usize) -> Vec<SsmSnapshot> {
+    cm.grow(seq, start + 1).unwrap();
+    let h = hashes(&tokens[..start + 1]);
+    let mut snaps = Vec::new();
+    if (start + 1).is_multiple_of(BS) {
+        cm.plan_rolling_snapshot(seq, h[(start + 1) / BS - 1], 1, &mut snaps);
+    }
+    cm.commit_seq(seq, &h, start + 1);
+    snaps
+}
+
+#[test]
+fn rolling_snapshot_follows_decoding_and_is_kept_at_release() {
+    let mut cm = CacheManager::new(&layout(32, 2, 4), true, true, None);
+    // A 6-token prompt (snapshot at 4), then 8 decoded tokens crossing 8 and 12.
+    let t: Vec<u32> = (0..14).collect();
+    run_prompt(&mut cm, 0, &t[..6]);
+    assert_eq!(cm.ssm().durable_used(), 1);
+    let mut slots = Vec::new();
+    for start in 6..13 {
+        let snaps = decode(&mut cm, 0, &t, start);
+        slots.extend(snaps.iter().map(|s| (start, s.after, s.slot)));
+        cm.commit_step();
+        cm.check_invariants().unwrap();
+    }
+    // One rolling slot, written at both boundaries; output blocks entered the index.
+    assert_eq!(slots.len(), 2);
+    assert_eq!((slots[0].0, slots[0].1), (7, 1));
+    assert_eq!((slots[1].0, slots[1].2), (11, slots[0].2));
+    assert_eq!(cm.ssm().durable_used(), 2);
+    assert_eq!(cm.counters.rolling_copies, 2);
+    let h = hashes(&t);
+    assert!(
+        cm.is_cached(h[2]),
+        "the block completed by decoding is indexed"
+    );
+    cm.release(0).unwrap();
+    // The rolling slot became the snapshot at 12: a follow-up turn restores there.
+    assert_eq!(cm.counters.rolling_kept, 1);
+    assert_eq!(
+        cm.ssm().snapshot_of(cm.pool().lookup(h[2]).unwrap()),
+        Some(slots[1].2)
+    );
+    let mut next = t[..13].to_vec();
+    next.extend([70, 71, 72]);
+    let m = cm.match_prefix(&hashes(&next), next.len());
+    assert_eq!(m.skip_blocks, 3);
+    let mut ev = Vec::new();
+    cm.commit_step();
+    cm.take_events(&mut ev);
+    assert!(
+        ev.iter()
+            .any(|e| matches!(e, KvEvent::Stored { hashes, with_snapshot }
+        if hashes == &vec![h[2].short()] && with_snapshot == &vec![true])),
+        "{ev:?}"
+    );
+    cm.check_invariants().unwrap();
+}
+
+#[test]
+fn rolling_snapshot_of_a_failed_step_is_not_kept_and_a_full_budget_skips() {
+    let mut cm = CacheManager::new(&layout(32, 2, 1), true, true, None);
+    let t: Vec<u32> = (0..9).collect();
+    // The 6-token prompt takes the only durable slot (its snapshot at 4, block in use).
+    run_prompt(&mut cm, 0, &t[..6]);
+    assert!(decode(&mut cm, 0, &t, 6).is_empty());
+    cm.commit_step();
+    // Crossing 8: no slot can be had (the snapshot's block is in use): skipped, counted.
+    assert!(decode(&mut cm, 0, &t, 7).is_empty());
+    cm.commit_step();
+    assert_eq!(cm.counters.rolling_skipped, 1);
+    let h = hashes(&t[..8]);
+    let mut next = t[..8].to_vec();
+    next.extend([40, 41, 42]);
+    cm.release(0).unwrap();
+    let m = cm.match_prefix(&hashes(&next), next.len());
+    assert_eq!((m.kv_blocks, m.skip_blocks), (2, 1));
+    assert_eq!(
+        cm.miss_reason(&hashes(&next), next.len(), m, false),
+        Some(MissReason::SnapshotBudgetFull)
+    );
+    // A step that fails after writing the rolling slot leaves nothing behind.
+    let mut cm = CacheManager::new(&layout(32, 2, 4), true, true, None);
+    run_prompt(&mut cm, 0, &t[..6]);
+    decode(&mut cm, 0, &t, 6);
+    cm.commit_step();
+    assert_eq!(decode(&mut cm, 0, &t, 7).len(), 1);
+    cm.abort_step();
+    cm.release(0).unwrap();
+    assert_eq!(cm.counters.rolling_kept, 0);
+    assert_eq!(
+        cm.ssm().durable_used(),
+        1,
+        "only the prompt's snapshot remains"
+    );
+    assert!(
+        cm.ssm()
+            .snapshot_of(cm.pool().lookup(h[0]).unwrap())
+            .is_some()
+    );
+    cm.check_invariants().unwrap();
+}
+
+#[test]
+fn checkpoints_add_snapshot_points_rounded_down_to_blocks() {
+    let mut cm = CacheManager::new(&layout(32, 2, 8), true, true, None);
+    let t: Vec<u32> = (0..22).collect();
+    let h = hashes(&t);
+    let m = cm.match_prefix(&h, t.len());
+    cm.admit(0, &h, m, t.len()).unwrap();
+    let mut snaps = Vec::new();
+    // Fixed points 16 and 20; checkpoint 9 → 8; checkpoint 3 is inside the first block.
+    cm.plan_snapshots(0, &h, t.len(), 0, &[9, 3, 17], 0, t.len(), &mut snaps);
+    let after: Vec<usize> = snaps.iter().map(|s| s.after).collect();
+    assert_eq!(after, vec![8, 16, 20]);
+    assert_eq!(
+        cm.counters.checkpoint_copies, 1,
+        "17 rounds to 16, already planned"
+    );
+    assert_eq!(cm.counters.snapshot_copies, 3);
+    cm.commit_seq(0, &h, t.len());
+    cm.commit_step();
+    cm.release(0).unwrap();
+    let mut b = t[..9].to_vec();
+    b.extend([80, 81, 82]);
+    assert_eq!(cm.match_prefix(&hashes(&b), b.len()).skip_blocks, 2);
     cm.check_invariants().unwrap();
 }

@@ -9,9 +9,16 @@
 //! - a sequence skips only whole blocks, leaves at least 2 prompt tokens to compute, and on a
 //!   hybrid model skips only to a boundary that has both cached KV and an SSM snapshot (a
 //!   missing snapshot at restore time is an error, never a zero state);
-//! - prompt blocks enter the index, and snapshots attach to blocks, only after the step that
-//!   computed them succeeded ([`CacheManager::commit_step`]); a failed step is rolled back with
-//!   [`CacheManager::abort_step`];
+//! - prompt and output blocks enter the index (same chained hashes), and snapshots attach to
+//!   blocks, only after the step that computed them succeeded ([`CacheManager::commit_step`]);
+//!   a failed step is rolled back with [`CacheManager::abort_step`];
+//! - a decoding hybrid sequence keeps one *rolling* snapshot: a durable slot refreshed (by a
+//!   snapshot target planned into the step, like any other) each time it completes a block;
+//!   when the sequence is released the slot becomes the durable snapshot of that block, so a
+//!   follow-up turn restores at most one block before where this one ended. A rolling slot is
+//!   taken from the durable budget; when none can be had the snapshot is skipped and counted;
+//! - every admission can say why it was served less than its cacheable prefix
+//!   ([`CacheManager::miss_reason`], [`MissReason`]);
 //! - evicting a block drops its snapshot; `reset_prefix_cache` drops every cached entry while
 //!   running sequences keep their blocks.
 //!
@@ -21,6 +28,7 @@ pub mod block_pool;
 pub mod config;
 pub mod events;
 pub mod hash;
+pub mod miss;
 pub mod spec;
 pub mod ssm_pool;
 mod stats;
@@ -29,6 +37,7 @@ pub use block_pool::{BlockPool, NO_PARENT, PoolError};
 pub use config::{ByteSize, CacheConfig, CacheConfigError, CacheLayout};
 pub use events::KvEvent;
 pub use hash::{BlockHash, HashSeed};
+pub use miss::{MissMemory, MissReason};
 pub use spec::{CacheSpec, SsmStateDtype};
 pub use ssm_pool::SsmPool;
 pub use stats::CacheCounters;
@@ -88,8 +97,21 @@ struct SeqCache {
     /// Matched blocks pinned to keep the chain alive while this sequence recomputes them.
     keepalive: Vec<u32>,
     live_slot: u32,
-    /// Leading prompt blocks already offered to the index.
+    /// Leading blocks (prompt, then output) already offered to the index.
     committed: usize,
+    /// The rolling snapshot slot of a decoding hybrid sequence.
+    rolling: Option<Rolling>,
+}
+
+/// A sequence's rolling snapshot: one durable slot, overwritten at each block boundary the
+/// sequence completes while decoding.
+#[derive(Debug, Clone, Copy)]
+struct Rolling {
+    slot: u32,
+    /// The block whose end state the slot holds (set once the step that wrote it succeeded).
+    holds: Option<BlockHash>,
+    /// The block whose end state this step writes.
+    writing: Option<BlockHash>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -114,6 +136,9 @@ pub struct CacheManager {
     removed: Vec<u64>,
     snapshot_removed: Vec<u64>,
     events: Vec<KvEvent>,
+    /// Sequences whose rolling slot this step writes.
+    rolling_pending: Vec<u32>,
+    memory: MissMemory,
     pub counters: CacheCounters,
 }
 
@@ -139,6 +164,8 @@ impl CacheManager {
             removed: Vec::new(),
             snapshot_removed: Vec::new(),
             events: Vec::new(),
+            rolling_pending: Vec::new(),
+            memory: MissMemory::new(4 * layout.num_blocks.max(16)),
             counters: CacheCounters::default(),
         }
     }
@@ -201,6 +228,59 @@ impl CacheManager {
         }
     }
 
+    /// The largest number of leading blocks of a `prompt_len`-token prompt the cache could
+    /// ever serve (a skip leaves at least two prompt tokens to compute).
+    pub fn cacheable_blocks(&self, prompt_len: usize) -> usize {
+        prompt_len.saturating_sub(2) / self.block_size
+    }
+
+    /// Why `m` serves fewer blocks than the prompt's cacheable prefix (`None`: it serves them
+    /// all). `prompt_logprobs`: the request asked for them, so nothing was skipped. Reasons are
+    /// checked in the order of [`MissReason`]'s variants; the first that applies is reported.
+    pub fn miss_reason(
+        &self,
+        hashes: &[BlockHash],
+        prompt_len: usize,
+        m: PrefixMatch,
+        prompt_logprobs: bool,
+    ) -> Option<MissReason> {
+        let cacheable = self.cacheable_blocks(prompt_len).min(hashes.len());
+        if !self.prefix_caching {
+            return Some(MissReason::CachingOff);
+        }
+        if prompt_logprobs {
+            return Some(MissReason::PromptLogprobs);
+        }
+        if cacheable == 0 {
+            return Some(MissReason::PromptTooShort);
+        }
+        if m.skip_blocks >= cacheable {
+            return None;
+        }
+        if m.kv_blocks > m.skip_blocks {
+            // KV reaches further than the skip: the deepest usable KV boundary has no snapshot.
+            let boundary = hashes[m.kv_blocks.min(cacheable) - 1];
+            let no_slots = self.ssm.durable_total() == 0;
+            return Some(if no_slots || self.memory.lost_snapshot(boundary) {
+                MissReason::SnapshotBudgetFull
+            } else {
+                MissReason::NoSnapshot
+            });
+        }
+        Some(if self.memory.was_evicted(hashes[m.kv_blocks]) {
+            MissReason::Evicted
+        } else {
+            MissReason::NoKvMatch
+        })
+    }
+
+    /// Counts one admission's outcome in [`CacheCounters::misses`].
+    pub fn count_miss(&mut self, reason: Option<MissReason>) {
+        if let Some(r) = reason {
+            self.counters.misses[r.index()] += 1;
+        }
+    }
+
     fn snapshot_at(&self, hash: BlockHash) -> Option<u32> {
         self.pool.lookup(hash).and_then(|b| self.ssm.snapshot_of(b))
     }
@@ -259,7 +339,7 @@ impl CacheManager {
         let mut blocks = matched;
         let keepalive = blocks.split_off(m.skip_blocks);
         self.pool.allocate(new, self.step, &mut blocks)?;
-        self.after_pool_change();
+        self.after_pool_change(true);
         let live_slot = match init {
             SsmInit::Zero { live } | SsmInit::Restore { live, .. } => live,
             SsmInit::None => 0,
@@ -269,6 +349,7 @@ impl CacheManager {
             keepalive,
             live_slot,
             committed: m.skip_blocks,
+            rolling: None,
         };
         if self.seqs.len() <= seq as usize {
             self.seqs.resize_with(seq as usize + 1, || None);
@@ -304,7 +385,7 @@ impl CacheManager {
             .and_then(Option::as_mut)
             .ok_or(CacheError::UnknownSeq(seq))?;
         self.pool.allocate(need, step, &mut s.blocks)?;
-        self.after_pool_change();
+        self.after_pool_change(true);
         Ok(())
     }
 
@@ -324,12 +405,33 @@ impl CacheManager {
                 i += 1;
             }
         }
+        self.rolling_pending.retain(|&q| q != seq);
         self.pool.release(&s.blocks, self.step)?;
         self.pool.release(&s.keepalive, self.step)?;
         if self.hybrid {
             self.ssm.free_live(s.live_slot);
         }
+        if let Some(r) = s.rolling {
+            self.keep_rolling(r);
+        }
         Ok(())
+    }
+
+    /// A released sequence's rolling slot becomes the durable snapshot of the block it holds,
+    /// when that block is still indexed and has no snapshot yet; otherwise the slot is freed.
+    fn keep_rolling(&mut self, r: Rolling) {
+        let block = r.holds.and_then(|h| self.pool.lookup(h).map(|b| (b, h)));
+        match block {
+            Some((b, h)) if self.ssm.attach(b, r.slot) => {
+                self.pool.note_snapshot(b, true, self.step);
+                self.memory.snapshot_taken(h);
+                self.counters.rolling_kept += 1;
+                self.snapshot_only.push(h);
+            }
+            // `attach` freed the slot: the block already had a snapshot.
+            Some(_) => {}
+            None => self.ssm.unreserve(r.slot),
+        }
     }
 
     fn seq(&self, seq: u32) -> Option<&SeqCache> {
@@ -345,10 +447,11 @@ impl CacheManager {
     }
 
     /// Plans SSM snapshots inside the chunk `ctx .. ctx + len` of a hybrid prompt: at the end
-    /// of the cached prefix (`kv_blocks`), at the last block boundary of the prompt and at the
-    /// one before it, wherever no snapshot exists yet. When every durable slot is taken, the
+    /// of the cached prefix (`kv_blocks`), at the last block boundary of the prompt, at the
+    /// one before it, and at the block boundary at or before each client `checkpoints` offset
+    /// (prompt tokens), wherever no snapshot exists yet. When every durable slot is taken, the
     /// least recently used snapshot of an unused block gives its slot up; when none can, the
-    /// snapshot is skipped (serving goes on without it).
+    /// snapshot is skipped and counted (serving goes on without it). `out` is in chunk order.
     #[allow(clippy::too_many_arguments)]
     pub fn plan_snapshots(
         &mut self,
@@ -356,6 +459,7 @@ impl CacheManager {
         hashes: &[BlockHash],
         prompt_len: usize,
         kv_blocks: usize,
+        checkpoints: &[u32],
         ctx: usize,
         len: usize,
         out: &mut Vec<SsmSnapshot>,
@@ -365,36 +469,38 @@ impl CacheManager {
         }
         let bs = self.block_size;
         let last = prompt_len / bs;
-        let mut points = [kv_blocks, last.saturating_sub(1), last];
-        points.sort_unstable();
-        let mut prev = usize::MAX;
-        for blocks in points {
+        let fixed = [kv_blocks, last.saturating_sub(1), last];
+        let asked = checkpoints.iter().map(|&o| o as usize / bs);
+        for (i, blocks) in fixed.into_iter().chain(asked).enumerate() {
+            let checkpoint = i >= fixed.len();
             let p = blocks * bs;
-            if blocks == 0 || blocks == prev || p <= ctx || p > ctx + len || blocks > hashes.len() {
+            if blocks == 0 || p <= ctx || p > ctx + len || blocks > hashes.len() {
                 continue;
             }
-            prev = blocks;
             let hash = hashes[blocks - 1];
-            if self.snapshot_at(hash).is_some() {
+            if self.snapshot_at(hash).is_some() || self.pending.iter().any(|q| q.hash == hash) {
                 continue;
             }
-            let slot = match self.ssm.reserve() {
-                Some(slot) => slot,
-                None if self.reclaim_snapshot() => match self.ssm.reserve() {
-                    Some(slot) => slot,
-                    None => continue,
-                },
-                None => {
-                    self.counters.snapshots_skipped += 1;
-                    continue;
-                }
+            let reserved = match self.ssm.reserve() {
+                Some(slot) => Some(slot),
+                None if self.reclaim_snapshot() => self.ssm.reserve(),
+                None => None,
             };
+            let Some(slot) = reserved else {
+                self.counters.snapshots_skipped += 1;
+                self.counters.checkpoints_skipped += u64::from(checkpoint);
+                self.memory.snapshot_lost(hash);
+                continue;
+            };
+            self.counters.snapshot_copies += 1;
+            self.counters.checkpoint_copies += u64::from(checkpoint);
             self.pending.push(PendingSnapshot { seq, hash, slot });
             out.push(SsmSnapshot {
                 after: p - ctx,
                 slot,
             });
         }
+        out.sort_unstable_by_key(|t| t.after);
     }
 
     /// After a successful step: offers the prompt blocks that sequence `seq` completed (its
@@ -419,6 +525,7 @@ impl CacheManager {
             };
             if self.pool.register(s.blocks[j], hashes[j], parent, step) {
                 self.stored.push(hashes[j]);
+                self.memory.indexed(hashes[j]);
             }
             s.committed += 1;
         }
@@ -438,6 +545,7 @@ impl CacheManager {
         self.pool.note_snapshot(b, false, self.step);
         if let Some(h) = self.pool.hash_of(b) {
             self.snapshot_removed.push(h.short());
+            self.memory.snapshot_lost(h);
         }
         self.counters.snapshots_dropped += 1;
         true
@@ -450,6 +558,7 @@ impl CacheManager {
             match self.pool.lookup(p.hash) {
                 Some(b) if self.ssm.attach(b, p.slot) => {
                     self.pool.note_snapshot(b, true, self.step);
+                    self.memory.snapshot_taken(p.hash);
                     self.counters.snapshots_taken += 1;
                     if !self.stored.contains(&p.hash) {
                         self.snapshot_only.push(p.hash);
@@ -459,15 +568,81 @@ impl CacheManager {
                 None => self.ssm.unreserve(p.slot),
             }
         }
+        for seq in std::mem::take(&mut self.rolling_pending) {
+            if let Some(r) = self.rolling_mut(seq) {
+                r.holds = r.writing.take();
+            }
+        }
         self.finish_events();
     }
 
-    /// After a failed step: frees the snapshot reservations (nothing was indexed).
+    /// After a failed step: frees the snapshot reservations (nothing was indexed); rolling
+    /// slots written by the step hold nothing usable.
     pub fn abort_step(&mut self) {
         for p in std::mem::take(&mut self.pending) {
             self.ssm.unreserve(p.slot);
         }
+        for seq in std::mem::take(&mut self.rolling_pending) {
+            if let Some(r) = self.rolling_mut(seq) {
+                r.holds = None;
+                r.writing = None;
+            }
+        }
         self.finish_events();
+    }
+
+    fn rolling_mut(&mut self, seq: u32) -> Option<&mut Rolling> {
+        self.seqs
+            .get_mut(seq as usize)
+            .and_then(Option::as_mut)
+            .and_then(|s| s.rolling.as_mut())
+    }
+
+    /// Plans the rolling snapshot of decoding sequence `seq` whose chunk (`len` tokens from
+    /// `ctx`) completes block `hash` after `after` tokens. The sequence's rolling slot is
+    /// reused; a sequence without one reserves a durable slot (giving up the least recently
+    /// used unused snapshot when none is free), and when none can be had the snapshot is
+    /// skipped and counted. Nothing is planned where the block already has a snapshot.
+    pub fn plan_rolling_snapshot(
+        &mut self,
+        seq: u32,
+        hash: BlockHash,
+        after: usize,
+        out: &mut Vec<SsmSnapshot>,
+    ) {
+        if !self.hybrid || !self.prefix_caching || self.ssm.durable_total() == 0 {
+            return;
+        }
+        if self.snapshot_at(hash).is_some() || self.seq(seq).is_none() {
+            return;
+        }
+        let slot = match self.seq(seq).and_then(|s| s.rolling) {
+            Some(r) => r.slot,
+            None => {
+                let reserved = match self.ssm.reserve() {
+                    Some(slot) => Some(slot),
+                    None if self.reclaim_snapshot() => self.ssm.reserve(),
+                    None => None,
+                };
+                let Some(slot) = reserved else {
+                    self.counters.rolling_skipped += 1;
+                    self.memory.snapshot_lost(hash);
+                    return;
+                };
+                slot
+            }
+        };
+        if let Some(s) = self.seqs.get_mut(seq as usize).and_then(Option::as_mut) {
+            // The slot is overwritten this step: until it succeeds it holds nothing usable.
+            s.rolling = Some(Rolling {
+                slot,
+                holds: None,
+                writing: Some(hash),
+            });
+        }
+        self.rolling_pending.push(seq);
+        self.counters.rolling_copies += 1;
+        out.push(SsmSnapshot { after, slot });
     }
 
     fn finish_events(&mut self) {
@@ -503,7 +678,8 @@ impl CacheManager {
     /// no longer indexed). Unpublished events are superseded by `Cleared`.
     pub fn reset_prefix_cache(&mut self) {
         self.pool.clear_index(self.step);
-        self.after_pool_change();
+        self.after_pool_change(false);
+        self.memory.clear();
         self.removed.clear();
         self.snapshot_removed.clear();
         self.stored.clear();
@@ -521,13 +697,16 @@ impl CacheManager {
         out.append(&mut self.events);
     }
 
-    /// Drops what hangs off blocks the pool unhashed (evicted or cleared).
-    fn after_pool_change(&mut self) {
+    /// Drops what hangs off blocks the pool unhashed (`evicted` to make room, or cleared).
+    fn after_pool_change(&mut self, evicted: bool) {
         self.pool.take_removed(&mut self.removed_scratch);
         for (b, h) in self.removed_scratch.drain(..) {
             // The evictor learns from the block's `Removed` event that its snapshot is gone.
             if self.ssm.drop_block(b) {
                 self.counters.snapshots_dropped += 1;
+            }
+            if evicted {
+                self.memory.evicted(h);
             }
             self.removed.push(h.short());
         }
@@ -536,9 +715,15 @@ impl CacheManager {
     pub fn check_invariants(&self) -> Result<(), String> {
         self.pool.check_invariants()?;
         let durable = self.ssm.durable_used() as usize;
-        if durable != self.ssm.snapshots() + self.pending.len() {
+        let rolling = self
+            .seqs
+            .iter()
+            .flatten()
+            .filter(|s| s.rolling.is_some())
+            .count();
+        if durable != self.ssm.snapshots() + self.pending.len() + rolling {
             return Err(format!(
-                "durable slots used {durable} != snapshots {} + pending {}",
+                "durable slots used {durable} != snapshots {} + pending {} + rolling {rolling}",
                 self.ssm.snapshots(),
                 self.pending.len()
             ));

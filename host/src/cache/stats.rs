@@ -18,4 +18,18 @@ pub struct CacheCounters {
     pub snapshots_skipped: u64,
     /// Snapshots dropped because their block left the cache.
     pub snapshots_dropped: u64,
+    /// Snapshots planned at prompt boundaries and checkpoints (one SSM-state copy each).
+    pub snapshot_copies: u64,
+    /// Rolling snapshots written (one SSM-state copy each, planned into a decode step).
+    pub rolling_copies: u64,
+    /// Rolling snapshots skipped because no durable slot could be had.
+    pub rolling_skipped: u64,
+    /// Rolling snapshots kept as durable snapshots when their sequence ended.
+    pub rolling_kept: u64,
+    /// Snapshots planned at a client's checkpoint offsets.
+    pub checkpoint_copies: u64,
+    /// Checkpoint snapshots skipped because no durable slot could be had.
+    pub checkpoints_skipped: u64,
+    /// Admissions served less than their cacheable prefix, by [`super::MissReason::index`].
+    pub misses: [u64; super::MissReason::ALL.len()],
 }

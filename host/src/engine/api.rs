@@ -11,6 +11,7 @@ use std::sync::{Arc, mpsc};
 use tokio::sync::{mpsc as tmpsc, watch};
 
 use crate::cache::BlockHash;
+pub use crate::cache::MissReason;
 
 /// Per-request sampling parameters (OpenAI semantics; 0 / 1 disables as noted).
 #[derive(Debug, Clone, PartialEq)]
@@ -68,6 +69,11 @@ pub struct GenerateRequest {
     /// hashing the prompt again, after checking their count and first block against its own
     /// salt and block size; `None` (or a mismatch) makes the engine hash the prompt itself.
     pub block_hashes: Option<Arc<[BlockHash]>>,
+    /// Prompt token offsets (each in `1 ..= prompt.len()`) where the client wants the SSM
+    /// state kept as a snapshot, if the snapshot budget allows: each is rounded down to a block
+    /// boundary (an offset inside the first block asks for nothing). Ignored by models without
+    /// SSM layers and with prefix caching off.
+    pub checkpoints: Vec<u32>,
 }
 
 /// Logprob of one generated token and of its top alternatives.
@@ -95,6 +101,11 @@ pub struct Usage {
     pub completion_tokens: u32,
     /// Prompt tokens whose computation was skipped thanks to the prefix cache.
     pub cached_tokens: u32,
+    /// The most prompt tokens the cache could serve this prompt (its whole blocks, leaving
+    /// at least two tokens to compute).
+    pub cacheable_tokens: u32,
+    /// Why fewer than `cacheable_tokens` were served (`None` when all were).
+    pub cache_miss: Option<MissReason>,
 }
 
 /// What a request's output channel carries, in order: one `PromptLogprobs` when they were
@@ -195,6 +206,10 @@ pub struct EngineStats {
     pub free_blocks: u32,
     pub cached_blocks: u32,
     pub ssm_slots_total: u32,
+    /// Durable slots (snapshots, rolling snapshots) among `ssm_slots_total`.
+    pub ssm_snapshot_slots: u32,
+    /// Bytes of one SSM slot (every SSM layer's conv and recurrent state).
+    pub ssm_slot_bytes: u64,
     pub ssm_snapshots_used: u32,
     pub prompt_tokens_computed: u64,
     pub prompt_tokens_cached: u64,
@@ -206,6 +221,19 @@ pub struct EngineStats {
     pub ssm_restores: u64,
     pub preemptions: u64,
     pub requests_finished: u64,
+    /// Requests served less than their cacheable prefix, by [`MissReason::index`].
+    pub cache_misses: [u64; MissReason::ALL.len()],
+    /// SSM-state copies into snapshot slots: at prompt boundaries, rolling (decode) and at
+    /// client checkpoints. Each moves one slot (`cache_config_info`'s state bytes per slot).
+    pub ssm_snapshot_copies: u64,
+    pub ssm_rolling_copies: u64,
+    pub ssm_checkpoint_copies: u64,
+    /// Snapshots (of any kind) not taken because every durable slot was in use.
+    pub ssm_snapshots_skipped: u64,
+    /// Rolling snapshots kept as durable snapshots when their request ended.
+    pub ssm_rolling_kept: u64,
+    /// Checkpoints requests asked for (offsets past the first block).
+    pub checkpoints_requested: u64,
 }
 
 /// Block-level cache events live with the cache; re-exported for the server and router.

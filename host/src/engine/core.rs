@@ -147,6 +147,11 @@ impl<E: StepExecutor> Engine<E> {
             total_blocks: layout.num_blocks as u32,
             free_blocks: layout.num_blocks as u32,
             ssm_slots_total: layout.ssm_slots() as u32,
+            ssm_snapshot_slots: layout.durable_slots as u32,
+            ssm_slot_bytes: layout
+                .ssm_bytes
+                .checked_div(layout.ssm_slots() as u64)
+                .unwrap_or(0),
             ..Default::default()
         };
         Ok(Self {
@@ -224,6 +229,17 @@ impl<E: StepExecutor> Engine<E> {
                 format!("token id {t} is outside the vocabulary ({})", self.vocab),
             );
         }
+        if let Some(&o) =
+            (req.checkpoints.iter()).find(|&&o| o == 0 || o as usize > req.prompt.len())
+        {
+            return fail(
+                InvalidRequest,
+                format!(
+                    "checkpoint offset {o} is outside the prompt (1 ..= {})",
+                    req.prompt.len()
+                ),
+            );
+        }
         if self.sched.contains(req.id) {
             return fail(
                 InvalidRequest,
@@ -237,6 +253,9 @@ impl<E: StepExecutor> Engine<E> {
             );
         }
         let (id, hashes) = (req.id, req.block_hashes.take());
+        let bs = self.layout.block_size as u32;
+        self.stats.checkpoints_requested +=
+            req.checkpoints.iter().filter(|&&o| o >= bs).count() as u64;
         self.sched.add(|slot| Request::new(req, slot, events));
         if let Some(h) = hashes
             && !self.sched.adopt_hashes(id, &h)
@@ -280,6 +299,8 @@ impl<E: StepExecutor> Engine<E> {
             prompt_tokens: r.orig_prompt_len as u32,
             completion_tokens: r.generated() as u32,
             cached_tokens: r.cached_tokens as u32,
+            cacheable_tokens: r.cacheable_tokens as u32,
+            cache_miss: r.cache_miss,
         };
         let _ = r.events.send(EngineEvent::Finished { reason, usage });
         self.stats.requests_finished += 1;
@@ -509,5 +530,11 @@ impl<E: StepExecutor> Engine<E> {
         s.prefix_cache_queries = c.prefix_queries;
         s.prefix_cache_hits = c.prefix_hits;
         s.ssm_restores = c.ssm_restores;
+        s.cache_misses = c.misses;
+        s.ssm_snapshot_copies = c.snapshot_copies + c.rolling_copies;
+        s.ssm_rolling_copies = c.rolling_copies;
+        s.ssm_checkpoint_copies = c.checkpoint_copies;
+        s.ssm_snapshots_skipped = c.snapshots_skipped + c.rolling_skipped;
+        s.ssm_rolling_kept = c.rolling_kept;
     }
 }

@@ -10,7 +10,7 @@
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::api::{EngineEvent, GenerateRequest, SamplingParams, TokenLogprob};
-use crate::cache::BlockHash;
+use crate::cache::{BlockHash, MissReason};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
@@ -32,12 +32,19 @@ pub struct Request {
     pub prompt_len: usize,
     pub orig_prompt_len: usize,
     pub computed: usize,
-    /// Chained hashes of the full blocks of `tokens[..prompt_len]`.
+    /// Chained hashes of the full blocks of `tokens[..prompt_len]`, then of each output block
+    /// from the step that computes it (with prefix caching on).
     pub hashes: Vec<BlockHash>,
     /// Cached KV blocks found at the latest admission (where this prompt leaves the cache).
     pub kv_match: usize,
     /// Prompt tokens skipped thanks to the prefix cache at the first admission.
     pub cached_tokens: usize,
+    /// The most prompt tokens the cache could have served (whole blocks, leaving two).
+    pub cacheable_tokens: usize,
+    /// Why `cached_tokens` fell short of `cacheable_tokens`, from the first admission.
+    pub cache_miss: Option<MissReason>,
+    /// Prompt offsets where the client asked for an SSM snapshot (rounded down to blocks).
+    pub checkpoints: Vec<u32>,
     pub admitted_once: bool,
     pub params: SamplingParams,
     pub max_tokens: usize,
@@ -67,6 +74,9 @@ impl Request {
             hashes: Vec::new(),
             kv_match: 0,
             cached_tokens: 0,
+            cacheable_tokens: 0,
+            cache_miss: None,
+            checkpoints: req.checkpoints,
             admitted_once: false,
             params: req.params,
             max_tokens: req.max_tokens as usize,

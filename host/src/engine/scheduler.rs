@@ -329,6 +329,21 @@ impl Scheduler {
         let all_logits = self.slots[slot as usize]
             .as_ref()
             .is_some_and(|r| r.prompt_logprobs.is_some() && start < r.orig_prompt_len);
+        let bs = self.block_size;
+        if let Some(r) = self.slots[slot as usize].as_mut()
+            && start >= r.prompt_len
+            && (start + n).is_multiple_of(bs)
+            && cache.prefix_caching()
+        {
+            // A decode completes an output block: hash it (it enters the index when this step
+            // succeeds) and, on a hybrid, refresh the request's rolling snapshot there.
+            let before = r.hashes.len();
+            self.seed.extend(&mut r.hashes, &r.tokens[..start + n], bs);
+            self.blocks_hashed += (r.hashes.len() - before) as u64;
+            if let Some(&h) = r.hashes.get((start + n) / bs - 1) {
+                cache.plan_rolling_snapshot(slot, h, n, &mut snapshots);
+            }
+        }
         if let Some(r) = self.slots[slot as usize].as_ref()
             && start < r.prompt_len
         {
@@ -337,11 +352,11 @@ impl Scheduler {
                 &r.hashes,
                 r.prompt_len,
                 r.kv_match,
+                &r.checkpoints,
                 start,
                 n,
                 &mut snapshots,
             );
-            let bs = self.block_size;
             let end = ((start + n) / bs).min(r.hashes.len());
             for &h in &r.hashes[(start / bs).min(end)..end] {
                 if !cache.is_cached(h) {
@@ -473,6 +488,10 @@ impl Scheduler {
             if !r.admitted_once {
                 r.admitted_once = true;
                 r.cached_tokens = ctx;
+                r.cacheable_tokens = cache.cacheable_blocks(prompt_len) * bs;
+                r.cache_miss =
+                    cache.miss_reason(&r.hashes, prompt_len, m, r.prompt_logprobs.is_some());
+                cache.count_miss(r.cache_miss);
             }
             r.phase = Phase::Running;
             self.out.admitted.push(r.id);
@@ -486,7 +505,7 @@ impl Scheduler {
     }
 
     /// Applies a successful step: advances every scheduled request, offers completed prompt
-    /// blocks and snapshots to the cache, and appends the sampled tokens (`sampled[i]` for the
+    /// and output blocks and snapshots to the cache, and appends the sampled tokens (`sampled[i]` for the
     /// i-th sequence with `want_logits`). Returns the requests that stopped, with the reason.
     pub fn update_from_output(
         &mut self,
@@ -498,7 +517,7 @@ impl Scheduler {
         for s in &self.out.seqs {
             if let Some(r) = self.slots[s.slot as usize].as_mut() {
                 r.computed = s.start + s.len;
-                cache.commit_seq(s.slot, &r.hashes, r.computed.min(r.prompt_len));
+                cache.commit_seq(s.slot, &r.hashes, r.computed);
             }
         }
         let mut row = 0;

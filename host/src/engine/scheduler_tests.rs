@@ -38,6 +38,7 @@ fn add(s: &mut Scheduler, id: u64, prompt: Vec<u32>, max_tokens: u32) {
         ignore_eos: true,
         prompt_logprobs: false,
         block_hashes: None,
+        checkpoints: Vec::new(),
     };
     s.add(|slot| Request::new(req, slot, tx));
 }
@@ -204,6 +205,7 @@ fn max_tokens_and_stop_tokens_finish() {
         ignore_eos: true,
         prompt_logprobs: false,
         block_hashes: None,
+        checkpoints: Vec::new(),
     };
     s.add(|slot| Request::new(req, slot, tx));
     plan(&mut s, &mut c);
@@ -224,6 +226,7 @@ fn prompt_logprob_requests_take_bounded_chunks_with_every_logit() {
         ignore_eos: true,
         prompt_logprobs: true,
         block_hashes: None,
+        checkpoints: Vec::new(),
     };
     s.add(|slot| Request::new(req, slot, tx));
     add(&mut s, 2, (1000..1300).collect(), 2);

@@ -105,6 +105,7 @@ mod tests {
             ignore_eos: true,
             prompt_logprobs: false,
             block_hashes: None,
+            checkpoints: Vec::new(),
         };
         s.add(|slot| Request::new(req, slot, tx));
     }

@@ -991,6 +991,7 @@ fn stress_run(
                     ignore_eos: true,
                     prompt_logprobs: false,
                     block_hashes: None,
+                    checkpoints: Vec::new(),
                 },
                 tx,
             );

@@ -315,6 +315,7 @@ pub(super) fn drive_engine_with<B: Backend>(
                 ignore_eos: true,
                 prompt_logprobs: false,
                 block_hashes: None,
+                checkpoints: Vec::new(),
             },
             tx,
         );

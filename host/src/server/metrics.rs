@@ -14,7 +14,7 @@ use std::fmt::Write;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::engine::api::EngineStats;
+use crate::engine::api::{EngineStats, MissReason};
 
 /// Metric names, in one place.
 pub mod names {
@@ -33,6 +33,14 @@ pub mod names {
     pub const REQUEST_SUCCESS: &str = "chimera:request_success_total";
     // chimera's own.
     pub const SSM_SNAPSHOT_HITS: &str = "chimera:ssm_snapshot_hits_total";
+    /// Requests served less than their cacheable prompt prefix, by `reason`.
+    pub const PREFIX_CACHE_MISSES: &str = "chimera:prefix_cache_misses_total";
+    /// SSM-state copies into snapshot slots, by `kind` (prompt, rolling, checkpoint).
+    pub const SSM_SNAPSHOT_COPIES: &str = "chimera:ssm_snapshot_copies_total";
+    pub const SSM_SNAPSHOT_COPY_BYTES: &str = "chimera:ssm_snapshot_copy_bytes_total";
+    pub const SSM_SNAPSHOTS_SKIPPED: &str = "chimera:ssm_snapshots_skipped_total";
+    pub const SSM_ROLLING_KEPT: &str = "chimera:ssm_rolling_snapshots_kept_total";
+    pub const CACHE_CHECKPOINTS: &str = "chimera:cache_checkpoints_requested_total";
     pub const ROUTED_REQUESTS: &str = "chimera:router_requests_total";
     pub const PLUGIN_CALL_LATENCY: &str = "chimera:plugin_call_latency_seconds";
     /// Last-resort placements, after the router policy (plugin or its native twin) gave an
@@ -307,15 +315,83 @@ impl Metrics {
             "Requests restored from an SSM-state snapshot.",
             &|s| s.ssm_restores as f64,
         );
+        let _ = writeln!(
+            out,
+            "# HELP {PREFIX_CACHE_MISSES} Requests served less than their cacheable prompt prefix, by reason.\n# TYPE {PREFIX_CACHE_MISSES} counter"
+        );
+        for (i, s) in stats.iter().enumerate() {
+            for r in MissReason::ALL {
+                let _ = writeln!(
+                    out,
+                    "{PREFIX_CACHE_MISSES}{{model_name=\"{m}\",engine=\"{i}\",reason=\"{}\"}} {}",
+                    r.as_str(),
+                    s.cache_misses[r.index()]
+                );
+            }
+        }
+        let _ = writeln!(
+            out,
+            "# HELP {SSM_SNAPSHOT_COPIES} SSM-state copies into snapshot slots, by kind.\n# TYPE {SSM_SNAPSHOT_COPIES} counter"
+        );
+        for (i, s) in stats.iter().enumerate() {
+            let prompt = s
+                .ssm_snapshot_copies
+                .saturating_sub(s.ssm_rolling_copies + s.ssm_checkpoint_copies);
+            for (kind, n) in [
+                ("prompt", prompt),
+                ("rolling", s.ssm_rolling_copies),
+                ("checkpoint", s.ssm_checkpoint_copies),
+            ] {
+                let _ = writeln!(
+                    out,
+                    "{SSM_SNAPSHOT_COPIES}{{model_name=\"{m}\",engine=\"{i}\",kind=\"{kind}\"}} {n}"
+                );
+            }
+        }
+        per_engine(
+            &mut out,
+            SSM_SNAPSHOT_COPY_BYTES,
+            "counter",
+            "Bytes copied into SSM snapshot slots.",
+            &|s| (s.ssm_snapshot_copies * s.ssm_slot_bytes) as f64,
+        );
+        per_engine(
+            &mut out,
+            SSM_SNAPSHOTS_SKIPPED,
+            "counter",
+            "SSM snapshots not taken because every snapshot slot was in use.",
+            &|s| s.ssm_snapshots_skipped as f64,
+        );
+        per_engine(
+            &mut out,
+            SSM_ROLLING_KEPT,
+            "counter",
+            "Rolling SSM snapshots kept as durable snapshots when their request ended.",
+            &|s| s.ssm_rolling_kept as f64,
+        );
+        per_engine(
+            &mut out,
+            CACHE_CHECKPOINTS,
+            "counter",
+            "SSM checkpoints requests asked for (offsets past the first block).",
+            &|s| s.checkpoints_requested as f64,
+        );
 
         let _ = writeln!(
             out,
             "# HELP {CACHE_CONFIG_INFO} Cache configuration.\n# TYPE {CACHE_CONFIG_INFO} gauge"
         );
+        // SSM facts come from the first replica (every replica has the same layout).
+        let first = stats.first().cloned().unwrap_or_default();
         let _ = writeln!(
             out,
-            "{CACHE_CONFIG_INFO}{{block_size=\"{}\",num_gpu_blocks=\"{}\",enable_prefix_caching=\"{}\"}} 1",
-            cache.block_size, cache.num_gpu_blocks, cache.prefix_caching
+            "{CACHE_CONFIG_INFO}{{block_size=\"{}\",num_gpu_blocks=\"{}\",enable_prefix_caching=\"{}\",ssm_snapshot_slots=\"{}\",ssm_state_bytes_per_slot=\"{}\",min_cacheable_prefix_tokens=\"{}\"}} 1",
+            cache.block_size,
+            cache.num_gpu_blocks,
+            cache.prefix_caching,
+            first.ssm_snapshot_slots,
+            first.ssm_slot_bytes,
+            cache.block_size
         );
 
         let labels = format!("model_name=\"{m}\"");

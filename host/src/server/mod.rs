@@ -1,7 +1,7 @@
 //! The OpenAI-compatible HTTP server (axum on tokio).
 //!
-//! Owns: the HTTP surface (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`,
-//! `/metrics`, `/admin/*`), request admission (a bounded number of engine requests in flight,
+//! Owns: the HTTP surface (`/v1/completions`, `/v1/chat/completions`, their `/render` twins,
+//! `/v1/models`, `/tokenize`, `/detokenize`, `/health`, `/metrics`, `/admin/*`), request admission (a bounded number of engine requests in flight,
 //! a bounded body size), tokenization off the event loop, the replica [`router`], and graceful
 //! shutdown. It talks to engines only through `EngineHandle`s behind the router; it never
 //! touches caches, schedulers or models.
@@ -246,7 +246,9 @@ pub fn build_router(state: AppState) -> HttpRouter {
     let limit = state.inner.config.max_body_bytes;
     HttpRouter::new()
         .route("/v1/completions", post(openai::completions))
+        .route("/v1/completions/render", post(openai::render_completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/chat/completions/render", post(openai::render_chat))
         .route("/v1/models", get(openai::models))
         .route("/tokenize", post(openai::tokenize))
         .route("/detokenize", post(openai::detokenize))

@@ -149,6 +149,26 @@ struct Prepared {
     hashes: Arc<[BlockHash]>,
     echo: Option<String>,
     echo_tokens: Vec<String>,
+    /// Prompt offsets to keep SSM snapshots at (`cache_checkpoints`, validated).
+    checkpoints: Vec<u32>,
+}
+
+/// Checks client checkpoint offsets against a prompt of `len` tokens.
+fn check_checkpoints(offsets: &[u32], len: usize) -> Result<(), AppError> {
+    const MAX: usize = 64;
+    if offsets.len() > MAX {
+        return Err(AppError::invalid(
+            "cache_checkpoints",
+            format!("at most {MAX} checkpoints per prompt"),
+        ));
+    }
+    match offsets.iter().find(|&&o| o == 0 || o as usize > len) {
+        Some(o) => Err(AppError::invalid(
+            "cache_checkpoints",
+            format!("checkpoint offset {o} is outside the prompt's 1 ..= {len} tokens"),
+        )),
+        None => Ok(()),
+    }
 }
 
 async fn prepare(
@@ -199,6 +219,7 @@ async fn prepare(
                     hashes,
                     echo: echo_text,
                     echo_tokens,
+                    checkpoints: Vec::new(),
                 })
             })
             .collect()
@@ -284,6 +305,7 @@ async fn submit(
                 // `echo` with `logprobs` scores the prompt too.
                 prompt_logprobs: prep.echo.is_some() && params.logprobs.is_some(),
                 block_hashes: Some(prep.hashes.clone()),
+                checkpoints: prep.checkpoints.clone(),
             };
             let out = OutputState::new(
                 inner.codec.clone(),
@@ -317,6 +339,9 @@ fn meta(state: &AppState, prefix: &str, params: &GenParams, prepared: &[Prepared
         logprobs: params.logprobs.is_some(),
         include_usage: params.include_usage,
         prompt_tokens: prepared.iter().map(|p| p.ids.len() as u32).collect(),
+        prompt_ids: params
+            .return_token_ids
+            .then(|| prepared.iter().map(|p| p.ids.clone()).collect()),
     }
 }
 
@@ -335,19 +360,27 @@ async fn finish(
     Ok(full_response(&shape, &meta, choices))
 }
 
-pub async fn completions(
-    State(state): State<AppState>,
-    headers: HeaderMap,
+/// A parsed, validated and tokenized completions request.
+struct CompletionJob {
+    params: GenParams,
+    prepared: Vec<Prepared>,
+    permit: OwnedSemaphorePermit,
+    tenant: String,
+}
+
+async fn completion_job(
+    state: &AppState,
+    headers: &HeaderMap,
     body: Body,
-) -> Result<Response, AppError> {
-    let start = Instant::now();
+    endpoint: &str,
+) -> Result<CompletionJob, AppError> {
     if state.is_shutting_down() {
         return Err(AppError::ShuttingDown);
     }
-    let body = read_body(&state, &headers, body).await?;
+    let body = read_body(state, headers, body).await?;
     let req: CompletionRequest = parse(&body)?;
-    warn_unknown("/v1/completions", &req.unknown);
-    check_model(&state, req.common.model.as_deref())?;
+    warn_unknown(endpoint, &req.unknown);
+    check_model(state, req.common.model.as_deref())?;
     if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(AppError::Unsupported("suffix".into()));
     }
@@ -372,18 +405,87 @@ pub async fn completions(
     if sources.is_empty() {
         return Err(AppError::invalid("prompt", "the prompt list is empty"));
     }
-    let permit = admit(&state, sources.len() * params.n as usize)?;
+    let permit = admit(state, sources.len() * params.n as usize)?;
     let echo = req.echo.unwrap_or(false);
-    let prepared = prepare(&state, sources, true, echo, params.logprobs.is_some()).await?;
-    let tenant = req.common.user.clone().unwrap_or_default();
+    let mut prepared = prepare(state, sources, true, echo, params.logprobs.is_some()).await?;
+    if let Some(offsets) = &req.cache_checkpoints {
+        for p in &mut prepared {
+            check_checkpoints(offsets, p.ids.len())?;
+            p.checkpoints.clone_from(offsets);
+        }
+    }
+    Ok(CompletionJob {
+        params,
+        prepared,
+        permit,
+        tenant: req.common.user.clone().unwrap_or_default(),
+    })
+}
+
+pub async fn completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, AppError> {
+    let start = Instant::now();
+    let job = completion_job(&state, &headers, body, "/v1/completions").await?;
+    let (params, prepared) = (job.params, job.prepared);
     let meta = meta(&state, "cmpl", &params, &prepared);
-    let (runs, indices) =
-        submit(&state, &prepared, &params, permit, tenant, start, &meta.id).await?;
+    let (runs, indices) = submit(
+        &state, &prepared, &params, job.permit, job.tenant, start, &meta.id,
+    )
+    .await?;
     let shape = Shape::Completion {
         echo: prepared.iter().map(|p| p.echo.clone()).collect(),
         echo_tokens: prepared.into_iter().map(|p| p.echo_tokens).collect(),
     };
     finish(shape, meta, &params, runs, indices).await
+}
+
+/// One rendered request in vLLM's token-in shape (`GenerateRequest`): the ids the request
+/// would be served with and its resolved sampling parameters; nothing is generated.
+fn rendered(state: &AppState, prep: &Prepared, params: &GenParams) -> Result<Value, AppError> {
+    let max_tokens = budget(state, prep.ids.len(), params)?;
+    let s = &params.sampling;
+    Ok(json!({
+        "request_id": format!("render-{:016x}", state.next_id()),
+        "model": state.model_id(),
+        "token_ids": prep.ids,
+        "features": Value::Null,
+        "stream": params.stream,
+        "sampling_params": {
+            "n": params.n,
+            "max_tokens": max_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k,
+            "min_p": s.min_p,
+            "seed": s.seed,
+            "presence_penalty": s.presence_penalty,
+            "frequency_penalty": s.frequency_penalty,
+            "repetition_penalty": s.repetition_penalty,
+            "stop": params.stop,
+            "stop_token_ids": params.stop_token_ids,
+            "ignore_eos": params.ignore_eos,
+            "skip_special_tokens": params.skip_special_tokens,
+            "logprobs": s.logprobs,
+        },
+        "cache_checkpoints": prep.checkpoints,
+    }))
+}
+
+/// `POST /v1/completions/render` (vLLM's shape): a completions request → one token-in
+/// request per prompt, as a list.
+pub async fn render_completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, AppError> {
+    let job = completion_job(&state, &headers, body, "/v1/completions/render").await?;
+    let out = (job.prepared.iter())
+        .map(|p| rendered(&state, p, &job.params))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(axum::Json(Value::Array(out)).into_response())
 }
 
 const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
@@ -437,19 +539,27 @@ fn messages_json(messages: &[ChatMessage]) -> Result<Value, AppError> {
     Ok(Value::Array(out))
 }
 
-pub async fn chat_completions(
-    State(state): State<AppState>,
-    headers: HeaderMap,
+/// A parsed, validated, templated and tokenized chat request.
+struct ChatJob {
+    params: GenParams,
+    prepared: Vec<Prepared>,
+    permit: OwnedSemaphorePermit,
+    tenant: String,
+}
+
+async fn chat_job(
+    state: &AppState,
+    headers: &HeaderMap,
     body: Body,
-) -> Result<Response, AppError> {
-    let start = Instant::now();
+    endpoint: &str,
+) -> Result<ChatJob, AppError> {
     if state.is_shutting_down() {
         return Err(AppError::ShuttingDown);
     }
-    let body = read_body(&state, &headers, body).await?;
+    let body = read_body(state, headers, body).await?;
     let req: ChatRequest = parse(&body)?;
-    warn_unknown("/v1/chat/completions", &req.unknown);
-    check_model(&state, req.common.model.as_deref())?;
+    warn_unknown(endpoint, &req.unknown);
+    check_model(state, req.common.model.as_deref())?;
     if req
         .tools
         .as_ref()
@@ -478,27 +588,105 @@ pub async fn chat_completions(
     let max_tokens = req.max_completion_tokens.or(req.common.max_tokens);
     let params = validate_common(&req.common, max_tokens, logprobs, &state.inner().limits)?;
     let messages = messages_json(&req.messages)?;
-    let permit = admit(&state, params.n as usize)?;
+    let marks = req.cache_checkpoints.clone().unwrap_or_default();
+    check_message_marks(&marks, req.messages.len())?;
+    let permit = admit(state, params.n as usize)?;
     let codec = state.inner().codec.clone();
     let add_generation_prompt = req.add_generation_prompt.unwrap_or(true);
-    let rendered =
-        tokio::task::spawn_blocking(move || codec.render_chat(&messages, add_generation_prompt))
-            .await
-            .map_err(|e| AppError::Internal(format!("template task failed: {e}")))??;
+    let (rendered, message_ends) = tokio::task::spawn_blocking(move || {
+        let text = codec.render_chat(&messages, add_generation_prompt)?;
+        let ends = message_end_offsets(&codec, &messages, &marks)?;
+        Ok::<_, AppError>((text, ends))
+    })
+    .await
+    .map_err(|e| AppError::Internal(format!("template task failed: {e}")))??;
     // The template already holds BOS and special markers.
-    let prepared = prepare(
-        &state,
+    let mut prepared = prepare(
+        state,
         vec![PromptSource::Text(rendered)],
         false,
         false,
         false,
     )
     .await?;
-    let tenant = req.common.user.clone().unwrap_or_default();
+    for p in &mut prepared {
+        p.checkpoints = message_ends
+            .iter()
+            .map(|&o| o.min(p.ids.len() as u32))
+            .filter(|&o| o > 0)
+            .collect();
+    }
+    Ok(ChatJob {
+        params,
+        prepared,
+        permit,
+        tenant: req.common.user.clone().unwrap_or_default(),
+    })
+}
+
+pub async fn chat_completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, AppError> {
+    let start = Instant::now();
+    let job = chat_job(&state, &headers, body, "/v1/chat/completions").await?;
+    let (params, prepared) = (job.params, job.prepared);
     let meta = meta(&state, "chatcmpl", &params, &prepared);
-    let (runs, indices) =
-        submit(&state, &prepared, &params, permit, tenant, start, &meta.id).await?;
+    let (runs, indices) = submit(
+        &state, &prepared, &params, job.permit, job.tenant, start, &meta.id,
+    )
+    .await?;
     finish(Shape::Chat, meta, &params, runs, indices).await
+}
+
+/// `POST /v1/chat/completions/render` (vLLM's shape): a chat request → the token-in request
+/// it would be served as (chat template applied, nothing generated).
+pub async fn render_chat(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, AppError> {
+    let job = chat_job(&state, &headers, body, "/v1/chat/completions/render").await?;
+    let prep = job
+        .prepared
+        .first()
+        .ok_or_else(|| AppError::Internal("nothing rendered".into()))?;
+    Ok(axum::Json(rendered(&state, prep, &job.params)?).into_response())
+}
+
+/// Checks chat `cache_checkpoints` (message indices).
+fn check_message_marks(marks: &[u32], messages: usize) -> Result<(), AppError> {
+    match marks.iter().find(|&&m| m as usize >= messages) {
+        Some(m) => Err(AppError::invalid(
+            "cache_checkpoints",
+            format!("checkpoint message index {m} is out of range: there are {messages} messages"),
+        )),
+        None if marks.len() > 64 => Err(AppError::invalid(
+            "cache_checkpoints",
+            "at most 64 checkpoints per request",
+        )),
+        None => Ok(()),
+    }
+}
+
+/// The token offset where each marked message ends in the rendered conversation: the length
+/// of the template rendered over the messages up to and including it (no generation prompt).
+fn message_end_offsets(
+    codec: &super::TextCodec,
+    messages: &Value,
+    marks: &[u32],
+) -> Result<Vec<u32>, AppError> {
+    let Some(all) = messages.as_array() else {
+        return Ok(Vec::new());
+    };
+    let mut ends = Vec::with_capacity(marks.len());
+    for &m in marks {
+        let upto = Value::Array(all[..=m as usize].to_vec());
+        let text = codec.render_chat(&upto, false)?;
+        ends.push(codec.encode(&text, false)?.len() as u32);
+    }
+    Ok(ends)
 }
 
 pub async fn models(State(state): State<AppState>) -> Response {

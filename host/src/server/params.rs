@@ -37,6 +37,8 @@ pub struct GenParams {
     pub skip_special_tokens: bool,
     /// Top alternatives per token when logprobs were asked for.
     pub logprobs: Option<u32>,
+    /// Return prompt and output token ids (vLLM's `return_token_ids`).
+    pub return_token_ids: bool,
 }
 
 fn finite(param: &'static str, v: Option<f64>) -> Result<Option<f64>, AppError> {
@@ -198,6 +200,7 @@ pub fn validate_common(
         stop_token_ids,
         ignore_eos: c.ignore_eos.unwrap_or(false),
         skip_special_tokens: c.skip_special_tokens.unwrap_or(true),
+        return_token_ids: c.return_token_ids.unwrap_or(false),
         logprobs,
     })
 }

@@ -106,6 +106,9 @@ pub struct ChoiceChunk {
     /// The prompt tokens' logprobs (first `None`), in the chunk where they arrive (`echo` with
     /// `logprobs`).
     pub prompt_logprobs: Option<Vec<Option<TokenInfo>>>,
+    /// The token ids this chunk adds (every generated id up to where the text stops,
+    /// a stop token included).
+    pub token_ids: Vec<u32>,
     pub finish: Option<FinishInfo>,
 }
 
@@ -125,6 +128,7 @@ struct Processed {
     text: String,
     logprobs: Vec<TokenInfo>,
     prompt_logprobs: Option<Vec<Option<TokenInfo>>>,
+    token_ids: Vec<u32>,
     stop_string: Option<String>,
     finished: Option<(FinishReason, Usage)>,
     failed: Option<(FailureKind, String)>,
@@ -177,6 +181,7 @@ impl OutputState {
                 EngineEvent::Tokens { tokens, logprobs } => {
                     for (j, t) in tokens.iter().enumerate() {
                         self.generated += 1;
+                        out.token_ids.push(*t);
                         if let Some(lp) = logprobs.as_ref().and_then(|l| l.get(j)) {
                             out.logprobs.push(self.token_info(lp)?);
                         }
@@ -245,6 +250,8 @@ pub struct ChoiceRun {
     request_id: Arc<str>,
     first_token: Option<Instant>,
     last_token: Option<Instant>,
+    /// Generated ids not yet sent (their text is still held back).
+    held_ids: Vec<u32>,
     done: bool,
 }
 
@@ -276,6 +283,7 @@ impl ChoiceRun {
             request_id: ctx.request_id,
             first_token: None,
             last_token: None,
+            held_ids: Vec::new(),
             done: false,
         }
     }
@@ -292,6 +300,7 @@ impl ChoiceRun {
             text,
             logprobs,
             prompt_logprobs: None,
+            token_ids: Vec::new(),
             finish,
         }
     }
@@ -472,10 +481,14 @@ impl ChoiceRun {
                 && out.prompt_logprobs.is_none()
                 && finish.is_none()
             {
+                // Ids whose text is not out yet ride with the next chunk.
+                self.held_ids.extend(out.token_ids);
                 continue;
             }
             let mut chunk = self.chunk(out.text, out.logprobs, finish);
             chunk.prompt_logprobs = out.prompt_logprobs;
+            chunk.token_ids = std::mem::take(&mut self.held_ids);
+            chunk.token_ids.extend(out.token_ids);
             return Some(Ok(chunk));
         }
     }
@@ -487,6 +500,7 @@ impl ChoiceRun {
             let c = c?;
             all.text.push_str(&c.text);
             all.logprobs.extend(c.logprobs);
+            all.token_ids.extend(c.token_ids);
             if c.prompt_logprobs.is_some() {
                 all.prompt_logprobs = c.prompt_logprobs;
             }

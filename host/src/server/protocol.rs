@@ -57,6 +57,9 @@ pub struct CommonFields {
     pub skip_special_tokens: Option<bool>,
     pub logit_bias: Option<serde_json::Map<String, Value>>,
     pub user: Option<String>,
+    /// vLLM's extension: also return the prompt's token ids (`prompt_token_ids`) and each
+    /// choice's generated ids (`token_ids`), so a conversation can continue in token space.
+    pub return_token_ids: Option<bool>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -69,6 +72,9 @@ pub struct CompletionRequest {
     pub echo: Option<bool>,
     pub best_of: Option<u32>,
     pub suffix: Option<String>,
+    /// chimera's extension: prompt token offsets (each in `1 ..= prompt length`) where the
+    /// SSM state should be kept as a snapshot, budget permitting (rounded down to a block).
+    pub cache_checkpoints: Option<Vec<u32>>,
     /// Fields this server does not know (logged as a warning, then ignored).
     #[serde(flatten)]
     pub unknown: serde_json::Map<String, Value>,
@@ -107,6 +113,9 @@ pub struct ChatRequest {
     pub tool_choice: Option<Value>,
     pub response_format: Option<Value>,
     pub add_generation_prompt: Option<bool>,
+    /// chimera's extension: indices into `messages` whose end (as the chat template renders
+    /// it) should be kept as an SSM snapshot, budget permitting.
+    pub cache_checkpoints: Option<Vec<u32>>,
     /// Fields this server does not know (logged as a warning, then ignored).
     #[serde(flatten)]
     pub unknown: serde_json::Map<String, Value>,
@@ -119,6 +128,13 @@ pub struct ChatRequest {
 #[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
 pub struct PromptTokensDetails {
     pub cached_tokens: u32,
+    /// chimera's extension: the prompt tokens the cache could have served (whole blocks,
+    /// leaving at least two tokens to compute), summed over prompts.
+    pub cacheable_tokens: u32,
+    /// chimera's extension: why `cached_tokens` fell short of `cacheable_tokens` (the first
+    /// prompt that fell short); absent when nothing was missed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache_miss_reason: Option<&'static str>,
 }
 
 #[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
@@ -147,6 +163,12 @@ pub struct CompletionChoice {
     /// The stop string or stop token that ended the choice (vLLM's extension).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stop_reason: Option<Value>,
+    /// With `return_token_ids` (vLLM's extension): the prompt's ids (on a stream, in the
+    /// choice's first chunk only) and the ids generated (on a stream, this chunk's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -196,6 +218,9 @@ pub struct ChatChoice {
     pub finish_reason: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stop_reason: Option<Value>,
+    /// With `return_token_ids`: the ids generated.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -206,6 +231,9 @@ pub struct ChatResponse {
     pub model: String,
     pub choices: Vec<ChatChoice>,
     pub usage: UsageBody,
+    /// With `return_token_ids`: the rendered prompt's ids.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -224,6 +252,9 @@ pub struct ChatChunkChoice {
     pub finish_reason: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stop_reason: Option<Value>,
+    /// With `return_token_ids`: the ids this chunk adds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -236,6 +267,9 @@ pub struct ChatChunk {
     /// Present (as `null`) on every chunk when `include_usage` was asked, filled on the last.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Option<UsageBody>>,
+    /// With `return_token_ids`: the rendered prompt's ids, on the first chunk only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
 }
 
 #[derive(Debug, Clone, Serialize)]

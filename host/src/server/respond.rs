@@ -7,7 +7,7 @@
 //! after the stream started is sent as one `data: {"error": ...}` event before `[DONE]`. It must
 //! not talk to engines: dropping the stream (client gone) drops the runs, which cancel.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::convert::Infallible;
 use std::pin::Pin;
 
@@ -21,6 +21,7 @@ use serde_json::{Map, Value};
 use super::error::AppError;
 use super::pipeline::{ChoiceChunk, ChoiceRun, TokenInfo};
 use super::protocol::*;
+use crate::engine::api::{MissReason, Usage};
 
 /// Which OpenAI endpoint shape to produce.
 #[derive(Debug, Clone)]
@@ -44,24 +45,58 @@ pub struct Meta {
     pub include_usage: bool,
     /// Per prompt: its token count (usage counts each prompt once, whatever `n`).
     pub prompt_tokens: Vec<u32>,
+    /// Per prompt: its token ids, when `return_token_ids` asked for them.
+    pub prompt_ids: Option<Vec<Vec<u32>>>,
 }
 
-/// Sums usage: prompts once each, completions over all choices, cached tokens per prompt.
-fn usage(meta: &Meta, finished: &[(usize, u32, u32)]) -> UsageBody {
+impl Meta {
+    fn prompt_ids(&self, prompt_idx: usize) -> Option<Vec<u32>> {
+        self.prompt_ids
+            .as_ref()
+            .map(|p| p.get(prompt_idx).cloned().unwrap_or_default())
+    }
+}
+
+/// What one finished choice adds to usage.
+#[derive(Debug, Clone, Copy)]
+struct Done {
+    prompt_idx: usize,
+    usage: Usage,
+}
+
+impl Done {
+    fn of(c: &ChoiceChunk) -> Option<Self> {
+        c.finish.as_ref().map(|f| Done {
+            prompt_idx: c.prompt_idx,
+            usage: f.usage,
+        })
+    }
+}
+
+/// Sums usage: prompts once each, completions over all choices, cached and cacheable tokens
+/// per prompt (its best choice); the miss reason of the first prompt that missed.
+fn usage(meta: &Meta, finished: &[Done]) -> UsageBody {
     let prompt_tokens: u32 = meta.prompt_tokens.iter().sum();
-    let mut cached: HashMap<usize, u32> = HashMap::new();
+    let mut per_prompt: BTreeMap<usize, Usage> = BTreeMap::new();
     let mut completion_tokens = 0;
-    for (p, gen_tokens, c) in finished {
-        completion_tokens += gen_tokens;
-        let e = cached.entry(*p).or_insert(0);
-        *e = (*e).max(*c);
+    for d in finished {
+        completion_tokens += d.usage.completion_tokens;
+        let e = per_prompt.entry(d.prompt_idx).or_insert(d.usage);
+        if d.usage.cached_tokens > e.cached_tokens {
+            *e = d.usage;
+        }
     }
     UsageBody {
         prompt_tokens,
         completion_tokens,
         total_tokens: prompt_tokens + completion_tokens,
         prompt_tokens_details: PromptTokensDetails {
-            cached_tokens: cached.values().sum(),
+            cached_tokens: per_prompt.values().map(|u| u.cached_tokens).sum(),
+            cacheable_tokens: per_prompt.values().map(|u| u.cacheable_tokens).sum(),
+            cache_miss_reason: per_prompt
+                .values()
+                .find_map(|u| u.cache_miss)
+                .map(MissReason::as_str),
         },
     }
 }
@@ -133,13 +168,7 @@ fn push_prompt_tokens(
 /// The whole non-streamed body.
 pub fn full_response(shape: &Shape, meta: &Meta, mut choices: Vec<ChoiceChunk>) -> Response {
     choices.sort_by_key(|c| c.index);
-    let finished: Vec<(usize, u32, u32)> = choices
-        .iter()
-        .map(|c| {
-            let u = c.finish.as_ref().map(|f| f.usage).unwrap_or_default();
-            (c.prompt_idx, u.completion_tokens, u.cached_tokens)
-        })
-        .collect();
+    let finished: Vec<Done> = choices.iter().filter_map(Done::of).collect();
     let usage = usage(meta, &finished);
     let body = match shape {
         Shape::Completion { echo, echo_tokens } => {
@@ -169,6 +198,8 @@ pub fn full_response(shape: &Shape, meta: &Meta, mut choices: Vec<ChoiceChunk>) 
                         logprobs,
                         finish_reason: c.finish.as_ref().map(|f| f.reason),
                         stop_reason: c.finish.and_then(|f| f.stop_reason),
+                        prompt_token_ids: meta.prompt_ids(c.prompt_idx),
+                        token_ids: meta.prompt_ids.is_some().then_some(c.token_ids),
                     }
                 })
                 .collect();
@@ -193,6 +224,7 @@ pub fn full_response(shape: &Shape, meta: &Meta, mut choices: Vec<ChoiceChunk>) 
                     logprobs: meta.logprobs.then(|| chat_logprobs(&c.logprobs)),
                     finish_reason: c.finish.as_ref().map(|f| f.reason),
                     stop_reason: c.finish.and_then(|f| f.stop_reason),
+                    token_ids: meta.prompt_ids.is_some().then_some(c.token_ids),
                 })
                 .collect();
             to_json(&ChatResponse {
@@ -202,6 +234,7 @@ pub fn full_response(shape: &Shape, meta: &Meta, mut choices: Vec<ChoiceChunk>) 
                 model: meta.model.clone(),
                 choices,
                 usage,
+                prompt_token_ids: meta.prompt_ids(0),
             })
         }
     };
@@ -242,7 +275,9 @@ struct SseState {
     meta: Meta,
     merged: futures_util::stream::SelectAll<ChunkStream>,
     pending: VecDeque<Bytes>,
-    finished: Vec<(usize, u32, u32)>,
+    finished: Vec<Done>,
+    /// Choices whose first chunk went out (they carried the prompt's ids, if asked for).
+    started: HashSet<u32>,
     offsets: HashMap<u32, u32>,
     /// Choices whose echoed prompt waits for their first chunk (index → prompt).
     echo_pending: HashMap<u32, usize>,
@@ -252,13 +287,11 @@ struct SseState {
 impl SseState {
     fn chunk_frame(&mut self, c: ChoiceChunk) -> Bytes {
         let usage_field = self.meta.include_usage.then_some(None);
-        if let Some(f) = &c.finish {
-            self.finished.push((
-                c.prompt_idx,
-                f.usage.completion_tokens,
-                f.usage.cached_tokens,
-            ));
+        if let Some(d) = Done::of(&c) {
+            self.finished.push(d);
         }
+        let first = self.started.insert(c.index);
+        let ids = self.meta.prompt_ids.is_some().then(|| c.token_ids.clone());
         let body = match &self.shape {
             Shape::Completion { echo, echo_tokens } => {
                 // A deferred echo (with logprobs) leads the first chunk of its choice.
@@ -292,6 +325,10 @@ impl SseState {
                         logprobs,
                         finish_reason: c.finish.as_ref().map(|f| f.reason),
                         stop_reason: c.finish.and_then(|f| f.stop_reason),
+                        prompt_token_ids: first
+                            .then(|| self.meta.prompt_ids(c.prompt_idx))
+                            .flatten(),
+                        token_ids: ids,
                     }],
                     usage: usage_field,
                 })
@@ -310,8 +347,11 @@ impl SseState {
                     logprobs: self.meta.logprobs.then(|| chat_logprobs(&c.logprobs)),
                     finish_reason: c.finish.as_ref().map(|f| f.reason),
                     stop_reason: c.finish.and_then(|f| f.stop_reason),
+                    token_ids: ids,
                 }],
                 usage: usage_field,
+                // The opening (role) chunk carried the prompt's ids.
+                prompt_token_ids: None,
             }),
         };
         sse_frame(&body)
@@ -335,6 +375,7 @@ impl SseState {
                 model: self.meta.model.clone(),
                 choices: Vec::new(),
                 usage: Some(Some(usage)),
+                prompt_token_ids: None,
             }),
         };
         sse_frame(&body)
@@ -359,8 +400,10 @@ impl SseState {
                         logprobs: None,
                         finish_reason: None,
                         stop_reason: None,
+                        token_ids: self.meta.prompt_ids.is_some().then(Vec::new),
                     }],
                     usage: usage_field,
+                    prompt_token_ids: self.meta.prompt_ids(prompt_idx),
                 }),
                 Shape::Completion { echo, .. } => {
                     let Some(text) = echo.get(prompt_idx).cloned().flatten() else {
@@ -383,12 +426,15 @@ impl SseState {
                             logprobs: None,
                             finish_reason: None,
                             stop_reason: None,
+                            prompt_token_ids: self.meta.prompt_ids(prompt_idx),
+                            token_ids: self.meta.prompt_ids.is_some().then(Vec::new),
                         }],
                         usage: usage_field,
                     })
                 }
             };
             self.pending.push_back(sse_frame(&body));
+            self.started.insert(index);
         }
     }
 }
@@ -410,6 +456,7 @@ pub fn stream_response(
         merged: futures_util::stream::select_all(streams),
         pending: VecDeque::new(),
         finished: Vec::new(),
+        started: HashSet::new(),
         offsets: HashMap::new(),
         echo_pending: HashMap::new(),
         over: false,

@@ -93,6 +93,7 @@ pub fn request(id: u64, prompt: Vec<u32>, max_tokens: u32) -> GenerateRequest {
         ignore_eos: false,
         prompt_logprobs: false,
         block_hashes: None,
+        checkpoints: Vec::new(),
     }
 }
 
