@@ -992,6 +992,7 @@ fn stress_run(
                     prompt_logprobs: false,
                     block_hashes: None,
                     checkpoints: Vec::new(),
+                    checkpoints: Vec::new(),
                 },
                 tx,
             );
