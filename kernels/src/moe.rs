@@ -115,10 +115,7 @@ impl MoeDims {
             ));
         }
         if self.experts > MAX_EXPERTS {
-            return Err(format!(
-                "{} experts (at most {MAX_EXPERTS})",
-                self.experts
-            ));
+            return Err(format!("{} experts (at most {MAX_EXPERTS})", self.experts));
         }
         if self.hidden == 0 || self.inter == 0 {
             return Err(format!("hidden {} / inter {}", self.hidden, self.inter));
@@ -284,7 +281,11 @@ pub fn launches(d: &MoeDims, bf16: bool) -> Vec<Launch<MoeArg>> {
             up_cols,
         ),
         gemm(
-            if bf16 { "moe_down_bf16" } else { "moe_down_f32" },
+            if bf16 {
+                "moe_down_bf16"
+            } else {
+                "moe_down_f32"
+            },
             A::Y,
             A::Mid,
             A::Down,

@@ -37,7 +37,12 @@ fn coverage(l: &Launch<MoeArg>, counts: &[usize], n_cols: usize, cols_per_cta: u
         .collect();
     let rows = offsets[counts.len()];
     let tiles = tile_list(counts);
-    assert!(tiles.len() <= l.grid.0 as usize, "{} tiles, grid {:?}", tiles.len(), l.grid);
+    assert!(
+        tiles.len() <= l.grid.0 as usize,
+        "{} tiles, grid {:?}",
+        tiles.len(),
+        l.grid
+    );
     let mut hits = vec![0u32; rows * n_cols];
     for &(e, m) in &tiles {
         for by in 0..l.grid.1 as usize {
@@ -63,7 +68,12 @@ fn every_launch_matches_its_entry_table() {
                 assert_eq!(l.args.len(), e.params.len(), "{}", l.entry);
                 for (i, (a, p)) in l.args.iter().zip(e.params).enumerate() {
                     let scalar = matches!(a, MoeArg::U32(_));
-                    assert_eq!(scalar, *p == Param::U32, "{} argument {i}: {a:?} for {p:?}", l.entry);
+                    assert_eq!(
+                        scalar,
+                        *p == Param::U32,
+                        "{} argument {i}: {a:?} for {p:?}",
+                        l.entry
+                    );
                 }
             }
         }
@@ -89,8 +99,14 @@ fn no_tokens_no_launches_and_bad_dims_are_refused() {
     d.inter = 100;
     assert!(d.check(true).unwrap_err().contains("multiples of 8"));
     assert!(d.check(false).is_ok(), "f32 takes any width");
-    assert!(dims(4, 8, 9, false).check(false).is_err(), "top-k above the experts");
-    assert!(dims(4, 64, 33, false).check(false).is_err(), "top-k above MAX_TOP_K");
+    assert!(
+        dims(4, 8, 9, false).check(false).is_err(),
+        "top-k above the experts"
+    );
+    assert!(
+        dims(4, 64, 33, false).check(false).is_err(),
+        "top-k above MAX_TOP_K"
+    );
     assert!(dims(4, MAX_EXPERTS + 1, 2, false).check(false).is_err());
     assert!(dims(4, MAX_EXPERTS, 2, false).check(false).is_ok());
 }
@@ -115,7 +131,10 @@ fn grids_depend_only_on_the_dims() {
     let a = launches(&dims(64, 128, 6, true), true);
     let b = launches(&dims(64, 128, 6, true), true);
     assert_eq!(a, b);
-    let geo: Vec<_> = a.iter().map(|l| (l.entry, l.grid, l.block, l.smem)).collect();
+    let geo: Vec<_> = a
+        .iter()
+        .map(|l| (l.entry, l.grid, l.block, l.smem))
+        .collect();
     assert_eq!(geo[0], ("moe_sort", (1, 1, 1), (512, 1, 1), 4 * 16 * 128));
     // 384 entries: 6 + 128 tiles; gated bf16 up: 64 output columns a CTA.
     assert_eq!(geo[1].1, (134, 1856usize.div_ceil(64) as u32, 1));
