@@ -22,7 +22,7 @@
 //    ascending expert order — the CPU reference's summation order.
 //
 // bf16: tensor cores (mma.sync m16n8k16, bf16 → f32), ldmatrix from XOR-swizzled shared tiles
-// filled by 16-byte cp.async in a 3-stage pipeline; widths must be multiples of 8. f32 (the
+// filled by 16-byte cp.async in a 3-stage pipeline (K step 64); widths must be multiples of 8. f32 (the
 // oracle mode): a plain shared-memory tiled SIMT GEMM. moe.rs mirrors the geometry.
 //
 // An expert id ≥ `experts` (which moe_route never writes) is left out of every step, so it can
@@ -164,19 +164,23 @@ struct Groups {
 
 // ---------------------------------------------------------------------------------------
 // bf16 tensor-core grouped GEMM: C[rows, N] = A[rows, K] · B[e]ᵀ with B[e] = [N, K].
-// CTA tile 64 × 128 (B-tile rows; 64 output columns when gated), K step 32, 4 warps of
-// 32 × 64, 3 cp.async stages.
+// CTA tile 64 × 128 (B-tile rows; 64 output columns when gated), K step 64 (128-byte row
+// segments from global memory), 4 warps of 32 × 64, 3 cp.async stages in dynamic shared
+// memory (G_SMEM bytes; moe.rs raises the kernels' limit).
 
 #define GB_M 64
 #define GB_N 128
-#define GB_K 32
+#define GB_K 64
 #define G_STAGES 3
 #define G_THREADS 128
+#define G_SMEM (G_STAGES * (GB_M + GB_N) * GB_K * 2)
 
-// Byte offset of 16-byte chunk c (0..3) of row r in a [rows][32] bf16 tile. Rows are 64
-// bytes; XOR-ing the chunk with bits 1..2 of the row spreads any 8 consecutive rows of one
+// Byte offset of 16-byte chunk c (0..7) of row r in a [rows][64] bf16 tile. Rows are 128
+// bytes; XOR-ing the chunk with the row's low 3 bits spreads any 8 consecutive rows of one
 // chunk over all 32 banks (ldmatrix and cp.async conflict-free).
-__device__ __forceinline__ u32 tile_off(u32 r, u32 c) { return r * 64u + ((c ^ ((r >> 1) & 3u)) << 4); }
+__device__ __forceinline__ u32 tile_off(u32 r, u32 c) { return r * 128u + ((c ^ (r & 7u)) << 4); }
+
+extern __shared__ __align__(128) u16 moe_gemm_smem[];
 
 template <int MODE>
 __device__ __forceinline__ void grouped_mma(bf16* c, const bf16* a, const bf16* b, const bf16* gate,
@@ -184,29 +188,27 @@ __device__ __forceinline__ void grouped_mma(bf16* c, const bf16* a, const bf16* 
                                             u32 act) {
     u32 tile = blockIdx.x;
     if (tile >= g.n_tiles[0]) return;
-    __shared__ __align__(128) u16 sa[G_STAGES][GB_M * GB_K];
-    __shared__ __align__(128) u16 sb[G_STAGES][GB_N * GB_K];
     const u32 e = g.tile_e[tile];
     const u32 row0 = g.offsets[e] + g.tile_m[tile], row_end = g.offsets[e + 1];
     const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const u32 n0 = blockIdx.y * (MODE == MODE_UP_GATED ? GB_N / 2 : GB_N);
-    // Each thread copies chunk `lc` of rows lr + 32 i (A: 2 rows, B: 4 rows) every K step.
-    const u32 lc = tid & 3, lr = tid >> 2;
-    const bf16* a_src[2];
-    bool a_ok[2];
+    // Each thread copies chunk `lc` of rows lr + 16 i (A: 4 rows, B: 8 rows) every K step.
+    const u32 lc = tid & 7, lr = tid >> 3;
+    const bf16* a_src[4];
+    bool a_ok[4];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        u32 p = row0 + lr + 32 * i;
+    for (int i = 0; i < 4; ++i) {
+        u32 p = row0 + lr + 16 * i;
         a_ok[i] = p < row_end;
         u32 src_row = 0;
         if (a_ok[i]) src_row = MODE == MODE_DOWN ? p : g.sorted[p] / top_k;
         a_src[i] = a + (i64)src_row * K;
     }
-    const bf16* b_src[4];
-    bool b_ok[4];
+    const bf16* b_src[8];
+    bool b_ok[8];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        u32 r = lr + 32 * i, col;
+    for (int i = 0; i < 8; ++i) {
+        u32 r = lr + 16 * i, col;
         const bf16* base = b;
         if (MODE == MODE_UP_GATED) {
             // Warp column wn holds the gate rows of its 32 output columns, then their up rows.
@@ -219,21 +221,21 @@ __device__ __forceinline__ void grouped_mma(bf16* c, const bf16* a, const bf16* 
         b_ok[i] = col < N;
         b_src[i] = base + ((i64)e * N + (b_ok[i] ? col : 0)) * K;
     }
-    const u32 sa0 = smem_addr(&sa[0][0]), sb0 = smem_addr(&sb[0][0]);
+    const u32 sa0 = smem_addr(moe_gemm_smem), sb0 = sa0 + G_STAGES * GB_M * GB_K * 2;
     const u32 sa_bytes = GB_M * GB_K * 2, sb_bytes = GB_N * GB_K * 2;
     const u32 ktiles = (K + GB_K - 1) / GB_K;
     auto load = [&](u32 kt, u32 s) {
         u32 k = kt * GB_K + lc * 8;
         bool kin = k < K;
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
+        for (int i = 0; i < 4; ++i) {
             bool ok = a_ok[i] && kin;
-            cp_async_16(sa0 + s * sa_bytes + tile_off(lr + 32 * i, lc), ok ? a_src[i] + k : a, ok ? 16 : 0);
+            cp_async_16(sa0 + s * sa_bytes + tile_off(lr + 16 * i, lc), ok ? a_src[i] + k : a, ok ? 16 : 0);
         }
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
+        for (int i = 0; i < 8; ++i) {
             bool ok = b_ok[i] && kin;
-            cp_async_16(sb0 + s * sb_bytes + tile_off(lr + 32 * i, lc), ok ? b_src[i] + k : b, ok ? 16 : 0);
+            cp_async_16(sb0 + s * sb_bytes + tile_off(lr + 16 * i, lc), ok ? b_src[i] + k : b, ok ? 16 : 0);
         }
     };
     float acc[2][8][4];
@@ -258,7 +260,7 @@ __device__ __forceinline__ void grouped_mma(bf16* c, const bf16* a, const bf16* 
         u32 s = kt % G_STAGES;
         u32 as = sa0 + s * sa_bytes, bs = sb0 + s * sb_bytes;
 #pragma unroll
-        for (u32 kk = 0; kk < 2; ++kk) {
+        for (u32 kk = 0; kk < GB_K / 16; ++kk) {
             u32 af[2][4];
 #pragma unroll
             for (u32 mt = 0; mt < 2; ++mt)
@@ -444,13 +446,13 @@ __device__ __forceinline__ void moe_combine(T* out, const T* y, const u32* ids, 
         u32 top_k, u32 act
 #define GROUPS Groups{sorted, offsets, tile_e, tile_m, n_tiles}
 
-extern "C" __global__ void __launch_bounds__(G_THREADS) moe_up_bf16(GEMM_PARAMS(bf16)) {
+extern "C" __global__ void __launch_bounds__(G_THREADS, 3) moe_up_bf16(GEMM_PARAMS(bf16)) {
     grouped_mma<MODE_UP>(c, a, b, gate, w, GROUPS, K, N, top_k, act);
 }
-extern "C" __global__ void __launch_bounds__(G_THREADS) moe_up_gated_bf16(GEMM_PARAMS(bf16)) {
+extern "C" __global__ void __launch_bounds__(G_THREADS, 3) moe_up_gated_bf16(GEMM_PARAMS(bf16)) {
     grouped_mma<MODE_UP_GATED>(c, a, b, gate, w, GROUPS, K, N, top_k, act);
 }
-extern "C" __global__ void __launch_bounds__(G_THREADS) moe_down_bf16(GEMM_PARAMS(bf16)) {
+extern "C" __global__ void __launch_bounds__(G_THREADS, 3) moe_down_bf16(GEMM_PARAMS(bf16)) {
     grouped_mma<MODE_DOWN>(c, a, b, gate, w, GROUPS, K, N, top_k, act);
 }
 extern "C" __global__ void __launch_bounds__(FS_THREADS) moe_up_f32(GEMM_PARAMS(float)) {

@@ -34,6 +34,9 @@ pub const MAX_EXPERTS: usize = 48 * 1024 / 4 / SORT_WARPS;
 // GEMM geometry mirrored from moe.cu.
 const MMA_THREADS: u32 = 128;
 const MMA_COLS: usize = 128;
+/// Dynamic shared memory of the tensor-core GEMMs (`moe.cu` G_SMEM: 3 stages of a 64 × 64
+/// A tile and a 128 × 64 B tile, bf16), above the default 48 KiB.
+pub const MMA_SMEM: u32 = 3 * (64 + 128) * 64 * 2;
 const SIMT_THREADS: u32 = 256;
 const SIMT_COLS: usize = 64;
 const COMBINE_THREADS: u32 = 256;
@@ -148,6 +151,14 @@ pub fn max_tiles(entries: usize, experts: usize) -> usize {
     entries.min(entries.div_ceil(TILE_ROWS) + experts)
 }
 
+/// Kernels that launch with more than the default 48 KiB of dynamic shared memory, and how
+/// much (the backend raises their limit once at load).
+pub fn smem_opt_in() -> impl Iterator<Item = (&'static str, u32)> {
+    ["moe_up_bf16", "moe_up_gated_bf16", "moe_down_bf16"]
+        .into_iter()
+        .map(|name| (name, MMA_SMEM))
+}
+
 /// Word offsets of the sort's outputs in the one u32 index buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct IndexLayout {
@@ -241,7 +252,7 @@ pub fn launches(d: &MoeDims, bf16: bool) -> Vec<Launch<MoeArg>> {
             entry,
             grid: (tiles, nn.div_ceil(per) as u32, 1),
             block: (threads, 1, 1),
-            smem: 0,
+            smem: if bf16 { MMA_SMEM } else { 0 },
             args,
         }
     };

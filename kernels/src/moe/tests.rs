@@ -140,6 +140,12 @@ fn grids_depend_only_on_the_dims() {
     assert_eq!(geo[1].1, (134, 1856usize.div_ceil(64) as u32, 1));
     assert_eq!(geo[2].1, (134, 2688usize.div_ceil(128) as u32, 1));
     assert_eq!(geo[3].1, (64, 1, 1));
+    // The tensor-core GEMMs take the raised shared memory; the f32 ones none.
+    assert_eq!((geo[1].3, geo[2].3), (MMA_SMEM, MMA_SMEM));
+    let opt_in: Vec<_> = smem_opt_in().collect();
+    assert!(opt_in.contains(&(geo[1].0, MMA_SMEM)) && opt_in.contains(&(geo[2].0, MMA_SMEM)));
+    let f32_smem: Vec<u32> = launches(&dims(64, 128, 6, true), false).iter().map(|l| l.smem).collect();
+    assert_eq!(f32_smem[1..3], [0, 0]);
 }
 
 proptest! {
