@@ -221,14 +221,14 @@ fn capture_case(gpu: &CudaBackend, cpu: &CpuBackend, c: &Case, rng: &mut Rng) ->
     let mut src = gpu.upload(HostTensor::f32(&inp.logits, &[c.tokens, c.experts]))?;
     let mut logits = gpu.upload(HostTensor::f32(&inp.logits, &[c.tokens, c.experts]))?;
     let mut out = gpu.upload(HostTensor::f32(&inp.base, &shape))?;
-    let graph = gpu.capture(|| {
+    let graph = gpu.capture_graph(&mut || {
         gpu.scale_assign(&mut logits, 0.0)?;
         gpu.add_assign(&mut logits, &src)?;
         gpu.scale_assign(&mut out, 0.0)?;
         gpu.add_assign(&mut out, &base)?;
         gpu.moe(&l.x, &logits, &l.routing, &l.experts, &mut out)
     })?;
-    graph.replay()?;
+    gpu.replay_graph(graph)?;
     let replayed = gpu.download(&out)?;
     // A new routing through the same graph.
     let new_logits: Vec<f32> = rng
@@ -239,7 +239,7 @@ fn capture_case(gpu: &CudaBackend, cpu: &CpuBackend, c: &Case, rng: &mut Rng) ->
     let fresh = gpu.upload(HostTensor::f32(&new_logits, &[c.tokens, c.experts]))?;
     gpu.scale_assign(&mut src, 0.0)?;
     gpu.add_assign(&mut src, &fresh)?;
-    graph.replay()?;
+    gpu.replay_graph(graph)?;
     let second = gpu.download(&out)?;
     let mut cpu_inp = inp;
     cpu_inp.logits = new_logits;
@@ -301,8 +301,9 @@ fn bench_inner(report: &mut Report, suite: &str, gpu: &CudaBackend) -> R<()> {
         };
         let grouped = time(&mut || Ok(gpu.moe(&x, &logits, &routing, &experts, &mut out)?))?;
         let old = time(&mut || Ok(gpu.moe_per_expert(&x, &logits, &routing, &experts, &mut out)?))?;
-        let graph = gpu.capture(|| gpu.moe(&x, &logits, &routing, &experts, &mut out))?;
-        let graphed = time(&mut || Ok(graph.replay()?))?;
+        let graph =
+            gpu.capture_graph(&mut || gpu.moe(&x, &logits, &routing, &experts, &mut out))?;
+        let graphed = time(&mut || Ok(gpu.replay_graph(graph)?))?;
         let flops = 2.0 * 2.0 * (t * top_k * h * i) as f64;
         report.push(
             suite,

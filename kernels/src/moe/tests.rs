@@ -144,7 +144,10 @@ fn grids_depend_only_on_the_dims() {
     assert_eq!((geo[1].3, geo[2].3), (MMA_SMEM, MMA_SMEM));
     let opt_in: Vec<_> = smem_opt_in().collect();
     assert!(opt_in.contains(&(geo[1].0, MMA_SMEM)) && opt_in.contains(&(geo[2].0, MMA_SMEM)));
-    let f32_smem: Vec<u32> = launches(&dims(64, 128, 6, true), false).iter().map(|l| l.smem).collect();
+    let f32_smem: Vec<u32> = launches(&dims(64, 128, 6, true), false)
+        .iter()
+        .map(|l| l.smem)
+        .collect();
     assert_eq!(f32_smem[1..3], [0, 0]);
 }
 

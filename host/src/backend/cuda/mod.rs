@@ -23,7 +23,6 @@
 
 pub mod device;
 pub mod gemm;
-pub mod graph;
 pub mod memory;
 mod moe;
 pub mod step;
