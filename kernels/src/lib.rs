@@ -15,6 +15,7 @@
 //! options, the NVRTC version and the architecture; sources compile in parallel.
 
 pub mod attention;
+pub mod moe;
 pub mod nvrtc;
 pub mod sample;
 pub mod ssm;
@@ -72,7 +73,10 @@ pub struct Source {
 }
 
 /// Project headers that sources may `#include "name"`.
-pub const HEADERS: &[(&str, &str)] = &[("common.cuh", include_str!("common.cuh"))];
+pub const HEADERS: &[(&str, &str)] = &[
+    ("common.cuh", include_str!("common.cuh")),
+    ("mma.cuh", include_str!("mma.cuh")),
+];
 
 /// Bumped whenever a kernel's parameters change meaning without changing its source text.
 pub const ABI_VERSION: u32 = 1;
@@ -99,6 +103,11 @@ pub fn sources() -> &'static [Source] {
             name: "ssm.cu",
             code: include_str!("ssm.cu"),
             entries: ssm::ENTRIES,
+        },
+        Source {
+            name: "moe.cu",
+            code: include_str!("moe.cu"),
+            entries: moe::ENTRIES,
         },
     ];
     SOURCES

@@ -2,7 +2,7 @@
 # On the GPU machine, from the repository root, with the stripped binary in .gpu/chimera
 # (tests/gpu/prepare.sh makes it on a machine without a GPU):
 #
-#   tests/gpu/run.sh kernels|hybrid|parity|graphs|bench|serve|all
+#   tests/gpu/run.sh kernels|hybrid|parity|graphs|bench|moe|serve|all
 #
 # Prints one table (check | measured | bound | pass), writes every row as JSON under $OUT (or
 # .gpu/out), and exits non-zero if any row fails. Each suite finishes in under 8 minutes.
@@ -71,7 +71,7 @@ serve_suite() {
 }
 
 case $suite in
-  kernels|hybrid|parity|graphs|bench) run_check "$suite" ;;
+  kernels|hybrid|parity|graphs|bench|moe) run_check "$suite" ;;
   serve) serve_suite ;;
   all) run_check kernels; run_check hybrid; run_check parity; run_check graphs; run_check bench; serve_suite ;;
   *) echo "unknown suite $suite" >&2; exit 2 ;;

@@ -1,7 +1,8 @@
 //! The `bench` suite (bf16 serving mode): a full-size Llama config with dummy weights — load
 //! time, eager decode ms/step at batch 1, 64 and 256 with context 2048 against the memory
 //! floor recomputed from the copy bandwidth measured first in the same run, and driver
-//! allocations over 1000 steps — plus causal GQA attention (32q/8kv, d128) at 8192 tokens.
+//! allocations over 1000 steps — plus causal GQA attention (32q/8kv, d128) at 8192 tokens and
+//! the grouped MoE layer against the per-expert path (NemotronH shape, `super::moe`).
 
 use std::time::Instant;
 
@@ -34,6 +35,7 @@ pub fn run(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) {
             return;
         }
     };
+    super::moe::bench(report, SUITE, gpu);
     if let Err(e) = attention_8k(report, gpu) {
         report.failed(SUITE, "attention T=8192", format!("{e:#}"));
     }

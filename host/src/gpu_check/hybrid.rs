@@ -1,5 +1,6 @@
 //! The `hybrid` suite: the operations hybrid models add, on the GPU against the CPU — MoE
-//! routing (expert ids and order identical in f32 mode, ties included) and the routed experts,
+//! routing (expert ids and order identical in f32 mode, ties included) and the routed experts
+//! (`super::moe`),
 //! SSM slot restores and zeros, the Mamba2 conv and scan with snapshots — then the hybrid
 //! fixtures end to end (see `parity`).
 
@@ -8,9 +9,7 @@ use super::{GpuCheckArgs, Report, rel_err};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cpu::moe as cpu_moe;
 use crate::backend::cuda::CudaBackend;
-use crate::backend::{
-    Activation, Backend, DType, HostTensor, MoeRouting, SlotOp, SsmPools, StackedExperts, StepPlan,
-};
+use crate::backend::{Backend, DType, HostTensor, MoeRouting, SlotOp, SsmPools, StepPlan};
 
 const SUITE: &str = "hybrid";
 type R<T> = anyhow::Result<T>;
@@ -53,23 +52,7 @@ pub fn run(
             Err(e) => report.failed(SUITE, label, format!("{e:#}")),
         }
     }
-    for gpu in [f32_gpu, bf16_gpu] {
-        let tag = if gpu.dtype() == DType::F32 {
-            "f32"
-        } else {
-            "bf16"
-        };
-        let tol = if gpu.dtype() == DType::F32 {
-            1e-5
-        } else {
-            1e-2
-        };
-        let label = format!("{tag} moe experts 77 tokens, 16 experts top-4, relu²");
-        match experts_case(gpu, &mut rng) {
-            Ok((g, c)) => report.err(SUITE, label, rel_err(&g, &c), tol),
-            Err(e) => report.failed(SUITE, label, format!("{e:#}")),
-        }
-    }
+    super::moe::checks(report, SUITE, f32_gpu, bf16_gpu, &mut rng);
     let label = "f32 SSM slot restores and zeros (conv + ssm pools, 3 layers)";
     match slot_ops_case(f32_gpu, &mut rng) {
         Ok((g, c)) => report.err(SUITE, label, rel_err(&g, &c), 0.0),
@@ -463,63 +446,6 @@ fn routing_case(
         );
     }
     Ok(gi == ci && w_err <= 1e-6)
-}
-
-fn experts_case(gpu: &CudaBackend, rng: &mut Rng) -> R<(Vec<f32>, Vec<f32>)> {
-    let cpu = CpuBackend::default();
-    let (tokens, hidden, inter, experts) = (77usize, 64usize, 96usize, 16usize);
-    let round = |v: Vec<f32>| -> Vec<f32> {
-        if gpu.dtype() == DType::BF16 {
-            v.into_iter()
-                .map(|x| half::bf16::from_f32(x).to_f32())
-                .collect()
-        } else {
-            v
-        }
-    };
-    let x = round(rng.vec(tokens * hidden, 1.0));
-    let logits = round(rng.vec(tokens * experts, 2.0));
-    let up = round(rng.vec(experts * inter * hidden, 0.1));
-    let down = round(rng.vec(experts * hidden * inter, 0.1));
-    let base = round(rng.vec(tokens * hidden, 1.0));
-    let bias = vec![0.0f32; experts];
-    /// The layer's host inputs: x, router logits, up, down, the output's starting values, bias.
-    type Inputs<'a> = [&'a [f32]; 6];
-    fn both<B: Backend>(
-        b: &B,
-        [x, logits, up, down, base, bias]: Inputs<'_>,
-        (tokens, hidden, inter, experts): (usize, usize, usize, usize),
-    ) -> R<Vec<f32>> {
-        let xt = b.upload(HostTensor::f32(x, &[tokens, hidden]))?;
-        let lt = b.upload(HostTensor::f32(logits, &[tokens, experts]))?;
-        let mut out = b.upload(HostTensor::f32(base, &[tokens, hidden]))?;
-        let routing = MoeRouting {
-            correction_bias: b.upload(HostTensor::f32(bias, &[experts]))?,
-            top_k: 4,
-            n_group: 4,
-            topk_group: 2,
-            norm_topk_prob: true,
-            scaling: 1.5,
-        };
-        let stacked = StackedExperts {
-            up: b.upload(HostTensor::f32(up, &[experts, inter, hidden]))?,
-            down: b.upload(HostTensor::f32(down, &[experts, hidden, inter]))?,
-            gate: None,
-            act: Activation::Relu2,
-        };
-        b.moe(&xt, &lt, &routing, &stacked, &mut out)?;
-        Ok(b.download(&out)?)
-    }
-    let data = [
-        &x[..],
-        &logits[..],
-        &up[..],
-        &down[..],
-        &base[..],
-        &bias[..],
-    ];
-    let dims = (tokens, hidden, inter, experts);
-    Ok((both(gpu, data, dims)?, both(&cpu, data, dims)?))
 }
 
 /// Random pools, a plan of restores and zeros (including a self-copy), applied on both.

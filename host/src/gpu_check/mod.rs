@@ -6,7 +6,8 @@
 //! | pass. The table is printed last and written as JSON; the command fails if any row fails.
 //!
 //! Suites: `kernels` (each kernel against the CPU on fresh random inputs, outputs poisoned
-//! first), `hybrid` (MoE routing and experts, SSM slot operations), `parity` (the Llama fixtures end to end, f32 mode against the CPU; bf16 logits are
+//! first), `hybrid` (MoE routing and experts, SSM slot operations), `moe` (the MoE rows of
+//! `hybrid` and `bench` alone), `parity` (the Llama fixtures end to end, f32 mode against the CPU; bf16 logits are
 //! written for the transformers comparison), `bench` (Llama-3-8B-shaped dummy model: load time,
 //! eager decode against the memory floor, driver allocations in the step loop; causal
 //! attention at 8192 tokens), `graphs` (decode steps replayed from CUDA graphs against the same
@@ -16,6 +17,7 @@ mod bench;
 mod graphs;
 mod hybrid;
 mod kernels;
+mod moe;
 mod parity;
 pub mod rng;
 
@@ -30,7 +32,7 @@ use crate::backend::cuda::{CudaBackend, CudaOptions};
 
 #[derive(Debug, clap::Args)]
 pub struct GpuCheckArgs {
-    /// kernels, hybrid, parity, bench or all.
+    /// kernels, hybrid, parity, graphs, bench, moe (the MoE rows of hybrid and bench) or all.
     #[arg(long, default_value = "all")]
     pub suite: String,
     /// The committed model fixtures (`tests/fixtures/models`).
@@ -238,9 +240,16 @@ pub fn run(args: &GpuCheckArgs) -> anyhow::Result<Report> {
         ran = true;
         bench::run(&mut report, &bf16_gpu, args);
     }
+    if args.suite == "moe" {
+        // The MoE rows of `hybrid` and `bench` alone.
+        ran = true;
+        let mut rng = rng::Rng::new(seed ^ 0x4d6f_4521);
+        moe::checks(&mut report, "moe", &f32_gpu, &bf16_gpu, &mut rng);
+        moe::bench(&mut report, "moe", &bf16_gpu);
+    }
     anyhow::ensure!(
         ran,
-        "unknown suite {:?} (kernels, hybrid, parity, graphs, bench, all)",
+        "unknown suite {:?} (kernels, hybrid, parity, graphs, bench, moe, all)",
         args.suite
     );
     if let Some(path) = &args.json {

@@ -664,10 +664,16 @@ fn moe_forward(
     let (tokens, hidden) = x.rows_cols();
     let (_, n_experts) = router_logits.rows_cols();
     same_shape("moe output", x, out)?;
-    if experts.gate.is_some() || experts.up.shape.len() != 3 {
+    if experts.up.shape.len() != 3
+        || experts
+            .gate
+            .as_ref()
+            .is_some_and(|g| g.shape != experts.up.shape)
+    {
         return Err(BackendError::Invalid(format!(
-            "moe: stacked experts up {:?} (gated experts are not supported on the CPU yet)",
-            experts.up.shape
+            "moe: stacked experts up {:?}, gate {:?}",
+            experts.up.shape,
+            experts.gate.as_ref().map(|g| &g.shape)
         )));
     }
     let inter = experts.up.shape[1];
@@ -696,10 +702,11 @@ fn moe_forward(
         top_k: routing.top_k,
         act: experts.act,
     };
-    moe::moe_experts(
+    moe::moe_experts_gated(
         &x.data,
         &ids,
         &weights,
+        experts.gate.as_ref().map(|g| &g.data[..]),
         &experts.up.data,
         &experts.down.data,
         &shape,

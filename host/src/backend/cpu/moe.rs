@@ -4,8 +4,9 @@
 //!
 //! They reproduce the host routing the model layer used before routing moved onto the backend:
 //! the same expert ids in the same order, the same weights bit for bit, and per output row the
-//! same summation order (experts in ascending id, each expert's tokens in ascending order). Experts are plain MLPs
-//! (`down(act(up(x)))`, no gate, no bias), one GEMM pair per expert over the tokens routed to it.
+//! same summation order (experts in ascending id, each expert's tokens in ascending order). Experts are MLPs
+//! without biases, plain (`down(act(up(x)))`) or gated (`down(act(gate(x)) · up(x))`), one GEMM pair (or
+//! trio) per expert over the tokens routed to it.
 
 use rayon::prelude::*;
 
@@ -207,7 +208,35 @@ pub fn moe_experts(
     s: &ExpertShape,
     out: &mut [f32],
 ) -> Result<()> {
+    moe_experts_gated(x, ids, weights, None, up, down, s, out)
+}
+
+/// [`moe_experts`] with optional gate weights `gate [E, inter, hidden]`: gated experts compute
+/// `down_e(act(gate_e(x)) · up_e(x))` (SwiGLU when `act` is SiLU).
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the expert weights and the routing columns"
+)]
+pub fn moe_experts_gated(
+    x: &[f32],
+    ids: &[u32],
+    weights: &[f32],
+    gate: Option<&[f32]>,
+    up: &[f32],
+    down: &[f32],
+    s: &ExpertShape,
+    out: &mut [f32],
+) -> Result<()> {
     let (h, i) = (s.hidden, s.inter);
+    if let Some(g) = gate
+        && g.len() != up.len()
+    {
+        return Err(BackendError::Invalid(format!(
+            "moe_experts: gate {} for up {}",
+            g.len(),
+            up.len()
+        )));
+    }
     let tokens = x.len().checked_div(h).unwrap_or(0);
     let shapes_ok = h > 0
         && x.len() == tokens * h
@@ -260,6 +289,7 @@ pub fn moe_experts(
     let mut xs = vec![0f32; most * h];
     let mut mid = vec![0f32; most * i];
     let mut ys = vec![0f32; most * h];
+    let mut gs = vec![0f32; if gate.is_some() { most * i } else { 0 }];
     for e in 0..s.experts {
         let (a, b) = (start[e], start[e + 1]);
         let n = b - a;
@@ -271,7 +301,15 @@ pub fn moe_experts(
         }
         let (xs, mid, ys) = (&xs[..n * h], &mut mid[..n * i], &mut ys[..n * h]);
         gemm_nt(xs, &up[e * i * h..(e + 1) * i * h], mid, n, h, i);
-        mid.par_iter_mut().for_each(|v| *v = apply_act(*v, s.act));
+        if let Some(gate) = gate {
+            let gs = &mut gs[..n * i];
+            gemm_nt(xs, &gate[e * i * h..(e + 1) * i * h], gs, n, h, i);
+            mid.par_iter_mut()
+                .zip(gs.par_iter())
+                .for_each(|(v, &g)| *v *= apply_act(g, s.act));
+        } else {
+            mid.par_iter_mut().for_each(|v| *v = apply_act(*v, s.act));
+        }
         gemm_nt(mid, &down[e * h * i..(e + 1) * h * i], ys, n, i, h);
         for ((y, &t), &w) in ys.chunks_exact(h).zip(&rows[a..b]).zip(&row_w[a..b]) {
             for (o, v) in out[t * h..(t + 1) * h].iter_mut().zip(y) {

@@ -254,6 +254,81 @@ fn experts_match_plain_loops() {
 }
 
 #[test]
+fn gated_experts_match_plain_loops() {
+    let mut seed = 5;
+    let shape = ExpertShape {
+        experts: 6,
+        hidden: 24,
+        inter: 40,
+        top_k: 3,
+        act: Activation::Silu,
+    };
+    let ex = experts(&mut seed, shape);
+    let gate: Vec<f32> = (0..ex.up.len()).map(|_| lcg(&mut seed) * 0.5).collect();
+    let tokens = 7;
+    let x: Vec<f32> = (0..tokens * 24).map(|_| lcg(&mut seed)).collect();
+    let logits: Vec<f32> = (0..tokens * 6).map(|_| lcg(&mut seed) * 3.0).collect();
+    let (ids, w) = route(&logits, &[0.0; 6], &routing(6, 3, 2, 3));
+    let mut got = vec![0.0f32; tokens * 24];
+    moe_experts_gated(
+        &x,
+        &ids,
+        &w,
+        Some(&gate),
+        &ex.up,
+        &ex.down,
+        &shape,
+        &mut got,
+    )
+    .unwrap();
+    let (h, i) = (24, 40);
+    for (t, xt) in x.chunks(h).enumerate() {
+        let mut want = vec![0.0f32; h];
+        for j in 0..3 {
+            let e = ids[t * 3 + j] as usize;
+            let dot = |m: &[f32], r: usize| -> f32 {
+                m[(e * i + r) * h..(e * i + r + 1) * h]
+                    .iter()
+                    .zip(xt)
+                    .map(|(a, b)| a * b)
+                    .sum()
+            };
+            let mid: Vec<f32> = (0..i)
+                .map(|r| apply_act(dot(&gate, r), Activation::Silu) * dot(&ex.up, r))
+                .collect();
+            for (c, o) in want.iter_mut().enumerate() {
+                let row = &ex.down[(e * h + c) * i..(e * h + c + 1) * i];
+                *o += w[t * 3 + j] * row.iter().zip(&mid).map(|(a, b)| a * b).sum::<f32>();
+            }
+        }
+        for (c, (g, e)) in got[t * h..(t + 1) * h].iter().zip(&want).enumerate() {
+            assert!(
+                (g - e).abs() <= 1e-5 * e.abs().max(1.0),
+                "token {t} col {c}: {g} vs {e}"
+            );
+        }
+    }
+    // The gate matters: without it the result differs.
+    let mut plain = vec![0.0f32; tokens * 24];
+    moe_experts(&x, &ids, &w, &ex.up, &ex.down, &shape, &mut plain).unwrap();
+    assert!(plain.iter().zip(&got).any(|(a, b)| (a - b).abs() > 1e-3));
+    let short = &gate[1..];
+    assert!(
+        moe_experts_gated(
+            &x,
+            &ids,
+            &w,
+            Some(short),
+            &ex.up,
+            &ex.down,
+            &shape,
+            &mut got
+        )
+        .is_err()
+    );
+}
+
+#[test]
 fn experts_reject_bad_shapes_and_ids() {
     let shape = ExpertShape {
         experts: 2,

@@ -18,12 +18,13 @@
 //!
 //! Hybrid models run too: the Mamba2 conv and SSD scan with snapshots written straight into
 //! their slots, batched slot restores and zeros (kernels of `chimera_kernels::ssm`, planned
-//! when the step is uploaded), and MoE with routing on the device and a per-expert GEMM path
-//! (one read-back of the routing per MoE layer).
+//! when the step is uploaded), and MoE with routing and grouped expert GEMMs on the device
+//! (no read-back; [`moe`]).
 
 pub mod device;
 pub mod gemm;
 pub mod memory;
+mod moe;
 pub mod step;
 
 use std::collections::HashMap;
@@ -1239,93 +1240,12 @@ impl Backend for CudaBackend {
         experts: &StackedExperts<CudaTensor>,
         out: &mut CudaTensor,
     ) -> Result<()> {
-        let hidden = x.rows_cols().1;
-        if experts.gate.is_some() || experts.up.shape.len() != 3 || out.shape != x.shape {
-            return Err(BackendError::Invalid(format!(
-                "moe: stacked experts up {:?}, out {:?} for x {:?} (gated experts are not supported yet)",
-                experts.up.shape, out.shape, x.shape
-            )));
+        let dims = self.moe_dims(x, router_logits, routing, experts, out)?;
+        if dims.tokens == 0 {
+            return Ok(());
         }
-        let (n_experts, inter) = (experts.up.shape[0], experts.up.shape[1]);
-        if experts.up.shape[2] != hidden || experts.down.shape != [n_experts, hidden, inter] {
-            return Err(BackendError::Invalid(format!(
-                "moe: up {:?} / down {:?} for hidden {hidden}",
-                experts.up.shape, experts.down.shape
-            )));
-        }
-        let top_k = routing.top_k;
-        let (ids, weights) = self.moe_route(router_logits, routing)?;
-        // The per-expert path: the routing comes back once per layer (a synchronisation), the
-        // host groups tokens by expert (ascending ids, tokens ascending, as the CPU), and each
-        // expert with tokens is a gather, two GEMMs and a weighted scatter-add.
-        let mut start = vec![0usize; n_experts + 1];
-        for &e in &ids {
-            start[e as usize + 1] += 1;
-        }
-        for e in 0..n_experts {
-            start[e + 1] += start[e];
-        }
-        let mut fill = start.clone();
-        let mut rows = vec![0u32; ids.len()];
-        let mut row_w = vec![0f32; ids.len()];
-        for (j, (&e, &w)) in ids.iter().zip(&weights).enumerate() {
-            let at = &mut fill[e as usize];
-            rows[*at] = (j / top_k.max(1)) as u32;
-            row_w[*at] = w;
-            *at += 1;
-        }
-        let lists = self.tmp(&[2 * ids.len().max(1)], DType::F32)?;
-        let (rows_ptr, w_ptr) = (lists.ptr, lists.ptr + 4 * ids.len() as u64);
-        // SAFETY: the buffer holds both lists; pageable sources are staged by the driver
-        // before the calls return.
-        unsafe {
-            htod(self.dev(), self.stream(), rows_ptr, u32_bytes(&rows))?;
-            htod(self.dev(), self.stream(), w_ptr, super::f32_bytes(&row_w))?;
-        }
-        let esize = x.dtype.size() as u64;
-        for e in 0..n_experts {
-            let (a, b) = (start[e], start[e + 1]);
-            let n = b - a;
-            if n == 0 {
-                continue;
-            }
-            let xs = self.gather_rows(x, rows_ptr + 4 * a as u64, n)?;
-            let mut mid = self.tmp(&[n, inter], x.dtype)?;
-            self.inner.gemm.linear(
-                self.stream(),
-                x.dtype,
-                xs.ptr,
-                experts.up.ptr + (e * inter * hidden) as u64 * esize,
-                None,
-                mid.ptr,
-                (n, hidden, inter),
-            )?;
-            self.activate(&mut mid, experts.act)?;
-            let ys = self.tmp(&[n, hidden], x.dtype)?;
-            self.inner.gemm.linear(
-                self.stream(),
-                x.dtype,
-                mid.ptr,
-                experts.down.ptr + (e * hidden * inter) as u64 * esize,
-                None,
-                ys.ptr,
-                (n, inter, hidden),
-            )?;
-            self.launch(
-                "moe_scatter_add",
-                x.dtype,
-                n as u32,
-                &[
-                    Arg::Ptr(out.ptr),
-                    Arg::Ptr(ys.ptr),
-                    Arg::Ptr(rows_ptr + 4 * a as u64),
-                    Arg::Ptr(w_ptr + 4 * a as u64),
-                    Arg::U32(n as u32),
-                    Arg::U32(hidden as u32),
-                ],
-            )?;
-        }
-        Ok(())
+        let routed = self.route_on_device(router_logits, routing)?;
+        self.moe_grouped(x, &routed, experts, dims, out)
     }
 }
 
@@ -1421,74 +1341,6 @@ impl CudaBackend {
             self.launch_exact(l.entry, l.grid, l.block, l.smem, &args)?;
         }
         Ok(())
-    }
-
-    /// Routes every token on the device (the CPU's rule, bit for bit in f32 mode) and brings
-    /// the expert ids and weights (`[tokens, top_k]`) back to the host.
-    pub fn moe_route(
-        &self,
-        router_logits: &CudaTensor,
-        routing: &MoeRouting<CudaTensor>,
-    ) -> Result<(Vec<u32>, Vec<f32>)> {
-        let (tokens, n_experts) = router_logits.rows_cols();
-        let r = routing;
-        let groups_ok = r.n_group > 0
-            && r.n_group <= 64
-            && n_experts.is_multiple_of(r.n_group)
-            && r.topk_group <= r.n_group
-            && r.top_k > 0
-            && r.top_k <= r.topk_group * (n_experts / r.n_group)
-            && r.correction_bias.len() == n_experts;
-        if !groups_ok {
-            return Err(BackendError::Invalid(format!(
-                "moe_route: top-{} of {n_experts} experts in {} groups (at most 64), {} allowed",
-                r.top_k, r.n_group, r.topk_group
-            )));
-        }
-        let n = tokens * r.top_k;
-        let res = self.tmp(&[2 * n.max(1)], DType::F32)?;
-        let choice = self.tmp(&[tokens.max(1), n_experts], DType::F32)?;
-        self.launch_geo(
-            "moe_route",
-            router_logits.dtype,
-            ((tokens as u32).div_ceil(128).max(1), 1, 1),
-            (128, 1, 1),
-            0,
-            &[
-                Arg::Ptr(res.ptr),
-                Arg::Ptr(res.ptr + 4 * n as u64),
-                Arg::Ptr(choice.ptr),
-                Arg::Ptr(router_logits.ptr),
-                Arg::Ptr(r.correction_bias.ptr),
-                Arg::U32(tokens as u32),
-                Arg::U32(n_experts as u32),
-                Arg::U32(r.n_group as u32),
-                Arg::U32(r.topk_group as u32),
-                Arg::U32(r.top_k as u32),
-                Arg::U32(u32::from(r.norm_topk_prob)),
-                Arg::F32(r.scaling),
-            ],
-        )?;
-        let mut bytes = vec![0u8; 8 * n];
-        // SAFETY: `res` holds 2n words; the copy completes before `sync` returns.
-        unsafe { dtoh(self.dev(), self.stream(), &mut bytes, res.ptr)? };
-        sync(self.dev(), self.stream())?;
-        let word = |i: usize| {
-            u32::from_le_bytes([
-                bytes[4 * i],
-                bytes[4 * i + 1],
-                bytes[4 * i + 2],
-                bytes[4 * i + 3],
-            ])
-        };
-        let ids: Vec<u32> = (0..n).map(word).collect();
-        let weights: Vec<f32> = (n..2 * n).map(|i| f32::from_bits(word(i))).collect();
-        if let Some(&bad) = ids.iter().find(|&&e| e as usize >= n_experts) {
-            return Err(BackendError::Invalid(format!(
-                "moe_route picked expert {bad} of {n_experts} (NaN router logits?)"
-            )));
-        }
-        Ok((ids, weights))
     }
 
     /// `out[r] = x[rows[r]]` for the `n` row indices at device address `rows` (a step

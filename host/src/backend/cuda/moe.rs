@@ -1,0 +1,286 @@
+//! Mixture of experts on the CUDA backend: routing on the device (`moe_route`, dense.cu) and
+//! the grouped expert compute of `chimera_kernels::moe` — the sort into expert order, one
+//! grouped GEMM for up (fused with the gate and the activation), one for down with the routing
+//! weights, and an ordered combine into `out`. Nothing comes back to the host and every launch
+//! geometry follows from the layer's dims, so a MoE layer can be captured in a CUDA graph.
+//!
+//! [`CudaBackend::moe_route`] (routing read back to the host) and
+//! [`CudaBackend::moe_per_expert`] (the former per-expert path: a read-back, then a gather,
+//! two cuBLASLt GEMMs and a scatter-add per expert) remain for the GPU checks and the bench's
+//! comparison only; the model never calls them.
+
+use chimera_kernels::moe::{self as kmoe, MoeArg, MoeDims};
+
+use super::device::Arg;
+use super::memory::{dtoh, htod, sync};
+use super::{CudaBackend, CudaTensor, act_code, u32_bytes};
+use crate::backend::{Backend, BackendError, DType, MoeRouting, Result, StackedExperts};
+
+impl CudaBackend {
+    /// Checks the layer's tensors against each other and returns its dims.
+    pub(super) fn moe_dims(
+        &self,
+        x: &CudaTensor,
+        router_logits: &CudaTensor,
+        routing: &MoeRouting<CudaTensor>,
+        experts: &StackedExperts<CudaTensor>,
+        out: &CudaTensor,
+    ) -> Result<MoeDims> {
+        let (tokens, hidden) = x.rows_cols();
+        let up = &experts.up.shape;
+        let shapes_ok = up.len() == 3
+            && out.shape == x.shape
+            && experts.down.shape == [up[0], hidden, up[1]]
+            && up[2] == hidden
+            && router_logits.rows_cols() == (tokens, up[0])
+            && experts.gate.as_ref().is_none_or(|g| &g.shape == up);
+        let dtypes_ok = [&experts.up, &experts.down, out]
+            .into_iter()
+            .chain(experts.gate.as_ref())
+            .all(|t| t.dtype == x.dtype);
+        if !shapes_ok || !dtypes_ok {
+            return Err(BackendError::Invalid(format!(
+                "moe: x {:?} {:?}, router logits {:?}, up {up:?} {:?}, down {:?} {:?}, gate {:?}, \
+                 out {:?} {:?}",
+                x.dtype,
+                x.shape,
+                router_logits.shape,
+                experts.up.dtype,
+                experts.down.shape,
+                experts.down.dtype,
+                experts.gate.as_ref().map(|g| (g.dtype, &g.shape)),
+                out.dtype,
+                out.shape
+            )));
+        }
+        let dims = MoeDims {
+            tokens,
+            hidden,
+            inter: up[1],
+            experts: up[0],
+            top_k: routing.top_k,
+            gated: experts.gate.is_some(),
+            act: act_code(experts.act),
+        };
+        dims.check(x.dtype == DType::BF16)
+            .map_err(|e| BackendError::Invalid(format!("moe: {e}")))?;
+        Ok(dims)
+    }
+
+    /// Routes every token on the device (the CPU's rule, bit for bit in f32 mode): a u32
+    /// tensor of `2 × tokens × top_k` words, the expert ids (`[tokens, top_k]`, best first)
+    /// then the weights' f32 bits.
+    pub(super) fn route_on_device(
+        &self,
+        router_logits: &CudaTensor,
+        routing: &MoeRouting<CudaTensor>,
+    ) -> Result<CudaTensor> {
+        let (tokens, n_experts) = router_logits.rows_cols();
+        let r = routing;
+        let groups_ok = r.n_group > 0
+            && r.n_group <= 64
+            && n_experts.is_multiple_of(r.n_group)
+            && r.topk_group <= r.n_group
+            && r.top_k > 0
+            && r.top_k <= r.topk_group * (n_experts / r.n_group)
+            && r.correction_bias.len() == n_experts;
+        if !groups_ok {
+            return Err(BackendError::Invalid(format!(
+                "moe_route: top-{} of {n_experts} experts in {} groups (at most 64), {} allowed",
+                r.top_k, r.n_group, r.topk_group
+            )));
+        }
+        let n = tokens * r.top_k;
+        let res = self.tmp(&[2 * n.max(1)], DType::F32)?;
+        let choice = self.tmp(&[tokens.max(1), n_experts], DType::F32)?;
+        self.launch_geo(
+            "moe_route",
+            router_logits.dtype,
+            ((tokens as u32).div_ceil(128).max(1), 1, 1),
+            (128, 1, 1),
+            0,
+            &[
+                Arg::Ptr(res.ptr),
+                Arg::Ptr(res.ptr + 4 * n as u64),
+                Arg::Ptr(choice.ptr),
+                Arg::Ptr(router_logits.ptr),
+                Arg::Ptr(r.correction_bias.ptr),
+                Arg::U32(tokens as u32),
+                Arg::U32(n_experts as u32),
+                Arg::U32(r.n_group as u32),
+                Arg::U32(r.topk_group as u32),
+                Arg::U32(r.top_k as u32),
+                Arg::U32(u32::from(r.norm_topk_prob)),
+                Arg::F32(r.scaling),
+            ],
+        )?;
+        Ok(res)
+    }
+
+    /// [`Self::route_on_device`], then the expert ids and weights (`[tokens, top_k]`) brought
+    /// back to the host (a synchronisation: for checks, not the serving path).
+    pub fn moe_route(
+        &self,
+        router_logits: &CudaTensor,
+        routing: &MoeRouting<CudaTensor>,
+    ) -> Result<(Vec<u32>, Vec<f32>)> {
+        let (tokens, n_experts) = router_logits.rows_cols();
+        let n = tokens * routing.top_k;
+        let res = self.route_on_device(router_logits, routing)?;
+        let mut bytes = vec![0u8; 8 * n];
+        // SAFETY: `res` holds 2n words; the copy completes before `sync` returns.
+        unsafe { dtoh(self.dev(), self.stream(), &mut bytes, res.ptr)? };
+        sync(self.dev(), self.stream())?;
+        let word = |i: usize| {
+            u32::from_le_bytes([
+                bytes[4 * i],
+                bytes[4 * i + 1],
+                bytes[4 * i + 2],
+                bytes[4 * i + 3],
+            ])
+        };
+        let ids: Vec<u32> = (0..n).map(word).collect();
+        let weights: Vec<f32> = (n..2 * n).map(|i| f32::from_bits(word(i))).collect();
+        if let Some(&bad) = ids.iter().find(|&&e| e as usize >= n_experts) {
+            return Err(BackendError::Invalid(format!(
+                "moe_route picked expert {bad} of {n_experts} (NaN router logits?)"
+            )));
+        }
+        Ok((ids, weights))
+    }
+
+    /// The grouped expert compute over routing already on the device (`routed` from
+    /// [`Self::route_on_device`]): sort, up, down, combine (see `chimera_kernels::moe`).
+    pub(super) fn moe_grouped(
+        &self,
+        x: &CudaTensor,
+        routed: &CudaTensor,
+        experts: &StackedExperts<CudaTensor>,
+        d: MoeDims,
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        let n = d.entries();
+        let layout = kmoe::IndexLayout::new(&d);
+        let index = self.tmp(&[layout.words], DType::F32)?;
+        let mid = self.tmp(&[n, d.inter], x.dtype)?;
+        let y = self.tmp(&[n, d.hidden], x.dtype)?;
+        let (ids, weights) = (routed.ptr, routed.ptr + 4 * n as u64);
+        for l in kmoe::launches(&d, x.dtype == DType::BF16) {
+            let args: Vec<Arg> = l
+                .args
+                .iter()
+                .map(|a| match *a {
+                    MoeArg::X => Arg::Ptr(x.ptr),
+                    MoeArg::Out => Arg::Ptr(out.ptr),
+                    MoeArg::Up => Arg::Ptr(experts.up.ptr),
+                    MoeArg::Gate => Arg::Ptr(experts.gate.as_ref().map_or(0, |g| g.ptr)),
+                    MoeArg::Down => Arg::Ptr(experts.down.ptr),
+                    MoeArg::Ids => Arg::Ptr(ids),
+                    MoeArg::Weights => Arg::Ptr(weights),
+                    MoeArg::Index(word) => Arg::Ptr(index.ptr + 4 * word as u64),
+                    MoeArg::Mid => Arg::Ptr(mid.ptr),
+                    MoeArg::Y => Arg::Ptr(y.ptr),
+                    MoeArg::Null => Arg::Ptr(0),
+                    MoeArg::U32(v) => Arg::U32(v),
+                })
+                .collect();
+            self.launch_exact(l.entry, l.grid, l.block, l.smem, &args)?;
+        }
+        Ok(())
+    }
+
+    /// The former per-expert path, kept only for the bench's comparison: the routing comes
+    /// back to the host (a synchronisation), the host groups tokens by expert, and each expert
+    /// with tokens is a gather, two cuBLASLt GEMMs and a weighted scatter-add. Plain experts
+    /// only.
+    pub fn moe_per_expert(
+        &self,
+        x: &CudaTensor,
+        router_logits: &CudaTensor,
+        routing: &MoeRouting<CudaTensor>,
+        experts: &StackedExperts<CudaTensor>,
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        let d = self.moe_dims(x, router_logits, routing, experts, out)?;
+        if d.gated {
+            return Err(BackendError::Invalid(
+                "moe_per_expert: gated experts (the grouped path runs them)".into(),
+            ));
+        }
+        let (n_experts, inter, hidden, top_k) = (d.experts, d.inter, d.hidden, d.top_k);
+        let (ids, weights) = self.moe_route(router_logits, routing)?;
+        let mut start = vec![0usize; n_experts + 1];
+        for &e in &ids {
+            start[e as usize + 1] += 1;
+        }
+        for e in 0..n_experts {
+            start[e + 1] += start[e];
+        }
+        let mut fill = start.clone();
+        let mut rows = vec![0u32; ids.len()];
+        let mut row_w = vec![0f32; ids.len()];
+        for (j, (&e, &w)) in ids.iter().zip(&weights).enumerate() {
+            let at = &mut fill[e as usize];
+            rows[*at] = (j / top_k.max(1)) as u32;
+            row_w[*at] = w;
+            *at += 1;
+        }
+        let lists = self.tmp(&[2 * ids.len().max(1)], DType::F32)?;
+        let (rows_ptr, w_ptr) = (lists.ptr, lists.ptr + 4 * ids.len() as u64);
+        // SAFETY: the buffer holds both lists; pageable sources are staged by the driver
+        // before the calls return.
+        unsafe {
+            htod(self.dev(), self.stream(), rows_ptr, u32_bytes(&rows))?;
+            htod(
+                self.dev(),
+                self.stream(),
+                w_ptr,
+                crate::backend::f32_bytes(&row_w),
+            )?;
+        }
+        let esize = x.dtype.size() as u64;
+        for e in 0..n_experts {
+            let (a, b) = (start[e], start[e + 1]);
+            let n = b - a;
+            if n == 0 {
+                continue;
+            }
+            let xs = self.gather_rows(x, rows_ptr + 4 * a as u64, n)?;
+            let mut mid = self.tmp(&[n, inter], x.dtype)?;
+            self.inner.gemm.linear(
+                self.stream(),
+                x.dtype,
+                xs.ptr,
+                experts.up.ptr + (e * inter * hidden) as u64 * esize,
+                None,
+                mid.ptr,
+                (n, hidden, inter),
+            )?;
+            self.activate(&mut mid, experts.act)?;
+            let ys = self.tmp(&[n, hidden], x.dtype)?;
+            self.inner.gemm.linear(
+                self.stream(),
+                x.dtype,
+                mid.ptr,
+                experts.down.ptr + (e * hidden * inter) as u64 * esize,
+                None,
+                ys.ptr,
+                (n, inter, hidden),
+            )?;
+            self.launch(
+                "moe_scatter_add",
+                x.dtype,
+                n as u32,
+                &[
+                    Arg::Ptr(out.ptr),
+                    Arg::Ptr(ys.ptr),
+                    Arg::Ptr(rows_ptr + 4 * a as u64),
+                    Arg::Ptr(w_ptr + 4 * a as u64),
+                    Arg::U32(n as u32),
+                    Arg::U32(hidden as u32),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+}
