@@ -24,7 +24,8 @@ use rayon::prelude::*;
 
 use super::{
     Activation, ArenaStats, AttnShape, Backend, BackendError, DType, HostTensor, KvLayer,
-    MoeRouting, Result, Rope, SampleOut, SlotOp, SsmPools, SsmShape, StackedExperts, StepPlan,
+    MoeRouting, MoeScoring, Result, Rope, SampleOut, SlotOp, SsmPools, SsmShape, StackedExperts,
+    StepPlan,
 };
 
 /// A dense f32 tensor in host memory.
@@ -664,10 +665,13 @@ fn moe_forward(
     let (tokens, hidden) = x.rows_cols();
     let (_, n_experts) = router_logits.rows_cols();
     same_shape("moe output", x, out)?;
-    if experts.gate.is_some() || experts.up.shape.len() != 3 {
+    if experts.up.shape.len() != 3
+        || experts.gate.as_ref().is_some_and(|g| g.shape != experts.up.shape)
+    {
         return Err(BackendError::Invalid(format!(
-            "moe: stacked experts up {:?} (gated experts are not supported on the CPU yet)",
-            experts.up.shape
+            "moe: stacked experts up {:?}, gate {:?}",
+            experts.up.shape,
+            experts.gate.as_ref().map(|g| &g.shape)
         )));
     }
     let inter = experts.up.shape[1];
@@ -681,14 +685,19 @@ fn moe_forward(
     };
     let n = tokens * routing.top_k;
     let (mut ids, mut weights) = (vec![0u32; n], vec![0f32; n]);
-    moe::moe_route(
-        &router_logits.data,
-        tokens,
-        &r,
-        &routing.correction_bias.data,
-        &mut ids,
-        &mut weights,
-    )?;
+    match routing.scoring {
+        MoeScoring::Sigmoid => moe::moe_route(
+            &router_logits.data,
+            tokens,
+            &r,
+            &routing.correction_bias.data,
+            &mut ids,
+            &mut weights,
+        )?,
+        MoeScoring::Softmax => {
+            moe::moe_route_softmax(&router_logits.data, tokens, &r, &mut ids, &mut weights)?
+        }
+    }
     let shape = moe::ExpertShape {
         experts: n_experts,
         hidden,
@@ -696,10 +705,11 @@ fn moe_forward(
         top_k: routing.top_k,
         act: experts.act,
     };
-    moe::moe_experts(
+    moe::moe_experts_gated(
         &x.data,
         &ids,
         &weights,
+        experts.gate.as_ref().map(|g| &g.data[..]),
         &experts.up.data,
         &experts.down.data,
         &shape,

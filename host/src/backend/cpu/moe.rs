@@ -1,11 +1,13 @@
 //! Mixture-of-experts kernels on the CPU: sigmoid routing with grouped top-k selection and a
-//! score-correction bias (NemotronH; DeepSeek-V3 routing as transformers runs it), and the
-//! routed experts' MLPs over stacked expert weights.
+//! score-correction bias (NemotronH; DeepSeek-V3 routing as transformers runs it), softmax
+//! top-k routing (Granite 4.0), and the routed experts' MLPs over stacked expert weights,
+//! plain or gated.
 //!
 //! They reproduce the host routing the model layer used before routing moved onto the backend:
 //! the same expert ids in the same order, the same weights bit for bit, and per output row the
-//! same summation order (experts in ascending id, each expert's tokens in ascending order). Experts are plain MLPs
-//! (`down(act(up(x)))`, no gate, no bias), one GEMM pair per expert over the tokens routed to it.
+//! same summation order (experts in ascending id, each expert's tokens in ascending order).
+//! Experts are MLPs without biases, plain (`down(act(up(x)))`) or gated
+//! (`down(act(gate(x)) · up(x))`), one GEMM pair (or three) per expert over its tokens.
 
 use rayon::prelude::*;
 
@@ -193,6 +195,71 @@ fn route_token(
     }
 }
 
+/// Softmax routing (Granite 4.0, Qwen MoE): per token, the `top_k` largest logits (ties to the
+/// lower id), best first; their weights are `softmax(logits)` at the picked experts,
+/// renormalised over the picked ones when `norm_topk_prob` (the softmax over the picked logits
+/// alone, as Granite writes it), times `scaling`. `ids_out`/`weights_out` are `[tokens, top_k]`.
+pub fn moe_route_softmax(
+    router_logits: &[f32],
+    tokens: usize,
+    r: &MoeRouting,
+    ids_out: &mut [u32],
+    weights_out: &mut [f32],
+) -> Result<()> {
+    let n = tokens * r.top_k;
+    if r.top_k == 0
+        || r.top_k > r.experts
+        || router_logits.len() != tokens * r.experts
+        || ids_out.len() != n
+        || weights_out.len() != n
+    {
+        return Err(BackendError::Invalid(format!(
+            "moe_route_softmax: {} logits, {} ids, {} weights for {tokens} tokens × {} experts, \
+             top-{}",
+            router_logits.len(),
+            ids_out.len(),
+            weights_out.len(),
+            r.experts,
+            r.top_k
+        )));
+    }
+    if tokens == 0 {
+        return Ok(());
+    }
+    router_logits
+        .par_chunks(r.experts)
+        .zip(ids_out.par_chunks_mut(r.top_k))
+        .zip(weights_out.par_chunks_mut(r.top_k))
+        .for_each_init(
+            || Vec::with_capacity(r.experts),
+            |order: &mut Vec<u32>, ((logits, ids), weights)| {
+                order.clear();
+                order.extend(0..r.experts as u32);
+                order.sort_unstable_by(|&x, &y| {
+                    logits[y as usize]
+                        .total_cmp(&logits[x as usize])
+                        .then(x.cmp(&y))
+                });
+                let max = logits[order[0] as usize];
+                let z: f32 = logits.iter().map(|&v| (v - max).exp()).sum();
+                for ((id, w), &e) in ids.iter_mut().zip(weights.iter_mut()).zip(order.iter()) {
+                    *id = e;
+                    *w = (logits[e as usize] - max).exp() / z;
+                }
+                if r.norm_topk_prob {
+                    let sum: f32 = weights.iter().sum::<f32>() + 1e-20;
+                    for w in weights.iter_mut() {
+                        *w /= sum;
+                    }
+                }
+                for w in weights.iter_mut() {
+                    *w *= r.scaling;
+                }
+            },
+        );
+    Ok(())
+}
+
 /// Adds every token's routed experts to `out` (`[tokens, hidden]`, accumulated into):
 /// `out[t] += weights[t, j] · down_e(act(up_e(x[t])))` for `e = ids[t, j]`, with `x`
 /// `[tokens, hidden]` and the stacked expert weights `up [E, inter, hidden]`,
@@ -207,6 +274,22 @@ pub fn moe_experts(
     s: &ExpertShape,
     out: &mut [f32],
 ) -> Result<()> {
+    moe_experts_gated(x, ids, weights, None, up, down, s, out)
+}
+
+/// [`moe_experts`] with an optional stacked `gate [E, inter, hidden]`: gated experts compute
+/// `down_e(act(gate_e(x)) · up_e(x))` (SwiGLU experts of Granite 4.0 and Qwen MoE).
+#[allow(clippy::too_many_arguments)]
+pub fn moe_experts_gated(
+    x: &[f32],
+    ids: &[u32],
+    weights: &[f32],
+    gate: Option<&[f32]>,
+    up: &[f32],
+    down: &[f32],
+    s: &ExpertShape,
+    out: &mut [f32],
+) -> Result<()> {
     let (h, i) = (s.hidden, s.inter);
     let tokens = x.len().checked_div(h).unwrap_or(0);
     let shapes_ok = h > 0
@@ -215,16 +298,18 @@ pub fn moe_experts(
         && ids.len() == tokens * s.top_k
         && weights.len() == ids.len()
         && up.len() == s.experts * i * h
+        && gate.is_none_or(|g| g.len() == up.len())
         && down.len() == s.experts * h * i;
     if !shapes_ok {
         return Err(BackendError::Invalid(format!(
-            "moe_experts: x {}, out {}, ids {}, weights {}, up {}, down {} for hidden {h}, \
-             inter {i}, {} experts, top-{}",
+            "moe_experts: x {}, out {}, ids {}, weights {}, up {}, gate {:?}, down {} for \
+             hidden {h}, inter {i}, {} experts, top-{}",
             x.len(),
             out.len(),
             ids.len(),
             weights.len(),
             up.len(),
+            gate.map(<[f32]>::len),
             down.len(),
             s.experts,
             s.top_k
@@ -259,6 +344,7 @@ pub fn moe_experts(
         .unwrap_or(0);
     let mut xs = vec![0f32; most * h];
     let mut mid = vec![0f32; most * i];
+    let mut gated = vec![0f32; if gate.is_some() { most * i } else { 0 }];
     let mut ys = vec![0f32; most * h];
     for e in 0..s.experts {
         let (a, b) = (start[e], start[e + 1]);
@@ -271,7 +357,16 @@ pub fn moe_experts(
         }
         let (xs, mid, ys) = (&xs[..n * h], &mut mid[..n * i], &mut ys[..n * h]);
         gemm_nt(xs, &up[e * i * h..(e + 1) * i * h], mid, n, h, i);
-        mid.par_iter_mut().for_each(|v| *v = apply_act(*v, s.act));
+        match gate {
+            Some(gate) => {
+                let g = &mut gated[..n * i];
+                gemm_nt(xs, &gate[e * i * h..(e + 1) * i * h], g, n, h, i);
+                mid.par_iter_mut()
+                    .zip(g.par_iter())
+                    .for_each(|(v, &g)| *v *= apply_act(g, s.act));
+            }
+            None => mid.par_iter_mut().for_each(|v| *v = apply_act(*v, s.act)),
+        }
         gemm_nt(mid, &down[e * h * i..(e + 1) * h * i], ys, n, i, h);
         for ((y, &t), &w) in ys.chunks_exact(h).zip(&rows[a..b]).zip(&row_w[a..b]) {
             for (o, v) in out[t * h..(t + 1) * h].iter_mut().zip(y) {

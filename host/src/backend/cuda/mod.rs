@@ -41,7 +41,7 @@ use self::memory::{Arena, DevAlloc, MemStats, Pinned, bad_tensor, dtoh, htod, sy
 pub use self::step::CudaStep;
 use super::{
     Activation, ArenaStats, AttnShape, Backend, BackendError, DType, HostTensor, KvLayer,
-    MoeRouting, Result, Rope, SampleOut, SsmPools, SsmShape, StackedExperts, StepPlan,
+    MoeRouting, MoeScoring, Result, Rope, SampleOut, SsmPools, SsmShape, StackedExperts, StepPlan,
 };
 
 /// Where a tensor's memory comes from.
@@ -1305,6 +1305,12 @@ impl CudaBackend {
     ) -> Result<(Vec<u32>, Vec<f32>)> {
         let (tokens, n_experts) = router_logits.rows_cols();
         let r = routing;
+        if r.scoring != MoeScoring::Sigmoid {
+            return Err(BackendError::Invalid(format!(
+                "moe_route: {:?} routing is not supported on CUDA yet (only sigmoid)",
+                r.scoring
+            )));
+        }
         let groups_ok = r.n_group > 0
             && r.n_group <= 64
             && n_experts.is_multiple_of(r.n_group)
