@@ -25,9 +25,12 @@ fn f32_list(c: &HfConfig, key: &str, default: &[f32]) -> Result<Vec<f32>, ModelE
     };
     let list = v
         .as_array()
-        .and_then(|a| a.iter().map(|x| x.as_f64().map(|f| f as f32)).collect())
+        .and_then(|a| {
+            a.iter()
+                .map(|x| x.as_f64().map(|f| f as f32))
+                .collect::<Option<Vec<f32>>>()
+        })
         .ok_or_else(|| c.error(format!("`{key}` must be a list of numbers, got {v}")))?;
-    let list: Vec<f32> = list;
     if list.len() != default.len() {
         return Err(c.error(format!(
             "`{key}` must hold {} numbers, got {}",
