@@ -414,7 +414,10 @@ fn granite_expert_layouts_load_the_same_model() {
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
             .collect();
         let shape = view.shape().to_vec();
-        let moe = |suffix: &str| name.strip_suffix(suffix).map(|p| format!("{p}.block_sparse_moe"));
+        let moe = |suffix: &str| {
+            name.strip_suffix(suffix)
+                .map(|p| format!("{p}.block_sparse_moe"))
+        };
         if let Some(p) = moe(".block_sparse_moe.input_linear.weight") {
             moe_layers += 1;
             let (e, i2, h) = (shape[0], shape[1], shape[2]);
@@ -444,7 +447,10 @@ fn granite_expert_layouts_load_the_same_model() {
             stacked.insert(name, (data, shape));
         }
     }
-    assert_eq!(moe_layers, 3, "the fixture has an MoE block in each of its 3 layers");
+    assert_eq!(
+        moe_layers, 3,
+        "the fixture has an MoE block in each of its 3 layers"
+    );
     let prompt: Vec<u32> = (0..23).map(|i| 5 + (i * 37) % 500).collect();
     let want = full_forward(&load(&dir), &prompt);
     let config = HfConfig::load(&dir).expect("config");

@@ -666,7 +666,10 @@ fn moe_forward(
     let (_, n_experts) = router_logits.rows_cols();
     same_shape("moe output", x, out)?;
     if experts.up.shape.len() != 3
-        || experts.gate.as_ref().is_some_and(|g| g.shape != experts.up.shape)
+        || experts
+            .gate
+            .as_ref()
+            .is_some_and(|g| g.shape != experts.up.shape)
     {
         return Err(BackendError::Invalid(format!(
             "moe: stacked experts up {:?}, gate {:?}",

@@ -305,7 +305,11 @@ fn reference_softmax_route(logits: &[f32], top_k: usize) -> Vec<(usize, f32)> {
     let max = logits[order[0]];
     let exps: Vec<f32> = order.iter().map(|&e| (logits[e] - max).exp()).collect();
     let sum: f32 = exps.iter().sum();
-    order.into_iter().zip(exps).map(|(e, v)| (e, v / sum)).collect()
+    order
+        .into_iter()
+        .zip(exps)
+        .map(|(e, v)| (e, v / sum))
+        .collect()
 }
 
 #[test]
@@ -329,7 +333,10 @@ fn softmax_routing_picks_the_largest_logits_and_normalises_over_them() {
             for (j, (e, wt)) in want.iter().enumerate() {
                 assert_eq!(ids[t * top_k + j] as usize, *e, "token {t} slot {j}");
                 let got = w[t * top_k + j];
-                assert!((got - wt).abs() <= 1e-6, "token {t} slot {j}: {got} vs {wt}");
+                assert!(
+                    (got - wt).abs() <= 1e-6,
+                    "token {t} slot {j}: {got} vs {wt}"
+                );
             }
             let sum: f32 = w[t * top_k..(t + 1) * top_k].iter().sum();
             assert!((sum - 1.0).abs() <= 1e-6, "token {t}: weights sum to {sum}");
@@ -368,7 +375,17 @@ fn gated_experts_match_plain_loops() {
     let logits: Vec<f32> = (0..tokens * e).map(|_| lcg(&mut seed) * 3.0).collect();
     let (ids, w) = route(&logits, &[0.0; 5], &routing(5, 1, 1, 2));
     let mut got = vec![0.0f32; tokens * h];
-    moe_experts_gated(&x, &ids, &w, Some(&gate), &ex.up, &ex.down, &shape, &mut got).unwrap();
+    moe_experts_gated(
+        &x,
+        &ids,
+        &w,
+        Some(&gate),
+        &ex.up,
+        &ex.down,
+        &shape,
+        &mut got,
+    )
+    .unwrap();
     let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(p, q)| p * q).sum::<f32>();
     for (t, xt) in x.chunks(h).enumerate() {
         let mut want = vec![0.0f32; h];
@@ -386,13 +403,25 @@ fn gated_experts_match_plain_loops() {
             }
         }
         for (c, (g, wv)) in got[t * h..(t + 1) * h].iter().zip(&want).enumerate() {
-            assert!((g - wv).abs() <= 1e-5 * wv.abs().max(1.0), "token {t} col {c}: {g} vs {wv}");
+            assert!(
+                (g - wv).abs() <= 1e-5 * wv.abs().max(1.0),
+                "token {t} col {c}: {g} vs {wv}"
+            );
         }
     }
     // A gate of the wrong size is an error.
     let mut out = vec![0.0f32; tokens * h];
     assert!(
-        moe_experts_gated(&x, &ids, &w, Some(&gate[1..]), &ex.up, &ex.down, &shape, &mut out)
-            .is_err()
+        moe_experts_gated(
+            &x,
+            &ids,
+            &w,
+            Some(&gate[1..]),
+            &ex.up,
+            &ex.down,
+            &shape,
+            &mut out
+        )
+        .is_err()
     );
 }

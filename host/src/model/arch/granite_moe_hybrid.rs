@@ -38,7 +38,10 @@ pub fn build<B: Backend>(c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, Mo
     let residual = c.f64_or("residual_multiplier", 1.0)? as f32;
     let attention_multiplier = c.f64_or("attention_multiplier", 1.0)? as f32;
     let kinds = layer_kinds(c)?;
-    if let Some(k) = kinds.iter().find(|k| !matches!(k, Kind::Mamba | Kind::Attention)) {
+    if let Some(k) = kinds
+        .iter()
+        .find(|k| !matches!(k, Kind::Mamba | Kind::Attention))
+    {
         return Err(c.error(format!(
             "layer type {k:?} in a Granite layer list (mamba or attention only)"
         )));
@@ -127,10 +130,24 @@ pub fn build<B: Backend>(c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, Mo
             norm: l.rms_norm(&format!("{p}.input_layernorm.weight"), hidden, eps)?,
             mixer,
         });
-        let shared = shared_mlp(l, &format!("{p}.shared_mlp"), hidden, shared_inter, residual)?;
+        let shared = shared_mlp(
+            l,
+            &format!("{p}.shared_mlp"),
+            hidden,
+            shared_inter,
+            residual,
+        )?;
         let ffn = if experts > 0 {
             let moe_prefix = format!("{p}.block_sparse_moe");
-            Mixer::Moe(load_moe(l, c, &moe_prefix, hidden, experts, shared, residual)?)
+            Mixer::Moe(load_moe(
+                l,
+                c,
+                &moe_prefix,
+                hidden,
+                experts,
+                shared,
+                residual,
+            )?)
         } else {
             Mixer::Mlp(shared)
         };
@@ -176,7 +193,10 @@ fn shared_mlp<B: Backend>(
     inter: usize,
     residual: f32,
 ) -> Result<Mlp<B>, ModelError> {
-    let fused = l.host_f32(&format!("{prefix}.input_linear.weight"), &[2 * inter, hidden])?;
+    let fused = l.host_f32(
+        &format!("{prefix}.input_linear.weight"),
+        &[2 * inter, hidden],
+    )?;
     let (gate, up) = fused.split_at(inter * hidden);
     let down = l.linear(&format!("{prefix}.output_linear"), hidden, inter, false)?;
     Ok(Mlp {
@@ -206,9 +226,7 @@ fn load_moe<B: Backend>(
     let (e, i, h) = (experts, c.usize("intermediate_size")?, hidden);
     let top_k = c.usize("num_experts_per_tok")?;
     if top_k == 0 || top_k > e {
-        return Err(c.error(format!(
-            "num_experts_per_tok {top_k} with {e} experts"
-        )));
+        return Err(c.error(format!("num_experts_per_tok {top_k} with {e} experts")));
     }
     let p = |n: &str| format!("{prefix}.{n}");
     let router_name = [p("router.layer.weight"), p("router.weight")]

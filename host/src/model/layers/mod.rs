@@ -112,7 +112,9 @@ impl<B: Backend> Linear<B> {
         let b = match &self.b {
             Some(b) => {
                 let mut b = l.backend.download(b)?;
-                b.iter_mut().enumerate().for_each(|(r, v)| *v *= out_scale(r));
+                b.iter_mut()
+                    .enumerate()
+                    .for_each(|(r, v)| *v *= out_scale(r));
                 Some(l.upload_f32(&b, &[rows])?)
             }
             None => None,

@@ -162,7 +162,10 @@ pub fn stack_f32<B: Backend>(
 ) -> Result<Vec<f32>, ModelError> {
     let mut out = Vec::with_capacity(e * rows * cols);
     for j in 0..e {
-        out.extend(l.host_f32(&format!("{prefix}.experts.{j}.{name}.weight"), &[rows, cols])?);
+        out.extend(l.host_f32(
+            &format!("{prefix}.experts.{j}.{name}.weight"),
+            &[rows, cols],
+        )?);
     }
     Ok(out)
 }
