@@ -2,8 +2,8 @@
 //! SSM snapshots) and eviction pressure must never change what a request generates.
 //!
 //! Every request's greedy output is compared with the model-level reference
-//! (`model::greedy_generate`, one sequence, private caches), for the tiny fixture models of all
-//! four architectures (`tests/fixtures/models/`).
+//! (`model::greedy_generate`, one sequence, private caches), for tiny fixture models of every
+//! architecture (`tests/fixtures/models/`).
 
 use std::path::{Path, PathBuf};
 
@@ -17,7 +17,16 @@ use chimera::engine::{Engine, EngineConfig, EngineSetup, ModelRunner, Policies};
 use chimera::model::{self, LogitsMode, Model};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
-const MODELS: &[&str] = &["llama-gqa", "mamba2-g2", "nemotronh-a", "bamba-b"];
+const MODELS: &[&str] = &[
+    "llama-gqa",
+    "mamba2-g2",
+    "nemotronh-a",
+    "bamba-b",
+    // ---- wave 2, Mamba2-based (branch gfh) ----
+    "granite-moe",
+    "falconh1-b",
+    // ---- end gfh ----
+];
 
 fn model_dir(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

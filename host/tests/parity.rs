@@ -389,3 +389,75 @@ fn dummy_weights_follow_the_config_and_are_reproducible() {
     let logits = full_forward(&a, &[1, 2, 3, 4, 5]);
     assert!(logits.iter().all(|x| x.is_finite()));
 }
+
+// ---- wave 2, Mamba2-based (branch gfh) ----
+
+/// Granite experts load to the same model from the published fused layout (the fixture:
+/// `input_linear` = gate ‖ up, `output_linear`, `router.layer`), from transformers' in-memory
+/// names (`experts.gate_up_proj`, `experts.down_proj`, `router.weight`) and from one tensor per
+/// expert (`experts.{j}.{gate,up,down}_proj`): identical logits.
+#[test]
+fn granite_expert_layouts_load_the_same_model() {
+    use chimera::model::config::HfConfig;
+    use chimera::model::weights::WeightStore;
+    type Tensors = HashMap<String, (Vec<f32>, Vec<usize>)>;
+    let dir = fixtures().join("models/granite-moe");
+    let bytes = std::fs::read(dir.join("model.safetensors")).expect("weights");
+    let st = SafeTensors::deserialize(&bytes).expect("safetensors");
+    let (mut stacked, mut per_expert) = (Tensors::new(), Tensors::new());
+    let mut moe_layers = 0;
+    for (name, view) in st.tensors() {
+        assert_eq!(view.dtype(), Dtype::F32, "{name}");
+        let data: Vec<f32> = view
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let shape = view.shape().to_vec();
+        let moe = |suffix: &str| {
+            name.strip_suffix(suffix)
+                .map(|p| format!("{p}.block_sparse_moe"))
+        };
+        if let Some(p) = moe(".block_sparse_moe.input_linear.weight") {
+            moe_layers += 1;
+            let (e, i2, h) = (shape[0], shape[1], shape[2]);
+            for j in 0..e {
+                let expert = &data[j * i2 * h..(j + 1) * i2 * h];
+                let (gate, up) = expert.split_at(i2 / 2 * h);
+                let part = |v: &[f32]| (v.to_vec(), vec![i2 / 2, h]);
+                per_expert.insert(format!("{p}.experts.{j}.gate_proj.weight"), part(gate));
+                per_expert.insert(format!("{p}.experts.{j}.up_proj.weight"), part(up));
+            }
+            stacked.insert(format!("{p}.experts.gate_up_proj"), (data, shape));
+        } else if let Some(p) = moe(".block_sparse_moe.output_linear.weight") {
+            let (e, h, i) = (shape[0], shape[1], shape[2]);
+            for j in 0..e {
+                let expert = data[j * h * i..(j + 1) * h * i].to_vec();
+                per_expert.insert(
+                    format!("{p}.experts.{j}.down_proj.weight"),
+                    (expert, vec![h, i]),
+                );
+            }
+            stacked.insert(format!("{p}.experts.down_proj"), (data, shape));
+        } else if let Some(p) = moe(".block_sparse_moe.router.layer.weight") {
+            per_expert.insert(format!("{p}.router.weight"), (data.clone(), shape.clone()));
+            stacked.insert(format!("{p}.router.weight"), (data, shape));
+        } else {
+            per_expert.insert(name.clone(), (data.clone(), shape.clone()));
+            stacked.insert(name, (data, shape));
+        }
+    }
+    assert_eq!(
+        moe_layers, 3,
+        "the fixture has an MoE block in each of its 3 layers"
+    );
+    let prompt: Vec<u32> = (0..23).map(|i| 5 + (i * 37) % 500).collect();
+    let want = full_forward(&load(&dir), &prompt);
+    let config = HfConfig::load(&dir).expect("config");
+    for (label, tensors) in [("stacked", stacked), ("per expert", per_expert)] {
+        let store = WeightStore::from_memory(tensors);
+        let m = model::arch::build(&config, &store, &CpuBackend::default()).expect(label);
+        assert_eq!(full_forward(&m, &prompt), want, "{label}");
+    }
+}
+// ---- end gfh ----

@@ -157,10 +157,12 @@ class Attention:
         self.w, self.p = w, prefix
         self.nh, self.nkv, self.hd, self.inv = n_heads, n_kv, head_dim, inv
         self.keys, self.values = [], []
+        self.scale = 1.0 / math.sqrt(head_dim)  # Granite: attention_multiplier
+        self.key_mult = 1.0  # Falcon-H1: key_multiplier
 
     def step(self, x, pos):
         q = linear(self.w, x, self.p + ".q_proj").reshape(self.nh, self.hd)
-        k = linear(self.w, x, self.p + ".k_proj").reshape(self.nkv, self.hd)
+        k = linear(self.w, x, self.p + ".k_proj").reshape(self.nkv, self.hd) * self.key_mult
         v = linear(self.w, x, self.p + ".v_proj").reshape(self.nkv, self.hd)
         if self.inv is not None:
             q, k = apply_rope(q, pos, self.inv), apply_rope(k, pos, self.inv)
@@ -170,7 +172,7 @@ class Attention:
         out = np.empty((self.nh, self.hd))
         per_kv = self.nh // self.nkv
         for h in range(self.nh):
-            s = K[:, h // per_kv] @ q[h] / math.sqrt(self.hd)
+            s = K[:, h // per_kv] @ q[h] * self.scale
             p = np.exp(s - s.max())
             out[h] = (p / p.sum()) @ V[:, h // per_kv]
         return linear(self.w, out.reshape(-1), self.p + ".o_proj")
@@ -191,9 +193,12 @@ class Mamba2Mixer:
         self.ssm = np.zeros((n_heads, head_dim, state))
         self.A = -np.exp(w[prefix + ".A_log"])
         self.clamped = 0
+        # Falcon-H1: input multiplier, µP vector over in_proj's outputs, and the output norm
+        # ("gate_then_norm" as Mamba2; "norm_then_gate"; "gate_only", no norm).
+        self.in_mult, self.mup, self.out_norm = 1.0, 1.0, "gate_then_norm"
 
     def step(self, x, _pos):
-        proj = linear(self.w, x, self.p + ".in_proj")
+        proj = linear(self.w, x * self.in_mult, self.p + ".in_proj") * self.mup
         z = proj[: self.d_inner]
         xbc = proj[self.d_inner: self.d_inner + self.conv_dim]
         dt = proj[self.d_inner + self.conv_dim:]
@@ -214,10 +219,15 @@ class Mamba2Mixer:
             g = h // per_group
             self.ssm[h] = self.ssm[h] * math.exp(dt[h] * self.A[h]) + dt[h] * np.outer(xs[h], B[g])
             y[h] = self.ssm[h] @ C[g] + self.w[self.p + ".D"][h] * xs[h]
-        y = y.reshape(-1) * silu(z)
-        y = y.reshape(self.ng, -1)
-        y = y / np.sqrt(np.mean(y * y, axis=1, keepdims=True) + self.eps)
-        y = y.reshape(-1) * self.w[self.p + ".norm.weight"]
+        y = y.reshape(-1)
+        if self.out_norm != "norm_then_gate":
+            y = y * silu(z)
+        if self.out_norm != "gate_only":
+            y = y.reshape(self.ng, -1)
+            y = y / np.sqrt(np.mean(y * y, axis=1, keepdims=True) + self.eps)
+            y = y.reshape(-1) * self.w[self.p + ".norm.weight"]
+        if self.out_norm == "norm_then_gate":
+            y = y * silu(z)
         return linear(self.w, y, self.p + ".out_proj")
 
 
@@ -350,11 +360,144 @@ def build_bamba(cfg, w):
     return emb, blocks, w["model.final_layernorm.weight"], w.get("lm_head.weight", emb), eps
 
 
+# ---- wave 2, Mamba2-based: Granite 4.0 and Falcon-H1 (branch gfh) --------------------------
+# Their builders return two more numbers: the embedding multiplier and the logits multiplier.
+
+
+class Scaled:
+    """A mixer whose input and output are multiplied by constants (µP multipliers)."""
+
+    def __init__(self, mixer, out=1.0, inp=1.0):
+        self.mixer, self.out, self.inp = mixer, out, inp
+
+    def step(self, x, pos):
+        return self.out * self.mixer.step(self.inp * x, pos)
+
+    @property
+    def clamped(self):
+        return getattr(self.mixer, "clamped", 0)
+
+
+class Parallel:
+    """Several mixers on the same input, outputs summed (Falcon-H1's Mamba2 + attention)."""
+
+    def __init__(self, *mixers):
+        self.mixers = mixers
+
+    def step(self, x, pos):
+        return sum(m.step(x, pos) for m in self.mixers)
+
+    @property
+    def clamped(self):
+        return sum(getattr(m, "clamped", 0) for m in self.mixers)
+
+
+def layer_kind(t):
+    return {"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*"}[t]
+
+
+def granite_mlp(w, prefix):
+    """input_linear holds the gate rows, then the up rows."""
+    gate, up = np.split(w[prefix + ".input_linear.weight"], 2, axis=0)
+    down = w[prefix + ".output_linear.weight"]
+    return lambda x: down @ (silu(gate @ x) * (up @ x))
+
+
+def granite_moe(w, prefix, cfg):
+    k = cfg["num_experts_per_tok"]
+    router = w[prefix + ".router.layer.weight"]
+    gate_up, down = w[prefix + ".input_linear.weight"], w[prefix + ".output_linear.weight"]
+    inter = down.shape[2]
+
+    def moe(x):
+        logits = router @ x
+        picked = np.argsort(-logits, kind="stable")[:k]
+        p = np.exp(logits[picked] - logits[picked].max())
+        out = np.zeros_like(x)
+        for e, wt in zip(picked, p / p.sum()):
+            h = gate_up[e] @ x
+            out = out + wt * (down[e] @ (silu(h[:inter]) * h[inter:]))
+        return out
+
+    return moe
+
+
+def build_granite(cfg, w):
+    eps, res = cfg["rms_norm_eps"], cfg["residual_multiplier"]
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    inv = rope_inv_freq(hd, cfg["rope"]) if cfg.get("position_embedding_type") == "rope" else None
+    blocks = []
+    for i, t in enumerate(cfg["layer_types"]):
+        p = f"model.layers.{i}"
+        if layer_kind(t) == "*":
+            mixer = Attention(w, p + ".self_attn", cfg["num_attention_heads"],
+                              cfg["num_key_value_heads"], hd, inv)
+            mixer.scale = cfg["attention_multiplier"]
+        else:
+            mixer = Mamba2Mixer(w, p + ".mamba", cfg["mamba_n_heads"], cfg["mamba_d_head"],
+                                cfg["mamba_n_groups"], cfg["mamba_d_state"], eps,
+                                cfg["time_step_limit"][0])
+        shared = granite_mlp(w, p + ".shared_mlp")
+        if cfg["num_local_experts"] > 0:
+            routed = granite_moe(w, p + ".block_sparse_moe", cfg)
+            ffn = (lambda r, s: lambda x: r(x) + s(x))(routed, shared)
+        else:
+            ffn = shared
+        blocks.append([(w[p + ".input_layernorm.weight"], Scaled(mixer, res)),
+                       (w[p + ".post_attention_layernorm.weight"], Scaled(Stateless(ffn), res))])
+    emb = w["model.embed_tokens.weight"]
+    return (emb, blocks, w["model.norm.weight"], w.get("lm_head.weight", emb), eps,
+            cfg["embedding_multiplier"], 1.0 / cfg["logits_scaling"])
+
+
+def build_falcon_h1(cfg, w):
+    eps = cfg["rms_norm_eps"]
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    inv = rope_inv_freq(hd, cfg["rope"])
+    d_ssm, gs = cfg["mamba_d_ssm"], cfg["mamba_n_groups"] * cfg["mamba_d_state"]
+    m = cfg["ssm_multipliers"]
+    mup = np.concatenate([np.full(d_ssm, m[0]), np.full(d_ssm, m[1]), np.full(gs, m[2]),
+                          np.full(gs, m[3]), np.full(cfg["mamba_n_heads"], m[4])])
+    gate_mult, down_mult = cfg["mlp_multipliers"]
+    if not cfg.get("mamba_rms_norm", False):
+        out_norm = "gate_only"
+    elif cfg.get("mamba_norm_before_gate", True):
+        out_norm = "norm_then_gate"
+    else:
+        out_norm = "gate_then_norm"
+    blocks = []
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        mamba = Mamba2Mixer(w, p + ".mamba", cfg["mamba_n_heads"], cfg["mamba_d_head"],
+                            cfg["mamba_n_groups"], cfg["mamba_d_state"], eps,
+                            cfg["time_step_limit"][0])
+        mamba.in_mult, mamba.mup, mamba.out_norm = cfg["ssm_in_multiplier"], mup, out_norm
+        attn = Attention(w, p + ".self_attn", cfg["num_attention_heads"],
+                         cfg["num_key_value_heads"], hd, inv)
+        attn.key_mult = cfg["key_multiplier"]
+        mixer = Parallel(Scaled(mamba, cfg["ssm_out_multiplier"]),
+                         Scaled(attn, cfg["attention_out_multiplier"],
+                                cfg["attention_in_multiplier"]))
+        f = p + ".feed_forward"
+        mlp = (lambda f: lambda x: down_mult * linear(w, linear(w, x, f + ".up_proj") * silu(
+            gate_mult * linear(w, x, f + ".gate_proj")), f + ".down_proj"))(f)
+        blocks.append([(w[p + ".input_layernorm.weight"], mixer),
+                       (w[p + ".pre_ff_layernorm.weight"], Stateless(mlp))])
+    emb = w["model.embed_tokens.weight"]
+    return (emb, blocks, w["model.final_layernorm.weight"], w.get("lm_head.weight", emb), eps,
+            cfg["embedding_multiplier"], cfg["lm_head_multiplier"])
+
+
+# ---- end gfh ---------------------------------------------------------------------------------
+
+
 BUILDERS = {
     "LlamaForCausalLM": build_llama,
     "Mamba2ForCausalLM": build_mamba2,
     "NemotronHForCausalLM": build_nemotronh,
     "BambaForCausalLM": build_bamba,
+    "GraniteMoeHybridForCausalLM": build_granite,
+    "FalconH1ForCausalLM": build_falcon_h1,
 }
 
 
@@ -365,16 +508,18 @@ class Model:
         self.build = lambda: BUILDERS[cfg["architectures"][0]](cfg, w)
 
     def fresh(self):
-        self.emb, self.blocks, self.norm_f, self.head, self.eps = self.build()
+        built = self.build()
+        self.emb, self.blocks, self.norm_f, self.head, self.eps = built[:5]
+        self.emb_mult, self.logits_mult = built[5:] if len(built) == 7 else (1.0, 1.0)
         self.pos = 0
 
     def step(self, token):
-        x = self.emb[token].copy()
+        x = self.emb[token] * self.emb_mult
         for block in self.blocks:
             for norm_w, mixer in block:
                 x = x + mixer.step(rms_norm(x, norm_w, self.eps), self.pos)
         self.pos += 1
-        return self.head @ rms_norm(x, self.norm_f, self.eps)
+        return (self.head @ rms_norm(x, self.norm_f, self.eps)) * self.logits_mult
 
     def clamped(self):
         return sum(getattr(m, "clamped", 0) for b in self.blocks for _, m in b)

@@ -41,6 +41,10 @@ from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     BambaConfig,
     BambaForCausalLM,
+    FalconH1Config,
+    FalconH1ForCausalLM,
+    GraniteMoeHybridConfig,
+    GraniteMoeHybridForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     Mamba2Config,
@@ -362,6 +366,181 @@ SPECS = [
 ]
 
 
+# ---- wave 2, Mamba2-based: Granite 4.0 and Falcon-H1 (branch gfh) ----------------------------
+# Each spec has a fixed seed_index (its seeds do not depend on its place in SPECS).
+
+GRANITE_BASE = dict(
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    mamba_n_heads=4,
+    mamba_d_head=16,
+    mamba_d_state=16,
+    mamba_d_conv=4,
+    mamba_expand=2,
+    mamba_chunk_size=16,
+    intermediate_size=16,
+    shared_intermediate_size=32,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+)
+
+FALCON_H1_BASE = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    mamba_n_heads=4,
+    mamba_d_head=16,
+    mamba_d_ssm=64,
+    mamba_d_state=16,
+    mamba_d_conv=4,
+    mamba_chunk_size=16,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    embedding_multiplier=1.5,
+    lm_head_multiplier=0.7,
+    key_multiplier=0.6,
+    attention_in_multiplier=0.9,
+    attention_out_multiplier=0.8,
+    ssm_in_multiplier=1.2,
+    ssm_out_multiplier=0.7,
+    ssm_multipliers=[0.9, 1.1, 0.8, 1.2, 0.5],
+    mlp_multipliers=[1.3, 0.6],
+)
+
+
+def legacy_granite(cfg):
+    """Layer types spelled mamba/attention (IBM's published configs) and torch_dtype."""
+    spell = {"linear_attention": "mamba", "full_attention": "attention"}
+    cfg["layer_types"] = [spell[t] for t in cfg.pop("layer_types")]
+    cfg["torch_dtype"] = cfg.pop("dtype")
+    return cfg
+
+
+SPECS_GFH = [
+    dict(
+        name="granite-moe",
+        seed_index=100,
+        cls=GraniteMoeHybridForCausalLM,
+        cfg=GraniteMoeHybridConfig,
+        kwargs=dict(
+            GRANITE_BASE,
+            num_hidden_layers=3,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            position_embedding_type="rope",
+            mamba_n_groups=1,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            embedding_multiplier=2.0,
+            attention_multiplier=0.2,
+            residual_multiplier=0.5,
+            logits_scaling=1.6,
+            tie_word_embeddings=False,
+        ),
+        dtype="float32",
+        shards=1,
+        covers="Granite 4.0 MoE: mamba/attention/mamba, RoPE, 8 SwiGLU experts top-2 (softmax) "
+        "+ shared MLP 32, mamba n_groups 1, chunk 16, multipliers embedding 2, attention 0.2, "
+        "residual 0.5, logits_scaling 1.6, untied",
+    ),
+    dict(
+        name="granite-dense",
+        seed_index=101,
+        cls=GraniteMoeHybridForCausalLM,
+        cfg=GraniteMoeHybridConfig,
+        kwargs=dict(
+            GRANITE_BASE,
+            num_hidden_layers=4,
+            layer_types=["full_attention", "linear_attention", "linear_attention",
+                         "full_attention"],
+            position_embedding_type=None,
+            num_key_value_heads=1,
+            mamba_n_groups=2,
+            mamba_chunk_size=8,
+            num_local_experts=0,
+            embedding_multiplier=1.5,
+            attention_multiplier=0.25,
+            residual_multiplier=0.7,
+            logits_scaling=0.8,
+            tie_word_embeddings=True,
+        ),
+        dtype="bfloat16",
+        shards=2,
+        legacy_config=legacy_granite,
+        covers="Granite 4.0 dense (no experts, shared MLP only): attention/mamba/mamba/attention, "
+        "no positional encoding (NoPE), MQA 4/1, mamba n_groups 2, chunk 8, tied, bf16 in 2 "
+        "shards; config.json spells layer types mamba/attention (published form), torch_dtype",
+    ),
+    dict(
+        name="falconh1-a",
+        seed_index=102,
+        cls=FalconH1ForCausalLM,
+        cfg=FalconH1Config,
+        kwargs=dict(
+            FALCON_H1_BASE,
+            num_hidden_layers=2,
+            mamba_n_groups=2,
+            mamba_rms_norm=False,
+            tie_word_embeddings=False,
+        ),
+        dtype="float32",
+        shards=1,
+        covers="Falcon-H1: Mamba2 and attention in parallel per layer, GQA 4/2, mamba 4 x 16 in "
+        "n_groups 2, no mamba norm (y * silu(z)), chunk 16, every multiplier != 1 incl. the µP "
+        "vector ssm_multipliers and mlp_multipliers, untied",
+    ),
+    dict(
+        name="falconh1-b",
+        seed_index=103,
+        cls=FalconH1ForCausalLM,
+        cfg=FalconH1Config,
+        kwargs=dict(
+            FALCON_H1_BASE,
+            num_hidden_layers=3,
+            num_key_value_heads=1,
+            mamba_d_ssm=48,
+            mamba_d_head=12,
+            mamba_n_groups=1,
+            mamba_chunk_size=8,
+            mamba_rms_norm=True,
+            mamba_norm_before_gate=True,
+            projectors_bias=True,
+            attention_bias=True,
+            tie_word_embeddings=True,
+            key_multiplier=1.4,
+            ssm_multipliers=[1.2, 0.7, 1.1, 0.9, 1.5],
+        ),
+        dtype="bfloat16",
+        shards=1,
+        covers="Falcon-H1: MQA 4/1 with q/k/v/o biases, mamba_d_ssm 48 (!= expand x hidden), "
+        "4 heads x 12, n_groups 1, chunk 8, gated RMSNorm with the norm before the gate, "
+        "out_proj bias (projectors_bias), tied, bf16",
+    ),
+    dict(
+        name="falconh1-c",
+        seed_index=104,
+        cls=FalconH1ForCausalLM,
+        cfg=FalconH1Config,
+        kwargs=dict(
+            FALCON_H1_BASE,
+            num_hidden_layers=2,
+            mamba_n_groups=2,
+            mamba_rms_norm=True,
+            mamba_norm_before_gate=False,
+            tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="default", rope_theta=500.0),
+        ),
+        dtype="float32",
+        shards=2,
+        covers="Falcon-H1: gated RMSNorm with the gate first, per group of n_groups 2, "
+        "rope_theta 500, 2 shards",
+    ),
+]
+SPECS += SPECS_GFH
+# ---- end gfh ---------------------------------------------------------------------------------
+
 # ---------------------------------------------------------------------------------------------
 # Random weights
 
@@ -578,6 +757,8 @@ class RoutingMargins:
         for mod in model.modules():
             if type(mod).__name__ == "NemotronHTopkRouter":
                 self.handles.append(mod.register_forward_hook(self.hook))
+            if type(mod).__name__ == "GraniteMoeHybridTopKRouter":
+                self.handles.append(mod.register_forward_hook(self.hook_granite))
 
     def hook(self, mod, inputs, _out):
         h = inputs[0].reshape(-1, mod.hidden_dim).float()
@@ -593,6 +774,14 @@ class RoutingMargins:
         allowed = choice.masked_fill(~mask, float("-inf")).sort(dim=-1, descending=True).values
         if mod.topk_group * per_group > mod.top_k:
             gap = allowed[:, mod.top_k - 1] - allowed[:, mod.top_k]
+            self.min = min(self.min, gap.min().item())
+
+    # ---- gfh: Granite's softmax top-k router picks the top_k largest logits ----
+    def hook_granite(self, mod, inputs, _out):
+        h = inputs[0].reshape(-1, mod.weight.shape[1]).float()
+        logits = (h @ mod.weight.float().T).sort(dim=-1, descending=True).values
+        if mod.top_k < mod.num_experts:
+            gap = logits[:, mod.top_k - 1] - logits[:, mod.top_k]
             self.min = min(self.min, gap.min().item())
 
     def close(self):
@@ -748,7 +937,7 @@ def main():
         for i, spec in enumerate(SPECS):
             if args.names and spec["name"] not in args.names:
                 continue
-            make_model(spec, i)
+            make_model(spec, spec.get("seed_index", i))
             built.append(spec["name"])
         # Independent check: a token-by-token float64 NumPy implementation must agree.
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

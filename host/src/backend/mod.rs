@@ -183,10 +183,22 @@ impl SsmShape {
     }
 }
 
-/// How a MoE layer picks experts: sigmoid scores, plus a correction bias for the choice only,
-/// grouped top-k (group score = sum of its two best choices), top-k experts among the allowed
-/// groups, optional renormalisation, then a scaling factor. Ties go to the lower index.
+/// How a MoE router turns its logits into expert scores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MoeScoring {
+    /// `sigmoid(logit)` per expert (NemotronH; DeepSeek-V3 routing).
+    Sigmoid,
+    /// `softmax(logits)` over all experts (Granite 4.0, Qwen MoE). With `norm_topk_prob` the
+    /// picked weights are the softmax over the picked logits alone.
+    Softmax,
+}
+
+/// How a MoE layer picks experts: scores from the router logits ([`MoeScoring`]), plus a
+/// correction bias for the choice only, grouped top-k (group score = sum of its two best
+/// choices), top-k experts among the allowed groups, optional renormalisation, then a scaling
+/// factor. Ties go to the lower index.
 pub struct MoeRouting<T> {
+    pub scoring: MoeScoring,
     pub correction_bias: T,
     pub top_k: usize,
     pub n_group: usize,

@@ -9,7 +9,9 @@ use super::{GpuCheckArgs, Report, rel_err};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cpu::moe as cpu_moe;
 use crate::backend::cuda::CudaBackend;
-use crate::backend::{Backend, DType, HostTensor, MoeRouting, SlotOp, SsmPools, StepPlan};
+use crate::backend::{
+    Backend, DType, HostTensor, MoeRouting, MoeScoring, SlotOp, SsmPools, StepPlan,
+};
 
 const SUITE: &str = "hybrid";
 type R<T> = anyhow::Result<T>;
@@ -419,6 +421,7 @@ fn routing_case(
         .collect();
     let lg = gpu.upload(HostTensor::f32(&logits, &[tokens, experts]))?;
     let routing = MoeRouting {
+        scoring: MoeScoring::Sigmoid,
         correction_bias: gpu.upload(HostTensor::f32(&bias, &[experts]))?,
         top_k,
         n_group,
@@ -917,7 +920,6 @@ fn stress_run(
                     ignore_eos: true,
                     prompt_logprobs: false,
                     block_hashes: None,
-                    checkpoints: Vec::new(),
                     checkpoints: Vec::new(),
                 },
                 tx,

@@ -12,7 +12,9 @@ use super::rng::Rng;
 use super::{Report, rel_err};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::CudaBackend;
-use crate::backend::{Activation, Backend, DType, HostTensor, MoeRouting, StackedExperts};
+use crate::backend::{
+    Activation, Backend, DType, HostTensor, MoeRouting, MoeScoring, StackedExperts,
+};
 
 type R<T> = anyhow::Result<T>;
 
@@ -134,6 +136,7 @@ fn layer<B: Backend>(b: &B, c: &Case, inp: &Inputs) -> R<Layer<B>> {
         x: b.upload(HostTensor::f32(&inp.x, &[t, h]))?,
         logits: b.upload(HostTensor::f32(&inp.logits, &[t, e]))?,
         routing: MoeRouting {
+            scoring: MoeScoring::Sigmoid,
             correction_bias: b.upload(HostTensor::f32(&vec![0.0; e], &[e]))?,
             top_k: c.top_k,
             n_group: c.n_group,
@@ -274,6 +277,7 @@ fn bench_inner(report: &mut Report, suite: &str, gpu: &CudaBackend) -> R<()> {
         act: Activation::Relu2,
     };
     let routing = MoeRouting {
+        scoring: MoeScoring::Sigmoid,
         correction_bias: gpu.upload(HostTensor::f32(&vec![0.0; e], &[e]))?,
         top_k,
         n_group: 8,

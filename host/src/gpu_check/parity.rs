@@ -316,7 +316,6 @@ pub(super) fn drive_engine_with<B: Backend>(
                 prompt_logprobs: false,
                 block_hashes: None,
                 checkpoints: Vec::new(),
-                checkpoints: Vec::new(),
             },
             tx,
         );

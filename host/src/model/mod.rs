@@ -178,6 +178,12 @@ pub struct Model<B: Backend> {
     /// SSM slot, for sizing caches (zeros when the model has no SSM layers).
     pub conv_shape: (usize, usize),
     pub ssm_shape: (usize, usize, usize),
+    /// Config multipliers applied to activations (1 unless the architecture sets them): the
+    /// embedding output (Granite, Falcon-H1 `embedding_multiplier`) and the logits (Granite
+    /// `1 / logits_scaling`, Falcon-H1 `lm_head_multiplier`). Multipliers inside the layers
+    /// are folded into their weights at load.
+    pub embed_scale: f32,
+    pub logits_scale: f32,
 }
 
 impl<B: Backend> Model<B> {
@@ -232,6 +238,9 @@ impl<B: Backend> Model<B> {
             backend.ssm_slot_ops(pools, step)?;
         }
         let mut h = backend.embedding(&self.embed, step)?;
+        if self.embed_scale != 1.0 {
+            backend.scale_assign(&mut h, self.embed_scale)?;
+        }
         let mut ctx = StepCtx {
             step,
             kv: &mut caches.kv,
@@ -256,10 +265,14 @@ impl<B: Backend> Model<B> {
                 backend.add_rms_norm(&mut h, &y, &norm.w, norm.eps)?
             }
         };
-        Ok(match &self.lm_head {
+        let mut logits = match &self.lm_head {
             Some(head) => head.forward(backend, &h)?,
             None => backend.linear(&h, &self.embed, None)?,
-        })
+        };
+        if self.logits_scale != 1.0 {
+            backend.scale_assign(&mut logits, self.logits_scale)?;
+        }
+        Ok(logits)
     }
 
     /// The reference path for tests and `chimera generate`: finishes `plan` (every token's

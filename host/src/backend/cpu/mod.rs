@@ -24,7 +24,8 @@ use rayon::prelude::*;
 
 use super::{
     Activation, ArenaStats, AttnShape, Backend, BackendError, DType, HostTensor, KvLayer,
-    MoeRouting, Result, Rope, SampleOut, SlotOp, SsmPools, SsmShape, StackedExperts, StepPlan,
+    MoeRouting, MoeScoring, Result, Rope, SampleOut, SlotOp, SsmPools, SsmShape, StackedExperts,
+    StepPlan,
 };
 
 /// A dense f32 tensor in host memory.
@@ -687,14 +688,19 @@ fn moe_forward(
     };
     let n = tokens * routing.top_k;
     let (mut ids, mut weights) = (vec![0u32; n], vec![0f32; n]);
-    moe::moe_route(
-        &router_logits.data,
-        tokens,
-        &r,
-        &routing.correction_bias.data,
-        &mut ids,
-        &mut weights,
-    )?;
+    match routing.scoring {
+        MoeScoring::Sigmoid => moe::moe_route(
+            &router_logits.data,
+            tokens,
+            &r,
+            &routing.correction_bias.data,
+            &mut ids,
+            &mut weights,
+        )?,
+        MoeScoring::Softmax => {
+            moe::moe_route_softmax(&router_logits.data, tokens, &r, &mut ids, &mut weights)?
+        }
+    }
     let shape = moe::ExpertShape {
         experts: n_experts,
         hidden,

@@ -1,6 +1,7 @@
 //! Mixture-of-experts kernels on the CPU: sigmoid routing with grouped top-k selection and a
-//! score-correction bias (NemotronH; DeepSeek-V3 routing as transformers runs it), and the
-//! routed experts' MLPs over stacked expert weights.
+//! score-correction bias (NemotronH; DeepSeek-V3 routing as transformers runs it), softmax
+//! top-k routing (Granite 4.0), and the routed experts' MLPs over stacked expert weights,
+//! plain or gated.
 //!
 //! They reproduce the host routing the model layer used before routing moved onto the backend:
 //! the same expert ids in the same order, the same weights bit for bit, and per output row the
@@ -194,6 +195,71 @@ fn route_token(
     }
 }
 
+/// Softmax routing (Granite 4.0, Qwen MoE): per token, the `top_k` largest logits (ties to the
+/// lower id), best first; their weights are `softmax(logits)` at the picked experts,
+/// renormalised over the picked ones when `norm_topk_prob` (the softmax over the picked logits
+/// alone, as Granite writes it), times `scaling`. `ids_out`/`weights_out` are `[tokens, top_k]`.
+pub fn moe_route_softmax(
+    router_logits: &[f32],
+    tokens: usize,
+    r: &MoeRouting,
+    ids_out: &mut [u32],
+    weights_out: &mut [f32],
+) -> Result<()> {
+    let n = tokens * r.top_k;
+    if r.top_k == 0
+        || r.top_k > r.experts
+        || router_logits.len() != tokens * r.experts
+        || ids_out.len() != n
+        || weights_out.len() != n
+    {
+        return Err(BackendError::Invalid(format!(
+            "moe_route_softmax: {} logits, {} ids, {} weights for {tokens} tokens × {} experts, \
+             top-{}",
+            router_logits.len(),
+            ids_out.len(),
+            weights_out.len(),
+            r.experts,
+            r.top_k
+        )));
+    }
+    if tokens == 0 {
+        return Ok(());
+    }
+    router_logits
+        .par_chunks(r.experts)
+        .zip(ids_out.par_chunks_mut(r.top_k))
+        .zip(weights_out.par_chunks_mut(r.top_k))
+        .for_each_init(
+            || Vec::with_capacity(r.experts),
+            |order: &mut Vec<u32>, ((logits, ids), weights)| {
+                order.clear();
+                order.extend(0..r.experts as u32);
+                order.sort_unstable_by(|&x, &y| {
+                    logits[y as usize]
+                        .total_cmp(&logits[x as usize])
+                        .then(x.cmp(&y))
+                });
+                let max = logits[order[0] as usize];
+                let z: f32 = logits.iter().map(|&v| (v - max).exp()).sum();
+                for ((id, w), &e) in ids.iter_mut().zip(weights.iter_mut()).zip(order.iter()) {
+                    *id = e;
+                    *w = (logits[e as usize] - max).exp() / z;
+                }
+                if r.norm_topk_prob {
+                    let sum: f32 = weights.iter().sum::<f32>() + 1e-20;
+                    for w in weights.iter_mut() {
+                        *w /= sum;
+                    }
+                }
+                for w in weights.iter_mut() {
+                    *w *= r.scaling;
+                }
+            },
+        );
+    Ok(())
+}
+
 /// Adds every token's routed experts to `out` (`[tokens, hidden]`, accumulated into):
 /// `out[t] += weights[t, j] · down_e(act(up_e(x[t])))` for `e = ids[t, j]`, with `x`
 /// `[tokens, hidden]` and the stacked expert weights `up [E, inter, hidden]`,
@@ -244,16 +310,18 @@ pub fn moe_experts_gated(
         && ids.len() == tokens * s.top_k
         && weights.len() == ids.len()
         && up.len() == s.experts * i * h
+        && gate.is_none_or(|g| g.len() == up.len())
         && down.len() == s.experts * h * i;
     if !shapes_ok {
         return Err(BackendError::Invalid(format!(
-            "moe_experts: x {}, out {}, ids {}, weights {}, up {}, down {} for hidden {h}, \
-             inter {i}, {} experts, top-{}",
+            "moe_experts: x {}, out {}, ids {}, weights {}, up {}, gate {:?}, down {} for \
+             hidden {h}, inter {i}, {} experts, top-{}",
             x.len(),
             out.len(),
             ids.len(),
             weights.len(),
             up.len(),
+            gate.map(<[f32]>::len),
             down.len(),
             s.experts,
             s.top_k

@@ -368,3 +368,135 @@ fn experts_reject_bad_shapes_and_ids() {
     );
     assert!(moe_experts(&x, &[1, 1], &[1.0; 2], &ex.up, &ex.down, &shape, &mut out).is_ok());
 }
+
+// ---- softmax routing and gated experts (Granite 4.0) ----
+
+/// Granite's router as transformers writes it: the `top_k` largest logits (ties to the lower
+/// id), weights = softmax over those logits alone.
+fn reference_softmax_route(logits: &[f32], top_k: usize) -> Vec<(usize, f32)> {
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    order.truncate(top_k);
+    let max = logits[order[0]];
+    let exps: Vec<f32> = order.iter().map(|&e| (logits[e] - max).exp()).collect();
+    let sum: f32 = exps.iter().sum();
+    order
+        .into_iter()
+        .zip(exps)
+        .map(|(e, v)| (e, v / sum))
+        .collect()
+}
+
+#[test]
+fn softmax_routing_picks_the_largest_logits_and_normalises_over_them() {
+    let mut seed = 5;
+    for (experts, top_k) in [(8, 2), (6, 1), (16, 5), (4, 4)] {
+        let tokens = 11;
+        // Values on a coarse grid, so ties happen and must go to the lower id.
+        let logits: Vec<f32> = (0..tokens * experts)
+            .map(|_| (lcg(&mut seed) * 6.0).round() / 2.0)
+            .collect();
+        let r = MoeRouting {
+            scaling: 1.0,
+            ..routing(experts, 1, 1, top_k)
+        };
+        let mut ids = vec![u32::MAX; tokens * top_k];
+        let mut w = vec![f32::NAN; tokens * top_k];
+        moe_route_softmax(&logits, tokens, &r, &mut ids, &mut w).unwrap();
+        for (t, row) in logits.chunks(experts).enumerate() {
+            let want = reference_softmax_route(row, top_k);
+            for (j, (e, wt)) in want.iter().enumerate() {
+                assert_eq!(ids[t * top_k + j] as usize, *e, "token {t} slot {j}");
+                let got = w[t * top_k + j];
+                assert!(
+                    (got - wt).abs() <= 1e-6,
+                    "token {t} slot {j}: {got} vs {wt}"
+                );
+            }
+            let sum: f32 = w[t * top_k..(t + 1) * top_k].iter().sum();
+            assert!((sum - 1.0).abs() <= 1e-6, "token {t}: weights sum to {sum}");
+        }
+    }
+    // Without renormalisation the weights are the softmax over all experts.
+    let logits = [0.0f32, 1.0, 2.0, 3.0];
+    let r = MoeRouting {
+        norm_topk_prob: false,
+        scaling: 2.0,
+        ..routing(4, 1, 1, 2)
+    };
+    let (mut ids, mut w) = (vec![0u32; 2], vec![0f32; 2]);
+    moe_route_softmax(&logits, 1, &r, &mut ids, &mut w).unwrap();
+    let z: f32 = logits.iter().map(|v| (v - 3.0).exp()).sum();
+    assert_eq!(ids, [3, 2]);
+    assert!((w[0] - 2.0 / z).abs() <= 1e-6 && (w[1] - 2.0 * (-1.0f32).exp() / z).abs() <= 1e-6);
+    assert!(moe_route_softmax(&logits, 1, &routing(4, 1, 1, 5), &mut ids, &mut w).is_err());
+}
+
+#[test]
+fn gated_experts_of_another_shape_match_plain_loops() {
+    let mut seed = 17;
+    let shape = ExpertShape {
+        experts: 5,
+        hidden: 12,
+        inter: 20,
+        top_k: 2,
+        act: Activation::Silu,
+    };
+    let (e, h, i) = (shape.experts, shape.hidden, shape.inter);
+    let ex = experts(&mut seed, shape);
+    let gate: Vec<f32> = (0..e * i * h).map(|_| lcg(&mut seed) * 0.5).collect();
+    let tokens = 7;
+    let x: Vec<f32> = (0..tokens * h).map(|_| lcg(&mut seed)).collect();
+    let logits: Vec<f32> = (0..tokens * e).map(|_| lcg(&mut seed) * 3.0).collect();
+    let (ids, w) = route(&logits, &[0.0; 5], &routing(5, 1, 1, 2));
+    let mut got = vec![0.0f32; tokens * h];
+    moe_experts_gated(
+        &x,
+        &ids,
+        &w,
+        Some(&gate),
+        &ex.up,
+        &ex.down,
+        &shape,
+        &mut got,
+    )
+    .unwrap();
+    let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(p, q)| p * q).sum::<f32>();
+    for (t, xt) in x.chunks(h).enumerate() {
+        let mut want = vec![0.0f32; h];
+        for j in 0..2 {
+            let ex_id = ids[t * 2 + j] as usize;
+            let mid: Vec<f32> = (0..i)
+                .map(|r| {
+                    let at = (ex_id * i + r) * h..(ex_id * i + r + 1) * h;
+                    apply_act(dot(&gate[at.clone()], xt), Activation::Silu) * dot(&ex.up[at], xt)
+                })
+                .collect();
+            for (c, o) in want.iter_mut().enumerate() {
+                let row = &ex.down[(ex_id * h + c) * i..(ex_id * h + c + 1) * i];
+                *o += w[t * 2 + j] * dot(row, &mid);
+            }
+        }
+        for (c, (g, wv)) in got[t * h..(t + 1) * h].iter().zip(&want).enumerate() {
+            assert!(
+                (g - wv).abs() <= 1e-5 * wv.abs().max(1.0),
+                "token {t} col {c}: {g} vs {wv}"
+            );
+        }
+    }
+    // A gate of the wrong size is an error.
+    let mut out = vec![0.0f32; tokens * h];
+    assert!(
+        moe_experts_gated(
+            &x,
+            &ids,
+            &w,
+            Some(&gate[1..]),
+            &ex.up,
+            &ex.down,
+            &shape,
+            &mut out
+        )
+        .is_err()
+    );
+}

@@ -14,7 +14,9 @@ use chimera_kernels::moe::{self as kmoe, MoeArg, MoeDims};
 use super::device::Arg;
 use super::memory::{dtoh, htod, sync};
 use super::{CudaBackend, CudaTensor, act_code, u32_bytes};
-use crate::backend::{Backend, BackendError, DType, MoeRouting, Result, StackedExperts};
+use crate::backend::{
+    Backend, BackendError, DType, MoeRouting, MoeScoring, Result, StackedExperts,
+};
 
 impl CudaBackend {
     /// Checks the layer's tensors against each other and returns its dims.
@@ -77,6 +79,12 @@ impl CudaBackend {
     ) -> Result<CudaTensor> {
         let (tokens, n_experts) = router_logits.rows_cols();
         let r = routing;
+        if r.scoring != MoeScoring::Sigmoid {
+            return Err(BackendError::Invalid(format!(
+                "moe_route: {:?} routing is not supported on CUDA yet (only sigmoid)",
+                r.scoring
+            )));
+        }
         let groups_ok = r.n_group > 0
             && r.n_group <= 64
             && n_experts.is_multiple_of(r.n_group)

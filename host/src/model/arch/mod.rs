@@ -1,6 +1,10 @@
 //! One small file per architecture: which shared layers, in which order, under which names.
 
 mod bamba;
+// ---- wave 2, Mamba2-based (branch gfh) ----
+mod falcon_h1;
+mod granite_moe_hybrid;
+// ---- end gfh ----
 mod llama;
 mod mamba2;
 mod nemotron_h;
@@ -19,6 +23,10 @@ pub const SUPPORTED: &[&str] = &[
     "Mamba2ForCausalLM",
     "NemotronHForCausalLM",
     "BambaForCausalLM",
+    // ---- wave 2, Mamba2-based (branch gfh) ----
+    "GraniteMoeHybridForCausalLM",
+    "FalconH1ForCausalLM",
+    // ---- end gfh ----
 ];
 
 pub fn build<B: Backend>(
@@ -33,6 +41,10 @@ pub fn build<B: Backend>(
         "Mamba2ForCausalLM" => mamba2::build(config, &l),
         "NemotronHForCausalLM" => nemotron_h::build(config, &l),
         "BambaForCausalLM" => bamba::build(config, &l),
+        // ---- wave 2, Mamba2-based (branch gfh) ----
+        "GraniteMoeHybridForCausalLM" => granite_moe_hybrid::build(config, &l),
+        "FalconH1ForCausalLM" => falcon_h1::build(config, &l),
+        // ---- end gfh ----
         _ => Err(ModelError::UnsupportedArchitecture(arch)),
     }
 }
@@ -172,6 +184,8 @@ impl<B: Backend> Assembly<B> {
             lm_head,
             conv_shape,
             ssm_shape,
+            embed_scale: 1.0,
+            logits_scale: 1.0,
         })
     }
 }

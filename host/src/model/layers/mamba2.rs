@@ -1,8 +1,9 @@
 //! The Mamba2 mixer: in_proj → (gate z | xBC | dt) → causal conv on xBC → selective scan →
-//! gated RMSNorm with z → out_proj. Used by Mamba2, NemotronH and Bamba alike.
+//! gated RMSNorm with z → out_proj. Used by Mamba2, NemotronH, Bamba, Granite 4.0 and
+//! Falcon-H1 (whose output norm may be absent, or come before the gate: [`OutNorm`]).
 
 use super::{Linear, Loader, StepCtx};
-use crate::backend::{Backend, SsmShape};
+use crate::backend::{Activation, Backend, SsmShape};
 use crate::model::ModelError;
 
 pub struct Mamba2Mixer<B: Backend> {
@@ -12,13 +13,33 @@ pub struct Mamba2Mixer<B: Backend> {
     pub dt_bias: B::Tensor,
     pub a_log: B::Tensor,
     pub d: B::Tensor,
-    pub norm_w: B::Tensor,
+    pub norm: OutNorm<B::Tensor>,
     pub out_proj: Linear<B>,
     pub shape: SsmShape,
     pub conv_kernel: usize,
     pub eps: f32,
     /// Index of this layer among the model's SSM layers (its state slots).
     pub cache: usize,
+}
+
+/// How the scan output `y` meets the gate `z` before `out_proj` (norms are per group of
+/// `d_inner / groups` channels, times the weight).
+pub enum OutNorm<T> {
+    /// `norm(y · silu(z))`: Mamba2, NemotronH, Bamba, Granite; Falcon-H1 with
+    /// `mamba_norm_before_gate = false`.
+    GateThenNorm(T),
+    /// `norm(y) · silu(z)`: Falcon-H1 with `mamba_rms_norm` and `mamba_norm_before_gate`.
+    NormThenGate(T),
+    /// `y · silu(z)`, no norm: Falcon-H1 with `mamba_rms_norm = false`.
+    GateOnly,
+}
+
+/// Which [`OutNorm`] a mixer loads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutNormKind {
+    GateThenNorm,
+    NormThenGate,
+    GateOnly,
 }
 
 /// What an architecture file states about one Mamba2 mixer.
@@ -46,7 +67,22 @@ impl Mamba2Spec {
 
 impl<B: Backend> Mamba2Mixer<B> {
     pub fn load(l: &Loader<'_, B>, prefix: &str, s: Mamba2Spec) -> Result<Self, ModelError> {
+        Self::load_with_norm(l, prefix, s, OutNormKind::GateThenNorm)
+    }
+
+    pub fn load_with_norm(
+        l: &Loader<'_, B>,
+        prefix: &str,
+        s: Mamba2Spec,
+        norm: OutNormKind,
+    ) -> Result<Self, ModelError> {
         let sh = s.shape;
+        if norm == OutNormKind::NormThenGate && sh.groups != 1 {
+            return Err(ModelError::Unsupported(format!(
+                "Mamba2 output norm before the gate with {} groups (only 1)",
+                sh.groups
+            )));
+        }
         if sh.groups == 0 || !sh.heads.is_multiple_of(sh.groups) || s.conv_kernel < 2 {
             return Err(ModelError::Unsupported(format!(
                 "Mamba2 with {} heads, {} groups, conv kernel {}",
@@ -68,7 +104,15 @@ impl<B: Backend> Mamba2Mixer<B> {
             dt_bias: l.tensor(&p("dt_bias"), &[sh.heads])?,
             a_log: l.tensor(&p("A_log"), &[sh.heads])?,
             d: l.tensor(&p("D"), &[sh.heads])?,
-            norm_w: l.tensor(&p("norm.weight"), &[d_inner])?,
+            norm: match norm {
+                OutNormKind::GateThenNorm => {
+                    OutNorm::GateThenNorm(l.tensor(&p("norm.weight"), &[d_inner])?)
+                }
+                OutNormKind::NormThenGate => {
+                    OutNorm::NormThenGate(l.tensor(&p("norm.weight"), &[d_inner])?)
+                }
+                OutNormKind::GateOnly => OutNorm::GateOnly,
+            },
             out_proj: l.linear(&p("out_proj"), s.hidden, d_inner, s.proj_bias)?,
             shape: sh,
             conv_kernel: s.conv_kernel,
@@ -115,7 +159,14 @@ impl<B: Backend> Mamba2Mixer<B> {
             ctx.step,
         )?;
         let group = d_inner / sh.groups;
-        let y = b.gated_rms_norm(&y, &z, &self.norm_w, group, self.eps)?;
+        let y = match &self.norm {
+            OutNorm::GateThenNorm(w) => b.gated_rms_norm(&y, &z, w, group, self.eps)?,
+            OutNorm::NormThenGate(w) => {
+                let y = b.rms_norm(&y, w, self.eps)?;
+                b.gated_activation(&z, &y, Activation::Silu)?
+            }
+            OutNorm::GateOnly => b.gated_activation(&z, &y, Activation::Silu)?,
+        };
         self.out_proj.forward(b, &y)
     }
 }

@@ -12,7 +12,7 @@ pub mod rope;
 
 use super::ModelError;
 use super::weights::WeightStore;
-use crate::backend::{Backend, KvLayer, SsmPools};
+use crate::backend::{Backend, HostTensor, KvLayer, SsmPools};
 
 pub use attention::Attention;
 pub use mamba2::Mamba2Mixer;
@@ -55,6 +55,18 @@ impl<B: Backend> Loader<'_, B> {
         Ok(Linear { w, b })
     }
 
+    /// `name` (exactly `shape`) widened to f32 on the host, for load-time rewrites: config
+    /// multipliers folded into weights, fused tensors split.
+    pub fn host_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+        let t = self.tensor(name, shape)?;
+        Ok(self.backend.download(&t)?)
+    }
+
+    /// Uploads host values of `shape` (converted to the backend's dtype there).
+    pub fn upload_f32(&self, values: &[f32], shape: &[usize]) -> Result<B::Tensor, ModelError> {
+        Ok(self.backend.upload(HostTensor::f32(values, shape))?)
+    }
+
     pub fn rms_norm(&self, name: &str, width: usize, eps: f64) -> Result<RmsNorm<B>, ModelError> {
         Ok(RmsNorm {
             w: self.tensor(name, &[width])?,
@@ -72,6 +84,45 @@ pub struct Linear<B: Backend> {
 impl<B: Backend> Linear<B> {
     pub fn forward(&self, backend: &B, x: &B::Tensor) -> Result<B::Tensor, ModelError> {
         Ok(backend.linear(x, &self.w, self.b.as_ref())?)
+    }
+
+    /// The layer `y_j = out_scale(j) · ((in_scale · x)·W_jᵀ + b_j)`, with the multipliers folded
+    /// into the weights once at load (µP-style config multipliers; the kernels see a plain
+    /// linear). Unchanged, and not copied, when every factor is 1.
+    pub fn scaled(
+        self,
+        l: &Loader<'_, B>,
+        in_scale: f32,
+        out_scale: impl Fn(usize) -> f32,
+    ) -> Result<Self, ModelError> {
+        let shape = l.backend.shape(&self.w).to_vec();
+        let [rows, cols] = shape[..] else {
+            return Err(ModelError::Backend(format!(
+                "scaled linear: weight of shape {shape:?}"
+            )));
+        };
+        if in_scale == 1.0 && (0..rows).all(|r| out_scale(r) == 1.0) {
+            return Ok(self);
+        }
+        let mut w = l.backend.download(&self.w)?;
+        for (r, row) in w.chunks_exact_mut(cols).enumerate() {
+            let f = in_scale * out_scale(r);
+            row.iter_mut().for_each(|v| *v *= f);
+        }
+        let b = match &self.b {
+            Some(b) => {
+                let mut b = l.backend.download(b)?;
+                b.iter_mut()
+                    .enumerate()
+                    .for_each(|(r, v)| *v *= out_scale(r));
+                Some(l.upload_f32(&b, &[rows])?)
+            }
+            None => None,
+        };
+        Ok(Self {
+            w: l.upload_f32(&w, &[rows, cols])?,
+            b,
+        })
     }
 }
 
@@ -101,6 +152,35 @@ pub enum Mixer<B: Backend> {
     Mamba2(Mamba2Mixer<B>),
     Mlp(Mlp<B>),
     Moe(Moe<B>),
+    /// Several mixers on the same input, their outputs summed (Falcon-H1: Mamba2 ‖ attention).
+    Parallel(Vec<Mixer<B>>),
+}
+
+impl<B: Backend> Mixer<B> {
+    pub fn forward(
+        &self,
+        backend: &B,
+        x: &B::Tensor,
+        ctx: &mut StepCtx<'_, B>,
+    ) -> Result<B::Tensor, ModelError> {
+        match self {
+            Mixer::Attention(a) => a.forward(backend, x, ctx),
+            Mixer::Mamba2(m) => m.forward(backend, x, ctx),
+            Mixer::Mlp(m) => m.forward(backend, x),
+            Mixer::Moe(m) => m.forward(backend, x),
+            Mixer::Parallel(parts) => {
+                let mut parts = parts.iter();
+                let first = parts
+                    .next()
+                    .ok_or_else(|| ModelError::Backend("an empty parallel mixer".into()))?;
+                let mut y = first.forward(backend, x, ctx)?;
+                for part in parts {
+                    backend.add_assign(&mut y, &part.forward(backend, x, ctx)?)?;
+                }
+                Ok(y)
+            }
+        }
+    }
 }
 
 /// `h += mixer(norm(h))`.
@@ -129,11 +209,6 @@ impl<B: Backend> Sublayer<B> {
         x: &B::Tensor,
         ctx: &mut StepCtx<'_, B>,
     ) -> Result<B::Tensor, ModelError> {
-        match &self.mixer {
-            Mixer::Attention(a) => a.forward(backend, x, ctx),
-            Mixer::Mamba2(m) => m.forward(backend, x, ctx),
-            Mixer::Mlp(m) => m.forward(backend, x),
-            Mixer::Moe(m) => m.forward(backend, x),
-        }
+        self.mixer.forward(backend, x, ctx)
     }
 }

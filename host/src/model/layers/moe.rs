@@ -7,7 +7,7 @@
 //! back to the host.
 
 use super::{Loader, Mlp};
-use crate::backend::{Activation, Backend, HostTensor, MoeRouting, StackedExperts};
+use crate::backend::{Activation, Backend, HostTensor, MoeRouting, MoeScoring, StackedExperts};
 use crate::model::ModelError;
 
 pub struct Moe<B: Backend> {
@@ -86,6 +86,7 @@ impl<B: Backend> Moe<B> {
         Ok(Self {
             router,
             routing: MoeRouting {
+                scoring: MoeScoring::Sigmoid,
                 correction_bias,
                 top_k: s.top_k,
                 n_group: s.n_group,
@@ -148,4 +149,23 @@ fn stack<B: Backend>(
         bytes: &bytes,
     };
     Ok(l.backend.upload(host)?)
+}
+
+/// Per-expert weights `{prefix}.experts.{j}.{name}.weight` (each `[rows, cols]`) stacked into
+/// one host `[E, rows, cols]` f32 buffer, for architectures that rewrite expert weights at load
+/// (multipliers folded in).
+pub fn stack_f32<B: Backend>(
+    l: &Loader<'_, B>,
+    prefix: &str,
+    name: &str,
+    [e, rows, cols]: [usize; 3],
+) -> Result<Vec<f32>, ModelError> {
+    let mut out = Vec::with_capacity(e * rows * cols);
+    for j in 0..e {
+        out.extend(l.host_f32(
+            &format!("{prefix}.experts.{j}.{name}.weight"),
+            &[rows, cols],
+        )?);
+    }
+    Ok(out)
 }
