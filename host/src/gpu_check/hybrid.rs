@@ -153,7 +153,12 @@ pub fn run(
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
-        if name.starts_with("llama") || !dir.join("reference.json").exists() {
+        // The Mamba2 hybrids the CUDA backend serves; the wave-2 architectures (Granite 4.0,
+        // Falcon-H1, the Gated DeltaNet models) are not checked on the GPU yet.
+        let covered = ["mamba2-", "nemotronh-", "bamba-"]
+            .iter()
+            .any(|p| name.starts_with(p));
+        if !covered || !dir.join("reference.json").exists() {
             continue;
         }
         if let Err(e) = super::parity::fixture(report, &dir, &name, f32_gpu, bf16_gpu, args) {
