@@ -67,7 +67,10 @@ impl LoadedModel {
             let name = path.rsplit('/').next().unwrap_or(path).to_string();
             return Self::from_folder(snapshot, name);
         }
-        if dir.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+        if dir
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+        {
             if !dir.is_file() {
                 anyhow::bail!("model.path = {path:?}: the GGUF file does not exist");
             }
@@ -137,7 +140,9 @@ impl LoadedModel {
             ModelSource::Folder(dir) => model::load(dir, backend)
                 .with_context(|| format!("loading the model in {}", dir.display())),
             ModelSource::Gguf(_) if dummy => {
-                anyhow::bail!("model.load_format = \"dummy\" needs a config.json folder, not a GGUF file")
+                anyhow::bail!(
+                    "model.load_format = \"dummy\" needs a config.json folder, not a GGUF file"
+                )
             }
             ModelSource::Gguf(file) => model::gguf::load(file, backend)
                 .with_context(|| format!("loading the GGUF file {}", file.display())),
@@ -402,7 +407,9 @@ mod tests {
         );
         let file = std::env::temp_dir().join(format!("chimera-not-a-dir-{}", std::process::id()));
         std::fs::write(&file, b"x").unwrap();
-        let e = LoadedModel::open(file.to_str().unwrap(), "main").err().unwrap();
+        let e = LoadedModel::open(file.to_str().unwrap(), "main")
+            .err()
+            .unwrap();
         std::fs::remove_file(&file).unwrap();
         assert!(format!("{e:#}").contains("is not a folder"), "{e:#}");
     }

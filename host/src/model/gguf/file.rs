@@ -178,7 +178,8 @@ impl<'a> Reader<'a> {
     fn string(&mut self) -> Result<String, String> {
         let n = self.len(1)?;
         let b = self.take(n)?;
-        String::from_utf8(b.to_vec()).map_err(|_| format!("a string at offset {} is not UTF-8", self.pos - n))
+        String::from_utf8(b.to_vec())
+            .map_err(|_| format!("a string at offset {} is not UTF-8", self.pos - n))
     }
 
     fn value(&mut self, ty: u32, depth: usize) -> Result<Value, String> {
@@ -211,7 +212,12 @@ impl<'a> Reader<'a> {
             10 => Value::U64(self.u64()?),
             11 => Value::I64(i64::from_le_bytes(self.array()?)),
             12 => Value::F64(f64::from_le_bytes(self.array()?)),
-            t => return Err(format!("unknown metadata value type {t} at offset {}", self.pos - 4)),
+            t => {
+                return Err(format!(
+                    "unknown metadata value type {t} at offset {}",
+                    self.pos - 4
+                ));
+            }
         })
     }
 }
@@ -228,11 +234,10 @@ impl GgufFile {
             path: path.to_path_buf(),
             source: e,
         })?;
-        let (version, metadata, tensors) =
-            parse(&mmap).map_err(|message| ModelError::Weights {
-                path: path.to_path_buf(),
-                message: format!("not a valid GGUF file: {message}"),
-            })?;
+        let (version, metadata, tensors) = parse(&mmap).map_err(|message| ModelError::Weights {
+            path: path.to_path_buf(),
+            message: format!("not a valid GGUF file: {message}"),
+        })?;
         Ok(Self {
             path: path.to_path_buf(),
             version,
@@ -273,7 +278,9 @@ fn parse(bytes: &[u8]) -> Result<Parsed, String> {
     for _ in 0..n_kv {
         let key = r.string()?;
         let ty = r.u32()?;
-        let value = r.value(ty, 0).map_err(|e| format!("metadata `{key}`: {e}"))?;
+        let value = r
+            .value(ty, 0)
+            .map_err(|e| format!("metadata `{key}`: {e}"))?;
         metadata.insert(key, value);
     }
     let alignment = match metadata.get("general.alignment") {
@@ -288,9 +295,13 @@ fn parse(bytes: &[u8]) -> Result<Parsed, String> {
         let name = r.string()?;
         let n_dims = r.u32()? as usize;
         if n_dims == 0 || n_dims > 4 {
-            return Err(format!("tensor `{name}` has {n_dims} dims (1 to 4 allowed)"));
+            return Err(format!(
+                "tensor `{name}` has {n_dims} dims (1 to 4 allowed)"
+            ));
         }
-        let dims = (0..n_dims).map(|_| r.u64()).collect::<Result<Vec<_>, _>>()?;
+        let dims = (0..n_dims)
+            .map(|_| r.u64())
+            .collect::<Result<Vec<_>, _>>()?;
         let ty_id = r.u32()?;
         let offset = r.u64()?;
         let ty = GgmlType::from_id(ty_id)

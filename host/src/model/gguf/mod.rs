@@ -29,6 +29,9 @@ use super::weights::WeightStore;
 use super::{Model, ModelError, arch};
 use crate::backend::Backend;
 
+/// A host tensor: f32 values and a row-major shape.
+pub type HostF32 = (Vec<f32>, Vec<usize>);
+
 /// GGUF architectures this loader maps, with the transformers class each becomes.
 pub const SUPPORTED: &[(&str, &str)] = &[("llama", "LlamaForCausalLM")];
 
@@ -90,7 +93,10 @@ impl GgufModel {
         let heads = self.meta_u64("attention.head_count")?;
         let kv_heads = match self.meta("attention.head_count_kv") {
             Some(v) => v.as_u64().ok_or_else(|| {
-                self.err("`attention.head_count_kv` must be one integer (per-layer lists do not load)".into())
+                self.err(
+                    "`attention.head_count_kv` must be one integer (per-layer lists do not load)"
+                        .into(),
+                )
             })?,
             None => heads,
         };
@@ -102,7 +108,11 @@ impl GgufModel {
         };
         let vocab = match self.meta("vocab_size").and_then(Value::as_u64) {
             Some(v) => v,
-            None => match self.file.get("tokenizer.ggml.tokens").and_then(Value::as_array) {
+            None => match self
+                .file
+                .get("tokenizer.ggml.tokens")
+                .and_then(Value::as_array)
+            {
                 Some(tokens) => tokens.len() as u64,
                 None => self
                     .file
@@ -170,10 +180,7 @@ impl GgufModel {
     }
 
     /// Every tensor dequantized to f32 under its transformers name, q/k rows un-permuted.
-    pub fn tensors(
-        &self,
-        config: &HfConfig,
-    ) -> Result<HashMap<String, (Vec<f32>, Vec<usize>)>, ModelError> {
+    pub fn tensors(&self, config: &HfConfig) -> Result<HashMap<String, HostF32>, ModelError> {
         let heads = (
             config.usize("num_attention_heads")?,
             config.usize("num_key_value_heads")?,
@@ -186,11 +193,7 @@ impl GgufModel {
     }
 
     /// One tensor by its transformers name, as [`GgufModel::tensors`] gives it.
-    pub fn hf_tensor(
-        &self,
-        config: &HfConfig,
-        name: &str,
-    ) -> Result<(Vec<f32>, Vec<usize>), ModelError> {
+    pub fn hf_tensor(&self, config: &HfConfig, name: &str) -> Result<HostF32, ModelError> {
         let heads = (
             config.usize("num_attention_heads")?,
             config.usize("num_key_value_heads")?,
@@ -211,9 +214,12 @@ impl GgufModel {
         &self,
         t: &file::TensorInfo,
         (heads, kv_heads): (usize, usize),
-    ) -> Result<(String, (Vec<f32>, Vec<usize>)), ModelError> {
+    ) -> Result<(String, HostF32), ModelError> {
         let name = hf_name(&t.name).ok_or_else(|| {
-            self.err(format!("tensor `{}` has no transformers counterpart", t.name))
+            self.err(format!(
+                "tensor `{}` has no transformers counterpart",
+                t.name
+            ))
         })?;
         let shape = t.shape();
         let mut values =
@@ -278,7 +284,7 @@ pub fn hf_name(gguf: &str) -> Option<String> {
 pub fn unpermute_rows(values: &[f32], shape: &[usize], heads: usize) -> Result<Vec<f32>, String> {
     let rows = shape.first().copied().unwrap_or(0);
     let cols: usize = shape.iter().skip(1).product();
-    if heads == 0 || rows % heads != 0 || (rows / heads) % 2 != 0 {
+    if heads == 0 || !rows.is_multiple_of(heads) || !(rows / heads).is_multiple_of(2) {
         return Err(format!(
             "a q/k tensor of {rows} rows does not split into {heads} heads of even size"
         ));

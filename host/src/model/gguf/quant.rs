@@ -142,7 +142,7 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8]) -> Result<Vec<f32>, String> {
             ty.name()
         ));
     }
-    if bytes.len() % size != 0 {
+    if !bytes.len().is_multiple_of(size) {
         return Err(format!(
             "{} bytes are not whole {} blocks of {size} bytes",
             bytes.len(),
@@ -156,7 +156,9 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8]) -> Result<Vec<f32>, String> {
             y[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
         }),
         GgmlType::F16 => blocks.for_each(|(b, y)| y[0] = h(b, 0)),
-        GgmlType::BF16 => blocks.for_each(|(b, y)| y[0] = bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+        GgmlType::BF16 => {
+            blocks.for_each(|(b, y)| y[0] = bf16::from_le_bytes([b[0], b[1]]).to_f32())
+        }
         GgmlType::Q4_0 => blocks.for_each(|(b, y)| q4_0(b, y)),
         GgmlType::Q4_1 => blocks.for_each(|(b, y)| q4_1(b, y)),
         GgmlType::Q8_0 => blocks.for_each(|(b, y)| q8_0(b, y)),
@@ -306,8 +308,12 @@ mod tests {
     fn q4_k_scales_and_mins_unpack_from_twelve_bytes() {
         // Sub-block j gets scale j + 1 and min 2j (6 bits each, the upper two bits of the
         // high sub-blocks stored in the top bits of bytes 0..8).
-        let sc: Vec<u8> = (0..8).map(|j| j + 1 + if j >= 4 { 48 } else { 0 }).collect();
-        let mn: Vec<u8> = (0..8).map(|j| 2 * j + if j >= 4 { 32 } else { 0 }).collect();
+        let sc: Vec<u8> = (0..8)
+            .map(|j| j + 1 + if j >= 4 { 48 } else { 0 })
+            .collect();
+        let mn: Vec<u8> = (0..8)
+            .map(|j| 2 * j + if j >= 4 { 32 } else { 0 })
+            .collect();
         let mut scales = [0u8; 12];
         for j in 0..4 {
             scales[j] = sc[j] | ((sc[j + 4] >> 4) << 6);
@@ -359,12 +365,17 @@ mod tests {
 
     #[test]
     fn q8_0_round_trips_within_half_a_step() {
-        let x: Vec<f32> = (0..64).map(|i| ((i * 37 % 29) as f32 - 14.0) / 7.0).collect();
+        let x: Vec<f32> = (0..64)
+            .map(|i| ((i * 37 % 29) as f32 - 14.0) / 7.0)
+            .collect();
         let y = dequantize(GgmlType::Q8_0, &quantize_q8_0(&x)).unwrap();
         for (block, (xs, ys)) in x.chunks(32).zip(y.chunks(32)).enumerate() {
             let step = xs.iter().fold(0f32, |a, v| a.max(v.abs())) / 127.0;
             for (a, b) in xs.iter().zip(ys) {
-                assert!((a - b).abs() <= 0.51 * step + 1e-3 * step, "block {block}: {a} vs {b}");
+                assert!(
+                    (a - b).abs() <= 0.51 * step + 1e-3 * step,
+                    "block {block}: {a} vs {b}"
+                );
             }
         }
     }

@@ -35,7 +35,8 @@ pub fn bytes_to_unicode() -> [char; 256] {
     let mut table = ['\0'; 256];
     let mut n = 0u32;
     for b in 0..256u32 {
-        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let printable =
+            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
         table[b as usize] = if printable {
             char::from_u32(b).unwrap_or('?')
         } else {
@@ -171,7 +172,10 @@ pub fn tokenizer_files(file: &GgufFile) -> Result<(Vec<u8>, Vec<u8>), ModelError
     if let Some(template) = file.get("tokenizer.chat_template").and_then(Value::as_str) {
         config["chat_template"] = json!(template);
     }
-    Ok((tokenizer.to_string().into_bytes(), config.to_string().into_bytes()))
+    Ok((
+        tokenizer.to_string().into_bytes(),
+        config.to_string().into_bytes(),
+    ))
 }
 
 #[cfg(test)]
