@@ -53,6 +53,15 @@ impl LoadedModel {
             });
         }
         let dir = std::path::PathBuf::from(path);
+        if dir
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+        {
+            if !dir.is_file() {
+                anyhow::bail!("model.path = {path:?}: the GGUF file does not exist");
+            }
+            return Self::from_gguf(dir);
+        }
         if !dir.exists() && hub::is_repo_id(path) {
             let settings = hub::HubSettings::from_env();
             tracing::info!(
@@ -66,15 +75,6 @@ impl LoadedModel {
                 .with_context(|| format!("model.path = {path:?} (a Hugging Face hub id)"))?;
             let name = path.rsplit('/').next().unwrap_or(path).to_string();
             return Self::from_folder(snapshot, name);
-        }
-        if dir
-            .extension()
-            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
-        {
-            if !dir.is_file() {
-                anyhow::bail!("model.path = {path:?}: the GGUF file does not exist");
-            }
-            return Self::from_gguf(dir);
         }
         if !dir.is_dir() {
             let what = if dir.exists() {
@@ -412,6 +412,29 @@ mod tests {
             .unwrap();
         std::fs::remove_file(&file).unwrap();
         assert!(format!("{e:#}").contains("is not a folder"), "{e:#}");
+    }
+
+    #[test]
+    fn gguf_paths_never_go_to_the_hub() {
+        // Shaped like a hub id, but a `.gguf` name: a missing file, not a download.
+        let e = LoadedModel::open("org/model.Q4_0.gguf", "main").err().unwrap();
+        assert!(
+            format!("{e:#}").contains("the GGUF file does not exist"),
+            "{e:#}"
+        );
+        // An existing folder is a folder, whatever its name looks like.
+        let root = std::env::temp_dir().join(format!("chimera-local-{}", std::process::id()));
+        let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/models/llama-gqa");
+        std::fs::create_dir_all(root.join("org/local-llama")).unwrap();
+        for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+            std::fs::copy(fixture.join(f), root.join("org/local-llama").join(f)).unwrap();
+        }
+        let cwd = root.join("org/local-llama");
+        let loaded = LoadedModel::open(cwd.to_str().unwrap(), "main").unwrap();
+        std::fs::remove_dir_all(&root).unwrap();
+        assert_eq!(loaded.source, ModelSource::Folder(cwd));
+        assert_eq!(loaded.name, "local-llama");
     }
 
     #[test]

@@ -615,16 +615,17 @@ fn a_gguf_written_from_a_fixture_serves_like_its_folder() {
         .unwrap();
     assert!(prompt.len() > 3);
 
-    // F32 throughout: the same numbers in another container give the same logits, bit for bit.
+    // F32 throughout: the same weights in another container. Only the norm epsilon differs
+    // (GGUF stores it as f32: 1e-5 becomes 9.9999997e-6), so logits agree to rounding.
     let f32_file = dir.join("llama-gqa-f32.gguf");
     fixture_as_gguf("llama-gqa", &f32_file, |_, _| GgmlType::F32);
     let loaded = LoadedModel::open(f32_file.to_str().unwrap(), "main").unwrap();
     let model = loaded.model(&CpuBackend::default(), false).unwrap();
     assert_eq!(model.info.architecture, "LlamaForCausalLM");
-    assert_eq!(
-        last_logits(&model, &prompt),
-        last_logits(&reference, &prompt)
-    );
+    let (a, b) = (last_logits(&model, &prompt), last_logits(&reference, &prompt));
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let worst = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    assert!(worst <= 1e-5 * scale, "F32 GGUF logits off by {worst} (scale {scale})");
     assert_eq!(greedy(&model, &prompt, 12), greedy(&reference, &prompt, 12));
 
     // The tokenizer and chat template rebuilt from metadata behave as the folder's.
