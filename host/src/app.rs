@@ -14,7 +14,7 @@ use crate::backend::cuda::{CudaBackend, CudaOptions};
 use crate::backend::{Backend, DType};
 use crate::config::Config;
 use crate::engine::{EngineSetup, ModelRunner, Policies, spawn_engine};
-use crate::model::{self, Model, builtin};
+use crate::model::{self, Model, builtin, hub};
 use crate::plugins::{PluginKind, PluginMetrics, PolicyPlugins};
 use crate::policy::native::DefaultSampler;
 use crate::server::metrics::MetricsSource;
@@ -25,20 +25,57 @@ use crate::server::{AdminHooks, AppParts, AppState, ModelInfo, TextCodec};
 pub struct LoadedModel {
     pub name: String,
     pub codec: TextCodec,
-    pub dir: Option<std::path::PathBuf>,
+    pub source: ModelSource,
+}
+
+/// Where the weights come from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelSource {
+    /// The embedded tiny hybrid model.
+    Builtin,
+    /// A Hugging Face model folder (local, or a hub snapshot).
+    Folder(std::path::PathBuf),
+    /// A llama.cpp GGUF file.
+    Gguf(std::path::PathBuf),
 }
 
 impl LoadedModel {
-    pub fn open(path: &str) -> anyhow::Result<Self> {
+    /// Opens what `model.path` names: `builtin:tiny-hybrid`, a local model folder, or a hub
+    /// model id `org/name` at `revision` (downloaded into the Hugging Face cache when
+    /// missing). A local path that exists wins over a hub id of the same spelling.
+    pub fn open(path: &str, revision: &str) -> anyhow::Result<Self> {
         if path == builtin::NAME {
             let codec = TextCodec::embedded()?;
             return Ok(Self {
                 name: "tiny-hybrid".into(),
                 codec,
-                dir: None,
+                source: ModelSource::Builtin,
             });
         }
         let dir = std::path::PathBuf::from(path);
+        if dir
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+        {
+            if !dir.is_file() {
+                anyhow::bail!("model.path = {path:?}: the GGUF file does not exist");
+            }
+            return Self::from_gguf(dir);
+        }
+        if !dir.exists() && hub::is_repo_id(path) {
+            let settings = hub::HubSettings::from_env();
+            tracing::info!(
+                model = path,
+                revision,
+                cache = %settings.cache_dir.display(),
+                offline = settings.offline,
+                "resolving a Hugging Face hub model"
+            );
+            let snapshot = hub::resolve(path, revision, &settings)
+                .with_context(|| format!("model.path = {path:?} (a Hugging Face hub id)"))?;
+            let name = path.rsplit('/').next().unwrap_or(path).to_string();
+            return Self::from_folder(snapshot, name);
+        }
         if !dir.is_dir() {
             let what = if dir.exists() {
                 "is not a folder"
@@ -47,30 +84,51 @@ impl LoadedModel {
             };
             anyhow::bail!(
                 "model.path = {path:?}: the folder {what} (give a Hugging Face model folder \
-                 with config.json, tokenizer.json and *.safetensors, or `{}`)",
+                 with config.json, tokenizer.json and *.safetensors, a hub model id \
+                 `org/name`, or `{}`)",
                 builtin::NAME
             );
         }
-        let codec = TextCodec::from_dir(&dir)
-            .with_context(|| format!("loading the tokenizer in {path}"))?;
         let name = dir
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| path.to_string());
+        Self::from_folder(dir, name)
+    }
+
+    fn from_folder(dir: std::path::PathBuf, name: String) -> anyhow::Result<Self> {
+        let codec = TextCodec::from_dir(&dir)
+            .with_context(|| format!("loading the tokenizer in {}", dir.display()))?;
         Ok(Self {
             name,
             codec,
-            dir: Some(dir),
+            source: ModelSource::Folder(dir),
+        })
+    }
+
+    fn from_gguf(file: std::path::PathBuf) -> anyhow::Result<Self> {
+        let gguf = model::gguf::GgufFile::open(&file)?;
+        let (tokenizer, config) = model::gguf::vocab::tokenizer_files(&gguf)?;
+        let codec = TextCodec::from_parts(&tokenizer, Some(&config), None)
+            .with_context(|| format!("building the tokenizer of {}", file.display()))?;
+        let name = file
+            .file_stem()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        Ok(Self {
+            name,
+            codec,
+            source: ModelSource::Gguf(file),
         })
     }
 
     /// Loads the weights onto `backend` (replicas on one device share this copy); with
     /// `dummy`, seeded random weights of the configured shapes instead of the checkpoint.
     pub fn model<B: Backend>(&self, backend: &B, dummy: bool) -> anyhow::Result<Model<B>> {
-        match &self.dir {
-            Some(dir) if dummy => model::load_dummy(dir, backend, 0)
+        match &self.source {
+            ModelSource::Folder(dir) if dummy => model::load_dummy(dir, backend, 0)
                 .with_context(|| format!("building dummy weights for {}", dir.display())),
-            None => {
+            ModelSource::Builtin => {
                 let eos = self.codec.eos_token_ids().first().copied().unwrap_or(0);
                 Ok(builtin::load(
                     backend,
@@ -79,8 +137,15 @@ impl LoadedModel {
                     1,
                 )?)
             }
-            Some(dir) => model::load(dir, backend)
+            ModelSource::Folder(dir) => model::load(dir, backend)
                 .with_context(|| format!("loading the model in {}", dir.display())),
+            ModelSource::Gguf(_) if dummy => {
+                anyhow::bail!(
+                    "model.load_format = \"dummy\" needs a config.json folder, not a GGUF file"
+                )
+            }
+            ModelSource::Gguf(file) => model::gguf::load(file, backend)
+                .with_context(|| format!("loading the GGUF file {}", file.display())),
         }
     }
 }
@@ -182,7 +247,7 @@ pub fn choose_backend(config: &Config) -> anyhow::Result<BackendChoice> {
 
 /// Builds the whole serving stack (engine threads started) from a validated config.
 pub fn build(config: &Config) -> anyhow::Result<Stack> {
-    let loaded = LoadedModel::open(&config.model.path)?;
+    let loaded = LoadedModel::open(&config.model.path, &config.model.revision)?;
     let dummy = config.model.load_format == "dummy";
     match choose_backend(config)? {
         BackendChoice::Cpu => build_cpu(config, loaded),
@@ -333,7 +398,7 @@ mod tests {
 
     #[test]
     fn a_wrong_model_path_says_the_folder_does_not_exist() {
-        let e = LoadedModel::open("/nonexistent/chimera-model")
+        let e = LoadedModel::open("/nonexistent/chimera-model", "main")
             .err()
             .unwrap();
         let msg = format!("{e:#}");
@@ -343,9 +408,34 @@ mod tests {
         );
         let file = std::env::temp_dir().join(format!("chimera-not-a-dir-{}", std::process::id()));
         std::fs::write(&file, b"x").unwrap();
-        let e = LoadedModel::open(file.to_str().unwrap()).err().unwrap();
+        let e = LoadedModel::open(file.to_str().unwrap(), "main")
+            .err()
+            .unwrap();
         std::fs::remove_file(&file).unwrap();
         assert!(format!("{e:#}").contains("is not a folder"), "{e:#}");
+    }
+
+    #[test]
+    fn gguf_paths_never_go_to_the_hub() {
+        // Shaped like a hub id, but a `.gguf` name: a missing file, not a download.
+        let e = LoadedModel::open("org/model.Q4_0.gguf", "main").err().unwrap();
+        assert!(
+            format!("{e:#}").contains("the GGUF file does not exist"),
+            "{e:#}"
+        );
+        // An existing folder is a folder, whatever its name looks like.
+        let root = std::env::temp_dir().join(format!("chimera-local-{}", std::process::id()));
+        let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/models/llama-gqa");
+        std::fs::create_dir_all(root.join("org/local-llama")).unwrap();
+        for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+            std::fs::copy(fixture.join(f), root.join("org/local-llama").join(f)).unwrap();
+        }
+        let cwd = root.join("org/local-llama");
+        let loaded = LoadedModel::open(cwd.to_str().unwrap(), "main").unwrap();
+        std::fs::remove_dir_all(&root).unwrap();
+        assert_eq!(loaded.source, ModelSource::Folder(cwd));
+        assert_eq!(loaded.name, "local-llama");
     }
 
     #[test]

@@ -42,8 +42,12 @@ pub enum ConfigError {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
-    /// `builtin:tiny-hybrid` or a Hugging Face model folder.
+    /// `builtin:tiny-hybrid`, a Hugging Face model folder, a `.gguf` file, or a hub model id
+    /// (`org/name`, downloaded into the Hugging Face cache). An existing local path wins over
+    /// a hub id of the same spelling.
     pub path: String,
+    /// The hub revision (branch, tag or commit hash) of a hub model id.
+    pub revision: String,
     /// Weights and activations: "auto" (bfloat16 on a GPU, float32 on the CPU), "bfloat16"
     /// (GPU serving) or "float32" (the CPU, and the GPU's oracle mode).
     pub dtype: String,
@@ -56,6 +60,7 @@ impl Default for ModelConfig {
     fn default() -> Self {
         Self {
             path: builtin::NAME.into(),
+            revision: "main".into(),
             dtype: "auto".into(),
             load_format: "auto".into(),
         }
@@ -78,6 +83,7 @@ pub struct Config {
 #[derive(Debug, Clone, Default)]
 pub struct Overrides {
     pub model: Option<String>,
+    pub revision: Option<String>,
     pub served_model_name: Option<Vec<String>>,
     pub api_key: Option<String>,
     pub host: Option<String>,
@@ -119,6 +125,9 @@ impl Config {
     pub fn with_overrides(mut self, o: Overrides) -> Result<Self, ConfigError> {
         if let Some(m) = o.model {
             self.model.path = m;
+        }
+        if let Some(r) = o.revision {
+            self.model.revision = r;
         }
         if let Some(names) = o.served_model_name {
             self.server.served_model_name = Some(crate::server::config::ServedNames::Many(names));
@@ -171,6 +180,12 @@ impl Config {
             .map_err(|e| invalid(e.path.clone(), e.message.clone()))?;
         if self.model.path.trim().is_empty() {
             return Err(invalid("model.path".into(), "must name a model".into()));
+        }
+        if self.model.revision.trim().is_empty() {
+            return Err(invalid(
+                "model.revision".into(),
+                "must name a branch, tag or commit (default \"main\")".into(),
+            ));
         }
         if !matches!(self.model.dtype.as_str(), "auto" | "bfloat16" | "float32") {
             return Err(invalid(

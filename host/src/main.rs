@@ -61,9 +61,13 @@ struct ServeArgs {
     /// A TOML configuration file (default: the built-in configs/default.toml).
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Overrides `model.path`: a Hugging Face folder or `builtin:tiny-hybrid`.
+    /// Overrides `model.path`: `builtin:tiny-hybrid`, a Hugging Face model folder, a `.gguf`
+    /// file, or a hub model id `org/name` (downloaded into the Hugging Face cache).
     #[arg(long)]
     model: Option<String>,
+    /// Overrides `model.revision`: the hub branch, tag or commit of a hub model id.
+    #[arg(long)]
+    revision: Option<String>,
     /// Overrides `server.served_model_name`: the model ids the API accepts (the first is the
     /// one responses carry). Default: the `--model` value, then the model's short name.
     #[arg(long, num_args = 1..)]
@@ -97,11 +101,17 @@ struct ServeArgs {
 
 #[derive(clap::Args)]
 struct GenerateArgs {
-    /// A Hugging Face model folder; the embedded tiny hybrid model when omitted.
+    /// A Hugging Face model folder, a `.gguf` file or a hub model id `org/name`; the embedded
+    /// tiny hybrid model when omitted.
     #[arg(long)]
     model: Option<String>,
+    /// The hub revision (branch, tag or commit) of a hub model id.
+    #[arg(long, default_value = "main")]
+    revision: String,
+    /// The text to continue.
     #[arg(long)]
     prompt: String,
+    /// The most tokens to generate.
     #[arg(long, default_value_t = 32)]
     max_tokens: usize,
     /// Print timing to stderr.
@@ -190,6 +200,7 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let config = Config::load(args.config.as_deref())?.with_overrides(Overrides {
         model: args.model,
+        revision: args.revision,
         served_model_name: args.served_model_name,
         api_key: args.api_key,
         host: args.host,
@@ -208,7 +219,7 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     let path = args
         .model
         .unwrap_or_else(|| chimera::model::builtin::NAME.to_string());
-    let loaded = LoadedModel::open(&path)?;
+    let loaded = LoadedModel::open(&path, &args.revision)?;
     let backend = CpuBackend::default();
     let model = loaded.model(&backend, false)?;
     let codec = &loaded.codec;

@@ -12,6 +12,8 @@ pub mod arch;
 pub mod batch;
 pub mod builtin;
 pub mod config;
+pub mod gguf;
+pub mod hub;
 pub mod layers;
 pub mod weights;
 

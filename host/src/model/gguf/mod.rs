@@ -1,0 +1,374 @@
+//! llama.cpp GGUF checkpoints: one file holding the config (as metadata), the tokenizer and
+//! the weights, often quantized.
+//!
+//! [`GgufModel::open`] reads the file; [`GgufModel::load`] turns it into the Hugging Face shape
+//! the architecture files already read: a `config.json` made from the `{arch}.*` metadata and
+//! the tensors under their transformers names, dequantized to f32 on the host (the backend
+//! then keeps its own dtype). Two things differ from a transformers checkpoint and are undone
+//! here: llama.cpp's converter permutes the rows of `attn_q` / `attn_k` so that RoPE pairs
+//! are adjacent (GPT-J style) where transformers rotates halves, and a tied LM head is simply
+//! absent. [`vocab`] rebuilds the tokenizer and chat template from `tokenizer.ggml.*`.
+//!
+//! Architectures: `llama` (Llama, Mistral, SmolLM and other Llama-shaped models).
+
+pub mod file;
+pub mod quant;
+pub mod vocab;
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use rayon::prelude::*;
+use serde_json::{Value as Json, json};
+
+pub use file::{GgufFile, Value};
+pub use quant::GgmlType;
+
+use super::config::HfConfig;
+use super::weights::WeightStore;
+use super::{Model, ModelError, arch};
+use crate::backend::Backend;
+
+/// A host tensor: f32 values and a row-major shape.
+pub type HostF32 = (Vec<f32>, Vec<usize>);
+
+/// GGUF architectures this loader maps, with the transformers class each becomes.
+pub const SUPPORTED: &[(&str, &str)] = &[("llama", "LlamaForCausalLM")];
+
+/// An open GGUF file with the facts the loader reads.
+pub struct GgufModel {
+    pub file: GgufFile,
+    /// `general.architecture`.
+    pub arch: String,
+}
+
+impl GgufModel {
+    pub fn open(path: &Path) -> Result<Self, ModelError> {
+        let file = GgufFile::open(path)?;
+        let arch = file
+            .get("general.architecture")
+            .and_then(Value::as_str)
+            .ok_or_else(|| ModelError::Config {
+                path: path.to_path_buf(),
+                message: "GGUF metadata lacks `general.architecture`".into(),
+            })?
+            .to_string();
+        if !SUPPORTED.iter().any(|(a, _)| *a == arch) {
+            return Err(ModelError::Unsupported(format!(
+                "{}: GGUF architecture `{arch}` (supported: {})",
+                path.display(),
+                SUPPORTED
+                    .iter()
+                    .map(|(a, _)| *a)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
+        Ok(Self { file, arch })
+    }
+
+    fn err(&self, message: String) -> ModelError {
+        ModelError::Config {
+            path: self.file.path.clone(),
+            message,
+        }
+    }
+
+    fn meta(&self, key: &str) -> Option<&Value> {
+        self.file.get(&format!("{}.{key}", self.arch))
+    }
+
+    fn meta_u64(&self, key: &str) -> Result<u64, ModelError> {
+        self.meta(key).and_then(Value::as_u64).ok_or_else(|| {
+            self.err(format!(
+                "GGUF metadata lacks `{}.{key}` (or it is not an integer)",
+                self.arch
+            ))
+        })
+    }
+
+    /// The `config.json` transformers would build from this file's metadata.
+    pub fn hf_config(&self) -> Result<HfConfig, ModelError> {
+        let hidden = self.meta_u64("embedding_length")?;
+        let heads = self.meta_u64("attention.head_count")?;
+        let kv_heads = match self.meta("attention.head_count_kv") {
+            Some(v) => v.as_u64().ok_or_else(|| {
+                self.err(
+                    "`attention.head_count_kv` must be one integer (per-layer lists do not load)"
+                        .into(),
+                )
+            })?,
+            None => heads,
+        };
+        let head_dim = match self.meta("attention.key_length") {
+            Some(v) => v
+                .as_u64()
+                .ok_or_else(|| self.err("`attention.key_length` must be an integer".into()))?,
+            None => hidden / heads.max(1),
+        };
+        let vocab = match self.meta("vocab_size").and_then(Value::as_u64) {
+            Some(v) => v,
+            None => match self
+                .file
+                .get("tokenizer.ggml.tokens")
+                .and_then(Value::as_array)
+            {
+                Some(tokens) => tokens.len() as u64,
+                None => self
+                    .file
+                    .tensor("token_embd.weight")
+                    .map(|t| t.dims.last().copied().unwrap_or(0))
+                    .ok_or_else(|| self.err("no vocabulary size in the file".into()))?,
+            },
+        };
+        if self.file.tensor("rope_freqs.weight").is_some() {
+            return Err(ModelError::Unsupported(format!(
+                "{}: per-dimension RoPE frequencies (`rope_freqs.weight`, Llama 3.1 scaling) \
+                 in GGUF",
+                self.file.path.display()
+            )));
+        }
+        if let Some(kind) = self.meta("rope.scaling.type").and_then(Value::as_str)
+            && kind != "none"
+        {
+            return Err(ModelError::Unsupported(format!(
+                "{}: GGUF RoPE scaling `{kind}`",
+                self.file.path.display()
+            )));
+        }
+        let class = SUPPORTED
+            .iter()
+            .find(|(a, _)| *a == self.arch)
+            .map(|(_, c)| *c)
+            .unwrap_or("LlamaForCausalLM");
+        let mut c = json!({
+            "architectures": [class],
+            "hidden_size": hidden,
+            "intermediate_size": self.meta_u64("feed_forward_length")?,
+            "num_hidden_layers": self.meta_u64("block_count")?,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "head_dim": head_dim,
+            "vocab_size": vocab,
+            "max_position_embeddings": self.meta_u64("context_length").unwrap_or(4096),
+            "rms_norm_eps": self
+                .meta("attention.layer_norm_rms_epsilon")
+                .and_then(Value::as_f64)
+                .unwrap_or(1e-5),
+            "rope_theta": self.meta("rope.freq_base").and_then(Value::as_f64).unwrap_or(10000.0),
+            "tie_word_embeddings": self.file.tensor("output.weight").is_none(),
+            "hidden_act": "silu",
+        });
+        if let Some(dims) = self.meta("rope.dimension_count").and_then(Value::as_u64)
+            && dims != head_dim
+        {
+            c["partial_rotary_factor"] = json!(dims as f64 / head_dim as f64);
+        }
+        for (key, name) in [("bos_token_id", "bos"), ("eos_token_id", "eos")] {
+            if let Some(id) = self
+                .file
+                .get(&format!("tokenizer.ggml.{name}_token_id"))
+                .and_then(Value::as_u64)
+            {
+                c[key] = json!(id);
+            }
+        }
+        HfConfig::parse(
+            &c.to_string(),
+            self.file.path.join("<config from GGUF metadata>"),
+        )
+    }
+
+    /// Every tensor dequantized to f32 under its transformers name, q/k rows un-permuted.
+    pub fn tensors(&self, config: &HfConfig) -> Result<HashMap<String, HostF32>, ModelError> {
+        let heads = (
+            config.usize("num_attention_heads")?,
+            config.usize("num_key_value_heads")?,
+        );
+        self.file
+            .tensors
+            .par_iter()
+            .map(|t| self.dequantize(t, heads))
+            .collect()
+    }
+
+    /// One tensor by its transformers name, as [`GgufModel::tensors`] gives it.
+    pub fn hf_tensor(&self, config: &HfConfig, name: &str) -> Result<HostF32, ModelError> {
+        let heads = (
+            config.usize("num_attention_heads")?,
+            config.usize("num_key_value_heads")?,
+        );
+        let t = self
+            .file
+            .tensors
+            .iter()
+            .find(|t| hf_name(&t.name).as_deref() == Some(name))
+            .ok_or_else(|| ModelError::MissingTensor {
+                tensor: name.into(),
+                files: self.file.path.display().to_string(),
+            })?;
+        Ok(self.dequantize(t, heads)?.1)
+    }
+
+    fn dequantize(
+        &self,
+        t: &file::TensorInfo,
+        (heads, kv_heads): (usize, usize),
+    ) -> Result<(String, HostF32), ModelError> {
+        let name = hf_name(&t.name).ok_or_else(|| {
+            self.err(format!(
+                "tensor `{}` has no transformers counterpart",
+                t.name
+            ))
+        })?;
+        let shape = t.shape();
+        let mut values =
+            quant::dequantize(t.ty, self.file.data(t)).map_err(|m| ModelError::Weights {
+                path: self.file.path.clone(),
+                message: format!("tensor `{}`: {m}", t.name),
+            })?;
+        if t.name.ends_with("attn_q.weight") || t.name.ends_with("attn_q.bias") {
+            values = unpermute_rows(&values, &shape, heads).map_err(|m| self.err(m))?;
+        } else if t.name.ends_with("attn_k.weight") || t.name.ends_with("attn_k.bias") {
+            values = unpermute_rows(&values, &shape, kv_heads).map_err(|m| self.err(m))?;
+        }
+        Ok((name, (values, shape)))
+    }
+
+    /// Builds the model on `backend`.
+    pub fn load<B: Backend>(&self, backend: &B) -> Result<Model<B>, ModelError> {
+        let config = self.hf_config()?;
+        let store = WeightStore::from_memory(self.tensors(&config)?);
+        arch::build(&config, &store, backend)
+    }
+}
+
+/// Loads the GGUF file at `path` onto `backend`.
+pub fn load<B: Backend>(path: &Path, backend: &B) -> Result<Model<B>, ModelError> {
+    GgufModel::open(path)?.load(backend)
+}
+
+/// The transformers name of a llama.cpp tensor name.
+pub fn hf_name(gguf: &str) -> Option<String> {
+    let fixed = match gguf {
+        "token_embd.weight" => Some("model.embed_tokens.weight"),
+        "output_norm.weight" => Some("model.norm.weight"),
+        "output.weight" => Some("lm_head.weight"),
+        _ => None,
+    };
+    if let Some(f) = fixed {
+        return Some(f.into());
+    }
+    let rest = gguf.strip_prefix("blk.")?;
+    let (layer, tail) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (part, kind) = tail.rsplit_once('.')?;
+    let hf = match part {
+        "attn_norm" => "input_layernorm",
+        "ffn_norm" => "post_attention_layernorm",
+        "attn_q" => "self_attn.q_proj",
+        "attn_k" => "self_attn.k_proj",
+        "attn_v" => "self_attn.v_proj",
+        "attn_output" => "self_attn.o_proj",
+        "ffn_gate" => "mlp.gate_proj",
+        "ffn_up" => "mlp.up_proj",
+        "ffn_down" => "mlp.down_proj",
+        _ => return None,
+    };
+    Some(format!("model.layers.{layer}.{hf}.{kind}"))
+}
+
+/// Undoes llama.cpp's q/k permutation. Within each head of `head_dim` rows, the converter
+/// put transformers' row `i·(head_dim/2) + j` (half `i`, pair `j`) at row `2j + i`.
+/// Works on a weight `[heads·head_dim, in]` and on a bias `[heads·head_dim]` alike.
+pub fn unpermute_rows(values: &[f32], shape: &[usize], heads: usize) -> Result<Vec<f32>, String> {
+    let rows = shape.first().copied().unwrap_or(0);
+    let cols: usize = shape.iter().skip(1).product();
+    if heads == 0 || !rows.is_multiple_of(heads) || !(rows / heads).is_multiple_of(2) {
+        return Err(format!(
+            "a q/k tensor of {rows} rows does not split into {heads} heads of even size"
+        ));
+    }
+    let head_dim = rows / heads;
+    let half = head_dim / 2;
+    let mut out = vec![0f32; values.len()];
+    for h in 0..heads {
+        for i in 0..2 {
+            for j in 0..half {
+                let dst = h * head_dim + i * half + j;
+                let src = h * head_dim + 2 * j + i;
+                out[dst * cols..(dst + 1) * cols]
+                    .copy_from_slice(&values[src * cols..(src + 1) * cols]);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The inverse of [`unpermute_rows`], as llama.cpp's converter applies it (for writing test
+/// files from transformers checkpoints).
+pub fn permute_rows(values: &[f32], shape: &[usize], heads: usize) -> Vec<f32> {
+    let rows = shape.first().copied().unwrap_or(0);
+    let cols: usize = shape.iter().skip(1).product();
+    let head_dim = rows / heads.max(1);
+    let half = head_dim / 2;
+    let mut out = vec![0f32; values.len()];
+    for h in 0..heads {
+        for i in 0..2 {
+            for j in 0..half {
+                let src = h * head_dim + i * half + j;
+                let dst = h * head_dim + 2 * j + i;
+                out[dst * cols..(dst + 1) * cols]
+                    .copy_from_slice(&values[src * cols..(src + 1) * cols]);
+            }
+        }
+    }
+    out
+}
+
+/// JSON of a metadata value (for `tokenizer_config.json`-style reading in tests and tools).
+pub fn to_json(v: &Value) -> Json {
+    match v {
+        Value::Str(s) => json!(s),
+        Value::Bool(b) => json!(b),
+        Value::Array(a) => Json::Array(a.iter().map(to_json).collect()),
+        Value::F32(_) | Value::F64(_) => json!(v.as_f64()),
+        _ => v.as_i64().map_or(Json::Null, |i| json!(i)),
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_map_to_transformers() {
+        assert_eq!(
+            hf_name("blk.12.attn_q.weight").unwrap(),
+            "model.layers.12.self_attn.q_proj.weight"
+        );
+        assert_eq!(
+            hf_name("blk.0.ffn_down.weight").unwrap(),
+            "model.layers.0.mlp.down_proj.weight"
+        );
+        assert_eq!(hf_name("output.weight").unwrap(), "lm_head.weight");
+        assert_eq!(hf_name("blk.x.attn_q.weight"), None);
+        assert_eq!(hf_name("blk.1.ssm_conv1d.weight"), None);
+    }
+
+    #[test]
+    fn unpermute_inverts_the_converters_permutation() {
+        // 2 heads of head_dim 4, 3 columns: row r holds r*10 + column.
+        let shape = [8, 3];
+        let hf: Vec<f32> = (0..8)
+            .flat_map(|r| (0..3).map(move |c| (r * 10 + c) as f32))
+            .collect();
+        let gguf = permute_rows(&hf, &shape, 2);
+        // Head 0: transformers rows [0,1 | 2,3] (halves) become [0,2,1,3] (pairs adjacent).
+        let first_col: Vec<f32> = gguf.chunks(3).map(|r| r[0]).collect();
+        assert_eq!(first_col, [0.0, 20.0, 10.0, 30.0, 40.0, 60.0, 50.0, 70.0]);
+        assert_eq!(unpermute_rows(&gguf, &shape, 2).unwrap(), hf);
+        assert!(unpermute_rows(&gguf, &shape, 3).is_err());
+    }
+}
