@@ -9,7 +9,7 @@ use crate::backend::cpu::CpuBackend;
 use crate::backend::cpu::moe as cpu_moe;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::{
-    Activation, Backend, DType, HostTensor, MoeRouting, SlotOp, SsmPools, StackedExperts, StepPlan,
+    Activation, Backend, DType, HostTensor, MoeRouting, MoeScoring, SlotOp, SsmPools, StackedExperts, StepPlan,
 };
 
 const SUITE: &str = "hybrid";
@@ -222,6 +222,7 @@ fn routing_case(
         .collect();
     let lg = gpu.upload(HostTensor::f32(&logits, &[tokens, experts]))?;
     let routing = MoeRouting {
+        scoring: MoeScoring::Sigmoid,
         correction_bias: gpu.upload(HostTensor::f32(&bias, &[experts]))?,
         top_k,
         n_group,
@@ -237,6 +238,7 @@ fn routing_case(
         top_k,
         norm_topk_prob: norm,
         scaling: 2.5,
+        softmax: false,
     };
     let (mut ci, mut cw) = (vec![0u32; tokens * top_k], vec![0f32; tokens * top_k]);
     cpu_moe::moe_route(&logits, tokens, &r, &bias, &mut ci, &mut cw)?;
@@ -280,6 +282,7 @@ fn experts_case(gpu: &CudaBackend, rng: &mut Rng) -> R<(Vec<f32>, Vec<f32>)> {
         let lt = b.upload(HostTensor::f32(logits, &[tokens, experts]))?;
         let mut out = b.upload(HostTensor::f32(base, &[tokens, hidden]))?;
         let routing = MoeRouting {
+            scoring: MoeScoring::Sigmoid,
             correction_bias: b.upload(HostTensor::f32(bias, &[experts]))?,
             top_k: 4,
             n_group: 4,

@@ -25,6 +25,9 @@ pub struct MoeRouting {
     /// Divide the picked weights by their sum (+1e-20) before scaling.
     pub norm_topk_prob: bool,
     pub scaling: f32,
+    /// Scores are the softmax over all experts (Qwen3-Next, Qwen3.5 MoE) instead of
+    /// per-expert sigmoids.
+    pub softmax: bool,
 }
 
 /// Shape of the stacked experts: `up [experts, inter, hidden]`, `down [experts, hidden, inter]`.
@@ -140,9 +143,23 @@ fn route_token(
     ids: &mut [u32],
     weights: &mut [f32],
 ) {
-    for (((sc, ch), &v), &b) in s.scores.iter_mut().zip(&mut s.choice).zip(logits).zip(bias) {
-        *sc = 1.0 / (1.0 + (-v).exp());
-        *ch = *sc + b;
+    if r.softmax {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0f32;
+        for (sc, &v) in s.scores.iter_mut().zip(logits) {
+            *sc = (v - max).exp();
+            sum += *sc;
+        }
+        for sc in s.scores.iter_mut() {
+            *sc /= sum;
+        }
+    } else {
+        for (sc, &v) in s.scores.iter_mut().zip(logits) {
+            *sc = 1.0 / (1.0 + (-v).exp());
+        }
+    }
+    for ((ch, &sc), &b) in s.choice.iter_mut().zip(&s.scores).zip(bias) {
+        *ch = sc + b;
     }
     // Group score: the sum of the group's two best choice scores (the one, for groups of one).
     let per_group = r.experts / r.n_group;
@@ -207,6 +224,22 @@ pub fn moe_experts(
     s: &ExpertShape,
     out: &mut [f32],
 ) -> Result<()> {
+    moe_experts_gated(x, ids, weights, None, up, down, s, out)
+}
+
+/// [`moe_experts`] with optional gated experts: with `gate [E, inter, hidden]` each expert is
+/// `down(act(gate x) · up x)` (Qwen3-Next, Qwen3.5 MoE).
+#[allow(clippy::too_many_arguments)]
+pub fn moe_experts_gated(
+    x: &[f32],
+    ids: &[u32],
+    weights: &[f32],
+    gate: Option<&[f32]>,
+    up: &[f32],
+    down: &[f32],
+    s: &ExpertShape,
+    out: &mut [f32],
+) -> Result<()> {
     let (h, i) = (s.hidden, s.inter);
     let tokens = x.len().checked_div(h).unwrap_or(0);
     let shapes_ok = h > 0
@@ -215,6 +248,7 @@ pub fn moe_experts(
         && ids.len() == tokens * s.top_k
         && weights.len() == ids.len()
         && up.len() == s.experts * i * h
+        && gate.is_none_or(|g| g.len() == up.len())
         && down.len() == s.experts * h * i;
     if !shapes_ok {
         return Err(BackendError::Invalid(format!(
@@ -259,6 +293,7 @@ pub fn moe_experts(
         .unwrap_or(0);
     let mut xs = vec![0f32; most * h];
     let mut mid = vec![0f32; most * i];
+    let mut gated = vec![0f32; if gate.is_some() { most * i } else { 0 }];
     let mut ys = vec![0f32; most * h];
     for e in 0..s.experts {
         let (a, b) = (start[e], start[e + 1]);
@@ -271,7 +306,16 @@ pub fn moe_experts(
         }
         let (xs, mid, ys) = (&xs[..n * h], &mut mid[..n * i], &mut ys[..n * h]);
         gemm_nt(xs, &up[e * i * h..(e + 1) * i * h], mid, n, h, i);
-        mid.par_iter_mut().for_each(|v| *v = apply_act(*v, s.act));
+        match gate {
+            Some(gate) => {
+                let g = &mut gated[..n * i];
+                gemm_nt(xs, &gate[e * i * h..(e + 1) * i * h], g, n, h, i);
+                mid.par_iter_mut()
+                    .zip(g.par_iter())
+                    .for_each(|(v, &gv)| *v = apply_act(gv, s.act) * *v);
+            }
+            None => mid.par_iter_mut().for_each(|v| *v = apply_act(*v, s.act)),
+        }
         gemm_nt(mid, &down[e * h * i..(e + 1) * h * i], ys, n, i, h);
         for ((y, &t), &w) in ys.chunks_exact(h).zip(&rows[a..b]).zip(&row_w[a..b]) {
             for (o, v) in out[t * h..(t + 1) * h].iter_mut().zip(y) {

@@ -5,6 +5,8 @@
 //! in which order and how tensors are named on disk.
 
 pub mod attention;
+pub mod gated_attention;
+pub mod gated_delta_net;
 pub mod mamba2;
 pub mod mlp;
 pub mod moe;
@@ -12,9 +14,11 @@ pub mod rope;
 
 use super::ModelError;
 use super::weights::WeightStore;
-use crate::backend::{Backend, KvLayer, SsmPools};
+use crate::backend::{Backend, HostTensor, KvLayer, SsmPools};
 
 pub use attention::Attention;
+pub use gated_attention::GatedAttention;
+pub use gated_delta_net::GatedDeltaNet;
 pub use mamba2::Mamba2Mixer;
 pub use mlp::Mlp;
 pub use moe::Moe;
@@ -63,6 +67,40 @@ impl<B: Backend> Loader<'_, B> {
     }
 }
 
+// ---- zero-centred norms (Qwen3-Next, Qwen3.5) -------------------------------------------
+
+impl<B: Backend> Loader<'_, B> {
+    /// An RMS norm whose checkpoint stores `w − 1` (the model scales by `1 + w`, computed in
+    /// f32 as transformers does): the weight is offset once at load. Dummy weights are made up
+    /// as ones, which stand for the offset weight.
+    pub fn rms_norm_centred(
+        &self,
+        name: &str,
+        width: usize,
+        eps: f64,
+    ) -> Result<RmsNorm<B>, ModelError> {
+        if self.store.is_dummy() {
+            return self.rms_norm(name, width, eps);
+        }
+        let (mut w, shape) = self.store.read_f32(name)?;
+        if shape != [width] {
+            return Err(ModelError::TensorShape {
+                path: self.store.path_of(name),
+                tensor: name.to_string(),
+                got: shape,
+                expected: vec![width],
+            });
+        }
+        for v in &mut w {
+            *v += 1.0;
+        }
+        Ok(RmsNorm {
+            w: self.backend.upload(HostTensor::f32(&w, &[width]))?,
+            eps: eps as f32,
+        })
+    }
+}
+
 /// A dense projection `y = x·Wᵀ (+ b)`.
 pub struct Linear<B: Backend> {
     pub w: B::Tensor,
@@ -99,6 +137,10 @@ pub enum Mixer<B: Backend> {
     Attention(Attention<B>),
     /// `cache` indexes the model's SSM layers.
     Mamba2(Mamba2Mixer<B>),
+    /// Gated attention (Qwen3-Next, Qwen3.5); `cache` indexes the attention layers.
+    GatedAttention(GatedAttention<B>),
+    /// Gated DeltaNet; `cache` indexes the recurrent layers (shared with Mamba2's).
+    GatedDeltaNet(GatedDeltaNet<B>),
     Mlp(Mlp<B>),
     Moe(Moe<B>),
 }
@@ -132,6 +174,8 @@ impl<B: Backend> Sublayer<B> {
         match &self.mixer {
             Mixer::Attention(a) => a.forward(backend, x, ctx),
             Mixer::Mamba2(m) => m.forward(backend, x, ctx),
+            Mixer::GatedAttention(a) => a.forward(backend, x, ctx),
+            Mixer::GatedDeltaNet(m) => m.forward(backend, x, ctx),
             Mixer::Mlp(m) => m.forward(backend, x),
             Mixer::Moe(m) => m.forward(backend, x),
         }
