@@ -3,7 +3,7 @@
 //!
 //! Every request's greedy output is compared with the model-level reference
 //! (`model::greedy_generate`, one sequence, private caches), for the tiny fixture models of all
-//! four architectures (`tests/fixtures/models/`).
+//! architectures (`tests/fixtures/models/`), Gated DeltaNet hybrids included.
 
 use std::path::{Path, PathBuf};
 
@@ -15,7 +15,15 @@ use chimera::engine::{Engine, EngineConfig, EngineSetup, ModelRunner, Policies};
 use chimera::model::{self, LogitsMode, Model};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
-const MODELS: &[&str] = &["llama-gqa", "mamba2-g2", "nemotronh-a", "bamba-b"];
+const MODELS: &[&str] = &[
+    "llama-gqa",
+    "mamba2-g2",
+    "nemotronh-a",
+    "bamba-b",
+    // Gated DeltaNet hybrids: Qwen3-Next with MoE; Qwen3.5 in the multimodal layout, bf16.
+    "qwen3next-a",
+    "qwen35-vl-b",
+];
 
 fn model_dir(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -257,7 +265,7 @@ fn tight_budget(m: &Model<CpuBackend>, blocks: usize) -> u64 {
 
 #[test]
 fn requests_that_all_need_a_block_are_evicted_and_recomputed() {
-    for name in ["llama-gqa", "bamba-b"] {
+    for name in ["llama-gqa", "bamba-b", "qwen3next-b"] {
         let m = load(name);
         // Three 48-token prompts fill 9 blocks exactly; their first decode token needs a
         // tenth block, so every request pauses and the newest is evicted to the queue.

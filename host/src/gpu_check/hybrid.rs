@@ -9,7 +9,8 @@ use crate::backend::cpu::CpuBackend;
 use crate::backend::cpu::moe as cpu_moe;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::{
-    Activation, Backend, DType, HostTensor, MoeRouting, MoeScoring, SlotOp, SsmPools, StackedExperts, StepPlan,
+    Activation, Backend, DType, HostTensor, MoeRouting, MoeScoring, SlotOp, SsmPools,
+    StackedExperts, StepPlan,
 };
 
 const SUITE: &str = "hybrid";

@@ -206,7 +206,12 @@ impl WeightStore {
 
     /// The stored bytes of `name`, which must be a `[rows, cols]` matrix (for weights whose rows
     /// are regrouped or stacked at load).
-    pub fn raw_rows(&self, name: &str, rows: usize, cols: usize) -> Result<RawTensor<'_>, ModelError> {
+    pub fn raw_rows(
+        &self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<RawTensor<'_>, ModelError> {
         let raw = self.raw(name)?;
         if raw.shape != [rows, cols] {
             return Err(ModelError::TensorShape {

@@ -25,9 +25,9 @@ use std::sync::{Arc, Mutex};
 use rayon::prelude::*;
 
 use super::{
-    Activation, ArenaStats, AttnShape, Backend, BackendError, DType, GdnShape, HostTensor,
-    KvLayer, MoeRouting, MoeScoring, Result, Rope, SampleOut, SlotOp, SsmPools, SsmShape,
-    StackedExperts, StepPlan,
+    Activation, ArenaStats, AttnShape, Backend, BackendError, DType, GdnShape, HostTensor, KvLayer,
+    MoeRouting, MoeScoring, Result, Rope, SampleOut, SlotOp, SsmPools, SsmShape, StackedExperts,
+    StepPlan,
 };
 
 /// A dense f32 tensor in host memory.
@@ -748,7 +748,12 @@ fn moe_forward(
     let (tokens, hidden) = x.rows_cols();
     let (_, n_experts) = router_logits.rows_cols();
     same_shape("moe output", x, out)?;
-    if experts.up.shape.len() != 3 || experts.gate.as_ref().is_some_and(|g| g.shape != experts.up.shape) {
+    if experts.up.shape.len() != 3
+        || experts
+            .gate
+            .as_ref()
+            .is_some_and(|g| g.shape != experts.up.shape)
+    {
         return Err(BackendError::Invalid(format!(
             "moe: stacked experts up {:?}, gate {:?}",
             experts.up.shape,

@@ -40,9 +40,8 @@ use self::device::{Arg, Device};
 use self::memory::{Arena, DevAlloc, MemStats, Pinned, bad_tensor, dtoh, htod, sync};
 pub use self::step::CudaStep;
 use super::{
-    Activation, ArenaStats, AttnShape, Backend, BackendError, DType, GdnShape, HostTensor,
-    KvLayer, MoeRouting, MoeScoring, Result, Rope, SampleOut, SsmPools, SsmShape,
-    StackedExperts, StepPlan,
+    Activation, ArenaStats, AttnShape, Backend, BackendError, DType, GdnShape, HostTensor, KvLayer,
+    MoeRouting, MoeScoring, Result, Rope, SampleOut, SsmPools, SsmShape, StackedExperts, StepPlan,
 };
 
 /// Where a tensor's memory comes from.
@@ -1127,11 +1126,15 @@ impl Backend for CudaBackend {
         _head_dim: usize,
         _eps: f32,
     ) -> Result<CudaTensor> {
-        Err(unsupported_yet("head_rms_norm (per-head q/k norms of gated attention)"))
+        Err(unsupported_yet(
+            "head_rms_norm (per-head q/k norms of gated attention)",
+        ))
     }
 
     fn sigmoid_gate(&self, _x: &mut CudaTensor, _gate: &CudaTensor) -> Result<()> {
-        Err(unsupported_yet("sigmoid_gate (gated attention, shared-expert gate)"))
+        Err(unsupported_yet(
+            "sigmoid_gate (gated attention, shared-expert gate)",
+        ))
     }
 
     fn gated_delta_rule(
@@ -1148,7 +1151,9 @@ impl Backend for CudaBackend {
         _layer: usize,
         _step: &CudaStep,
     ) -> Result<CudaTensor> {
-        Err(unsupported_yet("gated_delta_rule (Gated DeltaNet chunked scan and state update)"))
+        Err(unsupported_yet(
+            "gated_delta_rule (Gated DeltaNet chunked scan and state update)",
+        ))
     }
 
     fn moe(

@@ -104,7 +104,12 @@ pub(super) fn build_stack<B: Backend>(
     let mlp_only: Vec<usize> = c
         .get("mlp_only_layers")
         .and_then(|v| v.as_array())
-        .map(|a| a.iter().filter_map(|v| v.as_u64()).map(|v| v as usize).collect())
+        .map(|a| {
+            a.iter()
+                .filter_map(|v| v.as_u64())
+                .map(|v| v as usize)
+                .collect()
+        })
         .unwrap_or_default();
     let sparse_step = c.usize_or("decoder_sparse_step", 1)?.max(1);
     let n_experts = c.usize_or("num_experts", 0)?;

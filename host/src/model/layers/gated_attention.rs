@@ -53,7 +53,13 @@ impl<B: Backend> GatedAttention<B> {
         let q = Linear {
             w: per_head_halves(l, &p("q_proj.weight"), s.heads, s.head_dim, s.hidden)?,
             b: match s.bias {
-                true => Some(per_head_halves(l, &p("q_proj.bias"), s.heads, s.head_dim, 1)?),
+                true => Some(per_head_halves(
+                    l,
+                    &p("q_proj.bias"),
+                    s.heads,
+                    s.head_dim,
+                    1,
+                )?),
                 false => None,
             },
         };

@@ -84,7 +84,10 @@ impl<B: Backend> GatedDeltaNet<B> {
             None => l.tensor(&p("in_proj.weight"), &[rows, s.hidden])?,
         };
         Ok(Self {
-            in_proj: Linear { w: in_proj, b: None },
+            in_proj: Linear {
+                w: in_proj,
+                b: None,
+            },
             conv_w: l.tensor(&p("conv1d.weight"), &[sh.conv_dim(), 1, s.conv_kernel])?,
             dt_bias: l.tensor(&p("dt_bias"), &[sh.v_heads])?,
             a_log: l.tensor(&p("A_log"), &[sh.v_heads])?,
@@ -104,8 +107,10 @@ impl<B: Backend> GatedDeltaNet<B> {
     ) -> Result<B::Tensor, ModelError> {
         let sh = self.shape;
         let proj = self.in_proj.forward(b, x)?;
-        let [qkv, z, beta, a] =
-            b.split_cols(&proj, [sh.conv_dim(), sh.value_dim(), sh.v_heads, sh.v_heads])?;
+        let [qkv, z, beta, a] = b.split_cols(
+            &proj,
+            [sh.conv_dim(), sh.value_dim(), sh.v_heads, sh.v_heads],
+        )?;
         let pools = ctx.ssm.as_deref_mut().ok_or_else(|| {
             ModelError::Backend(format!("no recurrent state for layer {}", self.cache))
         })?;
@@ -144,9 +149,11 @@ fn fused_qwen3_next<B: Backend>(
     let r = sh.v_heads / sh.k_heads;
     let (dk, dv, nk) = (sh.k_dim, sh.v_dim, sh.k_heads);
     let per_head = 2 * dk + 2 * r * dv;
-    let qkvz = l
-        .store
-        .raw_rows(&format!("{prefix}.in_proj_qkvz.weight"), nk * per_head, hidden)?;
+    let qkvz = l.store.raw_rows(
+        &format!("{prefix}.in_proj_qkvz.weight"),
+        nk * per_head,
+        hidden,
+    )?;
     let ba = l
         .store
         .raw_rows(&format!("{prefix}.in_proj_ba.weight"), nk * 2 * r, hidden)?;
