@@ -312,7 +312,7 @@ pub fn moe_experts_gated(
                 gemm_nt(xs, &gate[e * i * h..(e + 1) * i * h], g, n, h, i);
                 mid.par_iter_mut()
                     .zip(g.par_iter())
-                    .for_each(|(v, &gv)| *v = apply_act(gv, s.act) * *v);
+                    .for_each(|(v, &gv)| *v *= apply_act(gv, s.act));
             }
             None => mid.par_iter_mut().for_each(|v| *v = apply_act(*v, s.act)),
         }

@@ -54,7 +54,9 @@ fn full_attention_layers(c: &HfConfig, layers: usize) -> Result<Vec<bool>, Model
     if interval == 0 {
         return Err(c.error("`full_attention_interval` must be at least 1"));
     }
-    Ok((0..layers).map(|i| (i + 1) % interval == 0).collect())
+    Ok((0..layers)
+        .map(|i| (i + 1).is_multiple_of(interval))
+        .collect())
 }
 
 /// The stack under `root` (`model` or `model.language_model`).
@@ -117,7 +119,7 @@ pub(super) fn build_stack<B: Backend>(
         FeedForward::Dense => false,
         FeedForward::Moe => true,
         FeedForward::Sparse => {
-            n_experts > 0 && (i + 1) % sparse_step == 0 && !mlp_only.contains(&i)
+            n_experts > 0 && (i + 1).is_multiple_of(sparse_step) && !mlp_only.contains(&i)
         }
     };
 
