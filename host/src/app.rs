@@ -418,7 +418,9 @@ mod tests {
     #[test]
     fn gguf_paths_never_go_to_the_hub() {
         // Shaped like a hub id, but a `.gguf` name: a missing file, not a download.
-        let e = LoadedModel::open("org/model.Q4_0.gguf", "main").err().unwrap();
+        let e = LoadedModel::open("org/model.Q4_0.gguf", "main")
+            .err()
+            .unwrap();
         assert!(
             format!("{e:#}").contains("the GGUF file does not exist"),
             "{e:#}"

@@ -26,6 +26,9 @@ const MODELS: &[&str] = &[
     "granite-moe",
     "falconh1-b",
     // ---- end gfh ----
+    // Gated DeltaNet hybrids: Qwen3-Next with MoE; Qwen3.5 in the multimodal layout, bf16.
+    "qwen3next-a",
+    "qwen35-vl-b",
 ];
 
 fn model_dir(name: &str) -> PathBuf {
@@ -269,7 +272,7 @@ fn tight_budget(m: &Model<CpuBackend>, blocks: usize) -> u64 {
 
 #[test]
 fn requests_that_all_need_a_block_are_evicted_and_recomputed() {
-    for name in ["llama-gqa", "bamba-b"] {
+    for name in ["llama-gqa", "bamba-b", "qwen3next-b"] {
         let m = load(name);
         // Three 48-token prompts fill 9 blocks exactly; their first decode token needs a
         // tenth block, so every request pauses and the newest is evicted to the queue.

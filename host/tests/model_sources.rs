@@ -622,10 +622,19 @@ fn a_gguf_written_from_a_fixture_serves_like_its_folder() {
     let loaded = LoadedModel::open(f32_file.to_str().unwrap(), "main").unwrap();
     let model = loaded.model(&CpuBackend::default(), false).unwrap();
     assert_eq!(model.info.architecture, "LlamaForCausalLM");
-    let (a, b) = (last_logits(&model, &prompt), last_logits(&reference, &prompt));
+    let (a, b) = (
+        last_logits(&model, &prompt),
+        last_logits(&reference, &prompt),
+    );
     let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let worst = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
-    assert!(worst <= 1e-5 * scale, "F32 GGUF logits off by {worst} (scale {scale})");
+    let worst = a
+        .iter()
+        .zip(&b)
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    assert!(
+        worst <= 1e-5 * scale,
+        "F32 GGUF logits off by {worst} (scale {scale})"
+    );
     assert_eq!(greedy(&model, &prompt, 12), greedy(&reference, &prompt, 12));
 
     // The tokenizer and chat template rebuilt from metadata behave as the folder's.

@@ -461,3 +461,28 @@ fn granite_expert_layouts_load_the_same_model() {
     }
 }
 // ---- end gfh ----
+/// The Gated DeltaNet models regroup some projections at load (Qwen3-Next's fused `in_proj_qkvz`
+/// / `in_proj_ba`, gated attention's per-head `q_proj`, stacked or per-expert MoE weights);
+/// made-up weights must take the shapes the layers expect without those files.
+#[test]
+fn dummy_weights_load_for_gated_delta_net_models() {
+    for name in [
+        "qwen3next-a",
+        "qwen3next-b",
+        "qwen35-a",
+        "qwen35-vl-b",
+        "qwen35moe-a",
+        "qwen35moe-vl-b",
+    ] {
+        let dir = fixtures().join("models").join(name);
+        let real = load(&dir);
+        let dummy = model::load_dummy(&dir, &CpuBackend::default(), 0).expect("dummy load");
+        assert_eq!(dummy.layers.len(), real.layers.len(), "{name}");
+        assert_eq!(dummy.conv_shape, real.conv_shape, "{name}");
+        assert_eq!(dummy.ssm_shape, real.ssm_shape, "{name}");
+        assert_eq!(dummy.info.cache, real.info.cache, "{name}");
+        let logits = full_forward(&dummy, &[1, 2, 3, 4, 5]);
+        assert!(logits.iter().all(|x| x.is_finite()), "{name}");
+        assert_ne!(logits, full_forward(&real, &[1, 2, 3, 4, 5]), "{name}");
+    }
+}

@@ -422,6 +422,128 @@ def granite_moe(w, prefix, cfg):
     return moe
 
 
+# ---- Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5) ----------------------------------------------
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def head_norm(x, weight, eps):
+    """RMS norm of each row of x [heads, dim] with one weight [dim]."""
+    return weight * (x / np.sqrt(np.mean(x * x, axis=1, keepdims=True) + eps))
+
+
+class GatedAttention(Attention):
+    """Qwen3-Next attention: q_proj rows are [q_h, gate_h] per head; per-head RMS norms on q and
+    k with (1 + w) weights before RoPE; the output is multiplied by sigmoid(gate)."""
+
+    def __init__(self, w, prefix, n_heads, n_kv, head_dim, inv, eps):
+        super().__init__(w, prefix, n_heads, n_kv, head_dim, inv)
+        self.eps = eps
+
+    def step(self, x, pos):
+        qg = linear(self.w, x, self.p + ".q_proj").reshape(self.nh, 2 * self.hd)
+        q, gate = qg[:, : self.hd], qg[:, self.hd:].reshape(-1)
+        k = linear(self.w, x, self.p + ".k_proj").reshape(self.nkv, self.hd)
+        v = linear(self.w, x, self.p + ".v_proj").reshape(self.nkv, self.hd)
+        q = head_norm(q, 1.0 + self.w[self.p + ".q_norm.weight"], self.eps)
+        k = head_norm(k, 1.0 + self.w[self.p + ".k_norm.weight"], self.eps)
+        q, k = apply_rope(q, pos, self.inv), apply_rope(k, pos, self.inv)
+        self.keys.append(k)
+        self.values.append(v)
+        K, V = np.stack(self.keys), np.stack(self.values)
+        out = np.empty((self.nh, self.hd))
+        per_kv = self.nh // self.nkv
+        for h in range(self.nh):
+            s = K[:, h // per_kv] @ q[h] / math.sqrt(self.hd)
+            p = np.exp(s - s.max())
+            out[h] = (p / p.sum()) @ V[:, h // per_kv]
+        return linear(self.w, out.reshape(-1) * sigmoid(gate), self.p + ".o_proj")
+
+
+class GatedDeltaNet:
+    """The Gated DeltaNet mixer as a recurrence, one token at a time (never the chunked form):
+    conv + SiLU over q|k|v, L2-normalised q (scaled by dk^-1/2) and k, and per value head
+    S <- exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q; then RMS norm * silu(z)."""
+
+    def __init__(self, w, prefix, cfg):
+        self.w, self.p = w, prefix
+        self.nk, self.nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+        self.dk, self.dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+        self.eps = cfg["rms_norm_eps"]
+        self.conv_w = w[prefix + ".conv1d.weight"][:, 0, :]
+        self.conv_dim, self.k = self.conv_w.shape
+        self.window = np.zeros((self.k, self.conv_dim))
+        self.state = np.zeros((self.nv, self.dk, self.dv))
+        self.fused = prefix + ".in_proj_qkvz.weight" in w  # Qwen3-Next's grouped projections
+
+    def project(self, x):
+        nk, nv, dk, dv = self.nk, self.nv, self.dk, self.dv
+        r = nv // nk
+        if not self.fused:
+            lin = lambda n: self.w[f"{self.p}.{n}.weight"] @ x  # noqa: E731
+            return lin("in_proj_qkv"), lin("in_proj_z"), lin("in_proj_b"), lin("in_proj_a")
+        qkvz = (self.w[self.p + ".in_proj_qkvz.weight"] @ x).reshape(nk, 2 * dk + 2 * r * dv)
+        ba = (self.w[self.p + ".in_proj_ba.weight"] @ x).reshape(nk, 2 * r)
+        q, k = qkvz[:, :dk], qkvz[:, dk: 2 * dk]
+        v, z = qkvz[:, 2 * dk: 2 * dk + r * dv], qkvz[:, 2 * dk + r * dv:]
+        mixed = np.concatenate([q.reshape(-1), k.reshape(-1), v.reshape(-1)])
+        return mixed, z.reshape(-1), ba[:, :r].reshape(-1), ba[:, r:].reshape(-1)
+
+    def step(self, x, _pos):
+        nk, nv, dk, dv = self.nk, self.nv, self.dk, self.dv
+        mixed, z, b, a = self.project(x)
+        self.window = np.concatenate([self.window[1:], mixed[None, :]])
+        conv = silu(np.einsum("kc,ck->c", self.window, self.conv_w))
+        q = conv[: nk * dk].reshape(nk, dk)
+        k = conv[nk * dk: 2 * nk * dk].reshape(nk, dk)
+        v = conv[2 * nk * dk:].reshape(nv, dv)
+        beta = sigmoid(b)
+        g = -np.exp(self.w[self.p + ".A_log"]) * softplus(a + self.w[self.p + ".dt_bias"])
+        o = np.empty((nv, dv))
+        for h in range(nv):
+            kh = h // (nv // nk)
+            qh = q[kh] / math.sqrt(q[kh] @ q[kh] + 1e-6) / math.sqrt(dk)
+            kk = k[kh] / math.sqrt(k[kh] @ k[kh] + 1e-6)
+            S = self.state[h] * math.exp(g[h])
+            delta = beta[h] * (v[h] - S.T @ kk)
+            S = S + np.outer(kk, delta)
+            self.state[h] = S
+            o[h] = S.T @ qh
+        o = head_norm(o, self.w[self.p + ".norm.weight"], self.eps) * silu(z.reshape(nv, dv))
+        return linear(self.w, o.reshape(-1), self.p + ".out_proj")
+
+
+def qwen_moe(w, prefix, cfg, normalise):
+    """Softmax top-k routing over gated SiLU experts (stacked gate_up_proj or one by one) plus a
+    shared expert scaled by sigmoid(shared_expert_gate x)."""
+    E, top_k = cfg["num_experts"], cfg["num_experts_per_tok"]
+    gate_w = w[prefix + ".gate.weight"]
+    stacked = prefix + ".experts.gate_up_proj" in w
+
+    def expert(e, x):
+        if stacked:
+            gu = w[prefix + ".experts.gate_up_proj"][e] @ x
+            half = gu.shape[0] // 2
+            return w[prefix + ".experts.down_proj"][e] @ (silu(gu[:half]) * gu[half:])
+        return swiglu(w, f"{prefix}.experts.{e}")(x)
+
+    shared = swiglu(w, prefix + ".shared_expert")
+    shared_gate = w[prefix + ".shared_expert_gate.weight"]
+
+    def moe(x):
+        s = gate_w @ x
+        p = np.exp(s - s.max())
+        p = p / p.sum()
+        picked = np.argsort(-p, kind="stable")[:top_k]
+        weights = p[picked] / p[picked].sum() if normalise else p[picked]
+        out = sum(wt * expert(e, x) for e, wt in zip(picked, weights))
+        return out + sigmoid(shared_gate @ x)[0] * shared(x)
+
+    return moe
+
+
 def build_granite(cfg, w):
     eps, res = cfg["rms_norm_eps"], cfg["residual_multiplier"]
     hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -489,6 +611,42 @@ def build_falcon_h1(cfg, w):
 
 
 # ---- end gfh ---------------------------------------------------------------------------------
+def build_qwen_gdn(cfg, w):
+    text = {k: v for k, v in cfg.items() if k != "text_config"}
+    text.update(cfg.get("text_config") or {})
+    rope = dict(text.get("rope_parameters") or {"rope_theta": text.get("rope_theta", 10000.0)})
+    rope.setdefault("rope_type", "default")
+    rope.setdefault("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+    arch = cfg["architectures"][0]
+    root = "model.language_model" if "model.language_model.embed_tokens.weight" in w else "model"
+    eps, n = text["rms_norm_eps"], text["num_hidden_layers"]
+    hd = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    inv = rope_inv_freq(hd, rope)
+    types = text.get("layer_types") or [
+        "full_attention" if (i + 1) % text.get("full_attention_interval", 4) == 0
+        else "linear_attention" for i in range(n)]
+    blocks = []
+    for i in range(n):
+        p = f"{root}.layers.{i}"
+        if types[i] == "full_attention":
+            mixer = GatedAttention(w, p + ".self_attn", text["num_attention_heads"],
+                                   text["num_key_value_heads"], hd, inv, eps)
+        else:
+            mixer = GatedDeltaNet(w, p + ".linear_attn", text)
+        if arch.startswith("Qwen3_5Moe"):
+            ffn = qwen_moe(w, p + ".mlp", text, True)
+        elif arch.startswith("Qwen3_5"):
+            ffn = swiglu(w, p + ".mlp")
+        elif (text["num_experts"] > 0 and (i + 1) % text["decoder_sparse_step"] == 0
+              and i not in (text.get("mlp_only_layers") or [])):
+            ffn = qwen_moe(w, p + ".mlp", text, text["norm_topk_prob"])
+        else:
+            ffn = swiglu(w, p + ".mlp")
+        # Every norm here but the mixer's output norm scales by (1 + w).
+        blocks.append([(1.0 + w[p + ".input_layernorm.weight"], mixer),
+                       (1.0 + w[p + ".post_attention_layernorm.weight"], Stateless(ffn))])
+    emb = w[root + ".embed_tokens.weight"]
+    return emb, blocks, 1.0 + w[root + ".norm.weight"], w.get("lm_head.weight", emb), eps
 
 
 BUILDERS = {
@@ -498,6 +656,12 @@ BUILDERS = {
     "BambaForCausalLM": build_bamba,
     "GraniteMoeHybridForCausalLM": build_granite,
     "FalconH1ForCausalLM": build_falcon_h1,
+    # Gated DeltaNet hybrids.
+    "Qwen3NextForCausalLM": build_qwen_gdn,
+    "Qwen3_5ForCausalLM": build_qwen_gdn,
+    "Qwen3_5MoeForCausalLM": build_qwen_gdn,
+    "Qwen3_5ForConditionalGeneration": build_qwen_gdn,
+    "Qwen3_5MoeForConditionalGeneration": build_qwen_gdn,
 }
 
 

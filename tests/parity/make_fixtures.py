@@ -51,6 +51,17 @@ from transformers import (  # noqa: E402
     Mamba2ForCausalLM,
     NemotronHConfig,
     NemotronHForCausalLM,
+    # Gated DeltaNet hybrids.
+    Qwen3_5Config,
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForConditionalGeneration,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -144,6 +155,90 @@ BAMBA_BASE = dict(
     max_position_embeddings=512,
     rms_norm_eps=1e-5,
 )
+
+# ---- Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5) ---------------------------------------------
+
+GDN_BASE = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_conv_kernel_dim=4,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
+)
+
+GDN_MOE = dict(
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=32,
+)
+
+# The multimodal classes (the published Qwen3.5 layout) need a vision tower; the text model
+# never runs it, so it is as small as the config allows.
+TINY_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                   patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
+                   num_position_embeddings=16)
+
+
+def legacy_qwen3_next(cfg):
+    """Qwen3-Next as published: top-level rope_theta and partial_rotary_factor,
+    full_attention_interval instead of layer_types, torch_dtype."""
+    rope = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = rope["rope_theta"]
+    cfg["partial_rotary_factor"] = rope["partial_rotary_factor"]
+    types = cfg.pop("layer_types")
+    interval = types.index("full_attention") + 1
+    assert types == ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                     for i in range(len(types))], types
+    cfg["full_attention_interval"] = interval
+    cfg["torch_dtype"] = cfg.pop("dtype")
+    return cfg
+
+
+def per_expert_tensors(path):
+    """Stacked experts (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I], as
+    transformers 5 writes them) rewritten one expert at a time (experts.{j}.gate_proj.weight …),
+    as the published Qwen3-Next checkpoints store them."""
+    files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+    for f in files:
+        full = os.path.join(path, f)
+        tensors = load_file(full)
+        out = {}
+        for k, v in tensors.items():
+            if k.endswith("experts.gate_up_proj"):
+                base = k[: -len("gate_up_proj")]
+                inter = v.shape[1] // 2
+                for j in range(v.shape[0]):
+                    out[f"{base}{j}.gate_proj.weight"] = v[j, :inter].contiguous()
+                    out[f"{base}{j}.up_proj.weight"] = v[j, inter:].contiguous()
+            elif k.endswith("experts.down_proj"):
+                base = k[: -len("down_proj")]
+                for j in range(v.shape[0]):
+                    out[f"{base}{j}.down_proj.weight"] = v[j].contiguous()
+            else:
+                out[k] = v
+        save_file(out, full, metadata={"format": "pt"})
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        weight_map = {}
+        for f in files:
+            for k in load_file(os.path.join(path, f)):
+                weight_map[k] = f
+        with open(index) as fh:
+            meta = json.load(fh)
+        meta["weight_map"] = weight_map
+        with open(index, "w") as fh:
+            json.dump(meta, fh, indent=2, sort_keys=True)
+            fh.write("\n")
+
 
 # Older config.json forms. Checkpoints on the Hub were written by older transformers versions;
 # a few fixtures rewrite their config.json into those forms so a loader must accept both.
@@ -362,6 +457,98 @@ SPECS = [
         dtype="float32",
         shards=1,
         covers="Bamba, attention at layers 0 and 3 of 4, MQA, mamba n_groups 2, chunk 8, tied",
+    ),
+    # ---- Gated DeltaNet hybrids ----
+    dict(
+        name="qwen3next-a",
+        cls=Qwen3NextForCausalLM,
+        cfg=Qwen3NextConfig,
+        kwargs=dict(GDN_BASE, **GDN_MOE) | dict(num_hidden_layers=4, full_attention_interval=4,
+                    decoder_sparse_step=1, norm_topk_prob=True, tie_word_embeddings=False),
+        dtype="float32",
+        shards=1,
+        covers="Qwen3-Next: 3 Gated DeltaNet layers then gated attention (4/2 × 16, partial rotary "
+        "0.25); GDN 2 key heads × 8, 4 value heads × 8 (2 value heads per key head), conv 4; "
+        "MoE on every layer (8 experts top-2, softmax, norm_topk_prob, sigmoid-gated shared "
+        "expert 32); stacked experts as transformers writes them",
+    ),
+    dict(
+        name="qwen3next-b",
+        cls=Qwen3NextForCausalLM,
+        cfg=Qwen3NextConfig,
+        kwargs=dict(GDN_BASE, **GDN_MOE) | dict(num_hidden_layers=4, full_attention_interval=2,
+                    num_attention_heads=4, num_key_value_heads=1, head_dim=8,
+                    linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
+                    linear_value_head_dim=8, linear_conv_kernel_dim=3, num_experts_per_tok=3,
+                    decoder_sparse_step=2, norm_topk_prob=False, attention_bias=True,
+                    rope_parameters=dict(rope_type="default", rope_theta=5000.0,
+                                         partial_rotary_factor=0.5),
+                    tie_word_embeddings=True),
+        dtype="bfloat16",
+        shards=2,
+        legacy_config=legacy_qwen3_next,
+        rewrite_tensors=per_expert_tensors,
+        covers="Qwen3-Next: linear/full alternating (full_attention_interval 2), MQA 4/1 × 8 with "
+        "q/k/v/o biases, partial rotary 0.5, theta 5000; GDN 2 key heads × 16, 2 value heads × 8, "
+        "conv 3; MoE on odd layers only (decoder_sparse_step 2), top-3, no norm_topk_prob; "
+        "tied; bf16, 2 shards; experts stored one by one and config.json in the published form "
+        "(top-level rope_theta / partial_rotary_factor, full_attention_interval, torch_dtype)",
+    ),
+    dict(
+        name="qwen35-a",
+        cls=Qwen3_5ForCausalLM,
+        cfg=Qwen3_5TextConfig,
+        kwargs=dict(GDN_BASE, num_hidden_layers=4, full_attention_interval=4,
+                    linear_value_head_dim=16, tie_word_embeddings=True),
+        dtype="float32",
+        shards=1,
+        covers="Qwen3.5 dense as transformers writes Qwen3_5ForCausalLM: 3 GDN layers (2 key heads "
+        "× 8, 4 value heads × 16) then gated attention 4/2 × 16, partial rotary 0.25 (mrope, text "
+        "positions); separate in_proj_qkv/z/b/a; tied embeddings",
+    ),
+    dict(
+        name="qwen35-vl-b",
+        cls=Qwen3_5ForConditionalGeneration,
+        cfg=Qwen3_5Config,
+        nested=True,
+        kwargs=dict(GDN_BASE, num_hidden_layers=3,
+                    layer_types=["full_attention", "linear_attention", "linear_attention"],
+                    num_attention_heads=2, num_key_value_heads=2, linear_num_key_heads=1,
+                    linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=8,
+                    linear_conv_kernel_dim=3, tie_word_embeddings=False),
+        dtype="bfloat16",
+        shards=1,
+        covers="Qwen3.5 dense in the published multimodal layout (Qwen3_5ForConditionalGeneration: "
+        "nested text_config, model.language_model.* weights, a vision tower that is not served); "
+        "attention first, then 2 GDN layers (1 key head × 16, 2 value heads × 8, conv 3); "
+        "MHA 2/2 × 16; bf16",
+    ),
+    dict(
+        name="qwen35moe-a",
+        cls=Qwen3_5MoeForCausalLM,
+        cfg=Qwen3_5MoeTextConfig,
+        kwargs=dict(GDN_BASE, **GDN_MOE) | dict(num_hidden_layers=4, full_attention_interval=2,
+                    tie_word_embeddings=False),
+        dtype="float32",
+        shards=2,
+        covers="Qwen3.5 MoE as transformers writes Qwen3_5MoeForCausalLM: GDN/attention "
+        "alternating, MoE on every layer (8 experts top-2, always renormalised, sigmoid-gated "
+        "shared expert), 2 shards",
+    ),
+    dict(
+        name="qwen35moe-vl-b",
+        cls=Qwen3_5MoeForConditionalGeneration,
+        cfg=Qwen3_5MoeConfig,
+        nested=True,
+        kwargs=dict(GDN_BASE, **GDN_MOE) | dict(num_hidden_layers=3, full_attention_interval=3,
+                    num_experts=6, num_experts_per_tok=3, shared_expert_intermediate_size=24,
+                    linear_num_key_heads=1, linear_num_value_heads=3, linear_key_head_dim=8,
+                    linear_value_head_dim=8, tie_word_embeddings=False),
+        dtype="bfloat16",
+        shards=1,
+        covers="Qwen3.5 MoE in the published multimodal layout (Qwen3_5MoeForConditionalGeneration); "
+        "2 GDN layers (1 key head × 8, 3 value heads × 8) then attention; 6 experts top-3, shared "
+        "expert 24; bf16",
     ),
 ]
 
@@ -601,6 +788,18 @@ def randomize(model, gen):
         with torch.no_grad():
             t.copy_(v.to(t.dtype))
 
+    # Gated DeltaNet models: their RMS norms scale by (1 + w), so w is shifted to keep the scale
+    # in U(0.6, 1.4) like other models' norms; decays are kept mild (A = U(0.05, 1)) so the
+    # delta-rule state carries information across many tokens.
+    for mod in model.modules():
+        kind = type(mod).__name__
+        if kind.startswith("Qwen3") and kind.endswith("RMSNorm"):
+            with torch.no_grad():
+                mod.weight -= 1.0
+        if kind.endswith("GatedDeltaNet"):
+            with torch.no_grad():
+                mod.A_log.copy_(torch.log(uniform(mod.A_log.shape, 0.05, 1.0)))
+
     # transformers' NemotronH clamps dt to time_step_min (0.001) in the chunked prefill path but
     # not in the one-token decode path, so the two disagree whenever softplus(dt + dt_bias)
     # falls below it. Shrinking the dt rows of in_proj keeps dt well above the clamp (checked by
@@ -667,6 +866,8 @@ def save_model(spec, model, path):
         save_file(tensors, st, metadata={"format": "pt"})
     if spec["shards"] == 2:
         reshard_in_two(path)
+    if spec.get("rewrite_tensors"):
+        spec["rewrite_tensors"](path)
     if spec.get("legacy_config"):
         rewrite_config(path, spec["legacy_config"])
     copy_tokenizer(path)
@@ -759,6 +960,16 @@ class RoutingMargins:
                 self.handles.append(mod.register_forward_hook(self.hook))
             if type(mod).__name__ == "GraniteMoeHybridTopKRouter":
                 self.handles.append(mod.register_forward_hook(self.hook_granite))
+            if type(mod).__name__ in ("Qwen3NextTopKRouter", "Qwen3_5MoeTopKRouter"):
+                self.handles.append(mod.register_forward_hook(self.softmax_hook))
+
+    def softmax_hook(self, mod, inputs, _out):
+        """Softmax routing: the gap between the k-th and (k+1)-th expert probability."""
+        h = inputs[0].reshape(-1, mod.hidden_dim).float()
+        probs = torch.softmax(h @ mod.weight.float().T, dim=-1).sort(dim=-1, descending=True).values
+        if mod.num_experts > mod.top_k:
+            gap = probs[:, mod.top_k - 1] - probs[:, mod.top_k]
+            self.min = min(self.min, gap.min().item())
 
     def hook(self, mod, inputs, _out):
         h = inputs[0].reshape(-1, mod.hidden_dim).float()
@@ -883,7 +1094,11 @@ def make_references(spec, model_index, model, path):
 
 def build_model(spec, model_index):
     torch.manual_seed(model_index)
-    config = spec["cfg"](vocab_size=VOCAB, **TOKEN_IDS, **spec["kwargs"])
+    if spec.get("nested"):  # the multimodal layout: text settings in text_config
+        config = spec["cfg"](text_config=dict(vocab_size=VOCAB, **TOKEN_IDS, **spec["kwargs"]),
+                             vision_config=TINY_VISION)
+    else:
+        config = spec["cfg"](vocab_size=VOCAB, **TOKEN_IDS, **spec["kwargs"])
     config._attn_implementation = "eager"
     model = spec["cls"](config).float().eval()
     gen = torch.Generator().manual_seed(1234 + model_index)
@@ -891,10 +1106,21 @@ def build_model(spec, model_index):
     return model
 
 
+def text_state_dict(model):
+    """The state dict with a multimodal model's text weights named as the text model's
+    (model.language_model.* -> model.*) and its vision tower left out."""
+    out = {}
+    for k, v in model.state_dict().items():
+        if k.startswith("model.visual."):
+            continue
+        out[k.replace("model.language_model.", "model.", 1)] = v
+    return out
+
+
 def check_roundtrip(before, after):
     """The model read back from disk has exactly the (rounded) weights that were saved."""
-    sd_b = before.state_dict()
-    sd_a = after.state_dict()
+    sd_b = text_state_dict(before)
+    sd_a = text_state_dict(after)
     assert set(sd_b) == set(sd_a), set(sd_b) ^ set(sd_a)
     for k in sd_b:
         assert torch.equal(sd_b[k].float(), sd_a[k].float()), k

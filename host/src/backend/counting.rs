@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::{
-    Activation, ArenaStats, AttnShape, Backend, DType, HostTensor, KvLayer, MoeRouting, Result,
-    Rope, SampleOut, SsmPools, SsmShape, StackedExperts, StepPlan,
+    Activation, ArenaStats, AttnShape, Backend, DType, GdnShape, HostTensor, KvLayer, MoeRouting,
+    Result, Rope, SampleOut, SsmPools, SsmShape, StackedExperts, StepPlan,
 };
 
 /// Counts shared by every clone of a [`Counting`] backend.
@@ -281,6 +281,38 @@ impl<B: Backend> Backend for Counting<B> {
         self.kernel();
         self.inner
             .ssm_scan(x, b, c, dt, a_log, d, dt_bias, shape, pools, layer, step)
+    }
+    fn head_rms_norm(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+        head_dim: usize,
+        eps: f32,
+    ) -> Result<Self::Tensor> {
+        self.kernel();
+        self.inner.head_rms_norm(x, w, head_dim, eps)
+    }
+    fn sigmoid_gate(&self, x: &mut Self::Tensor, gate: &Self::Tensor) -> Result<()> {
+        self.kernel();
+        self.inner.sigmoid_gate(x, gate)
+    }
+    fn gated_delta_rule(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        a: &Self::Tensor,
+        b: &Self::Tensor,
+        a_log: &Self::Tensor,
+        dt_bias: &Self::Tensor,
+        shape: GdnShape,
+        pools: &mut SsmPools<Self::Tensor>,
+        layer: usize,
+        step: &Self::Step,
+    ) -> Result<Self::Tensor> {
+        self.kernel();
+        self.inner
+            .gated_delta_rule(q, k, v, a, b, a_log, dt_bias, shape, pools, layer, step)
     }
     fn sample(
         &self,

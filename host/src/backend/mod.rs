@@ -183,6 +183,35 @@ impl SsmShape {
     }
 }
 
+/// Shape of one Gated DeltaNet mixer as the delta-rule kernel needs it: `k_heads` query/key
+/// heads of width `k_dim`, `v_heads` value heads of width `v_dim` (each query/key head serves
+/// `v_heads / k_heads` consecutive value heads), and the chunk length of the prompt form.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GdnShape {
+    pub k_heads: usize,
+    pub v_heads: usize,
+    pub k_dim: usize,
+    pub v_dim: usize,
+    pub chunk_size: usize,
+}
+
+impl GdnShape {
+    pub fn key_dim(&self) -> usize {
+        self.k_heads * self.k_dim
+    }
+    pub fn value_dim(&self) -> usize {
+        self.v_heads * self.v_dim
+    }
+    /// Channels of the short convolution over `q | k | v`.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+    /// f32 elements of one layer's delta-rule state `[v_heads, k_dim, v_dim]`.
+    pub fn state_elems(&self) -> usize {
+        self.v_heads * self.k_dim * self.v_dim
+    }
+}
+
 /// How a MoE router turns its logits into expert scores.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MoeScoring {
@@ -222,9 +251,11 @@ pub struct KvLayer<T> {
     pub v: T,
 }
 
-/// SSM state of every slot, slot-major over layers: conv `[slots, layers, conv_dim, kernel −
-/// 1]` and recurrent `[slots, layers, heads, head_dim, state_size]`. One slot's state of all
-/// layers is contiguous, so a restore or zero of a slot is one copy.
+/// Recurrent state of every slot, slot-major over layers: conv `[slots, layers, conv_dim,
+/// kernel − 1]` and recurrent `[slots, layers, …]` (Mamba2: `[heads, head_dim, state_size]`;
+/// Gated DeltaNet: `[v_heads, k_dim, v_dim]`). One slot's state of all layers is contiguous,
+/// so a restore or zero of a slot is one copy; the pool does not know which kind of layer
+/// it holds.
 pub struct SsmPools<T> {
     pub conv: T,
     pub ssm: T,
@@ -482,6 +513,43 @@ pub trait Backend: Send + Sync + 'static {
         d: &Self::Tensor,
         dt_bias: &Self::Tensor,
         shape: SsmShape,
+        pools: &mut SsmPools<Self::Tensor>,
+        layer: usize,
+        step: &Self::Step,
+    ) -> Result<Self::Tensor>;
+
+    // ---- gated models (Qwen3-Next, Qwen3.5) --------------------------------------------
+    /// RMS norm of every `head_dim`-wide slice of each row of `x`, times `w[head_dim]` (the
+    /// same weight for every head): per-head q/k norms and the Gated DeltaNet output norm.
+    fn head_rms_norm(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+        head_dim: usize,
+        eps: f32,
+    ) -> Result<Self::Tensor>;
+    /// `x *= sigmoid(gate)`, where `gate` has `x`'s shape or one column (one gate per row,
+    /// broadcast over the row): the output gate of gated attention and the shared-expert gate.
+    fn sigmoid_gate(&self, x: &mut Self::Tensor, gate: &Self::Tensor) -> Result<()>;
+    /// The gated delta rule of a Gated DeltaNet layer. `q`/`k` `[n, k_heads*k_dim]` (already
+    /// convolved; L2-normalised here, `q` also scaled by `k_dim^-1/2`), `v` `[n,
+    /// v_heads*v_dim]`, `a`/`b` `[n, v_heads]` raw (decay `g = −exp(a_log)·softplus(a +
+    /// dt_bias)` and `β = sigmoid(b)` are taken here). Per value head, with state `S [k_dim,
+    /// v_dim]`: `S ← exp(g)·S; S += k ⊗ β(v − Sᵀk); o = Sᵀq`. Continues from and updates each
+    /// sequence's state of recurrent layer `layer` (`pools.ssm`); prompts use the chunked form,
+    /// single tokens the recurrent step; snapshot targets receive the state at their offsets.
+    /// Returns `o [n, v_heads*v_dim]`.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_delta_rule(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        a: &Self::Tensor,
+        b: &Self::Tensor,
+        a_log: &Self::Tensor,
+        dt_bias: &Self::Tensor,
+        shape: GdnShape,
         pools: &mut SsmPools<Self::Tensor>,
         layer: usize,
         step: &Self::Step,

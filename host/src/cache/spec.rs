@@ -19,11 +19,13 @@ pub struct CacheSpec {
     pub attn_layers: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
-    /// Number of SSM (Mamba2) layers; 0 for plain transformers.
+    /// Number of recurrent layers, whatever their kind (Mamba2, Gated DeltaNet); 0 for plain
+    /// transformers.
     pub ssm_layers: usize,
-    /// Elements of conv state per SSM layer per slot.
+    /// Elements of conv state per recurrent layer per slot.
     pub conv_state_elems: usize,
-    /// Elements of recurrent state per SSM layer per slot.
+    /// Elements of recurrent state per recurrent layer per slot (Mamba2: heads × head_dim ×
+    /// state; Gated DeltaNet: value heads × key dim × value dim).
     pub ssm_state_elems: usize,
     /// Bytes per cached K or V element (4 for the f32 CPU backend).
     pub kv_elem_bytes: usize,

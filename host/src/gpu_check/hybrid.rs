@@ -442,6 +442,7 @@ fn routing_case(
         top_k,
         norm_topk_prob: norm,
         scaling: 2.5,
+        softmax: false,
     };
     let (mut ci, mut cw) = (vec![0u32; tokens * top_k], vec![0f32; tokens * top_k]);
     cpu_moe::moe_route(&logits, tokens, &r, &bias, &mut ci, &mut cw)?;

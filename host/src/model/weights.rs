@@ -204,6 +204,26 @@ impl WeightStore {
         Ok((raw.host().to_f32(), raw.shape))
     }
 
+    /// The stored bytes of `name`, which must be a `[rows, cols]` matrix (for weights whose rows
+    /// are regrouped or stacked at load).
+    pub fn raw_rows(
+        &self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<RawTensor<'_>, ModelError> {
+        let raw = self.raw(name)?;
+        if raw.shape != [rows, cols] {
+            return Err(ModelError::TensorShape {
+                path: self.path_of(name),
+                tensor: name.to_string(),
+                got: raw.shape,
+                expected: vec![rows, cols],
+            });
+        }
+        Ok(raw)
+    }
+
     /// The stored bytes of `name`, borrowed from the memory map.
     pub fn raw(&self, name: &str) -> Result<RawTensor<'_>, ModelError> {
         if let Some((data, shape)) = self.memory.get(name) {

@@ -10,10 +10,12 @@
 //! packing buffers — is not drawn from the arena.)
 
 mod attention;
+mod gdn;
 pub mod moe;
 pub mod sample;
 mod ssm;
 
+pub use gdn::{gdn_chunked_head, gdn_recurrent_head};
 pub use ssm::{ssm_chunked_head, ssm_recurrent_head};
 
 use std::collections::HashMap;
@@ -23,7 +25,7 @@ use std::sync::{Arc, Mutex};
 use rayon::prelude::*;
 
 use super::{
-    Activation, ArenaStats, AttnShape, Backend, BackendError, DType, HostTensor, KvLayer,
+    Activation, ArenaStats, AttnShape, Backend, BackendError, DType, GdnShape, HostTensor, KvLayer,
     MoeRouting, MoeScoring, Result, Rope, SampleOut, SlotOp, SsmPools, SsmShape, StackedExperts,
     StepPlan,
 };
@@ -612,6 +614,87 @@ impl Backend for CpuBackend {
         Ok(out)
     }
 
+    fn head_rms_norm(
+        &self,
+        x: &CpuTensor,
+        w: &CpuTensor,
+        head_dim: usize,
+        eps: f32,
+    ) -> Result<CpuTensor> {
+        let (_, cols) = x.rows_cols();
+        if head_dim == 0 || cols % head_dim != 0 || w.data.len() != head_dim {
+            return Err(BackendError::Invalid(format!(
+                "head_rms_norm: width {cols}, head_dim {head_dim}, weight {:?}",
+                w.shape
+            )));
+        }
+        let mut out = self.tmp(&x.shape);
+        out.data.copy_from_slice(&x.data);
+        out.data.par_chunks_mut(head_dim).for_each(|seg| {
+            let ms = seg.iter().map(|v| v * v).sum::<f32>() / head_dim as f32;
+            let inv = 1.0 / (ms + eps).sqrt();
+            for (v, wv) in seg.iter_mut().zip(&w.data) {
+                *v = wv * (*v * inv);
+            }
+        });
+        Ok(out)
+    }
+
+    fn sigmoid_gate(&self, x: &mut CpuTensor, gate: &CpuTensor) -> Result<()> {
+        let (rows, cols) = x.rows_cols();
+        let (grows, gcols) = gate.rows_cols();
+        if grows != rows || (gcols != cols && gcols != 1) {
+            return Err(BackendError::Shape {
+                what: "sigmoid_gate gate".into(),
+                got: gate.shape.clone(),
+                expected: vec![rows, cols],
+            });
+        }
+        let sig = |g: f32| 1.0 / (1.0 + (-g).exp());
+        x.data
+            .par_chunks_mut(cols.max(1))
+            .zip(gate.data.par_chunks(gcols.max(1)))
+            .for_each(|(row, g)| {
+                if gcols == 1 {
+                    let s = sig(g[0]);
+                    row.iter_mut().for_each(|v| *v *= s);
+                } else {
+                    row.iter_mut().zip(g).for_each(|(v, &gv)| *v *= sig(gv));
+                }
+            });
+        Ok(())
+    }
+
+    fn gated_delta_rule(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        a: &CpuTensor,
+        b: &CpuTensor,
+        a_log: &CpuTensor,
+        dt_bias: &CpuTensor,
+        shape: GdnShape,
+        pools: &mut SsmPools<CpuTensor>,
+        layer: usize,
+        step: &CpuStep,
+    ) -> Result<CpuTensor> {
+        let rows = q.rows_cols().0;
+        let mut out = self.tmp(&[rows, shape.value_dim()]);
+        let state = ssm::LayerState::new(&mut pools.ssm, layer)?;
+        let inputs = gdn::GdnInputs {
+            q,
+            k,
+            v,
+            a,
+            b,
+            a_log,
+            dt_bias,
+        };
+        gdn::gated_delta_rule(&inputs, shape, state, &step.plan, &mut out)?;
+        Ok(out)
+    }
+
     fn sample(&self, logits: &mut CpuTensor, step: &CpuStep, out: &mut SampleOut) -> Result<()> {
         let plan = &step.plan;
         let (rows, vocab) = logits.rows_cols();
@@ -685,6 +768,7 @@ fn moe_forward(
         top_k: routing.top_k,
         norm_topk_prob: routing.norm_topk_prob,
         scaling: routing.scaling,
+        softmax: routing.scoring == MoeScoring::Softmax,
     };
     let n = tokens * routing.top_k;
     let (mut ids, mut weights) = (vec![0u32; n], vec![0f32; n]);
@@ -712,7 +796,7 @@ fn moe_forward(
         &x.data,
         &ids,
         &weights,
-        experts.gate.as_ref().map(|g| &g.data[..]),
+        experts.gate.as_ref().map(|g| g.data.as_slice()),
         &experts.up.data,
         &experts.down.data,
         &shape,

@@ -27,6 +27,9 @@ pub struct MoeRouting {
     /// Divide the picked weights by their sum (+1e-20) before scaling.
     pub norm_topk_prob: bool,
     pub scaling: f32,
+    /// Scores are the softmax over all experts (Qwen3-Next, Qwen3.5 MoE) instead of
+    /// per-expert sigmoids.
+    pub softmax: bool,
 }
 
 /// Shape of the stacked experts: `up [experts, inter, hidden]`, `down [experts, hidden, inter]`.
@@ -142,9 +145,23 @@ fn route_token(
     ids: &mut [u32],
     weights: &mut [f32],
 ) {
-    for (((sc, ch), &v), &b) in s.scores.iter_mut().zip(&mut s.choice).zip(logits).zip(bias) {
-        *sc = 1.0 / (1.0 + (-v).exp());
-        *ch = *sc + b;
+    if r.softmax {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0f32;
+        for (sc, &v) in s.scores.iter_mut().zip(logits) {
+            *sc = (v - max).exp();
+            sum += *sc;
+        }
+        for sc in s.scores.iter_mut() {
+            *sc /= sum;
+        }
+    } else {
+        for (sc, &v) in s.scores.iter_mut().zip(logits) {
+            *sc = 1.0 / (1.0 + (-v).exp());
+        }
+    }
+    for ((ch, &sc), &b) in s.choice.iter_mut().zip(&s.scores).zip(bias) {
+        *ch = sc + b;
     }
     // Group score: the sum of the group's two best choice scores (the one, for groups of one).
     let per_group = r.experts / r.n_group;

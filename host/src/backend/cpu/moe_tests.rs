@@ -17,6 +17,7 @@ fn routing(experts: usize, n_group: usize, topk_group: usize, top_k: usize) -> M
         top_k,
         norm_topk_prob: true,
         scaling: 2.5,
+        softmax: false,
     }
 }
 

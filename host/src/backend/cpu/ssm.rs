@@ -43,6 +43,24 @@ impl<'a> LayerState<'a> {
         })
     }
 
+    /// Values of one slot's state of this layer.
+    pub(super) fn per_layer(&self) -> usize {
+        self.per
+    }
+
+    pub(super) fn data(&self) -> &[f32] {
+        self.data
+    }
+
+    pub(super) fn data_mut(&mut self) -> &mut [f32] {
+        self.data
+    }
+
+    /// Offset of `slot`'s state of this layer.
+    pub(super) fn slot_base(&self, slot: u32) -> Result<usize> {
+        self.base(slot)
+    }
+
     /// Offset of `slot`'s state of this layer.
     fn base(&self, slot: u32) -> Result<usize> {
         if slot as usize >= self.slots {
@@ -56,7 +74,7 @@ impl<'a> LayerState<'a> {
 }
 
 /// Sorted, de-duplicated split points strictly inside the chunk, then the chunk end.
-fn segment_ends(len: usize, snaps: &[SnapshotTarget]) -> Result<Vec<usize>> {
+pub(super) fn segment_ends(len: usize, snaps: &[SnapshotTarget]) -> Result<Vec<usize>> {
     let mut ends: Vec<usize> = Vec::with_capacity(snaps.len() + 1);
     for s in snaps {
         let after = s.after as usize;

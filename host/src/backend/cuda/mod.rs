@@ -41,7 +41,7 @@ use self::device::{Arg, Device};
 use self::memory::{Arena, DevAlloc, MemStats, Pinned, bad_tensor, dtoh, htod, sync};
 pub use self::step::CudaStep;
 use super::{
-    Activation, ArenaStats, AttnShape, Backend, BackendError, DType, HostTensor, KvLayer,
+    Activation, ArenaStats, AttnShape, Backend, BackendError, DType, GdnShape, HostTensor, KvLayer,
     MoeRouting, Result, Rope, SampleOut, SsmPools, SsmShape, StackedExperts, StepPlan,
 };
 
@@ -1232,6 +1232,50 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    // Gated DeltaNet models (Qwen3-Next, Qwen3.5) run on the CPU backend for now. What the
+    // kernels need: a per-head RMS norm with a [head_dim] weight; a sigmoid gate with row
+    // broadcast; and the gated delta rule — the recurrent step for decode rows (state [v_heads,
+    // k_dim, v_dim] per slot in `pools.ssm`, updated in place) and a chunked scan for prompt
+    // rows (per chunk: a triangular solve for the deltas, then outputs and the carried state;
+    // snapshot targets cut chunks like the Mamba2 scan does), reading the step's sequence
+    // offsets, slots and snapshot targets.
+    fn head_rms_norm(
+        &self,
+        _x: &CudaTensor,
+        _w: &CudaTensor,
+        _head_dim: usize,
+        _eps: f32,
+    ) -> Result<CudaTensor> {
+        Err(unsupported_yet(
+            "head_rms_norm (per-head q/k norms of gated attention)",
+        ))
+    }
+
+    fn sigmoid_gate(&self, _x: &mut CudaTensor, _gate: &CudaTensor) -> Result<()> {
+        Err(unsupported_yet(
+            "sigmoid_gate (gated attention, shared-expert gate)",
+        ))
+    }
+
+    fn gated_delta_rule(
+        &self,
+        _q: &CudaTensor,
+        _k: &CudaTensor,
+        _v: &CudaTensor,
+        _a: &CudaTensor,
+        _b: &CudaTensor,
+        _a_log: &CudaTensor,
+        _dt_bias: &CudaTensor,
+        _shape: GdnShape,
+        _pools: &mut SsmPools<CudaTensor>,
+        _layer: usize,
+        _step: &CudaStep,
+    ) -> Result<CudaTensor> {
+        Err(unsupported_yet(
+            "gated_delta_rule (Gated DeltaNet chunked scan and state update)",
+        ))
+    }
+
     fn moe(
         &self,
         x: &CudaTensor,
@@ -1488,4 +1532,11 @@ fn act_code(a: Activation) -> u32 {
         Activation::Relu2 => 1,
         Activation::Gelu => 2,
     }
+}
+
+/// The error of an operation the CUDA backend does not have yet (the model runs on `cpu`).
+fn unsupported_yet(what: &str) -> BackendError {
+    BackendError::Invalid(format!(
+        "{what} is not supported on CUDA yet; run this model with engine.backend = \"cpu\""
+    ))
 }

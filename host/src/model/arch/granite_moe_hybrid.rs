@@ -279,5 +279,6 @@ fn load_moe<B: Backend>(
             act: Activation::Silu,
         },
         shared: Some(shared),
+        shared_gate: None,
     })
 }

@@ -8,6 +8,9 @@ mod granite_moe_hybrid;
 mod llama;
 mod mamba2;
 mod nemotron_h;
+// Gated DeltaNet hybrids.
+mod qwen3_5;
+mod qwen3_next;
 
 use super::config::HfConfig;
 use super::layers::mamba2::Mamba2Spec;
@@ -27,6 +30,12 @@ pub const SUPPORTED: &[&str] = &[
     "GraniteMoeHybridForCausalLM",
     "FalconH1ForCausalLM",
     // ---- end gfh ----
+    // Gated DeltaNet hybrids.
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
 ];
 
 pub fn build<B: Backend>(
@@ -45,6 +54,12 @@ pub fn build<B: Backend>(
         "GraniteMoeHybridForCausalLM" => granite_moe_hybrid::build(config, &l),
         "FalconH1ForCausalLM" => falcon_h1::build(config, &l),
         // ---- end gfh ----
+        // Gated DeltaNet hybrids.
+        "Qwen3NextForCausalLM" => qwen3_next::build(config, &l),
+        "Qwen3_5ForCausalLM"
+        | "Qwen3_5MoeForCausalLM"
+        | "Qwen3_5ForConditionalGeneration"
+        | "Qwen3_5MoeForConditionalGeneration" => qwen3_5::build(config, &l),
         _ => Err(ModelError::UnsupportedArchitecture(arch)),
     }
 }
@@ -117,11 +132,36 @@ pub(super) struct Assembly<B: Backend> {
     pub ssm_layers: usize,
 }
 
+/// The per-slot, per-layer recurrent state of a model's recurrent layers, whatever their kind:
+/// conv state `(channels, kernel − 1)` and the layer's own state as three dims (Mamba2:
+/// heads × head_dim × state; Gated DeltaNet: value heads × key dim × value dim). The caches
+/// size slots from these numbers and nothing else.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct RecurrentState {
+    pub conv: (usize, usize),
+    pub state: (usize, usize, usize),
+}
+
 impl<B: Backend> Assembly<B> {
     pub fn finish(self, c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, ModelError> {
         if let Some(m) = &self.mamba {
             l.backend.set_ssm_chunk_size(m.shape.chunk_size);
         }
+        let state = self.mamba.map(|m| RecurrentState {
+            conv: (m.conv_dim(), m.conv_kernel - 1),
+            state: (m.shape.heads, m.shape.head_dim, m.shape.state_size),
+        });
+        self.finish_with_state(c, l, state)
+    }
+
+    /// [`Assembly::finish`] for recurrent layers described by their state shape alone (the
+    /// `mamba` field is not read).
+    pub fn finish_with_state(
+        self,
+        c: &HfConfig,
+        l: &Loader<'_, B>,
+        state: Option<RecurrentState>,
+    ) -> Result<Model<B>, ModelError> {
         // Dummy weights have no files to look in: the config's tie flag decides.
         let has_head = l.store.has(self.lm_head_name) || (l.store.is_dummy() && !self.tie);
         let lm_head = if self.tie && !has_head {
@@ -148,15 +188,12 @@ impl<B: Backend> Assembly<B> {
         } else {
             None
         };
-        let (conv_shape, ssm_shape, conv_elems, ssm_elems) = match &self.mamba {
-            Some(m) => (
-                (m.conv_dim(), m.conv_kernel - 1),
-                (m.shape.heads, m.shape.head_dim, m.shape.state_size),
-                m.conv_state_elems(),
-                m.shape.state_elems(),
-            ),
-            None => ((0, 0), (0, 0, 0), 0, 0),
+        let (conv_shape, ssm_shape) = match state {
+            Some(s) => (s.conv, s.state),
+            None => ((0, 0), (0, 0, 0)),
         };
+        let conv_elems = conv_shape.0 * conv_shape.1;
+        let ssm_elems = ssm_shape.0 * ssm_shape.1 * ssm_shape.2;
         let mut eos = c.token_ids("eos_token_id");
         eos.dedup();
         Ok(Model {

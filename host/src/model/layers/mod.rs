@@ -5,6 +5,8 @@
 //! in which order and how tensors are named on disk.
 
 pub mod attention;
+pub mod gated_attention;
+pub mod gated_delta_net;
 pub mod mamba2;
 pub mod mlp;
 pub mod moe;
@@ -15,6 +17,8 @@ use super::weights::WeightStore;
 use crate::backend::{Backend, HostTensor, KvLayer, SsmPools};
 
 pub use attention::Attention;
+pub use gated_attention::GatedAttention;
+pub use gated_delta_net::GatedDeltaNet;
 pub use mamba2::Mamba2Mixer;
 pub use mlp::Mlp;
 pub use moe::Moe;
@@ -70,6 +74,40 @@ impl<B: Backend> Loader<'_, B> {
     pub fn rms_norm(&self, name: &str, width: usize, eps: f64) -> Result<RmsNorm<B>, ModelError> {
         Ok(RmsNorm {
             w: self.tensor(name, &[width])?,
+            eps: eps as f32,
+        })
+    }
+}
+
+// ---- zero-centred norms (Qwen3-Next, Qwen3.5) -------------------------------------------
+
+impl<B: Backend> Loader<'_, B> {
+    /// An RMS norm whose checkpoint stores `w − 1` (the model scales by `1 + w`, computed in
+    /// f32 as transformers does): the weight is offset once at load. Dummy weights are made up
+    /// as ones, which stand for the offset weight.
+    pub fn rms_norm_centred(
+        &self,
+        name: &str,
+        width: usize,
+        eps: f64,
+    ) -> Result<RmsNorm<B>, ModelError> {
+        if self.store.is_dummy() {
+            return self.rms_norm(name, width, eps);
+        }
+        let (mut w, shape) = self.store.read_f32(name)?;
+        if shape != [width] {
+            return Err(ModelError::TensorShape {
+                path: self.store.path_of(name),
+                tensor: name.to_string(),
+                got: shape,
+                expected: vec![width],
+            });
+        }
+        for v in &mut w {
+            *v += 1.0;
+        }
+        Ok(RmsNorm {
+            w: self.backend.upload(HostTensor::f32(&w, &[width]))?,
             eps: eps as f32,
         })
     }
@@ -150,6 +188,10 @@ pub enum Mixer<B: Backend> {
     Attention(Attention<B>),
     /// `cache` indexes the model's SSM layers.
     Mamba2(Mamba2Mixer<B>),
+    /// Gated attention (Qwen3-Next, Qwen3.5); `cache` indexes the attention layers.
+    GatedAttention(GatedAttention<B>),
+    /// Gated DeltaNet; `cache` indexes the recurrent layers (shared with Mamba2's).
+    GatedDeltaNet(GatedDeltaNet<B>),
     Mlp(Mlp<B>),
     Moe(Moe<B>),
     /// Several mixers on the same input, their outputs summed (Falcon-H1: Mamba2 ‖ attention).
@@ -166,6 +208,8 @@ impl<B: Backend> Mixer<B> {
         match self {
             Mixer::Attention(a) => a.forward(backend, x, ctx),
             Mixer::Mamba2(m) => m.forward(backend, x, ctx),
+            Mixer::GatedAttention(a) => a.forward(backend, x, ctx),
+            Mixer::GatedDeltaNet(m) => m.forward(backend, x, ctx),
             Mixer::Mlp(m) => m.forward(backend, x),
             Mixer::Moe(m) => m.forward(backend, x),
             Mixer::Parallel(parts) => {

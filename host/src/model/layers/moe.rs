@@ -15,6 +15,9 @@ pub struct Moe<B: Backend> {
     pub routing: MoeRouting<B::Tensor>,
     pub experts: StackedExperts<B::Tensor>,
     pub shared: Option<Mlp<B>>,
+    /// `[1, hidden]`: the shared expert's output is scaled by `sigmoid(x · gᵀ)` (Qwen3-Next,
+    /// Qwen3.5 MoE).
+    pub shared_gate: Option<B::Tensor>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -101,6 +104,7 @@ impl<B: Backend> Moe<B> {
                 act: s.act,
             },
             shared,
+            shared_gate: None,
         })
     }
 
@@ -110,9 +114,135 @@ impl<B: Backend> Moe<B> {
             Some(shared) => shared.forward(b, x)?,
             None => b.zeros_like(x)?,
         };
+        if let Some(g) = &self.shared_gate {
+            b.sigmoid_gate(&mut out, &b.linear(x, g, None)?)?;
+        }
         b.moe(x, &logits, &self.routing, &self.experts, &mut out)?;
         Ok(out)
     }
+}
+
+// ---- softmax routing, gated experts, gated shared expert (Qwen3-Next, Qwen3.5 MoE) -------
+
+/// What an architecture file states about a Qwen-style sparse MoE block.
+#[derive(Debug, Clone, Copy)]
+pub struct SoftmaxMoeSpec {
+    pub hidden: usize,
+    pub experts: usize,
+    pub expert_inter: usize,
+    /// 0: no shared expert.
+    pub shared_inter: usize,
+    pub top_k: usize,
+    pub norm_topk_prob: bool,
+    pub act: Activation,
+}
+
+impl<B: Backend> Moe<B> {
+    /// Router `gate.weight` (softmax over all experts, top-k, optional renormalisation),
+    /// gated experts stored stacked (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj
+    /// [E, H, I]`, as transformers writes them) or one by one (`experts.{j}.gate_proj` …, as
+    /// the published checkpoints), and a gated SiLU shared expert `shared_expert` scaled by
+    /// `sigmoid(shared_expert_gate(x))`.
+    pub fn load_softmax(
+        l: &Loader<'_, B>,
+        prefix: &str,
+        s: SoftmaxMoeSpec,
+    ) -> Result<Self, ModelError> {
+        if s.top_k == 0 || s.top_k > s.experts {
+            return Err(ModelError::Unsupported(format!(
+                "MoE routing top-{} of {} experts",
+                s.top_k, s.experts
+            )));
+        }
+        let p = |n: &str| format!("{prefix}.{n}");
+        let (e, i, h) = (s.experts, s.expert_inter, s.hidden);
+        let (gate, up, down) = if l.store.has(&p("experts.gate_up_proj")) {
+            let (gate, up) = split_gate_up(l, &p("experts.gate_up_proj"), [e, i, h])?;
+            (gate, up, l.tensor(&p("experts.down_proj"), &[e, h, i])?)
+        } else if l.store.is_dummy() {
+            (
+                l.tensor(&p("experts.gate_proj"), &[e, i, h])?,
+                l.tensor(&p("experts.up_proj"), &[e, i, h])?,
+                l.tensor(&p("experts.down_proj"), &[e, h, i])?,
+            )
+        } else {
+            (
+                stack(l, prefix, "gate_proj", [e, i, h])?,
+                stack(l, prefix, "up_proj", [e, i, h])?,
+                stack(l, prefix, "down_proj", [e, h, i])?,
+            )
+        };
+        let (shared, shared_gate) = if s.shared_inter > 0 {
+            (
+                Some(Mlp::load_gated(
+                    l,
+                    &p("shared_expert"),
+                    h,
+                    s.shared_inter,
+                    false,
+                    s.act,
+                )?),
+                Some(l.tensor(&p("shared_expert_gate.weight"), &[1, h])?),
+            )
+        } else {
+            (None, None)
+        };
+        let zeros = vec![0.0f32; e];
+        Ok(Self {
+            router: l.tensor(&p("gate.weight"), &[e, h])?,
+            routing: MoeRouting {
+                scoring: MoeScoring::Softmax,
+                correction_bias: l.backend.upload(HostTensor::f32(&zeros, &[e]))?,
+                top_k: s.top_k,
+                n_group: 1,
+                topk_group: 1,
+                norm_topk_prob: s.norm_topk_prob,
+                scaling: 1.0,
+            },
+            experts: StackedExperts {
+                up,
+                down,
+                gate: Some(gate),
+                act: s.act,
+            },
+            shared,
+            shared_gate,
+        })
+    }
+}
+
+/// `[E, 2I, H]` fused expert weights split into gate `[E, I, H]` (the first `I` rows of each
+/// expert) and up `[E, I, H]`, in the checkpoint's dtype (one host copy at load).
+fn split_gate_up<B: Backend>(
+    l: &Loader<'_, B>,
+    name: &str,
+    [e, i, h]: [usize; 3],
+) -> Result<(B::Tensor, B::Tensor), ModelError> {
+    let raw = l.store.raw(name)?;
+    if raw.shape != [e, 2 * i, h] {
+        return Err(ModelError::TensorShape {
+            path: l.store.path_of(name),
+            tensor: name.to_string(),
+            got: raw.shape,
+            expected: vec![e, 2 * i, h],
+        });
+    }
+    let half = i * h * raw.dtype.size();
+    let (mut gate, mut up) = (Vec::with_capacity(e * half), Vec::with_capacity(e * half));
+    for j in 0..e {
+        let at = 2 * j * half;
+        gate.extend_from_slice(&raw.bytes[at..at + half]);
+        up.extend_from_slice(&raw.bytes[at + half..at + 2 * half]);
+    }
+    let shape = [e, i, h];
+    let upload = |bytes: &[u8]| {
+        l.backend.upload(HostTensor {
+            dtype: raw.dtype,
+            shape: &shape,
+            bytes,
+        })
+    };
+    Ok((upload(&gate)?, upload(&up)?))
 }
 
 /// Stacks per-expert weights `experts.{j}.{name}.weight` (each `[rows, cols]`) into one
