@@ -22,13 +22,14 @@ const MODELS: &[&str] = &[
     "mamba2-g2",
     "nemotronh-a",
     "bamba-b",
-    // ---- wave 2, Mamba2-based (branch gfh) ----
+    // Wave 2: Granite 4.0 (MoE) and Falcon-H1 (Mamba2 ‖ attention).
     "granite-moe",
     "falconh1-b",
-    // ---- end gfh ----
-    // Gated DeltaNet hybrids: Qwen3-Next with MoE; Qwen3.5 in the multimodal layout, bf16.
+    // Gated DeltaNet hybrids: Qwen3-Next with MoE; Qwen3.5 dense in the multimodal layout
+    // (bf16) and Qwen3.5 MoE.
     "qwen3next-a",
     "qwen35-vl-b",
+    "qwen35moe-a",
 ];
 
 fn model_dir(name: &str) -> PathBuf {
