@@ -167,10 +167,11 @@ fn staged_shared_prefixes_skip_exactly_the_expected_tokens() {
     assert_eq!(stage(&mut e, 4, &d), 4);
     assert_eq!(e.stats().prefix_cache_hits, 3 + 1 + 1);
 
-    // Hybrid: only to a boundary with a snapshot. A (14 tokens) snapshots at 8 and 12.
+    // Hybrid: only to a boundary with a snapshot. A (14 tokens) snapshots at 8 and 12, and its
+    // reply crosses 16, where the rolling snapshot is kept when A finishes.
     let mut e = engine(MockExecutor::hybrid(), Knobs::default());
     assert_eq!(stage(&mut e, 1, &a), 0);
-    assert_eq!(e.stats().ssm_snapshots_used, 2);
+    assert_eq!(e.stats().ssm_snapshots_used, 3);
     // B restores at block 3 (token 12): one restore, 6 tokens computed.
     let before = e.stats().prompt_tokens_computed;
     assert_eq!(stage(&mut e, 2, &b), 12);
