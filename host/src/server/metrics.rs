@@ -49,6 +49,9 @@ pub mod names {
     pub const REQUEST_ERRORS: &str = "chimera:request_errors_total";
     pub const CLIENT_DISCONNECTS: &str = "chimera:client_disconnects_total";
     pub const SERVER_IN_FLIGHT: &str = "chimera:server_requests_in_flight";
+    /// Device time on steps, and device time idle between back-to-back steps (host overhead).
+    pub const DEVICE_BUSY: &str = "chimera:device_busy_seconds_total";
+    pub const DEVICE_IDLE: &str = "chimera:device_idle_between_steps_seconds_total";
 }
 
 const TTFT_BUCKETS: &[f64] = &[
@@ -307,6 +310,20 @@ impl Metrics {
             "counter",
             "Generation tokens processed.",
             &|s| s.generation_tokens as f64,
+        );
+        per_engine(
+            &mut out,
+            DEVICE_BUSY,
+            "counter",
+            "Device time spent on engine steps (CUDA events; 0 on the CPU).",
+            &|s| s.device_busy_seconds,
+        );
+        per_engine(
+            &mut out,
+            DEVICE_IDLE,
+            "counter",
+            "Device time idle between back-to-back engine steps, waiting for the host.",
+            &|s| s.device_idle_seconds,
         );
         per_engine(
             &mut out,
