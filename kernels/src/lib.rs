@@ -239,7 +239,7 @@ pub mod dense {
     ];
 }
 
-/// Small-batch bf16 linear layers (`gemv.cu`): `y = x · wᵀ (+ b)` for at most 8 input rows,
+/// Small-batch bf16 linear layers (`gemv.cu`): `y = x · wᵀ (+ b)` for one or two input rows,
 /// over up to three weights that share the input in one launch.
 pub mod gemv {
     use super::Entry;
@@ -253,20 +253,22 @@ pub mod gemv {
     ];
 
     pub const ENTRIES: &[Entry] = &[
-        Entry { name: "gemv_bf16_n1", params: PARAMS },
-        Entry { name: "gemv_bf16_n2", params: PARAMS },
-        Entry { name: "gemv_bf16_n4", params: PARAMS },
-        Entry { name: "gemv_bf16_n8", params: PARAMS },
+        Entry {
+            name: "gemv_bf16_n1",
+            params: PARAMS,
+        },
+        Entry {
+            name: "gemv_bf16_n2",
+            params: PARAMS,
+        },
     ];
 
-    /// The entry for `n` input rows (1 ≤ n ≤ 8) and the output features each block computes
+    /// The entry for `n` input rows (1 or 2) and the output features each block computes
     /// (every segment's `m` must be a multiple of it).
     pub fn variant(n: usize) -> Option<(&'static str, u32)> {
         match n {
             1 => Some(("gemv_bf16_n1", 4)),
             2 => Some(("gemv_bf16_n2", 4)),
-            3 | 4 => Some(("gemv_bf16_n4", 4)),
-            5..=8 => Some(("gemv_bf16_n8", 4)),
             _ => None,
         }
     }

@@ -5,6 +5,7 @@ weights of a full-size model (NemotronH-8B's shape by default), started by this 
     python3 tests/gpu/serving.py caching [--quick]   # one GPU: prefix caching on vs off + rate sweep
     python3 tests/gpu/serving.py routing [--quick]   # two GPUs: prefix-aware vs least-loaded routing
     python3 tests/gpu/serving.py idle [--quick]      # one GPU: device idle between steps at c = 1, 64, 256
+    python3 tests/gpu/serving.py prefill [--quick]   # one GPU: an 8192-token prompt vs the GEMM rate
 
 Each scenario starts the servers it compares one after the other from the same binary, on the
 same port, with the same seeded traffic. Rows (check | measured | bound | pass) go to
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def parse_args():
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["caching", "routing", "idle"])
+    p.add_argument("scenario", choices=["caching", "routing", "idle", "prefill"])
     p.add_argument("--quick", action="store_true", help="a small workload to check the set-up")
     p.add_argument("--bin", default=str(ROOT / ".gpu/chimera"))
     p.add_argument("--out", default=os.environ.get("OUT", str(ROOT / ".gpu/out")))
@@ -113,7 +114,9 @@ class Runner:
             if line.startswith("#") or " " not in line:
                 continue
             name, value = line.rsplit(" ", 1)
-            name = name.split("{", 1)[0]
+            name, _, labels = name.partition("{")
+            if 'phase="' in labels:
+                name += "/" + labels.split('phase="', 1)[1].split('"', 1)[0]
             try:
                 sums[name] = sums.get(name, 0.0) + float(value)
             except ValueError:
@@ -273,6 +276,14 @@ def idle(r, quick):
             busy = after.get(busy_name, 0.0) - before.get(busy_name, 0.0)
             gap = after.get(idle_name, 0.0) - before.get(idle_name, 0.0)
             share = gap / busy if busy > 0 else float("nan")
+            delta = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
+            steps = delta.get("chimera:engine_steps_total", 0.0)
+            if steps > 0:
+                host = " ".join(
+                    f"{phase} {1e6 * delta.get('chimera:engine_host_seconds_total/' + phase, 0.0) / steps:.0f}"
+                    for phase in ("schedule", "inputs", "update"))
+                r.row(f"host time per step at c={c}, µs by phase (reported; {steps:.0f} steps, "
+                      f"device {1e3 * busy / steps:.2f} ms/step)", host, "reported", True)
             r.row(f"device idle between steps / busy, c={c} ({requests} requests, 128 in, "
                   f"{output} out, ITL p50 {p['latency_ms']['itl']['p50']:.2f} ms)",
                   f"{100 * share:.2f} % ({1e3 * gap:.0f} of {1e3 * busy:.0f} ms)", "<= 1 %",
@@ -281,11 +292,86 @@ def idle(r, quick):
         r.stop(proc)
 
 
+def model_flops(config, t):
+    """Model FLOPs of a T-token prefill: 2 per weight per token for every projection (the LM
+    head for the last token only), causal attention's QKᵀ and PV, and the SSD scan's
+    intra-chunk and state terms for Mamba2 layers."""
+    c = json.loads(Path(config, "config.json").read_text())
+    h = c["hidden_size"]
+    heads, kv = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
+    d = c.get("head_dim") or h // heads
+    attn = h * (heads + 2 * kv) * d + heads * d * h
+    if c.get("model_type") == "nemotron_h":
+        kinds = c["hybrid_override_pattern"]
+        mh, md, g, n = c["mamba_num_heads"], c["mamba_head_dim"], c["n_groups"], c["ssm_state_size"]
+        inner = mh * md
+        mamba = h * (2 * inner + 2 * g * n + mh) + inner * h
+        mlp = 2 * h * c["intermediate_size"]
+        weights = sum({"M": mamba, "*": attn, "-": mlp}[k] for k in kinds)
+        n_attn = kinds.count("*")
+        chunk = c.get("chunk_size", 128)
+        # Per token and head: C·B scores within the chunk and their use on x, plus the state
+        # update and read-out (2·N·P each).
+        ssd = kinds.count("M") * mh * (2 * chunk * (n + md) + 4 * n * md)
+    else:
+        mlp = 3 * h * c["intermediate_size"]
+        weights = c["num_hidden_layers"] * (attn + mlp)
+        n_attn = c["num_hidden_layers"]
+        ssd = 0
+    return 2 * weights * t + 2 * h * c["vocab_size"] + n_attn * 2 * t * t * heads * d + ssd * t
+
+
+def gemm_rate():
+    """bf16 GEMM TFLOP/s of torch (cuBLAS) on an 8192 × 4096 × 14336 product, median of 20."""
+    import torch
+    a = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16)
+    for _ in range(5):
+        a @ b
+    times = []
+    for _ in range(20):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        a @ b
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1))
+    ms = sorted(times)[len(times) // 2]
+    return 2 * 8192 * 4096 * 14336 / ms / 1e9
+
+
+def prefill(r, quick):
+    """One 8192-token prompt through `chimera serve` (chunked prefill, paged KV, 4096-token
+    steps), time to first token against the GEMM rate measured just before."""
+    rate = gemm_rate()
+    r.row("torch bf16 GEMM 8192x4096x14336 (the rate prefill is held to)", f"{rate:.0f} TFLOP/s",
+          "measured", True)
+    configs = [ROOT / "tests/gpu/configs/llama-3-8b", ROOT / "tests/gpu/configs/nemotron-h-8b"]
+    for config in configs[:1] if quick else configs:
+        subprocess.run([sys.executable, str(ROOT / "tests/gpu/serving_model.py"), str(config),
+                        str(r.model), "16384"], check=True)
+        name = config.name
+        proc = r.serve(f"prefill-{name}", r.config(True))
+        try:
+            p = point(r.bench(f"prefill-{name}",
+                              ["--workload", "random", "--input-len", "8192", "--output-len", "1",
+                               "--num-requests", "2" if quick else "5"],
+                              ["--concurrency", "1", "--warmup", "1"]))
+        finally:
+            r.stop(proc)
+        ttft = p["latency_ms"]["ttft"]["p50"]
+        tflops = model_flops(config, 8192) / ttft / 1e9
+        r.row(f"{name}: 8192-token prompt, median TTFT (model FLOP/s; share of the GEMM rate)",
+              f"{ttft:.1f} ms ({tflops:.0f} TFLOP/s, {100 * tflops / rate:.0f} %)", ">= 70 %",
+              tflops >= 0.7 * rate or quick)
+
+
 def main():
     args = parse_args()
     r = Runner(args)
     try:
-        {"caching": caching, "routing": routing, "idle": idle}[args.scenario](r, args.quick)
+        {"caching": caching, "routing": routing, "idle": idle,
+         "prefill": prefill}[args.scenario](r, args.quick)
     except Exception as e:  # noqa: BLE001 -- every failure becomes a failed row
         r.row(f"{args.scenario}: the run finished", f"error: {e}"[:200], "finished", False)
         print(e, file=sys.stderr)

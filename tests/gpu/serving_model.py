@@ -4,7 +4,7 @@ word-level tokenizer.json that covers the config's whole vocabulary (token i is 
 spelling i in base 26), so that every id a random-weight model samples decodes to text and
 `chimera bench` can build prompts from plain words.
 
-    python3 tests/gpu/serving_model.py tests/gpu/configs/nemotron-h-8b /tmp/nemotron-h-8b
+    python3 tests/gpu/serving_model.py tests/gpu/configs/nemotron-h-8b /tmp/nemotron-h-8b [MAX_POSITIONS]
 """
 import json
 import sys
@@ -25,7 +25,12 @@ def main() -> None:
     config = json.loads((src / "config.json").read_text())
     vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
     dst.mkdir(parents=True, exist_ok=True)
-    (dst / "config.json").write_text((src / "config.json").read_text())
+    text = (src / "config.json").read_text()
+    if len(sys.argv) > 3:
+        # A longer context than the published one (a full-length prompt plus its answer).
+        config["max_position_embeddings"] = int(sys.argv[3])
+        text = json.dumps(config, indent=1)
+    (dst / "config.json").write_text(text)
     tokenizer = {
         "version": "1.0",
         "truncation": None,

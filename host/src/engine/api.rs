@@ -238,6 +238,12 @@ pub struct EngineStats {
     /// for the host), from CUDA events; 0 on the CPU.
     pub device_busy_seconds: f64,
     pub device_idle_seconds: f64,
+    /// Steps that ran a batch, and the host's time in each phase of them: scheduling and
+    /// cache bookkeeping, building the step plan, and sampling/committing/sending events.
+    pub engine_steps: u64,
+    pub host_schedule_seconds: f64,
+    pub host_inputs_seconds: f64,
+    pub host_update_seconds: f64,
 }
 
 /// Block-level cache events live with the cache; re-exported for the server and router.

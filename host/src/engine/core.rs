@@ -547,6 +547,10 @@ impl<E: StepExecutor> Engine<E> {
         let s = &mut self.stats;
         s.device_busy_seconds = self.timings.device_busy_ns as f64 * 1e-9;
         s.device_idle_seconds = self.timings.device_idle_ns as f64 * 1e-9;
+        s.engine_steps = self.timings.steps;
+        s.host_schedule_seconds = self.timings.schedule_ns as f64 * 1e-9;
+        s.host_inputs_seconds = self.timings.inputs_ns as f64 * 1e-9;
+        s.host_update_seconds = self.timings.update_ns as f64 * 1e-9;
         let pool = self.cache.pool();
         let c = self.cache.counters;
         s.running = self.sched.num_running() as u32;

@@ -248,9 +248,9 @@ fn decode(
             "reported".into(),
             true,
         );
-        if batch <= 8 {
+        if batch <= 2 {
             // The same graph step with every linear layer on cuBLASLt: what the one-pass GEMV
-            // (the default at ≤ 8 rows) gains.
+            // (the default at one and two rows) gains.
             gpu.set_small_m_gemv(false);
             let mut logits = None;
             let id = gpu.capture_graph(&mut || {

@@ -135,12 +135,13 @@ pub fn run(report: &mut Report, f32_gpu: &CudaBackend, bf16_gpu: &CudaBackend, s
 }
 
 fn dense(c: &mut Ctx<'_>) {
-    // Up to 8 rows in bf16 take the one-pass GEMV (k a multiple of 8; m a multiple of the
+    // One or two rows in bf16 take the one-pass GEMV (k a multiple of 8; m a multiple of the
     // variant's features per block, 4), the rest cuBLASLt: shapes on both sides of each rule.
     for &(n, k, m, bias) in &[
         (1usize, 4096usize, 6144usize, false),
         (1, 4104, 1032, true),
         (2, 14336, 512, false),
+        (2, 1032, 260, true),
         (3, 1032, 260, true),
         (4, 4096, 1030, false),
         (5, 100, 50, true),
@@ -168,8 +169,9 @@ fn dense(c: &mut Ctx<'_>) {
     }
     for &(n, k, ms) in &[
         (1usize, 4096usize, &[1024usize, 256, 256][..]),
+        (2, 2048, &[768, 768][..]),
+        (1, 520, &[132, 68, 4][..]),
         (4, 2048, &[768, 768][..]),
-        (6, 520, &[132, 68, 4][..]),
         (12, 512, &[64, 32, 32][..]),
     ] {
         c.check(

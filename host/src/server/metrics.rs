@@ -52,6 +52,10 @@ pub mod names {
     /// Device time on steps, and device time idle between back-to-back steps (host overhead).
     pub const DEVICE_BUSY: &str = "chimera:device_busy_seconds_total";
     pub const DEVICE_IDLE: &str = "chimera:device_idle_between_steps_seconds_total";
+    /// Engine steps that ran a batch, and the host's time in them by `phase` (schedule,
+    /// inputs, update).
+    pub const ENGINE_STEPS: &str = "chimera:engine_steps_total";
+    pub const ENGINE_HOST_TIME: &str = "chimera:engine_host_seconds_total";
 }
 
 const TTFT_BUCKETS: &[f64] = &[
@@ -325,6 +329,29 @@ impl Metrics {
             "Device time idle between back-to-back engine steps, waiting for the host.",
             &|s| s.device_idle_seconds,
         );
+        per_engine(
+            &mut out,
+            ENGINE_STEPS,
+            "counter",
+            "Engine steps that ran a batch.",
+            &|s| s.engine_steps as f64,
+        );
+        let _ = writeln!(
+            out,
+            "# HELP {ENGINE_HOST_TIME} Host time in engine steps, by phase: schedule (scheduling and cache bookkeeping), inputs (building the step plan), update (sampling, committing, sending events).\n# TYPE {ENGINE_HOST_TIME} counter"
+        );
+        for (i, s) in stats.iter().enumerate() {
+            for (phase, v) in [
+                ("schedule", s.host_schedule_seconds),
+                ("inputs", s.host_inputs_seconds),
+                ("update", s.host_update_seconds),
+            ] {
+                let _ = writeln!(
+                    out,
+                    "{ENGINE_HOST_TIME}{{model_name=\"{m}\",engine=\"{i}\",phase=\"{phase}\"}} {v}"
+                );
+            }
+        }
         per_engine(
             &mut out,
             SSM_SNAPSHOT_HITS,

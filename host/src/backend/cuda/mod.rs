@@ -135,7 +135,7 @@ struct Inner {
     readback: Mutex<Option<Pinned>>,
     /// Captured graphs, by id.
     graphs: Mutex<Vec<Graph>>,
-    /// bf16 linear layers of at most 8 rows use the one-pass GEMV (`gemv.cu`) instead of
+    /// bf16 linear layers of one or two rows use the one-pass GEMV (`gemv.cu`) instead of
     /// cuBLASLt (switchable so the bench can time both in one run).
     small_m_gemv: AtomicBool,
     /// Events timing steps on the device (created on first use).
@@ -264,14 +264,14 @@ impl CudaBackend {
         Self::on(self.inner.device.clone(), dtype)
     }
 
-    /// Whether bf16 linear layers of at most 8 rows run the one-pass GEMV (the default) or
+    /// Whether bf16 linear layers of one or two rows run the one-pass GEMV (the default) or
     /// cuBLASLt. Results agree to rounding either way.
     pub fn set_small_m_gemv(&self, on: bool) {
         self.inner.small_m_gemv.store(on, Ordering::Relaxed);
     }
 
     /// `y_s = x · w_sᵀ (+ b_s)` for up to three weights sharing `x` in one GEMV launch, when
-    /// the shapes allow it (bf16, at most 8 rows, `k` a multiple of 8, every `m` a multiple of
+    /// the shapes allow it (bf16, one or two rows, `k` a multiple of 8, every `m` a multiple of
     /// the variant's features per block); `None` leaves the work to cuBLASLt.
     fn try_gemv(
         &self,
