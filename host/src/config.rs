@@ -211,6 +211,19 @@ impl Config {
                 format!("{f}: must be in (0, 1]"),
             ));
         }
+        if !self
+            .cache
+            .ssm_snapshot_interval
+            .is_multiple_of(self.cache.block_size.max(1))
+        {
+            return Err(invalid(
+                "cache.ssm_snapshot_interval".into(),
+                format!(
+                    "{}: must be a multiple of cache.block_size ({}), or 0 to turn it off",
+                    self.cache.ssm_snapshot_interval, self.cache.block_size
+                ),
+            ));
+        }
         if !matches!(self.model.load_format.as_str(), "auto" | "dummy") {
             return Err(invalid(
                 "model.load_format".into(),

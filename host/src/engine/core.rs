@@ -148,7 +148,8 @@ impl<E: StepExecutor> Engine<E> {
             setup.cache.prefix_caching,
             spec.is_hybrid(),
             policies.evictor.take(),
-        );
+        )
+        .with_snapshot_interval(setup.cache.ssm_snapshot_interval / layout.block_size.max(1));
         let sched = Scheduler::new(
             cfg.clone(),
             layout.block_size,
