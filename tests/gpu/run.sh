@@ -77,7 +77,7 @@ case $suite in
   # QUICK=1 for a small workload); serving-routing needs two GPUs.
   serving-caching|serving-idle|serving-prefill|serving-routing)
     echo "== $suite"
-    python3 tests/gpu/serving.py "${suite#serving-}" ${QUICK:+--quick} --out "$out" || status=1 ;;
+    python3 tests/gpu/serving.py "${suite#serving-}" ${QUICK:+--quick} ${SERVING_ARGS:-} --out "$out" || status=1 ;;
   serve) serve_suite ;;
   all) run_check kernels; run_check hybrid; run_check parity; run_check graphs; run_check bench; serve_suite ;;
   *) echo "unknown suite $suite" >&2; exit 2 ;;

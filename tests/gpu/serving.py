@@ -36,6 +36,7 @@ def parse_args():
     p.add_argument("--backend", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--port", type=int, default=8123)
+    p.add_argument("--no-sweep", action="store_true", help="caching: skip the rate sweep")
     return p.parse_args()
 
 
@@ -123,6 +124,22 @@ class Runner:
                 pass
         return sums
 
+    def cache_rows(self, name):
+        """The server's own cache counters after a run: prefix-cache misses by reason and SSM
+        snapshots skipped for want of a slot (reported)."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.args.port}/metrics",
+                                      timeout=10).read().decode()
+        misses, skipped = {}, 0.0
+        for line in text.splitlines():
+            if line.startswith("chimera:prefix_cache_misses_total{"):
+                reason = line.split('reason="', 1)[1].split('"', 1)[0]
+                misses[reason] = misses.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
+            elif line.startswith("chimera:ssm_snapshots_skipped_total{"):
+                skipped += float(line.rsplit(" ", 1)[1])
+        shown = ", ".join(f"{k} {v:.0f}" for k, v in sorted(misses.items()) if v) or "none"
+        self.row(f"{name}: prefix-cache misses by reason; SSM snapshots skipped (reported)",
+                 f"{shown}; {skipped:.0f}", "reported", True)
+
     def config(self, caching, engine_extra="", cache_extra="", router="builtin:prefix-aware",
                max_running=128):
         return f"""[model]
@@ -140,6 +157,9 @@ max_running = {max_running}
 prefix_caching = {"true" if caching else "false"}
 memory_fraction = 0.85
 memory_budget = "{'8GiB' if self.args.backend == 'cuda' else '1GiB'}"
+# A hybrid's KV is small (NemotronH-8B: 4 attention layers, 16 KiB a token) and its SSM
+# slots large (about 100 MB in f32): most of the budget goes to live states and snapshots.
+ssm_share = 0.6
 {cache_extra}
 
 [policy.router]
@@ -183,13 +203,14 @@ def caching(r, quick):
         load = ["--concurrency", "64"]
         rates, per_rate = "4,8,16,32", "160"
     workload = ["--workload", "shared-prefix", *sizes]
-    reports = {}
+    reports, sweep = {}, None
     for caching_on in (True, False):
         name = "caching-on" if caching_on else "caching-off"
         proc = r.serve(name, r.config(caching_on))
         try:
             reports[caching_on] = r.bench(name, workload, load)
-            if caching_on:
+            r.cache_rows(name)
+            if caching_on and not r.args.no_sweep:
                 sweep = r.bench("rate-sweep", workload,
                                 ["--request-rate", rates, "--num-requests", per_rate],
                                 ["--plot", str(r.work / "rate-sweep.svg")])
@@ -209,7 +230,7 @@ def caching(r, quick):
           f"{tput:.2f}x ({on['throughput']['output_tokens_per_s']:.0f} tok/s)", "reported", True)
     r.row("prefix caching on: prompt tokens served from cache (reported)",
           f"{100 * on['cache_hit_ratio']:.1f} %", "reported", True)
-    for p in sweep["points"]:
+    for p in sweep["points"] if not r.args.no_sweep else []:
         lat = p["latency_ms"]
         r.row(f"rate sweep {p['load']['value']:g} req/s: out tok/s | TTFT p50/p99 | ITL p50",
               f"{p['throughput']['output_tokens_per_s']:.0f} | {lat['ttft']['p50']:.0f}/"
@@ -236,6 +257,7 @@ def routing(r, quick):
         proc = r.serve(name, r.config(True, engine_extra=engine, router=router))
         try:
             reports[router] = r.bench(name, workload, load)
+            r.cache_rows(name)
         finally:
             r.stop(proc)
         log = (r.work / f"{name}.log").read_text(errors="replace")

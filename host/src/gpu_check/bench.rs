@@ -156,7 +156,7 @@ fn ssm_timings(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()> {
         let dt_bias = up(rng.vec(h, 0.5), &[h])?;
         for (dtype, bound) in [(DType::F32, bound_f32), (DType::BF16, bound_bf16)] {
             let mut pools = SsmPools {
-                conv: gpu.zeros(&[seqs, 1, h * p + 2 * g * n, 3], gpu.dtype())?,
+                conv: gpu.zeros(&[seqs, 1, h * p + 2 * g * n, 3], DType::F32)?,
                 ssm: gpu.zeros(&[seqs, 1, h, p, n], dtype)?,
                 slots: seqs,
                 layers: 1,
