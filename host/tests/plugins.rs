@@ -4,6 +4,7 @@
 
 mod plugins_support;
 
+use std::process::Command;
 use std::sync::Arc;
 
 use chimera::plugins::{
@@ -731,5 +732,104 @@ fn plugin_check_dry_runs_a_plugin_with_a_given_config() {
     assert!(!ok, "{text}");
     assert!(text.contains("--config: not a TOML table"), "{text}");
     assert!(!text.contains("kind:"), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The plugin crates `plugin-sdk/README.md` shows (router, sampler, evictor) build as an author
+/// would build them: each alone in a folder outside the repository, depending on the SDK by
+/// the README's `git` line pointed at a local clone of this repository; each result loads,
+/// is of its section's kind and passes `check_plugin`.
+#[test]
+fn sdk_readme_plugins_build_outside_the_repo_from_a_git_dependency() {
+    let Some(test_plugins) = test_plugins_dir() else {
+        return;
+    };
+    let readme = std::fs::read_to_string(repo_root().join("plugin-sdk/README.md")).unwrap();
+    let block = |section: &str, lang: &str| -> String {
+        let start = section
+            .find(&format!("```{lang}\n"))
+            .unwrap_or_else(|| panic!("no {lang} block in {section}"));
+        let body = &section[start + lang.len() + 4..];
+        body[..body.find("```").expect("closing fence")].to_string()
+    };
+    let examples: Vec<(&str, String, String)> = readme
+        .split("\n## ")
+        .filter(|s| s.starts_with("A complete"))
+        .map(|s| {
+            let heading = s.lines().next().unwrap_or_default();
+            let kind = heading.rsplit(' ').next().unwrap_or_default();
+            (kind, block(s, "toml"), block(s, "rust"))
+        })
+        .collect();
+    let kinds: Vec<&str> = examples.iter().map(|e| e.0).collect();
+    assert_eq!(kinds, ["router", "sampler", "evictor"]);
+
+    let dir = std::env::temp_dir().join(format!("chimera-sdk-readme-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    // A clone of the committed repository, reachable only through its git URL.
+    let clone = dir.join("chimera.git");
+    let status = Command::new("git")
+        .args(["clone", "--quiet", "--bare"])
+        .arg(repo_root())
+        .arg(&clone)
+        .status()
+        .expect("run git");
+    assert!(status.success(), "git clone failed");
+    let url = format!("file://{}", clone.display());
+    let target_dir = test_plugins
+        .parent()
+        .and_then(|p| p.parent())
+        .and_then(|p| p.parent())
+        .expect("test-plugins target dir")
+        .to_path_buf();
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    for (kind, manifest, code) in &examples {
+        let line = manifest
+            .lines()
+            .find(|l| l.starts_with("chimera-plugin-sdk"))
+            .expect("SDK dependency line");
+        assert!(
+            line.contains("git = \"") && !line.contains("path ="),
+            "{kind}: the README's dependency must not be a path: {line}"
+        );
+        let readme_url = line.split('"').nth(1).expect("git URL");
+        let name = manifest
+            .lines()
+            .find_map(|l| l.strip_prefix("name = \""))
+            .and_then(|l| l.strip_suffix('"'))
+            .expect("package name");
+        let krate = dir.join(name);
+        std::fs::create_dir_all(krate.join("src")).unwrap();
+        std::fs::write(krate.join("Cargo.toml"), manifest.replace(readme_url, &url)).unwrap();
+        std::fs::write(krate.join("src/lib.rs"), code).unwrap();
+        // The versions the repository's test plugins are locked to (all in the local cache).
+        std::fs::copy(
+            repo_root().join("tests/plugins/Cargo.lock"),
+            krate.join("Cargo.lock"),
+        )
+        .unwrap();
+        let status = Command::new(&cargo)
+            .current_dir(&krate)
+            .args([
+                "build",
+                "--quiet",
+                "--release",
+                "--target",
+                "wasm32-unknown-unknown",
+                "--target-dir",
+            ])
+            .arg(&target_dir)
+            .env_remove("RUSTFLAGS")
+            .env_remove("CARGO_ENCODED_RUSTFLAGS")
+            .env_remove("CARGO_TARGET_DIR")
+            .status()
+            .expect("run cargo");
+        assert!(status.success(), "{kind}: building the README's {name} failed");
+        let wasm = test_plugins.join(format!("{}.wasm", name.replace('-', "_")));
+        let report = check_plugin(&wasm, &Config::default()).expect("loads");
+        assert_eq!(report.kind.section(), *kind, "{report}");
+        assert!(report.ok(), "{report}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
