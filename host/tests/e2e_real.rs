@@ -177,6 +177,17 @@ async fn every_metric_is_prefixed_and_every_plugin_kind_is_timed() {
         assert_eq!(r.status, 200, "{}", r.text());
     }
     let m = wait_idle(live.addr).await;
+    for kind in ["router", "evictor", "sampler"] {
+        let timed = m
+            .lines()
+            .filter(|l| {
+                l.starts_with("chimera:plugin_call_latency_seconds_count{")
+                    && l.contains(&format!("kind=\"{kind}\""))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>();
+        assert!(timed > 0.0, "no {kind} plugin call timed:\n{m}");
+    }
     let mut families = std::collections::BTreeMap::new();
     for line in m.lines().filter(|l| !l.is_empty()) {
         let name = match line.strip_prefix("# ") {
@@ -198,17 +209,6 @@ async fn every_metric_is_prefixed_and_every_plugin_kind_is_timed() {
     }
     let twice: Vec<_> = families.iter().filter(|(_, n)| **n > 1).collect();
     assert!(twice.is_empty(), "metric families declared twice: {twice:?}");
-    for kind in ["router", "evictor", "sampler"] {
-        let timed = m
-            .lines()
-            .filter(|l| {
-                l.starts_with("chimera:plugin_call_latency_seconds_count{")
-                    && l.contains(&format!("kind=\"{kind}\""))
-            })
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum::<f64>();
-        assert!(timed > 0.0, "no {kind} plugin call timed:\n{m}");
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

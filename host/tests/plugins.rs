@@ -777,12 +777,13 @@ fn sdk_readme_plugins_build_outside_the_repo_from_a_git_dependency() {
         .expect("run git");
     assert!(status.success(), "git clone failed");
     let url = format!("file://{}", clone.display());
+    // Beside the test plugins' target folder (`<target>/test-plugins/wasm32-…/release`), not
+    // in it: the README's router has the name of a test plugin.
     let target_dir = test_plugins
-        .parent()
-        .and_then(|p| p.parent())
-        .and_then(|p| p.parent())
-        .expect("test-plugins target dir")
-        .to_path_buf();
+        .ancestors()
+        .nth(3)
+        .expect("the cargo target folder")
+        .join("test-plugins-readme");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     for (kind, manifest, code) in &examples {
         let line = manifest
@@ -826,7 +827,9 @@ fn sdk_readme_plugins_build_outside_the_repo_from_a_git_dependency() {
             .status()
             .expect("run cargo");
         assert!(status.success(), "{kind}: building the README's {name} failed");
-        let wasm = test_plugins.join(format!("{}.wasm", name.replace('-', "_")));
+        let wasm = target_dir
+            .join("wasm32-unknown-unknown/release")
+            .join(format!("{}.wasm", name.replace('-', "_")));
         let report = check_plugin(&wasm, &Config::default()).expect("loads");
         assert_eq!(report.kind.section(), *kind, "{report}");
         assert!(report.ok(), "{report}");
