@@ -191,7 +191,10 @@ impl ReloadHook {
             .plugins
             .reload(kind, &source.to_string(), &wasm, &config, grants)
             .map_err(reload_error)?;
-        Ok(Some(format!("{kind}: {} (ABI {})", plugin.name, plugin.abi)))
+        Ok(Some(format!(
+            "{kind}: {} (ABI {})",
+            plugin.name, plugin.abi
+        )))
     }
 }
 
@@ -440,14 +443,20 @@ mod tests {
         let not_wasm = PluginError::NotWasm {
             plugin: "p.wasm".into(),
         };
-        assert!(matches!(reload_error(not_wasm), ReloadError::BadRequest(m) if m.contains("not a WebAssembly")));
+        assert!(
+            matches!(reload_error(not_wasm), ReloadError::BadRequest(m) if m.contains("not a WebAssembly"))
+        );
         let init = PluginError::Init {
             plugin: "p.wasm".into(),
             message: "unknown key `x`".into(),
         };
-        assert!(matches!(reload_error(init), ReloadError::BadRequest(m) if m.contains("unknown key `x`")));
+        assert!(
+            matches!(reload_error(init), ReloadError::BadRequest(m) if m.contains("unknown key `x`"))
+        );
         let engine = PluginError::Engine("out of memory".into());
-        assert!(matches!(reload_error(engine), ReloadError::Internal(m) if m.contains("out of memory")));
+        assert!(
+            matches!(reload_error(engine), ReloadError::Internal(m) if m.contains("out of memory"))
+        );
     }
 
     #[test]

@@ -208,7 +208,10 @@ async fn every_metric_is_prefixed_and_every_plugin_kind_is_timed() {
         );
     }
     let twice: Vec<_> = families.iter().filter(|(_, n)| **n > 1).collect();
-    assert!(twice.is_empty(), "metric families declared twice: {twice:?}");
+    assert!(
+        twice.is_empty(),
+        "metric families declared twice: {twice:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -292,22 +295,40 @@ async fn a_failed_plugin_reload_answers_400_with_the_reason_and_logs_it() {
     };
     let ok = reload("").await;
     assert_eq!(ok.status, 200, "{}", ok.text());
-    assert!(ok.json()["summary"].as_str().unwrap_or_default().contains("router"));
+    assert!(
+        ok.json()["summary"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("router")
+    );
 
     let unknown = reload("?kind=scheduler").await;
     assert_eq!(unknown.status, 400, "{}", unknown.text());
-    let msg = unknown.json()["error"]["message"].as_str().unwrap_or_default().to_string();
+    let msg = unknown.json()["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
     assert!(msg.contains("unknown plugin kind `scheduler`"), "{msg}");
 
     let builtin = reload("?kind=sampler").await;
     assert_eq!(builtin.status, 400, "{}", builtin.text());
-    assert!(builtin.text().contains("builtin:default"), "{}", builtin.text());
+    assert!(
+        builtin.text().contains("builtin:default"),
+        "{}",
+        builtin.text()
+    );
 
     std::fs::write(&file, b"not wasm at all").expect("overwrite");
     let garbage = reload("?kind=router").await;
     assert_eq!(garbage.status, 400, "{}", garbage.text());
-    let msg = garbage.json()["error"]["message"].as_str().unwrap_or_default().to_string();
-    assert!(msg.contains("not a WebAssembly module or component"), "{msg}");
+    let msg = garbage.json()["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        msg.contains("not a WebAssembly module or component"),
+        "{msg}"
+    );
     assert!(
         server_support::captured_logs().contains("plugin reload failed"),
         "the failure is not logged"
@@ -317,11 +338,16 @@ async fn a_failed_plugin_reload_answers_400_with_the_reason_and_logs_it() {
     std::fs::copy(test_plugins.join("pin_router.wasm"), &file).expect("copy plugin");
     let rejected = reload("").await;
     assert_eq!(rejected.status, 400, "{}", rejected.text());
-    assert!(rejected.text().contains("rejected its config"), "{}", rejected.text());
+    assert!(
+        rejected.text().contains("rejected its config"),
+        "{}",
+        rejected.text()
+    );
 
     // The running router still answers: every request goes to replica 1.
     for i in 0..3 {
-        let body = json!({"model": "tiny-hybrid", "prompt": format!("after reload {i}"), "max_tokens": 2});
+        let body =
+            json!({"model": "tiny-hybrid", "prompt": format!("after reload {i}"), "max_tokens": 2});
         let r = post(live.addr, "/v1/completions", &body).await;
         assert_eq!(r.status, 200, "{}", r.text());
     }

@@ -33,6 +33,7 @@ fn settings(hub: &FakeHub, cache: &Path) -> HubSettings {
         token: None,
         offline: false,
         progress: false,
+        download_timeout: hub::DEFAULT_DOWNLOAD_TIMEOUT,
     }
 }
 
@@ -134,6 +135,52 @@ fn sharded_weights_come_from_the_index() {
     );
     chimera::model::load(&dir, &CpuBackend::default()).unwrap();
     std::fs::remove_dir_all(&cache).unwrap();
+}
+
+/// A hub that accepts the connection and then says nothing — for the listing, or for one
+/// file's download — makes `resolve` fail within `HF_HUB_DOWNLOAD_TIMEOUT` with an error that
+/// says so, instead of hanging.
+#[test]
+fn a_hub_that_stops_answering_times_out_with_a_clear_error() {
+    let files = repo_from_fixture("llama-gqa");
+    for silent in ["listing", "model.safetensors"] {
+        let hub = FakeHub::start(vec![FakeRepo::new("org/tiny-llama").revision(
+            "main",
+            SHA_MAIN,
+            files.clone(),
+        )]);
+        if silent == "listing" {
+            hub.never_answer_listings();
+        } else {
+            hub.never_answer_file(silent);
+        }
+        let cache = temp_cache(&format!("silent-{}", silent.len()));
+        let s = HubSettings {
+            download_timeout: std::time::Duration::from_millis(800),
+            ..settings(&hub, &cache)
+        };
+        let started = std::time::Instant::now();
+        let e = hub::resolve("org/tiny-llama", "main", &s).unwrap_err();
+        let took = started.elapsed();
+        assert!(matches!(e, HubError::Stalled { .. }), "{silent}: {e:?}");
+        let text = e.to_string();
+        assert!(
+            text.contains("sent nothing for 0.8 s") && text.contains("HF_HUB_DOWNLOAD_TIMEOUT"),
+            "{text}"
+        );
+        assert!(
+            took >= std::time::Duration::from_millis(800) && took.as_secs() < 5,
+            "{silent}: gave up after {took:?}"
+        );
+        if silent == "listing" {
+            assert!(text.contains("waiting for its first answer"), "{text}");
+        } else {
+            // The small files came, then the weights' request hung.
+            assert!(text.contains("while downloading"), "{text}");
+            assert!(hub.downloaded_files().contains(&"config.json".to_string()));
+        }
+        let _ = std::fs::remove_dir_all(&cache);
+    }
 }
 
 #[test]

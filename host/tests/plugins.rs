@@ -826,7 +826,10 @@ fn sdk_readme_plugins_build_outside_the_repo_from_a_git_dependency() {
             .env_remove("CARGO_TARGET_DIR")
             .status()
             .expect("run cargo");
-        assert!(status.success(), "{kind}: building the README's {name} failed");
+        assert!(
+            status.success(),
+            "{kind}: building the README's {name} failed"
+        );
         let wasm = target_dir
             .join("wasm32-unknown-unknown/release")
             .join(format!("{}.wasm", name.replace('-', "_")));

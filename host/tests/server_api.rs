@@ -568,7 +568,10 @@ async fn continuous_usage_stats_put_running_usage_on_every_chunk() {
     let s = server().await;
     let msgs = json!([{"role": "user", "content": "count to ten"}]);
     let bodies = [
-        ("/v1/completions", completion(json!("one two three"), json!({"max_tokens": 8}))),
+        (
+            "/v1/completions",
+            completion(json!("one two three"), json!({"max_tokens": 8})),
+        ),
         ("/v1/chat/completions", chat(msgs, json!({"max_tokens": 8}))),
     ];
     for (path, body) in bodies {
@@ -598,7 +601,10 @@ async fn continuous_usage_stats_put_running_usage_on_every_chunk() {
         // Without include_usage there is no usage at all (vLLM's rule).
         streamed["stream_options"] = json!({"continuous_usage_stats": true});
         let ev = post(s.addr, path, &streamed).await.sse();
-        assert!(ev.iter().all(|e| e.get("usage").is_none()), "{path}: {ev:?}");
+        assert!(
+            ev.iter().all(|e| e.get("usage").is_none()),
+            "{path}: {ev:?}"
+        );
     }
 }
 

@@ -10,11 +10,19 @@
 //! that breaks off resumes from its `.part` file, in the same run or the next. Every size the
 //! hub lists is checked after the download.
 //!
+//! The client under `hf-hub` has no read timeout, so a hub that stops answering would hold a
+//! download forever: the resolution runs on its own thread, watched for progress (bytes landing
+//! in the repo's cache folder); after `HF_HUB_DOWNLOAD_TIMEOUT` seconds (default 10, as
+//! `huggingface_hub`) without any, it fails with an error that says so. Proxies come from
+//! `HTTPS_PROXY`/`HTTP_PROXY`/`ALL_PROXY`; `NO_PROXY` is not read by that client.
+//!
 //! This module owns name resolution and downloading; it knows nothing of model formats beyond
 //! which file names a model folder needs.
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 use hf_hub::api::sync::{ApiBuilder, ApiError};
 use hf_hub::{Cache, Repo, RepoType};
@@ -93,6 +101,17 @@ pub enum HubError {
         endpoint: String,
         message: String,
     },
+    #[error(
+        "{repo}: the hub at {endpoint} sent nothing for {secs} s while {doing}; giving up \
+         (HF_HUB_DOWNLOAD_TIMEOUT sets the limit in seconds; HF_HUB_OFFLINE=1 uses the local \
+         cache only)"
+    )]
+    Stalled {
+        repo: String,
+        endpoint: String,
+        secs: f64,
+        doing: &'static str,
+    },
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,
@@ -112,7 +131,12 @@ pub struct HubSettings {
     pub offline: bool,
     /// Draw a progress bar on stderr (only sensible on a terminal).
     pub progress: bool,
+    /// Longest wait for any progress (`HF_HUB_DOWNLOAD_TIMEOUT`, seconds; default 10).
+    pub download_timeout: Duration,
 }
+
+/// `HF_HUB_DOWNLOAD_TIMEOUT`'s default, as in `huggingface_hub`.
+pub const DEFAULT_DOWNLOAD_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl HubSettings {
     /// Settings from the environment, as `huggingface_hub` reads them.
@@ -141,6 +165,19 @@ impl HubSettings {
         let offline = var("HF_HUB_OFFLINE").is_some_and(|v| {
             matches!(v.to_ascii_lowercase().as_str(), "1" | "on" | "yes" | "true")
         });
+        let download_timeout = match var("HF_HUB_DOWNLOAD_TIMEOUT") {
+            None => DEFAULT_DOWNLOAD_TIMEOUT,
+            Some(v) => match v.trim().parse::<f64>() {
+                Ok(secs) if secs > 0.0 && secs.is_finite() => Duration::from_secs_f64(secs),
+                _ => {
+                    tracing::warn!(
+                        value = %v,
+                        "HF_HUB_DOWNLOAD_TIMEOUT is not a positive number of seconds; using 10"
+                    );
+                    DEFAULT_DOWNLOAD_TIMEOUT
+                }
+            },
+        };
         Self {
             endpoint: var("HF_ENDPOINT")
                 .map(|e| e.trim_end_matches('/').to_string())
@@ -149,6 +186,7 @@ impl HubSettings {
             token,
             offline,
             progress: std::io::stderr().is_terminal(),
+            download_timeout,
         }
     }
 }
@@ -239,6 +277,71 @@ pub fn resolve(repo: &str, revision: &str, settings: &HubSettings) -> Result<Pat
     if settings.offline {
         return resolve_offline(repo, revision, settings);
     }
+    // The download runs on its own thread; this one watches the repo's cache folder grow. A
+    // thread stuck on a silent socket is left behind (it holds nothing the caller needs).
+    let dir = repo_dir(settings, repo);
+    let mut seen = bytes_under(&dir);
+    let (tx, rx) = mpsc::channel();
+    let (r, rev, s) = (repo.to_string(), revision.to_string(), settings.clone());
+    std::thread::Builder::new()
+        .name("hub-download".into())
+        .spawn(move || {
+            let _ = tx.send(resolve_online(&r, &rev, &s));
+        })
+        .map_err(|e| HubError::Other {
+            repo: repo.into(),
+            message: format!("cannot start the download thread: {e}"),
+        })?;
+    let mut moved = false;
+    let mut last_progress = Instant::now();
+    loop {
+        match rx.recv_timeout(Duration::from_millis(50)) {
+            Ok(result) => return result,
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                return Err(HubError::Other {
+                    repo: repo.into(),
+                    message: "the download thread ended without an answer".into(),
+                });
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                let now = bytes_under(&dir);
+                if now != seen {
+                    seen = now;
+                    moved = true;
+                    last_progress = Instant::now();
+                } else if last_progress.elapsed() >= settings.download_timeout {
+                    return Err(HubError::Stalled {
+                        repo: repo.into(),
+                        endpoint: settings.endpoint.clone(),
+                        secs: settings.download_timeout.as_secs_f64(),
+                        doing: if moved {
+                            "downloading"
+                        } else {
+                            "waiting for its first answer"
+                        },
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// Bytes of every file under `dir` (partial downloads included): the watchdog's progress.
+fn bytes_under(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => bytes_under(&e.path()),
+            Ok(t) if t.is_file() => e.metadata().map_or(0, |m| m.len()),
+            _ => 0,
+        })
+        .sum()
+}
+
+fn resolve_online(repo: &str, revision: &str, settings: &HubSettings) -> Result<PathBuf, HubError> {
     let hub_repo = Repo::with_revision(repo.to_string(), RepoType::Model, revision.to_string());
     let api = ApiBuilder::from_cache(Cache::new(settings.cache_dir.clone()))
         .with_endpoint(settings.endpoint.clone())
@@ -534,6 +637,11 @@ mod tests {
         assert_eq!(s.token.as_deref(), Some("hf_abc"));
         assert!(s.offline);
         assert!(!vars(&[("HF_HUB_OFFLINE", "0")]).offline);
+        assert_eq!(s.download_timeout, DEFAULT_DOWNLOAD_TIMEOUT);
+        let t = vars(&[("HF_HUB_DOWNLOAD_TIMEOUT", "2.5")]).download_timeout;
+        assert_eq!(t, Duration::from_millis(2500));
+        let t = vars(&[("HF_HUB_DOWNLOAD_TIMEOUT", "soon")]).download_timeout;
+        assert_eq!(t, DEFAULT_DOWNLOAD_TIMEOUT);
         // The token file under HF_HOME, when HF_TOKEN is unset.
         let home = std::env::temp_dir().join(format!("chimera-hf-home-{}", std::process::id()));
         std::fs::create_dir_all(&home).unwrap();

@@ -228,23 +228,19 @@ impl WasmEvictor {
             return timed(counters, || ready.instance.on_events(events_arg(&replay)));
         }
         match events {
-            Some(e) if !e.is_empty() => {
-                timed(counters, || ready.instance.on_events(events_arg(e)))
-            }
+            Some(e) if !e.is_empty() => timed(counters, || ready.instance.on_events(events_arg(e))),
             _ => Ok(()),
         }
     }
 
     fn ask(&mut self, count: u32, step: u64) -> Result<Vec<u32>, ()> {
-        let answer = self
-            .feed(None)
-            .and_then(|()| {
-                let counters = &self.guard.counters;
-                match self.guard.slot.ready() {
-                    Ok(ready) => timed(counters, || ready.instance.choose_victims(count, step)),
-                    Err(e) => Err(e),
-                }
-            });
+        let answer = self.feed(None).and_then(|()| {
+            let counters = &self.guard.counters;
+            match self.guard.slot.ready() {
+                Ok(ready) => timed(counters, || ready.instance.choose_victims(count, step)),
+                Err(e) => Err(e),
+            }
+        });
         match answer {
             Ok(Some(v)) if v.len() > count as usize => {
                 self.guard.rejected(

@@ -397,11 +397,17 @@ mod tests {
             ("guard.kv".into(), ConfigValue::Float(0.8)),
             ("name".into(), ConfigValue::Text("x".into())),
         ]);
-        let inline = parse_plugin_config(r#" { alpha = 0.5, guard = { kv = 0.8 }, name = "x" } "#, "--config");
+        let inline = parse_plugin_config(
+            r#" { alpha = 0.5, guard = { kv = 0.8 }, name = "x" } "#,
+            "--config",
+        );
         assert_eq!(inline.unwrap(), want);
         let lines = parse_plugin_config("alpha = 0.5\nname = \"x\"\n[guard]\nkv = 0.8\n", "f.toml");
         assert_eq!(lines.unwrap(), want);
-        assert_eq!(parse_plugin_config("", "--config").unwrap(), Config::default());
+        assert_eq!(
+            parse_plugin_config("", "--config").unwrap(),
+            Config::default()
+        );
         let bad = parse_plugin_config("{ alpha = ", "--config").unwrap_err();
         assert_eq!(bad.path, "--config");
         assert!(bad.message.contains("not a TOML table"), "{bad}");

@@ -202,9 +202,8 @@ impl PluginMetrics {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone();
-        let labels = |c: &PluginCounters| {
-            format!("plugin=\"{}\",kind=\"{}\"", escape(&c.plugin), c.kind)
-        };
+        let labels =
+            |c: &PluginCounters| format!("plugin=\"{}\",kind=\"{}\"", escape(&c.plugin), c.kind);
         let _ = writeln!(out, "# HELP {CALLS_METRIC} Policy plugin calls.");
         let _ = writeln!(out, "# TYPE {CALLS_METRIC} counter");
         for c in &all {
@@ -286,7 +285,8 @@ mod tests {
             "{text}"
         );
         assert_eq!(
-            text.matches("# TYPE chimera:plugin_call_latency_seconds ").count(),
+            text.matches("# TYPE chimera:plugin_call_latency_seconds ")
+                .count(),
             1
         );
         let samples = m.fallback_samples();

@@ -470,5 +470,4 @@ mod tests {
         assert!(out.contains("chimera:router_requests_total{engine=\"1\"} 1"));
         assert!(out.contains("chimera:request_errors_total{kind=\"overloaded\"} 1"));
     }
-
 }

@@ -15,8 +15,8 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
-use super::{AppState, ReloadError};
 use super::error::{AppError, ErrorKind};
+use super::{AppState, ReloadError};
 use crate::engine::api::Command;
 
 pub async fn health(State(state): State<AppState>) -> Response {
@@ -136,11 +136,13 @@ pub async fn reload_plugins(
     let kind = query.kind.clone();
     let outcome = tokio::task::spawn_blocking(move || hooks.reload_plugins(kind.as_deref()))
         .await
-        .unwrap_or_else(|e| Err(ReloadError::Internal(format!("the reload task failed: {e}"))));
+        .unwrap_or_else(|e| {
+            Err(ReloadError::Internal(format!(
+                "the reload task failed: {e}"
+            )))
+        });
     match outcome {
-        Ok(summary) => {
-            Ok(axum::Json(json!({"status": "ok", "summary": summary})).into_response())
-        }
+        Ok(summary) => Ok(axum::Json(json!({"status": "ok", "summary": summary})).into_response()),
         Err(e) => {
             tracing::error!(kind = ?query.kind, error = %e, "plugin reload failed; the running plugins stay");
             let message = format!("plugin reload failed (the running plugins stay): {e}");
