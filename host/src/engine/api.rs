@@ -234,6 +234,16 @@ pub struct EngineStats {
     pub ssm_rolling_kept: u64,
     /// Checkpoints requests asked for (offsets past the first block).
     pub checkpoints_requested: u64,
+    /// Device time spent on steps, and device time idle between back-to-back steps (waiting
+    /// for the host), from CUDA events; 0 on the CPU.
+    pub device_busy_seconds: f64,
+    pub device_idle_seconds: f64,
+    /// Steps that ran a batch, and the host's time in each phase of them: scheduling and
+    /// cache bookkeeping, building the step plan, and sampling/committing/sending events.
+    pub engine_steps: u64,
+    pub host_schedule_seconds: f64,
+    pub host_inputs_seconds: f64,
+    pub host_update_seconds: f64,
 }
 
 /// Block-level cache events live with the cache; re-exported for the server and router.

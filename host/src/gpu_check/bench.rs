@@ -35,6 +35,7 @@ pub fn run(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) {
             return;
         }
     };
+    super::gemv::bench(report, SUITE, gpu, bw);
     super::moe::bench(report, SUITE, gpu);
     if let Err(e) = attention_8k(report, gpu) {
         report.failed(SUITE, "attention T=8192", format!("{e:#}"));
@@ -247,6 +248,46 @@ fn decode(
             "reported".into(),
             true,
         );
+        if batch <= 2 {
+            // The same graph step with every linear layer on cuBLASLt: what the one-pass GEMV
+            // (the default at one and two rows) gains.
+            gpu.set_small_m_gemv(false);
+            let mut logits = None;
+            let id = gpu.capture_graph(&mut || {
+                logits = Some(
+                    m.forward(gpu, &gstep, &mut caches)
+                        .map_err(|e| crate::backend::BackendError::Invalid(e.to_string()))?,
+                );
+                Ok(())
+            });
+            gpu.set_small_m_gemv(true);
+            let id = id?;
+            let mut logits = logits.ok_or_else(|| anyhow::anyhow!("nothing captured"))?;
+            let mut replay = |out: &mut SampleOut| -> anyhow::Result<()> {
+                gpu.upload_graph_step(&plan, &mut gstep, batch, per_seq)?;
+                gpu.replay_graph(id)?;
+                gpu.sample(&mut logits, &gstep, out)?;
+                Ok(())
+            };
+            for _ in 0..3 {
+                replay(&mut check)?;
+            }
+            let t0 = Instant::now();
+            for _ in 0..steps {
+                replay(&mut check)?;
+            }
+            let cublas_ms = t0.elapsed().as_secs_f64() * 1e3 / steps as f64;
+            report.push(
+                SUITE,
+                format!(
+                    "{name} graph decode bs{batch} ctx{CONTEXT}, linears on cuBLASLt (GEMV {ms:.2} ms; reported)"
+                ),
+                cublas_ms,
+                format!("{cublas_ms:.2} ms ({:.2}×)", cublas_ms / floor_ms),
+                "reported".into(),
+                true,
+            );
+        }
     }
     Ok(())
 }

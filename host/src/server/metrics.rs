@@ -55,6 +55,13 @@ pub mod names {
     pub const REQUEST_ERRORS: &str = "chimera:request_errors_total";
     pub const CLIENT_DISCONNECTS: &str = "chimera:client_disconnects_total";
     pub const SERVER_IN_FLIGHT: &str = "chimera:server_requests_in_flight";
+    /// Device time on steps, and device time idle between back-to-back steps (host overhead).
+    pub const DEVICE_BUSY: &str = "chimera:device_busy_seconds_total";
+    pub const DEVICE_IDLE: &str = "chimera:device_idle_between_steps_seconds_total";
+    /// Engine steps that ran a batch, and the host's time in them by `phase` (schedule,
+    /// inputs, update).
+    pub const ENGINE_STEPS: &str = "chimera:engine_steps_total";
+    pub const ENGINE_HOST_TIME: &str = "chimera:engine_host_seconds_total";
 }
 
 const TTFT_BUCKETS: &[f64] = &[
@@ -255,6 +262,43 @@ impl Metrics {
             "Generation tokens processed.",
             &|s| s.generation_tokens as f64,
         );
+        per_engine(
+            &mut out,
+            DEVICE_BUSY,
+            "counter",
+            "Device time spent on engine steps (CUDA events; 0 on the CPU).",
+            &|s| s.device_busy_seconds,
+        );
+        per_engine(
+            &mut out,
+            DEVICE_IDLE,
+            "counter",
+            "Device time idle between back-to-back engine steps, waiting for the host.",
+            &|s| s.device_idle_seconds,
+        );
+        per_engine(
+            &mut out,
+            ENGINE_STEPS,
+            "counter",
+            "Engine steps that ran a batch.",
+            &|s| s.engine_steps as f64,
+        );
+        let _ = writeln!(
+            out,
+            "# HELP {ENGINE_HOST_TIME} Host time in engine steps, by phase: schedule (scheduling and cache bookkeeping), inputs (building the step plan), update (sampling, committing, sending events).\n# TYPE {ENGINE_HOST_TIME} counter"
+        );
+        for (i, s) in stats.iter().enumerate() {
+            for (phase, v) in [
+                ("schedule", s.host_schedule_seconds),
+                ("inputs", s.host_inputs_seconds),
+                ("update", s.host_update_seconds),
+            ] {
+                let _ = writeln!(
+                    out,
+                    "{ENGINE_HOST_TIME}{{model_name=\"{m}\",engine=\"{i}\",phase=\"{phase}\"}} {v}"
+                );
+            }
+        }
         per_engine(
             &mut out,
             SSM_SNAPSHOT_HITS,
