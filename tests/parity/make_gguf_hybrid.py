@@ -1,0 +1,118 @@
+"""State-space fixtures written as GGUF the way llama.cpp's `convert_hf_to_gguf.py` writes them.
+
+For each fixture folder named below, writes `tests/fixtures/gguf/<name>.gguf`: the `{arch}.*`
+metadata llama.cpp's converter states for the architecture, the byte-level BPE vocabulary as
+`tokenizer.ggml.*`, and every tensor under the name gguf-py's tensor map gives it, with the
+converter's layout changes:
+
+- `mixer.dt_bias` is renamed `dt_proj.bias` before mapping (so it becomes `ssm_dt.bias`);
+- `A_log` is stored as `A = -exp(A_log)`, and `A` and `D` gain a trailing axis;
+- the depthwise `conv1d.weight` `[channels, 1, kernel]` is squeezed to `[channels, kernel]`;
+- the gated norm `mixer.norm.weight` `[d_inner]` is reshaped to `[groups, d_inner / groups]`;
+- a tied LM head is not written.
+
+transformers cannot load these architectures from GGUF, so the Rust test compares each file
+with chimera's own load of the fixture's safetensors: the same weights in two containers.
+
+    pip install gguf safetensors numpy
+    python3 tests/parity/make_gguf_hybrid.py
+"""
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.numpy import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests" / "fixtures" / "models"
+OUT = ROOT / "tests" / "fixtures" / "gguf"
+MODELS = {"mamba2-g2": gguf.MODEL_ARCH.MAMBA2}
+
+
+def add_vocab(w: gguf.GGUFWriter, folder: Path, cfg: dict) -> None:
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    vocab = tok["model"]["vocab"]
+    tokens = [""] * len(vocab)
+    for t, i in vocab.items():
+        tokens[i] = t
+    special = {a["id"] for a in tok["added_tokens"] if a["special"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL for i in range(len(tokens))])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    if "chat_template" in tok_cfg:
+        w.add_chat_template(tok_cfg["chat_template"])
+
+
+def add_mamba2_params(w: gguf.GGUFWriter, cfg: dict) -> tuple[int, int]:
+    """As llama.cpp's `Mamba2Model.set_gguf_parameters`; returns (d_inner, groups)."""
+    d_model = cfg["hidden_size"]
+    d_inner = int(cfg.get("expand", 2) * d_model)
+    head_dim = cfg["head_dim"]
+    groups = cfg.get("n_groups", 1)
+    w.add_context_length(2**20)  # the converter's "unlimited"
+    w.add_embedding_length(d_model)
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_ssm_conv_kernel(cfg["conv_kernel"])
+    w.add_ssm_inner_size(d_inner)
+    w.add_ssm_state_size(cfg["state_size"])
+    w.add_ssm_time_step_rank(d_inner // head_dim)
+    w.add_ssm_group_count(groups)
+    w.add_layer_norm_rms_eps(cfg["layer_norm_epsilon"])
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    return d_inner, groups
+
+
+def convert(name: str, arch: gguf.MODEL_ARCH) -> Path:
+    folder = FIXTURES / name
+    cfg = json.loads((folder / "config.json").read_text(), parse_constant=float)
+    path = OUT / f"{name}.gguf"
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    w.add_name(name)
+    d_inner, groups = add_mamba2_params(w, cfg)
+    w.add_vocab_size(cfg["vocab_size"])
+    add_vocab(w, folder, cfg)
+    names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
+    for hf, value in sorted(load_file(str(folder / "model.safetensors")).items()):
+        value = value.astype(np.float32)
+        if hf == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+            continue
+        if hf.endswith(".dt_bias"):
+            hf = hf.removesuffix(".dt_bias") + ".dt_proj.bias"
+        new = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        if new is None:
+            raise SystemExit(f"{name}: no GGUF name for {hf}")
+        if hf.endswith(".A_log"):
+            value = -np.exp(value)
+        if hf.endswith((".A_log", ".D")):
+            value = value.reshape(*value.shape, 1)
+        elif hf.endswith(".conv1d.weight"):
+            value = value.squeeze(1)
+        elif hf.endswith(".mixer.norm.weight"):
+            value = value.reshape(groups, d_inner // groups)
+        w.add_tensor(new, np.ascontiguousarray(value))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def main() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    for name, arch in MODELS.items():
+        path = convert(name, arch)
+        print(path.relative_to(ROOT), path.stat().st_size, "bytes")
+
+
+if __name__ == "__main__":
+    main()
