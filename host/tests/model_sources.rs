@@ -1187,50 +1187,84 @@ fn a_hub_repo_of_gguf_files_downloads_only_the_chosen_quant() {
     }
 }
 
-/// A Mamba2 model as llama.cpp's converter writes it (`general.architecture = "mamba2"`:
-/// `ssm_*` tensor names, `A` stored as `-exp(A_log)`, squeezed conv kernels, grouped norm
-/// weights, `mamba2.ssm.*` metadata), made from the `mamba2-g2` fixture by
-/// `tests/parity/make_gguf_hybrid.py`: it loads the same model as the fixture's safetensors.
+/// State-space models as llama.cpp's converter writes them, made from fixtures by
+/// `tests/parity/make_gguf_hybrid.py` with gguf-py's tensor map: `mamba2` (`ssm_*` names, `A`
+/// stored as `-exp(A_log)`, squeezed conv kernels, grouped norm weights, `mamba2.ssm.*`
+/// metadata) and the hybrid `nemotron_h_moe` (attention with permuted q/k rows, relu² MLP,
+/// stacked experts with a grouped sigmoid router, Mamba2; the layer pattern read from the
+/// tensors). Each loads the same model as the fixture's safetensors.
 #[test]
-fn a_mamba2_gguf_loads_the_same_model_as_its_safetensors() {
-    let name = "mamba2-g2";
-    let file = gguf_fixtures().join(format!("{name}.gguf"));
-    let folder = LoadedModel::open(fixture(name).to_str().unwrap(), "main").unwrap();
-    let reference = folder.model(&CpuBackend::default(), false).unwrap();
-    let loaded = LoadedModel::open(file.to_str().unwrap(), "main").unwrap();
-    let model = loaded.model(&CpuBackend::default(), false).unwrap();
-    assert_eq!(model.info.architecture, "Mamba2ForCausalLM");
-    // The converted tensors come back in transformers' shapes and values.
-    let g = gguf::GgufModel::open(&file).unwrap();
-    let cfg = g.hf_config().unwrap();
-    let store = WeightStore::open(&fixture(name)).unwrap();
-    for t in [
-        "backbone.layers.1.mixer.A_log",
-        "backbone.layers.1.mixer.D",
-        "backbone.layers.1.mixer.conv1d.weight",
-        "backbone.layers.1.mixer.norm.weight",
-        "backbone.layers.1.mixer.dt_bias",
-    ] {
-        let (got, got_shape) = g.hf_tensor(&cfg, t).unwrap();
-        let (want, want_shape) = store.read_f32(t).unwrap();
-        assert_eq!(got_shape, want_shape, "{t}");
-        for (a, b) in got.iter().zip(&want) {
-            assert!(close(*a, *b, 1e-6), "{t}: {a} vs {b}");
+fn state_space_ggufs_load_the_same_model_as_their_safetensors() {
+    let cases = [
+        (
+            "mamba2-g2",
+            "Mamba2ForCausalLM",
+            &[
+                "backbone.layers.1.mixer.A_log",
+                "backbone.layers.1.mixer.D",
+                "backbone.layers.1.mixer.conv1d.weight",
+                "backbone.layers.1.mixer.norm.weight",
+                "backbone.layers.1.mixer.dt_bias",
+            ][..],
+        ),
+        (
+            "nemotronh-b",
+            "NemotronHForCausalLM",
+            &[
+                "backbone.layers.0.mixer.q_proj.weight",
+                "backbone.layers.0.mixer.k_proj.weight",
+                "backbone.layers.2.mixer.A_log",
+                "backbone.layers.2.mixer.conv1d.weight",
+                "backbone.layers.5.mixer.norm.weight",
+                "backbone.layers.3.mixer.gate.e_score_correction_bias",
+                "backbone.layers.4.mixer.up_proj.weight",
+            ][..],
+        ),
+    ];
+    for (name, arch, checked) in cases {
+        let file = gguf_fixtures().join(format!("{name}.gguf"));
+        let folder = LoadedModel::open(fixture(name).to_str().unwrap(), "main").unwrap();
+        let reference = folder.model(&CpuBackend::default(), false).unwrap();
+        let loaded = LoadedModel::open(file.to_str().unwrap(), "main").unwrap();
+        let model = loaded.model(&CpuBackend::default(), false).unwrap();
+        assert_eq!(model.info.architecture, arch);
+        // The converted tensors come back in transformers' shapes and values.
+        let g = gguf::GgufModel::open(&file).unwrap();
+        let cfg = g.hf_config().unwrap();
+        let store = WeightStore::open(&fixture(name)).unwrap();
+        for t in checked {
+            let (got, got_shape) = g.hf_tensor(&cfg, t).unwrap();
+            let (want, want_shape) = store.read_f32(t).unwrap();
+            assert_eq!(got_shape, want_shape, "{name}: {t}");
+            for (a, b) in got.iter().zip(&want) {
+                assert!(close(*a, *b, 1e-6), "{name}: {t}: {a} vs {b}");
+            }
         }
+        let text = "The quick brown fox jumps over the lazy dog";
+        let prompt = folder.codec.encode(text, true).unwrap();
+        assert_eq!(loaded.codec.encode(text, true).unwrap(), prompt, "{name}");
+        let long: Vec<u32> = prompt.iter().copied().cycle().take(40).collect();
+        let (a, b) = (last_logits(&model, &long), last_logits(&reference, &long));
+        let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let worst = a
+            .iter()
+            .zip(&b)
+            .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(
+            worst <= 1e-5 * scale,
+            "{name}: logits off by {worst} (scale {scale})"
+        );
+        assert_eq!(
+            greedy(&model, &long, 12),
+            greedy(&reference, &long, 12),
+            "{name}"
+        );
     }
-    let text = "The quick brown fox jumps over the lazy dog";
-    let prompt = folder.codec.encode(text, true).unwrap();
-    assert_eq!(loaded.codec.encode(text, true).unwrap(), prompt);
-    let long: Vec<u32> = prompt.iter().copied().cycle().take(40).collect();
-    let (a, b) = (last_logits(&model, &long), last_logits(&reference, &long));
-    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let worst = a
-        .iter()
-        .zip(&b)
-        .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
-    assert!(
-        worst <= 1e-5 * scale,
-        "logits off by {worst} (scale {scale})"
+    // The layer pattern is read from the tensors each block holds.
+    let g = gguf::GgufModel::open(&gguf_fixtures().join("nemotronh-b.gguf")).unwrap();
+    let cfg = g.hf_config().unwrap();
+    assert_eq!(
+        cfg.get("hybrid_override_pattern").unwrap().as_str(),
+        Some("*EME-M")
     );
-    assert_eq!(greedy(&model, &long, 12), greedy(&reference, &long, 12));
 }

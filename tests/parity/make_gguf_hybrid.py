@@ -1,5 +1,8 @@
 """State-space fixtures written as GGUF the way llama.cpp's `convert_hf_to_gguf.py` writes them.
 
+`mamba2-g2` becomes `mamba2`; `nemotronh-b` (attention, Mamba2, relu² MLP and MoE layers)
+becomes `nemotron_h_moe` (`nemotron_h` without experts).
+
 For each fixture folder named below, writes `tests/fixtures/gguf/<name>.gguf`: the `{arch}.*`
 metadata llama.cpp's converter states for the architecture, the byte-level BPE vocabulary as
 `tokenizer.ggml.*`, and every tensor under the name gguf-py's tensor map gives it, with the
@@ -9,12 +12,15 @@ converter's layout changes:
 - `A_log` is stored as `A = -exp(A_log)`, and `A` and `D` gain a trailing axis;
 - the depthwise `conv1d.weight` `[channels, 1, kernel]` is squeezed to `[channels, kernel]`;
 - the gated norm `mixer.norm.weight` `[d_inner]` is reshaped to `[groups, d_inner / groups]`;
-- a tied LM head is not written.
+- a tied LM head is not written;
+- NemotronH: q/k rows permuted as for Llama (the converter's `undo_permute`; its attention has
+  no RoPE, so this changes nothing but the stored order), the routed experts stacked into one
+  `[experts, out, in]` tensor per projection, `e_score_correction_bias` as `exp_probs_b.bias`.
 
 transformers cannot load these architectures from GGUF, so the Rust test compares each file
 with chimera's own load of the fixture's safetensors: the same weights in two containers.
 
-    pip install gguf safetensors numpy
+    pip install gguf safetensors numpy torch
     python3 tests/parity/make_gguf_hybrid.py
 """
 
@@ -23,12 +29,12 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from safetensors.numpy import load_file
+from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "models"
 OUT = ROOT / "tests" / "fixtures" / "gguf"
-MODELS = {"mamba2-g2": gguf.MODEL_ARCH.MAMBA2}
+MODELS = {"mamba2-g2": gguf.MODEL_ARCH.MAMBA2, "nemotronh-b": gguf.MODEL_ARCH.NEMOTRON_H_MOE}
 
 
 def add_vocab(w: gguf.GGUFWriter, folder: Path, cfg: dict) -> None:
@@ -72,18 +78,87 @@ def add_mamba2_params(w: gguf.GGUFWriter, cfg: dict) -> tuple[int, int]:
     return d_inner, groups
 
 
+def add_nemotron_h_params(w: gguf.GGUFWriter, cfg: dict, moe: bool) -> tuple[int, int]:
+    """As llama.cpp's `NemotronHModel.set_gguf_parameters` (through `GraniteHybridModel`)."""
+    pattern = cfg["hybrid_override_pattern"]
+    layers = len(pattern)
+    d_inner = cfg["mamba_num_heads"] * cfg["mamba_head_dim"]
+    groups = cfg["n_groups"]
+    w.add_context_length(2**20)  # no RoPE: the converter's "unlimited"
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(layers)
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv([cfg["num_key_value_heads"] if c == "*" else 0 for c in pattern])
+    w.add_layer_norm_eps(cfg["layer_norm_epsilon"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_ssm_conv_kernel(cfg["conv_kernel"])
+    w.add_ssm_state_size(cfg["ssm_state_size"])
+    w.add_ssm_group_count(groups)
+    w.add_ssm_inner_size(d_inner)
+    w.add_ssm_time_step_rank(cfg["mamba_num_heads"])
+    w.add_rope_scaling_finetuned(False)
+    if moe:
+        w.add_feed_forward_length([cfg["moe_intermediate_size"] if c == "E" else 0 for c in pattern])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_shared_feed_forward_length(cfg["moe_shared_expert_intermediate_size"])
+        w.add_expert_count(cfg["n_routed_experts"])
+        w.add_expert_shared_count(cfg["n_shared_experts"])
+        w.add_expert_weights_norm(cfg["norm_topk_prob"])
+        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        w.add_expert_group_count(cfg["n_group"])
+        w.add_expert_group_used_count(cfg["topk_group"])
+    else:
+        w.add_feed_forward_length([cfg["intermediate_size"] if c == "-" else 0 for c in pattern])
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    return d_inner, groups
+
+
+def permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order: each head's two halves interleaved."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def stack_experts(tensors: dict, cfg: dict) -> dict:
+    """The converter's merge of per-expert projections into one tensor per layer."""
+    out = {k: v for k, v in tensors.items() if ".mixer.experts." not in k}
+    layers = {k.split(".")[2] for k in tensors if ".mixer.experts." in k}
+    for layer in sorted(layers):
+        for proj in ("up_proj", "down_proj"):
+            parts = [
+                tensors[f"backbone.layers.{layer}.mixer.experts.{e}.{proj}.weight"]
+                for e in range(cfg["n_routed_experts"])
+            ]
+            out[f"model.layers.{layer}.mlp.experts.{proj}.weight"] = np.stack(parts, axis=0)
+    return out
+
+
 def convert(name: str, arch: gguf.MODEL_ARCH) -> Path:
     folder = FIXTURES / name
     cfg = json.loads((folder / "config.json").read_text(), parse_constant=float)
     path = OUT / f"{name}.gguf"
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     w.add_name(name)
-    d_inner, groups = add_mamba2_params(w, cfg)
+    # torch reads the bf16 fixtures numpy cannot; widened to f32 exactly.
+    tensors = {k: v.float().numpy() for k, v in load_file(str(folder / "model.safetensors")).items()}
+    if arch == gguf.MODEL_ARCH.MAMBA2:
+        d_inner, groups = add_mamba2_params(w, cfg)
+        layers = cfg["num_hidden_layers"]
+    else:
+        d_inner, groups = add_nemotron_h_params(w, cfg, arch == gguf.MODEL_ARCH.NEMOTRON_H_MOE)
+        layers = len(cfg["hybrid_override_pattern"])
+        tensors = stack_experts(tensors, cfg)
     w.add_vocab_size(cfg["vocab_size"])
     add_vocab(w, folder, cfg)
-    names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
-    for hf, value in sorted(load_file(str(folder / "model.safetensors")).items()):
+    names = gguf.get_tensor_name_map(arch, layers)
+    for hf, value in sorted(tensors.items()):
         value = value.astype(np.float32)
+        hf = hf.replace("e_score_correction_bias", "e_score_correction.bias")
+        if hf.endswith("mixer.q_proj.weight"):
+            value = permute(value, cfg["num_attention_heads"])
+        elif hf.endswith("mixer.k_proj.weight"):
+            value = permute(value, cfg["num_key_value_heads"])
         if hf == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
         if hf.endswith(".dt_bias"):

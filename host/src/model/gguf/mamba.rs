@@ -1,5 +1,7 @@
-//! The Mamba2 family in GGUF (`mamba2`): the config from `{arch}.ssm.*` metadata, llama.cpp's
-//! tensor names, and the layouts its converter changes, put back:
+//! The Mamba2 family in GGUF (`mamba2`, and the NemotronH hybrid as `nemotron_h` /
+//! `nemotron_h_moe`): the config from `{arch}.ssm.*`, `{arch}.attention.*` and
+//! `{arch}.expert_*` metadata, llama.cpp's tensor names, and the layouts its converter changes,
+//! put back:
 //!
 //! | GGUF | transformers | change undone |
 //! |---|---|---|
@@ -11,7 +13,12 @@
 //!
 //! Everything else is a rename (`ssm_in` → `in_proj`, `ssm_out` → `out_proj`, `attn_norm` →
 //! the layer's `norm`). Values are otherwise as stored, so a file loads the same model as the
-//! safetensors it was converted from.
+//! safetensors it was converted from. NemotronH adds attention (`attn_q` …, rows permuted as
+//! for Llama, undone by the caller), relu² MLPs (`ffn_up` / `ffn_down`) and experts: the
+//! router `ffn_gate_inp`, its bias `exp_probs_b.bias`, the routed experts stacked as
+//! `ffn_up_exps` `[experts, inter, hidden]` / `ffn_down_exps` (transformers' stacked
+//! `experts.up_proj` / `experts.down_proj`) and the shared expert `ffn_*_shexp`. The layer
+//! pattern (`M`, `*`, `-`, `E`) is read from which tensors each block has.
 
 use serde_json::{Value as Json, json};
 
@@ -60,9 +67,127 @@ pub fn mamba2_config(g: &GgufModel) -> Result<Json, ModelError> {
     }))
 }
 
-/// The transformers name of a `mamba2` tensor.
+/// `nemotron_h` / `nemotron_h_moe`: the `NemotronHForCausalLM` config.
+pub fn nemotron_h_config(g: &GgufModel) -> Result<Json, ModelError> {
+    let layers = g.meta_u64("block_count")? as usize;
+    let has = |i: usize, t: &str| g.file.tensor(&format!("blk.{i}.{t}")).is_some();
+    let mut pattern = String::with_capacity(layers);
+    for i in 0..layers {
+        pattern.push(if has(i, "ssm_in.weight") {
+            'M'
+        } else if has(i, "attn_q.weight") {
+            '*'
+        } else if has(i, "ffn_up_exps.weight") {
+            'E'
+        } else if has(i, "ffn_up.weight") {
+            '-'
+        } else {
+            return Err(g.err(format!(
+                "block {i} has no Mamba2, attention, MLP or expert tensors"
+            )));
+        });
+    }
+    // A per-layer list (0 where a layer has none) or one number.
+    let most = |key: &str| -> Option<u64> {
+        match g.meta(key)? {
+            Value::Array(a) => a.iter().filter_map(Value::as_u64).max(),
+            v => v.as_u64(),
+        }
+    };
+    let heads = most("attention.head_count").unwrap_or(0);
+    let m_heads = g.meta_u64("ssm.time_step_rank")?;
+    let inner = g.meta_u64("ssm.inner_size")?;
+    if m_heads == 0 || !inner.is_multiple_of(m_heads) {
+        return Err(g.err(format!(
+            "`{0}.ssm.inner_size` = {inner} does not split into `{0}.ssm.time_step_rank` = \
+             {m_heads} heads",
+            g.arch
+        )));
+    }
+    let hidden = g.meta_u64("embedding_length")?;
+    let eps = g
+        .meta("attention.layer_norm_rms_epsilon")
+        .or_else(|| g.meta("attention.layer_norm_epsilon"))
+        .and_then(Value::as_f64)
+        .unwrap_or(1e-5);
+    let mut c = json!({
+        "architectures": ["NemotronHForCausalLM"],
+        "hybrid_override_pattern": pattern,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "vocab_size": g.vocab_size()?,
+        "max_position_embeddings": g.meta("context_length").and_then(Value::as_u64).unwrap_or(4096),
+        "layer_norm_epsilon": eps,
+        "num_attention_heads": heads,
+        "num_key_value_heads": most("attention.head_count_kv").unwrap_or(heads),
+        "head_dim": g
+            .meta("attention.key_length")
+            .and_then(Value::as_u64)
+            .unwrap_or(hidden / heads.max(1)),
+        "attention_bias": g.file.tensors.iter().any(|t| t.name.ends_with("attn_q.bias")),
+        "mamba_num_heads": m_heads,
+        "mamba_head_dim": inner / m_heads,
+        "n_groups": g.meta("ssm.group_count").and_then(Value::as_u64).unwrap_or(1),
+        "ssm_state_size": g.meta_u64("ssm.state_size")?,
+        "conv_kernel": g.meta_u64("ssm.conv_kernel")?,
+        "use_conv_bias": g.file.tensors.iter().any(|t| t.name.ends_with("ssm_conv1d.bias")),
+        "mamba_proj_bias": g.file.tensors.iter().any(|t| t.name.ends_with("ssm_in.bias")),
+        "mlp_bias": g.file.tensors.iter().any(|t| t.name.ends_with("ffn_up.bias")),
+        "mlp_hidden_act": "relu2",
+        "mamba_hidden_act": "silu",
+        "tie_word_embeddings": g.file.tensor("output.weight").is_none(),
+    });
+    // A dense MLP's width: from its tensor (the MoE variant lists only expert widths).
+    if let Some(up) = g
+        .file
+        .tensors
+        .iter()
+        .find(|t| t.name.starts_with("blk.") && t.name.ends_with(".ffn_up.weight"))
+    {
+        c["intermediate_size"] = json!(up.shape().first().copied().unwrap_or(0));
+    }
+    if pattern.contains('E') {
+        let n_group = g
+            .meta("expert_group_count")
+            .and_then(Value::as_u64)
+            .unwrap_or(1);
+        c["n_routed_experts"] = json!(g.meta_u64("expert_count")?);
+        c["num_experts_per_tok"] = json!(g.meta_u64("expert_used_count")?);
+        c["moe_intermediate_size"] = json!(g.meta_u64("expert_feed_forward_length")?);
+        let shared = g
+            .meta("expert_shared_count")
+            .and_then(Value::as_u64)
+            .unwrap_or(0);
+        c["n_shared_experts"] = json!(shared);
+        if shared > 0 {
+            c["moe_shared_expert_intermediate_size"] =
+                json!(g.meta_u64("expert_shared_feed_forward_length")?);
+        }
+        c["norm_topk_prob"] = json!(
+            g.meta("expert_weights_norm")
+                .and_then(Value::as_bool)
+                .unwrap_or(false)
+        );
+        c["routed_scaling_factor"] = json!(
+            g.meta("expert_weights_scale")
+                .and_then(Value::as_f64)
+                .unwrap_or(1.0)
+        );
+        c["n_group"] = json!(n_group);
+        // Without a stated count every group stays eligible.
+        c["topk_group"] = json!(
+            g.meta("expert_group_used_count")
+                .and_then(Value::as_u64)
+                .unwrap_or(n_group)
+        );
+    }
+    Ok(c)
+}
+
+/// The transformers name of a `mamba2` or `nemotron_h(_moe)` tensor.
 pub fn hf_name(arch: &str, gguf: &str) -> Option<String> {
-    if arch != "mamba2" {
+    let nemotron = matches!(arch, "nemotron_h" | "nemotron_h_moe");
+    if arch != "mamba2" && !nemotron {
         return None;
     }
     let fixed = match gguf {
@@ -83,12 +208,24 @@ pub fn hf_name(arch: &str, gguf: &str) -> Option<String> {
         "ssm_d" => "mixer.D",
         "ssm_dt.bias" => "mixer.dt_bias",
         "ssm_norm.weight" => "mixer.norm.weight",
+        "ffn_up_exps.weight" if nemotron => "mixer.experts.up_proj",
+        "ffn_down_exps.weight" if nemotron => "mixer.experts.down_proj",
+        "exp_probs_b.bias" if nemotron => "mixer.gate.e_score_correction_bias",
         _ => {
             let (part, kind) = tail.rsplit_once('.')?;
             let part = match part {
                 "ssm_in" => "mixer.in_proj",
                 "ssm_conv1d" => "mixer.conv1d",
                 "ssm_out" => "mixer.out_proj",
+                "attn_q" if nemotron => "mixer.q_proj",
+                "attn_k" if nemotron => "mixer.k_proj",
+                "attn_v" if nemotron => "mixer.v_proj",
+                "attn_output" if nemotron => "mixer.o_proj",
+                "ffn_up" if nemotron => "mixer.up_proj",
+                "ffn_down" if nemotron => "mixer.down_proj",
+                "ffn_gate_inp" if nemotron => "mixer.gate",
+                "ffn_up_shexp" if nemotron => "mixer.shared_experts.up_proj",
+                "ffn_down_shexp" if nemotron => "mixer.shared_experts.down_proj",
                 _ => return None,
             };
             return Some(format!("backbone.layers.{layer}.{part}.{kind}"));
@@ -145,6 +282,19 @@ mod tests {
             "backbone.layers.1.norm.weight"
         );
         assert_eq!(hf_name("mamba2", "blk.1.attn_q.weight"), None);
+        assert_eq!(
+            hf_name("nemotron_h_moe", "blk.1.attn_q.weight").unwrap(),
+            "backbone.layers.1.mixer.q_proj.weight"
+        );
+        assert_eq!(
+            hf_name("nemotron_h_moe", "blk.3.ffn_up_exps.weight").unwrap(),
+            "backbone.layers.3.mixer.experts.up_proj"
+        );
+        assert_eq!(
+            hf_name("nemotron_h", "blk.3.exp_probs_b.bias").unwrap(),
+            "backbone.layers.3.mixer.gate.e_score_correction_bias"
+        );
+        assert_eq!(hf_name("llama", "blk.2.ssm_a"), None);
         let mut a = vec![-1.0, -(2f32.exp())];
         assert_eq!(restore("blk.0.ssm_a", &mut a, vec![2, 1]).unwrap(), [2]);
         assert!(

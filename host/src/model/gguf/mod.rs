@@ -10,7 +10,8 @@
 //! absent. [`vocab`] rebuilds the tokenizer and chat template from `tokenizer.ggml.*`.
 //!
 //! Architectures: `llama` (Llama, Mistral, SmolLM and other Llama-shaped models) and the
-//! Mamba2 family in [`mamba`] (`mamba2`), whose converter changes some tensors' layout.
+//! Mamba2 family in [`mamba`] (`mamba2`, and the NemotronH hybrid: `nemotron_h`,
+//! `nemotron_h_moe`), whose converter changes some tensors' layout.
 
 pub mod file;
 pub mod mamba;
@@ -38,6 +39,8 @@ pub type HostF32 = (Vec<f32>, Vec<usize>);
 pub const SUPPORTED: &[(&str, &str)] = &[
     ("llama", "LlamaForCausalLM"),
     ("mamba2", "Mamba2ForCausalLM"),
+    ("nemotron_h", "NemotronHForCausalLM"),
+    ("nemotron_h_moe", "NemotronHForCausalLM"),
 ];
 
 /// Tensors that are configuration, read by [`GgufModel::hf_config`], not weights.
@@ -99,6 +102,7 @@ impl GgufModel {
     pub fn hf_config(&self) -> Result<HfConfig, ModelError> {
         let mut c = match self.arch.as_str() {
             "mamba2" => mamba::mamba2_config(self)?,
+            "nemotron_h" | "nemotron_h_moe" => mamba::nemotron_h_config(self)?,
             _ => self.llama_config()?,
         };
         for (key, name) in [("bos_token_id", "bos"), ("eos_token_id", "eos")] {
@@ -256,10 +260,11 @@ impl GgufModel {
         Ok(self.dequantize(t, heads)?.1)
     }
 
-    /// Query and key heads, for undoing the q/k row permutation (Llama only: llama.cpp's
-    /// converter permutes no other architecture here).
+    /// Query and key heads, for undoing the q/k row permutation (llama.cpp's converter
+    /// permutes Llama's, and NemotronH's through the same code path; not Mamba2, which has
+    /// no attention).
     fn rope_heads(&self, config: &HfConfig) -> Result<Option<(usize, usize)>, ModelError> {
-        if self.arch != "llama" {
+        if self.arch == "mamba2" {
             return Ok(None);
         }
         Ok(Some((
@@ -271,7 +276,7 @@ impl GgufModel {
     /// The transformers name of one of this file's tensors.
     pub fn hf_name(&self, gguf: &str) -> Option<String> {
         match self.arch.as_str() {
-            "mamba2" => mamba::hf_name(&self.arch, gguf),
+            "mamba2" | "nemotron_h" | "nemotron_h_moe" => mamba::hf_name(&self.arch, gguf),
             _ => hf_name(gguf),
         }
     }
