@@ -950,6 +950,7 @@ fn a_sentencepiece_gguf_tokenizes_and_answers_as_transformers_does() {
                 .iter()
                 .zip(&want)
                 .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            eprintln!("spm gguf: worst relative Δlogit {:.2e}", worst / scale);
             assert!(
                 worst <= 1e-4 * scale,
                 "logits off by {worst} (scale {scale})"
@@ -1008,6 +1009,7 @@ fn llama3_rope_scaling_in_gguf_matches_the_safetensors_config() {
         .iter()
         .zip(&b)
         .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    eprintln!("llama3 gguf: worst relative Δlogit {:.2e}", worst / scale);
     assert!(
         worst <= 1e-5 * scale,
         "logits off by {worst} (scale {scale})"
@@ -1035,6 +1037,10 @@ fn llama3_rope_scaling_in_gguf_matches_the_safetensors_config() {
         .iter()
         .zip(&b)
         .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    eprintln!(
+        "llama3 gguf without rope_freqs: relative Δlogit {:.2e}",
+        moved / scale
+    );
     assert!(
         moved > 1e-3 * scale,
         "without the factors the logits moved only {moved}"
@@ -1250,6 +1256,7 @@ fn state_space_ggufs_load_the_same_model_as_their_safetensors() {
             .iter()
             .zip(&b)
             .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        eprintln!("{name} gguf: worst relative Δlogit {:.2e}", worst / scale);
         assert!(
             worst <= 1e-5 * scale,
             "{name}: logits off by {worst} (scale {scale})"
