@@ -1196,9 +1196,11 @@ fn a_hub_repo_of_gguf_files_downloads_only_the_chosen_quant() {
 /// State-space models as llama.cpp's converter writes them, made from fixtures by
 /// `tests/parity/make_gguf_hybrid.py` with gguf-py's tensor map: `mamba2` (`ssm_*` names, `A`
 /// stored as `-exp(A_log)`, squeezed conv kernels, grouped norm weights, `mamba2.ssm.*`
-/// metadata) and the hybrid `nemotron_h_moe` (attention with permuted q/k rows, relu² MLP,
+/// metadata) and the hybrids `nemotron_h_moe` (attention with permuted q/k rows, relu² MLP,
 /// stacked experts with a grouped sigmoid router, Mamba2; the layer pattern read from the
-/// tensors). Each loads the same model as the fixture's safetensors.
+/// tensors) and `granitehybrid` (RoPE or none, softmax experts and a shared MLP whose fused
+/// gate/up tensors the converter split, µP multipliers). Each loads the same model as the
+/// fixture's safetensors.
 #[test]
 fn state_space_ggufs_load_the_same_model_as_their_safetensors() {
     let cases = [
@@ -1224,6 +1226,29 @@ fn state_space_ggufs_load_the_same_model_as_their_safetensors() {
                 "backbone.layers.5.mixer.norm.weight",
                 "backbone.layers.3.mixer.gate.e_score_correction_bias",
                 "backbone.layers.4.mixer.up_proj.weight",
+            ][..],
+        ),
+        (
+            "granite-moe",
+            "GraniteMoeHybridForCausalLM",
+            &[
+                "model.layers.1.self_attn.q_proj.weight",
+                "model.layers.1.self_attn.k_proj.weight",
+                "model.layers.0.mamba.A_log",
+                "model.layers.2.mamba.norm.weight",
+                "model.layers.0.block_sparse_moe.output_linear.weight",
+                "model.layers.1.block_sparse_moe.router.layer.weight",
+                "model.layers.1.post_attention_layernorm.weight",
+            ][..],
+        ),
+        (
+            "granite-dense",
+            "GraniteMoeHybridForCausalLM",
+            &[
+                "model.layers.0.self_attn.k_proj.weight",
+                "model.layers.1.mamba.conv1d.weight",
+                "model.layers.1.mamba.norm.weight",
+                "model.layers.3.shared_mlp.output_linear.weight",
             ][..],
         ),
     ];
@@ -1274,4 +1299,23 @@ fn state_space_ggufs_load_the_same_model_as_their_safetensors() {
         cfg.get("hybrid_override_pattern").unwrap().as_str(),
         Some("*EME-M")
     );
+    // Granite's split gate/up halves are joined back into the fused tensors, bit for bit.
+    for (name, fused) in [
+        (
+            "granite-moe",
+            "model.layers.2.block_sparse_moe.input_linear.weight",
+        ),
+        (
+            "granite-dense",
+            "model.layers.2.shared_mlp.input_linear.weight",
+        ),
+    ] {
+        let g = gguf::GgufModel::open(&gguf_fixtures().join(format!("{name}.gguf"))).unwrap();
+        let tensors = g.tensors(&g.hf_config().unwrap()).unwrap();
+        let want = WeightStore::open(&fixture(name))
+            .unwrap()
+            .read_f32(fused)
+            .unwrap();
+        assert_eq!(tensors[fused], want, "{name}: {fused}");
+    }
 }

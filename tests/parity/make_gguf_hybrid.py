@@ -1,7 +1,9 @@
 """State-space fixtures written as GGUF the way llama.cpp's `convert_hf_to_gguf.py` writes them.
 
 `mamba2-g2` becomes `mamba2`; `nemotronh-b` (attention, Mamba2, relu² MLP and MoE layers)
-becomes `nemotron_h_moe` (`nemotron_h` without experts).
+becomes `nemotron_h_moe` (`nemotron_h` without experts); `granite-moe` (RoPE attention, experts
+and a shared MLP) and `granite-dense` (no positional encoding, shared MLP only) become
+`granitehybrid`.
 
 For each fixture folder named below, writes `tests/fixtures/gguf/<name>.gguf`: the `{arch}.*`
 metadata llama.cpp's converter states for the architecture, the byte-level BPE vocabulary as
@@ -15,7 +17,13 @@ converter's layout changes:
 - a tied LM head is not written;
 - NemotronH: q/k rows permuted as for Llama (the converter's `undo_permute`; its attention has
   no RoPE, so this changes nothing but the stored order), the routed experts stacked into one
-  `[experts, out, in]` tensor per projection, `e_score_correction_bias` as `exp_probs_b.bias`.
+  `[experts, out, in]` tensor per projection, `e_score_correction_bias` as `exp_probs_b.bias`;
+- Granite 4.0: q/k rows permuted, the fused `input_linear` (gate rows, then up rows) split into
+  `ffn_gate*` and `ffn_up*` (`_exps` for experts, `_shexp` for the shared MLP beside experts,
+  plain without), the µP multipliers as `attention.scale`, `embedding_scale`, `residual_scale`,
+  `logit_scale`. llama.cpp reads `rope.scaling.finetuned` as "this hybrid uses RoPE"; written
+  here from the config's `position_embedding_type` (the converter snapshot read for this
+  derives it from the architecture name instead).
 
 transformers cannot load these architectures from GGUF, so the Rust test compares each file
 with chimera's own load of the fixture's safetensors: the same weights in two containers.
@@ -34,7 +42,12 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "models"
 OUT = ROOT / "tests" / "fixtures" / "gguf"
-MODELS = {"mamba2-g2": gguf.MODEL_ARCH.MAMBA2, "nemotronh-b": gguf.MODEL_ARCH.NEMOTRON_H_MOE}
+MODELS = {
+    "mamba2-g2": gguf.MODEL_ARCH.MAMBA2,
+    "nemotronh-b": gguf.MODEL_ARCH.NEMOTRON_H_MOE,
+    "granite-moe": gguf.MODEL_ARCH.GRANITE_HYBRID,
+    "granite-dense": gguf.MODEL_ARCH.GRANITE_HYBRID,
+}
 
 
 def add_vocab(w: gguf.GGUFWriter, folder: Path, cfg: dict) -> None:
@@ -115,6 +128,66 @@ def add_nemotron_h_params(w: gguf.GGUFWriter, cfg: dict, moe: bool) -> tuple[int
     return d_inner, groups
 
 
+def add_granite_params(w: gguf.GGUFWriter, cfg: dict) -> tuple[int, int]:
+    """As llama.cpp's `GraniteHybridModel.set_gguf_parameters` (through the Llama, Granite and
+    GraniteMoe converters)."""
+    kinds = cfg["layer_types"]
+    attn = [k in ("attention", "full_attention") for k in kinds]
+    d_inner = int(cfg["mamba_expand"] * cfg["hidden_size"])
+    groups = cfg["mamba_n_groups"]
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(len(kinds))
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv([cfg["num_key_value_heads"] if a else 0 for a in attn])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
+    if cfg.get("num_local_experts"):
+        w.add_expert_count(cfg["num_local_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_attention_scale(cfg["attention_multiplier"])
+    w.add_embedding_scale(cfg["embedding_multiplier"])
+    w.add_residual_scale(cfg["residual_multiplier"])
+    w.add_logit_scale(cfg["logits_scaling"])
+    w.add_expert_shared_feed_forward_length(cfg["shared_intermediate_size"])
+    w.add_ssm_conv_kernel(cfg["mamba_d_conv"])
+    w.add_ssm_state_size(cfg["mamba_d_state"])
+    w.add_ssm_group_count(groups)
+    w.add_ssm_inner_size(d_inner)
+    w.add_ssm_time_step_rank(cfg["mamba_n_heads"])
+    w.add_rope_scaling_finetuned(cfg.get("position_embedding_type") == "rope")
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    return d_inner, groups
+
+
+def split_granite_mlps(tensors: dict, cfg: dict) -> dict:
+    """The converter's split of each fused `input_linear` into gate and up halves."""
+    out = {}
+    experts = bool(cfg.get("num_local_experts"))
+    for name, value in tensors.items():
+        if not name.endswith("input_linear.weight"):
+            out[name] = value
+            continue
+        layer = name.split(".")[2]
+        gate, up = np.split(value, 2, axis=-2)
+        if ".block_sparse_moe." in name:
+            parts = ("ffn_gate_exps", "ffn_up_exps")
+        elif experts:
+            parts = ("ffn_gate_shexp", "ffn_up_shexp")
+        else:
+            parts = ("ffn_gate", "ffn_up")
+        out[f"gguf:blk.{layer}.{parts[0]}.weight"] = gate
+        out[f"gguf:blk.{layer}.{parts[1]}.weight"] = up
+        if not experts and ".shared_mlp." in name:
+            down = f"model.layers.{layer}.shared_mlp.output_linear.weight"
+            out[f"gguf:blk.{layer}.ffn_down.weight"] = tensors[down]
+    if not experts:
+        out = {k: v for k, v in out.items() if not k.endswith("shared_mlp.output_linear.weight")}
+    return out
+
+
 def permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's q/k row order: each head's two halves interleaved."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -141,10 +214,18 @@ def convert(name: str, arch: gguf.MODEL_ARCH) -> Path:
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     w.add_name(name)
     # torch reads the bf16 fixtures numpy cannot; widened to f32 exactly.
-    tensors = {k: v.float().numpy() for k, v in load_file(str(folder / "model.safetensors")).items()}
+    tensors = {
+        k: v.float().numpy()
+        for shard in sorted(folder.glob("model*.safetensors"))
+        for k, v in load_file(str(shard)).items()
+    }
     if arch == gguf.MODEL_ARCH.MAMBA2:
         d_inner, groups = add_mamba2_params(w, cfg)
         layers = cfg["num_hidden_layers"]
+    elif arch == gguf.MODEL_ARCH.GRANITE_HYBRID:
+        d_inner, groups = add_granite_params(w, cfg)
+        layers = len(cfg["layer_types"])
+        tensors = split_granite_mlps(tensors, cfg)
     else:
         d_inner, groups = add_nemotron_h_params(w, cfg, arch == gguf.MODEL_ARCH.NEMOTRON_H_MOE)
         layers = len(cfg["hybrid_override_pattern"])
@@ -155,9 +236,12 @@ def convert(name: str, arch: gguf.MODEL_ARCH) -> Path:
     for hf, value in sorted(tensors.items()):
         value = value.astype(np.float32)
         hf = hf.replace("e_score_correction_bias", "e_score_correction.bias")
-        if hf.endswith("mixer.q_proj.weight"):
+        if hf.startswith("gguf:"):  # already named by the converter's own split
+            w.add_tensor(hf.removeprefix("gguf:"), np.ascontiguousarray(value))
+            continue
+        if hf.endswith(("mixer.q_proj.weight", "self_attn.q_proj.weight")):
             value = permute(value, cfg["num_attention_heads"])
-        elif hf.endswith("mixer.k_proj.weight"):
+        elif hf.endswith(("mixer.k_proj.weight", "self_attn.k_proj.weight")):
             value = permute(value, cfg["num_key_value_heads"])
         if hf == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
@@ -172,7 +256,7 @@ def convert(name: str, arch: gguf.MODEL_ARCH) -> Path:
             value = value.reshape(*value.shape, 1)
         elif hf.endswith(".conv1d.weight"):
             value = value.squeeze(1)
-        elif hf.endswith(".mixer.norm.weight"):
+        elif hf.endswith((".mixer.norm.weight", ".mamba.norm.weight")):
             value = value.reshape(groups, d_inner // groups)
         w.add_tensor(new, np.ascontiguousarray(value))
     w.write_header_to_file()

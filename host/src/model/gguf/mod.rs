@@ -10,8 +10,8 @@
 //! absent. [`vocab`] rebuilds the tokenizer and chat template from `tokenizer.ggml.*`.
 //!
 //! Architectures: `llama` (Llama, Mistral, SmolLM and other Llama-shaped models) and the
-//! Mamba2 family in [`mamba`] (`mamba2`, and the NemotronH hybrid: `nemotron_h`,
-//! `nemotron_h_moe`), whose converter changes some tensors' layout.
+//! Mamba2 family in [`mamba`] (`mamba2`, and the hybrids `nemotron_h`, `nemotron_h_moe` and
+//! `granitehybrid`), whose converter changes some tensors' layout.
 
 pub mod file;
 pub mod mamba;
@@ -41,6 +41,7 @@ pub const SUPPORTED: &[(&str, &str)] = &[
     ("mamba2", "Mamba2ForCausalLM"),
     ("nemotron_h", "NemotronHForCausalLM"),
     ("nemotron_h_moe", "NemotronHForCausalLM"),
+    ("granitehybrid", "GraniteMoeHybridForCausalLM"),
 ];
 
 /// Tensors that are configuration, read by [`GgufModel::hf_config`], not weights.
@@ -103,6 +104,7 @@ impl GgufModel {
         let mut c = match self.arch.as_str() {
             "mamba2" => mamba::mamba2_config(self)?,
             "nemotron_h" | "nemotron_h_moe" => mamba::nemotron_h_config(self)?,
+            "granitehybrid" => mamba::granite_config(self)?,
             _ => self.llama_config()?,
         };
         for (key, name) in [("bos_token_id", "bos"), ("eos_token_id", "eos")] {
@@ -237,12 +239,17 @@ impl GgufModel {
     /// Every tensor dequantized to f32 under its transformers name, q/k rows un-permuted.
     pub fn tensors(&self, config: &HfConfig) -> Result<HashMap<String, HostF32>, ModelError> {
         let heads = self.rope_heads(config)?;
-        self.file
+        let mut tensors: HashMap<String, HostF32> = self
+            .file
             .tensors
             .par_iter()
             .filter(|t| !CONFIG_TENSORS.contains(&t.name.as_str()))
             .map(|t| self.dequantize(t, heads))
-            .collect()
+            .collect::<Result<_, _>>()?;
+        if self.arch == "granitehybrid" {
+            mamba::fuse_gate_up(&mut tensors).map_err(|m| self.err(m))?;
+        }
+        Ok(tensors)
     }
 
     /// One tensor by its transformers name, as [`GgufModel::tensors`] gives it.
@@ -276,7 +283,9 @@ impl GgufModel {
     /// The transformers name of one of this file's tensors.
     pub fn hf_name(&self, gguf: &str) -> Option<String> {
         match self.arch.as_str() {
-            "mamba2" | "nemotron_h" | "nemotron_h_moe" => mamba::hf_name(&self.arch, gguf),
+            "mamba2" | "nemotron_h" | "nemotron_h_moe" | "granitehybrid" => {
+                mamba::hf_name(&self.arch, gguf)
+            }
             _ => hf_name(gguf),
         }
     }
