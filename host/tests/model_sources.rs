@@ -1319,3 +1319,84 @@ fn state_space_ggufs_load_the_same_model_as_their_safetensors() {
         assert_eq!(tensors[fused], want, "{name}: {fused}");
     }
 }
+
+/// `file` rewritten with `edit` applied to its metadata (tensors unchanged).
+fn gguf_with_metadata(file: &Path, out: &Path, edit: impl Fn(&mut Vec<(String, Value)>)) {
+    let f = gguf::GgufFile::open(file).unwrap();
+    let mut metadata: Vec<(String, Value)> = f
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    edit(&mut metadata);
+    let metadata: Vec<(&str, Value)> = metadata
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.clone()))
+        .collect();
+    let tensors: Vec<(String, Vec<usize>, GgmlType, Vec<u8>)> = f
+        .tensors
+        .iter()
+        .map(|t| (t.name.clone(), t.shape(), t.ty, f.data(t).to_vec()))
+        .collect();
+    gguf::file::write(out, &metadata, &tensors).unwrap();
+}
+
+/// GGUF files the loader cannot serve are errors that say why: an architecture outside the
+/// list (named, with the list), a vocabulary kind not rebuilt, SentencePiece scores that do
+/// not match the tokens, a RoPE scaling kind not supported.
+#[test]
+fn gguf_files_that_cannot_be_served_say_why() {
+    let dir = temp_cache("gguf-refusals");
+    let spm = gguf_fixtures().join("tiny-llama-spm.gguf");
+    let set = |key: &'static str, value: Value| {
+        move |m: &mut Vec<(String, Value)>| {
+            m.retain(|(k, _)| k != key);
+            m.push((key.to_string(), value.clone()));
+        }
+    };
+    let cases: Vec<(&str, Box<dyn Fn(&mut Vec<(String, Value)>)>, &[&str])> = vec![
+        (
+            "arch",
+            Box::new(set("general.architecture", Value::Str("falcon-h1".into()))),
+            &[
+                "falcon-h1",
+                "llama, mamba2, nemotron_h, nemotron_h_moe, granitehybrid",
+            ],
+        ),
+        (
+            "vocab",
+            Box::new(set("tokenizer.ggml.model", Value::Str("t5".into()))),
+            &["GGUF tokenizer `t5`", "`llama` SentencePiece"],
+        ),
+        (
+            "scores",
+            Box::new(set(
+                "tokenizer.ggml.scores",
+                Value::Array(vec![Value::F32(0.0); 3]),
+            )),
+            &["tokenizer.ggml.scores", "400 tokens"],
+        ),
+        (
+            "rope",
+            Box::new(set("llama.rope.scaling.type", Value::Str("yarn".into()))),
+            &["RoPE scaling `yarn`"],
+        ),
+    ];
+    for (tag, edit, needles) in cases {
+        let out = dir.join(format!("{tag}.gguf"));
+        gguf_with_metadata(&spm, &out, edit);
+        let e = LoadedModel::open(out.to_str().unwrap(), "main")
+            .and_then(|m| m.model(&CpuBackend::default(), false).map(|_| ()))
+            .unwrap_err();
+        let msg = format!("{e:#}");
+        for n in needles {
+            assert!(msg.contains(n), "{tag}: `{n}` not in: {msg}");
+        }
+    }
+    // The unedited file serves: the refusals come from the edits.
+    LoadedModel::open(spm.to_str().unwrap(), "main")
+        .unwrap()
+        .model(&CpuBackend::default(), false)
+        .unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
