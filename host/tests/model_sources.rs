@@ -1360,7 +1360,7 @@ fn gguf_files_that_cannot_be_served_say_why() {
             Box::new(set("general.architecture", Value::Str("falcon-h1".into()))),
             &[
                 "falcon-h1",
-                "llama, mamba2, nemotron_h, nemotron_h_moe, granitehybrid",
+                "llama, mamba2, nemotron_h, nemotron_h_moe, granitehybrid, qwen35",
             ],
         ),
         (
@@ -1399,4 +1399,89 @@ fn gguf_files_that_cannot_be_served_say_why() {
         .model(&CpuBackend::default(), false)
         .unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Qwen3.5 (Gated DeltaNet + gated attention) as llama.cpp writes it (`qwen35`: `w + 1` norms,
+/// value heads tiled over key heads, `-exp(A_log)`, squeezed conv), made from the `qwen35-a`
+/// fixture by `tests/parity/make_gguf_hybrid.py`: chimera's load of the file gives the logits
+/// and greedy continuation transformers gives loading the same file
+/// (`qwen35-a-reference.json`), and the same model as the fixture's safetensors.
+#[test]
+fn a_qwen35_gguf_answers_as_transformers_does_on_the_same_file() {
+    let name = "qwen35-a";
+    let file = gguf_fixtures().join(format!("{name}.gguf"));
+    let reference: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(gguf_fixtures().join(format!("{name}-reference.json"))).unwrap(),
+    )
+    .unwrap();
+    let loaded = LoadedModel::open(file.to_str().unwrap(), "main").unwrap();
+    let model = loaded.model(&CpuBackend::default(), false).unwrap();
+    assert_eq!(model.info.architecture, "Qwen3_5ForCausalLM");
+    let text_ids: Vec<u32> = serde_json::from_value(reference["text_ids"].clone()).unwrap();
+    assert_eq!(
+        loaded
+            .codec
+            .encode(reference["text"].as_str().unwrap(), true)
+            .unwrap(),
+        text_ids
+    );
+    let prompt: Vec<u32> = serde_json::from_value(reference["prompt_ids"].clone()).unwrap();
+    let want: Vec<f32> = serde_json::from_value(reference["last_logits"].clone()).unwrap();
+    let got = last_logits(&model, &prompt);
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let worst = got
+        .iter()
+        .zip(&want)
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    eprintln!(
+        "qwen35-a gguf vs transformers on the same file: worst relative Δlogit {:.2e}",
+        worst / scale
+    );
+    assert!(
+        worst <= 1e-4 * scale,
+        "logits off by {worst} (scale {scale})"
+    );
+    let out: Vec<u32> = serde_json::from_value(reference["output_ids"].clone()).unwrap();
+    assert_eq!(greedy(&model, &prompt, out.len()), out);
+
+    // And the same model as the fixture's safetensors, tensor by tensor where layouts changed.
+    let g = gguf::GgufModel::open(&file).unwrap();
+    let cfg = g.hf_config().unwrap();
+    let store = WeightStore::open(&fixture(name)).unwrap();
+    for t in [
+        "model.layers.0.linear_attn.in_proj_qkv.weight",
+        "model.layers.0.linear_attn.in_proj_z.weight",
+        "model.layers.1.linear_attn.in_proj_a.weight",
+        "model.layers.1.linear_attn.A_log",
+        "model.layers.2.linear_attn.dt_bias",
+        "model.layers.2.linear_attn.conv1d.weight",
+        "model.layers.2.linear_attn.out_proj.weight",
+        "model.layers.2.linear_attn.norm.weight",
+        "model.layers.3.self_attn.q_norm.weight",
+        "model.layers.3.input_layernorm.weight",
+        "model.norm.weight",
+    ] {
+        let (got, got_shape) = g.hf_tensor(&cfg, t).unwrap();
+        let (want, want_shape) = store.read_f32(t).unwrap();
+        assert_eq!(got_shape, want_shape, "{t}");
+        for (a, b) in got.iter().zip(&want) {
+            assert!((a - b).abs() <= 1e-6 * b.abs().max(1.0), "{t}: {a} vs {b}");
+        }
+    }
+    let folder = LoadedModel::open(fixture(name).to_str().unwrap(), "main").unwrap();
+    let reference_model = folder.model(&CpuBackend::default(), false).unwrap();
+    let b = last_logits(&reference_model, &prompt);
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let worst = got
+        .iter()
+        .zip(&b)
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    eprintln!(
+        "qwen35-a gguf vs its safetensors: worst relative Δlogit {:.2e}",
+        worst / scale
+    );
+    assert!(
+        worst <= 1e-5 * scale,
+        "logits off by {worst} (scale {scale})"
+    );
 }

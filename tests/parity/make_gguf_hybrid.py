@@ -3,7 +3,7 @@
 `mamba2-g2` becomes `mamba2`; `nemotronh-b` (attention, Mamba2, relu² MLP and MoE layers)
 becomes `nemotron_h_moe` (`nemotron_h` without experts); `granite-moe` (RoPE attention, experts
 and a shared MLP) and `granite-dense` (no positional encoding, shared MLP only) become
-`granitehybrid`.
+`granitehybrid`; `qwen35-a` (Gated DeltaNet and gated attention) becomes `qwen35`.
 
 For each fixture folder named below, writes `tests/fixtures/gguf/<name>.gguf`: the `{arch}.*`
 metadata llama.cpp's converter states for the architecture, the byte-level BPE vocabulary as
@@ -25,8 +25,16 @@ converter's layout changes:
   here from the config's `position_embedding_type` (the converter snapshot read for this
   derives it from the architecture name instead).
 
-transformers cannot load these architectures from GGUF, so the Rust test compares each file
-with chimera's own load of the fixture's safetensors: the same weights in two containers.
+- Qwen3.5: zero-centred norms stored as `w + 1` (not the Gated DeltaNet's own gated norm),
+  value heads tiled (`v0k0 v0k1 v1k0 v1k1`) rather than grouped by key head in every tensor
+  with a row per value head or value element (the value block of `in_proj_qkv` and `conv1d`,
+  `in_proj_z`, `in_proj_a`, `in_proj_b`, `A_log`, `dt_bias`) and in the columns of `out_proj`,
+  `A_log` as `-exp(A_log)`, `rope.dimension_sections` for the multimodal RoPE.
+
+The Rust test compares each file with chimera's own load of the fixture's safetensors (the same
+weights in two containers); transformers cannot load Mamba2, NemotronH or Granite GGUFs. It
+can load Qwen3.5 ones: for `qwen35-a` it writes `<name>-reference.json` with transformers'
+last-position logits and greedy continuation on the GGUF file.
 
     pip install gguf safetensors numpy torch
     python3 tests/parity/make_gguf_hybrid.py
@@ -47,7 +55,10 @@ MODELS = {
     "nemotronh-b": gguf.MODEL_ARCH.NEMOTRON_H_MOE,
     "granite-moe": gguf.MODEL_ARCH.GRANITE_HYBRID,
     "granite-dense": gguf.MODEL_ARCH.GRANITE_HYBRID,
+    "qwen35-a": gguf.MODEL_ARCH.QWEN35,
 }
+# transformers loads these architectures from GGUF itself: its logits are recorded too.
+TRANSFORMERS_READS = {"qwen35-a"}
 
 
 def add_vocab(w: gguf.GGUFWriter, folder: Path, cfg: dict) -> None:
@@ -162,6 +173,91 @@ def add_granite_params(w: gguf.GGUFWriter, cfg: dict) -> tuple[int, int]:
     return d_inner, groups
 
 
+def add_qwen35_params(w: gguf.GGUFWriter, cfg: dict) -> None:
+    """The `qwen35.*` keys transformers' GGUF config mapping reads (as llama.cpp writes them)."""
+    kinds = cfg["layer_types"]
+    interval = kinds.index("full_attention") + 1
+    if any((k == "full_attention") != ((i + 1) % interval == 0) for i, k in enumerate(kinds)):
+        raise SystemExit("qwen35: layer_types is not one full attention layer every `interval`")
+    rope = cfg["rope_parameters"]
+    rotary = int(cfg["head_dim"] * rope.get("partial_rotary_factor", 1.0))
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_full_attention_interval(interval)
+    w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+    w.add_ssm_state_size(cfg["linear_key_head_dim"])
+    w.add_ssm_group_count(cfg["linear_num_key_heads"])
+    w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+    w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_rope_dimension_count(rotary)
+    # Text puts every token at the same position on all three axes, so the split of the rotary
+    # pairs between them changes nothing; transformers wants three non-zero sections.
+    w.add_rope_dimension_sections(rope.get("mrope_section", [1, 1, 1]) + [0])
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+
+
+def tile_value_heads(tensors: dict, cfg: dict) -> dict:
+    """llama.cpp's order of value heads: tiled over key heads instead of grouped by them."""
+    k_heads = cfg["linear_num_key_heads"]
+    per_k = cfg["linear_num_value_heads"] // k_heads
+    v_dim = cfg["linear_value_head_dim"]
+    qk_rows = 2 * cfg["linear_key_head_dim"] * k_heads
+
+    def order(dim: int) -> np.ndarray:
+        return np.arange(k_heads * per_k * dim).reshape(k_heads, per_k, dim).transpose(1, 0, 2).reshape(-1)
+
+    out = {}
+    for name, value in tensors.items():
+        if ".linear_attn." in name:
+            leaf = name.split(".linear_attn.", 1)[1]
+            if leaf in ("in_proj_qkv.weight", "conv1d.weight"):
+                value = np.concatenate([value[:qk_rows], value[qk_rows:][order(v_dim)]])
+            elif leaf == "in_proj_z.weight":
+                value = value[order(v_dim)]
+            elif leaf in ("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias"):
+                value = value[order(1)]
+            elif leaf == "out_proj.weight":
+                value = value[:, order(v_dim)]
+        out[name] = value
+    return out
+
+
+def qwen35_reference(path: Path, folder: Path) -> dict:
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model.eval()
+    text = "The quick brown fox jumps over the lazy dog"
+    ids = tok(text, add_special_tokens=True)["input_ids"]
+    prompt = (ids * 8)[:40]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1]
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0
+        )
+    return {
+        "file": path.name,
+        "versions": {"transformers": transformers.__version__, "torch": torch.__version__},
+        "text": text,
+        "text_ids": ids,
+        "prompt_ids": prompt,
+        "last_logits": [float(v) for v in logits],
+        "output_ids": out[0, len(prompt) :].tolist(),
+    }
+
+
 def split_granite_mlps(tensors: dict, cfg: dict) -> dict:
     """The converter's split of each fused `input_linear` into gate and up halves."""
     out = {}
@@ -222,6 +318,11 @@ def convert(name: str, arch: gguf.MODEL_ARCH) -> Path:
     if arch == gguf.MODEL_ARCH.MAMBA2:
         d_inner, groups = add_mamba2_params(w, cfg)
         layers = cfg["num_hidden_layers"]
+    elif arch == gguf.MODEL_ARCH.QWEN35:
+        add_qwen35_params(w, cfg)
+        d_inner, groups = 0, 1
+        layers = cfg["num_hidden_layers"]
+        tensors = tile_value_heads(tensors, cfg)
     elif arch == gguf.MODEL_ARCH.GRANITE_HYBRID:
         d_inner, groups = add_granite_params(w, cfg)
         layers = len(cfg["layer_types"])
@@ -239,7 +340,9 @@ def convert(name: str, arch: gguf.MODEL_ARCH) -> Path:
         if hf.startswith("gguf:"):  # already named by the converter's own split
             w.add_tensor(hf.removeprefix("gguf:"), np.ascontiguousarray(value))
             continue
-        if hf.endswith(("mixer.q_proj.weight", "self_attn.q_proj.weight")):
+        if arch == gguf.MODEL_ARCH.QWEN35:
+            pass  # Qwen rotates halves as llama.cpp's NeoX mode does: no q/k permutation
+        elif hf.endswith(("mixer.q_proj.weight", "self_attn.q_proj.weight")):
             value = permute(value, cfg["num_attention_heads"])
         elif hf.endswith(("mixer.k_proj.weight", "self_attn.k_proj.weight")):
             value = permute(value, cfg["num_key_value_heads"])
@@ -252,7 +355,12 @@ def convert(name: str, arch: gguf.MODEL_ARCH) -> Path:
             raise SystemExit(f"{name}: no GGUF name for {hf}")
         if hf.endswith(".A_log"):
             value = -np.exp(value)
-        if hf.endswith((".A_log", ".D")):
+        if arch == gguf.MODEL_ARCH.QWEN35:
+            if hf.endswith("norm.weight") and not hf.endswith("linear_attn.norm.weight"):
+                value = value + 1.0  # zero-centred norms, stored as w + 1
+            elif hf.endswith(".conv1d.weight"):
+                value = value.squeeze(1)
+        elif hf.endswith((".A_log", ".D")):
             value = value.reshape(*value.shape, 1)
         elif hf.endswith(".conv1d.weight"):
             value = value.squeeze(1)
@@ -271,6 +379,11 @@ def main() -> None:
     for name, arch in MODELS.items():
         path = convert(name, arch)
         print(path.relative_to(ROOT), path.stat().st_size, "bytes")
+        if name in TRANSFORMERS_READS:
+            ref = qwen35_reference(path, FIXTURES / name)
+            out = OUT / f"{name}-reference.json"
+            out.write_text(json.dumps(ref, indent=1) + "\n")
+            print(out.relative_to(ROOT), ref["output_ids"])
 
 
 if __name__ == "__main__":

@@ -11,11 +11,12 @@
 //!
 //! Architectures: `llama` (Llama, Mistral, SmolLM and other Llama-shaped models) and the
 //! Mamba2 family in [`mamba`] (`mamba2`, and the hybrids `nemotron_h`, `nemotron_h_moe` and
-//! `granitehybrid`), whose converter changes some tensors' layout.
+//! `granitehybrid`) and Qwen3.5 in [`qwen35`], whose converter changes some tensors' layout.
 
 pub mod file;
 pub mod mamba;
 pub mod quant;
+pub mod qwen35;
 pub mod vocab;
 
 use std::collections::HashMap;
@@ -42,6 +43,7 @@ pub const SUPPORTED: &[(&str, &str)] = &[
     ("nemotron_h", "NemotronHForCausalLM"),
     ("nemotron_h_moe", "NemotronHForCausalLM"),
     ("granitehybrid", "GraniteMoeHybridForCausalLM"),
+    ("qwen35", "Qwen3_5ForCausalLM"),
 ];
 
 /// Tensors that are configuration, read by [`GgufModel::hf_config`], not weights.
@@ -105,6 +107,7 @@ impl GgufModel {
             "mamba2" => mamba::mamba2_config(self)?,
             "nemotron_h" | "nemotron_h_moe" => mamba::nemotron_h_config(self)?,
             "granitehybrid" => mamba::granite_config(self)?,
+            "qwen35" => qwen35::config(self)?,
             _ => self.llama_config()?,
         };
         for (key, name) in [("bos_token_id", "bos"), ("eos_token_id", "eos")] {
@@ -268,10 +271,10 @@ impl GgufModel {
     }
 
     /// Query and key heads, for undoing the q/k row permutation (llama.cpp's converter
-    /// permutes Llama's, and NemotronH's through the same code path; not Mamba2, which has
-    /// no attention).
+    /// permutes Llama's, and NemotronH's and Granite's through the same code path; not
+    /// Mamba2's, which has no attention, nor Qwen's, which rotates halves as llama.cpp does).
     fn rope_heads(&self, config: &HfConfig) -> Result<Option<(usize, usize)>, ModelError> {
-        if self.arch == "mamba2" {
+        if matches!(self.arch.as_str(), "mamba2" | "qwen35") {
             return Ok(None);
         }
         Ok(Some((
@@ -286,6 +289,7 @@ impl GgufModel {
             "mamba2" | "nemotron_h" | "nemotron_h_moe" | "granitehybrid" => {
                 mamba::hf_name(&self.arch, gguf)
             }
+            "qwen35" => qwen35::hf_name(gguf),
             _ => hf_name(gguf),
         }
     }
@@ -315,10 +319,12 @@ impl GgufModel {
                 values = unpermute_rows(&values, &shape, kv_heads).map_err(|m| self.err(m))?;
             }
         }
-        if self.arch != "llama" {
-            shape = mamba::restore(&t.name, &mut values, shape)
-                .map_err(|m| self.err(format!("tensor `{}`: {m}", t.name)))?;
-        }
+        let restored = match self.arch.as_str() {
+            "llama" => Ok(shape),
+            "qwen35" => qwen35::restore(&t.name, &mut values, shape, qwen35::Heads::of(self)?),
+            _ => mamba::restore(&t.name, &mut values, shape),
+        };
+        shape = restored.map_err(|m| self.err(format!("tensor `{}`: {m}", t.name)))?;
         Ok((name, (values, shape)))
     }
 
