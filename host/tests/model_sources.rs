@@ -1348,16 +1348,11 @@ fn gguf_with_metadata(file: &Path, out: &Path, edit: impl Fn(&mut Vec<(String, V
 fn gguf_files_that_cannot_be_served_say_why() {
     let dir = temp_cache("gguf-refusals");
     let spm = gguf_fixtures().join("tiny-llama-spm.gguf");
-    let set = |key: &'static str, value: Value| {
-        move |m: &mut Vec<(String, Value)>| {
-            m.retain(|(k, _)| k != key);
-            m.push((key.to_string(), value.clone()));
-        }
-    };
-    let cases: Vec<(&str, Box<dyn Fn(&mut Vec<(String, Value)>)>, &[&str])> = vec![
+    let cases: [(&str, &str, Value, &[&str]); 4] = [
         (
             "arch",
-            Box::new(set("general.architecture", Value::Str("falcon-h1".into()))),
+            "general.architecture",
+            Value::Str("falcon-h1".into()),
             &[
                 "falcon-h1",
                 "llama, mamba2, nemotron_h, nemotron_h_moe, granitehybrid, qwen35",
@@ -1365,26 +1360,29 @@ fn gguf_files_that_cannot_be_served_say_why() {
         ),
         (
             "vocab",
-            Box::new(set("tokenizer.ggml.model", Value::Str("t5".into()))),
+            "tokenizer.ggml.model",
+            Value::Str("t5".into()),
             &["GGUF tokenizer `t5`", "`llama` SentencePiece"],
         ),
         (
             "scores",
-            Box::new(set(
-                "tokenizer.ggml.scores",
-                Value::Array(vec![Value::F32(0.0); 3]),
-            )),
+            "tokenizer.ggml.scores",
+            Value::Array(vec![Value::F32(0.0); 3]),
             &["tokenizer.ggml.scores", "400 tokens"],
         ),
         (
             "rope",
-            Box::new(set("llama.rope.scaling.type", Value::Str("yarn".into()))),
+            "llama.rope.scaling.type",
+            Value::Str("yarn".into()),
             &["RoPE scaling `yarn`"],
         ),
     ];
-    for (tag, edit, needles) in cases {
+    for (tag, key, value, needles) in cases {
         let out = dir.join(format!("{tag}.gguf"));
-        gguf_with_metadata(&spm, &out, edit);
+        gguf_with_metadata(&spm, &out, |m| {
+            m.retain(|(k, _)| k != key);
+            m.push((key.to_string(), value.clone()));
+        });
         let e = LoadedModel::open(out.to_str().unwrap(), "main")
             .and_then(|m| m.model(&CpuBackend::default(), false).map(|_| ()))
             .unwrap_err();
