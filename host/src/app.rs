@@ -40,9 +40,10 @@ pub enum ModelSource {
 }
 
 impl LoadedModel {
-    /// Opens what `model.path` names: `builtin:tiny-hybrid`, a local model folder, or a hub
-    /// model id `org/name` at `revision` (downloaded into the Hugging Face cache when
-    /// missing). A local path that exists wins over a hub id of the same spelling.
+    /// Opens what `model.path` names: `builtin:tiny-hybrid`, a local model folder, a `.gguf`
+    /// file, or a hub model id `org/name` at `revision` (downloaded into the Hugging Face
+    /// cache when missing; `org/name:Q4_K_M` picks one GGUF file of a GGUF repo). A local path
+    /// that exists wins over a hub id of the same spelling.
     pub fn open(path: &str, revision: &str) -> anyhow::Result<Self> {
         if path == builtin::NAME {
             let codec = TextCodec::embedded()?;
@@ -62,19 +63,33 @@ impl LoadedModel {
             }
             return Self::from_gguf(dir);
         }
-        if !dir.exists() && hub::is_repo_id(path) {
+        let hub_name = if dir.exists() {
+            None
+        } else if hub::is_repo_id(path) {
+            Some((path, None))
+        } else {
+            hub::split_quant_tag(path).map(|(repo, tag)| (repo, Some(tag)))
+        };
+        if let Some((repo, quant)) = hub_name {
             let settings = hub::HubSettings::from_env();
             tracing::info!(
-                model = path,
+                model = repo,
+                gguf = quant,
                 revision,
                 cache = %settings.cache_dir.display(),
                 offline = settings.offline,
                 "resolving a Hugging Face hub model"
             );
-            let snapshot = hub::resolve(path, revision, &settings)
+            let resolved = hub::resolve_file(repo, revision, quant, &settings)
                 .with_context(|| format!("model.path = {path:?} (a Hugging Face hub id)"))?;
-            let name = path.rsplit('/').next().unwrap_or(path).to_string();
-            return Self::from_folder(snapshot, name);
+            if resolved
+                .extension()
+                .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+            {
+                return Self::from_gguf(resolved);
+            }
+            let name = repo.rsplit('/').next().unwrap_or(repo).to_string();
+            return Self::from_folder(resolved, name);
         }
         if !dir.is_dir() {
             let what = if dir.exists() {

@@ -62,7 +62,8 @@ struct ServeArgs {
     #[arg(long)]
     config: Option<PathBuf>,
     /// Overrides `model.path`: `builtin:tiny-hybrid`, a Hugging Face model folder, a `.gguf`
-    /// file, or a hub model id `org/name` (downloaded into the Hugging Face cache).
+    /// file, or a hub model id `org/name` (downloaded into the Hugging Face cache;
+    /// `org/name:Q4_K_M` picks one file of a repo of GGUF files).
     #[arg(long)]
     model: Option<String>,
     /// Overrides `model.revision`: the hub branch, tag or commit of a hub model id.
@@ -101,8 +102,8 @@ struct ServeArgs {
 
 #[derive(clap::Args)]
 struct GenerateArgs {
-    /// A Hugging Face model folder, a `.gguf` file or a hub model id `org/name`; the embedded
-    /// tiny hybrid model when omitted.
+    /// A Hugging Face model folder, a `.gguf` file or a hub model id `org/name` (or
+    /// `org/name:Q4_K_M`, one file of a GGUF repo); the embedded tiny hybrid model when omitted.
     #[arg(long)]
     model: Option<String>,
     /// The hub revision (branch, tag or commit) of a hub model id.
