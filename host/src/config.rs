@@ -43,8 +43,9 @@ pub enum ConfigError {
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
     /// `builtin:tiny-hybrid`, a Hugging Face model folder, a `.gguf` file, or a hub model id
-    /// (`org/name`, downloaded into the Hugging Face cache). An existing local path wins over
-    /// a hub id of the same spelling.
+    /// (`org/name`, downloaded into the Hugging Face cache; `org/name:Q4_K_M` picks one file
+    /// of a repo of GGUF files). An existing local path wins over a hub id of the same
+    /// spelling.
     pub path: String,
     /// The hub revision (branch, tag or commit hash) of a hub model id.
     pub revision: String,

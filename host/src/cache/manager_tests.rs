@@ -25,6 +25,7 @@ fn run_prompt(cm: &mut CacheManager, seq: u32, tokens: &[u32]) -> (PrefixMatch, 
     let m = cm.match_prefix(&h, tokens.len());
     let init = cm.admit(seq, &h, m, tokens.len()).unwrap();
     let ctx = m.skip_blocks * BS;
+    cm.count_prefix_query(tokens.len(), ctx);
     let mut snaps = Vec::new();
     cm.plan_snapshots(
         seq,
@@ -59,7 +60,9 @@ fn second_request_skips_the_cached_prefix() {
             skip_blocks: 2
         }
     );
-    assert_eq!(cm.counters.prefix_hits, 2);
+    // In tokens: two prompts of 10 and 13 queried, two blocks of 4 served from the cache.
+    assert_eq!(cm.counters.prefix_hits, 8);
+    assert_eq!(cm.counters.prefix_queries, 23);
     // The table starts with the cached blocks.
     let first = cm.pool().lookup(hashes(&a)[0]).unwrap();
     assert_eq!(cm.block_table(1)[0], first);

@@ -284,6 +284,13 @@ impl CacheManager {
         })
     }
 
+    /// Counts one admission's prefix-cache lookup in tokens, as vLLM does: the whole prompt was
+    /// queried, `cached_tokens` of it were served from the cache.
+    pub fn count_prefix_query(&mut self, prompt_tokens: usize, cached_tokens: usize) {
+        self.counters.prefix_queries += prompt_tokens as u64;
+        self.counters.prefix_hits += cached_tokens as u64;
+    }
+
     /// Counts one admission's outcome in [`CacheCounters::misses`].
     pub fn count_miss(&mut self, reason: Option<MissReason>) {
         if let Some(r) = reason {
@@ -365,8 +372,6 @@ impl CacheManager {
             self.seqs.resize_with(seq as usize + 1, || None);
         }
         self.seqs[seq as usize] = Some(sc);
-        self.counters.prefix_queries += hashes.len() as u64;
-        self.counters.prefix_hits += m.skip_blocks as u64;
         if matches!(init, SsmInit::Restore { .. }) {
             self.counters.ssm_restores += 1;
         }

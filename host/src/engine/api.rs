@@ -214,9 +214,9 @@ pub struct EngineStats {
     pub prompt_tokens_computed: u64,
     pub prompt_tokens_cached: u64,
     pub generation_tokens: u64,
-    /// Full prompt blocks looked up in the prefix cache.
+    /// Prompt tokens looked up in the prefix cache (every admission's whole prompt).
     pub prefix_cache_queries: u64,
-    /// Prompt blocks whose computation the prefix cache saved.
+    /// Prompt tokens whose computation the prefix cache saved.
     pub prefix_cache_hits: u64,
     pub ssm_restores: u64,
     pub preemptions: u64,

@@ -560,7 +560,7 @@ impl<E: StepExecutor> Engine<E> {
         s.free_blocks = pool.available() as u32;
         s.cached_blocks = pool.indexed() as u32;
         s.ssm_snapshots_used = self.cache.ssm().snapshots() as u32;
-        s.prompt_tokens_cached = c.prefix_hits * self.layout.block_size as u64;
+        s.prompt_tokens_cached = c.prefix_hits;
         s.prefix_cache_queries = c.prefix_queries;
         s.prefix_cache_hits = c.prefix_hits;
         s.ssm_restores = c.ssm_restores;
