@@ -37,6 +37,8 @@ def parse_args():
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--port", type=int, default=8123)
     p.add_argument("--no-sweep", action="store_true", help="caching: skip the rate sweep")
+    p.add_argument("--max-batched-tokens", type=int, default=4096,
+                   help="engine.max_batched_tokens of the servers (the prefill chunk)")
     return p.parse_args()
 
 
@@ -149,7 +151,7 @@ dtype = "{self.args.dtype}"
 
 [engine]
 backend = "{self.args.backend}"
-max_batched_tokens = 4096
+max_batched_tokens = {self.args.max_batched_tokens}
 max_running = {max_running}
 {engine_extra}
 
