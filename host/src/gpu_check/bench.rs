@@ -299,32 +299,15 @@ fn decode(
             "the decode step does not fit a graph step"
         );
         drop(m.forward(gpu, &gstep, &mut caches)?);
-        let mut logits = None;
-        let t0 = Instant::now();
-        let id = gpu.capture_graph(&mut || {
-            logits = Some(
-                m.forward(gpu, &gstep, &mut caches)
-                    .map_err(|e| crate::backend::BackendError::Invalid(e.to_string()))?,
-            );
-            Ok(())
-        })?;
-        let capture_ms = t0.elapsed().as_secs_f64() * 1e3;
-        let mut logits = logits.ok_or_else(|| anyhow::anyhow!("nothing captured"))?;
-        let mut replay = |out: &mut SampleOut| -> anyhow::Result<()> {
-            gpu.upload_graph_step(&plan, &mut gstep, batch, per_seq)?;
-            gpu.replay_graph(id)?;
-            gpu.sample(&mut logits, &gstep, out)?;
-            Ok(())
+        let timed = GraphRun {
+            gpu,
+            m: &m,
+            plan: &plan,
+            batch,
+            per_seq,
+            steps,
         };
-        let mut check = SampleOut::default();
-        for _ in 0..3 {
-            replay(&mut check)?;
-        }
-        let t0 = Instant::now();
-        for _ in 0..steps {
-            replay(&mut check)?;
-        }
-        let ms = t0.elapsed().as_secs_f64() * 1e3 / steps as f64;
+        let (capture_ms, ms) = timed.run(&mut gstep, &mut caches, true)?;
         report.push(
             SUITE,
             format!(
@@ -338,32 +321,7 @@ fn decode(
         if batch <= 2 {
             // The same graph step with every linear layer on cuBLASLt: what the one-pass GEMV
             // (the default at one and two rows) gains.
-            gpu.set_small_m_gemv(false);
-            let mut logits = None;
-            let id = gpu.capture_graph(&mut || {
-                logits = Some(
-                    m.forward(gpu, &gstep, &mut caches)
-                        .map_err(|e| crate::backend::BackendError::Invalid(e.to_string()))?,
-                );
-                Ok(())
-            });
-            gpu.set_small_m_gemv(true);
-            let id = id?;
-            let mut logits = logits.ok_or_else(|| anyhow::anyhow!("nothing captured"))?;
-            let mut replay = |out: &mut SampleOut| -> anyhow::Result<()> {
-                gpu.upload_graph_step(&plan, &mut gstep, batch, per_seq)?;
-                gpu.replay_graph(id)?;
-                gpu.sample(&mut logits, &gstep, out)?;
-                Ok(())
-            };
-            for _ in 0..3 {
-                replay(&mut check)?;
-            }
-            let t0 = Instant::now();
-            for _ in 0..steps {
-                replay(&mut check)?;
-            }
-            let cublas_ms = t0.elapsed().as_secs_f64() * 1e3 / steps as f64;
+            let (_, cublas_ms) = timed.run(&mut gstep, &mut caches, false)?;
             report.push(
                 SUITE,
                 format!(
@@ -377,6 +335,60 @@ fn decode(
         }
     }
     Ok(())
+}
+
+/// A decode step captured as a graph and replayed `steps` times (padded upload, replay,
+/// sampling tail).
+struct GraphRun<'a> {
+    gpu: &'a CudaBackend,
+    m: &'a Model<CudaBackend>,
+    plan: &'a StepPlan,
+    batch: usize,
+    per_seq: usize,
+    steps: usize,
+}
+
+impl GraphRun<'_> {
+    /// Capture milliseconds and milliseconds per replayed step, with the one-pass GEMV on or off
+    /// (on again afterwards).
+    fn run(
+        &self,
+        gstep: &mut crate::backend::cuda::CudaStep,
+        caches: &mut crate::model::ModelCaches<CudaBackend>,
+        gemv: bool,
+    ) -> anyhow::Result<(f64, f64)> {
+        let gpu = self.gpu;
+        gpu.set_small_m_gemv(gemv);
+        let mut logits = None;
+        let t0 = Instant::now();
+        let id = gpu.capture_graph(&mut || {
+            logits = Some(
+                self.m
+                    .forward(gpu, gstep, caches)
+                    .map_err(|e| crate::backend::BackendError::Invalid(e.to_string()))?,
+            );
+            Ok(())
+        });
+        gpu.set_small_m_gemv(true);
+        let id = id?;
+        let capture_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let mut logits = logits.ok_or_else(|| anyhow::anyhow!("nothing captured"))?;
+        let mut out = SampleOut::default();
+        let mut replay = || -> anyhow::Result<()> {
+            gpu.upload_graph_step(self.plan, gstep, self.batch, self.per_seq)?;
+            gpu.replay_graph(id)?;
+            gpu.sample(&mut logits, gstep, &mut out)?;
+            Ok(())
+        };
+        for _ in 0..3 {
+            replay()?;
+        }
+        let t0 = Instant::now();
+        for _ in 0..self.steps {
+            replay()?;
+        }
+        Ok((capture_ms, t0.elapsed().as_secs_f64() * 1e3 / self.steps as f64))
+    }
 }
 
 /// Weight bytes a decode step reads: every weight except the embedding table (of which a step
