@@ -496,17 +496,18 @@ fn checkpoints_add_snapshot_points_rounded_down_to_blocks() {
 #[test]
 fn snapshot_interval_lets_the_second_prompt_of_a_prefix_resume() {
     // 8-block shared prefix, then 3 distinct blocks: 44 tokens per prompt.
-    let prompt = |tail: u32| -> Vec<u32> {
-        (0..32).chain(tail * 100..tail * 100 + 12).collect()
-    };
+    let prompt = |tail: u32| -> Vec<u32> { (0..32).chain(tail * 100..tail * 100 + 12).collect() };
     for (every, resumed) in [(0usize, 0usize), (4, 8), (3, 6)] {
-        let mut cm = CacheManager::new(&layout(64, 2, 16), true, true, None)
-            .with_snapshot_interval(every);
+        let mut cm =
+            CacheManager::new(&layout(64, 2, 16), true, true, None).with_snapshot_interval(every);
         run_prompt(&mut cm, 0, &prompt(1));
         cm.release(0).unwrap();
         let h = hashes(&prompt(2));
         let m = cm.match_prefix(&h, 44);
-        assert_eq!(m.kv_blocks, 8, "every {every}: the shared KV blocks are cached");
+        assert_eq!(
+            m.kv_blocks, 8,
+            "every {every}: the shared KV blocks are cached"
+        );
         assert_eq!(
             m.skip_blocks, resumed,
             "every {every}: resumes at the last snapshot inside the prefix"

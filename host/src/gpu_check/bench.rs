@@ -387,7 +387,10 @@ impl GraphRun<'_> {
         for _ in 0..self.steps {
             replay()?;
         }
-        Ok((capture_ms, t0.elapsed().as_secs_f64() * 1e3 / self.steps as f64))
+        Ok((
+            capture_ms,
+            t0.elapsed().as_secs_f64() * 1e3 / self.steps as f64,
+        ))
     }
 }
 
