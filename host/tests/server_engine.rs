@@ -150,7 +150,7 @@ async fn real_engine_behind_the_server() {
     // idle again, only the prefix can draw the second request to replica 1.
     let routed =
         |s: &Live| -> Vec<u64> { (0..2).map(|i| s.state.metrics().routed_count(i)).collect() };
-    let busy = json!({"prompt": "count", "max_tokens": 2000, "temperature": 0, "ignore_eos": true, "stream": true});
+    let busy = json!({"prompt": "count", "max_tokens": 900, "temperature": 0, "ignore_eos": true, "stream": true});
     let hold = post_and_hold(s.addr, "/v1/completions", &busy).await;
     wait_for("replica 0 to run", Duration::from_secs(10), async || {
         s.engines[0].stats().running == 1
