@@ -30,26 +30,32 @@ impl Drop for Live {
     }
 }
 
-/// Starts the default configuration with `n` replicas on a loopback port.
-async fn start(n: usize) -> Live {
-    let text = chimera::config::DEFAULT_TOML.replace("replicas = 1", &format!("replicas = {n}"));
-    start_with(&text, n).await
+/// The default configuration with `n` replicas and a 32 MiB cache budget per replica (3014
+/// blocks of the embedded model): each replica's cache is resident from the start, so the
+/// default 256 MiB would cost a test with three replicas most of a gigabyte.
+fn default_toml(n: usize) -> String {
+    let default = chimera::config::DEFAULT_TOML;
+    let budget = "memory_budget = \"256MiB\"";
+    assert!(default.contains(budget), "the default budget moved");
+    default
+        .replace("replicas = 1", &format!("replicas = {n}"))
+        .replace(budget, "memory_budget = \"32MiB\"")
 }
 
-/// The default configuration with `n` replicas and the `[policy.*]` tables replaced by
-/// `policy` (TOML text).
+/// Starts the default configuration (`default_toml`) with `n` replicas on a loopback port.
+async fn start(n: usize) -> Live {
+    start_with(&default_toml(n), n).await
+}
+
+/// `default_toml(n)` with the `[policy.*]` tables replaced by `policy` (TOML text).
 fn config_with_policy(n: usize, policy: &str) -> String {
-    let default = chimera::config::DEFAULT_TOML;
+    let default = default_toml(n);
     let cut = default
         .find("[policy.router]")
         .expect("default has [policy.router]");
     let rest = &default[cut..];
     let plugins = rest.find("[plugins]").expect("default has [plugins]");
-    format!(
-        "{}{policy}\n{}",
-        default[..cut].replace("replicas = 1", &format!("replicas = {n}")),
-        &rest[plugins..]
-    )
+    format!("{}{policy}\n{}", &default[..cut], &rest[plugins..])
 }
 
 /// TOML string literal of a path.
