@@ -2,8 +2,8 @@
 //! real engine threads, the built-in Wasm policies and the HTTP server, exactly as
 //! `chimera serve` does, on a loopback port.
 
-mod plugins_support;
-mod server_support;
+use crate::plugins_support;
+use crate::server_support;
 
 use std::net::SocketAddr;
 use std::time::Duration;

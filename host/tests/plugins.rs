@@ -2,7 +2,7 @@
 //! plugin built outside the workspace, deliberately broken plugins and the fallback path,
 //! ABI version checks, reload, and `check_plugin`.
 
-mod plugins_support;
+use crate::plugins_support;
 
 use std::sync::Arc;
 

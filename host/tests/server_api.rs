@@ -3,7 +3,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod server_support;
+use crate::server_support;
 
 use std::time::Duration;
 

@@ -4,7 +4,7 @@
 //! reported and routed to the replica holding the prefix (from the real cache's KvEvents), and
 //! a client that hangs up stops generation early.
 
-mod server_support;
+use crate::server_support;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;

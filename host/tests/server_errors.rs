@@ -4,7 +4,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod server_support;
+use crate::server_support;
 
 use chimera::server::ServerConfig;
 use serde_json::{Value, json};

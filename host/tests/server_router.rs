@@ -5,7 +5,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod server_support;
+use crate::server_support;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

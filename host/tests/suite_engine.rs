@@ -3,8 +3,15 @@
 //!
 //! The integration tests are grouped into a few binaries (`autotests = false` in Cargo.toml):
 //! each test binary links the whole crate and its dependencies, so twenty of them cost
-//! gigabytes of disk and link time. Each file keeps its own helpers (`mod engine_common;` …)
-//! and runs as a module here; `cargo test -p chimera --test suite_engine parity::` runs one.
+//! gigabytes of disk and link time. Each file runs as a module here and reaches the shared
+//! helpers, declared once below, as `crate::engine_common` …; `cargo test -p chimera --test
+//! suite_engine parity::` runs one file's tests.
+
+// The shared helpers are test code, like the files that declared them before.
+#![allow(clippy::unwrap_used)]
+
+mod engine_common;
+mod sources_support;
 
 #[path = "cache_memory.rs"]
 mod cache_memory;

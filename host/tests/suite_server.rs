@@ -3,6 +3,12 @@
 //! why the integration tests are grouped; `cargo test -p chimera --test suite_server
 //! server_router::` runs one file's tests.
 
+// The shared helpers are test code, like the files that declared them before.
+#![allow(clippy::unwrap_used)]
+
+mod plugins_support;
+mod server_support;
+
 #[path = "bench.rs"]
 mod bench;
 #[path = "e2e_real.rs"]
