@@ -143,6 +143,9 @@ fn run(case: &Case) -> (f64, StepTimings) {
         execute_ns: after.execute_ns - before.execute_ns,
         update_ns: after.update_ns - before.update_ns,
         sample_ns: after.sample_ns - before.sample_ns,
+        device_busy_ns: after.device_busy_ns - before.device_busy_ns,
+        device_idle_ns: after.device_idle_ns - before.device_idle_ns,
+        device_gaps: after.device_gaps - before.device_gaps,
     };
     (per_step, d)
 }

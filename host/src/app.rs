@@ -15,11 +15,11 @@ use crate::backend::{Backend, DType};
 use crate::config::Config;
 use crate::engine::{EngineSetup, ModelRunner, Policies, spawn_engine};
 use crate::model::{self, Model, builtin, hub};
-use crate::plugins::{PluginKind, PluginMetrics, PolicyPlugins};
+use crate::plugins::{PluginError, PluginKind, PluginMetrics, PolicyPlugins};
 use crate::policy::native::DefaultSampler;
 use crate::server::metrics::MetricsSource;
 use crate::server::router::Replica;
-use crate::server::{AdminHooks, AppParts, AppState, ModelInfo, TextCodec};
+use crate::server::{AdminHooks, AppParts, AppState, ModelInfo, ReloadError, TextCodec};
 
 /// The tokenizer and a loader for the configured model (called once per replica).
 pub struct LoadedModel {
@@ -40,9 +40,10 @@ pub enum ModelSource {
 }
 
 impl LoadedModel {
-    /// Opens what `model.path` names: `builtin:tiny-hybrid`, a local model folder, or a hub
-    /// model id `org/name` at `revision` (downloaded into the Hugging Face cache when
-    /// missing). A local path that exists wins over a hub id of the same spelling.
+    /// Opens what `model.path` names: `builtin:tiny-hybrid`, a local model folder, a `.gguf`
+    /// file, or a hub model id `org/name` at `revision` (downloaded into the Hugging Face
+    /// cache when missing; `org/name:Q4_K_M` picks one GGUF file of a GGUF repo). A local path
+    /// that exists wins over a hub id of the same spelling.
     pub fn open(path: &str, revision: &str) -> anyhow::Result<Self> {
         if path == builtin::NAME {
             let codec = TextCodec::embedded()?;
@@ -62,19 +63,33 @@ impl LoadedModel {
             }
             return Self::from_gguf(dir);
         }
-        if !dir.exists() && hub::is_repo_id(path) {
+        let hub_name = if dir.exists() {
+            None
+        } else if hub::is_repo_id(path) {
+            Some((path, None))
+        } else {
+            hub::split_quant_tag(path).map(|(repo, tag)| (repo, Some(tag)))
+        };
+        if let Some((repo, quant)) = hub_name {
             let settings = hub::HubSettings::from_env();
             tracing::info!(
-                model = path,
+                model = repo,
+                gguf = quant,
                 revision,
                 cache = %settings.cache_dir.display(),
                 offline = settings.offline,
                 "resolving a Hugging Face hub model"
             );
-            let snapshot = hub::resolve(path, revision, &settings)
+            let resolved = hub::resolve_file(repo, revision, quant, &settings)
                 .with_context(|| format!("model.path = {path:?} (a Hugging Face hub id)"))?;
-            let name = path.rsplit('/').next().unwrap_or(path).to_string();
-            return Self::from_folder(snapshot, name);
+            if resolved
+                .extension()
+                .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+            {
+                return Self::from_gguf(resolved);
+            }
+            let name = repo.rsplit('/').next().unwrap_or(repo).to_string();
+            return Self::from_folder(resolved, name);
         }
         if !dir.is_dir() {
             let what = if dir.exists() {
@@ -164,24 +179,66 @@ struct ReloadHook {
     config: Config,
 }
 
+/// Whether a failed reload is the request's (the plugin file, its config) or the server's.
+fn reload_error(e: PluginError) -> ReloadError {
+    match e {
+        PluginError::Engine(_) => ReloadError::Internal(e.to_string()),
+        _ => ReloadError::BadRequest(e.to_string()),
+    }
+}
+
+impl ReloadHook {
+    /// Reloads the plugin of `kind` when it is a `.wasm` file; `None` for a built-in or native
+    /// policy.
+    fn reload_kind(&self, kind: PluginKind) -> Result<Option<String>, ReloadError> {
+        let spec = self.config.policy.spec(kind);
+        let path = format!("policy.{}", kind.section());
+        let bad = |e: &dyn std::fmt::Display| ReloadError::BadRequest(e.to_string());
+        let source = spec.source(kind, &path).map_err(|e| bad(&e))?;
+        let crate::plugins::PluginSource::File(file) = &source else {
+            return Ok(None);
+        };
+        let wasm = std::fs::read(file)
+            .map_err(|e| bad(&format_args!("{path}.plugin: {}: {e}", file.display())))?;
+        let config = spec.flat_config(&path).map_err(|e| bad(&e))?;
+        let grants = spec.grants(&path).map_err(|e| bad(&e))?;
+        let plugin = self
+            .plugins
+            .reload(kind, &source.to_string(), &wasm, &config, grants)
+            .map_err(reload_error)?;
+        Ok(Some(format!(
+            "{kind}: {} (ABI {})",
+            plugin.name, plugin.abi
+        )))
+    }
+}
+
 impl AdminHooks for ReloadHook {
-    fn reload_plugins(&self) -> Result<String, String> {
+    fn reload_plugins(&self, only: Option<&str>) -> Result<String, ReloadError> {
+        let kinds: Vec<PluginKind> = match only {
+            None => PluginKind::ALL.to_vec(),
+            Some(name) => {
+                let Some(kind) = PluginKind::ALL.into_iter().find(|k| k.section() == name) else {
+                    return Err(ReloadError::BadRequest(format!(
+                        "unknown plugin kind `{name}` (router, evictor or sampler)"
+                    )));
+                };
+                vec![kind]
+            }
+        };
         let mut done = Vec::new();
-        for kind in PluginKind::ALL {
-            let spec = self.config.policy.spec(kind);
-            let path = format!("policy.{}", kind.section());
-            let source = spec.source(kind, &path).map_err(|e| e.to_string())?;
-            let crate::plugins::PluginSource::File(file) = &source else {
-                continue;
-            };
-            let wasm = std::fs::read(file).map_err(|e| format!("{}: {e}", file.display()))?;
-            let config = spec.flat_config(&path).map_err(|e| e.to_string())?;
-            let grants = spec.grants(&path).map_err(|e| e.to_string())?;
-            let plugin = self
-                .plugins
-                .reload(kind, &source.to_string(), &wasm, &config, grants)
-                .map_err(|e| e.to_string())?;
-            done.push(format!("{kind}: {} (ABI {})", plugin.name, plugin.abi));
+        for kind in kinds {
+            match self.reload_kind(kind)? {
+                Some(line) => done.push(line),
+                None if only.is_some() => {
+                    return Err(ReloadError::BadRequest(format!(
+                        "policy.{}.plugin is `{}`: only plugins loaded from .wasm files can be reloaded",
+                        kind.section(),
+                        self.config.policy.spec(kind).plugin
+                    )));
+                }
+                None => {}
+            }
         }
         if done.is_empty() {
             Ok("no file-based plugin is configured; built-in plugins need no reload".into())
@@ -395,6 +452,27 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reload_failures_of_the_plugin_are_bad_requests_and_of_the_runtime_internal() {
+        let not_wasm = PluginError::NotWasm {
+            plugin: "p.wasm".into(),
+        };
+        assert!(
+            matches!(reload_error(not_wasm), ReloadError::BadRequest(m) if m.contains("not a WebAssembly"))
+        );
+        let init = PluginError::Init {
+            plugin: "p.wasm".into(),
+            message: "unknown key `x`".into(),
+        };
+        assert!(
+            matches!(reload_error(init), ReloadError::BadRequest(m) if m.contains("unknown key `x`"))
+        );
+        let engine = PluginError::Engine("out of memory".into());
+        assert!(
+            matches!(reload_error(engine), ReloadError::Internal(m) if m.contains("out of memory"))
+        );
+    }
 
     #[test]
     fn a_wrong_model_path_says_the_folder_does_not_exist() {

@@ -43,8 +43,9 @@ pub enum ConfigError {
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
     /// `builtin:tiny-hybrid`, a Hugging Face model folder, a `.gguf` file, or a hub model id
-    /// (`org/name`, downloaded into the Hugging Face cache). An existing local path wins over
-    /// a hub id of the same spelling.
+    /// (`org/name`, downloaded into the Hugging Face cache; `org/name:Q4_K_M` picks one file
+    /// of a repo of GGUF files). An existing local path wins over a hub id of the same
+    /// spelling.
     pub path: String,
     /// The hub revision (branch, tag or commit hash) of a hub model id.
     pub revision: String,
@@ -209,6 +210,19 @@ impl Config {
             return Err(invalid(
                 "cache.memory_fraction".into(),
                 format!("{f}: must be in (0, 1]"),
+            ));
+        }
+        if !self
+            .cache
+            .ssm_snapshot_interval
+            .is_multiple_of(self.cache.block_size.max(1))
+        {
+            return Err(invalid(
+                "cache.ssm_snapshot_interval".into(),
+                format!(
+                    "{}: must be a multiple of cache.block_size ({}), or 0 to turn it off",
+                    self.cache.ssm_snapshot_interval, self.cache.block_size
+                ),
             ));
         }
         if !matches!(self.model.load_format.as_str(), "auto" | "dummy") {

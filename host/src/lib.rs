@@ -11,7 +11,8 @@
 //! - [`server`]: the OpenAI-compatible HTTP server, replica router and metrics.
 //! - [`tokenizer`]: the embedded model's tokenizer files.
 //! - [`config`]: the TOML configuration; [`app`]: assembling a serving process from it;
-//!   [`logging`]: the binary's log output (text or JSON, filter, colour).
+//!   [`logging`]: the binary's log output (text or JSON, filter, colour); [`histogram`]: the
+//!   lock-free histogram behind the latency metrics.
 //! - [`plugins`]: WebAssembly policy plugins (load, sandbox, fall back, reload) behind the
 //!   [`policy`] traits, whose native twins live in `policy::native`.
 //! - [`bench`]: `chimera bench`, a load generator for OpenAI-compatible streaming servers.
@@ -25,6 +26,7 @@ pub mod cache;
 pub mod config;
 pub mod engine;
 pub mod gpu_check;
+pub mod histogram;
 pub mod logging;
 pub mod model;
 pub mod plugins;

@@ -62,7 +62,8 @@ struct ServeArgs {
     #[arg(long)]
     config: Option<PathBuf>,
     /// Overrides `model.path`: `builtin:tiny-hybrid`, a Hugging Face model folder, a `.gguf`
-    /// file, or a hub model id `org/name` (downloaded into the Hugging Face cache).
+    /// file, or a hub model id `org/name` (downloaded into the Hugging Face cache;
+    /// `org/name:Q4_K_M` picks one file of a repo of GGUF files).
     #[arg(long)]
     model: Option<String>,
     /// Overrides `model.revision`: the hub branch, tag or commit of a hub model id.
@@ -101,8 +102,8 @@ struct ServeArgs {
 
 #[derive(clap::Args)]
 struct GenerateArgs {
-    /// A Hugging Face model folder, a `.gguf` file or a hub model id `org/name`; the embedded
-    /// tiny hybrid model when omitted.
+    /// A Hugging Face model folder, a `.gguf` file or a hub model id `org/name` (or
+    /// `org/name:Q4_K_M`, one file of a GGUF repo); the embedded tiny hybrid model when omitted.
     #[arg(long)]
     model: Option<String>,
     /// The hub revision (branch, tag or commit) of a hub model id.
@@ -121,8 +122,18 @@ struct GenerateArgs {
 
 #[derive(Subcommand)]
 enum PluginCommand {
-    /// Validate a plugin: kind, ABI version, exports, a dry call.
-    Check { file: PathBuf },
+    /// Dry-run a plugin: load it as the server would, call `init` with a config and each entry
+    /// point on a synthetic input; report its kind, ABI version, imports, answers, timing and
+    /// errors. Exits non-zero when the plugin is not usable with that config.
+    Check {
+        /// The plugin: a `.wasm` core module built with chimera-plugin-sdk, or a component.
+        file: PathBuf,
+        /// The plugin's `config` table, as in `[policy.<kind>] config = …`: a TOML file of
+        /// `key = value` lines, or inline TOML (`'{ alpha = 0.5 }'` or `'alpha = 0.5'`).
+        /// Default: an empty config.
+        #[arg(long)]
+        config: Option<String>,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -145,17 +156,7 @@ fn main() -> anyhow::Result<()> {
             );
             Ok(())
         }
-        Command::Plugin(PluginCommand::Check { file }) => {
-            let report = chimera::plugins::check_plugin(&file)
-                .with_context(|| format!("checking {}", file.display()))?;
-            println!("{report}");
-            anyhow::ensure!(
-                report.ok(),
-                "{} loads but is not usable as configured above",
-                file.display()
-            );
-            Ok(())
-        }
+        Command::Plugin(PluginCommand::Check { file, config }) => plugin_check(&file, config),
     }
 }
 
@@ -187,6 +188,33 @@ fn kernels_build(arch: Option<String>) -> anyhow::Result<()> {
         cache.dir.display(),
         compiled.len() - fresh,
         started.elapsed()
+    );
+    Ok(())
+}
+
+/// `chimera plugin check FILE [--config TOML]`.
+fn plugin_check(file: &std::path::Path, config: Option<String>) -> anyhow::Result<()> {
+    let config = match config {
+        None => chimera_policy_core::Config::default(),
+        Some(arg) => {
+            let as_file = std::path::Path::new(&arg);
+            let (text, origin) = if !arg.trim_start().starts_with('{') && as_file.is_file() {
+                let text = std::fs::read_to_string(as_file)
+                    .with_context(|| format!("reading --config {arg}"))?;
+                (text, format!("--config {arg}"))
+            } else {
+                (arg, "--config".to_string())
+            };
+            chimera::plugins::parse_plugin_config(&text, &origin)?
+        }
+    };
+    let report = chimera::plugins::check_plugin(file, &config)
+        .with_context(|| format!("checking {}", file.display()))?;
+    println!("{report}");
+    anyhow::ensure!(
+        report.ok(),
+        "{} loads but is not usable as configured above",
+        file.display()
     );
     Ok(())
 }
@@ -243,4 +271,56 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// `chimera <path> --help` for every (sub)command and argument without help text.
+    fn undocumented(cmd: &clap::Command, path: &str, out: &mut Vec<String>) {
+        let here = format!("{path} {}", cmd.get_name()).trim().to_string();
+        if cmd.get_about().is_none() && !path.is_empty() {
+            out.push(format!("{here} (the subcommand)"));
+        }
+        for arg in cmd.get_arguments() {
+            // clap's own --help and --version carry their text.
+            if arg.is_hide_set() || matches!(arg.get_id().as_str(), "help" | "version") {
+                continue;
+            }
+            if arg.get_help().is_none() && arg.get_long_help().is_none() {
+                out.push(format!("{here}: {}", arg.get_id()));
+            }
+        }
+        for sub in cmd.get_subcommands() {
+            if sub.get_name() == "help" {
+                continue;
+            }
+            undocumented(sub, &here, out);
+        }
+    }
+
+    #[test]
+    fn every_flag_of_every_subcommand_has_help_text() {
+        let cli = Cli::command();
+        cli.clone().debug_assert();
+        let mut missing = Vec::new();
+        undocumented(&cli, "", &mut missing);
+        assert!(
+            missing.is_empty(),
+            "arguments without help text:\n{}",
+            missing.join("\n")
+        );
+        // The walk reaches the nested subcommands and the library-defined argument structs.
+        let names: Vec<&str> = cli.get_subcommands().map(|c| c.get_name()).collect();
+        for sub in ["serve", "bench", "plugin", "gpu-check", "kernels"] {
+            assert!(names.contains(&sub), "{names:?}");
+        }
+        let check = cli
+            .find_subcommand("plugin")
+            .and_then(|p| p.find_subcommand("check"))
+            .expect("plugin check");
+        assert!(check.get_arguments().any(|a| a.get_id() == "config"));
+    }
 }

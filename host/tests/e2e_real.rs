@@ -202,6 +202,55 @@ async fn shared_prefix_requests_reuse_the_replica_that_holds_the_prefix() {
     );
 }
 
+/// Every metric family and sample on `/metrics` carries the `chimera:` prefix, each family is
+/// declared once, and after traffic each plugin kind's call-latency series has observations.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_metric_is_prefixed_and_every_plugin_kind_is_timed() {
+    let live = start(1).await;
+    for i in 0..3 {
+        // Long enough to fill blocks, so the evictor plugin is sent cache events.
+        let body = json!({"model": "tiny-hybrid", "prompt": format!("{i}: {}", "let x = 1;\n".repeat(12)), "max_tokens": 4});
+        let r = post(live.addr, "/v1/completions", &body).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let m = wait_idle(live.addr).await;
+    for kind in ["router", "evictor", "sampler"] {
+        let timed = m
+            .lines()
+            .filter(|l| {
+                l.starts_with("chimera:plugin_call_latency_seconds_count{")
+                    && l.contains(&format!("kind=\"{kind}\""))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>();
+        assert!(timed > 0.0, "no {kind} plugin call timed:\n{m}");
+    }
+    let mut families = std::collections::BTreeMap::new();
+    for line in m.lines().filter(|l| !l.is_empty()) {
+        let name = match line.strip_prefix("# ") {
+            Some(meta) => {
+                let mut words = meta.split(' ');
+                let what = words.next().unwrap_or_default();
+                let name = words.next().unwrap_or_default();
+                if what == "TYPE" {
+                    *families.entry(name.to_string()).or_insert(0) += 1;
+                }
+                name
+            }
+            None => line.split(['{', ' ']).next().unwrap_or_default(),
+        };
+        assert!(
+            name.starts_with("chimera:"),
+            "metric without the chimera: prefix: {line}"
+        );
+    }
+    let twice: Vec<_> = families.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(
+        twice.is_empty(),
+        "metric families declared twice: {twice:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_hangs_up_frees_its_blocks() {
     let live = start(1).await;
@@ -243,6 +292,104 @@ async fn a_router_plugin_built_outside_the_workspace_pins_every_request_from_tom
         vec![0.0, 0.0, 6.0],
         "all traffic pinned to replica 2"
     );
+}
+
+/// `POST /admin/reload_plugins` as an operator meets it: a reload that cannot work answers 400
+/// with the reason (unknown kind, a file that is not Wasm, a config the new plugin rejects, a
+/// built-in policy), logs it, and leaves the running plugin serving; a good one answers 200.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_plugin_reload_answers_400_with_the_reason_and_logs_it() {
+    let Some(test_plugins) = plugins_support::test_plugins_dir() else {
+        return;
+    };
+    server_support::captured_logs();
+    let dir = std::env::temp_dir().join(format!("chimera-reload-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let file = dir.join("router.wasm");
+    let misbehave = test_plugins.join("misbehave_router.wasm");
+    std::fs::copy(&misbehave, &file).expect("copy plugin");
+    let policy = format!(
+        "[policy.router]\nplugin = {}\nconfig = {{ replica = 1, reject = false }}\n",
+        toml_path(&file)
+    );
+    let text = config_with_policy(2, &policy).replace(
+        "# admin_token = \"change-me-please\"",
+        "admin_token = \"reload-token\"",
+    );
+    let live = start_with(&text, 2).await;
+    let reload = async |query: &str| {
+        let path = format!("/admin/reload_plugins{query}");
+        let auth = [("Authorization", "Bearer reload-token")];
+        request(live.addr, "POST", &path, &auth, b"").await
+    };
+    let ok = reload("").await;
+    assert_eq!(ok.status, 200, "{}", ok.text());
+    assert!(
+        ok.json()["summary"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("router")
+    );
+
+    let unknown = reload("?kind=scheduler").await;
+    assert_eq!(unknown.status, 400, "{}", unknown.text());
+    let msg = unknown.json()["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(msg.contains("unknown plugin kind `scheduler`"), "{msg}");
+
+    let builtin = reload("?kind=sampler").await;
+    assert_eq!(builtin.status, 400, "{}", builtin.text());
+    assert!(
+        builtin.text().contains("builtin:default"),
+        "{}",
+        builtin.text()
+    );
+
+    std::fs::write(&file, b"not wasm at all").expect("overwrite");
+    let garbage = reload("?kind=router").await;
+    assert_eq!(garbage.status, 400, "{}", garbage.text());
+    let msg = garbage.json()["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        msg.contains("not a WebAssembly module or component"),
+        "{msg}"
+    );
+    assert!(
+        server_support::captured_logs().contains("plugin reload failed"),
+        "the failure is not logged"
+    );
+
+    // The pin router takes only `replica`: the configured `reject` key is refused.
+    std::fs::copy(test_plugins.join("pin_router.wasm"), &file).expect("copy plugin");
+    let rejected = reload("").await;
+    assert_eq!(rejected.status, 400, "{}", rejected.text());
+    assert!(
+        rejected.text().contains("rejected its config"),
+        "{}",
+        rejected.text()
+    );
+
+    // The running router still answers: every request goes to replica 1.
+    for i in 0..3 {
+        let body =
+            json!({"model": "tiny-hybrid", "prompt": format!("after reload {i}"), "max_tokens": 2});
+        let r = post(live.addr, "/v1/completions", &body).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let m = wait_idle(live.addr).await;
+    assert_eq!(
+        parse_metric(&m, "chimera:router_requests_total{engine=\"1\""),
+        3.0,
+        "{m}"
+    );
+    std::fs::copy(&misbehave, &file).expect("copy plugin");
+    let again = reload("?kind=router").await;
+    assert_eq!(again.status, 200, "{}", again.text());
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Completions of `cases` (prompt, seed, user; seeded sampling) from a server, in order,
@@ -312,7 +459,7 @@ async fn misbehaving_plugins_in_the_server_change_no_output() {
         let n: f64 = m
             .lines()
             .filter(|l| {
-                l.starts_with("plugin_fallbacks_total")
+                l.starts_with("chimera:plugin_fallbacks_total")
                     && l.contains(&format!("reason=\"{reason}\""))
             })
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())

@@ -165,7 +165,10 @@ fn staged_shared_prefixes_skip_exactly_the_expected_tokens() {
     assert_eq!(stage(&mut e, 2, &b), 12);
     assert_eq!(stage(&mut e, 3, &c), 4);
     assert_eq!(stage(&mut e, 4, &d), 4);
-    assert_eq!(e.stats().prefix_cache_hits, 3 + 1 + 1);
+    // Counted in tokens, as vLLM does: every admission queries its whole prompt; the hits are
+    // the skipped tokens.
+    assert_eq!(e.stats().prefix_cache_hits, 12 + 4 + 4);
+    assert_eq!(e.stats().prefix_cache_queries, 14 + 18 + 11 + 11);
 
     // Hybrid: only to a boundary with a snapshot. A (14 tokens) snapshots at 8 and 12, and its
     // reply crosses 16, where the rolling snapshot is kept when A finishes.

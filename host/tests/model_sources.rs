@@ -33,6 +33,7 @@ fn settings(hub: &FakeHub, cache: &Path) -> HubSettings {
         token: None,
         offline: false,
         progress: false,
+        download_timeout: hub::DEFAULT_DOWNLOAD_TIMEOUT,
     }
 }
 
@@ -134,6 +135,52 @@ fn sharded_weights_come_from_the_index() {
     );
     chimera::model::load(&dir, &CpuBackend::default()).unwrap();
     std::fs::remove_dir_all(&cache).unwrap();
+}
+
+/// A hub that accepts the connection and then says nothing — for the listing, or for one
+/// file's download — makes `resolve` fail within `HF_HUB_DOWNLOAD_TIMEOUT` with an error that
+/// says so, instead of hanging.
+#[test]
+fn a_hub_that_stops_answering_times_out_with_a_clear_error() {
+    let files = repo_from_fixture("llama-gqa");
+    for silent in ["listing", "model.safetensors"] {
+        let hub = FakeHub::start(vec![FakeRepo::new("org/tiny-llama").revision(
+            "main",
+            SHA_MAIN,
+            files.clone(),
+        )]);
+        if silent == "listing" {
+            hub.never_answer_listings();
+        } else {
+            hub.never_answer_file(silent);
+        }
+        let cache = temp_cache(&format!("silent-{}", silent.len()));
+        let s = HubSettings {
+            download_timeout: std::time::Duration::from_millis(800),
+            ..settings(&hub, &cache)
+        };
+        let started = std::time::Instant::now();
+        let e = hub::resolve("org/tiny-llama", "main", &s).unwrap_err();
+        let took = started.elapsed();
+        assert!(matches!(e, HubError::Stalled { .. }), "{silent}: {e:?}");
+        let text = e.to_string();
+        assert!(
+            text.contains("sent nothing for 0.8 s") && text.contains("HF_HUB_DOWNLOAD_TIMEOUT"),
+            "{text}"
+        );
+        assert!(
+            took >= std::time::Duration::from_millis(800) && took.as_secs() < 5,
+            "{silent}: gave up after {took:?}"
+        );
+        if silent == "listing" {
+            assert!(text.contains("waiting for its first answer"), "{text}");
+        } else {
+            // The small files came, then the weights' request hung.
+            assert!(text.contains("while downloading"), "{text}");
+            assert!(hub.downloaded_files().contains(&"config.json".to_string()));
+        }
+        let _ = std::fs::remove_dir_all(&cache);
+    }
 }
 
 #[test]
@@ -434,9 +481,50 @@ fn dequantizers_match_the_ggml_reference_on_random_blocks() {
     }
 }
 
+/// The per-frequency divisors llama.cpp's converter stores as `rope_freqs.weight` for a
+/// config with `rope_type = "llama3"`: frequencies in f32 as torch makes them, the rule in f64.
+fn llama3_rope_freqs(cfg: &serde_json::Value) -> Option<Vec<f32>> {
+    let s = cfg
+        .get("rope_scaling")
+        .or_else(|| cfg.get("rope_parameters"))?;
+    if s["rope_type"] != "llama3" {
+        return None;
+    }
+    let theta = s
+        .get("rope_theta")
+        .or_else(|| cfg.get("rope_theta"))
+        .and_then(|v| v.as_f64())
+        .unwrap() as f32;
+    let dim = cfg["head_dim"].as_u64().unwrap() as usize;
+    let (factor, low, high, old) = (
+        s["factor"].as_f64().unwrap(),
+        s["low_freq_factor"].as_f64().unwrap(),
+        s["high_freq_factor"].as_f64().unwrap(),
+        s["original_max_position_embeddings"].as_f64().unwrap(),
+    );
+    let (low_wavelen, high_wavelen) = (old / low, old / high);
+    Some(
+        (0..dim / 2)
+            .map(|i| {
+                let freq = 1.0 / theta.powf((2 * i) as f32 / dim as f32);
+                let wavelen = 2.0 * std::f64::consts::PI / freq as f64;
+                let divisor = if wavelen < high_wavelen {
+                    1.0
+                } else if wavelen > low_wavelen {
+                    factor
+                } else {
+                    let smooth = (old / wavelen - low) / (high - low);
+                    1.0 / ((1.0 - smooth) / factor + smooth)
+                };
+                divisor as f32
+            })
+            .collect(),
+    )
+}
+
 /// Writes the fixture `name` as a GGUF file the way llama.cpp's converter does (q/k rows
-/// permuted, llama.* metadata, the tokenizer as `tokenizer.ggml.*`); `quantize` picks each
-/// tensor's type.
+/// permuted, llama.* metadata, Llama 3.1 RoPE scaling as a `rope_freqs` tensor, the tokenizer
+/// as `tokenizer.ggml.*`); `quantize` picks each tensor's type.
 fn fixture_as_gguf(name: &str, out: &Path, quantize: impl Fn(&str, &[usize]) -> GgmlType) {
     let dir = fixture(name);
     let cfg: serde_json::Value =
@@ -503,6 +591,14 @@ fn fixture_as_gguf(name: &str, out: &Path, quantize: impl Fn(&str, &[usize]) -> 
         };
         tensors.push((g, shape, ty, data));
     }
+    if let Some(factors) = llama3_rope_freqs(&cfg) {
+        tensors.push((
+            "rope_freqs.weight".to_string(),
+            vec![factors.len()],
+            GgmlType::F32,
+            factors.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        ));
+    }
     // The tokenizer, as llama.cpp stores a byte-level BPE.
     let tok: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("tokenizer.json")).unwrap()).unwrap();
@@ -545,7 +641,14 @@ fn fixture_as_gguf(name: &str, out: &Path, quantize: impl Fn(&str, &[usize]) -> 
         ("llama.attention.head_count_kv", u32v("num_key_value_heads")),
         (
             "llama.rope.freq_base",
-            Value::F32(cfg["rope_parameters"]["rope_theta"].as_f64().unwrap() as f32),
+            Value::F32(
+                cfg.get("rope_parameters")
+                    .unwrap_or(&cfg)
+                    .get("rope_theta")
+                    .or_else(|| cfg.get("rope_theta"))
+                    .and_then(|v| v.as_f64())
+                    .unwrap() as f32,
+            ),
         ),
         (
             "llama.attention.layer_norm_rms_epsilon",
@@ -829,4 +932,601 @@ fn smollm2_gguf_answers_as_transformers_does() {
             "chat {i}: answer text"
         );
     }
+}
+
+/// A Llama GGUF with a SentencePiece vocabulary (`tokenizer.ggml.model = "llama"`: scores,
+/// token types, `<0xNN>` byte fallback, the `▁` space marker, BOS by default), made by
+/// `tests/parity/make_gguf_spm.py`: token ids, decoded text, the chat prompt, greedy
+/// continuations and logits equal transformers' on the same file.
+#[test]
+fn a_sentencepiece_gguf_tokenizes_and_answers_as_transformers_does() {
+    let path = gguf_fixtures().join("tiny-llama-spm.gguf");
+    let reference: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(gguf_fixtures().join("tiny-llama-spm-reference.json")).unwrap(),
+    )
+    .unwrap();
+    let loaded = LoadedModel::open(path.to_str().unwrap(), "main").unwrap();
+    let codec = &loaded.codec;
+    assert_eq!(
+        codec.vocab_size() as u64,
+        reference["vocab_size"].as_u64().unwrap()
+    );
+    let mut byte_fallbacks = 0;
+    for case in reference["tokenize"].as_array().unwrap() {
+        let text = case["text"].as_str().unwrap();
+        let want: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
+        let got = codec.encode(text, true).unwrap();
+        assert_eq!(got, want, "{text:?}");
+        // Byte-fallback tokens (`<0x00>`..`<0xFF>` sit at ids 5..=260 here) are exercised.
+        byte_fallbacks += got.iter().filter(|id| (5..=260).contains(*id)).count();
+        assert_eq!(
+            codec.decode(&got, true).unwrap(),
+            case["decoded"].as_str().unwrap(),
+            "{text:?}"
+        );
+    }
+    assert!(byte_fallbacks > 5, "no text went through byte fallback");
+    let chat = &reference["chat"];
+    let rendered = codec.render_chat(&chat["messages"], true).unwrap();
+    let want: Vec<u32> = serde_json::from_value(chat["prompt_ids"].clone()).unwrap();
+    assert_eq!(
+        codec.encode(&rendered, false).unwrap(),
+        want,
+        "{rendered:?}"
+    );
+
+    let backend = CpuBackend::default();
+    let model = loaded.model(&backend, false).unwrap();
+    for (i, g) in reference["generations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+    {
+        let prompt: Vec<u32> = serde_json::from_value(g["prompt_ids"].clone()).unwrap();
+        assert_eq!(
+            codec.encode(g["prompt"].as_str().unwrap(), true).unwrap(),
+            prompt
+        );
+        if i == 0 {
+            let want: Vec<f32> = serde_json::from_value(reference["last_logits"].clone()).unwrap();
+            let got = last_logits(&model, &prompt);
+            assert_eq!(got.len(), want.len());
+            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let worst = got
+                .iter()
+                .zip(&want)
+                .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            eprintln!("spm gguf: worst relative Δlogit {:.2e}", worst / scale);
+            assert!(
+                worst <= 1e-4 * scale,
+                "logits off by {worst} (scale {scale})"
+            );
+        }
+        let out = greedy(&model, &prompt, g["output_ids"].as_array().unwrap().len());
+        let want: Vec<u32> = serde_json::from_value(g["output_ids"].clone()).unwrap();
+        assert_eq!(out, want, "generation {i}");
+        assert_eq!(
+            codec.decode(&out, true).unwrap(),
+            g["text"].as_str().unwrap(),
+            "generation {i}"
+        );
+    }
+}
+
+/// Llama 3.1 RoPE scaling: llama.cpp stores it as a `rope_freqs` tensor of per-frequency
+/// divisors, not as config. The GGUF of a `rope_type = "llama3"` fixture loads with the same
+/// frequencies as its safetensors folder, and without the tensor it would not.
+#[test]
+fn llama3_rope_scaling_in_gguf_matches_the_safetensors_config() {
+    let dir = temp_cache("gguf-llama3");
+    let name = "llama-mha-llama3rope";
+    let folder = LoadedModel::open(fixture(name).to_str().unwrap(), "main").unwrap();
+    let reference = folder.model(&CpuBackend::default(), false).unwrap();
+    let file = dir.join("llama3.gguf");
+    fixture_as_gguf(name, &file, |_, _| GgmlType::F32);
+    let g = gguf::GgufModel::open(&file).unwrap();
+    let settings = g.hf_config().unwrap().rope_settings().unwrap();
+    let factors = settings.freq_factors.clone().unwrap();
+    assert_eq!(factors.len(), 6);
+    // The fixture's scaling leaves the fastest frequency alone and divides the slowest by 8.
+    assert_eq!(factors[0], 1.0);
+    assert_eq!(factors[5], 8.0);
+    // The tables themselves: the same inverse frequencies as the config's `llama3` rule.
+    let from_gguf = chimera::model::layers::rope::build(&settings, 12).unwrap();
+    let from_config = chimera::model::layers::rope::build(
+        &chimera::model::config::HfConfig::load(&fixture(name))
+            .unwrap()
+            .rope_settings()
+            .unwrap(),
+        12,
+    )
+    .unwrap();
+    for (a, b) in from_gguf.inv_freq.iter().zip(&from_config.inv_freq) {
+        assert!((a - b).abs() <= 1e-6 * b.abs(), "{a} vs {b}");
+    }
+    let model = gguf::load(&file, &CpuBackend::default()).unwrap();
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 500).collect();
+    let (a, b) = (
+        last_logits(&model, &prompt),
+        last_logits(&reference, &prompt),
+    );
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let worst = a
+        .iter()
+        .zip(&b)
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    eprintln!("llama3 gguf: worst relative Δlogit {:.2e}", worst / scale);
+    assert!(
+        worst <= 1e-5 * scale,
+        "logits off by {worst} (scale {scale})"
+    );
+    assert_eq!(greedy(&model, &prompt, 8), greedy(&reference, &prompt, 8));
+
+    // The same file without `rope_freqs.weight` is plain RoPE: the logits move.
+    let plain = dir.join("plain.gguf");
+    let f = gguf::GgufFile::open(&file).unwrap();
+    let metadata: Vec<(&str, Value)> = f
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.clone()))
+        .collect();
+    let tensors: Vec<(String, Vec<usize>, GgmlType, Vec<u8>)> = f
+        .tensors
+        .iter()
+        .filter(|t| t.name != "rope_freqs.weight")
+        .map(|t| (t.name.clone(), t.shape(), t.ty, f.data(t).to_vec()))
+        .collect();
+    gguf::file::write(&plain, &metadata, &tensors).unwrap();
+    let unscaled = gguf::load(&plain, &CpuBackend::default()).unwrap();
+    let c = last_logits(&unscaled, &prompt);
+    let moved = c
+        .iter()
+        .zip(&b)
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    eprintln!(
+        "llama3 gguf without rope_freqs: relative Δlogit {:.2e}",
+        moved / scale
+    );
+    assert!(
+        moved > 1e-3 * scale,
+        "without the factors the logits moved only {moved}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A hub repo that holds GGUF files and no safetensors: `org/name:QUANT` picks one file and
+/// downloads only it; a single model file needs no tag (a vision projector aside); several
+/// and no tag, or a tag that matches nothing, is an error listing the files; offline, the
+/// cached file is found by the same tag; the CLI accepts `--model org/name:QUANT`.
+#[test]
+fn a_hub_repo_of_gguf_files_downloads_only_the_chosen_quant() {
+    let work = temp_cache("gguf-hub-files");
+    let f32_file = work.join("f32.gguf");
+    fixture_as_gguf("llama-gqa", &f32_file, |_, _| GgmlType::F32);
+    let q8_file = work.join("q8.gguf");
+    fixture_as_gguf("llama-gqa", &q8_file, |name, shape| {
+        if shape.len() == 2 && !name.starts_with("token_embd") && shape[1] % 32 == 0 {
+            GgmlType::Q8_0
+        } else {
+            GgmlType::F32
+        }
+    });
+    let (f32_bytes, q8_bytes) = (
+        std::fs::read(&f32_file).unwrap(),
+        std::fs::read(&q8_file).unwrap(),
+    );
+    let card = ("README.md".to_string(), b"# GGUF quants\n".to_vec());
+    let projector = ("mmproj-tiny-f16.gguf".to_string(), vec![0u8; 64]);
+    let hub = FakeHub::start(vec![
+        FakeRepo::new("org/tiny-GGUF").revision(
+            "main",
+            SHA_MAIN,
+            vec![
+                card.clone(),
+                ("tiny-llama-F32.gguf".into(), f32_bytes),
+                ("tiny-llama-Q8_0.gguf".into(), q8_bytes.clone()),
+                projector.clone(),
+            ],
+        ),
+        FakeRepo::new("org/one-GGUF").revision(
+            "main",
+            SHA_MAIN,
+            vec![card, ("one-Q8_0.gguf".into(), q8_bytes.clone()), projector],
+        ),
+    ]);
+    let cache = temp_cache("gguf-hub");
+    let s = settings(&hub, &cache);
+    let snapshot = |repo: &str| {
+        cache
+            .join(format!("models--{}", repo.replace('/', "--")))
+            .join("snapshots")
+            .join(SHA_MAIN)
+    };
+    let path = hub::resolve_file("org/tiny-GGUF", "main", Some("q8_0"), &s).unwrap();
+    assert_eq!(path, snapshot("org/tiny-GGUF").join("tiny-llama-Q8_0.gguf"));
+    assert_eq!(std::fs::read(&path).unwrap(), q8_bytes);
+    assert_eq!(hub.downloaded_files(), ["tiny-llama-Q8_0.gguf"]);
+    let loaded = LoadedModel::open(path.to_str().unwrap(), "main").unwrap();
+    let model = loaded.model(&CpuBackend::default(), false).unwrap();
+    assert_eq!(model.info.architecture, "LlamaForCausalLM");
+
+    // Several files and no tag: an error that lists them and says how to name one.
+    let e = hub::resolve("org/tiny-GGUF", "main", &s).unwrap_err();
+    assert!(matches!(e, HubError::GgufChoice { .. }), "{e:?}");
+    let msg = e.to_string();
+    for part in [
+        "several GGUF files",
+        "`org/tiny-GGUF:QUANT`",
+        "tiny-llama-F32.gguf",
+        "tiny-llama-Q8_0.gguf",
+    ] {
+        assert!(msg.contains(part), "{part}: {msg}");
+    }
+    let e = hub::resolve_file("org/tiny-GGUF", "main", Some("Q4_K_M"), &s).unwrap_err();
+    assert!(
+        e.to_string().contains("no GGUF file matches `Q4_K_M`"),
+        "{e}"
+    );
+    assert_eq!(hub.downloaded_files(), ["tiny-llama-Q8_0.gguf"]);
+
+    // One model file beside a projector: no tag needed, and the projector stays on the hub.
+    let one = hub::resolve("org/one-GGUF", "main", &s).unwrap();
+    assert_eq!(one, snapshot("org/one-GGUF").join("one-Q8_0.gguf"));
+    assert!(
+        !hub.downloaded_files()
+            .contains(&"mmproj-tiny-f16.gguf".to_string())
+    );
+
+    // Offline: the cache answers by the same names; what was never fetched says so.
+    let offline = HubSettings {
+        endpoint: "http://127.0.0.1:9".into(),
+        offline: true,
+        ..settings(&hub, &cache)
+    };
+    assert_eq!(
+        hub::resolve_file("org/tiny-GGUF", "main", Some("Q8_0"), &offline).unwrap(),
+        path
+    );
+    assert_eq!(hub::resolve("org/one-GGUF", "main", &offline).unwrap(), one);
+    let e = hub::resolve_file("org/tiny-GGUF", "main", Some("F32"), &offline).unwrap_err();
+    assert!(matches!(e, HubError::NotCached { .. }), "{e:?}");
+    assert!(e.to_string().contains("no GGUF file matches `F32`"), "{e}");
+
+    // The binary: `--model org/name:QUANT` through HF_ENDPOINT, as a user types it.
+    let cli_cache = temp_cache("gguf-hub-cli");
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_chimera"));
+    cmd.args([
+        "generate",
+        "--model",
+        "org/tiny-GGUF:F32",
+        "--prompt",
+        "hello",
+        "--max-tokens",
+        "4",
+    ]);
+    for v in [
+        "HF_TOKEN",
+        "HF_HOME",
+        "HF_HUB_OFFLINE",
+        "ALL_PROXY",
+        "all_proxy",
+        "HTTPS_PROXY",
+        "https_proxy",
+        "HTTP_PROXY",
+        "http_proxy",
+    ] {
+        cmd.env_remove(v);
+    }
+    let out = cmd
+        .env("HF_HUB_CACHE", &cli_cache)
+        .env("HF_ENDPOINT", hub.endpoint())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        cli_cache
+            .join("models--org--tiny-GGUF/snapshots")
+            .join(SHA_MAIN)
+            .join("tiny-llama-F32.gguf")
+            .is_file()
+    );
+    for dir in [work, cache, cli_cache] {
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
+
+/// State-space models as llama.cpp's converter writes them, made from fixtures by
+/// `tests/parity/make_gguf_hybrid.py` with gguf-py's tensor map: `mamba2` (`ssm_*` names, `A`
+/// stored as `-exp(A_log)`, squeezed conv kernels, grouped norm weights, `mamba2.ssm.*`
+/// metadata) and the hybrids `nemotron_h_moe` (attention with permuted q/k rows, relu² MLP,
+/// stacked experts with a grouped sigmoid router, Mamba2; the layer pattern read from the
+/// tensors) and `granitehybrid` (RoPE or none, softmax experts and a shared MLP whose fused
+/// gate/up tensors the converter split, µP multipliers). Each loads the same model as the
+/// fixture's safetensors.
+#[test]
+fn state_space_ggufs_load_the_same_model_as_their_safetensors() {
+    let cases = [
+        (
+            "mamba2-g2",
+            "Mamba2ForCausalLM",
+            &[
+                "backbone.layers.1.mixer.A_log",
+                "backbone.layers.1.mixer.D",
+                "backbone.layers.1.mixer.conv1d.weight",
+                "backbone.layers.1.mixer.norm.weight",
+                "backbone.layers.1.mixer.dt_bias",
+            ][..],
+        ),
+        (
+            "nemotronh-b",
+            "NemotronHForCausalLM",
+            &[
+                "backbone.layers.0.mixer.q_proj.weight",
+                "backbone.layers.0.mixer.k_proj.weight",
+                "backbone.layers.2.mixer.A_log",
+                "backbone.layers.2.mixer.conv1d.weight",
+                "backbone.layers.5.mixer.norm.weight",
+                "backbone.layers.3.mixer.gate.e_score_correction_bias",
+                "backbone.layers.4.mixer.up_proj.weight",
+            ][..],
+        ),
+        (
+            "granite-moe",
+            "GraniteMoeHybridForCausalLM",
+            &[
+                "model.layers.1.self_attn.q_proj.weight",
+                "model.layers.1.self_attn.k_proj.weight",
+                "model.layers.0.mamba.A_log",
+                "model.layers.2.mamba.norm.weight",
+                "model.layers.0.block_sparse_moe.output_linear.weight",
+                "model.layers.1.block_sparse_moe.router.layer.weight",
+                "model.layers.1.post_attention_layernorm.weight",
+            ][..],
+        ),
+        (
+            "granite-dense",
+            "GraniteMoeHybridForCausalLM",
+            &[
+                "model.layers.0.self_attn.k_proj.weight",
+                "model.layers.1.mamba.conv1d.weight",
+                "model.layers.1.mamba.norm.weight",
+                "model.layers.3.shared_mlp.output_linear.weight",
+            ][..],
+        ),
+    ];
+    for (name, arch, checked) in cases {
+        let file = gguf_fixtures().join(format!("{name}.gguf"));
+        let folder = LoadedModel::open(fixture(name).to_str().unwrap(), "main").unwrap();
+        let reference = folder.model(&CpuBackend::default(), false).unwrap();
+        let loaded = LoadedModel::open(file.to_str().unwrap(), "main").unwrap();
+        let model = loaded.model(&CpuBackend::default(), false).unwrap();
+        assert_eq!(model.info.architecture, arch);
+        // The converted tensors come back in transformers' shapes and values.
+        let g = gguf::GgufModel::open(&file).unwrap();
+        let cfg = g.hf_config().unwrap();
+        let store = WeightStore::open(&fixture(name)).unwrap();
+        for t in checked {
+            let (got, got_shape) = g.hf_tensor(&cfg, t).unwrap();
+            let (want, want_shape) = store.read_f32(t).unwrap();
+            assert_eq!(got_shape, want_shape, "{name}: {t}");
+            for (a, b) in got.iter().zip(&want) {
+                assert!(close(*a, *b, 1e-6), "{name}: {t}: {a} vs {b}");
+            }
+        }
+        let text = "The quick brown fox jumps over the lazy dog";
+        let prompt = folder.codec.encode(text, true).unwrap();
+        assert_eq!(loaded.codec.encode(text, true).unwrap(), prompt, "{name}");
+        let long: Vec<u32> = prompt.iter().copied().cycle().take(40).collect();
+        let (a, b) = (last_logits(&model, &long), last_logits(&reference, &long));
+        let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let worst = a
+            .iter()
+            .zip(&b)
+            .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        eprintln!("{name} gguf: worst relative Δlogit {:.2e}", worst / scale);
+        assert!(
+            worst <= 1e-5 * scale,
+            "{name}: logits off by {worst} (scale {scale})"
+        );
+        assert_eq!(
+            greedy(&model, &long, 12),
+            greedy(&reference, &long, 12),
+            "{name}"
+        );
+    }
+    // The layer pattern is read from the tensors each block holds.
+    let g = gguf::GgufModel::open(&gguf_fixtures().join("nemotronh-b.gguf")).unwrap();
+    let cfg = g.hf_config().unwrap();
+    assert_eq!(
+        cfg.get("hybrid_override_pattern").unwrap().as_str(),
+        Some("*EME-M")
+    );
+    // Granite's split gate/up halves are joined back into the fused tensors, bit for bit.
+    for (name, fused) in [
+        (
+            "granite-moe",
+            "model.layers.2.block_sparse_moe.input_linear.weight",
+        ),
+        (
+            "granite-dense",
+            "model.layers.2.shared_mlp.input_linear.weight",
+        ),
+    ] {
+        let g = gguf::GgufModel::open(&gguf_fixtures().join(format!("{name}.gguf"))).unwrap();
+        let tensors = g.tensors(&g.hf_config().unwrap()).unwrap();
+        let want = WeightStore::open(&fixture(name))
+            .unwrap()
+            .read_f32(fused)
+            .unwrap();
+        assert_eq!(tensors[fused], want, "{name}: {fused}");
+    }
+}
+
+/// `file` rewritten with `edit` applied to its metadata (tensors unchanged).
+fn gguf_with_metadata(file: &Path, out: &Path, edit: impl Fn(&mut Vec<(String, Value)>)) {
+    let f = gguf::GgufFile::open(file).unwrap();
+    let mut metadata: Vec<(String, Value)> = f
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    edit(&mut metadata);
+    let metadata: Vec<(&str, Value)> = metadata
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.clone()))
+        .collect();
+    let tensors: Vec<(String, Vec<usize>, GgmlType, Vec<u8>)> = f
+        .tensors
+        .iter()
+        .map(|t| (t.name.clone(), t.shape(), t.ty, f.data(t).to_vec()))
+        .collect();
+    gguf::file::write(out, &metadata, &tensors).unwrap();
+}
+
+/// GGUF files the loader cannot serve are errors that say why: an architecture outside the
+/// list (named, with the list), a vocabulary kind not rebuilt, SentencePiece scores that do
+/// not match the tokens, a RoPE scaling kind not supported.
+#[test]
+fn gguf_files_that_cannot_be_served_say_why() {
+    let dir = temp_cache("gguf-refusals");
+    let spm = gguf_fixtures().join("tiny-llama-spm.gguf");
+    let cases: [(&str, &str, Value, &[&str]); 4] = [
+        (
+            "arch",
+            "general.architecture",
+            Value::Str("falcon-h1".into()),
+            &[
+                "falcon-h1",
+                "llama, mamba2, nemotron_h, nemotron_h_moe, granitehybrid, qwen35",
+            ],
+        ),
+        (
+            "vocab",
+            "tokenizer.ggml.model",
+            Value::Str("t5".into()),
+            &["GGUF tokenizer `t5`", "`llama` SentencePiece"],
+        ),
+        (
+            "scores",
+            "tokenizer.ggml.scores",
+            Value::Array(vec![Value::F32(0.0); 3]),
+            &["tokenizer.ggml.scores", "400 tokens"],
+        ),
+        (
+            "rope",
+            "llama.rope.scaling.type",
+            Value::Str("yarn".into()),
+            &["RoPE scaling `yarn`"],
+        ),
+    ];
+    for (tag, key, value, needles) in cases {
+        let out = dir.join(format!("{tag}.gguf"));
+        gguf_with_metadata(&spm, &out, |m| {
+            m.retain(|(k, _)| k != key);
+            m.push((key.to_string(), value.clone()));
+        });
+        let e = LoadedModel::open(out.to_str().unwrap(), "main")
+            .and_then(|m| m.model(&CpuBackend::default(), false).map(|_| ()))
+            .unwrap_err();
+        let msg = format!("{e:#}");
+        for n in needles {
+            assert!(msg.contains(n), "{tag}: `{n}` not in: {msg}");
+        }
+    }
+    // The unedited file serves: the refusals come from the edits.
+    LoadedModel::open(spm.to_str().unwrap(), "main")
+        .unwrap()
+        .model(&CpuBackend::default(), false)
+        .unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Qwen3.5 (Gated DeltaNet + gated attention) as llama.cpp writes it (`qwen35`: `w + 1` norms,
+/// value heads tiled over key heads, `-exp(A_log)`, squeezed conv), made from the `qwen35-a`
+/// fixture by `tests/parity/make_gguf_hybrid.py`: chimera's load of the file gives the logits
+/// and greedy continuation transformers gives loading the same file
+/// (`qwen35-a-reference.json`), and the same model as the fixture's safetensors.
+#[test]
+fn a_qwen35_gguf_answers_as_transformers_does_on_the_same_file() {
+    let name = "qwen35-a";
+    let file = gguf_fixtures().join(format!("{name}.gguf"));
+    let reference: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(gguf_fixtures().join(format!("{name}-reference.json"))).unwrap(),
+    )
+    .unwrap();
+    let loaded = LoadedModel::open(file.to_str().unwrap(), "main").unwrap();
+    let model = loaded.model(&CpuBackend::default(), false).unwrap();
+    assert_eq!(model.info.architecture, "Qwen3_5ForCausalLM");
+    let text_ids: Vec<u32> = serde_json::from_value(reference["text_ids"].clone()).unwrap();
+    assert_eq!(
+        loaded
+            .codec
+            .encode(reference["text"].as_str().unwrap(), true)
+            .unwrap(),
+        text_ids
+    );
+    let prompt: Vec<u32> = serde_json::from_value(reference["prompt_ids"].clone()).unwrap();
+    let want: Vec<f32> = serde_json::from_value(reference["last_logits"].clone()).unwrap();
+    let got = last_logits(&model, &prompt);
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let worst = got
+        .iter()
+        .zip(&want)
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    eprintln!(
+        "qwen35-a gguf vs transformers on the same file: worst relative Δlogit {:.2e}",
+        worst / scale
+    );
+    assert!(
+        worst <= 1e-4 * scale,
+        "logits off by {worst} (scale {scale})"
+    );
+    let out: Vec<u32> = serde_json::from_value(reference["output_ids"].clone()).unwrap();
+    assert_eq!(greedy(&model, &prompt, out.len()), out);
+
+    // And the same model as the fixture's safetensors, tensor by tensor where layouts changed.
+    let g = gguf::GgufModel::open(&file).unwrap();
+    let cfg = g.hf_config().unwrap();
+    let store = WeightStore::open(&fixture(name)).unwrap();
+    for t in [
+        "model.layers.0.linear_attn.in_proj_qkv.weight",
+        "model.layers.0.linear_attn.in_proj_z.weight",
+        "model.layers.1.linear_attn.in_proj_a.weight",
+        "model.layers.1.linear_attn.A_log",
+        "model.layers.2.linear_attn.dt_bias",
+        "model.layers.2.linear_attn.conv1d.weight",
+        "model.layers.2.linear_attn.out_proj.weight",
+        "model.layers.2.linear_attn.norm.weight",
+        "model.layers.3.self_attn.q_norm.weight",
+        "model.layers.3.input_layernorm.weight",
+        "model.norm.weight",
+    ] {
+        let (got, got_shape) = g.hf_tensor(&cfg, t).unwrap();
+        let (want, want_shape) = store.read_f32(t).unwrap();
+        assert_eq!(got_shape, want_shape, "{t}");
+        for (a, b) in got.iter().zip(&want) {
+            assert!((a - b).abs() <= 1e-6 * b.abs().max(1.0), "{t}: {a} vs {b}");
+        }
+    }
+    let folder = LoadedModel::open(fixture(name).to_str().unwrap(), "main").unwrap();
+    let reference_model = folder.model(&CpuBackend::default(), false).unwrap();
+    let b = last_logits(&reference_model, &prompt);
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let worst = got
+        .iter()
+        .zip(&b)
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    eprintln!(
+        "qwen35-a gguf vs its safetensors: worst relative Δlogit {:.2e}",
+        worst / scale
+    );
+    assert!(
+        worst <= 1e-5 * scale,
+        "logits off by {worst} (scale {scale})"
+    );
 }

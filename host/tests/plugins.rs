@@ -4,6 +4,7 @@
 
 use crate::plugins_support;
 
+use std::process::Command;
 use std::sync::Arc;
 
 use chimera::plugins::{
@@ -192,7 +193,7 @@ fn custom_pin_router_changes_routing() {
         1
     );
 
-    let report = check_plugin(&path).unwrap();
+    let report = check_plugin(&path, &Config::default()).unwrap();
     assert_eq!(report.kind, PluginKind::Router);
     assert_eq!(report.abi.to_string(), "0.1.1");
     assert!(report.componentized);
@@ -301,7 +302,7 @@ fn misbehaving_router_falls_back_and_recovers() {
     metrics.render_prometheus(&mut text);
     assert!(
         text.contains(&format!(
-            "plugin_fallbacks_total{{plugin=\"{name}\",reason=\"timeout\"}} 1"
+            "chimera:plugin_fallbacks_total{{plugin=\"{name}\",kind=\"router\",reason=\"timeout\"}} 1"
         )),
         "{text}"
     );
@@ -440,7 +441,7 @@ fn host_functions_load_only_with_their_grants_and_work() {
         switched >= std::time::Duration::from_millis(400),
         "switched after {switched:?}"
     );
-    let report = check_plugin(&path).unwrap();
+    let report = check_plugin(&path, &Config::default()).unwrap();
     assert_eq!(report.abi.to_string(), "0.1.1");
     let text = report.to_string();
     assert!(
@@ -641,7 +642,7 @@ fn wrong_abi_version_is_refused_at_load_naming_both_versions() {
     for version in ["0.9.0", "1.0.0", "0.0.4"] {
         let path = dir.join(format!("router-{version}.wasm"));
         std::fs::write(&path, dummy_plugin("router", version)).unwrap();
-        let err = check_plugin(&path)
+        let err = check_plugin(&path, &Config::default())
             .err()
             .unwrap_or_else(|| panic!("must be refused"));
         let text = err.to_string();
@@ -661,7 +662,7 @@ fn wrong_abi_version_is_refused_at_load_naming_both_versions() {
     // A later patch of the accepted minor loads (its init traps, which check reports).
     let path = dir.join("router-0.1.9.wasm");
     std::fs::write(&path, dummy_plugin("router", "0.1.9")).unwrap();
-    let report = check_plugin(&path).expect("0.1.9 is accepted");
+    let report = check_plugin(&path, &Config::default()).expect("0.1.9 is accepted");
     assert_eq!(report.abi.to_string(), "0.1.9");
     assert!(report.init.is_err() && !report.ok(), "{report}");
 }
@@ -673,7 +674,7 @@ fn check_reports_every_builtin() {
     for b in chimera::plugins::builtin::BUILTINS {
         let path = dir.join(format!("{}.wasm", b.name));
         std::fs::write(&path, b.wasm).unwrap();
-        let report = check_plugin(&path).unwrap();
+        let report = check_plugin(&path, &Config::default()).unwrap();
         assert_eq!(report.kind, b.kind);
         assert!(report.ok(), "{report}");
         // Built against ABI 0.1.1 and calling no host function: they need no grant.
@@ -682,9 +683,186 @@ fn check_reports_every_builtin() {
     }
     let junk = dir.join("junk.wasm");
     std::fs::write(&junk, b"\0asm\x01\0\0\0garbage").unwrap();
-    assert!(check_plugin(&junk).is_err());
+    assert!(check_plugin(&junk, &Config::default()).is_err());
     assert!(matches!(
-        check_plugin(dir.join("missing.wasm")),
+        check_plugin(dir.join("missing.wasm"), &Config::default()),
         Err(PluginError::Io { .. })
     ));
+}
+
+/// `chimera plugin check FILE --config TOML` as an author runs it: a good plugin and config
+/// pass with the ABI version and timing shown; a plugin that traps in its dry call, a config
+/// the plugin rejects and TOML that does not parse each fail with the reason.
+#[test]
+fn plugin_check_dry_runs_a_plugin_with_a_given_config() {
+    let Some(test_plugins) = test_plugins_dir() else {
+        return;
+    };
+    let plugin = test_plugins.join("misbehave_router.wasm");
+    let check = |config: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_chimera"))
+            .args(["plugin", "check"])
+            .arg(&plugin)
+            .args(["--config", config])
+            .env_remove("RUST_LOG")
+            .output()
+            .expect("run chimera");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.success(), text)
+    };
+
+    let (ok, text) = check("{ replica = 2 }");
+    assert!(ok, "{text}");
+    for want in [
+        "kind:      router",
+        "abi:       0.1.1",
+        "init:      ok with config { replica = 2 }",
+        "-> replica 2",
+        "µs incl. instantiation",
+        "verdict:   ok",
+    ] {
+        assert!(text.contains(want), "missing {want:?}:\n{text}");
+    }
+
+    // The same config from a file of `key = value` lines.
+    let dir = std::env::temp_dir().join(format!("chimera-check-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("router.toml");
+    std::fs::write(&file, "replica = 1\n").unwrap();
+    let (ok, text) = check(file.to_str().unwrap());
+    assert!(ok && text.contains("-> replica 1"), "{text}");
+
+    // A plugin whose call traps: reported, and the command fails.
+    let (ok, text) = check(r#"{ tenant = "trap" }"#);
+    assert!(!ok, "{text}");
+    assert!(text.contains("dry call:  FAILED"), "{text}");
+    assert!(text.contains("trap"), "{text}");
+    assert!(text.contains("not usable with this config"), "{text}");
+
+    // A config the plugin rejects.
+    let (ok, text) = check("{ reject = true }");
+    assert!(!ok, "{text}");
+    assert!(
+        text.contains("init:      rejected config { reject = true }: ")
+            && text.contains("configured to reject its config"),
+        "{text}"
+    );
+    let (ok, text) = check("{ colour = 3 }");
+    assert!(!ok && text.contains("unknown key `colour`"), "{text}");
+
+    // TOML that does not parse never reaches the plugin.
+    let (ok, text) = check("{ replica = ");
+    assert!(!ok, "{text}");
+    assert!(text.contains("--config: not a TOML table"), "{text}");
+    assert!(!text.contains("kind:"), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The plugin crates `plugin-sdk/README.md` shows (router, sampler, evictor) build as an author
+/// would build them: each alone in a folder outside the repository, depending on the SDK by
+/// the README's `git` line pointed at a local clone of this repository; each result loads,
+/// is of its section's kind and passes `check_plugin`.
+#[test]
+fn sdk_readme_plugins_build_outside_the_repo_from_a_git_dependency() {
+    let Some(test_plugins) = test_plugins_dir() else {
+        return;
+    };
+    let readme = std::fs::read_to_string(repo_root().join("plugin-sdk/README.md")).unwrap();
+    let block = |section: &str, lang: &str| -> String {
+        let start = section
+            .find(&format!("```{lang}\n"))
+            .unwrap_or_else(|| panic!("no {lang} block in {section}"));
+        let body = &section[start + lang.len() + 4..];
+        body[..body.find("```").expect("closing fence")].to_string()
+    };
+    let examples: Vec<(&str, String, String)> = readme
+        .split("\n## ")
+        .filter(|s| s.starts_with("A complete"))
+        .map(|s| {
+            let heading = s.lines().next().unwrap_or_default();
+            let kind = heading.rsplit(' ').next().unwrap_or_default();
+            (kind, block(s, "toml"), block(s, "rust"))
+        })
+        .collect();
+    let kinds: Vec<&str> = examples.iter().map(|e| e.0).collect();
+    assert_eq!(kinds, ["router", "sampler", "evictor"]);
+
+    let dir = std::env::temp_dir().join(format!("chimera-sdk-readme-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    // A clone of the committed repository, reachable only through its git URL.
+    let clone = dir.join("chimera.git");
+    let status = Command::new("git")
+        .args(["clone", "--quiet", "--bare"])
+        .arg(repo_root())
+        .arg(&clone)
+        .status()
+        .expect("run git");
+    assert!(status.success(), "git clone failed");
+    let url = format!("file://{}", clone.display());
+    // Beside the test plugins' target folder (`<target>/test-plugins/wasm32-…/release`), not
+    // in it: the README's router has the name of a test plugin.
+    let target_dir = test_plugins
+        .ancestors()
+        .nth(3)
+        .expect("the cargo target folder")
+        .join("test-plugins-readme");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    for (kind, manifest, code) in &examples {
+        let line = manifest
+            .lines()
+            .find(|l| l.starts_with("chimera-plugin-sdk"))
+            .expect("SDK dependency line");
+        assert!(
+            line.contains("git = \"") && !line.contains("path ="),
+            "{kind}: the README's dependency must not be a path: {line}"
+        );
+        let readme_url = line.split('"').nth(1).expect("git URL");
+        let name = manifest
+            .lines()
+            .find_map(|l| l.strip_prefix("name = \""))
+            .and_then(|l| l.strip_suffix('"'))
+            .expect("package name");
+        let krate = dir.join(name);
+        std::fs::create_dir_all(krate.join("src")).unwrap();
+        std::fs::write(krate.join("Cargo.toml"), manifest.replace(readme_url, &url)).unwrap();
+        std::fs::write(krate.join("src/lib.rs"), code).unwrap();
+        // The versions the repository's test plugins are locked to (all in the local cache).
+        std::fs::copy(
+            repo_root().join("tests/plugins/Cargo.lock"),
+            krate.join("Cargo.lock"),
+        )
+        .unwrap();
+        let status = Command::new(&cargo)
+            .current_dir(&krate)
+            .args([
+                "build",
+                "--quiet",
+                "--release",
+                "--target",
+                "wasm32-unknown-unknown",
+                "--target-dir",
+            ])
+            .arg(&target_dir)
+            .env_remove("RUSTFLAGS")
+            .env_remove("CARGO_ENCODED_RUSTFLAGS")
+            .env_remove("CARGO_TARGET_DIR")
+            .status()
+            .expect("run cargo");
+        assert!(
+            status.success(),
+            "{kind}: building the README's {name} failed"
+        );
+        let wasm = target_dir
+            .join("wasm32-unknown-unknown/release")
+            .join(format!("{}.wasm", name.replace('-', "_")));
+        let report = check_plugin(&wasm, &Config::default()).expect("loads");
+        assert_eq!(report.kind.section(), *kind, "{report}");
+        assert!(report.ok(), "{report}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -5,6 +5,7 @@
 
 use crate::server_support;
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -22,8 +23,13 @@ async fn official_openai_client_passes() {
             std::env::var("CHIMERA_REQUIRE_OPENAI").as_deref() != Ok("1"),
             "CHIMERA_REQUIRE_OPENAI=1 but python3 cannot import `openai`"
         );
-        eprintln!(
-            "skipped: python3 with the `openai` package is not installed (pip install openai)"
+        // Straight to the process's stderr: the harness captures `eprintln!` of passing tests,
+        // and a skip must show in a plain `cargo test`.
+        let _ = writeln!(
+            std::io::stderr(),
+            "skipped: official_openai_client_passes: python3 with the `openai` package is not \
+             installed (pip install openai; CI sets CHIMERA_REQUIRE_OPENAI=1, which makes this \
+             a failure)"
         );
         return;
     }

@@ -194,7 +194,7 @@ async fn bad_policy_answers_fall_back_to_least_loaded() {
     );
     assert_eq!(added(&s).iter().sum::<u64>(), 6);
     assert!(
-        s.metric_sum("chimera:plugin_call_latency_seconds_count")
+        s.metric_sum("chimera:router_decision_latency_seconds_count")
             .await
             >= 6.0
     );

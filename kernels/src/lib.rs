@@ -109,6 +109,11 @@ pub fn sources() -> &'static [Source] {
             code: include_str!("moe.cu"),
             entries: moe::ENTRIES,
         },
+        Source {
+            name: "gemv.cu",
+            code: include_str!("gemv.cu"),
+            entries: gemv::ENTRIES,
+        },
     ];
     SOURCES
 }
@@ -232,6 +237,41 @@ pub mod dense {
         e("fill_f32", FILL),
         e("fill_bf16", FILL),
     ];
+}
+
+/// Small-batch bf16 linear layers (`gemv.cu`): `y = x · wᵀ (+ b)` for one or two input rows,
+/// over up to three weights that share the input in one launch.
+pub mod gemv {
+    use super::Entry;
+    use super::Param::{Ptr, U32};
+
+    /// Warps per block; they split `k` between them.
+    pub const WARPS: u32 = 8;
+
+    const PARAMS: &[super::Param] = &[
+        Ptr, U32, U32, Ptr, Ptr, Ptr, U32, Ptr, Ptr, Ptr, U32, Ptr, Ptr, Ptr, U32,
+    ];
+
+    pub const ENTRIES: &[Entry] = &[
+        Entry {
+            name: "gemv_bf16_n1",
+            params: PARAMS,
+        },
+        Entry {
+            name: "gemv_bf16_n2",
+            params: PARAMS,
+        },
+    ];
+
+    /// The entry for `n` input rows (1 or 2) and the output features each block computes
+    /// (every segment's `m` must be a multiple of it).
+    pub fn variant(n: usize) -> Option<(&'static str, u32)> {
+        match n {
+            1 => Some(("gemv_bf16_n1", 4)),
+            2 => Some(("gemv_bf16_n2", 4)),
+            _ => None,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -563,15 +563,26 @@ __device__ void ssd_pass(float* states, const float* acum, S* pool, const u32* s
         hv[v] = (live && i < pn) ? load(live, i) : 0.0f;
     }
     const u32 c0 = seq_chunk[e], nc = seq_chunks[e];
-    for (u32 ck = c0; ck < c0 + nc; ++ck) {
-        float* sp = states + ((u64)ck * heads + h) * pn;
-        const float decay = expf(acum[(u64)(ck_tok[ck] + ck_len[ck] - 1) * heads + h]);
-        float s[PASS_PER];
+    // Software-pipelined over chunks: the next chunk's local state and decay are loaded
+    // before this chunk's entering state is stored. (Without it, every trip waits a full
+    // memory round trip: the loads cannot move above stores to the same buffer.)
+    float s[PASS_PER];
+    float decay = 0.0f;
+    auto fetch = [&](u32 ck, float (&dst)[PASS_PER], float& dec) {
+        const float* sp = states + ((u64)ck * heads + h) * pn;
+        dec = expf(acum[(u64)(ck_tok[ck] + ck_len[ck] - 1) * heads + h]);
 #pragma unroll
         for (int v = 0; v < PASS_PER; ++v) {
             const u32 i = i0 + v * PASS_THREADS;
-            s[v] = i < pn ? sp[i] : 0.0f;
+            dst[v] = i < pn ? sp[i] : 0.0f;
         }
+    };
+    if (nc > 0) fetch(c0, s, decay);
+    for (u32 ck = c0; ck < c0 + nc; ++ck) {
+        float* sp = states + ((u64)ck * heads + h) * pn;
+        float next[PASS_PER];
+        float next_decay = 0.0f;
+        if (ck + 1 < c0 + nc) fetch(ck + 1, next, next_decay);
 #pragma unroll
         for (int v = 0; v < PASS_PER; ++v) {
             const u32 i = i0 + v * PASS_THREADS;
@@ -589,6 +600,9 @@ __device__ void ssd_pass(float* states, const float* acum, S* pool, const u32* s
                 if (i < pn) store(dst, i, hv[v]);
             }
         }
+#pragma unroll
+        for (int v = 0; v < PASS_PER; ++v) s[v] = next[v];
+        decay = next_decay;
     }
     if (!live) return;
 #pragma unroll

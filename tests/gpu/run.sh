@@ -3,6 +3,7 @@
 # (tests/gpu/prepare.sh makes it on a machine without a GPU):
 #
 #   tests/gpu/run.sh kernels|hybrid|parity|graphs|bench|moe|serve|all
+#   tests/gpu/run.sh serving-caching|serving-idle|serving-prefill|serving-routing   (QUICK=1: small)
 #
 # Prints one table (check | measured | bound | pass), writes every row as JSON under $OUT (or
 # .gpu/out), and exits non-zero if any row fails. Each suite finishes in under 8 minutes.
@@ -72,6 +73,11 @@ serve_suite() {
 
 case $suite in
   kernels|hybrid|parity|graphs|bench|moe) run_check "$suite" ;;
+  # chimera serve + chimera bench with NemotronH-8B-shaped dummy weights (tests/gpu/serving.py;
+  # QUICK=1 for a small workload); serving-routing needs two GPUs.
+  serving-caching|serving-idle|serving-prefill|serving-routing)
+    echo "== $suite"
+    python3 tests/gpu/serving.py "${suite#serving-}" ${QUICK:+--quick} ${SERVING_ARGS:-} --out "$out" || status=1 ;;
   serve) serve_suite ;;
   all) run_check kernels; run_check hybrid; run_check parity; run_check graphs; run_check bench; serve_suite ;;
   *) echo "unknown suite $suite" >&2; exit 2 ;;

@@ -295,6 +295,16 @@ pub enum BackendError {
 
 pub type Result<T> = std::result::Result<T, BackendError>;
 
+/// Device-side timing of one step, from events on the backend's stream.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct DeviceStepTime {
+    /// From the step's first device operation to its read-back.
+    pub busy_s: f64,
+    /// From the previous timed step's read-back to this step's first operation: time the
+    /// device waited for the host.
+    pub idle_before_s: f64,
+}
+
 /// The kernel seam. Tensors are row-major; a "matrix" is `[rows, cols]`.
 pub trait Backend: Send + Sync + 'static {
     type Tensor: Send + Sync;
@@ -368,6 +378,19 @@ pub trait Backend: Send + Sync + 'static {
         Ok(false)
     }
 
+    /// Starts timing a step on the device: called before the step's first device work is
+    /// enqueued. The step's read-back (in [`Backend::sample`]) marks its end.
+    fn step_clock_start(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// After a timed step's results are on the host: how long the device worked on it and how
+    /// long it sat idle between the previous timed step's end and this step's start (zero for
+    /// the first). `None` where the backend has no device clock (the CPU).
+    fn step_clock_end(&self) -> Result<Option<DeviceStepTime>> {
+        Ok(None)
+    }
+
     /// Records everything `run` enqueues (on this backend's stream) as a graph, without
     /// executing it, and returns the graph's id. `run` must enqueue the same work whatever
     /// the step's data (no host read-back, no allocation that the graph would outlive).
@@ -396,6 +419,16 @@ pub trait Backend: Send + Sync + 'static {
         w: &Self::Tensor,
         bias: Option<&Self::Tensor>,
     ) -> Result<Self::Tensor>;
+    /// `[x · w_sᵀ (+ b_s)]` for weights that share the input (a layer's q/k/v projections, or
+    /// gate and up): equal to one [`Backend::linear`] each, which is the default. A device may
+    /// run them as one launch (one pass over `x`, one kernel instead of several).
+    fn linear_shared(
+        &self,
+        x: &Self::Tensor,
+        weights: &[(&Self::Tensor, Option<&Self::Tensor>)],
+    ) -> Result<Vec<Self::Tensor>> {
+        weights.iter().map(|(w, b)| self.linear(x, w, *b)).collect()
+    }
     /// `x += y` (same shape).
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
     fn scale_assign(&self, x: &mut Self::Tensor, s: f32) -> Result<()>;

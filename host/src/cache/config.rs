@@ -50,6 +50,12 @@ pub struct CacheConfig {
     /// On a GPU: the budget is this fraction of the device memory left free once the weights
     /// are loaded (replacing `memory_budget`); the rest stays for activations. Ignored on the CPU.
     pub memory_fraction: Option<f64>,
+    /// Hybrid models: also snapshot a prompt's SSM state every this many tokens (a multiple
+    /// of `block_size`; 0 turns it off), so a later prompt sharing any long prefix of it
+    /// resumes at most this many tokens before the divergence. Without it a prefix is
+    /// resumable only where an earlier prompt ended or had been served from cache, so the
+    /// first two requests of a new shared prefix both compute it in full.
+    pub ssm_snapshot_interval: usize,
 }
 
 /// The values of `configs/default.toml` (a test checks they agree).
@@ -62,6 +68,7 @@ impl Default for CacheConfig {
             ssm_share: None,
             ssm_state_dtype: SsmStateDtype::Float32,
             memory_fraction: None,
+            ssm_snapshot_interval: 512,
         }
     }
 }

@@ -25,6 +25,7 @@ fn run_prompt(cm: &mut CacheManager, seq: u32, tokens: &[u32]) -> (PrefixMatch, 
     let m = cm.match_prefix(&h, tokens.len());
     let init = cm.admit(seq, &h, m, tokens.len()).unwrap();
     let ctx = m.skip_blocks * BS;
+    cm.count_prefix_query(tokens.len(), ctx);
     let mut snaps = Vec::new();
     cm.plan_snapshots(
         seq,
@@ -59,7 +60,9 @@ fn second_request_skips_the_cached_prefix() {
             skip_blocks: 2
         }
     );
-    assert_eq!(cm.counters.prefix_hits, 2);
+    // In tokens: two prompts of 10 and 13 queried, two blocks of 4 served from the cache.
+    assert_eq!(cm.counters.prefix_hits, 8);
+    assert_eq!(cm.counters.prefix_queries, 23);
     // The table starts with the cached blocks.
     let first = cm.pool().lookup(hashes(&a)[0]).unwrap();
     assert_eq!(cm.block_table(1)[0], first);
@@ -484,5 +487,49 @@ fn checkpoints_add_snapshot_points_rounded_down_to_blocks() {
     let mut b = t[..9].to_vec();
     b.extend([80, 81, 82]);
     assert_eq!(cm.match_prefix(&hashes(&b), b.len()).skip_blocks, 2);
+    cm.check_invariants().unwrap();
+}
+
+/// `cache.ssm_snapshot_interval`: a hybrid prompt also leaves snapshots every N blocks, so the
+/// second prompt of a new shared prefix resumes at the last such boundary inside the prefix
+/// instead of recomputing it (without the interval: it finds the KV blocks but no state).
+#[test]
+fn snapshot_interval_lets_the_second_prompt_of_a_prefix_resume() {
+    // 8-block shared prefix, then 3 distinct blocks: 44 tokens per prompt.
+    let prompt = |tail: u32| -> Vec<u32> { (0..32).chain(tail * 100..tail * 100 + 12).collect() };
+    for (every, resumed) in [(0usize, 0usize), (4, 8), (3, 6)] {
+        let mut cm =
+            CacheManager::new(&layout(64, 2, 16), true, true, None).with_snapshot_interval(every);
+        run_prompt(&mut cm, 0, &prompt(1));
+        cm.release(0).unwrap();
+        let h = hashes(&prompt(2));
+        let m = cm.match_prefix(&h, 44);
+        assert_eq!(
+            m.kv_blocks, 8,
+            "every {every}: the shared KV blocks are cached"
+        );
+        assert_eq!(
+            m.skip_blocks, resumed,
+            "every {every}: resumes at the last snapshot inside the prefix"
+        );
+        cm.check_invariants().unwrap();
+    }
+}
+
+/// Periodic snapshots fall only on boundaries inside the chunk being computed, never past the
+/// prompt's last full block.
+#[test]
+fn snapshot_interval_points_stay_inside_the_chunk() {
+    let mut cm = CacheManager::new(&layout(64, 2, 32), true, true, None).with_snapshot_interval(2);
+    let tokens: Vec<u32> = (0..37).collect();
+    let h = hashes(&tokens);
+    let m = cm.match_prefix(&h, 37);
+    cm.admit(0, &h, m, 37).unwrap();
+    let mut snaps = Vec::new();
+    // Tokens 8..24 of the prompt: boundaries at blocks 3..=6 (tokens 12..=24).
+    cm.plan_snapshots(0, &h, 37, 0, &[], 8, 16, &mut snaps);
+    let at: Vec<usize> = snaps.iter().map(|s| s.after + 8).collect();
+    assert_eq!(at, vec![16, 24]);
+    cm.abort_step();
     cm.check_invariants().unwrap();
 }

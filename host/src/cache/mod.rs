@@ -139,6 +139,8 @@ pub struct CacheManager {
     /// Sequences whose rolling slot this step writes.
     rolling_pending: Vec<u32>,
     memory: MissMemory,
+    /// Hybrids: prompt snapshots every this many blocks as well (0: off).
+    snapshot_every: usize,
     pub counters: CacheCounters,
 }
 
@@ -166,8 +168,16 @@ impl CacheManager {
             events: Vec::new(),
             rolling_pending: Vec::new(),
             memory: MissMemory::new(4 * layout.num_blocks.max(16)),
+            snapshot_every: 0,
             counters: CacheCounters::default(),
         }
+    }
+
+    /// Also plans a prompt snapshot at every `blocks`-th block boundary (`cache.
+    /// ssm_snapshot_interval` in blocks; 0 leaves only the fixed points and checkpoints).
+    pub fn with_snapshot_interval(mut self, blocks: usize) -> Self {
+        self.snapshot_every = blocks;
+        self
     }
 
     pub fn block_size(&self) -> usize {
@@ -274,6 +284,13 @@ impl CacheManager {
         })
     }
 
+    /// Counts one admission's prefix-cache lookup in tokens, as vLLM does: the whole prompt was
+    /// queried, `cached_tokens` of it were served from the cache.
+    pub fn count_prefix_query(&mut self, prompt_tokens: usize, cached_tokens: usize) {
+        self.counters.prefix_queries += prompt_tokens as u64;
+        self.counters.prefix_hits += cached_tokens as u64;
+    }
+
     /// Counts one admission's outcome in [`CacheCounters::misses`].
     pub fn count_miss(&mut self, reason: Option<MissReason>) {
         if let Some(r) = reason {
@@ -355,8 +372,6 @@ impl CacheManager {
             self.seqs.resize_with(seq as usize + 1, || None);
         }
         self.seqs[seq as usize] = Some(sc);
-        self.counters.prefix_queries += hashes.len() as u64;
-        self.counters.prefix_hits += m.skip_blocks as u64;
         if matches!(init, SsmInit::Restore { .. }) {
             self.counters.ssm_restores += 1;
         }
@@ -448,8 +463,9 @@ impl CacheManager {
 
     /// Plans SSM snapshots inside the chunk `ctx .. ctx + len` of a hybrid prompt: at the end
     /// of the cached prefix (`kv_blocks`), at the last block boundary of the prompt, at the
-    /// one before it, and at the block boundary at or before each client `checkpoints` offset
-    /// (prompt tokens), wherever no snapshot exists yet. When every durable slot is taken, the
+    /// one before it, at every `snapshot_every`-th block boundary, and at the block boundary
+    /// at or before each client `checkpoints` offset (prompt tokens), wherever no snapshot
+    /// exists yet. When every durable slot is taken, the
     /// least recently used snapshot of an unused block gives its slot up; when none can, the
     /// snapshot is skipped and counted (serving goes on without it). `out` is in chunk order.
     #[allow(clippy::too_many_arguments)]
@@ -470,9 +486,17 @@ impl CacheManager {
         let bs = self.block_size;
         let last = prompt_len / bs;
         let fixed = [kv_blocks, last.saturating_sub(1), last];
+        let every = self.snapshot_every;
+        let first_in_chunk = (ctx / bs) + 1;
+        let periodic = (first_in_chunk..=last.min((ctx + len) / bs))
+            .filter(move |b| every > 0 && b % every == 0);
         let asked = checkpoints.iter().map(|&o| o as usize / bs);
-        for (i, blocks) in fixed.into_iter().chain(asked).enumerate() {
-            let checkpoint = i >= fixed.len();
+        let points = fixed
+            .into_iter()
+            .chain(periodic)
+            .map(|b| (b, false))
+            .chain(asked.map(|b| (b, true)));
+        for (blocks, checkpoint) in points {
             let p = blocks * bs;
             if blocks == 0 || p <= ctx || p > ctx + len || blocks > hashes.len() {
                 continue;

@@ -214,9 +214,9 @@ pub struct EngineStats {
     pub prompt_tokens_computed: u64,
     pub prompt_tokens_cached: u64,
     pub generation_tokens: u64,
-    /// Full prompt blocks looked up in the prefix cache.
+    /// Prompt tokens looked up in the prefix cache (every admission's whole prompt).
     pub prefix_cache_queries: u64,
-    /// Prompt blocks whose computation the prefix cache saved.
+    /// Prompt tokens whose computation the prefix cache saved.
     pub prefix_cache_hits: u64,
     pub ssm_restores: u64,
     pub preemptions: u64,
@@ -234,6 +234,16 @@ pub struct EngineStats {
     pub ssm_rolling_kept: u64,
     /// Checkpoints requests asked for (offsets past the first block).
     pub checkpoints_requested: u64,
+    /// Device time spent on steps, and device time idle between back-to-back steps (waiting
+    /// for the host), from CUDA events; 0 on the CPU.
+    pub device_busy_seconds: f64,
+    pub device_idle_seconds: f64,
+    /// Steps that ran a batch, and the host's time in each phase of them: scheduling and
+    /// cache bookkeeping, building the step plan, and sampling/committing/sending events.
+    pub engine_steps: u64,
+    pub host_schedule_seconds: f64,
+    pub host_inputs_seconds: f64,
+    pub host_update_seconds: f64,
 }
 
 /// Block-level cache events live with the cache; re-exported for the server and router.

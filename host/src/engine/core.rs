@@ -61,6 +61,14 @@ pub struct StepTimings {
     pub update_ns: u64,
     /// Penalties, top-K candidates, the sampler call and logprobs.
     pub sample_ns: u64,
+    /// Device time of the executed steps (CUDA events; 0 on the CPU).
+    pub device_busy_ns: u64,
+    /// Device time idle between back-to-back steps: from one step's read-back to the next
+    /// step's first operation, counted only when the engine had work waiting throughout
+    /// (not after waiting for requests).
+    pub device_idle_ns: u64,
+    /// Steps whose idle gap was counted.
+    pub device_gaps: u64,
 }
 
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
@@ -100,6 +108,9 @@ pub struct Engine<E: StepExecutor> {
     kv_events: Vec<KvEvent>,
     stats: EngineStats,
     timings: StepTimings,
+    /// The previous step ran a batch and nothing has waited since: the next step's device
+    /// idle gap is host overhead.
+    back_to_back: bool,
     /// Set when a step failed with [`ExecutorError::DeviceLost`].
     lost: bool,
 }
@@ -137,7 +148,8 @@ impl<E: StepExecutor> Engine<E> {
             setup.cache.prefix_caching,
             spec.is_hybrid(),
             policies.evictor.take(),
-        );
+        )
+        .with_snapshot_interval(setup.cache.ssm_snapshot_interval / layout.block_size.max(1));
         let sched = Scheduler::new(
             cfg.clone(),
             layout.block_size,
@@ -175,6 +187,7 @@ impl<E: StepExecutor> Engine<E> {
             kv_events: Vec::new(),
             stats,
             timings: StepTimings::default(),
+            back_to_back: false,
         })
     }
 
@@ -321,6 +334,7 @@ impl<E: StepExecutor> Engine<E> {
         self.stats.step = out.step;
         self.stats.preemptions += out.evicted.len() as u64;
         if out.is_empty() {
+            self.back_to_back = false;
             self.cache.commit_step();
             self.cache.take_events(&mut self.kv_events);
             self.refresh_stats();
@@ -335,6 +349,14 @@ impl<E: StepExecutor> Engine<E> {
             r
         });
         let t3 = Instant::now();
+        if let Some(t) = self.executor.take_device_time() {
+            self.timings.device_busy_ns += (t.busy_s * 1e9) as u64;
+            if self.back_to_back {
+                self.timings.device_idle_ns += (t.idle_before_s * 1e9) as u64;
+                self.timings.device_gaps += 1;
+            }
+        }
+        self.back_to_back = result.is_ok();
         match result {
             Ok(()) => self.apply_output(),
             Err(e) => self.fail_batch(e),
@@ -516,8 +538,20 @@ impl<E: StepExecutor> Engine<E> {
 
     /// Brings the load and cache figures of [`Self::stats`] up to date (done after every step;
     /// call it after commands to publish their effect).
+    /// The engine thread is about to block waiting for requests: the device's next idle gap
+    /// is not host overhead.
+    pub fn note_wait(&mut self) {
+        self.back_to_back = false;
+    }
+
     pub fn refresh_stats(&mut self) {
         let s = &mut self.stats;
+        s.device_busy_seconds = self.timings.device_busy_ns as f64 * 1e-9;
+        s.device_idle_seconds = self.timings.device_idle_ns as f64 * 1e-9;
+        s.engine_steps = self.timings.steps;
+        s.host_schedule_seconds = self.timings.schedule_ns as f64 * 1e-9;
+        s.host_inputs_seconds = self.timings.inputs_ns as f64 * 1e-9;
+        s.host_update_seconds = self.timings.update_ns as f64 * 1e-9;
         let pool = self.cache.pool();
         let c = self.cache.counters;
         s.running = self.sched.num_running() as u32;
@@ -526,7 +560,7 @@ impl<E: StepExecutor> Engine<E> {
         s.free_blocks = pool.available() as u32;
         s.cached_blocks = pool.indexed() as u32;
         s.ssm_snapshots_used = self.cache.ssm().snapshots() as u32;
-        s.prompt_tokens_cached = c.prefix_hits * self.layout.block_size as u64;
+        s.prompt_tokens_cached = c.prefix_hits;
         s.prefix_cache_queries = c.prefix_queries;
         s.prefix_cache_hits = c.prefix_hits;
         s.ssm_restores = c.ssm_restores;

@@ -93,6 +93,10 @@ pub trait StepExecutor: Send {
     /// targets are written during it) and the sampling tail, filling `out` as
     /// [`StepOutput`] says.
     fn execute(&mut self, plan: &StepPlan, out: &mut StepOutput) -> Result<(), ExecutorError>;
+    /// The device's timing of the step `execute` just ran, where the backend keeps one.
+    fn take_device_time(&mut self) -> Option<crate::backend::DeviceStepTime> {
+        None
+    }
 }
 
 impl<E: StepExecutor + ?Sized> StepExecutor for Box<E> {
@@ -110,5 +114,8 @@ impl<E: StepExecutor + ?Sized> StepExecutor for Box<E> {
     }
     fn execute(&mut self, plan: &StepPlan, out: &mut StepOutput) -> Result<(), ExecutorError> {
         (**self).execute(plan, out)
+    }
+    fn take_device_time(&mut self) -> Option<crate::backend::DeviceStepTime> {
+        (**self).take_device_time()
     }
 }

@@ -35,6 +35,8 @@ pub struct ModelRunner<B: Backend> {
     pub eager_steps: u64,
     /// Seconds spent capturing the graphs.
     pub capture_seconds: f64,
+    /// The device clock of the last step executed.
+    device_time: Option<crate::backend::DeviceStepTime>,
 }
 
 /// One captured decode bucket: its graph and the logits tensor the graph writes.
@@ -59,6 +61,7 @@ impl<B: Backend> ModelRunner<B> {
             graph_steps: 0,
             eager_steps: 0,
             capture_seconds: 0.0,
+            device_time: None,
         }
     }
 
@@ -192,13 +195,27 @@ impl<B: Backend> StepExecutor for ModelRunner<B> {
     }
 
     fn execute(&mut self, plan: &StepPlan, out: &mut StepOutput) -> Result<(), ExecutorError> {
-        self.run_step(plan, out).map_err(|e| {
+        self.device_time = None;
+        let ran = self
+            .backend
+            .step_clock_start()
+            .map_err(|e| ExecutorError::Forward(e.to_string()))
+            .and_then(|()| self.run_step(plan, out));
+        // Read the clock even after a failure, so the next step starts a fresh measurement.
+        let clock = self.backend.step_clock_end();
+        ran.map_err(|e| {
             if self.backend.is_lost() {
                 ExecutorError::DeviceLost(e.to_string())
             } else {
                 e
             }
-        })
+        })?;
+        self.device_time = clock.map_err(|e| ExecutorError::Forward(e.to_string()))?;
+        Ok(())
+    }
+
+    fn take_device_time(&mut self) -> Option<crate::backend::DeviceStepTime> {
+        self.device_time.take()
     }
 }
 

@@ -483,6 +483,7 @@ impl Scheduler {
                     continue;
                 }
             };
+            cache.count_prefix_query(prompt_len, ctx);
             r.computed = ctx;
             r.kv_match = m.kv_blocks;
             if !r.admitted_once {

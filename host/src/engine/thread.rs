@@ -89,6 +89,7 @@ fn run<E: StepExecutor>(
         // its add can never be applied before it.
         cancelled.extend(cancels.try_iter());
         if engine.is_idle() || idle_wait {
+            engine.note_wait();
             let got = if engine.is_idle() {
                 commands.recv().map_err(|_| RecvTimeoutError::Disconnected)
             } else {

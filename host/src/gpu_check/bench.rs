@@ -35,6 +35,10 @@ pub fn run(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) {
             return;
         }
     };
+    super::gemv::bench(report, SUITE, gpu, bw);
+    if let Err(e) = ssm_timings(report, gpu) {
+        report.failed(SUITE, "mamba2 scan timings", format!("{e:#}"));
+    }
     super::moe::bench(report, SUITE, gpu);
     if let Err(e) = attention_8k(report, gpu) {
         report.failed(SUITE, "attention T=8192", format!("{e:#}"));
@@ -103,6 +107,90 @@ fn attention_8k(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()> {
         "≤ 2.000 ms".into(),
         ms <= 2.0,
     );
+    Ok(())
+}
+
+/// The Mamba2 scan (`ssm_scan`: dt, chunk states, state passing, chunk scan; or the decode
+/// state update) on NemotronH-8B's layer shape (128 heads × 64, 8 groups, state 128, chunk
+/// 128): one 8192-token prompt, and one decode step of 256 sequences, with f32 and bf16 state
+/// pools. The decode reads and writes every sequence's state once.
+fn ssm_timings(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()> {
+    use crate::backend::{DType, SsmPools, SsmShape};
+    let shape = SsmShape {
+        heads: 128,
+        head_dim: 64,
+        groups: 8,
+        state_size: 128,
+        chunk_size: 128,
+        dt_min: 0.0,
+        dt_max: f32::INFINITY,
+    };
+    gpu.set_ssm_chunk_size(shape.chunk_size);
+    let (h, p, g, n) = (shape.heads, shape.head_dim, shape.groups, shape.state_size);
+    let mut rng = Rng::new(11);
+    for (label, t, seqs, bound_f32, bound_bf16) in [
+        ("prompt T=8192", 8192usize, 1usize, 0.55, 0.55),
+        ("decode batch 256", 256, 256, 0.56, 0.30),
+    ] {
+        let mut plan = StepPlan::new(BLOCK);
+        if seqs == 1 {
+            let table: Vec<u32> = (0..t.div_ceil(BLOCK) as u32).collect();
+            plan.push(&vec![1u32; t], 0, &table, 0, false);
+        } else {
+            let per = 101usize.div_ceil(BLOCK);
+            for s in 0..seqs {
+                let table: Vec<u32> = ((s * per) as u32..((s + 1) * per) as u32).collect();
+                plan.push(&[1], 100, &table, s as u32, false);
+            }
+        }
+        plan.finish()?;
+        let mut step = gpu.new_step(t)?;
+        gpu.upload_step(&plan, &mut step)?;
+        let up = |v: Vec<f32>, shape: &[usize]| gpu.upload(HostTensor::f32(&v, shape));
+        let x = up(rng.vec(t * h * p, 1.0), &[t, h * p])?;
+        let b = up(rng.vec(t * g * n, 0.5), &[t, g * n])?;
+        let c = up(rng.vec(t * g * n, 0.5), &[t, g * n])?;
+        let dt = up(rng.vec(t * h, 1.0), &[t, h])?;
+        let a_log = up((0..h).map(|_| rng.unit() * 2.0).collect(), &[h])?;
+        let d = up(rng.vec(h, 1.0), &[h])?;
+        let dt_bias = up(rng.vec(h, 0.5), &[h])?;
+        for (dtype, bound) in [(DType::F32, bound_f32), (DType::BF16, bound_bf16)] {
+            let mut pools = SsmPools {
+                conv: gpu.zeros(&[seqs, 1, h * p + 2 * g * n, 3], DType::F32)?,
+                ssm: gpu.zeros(&[seqs, 1, h, p, n], dtype)?,
+                slots: seqs,
+                layers: 1,
+            };
+            let mut run = || {
+                gpu.ssm_scan(
+                    &x, &b, &c, &dt, &a_log, &d, &dt_bias, shape, &mut pools, 0, &step,
+                )
+                .map(drop)
+            };
+            for _ in 0..3 {
+                run()?;
+            }
+            gpu.synchronize()?;
+            let reps = 20;
+            let started = Instant::now();
+            for _ in 0..reps {
+                run()?;
+            }
+            gpu.synchronize()?;
+            let ms = started.elapsed().as_secs_f64() * 1e3 / f64::from(reps);
+            let state = if dtype == DType::F32 { "f32" } else { "bf16" };
+            report.push(
+                SUITE,
+                format!(
+                    "mamba2 scan {label}, {state} state (NemotronH-8B layer: 128h×64 g8 n128 chunk 128)"
+                ),
+                ms,
+                format!("{ms:.3} ms"),
+                format!("≤ {bound:.2} ms"),
+                ms <= bound,
+            );
+        }
+    }
     Ok(())
 }
 
@@ -247,6 +335,46 @@ fn decode(
             "reported".into(),
             true,
         );
+        if batch <= 2 {
+            // The same graph step with every linear layer on cuBLASLt: what the one-pass GEMV
+            // (the default at one and two rows) gains.
+            gpu.set_small_m_gemv(false);
+            let mut logits = None;
+            let id = gpu.capture_graph(&mut || {
+                logits = Some(
+                    m.forward(gpu, &gstep, &mut caches)
+                        .map_err(|e| crate::backend::BackendError::Invalid(e.to_string()))?,
+                );
+                Ok(())
+            });
+            gpu.set_small_m_gemv(true);
+            let id = id?;
+            let mut logits = logits.ok_or_else(|| anyhow::anyhow!("nothing captured"))?;
+            let mut replay = |out: &mut SampleOut| -> anyhow::Result<()> {
+                gpu.upload_graph_step(&plan, &mut gstep, batch, per_seq)?;
+                gpu.replay_graph(id)?;
+                gpu.sample(&mut logits, &gstep, out)?;
+                Ok(())
+            };
+            for _ in 0..3 {
+                replay(&mut check)?;
+            }
+            let t0 = Instant::now();
+            for _ in 0..steps {
+                replay(&mut check)?;
+            }
+            let cublas_ms = t0.elapsed().as_secs_f64() * 1e3 / steps as f64;
+            report.push(
+                SUITE,
+                format!(
+                    "{name} graph decode bs{batch} ctx{CONTEXT}, linears on cuBLASLt (GEMV {ms:.2} ms; reported)"
+                ),
+                cublas_ms,
+                format!("{cublas_ms:.2} ms ({:.2}×)", cublas_ms / floor_ms),
+                "reported".into(),
+                true,
+            );
+        }
     }
     Ok(())
 }

@@ -332,7 +332,7 @@ fn prefix_groups(report: &mut Report, dir: &std::path::Path, gpu: &CudaBackend) 
     report.push(
         SUITE,
         format!(
-            "nemotronh-a SSM restores / prefix hits on the GPU = CPU ({} / {})",
+            "nemotronh-a SSM restores / prefix-hit tokens on the GPU = CPU ({} / {})",
             gs.ssm_restores, gs.prefix_cache_hits
         ),
         gs.ssm_restores as f64,

@@ -135,8 +135,17 @@ pub fn run(report: &mut Report, f32_gpu: &CudaBackend, bf16_gpu: &CudaBackend, s
 }
 
 fn dense(c: &mut Ctx<'_>) {
+    // One or two rows in bf16 take the one-pass GEMV (k a multiple of 8; m a multiple of the
+    // variant's features per block, 4), the rest cuBLASLt: shapes on both sides of each rule.
     for &(n, k, m, bias) in &[
         (1usize, 4096usize, 6144usize, false),
+        (1, 4104, 1032, true),
+        (2, 14336, 512, false),
+        (2, 1032, 260, true),
+        (3, 1032, 260, true),
+        (4, 4096, 1030, false),
+        (5, 100, 50, true),
+        (8, 8192, 520, true),
         (7, 96, 40, true),
         (33, 128, 512, true),
         (131, 4096, 4096, false),
@@ -155,6 +164,46 @@ fn dense(c: &mut Ctx<'_>) {
                 let g = c.gpu.linear(&xg, &wg, bias.then_some(&bg))?;
                 let r = c.cpu.linear(&xc, &wc, bias.then_some(&bc))?;
                 Ok((c.gpu.download(&g)?, c.cpu.download(&r)?))
+            },
+        );
+    }
+    for &(n, k, ms) in &[
+        (1usize, 4096usize, &[1024usize, 256, 256][..]),
+        (2, 2048, &[768, 768][..]),
+        (1, 520, &[132, 68, 4][..]),
+        (4, 2048, &[768, 768][..]),
+        (12, 512, &[64, 32, 32][..]),
+    ] {
+        c.check(
+            &format!("linear_shared {n}×{k}·{ms:?}ᵀ +bias on the first"),
+            k > 1024,
+            |c| {
+                let x = c.rand(n * k, 1.0);
+                let (xc, xg) = c.up(&x, &[n, k])?;
+                let mut host = Vec::new();
+                for (i, &m) in ms.iter().enumerate() {
+                    let w = c.rand(m * k, 0.05);
+                    let b = c.rand(m, 0.5);
+                    let (wc, wg) = c.up(&w, &[m, k])?;
+                    let bias = if i == 0 { Some(c.up(&b, &[m])?) } else { None };
+                    host.push((wc, wg, bias));
+                }
+                let gw: Vec<_> = host
+                    .iter()
+                    .map(|(_, wg, b)| (wg, b.as_ref().map(|b| &b.1)))
+                    .collect();
+                let cw: Vec<_> = host
+                    .iter()
+                    .map(|(wc, _, b)| (wc, b.as_ref().map(|b| &b.0)))
+                    .collect();
+                let (mut g, mut r) = (Vec::new(), Vec::new());
+                for t in c.gpu.linear_shared(&xg, &gw)? {
+                    g.extend(c.gpu.download(&t)?);
+                }
+                for t in c.cpu.linear_shared(&xc, &cw)? {
+                    r.extend(c.cpu.download(&t)?);
+                }
+                Ok((g, r))
             },
         );
     }

@@ -14,6 +14,7 @@
 //! steps run eagerly).
 
 mod bench;
+mod gemv;
 mod graphs;
 mod hybrid;
 mod kernels;

@@ -218,6 +218,18 @@ impl HfConfig {
             low_freq_factor: pick("low_freq_factor"),
             high_freq_factor: pick("high_freq_factor"),
             original_max_position_embeddings: pick("original_max_position_embeddings"),
+            freq_factors: match params.and_then(|p| p.get("freq_factors")) {
+                None => None,
+                Some(v) => Some(
+                    v.as_array()
+                        .and_then(|a| a.iter().map(as_f64).collect::<Option<Vec<f64>>>())
+                        .ok_or_else(|| {
+                            self.err(
+                                "`rope_parameters.freq_factors` must be a list of numbers".into(),
+                            )
+                        })?,
+                ),
+            },
         })
     }
 
@@ -236,6 +248,9 @@ pub struct RopeSettings {
     pub low_freq_factor: Option<f64>,
     pub high_freq_factor: Option<f64>,
     pub original_max_position_embeddings: Option<f64>,
+    /// Per-frequency divisors applied after the scaling above (llama.cpp's `rope_freqs`
+    /// tensor, e.g. Llama 3.1 scaling in a GGUF file; not a transformers key).
+    pub freq_factors: Option<Vec<f64>>,
 }
 
 #[cfg(test)]

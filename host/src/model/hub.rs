@@ -10,11 +10,25 @@
 //! that breaks off resumes from its `.part` file, in the same run or the next. Every size the
 //! hub lists is checked after the download.
 //!
+//! The client under `hf-hub` has no read timeout, so a hub that stops answering would hold a
+//! download forever: the resolution runs on its own thread, watched for progress (bytes landing
+//! in the repo's cache folder); after `HF_HUB_DOWNLOAD_TIMEOUT` seconds (default 10, as
+//! `huggingface_hub`) without any, it fails with an error that says so. Proxies come from
+//! `HTTPS_PROXY`/`HTTP_PROXY`/`ALL_PROXY`; `NO_PROXY` is not read by that client.
+//!
+//! A repo that holds llama.cpp GGUF files instead (no `config.json` with safetensors), or a
+//! name with a quant tag, `org/name:Q4_K_M` (as llama.cpp's `-hf` and Ollama spell it),
+//! resolves to one `.gguf` file, and only that file is downloaded: the one the tag names, or
+//! the only one there is (vision projectors, `mmproj*`, aside); several and no tag is an error
+//! that lists them.
+//!
 //! This module owns name resolution and downloading; it knows nothing of model formats beyond
 //! which file names a model folder needs.
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 use hf_hub::api::sync::{ApiBuilder, ApiError};
 use hf_hub::{Cache, Repo, RepoType};
@@ -69,8 +83,18 @@ pub enum HubError {
         cache: PathBuf,
         detail: String,
     },
-    #[error("{repo}@{revision}: the repo has no config.json or no *.safetensors weights")]
+    #[error(
+        "{repo}@{revision}: the repo has no config.json with *.safetensors weights and no \
+         .gguf file"
+    )]
     NotAModel { repo: String, revision: String },
+    #[error("{repo}@{revision}: {problem}; name one as `{repo}:QUANT` (GGUF files: {files})")]
+    GgufChoice {
+        repo: String,
+        revision: String,
+        problem: String,
+        files: String,
+    },
     #[error("{repo}: {file}: downloaded {got} bytes, the hub lists {expected}")]
     SizeMismatch {
         repo: String,
@@ -93,6 +117,17 @@ pub enum HubError {
         endpoint: String,
         message: String,
     },
+    #[error(
+        "{repo}: the hub at {endpoint} sent nothing for {secs} s while {doing}; giving up \
+         (HF_HUB_DOWNLOAD_TIMEOUT sets the limit in seconds; HF_HUB_OFFLINE=1 uses the local \
+         cache only)"
+    )]
+    Stalled {
+        repo: String,
+        endpoint: String,
+        secs: f64,
+        doing: &'static str,
+    },
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,
@@ -112,7 +147,12 @@ pub struct HubSettings {
     pub offline: bool,
     /// Draw a progress bar on stderr (only sensible on a terminal).
     pub progress: bool,
+    /// Longest wait for any progress (`HF_HUB_DOWNLOAD_TIMEOUT`, seconds; default 10).
+    pub download_timeout: Duration,
 }
+
+/// `HF_HUB_DOWNLOAD_TIMEOUT`'s default, as in `huggingface_hub`.
+pub const DEFAULT_DOWNLOAD_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl HubSettings {
     /// Settings from the environment, as `huggingface_hub` reads them.
@@ -141,6 +181,19 @@ impl HubSettings {
         let offline = var("HF_HUB_OFFLINE").is_some_and(|v| {
             matches!(v.to_ascii_lowercase().as_str(), "1" | "on" | "yes" | "true")
         });
+        let download_timeout = match var("HF_HUB_DOWNLOAD_TIMEOUT") {
+            None => DEFAULT_DOWNLOAD_TIMEOUT,
+            Some(v) => match v.trim().parse::<f64>() {
+                Ok(secs) if secs > 0.0 && secs.is_finite() => Duration::from_secs_f64(secs),
+                _ => {
+                    tracing::warn!(
+                        value = %v,
+                        "HF_HUB_DOWNLOAD_TIMEOUT is not a positive number of seconds; using 10"
+                    );
+                    DEFAULT_DOWNLOAD_TIMEOUT
+                }
+            },
+        };
         Self {
             endpoint: var("HF_ENDPOINT")
                 .map(|e| e.trim_end_matches('/').to_string())
@@ -149,6 +202,7 @@ impl HubSettings {
             token,
             offline,
             progress: std::io::stderr().is_terminal(),
+            download_timeout,
         }
     }
 }
@@ -168,6 +222,79 @@ pub fn is_repo_id(name: &str) -> bool {
     match name.split_once('/') {
         Some((org, rest)) => part_ok(org) && part_ok(rest),
         None => false,
+    }
+}
+
+/// Splits `org/name:TAG` into the repo id and the GGUF quant tag (or file name); `None` when
+/// `name` is not of that shape.
+pub fn split_quant_tag(name: &str) -> Option<(&str, &str)> {
+    let (repo, tag) = name.rsplit_once(':')?;
+    (is_repo_id(repo) && !tag.is_empty() && !tag.contains('/')).then_some((repo, tag))
+}
+
+/// Whether `file` (a repo path) is the GGUF file `tag` names: the file name itself, or a quant
+/// tag (`Q4_K_M`, any case) that ends the name or stands between separators, so `Q4_K` does
+/// not pick `Q4_K_M`.
+fn gguf_matches(file: &str, tag: &str) -> bool {
+    let base = file.rsplit('/').next().unwrap_or(file).to_ascii_lowercase();
+    let tag = tag.to_ascii_lowercase();
+    if base == tag || file.eq_ignore_ascii_case(&tag) {
+        return true;
+    }
+    let stem = base.strip_suffix(".gguf").unwrap_or(&base);
+    let bytes = stem.as_bytes();
+    stem.match_indices(&tag).any(|(at, _)| {
+        let before = at == 0 || matches!(bytes[at - 1], b'.' | b'-' | b'_');
+        let after = bytes
+            .get(at + tag.len())
+            .is_none_or(|c| matches!(c, b'.' | b'-'));
+        before && after
+    })
+}
+
+/// The GGUF file to use among a repo's `names`: the one `tag` names, or else the only one.
+/// Vision projectors (`mmproj*`) are never picked without being named. Errors say what is
+/// wrong, for [`HubError::GgufChoice`].
+fn choose_gguf(names: &[&str], tag: Option<&str>) -> Result<String, String> {
+    let ggufs: Vec<&str> = names
+        .iter()
+        .copied()
+        .filter(|n| n.to_ascii_lowercase().ends_with(".gguf"))
+        .collect();
+    let is_projector = |n: &&str| {
+        n.rsplit('/')
+            .next()
+            .is_some_and(|b| b.to_ascii_lowercase().starts_with("mmproj"))
+    };
+    let found: Vec<&str> = match tag {
+        Some(tag) => ggufs
+            .iter()
+            .copied()
+            .filter(|n| gguf_matches(n, tag) && (!is_projector(n) || n.ends_with(tag)))
+            .collect(),
+        None => ggufs.iter().copied().filter(|n| !is_projector(n)).collect(),
+    };
+    match (found.as_slice(), tag) {
+        ([one], _) if is_split_part(one) => Err(format!(
+            "{one} is one part of a split GGUF file, which does not load (merge the parts with \
+             llama.cpp's `llama-gguf-split --merge`)"
+        )),
+        ([one], _) => Ok(one.to_string()),
+        ([], Some(tag)) => Err(format!("no GGUF file matches `{tag}`")),
+        ([], None) => Err("no GGUF file".into()),
+        (_, Some(tag)) => Err(format!("several GGUF files match `{tag}`")),
+        (_, None) => Err("the repo holds several GGUF files".into()),
+    }
+}
+
+/// `name-00001-of-00003.gguf`: one part of a file llama.cpp's `gguf-split` cut up.
+fn is_split_part(name: &str) -> bool {
+    let lower = name.to_ascii_lowercase();
+    let stem = lower.strip_suffix(".gguf").unwrap_or(&lower).as_bytes();
+    let digits = |b: &[u8]| b.iter().all(u8::is_ascii_digit);
+    stem.len() >= 15 && {
+        let t = &stem[stem.len() - 15..];
+        t[0] == b'-' && digits(&t[1..6]) && &t[6..10] == b"-of-" && digits(&t[10..])
     }
 }
 
@@ -234,11 +361,96 @@ fn shards_of_index(path: &Path) -> Result<Vec<String>, HubError> {
 }
 
 /// Resolves `repo@revision` to a local snapshot folder, downloading the model's files that
-/// the cache lacks (or, offline, only looking in the cache).
+/// the cache lacks (or, offline, only looking in the cache); for a repo of GGUF files, to the
+/// one GGUF file it holds (see [`resolve_file`]).
 pub fn resolve(repo: &str, revision: &str, settings: &HubSettings) -> Result<PathBuf, HubError> {
+    resolve_file(repo, revision, None, settings)
+}
+
+/// As [`resolve`], choosing a GGUF file by `gguf` (a quant tag such as `Q4_K_M`, or a file
+/// name) when given: the path returned is then that `.gguf` file in the snapshot folder, and
+/// it is the only file downloaded. Without `gguf`, a repo with `config.json` and safetensors
+/// weights resolves to its folder, and one with neither to its only GGUF file.
+pub fn resolve_file(
+    repo: &str,
+    revision: &str,
+    gguf: Option<&str>,
+    settings: &HubSettings,
+) -> Result<PathBuf, HubError> {
     if settings.offline {
-        return resolve_offline(repo, revision, settings);
+        return resolve_offline(repo, revision, gguf, settings);
     }
+    // The download runs on its own thread; this one watches the repo's cache folder grow. A
+    // thread stuck on a silent socket is left behind (it holds nothing the caller needs).
+    let dir = repo_dir(settings, repo);
+    let mut seen = bytes_under(&dir);
+    let (tx, rx) = mpsc::channel();
+    let (r, rev, s) = (repo.to_string(), revision.to_string(), settings.clone());
+    let quant = gguf.map(str::to_string);
+    std::thread::Builder::new()
+        .name("hub-download".into())
+        .spawn(move || {
+            let _ = tx.send(resolve_online(&r, &rev, quant.as_deref(), &s));
+        })
+        .map_err(|e| HubError::Other {
+            repo: repo.into(),
+            message: format!("cannot start the download thread: {e}"),
+        })?;
+    let mut moved = false;
+    let mut last_progress = Instant::now();
+    loop {
+        match rx.recv_timeout(Duration::from_millis(50)) {
+            Ok(result) => return result,
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                return Err(HubError::Other {
+                    repo: repo.into(),
+                    message: "the download thread ended without an answer".into(),
+                });
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                let now = bytes_under(&dir);
+                if now != seen {
+                    seen = now;
+                    moved = true;
+                    last_progress = Instant::now();
+                } else if last_progress.elapsed() >= settings.download_timeout {
+                    return Err(HubError::Stalled {
+                        repo: repo.into(),
+                        endpoint: settings.endpoint.clone(),
+                        secs: settings.download_timeout.as_secs_f64(),
+                        doing: if moved {
+                            "downloading"
+                        } else {
+                            "waiting for its first answer"
+                        },
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// Bytes of every file under `dir` (partial downloads included): the watchdog's progress.
+fn bytes_under(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => bytes_under(&e.path()),
+            Ok(t) if t.is_file() => e.metadata().map_or(0, |m| m.len()),
+            _ => 0,
+        })
+        .sum()
+}
+
+fn resolve_online(
+    repo: &str,
+    revision: &str,
+    gguf: Option<&str>,
+    settings: &HubSettings,
+) -> Result<PathBuf, HubError> {
     let hub_repo = Repo::with_revision(repo.to_string(), RepoType::Model, revision.to_string());
     let api = ApiBuilder::from_cache(Cache::new(settings.cache_dir.clone()))
         .with_endpoint(settings.endpoint.clone())
@@ -263,7 +475,12 @@ pub fn resolve(repo: &str, revision: &str, settings: &HubSettings) -> Result<Pat
         .iter()
         .map(|s| s.rfilename.as_str())
         .collect();
-    if !names.contains(&"config.json") {
+    let folder_model = names.contains(&"config.json")
+        && (names.contains(&WEIGHTS_INDEX) || !top_level_safetensors(&names).is_empty());
+    let has_gguf = names
+        .iter()
+        .any(|n| n.to_ascii_lowercase().ends_with(".gguf"));
+    if !folder_model && !has_gguf {
         return Err(HubError::NotAModel {
             repo: repo.into(),
             revision: revision.into(),
@@ -325,6 +542,13 @@ pub fn resolve(repo: &str, revision: &str, settings: &HubSettings) -> Result<Pat
         }
         Ok(())
     };
+    if gguf.is_some() || !folder_model {
+        let file = choose_gguf(&names, gguf)
+            .map_err(|problem| gguf_choice_error(repo, revision, problem, &names))?;
+        fetch(&file)?;
+        write_ref(settings, repo, revision, &listing.sha)?;
+        return Ok(snapshot.join(file));
+    }
     let (files, has_index) = wanted_files(&names);
     for f in &files {
         fetch(f)?;
@@ -352,6 +576,49 @@ pub fn resolve(repo: &str, revision: &str, settings: &HubSettings) -> Result<Pat
     }
     write_ref(settings, repo, revision, &listing.sha)?;
     Ok(snapshot)
+}
+
+fn gguf_choice_error(repo: &str, revision: &str, problem: String, names: &[&str]) -> HubError {
+    let files: Vec<&str> = names
+        .iter()
+        .copied()
+        .filter(|n| n.to_ascii_lowercase().ends_with(".gguf"))
+        .collect();
+    HubError::GgufChoice {
+        repo: repo.into(),
+        revision: revision.into(),
+        problem,
+        files: if files.is_empty() {
+            "none".into()
+        } else {
+            files.join(", ")
+        },
+    }
+}
+
+/// The `.gguf` files under `dir`, as repo paths (`sub/x.gguf`).
+fn cached_ggufs(dir: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let path = e.path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path
+                .extension()
+                .is_some_and(|x| x.eq_ignore_ascii_case("gguf"))
+                && let Ok(rel) = path.strip_prefix(dir)
+            {
+                out.push(rel.to_string_lossy().replace('\\', "/"));
+            }
+        }
+    }
+    out.sort();
+    out
 }
 
 /// Records `revision → commit` as `huggingface_hub` does (a commit hash needs no ref).
@@ -384,6 +651,7 @@ fn repo_dir(settings: &HubSettings, repo: &str) -> PathBuf {
 fn resolve_offline(
     repo: &str,
     revision: &str,
+    gguf: Option<&str>,
     settings: &HubSettings,
 ) -> Result<PathBuf, HubError> {
     let dir = repo_dir(settings, repo);
@@ -400,6 +668,21 @@ fn resolve_offline(
         Err(_) => return Err(not_cached(String::new())),
     };
     let snapshot = dir.join("snapshots").join(&commit);
+    let cached = cached_ggufs(&snapshot);
+    if gguf.is_some() || (!snapshot.join("config.json").is_file() && !cached.is_empty()) {
+        let names: Vec<&str> = cached.iter().map(String::as_str).collect();
+        return match choose_gguf(&names, gguf) {
+            Ok(file) => Ok(snapshot.join(file)),
+            Err(problem) => Err(not_cached(format!(
+                "; among the cached GGUF files ({}): {problem}",
+                if names.is_empty() {
+                    "none".to_string()
+                } else {
+                    names.join(", ")
+                }
+            ))),
+        };
+    }
     if !snapshot.join("config.json").is_file() {
         return Err(not_cached(format!(
             "; {} has no config.json",
@@ -534,6 +817,11 @@ mod tests {
         assert_eq!(s.token.as_deref(), Some("hf_abc"));
         assert!(s.offline);
         assert!(!vars(&[("HF_HUB_OFFLINE", "0")]).offline);
+        assert_eq!(s.download_timeout, DEFAULT_DOWNLOAD_TIMEOUT);
+        let t = vars(&[("HF_HUB_DOWNLOAD_TIMEOUT", "2.5")]).download_timeout;
+        assert_eq!(t, Duration::from_millis(2500));
+        let t = vars(&[("HF_HUB_DOWNLOAD_TIMEOUT", "soon")]).download_timeout;
+        assert_eq!(t, DEFAULT_DOWNLOAD_TIMEOUT);
         // The token file under HF_HOME, when HF_TOKEN is unset.
         let home = std::env::temp_dir().join(format!("chimera-hf-home-{}", std::process::id()));
         std::fs::create_dir_all(&home).unwrap();
@@ -573,5 +861,55 @@ mod tests {
         let (files, has_index) = wanted_files(&["config.json", WEIGHTS_INDEX]);
         assert_eq!(files, ["config.json", WEIGHTS_INDEX]);
         assert!(has_index);
+    }
+
+    #[test]
+    fn gguf_files_are_chosen_by_quant_tag() {
+        let names = [
+            "README.md",
+            "Tiny-Q4_K.gguf",
+            "Tiny-Q4_K_M.gguf",
+            "tiny.q8_0.gguf",
+            "mmproj-tiny-f16.gguf",
+            "big/Big-Q6_K-00001-of-00002.gguf",
+            "big/Big-Q6_K-00002-of-00002.gguf",
+        ];
+        assert_eq!(
+            choose_gguf(&names, Some("Q4_K_M")).unwrap(),
+            "Tiny-Q4_K_M.gguf"
+        );
+        // `Q4_K` is a tag of its own, not a prefix of `Q4_K_M`; tags ignore case.
+        assert_eq!(choose_gguf(&names, Some("q4_k")).unwrap(), "Tiny-Q4_K.gguf");
+        assert_eq!(choose_gguf(&names, Some("Q8_0")).unwrap(), "tiny.q8_0.gguf");
+        assert_eq!(
+            choose_gguf(&names, Some("tiny.q8_0.gguf")).unwrap(),
+            "tiny.q8_0.gguf"
+        );
+        let e = choose_gguf(&names, None).unwrap_err();
+        assert_eq!(e, "the repo holds several GGUF files");
+        assert_eq!(
+            choose_gguf(&names, Some("Q5_K_M")).unwrap_err(),
+            "no GGUF file matches `Q5_K_M`"
+        );
+        assert_eq!(
+            choose_gguf(&names, Some("Q6_K")).unwrap_err(),
+            "several GGUF files match `Q6_K`"
+        );
+        // One file and a projector: the model file, untagged.
+        assert_eq!(
+            choose_gguf(&["a-F16.gguf", "mmproj-a-f16.gguf", "x.txt"], None).unwrap(),
+            "a-F16.gguf"
+        );
+        let e = choose_gguf(&["m-00001-of-00002.gguf"], None).unwrap_err();
+        assert!(e.contains("split GGUF"), "{e}");
+        assert!(is_split_part("Big-Q6_K-00002-of-00002.gguf"));
+        assert!(!is_split_part("Big-Q6_K.gguf"));
+        assert_eq!(
+            split_quant_tag("org/name:Q4_K_M"),
+            Some(("org/name", "Q4_K_M"))
+        );
+        assert_eq!(split_quant_tag("org/name"), None);
+        assert_eq!(split_quant_tag("builtin:tiny-hybrid"), None);
+        assert_eq!(split_quant_tag("org/name:"), None);
     }
 }

@@ -4,11 +4,13 @@
 //! native twin used as its fallback. Per call it: switches to a reloaded plugin if there is
 //! one, calls the plugin under its deadline and memory limit, validates the answer, and on any
 //! failure answers with the native twin, counts the fallback by reason and logs the first of
-//! each reason. A failed instance is dropped and re-created at the next call. The adapters
+//! each reason. A failed instance is dropped and re-created at the next call. Every call that
+//! reaches the plugin is timed into its latency histogram. The adapters
 //! always return `Decision::Use` when the twin has an answer, so callers see one concrete
 //! answer per call. Must not panic on any plugin behaviour.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use super::abi::{WitCacheEvents, WitReplicaColumns, WitRouteRequest, WitSamplerBatch};
 use super::instance::CallError;
@@ -71,6 +73,14 @@ impl Guard {
     fn ok(&mut self) {
         self.slot.succeeded();
     }
+}
+
+/// Runs one call into a plugin instance and records its latency.
+fn timed<T>(counters: &PluginCounters, call: impl FnOnce() -> T) -> T {
+    let start = Instant::now();
+    let out = call();
+    counters.record_latency(start.elapsed());
+    out
 }
 
 pub(crate) fn route_args<'a>(
@@ -142,8 +152,9 @@ impl WasmRouter {
 
     fn ask(&mut self, request: &RouteRequest, replicas: &ReplicaColumns) -> Result<u32, ()> {
         let (req, cols) = route_args(request, replicas);
+        let counters = &self.guard.counters;
         let answer = match self.guard.slot.ready() {
-            Ok(ready) => ready.instance.route(req, cols),
+            Ok(ready) => timed(counters, || ready.instance.route(req, cols)),
             Err(e) => Err(e),
         };
         match answer {
@@ -209,25 +220,27 @@ impl WasmEvictor {
 
     /// Sends `events` (or, to a fresh instance, the whole current state) to the plugin.
     fn feed(&mut self, events: Option<&CacheEvents>) -> Result<(), CallError> {
+        let counters = &self.guard.counters;
         let ready = self.guard.slot.ready()?;
         if ready.fresh {
             // The twin already applied `events`, so the replay includes them.
             let replay = self.native.replay();
-            return ready.instance.on_events(events_arg(&replay));
+            return timed(counters, || ready.instance.on_events(events_arg(&replay)));
         }
         match events {
-            Some(e) if !e.is_empty() => ready.instance.on_events(events_arg(e)),
+            Some(e) if !e.is_empty() => timed(counters, || ready.instance.on_events(events_arg(e))),
             _ => Ok(()),
         }
     }
 
     fn ask(&mut self, count: u32, step: u64) -> Result<Vec<u32>, ()> {
-        let answer = self
-            .feed(None)
-            .and_then(|()| match self.guard.slot.ready() {
-                Ok(ready) => ready.instance.choose_victims(count, step),
+        let answer = self.feed(None).and_then(|()| {
+            let counters = &self.guard.counters;
+            match self.guard.slot.ready() {
+                Ok(ready) => timed(counters, || ready.instance.choose_victims(count, step)),
                 Err(e) => Err(e),
-            });
+            }
+        });
         match answer {
             Ok(Some(v)) if v.len() > count as usize => {
                 self.guard.rejected(
@@ -307,8 +320,9 @@ impl WasmSampler {
     }
 
     fn ask(&mut self, batch: &SamplerBatch) -> Result<Vec<u32>, ()> {
+        let counters = &self.guard.counters;
         let answer = match self.guard.slot.ready() {
-            Ok(ready) => ready.instance.sample(batch_arg(batch)),
+            Ok(ready) => timed(counters, || ready.instance.sample(batch_arg(batch))),
             Err(e) => Err(e),
         };
         match answer {

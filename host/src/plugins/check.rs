@@ -1,16 +1,18 @@
-//! `chimera plugin check FILE.wasm`: load a plugin the way the server would and report.
+//! `chimera plugin check FILE.wasm [--config TOML]`: load a plugin the way the server would and
+//! report.
 //!
-//! Loads with default limits, lists what the plugin exports and imports, calls `init` with an
-//! empty config, then makes one dry call with a small canned input and shows the answer and
-//! how long it took. A plugin that cannot be loaded is an error; a plugin that loads but
-//! rejects the empty config or fails the dry call is reported (the report says what failed).
+//! Loads with default limits, lists what the plugin exports and imports, calls `init` with the
+//! given config (empty by default), then makes one dry call of each entry point with a small
+//! canned input and shows the answers and how long they took. A plugin that cannot be loaded
+//! is an error; a plugin that loads but rejects the config or fails the dry call (a trap, a
+//! timeout, an answer out of range) is reported (the report says what failed).
 
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use chimera_policy_core::Config;
+use chimera_policy_core::{Config, ConfigValue};
 
 use super::abi::{self, ACCEPTED, AbiRange, AbiVersion};
 use super::config::{Grants, PluginsConfig};
@@ -32,7 +34,9 @@ pub struct CheckReport {
     pub functions: Vec<&'static str>,
     /// Host functions it calls, with the grant each needs, e.g. `("now-ns", "clock")`.
     pub host_functions: Vec<(String, &'static str)>,
-    /// `init` with an empty config: `Err(message)` if the plugin rejected it.
+    /// The config `init` was given (flattened keys), empty by default.
+    pub config: Config,
+    /// `init` with that config: `Err(message)` if the plugin rejected it (or trapped).
     pub init: Result<(), String>,
     /// The dry call's input and answer, or why it failed.
     pub dry_call: Result<String, String>,
@@ -40,7 +44,7 @@ pub struct CheckReport {
 }
 
 impl CheckReport {
-    /// Whether the plugin is usable as is (it accepted an empty config and answered).
+    /// Whether the plugin is usable as is (it accepted the config and answered).
     pub fn ok(&self) -> bool {
         self.init.is_ok() && self.dry_call.is_ok()
     }
@@ -72,9 +76,25 @@ impl fmt::Display for CheckReport {
                 .collect();
             writeln!(f, "imports:   {}", list.join(", "))?;
         }
+        let config = if self.config.entries.is_empty() {
+            "an empty config".to_string()
+        } else {
+            let keys: Vec<String> = self
+                .config
+                .entries
+                .iter()
+                .map(|(k, v)| match v {
+                    ConfigValue::Boolean(b) => format!("{k} = {b}"),
+                    ConfigValue::Integer(i) => format!("{k} = {i}"),
+                    ConfigValue::Float(x) => format!("{k} = {x:?}"),
+                    ConfigValue::Text(t) => format!("{k} = {t:?}"),
+                })
+                .collect();
+            format!("config {{ {} }}", keys.join(", "))
+        };
         match &self.init {
-            Ok(()) => writeln!(f, "init:      ok with an empty config")?,
-            Err(m) => writeln!(f, "init:      rejected an empty config: {m}")?,
+            Ok(()) => writeln!(f, "init:      ok with {config}")?,
+            Err(m) => writeln!(f, "init:      rejected {config}: {m}")?,
         }
         match (&self.dry_call, self.dry_call_time) {
             (Ok(a), Some(t)) => writeln!(
@@ -90,15 +110,18 @@ impl fmt::Display for CheckReport {
             "verdict:   {}",
             if self.ok() {
                 "ok"
-            } else {
+            } else if self.config.entries.is_empty() {
                 "not usable with an empty config"
+            } else {
+                "not usable with this config"
             }
         )
     }
 }
 
-/// Loads `path` as a plugin and reports its kind, ABI version, exports and a dry call.
-pub fn check_plugin(path: impl AsRef<Path>) -> Result<CheckReport, PluginError> {
+/// Loads `path` as a plugin, initializes it with `config` and reports its kind, ABI version,
+/// exports and a dry call.
+pub fn check_plugin(path: impl AsRef<Path>, config: &Config) -> Result<CheckReport, PluginError> {
     let path = path.as_ref();
     let wasm = std::fs::read(path).map_err(|e| PluginError::Io {
         path: path.to_path_buf(),
@@ -107,7 +130,7 @@ pub fn check_plugin(path: impl AsRef<Path>) -> Result<CheckReport, PluginError> 
     let runtime = PluginRuntime::new(&PluginsConfig::default())?;
     let name = path.display().to_string();
     // Everything the host can grant, so the report can say what the plugin needs.
-    let plugin = Arc::new(runtime.compile(&name, &wasm, &Config::default(), Grants::ALL)?);
+    let plugin = Arc::new(runtime.compile(&name, &wasm, config, Grants::ALL)?);
     let mut report = CheckReport {
         path: path.to_path_buf(),
         size: plugin.size,
@@ -122,6 +145,7 @@ pub fn check_plugin(path: impl AsRef<Path>) -> Result<CheckReport, PluginError> 
             .iter()
             .map(|f| (f.clone(), Grants::needed_for(f).unwrap_or("?")))
             .collect(),
+        config: config.clone(),
         init: Ok(()),
         dry_call: Err("not run".into()),
         dry_call_time: None,

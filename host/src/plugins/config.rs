@@ -244,6 +244,32 @@ impl PolicySpec {
     }
 }
 
+/// A plugin's `config` table written as TOML outside a configuration file (`chimera plugin
+/// check --config`): either keys (`replica = 2`, as a file holds them) or one inline table
+/// (`{ replica = 2 }`). `origin` names where the text came from in errors.
+pub fn parse_plugin_config(text: &str, origin: &str) -> Result<Config, ConfigError> {
+    let trimmed = text.trim();
+    let table = if trimmed.starts_with('{') {
+        toml::from_str::<toml::Table>(&format!("config = {trimmed}")).and_then(|mut t| {
+            match t.remove("config") {
+                Some(toml::Value::Table(inner)) => Ok(inner),
+                _ => toml::from_str::<toml::Table>(trimmed),
+            }
+        })
+    } else {
+        toml::from_str::<toml::Table>(trimmed)
+    }
+    .map_err(|e| {
+        ConfigError::new(
+            origin,
+            format!("not a TOML table (`key = value` lines or `{{ key = value }}`): {e}"),
+        )
+    })?;
+    let mut entries = Vec::new();
+    flatten(&table, "", origin, &mut entries)?;
+    Ok(Config::new(entries))
+}
+
 fn flatten(
     table: &toml::Table,
     prefix: &str,
@@ -362,6 +388,31 @@ mod tests {
 
     fn parse(text: &str) -> Result<Root, String> {
         toml::from_str::<Root>(text).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn plugin_config_parses_as_keys_or_an_inline_table() {
+        let want = Config::new(vec![
+            ("alpha".into(), ConfigValue::Float(0.5)),
+            ("guard.kv".into(), ConfigValue::Float(0.8)),
+            ("name".into(), ConfigValue::Text("x".into())),
+        ]);
+        let inline = parse_plugin_config(
+            r#" { alpha = 0.5, guard = { kv = 0.8 }, name = "x" } "#,
+            "--config",
+        );
+        assert_eq!(inline.unwrap(), want);
+        let lines = parse_plugin_config("alpha = 0.5\nname = \"x\"\n[guard]\nkv = 0.8\n", "f.toml");
+        assert_eq!(lines.unwrap(), want);
+        assert_eq!(
+            parse_plugin_config("", "--config").unwrap(),
+            Config::default()
+        );
+        let bad = parse_plugin_config("{ alpha = ", "--config").unwrap_err();
+        assert_eq!(bad.path, "--config");
+        assert!(bad.message.contains("not a TOML table"), "{bad}");
+        let date = parse_plugin_config("when = 2024-01-01", "f.toml").unwrap_err();
+        assert_eq!(date.path, "f.toml.when");
     }
 
     #[test]

@@ -1,20 +1,26 @@
-//! Counters of plugin calls and fallbacks, readable by the server's `/metrics`.
+//! Counters of plugin calls, fallbacks and call latencies, readable by the server's `/metrics`.
 //!
-//! One [`PluginCounters`] per plugin name (shared by all its instances, across replicas), kept
-//! in a [`PluginMetrics`] registry. The hot path touches only atomics in counters it already
+//! One [`PluginCounters`] per plugin name and kind (shared by all its instances, across
+//! replicas), kept in a [`PluginMetrics`] registry. The hot path touches only atomics in counters it already
 //! holds; the registry's lock is taken when an adapter is created and when metrics are read.
 //! Each fallback reason is logged once per plugin, then only counted.
 
 use std::fmt::{self, Write as _};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use super::PluginKind;
+use crate::histogram::{Histogram, PLUGIN_BUCKETS};
 
-/// Prometheus name of the fallback counter (labels `plugin`, `reason`).
-pub const FALLBACKS_METRIC: &str = "plugin_fallbacks_total";
-/// Prometheus name of the plugin call counter (label `plugin`).
-pub const CALLS_METRIC: &str = "plugin_calls_total";
+/// Prometheus name of the fallback counter (labels `plugin`, `kind`, `reason`).
+pub const FALLBACKS_METRIC: &str = "chimera:plugin_fallbacks_total";
+/// Prometheus name of the plugin call counter (labels `plugin`, `kind`).
+pub const CALLS_METRIC: &str = "chimera:plugin_calls_total";
+/// Prometheus name of the histogram of calls into a plugin instance (labels `plugin`, `kind`):
+/// every call that reached the plugin (route, sample, choose-victims, cache events), timed on
+/// the thread that made it.
+pub const LATENCY_METRIC: &str = "chimera:plugin_call_latency_seconds";
 
 /// Why a call's answer came from the native default instead of the plugin.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,6 +83,7 @@ pub struct PluginCounters {
     calls: AtomicU64,
     fallbacks: [AtomicU64; FallbackReason::ALL.len()],
     logged: [AtomicBool; FallbackReason::ALL.len()],
+    latency: Histogram,
 }
 
 impl PluginCounters {
@@ -87,6 +94,7 @@ impl PluginCounters {
             calls: AtomicU64::new(0),
             fallbacks: Default::default(),
             logged: Default::default(),
+            latency: Histogram::new(PLUGIN_BUCKETS),
         }
     }
 
@@ -100,6 +108,16 @@ impl PluginCounters {
 
     pub fn record_call(&self) {
         self.calls.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Records how long one call into a plugin instance took (whatever its outcome).
+    pub fn record_latency(&self, took: Duration) {
+        self.latency.observe(took.as_secs_f64());
+    }
+
+    /// Calls into a plugin instance timed so far.
+    pub fn timed_calls(&self) -> u64 {
+        self.latency.count()
     }
 
     /// Counts a fallback and logs the first one of each reason.
@@ -184,15 +202,12 @@ impl PluginMetrics {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone();
+        let labels =
+            |c: &PluginCounters| format!("plugin=\"{}\",kind=\"{}\"", escape(&c.plugin), c.kind);
         let _ = writeln!(out, "# HELP {CALLS_METRIC} Policy plugin calls.");
         let _ = writeln!(out, "# TYPE {CALLS_METRIC} counter");
         for c in &all {
-            let _ = writeln!(
-                out,
-                "{CALLS_METRIC}{{plugin=\"{}\"}} {}",
-                escape(&c.plugin),
-                c.calls()
-            );
+            let _ = writeln!(out, "{CALLS_METRIC}{{{}}} {}", labels(c), c.calls());
         }
         let _ = writeln!(
             out,
@@ -203,12 +218,22 @@ impl PluginMetrics {
             for r in FallbackReason::ALL {
                 let _ = writeln!(
                     out,
-                    "{FALLBACKS_METRIC}{{plugin=\"{}\",reason=\"{}\"}} {}",
-                    escape(&c.plugin),
+                    "{FALLBACKS_METRIC}{{{},reason=\"{}\"}} {}",
+                    labels(c),
                     r.as_str(),
                     c.fallbacks(r)
                 );
             }
+        }
+        if let Some(first) = all.first() {
+            first.latency.render_header(
+                out,
+                LATENCY_METRIC,
+                "Time of one call into a policy plugin instance, in seconds.",
+            );
+        }
+        for c in &all {
+            c.latency.render_samples(out, LATENCY_METRIC, &labels(c));
         }
     }
 }
@@ -232,17 +257,37 @@ mod tests {
         a.record_fallback(FallbackReason::Trap, &"boom");
         b.record_fallback(FallbackReason::Trap, &"boom");
         b.record_call();
+        a.record_latency(Duration::from_micros(3));
         assert_eq!(a.fallbacks(FallbackReason::Trap), 2);
         assert_eq!(a.total_fallbacks(), 2);
         let mut text = String::new();
         m.render_prometheus(&mut text);
         assert!(
-            text.contains("plugin_fallbacks_total{plugin=\"builtin:lru\",reason=\"trap\"} 2"),
+            text.contains(
+                "chimera:plugin_fallbacks_total{plugin=\"builtin:lru\",kind=\"evictor\",reason=\"trap\"} 2"
+            ),
             "{text}"
         );
         assert!(
-            text.contains("plugin_calls_total{plugin=\"builtin:lru\"} 1"),
+            text.contains("chimera:plugin_calls_total{plugin=\"builtin:lru\",kind=\"evictor\"} 1"),
             "{text}"
+        );
+        assert!(
+            text.contains(
+                "chimera:plugin_call_latency_seconds_bucket{plugin=\"builtin:lru\",kind=\"evictor\",le=\"0.000005\"} 1"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "chimera:plugin_call_latency_seconds_count{plugin=\"builtin:lru\",kind=\"evictor\"} 1"
+            ),
+            "{text}"
+        );
+        assert_eq!(
+            text.matches("# TYPE chimera:plugin_call_latency_seconds ")
+                .count(),
+            1
         );
         let samples = m.fallback_samples();
         assert_eq!(samples.len(), FallbackReason::ALL.len());

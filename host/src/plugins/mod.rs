@@ -9,7 +9,8 @@
 //! - `instance` / `slot`: one live instance, re-created after a trap, swapped on reload;
 //! - `adapters`: the policy traits over a plugin, validating every answer and falling back to
 //!   the native twin (`policy::native`) on any failure;
-//! - [`metrics`]: `plugin_fallbacks_total{plugin,reason}` and call counters;
+//! - [`metrics`]: `chimera:plugin_fallbacks_total{plugin,kind,reason}`, call counters and call
+//!   latencies;
 //! - [`builtin`]: the embedded built-in plugins; [`check`]: `chimera plugin check`.
 //!
 //! Invariants: a plugin can never crash the host or lose a call (every failure has a native
@@ -36,7 +37,9 @@ use chimera_policy_core::Config;
 
 pub use adapters::{WasmEvictor, WasmRouter, WasmSampler};
 pub use check::{CheckReport, check_plugin};
-pub use config::{ConfigError, Grants, PluginSource, PluginsConfig, PolicyConfig, PolicySpec};
+pub use config::{
+    ConfigError, Grants, PluginSource, PluginsConfig, PolicyConfig, PolicySpec, parse_plugin_config,
+};
 pub use metrics::{FallbackReason, PluginCounters, PluginMetrics};
 pub use runtime::{LoadedPlugin, PluginRuntime};
 pub use slot::PluginHandle;

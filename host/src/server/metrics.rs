@@ -14,6 +14,8 @@ use std::fmt::Write;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+pub use crate::histogram::{Histogram, PLUGIN_BUCKETS};
+
 use crate::engine::api::{EngineStats, MissReason};
 
 /// Metric names, in one place.
@@ -42,13 +44,24 @@ pub mod names {
     pub const SSM_ROLLING_KEPT: &str = "chimera:ssm_rolling_snapshots_kept_total";
     pub const CACHE_CHECKPOINTS: &str = "chimera:cache_checkpoints_requested_total";
     pub const ROUTED_REQUESTS: &str = "chimera:router_requests_total";
-    pub const PLUGIN_CALL_LATENCY: &str = "chimera:plugin_call_latency_seconds";
+    /// Time the router policy (a plugin with its native fallback, or a native policy) took to
+    /// choose a replica. The plugins' own call latencies, calls and fallbacks, by plugin and
+    /// kind, are `chimera:plugin_call_latency_seconds`, `chimera:plugin_calls_total` and
+    /// `chimera:plugin_fallbacks_total` (named in `plugins::metrics`).
+    pub const ROUTER_DECISION_LATENCY: &str = "chimera:router_decision_latency_seconds";
     /// Last-resort placements, after the router policy (plugin or its native twin) gave an
-    /// unusable answer; per-plugin fallbacks are `plugin_fallbacks_total{plugin,reason}`.
+    /// unusable answer; per-plugin fallbacks are `chimera:plugin_fallbacks_total{plugin,reason}`.
     pub const PLACEMENT_FALLBACKS: &str = "chimera:router_placement_fallbacks_total";
     pub const REQUEST_ERRORS: &str = "chimera:request_errors_total";
     pub const CLIENT_DISCONNECTS: &str = "chimera:client_disconnects_total";
     pub const SERVER_IN_FLIGHT: &str = "chimera:server_requests_in_flight";
+    /// Device time on steps, and device time idle between back-to-back steps (host overhead).
+    pub const DEVICE_BUSY: &str = "chimera:device_busy_seconds_total";
+    pub const DEVICE_IDLE: &str = "chimera:device_idle_between_steps_seconds_total";
+    /// Engine steps that ran a batch, and the host's time in them by `phase` (schedule,
+    /// inputs, update).
+    pub const ENGINE_STEPS: &str = "chimera:engine_steps_total";
+    pub const ENGINE_HOST_TIME: &str = "chimera:engine_host_seconds_total";
 }
 
 const TTFT_BUCKETS: &[f64] = &[
@@ -63,63 +76,6 @@ const E2E_BUCKETS: &[f64] = &[
     0.01, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 ];
-const PLUGIN_BUCKETS: &[f64] = &[1e-6, 5e-6, 1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 1e-1];
-
-/// A fixed-bucket histogram updated with atomics.
-#[derive(Debug)]
-pub struct Histogram {
-    bounds: &'static [f64],
-    counts: Vec<AtomicU64>,
-    count: AtomicU64,
-    sum_bits: AtomicU64,
-}
-
-impl Histogram {
-    pub fn new(bounds: &'static [f64]) -> Self {
-        Self {
-            bounds,
-            counts: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
-            count: AtomicU64::new(0),
-            sum_bits: AtomicU64::new(0f64.to_bits()),
-        }
-    }
-
-    pub fn observe(&self, v: f64) {
-        if !v.is_finite() {
-            return;
-        }
-        if let Some(i) = self.bounds.iter().position(|b| v <= *b) {
-            self.counts[i].fetch_add(1, Ordering::Relaxed);
-        }
-        self.count.fetch_add(1, Ordering::Relaxed);
-        let _ = self
-            .sum_bits
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
-                Some((f64::from_bits(bits) + v).to_bits())
-            });
-    }
-
-    pub fn count(&self) -> u64 {
-        self.count.load(Ordering::Relaxed)
-    }
-
-    fn render(&self, out: &mut String, name: &str, labels: &str, help: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        let sep = if labels.is_empty() { "" } else { "," };
-        let mut cumulative = 0;
-        for (b, c) in self.bounds.iter().zip(&self.counts) {
-            cumulative += c.load(Ordering::Relaxed);
-            let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"{b}\"}} {cumulative}");
-        }
-        let count = self.count();
-        let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {count}");
-        let sum = f64::from_bits(self.sum_bits.load(Ordering::Relaxed));
-        let _ = writeln!(
-            out,
-            "{name}_sum{{{labels}}} {sum}\n{name}_count{{{labels}}} {count}"
-        );
-    }
-}
 
 /// Adds series to `/metrics` (e.g. the engine's plugin call counters).
 pub trait MetricsSource: Send + Sync {
@@ -233,8 +189,6 @@ impl Metrics {
         use names::*;
         let mut out = String::with_capacity(8 * 1024);
         let m = escape(model);
-        // The engine counts prefix-cache queries and hits in blocks.
-        let block_tokens = f64::from(cache.block_size);
         let per_engine = |out: &mut String,
                           name: &str,
                           kind: &str,
@@ -278,14 +232,14 @@ impl Metrics {
             PREFIX_CACHE_QUERIES,
             "counter",
             "Prefix-cache queries, in tokens.",
-            &|s| s.prefix_cache_queries as f64 * block_tokens,
+            &|s| s.prefix_cache_queries as f64,
         );
         per_engine(
             &mut out,
             PREFIX_CACHE_HITS,
             "counter",
             "Prefix-cache hits, in tokens.",
-            &|s| s.prefix_cache_hits as f64 * block_tokens,
+            &|s| s.prefix_cache_hits as f64,
         );
         per_engine(
             &mut out,
@@ -308,6 +262,43 @@ impl Metrics {
             "Generation tokens processed.",
             &|s| s.generation_tokens as f64,
         );
+        per_engine(
+            &mut out,
+            DEVICE_BUSY,
+            "counter",
+            "Device time spent on engine steps (CUDA events; 0 on the CPU).",
+            &|s| s.device_busy_seconds,
+        );
+        per_engine(
+            &mut out,
+            DEVICE_IDLE,
+            "counter",
+            "Device time idle between back-to-back engine steps, waiting for the host.",
+            &|s| s.device_idle_seconds,
+        );
+        per_engine(
+            &mut out,
+            ENGINE_STEPS,
+            "counter",
+            "Engine steps that ran a batch.",
+            &|s| s.engine_steps as f64,
+        );
+        let _ = writeln!(
+            out,
+            "# HELP {ENGINE_HOST_TIME} Host time in engine steps, by phase: schedule (scheduling and cache bookkeeping), inputs (building the step plan), update (sampling, committing, sending events).\n# TYPE {ENGINE_HOST_TIME} counter"
+        );
+        for (i, s) in stats.iter().enumerate() {
+            for (phase, v) in [
+                ("schedule", s.host_schedule_seconds),
+                ("inputs", s.host_inputs_seconds),
+                ("update", s.host_update_seconds),
+            ] {
+                let _ = writeln!(
+                    out,
+                    "{ENGINE_HOST_TIME}{{model_name=\"{m}\",engine=\"{i}\",phase=\"{phase}\"}} {v}"
+                );
+            }
+        }
         per_engine(
             &mut out,
             SSM_SNAPSHOT_HITS,
@@ -415,9 +406,9 @@ impl Metrics {
         );
         self.router_latency.render(
             &mut out,
-            PLUGIN_CALL_LATENCY,
-            "kind=\"router\"",
-            "Policy plugin call latency in seconds.",
+            ROUTER_DECISION_LATENCY,
+            "",
+            "Time the router policy took to choose a replica, in seconds.",
         );
 
         let _ = writeln!(
@@ -494,20 +485,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn histogram_is_cumulative() {
-        let h = Histogram::new(&[1.0, 2.0]);
-        for v in [0.5, 1.5, 1.7, 9.0, f64::NAN] {
-            h.observe(v);
-        }
-        let mut out = String::new();
-        h.render(&mut out, "x", "", "help");
-        assert!(out.contains("x_bucket{le=\"1\"} 1\n"), "{out}");
-        assert!(out.contains("x_bucket{le=\"2\"} 3\n"), "{out}");
-        assert!(out.contains("x_bucket{le=\"+Inf\"} 4\n"), "{out}");
-        assert!(out.contains("x_sum{} 12.7"), "{out}");
-    }
-
-    #[test]
     fn renders_engine_gauges_per_replica() {
         let m = Metrics::new(2);
         m.routed(1);
@@ -536,25 +513,5 @@ mod tests {
         );
         assert!(out.contains("chimera:router_requests_total{engine=\"1\"} 1"));
         assert!(out.contains("chimera:request_errors_total{kind=\"overloaded\"} 1"));
-    }
-
-    #[test]
-    fn prefix_cache_counters_are_in_tokens() {
-        let s = [EngineStats {
-            prefix_cache_queries: 5,
-            prefix_cache_hits: 3,
-            ..Default::default()
-        }];
-        let cache = CacheInfo {
-            block_size: 16,
-            ..Default::default()
-        };
-        let out = Metrics::new(1).render("m", &s, &cache);
-        let line = |name: &str| format!("{name}{{model_name=\"m\",engine=\"0\"}} ");
-        assert!(out.contains(&format!(
-            "{}80\n",
-            line("chimera:prefix_cache_queries_total")
-        )));
-        assert!(out.contains(&format!("{}48\n", line("chimera:prefix_cache_hits_total"))));
     }
 }

@@ -81,8 +81,22 @@ pub struct ModelInfo {
 
 /// Hooks the admin endpoints call; the binary supplies them.
 pub trait AdminHooks: Send + Sync {
-    /// Reloads policy plugins from their configured paths; returns a short summary.
-    fn reload_plugins(&self) -> Result<String, String>;
+    /// Reloads the policy plugins configured as `.wasm` files from their paths (only the one
+    /// of kind `only` when given: `router`, `evictor` or `sampler`); returns a short summary.
+    fn reload_plugins(&self, only: Option<&str>) -> Result<String, ReloadError>;
+}
+
+/// Why a plugin reload failed; the old plugins keep serving either way.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ReloadError {
+    /// The request or the plugin it reloads is at fault: an unknown or built-in plugin kind,
+    /// a file that cannot be read or is not a usable plugin (not Wasm, wrong kind or ABI), a
+    /// configuration the plugin rejects. Answered 400.
+    #[error("{0}")]
+    BadRequest(String),
+    /// The server failed (the plugin runtime, a worker thread). Answered 500.
+    #[error("{0}")]
+    Internal(String),
 }
 
 /// Everything needed to start serving.

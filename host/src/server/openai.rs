@@ -338,6 +338,7 @@ fn meta(state: &AppState, prefix: &str, params: &GenParams, prepared: &[Prepared
         model: state.model_id().to_string(),
         logprobs: params.logprobs.is_some(),
         include_usage: params.include_usage,
+        continuous_usage: params.continuous_usage,
         prompt_tokens: prepared.iter().map(|p| p.ids.len() as u32).collect(),
         prompt_ids: params
             .return_token_ids

@@ -2,19 +2,21 @@
 //!
 //! Owns: readiness (ready while not shutting down and every replica's engine thread is alive),
 //! the Prometheus scrape, the admin endpoints (bearer token from `[server] admin_token`; with no
-//! token configured they do not exist and answer 404), the `/v1` API-key check
+//! token configured they do not exist and answer 404; a failed plugin reload answers 400 or 500
+//! with its reason and is logged), the `/v1` API-key check
 //! (`[server] api_key`), and the middleware that counts error responses by kind. It must not
 //! format OpenAI bodies.
 
 use axum::body::Body;
-use axum::extract::{Request, State};
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Query, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
-use super::AppState;
 use super::error::{AppError, ErrorKind};
+use super::{AppState, ReloadError};
 use crate::engine::api::Command;
 
 pub async fn health(State(state): State<AppState>) -> Response {
@@ -112,21 +114,44 @@ pub async fn reset_prefix_cache(
     Ok(axum::Json(json!({"status": "ok", "replicas": n})).into_response())
 }
 
+/// Query of `POST /admin/reload_plugins`: `?kind=router|evictor|sampler` reloads one plugin.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReloadQuery {
+    kind: Option<String>,
+}
+
 pub async fn reload_plugins(
     State(state): State<AppState>,
     headers: HeaderMap,
+    query: Result<Query<ReloadQuery>, QueryRejection>,
 ) -> Result<Response, AppError> {
     authorize(&state, &headers, "/admin/reload_plugins")?;
+    let Query(query) = query.map_err(|e| AppError::invalid("kind", e.body_text()))?;
     let Some(hooks) = state.inner().admin_hooks.clone() else {
         return Err(AppError::Unsupported(
             "plugin reload is not configured in this server".into(),
         ));
     };
-    let summary = tokio::task::spawn_blocking(move || hooks.reload_plugins())
+    let kind = query.kind.clone();
+    let outcome = tokio::task::spawn_blocking(move || hooks.reload_plugins(kind.as_deref()))
         .await
-        .map_err(|e| AppError::Internal(e.to_string()))?
-        .map_err(AppError::Internal)?;
-    Ok(axum::Json(json!({"status": "ok", "summary": summary})).into_response())
+        .unwrap_or_else(|e| {
+            Err(ReloadError::Internal(format!(
+                "the reload task failed: {e}"
+            )))
+        });
+    match outcome {
+        Ok(summary) => Ok(axum::Json(json!({"status": "ok", "summary": summary})).into_response()),
+        Err(e) => {
+            tracing::error!(kind = ?query.kind, error = %e, "plugin reload failed; the running plugins stay");
+            let message = format!("plugin reload failed (the running plugins stay): {e}");
+            Err(match e {
+                ReloadError::BadRequest(_) => AppError::invalid("plugin", message),
+                ReloadError::Internal(_) => AppError::Internal(message),
+            })
+        }
+    }
 }
 
 pub async fn not_found(req: Request) -> AppError {

@@ -31,6 +31,9 @@ pub struct GenParams {
     pub n: u32,
     pub stream: bool,
     pub include_usage: bool,
+    /// `stream_options.continuous_usage_stats` with `include_usage` (vLLM's rule): every chunk
+    /// carries the running usage.
+    pub continuous_usage: bool,
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
@@ -124,6 +127,11 @@ pub fn validate_common(
         .as_ref()
         .and_then(|o| o.include_usage)
         .unwrap_or(false);
+    let continuous_usage = include_usage
+        && c.stream_options
+            .as_ref()
+            .and_then(|o| o.continuous_usage_stats)
+            .unwrap_or(false);
     let stop = match &c.stop {
         None => Vec::new(),
         Some(StopInput::One(s)) => vec![s.clone()],
@@ -196,6 +204,7 @@ pub fn validate_common(
         n,
         stream,
         include_usage,
+        continuous_usage,
         stop,
         stop_token_ids,
         ignore_eos: c.ignore_eos.unwrap_or(false),

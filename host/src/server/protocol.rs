@@ -33,6 +33,9 @@ pub enum StopInput {
 pub struct StreamOptions {
     #[serde(default)]
     pub include_usage: Option<bool>,
+    /// vLLM's extension: with `include_usage`, every chunk carries the running usage.
+    #[serde(default)]
+    pub continuous_usage_stats: Option<bool>,
 }
 
 /// Sampling and output fields shared by both endpoints.
@@ -179,7 +182,8 @@ pub struct CompletionResponse {
     pub model: String,
     pub choices: Vec<CompletionChoice>,
     /// Always present in a full response; on stream chunks present (as `null`) only when
-    /// `include_usage` was asked, and filled on the last chunk.
+    /// `include_usage` was asked, and filled on the last chunk (on every chunk, with the
+    /// running counts, when `continuous_usage_stats` was asked too).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Option<UsageBody>>,
 }
@@ -264,7 +268,8 @@ pub struct ChatChunk {
     pub created: u64,
     pub model: String,
     pub choices: Vec<ChatChunkChoice>,
-    /// Present (as `null`) on every chunk when `include_usage` was asked, filled on the last.
+    /// Present (as `null`) on every chunk when `include_usage` was asked, filled on the last
+    /// (on every chunk, with the running counts, when `continuous_usage_stats` was asked too).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Option<UsageBody>>,
     /// With `return_token_ids`: the rendered prompt's ids, on the first chunk only.

@@ -2,7 +2,8 @@
 //!
 //! Owns: the mapping from pipeline [`ChoiceChunk`]s to completion / chat response bodies, the
 //! SSE framing (`data: {json}\n\n`, a final usage chunk when `include_usage`, `data: [DONE]`),
-//! and usage accounting across prompts and choices. Invariants: a streamed response carries the
+//! the running usage on every chunk when `continuous_usage_stats`, and usage accounting across
+//! prompts and choices. Invariants: a streamed response carries the
 //! same text, tokens and finish reasons as the non-streamed one for the same request; an error
 //! after the stream started is sent as one `data: {"error": ...}` event before `[DONE]`. It must
 //! not talk to engines: dropping the stream (client gone) drops the runs, which cancel.
@@ -43,6 +44,8 @@ pub struct Meta {
     pub model: String,
     pub logprobs: bool,
     pub include_usage: bool,
+    /// Every chunk carries the running usage (`stream_options.continuous_usage_stats`).
+    pub continuous_usage: bool,
     /// Per prompt: its token count (usage counts each prompt once, whatever `n`).
     pub prompt_tokens: Vec<u32>,
     /// Per prompt: its token ids, when `return_token_ids` asked for them.
@@ -281,15 +284,35 @@ struct SseState {
     offsets: HashMap<u32, u32>,
     /// Choices whose echoed prompt waits for their first chunk (index → prompt).
     echo_pending: HashMap<u32, usize>,
+    /// Per choice: completion tokens streamed so far (the engine's count once finished).
+    generated: HashMap<u32, u32>,
     over: bool,
 }
 
 impl SseState {
+    /// The `usage` field of a content chunk: absent without `include_usage`, `null` until the
+    /// final usage chunk, or the running counts with `continuous_usage_stats`.
+    fn chunk_usage(&self) -> Option<Option<UsageBody>> {
+        if !self.meta.continuous_usage {
+            return self.meta.include_usage.then_some(None);
+        }
+        let mut u = usage(&self.meta, &self.finished);
+        u.completion_tokens = self.generated.values().sum();
+        u.total_tokens = u.prompt_tokens + u.completion_tokens;
+        Some(Some(u))
+    }
+
     fn chunk_frame(&mut self, c: ChoiceChunk) -> Bytes {
-        let usage_field = self.meta.include_usage.then_some(None);
-        if let Some(d) = Done::of(&c) {
+        let done = Done::of(&c);
+        let count = self.generated.entry(c.index).or_insert(0);
+        *count = match &done {
+            Some(d) => d.usage.completion_tokens,
+            None => *count + c.token_ids.len() as u32,
+        };
+        if let Some(d) = done {
             self.finished.push(d);
         }
+        let usage_field = self.chunk_usage();
         let first = self.started.insert(c.index);
         let ids = self.meta.prompt_ids.is_some().then(|| c.token_ids.clone());
         let body = match &self.shape {
@@ -383,7 +406,7 @@ impl SseState {
 
     /// Opening frames: the assistant role (chat) or the echoed prompt (completions).
     fn opening(&mut self, indices: &[(u32, usize)]) {
-        let usage_field = self.meta.include_usage.then_some(None);
+        let usage_field = self.chunk_usage();
         for &(index, prompt_idx) in indices {
             let body = match &self.shape {
                 Shape::Chat => to_json(&ChatChunk {
@@ -459,6 +482,7 @@ pub fn stream_response(
         started: HashSet::new(),
         offsets: HashMap::new(),
         echo_pending: HashMap::new(),
+        generated: HashMap::new(),
         over: false,
     };
     state.opening(&indices);

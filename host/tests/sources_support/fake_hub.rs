@@ -2,8 +2,8 @@
 //! client uses: `GET /api/models/{org}/{name}/revision/{rev}?blobs=true` (the listing, with
 //! sizes) and `GET /{org}/{name}/resolve/{rev}/{file}` (ranged downloads carrying `ETag` and
 //! `X-Repo-Commit`), errors with the hub's `X-Error-Code` header (`RepoNotFound`,
-//! `RevisionNotFound`, `EntryNotFound`, `GatedRepo`). It records every request, and can break
-//! off a download part-way to test resumption.
+//! `RevisionNotFound`, `EntryNotFound`, `GatedRepo`). It records every request, can break
+//! off a download part-way to test resumption, and can stop answering (a hub that hangs).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -83,7 +83,12 @@ struct Shared {
     log: Vec<Logged>,
     /// file name → byte count after which its next download breaks off.
     cut: HashMap<String, usize>,
+    /// Requests for these files (`"*listing*"`: repo listings) never get an answer.
+    silent: Vec<String>,
 }
+
+/// The `silent` entry that makes repo listings hang.
+const LISTING: &str = "*listing*";
 
 type AppState = Arc<Mutex<Shared>>;
 
@@ -127,6 +132,16 @@ impl FakeHub {
     /// The next download of `file` (any repo) sends `after` bytes, then breaks the connection.
     pub fn cut_next_download(&self, file: &str, after: usize) {
         self.state.lock().unwrap().cut.insert(file.into(), after);
+    }
+
+    /// From now on, requests for `file` are accepted and never answered.
+    pub fn never_answer_file(&self, file: &str) {
+        self.state.lock().unwrap().silent.push(file.into());
+    }
+
+    /// From now on, repo listings are accepted and never answered.
+    pub fn never_answer_listings(&self) {
+        self.never_answer_file(LISTING);
     }
 
     pub fn all_requests(&self) -> usize {
@@ -221,6 +236,9 @@ async fn listing(
     headers: HeaderMap,
 ) -> Response {
     let repo_id = format!("{org}/{name}");
+    if state.lock().unwrap().silent.iter().any(|f| f == LISTING) {
+        std::future::pending::<()>().await;
+    }
     let mut s = state.lock().unwrap();
     s.log.push(Logged::Listing {
         repo: repo_id.clone(),
@@ -270,7 +288,7 @@ async fn resolve(
     headers: HeaderMap,
 ) -> Response {
     let repo_id = format!("{org}/{name}");
-    let (bytes, sha, start, end, cut) = {
+    let answer = {
         let mut s = state.lock().unwrap();
         let repo = match admit(&s, &repo_id, &headers) {
             Ok(r) => r,
@@ -283,6 +301,7 @@ async fn resolve(
             return hub_error(StatusCode::NOT_FOUND, "EntryNotFound", "Entry not found");
         };
         let (start, end) = parse_range(&headers, bytes.len());
+        let silent = s.silent.contains(&file);
         s.log.push(Logged::File {
             repo: repo_id.clone(),
             file: file.clone(),
@@ -294,7 +313,15 @@ async fn resolve(
         } else {
             None
         };
-        (bytes.clone(), sha, start, end, cut)
+        if silent {
+            None
+        } else {
+            Some((bytes.clone(), sha, start, end, cut))
+        }
+    };
+    let Some((bytes, sha, start, end, cut)) = answer else {
+        std::future::pending::<()>().await;
+        return StatusCode::GATEWAY_TIMEOUT.into_response();
     };
     if start > end || end >= bytes.len() {
         return StatusCode::RANGE_NOT_SATISFIABLE.into_response();

@@ -28,7 +28,7 @@ mod moe;
 pub mod step;
 
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use chimera_kernels::KernelCache;
@@ -41,8 +41,9 @@ use self::device::{Arg, Device};
 use self::memory::{Arena, DevAlloc, MemStats, Pinned, bad_tensor, dtoh, htod, sync};
 pub use self::step::CudaStep;
 use super::{
-    Activation, ArenaStats, AttnShape, Backend, BackendError, DType, GdnShape, HostTensor, KvLayer,
-    MoeRouting, Result, Rope, SampleOut, SsmPools, SsmShape, StackedExperts, StepPlan,
+    Activation, ArenaStats, AttnShape, Backend, BackendError, DType, DeviceStepTime, GdnShape,
+    HostTensor, KvLayer, MoeRouting, Result, Rope, SampleOut, SsmPools, SsmShape, StackedExperts,
+    StepPlan,
 };
 
 /// Where a tensor's memory comes from.
@@ -134,6 +135,53 @@ struct Inner {
     readback: Mutex<Option<Pinned>>,
     /// Captured graphs, by id.
     graphs: Mutex<Vec<Graph>>,
+    /// bf16 linear layers of one or two rows use the one-pass GEMV (`gemv.cu`) instead of
+    /// cuBLASLt (switchable so the bench can time both in one run).
+    small_m_gemv: AtomicBool,
+    /// Events timing steps on the device (created on first use).
+    clock: Mutex<Option<StepClock>>,
+}
+
+/// Three events on the stream: the current step's start and end, and the previous step's end
+/// (see [`Backend::step_clock_start`]).
+struct StepClock {
+    start: sys::CUevent,
+    end: sys::CUevent,
+    prev_end: sys::CUevent,
+    /// A step is being timed: its start is recorded.
+    timing: bool,
+    /// Its end is recorded (by the read-back in `sample`).
+    ended: bool,
+    have_prev: bool,
+}
+
+// SAFETY: plain driver handles, used under the backend's mutex with the context current.
+unsafe impl Send for StepClock {}
+
+impl StepClock {
+    fn new(dev: &Device) -> Result<Self> {
+        let flags = sys::CUevent_flags::CU_EVENT_DEFAULT;
+        let event = || result::event::create(flags).map_err(|e| dev.fail("creating an event", e));
+        Ok(Self {
+            start: event()?,
+            end: event()?,
+            prev_end: event()?,
+            timing: false,
+            ended: false,
+            have_prev: false,
+        })
+    }
+}
+
+impl Drop for StepClock {
+    fn drop(&mut self) {
+        // SAFETY: created by `new`, destroyed once.
+        unsafe {
+            let _ = result::event::destroy(self.start);
+            let _ = result::event::destroy(self.end);
+            let _ = result::event::destroy(self.prev_end);
+        }
+    }
 }
 
 /// A captured and instantiated CUDA graph, destroyed with the backend.
@@ -199,6 +247,8 @@ impl CudaBackend {
                 ropes: Mutex::new(HashMap::new()),
                 readback: Mutex::new(None),
                 graphs: Mutex::new(Vec::new()),
+                small_m_gemv: AtomicBool::new(true),
+                clock: Mutex::new(None),
             }),
         })
     }
@@ -212,6 +262,78 @@ impl CudaBackend {
     /// A backend on the same device (kernels shared) in another numeric mode.
     pub fn with_dtype(&self, dtype: DType) -> Result<Self> {
         Self::on(self.inner.device.clone(), dtype)
+    }
+
+    /// Whether bf16 linear layers of one or two rows run the one-pass GEMV (the default) or
+    /// cuBLASLt. Results agree to rounding either way.
+    pub fn set_small_m_gemv(&self, on: bool) {
+        self.inner.small_m_gemv.store(on, Ordering::Relaxed);
+    }
+
+    /// `y_s = x · w_sᵀ (+ b_s)` for up to three weights sharing `x` in one GEMV launch, when
+    /// the shapes allow it (bf16, one or two rows, `k` a multiple of 8, every `m` a multiple of
+    /// the variant's features per block); `None` leaves the work to cuBLASLt.
+    fn try_gemv(
+        &self,
+        x: &CudaTensor,
+        segments: &[(&CudaTensor, Option<&CudaTensor>)],
+    ) -> Result<Option<Vec<CudaTensor>>> {
+        let (n, k) = x.rows_cols();
+        let Some((entry, per_block)) = chimera_kernels::gemv::variant(n) else {
+            return Ok(None);
+        };
+        if x.dtype != DType::BF16
+            || !self.inner.small_m_gemv.load(Ordering::Relaxed)
+            || !k.is_multiple_of(8)
+            || segments.is_empty()
+            || segments.len() > 3
+            || segments
+                .iter()
+                .any(|(w, _)| !w.rows_cols().0.is_multiple_of(per_block as usize))
+        {
+            return Ok(None);
+        }
+        let mut outs = Vec::with_capacity(segments.len());
+        let mut args = vec![Arg::Ptr(x.ptr), Arg::U32(n as u32), Arg::U32(k as u32)];
+        let mut rows = 0usize;
+        for i in 0..3 {
+            match segments.get(i) {
+                Some((w, b)) => {
+                    let m = w.rows_cols().0;
+                    let out = self.tmp(&[n, m], DType::BF16)?;
+                    args.extend([
+                        Arg::Ptr(w.ptr),
+                        Arg::Ptr(b.map_or(0, |b| b.ptr)),
+                        Arg::Ptr(out.ptr),
+                        Arg::U32(m as u32),
+                    ]);
+                    rows += m;
+                    outs.push(out);
+                }
+                None => args.extend([Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0), Arg::U32(0)]),
+            }
+        }
+        let grid = (rows / per_block as usize) as u32;
+        self.launch_exact(
+            entry,
+            (grid, 1, 1),
+            (chimera_kernels::gemv::WARPS * 32, 1, 1),
+            0,
+            &args,
+        )?;
+        Ok(Some(outs))
+    }
+
+    /// Marks a timed step's end (its read-back is enqueued).
+    fn record_step_end(&self) -> Result<()> {
+        let mut clock = self.inner.clock.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = clock.as_mut().filter(|c| c.timing) {
+            // SAFETY: an event of this context, recorded on its stream.
+            unsafe { result::event::record(c.end, self.stream()) }
+                .map_err(|e| self.dev().fail("recording an event", e))?;
+            c.ended = true;
+        }
+        Ok(())
     }
 
     /// Fills every free arena buffer with NaN (all-ones bytes, NaN in f32 and bf16), so a
@@ -583,6 +705,57 @@ impl Backend for CudaBackend {
         step.upload_graph(self.dev(), &self.inner.stats, self.stream(), plan, shape)
     }
 
+    fn step_clock_start(&self) -> Result<()> {
+        let dev = self.dev();
+        dev.bind()?;
+        let mut clock = self.inner.clock.lock().unwrap_or_else(|p| p.into_inner());
+        if clock.is_none() {
+            *clock = Some(StepClock::new(dev)?);
+        }
+        let Some(c) = clock.as_mut() else {
+            return Ok(());
+        };
+        // SAFETY: an event of this context, recorded on its stream.
+        unsafe { result::event::record(c.start, self.stream()) }
+            .map_err(|e| dev.fail("recording an event", e))?;
+        c.timing = true;
+        c.ended = false;
+        Ok(())
+    }
+
+    fn step_clock_end(&self) -> Result<Option<DeviceStepTime>> {
+        let dev = self.dev();
+        let mut clock = self.inner.clock.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(c) = clock.as_mut() else {
+            return Ok(None);
+        };
+        let timed = c.timing && c.ended;
+        c.timing = false;
+        if !timed {
+            return Ok(None);
+        }
+        dev.bind()?;
+        // SAFETY: events of this context, all recorded and complete (the read-back
+        // synchronised the stream after `end`).
+        let ms = |a, b| {
+            unsafe { result::event::elapsed(a, b) }
+                .map(f64::from)
+                .map_err(|e| dev.fail("reading an event", e))
+        };
+        let busy = ms(c.start, c.end)?;
+        let idle = if c.have_prev {
+            ms(c.prev_end, c.start)?
+        } else {
+            0.0
+        };
+        std::mem::swap(&mut c.end, &mut c.prev_end);
+        c.have_prev = true;
+        Ok(Some(DeviceStepTime {
+            busy_s: busy / 1e3,
+            idle_before_s: idle.max(0.0) / 1e3,
+        }))
+    }
+
     fn capture_graph(&self, run: &mut dyn FnMut() -> Result<()>) -> Result<usize> {
         let dev = self.dev();
         dev.bind()?;
@@ -673,6 +846,9 @@ impl Backend for CudaBackend {
         }
         self.check_dtype("linear input", x)?;
         self.check_dtype("linear weight", w)?;
+        if let Some(mut outs) = self.try_gemv(x, &[(w, bias)])? {
+            return Ok(outs.pop().expect("one segment"));
+        }
         let out = self.tmp(&[n, m], x.dtype)?;
         self.inner.gemm.linear(
             self.stream(),
@@ -684,6 +860,27 @@ impl Backend for CudaBackend {
             (n, k, m),
         )?;
         Ok(out)
+    }
+
+    fn linear_shared(
+        &self,
+        x: &CudaTensor,
+        weights: &[(&CudaTensor, Option<&CudaTensor>)],
+    ) -> Result<Vec<CudaTensor>> {
+        let k = x.rows_cols().1;
+        let shapes_fit = weights
+            .iter()
+            .all(|(w, b)| w.rows_cols().1 == k && b.is_none_or(|b| b.len() == w.rows_cols().0));
+        if shapes_fit
+            && x.dtype == self.inner.dtype
+            && weights
+                .iter()
+                .all(|(w, b)| w.dtype == x.dtype && b.is_none_or(|b| b.dtype == x.dtype))
+            && let Some(outs) = self.try_gemv(x, weights)?
+        {
+            return Ok(outs);
+        }
+        weights.iter().map(|(w, b)| self.linear(x, w, *b)).collect()
     }
 
     fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
@@ -1217,6 +1414,7 @@ impl Backend for CudaBackend {
         let dst = &mut pinned.as_mut_slice()[..bytes];
         // SAFETY: `res` holds `bytes`; the pinned buffer outlives the synchronisation below.
         unsafe { dtoh(self.dev(), self.stream(), dst, res.ptr)? };
+        self.record_step_end()?;
         sync(self.dev(), self.stream())?;
         let src = &pinned.as_slice()[..bytes];
         let word = |i: usize| {

@@ -9,10 +9,14 @@
 //! are adjacent (GPT-J style) where transformers rotates halves, and a tied LM head is simply
 //! absent. [`vocab`] rebuilds the tokenizer and chat template from `tokenizer.ggml.*`.
 //!
-//! Architectures: `llama` (Llama, Mistral, SmolLM and other Llama-shaped models).
+//! Architectures: `llama` (Llama, Mistral, SmolLM and other Llama-shaped models) and the
+//! Mamba2 family in [`mamba`] (`mamba2`, and the hybrids `nemotron_h`, `nemotron_h_moe` and
+//! `granitehybrid`) and Qwen3.5 in [`qwen35`], whose converter changes some tensors' layout.
 
 pub mod file;
+pub mod mamba;
 pub mod quant;
+pub mod qwen35;
 pub mod vocab;
 
 use std::collections::HashMap;
@@ -33,7 +37,17 @@ use crate::backend::Backend;
 pub type HostF32 = (Vec<f32>, Vec<usize>);
 
 /// GGUF architectures this loader maps, with the transformers class each becomes.
-pub const SUPPORTED: &[(&str, &str)] = &[("llama", "LlamaForCausalLM")];
+pub const SUPPORTED: &[(&str, &str)] = &[
+    ("llama", "LlamaForCausalLM"),
+    ("mamba2", "Mamba2ForCausalLM"),
+    ("nemotron_h", "NemotronHForCausalLM"),
+    ("nemotron_h_moe", "NemotronHForCausalLM"),
+    ("granitehybrid", "GraniteMoeHybridForCausalLM"),
+    ("qwen35", "Qwen3_5ForCausalLM"),
+];
+
+/// Tensors that are configuration, read by [`GgufModel::hf_config`], not weights.
+const CONFIG_TENSORS: &[&str] = &["rope_freqs.weight"];
 
 /// An open GGUF file with the facts the loader reads.
 pub struct GgufModel {
@@ -89,6 +103,48 @@ impl GgufModel {
 
     /// The `config.json` transformers would build from this file's metadata.
     pub fn hf_config(&self) -> Result<HfConfig, ModelError> {
+        let mut c = match self.arch.as_str() {
+            "mamba2" => mamba::mamba2_config(self)?,
+            "nemotron_h" | "nemotron_h_moe" => mamba::nemotron_h_config(self)?,
+            "granitehybrid" => mamba::granite_config(self)?,
+            "qwen35" => qwen35::config(self)?,
+            _ => self.llama_config()?,
+        };
+        for (key, name) in [("bos_token_id", "bos"), ("eos_token_id", "eos")] {
+            if let Some(id) = self
+                .file
+                .get(&format!("tokenizer.ggml.{name}_token_id"))
+                .and_then(Value::as_u64)
+            {
+                c[key] = json!(id);
+            }
+        }
+        HfConfig::parse(
+            &c.to_string(),
+            self.file.path.join("<config from GGUF metadata>"),
+        )
+    }
+
+    /// The vocabulary size: stated, else the token list's length, else the embedding's rows.
+    fn vocab_size(&self) -> Result<u64, ModelError> {
+        if let Some(v) = self.meta("vocab_size").and_then(Value::as_u64) {
+            return Ok(v);
+        }
+        if let Some(tokens) = self
+            .file
+            .get("tokenizer.ggml.tokens")
+            .and_then(Value::as_array)
+        {
+            return Ok(tokens.len() as u64);
+        }
+        self.file
+            .tensor("token_embd.weight")
+            .map(|t| t.dims.last().copied().unwrap_or(0))
+            .ok_or_else(|| self.err("no vocabulary size in the file".into()))
+    }
+
+    /// `llama`: the Llama config.
+    fn llama_config(&self) -> Result<Json, ModelError> {
         let hidden = self.meta_u64("embedding_length")?;
         let heads = self.meta_u64("attention.head_count")?;
         let kv_heads = match self.meta("attention.head_count_kv") {
@@ -106,43 +162,10 @@ impl GgufModel {
                 .ok_or_else(|| self.err("`attention.key_length` must be an integer".into()))?,
             None => hidden / heads.max(1),
         };
-        let vocab = match self.meta("vocab_size").and_then(Value::as_u64) {
-            Some(v) => v,
-            None => match self
-                .file
-                .get("tokenizer.ggml.tokens")
-                .and_then(Value::as_array)
-            {
-                Some(tokens) => tokens.len() as u64,
-                None => self
-                    .file
-                    .tensor("token_embd.weight")
-                    .map(|t| t.dims.last().copied().unwrap_or(0))
-                    .ok_or_else(|| self.err("no vocabulary size in the file".into()))?,
-            },
-        };
-        if self.file.tensor("rope_freqs.weight").is_some() {
-            return Err(ModelError::Unsupported(format!(
-                "{}: per-dimension RoPE frequencies (`rope_freqs.weight`, Llama 3.1 scaling) \
-                 in GGUF",
-                self.file.path.display()
-            )));
-        }
-        if let Some(kind) = self.meta("rope.scaling.type").and_then(Value::as_str)
-            && kind != "none"
-        {
-            return Err(ModelError::Unsupported(format!(
-                "{}: GGUF RoPE scaling `{kind}`",
-                self.file.path.display()
-            )));
-        }
-        let class = SUPPORTED
-            .iter()
-            .find(|(a, _)| *a == self.arch)
-            .map(|(_, c)| *c)
-            .unwrap_or("LlamaForCausalLM");
+        let vocab = self.vocab_size()?;
+        let rope = self.rope_parameters()?;
         let mut c = json!({
-            "architectures": [class],
+            "architectures": ["LlamaForCausalLM"],
             "hidden_size": hidden,
             "intermediate_size": self.meta_u64("feed_forward_length")?,
             "num_hidden_layers": self.meta_u64("block_count")?,
@@ -156,6 +179,7 @@ impl GgufModel {
                 .and_then(Value::as_f64)
                 .unwrap_or(1e-5),
             "rope_theta": self.meta("rope.freq_base").and_then(Value::as_f64).unwrap_or(10000.0),
+            "rope_parameters": rope,
             "tie_word_embeddings": self.file.tensor("output.weight").is_none(),
             "hidden_act": "silu",
         });
@@ -164,45 +188,81 @@ impl GgufModel {
         {
             c["partial_rotary_factor"] = json!(dims as f64 / head_dim as f64);
         }
-        for (key, name) in [("bos_token_id", "bos"), ("eos_token_id", "eos")] {
-            if let Some(id) = self
-                .file
-                .get(&format!("tokenizer.ggml.{name}_token_id"))
-                .and_then(Value::as_u64)
-            {
-                c[key] = json!(id);
+        Ok(c)
+    }
+
+    /// `rope_parameters` from `{arch}.rope.scaling.*` and the `rope_freqs` tensor. llama.cpp
+    /// stores Llama 3.1 scaling as that tensor: one divisor per rotary frequency, which is
+    /// what the `llama3` rule computes from its four parameters, so it is applied as given.
+    fn rope_parameters(&self) -> Result<Json, ModelError> {
+        let theta = self
+            .meta("rope.freq_base")
+            .and_then(Value::as_f64)
+            .unwrap_or(10000.0);
+        let mut rope = json!({ "rope_type": "default", "rope_theta": theta });
+        match self.meta("rope.scaling.type").and_then(Value::as_str) {
+            None | Some("none") => {}
+            Some("linear") => {
+                let factor = self
+                    .meta("rope.scaling.factor")
+                    .and_then(Value::as_f64)
+                    .ok_or_else(|| {
+                        self.err(format!(
+                            "linear RoPE scaling without `{}.rope.scaling.factor`",
+                            self.arch
+                        ))
+                    })?;
+                rope["rope_type"] = json!("linear");
+                rope["factor"] = json!(factor);
+            }
+            Some(kind) => {
+                return Err(ModelError::Unsupported(format!(
+                    "{}: GGUF RoPE scaling `{kind}` (supported: none, linear, and Llama 3.1 \
+                     frequency factors)",
+                    self.file.path.display()
+                )));
             }
         }
-        HfConfig::parse(
-            &c.to_string(),
-            self.file.path.join("<config from GGUF metadata>"),
-        )
+        if let Some(t) = self.file.tensor("rope_freqs.weight") {
+            let factors =
+                quant::dequantize(t.ty, self.file.data(t)).map_err(|m| ModelError::Weights {
+                    path: self.file.path.clone(),
+                    message: format!("tensor `rope_freqs.weight`: {m}"),
+                })?;
+            if factors.iter().any(|f| !f.is_finite() || *f <= 0.0) {
+                return Err(self.err(
+                    "`rope_freqs.weight` holds a divisor that is not a positive number".into(),
+                ));
+            }
+            rope["freq_factors"] = json!(factors);
+        }
+        Ok(rope)
     }
 
     /// Every tensor dequantized to f32 under its transformers name, q/k rows un-permuted.
     pub fn tensors(&self, config: &HfConfig) -> Result<HashMap<String, HostF32>, ModelError> {
-        let heads = (
-            config.usize("num_attention_heads")?,
-            config.usize("num_key_value_heads")?,
-        );
-        self.file
+        let heads = self.rope_heads(config)?;
+        let mut tensors: HashMap<String, HostF32> = self
+            .file
             .tensors
             .par_iter()
+            .filter(|t| !CONFIG_TENSORS.contains(&t.name.as_str()))
             .map(|t| self.dequantize(t, heads))
-            .collect()
+            .collect::<Result<_, _>>()?;
+        if self.arch == "granitehybrid" {
+            mamba::fuse_gate_up(&mut tensors).map_err(|m| self.err(m))?;
+        }
+        Ok(tensors)
     }
 
     /// One tensor by its transformers name, as [`GgufModel::tensors`] gives it.
     pub fn hf_tensor(&self, config: &HfConfig, name: &str) -> Result<HostF32, ModelError> {
-        let heads = (
-            config.usize("num_attention_heads")?,
-            config.usize("num_key_value_heads")?,
-        );
+        let heads = self.rope_heads(config)?;
         let t = self
             .file
             .tensors
             .iter()
-            .find(|t| hf_name(&t.name).as_deref() == Some(name))
+            .find(|t| self.hf_name(&t.name).as_deref() == Some(name))
             .ok_or_else(|| ModelError::MissingTensor {
                 tensor: name.into(),
                 files: self.file.path.display().to_string(),
@@ -210,12 +270,36 @@ impl GgufModel {
         Ok(self.dequantize(t, heads)?.1)
     }
 
+    /// Query and key heads, for undoing the q/k row permutation (llama.cpp's converter
+    /// permutes Llama's, and NemotronH's and Granite's through the same code path; not
+    /// Mamba2's, which has no attention, nor Qwen's, which rotates halves as llama.cpp does).
+    fn rope_heads(&self, config: &HfConfig) -> Result<Option<(usize, usize)>, ModelError> {
+        if matches!(self.arch.as_str(), "mamba2" | "qwen35") {
+            return Ok(None);
+        }
+        Ok(Some((
+            config.usize("num_attention_heads")?,
+            config.usize("num_key_value_heads")?,
+        )))
+    }
+
+    /// The transformers name of one of this file's tensors.
+    pub fn hf_name(&self, gguf: &str) -> Option<String> {
+        match self.arch.as_str() {
+            "mamba2" | "nemotron_h" | "nemotron_h_moe" | "granitehybrid" => {
+                mamba::hf_name(&self.arch, gguf)
+            }
+            "qwen35" => qwen35::hf_name(gguf),
+            _ => hf_name(gguf),
+        }
+    }
+
     fn dequantize(
         &self,
         t: &file::TensorInfo,
-        (heads, kv_heads): (usize, usize),
+        heads: Option<(usize, usize)>,
     ) -> Result<(String, HostF32), ModelError> {
-        let name = hf_name(&t.name).ok_or_else(|| {
+        let name = self.hf_name(&t.name).ok_or_else(|| {
             self.err(format!(
                 "tensor `{}` has no transformers counterpart",
                 t.name
@@ -227,11 +311,20 @@ impl GgufModel {
                 path: self.file.path.clone(),
                 message: format!("tensor `{}`: {m}", t.name),
             })?;
-        if t.name.ends_with("attn_q.weight") || t.name.ends_with("attn_q.bias") {
-            values = unpermute_rows(&values, &shape, heads).map_err(|m| self.err(m))?;
-        } else if t.name.ends_with("attn_k.weight") || t.name.ends_with("attn_k.bias") {
-            values = unpermute_rows(&values, &shape, kv_heads).map_err(|m| self.err(m))?;
+        let mut shape = shape;
+        if let Some((heads, kv_heads)) = heads {
+            if t.name.ends_with("attn_q.weight") || t.name.ends_with("attn_q.bias") {
+                values = unpermute_rows(&values, &shape, heads).map_err(|m| self.err(m))?;
+            } else if t.name.ends_with("attn_k.weight") || t.name.ends_with("attn_k.bias") {
+                values = unpermute_rows(&values, &shape, kv_heads).map_err(|m| self.err(m))?;
+            }
         }
+        let restored = match self.arch.as_str() {
+            "llama" => Ok(shape),
+            "qwen35" => qwen35::restore(&t.name, &mut values, shape, qwen35::Heads::of(self)?),
+            _ => mamba::restore(&t.name, &mut values, shape),
+        };
+        shape = restored.map_err(|m| self.err(format!("tensor `{}`: {m}", t.name)))?;
         Ok((name, (values, shape)))
     }
 

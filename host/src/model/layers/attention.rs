@@ -59,9 +59,7 @@ impl<B: Backend> Attention<B> {
         x: &B::Tensor,
         ctx: &mut StepCtx<'_, B>,
     ) -> Result<B::Tensor, ModelError> {
-        let mut q = self.q.forward(b, x)?;
-        let k = self.k.forward(b, x)?;
-        let v = self.v.forward(b, x)?;
+        let [mut q, k, v] = Linear::forward_shared(b, x, [&self.q, &self.k, &self.v])?;
         let s = self.shape;
         let cache = ctx
             .kv

@@ -46,11 +46,13 @@ impl<B: Backend> Mlp<B> {
     }
 
     pub fn forward(&self, b: &B, x: &B::Tensor) -> Result<B::Tensor, ModelError> {
-        let up = self.up.forward(b, x)?;
         let hidden = match &self.gate {
-            Some(gate) => b.gated_activation(&gate.forward(b, x)?, &up, self.act)?,
+            Some(gate) => {
+                let [gate, up] = Linear::forward_shared(b, x, [gate, &self.up])?;
+                b.gated_activation(&gate, &up, self.act)?
+            }
             None => {
-                let mut up = up;
+                let mut up = self.up.forward(b, x)?;
                 b.activate(&mut up, self.act)?;
                 up
             }

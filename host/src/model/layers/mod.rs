@@ -124,6 +124,20 @@ impl<B: Backend> Linear<B> {
         Ok(backend.linear(x, &self.w, self.b.as_ref())?)
     }
 
+    /// Several projections of the same input ([`Backend::linear_shared`]: one launch where the
+    /// device can).
+    pub fn forward_shared<const N: usize>(
+        backend: &B,
+        x: &B::Tensor,
+        layers: [&Self; N],
+    ) -> Result<[B::Tensor; N], ModelError> {
+        let weights = layers.map(|l| (&l.w, l.b.as_ref()));
+        let outs = backend.linear_shared(x, &weights)?;
+        outs.try_into().map_err(|v: Vec<B::Tensor>| {
+            ModelError::Backend(format!("linear_shared gave {} outputs for {N}", v.len()))
+        })
+    }
+
     /// The layer `y_j = out_scale(j) · ((in_scale · x)·W_jᵀ + b_j)`, with the multipliers folded
     /// into the weights once at load (µP-style config multipliers; the kernels see a plain
     /// linear). Unchanged, and not copied, when every factor is 1.

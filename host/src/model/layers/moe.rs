@@ -63,7 +63,8 @@ impl<B: Backend> Moe<B> {
             l.backend.upload(HostTensor::f32(&zeros, &[s.experts]))?
         };
         let (e, i, h) = (s.experts, s.expert_inter, s.hidden);
-        let (up, down) = if l.store.has(&p("experts.up_proj")) {
+        // Dummy weights come stacked: there are no per-expert tensors to gather.
+        let (up, down) = if l.store.has(&p("experts.up_proj")) || l.store.is_dummy() {
             (
                 l.tensor(&p("experts.up_proj"), &[e, i, h])?,
                 l.tensor(&p("experts.down_proj"), &[e, h, i])?,

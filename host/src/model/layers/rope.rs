@@ -1,5 +1,6 @@
 //! Rotary position embedding tables from config: default, `llama3` scaling, `linear` scaling,
-//! and partial rotary (`partial_rotary_factor`).
+//! partial rotary (`partial_rotary_factor`), and explicit per-frequency divisors
+//! (`freq_factors`, as a GGUF file's `rope_freqs` tensor gives them).
 
 use crate::backend::Rope;
 use crate::model::ModelError;
@@ -58,6 +59,18 @@ pub fn build(settings: &RopeSettings, head_dim: usize) -> Result<Rope, ModelErro
             return Err(ModelError::Unsupported(format!(
                 "rope_type `{other}` (supported: default, linear, llama3)"
             )));
+        }
+    }
+    if let Some(factors) = &settings.freq_factors {
+        if factors.len() != inv_freq.len() {
+            return Err(ModelError::Unsupported(format!(
+                "{} RoPE frequency factors for {} rotary frequencies",
+                factors.len(),
+                inv_freq.len()
+            )));
+        }
+        for (f, d) in inv_freq.iter_mut().zip(factors) {
+            *f /= *d as f32;
         }
     }
     Ok(Rope {

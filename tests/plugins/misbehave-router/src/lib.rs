@@ -3,7 +3,8 @@
 //! Normally routes to replica `replica` (config key). The request's tenant selects a
 //! misbehaviour: `trap` panics (a Wasm trap), `loop` never returns, `bomb` allocates until
 //! memory runs out, `wrong` answers an out-of-range replica, `decline` answers "use the
-//! default". `init` fails when the config has `reject = true`.
+//! default". `init` fails when the config has `reject = true`; with `tenant = "NAME"` every
+//! request behaves as if it came from tenant NAME.
 
 use std::hint::black_box;
 
@@ -11,20 +12,25 @@ use chimera_plugin_sdk::{Config, ReplicaView, RouteRequestView, RouterPlugin};
 
 pub struct Misbehave {
     replica: u32,
+    tenant: Option<String>,
     hoard: Vec<Vec<u8>>,
 }
 
 impl RouterPlugin for Misbehave {
     fn init(config: &Config) -> Result<Self, String> {
-        config.expect_keys(&["replica", "reject"])?;
+        config.expect_keys(&["replica", "reject", "tenant"])?;
         if config.bool_or("reject", false)? {
             return Err("configured to reject its config".into());
         }
-        Ok(Self { replica: config.u32_in("replica", 0, 0, 1024)?, hoard: Vec::new() })
+        Ok(Self {
+            replica: config.u32_in("replica", 0, 0, 1024)?,
+            tenant: config.text("tenant")?.map(str::to_string),
+            hoard: Vec::new(),
+        })
     }
 
     fn route(&mut self, request: &RouteRequestView<'_>, replicas: &ReplicaView<'_>) -> Option<u32> {
-        match request.tenant {
+        match self.tenant.as_deref().unwrap_or(request.tenant) {
             "trap" => panic!("deliberate trap"),
             "loop" => {
                 let mut x = 0u64;

@@ -1,0 +1,132 @@
+// Small-batch linear layers in bf16: y[n, m] = x[n, k] · w[m, k]ᵀ (+ b[m]) for n ≤ 2 rows, the
+// decode-time shape where the whole cost is streaming the weight once.
+//
+// cuBLASLt picks split-K kernels for these shapes: several partial passes plus a reduction
+// kernel, and the smaller projections (K/V, 1024 × 4096) reach only 1.2–2.9 TB/s of the H200's
+// 4.8. Here a block of 8 warps owns ROWS output features and splits k between its warps: lane
+// `l` of warp `w` reads the 16-byte chunks at (j·8 + w)·32 + l of each of the ROWS weight rows,
+// U chunks per row in flight before the first FMA, multiplies them with the same columns of
+// every x row (so x is read once per block) and accumulates in f32. A warp reduction and a
+// pass through shared memory finish each dot product. Nothing is reduced across blocks, so a
+// launch is one pass over the weight, and short rows still give every SM many loads in flight.
+//
+// One launch may cover up to three weights that share the input (the q/k/v projections, or
+// gate and up): "segments" laid end to end in the block index space, each with its own weight,
+// bias and output. Unused segments have m = 0.
+//
+// Requirements checked by the host: k a multiple of 8 (16-byte rows), every segment's m a
+// multiple of ROWS, pointers 16-byte aligned (the arena and the weight allocations are).
+#include "common.cuh"
+
+#define GEMV_WARPS 8
+
+struct u32x4 {
+    u32 a, b, c, d;
+};
+
+__device__ __forceinline__ u32x4 ld16(const bf16* p) {
+    u32x4 v;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.a), "=r"(v.b), "=r"(v.c), "=r"(v.d)
+                 : "l"(p));
+    return v;
+}
+
+// Σ of the 8 products of two packed bf16 octets, added to acc.
+__device__ __forceinline__ float dot8(const u32x4& w, const u32x4& x, float acc) {
+    const u32 ws[4] = {w.a, w.b, w.c, w.d};
+    const u32 xs[4] = {x.a, x.b, x.c, x.d};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        acc = fmaf(__uint_as_float(ws[j] << 16), __uint_as_float(xs[j] << 16), acc);
+        acc = fmaf(__uint_as_float(ws[j] & 0xffff0000u), __uint_as_float(xs[j] & 0xffff0000u), acc);
+    }
+    return acc;
+}
+
+template <int N, int ROWS, int U>
+__device__ void gemv(const bf16* __restrict__ x, u32 n, u32 k, const bf16* w0, const bf16* b0,
+                     bf16* y0, u32 m0, const bf16* w1, const bf16* b1, bf16* y1, u32 m1,
+                     const bf16* w2, const bf16* b2, bf16* y2, u32 m2) {
+    __shared__ float part[GEMV_WARPS][N * ROWS];
+    const u32 lane = threadIdx.x & 31;
+    const u32 warp = threadIdx.x >> 5;
+    u32 row = blockIdx.x * ROWS;
+    const bf16* w;
+    const bf16* b;
+    bf16* y;
+    u32 m;
+    if (row < m0) {
+        w = w0, b = b0, y = y0, m = m0;
+    } else if (row < m0 + m1) {
+        row -= m0;
+        w = w1, b = b1, y = y1, m = m1;
+    } else if (row < m0 + m1 + m2) {
+        row -= m0 + m1;
+        w = w2, b = b2, y = y2, m = m2;
+    } else {
+        return;
+    }
+    float acc[N][ROWS];
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) acc[i][r] = 0.0f;
+
+    const bf16* wr = w + (u64)row * k;
+    const u32 stride = GEMV_WARPS * 32 * 8;
+    for (u32 base = (warp * 32 + lane) * 8; base < k; base += stride * U) {
+        u32x4 wv[U][ROWS];
+        // Every weight load of this trip is issued before any arithmetic.
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const u32 c = base + u * stride;
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r)
+                if (c < k) wv[u][r] = ld16(wr + (u64)r * k + c);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const u32 c = base + u * stride;
+            if (c >= k) break;
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                if (i >= (int)n) break;
+                const u32x4 xv = ld16(x + (u64)i * k + c);
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r) acc[i][r] = dot8(wv[u][r], xv, acc[i][r]);
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            const float s = warp_sum(acc[i][r]);
+            if (lane == 0) part[warp][i * ROWS + r] = s;
+        }
+    __syncthreads();
+    const u32 t = threadIdx.x;
+    if (t < n * ROWS) {
+        float s = 0.0f;
+#pragma unroll
+        for (int v = 0; v < GEMV_WARPS; ++v) s += part[v][t];
+        const u32 i = t / ROWS, r = t % ROWS;
+        const float bias = b ? bf16_to_f32(b[row + r]) : 0.0f;
+        y[(u64)i * m + row + r] = f32_to_bf16(s + bias);
+    }
+}
+
+#define GEMV_ENTRY(NAME, N, ROWS, U)                                                                   \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                \
+        NAME(const bf16* x, u32 n, u32 k, const bf16* w0, const bf16* b0, bf16* y0, u32 m0,      \
+             const bf16* w1, const bf16* b1, bf16* y1, u32 m1, const bf16* w2, const bf16* b2,   \
+             bf16* y2, u32 m2) {                                                                 \
+        gemv<N, ROWS, U>(x, n, k, w0, b0, y0, m0, w1, b1, y1, m1, w2, b2, y2, m2);                     \
+    }
+
+// Measured on the H200 (tests/gpu/run.sh bench): at 1 and 2 rows this beats cuBLASLt on every
+// decode shape of Llama-3-8B and NemotronH-8B; at 4 rows it lost on most of them (the FMAs per
+// weight byte grow with n), so wider batches stay on cuBLASLt.
+GEMV_ENTRY(gemv_bf16_n1, 1, 4, 4)
+GEMV_ENTRY(gemv_bf16_n2, 2, 4, 2)

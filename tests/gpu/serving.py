@@ -1,0 +1,408 @@
+#!/usr/bin/env python3
+"""Serving benchmarks on the GPU: `chimera bench` against a real `chimera serve`, with dummy
+weights of a full-size model (NemotronH-8B's shape by default), started by this script.
+
+    python3 tests/gpu/serving.py caching [--quick]   # one GPU: prefix caching on vs off + rate sweep
+    python3 tests/gpu/serving.py routing [--quick]   # two GPUs: prefix-aware vs least-loaded routing
+    python3 tests/gpu/serving.py idle [--quick]      # one GPU: device idle between steps at c = 1, 64, 256
+    python3 tests/gpu/serving.py prefill [--quick]   # one GPU: an 8192-token prompt vs the GEMM rate
+
+Each scenario starts the servers it compares one after the other from the same binary, on the
+same port, with the same seeded traffic. Rows (check | measured | bound | pass) go to
+$OUT/serving-<scenario>.json for tests/gpu/table.py; the bench reports, server logs and the
+rate-sweep plot are packed into $OUT/serving-<scenario>.tgz.
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def parse_args():
+    p = argparse.ArgumentParser()
+    p.add_argument("scenario", choices=["caching", "routing", "idle", "prefill"])
+    p.add_argument("--quick", action="store_true", help="a small workload to check the set-up")
+    p.add_argument("--bin", default=str(ROOT / ".gpu/chimera"))
+    p.add_argument("--out", default=os.environ.get("OUT", str(ROOT / ".gpu/out")))
+    p.add_argument("--model-config", default=str(ROOT / "tests/gpu/configs/nemotron-h-8b"))
+    p.add_argument("--backend", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--port", type=int, default=8123)
+    p.add_argument("--no-sweep", action="store_true", help="caching: skip the rate sweep")
+    p.add_argument("--max-batched-tokens", type=int, default=4096,
+                   help="engine.max_batched_tokens of the servers (the prefill chunk)")
+    return p.parse_args()
+
+
+class Runner:
+    def __init__(self, args):
+        self.args = args
+        self.out = Path(args.out)
+        self.work = self.out / f"serving-{args.scenario}"
+        shutil.rmtree(self.work, ignore_errors=True)
+        self.work.mkdir(parents=True)
+        self.model = Path("/tmp/chimera-serving-model")
+        subprocess.run([sys.executable, str(ROOT / "tests/gpu/serving_model.py"),
+                        args.model_config, str(self.model)], check=True)
+        self.rows = []
+
+    def row(self, check, measured, bound, ok):
+        self.rows.append({"suite": "serving", "check": check, "measured": measured,
+                          "bound": bound, "pass": bool(ok)})
+        print(f"  {check}: {measured} ({bound}) {'ok' if ok else 'FAILED'}", flush=True)
+
+    def serve(self, name, toml):
+        """Starts `chimera serve` with this config; returns the process once /health answers."""
+        cfg = self.work / f"{name}.toml"
+        cfg.write_text(toml)
+        log = open(self.work / f"{name}.log", "w")
+        started = time.time()
+        proc = subprocess.Popen([self.args.bin, "serve", "--config", str(cfg),
+                                 "--port", str(self.args.port)], stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{self.args.port}/health"
+        while time.time() - started < 300:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name}: chimera serve exited with {proc.returncode}; "
+                                   f"see {cfg.with_suffix('.log')}:\n" + tail(cfg.with_suffix(".log")))
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        print(f"== {name}: serving after {time.time() - started:.1f} s", flush=True)
+                        return proc
+            except OSError:
+                pass
+            time.sleep(0.5)
+        proc.kill()
+        raise RuntimeError(f"{name}: not healthy after 300 s")
+
+    @staticmethod
+    def stop(proc):
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def bench(self, label, workload, load, extra=()):
+        out = self.work / f"{label}.json"
+        cmd = [self.args.bin, "bench", "--url", f"http://127.0.0.1:{self.args.port}",
+               "--prompt-format", "token-ids", "--tokenizer", str(self.model / "tokenizer.json"),
+               "--ignore-eos", "--no-progress", "--seed", "1", "--label", label,
+               "--output", str(out), *workload, *load, *extra]
+        started = time.time()
+        with open(self.work / f"{label}.txt", "w") as f:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=560).returncode
+        print(f"   bench {label}: rc {rc}, {time.time() - started:.1f} s", flush=True)
+        print(tail(self.work / f"{label}.txt", 14), flush=True)
+        if rc != 0:
+            raise RuntimeError(f"bench {label} failed (rc {rc})")
+        return json.loads(out.read_text())
+
+    def metrics(self):
+        """Sums each `chimera:` counter over the engines of /metrics."""
+        url = f"http://127.0.0.1:{self.args.port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            text = r.read().decode()
+        sums = {}
+        for line in text.splitlines():
+            if line.startswith("#") or " " not in line:
+                continue
+            name, value = line.rsplit(" ", 1)
+            name, _, labels = name.partition("{")
+            if 'phase="' in labels:
+                name += "/" + labels.split('phase="', 1)[1].split('"', 1)[0]
+            try:
+                sums[name] = sums.get(name, 0.0) + float(value)
+            except ValueError:
+                pass
+        return sums
+
+    def cache_rows(self, name):
+        """The server's own cache counters after a run: prefix-cache misses by reason and SSM
+        snapshots skipped for want of a slot (reported)."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.args.port}/metrics",
+                                      timeout=10).read().decode()
+        misses, skipped = {}, 0.0
+        for line in text.splitlines():
+            if line.startswith("chimera:prefix_cache_misses_total{"):
+                reason = line.split('reason="', 1)[1].split('"', 1)[0]
+                misses[reason] = misses.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
+            elif line.startswith("chimera:ssm_snapshots_skipped_total{"):
+                skipped += float(line.rsplit(" ", 1)[1])
+        shown = ", ".join(f"{k} {v:.0f}" for k, v in sorted(misses.items()) if v) or "none"
+        self.row(f"{name}: prefix-cache misses by reason; SSM snapshots skipped (reported)",
+                 f"{shown}; {skipped:.0f}", "reported", True)
+
+    def config(self, caching, engine_extra="", cache_extra="", router="builtin:prefix-aware",
+               max_running=128):
+        return f"""[model]
+path = "{self.model}"
+load_format = "dummy"
+dtype = "{self.args.dtype}"
+
+[engine]
+backend = "{self.args.backend}"
+max_batched_tokens = {self.args.max_batched_tokens}
+max_running = {max_running}
+{engine_extra}
+
+[cache]
+prefix_caching = {"true" if caching else "false"}
+memory_fraction = 0.85
+memory_budget = "{'8GiB' if self.args.backend == 'cuda' else '1GiB'}"
+# A hybrid's KV is small (NemotronH-8B: 4 attention layers, 16 KiB a token) and its SSM
+# slots large (about 100 MB in f32): most of the budget goes to live states and snapshots.
+ssm_share = 0.6
+{cache_extra}
+
+[policy.router]
+plugin = "{router}"
+"""
+
+    def finish(self):
+        path = self.out / f"serving-{self.args.scenario}.json"
+        path.write_text(json.dumps({"rows": self.rows}, indent=1))
+        with tarfile.open(self.out / f"serving-{self.args.scenario}.tgz", "w:gz") as t:
+            t.add(self.work, arcname=self.work.name)
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
+def tail(path, n=20):
+    try:
+        return "".join(Path(path).read_text(errors="replace").splitlines(keepends=True)[-n:])
+    except OSError:
+        return ""
+
+
+def point(report, i=0):
+    return report["points"][i]
+
+
+def ttft_p50(p):
+    return p["latency_ms"]["ttft"]["p50"]
+
+
+def caching(r, quick):
+    if quick:
+        sizes = ["--groups", "8", "--prompts-per-group", "4", "--prefix-len", "2048",
+                 "--question-len", "128", "--output-len", "32"]
+        load = ["--concurrency", "16"]
+        rates, per_rate = "2,8", "16"
+    else:
+        # The issue's workload: 64 groups x 16 prompts, 2048-token prefix, 128-token question,
+        # 256 output tokens; 64 clients.
+        sizes = ["--groups", "64", "--prompts-per-group", "16", "--prefix-len", "2048",
+                 "--question-len", "128", "--output-len", "256"]
+        load = ["--concurrency", "64"]
+        rates, per_rate = "4,8,16,32", "160"
+    workload = ["--workload", "shared-prefix", *sizes]
+    reports, sweep = {}, None
+    for caching_on in (True, False):
+        name = "caching-on" if caching_on else "caching-off"
+        proc = r.serve(name, r.config(caching_on))
+        try:
+            reports[caching_on] = r.bench(name, workload, load)
+            r.cache_rows(name)
+            if caching_on and not r.args.no_sweep:
+                sweep = r.bench("rate-sweep", workload,
+                                ["--request-rate", rates, "--num-requests", per_rate],
+                                ["--plot", str(r.work / "rate-sweep.svg")])
+        finally:
+            r.stop(proc)
+    on, off = point(reports[True]), point(reports[False])
+    for label, p in (("on", on), ("off", off)):
+        failed = p["requests"]["failed"]
+        r.row(f"shared-prefix caching {label}: requests completed / failed",
+              f"{p['requests']['completed']} / {failed}", "0 failed", failed == 0)
+    ratio = ttft_p50(off) / ttft_p50(on)
+    r.row("prefix caching on vs off: median TTFT",
+          f"{ratio:.2f}x ({ttft_p50(on):.0f} / {ttft_p50(off):.0f} ms)", ">= 3x",
+          ratio >= 3 or quick)
+    tput = on["throughput"]["output_tokens_per_s"] / off["throughput"]["output_tokens_per_s"]
+    r.row("prefix caching on vs off: output throughput (reported)",
+          f"{tput:.2f}x ({on['throughput']['output_tokens_per_s']:.0f} tok/s)", "reported", True)
+    r.row("prefix caching on: prompt tokens served from cache (reported)",
+          f"{100 * on['cache_hit_ratio']:.1f} %", "reported", True)
+    for p in sweep["points"] if not r.args.no_sweep else []:
+        lat = p["latency_ms"]
+        r.row(f"rate sweep {p['load']['value']:g} req/s: out tok/s | TTFT p50/p99 | ITL p50",
+              f"{p['throughput']['output_tokens_per_s']:.0f} | {lat['ttft']['p50']:.0f}/"
+              f"{lat['ttft']['p99']:.0f} | {lat['itl']['p50']:.1f} ms", "reported",
+              p["requests"]["failed"] == 0)
+
+
+def routing(r, quick):
+    # Multi-tenant: many tenants' long shared prefixes (system prompts, documents), short
+    # questions and answers, so prefill dominates and where a prefix lives matters.
+    if quick:
+        sizes = ["--groups", "8", "--prompts-per-group", "4", "--prefix-len", "4096",
+                 "--question-len", "128", "--output-len", "32"]
+        load = ["--concurrency", "16"]
+    else:
+        sizes = ["--groups", "64", "--prompts-per-group", "16", "--prefix-len", "4096",
+                 "--question-len", "128", "--output-len", "32"]
+        load = ["--concurrency", "64"]
+    workload = ["--workload", "shared-prefix", *sizes]
+    engine = "devices = [0, 1]\nreplicas = 2"
+    reports = {}
+    for router in ("builtin:prefix-aware", "builtin:least-loaded"):
+        name = router.split(":")[1]
+        proc = r.serve(name, r.config(True, engine_extra=engine, router=router))
+        try:
+            reports[router] = r.bench(name, workload, load)
+            r.cache_rows(name)
+        finally:
+            r.stop(proc)
+        log = (r.work / f"{name}.log").read_text(errors="replace")
+        on_both = "device=0" in log and "device=1" in log
+        r.row(f"{name}: model loaded on GPU 0 and GPU 1", "yes" if on_both else "no", "both",
+              on_both)
+    pa, ll = point(reports["builtin:prefix-aware"]), point(reports["builtin:least-loaded"])
+    for label, p in (("prefix-aware", pa), ("least-loaded", ll)):
+        failed = p["requests"]["failed"]
+        r.row(f"{label}: requests completed / failed | cache hit",
+              f"{p['requests']['completed']} / {failed} | {100 * p['cache_hit_ratio']:.1f} %",
+              "0 failed", failed == 0)
+    ratio = pa["throughput"]["total_tokens_per_s"] / ll["throughput"]["total_tokens_per_s"]
+    r.row("prefix-aware vs least-loaded routing: throughput (total tok/s)",
+          f"{ratio:.2f}x ({pa['throughput']['total_tokens_per_s']:.0f} / "
+          f"{ll['throughput']['total_tokens_per_s']:.0f})", ">= 1.5x", ratio >= 1.5 or quick)
+    r.row("prefix-aware vs least-loaded routing: median TTFT (reported)",
+          f"{ttft_p50(pa):.0f} / {ttft_p50(ll):.0f} ms", "reported", True)
+
+
+def idle(r, quick):
+    """Device idle time between back-to-back engine steps (CUDA events in the engine), as a
+    share of device busy time, on a decode-heavy workload at 1, 64 and 256 concurrent
+    requests through the whole serving path (HTTP, scheduler, Wasm sampler, cache)."""
+    proc = r.serve("idle", r.config(True, max_running=256))
+    busy_name = "chimera:device_busy_seconds_total"
+    idle_name = "chimera:device_idle_between_steps_seconds_total"
+    try:
+        for c in (1, 64, 256):
+            requests = 2 * c if c > 1 else (2 if quick else 4)
+            output = 64 if quick else 256
+            before = r.metrics()
+            p = point(r.bench(f"idle-c{c}",
+                              ["--workload", "random", "--input-len", "128",
+                               "--output-len", str(output), "--num-requests", str(requests)],
+                              ["--concurrency", str(c)]))
+            after = r.metrics()
+            busy = after.get(busy_name, 0.0) - before.get(busy_name, 0.0)
+            gap = after.get(idle_name, 0.0) - before.get(idle_name, 0.0)
+            share = gap / busy if busy > 0 else float("nan")
+            delta = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
+            steps = delta.get("chimera:engine_steps_total", 0.0)
+            if steps > 0:
+                host = " ".join(
+                    f"{phase} {1e6 * delta.get('chimera:engine_host_seconds_total/' + phase, 0.0) / steps:.0f}"
+                    for phase in ("schedule", "inputs", "update"))
+                r.row(f"host time per step at c={c}, µs by phase (reported; {steps:.0f} steps, "
+                      f"device {1e3 * busy / steps:.2f} ms/step)", host, "reported", True)
+            r.row(f"device idle between steps / busy, c={c} ({requests} requests, 128 in, "
+                  f"{output} out, ITL p50 {p['latency_ms']['itl']['p50']:.2f} ms)",
+                  f"{100 * share:.2f} % ({1e3 * gap:.0f} of {1e3 * busy:.0f} ms)", "<= 1 %",
+                  busy > 0 and (share <= 0.01 or quick))
+    finally:
+        r.stop(proc)
+
+
+def model_flops(config, t):
+    """Model FLOPs of a T-token prefill: 2 per weight per token for every projection (the LM
+    head for the last token only), causal attention's QKᵀ and PV, and the SSD scan's
+    intra-chunk and state terms for Mamba2 layers."""
+    c = json.loads(Path(config, "config.json").read_text())
+    h = c["hidden_size"]
+    heads, kv = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
+    d = c.get("head_dim") or h // heads
+    attn = h * (heads + 2 * kv) * d + heads * d * h
+    if c.get("model_type") == "nemotron_h":
+        kinds = c["hybrid_override_pattern"]
+        mh, md, g, n = c["mamba_num_heads"], c["mamba_head_dim"], c["n_groups"], c["ssm_state_size"]
+        inner = mh * md
+        mamba = h * (2 * inner + 2 * g * n + mh) + inner * h
+        mlp = 2 * h * c["intermediate_size"]
+        weights = sum({"M": mamba, "*": attn, "-": mlp}[k] for k in kinds)
+        n_attn = kinds.count("*")
+        chunk = c.get("chunk_size", 128)
+        # Per token and head: C·B scores within the chunk and their use on x, plus the state
+        # update and read-out (2·N·P each).
+        ssd = kinds.count("M") * mh * (2 * chunk * (n + md) + 4 * n * md)
+    else:
+        mlp = 3 * h * c["intermediate_size"]
+        weights = c["num_hidden_layers"] * (attn + mlp)
+        n_attn = c["num_hidden_layers"]
+        ssd = 0
+    return 2 * weights * t + 2 * h * c["vocab_size"] + n_attn * 2 * t * t * heads * d + ssd * t
+
+
+def gemm_rate():
+    """bf16 GEMM TFLOP/s of torch (cuBLAS) on an 8192 × 4096 × 14336 product, median of 20."""
+    import torch
+    a = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16)
+    for _ in range(5):
+        a @ b
+    times = []
+    for _ in range(20):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        a @ b
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1))
+    ms = sorted(times)[len(times) // 2]
+    return 2 * 8192 * 4096 * 14336 / ms / 1e9
+
+
+def prefill(r, quick):
+    """One 8192-token prompt through `chimera serve` (chunked prefill, paged KV, 4096-token
+    steps), time to first token against the GEMM rate measured just before."""
+    rate = gemm_rate()
+    r.row("torch bf16 GEMM 8192x4096x14336 (the rate prefill is held to)", f"{rate:.0f} TFLOP/s",
+          "measured", True)
+    configs = [ROOT / "tests/gpu/configs/llama-3-8b", ROOT / "tests/gpu/configs/nemotron-h-8b"]
+    for config in configs[:1] if quick else configs:
+        subprocess.run([sys.executable, str(ROOT / "tests/gpu/serving_model.py"), str(config),
+                        str(r.model), "16384"], check=True)
+        name = config.name
+        proc = r.serve(f"prefill-{name}", r.config(True))
+        try:
+            p = point(r.bench(f"prefill-{name}",
+                              ["--workload", "random", "--input-len", "8192", "--output-len", "1",
+                               "--num-requests", "2" if quick else "5"],
+                              ["--concurrency", "1", "--warmup", "1"]))
+        finally:
+            r.stop(proc)
+        ttft = p["latency_ms"]["ttft"]["p50"]
+        tflops = model_flops(config, 8192) / ttft / 1e9
+        r.row(f"{name}: 8192-token prompt, median TTFT (model FLOP/s; share of the GEMM rate)",
+              f"{ttft:.1f} ms ({tflops:.0f} TFLOP/s, {100 * tflops / rate:.0f} %)", ">= 70 %",
+              tflops >= 0.7 * rate or quick)
+
+
+def main():
+    args = parse_args()
+    r = Runner(args)
+    try:
+        {"caching": caching, "routing": routing, "idle": idle,
+         "prefill": prefill}[args.scenario](r, args.quick)
+    except Exception as e:  # noqa: BLE001 -- every failure becomes a failed row
+        r.row(f"{args.scenario}: the run finished", f"error: {e}"[:200], "finished", False)
+        print(e, file=sys.stderr)
+    finally:
+        r.finish()
+    sys.exit(0 if all(x["pass"] for x in r.rows) else 1)
+
+
+if __name__ == "__main__":
+    main()
