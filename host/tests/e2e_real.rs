@@ -2,8 +2,8 @@
 //! real engine threads, the built-in Wasm policies and the HTTP server, exactly as
 //! `chimera serve` does, on a loopback port.
 
-mod plugins_support;
-mod server_support;
+use crate::plugins_support;
+use crate::server_support;
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -30,26 +30,32 @@ impl Drop for Live {
     }
 }
 
-/// Starts the default configuration with `n` replicas on a loopback port.
-async fn start(n: usize) -> Live {
-    let text = chimera::config::DEFAULT_TOML.replace("replicas = 1", &format!("replicas = {n}"));
-    start_with(&text, n).await
+/// The default configuration with `n` replicas and a 32 MiB cache budget per replica (3014
+/// blocks of the embedded model): each replica's cache is resident from the start, so the
+/// default 256 MiB would cost a test with three replicas most of a gigabyte.
+fn default_toml(n: usize) -> String {
+    let default = chimera::config::DEFAULT_TOML;
+    let budget = "memory_budget = \"256MiB\"";
+    assert!(default.contains(budget), "the default budget moved");
+    default
+        .replace("replicas = 1", &format!("replicas = {n}"))
+        .replace(budget, "memory_budget = \"32MiB\"")
 }
 
-/// The default configuration with `n` replicas and the `[policy.*]` tables replaced by
-/// `policy` (TOML text).
+/// Starts the default configuration (`default_toml`) with `n` replicas on a loopback port.
+async fn start(n: usize) -> Live {
+    start_with(&default_toml(n), n).await
+}
+
+/// `default_toml(n)` with the `[policy.*]` tables replaced by `policy` (TOML text).
 fn config_with_policy(n: usize, policy: &str) -> String {
-    let default = chimera::config::DEFAULT_TOML;
+    let default = default_toml(n);
     let cut = default
         .find("[policy.router]")
         .expect("default has [policy.router]");
     let rest = &default[cut..];
     let plugins = rest.find("[plugins]").expect("default has [plugins]");
-    format!(
-        "{}{policy}\n{}",
-        default[..cut].replace("replicas = 1", &format!("replicas = {n}")),
-        &rest[plugins..]
-    )
+    format!("{}{policy}\n{}", &default[..cut], &rest[plugins..])
 }
 
 /// TOML string literal of a path.
@@ -133,35 +139,66 @@ async fn streaming_and_plain_completions_agree_on_the_real_model() {
     assert_eq!(chat.json()["usage"]["completion_tokens"], 5);
 }
 
+/// The sample of a per-engine gauge or counter for replica `engine`, whatever its other labels.
+fn engine_metric(m: &str, name: &str, engine: usize) -> f64 {
+    let label = format!("engine=\"{engine}\"");
+    m.lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(&label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Requests routed to each of `n` replicas so far.
+fn routed(m: &str, n: usize) -> Vec<f64> {
+    (0..n)
+        .map(|e| parse_metric(m, &format!("chimera:router_requests_total{{engine=\"{e}\"")))
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shared_prefix_requests_reuse_the_replica_that_holds_the_prefix() {
-    // Two replicas with the prefix-aware router (the default policy).
+    // Two replicas with the prefix-aware router (the default policy). Idle replicas tie, and
+    // ties go to replica 0, so the prefix is first placed on replica 1: a long request keeps
+    // replica 0 busy while the first shared-prefix request is routed.
     let live = start(2).await;
+    let busy = json!({"model": "tiny-hybrid", "prompt": "busy", "max_tokens": 2000,
+                      "ignore_eos": true, "stream": true});
+    let hold = server_support::post_and_hold(live.addr, "/v1/completions", &busy).await;
+    server_support::wait_for("replica 0 to run", Duration::from_secs(10), async || {
+        let m = metrics(live.addr).await;
+        engine_metric(&m, "chimera:num_requests_running", 0) == 1.0
+    })
+    .await;
     let shared = "import os\nimport sys\n".repeat(24);
+    let ask = |i: usize| json!({"model": "tiny-hybrid", "prompt": format!("{shared}# question {i}\n"), "max_tokens": 2});
     let mut cached = Vec::new();
-    for i in 0..6 {
-        let body = json!({"model": "tiny-hybrid", "prompt": format!("{shared}# question {i}\n"), "max_tokens": 2});
-        let r = post(live.addr, "/v1/completions", &body).await;
+    let r = post(live.addr, "/v1/completions", &ask(0)).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    cached.push(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"].clone());
+    // The client leaves; the long request is cancelled and both replicas are idle again.
+    drop(hold);
+    let m = wait_idle(live.addr).await;
+    assert_eq!(
+        routed(&m, 2),
+        vec![1.0, 1.0],
+        "the first shared-prefix request goes to the idle replica 1"
+    );
+    // Now both replicas are idle: only the prefix can draw the next requests to replica 1.
+    for i in 1..6 {
+        let r = post(live.addr, "/v1/completions", &ask(i)).await;
         assert_eq!(r.status, 200, "{}", r.text());
-        cached.push(
-            r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-                .as_u64()
-                .unwrap_or(0),
-        );
+        cached.push(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"].clone());
     }
     assert_eq!(cached[0], 0);
     assert!(
-        cached[1..].iter().all(|&c| c >= 16),
+        cached[1..].iter().all(|c| c.as_u64().unwrap_or(0) >= 16),
         "later requests should hit the prefix cache on the replica that holds it: {cached:?}"
     );
     let m = wait_idle(live.addr).await;
-    let r0 = parse_metric(&m, "chimera:router_requests_total{engine=\"0\"");
-    let r1 = parse_metric(&m, "chimera:router_requests_total{engine=\"1\"");
-    eprintln!("routed: replica 0 = {r0}, replica 1 = {r1}; cached tokens {cached:?}");
     assert_eq!(
-        r0 + r1,
-        6.0,
-        "every request is counted on the replica it was routed to"
+        routed(&m, 2),
+        vec![1.0, 6.0],
+        "every shared-prefix request follows the prefix to replica 1; cached tokens {cached:?}"
     );
 }
 
@@ -250,16 +287,8 @@ async fn a_router_plugin_built_outside_the_workspace_pins_every_request_from_tom
         assert_eq!(r.status, 200, "{}", r.text());
     }
     let m = wait_idle(live.addr).await;
-    let routed: Vec<f64> = (0..3)
-        .map(|e| {
-            parse_metric(
-                &m,
-                &format!("chimera:router_requests_total{{engine=\"{e}\""),
-            )
-        })
-        .collect();
     assert_eq!(
-        routed,
+        routed(&m, 3),
         vec![0.0, 0.0, 6.0],
         "all traffic pinned to replica 2"
     );

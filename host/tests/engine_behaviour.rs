@@ -4,7 +4,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod engine_common;
+use crate::engine_common;
 
 use chimera::engine::api::{FailureKind, FinishReason, KvEvent};
 use chimera::engine::{MockConfig, MockExecutor, StepExecutor};

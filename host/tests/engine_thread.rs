@@ -3,7 +3,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod engine_common;
+use crate::engine_common;
 
 use std::time::{Duration, Instant};
 

@@ -4,7 +4,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod sources_support;
+use crate::sources_support;
 
 use std::path::{Path, PathBuf};
 

@@ -2,7 +2,7 @@
 //! plugin built outside the workspace, deliberately broken plugins and the fallback path,
 //! ABI version checks, reload, and `check_plugin`.
 
-mod plugins_support;
+use crate::plugins_support;
 
 use std::process::Command;
 use std::sync::Arc;
@@ -358,9 +358,17 @@ fn plugin_failing_every_call_is_quarantined_then_tried_again() {
     );
     // Good requests are answered natively too while it lasts...
     assert_eq!(router.route(&good, &cols), native.route(&good, &cols));
-    // ...and by a fresh instance of the plugin once it is over.
-    std::thread::sleep(std::time::Duration::from_millis(700));
-    assert_eq!(router.route(&good, &cols), Decision::Use(3));
+    // ...and by a fresh instance of the plugin once it is over: poll until the plugin's own
+    // answer (replica 3) comes back. Quarantines last 100 ms and then double; a fresh one
+    // after the last timeouts above ends well within the deadline.
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while router.route(&good, &cols) != Decision::Use(3) {
+        assert!(
+            std::time::Instant::now() < until,
+            "the plugin was never called again after its quarantine"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
     let mut text = String::new();
     metrics.render_prometheus(&mut text);
     assert!(text.contains("reason=\"quarantined\""), "{text}");
@@ -406,14 +414,33 @@ fn host_functions_load_only_with_their_grants_and_work() {
         "{err}"
     );
     // With both it loads, and its clock moves: replica 0 first, replica 1 after 400 ms.
+    // Before the plugin's `init` reads the clock, so every elapsed time below is an upper
+    // bound of the plugin's own.
+    let loaded = std::time::Instant::now();
     let p = load(&["clock", "log"]).expect("loads with its grants");
     let mut router = p.router();
     let mut rng = Rng::new(5, 0);
     let cols = random_replicas(&mut rng, 3);
     let req = random_request(&mut rng);
     assert_eq!(router.route(&req, &cols), Decision::Use(0));
-    std::thread::sleep(std::time::Duration::from_millis(500));
-    assert_eq!(router.route(&req, &cols), Decision::Use(1));
+    // Poll until it switches: never before 400 ms on the host's clock, and within seconds.
+    let switched = loop {
+        let d = router.route(&req, &cols);
+        let elapsed = loaded.elapsed();
+        if d == Decision::Use(1) {
+            break elapsed;
+        }
+        assert_eq!(d, Decision::Use(0), "after {elapsed:?}");
+        assert!(
+            elapsed < std::time::Duration::from_secs(10),
+            "never switched"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    };
+    assert!(
+        switched >= std::time::Duration::from_millis(400),
+        "switched after {switched:?}"
+    );
     let report = check_plugin(&path, &Config::default()).unwrap();
     assert_eq!(report.abi.to_string(), "0.1.1");
     let text = report.to_string();

@@ -4,13 +4,14 @@
 //! reported and routed to the replica holding the prefix (from the real cache's KvEvents), and
 //! a client that hangs up stops generation early.
 
-mod server_support;
+use crate::server_support;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use chimera::backend::cpu::CpuBackend;
 use chimera::cache::config::{ByteSize, CacheConfig};
+use chimera::engine::api::EngineHandle;
 use chimera::engine::{EngineConfig, EngineSetup, ModelRunner, Policies, spawn_engine};
 use chimera::policy::{Decision, ReplicaColumns, RouteRequest, Router};
 use chimera::server::router::least_loaded;
@@ -44,11 +45,14 @@ impl Router for PrefixAware {
 struct Live {
     addr: std::net::SocketAddr,
     state: AppState,
+    /// Per replica: the engine thread's handle (its stats are the engine's truth).
+    engines: Vec<EngineHandle>,
     _stop: tokio::sync::oneshot::Sender<()>,
 }
 
 async fn start() -> Live {
     let mut replicas = Vec::new();
+    let mut engines = Vec::new();
     for _ in 0..2 {
         let m = chimera::model::load(&model_dir(), &CpuBackend::default()).expect("fixture model");
         let setup = EngineSetup {
@@ -70,6 +74,7 @@ async fn start() -> Live {
             Policies::greedy(),
         )
         .expect("engine");
+        engines.push(handle.clone());
         replicas.push(Replica {
             handle,
             kv_events: Some(kv),
@@ -106,6 +111,7 @@ async fn start() -> Live {
     Live {
         addr,
         state,
+        engines,
         _stop: tx,
     }
 }
@@ -139,6 +145,18 @@ async fn real_engine_behind_the_server() {
     assert_eq!(join_stream(&cst.sse())[0].0, texts(&c.json())[0]);
 
     // A long shared prefix: the second request hits the cache on the replica that holds it.
+    // Everything so far ran on replica 0 (idle replicas tie, ties go to replica 0), so the
+    // prefix is placed on replica 1 while a long request keeps replica 0 busy; once both are
+    // idle again, only the prefix can draw the second request to replica 1.
+    let routed =
+        |s: &Live| -> Vec<u64> { (0..2).map(|i| s.state.metrics().routed_count(i)).collect() };
+    let busy = json!({"prompt": "count", "max_tokens": 900, "temperature": 0, "ignore_eos": true, "stream": true});
+    let hold = post_and_hold(s.addr, "/v1/completions", &busy).await;
+    wait_for("replica 0 to run", Duration::from_secs(10), async || {
+        s.engines[0].stats().running == 1
+    })
+    .await;
+    let before = routed(&s);
     let prefix = "the quick brown fox jumps over the lazy dog. ".repeat(8);
     let a = post(
         s.addr,
@@ -148,8 +166,25 @@ async fn real_engine_behind_the_server() {
     .await
     .json();
     assert_eq!(a["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
-    let routed: Vec<u64> = (0..2).map(|i| s.state.metrics().routed_count(i)).collect();
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let prefix_tokens = a["usage"]["prompt_tokens"].as_u64().unwrap();
+    let after_a = routed(&s);
+    assert_eq!(
+        (after_a[0] - before[0], after_a[1] - before[1]),
+        (0, 1),
+        "the first prefix request goes to the idle replica 1"
+    );
+    drop(hold);
+    wait_for("both replicas idle", Duration::from_secs(10), async || {
+        s.engines.iter().all(|e| e.stats().running == 0)
+            && metric(s.addr, "chimera:server_requests_in_flight").await == 0.0
+    })
+    .await;
+    wait_for(
+        "the prefix in replica 1's cache",
+        Duration::from_secs(5),
+        async || u64::from(s.engines[1].stats().cached_blocks) >= prefix_tokens / u64::from(BLOCK),
+    )
+    .await;
     let b = post(
         s.addr,
         "/v1/completions",
@@ -161,35 +196,35 @@ async fn real_engine_behind_the_server() {
         .as_u64()
         .unwrap();
     assert!(cached >= u64::from(BLOCK), "cached {cached}");
-    let after: Vec<u64> = (0..2).map(|i| s.state.metrics().routed_count(i)).collect();
-    let first_home = (0..2).find(|&i| routed[i] > 0 && after[i] > routed[i]);
-    assert!(
-        first_home.is_some(),
-        "the shared prefix changed replica: {routed:?} -> {after:?}"
+    let after_b = routed(&s);
+    assert_eq!(
+        (after_b[0] - after_a[0], after_b[1] - after_a[1]),
+        (0, 1),
+        "the second prefix request follows the prefix to replica 1"
     );
 
     // A client that hangs up stops generation early: far fewer than 900 tokens are generated.
     let gen_before = metric(s.addr, "chimera:generation_tokens_total").await;
+    let left_before = metric(s.addr, "chimera:client_disconnects_total").await;
     let long = json!({"prompt": "count", "max_tokens": 900, "temperature": 0, "ignore_eos": true, "stream": true});
     post_and_hang_up(s.addr, "/v1/completions", &long, 300).await;
-    let mut idle = false;
-    for _ in 0..500 {
-        let running = metric(s.addr, "chimera:num_requests_running").await
-            + metric(s.addr, "chimera:server_requests_in_flight").await;
-        if running == 0.0 {
-            idle = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(idle, "request still running after the client left");
+    wait_for(
+        "the request to stop after the client left",
+        Duration::from_secs(5),
+        async || {
+            metric(s.addr, "chimera:num_requests_running").await
+                + metric(s.addr, "chimera:server_requests_in_flight").await
+                == 0.0
+        },
+    )
+    .await;
     let generated = metric(s.addr, "chimera:generation_tokens_total").await - gen_before;
     assert!(
         generated < 900.0,
         "generated {generated} tokens for a client that left"
     );
     assert_eq!(
-        metric(s.addr, "chimera:client_disconnects_total").await,
+        metric(s.addr, "chimera:client_disconnects_total").await - left_before,
         1.0
     );
 }

@@ -4,7 +4,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod server_support;
+use crate::server_support;
 
 use chimera::server::ServerConfig;
 use serde_json::{Value, json};
@@ -579,19 +579,16 @@ async fn engine_failure_kinds_reach_the_client_with_their_status() {
     assert_eq!(r.json()["error"]["code"], "executor_failed");
 
     // QueueFull: one request running, one waiting (engine.max_waiting = 1), then a third. The
-    // first two fit the cache (203 tokens), run longer (4 s) than their clients stay (3 s).
+    // first two fit the cache (203 tokens) and run (4 s) until their clients hang up.
     let long_body = json!({"model": MODEL, "prompt": [10, 11, 12], "max_tokens": 200});
-    let addr = s.addr;
-    let leave = std::time::Duration::from_secs(3);
-    let b1 = long_body.clone();
-    let running = tokio::spawn(async move { post_and_leave(addr, C, &b1, leave).await });
-    wait_for("one running", leave, async || {
+    let within = std::time::Duration::from_secs(3);
+    let running = post_and_hold(s.addr, C, &long_body).await;
+    wait_for("one running", within, async || {
         s.engines[0].stats().running == 1
     })
     .await;
-    let b2 = long_body.clone();
-    let waiting = tokio::spawn(async move { post_and_leave(addr, C, &b2, leave).await });
-    wait_for("one waiting", leave, async || {
+    let waiting = post_and_hold(s.addr, C, &long_body).await;
+    wait_for("one waiting", within, async || {
         s.engines[0].stats().waiting == 1
     })
     .await;
@@ -599,8 +596,7 @@ async fn engine_failure_kinds_reach_the_client_with_their_status() {
     assert_eq!(r.status, 503, "{}", r.text());
     assert_eq!(r.header("retry-after"), Some("3"));
     assert_eq!(r.json()["error"]["code"], "queue_full");
-    running.await.unwrap();
-    waiting.await.unwrap();
+    drop((running, waiting));
 
     // Each kind is counted under its own label, and the server recovers.
     for kind in [

@@ -3,7 +3,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod server_support;
+use crate::server_support;
 
 use std::time::{Duration, Instant};
 
@@ -26,28 +26,29 @@ async fn client_disconnect_cancels_the_engine_request() {
     let s = TestServer::start(slow()).await;
     for (round, stream) in [(1, true), (2, false)] {
         let addr = s.addr;
-        let hang_up = tokio::spawn(async move {
-            if stream {
-                // Read the headers and a few chunks, then hang up.
+        // Streaming: read the headers and a few chunks, then hang up. Plain: hang up without
+        // reading anything once the request runs in the engine.
+        let hang_up = if stream {
+            Some(tokio::spawn(async move {
                 post_and_hang_up(addr, "/v1/completions", &long_request(true), 400).await
-            } else {
-                // Wait until the request runs, then hang up without reading anything.
-                post_and_leave(
-                    addr,
-                    "/v1/completions",
-                    &long_request(false),
-                    Duration::from_millis(300),
-                )
-                .await;
-                0
-            }
-        });
+            }))
+        } else {
+            None
+        };
+        let held = if stream {
+            None
+        } else {
+            Some(post_and_hold(addr, "/v1/completions", &long_request(false)).await)
+        };
         // The request is running in the engine before the client leaves.
         wait_for("the request to run", Duration::from_secs(5), async || {
             s.counter(|c| c.get(&c.added)) == round
         })
         .await;
-        let _ = hang_up.await;
+        if let Some(h) = hang_up {
+            let _ = h.await;
+        }
+        drop(held);
         // The guard cancels: running returns to 0 long before the 2000 tokens (20 s) would
         // have finished, the server sent exactly one cancel per request, and the engine ended
         // the request after far fewer tokens than it asked for.
@@ -151,35 +152,67 @@ async fn engine_queue_full_is_503() {
     o.engine.max_waiting = 1;
     o.engine.max_running = 1;
     let s = TestServer::start(o).await;
+    // One request occupies the only running slot for about 1.5 s (150 steps of 10 ms).
+    let addr = s.addr;
+    let occupant = tokio::spawn(async move {
+        post(
+            addr,
+            "/v1/completions",
+            &json!({"prompt": "occupant", "max_tokens": 150, "ignore_eos": true}),
+        )
+        .await
+    });
+    wait_for("the occupant to run", Duration::from_secs(5), async || {
+        s.engine_sum(|e| u64::from(e.running)) == 1
+    })
+    .await;
+    // Meanwhile 11 more arrive at once. Ahead of the engine there is room for at most 4 of
+    // them: the engine's waiting queue (max_waiting = 1), its command channel (capacity
+    // max_waiting), and the test recorder's channel plus the one command it holds while
+    // forwarding. Every other one must be refused with 503, at submit ("overloaded") or by the
+    // engine ("queue_full"), and every admitted one must run to the end.
+    const BURST: usize = 11;
+    const ROOM: usize = 4;
     let mut tasks = Vec::new();
-    for i in 0..12 {
-        let addr = s.addr;
+    for i in 0..BURST {
         tasks.push(tokio::spawn(async move {
             post(
                 addr,
                 "/v1/completions",
-                &json!({"prompt": format!("p{i}"), "max_tokens": 20}),
+                &json!({"prompt": format!("p{i}"), "max_tokens": 20, "ignore_eos": true}),
             )
             .await
         }));
     }
     let retry = ServerConfig::default().retry_after_secs.to_string();
-    let mut statuses = Vec::new();
+    let (mut served, mut refused) = (0, 0);
     for t in tasks {
         let r = t.await.unwrap();
-        if r.status == 503 {
-            // Refused at submit (the command queue) or by the engine (its waiting queue).
-            assert_eq!(r.header("retry-after"), Some(retry.as_str()));
-            let code = r.json()["error"]["code"].clone();
-            assert!(code == "overloaded" || code == "queue_full", "{code}");
+        match r.status {
+            503 => {
+                assert_eq!(r.header("retry-after"), Some(retry.as_str()));
+                let code = r.json()["error"]["code"].clone();
+                assert!(code == "overloaded" || code == "queue_full", "{code}");
+                refused += 1;
+            }
+            200 => {
+                assert_eq!(r.json()["usage"]["completion_tokens"], 20, "{}", r.text());
+                served += 1;
+            }
+            other => panic!("status {other}: {}", r.text()),
         }
-        statuses.push(r.status);
     }
     assert!(
-        statuses.iter().all(|s| *s == 200 || *s == 503),
-        "{statuses:?}"
+        refused >= BURST - ROOM,
+        "{refused} of {BURST} refused, {served} served"
     );
-    assert!(statuses.contains(&200));
+    assert!(
+        served >= 1,
+        "the waiting slot was free, yet nothing was served"
+    );
+    let occupant = occupant.await.unwrap();
+    assert_eq!(occupant.status, 200, "{}", occupant.text());
+    assert_eq!(occupant.json()["usage"]["completion_tokens"], 150);
     assert!(s.wait_idle(Duration::from_secs(10)).await);
 }
 

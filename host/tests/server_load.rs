@@ -5,7 +5,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod server_support;
+use crate::server_support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -5,7 +5,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod server_support;
+use crate::server_support;
 
 use chimera::engine::api::{EngineEvent, GenerateRequest, SamplingParams};
 use serde_json::{Value, json};

@@ -3,7 +3,7 @@
 //! the `openai` package is missing; CI installs it and sets `CHIMERA_REQUIRE_OPENAI=1`, under
 //! which a missing client fails the test.
 
-mod server_support;
+use crate::server_support;
 
 use std::io::Write;
 use std::path::PathBuf;

@@ -5,7 +5,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod server_support;
+use crate::server_support;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -65,6 +65,7 @@ async fn shared_prefixes_follow_the_replica_that_holds_them() {
         ..Options::default()
     };
     opts.mock.ssm_layers = 2;
+    let block_size = opts.block_size;
     let s = TestServer::start(opts).await;
     let tok = tokenizer();
     let mut home = Vec::new();
@@ -85,8 +86,19 @@ async fn shared_prefixes_follow_the_replica_that_holds_them() {
         );
     }
     assert_eq!(home, vec![0, 1, 0, 1], "first requests spread round-robin");
-    // Let the replicas' KvEvents reach the router's mirrors.
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Each replica has stored (and announced in KvEvents) the full blocks of the first
+    // prompts it ran; the router's mirrors receive those events on their way.
+    let mut want = [0u64; 2];
+    for (k, p) in PREFIXES.iter().enumerate() {
+        let n = tok.encode(format!("{p} q0"), true).unwrap().get_ids().len();
+        want[home[k]] += (n / block_size) as u64;
+    }
+    wait_for(
+        "the first prompts' blocks stored",
+        Duration::from_secs(5),
+        async || (0..2).all(|i| u64::from(s.engines[i].stats().cached_blocks) >= want[i]),
+    )
+    .await;
     for round in 1..=3 {
         for (k, p) in PREFIXES.iter().enumerate() {
             let before = added(&s);

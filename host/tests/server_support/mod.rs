@@ -684,3 +684,17 @@ impl Write for LogSink {
         Ok(())
     }
 }
+
+/// Sends a request and returns its open connection unread: the request runs until the caller
+/// drops the stream (the server then cancels it) or it finishes.
+pub async fn post_and_hold(addr: SocketAddr, path: &str, body: &Value) -> std::net::TcpStream {
+    let b = serde_json::to_vec(body).expect("json");
+    let req = request_bytes("POST", path, &[("Content-Type", "application/json")], &b);
+    tokio::task::spawn_blocking(move || {
+        let mut s = std::net::TcpStream::connect(addr).expect("connect");
+        s.write_all(&req).expect("write");
+        s
+    })
+    .await
+    .expect("client task")
+}
