@@ -549,22 +549,6 @@ pub async fn post_and_hang_up(
     .expect("client task")
 }
 
-/// Sends a request and hangs up after `wait` without reading anything.
-pub async fn post_and_leave(addr: SocketAddr, path: &str, body: &Value, wait: Duration) {
-    let b = serde_json::to_vec(body).expect("json");
-    let req = request_bytes("POST", path, &[("Content-Type", "application/json")], &b);
-    let mut s = tokio::task::spawn_blocking(move || {
-        let mut s = std::net::TcpStream::connect(addr).expect("connect");
-        s.write_all(&req).expect("write");
-        s
-    })
-    .await
-    .expect("client task");
-    tokio::time::sleep(wait).await;
-    let _ = s.flush();
-    drop(s);
-}
-
 /// Concatenated text of a completions or chat response (streamed or not).
 pub fn texts(v: &Value) -> Vec<String> {
     let mut choices: Vec<&Value> = v["choices"].as_array().expect("choices").iter().collect();
