@@ -294,24 +294,25 @@ impl CudaBackend {
             return Ok(None);
         }
         let mut outs = Vec::with_capacity(segments.len());
-        let mut args = vec![Arg::Ptr(x.ptr), Arg::U32(n as u32), Arg::U32(k as u32)];
+        // x, n, k, then (weight, bias, output, m) for three segments; unused ones stay null
+        // with m = 0.
+        let mut args = [Arg::Ptr(0); 15];
+        args[..3].copy_from_slice(&[Arg::Ptr(x.ptr), Arg::U32(n as u32), Arg::U32(k as u32)]);
         let mut rows = 0usize;
-        for i in 0..3 {
-            match segments.get(i) {
-                Some((w, b)) => {
-                    let m = w.rows_cols().0;
-                    let out = self.tmp(&[n, m], DType::BF16)?;
-                    args.extend([
-                        Arg::Ptr(w.ptr),
-                        Arg::Ptr(b.map_or(0, |b| b.ptr)),
-                        Arg::Ptr(out.ptr),
-                        Arg::U32(m as u32),
-                    ]);
-                    rows += m;
-                    outs.push(out);
-                }
-                None => args.extend([Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0), Arg::U32(0)]),
-            }
+        for (i, (w, b)) in segments.iter().enumerate() {
+            let m = w.rows_cols().0;
+            let out = self.tmp(&[n, m], DType::BF16)?;
+            args[3 + 4 * i..7 + 4 * i].copy_from_slice(&[
+                Arg::Ptr(w.ptr),
+                Arg::Ptr(b.map_or(0, |b| b.ptr)),
+                Arg::Ptr(out.ptr),
+                Arg::U32(m as u32),
+            ]);
+            rows += m;
+            outs.push(out);
+        }
+        for i in segments.len()..3 {
+            args[6 + 4 * i] = Arg::U32(0);
         }
         let grid = (rows / per_block as usize) as u32;
         self.launch_exact(
