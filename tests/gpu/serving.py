@@ -248,7 +248,12 @@ def routing(r, quick):
                  "--question-len", "128", "--output-len", "32"]
         load = ["--concurrency", "16"]
     else:
-        sizes = ["--groups", "64", "--prompts-per-group", "16", "--prefix-len", "4096",
+        # 768 tenants: their prefixes' SSM states (about 100 MB each in f32) are more than one
+        # replica's snapshot slots hold (656 at ssm_share = 0.6) and fewer than two replicas'
+        # hold. Prefix-aware routing keeps a tenant on one replica, so each replica caches
+        # half of them and computes each prefix once; least-loaded routing sends every
+        # tenant to both replicas, so each computes every prefix and churns its slots.
+        sizes = ["--groups", "768", "--prompts-per-group", "4", "--prefix-len", "2048",
                  "--question-len", "128", "--output-len", "32"]
         load = ["--concurrency", "64"]
     workload = ["--workload", "shared-prefix", *sizes]

@@ -19,6 +19,9 @@
 //!   taken from the durable budget; when none can be had the snapshot is skipped and counted;
 //! - every admission can say why it was served less than its cacheable prefix
 //!   ([`CacheManager::miss_reason`], [`MissReason`]);
+//! - when the durable SSM slots are full, snapshots no prompt has restored from go before
+//!   proven ones ([`SsmPool::victim`]), so shared prefixes keep their state under a stream of
+//!   one-off snapshots;
 //! - evicting a block drops its snapshot; `reset_prefix_cache` drops every cached entry while
 //!   running sequences keep their blocks.
 //!
@@ -342,6 +345,9 @@ impl CacheManager {
                         .ok_or(CacheError::RestoreMissing(matched[k - 1]))?,
                 ),
             };
+            if restore.is_some() && self.ssm.live_free() > 0 {
+                self.ssm.note_restore(matched[m.skip_blocks - 1], self.step);
+            }
             let live = self.ssm.alloc_live().ok_or(CacheError::NoLiveSlot)?;
             match restore {
                 Some(from) => SsmInit::Restore { from, live },
@@ -466,7 +472,7 @@ impl CacheManager {
     /// one before it, at every `snapshot_every`-th block boundary, and at the block boundary
     /// at or before each client `checkpoints` offset (prompt tokens), wherever no snapshot
     /// exists yet. When every durable slot is taken, the
-    /// least recently used snapshot of an unused block gives its slot up; when none can, the
+    /// snapshot [`SsmPool::victim`] picks gives its slot up; when none can, the
     /// snapshot is skipped and counted (serving goes on without it). `out` is in chunk order.
     #[allow(clippy::too_many_arguments)]
     pub fn plan_snapshots(
@@ -555,16 +561,16 @@ impl CacheManager {
         }
     }
 
-    /// Frees the durable slot of the least recently used snapshot whose block nobody uses
-    /// (its KV stays cached). False when every snapshot belongs to a block in use.
+    /// Gives up one durable snapshot (its block's KV stays cached) in [`SsmPool::victim`]'s
+    /// order: snapshots no prompt has restored from yet, least recently accessed first, before
+    /// proven ones. A snapshot restored in this step is kept (its copy runs in the step).
+    /// Whether the block is in use does not matter: a running sequence carries its own state.
+    /// False when nothing can be given up.
     fn reclaim_snapshot(&mut self) -> bool {
         let pool = &self.pool;
-        let victim = self
-            .ssm
-            .blocks()
-            .filter(|&b| pool.refs(b) == 0)
-            .min_by_key(|&b| (pool.last_access(b), b));
-        let Some(b) = victim else { return false };
+        let Some(b) = self.ssm.victim(self.step, |b| pool.last_access(b)) else {
+            return false;
+        };
         self.ssm.drop_block(b);
         self.pool.note_snapshot(b, false, self.step);
         if let Some(h) = self.pool.hash_of(b) {

@@ -9,8 +9,26 @@
 //! A durable slot is *reserved* while the step that fills it runs and *attached* to a block
 //! once that step succeeded; a failed step frees its reservations. The pool only tracks ids:
 //! the device memory belongs to the executor.
+//!
+//! Each snapshot also remembers whether a prompt was ever restored from it (*proven*) and the
+//! step of its latest restore. The cache manager's reclaim order reads both (see
+//! [`SsmPool::victim`]): snapshots nobody has used yet go before proven ones, so a shared
+//! prefix's state outlives the stream of one-off end-of-prompt and periodic snapshots.
 
 use std::collections::HashMap;
+
+/// At most this share of the durable slots is kept for proven snapshots when a slot must be
+/// given up: the rest stays open to new snapshots, which must get a chance to be used once.
+pub const PROVEN_SHARE: f64 = 0.75;
+
+#[derive(Debug, Clone, Copy)]
+struct Snapshot {
+    slot: u32,
+    /// A prompt was restored from this snapshot at least once.
+    proven: bool,
+    /// Step of the latest restore (`u64::MAX`: never).
+    restored_at: u64,
+}
 
 #[derive(Debug)]
 pub struct SsmPool {
@@ -18,8 +36,9 @@ pub struct SsmPool {
     durable_total: u32,
     live_free: Vec<u32>,
     durable_free: Vec<u32>,
-    /// Cached block id → durable slot holding the state after that block.
-    by_block: HashMap<u32, u32>,
+    /// Cached block id → the durable slot holding the state after that block.
+    by_block: HashMap<u32, Snapshot>,
+    proven: u32,
 }
 
 impl SsmPool {
@@ -30,6 +49,7 @@ impl SsmPool {
             live_free: (0..live).rev().collect(),
             durable_free: (live..live + durable).rev().collect(),
             by_block: HashMap::new(),
+            proven: 0,
         }
     }
 
@@ -77,24 +97,58 @@ impl SsmPool {
             self.unreserve(slot);
             return false;
         }
-        self.by_block.insert(block, slot);
+        self.by_block.insert(
+            block,
+            Snapshot {
+                slot,
+                proven: false,
+                restored_at: u64::MAX,
+            },
+        );
         true
     }
 
-    /// Blocks that hold a snapshot, in no particular order.
-    pub fn blocks(&self) -> impl Iterator<Item = u32> + '_ {
-        self.by_block.keys().copied()
+    pub fn snapshot_of(&self, block: u32) -> Option<u32> {
+        self.by_block.get(&block).map(|s| s.slot)
     }
 
-    pub fn snapshot_of(&self, block: u32) -> Option<u32> {
-        self.by_block.get(&block).copied()
+    /// Notes that a prompt restores its state from `block`'s snapshot in step `step`.
+    pub fn note_restore(&mut self, block: u32, step: u64) {
+        if let Some(s) = self.by_block.get_mut(&block) {
+            if !s.proven {
+                s.proven = true;
+                self.proven += 1;
+            }
+            s.restored_at = step;
+        }
+    }
+
+    /// Snapshots a prompt was restored from at least once.
+    pub fn proven(&self) -> u32 {
+        self.proven
+    }
+
+    /// The snapshot to give up when every durable slot is taken, or None when each one is
+    /// read by a restore of step `step` (its copy runs in that step). Unproven snapshots go
+    /// first, least recently accessed first (`last_access` of the block); proven ones go
+    /// first instead once they hold more than [`PROVEN_SHARE`] of the slots, so that new
+    /// snapshots keep room to be tried.
+    pub fn victim(&self, step: u64, last_access: impl Fn(u32) -> u64) -> Option<u32> {
+        let cap = (f64::from(self.durable_total) * PROVEN_SHARE) as u32;
+        let proven_first = self.proven > cap;
+        self.by_block
+            .iter()
+            .filter(|(_, s)| s.restored_at != step)
+            .min_by_key(|&(&b, s)| (s.proven != proven_first, last_access(b), b))
+            .map(|(&b, _)| b)
     }
 
     /// Drops the snapshot of a block leaving the index; true if there was one.
     pub fn drop_block(&mut self, block: u32) -> bool {
         match self.by_block.remove(&block) {
-            Some(slot) => {
-                self.durable_free.push(slot);
+            Some(s) => {
+                self.proven -= u32::from(s.proven);
+                self.durable_free.push(s.slot);
                 true
             }
             None => false,
@@ -134,6 +188,44 @@ mod tests {
         assert!(!p.drop_block(7));
         assert_eq!(p.durable_used(), 0);
         assert_eq!(p.snapshot_of(7), None);
+    }
+
+    #[test]
+    fn victims_are_unproven_first_until_proven_ones_exceed_their_share() {
+        // Four durable slots: the proven share is three of them.
+        let mut p = SsmPool::new(0, 4);
+        for b in 0..4 {
+            let s = p.reserve().unwrap();
+            assert!(p.attach(b, s));
+        }
+        // Access order (oldest first): 0, 1, 2, 3.
+        let access = |b: u32| u64::from(b);
+        assert_eq!(p.victim(9, access), Some(0));
+        p.note_restore(0, 5);
+        p.note_restore(1, 5);
+        assert_eq!(p.proven(), 2);
+        assert_eq!(p.victim(9, access), Some(2), "the oldest unproven one");
+        p.note_restore(2, 9);
+        assert_eq!(
+            p.victim(9, access),
+            Some(3),
+            "still within the proven share"
+        );
+        p.note_restore(3, 6);
+        // Four proven > three: the least recently accessed proven one goes, unless it is
+        // being restored in this very step.
+        assert_eq!(p.victim(9, access), Some(0));
+        assert_eq!(p.victim(5, access), Some(2));
+        assert!(p.drop_block(0));
+        assert_eq!(p.proven(), 3);
+        assert_eq!(p.victim(9, access), Some(1));
+        // Nothing to give up when every snapshot is restored in this step.
+        let mut q = SsmPool::new(0, 1);
+        let s = q.reserve().unwrap();
+        assert!(q.attach(7, s));
+        q.note_restore(7, 3);
+        assert_eq!(q.victim(3, access), None);
+        assert_eq!(q.victim(4, access), Some(7));
     }
 
     #[test]
