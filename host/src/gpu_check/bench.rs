@@ -43,6 +43,9 @@ pub fn run(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) {
     if let Err(e) = attention_8k(report, gpu) {
         report.failed(SUITE, "attention T=8192", format!("{e:#}"));
     }
+    if let Err(e) = attention_decode(report, gpu) {
+        report.failed(SUITE, "decode attention", format!("{e:#}"));
+    }
     for dir in [&args.bench_model, &args.hybrid_model] {
         if let Err(e) = decode(report, gpu, dir, bw, args.steps) {
             report.failed(
@@ -107,6 +110,75 @@ fn attention_8k(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()> {
         "≤ 2.000 ms".into(),
         ms <= 2.0,
     );
+    Ok(())
+}
+
+/// Paged decode attention (32q/8kv, d128, bf16) at context 2048 for batch 1, 64 and 256: one
+/// query token a sequence at position 2048, each sequence's KV in its own scattered blocks.
+/// Device time from the per-kernel profile (attention, its split-KV combine and the KV
+/// write), so batch 1 is not bounded by the launch rate; bandwidth counts the K and V bytes
+/// read. PyTorch SDPA on contiguous KV is the peer (`tests/gpu/peers.py`).
+fn attention_decode(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()> {
+    let (ctx, heads, kv_heads, d) = (2048usize, 32usize, 8usize, 128usize);
+    let per_seq = ctx / BLOCK + 1;
+    let mut rng = Rng::new(11);
+    for batch in [1usize, 64, 256] {
+        let mut plan = StepPlan::new(BLOCK);
+        for s in 0..batch {
+            // Every other block, so that no sequence's KV is contiguous.
+            let table: Vec<u32> = (0..per_seq)
+                .map(|b| (2 * (s * per_seq + b) + b % 2) as u32)
+                .collect();
+            plan.push(&[1], ctx, &table, 0, false);
+        }
+        plan.finish()?;
+        let mut step = gpu.new_step(batch)?;
+        gpu.upload_step(&plan, &mut step)?;
+        let up = |n: usize, shape: &[usize], rng: &mut Rng| -> anyhow::Result<_> {
+            let v = rng.vec(n, 1.0);
+            Ok(gpu.upload(HostTensor::f32(&v, shape))?)
+        };
+        let q = up(batch * heads * d, &[batch, heads * d], &mut rng)?;
+        let k = up(batch * kv_heads * d, &[batch, kv_heads * d], &mut rng)?;
+        let v = up(batch * kv_heads * d, &[batch, kv_heads * d], &mut rng)?;
+        let shape = [2 * batch * per_seq, BLOCK, kv_heads, d];
+        let mut cache = KvLayer {
+            k: gpu.zeros(&shape, gpu.dtype())?,
+            v: gpu.zeros(&shape, gpu.dtype())?,
+        };
+        gpu.fill_dummy(&mut cache.k, 3, 1.0, 0.0)?;
+        gpu.fill_dummy(&mut cache.v, 4, 1.0, 0.0)?;
+        let attn = AttnShape {
+            heads,
+            kv_heads,
+            head_dim: d,
+            scale: (d as f32).powf(-0.5),
+        };
+        for _ in 0..3 {
+            drop(gpu.paged_attention(&q, &k, &v, &mut cache, attn, &step)?);
+        }
+        let reps = 50;
+        let ops = gpu.profile_ops(|| -> anyhow::Result<()> {
+            for _ in 0..reps {
+                drop(gpu.paged_attention(&q, &k, &v, &mut cache, attn, &step)?);
+            }
+            Ok(())
+        })?;
+        let us = ops.iter().map(|o| o.ms).sum::<f64>() * 1e3 / f64::from(reps);
+        let kernels: Vec<&str> = ops.iter().map(|o| o.name).collect();
+        let bytes = (batch * (ctx + 1) * kv_heads * d * 2 * gpu.dtype().size()) as f64;
+        report.push(
+            SUITE,
+            format!(
+                "paged decode attention 32q/8kv d128 bs{batch} ctx{ctx} ({}; reported)",
+                kernels.join(" + ")
+            ),
+            us,
+            format!("{us:.1} µs {:.2} TB/s", bytes / (us * 1e-6) / 1e12),
+            "reported".into(),
+            true,
+        );
+    }
     Ok(())
 }
 
@@ -274,6 +346,32 @@ fn decode(
         }
         let eager_ms = t0.elapsed().as_secs_f64() * 1e3 / steps as f64;
         let grew = gpu.driver_allocations() - allocs;
+        // Where the eager step's device time goes, per kernel (five steps, per step).
+        const PROFILED: usize = 5;
+        let ops = gpu.profile_ops(|| -> anyhow::Result<()> {
+            for _ in 0..PROFILED {
+                one(&mut step, &mut out)?;
+            }
+            Ok(())
+        })?;
+        let total: f64 = ops.iter().map(|o| o.ms).sum::<f64>() / PROFILED as f64;
+        let shown = if batch == 1 { 12 } else { 6 };
+        for o in ops.iter().take(shown) {
+            let us = o.ms * 1e3 / PROFILED as f64;
+            report.push(
+                SUITE,
+                format!(
+                    "{name} eager decode bs{batch}: device time of {} ({} a step; all ops {:.2} ms; reported)",
+                    o.name,
+                    o.calls / PROFILED,
+                    total,
+                ),
+                us,
+                format!("{us:.0} µs ({:.1} %)", 100.0 * us * 1e-3 / total),
+                "reported".into(),
+                true,
+            );
+        }
         report.push(
             SUITE,
             format!(

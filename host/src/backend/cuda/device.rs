@@ -8,8 +8,8 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use chimera_kernels::{Entry, KernelCache, Param};
 use cudarc::driver::{CudaContext, result, sys};
@@ -92,6 +92,18 @@ pub struct Device {
     pub(crate) sticky: AtomicBool,
     /// The SSD chunk size of the model's Mamba2 layers (0: none), set at model load.
     pub(crate) ssm_chunk: std::sync::atomic::AtomicU32,
+    /// Per-operation device time, while switched on ([`Device::profile_start`]).
+    profiling: AtomicBool,
+    profile: Mutex<Vec<(&'static str, sys::CUevent, sys::CUevent)>>,
+}
+
+/// Device time of one kind of operation over a profiled stretch of launches.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OpTime {
+    /// The kernel entry's name (`cublasLt` for cuBLASLt matmuls).
+    pub name: &'static str,
+    pub calls: usize,
+    pub ms: f64,
 }
 
 // SAFETY: module handles are only unloaded in Drop; the context is bound per thread before use.
@@ -191,6 +203,8 @@ impl Device {
             modules,
             sticky: AtomicBool::new(false),
             ssm_chunk: std::sync::atomic::AtomicU32::new(0),
+            profiling: AtomicBool::new(false),
+            profile: Mutex::new(Vec::new()),
         }))
     }
 
@@ -235,6 +249,86 @@ impl Device {
             return BackendError::OutOfMemory(format!("{what} on CUDA device {}", self.ordinal));
         }
         BackendError::Device(format!("{what}: {e:?}"))
+    }
+
+    /// Starts timing every launch (and cuBLASLt call) on the device with an event pair, for
+    /// [`Device::profile_take`]. Eager launches only: not while a graph is being captured.
+    /// Costs two event records a launch while on, one relaxed load while off.
+    pub fn profile_start(&self) {
+        self.profiling.store(true, Ordering::Relaxed);
+    }
+
+    /// Stops timing, waits for the device and sums the device time of each operation over the
+    /// timed launches, longest total first.
+    pub fn profile_take(&self) -> Result<Vec<OpTime>> {
+        self.profiling.store(false, Ordering::Relaxed);
+        let ops = std::mem::take(&mut *self.profile.lock().unwrap_or_else(|p| p.into_inner()));
+        self.bind()?;
+        let synced = result::ctx::synchronize().map_err(|e| self.fail("synchronizing", e));
+        let mut by_name: Vec<OpTime> = Vec::new();
+        let mut failed = synced.err();
+        for (name, a, b) in ops {
+            if failed.is_none() {
+                // SAFETY: both events were recorded on this context and the context is idle.
+                match unsafe { result::event::elapsed(a, b) } {
+                    Ok(ms) => match by_name.iter_mut().find(|o| o.name == name) {
+                        Some(o) => {
+                            o.calls += 1;
+                            o.ms += f64::from(ms);
+                        }
+                        None => by_name.push(OpTime {
+                            name,
+                            calls: 1,
+                            ms: f64::from(ms),
+                        }),
+                    },
+                    Err(e) => failed = Some(self.fail("reading an event", e)),
+                }
+            }
+            // SAFETY: each event is destroyed once, after its last use.
+            unsafe {
+                let _ = result::event::destroy(a);
+                let _ = result::event::destroy(b);
+            }
+        }
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        by_name.sort_by(|x, y| y.ms.total_cmp(&x.ms));
+        Ok(by_name)
+    }
+
+    /// When profiling: records and returns the start event of an operation on `stream`.
+    pub(crate) fn op_begin(&self, stream: sys::CUstream) -> Result<Option<sys::CUevent>> {
+        if !self.profiling.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
+            .map_err(|e| self.fail("creating an event", e))?;
+        // SAFETY: an event of this context, recorded on one of its streams.
+        unsafe { result::event::record(ev, stream) }
+            .map_err(|e| self.fail("recording an event", e))?;
+        Ok(Some(ev))
+    }
+
+    /// Ends the operation `op_begin` started (nothing when it returned None).
+    pub(crate) fn op_end(
+        &self,
+        name: &'static str,
+        start: Option<sys::CUevent>,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        let Some(start) = start else { return Ok(()) };
+        let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
+            .map_err(|e| self.fail("creating an event", e))?;
+        // SAFETY: as in `op_begin`.
+        unsafe { result::event::record(ev, stream) }
+            .map_err(|e| self.fail("recording an event", e))?;
+        self.profile
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((name, start, ev));
+        Ok(())
     }
 
     /// Launches `kernel` on `stream` after checking `args` against its declared parameters.
@@ -283,6 +377,7 @@ impl Device {
             // 4-byte parameters read the low half of the slot (little-endian).
             *p = (&mut vals[i] as *mut u64).cast();
         }
+        let timed = self.op_begin(stream)?;
         // SAFETY: the arguments match the kernel's declared parameters (checked above and,
         // against the PTX, by the kernel crate's ABI test); every pointer argument is a live
         // device allocation of this context owned by the caller until the stream passes it.
@@ -296,6 +391,7 @@ impl Device {
                 &mut ptrs[..args.len()],
             )
         }
-        .map_err(|e| self.fail(&format!("launching {}", kernel.entry.name), e))
+        .map_err(|e| self.fail(&format!("launching {}", kernel.entry.name), e))?;
+        self.op_end(kernel.entry.name, timed, stream)
     }
 }

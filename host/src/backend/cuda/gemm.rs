@@ -224,6 +224,7 @@ impl Gemm {
             .map_err(|e| lt_err("setting the bias pointer", e))?;
         }
         let (alpha, beta) = (1.0f32, 0.0f32);
+        let timed = self.device.op_begin(stream)?;
         // SAFETY: the plan's layouts describe the buffers' extents (checked by the caller's
         // shape checks); the workspace is this backend's and the stream orders its reuse.
         unsafe {
@@ -251,6 +252,7 @@ impl Gemm {
                 &format!("matmul {n}×{k}·{m}ᵀ on device {}", self.device.ordinal),
                 e,
             )
-        })
+        })?;
+        self.device.op_end("cublasLt", timed, stream)
     }
 }

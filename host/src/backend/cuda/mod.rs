@@ -414,6 +414,21 @@ impl CudaBackend {
         self.inner.stream.cu_stream()
     }
 
+    /// Device time of each operation (kernel or cuBLASLt call) that `run` launches, longest
+    /// total first. For eager work only (an event pair brackets each launch); not inside a
+    /// graph capture.
+    pub fn profile_ops<E: From<BackendError>>(
+        &self,
+        run: impl FnOnce() -> std::result::Result<(), E>,
+    ) -> std::result::Result<Vec<device::OpTime>, E> {
+        self.synchronize()?;
+        self.dev().profile_start();
+        let ran = run();
+        let ops = self.dev().profile_take();
+        ran?;
+        Ok(ops?)
+    }
+
     fn dev(&self) -> &Arc<Device> {
         &self.inner.device
     }
