@@ -297,9 +297,18 @@ async fn stop_strings_split_across_tokens() {
         assert_eq!(got, text[..cut], "stream={stream}");
         assert_eq!(finish.as_deref(), Some("stop"));
     }
-    // A stop string ends the engine request through a cancel.
-    assert!(s.wait_idle(Duration::from_secs(5)).await);
-    assert_eq!(s.counter(|c| c.get(&c.cancels)), cancels_before + 2);
+    // A stop string ends the engine request through a cancel. The engine may still finish
+    // a request by length before its cancel arrives, and the idle gauges read 0 then, so the
+    // wait is for the cancels themselves.
+    let cancels = || s.counter(|c| c.get(&c.cancels));
+    wait_for(
+        "the stop strings' cancels",
+        Duration::from_secs(10),
+        async || cancels() >= cancels_before + 2,
+    )
+    .await;
+    assert!(s.wait_idle(Duration::from_secs(10)).await);
+    assert_eq!(cancels(), cancels_before + 2);
     // A stop string that never matches releases everything held back.
     let r = post(
         s.addr,

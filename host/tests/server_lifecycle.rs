@@ -5,7 +5,7 @@
 
 use crate::server_support;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use chimera::server::ServerConfig;
 use serde_json::json;
@@ -25,39 +25,44 @@ fn long_request(stream: bool) -> serde_json::Value {
 async fn client_disconnect_cancels_the_engine_request() {
     let s = TestServer::start(slow()).await;
     for (round, stream) in [(1, true), (2, false)] {
-        let addr = s.addr;
-        // Streaming: read the headers and a few chunks, then hang up. Plain: hang up without
-        // reading anything once the request runs in the engine.
-        let hang_up = if stream {
-            Some(tokio::spawn(async move {
-                post_and_hang_up(addr, "/v1/completions", &long_request(true), 400).await
-            }))
+        // The request is running in the engine when the client leaves.
+        if stream {
+            // Read the headers and a few chunks (generated tokens), then hang up.
+            let got = post_and_hang_up(s.addr, "/v1/completions", &long_request(true), 400).await;
+            assert!(
+                got >= 400,
+                "round {round}: {got} bytes before the stream ended"
+            );
         } else {
-            None
-        };
-        let held = if stream {
-            None
-        } else {
-            Some(post_and_hold(addr, "/v1/completions", &long_request(false)).await)
-        };
-        // The request is running in the engine before the client leaves.
-        wait_for("the request to run", Duration::from_secs(5), async || {
-            s.counter(|c| c.get(&c.added)) == round
-        })
-        .await;
-        if let Some(h) = hang_up {
-            let _ = h.await;
+            // Hang up without reading anything once the engine has run a step of it. The
+            // recorder's `added` is not enough: it counts the request on its way to the
+            // engine, and the client could then leave before the engine ever ran it.
+            let held = post_and_hold(s.addr, "/v1/completions", &long_request(false)).await;
+            wait_for("the request to run", Duration::from_secs(10), async || {
+                s.engine_sum(|e| u64::from(e.running)) == 1
+            })
+            .await;
+            drop(held);
         }
-        drop(held);
-        // The guard cancels: running returns to 0 long before the 2000 tokens (20 s) would
-        // have finished, the server sent exactly one cancel per request, and the engine ended
-        // the request after far fewer tokens than it asked for.
-        let started = Instant::now();
+        // The guard cancels: the server sent exactly one cancel per request, the engine ended
+        // the request long before its 2000 tokens (20 s) would have finished, and it generated
+        // far fewer tokens than were asked for. The wait is for those two events, not for the
+        // idle gauges, which can read 0 while the cancel is on its way to the engine; nor for
+        // the engine's end alone: an engine also ends a request whose event receiver is gone
+        // (at its next token), possibly before the server's cancel arrives.
+        wait_for(
+            &format!("round {round}: the server's cancel and the engine's end of the request"),
+            Duration::from_secs(10),
+            async || {
+                s.counter(|c| c.get(&c.cancels)) >= round
+                    && s.engine_sum(|e| e.requests_finished) >= round
+            },
+        )
+        .await;
         assert!(
-            s.wait_idle(Duration::from_secs(5)).await,
+            s.wait_idle(Duration::from_secs(10)).await,
             "round {round}: still running"
         );
-        assert!(started.elapsed() < Duration::from_secs(5));
         assert_eq!(s.counter(|c| c.get(&c.cancels)), round, "round {round}");
         assert_eq!(
             s.engine_sum(|e| e.requests_finished),

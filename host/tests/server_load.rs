@@ -135,7 +135,19 @@ async fn load_with_random_disconnects() {
 
     // Every engine request is accounted for: each one the engines were sent ended there
     // (finished or cancelled), nothing is left running, and every request abandoned in flight
-    // got a cancel from the server instead of running on.
+    // got a cancel from the server instead of running on. The idle gauges alone can read 0
+    // while the last hang-ups' cancels are still on their way to the engines (and before an
+    // engine has stepped a request it was just sent), so first wait until the accounts agree:
+    // no guard left (it drops the in-flight count last), every disconnect's cancel forwarded,
+    // every request the engines were sent ended. A broken cancel path never gets there, and
+    // the assertions below say which account is off.
+    let settled = eventually(Duration::from_secs(10), async || {
+        s.metric_sum("chimera:server_requests_in_flight").await == 0.0
+            && s.metric_sum("chimera:client_disconnects_total").await
+                == s.counter(|c| c.get(&c.cancels)) as f64
+            && s.engine_sum(|e| e.requests_finished) == s.counter(|c| c.get(&c.added))
+    })
+    .await;
     assert!(
         s.wait_idle(Duration::from_secs(10)).await,
         "requests left running"
@@ -150,7 +162,7 @@ async fn load_with_random_disconnects() {
         .await as u64
         - base_added;
     println!(
-        "engine: {added} added, {ended} ended, {cancels} cancels sent, {by_length} finished by length"
+        "engine: {added} added, {ended} ended, {cancels} cancels sent, {by_length} finished by length (settled: {settled})"
     );
     assert_eq!(ended, added, "every engine request must end in its engine");
     assert!(added >= ok && added <= TOTAL);

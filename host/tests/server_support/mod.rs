@@ -330,6 +330,12 @@ impl TestServer {
     }
 
     /// Polls until `running` and `waiting` are 0 on every replica and no request is in flight.
+    ///
+    /// These gauges can all read 0 while a cancel is still on its way to its engine: the
+    /// server's in-flight count drops as a request guard sends its cancel, and an engine
+    /// publishes its gauges only after a step, so a request it was just sent is not yet
+    /// counted. A test that then counts cancels or ended requests first waits for those
+    /// counts.
     pub async fn wait_idle(&self, within: Duration) -> bool {
         let deadline = Instant::now() + within;
         while Instant::now() < deadline {
@@ -354,15 +360,25 @@ impl Drop for TestServer {
 }
 
 /// Polls `f` every 10 ms until it holds; panics after `within`.
-pub async fn wait_for(what: &str, within: Duration, mut f: impl AsyncFnMut() -> bool) {
+pub async fn wait_for(what: &str, within: Duration, f: impl AsyncFnMut() -> bool) {
+    if !eventually(within, f).await {
+        panic!("timed out waiting for {what}");
+    }
+}
+
+/// Polls `f` every 10 ms until it holds (true) or `within` has passed (false), for a caller
+/// that reports what is missing by its own assertions.
+pub async fn eventually(within: Duration, mut f: impl AsyncFnMut() -> bool) -> bool {
     let deadline = Instant::now() + within;
-    while Instant::now() < deadline {
+    loop {
         if f().await {
-            return;
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    panic!("timed out waiting for {what}");
 }
 
 pub fn parse_metric(text: &str, prefix: &str) -> f64 {
