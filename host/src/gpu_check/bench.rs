@@ -250,7 +250,26 @@ fn ssm_timings(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()> {
             }
             gpu.synchronize()?;
             let ms = started.elapsed().as_secs_f64() * 1e3 / f64::from(reps);
+            let ops = gpu.profile_ops(|| -> anyhow::Result<()> {
+                for _ in 0..reps {
+                    run()?;
+                }
+                Ok(())
+            })?;
+            let per_kernel = ops
+                .iter()
+                .map(|o| format!("{} {:.0} µs", o.name, o.ms * 1e3 / f64::from(reps)))
+                .collect::<Vec<_>>()
+                .join(", ");
             let state = if dtype == DType::F32 { "f32" } else { "bf16" };
+            report.push(
+                SUITE,
+                format!("mamba2 scan {label}, {state} state: device time per kernel ({per_kernel}; reported)"),
+                ops.iter().map(|o| o.ms).sum::<f64>() / f64::from(reps),
+                format!("{:.3} ms", ops.iter().map(|o| o.ms).sum::<f64>() / f64::from(reps)),
+                "reported".into(),
+                true,
+            );
             report.push(
                 SUITE,
                 format!(
@@ -431,6 +450,48 @@ fn decode(
                 true,
             );
         }
+    }
+    // A 4096-token prefill chunk (the serving default's chunk) from an empty context: where
+    // its device time goes, per kernel.
+    let t = 4096usize;
+    let mut plan = StepPlan::new(BLOCK);
+    let table: Vec<u32> = (0..t.div_ceil(BLOCK) as u32).collect();
+    plan.push(&vec![1u32; t], 0, &table, 0, true);
+    plan.finish()?;
+    plan.sampling.clear(64);
+    plan.sampling.push_row(
+        crate::backend::sample::Penalties {
+            repetition: 1.0,
+            presence: 0.0,
+            frequency: 0.0,
+        },
+        false,
+        &[],
+        &[],
+    );
+    let mut step = gpu.new_step(t)?;
+    let mut out = SampleOut::default();
+    let mut one = || -> anyhow::Result<()> {
+        gpu.upload_step(&plan, &mut step)?;
+        let mut logits = m.forward(gpu, &step, &mut caches)?;
+        gpu.sample(&mut logits, &step, &mut out)?;
+        Ok(())
+    };
+    one()?;
+    let ops = gpu.profile_ops(&mut one)?;
+    let total: f64 = ops.iter().map(|o| o.ms).sum();
+    for o in ops.iter().take(10) {
+        report.push(
+            SUITE,
+            format!(
+                "{name} prefill {t} tokens: device time of {} ({} calls; all ops {total:.1} ms; reported)",
+                o.name, o.calls
+            ),
+            o.ms,
+            format!("{:.2} ms ({:.1} %)", o.ms, 100.0 * o.ms / total),
+            "reported".into(),
+            true,
+        );
     }
     Ok(())
 }
