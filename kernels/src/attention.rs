@@ -87,7 +87,9 @@ const MAX_GRID_Y: usize = 65535;
 /// least `MIN_SPLIT` keys, and the split length aims at `TARGET_PIECES` pieces of work.
 const SPLIT_ALIGN: u32 = 64;
 const MIN_SPLIT: u32 = 128;
-const TARGET_PIECES: u64 = 48;
+/// About two waves of the decode kernel's CTAs on a 132-SM GPU at 8 KV heads: one wave and a
+/// bit (64 decodes of 2048 keys unsplit) left most SMs idle for the second.
+const TARGET_PIECES: u64 = 256;
 
 /// The uploaded work columns (all `u32`). Item columns have [`AttnPlan::items`] entries;
 /// combine columns [`AttnPlan::combine_rows`].
@@ -892,15 +894,27 @@ mod tests {
 
     #[test]
     fn a_large_decode_batch_is_not_split() {
+        let q = vec![1; 256];
+        let ctx = vec![2048; 256];
+        let mut p = AttnPlan::new();
+        plan(&cu_of(&q), &ctx, &mut p);
+        assert_eq!(p.items(), 256);
+        assert_eq!(p.partial_rows(), 0);
+        let l = launches(&p, dims(32, 8, 128, 256), true).expect("shape");
+        assert_eq!(l.len(), 1);
+        assert_eq!(scratch_bytes(&p, dims(32, 8, 128, 256)), [0, 0]);
+    }
+
+    #[test]
+    fn a_mid_size_decode_batch_is_split_to_fill_the_gpu() {
+        // 64 decodes of 2048 keys unsplit are 512 CTAs at 8 KV heads, one wave and a bit.
         let q = vec![1; 64];
         let ctx = vec![2048; 64];
         let mut p = AttnPlan::new();
         plan(&cu_of(&q), &ctx, &mut p);
-        assert_eq!(p.items(), 64);
-        assert_eq!(p.partial_rows(), 0);
-        let l = launches(&p, dims(32, 8, 128, 64), true).expect("shape");
-        assert_eq!(l.len(), 1);
-        assert_eq!(scratch_bytes(&p, dims(32, 8, 128, 64)), [0, 0]);
+        assert_eq!(p.items(), 64 * 4);
+        assert_eq!(p.partial_rows(), 64 * 4);
+        check_coverage(&q, &ctx, dims(32, 8, 128, 64), true);
     }
 
     #[test]

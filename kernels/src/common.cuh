@@ -40,6 +40,37 @@ __device__ __forceinline__ float load(const bf16* p, i64 i) { return bf16_to_f32
 __device__ __forceinline__ void store(float* p, i64 i, float v) { p[i] = v; }
 __device__ __forceinline__ void store(bf16* p, i64 i, float v) { p[i] = f32_to_bf16(v); }
 
+// Sixteen bytes as f32 values: 4 floats or 8 bf16. The element index `i` must be a multiple
+// of VEC<T> and the address 16-byte aligned (check with `aligned16`).
+template <typename T>
+constexpr int VEC = 16 / sizeof(T);
+
+__device__ __forceinline__ bool aligned16(const void* p) { return ((u64)p & 15ull) == 0; }
+
+__device__ __forceinline__ void load16(const float* p, i64 i, float* v) {
+    const float4 r = *reinterpret_cast<const float4*>(p + i);
+    v[0] = r.x;
+    v[1] = r.y;
+    v[2] = r.z;
+    v[3] = r.w;
+}
+__device__ __forceinline__ void load16(const bf16* p, i64 i, float* v) {
+    const uint4 r = *reinterpret_cast<const uint4*>(p + i);
+    const u32 w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        v[2 * k] = __uint_as_float(w[k] << 16);
+        v[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+    }
+}
+__device__ __forceinline__ void store16(float* p, i64 i, const float* v) {
+    *reinterpret_cast<float4*>(p + i) = make_float4(v[0], v[1], v[2], v[3]);
+}
+__device__ __forceinline__ void store16(bf16* p, i64 i, const float* v) {
+    *reinterpret_cast<uint4*>(p + i) = make_uint4(pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]),
+                                                  pack_bf16x2(v[4], v[5]), pack_bf16x2(v[6], v[7]));
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -51,6 +51,12 @@ __device__ void rms_norm_reg(T* out, const T* x, const T* w, u32 cols, float eps
         const u32 c = threadIdx.x + k * blockDim.x;
         v[k] = c < cols ? load(x, base + c) : 0.0f;
     }
+    float wv[R];
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+        const u32 c = threadIdx.x + k * blockDim.x;
+        wv[k] = c < cols ? load(w, c) : 0.0f;
+    }
 #pragma unroll
     for (int k = 0; k < R; ++k) ss += v[k] * v[k];
     ss = block_sum(ss, scratch);
@@ -58,13 +64,76 @@ __device__ void rms_norm_reg(T* out, const T* x, const T* w, u32 cols, float eps
 #pragma unroll
     for (int k = 0; k < R; ++k) {
         const u32 c = threadIdx.x + k * blockDim.x;
-        if (c < cols) store(out, base + c, load(w, c) * (v[k] * inv));
+        if (c < cols) store(out, base + c, wv[k] * (v[k] * inv));
     }
+}
+
+// The register path in 16-byte pieces (cols a multiple of VEC<T>, rows 16-byte aligned, at
+// most NV pieces a thread): x, the residual, the delta and w all loaded before the first use.
+// `residual`/`delta` null: a plain norm of x.
+template <typename T, int NV>
+__device__ void norm_vec(T* out, T* residual, const T* delta, const T* x, const T* w, u32 cols,
+                         float eps, float* scratch) {
+    constexpr int V = VEC<T>;
+    const i64 base = (i64)blockIdx.x * cols;
+    const u32 pieces = cols / V;
+    float v[NV][V], wv[NV][V];
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+        const u32 j = threadIdx.x + k * blockDim.x;
+        if (j < pieces) {
+            load16(residual ? (const T*)residual : x, base + (i64)j * V, v[k]);
+            load16(w, (i64)j * V, wv[k]);
+            if (residual) {
+                float d[V];
+                load16(delta, base + (i64)j * V, d);
+#pragma unroll
+                for (int e = 0; e < V; ++e) v[k][e] = round_to<T>(v[k][e] + d[e]);
+            }
+        } else {
+#pragma unroll
+            for (int e = 0; e < V; ++e) v[k][e] = 0.0f;
+        }
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+        const u32 j = threadIdx.x + k * blockDim.x;
+        if (residual && j < pieces) store16(residual, base + (i64)j * V, v[k]);
+#pragma unroll
+        for (int e = 0; e < V; ++e) ss += v[k][e] * v[k][e];
+    }
+    ss = block_sum(ss, scratch);
+    const float inv = 1.0f / sqrtf(ss / (float)cols + eps);
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+        const u32 j = threadIdx.x + k * blockDim.x;
+        if (j >= pieces) continue;
+        float o[V];
+#pragma unroll
+        for (int e = 0; e < V; ++e) o[e] = wv[k][e] * (v[k][e] * inv);
+        store16(out, base + (i64)j * V, o);
+    }
+}
+
+// Whether a row kernel over `cols` columns may take `norm_vec` with at most 4 pieces a thread.
+template <typename T>
+__device__ __forceinline__ bool vec_rows_ok(u32 cols, const void* a, const void* b, const void* c,
+                                            const void* d) {
+    return cols % VEC<T> == 0 && cols / VEC<T> <= 4 * blockDim.x && aligned16(a) && aligned16(b) &&
+           aligned16(c) && aligned16(d);
 }
 
 template <typename T>
 __device__ void rms_norm(T* out, const T* x, const T* w, u32 cols, float eps) {
     __shared__ float scratch[32];
+    if (vec_rows_ok<T>(cols, out, x, w, out)) {
+        if (cols / VEC<T> <= blockDim.x)
+            return norm_vec<T, 1>(out, nullptr, nullptr, x, w, cols, eps, scratch);
+        if (cols / VEC<T> <= 2 * blockDim.x)
+            return norm_vec<T, 2>(out, nullptr, nullptr, x, w, cols, eps, scratch);
+        return norm_vec<T, 4>(out, nullptr, nullptr, x, w, cols, eps, scratch);
+    }
     if (cols <= 8 * blockDim.x) return rms_norm_reg<T, 8>(out, x, w, cols, eps, scratch);
     if (cols <= 32 * blockDim.x) return rms_norm_reg<T, 32>(out, x, w, cols, eps, scratch);
     i64 base = (i64)blockIdx.x * cols;
@@ -89,6 +158,12 @@ __device__ void add_rms_norm_reg(T* out, T* residual, const T* delta, const T* w
         const u32 c = threadIdx.x + k * blockDim.x;
         v[k] = c < cols ? load(residual, base + c) + load(delta, base + c) : 0.0f;
     }
+    float wv[R];
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+        const u32 c = threadIdx.x + k * blockDim.x;
+        wv[k] = c < cols ? load(w, c) : 0.0f;
+    }
     float ss = 0.0f;
 #pragma unroll
     for (int k = 0; k < R; ++k) {
@@ -102,7 +177,7 @@ __device__ void add_rms_norm_reg(T* out, T* residual, const T* delta, const T* w
 #pragma unroll
     for (int k = 0; k < R; ++k) {
         const u32 c = threadIdx.x + k * blockDim.x;
-        if (c < cols) store(out, base + c, load(w, c) * (v[k] * inv));
+        if (c < cols) store(out, base + c, wv[k] * (v[k] * inv));
     }
 }
 
@@ -111,6 +186,13 @@ __device__ void add_rms_norm_reg(T* out, T* residual, const T* delta, const T* w
 template <typename T>
 __device__ void add_rms_norm(T* out, T* residual, const T* delta, const T* w, u32 cols, float eps) {
     __shared__ float scratch[32];
+    if (vec_rows_ok<T>(cols, out, residual, delta, w)) {
+        if (cols / VEC<T> <= blockDim.x)
+            return norm_vec<T, 1>(out, residual, delta, residual, w, cols, eps, scratch);
+        if (cols / VEC<T> <= 2 * blockDim.x)
+            return norm_vec<T, 2>(out, residual, delta, residual, w, cols, eps, scratch);
+        return norm_vec<T, 4>(out, residual, delta, residual, w, cols, eps, scratch);
+    }
     if (cols <= 8 * blockDim.x)
         return add_rms_norm_reg<T, 8>(out, residual, delta, w, cols, eps, scratch);
     if (cols <= 32 * blockDim.x)
@@ -134,6 +216,36 @@ __device__ void gated_rms_norm(T* out, const T* x, const T* gate, const T* w, u3
                                float eps) {
     __shared__ float scratch[32];
     i64 base = (i64)blockIdx.x * cols + (i64)blockIdx.y * group;
+    constexpr int V = VEC<T>;
+    if (group % V == 0 && cols % V == 0 && group / V <= blockDim.x && aligned16(out) &&
+        aligned16(x) && aligned16(gate) && aligned16(w)) {
+        // One 16-byte piece a thread, every load before the first use.
+        const u32 j = threadIdx.x;
+        const bool in = j < group / V;
+        float v[V], wv[V];
+        if (in) {
+            float g[V];
+            load16(x, base + (i64)j * V, v);
+            load16(gate, base + (i64)j * V, g);
+            load16(w, (i64)blockIdx.y * group + (i64)j * V, wv);
+#pragma unroll
+            for (int e = 0; e < V; ++e) v[e] *= silu(g[e]);
+        } else {
+#pragma unroll
+            for (int e = 0; e < V; ++e) v[e] = 0.0f;
+        }
+        float ss = 0.0f;
+#pragma unroll
+        for (int e = 0; e < V; ++e) ss += v[e] * v[e];
+        ss = block_sum(ss, scratch);
+        const float inv = 1.0f / sqrtf(ss / (float)group + eps);
+        if (in) {
+#pragma unroll
+            for (int e = 0; e < V; ++e) v[e] = wv[e] * (v[e] * inv);
+            store16(out, base + (i64)j * V, v);
+        }
+        return;
+    }
     float ss = 0.0f;
     for (u32 c = threadIdx.x; c < group; c += blockDim.x) {
         float v = load(x, base + c) * silu(load(gate, base + c));
@@ -185,13 +297,37 @@ __device__ void rope(T* x, u32 n, u32 heads, u32 head_dim, u32 half, const u32* 
     }
 }
 
+// Element-wise kernels take 16-byte pieces when the length and the addresses allow.
 template <typename T>
 __device__ void activate(T* x, u64 n, u32 act) {
+    constexpr int V = VEC<T>;
+    if (n % V == 0 && aligned16(x)) {
+        GRID_STRIDE(p, n / V) {
+            float v[V];
+            load16(x, (i64)p * V, v);
+#pragma unroll
+            for (int e = 0; e < V; ++e) v[e] = apply_act(v[e], act);
+            store16(x, (i64)p * V, v);
+        }
+        return;
+    }
     GRID_STRIDE(i, n) store(x, i, apply_act(load(x, i), act));
 }
 
 template <typename T>
 __device__ void act_mul(T* out, const T* gate, const T* up, u64 n, u32 act) {
+    constexpr int V = VEC<T>;
+    if (n % V == 0 && aligned16(out) && aligned16(gate) && aligned16(up)) {
+        GRID_STRIDE(p, n / V) {
+            float g[V], u[V];
+            load16(gate, (i64)p * V, g);
+            load16(up, (i64)p * V, u);
+#pragma unroll
+            for (int e = 0; e < V; ++e) g[e] = apply_act(g[e], act) * u[e];
+            store16(out, (i64)p * V, g);
+        }
+        return;
+    }
     GRID_STRIDE(i, n) store(out, i, apply_act(load(gate, i), act) * load(up, i));
 }
 
@@ -366,9 +502,32 @@ __device__ void add_bias(T* x, const T* b, u32 rows, u32 cols) {
 }
 
 // out[r, :] = x[r, col_start .. col_start + out_cols] (x has in_cols columns).
+// In 16-byte pieces when the widths, the start and the addresses allow; 32-bit index
+// arithmetic (a 64-bit division per element costs more than the copy).
 template <typename T>
 __device__ void copy_cols(T* out, const T* x, u32 rows, u32 out_cols, u32 in_cols, u32 col_start) {
-    GRID_STRIDE(i, (u64)rows * out_cols) {
+    constexpr int V = VEC<T>;
+    const u64 n = (u64)rows * out_cols;
+    if (out_cols % V == 0 && in_cols % V == 0 && col_start % V == 0 && aligned16(out) &&
+        aligned16(x) && n / V < 0xffffffffull) {
+        const u32 pieces = out_cols / V, in_pieces = in_cols / V, start = col_start / V;
+        const uint4* src = reinterpret_cast<const uint4*>(x);
+        uint4* dst = reinterpret_cast<uint4*>(out);
+        for (u32 p = blockIdx.x * blockDim.x + threadIdx.x; p < (u32)(n / V);
+             p += gridDim.x * blockDim.x) {
+            const u32 r = p / pieces, c = p - r * pieces;
+            dst[p] = src[(u64)r * in_pieces + start + c];
+        }
+        return;
+    }
+    if (n < 0xffffffffull) {
+        for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < (u32)n; i += gridDim.x * blockDim.x) {
+            const u32 r = i / out_cols, c = i - r * out_cols;
+            out[i] = x[(u64)r * in_cols + col_start + c];
+        }
+        return;
+    }
+    GRID_STRIDE(i, n) {
         u64 r = i / out_cols, c = i % out_cols;
         out[i] = x[r * in_cols + col_start + c];
     }

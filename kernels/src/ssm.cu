@@ -259,6 +259,14 @@ __device__ void decode(const T* x, const T* b, const T* c, const T* dt, const T*
     const i64 brow = (i64)tok * bc_ld + (i64)g * N;
     const i64 xrow = (i64)tok * x_ld + (i64)h * P;
     const u32 k0 = seq_snap[e], nk = seq_snaps[e];
+    // B and C are the same for every row p: with N ≤ 128 (one piece) they are loaded once.
+    float bpre[4], cpre[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const u32 n = lane + 32 * j;
+        bpre[j] = n < N ? load(b, brow + n) : 0.0f;
+        cpre[j] = n < N ? load(c, brow + n) : 0.0f;
+    }
     for (u32 p = warp; p < P; p += 2 * DEC_WARPS) {
         const u32 p2 = p + DEC_WARPS;
         const bool two = p2 < P;
@@ -266,18 +274,23 @@ __device__ void decode(const T* x, const T* b, const T* c, const T* dt, const T*
         const float dx1 = dtv * x1, dx2 = dtv * x2;
         float acc1 = 0.0f, acc2 = 0.0f;
         for (u32 n0 = 0; n0 < N; n0 += 128) {
-            float s1[4], s2[4];
+            // Every load of the piece (state rows, and B, C beyond 128) before its first
+            // store: a load after a store to memory that may alias waits for it, one round
+            // trip per element.
+            float s1[4], s2[4], bv[4], cv[4];
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const u32 n = n0 + lane + 32 * j;
                 s1[j] = n < N ? load(st, p * N + n) : 0.0f;
                 s2[j] = (two && n < N) ? load(st, p2 * N + n) : 0.0f;
+                bv[j] = N <= 128 ? bpre[j] : n < N ? load(b, brow + n) : 0.0f;
+                cv[j] = N <= 128 ? cpre[j] : n < N ? load(c, brow + n) : 0.0f;
             }
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const u32 n = n0 + lane + 32 * j;
                 if (n >= N) continue;
-                const float bn = load(b, brow + n), cn = load(c, brow + n);
+                const float bn = bv[j], cn = cv[j];
                 s1[j] = s1[j] * decay + dx1 * bn;
                 acc1 += s1[j] * cn;
                 store(st, p * N + n, s1[j]);

@@ -207,7 +207,16 @@ fn dense(c: &mut Ctx<'_>) {
             },
         );
     }
-    for &(n, cols) in &[(1usize, 32usize), (7, 4096), (1000, 48), (33, 8192)] {
+    // Widths that take the 16-byte path (multiples of 8, up to 4 pieces a thread in bf16; f32's
+    // 8192 falls back) and widths that do not (100, 4100).
+    for &(n, cols) in &[
+        (1usize, 32usize),
+        (7, 4096),
+        (1000, 48),
+        (33, 8192),
+        (3, 100),
+        (2, 4100),
+    ] {
         c.check(&format!("rms_norm {n}×{cols}"), cols > 1024, |c| {
             let x = c.rand(n * cols, 2.0);
             let w = c.rand(cols, 1.0);
@@ -240,45 +249,68 @@ fn dense(c: &mut Ctx<'_>) {
             },
         );
     }
-    c.check("gated_rms_norm 9×256 group 64", false, |c| {
-        let (n, cols) = (9, 256);
-        let x = c.rand(n * cols, 2.0);
-        let z = c.rand(n * cols, 2.0);
-        let w = c.rand(cols, 1.0);
-        let (xc, xg) = c.up(&x, &[n, cols])?;
-        let (zc, zg) = c.up(&z, &[n, cols])?;
-        let (wc, wg) = c.up(&w, &[cols])?;
-        Ok((
-            c.gpu
-                .download(&c.gpu.gated_rms_norm(&xg, &zg, &wg, 64, 1e-5)?)?,
-            c.cpu
-                .download(&c.cpu.gated_rms_norm(&xc, &zc, &wc, 64, 1e-5)?)?,
-        ))
-    });
+    for &(n, cols, group) in &[(9usize, 256usize, 64usize), (3, 8192, 1024), (5, 120, 60)] {
+        c.check(
+            &format!("gated_rms_norm {n}×{cols} group {group}"),
+            false,
+            |c| {
+                let x = c.rand(n * cols, 2.0);
+                let z = c.rand(n * cols, 2.0);
+                let w = c.rand(cols, 1.0);
+                let (xc, xg) = c.up(&x, &[n, cols])?;
+                let (zc, zg) = c.up(&z, &[n, cols])?;
+                let (wc, wg) = c.up(&w, &[cols])?;
+                Ok((
+                    c.gpu
+                        .download(&c.gpu.gated_rms_norm(&xg, &zg, &wg, group, 1e-5)?)?,
+                    c.cpu
+                        .download(&c.cpu.gated_rms_norm(&xc, &zc, &wc, group, 1e-5)?)?,
+                ))
+            },
+        );
+    }
+    // 16-byte pieces (131×1000, 13×4096) and single elements (77×333, 7×333).
     for act in [Activation::Silu, Activation::Relu2, Activation::Gelu] {
-        c.check(&format!("activate {act:?} 77×333"), false, |c| {
-            let x = c.rand(77 * 333, 4.0);
-            let (mut xc, mut xg) = c.up(&x, &[77, 333])?;
-            c.gpu.activate(&mut xg, act)?;
-            c.cpu.activate(&mut xc, act)?;
-            Ok((c.gpu.download(&xg)?, c.cpu.download(&xc)?))
-        });
-        c.check(&format!("act_and_mul {act:?} 131×1000"), false, |c| {
-            let g = c.rand(131 * 1000, 4.0);
-            let u = c.rand(131 * 1000, 2.0);
-            let (gc, gg) = c.up(&g, &[131, 1000])?;
-            let (uc, ug) = c.up(&u, &[131, 1000])?;
-            Ok((
-                c.gpu.download(&c.gpu.gated_activation(&gg, &ug, act)?)?,
-                c.cpu.download(&c.cpu.gated_activation(&gc, &uc, act)?)?,
-            ))
-        });
+        for (rows, cols) in [(77usize, 333usize), (13, 4096)] {
+            c.check(&format!("activate {act:?} {rows}×{cols}"), false, |c| {
+                let x = c.rand(rows * cols, 4.0);
+                let (mut xc, mut xg) = c.up(&x, &[rows, cols])?;
+                c.gpu.activate(&mut xg, act)?;
+                c.cpu.activate(&mut xc, act)?;
+                Ok((c.gpu.download(&xg)?, c.cpu.download(&xc)?))
+            });
+        }
+        for (rows, cols) in [(131usize, 1000usize), (7, 333)] {
+            c.check(&format!("act_and_mul {act:?} {rows}×{cols}"), false, |c| {
+                let g = c.rand(rows * cols, 4.0);
+                let u = c.rand(rows * cols, 2.0);
+                let (gc, gg) = c.up(&g, &[rows, cols])?;
+                let (uc, ug) = c.up(&u, &[rows, cols])?;
+                Ok((
+                    c.gpu.download(&c.gpu.gated_activation(&gg, &ug, act)?)?,
+                    c.cpu.download(&c.cpu.gated_activation(&gc, &uc, act)?)?,
+                ))
+            });
+        }
     }
     c.check("split_cols 33×(7,100,21)", false, |c| {
         let x = c.rand(33 * 128, 1.0);
         let (xc, xg) = c.up(&x, &[33, 128])?;
         let g = c.gpu.split_cols(&xg, [7, 100, 21])?;
         let r = c.cpu.split_cols(&xc, [7, 100, 21])?;
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        for (gt, ct) in g.iter().zip(&r) {
+            a.extend(c.gpu.download(gt)?);
+            b.extend(c.cpu.download(ct)?);
+        }
+        Ok((a, b))
+    });
+    // 16-byte pieces: NemotronH's in_proj split at bs 5 (scaled down).
+    c.check("split_cols 5×(1024,64,32,16)", false, |c| {
+        let x = c.rand(5 * 1136, 1.0);
+        let (xc, xg) = c.up(&x, &[5, 1136])?;
+        let g = c.gpu.split_cols(&xg, [1024, 64, 32, 16])?;
+        let r = c.cpu.split_cols(&xc, [1024, 64, 32, 16])?;
         let (mut a, mut b) = (Vec::new(), Vec::new());
         for (gt, ct) in g.iter().zip(&r) {
             a.extend(c.gpu.download(gt)?);

@@ -88,9 +88,11 @@ pub struct GraphShape {
 const PAD: u32 = u32::MAX;
 
 impl GraphShape {
-    /// Split-KV pieces for `bucket` decodes: enough CTAs to fill the GPU at small batches.
+    /// Split-KV pieces for `bucket` decodes: enough CTAs to fill the GPU several times over
+    /// (64 decodes unsplit are one wave and a bit of the decode kernel, the second wave
+    /// mostly idle), as the eager planner's `TARGET_PIECES` does.
     pub fn splits_for(bucket: usize) -> u32 {
-        (64 / bucket.max(1)).clamp(1, 64) as u32
+        (256 / bucket.max(1)).clamp(1, 64) as u32
     }
 
     /// Most snapshot targets a graph step takes (a decode crosses one block boundary).
