@@ -232,6 +232,7 @@ __device__ void conv_update(const T* x, const T* weight, const T* bias, T* out, 
 
 constexpr int DEC_THREADS = 256;  // ssm.rs: DEC_THREADS
 constexpr int DEC_WARPS = DEC_THREADS / 32;
+constexpr int DEC_ROWS = 8;  // rows a warp holds in the one-pass path (P ≤ 64)
 
 template <typename T, typename S>
 __device__ void decode(const T* x, const T* b, const T* c, const T* dt, const T* a_log,
@@ -266,6 +267,56 @@ __device__ void decode(const T* x, const T* b, const T* c, const T* dt, const T*
         const u32 n = lane + 32 * j;
         bpre[j] = n < N ? load(b, brow + n) : 0.0f;
         cpre[j] = n < N ? load(c, brow + n) : 0.0f;
+    }
+    if (N <= 128 && P <= DEC_ROWS * DEC_WARPS) {
+        // The common shape (Mamba2 heads of up to 64 rows, state up to 128): each warp owns
+        // up to DEC_ROWS rows and issues every state load of them at once. A CTA's state
+        // is small (one head), so what bounds the kernel is loads in flight, not bandwidth.
+        float s[DEC_ROWS][4], xv[DEC_ROWS];
+#pragma unroll
+        for (int r = 0; r < DEC_ROWS; ++r) {
+            const u32 p = warp + r * DEC_WARPS;
+            const bool in = p < P;
+            xv[r] = in ? load(x, xrow + p) : 0.0f;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const u32 n = lane + 32 * j;
+                s[r][j] = in && n < N ? load(st, p * N + n) : 0.0f;
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < DEC_ROWS; ++r) {
+            const u32 p = warp + r * DEC_WARPS;
+            if (p >= P) continue;
+            const float dx = dtv * xv[r];
+            float acc = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const u32 n = lane + 32 * j;
+                if (n >= N) continue;
+                s[r][j] = s[r][j] * decay + dx * bpre[j];
+                acc += s[r][j] * cpre[j];
+                store(st, p * N + n, s[r][j]);
+            }
+            acc = warp_sum(acc);
+            if (lane == 0) store(out, yrow + p, acc + dh * xv[r]);
+        }
+        // Snapshot copies (a decode that completes a block), after the live state.
+        for (u32 k = k0; k < k0 + nk; ++k) {
+            S* dst = layer_state(pool, snap_slot[k], slots, layer, layers, pn * heads);
+            if (!dst) continue;
+            dst += h * pn;
+#pragma unroll
+            for (int r = 0; r < DEC_ROWS; ++r) {
+                const u32 p = warp + r * DEC_WARPS;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const u32 n = lane + 32 * j;
+                    if (p < P && n < N) store(dst, p * N + n, s[r][j]);
+                }
+            }
+        }
+        return;
     }
     for (u32 p = warp; p < P; p += 2 * DEC_WARPS) {
         const u32 p2 = p + DEC_WARPS;

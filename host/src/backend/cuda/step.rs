@@ -92,6 +92,9 @@ impl GraphShape {
     /// (64 decodes unsplit are one wave and a bit of the decode kernel, the second wave
     /// mostly idle), as the eager planner's `TARGET_PIECES` does.
     pub fn splits_for(bucket: usize) -> u32 {
+        if bucket >= 128 {
+            return 1;
+        }
         (256 / bucket.max(1)).clamp(1, 64) as u32
     }
 
