@@ -791,33 +791,33 @@ __device__ __forceinline__ void combine(T* out, const float* part_o, const float
             heads, kv_heads, head_dim, block_size, scale                                     \
     }
 
-extern "C" __global__ void __launch_bounds__(128) attn_simt_f32(ATTN_PARAMS(float)) {
+extern "C" __global__ void __launch_bounds__(128) attn_simt_f32(ATTN_PARAMS(float)) { CHIMERA_PDL_ENTRY();
     attn::simt(ATTN_ARGS(float));
 }
-extern "C" __global__ void __launch_bounds__(128) attn_simt_bf16(ATTN_PARAMS(bf16)) {
+extern "C" __global__ void __launch_bounds__(128) attn_simt_bf16(ATTN_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
     attn::simt(ATTN_ARGS(bf16));
 }
 // Decodes (at most 16 packed rows): 4 warps split every 64-key tile, 2-stage K+V ring.
 // d = 128 takes 64.5 KiB of dynamic shared memory (the limit must be raised).
-extern "C" __global__ void __launch_bounds__(128) attn_decode_d64_bf16(ATTN_PARAMS(bf16)) {
+extern "C" __global__ void __launch_bounds__(128) attn_decode_d64_bf16(ATTN_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
     attn::mma<64, 64, 1, false, 4, 2, true>(ATTN_ARGS(bf16));
 }
-extern "C" __global__ void __launch_bounds__(128) attn_decode_d128_bf16(ATTN_PARAMS(bf16)) {
+extern "C" __global__ void __launch_bounds__(128) attn_decode_d128_bf16(ATTN_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
     attn::mma<128, 64, 1, false, 4, 2, true>(ATTN_ARGS(bf16));
 }
 // Small chunks, and the tiles of head dims without a prefill kernel: 4 warps × 16 rows.
-extern "C" __global__ void __launch_bounds__(128) attn_mma_d64_bf16(ATTN_PARAMS(bf16)) {
+extern "C" __global__ void __launch_bounds__(128) attn_mma_d64_bf16(ATTN_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
     attn::mma<64, 64, 1, false, 4, 1>(ATTN_ARGS(bf16));
 }
-extern "C" __global__ void __launch_bounds__(128) attn_mma_d128_bf16(ATTN_PARAMS(bf16)) {
+extern "C" __global__ void __launch_bounds__(128) attn_mma_d128_bf16(ATTN_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
     attn::mma<128, 64, 1, false, 4, 1>(ATTN_ARGS(bf16));
 }
-extern "C" __global__ void __launch_bounds__(128) attn_mma_d256_bf16(ATTN_PARAMS(bf16)) {
+extern "C" __global__ void __launch_bounds__(128) attn_mma_d256_bf16(ATTN_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
     attn::mma<256, 16, 1, false, 4, 1>(ATTN_ARGS(bf16));
 }
 // Prefill tiles, d = 128: 8 warps × 32 rows, Q in shared memory (96.5 KiB: the limit must
 // be raised).
-extern "C" __global__ void __launch_bounds__(256) attn_prefill_d128_bf16(ATTN_PARAMS(bf16)) {
+extern "C" __global__ void __launch_bounds__(256) attn_prefill_d128_bf16(ATTN_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
     attn::mma<128, 64, 2, true, 8, 1>(ATTN_ARGS(bf16));
 }
 
@@ -825,11 +825,11 @@ extern "C" __global__ void __launch_bounds__(256) attn_prefill_d128_bf16(ATTN_PA
     T *out, const float *part_o, const float *part_ml, const u32 *c_token, const u32 *c_part, \
         const u32 *c_stride, const u32 *c_splits, u32 item_base, u32 heads, u32 head_dim
 
-extern "C" __global__ void __launch_bounds__(128) attn_combine_f32(COMBINE_PARAMS(float)) {
+extern "C" __global__ void __launch_bounds__(128) attn_combine_f32(COMBINE_PARAMS(float)) { CHIMERA_PDL_ENTRY();
     attn::combine(out, part_o, part_ml, c_token, c_part, c_stride, c_splits, item_base, heads,
                   head_dim);
 }
-extern "C" __global__ void __launch_bounds__(128) attn_combine_bf16(COMBINE_PARAMS(bf16)) {
+extern "C" __global__ void __launch_bounds__(128) attn_combine_bf16(COMBINE_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
     attn::combine(out, part_o, part_ml, c_token, c_part, c_stride, c_splits, item_base, heads,
                   head_dim);
 }

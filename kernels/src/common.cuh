@@ -107,5 +107,14 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return warp_max(v);
 }
 
+// Programmatic dependent launch (sm_90): the host may launch a kernel while the one before it
+// in the stream is still running (`CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`),
+// which hides the launch latency between small kernels. Every entry point starts with this:
+// it waits until the previous grids have completed and their writes are visible, then lets
+// the next kernel's blocks be scheduled as this grid's blocks retire. Without the attribute
+// both instructions do nothing. `kernels/tests/nvrtc_abi.rs` checks every entry has it.
+#define CHIMERA_PDL_ENTRY()                                                \
+    asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+
 #define CHIMERA_INF __int_as_float(0x7f800000)
 #define CHIMERA_NAN __int_as_float(0x7fc00000)

@@ -560,81 +560,81 @@ __device__ __forceinline__ float f16_to_f32(u16 h) {
     return f;
 }
 
-extern "C" __global__ void cast_f32_to_bf16(bf16* out, const float* in, u64 n) {
+extern "C" __global__ void cast_f32_to_bf16(bf16* out, const float* in, u64 n) { CHIMERA_PDL_ENTRY();
     GRID_STRIDE(i, n) out[i] = f32_to_bf16(in[i]);
 }
-extern "C" __global__ void cast_bf16_to_f32(float* out, const bf16* in, u64 n) {
+extern "C" __global__ void cast_bf16_to_f32(float* out, const bf16* in, u64 n) { CHIMERA_PDL_ENTRY();
     GRID_STRIDE(i, n) out[i] = bf16_to_f32(in[i]);
 }
-extern "C" __global__ void cast_f16_to_bf16(bf16* out, const u16* in, u64 n) {
+extern "C" __global__ void cast_f16_to_bf16(bf16* out, const u16* in, u64 n) { CHIMERA_PDL_ENTRY();
     GRID_STRIDE(i, n) out[i] = f32_to_bf16(f16_to_f32(in[i]));
 }
-extern "C" __global__ void cast_f16_to_f32(float* out, const u16* in, u64 n) {
+extern "C" __global__ void cast_f16_to_f32(float* out, const u16* in, u64 n) { CHIMERA_PDL_ENTRY();
     GRID_STRIDE(i, n) out[i] = f16_to_f32(in[i]);
 }
 
 // The `_f32` / `_bf16` entry points.
 #define INSTANTIATE(T, S)                                                                           \
-    extern "C" __global__ void rms_norm_##S(T* out, const T* x, const T* w, u32 cols, float eps) { \
+    extern "C" __global__ void rms_norm_##S(T* out, const T* x, const T* w, u32 cols, float eps) { CHIMERA_PDL_ENTRY(); \
         rms_norm(out, x, w, cols, eps);                                                             \
     }                                                                                               \
     extern "C" __global__ void add_rms_norm_##S(T* out, T* residual, const T* delta, const T* w,    \
-                                                u32 cols, float eps) {                              \
+                                                u32 cols, float eps) { CHIMERA_PDL_ENTRY();                              \
         add_rms_norm(out, residual, delta, w, cols, eps);                                           \
     }                                                                                               \
     extern "C" __global__ void gated_rms_norm_##S(T* out, const T* x, const T* gate, const T* w,    \
-                                                  u32 cols, u32 group, float eps) {                 \
+                                                  u32 cols, u32 group, float eps) { CHIMERA_PDL_ENTRY();                 \
         gated_rms_norm(out, x, gate, w, cols, group, eps);                                          \
     }                                                                                               \
     extern "C" __global__ void rope_##S(T* x, u32 n, u32 heads, u32 head_dim, u32 half,             \
                                         const u32* positions, const float* inv_freq,                \
-                                        float scaling, u32 row_stride) {                            \
+                                        float scaling, u32 row_stride) { CHIMERA_PDL_ENTRY();                            \
         rope(x, n, heads, head_dim, half, positions, inv_freq, scaling, row_stride);                \
     }                                                                                               \
-    extern "C" __global__ void activate_##S(T* x, u64 n, u32 act) { activate(x, n, act); }         \
-    extern "C" __global__ void act_mul_##S(T* out, const T* gate, const T* up, u64 n, u32 act) {   \
+    extern "C" __global__ void activate_##S(T* x, u64 n, u32 act) { CHIMERA_PDL_ENTRY(); activate(x, n, act); }         \
+    extern "C" __global__ void act_mul_##S(T* out, const T* gate, const T* up, u64 n, u32 act) { CHIMERA_PDL_ENTRY();   \
         act_mul(out, gate, up, n, act);                                                             \
     }                                                                                               \
-    extern "C" __global__ void add_assign_##S(T* x, const T* y, u64 n) { add_assign(x, y, n); }    \
-    extern "C" __global__ void scale_assign_##S(T* x, u64 n, float s) { scale_assign(x, n, s); }   \
+    extern "C" __global__ void add_assign_##S(T* x, const T* y, u64 n) { CHIMERA_PDL_ENTRY(); add_assign(x, y, n); }    \
+    extern "C" __global__ void scale_assign_##S(T* x, u64 n, float s) { CHIMERA_PDL_ENTRY(); scale_assign(x, n, s); }   \
     extern "C" __global__ void gather_rows_##S(T* out, const T* x, const u32* rows, u32 n_out,      \
-                                               u32 cols, u32 n_in) {                                \
+                                               u32 cols, u32 n_in) { CHIMERA_PDL_ENTRY();                                \
         gather_rows(out, x, rows, n_out, cols, n_in);                                               \
     }                                                                                               \
     extern "C" __global__ void kv_write_##S(T* k_cache, T* v_cache, const T* k, const T* v,         \
                                             const u32* slot_mapping, u32 n, u32 kv_width,           \
-                                            u64 cache_rows) {                                       \
+                                            u64 cache_rows) { CHIMERA_PDL_ENTRY();                                       \
         kv_write(k_cache, v_cache, k, v, slot_mapping, n, kv_width, cache_rows);                    \
     }                                                                                               \
     extern "C" __global__ void rope_kv_write_##S(                                                  \
         T* k_cache, T* v_cache, const T* k, const T* v, const u32* slot_mapping, u32 n,             \
         u32 kv_heads, u32 head_dim, u32 half, const u32* positions, const float* inv_freq,          \
-        float scaling, u64 cache_rows) {                                                            \
+        float scaling, u64 cache_rows) { CHIMERA_PDL_ENTRY();                                                            \
         rope_kv_write(k_cache, v_cache, k, v, slot_mapping, n, kv_heads, head_dim, half, positions, \
                       inv_freq, scaling, cache_rows);                                               \
     }                                                                                               \
     extern "C" __global__ void moe_route_##S(u32* ids, float* weights, float* choice,               \
                                              const T* logits, const T* bias, u32 tokens,            \
                                              u32 experts, u32 n_group, u32 topk_group, u32 top_k,   \
-                                             u32 norm, float scaling) {                             \
+                                             u32 norm, float scaling) { CHIMERA_PDL_ENTRY();                             \
         moe_route(ids, weights, choice, logits, bias, tokens, experts, n_group, topk_group, top_k,  \
                   norm, scaling);                                                                   \
     }                                                                                               \
     extern "C" __global__ void moe_scatter_add_##S(T* out, const T* y, const u32* rows,             \
-                                                   const float* w, u32 n, u32 cols) {               \
+                                                   const float* w, u32 n, u32 cols) { CHIMERA_PDL_ENTRY();               \
         moe_scatter_add(out, y, rows, w, n, cols);                                                  \
     }                                                                                               \
-    extern "C" __global__ void add_bias_##S(T* x, const T* b, u32 rows, u32 cols) {                \
+    extern "C" __global__ void add_bias_##S(T* x, const T* b, u32 rows, u32 cols) { CHIMERA_PDL_ENTRY();                \
         add_bias(x, b, rows, cols);                                                                 \
     }                                                                                               \
     extern "C" __global__ void copy_cols_##S(T* out, const T* x, u32 rows, u32 out_cols,            \
-                                             u32 in_cols, u32 col_start) {                          \
+                                             u32 in_cols, u32 col_start) { CHIMERA_PDL_ENTRY();                          \
         copy_cols(out, x, rows, out_cols, in_cols, col_start);                                      \
     }                                                                                               \
-    extern "C" __global__ void fill_random_##S(T* out, u64 n, u64 seed, float std) {               \
+    extern "C" __global__ void fill_random_##S(T* out, u64 n, u64 seed, float std) { CHIMERA_PDL_ENTRY();               \
         fill_random(out, n, seed, std);                                                             \
     }                                                                                               \
-    extern "C" __global__ void fill_##S(T* out, u64 n, float v) { fill(out, n, v); }
+    extern "C" __global__ void fill_##S(T* out, u64 n, float v) { CHIMERA_PDL_ENTRY(); fill(out, n, v); }
 
 INSTANTIATE(float, f32)
 INSTANTIATE(bf16, bf16)

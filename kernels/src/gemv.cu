@@ -121,7 +121,7 @@ __device__ void gemv(const bf16* __restrict__ x, u32 n, u32 k, const bf16* w0, c
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                \
         NAME(const bf16* x, u32 n, u32 k, const bf16* w0, const bf16* b0, bf16* y0, u32 m0,      \
              const bf16* w1, const bf16* b1, bf16* y1, u32 m1, const bf16* w2, const bf16* b2,   \
-             bf16* y2, u32 m2) {                                                                 \
+             bf16* y2, u32 m2) { CHIMERA_PDL_ENTRY();                                                                 \
         gemv<N, ROWS, U>(x, n, k, w0, b0, y0, m0, w1, b1, y1, m1, w2, b2, y2, m2);                     \
     }
 

@@ -78,7 +78,7 @@ __device__ u32 block_exclusive_scan(u32 v, u32* scratch, u32& total) {
 // One CTA of SORT_WARPS warps; dynamic shared memory: experts * SORT_WARPS words.
 extern "C" __global__ void moe_sort(u32* sorted, u32* offsets, u32* tile_e, u32* tile_m,
                                     u32* n_tiles, const u32* ids, u32 n, u32 experts,
-                                    u32 max_tiles) {
+                                    u32 max_tiles) { CHIMERA_PDL_ENTRY();
     extern __shared__ u32 moe_hist[];  // [experts][SORT_WARPS]: counts, then cursors
     __shared__ u32 scratch[33];
     const u32 cells = experts * SORT_WARPS;
@@ -446,29 +446,29 @@ __device__ __forceinline__ void moe_combine(T* out, const T* y, const u32* ids, 
         u32 top_k, u32 act
 #define GROUPS Groups{sorted, offsets, tile_e, tile_m, n_tiles}
 
-extern "C" __global__ void __launch_bounds__(G_THREADS, 3) moe_up_bf16(GEMM_PARAMS(bf16)) {
+extern "C" __global__ void __launch_bounds__(G_THREADS, 3) moe_up_bf16(GEMM_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
     grouped_mma<MODE_UP>(c, a, b, gate, w, GROUPS, K, N, top_k, act);
 }
-extern "C" __global__ void __launch_bounds__(G_THREADS, 3) moe_up_gated_bf16(GEMM_PARAMS(bf16)) {
+extern "C" __global__ void __launch_bounds__(G_THREADS, 3) moe_up_gated_bf16(GEMM_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
     grouped_mma<MODE_UP_GATED>(c, a, b, gate, w, GROUPS, K, N, top_k, act);
 }
-extern "C" __global__ void __launch_bounds__(G_THREADS, 3) moe_down_bf16(GEMM_PARAMS(bf16)) {
+extern "C" __global__ void __launch_bounds__(G_THREADS, 3) moe_down_bf16(GEMM_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
     grouped_mma<MODE_DOWN>(c, a, b, gate, w, GROUPS, K, N, top_k, act);
 }
-extern "C" __global__ void __launch_bounds__(FS_THREADS) moe_up_f32(GEMM_PARAMS(float)) {
+extern "C" __global__ void __launch_bounds__(FS_THREADS) moe_up_f32(GEMM_PARAMS(float)) { CHIMERA_PDL_ENTRY();
     grouped_simt<MODE_UP>(c, a, b, gate, w, GROUPS, K, N, top_k, act);
 }
-extern "C" __global__ void __launch_bounds__(FS_THREADS) moe_up_gated_f32(GEMM_PARAMS(float)) {
+extern "C" __global__ void __launch_bounds__(FS_THREADS) moe_up_gated_f32(GEMM_PARAMS(float)) { CHIMERA_PDL_ENTRY();
     grouped_simt<MODE_UP_GATED>(c, a, b, gate, w, GROUPS, K, N, top_k, act);
 }
-extern "C" __global__ void __launch_bounds__(FS_THREADS) moe_down_f32(GEMM_PARAMS(float)) {
+extern "C" __global__ void __launch_bounds__(FS_THREADS) moe_down_f32(GEMM_PARAMS(float)) { CHIMERA_PDL_ENTRY();
     grouped_simt<MODE_DOWN>(c, a, b, gate, w, GROUPS, K, N, top_k, act);
 }
 extern "C" __global__ void moe_combine_f32(float* out, const float* y, const u32* ids, u32 top_k,
-                                           u32 hidden, u32 experts) {
+                                           u32 hidden, u32 experts) { CHIMERA_PDL_ENTRY();
     moe_combine(out, y, ids, top_k, hidden, experts);
 }
 extern "C" __global__ void moe_combine_bf16(bf16* out, const bf16* y, const u32* ids, u32 top_k,
-                                            u32 hidden, u32 experts) {
+                                            u32 hidden, u32 experts) { CHIMERA_PDL_ENTRY();
     moe_combine(out, y, ids, top_k, hidden, experts);
 }

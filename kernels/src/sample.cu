@@ -273,7 +273,7 @@ extern "C" __global__ void __launch_bounds__(CHUNK_THREADS) sample_chunk_topk(
     float* logits, const u32* sample_rows, const float* repetition, const float* presence,
     const float* frequency, const u32* want_lse, const u32* hist_offsets, const u32* hist_tokens,
     const u32* hist_counts, u32 vocab, u32 chunk, u32 parts, u32 k, u64* part_keys,
-    float* part_stats) {
+    float* part_stats) { CHIMERA_PDL_ENTRY();
     extern __shared__ u32 chunk_dk[];
     __shared__ SelectSmem sm;
     const u32 i = blockIdx.x / parts, part = blockIdx.x % parts;
@@ -343,7 +343,7 @@ __device__ void merge_select(const Src& src, u32 count, u32 k, u64* sorted, Sele
 extern "C" __global__ void __launch_bounds__(MERGE_THREADS) sample_merge(
     const float* logits, const u32* sample_rows, const u32* want_lse, u32 vocab, u32 parts,
     u32 k, u32 cache, const u64* part_keys, const float* part_stats, u32* cand_tokens,
-    float* cand_logits, float* lse) {
+    float* cand_logits, float* lse) { CHIMERA_PDL_ENTRY();
     extern __shared__ u64 merge_keys[];
     __shared__ SelectSmem sm;
     const u32 i = blockIdx.x, count = parts * k;
@@ -390,7 +390,7 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) sample_row_topk(
     float* logits, const u32* sample_rows, const float* repetition, const float* presence,
     const float* frequency, const u32* want_lse, const u32* hist_offsets, const u32* hist_tokens,
     const u32* hist_counts, u32 vocab, u32 k, u32 sort_in_smem, u32* cand_tokens,
-    float* cand_logits, float* lse) {
+    float* cand_logits, float* lse) { CHIMERA_PDL_ENTRY();
     extern __shared__ u64 row_keys[];
     __shared__ SelectSmem sm;
     const u32 i = blockIdx.x;

@@ -963,12 +963,12 @@ __device__ void scan_mma(const bf16* x, const bf16* b, const bf16* c, const bf16
 
 extern "C" __global__ void __launch_bounds__(256)
     ssm_slot_ops(float* conv, float* ssmp, const u32* op_from, const u32* op_to, u32 op_base,
-                 u32 slots, u64 conv_per, u64 ssm_per) {
+                 u32 slots, u64 conv_per, u64 ssm_per) { CHIMERA_PDL_ENTRY();
     ssm::slot_ops<false>(conv, ssmp, op_from, op_to, op_base, slots, conv_per, ssm_per);
 }
 extern "C" __global__ void __launch_bounds__(256)
     ssm_slot_ops_v4(float* conv, float* ssmp, const u32* op_from, const u32* op_to, u32 op_base,
-                    u32 slots, u64 conv_per, u64 ssm_per) {
+                    u32 slots, u64 conv_per, u64 ssm_per) { CHIMERA_PDL_ENTRY();
     ssm::slot_ops<true>(conv, ssmp, op_from, op_to, op_base, slots, conv_per, ssm_per);
 }
 
@@ -982,10 +982,10 @@ extern "C" __global__ void __launch_bounds__(256)
     x, weight, bias, out, pool, seq_tok, seq_slot, ck_tok, ck_len, ck_seq, ck_snap, ck_snaps, \
         snap_slot, channels, kernel, x_ld, out_ld, layer, layers, slots, ch_blocks, row_blocks
 
-extern "C" __global__ void __launch_bounds__(128) ssm_conv_chunks_f32(CONV_CHUNKS_PARAMS(float)) {
+extern "C" __global__ void __launch_bounds__(128) ssm_conv_chunks_f32(CONV_CHUNKS_PARAMS(float)) { CHIMERA_PDL_ENTRY();
     ssm::conv_chunks(CONV_CHUNKS_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(128) ssm_conv_chunks_bf16(CONV_CHUNKS_PARAMS(bf16)) {
+extern "C" __global__ void __launch_bounds__(128) ssm_conv_chunks_bf16(CONV_CHUNKS_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
     ssm::conv_chunks(CONV_CHUNKS_ARGS);
 }
 
@@ -998,10 +998,10 @@ extern "C" __global__ void __launch_bounds__(128) ssm_conv_chunks_bf16(CONV_CHUN
     x, weight, bias, out, pool, seq_tok, seq_len, seq_slot, seq_snap, seq_snaps, snap_slot,    \
         dec_count, channels, kernel, x_ld, out_ld, layer, layers, slots, ch_blocks
 
-extern "C" __global__ void __launch_bounds__(128) ssm_conv_update_f32(CONV_UPDATE_PARAMS(float)) {
+extern "C" __global__ void __launch_bounds__(128) ssm_conv_update_f32(CONV_UPDATE_PARAMS(float)) { CHIMERA_PDL_ENTRY();
     ssm::conv_update(CONV_UPDATE_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(128) ssm_conv_update_bf16(CONV_UPDATE_PARAMS(bf16)) {
+extern "C" __global__ void __launch_bounds__(128) ssm_conv_update_bf16(CONV_UPDATE_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
     ssm::conv_update(CONV_UPDATE_ARGS);
 }
 
@@ -1016,17 +1016,17 @@ extern "C" __global__ void __launch_bounds__(128) ssm_conv_update_bf16(CONV_UPDA
         snap_slot, heads, head_dim, groups, state, x_ld, bc_ld, dt_ld, out_ld, layer, layers,  \
         slots, dt_min, dt_max
 
-extern "C" __global__ void __launch_bounds__(256) ssm_decode_f32(DECODE_PARAMS(float, float)) {
+extern "C" __global__ void __launch_bounds__(256) ssm_decode_f32(DECODE_PARAMS(float, float)) { CHIMERA_PDL_ENTRY();
     ssm::decode(DECODE_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(256) ssm_decode_bf16(DECODE_PARAMS(bf16, float)) {
+extern "C" __global__ void __launch_bounds__(256) ssm_decode_bf16(DECODE_PARAMS(bf16, float)) { CHIMERA_PDL_ENTRY();
     ssm::decode(DECODE_ARGS);
 }
 // bf16 state storage (cache.ssm_state_dtype = "bfloat16"): read and written as bf16, updated in f32.
-extern "C" __global__ void __launch_bounds__(256) ssm_decode_f32_sbf16(DECODE_PARAMS(float, bf16)) {
+extern "C" __global__ void __launch_bounds__(256) ssm_decode_f32_sbf16(DECODE_PARAMS(float, bf16)) { CHIMERA_PDL_ENTRY();
     ssm::decode(DECODE_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(256) ssm_decode_bf16_sbf16(DECODE_PARAMS(bf16, bf16)) {
+extern "C" __global__ void __launch_bounds__(256) ssm_decode_bf16_sbf16(DECODE_PARAMS(bf16, bf16)) { CHIMERA_PDL_ENTRY();
     ssm::decode(DECODE_ARGS);
 }
 
@@ -1035,26 +1035,26 @@ extern "C" __global__ void __launch_bounds__(256) ssm_decode_bf16_sbf16(DECODE_P
         const u32 *ck_len, u32 heads, u32 dt_ld, u32 head_blocks, float dt_min, float dt_max
 #define DT_ARGS dt, dt_bias, a_log, dtv, acum, ck_tok, ck_len, heads, dt_ld, head_blocks, dt_min, dt_max
 
-extern "C" __global__ void __launch_bounds__(256) ssd_dt_f32(DT_PARAMS(float)) { ssm::ssd_dt(DT_ARGS); }
-extern "C" __global__ void __launch_bounds__(256) ssd_dt_bf16(DT_PARAMS(bf16)) { ssm::ssd_dt(DT_ARGS); }
+extern "C" __global__ void __launch_bounds__(256) ssd_dt_f32(DT_PARAMS(float)) { CHIMERA_PDL_ENTRY(); ssm::ssd_dt(DT_ARGS); }
+extern "C" __global__ void __launch_bounds__(256) ssd_dt_bf16(DT_PARAMS(bf16)) { CHIMERA_PDL_ENTRY(); ssm::ssd_dt(DT_ARGS); }
 
 #define STATES_PARAMS(T)                                                                      \
     const T *x, const T *b, const float *dtv, const float *acum, float *states,                \
         const u32 *ck_tok, const u32 *ck_len, u32 heads, u32 head_dim, u32 groups, u32 state,  \
         u32 x_ld, u32 bc_ld, u32 p_tiles, u32 n_tiles
 
-extern "C" __global__ void __launch_bounds__(256) ssd_states_simt_f32(STATES_PARAMS(float)) {
+extern "C" __global__ void __launch_bounds__(256) ssd_states_simt_f32(STATES_PARAMS(float)) { CHIMERA_PDL_ENTRY();
     ssm::states_simt(x, b, dtv, acum, states, ck_tok, ck_len, heads, head_dim, groups, state,
                      x_ld, bc_ld, p_tiles, n_tiles);
 }
-extern "C" __global__ void __launch_bounds__(256) ssd_states_simt_bf16(STATES_PARAMS(bf16)) {
+extern "C" __global__ void __launch_bounds__(256) ssd_states_simt_bf16(STATES_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
     ssm::states_simt(x, b, dtv, acum, states, ck_tok, ck_len, heads, head_dim, groups, state,
                      x_ld, bc_ld, p_tiles, n_tiles);
 }
-extern "C" __global__ void __launch_bounds__(128) ssd_states_mma_p64n64_bf16(STATES_PARAMS(bf16)) {
+extern "C" __global__ void __launch_bounds__(128) ssd_states_mma_p64n64_bf16(STATES_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
     ssm::states_mma<64, 64>(x, b, dtv, acum, states, ck_tok, ck_len, heads, groups, x_ld, bc_ld);
 }
-extern "C" __global__ void __launch_bounds__(128) ssd_states_mma_p64n128_bf16(STATES_PARAMS(bf16)) {
+extern "C" __global__ void __launch_bounds__(128) ssd_states_mma_p64n128_bf16(STATES_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
     ssm::states_mma<64, 128>(x, b, dtv, acum, states, ck_tok, ck_len, heads, groups, x_ld, bc_ld);
 }
 
@@ -1067,10 +1067,10 @@ extern "C" __global__ void __launch_bounds__(128) ssd_states_mma_p64n128_bf16(ST
     states, acum, pool, seq_slot, seq_chunk, seq_chunks, ck_tok, ck_len, ck_snap, ck_snaps,    \
         snap_slot, seq_base, heads, pn, layer, layers, slots, tiles
 
-extern "C" __global__ void __launch_bounds__(256, 4) ssd_pass(PASS_PARAMS(float)) {
+extern "C" __global__ void __launch_bounds__(256, 4) ssd_pass(PASS_PARAMS(float)) { CHIMERA_PDL_ENTRY();
     ssm::ssd_pass(PASS_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(256, 4) ssd_pass_sbf16(PASS_PARAMS(bf16)) {
+extern "C" __global__ void __launch_bounds__(256, 4) ssd_pass_sbf16(PASS_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
     ssm::ssd_pass(PASS_ARGS);
 }
 
@@ -1080,19 +1080,19 @@ extern "C" __global__ void __launch_bounds__(256, 4) ssd_pass_sbf16(PASS_PARAMS(
         u32 head_dim, u32 groups, u32 state, u32 x_ld, u32 bc_ld, u32 out_ld, u32 l_tiles,     \
         u32 p_tiles
 
-extern "C" __global__ void __launch_bounds__(256, 2) ssd_scan_simt_f32(SCAN_PARAMS(float)) {
+extern "C" __global__ void __launch_bounds__(256, 2) ssd_scan_simt_f32(SCAN_PARAMS(float)) { CHIMERA_PDL_ENTRY();
     ssm::scan_simt(x, b, c, d, dtv, acum, states, out, ck_tok, ck_len, heads, head_dim, groups,
                    state, x_ld, bc_ld, out_ld, l_tiles, p_tiles);
 }
-extern "C" __global__ void __launch_bounds__(256, 2) ssd_scan_simt_bf16(SCAN_PARAMS(bf16)) {
+extern "C" __global__ void __launch_bounds__(256, 2) ssd_scan_simt_bf16(SCAN_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
     ssm::scan_simt(x, b, c, d, dtv, acum, states, out, ck_tok, ck_len, heads, head_dim, groups,
                    state, x_ld, bc_ld, out_ld, l_tiles, p_tiles);
 }
-extern "C" __global__ void __launch_bounds__(128, 3) ssd_scan_mma_p64n64_bf16(SCAN_PARAMS(bf16)) {
+extern "C" __global__ void __launch_bounds__(128, 3) ssd_scan_mma_p64n64_bf16(SCAN_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
     ssm::scan_mma<64, 64>(x, b, c, d, dtv, acum, states, out, ck_tok, ck_len, heads, groups,
                           x_ld, bc_ld, out_ld, l_tiles);
 }
-extern "C" __global__ void __launch_bounds__(128, 3) ssd_scan_mma_p64n128_bf16(SCAN_PARAMS(bf16)) {
+extern "C" __global__ void __launch_bounds__(128, 3) ssd_scan_mma_p64n128_bf16(SCAN_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
     ssm::scan_mma<64, 128>(x, b, c, d, dtv, acum, states, out, ck_tok, ck_len, heads, groups,
                            x_ld, bc_ld, out_ld, l_tiles);
 }

@@ -30,6 +30,19 @@ fn ptx_entries(ptx: &str) -> Vec<(String, Vec<String>)> {
     out
 }
 
+/// The PTX text of entry `name`, from its header to the next entry (empty if absent).
+fn entry_body<'a>(ptx: &'a str, name: &str) -> &'a str {
+    let header = format!(".entry {name}(");
+    let Some(at) = ptx.find(&header) else {
+        return "";
+    };
+    let rest = &ptx[at + header.len()..];
+    match rest.find(".entry ") {
+        Some(end) => &rest[..end],
+        None => rest,
+    }
+}
+
 #[test]
 fn every_kernel_compiles_for_sm90a_without_spills_and_matches_its_abi_table() {
     let version = match nvrtc_version() {
@@ -81,6 +94,14 @@ fn every_kernel_compiles_for_sm90a_without_spills_and_matches_its_abi_table() {
                     source.name, entry.name
                 )),
                 Some(_) => {}
+            }
+            // The host launches every kernel with programmatic stream serialization: each one
+            // must wait for its predecessor before touching memory (CHIMERA_PDL_ENTRY).
+            if !entry_body(ptx, entry.name).contains("griddepcontrol.wait") {
+                failures.push(format!(
+                    "{}: entry {} does not start with CHIMERA_PDL_ENTRY()",
+                    source.name, entry.name
+                ));
             }
         }
         for (name, _) in &found {

@@ -435,6 +435,21 @@ fn decode(
             "reported".into(),
             true,
         );
+        // The same graph step captured without programmatic dependent launch: what it gains.
+        gpu.set_pdl(false);
+        let no_pdl = timed.run(&mut gstep, &mut caches, true);
+        gpu.set_pdl(true);
+        let (_, no_pdl_ms) = no_pdl?;
+        report.push(
+            SUITE,
+            format!(
+                "{name} graph decode bs{batch} ctx{CONTEXT}, without programmatic dependent launch (with {ms:.2} ms; reported)"
+            ),
+            no_pdl_ms,
+            format!("{no_pdl_ms:.2} ms ({:.2}×)", no_pdl_ms / floor_ms),
+            "reported".into(),
+            true,
+        );
         if batch <= 2 {
             // The same graph step with every linear layer on cuBLASLt: what the one-pass GEMV
             // (the default at one and two rows) gains.

@@ -92,6 +92,8 @@ pub struct Device {
     pub(crate) sticky: AtomicBool,
     /// The SSD chunk size of the model's Mamba2 layers (0: none), set at model load.
     pub(crate) ssm_chunk: std::sync::atomic::AtomicU32,
+    /// Launch kernels with programmatic stream serialization (see [`Device::launch`]).
+    pdl: AtomicBool,
     /// Per-operation device time, while switched on ([`Device::profile_start`]).
     profiling: AtomicBool,
     profile: Mutex<Vec<(&'static str, sys::CUevent, sys::CUevent)>>,
@@ -203,6 +205,7 @@ impl Device {
             modules,
             sticky: AtomicBool::new(false),
             ssm_chunk: std::sync::atomic::AtomicU32::new(0),
+            pdl: AtomicBool::new(std::env::var("CHIMERA_PDL").map_or(true, |v| v != "0")),
             profiling: AtomicBool::new(false),
             profile: Mutex::new(Vec::new()),
         }))
@@ -331,7 +334,20 @@ impl Device {
         Ok(())
     }
 
+    /// Programmatic dependent launch on or off (on unless `CHIMERA_PDL=0`): what it gains is
+    /// measured by turning it off.
+    pub fn set_pdl(&self, on: bool) {
+        self.pdl.store(on, Ordering::Relaxed);
+    }
+
     /// Launches `kernel` on `stream` after checking `args` against its declared parameters.
+    ///
+    /// With programmatic stream serialization (PDL, sm_90), the driver may start the kernel
+    /// while the previous kernel in the stream finishes: every kernel begins with
+    /// `CHIMERA_PDL_ENTRY()` (checked by the kernel crate's ABI test), which waits until its
+    /// predecessors have completed and their writes are visible before touching memory. What
+    /// is saved is the gap between consecutive small kernels (launch latency and block
+    /// scheduling), also inside captured graphs.
     pub(crate) fn launch(
         &self,
         stream: sys::CUstream,
@@ -378,20 +394,53 @@ impl Device {
             *p = (&mut vals[i] as *mut u64).cast();
         }
         let timed = self.op_begin(stream)?;
-        // SAFETY: the arguments match the kernel's declared parameters (checked above and,
-        // against the PTX, by the kernel crate's ABI test); every pointer argument is a live
-        // device allocation of this context owned by the caller until the stream passes it.
-        unsafe {
-            result::launch_kernel(
-                kernel.func,
-                grid,
-                block,
-                smem,
-                stream,
-                &mut ptrs[..args.len()],
-            )
-        }
-        .map_err(|e| self.fail(&format!("launching {}", kernel.entry.name), e))?;
+        let launched = if self.pdl.load(Ordering::Relaxed) {
+            let mut attr = sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                pad: [0; 4],
+                // SAFETY: an all-zero union is a valid value of every member.
+                value: unsafe { std::mem::zeroed() },
+            };
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            let config = sys::CUlaunchConfig {
+                gridDimX: grid.0,
+                gridDimY: grid.1,
+                gridDimZ: grid.2,
+                blockDimX: block.0,
+                blockDimY: block.1,
+                blockDimZ: block.2,
+                sharedMemBytes: smem,
+                hStream: stream,
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            // SAFETY: as below; `config` and `attr` outlive the call.
+            unsafe {
+                sys::cuLaunchKernelEx(
+                    &config,
+                    kernel.func,
+                    ptrs.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            }
+            .result()
+        } else {
+            // SAFETY: the arguments match the kernel's declared parameters (checked above and,
+            // against the PTX, by the kernel crate's ABI test); every pointer argument is a
+            // live device allocation of this context owned by the caller until the stream
+            // passes it.
+            unsafe {
+                result::launch_kernel(
+                    kernel.func,
+                    grid,
+                    block,
+                    smem,
+                    stream,
+                    &mut ptrs[..args.len()],
+                )
+            }
+        };
+        launched.map_err(|e| self.fail(&format!("launching {}", kernel.entry.name), e))?;
         self.op_end(kernel.entry.name, timed, stream)
     }
 }

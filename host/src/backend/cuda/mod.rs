@@ -270,6 +270,12 @@ impl CudaBackend {
         self.inner.small_m_gemv.store(on, Ordering::Relaxed);
     }
 
+    /// Programmatic dependent launch on or off for the kernels launched (or captured) from now
+    /// on (on by default; `CHIMERA_PDL=0` turns it off at start).
+    pub fn set_pdl(&self, on: bool) {
+        self.dev().set_pdl(on);
+    }
+
     /// `y_s = x · w_sᵀ (+ b_s)` for up to three weights sharing `x` in one GEMV launch, when
     /// the shapes allow it (bf16, one or two rows, `k` a multiple of 8, every `m` a multiple of
     /// the variant's features per block); `None` leaves the work to cuBLASLt.
