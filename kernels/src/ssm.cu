@@ -232,7 +232,6 @@ __device__ void conv_update(const T* x, const T* weight, const T* bias, T* out, 
 
 constexpr int DEC_THREADS = 256;  // ssm.rs: DEC_THREADS
 constexpr int DEC_WARPS = DEC_THREADS / 32;
-constexpr int DEC_ROWS = 8;  // rows a warp holds in the one-pass path (P ≤ 64)
 
 template <typename T, typename S>
 __device__ void decode(const T* x, const T* b, const T* c, const T* dt, const T* a_log,
@@ -260,64 +259,6 @@ __device__ void decode(const T* x, const T* b, const T* c, const T* dt, const T*
     const i64 brow = (i64)tok * bc_ld + (i64)g * N;
     const i64 xrow = (i64)tok * x_ld + (i64)h * P;
     const u32 k0 = seq_snap[e], nk = seq_snaps[e];
-    // B and C are the same for every row p: with N ≤ 128 (one piece) they are loaded once.
-    float bpre[4], cpre[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const u32 n = lane + 32 * j;
-        bpre[j] = n < N ? load(b, brow + n) : 0.0f;
-        cpre[j] = n < N ? load(c, brow + n) : 0.0f;
-    }
-    if (N <= 128 && P <= DEC_ROWS * DEC_WARPS) {
-        // The common shape (Mamba2 heads of up to 64 rows, state up to 128): each warp owns
-        // up to DEC_ROWS rows and issues every state load of them at once. A CTA's state
-        // is small (one head), so what bounds the kernel is loads in flight, not bandwidth.
-        float s[DEC_ROWS][4], xv[DEC_ROWS];
-#pragma unroll
-        for (int r = 0; r < DEC_ROWS; ++r) {
-            const u32 p = warp + r * DEC_WARPS;
-            const bool in = p < P;
-            xv[r] = in ? load(x, xrow + p) : 0.0f;
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const u32 n = lane + 32 * j;
-                s[r][j] = in && n < N ? load(st, p * N + n) : 0.0f;
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < DEC_ROWS; ++r) {
-            const u32 p = warp + r * DEC_WARPS;
-            if (p >= P) continue;
-            const float dx = dtv * xv[r];
-            float acc = 0.0f;
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const u32 n = lane + 32 * j;
-                if (n >= N) continue;
-                s[r][j] = s[r][j] * decay + dx * bpre[j];
-                acc += s[r][j] * cpre[j];
-                store(st, p * N + n, s[r][j]);
-            }
-            acc = warp_sum(acc);
-            if (lane == 0) store(out, yrow + p, acc + dh * xv[r]);
-        }
-        // Snapshot copies (a decode that completes a block), after the live state.
-        for (u32 k = k0; k < k0 + nk; ++k) {
-            S* dst = layer_state(pool, snap_slot[k], slots, layer, layers, pn * heads);
-            if (!dst) continue;
-            dst += h * pn;
-#pragma unroll
-            for (int r = 0; r < DEC_ROWS; ++r) {
-                const u32 p = warp + r * DEC_WARPS;
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const u32 n = lane + 32 * j;
-                    if (p < P && n < N) store(dst, p * N + n, s[r][j]);
-                }
-            }
-        }
-        return;
-    }
     for (u32 p = warp; p < P; p += 2 * DEC_WARPS) {
         const u32 p2 = p + DEC_WARPS;
         const bool two = p2 < P;
@@ -325,23 +266,18 @@ __device__ void decode(const T* x, const T* b, const T* c, const T* dt, const T*
         const float dx1 = dtv * x1, dx2 = dtv * x2;
         float acc1 = 0.0f, acc2 = 0.0f;
         for (u32 n0 = 0; n0 < N; n0 += 128) {
-            // Every load of the piece (state rows, and B, C beyond 128) before its first
-            // store: a load after a store to memory that may alias waits for it, one round
-            // trip per element.
-            float s1[4], s2[4], bv[4], cv[4];
+            float s1[4], s2[4];
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const u32 n = n0 + lane + 32 * j;
                 s1[j] = n < N ? load(st, p * N + n) : 0.0f;
                 s2[j] = (two && n < N) ? load(st, p2 * N + n) : 0.0f;
-                bv[j] = N <= 128 ? bpre[j] : n < N ? load(b, brow + n) : 0.0f;
-                cv[j] = N <= 128 ? cpre[j] : n < N ? load(c, brow + n) : 0.0f;
             }
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const u32 n = n0 + lane + 32 * j;
                 if (n >= N) continue;
-                const float bn = bv[j], cn = cv[j];
+                const float bn = load(b, brow + n), cn = load(c, brow + n);
                 s1[j] = s1[j] * decay + dx1 * bn;
                 acc1 += s1[j] * cn;
                 store(st, p * N + n, s1[j]);
