@@ -90,8 +90,8 @@ const MIN_SPLIT: u32 = 128;
 /// About two waves of the decode kernel's CTAs on a 132-SM GPU at 8 KV heads: one wave and a
 /// bit (64 decodes of 2048 keys unsplit) left most SMs idle for the second.
 const TARGET_PIECES: u64 = 256;
-/// Steps with at least this many query tiles already fill the GPU: nothing is split (a
-/// 4096-token prefill chunk split into pieces paid a combine pass for nothing).
+/// Steps with at least this many 16-row query tiles already fill the GPU: nothing is split
+/// (a 4096-token prefill chunk split into pieces paid a combine pass for nothing).
 const NO_SPLIT_TILES: u64 = 128;
 
 /// The uploaded work columns (all `u32`). Item columns have [`AttnPlan::items`] entries;
@@ -222,20 +222,21 @@ fn pieces(kv_end: u32, split_len: u32) -> (u32, u32) {
     (kv_end.div_ceil(len), len)
 }
 
-/// The split length: no split when the step has [`NO_SPLIT_TILES`] query tiles or more; else
+/// The split length: no split when the step has [`NO_SPLIT_TILES`] 16-row query tiles or
+/// more; else
 /// the step's work (keys × query tiles of 16 tokens, summed over tiles) divided into about
 /// [`TARGET_PIECES`] pieces, at least [`MIN_SPLIT`], and doubled until
 /// the partial rows fit [`MAX_PARTIAL_ROWS`].
 fn choose_split_len(cu: &[u32], ctx: &[u32]) -> u32 {
     let mut work = 0u64;
     let mut longest = 0u32;
-    let mut tiles = 0u64;
+    let mut row_tiles = 0u64;
     for_each_tile(cu, ctx, |_, _, q_count, kv_end| {
         work += u64::from(kv_end) * u64::from(q_count.div_ceil(16));
         longest = longest.max(kv_end);
-        tiles += 1;
+        row_tiles += u64::from(q_count.div_ceil(16));
     });
-    if tiles >= NO_SPLIT_TILES {
+    if row_tiles >= NO_SPLIT_TILES {
         return longest.max(MIN_SPLIT);
     }
     let target = work
@@ -912,6 +913,16 @@ mod tests {
         let l = launches(&p, dims(32, 8, 128, 256), true).expect("shape");
         assert_eq!(l.len(), 1);
         assert_eq!(scratch_bytes(&p, dims(32, 8, 128, 256)), [0, 0]);
+    }
+
+    #[test]
+    fn a_long_prefill_chunk_is_not_split() {
+        let q = vec![4096];
+        let ctx = vec![0];
+        let mut p = AttnPlan::new();
+        plan(&cu_of(&q), &ctx, &mut p);
+        assert_eq!(p.partial_rows(), 0);
+        assert_eq!(p.items(), 4096 / Q_TILE as usize);
     }
 
     #[test]

@@ -75,9 +75,10 @@ __device__ void gemv(const bf16* __restrict__ x, u32 n, u32 k, const bf16* w0, c
 
     const bf16* wr = w + (u64)row * k;
     const u32 stride = GEMV_WARPS * 32 * 8;
-    for (u32 base = (warp * 32 + lane) * 8; base < k; base += stride * U) {
-        u32x4 wv[U][ROWS];
-        // Every weight load of this trip is issued before any arithmetic.
+    const u32 first = (warp * 32 + lane) * 8;
+    u32x4 wv[U][ROWS];
+    // Every weight load of a trip is issued before any arithmetic.
+    auto load_trip = [&](u32 base) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const u32 c = base + u * stride;
@@ -85,6 +86,14 @@ __device__ void gemv(const bf16* __restrict__ x, u32 n, u32 k, const bf16* w0, c
             for (int r = 0; r < ROWS; ++r)
                 if (c < k) wv[u][r] = ld16(wr + (u64)r * k + c);
         }
+    };
+    // The weights never depend on the previous kernel: the first trip's loads go out before
+    // waiting for it (programmatic dependent launch, see CHIMERA_PDL_ENTRY), so a launch
+    // overlaps its ramp-up with the tail of the kernel before. x is read only after the wait.
+    load_trip(first);
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    for (u32 base = first; base < k; base += stride * U) {
+        if (base != first) load_trip(base);
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const u32 c = base + u * stride;
@@ -121,7 +130,8 @@ __device__ void gemv(const bf16* __restrict__ x, u32 n, u32 k, const bf16* w0, c
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                \
         NAME(const bf16* x, u32 n, u32 k, const bf16* w0, const bf16* b0, bf16* y0, u32 m0,      \
              const bf16* w1, const bf16* b1, bf16* y1, u32 m1, const bf16* w2, const bf16* b2,   \
-             bf16* y2, u32 m2) { CHIMERA_PDL_ENTRY();                                                                 \
+             bf16* y2, u32 m2) {                                                                     \
+        asm volatile("griddepcontrol.launch_dependents;" ::: "memory");                          \
         gemv<N, ROWS, U>(x, n, k, w0, b0, y0, m0, w1, b1, y1, m1, w2, b2, y2, m2);                     \
     }
 
