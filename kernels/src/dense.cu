@@ -370,7 +370,8 @@ __device__ void kv_write(T* k_cache, T* v_cache, const T* k, const T* v, const u
 
 // Rotates token t's keys (as `rope`) on their way into the cache and writes its values: the
 // RoPE of K fused with the paged KV write. One block per token; a slot ≥ cache_rows (padding)
-// is skipped. `k` itself is left as it was.
+// is skipped. `k` itself is left as it was. The entry point also rotates the token's queries
+// in place (`rope`), so that Q's and K's rotations and the KV write are one launch.
 template <typename T>
 __device__ void rope_kv_write(T* k_cache, T* v_cache, const T* k, const T* v,
                               const u32* slot_mapping, u32 n, u32 kv_heads, u32 head_dim,
@@ -609,9 +610,10 @@ extern "C" __global__ void cast_f16_to_f32(float* out, const u16* in, u64 n) { C
     extern "C" __global__ void rope_kv_write_##S(                                                  \
         T* k_cache, T* v_cache, const T* k, const T* v, const u32* slot_mapping, u32 n,             \
         u32 kv_heads, u32 head_dim, u32 half, const u32* positions, const float* inv_freq,          \
-        float scaling, u64 cache_rows) { CHIMERA_PDL_ENTRY();                                                            \
+        float scaling, u64 cache_rows, T* q, u32 heads) { CHIMERA_PDL_ENTRY();                       \
         rope_kv_write(k_cache, v_cache, k, v, slot_mapping, n, kv_heads, head_dim, half, positions, \
                       inv_freq, scaling, cache_rows);                                               \
+        rope(q, n, heads, head_dim, half, positions, inv_freq, scaling, heads * head_dim);          \
     }                                                                                               \
     extern "C" __global__ void moe_route_##S(u32* ids, float* weights, float* choice,               \
                                              const T* logits, const T* bias, u32 tokens,            \

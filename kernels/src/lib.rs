@@ -187,7 +187,7 @@ pub mod dense {
     const GATHER: &[Param] = &[Ptr, Ptr, Ptr, U32, U32, U32];
     const KV_WRITE: &[Param] = &[Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U64];
     const ROPE_KV_WRITE: &[Param] = &[
-        Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, Ptr, Ptr, F32, U64,
+        Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, Ptr, Ptr, F32, U64, Ptr, U32,
     ];
     const BIAS: &[Param] = &[Ptr, Ptr, U32, U32];
     const MOE_ROUTE: &[Param] = &[Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, U32, U32, F32];

@@ -223,7 +223,7 @@ impl<B: Backend> Backend for Counting<B> {
     }
     fn rope_paged_attention(
         &self,
-        q: &Self::Tensor,
+        q: Self::Tensor,
         k: Self::Tensor,
         v: &Self::Tensor,
         cache: &mut KvLayer<Self::Tensor>,

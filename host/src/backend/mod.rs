@@ -497,13 +497,13 @@ pub trait Backend: Send + Sync + 'static {
         step: &Self::Step,
     ) -> Result<Self::Tensor>;
 
-    /// [`Backend::paged_attention`] with RoPE applied to `k` on its way into the cache (`q`
-    /// must already be rotated). A device fuses the rotation into the KV write; the default
-    /// rotates `k` first.
+    /// [`Backend::paged_attention`] with RoPE applied to `q` and to `k` on its way into the
+    /// cache. A device fuses both rotations into the KV write (one launch); the default rotates
+    /// `q` and `k` first.
     #[allow(clippy::too_many_arguments)]
     fn rope_paged_attention(
         &self,
-        q: &Self::Tensor,
+        mut q: Self::Tensor,
         mut k: Self::Tensor,
         v: &Self::Tensor,
         cache: &mut KvLayer<Self::Tensor>,
@@ -511,8 +511,9 @@ pub trait Backend: Send + Sync + 'static {
         rope: &Rope,
         step: &Self::Step,
     ) -> Result<Self::Tensor> {
+        self.apply_rope(&mut q, shape.heads, shape.head_dim, rope, step)?;
         self.apply_rope(&mut k, shape.kv_heads, shape.head_dim, rope, step)?;
-        self.paged_attention(q, &k, v, cache, shape, step)
+        self.paged_attention(&q, &k, v, cache, shape, step)
     }
 
     // ---- state-space layers -------------------------------------------------------------

@@ -408,8 +408,8 @@ fn attention_case(
     );
 }
 
-/// One mixed attention batch; with `rope`, K is rotated on its way into the cache
-/// (`rope_paged_attention`: fused on the GPU, rotate-then-attend on the CPU).
+/// One mixed attention batch; with `rope`, Q and K are rotated on their way in
+/// (`rope_paged_attention`: fused into the KV write on the GPU, rotate-then-attend on the CPU).
 fn attention_rope_case(
     c: &mut Ctx<'_>,
     (heads, kv_heads, head_dim): (usize, usize, usize),
@@ -422,7 +422,7 @@ fn attention_rope_case(
         "attention {heads}q/{kv_heads}kv d{head_dim} bs{block_size} {num_blocks} blocks {chunks:?}{}",
         match &rope {
             Some(r) => format!(
-                " + RoPE on K (rotary {}, ×{})",
+                " + RoPE on Q and K (rotary {}, ×{})",
                 r.rotary_dim, r.attention_scaling
             ),
             None => String::new(),
@@ -471,12 +471,20 @@ fn attention_rope_case(
             head_dim,
             scale: (head_dim as f32).powf(-0.5),
         };
-        let g = c
-            .gpu
-            .paged_attention(&qg, &kg, &vg, &mut cache_g, shape, &sg)?;
-        let r = c
-            .cpu
-            .paged_attention(&qc, &kc, &vc, &mut cache_c, shape, &sc)?;
+        let (g, r) = match &rope {
+            Some(rope) => (
+                c.gpu
+                    .rope_paged_attention(qg, kg, &vg, &mut cache_g, shape, rope, &sg)?,
+                c.cpu
+                    .rope_paged_attention(qc, kc, &vc, &mut cache_c, shape, rope, &sc)?,
+            ),
+            None => (
+                c.gpu
+                    .paged_attention(&qg, &kg, &vg, &mut cache_g, shape, &sg)?,
+                c.cpu
+                    .paged_attention(&qc, &kc, &vc, &mut cache_c, shape, &sc)?,
+            ),
+        };
         let mut gv = c.gpu.download(&g)?;
         let mut rv = c.cpu.download(&r)?;
         // The KV write: every slot this step wrote, read back from both caches.

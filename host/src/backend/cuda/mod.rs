@@ -1161,7 +1161,7 @@ impl Backend for CudaBackend {
 
     fn rope_paged_attention(
         &self,
-        q: &CudaTensor,
+        q: CudaTensor,
         k: CudaTensor,
         v: &CudaTensor,
         cache: &mut KvLayer<CudaTensor>,
@@ -1169,7 +1169,7 @@ impl Backend for CudaBackend {
         rope: &Rope,
         step: &CudaStep,
     ) -> Result<CudaTensor> {
-        self.check_attention(q, &k, v, cache, shape, step)?;
+        self.check_attention(&q, &k, v, cache, shape, step)?;
         if rope.rotary_dim > shape.head_dim {
             return Err(BackendError::Invalid(format!(
                 "rope: rotary dim {} > head dim {}",
@@ -1196,9 +1196,11 @@ impl Backend for CudaBackend {
                 Arg::Ptr(table),
                 Arg::F32(rope.attention_scaling),
                 Arg::U64(cache_rows(cache)),
+                Arg::Ptr(q.ptr),
+                Arg::U32(shape.heads as u32),
             ],
         )?;
-        self.attend(q, cache, shape, step)
+        self.attend(&q, cache, shape, step)
     }
 
     fn ssm_slot_ops(&self, pools: &mut SsmPools<CudaTensor>, step: &CudaStep) -> Result<()> {

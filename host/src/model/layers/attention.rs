@@ -59,18 +59,15 @@ impl<B: Backend> Attention<B> {
         x: &B::Tensor,
         ctx: &mut StepCtx<'_, B>,
     ) -> Result<B::Tensor, ModelError> {
-        let [mut q, k, v] = Linear::forward_shared(b, x, [&self.q, &self.k, &self.v])?;
+        let [q, k, v] = Linear::forward_shared(b, x, [&self.q, &self.k, &self.v])?;
         let s = self.shape;
         let cache = ctx
             .kv
             .get_mut(self.cache)
             .ok_or_else(|| ModelError::Backend(format!("no KV cache for layer {}", self.cache)))?;
         let out = match &self.rope {
-            Some(rope) => {
-                b.apply_rope(&mut q, s.heads, s.head_dim, rope, ctx.step)?;
-                // K is rotated on its way into the cache.
-                b.rope_paged_attention(&q, k, &v, cache, s, rope, ctx.step)?
-            }
+            // Q and K are rotated on their way in (one launch with the KV write on a GPU).
+            Some(rope) => b.rope_paged_attention(q, k, &v, cache, s, rope, ctx.step)?,
             None => b.paged_attention(&q, &k, &v, cache, s, ctx.step)?,
         };
         self.o.forward(b, &out)

@@ -90,7 +90,7 @@ impl<B: Backend> GatedAttention<B> {
         let s = self.shape;
         let width = s.heads * s.head_dim;
         let [q, gate] = b.split_cols(&self.q.forward(b, x)?, [width, width])?;
-        let mut q = b.head_rms_norm(&q, &self.q_norm.w, s.head_dim, self.q_norm.eps)?;
+        let q = b.head_rms_norm(&q, &self.q_norm.w, s.head_dim, self.q_norm.eps)?;
         let k = self.k.forward(b, x)?;
         let k = b.head_rms_norm(&k, &self.k_norm.w, s.head_dim, self.k_norm.eps)?;
         let v = self.v.forward(b, x)?;
@@ -98,8 +98,7 @@ impl<B: Backend> GatedAttention<B> {
             .kv
             .get_mut(self.cache)
             .ok_or_else(|| ModelError::Backend(format!("no KV cache for layer {}", self.cache)))?;
-        b.apply_rope(&mut q, s.heads, s.head_dim, &self.rope, ctx.step)?;
-        let mut out = b.rope_paged_attention(&q, k, &v, cache, s, &self.rope, ctx.step)?;
+        let mut out = b.rope_paged_attention(q, k, &v, cache, s, &self.rope, ctx.step)?;
         b.sigmoid_gate(&mut out, &gate)?;
         self.o.forward(b, &out)
     }
