@@ -11,16 +11,9 @@ use crate::backend::cuda::CudaBackend;
 use crate::backend::{
     Backend, DType, HostTensor, Mamba2Mix, SsmOutNorm, SsmPools, SsmShape, StepPlan,
 };
+use crate::model::layers::mamba2::OutNormKind;
 
 type R<T> = anyhow::Result<T>;
-
-/// Which output norm a case uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Norm {
-    GateThenNorm,
-    NormThenGate,
-    GateOnly,
-}
 
 /// The cases the `hybrid` suite runs, for one backend.
 pub(super) fn checks(report: &mut Report, suite: &str, gpu: &CudaBackend, rng: &mut Rng) {
@@ -33,17 +26,33 @@ pub(super) fn checks(report: &mut Report, suite: &str, gpu: &CudaBackend, rng: &
         dt_min: 0.001,
         dt_max: 100.0,
     };
-    let cases: [(SsmShape, &[usize], Norm); 6] = [
+    let cases: [(SsmShape, &[usize], OutNormKind); 6] = [
         // NemotronH-8B's layer: a decode batch of 8, and a 300-token prompt chunk beside
         // decodes (tensor-core scan in bf16 mode, row strides of the 18 560-wide projection).
-        (sh(128, 64, 8, 128, 128), &[1; 8], Norm::GateThenNorm),
-        (sh(128, 64, 8, 128, 128), &[1, 300, 1, 1, 45], Norm::GateThenNorm),
+        (sh(128, 64, 8, 128, 128), &[1; 8], OutNormKind::GateThenNorm),
+        (
+            sh(128, 64, 8, 128, 128),
+            &[1, 300, 1, 1, 45],
+            OutNormKind::GateThenNorm,
+        ),
         // Odd widths: a 262-wide projection, dt at column 256; SIMT kernels.
-        (sh(6, 16, 2, 16, 8), &[131, 1, 40, 1, 7, 1], Norm::GateThenNorm),
-        (sh(6, 16, 2, 16, 8), &[1, 1, 1], Norm::GateOnly),
+        (
+            sh(6, 16, 2, 16, 8),
+            &[131, 1, 40, 1, 7, 1],
+            OutNormKind::GateThenNorm,
+        ),
+        (sh(6, 16, 2, 16, 8), &[1, 1, 1], OutNormKind::GateOnly),
         // Falcon-H1's other norms (one group).
-        (sh(4, 32, 1, 32, 29), &[131, 1, 100, 3], Norm::NormThenGate),
-        (sh(4, 32, 1, 32, 29), &[1, 1, 1, 1, 1], Norm::NormThenGate),
+        (
+            sh(4, 32, 1, 32, 29),
+            &[131, 1, 100, 3],
+            OutNormKind::NormThenGate,
+        ),
+        (
+            sh(4, 32, 1, 32, 29),
+            &[1, 1, 1, 1, 1],
+            OutNormKind::NormThenGate,
+        ),
     ];
     let tag = if gpu.dtype() == DType::F32 {
         "f32"
@@ -128,7 +137,7 @@ fn case(
     rng: &mut Rng,
     shape: SsmShape,
     chunks: &[usize],
-    norm: Norm,
+    norm: OutNormKind,
 ) -> R<CaseOut> {
     let cpu = CpuBackend::default();
     gpu.set_ssm_chunk_size(shape.chunk_size);
@@ -142,12 +151,7 @@ fn case(
             v
         }
     };
-    let (h, p, g, n) = (
-        shape.heads,
-        shape.head_dim,
-        shape.groups,
-        shape.state_size,
-    );
+    let (h, p, g, n) = (shape.heads, shape.head_dim, shape.groups, shape.state_size);
     let d_inner = h * p;
     let conv_dim = d_inner + 2 * g * n;
     let proj = d_inner + conv_dim + h;
@@ -201,7 +205,7 @@ fn run<B: Backend + ProfileLaunches>(
     plan: &StepPlan,
     i: &Inputs,
     shape: SsmShape,
-    norm: Norm,
+    norm: OutNormKind,
     (slots, tokens, proj, conv_dim): (usize, usize, usize, usize),
     profile: bool,
 ) -> R<(Vec<f32>, Vec<f32>, Option<Vec<(&'static str, usize)>>)> {
@@ -230,13 +234,13 @@ fn run<B: Backend + ProfileLaunches>(
     let d = b.upload(HostTensor::f32(&i.d, &[h]))?;
     let dt_bias = b.upload(HostTensor::f32(&i.dt_bias, &[h]))?;
     let norm = match norm {
-        Norm::GateThenNorm => {
+        OutNormKind::GateThenNorm => {
             SsmOutNorm::GateThenNorm(b.upload(HostTensor::f32(&i.norm_w, &[d_inner]))?)
         }
-        Norm::NormThenGate => {
+        OutNormKind::NormThenGate => {
             SsmOutNorm::NormThenGate(b.upload(HostTensor::f32(&i.norm_w, &[d_inner]))?)
         }
-        Norm::GateOnly => SsmOutNorm::GateOnly,
+        OutNormKind::GateOnly => SsmOutNorm::GateOnly,
     };
     let mix = Mamba2Mix {
         conv_w: &conv_w,
@@ -277,7 +281,7 @@ trait ProfileLaunches {
 
 impl ProfileLaunches for CudaBackend {
     fn launches(&self, run: &mut dyn FnMut() -> R<()>) -> R<Vec<(&'static str, usize)>> {
-        let ops = self.profile_ops(|| run())?;
+        let ops = self.profile_ops(run)?;
         Ok(ops.into_iter().map(|o| (o.name, o.calls)).collect())
     }
 }

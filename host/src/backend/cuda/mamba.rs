@@ -17,9 +17,7 @@ use chimera_kernels::ssm;
 
 use super::device::Arg;
 use super::{BLOCK, CudaBackend, CudaStep, CudaTensor, SsmTensors};
-use crate::backend::{
-    BackendError, DType, Mamba2Mix, Result, SsmOutNorm, SsmPools, SsmShape,
-};
+use crate::backend::{BackendError, DType, Mamba2Mix, Result, SsmOutNorm, SsmPools, SsmShape};
 
 /// `rows` rows of `cols` elements from device address `ptr`, `ld` elements apart: a whole
 /// dense tensor, or a range of its columns.

@@ -1001,7 +1001,11 @@ impl Backend for CudaBackend {
         eps: f32,
     ) -> Result<CudaTensor> {
         if gate.shape != x.shape {
-            return Err(shape_err("gated_rms_norm gate", &gate.shape, x.shape.clone()));
+            return Err(shape_err(
+                "gated_rms_norm gate",
+                &gate.shape,
+                x.shape.clone(),
+            ));
         }
         let out = self.gate_norm_cols(
             Cols::all(x),
