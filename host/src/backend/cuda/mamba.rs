@@ -326,3 +326,30 @@ impl CudaBackend {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_column_range_moves_the_address_and_keeps_the_stride() {
+        let zxbcdt = Cols {
+            ptr: 0x1000,
+            rows: 3,
+            cols: 262,
+            ld: 262,
+            dtype: DType::BF16,
+        };
+        let dt = zxbcdt.range(256, 6).expect("in range");
+        assert_eq!((dt.ptr, dt.rows, dt.cols, dt.ld), (0x1000 + 512, 3, 6, 262));
+        let f32_range = Cols {
+            dtype: DType::F32,
+            ..zxbcdt
+        }
+        .range(96, 160)
+        .expect("in range");
+        assert_eq!((f32_range.ptr, f32_range.cols), (0x1000 + 384, 160));
+        assert!(zxbcdt.range(256, 7).is_err());
+        assert!(dt.range(1, 6).is_err());
+    }
+}

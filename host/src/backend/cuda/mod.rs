@@ -17,7 +17,7 @@
 //!   survive (an illegal address) takes the device out of service: later calls fail at once.
 //!
 //! Hybrid models run too: the Mamba2 conv and SSD scan with snapshots written straight into
-//! their slots, batched slot restores and zeros (kernels of `chimera_kernels::ssm`, planned
+//! their slots (reading `in_proj`'s output in place, [`mamba`]), batched slot restores and zeros (kernels of `chimera_kernels::ssm`, planned
 //! when the step is uploaded), and MoE with routing and grouped expert GEMMs on the device
 //! (no read-back; [`moe`]).
 
