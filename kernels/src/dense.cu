@@ -210,52 +210,76 @@ __device__ void add_rms_norm(T* out, T* residual, const T* delta, const T* w, u3
         store(out, base + c, load(w, c) * (load(residual, base + c) * inv));
 }
 
-// Block (row, g): y = x * silu(gate) over group g, normalised over the group, times w.
+// Block (row, g), over the `group`-wide slice g of row `row`. x and gate rows are `x_ld` and
+// `gate_ld` elements apart (so either may be a column range of a wider matrix); out is
+// contiguous, `cols` wide. By `mode`:
+//   0 (gate, then norm): out = norm(x · silu(gate)) · w
+//   1 (norm, then gate): out = norm(x) · w · silu(gate)
+//   2 (gate only):       out = x · silu(gate)   (w and eps unused)
+__device__ __forceinline__ float gate_norm_out(u32 mode, float x, float g, float w, float inv) {
+    if (mode == 0) return w * (x * g * inv);
+    if (mode == 1) return w * (x * inv) * g;
+    return x * g;
+}
+
 template <typename T>
 __device__ void gated_rms_norm(T* out, const T* x, const T* gate, const T* w, u32 cols, u32 group,
-                               float eps) {
+                               float eps, u32 x_ld, u32 gate_ld, u32 mode) {
     __shared__ float scratch[32];
-    i64 base = (i64)blockIdx.x * cols + (i64)blockIdx.y * group;
+    const i64 col0 = (i64)blockIdx.y * group;
+    const T* xr = x + (i64)blockIdx.x * x_ld + col0;
+    const T* gr = gate + (i64)blockIdx.x * gate_ld + col0;
+    T* outr = out + (i64)blockIdx.x * cols + col0;
+    const T* wr = w + col0;
+    const bool norm = mode != 2;
     constexpr int V = VEC<T>;
-    if (group % V == 0 && cols % V == 0 && group / V <= blockDim.x && aligned16(out) &&
-        aligned16(x) && aligned16(gate) && aligned16(w)) {
+    if (group % V == 0 && group / V <= blockDim.x && aligned16(outr) && aligned16(xr) &&
+        aligned16(gr) && (!norm || aligned16(wr))) {
         // One 16-byte piece a thread, every load before the first use.
         const u32 j = threadIdx.x;
         const bool in = j < group / V;
-        float v[V], wv[V];
+        float v[V], g[V], wv[V];
+#pragma unroll
+        for (int e = 0; e < V; ++e) v[e] = g[e] = wv[e] = 0.0f;
         if (in) {
-            float g[V];
-            load16(x, base + (i64)j * V, v);
-            load16(gate, base + (i64)j * V, g);
-            load16(w, (i64)blockIdx.y * group + (i64)j * V, wv);
+            load16(xr, (i64)j * V, v);
+            load16(gr, (i64)j * V, g);
+            if (norm) load16(wr, (i64)j * V, wv);
 #pragma unroll
-            for (int e = 0; e < V; ++e) v[e] *= silu(g[e]);
-        } else {
-#pragma unroll
-            for (int e = 0; e < V; ++e) v[e] = 0.0f;
+            for (int e = 0; e < V; ++e) g[e] = silu(g[e]);
         }
-        float ss = 0.0f;
+        float inv = 1.0f;
+        if (norm) {
+            float ss = 0.0f;
 #pragma unroll
-        for (int e = 0; e < V; ++e) ss += v[e] * v[e];
-        ss = block_sum(ss, scratch);
-        const float inv = 1.0f / sqrtf(ss / (float)group + eps);
+            for (int e = 0; e < V; ++e) {
+                const float y = mode == 0 ? v[e] * g[e] : v[e];
+                ss += y * y;
+            }
+            ss = block_sum(ss, scratch);
+            inv = 1.0f / sqrtf(ss / (float)group + eps);
+        }
         if (in) {
 #pragma unroll
-            for (int e = 0; e < V; ++e) v[e] = wv[e] * (v[e] * inv);
-            store16(out, base + (i64)j * V, v);
+            for (int e = 0; e < V; ++e) v[e] = gate_norm_out(mode, v[e], g[e], wv[e], inv);
+            store16(outr, (i64)j * V, v);
         }
         return;
     }
-    float ss = 0.0f;
-    for (u32 c = threadIdx.x; c < group; c += blockDim.x) {
-        float v = load(x, base + c) * silu(load(gate, base + c));
-        ss += v * v;
+    float inv = 1.0f;
+    if (norm) {
+        float ss = 0.0f;
+        for (u32 c = threadIdx.x; c < group; c += blockDim.x) {
+            float y = load(xr, c);
+            if (mode == 0) y *= silu(load(gr, c));
+            ss += y * y;
+        }
+        ss = block_sum(ss, scratch);
+        inv = 1.0f / sqrtf(ss / (float)group + eps);
     }
-    ss = block_sum(ss, scratch);
-    float inv = 1.0f / sqrtf(ss / (float)group + eps);
     for (u32 c = threadIdx.x; c < group; c += blockDim.x) {
-        float v = load(x, base + c) * silu(load(gate, base + c));
-        store(out, base + c, load(w, blockIdx.y * group + c) * (v * inv));
+        const float wc = norm ? load(wr, c) : 0.0f;
+        store(outr, c, gate_norm_out(mode, load(xr, c), silu(load(gr, c)), wc, inv));
     }
 }
 
@@ -584,8 +608,9 @@ extern "C" __global__ void cast_f16_to_f32(float* out, const u16* in, u64 n) { C
         add_rms_norm(out, residual, delta, w, cols, eps);                                           \
     }                                                                                               \
     extern "C" __global__ void gated_rms_norm_##S(T* out, const T* x, const T* gate, const T* w,    \
-                                                  u32 cols, u32 group, float eps) { CHIMERA_PDL_ENTRY();                 \
-        gated_rms_norm(out, x, gate, w, cols, group, eps);                                          \
+                                                  u32 cols, u32 group, float eps, u32 x_ld,         \
+                                                  u32 gate_ld, u32 mode) { CHIMERA_PDL_ENTRY();     \
+        gated_rms_norm(out, x, gate, w, cols, group, eps, x_ld, gate_ld, mode);                     \
     }                                                                                               \
     extern "C" __global__ void rope_##S(T* x, u32 n, u32 heads, u32 head_dim, u32 half,             \
                                         const u32* positions, const float* inv_freq,                \

@@ -178,7 +178,7 @@ pub mod dense {
 
     const RMS: &[Param] = &[Ptr, Ptr, Ptr, U32, F32];
     const ADD_RMS: &[Param] = &[Ptr, Ptr, Ptr, Ptr, U32, F32];
-    const GATED_RMS: &[Param] = &[Ptr, Ptr, Ptr, Ptr, U32, U32, F32];
+    const GATED_RMS: &[Param] = &[Ptr, Ptr, Ptr, Ptr, U32, U32, F32, U32, U32, U32];
     const ROPE: &[Param] = &[Ptr, U32, U32, U32, U32, Ptr, Ptr, F32, U32];
     const ACT: &[Param] = &[Ptr, U64, U32];
     const ACT_MUL: &[Param] = &[Ptr, Ptr, Ptr, U64, U32];

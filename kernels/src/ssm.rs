@@ -575,6 +575,10 @@ pub struct ScanDims {
     /// write it as bf16 and keep every update in f32, so the state is rounded once per step
     /// (and at each snapshot), never inside a step.
     pub state_bf16: bool,
+    /// `x`, `B` and `C` start on 16-byte boundaries. The tensor-core kernels read them with
+    /// 16-byte vector loads, so they are only picked when this holds (as it does for separate
+    /// arena tensors; column ranges of a wider matrix need not).
+    pub aligned16: bool,
 }
 
 impl ScanDims {
@@ -595,6 +599,7 @@ impl ScanDims {
             dt_min: 0.0,
             dt_max: f32::INFINITY,
             state_bf16: false,
+            aligned16: true,
         }
     }
 
@@ -619,6 +624,7 @@ impl ScanDims {
     /// The tensor-core kernels' `(P, N)` suffix, when they fit this shape.
     fn mma(&self, bf16: bool) -> Option<&'static str> {
         if !bf16
+            || !self.aligned16
             || self.head_dim != 64
             || !self.x_ld.is_multiple_of(8)
             || !self.bc_ld.is_multiple_of(8)

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::{
-    Activation, ArenaStats, AttnShape, Backend, DType, GdnShape, HostTensor, KvLayer, MoeRouting,
-    Result, Rope, SampleOut, SsmPools, SsmShape, StackedExperts, StepPlan,
+    Activation, ArenaStats, AttnShape, Backend, DType, GdnShape, HostTensor, KvLayer, Mamba2Mix,
+    MoeRouting, Result, Rope, SampleOut, SsmPools, SsmShape, StackedExperts, StepPlan,
 };
 
 /// Counts shared by every clone of a [`Counting`] backend.
@@ -281,6 +281,17 @@ impl<B: Backend> Backend for Counting<B> {
         self.kernel();
         self.inner
             .ssm_scan(x, b, c, dt, a_log, d, dt_bias, shape, pools, layer, step)
+    }
+    fn mamba2_mix(
+        &self,
+        zxbcdt: &Self::Tensor,
+        m: &Mamba2Mix<'_, Self::Tensor>,
+        pools: &mut SsmPools<Self::Tensor>,
+        layer: usize,
+        step: &Self::Step,
+    ) -> Result<Self::Tensor> {
+        self.kernel();
+        self.inner.mamba2_mix(zxbcdt, m, pools, layer, step)
     }
     fn head_rms_norm(
         &self,

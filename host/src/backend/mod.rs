@@ -183,6 +183,40 @@ impl SsmShape {
     }
 }
 
+/// How a Mamba2 mixer's scan output `y` meets its gate `z` before `out_proj`. Norms are RMS
+/// norms over each `d_inner / groups`-wide group of channels, times the weight `[d_inner]`.
+pub enum SsmOutNorm<T> {
+    /// `norm(y · silu(z))`: Mamba2, NemotronH, Bamba, Granite; Falcon-H1 with
+    /// `mamba_norm_before_gate = false`.
+    GateThenNorm(T),
+    /// `norm(y) · silu(z)` (one group only): Falcon-H1 with `mamba_rms_norm` and
+    /// `mamba_norm_before_gate`.
+    NormThenGate(T),
+    /// `y · silu(z)`, no norm: Falcon-H1 with `mamba_rms_norm = false`.
+    GateOnly,
+}
+
+/// One Mamba2 mixer's weights between its two projections, for [`Backend::mamba2_mix`]:
+/// conv weights `[conv_dim, 1, kernel]` and bias `[conv_dim]`, `A_log`, `D` and `dt_bias`
+/// `[heads]`, the output norm.
+pub struct Mamba2Mix<'a, T> {
+    pub conv_w: &'a T,
+    pub conv_b: Option<&'a T>,
+    pub a_log: &'a T,
+    pub d: &'a T,
+    pub dt_bias: &'a T,
+    pub norm: &'a SsmOutNorm<T>,
+    pub shape: SsmShape,
+    pub eps: f32,
+}
+
+impl<T> Mamba2Mix<'_, T> {
+    /// Channels of the conv: `x | B | C`.
+    pub fn conv_dim(&self) -> usize {
+        self.shape.d_inner() + 2 * self.shape.groups * self.shape.state_size
+    }
+}
+
 /// Shape of one Gated DeltaNet mixer as the delta-rule kernel needs it: `k_heads` query/key
 /// heads of width `k_dim`, `v_heads` value heads of width `v_dim` (each query/key head serves
 /// `v_heads / k_heads` consecutive value heads), and the chunk length of the prompt form.
@@ -551,6 +585,40 @@ pub trait Backend: Send + Sync + 'static {
         layer: usize,
         step: &Self::Step,
     ) -> Result<Self::Tensor>;
+
+    /// The middle of a Mamba2 mixer: from `in_proj`'s output `zxbcdt [n, d_inner + conv_dim +
+    /// heads]` (the gate `z`, then `x | B | C`, then the raw `dt`) to `out_proj`'s input `[n,
+    /// d_inner]`: [`Backend::causal_conv1d`] on `x | B | C`, [`Backend::ssm_scan`] on the
+    /// result and `dt`, then the output norm with `z` ([`SsmOutNorm`]). The default runs those
+    /// operations on copied column ranges; a device reads the ranges in place.
+    fn mamba2_mix(
+        &self,
+        zxbcdt: &Self::Tensor,
+        m: &Mamba2Mix<'_, Self::Tensor>,
+        pools: &mut SsmPools<Self::Tensor>,
+        layer: usize,
+        step: &Self::Step,
+    ) -> Result<Self::Tensor> {
+        let sh = m.shape;
+        let d_inner = sh.d_inner();
+        let bc = sh.groups * sh.state_size;
+        let [z, xbc, dt] = self.split_cols(zxbcdt, [d_inner, m.conv_dim(), sh.heads])?;
+        let xbc = self.causal_conv1d(&xbc, m.conv_w, m.conv_b, pools, layer, step)?;
+        let [xs, bm, cm] = self.split_cols(&xbc, [d_inner, bc, bc])?;
+        let y = self.ssm_scan(
+            &xs, &bm, &cm, &dt, m.a_log, m.d, m.dt_bias, sh, pools, layer, step,
+        )?;
+        match m.norm {
+            SsmOutNorm::GateThenNorm(w) => {
+                self.gated_rms_norm(&y, &z, w, d_inner / sh.groups.max(1), m.eps)
+            }
+            SsmOutNorm::NormThenGate(w) => {
+                let y = self.rms_norm(&y, w, m.eps)?;
+                self.gated_activation(&z, &y, Activation::Silu)
+            }
+            SsmOutNorm::GateOnly => self.gated_activation(&z, &y, Activation::Silu),
+        }
+    }
 
     // ---- gated models (Qwen3-Next, Qwen3.5) --------------------------------------------
     /// RMS norm of every `head_dim`-wide slice of each row of `x`, times `w[head_dim]` (the

@@ -1,8 +1,9 @@
 //! The `hybrid` suite: the operations hybrid models add, on the GPU against the CPU — MoE
 //! routing (expert ids and order identical in f32 mode, ties included) and the routed experts
 //! (`super::moe`),
-//! SSM slot restores and zeros, the Mamba2 conv and scan with snapshots — then the hybrid
-//! fixtures end to end (see `parity`).
+//! SSM slot restores and zeros, the Mamba2 conv and scan with snapshots, the Mamba2 mixer's
+//! middle read in place (`super::mamba_mix`) — then the hybrid fixtures end to end (see
+//! `parity`).
 
 use super::rng::Rng;
 use super::{GpuCheckArgs, Report, rel_err};
@@ -118,6 +119,11 @@ pub fn run(
             &[1000, 1, 1, 1, 1],
             0,
         );
+    }
+    // The whole mixer middle as the model runs it (`Backend::mamba2_mix`: conv, scan and norm
+    // reading in_proj's output in place), decode batches and mixed steps, no column copies.
+    for gpu in [f32_gpu, bf16_gpu] {
+        super::mamba_mix::checks(report, SUITE, gpu, &mut rng);
     }
     // The opt-in bf16 state pool (cache.ssm_state_dtype = "bfloat16"), SIMT and tensor-core
     // paths, with random starting states.

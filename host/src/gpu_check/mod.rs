@@ -18,6 +18,7 @@ mod gemv;
 mod graphs;
 mod hybrid;
 mod kernels;
+mod mamba_mix;
 mod moe;
 mod parity;
 pub mod rng;

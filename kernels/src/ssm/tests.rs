@@ -815,6 +815,12 @@ fn the_kernels_follow_dtype_and_shape() {
         ..scan_dims(8, 64, 8, 128)
     };
     assert_eq!(names(odd_stride, true)[4], "ssd_scan_simt_bf16");
+    let unaligned = ScanDims {
+        aligned16: false,
+        ..scan_dims(8, 64, 8, 128)
+    };
+    assert_eq!(names(unaligned, true)[2], "ssd_states_simt_bf16");
+    assert_eq!(names(unaligned, true)[4], "ssd_scan_simt_bf16");
     // T = 8192, 128 heads × 64, state 128, chunk 128: grids of the big shape.
     let (_, big) = build(&[8192], &[], 128);
     let l = launches_scan(&big, scan_dims(128, 64, 8, 128), true).expect("shape");

@@ -17,12 +17,13 @@
 //!   survive (an illegal address) takes the device out of service: later calls fail at once.
 //!
 //! Hybrid models run too: the Mamba2 conv and SSD scan with snapshots written straight into
-//! their slots, batched slot restores and zeros (kernels of `chimera_kernels::ssm`, planned
+//! their slots (reading `in_proj`'s output in place, [`mamba`]), batched slot restores and zeros (kernels of `chimera_kernels::ssm`, planned
 //! when the step is uploaded), and MoE with routing and grouped expert GEMMs on the device
 //! (no read-back; [`moe`]).
 
 pub mod device;
 pub mod gemm;
+mod mamba;
 pub mod memory;
 mod moe;
 pub mod step;
@@ -38,12 +39,13 @@ use chimera_kernels::ssm;
 use cudarc::driver::{CudaStream, result, sys};
 
 use self::device::{Arg, Device};
+use self::mamba::{Cols, GateNorm};
 use self::memory::{Arena, DevAlloc, MemStats, Pinned, bad_tensor, dtoh, htod, sync};
 pub use self::step::CudaStep;
 use super::{
     Activation, ArenaStats, AttnShape, Backend, BackendError, DType, DeviceStepTime, GdnShape,
-    HostTensor, KvLayer, MoeRouting, Result, Rope, SampleOut, SsmPools, SsmShape, StackedExperts,
-    StepPlan,
+    HostTensor, KvLayer, Mamba2Mix, MoeRouting, Result, Rope, SampleOut, SsmPools, SsmShape,
+    StackedExperts, StepPlan,
 };
 
 /// Where a tensor's memory comes from.
@@ -105,6 +107,15 @@ impl CudaTensor {
 
     fn bytes(&self) -> usize {
         self.len() * self.dtype.size()
+    }
+
+    /// The same rows under `shape` (same element count and last dim, so the arena's row
+    /// width is unchanged): a dense result given its input's leading dims back.
+    fn reshaped(mut self, shape: &[usize]) -> Self {
+        debug_assert_eq!(shape.iter().product::<usize>(), self.len());
+        debug_assert_eq!(shape.last(), self.shape.last());
+        self.shape = shape.to_vec();
+        self
     }
 
     /// `(rows, cols)` treating every leading dim as rows.
@@ -989,31 +1000,22 @@ impl Backend for CudaBackend {
         group: usize,
         eps: f32,
     ) -> Result<CudaTensor> {
-        let (rows, cols) = x.rows_cols();
-        if gate.shape != x.shape || w.len() != cols || group == 0 || cols % group != 0 {
-            return Err(BackendError::Invalid(format!(
-                "gated_rms_norm: x {:?}, gate {:?}, weight {:?}, group {group}",
-                x.shape, gate.shape, w.shape
-            )));
+        if gate.shape != x.shape {
+            return Err(shape_err(
+                "gated_rms_norm gate",
+                &gate.shape,
+                x.shape.clone(),
+            ));
         }
-        let out = self.tmp(&x.shape, x.dtype)?;
-        self.launch_geo(
-            "gated_rms_norm",
-            x.dtype,
-            (rows as u32, (cols / group) as u32, 1),
-            (BLOCK, 1, 1),
-            0,
-            &[
-                Arg::Ptr(out.ptr),
-                Arg::Ptr(x.ptr),
-                Arg::Ptr(gate.ptr),
-                Arg::Ptr(w.ptr),
-                Arg::U32(cols as u32),
-                Arg::U32(group as u32),
-                Arg::F32(eps),
-            ],
+        let out = self.gate_norm_cols(
+            Cols::all(x),
+            Cols::all(gate),
+            Some(w),
+            group,
+            eps,
+            GateNorm::GateThenNorm,
         )?;
-        Ok(out)
+        Ok(out.reshaped(&x.shape))
     }
 
     fn activate(&self, x: &mut CudaTensor, act: Activation) -> Result<()> {
@@ -1229,37 +1231,8 @@ impl Backend for CudaBackend {
         layer: usize,
         step: &CudaStep,
     ) -> Result<CudaTensor> {
-        self.step_ready(step)?;
-        self.check_pools(pools, step, true)?;
-        let (n, channels) = x.rows_cols();
-        let kernel = weight.shape.last().copied().unwrap_or(0);
-        if weight.len() != channels * kernel || n != step.dims.tokens || layer >= pools.layers {
-            return Err(BackendError::Invalid(format!(
-                "causal_conv1d: x {:?}, weight {:?}, layer {layer} of {}",
-                x.shape, weight.shape, pools.layers
-            )));
-        }
-        let out = self.tmp(&x.shape, x.dtype)?;
-        let dims = ssm::ConvDims {
-            channels: channels as u32,
-            kernel: kernel as u32,
-            layer: layer as u32,
-            layers: pools.layers as u32,
-            slots: pools.slots as u32,
-            x_ld: channels as u32,
-            out_ld: channels as u32,
-        };
-        let launches = ssm::launches_conv(&step.ssm, dims, x.dtype == DType::BF16)
-            .map_err(|e| BackendError::Invalid(e.to_string()))?;
-        let t = SsmTensors {
-            x: x.ptr,
-            weight: weight.ptr,
-            bias: bias.map_or(0, |b| b.ptr),
-            out: out.ptr,
-            ..SsmTensors::default()
-        };
-        self.run_ssm(launches, step, pools, &t, &[])?;
-        Ok(out)
+        let out = self.conv_cols(Cols::all(x), weight, bias, pools, layer, step)?;
+        Ok(out.reshaped(&x.shape))
     }
 
     fn ssm_scan(
@@ -1276,62 +1249,20 @@ impl Backend for CudaBackend {
         layer: usize,
         step: &CudaStep,
     ) -> Result<CudaTensor> {
-        self.step_ready(step)?;
-        self.check_pools(pools, step, true)?;
-        let n = step.dims.tokens;
-        let bc = shape.groups * shape.state_size;
-        if x.rows_cols() != (n, shape.d_inner())
-            || b.rows_cols() != (n, bc)
-            || c.rows_cols() != (n, bc)
-            || dt.rows_cols() != (n, shape.heads)
-            || layer >= pools.layers
-        {
-            return Err(BackendError::Invalid(format!(
-                "ssm_scan: x {:?} b {:?} c {:?} dt {:?} for {shape:?} over {n} tokens",
-                x.shape, b.shape, c.shape, dt.shape
-            )));
-        }
-        if step.ssm.chunks() > 0 && step.ssm.chunk_size() as usize != shape.chunk_size.min(256) {
-            return Err(BackendError::Invalid(format!(
-                "ssm_scan: the step was planned with chunk size {}, the layer has {}",
-                step.ssm.chunk_size(),
-                shape.chunk_size
-            )));
-        }
-        let out = self.tmp(&x.shape, x.dtype)?;
-        let dims = ssm::ScanDims {
-            layer: layer as u32,
-            layers: pools.layers as u32,
-            slots: pools.slots as u32,
-            dt_min: shape.dt_min,
-            dt_max: shape.dt_max,
-            state_bf16: pools.ssm.dtype == DType::BF16,
-            ..ssm::ScanDims::packed(
-                shape.heads as u32,
-                shape.head_dim as u32,
-                shape.groups as u32,
-                shape.state_size as u32,
-            )
-        };
-        let launches = ssm::launches_scan(&step.ssm, dims, x.dtype == DType::BF16)
-            .map_err(|e| BackendError::Invalid(e.to_string()))?;
-        let scratch: Vec<CudaTensor> = ssm::scratch_bytes(&step.ssm, dims)
-            .into_iter()
-            .map(|bytes| self.tmp(&[bytes.div_ceil(4).max(1)], DType::F32))
-            .collect::<Result<_>>()?;
-        let t = SsmTensors {
-            x: x.ptr,
-            b: b.ptr,
-            c: c.ptr,
-            dt: dt.ptr,
-            a_log: a_log.ptr,
-            d: d.ptr,
-            dt_bias: dt_bias.ptr,
-            out: out.ptr,
-            ..SsmTensors::default()
-        };
-        self.run_ssm(launches, step, pools, &t, &scratch)?;
-        Ok(out)
+        let cols = [x, b, c, dt].map(Cols::all);
+        let out = self.scan_cols(cols, a_log, d, dt_bias, shape, pools, layer, step)?;
+        Ok(out.reshaped(&x.shape))
+    }
+
+    fn mamba2_mix(
+        &self,
+        zxbcdt: &CudaTensor,
+        m: &Mamba2Mix<'_, CudaTensor>,
+        pools: &mut SsmPools<CudaTensor>,
+        layer: usize,
+        step: &CudaStep,
+    ) -> Result<CudaTensor> {
+        self.mamba2_mix_in_place(zxbcdt, m, pools, layer, step)
     }
 
     fn sample(&self, logits: &mut CudaTensor, step: &CudaStep, out: &mut SampleOut) -> Result<()> {

@@ -1,9 +1,11 @@
 //! The Mamba2 mixer: in_proj → (gate z | xBC | dt) → causal conv on xBC → selective scan →
 //! gated RMSNorm with z → out_proj. Used by Mamba2, NemotronH, Bamba, Granite 4.0 and
-//! Falcon-H1 (whose output norm may be absent, or come before the gate: [`OutNorm`]).
+//! Falcon-H1 (whose output norm may be absent, or come before the gate: [`OutNorm`]). The
+//! middle (conv, scan, norm) is one backend operation, [`Backend::mamba2_mix`], so a device
+//! reads the projection's column ranges in place instead of copying them out.
 
 use super::{Linear, Loader, StepCtx};
-use crate::backend::{Activation, Backend, SsmShape};
+use crate::backend::{Backend, Mamba2Mix, SsmOutNorm, SsmShape};
 use crate::model::ModelError;
 
 pub struct Mamba2Mixer<B: Backend> {
@@ -22,17 +24,9 @@ pub struct Mamba2Mixer<B: Backend> {
     pub cache: usize,
 }
 
-/// How the scan output `y` meets the gate `z` before `out_proj` (norms are per group of
-/// `d_inner / groups` channels, times the weight).
-pub enum OutNorm<T> {
-    /// `norm(y · silu(z))`: Mamba2, NemotronH, Bamba, Granite; Falcon-H1 with
-    /// `mamba_norm_before_gate = false`.
-    GateThenNorm(T),
-    /// `norm(y) · silu(z)`: Falcon-H1 with `mamba_rms_norm` and `mamba_norm_before_gate`.
-    NormThenGate(T),
-    /// `y · silu(z)`, no norm: Falcon-H1 with `mamba_rms_norm = false`.
-    GateOnly,
-}
+/// How the scan output `y` meets the gate `z` before `out_proj` (the backend's
+/// [`SsmOutNorm`]).
+pub type OutNorm<T> = SsmOutNorm<T>;
 
 /// Which [`OutNorm`] a mixer loads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -127,46 +121,22 @@ impl<B: Backend> Mamba2Mixer<B> {
         x: &B::Tensor,
         ctx: &mut StepCtx<'_, B>,
     ) -> Result<B::Tensor, ModelError> {
-        let sh = self.shape;
-        let d_inner = sh.d_inner();
-        let bc = sh.groups * sh.state_size;
         let zxbcdt = self.in_proj.forward(b, x)?;
-        let [z, xbc, dt] = b.split_cols(&zxbcdt, [d_inner, d_inner + 2 * bc, sh.heads])?;
         let pools = ctx
             .ssm
             .as_deref_mut()
             .ok_or_else(|| ModelError::Backend(format!("no SSM state for layer {}", self.cache)))?;
-        let xbc = b.causal_conv1d(
-            &xbc,
-            &self.conv_w,
-            self.conv_b.as_ref(),
-            pools,
-            self.cache,
-            ctx.step,
-        )?;
-        let [xs, bm, cm] = b.split_cols(&xbc, [d_inner, bc, bc])?;
-        let y = b.ssm_scan(
-            &xs,
-            &bm,
-            &cm,
-            &dt,
-            &self.a_log,
-            &self.d,
-            &self.dt_bias,
-            sh,
-            pools,
-            self.cache,
-            ctx.step,
-        )?;
-        let group = d_inner / sh.groups;
-        let y = match &self.norm {
-            OutNorm::GateThenNorm(w) => b.gated_rms_norm(&y, &z, w, group, self.eps)?,
-            OutNorm::NormThenGate(w) => {
-                let y = b.rms_norm(&y, w, self.eps)?;
-                b.gated_activation(&z, &y, Activation::Silu)?
-            }
-            OutNorm::GateOnly => b.gated_activation(&z, &y, Activation::Silu)?,
+        let mix = Mamba2Mix {
+            conv_w: &self.conv_w,
+            conv_b: self.conv_b.as_ref(),
+            a_log: &self.a_log,
+            d: &self.d,
+            dt_bias: &self.dt_bias,
+            norm: &self.norm,
+            shape: self.shape,
+            eps: self.eps,
         };
+        let y = b.mamba2_mix(&zxbcdt, &mix, pools, self.cache, ctx.step)?;
         self.out_proj.forward(b, &y)
     }
 }
