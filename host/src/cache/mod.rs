@@ -511,9 +511,17 @@ impl CacheManager {
             if self.snapshot_at(hash).is_some() || self.pending.iter().any(|q| q.hash == hash) {
                 continue;
             }
+            // A boundary that other running sequences share (the end of a matched prefix)
+            // may take the slot of a snapshot one running sequence uses; any other only the
+            // slot of one nobody uses (see `SsmPool::victim`).
+            let shared = self
+                .pool
+                .lookup(hash)
+                .is_some_and(|b| self.pool.refs(b) >= 2);
+            let newcomer = if shared { 1 } else { 0 };
             let reserved = match self.ssm.reserve() {
                 Some(slot) => Some(slot),
-                None if self.reclaim_snapshot() => self.ssm.reserve(),
+                None if self.reclaim_snapshot(newcomer) => self.ssm.reserve(),
                 None => None,
             };
             let Some(slot) = reserved else {
@@ -561,14 +569,18 @@ impl CacheManager {
         }
     }
 
-    /// Gives up one durable snapshot (its block's KV stays cached) in [`SsmPool::victim`]'s
-    /// order: snapshots no prompt has restored from yet, least recently accessed first, before
-    /// proven ones. A snapshot restored in this step is kept (its copy runs in the step).
-    /// Whether the block is in use does not matter: a running sequence carries its own state.
-    /// False when nothing can be given up.
-    fn reclaim_snapshot(&mut self) -> bool {
+    /// Gives up one durable snapshot (its block's KV stays cached) for a new one of class
+    /// `newcomer`, in [`SsmPool::victim`]'s order: unproven snapshots of unused blocks first
+    /// (least recently accessed first), then of blocks one running sequence uses, then of
+    /// shared ones, then proven ones; never one of a higher class than the newcomer's. A
+    /// snapshot restored in this step is kept (its copy runs in the step). False when nothing
+    /// can be given up.
+    fn reclaim_snapshot(&mut self, newcomer: u8) -> bool {
         let pool = &self.pool;
-        let Some(b) = self.ssm.victim(self.step, |b| pool.last_access(b)) else {
+        let Some(b) = self
+            .ssm
+            .victim(self.step, newcomer, |b| (pool.refs(b), pool.last_access(b)))
+        else {
             return false;
         };
         self.ssm.drop_block(b);
@@ -649,9 +661,10 @@ impl CacheManager {
         let slot = match self.seq(seq).and_then(|s| s.rolling) {
             Some(r) => r.slot,
             None => {
+                let newcomer = 0;
                 let reserved = match self.ssm.reserve() {
                     Some(slot) => Some(slot),
-                    None if self.reclaim_snapshot() => self.ssm.reserve(),
+                    None if self.reclaim_snapshot(newcomer) => self.ssm.reserve(),
                     None => None,
                 };
                 let Some(slot) = reserved else {

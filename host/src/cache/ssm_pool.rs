@@ -12,8 +12,9 @@
 //!
 //! Each snapshot also remembers whether a prompt was ever restored from it (*proven*) and the
 //! step of its latest restore. The cache manager's reclaim order reads both (see
-//! [`SsmPool::victim`]): snapshots nobody has used yet go before proven ones, so a shared
-//! prefix's state outlives the stream of one-off end-of-prompt and periodic snapshots.
+//! [`SsmPool::victim`]): snapshots nobody has used yet go before those of blocks in use, which
+//! go before proven ones, so a shared prefix's state outlives the stream of one-off
+//! end-of-prompt and periodic snapshots.
 
 use std::collections::HashMap;
 
@@ -128,19 +129,37 @@ impl SsmPool {
         self.proven
     }
 
-    /// The snapshot to give up when every durable slot is taken, or None when each one is
-    /// read by a restore of step `step` (its copy runs in that step). Unproven snapshots go
-    /// first, least recently accessed first (`last_access` of the block); proven ones go
-    /// first instead once they hold more than [`PROVEN_SHARE`] of the slots, so that new
-    /// snapshots keep room to be tried.
-    pub fn victim(&self, step: u64, last_access: impl Fn(u32) -> u64) -> Option<u32> {
+    /// The snapshot to give up for a new one of class `newcomer` when every durable slot is
+    /// taken, or None (the new snapshot is then skipped). `info(block)` gives the number of
+    /// running sequences using the block and its last access step. Classes, lowest given up
+    /// first and never for a newcomer of a lower class:
+    /// - 0: no prompt was restored from it and no running sequence uses its block;
+    /// - 1: as 0, but one running sequence uses the block (a request's own end of prompt);
+    /// - 2: as 0, but two or more running sequences share the block (a prefix in use);
+    /// - 3: proven (a prompt was restored from it), while proven snapshots hold at most
+    ///   [`PROVEN_SHARE`] of the slots; beyond that they fall back to classes 0–2, so that new
+    ///   snapshots keep room to be tried.
+    ///
+    /// Within a class the least recently accessed goes first. A snapshot restored from in
+    /// step `step` is kept (its copy runs in that step).
+    pub fn victim(&self, step: u64, newcomer: u8, info: impl Fn(u32) -> (u32, u64)) -> Option<u32> {
         let cap = (f64::from(self.durable_total) * PROVEN_SHARE) as u32;
-        let proven_first = self.proven > cap;
+        let proven_counts = self.proven <= cap;
         self.by_block
             .iter()
             .filter(|(_, s)| s.restored_at != step)
-            .min_by_key(|&(&b, s)| (s.proven != proven_first, last_access(b), b))
-            .map(|(&b, _)| b)
+            .map(|(&b, s)| {
+                let (refs, last) = info(b);
+                let class = if s.proven && proven_counts {
+                    3
+                } else {
+                    refs.min(2) as u8
+                };
+                (class, last, b)
+            })
+            .filter(|&(class, _, _)| class <= newcomer)
+            .min()
+            .map(|(_, _, b)| b)
     }
 
     /// Drops the snapshot of a block leaving the index; true if there was one.
@@ -191,41 +210,58 @@ mod tests {
     }
 
     #[test]
-    fn victims_are_unproven_first_until_proven_ones_exceed_their_share() {
+    fn victims_go_by_class_then_age_and_never_above_the_newcomer() {
         // Four durable slots: the proven share is three of them.
         let mut p = SsmPool::new(0, 4);
         for b in 0..4 {
             let s = p.reserve().unwrap();
             assert!(p.attach(b, s));
         }
-        // Access order (oldest first): 0, 1, 2, 3.
-        let access = |b: u32| u64::from(b);
-        assert_eq!(p.victim(9, access), Some(0));
+        // Access order (oldest first): 0, 1, 2, 3. Block 1 is used by one running sequence,
+        // block 3 by two.
+        let info = |b: u32| {
+            (
+                if b == 1 {
+                    1
+                } else if b == 3 {
+                    2
+                } else {
+                    0
+                },
+                u64::from(b),
+            )
+        };
+        assert_eq!(p.victim(9, 0, info), Some(0));
         p.note_restore(0, 5);
-        p.note_restore(1, 5);
-        assert_eq!(p.proven(), 2);
-        assert_eq!(p.victim(9, access), Some(2), "the oldest unproven one");
-        p.note_restore(2, 9);
+        assert_eq!(p.proven(), 1);
         assert_eq!(
-            p.victim(9, access),
-            Some(3),
-            "still within the proven share"
+            p.victim(9, 0, info),
+            Some(2),
+            "the oldest unused unproven one"
         );
+        p.note_restore(2, 9);
+        // Left below class 3: block 1 (class 1) and block 3 (class 2).
+        assert_eq!(p.victim(9, 0, info), None);
+        assert_eq!(p.victim(9, 1, info), Some(1));
+        assert_eq!(p.victim(9, 2, info), Some(1));
+        p.note_restore(1, 7);
+        assert_eq!(p.victim(9, 1, info), None);
+        assert_eq!(p.victim(9, 2, info), Some(3));
         p.note_restore(3, 6);
-        // Four proven > three: the least recently accessed proven one goes, unless it is
-        // being restored in this very step.
-        assert_eq!(p.victim(9, access), Some(0));
-        assert_eq!(p.victim(5, access), Some(2));
+        // Four proven > three: they fall back to their use class, the least recently accessed
+        // first, unless it is being restored in this very step.
+        assert_eq!(p.victim(9, 0, info), Some(0));
+        assert_eq!(p.victim(5, 0, info), Some(2));
         assert!(p.drop_block(0));
         assert_eq!(p.proven(), 3);
-        assert_eq!(p.victim(9, access), Some(1));
+        assert_eq!(p.victim(9, 2, info), None);
         // Nothing to give up when every snapshot is restored in this step.
         let mut q = SsmPool::new(0, 1);
         let s = q.reserve().unwrap();
         assert!(q.attach(7, s));
         q.note_restore(7, 3);
-        assert_eq!(q.victim(3, access), None);
-        assert_eq!(q.victim(4, access), Some(7));
+        assert_eq!(q.victim(3, 0, |_| (0, 0)), None);
+        assert_eq!(q.victim(4, 0, |_| (0, 0)), Some(7));
     }
 
     #[test]
