@@ -7,7 +7,8 @@
 //! greedy requests (what `chimera bench` sends), and every request's events read by its own
 //! task on a tokio runtime, as the HTTP streams read them — so sending an event pays for waking
 //! its reader — and a forward pass that sleeps 2 ms (the readers go idle in between, as they do
-//! while a GPU computes). These rows report the host time per step by phase, the figures behind
+//! while a GPU computes). Events go out through the delivery thread `chimera serve` uses; the
+//! `events inline` row sends them from the engine thread, for comparison in the same run. These rows report the host time per step by phase, the figures behind
 //! `chimera:engine_host_seconds_total{phase}`; the mock forward pass is not part of them.
 //!
 //! Run: `cargo bench -p chimera --bench engine_step` (add `-- serving` to run only the rows
@@ -21,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use chimera::cache::{ByteSize, CacheConfig};
 use chimera::engine::api::{EngineEvent, GenerateRequest, SamplingParams};
+use chimera::engine::outbox::Outbox;
 use chimera::engine::{
     Engine, EngineConfig, EngineSetup, MockConfig, MockExecutor, Policies, StepExecutor,
     StepTimings,
@@ -43,6 +45,8 @@ struct Case {
     cached_blocks: usize,
     /// Wasm policies, 64 candidates and events read by tokio tasks (see the module doc).
     serving: bool,
+    /// Serving rows: the engine thread sends the events itself instead of its delivery thread.
+    events_inline: bool,
 }
 
 /// The policies `chimera serve` gives a replica with the default configuration.
@@ -150,6 +154,10 @@ fn run(case: &Case) -> (f64, StepTimings) {
     // Room for every decoder to grow through the measured steps without preemption.
     let blocks = case.cached_blocks + case.running * ((prompt + 8 + steps) / BS + 2) + 64;
     let mut e = make_engine(blocks, case.running.max(8), case.serving);
+    if case.serving && !case.events_inline {
+        // As `spawn_engine` sets it up.
+        e.set_outbox(Outbox::threaded().expect("event delivery thread"));
+    }
     // Fill the prefix index with `cached_blocks` blocks of finished requests.
     let fillers = case.cached_blocks / (prompt / BS);
     let mut id = 1_000_000u64;
@@ -231,6 +239,7 @@ fn main() {
         running,
         cached_blocks,
         serving,
+        events_inline: false,
     };
     let cases = [
         case("decode, 1 running", 1, 0, false),
@@ -240,6 +249,10 @@ fn main() {
         case("serving, 1 running", 1, 0, true),
         case("serving, 64 running", 64, 0, true),
         case("serving, 256 running", 256, 0, true),
+        Case {
+            events_inline: true,
+            ..case("serving, 256 running, events inline", 256, 0, true)
+        },
     ];
     println!(
         "{:<34} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10} {:>7}",
