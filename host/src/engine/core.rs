@@ -224,9 +224,14 @@ impl<E: StepExecutor> Engine<E> {
         &self.timings
     }
     /// Replaces how requests' events are delivered (the engine thread uses
-    /// [`Outbox::threaded`]). Events queued in the old outbox are delivered first.
-    pub fn set_outbox(&mut self, outbox: Outbox) {
+    /// [`Outbox::threaded`]); before the first request, since requests are opened in the
+    /// outbox that admits them. Returns false, changing nothing, once requests are in.
+    pub fn set_outbox(&mut self, outbox: Outbox) -> bool {
+        if !self.sched.ids().is_empty() {
+            return false;
+        }
         self.outbox = outbox;
+        true
     }
 
     /// Cache events of the steps since the last call (only from steps that succeeded).
@@ -238,13 +243,15 @@ impl<E: StepExecutor> Engine<E> {
     /// the sender computed are adopted rather than computed again.
     pub fn add(&mut self, mut req: GenerateRequest, events: UnboundedSender<EngineEvent>) {
         if let Err((kind, message)) = self.check(&req) {
-            self.outbox.send(&events, EngineEvent::Failed { kind, message });
+            self.outbox
+                .reject(&events, EngineEvent::Failed { kind, message });
             return self.outbox.flush();
         }
         let (id, hashes) = (req.id, req.block_hashes.take());
         let bs = self.layout.block_size as u32;
         self.stats.checkpoints_requested +=
             req.checkpoints.iter().filter(|&&o| o >= bs).count() as u64;
+        self.outbox.open(id, &events);
         self.sched.add(|slot| Request::new(req, slot, events));
         if let Some(h) = hashes
             && !self.sched.adopt_hashes(id, &h)
@@ -333,14 +340,12 @@ impl<E: StepExecutor> Engine<E> {
             cacheable_tokens: r.cacheable_tokens as u32,
             cache_miss: r.cache_miss,
         };
-        self.outbox
-            .send(&r.events, EngineEvent::Finished { reason, usage });
+        (self.outbox).send(r.id, &r.events, EngineEvent::Finished { reason, usage });
         self.stats.requests_finished += 1;
     }
 
     fn fail(&mut self, r: Request, kind: FailureKind, message: String) {
-        self.outbox
-            .send(&r.events, EngineEvent::Failed { kind, message });
+        (self.outbox).send(r.id, &r.events, EngineEvent::Failed { kind, message });
     }
 
     /// Runs one step. Returns false when there was nothing to run.
@@ -383,6 +388,7 @@ impl<E: StepExecutor> Engine<E> {
             Err(e) => self.fail_batch(e),
         }
         self.cache.take_events(&mut self.kv_events);
+        self.outbox.take_closed(&mut self.closed);
         for id in std::mem::take(&mut self.closed) {
             self.cancel(id);
         }
@@ -454,7 +460,8 @@ impl<E: StepExecutor> Engine<E> {
                     .position(|(slot, _)| *slot == s.slot)
             {
                 let (_, logprobs) = self.prompt_done.swap_remove(i);
-                if !(self.outbox).send(&r.events, EngineEvent::PromptLogprobs { logprobs }) {
+                let ev = EngineEvent::PromptLogprobs { logprobs };
+                if !self.outbox.send(r.id, &r.events, ev) {
                     self.closed.push(r.id);
                 }
             }
@@ -462,7 +469,7 @@ impl<E: StepExecutor> Engine<E> {
                 tokens: vec![sampled.token],
                 logprobs: sampled.logprob.take().map(|l| vec![l]),
             };
-            if !self.outbox.send(&r.events, ev) {
+            if !self.outbox.send(r.id, &r.events, ev) {
                 self.closed.push(r.id);
             }
         }

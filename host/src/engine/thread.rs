@@ -43,7 +43,9 @@ pub fn spawn_engine<E: StepExecutor + 'static>(
                     // Waking the readers of 256 streams costs more than the rest of the
                     // engine's work between two forward passes: done on a thread of its own.
                     match Outbox::threaded() {
-                        Ok(outbox) => e.set_outbox(outbox),
+                        Ok(outbox) => {
+                            e.set_outbox(outbox);
+                        }
                         Err(err) => tracing::warn!(
                             error = %err,
                             "no event delivery thread; the engine thread sends events itself"
