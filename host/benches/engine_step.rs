@@ -293,11 +293,17 @@ fn main() {
         );
     }
     println!("µs per step. update = the update phase without sampling: committing the step to the");
-    println!("cache and sending one event per request. host = sched + inputs + sample + update: the");
+    println!(
+        "cache and sending one event per request. host = sched + inputs + sample + update: the"
+    );
     println!("engine's time between two forward passes (the metric's three phases together).");
-    println!("bookkeep = host without sampling. decode rows: native greedy policies, a {VOCAB}-token");
+    println!(
+        "bookkeep = host without sampling. decode rows: native greedy policies, a {VOCAB}-token"
+    );
     println!("vocabulary, events drained in the loop. serving rows: the built-in Wasm sampler and");
-    println!("evictor, 64 candidates of a {SERVING_VOCAB}-token vocabulary, events read by tokio tasks.");
+    println!(
+        "evictor, 64 candidates of a {SERVING_VOCAB}-token vocabulary, events read by tokio tasks."
+    );
     println!(
         "ratio = bookkeep against the first row of this run; each row is the fastest of 3 runs."
     );
