@@ -8,7 +8,8 @@
 //! task on a tokio runtime, as the HTTP streams read them — so sending an event pays for waking
 //! its reader — and a forward pass that sleeps 2 ms (the readers go idle in between, as they do
 //! while a GPU computes). Events go out through the delivery thread `chimera serve` uses; the
-//! `events inline` row sends them from the engine thread, for comparison in the same run. These rows report the host time per step by phase, the figures behind
+//! `events inline` row sends them from the engine thread, for comparison in the same run. These
+//! rows report the host time per step by phase, the figures behind
 //! `chimera:engine_host_seconds_total{phase}`; the mock forward pass is not part of them.
 //!
 //! Run: `cargo bench -p chimera --bench engine_step` (add `-- serving` to run only the rows
