@@ -2,35 +2,78 @@
 //! and updates) with the model-free mock executor, at 1, 64 and 256 decoding requests and with
 //! 100k cached blocks in the prefix index (so every new block evicts one).
 //!
-//! Run: `cargo bench -p chimera --bench engine_step`. Prints a table; ratios are against the
-//! 1-request case measured in the same run.
+//! The `serving` rows stand in for `chimera serve`'s engine thread without a model: the
+//! built-in Wasm sampler and evictor (as the server loads them), 64 sampler candidates per row,
+//! greedy requests (what `chimera bench` sends), and every request's events read by its own
+//! task on a tokio runtime, as the HTTP streams read them — so sending an event pays for waking
+//! its reader — and a forward pass that sleeps 2 ms (the readers go idle in between, as they do
+//! while a GPU computes). Events go out through the delivery thread `chimera serve` uses; the
+//! `events inline` row sends them from the engine thread, for comparison in the same run. These
+//! rows report the host time per step by phase, the figures behind
+//! `chimera:engine_host_seconds_total{phase}`; the mock forward pass is not part of them.
+//!
+//! Run: `cargo bench -p chimera --bench engine_step` (add `-- serving` to run only the rows
+//! whose name contains it). Prints a table; ratios are against the 1-request case measured in
+//! the same run.
 
 #![allow(clippy::unwrap_used)]
 
 use std::hint::black_box;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use chimera::cache::{ByteSize, CacheConfig};
 use chimera::engine::api::{EngineEvent, GenerateRequest, SamplingParams};
+use chimera::engine::outbox::Outbox;
 use chimera::engine::{
     Engine, EngineConfig, EngineSetup, MockConfig, MockExecutor, Policies, StepExecutor,
     StepTimings,
 };
+use chimera::plugins::{PluginMetrics, PluginsConfig, PolicyConfig, PolicyPlugins};
+use chimera::policy::native::DefaultSampler;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 const BS: usize = 16;
 const VOCAB: usize = 32;
+/// The serving rows' vocabulary: large enough for the default 64 sampler candidates.
+const SERVING_VOCAB: usize = 256;
+/// The serving rows' forward pass sleeps this long, as the engine thread waits for a device:
+/// long enough for the stream tasks to go idle between steps, as they do in serving.
+const SERVING_STEP: Duration = Duration::from_millis(2);
 
 struct Case {
     name: &'static str,
     running: usize,
     cached_blocks: usize,
+    /// Wasm policies, 64 candidates and events read by tokio tasks (see the module doc).
+    serving: bool,
+    /// Serving rows: the engine thread sends the events itself instead of its delivery thread.
+    events_inline: bool,
 }
 
-fn make_engine(blocks: usize, max_running: usize) -> Engine<MockExecutor> {
+/// The policies `chimera serve` gives a replica with the default configuration.
+fn serving_policies() -> Policies {
+    let plugins = PolicyPlugins::new(
+        &PolicyConfig::default(),
+        &PluginsConfig::default(),
+        PluginMetrics::new(),
+    )
+    .expect("the built-in plugins load");
+    Policies {
+        sampler: plugins.sampler(),
+        fallback_sampler: Box::new(DefaultSampler::default()),
+        evictor: Some(plugins.evictor()),
+    }
+}
+
+fn make_engine(blocks: usize, max_running: usize, serving: bool) -> Engine<MockExecutor> {
     let exec = MockExecutor::new(MockConfig {
-        vocab: VOCAB,
+        vocab: if serving { SERVING_VOCAB } else { VOCAB },
         verify_kv: false,
+        step_delay: if serving {
+            SERVING_STEP
+        } else {
+            Duration::ZERO
+        },
         ..MockConfig::default()
     });
     let block_bytes = exec.cache_spec().kv_block_bytes(BS) as u64;
@@ -49,7 +92,12 @@ fn make_engine(blocks: usize, max_running: usize) -> Engine<MockExecutor> {
         },
         hash_salt: "bench".into(),
     };
-    Engine::new(setup, exec, Policies::greedy()).expect("engine")
+    let policies = if serving {
+        serving_policies()
+    } else {
+        Policies::greedy()
+    };
+    Engine::new(setup, exec, policies).expect("engine")
 }
 
 fn request(id: u64, prompt_len: usize, max_tokens: u32) -> GenerateRequest {
@@ -81,13 +129,36 @@ fn drain(rx: &mut [UnboundedReceiver<EngineEvent>]) {
     }
 }
 
+/// Hands each receiver to its own task on `rt`, which reads events until the channel closes
+/// (the way an HTTP stream waits for its request's next event).
+fn read_in_tasks(rt: &tokio::runtime::Runtime, rx: Vec<UnboundedReceiver<EngineEvent>>) {
+    for mut r in rx {
+        rt.spawn(async move {
+            let mut events = 0u64;
+            while let Some(ev) = r.recv().await {
+                events += 1;
+                black_box(&ev);
+            }
+            black_box(events);
+        });
+    }
+}
+
 /// Returns (µs per step, timings of the measured steps).
 fn run(case: &Case) -> (f64, StepTimings) {
     let prompt = 64;
-    let steps = 4000 / case.running.max(1) + 200;
+    let steps = if case.serving {
+        300
+    } else {
+        4000 / case.running.max(1) + 200
+    };
     // Room for every decoder to grow through the measured steps without preemption.
     let blocks = case.cached_blocks + case.running * ((prompt + 8 + steps) / BS + 2) + 64;
-    let mut e = make_engine(blocks, case.running.max(8));
+    let mut e = make_engine(blocks, case.running.max(8), case.serving);
+    if case.serving && !case.events_inline {
+        // As `spawn_engine` sets it up.
+        e.set_outbox(Outbox::threaded().expect("event delivery thread"));
+    }
     // Fill the prefix index with `cached_blocks` blocks of finished requests.
     let fillers = case.cached_blocks / (prompt / BS);
     let mut id = 1_000_000u64;
@@ -125,6 +196,15 @@ fn run(case: &Case) -> (f64, StepTimings) {
         panic!("decoders not running: {:?}, first event {ev:?}", e.stats());
     }
     drain(&mut rx);
+    // One worker: on the GPU host the streams have cores of their own; here the engine
+    // thread keeps the other one.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .build()
+        .expect("tokio runtime");
+    if case.serving {
+        read_in_tasks(&rt, std::mem::take(&mut rx));
+    }
     let before = *e.timings();
     let t = Instant::now();
     for s in 0..steps {
@@ -151,47 +231,56 @@ fn run(case: &Case) -> (f64, StepTimings) {
 }
 
 fn main() {
+    let filter = std::env::args()
+        .skip(1)
+        .find(|a| !a.starts_with('-'))
+        .unwrap_or_default();
+    let case = |name, running, cached_blocks, serving| Case {
+        name,
+        running,
+        cached_blocks,
+        serving,
+        events_inline: false,
+    };
     let cases = [
+        case("decode, 1 running", 1, 0, false),
+        case("decode, 64 running", 64, 0, false),
+        case("decode, 256 running", 256, 0, false),
+        case("decode, 256 running, 100k cached", 256, 100_000, false),
+        case("serving, 1 running", 1, 0, true),
+        case("serving, 64 running", 64, 0, true),
+        case("serving, 256 running", 256, 0, true),
         Case {
-            name: "decode, 1 running",
-            running: 1,
-            cached_blocks: 0,
-        },
-        Case {
-            name: "decode, 64 running",
-            running: 64,
-            cached_blocks: 0,
-        },
-        Case {
-            name: "decode, 256 running",
-            running: 256,
-            cached_blocks: 0,
-        },
-        Case {
-            name: "decode, 256 running, 100k cached",
-            running: 256,
-            cached_blocks: 100_000,
+            events_inline: true,
+            ..case("serving, 256 running, events inline", 256, 0, true)
         },
     ];
     println!(
-        "{:<34} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10} {:>7}",
-        "scenario", "step", "sched", "inputs", "mock", "sample", "update", "bookkeep", "ratio"
+        "{:<34} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10} {:>7}",
+        "scenario",
+        "step",
+        "sched",
+        "inputs",
+        "mock",
+        "sample",
+        "update",
+        "host",
+        "bookkeep",
+        "ratio"
     );
     let mut base = None;
-    for c in &cases {
+    for c in cases.iter().filter(|c| c.name.contains(filter.as_str())) {
         // This machine is shared and noisy: keep the fastest of three runs.
         let (per_step, t) = (0..3)
             .map(|_| run(c))
-            .min_by_key(|(_, t)| {
-                (t.schedule_ns + t.inputs_ns + t.update_ns - t.sample_ns) / t.steps.max(1)
-            })
+            .min_by_key(|(_, t)| (t.schedule_ns + t.inputs_ns + t.update_ns) / t.steps.max(1))
             .expect("three runs");
         let us = |ns: u64| ns as f64 / 1e3 / t.steps.max(1) as f64;
         let update = t.update_ns - t.sample_ns;
         let bookkeeping = us(t.schedule_ns + t.inputs_ns + update);
         let b = *base.get_or_insert(bookkeeping);
         println!(
-            "{:<34} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>10.2} {:>6.1}x",
+            "{:<34} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>10.2} {:>6.1}x",
             c.name,
             per_step,
             us(t.schedule_ns),
@@ -199,14 +288,24 @@ fn main() {
             us(t.execute_ns),
             us(t.sample_ns),
             us(update),
+            us(t.schedule_ns + t.inputs_ns + t.update_ns),
             bookkeeping,
             bookkeeping / b
         );
     }
-    println!("µs per step. bookkeep = sched + inputs + update: the engine's own cost without the");
-    println!("mock forward pass and without sampling (top-K over a {VOCAB}-token vocabulary).");
-    println!("update includes committing the step to the cache and sending one event per request.");
+    println!("µs per step. update = the update phase without sampling: committing the step to the");
     println!(
-        "ratio = bookkeep against the 1-running case of this run; each row is the fastest of 3 runs."
+        "cache and sending one event per request. host = sched + inputs + sample + update: the"
+    );
+    println!("engine's time between two forward passes (the metric's three phases together).");
+    println!(
+        "bookkeep = host without sampling. decode rows: native greedy policies, a {VOCAB}-token"
+    );
+    println!("vocabulary, events drained in the loop. serving rows: the built-in Wasm sampler and");
+    println!(
+        "evictor, 64 candidates of a {SERVING_VOCAB}-token vocabulary, events read by tokio tasks."
+    );
+    println!(
+        "ratio = bookkeep against the first row of this run; each row is the fastest of 3 runs."
     );
 }

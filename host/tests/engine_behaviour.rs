@@ -368,3 +368,105 @@ fn stored_events_carry_the_prefix_hashes() {
         }]
     );
 }
+
+/// The engine thread's event delivery (a threaded outbox) changes when events arrive, never
+/// what they are: every request of the shared-prefix workload, with prompt logprobs on some and
+/// a request rejected on arrival, receives exactly what the inline engine sends it.
+#[test]
+fn threaded_event_delivery_sends_what_inline_delivery_sends() {
+    use chimera::engine::outbox::Outbox;
+    let mut work = shared_prefix_workload(11, 24, VOCAB);
+    for (_, req) in work.iter_mut() {
+        if req.id % 3 == 0 {
+            req.prompt_logprobs = true;
+            req.params.logprobs = Some(2);
+        }
+    }
+    // An empty prompt is rejected on arrival (its one event never opens the request).
+    let mut bad = work[0].1.clone();
+    bad.id = 10_000;
+    bad.prompt.clear();
+    work.push((3, bad));
+    let make = || {
+        MockExecutor::new(MockConfig {
+            vocab: VOCAB as usize,
+            ..MockConfig::default()
+        })
+    };
+    let mut inline = engine(make(), Knobs::default());
+    let expected = drive(&mut inline, work.clone());
+    let mut threaded = engine(make(), Knobs::default());
+    assert!(threaded.set_outbox(Outbox::threaded().unwrap()));
+    // Events arrive a little after their step: once the engine is idle, give the delivery
+    // thread time instead of spinning through idle steps.
+    let run = drive_with(&mut threaded, work, |e, _| {
+        if e.is_idle() {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    });
+    assert_eq!(run.outcomes, expected.outcomes);
+    assert!(expected.outcomes[&10_000].failed.is_some());
+    assert!(
+        (expected.outcomes.values()).any(|o| o.prompt_logprobs.is_some()),
+        "the workload exercises prompt logprobs"
+    );
+    let s = threaded.stats();
+    assert_eq!(s.free_blocks, s.total_blocks);
+    // Requests are in: the outbox can no longer be swapped.
+    let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
+    threaded.add(request(20_000, vec![1, 2, 3], 1_000), tx);
+    assert!(!threaded.set_outbox(Outbox::inline()));
+}
+
+/// With threaded delivery, a request whose reader has gone is found by the delivery thread and
+/// cancelled by the engine: its blocks return to the pool while the other request runs on.
+#[test]
+fn threaded_delivery_cancels_a_request_whose_reader_left() {
+    use chimera::engine::outbox::Outbox;
+    let mut e = engine(
+        MockExecutor::new(MockConfig {
+            vocab: VOCAB as usize,
+            ..MockConfig::default()
+        }),
+        // Room for both requests to decode for thousands of steps without a preemption.
+        Knobs {
+            blocks: 4096,
+            ..Knobs::default()
+        },
+    );
+    assert!(e.set_outbox(Outbox::threaded().unwrap()));
+    let mut req = request(1, (1..=9).collect(), 100_000);
+    req.ignore_eos = true;
+    let mut kept = req.clone();
+    kept.id = 2;
+    let (gone_tx, gone_rx) = tokio::sync::mpsc::unbounded_channel();
+    let (kept_tx, mut kept_rx) = tokio::sync::mpsc::unbounded_channel();
+    e.add(req, gone_tx);
+    e.add(kept, kept_tx);
+    for _ in 0..3 {
+        e.step();
+    }
+    assert_eq!(e.stats().running, 2);
+    drop(gone_rx);
+    let start = std::time::Instant::now();
+    while e.scheduler().contains(1) {
+        assert!(
+            start.elapsed().as_secs() < 20,
+            "the gone reader was never noticed"
+        );
+        e.step();
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert!(e.scheduler().contains(2));
+    assert_eq!((e.stats().running, e.stats().preemptions), (1, 0));
+    // The kept request's stream is intact: tokens only, so far.
+    let mut tokens = 0;
+    while let Ok(ev) = kept_rx.try_recv() {
+        assert!(matches!(
+            ev,
+            chimera::engine::api::EngineEvent::Tokens { .. }
+        ));
+        tokens += 1;
+    }
+    assert!(tokens >= 3, "{tokens}");
+}

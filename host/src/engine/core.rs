@@ -2,8 +2,9 @@
 //! update — over a [`StepExecutor`].
 //!
 //! The engine owns the scheduler, the cache manager, the sampling stage and its policy
-//! instances; the executor only sees the step's [`StepPlan`]. Every request's events go out in order:
-//! `Tokens`…, then exactly one `Finished` or `Failed`. Cache events of a step are released
+//! instances; the executor only sees the step's [`StepPlan`]. Every request's events go out in
+//! order through the engine's [`Outbox`]: `Tokens`…, then exactly one `Finished` or `Failed`;
+//! each public method hands its events on before it returns. Cache events of a step are released
 //! only after its forward pass succeeded; a failed pass fails the requests in that batch, rolls
 //! back the step's snapshot reservations and leaves every other request and the cache intact.
 //! An idle step changes nothing. The thread loop around it lives in `engine::thread`.
@@ -18,6 +19,7 @@ use super::api::{
 };
 use super::config::{ConfigError, EngineSetup};
 use super::executor::{CacheAllocation, ExecutorError, StepExecutor, StepOutput};
+use super::outbox::Outbox;
 use super::request::Request;
 use super::sampling::{GreedySampler, Sampled, SamplingStage, token_logprob};
 use super::scheduler::{Scheduler, StopReason};
@@ -106,6 +108,8 @@ pub struct Engine<E: StepExecutor> {
     /// Prompt logprobs completed this step, by slot, sent with the first token.
     prompt_done: Vec<(u32, Vec<Option<TokenLogprob>>)>,
     kv_events: Vec<KvEvent>,
+    /// Where requests' events go (inline unless [`Self::set_outbox`] says otherwise).
+    outbox: Outbox,
     stats: EngineStats,
     timings: StepTimings,
     /// The previous step ran a batch and nothing has waited since: the next step's device
@@ -185,6 +189,7 @@ impl<E: StepExecutor> Engine<E> {
             closed: Vec::new(),
             prompt_done: Vec::new(),
             kv_events: Vec::new(),
+            outbox: Outbox::inline(),
             stats,
             timings: StepTimings::default(),
             back_to_back: false,
@@ -218,6 +223,17 @@ impl<E: StepExecutor> Engine<E> {
     pub fn timings(&self) -> &StepTimings {
         &self.timings
     }
+    /// Replaces how requests' events are delivered (the engine thread uses
+    /// [`Outbox::threaded`]); before the first request, since requests are opened in the
+    /// outbox that admits them. Returns false, changing nothing, once requests are in.
+    pub fn set_outbox(&mut self, outbox: Outbox) -> bool {
+        if !self.sched.ids().is_empty() {
+            return false;
+        }
+        self.outbox = outbox;
+        true
+    }
+
     /// Cache events of the steps since the last call (only from steps that succeeded).
     pub fn take_kv_events(&mut self, out: &mut Vec<KvEvent>) {
         out.append(&mut self.kv_events);
@@ -226,49 +242,16 @@ impl<E: StepExecutor> Engine<E> {
     /// Queues a request; bad input is answered with `Failed` on its own channel. Block hashes
     /// the sender computed are adopted rather than computed again.
     pub fn add(&mut self, mut req: GenerateRequest, events: UnboundedSender<EngineEvent>) {
-        use FailureKind::{InvalidRequest, QueueFull};
-        let fail = |kind: FailureKind, message: String| {
-            let _ = events.send(EngineEvent::Failed { kind, message });
-        };
-        if req.prompt.is_empty() {
-            return fail(InvalidRequest, "the prompt is empty".into());
-        }
-        if req.max_tokens == 0 {
-            return fail(InvalidRequest, "max_tokens must be at least 1".into());
-        }
-        if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= self.vocab) {
-            return fail(
-                InvalidRequest,
-                format!("token id {t} is outside the vocabulary ({})", self.vocab),
-            );
-        }
-        if let Some(&o) =
-            (req.checkpoints.iter()).find(|&&o| o == 0 || o as usize > req.prompt.len())
-        {
-            return fail(
-                InvalidRequest,
-                format!(
-                    "checkpoint offset {o} is outside the prompt (1 ..= {})",
-                    req.prompt.len()
-                ),
-            );
-        }
-        if self.sched.contains(req.id) {
-            return fail(
-                InvalidRequest,
-                format!("request id {} is already in use", req.id),
-            );
-        }
-        if self.sched.num_waiting() >= self.setup.engine.max_waiting {
-            return fail(
-                QueueFull,
-                format!("{} requests are already waiting", self.sched.num_waiting()),
-            );
+        if let Err((kind, message)) = self.check(&req) {
+            self.outbox
+                .reject(&events, EngineEvent::Failed { kind, message });
+            return self.outbox.flush();
         }
         let (id, hashes) = (req.id, req.block_hashes.take());
         let bs = self.layout.block_size as u32;
         self.stats.checkpoints_requested +=
             req.checkpoints.iter().filter(|&&o| o >= bs).count() as u64;
+        self.outbox.open(id, &events);
         self.sched.add(|slot| Request::new(req, slot, events));
         if let Some(h) = hashes
             && !self.sched.adopt_hashes(id, &h)
@@ -285,11 +268,53 @@ impl<E: StepExecutor> Engine<E> {
         }
     }
 
+    /// Why a request cannot be queued, if it cannot.
+    fn check(&self, req: &GenerateRequest) -> Result<(), (FailureKind, String)> {
+        use FailureKind::{InvalidRequest, QueueFull};
+        if req.prompt.is_empty() {
+            return Err((InvalidRequest, "the prompt is empty".into()));
+        }
+        if req.max_tokens == 0 {
+            return Err((InvalidRequest, "max_tokens must be at least 1".into()));
+        }
+        if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= self.vocab) {
+            return Err((
+                InvalidRequest,
+                format!("token id {t} is outside the vocabulary ({})", self.vocab),
+            ));
+        }
+        if let Some(&o) =
+            (req.checkpoints.iter()).find(|&&o| o == 0 || o as usize > req.prompt.len())
+        {
+            return Err((
+                InvalidRequest,
+                format!(
+                    "checkpoint offset {o} is outside the prompt (1 ..= {})",
+                    req.prompt.len()
+                ),
+            ));
+        }
+        if self.sched.contains(req.id) {
+            return Err((
+                InvalidRequest,
+                format!("request id {} is already in use", req.id),
+            ));
+        }
+        if self.sched.num_waiting() >= self.setup.engine.max_waiting {
+            return Err((
+                QueueFull,
+                format!("{} requests are already waiting", self.sched.num_waiting()),
+            ));
+        }
+        Ok(())
+    }
+
     /// Cancels a request wherever it is; its blocks return to the pool at once.
     pub fn cancel(&mut self, id: u64) {
         if let Some(r) = self.sched.remove(id, &mut self.cache) {
             self.finish(r, FinishReason::Cancelled);
         }
+        self.outbox.flush();
         self.refresh_stats();
     }
 
@@ -315,12 +340,12 @@ impl<E: StepExecutor> Engine<E> {
             cacheable_tokens: r.cacheable_tokens as u32,
             cache_miss: r.cache_miss,
         };
-        let _ = r.events.send(EngineEvent::Finished { reason, usage });
+        (self.outbox).send(r.id, &r.events, EngineEvent::Finished { reason, usage });
         self.stats.requests_finished += 1;
     }
 
     fn fail(&mut self, r: Request, kind: FailureKind, message: String) {
-        let _ = r.events.send(EngineEvent::Failed { kind, message });
+        (self.outbox).send(r.id, &r.events, EngineEvent::Failed { kind, message });
     }
 
     /// Runs one step. Returns false when there was nothing to run.
@@ -337,6 +362,7 @@ impl<E: StepExecutor> Engine<E> {
             self.back_to_back = false;
             self.cache.commit_step();
             self.cache.take_events(&mut self.kv_events);
+            self.outbox.flush();
             self.refresh_stats();
             return false;
         }
@@ -362,9 +388,11 @@ impl<E: StepExecutor> Engine<E> {
             Err(e) => self.fail_batch(e),
         }
         self.cache.take_events(&mut self.kv_events);
+        self.outbox.take_closed(&mut self.closed);
         for id in std::mem::take(&mut self.closed) {
             self.cancel(id);
         }
+        self.outbox.flush();
         self.refresh_stats();
         self.timings.steps += 1;
         self.timings.schedule_ns += (t1 - t0).as_nanos() as u64;
@@ -432,10 +460,8 @@ impl<E: StepExecutor> Engine<E> {
                     .position(|(slot, _)| *slot == s.slot)
             {
                 let (_, logprobs) = self.prompt_done.swap_remove(i);
-                if r.events
-                    .send(EngineEvent::PromptLogprobs { logprobs })
-                    .is_err()
-                {
+                let ev = EngineEvent::PromptLogprobs { logprobs };
+                if !self.outbox.send(r.id, &r.events, ev) {
                     self.closed.push(r.id);
                 }
             }
@@ -443,7 +469,7 @@ impl<E: StepExecutor> Engine<E> {
                 tokens: vec![sampled.token],
                 logprobs: sampled.logprob.take().map(|l| vec![l]),
             };
-            if r.events.send(ev).is_err() {
+            if !self.outbox.send(r.id, &r.events, ev) {
                 self.closed.push(r.id);
             }
         }

@@ -8,6 +8,7 @@
 //! - [`sampling`]: penalties, top-K candidates, the sampler policy call, logprobs.
 //! - [`executor`]: the [`StepExecutor`] seam a model implements; [`mock`] is a model-free one.
 //! - [`core`]: [`Engine`], one step over an executor; [`thread`]: [`spawn_engine`].
+//! - [`outbox`]: delivery of requests' events, at once or from a delivery thread.
 //!
 //! The engine owns its caches (through `crate::cache`) and policy instances; it knows no HTTP
 //! and no plugin internals, and it holds no lock.
@@ -18,6 +19,7 @@ pub mod core;
 pub mod executor;
 pub mod mock;
 pub mod model_runner;
+pub mod outbox;
 pub mod request;
 pub mod sampling;
 pub mod scheduler;

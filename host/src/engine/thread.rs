@@ -4,7 +4,9 @@
 //! It blocks on the command channel while it has no request (no busy spin), drains every
 //! pending command and cancel before each step, publishes [`EngineStats`] through a `watch`
 //! after every step and forwards cache events (already filtered to succeeded steps by the
-//! engine). It holds no lock: the async side reaches it only through [`EngineHandle`].
+//! engine). Requests' events go out through a threaded [`Outbox`]: queued during a step, sent
+//! to their streams by a delivery thread the engine thread owns. It holds no lock: the async
+//! side reaches it only through [`EngineHandle`].
 
 use std::sync::mpsc::{self, RecvTimeoutError, TryRecvError};
 use std::thread::JoinHandle;
@@ -16,6 +18,7 @@ use super::api::{Command, EngineHandle, EngineStats, KvEvent};
 use super::config::EngineSetup;
 use super::core::{Engine, EngineError, Policies};
 use super::executor::StepExecutor;
+use super::outbox::Outbox;
 
 /// Receives the cache events of one replica (for routers and metrics).
 pub type KvEventReceiver = tmpsc::UnboundedReceiver<KvEvent>;
@@ -36,7 +39,18 @@ pub fn spawn_engine<E: StepExecutor + 'static>(
         .name("chimera-engine".into())
         .spawn(move || {
             let engine = match Engine::new(setup, executor, policies) {
-                Ok(e) => {
+                Ok(mut e) => {
+                    // Waking the readers of 256 streams costs more than the rest of the
+                    // engine's work between two forward passes: done on a thread of its own.
+                    match Outbox::threaded() {
+                        Ok(outbox) => {
+                            e.set_outbox(outbox);
+                        }
+                        Err(err) => tracing::warn!(
+                            error = %err,
+                            "no event delivery thread; the engine thread sends events itself"
+                        ),
+                    }
                     // Publish the cache layout before anyone reads the stats.
                     let _ = stats_tx.send(e.stats().clone());
                     let _ = ready_tx.send(Ok(()));
