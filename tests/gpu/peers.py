@@ -13,22 +13,28 @@ p = argparse.ArgumentParser()
 p.add_argument("--json", required=True)
 args = p.parse_args()
 rows = []
-for t in (2048, 8192):
-    q = torch.randn(1, 32, t, 128, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, 8, t, 128, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(1, 8, t, 128, device="cuda", dtype=torch.bfloat16)
-    f = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    for _ in range(5):
+
+
+def median_ms(f, warmup=5, reps=30):
+    """Median of `reps` CUDA-event timings of `f` after `warmup` calls."""
+    for _ in range(warmup):
         f()
     times = []
-    for _ in range(30):
+    for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         f()
         b.record()
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b))
-    ms = sorted(times)[len(times) // 2]
+    return sorted(times)[len(times) // 2]
+
+
+for t in (2048, 8192):
+    q = torch.randn(1, 32, t, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 8, t, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, 8, t, 128, device="cuda", dtype=torch.bfloat16)
+    ms = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
     flops = 4 * t * t / 2 * 32 * 128
     rows.append({"suite": "peers", "check": f"PyTorch SDPA causal GQA 32q/8kv d128 T={t} "
                  f"({flops / ms / 1e9:.0f} TFLOP/s)", "measured": f"{ms:.3f} ms",
@@ -39,18 +45,7 @@ for b in (1, 64, 256):
     q = torch.randn(b, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(b, 8, L + 1, 128, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(b, 8, L + 1, 128, device="cuda", dtype=torch.bfloat16)
-    f = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-    for _ in range(5):
-        f()
-    times = []
-    for _ in range(30):
-        a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        f()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(e))
-    ms = sorted(times)[len(times) // 2]
+    ms = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
     tbs = 2 * k.numel() * 2 / (ms * 1e-3) / 1e12
     rows.append({"suite": "peers", "check": f"PyTorch SDPA decode GQA 32q/8kv d128 bs{b} ctx{L} "
                  f"contiguous KV ({tbs:.2f} TB/s)", "measured": f"{ms * 1e3:.1f} µs",
