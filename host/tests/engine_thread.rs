@@ -71,13 +71,16 @@ fn serves_streams_cancels_and_shuts_down() {
         std::thread::sleep(Duration::from_millis(5));
     }
     // Cache events arrived: stored blocks first.
-    let first = kv.blocking_recv().expect("a kv event");
-    assert!(matches!(first, KvEvent::Stored { .. }), "{first:?}");
+    let first = kv.blocking_recv().expect("a batch of kv events");
+    assert!(
+        matches!(first.first(), Some(KvEvent::Stored { .. })),
+        "{first:?}"
+    );
     handle.control(Command::ResetPrefixCache).unwrap();
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         match kv.try_recv() {
-            Ok(KvEvent::Cleared) => break,
+            Ok(batch) if batch.iter().any(|e| matches!(e, KvEvent::Cleared)) => break,
             Ok(_) => {}
             Err(_) => {
                 assert!(Instant::now() < deadline, "no Cleared event");

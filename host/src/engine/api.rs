@@ -244,6 +244,8 @@ pub struct EngineStats {
     pub host_schedule_seconds: f64,
     pub host_inputs_seconds: f64,
     pub host_update_seconds: f64,
+    /// Host time between back-to-back steps, outside them (the engine loop).
+    pub host_between_seconds: f64,
 }
 
 /// Block-level cache events live with the cache; re-exported for the server and router.

@@ -61,6 +61,9 @@ pub struct StepTimings {
     pub execute_ns: u64,
     /// Sampling, committing the step to the cache and sending events (includes `sample_ns`).
     pub update_ns: u64,
+    /// Between back-to-back steps: from the end of one step's update to the start of the next
+    /// step's scheduling (the engine loop: commands, cancels, stats and cache events out).
+    pub between_ns: u64,
     /// Penalties, top-K candidates, the sampler call and logprobs.
     pub sample_ns: u64,
     /// Device time of the executed steps (CUDA events; 0 on the CPU).
@@ -115,6 +118,8 @@ pub struct Engine<E: StepExecutor> {
     /// The previous step ran a batch and nothing has waited since: the next step's device
     /// idle gap is host overhead.
     back_to_back: bool,
+    /// When the last step that ran a batch finished its update.
+    last_step_end: Option<Instant>,
     /// Set when a step failed with [`ExecutorError::DeviceLost`].
     lost: bool,
 }
@@ -193,6 +198,7 @@ impl<E: StepExecutor> Engine<E> {
             stats,
             timings: StepTimings::default(),
             back_to_back: false,
+            last_step_end: None,
         })
     }
 
@@ -351,6 +357,11 @@ impl<E: StepExecutor> Engine<E> {
     /// Runs one step. Returns false when there was nothing to run.
     pub fn step(&mut self) -> bool {
         let t0 = Instant::now();
+        if self.back_to_back
+            && let Some(end) = self.last_step_end
+        {
+            self.timings.between_ns += (t0 - end).as_nanos() as u64;
+        }
         self.sched.schedule(&mut self.cache);
         for rej in self.sched.take_rejected() {
             self.fail(rej.request, rej.kind, rej.message);
@@ -396,7 +407,9 @@ impl<E: StepExecutor> Engine<E> {
         self.refresh_stats();
         self.timings.steps += 1;
         self.timings.schedule_ns += (t1 - t0).as_nanos() as u64;
-        self.timings.update_ns += t3.elapsed().as_nanos() as u64;
+        let end = Instant::now();
+        self.timings.update_ns += (end - t3).as_nanos() as u64;
+        self.last_step_end = Some(end);
         true
     }
 
@@ -578,6 +591,7 @@ impl<E: StepExecutor> Engine<E> {
         s.host_schedule_seconds = self.timings.schedule_ns as f64 * 1e-9;
         s.host_inputs_seconds = self.timings.inputs_ns as f64 * 1e-9;
         s.host_update_seconds = self.timings.update_ns as f64 * 1e-9;
+        s.host_between_seconds = self.timings.between_ns as f64 * 1e-9;
         let pool = self.cache.pool();
         let c = self.cache.counters;
         s.running = self.sched.num_running() as u32;

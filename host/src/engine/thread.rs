@@ -21,7 +21,8 @@ use super::executor::StepExecutor;
 use super::outbox::Outbox;
 
 /// Receives the cache events of one replica (for routers and metrics).
-pub type KvEventReceiver = tmpsc::UnboundedReceiver<KvEvent>;
+/// A replica's cache events, one batch per step (one channel send, one wake-up).
+pub type KvEventReceiver = tmpsc::UnboundedReceiver<Vec<KvEvent>>;
 
 /// Starts the engine thread of one replica. The caches are allocated on that thread; an
 /// impossible configuration is returned here, before any request is accepted.
@@ -93,7 +94,7 @@ fn run<E: StepExecutor>(
     commands: mpsc::Receiver<Command>,
     cancels: mpsc::Receiver<u64>,
     stats: watch::Sender<EngineStats>,
-    kv: tmpsc::UnboundedSender<KvEvent>,
+    kv: tmpsc::UnboundedSender<Vec<KvEvent>>,
 ) {
     let mut cancelled = Vec::new();
     let mut events = Vec::new();
@@ -152,16 +153,16 @@ fn run<E: StepExecutor>(
         engine.refresh_stats();
         stats.send_replace(engine.stats().clone());
         engine.take_kv_events(&mut events);
-        for e in events.drain(..) {
-            let _ = kv.send(e);
+        if !events.is_empty() {
+            let _ = kv.send(std::mem::take(&mut events));
         }
     }
     engine.cancel_all();
     engine.refresh_stats();
     stats.send_replace(engine.stats().clone());
     engine.take_kv_events(&mut events);
-    for e in events.drain(..) {
-        let _ = kv.send(e);
+    if !events.is_empty() {
+        let _ = kv.send(events);
     }
 }
 

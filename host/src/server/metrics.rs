@@ -285,13 +285,14 @@ impl Metrics {
         );
         let _ = writeln!(
             out,
-            "# HELP {ENGINE_HOST_TIME} Host time in engine steps, by phase: schedule (scheduling and cache bookkeeping), inputs (building the step plan), update (sampling, committing, sending events).\n# TYPE {ENGINE_HOST_TIME} counter"
+            "# HELP {ENGINE_HOST_TIME} Host time in engine steps, by phase: schedule (scheduling and cache bookkeeping), inputs (building the step plan), update (sampling, committing, sending events), between (the engine loop between back-to-back steps).\n# TYPE {ENGINE_HOST_TIME} counter"
         );
         for (i, s) in stats.iter().enumerate() {
             for (phase, v) in [
                 ("schedule", s.host_schedule_seconds),
                 ("inputs", s.host_inputs_seconds),
                 ("update", s.host_update_seconds),
+                ("between", s.host_between_seconds),
             ] {
                 let _ = writeln!(
                     out,

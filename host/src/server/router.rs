@@ -24,8 +24,9 @@ use crate::policy::{self, Decision, ReplicaColumns, RouteRequest};
 /// One engine replica as the server sees it.
 pub struct Replica {
     pub handle: EngineHandle,
-    /// The replica's cache events; `None` if it publishes none (routing then sees no hits).
-    pub kv_events: Option<mpsc::UnboundedReceiver<KvEvent>>,
+    /// The replica's cache events, a batch per engine step; `None` if it publishes none
+    /// (routing then sees no hits).
+    pub kv_events: Option<mpsc::UnboundedReceiver<Vec<KvEvent>>>,
 }
 
 /// Where a request goes and what it will reuse there.
@@ -92,9 +93,11 @@ impl RouterHandle {
             if let Some(mut events) = r.kv_events {
                 let kv_tx = kv_tx.clone();
                 tokio::spawn(async move {
-                    while let Some(ev) = events.recv().await {
-                        if kv_tx.send((i, ev)).await.is_err() {
-                            break;
+                    'forward: while let Some(batch) = events.recv().await {
+                        for ev in batch {
+                            if kv_tx.send((i, ev)).await.is_err() {
+                                break 'forward;
+                            }
                         }
                     }
                 });
