@@ -1,7 +1,7 @@
 //! `BambaForCausalLM`: every layer is a token mixer (Mamba2, or attention at
 //! `attn_layer_indices`, with partial RoPE) followed by a gated SiLU MLP, each pre-norm residual.
 
-use super::{Assembly, bool_any, ssm_shape, usize_any};
+use super::{Assembly, bool_any, mamba_keyed_spec, usize_any};
 use crate::backend::{Activation, Backend};
 use crate::model::config::HfConfig;
 use crate::model::layers::attention::AttentionSpec;
@@ -37,30 +37,8 @@ pub fn build<B: Backend>(c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, Mo
         })
         .unwrap_or_default();
 
-    let m_heads = c.usize("mamba_n_heads")?;
-    let expand = c.f64_or("mamba_expand", 2.0)?;
-    let d_inner = (expand * hidden as f64) as usize;
-    let m_head_dim = match c.get("mamba_d_head").and_then(|v| v.as_u64()) {
-        Some(d) => d as usize,
-        None => d_inner / m_heads.max(1),
-    };
-    let shape = ssm_shape(
-        c,
-        m_heads,
-        m_head_dim,
-        usize_any(c, &["mamba_n_groups"], Some(1))?,
-        usize_any(c, &["mamba_d_state"], Some(128))?,
-        usize_any(c, &["mamba_chunk_size"], Some(256))?,
-    )?;
-    let mamba = Mamba2Spec {
-        hidden,
-        shape,
-        conv_kernel: usize_any(c, &["mamba_d_conv"], Some(4))?,
-        conv_bias: bool_any(c, &["mamba_conv_bias"], true)?,
-        proj_bias: bool_any(c, &["mamba_proj_bias"], false)?,
-        eps,
-        cache: 0,
-    };
+    let d_inner = (c.f64_or("mamba_expand", 2.0)? * hidden as f64) as usize;
+    let mamba = mamba_keyed_spec(c, hidden, d_inner, 128, eps)?;
     let rope = rope::build(&c.rope_settings()?, head_dim)?;
 
     let (mut n_attn, mut n_ssm) = (0, 0);

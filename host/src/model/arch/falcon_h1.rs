@@ -10,7 +10,7 @@
 //! width is `mamba_d_ssm` when set; its output norm is absent unless `mamba_rms_norm`, and then
 //! comes before the gate when `mamba_norm_before_gate`.
 
-use super::{Assembly, bool_any, ssm_shape, usize_any};
+use super::{Assembly, bool_any, mamba_keyed_spec, usize_any};
 use crate::backend::{Activation, Backend};
 use crate::model::config::HfConfig;
 use crate::model::layers::attention::AttentionSpec;
@@ -67,39 +67,12 @@ pub fn build<B: Backend>(c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, Mo
     let ssm_mult = f32_list(c, "ssm_multipliers", &[1.0; 5])?;
     let mlp_mult = f32_list(c, "mlp_multipliers", &[1.0; 2])?;
 
-    let m_heads = c.usize("mamba_n_heads")?;
     let d_inner = match c.opt_usize("mamba_d_ssm")? {
         Some(d) => d,
         None => (c.f64_or("mamba_expand", 2.0)? * hidden as f64) as usize,
     };
-    let m_head_dim = match c.get("mamba_d_head").and_then(|v| v.as_u64()) {
-        Some(d) => d as usize,
-        None => d_inner / m_heads.max(1),
-    };
-    if m_head_dim * m_heads != d_inner {
-        return Err(c.error(format!(
-            "mamba_n_heads {m_heads} × mamba_d_head {m_head_dim} ≠ Mamba2 width {d_inner}"
-        )));
-    }
-    let groups = usize_any(c, &["mamba_n_groups"], Some(1))?;
-    let state = usize_any(c, &["mamba_d_state"], Some(256))?;
-    let shape = ssm_shape(
-        c,
-        m_heads,
-        m_head_dim,
-        groups,
-        state,
-        usize_any(c, &["mamba_chunk_size"], Some(256))?,
-    )?;
-    let mamba = Mamba2Spec {
-        hidden,
-        shape,
-        conv_kernel: usize_any(c, &["mamba_d_conv"], Some(4))?,
-        conv_bias: bool_any(c, &["mamba_conv_bias"], true)?,
-        proj_bias: bool_any(c, &["mamba_proj_bias"], false)?,
-        eps,
-        cache: 0,
-    };
+    let mamba = mamba_keyed_spec(c, hidden, d_inner, 256, eps)?;
+    let (groups, state) = (mamba.shape.groups, mamba.shape.state_size);
     let out_norm = match (
         c.bool_or("mamba_rms_norm", false)?,
         c.bool_or("mamba_norm_before_gate", true)?,

@@ -11,7 +11,7 @@
 //! one expert at a time (`experts.{j}.{gate,up,down}_proj`).
 
 use super::nemotron_h::{Kind, layer_kinds};
-use super::{Assembly, bool_any, ssm_shape, usize_any};
+use super::{Assembly, bool_any, mamba_keyed_spec, usize_any};
 use crate::backend::{Activation, Backend, MoeRouting, MoeScoring, StackedExperts};
 use crate::model::config::HfConfig;
 use crate::model::layers::attention::AttentionSpec;
@@ -64,29 +64,8 @@ pub fn build<B: Backend>(c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, Mo
         }
     };
 
-    let m_heads = c.usize("mamba_n_heads")?;
     let d_inner = (c.f64_or("mamba_expand", 2.0)? * hidden as f64) as usize;
-    let m_head_dim = match c.get("mamba_d_head").and_then(|v| v.as_u64()) {
-        Some(d) => d as usize,
-        None => d_inner / m_heads.max(1),
-    };
-    let shape = ssm_shape(
-        c,
-        m_heads,
-        m_head_dim,
-        usize_any(c, &["mamba_n_groups"], Some(1))?,
-        usize_any(c, &["mamba_d_state"], Some(256))?,
-        usize_any(c, &["mamba_chunk_size"], Some(256))?,
-    )?;
-    let mamba = Mamba2Spec {
-        hidden,
-        shape,
-        conv_kernel: usize_any(c, &["mamba_d_conv"], Some(4))?,
-        conv_bias: bool_any(c, &["mamba_conv_bias"], true)?,
-        proj_bias: bool_any(c, &["mamba_proj_bias"], false)?,
-        eps,
-        cache: 0,
-    };
+    let mamba = mamba_keyed_spec(c, hidden, d_inner, 256, eps)?;
     let experts = c.usize_or("num_local_experts", 0)?;
     let shared_inter = c.usize("shared_intermediate_size")?;
 

@@ -114,6 +114,46 @@ pub(super) fn ssm_shape(
     })
 }
 
+/// The Mamba2 mixer of the hybrids whose config keys start with `mamba_` (Bamba,
+/// GraniteMoeHybrid, Falcon-H1), of inner width `d_inner`: heads, head dim (`mamba_d_head`, or
+/// the width over the heads), groups, state (`default_state` when absent), chunk, conv kernel
+/// and biases.
+pub(super) fn mamba_keyed_spec(
+    c: &HfConfig,
+    hidden: usize,
+    d_inner: usize,
+    default_state: usize,
+    eps: f64,
+) -> Result<Mamba2Spec, ModelError> {
+    let heads = c.usize("mamba_n_heads")?;
+    let head_dim = match c.get("mamba_d_head").and_then(|v| v.as_u64()) {
+        Some(d) => d as usize,
+        None => d_inner / heads.max(1),
+    };
+    if head_dim * heads != d_inner {
+        return Err(c.error(format!(
+            "mamba_n_heads {heads} × mamba_d_head {head_dim} ≠ Mamba2 width {d_inner}"
+        )));
+    }
+    let shape = ssm_shape(
+        c,
+        heads,
+        head_dim,
+        usize_any(c, &["mamba_n_groups"], Some(1))?,
+        usize_any(c, &["mamba_d_state"], Some(default_state))?,
+        usize_any(c, &["mamba_chunk_size"], Some(256))?,
+    )?;
+    Ok(Mamba2Spec {
+        hidden,
+        shape,
+        conv_kernel: usize_any(c, &["mamba_d_conv"], Some(4))?,
+        conv_bias: bool_any(c, &["mamba_conv_bias"], true)?,
+        proj_bias: bool_any(c, &["mamba_proj_bias"], false)?,
+        eps,
+        cache: 0,
+    })
+}
+
 /// The parts every architecture ends with.
 pub(super) struct Assembly<B: Backend> {
     pub arch: String,
