@@ -222,6 +222,7 @@ fn run(case: &Case) -> (f64, StepTimings) {
         inputs_ns: after.inputs_ns - before.inputs_ns,
         execute_ns: after.execute_ns - before.execute_ns,
         update_ns: after.update_ns - before.update_ns,
+        between_ns: after.between_ns - before.between_ns,
         sample_ns: after.sample_ns - before.sample_ns,
         device_busy_ns: after.device_busy_ns - before.device_busy_ns,
         device_idle_ns: after.device_idle_ns - before.device_idle_ns,
