@@ -470,3 +470,31 @@ fn threaded_delivery_cancels_a_request_whose_reader_left() {
     }
     assert!(tokens >= 3, "{tokens}");
 }
+
+/// The host phases of a step are timed, and the engine loop between steps counts only between
+/// back-to-back steps: not after the engine waited for requests.
+#[test]
+fn the_loop_between_steps_is_timed_only_back_to_back() {
+    let mut e = engine(MockExecutor::transformer(), Knobs::default());
+    let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut r = request(1, Tokens::new(5).take(10, VOCAB), 50);
+    r.ignore_eos = true;
+    e.add(r, tx);
+    assert!(e.step());
+    let pause = std::time::Duration::from_millis(3);
+    std::thread::sleep(pause);
+    assert!(e.step());
+    let t = *e.timings();
+    assert_eq!(t.steps, 2);
+    assert!(t.schedule_ns > 0 && t.update_ns > 0);
+    assert!(
+        t.between_ns >= pause.as_nanos() as u64,
+        "the pause between two back-to-back steps: {t:?}"
+    );
+    // After a wait for requests the gap is not host overhead.
+    e.note_wait();
+    std::thread::sleep(pause);
+    assert!(e.step());
+    assert_eq!(e.timings().between_ns, t.between_ns);
+    assert!(e.stats().host_between_seconds > 0.0);
+}
