@@ -345,12 +345,12 @@ impl CacheManager {
                         .ok_or(CacheError::RestoreMissing(matched[k - 1]))?,
                 ),
             };
-            if restore.is_some() && self.ssm.live_free() > 0 {
-                self.ssm.note_restore(matched[m.skip_blocks - 1], self.step);
-            }
             let live = self.ssm.alloc_live().ok_or(CacheError::NoLiveSlot)?;
             match restore {
-                Some(from) => SsmInit::Restore { from, live },
+                Some(from) => {
+                    self.ssm.note_restore(matched[m.skip_blocks - 1], self.step);
+                    SsmInit::Restore { from, live }
+                }
                 None => SsmInit::Zero { live },
             }
         } else {

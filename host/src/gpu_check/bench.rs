@@ -57,6 +57,31 @@ pub fn run(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) {
     }
 }
 
+type Tensor = crate::backend::cuda::CudaTensor;
+
+/// Random q, k, v for `tokens` query tokens of `attn`'s shape and a zeroed paged KV cache of
+/// `blocks` blocks.
+fn attention_inputs(
+    gpu: &CudaBackend,
+    rng: &mut Rng,
+    tokens: usize,
+    attn: AttnShape,
+    blocks: usize,
+) -> anyhow::Result<(Tensor, Tensor, Tensor, KvLayer<Tensor>)> {
+    let (q_w, kv_w) = (attn.heads * attn.head_dim, attn.kv_heads * attn.head_dim);
+    let mut up = |w: usize| -> anyhow::Result<Tensor> {
+        let v = rng.vec(tokens * w, 1.0);
+        Ok(gpu.upload(HostTensor::f32(&v, &[tokens, w]))?)
+    };
+    let (q, k, v) = (up(q_w)?, up(kv_w)?, up(kv_w)?);
+    let shape = [blocks, BLOCK, attn.kv_heads, attn.head_dim];
+    let cache = KvLayer {
+        k: gpu.zeros(&shape, gpu.dtype())?,
+        v: gpu.zeros(&shape, gpu.dtype())?,
+    };
+    Ok((q, k, v, cache))
+}
+
 fn attention_8k(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()> {
     let (t, heads, kv_heads, d) = (8192usize, 32usize, 8usize, 128usize);
     let mut rng = Rng::new(7);
@@ -68,24 +93,13 @@ fn attention_8k(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()> {
     plan.finish()?;
     let mut step = gpu.new_step(t)?;
     gpu.upload_step(&plan, &mut step)?;
-    let up = |n: usize, shape: &[usize], rng: &mut Rng| -> anyhow::Result<_> {
-        let v = rng.vec(n, 1.0);
-        Ok(gpu.upload(HostTensor::f32(&v, shape))?)
-    };
-    let q = up(t * heads * d, &[t, heads * d], &mut rng)?;
-    let k = up(t * kv_heads * d, &[t, kv_heads * d], &mut rng)?;
-    let v = up(t * kv_heads * d, &[t, kv_heads * d], &mut rng)?;
-    let shape = [blocks, BLOCK, kv_heads, d];
-    let mut cache = KvLayer {
-        k: gpu.zeros(&shape, gpu.dtype())?,
-        v: gpu.zeros(&shape, gpu.dtype())?,
-    };
     let attn = AttnShape {
         heads,
         kv_heads,
         head_dim: d,
         scale: (d as f32).powf(-0.5),
     };
+    let (q, k, v, mut cache) = attention_inputs(gpu, &mut rng, t, attn, blocks)?;
     for _ in 0..3 {
         drop(gpu.paged_attention(&q, &k, &v, &mut cache, attn, &step)?);
     }
@@ -134,26 +148,16 @@ fn attention_decode(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()
         plan.finish()?;
         let mut step = gpu.new_step(batch)?;
         gpu.upload_step(&plan, &mut step)?;
-        let up = |n: usize, shape: &[usize], rng: &mut Rng| -> anyhow::Result<_> {
-            let v = rng.vec(n, 1.0);
-            Ok(gpu.upload(HostTensor::f32(&v, shape))?)
-        };
-        let q = up(batch * heads * d, &[batch, heads * d], &mut rng)?;
-        let k = up(batch * kv_heads * d, &[batch, kv_heads * d], &mut rng)?;
-        let v = up(batch * kv_heads * d, &[batch, kv_heads * d], &mut rng)?;
-        let shape = [2 * batch * per_seq, BLOCK, kv_heads, d];
-        let mut cache = KvLayer {
-            k: gpu.zeros(&shape, gpu.dtype())?,
-            v: gpu.zeros(&shape, gpu.dtype())?,
-        };
-        gpu.fill_dummy(&mut cache.k, 3, 1.0, 0.0)?;
-        gpu.fill_dummy(&mut cache.v, 4, 1.0, 0.0)?;
         let attn = AttnShape {
             heads,
             kv_heads,
             head_dim: d,
             scale: (d as f32).powf(-0.5),
         };
+        let (q, k, v, mut cache) =
+            attention_inputs(gpu, &mut rng, batch, attn, 2 * batch * per_seq)?;
+        gpu.fill_dummy(&mut cache.k, 3, 1.0, 0.0)?;
+        gpu.fill_dummy(&mut cache.v, 4, 1.0, 0.0)?;
         for _ in 0..3 {
             drop(gpu.paged_attention(&q, &k, &v, &mut cache, attn, &step)?);
         }

@@ -6,7 +6,7 @@
 //! `parity`).
 
 use super::rng::Rng;
-use super::{GpuCheckArgs, Report, rel_err};
+use super::{GpuCheckArgs, Report, rel_err, round_if_bf16};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cpu::moe as cpu_moe;
 use crate::backend::cuda::CudaBackend;
@@ -677,15 +677,7 @@ fn ssm_layer(
     let cpu = CpuBackend::default();
     gpu.set_ssm_chunk_size(shape.chunk_size);
     let bf16 = gpu.dtype() == DType::BF16;
-    let round = |v: Vec<f32>| -> Vec<f32> {
-        if bf16 {
-            v.into_iter()
-                .map(|x| half::bf16::from_f32(x).to_f32())
-                .collect()
-        } else {
-            v
-        }
-    };
+    let round = |v: Vec<f32>| round_if_bf16(v, bf16);
     let (h, p, g, n) = (shape.heads, shape.head_dim, shape.groups, shape.state_size);
     let d_inner = h * p;
     let conv_dim = d_inner + 2 * g * n;

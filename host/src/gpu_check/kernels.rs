@@ -4,7 +4,7 @@
 //! before every check, so an output element a kernel did not write fails the check.
 
 use super::rng::Rng;
-use super::{Report, rel_err};
+use super::{Report, bf16_round, rel_err};
 use crate::backend::cpu::{CpuBackend, CpuTensor};
 use crate::backend::cuda::{CudaBackend, CudaTensor};
 use crate::backend::sample::Penalties;
@@ -20,10 +20,6 @@ struct Ctx<'a> {
     mode: DType,
     rng: Rng,
     report: &'a mut Report,
-}
-
-fn bf16_round(v: f32) -> f32 {
-    half::bf16::from_f32(v).to_f32()
 }
 
 impl Ctx<'_> {

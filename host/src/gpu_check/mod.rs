@@ -179,6 +179,20 @@ impl Report {
 }
 
 /// `‖a − b‖ / ‖b‖` in f64; infinite when `a` holds a NaN or the lengths differ.
+/// `v` rounded to bf16 (what a bf16 tensor holds), as f32.
+pub(crate) fn bf16_round(v: f32) -> f32 {
+    half::bf16::from_f32(v).to_f32()
+}
+
+/// Host inputs as the backend will hold them: rounded to bf16 when `bf16`, else unchanged.
+pub(crate) fn round_if_bf16(v: Vec<f32>, bf16: bool) -> Vec<f32> {
+    if bf16 {
+        v.into_iter().map(bf16_round).collect()
+    } else {
+        v
+    }
+}
+
 pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     if a.len() != b.len() || a.iter().any(|x| x.is_nan()) {
         return f64::INFINITY;

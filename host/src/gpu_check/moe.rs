@@ -9,7 +9,7 @@
 use std::time::Instant;
 
 use super::rng::Rng;
-use super::{Report, rel_err};
+use super::{Report, bf16_round, rel_err, round_if_bf16};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::{
@@ -96,15 +96,7 @@ struct Inputs {
 
 impl Inputs {
     fn new(c: &Case, rng: &mut Rng, bf16: bool) -> Self {
-        let round = |v: Vec<f32>| -> Vec<f32> {
-            if bf16 {
-                v.into_iter()
-                    .map(|x| half::bf16::from_f32(x).to_f32())
-                    .collect()
-            } else {
-                v
-            }
-        };
+        let round = |v: Vec<f32>| round_if_bf16(v, bf16);
         let (t, h, i, e) = (c.tokens, c.hidden, c.inter, c.experts);
         let (su, sd) = ((3.0 / h as f32).sqrt(), (3.0 / i as f32).sqrt());
         Self {
@@ -237,7 +229,7 @@ fn capture_case(gpu: &CudaBackend, cpu: &CpuBackend, c: &Case, rng: &mut Rng) ->
     let new_logits: Vec<f32> = rng
         .vec(c.tokens * c.experts, 2.0)
         .into_iter()
-        .map(|x| half::bf16::from_f32(x).to_f32())
+        .map(bf16_round)
         .collect();
     let fresh = gpu.upload(HostTensor::f32(&new_logits, &[c.tokens, c.experts]))?;
     gpu.scale_assign(&mut src, 0.0)?;
