@@ -40,11 +40,12 @@
 // tiles, each thread a 4×2 micro-tile, operands staged as f32 in shared memory over 32-wide
 // k tiles. Tensor-core kernels (bf16, head_dim 64, state 64 or 128): mma.sync m16n8k16
 // bf16 → f32 with ldmatrix (.trans where the operand's k runs across rows);
-// - ssd_states_mma: 4 warps × 16 rows of p, all N columns; 64-token k tiles; B is scaled by
-//   exp(A_end − A_s)·dt_s in f32 and rounded to bf16 as it is staged.
-// - ssd_scan_mma: 4 warps × 16 rows of l (a 64-row block of a chunk); the state term
-//   C·h_cᵀ first (h_c rounded to bf16), then per 64-token block of s ≤ l: scores C·Bᵀ
-//   (f32), decay and causal mask in registers, re-packed as bf16 A fragments (the FA2
+// - ssd_states_mma: 8 warps × (16 rows of p, N/2 columns); 128-token k tiles staged with
+//   cp.async; B is scaled by exp(A_end − A_s)·dt_s in f32 and rounded to bf16 in place.
+// - ssd_scan_mma: 8 warps × 16 rows of l (a 128-row block of a chunk, so one CTA per
+//   (chunk, head) at chunk sizes ≤ 128); the state term C·h_cᵀ first (h_c rounded to bf16),
+//   then per 128-token tile of s ≤ l, 32 columns at a time: scores C·Bᵀ (f32), decay and
+//   causal mask in registers, re-packed as bf16 A fragments (the FA2
 //   accumulator-to-operand trick) for P·X. Rows past the diagonal are skipped per warp.
 // This is the rounding mamba_ssm's Triton kernels also make (states and decayed scores in
 // the input dtype before the second product).
@@ -54,6 +55,10 @@
 // state indices, intermediate states). The PTX ISA manual for mma/ldmatrix fragment
 // layouts. No code was copied.
 #include "common.cuh"
+#include "mma.cuh"
+
+// Dynamic shared memory of the kernels that use it (ssd_scan_mma).
+extern __shared__ __align__(16) u16 ssm_dyn_smem[];
 
 namespace ssm {
 
@@ -227,11 +232,146 @@ __device__ void conv_update(const T* x, const T* weight, const T* bias, T* out, 
 }
 
 // ---------------------------------------------------------------------------------------
-// Decode: the recurrent step for one-token entries. CTA (entry, head), 8 warps over rows p,
-// lanes over the state columns n; two rows in flight per warp.
+// Decode: the recurrent step for one-token entries. CTA (entry, head), 256 threads.
+// The step reads and writes the whole P×N state once and is bound by memory, so the kernel
+// is built to keep many bytes in flight: when a state row is a whole number of 16-byte
+// vectors and a row's vectors divide the warp (`decode_rows_vec`), each lane owns one
+// 16-byte vector of a row, a warp covers 32 / (N / VEC) rows at a time, and a thread issues
+// all its loads (32 state values) before it computes or stores anything. Otherwise a warp
+// walks rows p with its lanes over n, two rows in flight (`decode_rows`).
 
 constexpr int DEC_THREADS = 256;  // ssm.rs: DEC_THREADS
 constexpr int DEC_WARPS = DEC_THREADS / 32;
+constexpr int DEC_VALUES = 32;  // state values a thread holds at once on the vector path
+
+// What one (entry, head) step needs besides the operands: the decay exp(dt·a), dt, D, the
+// head's offset inside a layer state, the layer state size and the pool geometry (snapshots).
+struct RowStep {
+    float decay, dtv, dh;
+    u64 head_off, per_layer;
+    u32 layer, layers, slots;
+};
+
+// Any N: a warp walks rows p with its lanes over n, two rows in flight.
+template <typename T, typename S>
+__device__ void decode_rows(const T* x, const T* b, const T* c, T* out, S* st, S* pool,
+                            const u32* snap_slot, u32 k0, u32 nk, u32 P, u32 N, i64 xrow,
+                            i64 brow, i64 yrow, const RowStep& r) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (u32 p = warp; p < P; p += 2 * DEC_WARPS) {
+        const u32 p2 = p + DEC_WARPS;
+        const bool two = p2 < P;
+        const float x1 = load(x, xrow + p), x2 = two ? load(x, xrow + p2) : 0.0f;
+        const float dx1 = r.dtv * x1, dx2 = r.dtv * x2;
+        float acc1 = 0.0f, acc2 = 0.0f;
+        for (u32 n0 = 0; n0 < N; n0 += 128) {
+            float s1[4], s2[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const u32 n = n0 + lane + 32 * j;
+                s1[j] = n < N ? load(st, p * N + n) : 0.0f;
+                s2[j] = (two && n < N) ? load(st, p2 * N + n) : 0.0f;
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const u32 n = n0 + lane + 32 * j;
+                if (n >= N) continue;
+                const float bn = load(b, brow + n), cn = load(c, brow + n);
+                s1[j] = s1[j] * r.decay + dx1 * bn;
+                acc1 += s1[j] * cn;
+                store(st, p * N + n, s1[j]);
+                if (two) {
+                    s2[j] = s2[j] * r.decay + dx2 * bn;
+                    acc2 += s2[j] * cn;
+                    store(st, p2 * N + n, s2[j]);
+                }
+                for (u32 k = k0; k < k0 + nk; ++k) {
+                    S* dst = layer_state(pool, snap_slot[k], r.slots, r.layer, r.layers, r.per_layer);
+                    if (!dst) continue;
+                    dst += r.head_off;
+                    store(dst, p * N + n, s1[j]);
+                    if (two) store(dst, p2 * N + n, s2[j]);
+                }
+            }
+        }
+        acc1 = warp_sum(acc1);
+        acc2 = warp_sum(acc2);
+        if (lane == 0) {
+            store(out, yrow + p, acc1 + r.dh * x1);
+            if (two) store(out, yrow + p2, acc2 + r.dh * x2);
+        }
+    }
+}
+
+// N a multiple of VEC<S> with N / VEC<S> dividing 32: lane l of a warp owns the 16-byte
+// vector l % L (L = N / VEC<S> lanes per row) of row l / L of each pass. A thread loads its
+// ROWS rows of the pass group first, then updates, reduces y over the row's L lanes with
+// shuffles, and stores.
+template <typename T, typename S>
+__device__ void decode_rows_vec(const T* x, const T* b, const T* c, T* out, S* st, S* pool,
+                                const u32* snap_slot, u32 k0, u32 nk, u32 P, u32 N, i64 xrow,
+                                i64 brow, i64 yrow, const RowStep& r) {
+    constexpr int V = VEC<S>;
+    constexpr int ROWS = DEC_VALUES / V;  // rows a thread holds at once
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 L = N / V;
+    const u32 per_pass = 32 / L;  // rows a warp covers per pass
+    const u32 n0 = (lane % L) * V;
+    const u32 row_in = lane / L;
+    float bv[V], cv[V];
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+        bv[v] = load(b, brow + n0 + v);
+        cv[v] = load(c, brow + n0 + v);
+    }
+    const u32 stride = DEC_WARPS * per_pass;  // rows between a thread's consecutive rows
+    // The loop bound is uniform over the warp (the shuffles below need every lane); rows
+    // past P are carried as zeros and never stored.
+    for (u32 first = warp * per_pass; first < P; first += ROWS * stride) {
+        const u32 base = first + row_in;
+        float sv[ROWS][V];
+        float xv[ROWS];
+#pragma unroll
+        for (int k = 0; k < ROWS; ++k) {
+            const u32 p = base + k * stride;
+            if (p < P) {
+                load16(st, (i64)p * N + n0, sv[k]);
+                xv[k] = load(x, xrow + p);
+            } else {
+#pragma unroll
+                for (int v = 0; v < V; ++v) sv[k][v] = 0.0f;
+                xv[k] = 0.0f;
+            }
+        }
+        float acc[ROWS];
+#pragma unroll
+        for (int k = 0; k < ROWS; ++k) {
+            const float dx = r.dtv * xv[k];
+            acc[k] = 0.0f;
+#pragma unroll
+            for (int v = 0; v < V; ++v) {
+                sv[k][v] = sv[k][v] * r.decay + dx * bv[v];
+                acc[k] += sv[k][v] * cv[v];
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < ROWS; ++k) {
+            const u32 p = base + k * stride;
+            if (p >= P) continue;
+            store16(st, (i64)p * N + n0, sv[k]);
+            for (u32 q = k0; q < k0 + nk; ++q) {
+                S* dst = layer_state(pool, snap_slot[q], r.slots, r.layer, r.layers, r.per_layer);
+                if (dst) store16(dst + r.head_off, (i64)p * N + n0, sv[k]);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < ROWS; ++k) {
+            for (u32 o = L / 2; o > 0; o >>= 1) acc[k] += __shfl_xor_sync(0xffffffffu, acc[k], o);
+            const u32 p = base + k * stride;
+            if (lane % L == 0 && p < P) store(out, yrow + p, acc[k] + r.dh * xv[k]);
+        }
+    }
+}
 
 template <typename T, typename S>
 __device__ void decode(const T* x, const T* b, const T* c, const T* dt, const T* a_log,
@@ -242,7 +382,6 @@ __device__ void decode(const T* x, const T* b, const T* c, const T* dt, const T*
                        float dt_min, float dt_max) {
     const u32 h = blockIdx.x % heads, e = blockIdx.x / heads;
     const u32 tok = seq_tok[e];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u64 pn = (u64)P * N;
     S* st = layer_state(pool, seq_slot[e], slots, layer, layers, pn * heads);
     const i64 yrow = (i64)tok * out_ld + (i64)h * P;
@@ -259,49 +398,11 @@ __device__ void decode(const T* x, const T* b, const T* c, const T* dt, const T*
     const i64 brow = (i64)tok * bc_ld + (i64)g * N;
     const i64 xrow = (i64)tok * x_ld + (i64)h * P;
     const u32 k0 = seq_snap[e], nk = seq_snaps[e];
-    for (u32 p = warp; p < P; p += 2 * DEC_WARPS) {
-        const u32 p2 = p + DEC_WARPS;
-        const bool two = p2 < P;
-        const float x1 = load(x, xrow + p), x2 = two ? load(x, xrow + p2) : 0.0f;
-        const float dx1 = dtv * x1, dx2 = dtv * x2;
-        float acc1 = 0.0f, acc2 = 0.0f;
-        for (u32 n0 = 0; n0 < N; n0 += 128) {
-            float s1[4], s2[4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const u32 n = n0 + lane + 32 * j;
-                s1[j] = n < N ? load(st, p * N + n) : 0.0f;
-                s2[j] = (two && n < N) ? load(st, p2 * N + n) : 0.0f;
-            }
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const u32 n = n0 + lane + 32 * j;
-                if (n >= N) continue;
-                const float bn = load(b, brow + n), cn = load(c, brow + n);
-                s1[j] = s1[j] * decay + dx1 * bn;
-                acc1 += s1[j] * cn;
-                store(st, p * N + n, s1[j]);
-                if (two) {
-                    s2[j] = s2[j] * decay + dx2 * bn;
-                    acc2 += s2[j] * cn;
-                    store(st, p2 * N + n, s2[j]);
-                }
-                for (u32 k = k0; k < k0 + nk; ++k) {
-                    S* dst = layer_state(pool, snap_slot[k], slots, layer, layers, pn * heads);
-                    if (!dst) continue;
-                    dst += h * pn;
-                    store(dst, p * N + n, s1[j]);
-                    if (two) store(dst, p2 * N + n, s2[j]);
-                }
-            }
-        }
-        acc1 = warp_sum(acc1);
-        acc2 = warp_sum(acc2);
-        if (lane == 0) {
-            store(out, yrow + p, acc1 + dh * x1);
-            if (two) store(out, yrow + p2, acc2 + dh * x2);
-        }
-    }
+    const RowStep step{decay, dtv, dh, h * pn, pn * heads, layer, layers, slots};
+    if (N >= (u32)VEC<S> && N % VEC<S> == 0 && 32 % (N / VEC<S>) == 0 && aligned16(pool))
+        decode_rows_vec(x, b, c, out, st, pool, snap_slot, k0, nk, P, N, xrow, brow, yrow, step);
+    else
+        decode_rows(x, b, c, out, st, pool, snap_slot, k0, nk, P, N, xrow, brow, yrow, step);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -648,104 +749,123 @@ struct Pad {
     static constexpr int LD = W + 8;
 };
 
-// Copies `rows` × W bf16 from global rows (16-byte chunks) into a padded tile; rows ≥ valid
-// are zero. W is a multiple of 8; src rows 16-byte aligned.
-template <int W, int THREADS>
-__device__ __forceinline__ void stage_rows(bf16* dst, const bf16* src, i64 ld, int rows, int valid) {
+
+constexpr int SCAN_THREADS = 256;  // ssm.rs: SCAN_THREADS (8 warps)
+constexpr int SCAN_ROWS = 128;     // ssm.rs: SCAN_ROWS (rows of l per CTA, tokens per s tile)
+constexpr int SCAN_COLS = 32;      // s columns of the scores a warp holds at once
+
+// `rows` × W bf16 from global rows into a padded tile with cp.async; rows ≥ valid are zero.
+template <int W>
+__device__ __forceinline__ void stage_async(bf16* dst, const bf16* src, i64 ld, int rows, int valid) {
     constexpr int CH = W / 8;
-    for (int i = threadIdx.x; i < rows * CH; i += THREADS) {
+    for (int i = threadIdx.x; i < rows * CH; i += SCAN_THREADS) {
         const int r = i / CH, cc = i % CH;
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (r < valid) v = *reinterpret_cast<const uint4*>(src + (i64)r * ld + cc * 8);
-        *reinterpret_cast<uint4*>(dst + r * Pad<W>::LD + cc * 8) = v;
+        const bool ok = r < valid;
+        cp_async_16(smem_addr(dst + r * Pad<W>::LD + cc * 8), ok ? src + (i64)r * ld + cc * 8 : src,
+                    ok ? 16u : 0u);
     }
 }
 
-constexpr int MMA_THREADS = 128;  // ssm.rs: MMA_THREADS (4 warps)
-constexpr int MMA_ROWS = 64;      // ssm.rs: MMA_ROWS (tokens per k tile / rows per CTA)
+// SSD step 2 (tensor cores): S_c = Xᵀ·(w∘B). 8 warps: warp w owns the p rows
+// [16·(w mod 4), +16) and the state columns [(w / 4)·N/2, +N/2). A chunk's tokens are staged
+// 128 at a time (cp.async for x and B, all requested before one wait); B is then scaled by
+// w_s = exp(A_end − A_s)·dt_s in f32 and rounded to bf16 in place.
+template <int P, int N>
+struct StatesLayout {  // offsets in bf16 elements; ssm.rs: states_smem_bytes
+    static constexpr int LDN = Pad<N>::LD, LDP = Pad<P>::LD;
+    static constexpr int XS = 0;                      // x rows [SCAN_ROWS][LDP]
+    static constexpr int BS = XS + SCAN_ROWS * LDP;   // B rows [SCAN_ROWS][LDN]
+    static constexpr int END = BS + SCAN_ROWS * LDN;
+    static constexpr int BYTES = END * 2 + SCAN_ROWS * 4;  // + w (f32)
+};
 
-// SSD step 2 (tensor cores): S_c = Xᵀ·(w∘B). Warp w owns p rows [16w, 16w + 16) (P = 64).
 template <int P, int N>
 __device__ void states_mma(const bf16* x, const bf16* b, const float* dtv, const float* acum,
                            float* states, const u32* ck_tok, const u32* ck_len, u32 heads,
                            u32 groups, u32 x_ld, u32 bc_ld) {
-    static_assert(P == 16 * (MMA_THREADS / 32), "one 16-row slice of p per warp");
-    __shared__ __align__(16) bf16 Xs[MMA_ROWS * Pad<P>::LD];
-    __shared__ __align__(16) bf16 Bw[MMA_ROWS * Pad<N>::LD];
-    __shared__ float ws[MMA_ROWS];
+    static_assert(P == 64 && SCAN_THREADS == 256, "4 slices of 16 p rows × 2 column halves");
+    using Ly = StatesLayout<P, N>;
+    constexpr int LDN = Ly::LDN, LDP = Ly::LDP, NW = N / 2;
+    bf16* smem = reinterpret_cast<bf16*>(ssm_dyn_smem);
+    bf16 *xs = smem + Ly::XS, *bs = smem + Ly::BS;
+    float* ws = reinterpret_cast<float*>(smem + Ly::END);
     const u32 h = blockIdx.x % heads, ck = blockIdx.x / heads;
     const u32 tok = ck_tok[ck], len = ck_len[ck];
     const u32 g = h / (heads / groups);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int mat = lane >> 3, mr = lane & 7;
+    const int pw = warp & 3, nw = warp >> 2;
     const float a_end = acum[(u64)(tok + len - 1) * heads + h];
-    float acc[N / 8][4] = {};
-    for (u32 s0 = 0; s0 < len; s0 += MMA_ROWS) {
-        const int valid = (int)min((u32)MMA_ROWS, len - s0);
-        if (threadIdx.x < MMA_ROWS) {
+    float acc[NW / 8][4] = {};
+    for (u32 s0 = 0; s0 < len; s0 += SCAN_ROWS) {
+        const int valid = (int)min((u32)SCAN_ROWS, len - s0);
+        if (s0 > 0) __syncthreads();  // everyone is done with the previous tile
+        stage_async<P>(xs, x + (i64)(tok + s0) * x_ld + (i64)h * P, x_ld, SCAN_ROWS, valid);
+        stage_async<N>(bs, b + (i64)(tok + s0) * bc_ld + (i64)g * N, bc_ld, SCAN_ROWS, valid);
+        cp_async_commit_group();
+        if (threadIdx.x < SCAN_ROWS) {
             const int s = threadIdx.x;
             const u64 o = (u64)(tok + s0 + s) * heads + h;
             ws[s] = s < valid ? expf(a_end - acum[o]) * dtv[o] : 0.0f;
         }
-        stage_rows<P, MMA_THREADS>(Xs, x + (i64)(tok + s0) * x_ld + (i64)h * P, x_ld, MMA_ROWS, valid);
+        cp_async_wait_groups<0>();
         __syncthreads();
         constexpr int CH = N / 8;
-        const bf16* bsrc = b + (i64)(tok + s0) * bc_ld + (i64)g * N;
-        for (int i = threadIdx.x; i < MMA_ROWS * CH; i += MMA_THREADS) {
+        for (int i = threadIdx.x; i < SCAN_ROWS * CH; i += SCAN_THREADS) {
             const int r = i / CH, cc = i % CH;
-            uint4 o = make_uint4(0u, 0u, 0u, 0u);
-            if (r < valid) {
-                const uint4 v = *reinterpret_cast<const uint4*>(bsrc + (i64)r * bc_ld + cc * 8);
-                const float w = ws[r];
-                const u32 in[4] = {v.x, v.y, v.z, v.w};
-                u32 res[4];
+            uint4* q = reinterpret_cast<uint4*>(bs + r * LDN + cc * 8);
+            const uint4 v = *q;
+            const float w = ws[r];
+            const u32 in[4] = {v.x, v.y, v.z, v.w};
+            u32 res[4];
 #pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    const float lo = __uint_as_float(in[q] << 16) * w;
-                    const float hi = __uint_as_float(in[q] & 0xffff0000u) * w;
-                    res[q] = pack_bf16x2(lo, hi);
-                }
-                o = make_uint4(res[0], res[1], res[2], res[3]);
-            }
-            *reinterpret_cast<uint4*>(Bw + r * Pad<N>::LD + cc * 8) = o;
+            for (int k = 0; k < 4; ++k)
+                res[k] = pack_bf16x2(__uint_as_float(in[k] << 16) * w,
+                                     __uint_as_float(in[k] & 0xffff0000u) * w);
+            *q = make_uint4(res[0], res[1], res[2], res[3]);
         }
         __syncthreads();
 #pragma unroll
-        for (int kk = 0; kk < MMA_ROWS / 16; ++kk) {
+        for (int kk = 0; kk < SCAN_ROWS / 16; ++kk) {
             if (16 * kk >= valid) break;
-            // A (m = p, k = s) from Xs[s][p], transposed.
+            // A (m = p, k = s) from xs[s][p], transposed.
             u32 a[4];
-            ldsm4_t(a, Xs + (16 * kk + mr + ((mat >> 1) << 3)) * Pad<P>::LD + 16 * warp + ((mat & 1) << 3));
+            ldsm4_t(a, xs + (16 * kk + mr + ((mat >> 1) << 3)) * LDP + 16 * pw + ((mat & 1) << 3));
 #pragma unroll
-            for (int j = 0; j < N / 8; j += 2) {
-                // B (k = s, n) from Bw[s][n], transposed: (b0, b1) of n tiles j and j + 1.
+            for (int j = 0; j < NW / 8; j += 2) {
+                // B (k = s, n) from bs[s][n], transposed: (b0, b1) of n tiles j and j + 1.
                 u32 bb[4];
-                ldsm4_t(bb, Bw + (16 * kk + mr + ((mat & 1) << 3)) * Pad<N>::LD + 8 * j + ((mat >> 1) << 3));
+                ldsm4_t(bb, bs + (16 * kk + mr + ((mat & 1) << 3)) * LDN + nw * NW + 8 * j + ((mat >> 1) << 3));
                 mma(acc[j], a, bb[0], bb[1]);
                 mma(acc[j + 1], a, bb[2], bb[3]);
             }
         }
-        __syncthreads();
     }
     float* out = states + ((u64)ck * heads + h) * P * N;
     const int gq = lane >> 2, tq = lane & 3;
 #pragma unroll
-    for (int j = 0; j < N / 8; ++j) {
-        const int p = 16 * warp + gq, n = 8 * j + 2 * tq;
+    for (int j = 0; j < NW / 8; ++j) {
+        const int p = 16 * pw + gq, n = nw * NW + 8 * j + 2 * tq;
         *reinterpret_cast<float2*>(out + (u64)p * N + n) = make_float2(acc[j][0], acc[j][1]);
         *reinterpret_cast<float2*>(out + (u64)(p + 8) * N + n) = make_float2(acc[j][2], acc[j][3]);
     }
 }
 
-// SSD step 4 (tensor cores): rows [l0, l0 + 64) of chunk ck, head h; warp w owns rows
-// l0 + 16w + [0, 16). Shared: C rows, h_c (later the B tile), the x tile, decays.
+// SSD step 4 (tensor cores): rows [l0, l0 + 128) of chunk ck, head h; warp w owns rows
+// l0 + 16w + [0, 16). One CTA covers a whole 128-token chunk, so h_c and the chunk's B and x
+// rows are read once per (chunk, head), not once per 64-row block. Shared (dynamic): the C
+// rows, h_c as bf16, the B and x rows of the current s tile, and the decays. Everything a
+// tile needs is requested up front (cp.async for C, B, x; h_c through registers for the
+// bf16 rounding) and waited for once.
 template <int P, int N>
-struct ScanSmem {
-    static constexpr int HB_ROWS = P > MMA_ROWS ? P : MMA_ROWS;
-    bf16 cs[MMA_ROWS * Pad<N>::LD];
-    bf16 hb[HB_ROWS * Pad<N>::LD];
-    bf16 xs[MMA_ROWS * Pad<P>::LD];
-    float al[MMA_ROWS], as_[MMA_ROWS], ds[MMA_ROWS];
+struct ScanLayout {  // offsets in bf16 elements; ssm.rs: scan_smem_bytes
+    static constexpr int LDN = Pad<N>::LD, LDP = Pad<P>::LD;
+    static constexpr int CS = 0;                     // C rows [SCAN_ROWS][LDN]
+    static constexpr int HB = CS + SCAN_ROWS * LDN;  // h_c [P][LDN]
+    static constexpr int BS = HB + P * LDN;          // B rows of the s tile [SCAN_ROWS][LDN]
+    static constexpr int XS = BS + SCAN_ROWS * LDN;  // x rows of the s tile [SCAN_ROWS][LDP]
+    static constexpr int END = XS + SCAN_ROWS * LDP;
+    static constexpr int BYTES = END * 2 + 3 * SCAN_ROWS * 4;  // + al, as, ds (f32)
 };
 
 template <int P, int N>
@@ -753,56 +873,86 @@ __device__ void scan_mma(const bf16* x, const bf16* b, const bf16* c, const bf16
                          const float* dtv, const float* acum, const float* states, bf16* out,
                          const u32* ck_tok, const u32* ck_len, u32 heads, u32 groups, u32 x_ld,
                          u32 bc_ld, u32 out_ld, u32 l_blocks) {
-    __shared__ __align__(16) ScanSmem<P, N> sm;
+    using Ly = ScanLayout<P, N>;
+    constexpr int LDN = Ly::LDN, LDP = Ly::LDP;
+    bf16* smem = reinterpret_cast<bf16*>(ssm_dyn_smem);
+    bf16 *cs = smem + Ly::CS, *hb = smem + Ly::HB, *bs = smem + Ly::BS, *xs = smem + Ly::XS;
+    float* al = reinterpret_cast<float*>(smem + Ly::END);
+    float* as_ = al + SCAN_ROWS;
+    float* ds = as_ + SCAN_ROWS;
     u32 r = blockIdx.x;
     const u32 h = r % heads;
     r /= heads;
     const u32 lb = r % l_blocks, ck = r / l_blocks;
     const u32 tok = ck_tok[ck], len = ck_len[ck];
-    const u32 l0 = lb * MMA_ROWS;
+    const u32 l0 = lb * SCAN_ROWS;
     if (l0 >= len) return;
-    const int lvalid = (int)min((u32)MMA_ROWS, len - l0);
+    const int lvalid = (int)min((u32)SCAN_ROWS, len - l0);
     const u32 g = h / (heads / groups);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int mat = lane >> 3, mr = lane & 7, gq = lane >> 2, tq = lane & 3;
-    constexpr int LDN = Pad<N>::LD, LDP = Pad<P>::LD;
 
-    stage_rows<N, MMA_THREADS>(sm.cs, c + (i64)(tok + l0) * bc_ld + (i64)g * N, bc_ld, MMA_ROWS, lvalid);
+    // The s tile sb: B and x rows by cp.async (committed by the caller), their decays.
+    auto stage_s = [&](u32 sb) {
+        const u32 s0 = sb * SCAN_ROWS;
+        const int svalid = (int)min((u32)SCAN_ROWS, len - s0);
+        stage_async<N>(bs, b + (i64)(tok + s0) * bc_ld + (i64)g * N, bc_ld, SCAN_ROWS, svalid);
+        stage_async<P>(xs, x + (i64)(tok + s0) * x_ld + (i64)h * P, x_ld, SCAN_ROWS, svalid);
+        if (threadIdx.x < SCAN_ROWS) {
+            const int s = threadIdx.x;
+            const u64 o = (u64)(tok + s0 + s) * heads + h;
+            as_[s] = s < svalid ? acum[o] : 0.0f;
+            ds[s] = s < svalid ? dtv[o] : 0.0f;
+        }
+    };
+    stage_async<N>(cs, c + (i64)(tok + l0) * bc_ld + (i64)g * N, bc_ld, SCAN_ROWS, lvalid);
+    stage_s(0);
+    cp_async_commit_group();
     {
-        // h_c (f32 [P][N]) → bf16.
+        // h_c (f32 [P][N]) → bf16: every load first, then the conversions.
         const float* hc = states + ((u64)ck * heads + h) * P * N;
-        constexpr int CH = N / 8;
-        for (int i = threadIdx.x; i < P * CH; i += MMA_THREADS) {
-            const int p = i / CH, cc = i % CH;
-            const float4 u = *reinterpret_cast<const float4*>(hc + (u64)p * N + cc * 8);
-            const float4 v = *reinterpret_cast<const float4*>(hc + (u64)p * N + cc * 8 + 4);
-            *reinterpret_cast<uint4*>(sm.hb + p * LDN + cc * 8) =
-                make_uint4(pack_bf16x2(u.x, u.y), pack_bf16x2(u.z, u.w), pack_bf16x2(v.x, v.y),
-                           pack_bf16x2(v.z, v.w));
+        constexpr int CH = N / 8, PER = P * CH / SCAN_THREADS;
+        static_assert(P * CH % SCAN_THREADS == 0, "h_c chunks divide the CTA");
+        float4 u[PER], v[PER];
+#pragma unroll
+        for (int k = 0; k < PER; ++k) {
+            const int i = threadIdx.x + k * SCAN_THREADS, p = i / CH, cc = i % CH;
+            u[k] = *reinterpret_cast<const float4*>(hc + (u64)p * N + cc * 8);
+            v[k] = *reinterpret_cast<const float4*>(hc + (u64)p * N + cc * 8 + 4);
+        }
+#pragma unroll
+        for (int k = 0; k < PER; ++k) {
+            const int i = threadIdx.x + k * SCAN_THREADS, p = i / CH, cc = i % CH;
+            *reinterpret_cast<uint4*>(hb + p * LDN + cc * 8) =
+                make_uint4(pack_bf16x2(u[k].x, u[k].y), pack_bf16x2(u[k].z, u[k].w),
+                           pack_bf16x2(v[k].x, v[k].y), pack_bf16x2(v[k].z, v[k].w));
         }
     }
-    if (threadIdx.x < MMA_ROWS)
-        sm.al[threadIdx.x] = (int)threadIdx.x < lvalid ? acum[(u64)(tok + l0 + threadIdx.x) * heads + h] : 0.0f;
+    if (threadIdx.x < SCAN_ROWS)
+        al[threadIdx.x] = (int)threadIdx.x < lvalid ? acum[(u64)(tok + l0 + threadIdx.x) * heads + h] : 0.0f;
+    cp_async_wait_groups<0>();
     __syncthreads();
 
-    const int row0 = 16 * warp;  // this warp's first row within the block
-    const bf16* a_base = sm.cs + (row0 + mr + ((mat & 1) << 3)) * LDN + ((mat >> 1) << 3);
+    const int row0 = 16 * warp;        // this warp's first row within the block
+    const bool active = row0 < lvalid;  // warps past the chunk's end only take part in barriers
+    const bf16* a_base = cs + (row0 + mr + ((mat & 1) << 3)) * LDN + ((mat >> 1) << 3);
     float y[P / 8][4] = {};
-    // State term: y = C·h_cᵀ (k = state column).
+    const float al0 = al[row0 + gq], al1 = al[row0 + gq + 8];
+    if (active) {
+        // State term: y = exp(A_l)·C·h_cᵀ (k = state column).
 #pragma unroll
-    for (int kk = 0; kk < N / 16; ++kk) {
-        u32 a[4];
-        ldsm4(a, a_base + 16 * kk);
+        for (int kk = 0; kk < N / 16; ++kk) {
+            u32 a[4];
+            ldsm4(a, a_base + 16 * kk);
 #pragma unroll
-        for (int j = 0; j < P / 8; j += 2) {
-            u32 bb[4];
-            ldsm4(bb, sm.hb + (8 * j + mr + ((mat >> 1) << 3)) * LDN + 16 * kk + ((mat & 1) << 3));
-            mma(y[j], a, bb[0], bb[1]);
-            mma(y[j + 1], a, bb[2], bb[3]);
+            for (int j = 0; j < P / 8; j += 2) {
+                u32 bb[4];
+                ldsm4(bb, hb + (8 * j + mr + ((mat >> 1) << 3)) * LDN + 16 * kk + ((mat & 1) << 3));
+                mma(y[j], a, bb[0], bb[1]);
+                mma(y[j + 1], a, bb[2], bb[3]);
+            }
         }
-    }
-    {
-        const float e0 = expf(sm.al[row0 + gq]), e1 = expf(sm.al[row0 + gq + 8]);
+        const float e0 = expf(al0), e1 = expf(al1);
 #pragma unroll
         for (int j = 0; j < P / 8; ++j) {
             y[j][0] *= e0;
@@ -811,70 +961,70 @@ __device__ void scan_mma(const bf16* x, const bf16* b, const bf16* c, const bf16
             y[j][3] *= e1;
         }
     }
-    const float al0 = sm.al[row0 + gq], al1 = sm.al[row0 + gq + 8];
     const int lr0 = (int)l0 + row0 + gq;  // chunk-relative rows of c[0..1] and c[2..3]
     const int lr1 = lr0 + 8;
-    __syncthreads();
 
     for (u32 sb = 0; sb <= lb; ++sb) {
-        const u32 s0 = sb * MMA_ROWS;
-        const int svalid = (int)min((u32)MMA_ROWS, len - s0);
-        stage_rows<N, MMA_THREADS>(sm.hb, b + (i64)(tok + s0) * bc_ld + (i64)g * N, bc_ld, MMA_ROWS, svalid);
-        stage_rows<P, MMA_THREADS>(sm.xs, x + (i64)(tok + s0) * x_ld + (i64)h * P, x_ld, MMA_ROWS, svalid);
-        if (threadIdx.x < MMA_ROWS) {
-            const int s = threadIdx.x;
-            const u64 o = (u64)(tok + s0 + s) * heads + h;
-            sm.as_[s] = s < svalid ? acum[o] : 0.0f;
-            sm.ds[s] = s < svalid ? dtv[o] : 0.0f;
+        if (sb > 0) {
+            __syncthreads();  // everyone is done with the previous tile
+            stage_s(sb);
+            cp_async_commit_group();
+            cp_async_wait_groups<0>();
+            __syncthreads();
         }
-        __syncthreads();
-        // On the diagonal block, warp w needs s < 16w + 16 only: 8-wide s tiles j < 2w + 2.
-        const int jmax = sb == lb ? 2 * warp + 2 : MMA_ROWS / 8;
-        float sc[MMA_ROWS / 8][4] = {};
+        if (!active) continue;
+        const u32 s0 = sb * SCAN_ROWS;
+        const int svalid = (int)min((u32)SCAN_ROWS, len - s0);
+        // On the diagonal tile, warp w needs s < 16w + 16 only.
+        const int smax = sb == lb ? row0 + 16 : SCAN_ROWS;
+        for (int c0 = 0; c0 < smax; c0 += SCAN_COLS) {
+            const int jmax = min(SCAN_COLS / 8, (smax - c0) / 8);  // 8-wide s tiles here (even)
+            float sc[SCAN_COLS / 8][4] = {};
 #pragma unroll
-        for (int kk = 0; kk < N / 16; ++kk) {
-            u32 a[4];
-            ldsm4(a, a_base + 16 * kk);
+            for (int kk = 0; kk < N / 16; ++kk) {
+                u32 a[4];
+                ldsm4(a, a_base + 16 * kk);
 #pragma unroll
-            for (int j = 0; j < MMA_ROWS / 8; j += 2) {
-                if (j >= jmax) break;
-                u32 bb[4];
-                ldsm4(bb, sm.hb + (8 * j + mr + ((mat >> 1) << 3)) * LDN + 16 * kk + ((mat & 1) << 3));
-                mma(sc[j], a, bb[0], bb[1]);
-                mma(sc[j + 1], a, bb[2], bb[3]);
+                for (int j = 0; j < SCAN_COLS / 8; j += 2) {
+                    if (j >= jmax) break;
+                    u32 bb[4];
+                    ldsm4(bb, bs + (c0 + 8 * j + mr + ((mat >> 1) << 3)) * LDN + 16 * kk + ((mat & 1) << 3));
+                    mma(sc[j], a, bb[0], bb[1]);
+                    mma(sc[j + 1], a, bb[2], bb[3]);
+                }
+            }
+            // Decay and causal mask: sc[j][0..1] at (lr0, s), (lr0, s + 1); [2..3] at lr1.
+#pragma unroll
+            for (int j = 0; j < SCAN_COLS / 8; ++j) {
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const int sl = c0 + 8 * j + 2 * tq + (q & 1);
+                    const int s = (int)s0 + sl;
+                    const int l = q < 2 ? lr0 : lr1;
+                    const float a_l = q < 2 ? al0 : al1;
+                    const bool ok = s <= l && sl < svalid && l < (int)len;
+                    sc[j][q] = ok ? sc[j][q] * (expf(a_l - as_[sl]) * ds[sl]) : 0.0f;
+                }
+            }
+            // y += scores · x (k = s).
+#pragma unroll
+            for (int kk = 0; kk < SCAN_COLS / 16; ++kk) {
+                if (2 * kk >= jmax) break;
+                const u32 pa[4] = {pack_bf16x2(sc[2 * kk][0], sc[2 * kk][1]),
+                                   pack_bf16x2(sc[2 * kk][2], sc[2 * kk][3]),
+                                   pack_bf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                                   pack_bf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+#pragma unroll
+                for (int j = 0; j < P / 8; j += 2) {
+                    u32 bb[4];
+                    ldsm4_t(bb, xs + (c0 + 16 * kk + mr + ((mat & 1) << 3)) * LDP + 8 * j + ((mat >> 1) << 3));
+                    mma(y[j], pa, bb[0], bb[1]);
+                    mma(y[j + 1], pa, bb[2], bb[3]);
+                }
             }
         }
-        // Decay and causal mask: sc[j][0..1] at (lr0, s), (lr0, s + 1); [2..3] at lr1.
-#pragma unroll
-        for (int j = 0; j < MMA_ROWS / 8; ++j) {
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const int sl = 8 * j + 2 * tq + (q & 1);
-                const int s = (int)s0 + sl;
-                const int l = q < 2 ? lr0 : lr1;
-                const float al = q < 2 ? al0 : al1;
-                const bool ok = s <= l && sl < svalid && l < (int)len;
-                sc[j][q] = ok ? sc[j][q] * (expf(al - sm.as_[sl]) * sm.ds[sl]) : 0.0f;
-            }
-        }
-        // y += scores · x (k = s).
-#pragma unroll
-        for (int kk = 0; kk < MMA_ROWS / 16; ++kk) {
-            if (2 * kk >= jmax) break;
-            const u32 pa[4] = {pack_bf16x2(sc[2 * kk][0], sc[2 * kk][1]),
-                               pack_bf16x2(sc[2 * kk][2], sc[2 * kk][3]),
-                               pack_bf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
-                               pack_bf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
-#pragma unroll
-            for (int j = 0; j < P / 8; j += 2) {
-                u32 bb[4];
-                ldsm4_t(bb, sm.xs + (16 * kk + mr + ((mat & 1) << 3)) * LDP + 8 * j + ((mat >> 1) << 3));
-                mma(y[j], pa, bb[0], bb[1]);
-                mma(y[j + 1], pa, bb[2], bb[3]);
-            }
-        }
-        __syncthreads();
     }
+    if (!active) return;
 
     const float dh = bf16_to_f32(d[h]);
 #pragma unroll
@@ -987,10 +1137,10 @@ extern "C" __global__ void __launch_bounds__(256) ssd_states_simt_bf16(STATES_PA
     ssm::states_simt(x, b, dtv, acum, states, ck_tok, ck_len, heads, head_dim, groups, state,
                      x_ld, bc_ld, p_tiles, n_tiles);
 }
-extern "C" __global__ void __launch_bounds__(128) ssd_states_mma_p64n64_bf16(STATES_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
+extern "C" __global__ void __launch_bounds__(256) ssd_states_mma_p64n64_bf16(STATES_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
     ssm::states_mma<64, 64>(x, b, dtv, acum, states, ck_tok, ck_len, heads, groups, x_ld, bc_ld);
 }
-extern "C" __global__ void __launch_bounds__(128) ssd_states_mma_p64n128_bf16(STATES_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
+extern "C" __global__ void __launch_bounds__(256) ssd_states_mma_p64n128_bf16(STATES_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
     ssm::states_mma<64, 128>(x, b, dtv, acum, states, ck_tok, ck_len, heads, groups, x_ld, bc_ld);
 }
 
@@ -1024,11 +1174,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_scan_simt_bf16(SCAN_PAR
     ssm::scan_simt(x, b, c, d, dtv, acum, states, out, ck_tok, ck_len, heads, head_dim, groups,
                    state, x_ld, bc_ld, out_ld, l_tiles, p_tiles);
 }
-extern "C" __global__ void __launch_bounds__(128, 3) ssd_scan_mma_p64n64_bf16(SCAN_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
+extern "C" __global__ void __launch_bounds__(256, 2) ssd_scan_mma_p64n64_bf16(SCAN_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
     ssm::scan_mma<64, 64>(x, b, c, d, dtv, acum, states, out, ck_tok, ck_len, heads, groups,
                           x_ld, bc_ld, out_ld, l_tiles);
 }
-extern "C" __global__ void __launch_bounds__(128, 3) ssd_scan_mma_p64n128_bf16(SCAN_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
+extern "C" __global__ void __launch_bounds__(256, 2) ssd_scan_mma_p64n128_bf16(SCAN_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
     ssm::scan_mma<64, 128>(x, b, c, d, dtv, acum, states, out, ck_tok, ck_len, heads, groups,
                            x_ld, bc_ld, out_ld, l_tiles);
 }

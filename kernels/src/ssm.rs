@@ -82,8 +82,8 @@ const SIMT_TM: u32 = 32;
 const SIMT_TN: u32 = 64;
 const PASS_THREADS: u32 = 256;
 const PASS_PER: u32 = 8;
-const MMA_THREADS: u32 = 128;
-const MMA_ROWS: u32 = 64;
+const SCAN_THREADS: u32 = 256;
+const SCAN_ROWS: u32 = 128;
 const OPS_THREADS: u32 = 256;
 const MAX_OPS_BLOCKS: u64 = 1024;
 const MAX_GRID_Y: usize = 65535;
@@ -891,7 +891,7 @@ pub fn launches_scan(
         Some(pn) => (
             format!("ssd_states_mma_{pn}_bf16"),
             chunks * heads,
-            MMA_THREADS,
+            SCAN_THREADS,
             (1, 1),
         ),
         None => (
@@ -916,7 +916,7 @@ pub fn launches_scan(
         entry: entry_name(&entry),
         grid: grid(blocks)?,
         block: (threads, 1, 1),
-        smem: 0,
+        smem: mma.map_or(0, |_| states_smem_bytes(p, n)),
         args,
     });
 
@@ -955,11 +955,11 @@ pub fn launches_scan(
 
     let (entry, blocks, threads, tiles) = match mma {
         Some(pn) => {
-            let l_blocks = plan.chunk_size.div_ceil(MMA_ROWS);
+            let l_blocks = plan.chunk_size.div_ceil(SCAN_ROWS);
             (
                 format!("ssd_scan_mma_{pn}_bf16"),
                 chunks * heads * u64::from(l_blocks),
-                MMA_THREADS,
+                SCAN_THREADS,
                 (l_blocks, 1),
             )
         }
@@ -991,10 +991,42 @@ pub fn launches_scan(
         entry: entry_name(&entry),
         grid: grid(blocks)?,
         block: (threads, 1, 1),
-        smem: 0,
+        smem: mma.map_or(0, |_| scan_smem_bytes(p, n)),
         args,
     });
     Ok(out)
+}
+
+/// Dynamic shared memory of `ssd_scan_mma` for head dim `p` and state `n` (`ssm.cu`
+/// ScanLayout): C rows, B rows and x rows of a 128-token tile and h_c, each bf16 row padded
+/// by 8 elements, then three f32 arrays of decays.
+fn scan_smem_bytes(p: u32, n: u32) -> u32 {
+    let (ldn, ldp) = (n + 8, p + 8);
+    (SCAN_ROWS * ldn + p * ldn + SCAN_ROWS * ldn + SCAN_ROWS * ldp) * 2 + 3 * SCAN_ROWS * 4
+}
+
+/// Dynamic shared memory of `ssd_states_mma` (`ssm.cu` StatesLayout): x and B rows of a
+/// 128-token tile, padded as above, then the f32 token weights.
+fn states_smem_bytes(p: u32, n: u32) -> u32 {
+    (SCAN_ROWS * (p + 8) + SCAN_ROWS * (n + 8)) * 2 + SCAN_ROWS * 4
+}
+
+/// Kernels that launch with more than the default 48 KiB of dynamic shared memory, and how
+/// much they need (the device raises their limit once at load).
+pub fn smem_opt_in() -> impl Iterator<Item = (&'static str, u32)> {
+    [64, 128]
+        .into_iter()
+        .flat_map(|n| {
+            [
+                (format!("ssd_scan_mma_p64n{n}_bf16"), scan_smem_bytes(64, n)),
+                (
+                    format!("ssd_states_mma_p64n{n}_bf16"),
+                    states_smem_bytes(64, n),
+                ),
+            ]
+        })
+        .filter(|(_, bytes)| *bytes > crate::attention::DEFAULT_SMEM_LIMIT)
+        .map(|(name, bytes)| (entry_name(&name), bytes))
 }
 
 #[cfg(test)]

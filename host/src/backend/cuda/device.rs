@@ -179,8 +179,9 @@ impl Device {
             }
         }
         // Kernels that launch with more than the default 48 KiB of dynamic shared memory.
-        for (name, bytes) in
-            chimera_kernels::attention::smem_opt_in().chain(chimera_kernels::moe::smem_opt_in())
+        for (name, bytes) in chimera_kernels::attention::smem_opt_in()
+            .chain(chimera_kernels::moe::smem_opt_in())
+            .chain(chimera_kernels::ssm::smem_opt_in())
         {
             let k = kernels
                 .get(name)
