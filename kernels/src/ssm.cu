@@ -232,17 +232,20 @@ __device__ void conv_update(const T* x, const T* weight, const T* bias, T* out, 
 }
 
 // ---------------------------------------------------------------------------------------
-// Decode: the recurrent step for one-token entries. CTA (entry, head), 256 threads.
-// The step reads and writes the whole P×N state once and is bound by memory, so the kernel
-// is built to keep many bytes in flight: when a state row is a whole number of 16-byte
+// Decode: the recurrent step for one-token entries. The step reads and writes the whole
+// P×N state once and is bound by memory; what limits it is how many bytes are in flight, and
+// every CTA first waits for a short chain of dependent loads (its entry's slot, then the
+// state). So the CTAs are small and many (as mamba_ssm's selective_state_update does):
+// CTA (entry, head, slice of `slice_rows` rows of p), 128 threads, a thread holding
+// DEC_VALUES state values, few registers, so that many CTAs stay resident and their
+// prologues overlap the others' streaming. When a state row is a whole number of 16-byte
 // vectors and a row's vectors divide the warp (`decode_rows_vec`), each lane owns one
-// 16-byte vector of a row, a warp covers 32 / (N / VEC) rows at a time, and a thread issues
-// all its loads (32 state values) before it computes or stores anything. Otherwise a warp
-// walks rows p with its lanes over n, two rows in flight (`decode_rows`).
+// 16-byte vector of a row and a warp covers 32 / (N / VEC) rows at a time; otherwise a warp
+// walks the slice's rows with its lanes over n, two rows in flight (`decode_rows`).
 
-constexpr int DEC_THREADS = 256;  // ssm.rs: DEC_THREADS
+constexpr int DEC_THREADS = 128;  // ssm.rs: DEC_THREADS
 constexpr int DEC_WARPS = DEC_THREADS / 32;
-constexpr int DEC_VALUES = 32;  // state values a thread holds at once on the vector path
+constexpr int DEC_VALUES = 16;  // ssm.rs: DEC_VALUES (state values a thread holds at once)
 
 // What one (entry, head) step needs besides the operands: the decay exp(dt·a), dt, D, the
 // head's offset inside a layer state, the layer state size and the pool geometry (snapshots).
@@ -252,15 +255,15 @@ struct RowStep {
     u32 layer, layers, slots;
 };
 
-// Any N: a warp walks rows p with its lanes over n, two rows in flight.
+// Any N: a warp walks rows p ∈ [p0, p1) with its lanes over n, two rows in flight.
 template <typename T, typename S>
 __device__ void decode_rows(const T* x, const T* b, const T* c, T* out, S* st, S* pool,
-                            const u32* snap_slot, u32 k0, u32 nk, u32 P, u32 N, i64 xrow,
+                            const u32* snap_slot, u32 k0, u32 nk, u32 p0, u32 p1, u32 N, i64 xrow,
                             i64 brow, i64 yrow, const RowStep& r) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (u32 p = warp; p < P; p += 2 * DEC_WARPS) {
+    for (u32 p = p0 + warp; p < p1; p += 2 * DEC_WARPS) {
         const u32 p2 = p + DEC_WARPS;
-        const bool two = p2 < P;
+        const bool two = p2 < p1;
         const float x1 = load(x, xrow + p), x2 = two ? load(x, xrow + p2) : 0.0f;
         const float dx1 = r.dtv * x1, dx2 = r.dtv * x2;
         float acc1 = 0.0f, acc2 = 0.0f;
@@ -303,16 +306,15 @@ __device__ void decode_rows(const T* x, const T* b, const T* c, T* out, S* st, S
     }
 }
 
-// N a multiple of VEC<S> with N / VEC<S> dividing 32: lane l of a warp owns the 16-byte
-// vector l % L (L = N / VEC<S> lanes per row) of row l / L of each pass. A thread loads its
-// ROWS rows of the pass group first, then updates, reduces y over the row's L lanes with
-// shuffles, and stores.
+// N a multiple of VEC<S> with L = N / VEC<S> dividing 32: lane l of a warp owns the 16-byte
+// vector l % L of row l / L of each pass over rows [p0, p1). A thread loads its ROWS rows of a
+// group first, then updates, reduces y over the row's L lanes with shuffles, and stores.
 template <typename T, typename S>
 __device__ void decode_rows_vec(const T* x, const T* b, const T* c, T* out, S* st, S* pool,
-                                const u32* snap_slot, u32 k0, u32 nk, u32 P, u32 N, i64 xrow,
-                                i64 brow, i64 yrow, const RowStep& r) {
+                                const u32* snap_slot, u32 k0, u32 nk, u32 p0, u32 p1, u32 N,
+                                i64 xrow, i64 brow, i64 yrow, const RowStep& r) {
     constexpr int V = VEC<S>;
-    constexpr int ROWS = DEC_VALUES / V;  // rows a thread holds at once
+    constexpr int ROWS = DEC_VALUES / V < 1 ? 1 : DEC_VALUES / V;  // rows a thread holds at once
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 L = N / V;
     const u32 per_pass = 32 / L;  // rows a warp covers per pass
@@ -326,15 +328,15 @@ __device__ void decode_rows_vec(const T* x, const T* b, const T* c, T* out, S* s
     }
     const u32 stride = DEC_WARPS * per_pass;  // rows between a thread's consecutive rows
     // The loop bound is uniform over the warp (the shuffles below need every lane); rows
-    // past P are carried as zeros and never stored.
-    for (u32 first = warp * per_pass; first < P; first += ROWS * stride) {
+    // past p1 are carried as zeros and never stored.
+    for (u32 first = p0 + warp * per_pass; first < p1; first += ROWS * stride) {
         const u32 base = first + row_in;
         float sv[ROWS][V];
         float xv[ROWS];
 #pragma unroll
         for (int k = 0; k < ROWS; ++k) {
             const u32 p = base + k * stride;
-            if (p < P) {
+            if (p < p1) {
                 load16(st, (i64)p * N + n0, sv[k]);
                 xv[k] = load(x, xrow + p);
             } else {
@@ -357,7 +359,7 @@ __device__ void decode_rows_vec(const T* x, const T* b, const T* c, T* out, S* s
 #pragma unroll
         for (int k = 0; k < ROWS; ++k) {
             const u32 p = base + k * stride;
-            if (p >= P) continue;
+            if (p >= p1) continue;
             store16(st, (i64)p * N + n0, sv[k]);
             for (u32 q = k0; q < k0 + nk; ++q) {
                 S* dst = layer_state(pool, snap_slot[q], r.slots, r.layer, r.layers, r.per_layer);
@@ -368,7 +370,7 @@ __device__ void decode_rows_vec(const T* x, const T* b, const T* c, T* out, S* s
         for (int k = 0; k < ROWS; ++k) {
             for (u32 o = L / 2; o > 0; o >>= 1) acc[k] += __shfl_xor_sync(0xffffffffu, acc[k], o);
             const u32 p = base + k * stride;
-            if (lane % L == 0 && p < P) store(out, yrow + p, acc[k] + r.dh * xv[k]);
+            if (lane % L == 0 && p < p1) store(out, yrow + p, acc[k] + r.dh * xv[k]);
         }
     }
 }
@@ -379,14 +381,19 @@ __device__ void decode(const T* x, const T* b, const T* c, const T* dt, const T*
                        const u32* seq_slot, const u32* seq_snap, const u32* seq_snaps,
                        const u32* snap_slot, u32 heads, u32 P, u32 groups, u32 N, u32 x_ld,
                        u32 bc_ld, u32 dt_ld, u32 out_ld, u32 layer, u32 layers, u32 slots,
-                       float dt_min, float dt_max) {
-    const u32 h = blockIdx.x % heads, e = blockIdx.x / heads;
+                       u32 slice_rows, float dt_min, float dt_max) {
+    const u32 slices = (P + slice_rows - 1) / slice_rows;
+    u32 r = blockIdx.x;
+    const u32 slice = r % slices;
+    r /= slices;
+    const u32 h = r % heads, e = r / heads;
+    const u32 p0 = slice * slice_rows, p1 = min(P, p0 + slice_rows);
     const u32 tok = seq_tok[e];
     const u64 pn = (u64)P * N;
     S* st = layer_state(pool, seq_slot[e], slots, layer, layers, pn * heads);
     const i64 yrow = (i64)tok * out_ld + (i64)h * P;
     if (!st) {
-        for (u32 p = threadIdx.x; p < P; p += DEC_THREADS) store(out, yrow + p, 0.0f);
+        for (u32 p = p0 + threadIdx.x; p < p1; p += DEC_THREADS) store(out, yrow + p, 0.0f);
         return;
     }
     st += h * pn;
@@ -400,9 +407,9 @@ __device__ void decode(const T* x, const T* b, const T* c, const T* dt, const T*
     const u32 k0 = seq_snap[e], nk = seq_snaps[e];
     const RowStep step{decay, dtv, dh, h * pn, pn * heads, layer, layers, slots};
     if (N >= (u32)VEC<S> && N % VEC<S> == 0 && 32 % (N / VEC<S>) == 0 && aligned16(pool))
-        decode_rows_vec(x, b, c, out, st, pool, snap_slot, k0, nk, P, N, xrow, brow, yrow, step);
+        decode_rows_vec(x, b, c, out, st, pool, snap_slot, k0, nk, p0, p1, N, xrow, brow, yrow, step);
     else
-        decode_rows(x, b, c, out, st, pool, snap_slot, k0, nk, P, N, xrow, brow, yrow, step);
+        decode_rows(x, b, c, out, st, pool, snap_slot, k0, nk, p0, p1, N, xrow, brow, yrow, step);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1026,6 +1033,7 @@ __device__ void scan_mma(const bf16* x, const bf16* b, const bf16* c, const bf16
     }
     if (!active) return;
 
+    // D·x: the last s tile was the diagonal one (s0 = l0), so xs holds this block's x rows.
     const float dh = bf16_to_f32(d[h]);
 #pragma unroll
     for (int j = 0; j < P / 8; ++j) {
@@ -1034,10 +1042,10 @@ __device__ void scan_mma(const bf16* x, const bf16* b, const bf16* c, const bf16
             const int l = half ? lr1 : lr0;
             if (l >= (int)len) continue;
             const int p = 8 * j + 2 * tq;
-            const i64 xi = (i64)(tok + l) * x_ld + (i64)h * P + p;
+            const bf16* xr = xs + (l - (int)l0) * LDP + p;
             const i64 oi = (i64)(tok + l) * out_ld + (i64)h * P + p;
-            store(out, oi, y[j][2 * half] + dh * load(x, xi));
-            store(out, oi + 1, y[j][2 * half + 1] + dh * load(x, xi + 1));
+            store(out, oi, y[j][2 * half] + dh * bf16_to_f32(xr[0]));
+            store(out, oi + 1, y[j][2 * half + 1] + dh * bf16_to_f32(xr[1]));
         }
     }
 }
@@ -1096,23 +1104,23 @@ extern "C" __global__ void __launch_bounds__(128) ssm_conv_update_bf16(CONV_UPDA
         const T *dt_bias, T *out, S *pool, const u32 *seq_tok, const u32 *seq_slot,        \
         const u32 *seq_snap, const u32 *seq_snaps, const u32 *snap_slot, u32 heads,           \
         u32 head_dim, u32 groups, u32 state, u32 x_ld, u32 bc_ld, u32 dt_ld, u32 out_ld,      \
-        u32 layer, u32 layers, u32 slots, float dt_min, float dt_max
+        u32 layer, u32 layers, u32 slots, u32 slice_rows, float dt_min, float dt_max
 #define DECODE_ARGS                                                                           \
     x, b, c, dt, a_log, d, dt_bias, out, pool, seq_tok, seq_slot, seq_snap, seq_snaps,         \
         snap_slot, heads, head_dim, groups, state, x_ld, bc_ld, dt_ld, out_ld, layer, layers,  \
-        slots, dt_min, dt_max
+        slots, slice_rows, dt_min, dt_max
 
-extern "C" __global__ void __launch_bounds__(256) ssm_decode_f32(DECODE_PARAMS(float, float)) { CHIMERA_PDL_ENTRY();
+extern "C" __global__ void __launch_bounds__(128, 8) ssm_decode_f32(DECODE_PARAMS(float, float)) { CHIMERA_PDL_ENTRY();
     ssm::decode(DECODE_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(256) ssm_decode_bf16(DECODE_PARAMS(bf16, float)) { CHIMERA_PDL_ENTRY();
+extern "C" __global__ void __launch_bounds__(128, 8) ssm_decode_bf16(DECODE_PARAMS(bf16, float)) { CHIMERA_PDL_ENTRY();
     ssm::decode(DECODE_ARGS);
 }
 // bf16 state storage (cache.ssm_state_dtype = "bfloat16"): read and written as bf16, updated in f32.
-extern "C" __global__ void __launch_bounds__(256) ssm_decode_f32_sbf16(DECODE_PARAMS(float, bf16)) { CHIMERA_PDL_ENTRY();
+extern "C" __global__ void __launch_bounds__(128, 8) ssm_decode_f32_sbf16(DECODE_PARAMS(float, bf16)) { CHIMERA_PDL_ENTRY();
     ssm::decode(DECODE_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(256) ssm_decode_bf16_sbf16(DECODE_PARAMS(bf16, bf16)) { CHIMERA_PDL_ENTRY();
+extern "C" __global__ void __launch_bounds__(128, 8) ssm_decode_bf16_sbf16(DECODE_PARAMS(bf16, bf16)) { CHIMERA_PDL_ENTRY();
     ssm::decode(DECODE_ARGS);
 }
 

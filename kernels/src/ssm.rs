@@ -74,7 +74,8 @@ pub const MAX_CONV_KERNEL: u32 = 8;
 // Geometry mirrored from ssm.cu.
 const CONV_THREADS: u32 = 128;
 const CONV_ROWS: u32 = 32;
-const DEC_THREADS: u32 = 256;
+const DEC_THREADS: u32 = 128;
+const DEC_VALUES: u32 = 16;
 const DT_THREADS: u32 = 256;
 const DT_HEADS: u32 = 32;
 const SIMT_THREADS: u32 = 256;
@@ -105,10 +106,10 @@ const CONV_UPDATE: &[Param] = &[
 ];
 /// `x, b, c, dt, a_log, d, dt_bias, out, ssm_pool, seq_tok, seq_slot, seq_snap, seq_snaps,
 /// snap_slot, heads, head_dim, groups, state, x_ld, bc_ld, dt_ld, out_ld, layer, layers,
-/// slots, dt_min, dt_max`.
+/// slots, slice_rows, dt_min, dt_max`.
 const DECODE: &[Param] = &[
     Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, U32,
-    U32, U32, U32, U32, U32, U32, F32, F32,
+    U32, U32, U32, U32, U32, U32, U32, F32, F32,
 ];
 /// `dt, dt_bias, a_log, dtv, acum, ck_tok, ck_len, heads, dt_ld, head_blocks, dt_min, dt_max`.
 const DT: &[Param] = &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, F32, F32];
@@ -813,6 +814,9 @@ pub fn launches_scan(
     let heads = u64::from(dims.heads);
     let mut out = Vec::new();
     if plan.decodes > 0 {
+        // Small CTAs: a slice of the head's rows holding DEC_VALUES state values a thread.
+        let slice_rows = (DEC_THREADS * DEC_VALUES / dims.state).clamp(1, dims.head_dim);
+        let slices = dims.head_dim.div_ceil(slice_rows);
         let mut args = vec![X, B, C, Dt, ALog, D, DtBias, Out, SsmPool];
         args.extend(
             [
@@ -836,12 +840,13 @@ pub fn launches_scan(
             U32(dims.layer),
             U32(dims.layers),
             U32(dims.slots),
+            U32(slice_rows),
             F32(dims.dt_min),
             F32(dims.dt_max),
         ]);
         out.push(Launch {
             entry: entry_name(&format!("ssm_decode_{ty}{}", state_suffix(dims.state_bf16))),
-            grid: grid(plan.decodes as u64 * heads)?,
+            grid: grid(plan.decodes as u64 * heads * u64::from(slices))?,
             block: (DEC_THREADS, 1, 1),
             smem: 0,
             args,

@@ -18,6 +18,24 @@ const BLOCK: usize = 16;
 const CONTEXT: usize = 2048;
 
 pub fn run(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) {
+    let Some(bw) = kernels(report, gpu) else {
+        return;
+    };
+    for dir in [&args.bench_model, &args.hybrid_model] {
+        if let Err(e) = decode(report, gpu, dir, bw, args.steps) {
+            report.failed(
+                SUITE,
+                format!("dummy {} decode", dir.display()),
+                format!("{e:#}"),
+            );
+        }
+    }
+}
+
+/// The kernel rows of the bench suite (copy bandwidth, GEMV, Mamba2 scan, MoE, attention),
+/// without the model decodes: `--suite bench-kernels`, for quick kernel work. Returns the
+/// measured copy bandwidth, or `None` when even that failed.
+pub fn kernels(report: &mut Report, gpu: &CudaBackend) -> Option<f64> {
     let bw = match gpu.copy_bandwidth(2 << 30) {
         Ok(bw) => {
             report.push(
@@ -32,7 +50,7 @@ pub fn run(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) {
         }
         Err(e) => {
             report.failed(SUITE, "copy bandwidth", e);
-            return;
+            return None;
         }
     };
     super::gemv::bench(report, SUITE, gpu, bw);
@@ -46,15 +64,7 @@ pub fn run(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) {
     if let Err(e) = attention_decode(report, gpu) {
         report.failed(SUITE, "decode attention", format!("{e:#}"));
     }
-    for dir in [&args.bench_model, &args.hybrid_model] {
-        if let Err(e) = decode(report, gpu, dir, bw, args.steps) {
-            report.failed(
-                SUITE,
-                format!("dummy {} decode", dir.display()),
-                format!("{e:#}"),
-            );
-        }
-    }
+    Some(bw)
 }
 
 type Tensor = crate::backend::cuda::CudaTensor;

@@ -300,16 +300,23 @@ fn replay_scan(p: &SsmPlan, dims: ScanDims, bf16: bool) {
         if name.starts_with("ssm_decode") {
             order.push("decode");
             assert_eq!(l.block.0, DEC_THREADS);
+            // CTA (entry, head, slice of `slice_rows` rows of p).
+            let rows = u32_arg(l, 25) as usize;
+            assert!(rows >= 1);
+            let slices = pd.div_ceil(rows);
             for bid in 0..l.grid.0 as usize {
-                let (h, e) = (bid % heads, bid / heads);
+                let (slice, r) = (bid % slices, bid / slices);
+                let (h, e) = (r % heads, r / heads);
                 assert!(e < p.decodes());
-                for q in 0..pd {
+                let (p0, p1) = (slice * rows, ((slice + 1) * rows).min(pd));
+                for q in p0..p1 {
                     *out.entry((col(WorkCol::SeqTok, e), h, q)).or_default() += 1;
                 }
-                live[e * heads + h] += pn;
+                let elems = (p1 - p0) * (pn / pd);
+                live[e * heads + h] += elems;
                 let k0 = col(WorkCol::SeqSnap, e);
                 for k in k0..k0 + col(WorkCol::SeqSnaps, e) {
-                    snaps[k * heads + h] += pn;
+                    snaps[k * heads + h] += elems;
                 }
             }
         } else if name.starts_with("ssd_dt") {

@@ -61,8 +61,9 @@ impl DevAlloc {
                 .unwrap_or_default();
             device.fail(&format!("allocating {bytes} bytes{free}"), e)
         })?;
-        stats.allocations.fetch_add(1, Ordering::Relaxed);
+        let count = stats.allocations.fetch_add(1, Ordering::Relaxed) + 1;
         stats.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+        tracing::debug!(bytes, count, "driver allocation");
         Ok(Self {
             ptr,
             bytes,
