@@ -237,7 +237,7 @@ __device__ void conv_update(const T* x, const T* weight, const T* bias, T* out, 
 // every CTA first waits for a short chain of dependent loads (its entry's slot, then the
 // state). So the CTAs are small and many (as mamba_ssm's selective_state_update does):
 // CTA (entry, head, slice of `slice_rows` rows of p), 128 threads, a thread holding
-// DEC_VALUES state values, few registers, so that many CTAs stay resident and their
+// DEC_VECS raw 16-byte state vectors in flight, so that several CTAs stay resident and their
 // prologues overlap the others' streaming. When a state row is a whole number of 16-byte
 // vectors and a row's vectors divide the warp (`decode_rows_vec`), each lane owns one
 // 16-byte vector of a row and a warp covers 32 / (N / VEC) rows at a time; otherwise a warp
@@ -245,7 +245,7 @@ __device__ void conv_update(const T* x, const T* weight, const T* bias, T* out, 
 
 constexpr int DEC_THREADS = 128;  // ssm.rs: DEC_THREADS
 constexpr int DEC_WARPS = DEC_THREADS / 32;
-constexpr int DEC_VALUES = 16;  // ssm.rs: DEC_VALUES (state values a thread holds at once)
+constexpr int DEC_VECS = 8;  // ssm.rs: DEC_VECS (16-byte state vectors a thread holds at once)
 
 // What one (entry, head) step needs besides the operands: the decay exp(dt·a), dt, D, the
 // head's offset inside a layer state, the layer state size and the pool geometry (snapshots).
@@ -261,6 +261,7 @@ __device__ void decode_rows(const T* x, const T* b, const T* c, T* out, S* st, S
                             const u32* snap_slot, u32 k0, u32 nk, u32 p0, u32 p1, u32 N, i64 xrow,
                             i64 brow, i64 yrow, const RowStep& r) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll 1
     for (u32 p = p0 + warp; p < p1; p += 2 * DEC_WARPS) {
         const u32 p2 = p + DEC_WARPS;
         const bool two = p2 < p1;
@@ -306,68 +307,97 @@ __device__ void decode_rows(const T* x, const T* b, const T* c, T* out, S* st, S
     }
 }
 
+// 16 raw bytes of state as f32 values (4 floats or 8 bf16) and back.
+__device__ __forceinline__ void unpack16(const uint4& r, float* v, const float*) {
+    v[0] = __uint_as_float(r.x);
+    v[1] = __uint_as_float(r.y);
+    v[2] = __uint_as_float(r.z);
+    v[3] = __uint_as_float(r.w);
+}
+__device__ __forceinline__ void unpack16(const uint4& r, float* v, const bf16*) {
+    const u32 w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        v[2 * k] = __uint_as_float(w[k] << 16);
+        v[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+    }
+}
+__device__ __forceinline__ uint4 pack16(const float* v, const float*) {
+    return make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]),
+                      __float_as_uint(v[3]));
+}
+__device__ __forceinline__ uint4 pack16(const float* v, const bf16*) {
+    return make_uint4(pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]),
+                      pack_bf16x2(v[6], v[7]));
+}
+
 // N a multiple of VEC<S> with L = N / VEC<S> dividing 32: lane l of a warp owns the 16-byte
-// vector l % L of row l / L of each pass over rows [p0, p1). A thread loads its ROWS rows of a
-// group first, then updates, reduces y over the row's L lanes with shuffles, and stores.
+// vector l % L of row l / L of each pass over rows [p0, p1). A thread requests its
+// DEC_VECS vectors (rows) of a group first and keeps them raw (4 registers each, whatever
+// the state type), then converts, updates, stores, and reduces y over the row's L lanes.
 template <typename T, typename S>
 __device__ void decode_rows_vec(const T* x, const T* b, const T* c, T* out, S* st, S* pool,
                                 const u32* snap_slot, u32 k0, u32 nk, u32 p0, u32 p1, u32 N,
                                 i64 xrow, i64 brow, i64 yrow, const RowStep& r) {
     constexpr int V = VEC<S>;
-    constexpr int ROWS = DEC_VALUES / V < 1 ? 1 : DEC_VALUES / V;  // rows a thread holds at once
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 L = N / V;
     const u32 per_pass = 32 / L;  // rows a warp covers per pass
     const u32 n0 = (lane % L) * V;
     const u32 row_in = lane / L;
-    float bv[V], cv[V];
-#pragma unroll
-    for (int v = 0; v < V; ++v) {
-        bv[v] = load(b, brow + n0 + v);
-        cv[v] = load(c, brow + n0 + v);
-    }
     const u32 stride = DEC_WARPS * per_pass;  // rows between a thread's consecutive rows
     // The loop bound is uniform over the warp (the shuffles below need every lane); rows
     // past p1 are carried as zeros and never stored.
-    for (u32 first = p0 + warp * per_pass; first < p1; first += ROWS * stride) {
+#pragma unroll 1
+    for (u32 first = p0 + warp * per_pass; first < p1; first += DEC_VECS * stride) {
         const u32 base = first + row_in;
-        float sv[ROWS][V];
-        float xv[ROWS];
+        uint4 raw[DEC_VECS];
+        float xv[DEC_VECS];
 #pragma unroll
-        for (int k = 0; k < ROWS; ++k) {
+        for (int k = 0; k < DEC_VECS; ++k) {
             const u32 p = base + k * stride;
+            raw[k] = make_uint4(0u, 0u, 0u, 0u);
+            xv[k] = 0.0f;
             if (p < p1) {
-                load16(st, (i64)p * N + n0, sv[k]);
+                raw[k] = *reinterpret_cast<const uint4*>(st + (u64)p * N + n0);
                 xv[k] = load(x, xrow + p);
-            } else {
-#pragma unroll
-                for (int v = 0; v < V; ++v) sv[k][v] = 0.0f;
-                xv[k] = 0.0f;
             }
         }
-        float acc[ROWS];
+        float bv[V], cv[V];
 #pragma unroll
-        for (int k = 0; k < ROWS; ++k) {
+        for (int v = 0; v < V; ++v) {
+            bv[v] = load(b, brow + n0 + v);
+            cv[v] = load(c, brow + n0 + v);
+        }
+        float acc[DEC_VECS];
+#pragma unroll
+        for (int k = 0; k < DEC_VECS; ++k) {
+            const u32 p = base + k * stride;
+            float sv[V];
+            unpack16(raw[k], sv, st);
             const float dx = r.dtv * xv[k];
             acc[k] = 0.0f;
 #pragma unroll
             for (int v = 0; v < V; ++v) {
-                sv[k][v] = sv[k][v] * r.decay + dx * bv[v];
-                acc[k] += sv[k][v] * cv[v];
+                sv[v] = sv[v] * r.decay + dx * bv[v];
+                acc[k] += sv[v] * cv[v];
+            }
+            if (p < p1) *reinterpret_cast<uint4*>(st + (u64)p * N + n0) = pack16(sv, st);
+        }
+        // Snapshots (rare) copy the new state back from the live slot: this thread's own
+        // stores, so they are visible to it; no register stays live for them meanwhile.
+        for (u32 q = k0; q < k0 + nk; ++q) {
+            S* dst = layer_state(pool, snap_slot[q], r.slots, r.layer, r.layers, r.per_layer);
+            if (!dst) continue;
+            dst += r.head_off;
+            for (int k = 0; k < DEC_VECS; ++k) {
+                const u64 i = (u64)(base + k * stride) * N + n0;
+                if (base + k * stride < p1)
+                    *reinterpret_cast<uint4*>(dst + i) = *reinterpret_cast<const uint4*>(st + i);
             }
         }
 #pragma unroll
-        for (int k = 0; k < ROWS; ++k) {
-            const u32 p = base + k * stride;
-            if (p >= p1) continue;
-            store16(st, (i64)p * N + n0, sv[k]);
-            for (u32 q = k0; q < k0 + nk; ++q) {
-                S* dst = layer_state(pool, snap_slot[q], r.slots, r.layer, r.layers, r.per_layer);
-                if (dst) store16(dst + r.head_off, (i64)p * N + n0, sv[k]);
-            }
-        }
-#pragma unroll
-        for (int k = 0; k < ROWS; ++k) {
+        for (int k = 0; k < DEC_VECS; ++k) {
             for (u32 o = L / 2; o > 0; o >>= 1) acc[k] += __shfl_xor_sync(0xffffffffu, acc[k], o);
             const u32 p = base + k * stride;
             if (lane % L == 0 && p < p1) store(out, yrow + p, acc[k] + r.dh * xv[k]);
@@ -1010,7 +1040,8 @@ __device__ void scan_mma(const bf16* x, const bf16* b, const bf16* c, const bf16
                     const int l = q < 2 ? lr0 : lr1;
                     const float a_l = q < 2 ? al0 : al1;
                     const bool ok = s <= l && sl < svalid && l < (int)len;
-                    sc[j][q] = ok ? sc[j][q] * (expf(a_l - as_[sl]) * ds[sl]) : 0.0f;
+                    // a_l − a_s ≤ 0 wherever ok: the fast exp2-based exponential is exact enough.
+                    sc[j][q] = ok ? sc[j][q] * (__expf(a_l - as_[sl]) * ds[sl]) : 0.0f;
                 }
             }
             // y += scores · x (k = s).
@@ -1110,17 +1141,17 @@ extern "C" __global__ void __launch_bounds__(128) ssm_conv_update_bf16(CONV_UPDA
         snap_slot, heads, head_dim, groups, state, x_ld, bc_ld, dt_ld, out_ld, layer, layers,  \
         slots, slice_rows, dt_min, dt_max
 
-extern "C" __global__ void __launch_bounds__(128, 8) ssm_decode_f32(DECODE_PARAMS(float, float)) { CHIMERA_PDL_ENTRY();
+extern "C" __global__ void __launch_bounds__(128, 5) ssm_decode_f32(DECODE_PARAMS(float, float)) { CHIMERA_PDL_ENTRY();
     ssm::decode(DECODE_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(128, 8) ssm_decode_bf16(DECODE_PARAMS(bf16, float)) { CHIMERA_PDL_ENTRY();
+extern "C" __global__ void __launch_bounds__(128, 5) ssm_decode_bf16(DECODE_PARAMS(bf16, float)) { CHIMERA_PDL_ENTRY();
     ssm::decode(DECODE_ARGS);
 }
 // bf16 state storage (cache.ssm_state_dtype = "bfloat16"): read and written as bf16, updated in f32.
-extern "C" __global__ void __launch_bounds__(128, 8) ssm_decode_f32_sbf16(DECODE_PARAMS(float, bf16)) { CHIMERA_PDL_ENTRY();
+extern "C" __global__ void __launch_bounds__(128, 4) ssm_decode_f32_sbf16(DECODE_PARAMS(float, bf16)) { CHIMERA_PDL_ENTRY();
     ssm::decode(DECODE_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(128, 8) ssm_decode_bf16_sbf16(DECODE_PARAMS(bf16, bf16)) { CHIMERA_PDL_ENTRY();
+extern "C" __global__ void __launch_bounds__(128, 5) ssm_decode_bf16_sbf16(DECODE_PARAMS(bf16, bf16)) { CHIMERA_PDL_ENTRY();
     ssm::decode(DECODE_ARGS);
 }
 

@@ -75,7 +75,7 @@ pub const MAX_CONV_KERNEL: u32 = 8;
 const CONV_THREADS: u32 = 128;
 const CONV_ROWS: u32 = 32;
 const DEC_THREADS: u32 = 128;
-const DEC_VALUES: u32 = 16;
+const DEC_VECS: u32 = 8;
 const DT_THREADS: u32 = 256;
 const DT_HEADS: u32 = 32;
 const SIMT_THREADS: u32 = 256;
@@ -814,8 +814,9 @@ pub fn launches_scan(
     let heads = u64::from(dims.heads);
     let mut out = Vec::new();
     if plan.decodes > 0 {
-        // Small CTAs: a slice of the head's rows holding DEC_VALUES state values a thread.
-        let slice_rows = (DEC_THREADS * DEC_VALUES / dims.state).clamp(1, dims.head_dim);
+        // Small CTAs: a slice of the head's rows, DEC_VECS 16-byte state vectors a thread.
+        let vec = if dims.state_bf16 { 8 } else { 4 };
+        let slice_rows = (DEC_THREADS * DEC_VECS * vec / dims.state).clamp(1, dims.head_dim);
         let slices = dims.head_dim.div_ceil(slice_rows);
         let mut args = vec![X, B, C, Dt, ALog, D, DtBias, Out, SsmPool];
         args.extend(

@@ -40,7 +40,8 @@ status=0
 run_check() {
   local s=$1
   echo "== gpu-check $s"
-  timeout 470 "$bin" gpu-check --suite "$s" --json "$out/$s.json" --dump "$out/logits" \
+  # GPU_CHECK_ARGS: extra flags, e.g. "--seed N" to repeat a run.
+  timeout 470 "$bin" gpu-check --suite "$s" --json "$out/$s.json" --dump "$out/logits" ${GPU_CHECK_ARGS:-} \
     > "$out/$s.log" 2>&1 || status=1
   tail -n 5 "$out/$s.log"
 }
