@@ -181,6 +181,34 @@ fn attention_decode(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()
         let us = ops.iter().map(|o| o.ms).sum::<f64>() * 1e3 / f64::from(reps);
         let kernels: Vec<&str> = ops.iter().map(|o| o.name).collect();
         let bytes = (batch * (ctx + 1) * kv_heads * d * 2 * gpu.dtype().size()) as f64;
+        // The graph path's fixed split counts, beside the eager planner's choice above (what
+        // `GraphShape::splits_for` should pick is read off these rows).
+        for splits in [1u32, 2, 4, 8] {
+            let mut fixed = gpu.new_step(batch)?;
+            if !gpu.upload_decode_step_with_splits(&plan, &mut fixed, splits, per_seq)? {
+                continue;
+            }
+            for _ in 0..3 {
+                drop(gpu.paged_attention(&q, &k, &v, &mut cache, attn, &fixed)?);
+            }
+            let ops = gpu.profile_ops(|| -> anyhow::Result<()> {
+                for _ in 0..reps {
+                    drop(gpu.paged_attention(&q, &k, &v, &mut cache, attn, &fixed)?);
+                }
+                Ok(())
+            })?;
+            let us = ops.iter().map(|o| o.ms).sum::<f64>() * 1e3 / f64::from(reps);
+            report.push(
+                SUITE,
+                format!(
+                    "paged decode attention 32q/8kv d128 bs{batch} ctx{ctx}, graph plan with {splits} split(s) (reported)"
+                ),
+                us,
+                format!("{us:.1} µs {:.2} TB/s", bytes / (us * 1e-6) / 1e12),
+                "reported".into(),
+                true,
+            );
+        }
         report.push(
             SUITE,
             format!(

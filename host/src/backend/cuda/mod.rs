@@ -387,6 +387,26 @@ impl CudaBackend {
         self.inner.stats.allocations.load(Ordering::Relaxed)
     }
 
+    /// Uploads a decode-only step as a graph step of `plan`'s own batch with `splits` split-KV
+    /// pieces a sequence (the benches compare split counts; serving picks
+    /// [`step::GraphShape::splits_for`]). `Ok(false)` when the plan does not fit that shape.
+    pub fn upload_decode_step_with_splits(
+        &self,
+        plan: &StepPlan,
+        step: &mut CudaStep,
+        splits: u32,
+        max_blocks: usize,
+    ) -> Result<bool> {
+        self.dev().bind()?;
+        let bucket = plan.seqs.len();
+        let shape = step::GraphShape {
+            bucket,
+            splits,
+            table_cap: bucket * max_blocks + 1,
+        };
+        step.upload_graph(self.dev(), &self.inner.stats, self.stream(), plan, shape)
+    }
+
     /// Bytes this backend has taken from the driver so far (weights, caches, arena, buffers).
     pub fn allocated_bytes(&self) -> u64 {
         self.inner.stats.bytes.load(Ordering::Relaxed)
