@@ -153,7 +153,7 @@ fn attention_decode(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()
             let table: Vec<u32> = (0..per_seq)
                 .map(|b| (2 * (s * per_seq + b) + b % 2) as u32)
                 .collect();
-            plan.push(&[1], ctx, &table, 0, false);
+            plan.push(&[1], ctx, &table, 0, true);
         }
         plan.finish()?;
         let mut step = gpu.new_step(batch)?;
@@ -186,6 +186,11 @@ fn attention_decode(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()
         for splits in [1u32, 2, 4, 8] {
             let mut fixed = gpu.new_step(batch)?;
             if !gpu.upload_decode_step_with_splits(&plan, &mut fixed, splits, per_seq)? {
+                report.failed(
+                    SUITE,
+                    format!("decode attention bs{batch}, {splits} split(s)"),
+                    "the step does not fit a graph step",
+                );
                 continue;
             }
             for _ in 0..3 {
