@@ -183,51 +183,99 @@ __device__ void conv_chunks(const T* x, const T* weight, const T* bias, T* out, 
     }
 }
 
+// Channels a conv_update thread takes: four when the conv is 4 wide (3 history columns, so
+// four channels' states are 12 consecutive floats, three 16-byte loads) and they divide the
+// channels; else one. ssm.rs: conv_update_channels.
+__device__ __forceinline__ u32 conv_update_cpt(u32 kernel, u32 channels) {
+    return kernel == 4 && channels % 4 == 0 ? 4 : 1;
+}
+
+// One channel: the new live state (the last k − 1 inputs), the decode's output, snapshots.
+// `old(j)` reads the old state's column j; every read happens before the first write.
+template <typename T, typename Old>
+__device__ __forceinline__ void conv_update_channel(const T* x, const T* weight, const T* bias,
+                                                    T* out, u32 c, u32 stok, u32 len, bool dec,
+                                                    u32 kernel, u32 x_ld, u32 out_ld, Old old,
+                                                    float* nw) {
+    const int hist = (int)kernel - 1;
+#pragma unroll
+    for (int j = 0; j < MAXK - 1; ++j) {
+        const int q = (int)len - hist + j;
+        nw[j] = j >= hist ? 0.0f : (q >= 0 ? load(x, (i64)(stok + (u32)q) * x_ld + c) : old(hist + q));
+    }
+    if (dec) {
+        const float x0 = load(x, (i64)stok * x_ld + c);
+        float acc = 0.0f;
+#pragma unroll
+        for (int j = 0; j < MAXK; ++j)
+            if (j < (int)kernel) acc += load(weight, (i64)c * kernel + j) * (j < hist ? old(j) : x0);
+        const float b = bias ? load(bias, c) : 0.0f;
+        store(out, (i64)stok * out_ld + c, silu(acc + b));
+    }
+}
+
 template <typename T>
 __device__ void conv_update(const T* x, const T* weight, const T* bias, T* out, float* pool,
                             const u32* seq_tok, const u32* seq_len, const u32* seq_slot,
                             const u32* seq_snap, const u32* seq_snaps, const u32* snap_slot,
                             u32 dec_count, u32 channels, u32 kernel, u32 x_ld, u32 out_ld,
                             u32 layer, u32 layers, u32 slots, u32 ch_blocks) {
+    const u32 cpt = conv_update_cpt(kernel, channels);
     const u32 e = blockIdx.x / ch_blocks;
-    const u32 c = (blockIdx.x % ch_blocks) * CONV_THREADS + threadIdx.x;
-    if (c >= channels) return;
+    const u32 c0 = ((blockIdx.x % ch_blocks) * CONV_THREADS + threadIdx.x) * cpt;
+    if (c0 >= channels) return;
     const u32 stok = seq_tok[e], len = seq_len[e];
     const bool dec = e < dec_count;
-    const int hist = (int)kernel - 1;
+    const u32 hist = kernel - 1;
     const u64 per = (u64)channels * hist;
     float* st = layer_state(pool, seq_slot[e], slots, layer, layers, per);
     if (!st) {
-        if (dec) store(out, (i64)stok * out_ld + c, 0.0f);
+        if (dec)
+            for (u32 c = c0; c < c0 + cpt; ++c) store(out, (i64)stok * out_ld + c, 0.0f);
         return;
     }
-    st += (u64)c * hist;
-    // Every read of the old state happens before the first write.
-    float nw[MAXK - 1];
+    st += (u64)c0 * hist;
+    const u32 k0 = dec ? seq_snap[e] : 0, nk = dec ? seq_snaps[e] : 0;
+    if (cpt == 4 && aligned16(st)) {
+        // Four channels × 3 columns: 12 floats in three 16-byte pieces, read, then written.
+        float s[12], n[12];
 #pragma unroll
-    for (int j = 0; j < MAXK - 1; ++j)
-        nw[j] = j < hist ? conv_in(x, x_ld, stok, (int)len - hist + j, c, st, hist) : 0.0f;
-    if (dec) {
-        const float x0 = load(x, (i64)stok * x_ld + c);
-        float acc = 0.0f;
+        for (int v = 0; v < 3; ++v) load16(st, 4 * v, s + 4 * v);
 #pragma unroll
-        for (int j = 0; j < MAXK; ++j)
-            if (j < (int)kernel) acc += load(weight, (i64)c * kernel + j) * (j < hist ? st[j] : x0);
-        const float b = bias ? load(bias, c) : 0.0f;
-        store(out, (i64)stok * out_ld + c, silu(acc + b));
+        for (int i = 0; i < 4; ++i) {
+            float nw[MAXK - 1];
+            conv_update_channel(x, weight, bias, out, c0 + i, stok, len, dec, kernel, x_ld,
+                                out_ld, [&](int j) { return s[3 * i + j]; }, nw);
+#pragma unroll
+            for (int j = 0; j < 3; ++j) n[3 * i + j] = nw[j];
+        }
+#pragma unroll
+        for (int v = 0; v < 3; ++v) store16(st, 4 * v, n + 4 * v);
+        for (u32 k = k0; k < k0 + nk; ++k) {
+            float* dst = layer_state(pool, snap_slot[k], slots, layer, layers, per);
+            if (!dst) continue;
+            dst += (u64)c0 * hist;
+#pragma unroll
+            for (int v = 0; v < 3; ++v) store16(dst, 4 * v, n + 4 * v);
+        }
+        return;
     }
-#pragma unroll
-    for (int j = 0; j < MAXK - 1; ++j)
-        if (j < hist) st[j] = nw[j];
-    if (!dec) return;
-    const u32 k0 = seq_snap[e], nk = seq_snaps[e];
-    for (u32 k = k0; k < k0 + nk; ++k) {
-        float* dst = layer_state(pool, snap_slot[k], slots, layer, layers, per);
-        if (!dst) continue;
-        dst += (u64)c * hist;
+    for (u32 i = 0; i < cpt; ++i) {
+        float* sc = st + i * hist;
+        float nw[MAXK - 1];
+        conv_update_channel(x, weight, bias, out, c0 + i, stok, len, dec, kernel, x_ld, out_ld,
+                            [&](int j) { return sc[j]; }, nw);
 #pragma unroll
         for (int j = 0; j < MAXK - 1; ++j)
-            if (j < hist) dst[j] = nw[j];
+            if (j < (int)hist) sc[j] = nw[j];
+        for (u32 k = k0; k < k0 + nk; ++k) {
+            float* dst = layer_state(pool, snap_slot[k], slots, layer, layers, per);
+            if (!dst) continue;
+            dst += (u64)(c0 + i) * hist;
+#pragma unroll
+            for (int j = 0; j < MAXK - 1; ++j)
+                if (j < (int)hist) dst[j] = nw[j];
+        }
     }
 }
 

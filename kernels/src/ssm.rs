@@ -762,6 +762,12 @@ pub fn launches_conv(
         });
     }
     if plan.seqs() > 0 {
+        // conv_update takes `conv_update_channels` channels a thread.
+        let ch_blocks = dims
+            .channels
+            .div_ceil(CONV_THREADS * conv_update_channels(dims.kernel, dims.channels));
+        let mut shape = shape;
+        shape[7] = U32(ch_blocks);
         let blocks = plan.seqs() as u64 * u64::from(ch_blocks);
         let mut args = vec![X, Weight, Bias, Out, ConvPool];
         args.extend(
@@ -786,6 +792,16 @@ pub fn launches_conv(
         });
     }
     Ok(out)
+}
+
+/// Channels one `ssm_conv_update` thread takes (`ssm.cu` conv_update_cpt): four when the
+/// conv is 4 wide and they divide the channels, else one.
+fn conv_update_channels(kernel: u32, channels: u32) -> u32 {
+    if kernel == 4 && channels.is_multiple_of(4) {
+        4
+    } else {
+        1
+    }
 }
 
 /// Bytes of each f32 scratch buffer ([`SsmArg::Scratch`]) of one scan layer: dt and the

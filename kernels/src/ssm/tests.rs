@@ -222,9 +222,22 @@ fn replay_conv(p: &SsmPlan, dims: ConvDims, bf16: bool) {
                 19
             },
         );
-        assert!(ch_blocks * CONV_THREADS >= dims.channels);
+        let update = l.args.len() != CONV_CHUNKS.len();
+        // Channels a thread covers (conv_update takes four of a 4-wide conv).
+        let cpt = if update && dims.kernel == 4 && dims.channels % 4 == 0 {
+            4
+        } else {
+            1
+        };
+        assert!(ch_blocks * CONV_THREADS * cpt >= dims.channels);
+        assert!(
+            (ch_blocks - 1) * CONV_THREADS * cpt < dims.channels,
+            "no idle block"
+        );
         for bid in 0..l.grid.0 {
             let cb = bid % ch_blocks;
+            let span = CONV_THREADS * cpt;
+            let chans = cb * span..((cb + 1) * span).min(dims.channels);
             if l.args.len() == CONV_CHUNKS.len() {
                 let row_blocks = u32_arg(l, 21);
                 let rest = bid / ch_blocks;
@@ -236,7 +249,9 @@ fn replay_conv(p: &SsmPlan, dims: ConvDims, bf16: bool) {
                 }
                 let r1 = len.min(r0 + CONV_ROWS as usize);
                 for r in r0..r1 {
-                    *out.entry((col(WorkCol::CkTok, ck) + r, cb)).or_default() += 1;
+                    for c in chans.clone() {
+                        *out.entry((col(WorkCol::CkTok, ck) + r, c)).or_default() += 1;
+                    }
                 }
                 if r1 == len && cb == 0 {
                     let k0 = col(WorkCol::CkSnap, ck);
@@ -247,7 +262,9 @@ fn replay_conv(p: &SsmPlan, dims: ConvDims, bf16: bool) {
             } else {
                 let e = (bid / ch_blocks) as usize;
                 if e < p.decodes() {
-                    *out.entry((col(WorkCol::SeqTok, e), cb)).or_default() += 1;
+                    for c in chans.clone() {
+                        *out.entry((col(WorkCol::SeqTok, e), c)).or_default() += 1;
+                    }
                     if cb == 0 {
                         let k0 = col(WorkCol::SeqSnap, e);
                         for n in &mut snaps[k0..k0 + col(WorkCol::SeqSnaps, e)] {
@@ -261,10 +278,9 @@ fn replay_conv(p: &SsmPlan, dims: ConvDims, bf16: bool) {
             }
         }
     }
-    let ch_blocks = dims.channels.div_ceil(CONV_THREADS);
     assert_eq!(
         out.len(),
-        p.tokens() as usize * ch_blocks as usize,
+        p.tokens() as usize * dims.channels as usize,
         "conv rows covered"
     );
     assert!(out.values().all(|&n| n == 1), "conv rows written once");

@@ -382,6 +382,11 @@ impl CudaBackend {
         result::mem_get_info().map_err(|e| self.inner.device.fail("reading free memory", e))
     }
 
+    /// Streaming multiprocessors of the device.
+    fn sm_count(&self) -> u32 {
+        self.inner.device.sm_count
+    }
+
     /// Driver allocations made by this backend so far (the step loop adds none once warm).
     pub fn driver_allocations(&self) -> u64 {
         self.inner.stats.allocations.load(Ordering::Relaxed)
@@ -578,9 +583,17 @@ impl CudaBackend {
 }
 
 /// Blocks for a grid-stride loop over `n` elements.
-fn grid_for(n: u64) -> u32 {
-    n.div_ceil(u64::from(BLOCK)).clamp(1, 65_535) as u32
+/// Blocks for a grid-stride element-wise kernel over `n` elements: one thread an element,
+/// but at most `GRID_STRIDE_BLOCKS_PER_SM` blocks an SM (a full SM's worth of threads). A
+/// grid of a block per 256 elements spends more time scheduling blocks than moving bytes
+/// once the kernel takes 16-byte pieces (a 5.5 M-element activation: 21 504 blocks, 30 µs;
+/// the loop needs no more than the threads the GPU holds at once).
+fn grid_for(n: u64, sm_count: u32) -> u32 {
+    let cap = u64::from(sm_count.max(1)) * GRID_STRIDE_BLOCKS_PER_SM;
+    n.div_ceil(u64::from(BLOCK)).clamp(1, cap.min(65_535)) as u32
 }
+
+const GRID_STRIDE_BLOCKS_PER_SM: u64 = 8;
 
 fn shape_err(what: &str, got: &[usize], expected: Vec<usize>) -> BackendError {
     BackendError::Shape {
@@ -642,7 +655,7 @@ impl Backend for CudaBackend {
             let n = n as u64;
             self.launch_exact(
                 entry,
-                (grid_for(n), 1, 1),
+                (grid_for(n, self.sm_count()), 1, 1),
                 (BLOCK, 1, 1),
                 0,
                 &[Arg::Ptr(dst.ptr), Arg::Ptr(staged.ptr), Arg::U64(n)],
@@ -710,14 +723,14 @@ impl Backend for CudaBackend {
             self.launch(
                 "fill",
                 t.dtype,
-                grid_for(n),
+                grid_for(n, self.sm_count()),
                 &[Arg::Ptr(t.ptr), Arg::U64(n), Arg::F32(mean)],
             )?;
         } else {
             self.launch(
                 "fill_random",
                 t.dtype,
-                grid_for(n),
+                grid_for(n, self.sm_count()),
                 &[Arg::Ptr(t.ptr), Arg::U64(n), Arg::U64(seed), Arg::F32(std)],
             )?;
         }
@@ -944,7 +957,7 @@ impl Backend for CudaBackend {
         self.launch(
             "add_assign",
             x.dtype,
-            grid_for(n),
+            grid_for(n, self.sm_count()),
             &[Arg::Ptr(x.ptr), Arg::Ptr(y.ptr), Arg::U64(n)],
         )
     }
@@ -954,7 +967,7 @@ impl Backend for CudaBackend {
         self.launch(
             "scale_assign",
             x.dtype,
-            grid_for(n),
+            grid_for(n, self.sm_count()),
             &[Arg::Ptr(x.ptr), Arg::U64(n), Arg::F32(s)],
         )
     }
@@ -1043,7 +1056,7 @@ impl Backend for CudaBackend {
         self.launch(
             "activate",
             x.dtype,
-            grid_for(n),
+            grid_for(n, self.sm_count()),
             &[Arg::Ptr(x.ptr), Arg::U64(n), Arg::U32(act_code(act))],
         )
     }
@@ -1062,7 +1075,7 @@ impl Backend for CudaBackend {
         self.launch(
             "act_mul",
             gate.dtype,
-            grid_for(n),
+            grid_for(n, self.sm_count()),
             &[
                 Arg::Ptr(out.ptr),
                 Arg::Ptr(gate.ptr),
@@ -1093,7 +1106,7 @@ impl Backend for CudaBackend {
             self.launch(
                 "copy_cols",
                 x.dtype,
-                grid_for(n),
+                grid_for(n, self.sm_count()),
                 &[
                     Arg::Ptr(p.ptr),
                     Arg::Ptr(x.ptr),
@@ -1309,7 +1322,7 @@ impl Backend for CudaBackend {
             let len = w.len() as u64;
             self.launch_exact(
                 "cast_bf16_to_f32",
-                (grid_for(len), 1, 1),
+                (grid_for(len, self.sm_count()), 1, 1),
                 (BLOCK, 1, 1),
                 0,
                 &[Arg::Ptr(w.ptr), Arg::Ptr(logits.ptr), Arg::U64(len)],
@@ -1367,7 +1380,7 @@ impl Backend for CudaBackend {
             let len = lg.len() as u64;
             self.launch_exact(
                 "cast_f32_to_bf16",
-                (grid_for(len), 1, 1),
+                (grid_for(len, self.sm_count()), 1, 1),
                 (BLOCK, 1, 1),
                 0,
                 &[Arg::Ptr(logits.ptr), Arg::Ptr(lg.ptr), Arg::U64(len)],
