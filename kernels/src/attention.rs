@@ -21,8 +21,9 @@
 //!
 //! **Kernels** (bf16 picks by head dim and the packed (token, head) rows of the launch's
 //! items): decodes (≤ 16 rows) run `attn_decode_d{64,128}`, prefill tiles of d = 128 run
-//! `attn_prefill_d128`, other tiles `attn_mma_d{64,128,256}`; f32 and other head dims run
-//! `attn_simt`. Measured on one H200 (32q/8kv, d = 128, block 16): causal prefill T = 8192 in
+//! `attn_prefill_wgmma_d128` on Hopper (when the device compiled it, `sm_90a`, and the backend
+//! asks for it: the `wgmma` argument of [`launches`]) and `attn_prefill_d128` elsewhere, other
+//! tiles `attn_mma_d{64,128,256}`; f32 and other head dims run `attn_simt`. Measured on one H200 (32q/8kv, d = 128, block 16): causal prefill T = 8192 in
 //! 1.91 ms (288 TFLOP/s), T = 2048 in 0.144 ms; decode batch 64 × 2048 in 0.168 ms
 //! (3.19 TB/s of KV), 256 × 2048 in 0.53 ms (4.03 TB/s), 1 × 32768 in 0.058 ms.
 //!
@@ -67,6 +68,9 @@ pub const ENTRIES: &[Entry] = &[
     e("attn_combine_f32", COMBINE),
     e("attn_combine_bf16", COMBINE),
 ];
+
+/// `attention_sm90.cu`, built for `sm_90a` only (Hopper's `wgmma`).
+pub const SM90_ENTRIES: &[Entry] = &[e("attn_prefill_wgmma_d128_bf16", MAIN)];
 
 /// Most query tokens in one work item.
 pub const Q_TILE: u32 = 128;
@@ -498,6 +502,15 @@ const MMA_D64: Kernel = mma("attn_mma_d64_bf16", 64, 64, 1, false, 4, 1, false);
 const MMA_D128: Kernel = mma("attn_mma_d128_bf16", 128, 64, 1, false, 4, 1, false);
 const MMA_D256: Kernel = mma("attn_mma_d256_bf16", 256, 16, 1, false, 4, 1, false);
 const PREFILL_D128: Kernel = mma("attn_prefill_d128_bf16", 128, 64, 2, true, 8, 1, false);
+/// `attention_sm90.cu`: two warpgroups of 64 rows, Q [128 × 128] and 3 stages of K + V tiles
+/// of 128 keys (bf16), 3 × 2 mbarriers, and 1024 bytes to align the tiles to the 128-byte
+/// swizzle's 1024-byte period.
+const WGMMA_D128: Kernel = Kernel {
+    entry: "attn_prefill_wgmma_d128_bf16",
+    rows: 128,
+    threads: 256,
+    smem: 1024 + 128 * 128 * 2 + 3 * 2 * 128 * 128 * 2 + 3 * 2 * 8,
+};
 const KERNELS: &[Kernel] = &[
     simt("attn_simt_f32"),
     simt("attn_simt_bf16"),
@@ -507,6 +520,7 @@ const KERNELS: &[Kernel] = &[
     MMA_D128,
     MMA_D256,
     PREFILL_D128,
+    WGMMA_D128,
 ];
 
 /// Entries whose dynamic shared memory exceeds [`DEFAULT_SMEM_LIMIT`], with the bytes they
@@ -520,10 +534,10 @@ pub fn smem_opt_in() -> impl Iterator<Item = (&'static str, u32)> {
 }
 
 /// The kernel for a launch whose items have at most `max_rows` packed rows: in bf16, the
-/// warp-split decode kernel when they fit its 16 rows, the d = 128 prefill kernel when they
-/// fill one of its CTAs, else the one-m-tile tensor-core kernel; SIMT in f32 and for other
-/// head dims.
-fn kernel(head_dim: u32, bf16: bool, max_rows: u32) -> Kernel {
+/// warp-split decode kernel when they fit its 16 rows, a d = 128 prefill kernel when they
+/// fill one of its CTAs (the wgmma one when `wgmma`), else the one-m-tile tensor-core kernel;
+/// SIMT in f32 and for other head dims.
+fn kernel(head_dim: u32, bf16: bool, max_rows: u32, wgmma: bool) -> Kernel {
     if !bf16 {
         return KERNELS[0];
     }
@@ -531,6 +545,7 @@ fn kernel(head_dim: u32, bf16: bool, max_rows: u32) -> Kernel {
         64 if max_rows <= DECODE_D64.rows => DECODE_D64,
         64 => MMA_D64,
         128 if max_rows <= DECODE_D128.rows => DECODE_D128,
+        128 if wgmma && max_rows >= WGMMA_D128.rows => WGMMA_D128,
         128 if max_rows >= PREFILL_D128.rows => PREFILL_D128,
         128 => MMA_D128,
         256 => MMA_D256,
@@ -559,11 +574,13 @@ fn scratch_for_rows(rows: u32, shape: AttnDims) -> Vec<usize> {
 
 /// The launches of one attention layer, in stream order: the main kernel (one launch for
 /// the small items, one for the others, more only past 65535 items), then the combine when
-/// the plan split any tile.
+/// the plan split any tile. `wgmma`: the device runs Hopper's `attn_prefill_wgmma_d128_bf16`
+/// (it was built, `sm_90a`, and is switched on); the backend decides.
 pub fn launches(
     plan: &AttnPlan,
     shape: AttnDims,
     bf16: bool,
+    wgmma: bool,
 ) -> Result<Vec<Launch<AttnArg>>, AttnError> {
     shape.check()?;
     if plan.num_seqs != shape.num_seqs as usize {
@@ -579,7 +596,7 @@ pub fn launches(
         (plan.small..plan.items(), plan.max_q_large),
     ];
     for (range, max_q) in classes {
-        let k = kernel(shape.head_dim, bf16, max_q * group);
+        let k = kernel(shape.head_dim, bf16, max_q * group, wgmma);
         let row_tiles = (max_q * group).div_ceil(k.rows);
         let mut base = range.start;
         while base < range.end {
@@ -722,103 +739,109 @@ mod tests {
             );
         }
 
-        let launches = launches(&p, shape, bf16).expect("valid shape");
-        let g = (shape.heads / shape.kv_heads) as usize;
-        let heads = shape.heads as usize;
-        // (token, head) → times written; partial (row, head) → key range written.
-        let mut written: HashMap<(usize, usize), u32> = HashMap::new();
-        let mut partials: HashMap<(usize, usize), (usize, usize)> = HashMap::new();
-        // (token, head) → key ranges that reached its output.
-        let mut ranges: HashMap<(usize, usize), Vec<(usize, usize)>> = HashMap::new();
-        for l in &launches {
-            let (_, entry) = crate::entry(l.entry).expect("declared entry");
-            let kinds: Vec<Param> = l.args.iter().map(AttnArg::param).collect();
-            assert_eq!(kinds, entry.params, "{} arguments", l.entry);
-            let base = match l.args[if entry.params.len() == MAIN.len() {
-                16
-            } else {
-                7
-            }] {
-                AttnArg::U32(b) => b as usize,
-                other => panic!("item base is {other:?}"),
-            };
-            if entry.params.len() == MAIN.len() {
-                let k = KERNELS
-                    .iter()
-                    .find(|k| k.entry == l.entry)
-                    .expect("a main kernel");
-                assert_eq!(
-                    (l.block, l.smem),
-                    ((k.threads, 1, 1), k.smem),
-                    "{}",
-                    l.entry
-                );
-                let rows_per_cta = k.rows as usize;
-                for x in 0..l.grid.0 as usize {
+        // Both prefill paths: the portable kernels and Hopper's wgmma kernel.
+        for wgmma in [false, true] {
+            let launches = launches(&p, shape, bf16, wgmma).expect("valid shape");
+            let g = (shape.heads / shape.kv_heads) as usize;
+            let heads = shape.heads as usize;
+            // (token, head) → times written; partial (row, head) → key range written.
+            let mut written: HashMap<(usize, usize), u32> = HashMap::new();
+            let mut partials: HashMap<(usize, usize), (usize, usize)> = HashMap::new();
+            // (token, head) → key ranges that reached its output.
+            let mut ranges: HashMap<(usize, usize), Vec<(usize, usize)>> = HashMap::new();
+            for l in &launches {
+                let (_, entry) = crate::entry(l.entry).expect("declared entry");
+                let kinds: Vec<Param> = l.args.iter().map(AttnArg::param).collect();
+                assert_eq!(kinds, entry.params, "{} arguments", l.entry);
+                let base = match l.args[if entry.params.len() == MAIN.len() {
+                    16
+                } else {
+                    7
+                }] {
+                    AttnArg::U32(b) => b as usize,
+                    other => panic!("item base is {other:?}"),
+                };
+                if entry.params.len() == MAIN.len() {
+                    let k = KERNELS
+                        .iter()
+                        .find(|k| k.entry == l.entry)
+                        .expect("a main kernel");
+                    assert_eq!(
+                        (l.block, l.smem),
+                        ((k.threads, 1, 1), k.smem),
+                        "{}",
+                        l.entry
+                    );
+                    let rows_per_cta = k.rows as usize;
+                    for x in 0..l.grid.0 as usize {
+                        for y in 0..l.grid.1 as usize {
+                            let it = base + y;
+                            let kvh = x % shape.kv_heads as usize;
+                            let rt = x / shape.kv_heads as usize;
+                            let s = col(WorkCol::Seq, it);
+                            let (qf, qn) = (col(WorkCol::QFirst, it), col(WorkCol::QCount, it));
+                            let (kv0, kv1) = (col(WorkCol::KvFirst, it), col(WorkCol::KvEnd, it));
+                            let part = p.column(WorkCol::Part)[it];
+                            for r in
+                                rt * rows_per_cta..(qn * g).min(rt * rows_per_cta + rows_per_cta)
+                            {
+                                let i = qf + r / g;
+                                let h = kvh * g + r % g;
+                                let tok = cu[s] as usize + i;
+                                let range = (kv0, kv1.min(ctx[s] as usize + i + 1));
+                                if part == NO_PART {
+                                    *written.entry((tok, h)).or_default() += 1;
+                                    ranges.entry((tok, h)).or_default().push(range);
+                                } else {
+                                    let row = part as usize + r / g;
+                                    assert!(row < p.partial_rows() as usize);
+                                    let prev = partials.insert((row, h), range);
+                                    assert!(prev.is_none(), "partial ({row}, {h}) written twice");
+                                }
+                            }
+                        }
+                    }
+                } else {
+                    assert_eq!((l.grid.0, l.block, l.smem), (shape.heads, (128, 1, 1), 0));
                     for y in 0..l.grid.1 as usize {
-                        let it = base + y;
-                        let kvh = x % shape.kv_heads as usize;
-                        let rt = x / shape.kv_heads as usize;
-                        let s = col(WorkCol::Seq, it);
-                        let (qf, qn) = (col(WorkCol::QFirst, it), col(WorkCol::QCount, it));
-                        let (kv0, kv1) = (col(WorkCol::KvFirst, it), col(WorkCol::KvEnd, it));
-                        let part = p.column(WorkCol::Part)[it];
-                        for r in rt * rows_per_cta..(qn * g).min(rt * rows_per_cta + rows_per_cta) {
-                            let i = qf + r / g;
-                            let h = kvh * g + r % g;
-                            let tok = cu[s] as usize + i;
-                            let range = (kv0, kv1.min(ctx[s] as usize + i + 1));
-                            if part == NO_PART {
-                                *written.entry((tok, h)).or_default() += 1;
+                        let c = base + y;
+                        let tok = col(WorkCol::CombToken, c);
+                        let (first, stride) =
+                            (col(WorkCol::CombPart, c), col(WorkCol::CombStride, c));
+                        for h in 0..heads {
+                            *written.entry((tok, h)).or_default() += 1;
+                            for j in 0..col(WorkCol::CombSplits, c) {
+                                let range = partials
+                                    .remove(&(first + j * stride, h))
+                                    .expect("combine reads a written partial");
                                 ranges.entry((tok, h)).or_default().push(range);
-                            } else {
-                                let row = part as usize + r / g;
-                                assert!(row < p.partial_rows() as usize);
-                                let prev = partials.insert((row, h), range);
-                                assert!(prev.is_none(), "partial ({row}, {h}) written twice");
                             }
                         }
                     }
                 }
-            } else {
-                assert_eq!((l.grid.0, l.block, l.smem), (shape.heads, (128, 1, 1), 0));
-                for y in 0..l.grid.1 as usize {
-                    let c = base + y;
-                    let tok = col(WorkCol::CombToken, c);
-                    let (first, stride) = (col(WorkCol::CombPart, c), col(WorkCol::CombStride, c));
-                    for h in 0..heads {
-                        *written.entry((tok, h)).or_default() += 1;
-                        for j in 0..col(WorkCol::CombSplits, c) {
-                            let range = partials
-                                .remove(&(first + j * stride, h))
-                                .expect("combine reads a written partial");
-                            ranges.entry((tok, h)).or_default().push(range);
-                        }
-                    }
-                }
             }
-        }
-        assert!(partials.is_empty(), "partials never combined");
-        let tokens = *cu.last().unwrap_or(&0) as usize;
-        assert_eq!(written.len(), tokens * heads, "every (token, head) written");
-        assert!(written.values().all(|&n| n == 1), "written once");
-        for (s, &q) in q_lens.iter().enumerate() {
-            for i in 0..q as usize {
-                for h in 0..heads {
-                    let tok = cu[s] as usize + i;
-                    let mut r = ranges.remove(&(tok, h)).unwrap_or_default();
-                    r.retain(|&(a, b)| a < b);
-                    r.sort_unstable();
-                    let mut next = 0;
-                    for (a, b) in r {
-                        assert_eq!(a, next, "token {tok} head {h}: gap or overlap at {a}");
-                        next = b;
+            assert!(partials.is_empty(), "partials never combined");
+            let tokens = *cu.last().unwrap_or(&0) as usize;
+            assert_eq!(written.len(), tokens * heads, "every (token, head) written");
+            assert!(written.values().all(|&n| n == 1), "written once");
+            for (s, &q) in q_lens.iter().enumerate() {
+                for i in 0..q as usize {
+                    for h in 0..heads {
+                        let tok = cu[s] as usize + i;
+                        let mut r = ranges.remove(&(tok, h)).unwrap_or_default();
+                        r.retain(|&(a, b)| a < b);
+                        r.sort_unstable();
+                        let mut next = 0;
+                        for (a, b) in r {
+                            assert_eq!(a, next, "token {tok} head {h}: gap or overlap at {a}");
+                            next = b;
+                        }
+                        assert_eq!(
+                            next,
+                            ctx[s] as usize + i + 1,
+                            "token {tok} head {h}: range end"
+                        );
                     }
-                    assert_eq!(
-                        next,
-                        ctx[s] as usize + i + 1,
-                        "token {tok} head {h}: range end"
-                    );
                 }
             }
         }
@@ -834,7 +857,7 @@ mod tests {
                 assert!(plan_decode_fixed(&[0, 1, 2, 3, 4], &ctx, splits, &mut p));
                 assert_eq!(p.items(), 4 * splits as usize);
                 assert_eq!(p.combine_rows(), if splits > 1 { 4 } else { 0 });
-                let l = launches(&p, shape, true).expect("shape");
+                let l = launches(&p, shape, true, true).expect("shape");
                 let grids: Vec<_> = l.iter().map(|l| (l.entry, l.grid, l.smem)).collect();
                 shapes.push((splits, grids));
                 check_plan_coverage(&[1, 1, 1, 1], &ctx, shape, true, Some(splits));
@@ -863,13 +886,21 @@ mod tests {
         assert_eq!(p.column(WorkCol::QFirst)[0], 8192 - 128);
         assert_eq!(p.column(WorkCol::KvEnd)[0], 8192);
         assert!(p.column(WorkCol::Part).iter().all(|&x| x == NO_PART));
-        let l = launches(&p, dims(32, 8, 128, 1), true).expect("shape");
+        let l = launches(&p, dims(32, 8, 128, 1), true, false).expect("shape");
         assert_eq!(l.len(), 1);
         assert_eq!(l[0].entry, "attn_prefill_d128_bf16");
         // 128 tokens × 4 heads per item = 2 row tiles of 256 per kv head.
         assert_eq!(
             (l[0].grid, l[0].block, l[0].smem),
             ((8 * 2, 64, 1), (256, 1, 1), 98816)
+        );
+        // On Hopper: 4 row tiles of 128 (two warpgroups of 64 rows) per kv head.
+        let l = launches(&p, dims(32, 8, 128, 1), true, true).expect("shape");
+        assert_eq!(l.len(), 1);
+        assert_eq!(l[0].entry, "attn_prefill_wgmma_d128_bf16");
+        assert_eq!(
+            (l[0].grid, l[0].block, l[0].smem),
+            ((8 * 4, 64, 1), (256, 1, 1), 230448)
         );
         check_coverage(&[8192], &[0], dims(32, 8, 128, 1), true);
     }
@@ -888,7 +919,7 @@ mod tests {
                 .iter()
                 .all(|&x| x % SPLIT_ALIGN == 0)
         );
-        let l = launches(&p, dims(32, 8, 128, 1), true).expect("shape");
+        let l = launches(&p, dims(32, 8, 128, 1), true, true).expect("shape");
         assert_eq!(
             l.iter().map(|l| l.entry).collect::<Vec<_>>(),
             ["attn_decode_d128_bf16", "attn_combine_bf16"]
@@ -910,7 +941,7 @@ mod tests {
         plan(&cu_of(&q), &ctx, &mut p);
         assert_eq!(p.items(), 256);
         assert_eq!(p.partial_rows(), 0);
-        let l = launches(&p, dims(32, 8, 128, 256), true).expect("shape");
+        let l = launches(&p, dims(32, 8, 128, 256), true, true).expect("shape");
         assert_eq!(l.len(), 1);
         assert_eq!(scratch_bytes(&p, dims(32, 8, 128, 256)), [0, 0]);
     }
@@ -953,7 +984,7 @@ mod tests {
 
     #[test]
     fn the_kernel_follows_dtype_head_dim_and_rows() {
-        let entry = |d, bf16, rows| kernel(d, bf16, rows).entry;
+        let entry = |d, bf16, rows| kernel(d, bf16, rows, false).entry;
         assert_eq!(entry(128, false, 512), "attn_simt_f32");
         assert_eq!(entry(24, true, 512), "attn_simt_bf16");
         assert_eq!(entry(64, true, 16), "attn_decode_d64_bf16");
@@ -962,6 +993,16 @@ mod tests {
         assert_eq!(entry(128, true, 255), "attn_mma_d128_bf16");
         assert_eq!(entry(128, true, 256), "attn_prefill_d128_bf16");
         assert_eq!(entry(256, true, 4), "attn_mma_d256_bf16");
+        // With Hopper's wgmma kernel: d = 128 tiles that fill one of its 128-row CTAs; f32,
+        // decodes and other head dims as before.
+        let hopper = |d, bf16, rows| kernel(d, bf16, rows, true).entry;
+        assert_eq!(hopper(128, true, 16), "attn_decode_d128_bf16");
+        assert_eq!(hopper(128, true, 127), "attn_mma_d128_bf16");
+        assert_eq!(hopper(128, true, 128), "attn_prefill_wgmma_d128_bf16");
+        assert_eq!(hopper(128, true, 512), "attn_prefill_wgmma_d128_bf16");
+        assert_eq!(hopper(128, false, 512), "attn_simt_f32");
+        assert_eq!(hopper(64, true, 512), "attn_mma_d64_bf16");
+        assert_eq!(hopper(256, true, 512), "attn_mma_d256_bf16");
         // Shared memory as attention.cu's MmaShape lays it out (the kernels trap on less).
         let smem: Vec<(&str, u32, u32, u32)> = KERNELS
             .iter()
@@ -978,15 +1019,114 @@ mod tests {
                 ("attn_mma_d128_bf16", 64, 128, 32768 + 512),
                 ("attn_mma_d256_bf16", 64, 128, 32768 + 128),
                 ("attn_prefill_d128_bf16", 256, 256, 32768 + 65536 + 512),
+                // attention_sm90.cu's SMEM: alignment, Q, 3 × (K + V), 6 mbarriers; within
+                // the 227 KiB a Hopper block may opt in to.
+                (
+                    "attn_prefill_wgmma_d128_bf16",
+                    128,
+                    256,
+                    1024 + 32768 + 3 * 65536 + 48
+                ),
             ]
         );
+        const { assert!(WGMMA_D128.smem <= 227 * 1024) };
         assert_eq!(
             smem_opt_in().collect::<Vec<_>>(),
             [
                 ("attn_decode_d128_bf16", 66048),
-                ("attn_prefill_d128_bf16", 98816)
+                ("attn_prefill_d128_bf16", 98816),
+                ("attn_prefill_wgmma_d128_bf16", 230448)
             ]
         );
+    }
+
+    /// A CPU model of `attention_sm90.cu`'s shared-memory tiles against the addresses wgmma
+    /// reads through its descriptors (PTX ISA, "Shared Memory Matrix Layout": the canonical
+    /// 128-byte-swizzle layouts in units of bf16 elements, T = 8 of them per 16 bytes):
+    /// K-major `((8,m),(T,2k)):((8T,SBO),(1,T))` for Q and K, MN-major
+    /// `((T,8,m),(8,k)):((1,T,LBO),(8T,SBO))` for V, then `Swizzle<3,4,3>` on the byte
+    /// address (bits 4–6 XOR bits 7–9). Every element an instruction reads must be the one the
+    /// kernel's gather wrote there.
+    #[test]
+    fn the_wgmma_tiles_match_the_canonical_swizzled_layouts() {
+        // attention_sm90.cu: sw128 (chunk c of row r in a [rows × 128] tile) and desc128.
+        let sw128 = |rows: u32, r: u32, c: u32| {
+            (c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4)
+        };
+        // Where the kernel stores element (row, col) of a tile at `base`.
+        let stored =
+            |base: u32, rows: u32, r: u32, col: u32| base + sw128(rows, r, col / 8) + (col % 8) * 2;
+        let swizzle = |addr: u32| addr ^ (((addr >> 7) & 7) << 4);
+        // Descriptor fields as encoded (>> 4) and decoded again: what the hardware sees.
+        let field = |x: u32| ((x & 0x3FFFF) >> 4) << 4;
+        // K-major: element (mn, k) of an m64/n128 × k16 operand.
+        let k_major = |start: u32, sbo: u32, mn: u32, k: u32| {
+            swizzle(
+                field(start) + (mn % 8) * 128 + (mn / 8) * field(sbo) + (k % 8) * 2 + (k / 8) * 16,
+            )
+        };
+        // MN-major: element (n, k) of a k16 × n128 operand.
+        let mn_major = |start: u32, lbo: u32, sbo: u32, n: u32, k: u32| {
+            swizzle(
+                field(start)
+                    + (n % 64) * 2
+                    + (n / 64) * field(lbo)
+                    + (k % 8) * 128
+                    + (k / 8) * field(sbo),
+            )
+        };
+        let (bm, bn) = (128u32, 128u32);
+        let s_q = 3 * 1024; // any 1024-byte-aligned base
+        let s_k = s_q + bm * 128 * 2;
+        let s_v = s_k + bn * 128 * 2;
+        for ks in 0..8u32 {
+            let col = (ks & 3) * 32;
+            for wrow in [0u32, 64] {
+                let start = s_q + (ks >> 2) * (bm * 128) + wrow * 128 + col;
+                for m in 0..64 {
+                    for k in 0..16 {
+                        let want = stored(s_q, bm, wrow + m, 16 * ks + k);
+                        assert_eq!(
+                            k_major(start, 1024, m, k),
+                            want,
+                            "Q ks {ks} row {} k {k}",
+                            wrow + m
+                        );
+                    }
+                }
+            }
+            let start = s_k + (ks >> 2) * (bn * 128) + col;
+            for n in 0..bn {
+                for k in 0..16 {
+                    assert_eq!(
+                        k_major(start, 1024, n, k),
+                        stored(s_k, bn, n, 16 * ks + k),
+                        "K ks {ks} key {n}"
+                    );
+                }
+            }
+        }
+        for kk in 0..bn / 16 {
+            let start = s_v + kk * 2048;
+            for n in 0..128 {
+                for k in 0..16 {
+                    let want = stored(s_v, bn, 16 * kk + k, n);
+                    assert_eq!(
+                        mn_major(start, bn * 128, 1024, n, k),
+                        want,
+                        "V kk {kk} d {n} key {k}"
+                    );
+                }
+            }
+        }
+        // The gather writes each 16-byte chunk of a tile exactly once, inside the tile.
+        let mut seen = std::collections::HashSet::new();
+        for r in 0..bn {
+            for c in 0..16 {
+                let off = sw128(bn, r, c);
+                assert!(off % 16 == 0 && off < bn * 256 && seen.insert(off));
+            }
+        }
     }
 
     #[test]
@@ -994,7 +1134,7 @@ mod tests {
         let mut p = AttnPlan::new();
         plan(&[0, 1], &[0], &mut p);
         let ok = dims(8, 2, 64, 1);
-        assert!(launches(&p, ok, true).is_ok());
+        assert!(launches(&p, ok, true, true).is_ok());
         let bad = [
             (
                 AttnDims { kv_heads: 3, ..ok },
@@ -1030,7 +1170,7 @@ mod tests {
             ),
         ];
         for (shape, err) in bad {
-            assert_eq!(launches(&p, shape, true), Err(err));
+            assert_eq!(launches(&p, shape, true, true), Err(err));
         }
     }
 
@@ -1039,7 +1179,7 @@ mod tests {
         let mut p = AttnPlan::new();
         plan(&[0, 0, 0], &[5, 0], &mut p);
         assert_eq!(p.items(), 0);
-        assert_eq!(launches(&p, dims(4, 4, 8, 2), false), Ok(vec![]));
+        assert_eq!(launches(&p, dims(4, 4, 8, 2), false, true), Ok(vec![]));
     }
 
     #[test]

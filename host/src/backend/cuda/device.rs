@@ -77,6 +77,9 @@ impl Arg {
     }
 }
 
+/// Hopper's prefill attention kernel (`attention_sm90.cu`, built for `sm_90a` only).
+const WGMMA_PREFILL: &str = "attn_prefill_wgmma_d128_bf16";
+
 /// A device: context, modules and facts about it.
 pub struct Device {
     pub ctx: Arc<CudaContext>,
@@ -94,6 +97,8 @@ pub struct Device {
     pub(crate) ssm_chunk: std::sync::atomic::AtomicU32,
     /// Launch kernels with programmatic stream serialization (see [`Device::launch`]).
     pdl: AtomicBool,
+    /// Prefill attention of d = 128 runs Hopper's wgmma kernel (see [`Device::set_wgmma`]).
+    wgmma: AtomicBool,
     /// Per-operation device time, while switched on ([`Device::profile_start`]).
     profiling: AtomicBool,
     profile: Mutex<Vec<(&'static str, sys::CUevent, sys::CUevent)>>,
@@ -178,10 +183,14 @@ impl Device {
                 kernels.insert(entry.name, Kernel { func, entry });
             }
         }
-        // Kernels that launch with more than the default 48 KiB of dynamic shared memory.
+        // Kernels that launch with more than the default 48 KiB of dynamic shared memory
+        // (those of sources not built for this architecture are absent).
         for (name, bytes) in
             chimera_kernels::attention::smem_opt_in().chain(chimera_kernels::moe::smem_opt_in())
         {
+            if chimera_kernels::entry(name).is_some_and(|(src, _)| !src.builds_for(&arch)) {
+                continue;
+            }
             let k = kernels
                 .get(name)
                 .ok_or_else(|| BackendError::Device(format!("no kernel named {name}")))?;
@@ -195,6 +204,8 @@ impl Device {
             }
             .map_err(|e| dev_err(&format!("raising the shared memory of {name}"), e))?;
         }
+        let wgmma = kernels.contains_key(WGMMA_PREFILL)
+            && std::env::var("CHIMERA_WGMMA").map_or(true, |v| v != "0");
         Ok(Arc::new(Self {
             ctx,
             ordinal,
@@ -206,6 +217,7 @@ impl Device {
             sticky: AtomicBool::new(false),
             ssm_chunk: std::sync::atomic::AtomicU32::new(0),
             pdl: AtomicBool::new(std::env::var("CHIMERA_PDL").map_or(true, |v| v != "0")),
+            wgmma: AtomicBool::new(wgmma),
             profiling: AtomicBool::new(false),
             profile: Mutex::new(Vec::new()),
         }))
@@ -338,6 +350,20 @@ impl Device {
     /// measured by turning it off.
     pub fn set_pdl(&self, on: bool) {
         self.pdl.store(on, Ordering::Relaxed);
+    }
+
+    /// Hopper's wgmma prefill attention kernel on or off for the launches from now on. It is
+    /// on by default where it was built (compute capability 9.0, `sm_90a`) unless
+    /// `CHIMERA_WGMMA=0`; elsewhere it stays off whatever is asked. Returns the new state.
+    pub fn set_wgmma(&self, on: bool) -> bool {
+        let on = on && self.kernels.contains_key(WGMMA_PREFILL);
+        self.wgmma.store(on, Ordering::Relaxed);
+        on
+    }
+
+    /// Whether prefill attention of d = 128 runs the wgmma kernel.
+    pub fn wgmma(&self) -> bool {
+        self.wgmma.load(Ordering::Relaxed)
     }
 
     /// Launches `kernel` on `stream` after checking `args` against its declared parameters.

@@ -287,6 +287,18 @@ impl CudaBackend {
         self.dev().set_pdl(on);
     }
 
+    /// Hopper's wgmma prefill attention (d = 128, bf16) on or off for the launches (or
+    /// captures) from now on: on by default on compute capability 9.0, `CHIMERA_WGMMA=0` turns
+    /// it off at start, and it stays off on other GPUs. Returns whether it is now on.
+    pub fn set_wgmma(&self, on: bool) -> bool {
+        self.dev().set_wgmma(on)
+    }
+
+    /// Whether prefill attention of d = 128 runs the wgmma kernel.
+    pub fn wgmma(&self) -> bool {
+        self.dev().wgmma()
+    }
+
     /// `y_s = x · w_sᵀ (+ b_s)` for up to three weights sharing `x` in one GEMV launch, when
     /// the shapes allow it (bf16, one or two rows, `k` a multiple of 8, every `m` a multiple of
     /// the variant's features per block); `None` leaves the work to cuBLASLt.
@@ -1624,7 +1636,8 @@ impl CudaBackend {
         let attn_err =
             |e: chimera_kernels::attention::AttnError| BackendError::Invalid(e.to_string());
         let launches =
-            chimera_kernels::attention::launches(&step.attn, dims, bf16).map_err(attn_err)?;
+            chimera_kernels::attention::launches(&step.attn, dims, bf16, self.dev().wgmma())
+                .map_err(attn_err)?;
         let scratch: Vec<CudaTensor> = chimera_kernels::attention::scratch_bytes(&step.attn, dims)
             .into_iter()
             .map(|b| self.tmp(&[b.div_ceil(4).max(1)], DType::F32))

@@ -1,0 +1,375 @@
+// Causal prefill attention for head_dim 128, bf16, on Hopper: warpgroup MMA (`wgmma`, sm_90a
+// only; lib.rs compiles this source only for that target). FlashAttention-3's forward pass
+// (Shah et al. 2024, arXiv 2407.08608) without TMA: the KV cache is paged, so K/V rows are
+// gathered through the block table with 16-byte cp.async as in attention.cu, but into the
+// canonical 128-byte-swizzle layout that wgmma's shared-memory descriptors read.
+//
+// Work decomposition: attention.cu's header (work items, GQA head packing: one kv head per
+// CTA, its group's query heads packed into the rows, so each K/V tile serves all of them).
+// A CTA has two warpgroups of 64 packed rows each (128 rows, attention.rs: WGMMA_D128).
+//
+// Per KV tile of 128 keys, in each warpgroup:
+//   S = Q·Kᵀ       8 × wgmma m64n128k16, Q and K from shared memory (K-major descriptors);
+//   online softmax on the accumulator layout (the mma.m16n8 C layout per warp: a row is held
+//                  by the 4 threads of a quad), causal mask only on tiles that reach past the
+//                  CTA's first row's limit;
+//   O += P·V       8 × wgmma m64n128k16 with P from registers (the accumulator of S re-packed
+//                  as bf16 A fragments, the mma.m16n8k16 A layout per warp) and V from shared
+//                  memory: V is [keys × d] row-major, i.e. B "MN-major", read with the
+//                  descriptor's transpose bit.
+//
+// Shared memory (1024-byte aligned; 230448 bytes with the alignment slack): Q [128 × 128],
+// then STAGES = 3 stages of K [128 × 128] + V [128 × 128], then the stages' mbarriers. Every
+// [rows × 128] tile is two column halves of [rows × 64] (128 bytes a row); in a half, row r
+// sits at r·128 and its 16-byte chunk c at (c ^ (r mod 8))·16: the 128-byte swizzle atom of
+// 8 rows × 128 bytes that wgmma reads (the XOR acts on address bits 4–6 with bits 7–9, so
+// every half starts on a 1024-byte boundary). Descriptors: K-major (Q, K) with the stride
+// between 8-row groups 1024 and the k-step's 32-byte column offset added to the start
+// address; MN-major (V) with the leading offset = distance between the two 64-column halves
+// (128 · 128 bytes) and the stride = 1024 between 8-key groups.
+//
+// Pipeline (no warp specialisation; all 256 threads gather): tile j + 2 is gathered while
+// tile j is computed. Each stage has a "full" mbarrier, completed when the 256 threads'
+// copies of the tile have landed (cp.async.mbarrier.arrive.noinc), and an "empty" one that
+// every thread arrives on when its warpgroup is done with the stage; a thread waits on
+// "empty" only before refilling a stage. The two warpgroups are therefore not tied to each
+// other tile by tile (at most one tile apart), so one's softmax can overlap the other's MMAs.
+//
+// Learned from: the FlashAttention-3 paper; the PTX ISA manual (wgmma register fragments,
+// shared-memory matrix layouts and descriptor format, mbarrier, cp.async). No code was copied.
+#include "attention.cuh"
+
+namespace attn {
+namespace sm90 {
+
+constexpr int D = 128;
+constexpr int WG_ROWS = 64;                        // rows of one warpgroup (wgmma m64)
+constexpr int WGS = 2;
+constexpr int BM = WGS * WG_ROWS;                  // packed rows per CTA
+constexpr int BN = 128;                            // keys per KV tile
+constexpr int STAGES = 3;
+constexpr int NTH = 128 * WGS;
+constexpr int CPR = D / 8;                         // 16-byte chunks per row
+constexpr int RPP = NTH / CPR;                     // rows one pass of the CTA's copies covers
+constexpr int KV_PASSES = BN / RPP;
+constexpr int Q_BYTES = BM * D * 2;
+constexpr int TILE_BYTES = BN * D * 2;             // one K or V tile
+constexpr int STAGE_BYTES = 2 * TILE_BYTES;
+constexpr int ALIGN = 1024;                        // the 128-byte swizzle pattern's period
+constexpr int SMEM = ALIGN + Q_BYTES + STAGES * STAGE_BYTES + 2 * STAGES * 8;  // attention.rs
+static_assert(NTH % CPR == 0 && BN % RPP == 0 && BM % RPP == 0, "tile shape");
+
+// Byte offset of 16-byte chunk c (0..15) of row r in a [rows × 128] bf16 tile stored as two
+// 128-byte-swizzled column halves (see the header).
+__device__ __forceinline__ u32 sw128(int rows, int r, int c) {
+    return (u32)((c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
+// A wgmma shared-memory matrix descriptor with 128-byte swizzling: start address, leading and
+// stride byte offsets (each >> 4), swizzle mode 1 in bits 62–63, base offset 0.
+__device__ __forceinline__ u64 desc128(u32 addr, u32 lbo, u32 sbo) {
+    return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)((lbo & 0x3FFFFu) >> 4) << 16) |
+           ((u64)((sbo & 0x3FFFFu) >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_wait_all() {
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+// Pins accumulator registers after a wait: later reads cannot move above it.
+__device__ __forceinline__ void fence_regs(float (&d)[64]) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// Orders this thread's generic-proxy view of shared memory (the cp.async writes it has
+// observed) before its async-proxy reads (wgmma).
+__device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// Arrives on `bar` once every cp.async this thread issued before has landed (the barrier's
+// expected count includes this arrival: noinc).
+__device__ __forceinline__ void cp_async_arrive(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the phase of `bar` with this parity has completed.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+
+// d (+)= A·B, m64n128k16, bf16 → f32: A and B from shared memory (descriptors), both K-major.
+// scale_d = 0 overwrites d.
+__device__ __forceinline__ void wgmma_ss(float (&d)[64], u64 desc_a, u64 desc_b, u32 scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+// d += A·B, m64n128k16: A from registers (the mma.m16n8k16 A layout per warp), B from shared
+// memory, MN-major (imm-trans-b = 1).
+__device__ __forceinline__ void wgmma_rs_tb(float (&d)[64], const u32 (&a)[4], u64 desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1u));
+}
+
+extern __shared__ __align__(1024) u16 sm90_dyn_smem[];
+
+__device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
+    // A launch that disagrees with attention.rs fails loudly rather than computing garbage.
+    if (blockDim.x != NTH || dynamic_smem_size() < (u32)SMEM) __trap();
+    Tile t;
+    if (!tile_of(a, BM, t)) return;
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    const int g = lane >> 2, tq = lane & 3;
+    const int my_chunk = tid % CPR, my_row = tid / CPR;
+    const u32 s_q = (smem_u32(sm90_dyn_smem) + (ALIGN - 1)) & ~(u32)(ALIGN - 1);
+    const u32 s_kv = s_q + Q_BYTES;  // stage i: K at s_kv + i·STAGE_BYTES, V after it
+    const u32 full = s_kv + STAGES * STAGE_BYTES;  // STAGES barriers: the tile has landed
+    const u32 empty = full + STAGES * 8;           // STAGES barriers: both warpgroups are done
+    if (tid == 0) {
+#pragma unroll
+        for (int i = 0; i < STAGES; ++i) {
+            mbar_init(full + 8 * i, NTH);
+            mbar_init(empty + 8 * i, NTH);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    // Q rows (zeros past the CTA's rows). Their copies precede tile 0's arrival on its full
+    // barrier, so waiting for tile 0 waits for Q too.
+#pragma unroll
+    for (int k = 0; k < BM / RPP; ++k) {
+        const int r = my_row + k * RPP;
+        const bf16* src = a.q;
+        u32 bytes = 0;
+        if (r < t.nrows) {
+            src = a.q + qo_offset(a, t, r) + my_chunk * 8;
+            bytes = 16;
+        }
+        cp_async16(s_q + sw128(BM, r, my_chunk), src, bytes);
+    }
+
+    const int ntiles = t.hi > t.kv_first ? (int)((t.hi - t.kv_first + BN - 1) / BN) : 0;
+    // This thread's cache rows (rows my_row + k·RPP) of the next tile to gather; NO_PART past
+    // the range (zeros).
+    u32 crow[KV_PASSES];
+    auto rows_of = [&](int j) {
+#pragma unroll
+        for (int k = 0; k < KV_PASSES; ++k) {
+            const u32 p = t.kv_first + (u32)(j * BN + my_row + k * RPP);
+            crow[k] = p < t.hi ? cache_row(t.bt, p, a.block_size) : NO_PART;
+        }
+    };
+    // Tile j (rows from crow) into stage j mod STAGES, then the arrival on its full barrier.
+    auto gather = [&](int j) {
+        const int st = j % STAGES;
+        const u32 sk = s_kv + st * STAGE_BYTES;
+#pragma unroll
+        for (int k = 0; k < KV_PASSES; ++k) {
+            const int r = my_row + k * RPP;
+            const u32 off = sw128(BN, r, my_chunk);
+            const bf16 *ks = a.k_cache, *vs = a.v_cache;
+            u32 bytes = 0;
+            if (crow[k] != NO_PART) {
+                const i64 o = kv_offset(crow[k], a.kv_heads, t.kvh, D) + my_chunk * 8;
+                ks += o;
+                vs += o;
+                bytes = 16;
+            }
+            cp_async16(sk + off, ks, bytes);
+            cp_async16(sk + TILE_BYTES + off, vs, bytes);
+        }
+        cp_async_arrive(full + 8 * st);
+    };
+    if (ntiles > 0) rows_of(0);
+#pragma unroll
+    for (int j = 0; j < STAGES - 1; ++j) {
+        if (j < ntiles) {
+            gather(j);
+            if (j + 1 < ntiles) rows_of(j + 1);
+        }
+    }
+
+    const int wrow = wg * WG_ROWS;  // the warpgroup's first row
+    const bool wg_active = wrow < t.nrows;
+    // The warpgroup's KV end (its last row's limit): tiles past it are the other one's.
+    const u32 wg_hi = wg_active ? row_limit(t, min(wrow + WG_ROWS, t.nrows) - 1) : 0;
+    u32 lim[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = wrow + warp * 16 + g + 8 * h;
+        lim[h] = r < t.nrows ? row_limit(t, r) : t.hi;
+    }
+    const float sl2 = a.scale * LOG2E;  // exponentials in base 2
+    float o[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+    float m[2] = {-CHIMERA_INF, -CHIMERA_INF}, l[2] = {0.0f, 0.0f};
+
+    for (int j = 0; j < ntiles; ++j) {
+        const int st = j % STAGES;
+        const int ahead = j + STAGES - 1;
+        if (ahead < ntiles) {
+            // Its stage last held tile j − 1: wait until both warpgroups are done with it.
+            if (j >= 1) mbar_wait(empty + 8 * (ahead % STAGES), (u32)((j - 1) / STAGES) & 1u);
+            gather(ahead);
+            if (ahead + 1 < ntiles) rows_of(ahead + 1);
+        }
+        const u32 p0 = t.kv_first + (u32)j * BN;
+        if (wg_active && p0 < wg_hi) {
+            mbar_wait(full + 8 * st, (u32)(j / STAGES) & 1u);
+            fence_proxy_async();
+            const u32 sk = s_kv + st * STAGE_BYTES, sv = sk + TILE_BYTES;
+
+            // S = Q·Kᵀ: k-step ks reads columns 16·ks.. of Q and K (half ks / 4, 32-byte
+            // offset ks mod 4 in the swizzled row).
+            float s[64];
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < D / 16; ++ks) {
+                const u32 col = (u32)(ks & 3) * 32;
+                const u64 da = desc128(s_q + (ks >> 2) * (BM * 128) + wrow * 128 + col, 16, 1024);
+                const u64 db = desc128(sk + (ks >> 2) * (BN * 128) + col, 16, 1024);
+                wgmma_ss(s, da, db, ks > 0 ? 1u : 0u);
+            }
+            wgmma_commit();
+            wgmma_wait_all();
+            fence_regs(s);
+
+            // Accumulator element s[4i + e]: row warp·16 + g + 8·(e / 2) of the warpgroup,
+            // key p0 + 8i + 2·tq + (e mod 2).
+            const bool masked = p0 + BN > t.lo_full;
+            float mx[2] = {-CHIMERA_INF, -CHIMERA_INF};
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    if (masked) {
+                        const u32 key = p0 + (u32)(8 * i + 2 * tq + (e & 1));
+                        if (key >= lim[e >> 1]) s[4 * i + e] = -CHIMERA_INF;
+                    }
+                    mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * i + e]);
+                }
+            }
+            float base[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+                const float mn = fmaxf(m[h], mx[h] * sl2);  // scores scaled to log2 units
+                base[h] = mn == -CHIMERA_INF ? 0.0f : mn;
+                const float alpha = ex2(m[h] - base[h]);
+                m[h] = mn;
+                l[h] *= alpha;
+#pragma unroll
+                for (int i = 0; i < 16; ++i) {
+                    o[4 * i + 2 * h] *= alpha;
+                    o[4 * i + 2 * h + 1] *= alpha;
+                }
+            }
+            u32 pa[8][4];  // P as A fragments: k-step kk holds keys 16·kk .. 16·kk + 15
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float p = ex2(fmaf(s[4 * i + e], sl2, -base[e >> 1]));
+                    s[4 * i + e] = p;
+                    l[e >> 1] += p;  // per-thread partial sums; the quad sums at the end
+                }
+            }
+#pragma unroll
+            for (int kk = 0; kk < 8; ++kk) {
+                pa[kk][0] = pack_bf16x2(s[8 * kk + 0], s[8 * kk + 1]);
+                pa[kk][1] = pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3]);
+                pa[kk][2] = pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
+                pa[kk][3] = pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
+            }
+
+            // O += P·V: k-step kk reads keys 16·kk .. of V (two 8-key groups of 1024 bytes).
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk)
+                wgmma_rs_tb(o, pa[kk], desc128(sv + kk * 2048, BN * 128, 1024));
+            wgmma_commit();
+            wgmma_wait_all();
+            fence_regs(o);
+        }
+        mbar_arrive(empty + 8 * st);
+    }
+    // Nothing this thread copied is still landing when it exits (the copies were never
+    // committed as groups: wait_all commits and waits).
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+
+    if (!wg_active) return;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float lh = l[h];
+        lh += __shfl_xor_sync(0xffffffffu, lh, 1);
+        lh += __shfl_xor_sync(0xffffffffu, lh, 2);
+        const int r = wrow + warp * 16 + g + 8 * h;
+        if (r >= t.nrows) continue;
+        if (t.part == NO_PART) {
+            bf16* dst = a.out + qo_offset(a, t, r) + 2 * tq;
+            const float inv = lh > 0.0f ? 1.0f / lh : 0.0f;
+#pragma unroll
+            for (int i = 0; i < 16; ++i)
+                *(u32*)(dst + i * 8) = pack_bf16x2(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
+        } else {
+            const i64 pi = part_index(a, t, r);
+            float* dst = a.part_o + pi * D + 2 * tq;
+#pragma unroll
+            for (int i = 0; i < 16; ++i)
+                *(float2*)(dst + i * 8) = make_float2(o[4 * i + 2 * h], o[4 * i + 2 * h + 1]);
+            if (tq == 0) {
+                const float mh = m[h];
+                a.part_ml[pi * 2] = mh == -CHIMERA_INF ? mh : mh * LN2;  // natural-log units
+                a.part_ml[pi * 2 + 1] = lh;
+            }
+        }
+    }
+}
+
+}  // namespace sm90
+}  // namespace attn
+
+// attention.rs: SM90_ENTRIES. 230448 bytes of dynamic shared memory (the limit must be raised).
+extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma_d128_bf16(ATTN_PARAMS(bf16)) {
+    CHIMERA_PDL_ENTRY();
+    attn::sm90::prefill_d128(ATTN_ARGS(bf16));
+}
