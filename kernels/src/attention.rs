@@ -21,9 +21,9 @@
 //!
 //! **Kernels** (bf16 picks by head dim and the packed (token, head) rows of the launch's
 //! items): decodes (≤ 16 rows) run `attn_decode_d{64,128}`, prefill tiles of d = 128 run
-//! `attn_prefill_wgmma_d128` on Hopper (when the device compiled it, `sm_90a`, and the backend
-//! asks for it: the `wgmma` argument of [`launches`]) and `attn_prefill_d128` elsewhere, other
-//! tiles `attn_mma_d{64,128,256}`; f32 and other head dims run `attn_simt`. Measured on one H200 (32q/8kv, d = 128, block 16): causal prefill T = 8192 in
+//! `attn_prefill_wgmma[_ovl]_d128` on Hopper (when the device compiled it, `sm_90a`, and the
+//! backend asks for it: [`PrefillKernel`]) and `attn_prefill_d128` elsewhere, other tiles
+//! `attn_mma_d{64,128,256}`; f32 and other head dims run `attn_simt`. Measured on one H200 (32q/8kv, d = 128, block 16): causal prefill T = 8192 in
 //! 1.91 ms (288 TFLOP/s), T = 2048 in 0.144 ms; decode batch 64 × 2048 in 0.168 ms
 //! (3.19 TB/s of KV), 256 × 2048 in 0.53 ms (4.03 TB/s), 1 × 32768 in 0.058 ms.
 //!
@@ -70,7 +70,54 @@ pub const ENTRIES: &[Entry] = &[
 ];
 
 /// `attention_sm90.cu`, built for `sm_90a` only (Hopper's `wgmma`).
-pub const SM90_ENTRIES: &[Entry] = &[e("attn_prefill_wgmma_d128_bf16", MAIN)];
+pub const SM90_ENTRIES: &[Entry] = &[
+    e("attn_prefill_wgmma_d128_bf16", MAIN),
+    e("attn_prefill_wgmma_ovl_d128_bf16", MAIN),
+];
+
+/// The kernel that runs bf16 prefill tiles of head dim 128 ([`launches`]); the backend picks
+/// one its device has built.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefillKernel {
+    /// `attn_prefill_d128_bf16`: `mma.sync`, any sm_80+ GPU.
+    MmaSync,
+    /// `attn_prefill_wgmma_d128_bf16`: warpgroup MMA (Hopper, `sm_90a`), each tile's
+    /// softmax between its two MMAs.
+    Wgmma,
+    /// `attn_prefill_wgmma_ovl_d128_bf16`: as [`PrefillKernel::Wgmma`], with a tile's softmax
+    /// overlapping the previous tile's P·V (FlashAttention-3's intra-warpgroup pipelining).
+    WgmmaOverlap,
+}
+
+impl PrefillKernel {
+    pub const ALL: [PrefillKernel; 3] = [
+        PrefillKernel::WgmmaOverlap,
+        PrefillKernel::Wgmma,
+        PrefillKernel::MmaSync,
+    ];
+
+    /// The kernel's entry point.
+    pub fn entry(self) -> &'static str {
+        self.kernel().entry
+    }
+
+    /// A short name for reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            PrefillKernel::MmaSync => "mma.sync",
+            PrefillKernel::Wgmma => "wgmma",
+            PrefillKernel::WgmmaOverlap => "wgmma, softmax overlapping P·V",
+        }
+    }
+
+    fn kernel(self) -> Kernel {
+        match self {
+            PrefillKernel::MmaSync => PREFILL_D128,
+            PrefillKernel::Wgmma => WGMMA_D128,
+            PrefillKernel::WgmmaOverlap => WGMMA_OVL_D128,
+        }
+    }
+}
 
 /// Most query tokens in one work item.
 pub const Q_TILE: u32 = 128;
@@ -511,6 +558,10 @@ const WGMMA_D128: Kernel = Kernel {
     threads: 256,
     smem: 1024 + 128 * 128 * 2 + 3 * 2 * 128 * 128 * 2 + 3 * 2 * 8,
 };
+const WGMMA_OVL_D128: Kernel = Kernel {
+    entry: "attn_prefill_wgmma_ovl_d128_bf16",
+    ..WGMMA_D128
+};
 const KERNELS: &[Kernel] = &[
     simt("attn_simt_f32"),
     simt("attn_simt_bf16"),
@@ -521,6 +572,7 @@ const KERNELS: &[Kernel] = &[
     MMA_D256,
     PREFILL_D128,
     WGMMA_D128,
+    WGMMA_OVL_D128,
 ];
 
 /// Entries whose dynamic shared memory exceeds [`DEFAULT_SMEM_LIMIT`], with the bytes they
@@ -534,10 +586,10 @@ pub fn smem_opt_in() -> impl Iterator<Item = (&'static str, u32)> {
 }
 
 /// The kernel for a launch whose items have at most `max_rows` packed rows: in bf16, the
-/// warp-split decode kernel when they fit its 16 rows, a d = 128 prefill kernel when they
-/// fill one of its CTAs (the wgmma one when `wgmma`), else the one-m-tile tensor-core kernel;
-/// SIMT in f32 and for other head dims.
-fn kernel(head_dim: u32, bf16: bool, max_rows: u32, wgmma: bool) -> Kernel {
+/// warp-split decode kernel when they fit its 16 rows, the `prefill` kernel (d = 128) when
+/// they fill one of its CTAs, else the one-m-tile tensor-core kernel; SIMT in f32 and for
+/// other head dims.
+fn kernel(head_dim: u32, bf16: bool, max_rows: u32, prefill: PrefillKernel) -> Kernel {
     if !bf16 {
         return KERNELS[0];
     }
@@ -545,8 +597,7 @@ fn kernel(head_dim: u32, bf16: bool, max_rows: u32, wgmma: bool) -> Kernel {
         64 if max_rows <= DECODE_D64.rows => DECODE_D64,
         64 => MMA_D64,
         128 if max_rows <= DECODE_D128.rows => DECODE_D128,
-        128 if wgmma && max_rows >= WGMMA_D128.rows => WGMMA_D128,
-        128 if max_rows >= PREFILL_D128.rows => PREFILL_D128,
+        128 if max_rows >= prefill.kernel().rows => prefill.kernel(),
         128 => MMA_D128,
         256 => MMA_D256,
         _ => KERNELS[1],
@@ -574,13 +625,13 @@ fn scratch_for_rows(rows: u32, shape: AttnDims) -> Vec<usize> {
 
 /// The launches of one attention layer, in stream order: the main kernel (one launch for
 /// the small items, one for the others, more only past 65535 items), then the combine when
-/// the plan split any tile. `wgmma`: the device runs Hopper's `attn_prefill_wgmma_d128_bf16`
-/// (it was built, `sm_90a`, and is switched on); the backend decides.
+/// the plan split any tile. `prefill`: the d = 128 prefill kernel, one the device has built
+/// (the Hopper ones exist only for `sm_90a`).
 pub fn launches(
     plan: &AttnPlan,
     shape: AttnDims,
     bf16: bool,
-    wgmma: bool,
+    prefill: PrefillKernel,
 ) -> Result<Vec<Launch<AttnArg>>, AttnError> {
     shape.check()?;
     if plan.num_seqs != shape.num_seqs as usize {
@@ -596,7 +647,7 @@ pub fn launches(
         (plan.small..plan.items(), plan.max_q_large),
     ];
     for (range, max_q) in classes {
-        let k = kernel(shape.head_dim, bf16, max_q * group, wgmma);
+        let k = kernel(shape.head_dim, bf16, max_q * group, prefill);
         let row_tiles = (max_q * group).div_ceil(k.rows);
         let mut base = range.start;
         while base < range.end {
@@ -739,9 +790,9 @@ mod tests {
             );
         }
 
-        // Both prefill paths: the portable kernels and Hopper's wgmma kernel.
-        for wgmma in [false, true] {
-            let launches = launches(&p, shape, bf16, wgmma).expect("valid shape");
+        // Every prefill kernel: the portable one and Hopper's.
+        for prefill in PrefillKernel::ALL {
+            let launches = launches(&p, shape, bf16, prefill).expect("valid shape");
             let g = (shape.heads / shape.kv_heads) as usize;
             let heads = shape.heads as usize;
             // (token, head) → times written; partial (row, head) → key range written.
@@ -857,7 +908,7 @@ mod tests {
                 assert!(plan_decode_fixed(&[0, 1, 2, 3, 4], &ctx, splits, &mut p));
                 assert_eq!(p.items(), 4 * splits as usize);
                 assert_eq!(p.combine_rows(), if splits > 1 { 4 } else { 0 });
-                let l = launches(&p, shape, true, true).expect("shape");
+                let l = launches(&p, shape, true, PrefillKernel::Wgmma).expect("shape");
                 let grids: Vec<_> = l.iter().map(|l| (l.entry, l.grid, l.smem)).collect();
                 shapes.push((splits, grids));
                 check_plan_coverage(&[1, 1, 1, 1], &ctx, shape, true, Some(splits));
@@ -886,7 +937,7 @@ mod tests {
         assert_eq!(p.column(WorkCol::QFirst)[0], 8192 - 128);
         assert_eq!(p.column(WorkCol::KvEnd)[0], 8192);
         assert!(p.column(WorkCol::Part).iter().all(|&x| x == NO_PART));
-        let l = launches(&p, dims(32, 8, 128, 1), true, false).expect("shape");
+        let l = launches(&p, dims(32, 8, 128, 1), true, PrefillKernel::MmaSync).expect("shape");
         assert_eq!(l.len(), 1);
         assert_eq!(l[0].entry, "attn_prefill_d128_bf16");
         // 128 tokens × 4 heads per item = 2 row tiles of 256 per kv head.
@@ -895,13 +946,22 @@ mod tests {
             ((8 * 2, 64, 1), (256, 1, 1), 98816)
         );
         // On Hopper: 4 row tiles of 128 (two warpgroups of 64 rows) per kv head.
-        let l = launches(&p, dims(32, 8, 128, 1), true, true).expect("shape");
-        assert_eq!(l.len(), 1);
-        assert_eq!(l[0].entry, "attn_prefill_wgmma_d128_bf16");
-        assert_eq!(
-            (l[0].grid, l[0].block, l[0].smem),
-            ((8 * 4, 64, 1), (256, 1, 1), 230448)
-        );
+        for (prefill, entry) in [
+            (PrefillKernel::Wgmma, "attn_prefill_wgmma_d128_bf16"),
+            (
+                PrefillKernel::WgmmaOverlap,
+                "attn_prefill_wgmma_ovl_d128_bf16",
+            ),
+        ] {
+            let l = launches(&p, dims(32, 8, 128, 1), true, prefill).expect("shape");
+            assert_eq!(l.len(), 1);
+            assert_eq!(l[0].entry, entry);
+            assert_eq!(prefill.entry(), entry);
+            assert_eq!(
+                (l[0].grid, l[0].block, l[0].smem),
+                ((8 * 4, 64, 1), (256, 1, 1), 230448)
+            );
+        }
         check_coverage(&[8192], &[0], dims(32, 8, 128, 1), true);
     }
 
@@ -919,7 +979,8 @@ mod tests {
                 .iter()
                 .all(|&x| x % SPLIT_ALIGN == 0)
         );
-        let l = launches(&p, dims(32, 8, 128, 1), true, true).expect("shape");
+        let l =
+            launches(&p, dims(32, 8, 128, 1), true, PrefillKernel::WgmmaOverlap).expect("shape");
         assert_eq!(
             l.iter().map(|l| l.entry).collect::<Vec<_>>(),
             ["attn_decode_d128_bf16", "attn_combine_bf16"]
@@ -941,7 +1002,8 @@ mod tests {
         plan(&cu_of(&q), &ctx, &mut p);
         assert_eq!(p.items(), 256);
         assert_eq!(p.partial_rows(), 0);
-        let l = launches(&p, dims(32, 8, 128, 256), true, true).expect("shape");
+        let l =
+            launches(&p, dims(32, 8, 128, 256), true, PrefillKernel::WgmmaOverlap).expect("shape");
         assert_eq!(l.len(), 1);
         assert_eq!(scratch_bytes(&p, dims(32, 8, 128, 256)), [0, 0]);
     }
@@ -984,7 +1046,7 @@ mod tests {
 
     #[test]
     fn the_kernel_follows_dtype_head_dim_and_rows() {
-        let entry = |d, bf16, rows| kernel(d, bf16, rows, false).entry;
+        let entry = |d, bf16, rows| kernel(d, bf16, rows, PrefillKernel::MmaSync).entry;
         assert_eq!(entry(128, false, 512), "attn_simt_f32");
         assert_eq!(entry(24, true, 512), "attn_simt_bf16");
         assert_eq!(entry(64, true, 16), "attn_decode_d64_bf16");
@@ -995,7 +1057,7 @@ mod tests {
         assert_eq!(entry(256, true, 4), "attn_mma_d256_bf16");
         // With Hopper's wgmma kernel: d = 128 tiles that fill one of its 128-row CTAs; f32,
         // decodes and other head dims as before.
-        let hopper = |d, bf16, rows| kernel(d, bf16, rows, true).entry;
+        let hopper = |d, bf16, rows| kernel(d, bf16, rows, PrefillKernel::Wgmma).entry;
         assert_eq!(hopper(128, true, 16), "attn_decode_d128_bf16");
         assert_eq!(hopper(128, true, 127), "attn_mma_d128_bf16");
         assert_eq!(hopper(128, true, 128), "attn_prefill_wgmma_d128_bf16");
@@ -1003,6 +1065,10 @@ mod tests {
         assert_eq!(hopper(128, false, 512), "attn_simt_f32");
         assert_eq!(hopper(64, true, 512), "attn_mma_d64_bf16");
         assert_eq!(hopper(256, true, 512), "attn_mma_d256_bf16");
+        assert_eq!(
+            kernel(128, true, 200, PrefillKernel::WgmmaOverlap).entry,
+            "attn_prefill_wgmma_ovl_d128_bf16"
+        );
         // Shared memory as attention.cu's MmaShape lays it out (the kernels trap on less).
         let smem: Vec<(&str, u32, u32, u32)> = KERNELS
             .iter()
@@ -1027,6 +1093,12 @@ mod tests {
                     256,
                     1024 + 32768 + 3 * 65536 + 48
                 ),
+                (
+                    "attn_prefill_wgmma_ovl_d128_bf16",
+                    128,
+                    256,
+                    1024 + 32768 + 3 * 65536 + 48
+                ),
             ]
         );
         const { assert!(WGMMA_D128.smem <= 227 * 1024) };
@@ -1035,7 +1107,8 @@ mod tests {
             [
                 ("attn_decode_d128_bf16", 66048),
                 ("attn_prefill_d128_bf16", 98816),
-                ("attn_prefill_wgmma_d128_bf16", 230448)
+                ("attn_prefill_wgmma_d128_bf16", 230448),
+                ("attn_prefill_wgmma_ovl_d128_bf16", 230448)
             ]
         );
     }
@@ -1134,7 +1207,7 @@ mod tests {
         let mut p = AttnPlan::new();
         plan(&[0, 1], &[0], &mut p);
         let ok = dims(8, 2, 64, 1);
-        assert!(launches(&p, ok, true, true).is_ok());
+        assert!(launches(&p, ok, true, PrefillKernel::Wgmma).is_ok());
         let bad = [
             (
                 AttnDims { kv_heads: 3, ..ok },
@@ -1170,7 +1243,7 @@ mod tests {
             ),
         ];
         for (shape, err) in bad {
-            assert_eq!(launches(&p, shape, true, true), Err(err));
+            assert_eq!(launches(&p, shape, true, PrefillKernel::Wgmma), Err(err));
         }
     }
 
@@ -1179,7 +1252,10 @@ mod tests {
         let mut p = AttnPlan::new();
         plan(&[0, 0, 0], &[5, 0], &mut p);
         assert_eq!(p.items(), 0);
-        assert_eq!(launches(&p, dims(4, 4, 8, 2), false, true), Ok(vec![]));
+        assert_eq!(
+            launches(&p, dims(4, 4, 8, 2), false, PrefillKernel::Wgmma),
+            Ok(vec![])
+        );
     }
 
     #[test]

@@ -76,8 +76,10 @@ __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.a
 __device__ __forceinline__ void wgmma_commit() {
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
-__device__ __forceinline__ void wgmma_wait_all() {
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+// Waits until at most N committed wgmma groups of this warpgroup are still running.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 // Pins accumulator registers after a wait: later reads cannot move above it.
 __device__ __forceinline__ void fence_regs(float (&d)[64]) {
@@ -149,6 +151,14 @@ __device__ __forceinline__ void wgmma_rs_tb(float (&d)[64], const u32 (&a)[4], u
 
 extern __shared__ __align__(1024) u16 sm90_dyn_smem[];
 
+// A compile-time flag for generic lambdas that also take a run-time bool.
+template <bool B>
+struct Const {
+    __device__ constexpr operator bool() const { return B; }
+};
+
+// OVERLAP: the intra-warpgroup schedule (see the loop below).
+template <bool OVERLAP>
 __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
     // A launch that disagrees with attention.rs fails loudly rather than computing garbage.
     if (blockDim.x != NTH || dynamic_smem_size() < (u32)SMEM) __trap();
@@ -217,9 +227,11 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
         }
         cp_async_arrive(full + 8 * st);
     };
+    // Tiles gathered ahead of the one computed (see the schedules below).
+    constexpr int LEAD = OVERLAP ? 1 : STAGES - 1;
     if (ntiles > 0) rows_of(0);
 #pragma unroll
-    for (int j = 0; j < STAGES - 1; ++j) {
+    for (int j = 0; j < LEAD; ++j) {
         if (j < ntiles) {
             gather(j);
             if (j + 1 < ntiles) rows_of(j + 1);
@@ -241,96 +253,175 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
 #pragma unroll
     for (int i = 0; i < 64; ++i) o[i] = 0.0f;
     float m[2] = {-CHIMERA_INF, -CHIMERA_INF}, l[2] = {0.0f, 0.0f};
+    float s[64];
+    u32 pa[8][4];  // P as A fragments: k-step kk holds keys 16·kk .. 16·kk + 15
 
-    for (int j = 0; j < ntiles; ++j) {
-        const int st = j % STAGES;
-        const int ahead = j + STAGES - 1;
-        if (ahead < ntiles) {
-            // Its stage last held tile j − 1: wait until both warpgroups are done with it.
-            if (j >= 1) mbar_wait(empty + 8 * (ahead % STAGES), (u32)((j - 1) / STAGES) & 1u);
-            gather(ahead);
-            if (ahead + 1 < ntiles) rows_of(ahead + 1);
+    // S = Q·Kᵀ (issued, not waited for): k-step ks reads columns 16·ks.. of Q and K (half
+    // ks / 4, 32-byte offset ks mod 4 in the swizzled row).
+    auto issue_s = [&](u32 sk) {
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+            const u32 col = (u32)(ks & 3) * 32;
+            const u64 da = desc128(s_q + (ks >> 2) * (BM * 128) + wrow * 128 + col, 16, 1024);
+            const u64 db = desc128(sk + (ks >> 2) * (BN * 128) + col, 16, 1024);
+            wgmma_ss(s, da, db, ks > 0 ? 1u : 0u);
         }
-        const u32 p0 = t.kv_first + (u32)j * BN;
-        if (wg_active && p0 < wg_hi) {
+        wgmma_commit();
+    };
+    // O += P·V (issued, not waited for): k-step kk reads keys 16·kk .. of V (two 8-key groups
+    // of 1024 bytes).
+    auto issue_pv = [&](u32 sv) {
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+            wgmma_rs_tb(o, pa[kk], desc128(sv + kk * 2048, BN * 128, 1024));
+        wgmma_commit();
+    };
+    // Masks tile p0's scores when `masked` (a bool, or a Const when known at compile time;
+    // accumulator element s[4i + e]: row warp·16 + g + 8·(e / 2) of
+    // the warpgroup, key p0 + 8i + 2·tq + (e mod 2)), updates m and l, turns s into
+    // P = 2^(s·scale·log2 e − m); alpha[h] is what O's row h must be scaled by.
+    auto softmax = [&](u32 p0, float (&alpha)[2], auto masked) {
+        float mx[2] = {-CHIMERA_INF, -CHIMERA_INF};
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                if (masked) {
+                    const u32 key = p0 + (u32)(8 * i + 2 * tq + (e & 1));
+                    if (key >= lim[e >> 1]) s[4 * i + e] = -CHIMERA_INF;
+                }
+                mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * i + e]);
+            }
+        }
+        float base[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+            const float mn = fmaxf(m[h], mx[h] * sl2);  // scores scaled to log2 units
+            base[h] = mn == -CHIMERA_INF ? 0.0f : mn;
+            alpha[h] = ex2(m[h] - base[h]);
+            m[h] = mn;
+            l[h] *= alpha[h];
+        }
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float p = ex2(fmaf(s[4 * i + e], sl2, -base[e >> 1]));
+                s[4 * i + e] = p;
+                l[e >> 1] += p;  // per-thread partial sums; the quad sums at the end
+            }
+        }
+    };
+    auto rescale_and_pack = [&](const float (&alpha)[2]) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[4 * i + e] *= alpha[e >> 1];
+        }
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {
+            pa[kk][0] = pack_bf16x2(s[8 * kk + 0], s[8 * kk + 1]);
+            pa[kk][1] = pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3]);
+            pa[kk][2] = pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
+            pa[kk][3] = pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
+        }
+    };
+
+    // The stage tile j + LEAD goes to last held tile j + LEAD − STAGES: wait until both
+    // warpgroups have released it, then gather.
+    auto refill = [&](int j) {
+        const int ahead = j + LEAD;
+        if (ahead >= ntiles) return;
+        const int prev = ahead - STAGES;
+        if (prev >= 0) mbar_wait(empty + 8 * (prev % STAGES), (u32)(prev / STAGES) & 1u);
+        gather(ahead);
+        if (ahead + 1 < ntiles) rows_of(ahead + 1);
+    };
+
+    if (!OVERLAP) {
+        // Per tile: S = Q·Kᵀ, wait, softmax, O += P·V, wait, release the stage. Tile j + 2 is
+        // gathered while tile j is computed.
+        for (int j = 0; j < ntiles; ++j) {
+            const int st = j % STAGES;
+            refill(j);
+            const u32 p0 = t.kv_first + (u32)j * BN;
+            if (wg_active && p0 < wg_hi) {
+                mbar_wait(full + 8 * st, (u32)(j / STAGES) & 1u);
+                fence_proxy_async();
+                const u32 sk = s_kv + st * STAGE_BYTES;
+                wgmma_fence();
+                issue_s(sk);
+                wgmma_wait<0>();
+                fence_regs(s);
+                float alpha[2];
+                softmax(p0, alpha, p0 + BN > t.lo_full);
+                rescale_and_pack(alpha);
+                wgmma_fence();
+                issue_pv(sk + TILE_BYTES);
+                wgmma_wait<0>();
+                fence_regs(o);
+            }
+            mbar_arrive(empty + 8 * st);
+        }
+    } else {
+        // FlashAttention-3's intra-warpgroup overlap: tile j's S = Q·Kᵀ and tile j − 1's
+        // O += P·V are issued together, and tile j's softmax runs while P·V is on the tensor
+        // cores; O is rescaled once P·V has landed. A stage is released when its P·V is done
+        // (one tile later), so tile j + 1 is gathered while tile j is computed (three stages:
+        // tile j's K, tile j − 1's V, tile j + 1 landing). Every wgmma is waited for inside
+        // the straight-line code that issued it (ptxas serialises wgmma in flight across a
+        // branch), so the masked tiles (a suffix) have their own loop.
+        // Tiles [0, jn) are this warpgroup's; tiles [jm, ..) are masked.
+        const int jn = wg_active && wg_hi > t.kv_first
+                           ? min(ntiles, (int)((wg_hi - t.kv_first + BN - 1) / BN))
+                           : 0;
+        const int jm = t.lo_full > t.kv_first ? (int)((t.lo_full - t.kv_first) / BN) : 0;
+        auto step = [&](int j, auto masked) {  // j ≥ 1
+            refill(j);
+            const int st = j % STAGES, prev = (j - 1) % STAGES;
             mbar_wait(full + 8 * st, (u32)(j / STAGES) & 1u);
             fence_proxy_async();
-            const u32 sk = s_kv + st * STAGE_BYTES, sv = sk + TILE_BYTES;
-
-            // S = Q·Kᵀ: k-step ks reads columns 16·ks.. of Q and K (half ks / 4, 32-byte
-            // offset ks mod 4 in the swizzled row).
-            float s[64];
             wgmma_fence();
-#pragma unroll
-            for (int ks = 0; ks < D / 16; ++ks) {
-                const u32 col = (u32)(ks & 3) * 32;
-                const u64 da = desc128(s_q + (ks >> 2) * (BM * 128) + wrow * 128 + col, 16, 1024);
-                const u64 db = desc128(sk + (ks >> 2) * (BN * 128) + col, 16, 1024);
-                wgmma_ss(s, da, db, ks > 0 ? 1u : 0u);
-            }
-            wgmma_commit();
-            wgmma_wait_all();
+            issue_s(s_kv + st * STAGE_BYTES);
+            issue_pv(s_kv + prev * STAGE_BYTES + TILE_BYTES);
+            wgmma_wait<1>();  // S has landed; P·V may still run
             fence_regs(s);
-
-            // Accumulator element s[4i + e]: row warp·16 + g + 8·(e / 2) of the warpgroup,
-            // key p0 + 8i + 2·tq + (e mod 2).
-            const bool masked = p0 + BN > t.lo_full;
-            float mx[2] = {-CHIMERA_INF, -CHIMERA_INF};
-#pragma unroll
-            for (int i = 0; i < 16; ++i) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    if (masked) {
-                        const u32 key = p0 + (u32)(8 * i + 2 * tq + (e & 1));
-                        if (key >= lim[e >> 1]) s[4 * i + e] = -CHIMERA_INF;
-                    }
-                    mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * i + e]);
-                }
-            }
-            float base[2];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-                mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-                const float mn = fmaxf(m[h], mx[h] * sl2);  // scores scaled to log2 units
-                base[h] = mn == -CHIMERA_INF ? 0.0f : mn;
-                const float alpha = ex2(m[h] - base[h]);
-                m[h] = mn;
-                l[h] *= alpha;
-#pragma unroll
-                for (int i = 0; i < 16; ++i) {
-                    o[4 * i + 2 * h] *= alpha;
-                    o[4 * i + 2 * h + 1] *= alpha;
-                }
-            }
-            u32 pa[8][4];  // P as A fragments: k-step kk holds keys 16·kk .. 16·kk + 15
-#pragma unroll
-            for (int i = 0; i < 16; ++i) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float p = ex2(fmaf(s[4 * i + e], sl2, -base[e >> 1]));
-                    s[4 * i + e] = p;
-                    l[e >> 1] += p;  // per-thread partial sums; the quad sums at the end
-                }
-            }
-#pragma unroll
-            for (int kk = 0; kk < 8; ++kk) {
-                pa[kk][0] = pack_bf16x2(s[8 * kk + 0], s[8 * kk + 1]);
-                pa[kk][1] = pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3]);
-                pa[kk][2] = pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
-                pa[kk][3] = pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
-            }
-
-            // O += P·V: k-step kk reads keys 16·kk .. of V (two 8-key groups of 1024 bytes).
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk)
-                wgmma_rs_tb(o, pa[kk], desc128(sv + kk * 2048, BN * 128, 1024));
-            wgmma_commit();
-            wgmma_wait_all();
+            float alpha[2];
+            softmax(t.kv_first + (u32)j * BN, alpha, masked);
+            wgmma_wait<0>();
             fence_regs(o);
+            mbar_arrive(empty + 8 * prev);
+            rescale_and_pack(alpha);
+        };
+        if (jn > 0) {
+            refill(0);
+            mbar_wait(full, 0);
+            fence_proxy_async();
+            wgmma_fence();
+            issue_s(s_kv);
+            wgmma_wait<0>();
+            fence_regs(s);
+            float alpha[2];
+            if (jm > 0)
+                softmax(t.kv_first, alpha, Const<false>());
+            else
+                softmax(t.kv_first, alpha, Const<true>());
+            rescale_and_pack(alpha);
+            for (int j = 1; j < min(jm, jn); ++j) step(j, Const<false>());
+            for (int j = max(jm, 1); j < jn; ++j) step(j, Const<true>());
+            const int last = (jn - 1) % STAGES;
+            wgmma_fence();
+            issue_pv(s_kv + last * STAGE_BYTES + TILE_BYTES);
+            wgmma_wait<0>();
+            fence_regs(o);
+            mbar_arrive(empty + 8 * last);
         }
-        mbar_arrive(empty + 8 * st);
+        for (int j = jn; j < ntiles; ++j) {
+            refill(j);
+            mbar_arrive(empty + 8 * (j % STAGES));
+        }
     }
     // Nothing this thread copied is still landing when it exits (the copies were never
     // committed as groups: wait_all commits and waits).
@@ -371,5 +462,10 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
 // attention.rs: SM90_ENTRIES. 230448 bytes of dynamic shared memory (the limit must be raised).
 extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma_d128_bf16(ATTN_PARAMS(bf16)) {
     CHIMERA_PDL_ENTRY();
-    attn::sm90::prefill_d128(ATTN_ARGS(bf16));
+    attn::sm90::prefill_d128<false>(ATTN_ARGS(bf16));
+}
+// The same with FlashAttention-3's intra-warpgroup overlap of softmax and P·V.
+extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma_ovl_d128_bf16(ATTN_PARAMS(bf16)) {
+    CHIMERA_PDL_ENTRY();
+    attn::sm90::prefill_d128<true>(ATTN_ARGS(bf16));
 }

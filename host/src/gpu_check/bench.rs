@@ -12,6 +12,7 @@ use crate::backend::cuda::CudaBackend;
 use crate::backend::{AttnShape, Backend, HostTensor, KvLayer, SampleOut, StepPlan};
 
 use crate::model::{self, Model};
+use chimera_kernels::attention::PrefillKernel;
 
 const SUITE: &str = "bench";
 const BLOCK: usize = 16;
@@ -40,14 +41,17 @@ pub fn run(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) {
         report.failed(SUITE, "mamba2 scan timings", format!("{e:#}"));
     }
     super::moe::bench(report, SUITE, gpu);
-    // Causal prefill attention: Hopper's wgmma kernel (where built), then the portable
-    // mma.sync kernel in the same run (what `CHIMERA_WGMMA=0` runs).
-    let default = gpu.wgmma();
-    for wgmma in [true, false] {
-        if gpu.set_wgmma(wgmma) != wgmma {
+    // Causal prefill attention through each prefill kernel in the same run: Hopper's wgmma
+    // ones (where built) and the portable mma.sync one (what `CHIMERA_WGMMA=0` runs).
+    let default = gpu.prefill_kernel();
+    for k in PrefillKernel::ALL {
+        if gpu.set_prefill_kernel(k) != k {
             report.push(
                 SUITE,
-                "causal GQA attention T=8192, wgmma: not built on this GPU (compute capability 9.0 only; reported)",
+                format!(
+                    "causal GQA attention T=8192, {}: not built on this GPU (sm_90a only; reported)",
+                    k.name()
+                ),
                 0.0,
                 "—".into(),
                 "reported".into(),
@@ -55,11 +59,15 @@ pub fn run(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) {
             );
             continue;
         }
-        if let Err(e) = attention_8k(report, gpu, wgmma) {
-            report.failed(SUITE, "attention T=8192", format!("{e:#}"));
+        if let Err(e) = attention_8k(report, gpu, k) {
+            report.failed(
+                SUITE,
+                format!("attention T=8192, {}", k.name()),
+                format!("{e:#}"),
+            );
         }
     }
-    gpu.set_wgmma(default);
+    gpu.set_prefill_kernel(default);
     if let Err(e) = attention_decode(report, gpu) {
         report.failed(SUITE, "decode attention", format!("{e:#}"));
     }
@@ -99,9 +107,13 @@ fn attention_inputs(
     Ok((q, k, v, cache))
 }
 
-/// Causal GQA attention over one 8192-token prompt, with the wgmma prefill kernel (target
-/// 440 TFLOP/s: 1.25 ms) or the mma.sync one (≤ 2.0 ms).
-fn attention_8k(report: &mut Report, gpu: &CudaBackend, wgmma: bool) -> anyhow::Result<()> {
+/// Causal GQA attention over one 8192-token prompt through prefill kernel `kernel`: a wgmma one
+/// (target 440 TFLOP/s, 1.25 ms) or the mma.sync one (≤ 2.0 ms).
+fn attention_8k(
+    report: &mut Report,
+    gpu: &CudaBackend,
+    kernel: PrefillKernel,
+) -> anyhow::Result<()> {
     let (t, heads, kv_heads, d) = (8192usize, 32usize, 8usize, 128usize);
     let mut rng = Rng::new(7);
     let blocks = t / BLOCK;
@@ -132,15 +144,14 @@ fn attention_8k(report: &mut Report, gpu: &CudaBackend, wgmma: bool) -> anyhow::
     let ms = started.elapsed().as_secs_f64() * 1e3 / f64::from(reps);
     // Causal: half of the T×T score matrix, QKᵀ and PV, 2 FLOPs per multiply-add.
     let flops = 4.0 * (t * t) as f64 / 2.0 * (heads * d) as f64;
-    let (kernel, target) = if wgmma {
-        ("wgmma", 1.25)
-    } else {
-        ("mma.sync, CHIMERA_WGMMA=0", 2.0)
+    let (name, target) = match kernel {
+        PrefillKernel::MmaSync => ("mma.sync, CHIMERA_WGMMA=0", 2.0),
+        _ => (kernel.name(), 1.25),
     };
     report.push(
         SUITE,
         format!(
-            "causal GQA attention 32q/8kv d128 T=8192 incl. KV write, {kernel} ({:.0} TFLOP/s)",
+            "causal GQA attention 32q/8kv d128 T=8192 incl. KV write, {name} ({:.0} TFLOP/s)",
             flops / ms / 1e9
         ),
         ms,

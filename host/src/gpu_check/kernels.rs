@@ -11,6 +11,7 @@ use crate::backend::sample::Penalties;
 use crate::backend::{
     Activation, AttnShape, Backend, DType, HostTensor, KvLayer, Rope, SampleOut, StepPlan,
 };
+use chimera_kernels::attention::PrefillKernel;
 
 type R<T> = anyhow::Result<T>;
 
@@ -567,14 +568,14 @@ fn attention(c: &mut Ctx<'_>) {
     }
 }
 
-/// d = 128 prefill tiles through both bf16 prefill kernels: Hopper's wgmma one (where the
-/// device built it) and the portable mma.sync one. Fresh prefills; chunks over cached prefixes
+/// d = 128 prefill tiles through every bf16 prefill kernel the device has built: Hopper's
+/// wgmma ones (sm_90a) and the portable mma.sync one. Fresh prefills; chunks over cached prefixes
 /// that end mid-block; GQA groups of 4, 3 (a CTA's 128 rows end mid-token), 8 and 1; lengths
 /// that are not multiples of the 128-key tile; tiles whose rows leave a warpgroup partly or
 /// wholly empty (44 tokens × 4 heads = 176 rows: the second CTA has 48); and a chunk over a
 /// long context that the planner splits (partial outputs and the combine).
 fn attention_prefill_paths(c: &mut Ctx<'_>) {
-    let default = c.gpu.wgmma();
+    let default = c.gpu.prefill_kernel();
     // ((heads, kv heads, head dim), block size, blocks, chunks (context, new tokens)).
     type Case = (
         (usize, usize, usize),
@@ -594,19 +595,16 @@ fn attention_prefill_paths(c: &mut Ctx<'_>) {
         ((8, 8, 128), 16, 1024, &[(0, 1000), (31, 500)]),
         ((8, 2, 128), 16, 2048, &[(20_000, 150)]),
     ];
-    for want in [true, false] {
-        let on = c.gpu.set_wgmma(want);
-        if want && !on {
-            // Not a Hopper GPU (or CHIMERA_WGMMA=0 at start does not matter here: the kernel
-            // was not built): the mma.sync pass below covers these cases.
-            continue;
+    for want in PrefillKernel::ALL {
+        if c.gpu.set_prefill_kernel(want) != want {
+            continue; // not built on this GPU (the Hopper kernels: sm_90a only)
         }
-        let note = if on { ", wgmma" } else { ", mma.sync" };
+        let note = format!(", {}", want.name());
         for &(shape, block_size, blocks, chunks) in cases {
-            attention_rope_case(c, shape, block_size, blocks, chunks, None, note);
+            attention_rope_case(c, shape, block_size, blocks, chunks, None, &note);
         }
     }
-    c.gpu.set_wgmma(default);
+    c.gpu.set_prefill_kernel(default);
 }
 
 /// The sampling tail: candidates must equal the CPU's bit for bit in f32 mode (ties, NaN,

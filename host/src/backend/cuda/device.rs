@@ -8,9 +8,10 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
+use chimera_kernels::attention::PrefillKernel;
 use chimera_kernels::{Entry, KernelCache, Param};
 use cudarc::driver::{CudaContext, result, sys};
 
@@ -77,8 +78,8 @@ impl Arg {
     }
 }
 
-/// Hopper's prefill attention kernel (`attention_sm90.cu`, built for `sm_90a` only).
-const WGMMA_PREFILL: &str = "attn_prefill_wgmma_d128_bf16";
+/// The prefill attention kernel where the device built Hopper's (`attention_sm90.cu`, `sm_90a`).
+const DEFAULT_PREFILL: PrefillKernel = PrefillKernel::WgmmaOverlap;
 
 /// A device: context, modules and facts about it.
 pub struct Device {
@@ -97,8 +98,9 @@ pub struct Device {
     pub(crate) ssm_chunk: std::sync::atomic::AtomicU32,
     /// Launch kernels with programmatic stream serialization (see [`Device::launch`]).
     pdl: AtomicBool,
-    /// Prefill attention of d = 128 runs Hopper's wgmma kernel (see [`Device::set_wgmma`]).
-    wgmma: AtomicBool,
+    /// The d = 128 prefill attention kernel, a [`PrefillKernel`] as u8 (see
+    /// [`Device::set_prefill_kernel`]).
+    prefill: AtomicU8,
     /// Per-operation device time, while switched on ([`Device::profile_start`]).
     profiling: AtomicBool,
     profile: Mutex<Vec<(&'static str, sys::CUevent, sys::CUevent)>>,
@@ -204,8 +206,14 @@ impl Device {
             }
             .map_err(|e| dev_err(&format!("raising the shared memory of {name}"), e))?;
         }
-        let wgmma = kernels.contains_key(WGMMA_PREFILL)
-            && std::env::var("CHIMERA_WGMMA").map_or(true, |v| v != "0");
+        // Hopper's wgmma kernel where it was built, unless CHIMERA_WGMMA=0.
+        let prefill = if kernels.contains_key(DEFAULT_PREFILL.entry())
+            && std::env::var("CHIMERA_WGMMA").map_or(true, |v| v != "0")
+        {
+            DEFAULT_PREFILL
+        } else {
+            PrefillKernel::MmaSync
+        };
         Ok(Arc::new(Self {
             ctx,
             ordinal,
@@ -217,7 +225,7 @@ impl Device {
             sticky: AtomicBool::new(false),
             ssm_chunk: std::sync::atomic::AtomicU32::new(0),
             pdl: AtomicBool::new(std::env::var("CHIMERA_PDL").map_or(true, |v| v != "0")),
-            wgmma: AtomicBool::new(wgmma),
+            prefill: AtomicU8::new(prefill as u8),
             profiling: AtomicBool::new(false),
             profile: Mutex::new(Vec::new()),
         }))
@@ -352,18 +360,27 @@ impl Device {
         self.pdl.store(on, Ordering::Relaxed);
     }
 
-    /// Hopper's wgmma prefill attention kernel on or off for the launches from now on. It is
-    /// on by default where it was built (compute capability 9.0, `sm_90a`) unless
-    /// `CHIMERA_WGMMA=0`; elsewhere it stays off whatever is asked. Returns the new state.
-    pub fn set_wgmma(&self, on: bool) -> bool {
-        let on = on && self.kernels.contains_key(WGMMA_PREFILL);
-        self.wgmma.store(on, Ordering::Relaxed);
-        on
+    /// The d = 128 bf16 prefill attention kernel for the launches from now on: by default
+    /// Hopper's wgmma kernel where it was built (compute capability 9.0, `sm_90a`) unless
+    /// `CHIMERA_WGMMA=0`, else `mma.sync`. A kernel this device has not built falls back to
+    /// `mma.sync`. Returns the kernel now in use.
+    pub fn set_prefill_kernel(&self, k: PrefillKernel) -> PrefillKernel {
+        let k = if self.kernels.contains_key(k.entry()) {
+            k
+        } else {
+            PrefillKernel::MmaSync
+        };
+        self.prefill.store(k as u8, Ordering::Relaxed);
+        k
     }
 
-    /// Whether prefill attention of d = 128 runs the wgmma kernel.
-    pub fn wgmma(&self) -> bool {
-        self.wgmma.load(Ordering::Relaxed)
+    /// The d = 128 bf16 prefill attention kernel in use.
+    pub fn prefill_kernel(&self) -> PrefillKernel {
+        let v = self.prefill.load(Ordering::Relaxed);
+        PrefillKernel::ALL
+            .into_iter()
+            .find(|k| *k as u8 == v)
+            .unwrap_or(PrefillKernel::MmaSync)
     }
 
     /// Launches `kernel` on `stream` after checking `args` against its declared parameters.

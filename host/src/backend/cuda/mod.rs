@@ -33,7 +33,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use chimera_kernels::KernelCache;
-use chimera_kernels::attention::{AttnArg, AttnDims};
+use chimera_kernels::attention::{AttnArg, AttnDims, PrefillKernel};
 use chimera_kernels::sample::SampleArg;
 use chimera_kernels::ssm;
 use cudarc::driver::{CudaStream, result, sys};
@@ -287,16 +287,17 @@ impl CudaBackend {
         self.dev().set_pdl(on);
     }
 
-    /// Hopper's wgmma prefill attention (d = 128, bf16) on or off for the launches (or
-    /// captures) from now on: on by default on compute capability 9.0, `CHIMERA_WGMMA=0` turns
-    /// it off at start, and it stays off on other GPUs. Returns whether it is now on.
-    pub fn set_wgmma(&self, on: bool) -> bool {
-        self.dev().set_wgmma(on)
+    /// The d = 128 bf16 prefill attention kernel for the launches (or captures) from now on:
+    /// Hopper's wgmma kernel by default on compute capability 9.0 (`CHIMERA_WGMMA=0` keeps
+    /// `mma.sync`); a kernel the device has not built falls back to `mma.sync`. Returns the
+    /// kernel now in use.
+    pub fn set_prefill_kernel(&self, k: PrefillKernel) -> PrefillKernel {
+        self.dev().set_prefill_kernel(k)
     }
 
-    /// Whether prefill attention of d = 128 runs the wgmma kernel.
-    pub fn wgmma(&self) -> bool {
-        self.dev().wgmma()
+    /// The d = 128 bf16 prefill attention kernel in use.
+    pub fn prefill_kernel(&self) -> PrefillKernel {
+        self.dev().prefill_kernel()
     }
 
     /// `y_s = x · w_sᵀ (+ b_s)` for up to three weights sharing `x` in one GEMV launch, when
@@ -1636,7 +1637,7 @@ impl CudaBackend {
         let attn_err =
             |e: chimera_kernels::attention::AttnError| BackendError::Invalid(e.to_string());
         let launches =
-            chimera_kernels::attention::launches(&step.attn, dims, bf16, self.dev().wgmma())
+            chimera_kernels::attention::launches(&step.attn, dims, bf16, self.prefill_kernel())
                 .map_err(attn_err)?;
         let scratch: Vec<CudaTensor> = chimera_kernels::attention::scratch_bytes(&step.attn, dims)
             .into_iter()
