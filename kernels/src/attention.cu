@@ -33,7 +33,8 @@
 // - attn_mma_d{64,128,256}_bf16: 4 warps × 16 rows, Q fragments in registers, KV tiles of 64
 //   keys (16 for d = 256); small chunks, and every tile for d = 64 and 256.
 // - attn_prefill_d128_bf16: 8 warps × 32 rows (two m16 tiles share each K/V fragment), Q
-//   re-read from shared memory; prefill tiles of d = 128.
+//   re-read from shared memory; prefill tiles of d = 128. On Hopper the planner runs
+//   attention_sm90.cu's warpgroup-MMA kernels instead (attention.rs: PrefillKernel).
 // Tensor-core loop: KV tiles are gathered row by row through the block table (one thread
 // per key reads the table into a double-buffered row list) with 16-byte cp.async,
 // zero-filled past the range, into XOR-swizzled shared memory read by ldmatrix. With one

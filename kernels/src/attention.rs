@@ -21,7 +21,7 @@
 //!
 //! **Kernels** (bf16 picks by head dim and the packed (token, head) rows of the launch's
 //! items): decodes (≤ 16 rows) run `attn_decode_d{64,128}`, prefill tiles of d = 128 run
-//! `attn_prefill_wgmma[_ovl]_d128` on Hopper (when the device compiled it, `sm_90a`, and the
+//! `attn_prefill_wgmma[_pp]_d128` on Hopper (when the device compiled it, `sm_90a`, and the
 //! backend asks for it: [`PrefillKernel`]) and `attn_prefill_d128` elsewhere, other tiles
 //! `attn_mma_d{64,128,256}`; f32 and other head dims run `attn_simt`. Measured on one H200 (32q/8kv, d = 128, block 16): causal prefill T = 8192 in
 //! 1.91 ms (288 TFLOP/s), T = 2048 in 0.144 ms; decode batch 64 × 2048 in 0.168 ms
@@ -72,7 +72,7 @@ pub const ENTRIES: &[Entry] = &[
 /// `attention_sm90.cu`, built for `sm_90a` only (Hopper's `wgmma`).
 pub const SM90_ENTRIES: &[Entry] = &[
     e("attn_prefill_wgmma_d128_bf16", MAIN),
-    e("attn_prefill_wgmma_ovl_d128_bf16", MAIN),
+    e("attn_prefill_wgmma_pp_d128_bf16", MAIN),
 ];
 
 /// The kernel that runs bf16 prefill tiles of head dim 128 ([`launches`]); the backend picks
@@ -84,14 +84,15 @@ pub enum PrefillKernel {
     /// `attn_prefill_wgmma_d128_bf16`: warpgroup MMA (Hopper, `sm_90a`), each tile's
     /// softmax between its two MMAs.
     Wgmma,
-    /// `attn_prefill_wgmma_ovl_d128_bf16`: as [`PrefillKernel::Wgmma`], with a tile's softmax
-    /// overlapping the previous tile's P·V (FlashAttention-3's intra-warpgroup pipelining).
-    WgmmaOverlap,
+    /// `attn_prefill_wgmma_pp_d128_bf16`: as [`PrefillKernel::Wgmma`], with the two
+    /// warpgroups taking turns on the tensor cores, one's softmax running while the other's
+    /// S = Q·Kᵀ and previous P·V are (FlashAttention-3's ping-pong schedule).
+    WgmmaPingPong,
 }
 
 impl PrefillKernel {
     pub const ALL: [PrefillKernel; 3] = [
-        PrefillKernel::WgmmaOverlap,
+        PrefillKernel::WgmmaPingPong,
         PrefillKernel::Wgmma,
         PrefillKernel::MmaSync,
     ];
@@ -106,7 +107,7 @@ impl PrefillKernel {
         match self {
             PrefillKernel::MmaSync => "mma.sync",
             PrefillKernel::Wgmma => "wgmma",
-            PrefillKernel::WgmmaOverlap => "wgmma, softmax overlapping P·V",
+            PrefillKernel::WgmmaPingPong => "wgmma, ping-pong warpgroups",
         }
     }
 
@@ -114,7 +115,7 @@ impl PrefillKernel {
         match self {
             PrefillKernel::MmaSync => PREFILL_D128,
             PrefillKernel::Wgmma => WGMMA_D128,
-            PrefillKernel::WgmmaOverlap => WGMMA_OVL_D128,
+            PrefillKernel::WgmmaPingPong => WGMMA_PP_D128,
         }
     }
 }
@@ -558,8 +559,8 @@ const WGMMA_D128: Kernel = Kernel {
     threads: 256,
     smem: 1024 + 128 * 128 * 2 + 3 * 2 * 128 * 128 * 2 + 3 * 2 * 8,
 };
-const WGMMA_OVL_D128: Kernel = Kernel {
-    entry: "attn_prefill_wgmma_ovl_d128_bf16",
+const WGMMA_PP_D128: Kernel = Kernel {
+    entry: "attn_prefill_wgmma_pp_d128_bf16",
     ..WGMMA_D128
 };
 const KERNELS: &[Kernel] = &[
@@ -572,7 +573,7 @@ const KERNELS: &[Kernel] = &[
     MMA_D256,
     PREFILL_D128,
     WGMMA_D128,
-    WGMMA_OVL_D128,
+    WGMMA_PP_D128,
 ];
 
 /// Entries whose dynamic shared memory exceeds [`DEFAULT_SMEM_LIMIT`], with the bytes they
@@ -949,8 +950,8 @@ mod tests {
         for (prefill, entry) in [
             (PrefillKernel::Wgmma, "attn_prefill_wgmma_d128_bf16"),
             (
-                PrefillKernel::WgmmaOverlap,
-                "attn_prefill_wgmma_ovl_d128_bf16",
+                PrefillKernel::WgmmaPingPong,
+                "attn_prefill_wgmma_pp_d128_bf16",
             ),
         ] {
             let l = launches(&p, dims(32, 8, 128, 1), true, prefill).expect("shape");
@@ -980,7 +981,7 @@ mod tests {
                 .all(|&x| x % SPLIT_ALIGN == 0)
         );
         let l =
-            launches(&p, dims(32, 8, 128, 1), true, PrefillKernel::WgmmaOverlap).expect("shape");
+            launches(&p, dims(32, 8, 128, 1), true, PrefillKernel::WgmmaPingPong).expect("shape");
         assert_eq!(
             l.iter().map(|l| l.entry).collect::<Vec<_>>(),
             ["attn_decode_d128_bf16", "attn_combine_bf16"]
@@ -1002,8 +1003,13 @@ mod tests {
         plan(&cu_of(&q), &ctx, &mut p);
         assert_eq!(p.items(), 256);
         assert_eq!(p.partial_rows(), 0);
-        let l =
-            launches(&p, dims(32, 8, 128, 256), true, PrefillKernel::WgmmaOverlap).expect("shape");
+        let l = launches(
+            &p,
+            dims(32, 8, 128, 256),
+            true,
+            PrefillKernel::WgmmaPingPong,
+        )
+        .expect("shape");
         assert_eq!(l.len(), 1);
         assert_eq!(scratch_bytes(&p, dims(32, 8, 128, 256)), [0, 0]);
     }
@@ -1066,8 +1072,8 @@ mod tests {
         assert_eq!(hopper(64, true, 512), "attn_mma_d64_bf16");
         assert_eq!(hopper(256, true, 512), "attn_mma_d256_bf16");
         assert_eq!(
-            kernel(128, true, 200, PrefillKernel::WgmmaOverlap).entry,
-            "attn_prefill_wgmma_ovl_d128_bf16"
+            kernel(128, true, 200, PrefillKernel::WgmmaPingPong).entry,
+            "attn_prefill_wgmma_pp_d128_bf16"
         );
         // Shared memory as attention.cu's MmaShape lays it out (the kernels trap on less).
         let smem: Vec<(&str, u32, u32, u32)> = KERNELS
@@ -1094,7 +1100,7 @@ mod tests {
                     1024 + 32768 + 3 * 65536 + 48
                 ),
                 (
-                    "attn_prefill_wgmma_ovl_d128_bf16",
+                    "attn_prefill_wgmma_pp_d128_bf16",
                     128,
                     256,
                     1024 + 32768 + 3 * 65536 + 48
@@ -1108,7 +1114,7 @@ mod tests {
                 ("attn_decode_d128_bf16", 66048),
                 ("attn_prefill_d128_bf16", 98816),
                 ("attn_prefill_wgmma_d128_bf16", 230448),
-                ("attn_prefill_wgmma_ovl_d128_bf16", 230448)
+                ("attn_prefill_wgmma_pp_d128_bf16", 230448)
             ]
         );
     }

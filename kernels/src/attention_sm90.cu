@@ -28,12 +28,21 @@
 // address; MN-major (V) with the leading offset = distance between the two 64-column halves
 // (128 · 128 bytes) and the stride = 1024 between 8-key groups.
 //
-// Pipeline (no warp specialisation; all 256 threads gather): tile j + 2 is gathered while
-// tile j is computed. Each stage has a "full" mbarrier, completed when the 256 threads'
-// copies of the tile have landed (cp.async.mbarrier.arrive.noinc), and an "empty" one that
-// every thread arrives on when its warpgroup is done with the stage; a thread waits on
-// "empty" only before refilling a stage. The two warpgroups are therefore not tied to each
-// other tile by tile (at most one tile apart), so one's softmax can overlap the other's MMAs.
+// Pipeline (no warp specialisation; all 256 threads gather). Each stage has a "full"
+// mbarrier, completed when the 256 threads' copies of the tile have landed
+// (cp.async.mbarrier.arrive.noinc), and an "empty" one that every thread arrives on when its
+// warpgroup is done with the stage; a thread waits on "empty" only before refilling a stage.
+// Two schedules (attention.rs: PrefillKernel):
+// - attn_prefill_wgmma_d128_bf16: per tile S, softmax, P·V, each MMA waited for; tile j + 2
+//   is gathered while tile j is computed. The warpgroups are not tied to each other tile by
+//   tile (at most one apart), so one's softmax may overlap the other's MMAs.
+// - attn_prefill_wgmma_pp_d128_bf16 (ping-pong, FlashAttention-3's inter-warpgroup schedule):
+//   S(j) and P·V(j − 1) are issued as one batch, and two named barriers make the warpgroups
+//   take turns issuing, so one's softmax runs while the other's batch is on the tensor cores;
+//   tile j + 1 is gathered while tile j is computed.
+// (FA3's intra-warpgroup overlap, the softmax of tile j while P·V(j − 1) runs in the same
+// warpgroup, was tried: ptxas 13.0 hoists the wgmma wait above the exponentials, or
+// serialises every wgmma when the two P buffers it needs are written in branches.)
 //
 // Learned from: the FlashAttention-3 paper; the PTX ISA manual (wgmma register fragments,
 // shared-memory matrix layouts and descriptor format, mbarrier, cp.async). No code was copied.
@@ -85,6 +94,13 @@ __device__ __forceinline__ void wgmma_wait() {
 __device__ __forceinline__ void fence_regs(float (&d)[64]) {
 #pragma unroll
     for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// Named barriers 1 and 2 (0 is __syncthreads), 256 threads: 128 wait, 128 arrive.
+__device__ __forceinline__ void named_bar_sync(int id) {
+    asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id) {
+    asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
 }
 // Orders this thread's generic-proxy view of shared memory (the cp.async writes it has
 // observed) before its async-proxy reads (wgmma).
@@ -157,8 +173,8 @@ struct Const {
     __device__ constexpr operator bool() const { return B; }
 };
 
-// OVERLAP: the intra-warpgroup schedule (see the loop below).
-template <bool OVERLAP>
+// PINGPONG: the two warpgroups take turns on the tensor cores (see the loop below).
+template <bool PINGPONG>
 __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
     // A launch that disagrees with attention.rs fails loudly rather than computing garbage.
     if (blockDim.x != NTH || dynamic_smem_size() < (u32)SMEM) __trap();
@@ -228,7 +244,7 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
         cp_async_arrive(full + 8 * st);
     };
     // Tiles gathered ahead of the one computed (see the schedules below).
-    constexpr int LEAD = OVERLAP ? 1 : STAGES - 1;
+    constexpr int LEAD = PINGPONG ? 1 : STAGES - 1;
     if (ntiles > 0) rows_of(0);
 #pragma unroll
     for (int j = 0; j < LEAD; ++j) {
@@ -314,12 +330,14 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
             }
         }
     };
-    auto rescale_and_pack = [&](const float (&alpha)[2]) {
+    auto rescale = [&](const float (&alpha)[2]) {
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) o[4 * i + e] *= alpha[e >> 1];
         }
+    };
+    auto pack = [&]() {
 #pragma unroll
         for (int kk = 0; kk < 8; ++kk) {
             pa[kk][0] = pack_bf16x2(s[8 * kk + 0], s[8 * kk + 1]);
@@ -340,7 +358,7 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
         if (ahead + 1 < ntiles) rows_of(ahead + 1);
     };
 
-    if (!OVERLAP) {
+    if (!PINGPONG) {
         // Per tile: S = Q·Kᵀ, wait, softmax, O += P·V, wait, release the stage. Tile j + 2 is
         // gathered while tile j is computed.
         for (int j = 0; j < ntiles; ++j) {
@@ -357,7 +375,8 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
                 fence_regs(s);
                 float alpha[2];
                 softmax(p0, alpha, p0 + BN > t.lo_full);
-                rescale_and_pack(alpha);
+                rescale(alpha);
+                pack();
                 wgmma_fence();
                 issue_pv(sk + TILE_BYTES);
                 wgmma_wait<0>();
@@ -366,52 +385,67 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
             mbar_arrive(empty + 8 * st);
         }
     } else {
-        // FlashAttention-3's intra-warpgroup overlap: tile j's S = Q·Kᵀ and tile j − 1's
-        // O += P·V are issued together, and tile j's softmax runs while P·V is on the tensor
-        // cores; O is rescaled once P·V has landed. A stage is released when its P·V is done
-        // (one tile later), so tile j + 1 is gathered while tile j is computed (three stages:
-        // tile j's K, tile j − 1's V, tile j + 1 landing). Every wgmma is waited for inside
-        // the straight-line code that issued it (ptxas serialises wgmma in flight across a
-        // branch), so the masked tiles (a suffix) have their own loop.
+        // Ping-pong (FlashAttention-3's inter-warpgroup schedule): per tile, a warpgroup
+        // issues S = Q·K(j)ᵀ and O += P(j − 1)·V(j − 1) as one batch, waits, and then runs
+        // tile j's softmax; two named barriers hand the tensor cores from one warpgroup to the
+        // other, so one's softmax runs while the other's batch is on the tensor cores. O is
+        // rescaled by tile j − 1's factor just before the batch. A stage is released once its
+        // P·V is done (one tile later), so tile j + 1 is gathered while tile j is computed
+        // (three stages: tile j's K, tile j − 1's V, tile j + 1 landing).
+        //
+        // Turns: warpgroup w waits on barrier 1 + w before issuing, then arrives on the
+        // other's. Both take a turn for every tile, computing or not; warpgroup 1 starts by
+        // arriving on barrier 1 and warpgroup 0 ends by waiting on it, so every arrival is
+        // matched by a wait.
+        const int mine = 1 + wg, other = 2 - wg;  // named barrier ids
+        auto take_turn = [&]() { named_bar_sync(mine); };
+        auto pass_turn = [&]() { named_bar_arrive(other); };
+        if (wg == 1 && ntiles > 0) named_bar_arrive(1);
         // Tiles [0, jn) are this warpgroup's; tiles [jm, ..) are masked.
         const int jn = wg_active && wg_hi > t.kv_first
                            ? min(ntiles, (int)((wg_hi - t.kv_first + BN - 1) / BN))
                            : 0;
         const int jm = t.lo_full > t.kv_first ? (int)((t.lo_full - t.kv_first) / BN) : 0;
-        auto step = [&](int j, auto masked) {  // j ≥ 1
+        float alpha[2];  // the last softmax's factor, not yet applied to O
+        auto step = [&](int j, auto masked) {  // 1 ≤ j < jn
+            // O's rescale comes before the waits' loops: registers a wgmma reads must not be
+            // written between a branch and the wgmma (ptxas serialises every wgmma then).
+            rescale(alpha);
             refill(j);
             const int st = j % STAGES, prev = (j - 1) % STAGES;
             mbar_wait(full + 8 * st, (u32)(j / STAGES) & 1u);
             fence_proxy_async();
+            take_turn();
             wgmma_fence();
             issue_s(s_kv + st * STAGE_BYTES);
             issue_pv(s_kv + prev * STAGE_BYTES + TILE_BYTES);
-            wgmma_wait<1>();  // S has landed; P·V may still run
-            fence_regs(s);
-            float alpha[2];
-            softmax(t.kv_first + (u32)j * BN, alpha, masked);
+            pass_turn();
             wgmma_wait<0>();
+            fence_regs(s);
             fence_regs(o);
             mbar_arrive(empty + 8 * prev);
-            rescale_and_pack(alpha);
+            softmax(t.kv_first + (u32)j * BN, alpha, masked);
+            pack();
         };
         if (jn > 0) {
             refill(0);
             mbar_wait(full, 0);
             fence_proxy_async();
+            take_turn();
             wgmma_fence();
             issue_s(s_kv);
+            pass_turn();
             wgmma_wait<0>();
             fence_regs(s);
-            float alpha[2];
             if (jm > 0)
                 softmax(t.kv_first, alpha, Const<false>());
             else
                 softmax(t.kv_first, alpha, Const<true>());
-            rescale_and_pack(alpha);
+            pack();
             for (int j = 1; j < min(jm, jn); ++j) step(j, Const<false>());
             for (int j = max(jm, 1); j < jn; ++j) step(j, Const<true>());
             const int last = (jn - 1) % STAGES;
+            rescale(alpha);
             wgmma_fence();
             issue_pv(s_kv + last * STAGE_BYTES + TILE_BYTES);
             wgmma_wait<0>();
@@ -420,8 +454,11 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
         }
         for (int j = jn; j < ntiles; ++j) {
             refill(j);
+            take_turn();
+            pass_turn();
             mbar_arrive(empty + 8 * (j % STAGES));
         }
+        if (wg == 0 && ntiles > 0) take_turn();  // warpgroup 1's last arrival
     }
     // Nothing this thread copied is still landing when it exits (the copies were never
     // committed as groups: wait_all commits and waits).
@@ -464,8 +501,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma_d128_bf1
     CHIMERA_PDL_ENTRY();
     attn::sm90::prefill_d128<false>(ATTN_ARGS(bf16));
 }
-// The same with FlashAttention-3's intra-warpgroup overlap of softmax and P·V.
-extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma_ovl_d128_bf16(ATTN_PARAMS(bf16)) {
+// The same with the two warpgroups taking turns on the tensor cores (ping-pong).
+extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma_pp_d128_bf16(ATTN_PARAMS(bf16)) {
     CHIMERA_PDL_ENTRY();
     attn::sm90::prefill_d128<true>(ATTN_ARGS(bf16));
 }

@@ -79,7 +79,7 @@ impl Arg {
 }
 
 /// The prefill attention kernel where the device built Hopper's (`attention_sm90.cu`, `sm_90a`).
-const DEFAULT_PREFILL: PrefillKernel = PrefillKernel::WgmmaOverlap;
+const DEFAULT_PREFILL: PrefillKernel = PrefillKernel::WgmmaPingPong;
 
 /// A device: context, modules and facts about it.
 pub struct Device {
