@@ -1208,6 +1208,222 @@ mod tests {
         }
     }
 
+    /// One synchronisation step of a warpgroup in `attention_sm90.cu` (128 threads acting
+    /// together): an arrival on a stage's full (a gather of `tile`) or empty mbarrier, a
+    /// parity wait on one, a read of the tile a stage holds, a named barrier sync or arrive.
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    enum SyncOp {
+        ArriveFull { stage: usize, tile: usize },
+        ArriveEmpty(usize),
+        WaitFull(usize, usize),
+        WaitEmpty(usize, usize),
+        Use(usize),
+        BarSync(usize),
+        BarArrive(usize),
+    }
+
+    /// Warpgroup `wg`'s steps in `prefill_d128<PINGPONG>` for a CTA of `ntiles` KV tiles of
+    /// which it computes the first `jn`, gathering `lead` tiles ahead (the kernel's LEAD: 1
+    /// with ping-pong, else 2); mirrors the kernel's loops.
+    fn sm90_program(
+        wg: usize,
+        ntiles: usize,
+        jn: usize,
+        pingpong: bool,
+        lead: usize,
+    ) -> Vec<SyncOp> {
+        use SyncOp::*;
+        const STAGES: usize = 3;
+        let mut ops = Vec::new();
+        let refill = |ops: &mut Vec<SyncOp>, j: usize| {
+            let ahead = j + lead;
+            if ahead >= ntiles {
+                return;
+            }
+            if ahead >= STAGES {
+                let prev = ahead - STAGES;
+                ops.push(WaitEmpty(prev % STAGES, (prev / STAGES) & 1));
+            }
+            ops.push(ArriveFull {
+                stage: ahead % STAGES,
+                tile: ahead,
+            });
+        };
+        for j in 0..lead.min(ntiles) {
+            ops.push(ArriveFull {
+                stage: j % STAGES,
+                tile: j,
+            });
+        }
+        if !pingpong {
+            for j in 0..ntiles {
+                refill(&mut ops, j);
+                if j < jn {
+                    ops.push(WaitFull(j % STAGES, (j / STAGES) & 1));
+                    ops.push(Use(j));
+                }
+                ops.push(ArriveEmpty(j % STAGES));
+            }
+            return ops;
+        }
+        let (mine, other) = (1 + wg, 2 - wg);
+        if wg == 1 && ntiles > 0 {
+            ops.push(BarArrive(1));
+        }
+        if jn > 0 {
+            refill(&mut ops, 0);
+            ops.extend([WaitFull(0, 0), BarSync(mine), Use(0), BarArrive(other)]);
+            for j in 1..jn {
+                refill(&mut ops, j);
+                ops.extend([
+                    WaitFull(j % STAGES, (j / STAGES) & 1),
+                    BarSync(mine),
+                    Use(j),
+                    Use(j - 1),
+                    BarArrive(other),
+                    ArriveEmpty((j - 1) % STAGES),
+                ]);
+            }
+            ops.extend([Use(jn - 1), ArriveEmpty((jn - 1) % STAGES)]);
+        }
+        for j in jn..ntiles {
+            refill(&mut ops, j);
+            ops.extend([BarSync(mine), BarArrive(other), ArriveEmpty(j % STAGES)]);
+        }
+        if wg == 0 && ntiles > 0 {
+            ops.push(BarSync(mine));
+        }
+        ops
+    }
+
+    /// Every interleaving of the two warpgroups' steps: none deadlocks, a tile is read only
+    /// while its stage holds it, a stage receives its tiles in order, and no named barrier is
+    /// left with arrivals. mbarriers complete a phase at 256 arrivals (both warpgroups) and a
+    /// parity wait passes once the phase of that parity has completed, as in PTX.
+    fn check_sm90_sync(progs: &[Vec<SyncOp>; 2]) {
+        use SyncOp::*;
+        const STAGES: usize = 3;
+        // (pcs, blocked at a named barrier, mbarrier (pending, completed) full then empty,
+        // named barrier counts, tile held by each stage)
+        type State = ([usize; 2], [bool; 2], [(u32, u32); 6], [u32; 3], [i64; 3]);
+        let init: State = ([0; 2], [false; 2], [(256, 0); 6], [0; 3], [-1; 3]);
+        let mut seen = std::collections::HashSet::new();
+        let mut stack = vec![init];
+        while let Some(st) = stack.pop() {
+            if !seen.insert(st) {
+                continue;
+            }
+            let (pcs, blocked, mb, nb, held) = st;
+            if (0..2).all(|w| pcs[w] == progs[w].len()) {
+                assert_eq!(nb, [0; 3], "named barrier left with arrivals");
+                continue;
+            }
+            let mut moved = false;
+            for w in 0..2 {
+                if pcs[w] == progs[w].len() || blocked[w] {
+                    continue;
+                }
+                let (mut pcs2, mut bl2, mut mb2, mut nb2, mut held2) = (pcs, blocked, mb, nb, held);
+                let arrive = |mb2: &mut [(u32, u32); 6], i: usize| {
+                    mb2[i].0 -= 128;
+                    if mb2[i].0 == 0 {
+                        mb2[i] = (256, mb2[i].1 + 1);
+                    }
+                };
+                match progs[w][pcs[w]] {
+                    ArriveFull { stage, tile } => {
+                        let before = if tile >= STAGES {
+                            tile as i64 - STAGES as i64
+                        } else {
+                            -1
+                        };
+                        assert!(
+                            held2[stage] == tile as i64 || held2[stage] == before,
+                            "stage {stage} skipped to tile {tile}"
+                        );
+                        held2[stage] = tile as i64;
+                        arrive(&mut mb2, stage);
+                        pcs2[w] += 1;
+                    }
+                    ArriveEmpty(stage) => {
+                        arrive(&mut mb2, STAGES + stage);
+                        pcs2[w] += 1;
+                    }
+                    WaitFull(stage, parity) | WaitEmpty(stage, parity) => {
+                        let i = if matches!(progs[w][pcs[w]], WaitFull(..)) {
+                            stage
+                        } else {
+                            STAGES + stage
+                        };
+                        if mb[i].1 as usize % 2 == parity {
+                            continue; // that phase has not completed
+                        }
+                        pcs2[w] += 1;
+                    }
+                    Use(tile) => {
+                        assert_eq!(
+                            held[tile % STAGES],
+                            tile as i64,
+                            "tile {tile} overwritten before use"
+                        );
+                        pcs2[w] += 1;
+                    }
+                    BarSync(id) | BarArrive(id) => {
+                        let sync = matches!(progs[w][pcs[w]], BarSync(_));
+                        nb2[id] += 128;
+                        if sync {
+                            bl2[w] = true;
+                        } else {
+                            pcs2[w] += 1;
+                        }
+                        if nb2[id] == 256 {
+                            nb2[id] = 0;
+                            for v in 0..2 {
+                                if bl2[v] && progs[v][pcs2[v]] == BarSync(id) {
+                                    bl2[v] = false;
+                                    pcs2[v] += 1;
+                                }
+                            }
+                        }
+                    }
+                }
+                stack.push((pcs2, bl2, mb2, nb2, held2));
+                moved = true;
+            }
+            assert!(
+                moved,
+                "deadlock at {pcs:?}: {:?}",
+                [0, 1].map(|w| progs[w].get(pcs[w]))
+            );
+        }
+    }
+
+    #[test]
+    fn the_sm90_pipelines_neither_deadlock_nor_overwrite_a_live_stage() {
+        for (pingpong, lead) in [(false, 2), (true, 1)] {
+            for ntiles in 0..=7 {
+                // The CTA's last warpgroup with rows computes every tile; the first may stop
+                // earlier (its rows' keys end sooner) or have no rows.
+                let mut splits: Vec<[usize; 2]> = (0..=ntiles).map(|jn0| [jn0, ntiles]).collect();
+                splits.push([ntiles, 0]);
+                for jn in splits {
+                    let progs = [0, 1].map(|wg| sm90_program(wg, ntiles, jn[wg], pingpong, lead));
+                    check_sm90_sync(&progs);
+                }
+            }
+        }
+        // The check can fail: the ping-pong schedule gathering two tiles ahead deadlocks (its
+        // stage is released a tile later), and without warpgroup 0's last wait a named
+        // barrier keeps warpgroup 1's last arrival.
+        let too_far = [0, 1].map(|wg| sm90_program(wg, 5, 5, true, 2));
+        let mut unmatched = [0, 1].map(|wg| sm90_program(wg, 5, 5, true, 1));
+        assert_eq!(unmatched[0].pop(), Some(SyncOp::BarSync(1)));
+        for progs in [too_far, unmatched] {
+            let caught = std::panic::catch_unwind(|| check_sm90_sync(&progs));
+            assert!(caught.is_err(), "a broken schedule passed");
+        }
+    }
+
     #[test]
     fn bad_shapes_are_refused() {
         let mut p = AttnPlan::new();
