@@ -67,6 +67,8 @@ constexpr int STAGE_BYTES = 2 * TILE_BYTES;
 constexpr int ALIGN = 1024;                        // the 128-byte swizzle pattern's period
 constexpr int SMEM = ALIGN + Q_BYTES + STAGES * STAGE_BYTES + 2 * STAGES * 8;  // attention.rs
 static_assert(NTH % CPR == 0 && BN % RPP == 0 && BM % RPP == 0, "tile shape");
+// The block-table lookup (rows_of) spreads a warp's 2 rows × 8 passes over its lanes 0..15.
+static_assert(CPR == 16 && RPP == 16 && KV_PASSES == 8, "lookup lanes");
 
 // Byte offset of 16-byte chunk c (0..15) of row r in a [rows × 128] bf16 tile stored as two
 // 128-byte-swizzled column halves (see the header).
@@ -212,28 +214,37 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
     }
 
     const int ntiles = t.hi > t.kv_first ? (int)((t.hi - t.kv_first + BN - 1) / BN) : 0;
-    // This thread's cache rows (rows my_row + k·RPP) of the next tile to gather; NO_PART past
-    // the range (zeros).
-    u32 crow[KV_PASSES];
+    // Block-table lookups, one per thread per tile, a tile ahead of its gather: a warp's
+    // threads copy rows 2·warp + h + RPP·k (h = lane / 16, k = 0 .. KV_PASSES − 1), and lane
+    // l < 16 looks up row 2·warp + (l / 8) + RPP·(l mod 8) (lanes 16.. repeat it); the gather
+    // then takes each pass's row from its lane with a shuffle. The loaded block id is first
+    // used by that gather, so the load's latency is hidden behind a tile's maths.
+    const int lane_in = threadIdx.x & 31;
+    const u32 lk_row = (u32)(2 * (tid >> 5) + ((lane_in >> 3) & 1) + RPP * (lane_in & 7));
+    u32 lk_blk = 0, lk_off = NO_PART;  // block id and offset in it; NO_PART: past the range
     auto rows_of = [&](int j) {
-#pragma unroll
-        for (int k = 0; k < KV_PASSES; ++k) {
-            const u32 p = t.kv_first + (u32)(j * BN + my_row + k * RPP);
-            crow[k] = p < t.hi ? cache_row(t.bt, p, a.block_size) : NO_PART;
-        }
+        const u32 p = t.kv_first + (u32)j * BN + lk_row;
+        const bool valid = p < t.hi;
+        const u32 pc = valid ? p : t.kv_first;  // any position in range: the load stays valid
+        const u32 blk_idx = pc / a.block_size;
+        lk_blk = t.bt[blk_idx];
+        lk_off = valid ? pc - blk_idx * a.block_size : NO_PART;
     };
-    // Tile j (rows from crow) into stage j mod STAGES, then the arrival on its full barrier.
+    // Tile j (the rows rows_of(j) looked up) into stage j mod STAGES, then the arrival on its
+    // full barrier.
     auto gather = [&](int j) {
         const int st = j % STAGES;
         const u32 sk = s_kv + st * STAGE_BYTES;
+        const u32 looked_up = lk_off == NO_PART ? NO_PART : lk_blk * a.block_size + lk_off;
 #pragma unroll
         for (int k = 0; k < KV_PASSES; ++k) {
             const int r = my_row + k * RPP;
             const u32 off = sw128(BN, r, my_chunk);
+            const u32 row = __shfl_sync(0xffffffffu, looked_up, ((lane_in >> 4) << 3) | k);
             const bf16 *ks = a.k_cache, *vs = a.v_cache;
             u32 bytes = 0;
-            if (crow[k] != NO_PART) {
-                const i64 o = kv_offset(crow[k], a.kv_heads, t.kvh, D) + my_chunk * 8;
+            if (row != NO_PART) {
+                const i64 o = kv_offset(row, a.kv_heads, t.kvh, D) + my_chunk * 8;
                 ks += o;
                 vs += o;
                 bytes = 16;
@@ -297,7 +308,11 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
     // the warpgroup, key p0 + 8i + 2·tq + (e mod 2)), updates m and l, turns s into
     // P = 2^(s·scale·log2 e − m); alpha[h] is what O's row h must be scaled by.
     auto softmax = [&](u32 p0, float (&alpha)[2], auto masked) {
-        float mx[2] = {-CHIMERA_INF, -CHIMERA_INF};
+        // Row maxima and sums over 4 partials each (i mod 4), so the dependent chains are a
+        // quarter as long.
+        float mx4[4][2];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) mx4[c][0] = mx4[c][1] = -CHIMERA_INF;
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
 #pragma unroll
@@ -306,12 +321,13 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
                     const u32 key = p0 + (u32)(8 * i + 2 * tq + (e & 1));
                     if (key >= lim[e >> 1]) s[4 * i + e] = -CHIMERA_INF;
                 }
-                mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * i + e]);
+                mx4[i & 3][e >> 1] = fmaxf(mx4[i & 3][e >> 1], s[4 * i + e]);
             }
         }
-        float base[2];
+        float mx[2], base[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
+            mx[h] = fmaxf(fmaxf(mx4[0][h], mx4[1][h]), fmaxf(mx4[2][h], mx4[3][h]));
             mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
             mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
             const float mn = fmaxf(m[h], mx[h] * sl2);  // scores scaled to log2 units
@@ -320,15 +336,19 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
             m[h] = mn;
             l[h] *= alpha[h];
         }
+        float sum4[4][2] = {};
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const float p = ex2(fmaf(s[4 * i + e], sl2, -base[e >> 1]));
                 s[4 * i + e] = p;
-                l[e >> 1] += p;  // per-thread partial sums; the quad sums at the end
+                sum4[i & 3][e >> 1] += p;
             }
         }
+        // Per-thread partial sums; the quad sums at the end.
+#pragma unroll
+        for (int h = 0; h < 2; ++h) l[h] += (sum4[0][h] + sum4[1][h]) + (sum4[2][h] + sum4[3][h]);
     };
     auto rescale = [&](const float (&alpha)[2]) {
 #pragma unroll
