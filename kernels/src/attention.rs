@@ -73,6 +73,7 @@ pub const ENTRIES: &[Entry] = &[
 pub const SM90_ENTRIES: &[Entry] = &[
     e("attn_prefill_wgmma_d128_bf16", MAIN),
     e("attn_prefill_wgmma_pp_d128_bf16", MAIN),
+    e("attn_prefill_wgmma_ws_d128_bf16", MAIN),
 ];
 
 /// The kernel that runs bf16 prefill tiles of head dim 128 ([`launches`]); the backend picks
@@ -88,10 +89,15 @@ pub enum PrefillKernel {
     /// warpgroups taking turns on the tensor cores, one's softmax running while the other's
     /// S = Q·Kᵀ and previous P·V are (FlashAttention-3's ping-pong schedule).
     WgmmaPingPong,
+    /// `attn_prefill_wgmma_ws_d128_bf16`: [`PrefillKernel::WgmmaPingPong`]'s consumers fed by
+    /// a third, producer warpgroup that does the block-table lookups and gathers (384
+    /// threads; the consumers take the registers).
+    WgmmaWarpSpecialized,
 }
 
 impl PrefillKernel {
-    pub const ALL: [PrefillKernel; 3] = [
+    pub const ALL: [PrefillKernel; 4] = [
+        PrefillKernel::WgmmaWarpSpecialized,
         PrefillKernel::WgmmaPingPong,
         PrefillKernel::Wgmma,
         PrefillKernel::MmaSync,
@@ -108,6 +114,7 @@ impl PrefillKernel {
             PrefillKernel::MmaSync => "mma.sync",
             PrefillKernel::Wgmma => "wgmma",
             PrefillKernel::WgmmaPingPong => "wgmma, ping-pong warpgroups",
+            PrefillKernel::WgmmaWarpSpecialized => "wgmma, ping-pong + producer warpgroup",
         }
     }
 
@@ -116,6 +123,7 @@ impl PrefillKernel {
             PrefillKernel::MmaSync => PREFILL_D128,
             PrefillKernel::Wgmma => WGMMA_D128,
             PrefillKernel::WgmmaPingPong => WGMMA_PP_D128,
+            PrefillKernel::WgmmaWarpSpecialized => WGMMA_WS_D128,
         }
     }
 }
@@ -563,6 +571,11 @@ const WGMMA_PP_D128: Kernel = Kernel {
     entry: "attn_prefill_wgmma_pp_d128_bf16",
     ..WGMMA_D128
 };
+const WGMMA_WS_D128: Kernel = Kernel {
+    entry: "attn_prefill_wgmma_ws_d128_bf16",
+    threads: 384,
+    ..WGMMA_D128
+};
 const KERNELS: &[Kernel] = &[
     simt("attn_simt_f32"),
     simt("attn_simt_bf16"),
@@ -574,6 +587,7 @@ const KERNELS: &[Kernel] = &[
     PREFILL_D128,
     WGMMA_D128,
     WGMMA_PP_D128,
+    WGMMA_WS_D128,
 ];
 
 /// Entries whose dynamic shared memory exceeds [`DEFAULT_SMEM_LIMIT`], with the bytes they
@@ -1105,6 +1119,12 @@ mod tests {
                     256,
                     1024 + 32768 + 3 * 65536 + 48
                 ),
+                (
+                    "attn_prefill_wgmma_ws_d128_bf16",
+                    128,
+                    384,
+                    1024 + 32768 + 3 * 65536 + 48
+                ),
             ]
         );
         const { assert!(WGMMA_D128.smem <= 227 * 1024) };
@@ -1114,7 +1134,8 @@ mod tests {
                 ("attn_decode_d128_bf16", 66048),
                 ("attn_prefill_d128_bf16", 98816),
                 ("attn_prefill_wgmma_d128_bf16", 230448),
-                ("attn_prefill_wgmma_pp_d128_bf16", 230448)
+                ("attn_prefill_wgmma_pp_d128_bf16", 230448),
+                ("attn_prefill_wgmma_ws_d128_bf16", 230448)
             ]
         );
     }
@@ -1222,20 +1243,24 @@ mod tests {
         BarArrive(usize),
     }
 
-    /// Warpgroup `wg`'s steps in `prefill_d128<PINGPONG>` for a CTA of `ntiles` KV tiles of
-    /// which it computes the first `jn`, gathering `lead` tiles ahead (the kernel's LEAD: 1
-    /// with ping-pong, else 2); mirrors the kernel's loops.
+    const SM90_STAGES: usize = 3;
+
+    /// Consumer warpgroup `wg`'s steps in `prefill_d128<SCHED>` for a CTA of `ntiles` KV
+    /// tiles of which it computes the first `jn`, gathering `lead` tiles ahead (the kernel's
+    /// LEAD: 2 for PLAIN, 1 for PINGPONG; `None` for WARP_SPECIALIZED, whose producer
+    /// gathers); mirrors the kernel's loops.
     fn sm90_program(
         wg: usize,
         ntiles: usize,
         jn: usize,
         pingpong: bool,
-        lead: usize,
+        lead: Option<usize>,
     ) -> Vec<SyncOp> {
         use SyncOp::*;
-        const STAGES: usize = 3;
+        const STAGES: usize = SM90_STAGES;
         let mut ops = Vec::new();
         let refill = |ops: &mut Vec<SyncOp>, j: usize| {
+            let Some(lead) = lead else { return };
             let ahead = j + lead;
             if ahead >= ntiles {
                 return;
@@ -1249,7 +1274,7 @@ mod tests {
                 tile: ahead,
             });
         };
-        for j in 0..lead.min(ntiles) {
+        for j in 0..lead.unwrap_or(0).min(ntiles) {
             ops.push(ArriveFull {
                 stage: j % STAGES,
                 tile: j,
@@ -1296,17 +1321,46 @@ mod tests {
         ops
     }
 
-    /// Every interleaving of the two warpgroups' steps: none deadlocks, a tile is read only
-    /// while its stage holds it, a stage receives its tiles in order, and no named barrier is
-    /// left with arrivals. mbarriers complete a phase at 256 arrivals (both warpgroups) and a
-    /// parity wait passes once the phase of that parity has completed, as in PTX.
-    fn check_sm90_sync(progs: &[Vec<SyncOp>; 2]) {
+    /// The WARP_SPECIALIZED producer's steps: every tile once its stage is free.
+    fn sm90_producer(ntiles: usize) -> Vec<SyncOp> {
+        const STAGES: usize = SM90_STAGES;
+        let mut ops = Vec::new();
+        for j in 0..ntiles {
+            if j >= STAGES {
+                ops.push(SyncOp::WaitEmpty(j % STAGES, ((j - STAGES) / STAGES) & 1));
+            }
+            ops.push(SyncOp::ArriveFull {
+                stage: j % STAGES,
+                tile: j,
+            });
+        }
+        ops
+    }
+
+    /// Every interleaving of the warpgroups' steps (`progs`, at most three, 128 threads
+    /// each): none deadlocks, a tile is read only while its stage holds it, a stage receives
+    /// its tiles in order, and no named barrier is left with arrivals. A full mbarrier
+    /// completes a phase at `full_count` arrivals (its loaders'), an empty one at 256 (both
+    /// consumers'), and a parity wait passes once the phase of that parity has completed, as
+    /// in PTX.
+    fn check_sm90_sync(progs: &[Vec<SyncOp>], full_count: u32) {
         use SyncOp::*;
-        const STAGES: usize = 3;
+        const STAGES: usize = SM90_STAGES;
+        const N: usize = 3;
+        assert!(progs.len() <= N);
+        let len = |w: usize| progs.get(w).map_or(0, Vec::len);
+        let at = |w: usize, pc: usize| progs[w][pc];
+        let counts = |i: usize| if i < STAGES { full_count } else { 256 };
         // (pcs, blocked at a named barrier, mbarrier (pending, completed) full then empty,
         // named barrier counts, tile held by each stage)
-        type State = ([usize; 2], [bool; 2], [(u32, u32); 6], [u32; 3], [i64; 3]);
-        let init: State = ([0; 2], [false; 2], [(256, 0); 6], [0; 3], [-1; 3]);
+        type State = ([usize; N], [bool; N], [(u32, u32); 6], [u32; 3], [i64; 3]);
+        let init: State = (
+            [0; N],
+            [false; N],
+            std::array::from_fn(|i| (counts(i), 0)),
+            [0; 3],
+            [-1; 3],
+        );
         let mut seen = std::collections::HashSet::new();
         let mut stack = vec![init];
         while let Some(st) = stack.pop() {
@@ -1314,26 +1368,26 @@ mod tests {
                 continue;
             }
             let (pcs, blocked, mb, nb, held) = st;
-            if (0..2).all(|w| pcs[w] == progs[w].len()) {
+            if (0..N).all(|w| pcs[w] == len(w)) {
                 assert_eq!(nb, [0; 3], "named barrier left with arrivals");
                 continue;
             }
             let mut moved = false;
-            for w in 0..2 {
-                if pcs[w] == progs[w].len() || blocked[w] {
+            for w in 0..N {
+                if pcs[w] == len(w) || blocked[w] {
                     continue;
                 }
                 let (mut pcs2, mut bl2, mut mb2, mut nb2, mut held2) = (pcs, blocked, mb, nb, held);
                 let arrive = |mb2: &mut [(u32, u32); 6], i: usize| {
                     mb2[i].0 -= 128;
                     if mb2[i].0 == 0 {
-                        mb2[i] = (256, mb2[i].1 + 1);
+                        mb2[i] = (counts(i), mb2[i].1 + 1);
                     }
                 };
-                match progs[w][pcs[w]] {
+                match at(w, pcs[w]) {
                     ArriveFull { stage, tile } => {
                         let before = if tile >= STAGES {
-                            tile as i64 - STAGES as i64
+                            (tile - STAGES) as i64
                         } else {
                             -1
                         };
@@ -1349,8 +1403,8 @@ mod tests {
                         arrive(&mut mb2, STAGES + stage);
                         pcs2[w] += 1;
                     }
-                    WaitFull(stage, parity) | WaitEmpty(stage, parity) => {
-                        let i = if matches!(progs[w][pcs[w]], WaitFull(..)) {
+                    op @ (WaitFull(stage, parity) | WaitEmpty(stage, parity)) => {
+                        let i = if matches!(op, WaitFull(..)) {
                             stage
                         } else {
                             STAGES + stage
@@ -1368,18 +1422,17 @@ mod tests {
                         );
                         pcs2[w] += 1;
                     }
-                    BarSync(id) | BarArrive(id) => {
-                        let sync = matches!(progs[w][pcs[w]], BarSync(_));
+                    op @ (BarSync(id) | BarArrive(id)) => {
                         nb2[id] += 128;
-                        if sync {
+                        if matches!(op, BarSync(_)) {
                             bl2[w] = true;
                         } else {
                             pcs2[w] += 1;
                         }
                         if nb2[id] == 256 {
                             nb2[id] = 0;
-                            for v in 0..2 {
-                                if bl2[v] && progs[v][pcs2[v]] == BarSync(id) {
+                            for v in 0..N {
+                                if bl2[v] && at(v, pcs2[v]) == BarSync(id) {
                                     bl2[v] = false;
                                     pcs2[v] += 1;
                                 }
@@ -1393,33 +1446,56 @@ mod tests {
             assert!(
                 moved,
                 "deadlock at {pcs:?}: {:?}",
-                [0, 1].map(|w| progs[w].get(pcs[w]))
+                (0..progs.len())
+                    .map(|w| progs[w].get(pcs[w]))
+                    .collect::<Vec<_>>()
             );
         }
     }
 
     #[test]
     fn the_sm90_pipelines_neither_deadlock_nor_overwrite_a_live_stage() {
-        for (pingpong, lead) in [(false, 2), (true, 1)] {
+        // PLAIN, PINGPONG, WARP_SPECIALIZED.
+        for (pingpong, lead) in [(false, Some(2)), (true, Some(1)), (true, None)] {
             for ntiles in 0..=7 {
                 // The CTA's last warpgroup with rows computes every tile; the first may stop
                 // earlier (its rows' keys end sooner) or have no rows.
                 let mut splits: Vec<[usize; 2]> = (0..=ntiles).map(|jn0| [jn0, ntiles]).collect();
                 splits.push([ntiles, 0]);
                 for jn in splits {
-                    let progs = [0, 1].map(|wg| sm90_program(wg, ntiles, jn[wg], pingpong, lead));
-                    check_sm90_sync(&progs);
+                    let mut progs: Vec<Vec<SyncOp>> = (0..2)
+                        .map(|wg| sm90_program(wg, ntiles, jn[wg], pingpong, lead))
+                        .collect();
+                    // Full barriers wait for the loaders: both consumers, or the producer.
+                    let full_count = if lead.is_some() { 256 } else { 128 };
+                    if lead.is_none() {
+                        progs.insert(0, sm90_producer(ntiles));
+                    }
+                    check_sm90_sync(&progs, full_count);
                 }
             }
         }
         // The check can fail: the ping-pong schedule gathering two tiles ahead deadlocks (its
-        // stage is released a tile later), and without warpgroup 0's last wait a named
-        // barrier keeps warpgroup 1's last arrival.
-        let too_far = [0, 1].map(|wg| sm90_program(wg, 5, 5, true, 2));
-        let mut unmatched = [0, 1].map(|wg| sm90_program(wg, 5, 5, true, 1));
+        // stage is released a tile later); without warpgroup 0's last wait a named barrier
+        // keeps warpgroup 1's last arrival; a producer that does not wait for free stages
+        // overwrites a live one.
+        let too_far: Vec<_> = (0..2)
+            .map(|wg| sm90_program(wg, 5, 5, true, Some(2)))
+            .collect();
+        let mut unmatched: Vec<_> = (0..2)
+            .map(|wg| sm90_program(wg, 5, 5, true, Some(1)))
+            .collect();
         assert_eq!(unmatched[0].pop(), Some(SyncOp::BarSync(1)));
-        for progs in [too_far, unmatched] {
-            let caught = std::panic::catch_unwind(|| check_sm90_sync(&progs));
+        let mut eager: Vec<_> = (0..2)
+            .map(|wg| sm90_program(wg, 6, 6, true, None))
+            .collect();
+        let reckless = sm90_producer(6)
+            .into_iter()
+            .filter(|op| !matches!(op, SyncOp::WaitEmpty(..)))
+            .collect();
+        eager.insert(0, reckless);
+        for (progs, full_count) in [(too_far, 256), (unmatched, 256), (eager, 128)] {
+            let caught = std::panic::catch_unwind(|| check_sm90_sync(&progs, full_count));
             assert!(caught.is_err(), "a broken schedule passed");
         }
     }

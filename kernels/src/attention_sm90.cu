@@ -40,6 +40,9 @@
 //   S(j) and P·V(j − 1) are issued as one batch, and two named barriers make the warpgroups
 //   take turns issuing, so one's softmax runs while the other's batch is on the tensor cores;
 //   tile j + 1 is gathered while tile j is computed.
+// - attn_prefill_wgmma_ws_d128_bf16 (warp-specialised): the ping-pong consumers, and a
+//   third warpgroup (384 threads) that loads Q and gathers every tile as soon as its stage
+//   is free; it keeps 56 registers (setmaxnreg) so the consumers get 224.
 // (FA3's intra-warpgroup overlap, the softmax of tile j while P·V(j − 1) runs in the same
 // warpgroup, was tried: ptxas 13.0 hoists the wgmma wait above the exponentials, or
 // serialises every wgmma when the two P buffers it needs are written in branches.)
@@ -57,18 +60,15 @@ constexpr int WGS = 2;
 constexpr int BM = WGS * WG_ROWS;                  // packed rows per CTA
 constexpr int BN = 128;                            // keys per KV tile
 constexpr int STAGES = 3;
-constexpr int NTH = 128 * WGS;
+constexpr int NTH = 128 * WGS;                     // consumer threads
 constexpr int CPR = D / 8;                         // 16-byte chunks per row
-constexpr int RPP = NTH / CPR;                     // rows one pass of the CTA's copies covers
-constexpr int KV_PASSES = BN / RPP;
 constexpr int Q_BYTES = BM * D * 2;
 constexpr int TILE_BYTES = BN * D * 2;             // one K or V tile
 constexpr int STAGE_BYTES = 2 * TILE_BYTES;
 constexpr int ALIGN = 1024;                        // the 128-byte swizzle pattern's period
 constexpr int SMEM = ALIGN + Q_BYTES + STAGES * STAGE_BYTES + 2 * STAGES * 8;  // attention.rs
-static_assert(NTH % CPR == 0 && BN % RPP == 0 && BM % RPP == 0, "tile shape");
-// The block-table lookup (rows_of) spreads a warp's 2 rows × 8 passes over its lanes 0..15.
-static_assert(CPR == 16 && RPP == 16 && KV_PASSES == 8, "lookup lanes");
+// Schedules (see the header).
+constexpr int PLAIN = 0, PINGPONG = 1, WARP_SPECIALIZED = 2;
 
 // Byte offset of 16-byte chunk c (0..15) of row r in a [rows × 128] bf16 tile stored as two
 // 128-byte-swizzled column halves (see the header).
@@ -175,16 +175,28 @@ struct Const {
     __device__ constexpr operator bool() const { return B; }
 };
 
-// PINGPONG: the two warpgroups take turns on the tensor cores (see the loop below).
-template <bool PINGPONG>
+// SCHED: PLAIN, PINGPONG (the two warpgroups take turns on the tensor cores) or
+// WARP_SPECIALIZED (ping-pong consumers and a third, producer warpgroup that gathers).
+template <int SCHED>
 __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
+    constexpr bool WS = SCHED == WARP_SPECIALIZED;
+    constexpr int THREADS = WS ? NTH + 128 : NTH;
+    constexpr int LOADERS = WS ? 128 : NTH;  // threads that gather Q and the KV tiles
+    constexpr int RPP = LOADERS / CPR;       // rows one pass of their copies covers
+    constexpr int KV_PASSES = BN / RPP;
+    static_assert(LOADERS % CPR == 0 && BN % RPP == 0 && BM % RPP == 0, "tile shape");
+    // The block-table lookup (rows_of) spreads a warp's 2 rows × KV_PASSES passes over its lanes.
+    static_assert(CPR == 16 && 2 * KV_PASSES <= 32, "lookup lanes");
     // A launch that disagrees with attention.rs fails loudly rather than computing garbage.
-    if (blockDim.x != NTH || dynamic_smem_size() < (u32)SMEM) __trap();
+    if (blockDim.x != THREADS || dynamic_smem_size() < (u32)SMEM) __trap();
     Tile t;
     if (!tile_of(a, BM, t)) return;
-    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    const int tid = threadIdx.x, lane = tid & 31;
+    // Consumer warpgroup cwg (rows 64·cwg ..), warp within it, and in WS the producer.
+    const bool producer = WS && tid < 128;
+    const int cwg = WS ? (tid >> 7) - 1 : tid >> 7, warp = (tid >> 5) & 3;
     const int g = lane >> 2, tq = lane & 3;
-    const int my_chunk = tid % CPR, my_row = tid / CPR;
+    const int my_chunk = tid % CPR, my_row = tid / CPR;  // loaders only
     const u32 s_q = (smem_u32(sm90_dyn_smem) + (ALIGN - 1)) & ~(u32)(ALIGN - 1);
     const u32 s_kv = s_q + Q_BYTES;  // stage i: K at s_kv + i·STAGE_BYTES, V after it
     const u32 full = s_kv + STAGES * STAGE_BYTES;  // STAGES barriers: the tile has landed
@@ -192,7 +204,7 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
     if (tid == 0) {
 #pragma unroll
         for (int i = 0; i < STAGES; ++i) {
-            mbar_init(full + 8 * i, NTH);
+            mbar_init(full + 8 * i, LOADERS);
             mbar_init(empty + 8 * i, NTH);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -201,26 +213,28 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
 
     // Q rows (zeros past the CTA's rows). Their copies precede tile 0's arrival on its full
     // barrier, so waiting for tile 0 waits for Q too.
+    auto load_q = [&]() {
 #pragma unroll
-    for (int k = 0; k < BM / RPP; ++k) {
-        const int r = my_row + k * RPP;
-        const bf16* src = a.q;
-        u32 bytes = 0;
-        if (r < t.nrows) {
-            src = a.q + qo_offset(a, t, r) + my_chunk * 8;
-            bytes = 16;
+        for (int k = 0; k < BM / RPP; ++k) {
+            const int r = my_row + k * RPP;
+            const bf16* src = a.q;
+            u32 bytes = 0;
+            if (r < t.nrows) {
+                src = a.q + qo_offset(a, t, r) + my_chunk * 8;
+                bytes = 16;
+            }
+            cp_async16(s_q + sw128(BM, r, my_chunk), src, bytes);
         }
-        cp_async16(s_q + sw128(BM, r, my_chunk), src, bytes);
-    }
+    };
 
     const int ntiles = t.hi > t.kv_first ? (int)((t.hi - t.kv_first + BN - 1) / BN) : 0;
-    // Block-table lookups, one per thread per tile, a tile ahead of its gather: a warp's
-    // threads copy rows 2·warp + h + RPP·k (h = lane / 16, k = 0 .. KV_PASSES − 1), and lane
-    // l < 16 looks up row 2·warp + (l / 8) + RPP·(l mod 8) (lanes 16.. repeat it); the gather
-    // then takes each pass's row from its lane with a shuffle. The loaded block id is first
-    // used by that gather, so the load's latency is hidden behind a tile's maths.
-    const int lane_in = threadIdx.x & 31;
-    const u32 lk_row = (u32)(2 * (tid >> 5) + ((lane_in >> 3) & 1) + RPP * (lane_in & 7));
+    // Block-table lookups, one per thread per tile, a tile ahead of its gather: a loader
+    // warp's threads copy rows 2·warp + h + RPP·k (h = lane / 16, k < KV_PASSES), lane
+    // l < 2·KV_PASSES looks up row 2·warp + l / KV_PASSES + RPP·(l mod KV_PASSES) (higher lanes
+    // repeat lower ones), and the gather takes each pass's row from its lane with a shuffle.
+    // The loaded block id is first used by that gather, so the load's latency is hidden.
+    const int lane_in = lane % (2 * KV_PASSES);
+    const u32 lk_row = (u32)(2 * (tid >> 5) + lane_in / KV_PASSES + RPP * (lane_in % KV_PASSES));
     u32 lk_blk = 0, lk_off = NO_PART;  // block id and offset in it; NO_PART: past the range
     auto rows_of = [&](int j) {
         const u32 p = t.kv_first + (u32)j * BN + lk_row;
@@ -240,7 +254,7 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
         for (int k = 0; k < KV_PASSES; ++k) {
             const int r = my_row + k * RPP;
             const u32 off = sw128(BN, r, my_chunk);
-            const u32 row = __shfl_sync(0xffffffffu, looked_up, ((lane_in >> 4) << 3) | k);
+            const u32 row = __shfl_sync(0xffffffffu, looked_up, (lane >> 4) * KV_PASSES + k);
             const bf16 *ks = a.k_cache, *vs = a.v_cache;
             u32 bytes = 0;
             if (row != NO_PART) {
@@ -254,18 +268,40 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
         }
         cp_async_arrive(full + 8 * st);
     };
+    if (WS) {
+        if (producer) {
+            // Producer: Q, then every tile as soon as its stage is free (both consumers have
+            // released the tile STAGES before it). Few registers: the consumers get them.
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+            load_q();
+            if (ntiles > 0) rows_of(0);
+            for (int j = 0; j < ntiles; ++j) {
+                if (j >= STAGES)
+                    mbar_wait(empty + 8 * (j % STAGES), (u32)((j - STAGES) / STAGES) & 1u);
+                gather(j);
+                if (j + 1 < ntiles) rows_of(j + 1);
+            }
+            asm volatile("cp.async.wait_all;\n" ::: "memory");
+            return;
+        }
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+    }
+
     // Tiles gathered ahead of the one computed (see the schedules below).
-    constexpr int LEAD = PINGPONG ? 1 : STAGES - 1;
-    if (ntiles > 0) rows_of(0);
+    constexpr int LEAD = SCHED == PLAIN ? STAGES - 1 : 1;
+    if (!WS) {
+        load_q();
+        if (ntiles > 0) rows_of(0);
 #pragma unroll
-    for (int j = 0; j < LEAD; ++j) {
-        if (j < ntiles) {
-            gather(j);
-            if (j + 1 < ntiles) rows_of(j + 1);
+        for (int j = 0; j < LEAD; ++j) {
+            if (j < ntiles) {
+                gather(j);
+                if (j + 1 < ntiles) rows_of(j + 1);
+            }
         }
     }
 
-    const int wrow = wg * WG_ROWS;  // the warpgroup's first row
+    const int wrow = cwg * WG_ROWS;  // the warpgroup's first row
     const bool wg_active = wrow < t.nrows;
     // The warpgroup's KV end (its last row's limit): tiles past it are the other one's.
     const u32 wg_hi = wg_active ? row_limit(t, min(wrow + WG_ROWS, t.nrows) - 1) : 0;
@@ -370,6 +406,7 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
     // The stage tile j + LEAD goes to last held tile j + LEAD − STAGES: wait until both
     // warpgroups have released it, then gather.
     auto refill = [&](int j) {
+        if (WS) return;  // the producer's work
         const int ahead = j + LEAD;
         if (ahead >= ntiles) return;
         const int prev = ahead - STAGES;
@@ -378,7 +415,7 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
         if (ahead + 1 < ntiles) rows_of(ahead + 1);
     };
 
-    if (!PINGPONG) {
+    if (SCHED == PLAIN) {
         // Per tile: S = Q·Kᵀ, wait, softmax, O += P·V, wait, release the stage. Tile j + 2 is
         // gathered while tile j is computed.
         for (int j = 0; j < ntiles; ++j) {
@@ -417,10 +454,10 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
         // other's. Both take a turn for every tile, computing or not; warpgroup 1 starts by
         // arriving on barrier 1 and warpgroup 0 ends by waiting on it, so every arrival is
         // matched by a wait.
-        const int mine = 1 + wg, other = 2 - wg;  // named barrier ids
+        const int mine = 1 + cwg, other = 2 - cwg;  // named barrier ids
         auto take_turn = [&]() { named_bar_sync(mine); };
         auto pass_turn = [&]() { named_bar_arrive(other); };
-        if (wg == 1 && ntiles > 0) named_bar_arrive(1);
+        if (cwg == 1 && ntiles > 0) named_bar_arrive(1);
         // Tiles [0, jn) are this warpgroup's; tiles [jm, ..) are masked.
         const int jn = wg_active && wg_hi > t.kv_first
                            ? min(ntiles, (int)((wg_hi - t.kv_first + BN - 1) / BN))
@@ -478,7 +515,7 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
             pass_turn();
             mbar_arrive(empty + 8 * (j % STAGES));
         }
-        if (wg == 0 && ntiles > 0) take_turn();  // warpgroup 1's last arrival
+        if (cwg == 0 && ntiles > 0) take_turn();  // warpgroup 1's last arrival
     }
     // Nothing this thread copied is still landing when it exits (the copies were never
     // committed as groups: wait_all commits and waits).
@@ -519,10 +556,15 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
 // attention.rs: SM90_ENTRIES. 230448 bytes of dynamic shared memory (the limit must be raised).
 extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma_d128_bf16(ATTN_PARAMS(bf16)) {
     CHIMERA_PDL_ENTRY();
-    attn::sm90::prefill_d128<false>(ATTN_ARGS(bf16));
+    attn::sm90::prefill_d128<attn::sm90::PLAIN>(ATTN_ARGS(bf16));
 }
 // The same with the two warpgroups taking turns on the tensor cores (ping-pong).
 extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma_pp_d128_bf16(ATTN_PARAMS(bf16)) {
     CHIMERA_PDL_ENTRY();
-    attn::sm90::prefill_d128<true>(ATTN_ARGS(bf16));
+    attn::sm90::prefill_d128<attn::sm90::PINGPONG>(ATTN_ARGS(bf16));
+}
+// Ping-pong consumers fed by a producer warpgroup (384 threads).
+extern "C" __global__ void __launch_bounds__(384, 1) attn_prefill_wgmma_ws_d128_bf16(ATTN_PARAMS(bf16)) {
+    CHIMERA_PDL_ENTRY();
+    attn::sm90::prefill_d128<attn::sm90::WARP_SPECIALIZED>(ATTN_ARGS(bf16));
 }
