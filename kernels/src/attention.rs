@@ -559,13 +559,13 @@ const MMA_D128: Kernel = mma("attn_mma_d128_bf16", 128, 64, 1, false, 4, 1, fals
 const MMA_D256: Kernel = mma("attn_mma_d256_bf16", 256, 16, 1, false, 4, 1, false);
 const PREFILL_D128: Kernel = mma("attn_prefill_d128_bf16", 128, 64, 2, true, 8, 1, false);
 /// `attention_sm90.cu`: two warpgroups of 64 rows, Q [128 × 128] and 3 stages of K + V tiles
-/// of 128 keys (bf16), 3 × 2 mbarriers, and 1024 bytes to align the tiles to the 128-byte
+/// of 128 keys (bf16), 3 × 4 mbarriers, and 1024 bytes to align the tiles to the 128-byte
 /// swizzle's 1024-byte period.
 const WGMMA_D128: Kernel = Kernel {
     entry: "attn_prefill_wgmma_d128_bf16",
     rows: 128,
     threads: 256,
-    smem: 1024 + 128 * 128 * 2 + 3 * 2 * 128 * 128 * 2 + 3 * 2 * 8,
+    smem: 1024 + 128 * 128 * 2 + 3 * 2 * 128 * 128 * 2 + 4 * 3 * 8,
 };
 const WGMMA_PP_D128: Kernel = Kernel {
     entry: "attn_prefill_wgmma_pp_d128_bf16",
@@ -974,7 +974,7 @@ mod tests {
             assert_eq!(prefill.entry(), entry);
             assert_eq!(
                 (l[0].grid, l[0].block, l[0].smem),
-                ((8 * 4, 64, 1), (256, 1, 1), 230448)
+                ((8 * 4, 64, 1), (256, 1, 1), 230496)
             );
         }
         check_coverage(&[8192], &[0], dims(32, 8, 128, 1), true);
@@ -1105,25 +1105,25 @@ mod tests {
                 ("attn_mma_d128_bf16", 64, 128, 32768 + 512),
                 ("attn_mma_d256_bf16", 64, 128, 32768 + 128),
                 ("attn_prefill_d128_bf16", 256, 256, 32768 + 65536 + 512),
-                // attention_sm90.cu's SMEM: alignment, Q, 3 × (K + V), 6 mbarriers; within
+                // attention_sm90.cu's SMEM: alignment, Q, 3 × (K + V), 12 mbarriers; within
                 // the 227 KiB a Hopper block may opt in to.
                 (
                     "attn_prefill_wgmma_d128_bf16",
                     128,
                     256,
-                    1024 + 32768 + 3 * 65536 + 48
+                    1024 + 32768 + 3 * 65536 + 96
                 ),
                 (
                     "attn_prefill_wgmma_pp_d128_bf16",
                     128,
                     256,
-                    1024 + 32768 + 3 * 65536 + 48
+                    1024 + 32768 + 3 * 65536 + 96
                 ),
                 (
                     "attn_prefill_wgmma_ws_d128_bf16",
                     128,
                     384,
-                    1024 + 32768 + 3 * 65536 + 48
+                    1024 + 32768 + 3 * 65536 + 96
                 ),
             ]
         );
@@ -1133,9 +1133,9 @@ mod tests {
             [
                 ("attn_decode_d128_bf16", 66048),
                 ("attn_prefill_d128_bf16", 98816),
-                ("attn_prefill_wgmma_d128_bf16", 230448),
-                ("attn_prefill_wgmma_pp_d128_bf16", 230448),
-                ("attn_prefill_wgmma_ws_d128_bf16", 230448)
+                ("attn_prefill_wgmma_d128_bf16", 230496),
+                ("attn_prefill_wgmma_pp_d128_bf16", 230496),
+                ("attn_prefill_wgmma_ws_d128_bf16", 230496)
             ]
         );
     }
@@ -1230,64 +1230,65 @@ mod tests {
     }
 
     /// One synchronisation step of a warpgroup in `attention_sm90.cu` (128 threads acting
-    /// together): an arrival on a stage's full (a gather of `tile`) or empty mbarrier, a
-    /// parity wait on one, a read of the tile a stage holds, a named barrier sync or arrive.
+    /// together). `kv`: 0 for K (or the whole K+V stage where the schedule does not split
+    /// them), 1 for V. Full barriers are arrived on by a gather of `tile`, empty ones by the
+    /// consumers; waits are on a phase parity; `Use` reads the tile a slot holds; named
+    /// barriers 1 and 2 are synced or arrived on.
     #[derive(Debug, Clone, Copy, PartialEq)]
     enum SyncOp {
-        ArriveFull { stage: usize, tile: usize },
-        ArriveEmpty(usize),
-        WaitFull(usize, usize),
-        WaitEmpty(usize, usize),
-        Use(usize),
+        ArriveFull {
+            kv: usize,
+            stage: usize,
+            tile: usize,
+        },
+        ArriveEmpty(usize, usize),
+        WaitFull(usize, usize, usize),
+        WaitEmpty(usize, usize, usize),
+        Use(usize, usize),
         BarSync(usize),
         BarArrive(usize),
     }
 
     const SM90_STAGES: usize = 3;
 
-    /// Consumer warpgroup `wg`'s steps in `prefill_d128<SCHED>` for a CTA of `ntiles` KV
-    /// tiles of which it computes the first `jn`, gathering `lead` tiles ahead (the kernel's
-    /// LEAD: 2 for PLAIN, 1 for PINGPONG; `None` for WARP_SPECIALIZED, whose producer
-    /// gathers); mirrors the kernel's loops.
+    /// Consumer warpgroup `wg`'s steps in `prefill_d128<PLAIN>` (`pingpong` false, `lead` 2)
+    /// or `<PINGPONG>` (true, 1) for a CTA of `ntiles` KV tiles of which it computes the
+    /// first `jn`; mirrors the kernel's loops. K and V share a stage (kv 0).
     fn sm90_program(
         wg: usize,
         ntiles: usize,
         jn: usize,
         pingpong: bool,
-        lead: Option<usize>,
+        lead: usize,
     ) -> Vec<SyncOp> {
         use SyncOp::*;
         const STAGES: usize = SM90_STAGES;
         let mut ops = Vec::new();
+        let fill = |tile: usize| ArriveFull {
+            kv: 0,
+            stage: tile % STAGES,
+            tile,
+        };
         let refill = |ops: &mut Vec<SyncOp>, j: usize| {
-            let Some(lead) = lead else { return };
             let ahead = j + lead;
             if ahead >= ntiles {
                 return;
             }
             if ahead >= STAGES {
                 let prev = ahead - STAGES;
-                ops.push(WaitEmpty(prev % STAGES, (prev / STAGES) & 1));
+                ops.push(WaitEmpty(0, prev % STAGES, (prev / STAGES) & 1));
             }
-            ops.push(ArriveFull {
-                stage: ahead % STAGES,
-                tile: ahead,
-            });
+            ops.push(fill(ahead));
         };
-        for j in 0..lead.unwrap_or(0).min(ntiles) {
-            ops.push(ArriveFull {
-                stage: j % STAGES,
-                tile: j,
-            });
-        }
+        ops.extend((0..lead.min(ntiles)).map(fill));
+        let wait_full = |j: usize| WaitFull(0, j % STAGES, (j / STAGES) & 1);
         if !pingpong {
             for j in 0..ntiles {
                 refill(&mut ops, j);
                 if j < jn {
-                    ops.push(WaitFull(j % STAGES, (j / STAGES) & 1));
-                    ops.push(Use(j));
+                    ops.extend([wait_full(j), Use(0, j)]);
                 }
-                ops.push(ArriveEmpty(j % STAGES));
+                ops.push(ArriveEmpty(0, j % STAGES));
             }
             return ops;
         }
@@ -1297,23 +1298,23 @@ mod tests {
         }
         if jn > 0 {
             refill(&mut ops, 0);
-            ops.extend([WaitFull(0, 0), BarSync(mine), Use(0), BarArrive(other)]);
+            ops.extend([wait_full(0), BarSync(mine), Use(0, 0), BarArrive(other)]);
             for j in 1..jn {
                 refill(&mut ops, j);
                 ops.extend([
-                    WaitFull(j % STAGES, (j / STAGES) & 1),
+                    wait_full(j),
                     BarSync(mine),
-                    Use(j),
-                    Use(j - 1),
+                    Use(0, j),
+                    Use(0, j - 1),
                     BarArrive(other),
-                    ArriveEmpty((j - 1) % STAGES),
+                    ArriveEmpty(0, (j - 1) % STAGES),
                 ]);
             }
-            ops.extend([Use(jn - 1), ArriveEmpty((jn - 1) % STAGES)]);
+            ops.extend([Use(0, jn - 1), ArriveEmpty(0, (jn - 1) % STAGES)]);
         }
         for j in jn..ntiles {
             refill(&mut ops, j);
-            ops.extend([BarSync(mine), BarArrive(other), ArriveEmpty(j % STAGES)]);
+            ops.extend([BarSync(mine), BarArrive(other), ArriveEmpty(0, j % STAGES)]);
         }
         if wg == 0 && ntiles > 0 {
             ops.push(BarSync(mine));
@@ -1321,24 +1322,69 @@ mod tests {
         ops
     }
 
-    /// The WARP_SPECIALIZED producer's steps: every tile once its stage is free.
-    fn sm90_producer(ntiles: usize) -> Vec<SyncOp> {
+    /// `prefill_d128<WARP_SPECIALIZED>`: consumer warpgroup `wg`'s steps (K and V released
+    /// apart) and, for `wg` = None, the producer's.
+    fn sm90_ws_program(wg: Option<usize>, ntiles: usize, jn: usize) -> Vec<SyncOp> {
+        use SyncOp::*;
         const STAGES: usize = SM90_STAGES;
+        let wait_full = |kv: usize, j: usize| WaitFull(kv, j % STAGES, (j / STAGES) & 1);
         let mut ops = Vec::new();
-        for j in 0..ntiles {
-            if j >= STAGES {
-                ops.push(SyncOp::WaitEmpty(j % STAGES, ((j - STAGES) / STAGES) & 1));
+        let Some(wg) = wg else {
+            for j in 0..ntiles {
+                for kv in 0..2 {
+                    if j >= STAGES {
+                        ops.push(WaitEmpty(kv, j % STAGES, ((j - STAGES) / STAGES) & 1));
+                    }
+                    ops.push(ArriveFull {
+                        kv,
+                        stage: j % STAGES,
+                        tile: j,
+                    });
+                }
             }
-            ops.push(SyncOp::ArriveFull {
-                stage: j % STAGES,
-                tile: j,
-            });
+            return ops;
+        };
+        let (mine, other) = (1 + wg, 2 - wg);
+        if wg == 1 && ntiles > 0 {
+            ops.push(BarArrive(1));
+        }
+        if jn > 0 {
+            ops.extend([wait_full(0, 0), BarSync(mine), Use(0, 0), BarArrive(other)]);
+            ops.push(ArriveEmpty(0, 0));
+            for j in 1..jn {
+                ops.extend([
+                    wait_full(0, j),
+                    wait_full(1, j - 1),
+                    BarSync(mine),
+                    Use(0, j),
+                    Use(1, j - 1),
+                    BarArrive(other),
+                    ArriveEmpty(0, j % STAGES),
+                    ArriveEmpty(1, (j - 1) % STAGES),
+                ]);
+            }
+            ops.extend([
+                wait_full(1, jn - 1),
+                Use(1, jn - 1),
+                ArriveEmpty(1, (jn - 1) % STAGES),
+            ]);
+        }
+        for j in jn..ntiles {
+            ops.extend([
+                BarSync(mine),
+                BarArrive(other),
+                ArriveEmpty(0, j % STAGES),
+                ArriveEmpty(1, j % STAGES),
+            ]);
+        }
+        if wg == 0 && ntiles > 0 {
+            ops.push(BarSync(mine));
         }
         ops
     }
 
     /// Every interleaving of the warpgroups' steps (`progs`, at most three, 128 threads
-    /// each): none deadlocks, a tile is read only while its stage holds it, a stage receives
+    /// each): none deadlocks, a tile is read only while its slot holds it, a slot receives
     /// its tiles in order, and no named barrier is left with arrivals. A full mbarrier
     /// completes a phase at `full_count` arrivals (its loaders'), an empty one at 256 (both
     /// consumers'), and a parity wait passes once the phase of that parity has completed, as
@@ -1350,16 +1396,19 @@ mod tests {
         assert!(progs.len() <= N);
         let len = |w: usize| progs.get(w).map_or(0, Vec::len);
         let at = |w: usize, pc: usize| progs[w][pc];
-        let counts = |i: usize| if i < STAGES { full_count } else { 256 };
-        // (pcs, blocked at a named barrier, mbarrier (pending, completed) full then empty,
-        // named barrier counts, tile held by each stage)
-        type State = ([usize; N], [bool; N], [(u32, u32); 6], [u32; 3], [i64; 3]);
+        // mbarrier index: full K, full V, empty K, empty V, STAGES each.
+        let bar =
+            |empty: bool, kv: usize, stage: usize| (2 * usize::from(empty) + kv) * STAGES + stage;
+        let counts = |i: usize| if i < 2 * STAGES { full_count } else { 256 };
+        // (pcs, blocked at a named barrier, mbarrier (pending, completed), named barrier
+        // counts, tile held by each K / V slot)
+        type State = ([usize; N], [bool; N], [(u32, u32); 12], [u32; 3], [i64; 6]);
         let init: State = (
             [0; N],
             [false; N],
             std::array::from_fn(|i| (counts(i), 0)),
             [0; 3],
-            [-1; 3],
+            [-1; 6],
         );
         let mut seen = std::collections::HashSet::new();
         let mut stack = vec![init];
@@ -1378,47 +1427,44 @@ mod tests {
                     continue;
                 }
                 let (mut pcs2, mut bl2, mut mb2, mut nb2, mut held2) = (pcs, blocked, mb, nb, held);
-                let arrive = |mb2: &mut [(u32, u32); 6], i: usize| {
+                let arrive = |mb2: &mut [(u32, u32); 12], i: usize| {
                     mb2[i].0 -= 128;
                     if mb2[i].0 == 0 {
                         mb2[i] = (counts(i), mb2[i].1 + 1);
                     }
                 };
                 match at(w, pcs[w]) {
-                    ArriveFull { stage, tile } => {
+                    ArriveFull { kv, stage, tile } => {
                         let before = if tile >= STAGES {
                             (tile - STAGES) as i64
                         } else {
                             -1
                         };
+                        let slot = kv * STAGES + stage;
                         assert!(
-                            held2[stage] == tile as i64 || held2[stage] == before,
-                            "stage {stage} skipped to tile {tile}"
+                            held2[slot] == tile as i64 || held2[slot] == before,
+                            "slot {slot} skipped to tile {tile}"
                         );
-                        held2[stage] = tile as i64;
-                        arrive(&mut mb2, stage);
+                        held2[slot] = tile as i64;
+                        arrive(&mut mb2, bar(false, kv, stage));
                         pcs2[w] += 1;
                     }
-                    ArriveEmpty(stage) => {
-                        arrive(&mut mb2, STAGES + stage);
+                    ArriveEmpty(kv, stage) => {
+                        arrive(&mut mb2, bar(true, kv, stage));
                         pcs2[w] += 1;
                     }
-                    op @ (WaitFull(stage, parity) | WaitEmpty(stage, parity)) => {
-                        let i = if matches!(op, WaitFull(..)) {
-                            stage
-                        } else {
-                            STAGES + stage
-                        };
+                    op @ (WaitFull(kv, stage, parity) | WaitEmpty(kv, stage, parity)) => {
+                        let i = bar(matches!(op, WaitEmpty(..)), kv, stage);
                         if mb[i].1 as usize % 2 == parity {
                             continue; // that phase has not completed
                         }
                         pcs2[w] += 1;
                     }
-                    Use(tile) => {
+                    Use(kv, tile) => {
                         assert_eq!(
-                            held[tile % STAGES],
+                            held[kv * STAGES + tile % STAGES],
                             tile as i64,
-                            "tile {tile} overwritten before use"
+                            "tile {tile} ({kv}) overwritten before use"
                         );
                         pcs2[w] += 1;
                     }
@@ -1455,45 +1501,34 @@ mod tests {
 
     #[test]
     fn the_sm90_pipelines_neither_deadlock_nor_overwrite_a_live_stage() {
-        // PLAIN, PINGPONG, WARP_SPECIALIZED.
-        for (pingpong, lead) in [(false, Some(2)), (true, Some(1)), (true, None)] {
-            for ntiles in 0..=7 {
-                // The CTA's last warpgroup with rows computes every tile; the first may stop
-                // earlier (its rows' keys end sooner) or have no rows.
-                let mut splits: Vec<[usize; 2]> = (0..=ntiles).map(|jn0| [jn0, ntiles]).collect();
-                splits.push([ntiles, 0]);
-                for jn in splits {
-                    let mut progs: Vec<Vec<SyncOp>> = (0..2)
+        for ntiles in 0..=7 {
+            // The CTA's last warpgroup with rows computes every tile; the first may stop
+            // earlier (its rows' keys end sooner) or have no rows.
+            let mut splits: Vec<[usize; 2]> = (0..=ntiles).map(|jn0| [jn0, ntiles]).collect();
+            splits.push([ntiles, 0]);
+            for jn in splits {
+                for (pingpong, lead) in [(false, 2), (true, 1)] {
+                    let progs: Vec<_> = (0..2)
                         .map(|wg| sm90_program(wg, ntiles, jn[wg], pingpong, lead))
                         .collect();
-                    // Full barriers wait for the loaders: both consumers, or the producer.
-                    let full_count = if lead.is_some() { 256 } else { 128 };
-                    if lead.is_none() {
-                        progs.insert(0, sm90_producer(ntiles));
-                    }
-                    check_sm90_sync(&progs, full_count);
+                    check_sm90_sync(&progs, 256);
                 }
+                let ws = [None, Some(0), Some(1)]
+                    .map(|wg| sm90_ws_program(wg, ntiles, wg.map_or(0, |w| jn[w])));
+                check_sm90_sync(&ws, 128);
             }
         }
         // The check can fail: the ping-pong schedule gathering two tiles ahead deadlocks (its
         // stage is released a tile later); without warpgroup 0's last wait a named barrier
-        // keeps warpgroup 1's last arrival; a producer that does not wait for free stages
+        // keeps warpgroup 1's last arrival; a producer that does not wait for free slots
         // overwrites a live one.
-        let too_far: Vec<_> = (0..2)
-            .map(|wg| sm90_program(wg, 5, 5, true, Some(2)))
-            .collect();
-        let mut unmatched: Vec<_> = (0..2)
-            .map(|wg| sm90_program(wg, 5, 5, true, Some(1)))
-            .collect();
+        let too_far: Vec<_> = (0..2).map(|wg| sm90_program(wg, 5, 5, true, 2)).collect();
+        let mut unmatched: Vec<_> = (0..2).map(|wg| sm90_program(wg, 5, 5, true, 1)).collect();
         assert_eq!(unmatched[0].pop(), Some(SyncOp::BarSync(1)));
-        let mut eager: Vec<_> = (0..2)
-            .map(|wg| sm90_program(wg, 6, 6, true, None))
-            .collect();
-        let reckless = sm90_producer(6)
-            .into_iter()
-            .filter(|op| !matches!(op, SyncOp::WaitEmpty(..)))
-            .collect();
-        eager.insert(0, reckless);
+        let mut eager: Vec<_> = [None, Some(0), Some(1)]
+            .map(|wg| sm90_ws_program(wg, 6, 6))
+            .into();
+        eager[0].retain(|op| !matches!(op, SyncOp::WaitEmpty(..)));
         for (progs, full_count) in [(too_far, 256), (unmatched, 256), (eager, 128)] {
             let caught = std::panic::catch_unwind(|| check_sm90_sync(&progs, full_count));
             assert!(caught.is_err(), "a broken schedule passed");

@@ -18,7 +18,7 @@
 //                  memory: V is [keys × d] row-major, i.e. B "MN-major", read with the
 //                  descriptor's transpose bit.
 //
-// Shared memory (1024-byte aligned; 230448 bytes with the alignment slack): Q [128 × 128],
+// Shared memory (1024-byte aligned; 230496 bytes with the alignment slack): Q [128 × 128],
 // then STAGES = 3 stages of K [128 × 128] + V [128 × 128], then the stages' mbarriers. Every
 // [rows × 128] tile is two column halves of [rows × 64] (128 bytes a row); in a half, row r
 // sits at r·128 and its 16-byte chunk c at (c ^ (r mod 8))·16: the 128-byte swizzle atom of
@@ -66,7 +66,8 @@ constexpr int Q_BYTES = BM * D * 2;
 constexpr int TILE_BYTES = BN * D * 2;             // one K or V tile
 constexpr int STAGE_BYTES = 2 * TILE_BYTES;
 constexpr int ALIGN = 1024;                        // the 128-byte swizzle pattern's period
-constexpr int SMEM = ALIGN + Q_BYTES + STAGES * STAGE_BYTES + 2 * STAGES * 8;  // attention.rs
+constexpr int BARRIERS = 4 * STAGES;  // full and empty per stage, for K and V apart (WS)
+constexpr int SMEM = ALIGN + Q_BYTES + STAGES * STAGE_BYTES + 8 * BARRIERS;  // attention.rs
 // Schedules (see the header).
 constexpr int PLAIN = 0, PINGPONG = 1, WARP_SPECIALIZED = 2;
 
@@ -199,13 +200,19 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
     const int my_chunk = tid % CPR, my_row = tid / CPR;  // loaders only
     const u32 s_q = (smem_u32(sm90_dyn_smem) + (ALIGN - 1)) & ~(u32)(ALIGN - 1);
     const u32 s_kv = s_q + Q_BYTES;  // stage i: K at s_kv + i·STAGE_BYTES, V after it
-    const u32 full = s_kv + STAGES * STAGE_BYTES;  // STAGES barriers: the tile has landed
-    const u32 empty = full + STAGES * 8;           // STAGES barriers: both warpgroups are done
+    // STAGES barriers each: the tile (WS: its K) has landed; both warpgroups are done with it
+    // (WS: with its K); WS only: its V has landed; both are done with its V.
+    const u32 full = s_kv + STAGES * STAGE_BYTES;
+    const u32 empty = full + STAGES * 8;
+    const u32 full_v = empty + STAGES * 8;
+    const u32 empty_v = full_v + STAGES * 8;
     if (tid == 0) {
 #pragma unroll
         for (int i = 0; i < STAGES; ++i) {
             mbar_init(full + 8 * i, LOADERS);
             mbar_init(empty + 8 * i, NTH);
+            mbar_init(full_v + 8 * i, LOADERS);
+            mbar_init(empty_v + 8 * i, NTH);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -244,9 +251,9 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
         lk_blk = t.bt[blk_idx];
         lk_off = valid ? pc - blk_idx * a.block_size : NO_PART;
     };
-    // Tile j (the rows rows_of(j) looked up) into stage j mod STAGES, then the arrival on its
-    // full barrier.
-    auto gather = [&](int j) {
+    // Tile j (the rows rows_of(j) looked up) into stage j mod STAGES: its K (which & 1) and
+    // V (which & 2), then the arrival on `bar` + 8·stage.
+    auto gather_to = [&](int j, int which, u32 bar) {
         const int st = j % STAGES;
         const u32 sk = s_kv + st * STAGE_BYTES;
         const u32 looked_up = lk_off == NO_PART ? NO_PART : lk_blk * a.block_size + lk_off;
@@ -263,22 +270,27 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
                 vs += o;
                 bytes = 16;
             }
-            cp_async16(sk + off, ks, bytes);
-            cp_async16(sk + TILE_BYTES + off, vs, bytes);
+            if (which & 1) cp_async16(sk + off, ks, bytes);
+            if (which & 2) cp_async16(sk + TILE_BYTES + off, vs, bytes);
         }
-        cp_async_arrive(full + 8 * st);
+        cp_async_arrive(bar + 8 * st);
     };
+    auto gather = [&](int j) { gather_to(j, 3, full); };
     if (WS) {
         if (producer) {
-            // Producer: Q, then every tile as soon as its stage is free (both consumers have
-            // released the tile STAGES before it). Few registers: the consumers get them.
+            // Producer: Q, then every tile's K and V, each as soon as its slot is free (both
+            // consumers have released the K or V of the tile STAGES before). K is released a
+            // tile before V, so K runs up to two tiles ahead. Few registers: the consumers
+            // get them.
             asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
             load_q();
             if (ntiles > 0) rows_of(0);
             for (int j = 0; j < ntiles; ++j) {
-                if (j >= STAGES)
-                    mbar_wait(empty + 8 * (j % STAGES), (u32)((j - STAGES) / STAGES) & 1u);
-                gather(j);
+                const u32 parity = (u32)((j - STAGES) / STAGES) & 1u;
+                if (j >= STAGES) mbar_wait(empty + 8 * (j % STAGES), parity);
+                gather_to(j, 1, full);
+                if (j >= STAGES) mbar_wait(empty_v + 8 * (j % STAGES), parity);
+                gather_to(j, 2, full_v);
                 if (j + 1 < ntiles) rows_of(j + 1);
             }
             asm volatile("cp.async.wait_all;\n" ::: "memory");
@@ -441,6 +453,71 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
             }
             mbar_arrive(empty + 8 * st);
         }
+    } else if (WS) {
+        // The ping-pong consumers below with K and V released apart: after the batch of tile
+        // j, K(j) and V(j − 1) are free. Same turns; waits come before O's rescale.
+        const int mine = 1 + cwg, other = 2 - cwg;  // named barrier ids
+        auto take_turn = [&]() { named_bar_sync(mine); };
+        auto pass_turn = [&]() { named_bar_arrive(other); };
+        if (cwg == 1 && ntiles > 0) named_bar_arrive(1);
+        const int jn = wg_active && wg_hi > t.kv_first
+                           ? min(ntiles, (int)((wg_hi - t.kv_first + BN - 1) / BN))
+                           : 0;
+        const int jm = t.lo_full > t.kv_first ? (int)((t.lo_full - t.kv_first) / BN) : 0;
+        float alpha[2];  // the last softmax's factor, not yet applied to O
+        auto step = [&](int j, auto masked) {  // 1 ≤ j < jn
+            rescale(alpha);
+            const int st = j % STAGES, prev = (j - 1) % STAGES;
+            mbar_wait(full + 8 * st, (u32)(j / STAGES) & 1u);
+            mbar_wait(full_v + 8 * prev, (u32)((j - 1) / STAGES) & 1u);
+            fence_proxy_async();
+            take_turn();
+            wgmma_fence();
+            issue_s(s_kv + st * STAGE_BYTES);
+            issue_pv(s_kv + prev * STAGE_BYTES + TILE_BYTES);
+            pass_turn();
+            wgmma_wait<0>();
+            fence_regs(s);
+            fence_regs(o);
+            mbar_arrive(empty + 8 * st);
+            mbar_arrive(empty_v + 8 * prev);
+            softmax(t.kv_first + (u32)j * BN, alpha, masked);
+            pack();
+        };
+        if (jn > 0) {
+            mbar_wait(full, 0);
+            fence_proxy_async();
+            take_turn();
+            wgmma_fence();
+            issue_s(s_kv);
+            pass_turn();
+            wgmma_wait<0>();
+            fence_regs(s);
+            mbar_arrive(empty);
+            if (jm > 0)
+                softmax(t.kv_first, alpha, Const<false>());
+            else
+                softmax(t.kv_first, alpha, Const<true>());
+            pack();
+            for (int j = 1; j < min(jm, jn); ++j) step(j, Const<false>());
+            for (int j = max(jm, 1); j < jn; ++j) step(j, Const<true>());
+            const int last = (jn - 1) % STAGES;
+            mbar_wait(full_v + 8 * last, (u32)((jn - 1) / STAGES) & 1u);
+            fence_proxy_async();
+            rescale(alpha);
+            wgmma_fence();
+            issue_pv(s_kv + last * STAGE_BYTES + TILE_BYTES);
+            wgmma_wait<0>();
+            fence_regs(o);
+            mbar_arrive(empty_v + 8 * last);
+        }
+        for (int j = jn; j < ntiles; ++j) {
+            take_turn();
+            pass_turn();
+            mbar_arrive(empty + 8 * (j % STAGES));
+            mbar_arrive(empty_v + 8 * (j % STAGES));
+        }
+        if (cwg == 0 && ntiles > 0) take_turn();  // warpgroup 1's last arrival
     } else {
         // Ping-pong (FlashAttention-3's inter-warpgroup schedule): per tile, a warpgroup
         // issues S = Q·K(j)ᵀ and O += P(j − 1)·V(j − 1) as one batch, waits, and then runs
@@ -553,7 +630,7 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
 }  // namespace sm90
 }  // namespace attn
 
-// attention.rs: SM90_ENTRIES. 230448 bytes of dynamic shared memory (the limit must be raised).
+// attention.rs: SM90_ENTRIES. 230496 bytes of dynamic shared memory (the limit must be raised).
 extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma_d128_bf16(ATTN_PARAMS(bf16)) {
     CHIMERA_PDL_ENTRY();
     attn::sm90::prefill_d128<attn::sm90::PLAIN>(ATTN_ARGS(bf16));
