@@ -33,7 +33,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use chimera_kernels::KernelCache;
-use chimera_kernels::attention::{AttnArg, AttnDims};
+use chimera_kernels::attention::{AttnArg, AttnDims, PrefillKernel};
 use chimera_kernels::sample::SampleArg;
 use chimera_kernels::ssm;
 use cudarc::driver::{CudaStream, result, sys};
@@ -285,6 +285,19 @@ impl CudaBackend {
     /// on (on by default; `CHIMERA_PDL=0` turns it off at start).
     pub fn set_pdl(&self, on: bool) {
         self.dev().set_pdl(on);
+    }
+
+    /// The d = 128 bf16 prefill attention kernel for the launches (or captures) from now on:
+    /// Hopper's wgmma kernel by default on compute capability 9.0 (`CHIMERA_WGMMA=0` keeps
+    /// `mma.sync`); a kernel the device has not built falls back to `mma.sync`. Returns the
+    /// kernel now in use.
+    pub fn set_prefill_kernel(&self, k: PrefillKernel) -> PrefillKernel {
+        self.dev().set_prefill_kernel(k)
+    }
+
+    /// The d = 128 bf16 prefill attention kernel in use.
+    pub fn prefill_kernel(&self) -> PrefillKernel {
+        self.dev().prefill_kernel()
     }
 
     /// `y_s = x · w_sᵀ (+ b_s)` for up to three weights sharing `x` in one GEMV launch, when
@@ -1657,7 +1670,8 @@ impl CudaBackend {
         let attn_err =
             |e: chimera_kernels::attention::AttnError| BackendError::Invalid(e.to_string());
         let launches =
-            chimera_kernels::attention::launches(&step.attn, dims, bf16).map_err(attn_err)?;
+            chimera_kernels::attention::launches(&step.attn, dims, bf16, self.prefill_kernel())
+                .map_err(attn_err)?;
         let scratch: Vec<CudaTensor> = chimera_kernels::attention::scratch_bytes(&step.attn, dims)
             .into_iter()
             .map(|b| self.tmp(&[b.div_ceil(4).max(1)], DType::F32))
