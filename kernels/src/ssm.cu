@@ -63,6 +63,7 @@ extern __shared__ __align__(16) u16 ssm_dyn_smem[];
 namespace ssm {
 
 constexpr u32 NONE = 0xffffffffu;  // ssm.rs: ZERO_OP (op_from of a zero op)
+constexpr float LOG2E = 1.4426950408889634f;
 constexpr int MAXK = 8;            // ssm.rs: MAX_CONV_KERNEL
 constexpr int CONV_THREADS = 128;  // ssm.rs: CONV_THREADS
 constexpr int CONV_ROWS = 32;      // ssm.rs: CONV_ROWS
@@ -968,7 +969,7 @@ struct ScanLayout {  // offsets in bf16 elements; ssm.rs: scan_smem_bytes
     static constexpr int BS = HB + P * LDN;          // B rows of the s tile [SCAN_ROWS][LDN]
     static constexpr int XS = BS + SCAN_ROWS * LDN;  // x rows of the s tile [SCAN_ROWS][LDP]
     static constexpr int END = XS + SCAN_ROWS * LDP;
-    static constexpr int BYTES = END * 2 + 3 * SCAN_ROWS * 4;  // + al, as, ds (f32)
+    static constexpr int BYTES = END * 2 + 3 * SCAN_ROWS * 4;  // + al (f32), (as, ds) pairs
 };
 
 template <int P, int N>
@@ -980,9 +981,10 @@ __device__ void scan_mma(const bf16* x, const bf16* b, const bf16* c, const bf16
     constexpr int LDN = Ly::LDN, LDP = Ly::LDP;
     bf16* smem = reinterpret_cast<bf16*>(ssm_dyn_smem);
     bf16 *cs = smem + Ly::CS, *hb = smem + Ly::HB, *bs = smem + Ly::BS, *xs = smem + Ly::XS;
+    // Cumulative dA in log2 units (exp(a) = exp2(a·log2 e)): the rows' A_l, then (A_s, dt_s)
+    // pairs of the s tile, read as one 8-byte load per column.
     float* al = reinterpret_cast<float*>(smem + Ly::END);
-    float* as_ = al + SCAN_ROWS;
-    float* ds = as_ + SCAN_ROWS;
+    float2* ad = reinterpret_cast<float2*>(al + SCAN_ROWS);
     u32 r = blockIdx.x;
     const u32 h = r % heads;
     r /= heads;
@@ -1004,8 +1006,7 @@ __device__ void scan_mma(const bf16* x, const bf16* b, const bf16* c, const bf16
         if (threadIdx.x < SCAN_ROWS) {
             const int s = threadIdx.x;
             const u64 o = (u64)(tok + s0 + s) * heads + h;
-            as_[s] = s < svalid ? acum[o] : 0.0f;
-            ds[s] = s < svalid ? dtv[o] : 0.0f;
+            ad[s] = s < svalid ? make_float2(acum[o] * LOG2E, dtv[o]) : make_float2(0.0f, 0.0f);
         }
     };
     stage_async<N>(cs, c + (i64)(tok + l0) * bc_ld + (i64)g * N, bc_ld, SCAN_ROWS, lvalid);
@@ -1032,7 +1033,8 @@ __device__ void scan_mma(const bf16* x, const bf16* b, const bf16* c, const bf16
         }
     }
     if (threadIdx.x < SCAN_ROWS)
-        al[threadIdx.x] = (int)threadIdx.x < lvalid ? acum[(u64)(tok + l0 + threadIdx.x) * heads + h] : 0.0f;
+        al[threadIdx.x] =
+            (int)threadIdx.x < lvalid ? acum[(u64)(tok + l0 + threadIdx.x) * heads + h] * LOG2E : 0.0f;
     cp_async_wait_groups<0>();
     __syncthreads();
 
@@ -1055,7 +1057,7 @@ __device__ void scan_mma(const bf16* x, const bf16* b, const bf16* c, const bf16
                 mma(y[j + 1], a, bb[2], bb[3]);
             }
         }
-        const float e0 = expf(al0), e1 = expf(al1);
+        const float e0 = exp2f(al0), e1 = exp2f(al1);
 #pragma unroll
         for (int j = 0; j < P / 8; ++j) {
             y[j][0] *= e0;
@@ -1096,18 +1098,29 @@ __device__ void scan_mma(const bf16* x, const bf16* b, const bf16* c, const bf16
                     mma(sc[j + 1], a, bb[2], bb[3]);
                 }
             }
-            // Decay and causal mask: sc[j][0..1] at (lr0, s), (lr0, s + 1); [2..3] at lr1.
+            // Decay exp(A_l − A_s)·dt_s and causal mask: sc[j][0..1] at (lr0, s), (lr0, s + 1);
+            // [2..3] at lr1. A_l − A_s ≤ 0 wherever a score is kept. Columns wholly below
+            // this warp's first row, valid, with both rows valid, need no mask.
+            const bool full = (int)s0 + c0 + SCAN_COLS - 1 <= (int)l0 + row0 &&
+                              c0 + SCAN_COLS <= svalid && lr1 < (int)len;
 #pragma unroll
             for (int j = 0; j < SCAN_COLS / 8; ++j) {
+                const int sl = c0 + 8 * j + 2 * tq;
+                const float2 d0 = ad[sl], d1 = ad[sl + 1];
+                if (full) {
+                    sc[j][0] *= exp2f(al0 - d0.x) * d0.y;
+                    sc[j][1] *= exp2f(al0 - d1.x) * d1.y;
+                    sc[j][2] *= exp2f(al1 - d0.x) * d0.y;
+                    sc[j][3] *= exp2f(al1 - d1.x) * d1.y;
+                    continue;
+                }
 #pragma unroll
                 for (int q = 0; q < 4; ++q) {
-                    const int sl = c0 + 8 * j + 2 * tq + (q & 1);
-                    const int s = (int)s0 + sl;
+                    const int s = (int)s0 + sl + (q & 1);
                     const int l = q < 2 ? lr0 : lr1;
-                    const float a_l = q < 2 ? al0 : al1;
-                    const bool ok = s <= l && sl < svalid && l < (int)len;
-                    // a_l − a_s ≤ 0 wherever ok: the fast exp2-based exponential is exact enough.
-                    sc[j][q] = ok ? sc[j][q] * (__expf(a_l - as_[sl]) * ds[sl]) : 0.0f;
+                    const float2 dq = (q & 1) ? d1 : d0;
+                    const bool ok = s <= l && sl + (q & 1) < svalid && l < (int)len;
+                    sc[j][q] = ok ? sc[j][q] * (exp2f((q < 2 ? al0 : al1) - dq.x) * dq.y) : 0.0f;
                 }
             }
             // y += scores · x (k = s).
