@@ -224,7 +224,7 @@ fn replay_conv(p: &SsmPlan, dims: ConvDims, bf16: bool) {
         );
         let update = l.args.len() != CONV_CHUNKS.len();
         // Channels a thread covers (conv_update takes four of a 4-wide conv).
-        let cpt = if update && dims.kernel == 4 && dims.channels % 4 == 0 {
+        let cpt = if update && dims.kernel == 4 && dims.channels.is_multiple_of(4) {
             4
         } else {
             1
