@@ -820,30 +820,15 @@ __device__ void ssd_pass(float* states, const float* acum, S* pool, const u32* s
 // ---------------------------------------------------------------------------------------
 // Tensor-core kernels (bf16).
 
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    u32 r;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-    return r;
-}
-
-__device__ __forceinline__ void ldsm4(u32 (&r)[4], const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_u32(p)));
-}
+// ldmatrix x4 (and .trans) from a shared-memory pointer; mma.cuh's m16n8k16 bf16 mma.
+__device__ __forceinline__ void ldsm4(u32 (&r)[4], const void* p) { ldmatrix_x4(r, smem_addr(p)); }
 __device__ __forceinline__ void ldsm4_t(u32 (&r)[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_u32(p)));
+                 : "r"(smem_addr(p)));
 }
-
-// c += a·b for one m16n8k16 tile (bf16 in, f32 accumulate).
 __device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    mma_bf16_16816(c, a, b0, b1);
 }
 
 // Rows of `rows` bf16 tiles are padded by 8 elements (16 bytes): ldmatrix rows of a
