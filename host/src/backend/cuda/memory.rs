@@ -111,8 +111,14 @@ impl Arena {
         let key = row_bytes.max(1);
         {
             let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+            // The smallest that fits: a larger buffer (a MoE temporary at capacity) stays free
+            // for the request that needs it.
             if let Some(list) = free.get_mut(&key)
-                && let Some(i) = list.iter().position(|b| b.bytes >= need)
+                && let Some((i, _)) = list
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, b)| b.bytes >= need)
+                    .min_by_key(|(_, b)| b.bytes)
             {
                 return Ok(list.swap_remove(i));
             }

@@ -548,6 +548,35 @@ impl CudaBackend {
         })
     }
 
+    /// A `[rows, cols]` step temporary whose buffer holds at least `cap_rows` rows: for row
+    /// counts that vary beyond the step's token bucket (MoE entries are tokens × top-k), so
+    /// that the first large step after warm-up does not grow the arena.
+    fn tmp_rows_with_capacity(
+        &self,
+        rows: usize,
+        cols: usize,
+        cap_rows: usize,
+        dtype: DType,
+    ) -> Result<CudaTensor> {
+        let row_bytes = cols.max(1) * dtype.size();
+        let buf = self.inner.arena.take(rows.max(cap_rows), row_bytes)?;
+        Ok(CudaTensor {
+            ptr: buf.ptr,
+            shape: vec![rows, cols],
+            dtype,
+            mem: Mem::Arena {
+                arena: self.inner.arena.clone(),
+                buf: Some(buf),
+                row_bytes: Some(row_bytes),
+            },
+        })
+    }
+
+    /// Most rows a step temporary of routed MoE entries can have: the step bucket × top-k.
+    fn moe_rows_cap(&self, top_k: usize) -> usize {
+        self.inner.arena.max_rows.load(Ordering::Relaxed) * top_k.max(1)
+    }
+
     fn memset_zero(&self, ptr: u64, bytes: usize) -> Result<()> {
         if bytes == 0 {
             return Ok(());
