@@ -159,8 +159,10 @@ struct StepClock {
     start: sys::CUevent,
     end: sys::CUevent,
     prev_end: sys::CUevent,
-    /// A step is being timed: its start is recorded.
+    /// A step is being timed.
     timing: bool,
+    /// Its start is still to be recorded (by the step's upload copy, `CudaStep::copy_staged`).
+    start_pending: bool,
     /// Its end is recorded (by the read-back in `sample`).
     ended: bool,
     have_prev: bool,
@@ -178,6 +180,7 @@ impl StepClock {
             end: event()?,
             prev_end: event()?,
             timing: false,
+            start_pending: false,
             ended: false,
             have_prev: false,
         })
@@ -393,6 +396,30 @@ impl CudaBackend {
     pub fn mem_info(&self) -> Result<(usize, usize)> {
         self.inner.device.bind()?;
         result::mem_get_info().map_err(|e| self.inner.device.fail("reading free memory", e))
+    }
+
+    /// The step clock's start event when a timed step has not recorded it yet: the upload
+    /// records it just before its copy.
+    fn pending_step_start(&self) -> Option<step::StartEvent> {
+        let clock = self.inner.clock.lock().unwrap_or_else(|p| p.into_inner());
+        clock
+            .as_ref()
+            .filter(|c| c.timing && c.start_pending)
+            .map(|c| step::StartEvent(c.start))
+    }
+
+    /// After an upload: the start counts as recorded when the upload consumed the event (an
+    /// upload that did not fit, e.g. a step too large for a graph bucket, leaves it pending).
+    fn settle_step_start(&self, step: &mut CudaStep) {
+        if step.start_event.take().is_some() {
+            return;
+        }
+        let mut clock = self.inner.clock.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = clock.as_mut()
+            && c.timing
+        {
+            c.start_pending = false;
+        }
     }
 
     /// Streaming multiprocessors of the device.
@@ -810,7 +837,10 @@ impl Backend for CudaBackend {
             splits: step::GraphShape::splits_for(bucket),
             table_cap: bucket * max_blocks + 1,
         };
-        step.upload_graph(self.dev(), &self.inner.stats, self.stream(), plan, shape)
+        step.start_event = self.pending_step_start();
+        let uploaded = step.upload_graph(self.dev(), &self.inner.stats, self.stream(), plan, shape);
+        self.settle_step_start(step);
+        uploaded
     }
 
     fn step_clock_start(&self) -> Result<()> {
@@ -823,10 +853,10 @@ impl Backend for CudaBackend {
         let Some(c) = clock.as_mut() else {
             return Ok(());
         };
-        // SAFETY: an event of this context, recorded on its stream.
-        unsafe { result::event::record(c.start, self.stream()) }
-            .map_err(|e| dev.fail("recording an event", e))?;
+        // The start is recorded just before the step's upload copy (its first device work):
+        // the host packing the step before it is device idle time, not busy time.
         c.timing = true;
+        c.start_pending = true;
         c.ended = false;
         Ok(())
     }
@@ -837,8 +867,9 @@ impl Backend for CudaBackend {
         let Some(c) = clock.as_mut() else {
             return Ok(None);
         };
-        let timed = c.timing && c.ended;
+        let timed = c.timing && c.ended && !c.start_pending;
         c.timing = false;
+        c.start_pending = false;
         if !timed {
             return Ok(None);
         }
@@ -915,7 +946,10 @@ impl Backend for CudaBackend {
     fn upload_step(&self, plan: &StepPlan, step: &mut CudaStep) -> Result<()> {
         plan.validate()?;
         self.dev().bind()?;
-        step.upload(self.dev(), &self.inner.stats, self.stream(), plan)
+        step.start_event = self.pending_step_start();
+        let uploaded = step.upload(self.dev(), &self.inner.stats, self.stream(), plan);
+        self.settle_step_start(step);
+        uploaded
     }
 
     fn arena_stats(&self) -> ArenaStats {

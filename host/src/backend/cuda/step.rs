@@ -70,7 +70,17 @@ pub struct CudaStep {
     pub(super) frozen: bool,
     pad_tables: Vec<u32>,
     pad_cu: Vec<u32>,
+    /// The step clock's start event, recorded on the stream just before this step's upload
+    /// copy (the step's first device work), so host packing counts as device idle time.
+    pub(super) start_event: Option<StartEvent>,
 }
+
+/// The step clock's start event handed to an upload.
+pub(super) struct StartEvent(pub(super) cudarc::driver::sys::CUevent);
+
+// SAFETY: a plain driver handle of the backend's context, recorded only with that context
+// current (the upload binds it).
+unsafe impl Send for StartEvent {}
 
 /// The padded, fixed layout of a decode step replayed by a CUDA graph: `bucket` one-token
 /// chunks (the real ones first, then padding rows on the PAD slot), every column the graph
@@ -123,6 +133,7 @@ impl CudaStep {
             frozen: false,
             pad_tables: Vec::new(),
             pad_cu: Vec::new(),
+            start_event: None,
         }
     }
 
@@ -331,6 +342,11 @@ impl CudaStep {
         device: &Arc<Device>,
         stream: cudarc::driver::sys::CUstream,
     ) -> Result<()> {
+        if let Some(StartEvent(event)) = self.start_event.take() {
+            // SAFETY: a live event of this stream's context.
+            unsafe { cudarc::driver::result::event::record(event, stream) }
+                .map_err(|e| device.fail("recording an event", e))?;
+        }
         let bytes = 4 * self.staging.len();
         let (Some(pinned), Some(buf)) = (self.pinned.as_mut(), self.buf.as_ref()) else {
             return Ok(());
