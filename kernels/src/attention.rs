@@ -1269,24 +1269,34 @@ mod tests {
             stage: tile % STAGES,
             tile,
         };
-        let refill = |ops: &mut Vec<SyncOp>, j: usize| {
+        // The kernel's refill_wait and refill_copy.
+        let refill_wait = |ops: &mut Vec<SyncOp>, j: usize| {
             let ahead = j + lead;
-            if ahead >= ntiles {
-                return;
-            }
-            if ahead >= STAGES {
+            if ahead < ntiles && ahead >= STAGES {
                 let prev = ahead - STAGES;
                 ops.push(WaitEmpty(0, prev % STAGES, (prev / STAGES) & 1));
             }
-            ops.push(fill(ahead));
+        };
+        let refill_copy = |ops: &mut Vec<SyncOp>, j: usize| {
+            if j + lead < ntiles {
+                ops.push(fill(j + lead));
+            }
+        };
+        let refill = |ops: &mut Vec<SyncOp>, j: usize| {
+            refill_wait(ops, j);
+            refill_copy(ops, j);
         };
         ops.extend((0..lead.min(ntiles)).map(fill));
         let wait_full = |j: usize| WaitFull(0, j % STAGES, (j / STAGES) & 1);
         if !pingpong {
             for j in 0..ntiles {
-                refill(&mut ops, j);
+                refill_wait(&mut ops, j);
                 if j < jn {
                     ops.extend([wait_full(j), Use(0, j)]);
+                    refill_copy(&mut ops, j);
+                    ops.push(Use(0, j));
+                } else {
+                    refill_copy(&mut ops, j);
                 }
                 ops.push(ArriveEmpty(0, j % STAGES));
             }
@@ -1296,19 +1306,24 @@ mod tests {
         if wg == 1 && ntiles > 0 {
             ops.push(BarArrive(1));
         }
+        // The MMAs read their tiles from issue to wait: the next tile's copies, issued in
+        // between, must go elsewhere (Use before and after them).
         if jn > 0 {
-            refill(&mut ops, 0);
+            refill_wait(&mut ops, 0);
             ops.extend([wait_full(0), BarSync(mine), Use(0, 0), BarArrive(other)]);
+            refill_copy(&mut ops, 0);
+            ops.push(Use(0, 0));
             for j in 1..jn {
-                refill(&mut ops, j);
+                refill_wait(&mut ops, j);
                 ops.extend([
                     wait_full(j),
                     BarSync(mine),
                     Use(0, j),
                     Use(0, j - 1),
                     BarArrive(other),
-                    ArriveEmpty(0, (j - 1) % STAGES),
                 ]);
+                refill_copy(&mut ops, j);
+                ops.extend([Use(0, j), Use(0, j - 1), ArriveEmpty(0, (j - 1) % STAGES)]);
             }
             ops.extend([Use(0, jn - 1), ArriveEmpty(0, (jn - 1) % STAGES)]);
         }

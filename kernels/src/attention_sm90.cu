@@ -42,7 +42,7 @@
 //   tile j + 1 is gathered while tile j is computed.
 // - attn_prefill_wgmma_ws_d128_bf16 (warp-specialised): the ping-pong consumers, and a
 //   third warpgroup (384 threads) that loads Q and gathers every tile as soon as its stage
-//   is free; it keeps 56 registers (setmaxnreg) so the consumers get 224.
+//   is free; it keeps 64 registers (setmaxnreg) so the consumers get 216.
 // (FA3's intra-warpgroup overlap, the softmax of tile j while P·V(j − 1) runs in the same
 // warpgroup, was tried: ptxas 13.0 hoists the wgmma wait above the exponentials, or
 // serialises every wgmma when the two P buffers it needs are written in branches.)
@@ -70,6 +70,11 @@ constexpr int BARRIERS = 4 * STAGES;  // full and empty per stage, for K and V a
 constexpr int SMEM = ALIGN + Q_BYTES + STAGES * STAGE_BYTES + 8 * BARRIERS;  // attention.rs
 // Schedules (see the header).
 constexpr int PLAIN = 0, PINGPONG = 1, WARP_SPECIALIZED = 2;
+// WARP_SPECIALIZED's registers per thread after setmaxnreg. A 384-thread CTA starts with
+// 168 each (65536 / 384, rounded down to a multiple of 8); the consumers' increase must fit
+// in what the producer gives back, or setmaxnreg.inc waits forever.
+constexpr int PRODUCER_REGS = 64, CONSUMER_REGS = 216;
+static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 384 * 168, "register pool");
 
 // Byte offset of 16-byte chunk c (0..15) of row r in a [rows × 128] bf16 tile stored as two
 // 128-byte-swizzled column halves (see the header).
@@ -282,8 +287,16 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
             // consumers have released the K or V of the tile STAGES before). K is released a
             // tile before V, so K runs up to two tiles ahead. Few registers: the consumers
             // get them.
-            asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+            // The block-table lookups run two tiles ahead (the producer rarely waits for a
+            // slot, so one tile ahead left the load's latency exposed).
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS) : "memory");
             load_q();
+            u32 next_blk = 0, next_off = NO_PART;
+            if (ntiles > 1) {
+                rows_of(1);
+                next_blk = lk_blk;
+                next_off = lk_off;
+            }
             if (ntiles > 0) rows_of(0);
             for (int j = 0; j < ntiles; ++j) {
                 const u32 parity = (u32)((j - STAGES) / STAGES) & 1u;
@@ -291,12 +304,19 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
                 gather_to(j, 1, full);
                 if (j >= STAGES) mbar_wait(empty_v + 8 * (j % STAGES), parity);
                 gather_to(j, 2, full_v);
-                if (j + 1 < ntiles) rows_of(j + 1);
+                const u32 b = next_blk, o = next_off;
+                if (j + 2 < ntiles) {
+                    rows_of(j + 2);
+                    next_blk = lk_blk;
+                    next_off = lk_off;
+                }
+                lk_blk = b;  // tile j + 1's rows
+                lk_off = o;
             }
             asm volatile("cp.async.wait_all;\n" ::: "memory");
             return;
         }
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
     }
 
     // Tiles gathered ahead of the one computed (see the schedules below).
@@ -417,14 +437,22 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
 
     // The stage tile j + LEAD goes to last held tile j + LEAD − STAGES: wait until both
     // warpgroups have released it, then gather.
-    auto refill = [&](int j) {
-        if (WS) return;  // the producer's work
+    // (Split in two: the wait, and the copies, which the ping-pong schedule issues while
+    // its own MMAs run.)
+    auto refill_wait = [&](int j) {
+        const int ahead = j + LEAD, prev = ahead - STAGES;
+        if (!WS && ahead < ntiles && prev >= 0)
+            mbar_wait(empty + 8 * (prev % STAGES), (u32)(prev / STAGES) & 1u);
+    };
+    auto refill_copy = [&](int j) {
         const int ahead = j + LEAD;
-        if (ahead >= ntiles) return;
-        const int prev = ahead - STAGES;
-        if (prev >= 0) mbar_wait(empty + 8 * (prev % STAGES), (u32)(prev / STAGES) & 1u);
+        if (WS || ahead >= ntiles) return;
         gather(ahead);
         if (ahead + 1 < ntiles) rows_of(ahead + 1);
+    };
+    auto refill = [&](int j) {
+        refill_wait(j);
+        refill_copy(j);
     };
 
     if (SCHED == PLAIN) {
@@ -432,7 +460,7 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
         // gathered while tile j is computed.
         for (int j = 0; j < ntiles; ++j) {
             const int st = j % STAGES;
-            refill(j);
+            refill_wait(j);
             const u32 p0 = t.kv_first + (u32)j * BN;
             if (wg_active && p0 < wg_hi) {
                 mbar_wait(full + 8 * st, (u32)(j / STAGES) & 1u);
@@ -440,6 +468,7 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
                 const u32 sk = s_kv + st * STAGE_BYTES;
                 wgmma_fence();
                 issue_s(sk);
+                refill_copy(j);  // tile j + 2, while S = Q·Kᵀ runs
                 wgmma_wait<0>();
                 fence_regs(s);
                 float alpha[2];
@@ -450,6 +479,8 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
                 issue_pv(sk + TILE_BYTES);
                 wgmma_wait<0>();
                 fence_regs(o);
+            } else {
+                refill_copy(j);
             }
             mbar_arrive(empty + 8 * st);
         }
@@ -545,7 +576,7 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
             // O's rescale comes before the waits' loops: registers a wgmma reads must not be
             // written between a branch and the wgmma (ptxas serialises every wgmma then).
             rescale(alpha);
-            refill(j);
+            refill_wait(j);
             const int st = j % STAGES, prev = (j - 1) % STAGES;
             mbar_wait(full + 8 * st, (u32)(j / STAGES) & 1u);
             fence_proxy_async();
@@ -554,6 +585,7 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
             issue_s(s_kv + st * STAGE_BYTES);
             issue_pv(s_kv + prev * STAGE_BYTES + TILE_BYTES);
             pass_turn();
+            refill_copy(j);  // this warpgroup's share of tile j + 1, while its MMAs run
             wgmma_wait<0>();
             fence_regs(s);
             fence_regs(o);
@@ -562,13 +594,14 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
             pack();
         };
         if (jn > 0) {
-            refill(0);
+            refill_wait(0);
             mbar_wait(full, 0);
             fence_proxy_async();
             take_turn();
             wgmma_fence();
             issue_s(s_kv);
             pass_turn();
+            refill_copy(0);
             wgmma_wait<0>();
             fence_regs(s);
             if (jm > 0)
