@@ -21,11 +21,13 @@
 //!
 //! **Kernels** (bf16 picks by head dim and the packed (token, head) rows of the launch's
 //! items): decodes (≤ 16 rows) run `attn_decode_d{64,128}`, prefill tiles of d = 128 run
-//! `attn_prefill_wgmma[_pp]_d128` on Hopper (when the device compiled it, `sm_90a`, and the
-//! backend asks for it: [`PrefillKernel`]) and `attn_prefill_d128` elsewhere, other tiles
-//! `attn_mma_d{64,128,256}`; f32 and other head dims run `attn_simt`. Measured on one H200 (32q/8kv, d = 128, block 16): causal prefill T = 8192 in
-//! 1.91 ms (288 TFLOP/s), T = 2048 in 0.144 ms; decode batch 64 × 2048 in 0.168 ms
-//! (3.19 TB/s of KV), 256 × 2048 in 0.53 ms (4.03 TB/s), 1 × 32768 in 0.058 ms.
+//! one of `attention_sm90.cu`'s warpgroup-MMA kernels on Hopper (when the device compiled
+//! them, `sm_90a`, and the backend asks for one: [`PrefillKernel`]) and `attn_prefill_d128`
+//! elsewhere, other tiles `attn_mma_d{64,128,256}`; f32 and other head dims run
+//! `attn_simt`. Measured on one H200 (32q/8kv, d = 128, block 16, including the KV write):
+//! causal prefill T = 8192 in 1.26 ms (436 TFLOP/s) with the ping-pong wgmma kernel, 1.96 ms
+//! (281 TFLOP/s) with `mma.sync`; decode batch 64 × 2048 in 0.168 ms (3.19 TB/s of KV),
+//! 256 × 2048 in 0.53 ms (4.03 TB/s), 1 × 32768 in 0.058 ms.
 //!
 //! **What the backend must do.** Run the launches in order on one stream (the combine reads
 //! the partials of the main launches). Pass the arguments as [`AttnArg`] documents, scratch
