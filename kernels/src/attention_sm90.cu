@@ -203,7 +203,7 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
     const int cwg = WS ? (tid >> 7) - 1 : tid >> 7, warp = (tid >> 5) & 3;
     const int g = lane >> 2, tq = lane & 3;
     const int my_chunk = tid % CPR, my_row = tid / CPR;  // loaders only
-    const u32 s_q = (smem_u32(sm90_dyn_smem) + (ALIGN - 1)) & ~(u32)(ALIGN - 1);
+    const u32 s_q = (smem_addr(sm90_dyn_smem) + (ALIGN - 1)) & ~(u32)(ALIGN - 1);
     const u32 s_kv = s_q + Q_BYTES;  // stage i: K at s_kv + i·STAGE_BYTES, V after it
     // STAGES barriers each: the tile (WS: its K) has landed; both warpgroups are done with it
     // (WS: with its K); WS only: its V has landed; both are done with its V.
@@ -235,7 +235,7 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
                 src = a.q + qo_offset(a, t, r) + my_chunk * 8;
                 bytes = 16;
             }
-            cp_async16(s_q + sw128(BM, r, my_chunk), src, bytes);
+            cp_async_16(s_q + sw128(BM, r, my_chunk), src, bytes);
         }
     };
 
@@ -275,8 +275,8 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
                 vs += o;
                 bytes = 16;
             }
-            if (which & 1) cp_async16(sk + off, ks, bytes);
-            if (which & 2) cp_async16(sk + TILE_BYTES + off, vs, bytes);
+            if (which & 1) cp_async_16(sk + off, ks, bytes);
+            if (which & 2) cp_async_16(sk + TILE_BYTES + off, vs, bytes);
         }
         cp_async_arrive(bar + 8 * st);
     };
@@ -639,24 +639,8 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
         lh += __shfl_xor_sync(0xffffffffu, lh, 2);
         const int r = wrow + warp * 16 + g + 8 * h;
         if (r >= t.nrows) continue;
-        if (t.part == NO_PART) {
-            bf16* dst = a.out + qo_offset(a, t, r) + 2 * tq;
-            const float inv = lh > 0.0f ? 1.0f / lh : 0.0f;
-#pragma unroll
-            for (int i = 0; i < 16; ++i)
-                *(u32*)(dst + i * 8) = pack_bf16x2(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
-        } else {
-            const i64 pi = part_index(a, t, r);
-            float* dst = a.part_o + pi * D + 2 * tq;
-#pragma unroll
-            for (int i = 0; i < 16; ++i)
-                *(float2*)(dst + i * 8) = make_float2(o[4 * i + 2 * h], o[4 * i + 2 * h + 1]);
-            if (tq == 0) {
-                const float mh = m[h];
-                a.part_ml[pi * 2] = mh == -CHIMERA_INF ? mh : mh * LN2;  // natural-log units
-                a.part_ml[pi * 2 + 1] = lh;
-            }
-        }
+        store_row<D, 16>(a, t, r, tq, lh, m[h],
+                         [&](int i) { return make_float2(o[4 * i + 2 * h], o[4 * i + 2 * h + 1]); });
     }
 }
 
