@@ -73,6 +73,10 @@ fn every_kernel_compiles_for_sm90a_without_spills_and_matches_its_abi_table() {
             compiled.cubin.len(),
             started.elapsed()
         );
+        // CHIMERA_PTXAS_LOG=1 prints ptxas' per-kernel registers, shared memory and spills.
+        if std::env::var_os("CHIMERA_PTXAS_LOG").is_some() {
+            eprintln!("{}", compiled.log);
+        }
         for line in compiled.log.lines() {
             if line.contains("spill")
                 && !line.contains(" 0 bytes spill stores, 0 bytes spill loads")

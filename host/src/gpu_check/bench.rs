@@ -19,6 +19,24 @@ const BLOCK: usize = 16;
 const CONTEXT: usize = 2048;
 
 pub fn run(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) {
+    let Some(bw) = kernels(report, gpu) else {
+        return;
+    };
+    for dir in [&args.bench_model, &args.hybrid_model] {
+        if let Err(e) = decode(report, gpu, dir, bw, args.steps) {
+            report.failed(
+                SUITE,
+                format!("dummy {} decode", dir.display()),
+                format!("{e:#}"),
+            );
+        }
+    }
+}
+
+/// The kernel rows of the bench suite (copy bandwidth, GEMV, Mamba2 scan, MoE, attention),
+/// without the model decodes: `--suite bench-kernels`, for quick kernel work. Returns the
+/// measured copy bandwidth, or `None` when even that failed.
+pub fn kernels(report: &mut Report, gpu: &CudaBackend) -> Option<f64> {
     let bw = match gpu.copy_bandwidth(2 << 30) {
         Ok(bw) => {
             report.push(
@@ -33,7 +51,7 @@ pub fn run(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) {
         }
         Err(e) => {
             report.failed(SUITE, "copy bandwidth", e);
-            return;
+            return None;
         }
     };
     super::gemv::bench(report, SUITE, gpu, bw);
@@ -71,15 +89,7 @@ pub fn run(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) {
     if let Err(e) = attention_decode(report, gpu) {
         report.failed(SUITE, "decode attention", format!("{e:#}"));
     }
-    for dir in [&args.bench_model, &args.hybrid_model] {
-        if let Err(e) = decode(report, gpu, dir, bw, args.steps) {
-            report.failed(
-                SUITE,
-                format!("dummy {} decode", dir.display()),
-                format!("{e:#}"),
-            );
-        }
-    }
+    Some(bw)
 }
 
 type Tensor = crate::backend::cuda::CudaTensor;
@@ -178,7 +188,7 @@ fn attention_decode(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()
             let table: Vec<u32> = (0..per_seq)
                 .map(|b| (2 * (s * per_seq + b) + b % 2) as u32)
                 .collect();
-            plan.push(&[1], ctx, &table, 0, false);
+            plan.push(&[1], ctx, &table, 0, true);
         }
         plan.finish()?;
         let mut step = gpu.new_step(batch)?;
@@ -206,6 +216,39 @@ fn attention_decode(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()
         let us = ops.iter().map(|o| o.ms).sum::<f64>() * 1e3 / f64::from(reps);
         let kernels: Vec<&str> = ops.iter().map(|o| o.name).collect();
         let bytes = (batch * (ctx + 1) * kv_heads * d * 2 * gpu.dtype().size()) as f64;
+        // The graph path's fixed split counts, beside the eager planner's choice above (what
+        // `GraphShape::splits_for` should pick is read off these rows).
+        for splits in [1u32, 2, 4, 8] {
+            let mut fixed = gpu.new_step(batch)?;
+            if !gpu.upload_decode_step_with_splits(&plan, &mut fixed, splits, per_seq)? {
+                report.failed(
+                    SUITE,
+                    format!("decode attention bs{batch}, {splits} split(s)"),
+                    "the step does not fit a graph step",
+                );
+                continue;
+            }
+            for _ in 0..3 {
+                drop(gpu.paged_attention(&q, &k, &v, &mut cache, attn, &fixed)?);
+            }
+            let ops = gpu.profile_ops(|| -> anyhow::Result<()> {
+                for _ in 0..reps {
+                    drop(gpu.paged_attention(&q, &k, &v, &mut cache, attn, &fixed)?);
+                }
+                Ok(())
+            })?;
+            let us = ops.iter().map(|o| o.ms).sum::<f64>() * 1e3 / f64::from(reps);
+            report.push(
+                SUITE,
+                format!(
+                    "paged decode attention 32q/8kv d128 bs{batch} ctx{ctx}, graph plan with {splits} split(s) (reported)"
+                ),
+                us,
+                format!("{us:.1} µs {:.2} TB/s", bytes / (us * 1e-6) / 1e12),
+                "reported".into(),
+                true,
+            );
+        }
         report.push(
             SUITE,
             format!(

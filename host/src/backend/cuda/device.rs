@@ -187,8 +187,9 @@ impl Device {
         }
         // Kernels that launch with more than the default 48 KiB of dynamic shared memory
         // (those of sources not built for this architecture are absent).
-        for (name, bytes) in
-            chimera_kernels::attention::smem_opt_in().chain(chimera_kernels::moe::smem_opt_in())
+        for (name, bytes) in chimera_kernels::attention::smem_opt_in()
+            .chain(chimera_kernels::moe::smem_opt_in())
+            .chain(chimera_kernels::ssm::smem_opt_in())
         {
             if chimera_kernels::entry(name).is_some_and(|(src, _)| !src.builds_for(&arch)) {
                 continue;
