@@ -88,6 +88,14 @@ __device__ __forceinline__ u64 desc128(u32 addr, u32 lbo, u32 sbo) {
     return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)((lbo & 0x3FFFFu) >> 4) << 16) |
            ((u64)((sbo & 0x3FFFFu) >> 4) << 32) | (1ull << 62);
 }
+// The descriptor of the matrix `off` bytes (a multiple of 16) after `desc`'s: the start
+// address is the low 14 bits (address >> 4), and shared addresses stay below 256 KiB, so the
+// offset adds to them without reaching the leading-offset field. One add per wgmma instead
+// of building each descriptor.
+__device__ __forceinline__ u64 desc_at(u64 desc, u32 off) {
+    const u32 lo = (u32)desc + (off >> 4), hi = (u32)(desc >> 32);
+    return ((u64)hi << 32) | lo;
+}
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() {
@@ -295,12 +303,14 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
 
     // S = Q·Kᵀ (issued, not waited for): k-step ks reads columns 16·ks.. of Q and K (half
     // ks / 4, 32-byte offset ks mod 4 in the swizzled row).
+    const u64 q_desc = desc128(s_q + wrow * 128, 16, 1024);  // this warpgroup's Q rows
     auto issue_s = [&](u32 sk) {
+        const u64 k_desc = desc128(sk, 16, 1024);
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) {
             const u32 col = (u32)(ks & 3) * 32;
-            const u64 da = desc128(s_q + (ks >> 2) * (BM * 128) + wrow * 128 + col, 16, 1024);
-            const u64 db = desc128(sk + (ks >> 2) * (BN * 128) + col, 16, 1024);
+            const u64 da = desc_at(q_desc, (ks >> 2) * (BM * 128) + col);
+            const u64 db = desc_at(k_desc, (ks >> 2) * (BN * 128) + col);
             wgmma_ss(s, da, db, ks > 0 ? 1u : 0u);
         }
         wgmma_commit();
@@ -308,9 +318,9 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
     // O += P·V (issued, not waited for): k-step kk reads keys 16·kk .. of V (two 8-key groups
     // of 1024 bytes).
     auto issue_pv = [&](u32 sv) {
+        const u64 v_desc = desc128(sv, BN * 128, 1024);
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-            wgmma_rs_tb(o, pa[kk], desc128(sv + kk * 2048, BN * 128, 1024));
+        for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs_tb(o, pa[kk], desc_at(v_desc, kk * 2048));
         wgmma_commit();
     };
     // Masks tile p0's scores when `masked` (a bool, or a Const when known at compile time;
