@@ -442,14 +442,29 @@ impl CudaBackend {
         splits: u32,
         max_blocks: usize,
     ) -> Result<bool> {
+        self.upload_graph_shaped(plan, step, plan.seqs.len(), splits, max_blocks)
+    }
+
+    /// Packs and uploads a graph step of `bucket` rows with `splits` split-KV pieces a
+    /// sequence; a timed step's clock starts at its upload copy.
+    fn upload_graph_shaped(
+        &self,
+        plan: &StepPlan,
+        step: &mut CudaStep,
+        bucket: usize,
+        splits: u32,
+        max_blocks: usize,
+    ) -> Result<bool> {
         self.dev().bind()?;
-        let bucket = plan.seqs.len();
         let shape = step::GraphShape {
             bucket,
             splits,
             table_cap: bucket * max_blocks + 1,
         };
-        step.upload_graph(self.dev(), &self.inner.stats, self.stream(), plan, shape)
+        step.start_event = self.pending_step_start();
+        let uploaded = step.upload_graph(self.dev(), &self.inner.stats, self.stream(), plan, shape);
+        self.settle_step_start(step);
+        uploaded
     }
 
     /// Bytes this backend has taken from the driver so far (weights, caches, arena, buffers).
@@ -831,16 +846,13 @@ impl Backend for CudaBackend {
         bucket: usize,
         max_blocks: usize,
     ) -> Result<bool> {
-        self.dev().bind()?;
-        let shape = step::GraphShape {
+        self.upload_graph_shaped(
+            plan,
+            step,
             bucket,
-            splits: step::GraphShape::splits_for(bucket),
-            table_cap: bucket * max_blocks + 1,
-        };
-        step.start_event = self.pending_step_start();
-        let uploaded = step.upload_graph(self.dev(), &self.inner.stats, self.stream(), plan, shape);
-        self.settle_step_start(step);
-        uploaded
+            step::GraphShape::splits_for(bucket),
+            max_blocks,
+        )
     }
 
     fn step_clock_start(&self) -> Result<()> {
