@@ -578,16 +578,27 @@ impl CudaBackend {
             let row_bytes = cols * dtype.size();
             (self.inner.arena.take(rows, row_bytes)?, Some(row_bytes))
         };
-        Ok(CudaTensor {
+        Ok(self.arena_tensor(buf, shape.to_vec(), dtype, row_bytes))
+    }
+
+    /// A tensor over an arena buffer, handed back to the arena when dropped.
+    fn arena_tensor(
+        &self,
+        buf: DevAlloc,
+        shape: Vec<usize>,
+        dtype: DType,
+        row_bytes: Option<usize>,
+    ) -> CudaTensor {
+        CudaTensor {
             ptr: buf.ptr,
-            shape: shape.to_vec(),
+            shape,
             dtype,
             mem: Mem::Arena {
                 arena: self.inner.arena.clone(),
                 buf: Some(buf),
                 row_bytes,
             },
-        })
+        }
     }
 
     /// A `[rows, cols]` step temporary whose buffer holds at least `cap_rows` rows: for row
@@ -602,16 +613,7 @@ impl CudaBackend {
     ) -> Result<CudaTensor> {
         let row_bytes = cols.max(1) * dtype.size();
         let buf = self.inner.arena.take(rows.max(cap_rows), row_bytes)?;
-        Ok(CudaTensor {
-            ptr: buf.ptr,
-            shape: vec![rows, cols],
-            dtype,
-            mem: Mem::Arena {
-                arena: self.inner.arena.clone(),
-                buf: Some(buf),
-                row_bytes: Some(row_bytes),
-            },
-        })
+        Ok(self.arena_tensor(buf, vec![rows, cols], dtype, Some(row_bytes)))
     }
 
     /// Most rows a step temporary of routed MoE entries can have: the step bucket × top-k.
