@@ -20,6 +20,8 @@ pub mod nvrtc;
 pub mod sample;
 pub mod ssm;
 
+use std::path::Path;
+
 pub use nvrtc::{Compiled, KernelCache, KernelError, compile, compile_all, nvrtc_version};
 
 /// One kernel launch as a planner describes it: the entry, the geometry and the arguments
@@ -147,18 +149,63 @@ impl Source {
         !self.sm90a_only || arch == "sm_90a"
     }
 
-    /// The source with project headers inlined (each once), as NVRTC compiles it.
+    /// The source with project headers inlined (each once), as NVRTC compiles it. A file of
+    /// the same name in [`SOURCES_ENV`]'s folder replaces the embedded one.
     pub fn text(&self) -> Result<String, KernelError> {
-        let mut out = String::with_capacity(self.code.len() + 4096);
+        self.text_with(std::env::var_os(SOURCES_ENV).as_deref().map(Path::new))
+    }
+
+    /// [`Self::text`] with the files of `dir`, if any, replacing the embedded ones.
+    fn text_with(&self, dir: Option<&Path>) -> Result<String, KernelError> {
+        let code = replacement(dir, self.name)?;
+        let code = code.as_deref().unwrap_or(self.code);
+        let mut out = String::with_capacity(code.len() + 4096);
         let mut seen = Vec::new();
-        inline_into(self.name, self.code, &mut out, &mut seen)?;
+        inline_into(self.name, code, dir, &mut out, &mut seen)?;
         Ok(out)
     }
+}
+
+/// A folder whose `.cu` / `.cuh` files replace the embedded ones of the same name, for kernel
+/// work on a machine that runs the binary but cannot build it: variants of a kernel are timed
+/// by running the same binary with different folders. Entry points and their parameters stay
+/// those of the Rust tables (the ABI test does not see replacements). Replaced files change
+/// the cache key, so cached CUBINs of other variants are not reused.
+pub const SOURCES_ENV: &str = "CHIMERA_KERNEL_SOURCES";
+
+/// The files [`SOURCES_ENV`] replaces, for the host to report at start.
+pub fn replaced_files() -> Vec<String> {
+    let Some(dir) = std::env::var_os(SOURCES_ENV) else {
+        return Vec::new();
+    };
+    let names = sources()
+        .iter()
+        .map(|s| s.name)
+        .chain(HEADERS.iter().map(|(n, _)| *n));
+    names
+        .filter(|n| Path::new(&dir).join(n).is_file())
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The replacement text of source or header `name`, when `dir` holds one.
+fn replacement(dir: Option<&Path>, name: &str) -> Result<Option<String>, KernelError> {
+    let Some(dir) = dir else {
+        return Ok(None);
+    };
+    let path = dir.join(name);
+    if !path.is_file() {
+        return Ok(None);
+    }
+    std::fs::read_to_string(&path)
+        .map(Some)
+        .map_err(|e| KernelError::Source(format!("{}: {e}", path.display())))
 }
 
 fn inline_into(
     file: &str,
     code: &str,
+    dir: Option<&Path>,
     out: &mut String,
     seen: &mut Vec<&'static str>,
 ) -> Result<(), KernelError> {
@@ -176,7 +223,8 @@ fn inline_into(
             };
             if !seen.contains(&hname) {
                 seen.push(hname);
-                inline_into(hname, hcode, out, seen)?;
+                let replaced = replacement(dir, hname)?;
+                inline_into(hname, replaced.as_deref().unwrap_or(hcode), dir, out, seen)?;
             }
             continue;
         }
@@ -321,6 +369,45 @@ mod tests {
         }
         let (portable, _) = entry("attn_prefill_d128_bf16").expect("declared");
         assert!(portable.builds_for("sm_80") && portable.builds_for("sm_90a"));
+    }
+
+    #[test]
+    fn files_of_the_sources_folder_replace_sources_and_headers() {
+        let dir =
+            std::env::temp_dir().join(format!("chimera-kernel-sources-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        std::fs::write(
+            dir.join("gemv.cu"),
+            "#include \"common.cuh\"\n// variant B\n",
+        )
+        .expect("write");
+        std::fs::write(dir.join("common.cuh"), "// replaced common\n").expect("write");
+        let gemv = sources()
+            .iter()
+            .find(|s| s.name == "gemv.cu")
+            .expect("gemv");
+        let text = gemv.text_with(Some(&dir)).expect("text");
+        assert_eq!(text, "// replaced common\n// variant B\n");
+        // A source without a file of its name keeps its own text, headers still replaced.
+        let dense = sources()
+            .iter()
+            .find(|s| s.name == "dense.cu")
+            .expect("dense");
+        let text = dense.text_with(Some(&dir)).expect("text");
+        assert!(text.contains("// replaced common\n"));
+        assert!(
+            !text.contains("typedef unsigned int u32;"),
+            "the embedded header is gone"
+        );
+        assert!(
+            text.contains("extern \"C\" __global__"),
+            "dense.cu's own text is kept"
+        );
+        assert_eq!(
+            dense.text_with(None).expect("text"),
+            dense.text().expect("text")
+        );
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]

@@ -162,6 +162,14 @@ impl Device {
         let sm_count = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| dev_err("reading the SM count", e))? as u32;
+        let replaced = chimera_kernels::replaced_files();
+        if !replaced.is_empty() {
+            tracing::warn!(
+                files = replaced.join(", "),
+                "kernel sources replaced from ${}",
+                chimera_kernels::SOURCES_ENV
+            );
+        }
         let compiled = chimera_kernels::compile_all(Some(cache), &arch).map_err(|e| {
             BackendError::Device(format!("compiling the CUDA kernels for {arch}: {e}"))
         })?;
