@@ -463,6 +463,34 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<Vec<Self::Tensor>> {
         weights.iter().map(|(w, b)| self.linear(x, w, *b)).collect()
     }
+    /// A gated MLP's hidden activations: `act(x · gateᵀ (+ b)) * (x · upᵀ (+ b))`. Equal to
+    /// [`Backend::linear_shared`] then [`Backend::gated_activation`], which is the default; a
+    /// device may compute the product in the projections' epilogue (one launch, one output).
+    fn gated_linear(
+        &self,
+        x: &Self::Tensor,
+        gate: (&Self::Tensor, Option<&Self::Tensor>),
+        up: (&Self::Tensor, Option<&Self::Tensor>),
+        act: Activation,
+    ) -> Result<Self::Tensor> {
+        let outs = self.linear_shared(x, &[gate, up])?;
+        let [g, u] = <[Self::Tensor; 2]>::try_from(outs)
+            .map_err(|_| BackendError::Invalid("linear_shared: not two outputs".into()))?;
+        self.gated_activation(&g, &u, act)
+    }
+    /// `act(x · wᵀ (+ b))`: [`Backend::linear`] then [`Backend::activate`] by default; a device
+    /// may apply the activation in the projection's epilogue.
+    fn linear_activated(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+        bias: Option<&Self::Tensor>,
+        act: Activation,
+    ) -> Result<Self::Tensor> {
+        let mut y = self.linear(x, w, bias)?;
+        self.activate(&mut y, act)?;
+        Ok(y)
+    }
     /// `x += y` (same shape).
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
     fn scale_assign(&self, x: &mut Self::Tensor, s: f32) -> Result<()>;
