@@ -10,7 +10,9 @@
 //! while a GPU computes). Events go out through the delivery thread `chimera serve` uses; the
 //! `events inline` row sends them from the engine thread, for comparison in the same run. These
 //! rows report the host time per step by phase, the figures behind
-//! `chimera:engine_host_seconds_total{phase}`; the mock forward pass is not part of them.
+//! `chimera:engine_host_seconds_total{phase}`; the mock forward pass is not part of them, nor
+//! is the `overlap` column: host work done between the executor's launch and finish, while a
+//! device would compute the step (the mock sleeps there).
 //!
 //! Run: `cargo bench -p chimera --bench engine_step` (add `-- serving` to run only the rows
 //! whose name contains it). Prints a table; ratios are against the 1-request case measured in
@@ -221,6 +223,7 @@ fn run(case: &Case) -> (f64, StepTimings) {
         schedule_ns: after.schedule_ns - before.schedule_ns,
         inputs_ns: after.inputs_ns - before.inputs_ns,
         execute_ns: after.execute_ns - before.execute_ns,
+        overlap_ns: after.overlap_ns - before.overlap_ns,
         update_ns: after.update_ns - before.update_ns,
         between_ns: after.between_ns - before.between_ns,
         sample_ns: after.sample_ns - before.sample_ns,
@@ -257,7 +260,7 @@ fn main() {
         },
     ];
     println!(
-        "{:<34} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10} {:>7}",
+        "{:<34} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10} {:>7} {:>8}",
         "scenario",
         "step",
         "sched",
@@ -267,7 +270,8 @@ fn main() {
         "update",
         "host",
         "bookkeep",
-        "ratio"
+        "ratio",
+        "overlap"
     );
     let mut base = None;
     for c in cases.iter().filter(|c| c.name.contains(filter.as_str())) {
@@ -281,7 +285,7 @@ fn main() {
         let bookkeeping = us(t.schedule_ns + t.inputs_ns + update);
         let b = *base.get_or_insert(bookkeeping);
         println!(
-            "{:<34} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>10.2} {:>6.1}x",
+            "{:<34} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>10.2} {:>6.1}x {:>8.2}",
             c.name,
             per_step,
             us(t.schedule_ns),
@@ -291,7 +295,8 @@ fn main() {
             us(update),
             us(t.schedule_ns + t.inputs_ns + t.update_ns),
             bookkeeping,
-            bookkeeping / b
+            bookkeeping / b,
+            us(t.overlap_ns)
         );
     }
     println!("µs per step. update = the update phase without sampling: committing the step to the");
@@ -299,6 +304,9 @@ fn main() {
         "cache and sending one event per request. host = sched + inputs + sample + update: the"
     );
     println!("engine's time between two forward passes (the metric's three phases together).");
+    println!(
+        "overlap = host work while the device computes (the previous step's events handed on)."
+    );
     println!(
         "bookkeep = host without sampling. decode rows: native greedy policies, a {VOCAB}-token"
     );

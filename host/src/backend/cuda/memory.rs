@@ -265,6 +265,39 @@ pub(crate) unsafe fn dtoh(
         .map_err(|e| device.fail("copying from the device", e))
 }
 
+/// How long [`wait_event`] busy-polls before it yields the thread between polls.
+const SPIN: std::time::Duration = std::time::Duration::from_micros(200);
+
+/// Waits until `event` (recorded on a stream of this context) has completed, by polling it:
+/// busy for [`SPIN`], then yielding the thread between polls. A synchronisation that puts the
+/// thread to sleep wakes it some tens of microseconds after the device finished, and the
+/// device idles for all of them; a poll sees the event complete within its own cost (well
+/// under a microsecond).
+pub(crate) fn wait_event(device: &Device, event: sys::CUevent) -> Result<()> {
+    let started = std::time::Instant::now();
+    loop {
+        // SAFETY: a live event of this context.
+        match unsafe { result::event::query(event) } {
+            Ok(()) => return Ok(()),
+            Err(e) if e.0 == sys::cudaError_enum::CUDA_ERROR_NOT_READY => {}
+            Err(e) => return Err(device.fail("waiting for the device", e)),
+        }
+        if started.elapsed() < SPIN {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
+    }
+}
+
+/// Reads little-endian 32-bit words from `src` into `dst` (as many as both hold), each
+/// mapped by `f`: a loop the compiler turns into a vectorised copy.
+pub(crate) fn read_words<T>(src: &[u8], dst: &mut [T], f: impl Fn(u32) -> T) {
+    for (d, w) in dst.iter_mut().zip(src.chunks_exact(4)) {
+        *d = f(u32::from_le_bytes([w[0], w[1], w[2], w[3]]));
+    }
+}
+
 pub(crate) fn sync(device: &Device, stream: sys::CUstream) -> Result<()> {
     // SAFETY: a live stream of this context.
     unsafe { result::stream::synchronize(stream) }.map_err(|e| device.fail("synchronising", e))
