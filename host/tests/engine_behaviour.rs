@@ -418,6 +418,61 @@ fn threaded_event_delivery_sends_what_inline_delivery_sends() {
     assert!(!threaded.set_outbox(Outbox::inline()));
 }
 
+/// With threaded delivery a step's events go to the delivery thread once the next step is
+/// launched (the hand-over overlaps the device's work), and the step after which nothing runs
+/// hands its own on: a finished request's stream ends without another step.
+#[test]
+fn threaded_delivery_hands_a_steps_events_on_during_the_next_one() {
+    use chimera::engine::api::EngineEvent;
+    use chimera::engine::outbox::Outbox;
+    use std::time::{Duration, Instant};
+    use tokio::sync::mpsc::error::TryRecvError;
+    let mut e = engine(
+        MockExecutor::new(MockConfig {
+            vocab: VOCAB as usize,
+            ..MockConfig::default()
+        }),
+        Knobs::default(),
+    );
+    assert!(e.set_outbox(Outbox::threaded().unwrap()));
+    let mut req = request(1, (1..=9).collect(), 4);
+    req.ignore_eos = true;
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    e.add(req, tx);
+    // The prompt's step samples the first token; it is handed on only by the next step.
+    assert!(e.step());
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(matches!(rx.try_recv(), Err(TryRecvError::Empty)));
+    let mut steps = 1;
+    while !e.is_idle() {
+        assert!(e.step());
+        steps += 1;
+    }
+    assert_eq!(steps, 4, "one prompt step, then a decode per further token");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut tokens = 0;
+    loop {
+        match rx.try_recv() {
+            Ok(EngineEvent::Tokens { tokens: t, .. }) => tokens += t.len(),
+            Ok(EngineEvent::Finished { reason, .. }) => {
+                assert_eq!(reason, FinishReason::Length);
+                break;
+            }
+            Ok(other) => panic!("unexpected event {other:?}"),
+            Err(TryRecvError::Empty) => {
+                assert!(
+                    Instant::now() < deadline,
+                    "the last step's events were never handed on"
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(TryRecvError::Disconnected) => panic!("the stream closed before Finished"),
+        }
+    }
+    assert_eq!(tokens, 4);
+    assert!(e.timings().overlap_ns > 0);
+}
+
 /// With threaded delivery, a request whose reader has gone is found by the delivery thread and
 /// cancelled by the engine: its blocks return to the pool while the other request runs on.
 #[test]

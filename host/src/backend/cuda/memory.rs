@@ -307,3 +307,28 @@ pub(crate) fn sync(device: &Device, stream: sys::CUstream) -> Result<()> {
 pub fn bad_tensor(what: &str) -> BackendError {
     BackendError::Invalid(format!("{what}: not a tensor of this CUDA backend"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::read_words;
+
+    /// Words are read little-endian, in order, as far as both sides reach.
+    #[test]
+    fn read_words_decodes_little_endian_words_in_order() {
+        let src: Vec<u8> = [7u32, 0x0102_0304, f32::to_bits(-1.5), u32::MAX]
+            .iter()
+            .flat_map(|w| w.to_le_bytes())
+            .collect();
+        let mut ints = [0u32; 3];
+        read_words(&src, &mut ints, |w| w);
+        assert_eq!(ints, [7, 0x0102_0304, f32::to_bits(-1.5)]);
+        let mut floats = [0f32; 2];
+        read_words(&src[8..], &mut floats, f32::from_bits);
+        assert_eq!(floats[0], -1.5);
+        assert!(floats[1].is_nan());
+        // A destination longer than the source keeps its tail.
+        let mut long = [9u32; 6];
+        read_words(&src, &mut long, |w| w);
+        assert_eq!(long[4..], [9, 9]);
+    }
+}
