@@ -495,11 +495,8 @@ impl<E: StepExecutor> Engine<E> {
                     self.closed.push(r.id);
                 }
             }
-            let ev = EngineEvent::Tokens {
-                tokens: vec![sampled.token],
-                logprobs: sampled.logprob.take().map(|l| vec![l]),
-            };
-            if !self.outbox.send(r.id, &r.events, ev) {
+            let logprob = sampled.logprob.take();
+            if !(self.outbox).send_token(r.id, &r.events, sampled.token, logprob) {
                 self.closed.push(r.id);
             }
         }
