@@ -223,6 +223,7 @@ fn run(case: &Case) -> (f64, StepTimings) {
         schedule_ns: after.schedule_ns - before.schedule_ns,
         inputs_ns: after.inputs_ns - before.inputs_ns,
         execute_ns: after.execute_ns - before.execute_ns,
+        launch_ns: after.launch_ns - before.launch_ns,
         overlap_ns: after.overlap_ns - before.overlap_ns,
         update_ns: after.update_ns - before.update_ns,
         between_ns: after.between_ns - before.between_ns,

@@ -62,6 +62,9 @@ pub struct StepTimings {
     pub inputs_ns: u64,
     /// The executor's forward pass: launching it and waiting for its results.
     pub execute_ns: u64,
+    /// Of `execute_ns`, the launch: uploading the step and enqueueing its work (on a device,
+    /// the part before the upload's copy keeps the device waiting).
+    pub launch_ns: u64,
     /// Host work done while the device computes the step (between the executor's launch and
     /// its finish): handing the previous step's events to the delivery thread. Not part of
     /// the time the device waits for the host.
@@ -389,7 +392,9 @@ impl<E: StepExecutor> Engine<E> {
             let t2 = Instant::now();
             self.timings.inputs_ns += (t2 - t1).as_nanos() as u64;
             let r = self.executor.launch(&self.inputs, &mut self.output);
-            self.timings.execute_ns += t2.elapsed().as_nanos() as u64;
+            let launch = t2.elapsed().as_nanos() as u64;
+            self.timings.launch_ns += launch;
+            self.timings.execute_ns += launch;
             r
         });
         // While the device computes: the previous step's events go to the delivery thread.
@@ -606,6 +611,8 @@ impl<E: StepExecutor> Engine<E> {
         s.host_inputs_seconds = self.timings.inputs_ns as f64 * 1e-9;
         s.host_update_seconds = self.timings.update_ns as f64 * 1e-9;
         s.host_between_seconds = self.timings.between_ns as f64 * 1e-9;
+        s.host_launch_seconds = self.timings.launch_ns as f64 * 1e-9;
+        s.host_overlap_seconds = self.timings.overlap_ns as f64 * 1e-9;
         let pool = self.cache.pool();
         let c = self.cache.counters;
         s.running = self.sched.num_running() as u32;

@@ -265,16 +265,14 @@ pub(crate) unsafe fn dtoh(
         .map_err(|e| device.fail("copying from the device", e))
 }
 
-/// How long [`wait_event`] busy-polls before it yields the thread between polls.
-const SPIN: std::time::Duration = std::time::Duration::from_micros(200);
-
-/// Waits until `event` (recorded on a stream of this context) has completed, by polling it:
-/// busy for [`SPIN`], then yielding the thread between polls. A synchronisation that puts the
-/// thread to sleep wakes it some tens of microseconds after the device finished, and the
-/// device idles for all of them; a poll sees the event complete within its own cost (well
-/// under a microsecond).
+/// Waits until `event` (recorded on a stream of this context) has completed, by polling it
+/// on this thread without yielding it. A synchronisation that puts the thread to sleep wakes
+/// it some tens of microseconds after the device finished, and a thread that yields between
+/// polls may find its core taken by the server's other threads (which have the events of the
+/// previous step to deliver) when the device finishes; the device idles for all of it. A poll
+/// sees the event complete within its own cost (well under a microsecond). The engine thread
+/// keeps one core busy while a step runs, as the driver's own spinning wait does.
 pub(crate) fn wait_event(device: &Device, event: sys::CUevent) -> Result<()> {
-    let started = std::time::Instant::now();
     loop {
         // SAFETY: a live event of this context.
         match unsafe { result::event::query(event) } {
@@ -282,11 +280,7 @@ pub(crate) fn wait_event(device: &Device, event: sys::CUevent) -> Result<()> {
             Err(e) if e.0 == sys::cudaError_enum::CUDA_ERROR_NOT_READY => {}
             Err(e) => return Err(device.fail("waiting for the device", e)),
         }
-        if started.elapsed() < SPIN {
-            std::hint::spin_loop();
-        } else {
-            std::thread::yield_now();
-        }
+        std::hint::spin_loop();
     }
 }
 
