@@ -473,6 +473,61 @@ fn threaded_delivery_hands_a_steps_events_on_during_the_next_one() {
     assert!(e.timings().overlap_ns > 0);
 }
 
+/// The eviction policy hears of a step's block events while the next step runs (or, when none
+/// follows, at the end of the step): once the engine is idle its view holds every cached block.
+#[test]
+fn the_evictor_hears_every_block_event_by_the_time_the_engine_is_idle() {
+    use chimera::engine::Policies;
+    use chimera::policy::{CacheEvents, Decision, EventKind, Evictor};
+    use std::collections::HashSet;
+    use std::sync::{Arc, Mutex};
+    /// Keeps the set of blocks the events say are cached.
+    struct Recorder(Arc<Mutex<HashSet<u32>>>);
+    impl Evictor for Recorder {
+        fn on_events(&mut self, ev: &CacheEvents) {
+            let mut cached = self.0.lock().unwrap();
+            for (&kind, &block) in ev.kinds.iter().zip(&ev.blocks) {
+                if kind == EventKind::Stored as u8 {
+                    cached.insert(block);
+                } else if kind == EventKind::Removed as u8 {
+                    cached.remove(&block);
+                }
+            }
+        }
+        fn choose_victims(&mut self, _count: u32, _step: u64) -> Decision<Vec<u32>> {
+            Decision::UseDefault
+        }
+    }
+    let seen = Arc::new(Mutex::new(HashSet::new()));
+    let exec = MockExecutor::new(MockConfig {
+        vocab: VOCAB as usize,
+        ..MockConfig::default()
+    });
+    let knobs = Knobs {
+        prefix_caching: true,
+        ..Knobs::default()
+    };
+    let policies = Policies {
+        evictor: Some(Box::new(Recorder(seen.clone()))),
+        ..Policies::greedy()
+    };
+    let mut e = chimera::engine::Engine::new(setup(&exec, knobs), exec, policies).unwrap();
+    let mut rxs = Vec::new();
+    for id in 0..3u64 {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut r = request(id, Tokens::new(id + 1).take(40, VOCAB), 21);
+        r.ignore_eos = true;
+        e.add(r, tx);
+        rxs.push(rx);
+    }
+    while !e.is_idle() {
+        e.step();
+    }
+    let cached = e.cache().pool().indexed();
+    assert!(cached > 0, "the workload caches blocks");
+    assert_eq!(seen.lock().unwrap().len(), cached);
+}
+
 /// With threaded delivery, a request whose reader has gone is found by the delivery thread and
 /// cancelled by the engine: its blocks return to the pool while the other request runs on.
 #[test]

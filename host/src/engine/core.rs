@@ -382,6 +382,7 @@ impl<E: StepExecutor> Engine<E> {
         if out.is_empty() {
             self.back_to_back = false;
             self.cache.commit_step();
+            self.cache.flush_evictor_events();
             self.cache.take_events(&mut self.kv_events);
             self.outbox.flush();
             self.refresh_stats();
@@ -397,9 +398,11 @@ impl<E: StepExecutor> Engine<E> {
             self.timings.execute_ns += launch;
             r
         });
-        // While the device computes: the previous step's events go to the delivery thread.
+        // While the device computes: the previous step's events go to the delivery thread and
+        // its block events to the eviction policy.
         let tw = Instant::now();
         self.outbox.flush();
+        self.cache.flush_evictor_events();
         let tf = Instant::now();
         self.timings.overlap_ns += (tf - tw).as_nanos() as u64;
         let result = launched.and_then(|()| self.executor.finish(&mut self.output));
@@ -425,6 +428,7 @@ impl<E: StepExecutor> Engine<E> {
         // This step's events go out during the next one, unless none follows.
         if self.sched.is_idle() {
             self.outbox.flush();
+            self.cache.flush_evictor_events();
         }
         self.refresh_stats();
         self.timings.steps += 1;
