@@ -50,6 +50,9 @@ struct Case {
     serving: bool,
     /// Serving rows: the engine thread sends the events itself instead of its delivery thread.
     events_inline: bool,
+    /// A hybrid model's caches (SSM slots, rolling snapshots at completed blocks), as
+    /// NemotronH has.
+    hybrid: bool,
 }
 
 /// The policies `chimera serve` gives a replica with the default configuration.
@@ -67,9 +70,15 @@ fn serving_policies() -> Policies {
     }
 }
 
-fn make_engine(blocks: usize, max_running: usize, serving: bool) -> Engine<MockExecutor> {
+fn make_engine(
+    blocks: usize,
+    max_running: usize,
+    serving: bool,
+    hybrid: bool,
+) -> Engine<MockExecutor> {
     let exec = MockExecutor::new(MockConfig {
         vocab: if serving { SERVING_VOCAB } else { VOCAB },
+        ssm_layers: if hybrid { 2 } else { 0 },
         verify_kv: false,
         step_delay: if serving {
             SERVING_STEP
@@ -78,7 +87,10 @@ fn make_engine(blocks: usize, max_running: usize, serving: bool) -> Engine<MockE
         },
         ..MockConfig::default()
     });
-    let block_bytes = exec.cache_spec().kv_block_bytes(BS) as u64;
+    let spec = exec.cache_spec();
+    let block_bytes = spec.kv_block_bytes(BS) as u64;
+    // A hybrid's slots: one live per request and as many durable ones for snapshots.
+    let ssm_bytes = (2 * max_running * spec.ssm_slot_bytes()) as u64;
     let setup = EngineSetup {
         engine: EngineConfig {
             max_batched_tokens: 16384,
@@ -86,10 +98,13 @@ fn make_engine(blocks: usize, max_running: usize, serving: bool) -> Engine<MockE
             ..Default::default()
         },
         cache: CacheConfig {
-            memory_budget: ByteSize(block_bytes * blocks as u64),
+            memory_budget: ByteSize(block_bytes * blocks as u64 + ssm_bytes),
             block_size: BS,
             prefix_caching: true,
-            ssm_share: None,
+            ssm_share: hybrid.then(|| {
+                let all = (block_bytes * blocks as u64 + ssm_bytes) as f64;
+                (ssm_bytes as f64 + spec.ssm_slot_bytes() as f64 / 2.0) / all
+            }),
             ..CacheConfig::default()
         },
         hash_salt: "bench".into(),
@@ -156,7 +171,7 @@ fn run(case: &Case) -> (f64, StepTimings) {
     };
     // Room for every decoder to grow through the measured steps without preemption.
     let blocks = case.cached_blocks + case.running * ((prompt + 8 + steps) / BS + 2) + 64;
-    let mut e = make_engine(blocks, case.running.max(8), case.serving);
+    let mut e = make_engine(blocks, case.running.max(8), case.serving, case.hybrid);
     if case.serving && !case.events_inline {
         // As `spawn_engine` sets it up.
         e.set_outbox(Outbox::threaded().expect("event delivery thread"));
@@ -246,6 +261,7 @@ fn main() {
         cached_blocks,
         serving,
         events_inline: false,
+        hybrid: false,
     };
     let cases = [
         case("decode, 1 running", 1, 0, false),
@@ -258,6 +274,10 @@ fn main() {
         Case {
             events_inline: true,
             ..case("serving, 256 running, events inline", 256, 0, true)
+        },
+        Case {
+            hybrid: true,
+            ..case("serving, 256 running, hybrid", 256, 0, true)
         },
     ];
     println!(
