@@ -607,4 +607,7 @@ fn the_loop_between_steps_is_timed_only_back_to_back() {
     assert!(e.step());
     assert_eq!(e.timings().between_ns, t.between_ns);
     assert!(e.stats().host_between_seconds > 0.0);
+    // The executor's launch and the work overlapped with it are timed and published too.
+    assert!(t.launch_ns > 0 && t.overlap_ns > 0, "{t:?}");
+    assert!(e.stats().host_launch_seconds > 0.0 && e.stats().host_overlap_seconds > 0.0);
 }
