@@ -70,12 +70,16 @@ pub struct Source {
     pub name: &'static str,
     pub code: &'static str,
     pub entries: &'static [Entry],
+    /// Built only for Hopper's `sm_90a` target (it uses `wgmma`); other architectures go
+    /// without its entries ([`Source::builds_for`]).
+    pub sm90a_only: bool,
 }
 
 /// Project headers that sources may `#include "name"`.
 pub const HEADERS: &[(&str, &str)] = &[
     ("common.cuh", include_str!("common.cuh")),
     ("mma.cuh", include_str!("mma.cuh")),
+    ("attention.cuh", include_str!("attention.cuh")),
 ];
 
 /// Bumped whenever a kernel's parameters change meaning without changing its source text.
@@ -88,31 +92,43 @@ pub fn sources() -> &'static [Source] {
             name: "dense.cu",
             code: include_str!("dense.cu"),
             entries: dense::ENTRIES,
+            sm90a_only: false,
         },
         Source {
             name: "attention.cu",
             code: include_str!("attention.cu"),
             entries: attention::ENTRIES,
+            sm90a_only: false,
+        },
+        Source {
+            name: "attention_sm90.cu",
+            code: include_str!("attention_sm90.cu"),
+            entries: attention::SM90_ENTRIES,
+            sm90a_only: true,
         },
         Source {
             name: "sample.cu",
             code: include_str!("sample.cu"),
             entries: sample::ENTRIES,
+            sm90a_only: false,
         },
         Source {
             name: "ssm.cu",
             code: include_str!("ssm.cu"),
             entries: ssm::ENTRIES,
+            sm90a_only: false,
         },
         Source {
             name: "moe.cu",
             code: include_str!("moe.cu"),
             entries: moe::ENTRIES,
+            sm90a_only: false,
         },
         Source {
             name: "gemv.cu",
             code: include_str!("gemv.cu"),
             entries: gemv::ENTRIES,
+            sm90a_only: false,
         },
     ];
     SOURCES
@@ -126,6 +142,11 @@ pub fn entry(name: &str) -> Option<(&'static Source, &'static Entry)> {
 }
 
 impl Source {
+    /// Whether this source is compiled for `arch` (an NVRTC target such as `sm_90a`).
+    pub fn builds_for(&self, arch: &str) -> bool {
+        !self.sm90a_only || arch == "sm_90a"
+    }
+
     /// The source with project headers inlined (each once), as NVRTC compiles it.
     pub fn text(&self) -> Result<String, KernelError> {
         let mut out = String::with_capacity(self.code.len() + 4096);
@@ -291,11 +312,24 @@ mod tests {
     }
 
     #[test]
+    fn the_hopper_source_builds_only_for_sm90a() {
+        let (src, _) = entry("attn_prefill_wgmma_d128_bf16").expect("declared");
+        assert!(src.sm90a_only);
+        assert!(src.builds_for("sm_90a"));
+        for arch in ["sm_80", "sm_86", "sm_89", "sm_90", "sm_100a"] {
+            assert!(!src.builds_for(arch), "{arch}");
+        }
+        let (portable, _) = entry("attn_prefill_d128_bf16").expect("declared");
+        assert!(portable.builds_for("sm_80") && portable.builds_for("sm_90a"));
+    }
+
+    #[test]
     fn a_toolkit_header_is_refused() {
         let bad = Source {
             name: "bad.cu",
             code: "#include \"cuda_bf16.h\"\n",
             entries: &[],
+            sm90a_only: false,
         };
         let err = bad.text().expect_err("toolkit header must be refused");
         assert!(err.to_string().contains("not a project header"), "{err}");

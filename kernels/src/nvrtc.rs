@@ -277,13 +277,14 @@ impl KernelCache {
     }
 }
 
-/// Every source for `arch`, compiled in parallel (or read from `cache`), in [`sources`]
-/// order.
+/// Every source that builds for `arch` ([`Source::builds_for`]), compiled in parallel (or
+/// read from `cache`), in [`sources`] order.
 pub fn compile_all(cache: Option<&KernelCache>, arch: &str) -> Result<Vec<Compiled>, KernelError> {
     ensure_loaded()?;
     std::thread::scope(|s| {
         let handles: Vec<_> = sources()
             .iter()
+            .filter(|src| src.builds_for(arch))
             .map(|src| {
                 s.spawn(move || match cache {
                     Some(c) => c.get(src, arch),

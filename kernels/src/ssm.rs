@@ -74,7 +74,8 @@ pub const MAX_CONV_KERNEL: u32 = 8;
 // Geometry mirrored from ssm.cu.
 const CONV_THREADS: u32 = 128;
 const CONV_ROWS: u32 = 32;
-const DEC_THREADS: u32 = 256;
+const DEC_THREADS: u32 = 128;
+const DEC_VECS: u32 = 8;
 const DT_THREADS: u32 = 256;
 const DT_HEADS: u32 = 32;
 const SIMT_THREADS: u32 = 256;
@@ -82,8 +83,8 @@ const SIMT_TM: u32 = 32;
 const SIMT_TN: u32 = 64;
 const PASS_THREADS: u32 = 256;
 const PASS_PER: u32 = 8;
-const MMA_THREADS: u32 = 128;
-const MMA_ROWS: u32 = 64;
+const SCAN_THREADS: u32 = 256;
+const SCAN_ROWS: u32 = 128;
 const OPS_THREADS: u32 = 256;
 const MAX_OPS_BLOCKS: u64 = 1024;
 const MAX_GRID_Y: usize = 65535;
@@ -105,10 +106,10 @@ const CONV_UPDATE: &[Param] = &[
 ];
 /// `x, b, c, dt, a_log, d, dt_bias, out, ssm_pool, seq_tok, seq_slot, seq_snap, seq_snaps,
 /// snap_slot, heads, head_dim, groups, state, x_ld, bc_ld, dt_ld, out_ld, layer, layers,
-/// slots, dt_min, dt_max`.
+/// slots, slice_rows, dt_min, dt_max`.
 const DECODE: &[Param] = &[
     Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, U32,
-    U32, U32, U32, U32, U32, U32, F32, F32,
+    U32, U32, U32, U32, U32, U32, U32, F32, F32,
 ];
 /// `dt, dt_bias, a_log, dtv, acum, ck_tok, ck_len, heads, dt_ld, head_blocks, dt_min, dt_max`.
 const DT: &[Param] = &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, F32, F32];
@@ -761,6 +762,12 @@ pub fn launches_conv(
         });
     }
     if plan.seqs() > 0 {
+        // conv_update takes `conv_update_channels` channels a thread.
+        let ch_blocks = dims
+            .channels
+            .div_ceil(CONV_THREADS * conv_update_channels(dims.kernel, dims.channels));
+        let mut shape = shape;
+        shape[7] = U32(ch_blocks);
         let blocks = plan.seqs() as u64 * u64::from(ch_blocks);
         let mut args = vec![X, Weight, Bias, Out, ConvPool];
         args.extend(
@@ -785,6 +792,16 @@ pub fn launches_conv(
         });
     }
     Ok(out)
+}
+
+/// Channels one `ssm_conv_update` thread takes (`ssm.cu` conv_update_cpt): four when the
+/// conv is 4 wide and they divide the channels, else one.
+fn conv_update_channels(kernel: u32, channels: u32) -> u32 {
+    if kernel == 4 && channels.is_multiple_of(4) {
+        4
+    } else {
+        1
+    }
 }
 
 /// Bytes of each f32 scratch buffer ([`SsmArg::Scratch`]) of one scan layer: dt and the
@@ -813,6 +830,10 @@ pub fn launches_scan(
     let heads = u64::from(dims.heads);
     let mut out = Vec::new();
     if plan.decodes > 0 {
+        // Small CTAs: a slice of the head's rows, DEC_VECS 16-byte state vectors a thread.
+        let vec = if dims.state_bf16 { 8 } else { 4 };
+        let slice_rows = (DEC_THREADS * DEC_VECS * vec / dims.state).clamp(1, dims.head_dim);
+        let slices = dims.head_dim.div_ceil(slice_rows);
         let mut args = vec![X, B, C, Dt, ALog, D, DtBias, Out, SsmPool];
         args.extend(
             [
@@ -836,12 +857,13 @@ pub fn launches_scan(
             U32(dims.layer),
             U32(dims.layers),
             U32(dims.slots),
+            U32(slice_rows),
             F32(dims.dt_min),
             F32(dims.dt_max),
         ]);
         out.push(Launch {
             entry: entry_name(&format!("ssm_decode_{ty}{}", state_suffix(dims.state_bf16))),
-            grid: grid(plan.decodes as u64 * heads)?,
+            grid: grid(plan.decodes as u64 * heads * u64::from(slices))?,
             block: (DEC_THREADS, 1, 1),
             smem: 0,
             args,
@@ -891,7 +913,7 @@ pub fn launches_scan(
         Some(pn) => (
             format!("ssd_states_mma_{pn}_bf16"),
             chunks * heads,
-            MMA_THREADS,
+            SCAN_THREADS,
             (1, 1),
         ),
         None => (
@@ -916,7 +938,7 @@ pub fn launches_scan(
         entry: entry_name(&entry),
         grid: grid(blocks)?,
         block: (threads, 1, 1),
-        smem: 0,
+        smem: mma.map_or(0, |_| states_smem_bytes(p, n)),
         args,
     });
 
@@ -955,11 +977,11 @@ pub fn launches_scan(
 
     let (entry, blocks, threads, tiles) = match mma {
         Some(pn) => {
-            let l_blocks = plan.chunk_size.div_ceil(MMA_ROWS);
+            let l_blocks = plan.chunk_size.div_ceil(SCAN_ROWS);
             (
                 format!("ssd_scan_mma_{pn}_bf16"),
                 chunks * heads * u64::from(l_blocks),
-                MMA_THREADS,
+                SCAN_THREADS,
                 (l_blocks, 1),
             )
         }
@@ -991,10 +1013,42 @@ pub fn launches_scan(
         entry: entry_name(&entry),
         grid: grid(blocks)?,
         block: (threads, 1, 1),
-        smem: 0,
+        smem: mma.map_or(0, |_| scan_smem_bytes(p, n)),
         args,
     });
     Ok(out)
+}
+
+/// Dynamic shared memory of `ssd_scan_mma` for head dim `p` and state `n` (`ssm.cu`
+/// ScanLayout): C rows, B rows and x rows of a 128-token tile and h_c, each bf16 row padded
+/// by 8 elements, then three f32 arrays of decays.
+fn scan_smem_bytes(p: u32, n: u32) -> u32 {
+    let (ldn, ldp) = (n + 8, p + 8);
+    (SCAN_ROWS * ldn + p * ldn + SCAN_ROWS * ldn + SCAN_ROWS * ldp) * 2 + 3 * SCAN_ROWS * 4
+}
+
+/// Dynamic shared memory of `ssd_states_mma` (`ssm.cu` StatesLayout): x and B rows of a
+/// 128-token tile, padded as above, then the f32 token weights.
+fn states_smem_bytes(p: u32, n: u32) -> u32 {
+    (SCAN_ROWS * (p + 8) + SCAN_ROWS * (n + 8)) * 2 + SCAN_ROWS * 4
+}
+
+/// Kernels that launch with more than the default 48 KiB of dynamic shared memory, and how
+/// much they need (the device raises their limit once at load).
+pub fn smem_opt_in() -> impl Iterator<Item = (&'static str, u32)> {
+    [64, 128]
+        .into_iter()
+        .flat_map(|n| {
+            [
+                (format!("ssd_scan_mma_p64n{n}_bf16"), scan_smem_bytes(64, n)),
+                (
+                    format!("ssd_states_mma_p64n{n}_bf16"),
+                    states_smem_bytes(64, n),
+                ),
+            ]
+        })
+        .filter(|(_, bytes)| *bytes > crate::attention::DEFAULT_SMEM_LIMIT)
+        .map(|(name, bytes)| (entry_name(&name), bytes))
 }
 
 #[cfg(test)]

@@ -2,7 +2,7 @@
 # On the GPU machine, from the repository root, with the stripped binary in .gpu/chimera
 # (tests/gpu/prepare.sh makes it on a machine without a GPU):
 #
-#   tests/gpu/run.sh kernels|hybrid|parity|graphs|bench|moe|serve|all
+#   tests/gpu/run.sh kernels|hybrid|parity|graphs|bench|bench-kernels|moe|serve|all
 #   tests/gpu/run.sh serving-caching|serving-idle|serving-prefill|serving-routing   (QUICK=1: small)
 #
 # Prints one table (check | measured | bound | pass), writes every row as JSON under $OUT (or
@@ -40,7 +40,8 @@ status=0
 run_check() {
   local s=$1
   echo "== gpu-check $s"
-  timeout 470 "$bin" gpu-check --suite "$s" --json "$out/$s.json" --dump "$out/logits" \
+  # GPU_CHECK_ARGS: extra flags, e.g. "--seed N" to repeat a run.
+  timeout 470 "$bin" gpu-check --suite "$s" --json "$out/$s.json" --dump "$out/logits" ${GPU_CHECK_ARGS:-} \
     > "$out/$s.log" 2>&1 || status=1
   tail -n 5 "$out/$s.log"
 }
@@ -72,7 +73,7 @@ serve_suite() {
 }
 
 case $suite in
-  kernels|hybrid|parity|graphs|bench|moe) run_check "$suite" ;;
+  kernels|hybrid|parity|graphs|bench|bench-kernels|moe) run_check "$suite" ;;
   # chimera serve + chimera bench with NemotronH-8B-shaped dummy weights (tests/gpu/serving.py;
   # QUICK=1 for a small workload); serving-routing needs two GPUs.
   serving-caching|serving-idle|serving-prefill|serving-routing)

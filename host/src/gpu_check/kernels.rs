@@ -11,6 +11,7 @@ use crate::backend::sample::Penalties;
 use crate::backend::{
     Activation, AttnShape, Backend, DType, HostTensor, KvLayer, Rope, SampleOut, StepPlan,
 };
+use chimera_kernels::attention::PrefillKernel;
 
 type R<T> = anyhow::Result<T>;
 
@@ -401,11 +402,13 @@ fn attention_case(
         num_blocks,
         chunks,
         None,
+        "",
     );
 }
 
 /// One mixed attention batch; with `rope`, Q and K are rotated on their way in
 /// (`rope_paged_attention`: fused into the KV write on the GPU, rotate-then-attend on the CPU).
+/// `note` ends the label.
 fn attention_rope_case(
     c: &mut Ctx<'_>,
     (heads, kv_heads, head_dim): (usize, usize, usize),
@@ -413,9 +416,10 @@ fn attention_rope_case(
     num_blocks: usize,
     chunks: &[(usize, usize)],
     rope: Option<Rope>,
+    note: &str,
 ) {
     let label = format!(
-        "attention {heads}q/{kv_heads}kv d{head_dim} bs{block_size} {num_blocks} blocks {chunks:?}{}",
+        "attention {heads}q/{kv_heads}kv d{head_dim} bs{block_size} {num_blocks} blocks {chunks:?}{}{note}",
         match &rope {
             Some(r) => format!(
                 " + RoPE on Q and K (rotary {}, ×{})",
@@ -545,6 +549,7 @@ fn attention(c: &mut Ctx<'_>) {
         2048,
         &mixed,
         Some(rope(128, 1.0, 500_000.0)),
+        "",
     );
     attention_rope_case(
         c,
@@ -553,12 +558,53 @@ fn attention(c: &mut Ctx<'_>) {
         512,
         &[(0, 33), (70, 1)],
         Some(rope(12, 1.2, 10_000.0)),
+        "",
     );
     if c.mode == DType::F32 {
         attention_case(c, (8, 2, 64), 16, 1024, &[(0, 4097)]);
     } else {
         attention_case(c, (32, 8, 128), 16, 1024, &[(0, 4097)]);
+        attention_prefill_paths(c);
     }
+}
+
+/// d = 128 prefill tiles through every bf16 prefill kernel the device has built: Hopper's
+/// wgmma ones (sm_90a) and the portable mma.sync one. Fresh prefills; chunks over cached prefixes
+/// that end mid-block; GQA groups of 4, 3 (a CTA's 128 rows end mid-token), 8 and 1; lengths
+/// that are not multiples of the 128-key tile; tiles whose rows leave a warpgroup partly or
+/// wholly empty (44 tokens × 4 heads = 176 rows: the second CTA has 48); and a chunk over a
+/// long context that the planner splits (partial outputs and the combine).
+fn attention_prefill_paths(c: &mut Ctx<'_>) {
+    let default = c.gpu.prefill_kernel();
+    // ((heads, kv heads, head dim), block size, blocks, chunks (context, new tokens)).
+    type Case = (
+        (usize, usize, usize),
+        usize,
+        usize,
+        &'static [(usize, usize)],
+    );
+    let cases: &[Case] = &[
+        (
+            (32, 8, 128),
+            16,
+            4096,
+            &[(0, 300), (463, 200), (1327, 1), (5, 44)],
+        ),
+        ((24, 8, 128), 16, 1024, &[(0, 257), (100, 129)]),
+        ((32, 4, 128), 32, 1024, &[(0, 190), (77, 64)]),
+        ((8, 8, 128), 16, 1024, &[(0, 1000), (31, 500)]),
+        ((8, 2, 128), 16, 2048, &[(20_000, 150)]),
+    ];
+    for want in PrefillKernel::ALL {
+        if c.gpu.set_prefill_kernel(want) != want {
+            continue; // not built on this GPU (the Hopper kernels: sm_90a only)
+        }
+        let note = format!(", {}", want.name());
+        for &(shape, block_size, blocks, chunks) in cases {
+            attention_rope_case(c, shape, block_size, blocks, chunks, None, &note);
+        }
+    }
+    c.gpu.set_prefill_kernel(default);
 }
 
 /// The sampling tail: candidates must equal the CPU's bit for bit in f32 mode (ties, NaN,

@@ -256,6 +256,10 @@ pub fn run(args: &GpuCheckArgs) -> anyhow::Result<Report> {
         ran = true;
         bench::run(&mut report, &bf16_gpu, args);
     }
+    if args.suite == "bench-kernels" {
+        ran = true;
+        bench::kernels(&mut report, &bf16_gpu);
+    }
     if args.suite == "moe" {
         // The MoE rows of `hybrid` and `bench` alone.
         ran = true;
@@ -265,7 +269,7 @@ pub fn run(args: &GpuCheckArgs) -> anyhow::Result<Report> {
     }
     anyhow::ensure!(
         ran,
-        "unknown suite {:?} (kernels, hybrid, parity, graphs, bench, moe, all)",
+        "unknown suite {:?} (kernels, hybrid, parity, graphs, bench, bench-kernels, moe, all)",
         args.suite
     );
     if let Some(path) = &args.json {

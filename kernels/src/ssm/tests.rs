@@ -176,7 +176,20 @@ fn check_kinds(l: &Launch<SsmArg>) {
     let (_, entry) = crate::entry(l.entry).unwrap_or_else(|| panic!("{:?} undeclared", l.entry));
     let kinds: Vec<Param> = l.args.iter().map(SsmArg::param).collect();
     assert_eq!(kinds, entry.params, "{} arguments", l.entry);
-    assert_eq!((l.grid.1, l.grid.2, l.smem), (1, 1, 0), "{}", l.entry);
+    assert_eq!((l.grid.1, l.grid.2), (1, 1), "{}", l.entry);
+    // Only the tensor-core scan takes dynamic shared memory: exactly its layout's size, and
+    // the device raises the limit of every kernel launched above the default.
+    let want = match l.entry {
+        "ssd_scan_mma_p64n64_bf16" => (128 * 72 + 64 * 72 + 128 * 72 + 128 * 72) * 2 + 1536,
+        "ssd_scan_mma_p64n128_bf16" => (128 * 136 + 64 * 136 + 128 * 136 + 128 * 72) * 2 + 1536,
+        "ssd_states_mma_p64n64_bf16" => (128 * 72 + 128 * 72) * 2 + 512,
+        "ssd_states_mma_p64n128_bf16" => (128 * 72 + 128 * 136) * 2 + 512,
+        _ => 0,
+    };
+    assert_eq!(l.smem, want, "{} shared memory", l.entry);
+    if l.smem > crate::attention::DEFAULT_SMEM_LIMIT {
+        assert!(smem_opt_in().any(|(name, bytes)| name == l.entry && bytes >= l.smem));
+    }
 }
 
 /// Replays the conv kernels' grid decomposition (ssm.cu conv_chunks, conv_update):
@@ -209,9 +222,22 @@ fn replay_conv(p: &SsmPlan, dims: ConvDims, bf16: bool) {
                 19
             },
         );
-        assert!(ch_blocks * CONV_THREADS >= dims.channels);
+        let update = l.args.len() != CONV_CHUNKS.len();
+        // Channels a thread covers (conv_update takes four of a 4-wide conv).
+        let cpt = if update && dims.kernel == 4 && dims.channels.is_multiple_of(4) {
+            4
+        } else {
+            1
+        };
+        assert!(ch_blocks * CONV_THREADS * cpt >= dims.channels);
+        assert!(
+            (ch_blocks - 1) * CONV_THREADS * cpt < dims.channels,
+            "no idle block"
+        );
         for bid in 0..l.grid.0 {
             let cb = bid % ch_blocks;
+            let span = CONV_THREADS * cpt;
+            let chans = cb * span..((cb + 1) * span).min(dims.channels);
             if l.args.len() == CONV_CHUNKS.len() {
                 let row_blocks = u32_arg(l, 21);
                 let rest = bid / ch_blocks;
@@ -223,7 +249,9 @@ fn replay_conv(p: &SsmPlan, dims: ConvDims, bf16: bool) {
                 }
                 let r1 = len.min(r0 + CONV_ROWS as usize);
                 for r in r0..r1 {
-                    *out.entry((col(WorkCol::CkTok, ck) + r, cb)).or_default() += 1;
+                    for c in chans.clone() {
+                        *out.entry((col(WorkCol::CkTok, ck) + r, c)).or_default() += 1;
+                    }
                 }
                 if r1 == len && cb == 0 {
                     let k0 = col(WorkCol::CkSnap, ck);
@@ -234,7 +262,9 @@ fn replay_conv(p: &SsmPlan, dims: ConvDims, bf16: bool) {
             } else {
                 let e = (bid / ch_blocks) as usize;
                 if e < p.decodes() {
-                    *out.entry((col(WorkCol::SeqTok, e), cb)).or_default() += 1;
+                    for c in chans.clone() {
+                        *out.entry((col(WorkCol::SeqTok, e), c)).or_default() += 1;
+                    }
                     if cb == 0 {
                         let k0 = col(WorkCol::SeqSnap, e);
                         for n in &mut snaps[k0..k0 + col(WorkCol::SeqSnaps, e)] {
@@ -248,10 +278,9 @@ fn replay_conv(p: &SsmPlan, dims: ConvDims, bf16: bool) {
             }
         }
     }
-    let ch_blocks = dims.channels.div_ceil(CONV_THREADS);
     assert_eq!(
         out.len(),
-        p.tokens() as usize * ch_blocks as usize,
+        p.tokens() as usize * dims.channels as usize,
         "conv rows covered"
     );
     assert!(out.values().all(|&n| n == 1), "conv rows written once");
@@ -287,16 +316,23 @@ fn replay_scan(p: &SsmPlan, dims: ScanDims, bf16: bool) {
         if name.starts_with("ssm_decode") {
             order.push("decode");
             assert_eq!(l.block.0, DEC_THREADS);
+            // CTA (entry, head, slice of `slice_rows` rows of p).
+            let rows = u32_arg(l, 25) as usize;
+            assert!(rows >= 1);
+            let slices = pd.div_ceil(rows);
             for bid in 0..l.grid.0 as usize {
-                let (h, e) = (bid % heads, bid / heads);
+                let (slice, r) = (bid % slices, bid / slices);
+                let (h, e) = (r % heads, r / heads);
                 assert!(e < p.decodes());
-                for q in 0..pd {
+                let (p0, p1) = (slice * rows, ((slice + 1) * rows).min(pd));
+                for q in p0..p1 {
                     *out.entry((col(WorkCol::SeqTok, e), h, q)).or_default() += 1;
                 }
-                live[e * heads + h] += pn;
+                let elems = (p1 - p0) * (pn / pd);
+                live[e * heads + h] += elems;
                 let k0 = col(WorkCol::SeqSnap, e);
                 for k in k0..k0 + col(WorkCol::SeqSnaps, e) {
-                    snaps[k * heads + h] += pn;
+                    snaps[k * heads + h] += elems;
                 }
             }
         } else if name.starts_with("ssd_dt") {
@@ -356,7 +392,7 @@ fn replay_scan(p: &SsmPlan, dims: ScanDims, bf16: bool) {
             assert_eq!(name.contains("_mma_"), mma.is_some(), "{name}");
             let (lt_n, pt_n) = (u32_arg(l, 17) as usize, u32_arg(l, 18) as usize);
             let (tl, tp) = if mma.is_some() {
-                (MMA_ROWS as usize, pd)
+                (SCAN_ROWS as usize, pd)
             } else {
                 (SIMT_TM as usize, SIMT_TN as usize)
             };
@@ -825,7 +861,7 @@ fn the_kernels_follow_dtype_and_shape() {
     let (_, big) = build(&[8192], &[], 128);
     let l = launches_scan(&big, scan_dims(128, 64, 8, 128), true).expect("shape");
     let grids: Vec<u32> = l.iter().map(|l| l.grid.0).collect();
-    assert_eq!(grids, [64 * 4, 64 * 128, 128 * 4, 64 * 128 * 2]);
+    assert_eq!(grids, [64 * 4, 64 * 128, 128 * 4, 64 * 128]);
     assert_eq!(
         scratch_bytes(&big, scan_dims(128, 64, 8, 128)),
         [8192 * 128 * 4, 8192 * 128 * 4, 64 * 128 * 64 * 128 * 4]

@@ -8,9 +8,10 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
+use chimera_kernels::attention::PrefillKernel;
 use chimera_kernels::{Entry, KernelCache, Param};
 use cudarc::driver::{CudaContext, result, sys};
 
@@ -77,6 +78,9 @@ impl Arg {
     }
 }
 
+/// The prefill attention kernel where the device built Hopper's (`attention_sm90.cu`, `sm_90a`).
+const DEFAULT_PREFILL: PrefillKernel = PrefillKernel::WgmmaPingPong;
+
 /// A device: context, modules and facts about it.
 pub struct Device {
     pub ctx: Arc<CudaContext>,
@@ -94,6 +98,9 @@ pub struct Device {
     pub(crate) ssm_chunk: std::sync::atomic::AtomicU32,
     /// Launch kernels with programmatic stream serialization (see [`Device::launch`]).
     pdl: AtomicBool,
+    /// The d = 128 prefill attention kernel, a [`PrefillKernel`] as u8 (see
+    /// [`Device::set_prefill_kernel`]).
+    prefill: AtomicU8,
     /// Per-operation device time, while switched on ([`Device::profile_start`]).
     profiling: AtomicBool,
     profile: Mutex<Vec<(&'static str, sys::CUevent, sys::CUevent)>>,
@@ -178,10 +185,15 @@ impl Device {
                 kernels.insert(entry.name, Kernel { func, entry });
             }
         }
-        // Kernels that launch with more than the default 48 KiB of dynamic shared memory.
-        for (name, bytes) in
-            chimera_kernels::attention::smem_opt_in().chain(chimera_kernels::moe::smem_opt_in())
+        // Kernels that launch with more than the default 48 KiB of dynamic shared memory
+        // (those of sources not built for this architecture are absent).
+        for (name, bytes) in chimera_kernels::attention::smem_opt_in()
+            .chain(chimera_kernels::moe::smem_opt_in())
+            .chain(chimera_kernels::ssm::smem_opt_in())
         {
+            if chimera_kernels::entry(name).is_some_and(|(src, _)| !src.builds_for(&arch)) {
+                continue;
+            }
             let k = kernels
                 .get(name)
                 .ok_or_else(|| BackendError::Device(format!("no kernel named {name}")))?;
@@ -195,6 +207,14 @@ impl Device {
             }
             .map_err(|e| dev_err(&format!("raising the shared memory of {name}"), e))?;
         }
+        // Hopper's wgmma kernel where it was built, unless CHIMERA_WGMMA=0.
+        let prefill = if kernels.contains_key(DEFAULT_PREFILL.entry())
+            && std::env::var("CHIMERA_WGMMA").map_or(true, |v| v != "0")
+        {
+            DEFAULT_PREFILL
+        } else {
+            PrefillKernel::MmaSync
+        };
         Ok(Arc::new(Self {
             ctx,
             ordinal,
@@ -206,6 +226,7 @@ impl Device {
             sticky: AtomicBool::new(false),
             ssm_chunk: std::sync::atomic::AtomicU32::new(0),
             pdl: AtomicBool::new(std::env::var("CHIMERA_PDL").map_or(true, |v| v != "0")),
+            prefill: AtomicU8::new(prefill as u8),
             profiling: AtomicBool::new(false),
             profile: Mutex::new(Vec::new()),
         }))
@@ -338,6 +359,29 @@ impl Device {
     /// measured by turning it off.
     pub fn set_pdl(&self, on: bool) {
         self.pdl.store(on, Ordering::Relaxed);
+    }
+
+    /// The d = 128 bf16 prefill attention kernel for the launches from now on: by default
+    /// Hopper's wgmma kernel where it was built (compute capability 9.0, `sm_90a`) unless
+    /// `CHIMERA_WGMMA=0`, else `mma.sync`. A kernel this device has not built falls back to
+    /// `mma.sync`. Returns the kernel now in use.
+    pub fn set_prefill_kernel(&self, k: PrefillKernel) -> PrefillKernel {
+        let k = if self.kernels.contains_key(k.entry()) {
+            k
+        } else {
+            PrefillKernel::MmaSync
+        };
+        self.prefill.store(k as u8, Ordering::Relaxed);
+        k
+    }
+
+    /// The d = 128 bf16 prefill attention kernel in use.
+    pub fn prefill_kernel(&self) -> PrefillKernel {
+        let v = self.prefill.load(Ordering::Relaxed);
+        PrefillKernel::ALL
+            .into_iter()
+            .find(|k| *k as u8 == v)
+            .unwrap_or(PrefillKernel::MmaSync)
     }
 
     /// Launches `kernel` on `stream` after checking `args` against its declared parameters.

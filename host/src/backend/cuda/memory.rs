@@ -61,8 +61,9 @@ impl DevAlloc {
                 .unwrap_or_default();
             device.fail(&format!("allocating {bytes} bytes{free}"), e)
         })?;
-        stats.allocations.fetch_add(1, Ordering::Relaxed);
+        let count = stats.allocations.fetch_add(1, Ordering::Relaxed) + 1;
         stats.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+        tracing::debug!(bytes, count, "driver allocation");
         Ok(Self {
             ptr,
             bytes,
@@ -110,8 +111,14 @@ impl Arena {
         let key = row_bytes.max(1);
         {
             let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+            // The smallest that fits: a larger buffer (a MoE temporary at capacity) stays free
+            // for the request that needs it.
             if let Some(list) = free.get_mut(&key)
-                && let Some(i) = list.iter().position(|b| b.bytes >= need)
+                && let Some((i, _)) = list
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, b)| b.bytes >= need)
+                    .min_by_key(|(_, b)| b.bytes)
             {
                 return Ok(list.swap_remove(i));
             }

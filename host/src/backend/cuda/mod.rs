@@ -33,7 +33,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use chimera_kernels::KernelCache;
-use chimera_kernels::attention::{AttnArg, AttnDims};
+use chimera_kernels::attention::{AttnArg, AttnDims, PrefillKernel};
 use chimera_kernels::sample::SampleArg;
 use chimera_kernels::ssm;
 use cudarc::driver::{CudaStream, result, sys};
@@ -307,6 +307,19 @@ impl CudaBackend {
         self.dev().set_pdl(on);
     }
 
+    /// The d = 128 bf16 prefill attention kernel for the launches (or captures) from now on:
+    /// Hopper's wgmma kernel by default on compute capability 9.0 (`CHIMERA_WGMMA=0` keeps
+    /// `mma.sync`); a kernel the device has not built falls back to `mma.sync`. Returns the
+    /// kernel now in use.
+    pub fn set_prefill_kernel(&self, k: PrefillKernel) -> PrefillKernel {
+        self.dev().set_prefill_kernel(k)
+    }
+
+    /// The d = 128 bf16 prefill attention kernel in use.
+    pub fn prefill_kernel(&self) -> PrefillKernel {
+        self.dev().prefill_kernel()
+    }
+
     /// `y_s = x · w_sᵀ (+ b_s)` for up to three weights sharing `x` in one GEMV launch, when
     /// the shapes allow it (bf16, one or two rows, `k` a multiple of 8, every `m` a multiple of
     /// the variant's features per block); `None` leaves the work to cuBLASLt.
@@ -439,9 +452,34 @@ impl CudaBackend {
         result::mem_get_info().map_err(|e| self.inner.device.fail("reading free memory", e))
     }
 
+    /// Streaming multiprocessors of the device.
+    fn sm_count(&self) -> u32 {
+        self.inner.device.sm_count
+    }
+
     /// Driver allocations made by this backend so far (the step loop adds none once warm).
     pub fn driver_allocations(&self) -> u64 {
         self.inner.stats.allocations.load(Ordering::Relaxed)
+    }
+
+    /// Uploads a decode-only step as a graph step of `plan`'s own batch with `splits` split-KV
+    /// pieces a sequence (the benches compare split counts; serving picks
+    /// [`step::GraphShape::splits_for`]). `Ok(false)` when the plan does not fit that shape.
+    pub fn upload_decode_step_with_splits(
+        &self,
+        plan: &StepPlan,
+        step: &mut CudaStep,
+        splits: u32,
+        max_blocks: usize,
+    ) -> Result<bool> {
+        self.dev().bind()?;
+        let bucket = plan.seqs.len();
+        let shape = step::GraphShape {
+            bucket,
+            splits,
+            table_cap: bucket * max_blocks + 1,
+        };
+        step.upload_graph(self.dev(), &self.inner.stats, self.stream(), plan, shape)
     }
 
     /// Bytes this backend has taken from the driver so far (weights, caches, arena, buffers).
@@ -567,6 +605,35 @@ impl CudaBackend {
         })
     }
 
+    /// A `[rows, cols]` step temporary whose buffer holds at least `cap_rows` rows: for row
+    /// counts that vary beyond the step's token bucket (MoE entries are tokens × top-k), so
+    /// that the first large step after warm-up does not grow the arena.
+    fn tmp_rows_with_capacity(
+        &self,
+        rows: usize,
+        cols: usize,
+        cap_rows: usize,
+        dtype: DType,
+    ) -> Result<CudaTensor> {
+        let row_bytes = cols.max(1) * dtype.size();
+        let buf = self.inner.arena.take(rows.max(cap_rows), row_bytes)?;
+        Ok(CudaTensor {
+            ptr: buf.ptr,
+            shape: vec![rows, cols],
+            dtype,
+            mem: Mem::Arena {
+                arena: self.inner.arena.clone(),
+                buf: Some(buf),
+                row_bytes: Some(row_bytes),
+            },
+        })
+    }
+
+    /// Most rows a step temporary of routed MoE entries can have: the step bucket × top-k.
+    fn moe_rows_cap(&self, top_k: usize) -> usize {
+        self.inner.arena.max_rows.load(Ordering::Relaxed) * top_k.max(1)
+    }
+
     fn memset_zero(&self, ptr: u64, bytes: usize) -> Result<()> {
         if bytes == 0 {
             return Ok(());
@@ -615,9 +682,17 @@ impl CudaBackend {
 }
 
 /// Blocks for a grid-stride loop over `n` elements.
-fn grid_for(n: u64) -> u32 {
-    n.div_ceil(u64::from(BLOCK)).clamp(1, 65_535) as u32
+/// Blocks for a grid-stride element-wise kernel over `n` elements: one thread an element,
+/// but at most `GRID_STRIDE_BLOCKS_PER_SM` blocks an SM (a full SM's worth of threads). A
+/// grid of a block per 256 elements spends more time scheduling blocks than moving bytes
+/// once the kernel takes 16-byte pieces (a 5.5 M-element activation: 21 504 blocks, 30 µs;
+/// the loop needs no more than the threads the GPU holds at once).
+fn grid_for(n: u64, sm_count: u32) -> u32 {
+    let cap = u64::from(sm_count.max(1)) * GRID_STRIDE_BLOCKS_PER_SM;
+    n.div_ceil(u64::from(BLOCK)).clamp(1, cap.min(65_535)) as u32
 }
+
+const GRID_STRIDE_BLOCKS_PER_SM: u64 = 8;
 
 fn shape_err(what: &str, got: &[usize], expected: Vec<usize>) -> BackendError {
     BackendError::Shape {
@@ -679,7 +754,7 @@ impl Backend for CudaBackend {
             let n = n as u64;
             self.launch_exact(
                 entry,
-                (grid_for(n), 1, 1),
+                (grid_for(n, self.sm_count()), 1, 1),
                 (BLOCK, 1, 1),
                 0,
                 &[Arg::Ptr(dst.ptr), Arg::Ptr(staged.ptr), Arg::U64(n)],
@@ -747,14 +822,14 @@ impl Backend for CudaBackend {
             self.launch(
                 "fill",
                 t.dtype,
-                grid_for(n),
+                grid_for(n, self.sm_count()),
                 &[Arg::Ptr(t.ptr), Arg::U64(n), Arg::F32(mean)],
             )?;
         } else {
             self.launch(
                 "fill_random",
                 t.dtype,
-                grid_for(n),
+                grid_for(n, self.sm_count()),
                 &[Arg::Ptr(t.ptr), Arg::U64(n), Arg::U64(seed), Arg::F32(std)],
             )?;
         }
@@ -982,7 +1057,7 @@ impl Backend for CudaBackend {
         self.launch(
             "add_assign",
             x.dtype,
-            grid_for(n),
+            grid_for(n, self.sm_count()),
             &[Arg::Ptr(x.ptr), Arg::Ptr(y.ptr), Arg::U64(n)],
         )
     }
@@ -992,7 +1067,7 @@ impl Backend for CudaBackend {
         self.launch(
             "scale_assign",
             x.dtype,
-            grid_for(n),
+            grid_for(n, self.sm_count()),
             &[Arg::Ptr(x.ptr), Arg::U64(n), Arg::F32(s)],
         )
     }
@@ -1081,7 +1156,7 @@ impl Backend for CudaBackend {
         self.launch(
             "activate",
             x.dtype,
-            grid_for(n),
+            grid_for(n, self.sm_count()),
             &[Arg::Ptr(x.ptr), Arg::U64(n), Arg::U32(act_code(act))],
         )
     }
@@ -1100,7 +1175,7 @@ impl Backend for CudaBackend {
         self.launch(
             "act_mul",
             gate.dtype,
-            grid_for(n),
+            grid_for(n, self.sm_count()),
             &[
                 Arg::Ptr(out.ptr),
                 Arg::Ptr(gate.ptr),
@@ -1131,7 +1206,7 @@ impl Backend for CudaBackend {
             self.launch(
                 "copy_cols",
                 x.dtype,
-                grid_for(n),
+                grid_for(n, self.sm_count()),
                 &[
                     Arg::Ptr(p.ptr),
                     Arg::Ptr(x.ptr),
@@ -1362,7 +1437,7 @@ impl Backend for CudaBackend {
             let len = w.len() as u64;
             self.launch_exact(
                 "cast_bf16_to_f32",
-                (grid_for(len), 1, 1),
+                (grid_for(len, self.sm_count()), 1, 1),
                 (BLOCK, 1, 1),
                 0,
                 &[Arg::Ptr(w.ptr), Arg::Ptr(logits.ptr), Arg::U64(len)],
@@ -1420,7 +1495,7 @@ impl Backend for CudaBackend {
             let len = lg.len() as u64;
             self.launch_exact(
                 "cast_f32_to_bf16",
-                (grid_for(len), 1, 1),
+                (grid_for(len, self.sm_count()), 1, 1),
                 (BLOCK, 1, 1),
                 0,
                 &[Arg::Ptr(logits.ptr), Arg::Ptr(lg.ptr), Arg::U64(len)],
@@ -1715,7 +1790,8 @@ impl CudaBackend {
         let attn_err =
             |e: chimera_kernels::attention::AttnError| BackendError::Invalid(e.to_string());
         let launches =
-            chimera_kernels::attention::launches(&step.attn, dims, bf16).map_err(attn_err)?;
+            chimera_kernels::attention::launches(&step.attn, dims, bf16, self.prefill_kernel())
+                .map_err(attn_err)?;
         let scratch: Vec<CudaTensor> = chimera_kernels::attention::scratch_bytes(&step.attn, dims)
             .into_iter()
             .map(|b| self.tmp(&[b.div_ceil(4).max(1)], DType::F32))

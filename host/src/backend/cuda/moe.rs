@@ -170,8 +170,9 @@ impl CudaBackend {
         let n = d.entries();
         let layout = kmoe::IndexLayout::new(&d);
         let index = self.tmp(&[layout.words], DType::F32)?;
-        let mid = self.tmp(&[n, d.inter], x.dtype)?;
-        let y = self.tmp(&[n, d.hidden], x.dtype)?;
+        let cap = self.moe_rows_cap(d.top_k);
+        let mid = self.tmp_rows_with_capacity(n, d.inter, cap, x.dtype)?;
+        let y = self.tmp_rows_with_capacity(n, d.hidden, cap, x.dtype)?;
         let (ids, weights) = (routed.ptr, routed.ptr + 4 * n as u64);
         for l in kmoe::launches(&d, x.dtype == DType::BF16) {
             let args: Vec<Arg> = l

@@ -1,0 +1,145 @@
+// Shared by the attention sources (attention.cu, and attention_sm90.cu, built for sm_90a only):
+// the kernels' common parameters, the work-item decoding (see attention.cu's header for the
+// work list and GQA packing), and small PTX helpers.
+#pragma once
+#include "common.cuh"
+
+namespace attn {
+
+constexpr u32 NO_PART = 0xffffffffu;  // attention.rs: NO_PART
+constexpr float LN2 = 0.6931471805599453f;
+constexpr float LOG2E = 1.4426950408889634f;
+
+template <typename T>
+struct Args {
+    const T* q;                // [tokens, heads * D]
+    const T* k_cache;          // [blocks, block_size, kv_heads, D]
+    const T* v_cache;
+    T* out;                    // [tokens, heads * D]
+    const u32* cu_seqlens;     // [S + 1]
+    const u32* ctx_lens;       // [S]
+    const u32* bt_offsets;     // [S]
+    const u32* block_tables;
+    const u32* w_seq;          // work columns (attention.rs: WorkCol)
+    const u32* w_q_first;
+    const u32* w_q_count;
+    const u32* w_kv_first;
+    const u32* w_kv_end;
+    const u32* w_part;
+    float* part_o;             // [partial rows, heads, D]
+    float* part_ml;            // [partial rows, heads, 2]: (m, l)
+    u32 item_base;
+    u32 heads, kv_heads, head_dim, block_size;
+    float scale;
+};
+
+// What one CTA works on: its item, kv head and rows [r0, r0 + nrows) of the item's
+// q_count × G packed rows.
+struct Tile {
+    u32 kvh, group;
+    u32 q_first, kv_first, kv_end, part;
+    u32 ctx, tok0;             // chunk's cached length; global index of the item's token 0
+    const u32* bt;             // the chunk's block table
+    u32 r0;
+    int nrows;
+    u32 hi;                    // end of the CTA's KV range (limit of its last row)
+    u32 lo_full;               // positions below this are visible to every row of the CTA
+};
+
+// Returns false when this CTA has no rows (a row tile past the item's rows).
+template <typename T>
+__device__ __forceinline__ bool tile_of(const Args<T>& a, int rows_per_cta, Tile& t) {
+    const u32 item = a.item_base + blockIdx.y;
+    t.kvh = blockIdx.x % a.kv_heads;
+    const u32 rt = blockIdx.x / a.kv_heads;
+    t.group = a.heads / a.kv_heads;
+    const u32 rows = a.w_q_count[item] * t.group;
+    t.r0 = rt * (u32)rows_per_cta;
+    if (t.r0 >= rows) return false;
+    t.nrows = (int)min((u32)rows_per_cta, rows - t.r0);
+    const u32 s = a.w_seq[item];
+    t.q_first = a.w_q_first[item];
+    t.kv_first = a.w_kv_first[item];
+    t.kv_end = a.w_kv_end[item];
+    t.part = a.w_part[item];
+    t.ctx = a.ctx_lens[s];
+    t.tok0 = a.cu_seqlens[s] + t.q_first;
+    t.bt = a.block_tables + a.bt_offsets[s];
+    t.hi = min(t.kv_end, t.ctx + t.q_first + (t.r0 + (u32)t.nrows - 1) / t.group + 1);
+    t.lo_full = min(t.kv_end, t.ctx + t.q_first + t.r0 / t.group + 1);
+    return true;
+}
+
+// Exclusive KV limit of CTA-local row r (valid rows only).
+__device__ __forceinline__ u32 row_limit(const Tile& t, int r) {
+    return min(t.kv_end, t.ctx + t.q_first + (t.r0 + (u32)r) / t.group + 1);
+}
+
+// Element offset of row r's (token, head) vector in q / out.
+template <typename T>
+__device__ __forceinline__ i64 qo_offset(const Args<T>& a, const Tile& t, int r) {
+    const u32 rr = t.r0 + (u32)r;
+    const u32 h = t.kvh * t.group + rr % t.group;
+    return (i64)(t.tok0 + rr / t.group) * a.heads * a.head_dim + (i64)h * a.head_dim;
+}
+
+// Index of row r's (partial row, head) pair in part_o (× D) and part_ml (× 2).
+template <typename T>
+__device__ __forceinline__ i64 part_index(const Args<T>& a, const Tile& t, int r) {
+    const u32 rr = t.r0 + (u32)r;
+    const u32 h = t.kvh * t.group + rr % t.group;
+    return (i64)(t.part + rr / t.group) * a.heads + h;
+}
+
+// Cache row (block * block_size + offset) of position p.
+__device__ __forceinline__ u32 cache_row(const u32* bt, u32 p, u32 block_size) {
+    return bt[p / block_size] * block_size + p % block_size;
+}
+
+__device__ __forceinline__ i64 kv_offset(u32 row, u32 kv_heads, u32 kvh, u32 head_dim) {
+    return ((i64)row * kv_heads + kvh) * head_dim;
+}
+
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// 16 bytes global → shared; bytes = 0 writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// 2^x (the hardware approximation; 2^-inf = 0). bf16 path only.
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ u32 dynamic_smem_size() {
+    u32 r;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+    return r;
+}
+
+}  // namespace attn
+
+// Every main kernel takes these parameters (attention.rs: MAIN).
+#define ATTN_PARAMS(T)                                                                        \
+    const T *q, const T *k_cache, const T *v_cache, T *out, const u32 *cu_seqlens,            \
+        const u32 *ctx_lens, const u32 *bt_offsets, const u32 *block_tables, const u32 *w_seq, \
+        const u32 *w_q_first, const u32 *w_q_count, const u32 *w_kv_first,                    \
+        const u32 *w_kv_end, const u32 *w_part, float *part_o, float *part_ml, u32 item_base, \
+        u32 heads, u32 kv_heads, u32 head_dim, u32 block_size, float scale
+#define ATTN_ARGS(T)                                                                         \
+    attn::Args<T> {                                                                          \
+        q, k_cache, v_cache, out, cu_seqlens, ctx_lens, bt_offsets, block_tables, w_seq,     \
+            w_q_first, w_q_count, w_kv_first, w_kv_end, w_part, part_o, part_ml, item_base, \
+            heads, kv_heads, head_dim, block_size, scale                                     \
+    }

@@ -1,0 +1,647 @@
+// Causal prefill attention for head_dim 128, bf16, on Hopper: warpgroup MMA (`wgmma`, sm_90a
+// only; lib.rs compiles this source only for that target). FlashAttention-3's forward pass
+// (Shah et al. 2024, arXiv 2407.08608) without TMA: the KV cache is paged, so K/V rows are
+// gathered through the block table with 16-byte cp.async as in attention.cu, but into the
+// canonical 128-byte-swizzle layout that wgmma's shared-memory descriptors read.
+//
+// Work decomposition: attention.cu's header (work items, GQA head packing: one kv head per
+// CTA, its group's query heads packed into the rows, so each K/V tile serves all of them).
+// A CTA has two warpgroups of 64 packed rows each (128 rows, attention.rs: WGMMA_D128).
+//
+// Per KV tile of 128 keys, in each warpgroup:
+//   S = Q·Kᵀ       8 × wgmma m64n128k16, Q and K from shared memory (K-major descriptors);
+//   online softmax on the accumulator layout (the mma.m16n8 C layout per warp: a row is held
+//                  by the 4 threads of a quad), causal mask only on tiles that reach past the
+//                  CTA's first row's limit;
+//   O += P·V       8 × wgmma m64n128k16 with P from registers (the accumulator of S re-packed
+//                  as bf16 A fragments, the mma.m16n8k16 A layout per warp) and V from shared
+//                  memory: V is [keys × d] row-major, i.e. B "MN-major", read with the
+//                  descriptor's transpose bit.
+//
+// Shared memory (1024-byte aligned; 230496 bytes with the alignment slack): Q [128 × 128],
+// then STAGES = 3 stages of K [128 × 128] + V [128 × 128], then the stages' mbarriers. Every
+// [rows × 128] tile is two column halves of [rows × 64] (128 bytes a row); in a half, row r
+// sits at r·128 and its 16-byte chunk c at (c ^ (r mod 8))·16: the 128-byte swizzle atom of
+// 8 rows × 128 bytes that wgmma reads (the XOR acts on address bits 4–6 with bits 7–9, so
+// every half starts on a 1024-byte boundary). Descriptors: K-major (Q, K) with the stride
+// between 8-row groups 1024 and the k-step's 32-byte column offset added to the start
+// address; MN-major (V) with the leading offset = distance between the two 64-column halves
+// (128 · 128 bytes) and the stride = 1024 between 8-key groups.
+//
+// Pipeline (no warp specialisation; all 256 threads gather). Each stage has a "full"
+// mbarrier, completed when the 256 threads' copies of the tile have landed
+// (cp.async.mbarrier.arrive.noinc), and an "empty" one that every thread arrives on when its
+// warpgroup is done with the stage; a thread waits on "empty" only before refilling a stage.
+// Two schedules (attention.rs: PrefillKernel):
+// - attn_prefill_wgmma_d128_bf16: per tile S, softmax, P·V, each MMA waited for; tile j + 2
+//   is gathered while tile j is computed. The warpgroups are not tied to each other tile by
+//   tile (at most one apart), so one's softmax may overlap the other's MMAs.
+// - attn_prefill_wgmma_pp_d128_bf16 (ping-pong, FlashAttention-3's inter-warpgroup schedule):
+//   S(j) and P·V(j − 1) are issued as one batch, and two named barriers make the warpgroups
+//   take turns issuing, so one's softmax runs while the other's batch is on the tensor cores;
+//   tile j + 1 is gathered while tile j is computed.
+// - attn_prefill_wgmma_ws_d128_bf16 (warp-specialised): the ping-pong consumers, and a
+//   third warpgroup (384 threads) that loads Q and gathers every tile as soon as its stage
+//   is free; it keeps 56 registers (setmaxnreg) so the consumers get 224.
+// (FA3's intra-warpgroup overlap, the softmax of tile j while P·V(j − 1) runs in the same
+// warpgroup, was tried: ptxas 13.0 hoists the wgmma wait above the exponentials, or
+// serialises every wgmma when the two P buffers it needs are written in branches.)
+//
+// Learned from: the FlashAttention-3 paper; the PTX ISA manual (wgmma register fragments,
+// shared-memory matrix layouts and descriptor format, mbarrier, cp.async). No code was copied.
+#include "attention.cuh"
+
+namespace attn {
+namespace sm90 {
+
+constexpr int D = 128;
+constexpr int WG_ROWS = 64;                        // rows of one warpgroup (wgmma m64)
+constexpr int WGS = 2;
+constexpr int BM = WGS * WG_ROWS;                  // packed rows per CTA
+constexpr int BN = 128;                            // keys per KV tile
+constexpr int STAGES = 3;
+constexpr int NTH = 128 * WGS;                     // consumer threads
+constexpr int CPR = D / 8;                         // 16-byte chunks per row
+constexpr int Q_BYTES = BM * D * 2;
+constexpr int TILE_BYTES = BN * D * 2;             // one K or V tile
+constexpr int STAGE_BYTES = 2 * TILE_BYTES;
+constexpr int ALIGN = 1024;                        // the 128-byte swizzle pattern's period
+constexpr int BARRIERS = 4 * STAGES;  // full and empty per stage, for K and V apart (WS)
+constexpr int SMEM = ALIGN + Q_BYTES + STAGES * STAGE_BYTES + 8 * BARRIERS;  // attention.rs
+// Schedules (see the header).
+constexpr int PLAIN = 0, PINGPONG = 1, WARP_SPECIALIZED = 2;
+
+// Byte offset of 16-byte chunk c (0..15) of row r in a [rows × 128] bf16 tile stored as two
+// 128-byte-swizzled column halves (see the header).
+__device__ __forceinline__ u32 sw128(int rows, int r, int c) {
+    return (u32)((c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
+// A wgmma shared-memory matrix descriptor with 128-byte swizzling: start address, leading and
+// stride byte offsets (each >> 4), swizzle mode 1 in bits 62–63, base offset 0.
+__device__ __forceinline__ u64 desc128(u32 addr, u32 lbo, u32 sbo) {
+    return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)((lbo & 0x3FFFFu) >> 4) << 16) |
+           ((u64)((sbo & 0x3FFFFu) >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+// Waits until at most N committed wgmma groups of this warpgroup are still running.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Pins accumulator registers after a wait: later reads cannot move above it.
+__device__ __forceinline__ void fence_regs(float (&d)[64]) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// Named barriers 1 and 2 (0 is __syncthreads), 256 threads: 128 wait, 128 arrive.
+__device__ __forceinline__ void named_bar_sync(int id) {
+    asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id) {
+    asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
+}
+// Orders this thread's generic-proxy view of shared memory (the cp.async writes it has
+// observed) before its async-proxy reads (wgmma).
+__device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// Arrives on `bar` once every cp.async this thread issued before has landed (the barrier's
+// expected count includes this arrival: noinc).
+__device__ __forceinline__ void cp_async_arrive(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the phase of `bar` with this parity has completed.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+
+// d (+)= A·B, m64n128k16, bf16 → f32: A and B from shared memory (descriptors), both K-major.
+// scale_d = 0 overwrites d.
+__device__ __forceinline__ void wgmma_ss(float (&d)[64], u64 desc_a, u64 desc_b, u32 scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+// d += A·B, m64n128k16: A from registers (the mma.m16n8k16 A layout per warp), B from shared
+// memory, MN-major (imm-trans-b = 1).
+__device__ __forceinline__ void wgmma_rs_tb(float (&d)[64], const u32 (&a)[4], u64 desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1u));
+}
+
+extern __shared__ __align__(1024) u16 sm90_dyn_smem[];
+
+// A compile-time flag for generic lambdas that also take a run-time bool.
+template <bool B>
+struct Const {
+    __device__ constexpr operator bool() const { return B; }
+};
+
+// SCHED: PLAIN, PINGPONG (the two warpgroups take turns on the tensor cores) or
+// WARP_SPECIALIZED (ping-pong consumers and a third, producer warpgroup that gathers).
+template <int SCHED>
+__device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
+    constexpr bool WS = SCHED == WARP_SPECIALIZED;
+    constexpr int THREADS = WS ? NTH + 128 : NTH;
+    constexpr int LOADERS = WS ? 128 : NTH;  // threads that gather Q and the KV tiles
+    constexpr int RPP = LOADERS / CPR;       // rows one pass of their copies covers
+    constexpr int KV_PASSES = BN / RPP;
+    static_assert(LOADERS % CPR == 0 && BN % RPP == 0 && BM % RPP == 0, "tile shape");
+    // The block-table lookup (rows_of) spreads a warp's 2 rows × KV_PASSES passes over its lanes.
+    static_assert(CPR == 16 && 2 * KV_PASSES <= 32, "lookup lanes");
+    // A launch that disagrees with attention.rs fails loudly rather than computing garbage.
+    if (blockDim.x != THREADS || dynamic_smem_size() < (u32)SMEM) __trap();
+    Tile t;
+    if (!tile_of(a, BM, t)) return;
+    const int tid = threadIdx.x, lane = tid & 31;
+    // Consumer warpgroup cwg (rows 64·cwg ..), warp within it, and in WS the producer.
+    const bool producer = WS && tid < 128;
+    const int cwg = WS ? (tid >> 7) - 1 : tid >> 7, warp = (tid >> 5) & 3;
+    const int g = lane >> 2, tq = lane & 3;
+    const int my_chunk = tid % CPR, my_row = tid / CPR;  // loaders only
+    const u32 s_q = (smem_u32(sm90_dyn_smem) + (ALIGN - 1)) & ~(u32)(ALIGN - 1);
+    const u32 s_kv = s_q + Q_BYTES;  // stage i: K at s_kv + i·STAGE_BYTES, V after it
+    // STAGES barriers each: the tile (WS: its K) has landed; both warpgroups are done with it
+    // (WS: with its K); WS only: its V has landed; both are done with its V.
+    const u32 full = s_kv + STAGES * STAGE_BYTES;
+    const u32 empty = full + STAGES * 8;
+    const u32 full_v = empty + STAGES * 8;
+    const u32 empty_v = full_v + STAGES * 8;
+    if (tid == 0) {
+#pragma unroll
+        for (int i = 0; i < STAGES; ++i) {
+            mbar_init(full + 8 * i, LOADERS);
+            mbar_init(empty + 8 * i, NTH);
+            mbar_init(full_v + 8 * i, LOADERS);
+            mbar_init(empty_v + 8 * i, NTH);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    // Q rows (zeros past the CTA's rows). Their copies precede tile 0's arrival on its full
+    // barrier, so waiting for tile 0 waits for Q too.
+    auto load_q = [&]() {
+#pragma unroll
+        for (int k = 0; k < BM / RPP; ++k) {
+            const int r = my_row + k * RPP;
+            const bf16* src = a.q;
+            u32 bytes = 0;
+            if (r < t.nrows) {
+                src = a.q + qo_offset(a, t, r) + my_chunk * 8;
+                bytes = 16;
+            }
+            cp_async16(s_q + sw128(BM, r, my_chunk), src, bytes);
+        }
+    };
+
+    const int ntiles = t.hi > t.kv_first ? (int)((t.hi - t.kv_first + BN - 1) / BN) : 0;
+    // Block-table lookups, one per thread per tile, a tile ahead of its gather: a loader
+    // warp's threads copy rows 2·warp + h + RPP·k (h = lane / 16, k < KV_PASSES), lane
+    // l < 2·KV_PASSES looks up row 2·warp + l / KV_PASSES + RPP·(l mod KV_PASSES) (higher lanes
+    // repeat lower ones), and the gather takes each pass's row from its lane with a shuffle.
+    // The loaded block id is first used by that gather, so the load's latency is hidden.
+    const int lane_in = lane % (2 * KV_PASSES);
+    const u32 lk_row = (u32)(2 * (tid >> 5) + lane_in / KV_PASSES + RPP * (lane_in % KV_PASSES));
+    u32 lk_blk = 0, lk_off = NO_PART;  // block id and offset in it; NO_PART: past the range
+    auto rows_of = [&](int j) {
+        const u32 p = t.kv_first + (u32)j * BN + lk_row;
+        const bool valid = p < t.hi;
+        const u32 pc = valid ? p : t.kv_first;  // any position in range: the load stays valid
+        const u32 blk_idx = pc / a.block_size;
+        lk_blk = t.bt[blk_idx];
+        lk_off = valid ? pc - blk_idx * a.block_size : NO_PART;
+    };
+    // Tile j (the rows rows_of(j) looked up) into stage j mod STAGES: its K (which & 1) and
+    // V (which & 2), then the arrival on `bar` + 8·stage.
+    auto gather_to = [&](int j, int which, u32 bar) {
+        const int st = j % STAGES;
+        const u32 sk = s_kv + st * STAGE_BYTES;
+        const u32 looked_up = lk_off == NO_PART ? NO_PART : lk_blk * a.block_size + lk_off;
+#pragma unroll
+        for (int k = 0; k < KV_PASSES; ++k) {
+            const int r = my_row + k * RPP;
+            const u32 off = sw128(BN, r, my_chunk);
+            const u32 row = __shfl_sync(0xffffffffu, looked_up, (lane >> 4) * KV_PASSES + k);
+            const bf16 *ks = a.k_cache, *vs = a.v_cache;
+            u32 bytes = 0;
+            if (row != NO_PART) {
+                const i64 o = kv_offset(row, a.kv_heads, t.kvh, D) + my_chunk * 8;
+                ks += o;
+                vs += o;
+                bytes = 16;
+            }
+            if (which & 1) cp_async16(sk + off, ks, bytes);
+            if (which & 2) cp_async16(sk + TILE_BYTES + off, vs, bytes);
+        }
+        cp_async_arrive(bar + 8 * st);
+    };
+    auto gather = [&](int j) { gather_to(j, 3, full); };
+    if (WS) {
+        if (producer) {
+            // Producer: Q, then every tile's K and V, each as soon as its slot is free (both
+            // consumers have released the K or V of the tile STAGES before). K is released a
+            // tile before V, so K runs up to two tiles ahead. Few registers: the consumers
+            // get them.
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+            load_q();
+            if (ntiles > 0) rows_of(0);
+            for (int j = 0; j < ntiles; ++j) {
+                const u32 parity = (u32)((j - STAGES) / STAGES) & 1u;
+                if (j >= STAGES) mbar_wait(empty + 8 * (j % STAGES), parity);
+                gather_to(j, 1, full);
+                if (j >= STAGES) mbar_wait(empty_v + 8 * (j % STAGES), parity);
+                gather_to(j, 2, full_v);
+                if (j + 1 < ntiles) rows_of(j + 1);
+            }
+            asm volatile("cp.async.wait_all;\n" ::: "memory");
+            return;
+        }
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+    }
+
+    // Tiles gathered ahead of the one computed (see the schedules below).
+    constexpr int LEAD = SCHED == PLAIN ? STAGES - 1 : 1;
+    if (!WS) {
+        load_q();
+        if (ntiles > 0) rows_of(0);
+#pragma unroll
+        for (int j = 0; j < LEAD; ++j) {
+            if (j < ntiles) {
+                gather(j);
+                if (j + 1 < ntiles) rows_of(j + 1);
+            }
+        }
+    }
+
+    const int wrow = cwg * WG_ROWS;  // the warpgroup's first row
+    const bool wg_active = wrow < t.nrows;
+    // The warpgroup's KV end (its last row's limit): tiles past it are the other one's.
+    const u32 wg_hi = wg_active ? row_limit(t, min(wrow + WG_ROWS, t.nrows) - 1) : 0;
+    u32 lim[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = wrow + warp * 16 + g + 8 * h;
+        lim[h] = r < t.nrows ? row_limit(t, r) : t.hi;
+    }
+    const float sl2 = a.scale * LOG2E;  // exponentials in base 2
+    float o[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+    float m[2] = {-CHIMERA_INF, -CHIMERA_INF}, l[2] = {0.0f, 0.0f};
+    float s[64];
+    u32 pa[8][4];  // P as A fragments: k-step kk holds keys 16·kk .. 16·kk + 15
+
+    // S = Q·Kᵀ (issued, not waited for): k-step ks reads columns 16·ks.. of Q and K (half
+    // ks / 4, 32-byte offset ks mod 4 in the swizzled row).
+    auto issue_s = [&](u32 sk) {
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+            const u32 col = (u32)(ks & 3) * 32;
+            const u64 da = desc128(s_q + (ks >> 2) * (BM * 128) + wrow * 128 + col, 16, 1024);
+            const u64 db = desc128(sk + (ks >> 2) * (BN * 128) + col, 16, 1024);
+            wgmma_ss(s, da, db, ks > 0 ? 1u : 0u);
+        }
+        wgmma_commit();
+    };
+    // O += P·V (issued, not waited for): k-step kk reads keys 16·kk .. of V (two 8-key groups
+    // of 1024 bytes).
+    auto issue_pv = [&](u32 sv) {
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+            wgmma_rs_tb(o, pa[kk], desc128(sv + kk * 2048, BN * 128, 1024));
+        wgmma_commit();
+    };
+    // Masks tile p0's scores when `masked` (a bool, or a Const when known at compile time;
+    // accumulator element s[4i + e]: row warp·16 + g + 8·(e / 2) of
+    // the warpgroup, key p0 + 8i + 2·tq + (e mod 2)), updates m and l, turns s into
+    // P = 2^(s·scale·log2 e − m); alpha[h] is what O's row h must be scaled by.
+    auto softmax = [&](u32 p0, float (&alpha)[2], auto masked) {
+        // Row maxima and sums over 4 partials each (i mod 4), so the dependent chains are a
+        // quarter as long.
+        float mx4[4][2];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) mx4[c][0] = mx4[c][1] = -CHIMERA_INF;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                if (masked) {
+                    const u32 key = p0 + (u32)(8 * i + 2 * tq + (e & 1));
+                    if (key >= lim[e >> 1]) s[4 * i + e] = -CHIMERA_INF;
+                }
+                mx4[i & 3][e >> 1] = fmaxf(mx4[i & 3][e >> 1], s[4 * i + e]);
+            }
+        }
+        float mx[2], base[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            mx[h] = fmaxf(fmaxf(mx4[0][h], mx4[1][h]), fmaxf(mx4[2][h], mx4[3][h]));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+            const float mn = fmaxf(m[h], mx[h] * sl2);  // scores scaled to log2 units
+            base[h] = mn == -CHIMERA_INF ? 0.0f : mn;
+            alpha[h] = ex2(m[h] - base[h]);
+            m[h] = mn;
+            l[h] *= alpha[h];
+        }
+        float sum4[4][2] = {};
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float p = ex2(fmaf(s[4 * i + e], sl2, -base[e >> 1]));
+                s[4 * i + e] = p;
+                sum4[i & 3][e >> 1] += p;
+            }
+        }
+        // Per-thread partial sums; the quad sums at the end.
+#pragma unroll
+        for (int h = 0; h < 2; ++h) l[h] += (sum4[0][h] + sum4[1][h]) + (sum4[2][h] + sum4[3][h]);
+    };
+    auto rescale = [&](const float (&alpha)[2]) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[4 * i + e] *= alpha[e >> 1];
+        }
+    };
+    auto pack = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {
+            pa[kk][0] = pack_bf16x2(s[8 * kk + 0], s[8 * kk + 1]);
+            pa[kk][1] = pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3]);
+            pa[kk][2] = pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
+            pa[kk][3] = pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
+        }
+    };
+
+    // The stage tile j + LEAD goes to last held tile j + LEAD − STAGES: wait until both
+    // warpgroups have released it, then gather.
+    auto refill = [&](int j) {
+        if (WS) return;  // the producer's work
+        const int ahead = j + LEAD;
+        if (ahead >= ntiles) return;
+        const int prev = ahead - STAGES;
+        if (prev >= 0) mbar_wait(empty + 8 * (prev % STAGES), (u32)(prev / STAGES) & 1u);
+        gather(ahead);
+        if (ahead + 1 < ntiles) rows_of(ahead + 1);
+    };
+
+    if (SCHED == PLAIN) {
+        // Per tile: S = Q·Kᵀ, wait, softmax, O += P·V, wait, release the stage. Tile j + 2 is
+        // gathered while tile j is computed.
+        for (int j = 0; j < ntiles; ++j) {
+            const int st = j % STAGES;
+            refill(j);
+            const u32 p0 = t.kv_first + (u32)j * BN;
+            if (wg_active && p0 < wg_hi) {
+                mbar_wait(full + 8 * st, (u32)(j / STAGES) & 1u);
+                fence_proxy_async();
+                const u32 sk = s_kv + st * STAGE_BYTES;
+                wgmma_fence();
+                issue_s(sk);
+                wgmma_wait<0>();
+                fence_regs(s);
+                float alpha[2];
+                softmax(p0, alpha, p0 + BN > t.lo_full);
+                rescale(alpha);
+                pack();
+                wgmma_fence();
+                issue_pv(sk + TILE_BYTES);
+                wgmma_wait<0>();
+                fence_regs(o);
+            }
+            mbar_arrive(empty + 8 * st);
+        }
+    } else if (WS) {
+        // The ping-pong consumers below with K and V released apart: after the batch of tile
+        // j, K(j) and V(j − 1) are free. Same turns; waits come before O's rescale.
+        const int mine = 1 + cwg, other = 2 - cwg;  // named barrier ids
+        auto take_turn = [&]() { named_bar_sync(mine); };
+        auto pass_turn = [&]() { named_bar_arrive(other); };
+        if (cwg == 1 && ntiles > 0) named_bar_arrive(1);
+        const int jn = wg_active && wg_hi > t.kv_first
+                           ? min(ntiles, (int)((wg_hi - t.kv_first + BN - 1) / BN))
+                           : 0;
+        const int jm = t.lo_full > t.kv_first ? (int)((t.lo_full - t.kv_first) / BN) : 0;
+        float alpha[2];  // the last softmax's factor, not yet applied to O
+        auto step = [&](int j, auto masked) {  // 1 ≤ j < jn
+            rescale(alpha);
+            const int st = j % STAGES, prev = (j - 1) % STAGES;
+            mbar_wait(full + 8 * st, (u32)(j / STAGES) & 1u);
+            mbar_wait(full_v + 8 * prev, (u32)((j - 1) / STAGES) & 1u);
+            fence_proxy_async();
+            take_turn();
+            wgmma_fence();
+            issue_s(s_kv + st * STAGE_BYTES);
+            issue_pv(s_kv + prev * STAGE_BYTES + TILE_BYTES);
+            pass_turn();
+            wgmma_wait<0>();
+            fence_regs(s);
+            fence_regs(o);
+            mbar_arrive(empty + 8 * st);
+            mbar_arrive(empty_v + 8 * prev);
+            softmax(t.kv_first + (u32)j * BN, alpha, masked);
+            pack();
+        };
+        if (jn > 0) {
+            mbar_wait(full, 0);
+            fence_proxy_async();
+            take_turn();
+            wgmma_fence();
+            issue_s(s_kv);
+            pass_turn();
+            wgmma_wait<0>();
+            fence_regs(s);
+            mbar_arrive(empty);
+            if (jm > 0)
+                softmax(t.kv_first, alpha, Const<false>());
+            else
+                softmax(t.kv_first, alpha, Const<true>());
+            pack();
+            for (int j = 1; j < min(jm, jn); ++j) step(j, Const<false>());
+            for (int j = max(jm, 1); j < jn; ++j) step(j, Const<true>());
+            const int last = (jn - 1) % STAGES;
+            mbar_wait(full_v + 8 * last, (u32)((jn - 1) / STAGES) & 1u);
+            fence_proxy_async();
+            rescale(alpha);
+            wgmma_fence();
+            issue_pv(s_kv + last * STAGE_BYTES + TILE_BYTES);
+            wgmma_wait<0>();
+            fence_regs(o);
+            mbar_arrive(empty_v + 8 * last);
+        }
+        for (int j = jn; j < ntiles; ++j) {
+            take_turn();
+            pass_turn();
+            mbar_arrive(empty + 8 * (j % STAGES));
+            mbar_arrive(empty_v + 8 * (j % STAGES));
+        }
+        if (cwg == 0 && ntiles > 0) take_turn();  // warpgroup 1's last arrival
+    } else {
+        // Ping-pong (FlashAttention-3's inter-warpgroup schedule): per tile, a warpgroup
+        // issues S = Q·K(j)ᵀ and O += P(j − 1)·V(j − 1) as one batch, waits, and then runs
+        // tile j's softmax; two named barriers hand the tensor cores from one warpgroup to the
+        // other, so one's softmax runs while the other's batch is on the tensor cores. O is
+        // rescaled by tile j − 1's factor just before the batch. A stage is released once its
+        // P·V is done (one tile later), so tile j + 1 is gathered while tile j is computed
+        // (three stages: tile j's K, tile j − 1's V, tile j + 1 landing).
+        //
+        // Turns: warpgroup w waits on barrier 1 + w before issuing, then arrives on the
+        // other's. Both take a turn for every tile, computing or not; warpgroup 1 starts by
+        // arriving on barrier 1 and warpgroup 0 ends by waiting on it, so every arrival is
+        // matched by a wait.
+        const int mine = 1 + cwg, other = 2 - cwg;  // named barrier ids
+        auto take_turn = [&]() { named_bar_sync(mine); };
+        auto pass_turn = [&]() { named_bar_arrive(other); };
+        if (cwg == 1 && ntiles > 0) named_bar_arrive(1);
+        // Tiles [0, jn) are this warpgroup's; tiles [jm, ..) are masked.
+        const int jn = wg_active && wg_hi > t.kv_first
+                           ? min(ntiles, (int)((wg_hi - t.kv_first + BN - 1) / BN))
+                           : 0;
+        const int jm = t.lo_full > t.kv_first ? (int)((t.lo_full - t.kv_first) / BN) : 0;
+        float alpha[2];  // the last softmax's factor, not yet applied to O
+        auto step = [&](int j, auto masked) {  // 1 ≤ j < jn
+            // O's rescale comes before the waits' loops: registers a wgmma reads must not be
+            // written between a branch and the wgmma (ptxas serialises every wgmma then).
+            rescale(alpha);
+            refill(j);
+            const int st = j % STAGES, prev = (j - 1) % STAGES;
+            mbar_wait(full + 8 * st, (u32)(j / STAGES) & 1u);
+            fence_proxy_async();
+            take_turn();
+            wgmma_fence();
+            issue_s(s_kv + st * STAGE_BYTES);
+            issue_pv(s_kv + prev * STAGE_BYTES + TILE_BYTES);
+            pass_turn();
+            wgmma_wait<0>();
+            fence_regs(s);
+            fence_regs(o);
+            mbar_arrive(empty + 8 * prev);
+            softmax(t.kv_first + (u32)j * BN, alpha, masked);
+            pack();
+        };
+        if (jn > 0) {
+            refill(0);
+            mbar_wait(full, 0);
+            fence_proxy_async();
+            take_turn();
+            wgmma_fence();
+            issue_s(s_kv);
+            pass_turn();
+            wgmma_wait<0>();
+            fence_regs(s);
+            if (jm > 0)
+                softmax(t.kv_first, alpha, Const<false>());
+            else
+                softmax(t.kv_first, alpha, Const<true>());
+            pack();
+            for (int j = 1; j < min(jm, jn); ++j) step(j, Const<false>());
+            for (int j = max(jm, 1); j < jn; ++j) step(j, Const<true>());
+            const int last = (jn - 1) % STAGES;
+            rescale(alpha);
+            wgmma_fence();
+            issue_pv(s_kv + last * STAGE_BYTES + TILE_BYTES);
+            wgmma_wait<0>();
+            fence_regs(o);
+            mbar_arrive(empty + 8 * last);
+        }
+        for (int j = jn; j < ntiles; ++j) {
+            refill(j);
+            take_turn();
+            pass_turn();
+            mbar_arrive(empty + 8 * (j % STAGES));
+        }
+        if (cwg == 0 && ntiles > 0) take_turn();  // warpgroup 1's last arrival
+    }
+    // Nothing this thread copied is still landing when it exits (the copies were never
+    // committed as groups: wait_all commits and waits).
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+
+    if (!wg_active) return;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float lh = l[h];
+        lh += __shfl_xor_sync(0xffffffffu, lh, 1);
+        lh += __shfl_xor_sync(0xffffffffu, lh, 2);
+        const int r = wrow + warp * 16 + g + 8 * h;
+        if (r >= t.nrows) continue;
+        if (t.part == NO_PART) {
+            bf16* dst = a.out + qo_offset(a, t, r) + 2 * tq;
+            const float inv = lh > 0.0f ? 1.0f / lh : 0.0f;
+#pragma unroll
+            for (int i = 0; i < 16; ++i)
+                *(u32*)(dst + i * 8) = pack_bf16x2(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
+        } else {
+            const i64 pi = part_index(a, t, r);
+            float* dst = a.part_o + pi * D + 2 * tq;
+#pragma unroll
+            for (int i = 0; i < 16; ++i)
+                *(float2*)(dst + i * 8) = make_float2(o[4 * i + 2 * h], o[4 * i + 2 * h + 1]);
+            if (tq == 0) {
+                const float mh = m[h];
+                a.part_ml[pi * 2] = mh == -CHIMERA_INF ? mh : mh * LN2;  // natural-log units
+                a.part_ml[pi * 2 + 1] = lh;
+            }
+        }
+    }
+}
+
+}  // namespace sm90
+}  // namespace attn
+
+// attention.rs: SM90_ENTRIES. 230496 bytes of dynamic shared memory (the limit must be raised).
+extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma_d128_bf16(ATTN_PARAMS(bf16)) {
+    CHIMERA_PDL_ENTRY();
+    attn::sm90::prefill_d128<attn::sm90::PLAIN>(ATTN_ARGS(bf16));
+}
+// The same with the two warpgroups taking turns on the tensor cores (ping-pong).
+extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma_pp_d128_bf16(ATTN_PARAMS(bf16)) {
+    CHIMERA_PDL_ENTRY();
+    attn::sm90::prefill_d128<attn::sm90::PINGPONG>(ATTN_ARGS(bf16));
+}
+// Ping-pong consumers fed by a producer warpgroup (384 threads).
+extern "C" __global__ void __launch_bounds__(384, 1) attn_prefill_wgmma_ws_d128_bf16(ATTN_PARAMS(bf16)) {
+    CHIMERA_PDL_ENTRY();
+    attn::sm90::prefill_d128<attn::sm90::WARP_SPECIALIZED>(ATTN_ARGS(bf16));
+}
