@@ -479,7 +479,23 @@ impl CudaBackend {
             splits,
             table_cap: bucket * max_blocks + 1,
         };
-        step.upload_graph(self.dev(), &self.inner.stats, self.stream(), plan, shape)
+        self.upload_graph_shape(plan, step, shape)
+    }
+
+    /// Packs `plan` as a graph step of `shape` and copies it, the step clock's start recorded
+    /// between the two. `Ok(false)`, nothing copied, when the plan does not fit.
+    fn upload_graph_shape(
+        &self,
+        plan: &StepPlan,
+        step: &mut CudaStep,
+        shape: step::GraphShape,
+    ) -> Result<bool> {
+        if !step.pack_graph(self.dev(), &self.inner.stats, plan, shape)? {
+            return Ok(false);
+        }
+        self.mark_step_start()?;
+        step.copy(self.dev(), self.stream())?;
+        Ok(true)
     }
 
     /// Bytes this backend has taken from the driver so far (weights, caches, arena, buffers).
@@ -867,12 +883,7 @@ impl Backend for CudaBackend {
             splits: step::GraphShape::splits_for(bucket),
             table_cap: bucket * max_blocks + 1,
         };
-        if !step.pack_graph(self.dev(), &self.inner.stats, plan, shape)? {
-            return Ok(false);
-        }
-        self.mark_step_start()?;
-        step.copy(self.dev(), self.stream())?;
-        Ok(true)
+        self.upload_graph_shape(plan, step, shape)
     }
 
     fn step_clock_start(&self) -> Result<()> {
