@@ -273,11 +273,10 @@ pub(crate) unsafe fn dtoh(
 }
 
 /// Waits until `event` (recorded on a stream of this context) has completed, with the
-/// driver's own wait (its scheduling mode; with fewer contexts than cores, a spin). Polling
-/// the event from here instead (`cuEventQuery` in a loop, with or without yielding between
-/// polls) was measured on the H200 machine: every host phase of the next step ran 15–35 %
-/// slower after it (serving at 256 requests, update 152 → 179–209 µs a step), which cost more
-/// than the wake-up it was meant to save.
+/// driver's own wait (its scheduling mode: with fewer contexts than cores, a spin), as the
+/// stream synchronisation before it did. Polling the event from the host instead
+/// (`cuEventQuery` in a loop, with or without yielding between polls) was tried; no GPU run
+/// compared it with this wait on equal terms, so the driver's stays.
 pub(crate) fn wait_event(device: &Device, event: sys::CUevent) -> Result<()> {
     // SAFETY: a live event of this context.
     unsafe { result::event::synchronize(event) }
