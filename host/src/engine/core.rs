@@ -66,8 +66,8 @@ pub struct StepTimings {
     /// the part before the upload's copy keeps the device waiting).
     pub launch_ns: u64,
     /// Host work done while the device computes the step (between the executor's launch and
-    /// its finish): handing the previous step's events to the delivery thread. Not part of
-    /// the time the device waits for the host.
+    /// its finish): handing the previous step's events to the delivery thread and its block
+    /// events to the eviction policy. Not part of the time the device waits for the host.
     pub overlap_ns: u64,
     /// Sampling, committing the step to the cache and sending events (includes `sample_ns`).
     pub update_ns: u64,
