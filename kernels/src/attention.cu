@@ -197,29 +197,15 @@ __device__ __forceinline__ void simt(const Args<T>& a) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Tensor-core kernel (bf16, head_dim D ∈ {64, 128, 256}).
+// Tensor-core kernel (bf16, head_dim D ∈ {64, 128, 256}); cp.async, ldmatrix and mma.sync
+// from mma.cuh.
 
-
-__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
+// ldmatrix_x4 transposed (V tiles as the B operand of P·V).
 __device__ __forceinline__ void ldsm_x4_t(u32 (&r)[4], u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
 }
-
-// c += a · b for one m16n8k16 tile.
-__device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 
 // Shared-memory byte offset of 16-byte chunk c of row r in a [rows][D] bf16 tile whose
 // chunks are XOR-swizzled by the row's low 3 bits (ldmatrix and cp.async conflict-free).
@@ -253,7 +239,7 @@ __device__ __forceinline__ void merge_warps(const Args<bf16>& a, const Tile& t, 
     const int g = lane >> 2, tq = lane & 3;
     float* so = (float*)attn_dyn_smem;  // [NW][16][D]
     float* sml = so + NW * 16 * D;      // [NW][16]: (m, l)
-    cp_async_wait_all();
+    cp_async_wait_groups<0>();
     __syncthreads();  // every warp is done with the KV tiles
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -332,7 +318,7 @@ __device__ __forceinline__ void mma(const Args<bf16>& a) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, tq = lane & 3;
     const int my_chunk = tid % CPR, my_row = tid / CPR;
-    const u32 s_kv = smem_u32(attn_dyn_smem);  // slot i: K at s_kv + 2i·TILE, V after it
+    const u32 s_kv = smem_addr(attn_dyn_smem);  // slot i: K at s_kv + 2i·TILE, V after it
     const u32 s_q = Q_SMEM ? s_kv + Sh::KV_BYTES : s_kv;
     // Cache row of each key of a KV tile (NO_PART past the range: zeros), double-buffered.
     u32* rows = (u32*)((char*)attn_dyn_smem + Sh::TILES_BYTES);
@@ -348,9 +334,9 @@ __device__ __forceinline__ void mma(const Args<bf16>& a) {
             src = a.q + qo_offset(a, t, r) + my_chunk * 8;
             bytes = 16;
         }
-        cp_async16(s_q + swz<D>(r, my_chunk), src, bytes);
+        cp_async_16(s_q + swz<D>(r, my_chunk), src, bytes);
     }
-    cp_async_commit();
+    cp_async_commit_group();
 
     // One thread per key looks a tile's cache rows up (once, not once per 16-byte chunk).
     auto rows_of = [&](int tile, u32* dst) {
@@ -371,7 +357,7 @@ __device__ __forceinline__ void mma(const Args<bf16>& a) {
                 src = cache + kv_offset(row, a.kv_heads, t.kvh, D) + my_chunk * 8;
                 bytes = 16;
             }
-            cp_async16(dst + swz<D>(r, my_chunk), src, bytes);
+            cp_async_16(dst + swz<D>(r, my_chunk), src, bytes);
         }
     };
 
@@ -380,10 +366,10 @@ __device__ __forceinline__ void mma(const Args<bf16>& a) {
     u32 qa[QA][4];
     rows_of(0, rows);
     if (!Q_SMEM) {
-        cp_async_wait_all();
+        cp_async_wait_groups<0>();
         __syncthreads();
 #pragma unroll
-        for (int ks = 0; ks < QA; ++ks) ldsm_x4(qa[ks], s_q + swz<D>(wrow + a_row, 2 * ks + a_hi));
+        for (int ks = 0; ks < QA; ++ks) ldmatrix_x4(qa[ks], s_q + swz<D>(wrow + a_row, 2 * ks + a_hi));
     }
     __syncthreads();  // the first row table is written; Q staging (if any) is consumed
 
@@ -423,7 +409,7 @@ __device__ __forceinline__ void mma(const Args<bf16>& a) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 if (Q_SMEM) {
-                    ldsm_x4(qf[mt], s_q + swz<D>(wrow + mt * 16 + a_row, 2 * ks + a_hi));
+                    ldmatrix_x4(qf[mt], s_q + swz<D>(wrow + mt * 16 + a_row, 2 * ks + a_hi));
                 } else {
 #pragma unroll
                     for (int e = 0; e < 4; ++e) qf[mt][e] = qa[Q_SMEM ? 0 : ks][e];
@@ -432,11 +418,11 @@ __device__ __forceinline__ void mma(const Args<bf16>& a) {
 #pragma unroll
             for (int np = 0; np < NTW / 2; ++np) {
                 u32 b[4];
-                ldsm_x4(b, s_k + swz<D>(key0 + np * 16 + b_row, 2 * ks + b_hi));
+                ldmatrix_x4(b, s_k + swz<D>(key0 + np * 16 + b_row, 2 * ks + b_hi));
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    mma16816(sc[mt][2 * np], qf[mt], b[0], b[1]);
-                    mma16816(sc[mt][2 * np + 1], qf[mt], b[2], b[3]);
+                    mma_bf16_16816(sc[mt][2 * np], qf[mt], b[0], b[1]);
+                    mma_bf16_16816(sc[mt][2 * np + 1], qf[mt], b[2], b[3]);
                 }
             }
         }
@@ -500,8 +486,8 @@ __device__ __forceinline__ void mma(const Args<bf16>& a) {
                 ldsm_x4_t(b, s_v + swz<D>(key0 + kk * 16 + v_row, 2 * dn + v_hi));
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    mma16816(o[mt][2 * dn], pa[mt][kk], b[0], b[1]);
-                    mma16816(o[mt][2 * dn + 1], pa[mt][kk], b[2], b[3]);
+                    mma_bf16_16816(o[mt][2 * dn], pa[mt][kk], b[0], b[1]);
+                    mma_bf16_16816(o[mt][2 * dn + 1], pa[mt][kk], b[2], b[3]);
                 }
             }
         }
@@ -512,25 +498,25 @@ __device__ __forceinline__ void mma(const Args<bf16>& a) {
         const u32 s_k = s_kv, s_v = s_kv + Sh::TILE_BYTES;
         if (ntiles > 0) {
             gather(s_k, a.k_cache, rows);
-            cp_async_commit();
+            cp_async_commit_group();
         }
         for (int j = 0; j < ntiles; ++j) {
             const u32 p0 = t.kv_first + (u32)j * BN;
             u32* cur = rows + (j & 1) * BN;
             u32* next = rows + ((j + 1) & 1) * BN;
-            cp_async_wait_all();  // K(j) (and Q, the first time)
+            cp_async_wait_groups<0>();  // K(j) (and Q, the first time)
             __syncthreads();      // ... visible to all; every warp is done with V(j-1)
             gather(s_v, a.v_cache, cur);
-            cp_async_commit();
+            cp_async_commit_group();
             // The next tile's block-table reads overlap this tile's maths; its readers come
             // after the barrier below, and this buffer's last readers were before the last.
             if (j + 1 < ntiles) rows_of(j + 1, next);
             if (active) scores(s_k, p0);
-            cp_async_wait_all();  // V(j)
+            cp_async_wait_groups<0>();  // V(j)
             __syncthreads();      // ... visible to all; every warp is done with K(j)
             if (j + 1 < ntiles) {
                 gather(s_k, a.k_cache, next);
-                cp_async_commit();
+                cp_async_commit_group();
             }
             if (active) accumulate(s_v);
         }
@@ -543,7 +529,7 @@ __device__ __forceinline__ void mma(const Args<bf16>& a) {
                 gather(slot, a.k_cache, tr);
                 gather(slot + Sh::TILE_BYTES, a.v_cache, tr);
             }
-            cp_async_commit();
+            cp_async_commit_group();
             __syncthreads();  // every thread has read table i & 1
             if (i + 1 < ntiles) rows_of(i + 1, rows + ((i + 1) & 1) * BN);
             __syncthreads();
@@ -560,7 +546,7 @@ __device__ __forceinline__ void mma(const Args<bf16>& a) {
                 gather(slot, a.k_cache, tr);
                 gather(slot + Sh::TILE_BYTES, a.v_cache, tr);
             }
-            cp_async_commit();  // possibly empty: keeps one group per tile
+            cp_async_commit_group();  // possibly empty: keeps one group per tile
             // Table of tile ahead + 1: read after the next barrier; its buffer's last
             // reader was the gather of tile ahead - 1, before this barrier.
             if (ahead + 1 < ntiles) rows_of(ahead + 1, rows + ((ahead + 1) & 1) * BN);
@@ -586,24 +572,8 @@ __device__ __forceinline__ void mma(const Args<bf16>& a) {
             lh += __shfl_xor_sync(0xffffffffu, lh, 2);
             const int r = wrow + mt * 16 + g + 8 * h;
             if (r >= t.nrows) continue;
-            if (t.part == NO_PART) {
-                bf16* dst = a.out + qo_offset(a, t, r) + 2 * tq;
-                const float inv = lh > 0.0f ? 1.0f / lh : 0.0f;
-#pragma unroll
-                for (int i = 0; i < DT; ++i)
-                    *(u32*)(dst + i * 8) = pack_bf16x2(o[mt][i][2 * h] * inv, o[mt][i][2 * h + 1] * inv);
-            } else {
-                const i64 pi = part_index(a, t, r);
-                float* dst = a.part_o + pi * D + 2 * tq;
-#pragma unroll
-                for (int i = 0; i < DT; ++i)
-                    *(float2*)(dst + i * 8) = make_float2(o[mt][i][2 * h], o[mt][i][2 * h + 1]);
-                if (tq == 0) {
-                    const float mh = m[mt][h];
-                    a.part_ml[pi * 2] = mh == -CHIMERA_INF ? mh : mh * LN2;  // natural-log units
-                    a.part_ml[pi * 2 + 1] = lh;
-                }
-            }
+            store_row<D, DT>(a, t, r, tq, lh, m[mt][h],
+                             [&](int i) { return make_float2(o[mt][i][2 * h], o[mt][i][2 * h + 1]); });
         }
     }
 }

@@ -1,8 +1,8 @@
 // Shared by the attention sources (attention.cu, and attention_sm90.cu, built for sm_90a only):
 // the kernels' common parameters, the work-item decoding (see attention.cu's header for the
-// work list and GQA packing), and small PTX helpers.
+// work list and GQA packing), and small PTX helpers (cp.async and ldmatrix: mma.cuh).
 #pragma once
-#include "common.cuh"
+#include "mma.cuh"
 
 namespace attn {
 
@@ -101,19 +101,32 @@ __device__ __forceinline__ i64 kv_offset(u32 row, u32 kv_heads, u32 kvh, u32 hea
 }
 
 
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    u32 r;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-    return r;
+// Stores CTA row r of a tensor-core kernel from this thread's quad share: the pairs of
+// columns 8i + 2·tq, 8i + 2·tq + 1 for i < NI (pair(i) gives them unnormalised), the row's sum l
+// (over the quad) and max m (log2 units of the scaled scores): O / l as bf16 into `out`, or,
+// for a split-KV piece, the f32 partial with m in natural-log units and l.
+template <int D, int NI, typename Pair>
+__device__ __forceinline__ void store_row(const Args<bf16>& a, const Tile& t, int r, int tq, float l,
+                                          float m, Pair pair) {
+    if (t.part == NO_PART) {
+        bf16* dst = a.out + qo_offset(a, t, r) + 2 * tq;
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+#pragma unroll
+        for (int i = 0; i < NI; ++i) {
+            const float2 v = pair(i);
+            *(u32*)(dst + i * 8) = pack_bf16x2(v.x * inv, v.y * inv);
+        }
+    } else {
+        const i64 pi = part_index(a, t, r);
+        float* dst = a.part_o + pi * D + 2 * tq;
+#pragma unroll
+        for (int i = 0; i < NI; ++i) *(float2*)(dst + i * 8) = pair(i);
+        if (tq == 0) {
+            a.part_ml[pi * 2] = m == -CHIMERA_INF ? m : m * LN2;  // natural-log units
+            a.part_ml[pi * 2 + 1] = l;
+        }
+    }
 }
-
-// 16 bytes global → shared; bytes = 0 writes zeros and reads nothing.
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 // 2^x (the hardware approximation; 2^-inf = 0). bf16 path only.
 __device__ __forceinline__ float ex2(float x) {

@@ -21,11 +21,13 @@
 //!
 //! **Kernels** (bf16 picks by head dim and the packed (token, head) rows of the launch's
 //! items): decodes (≤ 16 rows) run `attn_decode_d{64,128}`, prefill tiles of d = 128 run
-//! `attn_prefill_wgmma[_pp]_d128` on Hopper (when the device compiled it, `sm_90a`, and the
-//! backend asks for it: [`PrefillKernel`]) and `attn_prefill_d128` elsewhere, other tiles
-//! `attn_mma_d{64,128,256}`; f32 and other head dims run `attn_simt`. Measured on one H200 (32q/8kv, d = 128, block 16): causal prefill T = 8192 in
-//! 1.91 ms (288 TFLOP/s), T = 2048 in 0.144 ms; decode batch 64 × 2048 in 0.168 ms
-//! (3.19 TB/s of KV), 256 × 2048 in 0.53 ms (4.03 TB/s), 1 × 32768 in 0.058 ms.
+//! one of `attention_sm90.cu`'s warpgroup-MMA kernels on Hopper (when the device compiled
+//! them, `sm_90a`, and the backend asks for one: [`PrefillKernel`]) and `attn_prefill_d128`
+//! elsewhere, other tiles `attn_mma_d{64,128,256}`; f32 and other head dims run
+//! `attn_simt`. Measured on one H200 (32q/8kv, d = 128, block 16, including the KV write):
+//! causal prefill T = 8192 in 1.26 ms (436 TFLOP/s) with the ping-pong wgmma kernel, 1.96 ms
+//! (281 TFLOP/s) with `mma.sync`; decode batch 64 × 2048 in 0.168 ms (3.19 TB/s of KV),
+//! 256 × 2048 in 0.53 ms (4.03 TB/s), 1 × 32768 in 0.058 ms.
 //!
 //! **What the backend must do.** Run the launches in order on one stream (the combine reads
 //! the partials of the main launches). Pass the arguments as [`AttnArg`] documents, scratch
@@ -73,7 +75,6 @@ pub const ENTRIES: &[Entry] = &[
 pub const SM90_ENTRIES: &[Entry] = &[
     e("attn_prefill_wgmma_d128_bf16", MAIN),
     e("attn_prefill_wgmma_pp_d128_bf16", MAIN),
-    e("attn_prefill_wgmma_ws_d128_bf16", MAIN),
 ];
 
 /// The kernel that runs bf16 prefill tiles of head dim 128 ([`launches`]); the backend picks
@@ -89,15 +90,10 @@ pub enum PrefillKernel {
     /// warpgroups taking turns on the tensor cores, one's softmax running while the other's
     /// S = Q·Kᵀ and previous P·V are (FlashAttention-3's ping-pong schedule).
     WgmmaPingPong,
-    /// `attn_prefill_wgmma_ws_d128_bf16`: [`PrefillKernel::WgmmaPingPong`]'s consumers fed by
-    /// a third, producer warpgroup that does the block-table lookups and gathers (384
-    /// threads; the consumers take the registers).
-    WgmmaWarpSpecialized,
 }
 
 impl PrefillKernel {
-    pub const ALL: [PrefillKernel; 4] = [
-        PrefillKernel::WgmmaWarpSpecialized,
+    pub const ALL: [PrefillKernel; 3] = [
         PrefillKernel::WgmmaPingPong,
         PrefillKernel::Wgmma,
         PrefillKernel::MmaSync,
@@ -114,7 +110,6 @@ impl PrefillKernel {
             PrefillKernel::MmaSync => "mma.sync",
             PrefillKernel::Wgmma => "wgmma",
             PrefillKernel::WgmmaPingPong => "wgmma, ping-pong warpgroups",
-            PrefillKernel::WgmmaWarpSpecialized => "wgmma, ping-pong + producer warpgroup",
         }
     }
 
@@ -123,7 +118,6 @@ impl PrefillKernel {
             PrefillKernel::MmaSync => PREFILL_D128,
             PrefillKernel::Wgmma => WGMMA_D128,
             PrefillKernel::WgmmaPingPong => WGMMA_PP_D128,
-            PrefillKernel::WgmmaWarpSpecialized => WGMMA_WS_D128,
         }
     }
 }
@@ -559,21 +553,16 @@ const MMA_D128: Kernel = mma("attn_mma_d128_bf16", 128, 64, 1, false, 4, 1, fals
 const MMA_D256: Kernel = mma("attn_mma_d256_bf16", 256, 16, 1, false, 4, 1, false);
 const PREFILL_D128: Kernel = mma("attn_prefill_d128_bf16", 128, 64, 2, true, 8, 1, false);
 /// `attention_sm90.cu`: two warpgroups of 64 rows, Q [128 × 128] and 3 stages of K + V tiles
-/// of 128 keys (bf16), 3 × 4 mbarriers, and 1024 bytes to align the tiles to the 128-byte
+/// of 128 keys (bf16), 3 × 2 mbarriers, and 1024 bytes to align the tiles to the 128-byte
 /// swizzle's 1024-byte period.
 const WGMMA_D128: Kernel = Kernel {
     entry: "attn_prefill_wgmma_d128_bf16",
     rows: 128,
     threads: 256,
-    smem: 1024 + 128 * 128 * 2 + 3 * 2 * 128 * 128 * 2 + 4 * 3 * 8,
+    smem: 1024 + 128 * 128 * 2 + 3 * 2 * 128 * 128 * 2 + 2 * 3 * 8,
 };
 const WGMMA_PP_D128: Kernel = Kernel {
     entry: "attn_prefill_wgmma_pp_d128_bf16",
-    ..WGMMA_D128
-};
-const WGMMA_WS_D128: Kernel = Kernel {
-    entry: "attn_prefill_wgmma_ws_d128_bf16",
-    threads: 384,
     ..WGMMA_D128
 };
 const KERNELS: &[Kernel] = &[
@@ -587,7 +576,6 @@ const KERNELS: &[Kernel] = &[
     PREFILL_D128,
     WGMMA_D128,
     WGMMA_PP_D128,
-    WGMMA_WS_D128,
 ];
 
 /// Entries whose dynamic shared memory exceeds [`DEFAULT_SMEM_LIMIT`], with the bytes they
@@ -974,7 +962,7 @@ mod tests {
             assert_eq!(prefill.entry(), entry);
             assert_eq!(
                 (l[0].grid, l[0].block, l[0].smem),
-                ((8 * 4, 64, 1), (256, 1, 1), 230496)
+                ((8 * 4, 64, 1), (256, 1, 1), 230448)
             );
         }
         check_coverage(&[8192], &[0], dims(32, 8, 128, 1), true);
@@ -1105,25 +1093,19 @@ mod tests {
                 ("attn_mma_d128_bf16", 64, 128, 32768 + 512),
                 ("attn_mma_d256_bf16", 64, 128, 32768 + 128),
                 ("attn_prefill_d128_bf16", 256, 256, 32768 + 65536 + 512),
-                // attention_sm90.cu's SMEM: alignment, Q, 3 × (K + V), 12 mbarriers; within
+                // attention_sm90.cu's SMEM: alignment, Q, 3 × (K + V), 6 mbarriers; within
                 // the 227 KiB a Hopper block may opt in to.
                 (
                     "attn_prefill_wgmma_d128_bf16",
                     128,
                     256,
-                    1024 + 32768 + 3 * 65536 + 96
+                    1024 + 32768 + 3 * 65536 + 48
                 ),
                 (
                     "attn_prefill_wgmma_pp_d128_bf16",
                     128,
                     256,
-                    1024 + 32768 + 3 * 65536 + 96
-                ),
-                (
-                    "attn_prefill_wgmma_ws_d128_bf16",
-                    128,
-                    384,
-                    1024 + 32768 + 3 * 65536 + 96
+                    1024 + 32768 + 3 * 65536 + 48
                 ),
             ]
         );
@@ -1133,9 +1115,8 @@ mod tests {
             [
                 ("attn_decode_d128_bf16", 66048),
                 ("attn_prefill_d128_bf16", 98816),
-                ("attn_prefill_wgmma_d128_bf16", 230496),
-                ("attn_prefill_wgmma_pp_d128_bf16", 230496),
-                ("attn_prefill_wgmma_ws_d128_bf16", 230496)
+                ("attn_prefill_wgmma_d128_bf16", 230448),
+                ("attn_prefill_wgmma_pp_d128_bf16", 230448)
             ]
         );
     }
@@ -1230,30 +1211,24 @@ mod tests {
     }
 
     /// One synchronisation step of a warpgroup in `attention_sm90.cu` (128 threads acting
-    /// together). `kv`: 0 for K (or the whole K+V stage where the schedule does not split
-    /// them), 1 for V. Full barriers are arrived on by a gather of `tile`, empty ones by the
-    /// consumers; waits are on a phase parity; `Use` reads the tile a slot holds; named
-    /// barriers 1 and 2 are synced or arrived on.
+    /// together): an arrival on a stage's full (a gather of `tile`) or empty mbarrier, a
+    /// parity wait on one, a read of the tile a stage holds, a named barrier sync or arrive.
     #[derive(Debug, Clone, Copy, PartialEq)]
     enum SyncOp {
-        ArriveFull {
-            kv: usize,
-            stage: usize,
-            tile: usize,
-        },
-        ArriveEmpty(usize, usize),
-        WaitFull(usize, usize, usize),
-        WaitEmpty(usize, usize, usize),
-        Use(usize, usize),
+        ArriveFull { stage: usize, tile: usize },
+        ArriveEmpty(usize),
+        WaitFull(usize, usize),
+        WaitEmpty(usize, usize),
+        Use(usize),
         BarSync(usize),
         BarArrive(usize),
     }
 
     const SM90_STAGES: usize = 3;
 
-    /// Consumer warpgroup `wg`'s steps in `prefill_d128<PLAIN>` (`pingpong` false, `lead` 2)
-    /// or `<PINGPONG>` (true, 1) for a CTA of `ntiles` KV tiles of which it computes the
-    /// first `jn`; mirrors the kernel's loops. K and V share a stage (kv 0).
+    /// Warpgroup `wg`'s steps in `prefill_d128<PLAIN>` (`pingpong` false, `lead` 2) or
+    /// `<PINGPONG>` (true, 1) for a CTA of `ntiles` KV tiles of which it computes the first
+    /// `jn`; mirrors the kernel's loops.
     fn sm90_program(
         wg: usize,
         ntiles: usize,
@@ -1265,30 +1240,37 @@ mod tests {
         const STAGES: usize = SM90_STAGES;
         let mut ops = Vec::new();
         let fill = |tile: usize| ArriveFull {
-            kv: 0,
             stage: tile % STAGES,
             tile,
         };
-        let refill = |ops: &mut Vec<SyncOp>, j: usize| {
+        // The kernel's refill_wait and refill_copy.
+        let refill_wait = |ops: &mut Vec<SyncOp>, j: usize| {
             let ahead = j + lead;
-            if ahead >= ntiles {
-                return;
-            }
-            if ahead >= STAGES {
+            if ahead < ntiles && ahead >= STAGES {
                 let prev = ahead - STAGES;
-                ops.push(WaitEmpty(0, prev % STAGES, (prev / STAGES) & 1));
+                ops.push(WaitEmpty(prev % STAGES, (prev / STAGES) & 1));
             }
-            ops.push(fill(ahead));
+        };
+        let refill_copy = |ops: &mut Vec<SyncOp>, j: usize| {
+            if j + lead < ntiles {
+                ops.push(fill(j + lead));
+            }
         };
         ops.extend((0..lead.min(ntiles)).map(fill));
-        let wait_full = |j: usize| WaitFull(0, j % STAGES, (j / STAGES) & 1);
+        let wait_full = |j: usize| WaitFull(j % STAGES, (j / STAGES) & 1);
+        // The MMAs read their tiles from issue to wait: the next tile's copies, issued in
+        // between, must go elsewhere (Use before and after them).
         if !pingpong {
             for j in 0..ntiles {
-                refill(&mut ops, j);
+                refill_wait(&mut ops, j);
                 if j < jn {
-                    ops.extend([wait_full(j), Use(0, j)]);
+                    ops.extend([wait_full(j), Use(j)]);
+                    refill_copy(&mut ops, j);
+                    ops.push(Use(j));
+                } else {
+                    refill_copy(&mut ops, j);
                 }
-                ops.push(ArriveEmpty(0, j % STAGES));
+                ops.push(ArriveEmpty(j % STAGES));
             }
             return ops;
         }
@@ -1297,24 +1279,28 @@ mod tests {
             ops.push(BarArrive(1));
         }
         if jn > 0 {
-            refill(&mut ops, 0);
-            ops.extend([wait_full(0), BarSync(mine), Use(0, 0), BarArrive(other)]);
+            refill_wait(&mut ops, 0);
+            ops.extend([wait_full(0), BarSync(mine), Use(0), BarArrive(other)]);
+            refill_copy(&mut ops, 0);
+            ops.push(Use(0));
             for j in 1..jn {
-                refill(&mut ops, j);
+                refill_wait(&mut ops, j);
                 ops.extend([
                     wait_full(j),
                     BarSync(mine),
-                    Use(0, j),
-                    Use(0, j - 1),
+                    Use(j),
+                    Use(j - 1),
                     BarArrive(other),
-                    ArriveEmpty(0, (j - 1) % STAGES),
                 ]);
+                refill_copy(&mut ops, j);
+                ops.extend([Use(j), Use(j - 1), ArriveEmpty((j - 1) % STAGES)]);
             }
-            ops.extend([Use(0, jn - 1), ArriveEmpty(0, (jn - 1) % STAGES)]);
+            ops.extend([Use(jn - 1), ArriveEmpty((jn - 1) % STAGES)]);
         }
         for j in jn..ntiles {
-            refill(&mut ops, j);
-            ops.extend([BarSync(mine), BarArrive(other), ArriveEmpty(0, j % STAGES)]);
+            refill_wait(&mut ops, j);
+            refill_copy(&mut ops, j);
+            ops.extend([BarSync(mine), BarArrive(other), ArriveEmpty(j % STAGES)]);
         }
         if wg == 0 && ntiles > 0 {
             ops.push(BarSync(mine));
@@ -1322,94 +1308,17 @@ mod tests {
         ops
     }
 
-    /// `prefill_d128<WARP_SPECIALIZED>`: consumer warpgroup `wg`'s steps (K and V released
-    /// apart) and, for `wg` = None, the producer's.
-    fn sm90_ws_program(wg: Option<usize>, ntiles: usize, jn: usize) -> Vec<SyncOp> {
+    /// Every interleaving of the two warpgroups' steps: none deadlocks, a tile is read only
+    /// while its stage holds it, a stage receives its tiles in order, and no named barrier is
+    /// left with arrivals. mbarriers complete a phase at 256 arrivals (both warpgroups) and a
+    /// parity wait passes once the phase of that parity has completed, as in PTX.
+    fn check_sm90_sync(progs: &[Vec<SyncOp>; 2]) {
         use SyncOp::*;
         const STAGES: usize = SM90_STAGES;
-        let wait_full = |kv: usize, j: usize| WaitFull(kv, j % STAGES, (j / STAGES) & 1);
-        let mut ops = Vec::new();
-        let Some(wg) = wg else {
-            for j in 0..ntiles {
-                for kv in 0..2 {
-                    if j >= STAGES {
-                        ops.push(WaitEmpty(kv, j % STAGES, ((j - STAGES) / STAGES) & 1));
-                    }
-                    ops.push(ArriveFull {
-                        kv,
-                        stage: j % STAGES,
-                        tile: j,
-                    });
-                }
-            }
-            return ops;
-        };
-        let (mine, other) = (1 + wg, 2 - wg);
-        if wg == 1 && ntiles > 0 {
-            ops.push(BarArrive(1));
-        }
-        if jn > 0 {
-            ops.extend([wait_full(0, 0), BarSync(mine), Use(0, 0), BarArrive(other)]);
-            ops.push(ArriveEmpty(0, 0));
-            for j in 1..jn {
-                ops.extend([
-                    wait_full(0, j),
-                    wait_full(1, j - 1),
-                    BarSync(mine),
-                    Use(0, j),
-                    Use(1, j - 1),
-                    BarArrive(other),
-                    ArriveEmpty(0, j % STAGES),
-                    ArriveEmpty(1, (j - 1) % STAGES),
-                ]);
-            }
-            ops.extend([
-                wait_full(1, jn - 1),
-                Use(1, jn - 1),
-                ArriveEmpty(1, (jn - 1) % STAGES),
-            ]);
-        }
-        for j in jn..ntiles {
-            ops.extend([
-                BarSync(mine),
-                BarArrive(other),
-                ArriveEmpty(0, j % STAGES),
-                ArriveEmpty(1, j % STAGES),
-            ]);
-        }
-        if wg == 0 && ntiles > 0 {
-            ops.push(BarSync(mine));
-        }
-        ops
-    }
-
-    /// Every interleaving of the warpgroups' steps (`progs`, at most three, 128 threads
-    /// each): none deadlocks, a tile is read only while its slot holds it, a slot receives
-    /// its tiles in order, and no named barrier is left with arrivals. A full mbarrier
-    /// completes a phase at `full_count` arrivals (its loaders'), an empty one at 256 (both
-    /// consumers'), and a parity wait passes once the phase of that parity has completed, as
-    /// in PTX.
-    fn check_sm90_sync(progs: &[Vec<SyncOp>], full_count: u32) {
-        use SyncOp::*;
-        const STAGES: usize = SM90_STAGES;
-        const N: usize = 3;
-        assert!(progs.len() <= N);
-        let len = |w: usize| progs.get(w).map_or(0, Vec::len);
-        let at = |w: usize, pc: usize| progs[w][pc];
-        // mbarrier index: full K, full V, empty K, empty V, STAGES each.
-        let bar =
-            |empty: bool, kv: usize, stage: usize| (2 * usize::from(empty) + kv) * STAGES + stage;
-        let counts = |i: usize| if i < 2 * STAGES { full_count } else { 256 };
-        // (pcs, blocked at a named barrier, mbarrier (pending, completed), named barrier
-        // counts, tile held by each K / V slot)
-        type State = ([usize; N], [bool; N], [(u32, u32); 12], [u32; 3], [i64; 6]);
-        let init: State = (
-            [0; N],
-            [false; N],
-            std::array::from_fn(|i| (counts(i), 0)),
-            [0; 3],
-            [-1; 6],
-        );
+        // (pcs, blocked at a named barrier, mbarrier (pending, completed) full then empty,
+        // named barrier counts, tile held by each stage)
+        type State = ([usize; 2], [bool; 2], [(u32, u32); 6], [u32; 3], [i64; 3]);
+        let init: State = ([0; 2], [false; 2], [(256, 0); 6], [0; 3], [-1; 3]);
         let mut seen = std::collections::HashSet::new();
         let mut stack = vec![init];
         while let Some(st) = stack.pop() {
@@ -1417,54 +1326,57 @@ mod tests {
                 continue;
             }
             let (pcs, blocked, mb, nb, held) = st;
-            if (0..N).all(|w| pcs[w] == len(w)) {
+            if (0..2).all(|w| pcs[w] == progs[w].len()) {
                 assert_eq!(nb, [0; 3], "named barrier left with arrivals");
                 continue;
             }
             let mut moved = false;
-            for w in 0..N {
-                if pcs[w] == len(w) || blocked[w] {
+            for w in 0..2 {
+                if pcs[w] == progs[w].len() || blocked[w] {
                     continue;
                 }
                 let (mut pcs2, mut bl2, mut mb2, mut nb2, mut held2) = (pcs, blocked, mb, nb, held);
-                let arrive = |mb2: &mut [(u32, u32); 12], i: usize| {
+                let arrive = |mb2: &mut [(u32, u32); 6], i: usize| {
                     mb2[i].0 -= 128;
                     if mb2[i].0 == 0 {
-                        mb2[i] = (counts(i), mb2[i].1 + 1);
+                        mb2[i] = (256, mb2[i].1 + 1);
                     }
                 };
-                match at(w, pcs[w]) {
-                    ArriveFull { kv, stage, tile } => {
+                match progs[w][pcs[w]] {
+                    ArriveFull { stage, tile } => {
                         let before = if tile >= STAGES {
                             (tile - STAGES) as i64
                         } else {
                             -1
                         };
-                        let slot = kv * STAGES + stage;
                         assert!(
-                            held2[slot] == tile as i64 || held2[slot] == before,
-                            "slot {slot} skipped to tile {tile}"
+                            held2[stage] == tile as i64 || held2[stage] == before,
+                            "stage {stage} skipped to tile {tile}"
                         );
-                        held2[slot] = tile as i64;
-                        arrive(&mut mb2, bar(false, kv, stage));
+                        held2[stage] = tile as i64;
+                        arrive(&mut mb2, stage);
                         pcs2[w] += 1;
                     }
-                    ArriveEmpty(kv, stage) => {
-                        arrive(&mut mb2, bar(true, kv, stage));
+                    ArriveEmpty(stage) => {
+                        arrive(&mut mb2, STAGES + stage);
                         pcs2[w] += 1;
                     }
-                    op @ (WaitFull(kv, stage, parity) | WaitEmpty(kv, stage, parity)) => {
-                        let i = bar(matches!(op, WaitEmpty(..)), kv, stage);
+                    op @ (WaitFull(stage, parity) | WaitEmpty(stage, parity)) => {
+                        let i = if matches!(op, WaitFull(..)) {
+                            stage
+                        } else {
+                            STAGES + stage
+                        };
                         if mb[i].1 as usize % 2 == parity {
                             continue; // that phase has not completed
                         }
                         pcs2[w] += 1;
                     }
-                    Use(kv, tile) => {
+                    Use(tile) => {
                         assert_eq!(
-                            held[kv * STAGES + tile % STAGES],
+                            held[tile % STAGES],
                             tile as i64,
-                            "tile {tile} ({kv}) overwritten before use"
+                            "tile {tile} overwritten before use"
                         );
                         pcs2[w] += 1;
                     }
@@ -1477,8 +1389,8 @@ mod tests {
                         }
                         if nb2[id] == 256 {
                             nb2[id] = 0;
-                            for v in 0..N {
-                                if bl2[v] && at(v, pcs2[v]) == BarSync(id) {
+                            for v in 0..2 {
+                                if bl2[v] && progs[v][pcs2[v]] == BarSync(id) {
                                     bl2[v] = false;
                                     pcs2[v] += 1;
                                 }
@@ -1492,45 +1404,38 @@ mod tests {
             assert!(
                 moved,
                 "deadlock at {pcs:?}: {:?}",
-                (0..progs.len())
-                    .map(|w| progs[w].get(pcs[w]))
-                    .collect::<Vec<_>>()
+                [0, 1].map(|w| progs[w].get(pcs[w]))
             );
         }
     }
 
     #[test]
     fn the_sm90_pipelines_neither_deadlock_nor_overwrite_a_live_stage() {
-        for ntiles in 0..=7 {
-            // The CTA's last warpgroup with rows computes every tile; the first may stop
-            // earlier (its rows' keys end sooner) or have no rows.
-            let mut splits: Vec<[usize; 2]> = (0..=ntiles).map(|jn0| [jn0, ntiles]).collect();
-            splits.push([ntiles, 0]);
-            for jn in splits {
-                for (pingpong, lead) in [(false, 2), (true, 1)] {
-                    let progs: Vec<_> = (0..2)
-                        .map(|wg| sm90_program(wg, ntiles, jn[wg], pingpong, lead))
-                        .collect();
-                    check_sm90_sync(&progs, 256);
+        for (pingpong, lead) in [(false, 2), (true, 1)] {
+            for ntiles in 0..=7 {
+                // The CTA's last warpgroup with rows computes every tile; the first may stop
+                // earlier (its rows' keys end sooner) or have no rows.
+                let mut splits: Vec<[usize; 2]> = (0..=ntiles).map(|jn0| [jn0, ntiles]).collect();
+                splits.push([ntiles, 0]);
+                for jn in splits {
+                    let progs = [0, 1].map(|wg| sm90_program(wg, ntiles, jn[wg], pingpong, lead));
+                    check_sm90_sync(&progs);
                 }
-                let ws = [None, Some(0), Some(1)]
-                    .map(|wg| sm90_ws_program(wg, ntiles, wg.map_or(0, |w| jn[w])));
-                check_sm90_sync(&ws, 128);
             }
         }
         // The check can fail: the ping-pong schedule gathering two tiles ahead deadlocks (its
         // stage is released a tile later); without warpgroup 0's last wait a named barrier
-        // keeps warpgroup 1's last arrival; a producer that does not wait for free slots
-        // overwrites a live one.
-        let too_far: Vec<_> = (0..2).map(|wg| sm90_program(wg, 5, 5, true, 2)).collect();
-        let mut unmatched: Vec<_> = (0..2).map(|wg| sm90_program(wg, 5, 5, true, 1)).collect();
+        // keeps warpgroup 1's last arrival; a refill that does not wait for the stage to be
+        // released overwrites a live one.
+        let too_far = [0, 1].map(|wg| sm90_program(wg, 5, 5, true, 2));
+        let mut unmatched = [0, 1].map(|wg| sm90_program(wg, 5, 5, true, 1));
         assert_eq!(unmatched[0].pop(), Some(SyncOp::BarSync(1)));
-        let mut eager: Vec<_> = [None, Some(0), Some(1)]
-            .map(|wg| sm90_ws_program(wg, 6, 6))
-            .into();
-        eager[0].retain(|op| !matches!(op, SyncOp::WaitEmpty(..)));
-        for (progs, full_count) in [(too_far, 256), (unmatched, 256), (eager, 128)] {
-            let caught = std::panic::catch_unwind(|| check_sm90_sync(&progs, full_count));
+        let mut eager = [0, 1].map(|wg| sm90_program(wg, 6, 6, false, 2));
+        for p in &mut eager {
+            p.retain(|op| !matches!(op, SyncOp::WaitEmpty(..)));
+        }
+        for progs in [too_far, unmatched, eager] {
+            let caught = std::panic::catch_unwind(|| check_sm90_sync(&progs));
             assert!(caught.is_err(), "a broken schedule passed");
         }
     }

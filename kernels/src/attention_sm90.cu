@@ -18,7 +18,7 @@
 //                  memory: V is [keys × d] row-major, i.e. B "MN-major", read with the
 //                  descriptor's transpose bit.
 //
-// Shared memory (1024-byte aligned; 230496 bytes with the alignment slack): Q [128 × 128],
+// Shared memory (1024-byte aligned; 230448 bytes with the alignment slack): Q [128 × 128],
 // then STAGES = 3 stages of K [128 × 128] + V [128 × 128], then the stages' mbarriers. Every
 // [rows × 128] tile is two column halves of [rows × 64] (128 bytes a row); in a half, row r
 // sits at r·128 and its 16-byte chunk c at (c ^ (r mod 8))·16: the 128-byte swizzle atom of
@@ -40,9 +40,10 @@
 //   S(j) and P·V(j − 1) are issued as one batch, and two named barriers make the warpgroups
 //   take turns issuing, so one's softmax runs while the other's batch is on the tensor cores;
 //   tile j + 1 is gathered while tile j is computed.
-// - attn_prefill_wgmma_ws_d128_bf16 (warp-specialised): the ping-pong consumers, and a
-//   third warpgroup (384 threads) that loads Q and gathers every tile as soon as its stage
-//   is free; it keeps 56 registers (setmaxnreg) so the consumers get 224.
+// A warp-specialised variant (the ping-pong consumers fed by a third, producer warpgroup
+// that gathered K and V into separately released rings, setmaxnreg 64 / 216) was measured on
+// the H200 at 256 TFLOP/s against ping-pong's 438 (T = 8192): the producer's four warps
+// stalled on their loads; it was removed.
 // (FA3's intra-warpgroup overlap, the softmax of tile j while P·V(j − 1) runs in the same
 // warpgroup, was tried: ptxas 13.0 hoists the wgmma wait above the exponentials, or
 // serialises every wgmma when the two P buffers it needs are written in branches.)
@@ -60,16 +61,20 @@ constexpr int WGS = 2;
 constexpr int BM = WGS * WG_ROWS;                  // packed rows per CTA
 constexpr int BN = 128;                            // keys per KV tile
 constexpr int STAGES = 3;
-constexpr int NTH = 128 * WGS;                     // consumer threads
-constexpr int CPR = D / 8;                         // 16-byte chunks per row
+constexpr int NTH = 128 * WGS;
 constexpr int Q_BYTES = BM * D * 2;
 constexpr int TILE_BYTES = BN * D * 2;             // one K or V tile
 constexpr int STAGE_BYTES = 2 * TILE_BYTES;
 constexpr int ALIGN = 1024;                        // the 128-byte swizzle pattern's period
-constexpr int BARRIERS = 4 * STAGES;  // full and empty per stage, for K and V apart (WS)
-constexpr int SMEM = ALIGN + Q_BYTES + STAGES * STAGE_BYTES + 8 * BARRIERS;  // attention.rs
+constexpr int SMEM = ALIGN + Q_BYTES + STAGES * STAGE_BYTES + 2 * STAGES * 8;  // attention.rs
+constexpr int CPR = D / 8;                         // 16-byte chunks per row
+constexpr int RPP = NTH / CPR;                     // rows one pass of the CTA's copies covers
+constexpr int KV_PASSES = BN / RPP;
+static_assert(NTH % CPR == 0 && BN % RPP == 0 && BM % RPP == 0, "tile shape");
+// The block-table lookup (rows_of) spreads a warp's 2 rows × KV_PASSES passes over its lanes.
+static_assert(CPR == 16 && 2 * KV_PASSES <= 32, "lookup lanes");
 // Schedules (see the header).
-constexpr int PLAIN = 0, PINGPONG = 1, WARP_SPECIALIZED = 2;
+constexpr int PLAIN = 0, PINGPONG = 1;
 
 // Byte offset of 16-byte chunk c (0..15) of row r in a [rows × 128] bf16 tile stored as two
 // 128-byte-swizzled column halves (see the header).
@@ -82,6 +87,14 @@ __device__ __forceinline__ u32 sw128(int rows, int r, int c) {
 __device__ __forceinline__ u64 desc128(u32 addr, u32 lbo, u32 sbo) {
     return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)((lbo & 0x3FFFFu) >> 4) << 16) |
            ((u64)((sbo & 0x3FFFFu) >> 4) << 32) | (1ull << 62);
+}
+// The descriptor of the matrix `off` bytes (a multiple of 16) after `desc`'s: the start
+// address is the low 14 bits (address >> 4), and shared addresses stay below 256 KiB, so the
+// offset adds to them without reaching the leading-offset field. One add per wgmma instead
+// of building each descriptor.
+__device__ __forceinline__ u64 desc_at(u64 desc, u32 off) {
+    const u32 lo = (u32)desc + (off >> 4), hi = (u32)(desc >> 32);
+    return ((u64)hi << 32) | lo;
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -176,43 +189,26 @@ struct Const {
     __device__ constexpr operator bool() const { return B; }
 };
 
-// SCHED: PLAIN, PINGPONG (the two warpgroups take turns on the tensor cores) or
-// WARP_SPECIALIZED (ping-pong consumers and a third, producer warpgroup that gathers).
+// SCHED: PLAIN or PINGPONG (the two warpgroups take turns on the tensor cores).
 template <int SCHED>
 __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
-    constexpr bool WS = SCHED == WARP_SPECIALIZED;
-    constexpr int THREADS = WS ? NTH + 128 : NTH;
-    constexpr int LOADERS = WS ? 128 : NTH;  // threads that gather Q and the KV tiles
-    constexpr int RPP = LOADERS / CPR;       // rows one pass of their copies covers
-    constexpr int KV_PASSES = BN / RPP;
-    static_assert(LOADERS % CPR == 0 && BN % RPP == 0 && BM % RPP == 0, "tile shape");
-    // The block-table lookup (rows_of) spreads a warp's 2 rows × KV_PASSES passes over its lanes.
-    static_assert(CPR == 16 && 2 * KV_PASSES <= 32, "lookup lanes");
     // A launch that disagrees with attention.rs fails loudly rather than computing garbage.
-    if (blockDim.x != THREADS || dynamic_smem_size() < (u32)SMEM) __trap();
+    if (blockDim.x != NTH || dynamic_smem_size() < (u32)SMEM) __trap();
     Tile t;
     if (!tile_of(a, BM, t)) return;
     const int tid = threadIdx.x, lane = tid & 31;
-    // Consumer warpgroup cwg (rows 64·cwg ..), warp within it, and in WS the producer.
-    const bool producer = WS && tid < 128;
-    const int cwg = WS ? (tid >> 7) - 1 : tid >> 7, warp = (tid >> 5) & 3;
+    const int wg = tid >> 7, warp = (tid >> 5) & 3;  // warpgroup (rows 64·wg ..), warp in it
     const int g = lane >> 2, tq = lane & 3;
-    const int my_chunk = tid % CPR, my_row = tid / CPR;  // loaders only
-    const u32 s_q = (smem_u32(sm90_dyn_smem) + (ALIGN - 1)) & ~(u32)(ALIGN - 1);
+    const int my_chunk = tid % CPR, my_row = tid / CPR;
+    const u32 s_q = (smem_addr(sm90_dyn_smem) + (ALIGN - 1)) & ~(u32)(ALIGN - 1);
     const u32 s_kv = s_q + Q_BYTES;  // stage i: K at s_kv + i·STAGE_BYTES, V after it
-    // STAGES barriers each: the tile (WS: its K) has landed; both warpgroups are done with it
-    // (WS: with its K); WS only: its V has landed; both are done with its V.
-    const u32 full = s_kv + STAGES * STAGE_BYTES;
-    const u32 empty = full + STAGES * 8;
-    const u32 full_v = empty + STAGES * 8;
-    const u32 empty_v = full_v + STAGES * 8;
+    const u32 full = s_kv + STAGES * STAGE_BYTES;  // STAGES barriers: the tile has landed
+    const u32 empty = full + STAGES * 8;           // STAGES barriers: both warpgroups are done
     if (tid == 0) {
 #pragma unroll
         for (int i = 0; i < STAGES; ++i) {
-            mbar_init(full + 8 * i, LOADERS);
+            mbar_init(full + 8 * i, NTH);
             mbar_init(empty + 8 * i, NTH);
-            mbar_init(full_v + 8 * i, LOADERS);
-            mbar_init(empty_v + 8 * i, NTH);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -230,13 +226,13 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
                 src = a.q + qo_offset(a, t, r) + my_chunk * 8;
                 bytes = 16;
             }
-            cp_async16(s_q + sw128(BM, r, my_chunk), src, bytes);
+            cp_async_16(s_q + sw128(BM, r, my_chunk), src, bytes);
         }
     };
 
     const int ntiles = t.hi > t.kv_first ? (int)((t.hi - t.kv_first + BN - 1) / BN) : 0;
-    // Block-table lookups, one per thread per tile, a tile ahead of its gather: a loader
-    // warp's threads copy rows 2·warp + h + RPP·k (h = lane / 16, k < KV_PASSES), lane
+    // Block-table lookups, one per thread per tile, a tile ahead of its gather: a warp's
+    // threads copy rows 2·warp + h + RPP·k (h = lane / 16, k < KV_PASSES), lane
     // l < 2·KV_PASSES looks up row 2·warp + l / KV_PASSES + RPP·(l mod KV_PASSES) (higher lanes
     // repeat lower ones), and the gather takes each pass's row from its lane with a shuffle.
     // The loaded block id is first used by that gather, so the load's latency is hidden.
@@ -251,9 +247,9 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
         lk_blk = t.bt[blk_idx];
         lk_off = valid ? pc - blk_idx * a.block_size : NO_PART;
     };
-    // Tile j (the rows rows_of(j) looked up) into stage j mod STAGES: its K (which & 1) and
-    // V (which & 2), then the arrival on `bar` + 8·stage.
-    auto gather_to = [&](int j, int which, u32 bar) {
+    // Tile j (the rows rows_of(j) looked up) into stage j mod STAGES, then the arrival on its
+    // full barrier.
+    auto gather = [&](int j) {
         const int st = j % STAGES;
         const u32 sk = s_kv + st * STAGE_BYTES;
         const u32 looked_up = lk_off == NO_PART ? NO_PART : lk_blk * a.block_size + lk_off;
@@ -270,50 +266,24 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
                 vs += o;
                 bytes = 16;
             }
-            if (which & 1) cp_async16(sk + off, ks, bytes);
-            if (which & 2) cp_async16(sk + TILE_BYTES + off, vs, bytes);
+            cp_async_16(sk + off, ks, bytes);
+            cp_async_16(sk + TILE_BYTES + off, vs, bytes);
         }
-        cp_async_arrive(bar + 8 * st);
+        cp_async_arrive(full + 8 * st);
     };
-    auto gather = [&](int j) { gather_to(j, 3, full); };
-    if (WS) {
-        if (producer) {
-            // Producer: Q, then every tile's K and V, each as soon as its slot is free (both
-            // consumers have released the K or V of the tile STAGES before). K is released a
-            // tile before V, so K runs up to two tiles ahead. Few registers: the consumers
-            // get them.
-            asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
-            load_q();
-            if (ntiles > 0) rows_of(0);
-            for (int j = 0; j < ntiles; ++j) {
-                const u32 parity = (u32)((j - STAGES) / STAGES) & 1u;
-                if (j >= STAGES) mbar_wait(empty + 8 * (j % STAGES), parity);
-                gather_to(j, 1, full);
-                if (j >= STAGES) mbar_wait(empty_v + 8 * (j % STAGES), parity);
-                gather_to(j, 2, full_v);
-                if (j + 1 < ntiles) rows_of(j + 1);
-            }
-            asm volatile("cp.async.wait_all;\n" ::: "memory");
-            return;
-        }
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
-    }
-
     // Tiles gathered ahead of the one computed (see the schedules below).
     constexpr int LEAD = SCHED == PLAIN ? STAGES - 1 : 1;
-    if (!WS) {
-        load_q();
-        if (ntiles > 0) rows_of(0);
+    load_q();
+    if (ntiles > 0) rows_of(0);
 #pragma unroll
-        for (int j = 0; j < LEAD; ++j) {
-            if (j < ntiles) {
-                gather(j);
-                if (j + 1 < ntiles) rows_of(j + 1);
-            }
+    for (int j = 0; j < LEAD; ++j) {
+        if (j < ntiles) {
+            gather(j);
+            if (j + 1 < ntiles) rows_of(j + 1);
         }
     }
 
-    const int wrow = cwg * WG_ROWS;  // the warpgroup's first row
+    const int wrow = wg * WG_ROWS;  // the warpgroup's first row
     const bool wg_active = wrow < t.nrows;
     // The warpgroup's KV end (its last row's limit): tiles past it are the other one's.
     const u32 wg_hi = wg_active ? row_limit(t, min(wrow + WG_ROWS, t.nrows) - 1) : 0;
@@ -333,12 +303,14 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
 
     // S = Q·Kᵀ (issued, not waited for): k-step ks reads columns 16·ks.. of Q and K (half
     // ks / 4, 32-byte offset ks mod 4 in the swizzled row).
+    const u64 q_desc = desc128(s_q + wrow * 128, 16, 1024);  // this warpgroup's Q rows
     auto issue_s = [&](u32 sk) {
+        const u64 k_desc = desc128(sk, 16, 1024);
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) {
             const u32 col = (u32)(ks & 3) * 32;
-            const u64 da = desc128(s_q + (ks >> 2) * (BM * 128) + wrow * 128 + col, 16, 1024);
-            const u64 db = desc128(sk + (ks >> 2) * (BN * 128) + col, 16, 1024);
+            const u64 da = desc_at(q_desc, (ks >> 2) * (BM * 128) + col);
+            const u64 db = desc_at(k_desc, (ks >> 2) * (BN * 128) + col);
             wgmma_ss(s, da, db, ks > 0 ? 1u : 0u);
         }
         wgmma_commit();
@@ -346,9 +318,9 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
     // O += P·V (issued, not waited for): k-step kk reads keys 16·kk .. of V (two 8-key groups
     // of 1024 bytes).
     auto issue_pv = [&](u32 sv) {
+        const u64 v_desc = desc128(sv, BN * 128, 1024);
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-            wgmma_rs_tb(o, pa[kk], desc128(sv + kk * 2048, BN * 128, 1024));
+        for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs_tb(o, pa[kk], desc_at(v_desc, kk * 2048));
         wgmma_commit();
     };
     // Masks tile p0's scores when `masked` (a bool, or a Const when known at compile time;
@@ -417,14 +389,22 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
 
     // The stage tile j + LEAD goes to last held tile j + LEAD − STAGES: wait until both
     // warpgroups have released it, then gather.
-    auto refill = [&](int j) {
-        if (WS) return;  // the producer's work
+    // (Split in two: the wait, and the copies, which the ping-pong schedule issues while
+    // its own MMAs run.)
+    auto refill_wait = [&](int j) {
+        const int ahead = j + LEAD, prev = ahead - STAGES;
+        if (ahead < ntiles && prev >= 0)
+            mbar_wait(empty + 8 * (prev % STAGES), (u32)(prev / STAGES) & 1u);
+    };
+    auto refill_copy = [&](int j) {
         const int ahead = j + LEAD;
         if (ahead >= ntiles) return;
-        const int prev = ahead - STAGES;
-        if (prev >= 0) mbar_wait(empty + 8 * (prev % STAGES), (u32)(prev / STAGES) & 1u);
         gather(ahead);
         if (ahead + 1 < ntiles) rows_of(ahead + 1);
+    };
+    auto refill = [&](int j) {
+        refill_wait(j);
+        refill_copy(j);
     };
 
     if (SCHED == PLAIN) {
@@ -432,7 +412,7 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
         // gathered while tile j is computed.
         for (int j = 0; j < ntiles; ++j) {
             const int st = j % STAGES;
-            refill(j);
+            refill_wait(j);
             const u32 p0 = t.kv_first + (u32)j * BN;
             if (wg_active && p0 < wg_hi) {
                 mbar_wait(full + 8 * st, (u32)(j / STAGES) & 1u);
@@ -440,6 +420,7 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
                 const u32 sk = s_kv + st * STAGE_BYTES;
                 wgmma_fence();
                 issue_s(sk);
+                refill_copy(j);  // tile j + 2, while S = Q·Kᵀ runs
                 wgmma_wait<0>();
                 fence_regs(s);
                 float alpha[2];
@@ -450,74 +431,11 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
                 issue_pv(sk + TILE_BYTES);
                 wgmma_wait<0>();
                 fence_regs(o);
+            } else {
+                refill_copy(j);
             }
             mbar_arrive(empty + 8 * st);
         }
-    } else if (WS) {
-        // The ping-pong consumers below with K and V released apart: after the batch of tile
-        // j, K(j) and V(j − 1) are free. Same turns; waits come before O's rescale.
-        const int mine = 1 + cwg, other = 2 - cwg;  // named barrier ids
-        auto take_turn = [&]() { named_bar_sync(mine); };
-        auto pass_turn = [&]() { named_bar_arrive(other); };
-        if (cwg == 1 && ntiles > 0) named_bar_arrive(1);
-        const int jn = wg_active && wg_hi > t.kv_first
-                           ? min(ntiles, (int)((wg_hi - t.kv_first + BN - 1) / BN))
-                           : 0;
-        const int jm = t.lo_full > t.kv_first ? (int)((t.lo_full - t.kv_first) / BN) : 0;
-        float alpha[2];  // the last softmax's factor, not yet applied to O
-        auto step = [&](int j, auto masked) {  // 1 ≤ j < jn
-            rescale(alpha);
-            const int st = j % STAGES, prev = (j - 1) % STAGES;
-            mbar_wait(full + 8 * st, (u32)(j / STAGES) & 1u);
-            mbar_wait(full_v + 8 * prev, (u32)((j - 1) / STAGES) & 1u);
-            fence_proxy_async();
-            take_turn();
-            wgmma_fence();
-            issue_s(s_kv + st * STAGE_BYTES);
-            issue_pv(s_kv + prev * STAGE_BYTES + TILE_BYTES);
-            pass_turn();
-            wgmma_wait<0>();
-            fence_regs(s);
-            fence_regs(o);
-            mbar_arrive(empty + 8 * st);
-            mbar_arrive(empty_v + 8 * prev);
-            softmax(t.kv_first + (u32)j * BN, alpha, masked);
-            pack();
-        };
-        if (jn > 0) {
-            mbar_wait(full, 0);
-            fence_proxy_async();
-            take_turn();
-            wgmma_fence();
-            issue_s(s_kv);
-            pass_turn();
-            wgmma_wait<0>();
-            fence_regs(s);
-            mbar_arrive(empty);
-            if (jm > 0)
-                softmax(t.kv_first, alpha, Const<false>());
-            else
-                softmax(t.kv_first, alpha, Const<true>());
-            pack();
-            for (int j = 1; j < min(jm, jn); ++j) step(j, Const<false>());
-            for (int j = max(jm, 1); j < jn; ++j) step(j, Const<true>());
-            const int last = (jn - 1) % STAGES;
-            mbar_wait(full_v + 8 * last, (u32)((jn - 1) / STAGES) & 1u);
-            fence_proxy_async();
-            rescale(alpha);
-            wgmma_fence();
-            issue_pv(s_kv + last * STAGE_BYTES + TILE_BYTES);
-            wgmma_wait<0>();
-            fence_regs(o);
-            mbar_arrive(empty_v + 8 * last);
-        }
-        for (int j = jn; j < ntiles; ++j) {
-            take_turn();
-            pass_turn();
-            mbar_arrive(empty + 8 * (j % STAGES));
-            mbar_arrive(empty_v + 8 * (j % STAGES));
-        }
-        if (cwg == 0 && ntiles > 0) take_turn();  // warpgroup 1's last arrival
     } else {
         // Ping-pong (FlashAttention-3's inter-warpgroup schedule): per tile, a warpgroup
         // issues S = Q·K(j)ᵀ and O += P(j − 1)·V(j − 1) as one batch, waits, and then runs
@@ -531,10 +449,10 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
         // other's. Both take a turn for every tile, computing or not; warpgroup 1 starts by
         // arriving on barrier 1 and warpgroup 0 ends by waiting on it, so every arrival is
         // matched by a wait.
-        const int mine = 1 + cwg, other = 2 - cwg;  // named barrier ids
+        const int mine = 1 + wg, other = 2 - wg;  // named barrier ids
         auto take_turn = [&]() { named_bar_sync(mine); };
         auto pass_turn = [&]() { named_bar_arrive(other); };
-        if (cwg == 1 && ntiles > 0) named_bar_arrive(1);
+        if (wg == 1 && ntiles > 0) named_bar_arrive(1);
         // Tiles [0, jn) are this warpgroup's; tiles [jm, ..) are masked.
         const int jn = wg_active && wg_hi > t.kv_first
                            ? min(ntiles, (int)((wg_hi - t.kv_first + BN - 1) / BN))
@@ -545,7 +463,7 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
             // O's rescale comes before the waits' loops: registers a wgmma reads must not be
             // written between a branch and the wgmma (ptxas serialises every wgmma then).
             rescale(alpha);
-            refill(j);
+            refill_wait(j);
             const int st = j % STAGES, prev = (j - 1) % STAGES;
             mbar_wait(full + 8 * st, (u32)(j / STAGES) & 1u);
             fence_proxy_async();
@@ -554,6 +472,7 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
             issue_s(s_kv + st * STAGE_BYTES);
             issue_pv(s_kv + prev * STAGE_BYTES + TILE_BYTES);
             pass_turn();
+            refill_copy(j);  // this warpgroup's share of tile j + 1, while its MMAs run
             wgmma_wait<0>();
             fence_regs(s);
             fence_regs(o);
@@ -562,13 +481,14 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
             pack();
         };
         if (jn > 0) {
-            refill(0);
+            refill_wait(0);
             mbar_wait(full, 0);
             fence_proxy_async();
             take_turn();
             wgmma_fence();
             issue_s(s_kv);
             pass_turn();
+            refill_copy(0);
             wgmma_wait<0>();
             fence_regs(s);
             if (jm > 0)
@@ -592,7 +512,7 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
             pass_turn();
             mbar_arrive(empty + 8 * (j % STAGES));
         }
-        if (cwg == 0 && ntiles > 0) take_turn();  // warpgroup 1's last arrival
+        if (wg == 0 && ntiles > 0) take_turn();  // warpgroup 1's last arrival
     }
     // Nothing this thread copied is still landing when it exits (the copies were never
     // committed as groups: wait_all commits and waits).
@@ -606,31 +526,15 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
         lh += __shfl_xor_sync(0xffffffffu, lh, 2);
         const int r = wrow + warp * 16 + g + 8 * h;
         if (r >= t.nrows) continue;
-        if (t.part == NO_PART) {
-            bf16* dst = a.out + qo_offset(a, t, r) + 2 * tq;
-            const float inv = lh > 0.0f ? 1.0f / lh : 0.0f;
-#pragma unroll
-            for (int i = 0; i < 16; ++i)
-                *(u32*)(dst + i * 8) = pack_bf16x2(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
-        } else {
-            const i64 pi = part_index(a, t, r);
-            float* dst = a.part_o + pi * D + 2 * tq;
-#pragma unroll
-            for (int i = 0; i < 16; ++i)
-                *(float2*)(dst + i * 8) = make_float2(o[4 * i + 2 * h], o[4 * i + 2 * h + 1]);
-            if (tq == 0) {
-                const float mh = m[h];
-                a.part_ml[pi * 2] = mh == -CHIMERA_INF ? mh : mh * LN2;  // natural-log units
-                a.part_ml[pi * 2 + 1] = lh;
-            }
-        }
+        store_row<D, 16>(a, t, r, tq, lh, m[h],
+                         [&](int i) { return make_float2(o[4 * i + 2 * h], o[4 * i + 2 * h + 1]); });
     }
 }
 
 }  // namespace sm90
 }  // namespace attn
 
-// attention.rs: SM90_ENTRIES. 230496 bytes of dynamic shared memory (the limit must be raised).
+// attention.rs: SM90_ENTRIES. 230448 bytes of dynamic shared memory (the limit must be raised).
 extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma_d128_bf16(ATTN_PARAMS(bf16)) {
     CHIMERA_PDL_ENTRY();
     attn::sm90::prefill_d128<attn::sm90::PLAIN>(ATTN_ARGS(bf16));
@@ -640,8 +544,4 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma_pp_d128_
     CHIMERA_PDL_ENTRY();
     attn::sm90::prefill_d128<attn::sm90::PINGPONG>(ATTN_ARGS(bf16));
 }
-// Ping-pong consumers fed by a producer warpgroup (384 threads).
-extern "C" __global__ void __launch_bounds__(384, 1) attn_prefill_wgmma_ws_d128_bf16(ATTN_PARAMS(bf16)) {
-    CHIMERA_PDL_ENTRY();
-    attn::sm90::prefill_d128<attn::sm90::WARP_SPECIALIZED>(ATTN_ARGS(bf16));
-}
+

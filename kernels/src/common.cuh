@@ -113,8 +113,25 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 // it waits until the previous grids have completed and their writes are visible, then lets
 // the next kernel's blocks be scheduled as this grid's blocks retire. Without the attribute
 // both instructions do nothing. `kernels/tests/nvrtc_abi.rs` checks every entry has it.
-#define CHIMERA_PDL_ENTRY()                                                \
-    asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+// griddepcontrol exists from sm_90 on; older targets (Ampere) launch without the attribute
+// and the entry is empty there.
+// The two halves are also usable alone (the GEMV issues its first weight loads in between).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define CHIMERA_PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define CHIMERA_PDL_LAUNCH_DEPENDENTS() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define CHIMERA_PDL_WAIT() \
+    do {                   \
+    } while (0)
+#define CHIMERA_PDL_LAUNCH_DEPENDENTS() \
+    do {                                \
+    } while (0)
+#endif
+#define CHIMERA_PDL_ENTRY()  \
+    do {                     \
+        CHIMERA_PDL_WAIT();  \
+        CHIMERA_PDL_LAUNCH_DEPENDENTS(); \
+    } while (0)
 
 #define CHIMERA_INF __int_as_float(0x7f800000)
 #define CHIMERA_NAN __int_as_float(0x7fc00000)

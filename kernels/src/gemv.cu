@@ -91,7 +91,7 @@ __device__ void gemv(const bf16* __restrict__ x, u32 n, u32 k, const bf16* w0, c
     // waiting for it (programmatic dependent launch, see CHIMERA_PDL_ENTRY), so a launch
     // overlaps its ramp-up with the tail of the kernel before. x is read only after the wait.
     load_trip(first);
-    asm volatile("griddepcontrol.wait;" ::: "memory");
+    CHIMERA_PDL_WAIT();
     for (u32 base = first; base < k; base += stride * U) {
         if (base != first) load_trip(base);
 #pragma unroll
@@ -131,7 +131,7 @@ __device__ void gemv(const bf16* __restrict__ x, u32 n, u32 k, const bf16* w0, c
         NAME(const bf16* x, u32 n, u32 k, const bf16* w0, const bf16* b0, bf16* y0, u32 m0,      \
              const bf16* w1, const bf16* b1, bf16* y1, u32 m1, const bf16* w2, const bf16* b2,   \
              bf16* y2, u32 m2) {                                                                     \
-        asm volatile("griddepcontrol.launch_dependents;" ::: "memory");                          \
+        CHIMERA_PDL_LAUNCH_DEPENDENTS();                                                         \
         gemv<N, ROWS, U>(x, n, k, w0, b0, y0, m0, w1, b1, y1, m1, w2, b2, y2, m2);                     \
     }
 

@@ -424,13 +424,26 @@ __device__ void decode_rows_vec(const T* x, const T* b, const T* c, T* out, S* s
             }
         }
         float bv[CV][V], cv[CV][V];  // after the state loads: those go out first
+        // B and C in 16-byte pieces where a lane's V values are whole pieces (bf16 inputs
+        // with bf16 state; f32 with f32) and the rows allow it.
+        constexpr bool WHOLE = V % VEC<T> == 0;
+        if (WHOLE && aligned16(b + brow + n0) && aligned16(c + brow + n0)) {
 #pragma unroll
-        for (int j = 0; j < CV; ++j)
+            for (int j = 0; j < CV; ++j)
 #pragma unroll
-            for (int v = 0; v < V; ++v) {
-                bv[j][v] = load(b, brow + n0 + j * nstep + v);
-                cv[j][v] = load(c, brow + n0 + j * nstep + v);
-            }
+                for (int v = 0; v < V; v += VEC<T>) {
+                    load16(b, brow + n0 + j * nstep + v, bv[j] + v);
+                    load16(c, brow + n0 + j * nstep + v, cv[j] + v);
+                }
+        } else {
+#pragma unroll
+            for (int j = 0; j < CV; ++j)
+#pragma unroll
+                for (int v = 0; v < V; ++v) {
+                    bv[j][v] = load(b, brow + n0 + j * nstep + v);
+                    cv[j][v] = load(c, brow + n0 + j * nstep + v);
+                }
+        }
         float acc[RK];
 #pragma unroll
         for (int k = 0; k < RK; ++k) {

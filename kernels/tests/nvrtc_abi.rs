@@ -139,3 +139,30 @@ fn the_ptx_entry_parser_reads_parameter_types() {
     assert_eq!(e[0].1, vec!["u64", "u32", "f32"]);
     assert_eq!(e[1], ("bar".to_string(), vec![]));
 }
+
+/// Ampere (sm_80) builds every source that is not Hopper-only: the programmatic-launch entry
+/// and everything else the common headers use must exist there too.
+#[test]
+fn every_portable_source_compiles_for_sm80() {
+    if let Err(e) = nvrtc_version() {
+        assert!(
+            std::env::var("CHIMERA_REQUIRE_NVRTC").as_deref() != Ok("1"),
+            "CHIMERA_REQUIRE_NVRTC=1 but NVRTC is unusable: {e}"
+        );
+        eprintln!("skipped: {e}");
+        return;
+    }
+    let mut failures = Vec::new();
+    for source in sources().iter().filter(|s| s.builds_for("sm_80")) {
+        match compile(source, "sm_80", false, true) {
+            Ok(c) => {
+                let ptx = c.ptx.as_deref().unwrap_or_default();
+                if ptx.contains("griddepcontrol") {
+                    failures.push(format!("{}: griddepcontrol in sm_80 PTX", source.name));
+                }
+            }
+            Err(e) => failures.push(format!("{}: {e}", source.name)),
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

@@ -33,7 +33,7 @@ print(":".join(sorted(dirs)))
 PY
 )
 export LD_LIBRARY_PATH="${libs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export CHIMERA_KERNEL_CACHE="$out/kernel-cache"
+export CHIMERA_KERNEL_CACHE="${CHIMERA_KERNEL_CACHE:-$out/kernel-cache}"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader || true
 
 status=0

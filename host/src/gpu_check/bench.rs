@@ -92,6 +92,23 @@ pub fn kernels(report: &mut Report, gpu: &CudaBackend) -> Option<f64> {
     Some(bw)
 }
 
+/// `rows` sampling rows without penalties (top-k candidates 64), as the decode benches sample.
+fn plain_sampling(plan: &mut StepPlan, rows: usize) {
+    plan.sampling.clear(64);
+    for _ in 0..rows {
+        plan.sampling.push_row(
+            crate::backend::sample::Penalties {
+                repetition: 1.0,
+                presence: 0.0,
+                frequency: 0.0,
+            },
+            false,
+            &[],
+            &[],
+        );
+    }
+}
+
 type Tensor = crate::backend::cuda::CudaTensor;
 
 /// Random q, k, v for `tokens` query tokens of `attn`'s shape and a zeroed paged KV cache of
@@ -203,18 +220,23 @@ fn attention_decode(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()
             attention_inputs(gpu, &mut rng, batch, attn, 2 * batch * per_seq)?;
         gpu.fill_dummy(&mut cache.k, 3, 1.0, 0.0)?;
         gpu.fill_dummy(&mut cache.v, 4, 1.0, 0.0)?;
-        for _ in 0..3 {
-            drop(gpu.paged_attention(&q, &k, &v, &mut cache, attn, &step)?);
-        }
-        let reps = 50;
-        let ops = gpu.profile_ops(|| -> anyhow::Result<()> {
-            for _ in 0..reps {
-                drop(gpu.paged_attention(&q, &k, &v, &mut cache, attn, &step)?);
-            }
-            Ok(())
-        })?;
-        let us = ops.iter().map(|o| o.ms).sum::<f64>() * 1e3 / f64::from(reps);
-        let kernels: Vec<&str> = ops.iter().map(|o| o.name).collect();
+        // Device time of one call through `step` (three warm-up calls, then 50 profiled).
+        let mut time =
+            |step: &crate::backend::cuda::CudaStep| -> anyhow::Result<(f64, Vec<&'static str>)> {
+                for _ in 0..3 {
+                    drop(gpu.paged_attention(&q, &k, &v, &mut cache, attn, step)?);
+                }
+                let reps = 50;
+                let ops = gpu.profile_ops(|| -> anyhow::Result<()> {
+                    for _ in 0..reps {
+                        drop(gpu.paged_attention(&q, &k, &v, &mut cache, attn, step)?);
+                    }
+                    Ok(())
+                })?;
+                let us = ops.iter().map(|o| o.ms).sum::<f64>() * 1e3 / f64::from(reps);
+                Ok((us, ops.iter().map(|o| o.name).collect()))
+            };
+        let (us, kernels) = time(&step)?;
         let bytes = (batch * (ctx + 1) * kv_heads * d * 2 * gpu.dtype().size()) as f64;
         // The graph path's fixed split counts, beside the eager planner's choice above (what
         // `GraphShape::splits_for` should pick is read off these rows).
@@ -228,16 +250,7 @@ fn attention_decode(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()
                 );
                 continue;
             }
-            for _ in 0..3 {
-                drop(gpu.paged_attention(&q, &k, &v, &mut cache, attn, &fixed)?);
-            }
-            let ops = gpu.profile_ops(|| -> anyhow::Result<()> {
-                for _ in 0..reps {
-                    drop(gpu.paged_attention(&q, &k, &v, &mut cache, attn, &fixed)?);
-                }
-                Ok(())
-            })?;
-            let us = ops.iter().map(|o| o.ms).sum::<f64>() * 1e3 / f64::from(reps);
+            let (us, _) = time(&fixed)?;
             report.push(
                 SUITE,
                 format!(
@@ -411,19 +424,7 @@ fn decode(
             plan.push(&[(s % 1000) as u32 + 1], CONTEXT, &table, slot, true);
         }
         plan.finish()?;
-        plan.sampling.clear(64);
-        for _ in 0..batch {
-            plan.sampling.push_row(
-                crate::backend::sample::Penalties {
-                    repetition: 1.0,
-                    presence: 0.0,
-                    frequency: 0.0,
-                },
-                false,
-                &[],
-                &[],
-            );
-        }
+        plain_sampling(&mut plan, batch);
         let floor_ms =
             (weight_bytes + (batch * CONTEXT) as f64 * kv_token_bytes + batch as f64 * state_bytes)
                 / bw
@@ -555,17 +556,7 @@ fn decode(
     let table: Vec<u32> = (0..t.div_ceil(BLOCK) as u32).collect();
     plan.push(&vec![1u32; t], 0, &table, 0, true);
     plan.finish()?;
-    plan.sampling.clear(64);
-    plan.sampling.push_row(
-        crate::backend::sample::Penalties {
-            repetition: 1.0,
-            presence: 0.0,
-            frequency: 0.0,
-        },
-        false,
-        &[],
-        &[],
-    );
+    plain_sampling(&mut plan, 1);
     let mut step = gpu.new_step(t)?;
     let mut out = SampleOut::default();
     let mut one = || -> anyhow::Result<()> {

@@ -225,7 +225,10 @@ impl Device {
             modules,
             sticky: AtomicBool::new(false),
             ssm_chunk: std::sync::atomic::AtomicU32::new(0),
-            pdl: AtomicBool::new(std::env::var("CHIMERA_PDL").map_or(true, |v| v != "0")),
+            // Programmatic dependent launch exists from compute capability 9.0 on.
+            pdl: AtomicBool::new(
+                major >= 9 && std::env::var("CHIMERA_PDL").map_or(true, |v| v != "0"),
+            ),
             prefill: AtomicU8::new(prefill as u8),
             profiling: AtomicBool::new(false),
             profile: Mutex::new(Vec::new()),

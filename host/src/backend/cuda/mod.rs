@@ -472,8 +472,20 @@ impl CudaBackend {
         splits: u32,
         max_blocks: usize,
     ) -> Result<bool> {
+        self.upload_graph_shaped(plan, step, plan.seqs.len(), splits, max_blocks)
+    }
+
+    /// Packs and uploads a graph step of `bucket` rows with `splits` split-KV pieces a
+    /// sequence; a timed step's clock starts at its upload copy.
+    fn upload_graph_shaped(
+        &self,
+        plan: &StepPlan,
+        step: &mut CudaStep,
+        bucket: usize,
+        splits: u32,
+        max_blocks: usize,
+    ) -> Result<bool> {
         self.dev().bind()?;
-        let bucket = plan.seqs.len();
         let shape = step::GraphShape {
             bucket,
             splits,
@@ -609,16 +621,27 @@ impl CudaBackend {
             let row_bytes = cols * dtype.size();
             (self.inner.arena.take(rows, row_bytes)?, Some(row_bytes))
         };
-        Ok(CudaTensor {
+        Ok(self.arena_tensor(buf, shape.to_vec(), dtype, row_bytes))
+    }
+
+    /// A tensor over an arena buffer, handed back to the arena when dropped.
+    fn arena_tensor(
+        &self,
+        buf: DevAlloc,
+        shape: Vec<usize>,
+        dtype: DType,
+        row_bytes: Option<usize>,
+    ) -> CudaTensor {
+        CudaTensor {
             ptr: buf.ptr,
-            shape: shape.to_vec(),
+            shape,
             dtype,
             mem: Mem::Arena {
                 arena: self.inner.arena.clone(),
                 buf: Some(buf),
                 row_bytes,
             },
-        })
+        }
     }
 
     /// A `[rows, cols]` step temporary whose buffer holds at least `cap_rows` rows: for row
@@ -633,16 +656,7 @@ impl CudaBackend {
     ) -> Result<CudaTensor> {
         let row_bytes = cols.max(1) * dtype.size();
         let buf = self.inner.arena.take(rows.max(cap_rows), row_bytes)?;
-        Ok(CudaTensor {
-            ptr: buf.ptr,
-            shape: vec![rows, cols],
-            dtype,
-            mem: Mem::Arena {
-                arena: self.inner.arena.clone(),
-                buf: Some(buf),
-                row_bytes: Some(row_bytes),
-            },
-        })
+        Ok(self.arena_tensor(buf, vec![rows, cols], dtype, Some(row_bytes)))
     }
 
     /// Most rows a step temporary of routed MoE entries can have: the step bucket × top-k.
@@ -877,13 +891,13 @@ impl Backend for CudaBackend {
         bucket: usize,
         max_blocks: usize,
     ) -> Result<bool> {
-        self.dev().bind()?;
-        let shape = step::GraphShape {
+        self.upload_graph_shaped(
+            plan,
+            step,
             bucket,
-            splits: step::GraphShape::splits_for(bucket),
-            table_cap: bucket * max_blocks + 1,
-        };
-        self.upload_graph_shape(plan, step, shape)
+            step::GraphShape::splits_for(bucket),
+            max_blocks,
+        )
     }
 
     fn step_clock_start(&self) -> Result<()> {
