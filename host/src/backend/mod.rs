@@ -697,6 +697,25 @@ pub trait Backend: Send + Sync + 'static {
         out: &mut SampleOut,
     ) -> Result<()>;
 
+    /// [`Backend::sample`] in two halves: this one enqueues the tail and its read-back and
+    /// may return before the results are on the host; [`Backend::sample_finish`] waits for
+    /// them and fills `out`. Between the two the host can do work that does not read `out`
+    /// while the device computes. Where the device is the host (the CPU) this runs the whole
+    /// tail and the finish has nothing left to do.
+    fn sample_start(
+        &self,
+        logits: &mut Self::Tensor,
+        step: &Self::Step,
+        out: &mut SampleOut,
+    ) -> Result<()> {
+        self.sample(logits, step, out)
+    }
+
+    /// Completes the step [`Backend::sample_start`] started: `out` holds its candidates.
+    fn sample_finish(&self, _out: &mut SampleOut) -> Result<()> {
+        Ok(())
+    }
+
     // ---- mixture of experts -------------------------------------------------------------
     /// Routes every row of `x[n, hidden]` from `router_logits[n, experts]` and adds the
     /// weighted outputs of its experts to `out[n, hidden]` (experts in ascending id order),
