@@ -3,7 +3,8 @@
 //
 // cuBLASLt picks split-K kernels for these shapes: several partial passes plus a reduction
 // kernel, and the smaller projections (K/V, 1024 × 4096) reach only 1.2–2.9 TB/s of the H200's
-// 4.8. Here a block of 8 warps owns ROWS output features and splits k between its warps: lane
+// 4.8. Here a block of 8 warps owns a group of ROWS output features (looping over groups when
+// the grid is smaller than their count) and splits k between its warps: lane
 // `l` of warp `w` reads the 16-byte chunks at (j·8 + w)·32 + l of each of the ROWS weight rows,
 // U chunks per row in flight before the first FMA, multiplies them with the same columns of
 // every x row (so x is read once per block) and accumulates in f32. A warp reduction and a
@@ -179,6 +180,10 @@ __device__ void gemv(const bf16* __restrict__ x, u32 n, u32 k, const bf16* w0, c
 
 // Measured on the H200 (tests/gpu/run.sh bench): at 1 and 2 rows this beats cuBLASLt on every
 // decode shape of Llama-3-8B and NemotronH-8B; at 4 rows it lost on most of them (the FMAs per
-// weight byte grow with n), so wider batches stay on cuBLASLt.
-GEMV_ENTRY(gemv_bf16_n1, 1, 4, 1, 6)
+// weight byte grow with n), so wider batches stay on cuBLASLt. One row: two features a block,
+// one 16-byte load a row a trip, 32 registers so 8 blocks (2048 threads) share an SM — against
+// four features, four loads a row and 100 registers (2 blocks an SM) before, o_proj 3.33 →
+// 3.78 TB/s and down_proj 3.95 → 4.35 in the same runs; grids capped to resident blocks
+// looping over more groups (CHIMERA_GEMV_BLOCKS_PER_SM) measured no better.
+GEMV_ENTRY(gemv_bf16_n1, 1, 2, 1, 8)
 GEMV_ENTRY(gemv_bf16_n2, 2, 4, 2, 2)

@@ -347,7 +347,7 @@ pub mod gemv {
     /// (every segment's `m` must be a multiple of it).
     pub fn variant(n: usize) -> Option<(&'static str, u32)> {
         match n {
-            1 => Some(("gemv_bf16_n1", 4)),
+            1 => Some(("gemv_bf16_n1", 2)),
             2 => Some(("gemv_bf16_n2", 4)),
             _ => None,
         }

@@ -133,10 +133,14 @@ pub fn run(report: &mut Report, f32_gpu: &CudaBackend, bf16_gpu: &CudaBackend, s
 
 fn dense(c: &mut Ctx<'_>) {
     // One or two rows in bf16 take the one-pass GEMV (k a multiple of 8; m a multiple of the
-    // variant's features per block, 4), the rest cuBLASLt: shapes on both sides of each rule.
+    // variant's features per block, 2 at one row and 4 at two), the rest cuBLASLt: shapes on
+    // both sides of each rule.
     for &(n, k, m, bias) in &[
         (1usize, 4096usize, 6144usize, false),
         (1, 4104, 1032, true),
+        (1, 1024, 1030, true),
+        (2, 1024, 1030, true),
+        (1, 512, 1031, false),
         (2, 14336, 512, false),
         (2, 1032, 260, true),
         (3, 1032, 260, true),
