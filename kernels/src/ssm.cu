@@ -877,8 +877,8 @@ __device__ __forceinline__ void stage_async(bf16* dst, const bf16* src, i64 ld, 
 // SSD steps 2 and 3 fused (tensor cores): chunk states and state passing in one walk over a
 // sequence's chunks, so the state never leaves the chip between chunks. CTA (prompt entry,
 // head, half of the state columns); 8 warps, warp w owning the p rows [16·(w mod 4), +16)
-// and a quarter of the CTA's columns ... as accumulator fragments: the running state h (f32,
-// from the live slot) and the chunk's own end state S_c. Per chunk: the state entering it
+// and half of the CTA's columns, whose running state h (f32, from the live slot) and chunk
+// end state S_c its threads hold as accumulator fragments. Per chunk: the state entering it
 // goes to `hc` as bf16 (all the chunk scan reads), S_c = Xᵀ·(w∘B) is accumulated over the
 // chunk's 128-token tiles, then h ← exp(A_end)·h + S_c and the chunk's snapshot slots take h
 // (f32 or the pool's type); at the end the live slot does. The tiles of the sequence's
