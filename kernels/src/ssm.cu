@@ -1341,44 +1341,53 @@ __device__ void scan_group_mma(const bf16* x, const bf16* b, const bf16* c, cons
     __syncthreads();  // the scores are in; B's stage is free
 
     const int rp = warp & 3, pc0 = 32 * (warp >> 2);
+    // The C fragments (A operands, k = state column) of this warp's row blocks rp and 7 − rp,
+    // the same for every head: loaded once.
+    u32 ca[2][N / 16][4];
+#pragma unroll
+    for (int bi = 0; bi < 2; ++bi)
+#pragma unroll
+        for (int kk = 0; kk < N / 16; ++kk)
+            ldsm4(ca[bi][kk], cs + (16 * (bi ? 7 - rp : rp) + mr + ((mat & 1) << 3)) * LDN + 16 * kk +
+                                   ((mat >> 1) << 3));
     for (u32 i = 0; i < nh; ++i) {
+        const u32 h = h0 + i;
+        const float dh = bf16_to_f32(d[h]);
         issue(i + 1);
         cp_async_wait_groups<1>();  // head i
         __syncthreads();
-        const u32 h = h0 + i;
         const bf16* st = smem + Ly::HEAD + (int)(i % GS_STAGES) * Ly::STAGE;
         const bf16 *xs = st + Ly::XS, *hb = st + Ly::HB;
         const float* fa = reinterpret_cast<const float*>(st + Ly::FS);  // A_s (natural units)
         const float* fd = fa + SCAN_ROWS;                                // dt_s
-        const float dh = bf16_to_f32(d[h]);
-#pragma unroll 1
+        // State term of both row blocks: C_l·h_cᵀ, each h_c fragment used twice.
+        float y[2][4][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < N / 16; ++kk)
+#pragma unroll
+            for (int j = 0; j < 4; j += 2) {
+                u32 bb[4];
+                ldsm4(bb, hb + (pc0 + 8 * j + mr + ((mat >> 1) << 3)) * LDN + 16 * kk + ((mat & 1) << 3));
+#pragma unroll
+                for (int bi = 0; bi < 2; ++bi) {
+                    mma(y[bi][j], ca[bi][kk], bb[0], bb[1]);
+                    mma(y[bi][j + 1], ca[bi][kk], bb[2], bb[3]);
+                }
+            }
+#pragma unroll
         for (int bi = 0; bi < 2; ++bi) {
             const int lb = bi ? 7 - rp : rp;
             const int r0 = 16 * lb;
-            if (r0 >= (int)len) continue;
-            float y[4][4] = {};
-            // State term: exp(A_l)·C_l·h_cᵀ (k = state column).
-#pragma unroll
-            for (int kk = 0; kk < N / 16; ++kk) {
-                u32 a[4];
-                ldsm4(a, cs + (r0 + mr + ((mat & 1) << 3)) * LDN + 16 * kk + ((mat >> 1) << 3));
-#pragma unroll
-                for (int j = 0; j < 4; j += 2) {
-                    u32 bb[4];
-                    ldsm4(bb, hb + (pc0 + 8 * j + mr + ((mat >> 1) << 3)) * LDN + 16 * kk + ((mat & 1) << 3));
-                    mma(y[j], a, bb[0], bb[1]);
-                    mma(y[j + 1], a, bb[2], bb[3]);
-                }
-            }
-            const int l0 = r0 + gq, l1 = l0 + 8;  // rows of y[.][0..1] and y[.][2..3]
+            if (r0 >= (int)len) continue;  // the whole block is past the chunk's end
+            const int l0 = r0 + gq, l1 = l0 + 8;  // rows of y[bi][.][0..1] and [2..3]
             const float al0 = fa[l0] * LOG2E, al1 = fa[l1] * LOG2E;
-            const float e0 = exp2f(al0), e1 = exp2f(al1);
+            const float e0 = exp2f(al0), e1 = exp2f(al1);  // exp(A_l)
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                y[j][0] *= e0;
-                y[j][1] *= e0;
-                y[j][2] *= e1;
-                y[j][3] *= e1;
+                y[bi][j][0] *= e0;
+                y[bi][j][1] *= e0;
+                y[bi][j][2] *= e1;
+                y[bi][j][3] *= e1;
             }
             // Within the chunk: s tiles up to the diagonal.
 #pragma unroll 1
@@ -1403,8 +1412,8 @@ __device__ void scan_group_mma(const bf16* x, const bf16* b, const bf16* c, cons
                 for (int j = 0; j < 4; j += 2) {
                     u32 bb[4];
                     ldsm4_t(bb, xs + (16 * sb + mr + ((mat & 1) << 3)) * LDP + pc0 + 8 * j + ((mat >> 1) << 3));
-                    mma(y[j], pa, bb[0], bb[1]);
-                    mma(y[j + 1], pa, bb[2], bb[3]);
+                    mma(y[bi][j], pa, bb[0], bb[1]);
+                    mma(y[bi][j + 1], pa, bb[2], bb[3]);
                 }
             }
             // D·x and the stores: (row, column pair) per fragment half.
@@ -1416,8 +1425,8 @@ __device__ void scan_group_mma(const bf16* x, const bf16* b, const bf16* c, cons
                     const int l = half ? l1 : l0;
                     if (l >= (int)len) continue;
                     const u32 xv = *reinterpret_cast<const u32*>(xs + l * LDP + p);
-                    const float o0 = y[j][2 * half] + dh * __uint_as_float(xv << 16);
-                    const float o1 = y[j][2 * half + 1] + dh * __uint_as_float(xv & 0xffff0000u);
+                    const float o0 = y[bi][j][2 * half] + dh * __uint_as_float(xv << 16);
+                    const float o1 = y[bi][j][2 * half + 1] + dh * __uint_as_float(xv & 0xffff0000u);
                     *reinterpret_cast<u32*>(out + (i64)(tok + l) * out_ld + (i64)h * P + p) =
                         pack_bf16x2(o0, o1);
                 }
