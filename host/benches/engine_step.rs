@@ -10,7 +10,9 @@
 //! while a GPU computes). Events go out through the delivery thread `chimera serve` uses; the
 //! `events inline` row sends them from the engine thread, for comparison in the same run. These
 //! rows report the host time per step by phase, the figures behind
-//! `chimera:engine_host_seconds_total{phase}`; the mock forward pass is not part of them.
+//! `chimera:engine_host_seconds_total{phase}`; the mock forward pass is not part of them, nor
+//! is the `overlap` column: host work done between the executor's launch and finish, while a
+//! device would compute the step (the mock sleeps there).
 //!
 //! Run: `cargo bench -p chimera --bench engine_step` (add `-- serving` to run only the rows
 //! whose name contains it). Prints a table; ratios are against the 1-request case measured in
@@ -48,6 +50,9 @@ struct Case {
     serving: bool,
     /// Serving rows: the engine thread sends the events itself instead of its delivery thread.
     events_inline: bool,
+    /// A hybrid model's caches (SSM slots, rolling snapshots at completed blocks), as
+    /// NemotronH has.
+    hybrid: bool,
 }
 
 /// The policies `chimera serve` gives a replica with the default configuration.
@@ -65,9 +70,15 @@ fn serving_policies() -> Policies {
     }
 }
 
-fn make_engine(blocks: usize, max_running: usize, serving: bool) -> Engine<MockExecutor> {
+fn make_engine(
+    blocks: usize,
+    max_running: usize,
+    serving: bool,
+    hybrid: bool,
+) -> Engine<MockExecutor> {
     let exec = MockExecutor::new(MockConfig {
         vocab: if serving { SERVING_VOCAB } else { VOCAB },
+        ssm_layers: if hybrid { 2 } else { 0 },
         verify_kv: false,
         step_delay: if serving {
             SERVING_STEP
@@ -76,7 +87,10 @@ fn make_engine(blocks: usize, max_running: usize, serving: bool) -> Engine<MockE
         },
         ..MockConfig::default()
     });
-    let block_bytes = exec.cache_spec().kv_block_bytes(BS) as u64;
+    let spec = exec.cache_spec();
+    let block_bytes = spec.kv_block_bytes(BS) as u64;
+    // A hybrid's slots: one live per request and as many durable ones for snapshots.
+    let ssm_bytes = (2 * max_running * spec.ssm_slot_bytes()) as u64;
     let setup = EngineSetup {
         engine: EngineConfig {
             max_batched_tokens: 16384,
@@ -84,10 +98,13 @@ fn make_engine(blocks: usize, max_running: usize, serving: bool) -> Engine<MockE
             ..Default::default()
         },
         cache: CacheConfig {
-            memory_budget: ByteSize(block_bytes * blocks as u64),
+            memory_budget: ByteSize(block_bytes * blocks as u64 + ssm_bytes),
             block_size: BS,
             prefix_caching: true,
-            ssm_share: None,
+            ssm_share: hybrid.then(|| {
+                let all = (block_bytes * blocks as u64 + ssm_bytes) as f64;
+                (ssm_bytes as f64 + spec.ssm_slot_bytes() as f64 / 2.0) / all
+            }),
             ..CacheConfig::default()
         },
         hash_salt: "bench".into(),
@@ -154,7 +171,7 @@ fn run(case: &Case) -> (f64, StepTimings) {
     };
     // Room for every decoder to grow through the measured steps without preemption.
     let blocks = case.cached_blocks + case.running * ((prompt + 8 + steps) / BS + 2) + 64;
-    let mut e = make_engine(blocks, case.running.max(8), case.serving);
+    let mut e = make_engine(blocks, case.running.max(8), case.serving, case.hybrid);
     if case.serving && !case.events_inline {
         // As `spawn_engine` sets it up.
         e.set_outbox(Outbox::threaded().expect("event delivery thread"));
@@ -221,6 +238,8 @@ fn run(case: &Case) -> (f64, StepTimings) {
         schedule_ns: after.schedule_ns - before.schedule_ns,
         inputs_ns: after.inputs_ns - before.inputs_ns,
         execute_ns: after.execute_ns - before.execute_ns,
+        launch_ns: after.launch_ns - before.launch_ns,
+        overlap_ns: after.overlap_ns - before.overlap_ns,
         update_ns: after.update_ns - before.update_ns,
         between_ns: after.between_ns - before.between_ns,
         sample_ns: after.sample_ns - before.sample_ns,
@@ -242,6 +261,7 @@ fn main() {
         cached_blocks,
         serving,
         events_inline: false,
+        hybrid: false,
     };
     let cases = [
         case("decode, 1 running", 1, 0, false),
@@ -255,9 +275,13 @@ fn main() {
             events_inline: true,
             ..case("serving, 256 running, events inline", 256, 0, true)
         },
+        Case {
+            hybrid: true,
+            ..case("serving, 256 running, hybrid", 256, 0, true)
+        },
     ];
     println!(
-        "{:<34} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10} {:>7}",
+        "{:<34} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10} {:>7} {:>8}",
         "scenario",
         "step",
         "sched",
@@ -267,7 +291,8 @@ fn main() {
         "update",
         "host",
         "bookkeep",
-        "ratio"
+        "ratio",
+        "overlap"
     );
     let mut base = None;
     for c in cases.iter().filter(|c| c.name.contains(filter.as_str())) {
@@ -281,7 +306,7 @@ fn main() {
         let bookkeeping = us(t.schedule_ns + t.inputs_ns + update);
         let b = *base.get_or_insert(bookkeeping);
         println!(
-            "{:<34} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>10.2} {:>6.1}x",
+            "{:<34} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>10.2} {:>6.1}x {:>8.2}",
             c.name,
             per_step,
             us(t.schedule_ns),
@@ -291,7 +316,8 @@ fn main() {
             us(update),
             us(t.schedule_ns + t.inputs_ns + t.update_ns),
             bookkeeping,
-            bookkeeping / b
+            bookkeeping / b,
+            us(t.overlap_ns)
         );
     }
     println!("µs per step. update = the update phase without sampling: committing the step to the");
@@ -299,6 +325,9 @@ fn main() {
         "cache and sending one event per request. host = sched + inputs + sample + update: the"
     );
     println!("engine's time between two forward passes (the metric's three phases together).");
+    println!(
+        "overlap = host work while the device computes (the previous step's events handed on)."
+    );
     println!(
         "bookkeep = host without sampling. decode rows: native greedy policies, a {VOCAB}-token"
     );

@@ -418,6 +418,116 @@ fn threaded_event_delivery_sends_what_inline_delivery_sends() {
     assert!(!threaded.set_outbox(Outbox::inline()));
 }
 
+/// With threaded delivery a step's events go to the delivery thread once the next step is
+/// launched (the hand-over overlaps the device's work), and the step after which nothing runs
+/// hands its own on: a finished request's stream ends without another step.
+#[test]
+fn threaded_delivery_hands_a_steps_events_on_during_the_next_one() {
+    use chimera::engine::api::EngineEvent;
+    use chimera::engine::outbox::Outbox;
+    use std::time::{Duration, Instant};
+    use tokio::sync::mpsc::error::TryRecvError;
+    let mut e = engine(
+        MockExecutor::new(MockConfig {
+            vocab: VOCAB as usize,
+            ..MockConfig::default()
+        }),
+        Knobs::default(),
+    );
+    assert!(e.set_outbox(Outbox::threaded().unwrap()));
+    let mut req = request(1, (1..=9).collect(), 4);
+    req.ignore_eos = true;
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    e.add(req, tx);
+    // The prompt's step samples the first token; it is handed on only by the next step.
+    assert!(e.step());
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(matches!(rx.try_recv(), Err(TryRecvError::Empty)));
+    let mut steps = 1;
+    while !e.is_idle() {
+        assert!(e.step());
+        steps += 1;
+    }
+    assert_eq!(steps, 4, "one prompt step, then a decode per further token");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut tokens = 0;
+    loop {
+        match rx.try_recv() {
+            Ok(EngineEvent::Tokens { tokens: t, .. }) => tokens += t.len(),
+            Ok(EngineEvent::Finished { reason, .. }) => {
+                assert_eq!(reason, FinishReason::Length);
+                break;
+            }
+            Ok(other) => panic!("unexpected event {other:?}"),
+            Err(TryRecvError::Empty) => {
+                assert!(
+                    Instant::now() < deadline,
+                    "the last step's events were never handed on"
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(TryRecvError::Disconnected) => panic!("the stream closed before Finished"),
+        }
+    }
+    assert_eq!(tokens, 4);
+    assert!(e.timings().overlap_ns > 0);
+}
+
+/// The eviction policy hears of a step's block events while the next step runs (or, when none
+/// follows, at the end of the step): once the engine is idle its view holds every cached block.
+#[test]
+fn the_evictor_hears_every_block_event_by_the_time_the_engine_is_idle() {
+    use chimera::engine::Policies;
+    use chimera::policy::{CacheEvents, Decision, EventKind, Evictor};
+    use std::collections::HashSet;
+    use std::sync::{Arc, Mutex};
+    /// Keeps the set of blocks the events say are cached.
+    struct Recorder(Arc<Mutex<HashSet<u32>>>);
+    impl Evictor for Recorder {
+        fn on_events(&mut self, ev: &CacheEvents) {
+            let mut cached = self.0.lock().unwrap();
+            for (&kind, &block) in ev.kinds.iter().zip(&ev.blocks) {
+                if kind == EventKind::Stored as u8 {
+                    cached.insert(block);
+                } else if kind == EventKind::Removed as u8 {
+                    cached.remove(&block);
+                }
+            }
+        }
+        fn choose_victims(&mut self, _count: u32, _step: u64) -> Decision<Vec<u32>> {
+            Decision::UseDefault
+        }
+    }
+    let seen = Arc::new(Mutex::new(HashSet::new()));
+    let exec = MockExecutor::new(MockConfig {
+        vocab: VOCAB as usize,
+        ..MockConfig::default()
+    });
+    let knobs = Knobs {
+        prefix_caching: true,
+        ..Knobs::default()
+    };
+    let policies = Policies {
+        evictor: Some(Box::new(Recorder(seen.clone()))),
+        ..Policies::greedy()
+    };
+    let mut e = chimera::engine::Engine::new(setup(&exec, knobs), exec, policies).unwrap();
+    let mut rxs = Vec::new();
+    for id in 0..3u64 {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut r = request(id, Tokens::new(id + 1).take(40, VOCAB), 21);
+        r.ignore_eos = true;
+        e.add(r, tx);
+        rxs.push(rx);
+    }
+    while !e.is_idle() {
+        e.step();
+    }
+    let cached = e.cache().pool().indexed();
+    assert!(cached > 0, "the workload caches blocks");
+    assert_eq!(seen.lock().unwrap().len(), cached);
+}
+
 /// With threaded delivery, a request whose reader has gone is found by the delivery thread and
 /// cancelled by the engine: its blocks return to the pool while the other request runs on.
 #[test]
@@ -497,4 +607,7 @@ fn the_loop_between_steps_is_timed_only_back_to_back() {
     assert!(e.step());
     assert_eq!(e.timings().between_ns, t.between_ns);
     assert!(e.stats().host_between_seconds > 0.0);
+    // The executor's launch and the work overlapped with it are timed and published too.
+    assert!(t.launch_ns > 0 && t.overlap_ns > 0, "{t:?}");
+    assert!(e.stats().host_launch_seconds > 0.0 && e.stats().host_overlap_seconds > 0.0);
 }

@@ -362,8 +362,8 @@ pub fn plan(cu_seqlens: &[u32], ctx_lens: &[u32], out: &mut AttnPlan) {
 /// A decode-only work list whose shape depends only on the number of chunks and `splits`, for
 /// CUDA graphs: the captured grids stay valid for every step with that many decodes, whatever
 /// their context lengths. Every chunk must be one query token; each becomes `splits` pieces
-/// of its KV range (boundaries on [`SPLIT_ALIGN`] multiples; pieces past the end are empty and
-/// the combine skips them), or one unsplit item when `splits` is 1. Returns `false` (and
+/// of its KV range (boundaries on [`SPLIT_ALIGN`] multiples, at least [`MIN_SPLIT`] keys;
+/// pieces past the end are empty and the combine skips them), or one unsplit item when `splits` is 1. Returns `false` (and
 /// leaves `out` empty) when a chunk is not a single token or the partial rows would exceed
 /// [`MAX_PARTIAL_ROWS`].
 pub fn plan_decode_fixed(
@@ -394,7 +394,12 @@ pub fn plan_decode_fixed(
             out.push_item([s, 0, 1, 0, kv_end, NO_PART]);
             continue;
         }
-        let len = kv_end.div_ceil(splits).next_multiple_of(SPLIT_ALIGN);
+        // Pieces of at least MIN_SPLIT keys, as the eager plan makes them: at short contexts
+        // the trailing pieces are empty (their CTAs return at once) rather than short.
+        let len = kv_end
+            .div_ceil(splits)
+            .next_multiple_of(SPLIT_ALIGN)
+            .max(MIN_SPLIT);
         let base = out.partial_rows;
         for j in 0..splits {
             let first = kv_end.min(j * len);
@@ -923,8 +928,16 @@ mod tests {
             let first = shapes.iter().find(|(s, _)| s == splits).expect("seen");
             assert_eq!(&first.1, grids, "splits {splits}");
         }
-        // Not decodes, or too many partial rows: refused.
+        // Pieces are at least MIN_SPLIT keys, as the eager plan's: 2049 keys in 64 splits are
+        // 17 pieces (16 of 128 and the last key), the other 47 empty.
         let mut p = AttnPlan::new();
+        assert!(plan_decode_fixed(&[0, 1], &[2048], 64, &mut p));
+        let (first, end) = (p.column(WorkCol::KvFirst), p.column(WorkCol::KvEnd));
+        let lens: Vec<u32> = first.iter().zip(end).map(|(a, b)| b - a).collect();
+        assert_eq!(lens.iter().filter(|&&l| l == MIN_SPLIT).count(), 16);
+        assert_eq!(lens.iter().filter(|&&l| l == 1).count(), 1);
+        assert_eq!(lens.iter().filter(|&&l| l == 0).count(), 47);
+        // Not decodes, or too many partial rows: refused.
         assert!(!plan_decode_fixed(&[0, 2], &[5], 4, &mut p));
         let many: Vec<u32> = (0..=300).collect();
         assert!(!plan_decode_fixed(&many, &[9; 300], 16, &mut p));

@@ -463,7 +463,7 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
             // O's rescale comes before the waits' loops: registers a wgmma reads must not be
             // written between a branch and the wgmma (ptxas serialises every wgmma then).
             rescale(alpha);
-            refill_wait(j);
+            refill(j);
             const int st = j % STAGES, prev = (j - 1) % STAGES;
             mbar_wait(full + 8 * st, (u32)(j / STAGES) & 1u);
             fence_proxy_async();
@@ -472,7 +472,6 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
             issue_s(s_kv + st * STAGE_BYTES);
             issue_pv(s_kv + prev * STAGE_BYTES + TILE_BYTES);
             pass_turn();
-            refill_copy(j);  // this warpgroup's share of tile j + 1, while its MMAs run
             wgmma_wait<0>();
             fence_regs(s);
             fence_regs(o);
@@ -481,14 +480,13 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
             pack();
         };
         if (jn > 0) {
-            refill_wait(0);
+            refill(0);
             mbar_wait(full, 0);
             fence_proxy_async();
             take_turn();
             wgmma_fence();
             issue_s(s_kv);
             pass_turn();
-            refill_copy(0);
             wgmma_wait<0>();
             fence_regs(s);
             if (jm > 0)

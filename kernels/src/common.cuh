@@ -133,5 +133,21 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
         CHIMERA_PDL_LAUNCH_DEPENDENTS(); \
     } while (0)
 
+// Activation codes (the host's `Activation` enum); dense.cu and the GEMV's epilogues apply them.
+#define ACT_SILU 0u
+#define ACT_RELU2 1u
+#define ACT_GELU 2u
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+
+__device__ __forceinline__ float apply_act(float x, u32 act) {
+    if (act == ACT_SILU) return silu(x);
+    if (act == ACT_RELU2) {
+        float r = fmaxf(x, 0.0f);
+        return r * r;
+    }
+    return 0.5f * x * (1.0f + tanhf(0.7978846f * (x + 0.044715f * x * x * x)));
+}
+
 #define CHIMERA_INF __int_as_float(0x7f800000)
 #define CHIMERA_NAN __int_as_float(0x7fc00000)

@@ -10,22 +10,6 @@
 // row kernels use one block per row.
 #include "common.cuh"
 
-// Activation codes (the host's `Activation` enum).
-#define ACT_SILU 0u
-#define ACT_RELU2 1u
-#define ACT_GELU 2u
-
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
-
-__device__ __forceinline__ float apply_act(float x, u32 act) {
-    if (act == ACT_SILU) return silu(x);
-    if (act == ACT_RELU2) {
-        float r = fmaxf(x, 0.0f);
-        return r * r;
-    }
-    return 0.5f * x * (1.0f + tanhf(0.7978846f * (x + 0.044715f * x * x * x)));
-}
-
 #define GRID_STRIDE(i, n) \
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
 

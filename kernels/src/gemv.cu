@@ -44,99 +44,141 @@ __device__ __forceinline__ float dot8(const u32x4& w, const u32x4& x, float acc)
     return acc;
 }
 
+// Epilogues (`mode`): the plain product; the activation of it; or a gated MLP's input, where
+// segment 0 is the gate, segment 1 the up projection (equal m, no third segment) and a block's
+// rows are two of each, so it writes act(gate) * up (segment 0's output, m features) and the
+// product kernel and its pass over two outputs are not needed. Each step rounds to bf16 where
+// the unfused kernels store bf16 (the projections' outputs, then the product), so the fused
+// results equal theirs bit for bit.
+#define GEMV_PLAIN 0u
+#define GEMV_ACT 1u
+#define GEMV_GATED 2u
+
 template <int N, int ROWS, int U>
 __device__ void gemv(const bf16* __restrict__ x, u32 n, u32 k, const bf16* w0, const bf16* b0,
                      bf16* y0, u32 m0, const bf16* w1, const bf16* b1, bf16* y1, u32 m1,
-                     const bf16* w2, const bf16* b2, bf16* y2, u32 m2) {
-    __shared__ float part[GEMV_WARPS][N * ROWS];
+                     const bf16* w2, const bf16* b2, bf16* y2, u32 m2, u32 mode, u32 act) {
+    static_assert(ROWS % 2 == 0, "gated groups take ROWS / 2 rows of gate and of up");
+    // Two buffers: a group's sums are read from one while the next group's go to the other.
+    __shared__ float part[2][GEMV_WARPS][N * ROWS];
     const u32 lane = threadIdx.x & 31;
     const u32 warp = threadIdx.x >> 5;
-    u32 row = blockIdx.x * ROWS;
-    const bf16* w;
-    const bf16* b;
-    bf16* y;
-    u32 m;
-    if (row < m0) {
-        w = w0, b = b0, y = y0, m = m0;
-    } else if (row < m0 + m1) {
-        row -= m0;
-        w = w1, b = b1, y = y1, m = m1;
-    } else if (row < m0 + m1 + m2) {
-        row -= m0 + m1;
-        w = w2, b = b2, y = y2, m = m2;
-    } else {
-        return;
-    }
-    float acc[N][ROWS];
-#pragma unroll
-    for (int i = 0; i < N; ++i)
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) acc[i][r] = 0.0f;
-
-    const bf16* wr = w + (u64)row * k;
+    const bool gated = mode == GEMV_GATED;
+    const u32 groups = gated ? m0 / (ROWS / 2) : (m0 + m1 + m2) / ROWS;
     const u32 stride = GEMV_WARPS * 32 * 8;
     const u32 first = (warp * 32 + lane) * 8;
     u32x4 wv[U][ROWS];
     // Every weight load of a trip is issued before any arithmetic.
-    auto load_trip = [&](u32 base) {
+    auto load_trip = [&](const bf16* const* wr, u32 base) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const u32 c = base + u * stride;
 #pragma unroll
             for (int r = 0; r < ROWS; ++r)
-                if (c < k) wv[u][r] = ld16(wr + (u64)r * k + c);
+                if (c < k) wv[u][r] = ld16(wr[r] + c);
         }
     };
-    // The weights never depend on the previous kernel: the first trip's loads go out before
-    // waiting for it (programmatic dependent launch, see CHIMERA_PDL_ENTRY), so a launch
-    // overlaps its ramp-up with the tail of the kernel before. x is read only after the wait.
-    load_trip(first);
-    CHIMERA_PDL_WAIT();
-    for (u32 base = first; base < k; base += stride * U) {
-        if (base != first) load_trip(base);
+    // The row groups of all segments, laid end to end, are shared out round-robin: with a
+    // grid of one block per group each block takes one; a smaller grid keeps its blocks
+    // resident (no block launched per group).
+    for (u32 g = blockIdx.x, it = 0; g < groups; g += gridDim.x, ++it) {
+        u32 row = g * ROWS;
+        const bf16* w;
+        const bf16* b;
+        bf16* y;
+        u32 m;
+        const bf16* wr[ROWS];
+        if (gated) {
+            row = g * (ROWS / 2);
+            w = w0, b = b0, y = y0, m = m0;
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const u32 c = base + u * stride;
-            if (c >= k) break;
+            for (int r = 0; r < ROWS / 2; ++r) {
+                wr[r] = w0 + (u64)(row + r) * k;
+                wr[ROWS / 2 + r] = w1 + (u64)(row + r) * k;
+            }
+        } else {
+            if (row < m0) {
+                w = w0, b = b0, y = y0, m = m0;
+            } else if (row < m0 + m1) {
+                row -= m0;
+                w = w1, b = b1, y = y1, m = m1;
+            } else {
+                row -= m0 + m1;
+                w = w2, b = b2, y = y2, m = m2;
+            }
 #pragma unroll
-            for (int i = 0; i < N; ++i) {
-                if (i >= (int)n) break;
-                const u32x4 xv = ld16(x + (u64)i * k + c);
+            for (int r = 0; r < ROWS; ++r) wr[r] = w + (u64)(row + r) * k;
+        }
+        float acc[N][ROWS];
 #pragma unroll
-                for (int r = 0; r < ROWS; ++r) acc[i][r] = dot8(wv[u][r], xv, acc[i][r]);
+        for (int i = 0; i < N; ++i)
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) acc[i][r] = 0.0f;
+        load_trip(wr, first);
+        // The weights never depend on the previous kernel: the first trip's loads go out
+        // before waiting for it (programmatic dependent launch, see CHIMERA_PDL_ENTRY), so a
+        // launch overlaps its ramp-up with the tail of the kernel before. x is read only after
+        // the wait.
+        if (it == 0) CHIMERA_PDL_WAIT();
+        for (u32 base = first; base < k; base += stride * U) {
+            if (base != first) load_trip(wr, base);
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const u32 c = base + u * stride;
+                if (c >= k) break;
+#pragma unroll
+                for (int i = 0; i < N; ++i) {
+                    if (i >= (int)n) break;
+                    const u32x4 xv = ld16(x + (u64)i * k + c);
+#pragma unroll
+                    for (int r = 0; r < ROWS; ++r) acc[i][r] = dot8(wv[u][r], xv, acc[i][r]);
+                }
             }
         }
-    }
+        float(*sums)[N * ROWS] = part[it & 1];
 #pragma unroll
-    for (int i = 0; i < N; ++i)
+        for (int i = 0; i < N; ++i)
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            const float s = warp_sum(acc[i][r]);
-            if (lane == 0) part[warp][i * ROWS + r] = s;
+            for (int r = 0; r < ROWS; ++r) {
+                const float s = warp_sum(acc[i][r]);
+                if (lane == 0) sums[warp][i * ROWS + r] = s;
+            }
+        __syncthreads();
+        const u32 t = threadIdx.x;
+        auto sum_of = [&](u32 i, u32 r) {
+            float s = 0.0f;
+#pragma unroll
+            for (int v = 0; v < GEMV_WARPS; ++v) s += sums[v][i * ROWS + r];
+            return s;
+        };
+        auto rounded = [](float v) { return bf16_to_f32(f32_to_bf16(v)); };
+        if (gated) {
+            if (t < n * (ROWS / 2)) {
+                const u32 i = t / (ROWS / 2), r = t % (ROWS / 2);
+                const float gs = sum_of(i, r) + (b0 ? bf16_to_f32(b0[row + r]) : 0.0f);
+                const float us = sum_of(i, ROWS / 2 + r) + (b1 ? bf16_to_f32(b1[row + r]) : 0.0f);
+                y[(u64)i * m + row + r] = f32_to_bf16(apply_act(rounded(gs), act) * rounded(us));
+            }
+        } else if (t < n * ROWS) {
+            const u32 i = t / ROWS, r = t % ROWS;
+            float s = sum_of(i, r) + (b ? bf16_to_f32(b[row + r]) : 0.0f);
+            if (mode == GEMV_ACT) s = apply_act(rounded(s), act);
+            y[(u64)i * m + row + r] = f32_to_bf16(s);
         }
-    __syncthreads();
-    const u32 t = threadIdx.x;
-    if (t < n * ROWS) {
-        float s = 0.0f;
-#pragma unroll
-        for (int v = 0; v < GEMV_WARPS; ++v) s += part[v][t];
-        const u32 i = t / ROWS, r = t % ROWS;
-        const float bias = b ? bf16_to_f32(b[row + r]) : 0.0f;
-        y[(u64)i * m + row + r] = f32_to_bf16(s + bias);
     }
 }
 
-#define GEMV_ENTRY(NAME, N, ROWS, U)                                                                   \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                \
+#define GEMV_ENTRY(NAME, N, ROWS, U, MIN_BLOCKS)                                                 \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MIN_BLOCKS)                    \
         NAME(const bf16* x, u32 n, u32 k, const bf16* w0, const bf16* b0, bf16* y0, u32 m0,      \
              const bf16* w1, const bf16* b1, bf16* y1, u32 m1, const bf16* w2, const bf16* b2,   \
-             bf16* y2, u32 m2) {                                                                     \
+             bf16* y2, u32 m2, u32 mode, u32 act) {                                              \
         CHIMERA_PDL_LAUNCH_DEPENDENTS();                                                         \
-        gemv<N, ROWS, U>(x, n, k, w0, b0, y0, m0, w1, b1, y1, m1, w2, b2, y2, m2);                     \
+        gemv<N, ROWS, U>(x, n, k, w0, b0, y0, m0, w1, b1, y1, m1, w2, b2, y2, m2, mode, act);    \
     }
 
 // Measured on the H200 (tests/gpu/run.sh bench): at 1 and 2 rows this beats cuBLASLt on every
 // decode shape of Llama-3-8B and NemotronH-8B; at 4 rows it lost on most of them (the FMAs per
 // weight byte grow with n), so wider batches stay on cuBLASLt.
-GEMV_ENTRY(gemv_bf16_n1, 1, 4, 4)
-GEMV_ENTRY(gemv_bf16_n2, 2, 4, 2)
+GEMV_ENTRY(gemv_bf16_n1, 1, 4, 1, 6)
+GEMV_ENTRY(gemv_bf16_n2, 2, 4, 2, 2)

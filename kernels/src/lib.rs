@@ -318,8 +318,19 @@ pub mod gemv {
     pub const WARPS: u32 = 8;
 
     const PARAMS: &[super::Param] = &[
-        Ptr, U32, U32, Ptr, Ptr, Ptr, U32, Ptr, Ptr, Ptr, U32, Ptr, Ptr, Ptr, U32,
+        Ptr, U32, U32, Ptr, Ptr, Ptr, U32, Ptr, Ptr, Ptr, U32, Ptr, Ptr, Ptr, U32, U32, U32,
     ];
+
+    /// The epilogue (`mode` parameter, `gemv.cu`).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Mode {
+        /// `y_s = x · w_sᵀ (+ b_s)`.
+        Plain = 0,
+        /// `y_s = act(x · w_sᵀ (+ b_s))`.
+        Activated = 1,
+        /// Segment 0 a gate, segment 1 an up projection of the same shape: `y_0 = act(gate) * up`.
+        Gated = 2,
+    }
 
     pub const ENTRIES: &[Entry] = &[
         Entry {

@@ -33,19 +33,6 @@
 #define SORT_WARPS 16
 #define MAX_TOP_K 32
 
-#define ACT_SILU 0u
-#define ACT_RELU2 1u
-
-// The host's `Activation` codes, the formulas of dense.cu's apply_act.
-__device__ __forceinline__ float moe_act(float x, u32 act) {
-    if (act == ACT_SILU) return x / (1.0f + expf(-x));
-    if (act == ACT_RELU2) {
-        float r = fmaxf(x, 0.0f);
-        return r * r;
-    }
-    return 0.5f * x * (1.0f + tanhf(0.7978846f * (x + 0.044715f * x * x * x)));
-}
-
 // Exclusive prefix sum of one value per thread over the block (at most 1024 threads);
 // `total` gets the sum. `scratch` holds 33 words of shared memory.
 __device__ u32 block_exclusive_scan(u32 v, u32* scratch, u32& total) {
@@ -293,8 +280,8 @@ __device__ __forceinline__ void grouped_mma(bf16* c, const bf16* a, const bf16* 
                 for (u32 nt = 0; nt < 4; ++nt) {
                     u32 col = n0 + wn * 32 + nt * 8 + 2 * tg;
                     if (col >= N) continue;
-                    float v0 = moe_act(acc[mt][nt][2 * h], act) * acc[mt][nt + 4][2 * h];
-                    float v1 = moe_act(acc[mt][nt][2 * h + 1], act) * acc[mt][nt + 4][2 * h + 1];
+                    float v0 = apply_act(acc[mt][nt][2 * h], act) * acc[mt][nt + 4][2 * h];
+                    float v1 = apply_act(acc[mt][nt][2 * h + 1], act) * acc[mt][nt + 4][2 * h + 1];
                     *(u32*)(dst + col) = pack_bf16x2(v0, v1);
                 }
             } else {
@@ -310,8 +297,8 @@ __device__ __forceinline__ void grouped_mma(bf16* c, const bf16* a, const bf16* 
                         v0 *= scale;
                         v1 *= scale;
                     } else {
-                        v0 = moe_act(v0, act);
-                        v1 = moe_act(v1, act);
+                        v0 = apply_act(v0, act);
+                        v1 = apply_act(v1, act);
                     }
                     *(u32*)(dst + col) = pack_bf16x2(v0, v1);
                 }
@@ -406,8 +393,8 @@ __device__ __forceinline__ void grouped_simt(float* c, const float* a, const flo
             if (col >= N) continue;
             float v = acc[i][j];
             if (MODE == MODE_DOWN) v *= scale;
-            else if (MODE == MODE_UP_GATED) v = moe_act(accg[i][j], act) * v;
-            else v = moe_act(v, act);
+            else if (MODE == MODE_UP_GATED) v = apply_act(accg[i][j], act) * v;
+            else v = apply_act(v, act);
             dst[col] = v;
         }
     }

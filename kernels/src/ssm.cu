@@ -74,8 +74,6 @@ constexpr int MAXK = 8;            // ssm.rs: MAX_CONV_KERNEL
 constexpr int CONV_THREADS = 128;  // ssm.rs: CONV_THREADS
 constexpr int CONV_ROWS = 32;      // ssm.rs: CONV_ROWS
 
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
-
 // The CPU's softplus and clamp (NaN stays NaN).
 __device__ __forceinline__ float dt_of(float raw, float bias, float lo, float hi) {
     const float x = raw + bias;

@@ -310,7 +310,7 @@ def idle(r, quick):
             if steps > 0:
                 host = " ".join(
                     f"{phase} {1e6 * delta.get('chimera:engine_host_seconds_total/' + phase, 0.0) / steps:.0f}"
-                    for phase in ("schedule", "inputs", "update", "between"))
+                    for phase in ("schedule", "inputs", "update", "between", "launch", "overlap"))
                 r.row(f"host time per step at c={c}, µs by phase (reported; {steps:.0f} steps, "
                       f"device {1e3 * busy / steps:.2f} ms/step)", host, "reported", True)
             r.row(f"device idle between steps / busy, c={c} ({requests} requests, 128 in, "

@@ -334,6 +334,18 @@ impl<B: Backend> Backend for Counting<B> {
         self.traffic.candidate_reads.fetch_add(1, Ordering::Relaxed);
         self.inner.sample(logits, step, out)
     }
+    fn sample_start(
+        &self,
+        logits: &mut Self::Tensor,
+        step: &Self::Step,
+        out: &mut SampleOut,
+    ) -> Result<()> {
+        self.traffic.candidate_reads.fetch_add(1, Ordering::Relaxed);
+        self.inner.sample_start(logits, step, out)
+    }
+    fn sample_finish(&self, out: &mut SampleOut) -> Result<()> {
+        self.inner.sample_finish(out)
+    }
     fn moe(
         &self,
         x: &Self::Tensor,

@@ -463,6 +463,34 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<Vec<Self::Tensor>> {
         weights.iter().map(|(w, b)| self.linear(x, w, *b)).collect()
     }
+    /// A gated MLP's hidden activations: `act(x · gateᵀ (+ b)) * (x · upᵀ (+ b))`. Equal to
+    /// [`Backend::linear_shared`] then [`Backend::gated_activation`], which is the default; a
+    /// device may compute the product in the projections' epilogue (one launch, one output).
+    fn gated_linear(
+        &self,
+        x: &Self::Tensor,
+        gate: (&Self::Tensor, Option<&Self::Tensor>),
+        up: (&Self::Tensor, Option<&Self::Tensor>),
+        act: Activation,
+    ) -> Result<Self::Tensor> {
+        let outs = self.linear_shared(x, &[gate, up])?;
+        let [g, u] = <[Self::Tensor; 2]>::try_from(outs)
+            .map_err(|_| BackendError::Invalid("linear_shared: not two outputs".into()))?;
+        self.gated_activation(&g, &u, act)
+    }
+    /// `act(x · wᵀ (+ b))`: [`Backend::linear`] then [`Backend::activate`] by default; a device
+    /// may apply the activation in the projection's epilogue.
+    fn linear_activated(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+        bias: Option<&Self::Tensor>,
+        act: Activation,
+    ) -> Result<Self::Tensor> {
+        let mut y = self.linear(x, w, bias)?;
+        self.activate(&mut y, act)?;
+        Ok(y)
+    }
     /// `x += y` (same shape).
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
     fn scale_assign(&self, x: &mut Self::Tensor, s: f32) -> Result<()>;
@@ -668,6 +696,25 @@ pub trait Backend: Send + Sync + 'static {
         step: &Self::Step,
         out: &mut SampleOut,
     ) -> Result<()>;
+
+    /// [`Backend::sample`] in two halves: this one enqueues the tail and its read-back and
+    /// may return before the results are on the host; [`Backend::sample_finish`] waits for
+    /// them and fills `out`. Between the two the host can do work that does not read `out`
+    /// while the device computes. Where the device is the host (the CPU) this runs the whole
+    /// tail and the finish has nothing left to do.
+    fn sample_start(
+        &self,
+        logits: &mut Self::Tensor,
+        step: &Self::Step,
+        out: &mut SampleOut,
+    ) -> Result<()> {
+        self.sample(logits, step, out)
+    }
+
+    /// Completes the step [`Backend::sample_start`] started: `out` holds its candidates.
+    fn sample_finish(&self, _out: &mut SampleOut) -> Result<()> {
+        Ok(())
+    }
 
     // ---- mixture of experts -------------------------------------------------------------
     /// Routes every row of `x[n, hidden]` from `router_logits[n, experts]` and adds the

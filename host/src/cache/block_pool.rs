@@ -317,8 +317,8 @@ impl BlockPool {
         self.events.push(kind, block, NO_PARENT, step);
     }
 
-    /// Delivers pending events to the evictor (called before each `choose_victims` and at the
-    /// end of every step).
+    /// Delivers pending events to the evictor (called before each `choose_victims`, and by the
+    /// engine once per step while the device computes).
     pub fn flush_events(&mut self) {
         if let Some(e) = self.evictor.as_mut()
             && !self.events.is_empty()

@@ -714,6 +714,12 @@ impl CacheManager {
                 with_snapshot,
             });
         }
+    }
+
+    /// Hands the block events since the last hand-over to the eviction policy. The pool also
+    /// does so before it asks the policy for victims, so the policy's view is current whenever
+    /// it decides; the engine calls this while the device computes a step, and when idle.
+    pub fn flush_evictor_events(&mut self) {
         self.pool.flush_events();
     }
 

@@ -246,6 +246,10 @@ pub struct EngineStats {
     pub host_update_seconds: f64,
     /// Host time between back-to-back steps, outside them (the engine loop).
     pub host_between_seconds: f64,
+    /// Host time launching steps on the executor (uploading and enqueueing them).
+    pub host_launch_seconds: f64,
+    /// Host work done while the device computes a step (not time the device waits).
+    pub host_overlap_seconds: f64,
 }
 
 /// Block-level cache events live with the cache; re-exported for the server and router.

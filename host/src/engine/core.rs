@@ -4,7 +4,10 @@
 //! The engine owns the scheduler, the cache manager, the sampling stage and its policy
 //! instances; the executor only sees the step's [`StepPlan`]. Every request's events go out in
 //! order through the engine's [`Outbox`]: `Tokens`…, then exactly one `Finished` or `Failed`;
-//! each public method hands its events on before it returns. Cache events of a step are released
+//! each public method hands its events on before it returns, except that with a threaded
+//! outbox a step's events go to the delivery thread early in the next step, once that step is
+//! launched on the executor, so the hand-over overlaps the device's work (a step after which
+//! nothing runs hands them on itself). Cache events of a step are released
 //! only after its forward pass succeeded; a failed pass fails the requests in that batch, rolls
 //! back the step's snapshot reservations and leaves every other request and the cache intact.
 //! An idle step changes nothing. The thread loop around it lives in `engine::thread`.
@@ -57,8 +60,15 @@ pub struct StepTimings {
     pub schedule_ns: u64,
     /// Building the step plan.
     pub inputs_ns: u64,
-    /// The executor's forward pass.
+    /// The executor's forward pass: launching it and waiting for its results.
     pub execute_ns: u64,
+    /// Of `execute_ns`, the launch: uploading the step and enqueueing its work (on a device,
+    /// the part before the upload's copy keeps the device waiting).
+    pub launch_ns: u64,
+    /// Host work done while the device computes the step (between the executor's launch and
+    /// its finish): handing the previous step's events to the delivery thread and its block
+    /// events to the eviction policy. Not part of the time the device waits for the host.
+    pub overlap_ns: u64,
     /// Sampling, committing the step to the cache and sending events (includes `sample_ns`).
     pub update_ns: u64,
     /// Between back-to-back steps: from the end of one step's update to the start of the next
@@ -372,20 +382,32 @@ impl<E: StepExecutor> Engine<E> {
         if out.is_empty() {
             self.back_to_back = false;
             self.cache.commit_step();
+            self.cache.flush_evictor_events();
             self.cache.take_events(&mut self.kv_events);
             self.outbox.flush();
             self.refresh_stats();
             return false;
         }
         let t1 = Instant::now();
-        let result = self.prepare_inputs().and_then(|()| {
+        let launched = self.prepare_inputs().and_then(|()| {
             let t2 = Instant::now();
             self.timings.inputs_ns += (t2 - t1).as_nanos() as u64;
-            let r = self.executor.execute(&self.inputs, &mut self.output);
-            self.timings.execute_ns += t2.elapsed().as_nanos() as u64;
+            let r = self.executor.launch(&self.inputs, &mut self.output);
+            let launch = t2.elapsed().as_nanos() as u64;
+            self.timings.launch_ns += launch;
+            self.timings.execute_ns += launch;
             r
         });
+        // While the device computes: the previous step's events go to the delivery thread and
+        // its block events to the eviction policy.
+        let tw = Instant::now();
+        self.outbox.flush();
+        self.cache.flush_evictor_events();
+        let tf = Instant::now();
+        self.timings.overlap_ns += (tf - tw).as_nanos() as u64;
+        let result = launched.and_then(|()| self.executor.finish(&mut self.output));
         let t3 = Instant::now();
+        self.timings.execute_ns += (t3 - tf).as_nanos() as u64;
         if let Some(t) = self.executor.take_device_time() {
             self.timings.device_busy_ns += (t.busy_s * 1e9) as u64;
             if self.back_to_back {
@@ -403,7 +425,11 @@ impl<E: StepExecutor> Engine<E> {
         for id in std::mem::take(&mut self.closed) {
             self.cancel(id);
         }
-        self.outbox.flush();
+        // This step's events go out during the next one, unless none follows.
+        if self.sched.is_idle() {
+            self.outbox.flush();
+            self.cache.flush_evictor_events();
+        }
         self.refresh_stats();
         self.timings.steps += 1;
         self.timings.schedule_ns += (t1 - t0).as_nanos() as u64;
@@ -478,11 +504,8 @@ impl<E: StepExecutor> Engine<E> {
                     self.closed.push(r.id);
                 }
             }
-            let ev = EngineEvent::Tokens {
-                tokens: vec![sampled.token],
-                logprobs: sampled.logprob.take().map(|l| vec![l]),
-            };
-            if !self.outbox.send(r.id, &r.events, ev) {
+            let logprob = sampled.logprob.take();
+            if !(self.outbox).send_token(r.id, &r.events, sampled.token, logprob) {
                 self.closed.push(r.id);
             }
         }
@@ -592,6 +615,8 @@ impl<E: StepExecutor> Engine<E> {
         s.host_inputs_seconds = self.timings.inputs_ns as f64 * 1e-9;
         s.host_update_seconds = self.timings.update_ns as f64 * 1e-9;
         s.host_between_seconds = self.timings.between_ns as f64 * 1e-9;
+        s.host_launch_seconds = self.timings.launch_ns as f64 * 1e-9;
+        s.host_overlap_seconds = self.timings.overlap_ns as f64 * 1e-9;
         let pool = self.cache.pool();
         let c = self.cache.counters;
         s.running = self.sched.num_running() as u32;

@@ -6,8 +6,10 @@
 //! the engine built. The executor never decides which blocks or slots to use; it only reads
 //! and writes the ones it is given.
 //!
-//! Call order: `cache_spec` → `allocate` once (sizes from the memory budget) → `execute` per
-//! step (the plan's slot operations run first, inside the step).
+//! Call order: `cache_spec` → `allocate` once (sizes from the memory budget) → per step,
+//! `execute`, or `launch` then `finish` (the plan's slot operations run first, inside the
+//! step). Between `launch` and `finish` the engine does host work that reads nothing of the
+//! step's output, while a device computes the step.
 
 use crate::backend::{SampleOut, StepPlan};
 use crate::cache::SsmStateDtype;
@@ -93,6 +95,17 @@ pub trait StepExecutor: Send {
     /// targets are written during it) and the sampling tail, filling `out` as
     /// [`StepOutput`] says.
     fn execute(&mut self, plan: &StepPlan, out: &mut StepOutput) -> Result<(), ExecutorError>;
+    /// [`Self::execute`] in two halves: this one enqueues the step and may return before its
+    /// results are in `out`; [`Self::finish`] waits for them. An executor that computes on
+    /// the calling thread runs the whole step here.
+    fn launch(&mut self, plan: &StepPlan, out: &mut StepOutput) -> Result<(), ExecutorError> {
+        self.execute(plan, out)
+    }
+    /// Completes the step [`Self::launch`] started (nothing when it failed or ran to the
+    /// end): `out` is filled as [`Self::execute`] says.
+    fn finish(&mut self, _out: &mut StepOutput) -> Result<(), ExecutorError> {
+        Ok(())
+    }
     /// The device's timing of the step `execute` just ran, where the backend keeps one.
     fn take_device_time(&mut self) -> Option<crate::backend::DeviceStepTime> {
         None
@@ -114,6 +127,12 @@ impl<E: StepExecutor + ?Sized> StepExecutor for Box<E> {
     }
     fn execute(&mut self, plan: &StepPlan, out: &mut StepOutput) -> Result<(), ExecutorError> {
         (**self).execute(plan, out)
+    }
+    fn launch(&mut self, plan: &StepPlan, out: &mut StepOutput) -> Result<(), ExecutorError> {
+        (**self).launch(plan, out)
+    }
+    fn finish(&mut self, out: &mut StepOutput) -> Result<(), ExecutorError> {
+        (**self).finish(out)
     }
     fn take_device_time(&mut self) -> Option<crate::backend::DeviceStepTime> {
         (**self).take_device_time()

@@ -58,7 +58,8 @@ pub struct MockConfig {
     /// context in this many (a pure function of the context), and ruled out otherwise.
     /// 0: EOS is always ruled out.
     pub eos_one_in: u32,
-    /// Sleep this long in every `execute` call (a slow model).
+    /// Every step takes at least this long (a slow model): slept in `finish`, after `launch`
+    /// has computed the step, as a device computes while the host goes on.
     pub step_delay: Duration,
 }
 
@@ -149,6 +150,8 @@ pub struct MockExecutor {
     ssm: Vec<Option<u64>>,
     /// The sampled rows gathered for the sampling tail.
     sampled: Vec<f32>,
+    /// A launched step's `step_delay` is still to pass (in `finish`).
+    delay_pending: bool,
     pub counters: MockCounters,
 }
 
@@ -161,6 +164,7 @@ impl MockExecutor {
             kv: Vec::new(),
             ssm: Vec::new(),
             sampled: Vec::new(),
+            delay_pending: false,
             counters: MockCounters::default(),
         }
     }
@@ -271,6 +275,14 @@ impl StepExecutor for MockExecutor {
     }
 
     fn execute(&mut self, plan: &StepPlan, out: &mut StepOutput) -> Result<(), ExecutorError> {
+        self.launch(plan, out)?;
+        self.finish(out)
+    }
+
+    /// Computes the step; its `step_delay` (the device's time) passes in `finish`, as a
+    /// device computes while the host goes on.
+    fn launch(&mut self, plan: &StepPlan, out: &mut StepOutput) -> Result<(), ExecutorError> {
+        self.delay_pending = !self.cfg.step_delay.is_zero();
         self.logits_rows(plan, &mut out.full)?;
         if plan.sampling.is_empty() {
             out.cands.reshape(0, 1);
@@ -285,6 +297,13 @@ impl StepExecutor for MockExecutor {
         sample_tail(&mut self.sampled, vocab, &plan.sampling, &mut out.cands)
             .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))
     }
+
+    fn finish(&mut self, _out: &mut StepOutput) -> Result<(), ExecutorError> {
+        if std::mem::take(&mut self.delay_pending) {
+            std::thread::sleep(self.cfg.step_delay);
+        }
+        Ok(())
+    }
 }
 
 impl MockExecutor {
@@ -292,9 +311,6 @@ impl MockExecutor {
     fn logits_rows(&mut self, inputs: &StepPlan, logits: &mut Logits) -> Result<(), ExecutorError> {
         let call = self.counters.calls;
         self.counters.calls += 1;
-        if !self.cfg.step_delay.is_zero() {
-            std::thread::sleep(self.cfg.step_delay);
-        }
         if self.cfg.fail_at_call == Some(call) {
             return Err(ExecutorError::Forward("injected failure".into()));
         }

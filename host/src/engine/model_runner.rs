@@ -37,6 +37,8 @@ pub struct ModelRunner<B: Backend> {
     pub capture_seconds: f64,
     /// The device clock of the last step executed.
     device_time: Option<crate::backend::DeviceStepTime>,
+    /// A step was launched and its results not yet waited for.
+    in_flight: bool,
 }
 
 /// One captured decode bucket: its graph and the logits tensor the graph writes.
@@ -62,6 +64,7 @@ impl<B: Backend> ModelRunner<B> {
             eager_steps: 0,
             capture_seconds: 0.0,
             device_time: None,
+            in_flight: false,
         }
     }
 
@@ -195,21 +198,39 @@ impl<B: Backend> StepExecutor for ModelRunner<B> {
     }
 
     fn execute(&mut self, plan: &StepPlan, out: &mut StepOutput) -> Result<(), ExecutorError> {
+        self.launch(plan, out)?;
+        self.finish(out)
+    }
+
+    fn launch(&mut self, plan: &StepPlan, out: &mut StepOutput) -> Result<(), ExecutorError> {
         self.device_time = None;
+        // A step launched and never finished is waited for first: its read-back shares the
+        // buffers this one uses.
+        self.finish(out)?;
         let ran = self
             .backend
             .step_clock_start()
             .map_err(|e| ExecutorError::Forward(e.to_string()))
             .and_then(|()| self.run_step(plan, out));
-        // Read the clock even after a failure, so the next step starts a fresh measurement.
+        if let Err(e) = ran {
+            // Read the clock even after a failure, so the next step starts a fresh measurement.
+            let _ = self.backend.step_clock_end();
+            return Err(self.lost_or(e));
+        }
+        self.in_flight = true;
+        Ok(())
+    }
+
+    fn finish(&mut self, out: &mut StepOutput) -> Result<(), ExecutorError> {
+        if !std::mem::take(&mut self.in_flight) {
+            return Ok(());
+        }
+        let done = self
+            .backend
+            .sample_finish(&mut out.cands)
+            .map_err(|e| ExecutorError::Forward(e.to_string()));
         let clock = self.backend.step_clock_end();
-        ran.map_err(|e| {
-            if self.backend.is_lost() {
-                ExecutorError::DeviceLost(e.to_string())
-            } else {
-                e
-            }
-        })?;
+        done.map_err(|e| self.lost_or(e))?;
         self.device_time = clock.map_err(|e| ExecutorError::Forward(e.to_string()))?;
         Ok(())
     }
@@ -220,6 +241,17 @@ impl<B: Backend> StepExecutor for ModelRunner<B> {
 }
 
 impl<B: Backend> ModelRunner<B> {
+    /// `e`, or the replica's loss when the device is out of service.
+    fn lost_or(&self, e: ExecutorError) -> ExecutorError {
+        if self.backend.is_lost() {
+            ExecutorError::DeviceLost(e.to_string())
+        } else {
+            e
+        }
+    }
+
+    /// Uploads the step and enqueues its forward pass and sampling tail (the read-back is
+    /// waited for by `finish`).
     fn run_step(&mut self, plan: &StepPlan, out: &mut StepOutput) -> Result<(), ExecutorError> {
         let vocab = self.model.info.vocab_size;
         let (Some(caches), Some(step)) = (self.caches.as_mut(), self.step.as_mut()) else {
@@ -246,7 +278,7 @@ impl<B: Backend> ModelRunner<B> {
             self.graph_steps += 1;
             return self
                 .backend
-                .sample(&mut g.logits, gstep, &mut out.cands)
+                .sample_start(&mut g.logits, gstep, &mut out.cands)
                 .map_err(forward);
         }
         self.eager_steps += 1;
@@ -263,7 +295,7 @@ impl<B: Backend> ModelRunner<B> {
             out.full.data = self.backend.download(&logits).map_err(forward)?;
         }
         self.backend
-            .sample(&mut logits, step, &mut out.cands)
+            .sample_start(&mut logits, step, &mut out.cands)
             .map_err(forward)
     }
 }

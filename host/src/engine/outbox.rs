@@ -24,7 +24,7 @@ use std::thread::JoinHandle;
 
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::api::EngineEvent;
+use super::api::{EngineEvent, TokenLogprob};
 
 type EventSender = UnboundedSender<EngineEvent>;
 
@@ -34,6 +34,13 @@ enum Op {
     Open { id: u64, seq: u64, to: EventSender },
     /// An event of an open request; `Finished` and `Failed` close it.
     Event { id: u64, event: EngineEvent },
+    /// One sampled token of an open request: a `Tokens` event, built by the delivery thread
+    /// (its allocations are not the engine thread's).
+    Token {
+        id: u64,
+        token: u32,
+        logprob: Option<TokenLogprob>,
+    },
     /// The only event of a request that was never opened (rejected on arrival).
     Once { to: EventSender, event: EngineEvent },
 }
@@ -130,6 +137,22 @@ impl Outbox {
         true
     }
 
+    /// Sends one sampled token of open request `id` as a `Tokens` event, as [`Self::send`]
+    /// does; threaded, the event is built on the delivery thread.
+    pub fn send_token(
+        &mut self,
+        id: u64,
+        to: &EventSender,
+        token: u32,
+        logprob: Option<TokenLogprob>,
+    ) -> bool {
+        if self.delivery.is_none() {
+            return to.send(token_event(token, logprob)).is_ok();
+        }
+        self.pending.push(Op::Token { id, token, logprob });
+        true
+    }
+
     /// Sends the only event of a request that was never opened.
     pub fn reject(&mut self, to: &EventSender, event: EngineEvent) {
         if self.delivery.is_none() {
@@ -193,6 +216,13 @@ impl Drop for Outbox {
     }
 }
 
+fn token_event(token: u32, logprob: Option<TokenLogprob>) -> EngineEvent {
+    EngineEvent::Tokens {
+        tokens: vec![token],
+        logprobs: logprob.map(|l| vec![l]),
+    }
+}
+
 fn is_last(event: &EngineEvent) -> bool {
     matches!(
         event,
@@ -208,26 +238,28 @@ fn deliver(
     closed: &Sender<(u64, u64)>,
 ) {
     for op in batch.drain(..) {
-        match op {
+        let (id, event) = match op {
             Op::Open { id, seq, to } => {
                 open.insert(id, (to, seq));
-            }
-            Op::Event { id, event } => {
-                let last = is_last(&event);
-                let Some((to, seq)) = open.get(&id) else {
-                    continue;
-                };
-                let gone = to.send(event).is_err();
-                if gone && !last {
-                    let _ = closed.send((id, *seq));
-                }
-                if gone || last {
-                    open.remove(&id);
-                }
+                continue;
             }
             Op::Once { to, event } => {
                 let _ = to.send(event);
+                continue;
             }
+            Op::Event { id, event } => (id, event),
+            Op::Token { id, token, logprob } => (id, token_event(token, logprob)),
+        };
+        let last = is_last(&event);
+        let Some((to, seq)) = open.get(&id) else {
+            continue;
+        };
+        let gone = to.send(event).is_err();
+        if gone && !last {
+            let _ = closed.send((id, *seq));
+        }
+        if gone || last {
+            open.remove(&id);
         }
     }
 }
@@ -294,6 +326,36 @@ mod tests {
         let mut closed = Vec::new();
         out.take_closed(&mut closed);
         assert!(closed.is_empty());
+    }
+
+    /// A token sent with `send_token` arrives as the `Tokens` event `send` would have sent,
+    /// in order with the request's other events, threaded and inline alike.
+    #[test]
+    fn send_token_delivers_a_tokens_event_in_order() {
+        let logprob = TokenLogprob {
+            token: 4,
+            logprob: -0.5,
+            top: vec![(4, -0.5), (9, -1.25)],
+        };
+        let with_logprob = EngineEvent::Tokens {
+            tokens: vec![4],
+            logprobs: Some(vec![logprob.clone()]),
+        };
+        for mut out in [Outbox::inline(), Outbox::threaded().unwrap()] {
+            let (tx, mut rx) = unbounded_channel();
+            out.open(7, &tx);
+            assert!(out.send_token(7, &tx, 3, None));
+            assert!(out.send(7, &tx, tokens(5)));
+            assert!(out.send_token(7, &tx, 4, Some(logprob.clone())));
+            assert!(out.send(7, &tx, finished()));
+            drop(tx);
+            out.flush();
+            assert_eq!(next(&mut rx), Some(tokens(3)));
+            assert_eq!(next(&mut rx), Some(tokens(5)));
+            assert_eq!(next(&mut rx), Some(with_logprob.clone()));
+            assert_eq!(next(&mut rx), Some(finished()));
+            assert_eq!(next(&mut rx), None);
+        }
     }
 
     /// Dropping the outbox delivers what was queued and not yet flushed, and closes the

@@ -204,6 +204,67 @@ fn dense(c: &mut Ctx<'_>) {
             },
         );
     }
+    // A gated MLP's input and an activated projection, fused into the GEMV's epilogue at one
+    // or two bf16 rows (else the unfused kernels): against the CPU, and against the GPU's own
+    // unfused kernels, which they must equal bit for bit.
+    for &(n, k, m, bias, act) in &[
+        (1usize, 4096usize, 14336usize, false, Activation::Silu),
+        (2, 1032, 260, true, Activation::Gelu),
+        (1, 2048, 1026, true, Activation::Relu2),
+        (3, 512, 256, false, Activation::Silu),
+    ] {
+        let tag = format!("{n}×{k}·{m}ᵀ{} {act:?}", if bias { " +bias" } else { "" });
+        let inputs = |c: &mut Ctx<'_>| -> R<_> {
+            let x = c.rand(n * k, 1.0);
+            let (xc, xg) = c.up(&x, &[n, k])?;
+            let mut ws = Vec::new();
+            for _ in 0..2 {
+                let w = c.rand(m * k, 0.05);
+                let b = c.rand(m, 0.5);
+                ws.push((c.up(&w, &[m, k])?, c.up(&b, &[m])?));
+            }
+            Ok((xc, xg, ws))
+        };
+        c.check(&format!("gated_linear {tag}"), k > 1024, |c| {
+            let (xc, xg, ws) = inputs(c)?;
+            let bg = |i: usize| bias.then_some(&ws[i].1.1);
+            let bc = |i: usize| bias.then_some(&ws[i].1.0);
+            let g = c
+                .gpu
+                .gated_linear(&xg, (&ws[0].0.1, bg(0)), (&ws[1].0.1, bg(1)), act)?;
+            let r = c
+                .cpu
+                .gated_linear(&xc, (&ws[0].0.0, bc(0)), (&ws[1].0.0, bc(1)), act)?;
+            let fused = c.gpu.download(&g)?;
+            let [gg, ug] = <[CudaTensor; 2]>::try_from(
+                c.gpu
+                    .linear_shared(&xg, &[(&ws[0].0.1, bg(0)), (&ws[1].0.1, bg(1))])?,
+            )
+            .map_err(|_| anyhow::anyhow!("two outputs"))?;
+            let unfused = c.gpu.download(&c.gpu.gated_activation(&gg, &ug, act)?)?;
+            let label = format!("{} gated_linear {tag}: fused = unfused on the GPU", c.tag());
+            c.report
+                .err("kernels", label, rel_err(&fused, &unfused), 0.0);
+            Ok((fused, c.cpu.download(&r)?))
+        });
+        c.check(&format!("linear_activated {tag}"), k > 1024, |c| {
+            let (xc, xg, ws) = inputs(c)?;
+            let (bg, bc) = (bias.then_some(&ws[0].1.1), bias.then_some(&ws[0].1.0));
+            let g = c.gpu.linear_activated(&xg, &ws[0].0.1, bg, act)?;
+            let r = c.cpu.linear_activated(&xc, &ws[0].0.0, bc, act)?;
+            let fused = c.gpu.download(&g)?;
+            let mut y = c.gpu.linear(&xg, &ws[0].0.1, bg)?;
+            c.gpu.activate(&mut y, act)?;
+            let unfused = c.gpu.download(&y)?;
+            let label = format!(
+                "{} linear_activated {tag}: fused = unfused on the GPU",
+                c.tag()
+            );
+            c.report
+                .err("kernels", label, rel_err(&fused, &unfused), 0.0);
+            Ok((fused, c.cpu.download(&r)?))
+        });
+    }
     // Widths that take the 16-byte path (multiples of 8, up to 4 pieces a thread in bf16; f32's
     // 8192 falls back) and widths that do not (100, 4100).
     for &(n, cols) in &[

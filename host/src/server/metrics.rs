@@ -285,7 +285,7 @@ impl Metrics {
         );
         let _ = writeln!(
             out,
-            "# HELP {ENGINE_HOST_TIME} Host time in engine steps, by phase: schedule (scheduling and cache bookkeeping), inputs (building the step plan), update (sampling, committing, sending events), between (the engine loop between back-to-back steps).\n# TYPE {ENGINE_HOST_TIME} counter"
+            "# HELP {ENGINE_HOST_TIME} Host time in engine steps, by phase: schedule (scheduling and cache bookkeeping), inputs (building the step plan), update (sampling, committing, queueing events), between (the engine loop between back-to-back steps), launch (uploading the step and enqueueing its work), overlap (host work while the device computes the step: handing the previous step's request and block events on).\n# TYPE {ENGINE_HOST_TIME} counter"
         );
         for (i, s) in stats.iter().enumerate() {
             for (phase, v) in [
@@ -293,6 +293,8 @@ impl Metrics {
                 ("inputs", s.host_inputs_seconds),
                 ("update", s.host_update_seconds),
                 ("between", s.host_between_seconds),
+                ("launch", s.host_launch_seconds),
+                ("overlap", s.host_overlap_seconds),
             ] {
                 let _ = writeln!(
                     out,

@@ -272,6 +272,25 @@ pub(crate) unsafe fn dtoh(
         .map_err(|e| device.fail("copying from the device", e))
 }
 
+/// Waits until `event` (recorded on a stream of this context) has completed, with the
+/// driver's own wait (its scheduling mode: with fewer contexts than cores, a spin), as the
+/// stream synchronisation before it did. Polling the event from the host instead
+/// (`cuEventQuery` in a loop, with or without yielding between polls) was tried; no GPU run
+/// compared it with this wait on equal terms, so the driver's stays.
+pub(crate) fn wait_event(device: &Device, event: sys::CUevent) -> Result<()> {
+    // SAFETY: a live event of this context.
+    unsafe { result::event::synchronize(event) }
+        .map_err(|e| device.fail("waiting for the device", e))
+}
+
+/// Reads little-endian 32-bit words from `src` into `dst` (as many as both hold), each
+/// mapped by `f`: a loop the compiler turns into a vectorised copy.
+pub(crate) fn read_words<T>(src: &[u8], dst: &mut [T], f: impl Fn(u32) -> T) {
+    for (d, w) in dst.iter_mut().zip(src.chunks_exact(4)) {
+        *d = f(u32::from_le_bytes([w[0], w[1], w[2], w[3]]));
+    }
+}
+
 pub(crate) fn sync(device: &Device, stream: sys::CUstream) -> Result<()> {
     // SAFETY: a live stream of this context.
     unsafe { result::stream::synchronize(stream) }.map_err(|e| device.fail("synchronising", e))
@@ -280,4 +299,29 @@ pub(crate) fn sync(device: &Device, stream: sys::CUstream) -> Result<()> {
 /// An error that says a pointer is not a device allocation of this backend.
 pub fn bad_tensor(what: &str) -> BackendError {
     BackendError::Invalid(format!("{what}: not a tensor of this CUDA backend"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::read_words;
+
+    /// Words are read little-endian, in order, as far as both sides reach.
+    #[test]
+    fn read_words_decodes_little_endian_words_in_order() {
+        let src: Vec<u8> = [7u32, 0x0102_0304, f32::to_bits(-1.5), u32::MAX]
+            .iter()
+            .flat_map(|w| w.to_le_bytes())
+            .collect();
+        let mut ints = [0u32; 3];
+        read_words(&src, &mut ints, |w| w);
+        assert_eq!(ints, [7, 0x0102_0304, f32::to_bits(-1.5)]);
+        let mut floats = [0f32; 2];
+        read_words(&src[8..], &mut floats, f32::from_bits);
+        assert_eq!(floats[0], -1.5);
+        assert!(floats[1].is_nan());
+        // A destination longer than the source keeps its tail.
+        let mut long = [9u32; 6];
+        read_words(&src, &mut long, |w| w);
+        assert_eq!(long[4..], [9, 9]);
+    }
 }

@@ -144,6 +144,8 @@ struct Inner {
     ropes: Mutex<HashMap<Vec<u32>, DevAlloc>>,
     /// Pinned memory the sampling tail's results come back into.
     readback: Mutex<Option<Pinned>>,
+    /// The read-back `sample_start` enqueued and `sample_finish` has not yet waited for.
+    pending_read: Mutex<Option<PendingRead>>,
     /// Captured graphs, by id.
     graphs: Mutex<Vec<Graph>>,
     /// bf16 linear layers of one or two rows use the one-pass GEMV (`gemv.cu`) instead of
@@ -153,16 +155,36 @@ struct Inner {
     clock: Mutex<Option<StepClock>>,
 }
 
-/// Three events on the stream: the current step's start and end, and the previous step's end
-/// (see [`Backend::step_clock_start`]).
+use chimera_kernels::gemv::Mode as GemvMode;
+
+/// GEMV tuning knobs for kernel work with replaced sources (`CHIMERA_KERNEL_SOURCES`):
+/// resident blocks an SM when the grid is capped (`CHIMERA_GEMV_BLOCKS_PER_SM`; 0, the
+/// default, launches a block per row group) and rows a block (`CHIMERA_GEMV_ROWS`, which must
+/// match the replaced source's; 0 keeps the built-in one).
+fn gemv_tuning() -> (u32, u32) {
+    static V: std::sync::OnceLock<(u32, u32)> = std::sync::OnceLock::new();
+    *V.get_or_init(|| {
+        let var = |name| {
+            std::env::var(name)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0)
+        };
+        (var("CHIMERA_GEMV_BLOCKS_PER_SM"), var("CHIMERA_GEMV_ROWS"))
+    })
+}
+
+/// Events on the stream: the current step's start and end, the previous step's end (see
+/// [`Backend::step_clock_start`]), and the end of a read-back outside a timed step.
 struct StepClock {
     start: sys::CUevent,
     end: sys::CUevent,
     prev_end: sys::CUevent,
-    /// A step is being timed.
+    done: sys::CUevent,
+    /// A step is being timed: its start is recorded with its first device operation.
     timing: bool,
-    /// Its start is still to be recorded (by the step's upload copy, `CudaStep::copy_staged`).
-    start_pending: bool,
+    /// Its start is recorded (just before the step's upload, see [`CudaBackend::mark_step_start`]).
+    started: bool,
     /// Its end is recorded (by the read-back in `sample`).
     ended: bool,
     have_prev: bool,
@@ -179,8 +201,9 @@ impl StepClock {
             start: event()?,
             end: event()?,
             prev_end: event()?,
+            done: event()?,
             timing: false,
-            start_pending: false,
+            started: false,
             ended: false,
             have_prev: false,
         })
@@ -194,9 +217,21 @@ impl Drop for StepClock {
             let _ = result::event::destroy(self.start);
             let _ = result::event::destroy(self.end);
             let _ = result::event::destroy(self.prev_end);
+            let _ = result::event::destroy(self.done);
         }
     }
 }
+
+/// A read-back in flight: `rows × k` candidates (and `rows` log-sum-exps) land in the pinned
+/// read-back buffer once `done` has completed.
+struct PendingRead {
+    rows: usize,
+    k: usize,
+    done: sys::CUevent,
+}
+
+// SAFETY: a plain event handle of the backend's context (owned by its step clock).
+unsafe impl Send for PendingRead {}
 
 /// A captured and instantiated CUDA graph, destroyed with the backend.
 struct Graph {
@@ -260,6 +295,7 @@ impl CudaBackend {
                 gemm,
                 ropes: Mutex::new(HashMap::new()),
                 readback: Mutex::new(None),
+                pending_read: Mutex::new(None),
                 graphs: Mutex::new(Vec::new()),
                 small_m_gemv: AtomicBool::new(true),
                 clock: Mutex::new(None),
@@ -303,51 +339,76 @@ impl CudaBackend {
         self.dev().prefill_kernel()
     }
 
-    /// `y_s = x · w_sᵀ (+ b_s)` for up to three weights sharing `x` in one GEMV launch, when
+    /// `y_s = x · w_sᵀ (+ b_s)` for up to three weights sharing `x` in one GEMV launch, with
+    /// the epilogue `mode` (an activation, or a gated MLP's product: then one output), when
     /// the shapes allow it (bf16, one or two rows, `k` a multiple of 8, every `m` a multiple of
-    /// the variant's features per block); `None` leaves the work to cuBLASLt.
+    /// the variant's features per block, or of half of it for a gate and up of equal shape);
+    /// `None` leaves the work to cuBLASLt.
     fn try_gemv(
         &self,
         x: &CudaTensor,
         segments: &[(&CudaTensor, Option<&CudaTensor>)],
+        mode: GemvMode,
+        act: Activation,
     ) -> Result<Option<Vec<CudaTensor>>> {
         let (n, k) = x.rows_cols();
         let Some((entry, per_block)) = chimera_kernels::gemv::variant(n) else {
             return Ok(None);
         };
+        let per_block = match gemv_tuning().1 {
+            0 => per_block,
+            r => r,
+        };
+        let gated = mode == GemvMode::Gated;
+        let row_multiple = if gated { per_block / 2 } else { per_block } as usize;
         if x.dtype != DType::BF16
             || !self.inner.small_m_gemv.load(Ordering::Relaxed)
             || !k.is_multiple_of(8)
             || segments.is_empty()
             || segments.len() > 3
+            || (gated
+                && (segments.len() != 2 || segments[0].0.rows_cols() != segments[1].0.rows_cols()))
             || segments
                 .iter()
-                .any(|(w, _)| !w.rows_cols().0.is_multiple_of(per_block as usize))
+                .any(|(w, _)| !w.rows_cols().0.is_multiple_of(row_multiple))
         {
             return Ok(None);
         }
         let mut outs = Vec::with_capacity(segments.len());
-        // x, n, k, then (weight, bias, output, m) for three segments; unused ones stay null
-        // with m = 0.
-        let mut args = [Arg::Ptr(0); 15];
+        // x, n, k, then (weight, bias, output, m) for three segments (unused ones null with
+        // m = 0), then the epilogue's mode and activation.
+        let mut args = [Arg::Ptr(0); 17];
         args[..3].copy_from_slice(&[Arg::Ptr(x.ptr), Arg::U32(n as u32), Arg::U32(k as u32)]);
         let mut rows = 0usize;
         for (i, (w, b)) in segments.iter().enumerate() {
             let m = w.rows_cols().0;
-            let out = self.tmp(&[n, m], DType::BF16)?;
+            // A gated launch writes act(gate) * up into the first output only.
+            let out = if i == 0 || !gated {
+                let out = self.tmp(&[n, m], DType::BF16)?;
+                let ptr = out.ptr;
+                outs.push(out);
+                ptr
+            } else {
+                0
+            };
             args[3 + 4 * i..7 + 4 * i].copy_from_slice(&[
                 Arg::Ptr(w.ptr),
                 Arg::Ptr(b.map_or(0, |b| b.ptr)),
-                Arg::Ptr(out.ptr),
+                Arg::Ptr(out),
                 Arg::U32(m as u32),
             ]);
             rows += m;
-            outs.push(out);
         }
         for i in segments.len()..3 {
             args[6 + 4 * i] = Arg::U32(0);
         }
-        let grid = (rows / per_block as usize) as u32;
+        args[15] = Arg::U32(mode as u32);
+        args[16] = Arg::U32(act_code(act));
+        let groups = (rows / per_block as usize) as u32;
+        let grid = match gemv_tuning().0 {
+            0 => groups,
+            b => groups.min(b * self.sm_count()),
+        };
         self.launch_exact(
             entry,
             (grid, 1, 1),
@@ -358,16 +419,69 @@ impl CudaBackend {
         Ok(Some(outs))
     }
 
-    /// Marks a timed step's end (its read-back is enqueued).
-    fn record_step_end(&self) -> Result<()> {
+    /// Whether bf16 linear layers of `x` with these weights may go to the GEMV (shapes and
+    /// dtypes agree; the GEMV itself checks the rest).
+    fn gemv_inputs_fit(
+        &self,
+        x: &CudaTensor,
+        weights: &[(&CudaTensor, Option<&CudaTensor>)],
+    ) -> bool {
+        let k = x.rows_cols().1;
+        x.dtype == self.inner.dtype
+            && weights.iter().all(|(w, b)| {
+                w.rows_cols().1 == k
+                    && w.dtype == x.dtype
+                    && b.is_none_or(|b| b.len() == w.rows_cols().0 && b.dtype == x.dtype)
+            })
+    }
+
+    fn lock_pending(&self) -> std::sync::MutexGuard<'_, Option<PendingRead>> {
+        self.inner
+            .pending_read
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Locks the step clock, creating its events on first use.
+    fn clock(&self) -> Result<std::sync::MutexGuard<'_, Option<StepClock>>> {
         let mut clock = self.inner.clock.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(c) = clock.as_mut().filter(|c| c.timing) {
+        if clock.is_none() {
+            *clock = Some(StepClock::new(self.dev())?);
+        }
+        Ok(clock)
+    }
+
+    /// Records a timed step's start, once, just before its first device operation (the
+    /// upload's copy): the host's packing of the step is device idle time, not busy time.
+    fn mark_step_start(&self) -> Result<()> {
+        let mut clock = self.inner.clock.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = clock.as_mut().filter(|c| c.timing && !c.started) {
             // SAFETY: an event of this context, recorded on its stream.
-            unsafe { result::event::record(c.end, self.stream()) }
+            unsafe { result::event::record(c.start, self.stream()) }
                 .map_err(|e| self.dev().fail("recording an event", e))?;
-            c.ended = true;
+            c.started = true;
         }
         Ok(())
+    }
+
+    /// Marks the end of a step's work (its read-back is enqueued): a timed step's end event,
+    /// else the plain one. Returns the event to wait on.
+    fn record_step_end(&self) -> Result<sys::CUevent> {
+        self.mark_step_start()?;
+        let mut clock = self.clock()?;
+        let Some(c) = clock.as_mut() else {
+            return Err(BackendError::Invalid("no step clock".into()));
+        };
+        let ev = if c.timing {
+            c.ended = true;
+            c.end
+        } else {
+            c.done
+        };
+        // SAFETY: an event of this context, recorded on its stream.
+        unsafe { result::event::record(ev, self.stream()) }
+            .map_err(|e| self.dev().fail("recording an event", e))?;
+        Ok(ev)
     }
 
     /// Fills every free arena buffer with NaN (all-ones bytes, NaN in f32 and bf16), so a
@@ -396,30 +510,6 @@ impl CudaBackend {
     pub fn mem_info(&self) -> Result<(usize, usize)> {
         self.inner.device.bind()?;
         result::mem_get_info().map_err(|e| self.inner.device.fail("reading free memory", e))
-    }
-
-    /// The step clock's start event when a timed step has not recorded it yet: the upload
-    /// records it just before its copy.
-    fn pending_step_start(&self) -> Option<step::StartEvent> {
-        let clock = self.inner.clock.lock().unwrap_or_else(|p| p.into_inner());
-        clock
-            .as_ref()
-            .filter(|c| c.timing && c.start_pending)
-            .map(|c| step::StartEvent(c.start))
-    }
-
-    /// After an upload: the start counts as recorded when the upload consumed the event (an
-    /// upload that did not fit, e.g. a step too large for a graph bucket, leaves it pending).
-    fn settle_step_start(&self, step: &mut CudaStep) {
-        if step.start_event.take().is_some() {
-            return;
-        }
-        let mut clock = self.inner.clock.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(c) = clock.as_mut()
-            && c.timing
-        {
-            c.start_pending = false;
-        }
     }
 
     /// Streaming multiprocessors of the device.
@@ -461,10 +551,23 @@ impl CudaBackend {
             splits,
             table_cap: bucket * max_blocks + 1,
         };
-        step.start_event = self.pending_step_start();
-        let uploaded = step.upload_graph(self.dev(), &self.inner.stats, self.stream(), plan, shape);
-        self.settle_step_start(step);
-        uploaded
+        self.upload_graph_shape(plan, step, shape)
+    }
+
+    /// Packs `plan` as a graph step of `shape` and copies it, the step clock's start recorded
+    /// between the two. `Ok(false)`, nothing copied, when the plan does not fit.
+    fn upload_graph_shape(
+        &self,
+        plan: &StepPlan,
+        step: &mut CudaStep,
+        shape: step::GraphShape,
+    ) -> Result<bool> {
+        if !step.pack_graph(self.dev(), &self.inner.stats, plan, shape)? {
+            return Ok(false);
+        }
+        self.mark_step_start()?;
+        step.copy(self.dev(), self.stream())?;
+        Ok(true)
     }
 
     /// Bytes this backend has taken from the driver so far (weights, caches, arena, buffers).
@@ -858,20 +961,14 @@ impl Backend for CudaBackend {
     }
 
     fn step_clock_start(&self) -> Result<()> {
-        let dev = self.dev();
-        dev.bind()?;
-        let mut clock = self.inner.clock.lock().unwrap_or_else(|p| p.into_inner());
-        if clock.is_none() {
-            *clock = Some(StepClock::new(dev)?);
+        self.dev().bind()?;
+        let mut clock = self.clock()?;
+        if let Some(c) = clock.as_mut() {
+            // The start is recorded with the step's first device operation (its upload).
+            c.timing = true;
+            c.started = false;
+            c.ended = false;
         }
-        let Some(c) = clock.as_mut() else {
-            return Ok(());
-        };
-        // The start is recorded just before the step's upload copy (its first device work):
-        // the host packing the step before it is device idle time, not busy time.
-        c.timing = true;
-        c.start_pending = true;
-        c.ended = false;
         Ok(())
     }
 
@@ -881,15 +978,14 @@ impl Backend for CudaBackend {
         let Some(c) = clock.as_mut() else {
             return Ok(None);
         };
-        let timed = c.timing && c.ended && !c.start_pending;
+        let timed = c.timing && c.started && c.ended;
         c.timing = false;
-        c.start_pending = false;
         if !timed {
             return Ok(None);
         }
         dev.bind()?;
-        // SAFETY: events of this context, all recorded and complete (the read-back
-        // synchronised the stream after `end`).
+        // SAFETY: events of this context, all recorded and complete (the read-back waited
+        // for `end`, the last of them).
         let ms = |a, b| {
             unsafe { result::event::elapsed(a, b) }
                 .map(f64::from)
@@ -960,10 +1056,9 @@ impl Backend for CudaBackend {
     fn upload_step(&self, plan: &StepPlan, step: &mut CudaStep) -> Result<()> {
         plan.validate()?;
         self.dev().bind()?;
-        step.start_event = self.pending_step_start();
-        let uploaded = step.upload(self.dev(), &self.inner.stats, self.stream(), plan);
-        self.settle_step_start(step);
-        uploaded
+        step.pack(self.dev(), &self.inner.stats, plan)?;
+        self.mark_step_start()?;
+        step.copy(self.dev(), self.stream())
     }
 
     fn arena_stats(&self) -> ArenaStats {
@@ -1002,7 +1097,7 @@ impl Backend for CudaBackend {
         }
         self.check_dtype("linear input", x)?;
         self.check_dtype("linear weight", w)?;
-        if let Some(mut outs) = self.try_gemv(x, &[(w, bias)])? {
+        if let Some(mut outs) = self.try_gemv(x, &[(w, bias)], GemvMode::Plain, Activation::Silu)? {
             return Ok(outs.pop().expect("one segment"));
         }
         let out = self.tmp(&[n, m], x.dtype)?;
@@ -1023,20 +1118,47 @@ impl Backend for CudaBackend {
         x: &CudaTensor,
         weights: &[(&CudaTensor, Option<&CudaTensor>)],
     ) -> Result<Vec<CudaTensor>> {
-        let k = x.rows_cols().1;
-        let shapes_fit = weights
-            .iter()
-            .all(|(w, b)| w.rows_cols().1 == k && b.is_none_or(|b| b.len() == w.rows_cols().0));
-        if shapes_fit
-            && x.dtype == self.inner.dtype
-            && weights
-                .iter()
-                .all(|(w, b)| w.dtype == x.dtype && b.is_none_or(|b| b.dtype == x.dtype))
-            && let Some(outs) = self.try_gemv(x, weights)?
+        if self.gemv_inputs_fit(x, weights)
+            && let Some(outs) = self.try_gemv(x, weights, GemvMode::Plain, Activation::Silu)?
         {
             return Ok(outs);
         }
         weights.iter().map(|(w, b)| self.linear(x, w, *b)).collect()
+    }
+
+    fn gated_linear(
+        &self,
+        x: &CudaTensor,
+        gate: (&CudaTensor, Option<&CudaTensor>),
+        up: (&CudaTensor, Option<&CudaTensor>),
+        act: Activation,
+    ) -> Result<CudaTensor> {
+        let weights = [gate, up];
+        if self.gemv_inputs_fit(x, &weights)
+            && let Some(mut outs) = self.try_gemv(x, &weights, GemvMode::Gated, act)?
+        {
+            return Ok(outs.pop().expect("one output"));
+        }
+        let [g, u] = <[CudaTensor; 2]>::try_from(self.linear_shared(x, &weights)?)
+            .map_err(|_| BackendError::Invalid("linear_shared: not two outputs".into()))?;
+        self.gated_activation(&g, &u, act)
+    }
+
+    fn linear_activated(
+        &self,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        bias: Option<&CudaTensor>,
+        act: Activation,
+    ) -> Result<CudaTensor> {
+        if self.gemv_inputs_fit(x, &[(w, bias)])
+            && let Some(mut outs) = self.try_gemv(x, &[(w, bias)], GemvMode::Activated, act)?
+        {
+            return Ok(outs.pop().expect("one output"));
+        }
+        let mut y = self.linear(x, w, bias)?;
+        self.activate(&mut y, act)?;
+        Ok(y)
     }
 
     fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
@@ -1389,7 +1511,22 @@ impl Backend for CudaBackend {
     }
 
     fn sample(&self, logits: &mut CudaTensor, step: &CudaStep, out: &mut SampleOut) -> Result<()> {
+        self.sample_start(logits, step, out)?;
+        self.sample_finish(out)
+    }
+
+    fn sample_start(
+        &self,
+        logits: &mut CudaTensor,
+        step: &CudaStep,
+        out: &mut SampleOut,
+    ) -> Result<()> {
         self.step_ready(step)?;
+        // A read-back started earlier and never finished is waited for (its pinned buffer
+        // may be replaced below) and given up.
+        if let Some(p) = self.lock_pending().take() {
+            memory::wait_event(self.dev(), p.done)?;
+        }
         let (rows, vocab) = logits.rows_cols();
         let n = step.dims.sample_rows;
         if rows != step.dims.logit_rows {
@@ -1476,7 +1613,7 @@ impl Backend for CudaBackend {
                 &[Arg::Ptr(logits.ptr), Arg::Ptr(lg.ptr), Arg::U64(len)],
             )?;
         }
-        // The step's one device-to-host copy, and its one synchronisation.
+        // The step's one device-to-host copy; `sample_finish` waits for it.
         let bytes = 4 * words;
         let mut rb = self
             .inner
@@ -1490,21 +1627,39 @@ impl Backend for CudaBackend {
             return Err(bad_tensor("readback"));
         };
         let dst = &mut pinned.as_mut_slice()[..bytes];
-        // SAFETY: `res` holds `bytes`; the pinned buffer outlives the synchronisation below.
+        // SAFETY: `res` holds `bytes`; the pinned buffer is only replaced by a later
+        // `sample_start`, which first waits for this read-back.
         unsafe { dtoh(self.dev(), self.stream(), dst, res.ptr)? };
-        self.record_step_end()?;
-        sync(self.dev(), self.stream())?;
-        let src = &pinned.as_slice()[..bytes];
-        let word = |i: usize| {
-            u32::from_le_bytes([src[4 * i], src[4 * i + 1], src[4 * i + 2], src[4 * i + 3]])
+        let done = self.record_step_end()?;
+        *self.lock_pending() = Some(PendingRead { rows: n, k, done });
+        Ok(())
+    }
+
+    fn sample_finish(&self, out: &mut SampleOut) -> Result<()> {
+        let Some(p) = self.lock_pending().take() else {
+            return Ok(());
         };
-        for i in 0..n * k {
-            out.cand_tokens[i] = word(i);
-            out.cand_logits[i] = f32::from_bits(word(n * k + i));
+        memory::wait_event(self.dev(), p.done)?;
+        let (n, k) = (p.rows, p.k);
+        if out.cand_tokens.len() != n * k || out.lse.len() != n {
+            return Err(BackendError::Invalid(format!(
+                "finishing a read-back of {n} rows of {k} into columns of another shape"
+            )));
         }
-        for i in 0..n {
-            out.lse[i] = f32::from_bits(word(2 * n * k + i));
-        }
+        let rb = self
+            .inner
+            .readback
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let Some(pinned) = rb.as_ref() else {
+            return Err(bad_tensor("readback"));
+        };
+        let src = &pinned.as_slice()[..4 * (2 * n * k + n)];
+        let (tokens, rest) = src.split_at(4 * n * k);
+        let (logits, lse) = rest.split_at(4 * n * k);
+        memory::read_words(tokens, &mut out.cand_tokens, |w| w);
+        memory::read_words(logits, &mut out.cand_logits, f32::from_bits);
+        memory::read_words(lse, &mut out.lse, f32::from_bits);
         Ok(())
     }
 

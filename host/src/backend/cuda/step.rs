@@ -70,17 +70,7 @@ pub struct CudaStep {
     pub(super) frozen: bool,
     pad_tables: Vec<u32>,
     pad_cu: Vec<u32>,
-    /// The step clock's start event, recorded on the stream just before this step's upload
-    /// copy (the step's first device work), so host packing counts as device idle time.
-    pub(super) start_event: Option<StartEvent>,
 }
-
-/// The step clock's start event handed to an upload.
-pub(super) struct StartEvent(pub(super) cudarc::driver::sys::CUevent);
-
-// SAFETY: a plain driver handle of the backend's context, recorded only with that context
-// current (the upload binds it).
-unsafe impl Send for StartEvent {}
 
 /// The padded, fixed layout of a decode step replayed by a CUDA graph: `bucket` one-token
 /// chunks (the real ones first, then padding rows on the PAD slot), every column the graph
@@ -133,7 +123,6 @@ impl CudaStep {
             frozen: false,
             pad_tables: Vec::new(),
             pad_cu: Vec::new(),
-            start_event: None,
         }
     }
 
@@ -181,15 +170,20 @@ impl CudaStep {
         Some(at)
     }
 
-    /// Packs a decode-only `plan` padded to `g.bucket` chunks in the graph layout and copies
-    /// it to the device. `Ok(false)` (nothing uploaded) when the plan does not fit the graph:
-    /// a chunk that is not one decode token, prompt logprobs, slot operations, more chunks,
+    /// Packs a decode-only `plan` padded to `g.bucket` chunks in the graph layout, for
+    /// [`Self::copy`]. `Ok(false)` (nothing packed) when the plan does not fit the graph: a
+    /// chunk that is not one decode token, prompt logprobs, slot operations, more chunks,
     /// block-table words or snapshots than the shape holds, or (once frozen) a buffer too small.
-    pub(crate) fn upload_graph(
+    ///
+    /// The block tables are the last fixed column, with room for `g.table_cap` words, but only
+    /// the words in use are packed and copied: the graph reads no table word past them (each
+    /// chunk's table and the padding rows' one word), so the sampling columns, which run
+    /// outside the graph, follow right after them. A batch of 256 would otherwise pack and
+    /// copy the whole capacity (half a MiB at 8192 positions) every step.
+    pub(crate) fn pack_graph(
         &mut self,
         device: &Arc<Device>,
         stats: &MemStats,
-        stream: cudarc::driver::sys::CUstream,
         plan: &StepPlan,
         g: GraphShape,
     ) -> Result<bool> {
@@ -281,7 +275,6 @@ impl CudaStep {
                     .chain(std::iter::repeat_n(pad_at, pad)),
                 b,
             )?;
-            c.block_tables = Self::push_cap(s, self.pad_tables.iter().copied(), g.table_cap)?;
             c.logit_rows = Self::push_cap(s, 0..b as u32, b)?;
             for (at, col) in c.attn.iter_mut().zip(WorkCol::ALL) {
                 let words = self.attn.column(col);
@@ -301,6 +294,9 @@ impl CudaStep {
         if fixed.is_none() {
             return Ok(false);
         }
+        c.block_tables = Self::push(s, self.pad_tables.iter().copied());
+        // The whole layout: every fixed column at its full capacity.
+        let layout_bytes = 4 * (c.block_tables + g.table_cap);
         // Sampling runs after the replay, outside the graph: its columns may vary.
         c.sample_rows = Self::push(s, plan.sample_rows.iter().copied());
         let r = &plan.sampling;
@@ -319,7 +315,7 @@ impl CudaStep {
             sample_rows: plan.sample_rows.len(),
             k: r.k,
         };
-        let bytes = 4 * s.len();
+        let bytes = (4 * s.len()).max(layout_bytes);
         if self.pinned.as_ref().is_none_or(|p| p.bytes < bytes) {
             if self.frozen {
                 return Ok(false);
@@ -329,27 +325,23 @@ impl CudaStep {
             self.pinned = Some(Pinned::new(device, cap)?);
             self.buf = Some(DevAlloc::new(device, cap, stats)?);
         }
-        self.copy_staged(device, stream)?;
-        self.uploaded = true;
         // Graphs captured from here on hold this buffer's addresses.
         self.frozen = true;
         Ok(true)
     }
 
-    /// Copies the staged words to the device buffer through the pinned buffer.
-    fn copy_staged(
+    /// Copies the packed step to the device buffer through the pinned buffer, on `stream`:
+    /// the step's one host-to-device copy (after [`Self::pack`] or [`Self::pack_graph`]).
+    pub(crate) fn copy(
         &mut self,
         device: &Arc<Device>,
         stream: cudarc::driver::sys::CUstream,
     ) -> Result<()> {
-        if let Some(StartEvent(event)) = self.start_event.take() {
-            // SAFETY: a live event of this stream's context.
-            unsafe { cudarc::driver::result::event::record(event, stream) }
-                .map_err(|e| device.fail("recording an event", e))?;
-        }
         let bytes = 4 * self.staging.len();
         let (Some(pinned), Some(buf)) = (self.pinned.as_mut(), self.buf.as_ref()) else {
-            return Ok(());
+            return Err(crate::backend::BackendError::Invalid(
+                "a step copied before it was packed".into(),
+            ));
         };
         // The previous step's copy out of this staging buffer finished: every step ends with
         // a synchronising read-back.
@@ -359,15 +351,16 @@ impl CudaStep {
         }
         // SAFETY: the device buffer holds at least `bytes`; the pinned source is not touched
         // again before the next step, which starts after this one's synchronisation.
-        unsafe { htod(device, stream, buf.ptr, &pinned.as_slice()[..bytes]) }
+        unsafe { htod(device, stream, buf.ptr, &pinned.as_slice()[..bytes])? };
+        self.uploaded = true;
+        Ok(())
     }
 
-    /// Packs `plan` and copies it to the device on `stream`.
-    pub(crate) fn upload(
+    /// Packs `plan` for [`Self::copy`].
+    pub(crate) fn pack(
         &mut self,
         device: &Arc<Device>,
         stats: &MemStats,
-        stream: cudarc::driver::sys::CUstream,
         plan: &StepPlan,
     ) -> Result<()> {
         self.uploaded = false;
@@ -428,8 +421,6 @@ impl CudaStep {
             self.pinned = Some(Pinned::new(device, cap)?);
             self.buf = Some(DevAlloc::new(device, cap, stats)?);
         }
-        self.copy_staged(device, stream)?;
-        self.uploaded = true;
         Ok(())
     }
 }

@@ -47,15 +47,13 @@ impl<B: Backend> Mlp<B> {
 
     pub fn forward(&self, b: &B, x: &B::Tensor) -> Result<B::Tensor, ModelError> {
         let hidden = match &self.gate {
-            Some(gate) => {
-                let [gate, up] = Linear::forward_shared(b, x, [gate, &self.up])?;
-                b.gated_activation(&gate, &up, self.act)?
-            }
-            None => {
-                let mut up = self.up.forward(b, x)?;
-                b.activate(&mut up, self.act)?;
-                up
-            }
+            Some(gate) => b.gated_linear(
+                x,
+                (&gate.w, gate.b.as_ref()),
+                (&self.up.w, self.up.b.as_ref()),
+                self.act,
+            )?,
+            None => b.linear_activated(x, &self.up.w, self.up.b.as_ref(), self.act)?,
         };
         self.down.forward(b, &hidden)
     }
