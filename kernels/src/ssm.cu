@@ -897,7 +897,10 @@ struct ChunkPassLayout {  // ssm.rs: chunk_pass_smem_bytes
     // (padded to 4); then the weights of the tile being multiplied [SCAN_ROWS].
     static constexpr int F0 = CP_STAGES * STAGE / 2, FST = 2 * SCAN_ROWS + 4;
     static constexpr int WS = F0 + CP_STAGES * FST;
-    static constexpr int BYTES = (WS + SCAN_ROWS) * 4;
+    // Then per stage its tile's record (u32 [8]): valid rows (0: no tile, the walk is over),
+    // flags (1: the chunk's first tile, 2: its last), chunk, first snapshot, snapshots.
+    static constexpr int META = WS + SCAN_ROWS;
+    static constexpr int BYTES = (META + CP_STAGES * 8) * 4;
     static_assert(STAGE % 8 == 0 && F0 % 4 == 0 && FST % 4 == 0, "16-byte stage alignment");
 };
 
@@ -945,11 +948,25 @@ __device__ void chunk_pass_mma(const bf16* x, const bf16* b, const float* dtv, c
         }
 
     const u32 c0 = seq_chunk[e], c_end = c0 + seq_chunks[e];
-    // The next tile to request: chunk ick, rows from is0.
+    u32* meta = reinterpret_cast<u32*>(fsm + Ly::META);
+    // The next tile to request: chunk ick, rows from is0. The chunk's columns are loaded into
+    // registers when the walk reaches it, one request before they are used, so no request
+    // waits on a table read (the small L1 left beside the shared memory does not keep them).
     u32 ick = c0, is0 = 0;
-    auto issue = [&](int stage) {
+    u32 i_tok = 0, i_len = 0, i_snap = 0, i_snaps = 0;
+    auto chunk_cols = [&]() {
         if (ick < c_end) {
-            const u32 tok = ck_tok[ick], len = ck_len[ick];
+            i_tok = ck_tok[ick];
+            i_len = ck_len[ick];
+            i_snap = ck_snap[ick];
+            i_snaps = ck_snaps[ick];
+        }
+    };
+    chunk_cols();
+    auto issue = [&](int stage) {
+        u32* m = meta + stage * 8;
+        if (ick < c_end) {
+            const u32 tok = i_tok, len = i_len;
             const int valid = (int)min((u32)SCAN_ROWS, len - is0);
             bf16* st = smem + stage * Ly::STAGE;
             stage_async<P>(st + Ly::XS, x + (i64)(tok + is0) * x_ld + (i64)h * P, x_ld, SCAN_ROWS, valid);
@@ -961,34 +978,45 @@ __device__ void chunk_pass_mma(const bf16* x, const bf16* b, const float* dtv, c
             const float* src = threadIdx.x < SCAN_ROWS ? acum : dtv;
             const u64 o = (u64)(tok + is0 + (ok ? t : 0)) * heads + h;
             cp_async_4(smem_addr(f + threadIdx.x), src + o, ok ? 4u : 0u);
-            if (threadIdx.x == 0)
+            const bool last = is0 + SCAN_ROWS >= len;
+            if (threadIdx.x == 0) {
                 cp_async_4(smem_addr(f + 2 * SCAN_ROWS), acum + (u64)(tok + len - 1) * heads + h, 4u);
+                m[0] = (u32)valid;
+                m[1] = (is0 == 0 ? 1u : 0u) | (last ? 2u : 0u);
+                m[2] = ick;
+                m[3] = i_snap;
+                m[4] = i_snaps;
+            }
             is0 += SCAN_ROWS;
-            if (is0 >= len) {
+            if (last) {
                 ++ick;
                 is0 = 0;
+                chunk_cols();
             }
+        } else if (threadIdx.x == 0) {
+            m[0] = 0;
         }
         cp_async_commit_group();  // possibly empty: one group per tile slot keeps the count
     };
 #pragma unroll
     for (int st = 0; st < CP_STAGES - 1; ++st) issue(st);
 
-    float acc[NT][4];
-    u32 cck = c0, cs0 = 0;  // the tile being multiplied
-    for (int it = 0; cck < c_end; ++it) {
+    float acc[NT][4] = {};
+    for (int it = 0;; ++it) {
         const int stage = it % CP_STAGES;
         cp_async_wait_groups<CP_STAGES - 2>();  // this tile's group is complete
         __syncthreads();  // ... for every thread; and every thread is done with the last tile
         issue((it + CP_STAGES - 1) % CP_STAGES);
-        const u32 len = ck_len[cck];
-        const int valid = (int)min((u32)SCAN_ROWS, len - cs0);
+        const u32* m = meta + stage * 8;
+        const int valid = (int)m[0];
+        if (valid == 0) break;  // (the same record for every thread)
+        const u32 flags = m[1], cck = m[2];
         const float* f = fsm + Ly::F0 + stage * Ly::FST;
         if (threadIdx.x < SCAN_ROWS) {
             const int s = threadIdx.x;
             ws[s] = s < valid ? expf(f[2 * SCAN_ROWS] - f[s]) * f[SCAN_ROWS + s] : 0.0f;
         }
-        if (cs0 == 0) {
+        if (flags & 1u) {
             // The state entering chunk cck, for the chunk scan.
             bf16* dst = hc + ((u64)cck * heads + h) * pn;
 #pragma unroll
@@ -1025,16 +1053,13 @@ __device__ void chunk_pass_mma(const bf16* x, const bf16* b, const float* dtv, c
                 mma(acc[j + 1], a, bb[2], bb[3]);
             }
         }
-        if (cs0 + SCAN_ROWS < len) {  // more tiles of this chunk
-            cs0 += SCAN_ROWS;
-            continue;
-        }
+        if (!(flags & 2u)) continue;  // more tiles of this chunk
         const float decay = expf(f[2 * SCAN_ROWS]);
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
             for (int q = 0; q < 4; ++q) hs[j][q] = decay * hs[j][q] + acc[j][q];
-        const u32 k0 = ck_snap[cck], nk = ck_snaps[cck];
+        const u32 k0 = m[3], nk = m[4];
         for (u32 k = k0; k < k0 + nk; ++k) {
             S* dst = layer_state(pool, snap_slot[k], slots, layer, layers, per);
             if (!dst) continue;
@@ -1045,8 +1070,6 @@ __device__ void chunk_pass_mma(const bf16* x, const bf16* b, const float* dtv, c
                 for (int q = 0; q < 4; ++q)
                     store(dst, (i64)(prow + 8 * (q >> 1)) * N + ncol + 8 * j + (q & 1), hs[j][q]);
         }
-        ++cck;
-        cs0 = 0;
     }
     if (!live) return;
 #pragma unroll
@@ -1265,7 +1288,8 @@ struct GroupScanLayout {  // offsets in bf16 elements; ssm.rs: group_scan_smem_b
     static constexpr int HEAD = CS + SCAN_ROWS * LDN;             // the first stage
     static constexpr int BS = HEAD + (GS_STAGES - 1) * STAGE;      // B rows: the last stage
     static constexpr int CB = HEAD + GS_STAGES * STAGE;           // score tiles (f32)
-    static constexpr int BYTES = (CB + GS_TILES * 256 * 2) * 2;
+    static constexpr int G = CB + GS_TILES * 256 * 2;             // one head's bf16 A fragments
+    static constexpr int BYTES = (G + GS_TILES * 256) * 2;
     static_assert(SCAN_ROWS * LDN <= STAGE, "B rows fit in a head stage");
     static_assert(HEAD % 8 == 0 && STAGE % 8 == 0 && FS % 8 == 0, "16-byte alignment");
 };
@@ -1348,16 +1372,41 @@ __device__ void scan_group_mma(const bf16* x, const bf16* b, const bf16* c, cons
         for (int kk = 0; kk < N / 16; ++kk)
             ldsm4(ca[bi][kk], cs + (16 * (bi ? 7 - rp : rp) + mr + ((mat & 1) << 3)) * LDN + 16 * kk +
                                    ((mat >> 1) << 3));
+    uint4* g4 = reinterpret_cast<uint4*>(smem + Ly::G);
     for (u32 i = 0; i < nh; ++i) {
         const u32 h = h0 + i;
         const float dh = bf16_to_f32(d[h]);
-        issue(i + 1);
-        cp_async_wait_groups<1>();  // head i
-        __syncthreads();
+        cp_async_wait_groups<0>();  // head i
+        __syncthreads();  // ... for every thread; every warp is done with head i − 1
+        issue(i + 1);     // into the stage head i − 1 used
         const bf16* st = smem + Ly::HEAD + (int)(i % GS_STAGES) * Ly::STAGE;
         const bf16 *xs = st + Ly::XS, *hb = st + Ly::HB;
         const float* fa = reinterpret_cast<const float*>(st + Ly::FS);  // A_s (natural units)
         const float* fd = fa + SCAN_ROWS;                                // dt_s
+        // This head's decayed, masked scores CB∘exp(A_l − A_s)·dt_s as bf16 A fragments (tile t
+        // at g4[t·32 + lane]), each computed once for the two warps that use it.
+        for (int t = warp; t < GS_TILES; t += SCAN_THREADS / 32) {
+            int lb = 0;
+            while ((lb + 1) * (lb + 2) / 2 <= t) ++lb;
+            const int sb = t - lb * (lb + 1) / 2;
+            const int l0 = 16 * lb + gq, l1 = l0 + 8;  // rows of sc[.][0..1] and [2..3]
+            const float al0 = fa[l0] * LOG2E, al1 = fa[l1] * LOG2E;
+            const float4 v0 = cb4[(2 * t) * 32 + lane], v1 = cb4[(2 * t + 1) * 32 + lane];
+            float sc[2][4] = {{v0.x, v0.y, v0.z, v0.w}, {v1.x, v1.y, v1.z, v1.w}};
+#pragma unroll
+            for (int jj = 0; jj < 2; ++jj) {
+                const int s = 16 * sb + 8 * jj + 2 * tq;  // columns of sc[jj][0|2], [1|3]: s, s + 1
+                const float as0 = fa[s] * LOG2E, as1 = fa[s + 1] * LOG2E;
+                const float d0 = fd[s], d1 = fd[s + 1];
+                // A_l − A_s ≤ 0 wherever a score is kept; the rest are masked by select.
+                sc[jj][0] = s <= l0 ? sc[jj][0] * (exp2f(al0 - as0) * d0) : 0.0f;
+                sc[jj][1] = s + 1 <= l0 ? sc[jj][1] * (exp2f(al0 - as1) * d1) : 0.0f;
+                sc[jj][2] = s <= l1 ? sc[jj][2] * (exp2f(al1 - as0) * d0) : 0.0f;
+                sc[jj][3] = s + 1 <= l1 ? sc[jj][3] * (exp2f(al1 - as1) * d1) : 0.0f;
+            }
+            g4[t * 32 + lane] = make_uint4(pack_bf16x2(sc[0][0], sc[0][1]), pack_bf16x2(sc[0][2], sc[0][3]),
+                                           pack_bf16x2(sc[1][0], sc[1][1]), pack_bf16x2(sc[1][2], sc[1][3]));
+        }
         // State term of both row blocks: C_l·h_cᵀ, each h_c fragment used twice.
         float y[2][4][4] = {};
 #pragma unroll
@@ -1372,6 +1421,7 @@ __device__ void scan_group_mma(const bf16* x, const bf16* b, const bf16* c, cons
                     mma(y[bi][j + 1], ca[bi][kk], bb[2], bb[3]);
                 }
             }
+        __syncthreads();  // the scores
 #pragma unroll
         for (int bi = 0; bi < 2; ++bi) {
             const int lb = bi ? 7 - rp : rp;
@@ -1390,22 +1440,8 @@ __device__ void scan_group_mma(const bf16* x, const bf16* b, const bf16* c, cons
             // Within the chunk: s tiles up to the diagonal.
 #pragma unroll 1
             for (int sb = 0; sb <= lb; ++sb) {
-                const int t = lb * (lb + 1) / 2 + sb;
-                const float4 v0 = cb4[(2 * t) * 32 + lane], v1 = cb4[(2 * t + 1) * 32 + lane];
-                float sc[2][4] = {{v0.x, v0.y, v0.z, v0.w}, {v1.x, v1.y, v1.z, v1.w}};
-#pragma unroll
-                for (int jj = 0; jj < 2; ++jj) {
-                    const int s = 16 * sb + 8 * jj + 2 * tq;  // columns of sc[jj][0|2], [1|3]: s, s + 1
-                    const float as0 = fa[s] * LOG2E, as1 = fa[s + 1] * LOG2E;
-                    const float d0 = fd[s], d1 = fd[s + 1];
-                    // A_l − A_s ≤ 0 wherever a score is kept; the rest are masked by select.
-                    sc[jj][0] = s <= l0 ? sc[jj][0] * (exp2f(al0 - as0) * d0) : 0.0f;
-                    sc[jj][1] = s + 1 <= l0 ? sc[jj][1] * (exp2f(al0 - as1) * d1) : 0.0f;
-                    sc[jj][2] = s <= l1 ? sc[jj][2] * (exp2f(al1 - as0) * d0) : 0.0f;
-                    sc[jj][3] = s + 1 <= l1 ? sc[jj][3] * (exp2f(al1 - as1) * d1) : 0.0f;
-                }
-                const u32 pa[4] = {pack_bf16x2(sc[0][0], sc[0][1]), pack_bf16x2(sc[0][2], sc[0][3]),
-                                   pack_bf16x2(sc[1][0], sc[1][1]), pack_bf16x2(sc[1][2], sc[1][3])};
+                const uint4 g = g4[(lb * (lb + 1) / 2 + sb) * 32 + lane];
+                const u32 pa[4] = {g.x, g.y, g.z, g.w};
 #pragma unroll
                 for (int j = 0; j < 4; j += 2) {
                     u32 bb[4];
@@ -1430,7 +1466,6 @@ __device__ void scan_group_mma(const bf16* x, const bf16* b, const bf16* c, cons
                 }
             }
         }
-        __syncthreads();  // every warp is done with this stage before it is refilled
     }
 }
 

@@ -1151,21 +1151,22 @@ fn scan_smem_bytes(p: u32, n: u32) -> u32 {
 
 /// Dynamic shared memory of `ssd_chunk_pass_mma` (`ssm.cu` ChunkPassLayout): three tile
 /// stages of x rows and the CTA's half of the B rows (bf16, rows padded by 8 elements), each
-/// stage's f32 A_s, dt_s and A_end (padded to 4), then the f32 weights of one tile.
+/// stage's f32 A_s, dt_s and A_end (padded to 4), the f32 weights of one tile, then each
+/// stage's tile record (8 words).
 fn chunk_pass_smem_bytes(p: u32, n: u32) -> u32 {
     const STAGES: u32 = 3;
     let stage = SCAN_ROWS * (p + 8) + SCAN_ROWS * (n / CHUNK_PASS_SPLIT + 8);
-    STAGES * stage * 2 + (STAGES * (2 * SCAN_ROWS + 4) + SCAN_ROWS) * 4
+    STAGES * stage * 2 + (STAGES * (2 * SCAN_ROWS + 4) + SCAN_ROWS + STAGES * 8) * 4
 }
 
 /// Dynamic shared memory of `ssd_scan_group_mma` (`ssm.cu` GroupScanLayout): the C rows,
-/// two head stages (x rows, h_c, f32 A_s and dt_s; B rows borrow the second), then the 36
-/// lower-triangle 16×16 score tiles in f32.
+/// two head stages (x rows, h_c, f32 A_s and dt_s; B rows borrow the second), the 36
+/// lower-triangle 16×16 score tiles in f32, then one head's decayed scores in bf16.
 fn group_scan_smem_bytes(p: u32, n: u32) -> u32 {
     const STAGES: u32 = 2;
     let tiles = (SCAN_ROWS / 16) * (SCAN_ROWS / 16 + 1) / 2;
     let stage = SCAN_ROWS * (p + 8) + p * (n + 8) + 2 * SCAN_ROWS * 2;
-    (SCAN_ROWS * (n + 8) + STAGES * stage) * 2 + tiles * 256 * 4
+    (SCAN_ROWS * (n + 8) + STAGES * stage) * 2 + tiles * 256 * 4 + tiles * 256 * 2
 }
 
 /// Kernels that launch with more than the default 48 KiB of dynamic shared memory, and how
