@@ -16,6 +16,12 @@ __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, u32 bytes)
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes)
                  : "memory");
 }
+// 4 bytes global → shared (through L1: cp.async.cg takes 16-byte pieces only); bytes = 0
+// writes a zero word.
+__device__ __forceinline__ void cp_async_4(u32 dst, const void* src, u32 bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes)
+                 : "memory");
+}
 __device__ __forceinline__ void cp_async_commit_group() {
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 }

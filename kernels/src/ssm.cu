@@ -40,13 +40,19 @@
 // tiles, each thread a 4×2 micro-tile, operands staged as f32 in shared memory over 32-wide
 // k tiles. Tensor-core kernels (bf16, head_dim 64, state 64 or 128): mma.sync m16n8k16
 // bf16 → f32 with ldmatrix (.trans where the operand's k runs across rows);
-// - ssd_states_mma: 8 warps × (16 rows of p, N/2 columns); 128-token k tiles staged with
-//   cp.async; B is scaled by exp(A_end − A_s)·dt_s in f32 and rounded to bf16 in place.
-// - ssd_scan_mma: 8 warps × 16 rows of l (a 128-row block of a chunk, so one CTA per
-//   (chunk, head) at chunk sizes ≤ 128); the state term C·h_cᵀ first (h_c rounded to bf16),
-//   then per 128-token tile of s ≤ l, 32 columns at a time: scores C·Bᵀ (f32), decay and
-//   causal mask in registers, re-packed as bf16 A fragments (the FA2
-//   accumulator-to-operand trick) for P·X. Rows past the diagonal are skipped per warp.
+// - ssd_chunk_pass_mma (steps 2 and 3 in one kernel): CTA (sequence, head, half of the state
+//   columns) walks the sequence's chunks in order with the running state in registers
+//   (accumulator fragments); per chunk it writes only the entering state, as bf16, for the
+//   scan (the separate f32 chunk states were written, read, rewritten and read again:
+//   ~1 GB at T = 8192), and the snapshots and the live state in the pool's type.
+// - ssd_scan_group_mma (chunks ≤ 128 tokens): CTA (chunk, group, block of heads): the scores
+//   C·Bᵀ once per group (f32 in shared memory), then per head the state term C·h_cᵀ and the
+//   decayed, masked scores re-packed as bf16 A fragments (the FA2 accumulator-to-operand
+//   trick) for P·X, each warp owning two row blocks of equal causal work.
+// - ssd_scan_mma (any chunk size): 8 warps × 16 rows of l (a 128-row block of a chunk, one
+//   CTA per (chunk, head) at chunk sizes ≤ 128); the state term first, then per 128-token
+//   tile of s ≤ l, 32 columns at a time: scores C·Bᵀ (f32), decay and causal mask in
+//   registers, re-packed as above. Rows past the diagonal are skipped per warp.
 // This is the rounding mamba_ssm's Triton kernels also make (states and decayed scores in
 // the input dtype before the second product).
 //
@@ -866,97 +872,219 @@ __device__ __forceinline__ void stage_async(bf16* dst, const bf16* src, i64 ld, 
     }
 }
 
-// SSD step 2 (tensor cores): S_c = Xᵀ·(w∘B). 8 warps: warp w owns the p rows
-// [16·(w mod 4), +16) and the state columns [(w / 4)·N/2, +N/2). A chunk's tokens are staged
-// 128 at a time (cp.async for x and B, all requested before one wait); B is then scaled by
-// w_s = exp(A_end − A_s)·dt_s in f32 and rounded to bf16 in place.
-template <int P, int N>
-struct StatesLayout {  // offsets in bf16 elements; ssm.rs: states_smem_bytes
-    static constexpr int LDN = Pad<N>::LD, LDP = Pad<P>::LD;
-    static constexpr int XS = 0;                      // x rows [SCAN_ROWS][LDP]
-    static constexpr int BS = XS + SCAN_ROWS * LDP;   // B rows [SCAN_ROWS][LDN]
-    static constexpr int END = BS + SCAN_ROWS * LDN;
-    static constexpr int BYTES = END * 2 + SCAN_ROWS * 4;  // + w (f32)
-};
+// SSD steps 2 and 3 fused (tensor cores): chunk states and state passing in one walk over a
+// sequence's chunks, so the state never leaves the chip between chunks. CTA (prompt entry,
+// head, half of the state columns); 8 warps, warp w owning the p rows [16·(w mod 4), +16)
+// and half of the CTA's columns, whose running state h (f32, from the live slot) and chunk
+// end state S_c its threads hold as accumulator fragments. Per chunk: the state entering it
+// goes to `hc` as bf16 (all the chunk scan reads), S_c = Xᵀ·(w∘B) is accumulated over the
+// chunk's 128-token tiles, then h ← exp(A_end)·h + S_c and the chunk's snapshot slots take h
+// (f32 or the pool's type); at the end the live slot does. The tiles of the sequence's
+// chunks flow through a CP_STAGES-deep cp.async ring (x, the CTA's B columns, A_s, dt_s and
+// the chunk's A_end), so the loads of the next tiles overlap this one's products. The token
+// weights w_s = exp(A_end − A_s)·dt_s scale the x fragments in registers (rounded to bf16
+// there, as the separate kernel rounded w∘B).
+constexpr int CP_STAGES = 3;  // tiles in the ring
+constexpr int CP_SPLIT = 2;   // ssm.rs: CHUNK_PASS_SPLIT (CTAs per (entry, head))
 
 template <int P, int N>
-__device__ void states_mma(const bf16* x, const bf16* b, const float* dtv, const float* acum,
-                           float* states, const u32* ck_tok, const u32* ck_len, u32 heads,
-                           u32 groups, u32 x_ld, u32 bc_ld) {
-    static_assert(P == 64 && SCAN_THREADS == 256, "4 slices of 16 p rows × 2 column halves");
-    using Ly = StatesLayout<P, N>;
-    constexpr int LDN = Ly::LDN, LDP = Ly::LDP, NW = N / 2;
+struct ChunkPassLayout {  // ssm.rs: chunk_pass_smem_bytes
+    static constexpr int NC = N / CP_SPLIT;  // state columns of a CTA
+    static constexpr int LDP = Pad<P>::LD, LDB = Pad<NC>::LD;
+    // bf16 offsets within a stage: x rows [SCAN_ROWS][LDP], B rows [SCAN_ROWS][LDB].
+    static constexpr int XS = 0, BS = SCAN_ROWS * LDP, STAGE = BS + SCAN_ROWS * LDB;
+    // f32 offsets after the bf16 stages: per stage A_s [SCAN_ROWS], dt_s [SCAN_ROWS], A_end
+    // (padded to 4); then the weights of the tile being multiplied [SCAN_ROWS].
+    static constexpr int F0 = CP_STAGES * STAGE / 2, FST = 2 * SCAN_ROWS + 4;
+    static constexpr int WS = F0 + CP_STAGES * FST;
+    // Then per stage its tile's record (u32 [8]): valid rows (0: no tile, the walk is over),
+    // flags (1: the chunk's first tile, 2: its last), chunk, first snapshot, snapshots.
+    static constexpr int META = WS + SCAN_ROWS;
+    static constexpr int BYTES = (META + CP_STAGES * 8) * 4;
+    static_assert(STAGE % 8 == 0 && F0 % 4 == 0 && FST % 4 == 0, "16-byte stage alignment");
+};
+
+// A bf16x2 register with both halves multiplied by (w.x, w.y), rounded back to bf16.
+__device__ __forceinline__ u32 scale_bf16x2(u32 v, float2 w) {
+    return pack_bf16x2(__uint_as_float(v << 16) * w.x, __uint_as_float(v & 0xffff0000u) * w.y);
+}
+
+template <int P, int N, typename S>
+__device__ void chunk_pass_mma(const bf16* x, const bf16* b, const float* dtv, const float* acum,
+                               bf16* hc, S* pool, const u32* seq_slot, const u32* seq_chunk,
+                               const u32* seq_chunks, const u32* ck_tok, const u32* ck_len,
+                               const u32* ck_snap, const u32* ck_snaps, const u32* snap_slot,
+                               u32 seq_base, u32 heads, u32 groups, u32 x_ld, u32 bc_ld,
+                               u32 layer, u32 layers, u32 slots) {
+    using Ly = ChunkPassLayout<P, N>;
+    constexpr int NC = Ly::NC, NW = NC / 2, LDP = Ly::LDP, LDB = Ly::LDB, NT = NW / 8;
+    static_assert(P == 64 && SCAN_THREADS == 256 && NW % 16 == 0, "4 × 16 p rows, 2 column halves");
     bf16* smem = reinterpret_cast<bf16*>(ssm_dyn_smem);
-    bf16 *xs = smem + Ly::XS, *bs = smem + Ly::BS;
-    float* ws = reinterpret_cast<float*>(smem + Ly::END);
-    const u32 h = blockIdx.x % heads, ck = blockIdx.x / heads;
-    const u32 tok = ck_tok[ck], len = ck_len[ck];
+    float* fsm = reinterpret_cast<float*>(ssm_dyn_smem);
+    float* ws = fsm + Ly::WS;
+    u32 r = blockIdx.x;
+    const u32 split = r % CP_SPLIT;
+    r /= CP_SPLIT;
+    const u32 h = r % heads, e = seq_base + r / heads;
     const u32 g = h / (heads / groups);
+    const u32 n0 = split * NC;
+    const u64 pn = (u64)P * N, per = pn * heads;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int mat = lane >> 3, mr = lane & 7;
+    const int mat = lane >> 3, mr = lane & 7, gq = lane >> 2, tq = lane & 3;
     const int pw = warp & 3, nw = warp >> 2;
-    const float a_end = acum[(u64)(tok + len - 1) * heads + h];
-    float acc[NW / 8][4] = {};
-    for (u32 s0 = 0; s0 < len; s0 += SCAN_ROWS) {
-        const int valid = (int)min((u32)SCAN_ROWS, len - s0);
-        if (s0 > 0) __syncthreads();  // everyone is done with the previous tile
-        stage_async<P>(xs, x + (i64)(tok + s0) * x_ld + (i64)h * P, x_ld, SCAN_ROWS, valid);
-        stage_async<N>(bs, b + (i64)(tok + s0) * bc_ld + (i64)g * N, bc_ld, SCAN_ROWS, valid);
-        cp_async_commit_group();
+    // This thread's state elements: rows prow and prow + 8, columns ncol + 8j (+1).
+    const int prow = 16 * pw + gq;
+    const int ncol = (int)n0 + nw * NW + 2 * tq;
+
+    S* live = layer_state(pool, seq_slot[e], slots, layer, layers, per);
+    if (live) live += (u64)h * pn;
+    float hs[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const i64 i = (i64)(prow + 8 * (q >> 1)) * N + ncol + 8 * j + (q & 1);
+            hs[j][q] = live ? load(live, i) : 0.0f;
+        }
+
+    const u32 c0 = seq_chunk[e], c_end = c0 + seq_chunks[e];
+    u32* meta = reinterpret_cast<u32*>(fsm + Ly::META);
+    // The next tile to request: chunk ick, rows from is0. The chunk's columns are loaded into
+    // registers when the walk reaches it, one request before they are used, so no request
+    // waits on a table read (the small L1 left beside the shared memory does not keep them).
+    u32 ick = c0, is0 = 0;
+    u32 i_tok = 0, i_len = 0, i_snap = 0, i_snaps = 0;
+    auto chunk_cols = [&]() {
+        if (ick < c_end) {
+            i_tok = ck_tok[ick];
+            i_len = ck_len[ick];
+            i_snap = ck_snap[ick];
+            i_snaps = ck_snaps[ick];
+        }
+    };
+    chunk_cols();
+    auto issue = [&](int stage) {
+        u32* m = meta + stage * 8;
+        if (ick < c_end) {
+            const u32 tok = i_tok, len = i_len;
+            const int valid = (int)min((u32)SCAN_ROWS, len - is0);
+            bf16* st = smem + stage * Ly::STAGE;
+            stage_async<P>(st + Ly::XS, x + (i64)(tok + is0) * x_ld + (i64)h * P, x_ld, SCAN_ROWS, valid);
+            stage_async<NC>(st + Ly::BS, b + (i64)(tok + is0) * bc_ld + (i64)g * N + n0, bc_ld,
+                            SCAN_ROWS, valid);
+            float* f = fsm + Ly::F0 + stage * Ly::FST;
+            const int t = threadIdx.x % SCAN_ROWS;
+            const bool ok = t < valid;
+            const float* src = threadIdx.x < SCAN_ROWS ? acum : dtv;
+            const u64 o = (u64)(tok + is0 + (ok ? t : 0)) * heads + h;
+            cp_async_4(smem_addr(f + threadIdx.x), src + o, ok ? 4u : 0u);
+            const bool last = is0 + SCAN_ROWS >= len;
+            if (threadIdx.x == 0) {
+                cp_async_4(smem_addr(f + 2 * SCAN_ROWS), acum + (u64)(tok + len - 1) * heads + h, 4u);
+                m[0] = (u32)valid;
+                m[1] = (is0 == 0 ? 1u : 0u) | (last ? 2u : 0u);
+                m[2] = ick;
+                m[3] = i_snap;
+                m[4] = i_snaps;
+            }
+            is0 += SCAN_ROWS;
+            if (last) {
+                ++ick;
+                is0 = 0;
+                chunk_cols();
+            }
+        } else if (threadIdx.x == 0) {
+            m[0] = 0;
+        }
+        cp_async_commit_group();  // possibly empty: one group per tile slot keeps the count
+    };
+#pragma unroll
+    for (int st = 0; st < CP_STAGES - 1; ++st) issue(st);
+
+    float acc[NT][4] = {};
+    for (int it = 0;; ++it) {
+        const int stage = it % CP_STAGES;
+        cp_async_wait_groups<CP_STAGES - 2>();  // this tile's group is complete
+        __syncthreads();  // ... for every thread; and every thread is done with the last tile
+        issue((it + CP_STAGES - 1) % CP_STAGES);
+        const u32* m = meta + stage * 8;
+        const int valid = (int)m[0];
+        if (valid == 0) break;  // (the same record for every thread)
+        const u32 flags = m[1], cck = m[2];
+        const float* f = fsm + Ly::F0 + stage * Ly::FST;
         if (threadIdx.x < SCAN_ROWS) {
             const int s = threadIdx.x;
-            const u64 o = (u64)(tok + s0 + s) * heads + h;
-            ws[s] = s < valid ? expf(a_end - acum[o]) * dtv[o] : 0.0f;
+            ws[s] = s < valid ? expf(f[2 * SCAN_ROWS] - f[s]) * f[SCAN_ROWS + s] : 0.0f;
         }
-        cp_async_wait_groups<0>();
-        __syncthreads();
-        constexpr int CH = N / 8;
-        for (int i = threadIdx.x; i < SCAN_ROWS * CH; i += SCAN_THREADS) {
-            const int r = i / CH, cc = i % CH;
-            uint4* q = reinterpret_cast<uint4*>(bs + r * LDN + cc * 8);
-            const uint4 v = *q;
-            const float w = ws[r];
-            const u32 in[4] = {v.x, v.y, v.z, v.w};
-            u32 res[4];
+        if (flags & 1u) {
+            // The state entering chunk cck, for the chunk scan.
+            bf16* dst = hc + ((u64)cck * heads + h) * pn;
 #pragma unroll
-            for (int k = 0; k < 4; ++k)
-                res[k] = pack_bf16x2(__uint_as_float(in[k] << 16) * w,
-                                     __uint_as_float(in[k] & 0xffff0000u) * w);
-            *q = make_uint4(res[0], res[1], res[2], res[3]);
+            for (int j = 0; j < NT; ++j) {
+                const int n = ncol + 8 * j;
+                *reinterpret_cast<u32*>(dst + (u64)prow * N + n) = pack_bf16x2(hs[j][0], hs[j][1]);
+                *reinterpret_cast<u32*>(dst + (u64)(prow + 8) * N + n) = pack_bf16x2(hs[j][2], hs[j][3]);
+#pragma unroll
+                for (int q = 0; q < 4; ++q) acc[j][q] = 0.0f;
+            }
         }
-        __syncthreads();
+        __syncthreads();  // the weights
+        const bf16* xs = smem + stage * Ly::STAGE + Ly::XS;
+        const bf16* bs = smem + stage * Ly::STAGE + Ly::BS;
 #pragma unroll
         for (int kk = 0; kk < SCAN_ROWS / 16; ++kk) {
             if (16 * kk >= valid) break;
-            // A (m = p, k = s) from xs[s][p], transposed.
+            // A (m = p, k = s) from xs[s][p], transposed; its k pairs (2tq, 2tq + 1) and
+            // (2tq + 8, 2tq + 9) scaled by their tokens' weights.
             u32 a[4];
             ldsm4_t(a, xs + (16 * kk + mr + ((mat >> 1) << 3)) * LDP + 16 * pw + ((mat & 1) << 3));
+            const float2 w0 = *reinterpret_cast<const float2*>(ws + 16 * kk + 2 * tq);
+            const float2 w1 = *reinterpret_cast<const float2*>(ws + 16 * kk + 2 * tq + 8);
+            a[0] = scale_bf16x2(a[0], w0);
+            a[1] = scale_bf16x2(a[1], w0);
+            a[2] = scale_bf16x2(a[2], w1);
+            a[3] = scale_bf16x2(a[3], w1);
 #pragma unroll
-            for (int j = 0; j < NW / 8; j += 2) {
+            for (int j = 0; j < NT; j += 2) {
                 // B (k = s, n) from bs[s][n], transposed: (b0, b1) of n tiles j and j + 1.
                 u32 bb[4];
-                ldsm4_t(bb, bs + (16 * kk + mr + ((mat & 1) << 3)) * LDN + nw * NW + 8 * j + ((mat >> 1) << 3));
+                ldsm4_t(bb, bs + (16 * kk + mr + ((mat & 1) << 3)) * LDB + nw * NW + 8 * j + ((mat >> 1) << 3));
                 mma(acc[j], a, bb[0], bb[1]);
                 mma(acc[j + 1], a, bb[2], bb[3]);
             }
         }
-    }
-    float* out = states + ((u64)ck * heads + h) * P * N;
-    const int gq = lane >> 2, tq = lane & 3;
+        if (!(flags & 2u)) continue;  // more tiles of this chunk
+        const float decay = expf(f[2 * SCAN_ROWS]);
 #pragma unroll
-    for (int j = 0; j < NW / 8; ++j) {
-        const int p = 16 * pw + gq, n = nw * NW + 8 * j + 2 * tq;
-        *reinterpret_cast<float2*>(out + (u64)p * N + n) = make_float2(acc[j][0], acc[j][1]);
-        *reinterpret_cast<float2*>(out + (u64)(p + 8) * N + n) = make_float2(acc[j][2], acc[j][3]);
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) hs[j][q] = decay * hs[j][q] + acc[j][q];
+        const u32 k0 = m[3], nk = m[4];
+        for (u32 k = k0; k < k0 + nk; ++k) {
+            S* dst = layer_state(pool, snap_slot[k], slots, layer, layers, per);
+            if (!dst) continue;
+            dst += (u64)h * pn;
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int q = 0; q < 4; ++q)
+                    store(dst, (i64)(prow + 8 * (q >> 1)) * N + ncol + 8 * j + (q & 1), hs[j][q]);
+        }
     }
+    if (!live) return;
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+            store(live, (i64)(prow + 8 * (q >> 1)) * N + ncol + 8 * j + (q & 1), hs[j][q]);
 }
 
-// SSD step 4 (tensor cores): rows [l0, l0 + 128) of chunk ck, head h; warp w owns rows
+// SSD step 4 (tensor cores), any chunk size (the planner takes scan_group_mma below for
+// chunks of at most 128 tokens): rows [l0, l0 + 128) of chunk ck, head h; warp w owns rows
 // l0 + 16w + [0, 16). One CTA covers a whole 128-token chunk, so h_c and the chunk's B and x
 // rows are read once per (chunk, head), not once per 64-row block. Shared (dynamic): the C
-// rows, h_c as bf16, the B and x rows of the current s tile, and the decays. Everything a
-// tile needs is requested up front (cp.async for C, B, x; h_c through registers for the
-// bf16 rounding) and waited for once.
+// rows, h_c (bf16, from chunk_pass_mma), the B and x rows of the current s tile, and the
+// decays. Everything a tile needs is requested up front by cp.async and waited for once.
 template <int P, int N>
 struct ScanLayout {  // offsets in bf16 elements; ssm.rs: scan_smem_bytes
     static constexpr int LDN = Pad<N>::LD, LDP = Pad<P>::LD;
@@ -970,7 +1098,7 @@ struct ScanLayout {  // offsets in bf16 elements; ssm.rs: scan_smem_bytes
 
 template <int P, int N>
 __device__ void scan_mma(const bf16* x, const bf16* b, const bf16* c, const bf16* d,
-                         const float* dtv, const float* acum, const float* states, bf16* out,
+                         const float* dtv, const float* acum, const bf16* hc, bf16* out,
                          const u32* ck_tok, const u32* ck_len, u32 heads, u32 groups, u32 x_ld,
                          u32 bc_ld, u32 out_ld, u32 l_blocks) {
     using Ly = ScanLayout<P, N>;
@@ -1007,27 +1135,8 @@ __device__ void scan_mma(const bf16* x, const bf16* b, const bf16* c, const bf16
     };
     stage_async<N>(cs, c + (i64)(tok + l0) * bc_ld + (i64)g * N, bc_ld, SCAN_ROWS, lvalid);
     stage_s(0);
+    stage_async<N>(hb, hc + ((u64)ck * heads + h) * P * N, N, P, P);  // h_c (bf16 [P][N])
     cp_async_commit_group();
-    {
-        // h_c (f32 [P][N]) → bf16: every load first, then the conversions.
-        const float* hc = states + ((u64)ck * heads + h) * P * N;
-        constexpr int CH = N / 8, PER = P * CH / SCAN_THREADS;
-        static_assert(P * CH % SCAN_THREADS == 0, "h_c chunks divide the CTA");
-        float4 u[PER], v[PER];
-#pragma unroll
-        for (int k = 0; k < PER; ++k) {
-            const int i = threadIdx.x + k * SCAN_THREADS, p = i / CH, cc = i % CH;
-            u[k] = *reinterpret_cast<const float4*>(hc + (u64)p * N + cc * 8);
-            v[k] = *reinterpret_cast<const float4*>(hc + (u64)p * N + cc * 8 + 4);
-        }
-#pragma unroll
-        for (int k = 0; k < PER; ++k) {
-            const int i = threadIdx.x + k * SCAN_THREADS, p = i / CH, cc = i % CH;
-            *reinterpret_cast<uint4*>(hb + p * LDN + cc * 8) =
-                make_uint4(pack_bf16x2(u[k].x, u[k].y), pack_bf16x2(u[k].z, u[k].w),
-                           pack_bf16x2(v[k].x, v[k].y), pack_bf16x2(v[k].z, v[k].w));
-        }
-    }
     if (threadIdx.x < SCAN_ROWS)
         al[threadIdx.x] =
             (int)threadIdx.x < lvalid ? acum[(u64)(tok + l0 + threadIdx.x) * heads + h] * LOG2E : 0.0f;
@@ -1156,6 +1265,210 @@ __device__ void scan_mma(const bf16* x, const bf16* b, const bf16* c, const bf16
     }
 }
 
+
+// SSD step 4 for chunks of at most 128 tokens (tensor cores), once per (chunk, group) for the
+// scores: CTA (chunk, group, block of `head_block` heads of the group). The scores C·Bᵀ
+// depend only on the group, so the CTA computes them once (the 36 lower-triangle 16×16
+// tiles, f32, kept in shared memory in accumulator-fragment order: a lane reads back exactly
+// the values it needs as an mma A operand) and then walks its heads with x, h_c (bf16, from
+// the fused chunk-pass kernel), A_s and dt_s of the next head staged by cp.async while the
+// current one is multiplied. Per head, warp w owns the row blocks w mod 4 and 7 − w mod 4
+// (16 rows each: equal causal work for every warp) and the 32 output columns
+// [32·(w / 4), +32): y = exp(A_l)·C·h_cᵀ + Σ_{s ≤ l} (CB∘decay∘dt)·x + D·x.
+constexpr int GS_STAGES = 2;  // heads in the ring
+constexpr int GS_TILES = (SCAN_ROWS / 16) * (SCAN_ROWS / 16 + 1) / 2;
+
+template <int P, int N>
+struct GroupScanLayout {  // offsets in bf16 elements; ssm.rs: group_scan_smem_bytes
+    static constexpr int LDN = Pad<N>::LD, LDP = Pad<P>::LD;
+    static constexpr int CS = 0;  // C rows [SCAN_ROWS][LDN]
+    // A head stage: x rows [SCAN_ROWS][LDP], h_c [P][LDN], then f32 A_s and dt_s [SCAN_ROWS].
+    static constexpr int XS = 0, HB = SCAN_ROWS * LDP, FS = HB + P * LDN;
+    static constexpr int STAGE = FS + 2 * SCAN_ROWS * 2;
+    static constexpr int HEAD = CS + SCAN_ROWS * LDN;             // the first stage
+    static constexpr int BS = HEAD + (GS_STAGES - 1) * STAGE;      // B rows: the last stage
+    static constexpr int CB = HEAD + GS_STAGES * STAGE;           // score tiles (f32)
+    static constexpr int G = CB + GS_TILES * 256 * 2;             // one head's bf16 A fragments
+    static constexpr int BYTES = (G + GS_TILES * 256) * 2;
+    static_assert(SCAN_ROWS * LDN <= STAGE, "B rows fit in a head stage");
+    static_assert(HEAD % 8 == 0 && STAGE % 8 == 0 && FS % 8 == 0, "16-byte alignment");
+};
+
+template <int P, int N>
+__device__ void scan_group_mma(const bf16* x, const bf16* b, const bf16* c, const bf16* d,
+                               const float* dtv, const float* acum, const bf16* hc, bf16* out,
+                               const u32* ck_tok, const u32* ck_len, u32 heads, u32 groups,
+                               u32 x_ld, u32 bc_ld, u32 out_ld, u32 head_block, u32 head_blocks) {
+    static_assert(P == 64 && SCAN_THREADS == 256 && SCAN_ROWS == 128, "8 warps, 8 row blocks");
+    using Ly = GroupScanLayout<P, N>;
+    constexpr int LDN = Ly::LDN, LDP = Ly::LDP;
+    bf16* smem = reinterpret_cast<bf16*>(ssm_dyn_smem);
+    bf16 *cs = smem + Ly::CS, *bs = smem + Ly::BS;
+    float4* cb4 = reinterpret_cast<float4*>(smem + Ly::CB);
+    u32 r = blockIdx.x;
+    const u32 hblk = r % head_blocks;
+    r /= head_blocks;
+    const u32 g = r % groups, ck = r / groups;
+    const u32 hpg = heads / groups;
+    const u32 h0 = g * hpg + hblk * head_block;
+    const u32 nh = min(head_block, hpg - min(hpg, hblk * head_block));
+    const u32 tok = ck_tok[ck], len = ck_len[ck];
+    if (nh == 0) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int mat = lane >> 3, mr = lane & 7, gq = lane >> 2, tq = lane & 3;
+    const u64 pn = (u64)P * N;
+
+    auto issue = [&](u32 i) {  // head h0 + i into stage i mod GS_STAGES
+        if (i < nh) {
+            const u32 h = h0 + i;
+            bf16* st = smem + Ly::HEAD + (int)(i % GS_STAGES) * Ly::STAGE;
+            stage_async<P>(st + Ly::XS, x + (i64)tok * x_ld + (i64)h * P, x_ld, SCAN_ROWS, (int)len);
+            stage_async<N>(st + Ly::HB, hc + ((u64)ck * heads + h) * pn, N, P, P);
+            float* f = reinterpret_cast<float*>(st + Ly::FS);
+            const int t = threadIdx.x % SCAN_ROWS;
+            const bool ok = t < (int)len;
+            const float* src = threadIdx.x < SCAN_ROWS ? acum : dtv;
+            cp_async_4(smem_addr(f + threadIdx.x), src + (u64)(tok + (ok ? t : 0)) * heads + h,
+                       ok ? 4u : 0u);
+        }
+        cp_async_commit_group();
+    };
+    stage_async<N>(cs, c + (i64)tok * bc_ld + (i64)g * N, bc_ld, SCAN_ROWS, (int)len);
+    stage_async<N>(bs, b + (i64)tok * bc_ld + (i64)g * N, bc_ld, SCAN_ROWS, (int)len);
+    cp_async_commit_group();
+    issue(0);
+    cp_async_wait_groups<1>();  // C and B
+    __syncthreads();
+
+    // Scores: tile t = lb(lb + 1)/2 + sb (sb ≤ lb) holds C rows [16lb, +16) · B rows
+    // [16sb, +16)ᵀ as two n8 accumulator fragments, lane-major (float4 index (2t + jj)·32 + lane).
+    for (int t = warp; t < GS_TILES; t += SCAN_THREADS / 32) {
+        int lb = 0;
+        while ((lb + 1) * (lb + 2) / 2 <= t) ++lb;
+        const int sb = t - lb * (lb + 1) / 2;
+        float sc[2][4] = {};
+        if (16 * sb < (int)len && 16 * lb < (int)len) {
+#pragma unroll
+            for (int kk = 0; kk < N / 16; ++kk) {
+                u32 a[4], bb[4];
+                ldsm4(a, cs + (16 * lb + mr + ((mat & 1) << 3)) * LDN + 16 * kk + ((mat >> 1) << 3));
+                ldsm4(bb, bs + (16 * sb + mr + ((mat >> 1) << 3)) * LDN + 16 * kk + ((mat & 1) << 3));
+                mma(sc[0], a, bb[0], bb[1]);
+                mma(sc[1], a, bb[2], bb[3]);
+            }
+        }
+        cb4[(2 * t) * 32 + lane] = make_float4(sc[0][0], sc[0][1], sc[0][2], sc[0][3]);
+        cb4[(2 * t + 1) * 32 + lane] = make_float4(sc[1][0], sc[1][1], sc[1][2], sc[1][3]);
+    }
+    __syncthreads();  // the scores are in; B's stage is free
+
+    const int rp = warp & 3, pc0 = 32 * (warp >> 2);
+    // The C fragments (A operands, k = state column) of this warp's row blocks rp and 7 − rp,
+    // the same for every head: loaded once.
+    u32 ca[2][N / 16][4];
+#pragma unroll
+    for (int bi = 0; bi < 2; ++bi)
+#pragma unroll
+        for (int kk = 0; kk < N / 16; ++kk)
+            ldsm4(ca[bi][kk], cs + (16 * (bi ? 7 - rp : rp) + mr + ((mat & 1) << 3)) * LDN + 16 * kk +
+                                   ((mat >> 1) << 3));
+    uint4* g4 = reinterpret_cast<uint4*>(smem + Ly::G);
+    for (u32 i = 0; i < nh; ++i) {
+        const u32 h = h0 + i;
+        const float dh = bf16_to_f32(d[h]);
+        cp_async_wait_groups<0>();  // head i
+        __syncthreads();  // ... for every thread; every warp is done with head i − 1
+        issue(i + 1);     // into the stage head i − 1 used
+        const bf16* st = smem + Ly::HEAD + (int)(i % GS_STAGES) * Ly::STAGE;
+        const bf16 *xs = st + Ly::XS, *hb = st + Ly::HB;
+        const float* fa = reinterpret_cast<const float*>(st + Ly::FS);  // A_s (natural units)
+        const float* fd = fa + SCAN_ROWS;                                // dt_s
+        // This head's decayed, masked scores CB∘exp(A_l − A_s)·dt_s as bf16 A fragments (tile t
+        // at g4[t·32 + lane]), each computed once for the two warps that use it.
+        for (int t = warp; t < GS_TILES; t += SCAN_THREADS / 32) {
+            int lb = 0;
+            while ((lb + 1) * (lb + 2) / 2 <= t) ++lb;
+            const int sb = t - lb * (lb + 1) / 2;
+            const int l0 = 16 * lb + gq, l1 = l0 + 8;  // rows of sc[.][0..1] and [2..3]
+            const float al0 = fa[l0] * LOG2E, al1 = fa[l1] * LOG2E;
+            const float4 v0 = cb4[(2 * t) * 32 + lane], v1 = cb4[(2 * t + 1) * 32 + lane];
+            float sc[2][4] = {{v0.x, v0.y, v0.z, v0.w}, {v1.x, v1.y, v1.z, v1.w}};
+#pragma unroll
+            for (int jj = 0; jj < 2; ++jj) {
+                const int s = 16 * sb + 8 * jj + 2 * tq;  // columns of sc[jj][0|2], [1|3]: s, s + 1
+                const float as0 = fa[s] * LOG2E, as1 = fa[s + 1] * LOG2E;
+                const float d0 = fd[s], d1 = fd[s + 1];
+                // A_l − A_s ≤ 0 wherever a score is kept; the rest are masked by select.
+                sc[jj][0] = s <= l0 ? sc[jj][0] * (exp2f(al0 - as0) * d0) : 0.0f;
+                sc[jj][1] = s + 1 <= l0 ? sc[jj][1] * (exp2f(al0 - as1) * d1) : 0.0f;
+                sc[jj][2] = s <= l1 ? sc[jj][2] * (exp2f(al1 - as0) * d0) : 0.0f;
+                sc[jj][3] = s + 1 <= l1 ? sc[jj][3] * (exp2f(al1 - as1) * d1) : 0.0f;
+            }
+            g4[t * 32 + lane] = make_uint4(pack_bf16x2(sc[0][0], sc[0][1]), pack_bf16x2(sc[0][2], sc[0][3]),
+                                           pack_bf16x2(sc[1][0], sc[1][1]), pack_bf16x2(sc[1][2], sc[1][3]));
+        }
+        // State term of both row blocks: C_l·h_cᵀ, each h_c fragment used twice.
+        float y[2][4][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < N / 16; ++kk)
+#pragma unroll
+            for (int j = 0; j < 4; j += 2) {
+                u32 bb[4];
+                ldsm4(bb, hb + (pc0 + 8 * j + mr + ((mat >> 1) << 3)) * LDN + 16 * kk + ((mat & 1) << 3));
+#pragma unroll
+                for (int bi = 0; bi < 2; ++bi) {
+                    mma(y[bi][j], ca[bi][kk], bb[0], bb[1]);
+                    mma(y[bi][j + 1], ca[bi][kk], bb[2], bb[3]);
+                }
+            }
+        __syncthreads();  // the scores
+#pragma unroll
+        for (int bi = 0; bi < 2; ++bi) {
+            const int lb = bi ? 7 - rp : rp;
+            const int r0 = 16 * lb;
+            if (r0 >= (int)len) continue;  // the whole block is past the chunk's end
+            const int l0 = r0 + gq, l1 = l0 + 8;  // rows of y[bi][.][0..1] and [2..3]
+            const float al0 = fa[l0] * LOG2E, al1 = fa[l1] * LOG2E;
+            const float e0 = exp2f(al0), e1 = exp2f(al1);  // exp(A_l)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                y[bi][j][0] *= e0;
+                y[bi][j][1] *= e0;
+                y[bi][j][2] *= e1;
+                y[bi][j][3] *= e1;
+            }
+            // Within the chunk: s tiles up to the diagonal.
+#pragma unroll 1
+            for (int sb = 0; sb <= lb; ++sb) {
+                const uint4 g = g4[(lb * (lb + 1) / 2 + sb) * 32 + lane];
+                const u32 pa[4] = {g.x, g.y, g.z, g.w};
+#pragma unroll
+                for (int j = 0; j < 4; j += 2) {
+                    u32 bb[4];
+                    ldsm4_t(bb, xs + (16 * sb + mr + ((mat & 1) << 3)) * LDP + pc0 + 8 * j + ((mat >> 1) << 3));
+                    mma(y[bi][j], pa, bb[0], bb[1]);
+                    mma(y[bi][j + 1], pa, bb[2], bb[3]);
+                }
+            }
+            // D·x and the stores: (row, column pair) per fragment half.
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int p = pc0 + 8 * j + 2 * tq;
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int l = half ? l1 : l0;
+                    if (l >= (int)len) continue;
+                    const u32 xv = *reinterpret_cast<const u32*>(xs + l * LDP + p);
+                    const float o0 = y[bi][j][2 * half] + dh * __uint_as_float(xv << 16);
+                    const float o1 = y[bi][j][2 * half + 1] + dh * __uint_as_float(xv & 0xffff0000u);
+                    *reinterpret_cast<u32*>(out + (i64)(tok + l) * out_ld + (i64)h * P + p) =
+                        pack_bf16x2(o0, o1);
+                }
+            }
+        }
+    }
+}
+
 }  // namespace ssm
 
 // ---------------------------------------------------------------------------------------
@@ -1251,12 +1564,6 @@ extern "C" __global__ void __launch_bounds__(256) ssd_states_simt_bf16(STATES_PA
     ssm::states_simt(x, b, dtv, acum, states, ck_tok, ck_len, heads, head_dim, groups, state,
                      x_ld, bc_ld, p_tiles, n_tiles);
 }
-extern "C" __global__ void __launch_bounds__(256) ssd_states_mma_p64n64_bf16(STATES_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
-    ssm::states_mma<64, 64>(x, b, dtv, acum, states, ck_tok, ck_len, heads, groups, x_ld, bc_ld);
-}
-extern "C" __global__ void __launch_bounds__(256) ssd_states_mma_p64n128_bf16(STATES_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
-    ssm::states_mma<64, 128>(x, b, dtv, acum, states, ck_tok, ck_len, heads, groups, x_ld, bc_ld);
-}
 
 #define PASS_PARAMS(S)                                                                        \
     float *states, const float *acum, S *pool, const u32 *seq_slot, const u32 *seq_chunk,       \
@@ -1274,6 +1581,31 @@ extern "C" __global__ void __launch_bounds__(256, 4) ssd_pass_sbf16(PASS_PARAMS(
     ssm::ssd_pass(PASS_ARGS);
 }
 
+// Chunk states and state passing in one kernel (bf16, head_dim 64, state 64 | 128): `hc`
+// takes each chunk's entering state as bf16 [chunks, heads, P, N] for the chunk scan.
+#define CHUNK_PASS_PARAMS(S)                                                                  \
+    const bf16 *x, const bf16 *b, const float *dtv, const float *acum, bf16 *hc, S *pool,       \
+        const u32 *seq_slot, const u32 *seq_chunk, const u32 *seq_chunks, const u32 *ck_tok,   \
+        const u32 *ck_len, const u32 *ck_snap, const u32 *ck_snaps, const u32 *snap_slot,      \
+        u32 seq_base, u32 heads, u32 groups, u32 x_ld, u32 bc_ld, u32 layer, u32 layers,       \
+        u32 slots
+#define CHUNK_PASS_ARGS                                                                       \
+    x, b, dtv, acum, hc, pool, seq_slot, seq_chunk, seq_chunks, ck_tok, ck_len, ck_snap,        \
+        ck_snaps, snap_slot, seq_base, heads, groups, x_ld, bc_ld, layer, layers, slots
+
+extern "C" __global__ void __launch_bounds__(256, 2) ssd_chunk_pass_mma_p64n64_bf16(CHUNK_PASS_PARAMS(float)) { CHIMERA_PDL_ENTRY();
+    ssm::chunk_pass_mma<64, 64>(CHUNK_PASS_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) ssd_chunk_pass_mma_p64n128_bf16(CHUNK_PASS_PARAMS(float)) { CHIMERA_PDL_ENTRY();
+    ssm::chunk_pass_mma<64, 128>(CHUNK_PASS_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) ssd_chunk_pass_mma_p64n64_bf16_sbf16(CHUNK_PASS_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
+    ssm::chunk_pass_mma<64, 64>(CHUNK_PASS_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) ssd_chunk_pass_mma_p64n128_bf16_sbf16(CHUNK_PASS_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
+    ssm::chunk_pass_mma<64, 128>(CHUNK_PASS_ARGS);
+}
+
 #define SCAN_PARAMS(T)                                                                        \
     const T *x, const T *b, const T *c, const T *d, const float *dtv, const float *acum,        \
         const float *states, T *out, const u32 *ck_tok, const u32 *ck_len, u32 heads,          \
@@ -1288,11 +1620,27 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_scan_simt_bf16(SCAN_PAR
     ssm::scan_simt(x, b, c, d, dtv, acum, states, out, ck_tok, ck_len, heads, head_dim, groups,
                    state, x_ld, bc_ld, out_ld, l_tiles, p_tiles);
 }
+// The tensor-core scans read `states` as the bf16 entering states of ssd_chunk_pass_mma.
 extern "C" __global__ void __launch_bounds__(256, 2) ssd_scan_mma_p64n64_bf16(SCAN_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
-    ssm::scan_mma<64, 64>(x, b, c, d, dtv, acum, states, out, ck_tok, ck_len, heads, groups,
-                          x_ld, bc_ld, out_ld, l_tiles);
+    ssm::scan_mma<64, 64>(x, b, c, d, dtv, acum, reinterpret_cast<const bf16*>(states), out,
+                          ck_tok, ck_len, heads, groups, x_ld, bc_ld, out_ld, l_tiles);
 }
 extern "C" __global__ void __launch_bounds__(256, 2) ssd_scan_mma_p64n128_bf16(SCAN_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
-    ssm::scan_mma<64, 128>(x, b, c, d, dtv, acum, states, out, ck_tok, ck_len, heads, groups,
-                           x_ld, bc_ld, out_ld, l_tiles);
+    ssm::scan_mma<64, 128>(x, b, c, d, dtv, acum, reinterpret_cast<const bf16*>(states), out,
+                           ck_tok, ck_len, heads, groups, x_ld, bc_ld, out_ld, l_tiles);
+}
+
+#define GROUP_SCAN_PARAMS                                                                     \
+    const bf16 *x, const bf16 *b, const bf16 *c, const bf16 *d, const float *dtv,              \
+        const float *acum, const bf16 *hc, bf16 *out, const u32 *ck_tok, const u32 *ck_len,    \
+        u32 heads, u32 groups, u32 x_ld, u32 bc_ld, u32 out_ld, u32 head_block, u32 head_blocks
+#define GROUP_SCAN_ARGS                                                                       \
+    x, b, c, d, dtv, acum, hc, out, ck_tok, ck_len, heads, groups, x_ld, bc_ld, out_ld,        \
+        head_block, head_blocks
+
+extern "C" __global__ void __launch_bounds__(256, 1) ssd_scan_group_mma_p64n64_bf16(GROUP_SCAN_PARAMS) { CHIMERA_PDL_ENTRY();
+    ssm::scan_group_mma<64, 64>(GROUP_SCAN_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256, 1) ssd_scan_group_mma_p64n128_bf16(GROUP_SCAN_PARAMS) { CHIMERA_PDL_ENTRY();
+    ssm::scan_group_mma<64, 128>(GROUP_SCAN_ARGS);
 }

@@ -30,10 +30,11 @@
 //!
 //! **Kernels** (see `ssm.cu` for the algorithm): conv `ssm_conv_chunks` (prompt chunks, and
 //! their snapshot conv states) then `ssm_conv_update` (every entry's new live conv state; the
-//! decodes' outputs and snapshots); scan `ssm_decode` (decodes), then `ssd_dt`,
-//! `ssd_states_*`, `ssd_pass` (live and snapshot states) and `ssd_scan_*` (prompt chunks).
-//! bf16 with head_dim 64 and state 64 or 128 takes the tensor-core `_mma_` kernels; other
-//! shapes and f32 take the SIMT ones.
+//! decodes' outputs and snapshots); scan `ssm_decode` (decodes), then `ssd_dt` and, for
+//! bf16 with head_dim 64 and state 64 or 128, the tensor-core `ssd_chunk_pass_mma` (chunk
+//! states and state passing in one walk: entering states, live and snapshot states) and
+//! `ssd_scan_group_mma` (`ssd_scan_mma` for chunks over 128 tokens); other shapes and f32
+//! take the SIMT `ssd_states_simt`, `ssd_pass` and `ssd_scan_simt`.
 //!
 //! **Measured** on one H200 (a CuPy harness running exactly these launches from
 //! `tests::dump_gpu_cases` against a float64 transcription of the CPU semantics; outputs
@@ -85,6 +86,9 @@ const PASS_THREADS: u32 = 256;
 const PASS_PER: u32 = 8;
 const SCAN_THREADS: u32 = 256;
 const SCAN_ROWS: u32 = 128;
+const CHUNK_PASS_SPLIT: u32 = 2;
+/// Grids of the group scan below this many CTAs take fewer heads a CTA.
+const GROUP_SCAN_CTAS: u64 = 512;
 const OPS_THREADS: u32 = 256;
 const MAX_OPS_BLOCKS: u64 = 1024;
 const MAX_GRID_Y: usize = 65535;
@@ -123,6 +127,17 @@ const STATES: &[Param] = &[
 const PASS: &[Param] = &[
     Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, U32, U32, U32,
 ];
+/// `x, b, dtv, acum, hc, ssm_pool, seq_slot, seq_chunk, seq_chunks, ck_tok, ck_len, ck_snap,
+/// ck_snaps, snap_slot, seq_base, heads, groups, x_ld, bc_ld, layer, layers, slots`.
+const CHUNK_PASS: &[Param] = &[
+    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, U32,
+    U32, U32, U32,
+];
+/// `x, b, c, d, dtv, acum, hc, out, ck_tok, ck_len, heads, groups, x_ld, bc_ld, out_ld,
+/// head_block, head_blocks`.
+const GROUP_SCAN: &[Param] = &[
+    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, U32, U32, U32,
+];
 /// `x, b, c, d, dtv, acum, states, out, ck_tok, ck_len, heads, head_dim, groups, state, x_ld,
 /// bc_ld, out_ld, l_tiles, p_tiles`.
 const SCAN: &[Param] = &[
@@ -148,14 +163,18 @@ pub const ENTRIES: &[Entry] = &[
     e("ssd_dt_bf16", DT),
     e("ssd_states_simt_f32", STATES),
     e("ssd_states_simt_bf16", STATES),
-    e("ssd_states_mma_p64n64_bf16", STATES),
-    e("ssd_states_mma_p64n128_bf16", STATES),
     e("ssd_pass", PASS),
     e("ssd_pass_sbf16", PASS),
+    e("ssd_chunk_pass_mma_p64n64_bf16", CHUNK_PASS),
+    e("ssd_chunk_pass_mma_p64n128_bf16", CHUNK_PASS),
+    e("ssd_chunk_pass_mma_p64n64_bf16_sbf16", CHUNK_PASS),
+    e("ssd_chunk_pass_mma_p64n128_bf16_sbf16", CHUNK_PASS),
     e("ssd_scan_simt_f32", SCAN),
     e("ssd_scan_simt_bf16", SCAN),
     e("ssd_scan_mma_p64n64_bf16", SCAN),
     e("ssd_scan_mma_p64n128_bf16", SCAN),
+    e("ssd_scan_group_mma_p64n64_bf16", GROUP_SCAN),
+    e("ssd_scan_group_mma_p64n128_bf16", GROUP_SCAN),
 ];
 
 /// The uploaded work columns (all `u32`). `Seq*` columns have [`SsmPlan::seqs`] entries,
@@ -629,6 +648,7 @@ impl ScanDims {
             || self.head_dim != 64
             || !self.x_ld.is_multiple_of(8)
             || !self.bc_ld.is_multiple_of(8)
+            || !self.out_ld.is_multiple_of(8)
         {
             return None;
         }
@@ -804,21 +824,23 @@ fn conv_update_channels(kernel: u32, channels: u32) -> u32 {
     }
 }
 
-/// Bytes of each f32 scratch buffer ([`SsmArg::Scratch`]) of one scan layer: dt and the
-/// cumulative dA `[tokens, heads]` each, and the chunk states `[chunks, heads, head_dim,
-/// state]`. All zero when the plan has no prompt chunks.
-pub fn scratch_bytes(plan: &SsmPlan, dims: ScanDims) -> Vec<usize> {
+/// Bytes of each scratch buffer ([`SsmArg::Scratch`]) of one scan layer (`bf16`: the
+/// launches' dtype): dt and the cumulative dA `[tokens, heads]` (f32) each, and the chunk
+/// states `[chunks, heads, head_dim, state]` (f32; bf16 entering states on the tensor-core
+/// path). All zero when the plan has no prompt chunks.
+pub fn scratch_bytes(plan: &SsmPlan, dims: ScanDims, bf16: bool) -> Vec<usize> {
     if plan.chunks() == 0 {
         return vec![0, 0, 0];
     }
     let th = plan.tokens as usize * dims.heads as usize * 4;
+    let elem = if dims.mma(bf16).is_some() { 2 } else { 4 };
     let states =
-        plan.chunks() * dims.heads as usize * dims.head_dim as usize * dims.state as usize * 4;
+        plan.chunks() * dims.heads as usize * dims.head_dim as usize * dims.state as usize * elem;
     vec![th, th, states]
 }
 
 /// One scan layer: `ssm_decode` over the decodes, then the SSD pipeline over the prompt
-/// chunks (`ssd_dt`, `ssd_states_*`, `ssd_pass`, `ssd_scan_*`), in this order.
+/// chunks (`ssd_dt`, then `launches_ssd_mma` or `launches_ssd_simt`), in this order.
 pub fn launches_scan(
     plan: &SsmPlan,
     dims: ScanDims,
@@ -873,7 +895,6 @@ pub fn launches_scan(
         return Ok(out);
     }
     let chunks = plan.chunks() as u64;
-    let (p, n) = (dims.head_dim, dims.state);
     let head_blocks = dims.heads.div_ceil(DT_HEADS);
     let mut dt_args = vec![
         Dt,
@@ -899,7 +920,6 @@ pub fn launches_scan(
         args: dt_args,
     });
 
-    let mma = dims.mma(bf16);
     let shape = [
         U32(dims.heads),
         U32(dims.head_dim),
@@ -908,21 +928,142 @@ pub fn launches_scan(
         U32(dims.x_ld),
         U32(dims.bc_ld),
     ];
+    match dims.mma(bf16) {
+        Some(pn) => launches_ssd_mma(plan, dims, pn, &mut out)?,
+        None => launches_ssd_simt(plan, dims, ty, shape, &mut out)?,
+    }
+    Ok(out)
+}
+
+/// The SSD pipeline's tensor-core kernels after `ssd_dt`: `ssd_chunk_pass_mma` (chunk
+/// states and state passing; bf16 entering states into scratch 2), then the chunk scan:
+/// `ssd_scan_group_mma` (scores once per group) for chunks of at most 128 tokens, else
+/// `ssd_scan_mma`.
+fn launches_ssd_mma(
+    plan: &SsmPlan,
+    dims: ScanDims,
+    pn: &'static str,
+    out: &mut Vec<Launch<SsmArg>>,
+) -> Result<(), SsmError> {
+    use SsmArg::*;
+    let (p, n) = (dims.head_dim, dims.state);
+    let (chunks, heads) = (plan.chunks() as u64, u64::from(dims.heads));
+    let mut args = vec![X, B, Scratch(0), Scratch(1), Scratch(2), SsmPool];
+    args.extend(
+        [
+            WorkCol::SeqSlot,
+            WorkCol::SeqChunk,
+            WorkCol::SeqChunks,
+            WorkCol::CkTok,
+            WorkCol::CkLen,
+            WorkCol::CkSnap,
+            WorkCol::CkSnaps,
+            WorkCol::SnapSlot,
+        ]
+        .map(Work),
+    );
+    args.extend([
+        U32(plan.decodes as u32),
+        U32(dims.heads),
+        U32(dims.groups),
+        U32(dims.x_ld),
+        U32(dims.bc_ld),
+        U32(dims.layer),
+        U32(dims.layers),
+        U32(dims.slots),
+    ]);
+    out.push(Launch {
+        entry: entry_name(&format!(
+            "ssd_chunk_pass_mma_{pn}_bf16{}",
+            state_suffix(dims.state_bf16)
+        )),
+        grid: grid(plan.prompts() as u64 * heads * u64::from(CHUNK_PASS_SPLIT))?,
+        block: (SCAN_THREADS, 1, 1),
+        smem: chunk_pass_smem_bytes(p, n),
+        args,
+    });
+
+    let mut args = vec![
+        X,
+        B,
+        C,
+        D,
+        Scratch(0),
+        Scratch(1),
+        Scratch(2),
+        Out,
+        Work(WorkCol::CkTok),
+        Work(WorkCol::CkLen),
+    ];
+    if plan.chunk_size <= SCAN_ROWS {
+        let per_group = dims.heads / dims.groups;
+        let head_block = group_scan_heads(chunks * u64::from(dims.groups), per_group);
+        let head_blocks = per_group.div_ceil(head_block);
+        args.extend([
+            U32(dims.heads),
+            U32(dims.groups),
+            U32(dims.x_ld),
+            U32(dims.bc_ld),
+            U32(dims.out_ld),
+            U32(head_block),
+            U32(head_blocks),
+        ]);
+        out.push(Launch {
+            entry: entry_name(&format!("ssd_scan_group_mma_{pn}_bf16")),
+            grid: grid(chunks * u64::from(dims.groups) * u64::from(head_blocks))?,
+            block: (SCAN_THREADS, 1, 1),
+            smem: group_scan_smem_bytes(p, n),
+            args,
+        });
+    } else {
+        let l_blocks = plan.chunk_size.div_ceil(SCAN_ROWS);
+        args.extend([
+            U32(dims.heads),
+            U32(dims.head_dim),
+            U32(dims.groups),
+            U32(dims.state),
+            U32(dims.x_ld),
+            U32(dims.bc_ld),
+            U32(dims.out_ld),
+            U32(l_blocks),
+            U32(1),
+        ]);
+        out.push(Launch {
+            entry: entry_name(&format!("ssd_scan_mma_{pn}_bf16")),
+            grid: grid(chunks * heads * u64::from(l_blocks))?,
+            block: (SCAN_THREADS, 1, 1),
+            smem: scan_smem_bytes(p, n),
+            args,
+        });
+    }
+    Ok(())
+}
+
+/// Heads one `ssd_scan_group_mma` CTA walks: all of its group's (the score tiles are then
+/// computed once per (chunk, group)), halved while the grid of `chunk_groups` (chunk, group)
+/// pairs has fewer than [`GROUP_SCAN_CTAS`] CTAs (short prompts would leave SMs idle).
+fn group_scan_heads(chunk_groups: u64, per_group: u32) -> u32 {
+    let mut block = per_group.max(1);
+    while block > 1 && chunk_groups * u64::from(per_group.div_ceil(block)) < GROUP_SCAN_CTAS {
+        block = block.div_ceil(2);
+    }
+    block
+}
+
+/// The SSD pipeline's SIMT kernels after `ssd_dt` (f32, and bf16 shapes the tensor-core
+/// kernels do not take): `ssd_states_simt` (f32 chunk states into scratch 2), `ssd_pass`
+/// (replaces them in place by the entering states) and `ssd_scan_simt`.
+fn launches_ssd_simt(
+    plan: &SsmPlan,
+    dims: ScanDims,
+    ty: &str,
+    shape: [SsmArg; 6],
+    out: &mut Vec<Launch<SsmArg>>,
+) -> Result<(), SsmError> {
+    use SsmArg::*;
+    let (p, n) = (dims.head_dim, dims.state);
+    let (chunks, heads) = (plan.chunks() as u64, u64::from(dims.heads));
     let (p_tiles, n_tiles) = (p.div_ceil(SIMT_TM), n.div_ceil(SIMT_TN));
-    let (entry, blocks, threads, tiles) = match mma {
-        Some(pn) => (
-            format!("ssd_states_mma_{pn}_bf16"),
-            chunks * heads,
-            SCAN_THREADS,
-            (1, 1),
-        ),
-        None => (
-            format!("ssd_states_simt_{ty}"),
-            chunks * heads * u64::from(p_tiles) * u64::from(n_tiles),
-            SIMT_THREADS,
-            (p_tiles, n_tiles),
-        ),
-    };
     let mut args = vec![
         X,
         B,
@@ -933,12 +1074,12 @@ pub fn launches_scan(
         Work(WorkCol::CkLen),
     ];
     args.extend(shape);
-    args.extend([U32(tiles.0), U32(tiles.1)]);
+    args.extend([U32(p_tiles), U32(n_tiles)]);
     out.push(Launch {
-        entry: entry_name(&entry),
-        grid: grid(blocks)?,
-        block: (threads, 1, 1),
-        smem: mma.map_or(0, |_| states_smem_bytes(p, n)),
+        entry: entry_name(&format!("ssd_states_simt_{ty}")),
+        grid: grid(chunks * heads * u64::from(p_tiles) * u64::from(n_tiles))?,
+        block: (SIMT_THREADS, 1, 1),
+        smem: 0,
         args,
     });
 
@@ -975,26 +1116,7 @@ pub fn launches_scan(
         args,
     });
 
-    let (entry, blocks, threads, tiles) = match mma {
-        Some(pn) => {
-            let l_blocks = plan.chunk_size.div_ceil(SCAN_ROWS);
-            (
-                format!("ssd_scan_mma_{pn}_bf16"),
-                chunks * heads * u64::from(l_blocks),
-                SCAN_THREADS,
-                (l_blocks, 1),
-            )
-        }
-        None => {
-            let (l_tiles, p_tiles) = (plan.chunk_size.div_ceil(SIMT_TM), p.div_ceil(SIMT_TN));
-            (
-                format!("ssd_scan_simt_{ty}"),
-                chunks * heads * u64::from(l_tiles) * u64::from(p_tiles),
-                SIMT_THREADS,
-                (l_tiles, p_tiles),
-            )
-        }
-    };
+    let (l_tiles, p_tiles) = (plan.chunk_size.div_ceil(SIMT_TM), p.div_ceil(SIMT_TN));
     let mut args = vec![
         X,
         B,
@@ -1008,15 +1130,15 @@ pub fn launches_scan(
         Work(WorkCol::CkLen),
     ];
     args.extend(shape);
-    args.extend([U32(dims.out_ld), U32(tiles.0), U32(tiles.1)]);
+    args.extend([U32(dims.out_ld), U32(l_tiles), U32(p_tiles)]);
     out.push(Launch {
-        entry: entry_name(&entry),
-        grid: grid(blocks)?,
-        block: (threads, 1, 1),
-        smem: mma.map_or(0, |_| scan_smem_bytes(p, n)),
+        entry: entry_name(&format!("ssd_scan_simt_{ty}")),
+        grid: grid(chunks * heads * u64::from(l_tiles) * u64::from(p_tiles))?,
+        block: (SIMT_THREADS, 1, 1),
+        smem: 0,
         args,
     });
-    Ok(out)
+    Ok(())
 }
 
 /// Dynamic shared memory of `ssd_scan_mma` for head dim `p` and state `n` (`ssm.cu`
@@ -1027,10 +1149,24 @@ fn scan_smem_bytes(p: u32, n: u32) -> u32 {
     (SCAN_ROWS * ldn + p * ldn + SCAN_ROWS * ldn + SCAN_ROWS * ldp) * 2 + 3 * SCAN_ROWS * 4
 }
 
-/// Dynamic shared memory of `ssd_states_mma` (`ssm.cu` StatesLayout): x and B rows of a
-/// 128-token tile, padded as above, then the f32 token weights.
-fn states_smem_bytes(p: u32, n: u32) -> u32 {
-    (SCAN_ROWS * (p + 8) + SCAN_ROWS * (n + 8)) * 2 + SCAN_ROWS * 4
+/// Dynamic shared memory of `ssd_chunk_pass_mma` (`ssm.cu` ChunkPassLayout): three tile
+/// stages of x rows and the CTA's half of the B rows (bf16, rows padded by 8 elements), each
+/// stage's f32 A_s, dt_s and A_end (padded to 4), the f32 weights of one tile, then each
+/// stage's tile record (8 words).
+fn chunk_pass_smem_bytes(p: u32, n: u32) -> u32 {
+    const STAGES: u32 = 3;
+    let stage = SCAN_ROWS * (p + 8) + SCAN_ROWS * (n / CHUNK_PASS_SPLIT + 8);
+    STAGES * stage * 2 + (STAGES * (2 * SCAN_ROWS + 4) + SCAN_ROWS + STAGES * 8) * 4
+}
+
+/// Dynamic shared memory of `ssd_scan_group_mma` (`ssm.cu` GroupScanLayout): the C rows,
+/// two head stages (x rows, h_c, f32 A_s and dt_s; B rows borrow the second), the 36
+/// lower-triangle 16×16 score tiles in f32, then one head's decayed scores in bf16.
+fn group_scan_smem_bytes(p: u32, n: u32) -> u32 {
+    const STAGES: u32 = 2;
+    let tiles = (SCAN_ROWS / 16) * (SCAN_ROWS / 16 + 1) / 2;
+    let stage = SCAN_ROWS * (p + 8) + p * (n + 8) + 2 * SCAN_ROWS * 2;
+    (SCAN_ROWS * (n + 8) + STAGES * stage) * 2 + tiles * 256 * 4 + tiles * 256 * 2
 }
 
 /// Kernels that launch with more than the default 48 KiB of dynamic shared memory, and how
@@ -1042,8 +1178,16 @@ pub fn smem_opt_in() -> impl Iterator<Item = (&'static str, u32)> {
             [
                 (format!("ssd_scan_mma_p64n{n}_bf16"), scan_smem_bytes(64, n)),
                 (
-                    format!("ssd_states_mma_p64n{n}_bf16"),
-                    states_smem_bytes(64, n),
+                    format!("ssd_scan_group_mma_p64n{n}_bf16"),
+                    group_scan_smem_bytes(64, n),
+                ),
+                (
+                    format!("ssd_chunk_pass_mma_p64n{n}_bf16"),
+                    chunk_pass_smem_bytes(64, n),
+                ),
+                (
+                    format!("ssd_chunk_pass_mma_p64n{n}_bf16_sbf16"),
+                    chunk_pass_smem_bytes(64, n),
                 ),
             ]
         })

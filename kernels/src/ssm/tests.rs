@@ -177,13 +177,20 @@ fn check_kinds(l: &Launch<SsmArg>) {
     let kinds: Vec<Param> = l.args.iter().map(SsmArg::param).collect();
     assert_eq!(kinds, entry.params, "{} arguments", l.entry);
     assert_eq!((l.grid.1, l.grid.2), (1, 1), "{}", l.entry);
-    // Only the tensor-core scan takes dynamic shared memory: exactly its layout's size, and
-    // the device raises the limit of every kernel launched above the default.
+    // Only the tensor-core kernels take dynamic shared memory: exactly their layout's size,
+    // and the device raises the limit of every kernel launched above the default.
+    let chunk_pass = |half: u32| 3 * (128 * 72 + 128 * (half + 8)) * 2 + (3 * 260 + 128 + 24) * 4;
+    let group_scan =
+        |ldn: u32| (128 * ldn + 2 * (128 * 72 + 64 * ldn + 512)) * 2 + 36 * 1024 + 36 * 512;
     let want = match l.entry {
         "ssd_scan_mma_p64n64_bf16" => (128 * 72 + 64 * 72 + 128 * 72 + 128 * 72) * 2 + 1536,
         "ssd_scan_mma_p64n128_bf16" => (128 * 136 + 64 * 136 + 128 * 136 + 128 * 72) * 2 + 1536,
-        "ssd_states_mma_p64n64_bf16" => (128 * 72 + 128 * 72) * 2 + 512,
-        "ssd_states_mma_p64n128_bf16" => (128 * 72 + 128 * 136) * 2 + 512,
+        "ssd_chunk_pass_mma_p64n64_bf16" | "ssd_chunk_pass_mma_p64n64_bf16_sbf16" => chunk_pass(32),
+        "ssd_chunk_pass_mma_p64n128_bf16" | "ssd_chunk_pass_mma_p64n128_bf16_sbf16" => {
+            chunk_pass(64)
+        }
+        "ssd_scan_group_mma_p64n64_bf16" => group_scan(72),
+        "ssd_scan_group_mma_p64n128_bf16" => group_scan(136),
         _ => 0,
     };
     assert_eq!(l.smem, want, "{} shared memory", l.entry);
@@ -348,9 +355,9 @@ fn replay_scan(p: &SsmPlan, dims: ScanDims, bf16: bool) {
             }
         } else if name.starts_with("ssd_states") {
             order.push("states");
-            assert_eq!(name.contains("_mma_"), mma.is_some(), "{name}");
+            assert!(mma.is_none(), "{name}");
             let (pt_n, nt_n) = (u32_arg(l, 13) as usize, u32_arg(l, 14) as usize);
-            let (tm, tn) = if mma.is_some() { (pd, nd) } else { (32, 64) };
+            let (tm, tn) = (32, 64);
             for bid in 0..l.grid.0 as usize {
                 let h = bid % heads;
                 let r = bid / heads;
@@ -364,8 +371,63 @@ fn replay_scan(p: &SsmPlan, dims: ScanDims, bf16: bool) {
                     .entry(("states", ck, h, pt * nt_n + nt))
                     .or_default() += 1;
             }
-        } else if name == "ssd_pass" {
+        } else if name.starts_with("ssd_chunk_pass") {
+            // CTA (prompt entry, head, half of the state columns): the entering state of
+            // each of the entry's chunks, its snapshots and its live state, half each.
+            order.push("chunk_pass");
+            assert!(mma.is_some(), "{name}");
+            assert_eq!(name.ends_with("_sbf16"), dims.state_bf16, "{name}");
+            let base = u32_arg(l, 14) as usize;
+            assert_eq!(base, p.decodes());
+            let split = CHUNK_PASS_SPLIT as usize;
+            let elems = pn / split;
+            for bid in 0..l.grid.0 as usize {
+                let half = bid % split;
+                let r = bid / split;
+                let (h, e) = (r % heads, base + r / heads);
+                assert!(e < p.seqs());
+                *tiles_seen.entry(("chunk_pass", e, h, half)).or_default() += 1;
+                live[e * heads + h] += elems;
+                let c0 = col(WorkCol::SeqChunk, e);
+                for c in c0..c0 + col(WorkCol::SeqChunks, e) {
+                    assert_eq!(col(WorkCol::CkSeq, c), e);
+                    states[c * heads + h] += elems;
+                    let k0 = col(WorkCol::CkSnap, c);
+                    for k in k0..k0 + col(WorkCol::CkSnaps, c) {
+                        snaps[k * heads + h] += elems;
+                    }
+                }
+            }
+        } else if name.starts_with("ssd_scan_group") {
+            // CTA (chunk, group, block of head_block heads of the group): every row of the
+            // chunk (at most 128), every column, for each of its heads.
+            order.push("scan");
+            assert!(mma.is_some(), "{name}");
+            assert!(p.chunk_size() <= SCAN_ROWS);
+            let groups = dims.groups as usize;
+            let per_group = heads / groups;
+            let (hb, hbs) = (u32_arg(l, 15) as usize, u32_arg(l, 16) as usize);
+            assert!(hb >= 1 && hbs == per_group.div_ceil(hb));
+            for bid in 0..l.grid.0 as usize {
+                let blk = bid % hbs;
+                let r = bid / hbs;
+                let (g, ck) = (r % groups, r / groups);
+                let len = col(WorkCol::CkLen, ck);
+                assert!(len <= SCAN_ROWS as usize);
+                for h in (g * per_group + blk * hb..g * per_group + (blk + 1) * hb)
+                    .filter(|&h| h < (g + 1) * per_group)
+                {
+                    for i in 0..len {
+                        for q in 0..pd {
+                            *out.entry((col(WorkCol::CkTok, ck) + i, h, q)).or_default() += 1;
+                        }
+                    }
+                }
+            }
+        } else if name == "ssd_pass" || name == "ssd_pass_sbf16" {
             order.push("pass");
+            assert!(mma.is_none(), "{name}");
+            assert_eq!(name.ends_with("_sbf16"), dims.state_bf16, "{name}");
             let base = u32_arg(l, 11) as usize;
             assert_eq!(base, p.decodes());
             let tiles = u32_arg(l, 17) as usize;
@@ -417,7 +479,9 @@ fn replay_scan(p: &SsmPlan, dims: ScanDims, bf16: bool) {
     if p.decodes() > 0 {
         want.push("decode");
     }
-    if p.chunks() > 0 {
+    if p.chunks() > 0 && mma.is_some() {
+        want.extend(["dt", "chunk_pass", "scan"]);
+    } else if p.chunks() > 0 {
         want.extend(["dt", "states", "pass", "scan"]);
     }
     assert_eq!(order, want);
@@ -434,14 +498,15 @@ fn replay_scan(p: &SsmPlan, dims: ScanDims, bf16: bool) {
     assert!(states.iter().all(|&n| n == pn), "chunk states once");
     assert!(live.iter().all(|&n| n == pn), "live states once");
     assert!(snaps.iter().all(|&n| n == pn), "snapshots once");
-    let sb = scratch_bytes(p, dims);
+    let sb = scratch_bytes(p, dims, bf16);
     if p.chunks() > 0 {
+        let elem = if mma.is_some() { 2 } else { 4 };
         assert_eq!(
             sb,
             [
                 p.tokens() as usize * heads * 4,
                 p.tokens() as usize * heads * 4,
-                p.chunks() * heads * pn * 4
+                p.chunks() * heads * pn * elem
             ]
         );
     } else {
@@ -819,19 +884,38 @@ fn the_kernels_follow_dtype_and_shape() {
         [
             "ssm_decode_bf16",
             "ssd_dt_bf16",
-            "ssd_states_mma_p64n128_bf16",
-            "ssd_pass",
-            "ssd_scan_mma_p64n128_bf16"
+            "ssd_chunk_pass_mma_p64n128_bf16",
+            "ssd_scan_group_mma_p64n128_bf16"
         ]
     );
     assert_eq!(
         names(scan_dims(8, 64, 8, 64), true)[2..],
         [
-            "ssd_states_mma_p64n64_bf16",
-            "ssd_pass",
-            "ssd_scan_mma_p64n64_bf16"
+            "ssd_chunk_pass_mma_p64n64_bf16",
+            "ssd_scan_group_mma_p64n64_bf16"
         ]
     );
+    let bf16_state = ScanDims {
+        state_bf16: true,
+        ..scan_dims(8, 64, 8, 128)
+    };
+    assert_eq!(
+        names(bf16_state, true)[2..],
+        [
+            "ssd_chunk_pass_mma_p64n128_bf16_sbf16",
+            "ssd_scan_group_mma_p64n128_bf16"
+        ]
+    );
+    // Chunks over 128 tokens: the per-head scan, which walks 128-row blocks.
+    let (_, wide) = build(&[1, 300], &[], 256);
+    let l = launches_scan(&wide, scan_dims(8, 64, 8, 128), true).expect("shape");
+    assert_eq!(l[3].entry, "ssd_scan_mma_p64n128_bf16");
+    replay_scan(&wide, scan_dims(8, 64, 8, 128), true);
+    let odd_out = ScanDims {
+        out_ld: 64 * 8 + 2,
+        ..scan_dims(8, 64, 8, 128)
+    };
+    assert_eq!(names(odd_out, true)[4], "ssd_scan_simt_bf16");
     assert_eq!(
         names(scan_dims(128, 64, 8, 128), false),
         [
@@ -861,11 +945,22 @@ fn the_kernels_follow_dtype_and_shape() {
     let (_, big) = build(&[8192], &[], 128);
     let l = launches_scan(&big, scan_dims(128, 64, 8, 128), true).expect("shape");
     let grids: Vec<u32> = l.iter().map(|l| l.grid.0).collect();
-    assert_eq!(grids, [64 * 4, 64 * 128, 128 * 4, 64 * 128]);
+    // dt; chunk pass: (entry, head, column half); group scan: (chunk, group), 16 heads a CTA.
+    assert_eq!(grids, [64 * 4, 128 * 2, 64 * 8]);
+    assert_eq!(u32_arg(&l[2], 15), 16);
     assert_eq!(
-        scratch_bytes(&big, scan_dims(128, 64, 8, 128)),
+        scratch_bytes(&big, scan_dims(128, 64, 8, 128), true),
+        [8192 * 128 * 4, 8192 * 128 * 4, 64 * 128 * 64 * 128 * 2]
+    );
+    assert_eq!(
+        scratch_bytes(&big, scan_dims(128, 64, 8, 128), false),
         [8192 * 128 * 4, 8192 * 128 * 4, 64 * 128 * 64 * 128 * 4]
     );
+    // A 1024-token prompt: 64 (chunk, group) pairs, so 2 heads a CTA (512 CTAs).
+    let (_, short) = build(&[1024], &[], 128);
+    let l = launches_scan(&short, scan_dims(128, 64, 8, 128), true).expect("shape");
+    assert_eq!((l[2].grid.0, u32_arg(&l[2], 15)), (512, 2));
+    replay_scan(&short, scan_dims(128, 64, 8, 128), true);
 }
 
 #[test]
@@ -1212,7 +1307,8 @@ fn gpu_case(
         format!(
             "\"scratch\": {}",
             json_u32(
-                &scratch_bytes(&p, scan)
+                // The f32 sizes: the larger, enough for both dtypes' launches.
+                &scratch_bytes(&p, scan, false)
                     .iter()
                     .map(|&b| b as u32)
                     .collect::<Vec<_>>()

@@ -188,9 +188,10 @@ impl CudaBackend {
                 shape.state_size as u32,
             )
         };
-        let launches = ssm::launches_scan(&step.ssm, dims, x.dtype == DType::BF16)
+        let bf16 = x.dtype == DType::BF16;
+        let launches = ssm::launches_scan(&step.ssm, dims, bf16)
             .map_err(|e| BackendError::Invalid(e.to_string()))?;
-        let scratch: Vec<CudaTensor> = ssm::scratch_bytes(&step.ssm, dims)
+        let scratch: Vec<CudaTensor> = ssm::scratch_bytes(&step.ssm, dims, bf16)
             .into_iter()
             .map(|bytes| self.tmp(&[bytes.div_ceil(4).max(1)], DType::F32))
             .collect::<Result<_>>()?;
