@@ -639,14 +639,13 @@ extern "C" __global__ void __launch_bounds__(128) attn_simt_f32(ATTN_PARAMS(floa
 extern "C" __global__ void __launch_bounds__(128) attn_simt_bf16(ATTN_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
     attn::simt(ATTN_ARGS(bf16));
 }
-// Decodes (at most 16 packed rows): 4 warps split every 64-key tile, a K+V ring of 2 stages
-// (d = 64) or 3 (d = 128: two tiles in flight, 96.5 KiB of dynamic shared memory, so the
-// limit must be raised).
+// Decodes (at most 16 packed rows): 4 warps split every 64-key tile, 2-stage K+V ring.
+// d = 128 takes 64.5 KiB of dynamic shared memory (the limit must be raised).
 extern "C" __global__ void __launch_bounds__(128) attn_decode_d64_bf16(ATTN_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
     attn::mma<64, 64, 1, false, 4, 2, true>(ATTN_ARGS(bf16));
 }
 extern "C" __global__ void __launch_bounds__(128) attn_decode_d128_bf16(ATTN_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
-    attn::mma<128, 64, 1, false, 4, 3, true>(ATTN_ARGS(bf16));
+    attn::mma<128, 64, 1, false, 4, 2, true>(ATTN_ARGS(bf16));
 }
 // Small chunks, and the tiles of head dims without a prefill kernel: 4 warps × 16 rows.
 extern "C" __global__ void __launch_bounds__(128) attn_mma_d64_bf16(ATTN_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();

@@ -552,7 +552,7 @@ const fn mma(
 }
 
 const DECODE_D64: Kernel = mma("attn_decode_d64_bf16", 64, 64, 1, false, 4, 2, true);
-const DECODE_D128: Kernel = mma("attn_decode_d128_bf16", 128, 64, 1, false, 4, 3, true);
+const DECODE_D128: Kernel = mma("attn_decode_d128_bf16", 128, 64, 1, false, 4, 2, true);
 const MMA_D64: Kernel = mma("attn_mma_d64_bf16", 64, 64, 1, false, 4, 1, false);
 const MMA_D128: Kernel = mma("attn_mma_d128_bf16", 128, 64, 1, false, 4, 1, false);
 const MMA_D256: Kernel = mma("attn_mma_d256_bf16", 256, 16, 1, false, 4, 1, false);
@@ -1101,7 +1101,7 @@ mod tests {
                 ("attn_simt_f32", 16, 128, 0),
                 ("attn_simt_bf16", 16, 128, 0),
                 ("attn_decode_d64_bf16", 16, 128, 32768 + 512),
-                ("attn_decode_d128_bf16", 16, 128, 98304 + 512),
+                ("attn_decode_d128_bf16", 16, 128, 65536 + 512),
                 ("attn_mma_d64_bf16", 64, 128, 16384 + 512),
                 ("attn_mma_d128_bf16", 64, 128, 32768 + 512),
                 ("attn_mma_d256_bf16", 64, 128, 32768 + 128),
@@ -1126,7 +1126,7 @@ mod tests {
         assert_eq!(
             smem_opt_in().collect::<Vec<_>>(),
             [
-                ("attn_decode_d128_bf16", 98816),
+                ("attn_decode_d128_bf16", 66048),
                 ("attn_prefill_d128_bf16", 98816),
                 ("attn_prefill_wgmma_d128_bf16", 230448),
                 ("attn_prefill_wgmma_pp_d128_bf16", 230448)
