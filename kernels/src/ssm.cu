@@ -527,7 +527,10 @@ __device__ void decode(const T* x, const T* b, const T* c, const T* dt, const T*
 }
 
 // ---------------------------------------------------------------------------------------
-// SSD step 1: dt and the within-chunk cumulative dA, per (token, head), into scratch.
+// SSD step 1: dt and the within-chunk cumulative dA, per (token, head), into scratch; and
+// the same chunk-major ([chunk][head][rec_rows]) for the tensor-core kernels, which stage a
+// (chunk, head)'s values in 16-byte pieces (per token, at a stride of `heads` words, they
+// were one cache line a value, through an L1 that the shared memory leaves small).
 
 constexpr int DT_THREADS = 256;  // ssm.rs: DT_THREADS
 constexpr int DT_HEADS = 32;     // ssm.rs: DT_HEADS
@@ -535,9 +538,10 @@ constexpr int DT_ROWS = 64;
 
 template <typename T>
 __device__ void ssd_dt(const T* dt, const T* dt_bias, const T* a_log, float* dtv, float* acum,
-                       const u32* ck_tok, const u32* ck_len, u32 heads, u32 dt_ld,
-                       u32 head_blocks, float dt_min, float dt_max) {
+                       float* ck_a, float* ck_dt, const u32* ck_tok, const u32* ck_len, u32 heads,
+                       u32 dt_ld, u32 head_blocks, u32 rec_rows, float dt_min, float dt_max) {
     __shared__ float v[DT_ROWS][DT_HEADS + 1];
+    __shared__ float av[DT_ROWS][DT_HEADS + 1];
     const u32 ck = blockIdx.x / head_blocks;
     const u32 h0 = (blockIdx.x % head_blocks) * DT_HEADS;
     const u32 tok = ck_tok[ck], len = ck_len[ck];
@@ -560,6 +564,17 @@ __device__ void ssd_dt(const T* dt, const T* dt_bias, const T* a_log, float* dtv
                 const u64 o = (u64)(tok + base + r) * heads + hm;
                 dtv[o] = d;
                 acum[o] = run;
+                av[r][threadIdx.x] = run;
+            }
+        }
+        __syncthreads();
+        // The same values chunk-major, [chunk][head][rec_rows], row by row of each head.
+        for (u32 i = threadIdx.x; i < DT_ROWS * DT_HEADS; i += DT_THREADS) {
+            const u32 hh = i / DT_ROWS, r = i % DT_ROWS, h = h0 + hh;
+            if (r < rows && h < heads) {
+                const u64 o = ((u64)ck * heads + h) * rec_rows + base + r;
+                ck_a[o] = av[r][hh];
+                ck_dt[o] = v[r][hh];
             }
         }
         __syncthreads();
@@ -881,7 +896,8 @@ __device__ __forceinline__ void stage_async(bf16* dst, const bf16* src, i64 ld, 
 // chunk's 128-token tiles, then h ← exp(A_end)·h + S_c and the chunk's snapshot slots take h
 // (f32 or the pool's type); at the end the live slot does. The tiles of the sequence's
 // chunks flow through a CP_STAGES-deep cp.async ring (x, the CTA's B columns, A_s, dt_s and
-// the chunk's A_end), so the loads of the next tiles overlap this one's products. The token
+// the chunk's A_end, the last three from ssd_dt's chunk-major copies), so the loads of the
+// next tiles overlap this one's products. The token
 // weights w_s = exp(A_end − A_s)·dt_s scale the x fragments in registers (rounded to bf16
 // there, as the separate kernel rounded w∘B).
 constexpr int CP_STAGES = 3;  // tiles in the ring
@@ -910,12 +926,12 @@ __device__ __forceinline__ u32 scale_bf16x2(u32 v, float2 w) {
 }
 
 template <int P, int N, typename S>
-__device__ void chunk_pass_mma(const bf16* x, const bf16* b, const float* dtv, const float* acum,
+__device__ void chunk_pass_mma(const bf16* x, const bf16* b, const float* ck_dt, const float* ck_a,
                                bf16* hc, S* pool, const u32* seq_slot, const u32* seq_chunk,
                                const u32* seq_chunks, const u32* ck_tok, const u32* ck_len,
                                const u32* ck_snap, const u32* ck_snaps, const u32* snap_slot,
                                u32 seq_base, u32 heads, u32 groups, u32 x_ld, u32 bc_ld,
-                               u32 layer, u32 layers, u32 slots) {
+                               u32 layer, u32 layers, u32 slots, u32 rec_rows) {
     using Ly = ChunkPassLayout<P, N>;
     constexpr int NC = Ly::NC, NW = NC / 2, LDP = Ly::LDP, LDB = Ly::LDB, NT = NW / 8;
     static_assert(P == 64 && SCAN_THREADS == 256 && NW % 16 == 0, "4 × 16 p rows, 2 column halves");
@@ -972,15 +988,20 @@ __device__ void chunk_pass_mma(const bf16* x, const bf16* b, const float* dtv, c
             stage_async<P>(st + Ly::XS, x + (i64)(tok + is0) * x_ld + (i64)h * P, x_ld, SCAN_ROWS, valid);
             stage_async<NC>(st + Ly::BS, b + (i64)(tok + is0) * bc_ld + (i64)g * N + n0, bc_ld,
                             SCAN_ROWS, valid);
+            // A_s and dt_s of the tile's rows from the chunk-major copies (16-byte pieces, rows
+            // past the chunk's end zero), and the chunk's A_end.
             float* f = fsm + Ly::F0 + stage * Ly::FST;
-            const int t = threadIdx.x % SCAN_ROWS;
-            const bool ok = t < valid;
-            const float* src = threadIdx.x < SCAN_ROWS ? acum : dtv;
-            const u64 o = (u64)(tok + is0 + (ok ? t : 0)) * heads + h;
-            cp_async_4(smem_addr(f + threadIdx.x), src + o, ok ? 4u : 0u);
+            const u64 rec = ((u64)ick * heads + h) * rec_rows;
+            if (threadIdx.x < 2 * SCAN_ROWS / 4) {
+                const int q = threadIdx.x % (SCAN_ROWS / 4), half = threadIdx.x / (SCAN_ROWS / 4);
+                const int bytes = max(0, min(16, 4 * (valid - 4 * q)));
+                const float* src = (half ? ck_dt : ck_a) + rec + is0 + 4 * q;
+                cp_async_16(smem_addr(f + half * SCAN_ROWS + 4 * q), bytes > 0 ? src : ck_a, (u32)bytes);
+            } else if (threadIdx.x == 2 * SCAN_ROWS / 4) {
+                cp_async_4(smem_addr(f + 2 * SCAN_ROWS), ck_a + rec + len - 1, 4u);
+            }
             const bool last = is0 + SCAN_ROWS >= len;
             if (threadIdx.x == 0) {
-                cp_async_4(smem_addr(f + 2 * SCAN_ROWS), acum + (u64)(tok + len - 1) * heads + h, 4u);
                 m[0] = (u32)valid;
                 m[1] = (is0 == 0 ? 1u : 0u) | (last ? 2u : 0u);
                 m[2] = ick;
@@ -1296,9 +1317,10 @@ struct GroupScanLayout {  // offsets in bf16 elements; ssm.rs: group_scan_smem_b
 
 template <int P, int N>
 __device__ void scan_group_mma(const bf16* x, const bf16* b, const bf16* c, const bf16* d,
-                               const float* dtv, const float* acum, const bf16* hc, bf16* out,
+                               const float* ck_dt, const float* ck_a, const bf16* hc, bf16* out,
                                const u32* ck_tok, const u32* ck_len, u32 heads, u32 groups,
-                               u32 x_ld, u32 bc_ld, u32 out_ld, u32 head_block, u32 head_blocks) {
+                               u32 x_ld, u32 bc_ld, u32 out_ld, u32 head_block, u32 head_blocks,
+                               u32 rec_rows) {
     static_assert(P == 64 && SCAN_THREADS == 256 && SCAN_ROWS == 128, "8 warps, 8 row blocks");
     using Ly = GroupScanLayout<P, N>;
     constexpr int LDN = Ly::LDN, LDP = Ly::LDP;
@@ -1324,12 +1346,14 @@ __device__ void scan_group_mma(const bf16* x, const bf16* b, const bf16* c, cons
             bf16* st = smem + Ly::HEAD + (int)(i % GS_STAGES) * Ly::STAGE;
             stage_async<P>(st + Ly::XS, x + (i64)tok * x_ld + (i64)h * P, x_ld, SCAN_ROWS, (int)len);
             stage_async<N>(st + Ly::HB, hc + ((u64)ck * heads + h) * pn, N, P, P);
+            // A_s and dt_s from ssd_dt's chunk-major copies, rows past the chunk's end zero.
             float* f = reinterpret_cast<float*>(st + Ly::FS);
-            const int t = threadIdx.x % SCAN_ROWS;
-            const bool ok = t < (int)len;
-            const float* src = threadIdx.x < SCAN_ROWS ? acum : dtv;
-            cp_async_4(smem_addr(f + threadIdx.x), src + (u64)(tok + (ok ? t : 0)) * heads + h,
-                       ok ? 4u : 0u);
+            if (threadIdx.x < 2 * SCAN_ROWS / 4) {
+                const int q = threadIdx.x % (SCAN_ROWS / 4), half = threadIdx.x / (SCAN_ROWS / 4);
+                const int bytes = max(0, min(16, 4 * ((int)len - 4 * q)));
+                const float* src = (half ? ck_dt : ck_a) + ((u64)ck * heads + h) * rec_rows + 4 * q;
+                cp_async_16(smem_addr(f + half * SCAN_ROWS + 4 * q), bytes > 0 ? src : ck_a, (u32)bytes);
+            }
         }
         cp_async_commit_group();
     };
@@ -1544,9 +1568,12 @@ extern "C" __global__ void __launch_bounds__(128, 5) ssm_decode_bf16_sbf16(DECOD
 }
 
 #define DT_PARAMS(T)                                                                          \
-    const T *dt, const T *dt_bias, const T *a_log, float *dtv, float *acum, const u32 *ck_tok, \
-        const u32 *ck_len, u32 heads, u32 dt_ld, u32 head_blocks, float dt_min, float dt_max
-#define DT_ARGS dt, dt_bias, a_log, dtv, acum, ck_tok, ck_len, heads, dt_ld, head_blocks, dt_min, dt_max
+    const T *dt, const T *dt_bias, const T *a_log, float *dtv, float *acum, float *ck_a,        \
+        float *ck_dt, const u32 *ck_tok, const u32 *ck_len, u32 heads, u32 dt_ld,              \
+        u32 head_blocks, u32 rec_rows, float dt_min, float dt_max
+#define DT_ARGS                                                                               \
+    dt, dt_bias, a_log, dtv, acum, ck_a, ck_dt, ck_tok, ck_len, heads, dt_ld, head_blocks,     \
+        rec_rows, dt_min, dt_max
 
 extern "C" __global__ void __launch_bounds__(256) ssd_dt_f32(DT_PARAMS(float)) { CHIMERA_PDL_ENTRY(); ssm::ssd_dt(DT_ARGS); }
 extern "C" __global__ void __launch_bounds__(256) ssd_dt_bf16(DT_PARAMS(bf16)) { CHIMERA_PDL_ENTRY(); ssm::ssd_dt(DT_ARGS); }
@@ -1584,14 +1611,15 @@ extern "C" __global__ void __launch_bounds__(256, 4) ssd_pass_sbf16(PASS_PARAMS(
 // Chunk states and state passing in one kernel (bf16, head_dim 64, state 64 | 128): `hc`
 // takes each chunk's entering state as bf16 [chunks, heads, P, N] for the chunk scan.
 #define CHUNK_PASS_PARAMS(S)                                                                  \
-    const bf16 *x, const bf16 *b, const float *dtv, const float *acum, bf16 *hc, S *pool,       \
+    const bf16 *x, const bf16 *b, const float *ck_dt, const float *ck_a, bf16 *hc, S *pool,     \
         const u32 *seq_slot, const u32 *seq_chunk, const u32 *seq_chunks, const u32 *ck_tok,   \
         const u32 *ck_len, const u32 *ck_snap, const u32 *ck_snaps, const u32 *snap_slot,      \
         u32 seq_base, u32 heads, u32 groups, u32 x_ld, u32 bc_ld, u32 layer, u32 layers,       \
-        u32 slots
+        u32 slots, u32 rec_rows
 #define CHUNK_PASS_ARGS                                                                       \
-    x, b, dtv, acum, hc, pool, seq_slot, seq_chunk, seq_chunks, ck_tok, ck_len, ck_snap,        \
-        ck_snaps, snap_slot, seq_base, heads, groups, x_ld, bc_ld, layer, layers, slots
+    x, b, ck_dt, ck_a, hc, pool, seq_slot, seq_chunk, seq_chunks, ck_tok, ck_len, ck_snap,      \
+        ck_snaps, snap_slot, seq_base, heads, groups, x_ld, bc_ld, layer, layers, slots,       \
+        rec_rows
 
 extern "C" __global__ void __launch_bounds__(256, 2) ssd_chunk_pass_mma_p64n64_bf16(CHUNK_PASS_PARAMS(float)) { CHIMERA_PDL_ENTRY();
     ssm::chunk_pass_mma<64, 64>(CHUNK_PASS_ARGS);
@@ -1631,12 +1659,13 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_scan_mma_p64n128_bf16(S
 }
 
 #define GROUP_SCAN_PARAMS                                                                     \
-    const bf16 *x, const bf16 *b, const bf16 *c, const bf16 *d, const float *dtv,              \
-        const float *acum, const bf16 *hc, bf16 *out, const u32 *ck_tok, const u32 *ck_len,    \
-        u32 heads, u32 groups, u32 x_ld, u32 bc_ld, u32 out_ld, u32 head_block, u32 head_blocks
+    const bf16 *x, const bf16 *b, const bf16 *c, const bf16 *d, const float *ck_dt,            \
+        const float *ck_a, const bf16 *hc, bf16 *out, const u32 *ck_tok, const u32 *ck_len,    \
+        u32 heads, u32 groups, u32 x_ld, u32 bc_ld, u32 out_ld, u32 head_block,                \
+        u32 head_blocks, u32 rec_rows
 #define GROUP_SCAN_ARGS                                                                       \
-    x, b, c, d, dtv, acum, hc, out, ck_tok, ck_len, heads, groups, x_ld, bc_ld, out_ld,        \
-        head_block, head_blocks
+    x, b, c, d, ck_dt, ck_a, hc, out, ck_tok, ck_len, heads, groups, x_ld, bc_ld, out_ld,      \
+        head_block, head_blocks, rec_rows
 
 extern "C" __global__ void __launch_bounds__(256, 1) ssd_scan_group_mma_p64n64_bf16(GROUP_SCAN_PARAMS) { CHIMERA_PDL_ENTRY();
     ssm::scan_group_mma<64, 64>(GROUP_SCAN_ARGS);

@@ -115,8 +115,11 @@ const DECODE: &[Param] = &[
     Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, U32,
     U32, U32, U32, U32, U32, U32, U32, F32, F32,
 ];
-/// `dt, dt_bias, a_log, dtv, acum, ck_tok, ck_len, heads, dt_ld, head_blocks, dt_min, dt_max`.
-const DT: &[Param] = &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, F32, F32];
+/// `dt, dt_bias, a_log, dtv, acum, ck_a, ck_dt, ck_tok, ck_len, heads, dt_ld, head_blocks,
+/// rec_rows, dt_min, dt_max`.
+const DT: &[Param] = &[
+    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, F32, F32,
+];
 /// `x, b, dtv, acum, states, ck_tok, ck_len, heads, head_dim, groups, state, x_ld, bc_ld,
 /// p_tiles, n_tiles`.
 const STATES: &[Param] = &[
@@ -127,16 +130,16 @@ const STATES: &[Param] = &[
 const PASS: &[Param] = &[
     Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, U32, U32, U32,
 ];
-/// `x, b, dtv, acum, hc, ssm_pool, seq_slot, seq_chunk, seq_chunks, ck_tok, ck_len, ck_snap,
-/// ck_snaps, snap_slot, seq_base, heads, groups, x_ld, bc_ld, layer, layers, slots`.
+/// `x, b, ck_dt, ck_a, hc, ssm_pool, seq_slot, seq_chunk, seq_chunks, ck_tok, ck_len, ck_snap,
+/// ck_snaps, snap_slot, seq_base, heads, groups, x_ld, bc_ld, layer, layers, slots, rec_rows`.
 const CHUNK_PASS: &[Param] = &[
     Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, U32,
-    U32, U32, U32,
+    U32, U32, U32, U32,
 ];
-/// `x, b, c, d, dtv, acum, hc, out, ck_tok, ck_len, heads, groups, x_ld, bc_ld, out_ld,
-/// head_block, head_blocks`.
+/// `x, b, c, d, ck_dt, ck_a, hc, out, ck_tok, ck_len, heads, groups, x_ld, bc_ld, out_ld,
+/// head_block, head_blocks, rec_rows`.
 const GROUP_SCAN: &[Param] = &[
-    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, U32, U32, U32,
+    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, U32, U32, U32, U32,
 ];
 /// `x, b, c, d, dtv, acum, states, out, ck_tok, ck_len, heads, head_dim, groups, state, x_ld,
 /// bc_ld, out_ld, l_tiles, p_tiles`.
@@ -825,18 +828,26 @@ fn conv_update_channels(kernel: u32, channels: u32) -> u32 {
 }
 
 /// Bytes of each scratch buffer ([`SsmArg::Scratch`]) of one scan layer (`bf16`: the
-/// launches' dtype): dt and the cumulative dA `[tokens, heads]` (f32) each, and the chunk
-/// states `[chunks, heads, head_dim, state]` (f32; bf16 entering states on the tensor-core
-/// path). All zero when the plan has no prompt chunks.
+/// launches' dtype): dt and the cumulative dA `[tokens, heads]` (f32) each, the chunk states
+/// `[chunks, heads, head_dim, state]` (f32; bf16 entering states on the tensor-core path),
+/// then the cumulative dA and dt again, chunk-major `[chunks, heads, rec_rows]` (f32,
+/// [`rec_rows`]). All zero when the plan has no prompt chunks.
 pub fn scratch_bytes(plan: &SsmPlan, dims: ScanDims, bf16: bool) -> Vec<usize> {
     if plan.chunks() == 0 {
-        return vec![0, 0, 0];
+        return vec![0; 5];
     }
     let th = plan.tokens as usize * dims.heads as usize * 4;
     let elem = if dims.mma(bf16).is_some() { 2 } else { 4 };
     let states =
         plan.chunks() * dims.heads as usize * dims.head_dim as usize * dims.state as usize * elem;
-    vec![th, th, states]
+    let recs = plan.chunks() * dims.heads as usize * rec_rows(plan) as usize * 4;
+    vec![th, th, states, recs, recs]
+}
+
+/// Rows of a (chunk, head) record of the chunk-major dA and dt copies: the plan's chunk size,
+/// rounded up to 16-byte pieces.
+pub fn rec_rows(plan: &SsmPlan) -> u32 {
+    plan.chunk_size.next_multiple_of(4)
 }
 
 /// One scan layer: `ssm_decode` over the decodes, then the SSD pipeline over the prompt
@@ -902,6 +913,8 @@ pub fn launches_scan(
         ALog,
         Scratch(0),
         Scratch(1),
+        Scratch(3),
+        Scratch(4),
         Work(WorkCol::CkTok),
         Work(WorkCol::CkLen),
     ];
@@ -909,6 +922,7 @@ pub fn launches_scan(
         U32(dims.heads),
         U32(dims.dt_ld),
         U32(head_blocks),
+        U32(rec_rows(plan)),
         F32(dims.dt_min),
         F32(dims.dt_max),
     ]);
@@ -948,7 +962,7 @@ fn launches_ssd_mma(
     use SsmArg::*;
     let (p, n) = (dims.head_dim, dims.state);
     let (chunks, heads) = (plan.chunks() as u64, u64::from(dims.heads));
-    let mut args = vec![X, B, Scratch(0), Scratch(1), Scratch(2), SsmPool];
+    let mut args = vec![X, B, Scratch(4), Scratch(3), Scratch(2), SsmPool];
     args.extend(
         [
             WorkCol::SeqSlot,
@@ -971,6 +985,7 @@ fn launches_ssd_mma(
         U32(dims.layer),
         U32(dims.layers),
         U32(dims.slots),
+        U32(rec_rows(plan)),
     ]);
     out.push(Launch {
         entry: entry_name(&format!(
@@ -996,6 +1011,8 @@ fn launches_ssd_mma(
         Work(WorkCol::CkLen),
     ];
     if plan.chunk_size <= SCAN_ROWS {
+        args[4] = Scratch(4);
+        args[5] = Scratch(3);
         let per_group = dims.heads / dims.groups;
         let head_block = group_scan_heads(chunks * u64::from(dims.groups), per_group);
         let head_blocks = per_group.div_ceil(head_block);
@@ -1007,6 +1024,7 @@ fn launches_ssd_mma(
             U32(dims.out_ld),
             U32(head_block),
             U32(head_blocks),
+            U32(rec_rows(plan)),
         ]);
         out.push(Launch {
             entry: entry_name(&format!("ssd_scan_group_mma_{pn}_bf16")),

@@ -344,7 +344,9 @@ fn replay_scan(p: &SsmPlan, dims: ScanDims, bf16: bool) {
             }
         } else if name.starts_with("ssd_dt") {
             order.push("dt");
-            let hb = u32_arg(l, 9) as usize;
+            let hb = u32_arg(l, 11) as usize;
+            assert_eq!(u32_arg(l, 12), rec_rows(p));
+            assert!(rec_rows(p) >= p.chunk_size() && rec_rows(p).is_multiple_of(4));
             for bid in 0..l.grid.0 as usize {
                 let (ck, h0) = (bid / hb, (bid % hb) * DT_HEADS as usize);
                 for h in h0..(h0 + DT_HEADS as usize).min(heads) {
@@ -501,16 +503,19 @@ fn replay_scan(p: &SsmPlan, dims: ScanDims, bf16: bool) {
     let sb = scratch_bytes(p, dims, bf16);
     if p.chunks() > 0 {
         let elem = if mma.is_some() { 2 } else { 4 };
+        let recs = p.chunks() * heads * rec_rows(p) as usize * 4;
         assert_eq!(
             sb,
             [
                 p.tokens() as usize * heads * 4,
                 p.tokens() as usize * heads * 4,
-                p.chunks() * heads * pn * elem
+                p.chunks() * heads * pn * elem,
+                recs,
+                recs
             ]
         );
     } else {
-        assert_eq!(sb, [0, 0, 0]);
+        assert_eq!(sb, [0; 5]);
     }
 }
 
@@ -948,13 +953,26 @@ fn the_kernels_follow_dtype_and_shape() {
     // dt; chunk pass: (entry, head, column half); group scan: (chunk, group), 16 heads a CTA.
     assert_eq!(grids, [64 * 4, 128 * 2, 64 * 8]);
     assert_eq!(u32_arg(&l[2], 15), 16);
+    let recs = 64 * 128 * 128 * 4;
     assert_eq!(
         scratch_bytes(&big, scan_dims(128, 64, 8, 128), true),
-        [8192 * 128 * 4, 8192 * 128 * 4, 64 * 128 * 64 * 128 * 2]
+        [
+            8192 * 128 * 4,
+            8192 * 128 * 4,
+            64 * 128 * 64 * 128 * 2,
+            recs,
+            recs
+        ]
     );
     assert_eq!(
         scratch_bytes(&big, scan_dims(128, 64, 8, 128), false),
-        [8192 * 128 * 4, 8192 * 128 * 4, 64 * 128 * 64 * 128 * 4]
+        [
+            8192 * 128 * 4,
+            8192 * 128 * 4,
+            64 * 128 * 64 * 128 * 4,
+            recs,
+            recs
+        ]
     );
     // A 1024-token prompt: 64 (chunk, group) pairs, so 2 heads a CTA (512 CTAs).
     let (_, short) = build(&[1024], &[], 128);
