@@ -602,6 +602,9 @@ pub struct ScanDims {
     /// 16-byte vector loads, so they are only picked when this holds (as it does for separate
     /// arena tensors; column ranges of a wider matrix need not).
     pub aligned16: bool,
+    /// Heads one `ssd_scan_group_mma` CTA walks (a tuning knob; 0: the planner's choice, see
+    /// `group_scan_heads`; clamped to the heads of a group).
+    pub group_scan_heads: u32,
 }
 
 impl ScanDims {
@@ -623,6 +626,7 @@ impl ScanDims {
             dt_max: f32::INFINITY,
             state_bf16: false,
             aligned16: true,
+            group_scan_heads: 0,
         }
     }
 
@@ -1014,7 +1018,10 @@ fn launches_ssd_mma(
         args[4] = Scratch(4);
         args[5] = Scratch(3);
         let per_group = dims.heads / dims.groups;
-        let head_block = group_scan_heads(chunks * u64::from(dims.groups), per_group);
+        let head_block = match dims.group_scan_heads {
+            0 => group_scan_heads(chunks * u64::from(dims.groups), per_group),
+            n => n.min(per_group),
+        };
         let head_blocks = per_group.div_ceil(head_block);
         args.extend([
             U32(dims.heads),

@@ -979,6 +979,17 @@ fn the_kernels_follow_dtype_and_shape() {
     let l = launches_scan(&short, scan_dims(128, 64, 8, 128), true).expect("shape");
     assert_eq!((l[2].grid.0, u32_arg(&l[2], 15)), (512, 2));
     replay_scan(&short, scan_dims(128, 64, 8, 128), true);
+    // The knob: 4 heads a CTA (4 CTAs a (chunk, group)), and more than a group's, clamped.
+    for (knob, want) in [(4, 4), (40, 16)] {
+        let d = ScanDims {
+            group_scan_heads: knob,
+            ..scan_dims(128, 64, 8, 128)
+        };
+        let l = launches_scan(&short, d, true).expect("shape");
+        assert_eq!(u32_arg(&l[2], 15), want);
+        assert_eq!(l[2].grid.0, 8 * 8 * (16 / want));
+        replay_scan(&short, d, true);
+    }
 }
 
 #[test]

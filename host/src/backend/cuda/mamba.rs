@@ -19,6 +19,18 @@ use super::device::Arg;
 use super::{BLOCK, CudaBackend, CudaStep, CudaTensor, SsmTensors};
 use crate::backend::{BackendError, DType, Mamba2Mix, Result, SsmOutNorm, SsmPools, SsmShape};
 
+/// SSD tuning knob for kernel work: heads one group-scan CTA walks (`CHIMERA_SSD_HEADS`; 0 or
+/// unset: the planner's choice).
+fn ssd_group_scan_heads() -> u32 {
+    static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *V.get_or_init(|| {
+        std::env::var("CHIMERA_SSD_HEADS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    })
+}
+
 /// `rows` rows of `cols` elements from device address `ptr`, `ld` elements apart: a whole
 /// dense tensor, or a range of its columns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -181,6 +193,7 @@ impl CudaBackend {
             bc_ld: b.ld32(),
             dt_ld: dt.ld32(),
             aligned16: [x.ptr, b.ptr, c.ptr].iter().all(|p| p % 16 == 0),
+            group_scan_heads: ssd_group_scan_heads(),
             ..ssm::ScanDims::packed(
                 shape.heads as u32,
                 shape.head_dim as u32,
