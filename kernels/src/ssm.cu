@@ -897,9 +897,9 @@ __device__ __forceinline__ void stage_async(bf16* dst, const bf16* src, i64 ld, 
 // (f32 or the pool's type); at the end the live slot does. The tiles of the sequence's
 // chunks flow through a CP_STAGES-deep cp.async ring (x, the CTA's B columns, A_s, dt_s and
 // the chunk's A_end, the last three from ssd_dt's chunk-major copies), so the loads of the
-// next tiles overlap this one's products. The token
-// weights w_s = exp(A_end − A_s)·dt_s scale the x fragments in registers (rounded to bf16
-// there, as the separate kernel rounded w∘B).
+// next tiles overlap this one's products. The token weights w_s = exp(A_end − A_s)·dt_s
+// scale the x fragments in registers (rounded to bf16 there, as the separate kernel rounded
+// w∘B).
 constexpr int CP_STAGES = 3;  // tiles in the ring
 constexpr int CP_SPLIT = 2;   // ssm.rs: CHUNK_PASS_SPLIT (CTAs per (entry, head))
 
