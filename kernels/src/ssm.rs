@@ -956,6 +956,37 @@ pub fn launches_scan(
     Ok(out)
 }
 
+/// The work columns of the state-passing kernels (`ssd_pass`, `ssd_chunk_pass_mma`), in their
+/// parameter order.
+const PASS_COLS: [WorkCol; 8] = [
+    WorkCol::SeqSlot,
+    WorkCol::SeqChunk,
+    WorkCol::SeqChunks,
+    WorkCol::CkTok,
+    WorkCol::CkLen,
+    WorkCol::CkSnap,
+    WorkCol::CkSnaps,
+    WorkCol::SnapSlot,
+];
+
+/// The chunk scans' leading arguments: x, B, C, D, dt and dA (scratch buffers `dt`, `da`),
+/// the entering states, the output and the chunk columns.
+fn scan_args(dt: usize, da: usize) -> Vec<SsmArg> {
+    use SsmArg::*;
+    vec![
+        X,
+        B,
+        C,
+        D,
+        Scratch(dt),
+        Scratch(da),
+        Scratch(2),
+        Out,
+        Work(WorkCol::CkTok),
+        Work(WorkCol::CkLen),
+    ]
+}
+
 /// The SSD pipeline's tensor-core kernels after `ssd_dt`: `ssd_chunk_pass_mma` (chunk
 /// states and state passing; bf16 entering states into scratch 2), then the chunk scan:
 /// `ssd_scan_group_mma` (scores once per group) for chunks of at most 128 tokens, else
@@ -970,19 +1001,7 @@ fn launches_ssd_mma(
     let (p, n) = (dims.head_dim, dims.state);
     let (chunks, heads) = (plan.chunks() as u64, u64::from(dims.heads));
     let mut args = vec![X, B, Scratch(4), Scratch(3), Scratch(2), SsmPool];
-    args.extend(
-        [
-            WorkCol::SeqSlot,
-            WorkCol::SeqChunk,
-            WorkCol::SeqChunks,
-            WorkCol::CkTok,
-            WorkCol::CkLen,
-            WorkCol::CkSnap,
-            WorkCol::CkSnaps,
-            WorkCol::SnapSlot,
-        ]
-        .map(Work),
-    );
+    args.extend(PASS_COLS.map(Work));
     args.extend([
         U32(plan.decodes as u32),
         U32(dims.heads),
@@ -1005,25 +1024,18 @@ fn launches_ssd_mma(
         args,
     });
 
-    let mut args = vec![
-        X,
-        B,
-        C,
-        D,
-        Scratch(0),
-        Scratch(1),
-        Scratch(2),
-        Out,
-        Work(WorkCol::CkTok),
-        Work(WorkCol::CkLen),
-    ];
-    if plan.chunk_size <= SCAN_ROWS {
-        args[4] = Scratch(4);
-        args[5] = Scratch(3);
+    let group = plan.chunk_size <= SCAN_ROWS;
+    // The group scan reads dt and dA chunk-major (scratch 4, 3), the per-head one token-major.
+    let mut args = if group {
+        scan_args(4, 3)
+    } else {
+        scan_args(0, 1)
+    };
+    if group {
         let per_group = dims.heads / dims.groups;
         let head_block = match dims.group_scan_heads {
             0 => group_scan_heads(chunks * u64::from(dims.groups), per_group),
-            n => n.min(per_group),
+            k => k.min(per_group),
         };
         let head_blocks = per_group.div_ceil(head_block);
         args.extend([
@@ -1114,19 +1126,7 @@ fn launches_ssd_simt(
     let pn = p * n;
     let pass_tiles = pn.div_ceil(PASS_THREADS * PASS_PER);
     let mut args = vec![Scratch(2), Scratch(1), SsmPool];
-    args.extend(
-        [
-            WorkCol::SeqSlot,
-            WorkCol::SeqChunk,
-            WorkCol::SeqChunks,
-            WorkCol::CkTok,
-            WorkCol::CkLen,
-            WorkCol::CkSnap,
-            WorkCol::CkSnaps,
-            WorkCol::SnapSlot,
-        ]
-        .map(Work),
-    );
+    args.extend(PASS_COLS.map(Work));
     args.extend([
         U32(plan.decodes as u32),
         U32(dims.heads),
@@ -1145,18 +1145,7 @@ fn launches_ssd_simt(
     });
 
     let (l_tiles, p_tiles) = (plan.chunk_size.div_ceil(SIMT_TM), p.div_ceil(SIMT_TN));
-    let mut args = vec![
-        X,
-        B,
-        C,
-        D,
-        Scratch(0),
-        Scratch(1),
-        Scratch(2),
-        Out,
-        Work(WorkCol::CkTok),
-        Work(WorkCol::CkLen),
-    ];
+    let mut args = scan_args(0, 1);
     args.extend(shape);
     args.extend([U32(dims.out_ld), U32(l_tiles), U32(p_tiles)]);
     out.push(Launch {
