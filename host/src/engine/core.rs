@@ -464,7 +464,7 @@ impl<E: StepExecutor> Engine<E> {
         } = &mut self.policies;
         let t = Instant::now();
         let sampled = self.sampling.sample_candidates(
-            &self.output.cands,
+            &mut self.output.cands,
             step_plan::sampled_rows(&self.sched),
             sampler.as_mut(),
             fallback_sampler.as_mut(),
