@@ -611,3 +611,71 @@ fn the_loop_between_steps_is_timed_only_back_to_back() {
     assert!(t.launch_ns > 0 && t.overlap_ns > 0, "{t:?}");
     assert!(e.stats().host_launch_seconds > 0.0 && e.stats().host_overlap_seconds > 0.0);
 }
+
+/// A publication deferred to the next step (as the engine thread defers while steps follow
+/// each other) goes out during that step, once, with the figures it was deferred with; a step
+/// with nothing due publishes nothing; every cache event is published exactly once and in
+/// order: the events an engine read by hand gives for the same workload.
+#[test]
+fn deferred_publication_goes_out_during_the_next_step() {
+    use std::sync::{Arc, Mutex};
+
+    use chimera::engine::api::EngineStats;
+    use tokio::sync::mpsc::unbounded_channel;
+
+    type Log = Arc<Mutex<Vec<(EngineStats, Vec<KvEvent>)>>>;
+    let work = shared_prefix_workload(5, 16, VOCAB);
+    let make = || {
+        MockExecutor::new(MockConfig {
+            vocab: VOCAB as usize,
+            ..MockConfig::default()
+        })
+    };
+    let expected = drive(&mut engine(make(), Knobs::default()), work.clone());
+    assert!(!expected.kv_events.is_empty());
+
+    let published: Log = Arc::default();
+    let sink = Arc::clone(&published);
+    let mut e = engine(make(), Knobs::default());
+    e.set_publisher(Box::new(move |s, kv| {
+        sink.lock().unwrap().push((s.clone(), std::mem::take(kv)));
+    }));
+    let mut arrivals = work.into_iter().peekable();
+    let mut rx = Vec::new();
+    let (mut step, mut deferred, mut deferrals) = (0u64, None, 0);
+    while arrivals.peek().is_some() || !e.is_idle() {
+        while let Some((_, req)) = arrivals.next_if(|a| a.0 <= step) {
+            let (tx, r) = unbounded_channel();
+            rx.push(r);
+            e.add(req, tx);
+        }
+        let before = published.lock().unwrap().len();
+        let ran = e.step();
+        let log = published.lock().unwrap();
+        match deferred.take() {
+            Some(figures) if ran => {
+                assert_eq!(log.len(), before + 1, "step {step}: published once");
+                assert_eq!(log[before].0, figures, "step {step}: the deferred figures");
+            }
+            _ => assert_eq!(log.len(), before, "step {step}: nothing was due"),
+        }
+        drop(log);
+        e.refresh_stats();
+        if ran && !e.is_idle() {
+            e.defer_publication();
+            assert!(e.publication_due());
+            deferred = Some(e.stats().clone());
+            deferrals += 1;
+        } else {
+            e.publish();
+            assert!(!e.publication_due());
+        }
+        step += 1;
+        assert!(step < 100_000, "the engine made no progress");
+    }
+    assert!(deferrals > 10, "the workload ran steps back to back");
+    let log = published.lock().unwrap();
+    let events: Vec<KvEvent> = log.iter().flat_map(|(_, kv)| kv.clone()).collect();
+    assert_eq!(events, expected.kv_events);
+    assert_eq!(log.last().map(|(s, _)| s), Some(e.stats()));
+}

@@ -58,6 +58,9 @@ pub struct BlockPool {
     /// Blocks unhashed since the last `take_removed`, with the hash they had.
     removed: Vec<(u32, BlockHash)>,
     evictor_fallbacks: u64,
+    /// Counts the changes to the number of users of indexed blocks (and to the index as a
+    /// whole on a clear); unindexed blocks, which hold no snapshot, do not count.
+    indexed_ref_changes: u64,
 }
 
 impl BlockPool {
@@ -84,7 +87,14 @@ impl BlockPool {
             events: CacheEvents::default(),
             removed: Vec::new(),
             evictor_fallbacks: 0,
+            indexed_ref_changes: 0,
         }
+    }
+
+    /// Changes so far to the users of indexed blocks (pins, releases, a cleared index): the
+    /// user counts of indexed blocks are the same while this number is.
+    pub fn indexed_ref_changes(&self) -> u64 {
+        self.indexed_ref_changes
     }
 
     pub fn total(&self) -> usize {
@@ -151,6 +161,7 @@ impl BlockPool {
         }
         m.refs += 1;
         m.last_access = step;
+        self.indexed_ref_changes += 1;
         self.events.push(EventKind::Hit, block, NO_PARENT, step);
         Ok(())
     }
@@ -200,6 +211,9 @@ impl BlockPool {
                 return Err(PoolError::DoubleFree(b));
             }
             m.refs -= 1;
+            if m.hash.is_some() {
+                self.indexed_ref_changes += 1;
+            }
             if m.refs > 0 {
                 continue;
             }
@@ -286,6 +300,7 @@ impl BlockPool {
     /// their users and are freed on release. Returns how many blocks were unhashed.
     pub fn clear_index(&mut self, step: u64) -> usize {
         let n = self.index.len();
+        self.indexed_ref_changes += 1;
         for (hash, b) in std::mem::take(&mut self.index) {
             let m = &mut self.meta[b as usize];
             m.hash = None;

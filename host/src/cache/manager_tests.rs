@@ -498,6 +498,46 @@ fn rolling_snapshot_of_a_failed_step_is_not_kept_and_a_full_budget_skips() {
     cm.check_invariants().unwrap();
 }
 
+/// A search for a snapshot to give up that found none is not repeated while nothing it read
+/// changed (other sequences completing blocks in the same step get the same answer without
+/// a search), and is repeated once something did: a release frees the block of the only
+/// snapshot, and the next rolling snapshot takes its slot.
+#[test]
+fn a_failed_reclaim_is_searched_again_only_after_a_change() {
+    let mut cm = CacheManager::new(&layout(32, 3, 1), true, true, None);
+    let t: Vec<u32> = (0..6).collect();
+    let u: Vec<u32> = (50..60).collect();
+    let w: Vec<u32> = (80..90).collect();
+    // The 6-token prompt takes the only durable slot (snapshot at 4, its block in use); the
+    // two 3-token prompts complete no block.
+    run_prompt(&mut cm, 0, &t);
+    run_prompt(&mut cm, 1, &u[..3]);
+    run_prompt(&mut cm, 2, &w[..3]);
+    assert_eq!(cm.ssm().snapshots(), 1);
+    // Both decoders complete a block: nothing can be given up, searched once.
+    assert!(decode(&mut cm, 1, &u, 3).is_empty());
+    assert!(decode(&mut cm, 2, &w, 3).is_empty());
+    assert_eq!(cm.counters.rolling_skipped, 2);
+    assert_eq!(cm.counters.reclaim_searches, 1);
+    // A later step searches again (a restore of the earlier step no longer protects).
+    cm.begin_step(1);
+    assert!(decode(&mut cm, 2, &w, 4).is_empty());
+    assert!(decode(&mut cm, 2, &w, 7).is_empty());
+    assert_eq!(cm.counters.reclaim_searches, 2);
+    // The prompt's sequence ends in the same step: its snapshot's block is unused now.
+    cm.release(0).unwrap();
+    assert_eq!(
+        decode(&mut cm, 1, &u, 7).len(),
+        1,
+        "the freed slot is taken"
+    );
+    assert_eq!(cm.counters.reclaim_searches, 3);
+    assert_eq!(cm.counters.rolling_skipped, 3);
+    assert_eq!(cm.ssm().snapshots(), 0, "the unused snapshot was given up");
+    cm.commit_step();
+    cm.check_invariants().unwrap();
+}
+
 #[test]
 fn checkpoints_add_snapshot_points_rounded_down_to_blocks() {
     let mut cm = CacheManager::new(&layout(32, 2, 8), true, true, None);

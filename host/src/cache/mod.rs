@@ -144,7 +144,20 @@ pub struct CacheManager {
     memory: MissMemory,
     /// Hybrids: prompt snapshots every this many blocks as well (0: off).
     snapshot_every: usize,
+    /// The latest reclaim that found nothing to give up: what it read and its newcomer
+    /// class (see [`Self::reclaim_snapshot`]).
+    no_victim: Option<(VictimInputs, u8)>,
     pub counters: CacheCounters,
+}
+
+/// Everything [`SsmPool::victim`]'s answer depends on besides the blocks' last access steps
+/// (which only order the candidates): the step (restores of this step are kept), the
+/// snapshots and their proven marks, and the users of their blocks (indexed blocks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct VictimInputs {
+    step: u64,
+    snapshot_changes: u64,
+    indexed_ref_changes: u64,
 }
 
 impl CacheManager {
@@ -172,6 +185,7 @@ impl CacheManager {
             rolling_pending: Vec::new(),
             memory: MissMemory::new(4 * layout.num_blocks.max(16)),
             snapshot_every: 0,
+            no_victim: None,
             counters: CacheCounters::default(),
         }
     }
@@ -575,12 +589,31 @@ impl CacheManager {
     /// shared ones, then proven ones; never one of a higher class than the newcomer's. A
     /// snapshot restored in this step is kept (its copy runs in the step). False when nothing
     /// can be given up.
+    ///
+    /// When every slot is taken by snapshots no newcomer may displace (a decoding batch whose
+    /// rolling snapshots find only snapshots of blocks in use), each block a sequence completes
+    /// asks again; the search reads every snapshot, so a failed one is remembered with what it
+    /// read and not repeated until one of those changes (the same answer, found once a step).
     fn reclaim_snapshot(&mut self, newcomer: u8) -> bool {
+        let inputs = VictimInputs {
+            step: self.step,
+            snapshot_changes: self.ssm.changes(),
+            indexed_ref_changes: self.pool.indexed_ref_changes(),
+        };
+        // No candidate of class ≤ `failed` means none of a class ≤ `newcomer` either.
+        if self
+            .no_victim
+            .is_some_and(|(seen, failed)| seen == inputs && newcomer <= failed)
+        {
+            return false;
+        }
+        self.counters.reclaim_searches += 1;
         let pool = &self.pool;
         let Some(b) = self
             .ssm
             .victim(self.step, newcomer, |b| (pool.refs(b), pool.last_access(b)))
         else {
+            self.no_victim = Some((inputs, newcomer));
             return false;
         };
         self.ssm.drop_block(b);

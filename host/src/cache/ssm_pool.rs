@@ -40,6 +40,9 @@ pub struct SsmPool {
     /// Cached block id → the durable slot holding the state after that block.
     by_block: HashMap<u32, Snapshot>,
     proven: u32,
+    /// Counts the changes to the snapshots and their proven/restored marks: what
+    /// [`Self::victim`] reads of this pool is the same while this number is.
+    changes: u64,
 }
 
 impl SsmPool {
@@ -51,7 +54,13 @@ impl SsmPool {
             durable_free: (live..live + durable).rev().collect(),
             by_block: HashMap::new(),
             proven: 0,
+            changes: 0,
         }
+    }
+
+    /// Changes so far to what [`Self::victim`] reads of this pool (see `changes`).
+    pub fn changes(&self) -> u64 {
+        self.changes
     }
 
     pub fn total_slots(&self) -> u32 {
@@ -98,6 +107,7 @@ impl SsmPool {
             self.unreserve(slot);
             return false;
         }
+        self.changes += 1;
         self.by_block.insert(
             block,
             Snapshot {
@@ -116,6 +126,7 @@ impl SsmPool {
     /// Notes that a prompt restores its state from `block`'s snapshot in step `step`.
     pub fn note_restore(&mut self, block: u32, step: u64) {
         if let Some(s) = self.by_block.get_mut(&block) {
+            self.changes += 1;
             if !s.proven {
                 s.proven = true;
                 self.proven += 1;
@@ -166,6 +177,7 @@ impl SsmPool {
     pub fn drop_block(&mut self, block: u32) -> bool {
         match self.by_block.remove(&block) {
             Some(s) => {
+                self.changes += 1;
                 self.proven -= u32::from(s.proven);
                 self.durable_free.push(s.slot);
                 true

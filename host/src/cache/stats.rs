@@ -30,6 +30,9 @@ pub struct CacheCounters {
     pub checkpoint_copies: u64,
     /// Checkpoint snapshots skipped because no durable slot could be had.
     pub checkpoints_skipped: u64,
+    /// Searches for a snapshot to give up (a failed search is not repeated while nothing it
+    /// read changed).
+    pub reclaim_searches: u64,
     /// Admissions served less than their cacheable prefix, by [`super::MissReason::index`].
     pub misses: [u64; super::MissReason::ALL.len()],
 }

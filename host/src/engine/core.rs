@@ -52,6 +52,11 @@ impl Policies {
     }
 }
 
+/// Where the engine's figures and cache events go (the engine thread's `watch` and channel):
+/// called with the current [`EngineStats`] and the cache events not yet handed on, which it
+/// may take. See [`Engine::set_publisher`].
+pub type Publisher = Box<dyn FnMut(&EngineStats, &mut Vec<KvEvent>) + Send>;
+
 /// Cumulative wall time of each phase of the steps that ran a batch (nanoseconds).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StepTimings {
@@ -67,7 +72,8 @@ pub struct StepTimings {
     pub launch_ns: u64,
     /// Host work done while the device computes the step (between the executor's launch and
     /// its finish): handing the previous step's events to the delivery thread and its block
-    /// events to the eviction policy. Not part of the time the device waits for the host.
+    /// events to the eviction policy, and a deferred publication of figures and cache events
+    /// ([`Engine::defer_publication`]). Not part of the time the device waits for the host.
     pub overlap_ns: u64,
     /// Sampling, committing the step to the cache and sending events (includes `sample_ns`).
     pub update_ns: u64,
@@ -132,6 +138,10 @@ pub struct Engine<E: StepExecutor> {
     last_step_end: Option<Instant>,
     /// Set when a step failed with [`ExecutorError::DeviceLost`].
     lost: bool,
+    publisher: Option<Publisher>,
+    /// The figures of a publication deferred to the next step (see
+    /// [`Self::defer_publication`]).
+    deferred: Option<EngineStats>,
 }
 
 impl<E: StepExecutor> Engine<E> {
@@ -209,6 +219,8 @@ impl<E: StepExecutor> Engine<E> {
             timings: StepTimings::default(),
             back_to_back: false,
             last_step_end: None,
+            publisher: None,
+            deferred: None,
         })
     }
 
@@ -253,6 +265,36 @@ impl<E: StepExecutor> Engine<E> {
     /// Cache events of the steps since the last call (only from steps that succeeded).
     pub fn take_kv_events(&mut self, out: &mut Vec<KvEvent>) {
         out.append(&mut self.kv_events);
+    }
+
+    /// Sets where [`Self::publish`] sends the figures and cache events (the engine thread's
+    /// watch and channel).
+    pub fn set_publisher(&mut self, publisher: Publisher) {
+        self.publisher = Some(publisher);
+    }
+
+    /// Hands the current figures and the cache events not yet taken to the publisher (nothing
+    /// without one). Call [`Self::refresh_stats`] first for up-to-date figures.
+    pub fn publish(&mut self) {
+        self.deferred = None;
+        if let Some(p) = self.publisher.as_mut() {
+            p(&self.stats, &mut self.kv_events);
+        }
+    }
+
+    /// Leaves the publication of the step that just ran to the next step, which publishes
+    /// while the device computes (between the executor's launch and finish), so that waking
+    /// the figures' and events' readers does not keep the device waiting. It publishes the
+    /// figures as they are now (refresh them first) and the cache events not yet taken then.
+    /// Whoever defers must [`Self::publish`] before waiting for work or stopping, where no
+    /// step follows; a step that runs no batch does not publish.
+    pub fn defer_publication(&mut self) {
+        self.deferred = Some(self.stats.clone());
+    }
+
+    /// Whether a deferred publication is still due.
+    pub fn publication_due(&self) -> bool {
+        self.deferred.is_some()
     }
 
     /// Queues a request; bad input is answered with `Failed` on its own channel. Block hashes
@@ -398,9 +440,16 @@ impl<E: StepExecutor> Engine<E> {
             self.timings.execute_ns += launch;
             r
         });
-        // While the device computes: the previous step's events go to the delivery thread and
-        // its block events to the eviction policy.
+        // While the device computes: a deferred publication goes out (the cache events first,
+        // as they did when published right after their step: a request's `Finished` never
+        // overtakes the blocks it stored), the previous step's events go to the delivery
+        // thread and its block events to the eviction policy.
         let tw = Instant::now();
+        if let Some(stats) = self.deferred.take()
+            && let Some(p) = self.publisher.as_mut()
+        {
+            p(&stats, &mut self.kv_events);
+        }
         self.outbox.flush();
         self.cache.flush_evictor_events();
         let tf = Instant::now();
@@ -464,7 +513,7 @@ impl<E: StepExecutor> Engine<E> {
         } = &mut self.policies;
         let t = Instant::now();
         let sampled = self.sampling.sample_candidates(
-            &self.output.cands,
+            &mut self.output.cands,
             step_plan::sampled_rows(&self.sched),
             sampler.as_mut(),
             fallback_sampler.as_mut(),

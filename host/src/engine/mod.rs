@@ -27,7 +27,7 @@ pub mod step_plan;
 pub mod thread;
 
 pub use config::{EngineConfig, EngineSetup};
-pub use core::{Engine, EngineError, Policies, StepTimings};
+pub use core::{Engine, EngineError, Policies, Publisher, StepTimings};
 pub use executor::{CacheAllocation, ExecutorError, Logits, StepExecutor};
 pub use mock::{MockConfig, MockExecutor};
 pub use model_runner::ModelRunner;

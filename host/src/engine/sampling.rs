@@ -169,9 +169,14 @@ impl SamplingStage {
     /// validation and fallback, and the same logprobs as [`Self::sample`] over full rows
     /// (the chosen token is always a candidate, so its logit is among them).
     /// `rows` is walked twice (parameters, then logprobs), so it is a cloneable iterator.
+    ///
+    /// The candidate columns are taken, not copied, when no logit is NaN (nothing to map):
+    /// `cands.cand_tokens` and `cands.cand_logits` then come back holding this stage's spare
+    /// buffers of an earlier batch (the backend reshapes and overwrites them on its next read-back),
+    /// which saves copying `rows × k` tokens and logits between the read-back and the next step.
     pub fn sample_candidates<'r>(
         &mut self,
-        cands: &SampleOut,
+        cands: &mut SampleOut,
         rows: impl Iterator<Item = RowInfo<'r>> + Clone,
         sampler: &mut dyn Sampler,
         fallback: &mut dyn Sampler,
@@ -196,25 +201,38 @@ impl SamplingStage {
         for info in rows.clone() {
             self.push_params(&info);
         }
-        self.batch.cand_tokens.extend_from_slice(&cands.cand_tokens);
-        self.batch.cand_logits.extend(
-            cands
-                .cand_logits
-                .iter()
-                .map(|&x| if x.is_nan() { f32::NEG_INFINITY } else { x }),
-        );
+        // The sampler sees NaN as negative infinity; without a NaN the columns are taken as
+        // they are (the logprobs below read the unmapped logits either way).
+        let taken = !cands.cand_logits.iter().any(|x| x.is_nan());
+        if taken {
+            std::mem::swap(&mut self.batch.cand_tokens, &mut cands.cand_tokens);
+            std::mem::swap(&mut self.batch.cand_logits, &mut cands.cand_logits);
+        } else {
+            self.batch.cand_tokens.extend_from_slice(&cands.cand_tokens);
+            self.batch.cand_logits.extend(
+                cands
+                    .cand_logits
+                    .iter()
+                    .map(|&x| if x.is_nan() { f32::NEG_INFINITY } else { x }),
+            );
+        }
         let chosen = self.decide(sampler, fallback);
+        let raw_logits = if taken {
+            &self.batch.cand_logits
+        } else {
+            &cands.cand_logits
+        };
         for (i, (&token, info)) in chosen.iter().zip(rows).enumerate() {
             let logprob = info.params.logprobs.map(|top| {
                 let lse = cands.lse[i];
                 let row = i * k..(i + 1) * k;
-                let at = cands.cand_tokens[row.clone()]
+                let at = self.batch.cand_tokens[row.clone()]
                     .iter()
                     .position(|&t| t == token)
                     .unwrap_or(0);
                 TokenLogprob {
                     token,
-                    logprob: cands.cand_logits[row.start + at] - lse,
+                    logprob: raw_logits[row.start + at] - lse,
                     top: (row.start..row.start + (top as usize).min(k))
                         .map(|j| (self.batch.cand_tokens[j], self.batch.cand_logits[j] - lse))
                         .collect(),

@@ -388,11 +388,11 @@ mod tail {
             let mut new = SamplingStage::new(k);
             let mut sample_rows = SampleRows::default();
             new.sample_rows(&infos, &mut sample_rows);
-            let mut tail_logits = data;
+            let mut tail_logits = data.clone();
             let mut cands = SampleOut::default();
             sample_tail(&mut tail_logits, vocab, &sample_rows, &mut cands).unwrap();
             let (mut s_new, mut f_new, mut out_new) = (sampler(), fallback(), Vec::new());
-            new.sample_candidates(&cands, infos.iter().copied(), &mut s_new, &mut f_new, &mut out_new)
+            new.sample_candidates(&mut cands, infos.iter().copied(), &mut s_new, &mut f_new, &mut out_new)
                 .unwrap();
 
             prop_assert_eq!(bits(&tail_logits), bits(&full.data));
@@ -405,6 +405,18 @@ mod tail {
             }
             prop_assert_eq!(old.fallbacks, new.fallbacks);
             assert_same_sampled(&out_old, &out_new);
+
+            // The next step, as the engine runs it: the same stage, and the columns the
+            // previous call handed back (its spare buffers) refilled by the tail. Taking the
+            // columns instead of copying them changes nothing the sampler or the caller sees.
+            let mut again = data.clone();
+            sample_tail(&mut again, vocab, &sample_rows, &mut cands).unwrap();
+            let (mut s_again, mut f_again, mut out_again) = (sampler(), fallback(), Vec::new());
+            new.sample_candidates(&mut cands, infos.iter().copied(), &mut s_again, &mut f_again, &mut out_again)
+                .unwrap();
+            assert_same_batch(&s_old.seen[0], &s_again.seen[0]);
+            prop_assert_eq!(f_old.seen.len(), f_again.seen.len());
+            assert_same_sampled(&out_old, &out_again);
         }
     }
 
@@ -413,7 +425,7 @@ mod tail {
         let p = SamplingParams::default();
         let infos = [info(&p, &[], &[]), info(&p, &[], &[])];
         let mut st = SamplingStage::new(2);
-        let cands = SampleOut {
+        let mut cands = SampleOut {
             k: 2,
             cand_tokens: vec![0, 1],
             cand_logits: vec![1.0, 0.0],
@@ -422,7 +434,7 @@ mod tail {
         let mut out = Vec::new();
         let err = st
             .sample_candidates(
-                &cands,
+                &mut cands,
                 infos.iter().copied(),
                 &mut GreedySampler,
                 &mut GreedySampler,

@@ -515,22 +515,23 @@ impl Scheduler {
         eos: &[u32],
         finished: &mut Vec<(u32, StopReason)>,
     ) {
-        for s in &self.out.seqs {
-            if let Some(r) = self.slots[s.slot as usize].as_mut() {
-                r.computed = s.start + s.len;
-                cache.commit_seq(s.slot, &r.hashes, r.computed);
-            }
-        }
+        // One pass: a sequence's commit reads only its own hashes, which the token appended
+        // after it does not change.
         let mut row = 0;
         for s in &self.out.seqs {
+            let Some(r) = self.slots[s.slot as usize].as_mut() else {
+                row += usize::from(s.want_logits);
+                continue;
+            };
+            r.computed = s.start + s.len;
+            cache.commit_seq(s.slot, &r.hashes, r.computed);
             if !s.want_logits {
                 continue;
             }
-            let Some(&tok) = sampled.get(row) else { break };
-            row += 1;
-            let Some(r) = self.slots[s.slot as usize].as_mut() else {
+            let Some(&tok) = sampled.get(row) else {
                 continue;
             };
+            row += 1;
             r.tokens.push(tok);
             let stop = r.stop_token_ids.contains(&tok) || (!r.ignore_eos && eos.contains(&tok));
             if stop {

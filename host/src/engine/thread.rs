@@ -4,7 +4,10 @@
 //! It blocks on the command channel while it has no request (no busy spin), drains every
 //! pending command and cancel before each step, publishes [`EngineStats`] through a `watch`
 //! after every step and forwards cache events (already filtered to succeeded steps by the
-//! engine). Requests' events go out through a threaded [`Outbox`]: queued during a step, sent
+//! engine). When another step follows at once, a step's figures and events are published by
+//! that next step while the device computes it ([`Engine::defer_publication`]): waking their
+//! readers is no part of the device's idle time between two steps; before the thread waits
+//! for requests or stops, it publishes itself. Requests' events go out through a threaded [`Outbox`]: queued during a step, sent
 //! to their streams by a delivery thread the engine thread owns. It holds no lock: the async
 //! side reaches it only through [`EngineHandle`].
 
@@ -97,13 +100,24 @@ fn run<E: StepExecutor>(
     kv: tmpsc::UnboundedSender<Vec<KvEvent>>,
 ) {
     let mut cancelled = Vec::new();
-    let mut events = Vec::new();
+    engine.set_publisher(Box::new(
+        move |s: &EngineStats, events: &mut Vec<KvEvent>| {
+            stats.send_replace(s.clone());
+            if !events.is_empty() {
+                let _ = kv.send(std::mem::take(events));
+            }
+        },
+    ));
     let mut idle_wait = false;
     loop {
         // Cancels first into a list, applied after the adds drained below: a cancel sent after
         // its add can never be applied before it.
         cancelled.extend(cancels.try_iter());
         if engine.is_idle() || idle_wait {
+            if engine.publication_due() {
+                engine.refresh_stats();
+                engine.publish();
+            }
             engine.note_wait();
             let got = if engine.is_idle() {
                 commands.recv().map_err(|_| RecvTimeoutError::Disconnected)
@@ -145,25 +159,23 @@ fn run<E: StepExecutor>(
         }
         // A step with requests present but nothing runnable waits briefly for commands
         // instead of spinning.
-        idle_wait = !engine.is_idle() && !engine.step();
+        let ran = !engine.is_idle() && engine.step();
+        idle_wait = !engine.is_idle() && !ran;
         if engine.is_lost() {
             tracing::error!("the replica's device was lost; the replica stops serving");
             break;
         }
         engine.refresh_stats();
-        stats.send_replace(engine.stats().clone());
-        engine.take_kv_events(&mut events);
-        if !events.is_empty() {
-            let _ = kv.send(std::mem::take(&mut events));
+        if ran && !engine.is_idle() {
+            // The next step publishes this one while the device computes.
+            engine.defer_publication();
+        } else {
+            engine.publish();
         }
     }
     engine.cancel_all();
     engine.refresh_stats();
-    stats.send_replace(engine.stats().clone());
-    engine.take_kv_events(&mut events);
-    if !events.is_empty() {
-        let _ = kv.send(events);
-    }
+    engine.publish();
 }
 
 fn handle<E: StepExecutor>(engine: &mut Engine<E>, cmd: Command) -> Flow {

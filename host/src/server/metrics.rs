@@ -285,7 +285,7 @@ impl Metrics {
         );
         let _ = writeln!(
             out,
-            "# HELP {ENGINE_HOST_TIME} Host time in engine steps, by phase: schedule (scheduling and cache bookkeeping), inputs (building the step plan), update (sampling, committing, queueing events), between (the engine loop between back-to-back steps), launch (uploading the step and enqueueing its work), overlap (host work while the device computes the step: handing the previous step's request and block events on).\n# TYPE {ENGINE_HOST_TIME} counter"
+            "# HELP {ENGINE_HOST_TIME} Host time in engine steps, by phase: schedule (scheduling and cache bookkeeping), inputs (building the step plan), update (sampling, committing, queueing events), between (the engine loop between back-to-back steps), launch (uploading the step and enqueueing its work), overlap (host work while the device computes the step: handing the previous step's request and block events on, publishing its figures and cache events).\n# TYPE {ENGINE_HOST_TIME} counter"
         );
         for (i, s) in stats.iter().enumerate() {
             for (phase, v) in [
