@@ -157,20 +157,16 @@ struct Inner {
 
 use chimera_kernels::gemv::Mode as GemvMode;
 
-/// GEMV tuning knobs for kernel work with replaced sources (`CHIMERA_KERNEL_SOURCES`):
-/// resident blocks an SM when the grid is capped (`CHIMERA_GEMV_BLOCKS_PER_SM`; 0, the
-/// default, launches a block per row group) and rows a block (`CHIMERA_GEMV_ROWS`, which must
-/// match the replaced source's; 0 keeps the built-in one).
-fn gemv_tuning() -> (u32, u32) {
-    static V: std::sync::OnceLock<(u32, u32)> = std::sync::OnceLock::new();
+/// Resident GEMV blocks an SM when the grid is capped (`CHIMERA_GEMV_BLOCKS_PER_SM`, a tuning
+/// knob for kernel work; the blocks loop over row groups). 0, the default, launches a block per
+/// row group.
+fn gemv_blocks_per_sm() -> u32 {
+    static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
     *V.get_or_init(|| {
-        let var = |name| {
-            std::env::var(name)
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0)
-        };
-        (var("CHIMERA_GEMV_BLOCKS_PER_SM"), var("CHIMERA_GEMV_ROWS"))
+        std::env::var("CHIMERA_GEMV_BLOCKS_PER_SM")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
     })
 }
 
@@ -355,10 +351,6 @@ impl CudaBackend {
         let Some((entry, per_block)) = chimera_kernels::gemv::variant(n) else {
             return Ok(None);
         };
-        let per_block = match gemv_tuning().1 {
-            0 => per_block,
-            r => r,
-        };
         let gated = mode == GemvMode::Gated;
         let row_multiple = if gated { per_block / 2 } else { per_block } as usize;
         if x.dtype != DType::BF16
@@ -405,7 +397,7 @@ impl CudaBackend {
         args[15] = Arg::U32(mode as u32);
         args[16] = Arg::U32(act_code(act));
         let groups = (rows / per_block as usize) as u32;
-        let grid = match gemv_tuning().0 {
+        let grid = match gemv_blocks_per_sm() {
             0 => groups,
             b => groups.min(b * self.sm_count()),
         };
