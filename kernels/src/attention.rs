@@ -1287,33 +1287,39 @@ mod tests {
             }
             return ops;
         }
+        // Ping-pong: stages hold groups (K(g), V(g − 1)), g = 0..=ntiles; warpgroup batch g
+        // reads group g alone; group j + lead is gathered (into the stage of group
+        // j + lead − STAGES, once released) while batch j runs.
         let (mine, other) = (1 + wg, 2 - wg);
+        let refill = |ops: &mut Vec<SyncOp>, j: usize| {
+            let g = j + lead;
+            if g <= ntiles {
+                if g >= STAGES {
+                    ops.push(WaitEmpty(
+                        (g - STAGES) % STAGES,
+                        ((g - STAGES) / STAGES) & 1,
+                    ));
+                }
+                ops.push(fill(g));
+            }
+        };
         if wg == 1 && ntiles > 0 {
             ops.push(BarArrive(1));
         }
+        let mut j0 = 0;
         if jn > 0 {
-            refill_wait(&mut ops, 0);
-            ops.extend([wait_full(0), BarSync(mine), Use(0), BarArrive(other)]);
-            refill_copy(&mut ops, 0);
-            ops.push(Use(0));
-            for j in 1..jn {
-                refill_wait(&mut ops, j);
-                ops.extend([
-                    wait_full(j),
-                    BarSync(mine),
-                    Use(j),
-                    Use(j - 1),
-                    BarArrive(other),
-                ]);
-                refill_copy(&mut ops, j);
-                ops.extend([Use(j), Use(j - 1), ArriveEmpty((j - 1) % STAGES)]);
+            for j in 0..=jn {
+                ops.extend([wait_full(j), BarSync(mine), Use(j), BarArrive(other)]);
+                refill(&mut ops, j);
+                ops.extend([Use(j), ArriveEmpty(j % STAGES)]);
             }
-            ops.extend([Use(jn - 1), ArriveEmpty((jn - 1) % STAGES)]);
+            j0 = jn + 1;
         }
-        for j in jn..ntiles {
-            refill_wait(&mut ops, j);
-            refill_copy(&mut ops, j);
-            ops.extend([BarSync(mine), BarArrive(other), ArriveEmpty(j % STAGES)]);
+        if ntiles > 0 {
+            for j in j0..=ntiles {
+                refill(&mut ops, j);
+                ops.extend([BarSync(mine), BarArrive(other), ArriveEmpty(j % STAGES)]);
+            }
         }
         if wg == 0 && ntiles > 0 {
             ops.push(BarSync(mine));
@@ -1436,18 +1442,22 @@ mod tests {
                 }
             }
         }
-        // The check can fail: the ping-pong schedule gathering two tiles ahead deadlocks (its
-        // stage is released a tile later); without warpgroup 0's last wait a named barrier
-        // keeps warpgroup 1's last arrival; a refill that does not wait for the stage to be
-        // released overwrites a live one.
-        let too_far = [0, 1].map(|wg| sm90_program(wg, 5, 5, true, 2));
+        // The check can fail: the ping-pong schedule gathering three groups ahead overwrites
+        // the stage its batch reads; without warpgroup 0's last wait a named barrier keeps
+        // warpgroup 1's last arrival; a refill that does not wait for the stage to be
+        // released overwrites a live one (either schedule).
+        let too_far = [0, 1].map(|wg| sm90_program(wg, 5, 5, true, 3));
         let mut unmatched = [0, 1].map(|wg| sm90_program(wg, 5, 5, true, 1));
         assert_eq!(unmatched[0].pop(), Some(SyncOp::BarSync(1)));
         let mut eager = [0, 1].map(|wg| sm90_program(wg, 6, 6, false, 2));
-        for p in &mut eager {
+        // (In ping-pong a computing warpgroup's refill follows its turn, which already
+        // orders it after the other's release; a warpgroup with no tiles left refills before
+        // its turn and relies on the wait.)
+        let mut eager_pp = [0, 1].map(|wg| sm90_program(wg, 6, [3, 6][wg], true, 1));
+        for p in eager.iter_mut().chain(eager_pp.iter_mut()) {
             p.retain(|op| !matches!(op, SyncOp::WaitEmpty(..)));
         }
-        for progs in [too_far, unmatched, eager] {
+        for progs in [too_far, unmatched, eager, eager_pp] {
             let caught = std::panic::catch_unwind(|| check_sm90_sync(&progs));
             assert!(caught.is_err(), "a broken schedule passed");
         }

@@ -61,6 +61,7 @@ constexpr int WGS = 2;
 constexpr int BM = WGS * WG_ROWS;                  // packed rows per CTA
 constexpr int BN = 128;                            // keys per KV tile
 constexpr int STAGES = 3;
+constexpr float MAX_SLACK = 8.0f;                  // see softmax
 constexpr int NTH = 128 * WGS;
 constexpr int Q_BYTES = BM * D * 2;
 constexpr int TILE_BYTES = BN * D * 2;             // one K or V tile
@@ -122,6 +123,11 @@ __device__ __forceinline__ void named_bar_arrive(int id) {
 // observed) before its async-proxy reads (wgmma).
 __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// 16 bytes global → shared, bypassing L1.
+__device__ __forceinline__ void cp_async_16_full(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
 }
 
 __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
@@ -197,10 +203,12 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
     Tile t;
     if (!tile_of(a, BM, t)) return;
     const int tid = threadIdx.x, lane = tid & 31;
-    const int wg = tid >> 7, warp = (tid >> 5) & 3;  // warpgroup (rows 64·wg ..), warp in it
+    // warpgroup (rows 64·wg ..), warp in it; the shuffle tells the compiler wg is the same
+    // across the warp, so the descriptors built from it can live in uniform registers.
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0), warp = (tid >> 5) & 3;
     const int g = lane >> 2, tq = lane & 3;
     const int my_chunk = tid % CPR, my_row = tid / CPR;
-    const u32 s_q = (smem_addr(sm90_dyn_smem) + (ALIGN - 1)) & ~(u32)(ALIGN - 1);
+    const u32 s_q = ((u32)__cvta_generic_to_shared(sm90_dyn_smem) + (ALIGN - 1)) & ~(u32)(ALIGN - 1);
     const u32 s_kv = s_q + Q_BYTES;  // stage i: K at s_kv + i·STAGE_BYTES, V after it
     const u32 full = s_kv + STAGES * STAGE_BYTES;  // STAGES barriers: the tile has landed
     const u32 empty = full + STAGES * 8;           // STAGES barriers: both warpgroups are done
@@ -238,49 +246,73 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
     // The loaded block id is first used by that gather, so the load's latency is hidden.
     const int lane_in = lane % (2 * KV_PASSES);
     const u32 lk_row = (u32)(2 * (tid >> 5) + lane_in / KV_PASSES + RPP * (lane_in % KV_PASSES));
-    u32 lk_blk = 0, lk_off = NO_PART;  // block id and offset in it; NO_PART: past the range
+    // Positions past the CTA's range are looked up as its first position instead: their
+    // keys are masked (P = 0 exactly, and V rows of real cache data are finite), so every
+    // copy reads 16 valid bytes and the gather needs no per-row branch or zero fill.
+    u32 lk_blk = 0, lk_off = 0;  // block id and offset in it
     auto rows_of = [&](int j) {
         const u32 p = t.kv_first + (u32)j * BN + lk_row;
-        const bool valid = p < t.hi;
-        const u32 pc = valid ? p : t.kv_first;  // any position in range: the load stays valid
+        const u32 pc = p < t.hi ? p : t.kv_first;
         const u32 blk_idx = pc / a.block_size;
         lk_blk = t.bt[blk_idx];
-        lk_off = valid ? pc - blk_idx * a.block_size : NO_PART;
+        lk_off = pc - blk_idx * a.block_size;
+    };
+    auto looked_up = [&]() { return lk_blk * a.block_size + lk_off; };
+    // This thread's chunk of cache row 0 of its kv head in K and V, and the bytes between
+    // cache rows; its chunk's offset in a tile (pass k adds k · RPP rows: RPP is a multiple
+    // of 8, so the swizzle is the same in every pass).
+    const char* k_base = (const char*)(a.k_cache + t.kvh * D + my_chunk * 8);
+    const char* v_base = (const char*)(a.v_cache + t.kvh * D + my_chunk * 8);
+    const u32 row_bytes = a.kv_heads * D * 2;
+    const u32 my_off = sw128(BN, my_row, my_chunk);
+    static_assert(RPP % 8 == 0, "one swizzle phase per pass");
+    // The KV_PASSES rows of `rows` (a lookup) this thread copies, from `base` into `dst`.
+    auto copy_rows = [&](u32 dst, const char* base, u32 rows) {
+#pragma unroll
+        for (int k = 0; k < KV_PASSES; ++k) {
+            const u32 row = __shfl_sync(0xffffffffu, rows, (lane >> 4) * KV_PASSES + k);
+            cp_async_16_full(dst + my_off + k * RPP * 128, base + (u64)row * row_bytes);
+        }
     };
     // Tile j (the rows rows_of(j) looked up) into stage j mod STAGES, then the arrival on its
     // full barrier.
     auto gather = [&](int j) {
         const int st = j % STAGES;
         const u32 sk = s_kv + st * STAGE_BYTES;
-        const u32 looked_up = lk_off == NO_PART ? NO_PART : lk_blk * a.block_size + lk_off;
-#pragma unroll
-        for (int k = 0; k < KV_PASSES; ++k) {
-            const int r = my_row + k * RPP;
-            const u32 off = sw128(BN, r, my_chunk);
-            const u32 row = __shfl_sync(0xffffffffu, looked_up, (lane >> 4) * KV_PASSES + k);
-            const bf16 *ks = a.k_cache, *vs = a.v_cache;
-            u32 bytes = 0;
-            if (row != NO_PART) {
-                const i64 o = kv_offset(row, a.kv_heads, t.kvh, D) + my_chunk * 8;
-                ks += o;
-                vs += o;
-                bytes = 16;
-            }
-            cp_async_16(sk + off, ks, bytes);
-            cp_async_16(sk + TILE_BYTES + off, vs, bytes);
-        }
+        const u32 rows = looked_up();
+        copy_rows(sk, k_base, rows);
+        copy_rows(sk + TILE_BYTES, v_base, rows);
         cp_async_arrive(full + 8 * st);
+    };
+    // Ping-pong's stages pair K and V differently (see that schedule below): group g is
+    // K(g) (g < ntiles) and V(g − 1) (g ≥ 1) in stage g mod STAGES, exactly what a
+    // warpgroup's batch g reads. V(g − 1)'s rows are those K(g − 1) was gathered from:
+    // v_rows keeps that lookup.
+    u32 v_rows = 0;
+    auto gather_group = [&](int g) {
+        const int st = g % STAGES;
+        const u32 sk = s_kv + st * STAGE_BYTES;
+        const u32 k_rows = looked_up();
+        if (g < ntiles) copy_rows(sk, k_base, k_rows);
+        if (g > 0) copy_rows(sk + TILE_BYTES, v_base, v_rows);
+        cp_async_arrive(full + 8 * st);
+        v_rows = k_rows;
+        if (g + 1 < ntiles) rows_of(g + 1);
     };
     // Tiles gathered ahead of the one computed (see the schedules below).
     constexpr int LEAD = SCHED == PLAIN ? STAGES - 1 : 1;
     load_q();
     if (ntiles > 0) rows_of(0);
+    if (SCHED == PLAIN) {
 #pragma unroll
-    for (int j = 0; j < LEAD; ++j) {
-        if (j < ntiles) {
-            gather(j);
-            if (j + 1 < ntiles) rows_of(j + 1);
+        for (int j = 0; j < LEAD; ++j) {
+            if (j < ntiles) {
+                gather(j);
+                if (j + 1 < ntiles) rows_of(j + 1);
+            }
         }
+    } else if (ntiles > 0) {
+        gather_group(0);
     }
 
     const int wrow = wg * WG_ROWS;  // the warpgroup's first row
@@ -350,9 +382,14 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
             mx[h] = fmaxf(fmaxf(mx4[0][h], mx4[1][h]), fmaxf(mx4[2][h], mx4[3][h]));
             mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
             mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-            const float mn = fmaxf(m[h], mx[h] * sl2);  // scores scaled to log2 units
+            // The running max (log2 units of the scaled scores) moves only when the tile's
+            // exceeds it by more than MAX_SLACK: P stays ≤ 2^MAX_SLACK (exact enough in bf16
+            // and f32), and O needs no rescale on most tiles (alpha = 1).
+            const float mt = mx[h] * sl2;
+            const bool move = mt > m[h] + MAX_SLACK;
+            const float mn = move ? mt : m[h];
             base[h] = mn == -CHIMERA_INF ? 0.0f : mn;
-            alpha[h] = ex2(m[h] - base[h]);
+            alpha[h] = move ? ex2(m[h] - mn) : 1.0f;
             m[h] = mn;
             l[h] *= alpha[h];
         }
@@ -437,78 +474,103 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
             mbar_arrive(empty + 8 * st);
         }
     } else {
-        // Ping-pong (FlashAttention-3's inter-warpgroup schedule): per tile, a warpgroup
-        // issues S = Q·K(j)ᵀ and O += P(j − 1)·V(j − 1) as one batch, waits, and then runs
-        // tile j's softmax; two named barriers hand the tensor cores from one warpgroup to the
-        // other, so one's softmax runs while the other's batch is on the tensor cores. O is
-        // rescaled by tile j − 1's factor just before the batch. A stage is released once its
-        // P·V is done (one tile later), so tile j + 1 is gathered while tile j is computed
-        // (three stages: tile j's K, tile j − 1's V, tile j + 1 landing).
+        // Ping-pong (FlashAttention-3's inter-warpgroup schedule): a warpgroup's batch j is
+        // S = Q·K(j)ᵀ and O += P(j − 1)·V(j − 1), issued together; it waits for them and then
+        // runs tile j's softmax; two named barriers hand the tensor cores from one warpgroup
+        // to the other, so one's softmax runs while the other's batch is on the tensor cores.
+        // O is rescaled by tile j − 1's factor just before the batch.
+        //
+        // Stages hold groups (K(g), V(g − 1)), read by batch g alone and released once both
+        // warpgroups' batch g is done. Group j + 1 is gathered before batch j, into the stage
+        // of group j − 2: both warpgroups finished batch j − 2 before the other warpgroup's
+        // batch j − 1 began, so the refill never waits for the batch just ahead of this one
+        // on the tensor cores (pairing K(j) with V(j) made it wait for exactly that one).
         //
         // Turns: warpgroup w waits on barrier 1 + w before issuing, then arrives on the
-        // other's. Both take a turn for every tile, computing or not; warpgroup 1 starts by
-        // arriving on barrier 1 and warpgroup 0 ends by waiting on it, so every arrival is
-        // matched by a wait.
+        // other's. Both take a turn for every group 0..ntiles, computing or not; warpgroup 1
+        // starts by arriving on barrier 1 and warpgroup 0 ends by waiting on it, so every
+        // arrival is matched by a wait.
         const int mine = 1 + wg, other = 2 - wg;  // named barrier ids
         auto take_turn = [&]() { named_bar_sync(mine); };
         auto pass_turn = [&]() { named_bar_arrive(other); };
+        // Group j + 1 into its stage once both warpgroups have released group j − 2.
+        auto refill_group = [&](int j) {
+            const int g = j + 1, prev = g - STAGES;
+            if (g > ntiles) return;
+            if (prev >= 0) mbar_wait(empty + 8 * (prev % STAGES), (u32)(prev / STAGES) & 1u);
+            gather_group(g);
+        };
         if (wg == 1 && ntiles > 0) named_bar_arrive(1);
         // Tiles [0, jn) are this warpgroup's; tiles [jm, ..) are masked.
         const int jn = wg_active && wg_hi > t.kv_first
                            ? min(ntiles, (int)((wg_hi - t.kv_first + BN - 1) / BN))
                            : 0;
         const int jm = t.lo_full > t.kv_first ? (int)((t.lo_full - t.kv_first) / BN) : 0;
-        float alpha[2];  // the last softmax's factor, not yet applied to O
+        float alpha[2] = {1.0f, 1.0f};  // the last softmax's factor, not yet applied to O
+        auto stage_addr = [&](int j) { return s_kv + (j % STAGES) * STAGE_BYTES; };
         auto step = [&](int j, auto masked) {  // 1 ≤ j < jn
             // O's rescale comes before the waits' loops: registers a wgmma reads must not be
             // written between a branch and the wgmma (ptxas serialises every wgmma then).
-            rescale(alpha);
-            refill(j);
-            const int st = j % STAGES, prev = (j - 1) % STAGES;
+            // Skipped when no row of the warp moved its max (the usual case).
+            if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) rescale(alpha);
+            const int st = j % STAGES;
             mbar_wait(full + 8 * st, (u32)(j / STAGES) & 1u);
             fence_proxy_async();
             take_turn();
             wgmma_fence();
-            issue_s(s_kv + st * STAGE_BYTES);
-            issue_pv(s_kv + prev * STAGE_BYTES + TILE_BYTES);
+            issue_s(stage_addr(j));
+            issue_pv(stage_addr(j) + TILE_BYTES);
             pass_turn();
+            refill_group(j);  // while the batch runs
             wgmma_wait<0>();
             fence_regs(s);
             fence_regs(o);
-            mbar_arrive(empty + 8 * prev);
+            mbar_arrive(empty + 8 * st);
             softmax(t.kv_first + (u32)j * BN, alpha, masked);
             pack();
         };
-        if (jn > 0) {
-            refill(0);
+        int j = 0;
+        if (ntiles > 0 && jn > 0) {
             mbar_wait(full, 0);
             fence_proxy_async();
             take_turn();
             wgmma_fence();
             issue_s(s_kv);
             pass_turn();
+            refill_group(0);  // while the batch runs
             wgmma_wait<0>();
             fence_regs(s);
+            mbar_arrive(empty);
             if (jm > 0)
                 softmax(t.kv_first, alpha, Const<false>());
             else
                 softmax(t.kv_first, alpha, Const<true>());
             pack();
-            for (int j = 1; j < min(jm, jn); ++j) step(j, Const<false>());
-            for (int j = max(jm, 1); j < jn; ++j) step(j, Const<true>());
-            const int last = (jn - 1) % STAGES;
-            rescale(alpha);
+            for (j = 1; j < min(jm, jn); ++j) step(j, Const<false>());
+            for (j = max(jm, 1); j < jn; ++j) step(j, Const<true>());
+            // Batch jn: the last P·V alone.
+            // Skipped when no row of the warp moved its max (the usual case).
+            if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) rescale(alpha);
+            const int st = jn % STAGES;
+            mbar_wait(full + 8 * st, (u32)(jn / STAGES) & 1u);
+            fence_proxy_async();
+            take_turn();
             wgmma_fence();
-            issue_pv(s_kv + last * STAGE_BYTES + TILE_BYTES);
+            issue_pv(stage_addr(jn) + TILE_BYTES);
+            pass_turn();
+            refill_group(jn);  // while the batch runs
             wgmma_wait<0>();
             fence_regs(o);
-            mbar_arrive(empty + 8 * last);
+            mbar_arrive(empty + 8 * st);
+            j = jn + 1;
         }
-        for (int j = jn; j < ntiles; ++j) {
-            refill(j);
-            take_turn();
-            pass_turn();
-            mbar_arrive(empty + 8 * (j % STAGES));
+        if (ntiles > 0) {
+            for (; j <= ntiles; ++j) {
+                refill_group(j);
+                take_turn();
+                pass_turn();
+                mbar_arrive(empty + 8 * (j % STAGES));
+            }
         }
         if (wg == 0 && ntiles > 0) take_turn();  // warpgroup 1's last arrival
     }

@@ -316,9 +316,11 @@ __device__ void decode_rows(const T* x, const T* b, const T* c, T* out, S* st, S
                             i64 brow, i64 yrow, const RowStep& r) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll 1
-    for (u32 p = p0 + warp; p < p1; p += 2 * DEC_WARPS) {
+    // bf16 state: one row at a time (the register budget of the bf16 kernels' occupancy).
+    constexpr u32 ROWS = sizeof(S) == 4 ? 2 : 1;
+    for (u32 p = p0 + warp; p < p1; p += ROWS * DEC_WARPS) {
         const u32 p2 = p + DEC_WARPS;
-        const bool two = p2 < p1;
+        const bool two = ROWS == 2 && p2 < p1;
         const float x1 = load(x, xrow + p), x2 = two ? load(x, xrow + p2) : 0.0f;
         const float dx1 = r.dtv * x1, dx2 = r.dtv * x2;
         float acc1 = 0.0f, acc2 = 0.0f;
@@ -400,7 +402,9 @@ template <typename T, typename S>
 __device__ void decode_rows_vec(const T* x, const T* b, const T* c, T* out, S* st, S* pool,
                                 const u32* snap_slot, u32 k0, u32 nk, u32 p0, u32 p1, u32 N,
                                 i64 xrow, i64 brow, i64 yrow, const RowStep& r) {
-    constexpr int V = VEC<S>, CV = DEC_COLS<S>, RK = DEC_VECS / CV;
+    // bf16 state: half the vectors at once (two passes per planned slice), which keeps this
+    // path inside the register budget of the fast path's occupancy.
+    constexpr int V = VEC<S>, CV = DEC_COLS<S>, RK = DEC_VECS / CV / (sizeof(S) == 2 ? 2 : 1);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 L = N / (V * CV);
     const u32 per_pass = 32 / L;  // rows a warp covers per pass
@@ -488,6 +492,156 @@ __device__ void decode_rows_vec(const T* x, const T* b, const T* c, T* out, S* s
     }
 }
 
+// The state streams through the decode step once (each vector read, then written back by the
+// same thread): the loads skip L1. Inline PTX also keeps each row's store where it is written,
+// so the compiler neither sinks the stores (holding every new row at once) nor delays loads.
+__device__ __forceinline__ uint4 ld_state(const void* p) {
+    uint4 r;
+    asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+__device__ __forceinline__ void st_state(void* p, const uint4& v) {
+    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+                 "r"(v.w)
+                 : "memory");
+}
+
+// bf16 state, N = 128, a full 64-row slice (the shape the host plans for NemotronH-class
+// layers): lane l of warp w owns the 16-byte vector l mod 16 of rows w·2 + l/16 + 8k, k < 8,
+// so every state access is the slice base plus a constant, and all eight loads go out before
+// the first use. y is reduced over a row's 16 lanes by halving exchange: each round sends
+// half of the remaining row sums (4 + 2 + 1 + 1 shuffles for the thread's 8 rows, not 4 × 8),
+// adding the same pairs in the same order as a butterfly per row, so y is unchanged. The
+// head's scalars (dt, decay, D) are loaded and computed after the state loads are out.
+// 80 registers: 6 CTAs an SM (the general path holds 96: 5).
+constexpr u32 DEC_FAST_N = 128, DEC_FAST_ROWS = 64, DEC_FAST_STEP = 2 * DEC_WARPS;
+
+// The element offset of this thread's first vector in a fast-path slice (the others follow
+// at DEC_FAST_STEP rows).
+__device__ __forceinline__ u32 fast_own() {
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    return (warp * 2 + (lane >> 4)) * DEC_FAST_N + (lane & 15) * 8;
+}
+
+// The eight x values of a thread's rows (at `step` elements from `p`): bf16 inputs are kept
+// as raw pairs (4 registers; the fast path's budget), f32 as they are.
+template <typename T>
+struct XRows;
+template <>
+struct XRows<float> {
+    float v[8];
+    __device__ __forceinline__ void load(const float* p, u32 step) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[k] = p[k * step];
+    }
+    __device__ __forceinline__ float get(int k) const { return v[k]; }
+};
+template <>
+struct XRows<bf16> {
+    u32 w[4];
+    __device__ __forceinline__ void load(const bf16* p, u32 step) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            w[j] = (u32)p[2 * j * step].bits | ((u32)p[(2 * j + 1) * step].bits << 16);
+    }
+    __device__ __forceinline__ float get(int k) const {
+        return __uint_as_float(k % 2 ? w[k / 2] & 0xffff0000u : w[k / 2] << 16);
+    }
+};
+
+// Waits for the cp.async group of row k (of 8, committed in order).
+__device__ __forceinline__ void wait_rows(int k) {
+    switch (k) {
+    case 0: cp_async_wait_groups<7>(); break;
+    case 1: cp_async_wait_groups<6>(); break;
+    case 2: cp_async_wait_groups<5>(); break;
+    case 3: cp_async_wait_groups<4>(); break;
+    case 4: cp_async_wait_groups<3>(); break;
+    case 5: cp_async_wait_groups<2>(); break;
+    case 6: cp_async_wait_groups<1>(); break;
+    default: cp_async_wait_groups<0>(); break;
+    }
+}
+
+template <typename T, typename Snap>
+__device__ __forceinline__ void decode_fast_bf16(const T* x, const T* b, const T* c, const T* dt,
+                                                 const T* a_log, const T* d, const T* dt_bias,
+                                                 T* out, bf16* st, u32 h, i64 dt_at, i64 xrow,
+                                                 i64 brow, i64 yrow, float dt_min, float dt_max,
+                                                 u32 snaps, const Snap& snap) {
+    constexpr u32 N = DEC_FAST_N, RS = DEC_FAST_STEP;
+    const u32 lane = threadIdx.x & 31;
+    const u32 row0 = (threadIdx.x >> 5) * 2 + (lane >> 4);
+    const u32 n0 = (lane & 15) * 8;
+    uint4* sv4 = reinterpret_cast<uint4*>(st + fast_own());
+    // The state goes global → shared by cp.async, one group per row: nothing of it is held in
+    // registers while in flight (64 registers: 8 CTAs an SM, 16 KB of shared memory each).
+    // Each thread reads back only its own copies, so no barrier is needed.
+    __shared__ uint4 stage[8][DEC_THREADS];
+    const u32 at = smem_addr(&stage[0][threadIdx.x]);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        cp_async_16(at + k * DEC_THREADS * 16, sv4 + k * RS * N / 8, 16);
+        cp_async_commit_group();
+    }
+    XRows<T> xv;
+    xv.load(x + xrow + row0, RS);
+    float bv[8], cv[8];  // B and C rows 16-byte aligned (checked by the caller)
+#pragma unroll
+    for (int v = 0; v < 8; v += VEC<T>) {
+        load16(b, brow + n0 + v, bv + v);
+        load16(c, brow + n0 + v, cv + v);
+    }
+    // The head's scalars only now: their loads and the softplus stay off the state loads' path.
+    const float dtv = dt_of(load(dt, dt_at), load(dt_bias, h), dt_min, dt_max);
+    const float decay = expf(dtv * -expf(load(a_log, h)));
+    const float dh = load(d, h);
+    float acc[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        const float dx = dtv * xv.get(k);
+        float sv[8];
+        wait_rows(k);
+        unpack16(stage[k][threadIdx.x], sv, st);
+        acc[k] = 0.0f;
+#pragma unroll
+        for (int v = 0; v < 8; ++v) {
+            sv[v] = sv[v] * decay + dx * bv[v];
+            acc[k] += sv[v] * cv[v];
+        }
+        const uint4 nv = pack16(sv, st);
+        st_state(sv4 + k * RS * N / 8, nv);
+        // Snapshots (rare) from the registers. The branch also ends the row's block, so the
+        // compiler schedules row by row: it neither sinks the stores nor interleaves rows,
+        // which would hold more registers than the eight raw vectors do.
+        if (snaps) snap(fast_own() + k * RS * N, nv);
+    }
+    const bool h3 = lane & 8, h2 = lane & 4, h1 = lane & 2;
+    float a4[4], x4[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float send = h3 ? acc[j] : acc[j + 4], keep = h3 ? acc[j + 4] : acc[j];
+        a4[j] = keep + __shfl_xor_sync(0xffffffffu, send, 8);
+        x4[j] = h3 ? xv.get(j + 4) : xv.get(j);
+    }
+    float a2[2], x2[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const float send = h2 ? a4[j] : a4[j + 2], keep = h2 ? a4[j + 2] : a4[j];
+        a2[j] = keep + __shfl_xor_sync(0xffffffffu, send, 4);
+        x2[j] = h2 ? x4[j + 2] : x4[j];
+    }
+    const float send = h1 ? a2[0] : a2[1], keep = h1 ? a2[1] : a2[0];
+    float a1 = keep + __shfl_xor_sync(0xffffffffu, send, 2);
+    a1 += __shfl_xor_sync(0xffffffffu, a1, 1);
+    const float x1 = h1 ? x2[1] : x2[0];
+    // This lane pair holds row k = 4·h3 + 2·h2 + h1 of the thread's rows.
+    const u32 k = (lane >> 1) & 7;
+    if ((lane & 1) == 0) store(out, yrow + row0 + k * RS, a1 + dh * x1);
+}
+
 template <typename T, typename S>
 __device__ void decode(const T* x, const T* b, const T* c, const T* dt, const T* a_log,
                        const T* d, const T* dt_bias, T* out, S* pool, const u32* seq_tok,
@@ -510,13 +664,32 @@ __device__ void decode(const T* x, const T* b, const T* c, const T* dt, const T*
         return;
     }
     st += h * pn;
+    const u32 g = h / (heads / groups);
+    const i64 brow = (i64)tok * bc_ld + (i64)g * N;
+    const i64 xrow = (i64)tok * x_ld + (i64)h * P;
+    if constexpr (sizeof(S) == 2) {
+        if (N == DEC_FAST_N && p1 - p0 == DEC_FAST_ROWS && aligned16(pool) &&
+            aligned16(b + brow) && aligned16(c + brow)) {
+            const u64 off = (u64)p0 * N;
+            const u32 snaps = seq_snaps[e];
+            auto snap = [&](u32 at, const uint4& v) {
+                const u32 q0 = seq_snap[e];
+#pragma unroll 1
+                for (u32 q = q0; q < q0 + snaps; ++q) {
+                    bf16* dst = layer_state(pool, snap_slot[q], slots, layer, layers, pn * heads);
+                    if (dst) st_state(dst + h * pn + off + at, v);
+                }
+            };
+            decode_fast_bf16(x, b, c, dt, a_log, d, dt_bias, out + p0, st + off, h,
+                             (i64)tok * dt_ld + h, xrow + p0, brow, yrow, dt_min, dt_max, snaps,
+                             snap);
+            return;
+        }
+    }
     const float dtv = dt_of(load(dt, (i64)tok * dt_ld + h), load(dt_bias, h), dt_min, dt_max);
     const float a = -expf(load(a_log, h));
     const float decay = expf(dtv * a);
     const float dh = load(d, h);
-    const u32 g = h / (heads / groups);
-    const i64 brow = (i64)tok * bc_ld + (i64)g * N;
-    const i64 xrow = (i64)tok * x_ld + (i64)h * P;
     const u32 k0 = seq_snap[e], nk = seq_snaps[e];
     const RowStep step{decay, dtv, dh, h * pn, pn * heads, layer, layers, slots};
     constexpr u32 W = VEC<S> * DEC_COLS<S>;  // state values a lane holds of a row
@@ -887,6 +1060,24 @@ __device__ __forceinline__ void stage_async(bf16* dst, const bf16* src, i64 ld, 
     }
 }
 
+// ROWS × W bf16 from global rows into a padded tile with cp.async, by THREADS threads (t:
+// this thread's index among them); rows ≥ valid are zero. The shape is known at compile time,
+// so each thread's pieces are a fixed unrolled list (one address step per piece).
+template <int W, int ROWS, int THREADS>
+__device__ __forceinline__ void stage_rows(bf16* dst, const bf16* src, i64 ld, int valid, int t) {
+    constexpr int CH = W / 8;
+    static_assert((ROWS * CH) % THREADS == 0 && THREADS % CH == 0, "whole passes");
+    constexpr int STEP = THREADS / CH;  // rows per pass
+    const int r0 = t / CH, cc = t % CH;
+    const bf16* s = src + (i64)r0 * ld + cc * 8;
+    const u32 d = smem_addr(dst + r0 * Pad<W>::LD + cc * 8);
+#pragma unroll
+    for (int u = 0; u < ROWS * CH / THREADS; ++u) {
+        const bool ok = r0 + STEP * u < valid;
+        cp_async_16(d + 2 * STEP * u * Pad<W>::LD, ok ? s + (i64)STEP * u * ld : src, ok ? 16u : 0u);
+    }
+}
+
 // SSD steps 2 and 3 fused (tensor cores): chunk states and state passing in one walk over a
 // sequence's chunks, so the state never leaves the chip between chunks. CTA (prompt entry,
 // head, half of the state columns); 8 warps, warp w owning the p rows [16·(w mod 4), +16)
@@ -937,7 +1128,6 @@ __device__ void chunk_pass_mma(const bf16* x, const bf16* b, const float* ck_dt,
     static_assert(P == 64 && SCAN_THREADS == 256 && NW % 16 == 0, "4 × 16 p rows, 2 column halves");
     bf16* smem = reinterpret_cast<bf16*>(ssm_dyn_smem);
     float* fsm = reinterpret_cast<float*>(ssm_dyn_smem);
-    float* ws = fsm + Ly::WS;
     u32 r = blockIdx.x;
     const u32 split = r % CP_SPLIT;
     r /= CP_SPLIT;
@@ -979,26 +1169,30 @@ __device__ void chunk_pass_mma(const bf16* x, const bf16* b, const float* ck_dt,
         }
     };
     chunk_cols();
+    // The weight inputs of the tile issued last (threads < SCAN_ROWS; w_valid 0: no tile).
+    int w_valid = 0;
+    float w_a = 0.0f, w_dt = 0.0f, w_end = 0.0f;
     auto issue = [&](int stage) {
+        w_valid = 0;
         u32* m = meta + stage * 8;
         if (ick < c_end) {
             const u32 tok = i_tok, len = i_len;
             const int valid = (int)min((u32)SCAN_ROWS, len - is0);
             bf16* st = smem + stage * Ly::STAGE;
-            stage_async<P>(st + Ly::XS, x + (i64)(tok + is0) * x_ld + (i64)h * P, x_ld, SCAN_ROWS, valid);
-            stage_async<NC>(st + Ly::BS, b + (i64)(tok + is0) * bc_ld + (i64)g * N + n0, bc_ld,
-                            SCAN_ROWS, valid);
-            // A_s and dt_s of the tile's rows from the chunk-major copies (16-byte pieces, rows
-            // past the chunk's end zero), and the chunk's A_end.
-            float* f = fsm + Ly::F0 + stage * Ly::FST;
-            const u64 rec = ((u64)ick * heads + h) * rec_rows;
-            if (threadIdx.x < 2 * SCAN_ROWS / 4) {
-                const int q = threadIdx.x % (SCAN_ROWS / 4), half = threadIdx.x / (SCAN_ROWS / 4);
-                const int bytes = max(0, min(16, 4 * (valid - 4 * q)));
-                const float* src = (half ? ck_dt : ck_a) + rec + is0 + 4 * q;
-                cp_async_16(smem_addr(f + half * SCAN_ROWS + 4 * q), bytes > 0 ? src : ck_a, (u32)bytes);
-            } else if (threadIdx.x == 2 * SCAN_ROWS / 4) {
-                cp_async_4(smem_addr(f + 2 * SCAN_ROWS), ck_a + rec + len - 1, 4u);
+            stage_rows<P, SCAN_ROWS, SCAN_THREADS>(st + Ly::XS, x + (i64)(tok + is0) * x_ld + (i64)h * P,
+                                                   x_ld, valid, threadIdx.x);
+            stage_rows<NC, SCAN_ROWS, SCAN_THREADS>(st + Ly::BS, b + (i64)(tok + is0) * bc_ld + (i64)g * N + n0,
+                                                    bc_ld, valid, threadIdx.x);
+            // A_s and dt_s of this thread's row (threads < SCAN_ROWS) from the chunk-major
+            // copies, and the chunk's A_end, into registers: the weight is computed after the
+            // current tile's products (finish_weights), its loads' latency hidden by them.
+            if (threadIdx.x < SCAN_ROWS) {
+                const u64 rec = ((u64)ick * heads + h) * rec_rows;
+                const int s = threadIdx.x;
+                w_valid = valid;
+                w_a = s < valid ? ck_a[rec + is0 + s] : 0.0f;
+                w_dt = s < valid ? ck_dt[rec + is0 + s] : 0.0f;
+                w_end = ck_a[rec + len - 1];
             }
             const bool last = is0 + SCAN_ROWS >= len;
             if (threadIdx.x == 0) {
@@ -1019,8 +1213,21 @@ __device__ void chunk_pass_mma(const bf16* x, const bf16* b, const float* ck_dt,
         }
         cp_async_commit_group();  // possibly empty: one group per tile slot keeps the count
     };
+    // The issued tile's weights w_s = exp(A_end − A_s)·dt_s (zero past its rows) and A_end into
+    // its stage's f32 slot; read after the next barrier.
+    auto finish_weights = [&](int stage) {
+        if (threadIdx.x < SCAN_ROWS && w_valid > 0) {
+            float* f = fsm + Ly::F0 + stage * Ly::FST;
+            const int s = threadIdx.x;
+            f[s] = s < w_valid ? expf(w_end - w_a) * w_dt : 0.0f;
+            if (s == 0) f[2 * SCAN_ROWS] = w_end;
+        }
+    };
 #pragma unroll
-    for (int st = 0; st < CP_STAGES - 1; ++st) issue(st);
+    for (int st = 0; st < CP_STAGES - 1; ++st) {
+        issue(st);
+        finish_weights(st);
+    }
 
     float acc[NT][4] = {};
     for (int it = 0;; ++it) {
@@ -1033,10 +1240,7 @@ __device__ void chunk_pass_mma(const bf16* x, const bf16* b, const float* ck_dt,
         if (valid == 0) break;  // (the same record for every thread)
         const u32 flags = m[1], cck = m[2];
         const float* f = fsm + Ly::F0 + stage * Ly::FST;
-        if (threadIdx.x < SCAN_ROWS) {
-            const int s = threadIdx.x;
-            ws[s] = s < valid ? expf(f[2 * SCAN_ROWS] - f[s]) * f[SCAN_ROWS + s] : 0.0f;
-        }
+        const float* ws = f;  // this tile's weights (written before the barrier above)
         if (flags & 1u) {
             // The state entering chunk cck, for the chunk scan.
             bf16* dst = hc + ((u64)cck * heads + h) * pn;
@@ -1049,12 +1253,11 @@ __device__ void chunk_pass_mma(const bf16* x, const bf16* b, const float* ck_dt,
                 for (int q = 0; q < 4; ++q) acc[j][q] = 0.0f;
             }
         }
-        __syncthreads();  // the weights
         const bf16* xs = smem + stage * Ly::STAGE + Ly::XS;
         const bf16* bs = smem + stage * Ly::STAGE + Ly::BS;
 #pragma unroll
         for (int kk = 0; kk < SCAN_ROWS / 16; ++kk) {
-            if (16 * kk >= valid) break;
+            // (Rows past the tile's valid ones are zero, with zero weights.)
             // A (m = p, k = s) from xs[s][p], transposed; its k pairs (2tq, 2tq + 1) and
             // (2tq + 8, 2tq + 9) scaled by their tokens' weights.
             u32 a[4];
@@ -1074,6 +1277,7 @@ __device__ void chunk_pass_mma(const bf16* x, const bf16* b, const float* ck_dt,
                 mma(acc[j + 1], a, bb[2], bb[3]);
             }
         }
+        finish_weights((it + CP_STAGES - 1) % CP_STAGES);
         if (!(flags & 2u)) continue;  // more tiles of this chunk
         const float decay = expf(f[2 * SCAN_ROWS]);
 #pragma unroll
@@ -1291,29 +1495,64 @@ __device__ void scan_mma(const bf16* x, const bf16* b, const bf16* c, const bf16
 // scores: CTA (chunk, group, block of `head_block` heads of the group). The scores C·Bᵀ
 // depend only on the group, so the CTA computes them once (the 36 lower-triangle 16×16
 // tiles, f32, kept in shared memory in accumulator-fragment order: a lane reads back exactly
-// the values it needs as an mma A operand) and then walks its heads with x, h_c (bf16, from
-// the fused chunk-pass kernel), A_s and dt_s of the next head staged by cp.async while the
-// current one is multiplied. Per head, warp w owns the row blocks w mod 4 and 7 − w mod 4
-// (16 rows each: equal causal work for every warp) and the 32 output columns
-// [32·(w / 4), +32): y = exp(A_l)·C·h_cᵀ + Σ_{s ≤ l} (CB∘decay∘dt)·x + D·x.
-constexpr int GS_STAGES = 2;  // heads in the ring
+// the values it needs as an mma A operand). Then its two warpgroups walk the heads
+// independently (warpgroup k takes heads k, k + 2, ...), so one's exponentials and barriers
+// overlap the other's products. Head i's x, h_c (bf16, from the fused chunk-pass kernel), A_s
+// and dt_s land in stage i mod GS_STAGES by cp.async, completing on that stage's mbarrier;
+// the warpgroup done with head i refills its stage with head i + GS_STAGES (for the other
+// warpgroup). Per head, warp w of a warpgroup owns the row blocks w and 7 − w (16 rows each:
+// equal causal work) and all P output columns, and builds its decayed, masked scores
+// CB∘exp(A_l − A_s)·dt_s as bf16 A fragments in registers (the FA2 accumulator-to-operand
+// trick). Off the diagonal, exp(A_l − A_s) = exp(A_l − A_r)·exp(A_r − A_s) with A_r the
+// column block's last A (both factors ≤ 1): the column factors exp(A_r − A_s)·dt_s are
+// computed once per head in shared memory, two exponentials per lane and tile remain.
+// y = exp(A_l)·C·h_cᵀ + Σ_{s ≤ l} (CB∘decay∘dt)·x + D·x.
+constexpr int GS_STAGES = 3;  // head stages (shared by the two warpgroups)
 constexpr int GS_TILES = (SCAN_ROWS / 16) * (SCAN_ROWS / 16 + 1) / 2;
 
 template <int P, int N>
 struct GroupScanLayout {  // offsets in bf16 elements; ssm.rs: group_scan_smem_bytes
     static constexpr int LDN = Pad<N>::LD, LDP = Pad<P>::LD;
-    static constexpr int CS = 0;  // C rows [SCAN_ROWS][LDN]
+    static constexpr int CB = 0;  // score tiles (f32, GS_TILES × 256)
     // A head stage: x rows [SCAN_ROWS][LDP], h_c [P][LDN], then f32 A_s and dt_s [SCAN_ROWS].
+    // Before the heads, stages 1 and 2 hold the C and the B rows [SCAN_ROWS][LDN].
     static constexpr int XS = 0, HB = SCAN_ROWS * LDP, FS = HB + P * LDN;
     static constexpr int STAGE = FS + 2 * SCAN_ROWS * 2;
-    static constexpr int HEAD = CS + SCAN_ROWS * LDN;             // the first stage
-    static constexpr int BS = HEAD + (GS_STAGES - 1) * STAGE;      // B rows: the last stage
-    static constexpr int CB = HEAD + GS_STAGES * STAGE;           // score tiles (f32)
-    static constexpr int G = CB + GS_TILES * 256 * 2;             // one head's bf16 A fragments
-    static constexpr int BYTES = (G + GS_TILES * 256) * 2;
-    static_assert(SCAN_ROWS * LDN <= STAGE, "B rows fit in a head stage");
-    static_assert(HEAD % 8 == 0 && STAGE % 8 == 0 && FS % 8 == 0, "16-byte alignment");
+    static constexpr int HEAD = CB + GS_TILES * 256 * 2;
+    static constexpr int CF = HEAD + GS_STAGES * STAGE;  // per warpgroup: column factors (f32)
+    static constexpr int BAR = CF + 2 * SCAN_ROWS * 2;   // GS_STAGES mbarriers
+    static constexpr int BYTES = BAR * 2 + GS_STAGES * 8;
+    static_assert(SCAN_ROWS * LDN <= STAGE && GS_STAGES >= 3, "C and B rows fit in stages 1, 2");
+    static_assert(HEAD % 8 == 0 && STAGE % 8 == 0 && FS % 8 == 0 && BAR % 4 == 0, "alignment");
 };
+
+__device__ __forceinline__ void gs_bar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Arrives on `bar` once every cp.async this thread issued before has landed (noinc: the
+// barrier's expected count includes this arrival).
+__device__ __forceinline__ void gs_cp_arrive(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void gs_bar_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile(
+#if __CUDA_ARCH__ >= 900
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+#else
+            // sm_80 has no try_wait: poll.
+            "{\n.reg .pred p;\nmbarrier.test_wait.parity.shared.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+#endif
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+// The 128 threads of warpgroup `wg` (named barrier 1 + wg).
+__device__ __forceinline__ void gs_wg_sync(int wg) {
+    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+}
 
 template <int P, int N>
 __device__ void scan_group_mma(const bf16* x, const bf16* b, const bf16* c, const bf16* d,
@@ -1321,11 +1560,10 @@ __device__ void scan_group_mma(const bf16* x, const bf16* b, const bf16* c, cons
                                const u32* ck_tok, const u32* ck_len, u32 heads, u32 groups,
                                u32 x_ld, u32 bc_ld, u32 out_ld, u32 head_block, u32 head_blocks,
                                u32 rec_rows) {
-    static_assert(P == 64 && SCAN_THREADS == 256 && SCAN_ROWS == 128, "8 warps, 8 row blocks");
+    static_assert(P == 64 && SCAN_THREADS == 256 && SCAN_ROWS == 128, "2 × 4 warps, 8 row blocks");
     using Ly = GroupScanLayout<P, N>;
-    constexpr int LDN = Ly::LDN, LDP = Ly::LDP;
+    constexpr int LDN = Ly::LDN, LDP = Ly::LDP, KN = N / 16;
     bf16* smem = reinterpret_cast<bf16*>(ssm_dyn_smem);
-    bf16 *cs = smem + Ly::CS, *bs = smem + Ly::BS;
     float4* cb4 = reinterpret_cast<float4*>(smem + Ly::CB);
     u32 r = blockIdx.x;
     const u32 hblk = r % head_blocks;
@@ -1336,32 +1574,44 @@ __device__ void scan_group_mma(const bf16* x, const bf16* b, const bf16* c, cons
     const u32 nh = min(head_block, hpg - min(hpg, hblk * head_block));
     const u32 tok = ck_tok[ck], len = ck_len[ck];
     if (nh == 0) return;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wg = warp >> 2, wt = tid & 127;
     const int mat = lane >> 3, mr = lane & 7, gq = lane >> 2, tq = lane & 3;
     const u64 pn = (u64)P * N;
+    const u32 bar0 = smem_addr(smem + Ly::BAR);
+    auto stage_of = [&](u32 i) { return smem + Ly::HEAD + (int)(i % GS_STAGES) * Ly::STAGE; };
 
-    auto issue = [&](u32 i) {  // head h0 + i into stage i mod GS_STAGES
-        if (i < nh) {
-            const u32 h = h0 + i;
-            bf16* st = smem + Ly::HEAD + (int)(i % GS_STAGES) * Ly::STAGE;
-            stage_async<P>(st + Ly::XS, x + (i64)tok * x_ld + (i64)h * P, x_ld, SCAN_ROWS, (int)len);
-            stage_async<N>(st + Ly::HB, hc + ((u64)ck * heads + h) * pn, N, P, P);
-            // A_s and dt_s from ssd_dt's chunk-major copies, rows past the chunk's end zero.
-            float* f = reinterpret_cast<float*>(st + Ly::FS);
-            if (threadIdx.x < 2 * SCAN_ROWS / 4) {
-                const int q = threadIdx.x % (SCAN_ROWS / 4), half = threadIdx.x / (SCAN_ROWS / 4);
-                const int bytes = max(0, min(16, 4 * ((int)len - 4 * q)));
-                const float* src = (half ? ck_dt : ck_a) + ((u64)ck * heads + h) * rec_rows + 4 * q;
-                cp_async_16(smem_addr(f + half * SCAN_ROWS + 4 * q), bytes > 0 ? src : ck_a, (u32)bytes);
-            }
+    // Head h0 + i into its stage, by the 128 threads of the calling warpgroup.
+    auto issue = [&](u32 i) {
+        bf16* st = stage_of(i);
+        const u32 h = h0 + i;
+        stage_rows<P, SCAN_ROWS, 128>(st + Ly::XS, x + (i64)tok * x_ld + (i64)h * P, x_ld, (int)len, wt);
+        stage_rows<N, P, 128>(st + Ly::HB, hc + ((u64)ck * heads + h) * pn, N, P, wt);
+        // A_s and dt_s from ssd_dt's chunk-major copies, rows past the chunk's end zero.
+        float* f = reinterpret_cast<float*>(st + Ly::FS);
+        if (wt < 2 * SCAN_ROWS / 4) {
+            const int q = wt % (SCAN_ROWS / 4), half = wt / (SCAN_ROWS / 4);
+            const int bytes = max(0, min(16, 4 * ((int)len - 4 * q)));
+            const float* src = (half ? ck_dt : ck_a) + ((u64)ck * heads + h) * rec_rows + 4 * q;
+            cp_async_16(smem_addr(f + half * SCAN_ROWS + 4 * q), bytes > 0 ? src : ck_a, (u32)bytes);
         }
-        cp_async_commit_group();
+        gs_cp_arrive(bar0 + 8 * (i % GS_STAGES));
     };
-    stage_async<N>(cs, c + (i64)tok * bc_ld + (i64)g * N, bc_ld, SCAN_ROWS, (int)len);
-    stage_async<N>(bs, b + (i64)tok * bc_ld + (i64)g * N, bc_ld, SCAN_ROWS, (int)len);
+
+    if (tid == 0) {
+#pragma unroll
+        for (int s = 0; s < GS_STAGES; ++s) gs_bar_init(bar0 + 8 * s, 128);
+#if __CUDA_ARCH__ >= 900
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+    }
+    __syncthreads();
+    if (wg == 0) issue(0);
+    const bf16 *cs = stage_of(1), *bs = stage_of(2);
+    stage_rows<N, SCAN_ROWS, SCAN_THREADS>(stage_of(1), c + (i64)tok * bc_ld + (i64)g * N, bc_ld, (int)len, tid);
+    stage_rows<N, SCAN_ROWS, SCAN_THREADS>(stage_of(2), b + (i64)tok * bc_ld + (i64)g * N, bc_ld, (int)len, tid);
     cp_async_commit_group();
-    issue(0);
-    cp_async_wait_groups<1>();  // C and B
+    cp_async_wait_groups<0>();
     __syncthreads();
 
     // Scores: tile t = lb(lb + 1)/2 + sb (sb ≤ lb) holds C rows [16lb, +16) · B rows
@@ -1373,7 +1623,7 @@ __device__ void scan_group_mma(const bf16* x, const bf16* b, const bf16* c, cons
         float sc[2][4] = {};
         if (16 * sb < (int)len && 16 * lb < (int)len) {
 #pragma unroll
-            for (int kk = 0; kk < N / 16; ++kk) {
+            for (int kk = 0; kk < KN; ++kk) {
                 u32 a[4], bb[4];
                 ldsm4(a, cs + (16 * lb + mr + ((mat & 1) << 3)) * LDN + 16 * kk + ((mat >> 1) << 3));
                 ldsm4(bb, bs + (16 * sb + mr + ((mat >> 1) << 3)) * LDN + 16 * kk + ((mat & 1) << 3));
@@ -1384,100 +1634,117 @@ __device__ void scan_group_mma(const bf16* x, const bf16* b, const bf16* c, cons
         cb4[(2 * t) * 32 + lane] = make_float4(sc[0][0], sc[0][1], sc[0][2], sc[0][3]);
         cb4[(2 * t + 1) * 32 + lane] = make_float4(sc[1][0], sc[1][1], sc[1][2], sc[1][3]);
     }
-    __syncthreads();  // the scores are in; B's stage is free
-
-    const int rp = warp & 3, pc0 = 32 * (warp >> 2);
+    const int rp = warp & 3;
     // The C fragments (A operands, k = state column) of this warp's row blocks rp and 7 − rp,
     // the same for every head: loaded once.
-    u32 ca[2][N / 16][4];
+    u32 ca[2][KN][4];
 #pragma unroll
     for (int bi = 0; bi < 2; ++bi)
 #pragma unroll
-        for (int kk = 0; kk < N / 16; ++kk)
+        for (int kk = 0; kk < KN; ++kk)
             ldsm4(ca[bi][kk], cs + (16 * (bi ? 7 - rp : rp) + mr + ((mat & 1) << 3)) * LDN + 16 * kk +
                                    ((mat >> 1) << 3));
-    uint4* g4 = reinterpret_cast<uint4*>(smem + Ly::G);
-    for (u32 i = 0; i < nh; ++i) {
+    __syncthreads();  // the scores are in; the C and B stages are free
+    if (wg == 1 && nh > 1) issue(1);
+    if (wg == 0 && nh > 2) issue(2);
+
+    float* cfw = reinterpret_cast<float*>(smem + Ly::CF) + wg * SCAN_ROWS;
+    for (u32 i = (u32)wg; i < nh; i += 2) {
         const u32 h = h0 + i;
         const float dh = bf16_to_f32(d[h]);
-        cp_async_wait_groups<0>();  // head i
-        __syncthreads();  // ... for every thread; every warp is done with head i − 1
-        issue(i + 1);     // into the stage head i − 1 used
-        const bf16* st = smem + Ly::HEAD + (int)(i % GS_STAGES) * Ly::STAGE;
+        gs_bar_wait(bar0 + 8 * (i % GS_STAGES), (i / GS_STAGES) & 1u);
+        const bf16* st = stage_of(i);
         const bf16 *xs = st + Ly::XS, *hb = st + Ly::HB;
         const float* fa = reinterpret_cast<const float*>(st + Ly::FS);  // A_s (natural units)
         const float* fd = fa + SCAN_ROWS;                                // dt_s
-        // This head's decayed, masked scores CB∘exp(A_l − A_s)·dt_s as bf16 A fragments (tile t
-        // at g4[t·32 + lane]), each computed once for the two warps that use it.
-        for (int t = warp; t < GS_TILES; t += SCAN_THREADS / 32) {
-            int lb = 0;
-            while ((lb + 1) * (lb + 2) / 2 <= t) ++lb;
-            const int sb = t - lb * (lb + 1) / 2;
-            const int l0 = 16 * lb + gq, l1 = l0 + 8;  // rows of sc[.][0..1] and [2..3]
-            const float al0 = fa[l0] * LOG2E, al1 = fa[l1] * LOG2E;
-            const float4 v0 = cb4[(2 * t) * 32 + lane], v1 = cb4[(2 * t + 1) * 32 + lane];
-            float sc[2][4] = {{v0.x, v0.y, v0.z, v0.w}, {v1.x, v1.y, v1.z, v1.w}};
-#pragma unroll
-            for (int jj = 0; jj < 2; ++jj) {
-                const int s = 16 * sb + 8 * jj + 2 * tq;  // columns of sc[jj][0|2], [1|3]: s, s + 1
-                const float as0 = fa[s] * LOG2E, as1 = fa[s + 1] * LOG2E;
-                const float d0 = fd[s], d1 = fd[s + 1];
-                // A_l − A_s ≤ 0 wherever a score is kept; the rest are masked by select.
-                sc[jj][0] = s <= l0 ? sc[jj][0] * (exp2f(al0 - as0) * d0) : 0.0f;
-                sc[jj][1] = s + 1 <= l0 ? sc[jj][1] * (exp2f(al0 - as1) * d1) : 0.0f;
-                sc[jj][2] = s <= l1 ? sc[jj][2] * (exp2f(al1 - as0) * d0) : 0.0f;
-                sc[jj][3] = s + 1 <= l1 ? sc[jj][3] * (exp2f(al1 - as1) * d1) : 0.0f;
-            }
-            g4[t * 32 + lane] = make_uint4(pack_bf16x2(sc[0][0], sc[0][1]), pack_bf16x2(sc[0][2], sc[0][3]),
-                                           pack_bf16x2(sc[1][0], sc[1][1]), pack_bf16x2(sc[1][2], sc[1][3]));
+        {
+            // Column factors exp(A_r − A_s)·dt_s, A_r the last valid A of s's 16-column block
+            // (rows past the chunk's end have A = dt = 0: factor 0).
+            const int s = wt, ref = min(s | 15, (int)len - 1);
+            cfw[s] = exp2f((fa[ref] - fa[s]) * LOG2E) * fd[s];
         }
         // State term of both row blocks: C_l·h_cᵀ, each h_c fragment used twice.
-        float y[2][4][4] = {};
+        float y[2][P / 8][4] = {};
 #pragma unroll
-        for (int kk = 0; kk < N / 16; ++kk)
+        for (int kk = 0; kk < KN; ++kk)
 #pragma unroll
-            for (int j = 0; j < 4; j += 2) {
+            for (int j = 0; j < P / 8; j += 2) {
                 u32 bb[4];
-                ldsm4(bb, hb + (pc0 + 8 * j + mr + ((mat >> 1) << 3)) * LDN + 16 * kk + ((mat & 1) << 3));
+                ldsm4(bb, hb + (8 * j + mr + ((mat >> 1) << 3)) * LDN + 16 * kk + ((mat & 1) << 3));
 #pragma unroll
                 for (int bi = 0; bi < 2; ++bi) {
                     mma(y[bi][j], ca[bi][kk], bb[0], bb[1]);
                     mma(y[bi][j + 1], ca[bi][kk], bb[2], bb[3]);
                 }
             }
-        __syncthreads();  // the scores
+        gs_wg_sync(wg);  // the column factors
 #pragma unroll
         for (int bi = 0; bi < 2; ++bi) {
             const int lb = bi ? 7 - rp : rp;
             const int r0 = 16 * lb;
             if (r0 >= (int)len) continue;  // the whole block is past the chunk's end
             const int l0 = r0 + gq, l1 = l0 + 8;  // rows of y[bi][.][0..1] and [2..3]
-            const float al0 = fa[l0] * LOG2E, al1 = fa[l1] * LOG2E;
+            const float a0 = fa[l0], a1 = fa[l1];
+            const float al0 = a0 * LOG2E, al1 = a1 * LOG2E;
             const float e0 = exp2f(al0), e1 = exp2f(al1);  // exp(A_l)
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
+            for (int j = 0; j < P / 8; ++j) {
                 y[bi][j][0] *= e0;
                 y[bi][j][1] *= e0;
                 y[bi][j][2] *= e1;
                 y[bi][j][3] *= e1;
             }
-            // Within the chunk: s tiles up to the diagonal.
-#pragma unroll 1
-            for (int sb = 0; sb <= lb; ++sb) {
-                const uint4 g = g4[(lb * (lb + 1) / 2 + sb) * 32 + lane];
-                const u32 pa[4] = {g.x, g.y, g.z, g.w};
+            const int tb = lb * (lb + 1) / 2;  // the block's first score tile
+            // Column blocks left of the diagonal: no mask (rows and columns past the chunk's
+            // end have zero scores and factors).
+            for (int sb = 0; sb < lb; ++sb) {
+                const float4 v0 = cb4[(2 * (tb + sb)) * 32 + lane], v1 = cb4[(2 * (tb + sb) + 1) * 32 + lane];
+                const float ar = fa[16 * sb + 15];
+                // Rows past the chunk's end (A = 0) clamp to 1 (their scores are zero).
+                const float r0f = exp2f(fminf((a0 - ar) * LOG2E, 0.0f));
+                const float r1f = exp2f(fminf((a1 - ar) * LOG2E, 0.0f));
+                const float2 c0 = *reinterpret_cast<const float2*>(cfw + 16 * sb + 2 * tq);
+                const float2 c1 = *reinterpret_cast<const float2*>(cfw + 16 * sb + 8 + 2 * tq);
+                const u32 pa[4] = {pack_bf16x2(v0.x * r0f * c0.x, v0.y * r0f * c0.y),
+                                   pack_bf16x2(v0.z * r1f * c0.x, v0.w * r1f * c0.y),
+                                   pack_bf16x2(v1.x * r0f * c1.x, v1.y * r0f * c1.y),
+                                   pack_bf16x2(v1.z * r1f * c1.x, v1.w * r1f * c1.y)};
 #pragma unroll
-                for (int j = 0; j < 4; j += 2) {
+                for (int j = 0; j < P / 8; j += 2) {
                     u32 bb[4];
-                    ldsm4_t(bb, xs + (16 * sb + mr + ((mat & 1) << 3)) * LDP + pc0 + 8 * j + ((mat >> 1) << 3));
+                    ldsm4_t(bb, xs + (16 * sb + mr + ((mat & 1) << 3)) * LDP + 8 * j + ((mat >> 1) << 3));
+                    mma(y[bi][j], pa, bb[0], bb[1]);
+                    mma(y[bi][j + 1], pa, bb[2], bb[3]);
+                }
+            }
+            {
+                // The diagonal tile: exp(A_l − A_s)·dt_s directly, masked to s ≤ l.
+                const float4 v0 = cb4[(2 * (tb + lb)) * 32 + lane], v1 = cb4[(2 * (tb + lb) + 1) * 32 + lane];
+                float sc[2][4] = {{v0.x, v0.y, v0.z, v0.w}, {v1.x, v1.y, v1.z, v1.w}};
+#pragma unroll
+                for (int jj = 0; jj < 2; ++jj) {
+                    const int s = r0 + 8 * jj + 2 * tq;  // columns of sc[jj][0|2], [1|3]: s, s + 1
+                    const float as0 = fa[s] * LOG2E, as1 = fa[s + 1] * LOG2E;
+                    const float d0 = fd[s], d1 = fd[s + 1];
+                    sc[jj][0] = s <= l0 ? sc[jj][0] * (exp2f(al0 - as0) * d0) : 0.0f;
+                    sc[jj][1] = s + 1 <= l0 ? sc[jj][1] * (exp2f(al0 - as1) * d1) : 0.0f;
+                    sc[jj][2] = s <= l1 ? sc[jj][2] * (exp2f(al1 - as0) * d0) : 0.0f;
+                    sc[jj][3] = s + 1 <= l1 ? sc[jj][3] * (exp2f(al1 - as1) * d1) : 0.0f;
+                }
+                const u32 pa[4] = {pack_bf16x2(sc[0][0], sc[0][1]), pack_bf16x2(sc[0][2], sc[0][3]),
+                                   pack_bf16x2(sc[1][0], sc[1][1]), pack_bf16x2(sc[1][2], sc[1][3])};
+#pragma unroll
+                for (int j = 0; j < P / 8; j += 2) {
+                    u32 bb[4];
+                    ldsm4_t(bb, xs + (r0 + mr + ((mat & 1) << 3)) * LDP + 8 * j + ((mat >> 1) << 3));
                     mma(y[bi][j], pa, bb[0], bb[1]);
                     mma(y[bi][j + 1], pa, bb[2], bb[3]);
                 }
             }
             // D·x and the stores: (row, column pair) per fragment half.
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int p = pc0 + 8 * j + 2 * tq;
+            for (int j = 0; j < P / 8; ++j) {
+                const int p = 8 * j + 2 * tq;
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     const int l = half ? l1 : l0;
@@ -1490,9 +1757,10 @@ __device__ void scan_group_mma(const bf16* x, const bf16* b, const bf16* c, cons
                 }
             }
         }
+        gs_wg_sync(wg);  // every warp of the warpgroup is done with head i's stage
+        if (i + GS_STAGES < nh) issue(i + GS_STAGES);
     }
 }
-
 }  // namespace ssm
 
 // ---------------------------------------------------------------------------------------
@@ -1560,10 +1828,10 @@ extern "C" __global__ void __launch_bounds__(128, 5) ssm_decode_bf16(DECODE_PARA
     ssm::decode(DECODE_ARGS);
 }
 // bf16 state storage (cache.ssm_state_dtype = "bfloat16"): read and written as bf16, updated in f32.
-extern "C" __global__ void __launch_bounds__(128, 4) ssm_decode_f32_sbf16(DECODE_PARAMS(float, bf16)) { CHIMERA_PDL_ENTRY();
+extern "C" __global__ void __launch_bounds__(128, 8) ssm_decode_f32_sbf16(DECODE_PARAMS(float, bf16)) { CHIMERA_PDL_ENTRY();
     ssm::decode(DECODE_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(128, 5) ssm_decode_bf16_sbf16(DECODE_PARAMS(bf16, bf16)) { CHIMERA_PDL_ENTRY();
+extern "C" __global__ void __launch_bounds__(128, 8) ssm_decode_bf16_sbf16(DECODE_PARAMS(bf16, bf16)) { CHIMERA_PDL_ENTRY();
     ssm::decode(DECODE_ARGS);
 }
 
