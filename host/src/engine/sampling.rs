@@ -203,7 +203,7 @@ impl SamplingStage {
         }
         // The sampler sees NaN as negative infinity; without a NaN the columns are taken as
         // they are (the logprobs below read the unmapped logits either way).
-        let taken = !cands.cand_logits.iter().any(|x| x.is_nan());
+        let taken = !any_nan(&cands.cand_logits);
         if taken {
             std::mem::swap(&mut self.batch.cand_tokens, &mut cands.cand_tokens);
             std::mem::swap(&mut self.batch.cand_logits, &mut cands.cand_logits);
@@ -339,6 +339,14 @@ impl SamplingStage {
                 .push(if x.is_nan() { f32::NEG_INFINITY } else { x });
         }
     }
+}
+
+/// Whether any of `xs` is NaN. Blocks are folded without an early exit so the compiler
+/// vectorises them (an `any` over the elements is a scalar loop: about 10 µs for the 256 × 64
+/// candidate logits of a step at batch 256, on the step's critical path).
+fn any_nan(xs: &[f32]) -> bool {
+    xs.chunks(512)
+        .any(|block| block.iter().fold(false, |seen, x| seen | x.is_nan()))
 }
 
 /// The logprob of `token` under the logits `row`, with the `top` best alternatives (ties to

@@ -445,3 +445,19 @@ mod tail {
         assert!(out.is_empty());
     }
 }
+
+/// The blocked NaN scan finds a NaN wherever it is (first, inside a block, in the short last
+/// block) and reports none in finite or infinite logits.
+#[test]
+fn any_nan_finds_a_nan_anywhere() {
+    let mut xs = vec![1.0f32; 1300];
+    xs[7] = f32::NEG_INFINITY;
+    xs[900] = f32::INFINITY;
+    assert!(!super::any_nan(&xs));
+    assert!(!super::any_nan(&[]));
+    for at in [0, 511, 512, 777, 1299] {
+        let mut ys = xs.clone();
+        ys[at] = f32::NAN;
+        assert!(super::any_nan(&ys), "NaN at {at}");
+    }
+}
