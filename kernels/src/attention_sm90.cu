@@ -134,28 +134,7 @@ __device__ __forceinline__ void cp_async_16_full(u32 dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
 }
 
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u32 bar) {
-    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
-}
-// Arrives on `bar` once every cp.async this thread issued before has landed (the barrier's
-// expected count includes this arrival: noinc).
-__device__ __forceinline__ void cp_async_arrive(u32 bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-// Waits until the phase of `bar` with this parity has completed.
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    u32 done;
-    do {
-        asm volatile(
-            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
-    } while (!done);
-}
+// mbarriers: mbar_init, mbar_arrive, cp_async_arrive, mbar_wait (mma.cuh).
 
 // d (+)= A·B, m64n128k16, bf16 → f32: A and B from shared memory (descriptors), both K-major.
 // scale_d = 0 overwrites d.

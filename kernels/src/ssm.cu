@@ -1526,29 +1526,6 @@ struct GroupScanLayout {  // offsets in bf16 elements; ssm.rs: group_scan_smem_b
     static_assert(HEAD % 8 == 0 && STAGE % 8 == 0 && FS % 8 == 0 && BAR % 4 == 0, "alignment");
 };
 
-__device__ __forceinline__ void gs_bar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-// Arrives on `bar` once every cp.async this thread issued before has landed (noinc: the
-// barrier's expected count includes this arrival).
-__device__ __forceinline__ void gs_cp_arrive(u32 bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void gs_bar_wait(u32 bar, u32 parity) {
-    u32 done;
-    do {
-        asm volatile(
-#if __CUDA_ARCH__ >= 900
-            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-#else
-            // sm_80 has no try_wait: poll.
-            "{\n.reg .pred p;\nmbarrier.test_wait.parity.shared.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-#endif
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
-    } while (!done);
-}
 // The 128 threads of warpgroup `wg` (named barrier 1 + wg).
 __device__ __forceinline__ void gs_wg_sync(int wg) {
     asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
@@ -1595,12 +1572,12 @@ __device__ void scan_group_mma(const bf16* x, const bf16* b, const bf16* c, cons
             const float* src = (half ? ck_dt : ck_a) + ((u64)ck * heads + h) * rec_rows + 4 * q;
             cp_async_16(smem_addr(f + half * SCAN_ROWS + 4 * q), bytes > 0 ? src : ck_a, (u32)bytes);
         }
-        gs_cp_arrive(bar0 + 8 * (i % GS_STAGES));
+        cp_async_arrive(bar0 + 8 * (i % GS_STAGES));
     };
 
     if (tid == 0) {
 #pragma unroll
-        for (int s = 0; s < GS_STAGES; ++s) gs_bar_init(bar0 + 8 * s, 128);
+        for (int s = 0; s < GS_STAGES; ++s) mbar_init(bar0 + 8 * s, 128);
 #if __CUDA_ARCH__ >= 900
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 #endif
@@ -1652,7 +1629,7 @@ __device__ void scan_group_mma(const bf16* x, const bf16* b, const bf16* c, cons
     for (u32 i = (u32)wg; i < nh; i += 2) {
         const u32 h = h0 + i;
         const float dh = bf16_to_f32(d[h]);
-        gs_bar_wait(bar0 + 8 * (i % GS_STAGES), (i / GS_STAGES) & 1u);
+        mbar_wait(bar0 + 8 * (i % GS_STAGES), (i / GS_STAGES) & 1u);
         const bf16* st = stage_of(i);
         const bf16 *xs = st + Ly::XS, *hb = st + Ly::HB;
         const float* fa = reinterpret_cast<const float*>(st + Ly::FS);  // A_s (natural units)
