@@ -315,7 +315,6 @@ __device__ void decode_rows(const T* x, const T* b, const T* c, T* out, S* st, S
                             const u32* snap_slot, u32 k0, u32 nk, u32 p0, u32 p1, u32 N, i64 xrow,
                             i64 brow, i64 yrow, const RowStep& r) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll 1
     // bf16 state: one row at a time (the register budget of the bf16 kernels' occupancy).
     constexpr u32 ROWS = sizeof(S) == 4 ? 2 : 1;
     for (u32 p = p0 + warp; p < p1; p += ROWS * DEC_WARPS) {
