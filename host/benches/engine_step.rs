@@ -8,7 +8,10 @@
 //! task on a tokio runtime, as the HTTP streams read them — so sending an event pays for waking
 //! its reader — and a forward pass that sleeps 2 ms (the readers go idle in between, as they do
 //! while a GPU computes). Events go out through the delivery thread `chimera serve` uses; the
-//! `events inline` row sends them from the engine thread, for comparison in the same run. These
+//! `events inline` row sends them from the engine thread, for comparison in the same run. The
+//! `churn` row keeps 256 requests of 128 prompt and 256 output tokens in flight, about one
+//! finishing and one admitted a step, so most steps mix decodes with a new prompt's prefill, as
+//! in `tests/gpu/run.sh serving-idle` at concurrency 256. These
 //! rows report the host time per step by phase, the figures behind
 //! `chimera:engine_host_seconds_total{phase}`; the mock forward pass is not part of them, nor
 //! is the `overlap` column: host work done between the executor's launch and finish, while a
@@ -53,7 +56,15 @@ struct Case {
     /// A hybrid model's caches (SSM slots, rolling snapshots at completed blocks), as
     /// NemotronH has.
     hybrid: bool,
+    /// Serving rows: requests of 128 prompt tokens and at most 256 output tokens, the first ones
+    /// staggered so about one finishes a step and a new one takes its place (its prompt is the
+    /// next step's prefill chunk): the mixed steps of `tests/gpu/run.sh serving-idle`.
+    churn: bool,
 }
+
+/// Prompt and output lengths of the churn rows (the GPU idle workload's).
+const CHURN_PROMPT: usize = 128;
+const CHURN_OUTPUT: u32 = 256;
 
 /// The policies `chimera serve` gives a replica with the default configuration.
 fn serving_policies() -> Policies {
@@ -163,7 +174,7 @@ fn read_in_tasks(rt: &tokio::runtime::Runtime, rx: Vec<UnboundedReceiver<EngineE
 
 /// Returns (µs per step, timings of the measured steps).
 fn run(case: &Case) -> (f64, StepTimings) {
-    let prompt = 64;
+    let prompt = if case.churn { CHURN_PROMPT } else { 64 };
     let steps = if case.serving {
         300
     } else {
@@ -202,7 +213,13 @@ fn run(case: &Case) -> (f64, StepTimings) {
     let mut rx = Vec::new();
     for i in 0..case.running {
         let (tx, r) = unbounded_channel();
-        e.add(request(i as u64, prompt, u32::MAX), tx);
+        let max_tokens = if case.churn {
+            // Finishing one after another: about one a step once the measured steps begin.
+            8 + (i * CHURN_OUTPUT as usize / case.running) as u32
+        } else {
+            u32::MAX
+        };
+        e.add(request(i as u64, prompt, max_tokens), tx);
         rx.push(r);
     }
     for _ in 0..4 {
@@ -223,16 +240,38 @@ fn run(case: &Case) -> (f64, StepTimings) {
         read_in_tasks(&rt, std::mem::take(&mut rx));
     }
     let before = *e.timings();
+    let mut next_id = case.running as u64;
+    let mut admitted = 0usize;
     let t = Instant::now();
     for s in 0..steps {
         black_box(e.step());
         if s % 64 == 0 {
             drain(&mut rx);
         }
+        // Churn: a new request for every one that finished, read by a task of its own.
+        // (The figures are refreshed by every step, not by `add`: count once.)
+        if case.churn {
+            let in_flight = (e.stats().running + e.stats().waiting) as usize;
+            for _ in in_flight..case.running {
+                let (tx, r) = unbounded_channel();
+                e.add(request(next_id, prompt, CHURN_OUTPUT), tx);
+                read_in_tasks(&rt, vec![r]);
+                next_id += 1;
+                admitted += 1;
+            }
+        }
     }
     let per_step = t.elapsed().as_secs_f64() * 1e6 / steps as f64;
     let after = *e.timings();
-    assert_eq!(e.stats().running as usize, case.running);
+    if case.churn {
+        // The staggered start finishes about one request a step.
+        assert!(
+            admitted >= steps / 2,
+            "{admitted} requests admitted in {steps} steps"
+        );
+    } else {
+        assert_eq!(e.stats().running as usize, case.running);
+    }
     let d = StepTimings {
         steps: after.steps - before.steps,
         schedule_ns: after.schedule_ns - before.schedule_ns,
@@ -262,6 +301,7 @@ fn main() {
         serving,
         events_inline: false,
         hybrid: false,
+        churn: false,
     };
     let cases = [
         case("decode, 1 running", 1, 0, false),
@@ -278,6 +318,11 @@ fn main() {
         Case {
             hybrid: true,
             ..case("serving, 256 running, hybrid", 256, 0, true)
+        },
+        Case {
+            hybrid: true,
+            churn: true,
+            ..case("serving, 256 running, hybrid, churn", 256, 0, true)
         },
     ];
     println!(
