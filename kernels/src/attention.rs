@@ -36,7 +36,8 @@
 //! [`smem_opt_in`] (their `Launch::smem` exceeds the default 48 KiB). The kernels trap when
 //! the block size or dynamic shared memory differs from what they were built for. Grid sizes
 //! follow the plan's item counts, so a captured CUDA graph is valid only for the plan it
-//! was captured with.
+//! was captured with, or for fixed-shape plans of the same capacities ([`plan_decode_fixed`],
+//! [`plan_mixed_fixed`]).
 //!
 //! This module knows nothing of CUDA: it must not allocate device memory or launch.
 
@@ -413,6 +414,70 @@ pub fn plan_decode_fixed(
     true
 }
 
+/// A mixed work list of fixed shape, for CUDA graphs of steps with prefill chunks: the
+/// one-token chunks (decodes) are the small items, padded to `small_cap`; every other chunk's
+/// query tiles, as [`plan`] cuts them, are the large items, padded to `large_cap`. Nothing is
+/// split. Padding items have no query tokens (`QCount` 0), so every CTA of theirs returns at
+/// once (`attention.cuh` `tile_of`), and the launches depend only on the two capacities:
+/// the small class always runs the decode kernel, the large class the prefill kernel of
+/// [`Q_TILE`] tokens. Returns `false` (and leaves `out` empty) when the step has more
+/// decodes or tiles than the capacities.
+pub fn plan_mixed_fixed(
+    cu_seqlens: &[u32],
+    ctx_lens: &[u32],
+    small_cap: usize,
+    large_cap: usize,
+    out: &mut AttnPlan,
+) -> bool {
+    for c in &mut out.cols {
+        c.clear();
+    }
+    out.num_seqs = ctx_lens.len();
+    out.partial_rows = 0;
+    out.split_len = 0;
+    out.max_q_small = 1;
+    out.max_q_large = Q_TILE;
+    let refuse = |out: &mut AttnPlan| {
+        for c in &mut out.cols {
+            c.clear();
+        }
+        out.num_seqs = 0;
+        out.small = 0;
+        false
+    };
+    // A decode is a one-token chunk (the last tile of a longer chunk can be one token too).
+    let (mut small, mut large) = (0usize, 0usize);
+    let n = ctx_lens.len().min(cu_seqlens.len().saturating_sub(1));
+    let qlen = |s: usize| cu_seqlens[s + 1].saturating_sub(cu_seqlens[s]);
+    for s in 0..n {
+        match qlen(s) {
+            0 => {}
+            1 => small += 1,
+            q if q <= SMALL_Q => large += 1,
+            q => large += q.div_ceil(Q_TILE) as usize,
+        }
+    }
+    if small > small_cap || large > large_cap {
+        return refuse(out);
+    }
+    for s in (0..n).filter(|&s| qlen(s) == 1) {
+        out.push_item([s as u32, 0, 1, 0, ctx_lens[s] + 1, NO_PART]);
+    }
+    for _ in small..small_cap {
+        out.push_item([0, 0, 0, 0, 0, NO_PART]);
+    }
+    out.small = small_cap;
+    for_each_tile(cu_seqlens, ctx_lens, |s, q_first, q_count, kv_end| {
+        if qlen(s as usize) > 1 {
+            out.push_item([s, q_first, q_count, 0, kv_end, NO_PART]);
+        }
+    });
+    for _ in large..large_cap {
+        out.push_item([0, 0, 0, 0, 0, NO_PART]);
+    }
+    true
+}
+
 /// One attention layer's shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttnDims {
@@ -760,19 +825,31 @@ mod tests {
         check_plan_coverage(q_lens, ctx, shape, bf16, None);
     }
 
-    /// As [`check_coverage`], of [`plan`] or (`fixed`: the split count) [`plan_decode_fixed`],
-    /// whose pieces past a range's end are empty.
+    /// A fixed-shape plan: [`plan_decode_fixed`] with its split count, whose pieces past a
+    /// range's end are empty, or [`plan_mixed_fixed`] with its two capacities.
+    #[derive(Debug, Clone, Copy)]
+    enum Fixed {
+        Decode(u32),
+        Mixed(usize, usize),
+    }
+
+    /// As [`check_coverage`], of [`plan`] or a fixed-shape plan.
     fn check_plan_coverage(
         q_lens: &[u32],
         ctx: &[u32],
         shape: AttnDims,
         bf16: bool,
-        fixed: Option<u32>,
+        fixed: Option<Fixed>,
     ) {
         let cu = cu_of(q_lens);
         let mut p = AttnPlan::new();
         match fixed {
-            Some(splits) => assert!(plan_decode_fixed(&cu, ctx, splits, &mut p)),
+            Some(Fixed::Decode(splits)) => assert!(plan_decode_fixed(&cu, ctx, splits, &mut p)),
+            Some(Fixed::Mixed(small, large)) => {
+                assert!(plan_mixed_fixed(&cu, ctx, small, large, &mut p));
+                assert_eq!(p.items(), small + large);
+                assert_eq!(p.combine_rows(), 0);
+            }
             None => plan(&cu, ctx, &mut p),
         }
         let n_items = p.items();
@@ -786,14 +863,20 @@ mod tests {
         let col = |c: WorkCol, i: usize| p.column(c)[i] as usize;
         for i in 0..n_items {
             let small = i < p.small;
-            assert_eq!(
-                col(WorkCol::QCount, i) <= SMALL_Q as usize,
-                small,
-                "item {i} class"
-            );
+            let qn = col(WorkCol::QCount, i);
+            if let Some(Fixed::Mixed(..)) = fixed {
+                // Decodes and padding in the small class; padding or longer chunks after.
+                assert!(qn <= 1 || !small, "item {i} class");
+                if qn == 0 {
+                    continue;
+                }
+            } else {
+                assert_eq!(qn <= SMALL_Q as usize, small, "item {i} class");
+            }
             assert!(
                 col(WorkCol::KvFirst, i) < col(WorkCol::KvEnd, i)
-                    || (fixed.is_some() && col(WorkCol::KvFirst, i) == col(WorkCol::KvEnd, i)),
+                    || (matches!(fixed, Some(Fixed::Decode(_)))
+                        && col(WorkCol::KvFirst, i) == col(WorkCol::KvEnd, i)),
                 "empty piece {i}"
             );
         }
@@ -919,8 +1002,20 @@ mod tests {
                 let l = launches(&p, shape, true, PrefillKernel::Wgmma).expect("shape");
                 let grids: Vec<_> = l.iter().map(|l| (l.entry, l.grid, l.smem)).collect();
                 shapes.push((splits, grids));
-                check_plan_coverage(&[1, 1, 1, 1], &ctx, shape, true, Some(splits));
-                check_plan_coverage(&[1, 1, 1, 1], &ctx, shape, false, Some(splits));
+                check_plan_coverage(
+                    &[1, 1, 1, 1],
+                    &ctx,
+                    shape,
+                    true,
+                    Some(Fixed::Decode(splits)),
+                );
+                check_plan_coverage(
+                    &[1, 1, 1, 1],
+                    &ctx,
+                    shape,
+                    false,
+                    Some(Fixed::Decode(splits)),
+                );
             }
         }
         // Same split count, same launches, whatever the contexts.
@@ -1559,6 +1654,50 @@ mod tests {
             let ctx: Vec<u32> = chunks.iter().map(|c| c.1).collect();
             let d = AttnDims { block_size, ..dims(shape.0, shape.1, head_dim, q.len()) };
             check_coverage(&q, &ctx, d, bf16);
+            // The fixed mixed shape with room to spare, then with none, then one too few.
+            let decodes = q.iter().filter(|&&l| l == 1).count();
+            let tiles: usize = q
+                .iter()
+                .filter(|&&l| l > 1)
+                .map(|&l| if l <= SMALL_Q { 1 } else { l.div_ceil(Q_TILE) as usize })
+                .sum();
+            for (small, large) in [(decodes + 3, tiles + 2), (decodes, tiles)] {
+                check_plan_coverage(&q, &ctx, d, bf16, Some(Fixed::Mixed(small, large)));
+            }
+            let mut p = AttnPlan::new();
+            if decodes > 0 {
+                prop_assert!(!plan_mixed_fixed(&cu_of(&q), &ctx, decodes - 1, tiles, &mut p));
+                prop_assert_eq!(p.items(), 0);
+            }
+            if tiles > 0 {
+                prop_assert!(!plan_mixed_fixed(&cu_of(&q), &ctx, decodes, tiles - 1, &mut p));
+            }
+        }
+    }
+
+    #[test]
+    fn a_fixed_mixed_plan_has_the_same_launches_for_any_mix_that_fits() {
+        let shape = dims(32, 8, 128, 6);
+        let mixes: [([u32; 6], [u32; 6]); 4] = [
+            ([1, 1, 1, 300, 1, 5], [10, 2000, 0, 0, 7, 40]),
+            ([128, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]),
+            ([1, 1, 1, 1, 1, 1], [1, 2, 3, 4, 5, 6]),
+            ([16, 2, 129, 1, 0, 1], [9000, 3, 0, 1, 0, 5]),
+        ];
+        let mut seen = None;
+        for (q, ctx) in mixes {
+            let mut p = AttnPlan::new();
+            assert!(plan_mixed_fixed(&cu_of(&q), &ctx, 8, 6, &mut p), "{q:?}");
+            for bf16 in [true, false] {
+                check_plan_coverage(&q, &ctx, shape, bf16, Some(Fixed::Mixed(8, 6)));
+            }
+            let l = launches(&p, shape, true, PrefillKernel::WgmmaPingPong).expect("shape");
+            let grids: Vec<_> = l.iter().map(|l| (l.entry, l.grid, l.smem)).collect();
+            assert_eq!(
+                grids.iter().map(|g| g.0).collect::<Vec<_>>(),
+                ["attn_decode_d128_bf16", "attn_prefill_wgmma_pp_d128_bf16"]
+            );
+            assert_eq!(*seen.get_or_insert(grids.clone()), grids, "{q:?}");
         }
     }
 }

@@ -795,6 +795,7 @@ __device__ void states_simt(const T* x, const T* b, const float* dtv, const floa
     const u32 pt = r % p_tiles;
     const u32 ck = r / p_tiles;
     const u32 tok = ck_tok[ck], len = ck_len[ck];
+    if (len == 0) return;  // a padding chunk (ssm.rs: SsmPlan::pad_to)
     const u32 g = h / (heads / groups);
     const u32 p0 = pt * TM, n0 = nt * TN;
     const int tid = threadIdx.x, ty = tid >> 5, tx = tid & 31;
@@ -1549,7 +1550,7 @@ __device__ void scan_group_mma(const bf16* x, const bf16* b, const bf16* c, cons
     const u32 h0 = g * hpg + hblk * head_block;
     const u32 nh = min(head_block, hpg - min(hpg, hblk * head_block));
     const u32 tok = ck_tok[ck], len = ck_len[ck];
-    if (nh == 0) return;
+    if (nh == 0 || len == 0) return;  // len 0: a padding chunk (ssm.rs: SsmPlan::pad_to)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wg = warp >> 2, wt = tid & 127;
     const int mat = lane >> 3, mr = lane & 7, gq = lane >> 2, tq = lane & 3;

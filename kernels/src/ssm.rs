@@ -59,7 +59,8 @@
 //! each layer's launches in order on one stream. Scratch buffers of [`scratch_bytes`] are
 //! needed only while one layer's scan runs. The kernels never touch a slot ≥ the pool's
 //! slots (padding entries are skipped; a skipped decode's outputs are zeros). Grid sizes
-//! follow the plan, so a captured CUDA graph is valid only for the plan it was captured with.
+//! follow the plan, so a captured CUDA graph is valid only for the plan it was captured with,
+//! or for any plan padded to the same capacities ([`SsmPlan::pad_to`]).
 //!
 //! This module knows nothing of CUDA: it must not allocate device memory or launch.
 
@@ -468,6 +469,66 @@ pub fn plan(inp: SsmStepInputs<'_>, out: &mut SsmPlan) -> Result<(), SsmError> {
     }
     plan_slot_ops(inp.slot_ops, out);
     Ok(())
+}
+
+/// Slot of padding entries and padding snapshots: past every pool, so the kernels skip it.
+pub const PAD_SLOT: u32 = u32::MAX;
+
+/// Capacities of a fixed-shape plan ([`SsmPlan::pad_to`]), for CUDA graphs of mixed steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FixedCaps {
+    /// One-token entries.
+    pub decodes: usize,
+    /// Longer entries.
+    pub prompts: usize,
+    pub chunks: usize,
+    pub snapshots: usize,
+    /// Token rows of the padded step: rows from the plan's [`SsmPlan::tokens`] on are
+    /// padding, and the padding decodes write zeros to them (one at least is needed when
+    /// there are padding decodes; several padding decodes may share one).
+    pub rows: u32,
+}
+
+impl SsmPlan {
+    /// Pads the plan to `caps`, so that its launches (grids and arguments) depend only on
+    /// `caps` and the layer: padding decodes (after the real ones) spread over the padding
+    /// rows, padding prompts and snapshots on [`PAD_SLOT`], padding chunks of no tokens. The
+    /// kernels skip all of them, but for the padding decodes' zero outputs on their rows.
+    /// Slot ops are kept as planned (a graph step runs them before its replay). Returns
+    /// `false`, the plan unchanged, when it exceeds a capacity or the padding rows are
+    /// too few.
+    pub fn pad_to(&mut self, caps: FixedCaps) -> bool {
+        let (d, p) = (self.decodes, self.prompts());
+        let spare = caps.rows.saturating_sub(self.tokens) as usize;
+        if d > caps.decodes
+            || p > caps.prompts
+            || self.chunks() > caps.chunks
+            || self.snapshots() > caps.snapshots
+            || (caps.decodes > d && spare == 0)
+        {
+            return false;
+        }
+        let shift = (caps.decodes - d) as u32;
+        let (tokens, last) = (self.tokens, caps.rows.saturating_sub(1));
+        // Entry columns, in `push_seq` order: padding decodes, then padding prompts.
+        let pad_decode = |i: u32| [tokens + i % spare as u32, 1, PAD_SLOT, 0, 0, 0, 0];
+        let pad_prompt = [last, 0, PAD_SLOT, 0, 0, 0, 0];
+        for (c, col) in self.cols[..7].iter_mut().enumerate() {
+            col.splice(d..d, (0..shift).map(|i| pad_decode(i)[c]));
+            col.resize(caps.decodes + caps.prompts, pad_prompt[c]);
+        }
+        for e in &mut self.cols[WorkCol::CkSeq as usize] {
+            *e += shift;
+        }
+        let pad_chunk = [last, 0, caps.decodes as u32, 0, 0];
+        for (c, col) in self.cols[7..12].iter_mut().enumerate() {
+            col.resize(caps.chunks, pad_chunk[c]);
+        }
+        self.col(WorkCol::SnapSlot).resize(caps.snapshots, PAD_SLOT);
+        self.decodes = caps.decodes;
+        self.tokens = caps.rows;
+        true
+    }
 }
 
 /// Slot ops in step order, cut into conflict-free waves.

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::{
-    Activation, ArenaStats, AttnShape, Backend, DType, GdnShape, HostTensor, KvLayer, Mamba2Mix,
-    MoeRouting, Result, Rope, SampleOut, SsmPools, SsmShape, StackedExperts, StepPlan,
+    Activation, ArenaStats, AttnShape, Backend, DType, GdnShape, GraphBucket, HostTensor, KvLayer,
+    Mamba2Mix, MoeRouting, Result, Rope, SampleOut, SsmPools, SsmShape, StackedExperts, StepPlan,
 };
 
 /// Counts shared by every clone of a [`Counting`] backend.
@@ -97,14 +97,14 @@ impl<B: Backend> Backend for Counting<B> {
     fn bf16_ssm_state(&self) -> bool {
         self.inner.bf16_ssm_state()
     }
-    fn graph_buckets(&self, max_batch: usize) -> Vec<usize> {
-        self.inner.graph_buckets(max_batch)
+    fn graph_buckets(&self, max_batch: usize, max_tokens: usize) -> Vec<GraphBucket> {
+        self.inner.graph_buckets(max_batch, max_tokens)
     }
     fn upload_graph_step(
         &self,
         plan: &StepPlan,
         step: &mut Self::Step,
-        bucket: usize,
+        bucket: GraphBucket,
         max_blocks: usize,
     ) -> Result<bool> {
         self.inner.upload_graph_step(plan, step, bucket, max_blocks)

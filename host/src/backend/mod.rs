@@ -48,6 +48,37 @@ impl DType {
     }
 }
 
+/// A step shape that a backend captures as a device graph and replays for every step that
+/// fits it, padded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GraphBucket {
+    /// Decode-only steps of at most `seqs` one-token chunks.
+    Decode { seqs: usize },
+    /// Steps with prefill chunks (or one-token chunks with slot ops, which a decode bucket
+    /// does not take): at most `tokens` tokens, in at most `decodes` one-token chunks and
+    /// `prompts` longer ones.
+    Mixed {
+        tokens: usize,
+        decodes: usize,
+        prompts: usize,
+    },
+}
+
+impl GraphBucket {
+    /// Whether a step of `tokens` tokens in `decodes` one-token chunks and `prompts` longer
+    /// ones is within the bucket's counts (its upload may still refuse it: snapshots, tiles).
+    pub fn holds(&self, tokens: usize, decodes: usize, prompts: usize) -> bool {
+        match *self {
+            GraphBucket::Decode { seqs } => prompts == 0 && decodes <= seqs,
+            GraphBucket::Mixed {
+                tokens: t,
+                decodes: d,
+                prompts: p,
+            } => tokens <= t && decodes <= d && prompts <= p,
+        }
+    }
+}
+
 /// A tensor in host memory, in its own dtype: little-endian bytes, row-major.
 #[derive(Debug, Clone, Copy)]
 pub struct HostTensor<'a> {
@@ -392,21 +423,23 @@ pub trait Backend: Send + Sync + 'static {
     fn upload_step(&self, plan: &StepPlan, step: &mut Self::Step) -> Result<()>;
     fn arena_stats(&self) -> ArenaStats;
 
-    // ---- device graphs (decode steps replayed without per-kernel launches) ---------------
-    /// Decode batch sizes this backend replays as captured graphs, for batches of at most
-    /// `max_batch` (empty: no graphs; the CPU).
-    fn graph_buckets(&self, _max_batch: usize) -> Vec<usize> {
+    // ---- device graphs (steps replayed without per-kernel launches) ----------------------
+    /// The step shapes this backend replays as captured graphs, for steps of at most
+    /// `max_batch` sequences and `max_tokens` tokens (empty: no graphs; the CPU).
+    fn graph_buckets(&self, _max_batch: usize, _max_tokens: usize) -> Vec<GraphBucket> {
         Vec::new()
     }
 
-    /// Uploads a decode-only `plan` padded to `bucket` one-token chunks in the fixed layout
-    /// of a graph step (`max_blocks` block-table words per chunk at most). `Ok(false)`, with
-    /// nothing uploaded, when the plan does not fit a graph (run it eagerly instead).
+    /// Uploads `plan` padded to `bucket` in the fixed layout of a graph step (`max_blocks`
+    /// block-table words per chunk at most). `Ok(false)`, with nothing uploaded, when the
+    /// plan does not fit the bucket (run it eagerly, or try a larger bucket). A mixed
+    /// bucket's slot ops are uploaded with the step and run eagerly before the replay
+    /// ([`Backend::ssm_slot_ops`]); a decode bucket takes no slot ops.
     fn upload_graph_step(
         &self,
         _plan: &StepPlan,
         _step: &mut Self::Step,
-        _bucket: usize,
+        _bucket: GraphBucket,
         _max_blocks: usize,
     ) -> Result<bool> {
         Ok(false)

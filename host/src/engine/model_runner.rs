@@ -5,18 +5,21 @@
 //! one device-to-host copy (plus full rows on steps that score prompt tokens). The weights are shared (`Arc`):
 //! replicas on one device read the same copy, each with its own caches.
 //!
-//! **Graphs.** On a backend with device graphs (CUDA), the forward pass of a decode-only step
-//! of up to 256 sequences is captured once per batch bucket when the caches are allocated,
-//! and each such step replays the smallest bucket that holds it: the plan is uploaded padded
-//! to the bucket in a fixed layout (padding rows write no cache and no state), the graph
-//! runs, and the sampling tail runs after it as usual. Other steps (prefill chunks, slot
-//! restores, prompt logprobs, more sequences than the largest bucket) run eagerly. Output is
-//! the same either way (`engine.cuda_graphs = false` turns graphs off).
+//! **Graphs.** On a backend with device graphs (CUDA), the forward pass is captured once per
+//! bucket when the caches are allocated ([`GraphBucket`]): decode-only steps of up to 256
+//! sequences, and mixed steps (prefill chunks beside decodes, with prefix hits, slot
+//! restores and SSM snapshots) up to the backend's largest mixed token bucket. Each step
+//! replays the smallest bucket that takes it: the plan is uploaded padded to the bucket in a
+//! fixed layout (padding rows and chunks write no cache and no state), a mixed step's slot
+//! restores and zeros run first (outside the graph: their count varies), the graph runs,
+//! and the sampling tail runs after it as usual. Other steps (prompt logprobs, steps larger
+//! than every bucket) run eagerly. Output is the same either way (`engine.cuda_graphs =
+//! false` turns graphs off).
 
 use std::sync::Arc;
 
 use super::executor::{CacheAllocation, ExecutorError, StepExecutor, StepOutput};
-use crate::backend::{Backend, StepPlan};
+use crate::backend::{Backend, GraphBucket, StepPlan};
 use crate::model::{CacheSpec, Model, ModelCaches};
 
 pub struct ModelRunner<B: Backend> {
@@ -25,13 +28,16 @@ pub struct ModelRunner<B: Backend> {
     caches: Option<ModelCaches<B>>,
     step: Option<B::Step>,
     use_graphs: bool,
-    graphs: Vec<DecodeGraph<B>>,
+    /// Captured graphs, decode buckets first, each kind from the smallest.
+    graphs: Vec<CapturedGraph<B>>,
     /// The step object the graphs read (its buffer never moves).
     graph_step: Option<B::Step>,
     /// Block-table words per sequence a graph step holds.
     graph_blocks: usize,
     /// Steps replayed from a graph, and steps run eagerly.
     pub graph_steps: u64,
+    /// Of the graph steps, those replayed from a mixed bucket.
+    pub mixed_graph_steps: u64,
     pub eager_steps: u64,
     /// Seconds spent capturing the graphs.
     pub capture_seconds: f64,
@@ -41,11 +47,42 @@ pub struct ModelRunner<B: Backend> {
     in_flight: bool,
 }
 
-/// One captured decode bucket: its graph and the logits tensor the graph writes.
-struct DecodeGraph<B: Backend> {
-    bucket: usize,
+/// One captured bucket: its graph and the logits tensor the graph writes.
+struct CapturedGraph<B: Backend> {
+    bucket: GraphBucket,
     id: usize,
     logits: B::Tensor,
+}
+
+/// Order of the replay search: decode buckets, then mixed ones, each from the smallest.
+fn replay_order(b: &GraphBucket) -> (u8, usize, usize) {
+    match *b {
+        GraphBucket::Decode { seqs } => (0, seqs, 0),
+        GraphBucket::Mixed {
+            tokens, decodes, ..
+        } => (1, tokens, decodes),
+    }
+}
+
+/// Order of capture: the largest layouts first (the first upload sizes the graph step's
+/// buffer, which cannot move afterwards): by chunks, then tokens.
+fn capture_order(b: &GraphBucket) -> std::cmp::Reverse<(usize, usize)> {
+    std::cmp::Reverse(match *b {
+        GraphBucket::Decode { seqs } => (seqs, seqs),
+        GraphBucket::Mixed {
+            tokens,
+            decodes,
+            prompts,
+        } => (decodes + prompts, tokens),
+    })
+}
+
+/// Token rows of a bucket's layout.
+fn bucket_rows(b: &GraphBucket) -> usize {
+    match *b {
+        GraphBucket::Decode { seqs } => seqs,
+        GraphBucket::Mixed { tokens, .. } => tokens,
+    }
 }
 
 impl<B: Backend> ModelRunner<B> {
@@ -61,6 +98,7 @@ impl<B: Backend> ModelRunner<B> {
             graph_step: None,
             graph_blocks: 0,
             graph_steps: 0,
+            mixed_graph_steps: 0,
             eager_steps: 0,
             capture_seconds: 0.0,
             device_time: None,
@@ -74,16 +112,17 @@ impl<B: Backend> ModelRunner<B> {
         self
     }
 
-    /// Decode buckets captured (empty without graphs).
-    pub fn graph_buckets(&self) -> Vec<usize> {
+    /// Buckets captured (empty without graphs), in replay-search order.
+    pub fn graph_buckets(&self) -> Vec<GraphBucket> {
         self.graphs.iter().map(|g| g.bucket).collect()
     }
 
-    /// Captures a graph of the forward pass for every decode bucket the backend offers, the
-    /// largest first (it sizes the graph step's buffer). A capture that fails (a model whose
-    /// forward pass reads results back on the host) leaves the runner without graphs.
-    fn capture_graphs(&mut self, max_batch: usize) -> Result<(), ExecutorError> {
-        let mut buckets = self.backend.graph_buckets(max_batch);
+    /// Captures a graph of the forward pass for every bucket the backend offers, the largest
+    /// layout first (it sizes the graph step's buffer; a bucket that does not fit it is left
+    /// out). A capture that fails (a model whose forward pass reads results back on the host)
+    /// leaves the runner without graphs.
+    fn capture_graphs(&mut self, max_batch: usize, max_tokens: usize) -> Result<(), ExecutorError> {
+        let mut buckets = self.backend.graph_buckets(max_batch, max_tokens);
         let Some(caches) = self.caches.as_mut() else {
             return Ok(());
         };
@@ -91,7 +130,7 @@ impl<B: Backend> ModelRunner<B> {
             return Ok(());
         }
         let started = std::time::Instant::now();
-        buckets.sort_unstable_by(|a, b| b.cmp(a));
+        buckets.sort_by_key(capture_order);
         let per_seq = self
             .model
             .info
@@ -100,7 +139,8 @@ impl<B: Backend> ModelRunner<B> {
             .div_ceil(caches.block_size.max(1));
         self.graph_blocks = per_seq.min(caches.num_blocks).max(1);
         let alloc = |e: crate::backend::BackendError| ExecutorError::Allocation(e.to_string());
-        let mut step = self.backend.new_step(buckets[0]).map_err(alloc)?;
+        let rows = buckets.iter().map(bucket_rows).max().unwrap_or(1);
+        let mut step = self.backend.new_step(rows).map_err(alloc)?;
         let mut empty = StepPlan::new(caches.block_size);
         empty
             .finish()
@@ -130,24 +170,24 @@ impl<B: Backend> ModelRunner<B> {
                 Ok(())
             });
             match (captured, logits) {
-                (Ok(id), Some(logits)) => graphs.push(DecodeGraph { bucket, id, logits }),
+                (Ok(id), Some(logits)) => graphs.push(CapturedGraph { bucket, id, logits }),
                 (Err(e), _) => {
                     tracing::warn!(
-                        "decode steps run without CUDA graphs: capturing batch {bucket} failed: {e}"
+                        "steps run without CUDA graphs: capturing {bucket:?} failed: {e}"
                     );
                     return Ok(());
                 }
                 (Ok(_), None) => return Ok(()),
             }
         }
-        graphs.sort_by_key(|g| g.bucket);
+        graphs.sort_by_key(|g| replay_order(&g.bucket));
         self.graphs = graphs;
         self.graph_step = Some(step);
         self.capture_seconds = started.elapsed().as_secs_f64();
         tracing::info!(
             buckets = ?self.graph_buckets(),
             seconds = self.capture_seconds,
-            "captured decode graphs"
+            "captured CUDA graphs"
         );
         Ok(())
     }
@@ -192,7 +232,7 @@ impl<B: Backend> StepExecutor for ModelRunner<B> {
                 .map_err(|e| ExecutorError::Allocation(e.to_string()))?,
         );
         if self.use_graphs {
-            self.capture_graphs(alloc.max_running.min(alloc.max_tokens))?;
+            self.capture_graphs(alloc.max_running.min(alloc.max_tokens), alloc.max_tokens)?;
         }
         Ok(())
     }
@@ -263,23 +303,36 @@ impl<B: Backend> ModelRunner<B> {
             .check(plan)
             .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))?;
         let forward = |e: crate::backend::BackendError| ExecutorError::Forward(e.to_string());
-        // A decode step that a graph holds: upload padded, replay, sample.
+        // A step that a graph takes: upload padded, slot ops, replay, sample.
         if !plan.wants_full_rows()
-            && let Some(g) = self.graphs.iter_mut().find(|g| g.bucket >= plan.seqs.len())
             && let Some(gstep) = self.graph_step.as_mut()
-            && self
-                .backend
-                .upload_graph_step(plan, gstep, g.bucket, self.graph_blocks)
-                .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))?
         {
-            self.backend.replay_graph(g.id).map_err(forward)?;
-            out.full.vocab = vocab;
-            out.full.data.clear();
-            self.graph_steps += 1;
-            return self
-                .backend
-                .sample_start(&mut g.logits, gstep, &mut out.cands)
-                .map_err(forward);
+            let decodes = plan.seqs.iter().filter(|q| q.len == 1).count();
+            let prompts = plan.seqs.len() - decodes;
+            for g in &mut self.graphs {
+                if !g.bucket.holds(plan.tokens.len(), decodes, prompts)
+                    || !self
+                        .backend
+                        .upload_graph_step(plan, gstep, g.bucket, self.graph_blocks)
+                        .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))?
+                {
+                    continue;
+                }
+                if matches!(g.bucket, GraphBucket::Mixed { .. }) {
+                    self.mixed_graph_steps += 1;
+                    self.model
+                        .slot_ops(&self.backend, gstep, caches)
+                        .map_err(|e| ExecutorError::Forward(e.to_string()))?;
+                }
+                self.backend.replay_graph(g.id).map_err(forward)?;
+                out.full.vocab = vocab;
+                out.full.data.clear();
+                self.graph_steps += 1;
+                return self
+                    .backend
+                    .sample_start(&mut g.logits, gstep, &mut out.cands)
+                    .map_err(forward);
+            }
         }
         self.eager_steps += 1;
         self.backend

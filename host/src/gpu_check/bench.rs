@@ -9,7 +9,7 @@ use std::time::Instant;
 use super::rng::Rng;
 use super::{GpuCheckArgs, Report};
 use crate::backend::cuda::CudaBackend;
-use crate::backend::{AttnShape, Backend, HostTensor, KvLayer, SampleOut, StepPlan};
+use crate::backend::{AttnShape, Backend, GraphBucket, HostTensor, KvLayer, SampleOut, StepPlan};
 
 use crate::model::{self, Model};
 use chimera_kernels::attention::PrefillKernel;
@@ -502,7 +502,12 @@ fn decode(
         // The same step replayed from a graph (upload, replay, sampling tail).
         let mut gstep = gpu.new_step(batch)?;
         anyhow::ensure!(
-            gpu.upload_graph_step(&plan, &mut gstep, batch, per_seq)?,
+            gpu.upload_graph_step(
+                &plan,
+                &mut gstep,
+                GraphBucket::Decode { seqs: batch },
+                per_seq
+            )?,
             "the decode step does not fit a graph step"
         );
         drop(m.forward(gpu, &gstep, &mut caches)?);
@@ -629,7 +634,12 @@ impl GraphRun<'_> {
         let mut logits = logits.ok_or_else(|| anyhow::anyhow!("nothing captured"))?;
         let mut out = SampleOut::default();
         let mut replay = || -> anyhow::Result<()> {
-            gpu.upload_graph_step(self.plan, gstep, self.batch, self.per_seq)?;
+            gpu.upload_graph_step(
+                self.plan,
+                gstep,
+                GraphBucket::Decode { seqs: self.batch },
+                self.per_seq,
+            )?;
             gpu.replay_graph(id)?;
             gpu.sample(&mut logits, gstep, &mut out)?;
             Ok(())

@@ -228,6 +228,20 @@ impl<B: Backend> Model<B> {
         )
     }
 
+    /// The step's SSM slot restores and zeros, the first part of [`Self::forward`] (a mixed
+    /// CUDA graph step runs them on their own before its replay).
+    pub fn slot_ops(
+        &self,
+        backend: &B,
+        step: &B::Step,
+        caches: &mut ModelCaches<B>,
+    ) -> Result<(), ModelError> {
+        if let Some(pools) = caches.ssm.as_mut() {
+            backend.ssm_slot_ops(pools, step)?;
+        }
+        Ok(())
+    }
+
     /// One forward pass over the uploaded step. Returns the logits of the step's
     /// `logit_rows`, `[rows, vocab]`, on the backend.
     pub fn forward(
@@ -236,9 +250,7 @@ impl<B: Backend> Model<B> {
         step: &B::Step,
         caches: &mut ModelCaches<B>,
     ) -> Result<B::Tensor, ModelError> {
-        if let Some(pools) = caches.ssm.as_mut() {
-            backend.ssm_slot_ops(pools, step)?;
-        }
+        self.slot_ops(backend, step, caches)?;
         let mut h = backend.embedding(&self.embed, step)?;
         if self.embed_scale != 1.0 {
             backend.scale_assign(&mut h, self.embed_scale)?;

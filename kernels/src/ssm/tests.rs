@@ -1503,3 +1503,122 @@ proptest! {
         check_waves(&ops, 6);
     }
 }
+
+/// Pads `lens`' plan (live slots 100 + i) to `caps`.
+fn padded(lens: &[u32], snaps: &[Snapshot], chunk: u32, caps: FixedCaps) -> (SsmPlan, SsmPlan) {
+    let (_, p) = build(lens, snaps, chunk);
+    let mut q = p.clone();
+    assert!(q.pad_to(caps), "{lens:?} fits {caps:?}");
+    (p, q)
+}
+
+#[test]
+fn a_padded_plan_keeps_its_work_and_launches_by_capacity_only() {
+    let caps = FixedCaps {
+        decodes: 8,
+        prompts: 4,
+        chunks: 12,
+        snapshots: 10,
+        rows: 400 + 8,
+    };
+    let mixes: [(&[u32], Vec<Snapshot>); 3] = [
+        (
+            &[1, 131, 1, 3, 40, 1],
+            vec![snap(0, 1, 1), snap(1, 64, 2), snap(1, 128, 3)],
+        ),
+        (&[1, 1, 1, 1, 1, 1, 1, 1], vec![snap(5, 1, 7)]),
+        (
+            &[300, 2],
+            vec![snap(0, 256, 4), snap(0, 300, 5), snap(1, 2, 6)],
+        ),
+    ];
+    let mut seen: Option<Vec<String>> = None;
+    for (lens, snaps) in &mixes {
+        let (p, q) = padded(lens, snaps, 128, caps);
+        let col = |plan: &SsmPlan, c: WorkCol| plan.column(c).to_vec();
+        let (d, shift) = (p.decodes(), caps.decodes - p.decodes());
+        assert_eq!((q.decodes(), q.prompts()), (caps.decodes, caps.prompts));
+        assert_eq!(
+            (q.chunks(), q.snapshots(), q.tokens()),
+            (caps.chunks, caps.snapshots, caps.rows)
+        );
+        for c in &WorkCol::ALL[..7] {
+            let (a, b) = (col(&p, *c), col(&q, *c));
+            // Real decodes, then padding decodes, then the real prompts unchanged.
+            assert_eq!(a[..d], b[..d], "{c:?}");
+            assert_eq!(a[d..], b[caps.decodes..caps.decodes + p.prompts()], "{c:?}");
+        }
+        for e in d..caps.decodes {
+            assert_eq!(col(&q, WorkCol::SeqSlot)[e], PAD_SLOT);
+            assert_eq!(col(&q, WorkCol::SeqLen)[e], 1);
+            assert_eq!(col(&q, WorkCol::SeqSnaps)[e], 0);
+            // Spread over the padding rows.
+            let spare = caps.rows - p.tokens();
+            assert_eq!(
+                col(&q, WorkCol::SeqTok)[e],
+                p.tokens() + (e - d) as u32 % spare
+            );
+        }
+        for e in caps.decodes + p.prompts()..q.seqs() {
+            assert_eq!(col(&q, WorkCol::SeqSlot)[e], PAD_SLOT);
+            assert_eq!(col(&q, WorkCol::SeqChunks)[e], 0);
+        }
+        for ck in 0..caps.chunks {
+            let real = ck < p.chunks();
+            assert_eq!(col(&q, WorkCol::CkLen)[ck] > 0, real, "chunk {ck}");
+            if real {
+                assert_eq!(
+                    col(&q, WorkCol::CkSeq)[ck],
+                    col(&p, WorkCol::CkSeq)[ck] + shift as u32
+                );
+                assert_eq!(col(&q, WorkCol::CkTok)[ck], col(&p, WorkCol::CkTok)[ck]);
+            } else {
+                assert_eq!(col(&q, WorkCol::CkSnaps)[ck], 0);
+            }
+        }
+        let slots = col(&q, WorkCol::SnapSlot);
+        assert_eq!(slots[..p.snapshots()], col(&p, WorkCol::SnapSlot)[..]);
+        assert!(slots[p.snapshots()..].iter().all(|&s| s == PAD_SLOT));
+        // The launches depend on the capacities only.
+        let mut l = launches_conv(&q, conv_dims(200, 4), true).expect("conv");
+        l.extend(launches_scan(&q, scan_dims(8, 64, 2, 128), true).expect("scan"));
+        l.extend(launches_scan(&q, scan_dims(6, 24, 3, 16), false).expect("scan"));
+        let shapes: Vec<String> = l
+            .iter()
+            .map(|l| format!("{} {:?} {} {:?}", l.entry, l.grid, l.smem, l.args))
+            .collect();
+        assert_eq!(seen.get_or_insert(shapes.clone()), &shapes, "{lens:?}");
+        assert_eq!(scratch_bytes(&q, scan_dims(8, 64, 2, 128), true), {
+            let (_, r) = padded(mixes[0].0, &mixes[0].1, 128, caps);
+            scratch_bytes(&r, scan_dims(8, 64, 2, 128), true)
+        });
+    }
+}
+
+#[test]
+fn a_plan_over_a_capacity_is_not_padded() {
+    let caps = FixedCaps {
+        decodes: 2,
+        prompts: 1,
+        chunks: 3,
+        snapshots: 1,
+        rows: 140,
+    };
+    for (lens, snaps) in [
+        (vec![1u32, 1, 1], vec![]),                           // decodes
+        (vec![5u32, 5], vec![]),                              // prompts
+        (vec![130u32], vec![snap(0, 1, 1)]),                  // chunks: 1, 64, 64, 1
+        (vec![1u32, 10], vec![snap(0, 1, 1), snap(1, 4, 2)]), // snapshots
+        (vec![139u32], vec![]), // 3 chunks, 2 padding decodes on the one spare row: fits
+        (vec![140u32], vec![]), // 2 padding decodes, no spare row
+    ] {
+        let (_, p) = build(&lens, &snaps, 64);
+        let mut q = p.clone();
+        let fits = q.pad_to(caps);
+        assert_eq!(fits, lens == [139], "{lens:?}");
+        if !fits {
+            assert_eq!(q.column(WorkCol::SeqTok), p.column(WorkCol::SeqTok));
+            assert_eq!(q.tokens(), p.tokens());
+        }
+    }
+}

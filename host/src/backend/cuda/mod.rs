@@ -44,8 +44,8 @@ use self::memory::{Arena, DevAlloc, MemStats, Pinned, bad_tensor, dtoh, htod, sy
 pub use self::step::CudaStep;
 use super::{
     Activation, ArenaStats, AttnShape, Backend, BackendError, DType, DeviceStepTime, GdnShape,
-    HostTensor, KvLayer, Mamba2Mix, MoeRouting, Result, Rope, SampleOut, SsmPools, SsmShape,
-    StackedExperts, StepPlan,
+    GraphBucket, HostTensor, KvLayer, Mamba2Mix, MoeRouting, Result, Rope, SampleOut, SsmPools,
+    SsmShape, StackedExperts, StepPlan,
 };
 
 /// Where a tensor's memory comes from.
@@ -251,6 +251,14 @@ impl Drop for Graph {
 
 /// Decode batch sizes captured as graphs.
 const GRAPH_BUCKETS: [usize; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
+/// Token buckets of the mixed graphs (steps with prefill chunks). Up to about 256 rows a
+/// step reads the weights at the same cost whatever its rows, so padding is nearly free and
+/// the launches are what a graph saves; larger steps are compute-bound, their launches hide
+/// behind the kernels, and padding them to a bucket would cost more than it saves: they run
+/// eagerly.
+const MIXED_TOKEN_BUCKETS: [usize; 3] = [128, 256, 512];
+/// Prompt chunks a mixed graph holds (each pads one attention tile and one SSD chunk pass).
+const MIXED_PROMPTS: usize = 8;
 
 /// The CUDA backend of one replica (see the module docs). Clones share everything.
 #[derive(Clone)]
@@ -928,28 +936,70 @@ impl Backend for CudaBackend {
         Ok(step)
     }
 
-    fn graph_buckets(&self, max_batch: usize) -> Vec<usize> {
-        GRAPH_BUCKETS
-            .iter()
-            .copied()
-            .filter(|&b| b <= max_batch.next_power_of_two())
-            .collect()
+    /// Decode buckets of 1 to 256 sequences (powers of two up to the batch's); mixed buckets
+    /// of [`MIXED_TOKEN_BUCKETS`] tokens (up to the step's budget) with a power of two of
+    /// decodes up to half the tokens, and [`MIXED_PROMPTS`] prompt chunks.
+    fn graph_buckets(&self, max_batch: usize, max_tokens: usize) -> Vec<GraphBucket> {
+        let decodes = || {
+            GRAPH_BUCKETS
+                .iter()
+                .copied()
+                .filter(move |&b| b <= max_batch.next_power_of_two())
+        };
+        let mut out: Vec<GraphBucket> =
+            decodes().map(|seqs| GraphBucket::Decode { seqs }).collect();
+        for tokens in MIXED_TOKEN_BUCKETS {
+            if tokens > max_tokens.max(MIXED_TOKEN_BUCKETS[0]) {
+                break;
+            }
+            out.extend(
+                decodes()
+                    .filter(|&d| d <= tokens / 2)
+                    .map(|decodes| GraphBucket::Mixed {
+                        tokens,
+                        decodes,
+                        prompts: MIXED_PROMPTS,
+                    }),
+            );
+        }
+        out
     }
 
     fn upload_graph_step(
         &self,
         plan: &StepPlan,
         step: &mut CudaStep,
-        bucket: usize,
+        bucket: GraphBucket,
         max_blocks: usize,
     ) -> Result<bool> {
-        self.upload_graph_shaped(
-            plan,
-            step,
-            bucket,
-            step::GraphShape::splits_for(bucket),
-            max_blocks,
-        )
+        match bucket {
+            GraphBucket::Decode { seqs } => self.upload_graph_shaped(
+                plan,
+                step,
+                seqs,
+                step::GraphShape::splits_for(seqs),
+                max_blocks,
+            ),
+            GraphBucket::Mixed {
+                tokens,
+                decodes,
+                prompts,
+            } => {
+                self.dev().bind()?;
+                let m = step::MixedShape {
+                    tokens,
+                    decodes,
+                    prompts,
+                    table_cap: (decodes + prompts) * max_blocks + 1,
+                };
+                if !step.pack_mixed(self.dev(), &self.inner.stats, plan, m)? {
+                    return Ok(false);
+                }
+                self.mark_step_start()?;
+                step.copy(self.dev(), self.stream())?;
+                Ok(true)
+            }
+        }
     }
 
     fn step_clock_start(&self) -> Result<()> {

@@ -104,6 +104,53 @@ impl GraphShape {
     }
 }
 
+/// The padded, fixed layout of a step with prefill chunks replayed by a CUDA graph: at most
+/// `tokens` tokens in at most `decodes` one-token chunks and `prompts` longer ones. The real
+/// chunks come first, then chunks of no tokens, on `tokens` token rows; a step with fewer
+/// decodes than the shape needs one padding row at least, for the SSM plan's padding
+/// decodes ([`ssm::SsmPlan::pad_to`]). Every column the graph reads has a capacity fixed by
+/// the shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MixedShape {
+    pub tokens: usize,
+    pub decodes: usize,
+    pub prompts: usize,
+    /// Block-table words the step can hold (the padding chunks' one word included).
+    pub table_cap: usize,
+}
+
+impl MixedShape {
+    /// Token rows of the layout.
+    pub fn rows(&self) -> usize {
+        self.tokens
+    }
+
+    /// Chunks of the layout (and logit rows: one a chunk at most).
+    pub fn chunks(&self) -> usize {
+        self.decodes + self.prompts
+    }
+
+    /// Attention query tiles of the longer chunks: a chunk of `l` tokens takes
+    /// `ceil(l / Q_TILE)` (one when `l` ≤ 16), so `tokens / Q_TILE + prompts` bound them.
+    fn attn_tiles(&self) -> usize {
+        self.tokens
+            .div_ceil(chimera_kernels::attention::Q_TILE as usize)
+            + self.prompts
+    }
+
+    /// Snapshot targets: one a decode (it crosses one block boundary), four a prompt chunk
+    /// (the cache manager's snapshot points).
+    fn snapshots(&self) -> usize {
+        self.decodes + 4 * self.prompts
+    }
+
+    /// SSD chunks of `chunk` tokens: each prompt chunk's last piece and every cut at a
+    /// snapshot add one to `tokens / chunk`.
+    fn ssd_chunks(&self, chunk: u32) -> usize {
+        self.tokens.div_ceil(chunk.max(1) as usize) + 5 * self.prompts
+    }
+}
+
 impl CudaStep {
     pub fn new() -> Self {
         Self {
@@ -297,7 +344,34 @@ impl CudaStep {
         c.block_tables = Self::push(s, self.pad_tables.iter().copied());
         // The whole layout: every fixed column at its full capacity.
         let layout_bytes = 4 * (c.block_tables + g.table_cap);
-        // Sampling runs after the replay, outside the graph: its columns may vary.
+        self.dims = StepDims {
+            tokens: b,
+            seqs: b,
+            block_size: plan.block_size,
+            logit_rows: b,
+            sample_rows: plan.sample_rows.len(),
+            k: plan.sampling.k,
+        };
+        self.finish_graph_layout(device, stats, plan, layout_bytes)
+    }
+
+    /// After a graph layout's fixed columns: the columns that run outside the graph (slot
+    /// ops before the replay, sampling after it), which may vary, then the buffers, sized
+    /// once for the layout and frozen (`Ok(false)` when frozen and too small).
+    fn finish_graph_layout(
+        &mut self,
+        device: &Arc<Device>,
+        stats: &MemStats,
+        plan: &StepPlan,
+        layout_bytes: usize,
+    ) -> Result<bool> {
+        let s = &mut self.staging;
+        let c = &mut self.cols;
+        for (at, col) in c.ssm.iter_mut().zip(ssm::WorkCol::ALL) {
+            if matches!(col, ssm::WorkCol::OpFrom | ssm::WorkCol::OpTo) {
+                *at = Self::push(s, self.ssm.column(col).iter().copied());
+            }
+        }
         c.sample_rows = Self::push(s, plan.sample_rows.iter().copied());
         let r = &plan.sampling;
         c.repetition = Self::push(s, r.repetition.iter().map(|v| v.to_bits()));
@@ -307,14 +381,6 @@ impl CudaStep {
         c.hist_offsets = Self::push(s, r.hist_offsets.iter().copied());
         c.hist_tokens = Self::push(s, r.hist_tokens.iter().copied());
         c.hist_counts = Self::push(s, r.hist_counts.iter().copied());
-        self.dims = StepDims {
-            tokens: b,
-            seqs: b,
-            block_size: plan.block_size,
-            logit_rows: b,
-            sample_rows: plan.sample_rows.len(),
-            k: r.k,
-        };
         let bytes = (4 * s.len()).max(layout_bytes);
         if self.pinned.as_ref().is_none_or(|p| p.bytes < bytes) {
             if self.frozen {
@@ -328,6 +394,153 @@ impl CudaStep {
         // Graphs captured from here on hold this buffer's addresses.
         self.frozen = true;
         Ok(true)
+    }
+
+    /// Packs a `plan` with prefill chunks padded to the mixed layout `m`, for
+    /// [`Self::copy`]. `Ok(false)` (nothing packed) when the plan does not fit: more tokens,
+    /// decodes, prompts, attention tiles, SSD chunks, snapshots or block-table words than
+    /// the shape holds, prompt logprobs, or (once frozen) a buffer too small. Slot ops are
+    /// planned and packed outside the fixed layout: the caller runs them before the replay.
+    pub(crate) fn pack_mixed(
+        &mut self,
+        device: &Arc<Device>,
+        stats: &MemStats,
+        plan: &StepPlan,
+        m: MixedShape,
+    ) -> Result<bool> {
+        self.uploaded = false;
+        let n = plan.seqs.len();
+        let decodes = plan.seqs.iter().filter(|q| q.len == 1).count();
+        // Padding decodes write zeros to a padding row.
+        let pad_row = usize::from(decodes < m.decodes);
+        let fits = plan.tokens.len() + pad_row <= m.tokens
+            && decodes <= m.decodes
+            && n - decodes <= m.prompts
+            && plan.seqs.iter().all(|q| !q.all_logits)
+            && plan.logit_rows.len() <= m.chunks()
+            && plan.block_tables.len() < m.table_cap;
+        if !fits {
+            return Ok(false);
+        }
+        let (rows, chunks, real) = (m.rows(), m.chunks(), plan.tokens.len());
+        // Padding chunks hold no tokens and read one table word (the first of the tables).
+        let pad_at = plan.block_tables.len() as u32;
+        self.pad_tables.clear();
+        self.pad_tables.extend_from_slice(&plan.block_tables);
+        self.pad_tables
+            .push(plan.block_tables.first().copied().unwrap_or(0));
+        self.pad_cu.clear();
+        self.pad_cu.extend_from_slice(&plan.cu_seqlens);
+        self.pad_cu.resize(chunks + 1, real as u32);
+        self.ctx_lens.clear();
+        self.ctx_lens
+            .extend(plan.seqs.iter().map(|q| q.context_len as u32));
+        self.ctx_lens.resize(chunks, 0);
+        if !chimera_kernels::attention::plan_mixed_fixed(
+            &self.pad_cu,
+            &self.ctx_lens,
+            m.decodes,
+            m.attn_tiles(),
+            &mut self.attn,
+        ) {
+            return Ok(false);
+        }
+        let caps = ssm::FixedCaps {
+            decodes: m.decodes,
+            prompts: m.prompts,
+            chunks: m.ssd_chunks(self.ssm_chunk),
+            snapshots: m.snapshots(),
+            rows: rows as u32,
+        };
+        if self.ssm_chunk > 0 {
+            self.plan_ssm(plan)?;
+            if !self.ssm.pad_to(caps) {
+                return Ok(false);
+            }
+        } else if !plan.slot_ops.is_empty() {
+            self.plan_ssm(plan)?;
+        } else {
+            self.ssm = SsmPlan::default();
+        }
+        let s = &mut self.staging;
+        s.clear();
+        let c = &mut self.cols;
+        let z = |k: usize| std::iter::repeat_n(0u32, k);
+        let pad_rows = rows - real;
+        let pad_chunks = chunks - n;
+        let ssm_fixed = self.ssm_chunk > 0;
+        // The columns the graph reads, at offsets fixed by the shape.
+        let fixed = (|| {
+            c.tokens = Self::push_cap(s, plan.tokens.iter().copied().chain(z(pad_rows)), rows)?;
+            c.positions =
+                Self::push_cap(s, plan.positions.iter().copied().chain(z(pad_rows)), rows)?;
+            c.slot_mapping = Self::push_cap(
+                s,
+                plan.slot_mapping
+                    .iter()
+                    .copied()
+                    .chain(std::iter::repeat_n(PAD, pad_rows)),
+                rows,
+            )?;
+            c.cu_seqlens = Self::push_cap(s, self.pad_cu.iter().copied(), chunks + 1)?;
+            c.ctx_lens = Self::push_cap(s, self.ctx_lens.iter().copied(), chunks)?;
+            c.bt_offsets = Self::push_cap(
+                s,
+                plan.seqs
+                    .iter()
+                    .map(|q| q.blocks.0)
+                    .chain(std::iter::repeat_n(pad_at, pad_chunks)),
+                chunks,
+            )?;
+            // Padding logit rows read the last padding row; sampling reads the real ones.
+            c.logit_rows = Self::push_cap(
+                s,
+                plan.logit_rows.iter().copied().chain(std::iter::repeat_n(
+                    rows as u32 - 1,
+                    chunks - plan.logit_rows.len(),
+                )),
+                chunks,
+            )?;
+            for (at, col) in c.attn.iter_mut().zip(WorkCol::ALL) {
+                let words = self.attn.column(col);
+                *at = Self::push_cap(s, words.iter().copied(), words.len())?;
+            }
+            if ssm_fixed {
+                for (at, col) in c.ssm.iter_mut().zip(ssm::WorkCol::ALL) {
+                    use ssm::WorkCol as W;
+                    let cap = match col {
+                        W::OpFrom | W::OpTo => continue,
+                        W::CkTok | W::CkLen | W::CkSeq | W::CkSnap | W::CkSnaps => caps.chunks,
+                        W::SnapSlot => caps.snapshots,
+                        _ => chunks,
+                    };
+                    *at = Self::push_cap(s, self.ssm.column(col).iter().copied(), cap)?;
+                }
+            }
+            Some(())
+        })();
+        if fixed.is_none() {
+            return Ok(false);
+        }
+        c.block_tables = Self::push(s, self.pad_tables.iter().copied());
+        let layout_bytes = 4 * (c.block_tables + m.table_cap);
+        if !ssm_fixed {
+            // No SSM layers read them: any place outside the fixed columns.
+            for (at, col) in c.ssm.iter_mut().zip(ssm::WorkCol::ALL) {
+                if !matches!(col, ssm::WorkCol::OpFrom | ssm::WorkCol::OpTo) {
+                    *at = Self::push(s, self.ssm.column(col).iter().copied());
+                }
+            }
+        }
+        self.dims = StepDims {
+            tokens: rows,
+            seqs: chunks,
+            block_size: plan.block_size,
+            logit_rows: chunks,
+            sample_rows: plan.sample_rows.len(),
+            k: plan.sampling.k,
+        };
+        self.finish_graph_layout(device, stats, plan, layout_bytes)
     }
 
     /// Copies the packed step to the device buffer through the pinned buffer, on `stream`:
