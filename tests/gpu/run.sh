@@ -2,7 +2,7 @@
 # On the GPU machine, from the repository root, with the stripped binary in .gpu/chimera
 # (tests/gpu/prepare.sh makes it on a machine without a GPU):
 #
-#   tests/gpu/run.sh kernels|hybrid|parity|graphs|bench|bench-kernels|moe|serve|all
+#   tests/gpu/run.sh kernels|hybrid|parity|graphs|bench|bench-kernels|bench-mixed|moe|serve|all
 #   tests/gpu/run.sh serving-caching|serving-idle|serving-prefill|serving-routing   (QUICK=1: small)
 #
 # Prints one table (check | measured | bound | pass), writes every row as JSON under $OUT (or
@@ -73,7 +73,7 @@ serve_suite() {
 }
 
 case $suite in
-  kernels|hybrid|parity|graphs|bench|bench-kernels|moe) run_check "$suite" ;;
+  kernels|hybrid|parity|graphs|bench|bench-kernels|bench-mixed|moe) run_check "$suite" ;;
   # chimera serve + chimera bench with NemotronH-8B-shaped dummy weights (tests/gpu/serving.py;
   # QUICK=1 for a small workload); serving-routing needs two GPUs.
   serving-caching|serving-idle|serving-prefill|serving-routing)

@@ -561,6 +561,8 @@ fn decode(
             );
         }
     }
+    // Mixed steps eager and from a mixed graph.
+    super::bench_mixed::mixed_steps(report, gpu, &m, &mut caches, per_seq, steps_bs1.min(50))?;
     // A 4096-token prefill chunk (the serving default's chunk) from an empty context: where
     // its device time goes, per kernel.
     let t = 4096usize;

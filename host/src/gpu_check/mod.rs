@@ -14,6 +14,7 @@
 //! steps run eagerly).
 
 mod bench;
+mod bench_mixed;
 mod gemv;
 mod graphs;
 mod hybrid;
@@ -256,6 +257,10 @@ pub fn run(args: &GpuCheckArgs) -> anyhow::Result<Report> {
         ran = true;
         bench::run(&mut report, &bf16_gpu, args);
     }
+    if args.suite == "bench-mixed" {
+        ran = true;
+        bench_mixed::run(&mut report, &bf16_gpu, args);
+    }
     if args.suite == "bench-kernels" {
         ran = true;
         bench::kernels(&mut report, &bf16_gpu);
@@ -269,7 +274,7 @@ pub fn run(args: &GpuCheckArgs) -> anyhow::Result<Report> {
     }
     anyhow::ensure!(
         ran,
-        "unknown suite {:?} (kernels, hybrid, parity, graphs, bench, bench-kernels, moe, all)",
+        "unknown suite {:?} (kernels, hybrid, parity, graphs, bench, bench-kernels, bench-mixed, moe, all)",
         args.suite
     );
     if let Some(path) = &args.json {
