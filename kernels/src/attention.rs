@@ -390,43 +390,60 @@ pub fn plan_decode_fixed(
         return false;
     }
     for (s, &ctx) in ctx_lens.iter().enumerate() {
-        let (s, kv_end) = (s as u32, ctx + 1);
-        if splits == 1 {
-            out.push_item([s, 0, 1, 0, kv_end, NO_PART]);
-            continue;
-        }
-        // Pieces of at least MIN_SPLIT keys, as the eager plan makes them: at short contexts
-        // the trailing pieces are empty (their CTAs return at once) rather than short.
-        let len = kv_end
-            .div_ceil(splits)
-            .next_multiple_of(SPLIT_ALIGN)
-            .max(MIN_SPLIT);
-        let base = out.partial_rows;
-        for j in 0..splits {
-            let first = kv_end.min(j * len);
-            let end = kv_end.min(first.saturating_add(len));
-            out.push_item([s, 0, 1, first, end, base + j]);
-        }
-        out.push_combine([cu_seqlens[s as usize], base, 1, splits]);
-        out.partial_rows += splits;
+        push_fixed_decode(out, Some(s as u32), cu_seqlens[s], ctx, splits);
     }
     out.small = out.items();
     true
 }
 
+/// One decode of chunk `s` (query token `tok`, `ctx` keys before it) in a fixed-shape plan:
+/// `splits` pieces of its KV range (boundaries on [`SPLIT_ALIGN`] multiples, at least
+/// [`MIN_SPLIT`] keys; pieces past the end are empty and the combine skips them) and one
+/// combine row, or one unsplit item when `splits` is 1. `None` for `s`: a padding decode,
+/// whose pieces have no query token and whose combine row (no pieces) writes zeros to `tok`.
+fn push_fixed_decode(out: &mut AttnPlan, s: Option<u32>, tok: u32, ctx: u32, splits: u32) {
+    let kv_end = ctx + 1;
+    let q = u32::from(s.is_some());
+    let (s, kv_end) = (s.unwrap_or(0), if q == 0 { 0 } else { kv_end });
+    if splits == 1 {
+        out.push_item([s, 0, q, 0, kv_end, NO_PART]);
+        return;
+    }
+    // Pieces of at least MIN_SPLIT keys, as the eager plan makes them: at short contexts
+    // the trailing pieces are empty (their CTAs return at once) rather than short.
+    let len = kv_end
+        .div_ceil(splits)
+        .next_multiple_of(SPLIT_ALIGN)
+        .max(MIN_SPLIT);
+    let base = out.partial_rows;
+    for j in 0..splits {
+        let first = kv_end.min(j * len);
+        let end = kv_end.min(first.saturating_add(len));
+        out.push_item([s, 0, q, first, end, base + j]);
+    }
+    out.push_combine([tok, base, 1, splits * q]);
+    out.partial_rows += splits;
+}
+
 /// A mixed work list of fixed shape, for CUDA graphs of steps with prefill chunks: the
-/// one-token chunks (decodes) are the small items, padded to `small_cap`; every other chunk's
-/// query tiles, as [`plan`] cuts them, are the large items, padded to `large_cap`. Nothing is
-/// split. Padding items have no query tokens (`QCount` 0), so every CTA of theirs returns at
-/// once (`attention.cuh` `tile_of`), and the launches depend only on the two capacities:
-/// the small class always runs the decode kernel, the large class the prefill kernel of
+/// one-token chunks (decodes) are the small items, each cut into `splits` pieces as
+/// [`plan_decode_fixed`] cuts them, padded to `small_cap` decodes; every other chunk's query
+/// tiles, as [`plan`] cuts them, are the large items, unsplit, padded to `large_cap`.
+/// Padding items have no query tokens (`QCount` 0), so every CTA of theirs returns at once
+/// (`attention.cuh` `tile_of`); a padding decode's combine row has no pieces and writes
+/// zeros to the token row `pad_token`, which must be a padding row when the step has fewer
+/// decodes than `small_cap`. The launches depend only on the capacities and `splits`: the
+/// small class always runs the decode kernel, the large class the prefill kernel of
 /// [`Q_TILE`] tokens. Returns `false` (and leaves `out` empty) when the step has more
-/// decodes or tiles than the capacities.
+/// decodes or tiles than the capacities, or the pieces more partial rows than
+/// [`MAX_PARTIAL_ROWS`].
 pub fn plan_mixed_fixed(
     cu_seqlens: &[u32],
     ctx_lens: &[u32],
     small_cap: usize,
     large_cap: usize,
+    splits: u32,
+    pad_token: u32,
     out: &mut AttnPlan,
 ) -> bool {
     for c in &mut out.cols {
@@ -437,12 +454,14 @@ pub fn plan_mixed_fixed(
     out.split_len = 0;
     out.max_q_small = 1;
     out.max_q_large = Q_TILE;
+    let splits = splits.max(1);
     let refuse = |out: &mut AttnPlan| {
         for c in &mut out.cols {
             c.clear();
         }
         out.num_seqs = 0;
         out.small = 0;
+        out.partial_rows = 0;
         false
     };
     // A decode is a one-token chunk (the last tile of a longer chunk can be one token too).
@@ -457,16 +476,21 @@ pub fn plan_mixed_fixed(
             q => large += q.div_ceil(Q_TILE) as usize,
         }
     }
-    if small > small_cap || large > large_cap {
+    let pieces = if splits > 1 {
+        small_cap as u64 * u64::from(splits)
+    } else {
+        0
+    };
+    if small > small_cap || large > large_cap || pieces > u64::from(MAX_PARTIAL_ROWS) {
         return refuse(out);
     }
     for s in (0..n).filter(|&s| qlen(s) == 1) {
-        out.push_item([s as u32, 0, 1, 0, ctx_lens[s] + 1, NO_PART]);
+        push_fixed_decode(out, Some(s as u32), cu_seqlens[s], ctx_lens[s], splits);
     }
     for _ in small..small_cap {
-        out.push_item([0, 0, 0, 0, 0, NO_PART]);
+        push_fixed_decode(out, None, pad_token, 0, splits);
     }
-    out.small = small_cap;
+    out.small = out.items();
     for_each_tile(cu_seqlens, ctx_lens, |s, q_first, q_count, kv_end| {
         if qlen(s as usize) > 1 {
             out.push_item([s, q_first, q_count, 0, kv_end, NO_PART]);
@@ -830,7 +854,8 @@ mod tests {
     #[derive(Debug, Clone, Copy)]
     enum Fixed {
         Decode(u32),
-        Mixed(usize, usize),
+        /// Decodes, tiles, splits.
+        Mixed(usize, usize, u32),
     }
 
     /// As [`check_coverage`], of [`plan`] or a fixed-shape plan.
@@ -845,10 +870,14 @@ mod tests {
         let mut p = AttnPlan::new();
         match fixed {
             Some(Fixed::Decode(splits)) => assert!(plan_decode_fixed(&cu, ctx, splits, &mut p)),
-            Some(Fixed::Mixed(small, large)) => {
-                assert!(plan_mixed_fixed(&cu, ctx, small, large, &mut p));
-                assert_eq!(p.items(), small + large);
-                assert_eq!(p.combine_rows(), 0);
+            Some(Fixed::Mixed(small, large, splits)) => {
+                let pad = *cu.last().unwrap_or(&0);
+                assert!(plan_mixed_fixed(
+                    &cu, ctx, small, large, splits, pad, &mut p
+                ));
+                let pieces = if splits > 1 { splits as usize } else { 1 };
+                assert_eq!(p.items(), small * pieces + large);
+                assert_eq!(p.combine_rows(), if splits > 1 { small } else { 0 });
             }
             None => plan(&cu, ctx, &mut p),
         }
@@ -875,8 +904,7 @@ mod tests {
             }
             assert!(
                 col(WorkCol::KvFirst, i) < col(WorkCol::KvEnd, i)
-                    || (matches!(fixed, Some(Fixed::Decode(_)))
-                        && col(WorkCol::KvFirst, i) == col(WorkCol::KvEnd, i)),
+                    || (fixed.is_some() && col(WorkCol::KvFirst, i) == col(WorkCol::KvEnd, i)),
                 "empty piece {i}"
             );
         }
@@ -948,6 +976,12 @@ mod tests {
                     for y in 0..l.grid.1 as usize {
                         let c = base + y;
                         let tok = col(WorkCol::CombToken, c);
+                        if col(WorkCol::CombSplits, c) == 0 {
+                            // A padding decode's row: zeros to the padding token.
+                            assert!(matches!(fixed, Some(Fixed::Mixed(..))));
+                            assert!(tok >= *cu.last().unwrap_or(&0) as usize);
+                            continue;
+                        }
                         let (first, stride) =
                             (col(WorkCol::CombPart, c), col(WorkCol::CombStride, c));
                         for h in 0..heads {
@@ -1662,15 +1696,19 @@ mod tests {
                 .map(|&l| if l <= SMALL_Q { 1 } else { l.div_ceil(Q_TILE) as usize })
                 .sum();
             for (small, large) in [(decodes + 3, tiles + 2), (decodes, tiles)] {
-                check_plan_coverage(&q, &ctx, d, bf16, Some(Fixed::Mixed(small, large)));
+                for splits in [1, 4] {
+                    let f = Fixed::Mixed(small, large, splits);
+                    check_plan_coverage(&q, &ctx, d, bf16, Some(f));
+                }
             }
             let mut p = AttnPlan::new();
+            let cu = cu_of(&q);
             if decodes > 0 {
-                prop_assert!(!plan_mixed_fixed(&cu_of(&q), &ctx, decodes - 1, tiles, &mut p));
+                prop_assert!(!plan_mixed_fixed(&cu, &ctx, decodes - 1, tiles, 4, 0, &mut p));
                 prop_assert_eq!(p.items(), 0);
             }
             if tiles > 0 {
-                prop_assert!(!plan_mixed_fixed(&cu_of(&q), &ctx, decodes, tiles - 1, &mut p));
+                prop_assert!(!plan_mixed_fixed(&cu, &ctx, decodes, tiles - 1, 1, 0, &mut p));
             }
         }
     }
@@ -1684,20 +1722,31 @@ mod tests {
             ([1, 1, 1, 1, 1, 1], [1, 2, 3, 4, 5, 6]),
             ([16, 2, 129, 1, 0, 1], [9000, 3, 0, 1, 0, 5]),
         ];
-        let mut seen = None;
+        let mut seen = HashMap::new();
         for (q, ctx) in mixes {
-            let mut p = AttnPlan::new();
-            assert!(plan_mixed_fixed(&cu_of(&q), &ctx, 8, 6, &mut p), "{q:?}");
-            for bf16 in [true, false] {
-                check_plan_coverage(&q, &ctx, shape, bf16, Some(Fixed::Mixed(8, 6)));
+            for splits in [1u32, 16] {
+                let mut p = AttnPlan::new();
+                let pad = cu_of(&q)[6];
+                assert!(
+                    plan_mixed_fixed(&cu_of(&q), &ctx, 8, 6, splits, pad, &mut p),
+                    "{q:?}"
+                );
+                assert_eq!(p.partial_rows(), if splits > 1 { 8 * splits } else { 0 });
+                for bf16 in [true, false] {
+                    check_plan_coverage(&q, &ctx, shape, bf16, Some(Fixed::Mixed(8, 6, splits)));
+                }
+                let l = launches(&p, shape, true, PrefillKernel::WgmmaPingPong).expect("shape");
+                let grids: Vec<_> = l.iter().map(|l| (l.entry, l.grid, l.smem)).collect();
+                let mut want = vec!["attn_decode_d128_bf16", "attn_prefill_wgmma_pp_d128_bf16"];
+                if splits > 1 {
+                    want.push("attn_combine_bf16");
+                }
+                assert_eq!(grids.iter().map(|g| g.0).collect::<Vec<_>>(), want);
+                assert_eq!(seen.entry(splits).or_insert(grids.clone()), &grids, "{q:?}");
             }
-            let l = launches(&p, shape, true, PrefillKernel::WgmmaPingPong).expect("shape");
-            let grids: Vec<_> = l.iter().map(|l| (l.entry, l.grid, l.smem)).collect();
-            assert_eq!(
-                grids.iter().map(|g| g.0).collect::<Vec<_>>(),
-                ["attn_decode_d128_bf16", "attn_prefill_wgmma_pp_d128_bf16"]
-            );
-            assert_eq!(*seen.get_or_insert(grids.clone()), grids, "{q:?}");
         }
+        // Too many pieces for the partial rows: refused.
+        let mut p = AttnPlan::new();
+        assert!(!plan_mixed_fixed(&[0, 1], &[5], 300, 0, 16, 1, &mut p));
     }
 }

@@ -17,16 +17,9 @@ use crate::model::{self, Model, ModelCaches};
 const SUITE: &str = "bench-mixed";
 const BLOCK: usize = 16;
 const CONTEXT: usize = 2048;
-/// `(decodes, prompt chunk tokens, bucket tokens, bucket decodes)`: the smallest mixed bucket
-/// of the CUDA backend that takes each mix.
-const MIXES: [(usize, usize, usize, usize); 5] = [
-    (1, 100, 128, 1),
-    (16, 100, 128, 16),
-    (64, 128, 256, 64),
-    (128, 256, 512, 128),
-    (255, 200, 512, 256),
-];
-const PROMPTS: usize = 8;
+/// `(decodes, prompt chunk tokens)`; each runs in the smallest mixed bucket of the backend
+/// that takes it, as the engine picks it.
+const MIXES: [(usize, usize); 5] = [(1, 100), (16, 100), (64, 128), (128, 256), (255, 200)];
 
 /// `--suite bench-mixed`: the mixes on both bench models.
 pub fn run(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) {
@@ -61,7 +54,18 @@ pub fn mixed_steps(
 ) -> anyhow::Result<()> {
     let name = m.info.architecture.clone();
     let hybrid = m.info.cache.is_hybrid();
-    for (decodes, chunk, tokens, bucket_decodes) in MIXES {
+    let mut buckets: Vec<GraphBucket> = gpu
+        .graph_buckets(256, 2048)
+        .into_iter()
+        .filter(|b| matches!(b, GraphBucket::Mixed { .. }))
+        .collect();
+    buckets.sort_by_key(|b| match *b {
+        GraphBucket::Mixed {
+            tokens, decodes, ..
+        } => (tokens, decodes),
+        GraphBucket::Decode { seqs } => (0, seqs),
+    });
+    for (decodes, chunk) in MIXES {
         let mut plan = StepPlan::new(BLOCK);
         let table =
             |s: usize| -> Vec<u32> { ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect() };
@@ -86,17 +90,28 @@ pub fn mixed_steps(
         for _ in 0..plan.sample_rows.len() {
             plan.sampling.push_row(none, false, &[], &[]);
         }
-        let bucket = GraphBucket::Mixed {
+        let mut step = gpu.new_step(decodes + chunk)?;
+        let mut gstep = gpu.new_step(512)?;
+        let mut chosen = None;
+        for &b in &buckets {
+            if b.holds(decodes + chunk, decodes, 1)
+                && gpu.upload_graph_step(&plan, &mut gstep, b, per_seq)?
+            {
+                chosen = Some(b);
+                break;
+            }
+        }
+        let Some(bucket) = chosen else {
+            anyhow::bail!("{decodes} decodes + {chunk} tokens fit no mixed bucket");
+        };
+        let GraphBucket::Mixed {
             tokens,
             decodes: bucket_decodes,
-            prompts: PROMPTS,
+            ..
+        } = bucket
+        else {
+            anyhow::bail!("not a mixed bucket");
         };
-        let mut step = gpu.new_step(tokens)?;
-        let mut gstep = gpu.new_step(tokens)?;
-        anyhow::ensure!(
-            gpu.upload_graph_step(&plan, &mut gstep, bucket, per_seq)?,
-            "{decodes} decodes + {chunk} tokens do not fit {bucket:?}"
-        );
         drop(m.forward(gpu, &gstep, caches)?);
         let mut logits = None;
         let t0 = Instant::now();

@@ -251,12 +251,12 @@ impl Drop for Graph {
 
 /// Decode batch sizes captured as graphs.
 const GRAPH_BUCKETS: [usize; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
-/// Token buckets of the mixed graphs (steps with prefill chunks). Up to about 256 rows a
-/// step reads the weights at the same cost whatever its rows, so padding is nearly free and
-/// the launches are what a graph saves; larger steps are compute-bound, their launches hide
-/// behind the kernels, and padding them to a bucket would cost more than it saves: they run
-/// eagerly.
-const MIXED_TOKEN_BUCKETS: [usize; 3] = [128, 256, 512];
+/// Token buckets of the mixed graphs (steps with prefill chunks): every 32 tokens up to 512.
+/// Past about 200 rows a step's GEMMs are compute-bound on an H200, so each padding row costs
+/// its share (at most 31 rows here); larger steps run eagerly, their launches hidden behind
+/// kernels that long.
+const MIXED_TOKEN_STEP: usize = 32;
+const MIXED_MAX_TOKENS: usize = 512;
 /// Prompt chunks a mixed graph holds (each pads one attention tile and one SSD chunk pass).
 const MIXED_PROMPTS: usize = 8;
 
@@ -937,8 +937,9 @@ impl Backend for CudaBackend {
     }
 
     /// Decode buckets of 1 to 256 sequences (powers of two up to the batch's); mixed buckets
-    /// of [`MIXED_TOKEN_BUCKETS`] tokens (up to the step's budget) with a power of two of
-    /// decodes up to half the tokens, and [`MIXED_PROMPTS`] prompt chunks.
+    /// of every [`MIXED_TOKEN_STEP`] tokens up to [`MIXED_MAX_TOKENS`] (and the step's budget),
+    /// each with a power of two of decodes up to half the tokens, and [`MIXED_PROMPTS`] prompt
+    /// chunks.
     fn graph_buckets(&self, max_batch: usize, max_tokens: usize) -> Vec<GraphBucket> {
         let decodes = || {
             GRAPH_BUCKETS
@@ -948,10 +949,8 @@ impl Backend for CudaBackend {
         };
         let mut out: Vec<GraphBucket> =
             decodes().map(|seqs| GraphBucket::Decode { seqs }).collect();
-        for tokens in MIXED_TOKEN_BUCKETS {
-            if tokens > max_tokens.max(MIXED_TOKEN_BUCKETS[0]) {
-                break;
-            }
+        let top = MIXED_MAX_TOKENS.min(max_tokens.next_multiple_of(MIXED_TOKEN_STEP));
+        for tokens in (MIXED_TOKEN_STEP..=top).step_by(MIXED_TOKEN_STEP) {
             out.extend(
                 decodes()
                     .filter(|&d| d <= tokens / 2)

@@ -436,11 +436,15 @@ impl CudaStep {
         self.ctx_lens
             .extend(plan.seqs.iter().map(|q| q.context_len as u32));
         self.ctx_lens.resize(chunks, 0);
+        // Decodes split as in a decode graph of as many rows: the decode launch runs before
+        // the prefill tiles' and must fill the GPU on its own.
         if !chimera_kernels::attention::plan_mixed_fixed(
             &self.pad_cu,
             &self.ctx_lens,
             m.decodes,
             m.attn_tiles(),
+            GraphShape::splits_for(m.decodes),
+            real as u32,
             &mut self.attn,
         ) {
             return Ok(false);
