@@ -82,6 +82,10 @@ impl<B: Backend> Backend for Counting<B> {
         self.traffic.downloads.fetch_add(1, Ordering::Relaxed);
         self.inner.download(t)
     }
+    fn copy_into(&self, src: &Self::Tensor, dst: &mut Self::Tensor) -> Result<()> {
+        self.traffic.kernels.fetch_add(1, Ordering::Relaxed);
+        self.inner.copy_into(src, dst)
+    }
     fn shape<'a>(&self, t: &'a Self::Tensor) -> &'a [usize] {
         self.inner.shape(t)
     }

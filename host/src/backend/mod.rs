@@ -410,6 +410,9 @@ pub trait Backend: Send + Sync + 'static {
     fn dtype(&self, t: &Self::Tensor) -> DType;
     /// A persistent zeroed tensor (caches), allocated at start, not from the step arena.
     fn zeros(&self, shape: &[usize], dtype: DType) -> Result<Self::Tensor>;
+    /// `dst = src`, on the device (same shape and dtype): a captured graph's output copied
+    /// into a buffer that graphs share.
+    fn copy_into(&self, src: &Self::Tensor, dst: &mut Self::Tensor) -> Result<()>;
     /// Fills `t` with made-up weights (`model.load_format = "dummy"`): element `i` is
     /// [`dummy_value`]`(seed, i, std)`, or `mean` everywhere when `std` is 0. Every backend
     /// produces the same values, rounded to the tensor's dtype.

@@ -29,7 +29,10 @@ pub struct ModelRunner<B: Backend> {
     step: Option<B::Step>,
     use_graphs: bool,
     /// Captured graphs, decode buckets first, each kind from the smallest.
-    graphs: Vec<CapturedGraph<B>>,
+    graphs: Vec<CapturedGraph>,
+    /// The logits the graphs leave: a decode graph's own output, or the buffer that the mixed
+    /// graphs of one logit-row count copy theirs into (a graph's output stays allocated).
+    graph_outputs: Vec<B::Tensor>,
     /// The step object the graphs read (its buffer never moves).
     graph_step: Option<B::Step>,
     /// Block-table words per sequence a graph step holds.
@@ -47,11 +50,12 @@ pub struct ModelRunner<B: Backend> {
     in_flight: bool,
 }
 
-/// One captured bucket: its graph and the logits tensor the graph writes.
-struct CapturedGraph<B: Backend> {
+/// One captured bucket: its graph and where it leaves its logits.
+struct CapturedGraph {
     bucket: GraphBucket,
     id: usize,
-    logits: B::Tensor,
+    /// Index into [`ModelRunner::graph_outputs`].
+    out: usize,
 }
 
 /// Order of the replay search: decode buckets, then mixed ones, each from the smallest.
@@ -95,6 +99,7 @@ impl<B: Backend> ModelRunner<B> {
             step: None,
             use_graphs: true,
             graphs: Vec::new(),
+            graph_outputs: Vec::new(),
             graph_step: None,
             graph_blocks: 0,
             graph_steps: 0,
@@ -146,6 +151,10 @@ impl<B: Backend> ModelRunner<B> {
             .finish()
             .map_err(|e| ExecutorError::Allocation(e.to_string()))?;
         let mut graphs = Vec::new();
+        // Mixed graphs of one logit-row count share the buffer they copy their logits into.
+        let mut outputs: Vec<B::Tensor> = Vec::new();
+        let mut shared: std::collections::HashMap<usize, usize> = Default::default();
+        let fail = |e: crate::model::ModelError| ExecutorError::Allocation(e.to_string());
         for bucket in buckets {
             let uploaded = self
                 .backend
@@ -157,35 +166,72 @@ impl<B: Backend> ModelRunner<B> {
             // An eager run first: it grows the arena and builds lazy tables, so the capture
             // allocates nothing and uploads nothing.
             let (backend, model) = (&self.backend, &self.model);
-            model
-                .forward(backend, &step, caches)
-                .map_err(|e| ExecutorError::Allocation(e.to_string()))?;
+            let warm = model.forward(backend, &step, caches).map_err(fail)?;
+            let out = match bucket {
+                GraphBucket::Decode { .. } => None,
+                GraphBucket::Mixed { .. } => {
+                    let rows = backend.shape(&warm)[0];
+                    Some(match shared.get(&rows) {
+                        Some(&i) => i,
+                        None => {
+                            let t = backend
+                                .zeros(backend.shape(&warm), backend.dtype(&warm))
+                                .map_err(alloc)?;
+                            outputs.push(t);
+                            shared.insert(rows, outputs.len() - 1);
+                            outputs.len() - 1
+                        }
+                    })
+                }
+            };
+            drop(warm);
             let mut logits = None;
             let captured = backend.capture_graph(&mut || {
-                logits = Some(
-                    model
-                        .forward(backend, &step, caches)
-                        .map_err(|e| crate::backend::BackendError::Invalid(e.to_string()))?,
-                );
+                let l = model
+                    .forward(backend, &step, caches)
+                    .map_err(|e| crate::backend::BackendError::Invalid(e.to_string()))?;
+                match out {
+                    Some(i) => backend.copy_into(&l, &mut outputs[i])?,
+                    None => logits = Some(l),
+                }
                 Ok(())
             });
-            match (captured, logits) {
-                (Ok(id), Some(logits)) => graphs.push(CapturedGraph { bucket, id, logits }),
-                (Err(e), _) => {
+            let id = match captured {
+                Ok(id) => id,
+                Err(e) => {
                     tracing::warn!(
                         "steps run without CUDA graphs: capturing {bucket:?} failed: {e}"
                     );
                     return Ok(());
                 }
-                (Ok(_), None) => return Ok(()),
-            }
+            };
+            // A decode graph keeps the logits it writes; a mixed one reads its shared buffer.
+            let out = match (out, logits) {
+                (Some(i), _) => i,
+                (None, Some(l)) => {
+                    outputs.push(l);
+                    outputs.len() - 1
+                }
+                (None, None) => return Ok(()),
+            };
+            graphs.push(CapturedGraph { bucket, id, out });
         }
         graphs.sort_by_key(|g| replay_order(&g.bucket));
         self.graphs = graphs;
+        self.graph_outputs = outputs;
         self.graph_step = Some(step);
         self.capture_seconds = started.elapsed().as_secs_f64();
+        let decode: Vec<usize> = self
+            .graphs
+            .iter()
+            .filter_map(|g| match g.bucket {
+                GraphBucket::Decode { seqs } => Some(seqs),
+                GraphBucket::Mixed { .. } => None,
+            })
+            .collect();
         tracing::info!(
-            buckets = ?self.graph_buckets(),
+            decode_buckets = ?decode,
+            mixed_buckets = self.graphs.len() - decode.len(),
             seconds = self.capture_seconds,
             "captured CUDA graphs"
         );
@@ -328,9 +374,13 @@ impl<B: Backend> ModelRunner<B> {
                 out.full.vocab = vocab;
                 out.full.data.clear();
                 self.graph_steps += 1;
+                let logits = self
+                    .graph_outputs
+                    .get_mut(g.out)
+                    .ok_or_else(|| ExecutorError::Forward("a graph without its output".into()))?;
                 return self
                     .backend
-                    .sample_start(&mut g.logits, gstep, &mut out.cands)
+                    .sample_start(logits, gstep, &mut out.cands)
                     .map_err(forward);
             }
         }

@@ -267,6 +267,18 @@ impl Backend for CpuBackend {
         Ok(t.data.clone())
     }
 
+    fn copy_into(&self, src: &CpuTensor, dst: &mut CpuTensor) -> Result<()> {
+        if src.shape != dst.shape {
+            return Err(BackendError::Shape {
+                what: "copy_into".into(),
+                got: src.shape.clone(),
+                expected: dst.shape.clone(),
+            });
+        }
+        dst.data.copy_from_slice(&src.data);
+        Ok(())
+    }
+
     fn shape<'a>(&self, t: &'a CpuTensor) -> &'a [usize] {
         &t.shape
     }

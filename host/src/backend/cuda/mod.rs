@@ -861,6 +861,29 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn copy_into(&self, src: &CudaTensor, dst: &mut CudaTensor) -> Result<()> {
+        if src.shape != dst.shape || src.dtype != dst.dtype {
+            return Err(BackendError::Shape {
+                what: format!("copy_into ({:?} into {:?})", src.dtype, dst.dtype),
+                got: src.shape.clone(),
+                expected: dst.shape.clone(),
+            });
+        }
+        let dev = self.dev();
+        dev.bind()?;
+        // SAFETY: both tensors hold `bytes` bytes (same shape and dtype) and are distinct
+        // allocations; stream-ordered like every kernel (a memcpy node inside a capture).
+        unsafe {
+            result::memcpy_dtod_async(
+                dst.ptr,
+                src.ptr,
+                src.len() * src.dtype.size(),
+                self.stream(),
+            )
+        }
+        .map_err(|e| dev.fail("copying on the device", e))
+    }
+
     fn download(&self, t: &CudaTensor) -> Result<Vec<f32>> {
         let dev = self.dev();
         dev.bind()?;
