@@ -795,7 +795,9 @@ __device__ void states_simt(const T* x, const T* b, const float* dtv, const floa
     const u32 pt = r % p_tiles;
     const u32 ck = r / p_tiles;
     const u32 tok = ck_tok[ck], len = ck_len[ck];
-    if (len == 0) return;  // a padding chunk (ssm.rs: SsmPlan::pad_to)
+    // A padding chunk (len 0; ssm.rs: SsmPlan::pad_to) sits on the step's last row, so the
+    // read of a_end below stays in the step, and writes a zero state into its own scratch.
+    // (An early return here costs ssd_states_simt_f32 a 16-byte spill.)
     const u32 g = h / (heads / groups);
     const u32 p0 = pt * TM, n0 = nt * TN;
     const int tid = threadIdx.x, ty = tid >> 5, tx = tid & 31;

@@ -300,6 +300,9 @@ pub struct SsmPlan {
     decodes: usize,
     chunk_size: u32,
     tokens: u32,
+    /// SSD chunks the group scan's CTA shape is chosen for: the plan's own, or for a padded
+    /// plan those of its token rows in one prompt (most of its chunks are padding).
+    scan_chunks: usize,
     waves: Vec<(usize, usize)>,
     // Planning scratch (kept for reuse).
     order: Vec<(u32, u32, u32)>,
@@ -468,6 +471,7 @@ pub fn plan(inp: SsmStepInputs<'_>, out: &mut SsmPlan) -> Result<(), SsmError> {
         ]);
     }
     plan_slot_ops(inp.slot_ops, out);
+    out.scan_chunks = out.chunks();
     Ok(())
 }
 
@@ -527,6 +531,7 @@ impl SsmPlan {
         self.col(WorkCol::SnapSlot).resize(caps.snapshots, PAD_SLOT);
         self.decodes = caps.decodes;
         self.tokens = caps.rows;
+        self.scan_chunks = caps.rows.div_ceil(self.chunk_size.max(1)).max(1) as usize;
         true
     }
 }
@@ -1095,7 +1100,7 @@ fn launches_ssd_mma(
     if group {
         let per_group = dims.heads / dims.groups;
         let head_block = match dims.group_scan_heads {
-            0 => group_scan_heads(chunks * u64::from(dims.groups), per_group),
+            0 => group_scan_heads(plan.scan_chunks as u64 * u64::from(dims.groups), per_group),
             k => k.min(per_group),
         };
         let head_blocks = per_group.div_ceil(head_block);

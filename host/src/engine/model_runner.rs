@@ -58,13 +58,16 @@ struct CapturedGraph {
     out: usize,
 }
 
-/// Order of the replay search: decode buckets, then mixed ones, each from the smallest.
-fn replay_order(b: &GraphBucket) -> (u8, usize, usize) {
+/// Order of the replay search: decode buckets, then mixed ones, each from the smallest (by
+/// tokens, then decodes, then prompts).
+fn replay_order(b: &GraphBucket) -> (u8, usize, usize, usize) {
     match *b {
-        GraphBucket::Decode { seqs } => (0, seqs, 0),
+        GraphBucket::Decode { seqs } => (0, seqs, 0, 0),
         GraphBucket::Mixed {
-            tokens, decodes, ..
-        } => (1, tokens, decodes),
+            tokens,
+            decodes,
+            prompts,
+        } => (1, tokens, decodes, prompts),
     }
 }
 

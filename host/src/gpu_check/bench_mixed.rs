@@ -61,9 +61,11 @@ pub fn mixed_steps(
         .collect();
     buckets.sort_by_key(|b| match *b {
         GraphBucket::Mixed {
-            tokens, decodes, ..
-        } => (tokens, decodes),
-        GraphBucket::Decode { seqs } => (0, seqs),
+            tokens,
+            decodes,
+            prompts,
+        } => (tokens, decodes, prompts),
+        GraphBucket::Decode { seqs } => (0, seqs, 0),
     });
     for (decodes, chunk) in MIXES {
         let mut plan = StepPlan::new(BLOCK);
@@ -107,7 +109,7 @@ pub fn mixed_steps(
         let GraphBucket::Mixed {
             tokens,
             decodes: bucket_decodes,
-            ..
+            prompts,
         } = bucket
         else {
             anyhow::bail!("not a mixed bucket");
@@ -165,7 +167,7 @@ pub fn mixed_steps(
         report.push(
             SUITE,
             format!(
-                "{name} mixed step: {decodes} decodes at ctx{CONTEXT} + a {chunk}-token prompt chunk, bucket {tokens} tokens × {bucket_decodes} decodes (eager {eager_ms:.2} ms; capture {capture_ms:.0} ms; reported)"
+                "{name} mixed step: {decodes} decodes at ctx{CONTEXT} + a {chunk}-token prompt chunk, bucket {tokens} tokens × {bucket_decodes} decodes × {prompts} prompts (eager {eager_ms:.2} ms; capture {capture_ms:.0} ms; reported)"
             ),
             graph_ms,
             format!("{graph_ms:.2} ms ({:.2}× eager)", graph_ms / eager_ms),

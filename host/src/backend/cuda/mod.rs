@@ -257,8 +257,10 @@ const GRAPH_BUCKETS: [usize; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
 /// kernels that long.
 const MIXED_TOKEN_STEP: usize = 32;
 const MIXED_MAX_TOKENS: usize = 512;
-/// Prompt chunks a mixed graph holds (each pads one attention tile and one SSD chunk pass).
-const MIXED_PROMPTS: usize = 8;
+/// Prompt chunks a mixed graph holds: two (most mixed steps carry one or two), or eight. Each
+/// padding prompt is an attention tile and a grid row of the SSD chunk pass that return at
+/// once, which short steps notice.
+const MIXED_PROMPTS: [usize; 2] = [2, 8];
 
 /// The CUDA backend of one replica (see the module docs). Clones share everything.
 #[derive(Clone)]
@@ -961,8 +963,8 @@ impl Backend for CudaBackend {
 
     /// Decode buckets of 1 to 256 sequences (powers of two up to the batch's); mixed buckets
     /// of every [`MIXED_TOKEN_STEP`] tokens up to [`MIXED_MAX_TOKENS`] (and the step's budget),
-    /// each with a power of two of decodes up to half the tokens, and [`MIXED_PROMPTS`] prompt
-    /// chunks.
+    /// each with a power of two of decodes up to half the tokens and each count of
+    /// [`MIXED_PROMPTS`] prompt chunks.
     fn graph_buckets(&self, max_batch: usize, max_tokens: usize) -> Vec<GraphBucket> {
         let decodes = || {
             GRAPH_BUCKETS
@@ -974,15 +976,15 @@ impl Backend for CudaBackend {
             decodes().map(|seqs| GraphBucket::Decode { seqs }).collect();
         let top = MIXED_MAX_TOKENS.min(max_tokens.next_multiple_of(MIXED_TOKEN_STEP));
         for tokens in (MIXED_TOKEN_STEP..=top).step_by(MIXED_TOKEN_STEP) {
-            out.extend(
-                decodes()
-                    .filter(|&d| d <= tokens / 2)
-                    .map(|decodes| GraphBucket::Mixed {
+            for prompts in MIXED_PROMPTS {
+                out.extend(decodes().filter(|&d| d <= tokens / 2).map(|decodes| {
+                    GraphBucket::Mixed {
                         tokens,
                         decodes,
-                        prompts: MIXED_PROMPTS,
-                    }),
-            );
+                        prompts,
+                    }
+                }));
+            }
         }
         out
     }

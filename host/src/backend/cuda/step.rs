@@ -144,10 +144,12 @@ impl MixedShape {
         self.decodes + 4 * self.prompts
     }
 
-    /// SSD chunks of `chunk` tokens: each prompt chunk's last piece and every cut at a
-    /// snapshot add one to `tokens / chunk`.
+    /// SSD chunks of `chunk` tokens: each prompt chunk's last piece and a cut at a snapshot
+    /// inside it add two to `tokens / chunk` (a step with more cuts takes a larger bucket or
+    /// runs eagerly). Every padding chunk is a CTA row of the SSD kernels that returns at once,
+    /// so the capacity is kept tight.
     fn ssd_chunks(&self, chunk: u32) -> usize {
-        self.tokens.div_ceil(chunk.max(1) as usize) + 5 * self.prompts
+        self.tokens.div_ceil(chunk.max(1) as usize) + 2 * self.prompts
     }
 }
 
