@@ -225,6 +225,23 @@ async fn every_metric_is_prefixed_and_every_plugin_kind_is_timed() {
             .sum::<f64>();
         assert!(timed > 0.0, "no {kind} plugin call timed:\n{m}");
     }
+    // Every step of the CPU model runner is eager (no device graphs), and each is counted.
+    let kind = |k: &str| {
+        m.lines()
+            .filter(|l| {
+                l.starts_with("chimera:engine_steps_by_kind_total{")
+                    && l.contains(&format!("kind=\"{k}\""))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    let steps = parse_metric(&m, "chimera:engine_steps_total");
+    assert!(steps > 0.0, "no engine step counted:\n{m}");
+    assert_eq!(
+        (kind("eager"), kind("decode_graph"), kind("mixed_graph")),
+        (steps, 0.0, 0.0),
+        "steps by kind against {steps} engine steps"
+    );
     let mut families = std::collections::BTreeMap::new();
     for line in m.lines().filter(|l| !l.is_empty()) {
         let name = match line.strip_prefix("# ") {

@@ -250,6 +250,10 @@ pub struct EngineStats {
     pub host_launch_seconds: f64,
     /// Host work done while the device computes a step (not time the device waits).
     pub host_overlap_seconds: f64,
+    /// Steps the model runner ran eagerly, and replayed from decode and mixed CUDA graphs.
+    pub steps_eager: u64,
+    pub steps_decode_graph: u64,
+    pub steps_mixed_graph: u64,
 }
 
 /// Block-level cache events live with the cache; re-exported for the server and router.

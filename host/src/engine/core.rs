@@ -665,6 +665,10 @@ impl<E: StepExecutor> Engine<E> {
         s.host_update_seconds = self.timings.update_ns as f64 * 1e-9;
         s.host_between_seconds = self.timings.between_ns as f64 * 1e-9;
         s.host_launch_seconds = self.timings.launch_ns as f64 * 1e-9;
+        let kinds = self.executor.step_kinds();
+        s.steps_eager = kinds.eager;
+        s.steps_decode_graph = kinds.decode_graph;
+        s.steps_mixed_graph = kinds.mixed_graph;
         s.host_overlap_seconds = self.timings.overlap_ns as f64 * 1e-9;
         let pool = self.cache.pool();
         let c = self.cache.counters;

@@ -110,6 +110,19 @@ pub trait StepExecutor: Send {
     fn take_device_time(&mut self) -> Option<crate::backend::DeviceStepTime> {
         None
     }
+    /// Steps executed so far, by how they ran (all zero where the executor does not say).
+    fn step_kinds(&self) -> StepKinds {
+        StepKinds::default()
+    }
+}
+
+/// Steps an executor ran, by how: every kernel launched from the host, or replayed from a
+/// captured device graph of a decode-only or a mixed bucket.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepKinds {
+    pub eager: u64,
+    pub decode_graph: u64,
+    pub mixed_graph: u64,
 }
 
 impl<E: StepExecutor + ?Sized> StepExecutor for Box<E> {
@@ -136,5 +149,8 @@ impl<E: StepExecutor + ?Sized> StepExecutor for Box<E> {
     }
     fn take_device_time(&mut self) -> Option<crate::backend::DeviceStepTime> {
         (**self).take_device_time()
+    }
+    fn step_kinds(&self) -> StepKinds {
+        (**self).step_kinds()
     }
 }

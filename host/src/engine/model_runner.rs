@@ -327,6 +327,14 @@ impl<B: Backend> StepExecutor for ModelRunner<B> {
     fn take_device_time(&mut self) -> Option<crate::backend::DeviceStepTime> {
         self.device_time.take()
     }
+
+    fn step_kinds(&self) -> super::executor::StepKinds {
+        super::executor::StepKinds {
+            eager: self.eager_steps,
+            decode_graph: self.graph_steps - self.mixed_graph_steps,
+            mixed_graph: self.mixed_graph_steps,
+        }
+    }
 }
 
 impl<B: Backend> ModelRunner<B> {

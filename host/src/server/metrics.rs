@@ -62,6 +62,8 @@ pub mod names {
     /// inputs, update).
     pub const ENGINE_STEPS: &str = "chimera:engine_steps_total";
     pub const ENGINE_HOST_TIME: &str = "chimera:engine_host_seconds_total";
+    /// Steps the model runner ran, by `kind`: eager, decode_graph, mixed_graph.
+    pub const ENGINE_STEPS_BY_KIND: &str = "chimera:engine_steps_by_kind_total";
 }
 
 const TTFT_BUCKETS: &[f64] = &[
@@ -302,6 +304,22 @@ impl Metrics {
                 );
             }
         }
+        let _ = writeln!(
+            out,
+            "# HELP {ENGINE_STEPS_BY_KIND} Steps the model runner ran, by kind: eager (every kernel launched from the host), decode_graph and mixed_graph (replayed from a CUDA graph of a decode-only or a mixed bucket).\n# TYPE {ENGINE_STEPS_BY_KIND} counter"
+        );
+        for (i, s) in stats.iter().enumerate() {
+            for (kind, v) in [
+                ("eager", s.steps_eager),
+                ("decode_graph", s.steps_decode_graph),
+                ("mixed_graph", s.steps_mixed_graph),
+            ] {
+                let _ = writeln!(
+                    out,
+                    "{ENGINE_STEPS_BY_KIND}{{model_name=\"{m}\",engine=\"{i}\",kind=\"{kind}\"}} {v}"
+                );
+            }
+        }
         per_engine(
             &mut out,
             SSM_SNAPSHOT_HITS,
@@ -501,6 +519,8 @@ mod tests {
             },
             EngineStats {
                 waiting: 2,
+                steps_eager: 4,
+                steps_mixed_graph: 7,
                 ..Default::default()
             },
         ];
@@ -515,6 +535,12 @@ mod tests {
             out.contains("chimera:num_requests_waiting{model_name=\"tiny\\\"m\",engine=\"1\"} 2")
         );
         assert!(out.contains("chimera:router_requests_total{engine=\"1\"} 1"));
+        for (kind, n) in [("eager", 4), ("decode_graph", 0), ("mixed_graph", 7)] {
+            let line = format!(
+                "chimera:engine_steps_by_kind_total{{model_name=\"tiny\\\"m\",engine=\"1\",kind=\"{kind}\"}} {n}"
+            );
+            assert!(out.contains(&line), "{line}");
+        }
         assert!(out.contains("chimera:request_errors_total{kind=\"overloaded\"} 1"));
     }
 }
