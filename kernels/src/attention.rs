@@ -233,6 +233,20 @@ impl AttnPlan {
         self.split_len
     }
 
+    /// Empties the plan for a step of `num_seqs` chunks whose classes have at most
+    /// `max_q_small` and `max_q_large` query tokens an item (buffers kept).
+    fn reset(&mut self, num_seqs: usize, max_q_small: u32, max_q_large: u32) {
+        for c in &mut self.cols {
+            c.clear();
+        }
+        self.num_seqs = num_seqs;
+        self.small = 0;
+        self.max_q_small = max_q_small;
+        self.max_q_large = max_q_large;
+        self.partial_rows = 0;
+        self.split_len = 0;
+    }
+
     fn push_item(&mut self, v: [u32; 6]) {
         for (col, x) in self.cols[..6].iter_mut().zip(v) {
             col.push(x);
@@ -319,13 +333,7 @@ fn choose_split_len(cu: &[u32], ctx: &[u32]) -> u32 {
 /// `cu_seqlens[s]..cu_seqlens[s + 1]` are chunk `s`'s query tokens (non-decreasing,
 /// `len = ctx_lens.len() + 1`); `ctx_lens[s]` its tokens cached before the chunk.
 pub fn plan(cu_seqlens: &[u32], ctx_lens: &[u32], out: &mut AttnPlan) {
-    for c in &mut out.cols {
-        c.clear();
-    }
-    out.num_seqs = ctx_lens.len();
-    out.partial_rows = 0;
-    out.max_q_small = 0;
-    out.max_q_large = 0;
+    out.reset(ctx_lens.len(), 0, 0);
     out.split_len = choose_split_len(cu_seqlens, ctx_lens);
     let split_len = out.split_len;
     let emit = |out: &mut AttnPlan, s: u32, q_first: u32, q_count: u32, kv_end: u32| {
@@ -373,20 +381,12 @@ pub fn plan_decode_fixed(
     splits: u32,
     out: &mut AttnPlan,
 ) -> bool {
-    for c in &mut out.cols {
-        c.clear();
-    }
     let n = ctx_lens.len();
-    out.num_seqs = n;
-    out.partial_rows = 0;
-    out.max_q_large = 0;
-    out.max_q_small = 1;
-    out.split_len = 0;
-    out.small = 0;
+    out.reset(n, 1, 0);
     let splits = splits.max(1);
     let single = cu_seqlens.len() == n + 1 && cu_seqlens.windows(2).all(|w| w[1] == w[0] + 1);
     if !single || (splits > 1 && n as u64 * u64::from(splits) > u64::from(MAX_PARTIAL_ROWS)) {
-        out.num_seqs = 0;
+        out.reset(0, 1, 0);
         return false;
     }
     for (s, &ctx) in ctx_lens.iter().enumerate() {
@@ -446,24 +446,8 @@ pub fn plan_mixed_fixed(
     pad_token: u32,
     out: &mut AttnPlan,
 ) -> bool {
-    for c in &mut out.cols {
-        c.clear();
-    }
-    out.num_seqs = ctx_lens.len();
-    out.partial_rows = 0;
-    out.split_len = 0;
-    out.max_q_small = 1;
-    out.max_q_large = Q_TILE;
+    out.reset(ctx_lens.len(), 1, Q_TILE);
     let splits = splits.max(1);
-    let refuse = |out: &mut AttnPlan| {
-        for c in &mut out.cols {
-            c.clear();
-        }
-        out.num_seqs = 0;
-        out.small = 0;
-        out.partial_rows = 0;
-        false
-    };
     // A decode is a one-token chunk (the last tile of a longer chunk can be one token too).
     let (mut small, mut large) = (0usize, 0usize);
     let n = ctx_lens.len().min(cu_seqlens.len().saturating_sub(1));
@@ -482,7 +466,8 @@ pub fn plan_mixed_fixed(
         0
     };
     if small > small_cap || large > large_cap || pieces > u64::from(MAX_PARTIAL_ROWS) {
-        return refuse(out);
+        out.reset(0, 1, Q_TILE);
+        return false;
     }
     for s in (0..n).filter(|&s| qlen(s) == 1) {
         push_fixed_decode(out, Some(s as u32), cu_seqlens[s], ctx_lens[s], splits);

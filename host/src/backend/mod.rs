@@ -66,7 +66,9 @@ pub enum GraphBucket {
 
 impl GraphBucket {
     /// Whether a step of `tokens` tokens in `decodes` one-token chunks and `prompts` longer
-    /// ones is within the bucket's counts (its upload may still refuse it: snapshots, tiles).
+    /// ones is within the bucket's counts (its upload may still refuse it: snapshots, SSD
+    /// chunks). A mixed bucket's padding decodes need a padding token row: a step with fewer
+    /// decodes than the bucket must have fewer tokens too.
     pub fn holds(&self, tokens: usize, decodes: usize, prompts: usize) -> bool {
         match *self {
             GraphBucket::Decode { seqs } => prompts == 0 && decodes <= seqs,
@@ -74,7 +76,7 @@ impl GraphBucket {
                 tokens: t,
                 decodes: d,
                 prompts: p,
-            } => tokens <= t && decodes <= d && prompts <= p,
+            } => tokens + usize::from(decodes < d) <= t && decodes <= d && prompts <= p,
         }
     }
 }
@@ -764,4 +766,37 @@ pub trait Backend: Send + Sync + 'static {
         experts: &StackedExperts<Self::Tensor>,
         out: &mut Self::Tensor,
     ) -> Result<()>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GraphBucket;
+
+    #[test]
+    fn a_bucket_holds_the_steps_within_its_counts() {
+        let d = GraphBucket::Decode { seqs: 8 };
+        assert!(d.holds(8, 8, 0));
+        assert!(!d.holds(9, 9, 0));
+        assert!(!d.holds(40, 7, 1), "a prompt chunk is not a decode step");
+        let m = GraphBucket::Mixed {
+            tokens: 128,
+            decodes: 4,
+            prompts: 2,
+        };
+        assert!(
+            m.holds(128, 4, 2),
+            "full: no padding decode, no padding row needed"
+        );
+        assert!(
+            m.holds(127, 3, 1),
+            "a padding decode on the one padding row"
+        );
+        assert!(!m.holds(128, 3, 1), "a padding decode and no padding row");
+        assert!(!m.holds(100, 5, 1));
+        assert!(!m.holds(100, 4, 3));
+        assert!(
+            m.holds(3, 3, 0),
+            "one-token chunks with slot ops take a mixed bucket"
+        );
+    }
 }

@@ -50,6 +50,10 @@ pub struct ModelRunner<B: Backend> {
     in_flight: bool,
 }
 
+/// Mixed buckets a step's upload tries (the smallest that hold it) before it runs eagerly: a
+/// bucket whose SSD-chunk capacity is too small refuses after planning the step.
+const MAX_MIXED_TRIES: usize = 4;
+
 /// One captured bucket: its graph and where it leaves its logits.
 struct CapturedGraph {
     bucket: GraphBucket,
@@ -366,12 +370,24 @@ impl<B: Backend> ModelRunner<B> {
         {
             let decodes = plan.seqs.iter().filter(|q| q.len == 1).count();
             let prompts = plan.seqs.len() - decodes;
-            for g in &mut self.graphs {
-                if !g.bucket.holds(plan.tokens.len(), decodes, prompts)
-                    || !self
-                        .backend
-                        .upload_graph_step(plan, gstep, g.bucket, self.graph_blocks)
-                        .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))?
+            let holding = self
+                .graphs
+                .iter()
+                .filter(|g| g.bucket.holds(plan.tokens.len(), decodes, prompts));
+            let mut mixed_tries = 0;
+            for g in holding {
+                // A refused mixed upload has planned the step: a few tries, then eagerly. (A
+                // decode bucket refuses before planning.)
+                if matches!(g.bucket, GraphBucket::Mixed { .. }) {
+                    mixed_tries += 1;
+                    if mixed_tries > MAX_MIXED_TRIES {
+                        break;
+                    }
+                }
+                if !self
+                    .backend
+                    .upload_graph_step(plan, gstep, g.bucket, self.graph_blocks)
+                    .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))?
                 {
                     continue;
                 }

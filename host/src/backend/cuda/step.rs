@@ -420,7 +420,8 @@ impl CudaStep {
             && n - decodes <= m.prompts
             && plan.seqs.iter().all(|q| !q.all_logits)
             && plan.logit_rows.len() <= m.chunks()
-            && plan.block_tables.len() < m.table_cap;
+            && plan.block_tables.len() < m.table_cap
+            && plan.snapshots.len() <= m.snapshots();
         if !fits {
             return Ok(false);
         }
