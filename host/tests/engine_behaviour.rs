@@ -76,9 +76,12 @@ fn outputs_do_not_depend_on_config(make: impl Fn() -> MockExecutor) {
             req.params.logprobs = Some(2);
         }
     }
+    // The baseline also schedules each step after the previous one's update; every config
+    // below schedules ahead.
     let baseline_knobs = Knobs {
         prefix_caching: false,
         chunked_prefill: false,
+        schedule_ahead: false,
         ..Knobs::default()
     };
     let mut baseline_engine = engine(make(), baseline_knobs);
@@ -277,45 +280,57 @@ fn random_cancellations_leave_every_block_free() {
     }
 }
 
+/// Request 1 prefills at call 0 and decodes at call 1, which fails. Scheduling after each
+/// step, request 2 (arriving after call 0) is in that batch and fails with it; scheduling
+/// ahead, call 1 was scheduled before request 2 arrived, so request 2 runs in a later step.
 #[test]
 fn a_failed_step_fails_its_batch_and_caches_nothing() {
-    let exec = MockExecutor::new(MockConfig {
-        fail_at_call: Some(1),
-        ..MockConfig::default()
-    });
-    let mut e = engine(exec, Knobs::default());
-    let mut t = Tokens::new(1);
-    let p = t.take(10, VOCAB);
-    // Request 1 prefills at call 0 and decodes at call 1 (which fails) together with 2.
-    let run = drive(
-        &mut e,
-        vec![
-            (0, request(1, p.clone(), 5)),
-            (1, request(2, t.take(9, VOCAB), 5)),
-        ],
-    );
-    assert!(run.outcomes[&1].failed.is_some());
-    assert_eq!(
-        run.outcomes[&2].failed.as_ref().map(|f| f.0),
-        Some(FailureKind::Executor)
-    );
-    // Request 2's blocks never entered the index; request 1's prompt did (its step succeeded).
-    let stored: usize = run
-        .kv_events
-        .iter()
-        .map(|ev| {
-            if let KvEvent::Stored { hashes, .. } = ev {
-                hashes.len()
-            } else {
-                0
-            }
-        })
-        .sum();
-    assert_eq!(stored, 2);
-    // The engine keeps serving.
-    let again = drive(&mut e, vec![(0, request(3, p, 2))]);
-    assert_eq!(again.outcomes[&3].usage.cached_tokens, 8);
-    assert_eq!(again.outcomes[&3].tokens.len(), 2);
+    for ahead in [false, true] {
+        let exec = MockExecutor::new(MockConfig {
+            fail_at_call: Some(1),
+            ..MockConfig::default()
+        });
+        let knobs = Knobs {
+            schedule_ahead: ahead,
+            ..Knobs::default()
+        };
+        let mut e = engine(exec, knobs);
+        let mut t = Tokens::new(1);
+        let p = t.take(10, VOCAB);
+        let run = drive(
+            &mut e,
+            vec![
+                (0, request(1, p.clone(), 5)),
+                (1, request(2, t.take(9, VOCAB), 5)),
+            ],
+        );
+        assert!(run.outcomes[&1].failed.is_some(), "ahead {ahead}");
+        let failed2 = run.outcomes[&2].failed.as_ref().map(|f| f.0);
+        if ahead {
+            assert_eq!(failed2, None);
+            assert_eq!(run.outcomes[&2].tokens.len(), 5);
+        } else {
+            assert_eq!(failed2, Some(FailureKind::Executor));
+        }
+        // Request 1's prompt entered the index (its step succeeded); request 2's blocks did
+        // only where its steps succeeded.
+        let stored: usize = run
+            .kv_events
+            .iter()
+            .map(|ev| {
+                if let KvEvent::Stored { hashes, .. } = ev {
+                    hashes.len()
+                } else {
+                    0
+                }
+            })
+            .sum();
+        assert_eq!(stored, if ahead { 2 + 3 } else { 2 }, "ahead {ahead}");
+        // The engine keeps serving.
+        let again = drive(&mut e, vec![(0, request(3, p, 2))]);
+        assert_eq!(again.outcomes[&3].usage.cached_tokens, 8);
+        assert_eq!(again.outcomes[&3].tokens.len(), 2);
+    }
 }
 
 #[test]

@@ -551,27 +551,43 @@ fn each_step_uploads_once_and_reads_once() {
                         tx,
                     );
                 }
+                let start = traffic.counts();
+                let applied = e.timings().steps;
                 loop {
                     let before = traffic.counts();
                     if !e.step() {
                         break;
                     }
                     let after = traffic.counts();
-                    assert_eq!(
-                        after.step_uploads - before.step_uploads,
-                        1,
+                    // A call applies one step; it launches it first when none computes, and
+                    // the step scheduled ahead after it.
+                    assert!(
+                        (0..=2).contains(&(after.step_uploads - before.step_uploads)),
                         "{name}: uploads"
                     );
-                    assert_eq!(
-                        after.candidate_reads - before.candidate_reads,
-                        1,
+                    assert!(
+                        (0..=2).contains(&(after.candidate_reads - before.candidate_reads)),
                         "{name}: reads"
                     );
                     assert_eq!(after.downloads, before.downloads, "{name}: host reads");
                     assert_eq!(after.uploads, before.uploads, "{name}: weight uploads");
-                    assert!(after.kernels > before.kernels, "{name}: kernels ran");
+                    assert!(
+                        after.kernels > before.kernels || after.step_uploads == before.step_uploads,
+                        "{name}: a launched step ran kernels"
+                    );
                     steps += 1;
                 }
+                let end = traffic.counts();
+                assert_eq!(
+                    end.step_uploads - start.step_uploads,
+                    end.candidate_reads - start.candidate_reads,
+                    "{name}: every step uploaded once is read back once"
+                );
+                assert_eq!(
+                    end.step_uploads - start.step_uploads,
+                    e.timings().steps - applied,
+                    "{name}: one upload a step"
+                );
                 for rx in &mut rxs {
                     let o = collect(rx).expect("finished");
                     assert_eq!(

@@ -400,7 +400,7 @@ fn decode(cm: &mut CacheManager, seq: u32, tokens: &[u32], start: usize) -> Vec<
     let h = hashes(&tokens[..start + 1]);
     let mut snaps = Vec::new();
     if (start + 1).is_multiple_of(BS) {
-        cm.plan_rolling_snapshot(seq, h[(start + 1) / BS - 1], 1, &mut snaps);
+        cm.plan_rolling_snapshot(seq, Some(h[(start + 1) / BS - 1]), 1, &mut snaps);
     }
     cm.commit_seq(seq, &h, start + 1);
     snaps

@@ -122,6 +122,8 @@ struct PendingSnapshot {
     seq: u32,
     hash: BlockHash,
     slot: u32,
+    /// The step that writes it (two steps can be pending: one computing, the next scheduled).
+    step: u64,
 }
 
 pub struct CacheManager {
@@ -139,8 +141,8 @@ pub struct CacheManager {
     removed: Vec<u64>,
     snapshot_removed: Vec<u64>,
     events: Vec<KvEvent>,
-    /// Sequences whose rolling slot this step writes.
-    rolling_pending: Vec<u32>,
+    /// Sequences whose rolling slot a pending step writes, with that step.
+    rolling_pending: Vec<(u32, u64)>,
     memory: MissMemory,
     /// Hybrids: prompt snapshots every this many blocks as well (0: off).
     snapshot_every: usize,
@@ -440,7 +442,7 @@ impl CacheManager {
                 i += 1;
             }
         }
-        self.rolling_pending.retain(|&q| q != seq);
+        self.rolling_pending.retain(|&(q, _)| q != seq);
         self.pool.release(&s.blocks, self.step)?;
         self.pool.release(&s.keepalive, self.step)?;
         if self.hybrid {
@@ -546,7 +548,12 @@ impl CacheManager {
             };
             self.counters.snapshot_copies += 1;
             self.counters.checkpoint_copies += u64::from(checkpoint);
-            self.pending.push(PendingSnapshot { seq, hash, slot });
+            self.pending.push(PendingSnapshot {
+                seq,
+                hash,
+                slot,
+                step: self.step,
+            });
             out.push(SsmSnapshot {
                 after: p - ctx,
                 slot,
@@ -627,9 +634,22 @@ impl CacheManager {
     }
 
     /// After a successful step (once every sequence was committed): attaches the snapshots
-    /// taken during the step to their blocks.
+    /// taken during the step to their blocks. Commits every pending step; with a second step
+    /// scheduled while one computes, see [`Self::commit_step_of`].
     pub fn commit_step(&mut self) {
-        for p in std::mem::take(&mut self.pending) {
+        self.commit_step_of(u64::MAX);
+    }
+
+    /// [`Self::commit_step`] for step `step` alone (and any earlier one still pending): the
+    /// snapshots and rolling slots of a step scheduled after it stay pending.
+    pub fn commit_step_of(&mut self, step: u64) {
+        let mut i = 0;
+        while i < self.pending.len() {
+            if self.pending[i].step > step {
+                i += 1;
+                continue;
+            }
+            let p = self.pending.swap_remove(i);
             match self.pool.lookup(p.hash) {
                 Some(b) if self.ssm.attach(b, p.slot) => {
                     self.pool.note_snapshot(b, true, self.step);
@@ -643,7 +663,14 @@ impl CacheManager {
                 None => self.ssm.unreserve(p.slot),
             }
         }
-        for seq in std::mem::take(&mut self.rolling_pending) {
+        let mut i = 0;
+        while i < self.rolling_pending.len() {
+            let (seq, at) = self.rolling_pending[i];
+            if at > step {
+                i += 1;
+                continue;
+            }
+            self.rolling_pending.swap_remove(i);
             if let Some(r) = self.rolling_mut(seq) {
                 r.holds = r.writing.take();
             }
@@ -652,12 +679,32 @@ impl CacheManager {
     }
 
     /// After a failed step: frees the snapshot reservations (nothing was indexed); rolling
-    /// slots written by the step hold nothing usable.
+    /// slots written by the step hold nothing usable. Aborts every pending step; see
+    /// [`Self::abort_step_of`].
     pub fn abort_step(&mut self) {
-        for p in std::mem::take(&mut self.pending) {
+        self.abort_step_of(0);
+    }
+
+    /// [`Self::abort_step`] for the steps from `step` on (a failed step and the one scheduled
+    /// after it, which will not run as planned); earlier pending steps stay pending.
+    pub fn abort_step_of(&mut self, step: u64) {
+        let mut i = 0;
+        while i < self.pending.len() {
+            if self.pending[i].step < step {
+                i += 1;
+                continue;
+            }
+            let p = self.pending.swap_remove(i);
             self.ssm.unreserve(p.slot);
         }
-        for seq in std::mem::take(&mut self.rolling_pending) {
+        let mut i = 0;
+        while i < self.rolling_pending.len() {
+            let (seq, at) = self.rolling_pending[i];
+            if at < step {
+                i += 1;
+                continue;
+            }
+            self.rolling_pending.swap_remove(i);
             if let Some(r) = self.rolling_mut(seq) {
                 r.holds = None;
                 r.writing = None;
@@ -678,17 +725,29 @@ impl CacheManager {
     /// reused; a sequence without one reserves a durable slot (giving up the least recently
     /// used unused snapshot when none is free), and when none can be had the snapshot is
     /// skipped and counted. Nothing is planned where the block already has a snapshot.
+    ///
+    /// `hash` is `None` when the block's last token is still being sampled by the step before
+    /// (a step scheduled while that one computes): the slot is planned all the same and
+    /// [`Self::set_rolling_hash`] names the block once the token is known, before this step
+    /// commits. A sequence whose rolling slot an earlier pending step writes is skipped.
     pub fn plan_rolling_snapshot(
         &mut self,
         seq: u32,
-        hash: BlockHash,
+        hash: Option<BlockHash>,
         after: usize,
         out: &mut Vec<SsmSnapshot>,
     ) {
         if !self.hybrid || !self.prefix_caching || self.ssm.durable_total() == 0 {
             return;
         }
-        if self.snapshot_at(hash).is_some() || self.seq(seq).is_none() {
+        if hash.is_some_and(|h| self.snapshot_at(h).is_some()) || self.seq(seq).is_none() {
+            return;
+        }
+        if self.rolling_pending.iter().any(|&(q, _)| q == seq) {
+            self.counters.rolling_skipped += 1;
+            if let Some(h) = hash {
+                self.memory.snapshot_lost(h);
+            }
             return;
         }
         let slot = match self.seq(seq).and_then(|s| s.rolling) {
@@ -702,7 +761,9 @@ impl CacheManager {
                 };
                 let Some(slot) = reserved else {
                     self.counters.rolling_skipped += 1;
-                    self.memory.snapshot_lost(hash);
+                    if let Some(h) = hash {
+                        self.memory.snapshot_lost(h);
+                    }
                     return;
                 };
                 slot
@@ -713,12 +774,25 @@ impl CacheManager {
             s.rolling = Some(Rolling {
                 slot,
                 holds: None,
-                writing: Some(hash),
+                writing: hash,
             });
         }
-        self.rolling_pending.push(seq);
+        self.rolling_pending.push((seq, self.step));
         self.counters.rolling_copies += 1;
         out.push(SsmSnapshot { after, slot });
+    }
+
+    /// Names the block whose end state a pending rolling snapshot of `seq` writes (planned
+    /// with no hash by [`Self::plan_rolling_snapshot`]).
+    pub fn set_rolling_hash(&mut self, seq: u32, hash: BlockHash) {
+        if !self.rolling_pending.iter().any(|&(q, _)| q == seq) {
+            return;
+        }
+        if let Some(r) = self.rolling_mut(seq)
+            && r.writing.is_none()
+        {
+            r.writing = Some(hash);
+        }
     }
 
     fn finish_events(&mut self) {

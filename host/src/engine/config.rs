@@ -34,6 +34,11 @@ pub struct EngineConfig {
     /// Replay decode steps (up to 256 sequences) from CUDA graphs captured at start; ignored
     /// on the CPU. Output is the same either way.
     pub cuda_graphs: bool,
+    /// Schedule and build each step while the one before it computes, so the device waits
+    /// only for the sampler between two steps: the next step's decodes take the tokens being
+    /// sampled as placeholders, filled in before its launch (a request that stops runs one
+    /// wasted row). Output is the same either way.
+    pub schedule_ahead: bool,
 }
 
 /// The values of `configs/default.toml` (a test checks they agree).
@@ -49,6 +54,7 @@ impl Default for EngineConfig {
             chunked_prefill: true,
             sampler_candidates: 64,
             cuda_graphs: true,
+            schedule_ahead: true,
         }
     }
 }

@@ -1,5 +1,19 @@
-//! `Engine`: one replica's synchronous step — schedule → build inputs → forward → sample →
-//! update — over a [`StepExecutor`].
+//! `Engine`: one replica's step — schedule → build inputs → forward → sample → update — over
+//! a [`StepExecutor`].
+//!
+//! **Scheduling ahead** (`engine.schedule_ahead`, on by default). While a launched step
+//! computes, the next one is scheduled and built: the launched step's chunks count as computed
+//! and each of its sampled rows as a token to come, which the next step's decodes take as a
+//! placeholder. When the launched step's output is in, it is sampled, the tokens are written
+//! into the placeholders, the next step is launched, and only then is the first step applied
+//! (tokens appended, stops found, blocks committed, events queued) — while the device computes
+//! the second. The device waits for the host only for the read-back, the sampler and the
+//! launch. A request that stops runs one wasted row in the step after (it is `Finished`: its
+//! events are out, it is never scheduled again, its cache state is released once that step is
+//! applied), and a request the launched step ends by length is not scheduled again. A step
+//! that scores prompt tokens is not followed by one scheduled ahead, and a step whose penalised
+//! rows need a token still being sampled is built again once it is known. Output is the same
+//! as scheduling after each step's update.
 //!
 //! The engine owns the scheduler, the cache manager, the sampling stage and its policy
 //! instances; the executor only sees the step's [`StepPlan`]. Every request's events go out in
@@ -23,7 +37,7 @@ use super::api::{
 use super::config::{ConfigError, EngineSetup};
 use super::executor::{CacheAllocation, ExecutorError, StepExecutor, StepOutput};
 use super::outbox::Outbox;
-use super::request::Request;
+use super::request::{Phase, Request};
 use super::sampling::{GreedySampler, Sampled, SamplingStage, token_logprob};
 use super::scheduler::{Scheduler, StopReason};
 use super::step_plan;
@@ -108,6 +122,18 @@ pub enum EngineError {
     Executor(#[from] ExecutorError),
 }
 
+/// What became of the step scheduled ahead by the time the launched one's output is in.
+enum Next {
+    /// None was scheduled.
+    None,
+    /// Built, waiting for the launched step's tokens.
+    Ready,
+    /// Built without a penalty history it needs: built again after the launched step is applied.
+    Late,
+    /// Its plan could not be built.
+    Failed(ExecutorError),
+}
+
 pub struct Engine<E: StepExecutor> {
     setup: EngineSetup,
     executor: E,
@@ -118,7 +144,16 @@ pub struct Engine<E: StepExecutor> {
     policies: Policies,
     eos: Vec<u32>,
     vocab: usize,
+    /// The plan of the launched step (or of the step being launched).
     inputs: StepPlan,
+    /// The plan of the step scheduled ahead, while `inputs`' step computes.
+    next_inputs: StepPlan,
+    built: step_plan::Built,
+    /// Scratch of [`step_plan::fill_placeholders`].
+    row_of: Vec<u32>,
+    /// Requests done but still part of the launched step (`Phase::Finished`): removed once it
+    /// is applied.
+    zombies: Vec<u64>,
     output: StepOutput,
     sampled: Vec<Sampled>,
     tokens: Vec<u32>,
@@ -207,6 +242,10 @@ impl<E: StepExecutor> Engine<E> {
             sched,
             policies,
             inputs: StepPlan::default(),
+            next_inputs: StepPlan::default(),
+            built: step_plan::Built::default(),
+            row_of: Vec::new(),
+            zombies: Vec::new(),
             output: StepOutput::default(),
             sampled: Vec::new(),
             tokens: Vec::new(),
@@ -367,13 +406,39 @@ impl<E: StepExecutor> Engine<E> {
         Ok(())
     }
 
-    /// Cancels a request wherever it is; its blocks return to the pool at once.
+    /// Cancels a request wherever it is; its blocks return to the pool at once, or once the
+    /// launched step that holds it is applied.
     pub fn cancel(&mut self, id: u64) {
-        if let Some(r) = self.sched.remove(id, &mut self.cache) {
-            self.finish(r, FinishReason::Cancelled);
-        }
+        self.retire(id, Some(FinishReason::Cancelled));
         self.outbox.flush();
         self.refresh_stats();
+    }
+
+    /// Ends request `id`: sends `Finished` with `reason` (unless it finished before) and
+    /// removes it with its cache state, or, when a launched or scheduled step holds it, marks
+    /// it `Finished` to be removed once that step is applied or dropped.
+    fn retire(&mut self, id: u64, reason: Option<FinishReason>) {
+        let Some((slot, phase)) = (self.sched.slot_of(id))
+            .and_then(|slot| self.sched.request(slot).map(|r| (slot, r.phase)))
+        else {
+            return;
+        };
+        if phase != Phase::Finished
+            && let Some(reason) = reason
+            && let Some(r) = self.sched.request(slot)
+        {
+            Self::send_finished(&mut self.outbox, &mut self.stats, r, reason);
+        }
+        let held =
+            self.sched.in_flight(slot) || self.sched.output().seqs.iter().any(|s| s.slot == slot);
+        if held {
+            if phase != Phase::Finished {
+                self.sched.mark_finished(slot);
+                self.zombies.push(id);
+            }
+        } else {
+            self.sched.remove(id, &mut self.cache);
+        }
     }
 
     /// Cancels everything in flight (shutdown).
@@ -390,7 +455,12 @@ impl<E: StepExecutor> Engine<E> {
         self.refresh_stats();
     }
 
-    fn finish(&mut self, r: Request, reason: FinishReason) {
+    fn send_finished(
+        outbox: &mut Outbox,
+        stats: &mut EngineStats,
+        r: &Request,
+        reason: FinishReason,
+    ) {
         let usage = Usage {
             prompt_tokens: r.orig_prompt_len as u32,
             completion_tokens: r.generated() as u32,
@@ -398,15 +468,18 @@ impl<E: StepExecutor> Engine<E> {
             cacheable_tokens: r.cacheable_tokens as u32,
             cache_miss: r.cache_miss,
         };
-        (self.outbox).send(r.id, &r.events, EngineEvent::Finished { reason, usage });
-        self.stats.requests_finished += 1;
+        outbox.send(r.id, &r.events, EngineEvent::Finished { reason, usage });
+        stats.requests_finished += 1;
     }
 
     fn fail(&mut self, r: Request, kind: FailureKind, message: String) {
         (self.outbox).send(r.id, &r.events, EngineEvent::Failed { kind, message });
     }
 
-    /// Runs one step. Returns false when there was nothing to run.
+    /// Runs one step: launches a step when none computes, schedules and builds the next one
+    /// while it computes (with `engine.schedule_ahead`), waits for the launched step, samples
+    /// it, launches the next one and applies the first (see the module doc). Returns false
+    /// when there was nothing to run.
     pub fn step(&mut self) -> bool {
         let t0 = Instant::now();
         if self.back_to_back
@@ -414,36 +487,57 @@ impl<E: StepExecutor> Engine<E> {
         {
             self.timings.between_ns += (t0 - end).as_nanos() as u64;
         }
-        self.sched.schedule(&mut self.cache);
-        for rej in self.sched.take_rejected() {
-            self.fail(rej.request, rej.kind, rej.message);
+        if !self.sched.flight_live() {
+            // Nothing computes: schedule a step and launch it.
+            if !self.schedule() {
+                self.back_to_back = false;
+                self.cache.commit_step();
+                self.cache.flush_evictor_events();
+                self.cache.take_events(&mut self.kv_events);
+                self.outbox.flush();
+                self.refresh_stats();
+                return false;
+            }
+            let t1 = Instant::now();
+            self.timings.schedule_ns += (t1 - t0).as_nanos() as u64;
+            let launched = self.build(false).and_then(|()| {
+                let t2 = Instant::now();
+                self.timings.inputs_ns += (t2 - t1).as_nanos() as u64;
+                let r = self.executor.launch(&self.inputs, &mut self.output);
+                let launch = t2.elapsed().as_nanos() as u64;
+                self.timings.launch_ns += launch;
+                self.timings.execute_ns += launch;
+                r
+            });
+            if let Err(e) = launched {
+                self.back_to_back = false;
+                self.fail_scheduled(e);
+                return self.end_step(Instant::now());
+            }
+            self.stats.prompt_tokens_computed += self.built.prompt_tokens;
+            self.sched.launched();
+            self.sched.rotate();
         }
-        let out = self.sched.output();
-        self.stats.step = out.step;
-        self.stats.preemptions += out.evicted.len() as u64;
-        if out.is_empty() {
-            self.back_to_back = false;
-            self.cache.commit_step();
-            self.cache.flush_evictor_events();
-            self.cache.take_events(&mut self.kv_events);
-            self.outbox.flush();
-            self.refresh_stats();
-            return false;
+        // A step computes. Schedule and build the next one meanwhile.
+        let mut next = Next::None;
+        if self.setup.engine.schedule_ahead && !self.inputs.wants_full_rows() {
+            let ts = Instant::now();
+            let scheduled = self.schedule();
+            let ti = Instant::now();
+            self.timings.schedule_ns += (ti - ts).as_nanos() as u64;
+            if scheduled {
+                next = match self.build(true) {
+                    Ok(()) if self.built.history_incomplete => Next::Late,
+                    Ok(()) => Next::Ready,
+                    Err(e) => Next::Failed(e),
+                };
+            }
+            self.timings.inputs_ns += ti.elapsed().as_nanos() as u64;
         }
-        let t1 = Instant::now();
-        let launched = self.prepare_inputs().and_then(|()| {
-            let t2 = Instant::now();
-            self.timings.inputs_ns += (t2 - t1).as_nanos() as u64;
-            let r = self.executor.launch(&self.inputs, &mut self.output);
-            let launch = t2.elapsed().as_nanos() as u64;
-            self.timings.launch_ns += launch;
-            self.timings.execute_ns += launch;
-            r
-        });
-        // While the device computes: a deferred publication goes out (the cache events first,
-        // as they did when published right after their step: a request's `Finished` never
-        // overtakes the blocks it stored), the previous step's events go to the delivery
-        // thread and its block events to the eviction policy.
+        // Also while the device computes: a deferred publication goes out (the cache events
+        // first, as they did when published right after their step: a request's `Finished`
+        // never overtakes the blocks it stored), the previous step's events go to the
+        // delivery thread and its block events to the eviction policy.
         let tw = Instant::now();
         if let Some(stats) = self.deferred.take()
             && let Some(p) = self.publisher.as_mut()
@@ -454,7 +548,7 @@ impl<E: StepExecutor> Engine<E> {
         self.cache.flush_evictor_events();
         let tf = Instant::now();
         self.timings.overlap_ns += (tf - tw).as_nanos() as u64;
-        let result = launched.and_then(|()| self.executor.finish(&mut self.output));
+        let result = self.executor.finish(&mut self.output);
         let t3 = Instant::now();
         self.timings.execute_ns += (t3 - tf).as_nanos() as u64;
         if let Some(t) = self.executor.take_device_time() {
@@ -465,82 +559,180 @@ impl<E: StepExecutor> Engine<E> {
             }
         }
         self.back_to_back = result.is_ok();
-        match result {
-            Ok(()) => self.apply_output(),
-            Err(e) => self.fail_batch(e),
+        if let Err(e) = result.and_then(|()| self.sample()) {
+            self.back_to_back = false;
+            self.fail_flight(e);
+            return self.end_step(t3);
         }
+        // The next step goes to the device before this one is applied.
+        let mut next_launched = false;
+        let mut next_failed = None;
+        let mut launch_ns = 0;
+        let late = matches!(next, Next::Late);
+        match next {
+            Next::Ready => match self.launch_next() {
+                Ok(ns) => {
+                    launch_ns = ns;
+                    next_launched = true;
+                }
+                Err(e) => next_failed = Some(e),
+            },
+            Next::Failed(e) => next_failed = Some(e),
+            Next::Late | Next::None => {}
+        }
+        self.apply_output();
+        if late {
+            // Penalised rows needed this step's tokens: built now that they are known.
+            let tb = Instant::now();
+            let built = self.build(true);
+            self.timings.inputs_ns += tb.elapsed().as_nanos() as u64;
+            match built.and_then(|()| self.launch_next()) {
+                Ok(ns) => {
+                    launch_ns = ns;
+                    next_launched = true;
+                }
+                Err(e) => next_failed = Some(e),
+            }
+        }
+        if next_launched {
+            std::mem::swap(&mut self.inputs, &mut self.next_inputs);
+            self.sched.rotate();
+        } else if let Some(e) = next_failed {
+            self.fail_scheduled(e);
+        }
+        let end = self.end_step(t3);
+        self.timings.update_ns -= launch_ns;
+        end
+    }
+
+    /// Schedules the newest step; false when it runs nothing.
+    fn schedule(&mut self) -> bool {
+        self.sched.schedule(&mut self.cache);
+        for rej in self.sched.take_rejected() {
+            self.fail(rej.request, rej.kind, rej.message);
+        }
+        let out = self.sched.output();
+        self.stats.step = out.step;
+        self.stats.preemptions += out.evicted.len() as u64;
+        !out.is_empty()
+    }
+
+    /// Builds the plan of the newest step: into `inputs` to launch it now, or into
+    /// `next_inputs` while the launched step computes (see [`super::step_plan`]).
+    fn build(&mut self, ahead: bool) -> Result<(), ExecutorError> {
+        let plan = if ahead {
+            &mut self.next_inputs
+        } else {
+            &mut self.inputs
+        };
+        step_plan::build(
+            plan,
+            self.layout.block_size,
+            &self.sched,
+            &self.cache,
+            &self.sampling,
+            &mut self.built,
+        )
+        .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))?;
+        if !ahead && !self.built.placeholders.is_empty() {
+            return Err(ExecutorError::InvalidBatch(
+                "a step launched with nothing computing holds tokens not sampled yet".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Fills the placeholders of the step scheduled ahead with the launched step's tokens
+    /// and launches it. Returns the launch's host time.
+    fn launch_next(&mut self) -> Result<u64, ExecutorError> {
+        step_plan::fill_placeholders(
+            &mut self.next_inputs,
+            &self.built.placeholders,
+            &self.sched,
+            &self.tokens,
+            &mut self.row_of,
+        )
+        .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))?;
+        let t = Instant::now();
+        let r = self.executor.launch(&self.next_inputs, &mut self.output);
+        let ns = t.elapsed().as_nanos() as u64;
+        self.timings.launch_ns += ns;
+        self.timings.execute_ns += ns;
+        r?;
+        self.stats.prompt_tokens_computed += self.built.prompt_tokens;
+        self.sched.launched();
+        Ok(ns)
+    }
+
+    /// The common end of a step that ran a batch (from `t3`, when its output was in).
+    fn end_step(&mut self, t3: Instant) -> bool {
         self.cache.take_events(&mut self.kv_events);
         self.outbox.take_closed(&mut self.closed);
         for id in std::mem::take(&mut self.closed) {
             self.cancel(id);
         }
-        // This step's events go out during the next one, unless none follows.
-        if self.sched.is_idle() {
+        // This step's events go out while the next one computes, unless none does.
+        if !self.sched.flight_live() {
             self.outbox.flush();
             self.cache.flush_evictor_events();
         }
         self.refresh_stats();
         self.timings.steps += 1;
-        self.timings.schedule_ns += (t1 - t0).as_nanos() as u64;
         let end = Instant::now();
         self.timings.update_ns += (end - t3).as_nanos() as u64;
         self.last_step_end = Some(end);
         true
     }
 
-    /// Builds the step plan (see [`super::step_plan`]).
-    fn prepare_inputs(&mut self) -> Result<(), ExecutorError> {
-        let prompt_tokens = step_plan::build(
-            &mut self.inputs,
-            self.layout.block_size,
-            &self.sched,
-            &self.cache,
-            &self.sampling,
-        )
-        .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))?;
-        self.stats.prompt_tokens_computed += prompt_tokens;
-        Ok(())
-    }
-
-    fn apply_output(&mut self) {
-        if let Err(e) = self.take_prompt_rows() {
-            return self.fail_batch(e);
-        }
+    /// Samples the launched step's rows (and takes its prompt rows) into `sampled`/`tokens`.
+    fn sample(&mut self) -> Result<(), ExecutorError> {
+        self.take_prompt_rows()?;
         let Policies {
             sampler,
             fallback_sampler,
             ..
         } = &mut self.policies;
         let t = Instant::now();
-        let sampled = self.sampling.sample_candidates(
-            &mut self.output.cands,
-            step_plan::sampled_rows(&self.sched),
-            sampler.as_mut(),
-            fallback_sampler.as_mut(),
-            &mut self.sampled,
-        );
-        if let Err(e) = sampled {
-            return self.fail_batch(ExecutorError::InvalidBatch(e.to_string()));
-        }
+        self.sampling
+            .sample_candidates(
+                &mut self.output.cands,
+                step_plan::sampled_rows(&self.sched),
+                sampler.as_mut(),
+                fallback_sampler.as_mut(),
+                &mut self.sampled,
+            )
+            .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))?;
         self.timings.sample_ns += t.elapsed().as_nanos() as u64;
         self.tokens.clear();
         self.tokens.extend(self.sampled.iter().map(|s| s.token));
-        self.stats.generation_tokens += self.tokens.len() as u64;
+        Ok(())
+    }
+
+    /// Applies the launched step, sampled: its tokens, stops, cache commits and events.
+    /// Requests done at its end that the step scheduled ahead holds stay until that one is
+    /// applied; those the launched step held since an earlier stop leave now.
+    fn apply_output(&mut self) {
+        let step = self.sched.flight().step;
         self.finished.clear();
         self.sched
             .update_from_output(&mut self.cache, &self.tokens, &self.eos, &mut self.finished);
         // The step succeeded: its cache changes (new blocks, snapshots) become visible. The
         // engine is the one place that commits (here, and on idle steps) or aborts
-        // (`fail_batch`) a step.
-        self.cache.commit_step();
-        let out = self.sched.output();
+        // (`fail_flight`, `fail_scheduled`) a step.
+        self.cache.commit_step_of(step);
+        let out = self.sched.flight();
         let mut row = 0;
+        let mut generated = 0;
         for s in out.seqs.iter().filter(|s| s.want_logits) {
+            let sampled = &mut self.sampled[row];
+            row += 1;
             let Some(r) = self.sched.request(s.slot) else {
                 continue;
             };
-            let sampled = &mut self.sampled[row];
-            row += 1;
+            if r.phase == Phase::Finished {
+                continue;
+            }
+            generated += 1;
             if s.all_logits
                 && let Some(i) = self
                     .prompt_done
@@ -558,17 +750,20 @@ impl<E: StepExecutor> Engine<E> {
                 self.closed.push(r.id);
             }
         }
+        self.stats.generation_tokens += generated;
+        let earlier = std::mem::take(&mut self.zombies);
         for (slot, why) in std::mem::take(&mut self.finished) {
             let Some(id) = self.sched.request(slot).map(|r| r.id) else {
                 continue;
             };
-            if let Some(r) = self.sched.remove(id, &mut self.cache) {
-                let reason = match why {
-                    StopReason::Stop => FinishReason::Stop,
-                    StopReason::Length => FinishReason::Length,
-                };
-                self.finish(r, reason);
-            }
+            let reason = match why {
+                StopReason::Stop => FinishReason::Stop,
+                StopReason::Length => FinishReason::Length,
+            };
+            self.retire(id, Some(reason));
+        }
+        for id in earlier {
+            self.sched.remove(id, &mut self.cache);
         }
     }
 
@@ -589,7 +784,7 @@ impl<E: StepExecutor> Engine<E> {
                 full.vocab,
             )));
         }
-        let starts: Vec<(u32, usize)> = (self.sched.output().seqs.iter())
+        let starts: Vec<(u32, usize)> = (self.sched.flight().seqs.iter())
             .map(|s| (s.slot, s.start))
             .collect();
         let mut src = 0;
@@ -626,25 +821,50 @@ impl<E: StepExecutor> Engine<E> {
         Ok(())
     }
 
-    /// A failed forward pass: the requests of this batch fail, nothing of the step is cached.
-    fn fail_batch(&mut self, e: ExecutorError) {
+    /// The launched step failed (its forward pass, or its output): its requests fail and
+    /// nothing of it is cached; the step scheduled after it, not launched, is dropped, its
+    /// new admissions going back to the queue.
+    fn fail_flight(&mut self, e: ExecutorError) {
         tracing::error!(error = %e, "step failed");
         if matches!(e, ExecutorError::DeviceLost(_)) {
             self.lost = true;
         }
-        self.cache.abort_step();
-        let ids: Vec<u64> = self
-            .sched
-            .output()
-            .seqs
-            .iter()
-            .filter_map(|s| self.sched.request(s.slot).map(|r| r.id))
-            .collect();
+        self.cache.abort_step_of(self.sched.flight().step);
+        let ids = Self::ids_of(&self.sched, self.sched.flight());
+        self.sched.abandon_flight();
+        self.sched.discard_scheduled(&mut self.cache);
+        self.fail_all(ids, &e);
+    }
+
+    /// The newest step, scheduled but not launched, could not be launched (its plan or its
+    /// upload failed): its requests fail and its cache plans are dropped.
+    fn fail_scheduled(&mut self, e: ExecutorError) {
+        tracing::error!(error = %e, "step failed");
+        if matches!(e, ExecutorError::DeviceLost(_)) {
+            self.lost = true;
+        }
+        self.cache.abort_step_of(self.sched.output().step);
+        let ids = Self::ids_of(&self.sched, self.sched.output());
+        self.sched.clear_scheduled();
+        self.fail_all(ids, &e);
+    }
+
+    fn ids_of(sched: &Scheduler, out: &super::scheduler::SchedulerOutput) -> Vec<u64> {
+        (out.seqs.iter())
+            .filter_map(|s| sched.request(s.slot).map(|r| r.id))
+            .collect()
+    }
+
+    /// Fails (or, when already finished, just removes) each of `ids` with the step's error.
+    fn fail_all(&mut self, ids: Vec<u64>, e: &ExecutorError) {
         for id in ids {
-            if let Some(r) = self.sched.remove(id, &mut self.cache) {
+            if let Some(r) = self.sched.remove(id, &mut self.cache)
+                && r.phase != Phase::Finished
+            {
                 self.fail(r, FailureKind::Executor, e.to_string());
             }
         }
+        self.zombies.retain(|&id| self.sched.contains(id));
     }
 
     /// Brings the load and cache figures of [`Self::stats`] up to date (done after every step;

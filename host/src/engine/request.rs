@@ -20,6 +20,9 @@ pub enum Phase {
     Running,
     /// Holding blocks but not scheduled: no block was free for its next tokens.
     Paused,
+    /// Done (its last event is out) but still part of a launched step, computed ahead of the
+    /// stop: never scheduled again, removed with its cache state once that step is applied.
+    Finished,
 }
 
 #[derive(Debug)]
@@ -32,6 +35,12 @@ pub struct Request {
     pub prompt_len: usize,
     pub orig_prompt_len: usize,
     pub computed: usize,
+    /// Tokens being sampled by launched steps not yet applied (0 or 1): the next token's
+    /// position is `tokens.len()`, its value is not known yet.
+    pub in_flight: usize,
+    /// The output block that this request's next scheduled decode completes ends on a token
+    /// still being sampled: its hash (and its rolling snapshot's) is taken when it arrives.
+    pub hash_pending: bool,
     /// Chained hashes of the full blocks of `tokens[..prompt_len]`, then of each output block
     /// from the step that computes it (with prefix caching on).
     pub hashes: Vec<BlockHash>,
@@ -71,6 +80,8 @@ impl Request {
             prompt_len,
             orig_prompt_len: prompt_len,
             computed: 0,
+            in_flight: 0,
+            hash_pending: false,
             hashes: Vec::new(),
             kv_match: 0,
             cached_tokens: 0,
@@ -95,6 +106,11 @@ impl Request {
 
     pub fn output(&self) -> &[u32] {
         &self.tokens[self.orig_prompt_len..]
+    }
+
+    /// Known tokens and those being sampled.
+    pub fn total_len(&self) -> usize {
+        self.tokens.len() + self.in_flight
     }
 
     pub fn is_prefill(&self) -> bool {

@@ -64,6 +64,8 @@ pub struct SchedulerOutput {
     pub evicted: Vec<u64>,
     /// Requests that waited a step for a prefix another request is computing.
     pub deferred: Vec<u64>,
+    /// Hashes of the uncached prompt blocks this step computes.
+    pub computing: HashSet<BlockHash, crate::cache::hash::DigestBuildHasher>,
 }
 
 impl SchedulerOutput {
@@ -76,6 +78,7 @@ impl SchedulerOutput {
         self.paused.clear();
         self.evicted.clear();
         self.deferred.clear();
+        self.computing.clear();
     }
     pub fn is_empty(&self) -> bool {
         self.seqs.is_empty()
@@ -101,8 +104,12 @@ pub struct Scheduler {
     running: Vec<u32>,
     num_paused: usize,
     step: u64,
-    pending: HashSet<BlockHash, crate::cache::hash::DigestBuildHasher>,
+    /// The newest step scheduled.
     out: SchedulerOutput,
+    /// The launched step whose output is applied next (while `flight_live`): with the next
+    /// step scheduled ahead, `out` is scheduled while this one computes.
+    flight: SchedulerOutput,
+    flight_live: bool,
     rejected: Vec<Rejected>,
     pub preemptions: u64,
     pub prefix_waits: u64,
@@ -124,8 +131,9 @@ impl Scheduler {
             running: Vec::new(),
             num_paused: 0,
             step: 0,
-            pending: HashSet::default(),
             out: SchedulerOutput::default(),
+            flight: SchedulerOutput::default(),
+            flight_live: false,
             rejected: Vec::new(),
             preemptions: 0,
             prefix_waits: 0,
@@ -207,7 +215,7 @@ impl Scheduler {
         let r = self.slots.get_mut(slot as usize)?.take()?;
         match r.phase {
             Phase::Waiting => self.waiting.retain(|&s| s != slot),
-            Phase::Running | Phase::Paused => {
+            Phase::Running | Phase::Paused | Phase::Finished => {
                 if r.phase == Phase::Paused {
                     self.num_paused -= 1;
                 }
@@ -226,13 +234,14 @@ impl Scheduler {
         self.by_id.keys().copied().collect()
     }
 
-    /// Plans one step.
+    /// Plans one step. It may run while the launched step ([`Self::flight`]) computes: that
+    /// step's chunks count as computed, each of its sampled rows as a token to come, and a
+    /// request it ends by length is not scheduled again.
     pub fn schedule(&mut self, cache: &mut CacheManager) -> &SchedulerOutput {
         self.step += 1;
         cache.begin_step(self.step);
         self.out.clear();
         self.out.step = self.step;
-        self.pending.clear();
         let mut budget = self.cfg.max_batched_tokens;
         loop {
             self.schedule_running(cache, &mut budget, true);
@@ -240,7 +249,9 @@ impl Scheduler {
             if !self.out.seqs.is_empty() || self.num_paused == 0 {
                 break;
             }
-            self.evict_newest_paused(cache);
+            if !self.evict_newest_paused(cache) {
+                break;
+            }
         }
         if self.num_paused == 0 {
             self.admit_waiting(cache, &mut budget);
@@ -249,8 +260,94 @@ impl Scheduler {
         &self.out
     }
 
+    /// The newest step scheduled.
     pub fn output(&self) -> &SchedulerOutput {
         &self.out
+    }
+
+    /// The launched step whose output [`Self::update_from_output`] applies next.
+    pub fn flight(&self) -> &SchedulerOutput {
+        &self.flight
+    }
+
+    /// Whether a launched step waits for its output to be applied.
+    pub fn flight_live(&self) -> bool {
+        self.flight_live
+    }
+
+    /// Whether the request in `slot` is part of the launched step not yet applied.
+    pub fn in_flight(&self, slot: u32) -> bool {
+        self.flight_live && self.flight.seqs.iter().any(|s| s.slot == slot)
+    }
+
+    /// The newest step ([`Self::output`]) was launched: its chunks count as computed and each
+    /// sampled row as a token to come, for the steps scheduled before its output is applied.
+    pub fn launched(&mut self) {
+        for s in &self.out.seqs {
+            if let Some(r) = self.slots[s.slot as usize].as_mut() {
+                r.computed = s.start + s.len;
+                r.in_flight += usize::from(s.want_logits);
+            }
+        }
+    }
+
+    /// Makes the launched newest step the one applied next (the previous one was applied).
+    pub fn rotate(&mut self) {
+        debug_assert!(!self.flight_live, "the launched step was not applied");
+        std::mem::swap(&mut self.out, &mut self.flight);
+        self.out.clear();
+        self.flight_live = true;
+    }
+
+    /// Drops the newest step, scheduled but not launched (the step before it failed): the
+    /// requests it admitted go back to the front of the queue, holding no cache state, to be
+    /// admitted afresh; the others keep their place. Abort the step's cache plans first.
+    pub fn discard_scheduled(&mut self, cache: &mut CacheManager) {
+        for &id in self.out.admitted.iter().rev() {
+            let Some(&slot) = self.by_id.get(&id) else {
+                continue;
+            };
+            let Some(r) = self.slots[slot as usize].as_mut() else {
+                continue;
+            };
+            if r.phase != Phase::Running {
+                continue;
+            }
+            r.phase = Phase::Waiting;
+            r.computed = 0;
+            r.hash_pending = false;
+            self.running.retain(|&s| s != slot);
+            if let Err(e) = cache.release(slot) {
+                tracing::error!(request = id, error = %e, "releasing a discarded admission failed");
+            }
+            self.waiting.push_front(slot);
+        }
+        for s in &self.out.seqs {
+            if let Some(r) = self.slots[s.slot as usize].as_mut() {
+                r.hash_pending = false;
+            }
+        }
+        self.out.clear();
+    }
+
+    /// Forgets the launched step without applying it (it failed).
+    pub fn abandon_flight(&mut self) {
+        self.flight_live = false;
+    }
+
+    /// Forgets the newest step, scheduled but not launched (its requests are being removed).
+    pub fn clear_scheduled(&mut self) {
+        self.out.clear();
+    }
+
+    /// The slot of request `id`.
+    pub fn slot_of(&self, id: u64) -> Option<u32> {
+        self.by_id.get(&id).copied()
+    }
+
+    /// Marks a request done while a launched step still holds it (see [`Phase::Finished`]).
+    pub fn mark_finished(&mut self, slot: u32) {
+        self.set_phase(slot, Phase::Finished);
     }
 
     /// Length of the next chunk of a prompt with `remaining` tokens left from `ctx`.
@@ -273,7 +370,13 @@ impl Scheduler {
             let Some(r) = self.slots[slot as usize].as_ref() else {
                 continue;
             };
-            let (start, total, phase) = (r.computed, r.tokens.len(), r.phase);
+            let (start, total, phase) = (r.computed, r.total_len(), r.phase);
+            // Done, or ended by length by the token the launched step samples.
+            if phase == Phase::Finished
+                || r.in_flight > 0 && r.generated() + r.in_flight >= r.max_tokens
+            {
+                continue;
+            }
             if r.is_prefill() == decodes {
                 continue;
             }
@@ -305,7 +408,9 @@ impl Scheduler {
         if let Some(r) = self.slots[slot as usize].as_mut() {
             match (r.phase, phase) {
                 (Phase::Running, Phase::Paused) => self.num_paused += 1,
-                (Phase::Paused, Phase::Running | Phase::Waiting) => self.num_paused -= 1,
+                (Phase::Paused, Phase::Running | Phase::Waiting | Phase::Finished) => {
+                    self.num_paused -= 1
+                }
                 _ => {}
             }
             r.phase = phase;
@@ -336,12 +441,18 @@ impl Scheduler {
             && cache.prefix_caching()
         {
             // A decode completes an output block: hash it (it enters the index when this step
-            // succeeds) and, on a hybrid, refresh the request's rolling snapshot there.
+            // succeeds) and, on a hybrid, refresh the request's rolling snapshot there. Its
+            // last token may still be being sampled: then both wait for it.
+            if start + n > r.tokens.len() {
+                r.hash_pending = true;
+                cache.plan_rolling_snapshot(slot, None, n, &mut snapshots);
+                return self.push_chunk(slot, start, n, last, all_logits, snapshots);
+            }
             let before = r.hashes.len();
             self.seed.extend(&mut r.hashes, &r.tokens[..start + n], bs);
             self.blocks_hashed += (r.hashes.len() - before) as u64;
             if let Some(&h) = r.hashes.get((start + n) / bs - 1) {
-                cache.plan_rolling_snapshot(slot, h, n, &mut snapshots);
+                cache.plan_rolling_snapshot(slot, Some(h), n, &mut snapshots);
             }
         }
         if let Some(r) = self.slots[slot as usize].as_ref()
@@ -360,10 +471,22 @@ impl Scheduler {
             let end = ((start + n) / bs).min(r.hashes.len());
             for &h in &r.hashes[(start / bs).min(end)..end] {
                 if !cache.is_cached(h) {
-                    self.pending.insert(h);
+                    self.out.computing.insert(h);
                 }
             }
         }
+        self.push_chunk(slot, start, n, last, all_logits, snapshots);
+    }
+
+    fn push_chunk(
+        &mut self,
+        slot: u32,
+        start: usize,
+        n: usize,
+        last: bool,
+        all_logits: bool,
+        snapshots: Vec<SsmSnapshot>,
+    ) {
         self.out.seqs.push(ScheduledSeq {
             slot,
             start,
@@ -374,13 +497,12 @@ impl Scheduler {
         });
     }
 
-    fn evict_newest_paused(&mut self, cache: &mut CacheManager) {
-        let Some(pos) = self
-            .running
-            .iter()
-            .rposition(|&s| self.request(s).is_some_and(|r| r.phase == Phase::Paused))
-        else {
-            return;
+    /// Evicts the newest paused request that no launched step holds; false when there is none.
+    fn evict_newest_paused(&mut self, cache: &mut CacheManager) -> bool {
+        let Some(pos) = self.running.iter().rposition(|&s| {
+            self.request(s).is_some_and(|r| r.phase == Phase::Paused) && !self.in_flight(s)
+        }) else {
+            return false;
         };
         let slot = self.running.remove(pos);
         self.set_phase(slot, Phase::Waiting);
@@ -400,6 +522,7 @@ impl Scheduler {
         }
         self.preemptions += 1;
         self.waiting.push_front(slot);
+        true
     }
 
     fn reject(&mut self, i: usize, kind: FailureKind, message: String) {
@@ -456,9 +579,10 @@ impl Scheduler {
                 m.skip_blocks = 0;
             }
             if cache.prefix_caching()
-                && r.hashes
-                    .get(m.kv_blocks)
-                    .is_some_and(|h| self.pending.contains(h))
+                && r.hashes.get(m.kv_blocks).is_some_and(|h| {
+                    self.out.computing.contains(h)
+                        || self.flight_live && self.flight.computing.contains(h)
+                })
             {
                 self.out.deferred.push(r.id);
                 self.prefix_waits += 1;
@@ -496,7 +620,7 @@ impl Scheduler {
             }
             r.phase = Phase::Running;
             self.out.admitted.push(r.id);
-            let last = ctx + n == r.tokens.len();
+            let last = ctx + n == r.total_len();
             self.out.ssm_init.push(init);
             self.waiting.remove(i);
             self.running.push(slot);
@@ -505,9 +629,11 @@ impl Scheduler {
         }
     }
 
-    /// Applies a successful step: advances every scheduled request, offers completed prompt
-    /// and output blocks and snapshots to the cache, and appends the sampled tokens (`sampled[i]` for the
-    /// i-th sequence with `want_logits`). Returns the requests that stopped, with the reason.
+    /// Applies the launched step ([`Self::flight`]) after it succeeded: offers the prompt and
+    /// output blocks its chunks completed to the cache and appends the sampled tokens
+    /// (`sampled[i]` for the i-th sequence with `want_logits`); a request the step reached
+    /// only ahead of its stop ([`Phase::Finished`]) takes nothing. Returns the requests that
+    /// stopped, with the reason. Commit the step's cache plans after this.
     pub fn update_from_output(
         &mut self,
         cache: &mut CacheManager,
@@ -515,24 +641,38 @@ impl Scheduler {
         eos: &[u32],
         finished: &mut Vec<(u32, StopReason)>,
     ) {
+        self.flight_live = false;
+        let bs = self.block_size;
         // One pass: a sequence's commit reads only its own hashes, which the token appended
         // after it does not change.
         let mut row = 0;
-        for s in &self.out.seqs {
+        for s in &self.flight.seqs {
+            let tok = s.want_logits.then(|| sampled.get(row).copied()).flatten();
+            row += usize::from(s.want_logits);
             let Some(r) = self.slots[s.slot as usize].as_mut() else {
-                row += usize::from(s.want_logits);
                 continue;
             };
-            r.computed = s.start + s.len;
-            cache.commit_seq(s.slot, &r.hashes, r.computed);
+            if r.phase == Phase::Finished {
+                continue;
+            }
+            cache.commit_seq(s.slot, &r.hashes, s.start + s.len);
             if !s.want_logits {
                 continue;
             }
-            let Some(&tok) = sampled.get(row) else {
+            r.in_flight = r.in_flight.saturating_sub(1);
+            let Some(tok) = tok else {
                 continue;
             };
-            row += 1;
             r.tokens.push(tok);
+            if std::mem::take(&mut r.hash_pending) {
+                // The step scheduled ahead decodes this token and completes a block with it.
+                let before = r.hashes.len();
+                self.seed.extend(&mut r.hashes, &r.tokens, bs);
+                self.blocks_hashed += (r.hashes.len() - before) as u64;
+                if let Some(&h) = r.hashes.get(r.tokens.len() / bs - 1) {
+                    cache.set_rolling_hash(s.slot, h);
+                }
+            }
             let stop = r.stop_token_ids.contains(&tok) || (!r.ignore_eos && eos.contains(&tok));
             if stop {
                 finished.push((s.slot, StopReason::Stop));

@@ -56,6 +56,8 @@ fn plan(s: &mut Scheduler, c: &mut CacheManager) -> Vec<(u64, usize, usize)> {
 fn finish_step(s: &mut Scheduler, c: &mut CacheManager) -> Vec<(u32, StopReason)> {
     let rows = s.output().seqs.iter().filter(|q| q.want_logits).count();
     let mut fin = Vec::new();
+    s.launched();
+    s.rotate();
     s.update_from_output(c, &vec![7; rows], &[], &mut fin);
     c.commit_step();
     fin

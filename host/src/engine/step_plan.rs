@@ -4,31 +4,76 @@
 //! the engine's persistent batch: its buffers are cleared and refilled every step, never
 //! reallocated once warm. The plan's own invariants are tested in `backend::step`; this
 //! builder's mapping from scheduler and cache state is tested below.
+//!
+//! A step scheduled while the one before it computes decodes tokens that step is still
+//! sampling: each such token is a placeholder in the plan, listed in [`Built::placeholders`]
+//! and filled in by [`fill_placeholders`] once the tokens are sampled, before the launch.
 
 use super::sampling::{RowInfo, SamplingStage};
 use super::scheduler::Scheduler;
 use crate::backend::{PlanError, SlotOp, StepPlan};
 use crate::cache::{CacheManager, SsmInit};
 
-/// Fills `plan` for the scheduler's current output. Returns the number of prompt tokens the
-/// step computes (for the engine's counters).
+/// A plan's token that the step before it is still sampling.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Placeholder {
+    /// Index into the plan's `tokens`.
+    pub at: usize,
+    /// The request's scheduler slot.
+    pub slot: u32,
+}
+
+/// What [`build`] made of the step.
+#[derive(Debug, Default)]
+pub struct Built {
+    /// Prompt tokens the step computes (for the engine's counters).
+    pub prompt_tokens: u64,
+    /// Tokens to fill in before the launch.
+    pub placeholders: Vec<Placeholder>,
+    /// A sampled row's penalty history lacks a token still being sampled: the plan must be
+    /// built again once it is known.
+    pub history_incomplete: bool,
+}
+
+/// Fills `plan` for the scheduler's newest step ([`Scheduler::output`]).
 pub fn build(
     plan: &mut StepPlan,
     block_size: usize,
     sched: &Scheduler,
     cache: &CacheManager,
     sampling: &SamplingStage,
-) -> Result<u64, PlanError> {
+    built: &mut Built,
+) -> Result<(), PlanError> {
     let out = sched.output();
     plan.clear(block_size);
     plan.sampling.clear(sampling.k());
-    let mut prompt_tokens = 0;
+    built.prompt_tokens = 0;
+    built.placeholders.clear();
+    built.history_incomplete = false;
     for s in &out.seqs {
         let r = sched
             .request(s.slot)
             .ok_or_else(|| PlanError(format!("scheduled slot {} holds no request", s.slot)))?;
+        let known = r.tokens.len().clamp(s.start, s.start + s.len);
+        let missing = s.start + s.len - known;
+        if missing > 1 || missing == 1 && s.len != 1 {
+            return Err(PlanError(format!(
+                "slot {}: a chunk of {} tokens from {} past the {} known",
+                s.slot,
+                s.len,
+                s.start,
+                r.tokens.len()
+            )));
+        }
+        let at = plan.tokens.len();
+        let tokens: &[u32] = if missing == 1 {
+            built.placeholders.push(Placeholder { at, slot: s.slot });
+            &[0]
+        } else {
+            &r.tokens[s.start..s.start + s.len]
+        };
         let chunk = plan.push(
-            &r.tokens[s.start..s.start + s.len],
+            tokens,
             s.start,
             cache.block_table(s.slot),
             cache.live_slot(s.slot),
@@ -36,6 +81,11 @@ pub fn build(
         );
         chunk.all_logits = s.all_logits;
         if s.want_logits {
+            let p = &r.params;
+            let penalised = p.repetition_penalty != 1.0 && p.repetition_penalty > 0.0
+                || p.presence_penalty != 0.0
+                || p.frequency_penalty != 0.0;
+            built.history_incomplete |= penalised && r.in_flight > 0;
             let row = RowInfo {
                 params: &r.params,
                 prompt: &r.tokens[..r.orig_prompt_len],
@@ -48,7 +98,7 @@ pub fn build(
             plan.snapshot(snap.after, snap.slot);
         }
         if s.start < r.prompt_len {
-            prompt_tokens += (s.start + s.len).min(r.prompt_len) as u64 - s.start as u64;
+            built.prompt_tokens += (s.start + s.len).min(r.prompt_len) as u64 - s.start as u64;
         }
     }
     for init in &out.ssm_init {
@@ -59,13 +109,41 @@ pub fn build(
         }
     }
     plan.finish()?;
-    Ok(prompt_tokens)
+    Ok(())
 }
 
-/// What the sampling stage needs about each sampled row of this step, in row order.
+/// Writes the tokens the launched step sampled (`sampled[i]` for its i-th sampled row) into
+/// the placeholders of `plan`, built for the step after it. `row_of` is scratch.
+pub fn fill_placeholders(
+    plan: &mut StepPlan,
+    placeholders: &[Placeholder],
+    sched: &Scheduler,
+    sampled: &[u32],
+    row_of: &mut Vec<u32>,
+) -> Result<(), PlanError> {
+    row_of.clear();
+    let rows = sched.flight().seqs.iter().filter(|s| s.want_logits);
+    for (row, s) in rows.enumerate() {
+        let i = s.slot as usize;
+        if row_of.len() <= i {
+            row_of.resize(i + 1, u32::MAX);
+        }
+        row_of[i] = row as u32;
+    }
+    for p in placeholders {
+        let token = row_of
+            .get(p.slot as usize)
+            .and_then(|&row| sampled.get(row as usize))
+            .ok_or_else(|| PlanError(format!("slot {}: no token sampled for it", p.slot)))?;
+        plan.tokens[p.at] = *token;
+    }
+    Ok(())
+}
+
+/// What the sampling stage needs about each sampled row of the launched step, in row order.
 pub fn sampled_rows(sched: &Scheduler) -> impl Iterator<Item = RowInfo<'_>> + Clone {
     sched
-        .output()
+        .flight()
         .seqs
         .iter()
         .filter(|s| s.want_logits)
@@ -142,7 +220,9 @@ mod tests {
             if sched.output().is_empty() {
                 break;
             }
-            build(&mut plan, BS, &sched, &cache, &sampling).unwrap();
+            let mut built = Built::default();
+            build(&mut plan, BS, &sched, &cache, &sampling, &mut built).unwrap();
+            assert!(built.placeholders.is_empty());
             let out = sched.output();
             assert_eq!(plan.seqs.len(), out.seqs.len());
             for (i, (c, s)) in plan.seqs.iter().zip(&out.seqs).enumerate() {
@@ -176,6 +256,8 @@ mod tests {
             sampled += plan.sample_rows.len();
             let tokens = vec![7; plan.sample_rows.len()];
             let mut fin = Vec::new();
+            sched.launched();
+            sched.rotate();
             sched.update_from_output(&mut cache, &tokens, &[], &mut fin);
             cache.commit_step();
         }
