@@ -694,3 +694,84 @@ fn deferred_publication_goes_out_during_the_next_step() {
     assert_eq!(events, expected.kv_events);
     assert_eq!(log.last().map(|(s, _)| s), Some(e.stats()));
 }
+
+/// Scheduling ahead changes no output: a workload with stop tokens (requests stop a step
+/// before the one scheduled ahead of it is applied), length limits, seeded sampling,
+/// penalties (whose rows are built again once the tokens are in), prompt logprobs, prefix
+/// hits with SSM restores, and a cache small enough to pause and evict, gives the same tokens,
+/// finish reasons and usage with the next step scheduled ahead and after each update; and
+/// afterwards every block and slot is free.
+#[test]
+fn scheduling_ahead_changes_no_output() {
+    use chimera::engine::{Engine, Policies};
+    use chimera::policy::native::DefaultSampler;
+
+    let sampling = || Policies {
+        sampler: Box::new(DefaultSampler::default()),
+        fallback_sampler: Box::new(DefaultSampler::default()),
+        evictor: None,
+    };
+    let mut work = shared_prefix_workload(11, 30, VOCAB);
+    for (_, req) in work.iter_mut() {
+        match req.id % 5 {
+            0 => req.stop_token_ids = vec![3, 17, 29, 41],
+            1 => {
+                req.params.temperature = 0.8;
+                req.params.top_p = 0.9;
+                req.params.seed = Some(req.id);
+            }
+            2 => req.params.repetition_penalty = 1.3,
+            3 => {
+                req.params.frequency_penalty = 0.4;
+                req.params.temperature = 0.7;
+            }
+            _ => {
+                req.prompt_logprobs = req.id % 2 == 0;
+                req.params.logprobs = Some(2);
+            }
+        }
+        req.max_tokens = 3 + (req.id % 7) as u32;
+    }
+    let dense = || MockExecutor::new(MockConfig::default());
+    let makers: [(&str, &dyn Fn() -> MockExecutor, usize); 3] = [
+        ("dense", &dense, 256),
+        ("hybrid", &MockExecutor::hybrid, 256),
+        ("hybrid, few blocks", &MockExecutor::hybrid, 12),
+    ];
+    for (name, make, blocks) in makers {
+        let run = |ahead: bool, exec: MockExecutor| {
+            let k = Knobs {
+                blocks,
+                snapshots: 6,
+                max_batched_tokens: 24,
+                schedule_ahead: ahead,
+                ..Knobs::default()
+            };
+            let mut e = Engine::new(setup(&exec, k), exec, sampling()).expect("engine");
+            let r = drive(&mut e, work.clone());
+            let s = e.stats().clone();
+            assert_eq!(s.free_blocks, s.total_blocks, "{name}, ahead {ahead}: blocks in use");
+            assert_eq!(e.scheduler().num_running(), 0, "{name}, ahead {ahead}");
+            (r, s)
+        };
+        let (after, _) = run(false, make());
+        let (ahead, s) = run(true, make());
+        assert_eq!(ahead.tokens(), after.tokens(), "{name}: tokens differ");
+        for (id, o) in &after.outcomes {
+            let a = &ahead.outcomes[id];
+            assert_eq!(a.finish, o.finish, "{name}: request {id}'s finish");
+            assert_eq!(a.usage.completion_tokens, o.usage.completion_tokens, "{name}: {id}");
+            assert_eq!(a.prompt_logprobs.is_some(), o.prompt_logprobs.is_some(), "{name}");
+            assert!(a.failed.is_none(), "{name}: request {id} failed");
+        }
+        let stops = after
+            .outcomes
+            .values()
+            .filter(|o| o.finish == Some(FinishReason::Stop))
+            .count();
+        assert!(stops > 0, "{name}: no request stopped early");
+        if name == "hybrid, few blocks" {
+            assert!(s.preemptions > 0, "{name}: nothing was evicted");
+        }
+    }
+}
