@@ -136,6 +136,25 @@ impl<B: Backend> Backend for Counting<B> {
         self.traffic.step_uploads.fetch_add(1, Ordering::Relaxed);
         self.inner.upload_step(plan, step)
     }
+    fn packs_ahead(&self) -> bool {
+        self.inner.packs_ahead()
+    }
+    fn pack_step(
+        &self,
+        plan: &StepPlan,
+        step: &mut Self::Step,
+        bucket: Option<GraphBucket>,
+        max_blocks: usize,
+    ) -> Result<bool> {
+        self.inner.pack_step(plan, step, bucket, max_blocks)
+    }
+    fn repack_tokens(&self, plan: &StepPlan, step: &mut Self::Step) -> Result<()> {
+        self.inner.repack_tokens(plan, step)
+    }
+    fn send_step(&self, step: &mut Self::Step) -> Result<()> {
+        self.traffic.step_uploads.fetch_add(1, Ordering::Relaxed);
+        self.inner.send_step(step)
+    }
     fn arena_stats(&self) -> ArenaStats {
         self.inner.arena_stats()
     }

@@ -450,6 +450,44 @@ pub trait Backend: Send + Sync + 'static {
         Ok(false)
     }
 
+    /// Whether [`Backend::pack_step`], [`Backend::repack_tokens`] and [`Backend::send_step`]
+    /// split a step's upload: packing is host work only, so the next step can be packed while
+    /// the device computes this one.
+    fn packs_ahead(&self) -> bool {
+        false
+    }
+
+    /// Packs `plan` on the host for [`Backend::send_step`]: in the eager layout (`bucket`
+    /// `None`) or padded to a graph bucket (`Ok(false)`, nothing packed, when it does not
+    /// fit, as [`Backend::upload_graph_step`] says). Enqueues no device work.
+    fn pack_step(
+        &self,
+        _plan: &StepPlan,
+        _step: &mut Self::Step,
+        _bucket: Option<GraphBucket>,
+        _max_blocks: usize,
+    ) -> Result<bool> {
+        Err(BackendError::Invalid(
+            "this backend does not pack steps ahead".into(),
+        ))
+    }
+
+    /// Writes `plan`'s tokens over those of the step [`Backend::pack_step`] packed from it
+    /// (placeholders then): the same plan otherwise.
+    fn repack_tokens(&self, _plan: &StepPlan, _step: &mut Self::Step) -> Result<()> {
+        Err(BackendError::Invalid(
+            "this backend does not pack steps ahead".into(),
+        ))
+    }
+
+    /// The packed step's upload (its first device work): as [`Backend::upload_step`] after
+    /// packing.
+    fn send_step(&self, _step: &mut Self::Step) -> Result<()> {
+        Err(BackendError::Invalid(
+            "this backend does not pack steps ahead".into(),
+        ))
+    }
+
     /// Starts timing a step on the device: called before the step's first device work is
     /// enqueued. The step's read-back (in [`Backend::sample`]) marks its end.
     fn step_clock_start(&self) -> Result<()> {

@@ -528,7 +528,10 @@ impl<E: StepExecutor> Engine<E> {
             if scheduled {
                 next = match self.build(true) {
                     Ok(()) if self.built.history_incomplete => Next::Late,
-                    Ok(()) => Next::Ready,
+                    Ok(()) => {
+                        self.executor.prepare(&self.next_inputs);
+                        Next::Ready
+                    }
                     Err(e) => Next::Failed(e),
                 };
             }
@@ -570,7 +573,7 @@ impl<E: StepExecutor> Engine<E> {
         let mut launch_ns = 0;
         let late = matches!(next, Next::Late);
         match next {
-            Next::Ready => match self.launch_next() {
+            Next::Ready => match self.launch_next(true) {
                 Ok(ns) => {
                     launch_ns = ns;
                     next_launched = true;
@@ -586,7 +589,7 @@ impl<E: StepExecutor> Engine<E> {
             let tb = Instant::now();
             let built = self.build(true);
             self.timings.inputs_ns += tb.elapsed().as_nanos() as u64;
-            match built.and_then(|()| self.launch_next()) {
+            match built.and_then(|()| self.launch_next(false)) {
                 Ok(ns) => {
                     launch_ns = ns;
                     next_launched = true;
@@ -643,8 +646,9 @@ impl<E: StepExecutor> Engine<E> {
     }
 
     /// Fills the placeholders of the step scheduled ahead with the launched step's tokens
-    /// and launches it. Returns the launch's host time.
-    fn launch_next(&mut self) -> Result<u64, ExecutorError> {
+    /// and launches it (`prepared`: as the executor prepared it). Returns the launch's host
+    /// time.
+    fn launch_next(&mut self, prepared: bool) -> Result<u64, ExecutorError> {
         step_plan::fill_placeholders(
             &mut self.next_inputs,
             &self.built.placeholders,
@@ -654,7 +658,11 @@ impl<E: StepExecutor> Engine<E> {
         )
         .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))?;
         let t = Instant::now();
-        let r = self.executor.launch(&self.next_inputs, &mut self.output);
+        let r = if prepared {
+            self.executor.launch_prepared(&self.next_inputs, &mut self.output)
+        } else {
+            self.executor.launch(&self.next_inputs, &mut self.output)
+        };
         let ns = t.elapsed().as_nanos() as u64;
         self.timings.launch_ns += ns;
         self.timings.execute_ns += ns;

@@ -101,6 +101,20 @@ pub trait StepExecutor: Send {
     fn launch(&mut self, plan: &StepPlan, out: &mut StepOutput) -> Result<(), ExecutorError> {
         self.execute(plan, out)
     }
+    /// Gets the step of `plan` ready on the host while the device computes the step before
+    /// it (packing it for its upload), so that [`Self::launch_prepared`] has only its tokens
+    /// to rewrite: the plan's placeholder tokens change before that launch, nothing else.
+    /// Best effort: a plan it cannot get ready is handled by the launch, which reports what
+    /// is wrong.
+    fn prepare(&mut self, _plan: &StepPlan) {}
+    /// [`Self::launch`] of the plan last given to [`Self::prepare`], its tokens now filled in.
+    fn launch_prepared(
+        &mut self,
+        plan: &StepPlan,
+        out: &mut StepOutput,
+    ) -> Result<(), ExecutorError> {
+        self.launch(plan, out)
+    }
     /// Completes the step [`Self::launch`] started (nothing when it failed or ran to the
     /// end): `out` is filled as [`Self::execute`] says.
     fn finish(&mut self, _out: &mut StepOutput) -> Result<(), ExecutorError> {
@@ -143,6 +157,16 @@ impl<E: StepExecutor + ?Sized> StepExecutor for Box<E> {
     }
     fn launch(&mut self, plan: &StepPlan, out: &mut StepOutput) -> Result<(), ExecutorError> {
         (**self).launch(plan, out)
+    }
+    fn prepare(&mut self, plan: &StepPlan) {
+        (**self).prepare(plan)
+    }
+    fn launch_prepared(
+        &mut self,
+        plan: &StepPlan,
+        out: &mut StepOutput,
+    ) -> Result<(), ExecutorError> {
+        (**self).launch_prepared(plan, out)
     }
     fn finish(&mut self, out: &mut StepOutput) -> Result<(), ExecutorError> {
         (**self).finish(out)

@@ -48,6 +48,17 @@ pub struct ModelRunner<B: Backend> {
     device_time: Option<crate::backend::DeviceStepTime>,
     /// A step was launched and its results not yet waited for.
     in_flight: bool,
+    /// The step [`StepExecutor::prepare`] packed for the next launch.
+    packed: Option<Packed>,
+}
+
+/// A step packed on the host ahead of its launch.
+#[derive(Debug, Clone, Copy)]
+enum Packed {
+    /// For the graph `graphs[i]`, in the graph step.
+    Graph(usize),
+    /// Eagerly, in the step object.
+    Eager,
 }
 
 /// Mixed buckets a step's upload tries (the smallest that hold it) before it runs eagerly: a
@@ -115,6 +126,7 @@ impl<B: Backend> ModelRunner<B> {
             capture_seconds: 0.0,
             device_time: None,
             in_flight: false,
+            packed: None,
         }
     }
 
@@ -296,6 +308,22 @@ impl<B: Backend> StepExecutor for ModelRunner<B> {
     }
 
     fn launch(&mut self, plan: &StepPlan, out: &mut StepOutput) -> Result<(), ExecutorError> {
+        self.packed = None;
+        self.launch_prepared(plan, out)
+    }
+
+    fn prepare(&mut self, plan: &StepPlan) {
+        self.packed = None;
+        if self.backend.packs_ahead() && self.pack_ahead(plan).is_err() {
+            self.packed = None;
+        }
+    }
+
+    fn launch_prepared(
+        &mut self,
+        plan: &StepPlan,
+        out: &mut StepOutput,
+    ) -> Result<(), ExecutorError> {
         self.device_time = None;
         // A step launched and never finished is waited for first: its read-back shares the
         // buffers this one uses.
@@ -351,10 +379,124 @@ impl<B: Backend> ModelRunner<B> {
         }
     }
 
-    /// Uploads the step and enqueues its forward pass and sampling tail (the read-back is
-    /// waited for by `finish`).
+    /// The graph that takes `plan`, tried from the smallest bucket that holds it with `fits`
+    /// (which packs or uploads the step for that bucket and says whether it fit), or `None`:
+    /// run it eagerly.
+    fn pick_graph(
+        graphs: &[CapturedGraph],
+        plan: &StepPlan,
+        mut fits: impl FnMut(GraphBucket) -> Result<bool, ExecutorError>,
+    ) -> Result<Option<usize>, ExecutorError> {
+        if plan.wants_full_rows() {
+            return Ok(None);
+        }
+        let decodes = plan.seqs.iter().filter(|q| q.len == 1).count();
+        let prompts = plan.seqs.len() - decodes;
+        let mut mixed_tries = 0;
+        for (i, g) in graphs.iter().enumerate() {
+            if !g.bucket.holds(plan.tokens.len(), decodes, prompts) {
+                continue;
+            }
+            // A refused mixed bucket has planned the step: a few tries, then eagerly. (A
+            // decode bucket refuses before planning.)
+            if matches!(g.bucket, GraphBucket::Mixed { .. }) {
+                mixed_tries += 1;
+                if mixed_tries > MAX_MIXED_TRIES {
+                    break;
+                }
+            }
+            if fits(g.bucket)? {
+                return Ok(Some(i));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Uploads the step (or sends the one [`StepExecutor::prepare`] packed, its tokens
+    /// rewritten) and enqueues its forward pass and sampling tail (the read-back is waited for
+    /// by `finish`). A step that a graph takes: slot ops, replay, sample.
     fn run_step(&mut self, plan: &StepPlan, out: &mut StepOutput) -> Result<(), ExecutorError> {
         let vocab = self.model.info.vocab_size;
+        let (Some(caches), Some(step)) = (self.caches.as_mut(), self.step.as_mut()) else {
+            return Err(ExecutorError::Allocation(
+                "caches used before allocate()".into(),
+            ));
+        };
+        let forward = |e: crate::backend::BackendError| ExecutorError::Forward(e.to_string());
+        let invalid = |e: crate::backend::BackendError| ExecutorError::InvalidBatch(e.to_string());
+        let backend = &self.backend;
+        let packed = match self.packed.take() {
+            Some(p) => {
+                let target = match (p, self.graph_step.as_mut()) {
+                    (Packed::Graph(_), Some(gstep)) => gstep,
+                    (Packed::Graph(_), None) => {
+                        return Err(ExecutorError::InvalidBatch(
+                            "a step packed for a graph without graphs".into(),
+                        ));
+                    }
+                    (Packed::Eager, _) => &mut *step,
+                };
+                backend.repack_tokens(plan, target).map_err(invalid)?;
+                backend.send_step(target).map_err(invalid)?;
+                p
+            }
+            None => {
+                caches
+                    .check(plan)
+                    .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))?;
+                let blocks = self.graph_blocks;
+                let graph = match self.graph_step.as_mut() {
+                    Some(gstep) => Self::pick_graph(&self.graphs, plan, |bucket| {
+                        backend
+                            .upload_graph_step(plan, gstep, bucket, blocks)
+                            .map_err(invalid)
+                    })?,
+                    None => None,
+                };
+                match graph {
+                    Some(i) => Packed::Graph(i),
+                    None => {
+                        backend.upload_step(plan, step).map_err(invalid)?;
+                        Packed::Eager
+                    }
+                }
+            }
+        };
+        out.full.vocab = vocab;
+        out.full.data.clear();
+        if let (Packed::Graph(i), Some(gstep)) = (packed, self.graph_step.as_mut()) {
+            let g = &self.graphs[i];
+            if matches!(g.bucket, GraphBucket::Mixed { .. }) {
+                self.mixed_graph_steps += 1;
+                self.model
+                    .slot_ops(backend, gstep, caches)
+                    .map_err(|e| ExecutorError::Forward(e.to_string()))?;
+            }
+            backend.replay_graph(g.id).map_err(forward)?;
+            self.graph_steps += 1;
+            let logits = self
+                .graph_outputs
+                .get_mut(g.out)
+                .ok_or_else(|| ExecutorError::Forward("a graph without its output".into()))?;
+            return backend
+                .sample_start(logits, gstep, &mut out.cands)
+                .map_err(forward);
+        }
+        self.eager_steps += 1;
+        let mut logits = self
+            .model
+            .forward(backend, step, caches)
+            .map_err(|e| ExecutorError::Forward(e.to_string()))?;
+        if plan.wants_full_rows() {
+            out.full.data = backend.download(&logits).map_err(forward)?;
+        }
+        backend
+            .sample_start(&mut logits, step, &mut out.cands)
+            .map_err(forward)
+    }
+
+    /// Packs `plan` on the host for its launch (see [`StepExecutor::prepare`]).
+    fn pack_ahead(&mut self, plan: &StepPlan) -> Result<(), ExecutorError> {
         let (Some(caches), Some(step)) = (self.caches.as_mut(), self.step.as_mut()) else {
             return Err(ExecutorError::Allocation(
                 "caches used before allocate()".into(),
@@ -363,69 +505,20 @@ impl<B: Backend> ModelRunner<B> {
         caches
             .check(plan)
             .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))?;
-        let forward = |e: crate::backend::BackendError| ExecutorError::Forward(e.to_string());
-        // A step that a graph takes: upload padded, slot ops, replay, sample.
-        if !plan.wants_full_rows()
-            && let Some(gstep) = self.graph_step.as_mut()
+        let invalid = |e: crate::backend::BackendError| ExecutorError::InvalidBatch(e.to_string());
+        let (backend, blocks) = (&self.backend, self.graph_blocks);
+        if let Some(gstep) = self.graph_step.as_mut()
+            && let Some(i) = Self::pick_graph(&self.graphs, plan, |bucket| {
+                backend
+                    .pack_step(plan, gstep, Some(bucket), blocks)
+                    .map_err(invalid)
+            })?
         {
-            let decodes = plan.seqs.iter().filter(|q| q.len == 1).count();
-            let prompts = plan.seqs.len() - decodes;
-            let holding = self
-                .graphs
-                .iter()
-                .filter(|g| g.bucket.holds(plan.tokens.len(), decodes, prompts));
-            let mut mixed_tries = 0;
-            for g in holding {
-                // A refused mixed upload has planned the step: a few tries, then eagerly. (A
-                // decode bucket refuses before planning.)
-                if matches!(g.bucket, GraphBucket::Mixed { .. }) {
-                    mixed_tries += 1;
-                    if mixed_tries > MAX_MIXED_TRIES {
-                        break;
-                    }
-                }
-                if !self
-                    .backend
-                    .upload_graph_step(plan, gstep, g.bucket, self.graph_blocks)
-                    .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))?
-                {
-                    continue;
-                }
-                if matches!(g.bucket, GraphBucket::Mixed { .. }) {
-                    self.mixed_graph_steps += 1;
-                    self.model
-                        .slot_ops(&self.backend, gstep, caches)
-                        .map_err(|e| ExecutorError::Forward(e.to_string()))?;
-                }
-                self.backend.replay_graph(g.id).map_err(forward)?;
-                out.full.vocab = vocab;
-                out.full.data.clear();
-                self.graph_steps += 1;
-                let logits = self
-                    .graph_outputs
-                    .get_mut(g.out)
-                    .ok_or_else(|| ExecutorError::Forward("a graph without its output".into()))?;
-                return self
-                    .backend
-                    .sample_start(logits, gstep, &mut out.cands)
-                    .map_err(forward);
-            }
+            self.packed = Some(Packed::Graph(i));
+            return Ok(());
         }
-        self.eager_steps += 1;
-        self.backend
-            .upload_step(plan, step)
-            .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))?;
-        let mut logits = self
-            .model
-            .forward(&self.backend, step, caches)
-            .map_err(|e| ExecutorError::Forward(e.to_string()))?;
-        out.full.vocab = vocab;
-        out.full.data.clear();
-        if plan.wants_full_rows() {
-            out.full.data = self.backend.download(&logits).map_err(forward)?;
-        }
-        self.backend
-            .sample_start(&mut logits, step, &mut out.cands)
-            .map_err(forward)
+        backend.pack_step(plan, step, None, 0).map_err(invalid)?;
+        self.packed = Some(Packed::Eager);
+        Ok(())
     }
 }

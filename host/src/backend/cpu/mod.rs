@@ -321,6 +321,41 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    // Packing ahead is the same copy: it keeps the CPU on the path a device takes.
+    fn packs_ahead(&self) -> bool {
+        true
+    }
+
+    fn pack_step(
+        &self,
+        plan: &StepPlan,
+        step: &mut CpuStep,
+        bucket: Option<super::GraphBucket>,
+        _max_blocks: usize,
+    ) -> Result<bool> {
+        if bucket.is_some() {
+            return Ok(false);
+        }
+        self.upload_step(plan, step)?;
+        Ok(true)
+    }
+
+    fn repack_tokens(&self, plan: &StepPlan, step: &mut CpuStep) -> Result<()> {
+        if plan.tokens.len() != step.plan.tokens.len() {
+            return Err(BackendError::Invalid(format!(
+                "{} tokens written over a packed step of {}",
+                plan.tokens.len(),
+                step.plan.tokens.len()
+            )));
+        }
+        step.plan.tokens.copy_from_slice(&plan.tokens);
+        Ok(())
+    }
+
+    fn send_step(&self, _step: &mut CpuStep) -> Result<()> {
+        Ok(())
+    }
+
     fn arena_stats(&self) -> ArenaStats {
         ArenaStats {
             grown: self.arena.grown.load(Ordering::Relaxed),

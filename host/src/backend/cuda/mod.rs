@@ -556,6 +556,56 @@ impl CudaBackend {
         self.upload_graph_shape(plan, step, shape)
     }
 
+    /// Packs `plan` on the host in the layout of `bucket` (the eager one for `None`);
+    /// `Ok(false)` when it does not fit the bucket. No device work.
+    /// `ahead`: the device may still be computing with `step`'s buffers, which must not be
+    /// replaced: `Ok(false)` where an eager step needs them larger. (A graph step's buffers
+    /// never change once a graph holds them.)
+    fn pack_for(
+        &self,
+        plan: &StepPlan,
+        step: &mut CudaStep,
+        bucket: Option<GraphBucket>,
+        max_blocks: usize,
+        ahead: bool,
+    ) -> Result<bool> {
+        self.dev().bind()?;
+        match bucket {
+            None => {
+                plan.validate()?;
+                step.pack(self.dev(), &self.inner.stats, plan, !ahead)
+            }
+            Some(GraphBucket::Decode { seqs }) => {
+                let shape = step::GraphShape {
+                    bucket: seqs,
+                    splits: step::GraphShape::splits_for(seqs),
+                    table_cap: seqs * max_blocks + 1,
+                };
+                step.pack_graph(self.dev(), &self.inner.stats, plan, shape)
+            }
+            Some(GraphBucket::Mixed {
+                tokens,
+                decodes,
+                prompts,
+            }) => {
+                let m = step::MixedShape {
+                    tokens,
+                    decodes,
+                    prompts,
+                    table_cap: (decodes + prompts) * max_blocks + 1,
+                };
+                step.pack_mixed(self.dev(), &self.inner.stats, plan, m)
+            }
+        }
+    }
+
+    /// The packed step's upload: the step clock's start, then the one copy.
+    fn send(&self, step: &mut CudaStep) -> Result<()> {
+        self.dev().bind()?;
+        self.mark_step_start()?;
+        step.copy(self.dev(), self.stream())
+    }
+
     /// Packs `plan` as a graph step of `shape` and copies it, the step clock's start recorded
     /// between the two. `Ok(false)`, nothing copied, when the plan does not fit.
     fn upload_graph_shape(
@@ -1004,26 +1054,36 @@ impl Backend for CudaBackend {
                 step::GraphShape::splits_for(seqs),
                 max_blocks,
             ),
-            GraphBucket::Mixed {
-                tokens,
-                decodes,
-                prompts,
-            } => {
-                self.dev().bind()?;
-                let m = step::MixedShape {
-                    tokens,
-                    decodes,
-                    prompts,
-                    table_cap: (decodes + prompts) * max_blocks + 1,
-                };
-                if !step.pack_mixed(self.dev(), &self.inner.stats, plan, m)? {
+            GraphBucket::Mixed { .. } => {
+                if !self.pack_for(plan, step, Some(bucket), max_blocks, false)? {
                     return Ok(false);
                 }
-                self.mark_step_start()?;
-                step.copy(self.dev(), self.stream())?;
+                self.send(step)?;
                 Ok(true)
             }
         }
+    }
+
+    fn packs_ahead(&self) -> bool {
+        true
+    }
+
+    fn pack_step(
+        &self,
+        plan: &StepPlan,
+        step: &mut CudaStep,
+        bucket: Option<GraphBucket>,
+        max_blocks: usize,
+    ) -> Result<bool> {
+        self.pack_for(plan, step, bucket, max_blocks, true)
+    }
+
+    fn repack_tokens(&self, plan: &StepPlan, step: &mut CudaStep) -> Result<()> {
+        step.repack_tokens(plan)
+    }
+
+    fn send_step(&self, step: &mut CudaStep) -> Result<()> {
+        self.send(step)
     }
 
     fn step_clock_start(&self) -> Result<()> {
@@ -1120,11 +1180,8 @@ impl Backend for CudaBackend {
     }
 
     fn upload_step(&self, plan: &StepPlan, step: &mut CudaStep) -> Result<()> {
-        plan.validate()?;
-        self.dev().bind()?;
-        step.pack(self.dev(), &self.inner.stats, plan)?;
-        self.mark_step_start()?;
-        step.copy(self.dev(), self.stream())
+        self.pack_for(plan, step, None, 0, false)?;
+        self.send(step)
     }
 
     fn arena_stats(&self) -> ArenaStats {

@@ -576,13 +576,33 @@ impl CudaStep {
         Ok(())
     }
 
-    /// Packs `plan` for [`Self::copy`].
+    /// Writes `plan`'s tokens over the token column of the packed step (the plan packed last,
+    /// whose placeholder tokens are now known): the same number of tokens, at the column's
+    /// head, before padding.
+    pub(crate) fn repack_tokens(&mut self, plan: &StepPlan) -> Result<()> {
+        let at = self.cols.tokens;
+        let n = plan.tokens.len();
+        if n > self.dims.tokens || at + n > self.staging.len() {
+            return Err(crate::backend::BackendError::Invalid(format!(
+                "{n} tokens written over a packed step of {}",
+                self.dims.tokens
+            )));
+        }
+        self.staging[at..at + n].copy_from_slice(&plan.tokens);
+        self.uploaded = false;
+        Ok(())
+    }
+
+    /// Packs `plan` for [`Self::copy`]. With `grow` false (a step packed while the device
+    /// may still read this step's buffers), `Ok(false)` where the buffers are too small for it
+    /// (pack it again with `grow` once the device is done).
     pub(crate) fn pack(
         &mut self,
         device: &Arc<Device>,
         stats: &MemStats,
         plan: &StepPlan,
-    ) -> Result<()> {
+        grow: bool,
+    ) -> Result<bool> {
         self.uploaded = false;
         self.ctx_lens.clear();
         self.ctx_lens
@@ -636,12 +656,15 @@ impl CudaStep {
                     "a step object that a CUDA graph uses cannot grow".into(),
                 ));
             }
+            if !grow {
+                return Ok(false);
+            }
             // Grow with headroom so a slowly growing batch does not re-pin every step.
             let cap = (bytes * 3 / 2).max(64 << 10);
             self.pinned = Some(Pinned::new(device, cap)?);
             self.buf = Some(DevAlloc::new(device, cap, stats)?);
         }
-        Ok(())
+        Ok(true)
     }
 }
 
