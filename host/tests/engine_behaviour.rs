@@ -750,7 +750,10 @@ fn scheduling_ahead_changes_no_output() {
             let mut e = Engine::new(setup(&exec, k), exec, sampling()).expect("engine");
             let r = drive(&mut e, work.clone());
             let s = e.stats().clone();
-            assert_eq!(s.free_blocks, s.total_blocks, "{name}, ahead {ahead}: blocks in use");
+            assert_eq!(
+                s.free_blocks, s.total_blocks,
+                "{name}, ahead {ahead}: blocks in use"
+            );
             assert_eq!(e.scheduler().num_running(), 0, "{name}, ahead {ahead}");
             (r, s)
         };
@@ -760,8 +763,15 @@ fn scheduling_ahead_changes_no_output() {
         for (id, o) in &after.outcomes {
             let a = &ahead.outcomes[id];
             assert_eq!(a.finish, o.finish, "{name}: request {id}'s finish");
-            assert_eq!(a.usage.completion_tokens, o.usage.completion_tokens, "{name}: {id}");
-            assert_eq!(a.prompt_logprobs.is_some(), o.prompt_logprobs.is_some(), "{name}");
+            assert_eq!(
+                a.usage.completion_tokens, o.usage.completion_tokens,
+                "{name}: {id}"
+            );
+            assert_eq!(
+                a.prompt_logprobs.is_some(),
+                o.prompt_logprobs.is_some(),
+                "{name}"
+            );
             assert!(a.failed.is_none(), "{name}: request {id} failed");
         }
         let stops = after

@@ -659,7 +659,8 @@ impl<E: StepExecutor> Engine<E> {
         .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))?;
         let t = Instant::now();
         let r = if prepared {
-            self.executor.launch_prepared(&self.next_inputs, &mut self.output)
+            self.executor
+                .launch_prepared(&self.next_inputs, &mut self.output)
         } else {
             self.executor.launch(&self.next_inputs, &mut self.output)
         };
@@ -729,11 +730,9 @@ impl<E: StepExecutor> Engine<E> {
         // (`fail_flight`, `fail_scheduled`) a step.
         self.cache.commit_step_of(step);
         let out = self.sched.flight();
-        let mut row = 0;
         let mut generated = 0;
-        for s in out.seqs.iter().filter(|s| s.want_logits) {
+        for (row, s) in out.seqs.iter().filter(|s| s.want_logits).enumerate() {
             let sampled = &mut self.sampled[row];
-            row += 1;
             let Some(r) = self.sched.request(s.slot) else {
                 continue;
             };

@@ -28,7 +28,7 @@ pub mod thread;
 
 pub use config::{EngineConfig, EngineSetup};
 pub use core::{Engine, EngineError, Policies, Publisher, StepTimings};
-pub use executor::{CacheAllocation, ExecutorError, Logits, StepExecutor};
+pub use executor::{CacheAllocation, ExecutorError, Logits, StepExecutor, StepKinds};
 pub use mock::{MockConfig, MockExecutor};
 pub use model_runner::ModelRunner;
 pub use sampling::GreedySampler;

@@ -196,6 +196,9 @@ pub fn run(
         }
     }
     stress(report, f32_gpu, "nemotronh-a", &fixture, seed);
+    for gpu in [f32_gpu, bf16_gpu] {
+        ahead(report, gpu, "nemotronh-a", &fixture);
+    }
     // The same on a full-size NemotronH-8B shape (dummy weights) in the serving mode.
     stress(
         report,
@@ -852,6 +855,116 @@ pub(super) fn stress(
         }
         Err(e) => report.failed(SUITE, label, format!("{e:#}")),
     }
+}
+
+/// Scheduling ahead on the GPU gives the tokens of scheduling after each update: 24 greedy
+/// requests over 3 shared prefixes, all arriving at once with the same output length (so both
+/// runs batch alike), prefilled in 256-token steps beside decodes, with graphs on — the steps
+/// scheduled ahead carry placeholder tokens into decode and mixed graphs and eager steps.
+fn ahead(report: &mut Report, gpu: &CudaBackend, model: &str, dir: &std::path::Path) {
+    let tag = if gpu.dtype() == DType::F32 {
+        "f32"
+    } else {
+        "bf16"
+    };
+    let label = format!("{model} {tag} engine: scheduling ahead = after each update");
+    let run = |ahead: bool| ahead_run(gpu, dir, ahead);
+    match run(false).and_then(|a| run(true).map(|b| (a, b))) {
+        Ok(((after, _), (ahead, kinds))) => {
+            let same = (after.iter().zip(&ahead))
+                .filter(|(a, b)| a == b && !a.is_empty())
+                .count();
+            report.push(
+                SUITE,
+                format!(
+                    "{label}: requests with identical tokens (steps ahead: {} eager, {} decode graph, {} mixed graph)",
+                    kinds.eager, kinds.decode_graph, kinds.mixed_graph
+                ),
+                same as f64,
+                format!("{same}/{}", after.len()),
+                format!("{}/{}", after.len(), after.len()),
+                same == after.len() && ahead.len() == after.len(),
+            );
+        }
+        Err(e) => report.failed(SUITE, label, format!("{e:#}")),
+    }
+}
+
+/// The tokens of each request of [`ahead`]'s workload, and how the steps ran.
+fn ahead_run(
+    gpu: &CudaBackend,
+    dir: &std::path::Path,
+    schedule_ahead: bool,
+) -> R<(Vec<Vec<u32>>, crate::engine::StepKinds)> {
+    use crate::cache::{ByteSize, CacheConfig};
+    use crate::engine::api::{EngineEvent, GenerateRequest, SamplingParams};
+    use crate::engine::{Engine, EngineConfig, EngineSetup, ModelRunner, Policies, StepExecutor};
+    let backend = gpu.replica()?;
+    let model = std::sync::Arc::new(crate::model::load(dir, &backend)?);
+    let vocab = model.info.vocab_size;
+    let setup = EngineSetup {
+        engine: EngineConfig {
+            max_batched_tokens: 256,
+            max_running: 32,
+            schedule_ahead,
+            ..Default::default()
+        },
+        cache: CacheConfig {
+            memory_budget: ByteSize(64 << 20),
+            block_size: 16,
+            prefix_caching: true,
+            ..Default::default()
+        },
+        hash_salt: "ahead".into(),
+    };
+    let mut engine = Engine::new(setup, ModelRunner::new(backend, model), Policies::greedy())?;
+    let mut rng = Rng::new(0x4148_4541);
+    let mut rx = Vec::new();
+    for id in 0..24u64 {
+        let len = 1 + rng.below(180);
+        let prompt: Vec<u32> = (0..len as u32)
+            .map(|j| {
+                if j < 40 {
+                    ((id % 3) as u32 * 37 + j * 11) % 400 + 1
+                } else {
+                    rng.below(vocab.min(400) - 1) as u32 + 1
+                }
+            })
+            .collect();
+        let (tx, r) = tokio::sync::mpsc::unbounded_channel();
+        engine.add(
+            GenerateRequest {
+                id,
+                prompt,
+                params: SamplingParams::default(),
+                max_tokens: 20,
+                stop_token_ids: vec![],
+                ignore_eos: true,
+                prompt_logprobs: false,
+                block_hashes: None,
+                checkpoints: Vec::new(),
+            },
+            tx,
+        );
+        rx.push(r);
+    }
+    let mut steps = 0;
+    while !engine.is_idle() {
+        engine.step();
+        steps += 1;
+        anyhow::ensure!(steps < 10_000, "the engine made no progress");
+    }
+    let mut tokens = vec![Vec::new(); rx.len()];
+    for (t, r) in tokens.iter_mut().zip(rx.iter_mut()) {
+        while let Ok(ev) = r.try_recv() {
+            match ev {
+                EngineEvent::Tokens { tokens, .. } => t.extend(tokens),
+                EngineEvent::Failed { message, .. } => anyhow::bail!("a request failed: {message}"),
+                _ => {}
+            }
+        }
+    }
+    Ok((tokens, engine.executor().step_kinds()))
 }
 
 fn stress_run(
