@@ -37,6 +37,9 @@ def parse_args():
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--port", type=int, default=8123)
     p.add_argument("--no-sweep", action="store_true", help="caching: skip the rate sweep")
+    p.add_argument("--engine-extra", default="",
+                   help="idle: a line added to the server's [engine] section "
+                        "(e.g. 'schedule_ahead = false'), named in the rows")
     p.add_argument("--max-batched-tokens", type=int, default=4096,
                    help="engine.max_batched_tokens of the servers (the prefill chunk)")
     return p.parse_args()
@@ -289,7 +292,8 @@ def idle(r, quick):
     """Device idle time between back-to-back engine steps (CUDA events in the engine), as a
     share of device busy time, on a decode-heavy workload at 1, 64 and 256 concurrent
     requests through the whole serving path (HTTP, scheduler, Wasm sampler, cache)."""
-    proc = r.serve("idle", r.config(True, max_running=256))
+    proc = r.serve("idle", r.config(True, engine_extra=r.args.engine_extra, max_running=256))
+    extra = f", {r.args.engine_extra}" if r.args.engine_extra else ""
     busy_name = "chimera:device_busy_seconds_total"
     idle_name = "chimera:device_idle_between_steps_seconds_total"
     try:
@@ -311,9 +315,9 @@ def idle(r, quick):
                 host = " ".join(
                     f"{phase} {1e6 * delta.get('chimera:engine_host_seconds_total/' + phase, 0.0) / steps:.0f}"
                     for phase in ("schedule", "inputs", "update", "between", "launch", "overlap"))
-                r.row(f"host time per step at c={c}, µs by phase (reported; {steps:.0f} steps, "
-                      f"device {1e3 * busy / steps:.2f} ms/step)", host, "reported", True)
-            r.row(f"device idle between steps / busy, c={c} ({requests} requests, 128 in, "
+                r.row(f"host time per step at c={c}{extra}, µs by phase (reported; {steps:.0f} "
+                      f"steps, device {1e3 * busy / steps:.2f} ms/step)", host, "reported", True)
+            r.row(f"device idle between steps / busy, c={c}{extra} ({requests} requests, 128 in, "
                   f"{output} out, ITL p50 {p['latency_ms']['itl']['p50']:.2f} ms)",
                   f"{100 * share:.2f} % ({1e3 * gap:.0f} of {1e3 * busy:.0f} ms)", "<= 1 %",
                   busy > 0 and (share <= 0.01 or quick))
