@@ -517,8 +517,11 @@ impl<B: Backend> ModelRunner<B> {
             self.packed = Some(Packed::Graph(i));
             return Ok(());
         }
-        backend.pack_step(plan, step, None, 0).map_err(invalid)?;
-        self.packed = Some(Packed::Eager);
+        // An eager step whose buffers must grow is packed at its launch instead, once the
+        // device no longer reads them.
+        if backend.pack_step(plan, step, None, 0).map_err(invalid)? {
+            self.packed = Some(Packed::Eager);
+        }
         Ok(())
     }
 }

@@ -563,6 +563,12 @@ impl CudaStep {
                 "a step copied before it was packed".into(),
             ));
         };
+        if bytes > pinned.bytes {
+            return Err(crate::backend::BackendError::Invalid(format!(
+                "a step of {bytes} bytes copied through a buffer of {}",
+                pinned.bytes
+            )));
+        }
         // The previous step's copy out of this staging buffer finished: every step ends with
         // a synchronising read-back.
         let dst = pinned.as_mut_slice();
