@@ -121,8 +121,9 @@ class Runner:
                 continue
             name, value = line.rsplit(" ", 1)
             name, _, labels = name.partition("{")
-            if 'phase="' in labels:
-                name += "/" + labels.split('phase="', 1)[1].split('"', 1)[0]
+            for key in ("phase", "kind"):
+                if f'{key}="' in labels:
+                    name += "/" + labels.split(f'{key}="', 1)[1].split('"', 1)[0]
             try:
                 sums[name] = sums.get(name, 0.0) + float(value)
             except ValueError:
@@ -315,6 +316,9 @@ def idle(r, quick):
                 host = " ".join(
                     f"{phase} {1e6 * delta.get('chimera:engine_host_seconds_total/' + phase, 0.0) / steps:.0f}"
                     for phase in ("schedule", "inputs", "update", "between", "launch", "overlap"))
+                host += "; steps " + " / ".join(
+                    f"{kind} {delta.get('chimera:engine_steps_by_kind_total/' + kind, 0.0):.0f}"
+                    for kind in ("eager", "decode_graph", "mixed_graph"))
                 r.row(f"host time per step at c={c}{extra}, µs by phase (reported; {steps:.0f} "
                       f"steps, device {1e3 * busy / steps:.2f} ms/step)", host, "reported", True)
             r.row(f"device idle between steps / busy, c={c}{extra} ({requests} requests, 128 in, "

@@ -1762,7 +1762,7 @@ impl Backend for CudaBackend {
         let Some(p) = self.lock_pending().take() else {
             return Ok(());
         };
-        memory::wait_event(self.dev(), p.done)?;
+        memory::poll_event(self.dev(), p.done)?;
         let (n, k) = (p.rows, p.k);
         if out.cand_tokens.len() != n * k || out.lse.len() != n {
             return Err(BackendError::Invalid(format!(
