@@ -38,8 +38,8 @@ def parse_args():
     p.add_argument("--port", type=int, default=8123)
     p.add_argument("--no-sweep", action="store_true", help="caching: skip the rate sweep")
     p.add_argument("--engine-extra", default="",
-                   help="idle: a line added to the server's [engine] section "
-                        "(e.g. 'schedule_ahead = false'), named in the rows")
+                   help="idle, caching: a line added to the servers' [engine] section "
+                        "(e.g. 'schedule_ahead = false'; named in the idle rows)")
     p.add_argument("--max-batched-tokens", type=int, default=4096,
                    help="engine.max_batched_tokens of the servers (the prefill chunk)")
     return p.parse_args()
@@ -212,7 +212,7 @@ def caching(r, quick):
     reports, sweep = {}, None
     for caching_on in (True, False):
         name = "caching-on" if caching_on else "caching-off"
-        proc = r.serve(name, r.config(caching_on))
+        proc = r.serve(name, r.config(caching_on, engine_extra=r.args.engine_extra))
         try:
             reports[caching_on] = r.bench(name, workload, load)
             r.cache_rows(name)
