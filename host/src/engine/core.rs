@@ -71,7 +71,10 @@ impl Policies {
 /// may take. See [`Engine::set_publisher`].
 pub type Publisher = Box<dyn FnMut(&EngineStats, &mut Vec<KvEvent>) + Send>;
 
-/// Cumulative wall time of each phase of the steps that ran a batch (nanoseconds).
+/// Cumulative wall time of each phase of the steps that ran a batch (nanoseconds). Scheduling
+/// ahead, `schedule_ns` and `inputs_ns` of every step but the first after a wait run while the
+/// device computes the step before; the device waits only for the sampling (in `update_ns`)
+/// and the launch's part before its upload.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StepTimings {
     pub steps: u64,
@@ -89,7 +92,8 @@ pub struct StepTimings {
     /// events to the eviction policy, and a deferred publication of figures and cache events
     /// ([`Engine::defer_publication`]). Not part of the time the device waits for the host.
     pub overlap_ns: u64,
-    /// Sampling, committing the step to the cache and sending events (includes `sample_ns`).
+    /// Sampling, committing the step to the cache and sending events (includes `sample_ns`,
+    /// not the next step's launch).
     pub update_ns: u64,
     /// Between back-to-back steps: from the end of one step's update to the start of the next
     /// step's scheduling (the engine loop: commands, cancels, stats and cache events out).
@@ -512,7 +516,7 @@ impl<E: StepExecutor> Engine<E> {
             if let Err(e) = launched {
                 self.back_to_back = false;
                 self.fail_scheduled(e);
-                return self.end_step(Instant::now());
+                return self.end_step(Instant::now(), 0);
             }
             self.stats.prompt_tokens_computed += self.built.prompt_tokens;
             self.sched.launched();
@@ -565,7 +569,7 @@ impl<E: StepExecutor> Engine<E> {
         if let Err(e) = result.and_then(|()| self.sample()) {
             self.back_to_back = false;
             self.fail_flight(e);
-            return self.end_step(t3);
+            return self.end_step(t3, 0);
         }
         // The next step goes to the device before this one is applied.
         let mut next_launched = false;
@@ -603,9 +607,7 @@ impl<E: StepExecutor> Engine<E> {
         } else if let Some(e) = next_failed {
             self.fail_scheduled(e);
         }
-        let end = self.end_step(t3);
-        self.timings.update_ns -= launch_ns;
-        end
+        self.end_step(t3, launch_ns)
     }
 
     /// Schedules the newest step; false when it runs nothing.
@@ -673,8 +675,9 @@ impl<E: StepExecutor> Engine<E> {
         Ok(ns)
     }
 
-    /// The common end of a step that ran a batch (from `t3`, when its output was in).
-    fn end_step(&mut self, t3: Instant) -> bool {
+    /// The common end of a step that ran a batch: the update phase is the time from `t3`
+    /// (its output was in) on, less `launch_ns` (the next step's launch, counted apart).
+    fn end_step(&mut self, t3: Instant, launch_ns: u64) -> bool {
         self.cache.take_events(&mut self.kv_events);
         self.outbox.take_closed(&mut self.closed);
         for id in std::mem::take(&mut self.closed) {
@@ -688,7 +691,7 @@ impl<E: StepExecutor> Engine<E> {
         self.refresh_stats();
         self.timings.steps += 1;
         let end = Instant::now();
-        self.timings.update_ns += (end - t3).as_nanos() as u64;
+        self.timings.update_ns += ((end - t3).as_nanos() as u64).saturating_sub(launch_ns);
         self.last_step_end = Some(end);
         true
     }

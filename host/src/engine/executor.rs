@@ -9,7 +9,9 @@
 //! Call order: `cache_spec` → `allocate` once (sizes from the memory budget) → per step,
 //! `execute`, or `launch` then `finish` (the plan's slot operations run first, inside the
 //! step). Between `launch` and `finish` the engine does host work that reads nothing of the
-//! step's output, while a device computes the step.
+//! step's output, while a device computes the step: it schedules and builds the next step and
+//! hands its plan to `prepare`; after `finish` it fills in that plan's placeholder tokens and
+//! calls `launch_prepared`.
 
 use crate::backend::{SampleOut, StepPlan};
 use crate::cache::SsmStateDtype;
