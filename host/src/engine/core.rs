@@ -835,10 +835,7 @@ impl<E: StepExecutor> Engine<E> {
     /// nothing of it is cached; the step scheduled after it, not launched, is dropped, its
     /// new admissions going back to the queue.
     fn fail_flight(&mut self, e: ExecutorError) {
-        tracing::error!(error = %e, "step failed");
-        if matches!(e, ExecutorError::DeviceLost(_)) {
-            self.lost = true;
-        }
+        self.note_failure(&e);
         self.cache.abort_step_of(self.sched.flight().step);
         let ids = Self::ids_of(&self.sched, self.sched.flight());
         self.sched.abandon_flight();
@@ -849,14 +846,19 @@ impl<E: StepExecutor> Engine<E> {
     /// The newest step, scheduled but not launched, could not be launched (its plan or its
     /// upload failed): its requests fail and its cache plans are dropped.
     fn fail_scheduled(&mut self, e: ExecutorError) {
-        tracing::error!(error = %e, "step failed");
-        if matches!(e, ExecutorError::DeviceLost(_)) {
-            self.lost = true;
-        }
+        self.note_failure(&e);
         self.cache.abort_step_of(self.sched.output().step);
         let ids = Self::ids_of(&self.sched, self.sched.output());
         self.sched.clear_scheduled();
         self.fail_all(ids, &e);
+    }
+
+    /// Logs a failed step; a lost device takes the replica out of service.
+    fn note_failure(&mut self, e: &ExecutorError) {
+        tracing::error!(error = %e, "step failed");
+        if matches!(e, ExecutorError::DeviceLost(_)) {
+            self.lost = true;
+        }
     }
 
     fn ids_of(sched: &Scheduler, out: &super::scheduler::SchedulerOutput) -> Vec<u64> {

@@ -890,6 +890,25 @@ fn ahead(report: &mut Report, gpu: &CudaBackend, model: &str, dir: &std::path::P
     }
 }
 
+/// A greedy request that ignores EOS: `max_tokens` tokens exactly.
+fn greedy_request(
+    id: u64,
+    prompt: Vec<u32>,
+    max_tokens: u32,
+) -> crate::engine::api::GenerateRequest {
+    crate::engine::api::GenerateRequest {
+        id,
+        prompt,
+        params: crate::engine::api::SamplingParams::default(),
+        max_tokens,
+        stop_token_ids: vec![],
+        ignore_eos: true,
+        prompt_logprobs: false,
+        block_hashes: None,
+        checkpoints: Vec::new(),
+    }
+}
+
 /// The tokens of each request of [`ahead`]'s workload, and how the steps ran.
 fn ahead_run(
     gpu: &CudaBackend,
@@ -897,7 +916,7 @@ fn ahead_run(
     schedule_ahead: bool,
 ) -> R<(Vec<Vec<u32>>, crate::engine::StepKinds)> {
     use crate::cache::{ByteSize, CacheConfig};
-    use crate::engine::api::{EngineEvent, GenerateRequest, SamplingParams};
+    use crate::engine::api::EngineEvent;
     use crate::engine::{Engine, EngineConfig, EngineSetup, ModelRunner, Policies, StepExecutor};
     let backend = gpu.replica()?;
     let model = std::sync::Arc::new(crate::model::load(dir, &backend)?);
@@ -932,20 +951,7 @@ fn ahead_run(
             })
             .collect();
         let (tx, r) = tokio::sync::mpsc::unbounded_channel();
-        engine.add(
-            GenerateRequest {
-                id,
-                prompt,
-                params: SamplingParams::default(),
-                max_tokens: 20,
-                stop_token_ids: vec![],
-                ignore_eos: true,
-                prompt_logprobs: false,
-                block_hashes: None,
-                checkpoints: Vec::new(),
-            },
-            tx,
-        );
+        engine.add(greedy_request(id, prompt, 20), tx);
         rx.push(r);
     }
     let mut steps = 0;
@@ -974,7 +980,7 @@ fn stress_run(
     seed: u64,
 ) -> R<(bool, bool, u64)> {
     use crate::cache::{ByteSize, CacheConfig};
-    use crate::engine::api::{EngineEvent, GenerateRequest, SamplingParams};
+    use crate::engine::api::EngineEvent;
     use crate::engine::{Engine, EngineConfig, EngineSetup, ModelRunner, Policies};
     let backend = gpu.replica()?;
     let model = std::sync::Arc::new(if dummy {
@@ -1027,20 +1033,7 @@ fn stress_run(
                 })
                 .collect();
             let (tx, r) = tokio::sync::mpsc::unbounded_channel();
-            engine.add(
-                GenerateRequest {
-                    id: added,
-                    prompt,
-                    params: SamplingParams::default(),
-                    max_tokens: 1 + rng.below(32) as u32,
-                    stop_token_ids: vec![],
-                    ignore_eos: true,
-                    prompt_logprobs: false,
-                    block_hashes: None,
-                    checkpoints: Vec::new(),
-                },
-                tx,
-            );
+            engine.add(greedy_request(added, prompt, 1 + rng.below(32) as u32), tx);
             if rng.below(10) == 0 {
                 cancel_at.insert(step + 1 + rng.below(20) as u64, added);
             }
