@@ -572,40 +572,29 @@ impl<E: StepExecutor> Engine<E> {
             return self.end_step(t3, 0);
         }
         // The next step goes to the device before this one is applied.
-        let mut next_launched = false;
-        let mut next_failed = None;
-        let mut launch_ns = 0;
         let late = matches!(next, Next::Late);
-        match next {
-            Next::Ready => match self.launch_next(true) {
-                Ok(ns) => {
-                    launch_ns = ns;
-                    next_launched = true;
-                }
-                Err(e) => next_failed = Some(e),
-            },
-            Next::Failed(e) => next_failed = Some(e),
-            Next::Late | Next::None => {}
-        }
+        let mut launched = match next {
+            Next::Ready => Some(self.launch_next(true)),
+            Next::Failed(e) => Some(Err(e)),
+            Next::Late | Next::None => None,
+        };
         self.apply_output();
         if late {
             // Penalised rows needed this step's tokens: built now that they are known.
             let tb = Instant::now();
             let built = self.build(true);
             self.timings.inputs_ns += tb.elapsed().as_nanos() as u64;
-            match built.and_then(|()| self.launch_next(false)) {
-                Ok(ns) => {
-                    launch_ns = ns;
-                    next_launched = true;
-                }
-                Err(e) => next_failed = Some(e),
-            }
+            launched = Some(built.and_then(|()| self.launch_next(false)));
         }
-        if next_launched {
-            std::mem::swap(&mut self.inputs, &mut self.next_inputs);
-            self.sched.rotate();
-        } else if let Some(e) = next_failed {
-            self.fail_scheduled(e);
+        let mut launch_ns = 0;
+        match launched {
+            Some(Ok(ns)) => {
+                launch_ns = ns;
+                std::mem::swap(&mut self.inputs, &mut self.next_inputs);
+                self.sched.rotate();
+            }
+            Some(Err(e)) => self.fail_scheduled(e),
+            None => {}
         }
         self.end_step(t3, launch_ns)
     }
