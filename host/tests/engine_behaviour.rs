@@ -739,7 +739,7 @@ fn scheduling_ahead_changes_no_output() {
         ("hybrid, few blocks", &MockExecutor::hybrid, 12),
     ];
     for (name, make, blocks) in makers {
-        let run = |ahead: bool, exec: MockExecutor| {
+        let run = |ahead: bool, exec: MockExecutor, arriving: bool| {
             let k = Knobs {
                 blocks,
                 snapshots: 6,
@@ -748,7 +748,11 @@ fn scheduling_ahead_changes_no_output() {
                 ..Knobs::default()
             };
             let mut e = Engine::new(setup(&exec, k), exec, sampling()).expect("engine");
-            let r = drive(&mut e, work.clone());
+            let r = if arriving {
+                drive_arriving(&mut e, work.clone())
+            } else {
+                drive(&mut e, work.clone())
+            };
             let s = e.stats().clone();
             assert_eq!(
                 s.free_blocks, s.total_blocks,
@@ -757,11 +761,30 @@ fn scheduling_ahead_changes_no_output() {
             assert_eq!(e.scheduler().num_running(), 0, "{name}, ahead {ahead}");
             (r, s)
         };
-        let (after, _) = run(false, make());
-        let (ahead, s) = run(true, make());
-        assert_eq!(ahead.tokens(), after.tokens(), "{name}: tokens differ");
+        let (after, _) = run(false, make(), false);
+        let (ahead, s) = run(true, make(), false);
+        // Requests arriving while a step computes (a slow device), joining the step scheduled
+        // ahead.
+        let slow = || make().with_step_delay(std::time::Duration::from_micros(300));
+        let (joined, sj) = run(true, slow(), true);
+        assert!(
+            sj.late_admissions > 0,
+            "{name}: no request joined a step late"
+        );
+        assert_eq!(
+            joined.tokens(),
+            after.tokens(),
+            "{name}: tokens differ (joined)"
+        );
         for (id, o) in &after.outcomes {
             let a = &ahead.outcomes[id];
+            let j = &joined.outcomes[id];
+            assert_eq!(j.finish, o.finish, "{name}: request {id}'s finish (joined)");
+            assert_eq!(
+                j.usage.completion_tokens, o.usage.completion_tokens,
+                "{name}: {id} (joined)"
+            );
+            assert!(j.failed.is_none(), "{name}: request {id} failed (joined)");
             assert_eq!(a.finish, o.finish, "{name}: request {id}'s finish");
             assert_eq!(
                 a.usage.completion_tokens, o.usage.completion_tokens,
@@ -784,4 +807,59 @@ fn scheduling_ahead_changes_no_output() {
             assert!(s.preemptions > 0, "{name}: nothing was evicted");
         }
     }
+}
+
+/// A request that arrives while a step computes, with the next step already scheduled
+/// ahead, joins that next step: its first token comes with the step after the one it arrived
+/// in, as without scheduling ahead, not one step later.
+#[test]
+fn a_request_arriving_mid_step_joins_the_step_scheduled_ahead() {
+    use chimera::engine::api::EngineEvent;
+    use std::time::Duration;
+
+    // Steps (calls of `step_with`, counting the one during which request 2 arrives) until its
+    // first token is out, and the requests admitted late. `join`: it is handed over while the
+    // step computes; else after the step (as the engine thread did before steps took
+    // arrivals in).
+    let first_token_after = |ahead: bool, join: bool| {
+        let exec = MockExecutor::transformer().with_step_delay(Duration::from_millis(2));
+        let k = Knobs {
+            schedule_ahead: ahead,
+            ..Knobs::default()
+        };
+        let mut e = engine(exec, k);
+        let (tx, _rx_a) = tokio::sync::mpsc::unbounded_channel();
+        e.add(request(1, vec![5, 6, 7, 8, 9], 40), tx);
+        for _ in 0..3 {
+            assert!(e.step());
+        }
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut late = Some(request(2, vec![9, 8, 7, 6, 5, 4], 4));
+        for steps in 1..10 {
+            e.step_with(&mut |e| match late.take_if(|_| join) {
+                Some(r) => {
+                    e.add(r, tx.clone());
+                    true
+                }
+                None => false,
+            });
+            if let Some(r) = late.take() {
+                e.add(r, tx.clone());
+            }
+            while let Ok(ev) = rx.try_recv() {
+                if matches!(ev, EngineEvent::Tokens { .. }) {
+                    return (steps, e.timings().late_admissions);
+                }
+            }
+        }
+        panic!("request 2 got no token");
+    };
+    // Without scheduling ahead the step after the arrival serves it.
+    assert_eq!(first_token_after(false, false), (2, 0));
+    assert_eq!(first_token_after(false, true), (2, 0));
+    // Scheduling ahead, a request taken in only after the step waits one step more: the
+    // step after was scheduled without it.
+    assert_eq!(first_token_after(true, false), (3, 0));
+    // Taken in while the step computes, it joins the step scheduled ahead.
+    assert_eq!(first_token_after(true, true), (2, 1));
 }

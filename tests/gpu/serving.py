@@ -315,7 +315,8 @@ def idle(r, quick):
             if steps > 0:
                 host = " ".join(
                     f"{phase} {1e6 * delta.get('chimera:engine_host_seconds_total/' + phase, 0.0) / steps:.0f}"
-                    for phase in ("schedule", "inputs", "update", "between", "launch", "overlap"))
+                    for phase in ("schedule", "inputs", "update", "between", "launch", "overlap",
+                                  "top_up"))
                 host += "; steps " + " / ".join(
                     f"{kind} {delta.get('chimera:engine_steps_by_kind_total/' + kind, 0.0):.0f}"
                     for kind in ("eager", "decode_graph", "mixed_graph"))

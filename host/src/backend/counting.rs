@@ -369,6 +369,9 @@ impl<B: Backend> Backend for Counting<B> {
     fn sample_finish(&self, out: &mut SampleOut) -> Result<()> {
         self.inner.sample_finish(out)
     }
+    fn sample_ready(&self) -> bool {
+        self.inner.sample_ready()
+    }
     fn moe(
         &self,
         x: &Self::Tensor,

@@ -792,6 +792,12 @@ pub trait Backend: Send + Sync + 'static {
         Ok(())
     }
 
+    /// Whether [`Backend::sample_finish`] would return without waiting for the device (also
+    /// when nothing is pending, or when the device failed: the finish then says how).
+    fn sample_ready(&self) -> bool {
+        true
+    }
+
     // ---- mixture of experts -------------------------------------------------------------
     /// Routes every row of `x[n, hidden]` from `router_logits[n, experts]` and adds the
     /// weighted outputs of its experts to `out[n, hidden]` (experts in ascending id order),

@@ -250,6 +250,10 @@ pub struct EngineStats {
     pub host_launch_seconds: f64,
     /// Host work done while the device computes a step (not time the device waits).
     pub host_overlap_seconds: f64,
+    /// Host time taking requests that arrived while a step computed into the step scheduled
+    /// ahead (not time the device waits), and how many joined it that way.
+    pub host_top_up_seconds: f64,
+    pub late_admissions: u64,
     /// Steps the model runner ran eagerly, and replayed from decode and mixed CUDA graphs.
     pub steps_eager: u64,
     pub steps_decode_graph: u64,

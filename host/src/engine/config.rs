@@ -37,7 +37,9 @@ pub struct EngineConfig {
     /// Schedule and build each step while the one before it computes, so the device waits
     /// only for the sampler between two steps: the next step's decodes take the tokens being
     /// sampled as placeholders, filled in before its launch (a request that stops runs one
-    /// wasted row). Output is the same either way.
+    /// wasted row). Requests that arrive while a step computes join the step scheduled
+    /// ahead, while the device has time left on the current one. Output is the same either
+    /// way.
     pub schedule_ahead: bool,
 }
 

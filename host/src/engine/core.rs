@@ -10,7 +10,9 @@
 //! the second. The device waits for the host only for the read-back, the sampler and the
 //! launch. A request that stops runs one wasted row in the step after (it is `Finished`: its
 //! events are out, it is never scheduled again, its cache state is released once that step is
-//! applied), and a request the launched step ends by length is not scheduled again. A step
+//! applied), and a request the launched step ends by length is not scheduled again. Requests
+//! that arrive while the launched step computes join the step scheduled ahead
+//! ([`Engine::step_with`]), as they would join the next step without scheduling ahead. A step
 //! that scores prompt tokens is not followed by one scheduled ahead, and a step whose penalised
 //! rows need a token still being sampled is built again once it is known. Output is the same
 //! as scheduling after each step's update.
@@ -100,6 +102,11 @@ pub struct StepTimings {
     pub between_ns: u64,
     /// Penalties, top-K candidates, the sampler call and logprobs.
     pub sample_ns: u64,
+    /// Of `execute_ns`, taking in requests that arrived while the device computed and
+    /// admitting them into the step scheduled ahead (its plan built again).
+    pub top_up_ns: u64,
+    /// Requests admitted into a step scheduled ahead after it was scheduled.
+    pub late_admissions: u64,
     /// Device time of the executed steps (CUDA events; 0 on the CPU).
     pub device_busy_ns: u64,
     /// Device time idle between back-to-back steps: from one step's read-back to the next
@@ -175,6 +182,12 @@ pub struct Engine<E: StepExecutor> {
     back_to_back: bool,
     /// When the last step that ran a batch finished its update.
     last_step_end: Option<Instant>,
+    /// When the launched step was launched, and the device time of the step before it: how
+    /// long it may still compute, for [`Self::take_arrivals`].
+    launched_at: Instant,
+    last_busy_ns: u64,
+    /// Host time of the last top-up (a step's admissions and its plan built again).
+    top_up_cost_ns: u64,
     /// Set when a step failed with [`ExecutorError::DeviceLost`].
     lost: bool,
     publisher: Option<Publisher>,
@@ -262,6 +275,9 @@ impl<E: StepExecutor> Engine<E> {
             timings: StepTimings::default(),
             back_to_back: false,
             last_step_end: None,
+            launched_at: Instant::now(),
+            last_busy_ns: 0,
+            top_up_cost_ns: 0,
             publisher: None,
             deferred: None,
         })
@@ -485,6 +501,17 @@ impl<E: StepExecutor> Engine<E> {
     /// it, launches the next one and applies the first (see the module doc). Returns false
     /// when there was nothing to run.
     pub fn step(&mut self) -> bool {
+        self.step_with(&mut |_| false)
+    }
+
+    /// [`Self::step`], calling `intake` over and over while the launched step computes (when
+    /// a step is scheduled ahead): it hands the engine the commands that arrived (adds,
+    /// cancels) and says whether it added a request. Requests added then join the step
+    /// scheduled ahead, as far as its token budget allows and while the device still has
+    /// time left on the launched step (by the device time of the step before): a request
+    /// that arrives while a step computes starts in the next one, as without scheduling
+    /// ahead, instead of one step later.
+    pub fn step_with(&mut self, intake: &mut dyn FnMut(&mut Self) -> bool) -> bool {
         let t0 = Instant::now();
         if self.back_to_back
             && let Some(end) = self.last_step_end
@@ -521,10 +548,12 @@ impl<E: StepExecutor> Engine<E> {
             self.stats.prompt_tokens_computed += self.built.prompt_tokens;
             self.sched.launched();
             self.sched.rotate();
+            self.launched_at = Instant::now();
         }
         // A step computes. Schedule and build the next one meanwhile.
         let mut next = Next::None;
-        if self.setup.engine.schedule_ahead && !self.inputs.wants_full_rows() {
+        let ahead = self.setup.engine.schedule_ahead && !self.inputs.wants_full_rows();
+        if ahead {
             let ts = Instant::now();
             let scheduled = self.schedule();
             let ti = Instant::now();
@@ -555,11 +584,15 @@ impl<E: StepExecutor> Engine<E> {
         self.cache.flush_evictor_events();
         let tf = Instant::now();
         self.timings.overlap_ns += (tf - tw).as_nanos() as u64;
+        if ahead {
+            self.take_arrivals(&mut next, intake);
+        }
         let result = self.executor.finish(&mut self.output);
         let t3 = Instant::now();
         self.timings.execute_ns += (t3 - tf).as_nanos() as u64;
         if let Some(t) = self.executor.take_device_time() {
-            self.timings.device_busy_ns += (t.busy_s * 1e9) as u64;
+            self.last_busy_ns = (t.busy_s * 1e9) as u64;
+            self.timings.device_busy_ns += self.last_busy_ns;
             if self.back_to_back {
                 self.timings.device_idle_ns += (t.idle_before_s * 1e9) as u64;
                 self.timings.device_gaps += 1;
@@ -597,6 +630,47 @@ impl<E: StepExecutor> Engine<E> {
             None => {}
         }
         self.end_step(t3, launch_ns)
+    }
+
+    /// While the launched step computes: hands `intake` the arrivals and admits the requests
+    /// it adds into the step scheduled ahead (`next`), building that step's plan again. Stops
+    /// admitting once the launched step's expected end (the device time of the step before)
+    /// is nearer than twice the last top-up's host time: the device would wait for it.
+    fn take_arrivals(&mut self, next: &mut Next, intake: &mut dyn FnMut(&mut Self) -> bool) {
+        while !self.executor.output_ready() {
+            if !intake(self) {
+                std::hint::spin_loop();
+                continue;
+            }
+            let left =
+                (self.last_busy_ns as u128).saturating_sub(self.launched_at.elapsed().as_nanos());
+            let late = self.last_busy_ns > 0 && left < 2 * self.top_up_cost_ns as u128;
+            if late || matches!(next, Next::Failed(_)) {
+                continue;
+            }
+            let t = Instant::now();
+            let admitted = self.sched.top_up(&mut self.cache);
+            for rej in self.sched.take_rejected() {
+                self.fail(rej.request, rej.kind, rej.message);
+            }
+            if admitted == 0 {
+                continue;
+            }
+            self.timings.late_admissions += admitted as u64;
+            if !matches!(next, Next::Late) {
+                // A step built without a history it needs is built after the update anyway.
+                *next = match self.build(true) {
+                    Ok(()) if self.built.history_incomplete => Next::Late,
+                    Ok(()) => {
+                        self.executor.prepare(&self.next_inputs);
+                        Next::Ready
+                    }
+                    Err(e) => Next::Failed(e),
+                };
+            }
+            self.top_up_cost_ns = t.elapsed().as_nanos() as u64;
+            self.timings.top_up_ns += self.top_up_cost_ns;
+        }
     }
 
     /// Schedules the newest step; false when it runs nothing.
@@ -659,6 +733,7 @@ impl<E: StepExecutor> Engine<E> {
         self.timings.launch_ns += ns;
         self.timings.execute_ns += ns;
         r?;
+        self.launched_at = Instant::now();
         self.stats.prompt_tokens_computed += self.built.prompt_tokens;
         self.sched.launched();
         Ok(ns)
@@ -891,6 +966,8 @@ impl<E: StepExecutor> Engine<E> {
         s.steps_decode_graph = kinds.decode_graph;
         s.steps_mixed_graph = kinds.mixed_graph;
         s.host_overlap_seconds = self.timings.overlap_ns as f64 * 1e-9;
+        s.host_top_up_seconds = self.timings.top_up_ns as f64 * 1e-9;
+        s.late_admissions = self.timings.late_admissions;
         let pool = self.cache.pool();
         let c = self.cache.counters;
         s.running = self.sched.num_running() as u32;

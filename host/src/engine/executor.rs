@@ -10,8 +10,9 @@
 //! `execute`, or `launch` then `finish` (the plan's slot operations run first, inside the
 //! step). Between `launch` and `finish` the engine does host work that reads nothing of the
 //! step's output, while a device computes the step: it schedules and builds the next step and
-//! hands its plan to `prepare`; after `finish` it fills in that plan's placeholder tokens and
-//! calls `launch_prepared`.
+//! hands its plan to `prepare` (again, when requests that arrive meanwhile join it, while
+//! `output_ready` says the step still computes); after `finish` it fills in that plan's
+//! placeholder tokens and calls `launch_prepared`.
 
 use crate::backend::{SampleOut, StepPlan};
 use crate::cache::SsmStateDtype;
@@ -122,6 +123,12 @@ pub trait StepExecutor: Send {
     fn finish(&mut self, _out: &mut StepOutput) -> Result<(), ExecutorError> {
         Ok(())
     }
+    /// Whether [`Self::finish`] would return without waiting (also when no step is launched,
+    /// or when it failed: the finish then says how). The engine polls this to take in new
+    /// requests while the device computes.
+    fn output_ready(&mut self) -> bool {
+        true
+    }
     /// The device's timing of the step `execute` just ran, where the backend keeps one.
     fn take_device_time(&mut self) -> Option<crate::backend::DeviceStepTime> {
         None
@@ -172,6 +179,9 @@ impl<E: StepExecutor + ?Sized> StepExecutor for Box<E> {
     }
     fn finish(&mut self, out: &mut StepOutput) -> Result<(), ExecutorError> {
         (**self).finish(out)
+    }
+    fn output_ready(&mut self) -> bool {
+        (**self).output_ready()
     }
     fn take_device_time(&mut self) -> Option<crate::backend::DeviceStepTime> {
         (**self).take_device_time()

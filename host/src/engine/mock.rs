@@ -18,7 +18,7 @@
 //! over byte tokens is always completed), `eos_one_in` makes EOS likely now and then,
 //! `step_delay` makes it slow, and `fail_on_token` fails any step that reads a given token.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::executor::{CacheAllocation, ExecutorError, Logits, StepExecutor, StepOutput};
 use crate::backend::cpu::sample::sample_tail;
@@ -150,8 +150,8 @@ pub struct MockExecutor {
     ssm: Vec<Option<u64>>,
     /// The sampled rows gathered for the sampling tail.
     sampled: Vec<f32>,
-    /// A launched step's `step_delay` is still to pass (in `finish`).
-    delay_pending: bool,
+    /// When the launched step's `step_delay` (its device time) ends; `finish` waits for it.
+    busy_until: Option<Instant>,
     pub counters: MockCounters,
 }
 
@@ -164,7 +164,7 @@ impl MockExecutor {
             kv: Vec::new(),
             ssm: Vec::new(),
             sampled: Vec::new(),
-            delay_pending: false,
+            busy_until: None,
             counters: MockCounters::default(),
         }
     }
@@ -178,6 +178,12 @@ impl MockExecutor {
             ssm_layers: 2,
             ..MockConfig::default()
         })
+    }
+
+    /// This mock with every step taking at least `delay` (see [`MockConfig::step_delay`]).
+    pub fn with_step_delay(mut self, delay: Duration) -> Self {
+        self.cfg.step_delay = delay;
+        self
     }
 
     fn slot(&mut self, slot: u32) -> Result<&mut Option<u64>, ExecutorError> {
@@ -282,7 +288,8 @@ impl StepExecutor for MockExecutor {
     /// Computes the step; its `step_delay` (the device's time) passes in `finish`, as a
     /// device computes while the host goes on.
     fn launch(&mut self, plan: &StepPlan, out: &mut StepOutput) -> Result<(), ExecutorError> {
-        self.delay_pending = !self.cfg.step_delay.is_zero();
+        self.busy_until =
+            (!self.cfg.step_delay.is_zero()).then(|| Instant::now() + self.cfg.step_delay);
         self.logits_rows(plan, &mut out.full)?;
         if plan.sampling.is_empty() {
             out.cands.reshape(0, 1);
@@ -299,10 +306,14 @@ impl StepExecutor for MockExecutor {
     }
 
     fn finish(&mut self, _out: &mut StepOutput) -> Result<(), ExecutorError> {
-        if std::mem::take(&mut self.delay_pending) {
-            std::thread::sleep(self.cfg.step_delay);
+        if let Some(end) = self.busy_until.take() {
+            std::thread::sleep(end.saturating_duration_since(Instant::now()));
         }
         Ok(())
+    }
+
+    fn output_ready(&mut self) -> bool {
+        self.busy_until.is_none_or(|end| Instant::now() >= end)
     }
 }
 

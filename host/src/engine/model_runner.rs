@@ -356,6 +356,10 @@ impl<B: Backend> StepExecutor for ModelRunner<B> {
         Ok(())
     }
 
+    fn output_ready(&mut self) -> bool {
+        !self.in_flight || self.backend.sample_ready()
+    }
+
     fn take_device_time(&mut self) -> Option<crate::backend::DeviceStepTime> {
         self.device_time.take()
     }

@@ -260,6 +260,21 @@ impl Scheduler {
         &self.out
     }
 
+    /// Admits requests that arrived after the newest step was scheduled into it, while it is
+    /// not launched (the step before computes), with what is left of its token budget, by the
+    /// rules of [`Self::schedule`]'s admission. Returns how many it admitted; rebuild the
+    /// step's plan when any.
+    pub fn top_up(&mut self, cache: &mut CacheManager) -> usize {
+        if self.num_paused > 0 || self.waiting.is_empty() || self.out.step != self.step {
+            return 0;
+        }
+        let before = self.out.admitted.len();
+        let mut budget = self.cfg.max_batched_tokens - self.out.num_tokens;
+        self.admit_waiting(cache, &mut budget);
+        self.out.num_tokens = self.cfg.max_batched_tokens - budget;
+        self.out.admitted.len() - before
+    }
+
     /// The newest step scheduled.
     pub fn output(&self) -> &SchedulerOutput {
         &self.out
@@ -584,8 +599,11 @@ impl Scheduler {
                         || self.flight_live && self.flight.computing.contains(h)
                 })
             {
-                self.out.deferred.push(r.id);
-                self.prefix_waits += 1;
+                if !self.out.deferred.contains(&r.id) {
+                    // (Counted once a step, however often the step is topped up.)
+                    self.out.deferred.push(r.id);
+                    self.prefix_waits += 1;
+                }
                 i += 1;
                 continue;
             }

@@ -2,7 +2,8 @@
 //! `loop { drain commands and cancels → step → publish stats and cache events }`.
 //!
 //! It blocks on the command channel while it has no request (no busy spin), drains every
-//! pending command and cancel before each step, publishes [`EngineStats`] through a `watch`
+//! pending command and cancel before each step and, while a step computes, as they arrive
+//! (new requests join the step scheduled ahead: [`Engine::step_with`]), publishes [`EngineStats`] through a `watch`
 //! after every step and forwards cache events (already filtered to succeeded steps by the
 //! engine). When another step follows at once, a step's figures and events are published by
 //! that next step while the device computes it ([`Engine::defer_publication`]): waking their
@@ -87,9 +88,72 @@ pub fn spawn_engine<E: StepExecutor + 'static>(
     }
 }
 
-enum Flow {
-    Continue,
-    Stop,
+/// The engine thread's inbox: the command channel and the cancel channel, drained in an
+/// order that never applies a cancel before the add it follows.
+struct Inbox {
+    commands: mpsc::Receiver<Command>,
+    cancels: mpsc::Receiver<u64>,
+    cancelled: Vec<u64>,
+    /// A shutdown was received, or every sender is gone with the engine idle.
+    stop: bool,
+}
+
+impl Inbox {
+    /// Applies every command and cancel that arrived; returns whether a request was added.
+    fn drain<E: StepExecutor>(&mut self, engine: &mut Engine<E>) -> bool {
+        // Cancels first into a list, applied after the adds drained below: a cancel sent after
+        // its add can never be applied before it.
+        self.cancelled.extend(self.cancels.try_iter());
+        let mut added = false;
+        while !self.stop {
+            match self.commands.try_recv() {
+                Ok(cmd) => added |= self.handle(engine, cmd),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    self.stop = engine.is_idle();
+                    break;
+                }
+            }
+        }
+        self.cancelled.extend(self.cancels.try_iter());
+        for id in self.cancelled.drain(..) {
+            engine.cancel(id);
+        }
+        added
+    }
+
+    /// Waits for a command: until one comes while the engine is idle, else at most 1 ms.
+    fn wait<E: StepExecutor>(&mut self, engine: &mut Engine<E>) {
+        self.cancelled.extend(self.cancels.try_iter());
+        let got = if engine.is_idle() {
+            self.commands
+                .recv()
+                .map_err(|_| RecvTimeoutError::Disconnected)
+        } else {
+            self.commands.recv_timeout(Duration::from_millis(1))
+        };
+        match got {
+            Ok(cmd) => {
+                self.handle(engine, cmd);
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => self.stop = true,
+        }
+    }
+
+    /// Applies one command; returns whether it added a request.
+    fn handle<E: StepExecutor>(&mut self, engine: &mut Engine<E>, cmd: Command) -> bool {
+        match cmd {
+            Command::Add { request, events } => {
+                engine.add(request, events);
+                return true;
+            }
+            Command::Cancel { id } => engine.cancel(id),
+            Command::ResetPrefixCache => engine.reset_prefix_cache(),
+            Command::Shutdown => self.stop = true,
+        }
+        false
+    }
 }
 
 fn run<E: StepExecutor>(
@@ -99,7 +163,12 @@ fn run<E: StepExecutor>(
     stats: watch::Sender<EngineStats>,
     kv: tmpsc::UnboundedSender<Vec<KvEvent>>,
 ) {
-    let mut cancelled = Vec::new();
+    let mut inbox = Inbox {
+        commands,
+        cancels,
+        cancelled: Vec::new(),
+        stop: false,
+    };
     engine.set_publisher(Box::new(
         move |s: &EngineStats, events: &mut Vec<KvEvent>| {
             stats.send_replace(s.clone());
@@ -110,56 +179,22 @@ fn run<E: StepExecutor>(
     ));
     let mut idle_wait = false;
     loop {
-        // Cancels first into a list, applied after the adds drained below: a cancel sent after
-        // its add can never be applied before it.
-        cancelled.extend(cancels.try_iter());
         if engine.is_idle() || idle_wait {
             if engine.publication_due() {
                 engine.refresh_stats();
                 engine.publish();
             }
             engine.note_wait();
-            let got = if engine.is_idle() {
-                commands.recv().map_err(|_| RecvTimeoutError::Disconnected)
-            } else {
-                commands.recv_timeout(Duration::from_millis(1))
-            };
-            match got {
-                Ok(cmd) => {
-                    if let Flow::Stop = handle(&mut engine, cmd) {
-                        break;
-                    }
-                }
-                Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => break,
-            }
+            inbox.wait(&mut engine);
         }
-        let mut stop = false;
-        loop {
-            match commands.try_recv() {
-                Ok(cmd) => {
-                    if let Flow::Stop = handle(&mut engine, cmd) {
-                        stop = true;
-                        break;
-                    }
-                }
-                Err(TryRecvError::Empty) => break,
-                Err(TryRecvError::Disconnected) => {
-                    stop = engine.is_idle();
-                    break;
-                }
-            }
-        }
-        cancelled.extend(cancels.try_iter());
-        for id in cancelled.drain(..) {
-            engine.cancel(id);
-        }
-        if stop {
+        inbox.drain(&mut engine);
+        if inbox.stop {
             break;
         }
         // A step with requests present but nothing runnable waits briefly for commands
-        // instead of spinning.
-        let ran = !engine.is_idle() && engine.step();
+        // instead of spinning. While a step computes, the commands that arrive are applied
+        // and new requests join the step scheduled ahead.
+        let ran = !engine.is_idle() && engine.step_with(&mut |e| inbox.drain(e));
         idle_wait = !engine.is_idle() && !ran;
         if engine.is_lost() {
             tracing::error!("the replica's device was lost; the replica stops serving");
@@ -172,18 +207,11 @@ fn run<E: StepExecutor>(
         } else {
             engine.publish();
         }
+        if inbox.stop {
+            break;
+        }
     }
     engine.cancel_all();
     engine.refresh_stats();
     engine.publish();
-}
-
-fn handle<E: StepExecutor>(engine: &mut Engine<E>, cmd: Command) -> Flow {
-    match cmd {
-        Command::Add { request, events } => engine.add(request, events),
-        Command::Cancel { id } => engine.cancel(id),
-        Command::ResetPrefixCache => engine.reset_prefix_cache(),
-        Command::Shutdown => return Flow::Stop,
-    }
-    Flow::Continue
 }

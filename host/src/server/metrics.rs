@@ -62,6 +62,9 @@ pub mod names {
     /// inputs, update).
     pub const ENGINE_STEPS: &str = "chimera:engine_steps_total";
     pub const ENGINE_HOST_TIME: &str = "chimera:engine_host_seconds_total";
+    /// Requests admitted into a step scheduled ahead after it was scheduled (they arrived
+    /// while the step before computed).
+    pub const LATE_ADMISSIONS: &str = "chimera:engine_late_admissions_total";
     /// Steps the model runner ran, by `kind`: eager, decode_graph, mixed_graph.
     pub const ENGINE_STEPS_BY_KIND: &str = "chimera:engine_steps_by_kind_total";
 }
@@ -285,9 +288,16 @@ impl Metrics {
             "Engine steps that ran a batch.",
             &|s| s.engine_steps as f64,
         );
+        per_engine(
+            &mut out,
+            LATE_ADMISSIONS,
+            "counter",
+            "Requests admitted into a step scheduled ahead after it was scheduled (they arrived while the step before computed).",
+            &|s| s.late_admissions as f64,
+        );
         let _ = writeln!(
             out,
-            "# HELP {ENGINE_HOST_TIME} Host time in engine steps, by phase: schedule (scheduling and cache bookkeeping), inputs (building the step plan), update (sampling, committing, queueing events), between (the engine loop between back-to-back steps), launch (uploading the step and enqueueing its work), overlap (host work while the device computes the step: handing the previous step's request and block events on, publishing its figures and cache events).\n# TYPE {ENGINE_HOST_TIME} counter"
+            "# HELP {ENGINE_HOST_TIME} Host time in engine steps, by phase: schedule (scheduling and cache bookkeeping), inputs (building the step plan), update (sampling, committing, queueing events), between (the engine loop between back-to-back steps), launch (uploading the step and enqueueing its work), overlap (host work while the device computes the step: handing the previous step's request and block events on, publishing its figures and cache events), top_up (admitting requests that arrived while the device computed into the step scheduled ahead).\n# TYPE {ENGINE_HOST_TIME} counter"
         );
         for (i, s) in stats.iter().enumerate() {
             for (phase, v) in [
@@ -297,6 +307,7 @@ impl Metrics {
                 ("between", s.host_between_seconds),
                 ("launch", s.host_launch_seconds),
                 ("overlap", s.host_overlap_seconds),
+                ("top_up", s.host_top_up_seconds),
             ] {
                 let _ = writeln!(
                     out,

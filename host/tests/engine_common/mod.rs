@@ -176,6 +176,67 @@ pub fn drive_with<E: StepExecutor>(
     run
 }
 
+/// Like [`drive`], but a request due at step `k` arrives while step `k - 1` computes: it is
+/// handed to the engine by the intake of [`Engine::step_with`] (as the engine thread does),
+/// or, when that step gave no intake a chance (its output was in at once, or nothing was
+/// scheduled ahead), before step `k`.
+pub fn drive_arriving<E: StepExecutor>(
+    engine: &mut Engine<E>,
+    mut arrivals: Vec<(u64, GenerateRequest)>,
+) -> Run {
+    arrivals.sort_by_key(|a| a.0);
+    let mut arrivals = arrivals.into_iter().peekable();
+    let mut rx: BTreeMap<u64, UnboundedReceiver<EngineEvent>> = BTreeMap::new();
+    let mut run = Run::default();
+    let mut step = 0u64;
+    loop {
+        let mut due = Vec::new();
+        while let Some(a) = arrivals.next_if(|a| a.0 <= step + 1) {
+            due.push(a);
+        }
+        // Those due now (step 0's, or ones a step gave no chance to arrive) go in first.
+        let mut add = |engine: &mut Engine<E>, req: GenerateRequest| {
+            let (tx, r) = unbounded_channel();
+            run.outcomes.insert(req.id, Outcome::default());
+            rx.insert(req.id, r);
+            engine.add(req, tx);
+        };
+        let (now, later): (Vec<_>, Vec<_>) = due.into_iter().partition(|a| a.0 <= step);
+        for (_, req) in now {
+            add(engine, req);
+        }
+        let later: Vec<GenerateRequest> = later.into_iter().map(|a| a.1).collect();
+        let mut later = Some(later);
+        engine.step_with(&mut |e| match later.take() {
+            Some(reqs) if !reqs.is_empty() => {
+                for req in reqs {
+                    add(e, req);
+                }
+                true
+            }
+            _ => false,
+        });
+        for req in later.take().unwrap_or_default() {
+            add(engine, req);
+        }
+        engine.cache().check_invariants().expect("cache invariants");
+        engine.take_kv_events(&mut run.kv_events);
+        step += 1;
+        collect(&mut rx, &mut run);
+        if arrivals.peek().is_none() && rx.is_empty() {
+            while !engine.is_idle() {
+                assert!(engine.step(), "requests left that never run");
+                engine.cache().check_invariants().expect("cache invariants");
+                step += 1;
+            }
+            break;
+        }
+        assert!(step < 100_000, "the engine made no progress");
+    }
+    run.steps = step;
+    run
+}
+
 fn collect(rx: &mut BTreeMap<u64, UnboundedReceiver<EngineEvent>>, run: &mut Run) {
     let mut done = Vec::new();
     for (&id, r) in rx.iter_mut() {

@@ -298,6 +298,14 @@ pub(crate) fn poll_event(device: &Device, event: sys::CUevent) -> Result<()> {
     }
 }
 
+/// Whether the work before `event` is done; an error counts as done (waiting on the event
+/// reports it).
+pub(crate) fn event_done(event: sys::CUevent) -> bool {
+    // SAFETY: a live event of this context.
+    !matches!(unsafe { result::event::query(event) },
+        Err(e) if e.0 == sys::cudaError_enum::CUDA_ERROR_NOT_READY)
+}
+
 /// Reads little-endian 32-bit words from `src` into `dst` (as many as both hold), each
 /// mapped by `f`: a loop the compiler turns into a vectorised copy.
 pub(crate) fn read_words<T>(src: &[u8], dst: &mut [T], f: impl Fn(u32) -> T) {

@@ -1758,6 +1758,12 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn sample_ready(&self) -> bool {
+        self.lock_pending()
+            .as_ref()
+            .is_none_or(|p| memory::event_done(p.done))
+    }
+
     fn sample_finish(&self, out: &mut SampleOut) -> Result<()> {
         let Some(p) = self.lock_pending().take() else {
             return Ok(());
