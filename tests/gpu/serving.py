@@ -216,6 +216,12 @@ def caching(r, quick):
         try:
             reports[caching_on] = r.bench(name, workload, load)
             r.cache_rows(name)
+            m = r.metrics()
+            late = m.get("chimera:engine_late_admissions_total", 0.0)
+            admitted = m.get("chimera:engine_steps_total", 0.0)
+            r.row(f"{name}{', ' + r.args.engine_extra if r.args.engine_extra else ''}: requests "
+                  f"that joined a step scheduled ahead while the one before computed (reported)",
+                  f"{late:.0f} (in {admitted:.0f} steps)", "reported", True)
             if caching_on and not r.args.no_sweep:
                 sweep = r.bench("rate-sweep", workload,
                                 ["--request-rate", rates, "--num-requests", per_rate],

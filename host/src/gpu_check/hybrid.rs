@@ -1016,6 +1016,7 @@ fn stress_run(
     let total = 500u64;
     let (mut added, mut ended) = (0u64, 0u64);
     let mut allocs_at_50 = None;
+    let mut late = Vec::new();
     for step in 0..200_000u64 {
         for _ in 0..4 {
             if added == total {
@@ -1047,9 +1048,20 @@ fn stress_run(
             cancel_at.remove(&at);
             engine.cancel(id);
         }
+        let (n, bytes) = (backend.driver_allocations(), backend.allocated_bytes());
         engine.step();
         if step == 50 {
             allocs_at_50 = Some(backend.driver_allocations());
+        } else if step > 50 && backend.driver_allocations() > n {
+            // Where the late allocations happen, and what the step held, for the report.
+            let t = engine.stats();
+            late.push(format!(
+                "step {step}: {} allocation(s), {} KiB, {} running, {} waiting",
+                backend.driver_allocations() - n,
+                (backend.allocated_bytes() - bytes) >> 10,
+                t.running,
+                t.waiting
+            ));
         }
         for (_, r, done) in rx.iter_mut().filter(|x| !x.2) {
             while let Ok(ev) = r.try_recv() {
@@ -1080,5 +1092,8 @@ fn stress_run(
     let s = engine.stats();
     let free = s.free_blocks == s.total_blocks && s.ssm_snapshots_used == 0 && s.running == 0;
     let allocs = backend.driver_allocations() - allocs_at_50.unwrap_or(0);
+    if !late.is_empty() {
+        tracing::warn!(allocations = ?late, "driver allocations after step 50");
+    }
     Ok((ended == total, free, allocs))
 }
