@@ -863,3 +863,85 @@ fn a_request_arriving_mid_step_joins_the_step_scheduled_ahead() {
     // Taken in while the step computes, it joins the step scheduled ahead.
     assert_eq!(first_token_after(true, true), (2, 1));
 }
+
+/// Cancels that arrive while a step computes — of requests in the launched step, in the step
+/// scheduled ahead, or in both — end those requests only: every other request gets the tokens
+/// it gets without them, nothing fails and every block is free afterwards.
+#[test]
+fn cancels_arriving_mid_step_end_only_their_requests() {
+    use std::time::Duration;
+
+    let work: Vec<_> = (0..12u64)
+        .map(|i| {
+            (
+                i / 3,
+                request(i, Tokens::new(i).take(5 + i as usize, VOCAB), 12),
+            )
+        })
+        .collect();
+    let run = |cancel: &[(u64, u64)]| {
+        let exec = MockExecutor::hybrid().with_step_delay(Duration::from_micros(300));
+        let mut e = engine(exec, Knobs::default());
+        let mut rx = std::collections::BTreeMap::new();
+        let mut outcomes: std::collections::BTreeMap<u64, Vec<u32>> = Default::default();
+        let mut cancelled = Vec::new();
+        for step in 0..200u64 {
+            for (_, req) in work.iter().filter(|a| a.0 == step) {
+                let (tx, r) = tokio::sync::mpsc::unbounded_channel();
+                rx.insert(req.id, r);
+                e.add(req.clone(), tx);
+            }
+            let mut due: Vec<u64> = (cancel.iter())
+                .filter(|c| c.0 == step)
+                .map(|c| c.1)
+                .collect();
+            e.step_with(&mut |e| {
+                for id in due.drain(..) {
+                    e.cancel(id);
+                    cancelled.push(id);
+                }
+                false
+            });
+            assert!(due.is_empty(), "step {step} gave no chance to cancel");
+            e.cache().check_invariants().expect("cache invariants");
+            for (&id, r) in rx.iter_mut() {
+                while let Ok(ev) = r.try_recv() {
+                    match ev {
+                        chimera::engine::api::EngineEvent::Tokens { tokens, .. } => {
+                            outcomes.entry(id).or_default().extend(tokens)
+                        }
+                        chimera::engine::api::EngineEvent::Failed { message, .. } => {
+                            panic!("request {id} failed: {message}")
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            if step > 4 && e.is_idle() {
+                break;
+            }
+        }
+        assert!(e.is_idle(), "requests left");
+        let s = e.stats();
+        assert_eq!(s.free_blocks, s.total_blocks, "blocks in use");
+        (outcomes, cancelled)
+    };
+    let (all, _) = run(&[]);
+    // Request 0 decodes from step 1, so steps 3 and 5 hold it in flight and ahead; 4 is
+    // admitted at step 1 and cancelled while its prompt's chunk is scheduled ahead; 7 and 8
+    // mid-decode.
+    let (some, cancelled) = run(&[(3, 0), (1, 4), (5, 7), (6, 8)]);
+    assert_eq!(cancelled, vec![4, 0, 7, 8]);
+    for (id, tokens) in &all {
+        if cancelled.contains(id) {
+            assert!(
+                some.get(id)
+                    .is_none_or(|t| all[id].starts_with(t) && t.len() < tokens.len()),
+                "request {id}: cancelled, yet {:?}",
+                some.get(id)
+            );
+        } else {
+            assert_eq!(some.get(id), Some(tokens), "request {id}'s tokens");
+        }
+    }
+}

@@ -786,7 +786,8 @@ impl<E: StepExecutor> Engine<E> {
 
     /// Applies the launched step, sampled: its tokens, stops, cache commits and events.
     /// Requests done at its end that the step scheduled ahead holds stay until that one is
-    /// applied; those the launched step held since an earlier stop leave now.
+    /// applied; those the launched step held since an earlier stop leave now, unless the step
+    /// scheduled ahead holds them too (cancelled after it was scheduled).
     fn apply_output(&mut self) {
         let step = self.sched.flight().step;
         self.finished.clear();
@@ -837,7 +838,14 @@ impl<E: StepExecutor> Engine<E> {
             self.retire(id, Some(reason));
         }
         for id in earlier {
-            self.sched.remove(id, &mut self.cache);
+            // One cancelled while the step after was scheduled may be part of that step too.
+            let ahead = (self.sched.slot_of(id))
+                .is_some_and(|slot| self.sched.output().seqs.iter().any(|s| s.slot == slot));
+            if ahead {
+                self.zombies.push(id);
+            } else {
+                self.sched.remove(id, &mut self.cache);
+            }
         }
     }
 

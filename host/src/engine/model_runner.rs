@@ -30,8 +30,8 @@ pub struct ModelRunner<B: Backend> {
     use_graphs: bool,
     /// Captured graphs, decode buckets first, each kind from the smallest.
     graphs: Vec<CapturedGraph>,
-    /// The logits the graphs leave: a decode graph's own output, or the buffer that the mixed
-    /// graphs of one logit-row count copy theirs into (a graph's output stays allocated).
+    /// The logits the graphs leave: the buffer that the graphs of one logit-row count copy
+    /// theirs into, exactly that many rows of the vocabulary.
     graph_outputs: Vec<B::Tensor>,
     /// The step object the graphs read (its buffer never moves).
     graph_step: Option<B::Step>,
@@ -44,6 +44,8 @@ pub struct ModelRunner<B: Backend> {
     pub eager_steps: u64,
     /// Seconds spent capturing the graphs.
     pub capture_seconds: f64,
+    /// Device memory the graphs' logits buffers hold.
+    pub graph_logits_bytes: usize,
     /// The device clock of the last step executed.
     device_time: Option<crate::backend::DeviceStepTime>,
     /// A step was launched and its results not yet waited for.
@@ -124,6 +126,7 @@ impl<B: Backend> ModelRunner<B> {
             mixed_graph_steps: 0,
             eager_steps: 0,
             capture_seconds: 0.0,
+            graph_logits_bytes: 0,
             device_time: None,
             in_flight: false,
             packed: None,
@@ -170,7 +173,9 @@ impl<B: Backend> ModelRunner<B> {
             .finish()
             .map_err(|e| ExecutorError::Allocation(e.to_string()))?;
         let mut graphs = Vec::new();
-        // Mixed graphs of one logit-row count share the buffer they copy their logits into.
+        // The graphs of one logit-row count share the buffer they copy their logits into: the
+        // logits a forward pass returns sit in a step temporary sized for the largest step
+        // (`max_tokens` rows of the vocabulary), too big for each graph to keep one.
         let mut outputs: Vec<B::Tensor> = Vec::new();
         let mut shared: std::collections::HashMap<usize, usize> = Default::default();
         let fail = |e: crate::model::ModelError| ExecutorError::Allocation(e.to_string());
@@ -186,34 +191,24 @@ impl<B: Backend> ModelRunner<B> {
             // allocates nothing and uploads nothing.
             let (backend, model) = (&self.backend, &self.model);
             let warm = model.forward(backend, &step, caches).map_err(fail)?;
-            let out = match bucket {
-                GraphBucket::Decode { .. } => None,
-                GraphBucket::Mixed { .. } => {
-                    let rows = backend.shape(&warm)[0];
-                    Some(match shared.get(&rows) {
-                        Some(&i) => i,
-                        None => {
-                            let t = backend
-                                .zeros(backend.shape(&warm), backend.dtype(&warm))
-                                .map_err(alloc)?;
-                            outputs.push(t);
-                            shared.insert(rows, outputs.len() - 1);
-                            outputs.len() - 1
-                        }
-                    })
+            let rows = backend.shape(&warm)[0];
+            let out = match shared.get(&rows) {
+                Some(&i) => i,
+                None => {
+                    let t = backend
+                        .zeros(backend.shape(&warm), backend.dtype(&warm))
+                        .map_err(alloc)?;
+                    outputs.push(t);
+                    shared.insert(rows, outputs.len() - 1);
+                    outputs.len() - 1
                 }
             };
             drop(warm);
-            let mut logits = None;
             let captured = backend.capture_graph(&mut || {
                 let l = model
                     .forward(backend, &step, caches)
                     .map_err(|e| crate::backend::BackendError::Invalid(e.to_string()))?;
-                match out {
-                    Some(i) => backend.copy_into(&l, &mut outputs[i])?,
-                    None => logits = Some(l),
-                }
-                Ok(())
+                backend.copy_into(&l, &mut outputs[out])
             });
             let id = match captured {
                 Ok(id) => id,
@@ -223,15 +218,6 @@ impl<B: Backend> ModelRunner<B> {
                     );
                     return Ok(());
                 }
-            };
-            // A decode graph keeps the logits it writes; a mixed one reads its shared buffer.
-            let out = match (out, logits) {
-                (Some(i), _) => i,
-                (None, Some(l)) => {
-                    outputs.push(l);
-                    outputs.len() - 1
-                }
-                (None, None) => return Ok(()),
             };
             graphs.push(CapturedGraph { bucket, id, out });
         }
@@ -248,10 +234,18 @@ impl<B: Backend> ModelRunner<B> {
                 GraphBucket::Mixed { .. } => None,
             })
             .collect();
+        self.graph_logits_bytes = (self.graph_outputs.iter())
+            .map(|t| {
+                let b = &self.backend;
+                b.shape(t).iter().product::<usize>() * b.dtype(t).size()
+            })
+            .sum();
         tracing::info!(
             decode_buckets = ?decode,
             mixed_buckets = self.graphs.len() - decode.len(),
             seconds = self.capture_seconds,
+            logits_buffers = self.graph_outputs.len(),
+            logits_mib = self.graph_logits_bytes >> 20,
             "captured CUDA graphs"
         );
         Ok(())

@@ -166,9 +166,10 @@ fn case(
     report.push(
         SUITE,
         format!(
-            "{label}: top-4 tokens over {ROUNDS} decode rounds of 1–40 sequences ({} buckets, captured in {:.2} s)",
+            "{label}: top-4 tokens over {ROUNDS} decode rounds of 1–40 sequences ({} buckets, captured in {:.2} s, logits buffers {:.1} MiB)",
             buckets.len(),
-            graphs.capture_seconds
+            graphs.capture_seconds,
+            graphs.graph_logits_bytes as f64 / f64::from(1u32 << 20)
         ),
         f64::from(u8::from(same)),
         if same { "identical".into() } else { "DIFFER".into() },
