@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the build machine (no GPU needed): build the release binary with the CUDA backend, strip
-# it and stage it in .gpu/ (git-ignored) with the openai client's wheels, ready to be carried
-# to the GPU machine, where `tests/gpu/run.sh SUITE` runs it.
+# it and stage it in .gpu/ (git-ignored), ready to be carried to the GPU machine, where
+# `tests/gpu/run.sh SUITE` runs it. The `serve` suite's openai client comes from the GPU
+# machine's Python, or from wheels in .whl/ (carried too) for that machine's Python version.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 cargo build --release -p chimera

@@ -139,41 +139,10 @@ pub fn drive<E: StepExecutor>(
 /// Like [`drive`], calling `each_step(engine, step)` after every step (e.g. to cancel).
 pub fn drive_with<E: StepExecutor>(
     engine: &mut Engine<E>,
-    mut arrivals: Vec<(u64, GenerateRequest)>,
-    mut each_step: impl FnMut(&mut Engine<E>, u64),
+    arrivals: Vec<(u64, GenerateRequest)>,
+    each_step: impl FnMut(&mut Engine<E>, u64),
 ) -> Run {
-    arrivals.sort_by_key(|a| a.0);
-    let mut arrivals = arrivals.into_iter().peekable();
-    let mut rx: BTreeMap<u64, UnboundedReceiver<EngineEvent>> = BTreeMap::new();
-    let mut run = Run::default();
-    let mut step = 0u64;
-    loop {
-        while let Some((_, req)) = arrivals.next_if(|a| a.0 <= step) {
-            let (tx, r) = unbounded_channel();
-            run.outcomes.insert(req.id, Outcome::default());
-            rx.insert(req.id, r);
-            engine.add(req, tx);
-        }
-        engine.step();
-        engine.cache().check_invariants().expect("cache invariants");
-        each_step(engine, step);
-        engine.take_kv_events(&mut run.kv_events);
-        step += 1;
-        collect(&mut rx, &mut run);
-        if arrivals.peek().is_none() && rx.is_empty() {
-            // A request's last event can go out before a step scheduled ahead that still
-            // held it is applied: run that step too, so the engine holds nothing after.
-            while !engine.is_idle() {
-                assert!(engine.step(), "requests left that never run");
-                engine.cache().check_invariants().expect("cache invariants");
-                step += 1;
-            }
-            break;
-        }
-        assert!(step < 100_000, "the engine made no progress");
-    }
-    run.steps = step;
-    run
+    drive_inner(engine, arrivals, false, each_step)
 }
 
 /// Like [`drive`], but a request due at step `k` arrives while step `k - 1` computes: it is
@@ -182,48 +151,66 @@ pub fn drive_with<E: StepExecutor>(
 /// scheduled ahead), before step `k`.
 pub fn drive_arriving<E: StepExecutor>(
     engine: &mut Engine<E>,
+    arrivals: Vec<(u64, GenerateRequest)>,
+) -> Run {
+    drive_inner(engine, arrivals, true, |_, _| {})
+}
+
+fn drive_inner<E: StepExecutor>(
+    engine: &mut Engine<E>,
     mut arrivals: Vec<(u64, GenerateRequest)>,
+    mid_step: bool,
+    mut each_step: impl FnMut(&mut Engine<E>, u64),
 ) -> Run {
     arrivals.sort_by_key(|a| a.0);
     let mut arrivals = arrivals.into_iter().peekable();
     let mut rx: BTreeMap<u64, UnboundedReceiver<EngineEvent>> = BTreeMap::new();
     let mut run = Run::default();
     let mut step = 0u64;
+    type Streams = BTreeMap<u64, UnboundedReceiver<EngineEvent>>;
+    fn add<E: StepExecutor>(
+        e: &mut Engine<E>,
+        run: &mut Run,
+        rx: &mut Streams,
+        r: GenerateRequest,
+    ) {
+        let (tx, events) = unbounded_channel();
+        run.outcomes.insert(r.id, Outcome::default());
+        rx.insert(r.id, events);
+        e.add(r, tx);
+    }
     loop {
-        let mut due = Vec::new();
-        while let Some(a) = arrivals.next_if(|a| a.0 <= step + 1) {
-            due.push(a);
+        // Due now; with `mid_step`, also those due at the next step, to arrive during this one.
+        let ahead = u64::from(mid_step);
+        let mut later = Vec::new();
+        while let Some((at, req)) = arrivals.next_if(|a| a.0 <= step + ahead) {
+            if at <= step {
+                add(engine, &mut run, &mut rx, req);
+            } else {
+                later.push(req);
+            }
         }
-        // Those due now (step 0's, or ones a step gave no chance to arrive) go in first.
-        let mut add = |engine: &mut Engine<E>, req: GenerateRequest| {
-            let (tx, r) = unbounded_channel();
-            run.outcomes.insert(req.id, Outcome::default());
-            rx.insert(req.id, r);
-            engine.add(req, tx);
-        };
-        let (now, later): (Vec<_>, Vec<_>) = due.into_iter().partition(|a| a.0 <= step);
-        for (_, req) in now {
-            add(engine, req);
-        }
-        let later: Vec<GenerateRequest> = later.into_iter().map(|a| a.1).collect();
         let mut later = Some(later);
         engine.step_with(&mut |e| match later.take() {
             Some(reqs) if !reqs.is_empty() => {
                 for req in reqs {
-                    add(e, req);
+                    add(e, &mut run, &mut rx, req);
                 }
                 true
             }
             _ => false,
         });
         for req in later.take().unwrap_or_default() {
-            add(engine, req);
+            add(engine, &mut run, &mut rx, req);
         }
         engine.cache().check_invariants().expect("cache invariants");
+        each_step(engine, step);
         engine.take_kv_events(&mut run.kv_events);
         step += 1;
         collect(&mut rx, &mut run);
         if arrivals.peek().is_none() && rx.is_empty() {
+            // A request's last event can go out before a step scheduled ahead that still
+            // held it is applied: run that step too, so the engine holds nothing after.
             while !engine.is_idle() {
                 assert!(engine.step(), "requests left that never run");
                 engine.cache().check_invariants().expect("cache invariants");
