@@ -272,20 +272,7 @@ fn run(case: &Case) -> (f64, StepTimings) {
     } else {
         assert_eq!(e.stats().running as usize, case.running);
     }
-    let d = StepTimings {
-        steps: after.steps - before.steps,
-        schedule_ns: after.schedule_ns - before.schedule_ns,
-        inputs_ns: after.inputs_ns - before.inputs_ns,
-        execute_ns: after.execute_ns - before.execute_ns,
-        launch_ns: after.launch_ns - before.launch_ns,
-        overlap_ns: after.overlap_ns - before.overlap_ns,
-        update_ns: after.update_ns - before.update_ns,
-        between_ns: after.between_ns - before.between_ns,
-        sample_ns: after.sample_ns - before.sample_ns,
-        device_busy_ns: after.device_busy_ns - before.device_busy_ns,
-        device_idle_ns: after.device_idle_ns - before.device_idle_ns,
-        device_gaps: after.device_gaps - before.device_gaps,
-    };
+    let d = after.since(&before);
     (per_step, d)
 }
 

@@ -117,6 +117,29 @@ pub struct StepTimings {
     pub device_gaps: u64,
 }
 
+impl StepTimings {
+    /// What was added since `before` (an earlier reading of the same engine's timings).
+    pub fn since(&self, before: &StepTimings) -> StepTimings {
+        let d = |a: u64, b: u64| a.saturating_sub(b);
+        StepTimings {
+            steps: d(self.steps, before.steps),
+            schedule_ns: d(self.schedule_ns, before.schedule_ns),
+            inputs_ns: d(self.inputs_ns, before.inputs_ns),
+            execute_ns: d(self.execute_ns, before.execute_ns),
+            launch_ns: d(self.launch_ns, before.launch_ns),
+            overlap_ns: d(self.overlap_ns, before.overlap_ns),
+            update_ns: d(self.update_ns, before.update_ns),
+            between_ns: d(self.between_ns, before.between_ns),
+            sample_ns: d(self.sample_ns, before.sample_ns),
+            top_up_ns: d(self.top_up_ns, before.top_up_ns),
+            late_admissions: d(self.late_admissions, before.late_admissions),
+            device_busy_ns: d(self.device_busy_ns, before.device_busy_ns),
+            device_idle_ns: d(self.device_idle_ns, before.device_idle_ns),
+            device_gaps: d(self.device_gaps, before.device_gaps),
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
 pub enum EngineError {
     #[error(transparent)]
