@@ -84,6 +84,9 @@ impl Drop for DevAlloc {
     }
 }
 
+/// The smallest flat buffer [`Arena::take_flat`] allocates.
+pub const MIN_FLAT_BYTES: usize = 1 << 20;
+
 /// Recycled temporaries keyed by row width in bytes.
 pub struct Arena {
     device: Arc<Device>,
@@ -134,7 +137,10 @@ impl Arena {
     }
 
     /// A flat buffer of at least `bytes`: the smallest free one that fits, else a new one of
-    /// the next power of two (at least 4 KiB).
+    /// the next power of two, at least [`MIN_FLAT_BYTES`]: the scratch of kernels whose plans
+    /// vary from step to step (split-KV partials, sampling parts, scan chunks) is mostly far
+    /// smaller, so the buffers of the first steps serve the later ones too instead of growing
+    /// the arena one power of two at a time through a long run.
     pub fn take_flat(&self, bytes: usize) -> Result<DevAlloc> {
         {
             let mut flat = self.flat.lock().unwrap_or_else(|p| p.into_inner());
@@ -146,7 +152,7 @@ impl Arena {
                 return Ok(b);
             }
         }
-        self.grow(bytes.max(4096).next_power_of_two())
+        self.grow_kind(bytes.max(MIN_FLAT_BYTES).next_power_of_two(), "flat")
     }
 
     /// Returns a flat buffer.
@@ -156,6 +162,11 @@ impl Arena {
     }
 
     fn grow(&self, want: usize) -> Result<DevAlloc> {
+        self.grow_kind(want, "rows")
+    }
+
+    fn grow_kind(&self, want: usize, kind: &'static str) -> Result<DevAlloc> {
+        tracing::debug!(bytes = want, kind, "arena grows");
         self.stats.arena_grown.fetch_add(1, Ordering::Relaxed);
         self.stats
             .arena_bytes

@@ -1008,6 +1008,9 @@ impl Backend for CudaBackend {
             .fetch_max(max_tokens.max(1), Ordering::Relaxed);
         let mut step = CudaStep::new();
         step.ssm_chunk = self.inner.device.ssm_chunk.load(Ordering::Relaxed);
+        // Allocated now: a replica whose first steps all replay graphs would otherwise make
+        // the first allocation of its eager step object long into serving.
+        step.reserve(self.dev(), &self.inner.stats, step::MIN_STEP_BYTES)?;
         Ok(step)
     }
 

@@ -153,6 +153,9 @@ impl MixedShape {
     }
 }
 
+/// The smallest buffers an eager step object has: most steps' packed columns fit.
+pub(crate) const MIN_STEP_BYTES: usize = 64 << 10;
+
 impl CudaStep {
     pub fn new() -> Self {
         Self {
@@ -599,6 +602,22 @@ impl CudaStep {
         Ok(())
     }
 
+    /// Gives the step buffers of at least `bytes` now (none yet, or smaller), so that its
+    /// first steps need no driver allocation.
+    pub(crate) fn reserve(
+        &mut self,
+        device: &Arc<Device>,
+        stats: &MemStats,
+        bytes: usize,
+    ) -> Result<()> {
+        if self.frozen || self.pinned.as_ref().is_some_and(|p| p.bytes >= bytes) {
+            return Ok(());
+        }
+        self.pinned = Some(Pinned::new(device, bytes)?);
+        self.buf = Some(DevAlloc::new(device, bytes, stats)?);
+        Ok(())
+    }
+
     /// Packs `plan` for [`Self::copy`]. With `grow` false (a step packed while the device
     /// may still read this step's buffers), `Ok(false)` where the buffers are too small for it
     /// (pack it again with `grow` once the device is done).
@@ -666,7 +685,7 @@ impl CudaStep {
                 return Ok(false);
             }
             // Grow with headroom so a slowly growing batch does not re-pin every step.
-            let cap = (bytes * 3 / 2).max(64 << 10);
+            let cap = (bytes * 3 / 2).max(MIN_STEP_BYTES);
             self.pinned = Some(Pinned::new(device, cap)?);
             self.buf = Some(DevAlloc::new(device, cap, stats)?);
         }
