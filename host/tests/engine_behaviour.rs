@@ -765,7 +765,7 @@ fn scheduling_ahead_changes_no_output() {
         let (ahead, s) = run(true, make(), false);
         // Requests arriving while a step computes (a slow device), joining the step scheduled
         // ahead.
-        let slow = || make().with_step_delay(std::time::Duration::from_micros(300));
+        let slow = || make().with_step_delay(std::time::Duration::from_millis(1));
         let (joined, sj) = run(true, slow(), true);
         assert!(
             sj.late_admissions > 0,
@@ -822,7 +822,7 @@ fn a_request_arriving_mid_step_joins_the_step_scheduled_ahead() {
     // step computes; else after the step (as the engine thread did before steps took
     // arrivals in).
     let first_token_after = |ahead: bool, join: bool| {
-        let exec = MockExecutor::transformer().with_step_delay(Duration::from_millis(2));
+        let exec = MockExecutor::transformer().with_step_delay(Duration::from_millis(20));
         let k = Knobs {
             schedule_ahead: ahead,
             ..Knobs::default()

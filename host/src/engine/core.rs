@@ -659,9 +659,16 @@ impl<E: StepExecutor> Engine<E> {
     /// it adds into the step scheduled ahead (`next`), building that step's plan again. Stops
     /// admitting once the launched step's expected end (the device time of the step before)
     /// is nearer than twice the last top-up's host time: the device would wait for it.
+    /// `intake` is called at least once, even when the host reaches here after the step
+    /// ended (a loaded host): cancels and arrivals are never put off by a step.
     fn take_arrivals(&mut self, next: &mut Next, intake: &mut dyn FnMut(&mut Self) -> bool) {
-        while !self.executor.output_ready() {
-            if !intake(self) {
+        loop {
+            let done = self.executor.output_ready();
+            let arrived = intake(self);
+            if done {
+                return;
+            }
+            if !arrived {
                 std::hint::spin_loop();
                 continue;
             }
