@@ -472,9 +472,7 @@ impl<E: StepExecutor> Engine<E> {
         {
             Self::send_finished(&mut self.outbox, &mut self.stats, r, reason);
         }
-        let held =
-            self.sched.in_flight(slot) || self.sched.output().seqs.iter().any(|s| s.slot == slot);
-        if held {
+        if self.sched.in_flight(slot) || self.sched.scheduled(slot) {
             if phase != Phase::Finished {
                 self.sched.mark_finished(slot);
                 self.zombies.push(id);
@@ -582,14 +580,7 @@ impl<E: StepExecutor> Engine<E> {
             let ti = Instant::now();
             self.timings.schedule_ns += (ti - ts).as_nanos() as u64;
             if scheduled {
-                next = match self.build(true) {
-                    Ok(()) if self.built.history_incomplete => Next::Late,
-                    Ok(()) => {
-                        self.executor.prepare(&self.next_inputs);
-                        Next::Ready
-                    }
-                    Err(e) => Next::Failed(e),
-                };
+                next = self.plan_ahead();
             }
             self.timings.inputs_ns += ti.elapsed().as_nanos() as u64;
         }
@@ -689,17 +680,23 @@ impl<E: StepExecutor> Engine<E> {
             self.timings.late_admissions += admitted as u64;
             if !matches!(next, Next::Late) {
                 // A step built without a history it needs is built after the update anyway.
-                *next = match self.build(true) {
-                    Ok(()) if self.built.history_incomplete => Next::Late,
-                    Ok(()) => {
-                        self.executor.prepare(&self.next_inputs);
-                        Next::Ready
-                    }
-                    Err(e) => Next::Failed(e),
-                };
+                *next = self.plan_ahead();
             }
             self.top_up_cost_ns = t.elapsed().as_nanos() as u64;
             self.timings.top_up_ns += self.top_up_cost_ns;
+        }
+    }
+
+    /// Builds the plan of the step scheduled ahead and packs it for its launch; a plan whose
+    /// penalised rows lack the launched step's tokens is left to be built after the update.
+    fn plan_ahead(&mut self) -> Next {
+        match self.build(true) {
+            Ok(()) if self.built.history_incomplete => Next::Late,
+            Ok(()) => {
+                self.executor.prepare(&self.next_inputs);
+                Next::Ready
+            }
+            Err(e) => Next::Failed(e),
         }
     }
 
@@ -869,9 +866,11 @@ impl<E: StepExecutor> Engine<E> {
         }
         for id in earlier {
             // One cancelled while the step after was scheduled may be part of that step too.
-            let ahead = (self.sched.slot_of(id))
-                .is_some_and(|slot| self.sched.output().seqs.iter().any(|s| s.slot == slot));
-            if ahead {
+            if self
+                .sched
+                .slot_of(id)
+                .is_some_and(|slot| self.sched.scheduled(slot))
+            {
                 self.zombies.push(id);
             } else {
                 self.sched.remove(id, &mut self.cache);

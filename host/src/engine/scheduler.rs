@@ -295,6 +295,11 @@ impl Scheduler {
         self.flight_live && self.flight.seqs.iter().any(|s| s.slot == slot)
     }
 
+    /// Whether the request in `slot` is part of the newest scheduled step ([`Self::output`]).
+    pub fn scheduled(&self, slot: u32) -> bool {
+        self.out.seqs.iter().any(|s| s.slot == slot)
+    }
+
     /// The newest step ([`Self::output`]) was launched: its chunks count as computed and each
     /// sampled row as a token to come, for the steps scheduled before its output is applied.
     pub fn launched(&mut self) {
