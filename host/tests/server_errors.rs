@@ -509,6 +509,19 @@ async fn hostile_inputs_get_the_right_status() {
     let r = parse_response(&raw(s.addr, lying_length).await);
     assert_eq!(r.status, 413);
 
+    // A context overflow names the field that holds the prompt on each endpoint.
+    let over = |b: Vec<u8>| serde_json::from_slice::<Value>(&b).unwrap();
+    for (path, body, param) in [
+        (C, over(cw("max_tokens", json!(256))), "prompt"),
+        (CHAT, over(chw("max_tokens", json!(256))), "messages"),
+    ] {
+        let r = post(s.addr, path, &body).await;
+        assert_eq!(r.status, 400, "{path}: {}", r.text());
+        let v: Value = serde_json::from_slice(&r.body).expect("JSON error");
+        assert_eq!(v["error"]["code"], "context_length_exceeded", "{path}: {v}");
+        assert_eq!(v["error"]["param"], param, "{path}: {v}");
+    }
+
     // Unknown fields are ignored (OpenAI SDKs send newer fields than any server knows).
     let r = post(
         s.addr,

@@ -23,8 +23,13 @@ pub enum AppError {
         message: String,
         param: Option<&'static str>,
     },
-    #[error("{0}")]
-    ContextLength(String),
+    /// The prompt, or the prompt and `max_tokens`, exceed the context window; `param` is the
+    /// field that holds the prompt (`messages` on chat, `prompt` on completions).
+    #[error("{message}")]
+    ContextLength {
+        message: String,
+        param: &'static str,
+    },
     #[error(
         "the model `{model}` does not exist; this server serves {}",
         quoted(served)
@@ -72,7 +77,7 @@ impl AppError {
         match self {
             Self::InvalidJson(_) => "invalid_json",
             Self::InvalidRequest { .. } => "invalid_request",
-            Self::ContextLength(_) => "context_length_exceeded",
+            Self::ContextLength { .. } => "context_length_exceeded",
             Self::ModelNotFound { .. } => "model_not_found",
             Self::NotFound(_) => "not_found",
             Self::MethodNotAllowed => "method_not_allowed",
@@ -91,7 +96,7 @@ impl AppError {
         match self {
             Self::InvalidJson(_)
             | Self::InvalidRequest { .. }
-            | Self::ContextLength(_)
+            | Self::ContextLength { .. }
             | Self::ChatTemplate(_)
             | Self::Unsupported(_) => StatusCode::BAD_REQUEST,
             Self::ModelNotFound { .. } | Self::NotFound(_) => StatusCode::NOT_FOUND,
@@ -135,7 +140,7 @@ impl AppError {
     fn param(&self) -> Option<&'static str> {
         match self {
             Self::InvalidRequest { param, .. } => *param,
-            Self::ContextLength(_) => Some("messages"),
+            Self::ContextLength { param, .. } => Some(param),
             Self::ModelNotFound { .. } => Some("model"),
             _ => None,
         }

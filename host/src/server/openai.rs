@@ -235,17 +235,23 @@ const COMPLETIONS_DEFAULT_MAX_TOKENS: u32 = 16;
 fn budget(state: &AppState, prompt_len: usize, params: &GenParams) -> Result<u32, AppError> {
     let max_len = state.inner().model.max_model_len as usize;
     if prompt_len >= max_len {
-        return Err(AppError::ContextLength(format!(
-            "this model's maximum context length is {max_len} tokens, but the prompt has {prompt_len} tokens"
-        )));
+        return Err(AppError::ContextLength {
+            message: format!(
+                "this model's maximum context length is {max_len} tokens, but the prompt has {prompt_len} tokens"
+            ),
+            param: params.prompt_param,
+        });
     }
     let room = (max_len - prompt_len) as u32;
     match params.max_tokens {
         None => Ok(params.default_max_tokens.map_or(room, |d| d.min(room))),
         Some(m) if m <= room => Ok(m),
-        Some(m) => Err(AppError::ContextLength(format!(
-            "this model's maximum context length is {max_len} tokens; the prompt has {prompt_len} tokens and max_tokens is {m}"
-        ))),
+        Some(m) => Err(AppError::ContextLength {
+            message: format!(
+                "this model's maximum context length is {max_len} tokens; the prompt has {prompt_len} tokens and max_tokens is {m}"
+            ),
+            param: params.prompt_param,
+        }),
     }
 }
 
@@ -392,6 +398,7 @@ async fn completion_job(
         &state.inner().limits,
     )?;
     params.default_max_tokens = Some(COMPLETIONS_DEFAULT_MAX_TOKENS);
+    params.prompt_param = "prompt";
     if let Some(b) = req.best_of
         && b != params.n
     {

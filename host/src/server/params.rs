@@ -28,6 +28,9 @@ pub struct GenParams {
     /// Without `max_tokens`: at most this many (`None`: as many as the context allows). The
     /// endpoint sets it: 16 on `/v1/completions`, as OpenAI and vLLM.
     pub default_max_tokens: Option<u32>,
+    /// The request field that holds the prompt, named by context-length errors: `messages`
+    /// unless the endpoint says otherwise (`prompt` on `/v1/completions`).
+    pub prompt_param: &'static str,
     pub n: u32,
     pub stream: bool,
     pub include_usage: bool,
@@ -201,6 +204,7 @@ pub fn validate_common(
         },
         max_tokens,
         default_max_tokens: None,
+        prompt_param: "messages",
         n,
         stream,
         include_usage,
