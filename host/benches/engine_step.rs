@@ -109,7 +109,7 @@ fn make_engine(
             ..Default::default()
         },
         cache: CacheConfig {
-            memory_budget: ByteSize(block_bytes * blocks as u64 + ssm_bytes),
+            memory_budget: Some(ByteSize(block_bytes * blocks as u64 + ssm_bytes)),
             block_size: BS,
             prefix_caching: true,
             ssm_share: hybrid.then(|| {
@@ -145,9 +145,10 @@ fn request(id: u64, prompt_len: usize, max_tokens: u32) -> GenerateRequest {
         max_tokens,
         stop_token_ids: vec![],
         ignore_eos: true,
-        prompt_logprobs: false,
+        prompt_logprobs: None,
         block_hashes: None,
         checkpoints: Vec::new(),
+        priority: 0,
     }
 }
 

@@ -273,23 +273,80 @@ pub enum BackendChoice {
     Cuda(DType),
 }
 
-/// Resolves `engine.backend = "auto"` (CUDA when a usable GPU is present) and the dtype.
-pub fn choose_backend(config: &Config) -> anyhow::Result<BackendChoice> {
+impl LoadedModel {
+    /// The layers of this model the CUDA backend cannot run yet, in a phrase (`None`: it runs
+    /// all of them), read from its config before any weight is loaded.
+    pub fn cuda_gap(&self) -> Option<String> {
+        let (arch, experts) = match &self.source {
+            ModelSource::Builtin => return None,
+            ModelSource::Folder(dir) => {
+                let text = std::fs::read_to_string(dir.join("config.json")).ok()?;
+                let c: serde_json::Value = serde_json::from_str(&text).ok()?;
+                let arch = c["architectures"][0].as_str().unwrap_or_default().to_string();
+                let text_config = c.get("text_config").unwrap_or(&c);
+                let experts = text_config["num_local_experts"].as_u64().unwrap_or(0);
+                (arch, experts)
+            }
+            ModelSource::Gguf(file) => {
+                let g = model::gguf::GgufFile::open(file).ok()?;
+                let arch = g
+                    .get("general.architecture")
+                    .and_then(|v| v.as_str())
+                    .unwrap_or_default()
+                    .to_string();
+                let experts = g
+                    .get(&format!("{arch}.expert_count"))
+                    .and_then(|v| v.as_u64())
+                    .unwrap_or(0);
+                (arch, experts)
+            }
+        };
+        let lower = arch.to_ascii_lowercase();
+        if lower.starts_with("qwen3_5") || lower.starts_with("qwen3next") || lower == "qwen35" {
+            Some(format!("Gated DeltaNet layers ({arch})"))
+        } else if (lower.starts_with("granitemoehybrid") || lower == "granitehybrid") && experts > 0
+        {
+            Some(format!("softmax-routed MoE layers ({arch}, {experts} experts)"))
+        } else {
+            None
+        }
+    }
+}
+
+/// Resolves `engine.backend = "auto"` (CUDA when a usable GPU is present and runs every layer
+/// of the model, `cuda_gap` being what it cannot run) and the dtype.
+pub fn choose_backend(config: &Config, cuda_gap: Option<&str>) -> anyhow::Result<BackendChoice> {
     let first = config.engine.devices.first().copied().unwrap_or(0);
+    let model = &config.model.path;
     let cuda = match config.engine.backend.as_str() {
         "cpu" => false,
         "cuda" => {
             if let Some(why) = crate::backend::cuda::device::probe_error(first) {
                 anyhow::bail!("engine.backend = \"cuda\": {why}");
             }
+            if let Some(gap) = cuda_gap {
+                anyhow::bail!(
+                    "engine.backend = \"cuda\": the model {model} has {gap}, which the CUDA \
+                     backend does not run yet; serve it with engine.backend = \"cpu\" (--backend cpu)"
+                );
+            }
             true
         }
         _ => match crate::backend::cuda::device::probe_error(first) {
-            None => true,
             Some(why) => {
                 tracing::info!("engine.backend = \"auto\": serving on the CPU ({why})");
                 false
             }
+            None => match cuda_gap {
+                Some(gap) => {
+                    tracing::warn!(
+                        "engine.backend = \"auto\": the model {model} has {gap}, which the CUDA \
+                         backend does not run yet: serving on the CPU"
+                    );
+                    false
+                }
+                None => true,
+            },
         },
     };
     Ok(match (cuda, config.model.dtype.as_str()) {
@@ -306,30 +363,28 @@ pub fn choose_backend(config: &Config) -> anyhow::Result<BackendChoice> {
 pub fn build(config: &Config) -> anyhow::Result<Stack> {
     let loaded = LoadedModel::open(&config.model.path, &config.model.revision)?;
     let dummy = config.model.load_format == "dummy";
-    match choose_backend(config)? {
+    match choose_backend(config, loaded.cuda_gap().as_deref())? {
         BackendChoice::Cpu => build_cpu(config, loaded),
         BackendChoice::Cuda(dtype) => {
             let devices = &config.engine.devices;
             let count = config.engine.replicas.max(devices.len());
             let mut replicas = Vec::with_capacity(count);
+            let mut max_model_len = usize::MAX;
             for (i, &device) in devices.iter().enumerate() {
                 let started = std::time::Instant::now();
                 let backend = CudaBackend::new(CudaOptions { device, dtype })
                     .with_context(|| format!("opening CUDA device {device}"))?;
                 let model = Arc::new(loaded.model(&backend, dummy)?);
                 backend.synchronize()?;
-                let mut cache = config.cache.clone();
-                if let Some(f) = cache.memory_fraction {
-                    let (free, total) = backend.mem_info()?;
-                    cache.memory_budget = crate::cache::ByteSize((free as f64 * f) as u64);
-                    tracing::info!(
-                        device,
-                        free_gib = free as f64 / f64::from(1u32 << 30),
-                        total_gib = total as f64 / f64::from(1u32 << 30),
-                        budget = %cache.memory_budget,
-                        "cache budget from cache.memory_fraction = {f}"
-                    );
-                }
+                let (free, total) = backend.mem_info()?;
+                let on_device = (i..count).step_by(devices.len()).count();
+                let gpu = GpuMemory {
+                    device,
+                    free,
+                    total,
+                    replicas: on_device,
+                };
+                let (cache, max_len) = size_cache(config, &model.info, Some(gpu))?;
                 tracing::info!(
                     device,
                     gpu = %backend.device().name,
@@ -342,8 +397,9 @@ pub fn build(config: &Config) -> anyhow::Result<Stack> {
                 for _ in (i..count).step_by(devices.len()) {
                     replicas.push((backend.replica()?, model.clone(), cache.clone()));
                 }
+                max_model_len = max_model_len.min(max_len);
             }
-            start(config, loaded, replicas)
+            start(config, loaded, replicas, max_model_len)
         }
     }
 }
@@ -353,10 +409,159 @@ fn build_cpu(config: &Config, loaded: LoadedModel) -> anyhow::Result<Stack> {
     // step arena).
     let backend = CpuBackend::default();
     let model = Arc::new(loaded.model(&backend, config.model.load_format == "dummy")?);
+    let (cache, max_model_len) = size_cache(config, &model.info, None)?;
     let replicas = (0..config.engine.replicas)
-        .map(|_| (CpuBackend::default(), model.clone(), config.cache.clone()))
+        .map(|_| (CpuBackend::default(), model.clone(), cache.clone()))
         .collect();
-    start(config, loaded, replicas)
+    start(config, loaded, replicas, max_model_len)
+}
+
+/// What the driver said of one device's memory once the weights were loaded.
+#[derive(Debug, Clone, Copy)]
+pub struct GpuMemory {
+    pub device: usize,
+    pub free: usize,
+    pub total: usize,
+    /// Replicas that will share the device (each gets its own cache).
+    pub replicas: usize,
+}
+
+fn gib(bytes: u64) -> f64 {
+    bytes as f64 / f64::from(1u32 << 30)
+}
+
+/// Resolves one replica's cache budget (`cache.memory_budget`, "auto" included) and the
+/// longest context a request may have, and refuses what cannot work: a context longer than
+/// the model's, or a cache that cannot hold one sequence of that context. `gpu` is `None` on
+/// the CPU.
+pub fn size_cache(
+    config: &Config,
+    info: &model::ModelInfo,
+    gpu: Option<GpuMemory>,
+) -> anyhow::Result<(crate::cache::CacheConfig, usize)> {
+    use crate::cache::{ByteSize, CacheLayout, config::CPU_MIN_AUTO_BUDGET};
+    let model_len = info.max_position_embeddings.max(1);
+    let max_len = match config.model.max_model_len {
+        Some(n) if n > model_len => anyhow::bail!(
+            "model.max_model_len = {n} is more than the model's max_position_embeddings ({model_len}); \
+             leave it unset or lower it"
+        ),
+        Some(n) => n,
+        None => model_len,
+    };
+    let max_running = config.engine.max_running;
+    let mut cache = config.cache.clone();
+    let source = match (gpu, cache.memory_fraction, cache.memory_budget) {
+        (Some(g), Some(f), _) => {
+            let budget = (g.free as f64 * f) as u64 / g.replicas.max(1) as u64;
+            cache.memory_budget = Some(ByteSize(budget));
+            format!(
+                "cache.memory_fraction = {f} of the {:.2} GiB free on device {} after the weights loaded, over {} replica(s)",
+                gib(g.free as u64),
+                g.device,
+                g.replicas
+            )
+        }
+        (_, _, Some(b)) => format!("cache.memory_budget = {b}"),
+        (Some(g), None, None) => {
+            let u = cache.gpu_memory_utilization;
+            let allowed = (g.total as f64 * u) as u64;
+            let held = (g.total - g.free.min(g.total)) as u64;
+            if allowed <= held {
+                anyhow::bail!(
+                    "cache.gpu_memory_utilization = {u} allows {:.2} GiB of device {}'s {:.2} GiB, \
+                     but {:.2} GiB are already held (the weights, and any other process on the GPU): \
+                     raise gpu_memory_utilization (--gpu-memory-utilization) or set cache.memory_budget",
+                    gib(allowed),
+                    g.device,
+                    gib(g.total as u64),
+                    gib(held)
+                );
+            }
+            let budget = (allowed - held) / g.replicas.max(1) as u64;
+            cache.memory_budget = Some(ByteSize(budget));
+            format!(
+                "cache.gpu_memory_utilization = {u}: {:.2} GiB of device {}'s {:.2} GiB, less {:.2} GiB held after the weights loaded, over {} replica(s)",
+                gib(allowed),
+                g.device,
+                gib(g.total as u64),
+                gib(held),
+                g.replicas
+            )
+        }
+        (None, _, None) => {
+            let need =
+                CacheLayout::budget_for_tokens(&cache, &info.cache, max_running, max_len)
+                    .with_context(|| {
+                        format!("no cache budget holds a sequence of {max_len} tokens")
+                    })?;
+            let budget = need.0.max(CPU_MIN_AUTO_BUDGET.0);
+            if let Some(avail) = available_memory()
+                && budget > avail / 2
+            {
+                anyhow::bail!(
+                    "one sequence of model.max_model_len = {max_len} tokens needs a cache of {} \
+                     (cache.memory_budget = \"auto\"), more than half of the {} of memory available: \
+                     set --max-model-len (model.max_model_len) lower, or cache.memory_budget",
+                    ByteSize(budget),
+                    ByteSize(avail)
+                );
+            }
+            cache.memory_budget = Some(ByteSize(budget));
+            format!(
+                "cache.memory_budget = \"auto\": one sequence of {max_len} tokens, at least {CPU_MIN_AUTO_BUDGET}"
+            )
+        }
+    };
+    let layout = CacheLayout::plan(&cache, &info.cache, max_running)?;
+    let holds = layout.token_capacity();
+    if holds < max_len {
+        let fix = if config.model.max_model_len.is_some() {
+            "lower --max-model-len (model.max_model_len)"
+        } else {
+            "set --max-model-len (model.max_model_len)"
+        };
+        let more = if gpu.is_some() {
+            "raise --gpu-memory-utilization or cache.memory_budget"
+        } else {
+            "raise cache.memory_budget (or set it to \"auto\")"
+        };
+        anyhow::bail!(
+            "the longest context, {max_len} tokens (model.max_model_len{}), does not fit in the KV \
+             cache, which holds {holds} tokens ({} blocks of {} with {source}): {fix} to {holds} or \
+             less, or {more}",
+            if config.model.max_model_len.is_some() {
+                ""
+            } else {
+                ", the model's max_position_embeddings"
+            },
+            layout.num_blocks,
+            layout.block_size
+        );
+    }
+    tracing::info!(
+        budget = %cache.memory_budget.map_or_else(String::new, |b| b.to_string()),
+        kv_tokens = holds,
+        kv_blocks = layout.num_blocks,
+        ssm_slots = layout.ssm_slots(),
+        max_model_len = max_len,
+        "cache sized from {source}"
+    );
+    Ok((cache, max_len))
+}
+
+/// `MemAvailable` of `/proc/meminfo`, in bytes (`None` where there is no such file).
+fn available_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line
+        .trim_start_matches("MemAvailable:")
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib << 10)
 }
 
 /// Starts one engine thread per `(backend, model, cache config)` and assembles the stack.
@@ -364,6 +569,7 @@ fn start<B: Backend>(
     config: &Config,
     loaded: LoadedModel,
     replicas_in: Vec<(B, Arc<Model<B>>, crate::cache::CacheConfig)>,
+    max_model_len: usize,
 ) -> anyhow::Result<Stack> {
     let plugin_metrics = PluginMetrics::new();
     let plugins = Arc::new(
@@ -374,7 +580,7 @@ fn start<B: Backend>(
     let mut replicas = Vec::with_capacity(replicas_in.len());
     let mut info = None;
     for (r, (backend, model, cache)) in replicas_in.into_iter().enumerate() {
-        let max_len = model.info.max_position_embeddings.min(u32::MAX as usize) as u32;
+        let max_len = max_model_len.min(u32::MAX as usize) as u32;
         let setup = EngineSetup {
             engine: config.engine.clone(),
             cache,
@@ -398,6 +604,7 @@ fn start<B: Backend>(
             cache_salt: salt.clone(),
             num_blocks: stats.total_blocks,
             prefix_caching: config.cache.prefix_caching,
+            priority_scheduling: config.engine.by_priority(),
         });
         tracing::info!(
             replica = r,
@@ -519,12 +726,33 @@ mod tests {
     }
 
     #[test]
+    fn the_cuda_gap_names_the_layers_cuda_cannot_run_yet() {
+        let fixtures =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/models");
+        let gap = |name: &str| {
+            LoadedModel::open(fixtures.join(name).to_str().unwrap(), "main")
+                .unwrap()
+                .cuda_gap()
+        };
+        for name in ["qwen35-a", "qwen3next-a", "qwen35moe-a"] {
+            assert!(
+                gap(name).is_some_and(|g| g.contains("Gated DeltaNet")),
+                "{name}"
+            );
+        }
+        assert!(gap("granite-moe").is_some_and(|g| g.contains("softmax-routed MoE")));
+        for name in ["llama-gqa", "nemotronh-a", "bamba-a", "granite-dense", "mamba2-g1"] {
+            assert_eq!(gap(name), None, "{name}");
+        }
+    }
+
+    #[test]
     fn cuda_without_a_usable_gpu_is_a_startup_error_that_names_the_fix() {
         let mut c = Config::default();
         c.engine.backend = "cuda".into();
         match crate::backend::cuda::device::probe_error(0) {
             Some(_) => {
-                let e = choose_backend(&c).unwrap_err().to_string();
+                let e = choose_backend(&c, None).unwrap_err().to_string();
                 assert!(e.contains("engine.backend = \"cuda\""), "{e}");
                 assert!(
                     e.contains("engine.backend = \"cpu\"") || e.contains("engine.devices"),
@@ -532,18 +760,29 @@ mod tests {
                 );
                 // "auto" serves on the CPU instead, and bf16 then has nowhere to run.
                 c.engine.backend = "auto".into();
-                assert_eq!(choose_backend(&c).unwrap(), BackendChoice::Cpu);
+                assert_eq!(choose_backend(&c, None).unwrap(), BackendChoice::Cpu);
                 c.model.dtype = "bfloat16".into();
-                let e = choose_backend(&c).unwrap_err().to_string();
+                let e = choose_backend(&c, None).unwrap_err().to_string();
                 assert!(e.contains("model.dtype"), "{e}");
             }
             None => {
                 assert_eq!(
-                    choose_backend(&c).unwrap(),
+                    choose_backend(&c, None).unwrap(),
                     BackendChoice::Cuda(DType::BF16)
                 );
+                // A model with layers CUDA cannot run: "cuda" names them, "auto" takes the CPU.
+                let e = choose_backend(&c, Some("Gated DeltaNet layers (X)"))
+                    .unwrap_err()
+                    .to_string();
+                assert!(e.contains("Gated DeltaNet layers (X)"), "{e}");
+                c.engine.backend = "auto".into();
+                assert_eq!(
+                    choose_backend(&c, Some("Gated DeltaNet layers (X)")).unwrap(),
+                    BackendChoice::Cpu
+                );
+                c.engine.backend = "cuda".into();
                 c.model.dtype = "float32".into();
-                assert_eq!(choose_backend(&c).unwrap(), BackendChoice::Cuda(DType::F32));
+                assert_eq!(choose_backend(&c, None).unwrap(), BackendChoice::Cuda(DType::F32));
             }
         }
     }

@@ -55,6 +55,9 @@ pub struct ModelConfig {
     /// "auto" (the checkpoint) or "dummy" (seeded random weights of the right shapes: a
     /// full-size `config.json` runs without its weights).
     pub load_format: String,
+    /// The longest context (prompt + output tokens) a request may have, as vLLM's
+    /// `--max-model-len`. `None`: the model's `max_position_embeddings`.
+    pub max_model_len: Option<usize>,
 }
 
 impl Default for ModelConfig {
@@ -64,6 +67,7 @@ impl Default for ModelConfig {
             revision: "main".into(),
             dtype: "auto".into(),
             load_format: "auto".into(),
+            max_model_len: None,
         }
     }
 }
@@ -94,6 +98,8 @@ pub struct Overrides {
     pub devices: Option<Vec<usize>>,
     pub dtype: Option<String>,
     pub load_format: Option<String>,
+    pub max_model_len: Option<usize>,
+    pub gpu_memory_utilization: Option<f64>,
 }
 
 impl Config {
@@ -157,6 +163,12 @@ impl Config {
         if let Some(f) = o.load_format {
             self.model.load_format = f;
         }
+        if let Some(n) = o.max_model_len {
+            self.model.max_model_len = Some(n);
+        }
+        if let Some(u) = o.gpu_memory_utilization {
+            self.cache.gpu_memory_utilization = u;
+        }
         self.validate("command line")?;
         Ok(self)
     }
@@ -212,6 +224,19 @@ impl Config {
                 format!("{f}: must be in (0, 1]"),
             ));
         }
+        let u = self.cache.gpu_memory_utilization;
+        if !(u > 0.0 && u <= 1.0) {
+            return Err(invalid(
+                "cache.gpu_memory_utilization".into(),
+                format!("{u}: must be in (0, 1]"),
+            ));
+        }
+        if self.model.max_model_len == Some(0) {
+            return Err(invalid(
+                "model.max_model_len".into(),
+                "must be at least 1 (leave it unset for the model's own limit)".into(),
+            ));
+        }
         if !self
             .cache
             .ssm_snapshot_interval
@@ -264,7 +289,8 @@ mod tests {
         expected.engine.replicas = 2;
         assert_eq!(c, expected);
         // Values the file sets where the code once differed.
-        assert_eq!(c.cache.memory_budget, crate::cache::ByteSize(256 << 20));
+        assert_eq!(c.cache.memory_budget, None);
+        assert_eq!(c.engine.backend, "auto");
         assert_eq!(
             (c.engine.max_running, c.engine.max_batched_tokens),
             (64, 1024)
@@ -350,6 +376,22 @@ mod tests {
     }
 
     #[test]
+    fn the_readme_configuration_example_is_a_valid_config() {
+        let readme = include_str!("../../README.md");
+        let at = readme
+            .find("Configuration is one TOML file")
+            .expect("the README's configuration paragraph");
+        let block = readme[at..]
+            .split("```toml\n")
+            .nth(1)
+            .and_then(|b| b.split("```").next())
+            .expect("a toml block after it");
+        let c = Config::parse(block, "README.md").unwrap();
+        assert_eq!(c.policy.router.plugin, "builtin:prefix-aware");
+        assert_eq!(c.cache.gpu_memory_utilization, 0.9);
+    }
+
+    #[test]
     fn unknown_keys_are_errors_that_name_them() {
         let e = Config::parse("[engine]\nmax_batched_tokns = 5\n", "x.toml").unwrap_err();
         assert!(e.to_string().contains("max_batched_tokns"), "{e}");
@@ -364,8 +406,19 @@ mod tests {
     fn backend_and_model_keys_are_validated() {
         let e = Config::parse("[engine]\nbackend = \"tpu\"\n", "x.toml").unwrap_err();
         assert!(e.to_string().contains("engine.backend = tpu"), "{e}");
-        let e = Config::parse("[model]\ndtype = \"bfloat16\"\n", "x.toml").unwrap_err();
+        let e = Config::parse(
+            "[model]\ndtype = \"bfloat16\"\n[engine]\nbackend = \"cpu\"\n",
+            "x.toml",
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("model.dtype"), "{e}");
+        let e = Config::parse("[cache]\ngpu_memory_utilization = 1.5\n", "x.toml").unwrap_err();
+        assert!(
+            e.to_string().contains("cache.gpu_memory_utilization: 1.5"),
+            "{e}"
+        );
+        let e = Config::parse("[model]\nmax_model_len = 0\n", "x.toml").unwrap_err();
+        assert!(e.to_string().contains("model.max_model_len"), "{e}");
         let e = Config::parse("[model]\nload_format = \"gguf\"\n", "x.toml").unwrap_err();
         assert!(e.to_string().contains("model.load_format"), "{e}");
         let e = Config::parse("[engine]\ndevices = [0, 0]\n", "x.toml").unwrap_err();

@@ -98,6 +98,15 @@ struct ServeArgs {
     /// Overrides `model.load_format`: auto or dummy (seeded random weights).
     #[arg(long)]
     load_format: Option<String>,
+    /// Overrides `model.max_model_len`: the longest context (prompt + output tokens) a
+    /// request may have. Default: the model's `max_position_embeddings`.
+    #[arg(long)]
+    max_model_len: Option<usize>,
+    /// Overrides `cache.gpu_memory_utilization`: the share of each GPU's memory this process
+    /// may hold (weights, cache and activations), in (0, 1]; the cache gets what the weights
+    /// leave of it (`cache.memory_budget = "auto"`, the default).
+    #[arg(long)]
+    gpu_memory_utilization: Option<f64>,
 }
 
 #[derive(clap::Args)]
@@ -238,6 +247,8 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         devices: args.devices,
         dtype: args.dtype,
         load_format: args.load_format,
+        max_model_len: args.max_model_len,
+        gpu_memory_utilization: args.gpu_memory_utilization,
     })?;
     runtime()?.block_on(chimera::app::serve(config))
 }

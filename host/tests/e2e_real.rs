@@ -32,10 +32,10 @@ impl Drop for Live {
 
 /// The default configuration with `n` replicas and a 32 MiB cache budget per replica (3014
 /// blocks of the embedded model): each replica's cache is resident from the start, so the
-/// default 256 MiB would cost a test with three replicas most of a gigabyte.
+/// default (at least 256 MiB) would cost a test with three replicas most of a gigabyte.
 fn default_toml(n: usize) -> String {
     let default = chimera::config::DEFAULT_TOML;
-    let budget = "memory_budget = \"256MiB\"";
+    let budget = "memory_budget = \"auto\"";
     assert!(default.contains(budget), "the default budget moved");
     default
         .replace("replicas = 1", &format!("replicas = {n}"))
@@ -579,8 +579,8 @@ async fn the_binary_logs_plain_text_and_serves_the_model_under_the_printed_name(
         .iter()
         .map(|m| m["id"].as_str().expect("id"))
         .collect();
-    assert_eq!(ids, ["builtin:tiny-hybrid", "tiny-hybrid"]);
-    for name in ids {
+    assert_eq!(ids, ["builtin:tiny-hybrid"], "one model, listed once");
+    for name in ["builtin:tiny-hybrid", "tiny-hybrid"] {
         let body = json!({"model": name, "prompt": "hi", "max_tokens": 2});
         let r = post(b.addr, "/v1/completions", &body).await;
         assert_eq!(r.status, 200, "{name}: {}", r.text());
@@ -650,4 +650,44 @@ fn a_wrong_model_path_is_named_at_start() {
         err.contains("model.path = \"/no/such/model-folder\": the folder does not exist"),
         "{err}"
     );
+}
+
+/// The cache must hold one sequence of the longest context: a budget too small for the model's
+/// 4096 tokens is a startup error that names both numbers and the flags to change; with
+/// `max_model_len` lowered to what it holds the server starts, says so in `/v1/models`, and a
+/// request longer than that is refused at once, streamed or not, before any token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_too_small_for_the_context_is_a_startup_error_naming_both_numbers() {
+    let small = default_toml(1).replace("memory_budget = \"32MiB\"", "memory_budget = \"12MiB\"");
+    let config = Config::parse(&small, "test").expect("config");
+    let err = tokio::task::spawn_blocking(move || chimera::app::build(&config).err())
+        .await
+        .expect("build task")
+        .expect("a 12MiB cache cannot hold 4096 tokens")
+        .to_string();
+    assert!(
+        err.contains("the longest context, 4096 tokens (model.max_model_len, the model's max_position_embeddings), does not fit in the KV cache, which holds"),
+        "{err}"
+    );
+    assert!(err.contains("set --max-model-len"), "{err}");
+    let holds: u32 = err
+        .split("which holds ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no token count in {err}"));
+    assert!(holds > 16 && holds < 4096, "{err}");
+
+    let fits = small.replace("[model]\n", &format!("[model]\nmax_model_len = {holds}\n"));
+    let b = start_with(&fits, 1).await;
+    let models = request(b.addr, "GET", "/v1/models", &[], b"").await.json();
+    assert_eq!(models["data"][0]["max_model_len"], holds);
+    for stream in [false, true] {
+        let body = json!({"prompt": "hi", "max_tokens": holds, "stream": stream});
+        let r = post(b.addr, "/v1/completions", &body).await;
+        assert_eq!(r.status, 400, "stream {stream}: {}", r.text());
+        assert_eq!(r.json()["error"]["code"], "context_length_exceeded");
+    }
+    let body = json!({"prompt": "hi", "max_tokens": 4});
+    assert_eq!(post(b.addr, "/v1/completions", &body).await.status, 200);
 }

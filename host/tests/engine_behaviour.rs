@@ -72,7 +72,7 @@ fn outputs_do_not_depend_on_config(make: impl Fn() -> MockExecutor) {
     // Every third request also scores its prompt (with two alternatives per token).
     for (_, req) in work.iter_mut() {
         if req.id % 3 == 0 {
-            req.prompt_logprobs = true;
+            req.prompt_logprobs = Some(2);
             req.params.logprobs = Some(2);
         }
     }
@@ -367,6 +367,56 @@ fn prompt_longer_than_the_cache_fails_instead_of_waiting() {
     assert!(msg.contains("memory_budget"), "{msg}");
 }
 
+/// `logit_bias` and `min_tokens` reach the sampling tail: a large bias takes every greedy pick,
+/// a large negative one removes a token, and `min_tokens` masks the stop tokens until that many
+/// tokens are out (the run without it stops at the first token). Checked with and without
+/// scheduling ahead, which plans the masked rows before the previous token is known.
+#[test]
+fn logit_bias_and_min_tokens_steer_sampling() {
+    for ahead in [false, true] {
+        let knobs = Knobs {
+            schedule_ahead: ahead,
+            ..Knobs::default()
+        };
+        let run = |r: chimera::engine::api::GenerateRequest| {
+            let mut e = engine(MockExecutor::transformer(), knobs);
+            drive(&mut e, vec![(0, r)]).outcomes[&1].clone()
+        };
+        let prompt = Tokens::new(3).take(9, VOCAB);
+        let plain = run(request(1, prompt.clone(), 8)).tokens;
+        assert_eq!(plain.len(), 8);
+
+        let mut biased = request(1, prompt.clone(), 8);
+        let favourite = (0..VOCAB).find(|t| !plain.contains(t) && *t != 0).unwrap();
+        biased.params.logit_bias = vec![(favourite, 100.0)];
+        assert_eq!(run(biased).tokens, vec![favourite; 8], "ahead {ahead}");
+
+        let mut against = request(1, prompt.clone(), 8);
+        against.params.logit_bias = vec![(plain[0], -100.0)];
+        let out = run(against).tokens;
+        assert_ne!(out[0], plain[0], "ahead {ahead}");
+        assert!(!out.contains(&plain[0]), "ahead {ahead}: {out:?}");
+
+        // A stop token that greedy decoding picks first: without min_tokens, one token.
+        let mut stop = request(1, prompt.clone(), 8);
+        stop.stop_token_ids = vec![plain[0]];
+        let early = run(stop.clone());
+        assert_eq!(early.tokens, vec![plain[0]], "ahead {ahead}");
+        assert_eq!(early.finish, Some(FinishReason::Stop));
+        stop.params.min_tokens = 5;
+        let late = run(stop);
+        assert!(late.tokens.len() >= 5, "ahead {ahead}: {:?}", late.tokens);
+        assert!(!late.tokens[..4].contains(&plain[0]), "ahead {ahead}");
+        assert!(!late.tokens[..5].contains(&0), "EOS is masked too");
+        let stopped_by_token = late.tokens.last() == Some(&plain[0]);
+        assert_eq!(
+            late.finish,
+            Some(if stopped_by_token { FinishReason::Stop } else { FinishReason::Length }),
+            "ahead {ahead}: {late:?}"
+        );
+    }
+}
+
 #[test]
 fn stored_events_carry_the_prefix_hashes() {
     let mut e = engine(MockExecutor::transformer(), Knobs::default());
@@ -393,7 +443,7 @@ fn threaded_event_delivery_sends_what_inline_delivery_sends() {
     let mut work = shared_prefix_workload(11, 24, VOCAB);
     for (_, req) in work.iter_mut() {
         if req.id % 3 == 0 {
-            req.prompt_logprobs = true;
+            req.prompt_logprobs = Some(2);
             req.params.logprobs = Some(2);
         }
     }
@@ -553,9 +603,10 @@ fn threaded_delivery_cancels_a_request_whose_reader_left() {
             vocab: VOCAB as usize,
             ..MockConfig::default()
         }),
-        // Room for both requests to decode for thousands of steps without a preemption.
+        // Room for both requests to decode for thousands of steps without a preemption (and
+        // for each one's whole 100k tokens: a request that could never fit is refused).
         Knobs {
-            blocks: 4096,
+            blocks: 65_536,
             ..Knobs::default()
         },
     );
@@ -726,7 +777,7 @@ fn scheduling_ahead_changes_no_output() {
                 req.params.temperature = 0.7;
             }
             _ => {
-                req.prompt_logprobs = req.id % 2 == 0;
+                req.prompt_logprobs = (req.id % 2 == 0).then_some(2);
                 req.params.logprobs = Some(2);
             }
         }
@@ -763,6 +814,7 @@ fn scheduling_ahead_changes_no_output() {
         };
         let (after, _) = run(false, make(), false);
         let (ahead, s) = run(true, make(), false);
+        assert_eq!(ahead.tokens(), after.tokens(), "{name}: tokens differ (ahead)");
         // Requests arriving while a step computes (a slow device), joining the step scheduled
         // ahead.
         let slow = || make().with_step_delay(std::time::Duration::from_millis(1));
@@ -791,9 +843,12 @@ fn scheduling_ahead_changes_no_output() {
                 "{name}: {id}"
             );
             assert_eq!(
-                a.prompt_logprobs.is_some(),
-                o.prompt_logprobs.is_some(),
-                "{name}"
+                a.prompt_logprobs, o.prompt_logprobs,
+                "{name}: request {id}'s prompt logprobs"
+            );
+            assert_eq!(
+                j.prompt_logprobs, o.prompt_logprobs,
+                "{name}: request {id}'s prompt logprobs (joined)"
             );
             assert!(a.failed.is_none(), "{name}: request {id} failed");
         }

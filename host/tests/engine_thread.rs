@@ -23,10 +23,18 @@ fn wait(rx: &mut UnboundedReceiver<EngineEvent>) -> (Vec<u32>, EngineEvent) {
     }
 }
 
+/// Room for a 100k-token request (one that could never fit the cache is refused at once).
+fn roomy() -> Knobs {
+    Knobs {
+        blocks: 65_536,
+        ..Knobs::default()
+    }
+}
+
 #[test]
 fn serves_streams_cancels_and_shuts_down() {
     let exec = MockExecutor::hybrid();
-    let s = setup(&exec, Knobs::default());
+    let s = setup(&exec, roomy());
     let (handle, join, mut kv) = spawn_engine(s, exec, Policies::greedy()).expect("spawn");
     let prompt = Tokens::new(1).take(10, 64);
     let mut a = handle.submit(request(1, prompt.clone(), 4)).unwrap();
@@ -99,9 +107,9 @@ fn serves_streams_cancels_and_shuts_down() {
 #[test]
 fn shutdown_cancels_what_is_in_flight() {
     let exec = MockExecutor::transformer();
-    let s = setup(&exec, Knobs::default());
+    let s = setup(&exec, roomy());
     let (handle, join, _kv) = spawn_engine(s, exec, Policies::greedy()).expect("spawn");
-    let mut long = request(1, vec![3, 4, 5], u32::MAX);
+    let mut long = request(1, vec![3, 4, 5], 100_000);
     long.ignore_eos = true;
     let mut rx = handle.submit(long).unwrap();
     assert!(matches!(
@@ -124,7 +132,7 @@ fn shutdown_cancels_what_is_in_flight() {
 fn an_impossible_budget_is_a_startup_error() {
     let exec = MockExecutor::hybrid();
     let mut s = setup(&exec, Knobs::default());
-    s.cache.memory_budget = chimera::cache::ByteSize(1000);
+    s.cache.memory_budget = Some(chimera::cache::ByteSize(1000));
     let err = spawn_engine(s, exec, Policies::greedy())
         .err()
         .expect("must fail");

@@ -434,9 +434,10 @@ async fn completion_logprobs_and_echo() {
         max_tokens: 6,
         stop_token_ids: vec![],
         ignore_eos: false,
-        prompt_logprobs: true,
+        prompt_logprobs: Some(0),
         block_hashes: None,
         checkpoints: Vec::new(),
+        priority: 0,
     });
     let want = direct
         .iter()
@@ -450,13 +451,14 @@ async fn completion_logprobs_and_echo() {
         let want = want[p].as_ref().expect("a logprob").logprob;
         assert_eq!(t.as_f64().map(|x| x as f32), Some(want), "prompt token {p}");
     }
-    assert!(
+    assert_eq!(
         s.recorders[0]
             .recent_requests()
             .pop()
             .unwrap()
             .prompt_logprobs,
-        "echo + logprobs asks the engine for prompt logprobs"
+        Some(0),
+        "echo + logprobs: 0 asks the engine for prompt logprobs with 0 alternatives"
     );
     let st = post(
         s.addr,
@@ -777,8 +779,31 @@ async fn streamed_first_token_is_not_delayed_on_a_reused_connection() {
     );
 }
 
-/// The id responses carry comes first in `/v1/models`, every alias is accepted, and a 404
-/// for an unknown id lists the served ones.
+/// Response ids are unique across restarts (as vLLM's random ids): two servers started alike
+/// give different first ids, each `cmpl-` and 32 hex digits; `/version` answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn response_ids_differ_across_restarts_and_version_answers() {
+    let mut firsts = Vec::new();
+    for _ in 0..2 {
+        let s = server().await;
+        let body = json!({"prompt": "hi", "max_tokens": 1});
+        let a = post(s.addr, "/v1/completions", &body).await.json();
+        let b = post(s.addr, "/v1/completions", &body).await.json();
+        let (a, b) = (a["id"].as_str().unwrap().to_string(), b["id"].as_str().unwrap());
+        assert_ne!(a, b);
+        let hex = a.strip_prefix("cmpl-").unwrap();
+        assert_eq!(hex.len(), 32, "{a}");
+        assert!(hex.chars().all(|c| c.is_ascii_hexdigit()), "{a}");
+        firsts.push(a);
+        let v = request(s.addr, "GET", "/version", &[], b"").await;
+        assert_eq!(v.status, 200);
+        assert_eq!(v.json()["version"], env!("CARGO_PKG_VERSION"));
+    }
+    assert_ne!(firsts[0], firsts[1], "the first id repeats across restarts");
+}
+
+/// `/v1/models` lists the served model once (its alias is accepted, not listed as a second
+/// model), every alias is accepted, and a 404 for an unknown id lists the served ones.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn served_names_and_aliases_are_accepted_and_a_404_lists_them() {
     let s = TestServer::start(Options {
@@ -793,7 +818,7 @@ async fn served_names_and_aliases_are_accepted_and_a_404_lists_them() {
         .iter()
         .map(|m| m["id"].as_str().unwrap())
         .collect();
-    assert_eq!(ids, [MODEL, "mock-alias"]);
+    assert_eq!(ids, [MODEL]);
     for name in [MODEL, "mock-alias"] {
         let body = json!({"model": name, "prompt": "hi", "max_tokens": 2});
         let r = post(s.addr, "/v1/completions", &body).await;
@@ -817,6 +842,14 @@ async fn served_names_and_aliases_are_accepted_and_a_404_lists_them() {
         "short".into(),
     ]));
     let s = TestServer::start(o).await;
+    let models = request(s.addr, "GET", "/v1/models", &[], b"").await.json();
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["org/model", "short"], "names given are all listed");
     for (name, status) in [("org/model", 200), ("short", 200), (MODEL, 404)] {
         let body = json!({"model": name, "prompt": "hi", "max_tokens": 2});
         let r = post(s.addr, "/v1/completions", &body).await;
@@ -1026,4 +1059,96 @@ async fn tokenize_and_detokenize() {
     )
     .await;
     assert_eq!(r.status, 404, "{}", r.text());
+}
+
+/// vLLM's request fields are honoured, not ignored: `min_tokens`, `include_stop_str_in_output`,
+/// `prompt_logprobs`, `truncate_prompt_tokens`, `priority` and `logit_bias`, each refused with
+/// a 400 naming it when it cannot be served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_request_fields_are_served_or_refused_by_name() {
+    let s = server().await;
+    let bad = async |body: Value, param: &str| {
+        let r = post(s.addr, "/v1/completions", &body).await;
+        assert_eq!(r.status, 400, "{body}: {}", r.text());
+        assert_eq!(r.json()["error"]["param"], param, "{body}: {}", r.text());
+    };
+    let base = json!({"model": MODEL, "prompt": "hello there", "max_tokens": 6, "temperature": 0});
+    let with = |k: &str, v: Value| {
+        let mut b = base.clone();
+        b[k] = v;
+        b
+    };
+    bad(with("logit_bias", json!({"x": 1})), "logit_bias").await;
+    bad(with("logit_bias", json!({"5": 101})), "logit_bias").await;
+    bad(with("logit_bias", json!({"99999999": 1})), "logit_bias").await;
+    bad(with("min_tokens", json!(7)), "min_tokens").await;
+    bad(with("priority", json!(3)), "priority").await;
+    bad(with("truncate_prompt_tokens", json!(0)), "truncate_prompt_tokens").await;
+    bad(with("prompt_logprobs", json!(99)), "prompt_logprobs").await;
+    let mut streamed = with("prompt_logprobs", json!(1));
+    streamed["stream"] = json!(true);
+    bad(streamed, "prompt_logprobs").await;
+
+    // truncate_prompt_tokens keeps the last tokens of the prompt.
+    let ids: Vec<u32> = (40..50).collect();
+    let mut t = with("prompt", json!(ids));
+    t["truncate_prompt_tokens"] = json!(3);
+    t["return_token_ids"] = json!(true);
+    let v = post(s.addr, "/v1/completions", &t).await.json();
+    assert_eq!(v["usage"]["prompt_tokens"], 3, "{v}");
+    assert_eq!(v["choices"][0]["prompt_token_ids"], json!([47, 48, 49]));
+
+    // prompt_logprobs: one entry per prompt token, the first null, each holding the prompt
+    // token with its rank and the asked-for alternatives ranked from 1.
+    let mut p = with("prompt", json!(ids));
+    p["prompt_logprobs"] = json!(2);
+    let v = post(s.addr, "/v1/completions", &p).await.json();
+    let plp = v["choices"][0]["prompt_logprobs"].as_array().expect("prompt_logprobs");
+    assert_eq!(plp.len(), ids.len());
+    assert!(plp[0].is_null());
+    for (i, entry) in plp.iter().enumerate().skip(1) {
+        let m = entry.as_object().expect("an object");
+        let own = &m[&ids[i].to_string()];
+        assert!(own["logprob"].as_f64().unwrap() <= 0.0);
+        assert!(own["rank"].as_u64().unwrap() >= 1);
+        assert!(own["decoded_token"].is_string());
+        let ranks: Vec<u64> = m.values().map(|e| e["rank"].as_u64().unwrap()).collect();
+        assert!(ranks.contains(&1) && ranks.contains(&2), "{entry}");
+    }
+
+    // include_stop_str_in_output keeps the matched stop string.
+    let text = post(s.addr, "/v1/completions", &base).await.json()["choices"][0]["text"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let chars: Vec<char> = text.chars().collect();
+    assert!(chars.len() >= 3, "{text:?}");
+    let stop: String = chars[1..3].iter().collect();
+    let cut = text.find(&stop).unwrap();
+    let mut st = with("stop", json!([stop]));
+    let v = post(s.addr, "/v1/completions", &st).await.json();
+    assert_eq!(v["choices"][0]["text"], text[..cut], "{v}");
+    st["include_stop_str_in_output"] = json!(true);
+    let v = post(s.addr, "/v1/completions", &st).await.json();
+    assert_eq!(v["choices"][0]["text"], text[..cut + stop.len()], "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+
+    // min_tokens: a stop string is not matched before that many tokens are out.
+    let mut m = st.clone();
+    m["include_stop_str_in_output"] = json!(false);
+    m["min_tokens"] = json!(6);
+    let v = post(s.addr, "/v1/completions", &m).await.json();
+    assert_eq!(v["usage"]["completion_tokens"], 6, "{v}");
+    assert_eq!(v["choices"][0]["text"], text, "{v}");
+}
+
+/// Under `engine.scheduling_policy = "priority"` a request's `priority` is accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn priority_is_accepted_under_the_priority_policy() {
+    let mut o = Options::default();
+    o.engine.scheduling_policy = "priority".into();
+    let s = TestServer::start(o).await;
+    let body = json!({"model": MODEL, "prompt": "hi", "max_tokens": 2, "priority": -5});
+    let r = post(s.addr, "/v1/completions", &body).await;
+    assert_eq!(r.status, 200, "{}", r.text());
 }

@@ -61,7 +61,7 @@ async fn start() -> Live {
                 ..EngineConfig::default()
             },
             cache: CacheConfig {
-                memory_budget: ByteSize(64 << 20),
+                memory_budget: Some(ByteSize(64 << 20)),
                 block_size: BLOCK as usize,
                 prefix_caching: true,
                 ..CacheConfig::default()
@@ -93,6 +93,7 @@ async fn start() -> Live {
             cache_salt: SALT.into(),
             num_blocks: 0,
             prefix_caching: true,
+            priority_scheduling: false,
         },
         codec: TextCodec::from_dir(&model_dir()).expect("tokenizer"),
         replicas,

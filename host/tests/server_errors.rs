@@ -683,9 +683,10 @@ fn the_engine_fails_malformed_requests_as_invalid_request() {
         max_tokens,
         stop_token_ids: vec![],
         ignore_eos: false,
-        prompt_logprobs: false,
+        prompt_logprobs: None,
         block_hashes: None,
         checkpoints: Vec::new(),
+        priority: 0,
     };
     let vocab = o.mock.vocab as u32;
     let cases = [

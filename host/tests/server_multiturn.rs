@@ -33,9 +33,10 @@ fn cold(o: &Options, prompt: &[u32], n: u32) -> Vec<u32> {
         max_tokens: n,
         stop_token_ids: Vec::new(),
         ignore_eos: false,
-        prompt_logprobs: false,
+        prompt_logprobs: None,
         block_hashes: None,
         checkpoints: Vec::new(),
+        priority: 0,
     });
     events
         .into_iter()
@@ -85,12 +86,19 @@ async fn conversation_continues_in_token_space_and_is_served_from_cache() {
             );
         }
         let cacheable = details["cacheable_tokens"].as_u64().unwrap() as usize;
-        if cached < cacheable {
-            // Short of the cacheable prefix only where the new message starts.
+        if turn == 0 {
+            // A cold prompt: a miss, and it says why.
+            assert!(cached < cacheable);
             assert_eq!(details["cache_miss_reason"], "no_kv_match", "turn {turn}");
             misses += 1.0;
         } else {
-            assert!(details.get("cache_miss_reason").is_none(), "turn {turn}");
+            // Short of the cacheable prefix only where the new message starts: reuse was
+            // maximal, so no miss reason (it would be noise on every follow-up).
+            assert!(cached < cacheable, "turn {turn}: the new message is never cached");
+            assert!(
+                details.get("cache_miss_reason").is_none(),
+                "turn {turn}: {details}"
+            );
         }
         prompt.extend(&reply);
         ended_at = prompt.len();
@@ -113,7 +121,7 @@ async fn conversation_continues_in_token_space_and_is_served_from_cache() {
         ),
         misses
     );
-    assert!(misses >= 1.0);
+    assert_eq!(misses, 1.0);
     // Without `return_token_ids` none of the id fields appear.
     let r = post(
         s.addr,

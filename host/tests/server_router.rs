@@ -214,9 +214,10 @@ fn run_with_hashes(prompt: &[u32], given: Option<Vec<BlockHash>>) -> (u64, Vec<u
         max_tokens: 1,
         stop_token_ids: vec![],
         ignore_eos: true,
-        prompt_logprobs: false,
+        prompt_logprobs: None,
         block_hashes: given.map(Into::into),
         checkpoints: Vec::new(),
+        priority: 0,
     };
     e.add(request, tx);
     while !e.is_idle() {

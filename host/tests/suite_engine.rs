@@ -1,5 +1,5 @@
 //! Test binary: the engine and the models (parity with transformers, the engine over real
-//! models and the mock executor, its thread, cache memory, model sources: hub and GGUF).
+//! models and the mock executor, its thread, model sources: hub and GGUF).
 //!
 //! The integration tests are grouped into a few binaries (`autotests = false` in Cargo.toml):
 //! each test binary links the whole crate and its dependencies, so twenty of them cost
@@ -13,8 +13,6 @@
 mod engine_common;
 mod sources_support;
 
-#[path = "cache_memory.rs"]
-mod cache_memory;
 #[path = "engine_behaviour.rs"]
 mod engine_behaviour;
 #[path = "engine_models.rs"]

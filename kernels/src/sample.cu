@@ -221,25 +221,29 @@ __device__ void bitonic_sort(const Buf& buf, u32 n) {
 }
 
 // The CPU's `apply_penalties` on the row's history tokens in [lo, hi) (hi <= vocab), with its
-// exact f32 operations (no contraction into FMA). History tokens are distinct, so one thread
-// per entry writes without races.
+// exact f32 operations (no contraction into FMA): repetition, then frequency and presence, then
+// the entry's bias. An entry whose count is BIAS_ONLY is in neither prompt nor output and gets
+// only its bias. History tokens are distinct, so one thread per entry writes without races.
+#define BIAS_ONLY 0xffffffffu
 __device__ void apply_penalties(float* x, u32 lo, u32 hi, u32 i, const float* repetition,
                                 const float* presence, const float* frequency,
                                 const u32* hist_offsets, const u32* hist_tokens,
-                                const u32* hist_counts) {
+                                const u32* hist_counts, const float* hist_bias) {
     float rep = repetition[i], pres = presence[i], freq = frequency[i];
     bool rep_on = rep != 1.0f && rep > 0.0f;
     bool counts_on = pres != 0.0f || freq != 0.0f;
-    if (!rep_on && !counts_on) return;
     u32 end = hist_offsets[i + 1];
     for (u32 j = hist_offsets[i] + threadIdx.x; j < end; j += blockDim.x) {
         u32 t = hist_tokens[j];
         if (t < lo || t >= hi) continue;
         float v = x[t];
-        if (rep_on) v = v > 0.0f ? __fdiv_rn(v, rep) : __fmul_rn(v, rep);
         u32 c = hist_counts[j];
-        if (counts_on && c > 0)
+        bool seen = c != BIAS_ONLY;
+        if (rep_on && seen) v = v > 0.0f ? __fdiv_rn(v, rep) : __fmul_rn(v, rep);
+        if (counts_on && seen && c > 0)
             v = __fsub_rn(v, __fadd_rn(__fmul_rn(freq, __uint2float_rn(c)), pres));
+        float b = hist_bias[j];
+        if (b != 0.0f) v = __fadd_rn(v, b);
         x[t] = v;
     }
 }
@@ -272,7 +276,8 @@ __device__ void write_candidates(const u64* sorted, u32 k, const float* x, u32* 
 extern "C" __global__ void __launch_bounds__(CHUNK_THREADS) sample_chunk_topk(
     float* logits, const u32* sample_rows, const float* repetition, const float* presence,
     const float* frequency, const u32* want_lse, const u32* hist_offsets, const u32* hist_tokens,
-    const u32* hist_counts, u32 vocab, u32 chunk, u32 parts, u32 k, u64* part_keys,
+    const u32* hist_counts, const float* hist_bias, u32 vocab, u32 chunk, u32 parts, u32 k,
+    u64* part_keys,
     float* part_stats) { CHIMERA_PDL_ENTRY();
     extern __shared__ u32 chunk_dk[];
     __shared__ SelectSmem sm;
@@ -281,7 +286,7 @@ extern "C" __global__ void __launch_bounds__(CHUNK_THREADS) sample_chunk_topk(
     float* x = logits + (u64)sample_rows[i] * vocab;
 
     apply_penalties(x, lo, lo + len, i, repetition, presence, frequency, hist_offsets,
-                    hist_tokens, hist_counts);
+                    hist_tokens, hist_counts, hist_bias);
     __syncthreads();  // the penalised values are read below by other threads
 
     float mx = -CHIMERA_INF;
@@ -389,7 +394,8 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS) sample_merge(
 extern "C" __global__ void __launch_bounds__(ROW_THREADS) sample_row_topk(
     float* logits, const u32* sample_rows, const float* repetition, const float* presence,
     const float* frequency, const u32* want_lse, const u32* hist_offsets, const u32* hist_tokens,
-    const u32* hist_counts, u32 vocab, u32 k, u32 sort_in_smem, u32* cand_tokens,
+    const u32* hist_counts, const float* hist_bias, u32 vocab, u32 k, u32 sort_in_smem,
+    u32* cand_tokens,
     float* cand_logits, float* lse) { CHIMERA_PDL_ENTRY();
     extern __shared__ u64 row_keys[];
     __shared__ SelectSmem sm;
@@ -397,7 +403,7 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) sample_row_topk(
     float* x = logits + (u64)sample_rows[i] * vocab;
 
     apply_penalties(x, 0, vocab, i, repetition, presence, frequency, hist_offsets, hist_tokens,
-                    hist_counts);
+                    hist_counts, hist_bias);
     __syncthreads();
 
     if (want_lse[i]) {

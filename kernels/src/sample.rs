@@ -22,11 +22,11 @@ use super::Param::{Ptr, U32};
 use super::{Entry, Launch, Param};
 
 const CHUNK_TOPK: &[Param] = &[
-    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, Ptr, Ptr,
+    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, Ptr, Ptr,
 ];
 const MERGE: &[Param] = &[Ptr, Ptr, Ptr, U32, U32, U32, U32, Ptr, Ptr, Ptr, Ptr, Ptr];
 const ROW_TOPK: &[Param] = &[
-    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, Ptr, Ptr, Ptr,
+    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, Ptr, Ptr, Ptr,
 ];
 
 pub const ENTRIES: &[Entry] = &[
@@ -65,8 +65,12 @@ pub enum SampleArg {
     HistOffsets,
     /// u32 `[entries]`: distinct history tokens per row (ids ≥ vocab are ignored).
     HistTokens,
-    /// u32 `[entries]`: each history token's count in the row's output (0: prompt only).
+    /// u32 `[entries]`: each history token's count in the row's output (0: prompt only;
+    /// `u32::MAX`: in neither prompt nor output, the entry only carries a bias).
     HistCounts,
+    /// f32 `[entries]`: added to the entry token's logit after its penalties (a request's
+    /// `logit_bias`; negative infinity masks a token out).
+    HistBias,
     /// u32 `[n, k]` out: candidate ids, best first.
     CandTokens,
     /// f32 `[n, k]` out: the candidates' penalised logits as they are in the row (NaN kept).
@@ -168,6 +172,7 @@ impl Geometry {
             HistOffsets,
             HistTokens,
             HistCounts,
+            HistBias,
         ];
         match self.path {
             Path::Split {

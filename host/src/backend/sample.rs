@@ -2,7 +2,8 @@
 //! into top-K candidate columns ([`SampleRows`]), and what it hands back ([`SampleOut`]).
 //!
 //! Per row the tail applies repetition / presence / frequency penalties from the row's token
-//! history, takes the K best (penalised logit, token) pairs (best first, ties to the lower token
+//! history, then adds each entry's bias (a request's `logit_bias`; negative infinity for a
+//! token `min_tokens` masks out), takes the K best (penalised logit, token) pairs (best first, ties to the lower token
 //! id, NaN ranked as negative infinity) and, where asked, the log-sum-exp of the penalised row.
 //! Temperature is not applied: candidates are logits after penalties, before temperature, as
 //! the sampler policy expects them.
@@ -11,6 +12,10 @@
 //! their count in the row's output (0 for tokens seen only in the prompt), built once on the
 //! host by [`SampleRows::push_row`]. Distinct entries mean a device kernel can give every entry
 //! its own thread without write races.
+
+/// `hist_counts` of an entry that is only biased: its token is in neither the prompt nor the
+/// output, so no penalty touches it.
+pub const BIAS_ONLY: u32 = u32::MAX;
 
 /// One row's penalty parameters (as in the request's sampling parameters).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -39,7 +44,8 @@ impl Penalties {
 ///
 /// Invariants (kept by [`SampleRows::push_row`], checked by the kernels): every per-row column
 /// has the same length, `hist_offsets` has one more entry, starts at 0, never decreases and ends
-/// at `hist_tokens.len() == hist_counts.len()`; the tokens of one row are distinct.
+/// at `hist_tokens.len() == hist_counts.len() == hist_bias.len()`; the tokens of one row are
+/// distinct.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct SampleRows {
     /// Candidates wanted per row; the kernel produces `k.min(vocab).max(1)`.
@@ -52,8 +58,11 @@ pub struct SampleRows {
     /// Row `i`'s history is `hist_tokens[hist_offsets[i]..hist_offsets[i + 1]]`.
     pub hist_offsets: Vec<u32>,
     pub hist_tokens: Vec<u32>,
-    /// Occurrences of the token in the row's output (0: only in the prompt).
+    /// Occurrences of the token in the row's output (0: only in the prompt; [`BIAS_ONLY`]: in
+    /// neither, the entry is there for its bias).
     pub hist_counts: Vec<u32>,
+    /// Added to the token's logit after the penalties (0 for most entries).
+    pub hist_bias: Vec<f32>,
 }
 
 impl SampleRows {
@@ -68,6 +77,7 @@ impl SampleRows {
         self.hist_offsets.push(0);
         self.hist_tokens.clear();
         self.hist_counts.clear();
+        self.hist_bias.clear();
     }
 
     /// Becomes a copy of `src`, reusing this value's buffers (no allocation once warm).
@@ -80,6 +90,7 @@ impl SampleRows {
         self.hist_offsets.clone_from(&src.hist_offsets);
         self.hist_tokens.clone_from(&src.hist_tokens);
         self.hist_counts.clone_from(&src.hist_counts);
+        self.hist_bias.clone_from(&src.hist_bias);
     }
 
     pub fn len(&self) -> usize {
@@ -92,11 +103,56 @@ impl SampleRows {
 
     /// Row `i`'s `(tokens, output counts)`.
     pub fn history(&self, i: usize) -> (&[u32], &[u32]) {
-        let (a, b) = (
+        let (a, b) = self.entries(i);
+        (&self.hist_tokens[a..b], &self.hist_counts[a..b])
+    }
+
+    /// Row `i`'s entry biases (aligned with [`Self::history`]).
+    pub fn bias(&self, i: usize) -> &[f32] {
+        let (a, b) = self.entries(i);
+        &self.hist_bias[a..b]
+    }
+
+    fn entries(&self, i: usize) -> (usize, usize) {
+        (
             self.hist_offsets[i] as usize,
             self.hist_offsets[i + 1] as usize,
-        );
-        (&self.hist_tokens[a..b], &self.hist_counts[a..b])
+        )
+    }
+
+    /// Adds biases to the last row pushed: `bias` (token, value) pairs, and negative infinity
+    /// for every `banned` token. A token already in the row's history keeps its entry (its
+    /// penalties apply first); others get a [`BIAS_ONLY`] entry. Allocates (rare rows only:
+    /// requests with `logit_bias` or `min_tokens`).
+    pub fn bias_last_row(&mut self, bias: &[(u32, f32)], banned: &[u32]) {
+        let Some(i) = self.len().checked_sub(1) else {
+            return;
+        };
+        let (a, _) = self.entries(i);
+        let mut row: Vec<(u32, u32, f32)> = (a..self.hist_tokens.len())
+            .map(|j| (self.hist_tokens[j], self.hist_counts[j], self.hist_bias[j]))
+            .collect();
+        row.sort_unstable_by_key(|e| e.0);
+        let extra = bias
+            .iter()
+            .copied()
+            .chain(banned.iter().map(|&t| (t, f32::NEG_INFINITY)));
+        for (t, v) in extra {
+            match row.binary_search_by_key(&t, |e| e.0) {
+                Ok(j) if v == f32::NEG_INFINITY => row[j].2 = v,
+                Ok(j) => row[j].2 += v,
+                Err(j) => row.insert(j, (t, BIAS_ONLY, v)),
+            }
+        }
+        self.hist_tokens.truncate(a);
+        self.hist_counts.truncate(a);
+        self.hist_bias.truncate(a);
+        for (t, c, v) in row {
+            self.hist_tokens.push(t);
+            self.hist_counts.push(c);
+            self.hist_bias.push(v);
+        }
+        self.hist_offsets[i + 1] = self.hist_tokens.len() as u32;
     }
 
     /// Appends one row: its penalties, whether it wants its log-sum-exp, and its history as
@@ -152,6 +208,7 @@ impl SampleRows {
                 self.hist_counts.resize(kept, 0);
             }
         }
+        self.hist_bias.resize(self.hist_tokens.len(), 0.0);
         self.hist_offsets.push(self.hist_tokens.len() as u32);
     }
 }

@@ -33,8 +33,12 @@ pub const BLOCK_BOOKKEEPING_BYTES: u64 = 256;
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CacheConfig {
-    /// Bytes for KV blocks and SSM slots together: an integer or a string like "8GiB".
-    pub memory_budget: ByteSize,
+    /// Bytes for KV blocks and SSM slots together: an integer or a string like "8GiB";
+    /// `None` ("auto" in TOML) is resolved when the model is loaded (see
+    /// [`CacheLayout::budget_for_tokens`]): on a GPU from `gpu_memory_utilization`, on the CPU
+    /// enough for one sequence of the longest context, at least [`CPU_MIN_AUTO_BUDGET`].
+    #[serde(deserialize_with = "auto_or_size")]
+    pub memory_budget: Option<ByteSize>,
     /// Tokens per KV block (and the granularity of prefix matching and SSM snapshots).
     pub block_size: usize,
     /// Reuse cached prompt blocks (and SSM snapshots) across requests.
@@ -50,6 +54,10 @@ pub struct CacheConfig {
     /// On a GPU: the budget is this fraction of the device memory left free once the weights
     /// are loaded (replacing `memory_budget`); the rest stays for activations. Ignored on the CPU.
     pub memory_fraction: Option<f64>,
+    /// On a GPU with `memory_budget = "auto"` (vLLM's `--gpu-memory-utilization`): the share of
+    /// the device's whole memory this process may hold; the cache gets what the weights (and
+    /// whatever else already holds device memory) leave of it. In (0, 1].
+    pub gpu_memory_utilization: f64,
     /// Hybrid models: also snapshot a prompt's SSM state every this many tokens (a multiple
     /// of `block_size`; 0 turns it off), so a later prompt sharing any long prefix of it
     /// resumes at most this many tokens before the divergence. Without it a prefix is
@@ -62,14 +70,35 @@ pub struct CacheConfig {
 impl Default for CacheConfig {
     fn default() -> Self {
         Self {
-            memory_budget: ByteSize(256 << 20),
+            memory_budget: None,
             block_size: 16,
             prefix_caching: true,
             ssm_share: None,
             ssm_state_dtype: SsmStateDtype::Float32,
             memory_fraction: None,
+            gpu_memory_utilization: 0.9,
             ssm_snapshot_interval: 512,
         }
+    }
+}
+
+/// The smallest budget `memory_budget = "auto"` gives on the CPU.
+pub const CPU_MIN_AUTO_BUDGET: ByteSize = ByteSize(256 << 20);
+
+/// `memory_budget`: "auto" (`None`) or a size.
+fn auto_or_size<'de, D: Deserializer<'de>>(d: D) -> Result<Option<ByteSize>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Raw {
+        Int(u64),
+        Str(String),
+    }
+    match Raw::deserialize(d)? {
+        Raw::Int(n) => Ok(Some(ByteSize(n))),
+        Raw::Str(s) if s.trim() == "auto" => Ok(None),
+        Raw::Str(s) => ByteSize::parse(&s)
+            .map(Some)
+            .map_err(|e| serde::de::Error::custom(format!("{e}, or \"auto\""))),
     }
 }
 
@@ -142,6 +171,8 @@ pub enum CacheConfigError {
     BlockSize(usize),
     #[error("cache.ssm_share = {0}: must be in [0, 1)")]
     Share(f64),
+    #[error("cache.memory_budget = \"auto\" was not resolved to a size before the cache was planned")]
+    Unresolved,
     #[error(
         "cache.memory_budget = {budget} cannot hold the {live} live SSM slots (one per \
          engine.max_running request, {slot} each, {need} in total): raise cache.memory_budget, \
@@ -205,7 +236,8 @@ impl CacheLayout {
             return Err(CacheConfigError::Share(r));
         }
         let spec = spec.with_ssm_state_dtype(cfg.ssm_state_dtype);
-        let budget = cfg.memory_budget.0;
+        let memory_budget = cfg.memory_budget.ok_or(CacheConfigError::Unresolved)?;
+        let budget = memory_budget.0;
         let (live_slots, durable_slots, ssm_bytes) = if spec.is_hybrid() {
             let slot = spec.ssm_slot_bytes().max(1) as u64;
             let live_need = slot * max_running as u64;
@@ -218,7 +250,7 @@ impl CacheLayout {
             };
             if ssm_budget < live_need {
                 return Err(CacheConfigError::LiveSlots {
-                    budget: cfg.memory_budget,
+                    budget: memory_budget,
                     live: max_running,
                     slot: ByteSize(slot),
                     need: ByteSize(live_need),
@@ -246,7 +278,7 @@ impl CacheLayout {
         let num_blocks = num_blocks.min(u32::MAX as u64 - 1) as usize;
         if num_blocks < 2 {
             return Err(CacheConfigError::TooFewBlocks {
-                budget: cfg.memory_budget,
+                budget: memory_budget,
                 blocks: num_blocks,
                 block: ByteSize(charged),
             });
@@ -259,6 +291,39 @@ impl CacheLayout {
             kv_bytes: num_blocks as u64 * kv_block,
             ssm_bytes,
         })
+    }
+
+    /// Tokens of KV the pool holds: the longest sequence it can ever hold alone.
+    pub fn token_capacity(&self) -> usize {
+        self.num_blocks.saturating_mul(self.block_size)
+    }
+
+    /// The smallest budget whose plan (with `cfg`'s other keys) holds `tokens` tokens of KV,
+    /// to the byte: the plan is monotonic in the budget, so a binary search over it finds the
+    /// exact edge without repeating its split rules here. `None` when no budget below 1 PiB
+    /// does.
+    pub fn budget_for_tokens(
+        cfg: &CacheConfig,
+        spec: &CacheSpec,
+        max_running: usize,
+        tokens: usize,
+    ) -> Option<ByteSize> {
+        let holds = |bytes: u64| {
+            let c = CacheConfig {
+                memory_budget: Some(ByteSize(bytes)),
+                ..cfg.clone()
+            };
+            Self::plan(&c, spec, max_running).is_ok_and(|l| l.token_capacity() >= tokens)
+        };
+        let (mut lo, mut hi) = (0u64, 1u64 << 50);
+        if !holds(hi) {
+            return None;
+        }
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if holds(mid) { hi = mid } else { lo = mid }
+        }
+        Some(ByteSize(hi))
     }
 }
 
@@ -311,11 +376,14 @@ mod tests {
     fn toml_section_rejects_unknown_keys() {
         let ok: CacheConfig =
             toml::from_str("memory_budget = \"2MiB\"\nblock_size = 32\nssm_share = 0.5").unwrap();
-        assert_eq!(ok.memory_budget, ByteSize(2 << 20));
+        assert_eq!(ok.memory_budget, Some(ByteSize(2 << 20)));
+        let auto: CacheConfig = toml::from_str("memory_budget = \"auto\"").unwrap();
+        assert_eq!(auto.memory_budget, None);
+        assert!(toml::from_str::<CacheConfig>("memory_budget = \"lots\"").is_err());
         assert_eq!(ok.block_size, 32);
         assert!(ok.prefix_caching);
         let int: CacheConfig = toml::from_str("memory_budget = 4096").unwrap();
-        assert_eq!(int.memory_budget, ByteSize(4096));
+        assert_eq!(int.memory_budget, Some(ByteSize(4096)));
         let err = toml::from_str::<CacheConfig>("block_sise = 16").unwrap_err();
         assert!(err.to_string().contains("block_sise"), "{err}");
     }
@@ -344,7 +412,7 @@ mod tests {
     fn ssm_slots_are_sized_with_the_ssm_state_dtype() {
         // Slot: 3 layers * (8 conv * 4 bytes + 24 state * 2 bytes) = 240 B; KV unchanged.
         let cfg = CacheConfig {
-            memory_budget: ByteSize(100_000),
+            memory_budget: Some(ByteSize(100_000)),
             ssm_share: Some(0.25),
             ssm_state_dtype: SsmStateDtype::Bfloat16,
             ..Default::default()
@@ -358,7 +426,7 @@ mod tests {
     #[test]
     fn attention_free_pool_is_bounded_by_what_slots_can_index() {
         let cfg = CacheConfig {
-            memory_budget: ByteSize(256 << 20),
+            memory_budget: Some(ByteSize(256 << 20)),
             ..Default::default()
         };
         let spec = mamba2_3_layers();
@@ -388,7 +456,7 @@ mod tests {
             ..spec(2)
         };
         let cfg = CacheConfig {
-            memory_budget: ByteSize(256 << 20),
+            memory_budget: Some(ByteSize(256 << 20)),
             ..Default::default()
         };
         let l = CacheLayout::plan(&cfg, &tiny, 64).unwrap();
@@ -405,7 +473,7 @@ mod tests {
     fn transformer_budget_is_all_kv() {
         // One block: 2 (K,V) * 2 layers * 16 tokens * 2 heads * 4 dims * 4 bytes = 2048 B.
         let cfg = CacheConfig {
-            memory_budget: ByteSize(10 * 2048 + 100),
+            memory_budget: Some(ByteSize(10 * 2048 + 100)),
             ..Default::default()
         };
         let l = CacheLayout::plan(&cfg, &spec(0), 8).unwrap();
@@ -417,7 +485,7 @@ mod tests {
     fn hybrid_explicit_share_splits_budget() {
         // Slot: 3 layers * 32 elems * 4 bytes = 384 B.
         let cfg = CacheConfig {
-            memory_budget: ByteSize(100_000),
+            memory_budget: Some(ByteSize(100_000)),
             ssm_share: Some(0.25),
             ..Default::default()
         };
@@ -431,7 +499,7 @@ mod tests {
     #[test]
     fn hybrid_auto_share_gives_snapshots_a_fifth_of_the_rest() {
         let cfg = CacheConfig {
-            memory_budget: ByteSize(100_000),
+            memory_budget: Some(ByteSize(100_000)),
             ..Default::default()
         };
         let l = CacheLayout::plan(&cfg, &spec(3), 4).unwrap();
@@ -450,13 +518,13 @@ mod tests {
     #[test]
     fn impossible_budgets_say_what_to_change() {
         let cfg = CacheConfig {
-            memory_budget: ByteSize(3000),
+            memory_budget: Some(ByteSize(3000)),
             ..Default::default()
         };
         let e = CacheLayout::plan(&cfg, &spec(0), 1).unwrap_err();
         assert!(e.to_string().contains("raise cache.memory_budget"), "{e}");
         let cfg = CacheConfig {
-            memory_budget: ByteSize(100_000),
+            memory_budget: Some(ByteSize(100_000)),
             ssm_share: Some(0.01),
             ..Default::default()
         };

@@ -382,10 +382,14 @@ fn every_miss_has_its_reason() {
     let mut c = a[..4].to_vec();
     c.extend([50, 51, 52, 53, 54, 55]);
     assert_eq!(reason(&cm, &c, false), Some(MissReason::NoSnapshot));
-    // Reaches past the cache: no KV for block 4.
+    // Reaches past the cache into new tokens: the 3 cached blocks are served and block 4 was
+    // never computed, so nothing was missed (a follow-up turn's shape).
     let mut d = a[..12].to_vec();
     d.extend(60..70);
-    assert_eq!(reason(&cm, &d, false), Some(MissReason::NoKvMatch));
+    assert_eq!(reason(&cm, &d, false), None);
+    // Nothing of the prompt cached: a cold prompt is a miss.
+    let e: Vec<u32> = (200..214).collect();
+    assert_eq!(reason(&cm, &e, false), Some(MissReason::NoKvMatch));
     // A miss is counted per reason.
     cm.count_miss(Some(MissReason::NoKvMatch));
     cm.count_miss(None);

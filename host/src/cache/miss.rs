@@ -22,7 +22,9 @@ pub enum MissReason {
     PromptLogprobs,
     /// The prompt has no full block that leaves at least two tokens to compute.
     PromptTooShort,
-    /// The next block of the prompt is not in the index (never computed, or forgotten).
+    /// No block of the prompt is in the index (never computed, or forgotten). A prompt that
+    /// matches a cached prefix and then goes on with blocks nobody computed (a follow-up
+    /// turn's new message) was served all the cache held: that is no miss.
     NoKvMatch,
     /// The KV of the next block is cached, but no SSM snapshot exists at that boundary
     /// (hybrid models only).

@@ -296,11 +296,14 @@ impl CacheManager {
                 MissReason::NoSnapshot
             });
         }
-        Some(if self.memory.was_evicted(hashes[m.kv_blocks]) {
-            MissReason::Evicted
-        } else {
-            MissReason::NoKvMatch
-        })
+        if self.memory.was_evicted(hashes[m.kv_blocks]) {
+            return Some(MissReason::Evicted);
+        }
+        // The next block was never cached. With nothing of the prompt cached that is a cold
+        // prompt: a miss. After a served prefix it is where the prompt says something new (a
+        // follow-up's new message, a divergence from a shared prefix): the cache served all
+        // it ever held of this prompt, which is no miss.
+        (m.kv_blocks == 0).then_some(MissReason::NoKvMatch)
     }
 
     /// Counts one admission's prefix-cache lookup in tokens, as vLLM does: the whole prompt was

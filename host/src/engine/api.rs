@@ -32,6 +32,12 @@ pub struct SamplingParams {
     pub repetition_penalty: f32,
     /// Return this many top alternatives' logprobs per generated token (None: no logprobs).
     pub logprobs: Option<u32>,
+    /// Generated tokens before a stop token (or EOS) may end the request: until then they are
+    /// masked out of sampling (vLLM's `min_tokens`). 0 disables.
+    pub min_tokens: u32,
+    /// Added to the logit of each token before penalties' results are ranked (OpenAI's
+    /// `logit_bias`), sorted by token id, one entry per token; -inf bans the token.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -46,6 +52,8 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             repetition_penalty: 1.0,
             logprobs: None,
+            min_tokens: 0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -61,9 +69,10 @@ pub struct GenerateRequest {
     /// Generation stops after any of these tokens (EOS is added unless `ignore_eos`).
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
-    /// Also return the prompt tokens' logprobs (`echo` with `logprobs`). The whole prompt is
-    /// then computed: cached prefixes have no logits to give.
-    pub prompt_logprobs: bool,
+    /// Also return the prompt tokens' logprobs, with this many top alternatives each (`echo`
+    /// with `logprobs`, or vLLM's `prompt_logprobs`). The whole prompt is then computed:
+    /// cached prefixes have no logits to give.
+    pub prompt_logprobs: Option<u32>,
     /// The prompt's chained block hashes (`cache::hash`, one per full block), when the sender
     /// already computed them (the server does, to route). The engine adopts them instead of
     /// hashing the prompt again, after checking their count and first block against its own
@@ -74,6 +83,9 @@ pub struct GenerateRequest {
     /// boundary (an offset inside the first block asks for nothing). Ignored by models without
     /// SSM layers and with prefix caching off.
     pub checkpoints: Vec<u32>,
+    /// Admission order under `engine.scheduling_policy = "priority"`: lower first (vLLM's
+    /// `priority`); ignored under "fcfs".
+    pub priority: i32,
 }
 
 /// Logprob of one generated token and of its top alternatives.
@@ -83,6 +95,9 @@ pub struct TokenLogprob {
     pub logprob: f32,
     /// (token, logprob), best first.
     pub top: Vec<(u32, f32)>,
+    /// The token's rank in its whole distribution (1: the most likely), where it was computed
+    /// over the full row (prompt logprobs); `None` for sampled tokens.
+    pub rank: Option<u32>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -41,13 +41,17 @@ pub struct EngineConfig {
     /// ahead, while the device has time left on the current one. Output is the same either
     /// way.
     pub schedule_ahead: bool,
+    /// Order of admission: "fcfs" (arrival) or "priority" (a request's `priority`, lower
+    /// first, then arrival; a preempted request is the worst-priority paused one), as vLLM's
+    /// `--scheduling-policy`.
+    pub scheduling_policy: String,
 }
 
 /// The values of `configs/default.toml` (a test checks they agree).
 impl Default for EngineConfig {
     fn default() -> Self {
         Self {
-            backend: "cpu".into(),
+            backend: "auto".into(),
             devices: vec![0],
             replicas: 1,
             max_batched_tokens: 1024,
@@ -57,6 +61,7 @@ impl Default for EngineConfig {
             sampler_candidates: 64,
             cuda_graphs: true,
             schedule_ahead: true,
+            scheduling_policy: "fcfs".into(),
         }
     }
 }
@@ -74,6 +79,11 @@ pub enum ConfigError {
 }
 
 impl EngineConfig {
+    /// Whether requests are admitted by priority (`scheduling_policy = "priority"`).
+    pub fn by_priority(&self) -> bool {
+        self.scheduling_policy == "priority"
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |key, value: usize, why| {
             Err(ConfigError::Invalid {
@@ -87,6 +97,13 @@ impl EngineConfig {
                 key: "backend",
                 value: self.backend.clone(),
                 why: "must be \"cpu\", \"cuda\" or \"auto\"",
+            });
+        }
+        if !matches!(self.scheduling_policy.as_str(), "fcfs" | "priority") {
+            return Err(ConfigError::Invalid {
+                key: "scheduling_policy",
+                value: self.scheduling_policy.clone(),
+                why: "must be \"fcfs\" or \"priority\"",
             });
         }
         if self.devices.is_empty() || self.devices.len() > 64 {

@@ -392,7 +392,22 @@ impl<E: StepExecutor> Engine<E> {
         self.stats.checkpoints_requested +=
             req.checkpoints.iter().filter(|&&o| o >= bs).count() as u64;
         self.outbox.open(id, &events);
-        self.sched.add(|slot| Request::new(req, slot, events));
+        let min_ban = if req.params.min_tokens > 0 {
+            let mut ban = req.stop_token_ids.clone();
+            if !req.ignore_eos {
+                ban.extend(&self.eos);
+            }
+            ban.sort_unstable();
+            ban.dedup();
+            ban
+        } else {
+            Vec::new()
+        };
+        self.sched.add(|slot| {
+            let mut r = Request::new(req, slot, events);
+            r.min_ban = min_ban;
+            r
+        });
         if let Some(h) = hashes
             && !self.sched.adopt_hashes(id, &h)
         {
@@ -908,7 +923,7 @@ impl<E: StepExecutor> Engine<E> {
             if c.all_logits
                 && let Some(r) = self.sched.request_mut(slot)
             {
-                let top = r.params.logprobs.unwrap_or(0) as usize;
+                let top = r.prompt_top;
                 let (tokens, prompt_len) = (&r.tokens, r.orig_prompt_len);
                 if let Some(acc) = r.prompt_logprobs.as_mut() {
                     // Row j holds the distribution of the token at position start + j + 1.

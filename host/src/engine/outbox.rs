@@ -336,6 +336,7 @@ mod tests {
             token: 4,
             logprob: -0.5,
             top: vec![(4, -0.5), (9, -1.25)],
+            rank: None,
         };
         let with_logprob = EngineEvent::Tokens {
             tokens: vec![4],

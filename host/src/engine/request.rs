@@ -55,6 +55,8 @@ pub struct Request {
     /// Prompt offsets where the client asked for an SSM snapshot (rounded down to blocks).
     pub checkpoints: Vec<u32>,
     pub admitted_once: bool,
+    /// Lower is admitted first under the priority policy.
+    pub priority: i32,
     pub params: SamplingParams,
     pub max_tokens: usize,
     pub stop_token_ids: Vec<u32>,
@@ -64,6 +66,11 @@ pub struct Request {
     /// Prompt logprobs by position while they are being computed (`Some` only when asked for
     /// and not yet sent).
     pub prompt_logprobs: Option<Vec<Option<TokenLogprob>>>,
+    /// Top alternatives per prompt logprob.
+    pub prompt_top: usize,
+    /// Tokens masked out while fewer than `params.min_tokens` are generated: the stop tokens
+    /// and, unless `ignore_eos`, the model's EOS (set by the engine, which knows the EOS).
+    pub min_ban: Vec<u32>,
     pub events: UnboundedSender<EngineEvent>,
 }
 
@@ -71,7 +78,8 @@ impl Request {
     pub fn new(req: GenerateRequest, slot: u32, events: UnboundedSender<EngineEvent>) -> Self {
         let seed = req.params.seed.unwrap_or_else(|| derive_seed(req.id));
         let prompt_len = req.prompt.len();
-        let prompt_logprobs = req.prompt_logprobs.then(|| vec![None; prompt_len]);
+        let prompt_logprobs = req.prompt_logprobs.map(|_| vec![None; prompt_len]);
+        let prompt_top = req.prompt_logprobs.unwrap_or(0) as usize;
         Self {
             id: req.id,
             slot,
@@ -89,6 +97,7 @@ impl Request {
             cache_miss: None,
             checkpoints: req.checkpoints,
             admitted_once: false,
+            priority: req.priority,
             params: req.params,
             max_tokens: req.max_tokens as usize,
             stop_token_ids: req.stop_token_ids,
@@ -96,6 +105,8 @@ impl Request {
             seed,
             preemptions: 0,
             prompt_logprobs,
+            prompt_top,
+            min_ban: Vec::new(),
             events,
         }
     }
@@ -106,6 +117,16 @@ impl Request {
 
     pub fn output(&self) -> &[u32] {
         &self.tokens[self.orig_prompt_len..]
+    }
+
+    /// Tokens the row sampled next must not take: the stop tokens while fewer than
+    /// `min_tokens` are generated (counting those being sampled), else none.
+    pub fn banned_now(&self) -> &[u32] {
+        if self.generated() + self.in_flight < self.params.min_tokens as usize {
+            &self.min_ban
+        } else {
+            &[]
+        }
     }
 
     /// Known tokens and those being sampled.

@@ -42,6 +42,8 @@ pub struct RowInfo<'a> {
     pub prompt: &'a [u32],
     pub output: &'a [u32],
     pub seed: u64,
+    /// Tokens masked out of this row (`min_tokens` not reached yet), sorted.
+    pub banned: &'a [u32],
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -131,6 +133,7 @@ impl SamplingStage {
                     token,
                     logprob: logits.row(i)[token as usize] - lse,
                     top,
+                    rank: None,
                 }
             });
             out.push(Sampled { token, logprob });
@@ -157,6 +160,9 @@ impl SamplingStage {
             frequency: p.frequency_penalty,
         };
         out.push_row(pen, p.logprobs.is_some(), info.prompt, info.output);
+        if !p.logit_bias.is_empty() || !info.banned.is_empty() {
+            out.bias_last_row(&p.logit_bias, info.banned);
+        }
     }
 
     /// Candidates per row this stage asks the backend for.
@@ -236,6 +242,7 @@ impl SamplingStage {
                     top: (row.start..row.start + (top as usize).min(k))
                         .map(|j| (self.batch.cand_tokens[j], self.batch.cand_logits[j] - lse))
                         .collect(),
+                    rank: None,
                 }
             });
             out.push(Sampled { token, logprob });
@@ -284,14 +291,22 @@ impl SamplingStage {
         b.cand_logits.clear();
     }
 
-    /// Checks a policy answer: one token per row, each among its row's candidates.
+    /// Checks a policy answer: one token per row, each among its row's candidates and not one
+    /// with probability zero (a banned token's logit is negative infinity) unless the whole
+    /// row is.
     fn validated(&self, d: Decision<Vec<u32>>) -> Option<Vec<u32>> {
         let Decision::Use(v) = d else { return None };
         let k = self.batch.k as usize;
         let ok = v.len() == self.batch.len()
-            && v.iter()
-                .enumerate()
-                .all(|(i, t)| self.batch.cand_tokens[i * k..(i + 1) * k].contains(t));
+            && v.iter().enumerate().all(|(i, t)| {
+                let row = i * k..(i + 1) * k;
+                let Some(j) = self.batch.cand_tokens[row.clone()].iter().position(|c| c == t)
+                else {
+                    return false;
+                };
+                let logits = &self.batch.cand_logits[row];
+                logits[j] != f32::NEG_INFINITY || logits[0] == f32::NEG_INFINITY
+            });
         ok.then_some(v)
     }
 
@@ -322,6 +337,18 @@ impl SamplingStage {
             for run in self.scratch.chunk_by(|a, b| a == b) {
                 let x = &mut row[run[0] as usize];
                 *x -= p.frequency_penalty * run.len() as f32 + p.presence_penalty;
+            }
+        }
+        // A zero bias is no bias (the tail's entries default to 0 and are skipped; adding
+        // 0.0 would turn -0.0 into +0.0).
+        for &(t, b) in p.logit_bias.iter().filter(|(_, b)| *b != 0.0) {
+            if let Some(x) = row.get_mut(t as usize) {
+                *x += b;
+            }
+        }
+        for &t in info.banned {
+            if let Some(x) = row.get_mut(t as usize) {
+                *x = f32::NEG_INFINITY;
             }
         }
     }
@@ -356,6 +383,15 @@ pub fn token_logprob(row: &[f32], token: u32, top: usize) -> TokenLogprob {
     let mut best = Vec::with_capacity(top);
     best_keys(row, top, &mut best);
     let logprob = |t: u32| row.get(t as usize).map_or(f32::NEG_INFINITY, |&x| x - lse);
+    // Rank in the candidate order (higher logit first, ties to the lower id, NaN last).
+    let rank = row.get(token as usize).map(|&x| {
+        let key = crate::backend::cpu::sample::order_key(x, token);
+        1 + row
+            .iter()
+            .enumerate()
+            .filter(|&(t, &y)| crate::backend::cpu::sample::order_key(y, t as u32) < key)
+            .count() as u32
+    });
     TokenLogprob {
         token,
         logprob: logprob(token),
@@ -363,6 +399,7 @@ pub fn token_logprob(row: &[f32], token: u32, top: usize) -> TokenLogprob {
             .into_iter()
             .map(|c| (c as u32, logprob(c as u32)))
             .collect(),
+        rank,
     }
 }
 

@@ -14,6 +14,7 @@ fn info<'a>(params: &'a SamplingParams, prompt: &'a [u32], output: &'a [u32]) ->
         prompt,
         output,
         seed: 1,
+        banned: &[],
     }
 }
 
@@ -287,6 +288,14 @@ mod tail {
                         frequency_penalty: freq,
                         repetition_penalty: rep,
                         logprobs,
+                        min_tokens: 0,
+                        // A logit bias on some rows (token 2 may lie outside the vocabulary:
+                        // ignored by both paths).
+                        logit_bias: if freq > 0.0 {
+                            vec![(0, pres * 10.0), (2, -freq)]
+                        } else {
+                            Vec::new()
+                        },
                     }
                 },
             )
@@ -372,6 +381,7 @@ mod tail {
                     prompt: &r.prompt,
                     output: &r.output,
                     seed: r.seed,
+                    banned: &[],
                 })
                 .collect();
             let data: Vec<f32> = rows.iter().flat_map(|r| r.logits.clone()).collect();

@@ -178,7 +178,30 @@ impl Scheduler {
         r.phase = Phase::Waiting;
         self.by_id.insert(r.id, slot);
         self.slots[slot as usize] = Some(r);
-        self.waiting.push_back(slot);
+        self.enqueue(slot, false);
+    }
+
+    /// Puts `slot` in the waiting queue: at the back (a new request) or the front (one that
+    /// was running) under "fcfs"; under "priority" among the requests of its priority, after
+    /// them (new) or before them (was running), behind every better one.
+    fn enqueue(&mut self, slot: u32, front: bool) {
+        if !self.cfg.by_priority() {
+            if front {
+                self.waiting.push_front(slot);
+            } else {
+                self.waiting.push_back(slot);
+            }
+            return;
+        }
+        let p = self.request(slot).map_or(0, |r| r.priority);
+        let prio = |s: &u32| self.request(*s).map_or(0, |r| r.priority);
+        let at = if front {
+            self.waiting.iter().position(|s| prio(s) >= p)
+        } else {
+            self.waiting.iter().position(|s| prio(s) > p)
+        }
+        .unwrap_or(self.waiting.len());
+        self.waiting.insert(at, slot);
     }
 
     /// Gives the waiting request `id` the block hashes its sender computed, if they are the
@@ -323,7 +346,8 @@ impl Scheduler {
     /// requests it admitted go back to the front of the queue, holding no cache state, to be
     /// admitted afresh; the others keep their place. Abort the step's cache plans first.
     pub fn discard_scheduled(&mut self, cache: &mut CacheManager) {
-        for &id in self.out.admitted.iter().rev() {
+        let admitted = std::mem::take(&mut self.out.admitted);
+        for &id in admitted.iter().rev() {
             let Some(&slot) = self.by_id.get(&id) else {
                 continue;
             };
@@ -340,7 +364,7 @@ impl Scheduler {
             if let Err(e) = cache.release(slot) {
                 tracing::error!(request = id, error = %e, "releasing a discarded admission failed");
             }
-            self.waiting.push_front(slot);
+            self.enqueue(slot, true);
         }
         for s in &self.out.seqs {
             if let Some(r) = self.slots[s.slot as usize].as_mut() {
@@ -517,11 +541,23 @@ impl Scheduler {
         });
     }
 
-    /// Evicts the newest paused request that no launched step holds; false when there is none.
+    /// Evicts the newest paused request that no launched step holds (under the priority
+    /// policy: the newest of the worst priority); false when there is none.
     fn evict_newest_paused(&mut self, cache: &mut CacheManager) -> bool {
-        let Some(pos) = self.running.iter().rposition(|&s| {
-            self.request(s).is_some_and(|r| r.phase == Phase::Paused) && !self.in_flight(s)
-        }) else {
+        let evictable = |s: u32| {
+            self.request(s)
+                .filter(|r| r.phase == Phase::Paused && !self.in_flight(s))
+                .map(|r| r.priority)
+        };
+        let found = if self.cfg.by_priority() {
+            (self.running.iter().enumerate())
+                .filter_map(|(i, &s)| evictable(s).map(|p| (p, i)))
+                .max()
+                .map(|(_, i)| i)
+        } else {
+            self.running.iter().rposition(|&s| evictable(s).is_some())
+        };
+        let Some(pos) = found else {
             return false;
         };
         let slot = self.running.remove(pos);
@@ -541,7 +577,7 @@ impl Scheduler {
             self.out.evicted.push(r.id);
         }
         self.preemptions += 1;
-        self.waiting.push_front(slot);
+        self.enqueue(slot, true);
         true
     }
 
@@ -569,11 +605,17 @@ impl Scheduler {
                 continue;
             };
             let prompt_len = r.prompt_len;
-            if prompt_len.div_ceil(bs) > cache.total_blocks() {
+            // The whole sequence, prompt and every token it may generate, must fit the cache
+            // alone, or it would run, be preempted, and fail only once it had filled it.
+            let longest = r.orig_prompt_len + r.max_tokens;
+            if longest.div_ceil(bs) > cache.total_blocks() {
                 let msg = format!(
-                    "the prompt needs {} KV blocks but the cache holds {}: raise cache.memory_budget or shorten the prompt",
-                    prompt_len.div_ceil(bs),
-                    cache.total_blocks()
+                    "the prompt ({} tokens) and max_tokens ({}) need {} KV blocks but the cache holds {} ({} tokens): lower max_tokens, shorten the prompt, or raise cache.memory_budget",
+                    r.orig_prompt_len,
+                    r.max_tokens,
+                    longest.div_ceil(bs),
+                    cache.total_blocks(),
+                    cache.total_blocks() * bs
                 );
                 self.reject(i, FailureKind::PromptTooLong, msg);
                 continue;
@@ -696,7 +738,8 @@ impl Scheduler {
                     cache.set_rolling_hash(s.slot, h);
                 }
             }
-            let stop = r.stop_token_ids.contains(&tok) || (!r.ignore_eos && eos.contains(&tok));
+            let stop = r.generated() >= r.params.min_tokens as usize
+                && (r.stop_token_ids.contains(&tok) || (!r.ignore_eos && eos.contains(&tok)));
             if stop {
                 finished.push((s.slot, StopReason::Stop));
             } else if r.generated() >= r.max_tokens {

@@ -13,6 +13,10 @@ fn setup(blocks: usize, budget: usize, chunked: bool) -> (Scheduler, CacheManage
         chunked_prefill: chunked,
         ..Default::default()
     };
+    setup_with(cfg, blocks)
+}
+
+fn setup_with(cfg: EngineConfig, blocks: usize) -> (Scheduler, CacheManager) {
     let layout = CacheLayout {
         block_size: BS,
         num_blocks: blocks,
@@ -28,6 +32,10 @@ fn setup(blocks: usize, budget: usize, chunked: bool) -> (Scheduler, CacheManage
 }
 
 fn add(s: &mut Scheduler, id: u64, prompt: Vec<u32>, max_tokens: u32) {
+    add_with_priority(s, id, prompt, max_tokens, 0);
+}
+
+fn add_with_priority(s: &mut Scheduler, id: u64, prompt: Vec<u32>, max_tokens: u32, priority: i32) {
     let (tx, _rx) = unbounded_channel();
     let req = GenerateRequest {
         id,
@@ -36,9 +44,10 @@ fn add(s: &mut Scheduler, id: u64, prompt: Vec<u32>, max_tokens: u32) {
         max_tokens,
         stop_token_ids: vec![],
         ignore_eos: true,
-        prompt_logprobs: false,
+        prompt_logprobs: None,
         block_hashes: None,
         checkpoints: Vec::new(),
+        priority,
     };
     s.add(|slot| Request::new(req, slot, tx));
 }
@@ -137,8 +146,9 @@ fn same_step_shared_prefix_waits_one_step_then_hits() {
 fn pause_then_evict_to_front_when_nothing_can_run() {
     // 4 blocks of 4 tokens. Two requests of 7 tokens take 2 blocks each.
     let (mut s, mut c) = setup(4, 32, true);
-    add(&mut s, 1, (0..7).collect(), 20);
-    add(&mut s, 2, (10..17).collect(), 20);
+    // 7 + 9 tokens: each fits the 4-block cache alone, not both together.
+    add(&mut s, 1, (0..7).collect(), 9);
+    add(&mut s, 2, (10..17).collect(), 9);
     assert_eq!(plan(&mut s, &mut c).len(), 2);
     finish_step(&mut s, &mut c);
     // Both decode the 8th token into their second block: no new block needed.
@@ -176,6 +186,77 @@ fn prompt_larger_than_the_cache_fails_clearly() {
 }
 
 #[test]
+fn a_request_that_could_never_fit_is_refused_before_it_runs() {
+    // 5 prompt tokens + 12 to generate = 17 tokens: one more than the 4 blocks of 4 hold, so it
+    // is refused at admission instead of running until it has filled the cache.
+    let (mut s, mut c) = setup(4, 64, true);
+    add(&mut s, 1, (0..5).collect(), 12);
+    add(&mut s, 2, (0..5).collect(), 11);
+    assert_eq!(plan(&mut s, &mut c), vec![(2, 0, 5)]);
+    let rej = s.take_rejected();
+    assert_eq!(rej.len(), 1);
+    assert_eq!(rej[0].request.id, 1);
+    assert_eq!(rej[0].kind, FailureKind::PromptTooLong);
+    assert!(
+        rej[0]
+            .message
+            .contains("the prompt (5 tokens) and max_tokens (12) need 5 KV blocks but the cache holds 4 (16 tokens)"),
+        "{}",
+        rej[0].message
+    );
+}
+
+#[test]
+fn the_priority_policy_admits_lower_priorities_first_then_by_arrival() {
+    let order = |policy: &str| {
+        let cfg = EngineConfig {
+            max_batched_tokens: 4,
+            max_running: 8,
+            chunked_prefill: false,
+            scheduling_policy: policy.into(),
+            ..Default::default()
+        };
+        let (mut s, mut c) = setup_with(cfg, 64);
+        for (id, prio) in [(1, 5), (2, 0), (3, 3), (4, 0), (5, -1)] {
+            add_with_priority(&mut s, id, (0..4).map(|t| t + 10 * id as u32).collect(), 1, prio);
+        }
+        let mut admitted = Vec::new();
+        while admitted.len() < 5 {
+            for (id, start, _) in plan(&mut s, &mut c) {
+                if start == 0 {
+                    admitted.push(id);
+                }
+            }
+            finish_step(&mut s, &mut c);
+        }
+        admitted
+    };
+    assert_eq!(order("fcfs"), vec![1, 2, 3, 4, 5]);
+    assert_eq!(order("priority"), vec![5, 2, 4, 3, 1]);
+}
+
+#[test]
+fn under_the_priority_policy_the_worst_priority_is_preempted() {
+    let cfg = EngineConfig {
+        max_batched_tokens: 32,
+        max_running: 8,
+        scheduling_policy: "priority".into(),
+        ..Default::default()
+    };
+    // As in the FCFS preemption test, but the newer request has the better priority: the
+    // older one (priority 2) is evicted, not the newest.
+    let (mut s, mut c) = setup_with(cfg, 4);
+    add_with_priority(&mut s, 1, (0..7).collect(), 9, 2);
+    add_with_priority(&mut s, 2, (10..17).collect(), 9, 1);
+    assert_eq!(plan(&mut s, &mut c).len(), 2);
+    finish_step(&mut s, &mut c);
+    assert_eq!(plan(&mut s, &mut c).len(), 2);
+    finish_step(&mut s, &mut c);
+    assert_eq!(plan(&mut s, &mut c), vec![(2, 8, 1)]);
+    assert_eq!(s.output().evicted, vec![1]);
+}
+
+#[test]
 fn removing_a_request_releases_every_block() {
     let (mut s, mut c) = setup(16, 64, true);
     add(&mut s, 1, (0..30).collect(), 5);
@@ -205,9 +286,10 @@ fn max_tokens_and_stop_tokens_finish() {
         max_tokens: 10,
         stop_token_ids: vec![7],
         ignore_eos: true,
-        prompt_logprobs: false,
+        prompt_logprobs: None,
         block_hashes: None,
         checkpoints: Vec::new(),
+        priority: 0,
     };
     s.add(|slot| Request::new(req, slot, tx));
     plan(&mut s, &mut c);
@@ -226,9 +308,10 @@ fn prompt_logprob_requests_take_bounded_chunks_with_every_logit() {
         max_tokens: 2,
         stop_token_ids: vec![],
         ignore_eos: true,
-        prompt_logprobs: true,
+        prompt_logprobs: Some(0),
         block_hashes: None,
         checkpoints: Vec::new(),
+        priority: 0,
     };
     s.add(|slot| Request::new(req, slot, tx));
     add(&mut s, 2, (1000..1300).collect(), 2);

@@ -91,6 +91,7 @@ pub fn build(
                 prompt: &r.tokens[..r.orig_prompt_len],
                 output: r.output(),
                 seed: r.seed,
+                banned: r.banned_now(),
             };
             SamplingStage::push_sample_row(&mut plan.sampling, &row);
         }
@@ -153,6 +154,8 @@ pub fn sampled_rows(sched: &Scheduler) -> impl Iterator<Item = RowInfo<'_>> + Cl
             prompt: &r.tokens[..r.orig_prompt_len],
             output: r.output(),
             seed: r.seed,
+            // Bans are in the candidates' logits already (negative infinity).
+            banned: &[],
         })
 }
 
@@ -181,9 +184,10 @@ mod tests {
             max_tokens: 4,
             stop_token_ids: vec![],
             ignore_eos: true,
-            prompt_logprobs: false,
+            prompt_logprobs: None,
             block_hashes: None,
             checkpoints: Vec::new(),
+            priority: 0,
         };
         s.add(|slot| Request::new(req, slot, tx));
     }

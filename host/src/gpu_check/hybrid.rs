@@ -369,7 +369,7 @@ fn pressure(report: &mut Report, dir: &std::path::Path, gpu: &CudaBackend, label
     let mut budget = step;
     let blocks = loop {
         let cfg = CacheConfig {
-            memory_budget: ByteSize(budget),
+            memory_budget: Some(ByteSize(budget)),
             block_size: 16,
             ..CacheConfig::default()
         };
@@ -903,9 +903,10 @@ fn greedy_request(
         max_tokens,
         stop_token_ids: vec![],
         ignore_eos: true,
-        prompt_logprobs: false,
+        prompt_logprobs: None,
         block_hashes: None,
         checkpoints: Vec::new(),
+        priority: 0,
     }
 }
 
@@ -929,7 +930,7 @@ fn ahead_run(
             ..Default::default()
         },
         cache: CacheConfig {
-            memory_budget: ByteSize(64 << 20),
+            memory_budget: Some(ByteSize(64 << 20)),
             block_size: 16,
             prefix_caching: true,
             ..Default::default()
@@ -998,7 +999,7 @@ fn stress_run(
             ..Default::default()
         },
         cache: CacheConfig {
-            memory_budget: ByteSize(budget),
+            memory_budget: Some(ByteSize(budget)),
             block_size: 16,
             prefix_caching: true,
             ..Default::default()

@@ -755,6 +755,20 @@ fn sample_case(
         let prompt: Vec<u32> = (0..20).map(|_| c.rng.below(vocab) as u32).collect();
         let output: Vec<u32> = (0..15).map(|_| c.rng.below(vocab.min(64)) as u32).collect();
         plan.sampling.push_row(pen, r % 2 == 0, &prompt, &output);
+        // Every fourth row carries a logit bias (some on history tokens, some not) and a
+        // banned token, as `logit_bias` and `min_tokens` produce.
+        if r % 4 == 1 {
+            let mut bias: Vec<(u32, f32)> = (0..6)
+                .map(|j| {
+                    let t = if j % 2 == 0 { output[j] } else { c.rng.below(vocab) as u32 };
+                    (t, (c.rng.sym(8.0) * 4.0).round() / 4.0)
+                })
+                .collect();
+            bias.sort_unstable_by_key(|b| b.0);
+            bias.dedup_by_key(|b| b.0);
+            let banned = [c.rng.below(vocab) as u32];
+            plan.sampling.bias_last_row(&bias, &banned);
+        }
     }
     let lrows = plan.logit_rows.len();
     // Logits on a coarse grid (many ties), with NaN, ±inf and a constant row mixed in.

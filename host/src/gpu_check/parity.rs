@@ -294,7 +294,7 @@ pub(super) fn drive_engine_with<B: Backend>(
             ..Default::default()
         },
         cache: CacheConfig {
-            memory_budget: ByteSize(budget),
+            memory_budget: Some(ByteSize(budget)),
             block_size: BLOCK,
             prefix_caching: caching,
             ..Default::default()
@@ -313,9 +313,10 @@ pub(super) fn drive_engine_with<B: Backend>(
                 max_tokens,
                 stop_token_ids: vec![],
                 ignore_eos: true,
-                prompt_logprobs: false,
+                prompt_logprobs: None,
                 block_hashes: None,
                 checkpoints: Vec::new(),
+                priority: 0,
             },
             tx,
         );

@@ -49,6 +49,9 @@ pub struct ServerConfig {
     pub served_model_name: Option<ServedNames>,
     /// Upper bound on each replica's prefix-index mirror, in blocks.
     pub router_mirror_max_blocks: u32,
+    /// Seconds between two stats lines in the log (throughput, running and waiting requests,
+    /// KV cache usage, prefix-cache hit rate), written while there is work; 0 turns them off.
+    pub stats_log_interval_secs: u32,
 }
 
 /// The values of `configs/default.toml` (a test checks they agree).
@@ -70,6 +73,7 @@ impl Default for ServerConfig {
             shutdown_grace_secs: 30,
             served_model_name: None,
             router_mirror_max_blocks: 1 << 20,
+            stats_log_interval_secs: 10,
         }
     }
 }

@@ -211,6 +211,9 @@ pub struct StopMatcher {
     stops: Vec<String>,
     held: String,
     done: bool,
+    /// Release the matched stop string with the text before it (vLLM's
+    /// `include_stop_str_in_output`).
+    include_stop: bool,
 }
 
 impl StopMatcher {
@@ -219,7 +222,25 @@ impl StopMatcher {
             stops,
             held: String::new(),
             done: false,
+            include_stop: false,
         }
+    }
+
+    /// A matcher that releases the stop string itself too.
+    pub fn including_stop(mut self, include: bool) -> Self {
+        self.include_stop = include;
+        self
+    }
+
+    /// Adds text without looking for stop strings (an output still shorter than
+    /// `min_tokens`): what was held back and `text` are released as they are.
+    pub fn push_unmatched(&mut self, text: &str) -> String {
+        if self.done {
+            return String::new();
+        }
+        let mut out = std::mem::take(&mut self.held);
+        out.push_str(text);
+        out
     }
 
     pub fn is_done(&self) -> bool {
@@ -248,7 +269,8 @@ impl StopMatcher {
             .min_by_key(|(at, _)| *at);
         if let Some((at, s)) = first {
             let stop = s.clone();
-            let text = self.held[..at].to_string();
+            let end = if self.include_stop { at + s.len() } else { at };
+            let text = self.held[..end].to_string();
             self.held.clear();
             self.done = true;
             return Released {

@@ -146,6 +146,18 @@ impl AppError {
         }
     }
 
+    /// Logs a request that ended in this error, with its reason: at `error` level when the
+    /// server failed (5xx), else at `warn` (refused input, overload); `request_id` when the
+    /// response had one (a stream that failed midway).
+    pub fn log(&self, request_id: Option<&str>) {
+        let status = self.status().as_u16();
+        if status >= 500 && status != 503 {
+            tracing::error!(request_id, status, code = self.kind(), "request failed: {self}");
+        } else {
+            tracing::warn!(request_id, status, code = self.kind(), "request refused: {self}");
+        }
+    }
+
     /// The OpenAI error object (also sent as an SSE event when a stream fails).
     pub fn to_json(&self) -> serde_json::Value {
         json!({"error": {
@@ -159,6 +171,7 @@ impl AppError {
 
 impl IntoResponse for AppError {
     fn into_response(self) -> Response {
+        self.log(None);
         let status = self.status();
         let mut resp = (status, axum::Json(self.to_json())).into_response();
         if let Some(secs) = self.retry_after() {

@@ -40,6 +40,7 @@ pub mod prefix_mirror;
 pub mod protocol;
 pub mod respond;
 pub mod router;
+pub mod stats_log;
 pub mod text;
 
 use std::future::Future;
@@ -77,6 +78,8 @@ pub struct ModelInfo {
     pub cache_salt: String,
     pub num_blocks: u32,
     pub prefix_caching: bool,
+    /// The engines admit by `priority` (`engine.scheduling_policy = "priority"`).
+    pub priority_scheduling: bool,
 }
 
 /// Hooks the admin endpoints call; the binary supplies them.
@@ -130,6 +133,10 @@ pub(crate) struct Inner {
     pub model: ModelInfo,
     /// Ids accepted in `model`; the first is the one responses carry.
     pub served_names: Vec<String>,
+    /// How many of `served_names` `/v1/models` lists: all that `served_model_name` gave, or
+    /// only the model path when they are the defaults (its short name is an accepted alias,
+    /// not a second model).
+    pub listed_names: usize,
     pub codec: Arc<TextCodec>,
     pub router: RouterHandle,
     pub metrics: Arc<Metrics>,
@@ -138,8 +145,31 @@ pub(crate) struct Inner {
     pub created: u64,
     pub admin_hooks: Option<Arc<dyn AdminHooks>>,
     next_id: AtomicU64,
+    /// Random per process: response ids (`cmpl-…`) never repeat across restarts.
+    id_key: u64,
     shutting_down: AtomicBool,
     abort_tx: watch::Sender<bool>,
+}
+
+/// 64 random bits from the OS, through the standard library's randomly keyed hasher.
+fn random_key() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.write_u32(std::process::id());
+    h.finish()
+}
+
+/// SplitMix64's finaliser: a bijection on u64 that scatters consecutive inputs.
+fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 impl AppState {
@@ -163,6 +193,12 @@ impl AppState {
             max_stop_len: parts.config.max_stop_len as usize,
             max_logprobs: parts.config.max_logprobs,
             vocab_size: parts.codec.vocab_size(),
+            max_model_len: parts.model.max_model_len,
+            priority_scheduling: parts.model.priority_scheduling,
+        };
+        let listed_names = match &parts.config.served_model_name {
+            Some(names) => names.names().len(),
+            None => 1,
         };
         let served_names = match &parts.config.served_model_name {
             Some(names) => names.names(),
@@ -187,6 +223,7 @@ impl AppState {
                 config: parts.config,
                 model: parts.model,
                 served_names,
+                listed_names,
                 codec: Arc::new(parts.codec),
                 router,
                 metrics,
@@ -194,6 +231,7 @@ impl AppState {
                 created,
                 admin_hooks: parts.admin_hooks,
                 next_id: AtomicU64::new(1),
+                id_key: random_key(),
                 shutting_down: AtomicBool::new(false),
                 abort_tx,
             }),
@@ -226,6 +264,15 @@ impl AppState {
 
     pub(crate) fn next_id(&self) -> u64 {
         self.inner.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// A response id, `{prefix}-` and 32 hex digits: the process's random key and a counter
+    /// mixed through a bijection, so ids are unique within a process and, with overwhelming
+    /// probability, across restarts and replicas of the server (as vLLM's random ids).
+    pub(crate) fn response_id(&self, prefix: &str) -> String {
+        let n = self.next_id();
+        let key = self.inner.id_key;
+        format!("{prefix}-{:016x}{:016x}", mix64(key ^ n), mix64(n.wrapping_add(key.rotate_left(17))))
     }
 
     pub fn is_shutting_down(&self) -> bool {
@@ -264,6 +311,7 @@ pub fn build_router(state: AppState) -> HttpRouter {
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/chat/completions/render", post(openai::render_chat))
         .route("/v1/models", get(openai::models))
+        .route("/version", get(ops::version))
         .route("/tokenize", post(openai::tokenize))
         .route("/detokenize", post(openai::detokenize))
         .route("/health", get(ops::health))
@@ -298,6 +346,10 @@ pub async fn serve_with_shutdown(
     signal: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     let app = build_router(state.clone());
+    stats_log::spawn(
+        state.router().clone(),
+        Duration::from_secs(u64::from(state.inner.config.stats_log_interval_secs)),
+    );
     let grace = Duration::from_secs(u64::from(state.inner.config.shutdown_grace_secs));
     let on_signal = {
         let state = state.clone();

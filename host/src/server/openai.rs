@@ -151,6 +151,21 @@ struct Prepared {
     echo_tokens: Vec<String>,
     /// Prompt offsets to keep SSM snapshots at (`cache_checkpoints`, validated).
     checkpoints: Vec<u32>,
+    /// Tokens cut from the front by `truncate_prompt_tokens`.
+    dropped: usize,
+}
+
+impl Prepared {
+    /// Offsets into the prompt as the client sent it, moved onto the truncated prompt (those
+    /// that fall in the cut part are dropped).
+    fn shift(&self, offsets: &[u32]) -> Vec<u32> {
+        offsets
+            .iter()
+            .filter_map(|&o| (o as usize).checked_sub(self.dropped))
+            .filter(|&o| o > 0)
+            .map(|o| o as u32)
+            .collect()
+    }
 }
 
 /// Checks client checkpoint offsets against a prompt of `len` tokens.
@@ -177,6 +192,7 @@ async fn prepare(
     add_special: bool,
     echo: bool,
     logprobs: bool,
+    truncate: Option<usize>,
 ) -> Result<Vec<Prepared>, AppError> {
     let codec = state.inner().codec.clone();
     let salt = state.inner().model.cache_salt.clone();
@@ -201,6 +217,11 @@ async fn prepare(
                 if ids.is_empty() {
                     return Err(AppError::invalid("prompt", "the prompt is empty"));
                 }
+                // `truncate_prompt_tokens`: keep the last tokens (the echo shows what is kept).
+                let mut ids = ids;
+                let dropped = truncate.map_or(0, |k| ids.len().saturating_sub(k));
+                ids.drain(..dropped);
+                let text = text.filter(|_| dropped == 0);
                 let echo_text = match (echo, text) {
                     (false, _) => None,
                     (true, Some(t)) => Some(t),
@@ -220,6 +241,7 @@ async fn prepare(
                     echo: echo_text,
                     echo_tokens,
                     checkpoints: Vec::new(),
+                    dropped,
                 })
             })
             .collect()
@@ -309,9 +331,16 @@ async fn submit(
                 stop_token_ids: params.stop_token_ids.clone(),
                 ignore_eos: params.ignore_eos,
                 // `echo` with `logprobs` scores the prompt too.
-                prompt_logprobs: prep.echo.is_some() && params.logprobs.is_some(),
+                prompt_logprobs: params.prompt_logprobs.or_else(|| {
+                    if prep.echo.is_some() {
+                        params.logprobs
+                    } else {
+                        None
+                    }
+                }),
                 block_hashes: Some(prep.hashes.clone()),
                 checkpoints: prep.checkpoints.clone(),
+                priority: params.priority,
             };
             let out = OutputState::new(
                 inner.codec.clone(),
@@ -319,7 +348,8 @@ async fn submit(
                 params.stop.clone(),
                 stop_ids.clone(),
                 params.skip_special_tokens,
-            );
+            )
+            .with_stop_rules(params.sampling.min_tokens, params.include_stop_str_in_output);
             let one = permit
                 .split(1)
                 .ok_or_else(|| AppError::Internal("admission accounting".into()))?;
@@ -336,7 +366,7 @@ async fn submit(
 
 fn meta(state: &AppState, prefix: &str, params: &GenParams, prepared: &[Prepared]) -> Meta {
     Meta {
-        id: format!("{prefix}-{:016x}", state.next_id()),
+        id: state.response_id(prefix),
         created: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
@@ -349,6 +379,7 @@ fn meta(state: &AppState, prefix: &str, params: &GenParams, prepared: &[Prepared
         prompt_ids: params
             .return_token_ids
             .then(|| prepared.iter().map(|p| p.ids.clone()).collect()),
+        prompt_logprobs: params.prompt_logprobs.is_some(),
     }
 }
 
@@ -415,11 +446,19 @@ async fn completion_job(
     }
     let permit = admit(state, sources.len() * params.n as usize)?;
     let echo = req.echo.unwrap_or(false);
-    let mut prepared = prepare(state, sources, true, echo, params.logprobs.is_some()).await?;
+    let mut prepared = prepare(
+        state,
+        sources,
+        true,
+        echo,
+        params.logprobs.is_some(),
+        params.truncate_prompt_tokens,
+    )
+    .await?;
     if let Some(offsets) = &req.cache_checkpoints {
         for p in &mut prepared {
-            check_checkpoints(offsets, p.ids.len())?;
-            p.checkpoints.clone_from(offsets);
+            check_checkpoints(offsets, p.ids.len() + p.dropped)?;
+            p.checkpoints = p.shift(offsets);
         }
     }
     Ok(CompletionJob {
@@ -456,7 +495,7 @@ fn rendered(state: &AppState, prep: &Prepared, params: &GenParams) -> Result<Val
     let max_tokens = budget(state, prep.ids.len(), params)?;
     let s = &params.sampling;
     Ok(json!({
-        "request_id": format!("render-{:016x}", state.next_id()),
+        "request_id": state.response_id("render"),
         "model": state.model_id(),
         "token_ids": prep.ids,
         "features": Value::Null,
@@ -477,6 +516,12 @@ fn rendered(state: &AppState, prep: &Prepared, params: &GenParams) -> Result<Val
             "ignore_eos": params.ignore_eos,
             "skip_special_tokens": params.skip_special_tokens,
             "logprobs": s.logprobs,
+            "min_tokens": s.min_tokens,
+            "logit_bias": s.logit_bias.iter().map(|(t, b)| (t.to_string(), Value::from(*b))).collect::<serde_json::Map<_, _>>(),
+            "include_stop_str_in_output": params.include_stop_str_in_output,
+            "prompt_logprobs": params.prompt_logprobs,
+            "truncate_prompt_tokens": params.truncate_prompt_tokens,
+            "priority": params.priority,
         },
         "cache_checkpoints": prep.checkpoints,
     }))
@@ -615,14 +660,15 @@ async fn chat_job(
         false,
         false,
         false,
+        params.truncate_prompt_tokens,
     )
     .await?;
     for p in &mut prepared {
-        p.checkpoints = message_ends
+        let ends: Vec<u32> = message_ends
             .iter()
-            .map(|&o| o.min(p.ids.len() as u32))
-            .filter(|&o| o > 0)
+            .map(|&o| o.min((p.ids.len() + p.dropped) as u32))
             .collect();
+        p.checkpoints = p.shift(&ends);
     }
     Ok(ChatJob {
         params,
@@ -704,6 +750,7 @@ pub async fn models(State(state): State<AppState>) -> Response {
         data: inner
             .served_names
             .iter()
+            .take(inner.listed_names)
             .map(|id| ModelCard {
                 id: id.clone(),
                 object: "model",

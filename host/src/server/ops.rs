@@ -1,6 +1,6 @@
 //! Operational endpoints: `/health`, `/metrics`, `/admin/*`, JSON fallbacks, error counting.
 //!
-//! Owns: readiness (ready while not shutting down and every replica's engine thread is alive),
+//! Owns: `/version`, readiness (ready while not shutting down and every replica's engine thread is alive),
 //! the Prometheus scrape, the admin endpoints (bearer token from `[server] admin_token`; with no
 //! token configured they do not exist and answer 404; a failed plugin reload answers 400 or 500
 //! with its reason and is logged), the `/v1` API-key check
@@ -18,6 +18,16 @@ use serde_json::json;
 use super::error::{AppError, ErrorKind};
 use super::{AppState, ReloadError};
 use crate::engine::api::Command;
+
+/// `GET /version` (vLLM's endpoint): the server's version, and the plugin ABI versions it
+/// accepts.
+pub async fn version() -> Response {
+    axum::Json(json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "plugin_abi": crate::plugins::abi::ACCEPTED.to_string(),
+    }))
+    .into_response()
+}
 
 pub async fn health(State(state): State<AppState>) -> Response {
     let dead: Vec<usize> = state

@@ -1,7 +1,9 @@
 //! Request validation: OpenAI fields → checked generation parameters.
 //!
 //! Owns: every range and cross-field rule on request parameters (temperature, top_p, top_k,
-//! min_p, penalties, n, stop, logprobs, stream options, unsupported features). The output,
+//! min_p, penalties, n, stop, logprobs, stream options, vLLM's extensions — `min_tokens`,
+//! `logit_bias`, `prompt_logprobs`, `truncate_prompt_tokens`, `priority` — and unsupported
+//! features). The output,
 //! [`GenParams`], is what the pipeline trusts without further checks. It must not tokenize or
 //! look at the model beyond the limits it is given.
 
@@ -17,7 +19,14 @@ pub struct Limits {
     pub max_stop_len: usize,
     pub max_logprobs: u32,
     pub vocab_size: u32,
+    /// The longest context (`model.max_model_len`): what `truncate_prompt_tokens = -1` keeps.
+    pub max_model_len: u32,
+    /// `engine.scheduling_policy = "priority"`: a nonzero `priority` is honoured (else refused).
+    pub priority_scheduling: bool,
 }
+
+/// Most `logit_bias` entries one request may carry.
+pub const MAX_LOGIT_BIAS: usize = 1024;
 
 /// Checked parameters for one request (shared by all its choices).
 #[derive(Debug, Clone)]
@@ -45,6 +54,14 @@ pub struct GenParams {
     pub logprobs: Option<u32>,
     /// Return prompt and output token ids (vLLM's `return_token_ids`).
     pub return_token_ids: bool,
+    /// vLLM's `include_stop_str_in_output`.
+    pub include_stop_str_in_output: bool,
+    /// vLLM's `prompt_logprobs`: alternatives per prompt token.
+    pub prompt_logprobs: Option<u32>,
+    /// vLLM's `truncate_prompt_tokens`, resolved: keep at most the last this many tokens.
+    pub truncate_prompt_tokens: Option<usize>,
+    /// vLLM's `priority` (lower first under the priority scheduling policy).
+    pub priority: i32,
 }
 
 fn finite(param: &'static str, v: Option<f64>) -> Result<Option<f64>, AppError> {
@@ -187,9 +204,60 @@ pub fn validate_common(
             ),
         ));
     }
-    if c.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
-        return Err(AppError::Unsupported("logit_bias".into()));
+    let logit_bias = logit_bias(c.logit_bias.as_ref(), limits.vocab_size)?;
+    let min_tokens = c.min_tokens.unwrap_or(0);
+    if let Some(m) = max_tokens
+        && min_tokens > m
+    {
+        return Err(AppError::invalid(
+            "min_tokens",
+            format!("min_tokens ({min_tokens}) must not exceed max_tokens ({m})"),
+        ));
     }
+    let prompt_logprobs = match c.prompt_logprobs {
+        None => None,
+        Some(_) if stream => {
+            return Err(AppError::invalid(
+                "prompt_logprobs",
+                "prompt_logprobs are not available when stream is true",
+            ));
+        }
+        Some(k) if (0..=i64::from(limits.max_logprobs)).contains(&k) => Some(k as u32),
+        Some(k) => {
+            return Err(AppError::invalid(
+                "prompt_logprobs",
+                format!(
+                    "prompt_logprobs must be in [0, {}], got {k}",
+                    limits.max_logprobs
+                ),
+            ));
+        }
+    };
+    let truncate_prompt_tokens = match c.truncate_prompt_tokens {
+        None => None,
+        Some(-1) => Some(limits.max_model_len as usize),
+        Some(k) if k >= 1 => Some(usize::try_from(k).unwrap_or(usize::MAX)),
+        Some(k) => {
+            return Err(AppError::invalid(
+                "truncate_prompt_tokens",
+                format!("truncate_prompt_tokens must be -1 or at least 1, got {k}"),
+            ));
+        }
+    };
+    let priority = match c.priority.unwrap_or(0) {
+        0 => 0,
+        p if !limits.priority_scheduling => {
+            return Err(AppError::invalid(
+                "priority",
+                format!(
+                    "priority {p} needs engine.scheduling_policy = \"priority\" (this server schedules first come, first served)"
+                ),
+            ));
+        }
+        p => i32::try_from(p).map_err(|_| {
+            AppError::invalid("priority", format!("priority {p} is out of range"))
+        })?,
+    };
     Ok(GenParams {
         sampling: SamplingParams {
             temperature,
@@ -201,6 +269,8 @@ pub fn validate_common(
             frequency_penalty,
             repetition_penalty,
             logprobs,
+            min_tokens,
+            logit_bias,
         },
         max_tokens,
         default_max_tokens: None,
@@ -215,7 +285,57 @@ pub fn validate_common(
         skip_special_tokens: c.skip_special_tokens.unwrap_or(true),
         return_token_ids: c.return_token_ids.unwrap_or(false),
         logprobs,
+        include_stop_str_in_output: c.include_stop_str_in_output.unwrap_or(false),
+        prompt_logprobs,
+        truncate_prompt_tokens,
+        priority,
     })
+}
+
+/// OpenAI's `logit_bias`: token ids (as strings) to biases in [-100, 100], sorted by id.
+fn logit_bias(
+    map: Option<&serde_json::Map<String, serde_json::Value>>,
+    vocab: u32,
+) -> Result<Vec<(u32, f32)>, AppError> {
+    let Some(map) = map else {
+        return Ok(Vec::new());
+    };
+    if map.len() > MAX_LOGIT_BIAS {
+        return Err(AppError::invalid(
+            "logit_bias",
+            format!("at most {MAX_LOGIT_BIAS} logit_bias entries are allowed"),
+        ));
+    }
+    let mut out = Vec::with_capacity(map.len());
+    for (k, v) in map {
+        let token: u32 = k.trim().parse().map_err(|_| {
+            AppError::invalid(
+                "logit_bias",
+                format!("logit_bias key {k:?} is not a token id"),
+            )
+        })?;
+        if token >= vocab {
+            return Err(AppError::invalid(
+                "logit_bias",
+                format!("logit_bias token id {token} is outside the vocabulary (size {vocab})"),
+            ));
+        }
+        let bias = v.as_f64().filter(|b| (-100.0..=100.0).contains(b)).ok_or_else(|| {
+            AppError::invalid(
+                "logit_bias",
+                format!("logit_bias of token {token} must be a number in [-100, 100], got {v}"),
+            )
+        })?;
+        out.push((token, bias as f32));
+    }
+    out.sort_unstable_by_key(|e| e.0);
+    if out.windows(2).any(|w| w[0].0 == w[1].0) {
+        return Err(AppError::invalid(
+            "logit_bias",
+            "logit_bias names a token id twice",
+        ));
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -229,6 +349,8 @@ mod tests {
             max_stop_len: 16,
             max_logprobs: 20,
             vocab_size: 100,
+            max_model_len: 64,
+            priority_scheduling: false,
         }
     }
 

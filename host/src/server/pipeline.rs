@@ -81,9 +81,13 @@ impl Drop for RequestGuard {
 /// Logprob of one output token, already turned into text.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenInfo {
+    pub id: u32,
     pub token: String,
     pub logprob: f32,
-    pub top: Vec<(String, f32)>,
+    /// Rank in the whole distribution, where the engine computed it (prompt logprobs).
+    pub rank: Option<u32>,
+    /// (id, text, logprob), best first.
+    pub top: Vec<(u32, String, f32)>,
 }
 
 /// How a choice ended.
@@ -120,6 +124,8 @@ pub struct OutputState {
     stop_ids: HashSet<u32>,
     generated: u32,
     stop_token: Option<u32>,
+    /// Stop tokens and strings end the output only from this many generated tokens on.
+    min_tokens: u32,
 }
 
 /// Result of processing a batch of events.
@@ -149,7 +155,16 @@ impl OutputState {
             stop_ids,
             generated: 0,
             stop_token: None,
+            min_tokens: 0,
         }
+    }
+
+    /// vLLM's `min_tokens` (stops are not matched before) and `include_stop_str_in_output`
+    /// (a matched stop string stays in the text).
+    pub fn with_stop_rules(mut self, min_tokens: u32, include_stop: bool) -> Self {
+        self.min_tokens = min_tokens;
+        self.stop = std::mem::take(&mut self.stop).including_stop(include_stop);
+        self
     }
 
     fn token_info(&self, lp: &TokenLogprob) -> Result<TokenInfo, TextError> {
@@ -157,11 +172,13 @@ impl OutputState {
         let top = lp
             .top
             .iter()
-            .map(|(t, l)| Ok((text(*t)?, *l)))
+            .map(|(t, l)| Ok((*t, text(*t)?, *l)))
             .collect::<Result<_, TextError>>()?;
         Ok(TokenInfo {
+            id: lp.token,
             token: text(lp.token)?,
             logprob: lp.logprob,
+            rank: lp.rank,
             top,
         })
     }
@@ -185,12 +202,17 @@ impl OutputState {
                         if let Some(lp) = logprobs.as_ref().and_then(|l| l.get(j)) {
                             out.logprobs.push(self.token_info(lp)?);
                         }
-                        if self.stop_ids.contains(t) {
+                        let armed = self.generated >= self.min_tokens;
+                        if armed && self.stop_ids.contains(t) {
                             // A stop token ends the text; the engine's Finished follows.
                             self.stop_token = Some(*t);
                             continue;
                         }
                         let delta = self.detok.push(&self.codec, *t)?;
+                        if !armed {
+                            out.text.push_str(&self.stop.push_unmatched(&delta));
+                            continue;
+                        }
                         let released = self.stop.push(&delta);
                         out.text.push_str(&released.text);
                         if released.stopped.is_some() {

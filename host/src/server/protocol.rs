@@ -6,8 +6,8 @@
 //! handlers log them as a warning, as vLLM does, so `"max_token": 5` does not pass silently)
 //! and otherwise ignored, as OpenAI's SDKs send fields newer than any server (`service_tier`,
 //! `metadata`, …); fields this server
-//! knows but does not implement (`tools`, `logit_bias`, `suffix`, …) are parsed so that `params`
-//! can reject them instead of silently ignoring them.
+//! knows but does not implement (`tools`, `suffix`, …) are parsed so that `params` can reject
+//! them instead of silently ignoring them.
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -63,6 +63,16 @@ pub struct CommonFields {
     /// vLLM's extension: also return the prompt's token ids (`prompt_token_ids`) and each
     /// choice's generated ids (`token_ids`), so a conversation can continue in token space.
     pub return_token_ids: Option<bool>,
+    /// vLLM's: tokens generated before a stop token, EOS or stop string may end the output.
+    pub min_tokens: Option<u32>,
+    /// vLLM's: keep the matched stop string at the end of the text.
+    pub include_stop_str_in_output: Option<bool>,
+    /// vLLM's: logprobs of every prompt token with this many alternatives each.
+    pub prompt_logprobs: Option<i64>,
+    /// vLLM's: keep only the last this many prompt tokens (-1: the last `max_model_len`).
+    pub truncate_prompt_tokens: Option<i64>,
+    /// vLLM's: admission order under `engine.scheduling_policy = "priority"` (lower first).
+    pub priority: Option<i64>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -162,6 +172,10 @@ pub struct CompletionChoice {
     pub index: u32,
     pub text: String,
     pub logprobs: Option<CompletionLogprobs>,
+    /// vLLM's `prompt_logprobs`: per prompt token `null` or `{id: {logprob, rank,
+    /// decoded_token}}`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<Value>,
     pub finish_reason: Option<&'static str>,
     /// The stop string or stop token that ended the choice (vLLM's extension).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -238,6 +252,9 @@ pub struct ChatResponse {
     /// With `return_token_ids`: the rendered prompt's ids.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_token_ids: Option<Vec<u32>>,
+    /// vLLM's `prompt_logprobs` of the rendered prompt.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<Value>,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]

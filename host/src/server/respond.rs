@@ -50,6 +50,8 @@ pub struct Meta {
     pub prompt_tokens: Vec<u32>,
     /// Per prompt: its token ids, when `return_token_ids` asked for them.
     pub prompt_ids: Option<Vec<Vec<u32>>>,
+    /// vLLM's `prompt_logprobs` was asked for (not streamed).
+    pub prompt_logprobs: bool,
 }
 
 impl Meta {
@@ -115,7 +117,7 @@ fn chat_logprobs(infos: &[TokenInfo]) -> ChatLogprobs {
                 top_logprobs: t
                     .top
                     .iter()
-                    .map(|(s, l)| TopLogprob {
+                    .map(|(_, s, l)| TopLogprob {
                         token: s.clone(),
                         logprob: *l,
                         bytes: s.as_bytes().to_vec(),
@@ -124,6 +126,29 @@ fn chat_logprobs(infos: &[TokenInfo]) -> ChatLogprobs {
             })
             .collect(),
     }
+}
+
+/// vLLM's `prompt_logprobs` value: per prompt token `null` (the first) or a map from token id
+/// to `{logprob, rank, decoded_token}` holding the prompt token and its top alternatives.
+pub fn vllm_prompt_logprobs(infos: &[Option<TokenInfo>]) -> Value {
+    let entry = |logprob: f32, rank: Option<u32>, text: &str| {
+        serde_json::json!({"logprob": logprob, "rank": rank, "decoded_token": text})
+    };
+    Value::Array(
+        infos
+            .iter()
+            .map(|info| {
+                info.as_ref().map_or(Value::Null, |t| {
+                    let mut m = Map::new();
+                    for (j, (id, text, l)) in t.top.iter().enumerate() {
+                        m.insert(id.to_string(), entry(*l, Some(j as u32 + 1), text));
+                    }
+                    m.insert(t.id.to_string(), entry(t.logprob, t.rank, &t.token));
+                    Value::Object(m)
+                })
+            })
+            .collect(),
+    )
 }
 
 /// Appends one token to legacy completion logprobs, advancing `offset` (characters); `info`
@@ -138,7 +163,7 @@ fn push_token(
     lp.token_logprobs.push(info.map(|x| x.logprob));
     lp.top_logprobs.push(info.map(|x| {
         let mut top = Map::new();
-        for (s, l) in &x.top {
+        for (_, s, l) in &x.top {
             top.entry(s.clone()).or_insert(Value::from(*l));
         }
         top
@@ -195,10 +220,15 @@ pub fn full_response(shape: &Shape, meta: &Meta, mut choices: Vec<ChoiceChunk>) 
                         push_completion_logprobs(&mut lp, &c.logprobs, &mut offset);
                         lp
                     });
+                    let prompt_logprobs = meta
+                        .prompt_logprobs
+                        .then(|| c.prompt_logprobs.as_deref().map(vllm_prompt_logprobs))
+                        .flatten();
                     CompletionChoice {
                         index: c.index,
                         text: format!("{}{}", prefix.unwrap_or_default(), c.text),
                         logprobs,
+                        prompt_logprobs,
                         finish_reason: c.finish.as_ref().map(|f| f.reason),
                         stop_reason: c.finish.and_then(|f| f.stop_reason),
                         prompt_token_ids: meta.prompt_ids(c.prompt_idx),
@@ -216,6 +246,15 @@ pub fn full_response(shape: &Shape, meta: &Meta, mut choices: Vec<ChoiceChunk>) 
             })
         }
         Shape::Chat => {
+            let prompt_logprobs = meta
+                .prompt_logprobs
+                .then(|| {
+                    choices
+                        .iter()
+                        .find_map(|c| c.prompt_logprobs.as_deref())
+                        .map(vllm_prompt_logprobs)
+                })
+                .flatten();
             let choices = choices
                 .into_iter()
                 .map(|c| ChatChoice {
@@ -238,6 +277,7 @@ pub fn full_response(shape: &Shape, meta: &Meta, mut choices: Vec<ChoiceChunk>) 
                 choices,
                 usage,
                 prompt_token_ids: meta.prompt_ids(0),
+                prompt_logprobs,
             })
         }
     };
@@ -346,6 +386,7 @@ impl SseState {
                         index: c.index,
                         text,
                         logprobs,
+                        prompt_logprobs: None,
                         finish_reason: c.finish.as_ref().map(|f| f.reason),
                         stop_reason: c.finish.and_then(|f| f.stop_reason),
                         prompt_token_ids: first
@@ -447,6 +488,7 @@ impl SseState {
                             index,
                             text,
                             logprobs: None,
+                            prompt_logprobs: None,
                             finish_reason: None,
                             stop_reason: None,
                             prompt_token_ids: self.meta.prompt_ids(prompt_idx),
@@ -500,6 +542,7 @@ pub fn stream_response(
                     s.pending.push_back(frame);
                 }
                 Some(Err(e)) => {
+                    e.log(Some(&s.meta.id));
                     s.pending
                         .push_back(sse_frame(e.to_json().to_string().as_bytes()));
                     s.pending.push_back(Bytes::from_static(b"data: [DONE]\n\n"));

@@ -70,7 +70,7 @@ pub fn setup<E: StepExecutor>(exec: &E, k: Knobs) -> EngineSetup {
             ..Default::default()
         },
         cache: CacheConfig {
-            memory_budget: ByteSize(kv + ssm),
+            memory_budget: Some(ByteSize(kv + ssm)),
             block_size: k.block_size,
             prefix_caching: k.prefix_caching,
             ssm_share: share,
@@ -95,9 +95,10 @@ pub fn request(id: u64, prompt: Vec<u32>, max_tokens: u32) -> GenerateRequest {
         max_tokens,
         stop_token_ids: vec![],
         ignore_eos: false,
-        prompt_logprobs: false,
+        prompt_logprobs: None,
         block_hashes: None,
         checkpoints: Vec::new(),
+        priority: 0,
     }
 }
 

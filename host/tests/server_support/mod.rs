@@ -116,7 +116,7 @@ impl Options {
         EngineSetup {
             engine: self.engine.clone(),
             cache: CacheConfig {
-                memory_budget: ByteSize(kv + ssm),
+                memory_budget: Some(ByteSize(kv + ssm)),
                 block_size: self.block_size,
                 prefix_caching: true,
                 ssm_share: share,
@@ -279,6 +279,7 @@ impl TestServer {
                 cache_salt: SALT.into(),
                 num_blocks,
                 prefix_caching: true,
+                priority_scheduling: opts.engine.scheduling_policy == "priority",
             },
             codec: codec(),
             replicas,

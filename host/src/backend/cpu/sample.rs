@@ -9,7 +9,7 @@
 
 use rayon::prelude::*;
 
-use crate::backend::sample::{Penalties, SampleOut, SampleRows};
+use crate::backend::sample::{BIAS_ONLY, Penalties, SampleOut, SampleRows};
 use crate::backend::{BackendError, Result};
 
 /// Logits handled by one parallel task at least.
@@ -50,7 +50,7 @@ pub fn sample_tail(
                     frequency: rows.frequency[i],
                 };
                 let (hist, counts) = rows.history(i);
-                apply_penalties(row, pen, hist, counts);
+                apply_penalties(row, pen, hist, counts, rows.bias(i));
                 best_keys(row, k, keys);
                 for ((c, t), x) in keys.iter().zip(tokens.iter_mut()).zip(cand.iter_mut()) {
                     *t = *c as u32;
@@ -83,7 +83,8 @@ fn check(logits: &[f32], vocab: usize, rows: &SampleRows) -> Result<()> {
         && rows.hist_offsets[0] == 0
         && rows.hist_offsets.windows(2).all(|w| w[0] <= w[1])
         && rows.hist_offsets[n] as usize == h
-        && rows.hist_counts.len() == h;
+        && rows.hist_counts.len() == h
+        && rows.hist_bias.len() == h;
     if !offsets_ok {
         return bad("history offsets do not describe the history columns".into());
     }
@@ -91,25 +92,27 @@ fn check(logits: &[f32], vocab: usize, rows: &SampleRows) -> Result<()> {
 }
 
 /// Penalises the logits of the row's history tokens (distinct; ids outside the row are
-/// ignored): repetition first, then `frequency · count + presence` for output tokens.
-fn apply_penalties(row: &mut [f32], pen: Penalties, hist: &[u32], counts: &[u32]) {
+/// ignored): repetition first, then `frequency · count + presence` for output tokens, then
+/// each entry's bias. [`BIAS_ONLY`] entries get only their bias.
+fn apply_penalties(row: &mut [f32], pen: Penalties, hist: &[u32], counts: &[u32], bias: &[f32]) {
     let (rep, pf) = (pen.repetition_on(), pen.counts_on());
-    if !rep && !pf {
-        return;
-    }
-    for (&t, &c) in hist.iter().zip(counts) {
+    for ((&t, &c), &b) in hist.iter().zip(counts).zip(bias) {
         let Some(x) = row.get_mut(t as usize) else {
             continue;
         };
-        if rep {
+        let seen = c != BIAS_ONLY;
+        if rep && seen {
             *x = if *x > 0.0 {
                 *x / pen.repetition
             } else {
                 *x * pen.repetition
             };
         }
-        if pf && c > 0 {
+        if pf && seen && c > 0 {
             *x -= pen.frequency * c as f32 + pen.presence;
+        }
+        if b != 0.0 {
+            *x += b;
         }
     }
 }

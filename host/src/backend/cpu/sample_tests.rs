@@ -66,6 +66,32 @@ fn penalties_use_the_history() {
 }
 
 #[test]
+fn biases_follow_the_penalties_and_bans_mask_tokens_out() {
+    // Penalties on: token 2 was generated twice, token 0 is in the prompt. Bias token 2 (in
+    // the history: penalised, then biased), token 3 (not in it: bias only, no penalty) and
+    // ban token 0.
+    let mut rows = one_row(pen(2.0, 0.5, 0.25), true, &[0], &[2, 2], 4);
+    rows.bias_last_row(&[(2, 1.5), (3, -0.75)], &[0]);
+    assert_eq!(rows.history(0).0, &[0, 2, 3]);
+    assert_eq!(rows.history(0).1, &[0, 2, crate::backend::sample::BIAS_ONLY]);
+    assert_eq!(rows.bias(0), &[f32::NEG_INFINITY, 1.5, -0.75]);
+    let mut logits = vec![4.0, 1.0, 4.0, 4.0];
+    let mut out = SampleOut::default();
+    sample_tail(&mut logits, 4, &rows, &mut out).unwrap();
+    assert_eq!(logits, [f32::NEG_INFINITY, 1.0, 2.0 - 0.5 - 0.5 + 1.5, 3.25]);
+    assert_eq!(out.cand_tokens, [3, 2, 1, 0]);
+
+    // Penalties off: only the biased entries exist.
+    let mut rows = one_row(OFF, false, &[0, 1], &[1], 2);
+    assert!(rows.history(0).0.is_empty());
+    rows.bias_last_row(&[(1, 100.0)], &[]);
+    let mut logits = vec![5.0, -5.0, 0.0];
+    sample_tail(&mut logits, 3, &rows, &mut out).unwrap();
+    assert_eq!(out.cand_tokens, [1, 0]);
+    assert_eq!(out.cand_logits, [95.0, 5.0]);
+}
+
+#[test]
 fn candidates_sort_like_a_float_sort_with_ties_to_the_lower_id() {
     let row = vec![
         -1.5,

@@ -1711,6 +1711,7 @@ impl Backend for CudaBackend {
                         SampleArg::HistOffsets => Arg::Ptr(step.col(c.hist_offsets)),
                         SampleArg::HistTokens => Arg::Ptr(step.col(c.hist_tokens)),
                         SampleArg::HistCounts => Arg::Ptr(step.col(c.hist_counts)),
+                        SampleArg::HistBias => Arg::Ptr(step.col(c.hist_bias)),
                         SampleArg::CandTokens => Arg::Ptr(tok_ptr),
                         SampleArg::CandLogits => Arg::Ptr(cand_ptr),
                         SampleArg::Lse => Arg::Ptr(lse_ptr),

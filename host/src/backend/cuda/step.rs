@@ -33,6 +33,7 @@ pub struct Columns {
     pub hist_offsets: usize,
     pub hist_tokens: usize,
     pub hist_counts: usize,
+    pub hist_bias: usize,
     /// The attention planner's work columns, in [`WorkCol::ALL`] order.
     pub attn: [usize; WorkCol::ALL.len()],
     /// The SSM planner's work columns, in [`ssm::WorkCol::ALL`] order.
@@ -386,6 +387,7 @@ impl CudaStep {
         c.hist_offsets = Self::push(s, r.hist_offsets.iter().copied());
         c.hist_tokens = Self::push(s, r.hist_tokens.iter().copied());
         c.hist_counts = Self::push(s, r.hist_counts.iter().copied());
+        c.hist_bias = Self::push(s, r.hist_bias.iter().map(|v| v.to_bits()));
         let bytes = (4 * s.len()).max(layout_bytes);
         if self.pinned.as_ref().is_none_or(|p| p.bytes < bytes) {
             if self.frozen {
@@ -660,6 +662,7 @@ impl CudaStep {
         c.hist_offsets = Self::push(s, r.hist_offsets.iter().copied());
         c.hist_tokens = Self::push(s, r.hist_tokens.iter().copied());
         c.hist_counts = Self::push(s, r.hist_counts.iter().copied());
+        c.hist_bias = Self::push(s, r.hist_bias.iter().map(|v| v.to_bits()));
         for (at, col) in c.attn.iter_mut().zip(WorkCol::ALL) {
             *at = Self::push(s, self.attn.column(col).iter().copied());
         }
