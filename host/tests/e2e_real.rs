@@ -658,12 +658,12 @@ fn a_wrong_model_path_is_named_at_start() {
 /// request longer than that is refused at once, streamed or not, before any token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cache_too_small_for_the_context_is_a_startup_error_naming_both_numbers() {
-    let small = default_toml(1).replace("memory_budget = \"32MiB\"", "memory_budget = \"12MiB\"");
+    let small = default_toml(1).replace("memory_budget = \"32MiB\"", "memory_budget = \"4MiB\"");
     let config = Config::parse(&small, "test").expect("config");
     let err = tokio::task::spawn_blocking(move || chimera::app::build(&config).err())
         .await
         .expect("build task")
-        .expect("a 12MiB cache cannot hold 4096 tokens")
+        .expect("a 4MiB cache cannot hold 4096 tokens")
         .to_string();
     assert!(
         err.contains("the longest context, 4096 tokens (model.max_model_len, the model's max_position_embeddings), does not fit in the KV cache, which holds"),

@@ -211,7 +211,14 @@ async fn every_miss_says_why() {
     let req = |prompt: &[u32]| json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
     // Five tokens: a skip of one block would leave one token.
     assert_eq!(reason(req(&long[..5])).await.0, "prompt_too_short");
-    assert_eq!(reason(req(&long)).await.0, "no_kv_match");
+    // A cold prompt: nothing of it was ever cached.
+    let cold: Vec<u32> = (100..130).collect();
+    assert_eq!(reason(req(&cold)).await.0, "no_kv_match");
+    // `long` goes on past the cached block of its five-token prefix with tokens nobody
+    // computed: all the cache held was served, which is no miss.
+    let (r, cached) = reason(req(&long)).await;
+    assert!(r.is_null(), "{r}");
+    assert_eq!(cached as usize, BS, "the prefix's block");
     // The same prompt again: served in full, no reason.
     let (r, cached) = reason(req(&long)).await;
     assert!(r.is_null(), "{r}");
