@@ -132,7 +132,12 @@ pub fn run(report: &mut Report, f32_gpu: &CudaBackend, bf16_gpu: &CudaBackend, s
 }
 
 /// The attention rows of [`run`] alone (`--suite attention`).
-pub fn run_attention(report: &mut Report, f32_gpu: &CudaBackend, bf16_gpu: &CudaBackend, seed: u64) {
+pub fn run_attention(
+    report: &mut Report,
+    f32_gpu: &CudaBackend,
+    bf16_gpu: &CudaBackend,
+    seed: u64,
+) {
     for (i, gpu) in [f32_gpu, bf16_gpu].into_iter().enumerate() {
         let mut c = Ctx {
             cpu: CpuBackend::default(),

@@ -23,7 +23,7 @@ use super::rng::Rng;
 use super::{Report, row_max_rel};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::CudaBackend;
-use crate::backend::{Backend, DType, StepPlan};
+use crate::backend::{Backend, StepPlan};
 use crate::model::{self, LogitsMode, Model};
 use chimera_kernels::attention::PrefillKernel;
 
@@ -66,7 +66,11 @@ pub fn run(report: &mut Report, f32_gpu: &CudaBackend, bf16_gpu: &CudaBackend) {
     }
 }
 
-fn checks(report: &mut Report, f32_gpu: &CudaBackend, bf16_gpu: &CudaBackend) -> anyhow::Result<()> {
+fn checks(
+    report: &mut Report,
+    f32_gpu: &CudaBackend,
+    bf16_gpu: &CudaBackend,
+) -> anyhow::Result<()> {
     let dir = std::env::temp_dir().join(format!("chimera-d128-{}", std::process::id()));
     write_model(&dir, 0xd128)?;
     let result = compare(report, &dir, f32_gpu, bf16_gpu);
@@ -159,13 +163,22 @@ fn rows(report: &mut Report, tag: &str, note: &str, c: &Case, got: &Logits, want
 /// Worst |log p_got(t) − log p_want(t)| over rows, t the reference's top token of the row
 /// (infinite on NaN or a length mismatch).
 pub(super) fn top_logprob_err(got: &[f32], want: &[f32], vocab: usize) -> f64 {
-    if vocab == 0 || got.len() != want.len() || got.len() % vocab != 0 || got.iter().any(|x| x.is_nan())
+    if vocab == 0
+        || got.len() != want.len()
+        || got.len() % vocab != 0
+        || got.iter().any(|x| x.is_nan())
     {
         return f64::INFINITY;
     }
     let lse = |r: &[f32]| {
-        let m = r.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(f64::from(x)));
-        m + r.iter().map(|&x| (f64::from(x) - m).exp()).sum::<f64>().ln()
+        let m = r
+            .iter()
+            .fold(f64::NEG_INFINITY, |m, &x| m.max(f64::from(x)));
+        m + r
+            .iter()
+            .map(|&x| (f64::from(x) - m).exp())
+            .sum::<f64>()
+            .ln()
     };
     let mut worst = 0.0f64;
     for (g, w) in got.chunks_exact(vocab).zip(want.chunks_exact(vocab)) {
