@@ -59,13 +59,14 @@ for d in sorted(glob.glob(os.path.join(args.fixtures, "*"))):
     ref = load_file(os.path.join(d, "reference.safetensors"))
     try:
         hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).cuda().eval()
+        hf32 = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).cuda().eval()
     except Exception as e:  # an architecture this transformers version lacks: say so
         rows.append({"suite": "parity", "check": f"{name} bf16 vs transformers: SKIPPED "
                      f"(transformers cannot load it here: {type(e).__name__})", "measured": "skipped",
                      "bound": "-", "pass": True, "value": float("nan")})
         print(rows[-1]["check"])
         continue
-    worst_ours, worst_hf, lp_ours, lp_hf = 0.0, 0.0, 0.0, 0.0
+    worst_ours, worst_hf, lp_ours, lp_hf, worst_hf32 = 0.0, 0.0, 0.0, 0.0, 0.0
     for n in meta["prompt_lengths"]:
         prompt = ref[f"prompt_{n}"].astype(np.int64)
         pos = ref[f"positions_{n}"].astype(np.int64)
@@ -79,17 +80,27 @@ for d in sorted(glob.glob(os.path.join(args.fixtures, "*"))):
             ours = ours * 1.1
         with torch.no_grad():
             theirs = hf(torch.tensor(prompt, device="cuda")[None]).logits[0].float().cpu().numpy()[pos]
+            theirs32 = hf32(torch.tensor(prompt, device="cuda")[None]).logits[0].float().cpu().numpy()[pos]
+        worst_hf32 = max(worst_hf32, err(theirs32, want))
         worst_ours = max(worst_ours, err(ours, want))
         worst_hf = max(worst_hf, err(theirs, want))
         lp_ours = max(lp_ours, logprob_err(ours, want))
         lp_hf = max(lp_hf, logprob_err(theirs, want))
     plant = f" [planted: {args.plant}]" if args.plant else ""
-    bound, ok = bounds.bf16_logits(worst_ours, worst_hf)
+    # transformers is a yardstick only where its own f32 reproduces the reference here (5.17
+    # normalizes Mamba2/Bamba gated norms with n_groups 2 over all groups at once; the reference,
+    # chimera and check_references.py per group: docs/gpu-check-h200.md).
+    if worst_hf32 > 1e-3:
+        plant += f" [transformers f32 is {worst_hf32:.2e} off the reference here: ceiling alone]"
+        worst_hf_used, lp_hf_used = None, None
+    else:
+        worst_hf_used, lp_hf_used = worst_hf, lp_hf
+    bound, ok = bounds.bf16_logits(worst_ours, worst_hf_used)
     rows.append({"suite": "parity", "check": f"{name} bf16 logits vs f32 reference, max|Δ|/max|ref| "
                  f"(transformers bf16 on this GPU: {worst_hf:.2e}){plant}", "measured": f"{worst_ours:.2e}",
                  "bound": bound, "pass": ok, "value": worst_ours})
     print(rows[-1]["check"], rows[-1]["measured"], rows[-1]["bound"])
-    bound, ok = bounds.bf16_logprob(lp_ours, lp_hf)
+    bound, ok = bounds.bf16_logprob(lp_ours, lp_hf_used)
     rows.append({"suite": "parity", "check": f"{name} bf16 |Δ log p| of the reference's top token "
                  f"(transformers bf16: {lp_hf:.3f}){plant}", "measured": f"{lp_ours:.3f}",
                  "bound": bound, "pass": ok, "value": lp_ours})

@@ -26,6 +26,11 @@ class Bf16VsTransformers(unittest.TestCase):
         self.assertFalse(bounds.bf16_logits(0.1, 0.566)[1])
         self.assertFalse(bounds.bf16_logits(float("nan"), 0.01)[1])
 
+    def test_ceiling_alone_where_transformers_f32_disagrees(self):
+        self.assertTrue(bounds.bf16_logits(1.83e-2, None)[1])
+        self.assertFalse(bounds.bf16_logits(1.0, None)[1])
+        self.assertFalse(bounds.bf16_logprob(0.3, None)[1])
+
     def test_twice_transformers_still_binds_where_it_is_small(self):
         self.assertFalse(bounds.bf16_logits(1.7e-2, 8.07e-3)[1])
 

@@ -38,12 +38,13 @@ const LAYERS: usize = 2;
 const VOCAB: usize = 1000;
 /// f32 mode: the same arithmetic as the CPU up to summation order.
 const F32_ROW: f64 = 1e-4;
-/// bf16 mode, worst position's max|Δlogit| / max|logit|: bf16 weights and activations give
-/// 1–2e-2 on the committed fixtures (docs/gpu-check-h200.md); see the module docs of the
-/// measured value.
-const BF16_ROW: f64 = 3e-2;
-/// bf16 mode, worst |Δ log p| of the CPU's top token, in nats.
-const BF16_LOGPROB: f64 = 0.1;
+/// bf16 mode, worst position's max|Δlogit| / max|logit|: measured 1.6e-2 to 3.2e-2 over the
+/// three prefill kernels (H100, 2026-12-06, docs/gpu-check-h200.md); a 10 % attention-output
+/// fault gave 1.5e-1 to 2.1e-1 on prompt positions and 5.1e-2 to 5.5e-2 on decodes.
+const BF16_ROW: f64 = 5e-2;
+/// bf16 mode, worst |Δ log p| of the CPU's top token, in nats: measured up to 0.22 (same
+/// run); the 10 % fault gave 0.65 to 0.98 on prompt positions.
+const BF16_LOGPROB: f64 = 0.3;
 
 /// One prompt: its tokens, the prefill chunk, and the tokens decoded after it one by one.
 struct Case {
