@@ -3,6 +3,7 @@
 # (tests/gpu/prepare.sh makes it on a machine without a GPU):
 #
 #   tests/gpu/run.sh kernels|hybrid|parity|graphs|bench|bench-kernels|bench-mixed|moe|serve|all
+#   tests/gpu/run.sh attention|model|fixtures   (subsets of kernels and parity/hybrid, for planted faults)
 #   tests/gpu/run.sh serving-caching|serving-idle|serving-prefill|serving-routing   (QUICK=1: small)
 #
 # Prints one table (check | measured | bound | pass), writes every row as JSON under $OUT (or
@@ -73,7 +74,7 @@ serve_suite() {
 }
 
 case $suite in
-  kernels|hybrid|parity|graphs|bench|bench-kernels|bench-mixed|moe) run_check "$suite" ;;
+  kernels|hybrid|parity|graphs|bench|bench-kernels|bench-mixed|moe|attention|model|fixtures) run_check "$suite" ;;
   # chimera serve + chimera bench with NemotronH-8B-shaped dummy weights (tests/gpu/serving.py;
   # QUICK=1 for a small workload); serving-routing needs two GPUs.
   serving-caching|serving-idle|serving-prefill|serving-routing)
@@ -83,7 +84,7 @@ case $suite in
   all) run_check kernels; run_check hybrid; run_check parity; run_check graphs; run_check bench; serve_suite ;;
   *) echo "unknown suite $suite" >&2; exit 2 ;;
 esac
-if [ "$suite" = parity ] || [ "$suite" = all ]; then
+if [ "$suite" = parity ] || [ "$suite" = hybrid ] || [ "$suite" = fixtures ] || [ "$suite" = all ]; then
   timeout 300 python3 tests/gpu/hf_bf16.py --fixtures tests/fixtures/models --dump "$out/logits" \
     --json "$out/hf_bf16.json" || status=1
 fi

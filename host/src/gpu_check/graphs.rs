@@ -5,7 +5,8 @@
 //! (eagerly in both), then decoded for 24 rounds over changing subsets (1 to 40 sequences,
 //! new positions and block tables every round, so each replay runs on metadata the capture
 //! never saw), every round feeding both runners the eager argmax. Checks: the candidate tokens
-//! agree, the logits agree within the mode's tolerance, and every decode round was replayed.
+//! agree, the logits agree (bf16: exactly; f32: within rounding, see `replay_tolerance`), and
+//! every decode round was replayed.
 //!
 //! The mixed case does the same with steps that carry prefill chunks beside the decodes:
 //! fresh prompts cut into block-aligned chunks (each with a snapshot at its end on hybrid
@@ -59,6 +60,19 @@ pub fn run(
             }
         }
     }
+}
+
+/// How far a replayed step's candidate logits may be from the eager step's (max|Δ|/scale).
+///
+/// A replay launches the same kernels on the same inputs; what can differ is the padded row
+/// count of the captured bucket (a decode of 3 sequences replays the graph of 4). In bf16 every
+/// kernel computes a row the same way whatever the row count (one or two rows take the GEMV,
+/// more rows cuBLASLt plans whose per-row arithmetic does not depend on the padding), and the
+/// difference measured was exactly 0 on every fixture (H200, 2026-11-30; H100, this branch),
+/// so any difference is a fault: 0. In f32, cuBLASLt's SGEMM plans for the padded and the
+/// exact row counts sum in different orders (measured 1.7e-7 to 3.0e-7), so rounding: 1e-5.
+fn replay_tolerance(dtype: DType) -> f64 {
+    if dtype == DType::F32 { 1e-5 } else { 0.0 }
 }
 
 /// The step's sampling rows: 4 candidates, no penalties, for every decode.
@@ -158,11 +172,7 @@ fn case(
         }
     }
     let replayed = graphs.graph_steps - before;
-    let tol = if gpu.dtype() == DType::F32 {
-        1e-5
-    } else {
-        2e-2
-    };
+    let tol = replay_tolerance(gpu.dtype());
     report.push(
         SUITE,
         format!(
@@ -354,11 +364,7 @@ fn mixed_case(
         }
     }
     let replayed = graphs.mixed_graph_steps - before;
-    let tol = if gpu.dtype() == DType::F32 {
-        1e-5
-    } else {
-        2e-2
-    };
+    let tol = replay_tolerance(gpu.dtype());
     report.push(
         SUITE,
         format!(

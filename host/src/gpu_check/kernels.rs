@@ -4,7 +4,7 @@
 //! before every check, so an output element a kernel did not write fails the check.
 
 use super::rng::Rng;
-use super::{Report, bf16_round, rel_err};
+use super::{Report, bf16_round, bits_differ, rel_err, row_max_rel};
 use crate::backend::cpu::{CpuBackend, CpuTensor};
 use crate::backend::cuda::{CudaBackend, CudaTensor};
 use crate::backend::sample::Penalties;
@@ -128,6 +128,25 @@ pub fn run(report: &mut Report, f32_gpu: &CudaBackend, bf16_gpu: &CudaBackend, s
         if c.mode == DType::F32 {
             sampling(&mut c);
         }
+    }
+}
+
+/// The attention rows of [`run`] alone (`--suite attention`).
+pub fn run_attention(
+    report: &mut Report,
+    f32_gpu: &CudaBackend,
+    bf16_gpu: &CudaBackend,
+    seed: u64,
+) {
+    for (i, gpu) in [f32_gpu, bf16_gpu].into_iter().enumerate() {
+        let mut c = Ctx {
+            cpu: CpuBackend::default(),
+            gpu,
+            mode: gpu.dtype(),
+            rng: Rng::new(seed.wrapping_add(i as u64)),
+            report,
+        };
+        attention(&mut c);
     }
 }
 
@@ -474,6 +493,13 @@ fn attention_case(
 /// One mixed attention batch; with `rope`, Q and K are rotated on their way in
 /// (`rope_paged_attention`: fused into the KV write on the GPU, rotate-then-attend on the CPU).
 /// `note` ends the label.
+///
+/// Two rows, measured apart so that neither hides the other: the attention output, as the
+/// worst row (one token's one head) of max|Δ| over that row's max|ref|, so a wrong tile, head
+/// or decode among thousands of right ones still shows; and the KV cache after the write,
+/// compared with the CPU's over the whole cache (a write to a wrong slot shows too). The write
+/// is a copy, so it must be bit-exact; only K rotated by a fused RoPE is computed, and those
+/// rows get the output's per-row measure against the KV-write rounding bound instead.
 fn attention_rope_case(
     c: &mut Ctx<'_>,
     (heads, kv_heads, head_dim): (usize, usize, usize),
@@ -484,7 +510,8 @@ fn attention_rope_case(
     note: &str,
 ) {
     let label = format!(
-        "attention {heads}q/{kv_heads}kv d{head_dim} bs{block_size} {num_blocks} blocks {chunks:?}{}{note}",
+        "{} attention {heads}q/{kv_heads}kv d{head_dim} bs{block_size} {num_blocks} blocks {chunks:?}{}{note}",
+        c.tag(),
         match &rope {
             Some(r) => format!(
                 " + RoPE on Q and K (rotary {}, ×{})",
@@ -493,77 +520,183 @@ fn attention_rope_case(
             None => String::new(),
         }
     );
-    c.check(&label, true, |c| {
-        let mut plan = plan_of(&mut c.rng, chunks, block_size, num_blocks, 100);
-        plan.finish()?;
-        let n = plan.num_tokens();
-        let kvw = kv_heads * head_dim;
-        // The cache holds random K/V in every block a chunk's context uses.
-        let rows = num_blocks * block_size;
-        let mut kc = vec![0.0f32; rows * kvw];
-        let mut vc = vec![0.0f32; rows * kvw];
-        for (i, s) in plan.seqs.iter().enumerate() {
-            let table = plan.block_table(i).to_vec();
-            for p in 0..s.context_len {
-                let row = table[p / block_size] as usize * block_size + p % block_size;
-                for j in 0..kvw {
-                    kc[row * kvw + j] = c.rng.sym(1.0);
-                    vc[row * kvw + j] = c.rng.sym(1.0);
-                }
+    if let Err(e) = c.gpu.poison_arena() {
+        c.report.failed("kernels", label, e);
+        return;
+    }
+    let shape = (heads, kv_heads, head_dim);
+    match attention_measure(c, shape, block_size, num_blocks, chunks, rope.as_ref()) {
+        Ok(m) => {
+            let bf16 = c.mode == DType::BF16;
+            eprintln!(
+                "      {label}: the old combined measure (output and written KV rows in one ‖Δ‖/‖ref‖): {:.2e}",
+                m.combined
+            );
+            c.report.err(
+                "kernels",
+                format!("{label}: output, worst row max|Δ|/max|ref|"),
+                m.out_row,
+                attention_out_bound(bf16),
+            );
+            let what = if m.k_rotated.is_some() {
+                "V and unwritten K bit-exact"
+            } else {
+                "bit-exact"
+            };
+            c.report.push(
+                "kernels",
+                format!("{label}: KV cache after the write = CPU's ({what})"),
+                m.kv_differ as f64,
+                format!("{} of {} differ", m.kv_differ, m.kv_total),
+                "0 differ".into(),
+                m.kv_differ == 0 && m.kv_total > 0,
+            );
+            if let Some(k) = m.k_rotated {
+                c.report.err(
+                    "kernels",
+                    format!("{label}: rotated K written, worst row max|Δ|/max|ref|"),
+                    k,
+                    if bf16 { 4e-3 } else { 1e-5 },
+                );
             }
         }
-        if c.mode == DType::BF16 {
-            kc.iter_mut()
-                .chain(vc.iter_mut())
-                .for_each(|x| *x = bf16_round(*x));
-        }
-        let shape = [num_blocks, block_size, kv_heads, head_dim];
-        let (kcc, kcg) = c.up(&kc, &shape)?;
-        let (vcc, vcg) = c.up(&vc, &shape)?;
-        drop((kc, vc));
-        let mut cache_c = KvLayer { k: kcc, v: vcc };
-        let mut cache_g = KvLayer { k: kcg, v: vcg };
-        let q = c.rand(n * heads * head_dim, 1.0);
-        let k = c.rand(n * kvw, 1.0);
-        let v = c.rand(n * kvw, 1.0);
-        let (qc, qg) = c.up(&q, &[n, heads * head_dim])?;
-        let (kc, kg) = c.up(&k, &[n, kvw])?;
-        let (vc, vg) = c.up(&v, &[n, kvw])?;
-        let (sc, sg) = c.steps(&plan)?;
-        let shape = AttnShape {
-            heads,
-            kv_heads,
-            head_dim,
-            scale: (head_dim as f32).powf(-0.5),
-        };
-        let (g, r) = match &rope {
-            Some(rope) => (
-                c.gpu
-                    .rope_paged_attention(qg, kg, &vg, &mut cache_g, shape, rope, &sg)?,
-                c.cpu
-                    .rope_paged_attention(qc, kc, &vc, &mut cache_c, shape, rope, &sc)?,
-            ),
-            None => (
-                c.gpu
-                    .paged_attention(&qg, &kg, &vg, &mut cache_g, shape, &sg)?,
-                c.cpu
-                    .paged_attention(&qc, &kc, &vc, &mut cache_c, shape, &sc)?,
-            ),
-        };
-        let mut gv = c.gpu.download(&g)?;
-        let mut rv = c.cpu.download(&r)?;
-        // The KV write: every slot this step wrote, read back from both caches.
-        for (tg, tc) in [(&cache_g.k, &cache_c.k), (&cache_g.v, &cache_c.v)] {
-            let all_g = c.gpu.download(tg)?;
-            let all_c = c.cpu.download(tc)?;
-            for &slot in &plan.slot_mapping {
-                let s = slot as usize * kvw;
-                gv.extend_from_slice(&all_g[s..s + kvw]);
-                rv.extend_from_slice(&all_c[s..s + kvw]);
+        Err(e) => c.report.failed("kernels", label, e),
+    }
+}
+
+/// The per-row bound of an attention output: f32 accumulates in f32 (errors near 1e-6 of a
+/// row's largest value at 16k keys); bf16 rounds the probabilities for the P·V product and
+/// the output itself to bf16, 2⁻⁹ of a value each, so a row stays within a few 1e-3.
+fn attention_out_bound(bf16: bool) -> f64 {
+    if bf16 { 1e-2 } else { 1e-4 }
+}
+
+/// What [`attention_measure`] found.
+struct AttnMeasure {
+    /// Worst row (token × head) of the output: max|Δ| / max|ref|.
+    out_row: f64,
+    /// Cache elements that differ from the CPU's bit pattern (rotated K rows excluded).
+    kv_differ: usize,
+    kv_total: usize,
+    /// With RoPE fused into the write: the rotated K rows' worst max|Δ| / max|ref|.
+    k_rotated: Option<f64>,
+    /// The measure this check used before (output and written KV rows as one relative norm),
+    /// for the log.
+    combined: f64,
+}
+
+fn attention_measure(
+    c: &mut Ctx<'_>,
+    (heads, kv_heads, head_dim): (usize, usize, usize),
+    block_size: usize,
+    num_blocks: usize,
+    chunks: &[(usize, usize)],
+    rope: Option<&Rope>,
+) -> R<AttnMeasure> {
+    let mut plan = plan_of(&mut c.rng, chunks, block_size, num_blocks, 100);
+    plan.finish()?;
+    let n = plan.num_tokens();
+    let kvw = kv_heads * head_dim;
+    // The cache holds random K/V in every block a chunk's context uses.
+    let rows = num_blocks * block_size;
+    let mut kc = vec![0.0f32; rows * kvw];
+    let mut vc = vec![0.0f32; rows * kvw];
+    for (i, s) in plan.seqs.iter().enumerate() {
+        let table = plan.block_table(i).to_vec();
+        for p in 0..s.context_len {
+            let row = table[p / block_size] as usize * block_size + p % block_size;
+            for j in 0..kvw {
+                kc[row * kvw + j] = c.rng.sym(1.0);
+                vc[row * kvw + j] = c.rng.sym(1.0);
             }
         }
-        Ok((gv, rv))
-    });
+    }
+    if c.mode == DType::BF16 {
+        kc.iter_mut()
+            .chain(vc.iter_mut())
+            .for_each(|x| *x = bf16_round(*x));
+    }
+    let shape = [num_blocks, block_size, kv_heads, head_dim];
+    let (kcc, kcg) = c.up(&kc, &shape)?;
+    let (vcc, vcg) = c.up(&vc, &shape)?;
+    drop((kc, vc));
+    let mut cache_c = KvLayer { k: kcc, v: vcc };
+    let mut cache_g = KvLayer { k: kcg, v: vcg };
+    let q = c.rand(n * heads * head_dim, 1.0);
+    let k = c.rand(n * kvw, 1.0);
+    let v = c.rand(n * kvw, 1.0);
+    let (qc, qg) = c.up(&q, &[n, heads * head_dim])?;
+    let (kc, kg) = c.up(&k, &[n, kvw])?;
+    let (vc, vg) = c.up(&v, &[n, kvw])?;
+    let (sc, sg) = c.steps(&plan)?;
+    let shape = AttnShape {
+        heads,
+        kv_heads,
+        head_dim,
+        scale: (head_dim as f32).powf(-0.5),
+    };
+    let (g, r) = match rope {
+        Some(rope) => (
+            c.gpu
+                .rope_paged_attention(qg, kg, &vg, &mut cache_g, shape, rope, &sg)?,
+            c.cpu
+                .rope_paged_attention(qc, kc, &vc, &mut cache_c, shape, rope, &sc)?,
+        ),
+        None => (
+            c.gpu
+                .paged_attention(&qg, &kg, &vg, &mut cache_g, shape, &sg)?,
+            c.cpu
+                .paged_attention(&qc, &kc, &vc, &mut cache_c, shape, &sc)?,
+        ),
+    };
+    let out_g = c.gpu.download(&g)?;
+    let out_c = c.cpu.download(&r)?;
+    let out_row = row_max_rel(&out_g, &out_c, head_dim);
+    // The whole caches, K and V; the slots this step wrote are also gathered for the old
+    // combined measure and, with RoPE, the rotated K rows.
+    let (mut kv_differ, mut kv_total) = (0usize, 0usize);
+    let (mut old_g, mut old_c) = (out_g, out_c);
+    let mut k_rotated = None;
+    let written: Vec<usize> = plan
+        .slot_mapping
+        .iter()
+        .map(|&s| s as usize)
+        .filter(|&s| s < rows)
+        .collect();
+    for (is_k, tg, tc) in [
+        (true, &cache_g.k, &cache_c.k),
+        (false, &cache_g.v, &cache_c.v),
+    ] {
+        let mut all_g = c.gpu.download(tg)?;
+        let mut all_c = c.cpu.download(tc)?;
+        anyhow::ensure!(all_g.len() == all_c.len(), "cache sizes differ");
+        let (mut rg, mut rc) = (Vec::new(), Vec::new());
+        for &slot in &written {
+            let s = slot * kvw;
+            rg.extend_from_slice(&all_g[s..s + kvw]);
+            rc.extend_from_slice(&all_c[s..s + kvw]);
+        }
+        if is_k && rope.is_some() {
+            k_rotated = Some(row_max_rel(&rg, &rc, head_dim));
+            // The rotated rows are measured above; the rest of K must be untouched.
+            for &slot in &written {
+                let s = slot * kvw;
+                all_g[s..s + kvw].fill(0.0);
+                all_c[s..s + kvw].fill(0.0);
+            }
+        }
+        old_g.extend(rg);
+        old_c.extend(rc);
+        kv_differ += bits_differ(&all_g, &all_c);
+        kv_total += all_g.len();
+    }
+    Ok(AttnMeasure {
+        out_row,
+        kv_differ,
+        kv_total,
+        k_rotated,
+        combined: rel_err(&old_g, &old_c),
+    })
 }
 
 fn attention(c: &mut Ctx<'_>) {

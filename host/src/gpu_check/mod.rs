@@ -20,6 +20,7 @@ mod graphs;
 mod hybrid;
 mod kernels;
 mod mamba_mix;
+mod model_d128;
 mod moe;
 mod parity;
 pub mod rng;
@@ -35,7 +36,10 @@ use crate::backend::cuda::{CudaBackend, CudaOptions};
 
 #[derive(Debug, clap::Args)]
 pub struct GpuCheckArgs {
-    /// kernels, hybrid, parity, graphs, bench, moe (the MoE rows of hybrid and bench) or all.
+    /// kernels, attention (the attention rows of kernels), hybrid, parity, model (the d = 128
+    /// Llama-shaped model of parity), fixtures (every fixture parity and hybrid run, end to end,
+    /// with the bf16 logits dumped), graphs, bench, moe (the MoE rows of hybrid and bench) or
+    /// all.
     #[arg(long, default_value = "all")]
     pub suite: String,
     /// The committed model fixtures (`tests/fixtures/models`).
@@ -179,7 +183,6 @@ impl Report {
     }
 }
 
-/// `‖a − b‖ / ‖b‖` in f64; infinite when `a` holds a NaN or the lengths differ.
 /// `v` rounded to bf16 (what a bf16 tensor holds), as f32.
 pub(crate) fn bf16_round(v: f32) -> f32 {
     half::bf16::from_f32(v).to_f32()
@@ -194,6 +197,7 @@ pub(crate) fn round_if_bf16(v: Vec<f32>, bf16: bool) -> Vec<f32> {
     }
 }
 
+/// `‖a − b‖ / ‖b‖` in f64; infinite when `a` holds a NaN or the lengths differ.
 pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     if a.len() != b.len() || a.iter().any(|x| x.is_nan()) {
         return f64::INFINITY;
@@ -208,6 +212,45 @@ pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
         return if num == 0.0 { 0.0 } else { f64::INFINITY };
     }
     (num / den).sqrt()
+}
+
+/// The worst row: max over rows of `row` values of (max |a − b| in the row / max |b| in the
+/// row), in f64. A wrong row among many right ones shows at its own size, where a norm over the
+/// whole tensor divides it by the number of rows. Infinite when `a` holds a NaN, the lengths
+/// differ or do not split into rows, or a row whose reference is all zero is not zero.
+pub fn row_max_rel(a: &[f32], b: &[f32], row: usize) -> f64 {
+    if row == 0 || a.len() != b.len() || a.len() % row != 0 || a.iter().any(|x| x.is_nan()) {
+        return f64::INFINITY;
+    }
+    let mut worst = 0.0f64;
+    for (ra, rb) in a.chunks_exact(row).zip(b.chunks_exact(row)) {
+        let (mut d, mut m) = (0.0f64, 0.0f64);
+        for (&x, &y) in ra.iter().zip(rb) {
+            d = d.max((f64::from(x) - f64::from(y)).abs());
+            m = m.max(f64::from(y).abs());
+        }
+        let e = if m > 0.0 {
+            d / m
+        } else if d == 0.0 {
+            0.0
+        } else {
+            f64::INFINITY
+        };
+        worst = worst.max(e);
+    }
+    worst
+}
+
+/// How many elements differ in their bit patterns (a NaN always differs; a length mismatch
+/// counts every element of the longer one).
+pub fn bits_differ(a: &[f32], b: &[f32]) -> usize {
+    if a.len() != b.len() {
+        return a.len().max(b.len());
+    }
+    a.iter()
+        .zip(b)
+        .filter(|(x, y)| x.is_nan() || x.to_bits() != y.to_bits())
+        .count()
 }
 
 /// Runs the suites and returns the report (the caller prints it and sets the exit code).
@@ -245,9 +288,21 @@ pub fn run(args: &GpuCheckArgs) -> anyhow::Result<Report> {
         ran = true;
         hybrid::run(&mut report, &f32_gpu, &bf16_gpu, args, seed);
     }
+    if args.suite == "attention" {
+        ran = true;
+        kernels::run_attention(&mut report, &f32_gpu, &bf16_gpu, seed);
+    }
     if all || args.suite == "parity" {
         ran = true;
         parity::run(&mut report, &f32_gpu, &bf16_gpu, args);
+    }
+    if all || args.suite == "parity" || args.suite == "model" {
+        ran = true;
+        model_d128::run(&mut report, &f32_gpu, &bf16_gpu);
+    }
+    if args.suite == "fixtures" {
+        ran = true;
+        parity::run_all_fixtures(&mut report, &f32_gpu, &bf16_gpu, args);
     }
     if all || args.suite == "graphs" {
         ran = true;
@@ -274,7 +329,7 @@ pub fn run(args: &GpuCheckArgs) -> anyhow::Result<Report> {
     }
     anyhow::ensure!(
         ran,
-        "unknown suite {:?} (kernels, hybrid, parity, graphs, bench, bench-kernels, bench-mixed, moe, all)",
+        "unknown suite {:?} (kernels, attention, hybrid, parity, model, fixtures, graphs, bench, bench-kernels, bench-mixed, moe, all)",
         args.suite
     );
     if let Some(path) = &args.json {
@@ -282,4 +337,44 @@ pub fn run(args: &GpuCheckArgs) -> anyhow::Result<Report> {
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn row_max_rel_sees_one_wrong_row_among_many() {
+        // 1000 rows of 4, one of them 10 % off: the norm over the whole tensor shows about
+        // 0.3 %, the worst row 10 %.
+        let want: Vec<f32> = (0..4000).map(|i| ((i % 7) as f32) - 3.0 + 0.5).collect();
+        let mut got = want.clone();
+        for x in &mut got[400..404] {
+            *x *= 1.1;
+        }
+        assert!(rel_err(&got, &want) < 5e-3);
+        let r = row_max_rel(&got, &want, 4);
+        assert!((r - 0.1).abs() < 1e-6, "{r}");
+        assert_eq!(row_max_rel(&want, &want, 4), 0.0);
+    }
+
+    #[test]
+    fn row_max_rel_fails_nan_zero_rows_and_bad_lengths() {
+        assert!(row_max_rel(&[f32::NAN, 1.0], &[1.0, 1.0], 2).is_infinite());
+        assert!(row_max_rel(&[0.1, 0.0], &[0.0, 0.0], 2).is_infinite());
+        assert_eq!(row_max_rel(&[0.0, 0.0], &[0.0, 0.0], 2), 0.0);
+        assert!(row_max_rel(&[1.0, 1.0, 1.0], &[1.0, 1.0, 1.0], 2).is_infinite());
+        assert!(row_max_rel(&[1.0], &[1.0, 1.0], 1).is_infinite());
+    }
+
+    #[test]
+    fn bits_differ_counts_every_changed_bit_pattern() {
+        let a = [1.0f32, 2.0, 3.0, 0.0];
+        assert_eq!(bits_differ(&a, &a), 0);
+        // One ulp is a difference; so is a NaN, even against a NaN.
+        let b = [1.0f32, f32::from_bits(2.0f32.to_bits() + 1), f32::NAN, 0.0];
+        assert_eq!(bits_differ(&b, &a), 2);
+        assert_eq!(bits_differ(&[f32::NAN], &[f32::NAN]), 1);
+        assert_eq!(bits_differ(&a[..3], &a), 4);
+    }
 }

@@ -138,6 +138,40 @@ pub fn run(
     }
 }
 
+/// Every fixture the `parity` and `hybrid` suites run end to end (the Llama fixtures and the
+/// Mamba2 hybrids the CUDA backend serves), with nothing else of those suites: the f32 rows and
+/// the bf16 logits dumped for `tests/gpu/hf_bf16.py` (`--suite fixtures`).
+pub(super) fn run_all_fixtures(
+    report: &mut Report,
+    f32_gpu: &CudaBackend,
+    bf16_gpu: &CudaBackend,
+    args: &GpuCheckArgs,
+) {
+    let mut dirs: Vec<_> = match std::fs::read_dir(&args.fixtures) {
+        Ok(d) => d.filter_map(|e| e.ok().map(|e| e.path())).collect(),
+        Err(e) => {
+            report.failed(SUITE, format!("fixtures in {}", args.fixtures.display()), e);
+            return;
+        }
+    };
+    dirs.sort();
+    for dir in dirs {
+        let name = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let covered = ["llama", "mamba2-", "nemotronh-", "bamba-"]
+            .iter()
+            .any(|p| name.starts_with(p));
+        if !covered || !dir.join("reference.json").exists() {
+            continue;
+        }
+        if let Err(e) = fixture(report, &dir, &name, f32_gpu, bf16_gpu, args) {
+            report.failed(SUITE, name.clone(), format!("{e:#}"));
+        }
+    }
+}
+
 pub(super) fn fixture(
     report: &mut Report,
     dir: &Path,
