@@ -282,7 +282,10 @@ impl LoadedModel {
             ModelSource::Folder(dir) => {
                 let text = std::fs::read_to_string(dir.join("config.json")).ok()?;
                 let c: serde_json::Value = serde_json::from_str(&text).ok()?;
-                let arch = c["architectures"][0].as_str().unwrap_or_default().to_string();
+                let arch = c["architectures"][0]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string();
                 let text_config = c.get("text_config").unwrap_or(&c);
                 let experts = text_config["num_local_experts"].as_u64().unwrap_or(0);
                 (arch, experts)
@@ -306,7 +309,9 @@ impl LoadedModel {
             Some(format!("Gated DeltaNet layers ({arch})"))
         } else if (lower.starts_with("granitemoehybrid") || lower == "granitehybrid") && experts > 0
         {
-            Some(format!("softmax-routed MoE layers ({arch}, {experts} experts)"))
+            Some(format!(
+                "softmax-routed MoE layers ({arch}, {experts} experts)"
+            ))
         } else {
             None
         }
@@ -490,11 +495,8 @@ pub fn size_cache(
             )
         }
         (None, _, None) => {
-            let need =
-                CacheLayout::budget_for_tokens(&cache, &info.cache, max_running, max_len)
-                    .with_context(|| {
-                        format!("no cache budget holds a sequence of {max_len} tokens")
-                    })?;
+            let need = CacheLayout::budget_for_tokens(&cache, &info.cache, max_running, max_len)
+                .with_context(|| format!("no cache budget holds a sequence of {max_len} tokens"))?;
             let budget = need.0.max(CPU_MIN_AUTO_BUDGET.0);
             if let Some(avail) = available_memory()
                 && budget > avail / 2
@@ -741,7 +743,13 @@ mod tests {
             );
         }
         assert!(gap("granite-moe").is_some_and(|g| g.contains("softmax-routed MoE")));
-        for name in ["llama-gqa", "nemotronh-a", "bamba-a", "granite-dense", "mamba2-g1"] {
+        for name in [
+            "llama-gqa",
+            "nemotronh-a",
+            "bamba-a",
+            "granite-dense",
+            "mamba2-g1",
+        ] {
             assert_eq!(gap(name), None, "{name}");
         }
     }
@@ -782,7 +790,10 @@ mod tests {
                 );
                 c.engine.backend = "cuda".into();
                 c.model.dtype = "float32".into();
-                assert_eq!(choose_backend(&c, None).unwrap(), BackendChoice::Cuda(DType::F32));
+                assert_eq!(
+                    choose_backend(&c, None).unwrap(),
+                    BackendChoice::Cuda(DType::F32)
+                );
             }
         }
     }

@@ -29,8 +29,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Serve an OpenAI-compatible HTTP API (the embedded model on the CPU by default).
-    Serve(ServeArgs),
+    /// Serve an OpenAI-compatible HTTP API (the embedded model; on a GPU where there is one).
+    Serve(Box<ServeArgs>),
     /// Continue a prompt (greedy) and print the continuation.
     Generate(GenerateArgs),
     /// Drive an OpenAI-compatible server with a workload and report latencies.
@@ -149,7 +149,7 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     chimera::logging::init(cli.log_format)?;
     match cli.command {
-        Command::Serve(args) => serve(args),
+        Command::Serve(args) => serve(*args),
         Command::Generate(args) => generate(args),
         Command::Bench(args) => {
             runtime()?.block_on(async { chimera::bench::run(*args).await.map(drop) })

@@ -411,7 +411,11 @@ fn logit_bias_and_min_tokens_steer_sampling() {
         let stopped_by_token = late.tokens.last() == Some(&plain[0]);
         assert_eq!(
             late.finish,
-            Some(if stopped_by_token { FinishReason::Stop } else { FinishReason::Length }),
+            Some(if stopped_by_token {
+                FinishReason::Stop
+            } else {
+                FinishReason::Length
+            }),
             "ahead {ahead}: {late:?}"
         );
     }
@@ -814,7 +818,11 @@ fn scheduling_ahead_changes_no_output() {
         };
         let (after, _) = run(false, make(), false);
         let (ahead, s) = run(true, make(), false);
-        assert_eq!(ahead.tokens(), after.tokens(), "{name}: tokens differ (ahead)");
+        assert_eq!(
+            ahead.tokens(),
+            after.tokens(),
+            "{name}: tokens differ (ahead)"
+        );
         // Requests arriving while a step computes (a slow device), joining the step scheduled
         // ahead.
         let slow = || make().with_step_delay(std::time::Duration::from_millis(1));

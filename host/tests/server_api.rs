@@ -789,7 +789,10 @@ async fn response_ids_differ_across_restarts_and_version_answers() {
         let body = json!({"prompt": "hi", "max_tokens": 1});
         let a = post(s.addr, "/v1/completions", &body).await.json();
         let b = post(s.addr, "/v1/completions", &body).await.json();
-        let (a, b) = (a["id"].as_str().unwrap().to_string(), b["id"].as_str().unwrap());
+        let (a, b) = (
+            a["id"].as_str().unwrap().to_string(),
+            b["id"].as_str().unwrap(),
+        );
         assert_ne!(a, b);
         let hex = a.strip_prefix("cmpl-").unwrap();
         assert_eq!(hex.len(), 32, "{a}");
@@ -802,6 +805,17 @@ async fn response_ids_differ_across_restarts_and_version_answers() {
     assert_ne!(firsts[0], firsts[1], "the first id repeats across restarts");
 }
 
+/// The ids `/v1/models` lists.
+async fn model_ids(addr: std::net::SocketAddr) -> Vec<String> {
+    let models = request(addr, "GET", "/v1/models", &[], b"").await.json();
+    models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap().to_string())
+        .collect()
+}
+
 /// `/v1/models` lists the served model once (its alias is accepted, not listed as a second
 /// model), every alias is accepted, and a 404 for an unknown id lists the served ones.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -811,14 +825,7 @@ async fn served_names_and_aliases_are_accepted_and_a_404_lists_them() {
         ..Options::default()
     })
     .await;
-    let models = request(s.addr, "GET", "/v1/models", &[], b"").await.json();
-    let ids: Vec<&str> = models["data"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| m["id"].as_str().unwrap())
-        .collect();
-    assert_eq!(ids, [MODEL]);
+    assert_eq!(model_ids(s.addr).await, [MODEL]);
     for name in [MODEL, "mock-alias"] {
         let body = json!({"model": name, "prompt": "hi", "max_tokens": 2});
         let r = post(s.addr, "/v1/completions", &body).await;
@@ -842,14 +849,11 @@ async fn served_names_and_aliases_are_accepted_and_a_404_lists_them() {
         "short".into(),
     ]));
     let s = TestServer::start(o).await;
-    let models = request(s.addr, "GET", "/v1/models", &[], b"").await.json();
-    let ids: Vec<&str> = models["data"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| m["id"].as_str().unwrap())
-        .collect();
-    assert_eq!(ids, ["org/model", "short"], "names given are all listed");
+    assert_eq!(
+        model_ids(s.addr).await,
+        ["org/model", "short"],
+        "names given are all listed"
+    );
     for (name, status) in [("org/model", 200), ("short", 200), (MODEL, 404)] {
         let body = json!({"model": name, "prompt": "hi", "max_tokens": 2});
         let r = post(s.addr, "/v1/completions", &body).await;
@@ -1083,7 +1087,11 @@ async fn vllm_request_fields_are_served_or_refused_by_name() {
     bad(with("logit_bias", json!({"99999999": 1})), "logit_bias").await;
     bad(with("min_tokens", json!(7)), "min_tokens").await;
     bad(with("priority", json!(3)), "priority").await;
-    bad(with("truncate_prompt_tokens", json!(0)), "truncate_prompt_tokens").await;
+    bad(
+        with("truncate_prompt_tokens", json!(0)),
+        "truncate_prompt_tokens",
+    )
+    .await;
     bad(with("prompt_logprobs", json!(99)), "prompt_logprobs").await;
     let mut streamed = with("prompt_logprobs", json!(1));
     streamed["stream"] = json!(true);
@@ -1103,7 +1111,9 @@ async fn vllm_request_fields_are_served_or_refused_by_name() {
     let mut p = with("prompt", json!(ids));
     p["prompt_logprobs"] = json!(2);
     let v = post(s.addr, "/v1/completions", &p).await.json();
-    let plp = v["choices"][0]["prompt_logprobs"].as_array().expect("prompt_logprobs");
+    let plp = v["choices"][0]["prompt_logprobs"]
+        .as_array()
+        .expect("prompt_logprobs");
     assert_eq!(plp.len(), ids.len());
     assert!(plp[0].is_null());
     for (i, entry) in plp.iter().enumerate().skip(1) {

@@ -94,7 +94,10 @@ async fn conversation_continues_in_token_space_and_is_served_from_cache() {
         } else {
             // Short of the cacheable prefix only where the new message starts: reuse was
             // maximal, so no miss reason (it would be noise on every follow-up).
-            assert!(cached < cacheable, "turn {turn}: the new message is never cached");
+            assert!(
+                cached < cacheable,
+                "turn {turn}: the new message is never cached"
+            );
             assert!(
                 details.get("cache_miss_reason").is_none(),
                 "turn {turn}: {details}"

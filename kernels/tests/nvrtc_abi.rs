@@ -47,7 +47,10 @@ fn entry_body<'a>(ptx: &'a str, name: &str) -> &'a str {
 /// a passing test, and a skip must show in a plain `cargo test`.
 fn skipped(why: &str) {
     use std::io::Write;
-    let name = std::thread::current().name().unwrap_or("this test").to_string();
+    let name = std::thread::current()
+        .name()
+        .unwrap_or("this test")
+        .to_string();
     let _ = writeln!(std::io::stderr(), "skipped: {name}: {why}");
 }
 

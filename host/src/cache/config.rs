@@ -85,18 +85,20 @@ impl Default for CacheConfig {
 /// The smallest budget `memory_budget = "auto"` gives on the CPU.
 pub const CPU_MIN_AUTO_BUDGET: ByteSize = ByteSize(256 << 20);
 
+/// A size as TOML writes it: an integer or a string.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum RawSize {
+    Int(u64),
+    Str(String),
+}
+
 /// `memory_budget`: "auto" (`None`) or a size.
 fn auto_or_size<'de, D: Deserializer<'de>>(d: D) -> Result<Option<ByteSize>, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Raw {
-        Int(u64),
-        Str(String),
-    }
-    match Raw::deserialize(d)? {
-        Raw::Int(n) => Ok(Some(ByteSize(n))),
-        Raw::Str(s) if s.trim() == "auto" => Ok(None),
-        Raw::Str(s) => ByteSize::parse(&s)
+    match RawSize::deserialize(d)? {
+        RawSize::Str(s) if s.trim() == "auto" => Ok(None),
+        RawSize::Int(n) => Ok(Some(ByteSize(n))),
+        RawSize::Str(s) => ByteSize::parse(&s)
             .map(Some)
             .map_err(|e| serde::de::Error::custom(format!("{e}, or \"auto\""))),
     }
@@ -152,15 +154,9 @@ impl fmt::Display for ByteSize {
 
 impl<'de> Deserialize<'de> for ByteSize {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            Int(u64),
-            Str(String),
-        }
-        match Raw::deserialize(d)? {
-            Raw::Int(n) => Ok(ByteSize(n)),
-            Raw::Str(s) => ByteSize::parse(&s).map_err(serde::de::Error::custom),
+        match RawSize::deserialize(d)? {
+            RawSize::Int(n) => Ok(ByteSize(n)),
+            RawSize::Str(s) => ByteSize::parse(&s).map_err(serde::de::Error::custom),
         }
     }
 }
@@ -171,7 +167,9 @@ pub enum CacheConfigError {
     BlockSize(usize),
     #[error("cache.ssm_share = {0}: must be in [0, 1)")]
     Share(f64),
-    #[error("cache.memory_budget = \"auto\" was not resolved to a size before the cache was planned")]
+    #[error(
+        "cache.memory_budget = \"auto\" was not resolved to a size before the cache was planned"
+    )]
     Unresolved,
     #[error(
         "cache.memory_budget = {budget} cannot hold the {live} live SSM slots (one per \

@@ -300,7 +300,9 @@ impl SamplingStage {
         let ok = v.len() == self.batch.len()
             && v.iter().enumerate().all(|(i, t)| {
                 let row = i * k..(i + 1) * k;
-                let Some(j) = self.batch.cand_tokens[row.clone()].iter().position(|c| c == t)
+                let Some(j) = self.batch.cand_tokens[row.clone()]
+                    .iter()
+                    .position(|c| c == t)
                 else {
                     return false;
                 };

@@ -218,7 +218,13 @@ fn the_priority_policy_admits_lower_priorities_first_then_by_arrival() {
         };
         let (mut s, mut c) = setup_with(cfg, 64);
         for (id, prio) in [(1, 5), (2, 0), (3, 3), (4, 0), (5, -1)] {
-            add_with_priority(&mut s, id, (0..4).map(|t| t + 10 * id as u32).collect(), 1, prio);
+            add_with_priority(
+                &mut s,
+                id,
+                (0..4).map(|t| t + 10 * id as u32).collect(),
+                1,
+                prio,
+            );
         }
         let mut admitted = Vec::new();
         while admitted.len() < 5 {

@@ -149,28 +149,16 @@ pub fn run(
             Err(e) => report.failed(SUITE, label, format!("{e:#}")),
         }
     }
-    // The hybrid fixtures end to end, as the Llama ones in `parity`.
-    let mut dirs: Vec<_> = std::fs::read_dir(&args.fixtures)
-        .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).collect())
-        .unwrap_or_default();
-    dirs.sort();
-    for dir in dirs {
-        let name = dir
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        // The Mamba2 hybrids the CUDA backend serves; the wave-2 architectures (Granite 4.0,
-        // Falcon-H1, the Gated DeltaNet models) are not checked on the GPU yet.
-        let covered = ["mamba2-", "nemotronh-", "bamba-"]
-            .iter()
-            .any(|p| name.starts_with(p));
-        if !covered || !dir.join("reference.json").exists() {
-            continue;
-        }
-        if let Err(e) = super::parity::fixture(report, &dir, &name, f32_gpu, bf16_gpu, args) {
-            report.failed(SUITE, name.clone(), format!("{e:#}"));
-        }
-    }
+    // The hybrid fixtures end to end, as the Llama ones in `parity`: the Mamba2 hybrids the
+    // CUDA backend serves; the wave-2 architectures (Granite 4.0, Falcon-H1, the Gated DeltaNet
+    // models) are not checked on the GPU yet.
+    super::parity::run_fixtures(
+        report,
+        f32_gpu,
+        bf16_gpu,
+        args,
+        &["mamba2-", "nemotronh-", "bamba-"],
+    );
     let fixture = args.fixtures.join("nemotronh-a");
     let dir = fixture.clone();
     let label =

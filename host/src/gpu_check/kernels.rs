@@ -893,7 +893,11 @@ fn sample_case(
         if r % 4 == 1 {
             let mut bias: Vec<(u32, f32)> = (0..6)
                 .map(|j| {
-                    let t = if j % 2 == 0 { output[j] } else { c.rng.below(vocab) as u32 };
+                    let t = if j % 2 == 0 {
+                        output[j]
+                    } else {
+                        c.rng.below(vocab) as u32
+                    };
                     (t, (c.rng.sym(8.0) * 4.0).round() / 4.0)
                 })
                 .collect();

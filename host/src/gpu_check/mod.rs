@@ -219,7 +219,11 @@ pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
 /// whole tensor divides it by the number of rows. Infinite when `a` holds a NaN, the lengths
 /// differ or do not split into rows, or a row whose reference is all zero is not zero.
 pub fn row_max_rel(a: &[f32], b: &[f32], row: usize) -> f64 {
-    if row == 0 || a.len() != b.len() || a.len() % row != 0 || a.iter().any(|x| x.is_nan()) {
+    if row == 0
+        || a.len() != b.len()
+        || !a.len().is_multiple_of(row)
+        || a.iter().any(|x| x.is_nan())
+    {
         return f64::INFINITY;
     }
     let mut worst = 0.0f64;

@@ -166,7 +166,7 @@ fn rows(report: &mut Report, tag: &str, note: &str, c: &Case, got: &Logits, want
 pub(super) fn top_logprob_err(got: &[f32], want: &[f32], vocab: usize) -> f64 {
     if vocab == 0
         || got.len() != want.len()
-        || got.len() % vocab != 0
+        || !got.len().is_multiple_of(vocab)
         || got.iter().any(|x| x.is_nan())
     {
         return f64::INFINITY;

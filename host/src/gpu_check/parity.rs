@@ -115,27 +115,8 @@ pub fn run(
     bf16_gpu: &CudaBackend,
     args: &GpuCheckArgs,
 ) {
-    let mut dirs: Vec<_> = match std::fs::read_dir(&args.fixtures) {
-        Ok(d) => d.filter_map(|e| e.ok().map(|e| e.path())).collect(),
-        Err(e) => {
-            report.failed(SUITE, format!("fixtures in {}", args.fixtures.display()), e);
-            return;
-        }
-    };
-    dirs.sort();
-    for dir in dirs {
-        let name = dir
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        // The hybrid fixtures run in the `hybrid` suite.
-        if !name.starts_with("llama") {
-            continue;
-        }
-        if let Err(e) = fixture(report, &dir, &name, f32_gpu, bf16_gpu, args) {
-            report.failed(SUITE, name.clone(), format!("{e:#}"));
-        }
-    }
+    // The hybrid fixtures run in the `hybrid` suite.
+    run_fixtures(report, f32_gpu, bf16_gpu, args, &["llama"]);
 }
 
 /// Every fixture the `parity` and `hybrid` suites run end to end (the Llama fixtures and the
@@ -146,6 +127,24 @@ pub(super) fn run_all_fixtures(
     f32_gpu: &CudaBackend,
     bf16_gpu: &CudaBackend,
     args: &GpuCheckArgs,
+) {
+    run_fixtures(
+        report,
+        f32_gpu,
+        bf16_gpu,
+        args,
+        &["llama", "mamba2-", "nemotronh-", "bamba-"],
+    );
+}
+
+/// Runs [`fixture`] on every fixture folder whose name starts with one of `prefixes` (and that
+/// has a `reference.json`), in name order.
+pub(super) fn run_fixtures(
+    report: &mut Report,
+    f32_gpu: &CudaBackend,
+    bf16_gpu: &CudaBackend,
+    args: &GpuCheckArgs,
+    prefixes: &[&str],
 ) {
     let mut dirs: Vec<_> = match std::fs::read_dir(&args.fixtures) {
         Ok(d) => d.filter_map(|e| e.ok().map(|e| e.path())).collect(),
@@ -160,9 +159,7 @@ pub(super) fn run_all_fixtures(
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
-        let covered = ["llama", "mamba2-", "nemotronh-", "bamba-"]
-            .iter()
-            .any(|p| name.starts_with(p));
+        let covered = prefixes.iter().any(|p| name.starts_with(p));
         if !covered || !dir.join("reference.json").exists() {
             continue;
         }

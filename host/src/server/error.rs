@@ -152,9 +152,19 @@ impl AppError {
     pub fn log(&self, request_id: Option<&str>) {
         let status = self.status().as_u16();
         if status >= 500 && status != 503 {
-            tracing::error!(request_id, status, code = self.kind(), "request failed: {self}");
+            tracing::error!(
+                request_id,
+                status,
+                code = self.kind(),
+                "request failed: {self}"
+            );
         } else {
-            tracing::warn!(request_id, status, code = self.kind(), "request refused: {self}");
+            tracing::warn!(
+                request_id,
+                status,
+                code = self.kind(),
+                "request refused: {self}"
+            );
         }
     }
 

@@ -272,7 +272,11 @@ impl AppState {
     pub(crate) fn response_id(&self, prefix: &str) -> String {
         let n = self.next_id();
         let key = self.inner.id_key;
-        format!("{prefix}-{:016x}{:016x}", mix64(key ^ n), mix64(n.wrapping_add(key.rotate_left(17))))
+        format!(
+            "{prefix}-{:016x}{:016x}",
+            mix64(key ^ n),
+            mix64(n.wrapping_add(key.rotate_left(17)))
+        )
     }
 
     pub fn is_shutting_down(&self) -> bool {

@@ -349,7 +349,10 @@ async fn submit(
                 stop_ids.clone(),
                 params.skip_special_tokens,
             )
-            .with_stop_rules(params.sampling.min_tokens, params.include_stop_str_in_output);
+            .with_stop_rules(
+                params.sampling.min_tokens,
+                params.include_stop_str_in_output,
+            );
             let one = permit
                 .split(1)
                 .ok_or_else(|| AppError::Internal("admission accounting".into()))?;

@@ -254,9 +254,8 @@ pub fn validate_common(
                 ),
             ));
         }
-        p => i32::try_from(p).map_err(|_| {
-            AppError::invalid("priority", format!("priority {p} is out of range"))
-        })?,
+        p => i32::try_from(p)
+            .map_err(|_| AppError::invalid("priority", format!("priority {p} is out of range")))?,
     };
     Ok(GenParams {
         sampling: SamplingParams {
@@ -320,12 +319,15 @@ fn logit_bias(
                 format!("logit_bias token id {token} is outside the vocabulary (size {vocab})"),
             ));
         }
-        let bias = v.as_f64().filter(|b| (-100.0..=100.0).contains(b)).ok_or_else(|| {
-            AppError::invalid(
-                "logit_bias",
-                format!("logit_bias of token {token} must be a number in [-100, 100], got {v}"),
-            )
-        })?;
+        let bias = v
+            .as_f64()
+            .filter(|b| (-100.0..=100.0).contains(b))
+            .ok_or_else(|| {
+                AppError::invalid(
+                    "logit_bias",
+                    format!("logit_bias of token {token} must be a number in [-100, 100], got {v}"),
+                )
+            })?;
         out.push((token, bias as f32));
     }
     out.sort_unstable_by_key(|e| e.0);

@@ -131,9 +131,7 @@ fn chat_logprobs(infos: &[TokenInfo]) -> ChatLogprobs {
 /// vLLM's `prompt_logprobs` value: per prompt token `null` (the first) or a map from token id
 /// to `{logprob, rank, decoded_token}` holding the prompt token and its top alternatives.
 pub fn vllm_prompt_logprobs(infos: &[Option<TokenInfo>]) -> Value {
-    let entry = |logprob: f32, rank: Option<u32>, text: &str| {
-        serde_json::json!({"logprob": logprob, "rank": rank, "decoded_token": text})
-    };
+    let entry = |logprob: f32, rank: Option<u32>, text: &str| serde_json::json!({"logprob": logprob, "rank": rank, "decoded_token": text});
     Value::Array(
         infos
             .iter()

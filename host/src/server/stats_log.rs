@@ -54,7 +54,13 @@ impl Reading {
         let secs = self.at.duration_since(prev.at).as_secs_f64().max(1e-9);
         let queries = d(self.prefix_queries, prev.prefix_queries);
         let hits = d(self.prefix_hits, prev.prefix_hits);
-        let pct = |n: u64, of: u64| if of == 0 { 0.0 } else { 100.0 * n as f64 / of as f64 };
+        let pct = |n: u64, of: u64| {
+            if of == 0 {
+                0.0
+            } else {
+                100.0 * n as f64 / of as f64
+            }
+        };
         Some(format!(
             "prompt throughput: {:.1} tokens/s, generation throughput: {:.1} tokens/s, \
              running: {} reqs, waiting: {} reqs, KV cache usage: {:.1}%, prefix cache hit rate: {:.1}%, \

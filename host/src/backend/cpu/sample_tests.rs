@@ -73,12 +73,18 @@ fn biases_follow_the_penalties_and_bans_mask_tokens_out() {
     let mut rows = one_row(pen(2.0, 0.5, 0.25), true, &[0], &[2, 2], 4);
     rows.bias_last_row(&[(2, 1.5), (3, -0.75)], &[0]);
     assert_eq!(rows.history(0).0, &[0, 2, 3]);
-    assert_eq!(rows.history(0).1, &[0, 2, crate::backend::sample::BIAS_ONLY]);
+    assert_eq!(
+        rows.history(0).1,
+        &[0, 2, crate::backend::sample::BIAS_ONLY]
+    );
     assert_eq!(rows.bias(0), &[f32::NEG_INFINITY, 1.5, -0.75]);
     let mut logits = vec![4.0, 1.0, 4.0, 4.0];
     let mut out = SampleOut::default();
     sample_tail(&mut logits, 4, &rows, &mut out).unwrap();
-    assert_eq!(logits, [f32::NEG_INFINITY, 1.0, 2.0 - 0.5 - 0.5 + 1.5, 3.25]);
+    assert_eq!(
+        logits,
+        [f32::NEG_INFINITY, 1.0, 2.0 - 0.5 - 0.5 + 1.5, 3.25]
+    );
     assert_eq!(out.cand_tokens, [3, 2, 1, 0]);
 
     // Penalties off: only the biased entries exist.
