@@ -389,7 +389,8 @@ pub fn build(config: &Config) -> anyhow::Result<Stack> {
                     total,
                     replicas: on_device,
                 };
-                let (cache, max_len) = size_cache(config, &model.info, Some(gpu))?;
+                let spec = model.cache_spec_on(&backend);
+                let (cache, max_len) = size_cache(config, &model.info, &spec, Some(gpu))?;
                 tracing::info!(
                     device,
                     gpu = %backend.device().name,
@@ -414,7 +415,8 @@ fn build_cpu(config: &Config, loaded: LoadedModel) -> anyhow::Result<Stack> {
     // step arena).
     let backend = CpuBackend::default();
     let model = Arc::new(loaded.model(&backend, config.model.load_format == "dummy")?);
-    let (cache, max_model_len) = size_cache(config, &model.info, None)?;
+    let spec = model.cache_spec_on(&backend);
+    let (cache, max_model_len) = size_cache(config, &model.info, &spec, None)?;
     let replicas = (0..config.engine.replicas)
         .map(|_| (CpuBackend::default(), model.clone(), cache.clone()))
         .collect();
@@ -437,11 +439,12 @@ fn gib(bytes: u64) -> f64 {
 
 /// Resolves one replica's cache budget (`cache.memory_budget`, "auto" included) and the
 /// longest context a request may have, and refuses what cannot work: a context longer than
-/// the model's, or a cache that cannot hold one sequence of that context. `gpu` is `None` on
-/// the CPU.
+/// the model's, or a cache that cannot hold one sequence of that context. `spec` is the
+/// model's cache layout on its backend ([`Model::cache_spec_on`]); `gpu` is `None` on the CPU.
 pub fn size_cache(
     config: &Config,
     info: &model::ModelInfo,
+    spec: &crate::cache::CacheSpec,
     gpu: Option<GpuMemory>,
 ) -> anyhow::Result<(crate::cache::CacheConfig, usize)> {
     use crate::cache::{ByteSize, CacheLayout, config::CPU_MIN_AUTO_BUDGET};
@@ -495,7 +498,7 @@ pub fn size_cache(
             )
         }
         (None, _, None) => {
-            let need = CacheLayout::budget_for_tokens(&cache, &info.cache, max_running, max_len)
+            let need = CacheLayout::budget_for_tokens(&cache, spec, max_running, max_len)
                 .with_context(|| format!("no cache budget holds a sequence of {max_len} tokens"))?;
             let budget = need.0.max(CPU_MIN_AUTO_BUDGET.0);
             if let Some(avail) = available_memory()
@@ -515,7 +518,7 @@ pub fn size_cache(
             )
         }
     };
-    let layout = CacheLayout::plan(&cache, &info.cache, max_running)?;
+    let layout = CacheLayout::plan(&cache, spec, max_running)?;
     let holds = layout.token_capacity();
     if holds < max_len {
         let fix = if config.model.max_model_len.is_some() {

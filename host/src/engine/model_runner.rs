@@ -262,7 +262,7 @@ impl<B: Backend> ModelRunner<B> {
 
 impl<B: Backend> StepExecutor for ModelRunner<B> {
     fn cache_spec(&self) -> CacheSpec {
-        self.model.info.cache.clone()
+        self.model.cache_spec_on(&self.backend)
     }
 
     fn vocab_size(&self) -> usize {

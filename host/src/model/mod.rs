@@ -189,6 +189,16 @@ pub struct Model<B: Backend> {
 }
 
 impl<B: Backend> Model<B> {
+    /// The cache layout on `backend`: its KV blocks hold the backend's activation dtype (bf16
+    /// on a serving GPU), which is what [`ModelCaches::new`] allocates. Planning with the f32
+    /// size of [`ModelInfo::cache`] would leave half of a bf16 budget unused.
+    pub fn cache_spec_on(&self, backend: &B) -> CacheSpec {
+        CacheSpec {
+            kv_elem_bytes: backend.act_dtype().size(),
+            ..self.info.cache.clone()
+        }
+    }
+
     /// Zeroed caches sized for this model.
     pub fn new_caches(
         &self,
