@@ -363,3 +363,20 @@ fn dummy_tensor<B: Backend>(
         .map_err(backend_err)?;
     Ok(t)
 }
+
+/// This process's resident set now and at its peak (`VmRSS`, `VmHWM`), in bytes; `None` where
+/// `/proc/self/status` cannot be read (not Linux).
+pub fn process_memory() -> Option<(u64, u64)> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let field = |key: &str| -> Option<u64> {
+        let line = status.lines().find(|l| l.starts_with(key))?;
+        let kib: u64 = line[key.len()..]
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .ok()?;
+        Some(kib * 1024)
+    };
+    Some((field("VmRSS:")?, field("VmHWM:")?))
+}

@@ -11,12 +11,15 @@
 
 mod attention;
 mod gdn;
+mod matmul;
 pub mod moe;
 pub mod sample;
 mod ssm;
 
 pub use gdn::{gdn_chunked_head, gdn_recurrent_head};
 pub use ssm::{ssm_chunked_head, ssm_recurrent_head};
+
+pub(crate) use matmul::gemm_nt;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -155,6 +158,8 @@ impl Arena {
 #[derive(Debug, Clone, Default)]
 pub struct CpuBackend {
     arena: Arc<Arena>,
+    /// Bytes of the tensors uploaded to this backend (the weights it holds).
+    uploaded: Arc<AtomicU64>,
 }
 
 /// The CPU's step object: its own copy of the plan.
@@ -196,37 +201,6 @@ fn apply_act(x: f32, act: Activation) -> f32 {
     }
 }
 
-/// `c[m, n] = a[m, k] · b[n, k]ᵀ` (row-major), single-precision GEMM.
-pub(crate) fn gemm_nt(a: &[f32], b: &[f32], c: &mut [f32], m: usize, k: usize, n: usize) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        c.fill(0.0);
-        return;
-    }
-    // SAFETY: the slices hold m*k, n*k and m*n elements (checked by the callers) and the
-    // strides below address exactly those ranges; `c` does not alias `a` or `b`.
-    unsafe {
-        matrixmultiply::sgemm(
-            m,
-            k,
-            n,
-            1.0,
-            a.as_ptr(),
-            k as isize,
-            1,
-            b.as_ptr(),
-            1,
-            k as isize,
-            0.0,
-            c.as_mut_ptr(),
-            n as isize,
-            1,
-        );
-    }
-}
-
 impl CpuBackend {
     /// A step temporary the kernel overwrites completely (not zeroed).
     fn tmp(&self, shape: &[usize]) -> CpuTensor {
@@ -242,6 +216,11 @@ impl CpuBackend {
             data.clear();
             data.resize(cap, f32::NAN);
         }
+    }
+
+    /// Bytes of the tensors uploaded so far (a model's weights, as f32), shared by clones.
+    pub fn weight_bytes(&self) -> u64 {
+        self.uploaded.load(Ordering::Relaxed)
     }
 
     /// A zeroed step temporary (for kernels that accumulate into it).
@@ -260,7 +239,10 @@ impl Backend for CpuBackend {
 
     fn upload(&self, host: HostTensor<'_>) -> Result<CpuTensor> {
         host.check()?;
-        CpuTensor::new(host.to_f32(), host.shape)
+        let t = CpuTensor::new(host.to_f32(), host.shape)?;
+        self.uploaded
+            .fetch_add((t.data.len() * 4) as u64, Ordering::Relaxed);
+        Ok(t)
     }
 
     fn download(&self, t: &CpuTensor) -> Result<Vec<f32>> {
