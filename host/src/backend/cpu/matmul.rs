@@ -15,7 +15,7 @@
 //! multiply-adds) where the CPU has them, checked at run time, and for the baseline x86-64 /
 //! other targets with a separate multiply and add. One machine always takes the same path.
 //! It must not allocate per element or hold state between calls; the only allocation is the
-//! small list of output slices when `m > 1`.
+//! small lists of weight blocks and output slices a call hands to its tasks.
 
 use rayon::prelude::*;
 
@@ -33,17 +33,35 @@ const PAR_MIN_MACS: usize = 1 << 15;
 
 /// `c[m, n] = a[m, k] · b[n, k]ᵀ`. The slices hold `m·k`, `n·k` and `m·n` values (callers check).
 pub(crate) fn gemm_nt(a: &[f32], b: &[f32], c: &mut [f32], m: usize, k: usize, n: usize) {
-    if m == 0 || n == 0 {
+    if n == 0 {
+        return;
+    }
+    gemm_nt_shared(a, m, k, &mut [Product { w: b, out: c }]);
+}
+
+/// One product of a [`gemm_nt_shared`] call: a weight `[n, k]` and its output `[m, n]`.
+pub(crate) struct Product<'a> {
+    pub w: &'a [f32],
+    pub out: &'a mut [f32],
+}
+
+/// `out_s = a[m, k] · w_sᵀ` for weights that share their input (a layer's q/k/v projections):
+/// on the skinny path all of them in one parallel dispatch, each output element as
+/// [`gemm_nt`] computes it alone.
+pub(crate) fn gemm_nt_shared(a: &[f32], m: usize, k: usize, products: &mut [Product<'_>]) {
+    if m == 0 {
         return;
     }
     if k == 0 {
-        c.fill(0.0);
+        products.iter_mut().for_each(|p| p.out.fill(0.0));
         return;
     }
     if m <= SKINNY_MAX_ROWS {
-        skinny(a, b, c, m, k, n);
+        skinny(a, m, k, products);
     } else {
-        packed(a, b, c, m, k, n);
+        for p in products.iter_mut() {
+            packed(a, p.w, p.out, m, k, p.w.len() / k);
+        }
     }
 }
 
@@ -71,43 +89,52 @@ fn packed(a: &[f32], b: &[f32], c: &mut [f32], m: usize, k: usize, n: usize) {
     }
 }
 
-/// The skinny path: output columns in blocks, one block per rayon task.
-fn skinny(a: &[f32], b: &[f32], c: &mut [f32], m: usize, k: usize, n: usize) {
-    let macs = m * n * k;
+/// The skinny path: each weight's rows in blocks, one rayon task per block (all on the
+/// calling thread when the call is small).
+fn skinny(a: &[f32], m: usize, k: usize, products: &mut [Product<'_>]) {
+    let rows: usize = products.iter().map(|p| p.w.len() / k).sum();
     let threads = rayon::current_num_threads().max(1);
-    if macs < PAR_MIN_MACS || threads == 1 {
-        let mut outs: Vec<&mut [f32]> = c.chunks_exact_mut(n).collect();
-        block(a, b, &mut outs, k);
-        return;
-    }
+    let serial = m * rows * k < PAR_MIN_MACS || threads == 1;
     // A few blocks per thread so a thread slowed by another process does not hold up the
     // step, each a multiple of the row tile.
-    let block_rows = n
-        .div_ceil(threads * 4)
-        .next_multiple_of(ROW_TILE)
-        .max(ROW_TILE);
-    if m == 1 {
-        c.par_chunks_mut(block_rows)
-            .zip(b.par_chunks(block_rows * k))
-            .for_each(|(out, w)| block(a, w, &mut [out], k));
-        return;
-    }
-    // Block-major list of output slices: entries [bi·m, (bi+1)·m) are block bi of each row.
-    let blocks = n.div_ceil(block_rows);
-    let mut rows: Vec<_> = c
-        .chunks_exact_mut(n)
-        .map(|r| r.chunks_mut(block_rows))
-        .collect();
-    let mut parts: Vec<&mut [f32]> = Vec::with_capacity(blocks * m);
-    for _ in 0..blocks {
-        for r in rows.iter_mut() {
-            parts.extend(r.next());
+    let block_rows = match serial {
+        true => rows.max(1),
+        false => rows
+            .div_ceil(threads * 4)
+            .next_multiple_of(ROW_TILE)
+            .max(ROW_TILE),
+    };
+    // The tasks: a block of weight rows, and (block-major, `m` per block) the slices of the
+    // output rows it fills.
+    let mut weights: Vec<&[f32]> = Vec::new();
+    let mut outs: Vec<&mut [f32]> = Vec::new();
+    for p in products.iter_mut() {
+        let n = p.w.len() / k;
+        if n == 0 {
+            continue;
+        }
+        let per = block_rows.min(n);
+        let mut parts: Vec<_> = p
+            .out
+            .chunks_exact_mut(n)
+            .map(|r| r.chunks_mut(per))
+            .collect();
+        for w in p.w.chunks(per * k) {
+            weights.push(w);
+            for r in parts.iter_mut() {
+                outs.extend(r.next());
+            }
         }
     }
-    parts
-        .par_chunks_mut(m)
-        .zip(b.par_chunks(block_rows * k))
-        .for_each(|(outs, w)| block(a, w, outs, k));
+    if serial {
+        for (w, o) in weights.iter().zip(outs.chunks_mut(m)) {
+            block(a, w, o, k);
+        }
+    } else {
+        outs.par_chunks_mut(m)
+            .zip(weights.par_iter())
+            .for_each(|(o, w)| block(a, w, o, k));
+    }
 }
 
 /// One block: `outs[i][j] = a_i · w_j` for the weight rows `w` (`outs[i].len()` of them).
@@ -121,23 +148,39 @@ fn block(a: &[f32], w: &[f32], outs: &mut [&mut [f32]], k: usize) {
     portable_block(a, w, outs, k);
 }
 
-/// The block on any CPU: one row at a time, a multiply then an add per product (LLVM
-/// vectorises the 16 running sums with the baseline SIMD).
+/// `x · y` (equal lengths) with the order of operations of one element of [`gemm_nt`]'s
+/// skinny path (for other kernels' short dot products, such as attention scores).
+pub(crate) fn dot(x: &[f32], y: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if avx2::available() {
+        // SAFETY: the CPU supports AVX2 and FMA (checked at run time just above).
+        return unsafe { avx2::dot1(x, y) };
+    }
+    portable_dot(x, y)
+}
+
+/// The block on any CPU: one row at a time.
 fn portable_block(a: &[f32], w: &[f32], outs: &mut [&mut [f32]], k: usize) {
     for (j, row) in w.chunks_exact(k).enumerate() {
         for (x, out) in a.chunks_exact(k).zip(outs.iter_mut()) {
-            let (xc, xt) = x.as_chunks::<LANES>();
-            let (wc, wt) = row.as_chunks::<LANES>();
-            let mut acc = [0f32; LANES];
-            for (xs, ws) in xc.iter().zip(wc) {
-                for l in 0..LANES {
-                    acc[l] += xs[l] * ws[l];
-                }
-            }
-            let tail: f32 = xt.iter().zip(wt).fold(0.0, |t, (x, w)| t + x * w);
-            out[j] = hsum(acc) + tail;
+            out[j] = portable_dot(x, row);
         }
     }
+}
+
+/// One dot product with a multiply then an add per product (LLVM vectorises the 16 running
+/// sums with the baseline SIMD).
+fn portable_dot(x: &[f32], y: &[f32]) -> f32 {
+    let (xc, xt) = x.as_chunks::<LANES>();
+    let (yc, yt) = y.as_chunks::<LANES>();
+    let mut acc = [0f32; LANES];
+    for (xs, ys) in xc.iter().zip(yc) {
+        for l in 0..LANES {
+            acc[l] += xs[l] * ys[l];
+        }
+    }
+    let tail: f32 = xt.iter().zip(yt).fold(0.0, |t, (x, y)| t + x * y);
+    hsum(acc) + tail
 }
 
 /// The 16 partial sums added pairwise (a fixed tree: lane l takes lane l + 8, then l + 4, …).
@@ -189,6 +232,11 @@ mod avx2 {
                 out[j] = dot::<1>(x, row)[0];
             }
         }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn dot1(x: &[f32], y: &[f32]) -> f32 {
+        dot::<1>(x, [y])[0]
     }
 
     /// `R` dot products of `x` with the rows `w` (each as long as `x`).
@@ -319,6 +367,34 @@ mod tests {
         for i in 0..m {
             let alone = run(&a[i * k..(i + 1) * k], &b, 1, k, n);
             assert_eq!(alone, &many[i * n..(i + 1) * n], "row {i}");
+        }
+    }
+
+    #[test]
+    fn shared_products_equal_separate_ones() {
+        for m in [1, 3, SKINNY_MAX_ROWS + 2] {
+            let k = 70;
+            let a = values(m * k, 7);
+            let ws: Vec<Vec<f32>> = [33, 8, 1, 0]
+                .iter()
+                .map(|&n| values(n * k, n as u64))
+                .collect();
+            let mut outs: Vec<Vec<f32>> =
+                ws.iter().map(|w| vec![f32::NAN; m * w.len() / k]).collect();
+            let mut products: Vec<Product> = ws
+                .iter()
+                .zip(outs.iter_mut())
+                .map(|(w, out)| Product { w, out })
+                .collect();
+            gemm_nt_shared(&a, m, k, &mut products);
+            for (w, out) in ws.iter().zip(&outs) {
+                assert_eq!(
+                    *out,
+                    run(&a, w, m, k, w.len() / k),
+                    "m {m}, n {}",
+                    w.len() / k
+                );
+            }
         }
     }
 
