@@ -431,7 +431,7 @@ mod tests {
                     }
                     t.elapsed().as_secs_f64() * 1e6 / reps as f64
                 };
-                let s = time(&mut |c| skinny(&a, &b, c, m, k, n));
+                let s = time(&mut |c| skinny(&a, m, k, &mut [Product { w: &b, out: c }]));
                 let p = time(&mut |c| packed(&a, &b, c, m, k, n));
                 c[0] = 0.0;
                 println!(
