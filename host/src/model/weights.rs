@@ -458,3 +458,20 @@ pub fn process_memory() -> Option<(u64, u64)> {
     };
     Some((field("VmRSS:")?, field("VmHWM:")?))
 }
+
+/// Hands the allocator's free memory back to the system (glibc keeps freed chunks in its
+/// heaps, including those of the threads that dequantized a GGUF file's tensors, and counts
+/// them in RSS). A no-op elsewhere.
+pub fn release_free_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        unsafe extern "C" {
+            fn malloc_trim(pad: usize) -> std::ffi::c_int;
+        }
+        // SAFETY: glibc's malloc_trim takes no pointers and may be called at any time; it only
+        // returns free pages of the allocator's heaps to the system.
+        unsafe {
+            malloc_trim(0);
+        }
+    }
+}

@@ -338,6 +338,7 @@ impl GgufModel {
         let store = WeightStore::from_memory_once(tensors);
         let model = arch::build(&config, &store, backend)?;
         drop(store);
+        super::weights::release_free_memory();
         let rss = super::weights::process_memory().map(|(rss, _)| rss);
         tracing::info!(
             file = %self.file.path.display(),
