@@ -127,6 +127,18 @@ struct GenerateArgs {
     /// Print timing to stderr.
     #[arg(long)]
     verbose: bool,
+    /// Keep generating through end-of-sequence tokens (always `--max-tokens` tokens).
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Measure prefill and decode separately and print one `timing: {json}` line to stderr:
+    /// per repetition, the time to the first token (the prompt alone) and the time of the
+    /// whole generation; decode per token is their difference over the tokens after the
+    /// first. Also the bytes of weights the CPU backend holds and the process's RSS.
+    #[arg(long)]
+    timing: bool,
+    /// Repetitions of the `--timing` measurement (after one warm-up generation).
+    #[arg(long, default_value_t = 3)]
+    timing_reps: usize,
 }
 
 #[derive(Subcommand)]
@@ -266,6 +278,41 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     let prompt = codec.encode(&args.prompt, true)?;
     let mut stop = model.info.eos_token_ids.clone();
     stop.extend(codec.eos_token_ids());
+    if args.ignore_eos {
+        stop.clear();
+    }
+    if args.timing {
+        let mut prefill_s = Vec::new();
+        let mut decode_s = Vec::new();
+        let mut generated = 0;
+        model::greedy_generate(&model, &backend, &prompt, args.max_tokens, &stop, 512)?;
+        for _ in 0..args.timing_reps {
+            let t = Instant::now();
+            model::greedy_generate(&model, &backend, &prompt, 1, &stop, 512)?;
+            let first = t.elapsed().as_secs_f64();
+            let t = Instant::now();
+            let out =
+                model::greedy_generate(&model, &backend, &prompt, args.max_tokens, &stop, 512)?;
+            let all = t.elapsed().as_secs_f64();
+            generated = out.len();
+            prefill_s.push(first);
+            decode_s.push((all - first) / (out.len().saturating_sub(1).max(1)) as f64);
+        }
+        let (rss, hwm) = chimera::model::weights::process_memory().unwrap_or_default();
+        eprintln!(
+            "timing: {}",
+            serde_json::json!({
+                "load_s": load_time.as_secs_f64(),
+                "prefill_tokens": prompt.len(),
+                "generated": generated,
+                "prefill_s": prefill_s,
+                "decode_s": decode_s,
+                "weight_bytes": backend.weight_bytes(),
+                "rss": rss,
+                "hwm": hwm,
+            })
+        );
+    }
     let t0 = Instant::now();
     let out = model::greedy_generate(&model, &backend, &prompt, args.max_tokens, &stop, 512)?;
     let took = t0.elapsed();

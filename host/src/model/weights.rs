@@ -1,11 +1,13 @@
 //! Safetensors weights: one file or many (`model.safetensors.index.json`), memory-mapped and
 //! handed to the backend in their checkpoint dtype straight from the map (f32, bf16 and f16;
-//! f64 is narrowed to f32 on the host first). The backend decides what it keeps.
+//! f64 is narrowed to f32 on the host first). The backend decides what it keeps. A store can
+//! also hold tensors made in memory (the embedded model; a GGUF file's dequantized tensors,
+//! which it frees one by one as the backend takes them).
 //!
 //! Every failure names the file and, where there is one, the tensor: a missing tensor, a wrong
 //! shape, a non-float dtype, a truncated file or a shard the index points to that is absent.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -48,6 +50,12 @@ pub struct WeightStore {
     shards: Vec<Shard>,
     /// Tensors generated in memory (the embedded model), looked up before the shards.
     memory: HashMap<String, (Vec<f32>, Vec<usize>)>,
+    /// Tensors made in memory that are handed over once (a GGUF file's dequantized tensors):
+    /// [`WeightStore::load`] removes one, uploads it and frees the host copy, so the host and
+    /// backend copies of the whole model never coexist.
+    once: RefCell<HashMap<String, (Vec<f32>, Vec<usize>)>>,
+    /// The shapes of `once`'s tensors, kept after they are handed over.
+    once_shapes: HashMap<String, Vec<usize>>,
     by_name: HashMap<String, usize>,
     total_bytes: usize,
     loaded_bytes: Cell<usize>,
@@ -118,6 +126,8 @@ impl WeightStore {
         Ok(Self {
             shards,
             memory: HashMap::new(),
+            once: RefCell::default(),
+            once_shapes: HashMap::new(),
             by_name,
             total_bytes,
             loaded_bytes: Cell::new(0),
@@ -131,11 +141,27 @@ impl WeightStore {
         Self {
             shards: Vec::new(),
             memory: tensors,
+            once: RefCell::default(),
+            once_shapes: HashMap::new(),
             by_name: HashMap::new(),
             total_bytes: 0,
             loaded_bytes: Cell::new(0),
             next_report: Cell::new(0),
             dummy: None,
+        }
+    }
+
+    /// A store of tensors held in memory that [`WeightStore::load`] hands to the backend once,
+    /// freeing each host copy as it goes (a second load of the same tensor is an error; other
+    /// reads copy and keep it).
+    pub fn from_memory_once(tensors: HashMap<String, (Vec<f32>, Vec<usize>)>) -> Self {
+        Self {
+            once_shapes: tensors
+                .iter()
+                .map(|(name, (_, shape))| (name.clone(), shape.clone()))
+                .collect(),
+            once: RefCell::new(tensors),
+            ..Self::from_memory(HashMap::new())
         }
     }
 
@@ -154,12 +180,17 @@ impl WeightStore {
     }
 
     pub fn has(&self, name: &str) -> bool {
-        self.dummy.is_none() && self.memory.contains_key(name) || self.by_name.contains_key(name)
+        self.dummy.is_none()
+            && (self.memory.contains_key(name) || self.once_shapes.contains_key(name))
+            || self.by_name.contains_key(name)
     }
 
     /// The stored shape of a tensor, if present.
     pub fn shape_of(&self, name: &str) -> Option<Vec<usize>> {
         if let Some((_, shape)) = self.memory.get(name) {
+            return Some(shape.clone());
+        }
+        if let Some(shape) = self.once_shapes.get(name) {
             return Some(shape.clone());
         }
         let shard = &self.shards[*self.by_name.get(name)?];
@@ -176,6 +207,9 @@ impl WeightStore {
         if let Some(seed) = self.dummy {
             return dummy_tensor(backend, name, shape, seed);
         }
+        if self.once_shapes.contains_key(name) {
+            return self.load_once(backend, name, shape);
+        }
         let raw = self.raw(name)?;
         if raw.shape != shape {
             return Err(ModelError::TensorShape {
@@ -187,6 +221,36 @@ impl WeightStore {
         }
         backend
             .upload(raw.host())
+            .map_err(|e| ModelError::Backend(e.to_string()))
+    }
+
+    /// [`WeightStore::load`] of a tensor handed over once: uploaded, then its host copy freed.
+    fn load_once<B: Backend>(
+        &self,
+        backend: &B,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<B::Tensor, ModelError> {
+        let (data, got) = self.once.borrow_mut().remove(name).ok_or_else(|| {
+            ModelError::Backend(format!(
+                "tensor `{name}` was loaded twice from a store that hands each tensor over once"
+            ))
+        })?;
+        if got != shape {
+            return Err(ModelError::TensorShape {
+                path: self.path_of(name),
+                tensor: name.to_string(),
+                got,
+                expected: shape.to_vec(),
+            });
+        }
+        let host = HostTensor {
+            dtype: DType::F32,
+            shape,
+            bytes: f32_bytes(&data),
+        };
+        backend
+            .upload(host)
             .map_err(|e| ModelError::Backend(e.to_string()))
     }
 
@@ -231,6 +295,20 @@ impl WeightStore {
                 dtype: DType::F32,
                 shape: shape.clone(),
                 bytes: Cow::Borrowed(f32_bytes(data)),
+            });
+        }
+        if self.once_shapes.contains_key(name) {
+            let once = self.once.borrow();
+            let (data, shape) = once.get(name).ok_or_else(|| {
+                ModelError::Backend(format!(
+                    "tensor `{name}` was read after the backend took it (a store that hands \
+                     each tensor over once)"
+                ))
+            })?;
+            return Ok(RawTensor {
+                dtype: DType::F32,
+                shape: shape.clone(),
+                bytes: Cow::Owned(f32_bytes(data).to_vec()),
             });
         }
         let idx = *self
@@ -362,4 +440,38 @@ fn dummy_tensor<B: Backend>(
         .fill_dummy(&mut t, h, std, mean)
         .map_err(backend_err)?;
     Ok(t)
+}
+
+/// This process's resident set now and at its peak (`VmRSS`, `VmHWM`), in bytes; `None` where
+/// `/proc/self/status` cannot be read (not Linux).
+pub fn process_memory() -> Option<(u64, u64)> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let field = |key: &str| -> Option<u64> {
+        let line = status.lines().find(|l| l.starts_with(key))?;
+        let kib: u64 = line[key.len()..]
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .ok()?;
+        Some(kib * 1024)
+    };
+    Some((field("VmRSS:")?, field("VmHWM:")?))
+}
+
+/// Hands the allocator's free memory back to the system (glibc keeps freed chunks in its
+/// heaps, including those of the threads that dequantized a GGUF file's tensors, and counts
+/// them in RSS). A no-op elsewhere.
+pub fn release_free_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        unsafe extern "C" {
+            fn malloc_trim(pad: usize) -> std::ffi::c_int;
+        }
+        // SAFETY: glibc's malloc_trim takes no pointers and may be called at any time; it only
+        // returns free pages of the allocator's heaps to the system.
+        unsafe {
+            malloc_trim(0);
+        }
+    }
 }

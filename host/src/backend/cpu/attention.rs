@@ -6,6 +6,7 @@
 use rayon::prelude::*;
 
 use super::CpuTensor;
+use super::matmul::dot;
 use crate::backend::{AttnShape, BackendError, KvLayer, Result, StepPlan};
 
 pub(super) fn paged_attention(
@@ -94,12 +95,7 @@ pub(super) fn paged_attention(
                 let mut max = f32::NEG_INFINITY;
                 for (s, &slot) in scores.iter_mut().zip(&slots) {
                     let kb = slot * kv_width + kvh * head_dim;
-                    let dot: f32 = qh
-                        .iter()
-                        .zip(&kc[kb..kb + head_dim])
-                        .map(|(a, b)| a * b)
-                        .sum();
-                    *s = dot * scale;
+                    *s = dot(qh, &kc[kb..kb + head_dim]) * scale;
                     max = max.max(*s);
                 }
                 let mut denom = 0.0f32;

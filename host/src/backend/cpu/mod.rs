@@ -1,8 +1,10 @@
 //! The CPU reference backend: f32 everywhere, row-major `Vec<f32>` tensors.
 //!
 //! It is the oracle the accelerated backends are checked against, so clarity beats speed, but
-//! it is threaded where it pays: GEMMs go through `matrixmultiply` (multi-threaded), attention
-//! parallelises over query tokens and the SSM scan over heads (rayon). Weights of any dtype
+//! it is threaded where it pays: linear layers go through [`matmul`] (a GEMV-shaped kernel over
+//! the weight rows for decode-sized steps, `matrixmultiply` for prefill), attention
+//! parallelises over query tokens and the SSM scan over heads (rayon); elementwise kernels
+//! stay on the calling thread for small steps. Weights of any dtype
 //! are widened to f32 on upload; cache dtypes are f32 too. Temporaries come from an [`Arena`]
 //! of recycled buffers: a tensor made by a kernel returns its memory to the arena when dropped,
 //! so once the largest step shapes have been seen, kernels stop asking the allocator for
@@ -11,12 +13,16 @@
 
 mod attention;
 mod gdn;
+mod matmul;
 pub mod moe;
 pub mod sample;
 mod ssm;
 
 pub use gdn::{gdn_chunked_head, gdn_recurrent_head};
 pub use ssm::{ssm_chunked_head, ssm_recurrent_head};
+
+pub(crate) use matmul::gemm_nt;
+use matmul::{Product, gemm_nt_shared};
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -155,6 +161,8 @@ impl Arena {
 #[derive(Debug, Clone, Default)]
 pub struct CpuBackend {
     arena: Arc<Arena>,
+    /// Bytes of the tensors uploaded to this backend (the weights it holds).
+    uploaded: Arc<AtomicU64>,
 }
 
 /// The CPU's step object: its own copy of the plan.
@@ -172,6 +180,15 @@ fn same_shape(what: &str, a: &CpuTensor, b: &CpuTensor) -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// Below this many values an elementwise kernel stays on the calling thread: handing a
+/// decode step's few rows to rayon's threads (a wake-up and a wait) costs more than the work.
+const PAR_MIN_ELEMS: usize = 1 << 14;
+
+/// The fewest rows of `cols` values a rayon task takes (see [`PAR_MIN_ELEMS`]).
+fn min_rows(cols: usize) -> usize {
+    PAR_MIN_ELEMS.div_ceil(cols.max(1))
 }
 
 #[inline]
@@ -196,37 +213,6 @@ fn apply_act(x: f32, act: Activation) -> f32 {
     }
 }
 
-/// `c[m, n] = a[m, k] · b[n, k]ᵀ` (row-major), single-precision GEMM.
-pub(crate) fn gemm_nt(a: &[f32], b: &[f32], c: &mut [f32], m: usize, k: usize, n: usize) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        c.fill(0.0);
-        return;
-    }
-    // SAFETY: the slices hold m*k, n*k and m*n elements (checked by the callers) and the
-    // strides below address exactly those ranges; `c` does not alias `a` or `b`.
-    unsafe {
-        matrixmultiply::sgemm(
-            m,
-            k,
-            n,
-            1.0,
-            a.as_ptr(),
-            k as isize,
-            1,
-            b.as_ptr(),
-            1,
-            k as isize,
-            0.0,
-            c.as_mut_ptr(),
-            n as isize,
-            1,
-        );
-    }
-}
-
 impl CpuBackend {
     /// A step temporary the kernel overwrites completely (not zeroed).
     fn tmp(&self, shape: &[usize]) -> CpuTensor {
@@ -242,6 +228,59 @@ impl CpuBackend {
             data.clear();
             data.resize(cap, f32::NAN);
         }
+    }
+
+    /// `x · w_sᵀ (+ b_s)` for `N` weights sharing `x`, as one dispatch of the product kernel.
+    fn linears<const N: usize>(
+        &self,
+        x: &CpuTensor,
+        weights: [(&CpuTensor, Option<&CpuTensor>); N],
+    ) -> Result<[CpuTensor; N]> {
+        let (n, k) = x.rows_cols();
+        for (w, bias) in weights {
+            let (m, wk) = w.rows_cols();
+            if wk != k {
+                return Err(BackendError::Shape {
+                    what: "linear weight".into(),
+                    got: w.shape.clone(),
+                    expected: vec![m, k],
+                });
+            }
+            if let Some(b) = bias
+                && b.data.len() != m
+            {
+                return Err(BackendError::Shape {
+                    what: "linear bias".into(),
+                    got: b.shape.clone(),
+                    expected: vec![m],
+                });
+            }
+        }
+        let mut outs = weights.map(|(w, _)| self.tmp(&[n, w.rows_cols().0]));
+        let mut products: Vec<Product<'_>> = outs
+            .iter_mut()
+            .zip(&weights)
+            .map(|(out, (w, _))| Product {
+                w: &w.data,
+                out: &mut out.data,
+            })
+            .collect();
+        gemm_nt_shared(&x.data, n, k, &mut products);
+        for (out, (w, bias)) in outs.iter_mut().zip(&weights) {
+            if let Some(b) = bias {
+                for row in out.data.chunks_mut(w.rows_cols().0.max(1)) {
+                    for (o, bv) in row.iter_mut().zip(&b.data) {
+                        *o += bv;
+                    }
+                }
+            }
+        }
+        Ok(outs)
+    }
+
+    /// Bytes of the tensors uploaded so far (a model's weights, as f32), shared by clones.
+    pub fn weight_bytes(&self) -> u64 {
+        self.uploaded.load(Ordering::Relaxed)
     }
 
     /// A zeroed step temporary (for kernels that accumulate into it).
@@ -260,7 +299,10 @@ impl Backend for CpuBackend {
 
     fn upload(&self, host: HostTensor<'_>) -> Result<CpuTensor> {
         host.check()?;
-        CpuTensor::new(host.to_f32(), host.shape)
+        let t = CpuTensor::new(host.to_f32(), host.shape)?;
+        self.uploaded
+            .fetch_add((t.data.len() * 4) as u64, Ordering::Relaxed);
+        Ok(t)
     }
 
     fn download(&self, t: &CpuTensor) -> Result<Vec<f32>> {
@@ -384,32 +426,20 @@ impl Backend for CpuBackend {
     }
 
     fn linear(&self, x: &CpuTensor, w: &CpuTensor, bias: Option<&CpuTensor>) -> Result<CpuTensor> {
-        let (n, k) = x.rows_cols();
-        let (m, wk) = w.rows_cols();
-        if wk != k {
-            return Err(BackendError::Shape {
-                what: "linear weight".into(),
-                got: w.shape.clone(),
-                expected: vec![m, k],
-            });
-        }
-        let mut out = self.tmp(&[n, m]);
-        gemm_nt(&x.data, &w.data, &mut out.data, n, k, m);
-        if let Some(b) = bias {
-            if b.data.len() != m {
-                return Err(BackendError::Shape {
-                    what: "linear bias".into(),
-                    got: b.shape.clone(),
-                    expected: vec![m],
-                });
-            }
-            for row in out.data.chunks_mut(m.max(1)) {
-                for (o, bv) in row.iter_mut().zip(&b.data) {
-                    *o += bv;
-                }
-            }
-        }
+        let [out] = self.linears(x, [(w, bias)])?;
         Ok(out)
+    }
+
+    fn linear_shared(
+        &self,
+        x: &CpuTensor,
+        weights: &[(&CpuTensor, Option<&CpuTensor>)],
+    ) -> Result<Vec<CpuTensor>> {
+        match *weights {
+            [a, b] => Ok(self.linears(x, [a, b])?.into()),
+            [a, b, c] => Ok(self.linears(x, [a, b, c])?.into()),
+            _ => weights.iter().map(|(w, b)| self.linear(x, w, *b)).collect(),
+        }
     }
 
     fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
@@ -438,13 +468,16 @@ impl Backend for CpuBackend {
         }
         let mut out = self.tmp(&x.shape);
         out.data.copy_from_slice(&x.data);
-        out.data.par_chunks_mut(cols.max(1)).for_each(|row| {
-            let ms = row.iter().map(|v| v * v).sum::<f32>() / cols as f32;
-            let inv = 1.0 / (ms + eps).sqrt();
-            for (v, wv) in row.iter_mut().zip(&w.data) {
-                *v = wv * (*v * inv);
-            }
-        });
+        out.data
+            .par_chunks_mut(cols.max(1))
+            .with_min_len(min_rows(cols))
+            .for_each(|row| {
+                let ms = row.iter().map(|v| v * v).sum::<f32>() / cols as f32;
+                let inv = 1.0 / (ms + eps).sqrt();
+                for (v, wv) in row.iter_mut().zip(&w.data) {
+                    *v = wv * (*v * inv);
+                }
+            });
         Ok(out)
     }
 
@@ -470,6 +503,7 @@ impl Backend for CpuBackend {
         }
         out.data
             .par_chunks_mut(group)
+            .with_min_len(min_rows(group))
             .enumerate()
             .for_each(|(i, seg)| {
                 let ms = seg.iter().map(|v| v * v).sum::<f32>() / group as f32;
@@ -483,7 +517,10 @@ impl Backend for CpuBackend {
     }
 
     fn activate(&self, x: &mut CpuTensor, act: Activation) -> Result<()> {
-        x.data.par_iter_mut().for_each(|v| *v = apply_act(*v, act));
+        x.data
+            .par_iter_mut()
+            .with_min_len(PAR_MIN_ELEMS)
+            .for_each(|v| *v = apply_act(*v, act));
         Ok(())
     }
 
@@ -498,6 +535,7 @@ impl Backend for CpuBackend {
         out.data
             .par_iter_mut()
             .zip(gate.data.par_iter().zip(&up.data))
+            .with_min_len(PAR_MIN_ELEMS)
             .for_each(|(o, (g, u))| *o = apply_act(*g, act) * u);
         Ok(out)
     }
@@ -559,6 +597,7 @@ impl Backend for CpuBackend {
         x.data
             .par_chunks_mut(cols.max(1))
             .zip(positions.par_iter())
+            .with_min_len(min_rows(cols))
             .for_each(|(row, &pos)| {
                 let p = pos as f32;
                 for i in 0..half {
@@ -677,13 +716,16 @@ impl Backend for CpuBackend {
         }
         let mut out = self.tmp(&x.shape);
         out.data.copy_from_slice(&x.data);
-        out.data.par_chunks_mut(head_dim).for_each(|seg| {
-            let ms = seg.iter().map(|v| v * v).sum::<f32>() / head_dim as f32;
-            let inv = 1.0 / (ms + eps).sqrt();
-            for (v, wv) in seg.iter_mut().zip(&w.data) {
-                *v = wv * (*v * inv);
-            }
-        });
+        out.data
+            .par_chunks_mut(head_dim)
+            .with_min_len(min_rows(head_dim))
+            .for_each(|seg| {
+                let ms = seg.iter().map(|v| v * v).sum::<f32>() / head_dim as f32;
+                let inv = 1.0 / (ms + eps).sqrt();
+                for (v, wv) in seg.iter_mut().zip(&w.data) {
+                    *v = wv * (*v * inv);
+                }
+            });
         Ok(out)
     }
 
@@ -701,6 +743,7 @@ impl Backend for CpuBackend {
         x.data
             .par_chunks_mut(cols.max(1))
             .zip(gate.data.par_chunks(gcols.max(1)))
+            .with_min_len(min_rows(cols))
             .for_each(|(row, g)| {
                 if gcols == 1 {
                     let s = sig(g[0]);

@@ -259,6 +259,11 @@ impl GgufFile {
     pub fn data(&self, t: &TensorInfo) -> &[u8] {
         &self.mmap[t.start..t.start + t.len]
     }
+
+    /// Bytes of all tensors' data as stored (quantized).
+    pub fn data_bytes(&self) -> usize {
+        self.tensors.iter().map(|t| t.len).sum()
+    }
 }
 
 type Parsed = (u32, HashMap<String, Value>, Vec<TensorInfo>);

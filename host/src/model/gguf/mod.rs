@@ -331,8 +331,23 @@ impl GgufModel {
     /// Builds the model on `backend`.
     pub fn load<B: Backend>(&self, backend: &B) -> Result<Model<B>, ModelError> {
         let config = self.hf_config()?;
-        let store = WeightStore::from_memory(self.tensors(&config)?);
-        arch::build(&config, &store, backend)
+        let tensors = self.tensors(&config)?;
+        let f32_bytes: usize = tensors.values().map(|(v, _)| v.len() * 4).sum();
+        // Each host tensor is freed as the backend takes it: the host and backend copies of the
+        // model never coexist.
+        let store = WeightStore::from_memory_once(tensors);
+        let model = arch::build(&config, &store, backend)?;
+        drop(store);
+        super::weights::release_free_memory();
+        let rss = super::weights::process_memory().map(|(rss, _)| rss);
+        tracing::info!(
+            file = %self.file.path.display(),
+            file_mib = self.file.data_bytes() as f64 / (1 << 20) as f64,
+            dequantized_f32_mib = f32_bytes as f64 / (1 << 20) as f64,
+            process_rss_mib = rss.map(|r| r as f64 / (1 << 20) as f64),
+            "GGUF weights loaded (dequantized to f32 on the host, then handed to the backend)"
+        );
+        Ok(model)
     }
 }
 
