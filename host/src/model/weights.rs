@@ -45,15 +45,18 @@ struct Shard {
     tensors: HashMap<String, TensorInfo>,
 }
 
+/// Tensors held in memory by name: f32 data and shape.
+type MemoryTensors = HashMap<String, (Vec<f32>, Vec<usize>)>;
+
 /// All tensors of a model folder, by name.
 pub struct WeightStore {
     shards: Vec<Shard>,
     /// Tensors generated in memory (the embedded model), looked up before the shards.
-    memory: HashMap<String, (Vec<f32>, Vec<usize>)>,
+    memory: MemoryTensors,
     /// Tensors made in memory that are handed over once (a GGUF file's dequantized tensors):
     /// [`WeightStore::load`] removes one, uploads it and frees the host copy, so the host and
     /// backend copies of the whole model never coexist.
-    once: RefCell<HashMap<String, (Vec<f32>, Vec<usize>)>>,
+    once: RefCell<MemoryTensors>,
     /// The shapes of `once`'s tensors, kept after they are handed over.
     once_shapes: HashMap<String, Vec<usize>>,
     by_name: HashMap<String, usize>,
