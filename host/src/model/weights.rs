@@ -37,6 +37,9 @@ impl RawTensor<'_> {
     }
 }
 
+/// Host tensors by name: values and shape.
+type HostTensors = HashMap<String, (Vec<f32>, Vec<usize>)>;
+
 struct Shard {
     path: PathBuf,
     mmap: Mmap,
@@ -45,18 +48,15 @@ struct Shard {
     tensors: HashMap<String, TensorInfo>,
 }
 
-/// Tensors held in memory by name: f32 data and shape.
-type MemoryTensors = HashMap<String, (Vec<f32>, Vec<usize>)>;
-
 /// All tensors of a model folder, by name.
 pub struct WeightStore {
     shards: Vec<Shard>,
     /// Tensors generated in memory (the embedded model), looked up before the shards.
-    memory: MemoryTensors,
+    memory: HostTensors,
     /// Tensors made in memory that are handed over once (a GGUF file's dequantized tensors):
     /// [`WeightStore::load`] removes one, uploads it and frees the host copy, so the host and
     /// backend copies of the whole model never coexist.
-    once: RefCell<MemoryTensors>,
+    once: RefCell<HostTensors>,
     /// The shapes of `once`'s tensors, kept after they are handed over.
     once_shapes: HashMap<String, Vec<usize>>,
     by_name: HashMap<String, usize>,
@@ -157,7 +157,7 @@ impl WeightStore {
     /// A store of tensors held in memory that [`WeightStore::load`] hands to the backend once,
     /// freeing each host copy as it goes (a second load of the same tensor is an error; other
     /// reads copy and keep it).
-    pub fn from_memory_once(tensors: HashMap<String, (Vec<f32>, Vec<usize>)>) -> Self {
+    pub fn from_memory_once(tensors: HostTensors) -> Self {
         Self {
             once_shapes: tensors
                 .iter()
