@@ -2,7 +2,8 @@
 """CPU greedy decode and prefill: chimera against transformers eager f32, same weights, one run.
 
 How to run (from the repository root, after `cargo build --release -p chimera`; needs torch,
-transformers and gguf, which CI does not install):
+transformers, gguf and accelerate (transformers' GGUF loader wants it), which CI does not
+install):
 
     python3 tests/cpu_bench/smollm2_decode.py                  # 5 rounds, 2 threads each side
     python3 tests/cpu_bench/smollm2_decode.py --rounds 3 --decode-tokens 64 --json out.json
