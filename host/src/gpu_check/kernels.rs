@@ -115,20 +115,7 @@ fn plan_of(
 }
 
 pub fn run(report: &mut Report, f32_gpu: &CudaBackend, bf16_gpu: &CudaBackend, seed: u64) {
-    for (i, gpu) in [f32_gpu, bf16_gpu].into_iter().enumerate() {
-        let mut c = Ctx {
-            cpu: CpuBackend::default(),
-            gpu,
-            mode: gpu.dtype(),
-            rng: Rng::new(seed.wrapping_add(i as u64)),
-            report,
-        };
-        dense(&mut c);
-        attention(&mut c);
-        if c.mode == DType::F32 {
-            sampling(&mut c);
-        }
-    }
+    run_parts(report, f32_gpu, bf16_gpu, seed, false);
 }
 
 /// The attention rows of [`run`] alone (`--suite attention`).
@@ -138,6 +125,18 @@ pub fn run_attention(
     bf16_gpu: &CudaBackend,
     seed: u64,
 ) {
+    run_parts(report, f32_gpu, bf16_gpu, seed, true);
+}
+
+/// Every kernel check in f32 and bf16, or (`attention_only`) the attention rows alone, with
+/// the same seeds either way.
+fn run_parts(
+    report: &mut Report,
+    f32_gpu: &CudaBackend,
+    bf16_gpu: &CudaBackend,
+    seed: u64,
+    attention_only: bool,
+) {
     for (i, gpu) in [f32_gpu, bf16_gpu].into_iter().enumerate() {
         let mut c = Ctx {
             cpu: CpuBackend::default(),
@@ -146,7 +145,15 @@ pub fn run_attention(
             rng: Rng::new(seed.wrapping_add(i as u64)),
             report,
         };
+        if attention_only {
+            attention(&mut c);
+            continue;
+        }
+        dense(&mut c);
         attention(&mut c);
+        if c.mode == DType::F32 {
+            sampling(&mut c);
+        }
     }
 }
 
