@@ -888,7 +888,7 @@ fn a_request_arriving_mid_step_joins_the_step_scheduled_ahead() {
     use chimera::engine::api::EngineEvent;
     use std::time::Duration;
 
-    // Steps (calls of `step_with`, counting the one during which request 2 arrives) until its
+    // Steps (counting the one during which request 2 arrives) until its
     // first token is out, and the requests admitted late. `join`: it is handed over while the
     // step computes; else after the step (as the engine thread did before steps took
     // arrivals in).
@@ -907,13 +907,12 @@ fn a_request_arriving_mid_step_joins_the_step_scheduled_ahead() {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let mut late = Some(request(2, vec![9, 8, 7, 6, 5, 4], 4));
         for steps in 1..10 {
-            e.step_with(&mut |e| match late.take_if(|_| join) {
-                Some(r) => {
-                    e.add(r, tx.clone());
-                    true
-                }
-                None => false,
-            });
+            assert!(e.begin_step());
+            if let Some(r) = late.take_if(|_| join) {
+                e.add(r, tx.clone());
+                e.top_up();
+            }
+            e.complete_step();
             if let Some(r) = late.take() {
                 e.add(r, tx.clone());
             }
@@ -966,13 +965,14 @@ fn cancels_arriving_mid_step_end_only_their_requests() {
                 .filter(|c| c.0 == step)
                 .map(|c| c.1)
                 .collect();
-            e.step_with(&mut |e| {
-                for id in due.drain(..) {
-                    e.cancel(id);
-                    cancelled.push(id);
-                }
-                false
-            });
+            let ran = e.begin_step();
+            for id in due.drain(..) {
+                e.cancel(id);
+                cancelled.push(id);
+            }
+            if ran {
+                e.complete_step();
+            }
             assert!(due.is_empty(), "step {step} gave no chance to cancel");
             e.cache().check_invariants().expect("cache invariants");
             for (&id, r) in rx.iter_mut() {

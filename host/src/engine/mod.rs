@@ -7,7 +7,9 @@
 //! - [`request`]: per-request token bookkeeping.
 //! - [`sampling`]: penalties, top-K candidates, the sampler policy call, logprobs.
 //! - [`executor`]: the [`StepExecutor`] seam a model implements; [`mock`] is a model-free one.
-//! - [`core`]: [`Engine`], one step over an executor; [`thread`]: [`spawn_engine`].
+//! - [`core`]: [`Engine`], one replica over an executor; [`pipeline`]: its steps, as values
+//!   moving through two slots (launched, ahead); [`timings`]: where a step's time goes;
+//!   [`thread`]: [`spawn_engine`], the loop that drives the pipeline.
 //! - [`outbox`]: delivery of requests' events, at once or from a delivery thread.
 //!
 //! The engine owns its caches (through `crate::cache`) and policy instances; it knows no HTTP
@@ -20,16 +22,20 @@ pub mod executor;
 pub mod mock;
 pub mod model_runner;
 pub mod outbox;
+pub mod pipeline;
 pub mod request;
 pub mod sampling;
 pub mod scheduler;
 pub mod step_plan;
 pub mod thread;
+pub mod timings;
 
 pub use config::{EngineConfig, EngineSetup};
-pub use core::{Engine, EngineError, Policies, Publisher, StepTimings};
+pub use core::{Engine, EngineError, Policies, Publisher};
 pub use executor::{CacheAllocation, ExecutorError, Logits, StepExecutor, StepKinds};
 pub use mock::{MockConfig, MockExecutor};
 pub use model_runner::ModelRunner;
+pub use pipeline::{Step, StepClock};
 pub use sampling::GreedySampler;
 pub use thread::{KvEventReceiver, spawn_engine};
+pub use timings::StepTimings;

@@ -20,8 +20,8 @@ pub enum Phase {
     Running,
     /// Holding blocks but not scheduled: no block was free for its next tokens.
     Paused,
-    /// Done (its last event is out) but still part of a launched step, computed ahead of the
-    /// stop: never scheduled again, removed with its cache state once that step is applied.
+    /// Done (its last event is out) but still held by a step of the pipeline, computed ahead
+    /// of the stop: never scheduled again, removed with its cache state once no step holds it.
     Finished,
 }
 
@@ -38,6 +38,9 @@ pub struct Request {
     /// Tokens being sampled by launched steps not yet applied (0 or 1): the next token's
     /// position is `tokens.len()`, its value is not known yet.
     pub in_flight: usize,
+    /// Steps in the engine's pipeline (scheduled or launched, not yet applied or dropped)
+    /// that hold this request: it leaves the scheduler only once none does.
+    pub holds: u32,
     /// The output block that this request's next scheduled decode completes ends on a token
     /// still being sampled: its hash (and its rolling snapshot's) is taken when it arrives.
     pub hash_pending: bool,
@@ -89,6 +92,7 @@ impl Request {
             orig_prompt_len: prompt_len,
             computed: 0,
             in_flight: 0,
+            holds: 0,
             hash_pending: false,
             hashes: Vec::new(),
             kv_match: 0,

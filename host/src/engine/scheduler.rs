@@ -104,12 +104,10 @@ pub struct Scheduler {
     running: Vec<u32>,
     num_paused: usize,
     step: u64,
-    /// The newest step scheduled.
-    out: SchedulerOutput,
-    /// The launched step whose output is applied next (while `flight_live`): with the next
-    /// step scheduled ahead, `out` is scheduled while this one computes.
-    flight: SchedulerOutput,
-    flight_live: bool,
+    /// The launched step not yet applied, and the hashes of the prompt blocks it computes: a
+    /// prompt that needs one of them waits for it rather than computing it again.
+    launched_step: Option<u64>,
+    launched_computing: HashSet<BlockHash, crate::cache::hash::DigestBuildHasher>,
     rejected: Vec<Rejected>,
     pub preemptions: u64,
     pub prefix_waits: u64,
@@ -131,9 +129,8 @@ impl Scheduler {
             running: Vec::new(),
             num_paused: 0,
             step: 0,
-            out: SchedulerOutput::default(),
-            flight: SchedulerOutput::default(),
-            flight_live: false,
+            launched_step: None,
+            launched_computing: HashSet::default(),
             rejected: Vec::new(),
             preemptions: 0,
             prefix_waits: 0,
@@ -257,97 +254,87 @@ impl Scheduler {
         self.by_id.keys().copied().collect()
     }
 
-    /// Plans one step. It may run while the launched step ([`Self::flight`]) computes: that
-    /// step's chunks count as computed, each of its sampled rows as a token to come, and a
-    /// request it ends by length is not scheduled again.
-    pub fn schedule(&mut self, cache: &mut CacheManager) -> &SchedulerOutput {
+    /// Plans the next step into `out` (cleared first). It may run while the launched step
+    /// computes: that step's chunks count as computed, each of its sampled rows as a token to
+    /// come, and a request it ends by length is not scheduled again. Every request `out`
+    /// schedules counts it as a step holding it until [`Self::release`].
+    pub fn schedule(&mut self, cache: &mut CacheManager, out: &mut SchedulerOutput) {
         self.step += 1;
         cache.begin_step(self.step);
-        self.out.clear();
-        self.out.step = self.step;
+        out.clear();
+        out.step = self.step;
         let mut budget = self.cfg.max_batched_tokens;
         loop {
-            self.schedule_running(cache, &mut budget, true);
-            self.schedule_running(cache, &mut budget, false);
-            if !self.out.seqs.is_empty() || self.num_paused == 0 {
+            self.schedule_running(cache, out, &mut budget, true);
+            self.schedule_running(cache, out, &mut budget, false);
+            if !out.seqs.is_empty() || self.num_paused == 0 {
                 break;
             }
-            if !self.evict_newest_paused(cache) {
+            if !self.evict_newest_paused(cache, out) {
                 break;
             }
         }
         if self.num_paused == 0 {
-            self.admit_waiting(cache, &mut budget);
+            self.admit_waiting(cache, out, &mut budget);
         }
-        self.out.num_tokens = self.cfg.max_batched_tokens - budget;
-        &self.out
+        out.num_tokens = self.cfg.max_batched_tokens - budget;
     }
 
-    /// Admits requests that arrived after the newest step was scheduled into it, while it is
-    /// not launched (the step before computes), with what is left of its token budget, by the
-    /// rules of [`Self::schedule`]'s admission. Returns how many it admitted; rebuild the
-    /// step's plan when any.
-    pub fn top_up(&mut self, cache: &mut CacheManager) -> usize {
-        if self.num_paused > 0 || self.waiting.is_empty() || self.out.step != self.step {
+    /// Admits requests that arrived after `out`, the newest step, was scheduled into it,
+    /// while it is not launched (the step before computes), with what is left of its token
+    /// budget, by the rules of [`Self::schedule`]'s admission. Returns how many it admitted;
+    /// rebuild the step's plan when any.
+    pub fn top_up(&mut self, cache: &mut CacheManager, out: &mut SchedulerOutput) -> usize {
+        if self.num_paused > 0 || self.waiting.is_empty() || out.step != self.step {
             return 0;
         }
-        let before = self.out.admitted.len();
-        let mut budget = self.cfg.max_batched_tokens - self.out.num_tokens;
-        self.admit_waiting(cache, &mut budget);
-        self.out.num_tokens = self.cfg.max_batched_tokens - budget;
-        self.out.admitted.len() - before
+        let before = out.admitted.len();
+        let mut budget = self.cfg.max_batched_tokens - out.num_tokens;
+        self.admit_waiting(cache, out, &mut budget);
+        out.num_tokens = self.cfg.max_batched_tokens - budget;
+        out.admitted.len() - before
     }
 
-    /// The newest step scheduled.
-    pub fn output(&self) -> &SchedulerOutput {
-        &self.out
-    }
-
-    /// The launched step whose output [`Self::update_from_output`] applies next.
-    pub fn flight(&self) -> &SchedulerOutput {
-        &self.flight
-    }
-
-    /// Whether a launched step waits for its output to be applied.
-    pub fn flight_live(&self) -> bool {
-        self.flight_live
-    }
-
-    /// Whether the request in `slot` is part of the launched step not yet applied.
-    pub fn in_flight(&self, slot: u32) -> bool {
-        self.flight_live && self.flight.seqs.iter().any(|s| s.slot == slot)
-    }
-
-    /// Whether the request in `slot` is part of the newest scheduled step ([`Self::output`]).
-    pub fn scheduled(&self, slot: u32) -> bool {
-        self.out.seqs.iter().any(|s| s.slot == slot)
-    }
-
-    /// The newest step ([`Self::output`]) was launched: its chunks count as computed and each
-    /// sampled row as a token to come, for the steps scheduled before its output is applied.
-    pub fn launched(&mut self) {
-        for s in &self.out.seqs {
+    /// `out` was launched: its chunks count as computed and each sampled row as a token to
+    /// come, for the steps scheduled before its output is applied.
+    pub fn launched(&mut self, out: &SchedulerOutput) {
+        for s in &out.seqs {
             if let Some(r) = self.slots[s.slot as usize].as_mut() {
                 r.computed = s.start + s.len;
                 r.in_flight += usize::from(s.want_logits);
             }
         }
+        self.launched_step = Some(out.step);
+        self.launched_computing.clear();
+        self.launched_computing
+            .extend(out.computing.iter().copied());
     }
 
-    /// Makes the launched newest step the one applied next (the previous one was applied).
-    pub fn rotate(&mut self) {
-        debug_assert!(!self.flight_live, "the launched step was not applied");
-        std::mem::swap(&mut self.out, &mut self.flight);
-        self.out.clear();
-        self.flight_live = true;
+    /// `step` leaves the pipeline (applied, dropped or failed): each request it scheduled
+    /// counts one step fewer holding it, and one that is done ([`Phase::Finished`]) and held
+    /// by no step any more is removed with its cache state.
+    pub fn release(&mut self, step: &SchedulerOutput, cache: &mut CacheManager) {
+        if self.launched_step == Some(step.step) {
+            self.launched_step = None;
+            self.launched_computing.clear();
+        }
+        for s in &step.seqs {
+            let Some(r) = self.slots[s.slot as usize].as_mut() else {
+                continue;
+            };
+            r.holds = r.holds.saturating_sub(1);
+            if r.holds == 0 && r.phase == Phase::Finished {
+                let id = r.id;
+                self.remove(id, cache);
+            }
+        }
     }
 
-    /// Drops the newest step, scheduled but not launched (the step before it failed): the
-    /// requests it admitted go back to the front of the queue, holding no cache state, to be
-    /// admitted afresh; the others keep their place. Abort the step's cache plans first.
-    pub fn discard_scheduled(&mut self, cache: &mut CacheManager) {
-        let admitted = std::mem::take(&mut self.out.admitted);
-        for &id in admitted.iter().rev() {
+    /// Drops `out`, scheduled but not launched (the step before it failed): the requests it
+    /// admitted go back to the front of the queue, holding no cache state, to be admitted
+    /// afresh; the others keep their place. Abort the step's cache plans first.
+    pub fn discard(&mut self, cache: &mut CacheManager, out: &mut SchedulerOutput) {
+        for &id in out.admitted.iter().rev() {
             let Some(&slot) = self.by_id.get(&id) else {
                 continue;
             };
@@ -359,29 +346,19 @@ impl Scheduler {
             }
             r.phase = Phase::Waiting;
             r.computed = 0;
-            r.hash_pending = false;
             self.running.retain(|&s| s != slot);
             if let Err(e) = cache.release(slot) {
                 tracing::error!(request = id, error = %e, "releasing a discarded admission failed");
             }
             self.enqueue(slot, true);
         }
-        for s in &self.out.seqs {
+        for s in &out.seqs {
             if let Some(r) = self.slots[s.slot as usize].as_mut() {
                 r.hash_pending = false;
             }
         }
-        self.out.clear();
-    }
-
-    /// Forgets the launched step without applying it (it failed).
-    pub fn abandon_flight(&mut self) {
-        self.flight_live = false;
-    }
-
-    /// Forgets the newest step, scheduled but not launched (its requests are being removed).
-    pub fn clear_scheduled(&mut self) {
-        self.out.clear();
+        self.release(out, cache);
+        out.clear();
     }
 
     /// The slot of request `id`.
@@ -389,11 +366,10 @@ impl Scheduler {
         self.by_id.get(&id).copied()
     }
 
-    /// Marks a request done while a launched step still holds it (see [`Phase::Finished`]).
+    /// Marks a request done while a step still holds it (see [`Phase::Finished`]).
     pub fn mark_finished(&mut self, slot: u32) {
         self.set_phase(slot, Phase::Finished);
     }
-
     /// Length of the next chunk of a prompt with `remaining` tokens left from `ctx`.
     fn chunk_len(&self, ctx: usize, remaining: usize, budget: usize) -> usize {
         chunk_len(
@@ -405,7 +381,13 @@ impl Scheduler {
         )
     }
 
-    fn schedule_running(&mut self, cache: &mut CacheManager, budget: &mut usize, decodes: bool) {
+    fn schedule_running(
+        &mut self,
+        cache: &mut CacheManager,
+        out: &mut SchedulerOutput,
+        budget: &mut usize,
+        decodes: bool,
+    ) {
         for i in 0..self.running.len() {
             if *budget == 0 {
                 return;
@@ -435,15 +417,15 @@ impl Scheduler {
             if cache.grow(slot, start + n).is_err() {
                 if phase == Phase::Running {
                     self.set_phase(slot, Phase::Paused);
-                    self.out.paused.push(self.id_of(slot));
+                    out.paused.push(self.id_of(slot));
                 }
                 continue;
             }
             if phase == Phase::Paused {
                 self.set_phase(slot, Phase::Running);
-                self.out.resumed.push(self.id_of(slot));
+                out.resumed.push(self.id_of(slot));
             }
-            self.push_seq(cache, slot, start, n, start + n == total);
+            self.push_seq(cache, out, slot, start, n, start + n == total);
             *budget -= n;
         }
     }
@@ -466,9 +448,11 @@ impl Scheduler {
     }
 
     /// Adds a chunk to the output, with SSM snapshot points and the hashes it will complete.
+    #[allow(clippy::too_many_arguments)]
     fn push_seq(
         &mut self,
         cache: &mut CacheManager,
+        out: &mut SchedulerOutput,
         slot: u32,
         start: usize,
         n: usize,
@@ -490,7 +474,7 @@ impl Scheduler {
             if start + n > r.tokens.len() {
                 r.hash_pending = true;
                 cache.plan_rolling_snapshot(slot, None, n, &mut snapshots);
-                return self.push_chunk(slot, start, n, last, all_logits, snapshots);
+                return self.push_chunk(out, slot, start, n, last, all_logits, snapshots);
             }
             let before = r.hashes.len();
             self.seed.extend(&mut r.hashes, &r.tokens[..start + n], bs);
@@ -515,15 +499,17 @@ impl Scheduler {
             let end = ((start + n) / bs).min(r.hashes.len());
             for &h in &r.hashes[(start / bs).min(end)..end] {
                 if !cache.is_cached(h) {
-                    self.out.computing.insert(h);
+                    out.computing.insert(h);
                 }
             }
         }
-        self.push_chunk(slot, start, n, last, all_logits, snapshots);
+        self.push_chunk(out, slot, start, n, last, all_logits, snapshots);
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn push_chunk(
         &mut self,
+        out: &mut SchedulerOutput,
         slot: u32,
         start: usize,
         n: usize,
@@ -531,7 +517,10 @@ impl Scheduler {
         all_logits: bool,
         snapshots: Vec<SsmSnapshot>,
     ) {
-        self.out.seqs.push(ScheduledSeq {
+        if let Some(r) = self.slots[slot as usize].as_mut() {
+            r.holds += 1;
+        }
+        out.seqs.push(ScheduledSeq {
             slot,
             start,
             len: n,
@@ -541,12 +530,12 @@ impl Scheduler {
         });
     }
 
-    /// Evicts the newest paused request that no launched step holds (under the priority
-    /// policy: the newest of the worst priority); false when there is none.
-    fn evict_newest_paused(&mut self, cache: &mut CacheManager) -> bool {
+    /// Evicts the newest paused request that no step holds (under the priority policy: the
+    /// newest of the worst priority); false when there is none.
+    fn evict_newest_paused(&mut self, cache: &mut CacheManager, out: &mut SchedulerOutput) -> bool {
         let evictable = |s: u32| {
             self.request(s)
-                .filter(|r| r.phase == Phase::Paused && !self.in_flight(s))
+                .filter(|r| r.phase == Phase::Paused && r.holds == 0)
                 .map(|r| r.priority)
         };
         let found = if self.cfg.by_priority() {
@@ -574,7 +563,7 @@ impl Scheduler {
             let before = r.hashes.len();
             seed.extend(&mut r.hashes, &r.tokens, bs);
             self.blocks_hashed += (r.hashes.len() - before) as u64;
-            self.out.evicted.push(r.id);
+            out.evicted.push(r.id);
         }
         self.preemptions += 1;
         self.enqueue(slot, true);
@@ -595,7 +584,12 @@ impl Scheduler {
         }
     }
 
-    fn admit_waiting(&mut self, cache: &mut CacheManager, budget: &mut usize) {
+    fn admit_waiting(
+        &mut self,
+        cache: &mut CacheManager,
+        out: &mut SchedulerOutput,
+        budget: &mut usize,
+    ) {
         let bs = self.block_size;
         let mut i = 0;
         while i < self.waiting.len() && *budget > 0 && self.running.len() < self.cfg.max_running {
@@ -642,13 +636,12 @@ impl Scheduler {
             }
             if cache.prefix_caching()
                 && r.hashes.get(m.kv_blocks).is_some_and(|h| {
-                    self.out.computing.contains(h)
-                        || self.flight_live && self.flight.computing.contains(h)
+                    out.computing.contains(h) || self.launched_computing.contains(h)
                 })
             {
-                if !self.out.deferred.contains(&r.id) {
+                if !out.deferred.contains(&r.id) {
                     // (Counted once a step, however often the step is topped up.)
-                    self.out.deferred.push(r.id);
+                    out.deferred.push(r.id);
                     self.prefix_waits += 1;
                 }
                 i += 1;
@@ -684,34 +677,34 @@ impl Scheduler {
                 cache.count_miss(r.cache_miss);
             }
             r.phase = Phase::Running;
-            self.out.admitted.push(r.id);
+            out.admitted.push(r.id);
             let last = ctx + n == r.total_len();
-            self.out.ssm_init.push(init);
+            out.ssm_init.push(init);
             self.waiting.remove(i);
             self.running.push(slot);
-            self.push_seq(cache, slot, ctx, n, last);
+            self.push_seq(cache, out, slot, ctx, n, last);
             *budget -= n;
         }
     }
 
-    /// Applies the launched step ([`Self::flight`]) after it succeeded: offers the prompt and
-    /// output blocks its chunks completed to the cache and appends the sampled tokens
-    /// (`sampled[i]` for the i-th sequence with `want_logits`); a request the step reached
-    /// only ahead of its stop ([`Phase::Finished`]) takes nothing. Returns the requests that
-    /// stopped, with the reason. Commit the step's cache plans after this.
+    /// Applies the launched step `step` after it succeeded: offers the prompt and output
+    /// blocks its chunks completed to the cache and appends the sampled tokens (`sampled[i]`
+    /// for the i-th sequence with `want_logits`); a request the step reached only ahead of
+    /// its stop ([`Phase::Finished`]) takes nothing. Returns the requests that stopped, with
+    /// the reason. Commit the step's cache plans after this, then [`Self::release`] it.
     pub fn update_from_output(
         &mut self,
         cache: &mut CacheManager,
+        step: &SchedulerOutput,
         sampled: &[u32],
         eos: &[u32],
         finished: &mut Vec<(u32, StopReason)>,
     ) {
-        self.flight_live = false;
         let bs = self.block_size;
         // One pass: a sequence's commit reads only its own hashes, which the token appended
         // after it does not change.
         let mut row = 0;
-        for s in &self.flight.seqs {
+        for s in &step.seqs {
             let tok = s.want_logits.then(|| sampled.get(row).copied()).flatten();
             row += usize::from(s.want_logits);
             let Some(r) = self.slots[s.slot as usize].as_mut() else {

@@ -10,7 +10,7 @@
 //! and filled in by [`fill_placeholders`] once the tokens are sampled, before the launch.
 
 use super::sampling::{RowInfo, SamplingStage};
-use super::scheduler::Scheduler;
+use super::scheduler::{Scheduler, SchedulerOutput};
 use crate::backend::{PlanError, SlotOp, StepPlan};
 use crate::cache::{CacheManager, SsmInit};
 
@@ -35,16 +35,17 @@ pub struct Built {
     pub history_incomplete: bool,
 }
 
-/// Fills `plan` for the scheduler's newest step ([`Scheduler::output`]).
+/// Fills `plan` for `out`, the step the scheduler planned last.
+#[allow(clippy::too_many_arguments)]
 pub fn build(
     plan: &mut StepPlan,
     block_size: usize,
+    out: &SchedulerOutput,
     sched: &Scheduler,
     cache: &CacheManager,
     sampling: &SamplingStage,
     built: &mut Built,
 ) -> Result<(), PlanError> {
-    let out = sched.output();
     plan.clear(block_size);
     plan.sampling.clear(sampling.k());
     built.prompt_tokens = 0;
@@ -113,17 +114,17 @@ pub fn build(
     Ok(())
 }
 
-/// Writes the tokens the launched step sampled (`sampled[i]` for its i-th sampled row) into
-/// the placeholders of `plan`, built for the step after it. `row_of` is scratch.
+/// Writes the tokens the launched step `launched` sampled (`sampled[i]` for its i-th sampled
+/// row) into the placeholders of `plan`, built for the step after it. `row_of` is scratch.
 pub fn fill_placeholders(
     plan: &mut StepPlan,
     placeholders: &[Placeholder],
-    sched: &Scheduler,
+    launched: &SchedulerOutput,
     sampled: &[u32],
     row_of: &mut Vec<u32>,
 ) -> Result<(), PlanError> {
     row_of.clear();
-    let rows = sched.flight().seqs.iter().filter(|s| s.want_logits);
+    let rows = launched.seqs.iter().filter(|s| s.want_logits);
     for (row, s) in rows.enumerate() {
         let i = s.slot as usize;
         if row_of.len() <= i {
@@ -141,10 +142,13 @@ pub fn fill_placeholders(
     Ok(())
 }
 
-/// What the sampling stage needs about each sampled row of the launched step, in row order.
-pub fn sampled_rows(sched: &Scheduler) -> impl Iterator<Item = RowInfo<'_>> + Clone {
-    sched
-        .flight()
+/// What the sampling stage needs about each sampled row of the launched step `launched`, in
+/// row order.
+pub fn sampled_rows<'a>(
+    sched: &'a Scheduler,
+    launched: &'a SchedulerOutput,
+) -> impl Iterator<Item = RowInfo<'a>> + Clone {
+    launched
         .seqs
         .iter()
         .filter(|s| s.want_logits)
@@ -219,15 +223,15 @@ mod tests {
         let (mut seen_zero, mut seen_copy) = (0, 0);
         let mut snapshot_slots = Vec::new();
         let mut sampled = 0;
+        let mut out = SchedulerOutput::default();
         for _ in 0..4 {
-            sched.schedule(&mut cache);
-            if sched.output().is_empty() {
+            sched.schedule(&mut cache, &mut out);
+            if out.is_empty() {
                 break;
             }
             let mut built = Built::default();
-            build(&mut plan, BS, &sched, &cache, &sampling, &mut built).unwrap();
+            build(&mut plan, BS, &out, &sched, &cache, &sampling, &mut built).unwrap();
             assert!(built.placeholders.is_empty());
-            let out = sched.output();
             assert_eq!(plan.seqs.len(), out.seqs.len());
             for (i, (c, s)) in plan.seqs.iter().zip(&out.seqs).enumerate() {
                 let r = sched.request(s.slot).unwrap();
@@ -260,10 +264,10 @@ mod tests {
             sampled += plan.sample_rows.len();
             let tokens = vec![7; plan.sample_rows.len()];
             let mut fin = Vec::new();
-            sched.launched();
-            sched.rotate();
-            sched.update_from_output(&mut cache, &tokens, &[], &mut fin);
+            sched.launched(&out);
+            sched.update_from_output(&mut cache, &out, &tokens, &[], &mut fin);
             cache.commit_step();
+            sched.release(&out, &mut cache);
         }
         // The first request starts from zero; the second shares its 8-token prefix and
         // restores the snapshot taken at that boundary.

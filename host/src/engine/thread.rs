@@ -1,16 +1,29 @@
-//! The engine thread of one replica: a plain OS thread running
-//! `loop { drain commands and cancels → step → publish stats and cache events }`.
+//! The engine thread of one replica: a plain OS thread that drives the engine's step
+//! pipeline (`engine::pipeline`):
 //!
-//! It blocks on the command channel while it has no request (no busy spin), drains every
-//! pending command and cancel before each step and, while a step computes, as they arrive
-//! (new requests join the step scheduled ahead: [`Engine::step_with`]), publishes [`EngineStats`] through a `watch`
-//! after every step and forwards cache events (already filtered to succeeded steps by the
-//! engine). When another step follows at once, a step's figures and events are published by
-//! that next step while the device computes it ([`Engine::defer_publication`]): waking their
-//! readers is no part of the device's idle time between two steps; before the thread waits
-//! for requests or stops, it publishes itself. Requests' events go out through a threaded [`Outbox`]: queued during a step, sent
-//! to their streams by a delivery thread the engine thread owns. It holds no lock: the async
-//! side reaches it only through [`EngineHandle`].
+//! ```text
+//! loop {
+//!     wait for a command while idle; apply every pending command and cancel
+//!     begin_step         launch (when nothing computes), schedule the next step ahead
+//!     while the arrival window is open:
+//!         wait on the command channel until a command comes or the window closes;
+//!         arrivals join the step ahead (top_up)
+//!     complete_step      wait for the device, sample, launch the step ahead, apply
+//!     publish            figures and cache events (deferred to the next step's overlap
+//!                        when another step follows at once)
+//! }
+//! ```
+//!
+//! It never spins: while idle it blocks on the command channel, while a step computes it
+//! waits on the command channel with the window's deadline (the device's expected end, from
+//! its time for the step before), then on the device's output. Requests' events go out
+//! through a threaded [`Outbox`]: queued during a step, sent to their streams by a delivery
+//! thread the engine thread owns. Figures go out through a `watch`, cache events (already
+//! filtered to succeeded steps) through a channel; when another step follows at once, a
+//! step's figures and events are published by that next step while the device computes it
+//! ([`Engine::defer_publication`]), so waking their readers is no part of the device's idle
+//! time between steps. It holds no lock: the async side reaches it only through
+//! [`EngineHandle`].
 
 use std::sync::mpsc::{self, RecvTimeoutError, TryRecvError};
 use std::thread::JoinHandle;
@@ -96,6 +109,8 @@ struct Inbox {
     cancelled: Vec<u64>,
     /// A shutdown was received, or every sender is gone with the engine idle.
     stop: bool,
+    /// Every sender is gone (the engine may still have work).
+    closed: bool,
 }
 
 impl Inbox {
@@ -110,6 +125,7 @@ impl Inbox {
                 Ok(cmd) => added |= self.handle(engine, cmd),
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => {
+                    self.closed = true;
                     self.stop = engine.is_idle();
                     break;
                 }
@@ -141,6 +157,22 @@ impl Inbox {
         }
     }
 
+    /// While a step computes: waits at most `timeout` for a command, then applies it and
+    /// every other pending one. Returns whether a request was added.
+    fn wait_for<E: StepExecutor>(&mut self, engine: &mut Engine<E>, timeout: Duration) -> bool {
+        match self.commands.recv_timeout(timeout) {
+            Ok(cmd) => {
+                let added = self.handle(engine, cmd);
+                self.drain(engine) || added
+            }
+            Err(RecvTimeoutError::Timeout) => false,
+            Err(RecvTimeoutError::Disconnected) => {
+                self.closed = true;
+                false
+            }
+        }
+    }
+
     /// Applies one command; returns whether it added a request.
     fn handle<E: StepExecutor>(&mut self, engine: &mut Engine<E>, cmd: Command) -> bool {
         match cmd {
@@ -168,6 +200,7 @@ fn run<E: StepExecutor>(
         cancels,
         cancelled: Vec::new(),
         stop: false,
+        closed: false,
     };
     engine.set_publisher(Box::new(
         move |s: &EngineStats, events: &mut Vec<KvEvent>| {
@@ -192,9 +225,24 @@ fn run<E: StepExecutor>(
             break;
         }
         // A step with requests present but nothing runnable waits briefly for commands
-        // instead of spinning. While a step computes, the commands that arrive are applied
-        // and new requests join the step scheduled ahead.
-        let ran = !engine.is_idle() && engine.step_with(&mut |e| inbox.drain(e));
+        // instead of spinning.
+        let ran = !engine.is_idle() && engine.begin_step();
+        if ran {
+            // While the step computes: the commands that arrived, and those that arrive while
+            // the step ahead can still take them in.
+            if inbox.drain(&mut engine) {
+                engine.top_up();
+            }
+            while !inbox.stop
+                && !inbox.closed
+                && let Some(window) = engine.arrival_window()
+            {
+                if inbox.wait_for(&mut engine, window) {
+                    engine.top_up();
+                }
+            }
+            engine.complete_step();
+        }
         idle_wait = !engine.is_idle() && !ran;
         if engine.is_lost() {
             tracing::error!("the replica's device was lost; the replica stops serving");

@@ -147,9 +147,9 @@ pub fn drive_with<E: StepExecutor>(
 }
 
 /// Like [`drive`], but a request due at step `k` arrives while step `k - 1` computes: it is
-/// handed to the engine by the intake of [`Engine::step_with`] (as the engine thread does),
-/// or, when that step gave no intake a chance (its output was in at once, or nothing was
-/// scheduled ahead), before step `k`.
+/// handed to the engine between [`Engine::begin_step`] and [`Engine::complete_step`] and
+/// offered to the step scheduled ahead ([`Engine::top_up`]), as the engine thread does; it
+/// joins that step when its window is still open (the output not in yet), else step `k`.
 pub fn drive_arriving<E: StepExecutor>(
     engine: &mut Engine<E>,
     arrivals: Vec<(u64, GenerateRequest)>,
@@ -191,17 +191,16 @@ fn drive_inner<E: StepExecutor>(
                 later.push(req);
             }
         }
-        let mut later = Some(later);
-        engine.step_with(&mut |e| match later.take() {
-            Some(reqs) if !reqs.is_empty() => {
-                for req in reqs {
-                    add(e, &mut run, &mut rx, req);
-                }
-                true
+        // As the engine thread does: arrivals taken in while the step computes join the step
+        // scheduled ahead when its window is open.
+        if engine.begin_step() {
+            for req in later.drain(..) {
+                add(engine, &mut run, &mut rx, req);
             }
-            _ => false,
-        });
-        for req in later.take().unwrap_or_default() {
+            engine.top_up();
+            engine.complete_step();
+        }
+        for req in later {
             add(engine, &mut run, &mut rx, req);
         }
         engine.cache().check_invariants().expect("cache invariants");
