@@ -2,7 +2,9 @@
 //!
 //! An engine replica is a plain OS thread that owns its scheduler, caches, model runner and
 //! policy instances. The async side talks to it only through an [`EngineHandle`]: bounded
-//! command channel in, one event channel per request out, and a `watch` of load statistics.
+//! command channel in, each request's events out ([`EventSender`]: a channel of its own, or a
+//! stream shared by many requests that carries a step's events in one batch), and a `watch`
+//! of load statistics.
 //! Nothing here depends on how the engine schedules or caches.
 
 use std::fmt;
@@ -194,12 +196,65 @@ impl fmt::Display for FailureKind {
     }
 }
 
+/// Events of many requests, tagged with the request's id, in batches (one per engine step
+/// where the engine delivers from its delivery thread).
+pub type EventBatch = Vec<(u64, EngineEvent)>;
+
+/// The sending end of a stream of [`EventBatch`]es shared by many requests (a server's
+/// output pass of one replica reads it).
+#[derive(Debug, Clone)]
+pub struct SharedEvents(Arc<mpsc::Sender<EventBatch>>);
+
+impl SharedEvents {
+    /// A new shared stream and its receiving end.
+    pub fn channel() -> (Self, mpsc::Receiver<EventBatch>) {
+        let (tx, rx) = mpsc::channel();
+        (Self(Arc::new(tx)), rx)
+    }
+
+    /// Whether `other` sends to the same stream.
+    pub fn same(&self, other: &SharedEvents) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+
+    /// Sends one batch; false when the reader has gone.
+    pub fn send(&self, batch: EventBatch) -> bool {
+        self.0.send(batch).is_ok()
+    }
+}
+
+/// Where one request's events go.
+#[derive(Debug, Clone)]
+pub enum EventSender {
+    /// A channel of the request's own.
+    Own(tmpsc::UnboundedSender<EngineEvent>),
+    /// A stream shared with other requests.
+    Shared(SharedEvents),
+}
+
+impl EventSender {
+    /// Sends one event of request `id` on its own (not batched); false when the reader has
+    /// gone.
+    pub fn send(&self, id: u64, event: EngineEvent) -> bool {
+        match self {
+            Self::Own(tx) => tx.send(event).is_ok(),
+            Self::Shared(s) => s.send(vec![(id, event)]),
+        }
+    }
+}
+
+impl From<tmpsc::UnboundedSender<EngineEvent>> for EventSender {
+    fn from(tx: tmpsc::UnboundedSender<EngineEvent>) -> Self {
+        Self::Own(tx)
+    }
+}
+
 /// Commands into the engine thread.
 #[derive(Debug)]
 pub enum Command {
     Add {
-        request: GenerateRequest,
-        events: tmpsc::UnboundedSender<EngineEvent>,
+        request: Box<GenerateRequest>,
+        events: EventSender,
     },
     Cancel {
         id: u64,
@@ -314,8 +369,19 @@ impl EngineHandle {
         request: GenerateRequest,
     ) -> Result<tmpsc::UnboundedReceiver<EngineEvent>, SubmitError> {
         let (events, rx) = tmpsc::unbounded_channel();
+        self.submit_to(request, EventSender::Own(events))?;
+        Ok(rx)
+    }
+
+    /// Submits a request without blocking; its events go to `events`.
+    pub fn submit_to(
+        &self,
+        request: GenerateRequest,
+        events: EventSender,
+    ) -> Result<(), SubmitError> {
+        let request = Box::new(request);
         match self.commands.try_send(Command::Add { request, events }) {
-            Ok(()) => Ok(rx),
+            Ok(()) => Ok(()),
             Err(mpsc::TrySendError::Full(_)) => Err(SubmitError::QueueFull),
             Err(mpsc::TrySendError::Disconnected(_)) => Err(SubmitError::ShuttingDown),
         }

@@ -12,10 +12,9 @@
 //! the hand-over overlaps the device's work (a step after which nothing runs hands them on
 //! itself). An idle step changes nothing.
 
-use tokio::sync::mpsc::UnboundedSender;
-
 use super::api::{
-    EngineEvent, EngineStats, FailureKind, FinishReason, GenerateRequest, KvEvent, Usage,
+    EngineEvent, EngineStats, EventSender, FailureKind, FinishReason, GenerateRequest, KvEvent,
+    Usage,
 };
 use super::config::{ConfigError, EngineSetup};
 use super::executor::{CacheAllocation, ExecutorError, StepExecutor};
@@ -254,10 +253,11 @@ impl<E: StepExecutor> Engine<E> {
 
     /// Queues a request; bad input is answered with `Failed` on its own channel. Block hashes
     /// the sender computed are adopted rather than computed again.
-    pub fn add(&mut self, mut req: GenerateRequest, events: UnboundedSender<EngineEvent>) {
+    pub fn add(&mut self, mut req: GenerateRequest, events: impl Into<EventSender>) {
+        let events = events.into();
         if let Err((kind, message)) = self.check(&req) {
             self.outbox
-                .reject(&events, EngineEvent::Failed { kind, message });
+                .reject(req.id, &events, EngineEvent::Failed { kind, message });
             return self.outbox.flush();
         }
         let (id, hashes) = (req.id, req.block_hashes.take());

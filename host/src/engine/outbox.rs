@@ -22,11 +22,7 @@ use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, Sender, SyncSender, TrySendError, channel, sync_channel};
 use std::thread::JoinHandle;
 
-use tokio::sync::mpsc::UnboundedSender;
-
-use super::api::{EngineEvent, TokenLogprob};
-
-type EventSender = UnboundedSender<EngineEvent>;
+use super::api::{EngineEvent, EventBatch, EventSender, FailureKind, SharedEvents, TokenLogprob};
 
 /// What the engine asks of the delivery thread, in order.
 enum Op {
@@ -42,7 +38,11 @@ enum Op {
         logprob: Option<TokenLogprob>,
     },
     /// The only event of a request that was never opened (rejected on arrival).
-    Once { to: EventSender, event: EngineEvent },
+    Once {
+        id: u64,
+        to: EventSender,
+        event: EngineEvent,
+    },
 }
 
 /// Steps' batches the delivery thread may lag behind before `flush` waits for it.
@@ -85,11 +85,13 @@ impl Outbox {
             .name("chimera-events".into())
             .spawn(move || {
                 let mut open = HashMap::new();
+                let mut shared = Vec::new();
                 for mut batch in queued {
-                    deliver(&mut batch, &mut open, &closed_tx);
+                    deliver(&mut batch, &mut open, &mut shared, &closed_tx);
                     // A full return queue only means the engine has spares enough.
                     let _ = spare_tx.try_send(batch);
                 }
+                fail_unfinished(open);
             })?;
         Ok(Self {
             pending: Vec::new(),
@@ -128,7 +130,7 @@ impl Outbox {
     /// see [`Self::take_closed`]).
     pub fn send(&mut self, id: u64, to: &EventSender, event: EngineEvent) -> bool {
         let Some(d) = self.delivery.as_mut() else {
-            return to.send(event).is_ok();
+            return to.send(id, event);
         };
         if is_last(&event) {
             d.open.remove(&id);
@@ -147,19 +149,20 @@ impl Outbox {
         logprob: Option<TokenLogprob>,
     ) -> bool {
         if self.delivery.is_none() {
-            return to.send(token_event(token, logprob)).is_ok();
+            return to.send(id, token_event(token, logprob));
         }
         self.pending.push(Op::Token { id, token, logprob });
         true
     }
 
-    /// Sends the only event of a request that was never opened.
-    pub fn reject(&mut self, to: &EventSender, event: EngineEvent) {
+    /// Sends the only event of request `id`, which was never opened.
+    pub fn reject(&mut self, id: u64, to: &EventSender, event: EngineEvent) {
         if self.delivery.is_none() {
-            let _ = to.send(event);
+            let _ = to.send(id, event);
             return;
         }
         self.pending.push(Op::Once {
+            id,
             to: to.clone(),
             event,
         });
@@ -230,11 +233,14 @@ fn is_last(event: &EngineEvent) -> bool {
     )
 }
 
-/// The delivery thread's work on one batch. `open` maps each open request to its channel and
+/// The delivery thread's work on one batch. `open` maps each open request to its sender and
 /// registration number; a request whose reader has gone is reported once and forgotten.
+/// Events for shared streams are gathered into one [`EventBatch`] per stream (`shared`, kept
+/// for its buffers) and sent once the batch is through.
 fn deliver(
     batch: &mut Vec<Op>,
     open: &mut HashMap<u64, (EventSender, u64)>,
+    shared: &mut Vec<(SharedEvents, EventBatch, Vec<u64>)>,
     closed: &Sender<(u64, u64)>,
 ) {
     for op in batch.drain(..) {
@@ -243,8 +249,8 @@ fn deliver(
                 open.insert(id, (to, seq));
                 continue;
             }
-            Op::Once { to, event } => {
-                let _ = to.send(event);
+            Op::Once { id, to, event } => {
+                send(shared, &to, id, event);
                 continue;
             }
             Op::Event { id, event } => (id, event),
@@ -254,12 +260,66 @@ fn deliver(
         let Some((to, seq)) = open.get(&id) else {
             continue;
         };
-        let gone = to.send(event).is_err();
+        let gone = !send(shared, to, id, event);
         if gone && !last {
             let _ = closed.send((id, *seq));
         }
         if gone || last {
             open.remove(&id);
+        }
+    }
+    for (stream, events, ids) in shared.iter_mut() {
+        if events.is_empty() {
+            continue;
+        }
+        if !stream.send(std::mem::take(events)) {
+            // The stream's reader has gone: every request it serves is closed.
+            for id in ids.drain(..) {
+                if let Some((_, seq)) = open.remove(&id) {
+                    let _ = closed.send((id, seq));
+                }
+            }
+        }
+        ids.clear();
+    }
+}
+
+/// Sends one event: at once on a request's own channel, or into its shared stream's batch.
+/// False when the reader is known to have gone.
+fn send(
+    shared: &mut Vec<(SharedEvents, EventBatch, Vec<u64>)>,
+    to: &EventSender,
+    id: u64,
+    event: EngineEvent,
+) -> bool {
+    let stream = match to {
+        EventSender::Own(tx) => return tx.send(event).is_ok(),
+        EventSender::Shared(stream) => stream,
+    };
+    let i = match shared.iter().position(|(s, ..)| s.same(stream)) {
+        Some(i) => i,
+        None => {
+            shared.push((stream.clone(), Vec::new(), Vec::new()));
+            shared.len() - 1
+        }
+    };
+    let (_, events, ids) = &mut shared[i];
+    if !is_last(&event) {
+        ids.push(id);
+    }
+    events.push((id, event));
+    true
+}
+
+/// The delivery thread ends with requests still open (the engine stopped without finishing
+/// them): their own channels close as their senders drop; a shared stream has no such
+/// signal, so each of its requests gets a `Failed` event.
+fn fail_unfinished(open: HashMap<u64, (EventSender, u64)>) {
+    for (id, (to, _)) in open {
+        if matches!(to, EventSender::Shared(_)) {
+            let message = "the engine stopped without finishing the request".to_string();
+            let kind = FailureKind::Executor;
+            to.send(id, EngineEvent::Failed { kind, message });
         }
     }
 }
@@ -268,6 +328,12 @@ fn deliver(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
+
+    /// A request's own channel.
+    fn own() -> (EventSender, UnboundedReceiver<EngineEvent>) {
+        let (tx, rx) = unbounded_channel();
+        (EventSender::Own(tx), rx)
+    }
 
     use super::*;
     use crate::engine::api::{FailureKind, FinishReason, Usage};
@@ -301,7 +367,7 @@ mod tests {
         let mut rxs = Vec::new();
         let mut txs = Vec::new();
         for id in 0..5u64 {
-            let (tx, rx) = unbounded_channel();
+            let (tx, rx) = own();
             out.open(id, &tx);
             txs.push(tx);
             rxs.push(rx);
@@ -343,7 +409,7 @@ mod tests {
             logprobs: Some(vec![logprob.clone()]),
         };
         for mut out in [Outbox::inline(), Outbox::threaded().unwrap()] {
-            let (tx, mut rx) = unbounded_channel();
+            let (tx, mut rx) = own();
             out.open(7, &tx);
             assert!(out.send_token(7, &tx, 3, None));
             assert!(out.send(7, &tx, tokens(5)));
@@ -364,7 +430,7 @@ mod tests {
     #[test]
     fn drop_delivers_everything_queued() {
         let mut out = Outbox::threaded().unwrap();
-        let (tx, mut rx) = unbounded_channel();
+        let (tx, mut rx) = own();
         out.open(9, &tx);
         assert!(out.send(9, &tx, tokens(7)));
         drop(tx);
@@ -378,13 +444,13 @@ mod tests {
     #[test]
     fn a_closed_reader_is_reported() {
         let mut out = Outbox::inline();
-        let (tx, rx) = unbounded_channel();
+        let (tx, rx) = own();
         drop(rx);
         assert!(!out.send(1, &tx, tokens(1)));
 
         let mut out = Outbox::threaded().unwrap();
-        let (gone_tx, gone_rx) = unbounded_channel();
-        let (kept_tx, _kept_rx) = unbounded_channel();
+        let (gone_tx, gone_rx) = own();
+        let (kept_tx, _kept_rx) = own();
         out.open(1, &gone_tx);
         out.open(2, &kept_tx);
         drop(gone_rx);
@@ -407,7 +473,7 @@ mod tests {
 
         // Reported after the request finished: ignored.
         let mut out = Outbox::threaded().unwrap();
-        let (tx, rx) = unbounded_channel();
+        let (tx, rx) = own();
         out.open(3, &tx);
         drop(rx);
         assert!(out.send(3, &tx, tokens(0)));
@@ -424,14 +490,14 @@ mod tests {
     #[test]
     fn a_rejected_request_gets_its_event_and_leaves_the_open_one_alone() {
         for mut out in [Outbox::inline(), Outbox::threaded().unwrap()] {
-            let (tx, mut rx) = unbounded_channel();
+            let (tx, mut rx) = own();
             out.open(5, &tx);
-            let (dup_tx, mut dup_rx) = unbounded_channel();
+            let (dup_tx, mut dup_rx) = own();
             let failed = EngineEvent::Failed {
                 kind: FailureKind::InvalidRequest,
                 message: "request id 5 is already in use".into(),
             };
-            out.reject(&dup_tx, failed.clone());
+            out.reject(5, &dup_tx, failed.clone());
             drop(dup_tx);
             assert!(out.send(5, &tx, tokens(1)));
             out.flush();
@@ -448,7 +514,7 @@ mod tests {
     fn inline_sends_at_once() {
         let mut out = Outbox::inline();
         assert!(!out.is_threaded());
-        let (tx, mut rx) = unbounded_channel();
+        let (tx, mut rx) = own();
         out.open(3, &tx);
         assert!(out.send(3, &tx, tokens(3)));
         assert_eq!(rx.try_recv().ok(), Some(tokens(3)));
@@ -459,7 +525,7 @@ mod tests {
     #[test]
     fn more_batches_than_the_queue_holds_lose_nothing() {
         let mut out = Outbox::threaded().unwrap();
-        let (tx, mut rx) = unbounded_channel();
+        let (tx, mut rx) = own();
         out.open(0, &tx);
         let steps = 4 * QUEUED_BATCHES as u32;
         for step in 0..steps {
@@ -470,5 +536,68 @@ mod tests {
         for step in 0..steps {
             assert_eq!(rx.try_recv().ok(), Some(tokens(step)));
         }
+    }
+
+    /// A shared stream gets one batch per flushed step with every request's events of that
+    /// step in order, tagged with their ids; a request the engine never finished gets a
+    /// `Failed` event when the delivery thread ends; a stream whose reader has gone reports
+    /// its open requests closed.
+    #[test]
+    fn a_shared_stream_gets_one_batch_per_step_and_hears_of_unfinished_requests() {
+        use crate::engine::api::SharedEvents;
+
+        let (stream, batches) = SharedEvents::channel();
+        let to = EventSender::Shared(stream);
+        let mut out = Outbox::threaded().unwrap();
+        out.open(1, &to);
+        out.open(2, &to);
+        for step in 0..3 {
+            assert!(out.send_token(1, &to, step, None));
+            assert!(out.send_token(2, &to, 10 + step, None));
+            out.flush();
+        }
+        assert!(out.send(1, &to, finished()));
+        out.flush();
+        drop(out);
+        let got: Vec<EventBatch> = batches.try_iter().collect();
+        assert_eq!(
+            got.len(),
+            5,
+            "three steps, the finish, the failure at the end: {got:?}"
+        );
+        for (step, batch) in got.iter().take(3).enumerate() {
+            let step = step as u32;
+            assert_eq!(batch, &vec![(1, tokens(step)), (2, tokens(10 + step))]);
+        }
+        assert_eq!(got[3], vec![(1, finished())]);
+        assert!(
+            matches!(
+                &got[4][..],
+                [(
+                    2,
+                    EngineEvent::Failed {
+                        kind: FailureKind::Executor,
+                        ..
+                    }
+                )]
+            ),
+            "{:?}",
+            got[4]
+        );
+
+        let (stream, batches) = SharedEvents::channel();
+        let to = EventSender::Shared(stream);
+        let mut out = Outbox::threaded().unwrap();
+        out.open(4, &to);
+        drop(batches);
+        assert!(out.send_token(4, &to, 1, None));
+        out.flush();
+        let mut closed = Vec::new();
+        let start = std::time::Instant::now();
+        while closed.is_empty() && start.elapsed().as_secs() < 10 {
+            out.take_closed(&mut closed);
+            std::thread::yield_now();
+        }
+        assert_eq!(closed, vec![4]);
     }
 }

@@ -7,9 +7,7 @@
 //! are hashed like prompt tokens, so the re-admitted request can hit its own cached blocks.
 //! `orig_prompt_len` never changes and is what usage reports.
 
-use tokio::sync::mpsc::UnboundedSender;
-
-use super::api::{EngineEvent, GenerateRequest, SamplingParams, TokenLogprob};
+use super::api::{EventSender, GenerateRequest, SamplingParams, TokenLogprob};
 use crate::cache::{BlockHash, MissReason};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,11 +72,11 @@ pub struct Request {
     /// Tokens masked out while fewer than `params.min_tokens` are generated: the stop tokens
     /// and, unless `ignore_eos`, the model's EOS (set by the engine, which knows the EOS).
     pub min_ban: Vec<u32>,
-    pub events: UnboundedSender<EngineEvent>,
+    pub events: EventSender,
 }
 
 impl Request {
-    pub fn new(req: GenerateRequest, slot: u32, events: UnboundedSender<EngineEvent>) -> Self {
+    pub fn new(req: GenerateRequest, slot: u32, events: EventSender) -> Self {
         let seed = req.params.seed.unwrap_or_else(|| derive_seed(req.id));
         let prompt_len = req.prompt.len();
         let prompt_logprobs = req.prompt_logprobs.map(|_| vec![None; prompt_len]);

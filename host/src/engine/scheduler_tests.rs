@@ -54,7 +54,7 @@ fn add_with_priority(s: &mut Scheduler, id: u64, prompt: Vec<u32>, max_tokens: u
         checkpoints: Vec::new(),
         priority,
     };
-    s.add(|slot| Request::new(req, slot, tx));
+    s.add(|slot| Request::new(req, slot, tx.into()));
 }
 
 /// (request id, start, len) of each scheduled chunk.
@@ -314,7 +314,7 @@ fn max_tokens_and_stop_tokens_finish() {
         checkpoints: Vec::new(),
         priority: 0,
     };
-    s.add(|slot| Request::new(req, slot, tx));
+    s.add(|slot| Request::new(req, slot, tx.into()));
     plan(&mut s, &mut c, &mut o);
     let fin = finish_step(&mut s, &mut c, &mut o);
     assert!(fin.iter().any(|&(_, r)| r == StopReason::Stop));
@@ -336,7 +336,7 @@ fn prompt_logprob_requests_take_bounded_chunks_with_every_logit() {
         checkpoints: Vec::new(),
         priority: 0,
     };
-    s.add(|slot| Request::new(req, slot, tx));
+    s.add(|slot| Request::new(req, slot, tx.into()));
     add(&mut s, 2, (1000..1300).collect(), 2);
     // The plain request takes its whole prompt; the scoring one at most 128 tokens a step,
     // every chunk asking for all its logits.

@@ -193,7 +193,7 @@ mod tests {
             checkpoints: Vec::new(),
             priority: 0,
         };
-        s.add(|slot| Request::new(req, slot, tx));
+        s.add(|slot| Request::new(req, slot, tx.into()));
     }
 
     /// A hybrid cache, two requests over a shared 8-token prefix, 12 tokens a step: the plan

@@ -177,7 +177,7 @@ impl Inbox {
     fn handle<E: StepExecutor>(&mut self, engine: &mut Engine<E>, cmd: Command) -> bool {
         match cmd {
             Command::Add { request, events } => {
-                engine.add(request, events);
+                engine.add(*request, events);
                 return true;
             }
             Command::Cancel { id } => engine.cancel(id),

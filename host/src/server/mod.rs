@@ -34,6 +34,7 @@ pub mod metrics;
 pub mod mock_tokenizer;
 pub mod openai;
 pub mod ops;
+pub mod output;
 pub mod params;
 pub mod pipeline;
 pub mod prefix_mirror;
@@ -139,6 +140,8 @@ pub(crate) struct Inner {
     pub listed_names: usize,
     pub codec: Arc<TextCodec>,
     pub router: RouterHandle,
+    /// The output pass of each replica, by replica index.
+    pub outputs: Vec<output::OutputPass>,
     pub metrics: Arc<Metrics>,
     pub admission: Arc<Semaphore>,
     pub limits: Limits,
@@ -180,6 +183,9 @@ impl AppState {
             return Err(ServeError::NoReplicas);
         }
         let metrics = Arc::new(Metrics::new(parts.replicas.len()));
+        let outputs = (0..parts.replicas.len())
+            .map(output::OutputPass::spawn)
+            .collect::<Result<Vec<_>, _>>()?;
         let router = RouterHandle::spawn(
             parts.replicas,
             parts.policy,
@@ -226,6 +232,7 @@ impl AppState {
                 listed_names,
                 codec: Arc::new(parts.codec),
                 router,
+                outputs,
                 metrics,
                 limits,
                 created,

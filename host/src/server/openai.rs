@@ -22,8 +22,9 @@ use tokio::sync::OwnedSemaphorePermit;
 
 use super::AppState;
 use super::error::AppError;
+use super::output::OutputState;
 use super::params::{GenParams, validate_common};
-use super::pipeline::{ChoiceRun, OutputState, RequestGuard, RunContext};
+use super::pipeline::{ChoiceRun, RequestGuard, RunContext};
 use super::prefix_mirror::prompt_block_hashes;
 use super::protocol::*;
 use super::respond::{Meta, Shape, full_response, stream_response};
@@ -356,11 +357,15 @@ async fn submit(
             let one = permit
                 .split(1)
                 .ok_or_else(|| AppError::Internal("admission accounting".into()))?;
-            let rx = handle
-                .submit(request)
-                .map_err(|e| AppError::from_submit(e, inner.config.retry_after_secs))?;
+            let pass = (inner.outputs.get(placement.replica))
+                .ok_or_else(|| AppError::Internal("no output pass for the replica".into()))?;
+            let slot = pass.register(id, out)?;
+            if let Err(e) = handle.submit_to(request, pass.events()) {
+                pass.forget(id);
+                return Err(AppError::from_submit(e, inner.config.retry_after_secs));
+            }
             let guard = RequestGuard::new(handle.clone(), id, inner.metrics.clone(), one);
-            runs.push(ChoiceRun::new(index, p, rx, guard, out, ctx.clone()));
+            runs.push(ChoiceRun::new(index, p, slot, guard, ctx.clone()));
             indices.push((index, p));
         }
     }

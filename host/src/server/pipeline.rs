@@ -1,27 +1,24 @@
-//! One choice's life after admission: engine events in, text chunks out.
+//! One choice's life after admission: processed output in, text chunks out.
 //!
-//! Owns: [`ChoiceRun`] (the event receiver of one engine request, its detokenizer and stop
-//! matcher, and timing metrics) and [`RequestGuard`] (cancels the engine request when the run is
-//! dropped before the engine finished it: a client that disconnects drops the response future
-//! or body stream, which drops the run, which cancels within one engine step). Invariants: every
-//! submitted engine request ends in exactly one of finish, cancel-on-drop, or cancel-on-stop;
-//! detokenization runs on the blocking pool, never on the event loop; the admission permit is
-//! released when the run ends. It must not format HTTP bodies.
+//! Owns: [`ChoiceRun`] (the [`OutputSlot`] the replica's output pass fills for one engine
+//! request, its finish and timing metrics) and [`RequestGuard`] (cancels the engine request
+//! when the run is dropped before the engine finished it: a client that disconnects drops the
+//! response future or body stream, which drops the run, which cancels within one engine step).
+//! Invariants: every submitted engine request ends in exactly one of finish, cancel-on-drop,
+//! or cancel-on-stop; detokenization runs in the output pass (`server::output`), never on the
+//! event loop; the admission permit is released when the run ends. It must not format HTTP
+//! bodies.
 
-use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tokio::sync::{OwnedSemaphorePermit, mpsc, watch};
+use tokio::sync::{OwnedSemaphorePermit, watch};
 
-use super::detok::{IncrementalDetokenizer, StopMatcher};
 use super::error::AppError;
 use super::metrics::{Finished, Metrics};
-use super::text::{TextCodec, TextError};
-use crate::engine::api::{
-    EngineEvent, EngineHandle, FailureKind, FinishReason, TokenLogprob, Usage,
-};
+use super::output::{OutputSlot, Processed};
+use crate::engine::api::{EngineHandle, FinishReason, Usage};
 
 /// Cancels the engine request on drop unless the engine already finished it.
 pub struct RequestGuard {
@@ -116,133 +113,6 @@ pub struct ChoiceChunk {
     pub finish: Option<FinishInfo>,
 }
 
-/// Everything the blocking pool needs to turn events into text (moved there and back).
-pub struct OutputState {
-    codec: Arc<TextCodec>,
-    detok: IncrementalDetokenizer,
-    stop: StopMatcher,
-    stop_ids: HashSet<u32>,
-    generated: u32,
-    stop_token: Option<u32>,
-    /// Stop tokens and strings end the output only from this many generated tokens on.
-    min_tokens: u32,
-}
-
-/// Result of processing a batch of events.
-#[derive(Debug, Default)]
-struct Processed {
-    text: String,
-    logprobs: Vec<TokenInfo>,
-    prompt_logprobs: Option<Vec<Option<TokenInfo>>>,
-    token_ids: Vec<u32>,
-    stop_string: Option<String>,
-    finished: Option<(FinishReason, Usage)>,
-    failed: Option<(FailureKind, String)>,
-}
-
-impl OutputState {
-    pub fn new(
-        codec: Arc<TextCodec>,
-        prompt_tail: &[u32],
-        stops: Vec<String>,
-        stop_ids: HashSet<u32>,
-        skip_special: bool,
-    ) -> Self {
-        Self {
-            detok: IncrementalDetokenizer::new(&codec, prompt_tail, skip_special),
-            codec,
-            stop: StopMatcher::new(stops),
-            stop_ids,
-            generated: 0,
-            stop_token: None,
-            min_tokens: 0,
-        }
-    }
-
-    /// vLLM's `min_tokens` (stops are not matched before) and `include_stop_str_in_output`
-    /// (a matched stop string stays in the text).
-    pub fn with_stop_rules(mut self, min_tokens: u32, include_stop: bool) -> Self {
-        self.min_tokens = min_tokens;
-        self.stop = std::mem::take(&mut self.stop).including_stop(include_stop);
-        self
-    }
-
-    fn token_info(&self, lp: &TokenLogprob) -> Result<TokenInfo, TextError> {
-        let text = |t: u32| self.codec.decode(&[t], false);
-        let top = lp
-            .top
-            .iter()
-            .map(|(t, l)| Ok((*t, text(*t)?, *l)))
-            .collect::<Result<_, TextError>>()?;
-        Ok(TokenInfo {
-            id: lp.token,
-            token: text(lp.token)?,
-            logprob: lp.logprob,
-            rank: lp.rank,
-            top,
-        })
-    }
-
-    fn process(&mut self, events: Vec<EngineEvent>) -> Result<Processed, TextError> {
-        let mut out = Processed::default();
-        for ev in events {
-            match ev {
-                EngineEvent::PromptLogprobs { logprobs } => {
-                    out.prompt_logprobs = Some(
-                        logprobs
-                            .iter()
-                            .map(|lp| lp.as_ref().map(|lp| self.token_info(lp)).transpose())
-                            .collect::<Result<_, _>>()?,
-                    );
-                }
-                EngineEvent::Tokens { tokens, logprobs } => {
-                    for (j, t) in tokens.iter().enumerate() {
-                        self.generated += 1;
-                        out.token_ids.push(*t);
-                        if let Some(lp) = logprobs.as_ref().and_then(|l| l.get(j)) {
-                            out.logprobs.push(self.token_info(lp)?);
-                        }
-                        let armed = self.generated >= self.min_tokens;
-                        if armed && self.stop_ids.contains(t) {
-                            // A stop token ends the text; the engine's Finished follows.
-                            self.stop_token = Some(*t);
-                            continue;
-                        }
-                        let delta = self.detok.push(&self.codec, *t)?;
-                        if !armed {
-                            out.text.push_str(&self.stop.push_unmatched(&delta));
-                            continue;
-                        }
-                        let released = self.stop.push(&delta);
-                        out.text.push_str(&released.text);
-                        if released.stopped.is_some() {
-                            out.stop_string = released.stopped;
-                            return Ok(out);
-                        }
-                    }
-                }
-                EngineEvent::Finished { reason, usage } => {
-                    let tail = self.detok.flush(&self.codec)?;
-                    let released = self.stop.push(&tail);
-                    out.text.push_str(&released.text);
-                    if released.stopped.is_some() {
-                        out.stop_string = released.stopped;
-                    } else {
-                        out.text.push_str(&self.stop.finish());
-                    }
-                    out.finished = Some((reason, usage));
-                    return Ok(out);
-                }
-                EngineEvent::Failed { kind, message } => {
-                    out.failed = Some((kind, message));
-                    return Ok(out);
-                }
-            }
-        }
-        Ok(out)
-    }
-}
-
 /// What every choice of one HTTP request shares.
 #[derive(Clone)]
 pub struct RunContext {
@@ -261,10 +131,8 @@ pub struct RunContext {
 pub struct ChoiceRun {
     index: u32,
     prompt_idx: usize,
-    // Declared before `rx` so that on drop the cancel is sent before the receiver closes.
     guard: RequestGuard,
-    rx: mpsc::UnboundedReceiver<EngineEvent>,
-    state: Option<OutputState>,
+    slot: Arc<OutputSlot>,
     abort: watch::Receiver<bool>,
     metrics: Arc<Metrics>,
     start: Instant,
@@ -272,6 +140,8 @@ pub struct ChoiceRun {
     request_id: Arc<str>,
     first_token: Option<Instant>,
     last_token: Option<Instant>,
+    /// Generated tokens so far (for the log of a run that ends without usage).
+    generated: u32,
     /// Generated ids not yet sent (their text is still held back).
     held_ids: Vec<u32>,
     done: bool,
@@ -287,17 +157,15 @@ impl ChoiceRun {
     pub fn new(
         index: u32,
         prompt_idx: usize,
-        rx: mpsc::UnboundedReceiver<EngineEvent>,
+        slot: Arc<OutputSlot>,
         guard: RequestGuard,
-        state: OutputState,
         ctx: RunContext,
     ) -> Self {
         Self {
             index,
             prompt_idx,
-            rx,
+            slot,
             guard,
-            state: Some(state),
             abort: ctx.abort,
             metrics: ctx.metrics,
             start: ctx.start,
@@ -305,6 +173,7 @@ impl ChoiceRun {
             request_id: ctx.request_id,
             first_token: None,
             last_token: None,
+            generated: 0,
             held_ids: Vec::new(),
             done: false,
         }
@@ -327,17 +196,8 @@ impl ChoiceRun {
         }
     }
 
-    fn observe_tokens(&mut self, events: &[EngineEvent]) {
-        let n: usize = events
-            .iter()
-            .map(|e| {
-                if let EngineEvent::Tokens { tokens, .. } = e {
-                    tokens.len()
-                } else {
-                    0
-                }
-            })
-            .sum();
+    /// Time to first token and inter-token latency, for `n` tokens that arrived now.
+    fn observe_tokens(&mut self, n: usize) {
         if n == 0 {
             return;
         }
@@ -364,14 +224,13 @@ impl ChoiceRun {
         self.metrics.e2e.observe(e2e.as_secs_f64());
         if tracing::enabled!(tracing::Level::DEBUG) {
             let ms = |d: Duration| d.as_secs_f64() * 1e3;
-            let generated = self.state.as_ref().map_or(0, |s| s.generated);
             tracing::debug!(
                 request_id = %self.request_id,
                 choice = self.index,
                 engine_id = self.guard.id,
                 finish = how.as_str(),
                 prompt_tokens = usage.map(|u| u.prompt_tokens),
-                output_tokens = usage.map_or(generated, |u| u.completion_tokens),
+                output_tokens = usage.map_or(self.generated, |u| u.completion_tokens),
                 cached_tokens = usage.map(|u| u.cached_tokens),
                 ttft_ms = self.first_token.map(|t| ms(t - self.start)),
                 e2e_ms = ms(e2e),
@@ -383,20 +242,33 @@ impl ChoiceRun {
     /// Waits for the engine's own end of a request the server cancelled, for its usage.
     async fn drain_usage(&mut self) -> Option<Usage> {
         let wait = async {
-            while let Some(ev) = self.rx.recv().await {
-                if let EngineEvent::Finished { usage, .. } = ev {
+            loop {
+                let p = self.slot.take().await;
+                if let Some((_, usage)) = p.finished {
                     return Some(usage);
                 }
-                if let EngineEvent::Failed { .. } = ev {
+                if p.failed.is_some() || p.error.is_some() {
                     return None;
                 }
             }
-            None
         };
         tokio::time::timeout(Duration::from_secs(2), wait)
             .await
             .ok()
             .flatten()
+    }
+
+    /// The server cancels everything in flight (shutdown): the choice ends as aborted.
+    async fn abort_chunk(&mut self) -> ChoiceChunk {
+        self.guard.cancel_now();
+        let usage = self.drain_usage().await.unwrap_or_default();
+        self.end(Finished::Abort, Some(&usage));
+        let finish = FinishInfo {
+            reason: "abort",
+            stop_reason: None,
+            usage,
+        };
+        self.chunk(String::new(), Vec::new(), Some(finish))
     }
 
     /// The next chunk of output; `None` once the choice is over.
@@ -405,114 +277,83 @@ impl ChoiceRun {
             if self.done {
                 return None;
             }
-            let first = tokio::select! {
-                ev = self.rx.recv() => ev,
-                _ = aborted(&mut self.abort) => {
-                    self.guard.cancel_now();
-                    let usage = self.drain_usage().await.unwrap_or_default();
-                    self.end(Finished::Abort, Some(&usage));
-                    let finish = FinishInfo { reason: "abort", stop_reason: None, usage };
-                    return Some(Ok(self.chunk(String::new(), Vec::new(), Some(finish))));
-                }
+            let out = tokio::select! {
+                out = self.slot.take() => out,
+                _ = aborted(&mut self.abort) => return Some(Ok(self.abort_chunk().await)),
             };
-            let Some(first) = first else {
-                self.guard.disarm();
-                self.end(Finished::Abort, None);
-                return Some(Err(AppError::Internal(
-                    "the engine dropped a request without finishing it".into(),
-                )));
-            };
-            let mut events = vec![first];
-            while !matches!(
-                events.last(),
-                Some(EngineEvent::Finished { .. } | EngineEvent::Failed { .. })
-            ) {
-                match self.rx.try_recv() {
-                    Ok(ev) => events.push(ev),
-                    Err(_) => break,
-                }
+            self.observe_tokens(out.tokens);
+            self.generated = out.generated;
+            if let Some(chunk) = self.take(out).await.transpose() {
+                return Some(chunk);
             }
-            self.observe_tokens(&events);
-            let Some(mut state) = self.state.take() else {
-                self.done = true;
-                return Some(Err(AppError::Internal("output state lost".into())));
-            };
-            let joined = tokio::task::spawn_blocking(move || {
-                let r = state.process(events);
-                (state, r)
-            })
-            .await;
-            let (state, result) = match joined {
-                Ok(v) => v,
-                Err(e) => {
-                    self.done = true;
-                    return Some(Err(AppError::Internal(format!(
-                        "detokenizer task failed: {e}"
-                    ))));
-                }
-            };
-            let generated = state.generated;
-            let stop_token = state.stop_token;
-            self.state = Some(state);
-            let out = match result {
-                Ok(out) => out,
-                Err(e) => {
-                    self.end(Finished::Abort, None);
-                    self.guard.cancel_now();
-                    return Some(Err(AppError::Internal(e.to_string())));
-                }
-            };
-            if let Some((kind, message)) = out.failed {
-                self.guard.disarm();
-                self.end(Finished::Abort, None);
-                return Some(Err(AppError::Engine {
-                    kind,
-                    message,
-                    retry_after_secs: self.retry_after_secs,
-                }));
-            }
-            let finish = if let Some(stop) = out.stop_string {
-                self.guard.cancel_now();
-                let mut usage = self.drain_usage().await.unwrap_or_default();
-                usage.completion_tokens = generated;
-                self.end(Finished::Stop, Some(&usage));
-                Some(FinishInfo {
-                    reason: "stop",
-                    stop_reason: Some(Value::String(stop)),
-                    usage,
-                })
-            } else if let Some((reason, usage)) = out.finished {
-                self.guard.disarm();
-                let (name, how) = match reason {
-                    FinishReason::Stop => ("stop", Finished::Stop),
-                    FinishReason::Length => ("length", Finished::Length),
-                    FinishReason::Cancelled => ("abort", Finished::Abort),
-                };
-                self.end(how, Some(&usage));
-                let stop_reason = stop_token.map(Value::from);
-                Some(FinishInfo {
-                    reason: name,
-                    stop_reason,
-                    usage,
-                })
-            } else {
-                None
-            };
-            if out.text.is_empty()
-                && out.logprobs.is_empty()
-                && out.prompt_logprobs.is_none()
-                && finish.is_none()
-            {
-                // Ids whose text is not out yet ride with the next chunk.
-                self.held_ids.extend(out.token_ids);
-                continue;
-            }
-            let mut chunk = self.chunk(out.text, out.logprobs, finish);
-            chunk.prompt_logprobs = out.prompt_logprobs;
-            chunk.token_ids = std::mem::take(&mut self.held_ids);
-            chunk.token_ids.extend(out.token_ids);
-            return Some(Ok(chunk));
         }
+    }
+
+    /// What one processed output makes: an error, a chunk, or nothing yet (ids whose text is
+    /// held back ride with the next chunk).
+    async fn take(&mut self, mut out: Processed) -> Result<Option<ChoiceChunk>, AppError> {
+        if let Some(e) = out.error.take() {
+            self.end(Finished::Abort, None);
+            self.guard.cancel_now();
+            return Err(AppError::Internal(e));
+        }
+        if let Some((kind, message)) = out.failed.take() {
+            self.guard.disarm();
+            self.end(Finished::Abort, None);
+            return Err(AppError::Engine {
+                kind,
+                message,
+                retry_after_secs: self.retry_after_secs,
+            });
+        }
+        let finish = self.finish_of(&mut out).await;
+        if out.text.is_empty()
+            && out.logprobs.is_empty()
+            && out.prompt_logprobs.is_none()
+            && finish.is_none()
+        {
+            self.held_ids.extend(out.token_ids);
+            return Ok(None);
+        }
+        let mut chunk = self.chunk(out.text, out.logprobs, finish);
+        chunk.prompt_logprobs = out.prompt_logprobs;
+        chunk.token_ids = std::mem::take(&mut self.held_ids);
+        chunk.token_ids.extend(out.token_ids);
+        Ok(Some(chunk))
+    }
+
+    /// How the choice ends with this output, if it does: a stop string (the server cancels
+    /// the engine request and reports the engine's usage up to the stop), or the engine's
+    /// own end.
+    async fn finish_of(&mut self, out: &mut Processed) -> Option<FinishInfo> {
+        if let Some(stop) = out.stop_string.take() {
+            self.guard.cancel_now();
+            let usage = match out.finished.take() {
+                Some((_, usage)) => Some(usage),
+                None => self.drain_usage().await,
+            };
+            let mut usage = usage.unwrap_or_default();
+            usage.completion_tokens = out.generated;
+            self.end(Finished::Stop, Some(&usage));
+            return Some(FinishInfo {
+                reason: "stop",
+                stop_reason: Some(Value::String(stop)),
+                usage,
+            });
+        }
+        let (reason, usage) = out.finished.take()?;
+        self.guard.disarm();
+        let (name, how) = match reason {
+            FinishReason::Stop => ("stop", Finished::Stop),
+            FinishReason::Length => ("length", Finished::Length),
+            FinishReason::Cancelled => ("abort", Finished::Abort),
+        };
+        self.end(how, Some(&usage));
+        Some(FinishInfo {
+            reason: name,
+            stop_reason: out.stop_token.map(Value::from),
+            usage,
+        })
     }
 
     /// Runs to the end and returns the whole output as one chunk.

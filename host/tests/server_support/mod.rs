@@ -184,7 +184,7 @@ impl Recorder {
             Command::Add { request, .. } => {
                 self.added.fetch_add(1, Ordering::SeqCst);
                 if let Ok(mut r) = self.recent.lock() {
-                    r.push_back(request.clone());
+                    r.push_back((**request).clone());
                     while r.len() > 64 {
                         r.pop_front();
                     }
