@@ -1,10 +1,11 @@
 //! chimera's CUDA kernels.
 //!
-//! The kernels are CUDA C++ written here (`src/*.cu`, `src/*.cuh`), embedded in the binary
-//! with `include_str!` and compiled at run time by NVRTC for the device's architecture
-//! (`sm_90a` on an H200). No CUDA toolkit is needed to build the project, and NVRTC needs no
-//! toolkit headers: the sources include only project headers, which are inlined textually
-//! before compilation ([`Source::text`]).
+//! The kernels are CUDA C++ written here (`src/*.cu`, `src/*.cuh`, and a unit's folder such
+//! as `src/ssm/`), embedded in the binary with `include_str!` and compiled at run time by
+//! NVRTC for the device's architecture (`sm_90a` on an H200). No CUDA toolkit is needed to
+//! build the project, and NVRTC needs no toolkit headers: the sources include only project
+//! headers, named relative to the including file as a C preprocessor resolves them, which
+//! are inlined textually before compilation ([`Source::text`]).
 //!
 //! Every kernel entry point is declared in a Rust table ([`Entry`]: name and parameter
 //! kinds) next to its source. The host launches kernels only through that table, and a test
@@ -69,6 +70,7 @@ pub struct Entry {
 /// One compilation unit: a `.cu` file and its entry points.
 #[derive(Debug, Clone, Copy)]
 pub struct Source {
+    /// The file's path under `src/` (`gemv.cu`, `ssm/conv.cu`).
     pub name: &'static str,
     pub code: &'static str,
     pub entries: &'static [Entry],
@@ -77,11 +79,13 @@ pub struct Source {
     pub sm90a_only: bool,
 }
 
-/// Project headers that sources may `#include "name"`.
+/// Project headers that sources may `#include`, by their path under `src/`.
 pub const HEADERS: &[(&str, &str)] = &[
     ("common.cuh", include_str!("common.cuh")),
     ("mma.cuh", include_str!("mma.cuh")),
     ("attention.cuh", include_str!("attention.cuh")),
+    ("ssm/ssm.cuh", include_str!("ssm/ssm.cuh")),
+    ("ssm/ssd.cuh", include_str!("ssm/ssd.cuh")),
 ];
 
 /// Bumped whenever a kernel's parameters change meaning without changing its source text.
@@ -115,9 +119,33 @@ pub fn sources() -> &'static [Source] {
             sm90a_only: false,
         },
         Source {
-            name: "ssm.cu",
-            code: include_str!("ssm.cu"),
-            entries: ssm::ENTRIES,
+            name: "ssm/slot_ops.cu",
+            code: include_str!("ssm/slot_ops.cu"),
+            entries: ssm::slot_ops::ENTRIES,
+            sm90a_only: false,
+        },
+        Source {
+            name: "ssm/conv.cu",
+            code: include_str!("ssm/conv.cu"),
+            entries: ssm::conv::ENTRIES,
+            sm90a_only: false,
+        },
+        Source {
+            name: "ssm/state_update.cu",
+            code: include_str!("ssm/state_update.cu"),
+            entries: ssm::state_update::ENTRIES,
+            sm90a_only: false,
+        },
+        Source {
+            name: "ssm/ssd_state.cu",
+            code: include_str!("ssm/ssd_state.cu"),
+            entries: ssm::ssd::STATE_ENTRIES,
+            sm90a_only: false,
+        },
+        Source {
+            name: "ssm/ssd_scan.cu",
+            code: include_str!("ssm/ssd_scan.cu"),
+            entries: ssm::ssd::SCAN_ENTRIES,
             sm90a_only: false,
         },
         Source {
@@ -166,9 +194,10 @@ impl Source {
     }
 }
 
-/// A folder whose `.cu` / `.cuh` files replace the embedded ones of the same name, for kernel
-/// work on a machine that runs the binary but cannot build it: variants of a kernel are timed
-/// by running the same binary with different folders. Entry points and their parameters stay
+/// A folder whose `.cu` / `.cuh` files replace the embedded ones of the same path under `src/`
+/// (the folder mirrors `src/`: its `ssm/conv.cu` replaces that source), for kernel work on a
+/// machine that runs the binary but cannot build it: variants of a kernel are timed by
+/// running the same binary with different folders. Entry points and their parameters stay
 /// those of the Rust tables (the ABI test does not see replacements). Replaced files change
 /// the cache key, so cached CUBINs of other variants are not reused.
 pub const SOURCES_ENV: &str = "CHIMERA_KERNEL_SOURCES";
@@ -216,7 +245,9 @@ fn inline_into(
         }
         if let Some(rest) = t.strip_prefix("#include") {
             let name = rest.trim().trim_matches('"');
-            let Some(&(hname, hcode)) = HEADERS.iter().find(|(n, _)| *n == name) else {
+            let path = include_path(file, name);
+            let found = HEADERS.iter().find(|(n, _)| Some(*n) == path.as_deref());
+            let Some(&(hname, hcode)) = found else {
                 return Err(KernelError::Source(format!(
                     "{file}: #include {name}: not a project header (NVRTC has no toolkit headers)"
                 )));
@@ -232,6 +263,23 @@ fn inline_into(
         out.push('\n');
     }
     Ok(())
+}
+
+/// The path under `src/` that `#include "name"` in `file` (a path under `src/`) names:
+/// relative to `file`'s folder, as a C preprocessor resolves it; `None` outside `src/`.
+fn include_path(file: &str, name: &str) -> Option<String> {
+    let mut parts: Vec<&str> = file.split('/').collect();
+    parts.pop();
+    for part in name.split('/') {
+        match part {
+            "" | "." => {}
+            ".." => {
+                parts.pop()?;
+            }
+            _ => parts.push(part),
+        }
+    }
+    Some(parts.join("/"))
 }
 
 /// Dense-path kernels (`dense.cu`): row gathers, norms, rotary, activations, casts,
@@ -418,6 +466,67 @@ mod tests {
             dense.text_with(None).expect("text"),
             dense.text().expect("text")
         );
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn includes_resolve_from_the_including_file() {
+        assert_eq!(
+            include_path("gemv.cu", "common.cuh").as_deref(),
+            Some("common.cuh")
+        );
+        assert_eq!(
+            include_path("ssm/conv.cu", "ssm.cuh").as_deref(),
+            Some("ssm/ssm.cuh")
+        );
+        assert_eq!(
+            include_path("ssm/ssm.cuh", "../common.cuh").as_deref(),
+            Some("common.cuh")
+        );
+        assert_eq!(
+            include_path("ssm/ssd.cuh", "./ssm.cuh").as_deref(),
+            Some("ssm/ssm.cuh")
+        );
+        assert_eq!(include_path("gemv.cu", "../common.cuh"), None);
+        // A header of another folder is not found by its bare name.
+        let bad = Source {
+            name: "ssm/bad.cu",
+            code: "#include \"common.cuh\"\n",
+            entries: &[],
+            sm90a_only: false,
+        };
+        let err = bad.text().expect_err("ssm/common.cuh is no header");
+        assert!(err.to_string().contains("not a project header"), "{err}");
+    }
+
+    #[test]
+    fn a_header_of_a_units_folder_is_replaced_by_its_path() {
+        let dir = std::env::temp_dir().join(format!("chimera-kernel-unit-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("ssm")).expect("temp dir");
+        std::fs::write(dir.join("ssm/ssm.cuh"), "// replaced ssm header\n").expect("write");
+        let conv = sources()
+            .iter()
+            .find(|s| s.name == "ssm/conv.cu")
+            .expect("conv");
+        let text = conv.text_with(Some(&dir)).expect("text");
+        assert!(
+            text.contains("\n// replaced ssm header\n"),
+            "the replacement inlined"
+        );
+        assert!(
+            !text.contains("layer_state(S* pool"),
+            "the embedded header is gone"
+        );
+        assert!(
+            !text.contains("typedef unsigned int u32;"),
+            "its includes went with it"
+        );
+        assert!(
+            text.contains("ssm_conv_chunks_f32"),
+            "conv.cu's own text is kept"
+        );
+        std::fs::write(dir.join("ssm/conv.cu"), "// variant\n").expect("write");
+        assert_eq!(conv.text_with(Some(&dir)).expect("text"), "// variant\n");
         std::fs::remove_dir_all(&dir).ok();
     }
 

@@ -230,9 +230,10 @@ impl KernelCache {
         h.update(format!("abi {ABI_VERSION}").as_bytes());
         let digest = h.finalize();
         let hex: String = digest.iter().take(16).map(|b| format!("{b:02x}")).collect();
+        // A source in a unit's folder (`ssm/conv.cu`) is cached as `ssm-conv-…`: one folder.
         Ok(format!(
             "{}-{arch}-{hex}.cubin",
-            source.name.trim_end_matches(".cu")
+            source.name.trim_end_matches(".cu").replace('/', "-")
         ))
     }
 
@@ -300,4 +301,22 @@ pub fn compile_all(cache: Option<&KernelCache>, arch: &str) -> Result<Vec<Compil
             })
             .collect()
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_source_caches_under_its_own_plain_file_name() {
+        let mut keys = std::collections::HashSet::new();
+        for s in sources() {
+            let key = KernelCache::key(s, "sm_90a", (13, 0)).expect("key");
+            assert!(!key.contains('/') && !key.starts_with('.'), "{key}");
+            assert!(keys.insert(key.clone()), "{key} twice");
+        }
+        let conv = sources().iter().find(|s| s.name == "ssm/conv.cu");
+        let key = KernelCache::key(conv.expect("conv"), "sm_90a", (13, 0)).expect("key");
+        assert!(key.starts_with("ssm-conv-sm_90a-"), "{key}");
+    }
 }

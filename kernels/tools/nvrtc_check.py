@@ -14,7 +14,7 @@ def inline(path, seen=None):
     for line in open(path):
         m = re.match(r'\s*#include\s+"([^"]+)"', line)
         if m:
-            inc = os.path.join(os.path.dirname(path), m.group(1))
+            inc = os.path.normpath(os.path.join(os.path.dirname(path), m.group(1)))
             if inc not in seen:
                 seen.add(inc)
                 out.append(inline(inc, seen))

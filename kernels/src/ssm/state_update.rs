@@ -1,0 +1,82 @@
+//! The recurrent step of one-token entries (`state_update.cu`, `ssm_decode`): its entry
+//! table and its launch, the first of a scan layer's ([`super::launches_scan`]).
+
+use super::{
+    ScanDims, SsmArg, SsmError, SsmPlan, WorkCol, e, entry_name, grid, state_suffix, suffix,
+};
+use crate::{Entry, Launch, Param};
+
+use Param::{F32, Ptr, U32};
+
+// Geometry mirrored from state_update.cu.
+pub(super) const DEC_THREADS: u32 = 128;
+const DEC_VECS: u32 = 8;
+
+/// `x, b, c, dt, a_log, d, dt_bias, out, ssm_pool, seq_tok, seq_slot, seq_snap, seq_snaps,
+/// snap_slot, heads, head_dim, groups, state, x_ld, bc_ld, dt_ld, out_ld, layer, layers,
+/// slots, slice_rows, dt_min, dt_max`.
+const DECODE: &[Param] = &[
+    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, U32,
+    U32, U32, U32, U32, U32, U32, U32, F32, F32,
+];
+
+/// The entry points of `state_update.cu`.
+pub const ENTRIES: &[Entry] = &[
+    e("ssm_decode_f32", DECODE),
+    e("ssm_decode_bf16", DECODE),
+    e("ssm_decode_f32_sbf16", DECODE),
+    e("ssm_decode_bf16_sbf16", DECODE),
+];
+
+/// `ssm_decode` over the decodes of `plan`, into `out` (nothing without decodes).
+pub(super) fn launches(
+    plan: &SsmPlan,
+    dims: ScanDims,
+    bf16: bool,
+    out: &mut Vec<Launch<SsmArg>>,
+) -> Result<(), SsmError> {
+    use SsmArg::*;
+    let ty = suffix(bf16);
+    let heads = u64::from(dims.heads);
+    if plan.decodes > 0 {
+        // Small CTAs: a slice of the head's rows, DEC_VECS 16-byte state vectors a thread.
+        let vec = if dims.state_bf16 { 8 } else { 4 };
+        let slice_rows = (DEC_THREADS * DEC_VECS * vec / dims.state).clamp(1, dims.head_dim);
+        let slices = dims.head_dim.div_ceil(slice_rows);
+        let mut args = vec![X, B, C, Dt, ALog, D, DtBias, Out, SsmPool];
+        args.extend(
+            [
+                WorkCol::SeqTok,
+                WorkCol::SeqSlot,
+                WorkCol::SeqSnap,
+                WorkCol::SeqSnaps,
+                WorkCol::SnapSlot,
+            ]
+            .map(Work),
+        );
+        args.extend([
+            U32(dims.heads),
+            U32(dims.head_dim),
+            U32(dims.groups),
+            U32(dims.state),
+            U32(dims.x_ld),
+            U32(dims.bc_ld),
+            U32(dims.dt_ld),
+            U32(dims.out_ld),
+            U32(dims.layer),
+            U32(dims.layers),
+            U32(dims.slots),
+            U32(slice_rows),
+            F32(dims.dt_min),
+            F32(dims.dt_max),
+        ]);
+        out.push(Launch {
+            entry: entry_name(&format!("ssm_decode_{ty}{}", state_suffix(dims.state_bf16))),
+            grid: grid(plan.decodes as u64 * heads * u64::from(slices))?,
+            block: (DEC_THREADS, 1, 1),
+            smem: 0,
+            args,
+        });
+    }
+    Ok(())
+}
