@@ -123,7 +123,7 @@ fn make_engine(
     let policies = if serving {
         serving_policies()
     } else {
-        Policies::greedy()
+        Policies::builtin()
     };
     Engine::new(setup, exec, policies).expect("engine")
 }

@@ -57,7 +57,7 @@ fn attention_free_engine_stays_near_its_budget() {
     let mut e = Engine::new(
         setup,
         ModelRunner::new(CpuBackend::default(), m),
-        Policies::greedy(),
+        Policies::builtin(),
     )
     .unwrap();
     let grown = resident_bytes().saturating_sub(before);

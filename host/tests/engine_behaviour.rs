@@ -578,7 +578,7 @@ fn the_evictor_hears_every_block_event_by_the_time_the_engine_is_idle() {
     };
     let policies = Policies {
         evictor: Some(Box::new(Recorder(seen.clone()))),
-        ..Policies::greedy()
+        ..Policies::builtin()
     };
     let mut e = chimera::engine::Engine::new(setup(&exec, knobs), exec, policies).unwrap();
     let mut rxs = Vec::new();

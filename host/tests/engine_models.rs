@@ -93,7 +93,7 @@ fn engine(m: Model<CpuBackend>, s: &Setup) -> Engine<ModelRunner<CpuBackend>> {
     Engine::new(
         setup,
         ModelRunner::new(CpuBackend::default(), m),
-        Policies::greedy(),
+        Policies::builtin(),
     )
     .expect("engine")
 }
@@ -522,7 +522,7 @@ fn each_step_uploads_once_and_reads_once() {
         let mut e = Engine::new(
             setup,
             ModelRunner::new(backend.clone(), m),
-            Policies::greedy(),
+            Policies::builtin(),
         )
         .expect("engine");
         let base = tokens(3, 50);

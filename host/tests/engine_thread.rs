@@ -35,7 +35,7 @@ fn roomy() -> Knobs {
 fn serves_streams_cancels_and_shuts_down() {
     let exec = MockExecutor::hybrid();
     let s = setup(&exec, roomy());
-    let (handle, join, mut kv) = spawn_engine(s, exec, Policies::greedy()).expect("spawn");
+    let (handle, join, mut kv) = spawn_engine(s, exec, Policies::builtin()).expect("spawn");
     let prompt = Tokens::new(1).take(10, 64);
     let mut a = handle.submit(request(1, prompt.clone(), 4)).unwrap();
     let (tokens, end) = wait(&mut a);
@@ -108,7 +108,7 @@ fn serves_streams_cancels_and_shuts_down() {
 fn shutdown_cancels_what_is_in_flight() {
     let exec = MockExecutor::transformer();
     let s = setup(&exec, roomy());
-    let (handle, join, _kv) = spawn_engine(s, exec, Policies::greedy()).expect("spawn");
+    let (handle, join, _kv) = spawn_engine(s, exec, Policies::builtin()).expect("spawn");
     let mut long = request(1, vec![3, 4, 5], 100_000);
     long.ignore_eos = true;
     let mut rx = handle.submit(long).unwrap();
@@ -133,7 +133,7 @@ fn an_impossible_budget_is_a_startup_error() {
     let exec = MockExecutor::hybrid();
     let mut s = setup(&exec, Knobs::default());
     s.cache.memory_budget = Some(chimera::cache::ByteSize(1000));
-    let err = spawn_engine(s, exec, Policies::greedy())
+    let err = spawn_engine(s, exec, Policies::builtin())
         .err()
         .expect("must fail");
     assert!(matches!(err, EngineError::Config(_)), "{err}");

@@ -1,6 +1,9 @@
-//! Modules import only downward (backend ← model ← engine ← server; the cache below the
-//! engine): this reads the source of the lower modules and fails on any path into a module
-//! above them.
+//! The boundaries DESIGN.md §2 names, read from the source: modules import only downward
+//! (backend ← model ← engine ← server; the cache below the engine); the server reaches a
+//! replica only through the engine's public face; the engine's step loop holds no tokio types
+//! and no plugin internals; the scheduler never touches block ids or free lists; the model
+//! never sees how blocks are allocated; the plugin SDK depends on nothing of the host and the
+//! host on none of its guest code. Each test fails on any path across its boundary.
 //!
 //! Paths are found after comments and string literals are stripped, in every spelling that
 //! reaches the crate root: `crate::x`, `crate::{x, y::z}` and `super::…::x` chains that climb
@@ -220,15 +223,182 @@ fn violations(dir: &str, forbidden: &[&str]) -> Vec<String> {
     bad
 }
 
+/// `file: word` for every forbidden identifier path named in the non-test code of `files`
+/// (code after the file's first `#[cfg(test)]` is its tests, by this crate's layout).
+fn mentions(files: &[PathBuf], words: &[&str]) -> Vec<String> {
+    let root = src();
+    let mut bad = Vec::new();
+    for f in files {
+        let code = strip(&std::fs::read_to_string(f).unwrap());
+        let code = code.split("#[cfg(test)]").next().unwrap_or_default();
+        for w in words {
+            let hit = code.match_indices(w).any(|(i, _)| {
+                let before = code[..i].chars().next_back();
+                let after = code[i + w.len()..].chars().next();
+                !before.is_some_and(is_ident) && !after.is_some_and(is_ident)
+            });
+            if hit {
+                let rel = f.strip_prefix(&root).unwrap_or(f);
+                bad.push(format!("src/{}: {w}", rel.display()));
+            }
+        }
+    }
+    bad
+}
+
+fn files_of(dir: &str) -> Vec<PathBuf> {
+    rust_files(&src().join(dir))
+        .into_iter()
+        .filter(|f| !f.to_string_lossy().ends_with("_tests.rs"))
+        .collect()
+}
+
+#[test]
+fn the_server_reaches_replicas_only_through_the_engines_public_face() {
+    let mut bad = violations("server", &["model", "backend", "gpu_check", "bench"]);
+    // Of the engine: its API (handles, commands, events) only.
+    bad.extend(mentions(
+        &files_of("server"),
+        &[
+            "engine::core",
+            "engine::scheduler",
+            "engine::pipeline",
+            "engine::model_runner",
+            "engine::step_plan",
+            "engine::executor",
+            "Scheduler",
+            "CacheManager",
+            "BlockPool",
+        ],
+    ));
+    assert!(
+        bad.is_empty(),
+        "the server reaches past the engine handles:\n{}",
+        bad.join("\n")
+    );
+}
+
+#[test]
+fn the_engine_knows_no_http_and_no_plugin_internals() {
+    let mut bad = violations("engine", &["server", "plugins", "bench", "gpu_check"]);
+    bad.extend(mentions(
+        &files_of("engine"),
+        &["wasmtime", "axum", "hyper"],
+    ));
+    assert!(
+        bad.is_empty(),
+        "the engine reaches into HTTP or plugins:\n{}",
+        bad.join("\n")
+    );
+}
+
+/// The step loop (scheduler, pipeline, step building, sampling, the engine itself) is plain
+/// synchronous code: tokio stays at the edges (the API's channels, the thread's publisher).
+#[test]
+fn the_engine_loop_holds_no_tokio_types() {
+    let loop_files: Vec<PathBuf> = [
+        "core.rs",
+        "pipeline.rs",
+        "scheduler.rs",
+        "step_plan.rs",
+        "sampling.rs",
+        "request.rs",
+        "timings.rs",
+        "model_runner.rs",
+        "executor.rs",
+    ]
+    .iter()
+    .map(|f| src().join("engine").join(f))
+    .collect();
+    let bad = mentions(&loop_files, &["tokio"]);
+    assert!(
+        bad.is_empty(),
+        "tokio in the engine loop:\n{}",
+        bad.join("\n")
+    );
+}
+
+#[test]
+fn the_scheduler_never_touches_block_ids_or_free_lists() {
+    let files = [src().join("engine/scheduler.rs")];
+    let bad = mentions(
+        &files,
+        &[
+            "BlockPool",
+            "pool",
+            "block_table",
+            "free_blocks",
+            "allocate",
+            "BlockId",
+        ],
+    );
+    assert!(
+        bad.is_empty(),
+        "the scheduler reaches into the pool:\n{}",
+        bad.join("\n")
+    );
+}
+
+#[test]
+fn the_model_never_sees_how_blocks_are_allocated() {
+    let mut bad = violations("model", &["engine", "server", "plugins", "policy"]);
+    bad.extend(mentions(
+        &files_of("model"),
+        &[
+            "CacheManager",
+            "BlockPool",
+            "cache::pool",
+            "cache::manager",
+            "PrefixMatch",
+        ],
+    ));
+    assert!(
+        bad.is_empty(),
+        "the model reaches into the cache:\n{}",
+        bad.join("\n")
+    );
+}
+
+/// `plugin-sdk` depends on nothing of the host; the host builds against the WIT files, not
+/// the SDK's guest code (its tests may build plugins with it).
+#[test]
+fn the_plugin_sdk_and_the_host_stay_apart() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let sdk: toml::Table = std::fs::read_to_string(root.join("plugin-sdk/Cargo.toml"))
+        .unwrap()
+        .parse()
+        .unwrap();
+    let sdk_deps = sdk.get("dependencies").and_then(|d| d.as_table());
+    assert!(
+        sdk_deps.is_none_or(|d| !d.contains_key("chimera")),
+        "plugin-sdk depends on the host"
+    );
+    let host: toml::Table = std::fs::read_to_string(root.join("host/Cargo.toml"))
+        .unwrap()
+        .parse()
+        .unwrap();
+    let host_deps = host.get("dependencies").and_then(|d| d.as_table());
+    assert!(
+        host_deps.is_none_or(|d| !d.contains_key("chimera-plugin-sdk")),
+        "the host depends on the SDK's guest code"
+    );
+}
+
 #[test]
 fn cache_imports_nothing_above_it() {
-    let bad = violations("cache", &["model", "engine", "server"]);
+    let bad = violations(
+        "cache",
+        &["model", "engine", "server", "backend", "plugins"],
+    );
     assert!(bad.is_empty(), "the cache reaches up:\n{}", bad.join("\n"));
 }
 
 #[test]
 fn backend_imports_nothing_above_it() {
-    let bad = violations("backend", &["model", "engine", "server", "cache"]);
+    let bad = violations(
+        "backend",
+        &["model", "engine", "server", "cache", "plugins", "policy"],
+    );
     assert!(
         bad.is_empty(),
         "the backend reaches up:\n{}",
@@ -271,4 +441,10 @@ fn the_scanner_finds_every_spelling_of_a_root_path() {
     );
     // And the real tree trips it: the model does import the backend and the cache.
     assert!(!violations("model", &["backend"]).is_empty());
+    // The identifier check sees real uses, whole words only, and skips the tests.
+    let engine = |f: &str| vec![src().join("engine").join(f)];
+    assert!(!mentions(&engine("scheduler.rs"), &["CacheManager"]).is_empty());
+    assert!(!mentions(&engine("thread.rs"), &["tokio"]).is_empty());
+    assert!(mentions(&engine("scheduler.rs"), &["CacheMan"]).is_empty());
+    assert!(mentions(&engine("step_plan.rs"), &["unbounded_channel"]).is_empty());
 }

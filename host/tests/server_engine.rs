@@ -13,8 +13,8 @@ use chimera::backend::cpu::CpuBackend;
 use chimera::cache::config::{ByteSize, CacheConfig};
 use chimera::engine::api::EngineHandle;
 use chimera::engine::{EngineConfig, EngineSetup, ModelRunner, Policies, spawn_engine};
+use chimera::policy::native::least_loaded;
 use chimera::policy::{Decision, ReplicaColumns, RouteRequest, Router};
-use chimera::server::router::least_loaded;
 use chimera::server::{
     AppParts, AppState, ModelInfo, Replica, ServerConfig, TextCodec, serve_with_shutdown,
 };
@@ -71,7 +71,7 @@ async fn start() -> Live {
         let (handle, _join, kv) = spawn_engine(
             setup,
             ModelRunner::new(CpuBackend::default(), m),
-            Policies::greedy(),
+            Policies::builtin(),
         )
         .expect("engine");
         engines.push(handle.clone());

@@ -51,6 +51,8 @@ use crate::policy::Evictor;
 pub enum CacheError {
     #[error("not enough free KV blocks")]
     NoSpace,
+    #[error("the prefix match is stale: {found} of its {matched} blocks are cached now")]
+    StaleMatch { matched: usize, found: usize },
     #[error("no SSM snapshot at the restore boundary (block {0})")]
     RestoreMissing(u32),
     #[error("no free live SSM slot")]
@@ -324,13 +326,6 @@ impl CacheManager {
         self.pool.lookup(hash).and_then(|b| self.ssm.snapshot_of(b))
     }
 
-    /// Whether `admit` with these arguments would find enough blocks.
-    pub fn can_admit(&self, hashes: &[BlockHash], m: PrefixMatch, cover_tokens: usize) -> bool {
-        let matched = self.matched_blocks(hashes, m.kv_blocks);
-        let new = self.blocks_for(cover_tokens).saturating_sub(m.skip_blocks);
-        self.pool.available() - self.pool.count_unused(&matched) >= new
-    }
-
     fn matched_blocks(&self, hashes: &[BlockHash], n: usize) -> Vec<u32> {
         hashes[..n]
             .iter()
@@ -339,7 +334,9 @@ impl CacheManager {
     }
 
     /// Gives sequence slot `seq` its blocks: the matched prefix (pinned first), then fresh
-    /// blocks covering `cover_tokens`, and a live SSM slot. All or nothing.
+    /// blocks covering `cover_tokens`, and a live SSM slot. All or nothing: with too few
+    /// free blocks (counting the matched ones it would take out of the evictable set) it
+    /// changes nothing and answers [`CacheError::NoSpace`], the request to wait.
     pub fn admit(
         &mut self,
         seq: u32,
@@ -349,7 +346,10 @@ impl CacheManager {
     ) -> Result<SsmInit, CacheError> {
         let matched = self.matched_blocks(hashes, m.kv_blocks);
         if matched.len() != m.kv_blocks || m.skip_blocks > m.kv_blocks {
-            return Err(CacheError::NoSpace);
+            return Err(CacheError::StaleMatch {
+                matched: m.kv_blocks,
+                found: matched.len(),
+            });
         }
         let new = self.blocks_for(cover_tokens).saturating_sub(m.skip_blocks);
         if self.pool.available() - self.pool.count_unused(&matched) < new {

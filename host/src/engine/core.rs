@@ -21,10 +21,11 @@ use super::executor::{CacheAllocation, ExecutorError, StepExecutor};
 use super::outbox::Outbox;
 use super::pipeline::Pipeline;
 use super::request::{Phase, Request};
-use super::sampling::{GreedySampler, SamplingStage};
+use super::sampling::SamplingStage;
 use super::scheduler::Scheduler;
 use super::timings::StepTimings;
 use crate::cache::{CacheLayout, CacheManager, HashSeed};
+use crate::policy::native::DefaultSampler;
 use crate::policy::{Evictor, Sampler};
 
 /// The policy instances of one replica.
@@ -38,11 +39,12 @@ pub struct Policies {
 }
 
 impl Policies {
-    /// Greedy sampling and native LRU eviction.
-    pub fn greedy() -> Self {
+    /// The built-in policies with no plugin: the native default sampler (greedy for greedy
+    /// requests, seeded sampling otherwise) and native LRU eviction.
+    pub fn builtin() -> Self {
         Self {
-            sampler: Box::new(GreedySampler),
-            fallback_sampler: Box::new(GreedySampler),
+            sampler: Box::new(DefaultSampler::default()),
+            fallback_sampler: Box::new(DefaultSampler::default()),
             evictor: None,
         }
     }

@@ -36,6 +36,5 @@ pub use executor::{CacheAllocation, ExecutorError, Logits, StepExecutor, StepKin
 pub use mock::{MockConfig, MockExecutor};
 pub use model_runner::ModelRunner;
 pub use pipeline::{Step, StepClock};
-pub use sampling::GreedySampler;
 pub use thread::{KvEventReceiver, spawn_engine};
 pub use timings::StepTimings;

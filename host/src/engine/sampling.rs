@@ -52,17 +52,6 @@ pub struct Sampled {
     pub logprob: Option<TokenLogprob>,
 }
 
-/// The native greedy policy: the best candidate of every row.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct GreedySampler;
-
-impl Sampler for GreedySampler {
-    fn sample(&mut self, batch: &SamplerBatch) -> Decision<Vec<u32>> {
-        let k = batch.k as usize;
-        Decision::Use((0..batch.len()).map(|i| batch.cand_tokens[i * k]).collect())
-    }
-}
-
 pub struct SamplingStage {
     k: usize,
     batch: SamplerBatch,

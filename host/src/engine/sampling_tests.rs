@@ -1,4 +1,5 @@
 use super::*;
+use crate::policy::native::DefaultSampler;
 
 fn logits(rows: &[Vec<f32>]) -> Logits {
     let vocab = rows[0].len();
@@ -61,8 +62,8 @@ fn k_larger_than_vocab_takes_the_whole_vocab() {
     st.sample(
         &mut l,
         &[info(&p, &[], &[])],
-        &mut GreedySampler,
-        &mut GreedySampler,
+        &mut DefaultSampler::default(),
+        &mut DefaultSampler::default(),
         &mut out,
     );
     assert_eq!(st.batch.k, 3);
@@ -97,8 +98,8 @@ fn greedy_picks_the_penalised_best() {
     st.sample(
         &mut l,
         &[info(&p, &[1], &[])],
-        &mut GreedySampler,
-        &mut GreedySampler,
+        &mut DefaultSampler::default(),
+        &mut DefaultSampler::default(),
         &mut out,
     );
     assert_eq!(out[0].token, 2);
@@ -117,8 +118,8 @@ fn logprobs_are_a_log_softmax_over_the_full_row() {
     st.sample(
         &mut l,
         &[info(&p, &[], &[])],
-        &mut GreedySampler,
-        &mut GreedySampler,
+        &mut DefaultSampler::default(),
+        &mut DefaultSampler::default(),
         &mut out,
     );
     let lp = out[0].logprob.clone().unwrap();
@@ -144,7 +145,7 @@ fn invalid_answers_fall_back() {
         &mut logits(&rows),
         &infos,
         &mut bad,
-        &mut GreedySampler,
+        &mut DefaultSampler::default(),
         &mut out,
     );
     assert_eq!(out.iter().map(|s| s.token).collect::<Vec<_>>(), vec![3, 0]);
@@ -155,7 +156,7 @@ fn invalid_answers_fall_back() {
         &mut logits(&rows),
         &infos,
         &mut ok,
-        &mut GreedySampler,
+        &mut DefaultSampler::default(),
         &mut out,
     );
     assert_eq!(out.iter().map(|s| s.token).collect::<Vec<_>>(), vec![2, 1]);
@@ -446,8 +447,8 @@ mod tail {
             .sample_candidates(
                 &mut cands,
                 infos.iter().copied(),
-                &mut GreedySampler,
-                &mut GreedySampler,
+                &mut DefaultSampler::default(),
+                &mut DefaultSampler::default(),
                 &mut out,
             )
             .unwrap_err();

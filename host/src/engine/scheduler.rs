@@ -25,7 +25,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use super::api::FailureKind;
 use super::config::EngineConfig;
 use super::request::{Phase, Request};
-use crate::cache::{BlockHash, CacheManager, HashSeed, SsmInit};
+use crate::cache::{BlockHash, CacheError, CacheManager, HashSeed, SsmInit};
 use crate::model::SsmSnapshot;
 
 /// One request's share of a step.
@@ -655,11 +655,13 @@ impl Scheduler {
                 prompt_len - ctx,
                 prefill_budget(r, *budget),
             );
-            if n == 0 || !cache.can_admit(&r.hashes, m, ctx + n) {
+            if n == 0 {
                 break;
             }
             let init = match cache.admit(slot, &r.hashes, m, ctx + n) {
                 Ok(init) => init,
+                // Not enough free blocks: it waits, and the requests behind it with it.
+                Err(CacheError::NoSpace) => break,
                 Err(e) => {
                     self.reject(i, FailureKind::Cache, e.to_string());
                     continue;

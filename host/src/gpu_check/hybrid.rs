@@ -925,7 +925,7 @@ fn ahead_run(
         },
         hash_salt: "ahead".into(),
     };
-    let mut engine = Engine::new(setup, ModelRunner::new(backend, model), Policies::greedy())?;
+    let mut engine = Engine::new(setup, ModelRunner::new(backend, model), Policies::builtin())?;
     let mut rng = Rng::new(0x4148_4541);
     let mut rx = Vec::new();
     for id in 0..24u64 {
@@ -997,7 +997,7 @@ fn stress_run(
     let mut engine = Engine::new(
         setup,
         ModelRunner::new(backend.clone(), model),
-        Policies::greedy(),
+        Policies::builtin(),
     )?;
     let mut rng = Rng::new(seed ^ 0x5354_5245);
     let mut rx = Vec::new();

@@ -332,7 +332,7 @@ pub(super) fn drive_engine_with<B: Backend>(
         },
         hash_salt: "gpu-check".into(),
     };
-    let mut engine = Engine::new(setup, ModelRunner::new(backend, model), Policies::greedy())?;
+    let mut engine = Engine::new(setup, ModelRunner::new(backend, model), Policies::builtin())?;
     let mut rx = BTreeMap::new();
     for (i, p) in requests.iter().enumerate() {
         let (tx, r) = unbounded_channel();

@@ -58,7 +58,7 @@ use tokio::sync::{Semaphore, watch};
 
 pub use config::{ConfigError, ServerConfig};
 pub use error::AppError;
-pub use router::{LeastLoaded, Replica, RouterHandle};
+pub use router::{Replica, RouterHandle};
 pub use text::TextCodec;
 
 use metrics::{CacheInfo, Metrics};

@@ -19,6 +19,7 @@ use super::metrics::Metrics;
 use super::prefix_mirror::{PrefixHit, PrefixMirror};
 use crate::cache::BlockHash;
 use crate::engine::api::{EngineHandle, EngineStats, KvEvent};
+use crate::policy::native::least_loaded;
 use crate::policy::{self, Decision, ReplicaColumns, RouteRequest};
 
 /// One engine replica as the server sees it.
@@ -47,26 +48,6 @@ struct Query {
 enum Msg {
     Route(Query),
     SetPolicy(Box<dyn policy::Router>),
-}
-
-/// The least-loaded choice: fewest running + waiting, then most free blocks, then lowest index.
-pub fn least_loaded(cols: &ReplicaColumns) -> usize {
-    (0..cols.len())
-        .min_by_key(|&i| {
-            let load = cols.waiting[i] + cols.running[i];
-            (load, u32::MAX - cols.free_blocks[i], i)
-        })
-        .unwrap_or(0)
-}
-
-/// The native default policy: always least-loaded.
-#[derive(Debug, Default)]
-pub struct LeastLoaded;
-
-impl policy::Router for LeastLoaded {
-    fn route(&mut self, _request: &RouteRequest, replicas: &ReplicaColumns) -> Decision<u32> {
-        Decision::Use(least_loaded(replicas) as u32)
-    }
 }
 
 /// Cloneable handle to the router actor.
@@ -283,7 +264,10 @@ mod tests {
             waiting: vec![2, 0, 0],
             running: vec![0, 1, 1],
             free_blocks: vec![9, 3, 5],
-            ..Default::default()
+            total_blocks: vec![10; 3],
+            kv_usage: vec![0.1, 0.7, 0.5],
+            prefix_hit_blocks: vec![0; 3],
+            ssm_hit_blocks: vec![0; 3],
         };
         assert_eq!(least_loaded(&cols), 2);
     }

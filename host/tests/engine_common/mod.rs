@@ -82,7 +82,7 @@ pub fn setup<E: StepExecutor>(exec: &E, k: Knobs) -> EngineSetup {
 
 pub fn engine<E: StepExecutor>(exec: E, k: Knobs) -> Engine<E> {
     let s = setup(&exec, k);
-    let e = Engine::new(s, exec, Policies::greedy()).expect("engine");
+    let e = Engine::new(s, exec, Policies::builtin()).expect("engine");
     assert_eq!(e.layout().num_blocks, k.blocks);
     e
 }

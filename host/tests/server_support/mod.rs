@@ -21,7 +21,7 @@ use chimera::engine::{
 use chimera::policy;
 use chimera::policy::native::DefaultSampler;
 use chimera::server::{
-    AppParts, AppState, LeastLoaded, ModelInfo, Replica, ServerConfig, TextCodec, mock_tokenizer,
+    AppParts, AppState, ModelInfo, Replica, ServerConfig, TextCodec, mock_tokenizer,
     serve_with_shutdown,
 };
 use serde_json::Value;
@@ -283,7 +283,9 @@ impl TestServer {
             },
             codec: codec(),
             replicas,
-            policy: opts.policy.unwrap_or_else(|| Box::new(LeastLoaded)),
+            policy: opts
+                .policy
+                .unwrap_or_else(|| Box::new(chimera::policy::native::LeastLoadedRouter)),
             admin_hooks: None,
         };
         let state = AppState::new(parts).expect("state");

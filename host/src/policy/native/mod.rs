@@ -11,7 +11,7 @@ mod router;
 mod sampler;
 
 pub use lru::LruEvictor;
-pub use router::{LeastLoadedRouter, PrefixAwareRouter};
+pub use router::{LeastLoadedRouter, PrefixAwareRouter, least_loaded};
 pub use sampler::DefaultSampler;
 
 use chimera_policy_core::{Config, EventsView, ReplicaView, RouteRequestView, SamplerBatchView};

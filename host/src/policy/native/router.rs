@@ -1,7 +1,7 @@
 //! Native twins of the `least-loaded` and `prefix-aware` routers.
 
 use chimera_policy_core::Config;
-use chimera_policy_core::router::{PrefixAware, least_loaded};
+use chimera_policy_core::router::PrefixAware;
 
 use super::{replica_view, request_view};
 use crate::policy::{Decision, ReplicaColumns, RouteRequest, Router};
@@ -9,6 +9,12 @@ use crate::policy::{Decision, ReplicaColumns, RouteRequest, Router};
 /// Fewest waiting + running requests; ties to more free blocks, then the lower index.
 #[derive(Debug, Clone, Default)]
 pub struct LeastLoadedRouter;
+
+/// The least-loaded replica of `replicas` (the first when there is none): the answer of
+/// [`LeastLoadedRouter`], and the router's fallback when a policy answers nothing usable.
+pub fn least_loaded(replicas: &ReplicaColumns) -> usize {
+    chimera_policy_core::router::least_loaded(&replica_view(replicas)).unwrap_or(0) as usize
+}
 
 impl LeastLoadedRouter {
     pub fn from_config(config: &Config) -> Result<Self, String> {
@@ -19,7 +25,7 @@ impl LeastLoadedRouter {
 
 impl Router for LeastLoadedRouter {
     fn route(&mut self, _request: &RouteRequest, replicas: &ReplicaColumns) -> Decision<u32> {
-        match least_loaded(&replica_view(replicas)) {
+        match chimera_policy_core::router::least_loaded(&replica_view(replicas)) {
             Some(i) => Decision::Use(i),
             None => Decision::UseDefault,
         }
