@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use super::executor::{CacheAllocation, ExecutorError, Logits, StepExecutor, StepOutput};
 use crate::backend::cpu::sample::sample_tail;
-use crate::backend::{SlotOp, StepPlan};
+use crate::backend::{SlotOp, SnapshotTarget, StepPlan};
 use crate::model::CacheSpec;
 
 const UNWRITTEN: u32 = u32::MAX;
@@ -320,25 +320,7 @@ impl StepExecutor for MockExecutor {
 impl MockExecutor {
     /// Every logits row of the plan (`logit_rows` order), unpenalised.
     fn logits_rows(&mut self, inputs: &StepPlan, logits: &mut Logits) -> Result<(), ExecutorError> {
-        let call = self.counters.calls;
-        self.counters.calls += 1;
-        if self.cfg.fail_at_call == Some(call) {
-            return Err(ExecutorError::Forward("injected failure".into()));
-        }
-        if let Some(t) = self.cfg.lose_device_on_token
-            && inputs.tokens.contains(&t)
-        {
-            return Err(ExecutorError::DeviceLost(format!(
-                "injected: an illegal address in a batch holding token {t}"
-            )));
-        }
-        if let Some(t) = self.cfg.fail_on_token
-            && inputs.tokens.contains(&t)
-        {
-            return Err(ExecutorError::Forward(format!(
-                "injected failure: the batch holds token {t}"
-            )));
-        }
+        self.injected_failure(inputs)?;
         inputs
             .validate()
             .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))?;
@@ -362,88 +344,150 @@ impl MockExecutor {
             })
             .sum();
         logits.reset(rows, self.cfg.vocab);
-        let hybrid = self.cfg.ssm_layers > 0;
         let mut row = 0;
-        for (si, s) in inputs.seqs.iter().enumerate() {
-            let block_table = inputs.block_table(si);
-            if s.len == 0 || s.offset + s.len > inputs.tokens.len() {
-                return Err(ExecutorError::InvalidBatch("chunk out of range".into()));
-            }
-            let toks = &inputs.tokens[s.offset..s.offset + s.len];
-            for (i, &t) in toks.iter().enumerate() {
-                let pos = s.context_len + i;
-                if inputs.positions[s.offset + i] as usize != pos {
-                    return Err(ExecutorError::InvalidBatch(
-                        "positions do not continue".into(),
-                    ));
-                }
-                let k = self.kv_index(block_table, pos)?;
-                self.kv[k] = t;
-            }
-            let mut state = 0;
-            if hybrid {
-                let mut st = self.slot(s.ssm_slot)?.ok_or_else(|| {
-                    ExecutorError::InvalidBatch("live SSM slot uninitialised".into())
-                })?;
-                let mut snaps = inputs.snapshots_of(si).iter().peekable();
-                for (i, &t) in toks.iter().enumerate() {
-                    st = mix(st, u64::from(t));
-                    while let Some(sn) = snaps.next_if(|sn| sn.after as usize == i + 1) {
-                        if sn.slot == s.ssm_slot {
-                            return Err(ExecutorError::InvalidBatch(
-                                "snapshot into live slot".into(),
-                            ));
-                        }
-                        *self.slot(sn.slot)? = Some(st);
-                        self.counters.snapshots += 1;
-                    }
-                }
-                if snaps.next().is_some() {
-                    return Err(ExecutorError::InvalidBatch(
-                        "snapshot point outside chunk".into(),
-                    ));
-                }
-                *self.slot(s.ssm_slot)? = Some(st);
-                state = st;
-            }
-            self.counters.tokens += s.len as u64;
-            if s.all_logits {
-                // Prompt positions: a pure function of position and token. The last token of
-                // a final chunk gets the sampling row below.
-                let upto = if s.want_logits { s.len - 1 } else { s.len };
-                for (i, &t) in toks[..upto].iter().enumerate() {
-                    let seed = mix(mix(0x5eed, (s.context_len + i) as u64), u64::from(t));
-                    fill_row(logits.row_mut(row), seed);
-                    row += 1;
-                    self.counters.rows += 1;
-                }
-            }
-            if !s.want_logits {
-                continue;
-            }
-            let last = s.context_len + s.len - 1;
-            let mut seed = mix(state, last as u64);
-            if self.cfg.verify_kv {
-                for pos in 0..=last {
-                    let t = self.kv[self.kv_index(block_table, pos)?];
-                    if t == UNWRITTEN {
-                        return Err(ExecutorError::InvalidBatch(format!(
-                            "KV at {pos} never written"
-                        )));
-                    }
-                    seed = mix(seed, u64::from(t));
-                }
-            } else {
-                seed = mix(seed, u64::from(toks[s.len - 1]));
-            }
-            fill_row(logits.row_mut(row), seed);
-            if self.grammar.is_active() {
-                self.shape_row(logits.row_mut(row), block_table, last, seed)?;
-            }
-            row += 1;
-            self.counters.rows += 1;
+        for si in 0..inputs.seqs.len() {
+            row = self.chunk_logits(inputs, si, logits, row)?;
         }
         Ok(())
+    }
+
+    /// Counts the call, then fails it as `fail_at_call`, `lose_device_on_token` or
+    /// `fail_on_token` say.
+    fn injected_failure(&mut self, inputs: &StepPlan) -> Result<(), ExecutorError> {
+        let call = self.counters.calls;
+        self.counters.calls += 1;
+        if self.cfg.fail_at_call == Some(call) {
+            return Err(ExecutorError::Forward("injected failure".into()));
+        }
+        if let Some(t) = self.cfg.lose_device_on_token
+            && inputs.tokens.contains(&t)
+        {
+            return Err(ExecutorError::DeviceLost(format!(
+                "injected: an illegal address in a batch holding token {t}"
+            )));
+        }
+        if let Some(t) = self.cfg.fail_on_token
+            && inputs.tokens.contains(&t)
+        {
+            return Err(ExecutorError::Forward(format!(
+                "injected failure: the batch holds token {t}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Chunk `si`: writes its tokens into the KV cache, advances its SSM state, and fills its
+    /// logits rows from `row` on (its prompt rows, then its sampling row). Returns the next row.
+    fn chunk_logits(
+        &mut self,
+        inputs: &StepPlan,
+        si: usize,
+        logits: &mut Logits,
+        mut row: usize,
+    ) -> Result<usize, ExecutorError> {
+        let s = &inputs.seqs[si];
+        let block_table = inputs.block_table(si);
+        if s.len == 0 || s.offset + s.len > inputs.tokens.len() {
+            return Err(ExecutorError::InvalidBatch("chunk out of range".into()));
+        }
+        let toks = &inputs.tokens[s.offset..s.offset + s.len];
+        for (i, &t) in toks.iter().enumerate() {
+            let pos = s.context_len + i;
+            if inputs.positions[s.offset + i] as usize != pos {
+                return Err(ExecutorError::InvalidBatch(
+                    "positions do not continue".into(),
+                ));
+            }
+            let k = self.kv_index(block_table, pos)?;
+            self.kv[k] = t;
+        }
+        let state = if self.cfg.ssm_layers > 0 {
+            self.advance_ssm(s.ssm_slot, toks, inputs.snapshots_of(si))?
+        } else {
+            0
+        };
+        self.counters.tokens += s.len as u64;
+        if s.all_logits {
+            // Prompt positions: a pure function of position and token. The last token of
+            // a final chunk gets the sampling row below.
+            let upto = if s.want_logits { s.len - 1 } else { s.len };
+            for (i, &t) in toks[..upto].iter().enumerate() {
+                let seed = mix(mix(0x5eed, (s.context_len + i) as u64), u64::from(t));
+                fill_row(logits.row_mut(row), seed);
+                row += 1;
+                self.counters.rows += 1;
+            }
+        }
+        if !s.want_logits {
+            return Ok(row);
+        }
+        let last = s.context_len + s.len - 1;
+        let seed = self.sampling_seed(block_table, state, last, toks[s.len - 1])?;
+        fill_row(logits.row_mut(row), seed);
+        if self.grammar.is_active() {
+            self.shape_row(logits.row_mut(row), block_table, last, seed)?;
+        }
+        self.counters.rows += 1;
+        Ok(row + 1)
+    }
+
+    /// Runs the live SSM state of `slot` over `toks`, copying it into each snapshot slot at its
+    /// point on the way; returns the state after the chunk.
+    fn advance_ssm(
+        &mut self,
+        slot: u32,
+        toks: &[u32],
+        snapshots: &[SnapshotTarget],
+    ) -> Result<u64, ExecutorError> {
+        let mut st = self
+            .slot(slot)?
+            .ok_or_else(|| ExecutorError::InvalidBatch("live SSM slot uninitialised".into()))?;
+        let mut snaps = snapshots.iter().peekable();
+        for (i, &t) in toks.iter().enumerate() {
+            st = mix(st, u64::from(t));
+            while let Some(sn) = snaps.next_if(|sn| sn.after as usize == i + 1) {
+                if sn.slot == slot {
+                    return Err(ExecutorError::InvalidBatch(
+                        "snapshot into live slot".into(),
+                    ));
+                }
+                *self.slot(sn.slot)? = Some(st);
+                self.counters.snapshots += 1;
+            }
+        }
+        if snaps.next().is_some() {
+            return Err(ExecutorError::InvalidBatch(
+                "snapshot point outside chunk".into(),
+            ));
+        }
+        *self.slot(slot)? = Some(st);
+        Ok(st)
+    }
+
+    /// The seed of the sampling row of a context ending at `last` (token `last_token`): the SSM
+    /// `state` and, with `verify_kv`, every token read back through the block table (else just
+    /// the last one).
+    fn sampling_seed(
+        &self,
+        block_table: &[u32],
+        state: u64,
+        last: usize,
+        last_token: u32,
+    ) -> Result<u64, ExecutorError> {
+        let mut seed = mix(state, last as u64);
+        if !self.cfg.verify_kv {
+            return Ok(mix(seed, u64::from(last_token)));
+        }
+        for pos in 0..=last {
+            let t = self.kv[self.kv_index(block_table, pos)?];
+            if t == UNWRITTEN {
+                return Err(ExecutorError::InvalidBatch(format!(
+                    "KV at {pos} never written"
+                )));
+            }
+            seed = mix(seed, u64::from(t));
+        }
+        Ok(seed)
     }
 
     fn copy_ssm_slot(&mut self, src: u32, dst: u32) -> Result<(), ExecutorError> {

@@ -10,7 +10,7 @@
 //! the only lock guards a small map and is never held across `.await`.
 
 use std::collections::BTreeMap;
-use std::fmt::Write;
+use std::fmt::{Display, Write};
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -189,263 +189,63 @@ impl Metrics {
         self.in_flight.load(Ordering::Relaxed)
     }
 
-    /// The whole exposition text.
+    /// The whole exposition text: the engines' families (read from each replica's stats), the
+    /// cache configuration, then the server's own histograms and counters, then the sources'.
     pub fn render(&self, model: &str, stats: &[EngineStats], cache: &CacheInfo) -> String {
-        use names::*;
         let mut out = String::with_capacity(8 * 1024);
         let m = escape(model);
-        let per_engine = |out: &mut String,
-                          name: &str,
-                          kind: &str,
-                          help: &str,
-                          f: &dyn Fn(&EngineStats) -> f64| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-            for (i, s) in stats.iter().enumerate() {
-                let _ = writeln!(out, "{name}{{model_name=\"{m}\",engine=\"{i}\"}} {}", f(s));
-            }
-        };
-        per_engine(
-            &mut out,
-            NUM_REQUESTS_RUNNING,
-            "gauge",
-            "Requests in model execution batches.",
-            &|s| f64::from(s.running),
-        );
-        per_engine(
-            &mut out,
-            NUM_REQUESTS_WAITING,
-            "gauge",
-            "Requests waiting to be processed.",
-            &|s| f64::from(s.waiting + s.paused),
-        );
-        per_engine(
-            &mut out,
-            KV_CACHE_USAGE_PERC,
-            "gauge",
-            "KV-cache usage, 1 means 100 percent.",
-            &|s| {
-                if s.total_blocks == 0 {
-                    0.0
-                } else {
-                    f64::from(s.total_blocks.saturating_sub(s.free_blocks))
-                        / f64::from(s.total_blocks)
-                }
-            },
-        );
-        per_engine(
-            &mut out,
-            PREFIX_CACHE_QUERIES,
-            "counter",
-            "Prefix-cache queries, in tokens.",
-            &|s| s.prefix_cache_queries as f64,
-        );
-        per_engine(
-            &mut out,
-            PREFIX_CACHE_HITS,
-            "counter",
-            "Prefix-cache hits, in tokens.",
-            &|s| s.prefix_cache_hits as f64,
-        );
-        per_engine(
-            &mut out,
-            NUM_PREEMPTIONS,
-            "counter",
-            "Cumulative preemptions.",
-            &|s| s.preemptions as f64,
-        );
-        per_engine(
-            &mut out,
-            PROMPT_TOKENS,
-            "counter",
-            "Prefill tokens processed (computed plus cached).",
-            &|s| (s.prompt_tokens_computed + s.prompt_tokens_cached) as f64,
-        );
-        per_engine(
-            &mut out,
-            GENERATION_TOKENS,
-            "counter",
-            "Generation tokens processed.",
-            &|s| s.generation_tokens as f64,
-        );
-        per_engine(
-            &mut out,
-            DEVICE_BUSY,
-            "counter",
-            "Device time spent on engine steps (CUDA events; 0 on the CPU).",
-            &|s| s.device_busy_seconds,
-        );
-        per_engine(
-            &mut out,
-            DEVICE_IDLE,
-            "counter",
-            "Device time idle between back-to-back engine steps, waiting for the host.",
-            &|s| s.device_idle_seconds,
-        );
-        per_engine(
-            &mut out,
-            ENGINE_STEPS,
-            "counter",
-            "Engine steps that ran a batch.",
-            &|s| s.engine_steps as f64,
-        );
-        per_engine(
-            &mut out,
-            LATE_ADMISSIONS,
-            "counter",
-            "Requests admitted into a step scheduled ahead after it was scheduled (they arrived while the step before computed).",
-            &|s| s.late_admissions as f64,
-        );
-        let _ = writeln!(
-            out,
-            "# HELP {ENGINE_HOST_TIME} Host time in engine steps, by phase: schedule (scheduling and cache bookkeeping), inputs (building the step plan), update (sampling, committing, queueing events), between (the engine loop between back-to-back steps), launch (uploading the step and enqueueing its work), overlap (host work while the device computes the step: handing the previous step's request and block events on, publishing its figures and cache events), top_up (admitting requests that arrived while the device computed into the step scheduled ahead).\n# TYPE {ENGINE_HOST_TIME} counter"
-        );
-        for (i, s) in stats.iter().enumerate() {
-            for (phase, v) in [
-                ("schedule", s.host_schedule_seconds),
-                ("inputs", s.host_inputs_seconds),
-                ("update", s.host_update_seconds),
-                ("between", s.host_between_seconds),
-                ("launch", s.host_launch_seconds),
-                ("overlap", s.host_overlap_seconds),
-                ("top_up", s.host_top_up_seconds),
-            ] {
-                let _ = writeln!(
-                    out,
-                    "{ENGINE_HOST_TIME}{{model_name=\"{m}\",engine=\"{i}\",phase=\"{phase}\"}} {v}"
-                );
-            }
-        }
-        let _ = writeln!(
-            out,
-            "# HELP {ENGINE_STEPS_BY_KIND} Steps the model runner ran, by kind: eager (every kernel launched from the host), decode_graph and mixed_graph (replayed from a CUDA graph of a decode-only or a mixed bucket).\n# TYPE {ENGINE_STEPS_BY_KIND} counter"
-        );
-        for (i, s) in stats.iter().enumerate() {
-            for (kind, v) in [
-                ("eager", s.steps_eager),
-                ("decode_graph", s.steps_decode_graph),
-                ("mixed_graph", s.steps_mixed_graph),
-            ] {
-                let _ = writeln!(
-                    out,
-                    "{ENGINE_STEPS_BY_KIND}{{model_name=\"{m}\",engine=\"{i}\",kind=\"{kind}\"}} {v}"
-                );
-            }
-        }
-        per_engine(
-            &mut out,
-            SSM_SNAPSHOT_HITS,
-            "counter",
-            "Requests restored from an SSM-state snapshot.",
-            &|s| s.ssm_restores as f64,
-        );
-        let _ = writeln!(
-            out,
-            "# HELP {PREFIX_CACHE_MISSES} Requests served less than their cacheable prompt prefix, by reason.\n# TYPE {PREFIX_CACHE_MISSES} counter"
-        );
-        for (i, s) in stats.iter().enumerate() {
-            for r in MissReason::ALL {
-                let _ = writeln!(
-                    out,
-                    "{PREFIX_CACHE_MISSES}{{model_name=\"{m}\",engine=\"{i}\",reason=\"{}\"}} {}",
-                    r.as_str(),
-                    s.cache_misses[r.index()]
-                );
-            }
-        }
-        let _ = writeln!(
-            out,
-            "# HELP {SSM_SNAPSHOT_COPIES} SSM-state copies into snapshot slots, by kind.\n# TYPE {SSM_SNAPSHOT_COPIES} counter"
-        );
-        for (i, s) in stats.iter().enumerate() {
-            let prompt = s
-                .ssm_snapshot_copies
-                .saturating_sub(s.ssm_rolling_copies + s.ssm_checkpoint_copies);
-            for (kind, n) in [
-                ("prompt", prompt),
-                ("rolling", s.ssm_rolling_copies),
-                ("checkpoint", s.ssm_checkpoint_copies),
-            ] {
-                let _ = writeln!(
-                    out,
-                    "{SSM_SNAPSHOT_COPIES}{{model_name=\"{m}\",engine=\"{i}\",kind=\"{kind}\"}} {n}"
-                );
-            }
-        }
-        per_engine(
-            &mut out,
-            SSM_SNAPSHOT_COPY_BYTES,
-            "counter",
-            "Bytes copied into SSM snapshot slots.",
-            &|s| (s.ssm_snapshot_copies * s.ssm_slot_bytes) as f64,
-        );
-        per_engine(
-            &mut out,
-            SSM_SNAPSHOTS_SKIPPED,
-            "counter",
-            "SSM snapshots not taken because every snapshot slot was in use.",
-            &|s| s.ssm_snapshots_skipped as f64,
-        );
-        per_engine(
-            &mut out,
-            SSM_ROLLING_KEPT,
-            "counter",
-            "Rolling SSM snapshots kept as durable snapshots when their request ended.",
-            &|s| s.ssm_rolling_kept as f64,
-        );
-        per_engine(
-            &mut out,
-            CACHE_CHECKPOINTS,
-            "counter",
-            "SSM checkpoints requests asked for (offsets past the first block).",
-            &|s| s.checkpoints_requested as f64,
-        );
-
-        let _ = writeln!(
-            out,
-            "# HELP {CACHE_CONFIG_INFO} Cache configuration.\n# TYPE {CACHE_CONFIG_INFO} gauge"
-        );
-        // SSM facts come from the first replica (every replica has the same layout).
-        let first = stats.first().cloned().unwrap_or_default();
-        let _ = writeln!(
-            out,
-            "{CACHE_CONFIG_INFO}{{block_size=\"{}\",num_gpu_blocks=\"{}\",enable_prefix_caching=\"{}\",ssm_snapshot_slots=\"{}\",ssm_state_bytes_per_slot=\"{}\",min_cacheable_prefix_tokens=\"{}\"}} 1",
-            cache.block_size,
-            cache.num_gpu_blocks,
-            cache.prefix_caching,
-            first.ssm_snapshot_slots,
-            first.ssm_slot_bytes,
-            cache.block_size
-        );
-
+        let engines = EngineFamilies { model: &m, stats };
+        engines.render_load(&mut out);
+        engines.render_tokens(&mut out);
+        engines.render_steps(&mut out);
+        engines.render_cache_reuse(&mut out);
+        render_cache_config(&mut out, stats, cache);
         let labels = format!("model_name=\"{m}\"");
+        self.render_latencies(&mut out, &labels);
+        self.render_requests(&mut out, &labels);
+        let sources = self.sources.lock().map(|s| s.clone()).unwrap_or_default();
+        for s in sources {
+            s.render(&mut out);
+        }
+        out
+    }
+
+    fn render_latencies(&self, out: &mut String, labels: &str) {
+        use names::*;
         self.ttft.render(
-            &mut out,
+            out,
             TIME_TO_FIRST_TOKEN,
-            &labels,
+            labels,
             "Time to first token in seconds.",
         );
         self.itl.render(
-            &mut out,
+            out,
             INTER_TOKEN_LATENCY,
-            &labels,
+            labels,
             "Time between output tokens in seconds.",
         );
         self.e2e.render(
-            &mut out,
+            out,
             E2E_REQUEST_LATENCY,
-            &labels,
+            labels,
             "End-to-end request latency in seconds.",
         );
         self.router_latency.render(
-            &mut out,
+            out,
             ROUTER_DECISION_LATENCY,
             "",
             "Time the router policy took to choose a replica, in seconds.",
         );
+    }
 
-        let _ = writeln!(
+    /// The server's request counters: outcomes, routing, errors, disconnects, in flight.
+    fn render_requests(&self, out: &mut String, labels: &str) {
+        use names::*;
+        header(
             out,
-            "# HELP {REQUEST_SUCCESS} Finished requests by reason.\n# TYPE {REQUEST_SUCCESS} counter"
+            REQUEST_SUCCESS,
+            "counter",
+            "Finished requests by reason.",
         );
         for how in [Finished::Stop, Finished::Length, Finished::Abort] {
             let v = self.finished[how as usize].load(Ordering::Relaxed);
@@ -455,9 +255,11 @@ impl Metrics {
                 how.as_str()
             );
         }
-        let _ = writeln!(
+        header(
             out,
-            "# HELP {ROUTED_REQUESTS} Requests routed per replica.\n# TYPE {ROUTED_REQUESTS} counter"
+            ROUTED_REQUESTS,
+            "counter",
+            "Requests routed per replica.",
         );
         for (i, c) in self.routed.iter().enumerate() {
             let _ = writeln!(
@@ -466,44 +268,304 @@ impl Metrics {
                 c.load(Ordering::Relaxed)
             );
         }
-        let _ = writeln!(
+        single(
             out,
-            "# HELP {PLACEMENT_FALLBACKS} Requests placed by least-loaded because the router policy answered out of range or panicked.\n# TYPE {PLACEMENT_FALLBACKS} counter"
+            PLACEMENT_FALLBACKS,
+            "counter",
+            "Requests placed by least-loaded because the router policy answered out of range or panicked.",
+            self.router_fallbacks.load(Ordering::Relaxed),
         );
-        let _ = writeln!(
+        header(
             out,
-            "{PLACEMENT_FALLBACKS} {}",
-            self.router_fallbacks.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "# HELP {REQUEST_ERRORS} Requests answered with an error, by kind.\n# TYPE {REQUEST_ERRORS} counter"
+            REQUEST_ERRORS,
+            "counter",
+            "Requests answered with an error, by kind.",
         );
         if let Ok(errors) = self.errors.lock() {
             for (kind, v) in errors.iter() {
                 let _ = writeln!(out, "{REQUEST_ERRORS}{{kind=\"{kind}\"}} {v}");
             }
         }
-        let _ = writeln!(
+        single(
             out,
-            "# HELP {CLIENT_DISCONNECTS} Engine requests cancelled because the client went away.\n# TYPE {CLIENT_DISCONNECTS} counter"
+            CLIENT_DISCONNECTS,
+            "counter",
+            "Engine requests cancelled because the client went away.",
+            self.client_disconnects.load(Ordering::Relaxed),
         );
-        let _ = writeln!(
+        single(
             out,
-            "{CLIENT_DISCONNECTS} {}",
-            self.client_disconnects.load(Ordering::Relaxed)
+            SERVER_IN_FLIGHT,
+            "gauge",
+            "Engine requests the server is waiting on.",
+            self.in_flight(),
         );
-        let _ = writeln!(
-            out,
-            "# HELP {SERVER_IN_FLIGHT} Engine requests the server is waiting on.\n# TYPE {SERVER_IN_FLIGHT} gauge"
-        );
-        let _ = writeln!(out, "{SERVER_IN_FLIGHT} {}", self.in_flight());
-        let sources = self.sources.lock().map(|s| s.clone()).unwrap_or_default();
-        for s in sources {
-            s.render(&mut out);
-        }
-        out
     }
+}
+
+/// A per-replica family: its name, help, and its value in one replica's stats.
+type PerEngine = (&'static str, &'static str, fn(&EngineStats) -> f64);
+
+/// The engine-side families, one sample per replica (`model_name`, `engine` labels), read from
+/// each replica's stats at scrape time.
+struct EngineFamilies<'a> {
+    /// The escaped model name.
+    model: &'a str,
+    stats: &'a [EngineStats],
+}
+
+impl EngineFamilies<'_> {
+    /// Requests running and waiting, and KV-cache usage.
+    fn render_load(&self, out: &mut String) {
+        use names::*;
+        self.per_engine(
+            out,
+            "gauge",
+            &[
+                (
+                    NUM_REQUESTS_RUNNING,
+                    "Requests in model execution batches.",
+                    |s| f64::from(s.running),
+                ),
+                (
+                    NUM_REQUESTS_WAITING,
+                    "Requests waiting to be processed.",
+                    |s| f64::from(s.waiting + s.paused),
+                ),
+                (
+                    KV_CACHE_USAGE_PERC,
+                    "KV-cache usage, 1 means 100 percent.",
+                    |s| {
+                        if s.total_blocks == 0 {
+                            0.0
+                        } else {
+                            f64::from(s.total_blocks.saturating_sub(s.free_blocks))
+                                / f64::from(s.total_blocks)
+                        }
+                    },
+                ),
+            ],
+        );
+    }
+
+    /// Prefix-cache queries and hits, preemptions, prompt and generation tokens.
+    fn render_tokens(&self, out: &mut String) {
+        use names::*;
+        self.per_engine(
+            out,
+            "counter",
+            &[
+                (
+                    PREFIX_CACHE_QUERIES,
+                    "Prefix-cache queries, in tokens.",
+                    |s| s.prefix_cache_queries as f64,
+                ),
+                (PREFIX_CACHE_HITS, "Prefix-cache hits, in tokens.", |s| {
+                    s.prefix_cache_hits as f64
+                }),
+                (NUM_PREEMPTIONS, "Cumulative preemptions.", |s| {
+                    s.preemptions as f64
+                }),
+                (
+                    PROMPT_TOKENS,
+                    "Prefill tokens processed (computed plus cached).",
+                    |s| (s.prompt_tokens_computed + s.prompt_tokens_cached) as f64,
+                ),
+                (GENERATION_TOKENS, "Generation tokens processed.", |s| {
+                    s.generation_tokens as f64
+                }),
+            ],
+        );
+    }
+
+    /// Device busy and idle time, steps, late admissions, host time by phase, steps by kind.
+    fn render_steps(&self, out: &mut String) {
+        use names::*;
+        self.per_engine(
+            out,
+            "counter",
+            &[
+                (
+                    DEVICE_BUSY,
+                    "Device time spent on engine steps (CUDA events; 0 on the CPU).",
+                    |s| s.device_busy_seconds,
+                ),
+                (
+                    DEVICE_IDLE,
+                    "Device time idle between back-to-back engine steps, waiting for the host.",
+                    |s| s.device_idle_seconds,
+                ),
+                (ENGINE_STEPS, "Engine steps that ran a batch.", |s| {
+                    s.engine_steps as f64
+                }),
+                (
+                    LATE_ADMISSIONS,
+                    "Requests admitted into a step scheduled ahead after it was scheduled (they arrived while the step before computed).",
+                    |s| s.late_admissions as f64,
+                ),
+            ],
+        );
+        self.per_engine_by(
+            out,
+            ENGINE_HOST_TIME,
+            "Host time in engine steps, by phase: schedule (scheduling and cache bookkeeping), inputs (building the step plan), update (sampling, committing, queueing events), between (the engine loop between back-to-back steps), launch (uploading the step and enqueueing its work), overlap (host work while the device computes the step: handing the previous step's request and block events on, publishing its figures and cache events), top_up (admitting requests that arrived while the device computed into the step scheduled ahead).",
+            "phase",
+            |s| {
+                [
+                    ("schedule", s.host_schedule_seconds),
+                    ("inputs", s.host_inputs_seconds),
+                    ("update", s.host_update_seconds),
+                    ("between", s.host_between_seconds),
+                    ("launch", s.host_launch_seconds),
+                    ("overlap", s.host_overlap_seconds),
+                    ("top_up", s.host_top_up_seconds),
+                ]
+            },
+        );
+        self.per_engine_by(
+            out,
+            ENGINE_STEPS_BY_KIND,
+            "Steps the model runner ran, by kind: eager (every kernel launched from the host), decode_graph and mixed_graph (replayed from a CUDA graph of a decode-only or a mixed bucket).",
+            "kind",
+            |s| {
+                [
+                    ("eager", s.steps_eager),
+                    ("decode_graph", s.steps_decode_graph),
+                    ("mixed_graph", s.steps_mixed_graph),
+                ]
+            },
+        );
+    }
+
+    /// SSM-snapshot restores, prefix-cache misses by reason, snapshot copies by kind and in
+    /// bytes, skipped and kept snapshots, checkpoints asked for.
+    fn render_cache_reuse(&self, out: &mut String) {
+        use names::*;
+        self.per_engine(
+            out,
+            "counter",
+            &[(
+                SSM_SNAPSHOT_HITS,
+                "Requests restored from an SSM-state snapshot.",
+                |s| s.ssm_restores as f64,
+            )],
+        );
+        self.per_engine_by(
+            out,
+            PREFIX_CACHE_MISSES,
+            "Requests served less than their cacheable prompt prefix, by reason.",
+            "reason",
+            |s| MissReason::ALL.map(|r| (r.as_str(), s.cache_misses[r.index()])),
+        );
+        self.per_engine_by(
+            out,
+            SSM_SNAPSHOT_COPIES,
+            "SSM-state copies into snapshot slots, by kind.",
+            "kind",
+            |s| {
+                let prompt = s
+                    .ssm_snapshot_copies
+                    .saturating_sub(s.ssm_rolling_copies + s.ssm_checkpoint_copies);
+                [
+                    ("prompt", prompt),
+                    ("rolling", s.ssm_rolling_copies),
+                    ("checkpoint", s.ssm_checkpoint_copies),
+                ]
+            },
+        );
+        self.per_engine(
+            out,
+            "counter",
+            &[
+                (
+                    SSM_SNAPSHOT_COPY_BYTES,
+                    "Bytes copied into SSM snapshot slots.",
+                    |s| (s.ssm_snapshot_copies * s.ssm_slot_bytes) as f64,
+                ),
+                (
+                    SSM_SNAPSHOTS_SKIPPED,
+                    "SSM snapshots not taken because every snapshot slot was in use.",
+                    |s| s.ssm_snapshots_skipped as f64,
+                ),
+                (
+                    SSM_ROLLING_KEPT,
+                    "Rolling SSM snapshots kept as durable snapshots when their request ended.",
+                    |s| s.ssm_rolling_kept as f64,
+                ),
+                (
+                    CACHE_CHECKPOINTS,
+                    "SSM checkpoints requests asked for (offsets past the first block).",
+                    |s| s.checkpoints_requested as f64,
+                ),
+            ],
+        );
+    }
+
+    /// Families of one sample per replica, each of `kind`, in the order given.
+    fn per_engine(&self, out: &mut String, kind: &str, families: &[PerEngine]) {
+        for &(name, help, value) in families {
+            header(out, name, kind, help);
+            for (i, s) in self.stats.iter().enumerate() {
+                let _ = writeln!(
+                    out,
+                    "{name}{{model_name=\"{}\",engine=\"{i}\"}} {}",
+                    self.model,
+                    value(s)
+                );
+            }
+        }
+    }
+
+    /// A counter with one sample per replica and value of `label` (`values` gives them in
+    /// order, with the sample's value).
+    fn per_engine_by<T: Display, const N: usize>(
+        &self,
+        out: &mut String,
+        name: &str,
+        help: &str,
+        label: &str,
+        values: impl Fn(&EngineStats) -> [(&'static str, T); N],
+    ) {
+        header(out, name, "counter", help);
+        for (i, s) in self.stats.iter().enumerate() {
+            for (v, x) in values(s) {
+                let _ = writeln!(
+                    out,
+                    "{name}{{model_name=\"{}\",engine=\"{i}\",{label}=\"{v}\"}} {x}",
+                    self.model
+                );
+            }
+        }
+    }
+}
+
+/// `cache_config_info`: the static cache facts as labels of a constant 1. SSM facts come from
+/// the first replica (every replica has the same layout).
+fn render_cache_config(out: &mut String, stats: &[EngineStats], cache: &CacheInfo) {
+    use names::CACHE_CONFIG_INFO;
+    header(out, CACHE_CONFIG_INFO, "gauge", "Cache configuration.");
+    let first = stats.first().cloned().unwrap_or_default();
+    let _ = writeln!(
+        out,
+        "{CACHE_CONFIG_INFO}{{block_size=\"{}\",num_gpu_blocks=\"{}\",enable_prefix_caching=\"{}\",ssm_snapshot_slots=\"{}\",ssm_state_bytes_per_slot=\"{}\",min_cacheable_prefix_tokens=\"{}\"}} 1",
+        cache.block_size,
+        cache.num_gpu_blocks,
+        cache.prefix_caching,
+        first.ssm_snapshot_slots,
+        first.ssm_slot_bytes,
+        cache.block_size
+    );
+}
+
+/// A family's `# HELP` and `# TYPE` lines.
+fn header(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+}
+
+/// A family of one unlabelled sample.
+fn single(out: &mut String, name: &str, kind: &str, help: &str, value: impl Display) {
+    header(out, name, kind, help);
+    let _ = writeln!(out, "{name} {value}");
 }
 
 fn escape(s: &str) -> String {

@@ -91,12 +91,73 @@ fn in_range(
 }
 
 /// Validates the fields both endpoints share. `logprobs` is the endpoint's own logprobs ask.
+/// The checks run in a fixed order (sampling ranges, `n`, `max_tokens`, streaming, stops,
+/// logprobs, `logit_bias`, `min_tokens`, vLLM's prompt options, `priority`): the first that
+/// fails is the error.
 pub fn validate_common(
     c: &CommonFields,
     max_tokens: Option<u32>,
     logprobs: Option<u32>,
     limits: &Limits,
 ) -> Result<GenParams, AppError> {
+    let ranges = sampling_ranges(c)?;
+    let n = choices(c.n, limits)?;
+    if max_tokens == Some(0) {
+        return Err(AppError::invalid(
+            "max_tokens",
+            "max_tokens must be at least 1",
+        ));
+    }
+    let streaming = streaming(c)?;
+    let stop = stop_strings(c.stop.as_ref(), limits)?;
+    let stop_token_ids = stop_token_ids(c.stop_token_ids.as_deref(), limits)?;
+    if let Some(lp) = logprobs
+        && lp > limits.max_logprobs
+    {
+        return Err(AppError::invalid(
+            "logprobs",
+            format!(
+                "at most {} logprobs per token are allowed",
+                limits.max_logprobs
+            ),
+        ));
+    }
+    let logit_bias = logit_bias(c.logit_bias.as_ref(), limits.vocab_size)?;
+    let min_tokens = min_tokens(c.min_tokens, max_tokens)?;
+    let prompt_logprobs = prompt_logprobs(c.prompt_logprobs, streaming.stream, limits)?;
+    let truncate_prompt_tokens = truncate_prompt_tokens(c.truncate_prompt_tokens, limits)?;
+    let priority = priority(c.priority, limits)?;
+    Ok(GenParams {
+        sampling: SamplingParams {
+            logprobs,
+            min_tokens,
+            logit_bias,
+            ..ranges
+        },
+        max_tokens,
+        default_max_tokens: None,
+        prompt_param: "messages",
+        n,
+        stream: streaming.stream,
+        include_usage: streaming.include_usage,
+        continuous_usage: streaming.continuous_usage,
+        stop,
+        stop_token_ids,
+        ignore_eos: c.ignore_eos.unwrap_or(false),
+        skip_special_tokens: c.skip_special_tokens.unwrap_or(true),
+        return_token_ids: c.return_token_ids.unwrap_or(false),
+        logprobs,
+        include_stop_str_in_output: c.include_stop_str_in_output.unwrap_or(false),
+        prompt_logprobs,
+        truncate_prompt_tokens,
+        priority,
+    })
+}
+
+/// The sampling knobs with a range (temperature, top_p, top_k, min_p, the three penalties) and
+/// the seed, checked in that order; `logprobs`, `min_tokens` and `logit_bias` are left empty
+/// for the caller.
+fn sampling_ranges(c: &CommonFields) -> Result<SamplingParams, AppError> {
     let temperature = in_range("temperature", c.temperature, 0.0, 2.0, 1.0)?;
     let top_p = in_range("top_p", c.top_p, 0.0, 1.0, 1.0)?;
     if top_p <= 0.0 {
@@ -122,19 +183,43 @@ pub fn validate_common(
             "repetition_penalty must be > 0",
         ));
     }
-    let n = c.n.unwrap_or(1);
+    Ok(SamplingParams {
+        temperature,
+        top_p,
+        top_k,
+        min_p,
+        seed: c.seed.map(|s| s as u64),
+        presence_penalty,
+        frequency_penalty,
+        repetition_penalty,
+        logprobs: None,
+        min_tokens: 0,
+        logit_bias: Vec::new(),
+    })
+}
+
+/// `n`: choices per prompt, 1 unless asked, at most `max_n`.
+fn choices(n: Option<u32>, limits: &Limits) -> Result<u32, AppError> {
+    let n = n.unwrap_or(1);
     if n == 0 || n > limits.max_n {
         return Err(AppError::invalid(
             "n",
             format!("n must be in [1, {}], got {n}", limits.max_n),
         ));
     }
-    if max_tokens == Some(0) {
-        return Err(AppError::invalid(
-            "max_tokens",
-            "max_tokens must be at least 1",
-        ));
-    }
+    Ok(n)
+}
+
+/// `stream` and its `stream_options`.
+struct Streaming {
+    stream: bool,
+    include_usage: bool,
+    continuous_usage: bool,
+}
+
+/// `stream_options` only with `stream`; `continuous_usage_stats` counts only with
+/// `include_usage` (vLLM's rule).
+fn streaming(c: &CommonFields) -> Result<Streaming, AppError> {
     let stream = c.stream.unwrap_or(false);
     if c.stream_options.is_some() && !stream {
         return Err(AppError::invalid(
@@ -152,7 +237,16 @@ pub fn validate_common(
             .as_ref()
             .and_then(|o| o.continuous_usage_stats)
             .unwrap_or(false);
-    let stop = match &c.stop {
+    Ok(Streaming {
+        stream,
+        include_usage,
+        continuous_usage,
+    })
+}
+
+/// `stop`: at most `max_stop_strings`, none empty, none longer than `max_stop_len` characters.
+fn stop_strings(stop: Option<&StopInput>, limits: &Limits) -> Result<Vec<String>, AppError> {
+    let stop = match stop {
         None => Vec::new(),
         Some(StopInput::One(s)) => vec![s.clone()],
         Some(StopInput::Many(v)) => v.clone(),
@@ -180,32 +274,30 @@ pub fn validate_common(
             ));
         }
     }
-    let stop_token_ids = c.stop_token_ids.clone().unwrap_or_default();
-    if stop_token_ids.len() > 256 {
+    Ok(stop)
+}
+
+/// `stop_token_ids`: at most 256, each inside the vocabulary.
+fn stop_token_ids(ids: Option<&[u32]>, limits: &Limits) -> Result<Vec<u32>, AppError> {
+    let ids = ids.map(<[u32]>::to_vec).unwrap_or_default();
+    if ids.len() > 256 {
         return Err(AppError::invalid(
             "stop_token_ids",
             "at most 256 stop token ids are allowed",
         ));
     }
-    if let Some(bad) = stop_token_ids.iter().find(|t| **t >= limits.vocab_size) {
+    if let Some(bad) = ids.iter().find(|t| **t >= limits.vocab_size) {
         return Err(AppError::invalid(
             "stop_token_ids",
             format!("token id {bad} is outside the vocabulary"),
         ));
     }
-    if let Some(lp) = logprobs
-        && lp > limits.max_logprobs
-    {
-        return Err(AppError::invalid(
-            "logprobs",
-            format!(
-                "at most {} logprobs per token are allowed",
-                limits.max_logprobs
-            ),
-        ));
-    }
-    let logit_bias = logit_bias(c.logit_bias.as_ref(), limits.vocab_size)?;
-    let min_tokens = c.min_tokens.unwrap_or(0);
+    Ok(ids)
+}
+
+/// vLLM's `min_tokens` (0 unless asked), at most `max_tokens`.
+fn min_tokens(min_tokens: Option<u32>, max_tokens: Option<u32>) -> Result<u32, AppError> {
+    let min_tokens = min_tokens.unwrap_or(0);
     if let Some(m) = max_tokens
         && min_tokens > m
     {
@@ -214,81 +306,54 @@ pub fn validate_common(
             format!("min_tokens ({min_tokens}) must not exceed max_tokens ({m})"),
         ));
     }
-    let prompt_logprobs = match c.prompt_logprobs {
-        None => None,
-        Some(_) if stream => {
-            return Err(AppError::invalid(
-                "prompt_logprobs",
-                "prompt_logprobs are not available when stream is true",
-            ));
-        }
-        Some(k) if (0..=i64::from(limits.max_logprobs)).contains(&k) => Some(k as u32),
-        Some(k) => {
-            return Err(AppError::invalid(
-                "prompt_logprobs",
-                format!(
-                    "prompt_logprobs must be in [0, {}], got {k}",
-                    limits.max_logprobs
-                ),
-            ));
-        }
-    };
-    let truncate_prompt_tokens = match c.truncate_prompt_tokens {
-        None => None,
-        Some(-1) => Some(limits.max_model_len as usize),
-        Some(k) if k >= 1 => Some(usize::try_from(k).unwrap_or(usize::MAX)),
-        Some(k) => {
-            return Err(AppError::invalid(
-                "truncate_prompt_tokens",
-                format!("truncate_prompt_tokens must be -1 or at least 1, got {k}"),
-            ));
-        }
-    };
-    let priority = match c.priority.unwrap_or(0) {
-        0 => 0,
-        p if !limits.priority_scheduling => {
-            return Err(AppError::invalid(
-                "priority",
-                format!(
-                    "priority {p} needs engine.scheduling_policy = \"priority\" (this server schedules first come, first served)"
-                ),
-            ));
-        }
+    Ok(min_tokens)
+}
+
+/// vLLM's `prompt_logprobs`: not streamed, in `[0, max_logprobs]`.
+fn prompt_logprobs(k: Option<i64>, stream: bool, limits: &Limits) -> Result<Option<u32>, AppError> {
+    match k {
+        None => Ok(None),
+        Some(_) if stream => Err(AppError::invalid(
+            "prompt_logprobs",
+            "prompt_logprobs are not available when stream is true",
+        )),
+        Some(k) if (0..=i64::from(limits.max_logprobs)).contains(&k) => Ok(Some(k as u32)),
+        Some(k) => Err(AppError::invalid(
+            "prompt_logprobs",
+            format!(
+                "prompt_logprobs must be in [0, {}], got {k}",
+                limits.max_logprobs
+            ),
+        )),
+    }
+}
+
+/// vLLM's `truncate_prompt_tokens`: -1 (the longest context) or at least 1.
+fn truncate_prompt_tokens(k: Option<i64>, limits: &Limits) -> Result<Option<usize>, AppError> {
+    match k {
+        None => Ok(None),
+        Some(-1) => Ok(Some(limits.max_model_len as usize)),
+        Some(k) if k >= 1 => Ok(Some(usize::try_from(k).unwrap_or(usize::MAX))),
+        Some(k) => Err(AppError::invalid(
+            "truncate_prompt_tokens",
+            format!("truncate_prompt_tokens must be -1 or at least 1, got {k}"),
+        )),
+    }
+}
+
+/// vLLM's `priority`: nonzero only under the priority scheduling policy, and an `i32`.
+fn priority(p: Option<i64>, limits: &Limits) -> Result<i32, AppError> {
+    match p.unwrap_or(0) {
+        0 => Ok(0),
+        p if !limits.priority_scheduling => Err(AppError::invalid(
+            "priority",
+            format!(
+                "priority {p} needs engine.scheduling_policy = \"priority\" (this server schedules first come, first served)"
+            ),
+        )),
         p => i32::try_from(p)
-            .map_err(|_| AppError::invalid("priority", format!("priority {p} is out of range")))?,
-    };
-    Ok(GenParams {
-        sampling: SamplingParams {
-            temperature,
-            top_p,
-            top_k,
-            min_p,
-            seed: c.seed.map(|s| s as u64),
-            presence_penalty,
-            frequency_penalty,
-            repetition_penalty,
-            logprobs,
-            min_tokens,
-            logit_bias,
-        },
-        max_tokens,
-        default_max_tokens: None,
-        prompt_param: "messages",
-        n,
-        stream,
-        include_usage,
-        continuous_usage,
-        stop,
-        stop_token_ids,
-        ignore_eos: c.ignore_eos.unwrap_or(false),
-        skip_special_tokens: c.skip_special_tokens.unwrap_or(true),
-        return_token_ids: c.return_token_ids.unwrap_or(false),
-        logprobs,
-        include_stop_str_in_output: c.include_stop_str_in_output.unwrap_or(false),
-        prompt_logprobs,
-        truncate_prompt_tokens,
-        priority,
-    })
+            .map_err(|_| AppError::invalid("priority", format!("priority {p} is out of range"))),
+    }
 }
 
 /// OpenAI's `logit_bias`: token ids (as strings) to biases in [-100, 100], sorted by id.

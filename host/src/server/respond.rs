@@ -60,6 +60,40 @@ impl Meta {
             .as_ref()
             .map(|p| p.get(prompt_idx).cloned().unwrap_or_default())
     }
+
+    /// A `text_completion` body: a whole response, or one chunk of a stream.
+    fn completion_json(
+        &self,
+        choices: Vec<CompletionChoice>,
+        usage: Option<Option<UsageBody>>,
+    ) -> Vec<u8> {
+        to_json(&CompletionResponse {
+            id: self.id.clone(),
+            object: "text_completion",
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage,
+        })
+    }
+
+    /// A `chat.completion.chunk` body.
+    fn chat_chunk_json(
+        &self,
+        choices: Vec<ChatChunkChoice>,
+        usage: Option<Option<UsageBody>>,
+        prompt_token_ids: Option<Vec<u32>>,
+    ) -> Vec<u8> {
+        to_json(&ChatChunk {
+            id: self.id.clone(),
+            object: "chat.completion.chunk",
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage,
+            prompt_token_ids,
+        })
+    }
 }
 
 /// What one finished choice adds to usage.
@@ -170,13 +204,6 @@ fn push_token(
     *offset += token.chars().count() as u32;
 }
 
-/// Appends generated tokens to legacy completion logprobs.
-fn push_completion_logprobs(lp: &mut CompletionLogprobs, infos: &[TokenInfo], offset: &mut u32) {
-    for t in infos {
-        push_token(lp, &t.token, Some(t), offset);
-    }
-}
-
 /// Prompt tokens in legacy logprobs, with their logprobs when the engine computed them (the
 /// first token has none).
 fn push_prompt_tokens(
@@ -191,6 +218,24 @@ fn push_prompt_tokens(
     }
 }
 
+/// Legacy completion logprobs of one chunk: the echoed prompt's tokens first (`echoed`, with
+/// their logprobs where the engine sent them), then the generated ones. `offset` (characters)
+/// carries on across a choice's chunks.
+fn completion_logprobs(
+    echoed: Option<&[String]>,
+    c: &ChoiceChunk,
+    offset: &mut u32,
+) -> CompletionLogprobs {
+    let mut lp = CompletionLogprobs::default();
+    if let Some(toks) = echoed {
+        push_prompt_tokens(&mut lp, toks, c.prompt_logprobs.as_deref(), offset);
+    }
+    for t in &c.logprobs {
+        push_token(&mut lp, &t.token, Some(t), offset);
+    }
+    lp
+}
+
 /// The whole non-streamed body.
 pub fn full_response(shape: &Shape, meta: &Meta, mut choices: Vec<ChoiceChunk>) -> Response {
     choices.sort_by_key(|c| c.index);
@@ -200,86 +245,83 @@ pub fn full_response(shape: &Shape, meta: &Meta, mut choices: Vec<ChoiceChunk>) 
         Shape::Completion { echo, echo_tokens } => {
             let choices = choices
                 .into_iter()
-                .map(|c| {
-                    let prefix = echo.get(c.prompt_idx).cloned().flatten();
-                    let logprobs = meta.logprobs.then(|| {
-                        let mut lp = CompletionLogprobs::default();
-                        let mut offset = 0;
-                        if prefix.is_some()
-                            && let Some(toks) = echo_tokens.get(c.prompt_idx)
-                        {
-                            push_prompt_tokens(
-                                &mut lp,
-                                toks,
-                                c.prompt_logprobs.as_deref(),
-                                &mut offset,
-                            );
-                        }
-                        push_completion_logprobs(&mut lp, &c.logprobs, &mut offset);
-                        lp
-                    });
-                    let prompt_logprobs = meta
-                        .prompt_logprobs
-                        .then(|| c.prompt_logprobs.as_deref().map(vllm_prompt_logprobs))
-                        .flatten();
-                    CompletionChoice {
-                        index: c.index,
-                        text: format!("{}{}", prefix.unwrap_or_default(), c.text),
-                        logprobs,
-                        prompt_logprobs,
-                        finish_reason: c.finish.as_ref().map(|f| f.reason),
-                        stop_reason: c.finish.and_then(|f| f.stop_reason),
-                        prompt_token_ids: meta.prompt_ids(c.prompt_idx),
-                        token_ids: meta.prompt_ids.is_some().then_some(c.token_ids),
-                    }
-                })
+                .map(|c| full_completion_choice(meta, echo, echo_tokens, c))
                 .collect();
-            to_json(&CompletionResponse {
-                id: meta.id.clone(),
-                object: "text_completion",
-                created: meta.created,
-                model: meta.model.clone(),
-                choices,
-                usage: Some(Some(usage)),
-            })
+            meta.completion_json(choices, Some(Some(usage)))
         }
-        Shape::Chat => {
-            let prompt_logprobs = meta
-                .prompt_logprobs
-                .then(|| {
-                    choices
-                        .iter()
-                        .find_map(|c| c.prompt_logprobs.as_deref())
-                        .map(vllm_prompt_logprobs)
-                })
-                .flatten();
-            let choices = choices
-                .into_iter()
-                .map(|c| ChatChoice {
-                    index: c.index,
-                    message: ChatMessageOut {
-                        role: "assistant",
-                        content: c.text,
-                    },
-                    logprobs: meta.logprobs.then(|| chat_logprobs(&c.logprobs)),
-                    finish_reason: c.finish.as_ref().map(|f| f.reason),
-                    stop_reason: c.finish.and_then(|f| f.stop_reason),
-                    token_ids: meta.prompt_ids.is_some().then_some(c.token_ids),
-                })
-                .collect();
-            to_json(&ChatResponse {
-                id: meta.id.clone(),
-                object: "chat.completion",
-                created: meta.created,
-                model: meta.model.clone(),
-                choices,
-                usage,
-                prompt_token_ids: meta.prompt_ids(0),
-                prompt_logprobs,
-            })
-        }
+        Shape::Chat => full_chat(meta, choices, usage),
     };
     json_response(StatusCode::OK, body)
+}
+
+/// One choice of a non-streamed completion; with `echo`, its prompt leads the text and the
+/// logprobs.
+fn full_completion_choice(
+    meta: &Meta,
+    echo: &[Option<String>],
+    echo_tokens: &[Vec<String>],
+    c: ChoiceChunk,
+) -> CompletionChoice {
+    let prefix = echo.get(c.prompt_idx).cloned().flatten();
+    let logprobs = meta.logprobs.then(|| {
+        let echoed = prefix
+            .is_some()
+            .then(|| echo_tokens.get(c.prompt_idx))
+            .flatten();
+        completion_logprobs(echoed.map(Vec::as_slice), &c, &mut 0)
+    });
+    let prompt_logprobs = meta
+        .prompt_logprobs
+        .then(|| c.prompt_logprobs.as_deref().map(vllm_prompt_logprobs))
+        .flatten();
+    CompletionChoice {
+        index: c.index,
+        text: format!("{}{}", prefix.unwrap_or_default(), c.text),
+        logprobs,
+        prompt_logprobs,
+        finish_reason: c.finish.as_ref().map(|f| f.reason),
+        stop_reason: c.finish.and_then(|f| f.stop_reason),
+        prompt_token_ids: meta.prompt_ids(c.prompt_idx),
+        token_ids: meta.prompt_ids.is_some().then_some(c.token_ids),
+    }
+}
+
+/// The non-streamed chat body; the prompt's logprobs (one prompt) come from any choice that
+/// carries them.
+fn full_chat(meta: &Meta, choices: Vec<ChoiceChunk>, usage: UsageBody) -> Vec<u8> {
+    let prompt_logprobs = meta
+        .prompt_logprobs
+        .then(|| {
+            choices
+                .iter()
+                .find_map(|c| c.prompt_logprobs.as_deref())
+                .map(vllm_prompt_logprobs)
+        })
+        .flatten();
+    let choices = choices
+        .into_iter()
+        .map(|c| ChatChoice {
+            index: c.index,
+            message: ChatMessageOut {
+                role: "assistant",
+                content: c.text,
+            },
+            logprobs: meta.logprobs.then(|| chat_logprobs(&c.logprobs)),
+            finish_reason: c.finish.as_ref().map(|f| f.reason),
+            stop_reason: c.finish.and_then(|f| f.stop_reason),
+            token_ids: meta.prompt_ids.is_some().then_some(c.token_ids),
+        })
+        .collect();
+    to_json(&ChatResponse {
+        id: meta.id.clone(),
+        object: "chat.completion",
+        created: meta.created,
+        model: meta.model.clone(),
+        choices,
+        usage,
+        prompt_token_ids: meta.prompt_ids(0),
+        prompt_logprobs,
+    })
 }
 
 fn to_json<T: Serialize>(v: &T) -> Vec<u8> {
@@ -363,44 +405,28 @@ impl SseState {
                     )
                 });
                 let logprobs = self.meta.logprobs.then(|| {
-                    let mut lp = CompletionLogprobs::default();
                     let offset = self.offsets.entry(c.index).or_insert(0);
-                    if let Some((_, toks)) = &echoed {
-                        push_prompt_tokens(&mut lp, toks, c.prompt_logprobs.as_deref(), offset);
-                    }
-                    push_completion_logprobs(&mut lp, &c.logprobs, offset);
-                    lp
+                    completion_logprobs(echoed.as_ref().map(|(_, toks)| *toks), &c, offset)
                 });
                 let text = match echoed {
                     Some((prefix, _)) => prefix + &c.text,
                     None => c.text,
                 };
-                to_json(&CompletionResponse {
-                    id: self.meta.id.clone(),
-                    object: "text_completion",
-                    created: self.meta.created,
-                    model: self.meta.model.clone(),
-                    choices: vec![CompletionChoice {
-                        index: c.index,
-                        text,
-                        logprobs,
-                        prompt_logprobs: None,
-                        finish_reason: c.finish.as_ref().map(|f| f.reason),
-                        stop_reason: c.finish.and_then(|f| f.stop_reason),
-                        prompt_token_ids: first
-                            .then(|| self.meta.prompt_ids(c.prompt_idx))
-                            .flatten(),
-                        token_ids: ids,
-                    }],
-                    usage: usage_field,
-                })
+                let prompt_token_ids = first.then(|| self.meta.prompt_ids(c.prompt_idx)).flatten();
+                let choice = CompletionChoice {
+                    index: c.index,
+                    text,
+                    logprobs,
+                    prompt_logprobs: None,
+                    finish_reason: c.finish.as_ref().map(|f| f.reason),
+                    stop_reason: c.finish.and_then(|f| f.stop_reason),
+                    prompt_token_ids,
+                    token_ids: ids,
+                };
+                self.meta.completion_json(vec![choice], usage_field)
             }
-            Shape::Chat => to_json(&ChatChunk {
-                id: self.meta.id.clone(),
-                object: "chat.completion.chunk",
-                created: self.meta.created,
-                model: self.meta.model.clone(),
-                choices: vec![ChatChunkChoice {
+            Shape::Chat => {
+                let choice = ChatChunkChoice {
                     index: c.index,
                     delta: ChatDelta {
                         role: None,
@@ -410,11 +436,10 @@ impl SseState {
                     finish_reason: c.finish.as_ref().map(|f| f.reason),
                     stop_reason: c.finish.and_then(|f| f.stop_reason),
                     token_ids: ids,
-                }],
-                usage: usage_field,
+                };
                 // The opening (role) chunk carried the prompt's ids.
-                prompt_token_ids: None,
-            }),
+                self.meta.chat_chunk_json(vec![choice], usage_field, None)
+            }
         };
         sse_frame(&body)
     }
@@ -422,23 +447,10 @@ impl SseState {
     fn usage_frame(&self) -> Bytes {
         let usage = usage(&self.meta, &self.finished);
         let body = match &self.shape {
-            Shape::Completion { .. } => to_json(&CompletionResponse {
-                id: self.meta.id.clone(),
-                object: "text_completion",
-                created: self.meta.created,
-                model: self.meta.model.clone(),
-                choices: Vec::new(),
-                usage: Some(Some(usage)),
-            }),
-            Shape::Chat => to_json(&ChatChunk {
-                id: self.meta.id.clone(),
-                object: "chat.completion.chunk",
-                created: self.meta.created,
-                model: self.meta.model.clone(),
-                choices: Vec::new(),
-                usage: Some(Some(usage)),
-                prompt_token_ids: None,
-            }),
+            Shape::Completion { .. } => self.meta.completion_json(Vec::new(), Some(Some(usage))),
+            Shape::Chat => self
+                .meta
+                .chat_chunk_json(Vec::new(), Some(Some(usage)), None),
         };
         sse_frame(&body)
     }
@@ -448,12 +460,8 @@ impl SseState {
         let usage_field = self.chunk_usage();
         for &(index, prompt_idx) in indices {
             let body = match &self.shape {
-                Shape::Chat => to_json(&ChatChunk {
-                    id: self.meta.id.clone(),
-                    object: "chat.completion.chunk",
-                    created: self.meta.created,
-                    model: self.meta.model.clone(),
-                    choices: vec![ChatChunkChoice {
+                Shape::Chat => {
+                    let choice = ChatChunkChoice {
                         index,
                         delta: ChatDelta {
                             role: Some("assistant"),
@@ -463,10 +471,10 @@ impl SseState {
                         finish_reason: None,
                         stop_reason: None,
                         token_ids: self.meta.prompt_ids.is_some().then(Vec::new),
-                    }],
-                    usage: usage_field,
-                    prompt_token_ids: self.meta.prompt_ids(prompt_idx),
-                }),
+                    };
+                    let ids = self.meta.prompt_ids(prompt_idx);
+                    self.meta.chat_chunk_json(vec![choice], usage_field, ids)
+                }
                 Shape::Completion { echo, .. } => {
                     let Some(text) = echo.get(prompt_idx).cloned().flatten() else {
                         continue;
@@ -477,23 +485,17 @@ impl SseState {
                         self.echo_pending.insert(index, prompt_idx);
                         continue;
                     }
-                    to_json(&CompletionResponse {
-                        id: self.meta.id.clone(),
-                        object: "text_completion",
-                        created: self.meta.created,
-                        model: self.meta.model.clone(),
-                        choices: vec![CompletionChoice {
-                            index,
-                            text,
-                            logprobs: None,
-                            prompt_logprobs: None,
-                            finish_reason: None,
-                            stop_reason: None,
-                            prompt_token_ids: self.meta.prompt_ids(prompt_idx),
-                            token_ids: self.meta.prompt_ids.is_some().then(Vec::new),
-                        }],
-                        usage: usage_field,
-                    })
+                    let choice = CompletionChoice {
+                        index,
+                        text,
+                        logprobs: None,
+                        prompt_logprobs: None,
+                        finish_reason: None,
+                        stop_reason: None,
+                        prompt_token_ids: self.meta.prompt_ids(prompt_idx),
+                        token_ids: self.meta.prompt_ids.is_some().then(Vec::new),
+                    };
+                    self.meta.completion_json(vec![choice], usage_field)
                 }
             };
             self.pending.push_back(sse_frame(&body));
