@@ -21,7 +21,8 @@
 
 pub mod app;
 pub mod backend;
-pub mod bench;
+/// `chimera bench` lives in its own crate (it talks to servers only over HTTP).
+pub use chimera_bench as bench;
 pub mod cache;
 pub mod config;
 pub mod engine;

@@ -467,7 +467,7 @@ pub fn write_plot(report: &BenchReport, path: &Path) -> Result<(), BenchError> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use crate::bench::arrivals::LoadPoint;
+    use crate::arrivals::LoadPoint;
 
     fn point(load: LoadPoint, ttft: f64, n: usize) -> PointReport {
         let records: Vec<RequestRecord> = (0..n)

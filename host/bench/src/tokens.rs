@@ -363,7 +363,7 @@ pub(crate) mod tests {
         // The tokenizer the tiny built-in models use (byte-level BPE).
         let path = concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/assets/tokenizer/tokenizer.json"
+            "/../assets/tokenizer/tokenizer.json"
         );
         let tok = PromptTokenizer::from_file(Path::new(path)).unwrap();
         assert!(tok.is_real());

@@ -311,7 +311,7 @@ impl BenchArgs {
             if self.tokenizer == DEFAULT_TOKENIZER && !Path::new(DEFAULT_TOKENIZER).exists() {
                 let beside_crate = concat!(
                     env!("CARGO_MANIFEST_DIR"),
-                    "/assets/tokenizer/tokenizer.json"
+                    "/../assets/tokenizer/tokenizer.json"
                 );
                 if Path::new(beside_crate).exists() {
                     beside_crate.to_string()

@@ -396,8 +396,8 @@ fn truncate(s: &str) -> String {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use crate::bench::tokens::Prompt;
-    use crate::bench::workload::Turn;
+    use crate::tokens::Prompt;
+    use crate::workload::Turn;
 
     fn p(text: &str, ids: &[u32]) -> Prompt {
         Prompt {

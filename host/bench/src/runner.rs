@@ -247,17 +247,17 @@ mod tests {
     #[tokio::test]
     async fn an_interrupted_point_sends_nothing_new() {
         let tok = PromptTokenizer::words();
-        let spec = crate::bench::workload::WorkloadSpec::Random {
+        let spec = crate::workload::WorkloadSpec::Random {
             requests: 3,
-            input_len: crate::bench::workload::LenRange::fixed(4),
-            output_len: crate::bench::workload::LenRange::fixed(2),
+            input_len: crate::workload::LenRange::fixed(4),
+            output_len: crate::workload::LenRange::fixed(2),
         };
-        let workload = crate::bench::workload::build(&spec, &tok, 0, true).unwrap();
+        let workload = crate::workload::build(&spec, &tok, 0, true).unwrap();
         let ctx = Arc::new(PointContext {
             client: HttpClient::new("http://127.0.0.1:9", None).unwrap(),
             path: "/v1/completions".into(),
             opts: RequestOptions {
-                endpoint: crate::bench::client::Endpoint::Completions,
+                endpoint: crate::client::Endpoint::Completions,
                 model: "m".into(),
                 prompt_format: PromptFormat::Text,
                 temperature: 0.0,
