@@ -25,7 +25,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use super::api::FailureKind;
 use super::config::EngineConfig;
 use super::request::{Phase, Request};
-use crate::cache::{BlockHash, CacheError, CacheManager, HashSeed, SsmInit};
+use crate::cache::{BlockHash, CacheError, CacheManager, HashSeed, PrefixMatch, SsmInit};
 use crate::model::SsmSnapshot;
 
 /// One request's share of a step.
@@ -584,6 +584,36 @@ impl Scheduler {
         }
     }
 
+    /// Why request `r` can never run here, if it cannot: its whole sequence, prompt and every
+    /// token it may generate, must fit the cache alone (or it would run, be preempted, and
+    /// fail only once it had filled it), and without chunked prefill its prompt must fit a
+    /// step.
+    fn never_fits(
+        cfg: &EngineConfig,
+        bs: usize,
+        r: &Request,
+        cache: &CacheManager,
+    ) -> Option<String> {
+        let longest = r.orig_prompt_len + r.max_tokens;
+        if longest.div_ceil(bs) > cache.total_blocks() {
+            return Some(format!(
+                "the prompt ({} tokens) and max_tokens ({}) need {} KV blocks but the cache holds {} ({} tokens): lower max_tokens, shorten the prompt, or raise cache.memory_budget",
+                r.orig_prompt_len,
+                r.max_tokens,
+                longest.div_ceil(bs),
+                cache.total_blocks(),
+                cache.total_blocks() * bs
+            ));
+        }
+        if !cfg.chunked_prefill && r.prompt_len > cfg.max_batched_tokens {
+            return Some(format!(
+                "the prompt has {} tokens but engine.max_batched_tokens is {} and chunked prefill is off",
+                r.prompt_len, cfg.max_batched_tokens
+            ));
+        }
+        None
+    }
+
     fn admit_waiting(
         &mut self,
         cache: &mut CacheManager,
@@ -599,26 +629,7 @@ impl Scheduler {
                 continue;
             };
             let prompt_len = r.prompt_len;
-            // The whole sequence, prompt and every token it may generate, must fit the cache
-            // alone, or it would run, be preempted, and fail only once it had filled it.
-            let longest = r.orig_prompt_len + r.max_tokens;
-            if longest.div_ceil(bs) > cache.total_blocks() {
-                let msg = format!(
-                    "the prompt ({} tokens) and max_tokens ({}) need {} KV blocks but the cache holds {} ({} tokens): lower max_tokens, shorten the prompt, or raise cache.memory_budget",
-                    r.orig_prompt_len,
-                    r.max_tokens,
-                    longest.div_ceil(bs),
-                    cache.total_blocks(),
-                    cache.total_blocks() * bs
-                );
-                self.reject(i, FailureKind::PromptTooLong, msg);
-                continue;
-            }
-            if !self.cfg.chunked_prefill && prompt_len > self.cfg.max_batched_tokens {
-                let msg = format!(
-                    "the prompt has {prompt_len} tokens but engine.max_batched_tokens is {} and chunked prefill is off",
-                    self.cfg.max_batched_tokens
-                );
+            if let Some(msg) = Self::never_fits(&self.cfg, bs, r, cache) {
                 self.reject(i, FailureKind::PromptTooLong, msg);
                 continue;
             }
@@ -667,17 +678,7 @@ impl Scheduler {
                     continue;
                 }
             };
-            cache.count_prefix_query(prompt_len, ctx);
-            r.computed = ctx;
-            r.kv_match = m.kv_blocks;
-            if !r.admitted_once {
-                r.admitted_once = true;
-                r.cached_tokens = ctx;
-                r.cacheable_tokens = cache.cacheable_blocks(prompt_len) * bs;
-                r.cache_miss =
-                    cache.miss_reason(&r.hashes, prompt_len, m, r.prompt_logprobs.is_some());
-                cache.count_miss(r.cache_miss);
-            }
+            note_admission(r, cache, m, ctx, bs);
             r.phase = Phase::Running;
             out.admitted.push(r.id);
             let last = ctx + n == r.total_len();
@@ -741,6 +742,28 @@ impl Scheduler {
                 finished.push((s.slot, StopReason::Length));
             }
         }
+    }
+}
+
+/// Records an admission from `ctx` (the prefix the cache serves) in the request and the
+/// cache's counters; the first admission fixes the request's cache figures.
+fn note_admission(
+    r: &mut Request,
+    cache: &mut CacheManager,
+    m: PrefixMatch,
+    ctx: usize,
+    bs: usize,
+) {
+    let prompt_len = r.prompt_len;
+    cache.count_prefix_query(prompt_len, ctx);
+    r.computed = ctx;
+    r.kv_match = m.kv_blocks;
+    if !r.admitted_once {
+        r.admitted_once = true;
+        r.cached_tokens = ctx;
+        r.cacheable_tokens = cache.cacheable_blocks(prompt_len) * bs;
+        r.cache_miss = cache.miss_reason(&r.hashes, prompt_len, m, r.prompt_logprobs.is_some());
+        cache.count_miss(r.cache_miss);
     }
 }
 

@@ -278,6 +278,38 @@ fn budget(state: &AppState, prompt_len: usize, params: &GenParams) -> Result<u32
     }
 }
 
+/// The engine request of choice `k` of prompt `prep`.
+fn engine_request(
+    id: u64,
+    k: u32,
+    prep: &Prepared,
+    params: &GenParams,
+    max_tokens: u32,
+) -> GenerateRequest {
+    let mut sampling = params.sampling.clone();
+    // Distinct but reproducible draws for the n choices of a seeded request.
+    sampling.seed = sampling.seed.map(|s| s.wrapping_add(u64::from(k)));
+    GenerateRequest {
+        id,
+        prompt: prep.ids.clone(),
+        params: sampling,
+        max_tokens,
+        stop_token_ids: params.stop_token_ids.clone(),
+        ignore_eos: params.ignore_eos,
+        // `echo` with `logprobs` scores the prompt too.
+        prompt_logprobs: params.prompt_logprobs.or_else(|| {
+            if prep.echo.is_some() {
+                params.logprobs
+            } else {
+                None
+            }
+        }),
+        block_hashes: Some(prep.hashes.clone()),
+        checkpoints: prep.checkpoints.clone(),
+        priority: params.priority,
+    }
+}
+
 /// Routes and submits every choice; returns the runs and their (index, prompt) pairs.
 async fn submit(
     state: &AppState,
@@ -318,31 +350,12 @@ async fn submit(
             .cloned()
             .ok_or_else(|| AppError::Internal("router chose a missing replica".into()))?;
         let tail = &prep.ids[prep.ids.len().saturating_sub(DETOK_CONTEXT)..];
+        let pass = (inner.outputs.get(placement.replica))
+            .ok_or_else(|| AppError::Internal("no output pass for the replica".into()))?;
         for k in 0..params.n {
             let index = p as u32 * params.n + k;
             let id = state.next_id();
-            let mut sampling = params.sampling.clone();
-            // Distinct but reproducible draws for the n choices of a seeded request.
-            sampling.seed = sampling.seed.map(|s| s.wrapping_add(u64::from(k)));
-            let request = GenerateRequest {
-                id,
-                prompt: prep.ids.clone(),
-                params: sampling,
-                max_tokens,
-                stop_token_ids: params.stop_token_ids.clone(),
-                ignore_eos: params.ignore_eos,
-                // `echo` with `logprobs` scores the prompt too.
-                prompt_logprobs: params.prompt_logprobs.or_else(|| {
-                    if prep.echo.is_some() {
-                        params.logprobs
-                    } else {
-                        None
-                    }
-                }),
-                block_hashes: Some(prep.hashes.clone()),
-                checkpoints: prep.checkpoints.clone(),
-                priority: params.priority,
-            };
+            let request = engine_request(id, k, prep, params, max_tokens);
             let out = OutputState::new(
                 inner.codec.clone(),
                 tail,
@@ -357,8 +370,6 @@ async fn submit(
             let one = permit
                 .split(1)
                 .ok_or_else(|| AppError::Internal("admission accounting".into()))?;
-            let pass = (inner.outputs.get(placement.replica))
-                .ok_or_else(|| AppError::Internal("no output pass for the replica".into()))?;
             let slot = pass.register(id, out)?;
             if let Err(e) = handle.submit_to(request, pass.events()) {
                 pass.forget(id);
