@@ -329,6 +329,17 @@ fn fail_unfinished(open: HashMap<u64, (EventSender, u64)>) {
 mod tests {
     use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
+    /// The closed reports of a threaded outbox, waiting up to 10 s for the first.
+    fn wait_closed(out: &mut Outbox) -> Vec<u64> {
+        let mut closed = Vec::new();
+        let start = std::time::Instant::now();
+        while closed.is_empty() && start.elapsed().as_secs() < 10 {
+            out.take_closed(&mut closed);
+            std::thread::yield_now();
+        }
+        closed
+    }
+
     /// A request's own channel.
     fn own() -> (EventSender, UnboundedReceiver<EngineEvent>) {
         let (tx, rx) = unbounded_channel();
@@ -459,12 +470,7 @@ mod tests {
             assert!(out.send(2, &kept_tx, tokens(step)));
             out.flush();
         }
-        let mut closed = Vec::new();
-        let start = std::time::Instant::now();
-        while closed.is_empty() && start.elapsed().as_secs() < 10 {
-            out.take_closed(&mut closed);
-            std::thread::yield_now();
-        }
+        let closed = wait_closed(&mut out);
         assert_eq!(closed, vec![1]);
         // A second report of the same request never comes.
         assert!(out.send(1, &gone_tx, tokens(9)));
@@ -592,12 +598,7 @@ mod tests {
         drop(batches);
         assert!(out.send_token(4, &to, 1, None));
         out.flush();
-        let mut closed = Vec::new();
-        let start = std::time::Instant::now();
-        while closed.is_empty() && start.elapsed().as_secs() < 10 {
-            out.take_closed(&mut closed);
-            std::thread::yield_now();
-        }
+        let closed = wait_closed(&mut out);
         assert_eq!(closed, vec![4]);
     }
 }

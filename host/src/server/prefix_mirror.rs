@@ -120,6 +120,13 @@ impl PrefixMirror {
 mod tests {
     use super::*;
 
+    fn hit(kv_blocks: u32, ssm_blocks: u32) -> PrefixHit {
+        PrefixHit {
+            kv_blocks,
+            ssm_blocks,
+        }
+    }
+
     #[test]
     fn hashes_are_chained_and_salted() {
         let a = prompt_block_hashes("m", &[1, 2, 3, 4, 5, 6, 7], 2);
@@ -145,33 +152,15 @@ mod tests {
             hashes: short(&h),
             with_snapshot: vec![false, true, false],
         });
-        assert_eq!(
-            m.hit(&h),
-            PrefixHit {
-                kv_blocks: 3,
-                ssm_blocks: 2
-            }
-        );
+        assert_eq!(m.hit(&h), hit(3, 2));
         m.apply(&KvEvent::SnapshotRemoved {
             hashes: vec![h[1].short()],
         });
-        assert_eq!(
-            m.hit(&h),
-            PrefixHit {
-                kv_blocks: 3,
-                ssm_blocks: 0
-            }
-        );
+        assert_eq!(m.hit(&h), hit(3, 0));
         m.apply(&KvEvent::Removed {
             hashes: vec![h[1].short()],
         });
-        assert_eq!(
-            m.hit(&h),
-            PrefixHit {
-                kv_blocks: 1,
-                ssm_blocks: 0
-            }
-        );
+        assert_eq!(m.hit(&h), hit(1, 0));
         m.apply(&KvEvent::Cleared);
         assert!(m.is_empty());
         assert_eq!(m.hit(&h), PrefixHit::default());
