@@ -218,7 +218,9 @@ fn run(case: &Case) -> (f64, StepTimings) {
             // Finishing one after another: about one a step once the measured steps begin.
             8 + (i * CHURN_OUTPUT as usize / case.running) as u32
         } else {
-            u32::MAX
+            // Decoding through the warm-up and every measured step (a request that can never
+            // fit the pool is refused at admission).
+            (steps + 8) as u32
         };
         e.add(request(i as u64, prompt, max_tokens), tx);
         rx.push(r);

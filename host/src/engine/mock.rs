@@ -305,9 +305,14 @@ impl StepExecutor for MockExecutor {
             .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))
     }
 
+    /// Waits out the step's device time as a CUDA context does by default on a host with
+    /// more cores than GPUs (`CU_CTX_SCHED_AUTO` spins): spinning, so that the host's caches
+    /// and clock stay as warm as they do behind a real device.
     fn finish(&mut self, _out: &mut StepOutput) -> Result<(), ExecutorError> {
         if let Some(end) = self.busy_until.take() {
-            std::thread::sleep(end.saturating_duration_since(Instant::now()));
+            while Instant::now() < end {
+                std::hint::spin_loop();
+            }
         }
         Ok(())
     }
