@@ -32,8 +32,8 @@ use rayon::prelude::*;
 
 use super::{
     Activation, ArenaStats, AttnShape, Backend, BackendError, DType, GdnShape, HostTensor, KvLayer,
-    MoeRouting, MoeScoring, Result, Rope, SampleOut, SlotOp, SsmPools, SsmShape, StackedExperts,
-    StepPlan,
+    LayerOps, MoeRouting, MoeScoring, Result, Rope, SampleOut, SlotOp, SsmPools, SsmShape,
+    StackedExperts, StepBackend, StepPlan,
 };
 
 /// A dense f32 tensor in host memory.
@@ -291,7 +291,6 @@ impl CpuBackend {
 
 impl Backend for CpuBackend {
     type Tensor = CpuTensor;
-    type Step = CpuStep;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -351,59 +350,10 @@ impl Backend for CpuBackend {
         }
         Ok(())
     }
+}
 
-    fn new_step(&self, max_tokens: usize) -> Result<CpuStep> {
-        self.arena.max_rows.fetch_max(max_tokens, Ordering::Relaxed);
-        Ok(CpuStep::default())
-    }
-
-    fn upload_step(&self, plan: &StepPlan, step: &mut CpuStep) -> Result<()> {
-        plan.validate()?;
-        step.plan.copy_from(plan);
-        Ok(())
-    }
-
-    // Packing ahead is the same copy: it keeps the CPU on the path a device takes.
-    fn packs_ahead(&self) -> bool {
-        true
-    }
-
-    fn pack_step(
-        &self,
-        plan: &StepPlan,
-        step: &mut CpuStep,
-        bucket: Option<super::GraphBucket>,
-        _max_blocks: usize,
-    ) -> Result<bool> {
-        if bucket.is_some() {
-            return Ok(false);
-        }
-        self.upload_step(plan, step)?;
-        Ok(true)
-    }
-
-    fn repack_tokens(&self, plan: &StepPlan, step: &mut CpuStep) -> Result<()> {
-        if plan.tokens.len() != step.plan.tokens.len() {
-            return Err(BackendError::Invalid(format!(
-                "{} tokens written over a packed step of {}",
-                plan.tokens.len(),
-                step.plan.tokens.len()
-            )));
-        }
-        step.plan.tokens.copy_from_slice(&plan.tokens);
-        Ok(())
-    }
-
-    fn send_step(&self, _step: &mut CpuStep) -> Result<()> {
-        Ok(())
-    }
-
-    fn arena_stats(&self) -> ArenaStats {
-        ArenaStats {
-            grown: self.arena.grown.load(Ordering::Relaxed),
-            bytes: self.arena.bytes.load(Ordering::Relaxed),
-        }
-    }
+impl LayerOps for CpuBackend {
+    type Step = CpuStep;
 
     fn zeros_like(&self, x: &CpuTensor) -> Result<CpuTensor> {
         Ok(self.tmp_zeroed(&x.shape))
@@ -785,6 +735,72 @@ impl Backend for CpuBackend {
         Ok(out)
     }
 
+    fn moe(
+        &self,
+        x: &CpuTensor,
+        router_logits: &CpuTensor,
+        routing: &MoeRouting<CpuTensor>,
+        experts: &StackedExperts<CpuTensor>,
+        out: &mut CpuTensor,
+    ) -> Result<()> {
+        moe_forward(x, router_logits, routing, experts, out)
+    }
+}
+
+impl StepBackend for CpuBackend {
+    fn new_step(&self, max_tokens: usize) -> Result<CpuStep> {
+        self.arena.max_rows.fetch_max(max_tokens, Ordering::Relaxed);
+        Ok(CpuStep::default())
+    }
+
+    fn upload_step(&self, plan: &StepPlan, step: &mut CpuStep) -> Result<()> {
+        plan.validate()?;
+        step.plan.copy_from(plan);
+        Ok(())
+    }
+
+    // Packing ahead is the same copy: it keeps the CPU on the path a device takes.
+    fn packs_ahead(&self) -> bool {
+        true
+    }
+
+    fn pack_step(
+        &self,
+        plan: &StepPlan,
+        step: &mut CpuStep,
+        bucket: Option<super::GraphBucket>,
+        _max_blocks: usize,
+    ) -> Result<bool> {
+        if bucket.is_some() {
+            return Ok(false);
+        }
+        self.upload_step(plan, step)?;
+        Ok(true)
+    }
+
+    fn repack_tokens(&self, plan: &StepPlan, step: &mut CpuStep) -> Result<()> {
+        if plan.tokens.len() != step.plan.tokens.len() {
+            return Err(BackendError::Invalid(format!(
+                "{} tokens written over a packed step of {}",
+                plan.tokens.len(),
+                step.plan.tokens.len()
+            )));
+        }
+        step.plan.tokens.copy_from_slice(&plan.tokens);
+        Ok(())
+    }
+
+    fn send_step(&self, _step: &mut CpuStep) -> Result<()> {
+        Ok(())
+    }
+
+    fn arena_stats(&self) -> ArenaStats {
+        ArenaStats {
+            grown: self.arena.grown.load(Ordering::Relaxed),
+            bytes: self.arena.bytes.load(Ordering::Relaxed),
+        }
+    }
+
     fn sample(&self, logits: &mut CpuTensor, step: &CpuStep, out: &mut SampleOut) -> Result<()> {
         let plan = &step.plan;
         let (rows, vocab) = logits.rows_cols();
@@ -809,17 +825,6 @@ impl Backend for CpuBackend {
             dst.copy_from_slice(logits.row(r as usize));
         }
         sample::sample_tail(&mut picked.data, vocab, &plan.sampling, out)
-    }
-
-    fn moe(
-        &self,
-        x: &CpuTensor,
-        router_logits: &CpuTensor,
-        routing: &MoeRouting<CpuTensor>,
-        experts: &StackedExperts<CpuTensor>,
-        out: &mut CpuTensor,
-    ) -> Result<()> {
-        moe_forward(x, router_logits, routing, experts, out)
     }
 }
 

@@ -89,7 +89,7 @@ pub(super) enum GateNorm {
 
 impl CudaBackend {
     /// The depthwise causal conv with SiLU over `x` (a column range), continuing from and
-    /// updating SSM layer `layer`'s conv state: [`crate::backend::Backend::causal_conv1d`].
+    /// updating SSM layer `layer`'s conv state: [`crate::backend::LayerOps::causal_conv1d`].
     /// Returns a dense `[n, channels]`.
     pub(super) fn conv_cols(
         &self,
@@ -142,7 +142,7 @@ impl CudaBackend {
     }
 
     /// The selective scan over column ranges `x`, `b`, `c` and `dt`:
-    /// [`crate::backend::Backend::ssm_scan`]. Returns a dense `y [n, heads·head_dim]`.
+    /// [`crate::backend::LayerOps::ssm_scan`]. Returns a dense `y [n, heads·head_dim]`.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn scan_cols(
         &self,
@@ -280,7 +280,7 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// [`crate::backend::Backend::mamba2_mix`]: three operations (the conv, the scan, the
+    /// [`crate::backend::LayerOps::mamba2_mix`]: three operations (the conv, the scan, the
     /// gated norm), each reading its inputs in place from `zxbcdt` and the conv's output.
     pub(super) fn mamba2_mix_in_place(
         &self,

@@ -44,8 +44,8 @@ use self::memory::{Arena, DevAlloc, MemStats, Pinned, bad_tensor, dtoh, htod, sy
 pub use self::step::CudaStep;
 use super::{
     Activation, ArenaStats, AttnShape, Backend, BackendError, DType, DeviceStepTime, GdnShape,
-    GraphBucket, HostTensor, KvLayer, Mamba2Mix, MoeRouting, Result, Rope, SampleOut, SsmPools,
-    SsmShape, StackedExperts, StepPlan,
+    GraphBucket, HostTensor, KvLayer, LayerOps, Mamba2Mix, MoeRouting, Result, Rope, SampleOut,
+    SsmPools, SsmShape, StackedExperts, StepBackend, StepPlan,
 };
 
 /// Where a tensor's memory comes from.
@@ -171,7 +171,7 @@ fn gemv_blocks_per_sm() -> u32 {
 }
 
 /// Events on the stream: the current step's start and end, the previous step's end (see
-/// [`Backend::step_clock_start`]), and the end of a read-back outside a timed step.
+/// [`StepBackend::step_clock_start`]), and the end of a read-back outside a timed step.
 struct StepClock {
     start: sys::CUevent,
     end: sys::CUevent,
@@ -846,7 +846,6 @@ fn shape_err(what: &str, got: &[usize], expected: Vec<usize>) -> BackendError {
 
 impl Backend for CudaBackend {
     type Tensor = CudaTensor;
-    type Step = CudaStep;
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -858,13 +857,6 @@ impl Backend for CudaBackend {
 
     fn is_lost(&self) -> bool {
         self.is_broken()
-    }
-
-    fn set_ssm_chunk_size(&self, chunk: usize) {
-        self.inner
-            .device
-            .ssm_chunk
-            .store(chunk as u32, Ordering::Relaxed);
     }
 
     fn upload(&self, host: HostTensor<'_>) -> Result<CudaTensor> {
@@ -1000,198 +992,16 @@ impl Backend for CudaBackend {
         }
         sync(self.dev(), self.stream())
     }
+}
 
-    fn new_step(&self, max_tokens: usize) -> Result<CudaStep> {
+impl LayerOps for CudaBackend {
+    type Step = CudaStep;
+
+    fn set_ssm_chunk_size(&self, chunk: usize) {
         self.inner
-            .arena
-            .max_rows
-            .fetch_max(max_tokens.max(1), Ordering::Relaxed);
-        let mut step = CudaStep::new();
-        step.ssm_chunk = self.inner.device.ssm_chunk.load(Ordering::Relaxed);
-        // Allocated now: a replica whose first steps all replay graphs would otherwise make
-        // the first allocation of its eager step object long into serving.
-        step.reserve(self.dev(), &self.inner.stats, step::MIN_STEP_BYTES)?;
-        Ok(step)
-    }
-
-    /// Decode buckets of 1 to 256 sequences (powers of two up to the batch's); mixed buckets
-    /// of every [`MIXED_TOKEN_STEP`] tokens up to [`MIXED_MAX_TOKENS`] (and the step's budget),
-    /// each with a power of two of decodes up to half the tokens and each count of
-    /// [`MIXED_PROMPTS`] prompt chunks.
-    fn graph_buckets(&self, max_batch: usize, max_tokens: usize) -> Vec<GraphBucket> {
-        let decodes = || {
-            GRAPH_BUCKETS
-                .iter()
-                .copied()
-                .filter(move |&b| b <= max_batch.next_power_of_two())
-        };
-        let mut out: Vec<GraphBucket> =
-            decodes().map(|seqs| GraphBucket::Decode { seqs }).collect();
-        let top = MIXED_MAX_TOKENS.min(max_tokens.next_multiple_of(MIXED_TOKEN_STEP));
-        for tokens in (MIXED_TOKEN_STEP..=top).step_by(MIXED_TOKEN_STEP) {
-            for prompts in MIXED_PROMPTS {
-                out.extend(decodes().filter(|&d| d <= tokens / 2).map(|decodes| {
-                    GraphBucket::Mixed {
-                        tokens,
-                        decodes,
-                        prompts,
-                    }
-                }));
-            }
-        }
-        out
-    }
-
-    fn upload_graph_step(
-        &self,
-        plan: &StepPlan,
-        step: &mut CudaStep,
-        bucket: GraphBucket,
-        max_blocks: usize,
-    ) -> Result<bool> {
-        match bucket {
-            GraphBucket::Decode { seqs } => self.upload_graph_shaped(
-                plan,
-                step,
-                seqs,
-                step::GraphShape::splits_for(seqs),
-                max_blocks,
-            ),
-            GraphBucket::Mixed { .. } => {
-                if !self.pack_for(plan, step, Some(bucket), max_blocks, false)? {
-                    return Ok(false);
-                }
-                self.send(step)?;
-                Ok(true)
-            }
-        }
-    }
-
-    fn packs_ahead(&self) -> bool {
-        true
-    }
-
-    fn pack_step(
-        &self,
-        plan: &StepPlan,
-        step: &mut CudaStep,
-        bucket: Option<GraphBucket>,
-        max_blocks: usize,
-    ) -> Result<bool> {
-        self.pack_for(plan, step, bucket, max_blocks, true)
-    }
-
-    fn repack_tokens(&self, plan: &StepPlan, step: &mut CudaStep) -> Result<()> {
-        step.repack_tokens(plan)
-    }
-
-    fn send_step(&self, step: &mut CudaStep) -> Result<()> {
-        self.send(step)
-    }
-
-    fn step_clock_start(&self) -> Result<()> {
-        self.dev().bind()?;
-        let mut clock = self.clock()?;
-        if let Some(c) = clock.as_mut() {
-            // The start is recorded with the step's first device operation (its upload).
-            c.timing = true;
-            c.started = false;
-            c.ended = false;
-        }
-        Ok(())
-    }
-
-    fn step_clock_end(&self) -> Result<Option<DeviceStepTime>> {
-        let dev = self.dev();
-        let mut clock = self.inner.clock.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(c) = clock.as_mut() else {
-            return Ok(None);
-        };
-        let timed = c.timing && c.started && c.ended;
-        c.timing = false;
-        if !timed {
-            return Ok(None);
-        }
-        dev.bind()?;
-        // SAFETY: events of this context, all recorded and complete (the read-back waited
-        // for `end`, the last of them).
-        let ms = |a, b| {
-            unsafe { result::event::elapsed(a, b) }
-                .map(f64::from)
-                .map_err(|e| dev.fail("reading an event", e))
-        };
-        let busy = ms(c.start, c.end)?;
-        let idle = if c.have_prev {
-            ms(c.prev_end, c.start)?
-        } else {
-            0.0
-        };
-        std::mem::swap(&mut c.end, &mut c.prev_end);
-        c.have_prev = true;
-        Ok(Some(DeviceStepTime {
-            busy_s: busy / 1e3,
-            idle_before_s: idle.max(0.0) / 1e3,
-        }))
-    }
-
-    fn capture_graph(&self, run: &mut dyn FnMut() -> Result<()>) -> Result<usize> {
-        let dev = self.dev();
-        dev.bind()?;
-        sync(dev, self.stream())?;
-        // Relaxed: allocations on other threads (another replica) stay legal meanwhile.
-        // SAFETY: a live stream of this context, not capturing.
-        unsafe {
-            result::stream::begin_capture(
-                self.stream(),
-                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
-            )
-        }
-        .map_err(|e| dev.fail("starting a graph capture", e))?;
-        let ran = run();
-        // The capture ends whatever `run` did, so the stream is usable again.
-        // SAFETY: this stream is capturing (begun above).
-        let graph = unsafe { result::stream::end_capture(self.stream()) };
-        ran?;
-        let graph = graph.map_err(|e| dev.fail("ending a graph capture", e))?;
-        // SAFETY: a graph just captured; flags 0.
-        let exec =
-            match unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) } {
-                Ok(exec) => exec,
-                Err(e) => {
-                    // SAFETY: the graph was created above and is not used again.
-                    unsafe {
-                        let _ = result::graph::destroy(graph);
-                    }
-                    return Err(dev.fail("instantiating a graph", e));
-                }
-            };
-        let mut graphs = self.inner.graphs.lock().unwrap_or_else(|p| p.into_inner());
-        graphs.push(Graph { graph, exec });
-        Ok(graphs.len() - 1)
-    }
-
-    fn replay_graph(&self, id: usize) -> Result<()> {
-        let dev = self.dev();
-        dev.bind()?;
-        let graphs = self.inner.graphs.lock().unwrap_or_else(|p| p.into_inner());
-        let g = graphs
-            .get(id)
-            .ok_or_else(|| BackendError::Invalid(format!("no graph {id}")))?;
-        // SAFETY: an instantiated graph of this context, launched on its stream.
-        unsafe { result::graph::launch(g.exec, self.stream()) }
-            .map_err(|e| dev.fail("replaying a graph", e))
-    }
-
-    fn upload_step(&self, plan: &StepPlan, step: &mut CudaStep) -> Result<()> {
-        self.pack_for(plan, step, None, 0, false)?;
-        self.send(step)
-    }
-
-    fn arena_stats(&self) -> ArenaStats {
-        ArenaStats {
-            grown: self.inner.stats.arena_grown.load(Ordering::Relaxed),
-            bytes: self.inner.stats.arena_bytes.load(Ordering::Relaxed),
-        }
+            .device
+            .ssm_chunk
+            .store(chunk as u32, Ordering::Relaxed);
     }
 
     fn zeros_like(&self, x: &CudaTensor) -> Result<CudaTensor> {
@@ -1636,6 +1446,261 @@ impl Backend for CudaBackend {
         self.mamba2_mix_in_place(zxbcdt, m, pools, layer, step)
     }
 
+    // Gated DeltaNet models (Qwen3-Next, Qwen3.5) run on the CPU backend for now. What the
+    // kernels need: a per-head RMS norm with a [head_dim] weight; a sigmoid gate with row
+    // broadcast; and the gated delta rule — the recurrent step for decode rows (state [v_heads,
+    // k_dim, v_dim] per slot in `pools.ssm`, updated in place) and a chunked scan for prompt
+    // rows (per chunk: a triangular solve for the deltas, then outputs and the carried state;
+    // snapshot targets cut chunks like the Mamba2 scan does), reading the step's sequence
+    // offsets, slots and snapshot targets.
+    fn head_rms_norm(
+        &self,
+        _x: &CudaTensor,
+        _w: &CudaTensor,
+        _head_dim: usize,
+        _eps: f32,
+    ) -> Result<CudaTensor> {
+        Err(unsupported_yet(
+            "head_rms_norm (per-head q/k norms of gated attention)",
+        ))
+    }
+
+    fn sigmoid_gate(&self, _x: &mut CudaTensor, _gate: &CudaTensor) -> Result<()> {
+        Err(unsupported_yet(
+            "sigmoid_gate (gated attention, shared-expert gate)",
+        ))
+    }
+
+    fn gated_delta_rule(
+        &self,
+        _q: &CudaTensor,
+        _k: &CudaTensor,
+        _v: &CudaTensor,
+        _a: &CudaTensor,
+        _b: &CudaTensor,
+        _a_log: &CudaTensor,
+        _dt_bias: &CudaTensor,
+        _shape: GdnShape,
+        _pools: &mut SsmPools<CudaTensor>,
+        _layer: usize,
+        _step: &CudaStep,
+    ) -> Result<CudaTensor> {
+        Err(unsupported_yet(
+            "gated_delta_rule (Gated DeltaNet chunked scan and state update)",
+        ))
+    }
+
+    fn moe(
+        &self,
+        x: &CudaTensor,
+        router_logits: &CudaTensor,
+        routing: &MoeRouting<CudaTensor>,
+        experts: &StackedExperts<CudaTensor>,
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        let dims = self.moe_dims(x, router_logits, routing, experts, out)?;
+        if dims.tokens == 0 {
+            return Ok(());
+        }
+        let routed = self.route_on_device(router_logits, routing)?;
+        self.moe_grouped(x, &routed, experts, dims, out)
+    }
+}
+
+impl StepBackend for CudaBackend {
+    fn new_step(&self, max_tokens: usize) -> Result<CudaStep> {
+        self.inner
+            .arena
+            .max_rows
+            .fetch_max(max_tokens.max(1), Ordering::Relaxed);
+        let mut step = CudaStep::new();
+        step.ssm_chunk = self.inner.device.ssm_chunk.load(Ordering::Relaxed);
+        // Allocated now: a replica whose first steps all replay graphs would otherwise make
+        // the first allocation of its eager step object long into serving.
+        step.reserve(self.dev(), &self.inner.stats, step::MIN_STEP_BYTES)?;
+        Ok(step)
+    }
+
+    /// Decode buckets of 1 to 256 sequences (powers of two up to the batch's); mixed buckets
+    /// of every [`MIXED_TOKEN_STEP`] tokens up to [`MIXED_MAX_TOKENS`] (and the step's budget),
+    /// each with a power of two of decodes up to half the tokens and each count of
+    /// [`MIXED_PROMPTS`] prompt chunks.
+    fn graph_buckets(&self, max_batch: usize, max_tokens: usize) -> Vec<GraphBucket> {
+        let decodes = || {
+            GRAPH_BUCKETS
+                .iter()
+                .copied()
+                .filter(move |&b| b <= max_batch.next_power_of_two())
+        };
+        let mut out: Vec<GraphBucket> =
+            decodes().map(|seqs| GraphBucket::Decode { seqs }).collect();
+        let top = MIXED_MAX_TOKENS.min(max_tokens.next_multiple_of(MIXED_TOKEN_STEP));
+        for tokens in (MIXED_TOKEN_STEP..=top).step_by(MIXED_TOKEN_STEP) {
+            for prompts in MIXED_PROMPTS {
+                out.extend(decodes().filter(|&d| d <= tokens / 2).map(|decodes| {
+                    GraphBucket::Mixed {
+                        tokens,
+                        decodes,
+                        prompts,
+                    }
+                }));
+            }
+        }
+        out
+    }
+
+    fn upload_graph_step(
+        &self,
+        plan: &StepPlan,
+        step: &mut CudaStep,
+        bucket: GraphBucket,
+        max_blocks: usize,
+    ) -> Result<bool> {
+        match bucket {
+            GraphBucket::Decode { seqs } => self.upload_graph_shaped(
+                plan,
+                step,
+                seqs,
+                step::GraphShape::splits_for(seqs),
+                max_blocks,
+            ),
+            GraphBucket::Mixed { .. } => {
+                if !self.pack_for(plan, step, Some(bucket), max_blocks, false)? {
+                    return Ok(false);
+                }
+                self.send(step)?;
+                Ok(true)
+            }
+        }
+    }
+
+    fn packs_ahead(&self) -> bool {
+        true
+    }
+
+    fn pack_step(
+        &self,
+        plan: &StepPlan,
+        step: &mut CudaStep,
+        bucket: Option<GraphBucket>,
+        max_blocks: usize,
+    ) -> Result<bool> {
+        self.pack_for(plan, step, bucket, max_blocks, true)
+    }
+
+    fn repack_tokens(&self, plan: &StepPlan, step: &mut CudaStep) -> Result<()> {
+        step.repack_tokens(plan)
+    }
+
+    fn send_step(&self, step: &mut CudaStep) -> Result<()> {
+        self.send(step)
+    }
+
+    fn step_clock_start(&self) -> Result<()> {
+        self.dev().bind()?;
+        let mut clock = self.clock()?;
+        if let Some(c) = clock.as_mut() {
+            // The start is recorded with the step's first device operation (its upload).
+            c.timing = true;
+            c.started = false;
+            c.ended = false;
+        }
+        Ok(())
+    }
+
+    fn step_clock_end(&self) -> Result<Option<DeviceStepTime>> {
+        let dev = self.dev();
+        let mut clock = self.inner.clock.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(c) = clock.as_mut() else {
+            return Ok(None);
+        };
+        let timed = c.timing && c.started && c.ended;
+        c.timing = false;
+        if !timed {
+            return Ok(None);
+        }
+        dev.bind()?;
+        // SAFETY: events of this context, all recorded and complete (the read-back waited
+        // for `end`, the last of them).
+        let ms = |a, b| {
+            unsafe { result::event::elapsed(a, b) }
+                .map(f64::from)
+                .map_err(|e| dev.fail("reading an event", e))
+        };
+        let busy = ms(c.start, c.end)?;
+        let idle = if c.have_prev {
+            ms(c.prev_end, c.start)?
+        } else {
+            0.0
+        };
+        std::mem::swap(&mut c.end, &mut c.prev_end);
+        c.have_prev = true;
+        Ok(Some(DeviceStepTime {
+            busy_s: busy / 1e3,
+            idle_before_s: idle.max(0.0) / 1e3,
+        }))
+    }
+
+    fn capture_graph(&self, run: &mut dyn FnMut() -> Result<()>) -> Result<usize> {
+        let dev = self.dev();
+        dev.bind()?;
+        sync(dev, self.stream())?;
+        // Relaxed: allocations on other threads (another replica) stay legal meanwhile.
+        // SAFETY: a live stream of this context, not capturing.
+        unsafe {
+            result::stream::begin_capture(
+                self.stream(),
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+            )
+        }
+        .map_err(|e| dev.fail("starting a graph capture", e))?;
+        let ran = run();
+        // The capture ends whatever `run` did, so the stream is usable again.
+        // SAFETY: this stream is capturing (begun above).
+        let graph = unsafe { result::stream::end_capture(self.stream()) };
+        ran?;
+        let graph = graph.map_err(|e| dev.fail("ending a graph capture", e))?;
+        // SAFETY: a graph just captured; flags 0.
+        let exec =
+            match unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) } {
+                Ok(exec) => exec,
+                Err(e) => {
+                    // SAFETY: the graph was created above and is not used again.
+                    unsafe {
+                        let _ = result::graph::destroy(graph);
+                    }
+                    return Err(dev.fail("instantiating a graph", e));
+                }
+            };
+        let mut graphs = self.inner.graphs.lock().unwrap_or_else(|p| p.into_inner());
+        graphs.push(Graph { graph, exec });
+        Ok(graphs.len() - 1)
+    }
+
+    fn replay_graph(&self, id: usize) -> Result<()> {
+        let dev = self.dev();
+        dev.bind()?;
+        let graphs = self.inner.graphs.lock().unwrap_or_else(|p| p.into_inner());
+        let g = graphs
+            .get(id)
+            .ok_or_else(|| BackendError::Invalid(format!("no graph {id}")))?;
+        // SAFETY: an instantiated graph of this context, launched on its stream.
+        unsafe { result::graph::launch(g.exec, self.stream()) }
+            .map_err(|e| dev.fail("replaying a graph", e))
+    }
+
+    fn upload_step(&self, plan: &StepPlan, step: &mut CudaStep) -> Result<()> {
+        self.pack_for(plan, step, None, 0, false)?;
+        self.send(step)
+    }
+
+    fn arena_stats(&self) -> ArenaStats {
+        ArenaStats {
+            grown: self.inner.stats.arena_grown.load(Ordering::Relaxed),
+            bytes: self.inner.stats.arena_bytes.load(Ordering::Relaxed),
+        }
+    }
+
     fn sample(&self, logits: &mut CudaTensor, step: &CudaStep, out: &mut SampleOut) -> Result<()> {
         self.sample_start(logits, step, out)?;
         self.sample_finish(out)
@@ -1795,66 +1860,6 @@ impl Backend for CudaBackend {
         memory::read_words(lse, &mut out.lse, f32::from_bits);
         Ok(())
     }
-
-    // Gated DeltaNet models (Qwen3-Next, Qwen3.5) run on the CPU backend for now. What the
-    // kernels need: a per-head RMS norm with a [head_dim] weight; a sigmoid gate with row
-    // broadcast; and the gated delta rule — the recurrent step for decode rows (state [v_heads,
-    // k_dim, v_dim] per slot in `pools.ssm`, updated in place) and a chunked scan for prompt
-    // rows (per chunk: a triangular solve for the deltas, then outputs and the carried state;
-    // snapshot targets cut chunks like the Mamba2 scan does), reading the step's sequence
-    // offsets, slots and snapshot targets.
-    fn head_rms_norm(
-        &self,
-        _x: &CudaTensor,
-        _w: &CudaTensor,
-        _head_dim: usize,
-        _eps: f32,
-    ) -> Result<CudaTensor> {
-        Err(unsupported_yet(
-            "head_rms_norm (per-head q/k norms of gated attention)",
-        ))
-    }
-
-    fn sigmoid_gate(&self, _x: &mut CudaTensor, _gate: &CudaTensor) -> Result<()> {
-        Err(unsupported_yet(
-            "sigmoid_gate (gated attention, shared-expert gate)",
-        ))
-    }
-
-    fn gated_delta_rule(
-        &self,
-        _q: &CudaTensor,
-        _k: &CudaTensor,
-        _v: &CudaTensor,
-        _a: &CudaTensor,
-        _b: &CudaTensor,
-        _a_log: &CudaTensor,
-        _dt_bias: &CudaTensor,
-        _shape: GdnShape,
-        _pools: &mut SsmPools<CudaTensor>,
-        _layer: usize,
-        _step: &CudaStep,
-    ) -> Result<CudaTensor> {
-        Err(unsupported_yet(
-            "gated_delta_rule (Gated DeltaNet chunked scan and state update)",
-        ))
-    }
-
-    fn moe(
-        &self,
-        x: &CudaTensor,
-        router_logits: &CudaTensor,
-        routing: &MoeRouting<CudaTensor>,
-        experts: &StackedExperts<CudaTensor>,
-        out: &mut CudaTensor,
-    ) -> Result<()> {
-        let dims = self.moe_dims(x, router_logits, routing, experts, out)?;
-        if dims.tokens == 0 {
-            return Ok(());
-        }
-        let routed = self.route_on_device(router_logits, routing)?;
-        self.moe_grouped(x, &routed, experts, dims, out)
-    }
 }
 
 /// Device addresses of one SSM operation's tensors (0 where the operation has none).
@@ -1879,7 +1884,7 @@ impl CudaBackend {
         if scan && step.ssm_chunk == 0 {
             return Err(BackendError::Invalid(
                 "SSM operation on a step planned without an SSD chunk size \
-                 (Backend::set_ssm_chunk_size was not called when the model loaded)"
+                 (LayerOps::set_ssm_chunk_size was not called when the model loaded)"
                     .into(),
             ));
         }

@@ -15,7 +15,7 @@ use super::device::Arg;
 use super::memory::{dtoh, htod, sync};
 use super::{CudaBackend, CudaTensor, act_code, u32_bytes};
 use crate::backend::{
-    Backend, BackendError, DType, MoeRouting, MoeScoring, Result, StackedExperts,
+    BackendError, DType, LayerOps, MoeRouting, MoeScoring, Result, StackedExperts,
 };
 
 impl CudaBackend {
