@@ -1,14 +1,19 @@
 //! [`Counting`]: a backend wrapper that counts the traffic a device backend would pay for —
 //! step uploads, device-to-host reads — so tests can hold the step contract: exactly one
 //! upload and one read per step, and no host reads inside the layers.
+//!
+//! It implements every method of [`Backend`], [`LayerOps`] and [`StepBackend`] by calling the
+//! same method of the backend it wraps, so it computes exactly what that backend computes
+//! (its fused operations included). The traits have no default bodies, so the compiler
+//! demands each method here; a test in `backend` checks that each one forwards.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::{
-    Activation, ArenaStats, AttnShape, Backend, DType, GdnShape, GraphBucket, HostTensor, KvLayer,
-    LayerOps, Mamba2Mix, MoeRouting, Result, Rope, SampleOut, SsmPools, SsmShape, StackedExperts,
-    StepBackend, StepPlan,
+    Activation, ArenaStats, AttnShape, Backend, DType, DeviceStepTime, GdnShape, GraphBucket,
+    HostTensor, KvLayer, LayerOps, Mamba2Mix, MoeRouting, Result, Rope, SampleOut, SsmPools,
+    SsmShape, StackedExperts, StepBackend, StepPlan,
 };
 
 /// Counts shared by every clone of a [`Counting`] backend.
@@ -145,6 +150,34 @@ impl<B: LayerOps> LayerOps for Counting<B> {
     ) -> Result<Self::Tensor> {
         self.kernel();
         self.inner.linear(x, w, bias)
+    }
+    fn linear_shared(
+        &self,
+        x: &Self::Tensor,
+        weights: &[(&Self::Tensor, Option<&Self::Tensor>)],
+    ) -> Result<Vec<Self::Tensor>> {
+        self.kernel();
+        self.inner.linear_shared(x, weights)
+    }
+    fn gated_linear(
+        &self,
+        x: &Self::Tensor,
+        gate: (&Self::Tensor, Option<&Self::Tensor>),
+        up: (&Self::Tensor, Option<&Self::Tensor>),
+        act: Activation,
+    ) -> Result<Self::Tensor> {
+        self.kernel();
+        self.inner.gated_linear(x, gate, up, act)
+    }
+    fn linear_activated(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+        bias: Option<&Self::Tensor>,
+        act: Activation,
+    ) -> Result<Self::Tensor> {
+        self.kernel();
+        self.inner.linear_activated(x, w, bias, act)
     }
 
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()> {
@@ -405,6 +438,12 @@ impl<B: StepBackend> StepBackend for Counting<B> {
     fn send_step(&self, step: &mut Self::Step) -> Result<()> {
         self.traffic.step_uploads.fetch_add(1, Ordering::Relaxed);
         self.inner.send_step(step)
+    }
+    fn step_clock_start(&self) -> Result<()> {
+        self.inner.step_clock_start()
+    }
+    fn step_clock_end(&self) -> Result<Option<DeviceStepTime>> {
+        self.inner.step_clock_end()
     }
 
     fn arena_stats(&self) -> ArenaStats {

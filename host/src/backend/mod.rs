@@ -14,6 +14,14 @@
 //!   ahead or padded to a graph bucket), capture and replay graphs, time it on the device and
 //!   read its samples back.
 //!
+//! **No method has a default body.** Every implementor, wrappers included, writes each one
+//! out, so the compiler names any method a new backend or wrapper leaves out: a fused
+//! operation never silently becomes its unfused parts (a wrapper that forwarded 50 of 55
+//! methods once ran the unfused forms under CUDA). A backend without a fused form calls its
+//! parts from [`composed`] by name; one without graphs or a device clock says so in its own
+//! table. A test holds the traits to this and [`counting::Counting`] to forwarding each
+//! method to the same method of the backend it wraps.
+//!
 //! The contract is shaped for a device that is not the host:
 //! - **Tensors carry a dtype** ([`DType`]). Weights arrive as [`HostTensor`]s in their
 //!   checkpoint dtype, straight from the memory map; the backend decides what it keeps (the CPU
@@ -33,6 +41,7 @@
 //! Backends know tensors and kernels, not requests: this module imports nothing from the
 //! model, the caches, the engine or the server.
 
+pub mod composed;
 pub mod counting;
 pub mod cpu;
 pub mod cuda;
@@ -392,21 +401,15 @@ pub trait Backend: Send + Sync + 'static {
 
     /// The dtype of activations, weights and KV caches on this backend (the CPU computes in
     /// f32; a GPU serves in bf16, or f32 in its oracle mode).
-    fn act_dtype(&self) -> DType {
-        DType::F32
-    }
+    fn act_dtype(&self) -> DType;
 
     /// Whether the backend's device had an error it cannot recover from (the replica must stop).
-    fn is_lost(&self) -> bool {
-        false
-    }
+    fn is_lost(&self) -> bool;
 
     /// Whether the SSM recurrent-state pool may be stored as bf16 (`cache.ssm_state_dtype =
     /// "bfloat16"`). A backend that cannot keeps it in f32, and the setting then only sizes the
     /// slots (the CPU backend).
-    fn bf16_ssm_state(&self) -> bool {
-        false
-    }
+    fn bf16_ssm_state(&self) -> bool;
 
     /// Copies a host tensor in (weights: straight from the checkpoint's memory map).
     fn upload(&self, host: HostTensor<'_>) -> Result<Self::Tensor>;
@@ -438,7 +441,7 @@ pub trait LayerOps: Backend {
 
     /// Told at load: the SSD chunk size of the model's Mamba2 layers. A device backend cuts its
     /// scan chunks when the step is uploaded, before any layer runs; the CPU ignores it.
-    fn set_ssm_chunk_size(&self, _chunk: usize) {}
+    fn set_ssm_chunk_size(&self, chunk: usize);
 
     // ---- dense math -------------------------------------------------------------------------
     /// A zeroed step temporary shaped like `x`.
@@ -456,45 +459,36 @@ pub trait LayerOps: Backend {
     ) -> Result<Self::Tensor>;
 
     /// `[x · w_sᵀ (+ b_s)]` for weights that share the input (a layer's q/k/v projections, or
-    /// gate and up): equal to one [`LayerOps::linear`] each, which is the default. A device may
-    /// run them as one launch (one pass over `x`, one kernel instead of several).
+    /// gate and up): equal to one [`LayerOps::linear`] each. A device may run them as one
+    /// launch (one pass over `x`, one kernel instead of several).
     fn linear_shared(
         &self,
         x: &Self::Tensor,
         weights: &[(&Self::Tensor, Option<&Self::Tensor>)],
-    ) -> Result<Vec<Self::Tensor>> {
-        weights.iter().map(|(w, b)| self.linear(x, w, *b)).collect()
-    }
+    ) -> Result<Vec<Self::Tensor>>;
 
     /// A gated MLP's hidden activations: `act(x · gateᵀ (+ b)) * (x · upᵀ (+ b))`. Equal to
-    /// [`LayerOps::linear_shared`] then [`LayerOps::gated_activation`], which is the default; a
-    /// device may compute the product in the projections' epilogue (one launch, one output).
+    /// [`LayerOps::linear_shared`] then [`LayerOps::gated_activation`]
+    /// ([`composed::gated_linear`]); a device may compute the product in the projections'
+    /// epilogue (one launch, one output).
     fn gated_linear(
         &self,
         x: &Self::Tensor,
         gate: (&Self::Tensor, Option<&Self::Tensor>),
         up: (&Self::Tensor, Option<&Self::Tensor>),
         act: Activation,
-    ) -> Result<Self::Tensor> {
-        let outs = self.linear_shared(x, &[gate, up])?;
-        let [g, u] = <[Self::Tensor; 2]>::try_from(outs)
-            .map_err(|_| BackendError::Invalid("linear_shared: not two outputs".into()))?;
-        self.gated_activation(&g, &u, act)
-    }
+    ) -> Result<Self::Tensor>;
 
-    /// `act(x · wᵀ (+ b))`: [`LayerOps::linear`] then [`LayerOps::activate`] by default; a device
-    /// may apply the activation in the projection's epilogue.
+    /// `act(x · wᵀ (+ b))`: [`LayerOps::linear`] then [`LayerOps::activate`]
+    /// ([`composed::linear_activated`]); a device may apply the activation in the projection's
+    /// epilogue.
     fn linear_activated(
         &self,
         x: &Self::Tensor,
         w: &Self::Tensor,
         bias: Option<&Self::Tensor>,
         act: Activation,
-    ) -> Result<Self::Tensor> {
-        let mut y = self.linear(x, w, bias)?;
-        self.activate(&mut y, act)?;
-        Ok(y)
-    }
+    ) -> Result<Self::Tensor>;
 
     /// `x += y` (same shape).
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
@@ -505,17 +499,14 @@ pub trait LayerOps: Backend {
     fn rms_norm(&self, x: &Self::Tensor, w: &Self::Tensor, eps: f32) -> Result<Self::Tensor>;
 
     /// `residual += delta`, then `rms_norm(residual, w)`: a sublayer's residual add fused
-    /// into the next norm (one pass on a device; the default runs the two operations).
+    /// into the next norm (one pass on a device; [`composed::add_rms_norm`] runs the two).
     fn add_rms_norm(
         &self,
         residual: &mut Self::Tensor,
         delta: &Self::Tensor,
         w: &Self::Tensor,
         eps: f32,
-    ) -> Result<Self::Tensor> {
-        self.add_assign(residual, delta)?;
-        self.rms_norm(residual, w, eps)
-    }
+    ) -> Result<Self::Tensor>;
 
     /// `rms_norm_grouped(x * silu(gate)) * w`, normalising each `group`-wide slice on its own.
     fn gated_rms_norm(
@@ -574,23 +565,19 @@ pub trait LayerOps: Backend {
     ) -> Result<Self::Tensor>;
 
     /// [`LayerOps::paged_attention`] with RoPE applied to `q` and to `k` on its way into the
-    /// cache. A device fuses both rotations into the KV write (one launch); the default rotates
-    /// `q` and `k` first.
+    /// cache. A device fuses both rotations into the KV write (one launch);
+    /// [`composed::rope_paged_attention`] rotates `q` and `k` first.
     #[allow(clippy::too_many_arguments)]
     fn rope_paged_attention(
         &self,
-        mut q: Self::Tensor,
-        mut k: Self::Tensor,
+        q: Self::Tensor,
+        k: Self::Tensor,
         v: &Self::Tensor,
         cache: &mut KvLayer<Self::Tensor>,
         shape: AttnShape,
         rope: &Rope,
         step: &Self::Step,
-    ) -> Result<Self::Tensor> {
-        self.apply_rope(&mut q, shape.heads, shape.head_dim, rope, step)?;
-        self.apply_rope(&mut k, shape.kv_heads, shape.head_dim, rope, step)?;
-        self.paged_attention(&q, &k, v, cache, shape, step)
-    }
+    ) -> Result<Self::Tensor>;
 
     // ---- state-space layers -----------------------------------------------------------------
     /// Applies the step's SSM slot restores and zeros to every layer at once.
@@ -633,8 +620,9 @@ pub trait LayerOps: Backend {
     /// The middle of a Mamba2 mixer: from `in_proj`'s output `zxbcdt [n, d_inner + conv_dim +
     /// heads]` (the gate `z`, then `x | B | C`, then the raw `dt`) to `out_proj`'s input `[n,
     /// d_inner]`: [`LayerOps::causal_conv1d`] on `x | B | C`, [`LayerOps::ssm_scan`] on the
-    /// result and `dt`, then the output norm with `z` ([`SsmOutNorm`]). The default runs those
-    /// operations on copied column ranges; a device reads the ranges in place.
+    /// result and `dt`, then the output norm with `z` ([`SsmOutNorm`]).
+    /// [`composed::mamba2_mix`] runs those operations on copied column ranges; a device reads
+    /// the ranges in place.
     fn mamba2_mix(
         &self,
         zxbcdt: &Self::Tensor,
@@ -642,27 +630,7 @@ pub trait LayerOps: Backend {
         pools: &mut SsmPools<Self::Tensor>,
         layer: usize,
         step: &Self::Step,
-    ) -> Result<Self::Tensor> {
-        let sh = m.shape;
-        let d_inner = sh.d_inner();
-        let bc = sh.groups * sh.state_size;
-        let [z, xbc, dt] = self.split_cols(zxbcdt, [d_inner, m.conv_dim(), sh.heads])?;
-        let xbc = self.causal_conv1d(&xbc, m.conv_w, m.conv_b, pools, layer, step)?;
-        let [xs, bm, cm] = self.split_cols(&xbc, [d_inner, bc, bc])?;
-        let y = self.ssm_scan(
-            &xs, &bm, &cm, &dt, m.a_log, m.d, m.dt_bias, sh, pools, layer, step,
-        )?;
-        match m.norm {
-            SsmOutNorm::GateThenNorm(w) => {
-                self.gated_rms_norm(&y, &z, w, d_inner / sh.groups.max(1), m.eps)
-            }
-            SsmOutNorm::NormThenGate(w) => {
-                let y = self.rms_norm(&y, w, m.eps)?;
-                self.gated_activation(&z, &y, Activation::Silu)
-            }
-            SsmOutNorm::GateOnly => self.gated_activation(&z, &y, Activation::Silu),
-        }
-    }
+    ) -> Result<Self::Tensor>;
 
     // ---- gated models (Qwen3-Next, Qwen3.5) -------------------------------------------------
     /// RMS norm of every `head_dim`-wide slice of each row of `x`, times `w[head_dim]` (the
@@ -732,47 +700,31 @@ pub trait StepBackend: LayerOps {
     /// Whether [`StepBackend::pack_step`], [`StepBackend::repack_tokens`] and
     /// [`StepBackend::send_step`] split a step's upload: packing is host work only, so the next
     /// step can be packed while the device computes this one.
-    fn packs_ahead(&self) -> bool {
-        false
-    }
+    fn packs_ahead(&self) -> bool;
 
     /// Packs `plan` on the host for [`StepBackend::send_step`]: in the eager layout (`bucket`
     /// `None`) or padded to a graph bucket (`Ok(false)`, nothing packed, when it does not
     /// fit, as [`StepBackend::upload_graph_step`] says). Enqueues no device work.
     fn pack_step(
         &self,
-        _plan: &StepPlan,
-        _step: &mut Self::Step,
-        _bucket: Option<GraphBucket>,
-        _max_blocks: usize,
-    ) -> Result<bool> {
-        Err(BackendError::Invalid(
-            "this backend does not pack steps ahead".into(),
-        ))
-    }
+        plan: &StepPlan,
+        step: &mut Self::Step,
+        bucket: Option<GraphBucket>,
+        max_blocks: usize,
+    ) -> Result<bool>;
 
     /// Writes `plan`'s tokens over those of the step [`StepBackend::pack_step`] packed from it
     /// (placeholders then): the same plan otherwise.
-    fn repack_tokens(&self, _plan: &StepPlan, _step: &mut Self::Step) -> Result<()> {
-        Err(BackendError::Invalid(
-            "this backend does not pack steps ahead".into(),
-        ))
-    }
+    fn repack_tokens(&self, plan: &StepPlan, step: &mut Self::Step) -> Result<()>;
 
     /// The packed step's upload (its first device work): as [`StepBackend::upload_step`] after
     /// packing.
-    fn send_step(&self, _step: &mut Self::Step) -> Result<()> {
-        Err(BackendError::Invalid(
-            "this backend does not pack steps ahead".into(),
-        ))
-    }
+    fn send_step(&self, step: &mut Self::Step) -> Result<()>;
 
     // ---- device graphs (steps replayed without per-kernel launches) -------------------------
     /// The step shapes this backend replays as captured graphs, for steps of at most
     /// `max_batch` sequences and `max_tokens` tokens (empty: no graphs; the CPU).
-    fn graph_buckets(&self, _max_batch: usize, _max_tokens: usize) -> Vec<GraphBucket> {
-        Vec::new()
-    }
+    fn graph_buckets(&self, max_batch: usize, max_tokens: usize) -> Vec<GraphBucket>;
 
     /// Uploads `plan` padded to `bucket` in the fixed layout of a graph step (`max_blocks`
     /// block-table words per chunk at most). `Ok(false)`, with nothing uploaded, when the
@@ -781,43 +733,29 @@ pub trait StepBackend: LayerOps {
     /// ([`LayerOps::ssm_slot_ops`]); a decode bucket takes no slot ops.
     fn upload_graph_step(
         &self,
-        _plan: &StepPlan,
-        _step: &mut Self::Step,
-        _bucket: GraphBucket,
-        _max_blocks: usize,
-    ) -> Result<bool> {
-        Ok(false)
-    }
+        plan: &StepPlan,
+        step: &mut Self::Step,
+        bucket: GraphBucket,
+        max_blocks: usize,
+    ) -> Result<bool>;
 
     /// Records everything `run` enqueues (on this backend's stream) as a graph, without
     /// executing it, and returns the graph's id. `run` must enqueue the same work whatever
     /// the step's data (no host read-back, no allocation that the graph would outlive).
-    fn capture_graph(&self, _run: &mut dyn FnMut() -> Result<()>) -> Result<usize> {
-        Err(BackendError::Invalid(
-            "this backend has no device graphs".into(),
-        ))
-    }
+    fn capture_graph(&self, run: &mut dyn FnMut() -> Result<()>) -> Result<usize>;
 
     /// Replays graph `id` (its step object holds the current step's metadata).
-    fn replay_graph(&self, _id: usize) -> Result<()> {
-        Err(BackendError::Invalid(
-            "this backend has no device graphs".into(),
-        ))
-    }
+    fn replay_graph(&self, id: usize) -> Result<()>;
 
     // ---- the device clock -------------------------------------------------------------------
     /// Starts timing a step on the device: called before the step's first device work is
     /// enqueued. The step's read-back (in [`StepBackend::sample`]) marks its end.
-    fn step_clock_start(&self) -> Result<()> {
-        Ok(())
-    }
+    fn step_clock_start(&self) -> Result<()>;
 
     /// After a timed step's results are on the host: how long the device worked on it and how
     /// long it sat idle between the previous timed step's end and this step's start (zero for
     /// the first). `None` where the backend has no device clock (the CPU).
-    fn step_clock_end(&self) -> Result<Option<DeviceStepTime>> {
-        Ok(None)
-    }
+    fn step_clock_end(&self) -> Result<Option<DeviceStepTime>>;
 
     // ---- end of the step --------------------------------------------------------------------
     /// The sampling tail over the step's `sample_rows` of `logits` (`[logit rows, vocab]`):
@@ -841,20 +779,14 @@ pub trait StepBackend: LayerOps {
         logits: &mut Self::Tensor,
         step: &Self::Step,
         out: &mut SampleOut,
-    ) -> Result<()> {
-        self.sample(logits, step, out)
-    }
+    ) -> Result<()>;
 
     /// Completes the step [`StepBackend::sample_start`] started: `out` holds its candidates.
-    fn sample_finish(&self, _out: &mut SampleOut) -> Result<()> {
-        Ok(())
-    }
+    fn sample_finish(&self, out: &mut SampleOut) -> Result<()>;
 
     /// Whether [`StepBackend::sample_finish`] would return without waiting for the device (also
     /// when nothing is pending, or when the device failed: the finish then says how).
-    fn sample_ready(&self) -> bool {
-        true
-    }
+    fn sample_ready(&self) -> bool;
 }
 
 #[cfg(test)]
@@ -887,5 +819,96 @@ mod tests {
             m.holds(3, 3, 0),
             "one-token chunks with slot ops take a mixed bucket"
         );
+    }
+
+    /// The methods of each backend trait, from this file's source: `(trait, method, body)`,
+    /// where `body` says whether the declaration carries a default body. Doc comments are
+    /// skipped; a signature ends at its line ending in `;` (no default) or `{` / `{}`.
+    fn trait_methods(src: &str) -> Vec<(String, String, bool)> {
+        let mut out = Vec::new();
+        let mut current: Option<String> = None;
+        let mut pending: Option<String> = None;
+        for line in src.lines() {
+            let t = line.trim();
+            if t.starts_with("//") {
+                continue;
+            }
+            if let Some(rest) = line.strip_prefix("pub trait ") {
+                current = rest.split([':', ' ']).next().map(str::to_string);
+                continue;
+            }
+            let Some(tr) = current.as_ref() else {
+                continue;
+            };
+            if line == "}" {
+                current = None;
+                continue;
+            }
+            if let Some(rest) = t.strip_prefix("fn ") {
+                let name: String = rest
+                    .chars()
+                    .take_while(|c| c.is_alphanumeric() || *c == '_')
+                    .collect();
+                pending = Some(name);
+            }
+            if let Some(name) = pending.as_ref() {
+                let body = t.ends_with('{') || t.ends_with("{}");
+                if body || t.ends_with(';') {
+                    out.push((tr.clone(), name.clone(), body));
+                    pending = None;
+                }
+            }
+        }
+        out
+    }
+
+    /// What keeps a wrapper from missing a method: no method of [`super::Backend`],
+    /// [`super::LayerOps`] or [`super::StepBackend`] has a default body, so every implementor
+    /// writes each one out (the compiler names any left out), and [`super::counting::Counting`]
+    /// forwards each to the same method of the backend it wraps (not to its parts: a fused
+    /// operation counted as its pieces would run unfused under it).
+    #[test]
+    fn no_trait_method_has_a_default_and_counting_forwards_every_one() {
+        let methods = trait_methods(include_str!("mod.rs"));
+        for (tr, probe) in [
+            ("Backend", "upload"),
+            ("LayerOps", "mamba2_mix"),
+            ("StepBackend", "sample_ready"),
+        ] {
+            assert!(
+                methods.iter().any(|(t, m, _)| t == tr && m == probe),
+                "{tr}::{probe} not found: the source scan is broken"
+            );
+        }
+        let defaults: Vec<String> = methods
+            .iter()
+            .filter(|(_, _, body)| *body)
+            .map(|(t, m, _)| format!("{t}::{m}"))
+            .collect();
+        assert_eq!(
+            defaults,
+            Vec::<String>::new(),
+            "trait methods with a default body"
+        );
+
+        let counting = include_str!("counting.rs");
+        for (tr, m, _) in &methods {
+            let starts: Vec<usize> = counting
+                .match_indices(&format!("\n    fn {m}"))
+                .map(|(i, _)| i)
+                .filter(|&i| {
+                    let after = &counting[i + 8 + m.len()..];
+                    after.starts_with('(') || after.starts_with('<')
+                })
+                .collect();
+            assert_eq!(starts.len(), 1, "Counting implements {tr}::{m} once");
+            let rest = &counting[starts[0]..];
+            let end = rest.find("\n    }\n").unwrap_or(rest.len());
+            let body: String = rest[..end].split_whitespace().collect();
+            assert!(
+                body.contains(&format!("self.inner.{m}(")),
+                "Counting's {tr}::{m} does not forward to the inner {m}"
+            );
+        }
     }
 }

@@ -31,9 +31,9 @@ use std::sync::{Arc, Mutex};
 use rayon::prelude::*;
 
 use super::{
-    Activation, ArenaStats, AttnShape, Backend, BackendError, DType, GdnShape, HostTensor, KvLayer,
-    LayerOps, MoeRouting, MoeScoring, Result, Rope, SampleOut, SlotOp, SsmPools, SsmShape,
-    StackedExperts, StepBackend, StepPlan,
+    Activation, ArenaStats, AttnShape, Backend, BackendError, DType, DeviceStepTime, GdnShape,
+    GraphBucket, HostTensor, KvLayer, LayerOps, Mamba2Mix, MoeRouting, MoeScoring, Result, Rope,
+    SampleOut, SlotOp, SsmPools, SsmShape, StackedExperts, StepBackend, StepPlan, composed,
 };
 
 /// A dense f32 tensor in host memory.
@@ -296,6 +296,19 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
+    fn act_dtype(&self) -> DType {
+        DType::F32
+    }
+
+    fn is_lost(&self) -> bool {
+        false
+    }
+
+    /// The recurrent-state pool stays f32 (`cache.ssm_state_dtype` only sizes its slots).
+    fn bf16_ssm_state(&self) -> bool {
+        false
+    }
+
     fn upload(&self, host: HostTensor<'_>) -> Result<CpuTensor> {
         host.check()?;
         let t = CpuTensor::new(host.to_f32(), host.shape)?;
@@ -355,6 +368,9 @@ impl Backend for CpuBackend {
 impl LayerOps for CpuBackend {
     type Step = CpuStep;
 
+    /// The CPU cuts no scan chunks ahead: its scan reads the plan.
+    fn set_ssm_chunk_size(&self, _chunk: usize) {}
+
     fn zeros_like(&self, x: &CpuTensor) -> Result<CpuTensor> {
         Ok(self.tmp_zeroed(&x.shape))
     }
@@ -390,6 +406,26 @@ impl LayerOps for CpuBackend {
             [a, b, c] => Ok(self.linears(x, [a, b, c])?.into()),
             _ => weights.iter().map(|(w, b)| self.linear(x, w, *b)).collect(),
         }
+    }
+
+    fn gated_linear(
+        &self,
+        x: &CpuTensor,
+        gate: (&CpuTensor, Option<&CpuTensor>),
+        up: (&CpuTensor, Option<&CpuTensor>),
+        act: Activation,
+    ) -> Result<CpuTensor> {
+        composed::gated_linear(self, x, gate, up, act)
+    }
+
+    fn linear_activated(
+        &self,
+        x: &CpuTensor,
+        w: &CpuTensor,
+        bias: Option<&CpuTensor>,
+        act: Activation,
+    ) -> Result<CpuTensor> {
+        composed::linear_activated(self, x, w, bias, act)
     }
 
     fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
@@ -429,6 +465,16 @@ impl LayerOps for CpuBackend {
                 }
             });
         Ok(out)
+    }
+
+    fn add_rms_norm(
+        &self,
+        residual: &mut CpuTensor,
+        delta: &CpuTensor,
+        w: &CpuTensor,
+        eps: f32,
+    ) -> Result<CpuTensor> {
+        composed::add_rms_norm(self, residual, delta, w, eps)
     }
 
     fn gated_rms_norm(
@@ -580,6 +626,19 @@ impl LayerOps for CpuBackend {
         Ok(out)
     }
 
+    fn rope_paged_attention(
+        &self,
+        q: CpuTensor,
+        k: CpuTensor,
+        v: &CpuTensor,
+        cache: &mut KvLayer<CpuTensor>,
+        shape: AttnShape,
+        rope: &Rope,
+        step: &CpuStep,
+    ) -> Result<CpuTensor> {
+        composed::rope_paged_attention(self, q, k, v, cache, shape, rope, step)
+    }
+
     fn ssm_slot_ops(&self, pools: &mut SsmPools<CpuTensor>, step: &CpuStep) -> Result<()> {
         for pool in [&mut pools.conv, &mut pools.ssm] {
             let per = slot_elems(pool);
@@ -648,6 +707,17 @@ impl LayerOps for CpuBackend {
             x, b, c, dt, a_log, d, dt_bias, shape, state, &step.plan, &mut out,
         )?;
         Ok(out)
+    }
+
+    fn mamba2_mix(
+        &self,
+        zxbcdt: &CpuTensor,
+        m: &Mamba2Mix<'_, CpuTensor>,
+        pools: &mut SsmPools<CpuTensor>,
+        layer: usize,
+        step: &CpuStep,
+    ) -> Result<CpuTensor> {
+        composed::mamba2_mix(self, zxbcdt, m, pools, layer, step)
     }
 
     fn head_rms_norm(
@@ -768,7 +838,7 @@ impl StepBackend for CpuBackend {
         &self,
         plan: &StepPlan,
         step: &mut CpuStep,
-        bucket: Option<super::GraphBucket>,
+        bucket: Option<GraphBucket>,
         _max_blocks: usize,
     ) -> Result<bool> {
         if bucket.is_some() {
@@ -801,6 +871,37 @@ impl StepBackend for CpuBackend {
         }
     }
 
+    fn graph_buckets(&self, _max_batch: usize, _max_tokens: usize) -> Vec<GraphBucket> {
+        Vec::new()
+    }
+
+    fn upload_graph_step(
+        &self,
+        _plan: &StepPlan,
+        _step: &mut CpuStep,
+        _bucket: GraphBucket,
+        _max_blocks: usize,
+    ) -> Result<bool> {
+        Ok(false)
+    }
+
+    fn capture_graph(&self, _run: &mut dyn FnMut() -> Result<()>) -> Result<usize> {
+        Err(no_graphs())
+    }
+
+    fn replay_graph(&self, _id: usize) -> Result<()> {
+        Err(no_graphs())
+    }
+
+    fn step_clock_start(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// No device clock: the host's own timings are the step's.
+    fn step_clock_end(&self) -> Result<Option<DeviceStepTime>> {
+        Ok(None)
+    }
+
     fn sample(&self, logits: &mut CpuTensor, step: &CpuStep, out: &mut SampleOut) -> Result<()> {
         let plan = &step.plan;
         let (rows, vocab) = logits.rows_cols();
@@ -826,6 +927,29 @@ impl StepBackend for CpuBackend {
         }
         sample::sample_tail(&mut picked.data, vocab, &plan.sampling, out)
     }
+
+    /// The device is the host: the whole tail runs here and the finish has nothing left.
+    fn sample_start(
+        &self,
+        logits: &mut CpuTensor,
+        step: &CpuStep,
+        out: &mut SampleOut,
+    ) -> Result<()> {
+        self.sample(logits, step, out)
+    }
+
+    fn sample_finish(&self, _out: &mut SampleOut) -> Result<()> {
+        Ok(())
+    }
+
+    fn sample_ready(&self) -> bool {
+        true
+    }
+}
+
+/// The error of a graph call: the CPU replays no graphs (it has no graph buckets).
+fn no_graphs() -> BackendError {
+    BackendError::Invalid("this backend has no device graphs".into())
 }
 
 pub(crate) fn slot_elems(t: &CpuTensor) -> usize {
