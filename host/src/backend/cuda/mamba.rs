@@ -16,7 +16,8 @@
 use chimera_kernels::ssm;
 
 use super::device::Arg;
-use super::{BLOCK, CudaBackend, CudaStep, CudaTensor, SsmTensors};
+use super::ssm::SsmTensors;
+use super::{BLOCK, CudaBackend, CudaStep, CudaTensor};
 use crate::backend::{BackendError, DType, Mamba2Mix, Result, SsmOutNorm, SsmPools, SsmShape};
 
 /// SSD tuning knob for kernel work: heads one group-scan CTA walks (`CHIMERA_SSD_HEADS`; 0 or
@@ -338,6 +339,41 @@ impl CudaBackend {
                 self.gate_norm_cols(y, z, None, d_inner, m.eps, GateNorm::GateOnly)
             }
         }
+    }
+}
+
+impl CudaBackend {
+    pub(super) fn conv_dense(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaTensor,
+        bias: Option<&CudaTensor>,
+        pools: &mut SsmPools<CudaTensor>,
+        layer: usize,
+        step: &CudaStep,
+    ) -> Result<CudaTensor> {
+        let out = self.conv_cols(Cols::all(x), weight, bias, pools, layer, step)?;
+        Ok(out.reshaped(&x.shape))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn scan_dense(
+        &self,
+        x: &CudaTensor,
+        b: &CudaTensor,
+        c: &CudaTensor,
+        dt: &CudaTensor,
+        a_log: &CudaTensor,
+        d: &CudaTensor,
+        dt_bias: &CudaTensor,
+        shape: SsmShape,
+        pools: &mut SsmPools<CudaTensor>,
+        layer: usize,
+        step: &CudaStep,
+    ) -> Result<CudaTensor> {
+        let cols = [x, b, c, dt].map(Cols::all);
+        let out = self.scan_cols(cols, a_log, d, dt_bias, shape, pools, layer, step)?;
+        Ok(out.reshaped(&x.shape))
     }
 }
 

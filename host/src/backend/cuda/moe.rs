@@ -19,6 +19,22 @@ use crate::backend::{
 };
 
 impl CudaBackend {
+    pub(super) fn moe_on_device(
+        &self,
+        x: &CudaTensor,
+        router_logits: &CudaTensor,
+        routing: &MoeRouting<CudaTensor>,
+        experts: &StackedExperts<CudaTensor>,
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        let dims = self.moe_dims(x, router_logits, routing, experts, out)?;
+        if dims.tokens == 0 {
+            return Ok(());
+        }
+        let routed = self.route_on_device(router_logits, routing)?;
+        self.moe_grouped(x, &routed, experts, dims, out)
+    }
+
     /// Checks the layer's tensors against each other and returns its dims.
     pub(super) fn moe_dims(
         &self,
