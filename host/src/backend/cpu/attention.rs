@@ -1,13 +1,14 @@
-//! Paged causal attention on the CPU: writes the step's K/V into cache blocks, then attends.
+//! Paged causal attention on the CPU: writes the step's K/V into cache blocks, then attends;
+//! and RoPE at the step's positions.
 //!
 //! The cache layout is `[num_blocks, block_size, kv_heads, head_dim]`; a sequence's token at
 //! position `p` lives in block `block_table[p / block_size]`, row `p % block_size`.
 
 use rayon::prelude::*;
 
-use super::CpuTensor;
 use super::matmul::dot;
-use crate::backend::{AttnShape, BackendError, KvLayer, Result, StepPlan};
+use super::{CpuBackend, CpuStep, CpuTensor, min_rows};
+use crate::backend::{AttnShape, BackendError, KvLayer, Result, Rope, StepPlan};
 
 pub(super) fn paged_attention(
     q: &CpuTensor,
@@ -115,4 +116,60 @@ pub(super) fn paged_attention(
             Ok(())
         })?;
     Ok(())
+}
+
+impl CpuBackend {
+    pub(super) fn rope_in_place(
+        &self,
+        x: &mut CpuTensor,
+        heads: usize,
+        head_dim: usize,
+        rope: &Rope,
+        step: &CpuStep,
+    ) -> Result<()> {
+        let positions = &step.plan.positions;
+        let (n, cols) = x.rows_cols();
+        if cols != heads * head_dim || n != positions.len() || rope.rotary_dim > head_dim {
+            return Err(BackendError::Invalid(format!(
+                "rope: x {:?}, {heads} heads × {head_dim}, {} positions",
+                x.shape,
+                positions.len()
+            )));
+        }
+        let half = rope.rotary_dim / 2;
+        x.data
+            .par_chunks_mut(cols.max(1))
+            .zip(positions.par_iter())
+            .with_min_len(min_rows(cols))
+            .for_each(|(row, &pos)| {
+                let p = pos as f32;
+                for i in 0..half {
+                    let angle = rope.inv_freq[i] * p;
+                    let (s, c) = angle.sin_cos();
+                    let (s, c) = (s * rope.attention_scaling, c * rope.attention_scaling);
+                    for h in 0..heads {
+                        let base = h * head_dim;
+                        let x1 = row[base + i];
+                        let x2 = row[base + i + half];
+                        row[base + i] = x1 * c - x2 * s;
+                        row[base + i + half] = x2 * c + x1 * s;
+                    }
+                }
+            });
+        Ok(())
+    }
+
+    pub(super) fn write_kv_and_attend(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        cache: &mut KvLayer<CpuTensor>,
+        shape: AttnShape,
+        step: &CpuStep,
+    ) -> Result<CpuTensor> {
+        let mut out = self.tmp_zeroed(&q.shape);
+        paged_attention(q, k, v, cache, shape, &step.plan, &mut out)?;
+        Ok(out)
+    }
 }

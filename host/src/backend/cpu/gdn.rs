@@ -12,9 +12,9 @@
 
 use rayon::prelude::*;
 
-use super::CpuTensor;
 use super::ssm::{LayerState, segment_ends};
-use crate::backend::{BackendError, GdnShape, Result, SeqChunk, StepPlan};
+use super::{CpuBackend, CpuStep, CpuTensor};
+use crate::backend::{BackendError, GdnShape, Result, SeqChunk, SsmPools, StepPlan};
 
 /// `−exp(a_log)·softplus(a + dt_bias)`, the log-decay of one token.
 #[inline]
@@ -346,6 +346,39 @@ pub(super) fn gated_delta_rule(
         }
     }
     Ok(())
+}
+
+impl CpuBackend {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn delta_rule_layer(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        a: &CpuTensor,
+        b: &CpuTensor,
+        a_log: &CpuTensor,
+        dt_bias: &CpuTensor,
+        shape: GdnShape,
+        pools: &mut SsmPools<CpuTensor>,
+        layer: usize,
+        step: &CpuStep,
+    ) -> Result<CpuTensor> {
+        let rows = q.rows_cols().0;
+        let mut out = self.tmp(&[rows, shape.value_dim()]);
+        let state = LayerState::new(&mut pools.ssm, layer)?;
+        let inputs = GdnInputs {
+            q,
+            k,
+            v,
+            a,
+            b,
+            a_log,
+            dt_bias,
+        };
+        gated_delta_rule(&inputs, shape, state, &step.plan, &mut out)?;
+        Ok(out)
+    }
 }
 
 #[cfg(test)]

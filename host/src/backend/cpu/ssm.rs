@@ -1,4 +1,5 @@
-//! Mamba2 kernels on the CPU: the depthwise causal conv and the selective scan.
+//! Mamba2 kernels on the CPU: the depthwise causal conv and the selective scan, and the
+//! step's slot restores and zeros over the slot-major state pools.
 //!
 //! Both continue from a per-sequence state slot and leave the updated state there. A sequence
 //! chunk may ask for snapshots "after N tokens": the state at that point is copied into the
@@ -11,8 +12,10 @@
 
 use rayon::prelude::*;
 
-use super::CpuTensor;
-use crate::backend::{BackendError, Result, SeqChunk, SnapshotTarget, SsmShape, StepPlan};
+use super::{CpuBackend, CpuStep, CpuTensor, slot_elems};
+use crate::backend::{
+    BackendError, Result, SeqChunk, SlotOp, SnapshotTarget, SsmPools, SsmShape, StepPlan,
+};
 
 /// One SSM layer's state inside a slot-major pool `[slots, layers, per-layer elems]`.
 pub(super) struct LayerState<'a> {
@@ -429,6 +432,83 @@ fn gather_head(
         out.dt.push(v.clamp(dt_min, dt_max));
     }
     out
+}
+
+impl CpuBackend {
+    pub(super) fn run_slot_ops(
+        &self,
+        pools: &mut SsmPools<CpuTensor>,
+        step: &CpuStep,
+    ) -> Result<()> {
+        for pool in [&mut pools.conv, &mut pools.ssm] {
+            let per = slot_elems(pool);
+            let slots = pool.shape.first().copied().unwrap_or(0);
+            for op in &step.plan.slot_ops {
+                match *op {
+                    SlotOp::Copy { from, to } => {
+                        let (from, to) = (from as usize, to as usize);
+                        if from >= slots || to >= slots {
+                            return Err(BackendError::Invalid(format!(
+                                "state slot {from} or {to} out of {slots}"
+                            )));
+                        }
+                        if from != to {
+                            pool.data
+                                .copy_within(from * per..(from + 1) * per, to * per);
+                        }
+                    }
+                    SlotOp::Zero { slot } => {
+                        let slot = slot as usize;
+                        if slot >= slots {
+                            return Err(BackendError::Invalid(format!(
+                                "state slot {slot} out of {slots}"
+                            )));
+                        }
+                        pool.data[slot * per..(slot + 1) * per].fill(0.0);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn conv_layer(
+        &self,
+        x: &CpuTensor,
+        weight: &CpuTensor,
+        bias: Option<&CpuTensor>,
+        pools: &mut SsmPools<CpuTensor>,
+        layer: usize,
+        step: &CpuStep,
+    ) -> Result<CpuTensor> {
+        let mut out = self.tmp(&x.shape);
+        let state = LayerState::new(&mut pools.conv, layer)?;
+        causal_conv1d(x, weight, bias, state, &step.plan, &mut out)?;
+        Ok(out)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn scan_layer(
+        &self,
+        x: &CpuTensor,
+        b: &CpuTensor,
+        c: &CpuTensor,
+        dt: &CpuTensor,
+        a_log: &CpuTensor,
+        d: &CpuTensor,
+        dt_bias: &CpuTensor,
+        shape: SsmShape,
+        pools: &mut SsmPools<CpuTensor>,
+        layer: usize,
+        step: &CpuStep,
+    ) -> Result<CpuTensor> {
+        let mut out = self.tmp(&x.shape);
+        let state = LayerState::new(&mut pools.ssm, layer)?;
+        ssm_scan(
+            x, b, c, dt, a_log, d, dt_bias, shape, state, &step.plan, &mut out,
+        )?;
+        Ok(out)
+    }
 }
 
 #[cfg(test)]
