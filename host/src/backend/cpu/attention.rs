@@ -27,41 +27,12 @@ pub(super) fn paged_attention(
     } = shape;
     let block_size = plan.block_size.max(1);
     let kv_width = kv_heads * head_dim;
-    let (n, qcols) = q.rows_cols();
-    if qcols != heads * head_dim
-        || k.rows_cols() != (n, kv_width)
-        || v.rows_cols() != (n, kv_width)
-        || out.data.len() != n * qcols
-        || plan.slot_mapping.len() != n
-    {
-        return Err(BackendError::Invalid(format!(
-            "attention inputs q {:?} k {:?} v {:?} do not match {heads}q/{kv_heads}kv × {head_dim} over {} tokens",
-            q.shape,
-            k.shape,
-            v.shape,
-            plan.slot_mapping.len()
-        )));
-    }
-    if heads % kv_heads != 0 {
-        return Err(BackendError::Invalid(format!(
-            "{heads} query heads are not a multiple of {kv_heads} kv heads"
-        )));
-    }
+    let qcols = q.rows_cols().1;
+    check_inputs(q, k, v, shape, plan, out)?;
     let rows = cache.k.data.len() / kv_width.max(1);
 
     // 1. Scatter this step's keys and values into their paged rows.
-    for (t, &slot) in plan.slot_mapping.iter().enumerate() {
-        let slot = slot as usize;
-        if slot >= rows {
-            return Err(BackendError::Invalid(format!(
-                "KV row {slot} out of {rows} (block table too short or block id out of range)"
-            )));
-        }
-        cache.k.data[slot * kv_width..(slot + 1) * kv_width]
-            .copy_from_slice(&k.data[t * kv_width..(t + 1) * kv_width]);
-        cache.v.data[slot * kv_width..(slot + 1) * kv_width]
-            .copy_from_slice(&v.data[t * kv_width..(t + 1) * kv_width]);
-    }
+    write_kv(k, v, cache, plan, kv_width)?;
     let slot_index = |seq: usize, pos: usize| -> Result<usize> {
         let table = plan.block_table(seq);
         let block = *table.get(pos / block_size).ok_or_else(|| {
@@ -115,6 +86,70 @@ pub(super) fn paged_attention(
             }
             Ok(())
         })?;
+    Ok(())
+}
+
+/// Checks the attention inputs against the shape, the output and the step.
+fn check_inputs(
+    q: &CpuTensor,
+    k: &CpuTensor,
+    v: &CpuTensor,
+    shape: AttnShape,
+    plan: &StepPlan,
+    out: &CpuTensor,
+) -> Result<()> {
+    let AttnShape {
+        heads,
+        kv_heads,
+        head_dim,
+        ..
+    } = shape;
+    let kv_width = kv_heads * head_dim;
+    let (n, qcols) = q.rows_cols();
+    if qcols != heads * head_dim
+        || k.rows_cols() != (n, kv_width)
+        || v.rows_cols() != (n, kv_width)
+        || out.data.len() != n * qcols
+        || plan.slot_mapping.len() != n
+    {
+        return Err(BackendError::Invalid(format!(
+            "attention inputs q {:?} k {:?} v {:?} do not match {heads}q/{kv_heads}kv × {head_dim} over {} tokens",
+            q.shape,
+            k.shape,
+            v.shape,
+            plan.slot_mapping.len()
+        )));
+    }
+    if heads % kv_heads != 0 {
+        return Err(BackendError::Invalid(format!(
+            "{heads} query heads are not a multiple of {kv_heads} kv heads"
+        )));
+    }
+    Ok(())
+}
+
+/// Writes the step's keys and values (`kv_width` wide) into their paged rows (the step's slot
+/// mapping).
+fn write_kv(
+    k: &CpuTensor,
+    v: &CpuTensor,
+    cache: &mut KvLayer<CpuTensor>,
+    plan: &StepPlan,
+    kv_width: usize,
+) -> Result<()> {
+    let rows = cache.k.data.len() / kv_width.max(1);
+    for (t, &slot) in plan.slot_mapping.iter().enumerate() {
+        let slot = slot as usize;
+        if slot >= rows {
+            return Err(BackendError::Invalid(format!(
+                "KV row {slot} out of {rows} (block table too short or block id out of range)"
+            )));
+        }
+        cache.k.data[slot * kv_width..(slot + 1) * kv_width]
+            .copy_from_slice(&k.data[t * kv_width..(t + 1) * kv_width]);
+        cache.v.data[slot * kv_width..(slot + 1) * kv_width]
+            .copy_from_slice(&v.data[t * kv_width..(t + 1) * kv_width]);
+    }
     Ok(())
 }
 

@@ -156,23 +156,37 @@ pub fn gdn_chunked_head(
             }
         }
         // Carry the state to the end of the chunk.
-        let last = cum[n - 1];
-        let total = last.exp();
-        for s in state.iter_mut() {
-            *s *= total;
-        }
-        for s in 0..n {
-            let w = (last - cum[s]).exp();
-            let ks = &k[(start + s) * dk..(start + s + 1) * dk];
-            let us = &u[s * dv..(s + 1) * dv];
-            for (i, &ki) in ks.iter().enumerate() {
-                let wk = w * ki;
-                for (st, &uj) in state[i * dv..(i + 1) * dv].iter_mut().zip(us) {
-                    *st += wk * uj;
-                }
+        carry_state(state, k, &u, &cum, start, n, (dk, dv));
+        start = end;
+    }
+}
+
+/// Carries a head's state over the chunk of `n` tokens from `start` (cumulative log-decays
+/// `cum`, deltas `u`): `S = e^{G_L} S₀ + Σ_s e^{G_L−G_s} k_s u_sᵀ`.
+fn carry_state(
+    state: &mut [f32],
+    k: &[f32],
+    u: &[f32],
+    cum: &[f32],
+    start: usize,
+    n: usize,
+    (dk, dv): (usize, usize),
+) {
+    let last = cum[n - 1];
+    let total = last.exp();
+    for s in state.iter_mut() {
+        *s *= total;
+    }
+    for s in 0..n {
+        let w = (last - cum[s]).exp();
+        let ks = &k[(start + s) * dk..(start + s + 1) * dk];
+        let us = &u[s * dv..(s + 1) * dv];
+        for (i, &ki) in ks.iter().enumerate() {
+            let wk = w * ki;
+            for (st, &uj) in state[i * dv..(i + 1) * dv].iter_mut().zip(us) {
+                *st += wk * uj;
             }
         }
-        start = end;
     }
 }
 

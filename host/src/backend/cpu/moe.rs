@@ -297,21 +297,14 @@ pub fn moe_experts(
     moe_experts_gated(x, ids, weights, None, up, down, s, out)
 }
 
-/// [`moe_experts`] with optional gate weights `gate [E, inter, hidden]`: gated experts compute
-/// `down_e(act(gate_e(x)) · up_e(x))` (SwiGLU when `act` is SiLU).
-#[allow(
-    clippy::too_many_arguments,
-    reason = "the expert weights and the routing columns"
-)]
-pub fn moe_experts_gated(
+/// Checks the experts' inputs against each other and the shape `s`.
+fn check_experts(
     x: &[f32],
     ids: &[u32],
     weights: &[f32],
-    gate: Option<&[f32]>,
-    up: &[f32],
-    down: &[f32],
+    (gate, up, down): (Option<&[f32]>, &[f32], &[f32]),
     s: &ExpertShape,
-    out: &mut [f32],
+    out: &[f32],
 ) -> Result<()> {
     let (h, i) = (s.hidden, s.inter);
     if let Some(g) = gate
@@ -353,6 +346,27 @@ pub fn moe_experts_gated(
             s.experts
         )));
     }
+    Ok(())
+}
+
+/// [`moe_experts`] with optional gate weights `gate [E, inter, hidden]`: gated experts compute
+/// `down_e(act(gate_e(x)) · up_e(x))` (SwiGLU when `act` is SiLU).
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the expert weights and the routing columns"
+)]
+pub fn moe_experts_gated(
+    x: &[f32],
+    ids: &[u32],
+    weights: &[f32],
+    gate: Option<&[f32]>,
+    up: &[f32],
+    down: &[f32],
+    s: &ExpertShape,
+    out: &mut [f32],
+) -> Result<()> {
+    let (h, i) = (s.hidden, s.inter);
+    check_experts(x, ids, weights, (gate, up, down), s, out)?;
     // Counting sort of the (token, weight) pairs by expert, tokens ascending within an expert.
     let mut start = vec![0usize; s.experts + 1];
     for &e in ids {
