@@ -13,9 +13,9 @@
 //!
 //! The trait impls below are tables: each method is one call into the file that owns its
 //! concern (an inherent `impl CpuBackend` block, or a function of [`composed`] where the CPU
-//! runs a fused operation as its parts) — storage and temporaries [`tensor`], [`dense`]
-//! operations, [`norm`]s, [`attention`], the Mamba2 conv, scan and slot operations [`ssm`],
-//! the gated delta rule [`gdn`], [`moe`], the step object [`step`], the [`sample`] tail.
+//! runs a fused operation as its parts) — storage and temporaries `tensor`, `dense`
+//! operations, `norm`s, `attention`, the Mamba2 conv, scan and slot operations `ssm`,
+//! the gated delta rule `gdn`, `moe`, the step object `step`, the `sample` tail.
 
 mod attention;
 mod dense;

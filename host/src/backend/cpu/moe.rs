@@ -7,7 +7,7 @@
 //! the same expert ids in the same order, the same weights bit for bit, and per output row the
 //! same summation order (experts in ascending id, each expert's tokens in ascending order). Experts are MLPs
 //! without biases, plain (`down(act(up(x)))`) or gated (`down(act(gate(x)) · up(x))`), one GEMM pair (or
-//! trio) per expert over the tokens routed to it. [`moe_forward`] is the backend's MoE
+//! trio) per expert over the tokens routed to it. `moe_forward` is the backend's MoE
 //! operation: the layer's routing, then its experts.
 
 use rayon::prelude::*;

@@ -23,11 +23,11 @@
 //!
 //! This file holds the backend's state, its launch helpers and its three trait impls. The
 //! impls are tables: each method is one call into an inherent `impl CudaBackend` block in the
-//! file that owns its concern — storage and step temporaries [`tensor`]; projections
-//! [`linear`]; element-wise and row operations [`dense`]; [`norm`]s; [`attention`]; the SSM
-//! state pools [`ssm`]; the Mamba2 mixer [`mamba`]; [`moe`]; the Gated DeltaNet operations
-//! not yet on CUDA [`gated`]; the step's [`upload`] (its layouts in [`step`]); CUDA
-//! [`graph`]s; the device [`clock`]; the [`sample`] tail and its read-back.
+//! file that owns its concern — storage and step temporaries `tensor`; projections
+//! `linear`; element-wise and row operations `dense`; `norm`s; `attention`; the SSM
+//! state pools `ssm`; the Mamba2 mixer `mamba`; `moe`; the Gated DeltaNet operations
+//! not yet on CUDA `gated`; the step's `upload` (its layouts in `step`); CUDA
+//! `graph`s; the device `clock`; the `sample` tail and its read-back.
 
 mod attention;
 mod clock;
