@@ -11,7 +11,7 @@ use tokio::net::TcpListener;
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::{CudaBackend, CudaOptions};
-use crate::backend::{Backend, DType};
+use crate::backend::{DType, LayerOps, StepBackend};
 use crate::config::Config;
 use crate::engine::{EngineSetup, ModelRunner, Policies, spawn_engine};
 use crate::model::{self, Model, builtin, hub};
@@ -139,7 +139,7 @@ impl LoadedModel {
 
     /// Loads the weights onto `backend` (replicas on one device share this copy); with
     /// `dummy`, seeded random weights of the configured shapes instead of the checkpoint.
-    pub fn model<B: Backend>(&self, backend: &B, dummy: bool) -> anyhow::Result<Model<B>> {
+    pub fn model<B: LayerOps>(&self, backend: &B, dummy: bool) -> anyhow::Result<Model<B>> {
         match &self.source {
             ModelSource::Folder(dir) if dummy => model::load_dummy(dir, backend, 0)
                 .with_context(|| format!("building dummy weights for {}", dir.display())),
@@ -570,7 +570,7 @@ fn available_memory() -> Option<u64> {
 }
 
 /// Starts one engine thread per `(backend, model, cache config)` and assembles the stack.
-fn start<B: Backend>(
+fn start<B: StepBackend>(
     config: &Config,
     loaded: LoadedModel,
     replicas_in: Vec<(B, Arc<Model<B>>, crate::cache::CacheConfig)>,

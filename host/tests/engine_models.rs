@@ -495,7 +495,7 @@ fn prompt_logprobs_match_the_full_forward_pass_despite_chunks_and_cache() {
 /// decodes, SSM snapshots and restores.
 #[test]
 fn each_step_uploads_once_and_reads_once() {
-    use chimera::backend::Backend;
+    use chimera::backend::StepBackend;
     use chimera::backend::counting::Counting;
 
     for name in MODELS {

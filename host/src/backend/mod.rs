@@ -1,27 +1,47 @@
 //! Backends: where tensors live and how kernels run.
 //!
-//! The model code (`crate::model`) is written once against the [`Backend`] trait; a backend
-//! owns tensor storage and implements every kernel the architectures need. The CPU backend is
-//! the f32 reference (always built, used by CI and as the oracle for accelerated backends).
+//! A backend owns tensor storage and implements every kernel the architectures need. The CPU
+//! backend is the f32 reference (always built, used by CI and as the oracle for accelerated
+//! backends). Its contract is three traits, one per audience (as candle keeps what ops need
+//! apart from what allocation needs):
+//! - [`Backend`]: tensor storage (upload, download, zeros, copies, shapes and dtypes) and what
+//!   a backend is (its name, its activation dtype, whether its device is lost). Everything
+//!   that holds tensors calls it: model loaders, caches, the model runner, checks.
+//! - [`LayerOps`]: the layer operations a forward pass runs over the step object, fused ones
+//!   included (linear layers, norms, attention, the SSM scan and Mamba2 mixer, the gated delta
+//!   rule, MoE). The model code (`crate::model`) is written once against it.
+//! - [`StepBackend`]: what the model runner calls to build a step, upload it (eagerly, packed
+//!   ahead or padded to a graph bucket), capture and replay graphs, time it on the device and
+//!   read its samples back.
+//!
+//! **No method has a default body.** Every implementor, wrappers included, writes each one
+//! out, so the compiler names any method a new backend or wrapper leaves out: a fused
+//! operation never silently becomes its unfused parts (a wrapper that forwarded 50 of 55
+//! methods once ran the unfused forms under CUDA). A backend without a fused form calls its
+//! parts from [`composed`] by name; one without graphs or a device clock says so in its own
+//! table. A test holds the traits to this and [`counting::Counting`] to forwarding each
+//! method to the same method of the backend it wraps.
 //!
 //! The contract is shaped for a device that is not the host:
 //! - **Tensors carry a dtype** ([`DType`]). Weights arrive as [`HostTensor`]s in their
 //!   checkpoint dtype, straight from the memory map; the backend decides what it keeps (the CPU
 //!   widens to f32, a GPU keeps bf16).
 //! - **One upload per step.** The batch arrives once as a [`StepPlan`] through
-//!   [`Backend::upload_step`]; kernels read the backend's step object, never host slices.
-//! - **Temporaries come from a per-step arena**; [`Backend::arena_stats`] reports its growth,
-//!   which stops after the first steps.
-//! - **The step ends on the backend**: [`Backend::sample`] applies penalties, takes the per-row
-//!   top-K candidates, log-sum-exp and argmax, and performs the step's one device-to-host copy.
+//!   [`StepBackend::upload_step`]; kernels read the backend's step object, never host slices.
+//! - **Temporaries come from a per-step arena**; [`StepBackend::arena_stats`] reports its
+//!   growth, which stops after the first steps.
+//! - **The step ends on the backend**: [`StepBackend::sample`] applies penalties, takes the
+//!   per-row top-K candidates, log-sum-exp and argmax, and performs the step's one
+//!   device-to-host copy.
 //! - **MoE routing and expert compute** are one backend operation over stacked expert weights.
 //! - **SSM state pools are slot-major** (`[slots, layers, …]`): all of a step's restores and
-//!   zeros are one call ([`Backend::ssm_slot_ops`]).
+//!   zeros are one call ([`LayerOps::ssm_slot_ops`]).
 //! - Every operation returns a [`Result`] with a typed [`BackendError`].
 //!
 //! Backends know tensors and kernels, not requests: this module imports nothing from the
 //! model, the caches, the engine or the server.
 
+pub mod composed;
 pub mod counting;
 pub mod cpu;
 pub mod cuda;
@@ -229,7 +249,7 @@ pub enum SsmOutNorm<T> {
     GateOnly,
 }
 
-/// One Mamba2 mixer's weights between its two projections, for [`Backend::mamba2_mix`]:
+/// One Mamba2 mixer's weights between its two projections, for [`LayerOps::mamba2_mix`]:
 /// conv weights `[conv_dim, 1, kernel]` and bias `[conv_dim]`, `A_log`, `D` and `dt_bias`
 /// `[heads]`, the output norm.
 pub struct Mamba2Mix<'a, T> {
@@ -372,156 +392,64 @@ pub struct DeviceStepTime {
     pub idle_before_s: f64,
 }
 
-/// The kernel seam. Tensors are row-major; a "matrix" is `[rows, cols]`.
+/// Tensor storage: what everything that holds tensors calls (model loaders, caches, the
+/// model runner, checks). Tensors are row-major; a "matrix" is `[rows, cols]`.
 pub trait Backend: Send + Sync + 'static {
     type Tensor: Send + Sync;
-    /// The backend's copy of a [`StepPlan`] (device buffers on an accelerator).
-    type Step: Send;
 
     fn name(&self) -> &'static str;
 
     /// The dtype of activations, weights and KV caches on this backend (the CPU computes in
     /// f32; a GPU serves in bf16, or f32 in its oracle mode).
-    fn act_dtype(&self) -> DType {
-        DType::F32
-    }
-
-    /// Told at load: the SSD chunk size of the model's Mamba2 layers. A device backend cuts its
-    /// scan chunks when the step is uploaded, before any layer runs; the CPU ignores it.
-    fn set_ssm_chunk_size(&self, _chunk: usize) {}
+    fn act_dtype(&self) -> DType;
 
     /// Whether the backend's device had an error it cannot recover from (the replica must stop).
-    fn is_lost(&self) -> bool {
-        false
-    }
+    fn is_lost(&self) -> bool;
 
     /// Whether the SSM recurrent-state pool may be stored as bf16 (`cache.ssm_state_dtype =
     /// "bfloat16"`). A backend that cannot keeps it in f32, and the setting then only sizes the
     /// slots (the CPU backend).
-    fn bf16_ssm_state(&self) -> bool {
-        false
-    }
+    fn bf16_ssm_state(&self) -> bool;
 
-    // ---- storage ------------------------------------------------------------------------
     /// Copies a host tensor in (weights: straight from the checkpoint's memory map).
     fn upload(&self, host: HostTensor<'_>) -> Result<Self::Tensor>;
+
     /// Copies a tensor out, widened to f32 (a device-to-host transfer; not on the step path
     /// except for prompt-logprob rows).
     fn download(&self, t: &Self::Tensor) -> Result<Vec<f32>>;
+
     fn shape<'a>(&self, t: &'a Self::Tensor) -> &'a [usize];
     fn dtype(&self, t: &Self::Tensor) -> DType;
+
     /// A persistent zeroed tensor (caches), allocated at start, not from the step arena.
     fn zeros(&self, shape: &[usize], dtype: DType) -> Result<Self::Tensor>;
+
     /// `dst = src`, on the device (same shape and dtype): a captured graph's output copied
     /// into a buffer that graphs share.
     fn copy_into(&self, src: &Self::Tensor, dst: &mut Self::Tensor) -> Result<()>;
+
     /// Fills `t` with made-up weights (`model.load_format = "dummy"`): element `i` is
     /// [`dummy_value`]`(seed, i, std)`, or `mean` everywhere when `std` is 0. Every backend
     /// produces the same values, rounded to the tensor's dtype.
     fn fill_dummy(&self, t: &mut Self::Tensor, seed: u64, std: f32, mean: f32) -> Result<()>;
+}
 
-    // ---- the step -----------------------------------------------------------------------
-    /// An empty step object for steps of at most `max_tokens` tokens; the step arena is
-    /// sized for that bucket (a step beyond it still runs, and grows the arena).
-    fn new_step(&self, max_tokens: usize) -> Result<Self::Step>;
-    /// The step's one host-to-device upload.
-    fn upload_step(&self, plan: &StepPlan, step: &mut Self::Step) -> Result<()>;
-    fn arena_stats(&self) -> ArenaStats;
+/// The layer operations: what `model/` calls in a forward pass, reading the step object.
+pub trait LayerOps: Backend {
+    /// The backend's copy of a [`StepPlan`] (device buffers on an accelerator).
+    type Step: Send;
 
-    // ---- device graphs (steps replayed without per-kernel launches) ----------------------
-    /// The step shapes this backend replays as captured graphs, for steps of at most
-    /// `max_batch` sequences and `max_tokens` tokens (empty: no graphs; the CPU).
-    fn graph_buckets(&self, _max_batch: usize, _max_tokens: usize) -> Vec<GraphBucket> {
-        Vec::new()
-    }
+    /// Told at load: the SSD chunk size of the model's Mamba2 layers. A device backend cuts its
+    /// scan chunks when the step is uploaded, before any layer runs; the CPU ignores it.
+    fn set_ssm_chunk_size(&self, chunk: usize);
 
-    /// Uploads `plan` padded to `bucket` in the fixed layout of a graph step (`max_blocks`
-    /// block-table words per chunk at most). `Ok(false)`, with nothing uploaded, when the
-    /// plan does not fit the bucket (run it eagerly, or try a larger bucket). A mixed
-    /// bucket's slot ops are uploaded with the step and run eagerly before the replay
-    /// ([`Backend::ssm_slot_ops`]); a decode bucket takes no slot ops.
-    fn upload_graph_step(
-        &self,
-        _plan: &StepPlan,
-        _step: &mut Self::Step,
-        _bucket: GraphBucket,
-        _max_blocks: usize,
-    ) -> Result<bool> {
-        Ok(false)
-    }
-
-    /// Whether [`Backend::pack_step`], [`Backend::repack_tokens`] and [`Backend::send_step`]
-    /// split a step's upload: packing is host work only, so the next step can be packed while
-    /// the device computes this one.
-    fn packs_ahead(&self) -> bool {
-        false
-    }
-
-    /// Packs `plan` on the host for [`Backend::send_step`]: in the eager layout (`bucket`
-    /// `None`) or padded to a graph bucket (`Ok(false)`, nothing packed, when it does not
-    /// fit, as [`Backend::upload_graph_step`] says). Enqueues no device work.
-    fn pack_step(
-        &self,
-        _plan: &StepPlan,
-        _step: &mut Self::Step,
-        _bucket: Option<GraphBucket>,
-        _max_blocks: usize,
-    ) -> Result<bool> {
-        Err(BackendError::Invalid(
-            "this backend does not pack steps ahead".into(),
-        ))
-    }
-
-    /// Writes `plan`'s tokens over those of the step [`Backend::pack_step`] packed from it
-    /// (placeholders then): the same plan otherwise.
-    fn repack_tokens(&self, _plan: &StepPlan, _step: &mut Self::Step) -> Result<()> {
-        Err(BackendError::Invalid(
-            "this backend does not pack steps ahead".into(),
-        ))
-    }
-
-    /// The packed step's upload (its first device work): as [`Backend::upload_step`] after
-    /// packing.
-    fn send_step(&self, _step: &mut Self::Step) -> Result<()> {
-        Err(BackendError::Invalid(
-            "this backend does not pack steps ahead".into(),
-        ))
-    }
-
-    /// Starts timing a step on the device: called before the step's first device work is
-    /// enqueued. The step's read-back (in [`Backend::sample`]) marks its end.
-    fn step_clock_start(&self) -> Result<()> {
-        Ok(())
-    }
-
-    /// After a timed step's results are on the host: how long the device worked on it and how
-    /// long it sat idle between the previous timed step's end and this step's start (zero for
-    /// the first). `None` where the backend has no device clock (the CPU).
-    fn step_clock_end(&self) -> Result<Option<DeviceStepTime>> {
-        Ok(None)
-    }
-
-    /// Records everything `run` enqueues (on this backend's stream) as a graph, without
-    /// executing it, and returns the graph's id. `run` must enqueue the same work whatever
-    /// the step's data (no host read-back, no allocation that the graph would outlive).
-    fn capture_graph(&self, _run: &mut dyn FnMut() -> Result<()>) -> Result<usize> {
-        Err(BackendError::Invalid(
-            "this backend has no device graphs".into(),
-        ))
-    }
-
-    /// Replays graph `id` (its step object holds the current step's metadata).
-    fn replay_graph(&self, _id: usize) -> Result<()> {
-        Err(BackendError::Invalid(
-            "this backend has no device graphs".into(),
-        ))
-    }
-
-    // ---- dense math ---------------------------------------------------------------------
+    // ---- dense math -------------------------------------------------------------------------
     /// A zeroed step temporary shaped like `x`.
     fn zeros_like(&self, x: &Self::Tensor) -> Result<Self::Tensor>;
+
     /// Rows of `table` picked by the step's token ids: `[tokens, cols]`.
     fn embedding(&self, table: &Self::Tensor, step: &Self::Step) -> Result<Self::Tensor>;
+
     /// `x[n, k] · w[m, k]ᵀ (+ bias[m])` → `[n, m]`.
     fn linear(
         &self,
@@ -529,61 +457,57 @@ pub trait Backend: Send + Sync + 'static {
         w: &Self::Tensor,
         bias: Option<&Self::Tensor>,
     ) -> Result<Self::Tensor>;
+
     /// `[x · w_sᵀ (+ b_s)]` for weights that share the input (a layer's q/k/v projections, or
-    /// gate and up): equal to one [`Backend::linear`] each, which is the default. A device may
-    /// run them as one launch (one pass over `x`, one kernel instead of several).
+    /// gate and up): equal to one [`LayerOps::linear`] each. A device may run them as one
+    /// launch (one pass over `x`, one kernel instead of several).
     fn linear_shared(
         &self,
         x: &Self::Tensor,
         weights: &[(&Self::Tensor, Option<&Self::Tensor>)],
-    ) -> Result<Vec<Self::Tensor>> {
-        weights.iter().map(|(w, b)| self.linear(x, w, *b)).collect()
-    }
+    ) -> Result<Vec<Self::Tensor>>;
+
     /// A gated MLP's hidden activations: `act(x · gateᵀ (+ b)) * (x · upᵀ (+ b))`. Equal to
-    /// [`Backend::linear_shared`] then [`Backend::gated_activation`], which is the default; a
-    /// device may compute the product in the projections' epilogue (one launch, one output).
+    /// [`LayerOps::linear_shared`] then [`LayerOps::gated_activation`]
+    /// ([`composed::gated_linear`]); a device may compute the product in the projections'
+    /// epilogue (one launch, one output).
     fn gated_linear(
         &self,
         x: &Self::Tensor,
         gate: (&Self::Tensor, Option<&Self::Tensor>),
         up: (&Self::Tensor, Option<&Self::Tensor>),
         act: Activation,
-    ) -> Result<Self::Tensor> {
-        let outs = self.linear_shared(x, &[gate, up])?;
-        let [g, u] = <[Self::Tensor; 2]>::try_from(outs)
-            .map_err(|_| BackendError::Invalid("linear_shared: not two outputs".into()))?;
-        self.gated_activation(&g, &u, act)
-    }
-    /// `act(x · wᵀ (+ b))`: [`Backend::linear`] then [`Backend::activate`] by default; a device
-    /// may apply the activation in the projection's epilogue.
+    ) -> Result<Self::Tensor>;
+
+    /// `act(x · wᵀ (+ b))`: [`LayerOps::linear`] then [`LayerOps::activate`]
+    /// ([`composed::linear_activated`]); a device may apply the activation in the projection's
+    /// epilogue.
     fn linear_activated(
         &self,
         x: &Self::Tensor,
         w: &Self::Tensor,
         bias: Option<&Self::Tensor>,
         act: Activation,
-    ) -> Result<Self::Tensor> {
-        let mut y = self.linear(x, w, bias)?;
-        self.activate(&mut y, act)?;
-        Ok(y)
-    }
+    ) -> Result<Self::Tensor>;
+
     /// `x += y` (same shape).
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
+
     fn scale_assign(&self, x: &mut Self::Tensor, s: f32) -> Result<()>;
+
     /// RMS norm over the last dim, times `w`.
     fn rms_norm(&self, x: &Self::Tensor, w: &Self::Tensor, eps: f32) -> Result<Self::Tensor>;
+
     /// `residual += delta`, then `rms_norm(residual, w)`: a sublayer's residual add fused
-    /// into the next norm (one pass on a device; the default runs the two operations).
+    /// into the next norm (one pass on a device; [`composed::add_rms_norm`] runs the two).
     fn add_rms_norm(
         &self,
         residual: &mut Self::Tensor,
         delta: &Self::Tensor,
         w: &Self::Tensor,
         eps: f32,
-    ) -> Result<Self::Tensor> {
-        self.add_assign(residual, delta)?;
-        self.rms_norm(residual, w, eps)
-    }
+    ) -> Result<Self::Tensor>;
+
     /// `rms_norm_grouped(x * silu(gate)) * w`, normalising each `group`-wide slice on its own.
     fn gated_rms_norm(
         &self,
@@ -593,7 +517,9 @@ pub trait Backend: Send + Sync + 'static {
         group: usize,
         eps: f32,
     ) -> Result<Self::Tensor>;
+
     fn activate(&self, x: &mut Self::Tensor, act: Activation) -> Result<()>;
+
     /// `act(gate) * up`.
     fn gated_activation(
         &self,
@@ -601,6 +527,7 @@ pub trait Backend: Send + Sync + 'static {
         up: &Self::Tensor,
         act: Activation,
     ) -> Result<Self::Tensor>;
+
     /// Consecutive column ranges of the given widths (which must sum to cols). A backend that
     /// can address strided columns returns views; the CPU reference copies.
     fn split_cols<const N: usize>(
@@ -608,10 +535,11 @@ pub trait Backend: Send + Sync + 'static {
         x: &Self::Tensor,
         widths: [usize; N],
     ) -> Result<[Self::Tensor; N]>;
+
     /// The rows of `x` listed in the step's `logit_rows`.
     fn gather_logit_rows(&self, x: &Self::Tensor, step: &Self::Step) -> Result<Self::Tensor>;
 
-    // ---- attention ----------------------------------------------------------------------
+    // ---- attention --------------------------------------------------------------------------
     /// Rotates the leading `rope.rotary_dim` dims of every head of `x[n, heads * head_dim]`
     /// at the step's positions (non-interleaved halves, as Hugging Face's `rotate_half`).
     fn apply_rope(
@@ -622,6 +550,7 @@ pub trait Backend: Send + Sync + 'static {
         rope: &Rope,
         step: &Self::Step,
     ) -> Result<()>;
+
     /// Writes this step's K/V into their paged rows (the step's slot mapping), then computes
     /// causal attention of every query over its sequence's cached + new keys. Returns
     /// `[n, heads * head_dim]`.
@@ -635,28 +564,25 @@ pub trait Backend: Send + Sync + 'static {
         step: &Self::Step,
     ) -> Result<Self::Tensor>;
 
-    /// [`Backend::paged_attention`] with RoPE applied to `q` and to `k` on its way into the
-    /// cache. A device fuses both rotations into the KV write (one launch); the default rotates
-    /// `q` and `k` first.
+    /// [`LayerOps::paged_attention`] with RoPE applied to `q` and to `k` on its way into the
+    /// cache. A device fuses both rotations into the KV write (one launch);
+    /// [`composed::rope_paged_attention`] rotates `q` and `k` first.
     #[allow(clippy::too_many_arguments)]
     fn rope_paged_attention(
         &self,
-        mut q: Self::Tensor,
-        mut k: Self::Tensor,
+        q: Self::Tensor,
+        k: Self::Tensor,
         v: &Self::Tensor,
         cache: &mut KvLayer<Self::Tensor>,
         shape: AttnShape,
         rope: &Rope,
         step: &Self::Step,
-    ) -> Result<Self::Tensor> {
-        self.apply_rope(&mut q, shape.heads, shape.head_dim, rope, step)?;
-        self.apply_rope(&mut k, shape.kv_heads, shape.head_dim, rope, step)?;
-        self.paged_attention(&q, &k, v, cache, shape, step)
-    }
+    ) -> Result<Self::Tensor>;
 
-    // ---- state-space layers -------------------------------------------------------------
+    // ---- state-space layers -----------------------------------------------------------------
     /// Applies the step's SSM slot restores and zeros to every layer at once.
     fn ssm_slot_ops(&self, pools: &mut SsmPools<Self::Tensor>, step: &Self::Step) -> Result<()>;
+
     /// Depthwise causal conv1d over `x[n, channels]` with weights `[channels, kernel]`,
     /// continuing from each sequence's conv state of SSM layer `layer` (then updating it),
     /// followed by SiLU. Writes the conv state at each snapshot target into its slot.
@@ -669,6 +595,7 @@ pub trait Backend: Send + Sync + 'static {
         layer: usize,
         step: &Self::Step,
     ) -> Result<Self::Tensor>;
+
     /// The Mamba2 selective scan. `x[n, heads*head_dim]`, `b`/`c` `[n, groups*state]`,
     /// `dt[n, heads]` (raw: bias and softplus applied here). Continues from and updates each
     /// sequence's recurrent state of SSM layer `layer`; prompts use the chunked (SSD) form,
@@ -692,9 +619,10 @@ pub trait Backend: Send + Sync + 'static {
 
     /// The middle of a Mamba2 mixer: from `in_proj`'s output `zxbcdt [n, d_inner + conv_dim +
     /// heads]` (the gate `z`, then `x | B | C`, then the raw `dt`) to `out_proj`'s input `[n,
-    /// d_inner]`: [`Backend::causal_conv1d`] on `x | B | C`, [`Backend::ssm_scan`] on the
-    /// result and `dt`, then the output norm with `z` ([`SsmOutNorm`]). The default runs those
-    /// operations on copied column ranges; a device reads the ranges in place.
+    /// d_inner]`: [`LayerOps::causal_conv1d`] on `x | B | C`, [`LayerOps::ssm_scan`] on the
+    /// result and `dt`, then the output norm with `z` ([`SsmOutNorm`]).
+    /// [`composed::mamba2_mix`] runs those operations on copied column ranges; a device reads
+    /// the ranges in place.
     fn mamba2_mix(
         &self,
         zxbcdt: &Self::Tensor,
@@ -702,29 +630,9 @@ pub trait Backend: Send + Sync + 'static {
         pools: &mut SsmPools<Self::Tensor>,
         layer: usize,
         step: &Self::Step,
-    ) -> Result<Self::Tensor> {
-        let sh = m.shape;
-        let d_inner = sh.d_inner();
-        let bc = sh.groups * sh.state_size;
-        let [z, xbc, dt] = self.split_cols(zxbcdt, [d_inner, m.conv_dim(), sh.heads])?;
-        let xbc = self.causal_conv1d(&xbc, m.conv_w, m.conv_b, pools, layer, step)?;
-        let [xs, bm, cm] = self.split_cols(&xbc, [d_inner, bc, bc])?;
-        let y = self.ssm_scan(
-            &xs, &bm, &cm, &dt, m.a_log, m.d, m.dt_bias, sh, pools, layer, step,
-        )?;
-        match m.norm {
-            SsmOutNorm::GateThenNorm(w) => {
-                self.gated_rms_norm(&y, &z, w, d_inner / sh.groups.max(1), m.eps)
-            }
-            SsmOutNorm::NormThenGate(w) => {
-                let y = self.rms_norm(&y, w, m.eps)?;
-                self.gated_activation(&z, &y, Activation::Silu)
-            }
-            SsmOutNorm::GateOnly => self.gated_activation(&z, &y, Activation::Silu),
-        }
-    }
+    ) -> Result<Self::Tensor>;
 
-    // ---- gated models (Qwen3-Next, Qwen3.5) --------------------------------------------
+    // ---- gated models (Qwen3-Next, Qwen3.5) -------------------------------------------------
     /// RMS norm of every `head_dim`-wide slice of each row of `x`, times `w[head_dim]` (the
     /// same weight for every head): per-head q/k norms and the Gated DeltaNet output norm.
     fn head_rms_norm(
@@ -734,9 +642,11 @@ pub trait Backend: Send + Sync + 'static {
         head_dim: usize,
         eps: f32,
     ) -> Result<Self::Tensor>;
+
     /// `x *= sigmoid(gate)`, where `gate` has `x`'s shape or one column (one gate per row,
     /// broadcast over the row): the output gate of gated attention and the shared-expert gate.
     fn sigmoid_gate(&self, x: &mut Self::Tensor, gate: &Self::Tensor) -> Result<()>;
+
     /// The gated delta rule of a Gated DeltaNet layer. `q`/`k` `[n, k_heads*k_dim]` (already
     /// convolved; L2-normalised here, `q` also scaled by `k_dim^-1/2`), `v` `[n,
     /// v_heads*v_dim]`, `a`/`b` `[n, v_heads]` raw (decay `g = −exp(a_log)·softplus(a +
@@ -761,44 +671,7 @@ pub trait Backend: Send + Sync + 'static {
         step: &Self::Step,
     ) -> Result<Self::Tensor>;
 
-    // ---- end of the step ----------------------------------------------------------------
-    /// The sampling tail over the step's `sample_rows` of `logits` (`[logit rows, vocab]`):
-    /// penalties (applied in place), per-row top-K candidates ordered best first with ties to
-    /// the lower id, log-sum-exp where wanted. Its result in `out` is the step's one
-    /// device-to-host copy.
-    fn sample(
-        &self,
-        logits: &mut Self::Tensor,
-        step: &Self::Step,
-        out: &mut SampleOut,
-    ) -> Result<()>;
-
-    /// [`Backend::sample`] in two halves: this one enqueues the tail and its read-back and
-    /// may return before the results are on the host; [`Backend::sample_finish`] waits for
-    /// them and fills `out`. Between the two the host can do work that does not read `out`
-    /// while the device computes. Where the device is the host (the CPU) this runs the whole
-    /// tail and the finish has nothing left to do.
-    fn sample_start(
-        &self,
-        logits: &mut Self::Tensor,
-        step: &Self::Step,
-        out: &mut SampleOut,
-    ) -> Result<()> {
-        self.sample(logits, step, out)
-    }
-
-    /// Completes the step [`Backend::sample_start`] started: `out` holds its candidates.
-    fn sample_finish(&self, _out: &mut SampleOut) -> Result<()> {
-        Ok(())
-    }
-
-    /// Whether [`Backend::sample_finish`] would return without waiting for the device (also
-    /// when nothing is pending, or when the device failed: the finish then says how).
-    fn sample_ready(&self) -> bool {
-        true
-    }
-
-    // ---- mixture of experts -------------------------------------------------------------
+    // ---- mixture of experts -----------------------------------------------------------------
     /// Routes every row of `x[n, hidden]` from `router_logits[n, experts]` and adds the
     /// weighted outputs of its experts to `out[n, hidden]` (experts in ascending id order),
     /// all on the backend.
@@ -810,6 +683,110 @@ pub trait Backend: Send + Sync + 'static {
         experts: &StackedExperts<Self::Tensor>,
         out: &mut Self::Tensor,
     ) -> Result<()>;
+}
+
+/// The step: what the model runner calls to build, upload, replay and read back a step.
+pub trait StepBackend: LayerOps {
+    /// An empty step object for steps of at most `max_tokens` tokens; the step arena is
+    /// sized for that bucket (a step beyond it still runs, and grows the arena).
+    fn new_step(&self, max_tokens: usize) -> Result<Self::Step>;
+
+    /// The step's one host-to-device upload.
+    fn upload_step(&self, plan: &StepPlan, step: &mut Self::Step) -> Result<()>;
+
+    fn arena_stats(&self) -> ArenaStats;
+
+    // ---- packing ahead ----------------------------------------------------------------------
+    /// Whether [`StepBackend::pack_step`], [`StepBackend::repack_tokens`] and
+    /// [`StepBackend::send_step`] split a step's upload: packing is host work only, so the next
+    /// step can be packed while the device computes this one.
+    fn packs_ahead(&self) -> bool;
+
+    /// Packs `plan` on the host for [`StepBackend::send_step`]: in the eager layout (`bucket`
+    /// `None`) or padded to a graph bucket (`Ok(false)`, nothing packed, when it does not
+    /// fit, as [`StepBackend::upload_graph_step`] says). Enqueues no device work.
+    fn pack_step(
+        &self,
+        plan: &StepPlan,
+        step: &mut Self::Step,
+        bucket: Option<GraphBucket>,
+        max_blocks: usize,
+    ) -> Result<bool>;
+
+    /// Writes `plan`'s tokens over those of the step [`StepBackend::pack_step`] packed from it
+    /// (placeholders then): the same plan otherwise.
+    fn repack_tokens(&self, plan: &StepPlan, step: &mut Self::Step) -> Result<()>;
+
+    /// The packed step's upload (its first device work): as [`StepBackend::upload_step`] after
+    /// packing.
+    fn send_step(&self, step: &mut Self::Step) -> Result<()>;
+
+    // ---- device graphs (steps replayed without per-kernel launches) -------------------------
+    /// The step shapes this backend replays as captured graphs, for steps of at most
+    /// `max_batch` sequences and `max_tokens` tokens (empty: no graphs; the CPU).
+    fn graph_buckets(&self, max_batch: usize, max_tokens: usize) -> Vec<GraphBucket>;
+
+    /// Uploads `plan` padded to `bucket` in the fixed layout of a graph step (`max_blocks`
+    /// block-table words per chunk at most). `Ok(false)`, with nothing uploaded, when the
+    /// plan does not fit the bucket (run it eagerly, or try a larger bucket). A mixed
+    /// bucket's slot ops are uploaded with the step and run eagerly before the replay
+    /// ([`LayerOps::ssm_slot_ops`]); a decode bucket takes no slot ops.
+    fn upload_graph_step(
+        &self,
+        plan: &StepPlan,
+        step: &mut Self::Step,
+        bucket: GraphBucket,
+        max_blocks: usize,
+    ) -> Result<bool>;
+
+    /// Records everything `run` enqueues (on this backend's stream) as a graph, without
+    /// executing it, and returns the graph's id. `run` must enqueue the same work whatever
+    /// the step's data (no host read-back, no allocation that the graph would outlive).
+    fn capture_graph(&self, run: &mut dyn FnMut() -> Result<()>) -> Result<usize>;
+
+    /// Replays graph `id` (its step object holds the current step's metadata).
+    fn replay_graph(&self, id: usize) -> Result<()>;
+
+    // ---- the device clock -------------------------------------------------------------------
+    /// Starts timing a step on the device: called before the step's first device work is
+    /// enqueued. The step's read-back (in [`StepBackend::sample`]) marks its end.
+    fn step_clock_start(&self) -> Result<()>;
+
+    /// After a timed step's results are on the host: how long the device worked on it and how
+    /// long it sat idle between the previous timed step's end and this step's start (zero for
+    /// the first). `None` where the backend has no device clock (the CPU).
+    fn step_clock_end(&self) -> Result<Option<DeviceStepTime>>;
+
+    // ---- end of the step --------------------------------------------------------------------
+    /// The sampling tail over the step's `sample_rows` of `logits` (`[logit rows, vocab]`):
+    /// penalties (applied in place), per-row top-K candidates ordered best first with ties to
+    /// the lower id, log-sum-exp where wanted. Its result in `out` is the step's one
+    /// device-to-host copy.
+    fn sample(
+        &self,
+        logits: &mut Self::Tensor,
+        step: &Self::Step,
+        out: &mut SampleOut,
+    ) -> Result<()>;
+
+    /// [`StepBackend::sample`] in two halves: this one enqueues the tail and its read-back and
+    /// may return before the results are on the host; [`StepBackend::sample_finish`] waits for
+    /// them and fills `out`. Between the two the host can do work that does not read `out`
+    /// while the device computes. Where the device is the host (the CPU) this runs the whole
+    /// tail and the finish has nothing left to do.
+    fn sample_start(
+        &self,
+        logits: &mut Self::Tensor,
+        step: &Self::Step,
+        out: &mut SampleOut,
+    ) -> Result<()>;
+
+    /// Completes the step [`StepBackend::sample_start`] started: `out` holds its candidates.
+    fn sample_finish(&self, out: &mut SampleOut) -> Result<()>;
+
+    /// Whether [`StepBackend::sample_finish`] would return without waiting for the device (also
+    /// when nothing is pending, or when the device failed: the finish then says how).
+    fn sample_ready(&self) -> bool;
 }
 
 #[cfg(test)]
@@ -842,5 +819,96 @@ mod tests {
             m.holds(3, 3, 0),
             "one-token chunks with slot ops take a mixed bucket"
         );
+    }
+
+    /// The methods of each backend trait, from this file's source: `(trait, method, body)`,
+    /// where `body` says whether the declaration carries a default body. Doc comments are
+    /// skipped; a signature ends at its line ending in `;` (no default) or `{` / `{}`.
+    fn trait_methods(src: &str) -> Vec<(String, String, bool)> {
+        let mut out = Vec::new();
+        let mut current: Option<String> = None;
+        let mut pending: Option<String> = None;
+        for line in src.lines() {
+            let t = line.trim();
+            if t.starts_with("//") {
+                continue;
+            }
+            if let Some(rest) = line.strip_prefix("pub trait ") {
+                current = rest.split([':', ' ']).next().map(str::to_string);
+                continue;
+            }
+            let Some(tr) = current.as_ref() else {
+                continue;
+            };
+            if line == "}" {
+                current = None;
+                continue;
+            }
+            if let Some(rest) = t.strip_prefix("fn ") {
+                let name: String = rest
+                    .chars()
+                    .take_while(|c| c.is_alphanumeric() || *c == '_')
+                    .collect();
+                pending = Some(name);
+            }
+            if let Some(name) = pending.as_ref() {
+                let body = t.ends_with('{') || t.ends_with("{}");
+                if body || t.ends_with(';') {
+                    out.push((tr.clone(), name.clone(), body));
+                    pending = None;
+                }
+            }
+        }
+        out
+    }
+
+    /// What keeps a wrapper from missing a method: no method of [`super::Backend`],
+    /// [`super::LayerOps`] or [`super::StepBackend`] has a default body, so every implementor
+    /// writes each one out (the compiler names any left out), and [`super::counting::Counting`]
+    /// forwards each to the same method of the backend it wraps (not to its parts: a fused
+    /// operation counted as its pieces would run unfused under it).
+    #[test]
+    fn no_trait_method_has_a_default_and_counting_forwards_every_one() {
+        let methods = trait_methods(include_str!("mod.rs"));
+        for (tr, probe) in [
+            ("Backend", "upload"),
+            ("LayerOps", "mamba2_mix"),
+            ("StepBackend", "sample_ready"),
+        ] {
+            assert!(
+                methods.iter().any(|(t, m, _)| t == tr && m == probe),
+                "{tr}::{probe} not found: the source scan is broken"
+            );
+        }
+        let defaults: Vec<String> = methods
+            .iter()
+            .filter(|(_, _, body)| *body)
+            .map(|(t, m, _)| format!("{t}::{m}"))
+            .collect();
+        assert_eq!(
+            defaults,
+            Vec::<String>::new(),
+            "trait methods with a default body"
+        );
+
+        let counting = include_str!("counting.rs");
+        for (tr, m, _) in &methods {
+            let starts: Vec<usize> = counting
+                .match_indices(&format!("\n    fn {m}"))
+                .map(|(i, _)| i)
+                .filter(|&i| {
+                    let after = &counting[i + 8 + m.len()..];
+                    after.starts_with('(') || after.starts_with('<')
+                })
+                .collect();
+            assert_eq!(starts.len(), 1, "Counting implements {tr}::{m} once");
+            let rest = &counting[starts[0]..];
+            let end = rest.find("\n    }\n").unwrap_or(rest.len());
+            let body: String = rest[..end].split_whitespace().collect();
+            assert!(
+                body.contains(&format!("self.inner.{m}(")),
+                "Counting's {tr}::{m} does not forward to the inner {m}"
+            );
+        }
     }
 }

@@ -2,7 +2,7 @@
 //!
 //! The engine's model runner builds one [`StepPlan`] per step with [`StepPlan::push`] (one call
 //! per sequence chunk) and [`StepPlan::finish`] (the derived columns), then hands it to the
-//! backend in **one** call ([`super::Backend::upload_step`]); kernels read the backend's step
+//! backend in **one** call ([`super::StepBackend::upload_step`]); kernels read the backend's step
 //! object, never host slices. Every column is flat (CSR-style where a sequence owns several
 //! entries), so a device backend uploads it as a handful of contiguous copies.
 //!

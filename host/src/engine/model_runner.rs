@@ -1,5 +1,5 @@
 //! The real model behind the engine: [`ModelRunner`] implements [`StepExecutor`] for any
-//! [`Model`] on any [`Backend`]. It owns the model's device caches and the backend's step
+//! [`Model`] on any [`StepBackend`]. It owns the model's device caches and the backend's step
 //! object: each step's plan is uploaded once, the forward pass reads only the uploaded step,
 //! and the step ends on the backend with the sampling tail, whose candidate columns are the
 //! one device-to-host copy (plus full rows on steps that score prompt tokens). The weights are shared (`Arc`):
@@ -19,10 +19,10 @@
 use std::sync::Arc;
 
 use super::executor::{CacheAllocation, ExecutorError, StepExecutor, StepOutput};
-use crate::backend::{Backend, GraphBucket, StepPlan};
+use crate::backend::{GraphBucket, StepBackend, StepPlan};
 use crate::model::{CacheSpec, Model, ModelCaches};
 
-pub struct ModelRunner<B: Backend> {
+pub struct ModelRunner<B: StepBackend> {
     backend: B,
     model: Arc<Model<B>>,
     caches: Option<ModelCaches<B>>,
@@ -109,7 +109,7 @@ fn bucket_rows(b: &GraphBucket) -> usize {
     }
 }
 
-impl<B: Backend> ModelRunner<B> {
+impl<B: StepBackend> ModelRunner<B> {
     /// A runner over `model` (a `Model` or an `Arc` of one shared with other replicas).
     pub fn new(backend: B, model: impl Into<Arc<Model<B>>>) -> Self {
         Self {
@@ -260,7 +260,7 @@ impl<B: Backend> ModelRunner<B> {
     }
 }
 
-impl<B: Backend> StepExecutor for ModelRunner<B> {
+impl<B: StepBackend> StepExecutor for ModelRunner<B> {
     fn cache_spec(&self) -> CacheSpec {
         self.model.cache_spec_on(&self.backend)
     }
@@ -367,7 +367,7 @@ impl<B: Backend> StepExecutor for ModelRunner<B> {
     }
 }
 
-impl<B: Backend> ModelRunner<B> {
+impl<B: StepBackend> ModelRunner<B> {
     /// `e`, or the replica's loss when the device is out of service.
     fn lost_or(&self, e: ExecutorError) -> ExecutorError {
         if self.backend.is_lost() {

@@ -9,7 +9,10 @@ use std::time::Instant;
 use super::rng::Rng;
 use super::{GpuCheckArgs, Report};
 use crate::backend::cuda::CudaBackend;
-use crate::backend::{AttnShape, Backend, GraphBucket, HostTensor, KvLayer, SampleOut, StepPlan};
+use crate::backend::{
+    AttnShape, Backend, GraphBucket, HostTensor, KvLayer, LayerOps, SampleOut, StepBackend,
+    StepPlan,
+};
 
 use crate::model::{self, Model};
 use chimera_kernels::attention::PrefillKernel;

@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use super::{GpuCheckArgs, Report};
 use crate::backend::cuda::CudaBackend;
-use crate::backend::{Backend, GraphBucket, SampleOut, SlotOp, StepPlan};
+use crate::backend::{GraphBucket, SampleOut, SlotOp, StepBackend, StepPlan};
 use crate::model::{self, Model, ModelCaches};
 
 const SUITE: &str = "bench-mixed";

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use super::Report;
 use crate::backend::cuda::{CudaBackend, CudaTensor};
-use crate::backend::{Backend, DType};
+use crate::backend::{Backend, DType, LayerOps, StepBackend};
 
 /// (label, output features of each weight sharing the input, k).
 const SHAPES: &[(&str, &[usize], usize)] = &[

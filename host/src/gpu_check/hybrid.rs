@@ -11,7 +11,8 @@ use crate::backend::cpu::CpuBackend;
 use crate::backend::cpu::moe as cpu_moe;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::{
-    Backend, DType, HostTensor, MoeRouting, MoeScoring, SlotOp, SsmPools, StepPlan,
+    Backend, DType, HostTensor, LayerOps, MoeRouting, MoeScoring, SlotOp, SsmPools, StepBackend,
+    StepPlan,
 };
 
 const SUITE: &str = "hybrid";
@@ -120,7 +121,7 @@ pub fn run(
             0,
         );
     }
-    // The whole mixer middle as the model runs it (`Backend::mamba2_mix`: conv, scan and norm
+    // The whole mixer middle as the model runs it (`LayerOps::mamba2_mix`: conv, scan and norm
     // reading in_proj's output in place), decode batches and mixed steps, no column copies.
     for gpu in [f32_gpu, bf16_gpu] {
         super::mamba_mix::checks(report, SUITE, gpu, &mut rng);
@@ -469,7 +470,7 @@ fn slot_ops_case(gpu: &CudaBackend, rng: &mut Rng) -> R<(Vec<f32>, Vec<f32>)> {
         SlotOp::Copy { from: 5, to: 0 },
     ];
     plan.finish()?;
-    fn apply<B: Backend>(
+    fn apply<B: StepBackend>(
         b: &B,
         plan: &StepPlan,
         conv: &[f32],
@@ -553,7 +554,7 @@ type LayerErrs = (f64, f64, f64, usize);
 
 /// One Mamba2 layer (conv, split, scan) of `plan` on `b` from `pools`: the conv and scan outputs
 /// (concatenated) and both pools after the step.
-fn layer_on<B: Backend>(
+fn layer_on<B: StepBackend>(
     b: &B,
     plan: &StepPlan,
     mut pools: SsmPools<B::Tensor>,

@@ -9,7 +9,8 @@ use crate::backend::cpu::{CpuBackend, CpuTensor};
 use crate::backend::cuda::{CudaBackend, CudaTensor};
 use crate::backend::sample::Penalties;
 use crate::backend::{
-    Activation, AttnShape, Backend, DType, HostTensor, KvLayer, Rope, SampleOut, StepPlan,
+    Activation, AttnShape, Backend, DType, HostTensor, KvLayer, LayerOps, Rope, SampleOut,
+    StepBackend, StepPlan,
 };
 use chimera_kernels::attention::PrefillKernel;
 
@@ -58,8 +59,8 @@ impl Ctx<'_> {
         &self,
         plan: &StepPlan,
     ) -> R<(
-        <CpuBackend as Backend>::Step,
-        <CudaBackend as Backend>::Step,
+        <CpuBackend as LayerOps>::Step,
+        <CudaBackend as LayerOps>::Step,
     )> {
         let mut c = self.cpu.new_step(plan.num_tokens())?;
         self.cpu.upload_step(plan, &mut c)?;

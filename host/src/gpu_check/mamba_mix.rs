@@ -1,4 +1,4 @@
-//! Rows of the `hybrid` suite: the Mamba2 mixer's middle ([`Backend::mamba2_mix`]: conv, scan
+//! Rows of the `hybrid` suite: the Mamba2 mixer's middle ([`LayerOps::mamba2_mix`]: conv, scan
 //! and output norm reading `in_proj`'s output in place) on the GPU against the CPU, which
 //! composes the separate operations over copied columns. Decode batches and mixed steps
 //! (prompt chunks with snapshots beside decodes), each output norm, f32 and bf16 mode; the
@@ -9,7 +9,7 @@ use super::{Report, rel_err, round_if_bf16};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::{
-    Backend, DType, HostTensor, Mamba2Mix, SsmOutNorm, SsmPools, SsmShape, StepPlan,
+    DType, HostTensor, LayerOps, Mamba2Mix, SsmOutNorm, SsmPools, SsmShape, StepBackend, StepPlan,
 };
 use crate::model::layers::mamba2::OutNormKind;
 
@@ -200,7 +200,7 @@ fn case(
 /// One `mamba2_mix` of `plan` on `b`: `y`, both pools after the step (conv then SSM), and
 /// (with `profile`, on the GPU) the launches by entry name.
 #[allow(clippy::type_complexity)]
-fn run<B: Backend + ProfileLaunches>(
+fn run<B: StepBackend + ProfileLaunches>(
     b: &B,
     plan: &StepPlan,
     i: &Inputs,

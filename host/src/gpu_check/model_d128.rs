@@ -23,7 +23,7 @@ use super::rng::Rng;
 use super::{Report, row_max_rel};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::CudaBackend;
-use crate::backend::{Backend, StepPlan};
+use crate::backend::{StepBackend, StepPlan};
 use crate::model::{self, LogitsMode, Model};
 use chimera_kernels::attention::PrefillKernel;
 
@@ -192,7 +192,7 @@ pub(super) fn top_logprob_err(got: &[f32], want: &[f32], vocab: usize) -> f64 {
 
 /// Prefills the case's prompt in chunks (logits of every position), then decodes its tokens
 /// one at a time (the last logits of each step).
-fn run_case<B: Backend>(m: &Model<B>, b: &B, c: &Case) -> anyhow::Result<Logits> {
+fn run_case<B: StepBackend>(m: &Model<B>, b: &B, c: &Case) -> anyhow::Result<Logits> {
     let total = c.prompt.len() + c.decode.len();
     let blocks = total.div_ceil(BLOCK);
     let mut caches = m.new_caches(b, blocks, BLOCK, 1)?;

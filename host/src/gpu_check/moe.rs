@@ -13,7 +13,8 @@ use super::{Report, bf16_round, rel_err, round_if_bf16};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::{
-    Activation, Backend, DType, HostTensor, MoeRouting, MoeScoring, StackedExperts,
+    Activation, Backend, DType, HostTensor, LayerOps, MoeRouting, MoeScoring, StackedExperts,
+    StepBackend,
 };
 
 type R<T> = anyhow::Result<T>;
@@ -115,14 +116,14 @@ impl Inputs {
 }
 
 /// A layer's tensors on one backend.
-struct Layer<B: Backend> {
+struct Layer<B: StepBackend> {
     x: B::Tensor,
     logits: B::Tensor,
     routing: MoeRouting<B::Tensor>,
     experts: StackedExperts<B::Tensor>,
 }
 
-fn layer<B: Backend>(b: &B, c: &Case, inp: &Inputs) -> R<Layer<B>> {
+fn layer<B: StepBackend>(b: &B, c: &Case, inp: &Inputs) -> R<Layer<B>> {
     let (t, h, i, e) = (c.tokens, c.hidden, c.inter, c.experts);
     Ok(Layer {
         x: b.upload(HostTensor::f32(&inp.x, &[t, h]))?,
@@ -150,7 +151,7 @@ fn layer<B: Backend>(b: &B, c: &Case, inp: &Inputs) -> R<Layer<B>> {
 }
 
 /// `base + moe(x)` on one backend.
-fn forward<B: Backend>(b: &B, l: &Layer<B>, base: &[f32], shape: &[usize]) -> R<Vec<f32>> {
+fn forward<B: StepBackend>(b: &B, l: &Layer<B>, base: &[f32], shape: &[usize]) -> R<Vec<f32>> {
     let mut out = b.upload(HostTensor::f32(base, shape))?;
     b.moe(&l.x, &l.logits, &l.routing, &l.experts, &mut out)?;
     Ok(b.download(&out)?)

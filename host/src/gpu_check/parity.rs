@@ -15,7 +15,7 @@ use tokio::sync::mpsc::unbounded_channel;
 use super::{GpuCheckArgs, Report};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::CudaBackend;
-use crate::backend::{Backend, StepPlan};
+use crate::backend::{StepBackend, StepPlan};
 use crate::cache::{ByteSize, CacheConfig};
 use crate::engine::api::{EngineEvent, GenerateRequest, SamplingParams};
 use crate::engine::{Engine, EngineConfig, EngineSetup, ModelRunner, Policies};
@@ -42,7 +42,7 @@ fn max_rel(a: &[f32], b: &[f32]) -> f64 {
 }
 
 /// Logits of every position of `tokens` in one chunk.
-fn full<B: Backend>(m: &Model<B>, b: &B, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
+fn full<B: StepBackend>(m: &Model<B>, b: &B, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
     let blocks = tokens.len().div_ceil(BLOCK);
     let mut caches = m.new_caches(b, blocks, BLOCK, 1)?;
     let mut plan = StepPlan::new(BLOCK);
@@ -52,7 +52,7 @@ fn full<B: Backend>(m: &Model<B>, b: &B, tokens: &[u32]) -> anyhow::Result<Vec<f
 }
 
 /// The last position's logits after prefilling `tokens` in chunks of `chunk`.
-fn chunked_last<B: Backend>(
+fn chunked_last<B: StepBackend>(
     m: &Model<B>,
     b: &B,
     tokens: &[u32],
@@ -73,7 +73,11 @@ fn chunked_last<B: Backend>(
 
 /// The last logits of every prompt, run as one batch (each sequence with its own blocks and
 /// its own zeroed SSM slot).
-fn batched_last<B: Backend>(m: &Model<B>, b: &B, prompts: &[Vec<u32>]) -> anyhow::Result<Vec<f32>> {
+fn batched_last<B: StepBackend>(
+    m: &Model<B>,
+    b: &B,
+    prompts: &[Vec<u32>],
+) -> anyhow::Result<Vec<f32>> {
     let blocks: Vec<usize> = prompts.iter().map(|p| p.len().div_ceil(BLOCK)).collect();
     let total: usize = blocks.iter().sum();
     let mut caches = m.new_caches(b, total, BLOCK, prompts.len())?;
@@ -298,7 +302,7 @@ fn prefix_caching(
 /// Runs `requests` (greedy, `max_tokens` each, EOS ignored) through a real engine over
 /// `backend`: the first alone for 8 steps (so it fills the cache), the rest after it. Returns
 /// every request's tokens and the engine's final statistics; the cache invariants must hold.
-pub(super) fn drive_engine<B: Backend>(
+pub(super) fn drive_engine<B: StepBackend>(
     backend: B,
     model: std::sync::Arc<Model<B>>,
     requests: &[Vec<u32>],
@@ -309,7 +313,7 @@ pub(super) fn drive_engine<B: Backend>(
 }
 
 /// [`drive_engine`] with a cache budget in bytes and a running-request limit.
-pub(super) fn drive_engine_with<B: Backend>(
+pub(super) fn drive_engine_with<B: StepBackend>(
     backend: B,
     model: std::sync::Arc<Model<B>>,
     requests: &[Vec<u32>],

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use super::config::HfConfig;
 use super::weights::WeightStore;
 use super::{Model, ModelError};
-use crate::backend::Backend;
+use crate::backend::LayerOps;
 
 /// Name users give to select this model (`--model builtin:tiny-hybrid`).
 pub const NAME: &str = "builtin:tiny-hybrid";
@@ -216,7 +216,7 @@ fn tensors(vocab: usize) -> HashMap<String, (Vec<f32>, Vec<usize>)> {
 }
 
 /// Builds the embedded model for a tokenizer with `vocab` tokens.
-pub fn load<B: Backend>(
+pub fn load<B: LayerOps>(
     backend: &B,
     vocab: usize,
     eos: u32,

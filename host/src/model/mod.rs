@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use crate::cache::SsmStateDtype;
 pub use batch::{CacheSpec, SsmSnapshot};
 
-use crate::backend::{Backend, BackendError, DType, KvLayer, SsmPools, StepPlan};
+use crate::backend::{BackendError, DType, KvLayer, LayerOps, SsmPools, StepBackend, StepPlan};
 use layers::{Linear, RmsNorm, StepCtx, Sublayer};
 
 #[derive(Debug, thiserror::Error)]
@@ -89,7 +89,7 @@ pub enum LogitsMode {
 }
 
 /// The caches a forward pass reads and writes, owned by the engine.
-pub struct ModelCaches<B: Backend> {
+pub struct ModelCaches<B: LayerOps> {
     pub kv: Vec<KvLayer<B::Tensor>>,
     /// Slot-major state of every SSM layer (`None` for models without SSM layers).
     pub ssm: Option<SsmPools<B::Tensor>>,
@@ -98,7 +98,7 @@ pub struct ModelCaches<B: Backend> {
     pub num_slots: usize,
 }
 
-impl<B: Backend> ModelCaches<B> {
+impl<B: LayerOps> ModelCaches<B> {
     /// Zeroed caches: `num_blocks` KV blocks of `block_size` tokens per attention layer and
     /// `num_slots` SSM-state slots holding every SSM layer. The recurrent state is stored as
     /// `ssm_state` where the backend can (bf16 is opt-in), else f32.
@@ -169,7 +169,7 @@ impl<B: Backend> ModelCaches<B> {
 }
 
 /// A causal language model assembled from shared layers.
-pub struct Model<B: Backend> {
+pub struct Model<B: LayerOps> {
     pub info: ModelInfo,
     pub embed: B::Tensor,
     pub layers: Vec<Sublayer<B>>,
@@ -188,7 +188,7 @@ pub struct Model<B: Backend> {
     pub logits_scale: f32,
 }
 
-impl<B: Backend> Model<B> {
+impl<B: LayerOps> Model<B> {
     /// The cache layout on `backend`: its KV blocks hold the backend's activation dtype (bf16
     /// on a serving GPU), which is what [`ModelCaches::new`] allocates. Planning with the f32
     /// size of [`ModelInfo::cache`] would leave half of a bf16 budget unused.
@@ -298,7 +298,10 @@ impl<B: Backend> Model<B> {
         }
         Ok(logits)
     }
+}
 
+/// The reference path runs whole steps: it builds and uploads them as the model runner does.
+impl<B: StepBackend> Model<B> {
     /// The reference path for tests and `chimera generate`: finishes `plan` (every token's
     /// logits when `mode` is [`LogitsMode::All`]), uploads it, runs the pass and returns the
     /// logits rows on the host.
@@ -325,7 +328,7 @@ impl<B: Backend> Model<B> {
 }
 
 /// Loads the model in `dir` (Hugging Face layout) onto `backend`.
-pub fn load<B: Backend>(dir: &Path, backend: &B) -> Result<Model<B>, ModelError> {
+pub fn load<B: LayerOps>(dir: &Path, backend: &B) -> Result<Model<B>, ModelError> {
     if !dir.is_dir() {
         return Err(ModelError::Io {
             path: dir.to_path_buf(),
@@ -340,7 +343,11 @@ pub fn load<B: Backend>(dir: &Path, backend: &B) -> Result<Model<B>, ModelError>
 /// Builds the model described by the `config.json` in `dir` (or the file itself) with
 /// made-up weights (`model.load_format = "dummy"`): seeded random values of the right shapes,
 /// norm weights ones. Full-size configs run without their checkpoints.
-pub fn load_dummy<B: Backend>(path: &Path, backend: &B, seed: u64) -> Result<Model<B>, ModelError> {
+pub fn load_dummy<B: LayerOps>(
+    path: &Path,
+    backend: &B,
+    seed: u64,
+) -> Result<Model<B>, ModelError> {
     let dir = if path.is_dir() {
         path.to_path_buf()
     } else {
@@ -366,7 +373,7 @@ pub fn argmax(row: &[f32]) -> u32 {
 /// path used by `chimera generate` and the parity tests (the engine is the serving path).
 /// Prefills `prompt` in chunks of at most `prefill_chunk` tokens, then decodes up to
 /// `max_tokens`, stopping after any of `stop_ids`.
-pub fn greedy_generate<B: Backend>(
+pub fn greedy_generate<B: StepBackend>(
     model: &Model<B>,
     backend: &B,
     prompt: &[u32],

@@ -18,7 +18,7 @@ use safetensors::{Dtype, SafeTensors, tensor::TensorInfo};
 use std::borrow::Cow;
 
 use super::ModelError;
-use crate::backend::{Backend, DType, HostTensor, f32_bytes};
+use crate::backend::{DType, HostTensor, LayerOps, f32_bytes};
 
 /// A tensor's bytes as stored (or narrowed to f32 for f64 checkpoints), with its dtype.
 pub struct RawTensor<'a> {
@@ -201,7 +201,7 @@ impl WeightStore {
     }
 
     /// Uploads `name`, which must have exactly `shape`, in its checkpoint dtype.
-    pub fn load<B: Backend>(
+    pub fn load<B: LayerOps>(
         &self,
         backend: &B,
         name: &str,
@@ -228,7 +228,7 @@ impl WeightStore {
     }
 
     /// [`WeightStore::load`] of a tensor handed over once: uploaded, then its host copy freed.
-    fn load_once<B: Backend>(
+    fn load_once<B: LayerOps>(
         &self,
         backend: &B,
         name: &str,
@@ -422,7 +422,7 @@ fn open_shard(path: &Path) -> Result<Shard, ModelError> {
 
 /// A made-up weight: ones for norm weights, else uniform values of standard deviation 0.02
 /// seeded by the tensor's name (the same on every backend and every run).
-fn dummy_tensor<B: Backend>(
+fn dummy_tensor<B: LayerOps>(
     backend: &B,
     name: &str,
     shape: &[usize],

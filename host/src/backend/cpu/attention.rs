@@ -1,13 +1,14 @@
-//! Paged causal attention on the CPU: writes the step's K/V into cache blocks, then attends.
+//! Paged causal attention on the CPU: writes the step's K/V into cache blocks, then attends;
+//! and RoPE at the step's positions.
 //!
 //! The cache layout is `[num_blocks, block_size, kv_heads, head_dim]`; a sequence's token at
 //! position `p` lives in block `block_table[p / block_size]`, row `p % block_size`.
 
 use rayon::prelude::*;
 
-use super::CpuTensor;
 use super::matmul::dot;
-use crate::backend::{AttnShape, BackendError, KvLayer, Result, StepPlan};
+use super::{CpuBackend, CpuStep, CpuTensor, min_rows};
+use crate::backend::{AttnShape, BackendError, KvLayer, Result, Rope, StepPlan};
 
 pub(super) fn paged_attention(
     q: &CpuTensor,
@@ -26,41 +27,12 @@ pub(super) fn paged_attention(
     } = shape;
     let block_size = plan.block_size.max(1);
     let kv_width = kv_heads * head_dim;
-    let (n, qcols) = q.rows_cols();
-    if qcols != heads * head_dim
-        || k.rows_cols() != (n, kv_width)
-        || v.rows_cols() != (n, kv_width)
-        || out.data.len() != n * qcols
-        || plan.slot_mapping.len() != n
-    {
-        return Err(BackendError::Invalid(format!(
-            "attention inputs q {:?} k {:?} v {:?} do not match {heads}q/{kv_heads}kv × {head_dim} over {} tokens",
-            q.shape,
-            k.shape,
-            v.shape,
-            plan.slot_mapping.len()
-        )));
-    }
-    if heads % kv_heads != 0 {
-        return Err(BackendError::Invalid(format!(
-            "{heads} query heads are not a multiple of {kv_heads} kv heads"
-        )));
-    }
+    let qcols = q.rows_cols().1;
+    check_inputs(q, k, v, shape, plan, out)?;
     let rows = cache.k.data.len() / kv_width.max(1);
 
     // 1. Scatter this step's keys and values into their paged rows.
-    for (t, &slot) in plan.slot_mapping.iter().enumerate() {
-        let slot = slot as usize;
-        if slot >= rows {
-            return Err(BackendError::Invalid(format!(
-                "KV row {slot} out of {rows} (block table too short or block id out of range)"
-            )));
-        }
-        cache.k.data[slot * kv_width..(slot + 1) * kv_width]
-            .copy_from_slice(&k.data[t * kv_width..(t + 1) * kv_width]);
-        cache.v.data[slot * kv_width..(slot + 1) * kv_width]
-            .copy_from_slice(&v.data[t * kv_width..(t + 1) * kv_width]);
-    }
+    write_kv(k, v, cache, plan, kv_width)?;
     let slot_index = |seq: usize, pos: usize| -> Result<usize> {
         let table = plan.block_table(seq);
         let block = *table.get(pos / block_size).ok_or_else(|| {
@@ -115,4 +87,124 @@ pub(super) fn paged_attention(
             Ok(())
         })?;
     Ok(())
+}
+
+/// Checks the attention inputs against the shape, the output and the step.
+fn check_inputs(
+    q: &CpuTensor,
+    k: &CpuTensor,
+    v: &CpuTensor,
+    shape: AttnShape,
+    plan: &StepPlan,
+    out: &CpuTensor,
+) -> Result<()> {
+    let AttnShape {
+        heads,
+        kv_heads,
+        head_dim,
+        ..
+    } = shape;
+    let kv_width = kv_heads * head_dim;
+    let (n, qcols) = q.rows_cols();
+    if qcols != heads * head_dim
+        || k.rows_cols() != (n, kv_width)
+        || v.rows_cols() != (n, kv_width)
+        || out.data.len() != n * qcols
+        || plan.slot_mapping.len() != n
+    {
+        return Err(BackendError::Invalid(format!(
+            "attention inputs q {:?} k {:?} v {:?} do not match {heads}q/{kv_heads}kv × {head_dim} over {} tokens",
+            q.shape,
+            k.shape,
+            v.shape,
+            plan.slot_mapping.len()
+        )));
+    }
+    if heads % kv_heads != 0 {
+        return Err(BackendError::Invalid(format!(
+            "{heads} query heads are not a multiple of {kv_heads} kv heads"
+        )));
+    }
+    Ok(())
+}
+
+/// Writes the step's keys and values (`kv_width` wide) into their paged rows (the step's slot
+/// mapping).
+fn write_kv(
+    k: &CpuTensor,
+    v: &CpuTensor,
+    cache: &mut KvLayer<CpuTensor>,
+    plan: &StepPlan,
+    kv_width: usize,
+) -> Result<()> {
+    let rows = cache.k.data.len() / kv_width.max(1);
+    for (t, &slot) in plan.slot_mapping.iter().enumerate() {
+        let slot = slot as usize;
+        if slot >= rows {
+            return Err(BackendError::Invalid(format!(
+                "KV row {slot} out of {rows} (block table too short or block id out of range)"
+            )));
+        }
+        cache.k.data[slot * kv_width..(slot + 1) * kv_width]
+            .copy_from_slice(&k.data[t * kv_width..(t + 1) * kv_width]);
+        cache.v.data[slot * kv_width..(slot + 1) * kv_width]
+            .copy_from_slice(&v.data[t * kv_width..(t + 1) * kv_width]);
+    }
+    Ok(())
+}
+
+impl CpuBackend {
+    pub(super) fn rope_in_place(
+        &self,
+        x: &mut CpuTensor,
+        heads: usize,
+        head_dim: usize,
+        rope: &Rope,
+        step: &CpuStep,
+    ) -> Result<()> {
+        let positions = &step.plan.positions;
+        let (n, cols) = x.rows_cols();
+        if cols != heads * head_dim || n != positions.len() || rope.rotary_dim > head_dim {
+            return Err(BackendError::Invalid(format!(
+                "rope: x {:?}, {heads} heads × {head_dim}, {} positions",
+                x.shape,
+                positions.len()
+            )));
+        }
+        let half = rope.rotary_dim / 2;
+        x.data
+            .par_chunks_mut(cols.max(1))
+            .zip(positions.par_iter())
+            .with_min_len(min_rows(cols))
+            .for_each(|(row, &pos)| {
+                let p = pos as f32;
+                for i in 0..half {
+                    let angle = rope.inv_freq[i] * p;
+                    let (s, c) = angle.sin_cos();
+                    let (s, c) = (s * rope.attention_scaling, c * rope.attention_scaling);
+                    for h in 0..heads {
+                        let base = h * head_dim;
+                        let x1 = row[base + i];
+                        let x2 = row[base + i + half];
+                        row[base + i] = x1 * c - x2 * s;
+                        row[base + i + half] = x2 * c + x1 * s;
+                    }
+                }
+            });
+        Ok(())
+    }
+
+    pub(super) fn write_kv_and_attend(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        cache: &mut KvLayer<CpuTensor>,
+        shape: AttnShape,
+        step: &CpuStep,
+    ) -> Result<CpuTensor> {
+        let mut out = self.tmp_zeroed(&q.shape);
+        paged_attention(q, k, v, cache, shape, &step.plan, &mut out)?;
+        Ok(out)
+    }
 }

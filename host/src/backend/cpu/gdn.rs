@@ -12,9 +12,9 @@
 
 use rayon::prelude::*;
 
-use super::CpuTensor;
 use super::ssm::{LayerState, segment_ends};
-use crate::backend::{BackendError, GdnShape, Result, SeqChunk, StepPlan};
+use super::{CpuBackend, CpuStep, CpuTensor};
+use crate::backend::{BackendError, GdnShape, Result, SeqChunk, SsmPools, StepPlan};
 
 /// `−exp(a_log)·softplus(a + dt_bias)`, the log-decay of one token.
 #[inline]
@@ -156,23 +156,37 @@ pub fn gdn_chunked_head(
             }
         }
         // Carry the state to the end of the chunk.
-        let last = cum[n - 1];
-        let total = last.exp();
-        for s in state.iter_mut() {
-            *s *= total;
-        }
-        for s in 0..n {
-            let w = (last - cum[s]).exp();
-            let ks = &k[(start + s) * dk..(start + s + 1) * dk];
-            let us = &u[s * dv..(s + 1) * dv];
-            for (i, &ki) in ks.iter().enumerate() {
-                let wk = w * ki;
-                for (st, &uj) in state[i * dv..(i + 1) * dv].iter_mut().zip(us) {
-                    *st += wk * uj;
-                }
+        carry_state(state, k, &u, &cum, start, n, (dk, dv));
+        start = end;
+    }
+}
+
+/// Carries a head's state over the chunk of `n` tokens from `start` (cumulative log-decays
+/// `cum`, deltas `u`): `S = e^{G_L} S₀ + Σ_s e^{G_L−G_s} k_s u_sᵀ`.
+fn carry_state(
+    state: &mut [f32],
+    k: &[f32],
+    u: &[f32],
+    cum: &[f32],
+    start: usize,
+    n: usize,
+    (dk, dv): (usize, usize),
+) {
+    let last = cum[n - 1];
+    let total = last.exp();
+    for s in state.iter_mut() {
+        *s *= total;
+    }
+    for s in 0..n {
+        let w = (last - cum[s]).exp();
+        let ks = &k[(start + s) * dk..(start + s + 1) * dk];
+        let us = &u[s * dv..(s + 1) * dv];
+        for (i, &ki) in ks.iter().enumerate() {
+            let wk = w * ki;
+            for (st, &uj) in state[i * dv..(i + 1) * dv].iter_mut().zip(us) {
+                *st += wk * uj;
             }
         }
-        start = end;
     }
 }
 
@@ -346,6 +360,39 @@ pub(super) fn gated_delta_rule(
         }
     }
     Ok(())
+}
+
+impl CpuBackend {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn delta_rule_layer(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        a: &CpuTensor,
+        b: &CpuTensor,
+        a_log: &CpuTensor,
+        dt_bias: &CpuTensor,
+        shape: GdnShape,
+        pools: &mut SsmPools<CpuTensor>,
+        layer: usize,
+        step: &CpuStep,
+    ) -> Result<CpuTensor> {
+        let rows = q.rows_cols().0;
+        let mut out = self.tmp(&[rows, shape.value_dim()]);
+        let state = LayerState::new(&mut pools.ssm, layer)?;
+        let inputs = GdnInputs {
+            q,
+            k,
+            v,
+            a,
+            b,
+            a_log,
+            dt_bias,
+        };
+        gated_delta_rule(&inputs, shape, state, &step.plan, &mut out)?;
+        Ok(out)
+    }
 }
 
 #[cfg(test)]

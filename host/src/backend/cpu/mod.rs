@@ -10,151 +10,39 @@
 //! so once the largest step shapes have been seen, kernels stop asking the allocator for
 //! tensor memory. (Scratch inside a kernel — rayon's per-head vectors, matrixmultiply's
 //! packing buffers — is not drawn from the arena.)
+//!
+//! The trait impls below are tables: each method is one call into the file that owns its
+//! concern (an inherent `impl CpuBackend` block, or a function of [`composed`] where the CPU
+//! runs a fused operation as its parts) — storage and temporaries `tensor`, `dense`
+//! operations, `norm`s, `attention`, the Mamba2 conv, scan and slot operations `ssm`,
+//! the gated delta rule `gdn`, `moe`, the step object `step`, the `sample` tail.
 
 mod attention;
+mod dense;
 mod gdn;
 mod matmul;
 pub mod moe;
+mod norm;
 pub mod sample;
 mod ssm;
+mod step;
+mod tensor;
 
 pub use gdn::{gdn_chunked_head, gdn_recurrent_head};
 pub use ssm::{ssm_chunked_head, ssm_recurrent_head};
+pub use step::CpuStep;
+pub use tensor::{Arena, CpuTensor};
 
 pub(crate) use matmul::gemm_nt;
-use matmul::{Product, gemm_nt_shared};
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
-
-use rayon::prelude::*;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 
 use super::{
-    Activation, ArenaStats, AttnShape, Backend, BackendError, DType, GdnShape, HostTensor, KvLayer,
-    MoeRouting, MoeScoring, Result, Rope, SampleOut, SlotOp, SsmPools, SsmShape, StackedExperts,
-    StepPlan,
+    Activation, ArenaStats, AttnShape, Backend, BackendError, DType, DeviceStepTime, GdnShape,
+    GraphBucket, HostTensor, KvLayer, LayerOps, Mamba2Mix, MoeRouting, Result, Rope, SampleOut,
+    SsmPools, SsmShape, StackedExperts, StepBackend, StepPlan, composed,
 };
-
-/// A dense f32 tensor in host memory.
-#[derive(Debug, Default)]
-pub struct CpuTensor {
-    pub data: Vec<f32>,
-    pub shape: Vec<usize>,
-    /// Where the memory goes back when the tensor is dropped (temporaries only).
-    arena: Option<Arc<Arena>>,
-}
-
-impl Clone for CpuTensor {
-    fn clone(&self) -> Self {
-        Self {
-            data: self.data.clone(),
-            shape: self.shape.clone(),
-            arena: None,
-        }
-    }
-}
-
-impl PartialEq for CpuTensor {
-    fn eq(&self, other: &Self) -> bool {
-        self.shape == other.shape && self.data == other.data
-    }
-}
-
-impl Drop for CpuTensor {
-    fn drop(&mut self) {
-        if let Some(arena) = self.arena.take() {
-            arena.give(
-                std::mem::take(&mut self.data),
-                std::mem::take(&mut self.shape),
-            );
-        }
-    }
-}
-
-impl CpuTensor {
-    pub fn new(data: Vec<f32>, shape: &[usize]) -> Result<Self> {
-        let n: usize = shape.iter().product();
-        if n != data.len() {
-            return Err(BackendError::Invalid(format!(
-                "{} values do not fill shape {shape:?}",
-                data.len()
-            )));
-        }
-        Ok(Self {
-            data,
-            shape: shape.to_vec(),
-            arena: None,
-        })
-    }
-
-    /// `(rows, cols)` treating every leading dim as rows.
-    pub fn rows_cols(&self) -> (usize, usize) {
-        let cols = self.shape.last().copied().unwrap_or(1);
-        let rows = self.data.len().checked_div(cols).unwrap_or(0);
-        (rows, cols)
-    }
-
-    pub fn row(&self, r: usize) -> &[f32] {
-        let (_, c) = self.rows_cols();
-        &self.data[r * c..(r + 1) * c]
-    }
-}
-
-/// Recycled buffers for the tensors kernels create, kept per row width. Every buffer holds
-/// `max_rows` rows of its width, so any later temporary of that width fits whatever the
-/// step's token count: after the first step of a model, the arena grows only if more
-/// temporaries of one width are alive at once than ever before.
-/// A recycled tensor buffer: its values and its shape vector.
-type FreeBuffer = (Vec<f32>, Vec<usize>);
-
-#[derive(Debug, Default)]
-pub struct Arena {
-    free: Mutex<HashMap<usize, Vec<FreeBuffer>>>,
-    max_rows: AtomicUsize,
-    grown: AtomicU64,
-    bytes: AtomicU64,
-}
-
-impl Arena {
-    /// A tensor of `shape` on a recycled buffer of its width: zeroed when `zero`, otherwise
-    /// holding stale values for a kernel that writes every element.
-    fn take(self: &Arc<Self>, shape: &[usize], zero: bool) -> CpuTensor {
-        let len: usize = shape.iter().product();
-        let cols = shape.last().copied().unwrap_or(1).max(1);
-        let rows = len / cols;
-        let (mut data, mut dims) = {
-            let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
-            free.get_mut(&cols).and_then(Vec::pop).unwrap_or_default()
-        };
-        if data.capacity() < len {
-            let want = rows.max(self.max_rows.load(Ordering::Relaxed)) * cols;
-            self.grown.fetch_add(1, Ordering::Relaxed);
-            self.bytes
-                .fetch_add(((want - data.capacity()) * 4) as u64, Ordering::Relaxed);
-            data.reserve_exact(want - data.len());
-        }
-        if zero {
-            data.clear();
-        } else {
-            data.truncate(len);
-        }
-        data.resize(len, 0.0);
-        dims.clear();
-        dims.extend_from_slice(shape);
-        CpuTensor {
-            data,
-            shape: dims,
-            arena: Some(self.clone()),
-        }
-    }
-
-    fn give(&self, data: Vec<f32>, shape: Vec<usize>) {
-        let cols = shape.last().copied().unwrap_or(1).max(1);
-        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
-        free.entry(cols).or_default().push((data, shape));
-    }
-}
 
 /// The CPU backend: stateless kernels plus the arena its temporaries come from. Clones share
 /// the arena; replicas get their own backend (and arena).
@@ -163,12 +51,6 @@ pub struct CpuBackend {
     arena: Arc<Arena>,
     /// Bytes of the tensors uploaded to this backend (the weights it holds).
     uploaded: Arc<AtomicU64>,
-}
-
-/// The CPU's step object: its own copy of the plan.
-#[derive(Debug, Default)]
-pub struct CpuStep {
-    pub plan: StepPlan,
 }
 
 fn same_shape(what: &str, a: &CpuTensor, b: &CpuTensor) -> Result<()> {
@@ -213,274 +95,98 @@ fn apply_act(x: f32, act: Activation) -> f32 {
     }
 }
 
-impl CpuBackend {
-    /// A step temporary the kernel overwrites completely (not zeroed).
-    fn tmp(&self, shape: &[usize]) -> CpuTensor {
-        self.arena.take(shape, false)
-    }
-
-    /// Fills every free arena buffer with NaN, so a test can show that no kernel reads a
-    /// temporary it did not write (stale values would surface in its outputs).
-    pub fn poison_arena(&self) {
-        let mut free = self.arena.free.lock().unwrap_or_else(|p| p.into_inner());
-        for (data, _) in free.values_mut().flatten() {
-            let cap = data.capacity();
-            data.clear();
-            data.resize(cap, f32::NAN);
-        }
-    }
-
-    /// `x · w_sᵀ (+ b_s)` for `N` weights sharing `x`, as one dispatch of the product kernel.
-    fn linears<const N: usize>(
-        &self,
-        x: &CpuTensor,
-        weights: [(&CpuTensor, Option<&CpuTensor>); N],
-    ) -> Result<[CpuTensor; N]> {
-        let (n, k) = x.rows_cols();
-        for (w, bias) in weights {
-            let (m, wk) = w.rows_cols();
-            if wk != k {
-                return Err(BackendError::Shape {
-                    what: "linear weight".into(),
-                    got: w.shape.clone(),
-                    expected: vec![m, k],
-                });
-            }
-            if let Some(b) = bias
-                && b.data.len() != m
-            {
-                return Err(BackendError::Shape {
-                    what: "linear bias".into(),
-                    got: b.shape.clone(),
-                    expected: vec![m],
-                });
-            }
-        }
-        let mut outs = weights.map(|(w, _)| self.tmp(&[n, w.rows_cols().0]));
-        let mut products: Vec<Product<'_>> = outs
-            .iter_mut()
-            .zip(&weights)
-            .map(|(out, (w, _))| Product {
-                w: &w.data,
-                out: &mut out.data,
-            })
-            .collect();
-        gemm_nt_shared(&x.data, n, k, &mut products);
-        for (out, (w, bias)) in outs.iter_mut().zip(&weights) {
-            if let Some(b) = bias {
-                for row in out.data.chunks_mut(w.rows_cols().0.max(1)) {
-                    for (o, bv) in row.iter_mut().zip(&b.data) {
-                        *o += bv;
-                    }
-                }
-            }
-        }
-        Ok(outs)
-    }
-
-    /// Bytes of the tensors uploaded so far (a model's weights, as f32), shared by clones.
-    pub fn weight_bytes(&self) -> u64 {
-        self.uploaded.load(Ordering::Relaxed)
-    }
-
-    /// A zeroed step temporary (for kernels that accumulate into it).
-    fn tmp_zeroed(&self, shape: &[usize]) -> CpuTensor {
-        self.arena.take(shape, true)
-    }
-}
-
 impl Backend for CpuBackend {
     type Tensor = CpuTensor;
-    type Step = CpuStep;
 
     fn name(&self) -> &'static str {
         "cpu"
     }
-
+    fn act_dtype(&self) -> DType {
+        DType::F32
+    }
+    fn is_lost(&self) -> bool {
+        false
+    }
+    /// The recurrent-state pool stays f32 (`cache.ssm_state_dtype` only sizes its slots).
+    fn bf16_ssm_state(&self) -> bool {
+        false
+    }
     fn upload(&self, host: HostTensor<'_>) -> Result<CpuTensor> {
-        host.check()?;
-        let t = CpuTensor::new(host.to_f32(), host.shape)?;
-        self.uploaded
-            .fetch_add((t.data.len() * 4) as u64, Ordering::Relaxed);
-        Ok(t)
+        self.upload_host(host)
     }
-
     fn download(&self, t: &CpuTensor) -> Result<Vec<f32>> {
-        Ok(t.data.clone())
+        self.download_f32(t)
     }
-
-    fn copy_into(&self, src: &CpuTensor, dst: &mut CpuTensor) -> Result<()> {
-        if src.shape != dst.shape {
-            return Err(BackendError::Shape {
-                what: "copy_into".into(),
-                got: src.shape.clone(),
-                expected: dst.shape.clone(),
-            });
-        }
-        dst.data.copy_from_slice(&src.data);
-        Ok(())
-    }
-
     fn shape<'a>(&self, t: &'a CpuTensor) -> &'a [usize] {
         &t.shape
     }
-
     fn dtype(&self, _t: &CpuTensor) -> DType {
         DType::F32
     }
-
-    fn zeros(&self, shape: &[usize], _dtype: DType) -> Result<CpuTensor> {
-        let n = shape
-            .iter()
-            .try_fold(1usize, |a, &d| a.checked_mul(d))
-            .ok_or_else(|| BackendError::OutOfMemory(format!("shape {shape:?} overflows")))?;
-        let mut data = Vec::new();
-        data.try_reserve_exact(n)
-            .map_err(|e| BackendError::OutOfMemory(format!("{n} f32 for {shape:?}: {e}")))?;
-        data.resize(n, 0.0);
-        CpuTensor::new(data, shape)
+    fn zeros(&self, shape: &[usize], dtype: DType) -> Result<CpuTensor> {
+        self.zeros_persistent(shape, dtype)
     }
-
+    fn copy_into(&self, src: &CpuTensor, dst: &mut CpuTensor) -> Result<()> {
+        self.copy_values(src, dst)
+    }
     fn fill_dummy(&self, t: &mut CpuTensor, seed: u64, std: f32, mean: f32) -> Result<()> {
-        for (i, v) in t.data.iter_mut().enumerate() {
-            *v = if std == 0.0 {
-                mean
-            } else {
-                super::dummy_value(seed, i as u64, std)
-            };
-        }
-        Ok(())
+        self.fill_dummy_values(t, seed, std, mean)
     }
+}
 
-    fn new_step(&self, max_tokens: usize) -> Result<CpuStep> {
-        self.arena.max_rows.fetch_max(max_tokens, Ordering::Relaxed);
-        Ok(CpuStep::default())
-    }
+impl LayerOps for CpuBackend {
+    type Step = CpuStep;
 
-    fn upload_step(&self, plan: &StepPlan, step: &mut CpuStep) -> Result<()> {
-        plan.validate()?;
-        step.plan.copy_from(plan);
-        Ok(())
-    }
-
-    // Packing ahead is the same copy: it keeps the CPU on the path a device takes.
-    fn packs_ahead(&self) -> bool {
-        true
-    }
-
-    fn pack_step(
-        &self,
-        plan: &StepPlan,
-        step: &mut CpuStep,
-        bucket: Option<super::GraphBucket>,
-        _max_blocks: usize,
-    ) -> Result<bool> {
-        if bucket.is_some() {
-            return Ok(false);
-        }
-        self.upload_step(plan, step)?;
-        Ok(true)
-    }
-
-    fn repack_tokens(&self, plan: &StepPlan, step: &mut CpuStep) -> Result<()> {
-        if plan.tokens.len() != step.plan.tokens.len() {
-            return Err(BackendError::Invalid(format!(
-                "{} tokens written over a packed step of {}",
-                plan.tokens.len(),
-                step.plan.tokens.len()
-            )));
-        }
-        step.plan.tokens.copy_from_slice(&plan.tokens);
-        Ok(())
-    }
-
-    fn send_step(&self, _step: &mut CpuStep) -> Result<()> {
-        Ok(())
-    }
-
-    fn arena_stats(&self) -> ArenaStats {
-        ArenaStats {
-            grown: self.arena.grown.load(Ordering::Relaxed),
-            bytes: self.arena.bytes.load(Ordering::Relaxed),
-        }
-    }
-
+    /// The CPU cuts no scan chunks ahead: its scan reads the plan.
+    fn set_ssm_chunk_size(&self, _chunk: usize) {}
     fn zeros_like(&self, x: &CpuTensor) -> Result<CpuTensor> {
-        Ok(self.tmp_zeroed(&x.shape))
+        self.zeros_tmp(x)
     }
-
     fn embedding(&self, table: &CpuTensor, step: &CpuStep) -> Result<CpuTensor> {
-        let (rows, cols) = table.rows_cols();
-        let ids = &step.plan.tokens;
-        let mut out = self.tmp(&[ids.len(), cols]);
-        for (o, &id) in out.data.chunks_mut(cols.max(1)).zip(ids) {
-            let id = id as usize;
-            if id >= rows {
-                return Err(BackendError::Invalid(format!(
-                    "token id {id} is outside the vocabulary of {rows}"
-                )));
-            }
-            o.copy_from_slice(table.row(id));
-        }
-        Ok(out)
+        self.embed_rows(table, step)
     }
-
-    fn linear(&self, x: &CpuTensor, w: &CpuTensor, bias: Option<&CpuTensor>) -> Result<CpuTensor> {
-        let [out] = self.linears(x, [(w, bias)])?;
-        Ok(out)
+    fn linear(&self, x: &CpuTensor, w: &CpuTensor, b: Option<&CpuTensor>) -> Result<CpuTensor> {
+        self.project(x, w, b)
     }
-
-    fn linear_shared(
+    fn linear_shared(&self, x: &CpuTensor, ws: &[Weight<'_>]) -> Result<Vec<CpuTensor>> {
+        self.project_shared(x, ws)
+    }
+    fn gated_linear(
         &self,
         x: &CpuTensor,
-        weights: &[(&CpuTensor, Option<&CpuTensor>)],
-    ) -> Result<Vec<CpuTensor>> {
-        match *weights {
-            [a, b] => Ok(self.linears(x, [a, b])?.into()),
-            [a, b, c] => Ok(self.linears(x, [a, b, c])?.into()),
-            _ => weights.iter().map(|(w, b)| self.linear(x, w, *b)).collect(),
-        }
+        gate: Weight<'_>,
+        up: Weight<'_>,
+        act: Activation,
+    ) -> Result<CpuTensor> {
+        composed::gated_linear(self, x, gate, up, act)
     }
-
+    fn linear_activated(
+        &self,
+        x: &CpuTensor,
+        w: &CpuTensor,
+        b: Option<&CpuTensor>,
+        act: Activation,
+    ) -> Result<CpuTensor> {
+        composed::linear_activated(self, x, w, b, act)
+    }
     fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
-        same_shape("add", x, y)?;
-        for (a, b) in x.data.iter_mut().zip(&y.data) {
-            *a += b;
-        }
-        Ok(())
+        self.add_in_place(x, y)
     }
-
     fn scale_assign(&self, x: &mut CpuTensor, s: f32) -> Result<()> {
-        for a in &mut x.data {
-            *a *= s;
-        }
-        Ok(())
+        self.scale_in_place(x, s)
     }
-
     fn rms_norm(&self, x: &CpuTensor, w: &CpuTensor, eps: f32) -> Result<CpuTensor> {
-        let (_, cols) = x.rows_cols();
-        if w.data.len() != cols {
-            return Err(BackendError::Shape {
-                what: "rms_norm weight".into(),
-                got: w.shape.clone(),
-                expected: vec![cols],
-            });
-        }
-        let mut out = self.tmp(&x.shape);
-        out.data.copy_from_slice(&x.data);
-        out.data
-            .par_chunks_mut(cols.max(1))
-            .with_min_len(min_rows(cols))
-            .for_each(|row| {
-                let ms = row.iter().map(|v| v * v).sum::<f32>() / cols as f32;
-                let inv = 1.0 / (ms + eps).sqrt();
-                for (v, wv) in row.iter_mut().zip(&w.data) {
-                    *v = wv * (*v * inv);
-                }
-            });
-        Ok(out)
+        self.rms_norm_rows(x, w, eps)
     }
-
+    fn add_rms_norm(
+        &self,
+        residual: &mut CpuTensor,
+        delta: &CpuTensor,
+        w: &CpuTensor,
+        eps: f32,
+    ) -> Result<CpuTensor> {
+        composed::add_rms_norm(self, residual, delta, w, eps)
+    }
     fn gated_rms_norm(
         &self,
         x: &CpuTensor,
@@ -489,93 +195,20 @@ impl Backend for CpuBackend {
         group: usize,
         eps: f32,
     ) -> Result<CpuTensor> {
-        same_shape("gated_rms_norm gate", x, gate)?;
-        let (_, cols) = x.rows_cols();
-        if w.data.len() != cols || group == 0 || cols % group != 0 {
-            return Err(BackendError::Invalid(format!(
-                "gated_rms_norm: width {cols}, weight {:?}, group {group}",
-                w.shape
-            )));
-        }
-        let mut out = self.tmp(&x.shape);
-        for ((o, v), g) in out.data.iter_mut().zip(&x.data).zip(&gate.data) {
-            *o = v * silu(*g);
-        }
-        out.data
-            .par_chunks_mut(group)
-            .with_min_len(min_rows(group))
-            .enumerate()
-            .for_each(|(i, seg)| {
-                let ms = seg.iter().map(|v| v * v).sum::<f32>() / group as f32;
-                let inv = 1.0 / (ms + eps).sqrt();
-                let base = (i * group) % cols;
-                for (j, v) in seg.iter_mut().enumerate() {
-                    *v = w.data[base + j] * (*v * inv);
-                }
-            });
-        Ok(out)
+        self.gated_rms_norm_groups(x, gate, w, group, eps)
     }
-
     fn activate(&self, x: &mut CpuTensor, act: Activation) -> Result<()> {
-        x.data
-            .par_iter_mut()
-            .with_min_len(PAR_MIN_ELEMS)
-            .for_each(|v| *v = apply_act(*v, act));
-        Ok(())
+        self.activate_in_place(x, act)
     }
-
-    fn gated_activation(
-        &self,
-        gate: &CpuTensor,
-        up: &CpuTensor,
-        act: Activation,
-    ) -> Result<CpuTensor> {
-        same_shape("gated_activation", gate, up)?;
-        let mut out = self.tmp(&gate.shape);
-        out.data
-            .par_iter_mut()
-            .zip(gate.data.par_iter().zip(&up.data))
-            .with_min_len(PAR_MIN_ELEMS)
-            .for_each(|(o, (g, u))| *o = apply_act(*g, act) * u);
-        Ok(out)
+    fn gated_activation(&self, g: &CpuTensor, u: &CpuTensor, a: Activation) -> Result<CpuTensor> {
+        self.act_mul(g, u, a)
     }
-
-    fn split_cols<const N: usize>(
-        &self,
-        x: &CpuTensor,
-        widths: [usize; N],
-    ) -> Result<[CpuTensor; N]> {
-        let (rows, cols) = x.rows_cols();
-        if widths.iter().sum::<usize>() != cols {
-            return Err(BackendError::Invalid(format!(
-                "split widths {widths:?} do not sum to {cols} columns"
-            )));
-        }
-        let mut parts: [CpuTensor; N] = std::array::from_fn(|i| self.tmp(&[rows, widths[i]]));
-        for r in 0..rows {
-            let row = x.row(r);
-            let mut start = 0;
-            for (p, &w) in parts.iter_mut().zip(&widths) {
-                p.data[r * w..(r + 1) * w].copy_from_slice(&row[start..start + w]);
-                start += w;
-            }
-        }
-        Ok(parts)
+    fn split_cols<const N: usize>(&self, x: &CpuTensor, w: [usize; N]) -> Result<[CpuTensor; N]> {
+        self.copy_col_ranges(x, w)
     }
-
     fn gather_logit_rows(&self, x: &CpuTensor, step: &CpuStep) -> Result<CpuTensor> {
-        let (n, cols) = x.rows_cols();
-        let rows = &step.plan.logit_rows;
-        let mut out = self.tmp(&[rows.len(), cols]);
-        for (o, &r) in out.data.chunks_mut(cols.max(1)).zip(rows) {
-            if r as usize >= n {
-                return Err(BackendError::Invalid(format!("row {r} out of {n}")));
-            }
-            o.copy_from_slice(x.row(r as usize));
-        }
-        Ok(out)
+        self.gather_logits(x, step)
     }
-
     fn apply_rope(
         &self,
         x: &mut CpuTensor,
@@ -584,38 +217,8 @@ impl Backend for CpuBackend {
         rope: &Rope,
         step: &CpuStep,
     ) -> Result<()> {
-        let positions = &step.plan.positions;
-        let (n, cols) = x.rows_cols();
-        if cols != heads * head_dim || n != positions.len() || rope.rotary_dim > head_dim {
-            return Err(BackendError::Invalid(format!(
-                "rope: x {:?}, {heads} heads × {head_dim}, {} positions",
-                x.shape,
-                positions.len()
-            )));
-        }
-        let half = rope.rotary_dim / 2;
-        x.data
-            .par_chunks_mut(cols.max(1))
-            .zip(positions.par_iter())
-            .with_min_len(min_rows(cols))
-            .for_each(|(row, &pos)| {
-                let p = pos as f32;
-                for i in 0..half {
-                    let angle = rope.inv_freq[i] * p;
-                    let (s, c) = angle.sin_cos();
-                    let (s, c) = (s * rope.attention_scaling, c * rope.attention_scaling);
-                    for h in 0..heads {
-                        let base = h * head_dim;
-                        let x1 = row[base + i];
-                        let x2 = row[base + i + half];
-                        row[base + i] = x1 * c - x2 * s;
-                        row[base + i + half] = x2 * c + x1 * s;
-                    }
-                }
-            });
-        Ok(())
+        self.rope_in_place(x, heads, head_dim, rope, step)
     }
-
     fn paged_attention(
         &self,
         q: &CpuTensor,
@@ -625,44 +228,23 @@ impl Backend for CpuBackend {
         shape: AttnShape,
         step: &CpuStep,
     ) -> Result<CpuTensor> {
-        let mut out = self.tmp_zeroed(&q.shape);
-        attention::paged_attention(q, k, v, cache, shape, &step.plan, &mut out)?;
-        Ok(out)
+        self.write_kv_and_attend(q, k, v, cache, shape, step)
     }
-
+    fn rope_paged_attention(
+        &self,
+        q: CpuTensor,
+        k: CpuTensor,
+        v: &CpuTensor,
+        cache: &mut KvLayer<CpuTensor>,
+        shape: AttnShape,
+        rope: &Rope,
+        step: &CpuStep,
+    ) -> Result<CpuTensor> {
+        composed::rope_paged_attention(self, q, k, v, cache, shape, rope, step)
+    }
     fn ssm_slot_ops(&self, pools: &mut SsmPools<CpuTensor>, step: &CpuStep) -> Result<()> {
-        for pool in [&mut pools.conv, &mut pools.ssm] {
-            let per = slot_elems(pool);
-            let slots = pool.shape.first().copied().unwrap_or(0);
-            for op in &step.plan.slot_ops {
-                match *op {
-                    SlotOp::Copy { from, to } => {
-                        let (from, to) = (from as usize, to as usize);
-                        if from >= slots || to >= slots {
-                            return Err(BackendError::Invalid(format!(
-                                "state slot {from} or {to} out of {slots}"
-                            )));
-                        }
-                        if from != to {
-                            pool.data
-                                .copy_within(from * per..(from + 1) * per, to * per);
-                        }
-                    }
-                    SlotOp::Zero { slot } => {
-                        let slot = slot as usize;
-                        if slot >= slots {
-                            return Err(BackendError::Invalid(format!(
-                                "state slot {slot} out of {slots}"
-                            )));
-                        }
-                        pool.data[slot * per..(slot + 1) * per].fill(0.0);
-                    }
-                }
-            }
-        }
-        Ok(())
+        self.run_slot_ops(pools, step)
     }
-
     fn causal_conv1d(
         &self,
         x: &CpuTensor,
@@ -672,12 +254,8 @@ impl Backend for CpuBackend {
         layer: usize,
         step: &CpuStep,
     ) -> Result<CpuTensor> {
-        let mut out = self.tmp(&x.shape);
-        let state = ssm::LayerState::new(&mut pools.conv, layer)?;
-        ssm::causal_conv1d(x, weight, bias, state, &step.plan, &mut out)?;
-        Ok(out)
+        self.conv_layer(x, weight, bias, pools, layer, step)
     }
-
     fn ssm_scan(
         &self,
         x: &CpuTensor,
@@ -692,69 +270,30 @@ impl Backend for CpuBackend {
         layer: usize,
         step: &CpuStep,
     ) -> Result<CpuTensor> {
-        let mut out = self.tmp(&x.shape);
-        let state = ssm::LayerState::new(&mut pools.ssm, layer)?;
-        ssm::ssm_scan(
-            x, b, c, dt, a_log, d, dt_bias, shape, state, &step.plan, &mut out,
-        )?;
-        Ok(out)
+        self.scan_layer(x, b, c, dt, a_log, d, dt_bias, shape, pools, layer, step)
     }
-
+    fn mamba2_mix(
+        &self,
+        zxbcdt: &CpuTensor,
+        m: &Mamba2Mix<'_, CpuTensor>,
+        pools: &mut SsmPools<CpuTensor>,
+        layer: usize,
+        step: &CpuStep,
+    ) -> Result<CpuTensor> {
+        composed::mamba2_mix(self, zxbcdt, m, pools, layer, step)
+    }
     fn head_rms_norm(
         &self,
         x: &CpuTensor,
         w: &CpuTensor,
-        head_dim: usize,
+        hd: usize,
         eps: f32,
     ) -> Result<CpuTensor> {
-        let (_, cols) = x.rows_cols();
-        if head_dim == 0 || cols % head_dim != 0 || w.data.len() != head_dim {
-            return Err(BackendError::Invalid(format!(
-                "head_rms_norm: width {cols}, head_dim {head_dim}, weight {:?}",
-                w.shape
-            )));
-        }
-        let mut out = self.tmp(&x.shape);
-        out.data.copy_from_slice(&x.data);
-        out.data
-            .par_chunks_mut(head_dim)
-            .with_min_len(min_rows(head_dim))
-            .for_each(|seg| {
-                let ms = seg.iter().map(|v| v * v).sum::<f32>() / head_dim as f32;
-                let inv = 1.0 / (ms + eps).sqrt();
-                for (v, wv) in seg.iter_mut().zip(&w.data) {
-                    *v = wv * (*v * inv);
-                }
-            });
-        Ok(out)
+        self.head_rms_norm_rows(x, w, hd, eps)
     }
-
     fn sigmoid_gate(&self, x: &mut CpuTensor, gate: &CpuTensor) -> Result<()> {
-        let (rows, cols) = x.rows_cols();
-        let (grows, gcols) = gate.rows_cols();
-        if grows != rows || (gcols != cols && gcols != 1) {
-            return Err(BackendError::Shape {
-                what: "sigmoid_gate gate".into(),
-                got: gate.shape.clone(),
-                expected: vec![rows, cols],
-            });
-        }
-        let sig = |g: f32| 1.0 / (1.0 + (-g).exp());
-        x.data
-            .par_chunks_mut(cols.max(1))
-            .zip(gate.data.par_chunks(gcols.max(1)))
-            .with_min_len(min_rows(cols))
-            .for_each(|(row, g)| {
-                if gcols == 1 {
-                    let s = sig(g[0]);
-                    row.iter_mut().for_each(|v| *v *= s);
-                } else {
-                    row.iter_mut().zip(g).for_each(|(v, &gv)| *v *= sig(gv));
-                }
-            });
-        Ok(())
+        self.sigmoid_gate_rows(x, gate)
     }
-
     fn gated_delta_rule(
         &self,
         q: &CpuTensor,
@@ -769,48 +308,8 @@ impl Backend for CpuBackend {
         layer: usize,
         step: &CpuStep,
     ) -> Result<CpuTensor> {
-        let rows = q.rows_cols().0;
-        let mut out = self.tmp(&[rows, shape.value_dim()]);
-        let state = ssm::LayerState::new(&mut pools.ssm, layer)?;
-        let inputs = gdn::GdnInputs {
-            q,
-            k,
-            v,
-            a,
-            b,
-            a_log,
-            dt_bias,
-        };
-        gdn::gated_delta_rule(&inputs, shape, state, &step.plan, &mut out)?;
-        Ok(out)
+        self.delta_rule_layer(q, k, v, a, b, a_log, dt_bias, shape, pools, layer, step)
     }
-
-    fn sample(&self, logits: &mut CpuTensor, step: &CpuStep, out: &mut SampleOut) -> Result<()> {
-        let plan = &step.plan;
-        let (rows, vocab) = logits.rows_cols();
-        if plan.sampling.len() != plan.sample_rows.len() {
-            return Err(BackendError::Invalid(format!(
-                "{} sampling rows for {} sampled logits rows",
-                plan.sampling.len(),
-                plan.sample_rows.len()
-            )));
-        }
-        if plan.sample_rows.len() == rows {
-            return sample::sample_tail(&mut logits.data, vocab, &plan.sampling, out);
-        }
-        // Prompt-logprob rows are interleaved: sample a gathered copy of the sampled rows.
-        let mut picked = self.tmp(&[plan.sample_rows.len(), vocab]);
-        for (dst, &r) in picked.data.chunks_mut(vocab.max(1)).zip(&plan.sample_rows) {
-            if r as usize >= rows {
-                return Err(BackendError::Invalid(format!(
-                    "logits row {r} out of {rows}"
-                )));
-            }
-            dst.copy_from_slice(logits.row(r as usize));
-        }
-        sample::sample_tail(&mut picked.data, vocab, &plan.sampling, out)
-    }
-
     fn moe(
         &self,
         x: &CpuTensor,
@@ -819,77 +318,92 @@ impl Backend for CpuBackend {
         experts: &StackedExperts<CpuTensor>,
         out: &mut CpuTensor,
     ) -> Result<()> {
-        moe_forward(x, router_logits, routing, experts, out)
+        moe::moe_forward(x, router_logits, routing, experts, out)
     }
+}
+
+impl StepBackend for CpuBackend {
+    fn new_step(&self, max_tokens: usize) -> Result<CpuStep> {
+        self.new_step_object(max_tokens)
+    }
+    fn upload_step(&self, plan: &StepPlan, step: &mut CpuStep) -> Result<()> {
+        self.upload_plan(plan, step)
+    }
+    fn arena_stats(&self) -> ArenaStats {
+        self.arena_growth()
+    }
+    // Packing ahead is the same copy: it keeps the CPU on the path a device takes.
+    fn packs_ahead(&self) -> bool {
+        true
+    }
+    fn pack_step(
+        &self,
+        plan: &StepPlan,
+        step: &mut CpuStep,
+        bucket: Option<GraphBucket>,
+        max_blocks: usize,
+    ) -> Result<bool> {
+        self.pack_eager_only(plan, step, bucket, max_blocks)
+    }
+    fn repack_tokens(&self, plan: &StepPlan, step: &mut CpuStep) -> Result<()> {
+        self.repack_plan_tokens(plan, step)
+    }
+    fn send_step(&self, _step: &mut CpuStep) -> Result<()> {
+        Ok(())
+    }
+    fn graph_buckets(&self, _max_batch: usize, _max_tokens: usize) -> Vec<GraphBucket> {
+        Vec::new()
+    }
+    fn upload_graph_step(
+        &self,
+        _plan: &StepPlan,
+        _step: &mut CpuStep,
+        _bucket: GraphBucket,
+        _max_blocks: usize,
+    ) -> Result<bool> {
+        Ok(false)
+    }
+    fn capture_graph(&self, _run: &mut dyn FnMut() -> Result<()>) -> Result<usize> {
+        Err(no_graphs())
+    }
+    fn replay_graph(&self, _id: usize) -> Result<()> {
+        Err(no_graphs())
+    }
+    fn step_clock_start(&self) -> Result<()> {
+        Ok(())
+    }
+    /// No device clock: the host's own timings are the step's.
+    fn step_clock_end(&self) -> Result<Option<DeviceStepTime>> {
+        Ok(None)
+    }
+    fn sample(&self, logits: &mut CpuTensor, step: &CpuStep, out: &mut SampleOut) -> Result<()> {
+        self.sample_rows(logits, step, out)
+    }
+    /// The device is the host: the whole tail runs here and the finish has nothing left.
+    fn sample_start(
+        &self,
+        logits: &mut CpuTensor,
+        step: &CpuStep,
+        out: &mut SampleOut,
+    ) -> Result<()> {
+        self.sample_rows(logits, step, out)
+    }
+    fn sample_finish(&self, _out: &mut SampleOut) -> Result<()> {
+        Ok(())
+    }
+    fn sample_ready(&self) -> bool {
+        true
+    }
+}
+
+/// A weight and its optional bias, as the linear layers take them.
+type Weight<'a> = (&'a CpuTensor, Option<&'a CpuTensor>);
+
+/// The error of a graph call: the CPU replays no graphs (it has no graph buckets).
+fn no_graphs() -> BackendError {
+    BackendError::Invalid("this backend has no device graphs".into())
 }
 
 pub(crate) fn slot_elems(t: &CpuTensor) -> usize {
     t.shape.iter().skip(1).product()
-}
-
-/// Routing then expert compute over stacked weights (see [`moe`]).
-fn moe_forward(
-    x: &CpuTensor,
-    router_logits: &CpuTensor,
-    routing: &MoeRouting<CpuTensor>,
-    experts: &StackedExperts<CpuTensor>,
-    out: &mut CpuTensor,
-) -> Result<()> {
-    let (tokens, hidden) = x.rows_cols();
-    let (_, n_experts) = router_logits.rows_cols();
-    same_shape("moe output", x, out)?;
-    if experts.up.shape.len() != 3
-        || experts
-            .gate
-            .as_ref()
-            .is_some_and(|g| g.shape != experts.up.shape)
-    {
-        return Err(BackendError::Invalid(format!(
-            "moe: stacked experts up {:?}, gate {:?}",
-            experts.up.shape,
-            experts.gate.as_ref().map(|g| &g.shape)
-        )));
-    }
-    let inter = experts.up.shape[1];
-    let r = moe::MoeRouting {
-        experts: n_experts,
-        n_group: routing.n_group,
-        topk_group: routing.topk_group,
-        top_k: routing.top_k,
-        norm_topk_prob: routing.norm_topk_prob,
-        scaling: routing.scaling,
-        softmax: routing.scoring == MoeScoring::Softmax,
-    };
-    let n = tokens * routing.top_k;
-    let (mut ids, mut weights) = (vec![0u32; n], vec![0f32; n]);
-    match routing.scoring {
-        MoeScoring::Sigmoid => moe::moe_route(
-            &router_logits.data,
-            tokens,
-            &r,
-            &routing.correction_bias.data,
-            &mut ids,
-            &mut weights,
-        )?,
-        MoeScoring::Softmax => {
-            moe::moe_route_softmax(&router_logits.data, tokens, &r, &mut ids, &mut weights)?
-        }
-    }
-    let shape = moe::ExpertShape {
-        experts: n_experts,
-        hidden,
-        inter,
-        top_k: routing.top_k,
-        act: experts.act,
-    };
-    moe::moe_experts_gated(
-        &x.data,
-        &ids,
-        &weights,
-        experts.gate.as_ref().map(|g| g.data.as_slice()),
-        &experts.up.data,
-        &experts.down.data,
-        &shape,
-        &mut out.data,
-    )
 }

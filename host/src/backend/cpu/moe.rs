@@ -7,12 +7,15 @@
 //! the same expert ids in the same order, the same weights bit for bit, and per output row the
 //! same summation order (experts in ascending id, each expert's tokens in ascending order). Experts are MLPs
 //! without biases, plain (`down(act(up(x)))`) or gated (`down(act(gate(x)) · up(x))`), one GEMM pair (or
-//! trio) per expert over the tokens routed to it.
+//! trio) per expert over the tokens routed to it. `moe_forward` is the backend's MoE
+//! operation: the layer's routing, then its experts.
 
 use rayon::prelude::*;
 
-use super::{apply_act, gemm_nt};
-use crate::backend::{Activation, BackendError, Result};
+use super::{CpuTensor, apply_act, gemm_nt, same_shape};
+use crate::backend::{
+    Activation, BackendError, MoeRouting as LayerRouting, MoeScoring, Result, StackedExperts,
+};
 
 /// Routing constants of one MoE layer.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -294,21 +297,14 @@ pub fn moe_experts(
     moe_experts_gated(x, ids, weights, None, up, down, s, out)
 }
 
-/// [`moe_experts`] with optional gate weights `gate [E, inter, hidden]`: gated experts compute
-/// `down_e(act(gate_e(x)) · up_e(x))` (SwiGLU when `act` is SiLU).
-#[allow(
-    clippy::too_many_arguments,
-    reason = "the expert weights and the routing columns"
-)]
-pub fn moe_experts_gated(
+/// Checks the experts' inputs against each other and the shape `s`.
+fn check_experts(
     x: &[f32],
     ids: &[u32],
     weights: &[f32],
-    gate: Option<&[f32]>,
-    up: &[f32],
-    down: &[f32],
+    (gate, up, down): (Option<&[f32]>, &[f32], &[f32]),
     s: &ExpertShape,
-    out: &mut [f32],
+    out: &[f32],
 ) -> Result<()> {
     let (h, i) = (s.hidden, s.inter);
     if let Some(g) = gate
@@ -350,6 +346,27 @@ pub fn moe_experts_gated(
             s.experts
         )));
     }
+    Ok(())
+}
+
+/// [`moe_experts`] with optional gate weights `gate [E, inter, hidden]`: gated experts compute
+/// `down_e(act(gate_e(x)) · up_e(x))` (SwiGLU when `act` is SiLU).
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the expert weights and the routing columns"
+)]
+pub fn moe_experts_gated(
+    x: &[f32],
+    ids: &[u32],
+    weights: &[f32],
+    gate: Option<&[f32]>,
+    up: &[f32],
+    down: &[f32],
+    s: &ExpertShape,
+    out: &mut [f32],
+) -> Result<()> {
+    let (h, i) = (s.hidden, s.inter);
+    check_experts(x, ids, weights, (gate, up, down), s, out)?;
     // Counting sort of the (token, weight) pairs by expert, tokens ascending within an expert.
     let mut start = vec![0usize; s.experts + 1];
     for &e in ids {
@@ -403,6 +420,73 @@ pub fn moe_experts_gated(
         }
     }
     Ok(())
+}
+
+/// Routing then expert compute over stacked weights (see the module docs).
+pub(super) fn moe_forward(
+    x: &CpuTensor,
+    router_logits: &CpuTensor,
+    routing: &LayerRouting<CpuTensor>,
+    experts: &StackedExperts<CpuTensor>,
+    out: &mut CpuTensor,
+) -> Result<()> {
+    let (tokens, hidden) = x.rows_cols();
+    let (_, n_experts) = router_logits.rows_cols();
+    same_shape("moe output", x, out)?;
+    if experts.up.shape.len() != 3
+        || experts
+            .gate
+            .as_ref()
+            .is_some_and(|g| g.shape != experts.up.shape)
+    {
+        return Err(BackendError::Invalid(format!(
+            "moe: stacked experts up {:?}, gate {:?}",
+            experts.up.shape,
+            experts.gate.as_ref().map(|g| &g.shape)
+        )));
+    }
+    let inter = experts.up.shape[1];
+    let r = MoeRouting {
+        experts: n_experts,
+        n_group: routing.n_group,
+        topk_group: routing.topk_group,
+        top_k: routing.top_k,
+        norm_topk_prob: routing.norm_topk_prob,
+        scaling: routing.scaling,
+        softmax: routing.scoring == MoeScoring::Softmax,
+    };
+    let n = tokens * routing.top_k;
+    let (mut ids, mut weights) = (vec![0u32; n], vec![0f32; n]);
+    match routing.scoring {
+        MoeScoring::Sigmoid => moe_route(
+            &router_logits.data,
+            tokens,
+            &r,
+            &routing.correction_bias.data,
+            &mut ids,
+            &mut weights,
+        )?,
+        MoeScoring::Softmax => {
+            moe_route_softmax(&router_logits.data, tokens, &r, &mut ids, &mut weights)?
+        }
+    }
+    let shape = ExpertShape {
+        experts: n_experts,
+        hidden,
+        inter,
+        top_k: routing.top_k,
+        act: experts.act,
+    };
+    moe_experts_gated(
+        &x.data,
+        &ids,
+        &weights,
+        experts.gate.as_ref().map(|g| g.data.as_slice()),
+        &experts.up.data,
+        &experts.down.data,
+        &shape,
+        &mut out.data,
+    )
 }
 
 #[cfg(test)]

@@ -5,10 +5,12 @@
 //! sampling stage's arithmetic exactly: the same penalty formulas, the same candidate order
 //! (descending logit, then ascending token id, NaN as negative infinity) and the same
 //! sequential log-sum-exp, so a step that ends here gives bit-identical tokens and logprobs.
-//! Rows are independent and run in parallel.
+//! Rows are independent and run in parallel. The backend's entry gathers a step's sampled rows
+//! first when prompt-logprob rows sit between them.
 
 use rayon::prelude::*;
 
+use super::{CpuBackend, CpuStep, CpuTensor};
 use crate::backend::sample::{BIAS_ONLY, Penalties, SampleOut, SampleRows};
 use crate::backend::{BackendError, Result};
 
@@ -167,6 +169,39 @@ pub fn log_sum_exp(row: &[f32]) -> f32 {
     }
     let sum: f32 = row.iter().map(|&x| (x - max).exp()).sum();
     max + sum.ln()
+}
+
+impl CpuBackend {
+    pub(super) fn sample_rows(
+        &self,
+        logits: &mut CpuTensor,
+        step: &CpuStep,
+        out: &mut SampleOut,
+    ) -> Result<()> {
+        let plan = &step.plan;
+        let (rows, vocab) = logits.rows_cols();
+        if plan.sampling.len() != plan.sample_rows.len() {
+            return Err(BackendError::Invalid(format!(
+                "{} sampling rows for {} sampled logits rows",
+                plan.sampling.len(),
+                plan.sample_rows.len()
+            )));
+        }
+        if plan.sample_rows.len() == rows {
+            return sample_tail(&mut logits.data, vocab, &plan.sampling, out);
+        }
+        // Prompt-logprob rows are interleaved: sample a gathered copy of the sampled rows.
+        let mut picked = self.tmp(&[plan.sample_rows.len(), vocab]);
+        for (dst, &r) in picked.data.chunks_mut(vocab.max(1)).zip(&plan.sample_rows) {
+            if r as usize >= rows {
+                return Err(BackendError::Invalid(format!(
+                    "logits row {r} out of {rows}"
+                )));
+            }
+            dst.copy_from_slice(logits.row(r as usize));
+        }
+        sample_tail(&mut picked.data, vocab, &plan.sampling, out)
+    }
 }
 
 #[cfg(test)]

@@ -1,4 +1,5 @@
-//! Mamba2 kernels on the CPU: the depthwise causal conv and the selective scan.
+//! Mamba2 kernels on the CPU: the depthwise causal conv and the selective scan, and the
+//! step's slot restores and zeros over the slot-major state pools.
 //!
 //! Both continue from a per-sequence state slot and leave the updated state there. A sequence
 //! chunk may ask for snapshots "after N tokens": the state at that point is copied into the
@@ -11,8 +12,10 @@
 
 use rayon::prelude::*;
 
-use super::CpuTensor;
-use crate::backend::{BackendError, Result, SeqChunk, SnapshotTarget, SsmShape, StepPlan};
+use super::{CpuBackend, CpuStep, CpuTensor, slot_elems};
+use crate::backend::{
+    BackendError, Result, SeqChunk, SlotOp, SnapshotTarget, SsmPools, SsmShape, StepPlan,
+};
 
 /// One SSM layer's state inside a slot-major pool `[slots, layers, per-layer elems]`.
 pub(super) struct LayerState<'a> {
@@ -302,22 +305,8 @@ pub(super) fn ssm_scan(
         dt_min,
         dt_max,
     } = shape;
-    let (rows, xcols) = x.rows_cols();
-    let bc_cols = groups * n;
-    if xcols != heads * p
-        || b.rows_cols() != (rows, bc_cols)
-        || c.rows_cols() != (rows, bc_cols)
-        || dt.rows_cols() != (rows, heads)
-        || groups == 0
-        || heads % groups != 0
-        || state.per != heads * p * n
-        || out.data.len() != rows * xcols
-    {
-        return Err(BackendError::Invalid(format!(
-            "ssm_scan: x {:?} b {:?} c {:?} dt {:?} state of {} values for {shape:?}",
-            x.shape, b.shape, c.shape, dt.shape, state.per
-        )));
-    }
+    let xcols = x.rows_cols().1;
+    check_scan(x, b, c, dt, shape, &state, out)?;
     let heads_per_group = heads / groups;
     let head_state = p * n;
     let y = &mut out.data;
@@ -340,31 +329,8 @@ pub(super) fn ssm_scan(
                 );
                 let a = -a_log.data[h].exp();
                 let dh = d.data[h];
-                let mut s = live[h * head_state..(h + 1) * head_state].to_vec();
-                let mut yh = vec![0.0f32; seq.len * p];
-                let mut snaps = Vec::with_capacity(ends.len());
-                let mut from = 0;
-                for &to in &ends {
-                    let (xs, bs, cs, dts) = (
-                        &inp.x[from * p..to * p],
-                        &inp.b[from * n..to * n],
-                        &inp.c[from * n..to * n],
-                        &inp.dt[from..to],
-                    );
-                    let ys = &mut yh[from * p..to * p];
-                    if to - from == 1 {
-                        ssm_recurrent_head(xs, bs, cs, dts, a, dh, p, n, &mut s, ys);
-                    } else {
-                        ssm_chunked_head(xs, bs, cs, dts, a, dh, p, n, chunk_size, &mut s, ys);
-                    }
-                    snaps.push(s.clone());
-                    from = to;
-                }
-                HeadResult {
-                    y: yh,
-                    state: s,
-                    snaps,
-                }
+                let s = live[h * head_state..(h + 1) * head_state].to_vec();
+                scan_segments(&inp, (a, dh), (p, n, chunk_size), s, seq.len, &ends)
             })
             .collect();
         for (h, r) in results.into_iter().enumerate() {
@@ -390,6 +356,80 @@ pub(super) fn ssm_scan(
         }
     }
     Ok(())
+}
+
+/// Checks the scan's inputs against each other, the shape, the state and the output.
+fn check_scan(
+    x: &CpuTensor,
+    b: &CpuTensor,
+    c: &CpuTensor,
+    dt: &CpuTensor,
+    shape: SsmShape,
+    state: &LayerState<'_>,
+    out: &CpuTensor,
+) -> Result<()> {
+    let SsmShape {
+        heads,
+        head_dim: p,
+        groups,
+        state_size: n,
+        ..
+    } = shape;
+    let (rows, xcols) = x.rows_cols();
+    let bc_cols = groups * n;
+    if xcols != heads * p
+        || b.rows_cols() != (rows, bc_cols)
+        || c.rows_cols() != (rows, bc_cols)
+        || dt.rows_cols() != (rows, heads)
+        || groups == 0
+        || heads % groups != 0
+        || state.per != heads * p * n
+        || out.data.len() != rows * xcols
+    {
+        return Err(BackendError::Invalid(format!(
+            "ssm_scan: x {:?} b {:?} c {:?} dt {:?} state of {} values for {shape:?}",
+            x.shape, b.shape, c.shape, dt.shape, state.per
+        )));
+    }
+    Ok(())
+}
+
+/// One head's scan over one sequence chunk from state `s`: each segment (cut at `ends`) in
+/// the recurrent form when it is one token, the chunked form otherwise, keeping the state
+/// after each segment (for snapshots). `a` is the head's decay, `dh` its skip; `p` the head
+/// dim, `n` the state size.
+fn scan_segments(
+    inp: &HeadInputs,
+    (a, dh): (f32, f32),
+    (p, n, chunk_size): (usize, usize, usize),
+    mut s: Vec<f32>,
+    len: usize,
+    ends: &[usize],
+) -> HeadResult {
+    let mut yh = vec![0.0f32; len * p];
+    let mut snaps = Vec::with_capacity(ends.len());
+    let mut from = 0;
+    for &to in ends {
+        let (xs, bs, cs, dts) = (
+            &inp.x[from * p..to * p],
+            &inp.b[from * n..to * n],
+            &inp.c[from * n..to * n],
+            &inp.dt[from..to],
+        );
+        let ys = &mut yh[from * p..to * p];
+        if to - from == 1 {
+            ssm_recurrent_head(xs, bs, cs, dts, a, dh, p, n, &mut s, ys);
+        } else {
+            ssm_chunked_head(xs, bs, cs, dts, a, dh, p, n, chunk_size, &mut s, ys);
+        }
+        snaps.push(s.clone());
+        from = to;
+    }
+    HeadResult {
+        y: yh,
+        state: s,
+        snaps,
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -429,6 +469,83 @@ fn gather_head(
         out.dt.push(v.clamp(dt_min, dt_max));
     }
     out
+}
+
+impl CpuBackend {
+    pub(super) fn run_slot_ops(
+        &self,
+        pools: &mut SsmPools<CpuTensor>,
+        step: &CpuStep,
+    ) -> Result<()> {
+        for pool in [&mut pools.conv, &mut pools.ssm] {
+            let per = slot_elems(pool);
+            let slots = pool.shape.first().copied().unwrap_or(0);
+            for op in &step.plan.slot_ops {
+                match *op {
+                    SlotOp::Copy { from, to } => {
+                        let (from, to) = (from as usize, to as usize);
+                        if from >= slots || to >= slots {
+                            return Err(BackendError::Invalid(format!(
+                                "state slot {from} or {to} out of {slots}"
+                            )));
+                        }
+                        if from != to {
+                            pool.data
+                                .copy_within(from * per..(from + 1) * per, to * per);
+                        }
+                    }
+                    SlotOp::Zero { slot } => {
+                        let slot = slot as usize;
+                        if slot >= slots {
+                            return Err(BackendError::Invalid(format!(
+                                "state slot {slot} out of {slots}"
+                            )));
+                        }
+                        pool.data[slot * per..(slot + 1) * per].fill(0.0);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn conv_layer(
+        &self,
+        x: &CpuTensor,
+        weight: &CpuTensor,
+        bias: Option<&CpuTensor>,
+        pools: &mut SsmPools<CpuTensor>,
+        layer: usize,
+        step: &CpuStep,
+    ) -> Result<CpuTensor> {
+        let mut out = self.tmp(&x.shape);
+        let state = LayerState::new(&mut pools.conv, layer)?;
+        causal_conv1d(x, weight, bias, state, &step.plan, &mut out)?;
+        Ok(out)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn scan_layer(
+        &self,
+        x: &CpuTensor,
+        b: &CpuTensor,
+        c: &CpuTensor,
+        dt: &CpuTensor,
+        a_log: &CpuTensor,
+        d: &CpuTensor,
+        dt_bias: &CpuTensor,
+        shape: SsmShape,
+        pools: &mut SsmPools<CpuTensor>,
+        layer: usize,
+        step: &CpuStep,
+    ) -> Result<CpuTensor> {
+        let mut out = self.tmp(&x.shape);
+        let state = LayerState::new(&mut pools.ssm, layer)?;
+        ssm_scan(
+            x, b, c, dt, a_log, d, dt_bias, shape, state, &step.plan, &mut out,
+        )?;
+        Ok(out)
+    }
 }
 
 #[cfg(test)]

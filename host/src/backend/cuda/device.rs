@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 
 use chimera_kernels::attention::PrefillKernel;
 use chimera_kernels::{Entry, KernelCache, Param};
-use cudarc::driver::{CudaContext, result, sys};
+use cudarc::driver::{CudaContext, DriverError, result, sys};
 
 use crate::backend::{BackendError, Result};
 
@@ -162,59 +162,8 @@ impl Device {
         let sm_count = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| dev_err("reading the SM count", e))? as u32;
-        let replaced = chimera_kernels::replaced_files();
-        if !replaced.is_empty() {
-            tracing::warn!(
-                files = replaced.join(", "),
-                "kernel sources replaced from ${}",
-                chimera_kernels::SOURCES_ENV
-            );
-        }
-        let compiled = chimera_kernels::compile_all(Some(cache), &arch).map_err(|e| {
-            BackendError::Device(format!("compiling the CUDA kernels for {arch}: {e}"))
-        })?;
-        let mut kernels = HashMap::new();
-        let mut modules = Vec::new();
-        for c in &compiled {
-            let source = chimera_kernels::sources()
-                .iter()
-                .find(|s| s.name == c.source)
-                .ok_or_else(|| BackendError::Device(format!("unknown source {}", c.source)))?;
-            // SAFETY: the image is a CUBIN NVRTC produced for this device's architecture.
-            let module = unsafe { result::module::load_data(c.cubin.as_ptr().cast()) }
-                .map_err(|e| dev_err(&format!("loading {}", c.source), e))?;
-            modules.push(module);
-            for entry in source.entries {
-                let cname = std::ffi::CString::new(entry.name)
-                    .map_err(|_| BackendError::Device("kernel name".into()))?;
-                // SAFETY: the module is loaded; the name is NUL-terminated.
-                let func = unsafe { result::module::get_function(module, cname) }
-                    .map_err(|e| dev_err(&format!("finding kernel {}", entry.name), e))?;
-                kernels.insert(entry.name, Kernel { func, entry });
-            }
-        }
-        // Kernels that launch with more than the default 48 KiB of dynamic shared memory
-        // (those of sources not built for this architecture are absent).
-        for (name, bytes) in chimera_kernels::attention::smem_opt_in()
-            .chain(chimera_kernels::moe::smem_opt_in())
-            .chain(chimera_kernels::ssm::smem_opt_in())
-        {
-            if chimera_kernels::entry(name).is_some_and(|(src, _)| !src.builds_for(&arch)) {
-                continue;
-            }
-            let k = kernels
-                .get(name)
-                .ok_or_else(|| BackendError::Device(format!("no kernel named {name}")))?;
-            // SAFETY: a loaded function and a valid attribute value.
-            unsafe {
-                result::function::set_function_attribute(
-                    k.func,
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    bytes as i32,
-                )
-            }
-            .map_err(|e| dev_err(&format!("raising the shared memory of {name}"), e))?;
-        }
+        let (kernels, modules) = load_kernels(cache, &arch)?;
+        raise_shared_memory(&kernels, &arch)?;
         // Hopper's wgmma kernel where it was built, unless CHIMERA_WGMMA=0.
         let prefill = if kernels.contains_key(DEFAULT_PREFILL.entry())
             && std::env::var("CHIMERA_WGMMA").map_or(true, |v| v != "0")
@@ -450,35 +399,7 @@ impl Device {
         }
         let timed = self.op_begin(stream)?;
         let launched = if self.pdl.load(Ordering::Relaxed) {
-            let mut attr = sys::CUlaunchAttribute {
-                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-                pad: [0; 4],
-                // SAFETY: an all-zero union is a valid value of every member.
-                value: unsafe { std::mem::zeroed() },
-            };
-            attr.value.programmaticStreamSerializationAllowed = 1;
-            let config = sys::CUlaunchConfig {
-                gridDimX: grid.0,
-                gridDimY: grid.1,
-                gridDimZ: grid.2,
-                blockDimX: block.0,
-                blockDimY: block.1,
-                blockDimZ: block.2,
-                sharedMemBytes: smem,
-                hStream: stream,
-                attrs: &mut attr,
-                numAttrs: 1,
-            };
-            // SAFETY: as below; `config` and `attr` outlive the call.
-            unsafe {
-                sys::cuLaunchKernelEx(
-                    &config,
-                    kernel.func,
-                    ptrs.as_mut_ptr(),
-                    std::ptr::null_mut(),
-                )
-            }
-            .result()
+            launch_with_pdl(stream, kernel, grid, block, smem, &mut ptrs)
         } else {
             // SAFETY: the arguments match the kernel's declared parameters (checked above and,
             // against the PTX, by the kernel crate's ABI test); every pointer argument is a
@@ -498,4 +419,111 @@ impl Device {
         launched.map_err(|e| self.fail(&format!("launching {}", kernel.entry.name), e))?;
         self.op_end(kernel.entry.name, timed, stream)
     }
+}
+
+/// Launches `kernel` with programmatic stream serialization allowed: [`Device::launch`]'s
+/// PDL path, `ptrs` its checked argument storage.
+fn launch_with_pdl(
+    stream: sys::CUstream,
+    kernel: Kernel,
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+    smem: u32,
+    ptrs: &mut [*mut c_void; 32],
+) -> std::result::Result<(), DriverError> {
+    let mut attr = sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+        pad: [0; 4],
+        // SAFETY: an all-zero union is a valid value of every member.
+        value: unsafe { std::mem::zeroed() },
+    };
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: grid.0,
+        gridDimY: grid.1,
+        gridDimZ: grid.2,
+        blockDimX: block.0,
+        blockDimY: block.1,
+        blockDimZ: block.2,
+        sharedMemBytes: smem,
+        hStream: stream,
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    // SAFETY: as for the plain launch in `Device::launch`; `config` and `attr` outlive
+    // the call.
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &config,
+            kernel.func,
+            ptrs.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
+}
+
+/// Compiles every kernel source for `arch` (what `cache` lacks) and loads it: the kernels by
+/// entry name, and the modules that hold them.
+fn load_kernels(
+    cache: &KernelCache,
+    arch: &str,
+) -> Result<(HashMap<&'static str, Kernel>, Vec<sys::CUmodule>)> {
+    let replaced = chimera_kernels::replaced_files();
+    if !replaced.is_empty() {
+        tracing::warn!(
+            files = replaced.join(", "),
+            "kernel sources replaced from ${}",
+            chimera_kernels::SOURCES_ENV
+        );
+    }
+    let compiled = chimera_kernels::compile_all(Some(cache), arch)
+        .map_err(|e| BackendError::Device(format!("compiling the CUDA kernels for {arch}: {e}")))?;
+    let mut kernels = HashMap::new();
+    let mut modules = Vec::new();
+    for c in &compiled {
+        let source = chimera_kernels::sources()
+            .iter()
+            .find(|s| s.name == c.source)
+            .ok_or_else(|| BackendError::Device(format!("unknown source {}", c.source)))?;
+        // SAFETY: the image is a CUBIN NVRTC produced for this device's architecture.
+        let module = unsafe { result::module::load_data(c.cubin.as_ptr().cast()) }
+            .map_err(|e| dev_err(&format!("loading {}", c.source), e))?;
+        modules.push(module);
+        for entry in source.entries {
+            let cname = std::ffi::CString::new(entry.name)
+                .map_err(|_| BackendError::Device("kernel name".into()))?;
+            // SAFETY: the module is loaded; the name is NUL-terminated.
+            let func = unsafe { result::module::get_function(module, cname) }
+                .map_err(|e| dev_err(&format!("finding kernel {}", entry.name), e))?;
+            kernels.insert(entry.name, Kernel { func, entry });
+        }
+    }
+    Ok((kernels, modules))
+}
+
+/// Raises the dynamic shared memory limit of the kernels that launch with more than the
+/// default 48 KiB (those of sources not built for `arch` are absent).
+fn raise_shared_memory(kernels: &HashMap<&'static str, Kernel>, arch: &str) -> Result<()> {
+    for (name, bytes) in chimera_kernels::attention::smem_opt_in()
+        .chain(chimera_kernels::moe::smem_opt_in())
+        .chain(chimera_kernels::ssm::smem_opt_in())
+    {
+        if chimera_kernels::entry(name).is_some_and(|(src, _)| !src.builds_for(arch)) {
+            continue;
+        }
+        let k = kernels
+            .get(name)
+            .ok_or_else(|| BackendError::Device(format!("no kernel named {name}")))?;
+        // SAFETY: a loaded function and a valid attribute value.
+        unsafe {
+            result::function::set_function_attribute(
+                k.func,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+        }
+        .map_err(|e| dev_err(&format!("raising the shared memory of {name}"), e))?;
+    }
+    Ok(())
 }

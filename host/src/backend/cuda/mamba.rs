@@ -16,7 +16,8 @@
 use chimera_kernels::ssm;
 
 use super::device::Arg;
-use super::{BLOCK, CudaBackend, CudaStep, CudaTensor, SsmTensors};
+use super::ssm::SsmTensors;
+use super::{BLOCK, CudaBackend, CudaStep, CudaTensor};
 use crate::backend::{BackendError, DType, Mamba2Mix, Result, SsmOutNorm, SsmPools, SsmShape};
 
 /// SSD tuning knob for kernel work: heads one group-scan CTA walks (`CHIMERA_SSD_HEADS`; 0 or
@@ -89,7 +90,7 @@ pub(super) enum GateNorm {
 
 impl CudaBackend {
     /// The depthwise causal conv with SiLU over `x` (a column range), continuing from and
-    /// updating SSM layer `layer`'s conv state: [`crate::backend::Backend::causal_conv1d`].
+    /// updating SSM layer `layer`'s conv state: [`crate::backend::LayerOps::causal_conv1d`].
     /// Returns a dense `[n, channels]`.
     pub(super) fn conv_cols(
         &self,
@@ -142,7 +143,7 @@ impl CudaBackend {
     }
 
     /// The selective scan over column ranges `x`, `b`, `c` and `dt`:
-    /// [`crate::backend::Backend::ssm_scan`]. Returns a dense `y [n, heads·head_dim]`.
+    /// [`crate::backend::LayerOps::ssm_scan`]. Returns a dense `y [n, heads·head_dim]`.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn scan_cols(
         &self,
@@ -280,7 +281,7 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// [`crate::backend::Backend::mamba2_mix`]: three operations (the conv, the scan, the
+    /// [`crate::backend::LayerOps::mamba2_mix`]: three operations (the conv, the scan, the
     /// gated norm), each reading its inputs in place from `zxbcdt` and the conv's output.
     pub(super) fn mamba2_mix_in_place(
         &self,
@@ -338,6 +339,41 @@ impl CudaBackend {
                 self.gate_norm_cols(y, z, None, d_inner, m.eps, GateNorm::GateOnly)
             }
         }
+    }
+}
+
+impl CudaBackend {
+    pub(super) fn conv_dense(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaTensor,
+        bias: Option<&CudaTensor>,
+        pools: &mut SsmPools<CudaTensor>,
+        layer: usize,
+        step: &CudaStep,
+    ) -> Result<CudaTensor> {
+        let out = self.conv_cols(Cols::all(x), weight, bias, pools, layer, step)?;
+        Ok(out.reshaped(&x.shape))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn scan_dense(
+        &self,
+        x: &CudaTensor,
+        b: &CudaTensor,
+        c: &CudaTensor,
+        dt: &CudaTensor,
+        a_log: &CudaTensor,
+        d: &CudaTensor,
+        dt_bias: &CudaTensor,
+        shape: SsmShape,
+        pools: &mut SsmPools<CudaTensor>,
+        layer: usize,
+        step: &CudaStep,
+    ) -> Result<CudaTensor> {
+        let cols = [x, b, c, dt].map(Cols::all);
+        let out = self.scan_cols(cols, a_log, d, dt_bias, shape, pools, layer, step)?;
+        Ok(out.reshaped(&x.shape))
     }
 }
 

@@ -15,10 +15,26 @@ use super::device::Arg;
 use super::memory::{dtoh, htod, sync};
 use super::{CudaBackend, CudaTensor, act_code, u32_bytes};
 use crate::backend::{
-    Backend, BackendError, DType, MoeRouting, MoeScoring, Result, StackedExperts,
+    BackendError, DType, LayerOps, MoeRouting, MoeScoring, Result, StackedExperts,
 };
 
 impl CudaBackend {
+    pub(super) fn moe_on_device(
+        &self,
+        x: &CudaTensor,
+        router_logits: &CudaTensor,
+        routing: &MoeRouting<CudaTensor>,
+        experts: &StackedExperts<CudaTensor>,
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        let dims = self.moe_dims(x, router_logits, routing, experts, out)?;
+        if dims.tokens == 0 {
+            return Ok(());
+        }
+        let routed = self.route_on_device(router_logits, routing)?;
+        self.moe_grouped(x, &routed, experts, dims, out)
+    }
+
     /// Checks the layer's tensors against each other and returns its dims.
     pub(super) fn moe_dims(
         &self,
@@ -218,22 +234,7 @@ impl CudaBackend {
         }
         let (n_experts, inter, hidden, top_k) = (d.experts, d.inter, d.hidden, d.top_k);
         let (ids, weights) = self.moe_route(router_logits, routing)?;
-        let mut start = vec![0usize; n_experts + 1];
-        for &e in &ids {
-            start[e as usize + 1] += 1;
-        }
-        for e in 0..n_experts {
-            start[e + 1] += start[e];
-        }
-        let mut fill = start.clone();
-        let mut rows = vec![0u32; ids.len()];
-        let mut row_w = vec![0f32; ids.len()];
-        for (j, (&e, &w)) in ids.iter().zip(&weights).enumerate() {
-            let at = &mut fill[e as usize];
-            rows[*at] = (j / top_k.max(1)) as u32;
-            row_w[*at] = w;
-            *at += 1;
-        }
+        let (start, rows, row_w) = group_by_expert(&ids, &weights, n_experts, top_k);
         let lists = self.tmp(&[2 * ids.len().max(1)], DType::F32)?;
         let (rows_ptr, w_ptr) = (lists.ptr, lists.ptr + 4 * ids.len() as u64);
         // SAFETY: the buffer holds both lists; pageable sources are staged by the driver
@@ -292,4 +293,32 @@ impl CudaBackend {
         }
         Ok(())
     }
+}
+
+/// The routed entries grouped by expert on the host, for the per-expert path: each expert's
+/// first entry (`n_experts + 1` offsets), and per entry its token row and routing weight,
+/// experts in ascending id and each expert's entries in routing order.
+fn group_by_expert(
+    ids: &[u32],
+    weights: &[f32],
+    n_experts: usize,
+    top_k: usize,
+) -> (Vec<usize>, Vec<u32>, Vec<f32>) {
+    let mut start = vec![0usize; n_experts + 1];
+    for &e in ids {
+        start[e as usize + 1] += 1;
+    }
+    for e in 0..n_experts {
+        start[e + 1] += start[e];
+    }
+    let mut fill = start.clone();
+    let mut rows = vec![0u32; ids.len()];
+    let mut row_w = vec![0f32; ids.len()];
+    for (j, (&e, &w)) in ids.iter().zip(weights).enumerate() {
+        let at = &mut fill[e as usize];
+        rows[*at] = (j / top_k.max(1)) as u32;
+        row_w[*at] = w;
+        *at += 1;
+    }
+    (start, rows, row_w)
 }

@@ -257,97 +257,20 @@ impl CudaStep {
         // Padding rows read one key from a real block (the first of the tables, else 0) and
         // write nothing.
         let pad_at = plan.block_tables.len() as u32;
-        self.pad_tables.clear();
-        self.pad_tables.extend_from_slice(&plan.block_tables);
-        self.pad_tables
-            .push(plan.block_tables.first().copied().unwrap_or(0));
-        self.pad_cu.clear();
-        self.pad_cu.extend(0..=g.bucket as u32);
-        self.ctx_lens.clear();
-        self.ctx_lens
-            .extend(plan.seqs.iter().map(|q| q.context_len as u32));
-        self.ctx_lens.resize(g.bucket, 0);
-        if !chimera_kernels::attention::plan_decode_fixed(
-            &self.pad_cu,
-            &self.ctx_lens,
-            g.splits,
-            &mut self.attn,
-        ) {
+        if !self.plan_graph_attention(plan, g) {
             return Ok(false);
         }
         if self.ssm_chunk > 0 {
-            self.seq_slots.clear();
-            self.seq_slots.extend(plan.seqs.iter().map(|q| q.ssm_slot));
-            self.seq_slots.resize(g.bucket, PAD);
-            self.snaps.clear();
-            self.snaps
-                .extend(plan.snapshots.iter().map(|t| ssm::Snapshot {
-                    seq: t.seq,
-                    after: t.after,
-                    slot: t.slot,
-                }));
-            self.ops.clear();
-            ssm::plan(
-                ssm::SsmStepInputs {
-                    cu_seqlens: &self.pad_cu,
-                    slots: &self.seq_slots,
-                    snapshots: &self.snaps,
-                    slot_ops: &self.ops,
-                    chunk_size: self.ssm_chunk,
-                },
-                &mut self.ssm,
-            )
-            .map_err(|e| crate::backend::BackendError::Invalid(e.to_string()))?;
+            self.plan_graph_ssm(plan, g)?;
         } else {
             self.ssm = SsmPlan::default();
         }
         let b = g.bucket;
-        let s = &mut self.staging;
-        s.clear();
-        let c = &mut self.cols;
-        let z = |k: usize| std::iter::repeat_n(0u32, k);
-        // The columns the graph reads, at offsets fixed by the bucket.
-        let fixed = (|| {
-            c.tokens = Self::push_cap(s, plan.tokens.iter().copied().chain(z(pad)), b)?;
-            c.positions = Self::push_cap(s, plan.positions.iter().copied().chain(z(pad)), b)?;
-            c.slot_mapping = Self::push_cap(
-                s,
-                plan.slot_mapping
-                    .iter()
-                    .copied()
-                    .chain(std::iter::repeat_n(PAD, pad)),
-                b,
-            )?;
-            c.cu_seqlens = Self::push_cap(s, self.pad_cu.iter().copied(), b + 1)?;
-            c.ctx_lens = Self::push_cap(s, self.ctx_lens.iter().copied(), b)?;
-            c.bt_offsets = Self::push_cap(
-                s,
-                plan.seqs
-                    .iter()
-                    .map(|q| q.blocks.0)
-                    .chain(std::iter::repeat_n(pad_at, pad)),
-                b,
-            )?;
-            c.logit_rows = Self::push_cap(s, 0..b as u32, b)?;
-            for (at, col) in c.attn.iter_mut().zip(WorkCol::ALL) {
-                let words = self.attn.column(col);
-                *at = Self::push_cap(s, words.iter().copied(), words.len())?;
-            }
-            for (at, col) in c.ssm.iter_mut().zip(ssm::WorkCol::ALL) {
-                let words = self.ssm.column(col);
-                let cap = if col == ssm::WorkCol::SnapSlot {
-                    g.snap_cap()
-                } else {
-                    words.len()
-                };
-                *at = Self::push_cap(s, words.iter().copied(), cap)?;
-            }
-            Some(())
-        })();
-        if fixed.is_none() {
+        if self.push_graph_columns(plan, g, pad, pad_at).is_none() {
             return Ok(false);
         }
-        c.block_tables = Self::push(s, self.pad_tables.iter().copied());
+        let c = &mut self.cols;
+        c.block_tables = Self::push(&mut self.staging, self.pad_tables.iter().copied());
         // The whole layout: every fixed column at its full capacity.
         let layout_bytes = 4 * (c.block_tables + g.table_cap);
         self.dims = StepDims {
@@ -359,6 +282,105 @@ impl CudaStep {
             k: plan.sampling.k,
         };
         self.finish_graph_layout(device, stats, plan, layout_bytes)
+    }
+
+    /// A decode graph's padded block tables, sequence offsets and context lengths, and its
+    /// attention plan; `false` when the plan does not fit the shape.
+    fn plan_graph_attention(&mut self, plan: &StepPlan, g: GraphShape) -> bool {
+        self.pad_tables.clear();
+        self.pad_tables.extend_from_slice(&plan.block_tables);
+        self.pad_tables
+            .push(plan.block_tables.first().copied().unwrap_or(0));
+        self.pad_cu.clear();
+        self.pad_cu.extend(0..=g.bucket as u32);
+        self.ctx_lens.clear();
+        self.ctx_lens
+            .extend(plan.seqs.iter().map(|q| q.context_len as u32));
+        self.ctx_lens.resize(g.bucket, 0);
+        chimera_kernels::attention::plan_decode_fixed(
+            &self.pad_cu,
+            &self.ctx_lens,
+            g.splits,
+            &mut self.attn,
+        )
+    }
+
+    /// A decode graph's SSM plan: each row's slot (padding rows on the PAD slot) and the
+    /// step's snapshot targets, no slot operations.
+    fn plan_graph_ssm(&mut self, plan: &StepPlan, g: GraphShape) -> Result<()> {
+        self.seq_slots.clear();
+        self.seq_slots.extend(plan.seqs.iter().map(|q| q.ssm_slot));
+        self.seq_slots.resize(g.bucket, PAD);
+        self.snaps.clear();
+        self.snaps
+            .extend(plan.snapshots.iter().map(|t| ssm::Snapshot {
+                seq: t.seq,
+                after: t.after,
+                slot: t.slot,
+            }));
+        self.ops.clear();
+        ssm::plan(
+            ssm::SsmStepInputs {
+                cu_seqlens: &self.pad_cu,
+                slots: &self.seq_slots,
+                snapshots: &self.snaps,
+                slot_ops: &self.ops,
+                chunk_size: self.ssm_chunk,
+            },
+            &mut self.ssm,
+        )
+        .map_err(|e| crate::backend::BackendError::Invalid(e.to_string()))
+    }
+
+    /// The columns a decode graph reads, at offsets fixed by the bucket (`pad` padding rows,
+    /// whose block table starts at word `pad_at`); `None` when one is longer than its room.
+    fn push_graph_columns(
+        &mut self,
+        plan: &StepPlan,
+        g: GraphShape,
+        pad: usize,
+        pad_at: u32,
+    ) -> Option<()> {
+        let b = g.bucket;
+        let s = &mut self.staging;
+        s.clear();
+        let c = &mut self.cols;
+        let z = |k: usize| std::iter::repeat_n(0u32, k);
+        c.tokens = Self::push_cap(s, plan.tokens.iter().copied().chain(z(pad)), b)?;
+        c.positions = Self::push_cap(s, plan.positions.iter().copied().chain(z(pad)), b)?;
+        c.slot_mapping = Self::push_cap(
+            s,
+            plan.slot_mapping
+                .iter()
+                .copied()
+                .chain(std::iter::repeat_n(PAD, pad)),
+            b,
+        )?;
+        c.cu_seqlens = Self::push_cap(s, self.pad_cu.iter().copied(), b + 1)?;
+        c.ctx_lens = Self::push_cap(s, self.ctx_lens.iter().copied(), b)?;
+        c.bt_offsets = Self::push_cap(
+            s,
+            plan.seqs
+                .iter()
+                .map(|q| q.blocks.0)
+                .chain(std::iter::repeat_n(pad_at, pad)),
+            b,
+        )?;
+        c.logit_rows = Self::push_cap(s, 0..b as u32, b)?;
+        for (at, col) in c.attn.iter_mut().zip(WorkCol::ALL) {
+            let words = self.attn.column(col);
+            *at = Self::push_cap(s, words.iter().copied(), words.len())?;
+        }
+        for (at, col) in c.ssm.iter_mut().zip(ssm::WorkCol::ALL) {
+            let words = self.ssm.column(col);
+            let cap = if col == ssm::WorkCol::SnapSlot {
+                g.snap_cap()
+            } else {
+                words.len()
+            };
+            *at = Self::push_cap(s, words.iter().copied(), cap)?;
+        }
+        Some(())
     }
 
     /// After a graph layout's fixed columns: the columns that run outside the graph (slot
@@ -430,31 +452,10 @@ impl CudaStep {
         if !fits {
             return Ok(false);
         }
-        let (rows, chunks, real) = (m.rows(), m.chunks(), plan.tokens.len());
+        let (rows, chunks) = (m.rows(), m.chunks());
         // Padding chunks hold no tokens and read one table word (the first of the tables).
         let pad_at = plan.block_tables.len() as u32;
-        self.pad_tables.clear();
-        self.pad_tables.extend_from_slice(&plan.block_tables);
-        self.pad_tables
-            .push(plan.block_tables.first().copied().unwrap_or(0));
-        self.pad_cu.clear();
-        self.pad_cu.extend_from_slice(&plan.cu_seqlens);
-        self.pad_cu.resize(chunks + 1, real as u32);
-        self.ctx_lens.clear();
-        self.ctx_lens
-            .extend(plan.seqs.iter().map(|q| q.context_len as u32));
-        self.ctx_lens.resize(chunks, 0);
-        // Decodes split as in a decode graph of as many rows: the decode launch runs before
-        // the prefill tiles' and must fill the GPU on its own.
-        if !chimera_kernels::attention::plan_mixed_fixed(
-            &self.pad_cu,
-            &self.ctx_lens,
-            m.decodes,
-            m.attn_tiles(),
-            GraphShape::splits_for(m.decodes),
-            real as u32,
-            &mut self.attn,
-        ) {
+        if !self.plan_mixed_attention(plan, m) {
             return Ok(false);
         }
         let caps = ssm::FixedCaps {
@@ -474,66 +475,12 @@ impl CudaStep {
         } else {
             self.ssm = SsmPlan::default();
         }
-        let s = &mut self.staging;
-        s.clear();
-        let c = &mut self.cols;
-        let z = |k: usize| std::iter::repeat_n(0u32, k);
-        let pad_rows = rows - real;
-        let pad_chunks = chunks - n;
         let ssm_fixed = self.ssm_chunk > 0;
-        // The columns the graph reads, at offsets fixed by the shape.
-        let fixed = (|| {
-            c.tokens = Self::push_cap(s, plan.tokens.iter().copied().chain(z(pad_rows)), rows)?;
-            c.positions =
-                Self::push_cap(s, plan.positions.iter().copied().chain(z(pad_rows)), rows)?;
-            c.slot_mapping = Self::push_cap(
-                s,
-                plan.slot_mapping
-                    .iter()
-                    .copied()
-                    .chain(std::iter::repeat_n(PAD, pad_rows)),
-                rows,
-            )?;
-            c.cu_seqlens = Self::push_cap(s, self.pad_cu.iter().copied(), chunks + 1)?;
-            c.ctx_lens = Self::push_cap(s, self.ctx_lens.iter().copied(), chunks)?;
-            c.bt_offsets = Self::push_cap(
-                s,
-                plan.seqs
-                    .iter()
-                    .map(|q| q.blocks.0)
-                    .chain(std::iter::repeat_n(pad_at, pad_chunks)),
-                chunks,
-            )?;
-            // Padding logit rows read the last padding row; sampling reads the real ones.
-            c.logit_rows = Self::push_cap(
-                s,
-                plan.logit_rows.iter().copied().chain(std::iter::repeat_n(
-                    rows as u32 - 1,
-                    chunks - plan.logit_rows.len(),
-                )),
-                chunks,
-            )?;
-            for (at, col) in c.attn.iter_mut().zip(WorkCol::ALL) {
-                let words = self.attn.column(col);
-                *at = Self::push_cap(s, words.iter().copied(), words.len())?;
-            }
-            if ssm_fixed {
-                for (at, col) in c.ssm.iter_mut().zip(ssm::WorkCol::ALL) {
-                    use ssm::WorkCol as W;
-                    let cap = match col {
-                        W::OpFrom | W::OpTo => continue,
-                        W::CkTok | W::CkLen | W::CkSeq | W::CkSnap | W::CkSnaps => caps.chunks,
-                        W::SnapSlot => caps.snapshots,
-                        _ => chunks,
-                    };
-                    *at = Self::push_cap(s, self.ssm.column(col).iter().copied(), cap)?;
-                }
-            }
-            Some(())
-        })();
-        if fixed.is_none() {
+        if self.push_mixed_columns(plan, m, caps, pad_at).is_none() {
             return Ok(false);
         }
+        let s = &mut self.staging;
+        let c = &mut self.cols;
         c.block_tables = Self::push(s, self.pad_tables.iter().copied());
         let layout_bytes = 4 * (c.block_tables + m.table_cap);
         if !ssm_fixed {
@@ -553,6 +500,100 @@ impl CudaStep {
             k: plan.sampling.k,
         };
         self.finish_graph_layout(device, stats, plan, layout_bytes)
+    }
+
+    /// A mixed graph's padded block tables, sequence offsets and context lengths, and its
+    /// attention plan; `false` when the plan does not fit the shape.
+    fn plan_mixed_attention(&mut self, plan: &StepPlan, m: MixedShape) -> bool {
+        let (chunks, real) = (m.chunks(), plan.tokens.len());
+        self.pad_tables.clear();
+        self.pad_tables.extend_from_slice(&plan.block_tables);
+        self.pad_tables
+            .push(plan.block_tables.first().copied().unwrap_or(0));
+        self.pad_cu.clear();
+        self.pad_cu.extend_from_slice(&plan.cu_seqlens);
+        self.pad_cu.resize(chunks + 1, real as u32);
+        self.ctx_lens.clear();
+        self.ctx_lens
+            .extend(plan.seqs.iter().map(|q| q.context_len as u32));
+        self.ctx_lens.resize(chunks, 0);
+        // Decodes split as in a decode graph of as many rows: the decode launch runs before
+        // the prefill tiles' and must fill the GPU on its own.
+        chimera_kernels::attention::plan_mixed_fixed(
+            &self.pad_cu,
+            &self.ctx_lens,
+            m.decodes,
+            m.attn_tiles(),
+            GraphShape::splits_for(m.decodes),
+            real as u32,
+            &mut self.attn,
+        )
+    }
+
+    /// The columns a mixed graph reads, at offsets fixed by the shape (padding chunks' block
+    /// table at word `pad_at`; the SSM columns at `caps` when the model has SSM layers);
+    /// `None` when one is longer than its room.
+    fn push_mixed_columns(
+        &mut self,
+        plan: &StepPlan,
+        m: MixedShape,
+        caps: ssm::FixedCaps,
+        pad_at: u32,
+    ) -> Option<()> {
+        let (rows, chunks, real, n) = (m.rows(), m.chunks(), plan.tokens.len(), plan.seqs.len());
+        let s = &mut self.staging;
+        s.clear();
+        let c = &mut self.cols;
+        let z = |k: usize| std::iter::repeat_n(0u32, k);
+        let pad_rows = rows - real;
+        let pad_chunks = chunks - n;
+        let ssm_fixed = self.ssm_chunk > 0;
+        c.tokens = Self::push_cap(s, plan.tokens.iter().copied().chain(z(pad_rows)), rows)?;
+        c.positions = Self::push_cap(s, plan.positions.iter().copied().chain(z(pad_rows)), rows)?;
+        c.slot_mapping = Self::push_cap(
+            s,
+            plan.slot_mapping
+                .iter()
+                .copied()
+                .chain(std::iter::repeat_n(PAD, pad_rows)),
+            rows,
+        )?;
+        c.cu_seqlens = Self::push_cap(s, self.pad_cu.iter().copied(), chunks + 1)?;
+        c.ctx_lens = Self::push_cap(s, self.ctx_lens.iter().copied(), chunks)?;
+        c.bt_offsets = Self::push_cap(
+            s,
+            plan.seqs
+                .iter()
+                .map(|q| q.blocks.0)
+                .chain(std::iter::repeat_n(pad_at, pad_chunks)),
+            chunks,
+        )?;
+        // Padding logit rows read the last padding row; sampling reads the real ones.
+        c.logit_rows = Self::push_cap(
+            s,
+            plan.logit_rows.iter().copied().chain(std::iter::repeat_n(
+                rows as u32 - 1,
+                chunks - plan.logit_rows.len(),
+            )),
+            chunks,
+        )?;
+        for (at, col) in c.attn.iter_mut().zip(WorkCol::ALL) {
+            let words = self.attn.column(col);
+            *at = Self::push_cap(s, words.iter().copied(), words.len())?;
+        }
+        if ssm_fixed {
+            for (at, col) in c.ssm.iter_mut().zip(ssm::WorkCol::ALL) {
+                use ssm::WorkCol as W;
+                let cap = match col {
+                    W::OpFrom | W::OpTo => continue,
+                    W::CkTok | W::CkLen | W::CkSeq | W::CkSnap | W::CkSnaps => caps.chunks,
+                    W::SnapSlot => caps.snapshots,
+                    _ => chunks,
+                };
+                *at = Self::push_cap(s, self.ssm.column(col).iter().copied(), cap)?;
+            }
+        }
+        Some(())
     }
 
     /// Copies the packed step to the device buffer through the pinned buffer, on `stream`:

@@ -2,14 +2,14 @@
 //! `attn_layer_indices`, with partial RoPE) followed by a gated SiLU MLP, each pre-norm residual.
 
 use super::{Assembly, bool_any, mamba_keyed_spec, usize_any};
-use crate::backend::{Activation, Backend};
+use crate::backend::{Activation, LayerOps};
 use crate::model::config::HfConfig;
 use crate::model::layers::attention::AttentionSpec;
 use crate::model::layers::mamba2::Mamba2Spec;
 use crate::model::layers::{Attention, Loader, Mamba2Mixer, Mixer, Mlp, Sublayer, rope};
 use crate::model::{Model, ModelError};
 
-pub fn build<B: Backend>(c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, ModelError> {
+pub fn build<B: LayerOps>(c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, ModelError> {
     let hidden = c.usize("hidden_size")?;
     let vocab = c.usize("vocab_size")?;
     let layers = c.usize("num_hidden_layers")?;

@@ -11,7 +11,7 @@
 //! comes before the gate when `mamba_norm_before_gate`.
 
 use super::{Assembly, bool_any, mamba_keyed_spec, usize_any};
-use crate::backend::{Activation, Backend};
+use crate::backend::{Activation, LayerOps};
 use crate::model::config::HfConfig;
 use crate::model::layers::attention::AttentionSpec;
 use crate::model::layers::mamba2::{Mamba2Spec, OutNormKind};
@@ -41,7 +41,7 @@ fn f32_list(c: &HfConfig, key: &str, default: &[f32]) -> Result<Vec<f32>, ModelE
     Ok(list)
 }
 
-pub fn build<B: Backend>(c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, ModelError> {
+pub fn build<B: LayerOps>(c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, ModelError> {
     let hidden = c.usize("hidden_size")?;
     let vocab = c.usize("vocab_size")?;
     let layers = c.usize("num_hidden_layers")?;

@@ -12,7 +12,7 @@
 
 use super::nemotron_h::{Kind, layer_kinds};
 use super::{Assembly, bool_any, mamba_keyed_spec, usize_any};
-use crate::backend::{Activation, Backend, MoeRouting, MoeScoring, StackedExperts};
+use crate::backend::{Activation, LayerOps, MoeRouting, MoeScoring, StackedExperts};
 use crate::model::config::HfConfig;
 use crate::model::layers::attention::AttentionSpec;
 use crate::model::layers::mamba2::Mamba2Spec;
@@ -21,7 +21,7 @@ use crate::model::layers::{
 };
 use crate::model::{Model, ModelError};
 
-pub fn build<B: Backend>(c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, ModelError> {
+pub fn build<B: LayerOps>(c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, ModelError> {
     let hidden = c.usize("hidden_size")?;
     let vocab = c.usize("vocab_size")?;
     let eps = c.f64_or("rms_norm_eps", 1e-6)?;
@@ -165,7 +165,7 @@ pub fn build<B: Backend>(c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, Mo
 }
 
 /// The shared MLP: `input_linear` `[2I, H]` holds the gate rows then the up rows.
-fn shared_mlp<B: Backend>(
+fn shared_mlp<B: LayerOps>(
     l: &Loader<'_, B>,
     prefix: &str,
     hidden: usize,
@@ -193,7 +193,7 @@ fn shared_mlp<B: Backend>(
 }
 
 /// Softmax top-k routing over SwiGLU experts, plus the shared MLP (added unweighted).
-fn load_moe<B: Backend>(
+fn load_moe<B: LayerOps>(
     l: &Loader<'_, B>,
     c: &HfConfig,
     prefix: &str,

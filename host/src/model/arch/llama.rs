@@ -2,13 +2,13 @@
 //! rotary and llama3 scaling) and a gated SiLU MLP, tied or untied embeddings.
 
 use super::{Assembly, bool_any, usize_any};
-use crate::backend::{Activation, Backend};
+use crate::backend::{Activation, LayerOps};
 use crate::model::config::HfConfig;
 use crate::model::layers::attention::AttentionSpec;
 use crate::model::layers::{Attention, Loader, Mixer, Mlp, Sublayer, rope};
 use crate::model::{Model, ModelError};
 
-pub fn build<B: Backend>(c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, ModelError> {
+pub fn build<B: LayerOps>(c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, ModelError> {
     let hidden = c.usize("hidden_size")?;
     let vocab = c.usize("vocab_size")?;
     let layers = c.usize("num_hidden_layers")?;

@@ -1,13 +1,13 @@
 //! `Mamba2ForCausalLM`: a stack of Mamba2 mixers, each behind an RMSNorm.
 
 use super::{Assembly, bool_any, ssm_shape, usize_any};
-use crate::backend::Backend;
+use crate::backend::LayerOps;
 use crate::model::config::HfConfig;
 use crate::model::layers::mamba2::Mamba2Spec;
 use crate::model::layers::{Loader, Mamba2Mixer, Mixer, Sublayer};
 use crate::model::{Model, ModelError};
 
-pub fn build<B: Backend>(c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, ModelError> {
+pub fn build<B: LayerOps>(c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, ModelError> {
     let hidden = c.usize("hidden_size")?;
     let vocab = c.usize("vocab_size")?;
     let layers = c.usize("num_hidden_layers")?;

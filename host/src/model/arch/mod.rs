@@ -17,7 +17,7 @@ use super::layers::mamba2::Mamba2Spec;
 use super::layers::{Linear, Loader, RmsNorm, Sublayer};
 use super::weights::WeightStore;
 use super::{CacheSpec, Model, ModelError, ModelInfo};
-use crate::backend::{Backend, SsmShape};
+use crate::backend::{LayerOps, SsmShape};
 
 /// `architectures` values this build can load.
 pub const SUPPORTED: &[&str] = &[
@@ -38,7 +38,7 @@ pub const SUPPORTED: &[&str] = &[
     "Qwen3_5MoeForConditionalGeneration",
 ];
 
-pub fn build<B: Backend>(
+pub fn build<B: LayerOps>(
     config: &HfConfig,
     store: &WeightStore,
     backend: &B,
@@ -155,7 +155,7 @@ pub(super) fn mamba_keyed_spec(
 }
 
 /// The parts every architecture ends with.
-pub(super) struct Assembly<B: Backend> {
+pub(super) struct Assembly<B: LayerOps> {
     pub arch: String,
     pub vocab: usize,
     pub hidden: usize,
@@ -182,7 +182,7 @@ pub(super) struct RecurrentState {
     pub state: (usize, usize, usize),
 }
 
-impl<B: Backend> Assembly<B> {
+impl<B: LayerOps> Assembly<B> {
     pub fn finish(self, c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, ModelError> {
         if let Some(m) = &self.mamba {
             l.backend.set_ssm_chunk_size(m.shape.chunk_size);

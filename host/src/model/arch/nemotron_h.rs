@@ -4,7 +4,7 @@
 //! `layers_block_type` (what transformers 5 writes). Tensors live under `backbone.` on disk.
 
 use super::{Assembly, bool_any, ssm_shape, usize_any};
-use crate::backend::{Activation, Backend};
+use crate::backend::{Activation, LayerOps};
 use crate::model::config::HfConfig;
 use crate::model::layers::attention::AttentionSpec;
 use crate::model::layers::mamba2::Mamba2Spec;
@@ -52,7 +52,7 @@ pub fn layer_kinds(c: &HfConfig) -> Result<Vec<Kind>, ModelError> {
         .collect()
 }
 
-pub fn build<B: Backend>(c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, ModelError> {
+pub fn build<B: LayerOps>(c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, ModelError> {
     let hidden = c.usize("hidden_size")?;
     let vocab = c.usize("vocab_size")?;
     let kinds = layer_kinds(c)?;

@@ -10,12 +10,12 @@
 use serde_json::Value;
 
 use super::qwen3_next::{FeedForward, build_stack};
-use crate::backend::Backend;
+use crate::backend::LayerOps;
 use crate::model::config::HfConfig;
 use crate::model::layers::Loader;
 use crate::model::{Model, ModelError};
 
-pub fn build<B: Backend>(c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, ModelError> {
+pub fn build<B: LayerOps>(c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, ModelError> {
     let arch = c.architecture()?;
     let ffn = if arch.starts_with("Qwen3_5Moe") {
         FeedForward::Moe

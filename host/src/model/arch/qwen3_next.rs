@@ -5,7 +5,7 @@
 //! Every RMS norm outside the Gated DeltaNet stores `w − 1` (zero-centred).
 
 use super::{Assembly, RecurrentState, bool_any, usize_any};
-use crate::backend::{Activation, Backend, GdnShape};
+use crate::backend::{Activation, GdnShape, LayerOps};
 use crate::model::config::HfConfig;
 use crate::model::layers::gated_attention::{GatedAttention, GatedAttentionSpec};
 use crate::model::layers::gated_delta_net::{GDN_CHUNK, GatedDeltaNet, GdnSpec};
@@ -25,7 +25,7 @@ pub(super) enum FeedForward {
     Sparse,
 }
 
-pub fn build<B: Backend>(c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, ModelError> {
+pub fn build<B: LayerOps>(c: &HfConfig, l: &Loader<'_, B>) -> Result<Model<B>, ModelError> {
     build_stack(c, l, "model", FeedForward::Sparse)
 }
 
@@ -60,7 +60,7 @@ fn full_attention_layers(c: &HfConfig, layers: usize) -> Result<Vec<bool>, Model
 }
 
 /// The stack under `root` (`model` or `model.language_model`).
-pub(super) fn build_stack<B: Backend>(
+pub(super) fn build_stack<B: LayerOps>(
     c: &HfConfig,
     l: &Loader<'_, B>,
     root: &str,

@@ -31,7 +31,7 @@ pub use quant::GgmlType;
 use super::config::HfConfig;
 use super::weights::WeightStore;
 use super::{Model, ModelError, arch};
-use crate::backend::Backend;
+use crate::backend::LayerOps;
 
 /// A host tensor: f32 values and a row-major shape.
 pub type HostF32 = (Vec<f32>, Vec<usize>);
@@ -329,7 +329,7 @@ impl GgufModel {
     }
 
     /// Builds the model on `backend`.
-    pub fn load<B: Backend>(&self, backend: &B) -> Result<Model<B>, ModelError> {
+    pub fn load<B: LayerOps>(&self, backend: &B) -> Result<Model<B>, ModelError> {
         let config = self.hf_config()?;
         let tensors = self.tensors(&config)?;
         let f32_bytes: usize = tensors.values().map(|(v, _)| v.len() * 4).sum();
@@ -352,7 +352,7 @@ impl GgufModel {
 }
 
 /// Loads the GGUF file at `path` onto `backend`.
-pub fn load<B: Backend>(path: &Path, backend: &B) -> Result<Model<B>, ModelError> {
+pub fn load<B: LayerOps>(path: &Path, backend: &B) -> Result<Model<B>, ModelError> {
     GgufModel::open(path)?.load(backend)
 }
 

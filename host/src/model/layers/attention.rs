@@ -1,10 +1,10 @@
 //! Multi-head attention with grouped KV heads, optional RoPE and a paged KV cache.
 
 use super::{Linear, Loader, StepCtx};
-use crate::backend::{AttnShape, Backend, Rope};
+use crate::backend::{AttnShape, LayerOps, Rope};
 use crate::model::ModelError;
 
-pub struct Attention<B: Backend> {
+pub struct Attention<B: LayerOps> {
     pub q: Linear<B>,
     pub k: Linear<B>,
     pub v: Linear<B>,
@@ -28,7 +28,7 @@ pub struct AttentionSpec {
     pub cache: usize,
 }
 
-impl<B: Backend> Attention<B> {
+impl<B: LayerOps> Attention<B> {
     pub fn load(l: &Loader<'_, B>, prefix: &str, s: AttentionSpec) -> Result<Self, ModelError> {
         if s.heads == 0 || s.kv_heads == 0 || !s.heads.is_multiple_of(s.kv_heads) {
             return Err(ModelError::Unsupported(format!(

@@ -7,10 +7,10 @@
 //! rows are regrouped once at load into `[q | gate]` so the step splits columns only.
 
 use super::{Linear, Loader, RmsNorm, StepCtx};
-use crate::backend::{AttnShape, Backend, HostTensor, Rope};
+use crate::backend::{AttnShape, HostTensor, LayerOps, Rope};
 use crate::model::ModelError;
 
-pub struct GatedAttention<B: Backend> {
+pub struct GatedAttention<B: LayerOps> {
     /// `[q (heads·head_dim) | gate (heads·head_dim)]` rows.
     pub q: Linear<B>,
     pub k: Linear<B>,
@@ -36,7 +36,7 @@ pub struct GatedAttentionSpec {
     pub cache: usize,
 }
 
-impl<B: Backend> GatedAttention<B> {
+impl<B: LayerOps> GatedAttention<B> {
     pub fn load(
         l: &Loader<'_, B>,
         prefix: &str,
@@ -106,7 +106,7 @@ impl<B: Backend> GatedAttention<B> {
 
 /// `q_proj` weight (`cols` = hidden) or bias (`cols` = 1) with rows `[heads, 2, head_dim]`
 /// regrouped into `[2, heads, head_dim]`: all query rows, then all gate rows.
-fn per_head_halves<B: Backend>(
+fn per_head_halves<B: LayerOps>(
     l: &Loader<'_, B>,
     name: &str,
     heads: usize,

@@ -12,13 +12,13 @@
 //! once at load so both layouts run the same code.
 
 use super::{Linear, Loader, StepCtx};
-use crate::backend::{Activation, Backend, GdnShape, HostTensor};
+use crate::backend::{Activation, GdnShape, HostTensor, LayerOps};
 use crate::model::ModelError;
 
 /// The chunk length of the prompt form of the delta rule (transformers' default).
 pub const GDN_CHUNK: usize = 64;
 
-pub struct GatedDeltaNet<B: Backend> {
+pub struct GatedDeltaNet<B: LayerOps> {
     /// `[q | k | v | z | b | a]` rows (one GEMM for every projection).
     pub in_proj: Linear<B>,
     pub conv_w: B::Tensor,
@@ -50,7 +50,7 @@ impl GdnSpec {
     }
 }
 
-impl<B: Backend> GatedDeltaNet<B> {
+impl<B: LayerOps> GatedDeltaNet<B> {
     pub fn load(l: &Loader<'_, B>, prefix: &str, s: GdnSpec) -> Result<Self, ModelError> {
         let sh = s.shape;
         if sh.k_heads == 0
@@ -137,7 +137,7 @@ impl<B: Backend> GatedDeltaNet<B> {
 
 /// Qwen3-Next's fused projections, rows regrouped into `[q | k | v | z | b | a]`. `None` for
 /// dummy weights (there are no rows to permute; one made-up tensor stands in).
-fn fused_qwen3_next<B: Backend>(
+fn fused_qwen3_next<B: LayerOps>(
     l: &Loader<'_, B>,
     prefix: &str,
     sh: &GdnShape,
@@ -200,7 +200,7 @@ fn fused_qwen3_next<B: Backend>(
 
 /// Several `[rows_i, hidden]` tensors stacked into one `[Σ rows_i, hidden]` (one host copy at
 /// load). `None` for dummy weights.
-fn concat_rows<B: Backend>(
+fn concat_rows<B: LayerOps>(
     l: &Loader<'_, B>,
     parts: &[(String, usize)],
     hidden: usize,

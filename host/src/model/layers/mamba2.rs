@@ -1,14 +1,14 @@
 //! The Mamba2 mixer: in_proj → (gate z | xBC | dt) → causal conv on xBC → selective scan →
 //! gated RMSNorm with z → out_proj. Used by Mamba2, NemotronH, Bamba, Granite 4.0 and
 //! Falcon-H1 (whose output norm may be absent, or come before the gate: [`OutNorm`]). The
-//! middle (conv, scan, norm) is one backend operation, [`Backend::mamba2_mix`], so a device
+//! middle (conv, scan, norm) is one backend operation, [`LayerOps::mamba2_mix`], so a device
 //! reads the projection's column ranges in place instead of copying them out.
 
 use super::{Linear, Loader, StepCtx};
-use crate::backend::{Backend, Mamba2Mix, SsmOutNorm, SsmShape};
+use crate::backend::{LayerOps, Mamba2Mix, SsmOutNorm, SsmShape};
 use crate::model::ModelError;
 
-pub struct Mamba2Mixer<B: Backend> {
+pub struct Mamba2Mixer<B: LayerOps> {
     pub in_proj: Linear<B>,
     pub conv_w: B::Tensor,
     pub conv_b: Option<B::Tensor>,
@@ -59,7 +59,7 @@ impl Mamba2Spec {
     }
 }
 
-impl<B: Backend> Mamba2Mixer<B> {
+impl<B: LayerOps> Mamba2Mixer<B> {
     pub fn load(l: &Loader<'_, B>, prefix: &str, s: Mamba2Spec) -> Result<Self, ModelError> {
         Self::load_with_norm(l, prefix, s, OutNormKind::GateThenNorm)
     }

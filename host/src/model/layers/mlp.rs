@@ -2,17 +2,17 @@
 //! (`down(act(up(x)))`, NemotronH's relu² MLP and experts).
 
 use super::{Linear, Loader};
-use crate::backend::{Activation, Backend};
+use crate::backend::{Activation, LayerOps};
 use crate::model::ModelError;
 
-pub struct Mlp<B: Backend> {
+pub struct Mlp<B: LayerOps> {
     pub gate: Option<Linear<B>>,
     pub up: Linear<B>,
     pub down: Linear<B>,
     pub act: Activation,
 }
 
-impl<B: Backend> Mlp<B> {
+impl<B: LayerOps> Mlp<B> {
     pub fn load_gated(
         l: &Loader<'_, B>,
         prefix: &str,

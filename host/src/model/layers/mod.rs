@@ -14,7 +14,7 @@ pub mod rope;
 
 use super::ModelError;
 use super::weights::WeightStore;
-use crate::backend::{Backend, HostTensor, KvLayer, SsmPools};
+use crate::backend::{HostTensor, KvLayer, LayerOps, SsmPools};
 
 pub use attention::Attention;
 pub use gated_attention::GatedAttention;
@@ -24,12 +24,12 @@ pub use mlp::Mlp;
 pub use moe::Moe;
 
 /// Loads named tensors with shape checks, for one backend.
-pub struct Loader<'a, B: Backend> {
+pub struct Loader<'a, B: LayerOps> {
     pub store: &'a WeightStore,
     pub backend: &'a B,
 }
 
-impl<B: Backend> Loader<'_, B> {
+impl<B: LayerOps> Loader<'_, B> {
     pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<B::Tensor, ModelError> {
         self.store.load(self.backend, name, shape)
     }
@@ -81,7 +81,7 @@ impl<B: Backend> Loader<'_, B> {
 
 // ---- zero-centred norms (Qwen3-Next, Qwen3.5) -------------------------------------------
 
-impl<B: Backend> Loader<'_, B> {
+impl<B: LayerOps> Loader<'_, B> {
     /// An RMS norm whose checkpoint stores `w − 1` (the model scales by `1 + w`, computed in
     /// f32 as transformers does): the weight is offset once at load. Dummy weights are made up
     /// as ones, which stand for the offset weight.
@@ -114,17 +114,17 @@ impl<B: Backend> Loader<'_, B> {
 }
 
 /// A dense projection `y = x·Wᵀ (+ b)`.
-pub struct Linear<B: Backend> {
+pub struct Linear<B: LayerOps> {
     pub w: B::Tensor,
     pub b: Option<B::Tensor>,
 }
 
-impl<B: Backend> Linear<B> {
+impl<B: LayerOps> Linear<B> {
     pub fn forward(&self, backend: &B, x: &B::Tensor) -> Result<B::Tensor, ModelError> {
         Ok(backend.linear(x, &self.w, self.b.as_ref())?)
     }
 
-    /// Several projections of the same input ([`Backend::linear_shared`]: one launch where the
+    /// Several projections of the same input ([`LayerOps::linear_shared`]: one launch where the
     /// device can).
     pub fn forward_shared<const N: usize>(
         backend: &B,
@@ -178,26 +178,26 @@ impl<B: Backend> Linear<B> {
     }
 }
 
-pub struct RmsNorm<B: Backend> {
+pub struct RmsNorm<B: LayerOps> {
     pub w: B::Tensor,
     pub eps: f32,
 }
 
-impl<B: Backend> RmsNorm<B> {
+impl<B: LayerOps> RmsNorm<B> {
     pub fn forward(&self, backend: &B, x: &B::Tensor) -> Result<B::Tensor, ModelError> {
         Ok(backend.rms_norm(x, &self.w, self.eps)?)
     }
 }
 
 /// Everything a mixer may need besides its input: the uploaded step and the caches.
-pub struct StepCtx<'a, B: Backend> {
+pub struct StepCtx<'a, B: LayerOps> {
     pub step: &'a B::Step,
     pub kv: &'a mut [KvLayer<B::Tensor>],
     pub ssm: Option<&'a mut SsmPools<B::Tensor>>,
 }
 
 /// The token mixer (or channel mixer) inside one residual sublayer.
-pub enum Mixer<B: Backend> {
+pub enum Mixer<B: LayerOps> {
     /// `cache` indexes the model's attention layers.
     Attention(Attention<B>),
     /// `cache` indexes the model's SSM layers.
@@ -212,7 +212,7 @@ pub enum Mixer<B: Backend> {
     Parallel(Vec<Mixer<B>>),
 }
 
-impl<B: Backend> Mixer<B> {
+impl<B: LayerOps> Mixer<B> {
     pub fn forward(
         &self,
         backend: &B,
@@ -242,12 +242,12 @@ impl<B: Backend> Mixer<B> {
 }
 
 /// `h += mixer(norm(h))`.
-pub struct Sublayer<B: Backend> {
+pub struct Sublayer<B: LayerOps> {
     pub norm: RmsNorm<B>,
     pub mixer: Mixer<B>,
 }
 
-impl<B: Backend> Sublayer<B> {
+impl<B: LayerOps> Sublayer<B> {
     pub fn forward(
         &self,
         backend: &B,

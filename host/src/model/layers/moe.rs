@@ -2,15 +2,15 @@
 //! and a score-correction bias (NemotronH; the DeepSeek-V3 routing as transformers runs it).
 //!
 //! The router projection, the routing and the expert compute all run on the backend
-//! ([`Backend::moe`]) over expert weights stacked at load time (`up [E, I, H]`, `down [E, H,
+//! ([`LayerOps::moe`]) over expert weights stacked at load time (`up [E, I, H]`, `down [E, H,
 //! I]`), whether the checkpoint stores experts one by one or already stacked. Nothing goes
 //! back to the host.
 
 use super::{Loader, Mlp};
-use crate::backend::{Activation, Backend, HostTensor, MoeRouting, MoeScoring, StackedExperts};
+use crate::backend::{Activation, HostTensor, LayerOps, MoeRouting, MoeScoring, StackedExperts};
 use crate::model::ModelError;
 
-pub struct Moe<B: Backend> {
+pub struct Moe<B: LayerOps> {
     pub router: B::Tensor,
     pub routing: MoeRouting<B::Tensor>,
     pub experts: StackedExperts<B::Tensor>,
@@ -35,7 +35,7 @@ pub struct MoeSpec {
     pub act: Activation,
 }
 
-impl<B: Backend> Moe<B> {
+impl<B: LayerOps> Moe<B> {
     pub fn load(l: &Loader<'_, B>, prefix: &str, s: MoeSpec) -> Result<Self, ModelError> {
         if s.n_group == 0
             || !s.experts.is_multiple_of(s.n_group)
@@ -138,7 +138,7 @@ pub struct SoftmaxMoeSpec {
     pub act: Activation,
 }
 
-impl<B: Backend> Moe<B> {
+impl<B: LayerOps> Moe<B> {
     /// Router `gate.weight` (softmax over all experts, top-k, optional renormalisation),
     /// gated experts stored stacked (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj
     /// [E, H, I]`, as transformers writes them) or one by one (`experts.{j}.gate_proj` …, as
@@ -214,7 +214,7 @@ impl<B: Backend> Moe<B> {
 
 /// `[E, 2I, H]` fused expert weights split into gate `[E, I, H]` (the first `I` rows of each
 /// expert) and up `[E, I, H]`, in the checkpoint's dtype (one host copy at load).
-fn split_gate_up<B: Backend>(
+fn split_gate_up<B: LayerOps>(
     l: &Loader<'_, B>,
     name: &str,
     [e, i, h]: [usize; 3],
@@ -248,7 +248,7 @@ fn split_gate_up<B: Backend>(
 
 /// Stacks per-expert weights `experts.{j}.{name}.weight` (each `[rows, cols]`) into one
 /// `[E, rows, cols]` tensor in the checkpoint's dtype (one host copy at load time).
-fn stack<B: Backend>(
+fn stack<B: LayerOps>(
     l: &Loader<'_, B>,
     prefix: &str,
     name: &str,
@@ -285,7 +285,7 @@ fn stack<B: Backend>(
 /// Per-expert weights `{prefix}.experts.{j}.{name}.weight` (each `[rows, cols]`) stacked into
 /// one host `[E, rows, cols]` f32 buffer, for architectures that rewrite expert weights at load
 /// (multipliers folded in).
-pub fn stack_f32<B: Backend>(
+pub fn stack_f32<B: LayerOps>(
     l: &Loader<'_, B>,
     prefix: &str,
     name: &str,
