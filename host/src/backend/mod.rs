@@ -362,7 +362,7 @@ pub struct ArenaStats {
 
 /// Errors a backend reports (shape mismatches are programming errors upstream, but they must
 /// surface as errors, not panics, on the serving path).
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum BackendError {
     #[error("tensor shape {got:?} does not match {expected:?} ({what})")]
     Shape {

@@ -14,7 +14,7 @@
 //! `output_ready` says the step still computes); after `finish` it fills in that plan's
 //! placeholder tokens and calls `launch_prepared`.
 
-use crate::backend::{SampleOut, StepPlan};
+use crate::backend::{BackendError, SampleOut, StepPlan};
 use crate::cache::SsmStateDtype;
 use crate::model::CacheSpec;
 
@@ -28,6 +28,10 @@ pub enum ExecutorError {
     BadSlot(u32),
     #[error("forward pass failed: {0}")]
     Forward(String),
+    /// A backend operation of the step failed; the backend's error is kept as it is (shape,
+    /// plan, memory or device).
+    #[error("forward pass failed: {0}")]
+    Backend(#[from] BackendError),
     /// The device had an error its context does not survive: this replica is out of service.
     #[error("device lost, replica out of service: {0}")]
     DeviceLost(String),

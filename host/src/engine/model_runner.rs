@@ -221,6 +221,19 @@ impl<B: StepBackend> ModelRunner<B> {
             };
             graphs.push(CapturedGraph { bucket, id, out });
         }
+        self.install_graphs(graphs, outputs, step, started);
+        Ok(())
+    }
+
+    /// Keeps the captured graphs (in replay order), their logits buffers and their step, and
+    /// says what was captured.
+    fn install_graphs(
+        &mut self,
+        mut graphs: Vec<CapturedGraph>,
+        outputs: Vec<B::Tensor>,
+        step: B::Step,
+        started: std::time::Instant,
+    ) {
         graphs.sort_by_key(|g| replay_order(&g.bucket));
         self.graphs = graphs;
         self.graph_outputs = outputs;
@@ -248,7 +261,6 @@ impl<B: StepBackend> ModelRunner<B> {
             logits_mib = self.graph_logits_bytes >> 20,
             "captured CUDA graphs"
         );
-        Ok(())
     }
 
     pub fn model(&self) -> &Model<B> {
@@ -325,7 +337,7 @@ impl<B: StepBackend> StepExecutor for ModelRunner<B> {
         let ran = self
             .backend
             .step_clock_start()
-            .map_err(|e| ExecutorError::Forward(e.to_string()))
+            .map_err(ExecutorError::Backend)
             .and_then(|()| self.run_step(plan, out));
         if let Err(e) = ran {
             // Read the clock even after a failure, so the next step starts a fresh measurement.
@@ -343,10 +355,10 @@ impl<B: StepBackend> StepExecutor for ModelRunner<B> {
         let done = self
             .backend
             .sample_finish(&mut out.cands)
-            .map_err(|e| ExecutorError::Forward(e.to_string()));
+            .map_err(ExecutorError::Backend);
         let clock = self.backend.step_clock_end();
         done.map_err(|e| self.lost_or(e))?;
-        self.device_time = clock.map_err(|e| ExecutorError::Forward(e.to_string()))?;
+        self.device_time = clock.map_err(ExecutorError::Backend)?;
         Ok(())
     }
 
@@ -420,8 +432,8 @@ impl<B: StepBackend> ModelRunner<B> {
                 "caches used before allocate()".into(),
             ));
         };
-        let forward = |e: crate::backend::BackendError| ExecutorError::Forward(e.to_string());
-        let invalid = |e: crate::backend::BackendError| ExecutorError::InvalidBatch(e.to_string());
+        let forward = ExecutorError::Backend;
+        let invalid = ExecutorError::Backend;
         let backend = &self.backend;
         let packed = match self.packed.take() {
             Some(p) => {
@@ -503,7 +515,7 @@ impl<B: StepBackend> ModelRunner<B> {
         caches
             .check(plan)
             .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))?;
-        let invalid = |e: crate::backend::BackendError| ExecutorError::InvalidBatch(e.to_string());
+        let invalid = ExecutorError::Backend;
         let (backend, blocks) = (&self.backend, self.graph_blocks);
         if let Some(gstep) = self.graph_step.as_mut()
             && let Some(i) = Self::pick_graph(&self.graphs, plan, |bucket| {
