@@ -16,8 +16,10 @@
 //! - [`plugins`]: WebAssembly policy plugins (load, sandbox, fall back, reload) behind the
 //!   [`policy`] traits, whose native twins live in `policy::native`.
 //! - [`bench`]: `chimera bench`, a load generator for OpenAI-compatible streaming servers.
-//! - [`gpu_check`]: `chimera gpu-check`, the GPU suites (kernels and models against the CPU,
-//!   speed against ceilings measured in the same run).
+//!
+//! The GPU suites (kernels and models against the CPU, speed against ceilings measured in the
+//! same run) are the `chimera-gpu-check` crate and binary (`host/gpu-check`), built on this
+//! library.
 
 pub mod app;
 pub mod backend;
@@ -26,7 +28,6 @@ pub use chimera_bench as bench;
 pub mod cache;
 pub mod config;
 pub mod engine;
-pub mod gpu_check;
 pub mod histogram;
 pub mod logging;
 pub mod model;

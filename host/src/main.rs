@@ -1,4 +1,5 @@
-//! The `chimera` command line: `serve`, `generate`, `bench`, `plugin check`.
+//! The `chimera` command line: `serve`, `generate`, `bench`, `plugin check`, `kernels build`.
+//! The GPU suites are a binary of their own, `chimera-gpu-check` (`host/gpu-check`).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -42,8 +43,14 @@ enum Command {
     /// `--arch`) into the on-disk cache.
     #[command(subcommand)]
     Kernels(KernelsCommand),
-    /// Run the GPU suites (kernels and models against the CPU, speed) and print one table.
-    GpuCheck(Box<chimera::gpu_check::GpuCheckArgs>),
+    /// Moved: the GPU suites are the `chimera-gpu-check` binary (crate `host/gpu-check`).
+    /// Hidden; it takes any arguments and fails with that sentence.
+    #[command(hide = true, disable_help_flag = true)]
+    GpuCheck {
+        /// The arguments, echoed in the error as a `chimera-gpu-check` command line.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
+        args: Vec<String>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -167,18 +174,23 @@ fn main() -> anyhow::Result<()> {
             runtime()?.block_on(async { chimera::bench::run(*args).await.map(drop) })
         }
         Command::Kernels(KernelsCommand::Build { arch }) => kernels_build(arch),
-        Command::GpuCheck(args) => {
-            let report = chimera::gpu_check::run(&args)?;
-            println!("{}", report.table());
-            anyhow::ensure!(
-                report.failures() == 0,
-                "{} GPU checks failed",
-                report.failures()
-            );
-            Ok(())
-        }
+        Command::GpuCheck { args } => Err(gpu_check_moved(&args)),
         Command::Plugin(PluginCommand::Check { file, config }) => plugin_check(&file, config),
     }
+}
+
+/// `chimera gpu-check …`: the suites are a binary of their own now (the host library cannot
+/// depend on the crate built on it).
+fn gpu_check_moved(args: &[String]) -> anyhow::Error {
+    let mut line = String::from("chimera-gpu-check");
+    for a in args {
+        line.push(' ');
+        line.push_str(a);
+    }
+    anyhow::anyhow!(
+        "`chimera gpu-check` moved: the GPU suites are the `chimera-gpu-check` binary \
+         (cargo run --release -p chimera-gpu-check, or tests/gpu/run.sh); run `{line}`"
+    )
 }
 
 fn kernels_build(arch: Option<String>) -> anyhow::Result<()> {
@@ -372,13 +384,53 @@ mod tests {
         );
         // The walk reaches the nested subcommands and the library-defined argument structs.
         let names: Vec<&str> = cli.get_subcommands().map(|c| c.get_name()).collect();
-        for sub in ["serve", "bench", "plugin", "gpu-check", "kernels"] {
+        for sub in ["serve", "bench", "plugin", "kernels"] {
             assert!(names.contains(&sub), "{names:?}");
         }
+        let visible: Vec<&str> = cli
+            .get_subcommands()
+            .filter(|c| !c.is_hide_set())
+            .map(|c| c.get_name())
+            .collect();
+        assert!(!visible.contains(&"gpu-check"), "{visible:?}");
         let check = cli
             .find_subcommand("plugin")
             .and_then(|p| p.find_subcommand("check"))
             .expect("plugin check");
         assert!(check.get_arguments().any(|a| a.get_id() == "config"));
+    }
+
+    /// `chimera gpu-check` with the arguments the GPU scripts gave it fails and names the
+    /// binary the suites moved to, with the same arguments.
+    #[test]
+    fn gpu_check_says_where_the_suites_moved() {
+        let cases: [&[&str]; 3] = [
+            &["chimera", "gpu-check"],
+            &[
+                "chimera",
+                "gpu-check",
+                "--suite",
+                "kernels",
+                "--json",
+                "k.json",
+            ],
+            &["chimera", "gpu-check", "--help"],
+        ];
+        for argv in cases {
+            let cli = Cli::try_parse_from(argv).expect("parses");
+            let Command::GpuCheck { args } = cli.command else {
+                panic!("{argv:?} is not gpu-check");
+            };
+            assert_eq!(args, argv[2..]);
+            let msg = gpu_check_moved(&args).to_string();
+            assert!(msg.contains("`chimera-gpu-check` binary"), "{msg}");
+            let line = ["chimera-gpu-check"]
+                .iter()
+                .chain(&argv[2..])
+                .copied()
+                .collect::<Vec<_>>()
+                .join(" ");
+            assert!(msg.ends_with(&format!("run `{line}`")), "{msg}");
+        }
     }
 }

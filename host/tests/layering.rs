@@ -255,7 +255,7 @@ fn files_of(dir: &str) -> Vec<PathBuf> {
 
 #[test]
 fn the_server_reaches_replicas_only_through_the_engines_public_face() {
-    let mut bad = violations("server", &["model", "backend", "gpu_check", "bench"]);
+    let mut bad = violations("server", &["model", "backend", "bench"]);
     // Of the engine: its API (handles, commands, events) only.
     bad.extend(mentions(
         &files_of("server"),
@@ -280,7 +280,7 @@ fn the_server_reaches_replicas_only_through_the_engines_public_face() {
 
 #[test]
 fn the_engine_knows_no_http_and_no_plugin_internals() {
-    let mut bad = violations("engine", &["server", "plugins", "bench", "gpu_check"]);
+    let mut bad = violations("engine", &["server", "plugins", "bench"]);
     bad.extend(mentions(
         &files_of("engine"),
         &["wasmtime", "axum", "hyper"],

@@ -15,7 +15,7 @@
 //! of entries routed to a valid expert are written once each, and the combine reads only
 //! those. The result is deterministic: no float atomics anywhere.
 //!
-//! **Measured** on one H200 (`chimera gpu-check --suite moe`, bf16, NemotronH shape: hidden
+//! **Measured** on one H200 (`chimera-gpu-check --suite moe`, bf16, NemotronH shape: hidden
 //! 2688, expert ffn 1856, 128 experts top-6 in 8 groups, relu², routing included): T = 1
 //! 0.246 ms, 64 0.934 ms, 512 1.024 ms, 4096 2.327 ms (211 TFLOP/s), against the former
 //! per-expert path (host read-back, cuBLASLt per expert) at 0.355 / 4.030 / 4.499 / 5.404 ms.

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """After the openai-client test: a streamed completion whose client hangs up mid-stream must
-free its request and blocks (checked on /metrics). Writes rows in gpu-check's JSON format,
-including the openai-client test's result."""
+free its request and blocks (checked on /metrics). Writes rows in chimera-gpu-check's JSON
+format, including the openai-client test's result."""
 import argparse
 import http.client
 import json

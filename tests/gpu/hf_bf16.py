@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""bf16 parity: chimera's bf16 logits (dumped by `chimera gpu-check --suite parity --dump`)
+"""bf16 parity: chimera's bf16 logits (dumped by `chimera-gpu-check --suite parity --dump`)
 against the fixture's f32 reference, bounded by 2× the error transformers' own bf16 shows on
 this GPU against the same reference and by absolute ceilings (tests/gpu/bounds.py), so logits
 that are wrong everywhere fail even where transformers' bf16 is far off. Two measures at the

@@ -2,7 +2,7 @@
 """Peer kernels measured in the same run as chimera's: PyTorch SDPA causal GQA attention
 (32 query / 8 KV heads, head_dim 128, bf16) at T = 2048 and 8192, and its decode (one query
 token a sequence, 2048 cached tokens, batch 1, 64 and 256), median of CUDA-graph-free event
-timings. Writes rows in gpu-check's JSON format."""
+timings. Writes rows in chimera-gpu-check's JSON format."""
 import argparse
 import json
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# On the GPU machine, from the repository root, with the stripped binary in .gpu/chimera
-# (tests/gpu/prepare.sh makes it on a machine without a GPU):
+# On the GPU machine, from the repository root, with the stripped binaries compressed in
+# .gpu/chimera.xz and .gpu/chimera-gpu-check.xz (tests/gpu/prepare.sh makes them on a machine
+# without a GPU; they are unpacked here when the .xz is newer than the binary or it is missing):
 #
 #   tests/gpu/run.sh kernels|hybrid|parity|graphs|bench|bench-kernels|bench-mixed|moe|serve|all
 #   tests/gpu/run.sh attention|model|fixtures   (subsets of kernels and parity/hybrid, for planted faults)
@@ -13,8 +14,24 @@ cd "$(dirname "$0")/../.."
 suite=${1:-all}
 out=${OUT:-.gpu/out}
 mkdir -p "$out"
+# `chimera` serves (the serve and serving-* suites); `chimera-gpu-check` runs the suites.
 bin=.gpu/chimera
-[ -x "$bin" ] || { echo "no $bin: run tests/gpu/prepare.sh on the build machine first" >&2; exit 2; }
+check_bin=.gpu/chimera-gpu-check
+# unpack B: B.xz → B, the .xz kept and B given its time; python3's lzma where xz is missing.
+unpack() {
+  if command -v xz > /dev/null; then
+    xz -d -k -f "$1.xz"
+  else
+    python3 -c 'import lzma, shutil, sys
+with lzma.open(sys.argv[1]) as i, open(sys.argv[2], "wb") as o: shutil.copyfileobj(i, o)' "$1.xz" "$1"
+  fi && chmod +x "$1" && touch -r "$1.xz" "$1"
+}
+for b in "$bin" "$check_bin"; do
+  if [ -f "$b.xz" ] && [ "$b.xz" -nt "$b" ]; then
+    unpack "$b" || { echo "cannot unpack $b.xz" >&2; exit 2; }
+  fi
+  [ -x "$b" ] || { echo "no $b: run tests/gpu/prepare.sh on the build machine first" >&2; exit 2; }
+done
 
 # NVRTC and cuBLASLt from the CUDA toolkit or the nvidia-* Python wheels, whichever is there.
 libs=$(python3 - <<'PY' 2>/dev/null
@@ -40,9 +57,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,n
 status=0
 run_check() {
   local s=$1
-  echo "== gpu-check $s"
+  echo "== chimera-gpu-check $s"
   # GPU_CHECK_ARGS: extra flags, e.g. "--seed N" to repeat a run.
-  timeout 470 "$bin" gpu-check --suite "$s" --json "$out/$s.json" --dump "$out/logits" ${GPU_CHECK_ARGS:-} \
+  timeout 470 "$check_bin" --suite "$s" --json "$out/$s.json" --dump "$out/logits" ${GPU_CHECK_ARGS:-} \
     > "$out/$s.log" 2>&1 || status=1
   tail -n 5 "$out/$s.log"
 }

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Prints one table from the JSON files of a GPU run (gpu-check's and the Python scripts');
-exits non-zero if any row failed or no row was found."""
+"""Prints one table from the JSON files of a GPU run (chimera-gpu-check's and the Python
+scripts'); exits non-zero if any row failed or no row was found."""
 import json
 import sys
 

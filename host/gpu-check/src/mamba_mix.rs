@@ -6,12 +6,12 @@
 
 use super::rng::Rng;
 use super::{Report, rel_err, round_if_bf16};
-use crate::backend::cpu::CpuBackend;
-use crate::backend::cuda::CudaBackend;
-use crate::backend::{
+use chimera::backend::cpu::CpuBackend;
+use chimera::backend::cuda::CudaBackend;
+use chimera::backend::{
     DType, HostTensor, LayerOps, Mamba2Mix, SsmOutNorm, SsmPools, SsmShape, StepBackend, StepPlan,
 };
-use crate::model::layers::mamba2::OutNormKind;
+use chimera::model::layers::mamba2::OutNormKind;
 
 type R<T> = anyhow::Result<T>;
 

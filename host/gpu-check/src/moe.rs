@@ -10,9 +10,9 @@ use std::time::Instant;
 
 use super::rng::Rng;
 use super::{Report, bf16_round, rel_err, round_if_bf16};
-use crate::backend::cpu::CpuBackend;
-use crate::backend::cuda::CudaBackend;
-use crate::backend::{
+use chimera::backend::cpu::CpuBackend;
+use chimera::backend::cuda::CudaBackend;
+use chimera::backend::{
     Activation, Backend, DType, HostTensor, LayerOps, MoeRouting, MoeScoring, StackedExperts,
     StepBackend,
 };

@@ -7,10 +7,10 @@
 
 use super::rng::Rng;
 use super::{GpuCheckArgs, Report, rel_err, round_if_bf16};
-use crate::backend::cpu::CpuBackend;
-use crate::backend::cpu::moe as cpu_moe;
-use crate::backend::cuda::CudaBackend;
-use crate::backend::{
+use chimera::backend::cpu::CpuBackend;
+use chimera::backend::cpu::moe as cpu_moe;
+use chimera::backend::cuda::CudaBackend;
+use chimera::backend::{
     Backend, DType, HostTensor, LayerOps, MoeRouting, MoeScoring, SlotOp, SsmPools, StepBackend,
     StepPlan,
 };
@@ -65,7 +65,7 @@ pub fn run(
     // Mamba2 layers: SSD chunk sizes 8, 29, 128, 256 (lengths not multiples of the chunk),
     // varlen batches of 5+ sequences mixing decodes and prompts, starting states, snapshots at
     // every 16-token block boundary of a 131-token chunk.
-    let sh = |heads, head_dim, groups, state, chunk| crate::backend::SsmShape {
+    let sh = |heads, head_dim, groups, state, chunk| chimera::backend::SsmShape {
         heads,
         head_dim,
         groups,
@@ -202,14 +202,14 @@ pub fn run(
 /// those tokens fed instead of the argmax), with the SSM state stored as `state`. Returns the
 /// argmax of every step's logits and the logits.
 fn decode_run(
-    m: &crate::model::Model<CudaBackend>,
+    m: &chimera::model::Model<CudaBackend>,
     b: &CudaBackend,
     prompt: &[u32],
     decodes: usize,
     forced: Option<&[u32]>,
-    state: crate::cache::SsmStateDtype,
+    state: chimera::cache::SsmStateDtype,
 ) -> R<(Vec<u32>, Vec<Vec<f32>>)> {
-    use crate::model::LogitsMode;
+    use chimera::model::LogitsMode;
     const BLOCK: usize = 16;
     let blocks = (prompt.len() + decodes).div_ceil(BLOCK);
     let mut caches = m.new_caches_with_state(b, blocks, BLOCK, 1, state)?;
@@ -228,7 +228,7 @@ fn decode_run(
     }
     let (mut picks, mut all) = (Vec::new(), Vec::new());
     for i in 0..decodes {
-        let pick = crate::model::argmax(&logits);
+        let pick = chimera::model::argmax(&logits);
         picks.push(pick);
         all.push(std::mem::take(&mut logits));
         let next = forced.map_or(pick, |f| f[i]);
@@ -249,8 +249,8 @@ fn state_drift(
     gpu: &CudaBackend,
     label: &str,
 ) -> R<()> {
-    use crate::cache::SsmStateDtype::{Bfloat16, Float32};
-    let m = crate::model::load(dir, gpu)?;
+    use chimera::cache::SsmStateDtype::{Bfloat16, Float32};
+    let m = chimera::model::load(dir, gpu)?;
     let mut rng = Rng::new(0x4452_4946);
     let vocab = m.info.vocab_size;
     let prompt: Vec<u32> = (0..2048).map(|_| 5 + rng.below(vocab - 5) as u32).collect();
@@ -297,8 +297,8 @@ fn prefix_groups(report: &mut Report, dir: &std::path::Path, gpu: &CudaBackend) 
     use super::parity::drive_engine;
     use std::sync::Arc;
     let cpu = CpuBackend::default();
-    let mc = Arc::new(crate::model::load(dir, &cpu)?);
-    let mg = Arc::new(crate::model::load(dir, gpu)?);
+    let mc = Arc::new(chimera::model::load(dir, &cpu)?);
+    let mg = Arc::new(chimera::model::load(dir, gpu)?);
     let requests: Vec<Vec<u32>> = (0..64u32)
         .map(|i| {
             let g = i % 8;
@@ -346,11 +346,11 @@ fn prefix_groups(report: &mut Report, dir: &std::path::Path, gpu: &CudaBackend) 
 /// GPU preempts exactly as often as the CPU (the same schedule).
 fn pressure(report: &mut Report, dir: &std::path::Path, gpu: &CudaBackend, label: &str) -> R<()> {
     use super::parity::drive_engine_with;
-    use crate::cache::{ByteSize, CacheConfig, CacheLayout};
+    use chimera::cache::{ByteSize, CacheConfig, CacheLayout};
     use std::sync::Arc;
     let cpu = CpuBackend::default();
-    let mc = Arc::new(crate::model::load(dir, &cpu)?);
-    let mg = Arc::new(crate::model::load(dir, gpu)?);
+    let mc = Arc::new(chimera::model::load(dir, &cpu)?);
+    let mg = Arc::new(chimera::model::load(dir, gpu)?);
     // The smallest budget that plans a pool of 20 blocks: five 64-token prompts fill it
     // exactly, and each one's first decode needs a fifth block of its own.
     let spec = mg.info.cache.clone();
@@ -505,7 +505,7 @@ pub(super) fn ssm_layer_case(
     gpu: &CudaBackend,
     state_bf16: Option<&CudaBackend>,
     rng: &mut Rng,
-    shape: crate::backend::SsmShape,
+    shape: chimera::backend::SsmShape,
     chunks: &[usize],
     snapshot_every: usize,
 ) {
@@ -560,7 +560,7 @@ fn layer_on<B: StepBackend>(
     mut pools: SsmPools<B::Tensor>,
     dims: (usize, usize, usize, usize, usize),
     inputs: [&[f32]; 7],
-    shape: crate::backend::SsmShape,
+    shape: chimera::backend::SsmShape,
 ) -> R<(Vec<f32>, Vec<f32>, Vec<f32>)> {
     let (_, _, conv_dim, kernel, layer) = dims;
     let [x, w, cb, dt, a_log, d, dt_bias] = inputs;
@@ -591,7 +591,7 @@ fn layer_on<B: StepBackend>(
 fn decode_steps_case(
     gpu: &CudaBackend,
     rng: &mut Rng,
-    shape: crate::backend::SsmShape,
+    shape: chimera::backend::SsmShape,
     len: usize,
 ) -> R<(f64, f64)> {
     gpu.set_ssm_chunk_size(shape.chunk_size);
@@ -662,7 +662,7 @@ fn ssm_layer(
     gpu: &CudaBackend,
     state_bf16: Option<&CudaBackend>,
     rng: &mut Rng,
-    shape: crate::backend::SsmShape,
+    shape: chimera::backend::SsmShape,
     chunks: &[usize],
     snapshot_every: usize,
 ) -> R<LayerErrs> {
@@ -884,11 +884,11 @@ fn greedy_request(
     id: u64,
     prompt: Vec<u32>,
     max_tokens: u32,
-) -> crate::engine::api::GenerateRequest {
-    crate::engine::api::GenerateRequest {
+) -> chimera::engine::api::GenerateRequest {
+    chimera::engine::api::GenerateRequest {
         id,
         prompt,
-        params: crate::engine::api::SamplingParams::default(),
+        params: chimera::engine::api::SamplingParams::default(),
         max_tokens,
         stop_token_ids: vec![],
         ignore_eos: true,
@@ -904,12 +904,12 @@ fn ahead_run(
     gpu: &CudaBackend,
     dir: &std::path::Path,
     schedule_ahead: bool,
-) -> R<(Vec<Vec<u32>>, crate::engine::StepKinds)> {
-    use crate::cache::{ByteSize, CacheConfig};
-    use crate::engine::api::EngineEvent;
-    use crate::engine::{Engine, EngineConfig, EngineSetup, ModelRunner, Policies, StepExecutor};
+) -> R<(Vec<Vec<u32>>, chimera::engine::StepKinds)> {
+    use chimera::cache::{ByteSize, CacheConfig};
+    use chimera::engine::api::EngineEvent;
+    use chimera::engine::{Engine, EngineConfig, EngineSetup, ModelRunner, Policies, StepExecutor};
     let backend = gpu.replica()?;
-    let model = std::sync::Arc::new(crate::model::load(dir, &backend)?);
+    let model = std::sync::Arc::new(chimera::model::load(dir, &backend)?);
     let vocab = model.info.vocab_size;
     let setup = EngineSetup {
         engine: EngineConfig {
@@ -969,14 +969,14 @@ fn stress_run(
     dummy: bool,
     seed: u64,
 ) -> R<(bool, bool, u64)> {
-    use crate::cache::{ByteSize, CacheConfig};
-    use crate::engine::api::EngineEvent;
-    use crate::engine::{Engine, EngineConfig, EngineSetup, ModelRunner, Policies};
+    use chimera::cache::{ByteSize, CacheConfig};
+    use chimera::engine::api::EngineEvent;
+    use chimera::engine::{Engine, EngineConfig, EngineSetup, ModelRunner, Policies};
     let backend = gpu.replica()?;
     let model = std::sync::Arc::new(if dummy {
-        crate::model::load_dummy(dir, &backend, seed)?
+        chimera::model::load_dummy(dir, &backend, seed)?
     } else {
-        crate::model::load(dir, &backend)?
+        chimera::model::load(dir, &backend)?
     });
     let vocab = model.info.vocab_size;
     // A full-size model's state is ~100 MB a slot: give it room for snapshots too.

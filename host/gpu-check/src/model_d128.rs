@@ -21,10 +21,10 @@ use std::path::{Path, PathBuf};
 
 use super::rng::Rng;
 use super::{Report, row_max_rel};
-use crate::backend::cpu::CpuBackend;
-use crate::backend::cuda::CudaBackend;
-use crate::backend::{StepBackend, StepPlan};
-use crate::model::{self, LogitsMode, Model};
+use chimera::backend::cpu::CpuBackend;
+use chimera::backend::cuda::CudaBackend;
+use chimera::backend::{StepBackend, StepPlan};
+use chimera::model::{self, LogitsMode, Model};
 use chimera_kernels::attention::PrefillKernel;
 
 const SUITE: &str = "parity";

@@ -5,10 +5,10 @@
 
 use super::rng::Rng;
 use super::{Report, bf16_round, bits_differ, rel_err, row_max_rel};
-use crate::backend::cpu::{CpuBackend, CpuTensor};
-use crate::backend::cuda::{CudaBackend, CudaTensor};
-use crate::backend::sample::Penalties;
-use crate::backend::{
+use chimera::backend::cpu::{CpuBackend, CpuTensor};
+use chimera::backend::cuda::{CudaBackend, CudaTensor};
+use chimera::backend::sample::Penalties;
+use chimera::backend::{
     Activation, AttnShape, Backend, DType, HostTensor, KvLayer, LayerOps, Rope, SampleOut,
     StepBackend, StepPlan,
 };

@@ -10,9 +10,9 @@
 use std::time::Instant;
 
 use super::{GpuCheckArgs, Report};
-use crate::backend::cuda::CudaBackend;
-use crate::backend::{GraphBucket, SampleOut, SlotOp, StepBackend, StepPlan};
-use crate::model::{self, Model, ModelCaches};
+use chimera::backend::cuda::CudaBackend;
+use chimera::backend::{GraphBucket, SampleOut, SlotOp, StepBackend, StepPlan};
+use chimera::model::{self, Model, ModelCaches};
 
 const SUITE: &str = "bench-mixed";
 const BLOCK: usize = 16;
@@ -84,7 +84,7 @@ pub fn mixed_steps(
         }
         plan.finish()?;
         plan.sampling.clear(1);
-        let none = crate::backend::sample::Penalties {
+        let none = chimera::backend::sample::Penalties {
             repetition: 1.0,
             presence: 0.0,
             frequency: 0.0,
@@ -120,7 +120,7 @@ pub fn mixed_steps(
         let id = gpu.capture_graph(&mut || {
             logits = Some(
                 m.forward(gpu, &gstep, caches)
-                    .map_err(|e| crate::backend::BackendError::Invalid(e.to_string()))?,
+                    .map_err(|e| chimera::backend::BackendError::Invalid(e.to_string()))?,
             );
             Ok(())
         })?;

@@ -18,12 +18,12 @@ use std::sync::Arc;
 
 use super::rng::Rng;
 use super::{GpuCheckArgs, Report};
-use crate::backend::cuda::CudaBackend;
-use crate::backend::sample::Penalties;
-use crate::backend::{DType, SlotOp, StepPlan};
-use crate::cache::SsmStateDtype;
-use crate::engine::ModelRunner;
-use crate::engine::executor::{CacheAllocation, StepExecutor, StepOutput};
+use chimera::backend::cuda::CudaBackend;
+use chimera::backend::sample::Penalties;
+use chimera::backend::{DType, SlotOp, StepPlan};
+use chimera::cache::SsmStateDtype;
+use chimera::engine::ModelRunner;
+use chimera::engine::executor::{CacheAllocation, StepExecutor, StepOutput};
 
 const SUITE: &str = "graphs";
 const BLOCK: usize = 16;
@@ -94,7 +94,7 @@ fn case(
     dir: &std::path::Path,
     label: &str,
 ) -> anyhow::Result<()> {
-    let model = Arc::new(crate::model::load(dir, gpu)?);
+    let model = Arc::new(chimera::model::load(dir, gpu)?);
     let vocab = model.info.vocab_size;
     let alloc = CacheAllocation {
         num_blocks: SEQS * 8,
@@ -230,7 +230,7 @@ fn mixed_case(
     dir: &std::path::Path,
     label: &str,
 ) -> anyhow::Result<()> {
-    let model = Arc::new(crate::model::load(dir, gpu)?);
+    let model = Arc::new(chimera::model::load(dir, gpu)?);
     let vocab = model.info.vocab_size;
     let hybrid = model.info.cache.ssm_layers > 0;
     // Live slots 0..MIXED_SEQS, snapshot slots after them (one a sequence).
@@ -249,7 +249,7 @@ fn mixed_case(
     let mixed: Vec<_> = graphs
         .graph_buckets()
         .into_iter()
-        .filter(|b| matches!(b, crate::backend::GraphBucket::Mixed { .. }))
+        .filter(|b| matches!(b, chimera::backend::GraphBucket::Mixed { .. }))
         .collect();
     anyhow::ensure!(
         !mixed.is_empty(),

@@ -7,8 +7,8 @@
 use std::time::Instant;
 
 use super::Report;
-use crate::backend::cuda::{CudaBackend, CudaTensor};
-use crate::backend::{Backend, DType, LayerOps, StepBackend};
+use chimera::backend::cuda::{CudaBackend, CudaTensor};
+use chimera::backend::{Backend, DType, LayerOps, StepBackend};
 
 /// (label, output features of each weight sharing the input, k).
 const SHAPES: &[(&str, &[usize], usize)] = &[
@@ -84,7 +84,7 @@ fn time_shape(
     let mut per_call = [0.0f64; 2];
     for (i, on) in [true, false].into_iter().enumerate() {
         gpu.set_small_m_gemv(on);
-        let mut calls = || -> crate::backend::Result<()> {
+        let mut calls = || -> chimera::backend::Result<()> {
             for c in 0..CALLS {
                 let ws: Vec<_> = weights[c % copies].iter().map(|w| (w, None)).collect();
                 drop(gpu.linear_shared(&x, &ws)?);

@@ -1,5 +1,7 @@
-//! `chimera gpu-check`: the GPU test and measurement suites, run on a machine with a GPU by a
-//! binary built without one (`tests/gpu/run.sh`).
+//! `chimera-gpu-check`: the GPU test and measurement suites, run on a machine with a GPU by a
+//! binary built without one (`tests/gpu/run.sh`). A crate of its own above the `chimera`
+//! library: it drives the backends, models and engine through their public faces, and nothing
+//! in the host depends on it.
 //!
 //! Every check compares the CUDA backend with the CPU reference (or measures it against a
 //! ceiling measured in the same run) and becomes one row of a table: check | measured | bound
@@ -31,8 +33,8 @@ use std::time::Instant;
 use anyhow::Context;
 use serde::Serialize;
 
-use crate::backend::DType;
-use crate::backend::cuda::{CudaBackend, CudaOptions};
+use chimera::backend::DType;
+use chimera::backend::cuda::{CudaBackend, CudaOptions};
 
 #[derive(Debug, clap::Args)]
 pub struct GpuCheckArgs {

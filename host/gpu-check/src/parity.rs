@@ -13,13 +13,13 @@ use std::path::Path;
 use tokio::sync::mpsc::unbounded_channel;
 
 use super::{GpuCheckArgs, Report};
-use crate::backend::cpu::CpuBackend;
-use crate::backend::cuda::CudaBackend;
-use crate::backend::{StepBackend, StepPlan};
-use crate::cache::{ByteSize, CacheConfig};
-use crate::engine::api::{EngineEvent, GenerateRequest, SamplingParams};
-use crate::engine::{Engine, EngineConfig, EngineSetup, ModelRunner, Policies};
-use crate::model::{self, LogitsMode, Model};
+use chimera::backend::cpu::CpuBackend;
+use chimera::backend::cuda::CudaBackend;
+use chimera::backend::{StepBackend, StepPlan};
+use chimera::cache::{ByteSize, CacheConfig};
+use chimera::engine::api::{EngineEvent, GenerateRequest, SamplingParams};
+use chimera::engine::{Engine, EngineConfig, EngineSetup, ModelRunner, Policies};
+use chimera::model::{self, LogitsMode, Model};
 
 const BLOCK: usize = 16;
 const SUITE: &str = "parity";
@@ -88,7 +88,7 @@ fn batched_last<B: StepBackend>(
         next += nb as u32;
         plan.push(p, 0, &table, i as u32, true);
         plan.slot_ops
-            .push(crate::backend::SlotOp::Zero { slot: i as u32 });
+            .push(chimera::backend::SlotOp::Zero { slot: i as u32 });
     }
     Ok(m.forward_host(b, &mut plan, &mut caches, LogitsMode::Last)?)
 }
@@ -308,7 +308,7 @@ pub(super) fn drive_engine<B: StepBackend>(
     requests: &[Vec<u32>],
     caching: bool,
     max_tokens: u32,
-) -> anyhow::Result<(BTreeMap<u64, Vec<u32>>, crate::engine::api::EngineStats)> {
+) -> anyhow::Result<(BTreeMap<u64, Vec<u32>>, chimera::engine::api::EngineStats)> {
     drive_engine_with(backend, model, requests, caching, max_tokens, 64 << 20, 4)
 }
 
@@ -321,7 +321,7 @@ pub(super) fn drive_engine_with<B: StepBackend>(
     max_tokens: u32,
     budget: u64,
     max_running: usize,
-) -> anyhow::Result<(BTreeMap<u64, Vec<u32>>, crate::engine::api::EngineStats)> {
+) -> anyhow::Result<(BTreeMap<u64, Vec<u32>>, chimera::engine::api::EngineStats)> {
     let setup = EngineSetup {
         engine: EngineConfig {
             max_batched_tokens: 64,

@@ -8,13 +8,13 @@ use std::time::Instant;
 
 use super::rng::Rng;
 use super::{GpuCheckArgs, Report};
-use crate::backend::cuda::CudaBackend;
-use crate::backend::{
+use chimera::backend::cuda::CudaBackend;
+use chimera::backend::{
     AttnShape, Backend, GraphBucket, HostTensor, KvLayer, LayerOps, SampleOut, StepBackend,
     StepPlan,
 };
 
-use crate::model::{self, Model};
+use chimera::model::{self, Model};
 use chimera_kernels::attention::PrefillKernel;
 
 const SUITE: &str = "bench";
@@ -100,7 +100,7 @@ fn plain_sampling(plan: &mut StepPlan, rows: usize) {
     plan.sampling.clear(64);
     for _ in 0..rows {
         plan.sampling.push_row(
-            crate::backend::sample::Penalties {
+            chimera::backend::sample::Penalties {
                 repetition: 1.0,
                 presence: 0.0,
                 frequency: 0.0,
@@ -112,7 +112,7 @@ fn plain_sampling(plan: &mut StepPlan, rows: usize) {
     }
 }
 
-type Tensor = crate::backend::cuda::CudaTensor;
+type Tensor = chimera::backend::cuda::CudaTensor;
 
 /// Random q, k, v for `tokens` query tokens of `attn`'s shape and a zeroed paged KV cache of
 /// `blocks` blocks.
@@ -232,7 +232,7 @@ fn attention_decode(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()
         gpu.fill_dummy(&mut cache.v, 4, 1.0, 0.0)?;
         // Device time of one call through `step` (three warm-up calls, then 50 profiled).
         let mut time =
-            |step: &crate::backend::cuda::CudaStep| -> anyhow::Result<(f64, Vec<&'static str>)> {
+            |step: &chimera::backend::cuda::CudaStep| -> anyhow::Result<(f64, Vec<&'static str>)> {
                 for _ in 0..3 {
                     drop(gpu.paged_attention(&q, &k, &v, &mut cache, attn, step)?);
                 }
@@ -292,7 +292,7 @@ fn attention_decode(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()
 /// 128): one 8192-token prompt, and one decode step of 256 sequences, with f32 and bf16 state
 /// pools. The decode reads and writes every sequence's state once.
 fn ssm_timings(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()> {
-    use crate::backend::{DType, SsmPools, SsmShape};
+    use chimera::backend::{DType, SsmPools, SsmShape};
     let shape = SsmShape {
         heads: 128,
         head_dim: 64,
@@ -617,8 +617,8 @@ impl GraphRun<'_> {
     /// (on again afterwards).
     fn run(
         &self,
-        gstep: &mut crate::backend::cuda::CudaStep,
-        caches: &mut crate::model::ModelCaches<CudaBackend>,
+        gstep: &mut chimera::backend::cuda::CudaStep,
+        caches: &mut chimera::model::ModelCaches<CudaBackend>,
         gemv: bool,
     ) -> anyhow::Result<(f64, f64)> {
         let gpu = self.gpu;
@@ -629,7 +629,7 @@ impl GraphRun<'_> {
             logits = Some(
                 self.m
                     .forward(gpu, gstep, caches)
-                    .map_err(|e| crate::backend::BackendError::Invalid(e.to_string()))?,
+                    .map_err(|e| chimera::backend::BackendError::Invalid(e.to_string()))?,
             );
             Ok(())
         });
