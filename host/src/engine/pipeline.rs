@@ -47,6 +47,12 @@ use crate::backend::{DeviceStepTime, StepPlan};
 /// output between waits.
 const UNTIMED_WAIT: Duration = Duration::from_micros(200);
 
+/// How long before the launched step's expected end the arrival window closes, besides twice
+/// the last top-up's cost: a thread woken from a timed wait runs again some tens to hundreds
+/// of microseconds after its deadline, and the device must not wait for that. After the
+/// window the thread waits on the device itself, which answers at once.
+const WAKE_MARGIN: Duration = Duration::from_micros(400);
+
 /// Every timestamp of one step.
 #[derive(Debug, Clone, Copy)]
 pub struct StepClock {
@@ -204,14 +210,15 @@ impl Pipeline {
     }
 
     /// How long the launched step may still compute, less twice the last top-up's host time
-    /// (the device would wait for a top-up started later); `None` once that is past.
+    /// (the device would wait for a top-up started later) and the thread's wake-up margin;
+    /// `None` once that is past.
     fn window(&self) -> Option<Duration> {
         if self.pace.last_busy_ns == 0 {
             return Some(UNTIMED_WAIT);
         }
         let left = u128::from(self.pace.last_busy_ns)
             .saturating_sub(self.pace.launched_at.elapsed().as_nanos());
-        let margin = 2 * u128::from(self.pace.top_up_cost_ns);
+        let margin = 2 * u128::from(self.pace.top_up_cost_ns) + WAKE_MARGIN.as_nanos();
         (left > margin).then(|| Duration::from_nanos((left - margin) as u64))
     }
 }
