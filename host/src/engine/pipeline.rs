@@ -51,7 +51,12 @@ const UNTIMED_WAIT: Duration = Duration::from_micros(200);
 /// the last top-up's cost: a thread woken from a timed wait runs again some tens to hundreds
 /// of microseconds after its deadline, and the device must not wait for that. After the
 /// window the thread waits on the device itself, which answers at once.
-const WAKE_MARGIN: Duration = Duration::from_micros(400);
+const WAKE_MARGIN: Duration = Duration::from_micros(100);
+
+/// The share of the step before's device time the window may last: a step can be shorter
+/// than the one before it (requests finished), and the thread must be waiting on the device,
+/// not on its command channel, when it ends.
+const WINDOW_SHARE: f64 = 0.9;
 
 /// Every timestamp of one step.
 #[derive(Debug, Clone, Copy)]
@@ -133,8 +138,9 @@ struct Pace {
     back_to_back: bool,
     /// When the last step that ran a batch finished its update.
     last_step_end: Option<Instant>,
-    /// When the launched step was launched, and the device time of the step before it: how
-    /// long it may still compute.
+    /// When the launch of the launched step began (its device work may start as soon as the
+    /// launch enqueues it), and the device time of the step before it: how long it may still
+    /// compute.
     launched_at: Instant,
     last_busy_ns: u64,
     /// Host time of the last top-up (admissions and the plan built again).
@@ -216,8 +222,8 @@ impl Pipeline {
         if self.pace.last_busy_ns == 0 {
             return Some(UNTIMED_WAIT);
         }
-        let left = u128::from(self.pace.last_busy_ns)
-            .saturating_sub(self.pace.launched_at.elapsed().as_nanos());
+        let expected = (self.pace.last_busy_ns as f64 * WINDOW_SHARE) as u128;
+        let left = expected.saturating_sub(self.pace.launched_at.elapsed().as_nanos());
         let margin = 2 * u128::from(self.pace.top_up_cost_ns) + WAKE_MARGIN.as_nanos();
         (left > margin).then(|| Duration::from_nanos((left - margin) as u64))
     }
@@ -410,7 +416,7 @@ impl<E: StepExecutor> Engine<E> {
         r?;
         self.stats.prompt_tokens_computed += step.built.prompt_tokens;
         self.sched.launched(&step.work);
-        self.pipeline.pace.launched_at = step.clock.launched;
+        self.pipeline.pace.launched_at = step.clock.built;
         Ok(())
     }
 
@@ -505,7 +511,7 @@ impl<E: StepExecutor> Engine<E> {
         self.timings.launch_ns += ns;
         self.timings.execute_ns += ns;
         r?;
-        self.pipeline.pace.launched_at = next.clock.launched;
+        self.pipeline.pace.launched_at = t;
         self.stats.prompt_tokens_computed += next.built.prompt_tokens;
         self.sched.launched(&next.work);
         Ok(ns)
