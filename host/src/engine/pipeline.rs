@@ -139,8 +139,9 @@ struct Pace {
     /// When the last step that ran a batch finished its update.
     last_step_end: Option<Instant>,
     /// When the launch of the launched step began (its device work may start as soon as the
-    /// launch enqueues it), and the device time of the step before it: how long it may still
-    /// compute.
+    /// launch enqueues it), and the device time of the last step that computed no prompt
+    /// tokens: how long it computes at least (a step with prompt chunks takes longer, and
+    /// the step before a decode may have been one).
     launched_at: Instant,
     last_busy_ns: u64,
     /// Host time of the last top-up (admissions and the plan built again).
@@ -202,13 +203,22 @@ impl Pipeline {
         self.pace.back_to_back = false;
     }
 
-    /// Counts the device's time of the step whose output just came in.
-    fn note_device(&mut self, time: Option<DeviceStepTime>, timings: &mut StepTimings) {
+    /// Counts the device's time of the step whose output just came in (`decode_only`: it
+    /// computed no prompt tokens).
+    fn note_device(
+        &mut self,
+        time: Option<DeviceStepTime>,
+        decode_only: bool,
+        timings: &mut StepTimings,
+    ) {
         let Some(t) = time else {
             return;
         };
-        self.pace.last_busy_ns = (t.busy_s * 1e9) as u64;
-        timings.device_busy_ns += self.pace.last_busy_ns;
+        let busy = (t.busy_s * 1e9) as u64;
+        if decode_only {
+            self.pace.last_busy_ns = busy;
+        }
+        timings.device_busy_ns += busy;
         if self.pace.back_to_back {
             timings.device_idle_ns += (t.idle_before_s * 1e9) as u64;
             timings.device_gaps += 1;
@@ -328,7 +338,8 @@ impl<E: StepExecutor> Engine<E> {
         step.clock.output_in = t3;
         self.timings.execute_ns += (t3 - step.clock.waiting).as_nanos() as u64;
         let time = self.executor.take_device_time();
-        self.pipeline.note_device(time, &mut self.timings);
+        let decode_only = step.built.prompt_tokens == 0;
+        self.pipeline.note_device(time, decode_only, &mut self.timings);
         self.pipeline.pace.back_to_back = result.is_ok();
         if let Err(e) = result.and_then(|()| self.sample(&mut step)) {
             self.pipeline.pace.back_to_back = false;
