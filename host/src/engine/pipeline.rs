@@ -339,7 +339,8 @@ impl<E: StepExecutor> Engine<E> {
         self.timings.execute_ns += (t3 - step.clock.waiting).as_nanos() as u64;
         let time = self.executor.take_device_time();
         let decode_only = step.built.prompt_tokens == 0;
-        self.pipeline.note_device(time, decode_only, &mut self.timings);
+        self.pipeline
+            .note_device(time, decode_only, &mut self.timings);
         self.pipeline.pace.back_to_back = result.is_ok();
         if let Err(e) = result.and_then(|()| self.sample(&mut step)) {
             self.pipeline.pace.back_to_back = false;
