@@ -336,9 +336,54 @@ struct Entry {
     events: Vec<EngineEvent>,
 }
 
+/// The pass's open requests and its registrations. However the thread ends (the engine's
+/// stream closed, or a panic), every request still waiting for output gets an error at once
+/// instead of waiting for ever.
+struct Stopping {
+    open: HashMap<u64, Entry>,
+    registered: Receiver<Registration>,
+}
+
+impl Drop for Stopping {
+    fn drop(&mut self) {
+        for reg in self.registered.try_iter() {
+            if let Registration::Open { id, state, slot } = reg {
+                let events = Vec::new();
+                self.open.insert(
+                    id,
+                    Entry {
+                        state,
+                        slot,
+                        events,
+                    },
+                );
+            }
+        }
+        if self.open.is_empty() {
+            return;
+        }
+        tracing::error!(
+            requests = self.open.len(),
+            panicking = std::thread::panicking(),
+            "the output pass stopped with requests open; they fail"
+        );
+        for (_, entry) in self.open.drain() {
+            entry.slot.put(Processed {
+                error: Some("the output pass stopped before the request finished".into()),
+                ..Processed::default()
+            });
+        }
+    }
+}
+
 /// The pass's thread: one batch (one engine step) at a time, each request of it once.
 fn run(batches: Receiver<EventBatch>, registered: Receiver<Registration>) {
-    let mut open: HashMap<u64, Entry> = HashMap::new();
+    let mut pass = Stopping {
+        open: HashMap::new(),
+        registered,
+    };
+    let open = &mut pass.open;
+    let registered = &pass.registered;
     let mut touched: Vec<u64> = Vec::new();
     for batch in batches {
         // Registrations precede their requests' events: those of this batch are in.
@@ -457,5 +502,25 @@ mod tests {
         assert_eq!(b.token_ids, vec![7]);
         assert!(b.finished.is_none());
         assert_eq!(a.text, codec.decode(&[5, 6], false).unwrap());
+    }
+
+    /// A pass that stops with a request still open (its engine stream gone) fails that
+    /// request at once rather than leaving its reader waiting.
+    #[test]
+    fn a_stopped_pass_fails_its_open_requests() {
+        let codec = Arc::new(TextCodec::embedded().unwrap());
+        let pass = OutputPass::spawn(0).unwrap();
+        let state = OutputState::new(codec, &[], Vec::new(), HashSet::new(), false);
+        let slot = pass.register(7, state).unwrap();
+        drop(pass);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        let got = rt.block_on(async {
+            tokio::time::timeout(std::time::Duration::from_secs(10), slot.take()).await
+        });
+        let got = got.expect("the open request heard of the stop");
+        assert!(got.error.is_some_and(|e| e.contains("output pass stopped")));
     }
 }
