@@ -724,6 +724,24 @@ SPECS_GFH = [
         covers="Falcon-H1: gated RMSNorm with the gate first, per group of n_groups 2, "
         "rope_theta 500, 2 shards",
     ),
+    dict(
+        name="falconh1-d",
+        seed_index=105,
+        cls=FalconH1ForCausalLM,
+        cfg=FalconH1Config,
+        kwargs=dict(
+            FALCON_H1_BASE,
+            num_hidden_layers=2,
+            mamba_n_groups=2,
+            mamba_rms_norm=True,
+            mamba_norm_before_gate=True,
+            tie_word_embeddings=False,
+        ),
+        dtype="float32",
+        shards=1,
+        covers="Falcon-H1: gated RMSNorm with the norm before the gate, per group of n_groups 2 "
+        "(each group normalised with its own slice of the weight, then silu(z))",
+    ),
 ]
 SPECS += SPECS_GFH
 # ---- end gfh ---------------------------------------------------------------------------------

@@ -68,9 +68,9 @@ pub fn rope_paged_attention<B: LayerOps>(
     b.paged_attention(&q, &k, v, cache, shape, step)
 }
 
-/// [`LayerOps::mamba2_mix`] on copied column ranges: [`LayerOps::split_cols`],
-/// [`LayerOps::causal_conv1d`] on `x | B | C`, [`LayerOps::ssm_scan`] on the result and `dt`,
-/// then the output norm with `z` ([`SsmOutNorm`]).
+/// [`LayerOps::mamba2_mix`] on copied column ranges: [`mamba2_scan`], then the output norm
+/// with `z` ([`SsmOutNorm`]; a norm before the gate over one group: a backend with several
+/// groups normalises each with its own slice of the weight itself).
 pub fn mamba2_mix<B: LayerOps>(
     b: &B,
     zxbcdt: &B::Tensor,
@@ -81,6 +81,36 @@ pub fn mamba2_mix<B: LayerOps>(
 ) -> Result<B::Tensor> {
     let sh = m.shape;
     let d_inner = sh.d_inner();
+    let (z, y) = mamba2_scan(b, zxbcdt, m, pools, layer, step)?;
+    match m.norm {
+        SsmOutNorm::GateThenNorm(w) => {
+            b.gated_rms_norm(&y, &z, w, d_inner / sh.groups.max(1), m.eps)
+        }
+        SsmOutNorm::NormThenGate(w) if sh.groups <= 1 => {
+            let y = b.rms_norm(&y, w, m.eps)?;
+            b.gated_activation(&z, &y, Activation::Silu)
+        }
+        SsmOutNorm::NormThenGate(_) => Err(crate::backend::BackendError::Invalid(format!(
+            "mamba2_mix: the composed form normalises before the gate over one group, not {}",
+            sh.groups
+        ))),
+        SsmOutNorm::GateOnly => b.gated_activation(&z, &y, Activation::Silu),
+    }
+}
+
+/// The part of [`LayerOps::mamba2_mix`] before the output norm: [`LayerOps::split_cols`],
+/// [`LayerOps::causal_conv1d`] on `x | B | C`, [`LayerOps::ssm_scan`] on the result and `dt`.
+/// Returns the gate `z` and the scan output `y`.
+pub fn mamba2_scan<B: LayerOps>(
+    b: &B,
+    zxbcdt: &B::Tensor,
+    m: &Mamba2Mix<'_, B::Tensor>,
+    pools: &mut SsmPools<B::Tensor>,
+    layer: usize,
+    step: &B::Step,
+) -> Result<(B::Tensor, B::Tensor)> {
+    let sh = m.shape;
+    let d_inner = sh.d_inner();
     let bc = sh.groups * sh.state_size;
     let [z, xbc, dt] = b.split_cols(zxbcdt, [d_inner, m.conv_dim(), sh.heads])?;
     let xbc = b.causal_conv1d(&xbc, m.conv_w, m.conv_b, pools, layer, step)?;
@@ -88,14 +118,5 @@ pub fn mamba2_mix<B: LayerOps>(
     let y = b.ssm_scan(
         &xs, &bm, &cm, &dt, m.a_log, m.d, m.dt_bias, sh, pools, layer, step,
     )?;
-    match m.norm {
-        SsmOutNorm::GateThenNorm(w) => {
-            b.gated_rms_norm(&y, &z, w, d_inner / sh.groups.max(1), m.eps)
-        }
-        SsmOutNorm::NormThenGate(w) => {
-            let y = b.rms_norm(&y, w, m.eps)?;
-            b.gated_activation(&z, &y, Activation::Silu)
-        }
-        SsmOutNorm::GateOnly => b.gated_activation(&z, &y, Activation::Silu),
-    }
+    Ok((z, y))
 }

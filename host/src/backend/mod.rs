@@ -242,7 +242,7 @@ pub enum SsmOutNorm<T> {
     /// `norm(y · silu(z))`: Mamba2, NemotronH, Bamba, Granite; Falcon-H1 with
     /// `mamba_norm_before_gate = false`.
     GateThenNorm(T),
-    /// `norm(y) · silu(z)` (one group only): Falcon-H1 with `mamba_rms_norm` and
+    /// `norm(y) · silu(z)`, the norm per group: Falcon-H1 with `mamba_rms_norm` and
     /// `mamba_norm_before_gate`.
     NormThenGate(T),
     /// `y · silu(z)`, no norm: Falcon-H1 with `mamba_rms_norm = false`.

@@ -41,7 +41,7 @@ use std::sync::atomic::AtomicU64;
 use super::{
     Activation, ArenaStats, AttnShape, Backend, BackendError, DType, DeviceStepTime, GdnShape,
     GraphBucket, HostTensor, KvLayer, LayerOps, Mamba2Mix, MoeRouting, Result, Rope, SampleOut,
-    SsmPools, SsmShape, StackedExperts, StepBackend, StepPlan, composed,
+    SsmOutNorm, SsmPools, SsmShape, StackedExperts, StepBackend, StepPlan, composed,
 };
 
 /// The CPU backend: stateless kernels plus the arena its temporaries come from. Clones share
@@ -280,7 +280,15 @@ impl LayerOps for CpuBackend {
         layer: usize,
         step: &CpuStep,
     ) -> Result<CpuTensor> {
-        composed::mamba2_mix(self, zxbcdt, m, pools, layer, step)
+        match m.norm {
+            SsmOutNorm::NormThenGate(w) if m.shape.groups > 1 => {
+                let (z, y) = composed::mamba2_scan(self, zxbcdt, m, pools, layer, step)?;
+                let group = m.shape.d_inner() / m.shape.groups;
+                let y = self.rms_norm_groups(&y, w, group, m.eps)?;
+                self.act_mul(&z, &y, Activation::Silu)
+            }
+            _ => composed::mamba2_mix(self, zxbcdt, m, pools, layer, step),
+        }
     }
     fn head_rms_norm(
         &self,

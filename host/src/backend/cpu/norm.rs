@@ -22,15 +22,36 @@ impl CpuBackend {
                 expected: vec![cols],
             });
         }
+        self.rms_norm_groups(x, w, cols, eps)
+    }
+
+    /// RMS norm of every `group`-wide slice of each row, times its own slice of `w [cols]`
+    /// (Falcon-H1's Mamba2 output norm before the gate, per group; `group = cols`: a row norm).
+    pub(super) fn rms_norm_groups(
+        &self,
+        x: &CpuTensor,
+        w: &CpuTensor,
+        group: usize,
+        eps: f32,
+    ) -> Result<CpuTensor> {
+        let (_, cols) = x.rows_cols();
+        if w.data.len() != cols || group == 0 || cols % group != 0 {
+            return Err(BackendError::Invalid(format!(
+                "rms_norm: width {cols}, weight {:?}, group {group}",
+                w.shape
+            )));
+        }
         let mut out = self.tmp(&x.shape);
         out.data.copy_from_slice(&x.data);
         out.data
-            .par_chunks_mut(cols.max(1))
-            .with_min_len(min_rows(cols))
-            .for_each(|row| {
-                let ms = row.iter().map(|v| v * v).sum::<f32>() / cols as f32;
+            .par_chunks_mut(group)
+            .with_min_len(min_rows(group))
+            .enumerate()
+            .for_each(|(i, seg)| {
+                let ms = seg.iter().map(|v| v * v).sum::<f32>() / group as f32;
                 let inv = 1.0 / (ms + eps).sqrt();
-                for (v, wv) in row.iter_mut().zip(&w.data) {
+                let base = (i * group) % cols;
+                for (v, wv) in seg.iter_mut().zip(&w.data[base..base + group]) {
                     *v = wv * (*v * inv);
                 }
             });

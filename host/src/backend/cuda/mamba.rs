@@ -247,7 +247,6 @@ impl CudaBackend {
             || !w_ok
             || group == 0
             || cols % group != 0
-            || (mode == GateNorm::NormThenGate && group != cols)
         {
             return Err(BackendError::Invalid(format!(
                 "gated_rms_norm: x {x:?}, gate {gate:?}, weight {:?}, group {group}, {mode:?}",
@@ -332,9 +331,14 @@ impl CudaBackend {
                 m.eps,
                 GateNorm::GateThenNorm,
             ),
-            SsmOutNorm::NormThenGate(w) => {
-                self.gate_norm_cols(y, z, Some(w), d_inner, m.eps, GateNorm::NormThenGate)
-            }
+            SsmOutNorm::NormThenGate(w) => self.gate_norm_cols(
+                y,
+                z,
+                Some(w),
+                d_inner / sh.groups,
+                m.eps,
+                GateNorm::NormThenGate,
+            ),
             SsmOutNorm::GateOnly => {
                 self.gate_norm_cols(y, z, None, d_inner, m.eps, GateNorm::GateOnly)
             }

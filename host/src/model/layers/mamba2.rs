@@ -71,12 +71,6 @@ impl<B: LayerOps> Mamba2Mixer<B> {
         norm: OutNormKind,
     ) -> Result<Self, ModelError> {
         let sh = s.shape;
-        if norm == OutNormKind::NormThenGate && sh.groups != 1 {
-            return Err(ModelError::Unsupported(format!(
-                "Mamba2 output norm before the gate with {} groups (only 1)",
-                sh.groups
-            )));
-        }
         if sh.groups == 0 || !sh.heads.is_multiple_of(sh.groups) || s.conv_kernel < 2 {
             return Err(ModelError::Unsupported(format!(
                 "Mamba2 with {} heads, {} groups, conv kernel {}",
