@@ -339,6 +339,16 @@ __device__ void act_mul(T* out, const T* gate, const T* up, u64 n, u32 act) {
     GRID_STRIDE(i, n) store(out, i, apply_act(load(gate, i), act) * load(up, i));
 }
 
+// x[r, c] *= sigmoid(gate[r, c]) (gate_cols == cols) or sigmoid(gate[r, 0]) (gate_cols == 1).
+template <typename T>
+__device__ void sigmoid_gate(T* x, const T* gate, u64 n, u32 cols, u32 gate_cols) {
+    GRID_STRIDE(i, n) {
+        const u64 r = i / cols, c = i % cols;
+        const float g = load(gate, (i64)(r * gate_cols + (gate_cols == 1 ? 0 : c)));
+        store(x, i, load(x, i) * (1.0f / (1.0f + expf(-g))));
+    }
+}
+
 template <typename T>
 __device__ void add_assign(T* x, const T* y, u64 n) {
     GRID_STRIDE(i, n) store(x, i, load(x, i) + load(y, i));
@@ -493,6 +503,45 @@ __device__ void moe_route(u32* ids, float* weights, float* choice, const T* logi
     for (u32 j = 0; j < top_k; ++j) out_w[j] *= scaling;
 }
 
+// Softmax routing (Granite 4.0, Qwen MoE), one thread a token, as the CPU's
+// moe_route_softmax: the top_k largest logits (ties to the lower id), best first; weights
+// softmax(logits) at the picked experts (the sum over every expert in id order), renormalised
+// over the picked ones when `norm`, times `scaling`.
+template <typename T>
+__device__ void moe_route_softmax(u32* ids, float* weights, const T* logits, u32 tokens,
+                                  u32 experts, u32 top_k, u32 norm, float scaling) {
+    u32 t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= tokens) return;
+    const T* row = logits + (i64)t * experts;
+    u32* out_ids = ids + (i64)t * top_k;
+    float* out_w = weights + (i64)t * top_k;
+    for (u32 j = 0; j < top_k; ++j) {
+        int best = -1;
+        float best_v = 0.0f;
+        for (u32 e = 0; e < experts; ++e) {
+            bool taken = false;
+            for (u32 q = 0; q < j; ++q) taken |= out_ids[q] == e;
+            if (taken) continue;
+            const float v = load(row, e);
+            if (best < 0 || v > best_v) { best = (int)e; best_v = v; }
+        }
+        out_ids[j] = (u32)best;
+    }
+    const float mx = load(row, out_ids[0]);
+    float z = 0.0f;
+    for (u32 e = 0; e < experts; ++e) z += expf(load(row, e) - mx);
+    float sum = 0.0f;
+    for (u32 j = 0; j < top_k; ++j) {
+        out_w[j] = expf(load(row, out_ids[j]) - mx) / z;
+        sum += out_w[j];
+    }
+    if (norm) {
+        sum += 1e-20f;
+        for (u32 j = 0; j < top_k; ++j) out_w[j] = out_w[j] / sum;
+    }
+    for (u32 j = 0; j < top_k; ++j) out_w[j] *= scaling;
+}
+
 // out[rows[i], :] += w[i] * y[i, :] for the `n` rows of one expert (distinct tokens: no race).
 template <typename T>
 __device__ void moe_scatter_add(T* out, const T* y, const u32* rows, const float* w, u32 n,
@@ -604,6 +653,15 @@ extern "C" __global__ void cast_f16_to_f32(float* out, const u16* in, u64 n) { C
     extern "C" __global__ void activate_##S(T* x, u64 n, u32 act) { CHIMERA_PDL_ENTRY(); activate(x, n, act); }         \
     extern "C" __global__ void act_mul_##S(T* out, const T* gate, const T* up, u64 n, u32 act) { CHIMERA_PDL_ENTRY();   \
         act_mul(out, gate, up, n, act);                                                             \
+    }                                                                                               \
+    extern "C" __global__ void sigmoid_gate_##S(T* x, const T* gate, u64 n, u32 cols,             \
+                                                u32 gate_cols) { CHIMERA_PDL_ENTRY();               \
+        sigmoid_gate(x, gate, n, cols, gate_cols);                                                  \
+    }                                                                                               \
+    extern "C" __global__ void moe_route_softmax_##S(u32* ids, float* weights, const T* logits,     \
+                                                     u32 tokens, u32 experts, u32 top_k, u32 norm,  \
+                                                     float scaling) { CHIMERA_PDL_ENTRY();          \
+        moe_route_softmax(ids, weights, logits, tokens, experts, top_k, norm, scaling);             \
     }                                                                                               \
     extern "C" __global__ void add_assign_##S(T* x, const T* y, u64 n) { CHIMERA_PDL_ENTRY(); add_assign(x, y, n); }    \
     extern "C" __global__ void scale_assign_##S(T* x, u64 n, float s) { CHIMERA_PDL_ENTRY(); scale_assign(x, n, s); }   \

@@ -149,6 +149,12 @@ pub fn sources() -> &'static [Source] {
             sm90a_only: false,
         },
         Source {
+            name: "ssm/gdn.cu",
+            code: include_str!("ssm/gdn.cu"),
+            entries: ssm::gdn::ENTRIES,
+            sm90a_only: false,
+        },
+        Source {
             name: "moe.cu",
             code: include_str!("moe.cu"),
             entries: moe::ENTRIES,
@@ -300,6 +306,8 @@ pub mod dense {
     const ACT: &[Param] = &[Ptr, U64, U32];
     const ACT_MUL: &[Param] = &[Ptr, Ptr, Ptr, U64, U32];
     const BINARY: &[Param] = &[Ptr, Ptr, U64];
+    const SIGMOID_GATE: &[Param] = &[Ptr, Ptr, U64, U32, U32];
+    const MOE_ROUTE_SOFTMAX: &[Param] = &[Ptr, Ptr, Ptr, U32, U32, U32, U32, F32];
     const SCALE: &[Param] = &[Ptr, U64, F32];
     const GATHER: &[Param] = &[Ptr, Ptr, Ptr, U32, U32, U32];
     const KV_WRITE: &[Param] = &[Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U64];
@@ -327,6 +335,10 @@ pub mod dense {
         e("activate_bf16", ACT),
         e("act_mul_f32", ACT_MUL),
         e("act_mul_bf16", ACT_MUL),
+        e("sigmoid_gate_f32", SIGMOID_GATE),
+        e("sigmoid_gate_bf16", SIGMOID_GATE),
+        e("moe_route_softmax_f32", MOE_ROUTE_SOFTMAX),
+        e("moe_route_softmax_bf16", MOE_ROUTE_SOFTMAX),
         e("add_assign_f32", BINARY),
         e("add_assign_bf16", BINARY),
         e("scale_assign_f32", SCALE),

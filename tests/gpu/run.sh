@@ -3,7 +3,7 @@
 # .gpu/chimera.xz and .gpu/chimera-gpu-check.xz (tests/gpu/prepare.sh makes them on a machine
 # without a GPU; they are unpacked here when the .xz is newer than the binary or it is missing):
 #
-#   tests/gpu/run.sh kernels|hybrid|parity|graphs|bench|bench-kernels|bench-mixed|moe|serve|all
+#   tests/gpu/run.sh kernels|hybrid|parity|archs|graphs|bench|bench-kernels|bench-archs|bench-mixed|moe|serve|all
 #   tests/gpu/run.sh attention|model|fixtures   (subsets of kernels and parity/hybrid, for planted faults)
 #   tests/gpu/run.sh serving-caching|serving-idle|serving-prefill|serving-routing   (QUICK=1: small)
 #
@@ -91,7 +91,7 @@ serve_suite() {
 }
 
 case $suite in
-  kernels|hybrid|parity|graphs|bench|bench-kernels|bench-mixed|moe|attention|model|fixtures) run_check "$suite" ;;
+  kernels|hybrid|parity|archs|graphs|bench|bench-kernels|bench-archs|bench-mixed|moe|attention|model|fixtures) run_check "$suite" ;;
   # chimera serve + chimera bench with NemotronH-8B-shaped dummy weights (tests/gpu/serving.py;
   # QUICK=1 for a small workload); serving-routing needs two GPUs.
   serving-caching|serving-idle|serving-prefill|serving-routing)
@@ -101,12 +101,16 @@ case $suite in
   all) run_check kernels; run_check hybrid; run_check parity; run_check graphs; run_check bench; serve_suite ;;
   *) echo "unknown suite $suite" >&2; exit 2 ;;
 esac
-if [ "$suite" = parity ] || [ "$suite" = hybrid ] || [ "$suite" = fixtures ] || [ "$suite" = all ]; then
+if [ "$suite" = parity ] || [ "$suite" = hybrid ] || [ "$suite" = archs ] || [ "$suite" = fixtures ] || [ "$suite" = all ]; then
   timeout 300 python3 tests/gpu/hf_bf16.py --fixtures tests/fixtures/models --dump "$out/logits" \
     --json "$out/hf_bf16.json" || status=1
 fi
 if [ "$suite" = bench ] || [ "$suite" = all ]; then
   timeout 120 python3 tests/gpu/peers.py --json "$out/peers.json" || status=1
+fi
+if [ "$suite" = bench-archs ] || [ "$suite" = all ]; then
+  # fla's chunked gated delta rule from the wheels in .gpu/whl (carried; no internet there).
+  timeout 300 python3 tests/gpu/peer_gdn.py --json "$out/peer_gdn.json" || status=1
 fi
 python3 tests/gpu/table.py "$out"/*.json || status=1
 exit $status

@@ -418,6 +418,7 @@ fn decode(
     // Each sequence's recurrent state is read and written once per step (f32 state).
     let state_bytes = 2.0 * spec.ssm_slot_bytes() as f64;
     let weight_bytes = weights_read_per_step(&m, gpu, weights_total) as f64;
+    let experts = ExpertBytes::of(dir, gpu.dtype().size())?;
     let per_seq = CONTEXT.div_ceil(BLOCK) + 1;
     let max_batch = 256;
     let slots = if spec.is_hybrid() { max_batch } else { 1 };
@@ -435,6 +436,7 @@ fn decode(
         }
         plan.finish()?;
         plain_sampling(&mut plan, batch);
+        let weight_bytes = weight_bytes - experts.unread(batch);
         let floor_ms =
             (weight_bytes + (batch * CONTEXT) as f64 * kv_token_bytes + batch as f64 * state_bytes)
                 / bw
@@ -669,4 +671,83 @@ fn weights_read_per_step(m: &Model<CudaBackend>, gpu: &CudaBackend, total: usize
     let embed: usize = gpu.shape(&m.embed).iter().product::<usize>() * gpu.dtype().size();
     let tied_head = if m.lm_head.is_none() { embed } else { 0 };
     total - embed + tied_head
+}
+
+/// The routed experts of a MoE model, for the decode floor: a step reads only the experts its
+/// tokens pick. With `k` of `E` experts a token and routing spread evenly, `B` tokens touch
+/// `E·(1 − (1 − k/E)^B)` distinct experts a layer, the expectation the floor counts.
+struct ExpertBytes {
+    /// Bytes of every routed expert of every layer (gate, up and down).
+    total: f64,
+    experts: f64,
+    top_k: f64,
+}
+
+impl ExpertBytes {
+    fn of(dir: &std::path::Path, elem: usize) -> anyhow::Result<Self> {
+        let text = std::fs::read_to_string(dir.join("config.json"))?;
+        let c: serde_json::Value = serde_json::from_str(&text)?;
+        let c = c.get("text_config").unwrap_or(&c);
+        let n = |k: &str| c[k].as_u64().unwrap_or(0) as f64;
+        let experts = n("num_experts")
+            .max(n("num_local_experts"))
+            .max(n("n_routed_experts"));
+        let inter = n("moe_intermediate_size");
+        let total = if experts > 0.0 && inter > 0.0 {
+            n("num_hidden_layers") * experts * 3.0 * n("hidden_size") * inter * elem as f64
+        } else {
+            0.0
+        };
+        Ok(Self {
+            total,
+            experts,
+            top_k: n("num_experts_per_tok"),
+        })
+    }
+
+    /// Expert bytes a step of `batch` single-token rows does not read.
+    fn unread(&self, batch: usize) -> f64 {
+        if self.total == 0.0 {
+            return 0.0;
+        }
+        let touched = 1.0 - (1.0 - self.top_k / self.experts).powi(batch as i32);
+        self.total * (1.0 - touched)
+    }
+}
+
+/// The `bench-archs` suite (bf16 serving mode): the copy bandwidth, the delta rule's timings
+/// (`super::gdn::bench`), then eager and graph decode of every `--arch-models` config (dummy
+/// weights) at batch 1, 64 and 256, context 2048, against the memory floor (weights read, the
+/// routed experts a step touches, KV, and the recurrent state read and written, over the
+/// copy bandwidth measured here).
+pub fn archs(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) {
+    let bw = match gpu.copy_bandwidth(2 << 30) {
+        Ok(bw) => {
+            report.push(
+                SUITE,
+                "device-to-device copy bandwidth (read + write)",
+                bw,
+                format!("{:.2} TB/s", bw / 1e12),
+                "measured".into(),
+                true,
+            );
+            bw
+        }
+        Err(e) => {
+            report.failed(SUITE, "copy bandwidth", e);
+            return;
+        }
+    };
+    if let Err(e) = super::gdn::bench(report, SUITE, gpu, bw) {
+        report.failed(SUITE, "gated delta rule timings", format!("{e:#}"));
+    }
+    for dir in &args.arch_models {
+        if let Err(e) = decode(report, gpu, dir, bw, args.steps.min(200)) {
+            report.failed(
+                SUITE,
+                format!("dummy {} decode", dir.display()),
+                format!("{e:#}"),
+            );
+        }
+    }
 }

@@ -150,9 +150,9 @@ pub fn run(
             Err(e) => report.failed(SUITE, label, format!("{e:#}")),
         }
     }
-    // The hybrid fixtures end to end, as the Llama ones in `parity`: the Mamba2 hybrids the
-    // CUDA backend serves; the wave-2 architectures (Granite 4.0, Falcon-H1, the Gated DeltaNet
-    // models) are not checked on the GPU yet.
+    // The hybrid fixtures end to end, as the Llama ones in `parity`: the Mamba2 hybrids (the
+    // wave-2 architectures, Granite 4.0, Falcon-H1 and the Gated DeltaNet models, run in the
+    // `archs` suite).
     super::parity::run_fixtures(
         report,
         f32_gpu,

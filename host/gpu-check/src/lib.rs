@@ -17,6 +17,7 @@
 
 mod bench;
 mod bench_mixed;
+mod gdn;
 mod gemv;
 mod graphs;
 mod hybrid;
@@ -39,9 +40,10 @@ use chimera::backend::cuda::{CudaBackend, CudaOptions};
 #[derive(Debug, clap::Args)]
 pub struct GpuCheckArgs {
     /// kernels, attention (the attention rows of kernels), hybrid, parity, model (the d = 128
-    /// Llama-shaped model of parity), fixtures (every fixture parity and hybrid run, end to end,
-    /// with the bf16 logits dumped), graphs, bench, moe (the MoE rows of hybrid and bench) or
-    /// all.
+    /// Llama-shaped model of parity), archs (the Gated DeltaNet rows and the Granite 4.0,
+    /// Falcon-H1 and Gated DeltaNet fixtures end to end), fixtures (every fixture end to end,
+    /// with the bf16 logits dumped), graphs, bench, bench-archs (the delta rule's timings and
+    /// the Qwen3.5 decodes), moe (the MoE rows of hybrid and bench) or all.
     #[arg(long, default_value = "all")]
     pub suite: String,
     /// The committed model fixtures (`tests/fixtures/models`).
@@ -60,6 +62,14 @@ pub struct GpuCheckArgs {
     /// weights).
     #[arg(long, default_value = "tests/gpu/configs/nemotron-h-8b")]
     pub hybrid_model: PathBuf,
+    /// `config.json` folders of the full-size models the bench-archs suite decodes (dummy
+    /// weights).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "tests/gpu/configs/qwen3.5-27b,tests/gpu/configs/qwen3.5-35b-a3b"
+    )]
+    pub arch_models: Vec<PathBuf>,
     /// CUDA device.
     #[arg(long, default_value_t = 0)]
     pub device: usize,
@@ -306,6 +316,25 @@ pub fn run(args: &GpuCheckArgs) -> anyhow::Result<Report> {
         ran = true;
         model_d128::run(&mut report, &f32_gpu, &bf16_gpu);
     }
+    if all || args.suite == "archs" {
+        // Every architecture beyond Llama and the Mamba2 hybrids: the delta-rule rows, then
+        // the Granite 4.0, Falcon-H1 and Gated DeltaNet fixtures end to end.
+        ran = true;
+        let mut rng = rng::Rng::new(seed ^ 0x6764_6e00);
+        gdn::checks(&mut report, "archs", &f32_gpu, &mut rng);
+        gdn::checks(&mut report, "archs", &bf16_gpu, &mut rng);
+        parity::run_fixtures(
+            &mut report,
+            &f32_gpu,
+            &bf16_gpu,
+            args,
+            &["granite-", "falconh1-", "qwen3next-", "qwen35"],
+        );
+    }
+    if args.suite == "bench-archs" {
+        ran = true;
+        bench::archs(&mut report, &bf16_gpu, args);
+    }
     if args.suite == "fixtures" {
         ran = true;
         parity::run_all_fixtures(&mut report, &f32_gpu, &bf16_gpu, args);
@@ -335,7 +364,7 @@ pub fn run(args: &GpuCheckArgs) -> anyhow::Result<Report> {
     }
     anyhow::ensure!(
         ran,
-        "unknown suite {:?} (kernels, attention, hybrid, parity, model, fixtures, graphs, bench, bench-kernels, bench-mixed, moe, all)",
+        "unknown suite {:?} (kernels, attention, hybrid, parity, model, archs, fixtures, graphs, bench, bench-kernels, bench-archs, bench-mixed, moe, all)",
         args.suite
     );
     if let Some(path) = &args.json {

@@ -137,7 +137,16 @@ pub(super) fn run_all_fixtures(
         f32_gpu,
         bf16_gpu,
         args,
-        &["llama", "mamba2-", "nemotronh-", "bamba-"],
+        &[
+            "llama",
+            "mamba2-",
+            "nemotronh-",
+            "bamba-",
+            "granite-",
+            "falconh1-",
+            "qwen3next-",
+            "qwen35",
+        ],
     );
 }
 

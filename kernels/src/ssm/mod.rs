@@ -73,6 +73,7 @@
 //! This module knows nothing of CUDA: it must not allocate device memory or launch.
 
 pub(crate) mod conv;
+pub(crate) mod gdn;
 mod plan;
 pub(crate) mod slot_ops;
 pub(crate) mod ssd;
@@ -81,6 +82,7 @@ pub(crate) mod state_update;
 use crate::{Entry, Launch, Param};
 
 pub use conv::{ConvDims, MAX_CONV_KERNEL, launches_conv};
+pub use gdn::{GdnDims, MAX_GDN_KEY_DIM, gdn_scratch_lens, launches_gdn};
 pub use plan::{
     FixedCaps, MAX_CHUNK, PAD_SLOT, SlotOp, Snapshot, SsmPlan, SsmStepInputs, WorkCol, ZERO_OP,
     plan,
@@ -89,12 +91,13 @@ pub use slot_ops::{PoolDims, launches_slot_ops};
 pub use ssd::{rec_rows, scratch_bytes, smem_opt_in};
 
 /// The stages' entry tables, in the order of their sources in [`crate::sources`].
-const STAGES: [&[Entry]; 5] = [
+const STAGES: [&[Entry]; 6] = [
     slot_ops::ENTRIES,
     conv::ENTRIES,
     state_update::ENTRIES,
     ssd::STATE_ENTRIES,
     ssd::SCAN_ENTRIES,
+    gdn::ENTRIES,
 ];
 
 const fn e(name: &'static str, params: &'static [Param]) -> Entry {

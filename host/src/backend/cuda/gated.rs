@@ -1,21 +1,97 @@
-//! Gated DeltaNet models (Qwen3-Next, Qwen3.5) run on the CPU backend for now; on CUDA their
-//! three operations fail with [`unsupported_yet`]. What the kernels need: a per-head RMS norm
-//! with a `[head_dim]` weight; a sigmoid gate with row broadcast; and the gated delta rule —
-//! the recurrent step for decode rows (state `[v_heads, k_dim, v_dim]` per slot in
-//! `pools.ssm`, updated in place) and a chunked scan for prompt rows (per chunk: a triangular
-//! solve for the deltas, then outputs and the carried state; snapshot targets cut chunks like
-//! the Mamba2 scan does), reading the step's sequence offsets, slots and snapshot targets.
+//! The gated delta rule of Gated DeltaNet layers (Qwen3-Next, Qwen3.5) on the CUDA backend:
+//! `gdn_prep` (normalised q/k, decays and βs of the step's tokens) then `gdn_scan` (the
+//! recurrence per entry, value head and 32 columns of the state; decodes and prompts in one
+//! launch, snapshots at the plan's chunk ends) from `chimera_kernels::ssm`, over the same
+//! step plan, work columns and state pools as the Mamba2 scan.
 
-use crate::backend::BackendError;
+use chimera_kernels::ssm;
 
-pub(super) const HEAD_RMS_NORM: &str = "head_rms_norm (per-head q/k norms of gated attention)";
-pub(super) const SIGMOID_GATE: &str = "sigmoid_gate (gated attention, shared-expert gate)";
-pub(super) const GATED_DELTA_RULE: &str =
-    "gated_delta_rule (Gated DeltaNet chunked scan and state update)";
+use super::ssm::SsmTensors;
+use super::{CudaBackend, CudaStep, CudaTensor};
+use crate::backend::{BackendError, DType, GdnShape, Result, SsmPools};
 
-/// The error of an operation the CUDA backend does not have yet (the model runs on `cpu`).
-pub(super) fn unsupported_yet(what: &str) -> BackendError {
-    BackendError::Invalid(format!(
-        "{what} is not supported on CUDA yet; run this model with engine.backend = \"cpu\""
-    ))
+/// The operands of one layer's delta rule.
+pub(super) struct GdnOperands<'a> {
+    pub q: &'a CudaTensor,
+    pub k: &'a CudaTensor,
+    pub v: &'a CudaTensor,
+    pub a: &'a CudaTensor,
+    pub b: &'a CudaTensor,
+    pub a_log: &'a CudaTensor,
+    pub dt_bias: &'a CudaTensor,
+}
+
+impl CudaBackend {
+    /// [`crate::backend::LayerOps::gated_delta_rule`]: returns `o [n, v_heads·v_dim]`.
+    pub(super) fn delta_rule_layer(
+        &self,
+        x: &GdnOperands<'_>,
+        shape: GdnShape,
+        pools: &mut SsmPools<CudaTensor>,
+        layer: usize,
+        step: &CudaStep,
+    ) -> Result<CudaTensor> {
+        self.step_ready(step)?;
+        self.check_pools(pools, step, true)?;
+        let n = step.dims.tokens;
+        let dtype = x.q.dtype;
+        let ok = x.q.rows_cols() == (n, shape.key_dim())
+            && x.k.rows_cols() == (n, shape.key_dim())
+            && x.v.rows_cols() == (n, shape.value_dim())
+            && x.a.rows_cols() == (n, shape.v_heads)
+            && x.b.rows_cols() == (n, shape.v_heads)
+            && x.a_log.len() == shape.v_heads
+            && x.dt_bias.len() == shape.v_heads
+            && [x.k, x.v, x.a, x.b, x.a_log, x.dt_bias]
+                .iter()
+                .all(|t| t.dtype == dtype)
+            && layer < pools.layers
+            && pools.ssm.bytes() / pools.slots.max(1) / pools.layers.max(1)
+                == shape.state_elems() * pools.ssm.dtype.size();
+        if !ok {
+            return Err(BackendError::Invalid(format!(
+                "gated_delta_rule: q {:?} k {:?} v {:?} a {:?} b {:?} ({dtype:?}), state pool {:?} \
+                 for {shape:?}, layer {layer} of {}, {n} tokens in the step",
+                x.q.shape,
+                x.k.shape,
+                x.v.shape,
+                x.a.shape,
+                x.b.shape,
+                pools.ssm.shape,
+                pools.layers
+            )));
+        }
+        let out = self.tmp(&[n, shape.value_dim()], dtype)?;
+        let dims = ssm::GdnDims {
+            layer: layer as u32,
+            layers: pools.layers as u32,
+            slots: pools.slots as u32,
+            state_bf16: pools.ssm.dtype == DType::BF16,
+            ..ssm::GdnDims::packed(
+                shape.k_heads as u32,
+                shape.v_heads as u32,
+                shape.k_dim as u32,
+                shape.v_dim as u32,
+            )
+        };
+        let launches = ssm::launches_gdn(&step.ssm, dims, dtype == DType::BF16)
+            .map_err(|e| BackendError::Invalid(format!("gated_delta_rule: {e}")))?;
+        let scratch: Vec<CudaTensor> = ssm::gdn_scratch_lens(&dims, n)
+            .into_iter()
+            .map(|len| self.tmp(&[len.max(1)], DType::F32))
+            .collect::<Result<_>>()?;
+        let t = SsmTensors {
+            x: x.q.ptr,
+            b: x.k.ptr,
+            c: x.v.ptr,
+            dt: x.a.ptr,
+            d: x.b.ptr,
+            a_log: x.a_log.ptr,
+            dt_bias: x.dt_bias.ptr,
+            out: out.ptr,
+            ..SsmTensors::default()
+        };
+        self.run_ssm(launches, step, pools, &t, &scratch)?;
+        Ok(out)
+    }
 }

@@ -541,31 +541,40 @@ impl LayerOps for CudaBackend {
     }
     fn head_rms_norm(
         &self,
-        _: &CudaTensor,
-        _: &CudaTensor,
-        _: usize,
-        _: f32,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        head_dim: usize,
+        eps: f32,
     ) -> Result<CudaTensor> {
-        Err(gated::unsupported_yet(gated::HEAD_RMS_NORM))
+        self.head_rms_norm_rows(x, w, head_dim, eps)
     }
-    fn sigmoid_gate(&self, _x: &mut CudaTensor, _gate: &CudaTensor) -> Result<()> {
-        Err(gated::unsupported_yet(gated::SIGMOID_GATE))
+    fn sigmoid_gate(&self, x: &mut CudaTensor, gate: &CudaTensor) -> Result<()> {
+        self.sigmoid_gate_rows(x, gate)
     }
     fn gated_delta_rule(
         &self,
-        _q: &CudaTensor,
-        _k: &CudaTensor,
-        _v: &CudaTensor,
-        _a: &CudaTensor,
-        _b: &CudaTensor,
-        _a_log: &CudaTensor,
-        _dt_bias: &CudaTensor,
-        _shape: GdnShape,
-        _pools: &mut SsmPools<CudaTensor>,
-        _layer: usize,
-        _step: &CudaStep,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        a: &CudaTensor,
+        b: &CudaTensor,
+        a_log: &CudaTensor,
+        dt_bias: &CudaTensor,
+        shape: GdnShape,
+        pools: &mut SsmPools<CudaTensor>,
+        layer: usize,
+        step: &CudaStep,
     ) -> Result<CudaTensor> {
-        Err(gated::unsupported_yet(gated::GATED_DELTA_RULE))
+        let x = gated::GdnOperands {
+            q,
+            k,
+            v,
+            a,
+            b,
+            a_log,
+            dt_bias,
+        };
+        self.delta_rule_layer(&x, shape, pools, layer, step)
     }
     fn moe(
         &self,

@@ -95,11 +95,8 @@ impl CudaBackend {
     ) -> Result<CudaTensor> {
         let (tokens, n_experts) = router_logits.rows_cols();
         let r = routing;
-        if r.scoring != MoeScoring::Sigmoid {
-            return Err(BackendError::Invalid(format!(
-                "moe_route: {:?} routing is not supported on CUDA yet (only sigmoid)",
-                r.scoring
-            )));
+        if r.scoring == MoeScoring::Softmax {
+            return self.route_softmax_on_device(router_logits, routing);
         }
         let groups_ok = r.n_group > 0
             && r.n_group <= 64
@@ -133,6 +130,42 @@ impl CudaBackend {
                 Arg::U32(n_experts as u32),
                 Arg::U32(r.n_group as u32),
                 Arg::U32(r.topk_group as u32),
+                Arg::U32(r.top_k as u32),
+                Arg::U32(u32::from(r.norm_topk_prob)),
+                Arg::F32(r.scaling),
+            ],
+        )?;
+        Ok(res)
+    }
+
+    /// Softmax routing on the device (the CPU's `moe_route_softmax`): the same `2 × tokens ×
+    /// top_k` words as [`Self::route_on_device`].
+    fn route_softmax_on_device(
+        &self,
+        router_logits: &CudaTensor,
+        r: &MoeRouting<CudaTensor>,
+    ) -> Result<CudaTensor> {
+        let (tokens, n_experts) = router_logits.rows_cols();
+        if r.top_k == 0 || r.top_k > n_experts {
+            return Err(BackendError::Invalid(format!(
+                "moe_route: top-{} of {n_experts} experts",
+                r.top_k
+            )));
+        }
+        let n = tokens * r.top_k;
+        let res = self.tmp(&[2 * n.max(1)], DType::F32)?;
+        self.launch_geo(
+            "moe_route_softmax",
+            router_logits.dtype,
+            ((tokens as u32).div_ceil(128).max(1), 1, 1),
+            (128, 1, 1),
+            0,
+            &[
+                Arg::Ptr(res.ptr),
+                Arg::Ptr(res.ptr + 4 * n as u64),
+                Arg::Ptr(router_logits.ptr),
+                Arg::U32(tokens as u32),
+                Arg::U32(n_experts as u32),
                 Arg::U32(r.top_k as u32),
                 Arg::U32(u32::from(r.norm_topk_prob)),
                 Arg::F32(r.scaling),

@@ -193,6 +193,11 @@ pub(super) fn build_stack<B: LayerOps>(
         });
     }
     let sh = gdn.shape;
+    if n_gdn > 0 {
+        // The step plan cuts prompts into chunks of this many tokens (and at every snapshot
+        // offset) for the delta rule, as it does for a Mamba2 scan.
+        l.backend.set_ssm_chunk_size(GDN_CHUNK);
+    }
     Assembly {
         arch: c.architecture()?,
         vocab,

@@ -224,8 +224,8 @@ fn the_entry_table_is_the_ssm_sources_tables() {
     assert_eq!(table, sources);
     assert_eq!(
         table.len(),
-        26,
-        "2 slot ops, 4 conv, 4 decode, 10 SSD state, 6 SSD scan"
+        44,
+        "2 slot ops, 4 conv, 4 decode, 10 SSD state, 6 SSD scan, 2 GDN prep, 16 GDN scan"
     );
 }
 

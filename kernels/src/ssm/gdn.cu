@@ -1,0 +1,263 @@
+// The gated delta rule of Gated DeltaNet layers (Qwen3-Next, Qwen3.5) over the SSM plan's
+// entries (the planner: gdn.rs; columns and layouts: ssm.cuh). Per value head h (key head
+// kh = h / (v_heads / k_heads)) the state is S [dk, dv]; each token t, with q and k
+// L2-normalised (q also scaled by dk^-1/2), decay g = −exp(A_log)·softplus(a + dt_bias) and
+// β = sigmoid(b):
+//     S ← exp(g)·S;  δ = β(v − Sᵀk);  S ← S + k δᵀ;  o = Sᵀq.
+// Written as one pass over the state: with sk = S_oldᵀk and sq = S_oldᵀq,
+//     δ = β(v − e^g sk),  o = e^g sq + δ (k·q),  S ← e^g S_old + k δᵀ.
+//
+// - gdn_prep: per token, the normalised q and k (f32), k·q per key head, g and β per value
+//   head, into scratch (every value head of a key head reads them).
+// - gdn_scan: CTA (entry, value head, 32 columns of v), one warp per 8 columns; lane l holds
+//   rows l, l + 32, … of those columns of S in registers and walks the entry's tokens in
+//   order (decodes: their one token), the two column sums of a token reduced across the
+//   warp; at each chunk end that carries snapshots (and after a decode's token) the state
+//   goes to the snapshot slots, and at the end to the live slot. A padding entry (live
+//   slot ≥ slots) writes zero outputs and touches no state.
+//
+// The state pool is f32 or bf16 (rounded once per step and at each snapshot); every sum is
+// f32. This is the recurrent form for prompts too: exact against the CPU's chunked form up to
+// rounding, bound by the per-token chain of the recurrence rather than by memory for long
+// prompts (the chunked tensor-core form is the next step); decode reads and writes the state
+// once.
+#include "ssm.cuh"
+
+namespace ssm {
+
+constexpr int GDN_THREADS = 128;  // gdn.rs: GDN_THREADS
+constexpr int GDN_COLS = 8;       // columns of v one warp holds (gdn.rs: GDN_COLS)
+
+template <typename T>
+__device__ void gdn_prep(const T* q, const T* k, const T* a, const T* b, const T* a_log,
+                         const T* dt_bias, float* qn, float* kn, float* qk, float* g,
+                         float* beta, u32 k_heads, u32 dk, u32 v_heads, u32 q_ld, u32 ab_ld) {
+    const u32 t = blockIdx.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const float scale = rsqrtf((float)dk);
+    const u32 kcols = k_heads * dk;
+    for (u32 kh = warp; kh < k_heads; kh += GDN_THREADS / 32) {
+        const T* qr = q + (i64)t * q_ld + kh * dk;
+        const T* kr = k + (i64)t * q_ld + kh * dk;
+        float sq = 0.0f, sk = 0.0f, d = 0.0f;
+        for (u32 i = lane; i < dk; i += 32) {
+            const float x = load(qr, i), y = load(kr, i);
+            sq += x * x;
+            sk += y * y;
+            d += x * y;
+        }
+        sq = warp_sum(sq);
+        sk = warp_sum(sk);
+        d = warp_sum(d);
+        const float iq = 1.0f / sqrtf(sq + 1e-6f) * scale, ik = 1.0f / sqrtf(sk + 1e-6f);
+        for (u32 i = lane; i < dk; i += 32) {
+            qn[(i64)t * kcols + kh * dk + i] = load(qr, i) * iq;
+            kn[(i64)t * kcols + kh * dk + i] = load(kr, i) * ik;
+        }
+        if (lane == 0) qk[(i64)t * k_heads + kh] = d * iq * ik;
+    }
+    for (u32 h = threadIdx.x; h < v_heads; h += GDN_THREADS) {
+        const float x = load(a, (i64)t * ab_ld + h) + load(dt_bias, h);
+        const float sp = x > 20.0f ? x : log1pf(expf(x));
+        g[(i64)t * v_heads + h] = -expf(load(a_log, h)) * sp;
+        beta[(i64)t * v_heads + h] = 1.0f / (1.0f + expf(-load(b, (i64)t * ab_ld + h)));
+    }
+}
+
+// One token's operands as one lane reads them.
+template <int R>
+struct GdnTok {
+    float k[R], q[R], v[GDN_COLS];
+    float g, beta, qk;
+};
+
+template <typename T, int R>
+__device__ __forceinline__ void gdn_load_tok(GdnTok<R>& o, const float* qn, const float* kn,
+                                             const float* qk, const float* g, const float* beta,
+                                             const T* v, u32 t, u32 h, u32 kh, u32 c0, int lane,
+                                             u32 dk, u32 dv, u32 k_heads, u32 v_heads, u32 v_ld) {
+    const i64 kb = (i64)t * k_heads * dk + (i64)kh * dk;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const u32 i = lane + 32 * r;
+        o.k[r] = i < dk ? kn[kb + i] : 0.0f;
+        o.q[r] = i < dk ? qn[kb + i] : 0.0f;
+    }
+    const i64 vb = (i64)t * v_ld + (i64)h * dv;
+#pragma unroll
+    for (int j = 0; j < GDN_COLS; ++j) o.v[j] = c0 + j < dv ? load(v, vb + c0 + j) : 0.0f;
+    o.g = g[(i64)t * v_heads + h];
+    o.beta = beta[(i64)t * v_heads + h];
+    o.qk = qk[(i64)t * k_heads + kh];
+}
+
+// Rows lane + 32r, columns c0 .. c0 + GDN_COLS of a head's state at `st` ([dk, dv]).
+template <typename S, int R>
+__device__ __forceinline__ void gdn_state_io(S* st, float (&s)[R][GDN_COLS], int lane, u32 c0,
+                                             u32 dk, u32 dv, bool write) {
+    const bool vec = dv % GDN_COLS == 0 && c0 + GDN_COLS <= dv && aligned16(st);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const u32 i = lane + 32 * r;
+        if (i >= dk) {
+            if (!write) {
+#pragma unroll
+                for (int j = 0; j < GDN_COLS; ++j) s[r][j] = 0.0f;
+            }
+            continue;
+        }
+        const i64 base = (i64)i * dv + c0;
+        if (vec) {
+#pragma unroll
+            for (int j = 0; j < GDN_COLS; j += VEC<S>) {
+                if (write) store16(st, base + j, &s[r][j]);
+                else load16(st, base + j, &s[r][j]);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < GDN_COLS; ++j) {
+                if (c0 + j >= dv) {
+                    if (!write) s[r][j] = 0.0f;
+                } else if (write) {
+                    store(st, base + j, s[r][j]);
+                } else {
+                    s[r][j] = load(st, base + j);
+                }
+            }
+        }
+    }
+}
+
+template <typename S, int R>
+__device__ __forceinline__ void gdn_snapshots(S* pool, const u32* snap_slot, u32 first, u32 n,
+                                              float (&s)[R][GDN_COLS], int lane, u32 c0, u32 dk,
+                                              u32 dv, u32 layer, u32 layers, u32 slots, u64 per,
+                                              u64 head_off) {
+    for (u32 m = first; m < first + n; ++m) {
+        S* dst = layer_state(pool, snap_slot[m], slots, layer, layers, per);
+        if (dst) gdn_state_io<S, R>(dst + head_off, s, lane, c0, dk, dv, true);
+    }
+}
+
+template <typename T, typename S, int R>
+__device__ void gdn_scan(const float* qn, const float* kn, const float* qk, const float* g,
+                         const float* beta, const T* v, T* out, S* pool, const u32* seq_tok,
+                         const u32* seq_len, const u32* seq_slot, const u32* seq_chunk,
+                         const u32* seq_chunks, const u32* seq_snap, const u32* seq_snaps,
+                         const u32* ck_tok, const u32* ck_len, const u32* ck_snap,
+                         const u32* ck_snaps, const u32* snap_slot, u32 decodes, u32 k_heads,
+                         u32 v_heads, u32 dk, u32 dv, u32 v_ld, u32 out_ld, u32 layer, u32 layers,
+                         u32 slots) {
+    const u32 col_blocks = (dv + 4 * GDN_COLS - 1) / (4 * GDN_COLS);
+    const u32 cb = blockIdx.x % col_blocks;
+    const u32 h = (blockIdx.x / col_blocks) % v_heads;
+    const u32 e = blockIdx.x / (col_blocks * v_heads);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 c0 = cb * 4 * GDN_COLS + warp * GDN_COLS;
+    if (c0 >= dv) return;
+    const u32 kh = h / (v_heads / k_heads);
+    const u32 tok0 = seq_tok[e], len = seq_len[e];
+    const u64 per = (u64)v_heads * dk * dv, head_off = (u64)h * dk * dv;
+    S* live = layer_state(pool, seq_slot[e], slots, layer, layers, per);
+    if (!live) {
+        for (u32 t = tok0; t < tok0 + len; ++t)
+            if (lane < GDN_COLS && c0 + lane < dv) store(out, (i64)t * out_ld + h * dv + c0 + lane, 0.0f);
+        return;
+    }
+    float s[R][GDN_COLS];
+    gdn_state_io<S, R>(live + head_off, s, lane, c0, dk, dv, false);
+    // The chunk whose end comes next (prompts), and where it ends.
+    u32 ck = e < decodes ? 0 : seq_chunk[e];
+    const u32 ck_end = e < decodes ? 0 : ck + seq_chunks[e];
+    u32 next_end = ck < ck_end ? ck_tok[ck] + ck_len[ck] : 0;
+    GdnTok<R> cur, nxt{};
+    gdn_load_tok<T, R>(cur, qn, kn, qk, g, beta, v, tok0, h, kh, c0, lane, dk, dv, k_heads,
+                       v_heads, v_ld);
+    for (u32 t = tok0; t < tok0 + len; ++t) {
+        if (t + 1 < tok0 + len)
+            gdn_load_tok<T, R>(nxt, qn, kn, qk, g, beta, v, t + 1, h, kh, c0, lane, dk, dv,
+                               k_heads, v_heads, v_ld);
+        float sk[GDN_COLS], sq[GDN_COLS];
+#pragma unroll
+        for (int j = 0; j < GDN_COLS; ++j) {
+            float a = 0.0f, b = 0.0f;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                a += s[r][j] * cur.k[r];
+                b += s[r][j] * cur.q[r];
+            }
+            sk[j] = a;
+            sq[j] = b;
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+#pragma unroll
+            for (int j = 0; j < GDN_COLS; ++j) {
+                sk[j] += __shfl_xor_sync(0xffffffffu, sk[j], off);
+                sq[j] += __shfl_xor_sync(0xffffffffu, sq[j], off);
+            }
+        }
+        const float decay = expf(cur.g);
+        float mine = 0.0f;
+#pragma unroll
+        for (int j = 0; j < GDN_COLS; ++j) {
+            const float delta = cur.beta * (cur.v[j] - decay * sk[j]);
+            const float o = decay * sq[j] + delta * cur.qk;
+            if (lane == j) mine = o;
+#pragma unroll
+            for (int r = 0; r < R; ++r) s[r][j] = decay * s[r][j] + cur.k[r] * delta;
+        }
+        if (lane < GDN_COLS && c0 + lane < dv) store(out, (i64)t * out_ld + h * dv + c0 + lane, mine);
+        if (e < decodes) {
+            gdn_snapshots<S, R>(pool, snap_slot, seq_snap[e], seq_snaps[e], s, lane, c0, dk, dv,
+                                layer, layers, slots, per, head_off);
+        } else if (t + 1 == next_end) {
+            gdn_snapshots<S, R>(pool, snap_slot, ck_snap[ck], ck_snaps[ck], s, lane, c0, dk, dv,
+                                layer, layers, slots, per, head_off);
+            ++ck;
+            next_end = ck < ck_end ? ck_tok[ck] + ck_len[ck] : 0;
+        }
+        cur = nxt;
+    }
+    gdn_state_io<S, R>(live + head_off, s, lane, c0, dk, dv, true);
+}
+
+}  // namespace ssm
+
+#define GDN_PREP(S, T)                                                                          \
+    extern "C" __global__ void __launch_bounds__(ssm::GDN_THREADS)                              \
+        gdn_prep_##S(const T* q, const T* k, const T* a, const T* b, const T* a_log,            \
+                     const T* dt_bias, float* qn, float* kn, float* qk, float* g, float* beta,  \
+                     u32 k_heads, u32 dk, u32 v_heads, u32 q_ld, u32 ab_ld) {                   \
+        CHIMERA_PDL_ENTRY();                                                                    \
+        ssm::gdn_prep(q, k, a, b, a_log, dt_bias, qn, kn, qk, g, beta, k_heads, dk, v_heads,   \
+                      q_ld, ab_ld);                                                             \
+    }
+
+#define GDN_SCAN(NAME, T, S, R)                                                                 \
+    extern "C" __global__ void __launch_bounds__(ssm::GDN_THREADS) NAME(                        \
+        const float* qn, const float* kn, const float* qk, const float* g, const float* beta,   \
+        const T* v, T* out, S* pool, const u32* seq_tok, const u32* seq_len,                    \
+        const u32* seq_slot, const u32* seq_chunk, const u32* seq_chunks, const u32* seq_snap,  \
+        const u32* seq_snaps, const u32* ck_tok, const u32* ck_len, const u32* ck_snap,         \
+        const u32* ck_snaps, const u32* snap_slot, u32 decodes, u32 k_heads, u32 v_heads,       \
+        u32 dk, u32 dv, u32 v_ld, u32 out_ld, u32 layer, u32 layers, u32 slots) {               \
+        CHIMERA_PDL_ENTRY();                                                                    \
+        ssm::gdn_scan<T, S, R>(qn, kn, qk, g, beta, v, out, pool, seq_tok, seq_len, seq_slot,  \
+                               seq_chunk, seq_chunks, seq_snap, seq_snaps, ck_tok, ck_len,     \
+                               ck_snap, ck_snaps, snap_slot, decodes, k_heads, v_heads, dk,    \
+                               dv, v_ld, out_ld, layer, layers, slots);                        \
+    }
+
+#define GDN_SCANS(R)                                                \
+    GDN_SCAN(gdn_scan_r##R##_f32, float, float, R)                  \
+    GDN_SCAN(gdn_scan_r##R##_bf16, bf16, float, R)                  \
+    GDN_SCAN(gdn_scan_r##R##_f32_sbf16, float, bf16, R)             \
+    GDN_SCAN(gdn_scan_r##R##_bf16_sbf16, bf16, bf16, R)
+
+GDN_PREP(f32, float)
+GDN_PREP(bf16, bf16)
+GDN_SCANS(1)
+GDN_SCANS(2)
+GDN_SCANS(4)
+GDN_SCANS(8)

@@ -1,0 +1,223 @@
+//! The gated delta rule of Gated DeltaNet layers (`gdn.cu`): its entry table and one layer's
+//! launches over an SSM plan (the same plan, columns and pools as the Mamba2 scan: the plan's
+//! chunks end at every snapshot offset, so every snapshot is a chunk-end state).
+
+use super::{SsmArg, SsmError, SsmPlan, WorkCol, e, entry_name, grid, state_suffix, suffix};
+use crate::{Entry, Launch, Param};
+
+use Param::{Ptr, U32};
+
+// Geometry mirrored from gdn.cu.
+pub(super) const GDN_THREADS: u32 = 128;
+const GDN_COLS: u32 = 8;
+/// Largest key head dim (32 rows a lane at most 8).
+pub const MAX_GDN_KEY_DIM: u32 = 256;
+
+/// `q, k, a, b, a_log, dt_bias, qn, kn, qk, g, beta, k_heads, dk, v_heads, q_ld, ab_ld`.
+const PREP: &[Param] = &[
+    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, U32,
+];
+/// `qn, kn, qk, g, beta, v, out, pool, seq_tok, seq_len, seq_slot, seq_chunk, seq_chunks,
+/// seq_snap, seq_snaps, ck_tok, ck_len, ck_snap, ck_snaps, snap_slot, decodes, k_heads,
+/// v_heads, dk, dv, v_ld, out_ld, layer, layers, slots`.
+const SCAN: &[Param] = &[
+    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr,
+    Ptr, U32, U32, U32, U32, U32, U32, U32, U32, U32, U32,
+];
+
+macro_rules! scans {
+    ($($r:literal),*) => {
+        &[
+            e("gdn_prep_f32", PREP),
+            e("gdn_prep_bf16", PREP),
+            $(
+                e(concat!("gdn_scan_r", $r, "_f32"), SCAN),
+                e(concat!("gdn_scan_r", $r, "_bf16"), SCAN),
+                e(concat!("gdn_scan_r", $r, "_f32_sbf16"), SCAN),
+                e(concat!("gdn_scan_r", $r, "_bf16_sbf16"), SCAN),
+            )*
+        ]
+    };
+}
+
+/// The entry points of `gdn.cu`.
+pub const ENTRIES: &[Entry] = scans!(1, 2, 4, 8);
+
+/// One Gated DeltaNet layer's shape and its place in the pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GdnDims {
+    pub k_heads: u32,
+    pub v_heads: u32,
+    /// Key and value head dims.
+    pub dk: u32,
+    pub dv: u32,
+    pub layer: u32,
+    pub layers: u32,
+    pub slots: u32,
+    /// Row strides (elements): `q` and `k` (`k_heads·dk` when contiguous), `a` and `b`
+    /// (`v_heads`), `v` (`v_heads·dv`), the output (`v_heads·dv`).
+    pub q_ld: u32,
+    pub ab_ld: u32,
+    pub v_ld: u32,
+    pub out_ld: u32,
+    /// The SSM pool stores bf16.
+    pub state_bf16: bool,
+}
+
+impl GdnDims {
+    /// Contiguous tensors; `layer`, `layers`, `slots` zero (set them).
+    pub fn packed(k_heads: u32, v_heads: u32, dk: u32, dv: u32) -> Self {
+        Self {
+            k_heads,
+            v_heads,
+            dk,
+            dv,
+            layer: 0,
+            layers: 0,
+            slots: 0,
+            q_ld: k_heads * dk,
+            ab_ld: v_heads,
+            v_ld: v_heads * dv,
+            out_ld: v_heads * dv,
+            state_bf16: false,
+        }
+    }
+}
+
+/// One Gated DeltaNet layer's launches: `gdn_prep` over the step's tokens, then `gdn_scan`
+/// over every entry, with the five f32 scratch buffers of [`gdn_scratch_lens`]. The symbolic
+/// tensors: `X` = q, `B` = k, `C` = v, `Dt` = a (the decay input), `D` = b (the β input),
+/// `ALog`, `DtBias`, `Out`, `SsmPool`.
+pub fn launches_gdn(
+    plan: &SsmPlan,
+    d: GdnDims,
+    bf16: bool,
+) -> Result<Vec<Launch<SsmArg>>, SsmError> {
+    use SsmArg::*;
+    let shape_ok = d.k_heads > 0
+        && d.v_heads.is_multiple_of(d.k_heads)
+        && d.dk > 0
+        && d.dk <= MAX_GDN_KEY_DIM
+        && d.dv > 0;
+    if !shape_ok {
+        return Err(SsmError::Shape {
+            heads: d.v_heads,
+            groups: d.k_heads,
+            head_dim: d.dk,
+            state: d.dv,
+        });
+    }
+    let tokens = u64::from(plan.tokens());
+    let mut out = Vec::new();
+    if tokens == 0 || plan.seqs() == 0 {
+        return Ok(out);
+    }
+    let ty = suffix(bf16);
+    out.push(Launch {
+        entry: entry_name(&format!("gdn_prep_{ty}")),
+        grid: grid(tokens)?,
+        block: (GDN_THREADS, 1, 1),
+        smem: 0,
+        args: vec![
+            X,
+            B,
+            Dt,
+            D,
+            ALog,
+            DtBias,
+            Scratch(0),
+            Scratch(1),
+            Scratch(2),
+            Scratch(3),
+            Scratch(4),
+            U32(d.k_heads),
+            U32(d.dk),
+            U32(d.v_heads),
+            U32(d.q_ld),
+            U32(d.ab_ld),
+        ],
+    });
+    let rows = d.dk.div_ceil(32).next_power_of_two();
+    let col_blocks = d.dv.div_ceil(4 * GDN_COLS);
+    let mut args = vec![
+        Scratch(0),
+        Scratch(1),
+        Scratch(2),
+        Scratch(3),
+        Scratch(4),
+        C,
+        Out,
+        SsmPool,
+    ];
+    args.extend(
+        [
+            WorkCol::SeqTok,
+            WorkCol::SeqLen,
+            WorkCol::SeqSlot,
+            WorkCol::SeqChunk,
+            WorkCol::SeqChunks,
+            WorkCol::SeqSnap,
+            WorkCol::SeqSnaps,
+            WorkCol::CkTok,
+            WorkCol::CkLen,
+            WorkCol::CkSnap,
+            WorkCol::CkSnaps,
+            WorkCol::SnapSlot,
+        ]
+        .map(Work),
+    );
+    args.extend([
+        U32(plan.decodes() as u32),
+        U32(d.k_heads),
+        U32(d.v_heads),
+        U32(d.dk),
+        U32(d.dv),
+        U32(d.v_ld),
+        U32(d.out_ld),
+        U32(d.layer),
+        U32(d.layers),
+        U32(d.slots),
+    ]);
+    out.push(Launch {
+        entry: entry_name(&format!(
+            "gdn_scan_r{rows}_{ty}{}",
+            state_suffix(d.state_bf16)
+        )),
+        grid: grid(plan.seqs() as u64 * u64::from(d.v_heads) * u64::from(col_blocks))?,
+        block: (GDN_THREADS, 1, 1),
+        smem: 0,
+        args,
+    });
+    Ok(out)
+}
+
+/// The f32 lengths of [`launches_gdn`]'s five scratch buffers for `tokens` tokens: the
+/// normalised q and k `[tokens, k_heads·dk]`, k·q `[tokens, k_heads]`, g and β `[tokens,
+/// v_heads]`.
+pub fn gdn_scratch_lens(d: &GdnDims, tokens: usize) -> [usize; 5] {
+    let key = tokens * (d.k_heads * d.dk) as usize;
+    let kh = tokens * d.k_heads as usize;
+    let vh = tokens * d.v_heads as usize;
+    [key, key, kh, vh, vh]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_scan_the_planner_names_is_in_the_table() {
+        for dk in [8, 16, 32, 33, 64, 128, 129, 256] {
+            let rows = (dk as u32).div_ceil(32).next_power_of_two();
+            for (ty, st) in [
+                ("f32", ""),
+                ("bf16", ""),
+                ("f32", "_sbf16"),
+                ("bf16", "_sbf16"),
+            ] {
+                let name = format!("gdn_scan_r{rows}_{ty}{st}");
+                assert_eq!(entry_name(&name), name, "dk {dk}");
+            }
+        }
+    }
+}
