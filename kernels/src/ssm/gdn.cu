@@ -9,12 +9,18 @@
 //
 // - gdn_prep: per token, the normalised q and k (f32), k·q per key head, g and β per value
 //   head, into scratch (every value head of a key head reads them).
-// - gdn_scan: CTA (entry, value head, 32 columns of v), one warp per 8 columns; lane l holds
+// - gdn_scan: CTA (entry, value head, 4·C columns of v), one warp per C columns; lane l holds
 //   rows l, l + 32, … of those columns of S in registers and walks the entry's tokens in
-//   order (decodes: their one token), the two column sums of a token reduced across the
+//   order (decodes: their one token), the 2·C column sums of a token reduced across the
 //   warp; at each chunk end that carries snapshots (and after a decode's token) the state
 //   goes to the snapshot slots, and at the end to the live slot. A padding entry (live
-//   slot ≥ slots) writes zero outputs and touches no state.
+//   slot ≥ slots) writes zero outputs and touches no state. The columns of S are independent
+//   of one another, so the decodes (bound by memory) take C = 8, 32 state values a lane in
+//   flight, and the prompts (bound by the per-token chain) C = 2: four times the warps to
+//   hide one another's latency, and a quarter of the shuffles a token.
+// - gdn_decode: the decodes when the value dim is a multiple of the state's 16-byte vector
+//   (every published shape): the same step with the state read and written in whole lines
+//   (see the kernel); gdn_scan with C = 8 takes the other shapes.
 //
 // The state pool is f32 or bf16 (rounded once per step and at each snapshot); every sum is
 // f32. This is the recurrent form for prompts too: exact against the CPU's chunked form up to
@@ -26,7 +32,6 @@
 namespace ssm {
 
 constexpr int GDN_THREADS = 128;  // gdn.rs: GDN_THREADS
-constexpr int GDN_COLS = 8;       // columns of v one warp holds (gdn.rs: GDN_COLS)
 
 template <typename T>
 __device__ void gdn_prep(const T* q, const T* k, const T* a, const T* b, const T* a_log,
@@ -64,15 +69,15 @@ __device__ void gdn_prep(const T* q, const T* k, const T* a, const T* b, const T
     }
 }
 
-// One token's operands as one lane reads them.
-template <int R>
+// One token's operands as one lane reads them (R rows, C columns a warp).
+template <int R, int C>
 struct GdnTok {
-    float k[R], q[R], v[GDN_COLS];
+    float k[R], q[R], v[C];
     float g, beta, qk;
 };
 
-template <typename T, int R>
-__device__ __forceinline__ void gdn_load_tok(GdnTok<R>& o, const float* qn, const float* kn,
+template <typename T, int R, int C>
+__device__ __forceinline__ void gdn_load_tok(GdnTok<R, C>& o, const float* qn, const float* kn,
                                              const float* qk, const float* g, const float* beta,
                                              const T* v, u32 t, u32 h, u32 kh, u32 c0, int lane,
                                              u32 dk, u32 dv, u32 k_heads, u32 v_heads, u32 v_ld) {
@@ -85,37 +90,37 @@ __device__ __forceinline__ void gdn_load_tok(GdnTok<R>& o, const float* qn, cons
     }
     const i64 vb = (i64)t * v_ld + (i64)h * dv;
 #pragma unroll
-    for (int j = 0; j < GDN_COLS; ++j) o.v[j] = c0 + j < dv ? load(v, vb + c0 + j) : 0.0f;
+    for (int j = 0; j < C; ++j) o.v[j] = c0 + j < dv ? load(v, vb + c0 + j) : 0.0f;
     o.g = g[(i64)t * v_heads + h];
     o.beta = beta[(i64)t * v_heads + h];
     o.qk = qk[(i64)t * k_heads + kh];
 }
 
-// Rows lane + 32r, columns c0 .. c0 + GDN_COLS of a head's state at `st` ([dk, dv]).
-template <typename S, int R>
-__device__ __forceinline__ void gdn_state_io(S* st, float (&s)[R][GDN_COLS], int lane, u32 c0,
-                                             u32 dk, u32 dv, bool write) {
-    const bool vec = dv % GDN_COLS == 0 && c0 + GDN_COLS <= dv && aligned16(st);
+// Rows lane + 32r, columns c0 .. c0 + C of a head's state at `st` ([dk, dv]).
+template <typename S, int R, int C>
+__device__ __forceinline__ void gdn_state_io(S* st, float (&s)[R][C], int lane, u32 c0, u32 dk,
+                                             u32 dv, bool write) {
+    const bool vec = C % VEC<S> == 0 && dv % C == 0 && c0 + C <= dv && aligned16(st);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const u32 i = lane + 32 * r;
         if (i >= dk) {
             if (!write) {
 #pragma unroll
-                for (int j = 0; j < GDN_COLS; ++j) s[r][j] = 0.0f;
+                for (int j = 0; j < C; ++j) s[r][j] = 0.0f;
             }
             continue;
         }
         const i64 base = (i64)i * dv + c0;
         if (vec) {
 #pragma unroll
-            for (int j = 0; j < GDN_COLS; j += VEC<S>) {
+            for (int j = 0; j < C; j += VEC<S>) {
                 if (write) store16(st, base + j, &s[r][j]);
                 else load16(st, base + j, &s[r][j]);
             }
         } else {
 #pragma unroll
-            for (int j = 0; j < GDN_COLS; ++j) {
+            for (int j = 0; j < C; ++j) {
                 if (c0 + j >= dv) {
                     if (!write) s[r][j] = 0.0f;
                 } else if (write) {
@@ -128,32 +133,32 @@ __device__ __forceinline__ void gdn_state_io(S* st, float (&s)[R][GDN_COLS], int
     }
 }
 
-template <typename S, int R>
+template <typename S, int R, int C>
 __device__ __forceinline__ void gdn_snapshots(S* pool, const u32* snap_slot, u32 first, u32 n,
-                                              float (&s)[R][GDN_COLS], int lane, u32 c0, u32 dk,
+                                              float (&s)[R][C], int lane, u32 c0, u32 dk,
                                               u32 dv, u32 layer, u32 layers, u32 slots, u64 per,
                                               u64 head_off) {
     for (u32 m = first; m < first + n; ++m) {
         S* dst = layer_state(pool, snap_slot[m], slots, layer, layers, per);
-        if (dst) gdn_state_io<S, R>(dst + head_off, s, lane, c0, dk, dv, true);
+        if (dst) gdn_state_io<S, R, C>(dst + head_off, s, lane, c0, dk, dv, true);
     }
 }
 
-template <typename T, typename S, int R>
+template <typename T, typename S, int R, int C>
 __device__ void gdn_scan(const float* qn, const float* kn, const float* qk, const float* g,
                          const float* beta, const T* v, T* out, S* pool, const u32* seq_tok,
                          const u32* seq_len, const u32* seq_slot, const u32* seq_chunk,
                          const u32* seq_chunks, const u32* seq_snap, const u32* seq_snaps,
                          const u32* ck_tok, const u32* ck_len, const u32* ck_snap,
-                         const u32* ck_snaps, const u32* snap_slot, u32 decodes, u32 k_heads,
+                         const u32* ck_snaps, const u32* snap_slot, u32 e0, u32 decodes, u32 k_heads,
                          u32 v_heads, u32 dk, u32 dv, u32 v_ld, u32 out_ld, u32 layer, u32 layers,
                          u32 slots) {
-    const u32 col_blocks = (dv + 4 * GDN_COLS - 1) / (4 * GDN_COLS);
+    const u32 col_blocks = (dv + 4 * C - 1) / (4 * C);
     const u32 cb = blockIdx.x % col_blocks;
     const u32 h = (blockIdx.x / col_blocks) % v_heads;
-    const u32 e = blockIdx.x / (col_blocks * v_heads);
+    const u32 e = e0 + blockIdx.x / (col_blocks * v_heads);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 c0 = cb * 4 * GDN_COLS + warp * GDN_COLS;
+    const u32 c0 = cb * 4 * C + warp * C;
     if (c0 >= dv) return;
     const u32 kh = h / (v_heads / k_heads);
     const u32 tok0 = seq_tok[e], len = seq_len[e];
@@ -161,25 +166,25 @@ __device__ void gdn_scan(const float* qn, const float* kn, const float* qk, cons
     S* live = layer_state(pool, seq_slot[e], slots, layer, layers, per);
     if (!live) {
         for (u32 t = tok0; t < tok0 + len; ++t)
-            if (lane < GDN_COLS && c0 + lane < dv) store(out, (i64)t * out_ld + h * dv + c0 + lane, 0.0f);
+            if (lane < C && c0 + lane < dv) store(out, (i64)t * out_ld + h * dv + c0 + lane, 0.0f);
         return;
     }
-    float s[R][GDN_COLS];
-    gdn_state_io<S, R>(live + head_off, s, lane, c0, dk, dv, false);
+    float s[R][C];
+    gdn_state_io<S, R, C>(live + head_off, s, lane, c0, dk, dv, false);
     // The chunk whose end comes next (prompts), and where it ends.
     u32 ck = e < decodes ? 0 : seq_chunk[e];
     const u32 ck_end = e < decodes ? 0 : ck + seq_chunks[e];
     u32 next_end = ck < ck_end ? ck_tok[ck] + ck_len[ck] : 0;
-    GdnTok<R> cur, nxt{};
-    gdn_load_tok<T, R>(cur, qn, kn, qk, g, beta, v, tok0, h, kh, c0, lane, dk, dv, k_heads,
+    GdnTok<R, C> cur, nxt{};
+    gdn_load_tok<T, R, C>(cur, qn, kn, qk, g, beta, v, tok0, h, kh, c0, lane, dk, dv, k_heads,
                        v_heads, v_ld);
     for (u32 t = tok0; t < tok0 + len; ++t) {
         if (t + 1 < tok0 + len)
-            gdn_load_tok<T, R>(nxt, qn, kn, qk, g, beta, v, t + 1, h, kh, c0, lane, dk, dv,
+            gdn_load_tok<T, R, C>(nxt, qn, kn, qk, g, beta, v, t + 1, h, kh, c0, lane, dk, dv,
                                k_heads, v_heads, v_ld);
-        float sk[GDN_COLS], sq[GDN_COLS];
+        float sk[C], sq[C];
 #pragma unroll
-        for (int j = 0; j < GDN_COLS; ++j) {
+        for (int j = 0; j < C; ++j) {
             float a = 0.0f, b = 0.0f;
 #pragma unroll
             for (int r = 0; r < R; ++r) {
@@ -192,7 +197,7 @@ __device__ void gdn_scan(const float* qn, const float* kn, const float* qk, cons
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) {
 #pragma unroll
-            for (int j = 0; j < GDN_COLS; ++j) {
+            for (int j = 0; j < C; ++j) {
                 sk[j] += __shfl_xor_sync(0xffffffffu, sk[j], off);
                 sq[j] += __shfl_xor_sync(0xffffffffu, sq[j], off);
             }
@@ -200,26 +205,144 @@ __device__ void gdn_scan(const float* qn, const float* kn, const float* qk, cons
         const float decay = expf(cur.g);
         float mine = 0.0f;
 #pragma unroll
-        for (int j = 0; j < GDN_COLS; ++j) {
+        for (int j = 0; j < C; ++j) {
             const float delta = cur.beta * (cur.v[j] - decay * sk[j]);
             const float o = decay * sq[j] + delta * cur.qk;
             if (lane == j) mine = o;
 #pragma unroll
             for (int r = 0; r < R; ++r) s[r][j] = decay * s[r][j] + cur.k[r] * delta;
         }
-        if (lane < GDN_COLS && c0 + lane < dv) store(out, (i64)t * out_ld + h * dv + c0 + lane, mine);
+        if (lane < C && c0 + lane < dv) store(out, (i64)t * out_ld + h * dv + c0 + lane, mine);
         if (e < decodes) {
-            gdn_snapshots<S, R>(pool, snap_slot, seq_snap[e], seq_snaps[e], s, lane, c0, dk, dv,
+            gdn_snapshots<S, R, C>(pool, snap_slot, seq_snap[e], seq_snaps[e], s, lane, c0, dk, dv,
                                 layer, layers, slots, per, head_off);
         } else if (t + 1 == next_end) {
-            gdn_snapshots<S, R>(pool, snap_slot, ck_snap[ck], ck_snaps[ck], s, lane, c0, dk, dv,
+            gdn_snapshots<S, R, C>(pool, snap_slot, ck_snap[ck], ck_snaps[ck], s, lane, c0, dk, dv,
                                 layer, layers, slots, per, head_off);
             ++ck;
             next_end = ck < ck_end ? ck_tok[ck] + ck_len[ck] : 0;
         }
         cur = nxt;
     }
-    gdn_state_io<S, R>(live + head_off, s, lane, c0, dk, dv, true);
+    gdn_state_io<S, R, C>(live + head_off, s, lane, c0, dk, dv, true);
+}
+
+// Decode, the state read and written in whole 128-byte lines: CTA (decode entry, value head,
+// DEC_COLS = 8·VEC<S> columns: 32 for an f32 state, 64 for bf16), 128 threads; lane l of warp
+// w holds one 16-byte vector (VEC<S> columns: (l mod 8)·VEC<S>) of rows 4w + l/8 + 16r, r < R
+// (dk ≤ 16·R), so a warp's load covers four rows' 128 contiguous bytes and a thread keeps R
+// vectors in flight. The column sums go over the four row groups of a warp by shuffles and
+// over the warps through shared memory. Needs dv a multiple of VEC<S> (the planner's check).
+template <typename T, typename S, int R>
+__device__ void gdn_decode(const float* qn, const float* kn, const float* qk, const float* g,
+                           const float* beta, const T* v, T* out, S* pool, const u32* seq_tok,
+                           const u32* seq_slot, const u32* seq_snap, const u32* seq_snaps,
+                           const u32* snap_slot, u32 k_heads, u32 v_heads, u32 dk, u32 dv,
+                           u32 v_ld, u32 out_ld, u32 layer, u32 layers, u32 slots) {
+    constexpr int V = VEC<S>;
+    constexpr int COLS = 8 * V;
+    __shared__ float part[4][2][COLS];
+    const u32 col_blocks = (dv + COLS - 1) / COLS;
+    const u32 cb = blockIdx.x % col_blocks;
+    const u32 h = (blockIdx.x / col_blocks) % v_heads;
+    const u32 e = blockIdx.x / (col_blocks * v_heads);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int cq = lane & 7, rsub = lane >> 3;
+    const u32 c0 = cb * COLS + cq * V;
+    const bool cols_in = c0 < dv;
+    const u32 kh = h / (v_heads / k_heads);
+    const u32 t = seq_tok[e];
+    const u64 per = (u64)v_heads * dk * dv, head_off = (u64)h * dk * dv;
+    S* live = layer_state(pool, seq_slot[e], slots, layer, layers, per);
+    if (!live) {
+        if (warp == 0 && rsub == 0 && cols_in) {
+#pragma unroll
+            for (int j = 0; j < V; ++j)
+                if (c0 + j < dv) store(out, (i64)t * out_ld + h * dv + c0 + j, 0.0f);
+        }
+        return;
+    }
+    S* st = live + head_off;
+    // Every load first: the state vectors, then this token's operands.
+    float s[R][V];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const u32 i = 4 * warp + rsub + 16 * r;
+        if (i < dk && cols_in) {
+            load16(st, (i64)i * dv + c0, s[r]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < V; ++j) s[r][j] = 0.0f;
+        }
+    }
+    const i64 kb = (i64)t * k_heads * dk + (i64)kh * dk;
+    float kr[R], qr[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const u32 i = 4 * warp + rsub + 16 * r;
+        kr[r] = i < dk ? kn[kb + i] : 0.0f;
+        qr[r] = i < dk ? qn[kb + i] : 0.0f;
+    }
+    const float decay = expf(g[(i64)t * v_heads + h]);
+    const float bt = beta[(i64)t * v_heads + h], kq = qk[(i64)t * k_heads + kh];
+    float sk[V], sq[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+        float a = 0.0f, b = 0.0f;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            a += s[r][j] * kr[r];
+            b += s[r][j] * qr[r];
+        }
+        a += __shfl_xor_sync(0xffffffffu, a, 8);
+        b += __shfl_xor_sync(0xffffffffu, b, 8);
+        a += __shfl_xor_sync(0xffffffffu, a, 16);
+        b += __shfl_xor_sync(0xffffffffu, b, 16);
+        sk[j] = a;
+        sq[j] = b;
+    }
+    if (rsub == 0) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            part[warp][0][cq * V + j] = sk[j];
+            part[warp][1][cq * V + j] = sq[j];
+        }
+    }
+    __syncthreads();
+    float delta[V], o[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+        const int c = cq * V + j;
+        const float k_sum = part[0][0][c] + part[1][0][c] + part[2][0][c] + part[3][0][c];
+        const float q_sum = part[0][1][c] + part[1][1][c] + part[2][1][c] + part[3][1][c];
+        const float vj = c0 + j < dv ? load(v, (i64)t * v_ld + h * dv + c0 + j) : 0.0f;
+        delta[j] = bt * (vj - decay * k_sum);
+        o[j] = decay * q_sum + delta[j] * kq;
+    }
+    if (warp == 0 && rsub == 0 && cols_in) {
+#pragma unroll
+        for (int j = 0; j < V; ++j)
+            if (c0 + j < dv) store(out, (i64)t * out_ld + h * dv + c0 + j, o[j]);
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) s[r][j] = decay * s[r][j] + kr[r] * delta[j];
+    }
+    if (!cols_in) return;
+    const u32 n_snap = seq_snaps[e], first = seq_snap[e];
+    for (u32 m = 0; m <= n_snap; ++m) {
+        // The snapshot slots, then the live slot.
+        S* dst = m < n_snap ? layer_state(pool, snap_slot[first + m], slots, layer, layers, per)
+                            : live;
+        if (!dst) continue;
+        dst += head_off;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const u32 i = 4 * warp + rsub + 16 * r;
+            if (i < dk) store16(dst, (i64)i * dv + c0, s[r]);
+        }
+    }
 }
 
 }  // namespace ssm
@@ -234,30 +357,57 @@ __device__ void gdn_scan(const float* qn, const float* kn, const float* qk, cons
                       q_ld, ab_ld);                                                             \
     }
 
-#define GDN_SCAN(NAME, T, S, R)                                                                 \
+#define GDN_SCAN(NAME, T, S, R, C)                                                              \
     extern "C" __global__ void __launch_bounds__(ssm::GDN_THREADS) NAME(                        \
         const float* qn, const float* kn, const float* qk, const float* g, const float* beta,   \
         const T* v, T* out, S* pool, const u32* seq_tok, const u32* seq_len,                    \
         const u32* seq_slot, const u32* seq_chunk, const u32* seq_chunks, const u32* seq_snap,  \
         const u32* seq_snaps, const u32* ck_tok, const u32* ck_len, const u32* ck_snap,         \
-        const u32* ck_snaps, const u32* snap_slot, u32 decodes, u32 k_heads, u32 v_heads,       \
-        u32 dk, u32 dv, u32 v_ld, u32 out_ld, u32 layer, u32 layers, u32 slots) {               \
+        const u32* ck_snaps, const u32* snap_slot, u32 e0, u32 decodes, u32 k_heads,            \
+        u32 v_heads, u32 dk, u32 dv, u32 v_ld, u32 out_ld, u32 layer, u32 layers, u32 slots) {  \
         CHIMERA_PDL_ENTRY();                                                                    \
-        ssm::gdn_scan<T, S, R>(qn, kn, qk, g, beta, v, out, pool, seq_tok, seq_len, seq_slot,  \
-                               seq_chunk, seq_chunks, seq_snap, seq_snaps, ck_tok, ck_len,     \
-                               ck_snap, ck_snaps, snap_slot, decodes, k_heads, v_heads, dk,    \
-                               dv, v_ld, out_ld, layer, layers, slots);                        \
+        ssm::gdn_scan<T, S, R, C>(qn, kn, qk, g, beta, v, out, pool, seq_tok, seq_len,         \
+                                  seq_slot, seq_chunk, seq_chunks, seq_snap, seq_snaps,        \
+                                  ck_tok, ck_len, ck_snap, ck_snaps, snap_slot, e0, decodes,   \
+                                  k_heads, v_heads, dk, dv, v_ld, out_ld, layer, layers,       \
+                                  slots);                                                      \
     }
 
-#define GDN_SCANS(R)                                                \
-    GDN_SCAN(gdn_scan_r##R##_f32, float, float, R)                  \
-    GDN_SCAN(gdn_scan_r##R##_bf16, bf16, float, R)                  \
-    GDN_SCAN(gdn_scan_r##R##_f32_sbf16, float, bf16, R)             \
-    GDN_SCAN(gdn_scan_r##R##_bf16_sbf16, bf16, bf16, R)
+#define GDN_DECODE(NAME, T, S, R)                                                               \
+    extern "C" __global__ void __launch_bounds__(ssm::GDN_THREADS) NAME(                        \
+        const float* qn, const float* kn, const float* qk, const float* g, const float* beta,   \
+        const T* v, T* out, S* pool, const u32* seq_tok, const u32* seq_slot,                   \
+        const u32* seq_snap, const u32* seq_snaps, const u32* snap_slot, u32 k_heads,           \
+        u32 v_heads, u32 dk, u32 dv, u32 v_ld, u32 out_ld, u32 layer, u32 layers, u32 slots) {  \
+        CHIMERA_PDL_ENTRY();                                                                    \
+        ssm::gdn_decode<T, S, R>(qn, kn, qk, g, beta, v, out, pool, seq_tok, seq_slot,         \
+                                 seq_snap, seq_snaps, snap_slot, k_heads, v_heads, dk, dv,     \
+                                 v_ld, out_ld, layer, layers, slots);                          \
+    }
+
+#define GDN_DECODES(R)                                                   \
+    GDN_DECODE(gdn_decode_r##R##_f32, float, float, R)                   \
+    GDN_DECODE(gdn_decode_r##R##_bf16, bf16, float, R)                   \
+    GDN_DECODE(gdn_decode_r##R##_f32_sbf16, float, bf16, R)              \
+    GDN_DECODE(gdn_decode_r##R##_bf16_sbf16, bf16, bf16, R)
+
+#define GDN_SCANS(R, C)                                                          \
+    GDN_SCAN(gdn_scan_r##R##_c##C##_f32, float, float, R, C)                     \
+    GDN_SCAN(gdn_scan_r##R##_c##C##_bf16, bf16, float, R, C)                     \
+    GDN_SCAN(gdn_scan_r##R##_c##C##_f32_sbf16, float, bf16, R, C)                \
+    GDN_SCAN(gdn_scan_r##R##_c##C##_bf16_sbf16, bf16, bf16, R, C)
 
 GDN_PREP(f32, float)
 GDN_PREP(bf16, bf16)
-GDN_SCANS(1)
-GDN_SCANS(2)
-GDN_SCANS(4)
-GDN_SCANS(8)
+GDN_SCANS(1, 8)
+GDN_SCANS(2, 8)
+GDN_SCANS(4, 8)
+GDN_SCANS(8, 8)
+GDN_SCANS(1, 2)
+GDN_SCANS(2, 2)
+GDN_SCANS(4, 2)
+GDN_SCANS(8, 2)
+GDN_DECODES(2)
+GDN_DECODES(4)
+GDN_DECODES(8)
+GDN_DECODES(16)

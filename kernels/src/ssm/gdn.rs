@@ -9,7 +9,9 @@ use Param::{Ptr, U32};
 
 // Geometry mirrored from gdn.cu.
 pub(super) const GDN_THREADS: u32 = 128;
-const GDN_COLS: u32 = 8;
+/// Columns of the state one warp holds: decodes, prompts.
+const DECODE_COLS: u32 = 8;
+const PROMPT_COLS: u32 = 2;
 /// Largest key head dim (32 rows a lane at most 8).
 pub const MAX_GDN_KEY_DIM: u32 = 256;
 
@@ -18,30 +20,55 @@ const PREP: &[Param] = &[
     Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, U32,
 ];
 /// `qn, kn, qk, g, beta, v, out, pool, seq_tok, seq_len, seq_slot, seq_chunk, seq_chunks,
-/// seq_snap, seq_snaps, ck_tok, ck_len, ck_snap, ck_snaps, snap_slot, decodes, k_heads,
-/// v_heads, dk, dv, v_ld, out_ld, layer, layers, slots`.
+/// seq_snap, seq_snaps, ck_tok, ck_len, ck_snap, ck_snaps, snap_slot, e0 (the first entry),
+/// decodes, k_heads, v_heads, dk, dv, v_ld, out_ld, layer, layers, slots`.
+/// `qn, kn, qk, g, beta, v, out, pool, seq_tok, seq_slot, seq_snap, seq_snaps, snap_slot,
+/// k_heads, v_heads, dk, dv, v_ld, out_ld, layer, layers, slots`.
+const DECODE: &[Param] = &[
+    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, U32, U32,
+    U32, U32, U32,
+];
 const SCAN: &[Param] = &[
     Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr,
-    Ptr, U32, U32, U32, U32, U32, U32, U32, U32, U32, U32,
+    Ptr, U32, U32, U32, U32, U32, U32, U32, U32, U32, U32, U32,
 ];
 
 macro_rules! scans {
-    ($($r:literal),*) => {
+    ($(($r:literal, $c:literal)),*; $($d:literal),*) => {
         &[
             e("gdn_prep_f32", PREP),
             e("gdn_prep_bf16", PREP),
             $(
-                e(concat!("gdn_scan_r", $r, "_f32"), SCAN),
-                e(concat!("gdn_scan_r", $r, "_bf16"), SCAN),
-                e(concat!("gdn_scan_r", $r, "_f32_sbf16"), SCAN),
-                e(concat!("gdn_scan_r", $r, "_bf16_sbf16"), SCAN),
+                e(concat!("gdn_scan_r", $r, "_c", $c, "_f32"), SCAN),
+                e(concat!("gdn_scan_r", $r, "_c", $c, "_bf16"), SCAN),
+                e(concat!("gdn_scan_r", $r, "_c", $c, "_f32_sbf16"), SCAN),
+                e(concat!("gdn_scan_r", $r, "_c", $c, "_bf16_sbf16"), SCAN),
+            )*
+            $(
+                e(concat!("gdn_decode_r", $d, "_f32"), DECODE),
+                e(concat!("gdn_decode_r", $d, "_bf16"), DECODE),
+                e(concat!("gdn_decode_r", $d, "_f32_sbf16"), DECODE),
+                e(concat!("gdn_decode_r", $d, "_bf16_sbf16"), DECODE),
             )*
         ]
     };
 }
 
 /// The entry points of `gdn.cu`.
-pub const ENTRIES: &[Entry] = scans!(1, 2, 4, 8);
+pub const ENTRIES: &[Entry] = scans!(
+    (1, 8),
+    (2, 8),
+    (4, 8),
+    (8, 8),
+    (1, 2),
+    (2, 2),
+    (4, 2),
+    (8, 2);
+    2,
+    4,
+    8,
+    16
+);
 
 /// One Gated DeltaNet layer's shape and its place in the pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,7 +112,7 @@ impl GdnDims {
 }
 
 /// One Gated DeltaNet layer's launches: `gdn_prep` over the step's tokens, then `gdn_scan`
-/// over every entry, with the five f32 scratch buffers of [`gdn_scratch_lens`]. The symbolic
+/// over the decodes and over the prompts, with the five f32 scratch buffers of [`gdn_scratch_lens`]. The symbolic
 /// tensors: `X` = q, `B` = k, `C` = v, `Dt` = a (the decay input), `D` = b (the β input),
 /// `ALog`, `DtBias`, `Out`, `SsmPool`.
 pub fn launches_gdn(
@@ -138,7 +165,83 @@ pub fn launches_gdn(
         ],
     });
     let rows = d.dk.div_ceil(32).next_power_of_two();
-    let col_blocks = d.dv.div_ceil(4 * GDN_COLS);
+    // Decodes, then prompts: one launch each, with their own columns a warp (decodes whose
+    // value dim splits into the state's 16-byte vectors take gdn_decode).
+    let vec = if d.state_bf16 { 8 } else { 4 };
+    let mut groups = vec![(plan.decodes(), plan.prompts(), PROMPT_COLS)];
+    if plan.decodes() > 0 && d.dv.is_multiple_of(vec) {
+        out.push(decode_launch(plan.decodes(), d, ty, vec)?);
+    } else {
+        groups.insert(0, (0, plan.decodes(), DECODE_COLS));
+    }
+    for (e0, count, cols) in groups {
+        if count == 0 {
+            continue;
+        }
+        let mut args = vec![
+            Scratch(0),
+            Scratch(1),
+            Scratch(2),
+            Scratch(3),
+            Scratch(4),
+            C,
+            Out,
+            SsmPool,
+        ];
+        args.extend(
+            [
+                WorkCol::SeqTok,
+                WorkCol::SeqLen,
+                WorkCol::SeqSlot,
+                WorkCol::SeqChunk,
+                WorkCol::SeqChunks,
+                WorkCol::SeqSnap,
+                WorkCol::SeqSnaps,
+                WorkCol::CkTok,
+                WorkCol::CkLen,
+                WorkCol::CkSnap,
+                WorkCol::CkSnaps,
+                WorkCol::SnapSlot,
+            ]
+            .map(Work),
+        );
+        args.extend([
+            U32(e0 as u32),
+            U32(plan.decodes() as u32),
+            U32(d.k_heads),
+            U32(d.v_heads),
+            U32(d.dk),
+            U32(d.dv),
+            U32(d.v_ld),
+            U32(d.out_ld),
+            U32(d.layer),
+            U32(d.layers),
+            U32(d.slots),
+        ]);
+        let col_blocks = d.dv.div_ceil(4 * cols);
+        out.push(Launch {
+            entry: entry_name(&format!(
+                "gdn_scan_r{rows}_c{cols}_{ty}{}",
+                state_suffix(d.state_bf16)
+            )),
+            grid: grid(count as u64 * u64::from(d.v_heads) * u64::from(col_blocks))?,
+            block: (GDN_THREADS, 1, 1),
+            smem: 0,
+            args,
+        });
+    }
+    Ok(out)
+}
+
+/// `gdn_decode` over the first `decodes` entries: `vec` state columns a lane, 8 lanes across.
+fn decode_launch(
+    decodes: usize,
+    d: GdnDims,
+    ty: &str,
+    vec: u32,
+) -> Result<Launch<SsmArg>, SsmError> {
+    use SsmArg::*;
+    let rows = d.dk.div_ceil(16).next_power_of_two().max(2);
     let mut args = vec![
         Scratch(0),
         Scratch(1),
@@ -152,22 +255,14 @@ pub fn launches_gdn(
     args.extend(
         [
             WorkCol::SeqTok,
-            WorkCol::SeqLen,
             WorkCol::SeqSlot,
-            WorkCol::SeqChunk,
-            WorkCol::SeqChunks,
             WorkCol::SeqSnap,
             WorkCol::SeqSnaps,
-            WorkCol::CkTok,
-            WorkCol::CkLen,
-            WorkCol::CkSnap,
-            WorkCol::CkSnaps,
             WorkCol::SnapSlot,
         ]
         .map(Work),
     );
     args.extend([
-        U32(plan.decodes() as u32),
         U32(d.k_heads),
         U32(d.v_heads),
         U32(d.dk),
@@ -178,17 +273,17 @@ pub fn launches_gdn(
         U32(d.layers),
         U32(d.slots),
     ]);
-    out.push(Launch {
+    let col_blocks = u64::from(d.dv.div_ceil(8 * vec));
+    Ok(Launch {
         entry: entry_name(&format!(
-            "gdn_scan_r{rows}_{ty}{}",
+            "gdn_decode_r{rows}_{ty}{}",
             state_suffix(d.state_bf16)
         )),
-        grid: grid(plan.seqs() as u64 * u64::from(d.v_heads) * u64::from(col_blocks))?,
+        grid: grid(decodes as u64 * u64::from(d.v_heads) * col_blocks)?,
         block: (GDN_THREADS, 1, 1),
         smem: 0,
         args,
-    });
-    Ok(out)
+    })
 }
 
 /// The f32 lengths of [`launches_gdn`]'s five scratch buffers for `tokens` tokens: the
@@ -209,13 +304,25 @@ mod tests {
     fn every_scan_the_planner_names_is_in_the_table() {
         for dk in [8, 16, 32, 33, 64, 128, 129, 256] {
             let rows = (dk as u32).div_ceil(32).next_power_of_two();
+            for cols in [DECODE_COLS, PROMPT_COLS] {
+                for (ty, st) in [
+                    ("f32", ""),
+                    ("bf16", ""),
+                    ("f32", "_sbf16"),
+                    ("bf16", "_sbf16"),
+                ] {
+                    let name = format!("gdn_scan_r{rows}_c{cols}_{ty}{st}");
+                    assert_eq!(entry_name(&name), name, "dk {dk}");
+                }
+            }
+            let rows = (dk as u32).div_ceil(16).next_power_of_two().max(2);
             for (ty, st) in [
                 ("f32", ""),
                 ("bf16", ""),
                 ("f32", "_sbf16"),
                 ("bf16", "_sbf16"),
             ] {
-                let name = format!("gdn_scan_r{rows}_{ty}{st}");
+                let name = format!("gdn_decode_r{rows}_{ty}{st}");
                 assert_eq!(entry_name(&name), name, "dk {dk}");
             }
         }

@@ -224,8 +224,9 @@ fn the_entry_table_is_the_ssm_sources_tables() {
     assert_eq!(table, sources);
     assert_eq!(
         table.len(),
-        44,
-        "2 slot ops, 4 conv, 4 decode, 10 SSD state, 6 SSD scan, 2 GDN prep, 16 GDN scan"
+        76,
+        "2 slot ops, 4 conv, 4 decode, 10 SSD state, 6 SSD scan, 2 GDN prep, 32 GDN scan, \
+         16 GDN decode"
     );
 }
 
