@@ -42,6 +42,13 @@ pub fn run(
         "bamba-b",
         "mamba2-g2",
         "nemotronh-a",
+        // Gated DeltaNet (dense and with softmax-routed experts), Granite 4.0's experts,
+        // Falcon-H1's parallel mixers.
+        "qwen35-a",
+        "qwen35moe-a",
+        "qwen3next-b",
+        "granite-moe",
+        "falconh1-d",
     ] {
         let dir = args.fixtures.join(name);
         for gpu in [f32_gpu, bf16_gpu] {
