@@ -45,6 +45,7 @@ pub mod composed;
 pub mod counting;
 pub mod cpu;
 pub mod cuda;
+mod forward;
 pub mod sample;
 pub mod step;
 
@@ -866,7 +867,9 @@ mod tests {
     /// [`super::LayerOps`] or [`super::StepBackend`] has a default body, so every implementor
     /// writes each one out (the compiler names any left out), and [`super::counting::Counting`]
     /// forwards each to the same method of the backend it wraps (not to its parts: a fused
-    /// operation counted as its pieces would run unfused under it).
+    /// operation counted as its pieces would run unfused under it). Counting's methods come
+    /// from `forward!` lists; what the macro writes for a listed name is checked by
+    /// `forward::tests::a_listed_method_calls_its_target_with_its_arguments`.
     #[test]
     fn no_trait_method_has_a_default_and_counting_forwards_every_one() {
         let methods = trait_methods(include_str!("mod.rs"));
@@ -893,22 +896,55 @@ mod tests {
 
         let counting = include_str!("counting.rs");
         for (tr, m, _) in &methods {
-            let starts: Vec<usize> = counting
-                .match_indices(&format!("\n    fn {m}"))
-                .map(|(i, _)| i)
-                .filter(|&i| {
-                    let after = &counting[i + 8 + m.len()..];
-                    after.starts_with('(') || after.starts_with('<')
-                })
-                .collect();
-            assert_eq!(starts.len(), 1, "Counting implements {tr}::{m} once");
-            let rest = &counting[starts[0]..];
-            let end = rest.find("\n    }\n").unwrap_or(rest.len());
-            let body: String = rest[..end].split_whitespace().collect();
-            assert!(
-                body.contains(&format!("self.inner.{m}(")),
+            let forwards = counting_forwards(counting, m);
+            assert_eq!(
+                forwards.len(),
+                1,
+                "Counting implements {tr}::{m} once, forwarding it (found {forwards:?})"
+            );
+            assert_eq!(
+                forwards[0], "self.inner",
                 "Counting's {tr}::{m} does not forward to the inner {m}"
             );
         }
+    }
+
+    /// Where `counting.rs` implements method `m`: for each implementation, the receiver it
+    /// forwards `m` to under the same name (`"self.inner"`), or what it does instead. A
+    /// `forward! { recv… => a, b -> c, … }` list implements each name it lists, forwarding to
+    /// `recv.a` (or to `recv.c`: another method, so not `"self.inner"`); a written-out `fn m`
+    /// forwards when its body calls `self.inner.m(`.
+    fn counting_forwards(src: &str, m: &str) -> Vec<String> {
+        let mut found = Vec::new();
+        for (i, _) in src.match_indices("forward! {") {
+            let block = &src[i + "forward! {".len()..];
+            let block = &block[..block.find('}').unwrap_or(block.len())];
+            let Some((head, list)) = block.split_once("=>") else {
+                continue;
+            };
+            let recv = head.split(',').next().unwrap_or("").trim();
+            for item in list.split(',') {
+                let words: Vec<&str> = item.split_whitespace().collect();
+                match words.as_slice() {
+                    [name] if *name == m => found.push(recv.to_string()),
+                    [name, "->", to] if *name == m => found.push(format!("{recv}.{to}")),
+                    _ => {}
+                }
+            }
+        }
+        for (i, _) in src.match_indices(&format!("\n    fn {m}")) {
+            let after = &src[i + 8 + m.len()..];
+            if !(after.starts_with('(') || after.starts_with('<')) {
+                continue;
+            }
+            let end = after.find("\n    }\n").unwrap_or(after.len());
+            let body: String = after[..end].split_whitespace().collect();
+            found.push(if body.contains(&format!("self.inner.{m}(")) {
+                "self.inner".to_string()
+            } else {
+                format!("a body of its own: {body}")
+            });
+        }
+        found
     }
 }

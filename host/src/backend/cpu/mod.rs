@@ -38,10 +38,11 @@ pub(crate) use matmul::gemm_nt;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
+use super::forward::forward;
 use super::{
-    Activation, ArenaStats, AttnShape, Backend, BackendError, DType, DeviceStepTime, GdnShape,
-    GraphBucket, HostTensor, KvLayer, LayerOps, Mamba2Mix, MoeRouting, Result, Rope, SampleOut,
-    SsmOutNorm, SsmPools, SsmShape, StackedExperts, StepBackend, StepPlan, composed,
+    Activation, Backend, BackendError, DType, DeviceStepTime, GraphBucket, LayerOps, Mamba2Mix,
+    MoeRouting, Result, SampleOut, SsmOutNorm, SsmPools, StackedExperts, StepBackend, StepPlan,
+    composed,
 };
 
 /// The CPU backend: stateless kernels plus the arena its temporaries come from. Clones share
@@ -111,26 +112,18 @@ impl Backend for CpuBackend {
     fn bf16_ssm_state(&self) -> bool {
         false
     }
-    fn upload(&self, host: HostTensor<'_>) -> Result<CpuTensor> {
-        self.upload_host(host)
-    }
-    fn download(&self, t: &CpuTensor) -> Result<Vec<f32>> {
-        self.download_f32(t)
-    }
     fn shape<'a>(&self, t: &'a CpuTensor) -> &'a [usize] {
         &t.shape
     }
     fn dtype(&self, _t: &CpuTensor) -> DType {
         DType::F32
     }
-    fn zeros(&self, shape: &[usize], dtype: DType) -> Result<CpuTensor> {
-        self.zeros_persistent(shape, dtype)
-    }
-    fn copy_into(&self, src: &CpuTensor, dst: &mut CpuTensor) -> Result<()> {
-        self.copy_values(src, dst)
-    }
-    fn fill_dummy(&self, t: &mut CpuTensor, seed: u64, std: f32, mean: f32) -> Result<()> {
-        self.fill_dummy_values(t, seed, std, mean)
+    forward! { self =>
+        upload -> upload_host,
+        download -> download_f32,
+        zeros -> zeros_persistent,
+        copy_into -> copy_values,
+        fill_dummy -> fill_dummy_values,
     }
 }
 
@@ -139,138 +132,31 @@ impl LayerOps for CpuBackend {
 
     /// The CPU cuts no scan chunks ahead: its scan reads the plan.
     fn set_ssm_chunk_size(&self, _chunk: usize) {}
-    fn zeros_like(&self, x: &CpuTensor) -> Result<CpuTensor> {
-        self.zeros_tmp(x)
+    forward! { self =>
+        zeros_like -> zeros_tmp,
+        embedding -> embed_rows,
+        linear -> project,
+        linear_shared -> project_shared,
+        add_assign -> add_in_place,
+        scale_assign -> scale_in_place,
+        rms_norm -> rms_norm_rows,
+        gated_rms_norm -> gated_rms_norm_groups,
+        activate -> activate_in_place,
+        gated_activation -> act_mul,
+        split_cols -> copy_col_ranges,
+        gather_logit_rows -> gather_logits,
+        apply_rope -> rope_in_place,
+        paged_attention -> write_kv_and_attend,
+        ssm_slot_ops -> run_slot_ops,
+        causal_conv1d -> conv_layer,
+        ssm_scan -> scan_layer,
+        head_rms_norm -> head_rms_norm_rows,
+        sigmoid_gate -> sigmoid_gate_rows,
+        gated_delta_rule -> delta_rule_layer,
     }
-    fn embedding(&self, table: &CpuTensor, step: &CpuStep) -> Result<CpuTensor> {
-        self.embed_rows(table, step)
-    }
-    fn linear(&self, x: &CpuTensor, w: &CpuTensor, b: Option<&CpuTensor>) -> Result<CpuTensor> {
-        self.project(x, w, b)
-    }
-    fn linear_shared(&self, x: &CpuTensor, ws: &[Weight<'_>]) -> Result<Vec<CpuTensor>> {
-        self.project_shared(x, ws)
-    }
-    fn gated_linear(
-        &self,
-        x: &CpuTensor,
-        gate: Weight<'_>,
-        up: Weight<'_>,
-        act: Activation,
-    ) -> Result<CpuTensor> {
-        composed::gated_linear(self, x, gate, up, act)
-    }
-    fn linear_activated(
-        &self,
-        x: &CpuTensor,
-        w: &CpuTensor,
-        b: Option<&CpuTensor>,
-        act: Activation,
-    ) -> Result<CpuTensor> {
-        composed::linear_activated(self, x, w, b, act)
-    }
-    fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
-        self.add_in_place(x, y)
-    }
-    fn scale_assign(&self, x: &mut CpuTensor, s: f32) -> Result<()> {
-        self.scale_in_place(x, s)
-    }
-    fn rms_norm(&self, x: &CpuTensor, w: &CpuTensor, eps: f32) -> Result<CpuTensor> {
-        self.rms_norm_rows(x, w, eps)
-    }
-    fn add_rms_norm(
-        &self,
-        residual: &mut CpuTensor,
-        delta: &CpuTensor,
-        w: &CpuTensor,
-        eps: f32,
-    ) -> Result<CpuTensor> {
-        composed::add_rms_norm(self, residual, delta, w, eps)
-    }
-    fn gated_rms_norm(
-        &self,
-        x: &CpuTensor,
-        gate: &CpuTensor,
-        w: &CpuTensor,
-        group: usize,
-        eps: f32,
-    ) -> Result<CpuTensor> {
-        self.gated_rms_norm_groups(x, gate, w, group, eps)
-    }
-    fn activate(&self, x: &mut CpuTensor, act: Activation) -> Result<()> {
-        self.activate_in_place(x, act)
-    }
-    fn gated_activation(&self, g: &CpuTensor, u: &CpuTensor, a: Activation) -> Result<CpuTensor> {
-        self.act_mul(g, u, a)
-    }
-    fn split_cols<const N: usize>(&self, x: &CpuTensor, w: [usize; N]) -> Result<[CpuTensor; N]> {
-        self.copy_col_ranges(x, w)
-    }
-    fn gather_logit_rows(&self, x: &CpuTensor, step: &CpuStep) -> Result<CpuTensor> {
-        self.gather_logits(x, step)
-    }
-    fn apply_rope(
-        &self,
-        x: &mut CpuTensor,
-        heads: usize,
-        head_dim: usize,
-        rope: &Rope,
-        step: &CpuStep,
-    ) -> Result<()> {
-        self.rope_in_place(x, heads, head_dim, rope, step)
-    }
-    fn paged_attention(
-        &self,
-        q: &CpuTensor,
-        k: &CpuTensor,
-        v: &CpuTensor,
-        cache: &mut KvLayer<CpuTensor>,
-        shape: AttnShape,
-        step: &CpuStep,
-    ) -> Result<CpuTensor> {
-        self.write_kv_and_attend(q, k, v, cache, shape, step)
-    }
-    fn rope_paged_attention(
-        &self,
-        q: CpuTensor,
-        k: CpuTensor,
-        v: &CpuTensor,
-        cache: &mut KvLayer<CpuTensor>,
-        shape: AttnShape,
-        rope: &Rope,
-        step: &CpuStep,
-    ) -> Result<CpuTensor> {
-        composed::rope_paged_attention(self, q, k, v, cache, shape, rope, step)
-    }
-    fn ssm_slot_ops(&self, pools: &mut SsmPools<CpuTensor>, step: &CpuStep) -> Result<()> {
-        self.run_slot_ops(pools, step)
-    }
-    fn causal_conv1d(
-        &self,
-        x: &CpuTensor,
-        weight: &CpuTensor,
-        bias: Option<&CpuTensor>,
-        pools: &mut SsmPools<CpuTensor>,
-        layer: usize,
-        step: &CpuStep,
-    ) -> Result<CpuTensor> {
-        self.conv_layer(x, weight, bias, pools, layer, step)
-    }
-    fn ssm_scan(
-        &self,
-        x: &CpuTensor,
-        b: &CpuTensor,
-        c: &CpuTensor,
-        dt: &CpuTensor,
-        a_log: &CpuTensor,
-        d: &CpuTensor,
-        dt_bias: &CpuTensor,
-        shape: SsmShape,
-        pools: &mut SsmPools<CpuTensor>,
-        layer: usize,
-        step: &CpuStep,
-    ) -> Result<CpuTensor> {
-        self.scan_layer(x, b, c, dt, a_log, d, dt_bias, shape, pools, layer, step)
+    // The fused operations, as their parts.
+    forward! { composed(self) =>
+        gated_linear, linear_activated, add_rms_norm, rope_paged_attention,
     }
     fn mamba2_mix(
         &self,
@@ -290,34 +176,6 @@ impl LayerOps for CpuBackend {
             _ => composed::mamba2_mix(self, zxbcdt, m, pools, layer, step),
         }
     }
-    fn head_rms_norm(
-        &self,
-        x: &CpuTensor,
-        w: &CpuTensor,
-        hd: usize,
-        eps: f32,
-    ) -> Result<CpuTensor> {
-        self.head_rms_norm_rows(x, w, hd, eps)
-    }
-    fn sigmoid_gate(&self, x: &mut CpuTensor, gate: &CpuTensor) -> Result<()> {
-        self.sigmoid_gate_rows(x, gate)
-    }
-    fn gated_delta_rule(
-        &self,
-        q: &CpuTensor,
-        k: &CpuTensor,
-        v: &CpuTensor,
-        a: &CpuTensor,
-        b: &CpuTensor,
-        a_log: &CpuTensor,
-        dt_bias: &CpuTensor,
-        shape: GdnShape,
-        pools: &mut SsmPools<CpuTensor>,
-        layer: usize,
-        step: &CpuStep,
-    ) -> Result<CpuTensor> {
-        self.delta_rule_layer(q, k, v, a, b, a_log, dt_bias, shape, pools, layer, step)
-    }
     fn moe(
         &self,
         x: &CpuTensor,
@@ -331,30 +189,19 @@ impl LayerOps for CpuBackend {
 }
 
 impl StepBackend for CpuBackend {
-    fn new_step(&self, max_tokens: usize) -> Result<CpuStep> {
-        self.new_step_object(max_tokens)
-    }
-    fn upload_step(&self, plan: &StepPlan, step: &mut CpuStep) -> Result<()> {
-        self.upload_plan(plan, step)
-    }
-    fn arena_stats(&self) -> ArenaStats {
-        self.arena_growth()
+    forward! { self =>
+        new_step -> new_step_object,
+        upload_step -> upload_plan,
+        arena_stats -> arena_growth,
+        pack_step -> pack_eager_only,
+        repack_tokens -> repack_plan_tokens,
+        sample -> sample_rows,
+        // The device is the host: the whole tail runs here and the finish has nothing left.
+        sample_start -> sample_rows,
     }
     // Packing ahead is the same copy: it keeps the CPU on the path a device takes.
     fn packs_ahead(&self) -> bool {
         true
-    }
-    fn pack_step(
-        &self,
-        plan: &StepPlan,
-        step: &mut CpuStep,
-        bucket: Option<GraphBucket>,
-        max_blocks: usize,
-    ) -> Result<bool> {
-        self.pack_eager_only(plan, step, bucket, max_blocks)
-    }
-    fn repack_tokens(&self, plan: &StepPlan, step: &mut CpuStep) -> Result<()> {
-        self.repack_plan_tokens(plan, step)
     }
     fn send_step(&self, _step: &mut CpuStep) -> Result<()> {
         Ok(())
@@ -384,18 +231,6 @@ impl StepBackend for CpuBackend {
     fn step_clock_end(&self) -> Result<Option<DeviceStepTime>> {
         Ok(None)
     }
-    fn sample(&self, logits: &mut CpuTensor, step: &CpuStep, out: &mut SampleOut) -> Result<()> {
-        self.sample_rows(logits, step, out)
-    }
-    /// The device is the host: the whole tail runs here and the finish has nothing left.
-    fn sample_start(
-        &self,
-        logits: &mut CpuTensor,
-        step: &CpuStep,
-        out: &mut SampleOut,
-    ) -> Result<()> {
-        self.sample_rows(logits, step, out)
-    }
     fn sample_finish(&self, _out: &mut SampleOut) -> Result<()> {
         Ok(())
     }
@@ -403,9 +238,6 @@ impl StepBackend for CpuBackend {
         true
     }
 }
-
-/// A weight and its optional bias, as the linear layers take them.
-type Weight<'a> = (&'a CpuTensor, Option<&'a CpuTensor>);
 
 /// The error of a graph call: the CPU replays no graphs (it has no graph buckets).
 fn no_graphs() -> BackendError {

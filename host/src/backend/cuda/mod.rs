@@ -62,10 +62,10 @@ use self::memory::{Arena, DevAlloc, MemStats, Pinned, sync};
 use self::sample::PendingRead;
 pub use self::step::CudaStep;
 pub use self::tensor::CudaTensor;
+use super::forward::forward;
 use super::{
-    Activation, ArenaStats, AttnShape, Backend, BackendError, DType, DeviceStepTime, GdnShape,
-    GraphBucket, HostTensor, KvLayer, LayerOps, Mamba2Mix, MoeRouting, Result, Rope, SampleOut,
-    SsmPools, SsmShape, StackedExperts, StepBackend, StepPlan,
+    Activation, Backend, BackendError, DType, GdnShape, GraphBucket, LayerOps, Result, SsmPools,
+    StepBackend, StepPlan,
 };
 
 /// Which numeric mode and device a backend runs.
@@ -356,17 +356,8 @@ impl Backend for CudaBackend {
     fn act_dtype(&self) -> DType {
         self.inner.dtype
     }
-    fn is_lost(&self) -> bool {
-        self.is_broken()
-    }
     fn bf16_ssm_state(&self) -> bool {
         true
-    }
-    fn upload(&self, host: HostTensor<'_>) -> Result<CudaTensor> {
-        self.upload_host(host)
-    }
-    fn download(&self, t: &CudaTensor) -> Result<Vec<f32>> {
-        self.download_f32(t)
     }
     fn shape<'a>(&self, t: &'a CudaTensor) -> &'a [usize] {
         &t.shape
@@ -374,182 +365,46 @@ impl Backend for CudaBackend {
     fn dtype(&self, t: &CudaTensor) -> DType {
         t.dtype
     }
-    fn zeros(&self, shape: &[usize], dtype: DType) -> Result<CudaTensor> {
-        self.zeros_persistent(shape, dtype)
-    }
-    fn copy_into(&self, src: &CudaTensor, dst: &mut CudaTensor) -> Result<()> {
-        self.copy_on_device(src, dst)
-    }
-    fn fill_dummy(&self, t: &mut CudaTensor, seed: u64, std: f32, mean: f32) -> Result<()> {
-        self.fill_dummy_on_device(t, seed, std, mean)
+    forward! { self =>
+        is_lost -> is_broken,
+        upload -> upload_host,
+        download -> download_f32,
+        zeros -> zeros_persistent,
+        copy_into -> copy_on_device,
+        fill_dummy -> fill_dummy_on_device,
     }
 }
 
 impl LayerOps for CudaBackend {
     type Step = CudaStep;
 
-    fn set_ssm_chunk_size(&self, chunk: usize) {
-        self.store_ssm_chunk(chunk);
-    }
-    fn zeros_like(&self, x: &CudaTensor) -> Result<CudaTensor> {
-        self.zeros_tmp(x)
-    }
-    fn embedding(&self, table: &CudaTensor, step: &CudaStep) -> Result<CudaTensor> {
-        self.embed_rows(table, step)
-    }
-    fn linear(&self, x: &CudaTensor, w: &CudaTensor, b: Option<&CudaTensor>) -> Result<CudaTensor> {
-        self.project(x, w, b)
-    }
-    fn linear_shared(&self, x: &CudaTensor, ws: &[Weight<'_>]) -> Result<Vec<CudaTensor>> {
-        self.project_shared(x, ws)
-    }
-    fn gated_linear(
-        &self,
-        x: &CudaTensor,
-        gate: Weight<'_>,
-        up: Weight<'_>,
-        act: Activation,
-    ) -> Result<CudaTensor> {
-        self.project_gated(x, gate, up, act)
-    }
-    fn linear_activated(
-        &self,
-        x: &CudaTensor,
-        w: &CudaTensor,
-        b: Option<&CudaTensor>,
-        act: Activation,
-    ) -> Result<CudaTensor> {
-        self.project_activated(x, w, b, act)
-    }
-    fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
-        self.add_in_place(x, y)
-    }
-    fn scale_assign(&self, x: &mut CudaTensor, s: f32) -> Result<()> {
-        self.scale_in_place(x, s)
-    }
-    fn rms_norm(&self, x: &CudaTensor, w: &CudaTensor, eps: f32) -> Result<CudaTensor> {
-        self.rms_norm_rows(x, w, eps)
-    }
-    fn add_rms_norm(
-        &self,
-        residual: &mut CudaTensor,
-        delta: &CudaTensor,
-        w: &CudaTensor,
-        eps: f32,
-    ) -> Result<CudaTensor> {
-        self.add_rms_norm_rows(residual, delta, w, eps)
-    }
-    fn gated_rms_norm(
-        &self,
-        x: &CudaTensor,
-        gate: &CudaTensor,
-        w: &CudaTensor,
-        group: usize,
-        eps: f32,
-    ) -> Result<CudaTensor> {
-        self.gated_rms_norm_dense(x, gate, w, group, eps)
-    }
-    fn activate(&self, x: &mut CudaTensor, act: Activation) -> Result<()> {
-        self.activate_in_place(x, act)
-    }
-    fn gated_activation(
-        &self,
-        g: &CudaTensor,
-        u: &CudaTensor,
-        a: Activation,
-    ) -> Result<CudaTensor> {
-        self.act_mul(g, u, a)
-    }
-    fn split_cols<const N: usize>(&self, x: &CudaTensor, w: [usize; N]) -> Result<[CudaTensor; N]> {
-        self.copy_col_ranges(x, w)
-    }
-    fn gather_logit_rows(&self, x: &CudaTensor, step: &CudaStep) -> Result<CudaTensor> {
-        self.gather_logits(x, step)
-    }
-    fn apply_rope(
-        &self,
-        x: &mut CudaTensor,
-        heads: usize,
-        head_dim: usize,
-        rope: &Rope,
-        step: &CudaStep,
-    ) -> Result<()> {
-        self.rope_in_place(x, heads, head_dim, rope, step)
-    }
-    fn paged_attention(
-        &self,
-        q: &CudaTensor,
-        k: &CudaTensor,
-        v: &CudaTensor,
-        cache: &mut KvLayer<CudaTensor>,
-        shape: AttnShape,
-        step: &CudaStep,
-    ) -> Result<CudaTensor> {
-        self.write_kv_and_attend(q, k, v, cache, shape, step)
-    }
-    fn rope_paged_attention(
-        &self,
-        q: CudaTensor,
-        k: CudaTensor,
-        v: &CudaTensor,
-        cache: &mut KvLayer<CudaTensor>,
-        shape: AttnShape,
-        rope: &Rope,
-        step: &CudaStep,
-    ) -> Result<CudaTensor> {
-        self.rope_write_kv_and_attend(q, k, v, cache, shape, rope, step)
-    }
-    fn ssm_slot_ops(&self, pools: &mut SsmPools<CudaTensor>, step: &CudaStep) -> Result<()> {
-        self.run_slot_ops(pools, step)
-    }
-    fn causal_conv1d(
-        &self,
-        x: &CudaTensor,
-        weight: &CudaTensor,
-        bias: Option<&CudaTensor>,
-        pools: &mut SsmPools<CudaTensor>,
-        layer: usize,
-        step: &CudaStep,
-    ) -> Result<CudaTensor> {
-        self.conv_dense(x, weight, bias, pools, layer, step)
-    }
-    fn ssm_scan(
-        &self,
-        x: &CudaTensor,
-        b: &CudaTensor,
-        c: &CudaTensor,
-        dt: &CudaTensor,
-        a_log: &CudaTensor,
-        d: &CudaTensor,
-        dt_bias: &CudaTensor,
-        shape: SsmShape,
-        pools: &mut SsmPools<CudaTensor>,
-        layer: usize,
-        step: &CudaStep,
-    ) -> Result<CudaTensor> {
-        self.scan_dense(x, b, c, dt, a_log, d, dt_bias, shape, pools, layer, step)
-    }
-    fn mamba2_mix(
-        &self,
-        zxbcdt: &CudaTensor,
-        m: &Mamba2Mix<'_, CudaTensor>,
-        pools: &mut SsmPools<CudaTensor>,
-        layer: usize,
-        step: &CudaStep,
-    ) -> Result<CudaTensor> {
-        self.mamba2_mix_in_place(zxbcdt, m, pools, layer, step)
-    }
-    fn head_rms_norm(
-        &self,
-        x: &CudaTensor,
-        w: &CudaTensor,
-        head_dim: usize,
-        eps: f32,
-    ) -> Result<CudaTensor> {
-        self.head_rms_norm_rows(x, w, head_dim, eps)
-    }
-    fn sigmoid_gate(&self, x: &mut CudaTensor, gate: &CudaTensor) -> Result<()> {
-        self.sigmoid_gate_rows(x, gate)
+    forward! { self =>
+        set_ssm_chunk_size -> store_ssm_chunk,
+        zeros_like -> zeros_tmp,
+        embedding -> embed_rows,
+        linear -> project,
+        linear_shared -> project_shared,
+        gated_linear -> project_gated,
+        linear_activated -> project_activated,
+        add_assign -> add_in_place,
+        scale_assign -> scale_in_place,
+        rms_norm -> rms_norm_rows,
+        add_rms_norm -> add_rms_norm_rows,
+        gated_rms_norm -> gated_rms_norm_dense,
+        activate -> activate_in_place,
+        gated_activation -> act_mul,
+        split_cols -> copy_col_ranges,
+        gather_logit_rows -> gather_logits,
+        apply_rope -> rope_in_place,
+        paged_attention -> write_kv_and_attend,
+        rope_paged_attention -> rope_write_kv_and_attend,
+        ssm_slot_ops -> run_slot_ops,
+        causal_conv1d -> conv_dense,
+        ssm_scan -> scan_dense,
+        mamba2_mix -> mamba2_mix_in_place,
+        head_rms_norm -> head_rms_norm_rows,
+        sigmoid_gate -> sigmoid_gate_rows,
+        moe -> moe_on_device,
     }
     fn gated_delta_rule(
         &self,
@@ -576,27 +431,23 @@ impl LayerOps for CudaBackend {
         };
         self.delta_rule_layer(&x, shape, pools, layer, step)
     }
-    fn moe(
-        &self,
-        x: &CudaTensor,
-        router_logits: &CudaTensor,
-        routing: &MoeRouting<CudaTensor>,
-        experts: &StackedExperts<CudaTensor>,
-        out: &mut CudaTensor,
-    ) -> Result<()> {
-        self.moe_on_device(x, router_logits, routing, experts, out)
-    }
 }
 
 impl StepBackend for CudaBackend {
-    fn new_step(&self, max_tokens: usize) -> Result<CudaStep> {
-        self.new_step_object(max_tokens)
-    }
-    fn upload_step(&self, plan: &StepPlan, step: &mut CudaStep) -> Result<()> {
-        self.upload_eager(plan, step)
-    }
-    fn arena_stats(&self) -> ArenaStats {
-        self.arena_growth()
+    forward! { self =>
+        new_step -> new_step_object,
+        upload_step -> upload_eager,
+        arena_stats -> arena_growth,
+        send_step -> send,
+        upload_graph_step -> upload_for_graph,
+        capture_graph -> capture,
+        replay_graph -> replay,
+        step_clock_start -> clock_start,
+        step_clock_end -> clock_end,
+        sample -> sample_and_wait,
+        sample_start -> enqueue_sample,
+        sample_finish -> finish_sample,
+        sample_ready -> sample_landed,
     }
     fn packs_ahead(&self) -> bool {
         true
@@ -613,54 +464,10 @@ impl StepBackend for CudaBackend {
     fn repack_tokens(&self, plan: &StepPlan, step: &mut CudaStep) -> Result<()> {
         step.repack_tokens(plan)
     }
-    fn send_step(&self, step: &mut CudaStep) -> Result<()> {
-        self.send(step)
-    }
     fn graph_buckets(&self, max_batch: usize, max_tokens: usize) -> Vec<GraphBucket> {
         graph::buckets(max_batch, max_tokens)
     }
-    fn upload_graph_step(
-        &self,
-        plan: &StepPlan,
-        step: &mut CudaStep,
-        bucket: GraphBucket,
-        max_blocks: usize,
-    ) -> Result<bool> {
-        self.upload_for_graph(plan, step, bucket, max_blocks)
-    }
-    fn capture_graph(&self, run: &mut dyn FnMut() -> Result<()>) -> Result<usize> {
-        self.capture(run)
-    }
-    fn replay_graph(&self, id: usize) -> Result<()> {
-        self.replay(id)
-    }
-    fn step_clock_start(&self) -> Result<()> {
-        self.clock_start()
-    }
-    fn step_clock_end(&self) -> Result<Option<DeviceStepTime>> {
-        self.clock_end()
-    }
-    fn sample(&self, logits: &mut CudaTensor, step: &CudaStep, out: &mut SampleOut) -> Result<()> {
-        self.sample_and_wait(logits, step, out)
-    }
-    fn sample_start(
-        &self,
-        logits: &mut CudaTensor,
-        step: &CudaStep,
-        out: &mut SampleOut,
-    ) -> Result<()> {
-        self.enqueue_sample(logits, step, out)
-    }
-    fn sample_finish(&self, out: &mut SampleOut) -> Result<()> {
-        self.finish_sample(out)
-    }
-    fn sample_ready(&self) -> bool {
-        self.sample_landed()
-    }
 }
-
-/// A weight and its optional bias, as the projections take them.
-type Weight<'a> = (&'a CudaTensor, Option<&'a CudaTensor>);
 
 /// The bytes of a u32 slice (little-endian hosts only, as everywhere in the backends).
 fn u32_bytes(v: &[u32]) -> &[u8] {
