@@ -90,6 +90,25 @@ pub struct GenerateRequest {
     pub priority: i32,
 }
 
+#[cfg(test)]
+impl GenerateRequest {
+    /// A unit test's request: default sampling, no stop tokens, EOS ignored, nothing else asked.
+    pub(crate) fn for_test(id: u64, prompt: Vec<u32>, max_tokens: u32) -> Self {
+        Self {
+            id,
+            prompt,
+            params: SamplingParams::default(),
+            max_tokens,
+            stop_token_ids: vec![],
+            ignore_eos: true,
+            prompt_logprobs: None,
+            block_hashes: None,
+            checkpoints: Vec::new(),
+            priority: 0,
+        }
+    }
+}
+
 /// Logprob of one generated token and of its top alternatives.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenLogprob {

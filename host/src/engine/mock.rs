@@ -530,6 +530,13 @@ mod tests {
         p
     }
 
+    /// Executes `inp` on `m`: its output.
+    fn run(m: &mut MockExecutor, inp: &StepPlan) -> StepOutput {
+        let mut out = StepOutput::default();
+        m.execute(inp, &mut out).unwrap();
+        out
+    }
+
     fn alloc(m: &mut MockExecutor) {
         m.allocate(CacheAllocation {
             num_blocks: 8,
@@ -553,20 +560,17 @@ mod tests {
         inp.push(&toks, 0, &[0, 1, 2], 0, true);
         inp.snapshot(8, 2);
         inp.finish().unwrap();
-        let mut la = StepOutput::default();
-        a.execute(&inp, &mut la).unwrap();
+        let la = run(&mut a, &inp);
         // Restore the snapshot into slot 1, reuse blocks 0-1, compute the last 2 tokens.
         let mut inp = plan();
         inp.slot_ops.push(SlotOp::Copy { from: 2, to: 1 });
         inp.push(&toks[8..], 8, &[0, 1, 5], 1, true);
         inp.finish().unwrap();
-        let mut lb = StepOutput::default();
-        a.execute(&inp, &mut lb).unwrap();
+        let lb = run(&mut a, &inp);
         assert_eq!(la.full.data, lb.full.data);
         // Restoring from a zeroed slot instead gives different logits.
         inp.slot_ops = vec![SlotOp::Zero { slot: 1 }];
-        let mut lc = StepOutput::default();
-        a.execute(&inp, &mut lc).unwrap();
+        let lc = run(&mut a, &inp);
         assert_ne!(la.full.data, lc.full.data);
     }
 
@@ -578,8 +582,7 @@ mod tests {
         let mut inp = plan();
         inp.push(&toks, 0, &[3, 4], 0, true);
         inp.finish().unwrap();
-        let mut l1 = StepOutput::default();
-        m.execute(&inp, &mut l1).unwrap();
+        run(&mut m, &inp);
         let mut inp = plan();
         inp.push(&toks[4..], 4, &[5, 4], 0, true);
         inp.finish().unwrap();
@@ -598,8 +601,7 @@ mod tests {
             let mut inp = plan();
             inp.push(&chunk.1, chunk.0, &table, 0, true);
             inp.finish().unwrap();
-            let mut l = StepOutput::default();
-            m.execute(&inp, &mut l).unwrap();
+            let l = run(m, &inp);
             let row = l.full.row(0);
             let best = (0..row.len())
                 .max_by(|&a, &b| row[a].total_cmp(&row[b]))

@@ -20,6 +20,20 @@ fn info<'a>(params: &'a SamplingParams, prompt: &'a [u32], output: &'a [u32]) ->
 }
 
 /// A sampler that answers with a fixed list.
+/// What `st` samples from the one row of `l` with the default sampler.
+fn sample_one(st: &mut SamplingStage, l: &mut Logits, info: RowInfo<'_>) -> Sampled {
+    let mut out = Vec::new();
+    let mut default = DefaultSampler::default();
+    st.sample(
+        l,
+        &[info],
+        &mut default,
+        &mut DefaultSampler::default(),
+        &mut out,
+    );
+    out.remove(0)
+}
+
 struct Fixed(Decision<Vec<u32>>);
 impl Sampler for Fixed {
     fn sample(&mut self, _: &SamplerBatch) -> Decision<Vec<u32>> {
@@ -58,17 +72,10 @@ fn k_larger_than_vocab_takes_the_whole_vocab() {
     let mut l = logits(&[vec![0.5, 2.0, -1.0]]);
     let p = SamplingParams::default();
     let mut st = SamplingStage::new(64);
-    let mut out = Vec::new();
-    st.sample(
-        &mut l,
-        &[info(&p, &[], &[])],
-        &mut DefaultSampler::default(),
-        &mut DefaultSampler::default(),
-        &mut out,
-    );
+    let sampled = sample_one(&mut st, &mut l, info(&p, &[], &[]));
     assert_eq!(st.batch.k, 3);
     assert_eq!(st.batch.cand_tokens, vec![1, 0, 2]);
-    assert_eq!(out[0].token, 1);
+    assert_eq!(sampled.token, 1);
 }
 
 #[test]
@@ -94,15 +101,7 @@ fn greedy_picks_the_penalised_best() {
     };
     let mut l = logits(&[vec![1.0, 3.0, 2.0]]);
     let mut st = SamplingStage::new(2);
-    let mut out = Vec::new();
-    st.sample(
-        &mut l,
-        &[info(&p, &[1], &[])],
-        &mut DefaultSampler::default(),
-        &mut DefaultSampler::default(),
-        &mut out,
-    );
-    assert_eq!(out[0].token, 2);
+    assert_eq!(sample_one(&mut st, &mut l, info(&p, &[1], &[])).token, 2);
 }
 
 #[test]
@@ -114,15 +113,9 @@ fn logprobs_are_a_log_softmax_over_the_full_row() {
     let row = vec![1.0f32, 2.0, 0.5, -1.0, 3.0];
     let mut l = logits(std::slice::from_ref(&row));
     let mut st = SamplingStage::new(2);
-    let mut out = Vec::new();
-    st.sample(
-        &mut l,
-        &[info(&p, &[], &[])],
-        &mut DefaultSampler::default(),
-        &mut DefaultSampler::default(),
-        &mut out,
-    );
-    let lp = out[0].logprob.clone().unwrap();
+    let lp = sample_one(&mut st, &mut l, info(&p, &[], &[]))
+        .logprob
+        .unwrap();
     let z: f32 = row.iter().map(|x| x.exp()).sum();
     assert_eq!(lp.token, 4);
     assert!((lp.logprob - (3.0f32.exp() / z).ln()).abs() < 1e-5);
@@ -138,39 +131,23 @@ fn invalid_answers_fall_back() {
     let rows = [vec![0.0, 1.0, 2.0, 3.0], vec![3.0, 2.0, 1.0, 0.0]];
     let infos = [info(&p, &[], &[]), info(&p, &[], &[])];
     let mut st = SamplingStage::new(2);
-    let mut out = Vec::new();
+    let tokens = |st: &mut SamplingStage, sampler: &mut dyn Sampler, fallback: &mut dyn Sampler| {
+        let mut out = Vec::new();
+        st.sample(&mut logits(&rows), &infos, sampler, fallback, &mut out);
+        out.iter().map(|s| s.token).collect::<Vec<_>>()
+    };
+    let mut default = DefaultSampler::default();
     // Token 0 is not among row 0's two candidates (3, 2).
     let mut bad = Fixed(Decision::Use(vec![0, 0]));
-    st.sample(
-        &mut logits(&rows),
-        &infos,
-        &mut bad,
-        &mut DefaultSampler::default(),
-        &mut out,
-    );
-    assert_eq!(out.iter().map(|s| s.token).collect::<Vec<_>>(), vec![3, 0]);
+    assert_eq!(tokens(&mut st, &mut bad, &mut default), vec![3, 0]);
     assert_eq!(st.fallbacks, 1);
     // A valid non-greedy answer is kept.
     let mut ok = Fixed(Decision::Use(vec![2, 1]));
-    st.sample(
-        &mut logits(&rows),
-        &infos,
-        &mut ok,
-        &mut DefaultSampler::default(),
-        &mut out,
-    );
-    assert_eq!(out.iter().map(|s| s.token).collect::<Vec<_>>(), vec![2, 1]);
+    assert_eq!(tokens(&mut st, &mut ok, &mut default), vec![2, 1]);
     // Wrong length and UseDefault fall back; a broken fallback ends at the best candidate.
     let mut short = Fixed(Decision::Use(vec![3]));
     let mut broken = Fixed(Decision::UseDefault);
-    st.sample(
-        &mut logits(&rows),
-        &infos,
-        &mut short,
-        &mut broken,
-        &mut out,
-    );
-    assert_eq!(out.iter().map(|s| s.token).collect::<Vec<_>>(), vec![3, 0]);
+    assert_eq!(tokens(&mut st, &mut short, &mut broken), vec![3, 0]);
     assert_eq!(st.fallbacks, 2);
 }
 

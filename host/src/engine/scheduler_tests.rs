@@ -2,7 +2,7 @@ use tokio::sync::mpsc::unbounded_channel;
 
 use super::*;
 use crate::cache::CacheLayout;
-use crate::engine::api::{FailureKind, GenerateRequest, SamplingParams};
+use crate::engine::api::{FailureKind, GenerateRequest};
 
 const BS: usize = 4;
 
@@ -43,16 +43,8 @@ fn add(s: &mut Scheduler, id: u64, prompt: Vec<u32>, max_tokens: u32) {
 fn add_with_priority(s: &mut Scheduler, id: u64, prompt: Vec<u32>, max_tokens: u32, priority: i32) {
     let (tx, _rx) = unbounded_channel();
     let req = GenerateRequest {
-        id,
-        prompt,
-        params: SamplingParams::default(),
-        max_tokens,
-        stop_token_ids: vec![],
-        ignore_eos: true,
-        prompt_logprobs: None,
-        block_hashes: None,
-        checkpoints: Vec::new(),
         priority,
+        ..GenerateRequest::for_test(id, prompt, max_tokens)
     };
     s.add(|slot| Request::new(req, slot, tx.into()));
 }
@@ -303,16 +295,8 @@ fn max_tokens_and_stop_tokens_finish() {
     );
     let (tx, _rx) = unbounded_channel();
     let req = GenerateRequest {
-        id: 9,
-        prompt: vec![4, 5],
-        params: SamplingParams::default(),
-        max_tokens: 10,
         stop_token_ids: vec![7],
-        ignore_eos: true,
-        prompt_logprobs: None,
-        block_hashes: None,
-        checkpoints: Vec::new(),
-        priority: 0,
+        ..GenerateRequest::for_test(9, vec![4, 5], 10)
     };
     s.add(|slot| Request::new(req, slot, tx.into()));
     plan(&mut s, &mut c, &mut o);
@@ -325,16 +309,8 @@ fn prompt_logprob_requests_take_bounded_chunks_with_every_logit() {
     let (mut s, mut c, mut o) = setup(256, 2048, true);
     let (tx, _rx) = unbounded_channel();
     let req = GenerateRequest {
-        id: 1,
-        prompt: (0..300).collect(),
-        params: SamplingParams::default(),
-        max_tokens: 2,
-        stop_token_ids: vec![],
-        ignore_eos: true,
         prompt_logprobs: Some(0),
-        block_hashes: None,
-        checkpoints: Vec::new(),
-        priority: 0,
+        ..GenerateRequest::for_test(1, (0..300).collect(), 2)
     };
     s.add(|slot| Request::new(req, slot, tx.into()));
     add(&mut s, 2, (1000..1300).collect(), 2);

@@ -179,19 +179,11 @@ mod tests {
     fn add(s: &mut Scheduler, id: u64, prompt: Vec<u32>) {
         let (tx, _rx) = unbounded_channel();
         let req = GenerateRequest {
-            id,
-            prompt,
             params: SamplingParams {
                 repetition_penalty: 1.3,
                 ..SamplingParams::default()
             },
-            max_tokens: 4,
-            stop_token_ids: vec![],
-            ignore_eos: true,
-            prompt_logprobs: None,
-            block_hashes: None,
-            checkpoints: Vec::new(),
-            priority: 0,
+            ..GenerateRequest::for_test(id, prompt, 4)
         };
         s.add(|slot| Request::new(req, slot, tx.into()));
     }
