@@ -206,6 +206,20 @@ impl CudaStep {
         at
     }
 
+    /// The sampling tail's columns: its rows, penalties and token histories.
+    fn push_sampling_columns(s: &mut Vec<u32>, c: &mut Columns, plan: &StepPlan) {
+        c.sample_rows = Self::push(s, plan.sample_rows.iter().copied());
+        let r = &plan.sampling;
+        c.repetition = Self::push(s, r.repetition.iter().map(|v| v.to_bits()));
+        c.presence = Self::push(s, r.presence.iter().map(|v| v.to_bits()));
+        c.frequency = Self::push(s, r.frequency.iter().map(|v| v.to_bits()));
+        c.want_lse = Self::push(s, r.want_lse.iter().map(|&w| u32::from(w)));
+        c.hist_offsets = Self::push(s, r.hist_offsets.iter().copied());
+        c.hist_tokens = Self::push(s, r.hist_tokens.iter().copied());
+        c.hist_counts = Self::push(s, r.hist_counts.iter().copied());
+        c.hist_bias = Self::push(s, r.hist_bias.iter().map(|v| v.to_bits()));
+    }
+
     /// As [`Self::push`], padded with zeros to `cap` words (a fixed layout); `None` when the
     /// column is longer.
     fn push_cap(
@@ -253,7 +267,6 @@ impl CudaStep {
         if !fits {
             return Ok(false);
         }
-        let pad = g.bucket - n;
         // Padding rows read one key from a real block (the first of the tables, else 0) and
         // write nothing.
         let pad_at = plan.block_tables.len() as u32;
@@ -265,38 +278,20 @@ impl CudaStep {
         } else {
             self.ssm = SsmPlan::default();
         }
-        let b = g.bucket;
-        if self.push_graph_columns(plan, g, pad, pad_at).is_none() {
+        if self.push_graph_columns(plan, g, pad_at).is_none() {
             return Ok(false);
         }
-        let c = &mut self.cols;
-        c.block_tables = Self::push(&mut self.staging, self.pad_tables.iter().copied());
-        // The whole layout: every fixed column at its full capacity.
-        let layout_bytes = 4 * (c.block_tables + g.table_cap);
-        self.dims = StepDims {
-            tokens: b,
-            seqs: b,
-            block_size: plan.block_size,
-            logit_rows: b,
-            sample_rows: plan.sample_rows.len(),
-            k: plan.sampling.k,
-        };
-        self.finish_graph_layout(device, stats, plan, layout_bytes)
+        self.cols.block_tables = Self::push(&mut self.staging, self.pad_tables.iter().copied());
+        let b = g.bucket;
+        self.finish_graph_layout(device, stats, plan, (b, b), g.table_cap)
     }
 
     /// A decode graph's padded block tables, sequence offsets and context lengths, and its
     /// attention plan; `false` when the plan does not fit the shape.
     fn plan_graph_attention(&mut self, plan: &StepPlan, g: GraphShape) -> bool {
-        self.pad_tables.clear();
-        self.pad_tables.extend_from_slice(&plan.block_tables);
-        self.pad_tables
-            .push(plan.block_tables.first().copied().unwrap_or(0));
+        self.pad_tables_and_ctx_lens(plan, g.bucket);
         self.pad_cu.clear();
         self.pad_cu.extend(0..=g.bucket as u32);
-        self.ctx_lens.clear();
-        self.ctx_lens
-            .extend(plan.seqs.iter().map(|q| q.context_len as u32));
-        self.ctx_lens.resize(g.bucket, 0);
         chimera_kernels::attention::plan_decode_fixed(
             &self.pad_cu,
             &self.ctx_lens,
@@ -305,19 +300,24 @@ impl CudaStep {
         )
     }
 
+    /// A graph layout's block tables (the plan's, then the padding chunks' one word: the
+    /// first of the tables, else 0) and its context lengths, padded with zeros to `chunks`.
+    fn pad_tables_and_ctx_lens(&mut self, plan: &StepPlan, chunks: usize) {
+        self.pad_tables.clear();
+        self.pad_tables.extend_from_slice(&plan.block_tables);
+        self.pad_tables
+            .push(plan.block_tables.first().copied().unwrap_or(0));
+        self.ctx_lens.clear();
+        self.ctx_lens
+            .extend(plan.seqs.iter().map(|q| q.context_len as u32));
+        self.ctx_lens.resize(chunks, 0);
+    }
+
     /// A decode graph's SSM plan: each row's slot (padding rows on the PAD slot) and the
     /// step's snapshot targets, no slot operations.
     fn plan_graph_ssm(&mut self, plan: &StepPlan, g: GraphShape) -> Result<()> {
-        self.seq_slots.clear();
-        self.seq_slots.extend(plan.seqs.iter().map(|q| q.ssm_slot));
+        self.slots_and_snapshots(plan);
         self.seq_slots.resize(g.bucket, PAD);
-        self.snaps.clear();
-        self.snaps
-            .extend(plan.snapshots.iter().map(|t| ssm::Snapshot {
-                seq: t.seq,
-                after: t.after,
-                slot: t.slot,
-            }));
         self.ops.clear();
         ssm::plan(
             ssm::SsmStepInputs {
@@ -332,45 +332,13 @@ impl CudaStep {
         .map_err(|e| crate::backend::BackendError::Invalid(e.to_string()))
     }
 
-    /// The columns a decode graph reads, at offsets fixed by the bucket (`pad` padding rows,
-    /// whose block table starts at word `pad_at`); `None` when one is longer than its room.
-    fn push_graph_columns(
-        &mut self,
-        plan: &StepPlan,
-        g: GraphShape,
-        pad: usize,
-        pad_at: u32,
-    ) -> Option<()> {
+    /// The columns a decode graph reads, at offsets fixed by the bucket (padding rows' block
+    /// table at word `pad_at`); `None` when one is longer than its room.
+    fn push_graph_columns(&mut self, plan: &StepPlan, g: GraphShape, pad_at: u32) -> Option<()> {
         let b = g.bucket;
+        self.push_fixed_columns(plan, (b, b), pad_at, 0..b as u32)?;
         let s = &mut self.staging;
-        s.clear();
         let c = &mut self.cols;
-        let z = |k: usize| std::iter::repeat_n(0u32, k);
-        c.tokens = Self::push_cap(s, plan.tokens.iter().copied().chain(z(pad)), b)?;
-        c.positions = Self::push_cap(s, plan.positions.iter().copied().chain(z(pad)), b)?;
-        c.slot_mapping = Self::push_cap(
-            s,
-            plan.slot_mapping
-                .iter()
-                .copied()
-                .chain(std::iter::repeat_n(PAD, pad)),
-            b,
-        )?;
-        c.cu_seqlens = Self::push_cap(s, self.pad_cu.iter().copied(), b + 1)?;
-        c.ctx_lens = Self::push_cap(s, self.ctx_lens.iter().copied(), b)?;
-        c.bt_offsets = Self::push_cap(
-            s,
-            plan.seqs
-                .iter()
-                .map(|q| q.blocks.0)
-                .chain(std::iter::repeat_n(pad_at, pad)),
-            b,
-        )?;
-        c.logit_rows = Self::push_cap(s, 0..b as u32, b)?;
-        for (at, col) in c.attn.iter_mut().zip(WorkCol::ALL) {
-            let words = self.attn.column(col);
-            *at = Self::push_cap(s, words.iter().copied(), words.len())?;
-        }
         for (at, col) in c.ssm.iter_mut().zip(ssm::WorkCol::ALL) {
             let words = self.ssm.column(col);
             let cap = if col == ssm::WorkCol::SnapSlot {
@@ -383,16 +351,74 @@ impl CudaStep {
         Some(())
     }
 
-    /// After a graph layout's fixed columns: the columns that run outside the graph (slot
-    /// ops before the replay, sampling after it), which may vary, then the buffers, sized
-    /// once for the layout and frozen (`Ok(false)` when frozen and too small).
+    /// The fixed columns every graph layout starts with, from an empty staging buffer: the
+    /// token columns padded to `rows`, the chunk columns padded to `chunks` (padding chunks'
+    /// block table at word `pad_at`), `logit_rows` and the attention plan; `None` when one is
+    /// longer than its room. The SSM columns follow, as the layout places them.
+    fn push_fixed_columns(
+        &mut self,
+        plan: &StepPlan,
+        (rows, chunks): (usize, usize),
+        pad_at: u32,
+        logit_rows: impl IntoIterator<Item = u32>,
+    ) -> Option<()> {
+        let s = &mut self.staging;
+        s.clear();
+        let c = &mut self.cols;
+        let z = |k: usize| std::iter::repeat_n(0u32, k);
+        let pad_rows = rows - plan.tokens.len();
+        let pad_chunks = chunks - plan.seqs.len();
+        c.tokens = Self::push_cap(s, plan.tokens.iter().copied().chain(z(pad_rows)), rows)?;
+        c.positions = Self::push_cap(s, plan.positions.iter().copied().chain(z(pad_rows)), rows)?;
+        c.slot_mapping = Self::push_cap(
+            s,
+            plan.slot_mapping
+                .iter()
+                .copied()
+                .chain(std::iter::repeat_n(PAD, pad_rows)),
+            rows,
+        )?;
+        c.cu_seqlens = Self::push_cap(s, self.pad_cu.iter().copied(), chunks + 1)?;
+        c.ctx_lens = Self::push_cap(s, self.ctx_lens.iter().copied(), chunks)?;
+        c.bt_offsets = Self::push_cap(
+            s,
+            plan.seqs
+                .iter()
+                .map(|q| q.blocks.0)
+                .chain(std::iter::repeat_n(pad_at, pad_chunks)),
+            chunks,
+        )?;
+        c.logit_rows = Self::push_cap(s, logit_rows, chunks)?;
+        for (at, col) in c.attn.iter_mut().zip(WorkCol::ALL) {
+            let words = self.attn.column(col);
+            *at = Self::push_cap(s, words.iter().copied(), words.len())?;
+        }
+        Some(())
+    }
+
+    /// After a graph layout's fixed columns and block tables (room for `table_cap` words):
+    /// the step's dims (`rows` tokens in `chunks` chunks, a logit row each), the columns that
+    /// run outside the graph (slot ops before the replay, sampling after it), which may vary,
+    /// then the buffers, sized once for the layout and frozen (`Ok(false)` when frozen and too
+    /// small).
     fn finish_graph_layout(
         &mut self,
         device: &Arc<Device>,
         stats: &MemStats,
         plan: &StepPlan,
-        layout_bytes: usize,
+        (rows, chunks): (usize, usize),
+        table_cap: usize,
     ) -> Result<bool> {
+        // The whole layout: every fixed column at its full capacity.
+        let layout_bytes = 4 * (self.cols.block_tables + table_cap);
+        self.dims = StepDims {
+            tokens: rows,
+            seqs: chunks,
+            block_size: plan.block_size,
+            logit_rows: chunks,
+            sample_rows: plan.sample_rows.len(),
+            k: plan.sampling.k,
+        };
         let s = &mut self.staging;
         let c = &mut self.cols;
         for (at, col) in c.ssm.iter_mut().zip(ssm::WorkCol::ALL) {
@@ -400,16 +426,7 @@ impl CudaStep {
                 *at = Self::push(s, self.ssm.column(col).iter().copied());
             }
         }
-        c.sample_rows = Self::push(s, plan.sample_rows.iter().copied());
-        let r = &plan.sampling;
-        c.repetition = Self::push(s, r.repetition.iter().map(|v| v.to_bits()));
-        c.presence = Self::push(s, r.presence.iter().map(|v| v.to_bits()));
-        c.frequency = Self::push(s, r.frequency.iter().map(|v| v.to_bits()));
-        c.want_lse = Self::push(s, r.want_lse.iter().map(|&w| u32::from(w)));
-        c.hist_offsets = Self::push(s, r.hist_offsets.iter().copied());
-        c.hist_tokens = Self::push(s, r.hist_tokens.iter().copied());
-        c.hist_counts = Self::push(s, r.hist_counts.iter().copied());
-        c.hist_bias = Self::push(s, r.hist_bias.iter().map(|v| v.to_bits()));
+        Self::push_sampling_columns(s, c, plan);
         let bytes = (4 * s.len()).max(layout_bytes);
         if self.pinned.as_ref().is_none_or(|p| p.bytes < bytes) {
             if self.frozen {
@@ -482,7 +499,6 @@ impl CudaStep {
         let s = &mut self.staging;
         let c = &mut self.cols;
         c.block_tables = Self::push(s, self.pad_tables.iter().copied());
-        let layout_bytes = 4 * (c.block_tables + m.table_cap);
         if !ssm_fixed {
             // No SSM layers read them: any place outside the fixed columns.
             for (at, col) in c.ssm.iter_mut().zip(ssm::WorkCol::ALL) {
@@ -491,32 +507,17 @@ impl CudaStep {
                 }
             }
         }
-        self.dims = StepDims {
-            tokens: rows,
-            seqs: chunks,
-            block_size: plan.block_size,
-            logit_rows: chunks,
-            sample_rows: plan.sample_rows.len(),
-            k: plan.sampling.k,
-        };
-        self.finish_graph_layout(device, stats, plan, layout_bytes)
+        self.finish_graph_layout(device, stats, plan, (rows, chunks), m.table_cap)
     }
 
     /// A mixed graph's padded block tables, sequence offsets and context lengths, and its
     /// attention plan; `false` when the plan does not fit the shape.
     fn plan_mixed_attention(&mut self, plan: &StepPlan, m: MixedShape) -> bool {
         let (chunks, real) = (m.chunks(), plan.tokens.len());
-        self.pad_tables.clear();
-        self.pad_tables.extend_from_slice(&plan.block_tables);
-        self.pad_tables
-            .push(plan.block_tables.first().copied().unwrap_or(0));
+        self.pad_tables_and_ctx_lens(plan, chunks);
         self.pad_cu.clear();
         self.pad_cu.extend_from_slice(&plan.cu_seqlens);
         self.pad_cu.resize(chunks + 1, real as u32);
-        self.ctx_lens.clear();
-        self.ctx_lens
-            .extend(plan.seqs.iter().map(|q| q.context_len as u32));
-        self.ctx_lens.resize(chunks, 0);
         // Decodes split as in a decode graph of as many rows: the decode launch runs before
         // the prefill tiles' and must fill the GPU on its own.
         chimera_kernels::attention::plan_mixed_fixed(
@@ -540,48 +541,16 @@ impl CudaStep {
         caps: ssm::FixedCaps,
         pad_at: u32,
     ) -> Option<()> {
-        let (rows, chunks, real, n) = (m.rows(), m.chunks(), plan.tokens.len(), plan.seqs.len());
-        let s = &mut self.staging;
-        s.clear();
-        let c = &mut self.cols;
-        let z = |k: usize| std::iter::repeat_n(0u32, k);
-        let pad_rows = rows - real;
-        let pad_chunks = chunks - n;
-        let ssm_fixed = self.ssm_chunk > 0;
-        c.tokens = Self::push_cap(s, plan.tokens.iter().copied().chain(z(pad_rows)), rows)?;
-        c.positions = Self::push_cap(s, plan.positions.iter().copied().chain(z(pad_rows)), rows)?;
-        c.slot_mapping = Self::push_cap(
-            s,
-            plan.slot_mapping
-                .iter()
-                .copied()
-                .chain(std::iter::repeat_n(PAD, pad_rows)),
-            rows,
-        )?;
-        c.cu_seqlens = Self::push_cap(s, self.pad_cu.iter().copied(), chunks + 1)?;
-        c.ctx_lens = Self::push_cap(s, self.ctx_lens.iter().copied(), chunks)?;
-        c.bt_offsets = Self::push_cap(
-            s,
-            plan.seqs
-                .iter()
-                .map(|q| q.blocks.0)
-                .chain(std::iter::repeat_n(pad_at, pad_chunks)),
-            chunks,
-        )?;
+        let (rows, chunks) = (m.rows(), m.chunks());
         // Padding logit rows read the last padding row; sampling reads the real ones.
-        c.logit_rows = Self::push_cap(
-            s,
-            plan.logit_rows.iter().copied().chain(std::iter::repeat_n(
-                rows as u32 - 1,
-                chunks - plan.logit_rows.len(),
-            )),
-            chunks,
-        )?;
-        for (at, col) in c.attn.iter_mut().zip(WorkCol::ALL) {
-            let words = self.attn.column(col);
-            *at = Self::push_cap(s, words.iter().copied(), words.len())?;
-        }
-        if ssm_fixed {
+        let logit_rows = plan.logit_rows.iter().copied().chain(std::iter::repeat_n(
+            rows as u32 - 1,
+            chunks - plan.logit_rows.len(),
+        ));
+        self.push_fixed_columns(plan, (rows, chunks), pad_at, logit_rows)?;
+        let s = &mut self.staging;
+        let c = &mut self.cols;
+        if self.ssm_chunk > 0 {
             for (at, col) in c.ssm.iter_mut().zip(ssm::WorkCol::ALL) {
                 use ssm::WorkCol as W;
                 let cap = match col {
@@ -694,16 +663,7 @@ impl CudaStep {
         c.bt_offsets = Self::push(s, seqs.iter().map(|q| q.blocks.0));
         c.block_tables = Self::push(s, plan.block_tables.iter().copied());
         c.logit_rows = Self::push(s, plan.logit_rows.iter().copied());
-        c.sample_rows = Self::push(s, plan.sample_rows.iter().copied());
-        let r = &plan.sampling;
-        c.repetition = Self::push(s, r.repetition.iter().map(|v| v.to_bits()));
-        c.presence = Self::push(s, r.presence.iter().map(|v| v.to_bits()));
-        c.frequency = Self::push(s, r.frequency.iter().map(|v| v.to_bits()));
-        c.want_lse = Self::push(s, r.want_lse.iter().map(|&w| u32::from(w)));
-        c.hist_offsets = Self::push(s, r.hist_offsets.iter().copied());
-        c.hist_tokens = Self::push(s, r.hist_tokens.iter().copied());
-        c.hist_counts = Self::push(s, r.hist_counts.iter().copied());
-        c.hist_bias = Self::push(s, r.hist_bias.iter().map(|v| v.to_bits()));
+        Self::push_sampling_columns(s, c, plan);
         for (at, col) in c.attn.iter_mut().zip(WorkCol::ALL) {
             *at = Self::push(s, self.attn.column(col).iter().copied());
         }
@@ -716,7 +676,7 @@ impl CudaStep {
             block_size: plan.block_size,
             logit_rows: plan.logit_rows.len(),
             sample_rows: plan.sample_rows.len(),
-            k: r.k,
+            k: plan.sampling.k,
         };
         let bytes = 4 * s.len();
         if self.pinned.as_ref().is_none_or(|p| p.bytes < bytes) {
@@ -741,15 +701,7 @@ impl CudaStep {
     /// Cuts the step's SSD chunks (also at every snapshot offset) and lists its decodes,
     /// snapshot slots and slot operations for the SSM kernels.
     fn plan_ssm(&mut self, plan: &StepPlan) -> Result<()> {
-        self.seq_slots.clear();
-        self.seq_slots.extend(plan.seqs.iter().map(|q| q.ssm_slot));
-        self.snaps.clear();
-        self.snaps
-            .extend(plan.snapshots.iter().map(|t| ssm::Snapshot {
-                seq: t.seq,
-                after: t.after,
-                slot: t.slot,
-            }));
+        self.slots_and_snapshots(plan);
         self.ops.clear();
         self.ops.extend(plan.slot_ops.iter().map(|op| match *op {
             crate::backend::SlotOp::Copy { from, to } => ssm::SlotOp::Copy { from, to },
@@ -766,6 +718,19 @@ impl CudaStep {
             &mut self.ssm,
         )
         .map_err(|e| crate::backend::BackendError::Invalid(e.to_string()))
+    }
+
+    /// Each sequence's SSM slot and the step's snapshot targets, as the SSM planner takes them.
+    fn slots_and_snapshots(&mut self, plan: &StepPlan) {
+        self.seq_slots.clear();
+        self.seq_slots.extend(plan.seqs.iter().map(|q| q.ssm_slot));
+        self.snaps.clear();
+        self.snaps
+            .extend(plan.snapshots.iter().map(|t| ssm::Snapshot {
+                seq: t.seq,
+                after: t.after,
+                slot: t.slot,
+            }));
     }
 }
 
