@@ -45,6 +45,9 @@ def parse_args():
     p.add_argument("--engine-extra", default="",
                    help="idle, caching: a line added to the servers' [engine] section "
                         "(e.g. 'schedule_ahead = false'; named in the idle rows)")
+    p.add_argument("--max-running", type=int, default=128,
+                   help="caching: engine.max_running of the servers (a model with a large "
+                        "recurrent state per sequence, Qwen3.5-27B's 151 MB, needs fewer on an H100)")
     p.add_argument("--max-batched-tokens", type=int, default=4096,
                    help="engine.max_batched_tokens of the servers (the prefill chunk)")
     return p.parse_args()
@@ -217,7 +220,8 @@ def caching(r, quick):
     reports, sweep = {}, None
     for caching_on in (True, False):
         name = "caching-on" if caching_on else "caching-off"
-        proc = r.serve(name, r.config(caching_on, engine_extra=r.args.engine_extra))
+        proc = r.serve(name, r.config(caching_on, engine_extra=r.args.engine_extra,
+                                      max_running=r.args.max_running))
         try:
             reports[caching_on] = r.bench(name, workload, load)
             r.cache_rows(name)
