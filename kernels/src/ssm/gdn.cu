@@ -228,12 +228,14 @@ __device__ void gdn_scan(const float* qn, const float* kn, const float* qk, cons
 }
 
 // Decode, the state read and written in whole 128-byte lines: CTA (decode entry, value head,
-// DEC_COLS = 8·VEC<S> columns: 32 for an f32 state, 64 for bf16), 128 threads; lane l of warp
-// w holds one 16-byte vector (VEC<S> columns: (l mod 8)·VEC<S>) of rows 4w + l/8 + 16r, r < R
-// (dk ≤ 16·R), so a warp's load covers four rows' 128 contiguous bytes and a thread keeps R
+// COLS = 8·VEC<S> columns: 32 for an f32 state, 64 for bf16), W warps; lane l of warp w holds
+// one 16-byte vector (VEC<S> columns: (l mod 8)·VEC<S>) of rows 4w + l/8 + 4W·r, r < R
+// (dk ≤ 4W·R), so a warp's load covers four rows' 128 contiguous bytes and a thread keeps R
 // vectors in flight. The column sums go over the four row groups of a warp by shuffles and
-// over the warps through shared memory. Needs dv a multiple of VEC<S> (the planner's check).
-template <typename T, typename S, int R>
+// over the warps through shared memory. A bf16 state takes W = 8: its 8 columns a lane double
+// the sums a thread makes per byte, and twice the threads halve them (f32: W = 4). Needs dv a
+// multiple of VEC<S> (the planner's check).
+template <typename T, typename S, int R, int W>
 __device__ void gdn_decode(const float* qn, const float* kn, const float* qk, const float* g,
                            const float* beta, const T* v, T* out, S* pool, const u32* seq_tok,
                            const u32* seq_slot, const u32* seq_snap, const u32* seq_snaps,
@@ -241,7 +243,7 @@ __device__ void gdn_decode(const float* qn, const float* kn, const float* qk, co
                            u32 v_ld, u32 out_ld, u32 layer, u32 layers, u32 slots) {
     constexpr int V = VEC<S>;
     constexpr int COLS = 8 * V;
-    __shared__ float part[4][2][COLS];
+    __shared__ float part[W][2][COLS];
     const u32 col_blocks = (dv + COLS - 1) / COLS;
     const u32 cb = blockIdx.x % col_blocks;
     const u32 h = (blockIdx.x / col_blocks) % v_heads;
@@ -267,7 +269,7 @@ __device__ void gdn_decode(const float* qn, const float* kn, const float* qk, co
     float s[R][V];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-        const u32 i = 4 * warp + rsub + 16 * r;
+        const u32 i = 4 * warp + rsub + 4 * W * r;
         if (i < dk && cols_in) {
             load16(st, (i64)i * dv + c0, s[r]);
         } else {
@@ -279,7 +281,7 @@ __device__ void gdn_decode(const float* qn, const float* kn, const float* qk, co
     float kr[R], qr[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-        const u32 i = 4 * warp + rsub + 16 * r;
+        const u32 i = 4 * warp + rsub + 4 * W * r;
         kr[r] = i < dk ? kn[kb + i] : 0.0f;
         qr[r] = i < dk ? qn[kb + i] : 0.0f;
     }
@@ -313,8 +315,12 @@ __device__ void gdn_decode(const float* qn, const float* kn, const float* qk, co
 #pragma unroll
     for (int j = 0; j < V; ++j) {
         const int c = cq * V + j;
-        const float k_sum = part[0][0][c] + part[1][0][c] + part[2][0][c] + part[3][0][c];
-        const float q_sum = part[0][1][c] + part[1][1][c] + part[2][1][c] + part[3][1][c];
+        float k_sum = 0.0f, q_sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < W; ++w) {
+            k_sum += part[w][0][c];
+            q_sum += part[w][1][c];
+        }
         const float vj = c0 + j < dv ? load(v, (i64)t * v_ld + h * dv + c0 + j) : 0.0f;
         delta[j] = bt * (vj - decay * k_sum);
         o[j] = decay * q_sum + delta[j] * kq;
@@ -339,7 +345,7 @@ __device__ void gdn_decode(const float* qn, const float* kn, const float* qk, co
         dst += head_off;
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-            const u32 i = 4 * warp + rsub + 16 * r;
+            const u32 i = 4 * warp + rsub + 4 * W * r;
             if (i < dk) store16(dst, (i64)i * dv + c0, s[r]);
         }
     }
@@ -373,23 +379,24 @@ __device__ void gdn_decode(const float* qn, const float* kn, const float* qk, co
                                   slots);                                                      \
     }
 
-#define GDN_DECODE(NAME, T, S, R)                                                               \
-    extern "C" __global__ void __launch_bounds__(ssm::GDN_THREADS) NAME(                        \
+#define GDN_DECODE(NAME, T, S, R, W)                                                            \
+    extern "C" __global__ void __launch_bounds__(32 * W) NAME(                                  \
         const float* qn, const float* kn, const float* qk, const float* g, const float* beta,   \
         const T* v, T* out, S* pool, const u32* seq_tok, const u32* seq_slot,                   \
         const u32* seq_snap, const u32* seq_snaps, const u32* snap_slot, u32 k_heads,           \
         u32 v_heads, u32 dk, u32 dv, u32 v_ld, u32 out_ld, u32 layer, u32 layers, u32 slots) {  \
         CHIMERA_PDL_ENTRY();                                                                    \
-        ssm::gdn_decode<T, S, R>(qn, kn, qk, g, beta, v, out, pool, seq_tok, seq_slot,         \
-                                 seq_snap, seq_snaps, snap_slot, k_heads, v_heads, dk, dv,     \
-                                 v_ld, out_ld, layer, layers, slots);                          \
+        ssm::gdn_decode<T, S, R, W>(qn, kn, qk, g, beta, v, out, pool, seq_tok, seq_slot,      \
+                                    seq_snap, seq_snaps, snap_slot, k_heads, v_heads, dk, dv,  \
+                                    v_ld, out_ld, layer, layers, slots);                       \
     }
 
+// The warps of a decode CTA by state type (gdn.rs: decode_warps).
 #define GDN_DECODES(R)                                                   \
-    GDN_DECODE(gdn_decode_r##R##_f32, float, float, R)                   \
-    GDN_DECODE(gdn_decode_r##R##_bf16, bf16, float, R)                   \
-    GDN_DECODE(gdn_decode_r##R##_f32_sbf16, float, bf16, R)              \
-    GDN_DECODE(gdn_decode_r##R##_bf16_sbf16, bf16, bf16, R)
+    GDN_DECODE(gdn_decode_r##R##_f32, float, float, R, 4)                \
+    GDN_DECODE(gdn_decode_r##R##_bf16, bf16, float, R, 4)                \
+    GDN_DECODE(gdn_decode_r##R##_f32_sbf16, float, bf16, R, 8)           \
+    GDN_DECODE(gdn_decode_r##R##_bf16_sbf16, bf16, bf16, R, 8)
 
 #define GDN_SCANS(R, C)                                                          \
     GDN_SCAN(gdn_scan_r##R##_c##C##_f32, float, float, R, C)                     \

@@ -241,7 +241,8 @@ fn decode_launch(
     vec: u32,
 ) -> Result<Launch<SsmArg>, SsmError> {
     use SsmArg::*;
-    let rows = d.dk.div_ceil(16).next_power_of_two().max(2);
+    let warps = decode_warps(d.state_bf16);
+    let rows = d.dk.div_ceil(4 * warps).next_power_of_two().max(2);
     let mut args = vec![
         Scratch(0),
         Scratch(1),
@@ -280,10 +281,15 @@ fn decode_launch(
             state_suffix(d.state_bf16)
         )),
         grid: grid(decodes as u64 * u64::from(d.v_heads) * col_blocks)?,
-        block: (GDN_THREADS, 1, 1),
+        block: (32 * warps, 1, 1),
         smem: 0,
         args,
     })
+}
+
+/// Warps of a `gdn_decode` CTA (gdn.cu `GDN_DECODES`): 8 for a bf16 state, 4 for f32.
+fn decode_warps(state_bf16: bool) -> u32 {
+    if state_bf16 { 8 } else { 4 }
 }
 
 /// The f32 lengths of [`launches_gdn`]'s five scratch buffers for `tokens` tokens: the
@@ -315,13 +321,14 @@ mod tests {
                     assert_eq!(entry_name(&name), name, "dk {dk}");
                 }
             }
-            let rows = (dk as u32).div_ceil(16).next_power_of_two().max(2);
             for (ty, st) in [
                 ("f32", ""),
                 ("bf16", ""),
                 ("f32", "_sbf16"),
                 ("bf16", "_sbf16"),
             ] {
+                let warps = decode_warps(!st.is_empty());
+                let rows = (dk as u32).div_ceil(4 * warps).next_power_of_two().max(2);
                 let name = format!("gdn_decode_r{rows}_{ty}{st}");
                 assert_eq!(entry_name(&name), name, "dk {dk}");
             }
