@@ -40,23 +40,7 @@ pub fn run(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) {
 /// without the model decodes: `--suite bench-kernels`, for quick kernel work. Returns the
 /// measured copy bandwidth, or `None` when even that failed.
 pub fn kernels(report: &mut Report, gpu: &CudaBackend) -> Option<f64> {
-    let bw = match gpu.copy_bandwidth(2 << 30) {
-        Ok(bw) => {
-            report.push(
-                SUITE,
-                "device-to-device copy bandwidth (read + write)",
-                bw,
-                format!("{:.2} TB/s", bw / 1e12),
-                "measured".into(),
-                true,
-            );
-            bw
-        }
-        Err(e) => {
-            report.failed(SUITE, "copy bandwidth", e);
-            return None;
-        }
-    };
+    let bw = copy_bandwidth(report, gpu)?;
     super::gemv::bench(report, SUITE, gpu, bw);
     if let Err(e) = ssm_timings(report, gpu) {
         report.failed(SUITE, "mamba2 scan timings", format!("{e:#}"));
@@ -742,22 +726,8 @@ impl ExpertBytes {
 /// routed experts a step touches, KV, and the recurrent state read and written, over the
 /// copy bandwidth measured here).
 pub fn archs(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) {
-    let bw = match gpu.copy_bandwidth(2 << 30) {
-        Ok(bw) => {
-            report.push(
-                SUITE,
-                "device-to-device copy bandwidth (read + write)",
-                bw,
-                format!("{:.2} TB/s", bw / 1e12),
-                "measured".into(),
-                true,
-            );
-            bw
-        }
-        Err(e) => {
-            report.failed(SUITE, "copy bandwidth", e);
-            return;
-        }
+    let Some(bw) = copy_bandwidth(report, gpu) else {
+        return;
     };
     if let Err(e) = super::gdn::bench(report, SUITE, gpu, bw) {
         report.failed(SUITE, "gated delta rule timings", format!("{e:#}"));
@@ -769,6 +739,28 @@ pub fn archs(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) {
                 format!("dummy {} decode", dir.display()),
                 format!("{e:#}"),
             );
+        }
+    }
+}
+
+/// The device-to-device copy bandwidth (bytes read + written per second, over 2 GiB), as a
+/// row; `None` (and a failed row) when it could not be measured.
+fn copy_bandwidth(report: &mut Report, gpu: &CudaBackend) -> Option<f64> {
+    match gpu.copy_bandwidth(2 << 30) {
+        Ok(bw) => {
+            report.push(
+                SUITE,
+                "device-to-device copy bandwidth (read + write)",
+                bw,
+                format!("{:.2} TB/s", bw / 1e12),
+                "measured".into(),
+                true,
+            );
+            Some(bw)
+        }
+        Err(e) => {
+            report.failed(SUITE, "copy bandwidth", e);
+            None
         }
     }
 }

@@ -178,16 +178,7 @@ pub fn launches_gdn(
         if count == 0 {
             continue;
         }
-        let mut args = vec![
-            Scratch(0),
-            Scratch(1),
-            Scratch(2),
-            Scratch(3),
-            Scratch(4),
-            C,
-            Out,
-            SsmPool,
-        ];
+        let mut args = operands();
         args.extend(
             [
                 WorkCol::SeqTok,
@@ -233,6 +224,22 @@ pub fn launches_gdn(
     Ok(out)
 }
 
+/// The arguments `gdn_scan` and `gdn_decode` start with: the prep's five scratch buffers, `v`,
+/// the output and the state pool.
+fn operands() -> Vec<SsmArg> {
+    use SsmArg::*;
+    vec![
+        Scratch(0),
+        Scratch(1),
+        Scratch(2),
+        Scratch(3),
+        Scratch(4),
+        C,
+        Out,
+        SsmPool,
+    ]
+}
+
 /// `gdn_decode` over the first `decodes` entries: `vec` state columns a lane, 8 lanes across.
 fn decode_launch(
     decodes: usize,
@@ -243,16 +250,7 @@ fn decode_launch(
     use SsmArg::*;
     let warps = decode_warps(d.state_bf16);
     let rows = d.dk.div_ceil(4 * warps).next_power_of_two().max(2);
-    let mut args = vec![
-        Scratch(0),
-        Scratch(1),
-        Scratch(2),
-        Scratch(3),
-        Scratch(4),
-        C,
-        Out,
-        SsmPool,
-    ];
+    let mut args = operands();
     args.extend(
         [
             WorkCol::SeqTok,
