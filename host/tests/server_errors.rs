@@ -377,6 +377,23 @@ fn corpus() -> Vec<Case> {
             UNS,
         ),
         case(
+            "chat tools not a list",
+            CHAT,
+            serde_json::to_vec(&json!({"model": MODEL, "max_tokens": 4,
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": {"name": "f"}, "tool_choice": "none"}))
+            .unwrap(),
+            BAD,
+            IR,
+        ),
+        case(
+            "chat tool_calls without a function",
+            CHAT,
+            msg(json!({"role": "assistant", "content": "", "tool_calls": [{"id": "a"}]})),
+            BAD,
+            IR,
+        ),
+        case(
             "chat top_logprobs without logprobs",
             CHAT,
             chw("top_logprobs", json!(2)),

@@ -606,9 +606,71 @@ fn messages_json(messages: &[ChatMessage]) -> Result<Value, AppError> {
         if let Some(name) = &m.name {
             v["name"] = Value::String(name.clone());
         }
+        if let Some(calls) = m.tool_calls.as_ref().filter(|c| !c.is_null()) {
+            v["tool_calls"] = template_tool_calls(calls)?;
+        }
+        if let Some(id) = &m.tool_call_id {
+            v["tool_call_id"] = Value::String(id.clone());
+        }
         out.push(v);
     }
     Ok(Value::Array(out))
+}
+
+/// An assistant message's `tool_calls` as chat templates read them: OpenAI sends each call's
+/// `arguments` as a JSON string; templates iterate them as a mapping (Qwen, Hermes, Llama 3
+/// templates `| tojson` or `| items` them), so a string that parses as a JSON object becomes
+/// that object, as vLLM renders it; any other string stays as sent.
+fn template_tool_calls(calls: &Value) -> Result<Value, AppError> {
+    let bad = |why: &str| AppError::invalid("messages", format!("tool_calls: {why}"));
+    let list = calls.as_array().ok_or_else(|| bad("must be a list"))?;
+    let mut out = Vec::with_capacity(list.len());
+    for call in list {
+        let mut call = call.clone();
+        let function = call
+            .get_mut("function")
+            .and_then(Value::as_object_mut)
+            .ok_or_else(|| bad("each call needs a `function` object"))?;
+        if !function.get("name").is_some_and(Value::is_string) {
+            return Err(bad("each call's function needs a `name` string"));
+        }
+        if let Some(Value::String(args)) = function.get("arguments")
+            && let Ok(parsed @ Value::Object(_)) = serde_json::from_str::<Value>(args)
+        {
+            function.insert("arguments".into(), parsed);
+        }
+        out.push(call);
+    }
+    Ok(Value::Array(out))
+}
+
+/// The template variables of a chat request besides its messages. Tool definitions reach the
+/// template only with `tool_choice: "none"` (the model may read them, and answers in text):
+/// turning a model's output into `tool_calls` needs a tool-call parser, which this server does
+/// not have yet, so any other `tool_choice` (`auto`, the default with tools, included) is
+/// refused rather than answered with unparsed call text.
+fn template_extras(req: &ChatRequest) -> Result<super::text::TemplateExtras, AppError> {
+    let tools = req
+        .tools
+        .as_ref()
+        .filter(|t| !t.is_null() && t.as_array().is_none_or(|a| !a.is_empty()));
+    if let Some(tools) = tools {
+        if !tools.is_array() {
+            return Err(AppError::invalid("tools", "tools must be a list"));
+        }
+        let choice = req.tool_choice.as_ref().filter(|c| !c.is_null());
+        if choice.and_then(Value::as_str) != Some("none") {
+            return Err(AppError::Unsupported(
+                "tool calls (tools with tool_choice other than \"none\"; the default with tools \
+                 is \"auto\"): this server has no tool-call parser yet"
+                    .into(),
+            ));
+        }
+    }
+    Ok(super::text::TemplateExtras {
+        tools: tools.cloned(),
+        kwargs: req.chat_template_kwargs.clone().unwrap_or_default(),
+    })
 }
 
 /// A parsed, validated, templated and tokenized chat request.
@@ -632,13 +694,7 @@ async fn chat_job(
     let req: ChatRequest = parse(&body)?;
     warn_unknown(endpoint, &req.unknown);
     check_model(state, req.common.model.as_deref())?;
-    if req
-        .tools
-        .as_ref()
-        .is_some_and(|t| !t.is_null() && t.as_array().is_none_or(|a| !a.is_empty()))
-    {
-        return Err(AppError::Unsupported("tools".into()));
-    }
+    let extras = template_extras(&req)?;
     if let Some(rf) = &req.response_format
         && !rf.is_null()
         && rf.get("type").and_then(Value::as_str) != Some("text")
@@ -666,8 +722,8 @@ async fn chat_job(
     let codec = state.inner().codec.clone();
     let add_generation_prompt = req.add_generation_prompt.unwrap_or(true);
     let (rendered, message_ends) = tokio::task::spawn_blocking(move || {
-        let text = codec.render_chat(&messages, add_generation_prompt)?;
-        let ends = message_end_offsets(&codec, &messages, &marks)?;
+        let text = codec.render_chat_with(&messages, add_generation_prompt, &extras)?;
+        let ends = message_end_offsets(&codec, &messages, &marks, &extras)?;
         Ok::<_, AppError>((text, ends))
     })
     .await
@@ -749,6 +805,7 @@ fn message_end_offsets(
     codec: &super::TextCodec,
     messages: &Value,
     marks: &[u32],
+    extras: &super::text::TemplateExtras,
 ) -> Result<Vec<u32>, AppError> {
     let Some(all) = messages.as_array() else {
         return Ok(Vec::new());
@@ -756,7 +813,7 @@ fn message_end_offsets(
     let mut ends = Vec::with_capacity(marks.len());
     for &m in marks {
         let upto = Value::Array(all[..=m as usize].to_vec());
-        let text = codec.render_chat(&upto, false)?;
+        let text = codec.render_chat_with(&upto, false, extras)?;
         ends.push(codec.encode(&text, false)?.len() as u32);
     }
     Ok(ends)
@@ -875,4 +932,68 @@ pub async fn detokenize(
         .await
         .map_err(|e| AppError::Internal(format!("tokenizer task failed: {e}")))??;
     Ok(axum::Json(json!({ "prompt": text })).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tool_call_arguments_reach_the_template_as_objects_when_they_parse() {
+        let calls = json!([
+            {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}},
+            {"id": "b", "type": "function", "function": {"name": "g", "arguments": "not json"}},
+            {"id": "c", "type": "function", "function": {"name": "h", "arguments": "[1, 2]"}}
+        ]);
+        let out = template_tool_calls(&calls).unwrap();
+        assert_eq!(out[0]["function"]["arguments"], json!({"x": 1}));
+        // Anything but a JSON object stays the string the client sent.
+        assert_eq!(out[1]["function"]["arguments"], json!("not json"));
+        assert_eq!(out[2]["function"]["arguments"], json!("[1, 2]"));
+        assert_eq!(out[0]["id"], json!("a"));
+        for bad in [
+            json!({"function": {"name": "f"}}),
+            json!([{"id": "a"}]),
+            json!([{"function": {"arguments": "{}"}}]),
+        ] {
+            assert!(template_tool_calls(&bad).is_err(), "{bad}");
+        }
+    }
+
+    fn chat(extra: Value) -> ChatRequest {
+        let mut body = json!({"messages": [{"role": "user", "content": "hi"}]});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        serde_json::from_value(body).unwrap()
+    }
+
+    #[test]
+    fn tools_reach_the_template_only_with_tool_choice_none() {
+        let tools = json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
+        let e = template_extras(&chat(json!({"tools": tools, "tool_choice": "none",
+            "chat_template_kwargs": {"enable_thinking": false}})))
+        .unwrap();
+        assert_eq!(e.tools, Some(tools.clone()));
+        assert_eq!(e.kwargs["enable_thinking"], json!(false));
+        // No parser yet: auto (the default with tools), required and a named function are
+        // refused, naming why.
+        for choice in [
+            Value::Null,
+            json!("auto"),
+            json!("required"),
+            json!({"type": "function", "function": {"name": "f"}}),
+        ] {
+            let err = template_extras(&chat(json!({"tools": tools, "tool_choice": choice})))
+                .err()
+                .unwrap();
+            assert!(err.to_string().contains("tool-call parser"), "{err}");
+        }
+        // An empty tool list is no tools; a non-list is a bad request.
+        assert_eq!(
+            template_extras(&chat(json!({"tools": []}))).unwrap().tools,
+            None
+        );
+        assert!(template_extras(&chat(json!({"tools": {"a": 1}, "tool_choice": "none"}))).is_err());
+    }
 }

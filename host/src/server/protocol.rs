@@ -112,6 +112,11 @@ pub struct ChatMessage {
     pub role: String,
     pub content: Option<MessageContent>,
     pub name: Option<String>,
+    /// An assistant turn's tool calls (`[{id, type: "function", function: {name,
+    /// arguments}}]`, arguments a JSON string), rendered by the chat template.
+    pub tool_calls: Option<Value>,
+    /// A `tool` message: the call it answers.
+    pub tool_call_id: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -126,6 +131,9 @@ pub struct ChatRequest {
     pub tool_choice: Option<Value>,
     pub response_format: Option<Value>,
     pub add_generation_prompt: Option<bool>,
+    /// Extra variables for the chat template (vLLM's field; e.g. `enable_thinking: false` for
+    /// the Qwen3 family). The request's own variables (`messages`, `tools`, …) win over them.
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     /// chimera's extension: indices into `messages` whose end (as the chat template renders
     /// it) should be kept as an SSM snapshot, budget permitting.
     pub cache_checkpoints: Option<Vec<u32>>,

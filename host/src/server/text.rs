@@ -162,18 +162,43 @@ impl TextCodec {
         messages: &Value,
         add_generation_prompt: bool,
     ) -> Result<String, TextError> {
+        self.render_chat_with(messages, add_generation_prompt, &TemplateExtras::default())
+    }
+
+    /// [`Self::render_chat`] with the request's tools and extra template variables.
+    pub fn render_chat_with(
+        &self,
+        messages: &Value,
+        add_generation_prompt: bool,
+        extras: &TemplateExtras,
+    ) -> Result<String, TextError> {
         let env = self.env.as_ref().ok_or(TextError::NoChatTemplate)?;
         let tmpl = env
             .get_template("chat")
             .map_err(|e| TextError::BadTemplate(e.to_string()))?;
-        tmpl.render(context! {
+        let fixed = context! {
             messages => minijinja::Value::from_serialize(messages),
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,
-        })
-        .map_err(|e| TextError::Render(describe(&e)))
+            tools => extras.tools.as_ref().map(minijinja::Value::from_serialize),
+        };
+        // The request's own variables first: a kwarg never replaces `messages` or `tools`.
+        let ctx = context! {
+            ..fixed,
+            ..minijinja::Value::from_serialize(&extras.kwargs)
+        };
+        tmpl.render(ctx)
+            .map_err(|e| TextError::Render(describe(&e)))
     }
+}
+
+/// What a chat request gives its template besides the messages: the tool definitions (the
+/// template's `tools`, absent when `None`) and `chat_template_kwargs`.
+#[derive(Debug, Clone, Default)]
+pub struct TemplateExtras {
+    pub tools: Option<Value>,
+    pub kwargs: serde_json::Map<String, Value>,
 }
 
 /// minijinja errors nest their cause; the innermost message is what a user needs.
@@ -227,6 +252,48 @@ mod tests {
         let no_gen = c.render_chat(&msgs, false).unwrap();
         assert!(!no_gen.ends_with("assistant\n"));
         assert_eq!(c.eos_token_ids().len(), 1);
+    }
+
+    /// A template that shows what reaches it: the tools, a kwarg, each message's tool calls
+    /// (name and the `x` of their arguments) and the call a tool message answers.
+    const AGENT_TEMPLATE: &str = "{% if tools %}TOOLS {{ tools | map(attribute='function') \
+        | map(attribute='name') | join(',') }};{% endif %}\
+        {% if enable_thinking is defined and not enable_thinking %}NOTHINK;{% endif %}\
+        {% for m in messages %}{{ m.role }}:{{ m.content }}\
+        {% for c in m.tool_calls or [] %}[{{ c.function.name }} x={{ c.function.arguments.x }}]{% endfor %}\
+        {% if m.tool_call_id %}<{{ m.tool_call_id }}>{% endif %};{% endfor %}";
+
+    #[test]
+    fn tools_and_template_kwargs_reach_the_template_and_never_replace_its_variables() {
+        let c = TextCodec::from_parts(
+            mock_tokenizer::tokenizer_json().as_bytes(),
+            Some(mock_tokenizer::tokenizer_config_json().as_bytes()),
+            Some(AGENT_TEMPLATE.to_string()),
+        )
+        .unwrap();
+        let msgs = json!([
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 3}}}]},
+            {"role": "tool", "content": "42", "tool_call_id": "c1"}
+        ]);
+        let mut kwargs = serde_json::Map::new();
+        kwargs.insert("enable_thinking".into(), json!(false));
+        // A kwarg named like one of the request's own variables does not replace it.
+        kwargs.insert("messages".into(), json!([]));
+        let extras = TemplateExtras {
+            tools: Some(json!([{"type": "function", "function": {"name": "f"}},
+                               {"type": "function", "function": {"name": "g"}}])),
+            kwargs,
+        };
+        let out = c.render_chat_with(&msgs, false, &extras).unwrap();
+        assert_eq!(
+            out,
+            "TOOLS f,g;NOTHINK;user:hi;assistant:[f x=3];tool:42<c1>;"
+        );
+        // Without extras: no tools, thinking left to the template's default.
+        let plain = c.render_chat(&msgs, false).unwrap();
+        assert_eq!(plain, "user:hi;assistant:[f x=3];tool:42<c1>;");
     }
 
     #[test]
