@@ -67,7 +67,7 @@ pub struct GpuCheckArgs {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "tests/gpu/configs/qwen3.5-27b,tests/gpu/configs/qwen3.5-35b-a3b,tests/gpu/configs/qwen3-next-80b-a3b-32l"
+        default_value = "tests/gpu/configs/qwen3.5-27b,tests/gpu/configs/qwen3.5-35b-a3b,tests/gpu/configs/qwen3-next-80b-a3b-32l,tests/gpu/configs/granite-4.0-h-small"
     )]
     pub arch_models: Vec<PathBuf>,
     /// CUDA device.
