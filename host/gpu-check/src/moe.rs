@@ -82,6 +82,9 @@ const CASES: &[Case] = &[
     // NemotronH widths (8 of its 128 experts), Qwen MoE widths (16 experts).
     case(33, (2688, 1856), (8, 1, 1, 6), false, Activation::Relu2),
     case(40, (2048, 768), (16, 1, 1, 8), true, Activation::Silu),
+    // The nemotronh-b fixture's widths (hidden 32, experts 16 wide, top-3 of 8 in 4 groups).
+    case(131, (32, 16), (8, 4, 2, 3), false, Activation::Relu2),
+    case(1, (32, 16), (8, 4, 2, 3), false, Activation::Relu2),
 ];
 
 /// Host inputs of one case, rounded to bf16 when the GPU runs bf16 (both sides see the same
