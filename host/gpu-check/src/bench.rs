@@ -14,6 +14,7 @@ use chimera::backend::{
     StepPlan,
 };
 
+use chimera::model::layers::Mixer;
 use chimera::model::{self, Model};
 use chimera_kernels::attention::PrefillKernel;
 
@@ -402,7 +403,7 @@ fn decode(
     // Each sequence's recurrent state is read and written once per step (f32 state).
     let state_bytes = 2.0 * spec.ssm_slot_bytes() as f64;
     let weight_bytes = weights_read_per_step(&m, gpu, weights_total) as f64;
-    let experts = ExpertBytes::of(dir, gpu.dtype().size())?;
+    let experts = ExpertBytes::of(&m, gpu);
     let per_seq = CONTEXT.div_ceil(BLOCK) + 1;
     // The caches of the largest batch that fits beside the weights (a full-size model may hold
     // a batch of 256 only on the larger GPU: the batches that do not fit are rows that say so).
@@ -680,43 +681,46 @@ fn weights_read_per_step(m: &Model<CudaBackend>, gpu: &CudaBackend, total: usize
 
 /// The routed experts of a MoE model, for the decode floor: a step reads only the experts its
 /// tokens pick. With `k` of `E` experts a token and routing spread evenly, `B` tokens touch
-/// `E·(1 − (1 − k/E)^B)` distinct experts a layer, the expectation the floor counts.
+/// `E·(1 − (1 − k/E)^B)` distinct experts a layer, the expectation the floor counts. Read from
+/// the loaded layers (every MoE mixer, inside parallel ones too), not from the config.
 struct ExpertBytes {
-    /// Bytes of every routed expert of every layer (gate, up and down).
-    total: f64,
-    experts: f64,
-    top_k: f64,
+    /// Per MoE layer: bytes of all its routed experts (up, down and gate), `E`, `k`.
+    layers: Vec<(f64, f64, f64)>,
 }
 
 impl ExpertBytes {
-    fn of(dir: &std::path::Path, elem: usize) -> anyhow::Result<Self> {
-        let text = std::fs::read_to_string(dir.join("config.json"))?;
-        let c: serde_json::Value = serde_json::from_str(&text)?;
-        let c = c.get("text_config").unwrap_or(&c);
-        let n = |k: &str| c[k].as_u64().unwrap_or(0) as f64;
-        let experts = n("num_experts")
-            .max(n("num_local_experts"))
-            .max(n("n_routed_experts"));
-        let inter = n("moe_intermediate_size");
-        let total = if experts > 0.0 && inter > 0.0 {
-            n("num_hidden_layers") * experts * 3.0 * n("hidden_size") * inter * elem as f64
-        } else {
-            0.0
-        };
-        Ok(Self {
-            total,
-            experts,
-            top_k: n("num_experts_per_tok"),
-        })
+    fn of(m: &Model<CudaBackend>, gpu: &CudaBackend) -> Self {
+        fn walk(mixer: &Mixer<CudaBackend>, gpu: &CudaBackend, out: &mut Vec<(f64, f64, f64)>) {
+            match mixer {
+                Mixer::Moe(moe) => {
+                    let e = &moe.experts;
+                    let bytes: usize = [Some(&e.up), Some(&e.down), e.gate.as_ref()]
+                        .into_iter()
+                        .flatten()
+                        .map(|t| {
+                            gpu.shape(t).iter().product::<usize>() * Backend::dtype(gpu, t).size()
+                        })
+                        .sum();
+                    let experts = gpu.shape(&e.up).first().copied().unwrap_or(1);
+                    out.push((bytes as f64, experts as f64, moe.routing.top_k as f64));
+                }
+                Mixer::Parallel(parts) => parts.iter().for_each(|p| walk(p, gpu, out)),
+                _ => {}
+            }
+        }
+        let mut layers = Vec::new();
+        for l in &m.layers {
+            walk(&l.mixer, gpu, &mut layers);
+        }
+        Self { layers }
     }
 
     /// Expert bytes a step of `batch` single-token rows does not read.
     fn unread(&self, batch: usize) -> f64 {
-        if self.total == 0.0 {
-            return 0.0;
-        }
-        let touched = 1.0 - (1.0 - self.top_k / self.experts).powi(batch as i32);
-        self.total * (1.0 - touched)
+        self.layers
+            .iter()
+            .map(|&(bytes, experts, top_k)| bytes * (1.0 - top_k / experts).powi(batch as i32))
+            .sum()
     }
 }
 
