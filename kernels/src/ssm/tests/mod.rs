@@ -789,3 +789,58 @@ fn a_plan_over_a_capacity_is_not_padded() {
         }
     }
 }
+
+/// The delta rule's launches over a mixed step: every argument of the kind its entry declares,
+/// the prep over every token, the decodes in `gdn_decode` (value dim a multiple of the state's
+/// 16-byte vector) or in `gdn_scan` with 8 columns a warp (otherwise), the prompts in
+/// `gdn_scan` with 2, each grid covering its entries × value heads × column blocks.
+#[test]
+fn the_delta_rule_launches_cover_every_entry_with_declared_arguments() {
+    let lens = [1, 131, 1, 3, 40, 1];
+    let snaps = [
+        snap(0, 1, 7),
+        snap(1, 16, 8),
+        snap(1, 131, 9),
+        snap(4, 16, 10),
+    ];
+    let (_, p) = build(&lens, &snaps, 64);
+    let (decodes, prompts) = (p.decodes() as u32, p.prompts() as u32);
+    assert_eq!((decodes, prompts), (3, 3));
+    for (dk, dv, k_heads, v_heads) in [(128, 128, 16, 32), (40, 24, 2, 6), (8, 20, 1, 3)] {
+        for (bf16, state_bf16) in [(false, false), (true, false), (false, true), (true, true)] {
+            let d = GdnDims {
+                layer: 1,
+                layers: 3,
+                slots: 200,
+                state_bf16,
+                ..GdnDims::packed(k_heads, v_heads, dk, dv)
+            };
+            let launches = launches_gdn(&p, d, bf16).expect("launches");
+            launches.iter().for_each(check_kinds);
+            let names: Vec<&str> = launches.iter().map(|l| l.entry).collect();
+            let vec = if state_bf16 { 8 } else { 4 };
+            let prep = &launches[0];
+            assert!(prep.entry.starts_with("gdn_prep_"), "{names:?}");
+            assert_eq!(prep.grid.0, p.tokens());
+            let decode = &launches[1];
+            let prompt = &launches[2];
+            assert_eq!(launches.len(), 3, "{names:?}");
+            if dv % vec == 0 {
+                let warps = if state_bf16 { 8 } else { 4 };
+                assert!(decode.entry.starts_with("gdn_decode_"), "{names:?}");
+                assert_eq!(decode.block.0, 32 * warps);
+                assert_eq!(decode.grid.0, decodes * v_heads * dv.div_ceil(8 * vec));
+            } else {
+                assert!(decode.entry.contains("_c8_"), "{names:?}");
+                assert_eq!(decode.grid.0, decodes * v_heads * dv.div_ceil(32));
+            }
+            assert!(prompt.entry.contains("_c2_"), "{names:?}");
+            assert_eq!(prompt.grid.0, prompts * v_heads * dv.div_ceil(8));
+            // The prompt launch starts at the first prompt entry.
+            let e0_at = prompt.args.len() - 11;
+            assert_eq!(u32_arg(prompt, e0_at), decodes);
+        }
+    }
+    // A key dim beyond the kernels' rows is refused, not launched.
+    assert!(launches_gdn(&p, GdnDims::packed(1, 1, 512, 64), false).is_err());
+}
