@@ -237,6 +237,18 @@ impl SsmShape {
     }
 }
 
+/// One Gated DeltaNet layer's operands of [`LayerOps::gated_delta_rule`], gathered so that a
+/// backend's implementation passes them around as one value.
+pub struct GdnOperands<'a, T> {
+    pub q: &'a T,
+    pub k: &'a T,
+    pub v: &'a T,
+    pub a: &'a T,
+    pub b: &'a T,
+    pub a_log: &'a T,
+    pub dt_bias: &'a T,
+}
+
 /// How a Mamba2 mixer's scan output `y` meets its gate `z` before `out_proj`. Norms are RMS
 /// norms over each `d_inner / groups`-wide group of channels, times the weight `[d_inner]`.
 pub enum SsmOutNorm<T> {

@@ -14,7 +14,7 @@ use rayon::prelude::*;
 
 use super::ssm::{LayerState, segment_ends};
 use super::{CpuBackend, CpuStep, CpuTensor};
-use crate::backend::{BackendError, GdnShape, Result, SeqChunk, SsmPools, StepPlan};
+use crate::backend::{BackendError, GdnOperands, GdnShape, Result, SeqChunk, SsmPools, StepPlan};
 
 /// `−exp(a_log)·softplus(a + dt_bias)`, the log-decay of one token.
 #[inline]
@@ -215,18 +215,7 @@ struct HeadInputs {
     beta: Vec<f32>,
 }
 
-/// The per-step tensors of one Gated DeltaNet layer.
-pub(super) struct GdnInputs<'a> {
-    pub q: &'a CpuTensor,
-    pub k: &'a CpuTensor,
-    pub v: &'a CpuTensor,
-    pub a: &'a CpuTensor,
-    pub b: &'a CpuTensor,
-    pub a_log: &'a CpuTensor,
-    pub dt_bias: &'a CpuTensor,
-}
-
-impl GdnInputs<'_> {
+impl GdnOperands<'_, CpuTensor> {
     fn check(&self, s: &GdnShape, state_per: usize, out: &CpuTensor) -> Result<usize> {
         let (rows, qcols) = self.q.rows_cols();
         let ok = s.k_heads > 0
@@ -294,7 +283,7 @@ struct HeadResult {
 }
 
 pub(super) fn gated_delta_rule(
-    inp: &GdnInputs<'_>,
+    inp: &GdnOperands<'_, CpuTensor>,
     shape: GdnShape,
     mut state: LayerState<'_>,
     plan: &StepPlan,
@@ -381,7 +370,7 @@ impl CpuBackend {
         let rows = q.rows_cols().0;
         let mut out = self.tmp(&[rows, shape.value_dim()]);
         let state = LayerState::new(&mut pools.ssm, layer)?;
-        let inputs = GdnInputs {
+        let inputs = GdnOperands {
             q,
             k,
             v,

@@ -8,24 +8,13 @@ use chimera_kernels::ssm;
 
 use super::ssm::SsmTensors;
 use super::{CudaBackend, CudaStep, CudaTensor};
-use crate::backend::{BackendError, DType, GdnShape, Result, SsmPools};
-
-/// The operands of one layer's delta rule.
-pub(super) struct GdnOperands<'a> {
-    pub q: &'a CudaTensor,
-    pub k: &'a CudaTensor,
-    pub v: &'a CudaTensor,
-    pub a: &'a CudaTensor,
-    pub b: &'a CudaTensor,
-    pub a_log: &'a CudaTensor,
-    pub dt_bias: &'a CudaTensor,
-}
+use crate::backend::{BackendError, DType, GdnOperands, GdnShape, Result, SsmPools};
 
 impl CudaBackend {
     /// [`crate::backend::LayerOps::gated_delta_rule`]: returns `o [n, v_heads·v_dim]`.
     pub(super) fn delta_rule_layer(
         &self,
-        x: &GdnOperands<'_>,
+        x: &GdnOperands<'_, CudaTensor>,
         shape: GdnShape,
         pools: &mut SsmPools<CudaTensor>,
         layer: usize,

@@ -420,7 +420,7 @@ impl LayerOps for CudaBackend {
         layer: usize,
         step: &CudaStep,
     ) -> Result<CudaTensor> {
-        let x = gated::GdnOperands {
+        let x = super::GdnOperands {
             q,
             k,
             v,
