@@ -14,6 +14,8 @@ import subprocess
 import sys
 import tempfile
 
+from event_timing import median_ms  # tests/gpu/event_timing.py
+
 p = argparse.ArgumentParser()
 p.add_argument("--json", required=True)
 p.add_argument("--wheels", default=".gpu/whl")
@@ -25,20 +27,6 @@ def row(check, measured, value, passed=True):
     rows.append({"suite": "peers", "check": check, "measured": measured, "bound": "reported",
                  "pass": passed, "value": value})
 
-
-def median_ms(f, warmup=3, reps=20):
-    import torch
-    for _ in range(warmup):
-        f()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        f()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 try:
@@ -68,7 +56,7 @@ try:
         f = lambda: chunk_gated_delta_rule(q, k, v, g.to(dt), beta, output_final_state=True)
         f()
         layout = "q/k repeated to 32 heads"
-    ms = median_ms(f)
+    ms = median_ms(f, warmup=3, reps=20)
     row(f"fla chunk_gated_delta_rule T=8192, 32v x 128 ({layout}), bf16, final state; reported",
         f"{ms:.3f} ms", ms)
 except Exception as e:  # the peer cannot run: say why in the table

@@ -9,26 +9,12 @@ import json
 import torch
 import torch.nn.functional as F
 
+from event_timing import median_ms  # tests/gpu/event_timing.py
+
 p = argparse.ArgumentParser()
 p.add_argument("--json", required=True)
 args = p.parse_args()
 rows = []
-
-
-def median_ms(f, warmup=5, reps=30):
-    """Median of `reps` CUDA-event timings of `f` after `warmup` calls."""
-    for _ in range(warmup):
-        f()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        f()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
-
 
 for t in (2048, 8192):
     q = torch.randn(1, 32, t, 128, device="cuda", dtype=torch.bfloat16)
