@@ -1,6 +1,6 @@
 //! Guest glue behind the export macros (Wasm builds only; not part of the public API).
 //!
-//! Owns the generated WIT bindings of the three worlds, the single plugin instance of a
+//! Owns the generated WIT bindings of the five worlds, the single plugin instance of a
 //! module ([`PluginCell`]) and the conversions from the lists the canonical ABI hands over to
 //! the borrowed column views the traits take. Lists arrive as owned `Vec`s that the ABI
 //! allocated in our memory, so building a view copies nothing.
@@ -15,13 +15,14 @@ use alloc::vec::Vec;
 use core::cell::UnsafeCell;
 
 use crate::{
-    Config, ConfigValue, EventsView, EvictorPlugin, ReplicaView, RouteRequestView, RouterPlugin,
-    SamplerBatchView, SamplerPlugin,
+    Config, ConfigValue, ConstraintPlugin, EventsView, EvictorPlugin, ParseRequestView, Parsed,
+    ParserPlugin, ReplicaView, RouteRequestView, RouterPlugin, SamplerBatchView, SamplerPlugin,
+    VocabularyView,
 };
 
 pub mod router {
     wit_bindgen::generate!({
-        path: "wit/v0.1.1",
+        path: "wit/v0.2.0",
         world: "router",
         pub_export_macro: true,
         export_macro_name: "export",
@@ -32,7 +33,7 @@ pub mod router {
 
 pub mod evictor {
     wit_bindgen::generate!({
-        path: "wit/v0.1.1",
+        path: "wit/v0.2.0",
         world: "evictor",
         pub_export_macro: true,
         export_macro_name: "export",
@@ -43,7 +44,7 @@ pub mod evictor {
 
 pub mod sampler {
     wit_bindgen::generate!({
-        path: "wit/v0.1.1",
+        path: "wit/v0.2.0",
         world: "sampler",
         pub_export_macro: true,
         export_macro_name: "export",
@@ -52,7 +53,31 @@ pub mod sampler {
     });
 }
 
+pub mod constraint {
+    wit_bindgen::generate!({
+        path: "wit/v0.2.0",
+        world: "constraint",
+        pub_export_macro: true,
+        export_macro_name: "export",
+        default_bindings_module: "chimera_plugin_sdk::__private::constraint",
+        runtime_path: "chimera_plugin_sdk::__private::wit_bindgen::rt",
+    });
+}
+
+pub mod parser {
+    wit_bindgen::generate!({
+        path: "wit/v0.2.0",
+        world: "parser",
+        pub_export_macro: true,
+        export_macro_name: "export",
+        default_bindings_module: "chimera_plugin_sdk::__private::parser",
+        runtime_path: "chimera_plugin_sdk::__private::wit_bindgen::rt",
+    });
+}
+
+use constraint::exports::chimera::plugin::constraining as cn;
 use evictor::exports::chimera::plugin::eviction as ev;
+use parser::exports::chimera::plugin::parsing as ps;
 use router::exports::chimera::plugin::routing as rt;
 use sampler::exports::chimera::plugin::sampling as sm;
 
@@ -186,4 +211,106 @@ pub fn sampler_sample<P: SamplerPlugin>(
         cand_logits: &b.cand_logits,
     };
     cell.with(|p| p.sample(&batch)).flatten()
+}
+
+/// A call into a plugin whose `init` has not run (or failed): the host never makes one.
+const NOT_INITIALISED: &str = "the plugin was not initialised";
+
+pub fn constraint_init<P: ConstraintPlugin>(
+    cell: &PluginCell<P>,
+    config: Vec<cn::ConfigEntry>,
+    v: cn::Vocabulary,
+) -> Result<(), String> {
+    let vocabulary = VocabularyView {
+        bytes: &v.bytes,
+        ends: &v.ends,
+        special: &v.special,
+        eos: v.eos,
+    };
+    cell.set(P::init(&config_from!(cn, config), &vocabulary)?);
+    Ok(())
+}
+
+pub fn constraint_open<P: ConstraintPlugin>(
+    cell: &PluginCell<P>,
+    kind: String,
+    grammar: String,
+) -> Result<u32, String> {
+    cell.with(|p| p.open(&kind, &grammar))
+        .unwrap_or_else(|| Err(NOT_INITIALISED.into()))
+}
+
+pub fn constraint_next<P: ConstraintPlugin>(
+    cell: &PluginCell<P>,
+    matcher: u32,
+    tokens: Vec<u32>,
+) -> Result<Vec<u32>, String> {
+    cell.with(|p| p.next(matcher, &tokens))
+        .unwrap_or_else(|| Err(NOT_INITIALISED.into()))
+}
+
+pub fn constraint_rollback<P: ConstraintPlugin>(
+    cell: &PluginCell<P>,
+    matcher: u32,
+    count: u32,
+) -> Result<(), String> {
+    cell.with(|p| p.rollback(matcher, count))
+        .unwrap_or_else(|| Err(NOT_INITIALISED.into()))
+}
+
+pub fn constraint_close<P: ConstraintPlugin>(cell: &PluginCell<P>, matcher: u32) {
+    cell.with(|p| p.close(matcher));
+}
+
+pub fn parser_init<P: ParserPlugin>(
+    cell: &PluginCell<P>,
+    config: Vec<ps::ConfigEntry>,
+) -> Result<(), String> {
+    cell.set(P::init(&config_from!(ps, config))?);
+    Ok(())
+}
+
+pub fn parser_formats<P: ParserPlugin>(cell: &PluginCell<P>) -> (Vec<String>, Vec<String>) {
+    cell.with(|p| p.formats()).unwrap_or_default()
+}
+
+pub fn parser_open<P: ParserPlugin>(
+    cell: &PluginCell<P>,
+    r: ps::ParseRequest,
+) -> Result<u32, String> {
+    let request = ParseRequestView {
+        tool_format: &r.tool_format,
+        reasoning_format: &r.reasoning_format,
+        reasoning_open: r.reasoning_open,
+        tools: &r.tools,
+    };
+    cell.with(|p| p.open(&request))
+        .unwrap_or_else(|| Err(NOT_INITIALISED.into()))
+}
+
+fn parsed_out(p: Parsed) -> ps::Parsed {
+    ps::Parsed {
+        kinds: p.kinds,
+        calls: p.calls,
+        texts: p.texts,
+    }
+}
+
+pub fn parser_feed<P: ParserPlugin>(cell: &PluginCell<P>, parser: u32, text: String) -> ps::Parsed {
+    parsed_out(cell.with(|p| p.feed(parser, &text)).unwrap_or_default())
+}
+
+pub fn parser_finish<P: ParserPlugin>(cell: &PluginCell<P>, parser: u32) -> ps::Parsed {
+    parsed_out(cell.with(|p| p.finish(parser)).unwrap_or_default())
+}
+
+pub fn parser_call_grammar<P: ParserPlugin>(
+    cell: &PluginCell<P>,
+    format: String,
+    tools: String,
+    choice: String,
+    parallel: bool,
+) -> Result<String, String> {
+    cell.with(|p| p.call_grammar(&format, &tools, &choice, parallel))
+        .unwrap_or_else(|| Err(NOT_INITIALISED.into()))
 }

@@ -1,13 +1,15 @@
-//! Write chimera routing, eviction and sampling policies as WebAssembly plugins.
+//! Write chimera plugins — routing, eviction and sampling policies, constraints and output
+//! parsers — as WebAssembly.
 //!
-//! A plugin is a type implementing one of [`RouterPlugin`], [`EvictorPlugin`] or
-//! [`SamplerPlugin`], plus one export macro ([`export_router!`], [`export_evictor!`],
-//! [`export_sampler!`]). Build the crate as a `cdylib` for `wasm32-unknown-unknown`; chimera
+//! A plugin is a type implementing one of [`RouterPlugin`], [`EvictorPlugin`],
+//! [`SamplerPlugin`], [`ConstraintPlugin`] or [`ParserPlugin`], plus one export macro
+//! ([`export_router!`], [`export_evictor!`], [`export_sampler!`], [`export_constraint!`],
+//! [`export_parser!`]). Build the crate as a `cdylib` for `wasm32-unknown-unknown`; chimera
 //! loads the resulting `.wasm` directly. Natively the same crate compiles without any glue,
 //! so the plugin is unit-tested with plain `cargo test` by calling the trait methods on the
 //! column views in [`testing`].
 //!
-//! The ABI is the WIT package `chimera:plugin@0.1.1` in `wit/v0.1.1/` ([`ABI_VERSION`]).
+//! The ABI is the WIT package `chimera:plugin@0.2.0` in `wit/v0.2.0/` ([`ABI_VERSION`]).
 //! Plugins get no filesystem, network or randomness: use [`math`] for a fast deterministic
 //! `exp`/`ln` and [`rng`] for seeded draws. [`host`] has a clock and a logger, each usable
 //! only where the operator grants it. The built-in policies are in [`algos`] for reuse.
@@ -23,9 +25,10 @@ extern crate self as chimera_plugin_sdk;
 use alloc::string::String;
 use alloc::vec::Vec;
 
-pub use chimera_policy_core::columns::{NO_PARENT, event_kind};
+pub use chimera_policy_core::columns::{NO_PARENT, event_kind, parsed_kind};
 pub use chimera_policy_core::{
-    Config, ConfigValue, EventsView, ReplicaView, RouteRequestView, SamplerBatchView, math, rng,
+    Config, ConfigValue, EventsView, ParseRequestView, Parsed, ReplicaView, RouteRequestView,
+    SamplerBatchView, VocabularyView, math, rng,
 };
 
 /// The built-in algorithms (least-loaded, prefix-aware, LRU, default sampler) for reuse.
@@ -40,11 +43,11 @@ pub mod testing;
 pub mod __private;
 
 /// The WIT package version this SDK builds plugins against.
-pub const ABI_VERSION: &str = "0.1.1";
+pub const ABI_VERSION: &str = "0.2.0";
 
-/// Host functions (ABI 0.1.1). Calling one makes the plugin import it, and such a plugin loads
-/// only where its TOML section grants it (`grants = ["clock"]`, `grants = ["log"]`); a plugin
-/// that calls neither imports nothing and loads on any 0.1 host. Natively (in tests) the clock
+/// Host functions (since ABI 0.1.1). Calling one makes the plugin import it, and such a plugin
+/// loads only where its TOML section grants it (`grants = ["clock"]`, `grants = ["log"]`); a
+/// plugin that calls neither imports nothing. Natively (in tests) the clock
 /// reads [`testing::set_now_ns`] and `log` does nothing.
 pub mod host {
     use alloc::string::String;
@@ -113,6 +116,50 @@ pub trait SamplerPlugin: Sized + 'static {
 
     /// One token per request (each among that request's candidates), or `None`.
     fn sample(&mut self, batch: &SamplerBatchView<'_>) -> Option<Vec<u32>>;
+}
+
+/// A constraint (ABI 0.2.0): compiles grammars into matchers and answers, per response and
+/// step, the tokens allowed next. One value serves every constrained response of an engine.
+pub trait ConstraintPlugin: Sized + 'static {
+    /// Builds the plugin from its `config` table and the model's vocabulary.
+    fn init(config: &Config, vocabulary: &VocabularyView<'_>) -> Result<Self, String>;
+
+    /// Compiles `grammar` (kind `json-schema`, `regex`, `choice` or `lark`) into a matcher.
+    fn open(&mut self, kind: &str, grammar: &str) -> Result<u32, String>;
+
+    /// Advances `matcher` by `tokens` and returns the next position's mask (`ceil(n / 32)`
+    /// words, bit `t % 32` of word `t / 32` for token `t`).
+    fn next(&mut self, matcher: u32, tokens: &[u32]) -> Result<Vec<u32>, String>;
+
+    /// Takes back the last `count` consumed tokens.
+    fn rollback(&mut self, matcher: u32, count: u32) -> Result<(), String>;
+
+    /// The response ended.
+    fn close(&mut self, matcher: u32);
+}
+
+/// An output parser (ABI 0.2.0): turns each response's streamed text into content, reasoning
+/// and tool calls.
+pub trait ParserPlugin: Sized + 'static {
+    fn init(config: &Config) -> Result<Self, String>;
+
+    /// Tool-call formats, then reasoning formats, that [`ParserPlugin::open`] accepts.
+    fn formats(&self) -> (Vec<String>, Vec<String>);
+
+    fn open(&mut self, request: &ParseRequestView<'_>) -> Result<u32, String>;
+
+    fn feed(&mut self, parser: u32, text: &str) -> Parsed;
+
+    fn finish(&mut self, parser: u32) -> Parsed;
+
+    /// A Lark grammar forcing tool calls in `format` (see the WIT `call-grammar`).
+    fn call_grammar(
+        &self,
+        format: &str,
+        tools: &str,
+        choice: &str,
+        parallel: bool,
+    ) -> Result<String, String>;
 }
 
 /// Exports a [`RouterPlugin`] implementation as the plugin's router (Wasm builds only).
@@ -202,6 +249,112 @@ macro_rules! export_sampler {
                 }
             }
             $crate::__private::sampler::export!(Export with_types_in $crate::__private::sampler);
+        };
+    };
+}
+
+/// Exports a [`ConstraintPlugin`] implementation as the plugin's constraint (Wasm builds only).
+#[macro_export]
+macro_rules! export_constraint {
+    ($plugin:ty) => {
+        #[cfg(target_arch = "wasm32")]
+        const _: () = {
+            static PLUGIN: $crate::__private::PluginCell<$plugin> =
+                $crate::__private::PluginCell::new();
+            struct Export;
+            impl $crate::__private::constraint::exports::chimera::plugin::constraining::Guest
+                for Export
+            {
+                fn init(
+                    config: $crate::__private::alloc::vec::Vec<
+                        $crate::__private::constraint::exports::chimera::plugin::constraining::ConfigEntry,
+                    >,
+                    vocabulary: $crate::__private::constraint::exports::chimera::plugin::constraining::Vocabulary,
+                ) -> Result<(), $crate::__private::alloc::string::String> {
+                    $crate::__private::constraint_init(&PLUGIN, config, vocabulary)
+                }
+                fn open(
+                    kind: $crate::__private::alloc::string::String,
+                    grammar: $crate::__private::alloc::string::String,
+                ) -> Result<u32, $crate::__private::alloc::string::String> {
+                    $crate::__private::constraint_open(&PLUGIN, kind, grammar)
+                }
+                fn next(
+                    matcher: u32,
+                    tokens: $crate::__private::alloc::vec::Vec<u32>,
+                ) -> Result<
+                    $crate::__private::alloc::vec::Vec<u32>,
+                    $crate::__private::alloc::string::String,
+                > {
+                    $crate::__private::constraint_next(&PLUGIN, matcher, tokens)
+                }
+                fn rollback(
+                    matcher: u32,
+                    count: u32,
+                ) -> Result<(), $crate::__private::alloc::string::String> {
+                    $crate::__private::constraint_rollback(&PLUGIN, matcher, count)
+                }
+                fn close(matcher: u32) {
+                    $crate::__private::constraint_close(&PLUGIN, matcher)
+                }
+            }
+            $crate::__private::constraint::export!(Export with_types_in $crate::__private::constraint);
+        };
+    };
+}
+
+/// Exports a [`ParserPlugin`] implementation as the plugin's parser (Wasm builds only).
+#[macro_export]
+macro_rules! export_parser {
+    ($plugin:ty) => {
+        #[cfg(target_arch = "wasm32")]
+        const _: () = {
+            static PLUGIN: $crate::__private::PluginCell<$plugin> =
+                $crate::__private::PluginCell::new();
+            struct Export;
+            impl $crate::__private::parser::exports::chimera::plugin::parsing::Guest for Export {
+                fn init(
+                    config: $crate::__private::alloc::vec::Vec<
+                        $crate::__private::parser::exports::chimera::plugin::parsing::ConfigEntry,
+                    >,
+                ) -> Result<(), $crate::__private::alloc::string::String> {
+                    $crate::__private::parser_init(&PLUGIN, config)
+                }
+                fn formats() -> (
+                    $crate::__private::alloc::vec::Vec<$crate::__private::alloc::string::String>,
+                    $crate::__private::alloc::vec::Vec<$crate::__private::alloc::string::String>,
+                ) {
+                    $crate::__private::parser_formats(&PLUGIN)
+                }
+                fn open(
+                    request: $crate::__private::parser::exports::chimera::plugin::parsing::ParseRequest,
+                ) -> Result<u32, $crate::__private::alloc::string::String> {
+                    $crate::__private::parser_open(&PLUGIN, request)
+                }
+                fn feed(
+                    parser: u32,
+                    text: $crate::__private::alloc::string::String,
+                ) -> $crate::__private::parser::exports::chimera::plugin::parsing::Parsed {
+                    $crate::__private::parser_feed(&PLUGIN, parser, text)
+                }
+                fn finish(
+                    parser: u32,
+                ) -> $crate::__private::parser::exports::chimera::plugin::parsing::Parsed {
+                    $crate::__private::parser_finish(&PLUGIN, parser)
+                }
+                fn call_grammar(
+                    format: $crate::__private::alloc::string::String,
+                    tools: $crate::__private::alloc::string::String,
+                    choice: $crate::__private::alloc::string::String,
+                    parallel: bool,
+                ) -> Result<
+                    $crate::__private::alloc::string::String,
+                    $crate::__private::alloc::string::String,
+                > {
+                    $crate::__private::parser_call_grammar(&PLUGIN, format, tools, choice, parallel)
+                }
+            }
+            $crate::__private::parser::export!(Export with_types_in $crate::__private::parser);
         };
     };
 }

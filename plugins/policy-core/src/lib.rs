@@ -24,5 +24,8 @@ pub mod rng;
 pub mod router;
 pub mod sampler;
 
-pub use columns::{EventsView, ReplicaView, RouteRequestView, SamplerBatchView};
+pub use columns::{
+    EventsView, ParseRequestView, Parsed, ReplicaView, RouteRequestView, SamplerBatchView,
+    VocabularyView,
+};
 pub use config::{Config, ConfigValue};
