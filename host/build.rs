@@ -22,11 +22,13 @@ use std::process::Command;
 use sha2::{Digest, Sha256};
 
 /// (package, embedded file name)
-const PLUGINS: [(&str, &str); 4] = [
+const PLUGINS: [(&str, &str); 6] = [
     ("chimera-plugin-least-loaded", "least_loaded.wasm"),
     ("chimera-plugin-prefix-aware", "prefix_aware.wasm"),
     ("chimera-plugin-lru", "lru.wasm"),
     ("chimera-plugin-default-sampler", "default_sampler.wasm"),
+    ("chimera-plugin-llguidance", "llguidance.wasm"),
+    ("chimera-plugin-tool-parsers", "tool_parsers.wasm"),
 ];
 
 const TARGET: &str = "wasm32-unknown-unknown";

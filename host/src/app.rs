@@ -15,7 +15,7 @@ use crate::backend::{DType, LayerOps, StepBackend};
 use crate::config::Config;
 use crate::engine::{EngineSetup, ModelRunner, Policies, spawn_engine};
 use crate::model::{self, Model, builtin, hub};
-use crate::plugins::{PluginError, PluginKind, PluginMetrics, PolicyPlugins};
+use crate::plugins::{PluginError, PluginKind, PluginMetrics, PolicyPlugins, Vocabulary};
 use crate::policy::native::DefaultSampler;
 use crate::server::metrics::MetricsSource;
 use crate::server::router::Replica;
@@ -571,6 +571,20 @@ fn available_memory() -> Option<u64> {
 }
 
 /// Starts one engine thread per `(backend, model, cache config)` and assembles the stack.
+/// The vocabulary the constraint plugin masks: one entry per logits column of the model
+/// (`model_vocab`), each token's bytes from the tokenizer (empty past its end). `None` for a
+/// tokenizer whose token bytes are not known (only byte-level BPE tokenizers are read so far)
+/// or without an EOS token: such a server refuses constrained requests, saying why.
+fn constraint_vocabulary(codec: &TextCodec, model_vocab: usize) -> Option<Vocabulary> {
+    let table = codec.byte_table()?;
+    let eos = *codec.eos_token_ids().first()?;
+    if eos as usize >= model_vocab {
+        return None;
+    }
+    let tokens = (0..model_vocab as u32).map(|id| (table.bytes(id), table.is_special(id)));
+    Some(Vocabulary::from_tokens(tokens, eos))
+}
+
 fn start<B: StepBackend>(
     config: &Config,
     loaded: LoadedModel,
@@ -578,9 +592,18 @@ fn start<B: StepBackend>(
     max_model_len: usize,
 ) -> anyhow::Result<Stack> {
     let plugin_metrics = PluginMetrics::new();
+    let model_vocab = replicas_in
+        .first()
+        .map_or(0, |(_, model, _)| model.info.vocab_size);
+    let vocabulary = constraint_vocabulary(&loaded.codec, model_vocab).map(Arc::new);
     let plugins = Arc::new(
-        PolicyPlugins::new(&config.policy, &config.plugins, plugin_metrics.clone())
-            .context("loading policy plugins")?,
+        PolicyPlugins::with_vocabulary(
+            &config.policy,
+            &config.plugins,
+            plugin_metrics.clone(),
+            vocabulary.clone(),
+        )
+        .context("loading policy plugins")?,
     );
     let salt = format!("{}:{}", config.model.path, loaded.name);
     let mut replicas = Vec::with_capacity(replicas_in.len());
@@ -596,6 +619,7 @@ fn start<B: StepBackend>(
             sampler: plugins.sampler(),
             fallback_sampler: Box::new(DefaultSampler::default()),
             evictor: Some(plugins.evictor()),
+            constrainer: vocabulary.is_some().then(|| plugins.constrainer()),
         };
         let runner = ModelRunner::new(backend, model).with_graphs(config.engine.cuda_graphs);
         let (handle, _join, kv) = spawn_engine(setup, runner, policies)
@@ -634,6 +658,10 @@ fn start<B: StepBackend>(
             plugins: plugins.clone(),
             config: config.clone(),
         })),
+        parsers: Some({
+            let plugins = plugins.clone();
+            Arc::new(move || plugins.parser())
+        }),
     };
     Ok(Stack {
         parts,

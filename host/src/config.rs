@@ -91,6 +91,8 @@ pub struct Overrides {
     pub revision: Option<String>,
     pub served_model_name: Option<Vec<String>>,
     pub api_key: Option<String>,
+    pub tool_call_parser: Option<String>,
+    pub reasoning_parser: Option<String>,
     pub host: Option<String>,
     pub port: Option<u16>,
     pub replicas: Option<usize>,
@@ -138,6 +140,12 @@ impl Config {
         }
         if let Some(names) = o.served_model_name {
             self.server.served_model_name = Some(crate::server::config::ServedNames::Many(names));
+        }
+        if let Some(p) = o.tool_call_parser {
+            self.server.tool_call_parser = Some(p);
+        }
+        if let Some(p) = o.reasoning_parser {
+            self.server.reasoning_parser = Some(p);
         }
         if let Some(k) = o.api_key {
             self.server.api_key = Some(k);

@@ -84,6 +84,13 @@ struct ServeArgs {
     /// `Authorization: Bearer <key>`.
     #[arg(long)]
     api_key: Option<String>,
+    /// Overrides `server.tool_call_parser`: the tool-call format of the model's responses
+    /// (`hermes`, `qwen3_coder`, `llama3_json`, `granite`).
+    #[arg(long)]
+    tool_call_parser: Option<String>,
+    /// Overrides `server.reasoning_parser`: the reasoning format (`qwen3`, `deepseek_r1`).
+    #[arg(long)]
+    reasoning_parser: Option<String>,
     /// Overrides `server.host`: the address to listen on.
     #[arg(long)]
     host: Option<String>,
@@ -264,6 +271,8 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         revision: args.revision,
         served_model_name: args.served_model_name,
         api_key: args.api_key,
+        tool_call_parser: args.tool_call_parser,
+        reasoning_parser: args.reasoning_parser,
         host: args.host,
         port: args.port,
         replicas: args.replicas,

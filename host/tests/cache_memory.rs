@@ -97,6 +97,7 @@ fn attention_free_engine_stays_near_its_budget() {
             block_hashes: None,
             checkpoints: Vec::new(),
             priority: 0,
+            constraint: None,
         },
         tx,
     );

@@ -123,6 +123,7 @@ fn submit(
             block_hashes: None,
             checkpoints: Vec::new(),
             priority: 0,
+            constraint: None,
         },
         tx,
     );
@@ -431,6 +432,7 @@ fn prompt_logprobs_match_the_full_forward_pass_despite_chunks_and_cache() {
                 block_hashes: None,
                 checkpoints: Vec::new(),
                 priority: 0,
+                constraint: None,
             },
             tx,
         );
@@ -550,6 +552,7 @@ fn each_step_uploads_once_and_reads_once() {
                             block_hashes: None,
                             checkpoints: Vec::new(),
                             priority: 0,
+                            constraint: None,
                         },
                         tx,
                     );
@@ -745,6 +748,7 @@ fn submit_checkpoints(
             block_hashes: None,
             checkpoints,
             priority: 0,
+            constraint: None,
         },
         tx,
     );

@@ -438,6 +438,7 @@ async fn completion_logprobs_and_echo() {
         block_hashes: None,
         checkpoints: Vec::new(),
         priority: 0,
+        constraint: None,
     });
     let want = direct
         .iter()

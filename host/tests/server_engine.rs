@@ -99,6 +99,7 @@ async fn start() -> Live {
         replicas,
         policy: Box::new(PrefixAware),
         admin_hooks: None,
+        parsers: None,
     };
     let state = AppState::new(parts).expect("state");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")

@@ -725,6 +725,7 @@ fn the_engine_fails_malformed_requests_as_invalid_request() {
         block_hashes: None,
         checkpoints: Vec::new(),
         priority: 0,
+        constraint: None,
     };
     let vocab = o.mock.vocab as u32;
     let cases = [

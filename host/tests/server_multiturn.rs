@@ -37,6 +37,7 @@ fn cold(o: &Options, prompt: &[u32], n: u32) -> Vec<u32> {
         block_hashes: None,
         checkpoints: Vec::new(),
         priority: 0,
+        constraint: None,
     });
     events
         .into_iter()

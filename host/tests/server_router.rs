@@ -218,6 +218,7 @@ fn run_with_hashes(prompt: &[u32], given: Option<Vec<BlockHash>>) -> (u64, Vec<u
         block_hashes: given.map(Into::into),
         checkpoints: Vec::new(),
         priority: 0,
+        constraint: None,
     };
     e.add(request, tx);
     while !e.is_idle() {

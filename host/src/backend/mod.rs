@@ -709,6 +709,12 @@ pub trait StepBackend: LayerOps {
 
     fn arena_stats(&self) -> ArenaStats;
 
+    /// Whether the sampling tail applies the plan's token masks (`SampleRows::masks`): an
+    /// engine on a backend that does not refuses constrained requests.
+    fn applies_token_masks(&self) -> bool {
+        true
+    }
+
     // ---- packing ahead ----------------------------------------------------------------------
     /// Whether [`StepBackend::pack_step`], [`StepBackend::repack_tokens`] and
     /// [`StepBackend::send_step`] split a step's upload: packing is host work only, so the next

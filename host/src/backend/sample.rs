@@ -63,7 +63,17 @@ pub struct SampleRows {
     pub hist_counts: Vec<u32>,
     /// Added to the token's logit after the penalties (0 for most entries).
     pub hist_bias: Vec<f32>,
+    /// Allowed-token masks of constrained rows: row `i`'s mask, when `mask_of[i] !=`
+    /// [`NO_MASK`], is `masks[mask_of[i] * w..][..w]` with `w = vocab.div_ceil(32)` words (bit
+    /// `t % 32` of word `t / 32` allows token `t`). A masked-out token's logit becomes negative
+    /// infinity before the penalties. Rows of requests without a constraint have none, and a
+    /// step without one carries no words at all.
+    pub mask_of: Vec<u32>,
+    pub masks: Vec<u32>,
 }
+
+/// `mask_of` of a row without a mask.
+pub const NO_MASK: u32 = u32::MAX;
 
 impl SampleRows {
     /// Empties every column (keeping capacity) for a step that wants `k` candidates per row.
@@ -78,6 +88,8 @@ impl SampleRows {
         self.hist_tokens.clear();
         self.hist_counts.clear();
         self.hist_bias.clear();
+        self.mask_of.clear();
+        self.masks.clear();
     }
 
     /// Becomes a copy of `src`, reusing this value's buffers (no allocation once warm).
@@ -91,6 +103,33 @@ impl SampleRows {
         self.hist_tokens.clone_from(&src.hist_tokens);
         self.hist_counts.clone_from(&src.hist_counts);
         self.hist_bias.clone_from(&src.hist_bias);
+        self.mask_of.clone_from(&src.mask_of);
+        self.masks.clone_from(&src.masks);
+    }
+
+    /// Gives the last row pushed a mask of `words` words, all tokens masked out, for the
+    /// caller to fill.
+    pub fn mask_last_row(&mut self, words: usize) -> &mut [u32] {
+        let start = self.masks.len();
+        if let Some(m) = self.mask_of.last_mut() {
+            *m = (start / words.max(1)) as u32;
+        }
+        self.masks.resize(start + words, 0);
+        &mut self.masks[start..]
+    }
+
+    /// Row `i`'s mask words, if it has a mask (`words` per mask).
+    pub fn mask(&self, i: usize, words: usize) -> Option<&[u32]> {
+        let m = *self.mask_of.get(i)?;
+        if m == NO_MASK {
+            return None;
+        }
+        self.masks.get(m as usize * words..(m as usize + 1) * words)
+    }
+
+    /// Whether any row has a mask.
+    pub fn has_masks(&self) -> bool {
+        !self.masks.is_empty()
     }
 
     pub fn len(&self) -> usize {
@@ -167,6 +206,7 @@ impl SampleRows {
         self.presence.push(pen.presence);
         self.frequency.push(pen.frequency);
         self.want_lse.push(want_lse);
+        self.mask_of.push(NO_MASK);
         let (rep, counts) = (pen.repetition_on(), pen.counts_on());
         if rep || counts {
             let start = self.hist_tokens.len();

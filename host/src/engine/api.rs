@@ -88,6 +88,17 @@ pub struct GenerateRequest {
     /// Admission order under `engine.scheduling_policy = "priority"`: lower first (vLLM's
     /// `priority`); ignored under "fcfs".
     pub priority: i32,
+    /// A grammar the response must follow (structured outputs, forced tool calls): the
+    /// engine's constraint plugin masks every sampled position with it.
+    pub constraint: Option<Grammar>,
+}
+
+/// A grammar for the constraint plugin (ABI `constraining.open`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grammar {
+    /// `json-schema`, `regex`, `choice` or `lark`.
+    pub kind: String,
+    pub text: String,
 }
 
 #[cfg(test)]
@@ -105,6 +116,7 @@ impl GenerateRequest {
             block_hashes: None,
             checkpoints: Vec::new(),
             priority: 0,
+            constraint: None,
         }
     }
 }
@@ -186,15 +198,18 @@ pub enum FailureKind {
     Executor,
     /// The cache refused a state change the scheduler planned (an engine bug).
     Cache,
+    /// The response's constraint could not go on (the plugin failed, or no token is allowed).
+    Constraint,
 }
 
 impl FailureKind {
-    pub const ALL: [FailureKind; 5] = [
+    pub const ALL: [FailureKind; 6] = [
         Self::InvalidRequest,
         Self::QueueFull,
         Self::PromptTooLong,
         Self::Executor,
         Self::Cache,
+        Self::Constraint,
     ];
 
     /// Stable kind string: the error code and metric label.
@@ -205,6 +220,7 @@ impl FailureKind {
             Self::PromptTooLong => "prompt_too_long",
             Self::Executor => "executor_failed",
             Self::Cache => "cache_error",
+            Self::Constraint => "constraint_failed",
         }
     }
 }

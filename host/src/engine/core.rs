@@ -20,13 +20,13 @@ use super::config::{ConfigError, EngineSetup};
 use super::executor::{CacheAllocation, ExecutorError, StepExecutor};
 use super::outbox::Outbox;
 use super::pipeline::Pipeline;
-use super::request::{Phase, Request};
+use super::request::{ActiveConstraint, Phase, Request};
 use super::sampling::SamplingStage;
 use super::scheduler::Scheduler;
 use super::timings::StepTimings;
 use crate::cache::{CacheLayout, CacheManager, HashSeed};
 use crate::policy::native::DefaultSampler;
-use crate::policy::{Evictor, Sampler};
+use crate::policy::{Constrainer, Evictor, Sampler};
 
 /// The policy instances of one replica.
 pub struct Policies {
@@ -36,6 +36,8 @@ pub struct Policies {
     pub fallback_sampler: Box<dyn Sampler>,
     /// The configured eviction policy; `None` uses the cache's native LRU order.
     pub evictor: Option<Box<dyn Evictor>>,
+    /// The constraint plugin's instance for this engine; `None` refuses constrained requests.
+    pub constrainer: Option<Box<dyn Constrainer>>,
 }
 
 impl Policies {
@@ -46,6 +48,7 @@ impl Policies {
             sampler: Box::new(DefaultSampler::default()),
             fallback_sampler: Box::new(DefaultSampler::default()),
             evictor: None,
+            constrainer: None,
         }
     }
 }
@@ -278,9 +281,24 @@ impl<E: StepExecutor> Engine<E> {
         } else {
             Vec::new()
         };
+        let constraint = match self.open_constraint(&mut req) {
+            Ok(c) => c,
+            Err(message) => {
+                self.outbox.reject(
+                    id,
+                    &events,
+                    EngineEvent::Failed {
+                        kind: FailureKind::InvalidRequest,
+                        message,
+                    },
+                );
+                return self.outbox.flush();
+            }
+        };
         self.sched.add(|slot| {
             let mut r = Request::new(req, slot, events);
             r.min_ban = min_ban;
+            r.constraint = constraint;
             r
         });
         if let Some(h) = hashes
@@ -343,6 +361,7 @@ impl<E: StepExecutor> Engine<E> {
     /// launched step that holds it is applied.
     pub fn cancel(&mut self, id: u64) {
         self.retire(id, Some(FinishReason::Cancelled));
+        self.close_constraints();
         self.outbox.flush();
         self.refresh_stats();
     }
@@ -399,6 +418,43 @@ impl<E: StepExecutor> Engine<E> {
         };
         outbox.send(r.id, &r.events, EngineEvent::Finished { reason, usage });
         stats.requests_finished += 1;
+    }
+
+    /// Opens the matcher of a request with a grammar (none without one).
+    fn open_constraint(
+        &mut self,
+        req: &mut GenerateRequest,
+    ) -> Result<Option<ActiveConstraint>, String> {
+        let Some(grammar) = req.constraint.take() else {
+            return Ok(None);
+        };
+        if !self.executor.applies_token_masks() {
+            return Err(
+                "constrained responses (response_format, structured_outputs, forced tool calls) \
+                 are not supported on this backend yet; serve on the CPU backend for them"
+                    .into(),
+            );
+        }
+        let Some(c) = self.policies.constrainer.as_mut() else {
+            return Err("this server has no constraint plugin for constrained responses".into());
+        };
+        let matcher = c
+            .open(&grammar.kind, &grammar.text)
+            .map_err(|e| format!("the {} grammar: {e}", grammar.kind))?;
+        Ok(Some(ActiveConstraint {
+            matcher,
+            fed: std::cell::Cell::new(0),
+        }))
+    }
+
+    /// Closes the matchers of requests that left the scheduler.
+    pub(super) fn close_constraints(&mut self) {
+        let closed = self.sched.take_closed_matchers();
+        if let Some(c) = self.policies.constrainer.as_mut() {
+            for m in closed {
+                c.close(m);
+            }
+        }
     }
 
     pub(super) fn fail(&mut self, r: Request, kind: FailureKind, message: String) {

@@ -141,6 +141,10 @@ pub trait StepExecutor: Send {
     fn step_kinds(&self) -> StepKinds {
         StepKinds::default()
     }
+    /// Whether steps apply the plan's token masks (constrained responses).
+    fn applies_token_masks(&self) -> bool {
+        true
+    }
 }
 
 /// Steps an executor ran, by how: every kernel launched from the host, or replayed from a
@@ -192,5 +196,8 @@ impl<E: StepExecutor + ?Sized> StepExecutor for Box<E> {
     }
     fn step_kinds(&self) -> StepKinds {
         (**self).step_kinds()
+    }
+    fn applies_token_masks(&self) -> bool {
+        (**self).applies_token_masks()
     }
 }

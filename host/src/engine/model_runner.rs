@@ -370,6 +370,10 @@ impl<B: StepBackend> StepExecutor for ModelRunner<B> {
         self.device_time.take()
     }
 
+    fn applies_token_masks(&self) -> bool {
+        self.backend.applies_token_masks()
+    }
+
     fn step_kinds(&self) -> super::executor::StepKinds {
         super::executor::StepKinds {
             eager: self.eager_steps,

@@ -477,6 +477,12 @@ impl<E: StepExecutor> Engine<E> {
     /// Builds `step`'s plan (see [`super::step_plan`]); `ahead`: while the launched step
     /// computes, its sampled tokens as placeholders.
     fn build(&mut self, step: &mut Step, ahead: bool) -> Result<(), ExecutorError> {
+        let words = self.executor.vocab_size().div_ceil(32);
+        let constraints = self
+            .policies
+            .constrainer
+            .as_deref_mut()
+            .map(|c| (c as &mut dyn crate::policy::Constrainer, words));
         step_plan::build(
             &mut step.plan,
             self.layout.block_size,
@@ -484,9 +490,11 @@ impl<E: StepExecutor> Engine<E> {
             &self.sched,
             &self.cache,
             &self.sampling,
+            constraints,
             &mut step.built,
         )
         .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))?;
+        self.fail_constraints(&mut step.built);
         if !ahead && !step.built.placeholders.is_empty() {
             return Err(ExecutorError::InvalidBatch(
                 "a step launched with nothing computing holds tokens not sampled yet".into(),
@@ -532,6 +540,7 @@ impl<E: StepExecutor> Engine<E> {
     /// The common end of a step that ran a batch: the update phase is the time from
     /// `output_in` on, less `launch_ns` (the next step's launch, counted apart).
     fn end_step(&mut self, output_in: Instant, launch_ns: u64) {
+        self.close_constraints();
         self.cache.take_events(&mut self.kv_events);
         self.outbox.take_closed(&mut self.closed);
         for id in std::mem::take(&mut self.closed) {
@@ -547,6 +556,29 @@ impl<E: StepExecutor> Engine<E> {
         let end = Instant::now();
         self.timings.update_ns += ((end - output_in).as_nanos() as u64).saturating_sub(launch_ns);
         self.pipeline.pace.last_step_end = Some(end);
+    }
+
+    /// Ends the requests whose constraint failed while `built`'s plan was made: each gets
+    /// `Failed` now and leaves once no step holds it (its row in the plan runs unmasked).
+    fn fail_constraints(&mut self, built: &mut Built) {
+        for (id, why) in built.constraint_failures.drain(..) {
+            let Some(r) = self.sched.slot_of(id).and_then(|s| self.sched.request(s)) else {
+                continue;
+            };
+            if r.phase == Phase::Finished {
+                continue;
+            }
+            let message = format!("the response's constraint failed: {why}");
+            self.outbox.send(
+                id,
+                &r.events,
+                EngineEvent::Failed {
+                    kind: FailureKind::Constraint,
+                    message,
+                },
+            );
+            self.retire(id, None);
+        }
     }
 
     /// Samples the launched step's rows (and takes its prompt rows) into `step.sampled` and

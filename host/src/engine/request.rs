@@ -72,6 +72,8 @@ pub struct Request {
     /// Tokens masked out while fewer than `params.min_tokens` are generated: the stop tokens
     /// and, unless `ignore_eos`, the model's EOS (set by the engine, which knows the EOS).
     pub min_ban: Vec<u32>,
+    /// The response's matcher in the engine's constraint plugin, if it has a grammar.
+    pub constraint: Option<ActiveConstraint>,
     pub events: EventSender,
 }
 
@@ -109,6 +111,7 @@ impl Request {
             prompt_logprobs,
             prompt_top,
             min_ban: Vec::new(),
+            constraint: None,
             events,
         }
     }
@@ -147,4 +150,12 @@ pub fn derive_seed(id: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
+}
+
+/// A constrained response's matcher and how many of its output tokens it has consumed (a
+/// `Cell`: plans are built from a shared view of the requests).
+#[derive(Debug)]
+pub struct ActiveConstraint {
+    pub matcher: u32,
+    pub fed: std::cell::Cell<usize>,
 }

@@ -98,6 +98,8 @@ pub struct Scheduler {
     seed: HashSeed,
     slots: Vec<Option<Request>>,
     free_slots: Vec<u32>,
+    /// Matchers of removed constrained requests, not yet closed.
+    closed_matchers: Vec<u32>,
     by_id: HashMap<u64, u32>,
     waiting: VecDeque<u32>,
     /// Running and paused requests in admission order.
@@ -124,6 +126,7 @@ impl Scheduler {
             seed,
             slots: Vec::new(),
             free_slots: Vec::new(),
+            closed_matchers: Vec::new(),
             by_id: HashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
@@ -246,7 +249,15 @@ impl Scheduler {
             }
         }
         self.free_slots.push(slot);
+        if let Some(c) = &r.constraint {
+            self.closed_matchers.push(c.matcher);
+        }
         Some(r)
+    }
+
+    /// Matchers of constrained requests removed since the last call, for the engine to close.
+    pub fn take_closed_matchers(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.closed_matchers)
     }
 
     /// Ids of every request, in no particular order.

@@ -13,6 +13,7 @@ use super::sampling::{RowInfo, SamplingStage};
 use super::scheduler::{Scheduler, SchedulerOutput};
 use crate::backend::{PlanError, SlotOp, StepPlan};
 use crate::cache::{CacheManager, SsmInit};
+use crate::policy::Constrainer;
 
 /// A plan's token that the step before it is still sampling.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,9 +31,12 @@ pub struct Built {
     pub prompt_tokens: u64,
     /// Tokens to fill in before the launch.
     pub placeholders: Vec<Placeholder>,
-    /// A sampled row's penalty history lacks a token still being sampled: the plan must be
-    /// built again once it is known.
+    /// A sampled row's penalty history or constraint lacks a token still being sampled: the
+    /// plan must be built again once it is known.
     pub history_incomplete: bool,
+    /// Constrained requests whose constraint failed while the plan was built (request id and
+    /// why); their rows carry no mask, and the engine fails them.
+    pub constraint_failures: Vec<(u64, String)>,
 }
 
 /// Fills `plan` for `out`, the step the scheduler planned last.
@@ -44,6 +48,7 @@ pub fn build(
     sched: &Scheduler,
     cache: &CacheManager,
     sampling: &SamplingStage,
+    constraints: Option<(&mut (dyn Constrainer + '_), usize)>,
     built: &mut Built,
 ) -> Result<(), PlanError> {
     plan.clear(block_size);
@@ -51,6 +56,12 @@ pub fn build(
     built.prompt_tokens = 0;
     built.placeholders.clear();
     built.history_incomplete = false;
+    built.constraint_failures.clear();
+    // The constraint, and its mask words per row.
+    let (mut constraints, words) = match constraints {
+        Some((c, words)) => (Some(c), words),
+        None => (None, 0),
+    };
     for s in &out.seqs {
         let r = sched
             .request(s.slot)
@@ -95,6 +106,26 @@ pub fn build(
                 banned: r.banned_now(),
             };
             SamplingStage::push_sample_row(&mut plan.sampling, &row);
+            if let Some(active) = &r.constraint {
+                // The mask needs every token before this position: a token still being
+                // sampled makes the plan wait for it (built again once it is known).
+                built.history_incomplete |= r.in_flight > 0;
+                if r.in_flight == 0
+                    && let Some(c) = constraints.as_deref_mut()
+                {
+                    let output = r.output();
+                    let fed = active.fed.get().min(output.len());
+                    let mask = plan.sampling.mask_last_row(words);
+                    match c.next(active.matcher, &output[fed..], mask) {
+                        Ok(()) => active.fed.set(output.len()),
+                        Err(why) => {
+                            // Unmasked, as if it had no constraint; the engine fails it.
+                            mask.fill(u32::MAX);
+                            built.constraint_failures.push((r.id, why));
+                        }
+                    }
+                }
+            }
         }
         for snap in &s.snapshots {
             plan.snapshot(snap.after, snap.slot);

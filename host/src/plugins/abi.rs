@@ -11,7 +11,7 @@
 use std::fmt;
 
 use chimera_policy_core::{Config, ConfigValue};
-use wasmtime::component::{ComponentType, Lower};
+use wasmtime::component::{ComponentType, Lift, Lower};
 
 use super::PluginKind;
 
@@ -67,11 +67,20 @@ impl fmt::Display for AbiRange {
     }
 }
 
-/// The ABI versions this host can drive: every 0.1.x (0.1.0 is the first release).
+/// The ABI versions this host can drive: every 0.1.x (0.1.0 is the first release) and 0.2.x
+/// (0.1.1 plus the `constraining` and `parsing` interfaces).
 pub const ACCEPTED: AbiRange = AbiRange {
     min: AbiVersion::new(0, 1, 0),
-    below: AbiVersion::new(0, 2, 0),
+    below: AbiVersion::new(0, 3, 0),
 };
+
+/// The first version that defines `kind`'s interface.
+pub fn introduced(kind: PluginKind) -> AbiVersion {
+    match kind {
+        PluginKind::Router | PluginKind::Evictor | PluginKind::Sampler => AbiVersion::new(0, 1, 0),
+        PluginKind::Constraint | PluginKind::Parser => AbiVersion::new(0, 2, 0),
+    }
+}
 
 /// The version of a host-interface import `chimera:plugin/host@<version>`, if it is one.
 pub fn parse_host_import(name: &str) -> Option<AbiVersion> {
@@ -91,12 +100,15 @@ pub fn parse_export(name: &str) -> Option<(Option<PluginKind>, Option<AbiVersion
     Some((kind, version))
 }
 
-/// Function names of each interface in 0.1.x, in the order the host looks them up.
+/// Function names of each interface, in the order the host looks them up (the same in every
+/// version that defines it).
 pub fn functions(kind: PluginKind) -> &'static [&'static str] {
     match kind {
         PluginKind::Router => &["init", "route"],
         PluginKind::Evictor => &["init", "on-events", "choose-victims"],
         PluginKind::Sampler => &["init", "sample"],
+        PluginKind::Constraint => &["init", "open", "next", "rollback", "close"],
+        PluginKind::Parser => &["init", "formats", "open", "feed", "finish", "call-grammar"],
     }
 }
 
@@ -209,6 +221,111 @@ pub struct WitSamplerBatch<'a> {
     pub cand_logits: &'a [f32],
 }
 
+/// A model's vocabulary as the `constraining` interface takes it (0.2.0 `vocabulary`): token
+/// `i`'s bytes are `bytes[ends[i - 1]..ends[i]]`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Vocabulary {
+    pub bytes: Vec<u8>,
+    pub ends: Vec<u32>,
+    pub special: Vec<u8>,
+    pub eos: u32,
+}
+
+impl Vocabulary {
+    /// Builds the columns from each token's bytes and whether it is special.
+    pub fn from_tokens<'a>(tokens: impl IntoIterator<Item = (&'a [u8], bool)>, eos: u32) -> Self {
+        let mut v = Self {
+            eos,
+            ..Self::default()
+        };
+        for (bytes, special) in tokens {
+            v.bytes.extend_from_slice(bytes);
+            v.ends.push(v.bytes.len() as u32);
+            v.special.push(special as u8);
+        }
+        v
+    }
+
+    /// A small stand-in used to check a constraint plugin before a model is loaded: the 256
+    /// single bytes, then `<|end|>` (special, the EOS).
+    pub fn sample() -> Self {
+        let bytes: Vec<[u8; 1]> = (0..=255u8).map(|b| [b]).collect();
+        let tokens = bytes
+            .iter()
+            .map(|b| (&b[..], false))
+            .chain(std::iter::once((&b"<|end|>"[..], true)));
+        Self::from_tokens(tokens, 256)
+    }
+
+    pub fn len(&self) -> usize {
+        self.ends.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ends.is_empty()
+    }
+
+    /// Mask words per position: `ceil(len / 32)`.
+    pub fn mask_words(&self) -> usize {
+        self.len().div_ceil(32)
+    }
+
+    pub fn view(&self) -> chimera_policy_core::VocabularyView<'_> {
+        chimera_policy_core::VocabularyView {
+            bytes: &self.bytes,
+            ends: &self.ends,
+            special: &self.special,
+            eos: self.eos,
+        }
+    }
+
+    pub(crate) fn arg(&self) -> WitVocabulary<'_> {
+        WitVocabulary {
+            bytes: &self.bytes,
+            ends: &self.ends,
+            special: &self.special,
+            eos: self.eos,
+        }
+    }
+}
+
+#[derive(ComponentType, Lower, Debug, Clone, Copy)]
+#[component(record)]
+pub struct WitVocabulary<'a> {
+    #[component(name = "bytes")]
+    pub bytes: &'a [u8],
+    #[component(name = "ends")]
+    pub ends: &'a [u32],
+    #[component(name = "special")]
+    pub special: &'a [u8],
+    #[component(name = "eos")]
+    pub eos: u32,
+}
+
+#[derive(ComponentType, Lower, Debug, Clone, Copy)]
+#[component(record)]
+pub struct WitParseRequest<'a> {
+    #[component(name = "tool-format")]
+    pub tool_format: &'a str,
+    #[component(name = "reasoning-format")]
+    pub reasoning_format: &'a str,
+    #[component(name = "reasoning-open")]
+    pub reasoning_open: bool,
+    #[component(name = "tools")]
+    pub tools: &'a str,
+}
+
+#[derive(ComponentType, Lift, Debug, Clone, Default)]
+#[component(record)]
+pub struct WitParsed {
+    #[component(name = "kinds")]
+    pub kinds: Vec<u8>,
+    #[component(name = "calls")]
+    pub calls: Vec<u32>,
+    #[component(name = "texts")]
+    pub texts: Vec<String>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -225,10 +342,16 @@ mod tests {
         );
         assert_eq!(parse_export("wasi:cli/run@0.2.0"), None);
         assert!(ACCEPTED.contains(AbiVersion::new(0, 1, 7)));
-        assert!(!ACCEPTED.contains(AbiVersion::new(0, 2, 0)));
+        assert!(ACCEPTED.contains(AbiVersion::new(0, 2, 0)));
+        assert!(!ACCEPTED.contains(AbiVersion::new(0, 3, 0)));
         assert!(!ACCEPTED.contains(AbiVersion::new(0, 0, 9)));
         assert_eq!(AbiVersion::parse("1.2"), None);
         assert_eq!(AbiVersion::parse("1.2.3.4"), None);
-        assert_eq!(ACCEPTED.to_string(), ">=0.1.0, <0.2.0");
+        assert_eq!(ACCEPTED.to_string(), ">=0.1.0, <0.3.0");
+        assert_eq!(
+            parse_export("chimera:plugin/constraining@0.2.0"),
+            Some((Some(PluginKind::Constraint), Some(AbiVersion::new(0, 2, 0))))
+        );
+        assert_eq!(introduced(PluginKind::Parser), AbiVersion::new(0, 2, 0));
     }
 }

@@ -22,13 +22,13 @@ use crate::policy::{
 };
 
 /// Shared bookkeeping of the three adapters.
-struct Guard {
-    slot: Slot,
-    counters: Arc<PluginCounters>,
+pub(super) struct Guard {
+    pub(super) slot: Slot,
+    pub(super) counters: Arc<PluginCounters>,
 }
 
 impl Guard {
-    fn new(handle: Arc<PluginHandle>, counters: Arc<PluginCounters>) -> Self {
+    pub(super) fn new(handle: Arc<PluginHandle>, counters: Arc<PluginCounters>) -> Self {
         Self {
             slot: Slot::new(handle),
             counters,
@@ -37,7 +37,7 @@ impl Guard {
 
     /// Records a failed call: count, log once, drop the instance if it may be poisoned, and
     /// quarantine the plugin after repeated failures.
-    fn failed(&mut self, e: &CallError) {
+    pub(super) fn failed(&mut self, e: &CallError) {
         self.counters.record_fallback(e.reason, &e.detail);
         let poisoned = match e.reason {
             FallbackReason::Trap | FallbackReason::Timeout | FallbackReason::Memory => true,
@@ -49,7 +49,7 @@ impl Guard {
     }
 
     /// Records an answer the host cannot use; `Declined` is a legitimate answer, not a failure.
-    fn rejected(&mut self, reason: FallbackReason, detail: &dyn std::fmt::Display) {
+    pub(super) fn rejected(&mut self, reason: FallbackReason, detail: &dyn std::fmt::Display) {
         self.counters.record_fallback(reason, detail);
         if reason == FallbackReason::Declined {
             self.slot.succeeded();
@@ -70,13 +70,13 @@ impl Guard {
     }
 
     /// Records a good answer.
-    fn ok(&mut self) {
+    pub(super) fn ok(&mut self) {
         self.slot.succeeded();
     }
 }
 
 /// Runs one call into a plugin instance and records its latency.
-fn timed<T>(counters: &PluginCounters, call: impl FnOnce() -> T) -> T {
+pub(super) fn timed<T>(counters: &PluginCounters, call: impl FnOnce() -> T) -> T {
     let start = Instant::now();
     let out = call();
     counters.record_latency(start.elapsed());

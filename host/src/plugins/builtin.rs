@@ -22,7 +22,7 @@ macro_rules! embed {
     };
 }
 
-pub const BUILTINS: [Builtin; 4] = [
+pub const BUILTINS: [Builtin; 6] = [
     Builtin {
         name: "least-loaded",
         kind: PluginKind::Router,
@@ -43,6 +43,16 @@ pub const BUILTINS: [Builtin; 4] = [
         kind: PluginKind::Sampler,
         wasm: embed!("default_sampler.wasm"),
     },
+    Builtin {
+        name: "llguidance",
+        kind: PluginKind::Constraint,
+        wasm: embed!("llguidance.wasm"),
+    },
+    Builtin {
+        name: "tool-parsers",
+        kind: PluginKind::Parser,
+        wasm: embed!("tool_parsers.wasm"),
+    },
 ];
 
 pub fn find(kind: PluginKind, name: &str) -> Option<&'static Builtin> {
@@ -58,11 +68,13 @@ pub const FROM_SOURCE: bool = matches!(env!("CHIMERA_BUILTIN_PLUGINS").as_bytes(
 pub const WASM_TARGET_INSTALLED: bool = matches!(env!("CHIMERA_WASM_TARGET").as_bytes(), b"1");
 
 /// The embedded file name of each built-in (as in `plugins/prebuilt/`), in [`BUILTINS`] order.
-pub const FILES: [&str; 4] = [
+pub const FILES: [&str; 6] = [
     "least_loaded.wasm",
     "prefix_aware.wasm",
     "lru.wasm",
     "default_sampler.wasm",
+    "llguidance.wasm",
+    "tool_parsers.wasm",
 ];
 
 #[cfg(test)]

@@ -223,5 +223,50 @@ fn dry_call(plugin: &LoadedPlugin, instance: &mut Instance) -> Result<String, St
                 .map_err(|e| e.to_string())?;
             Ok(format!("2 requests × 3 candidates -> {tokens:?}"))
         }
+        PluginKind::Constraint => {
+            let vocabulary = plugin.vocabulary.len();
+            let matcher = instance
+                .open("regex", "(ab)+")
+                .map_err(|e| e.to_string())?
+                .map_err(|e| format!("open(regex \"(ab)+\") refused: {e}"))?;
+            let mask = instance
+                .next(matcher, &[])
+                .map_err(|e| e.to_string())?
+                .map_err(|e| format!("next refused: {e}"))?;
+            let allowed: u32 = mask.iter().map(|w| w.count_ones()).sum();
+            instance.close(matcher).map_err(|e| e.to_string())?;
+            Ok(format!(
+                "regex (ab)+ over a {vocabulary}-token vocabulary -> {} mask words, {allowed} tokens allowed first",
+                mask.len()
+            ))
+        }
+        PluginKind::Parser => {
+            let (tools, reasoning) = instance.formats().map_err(|e| e.to_string())?;
+            let mut said = format!(
+                "tool formats [{}], reasoning formats [{}]",
+                tools.join(", "),
+                reasoning.join(", ")
+            );
+            if let Some(format) = tools.first() {
+                let request = super::abi::WitParseRequest {
+                    tool_format: format,
+                    reasoning_format: "",
+                    reasoning_open: false,
+                    tools: "",
+                };
+                let parser = instance
+                    .open_parser(request)
+                    .map_err(|e| e.to_string())?
+                    .map_err(|e| format!("open({format}) refused: {e}"))?;
+                let mut pieces = instance.feed(parser, "hello").map_err(|e| e.to_string())?;
+                let rest = instance.finish(parser).map_err(|e| e.to_string())?;
+                pieces.kinds.extend(rest.kinds);
+                said.push_str(&format!(
+                    "; `hello` in {format} -> {} piece(s)",
+                    pieces.kinds.len()
+                ));
+            }
+            Ok(said)
+        }
     }
 }

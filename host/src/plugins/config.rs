@@ -22,6 +22,12 @@ pub struct PolicyConfig {
     pub evictor: PolicySpec,
     #[serde(default = "PolicySpec::default_sampler")]
     pub sampler: PolicySpec,
+    /// Grammars, JSON schemas and forced tool calls (ABI 0.2.0).
+    #[serde(default = "PolicySpec::default_constraint")]
+    pub constraint: PolicySpec,
+    /// Tool calls and reasoning in responses' text (ABI 0.2.0).
+    #[serde(default = "PolicySpec::default_parser")]
+    pub parser: PolicySpec,
 }
 
 impl Default for PolicyConfig {
@@ -30,6 +36,8 @@ impl Default for PolicyConfig {
             router: PolicySpec::default_router(),
             evictor: PolicySpec::default_evictor(),
             sampler: PolicySpec::default_sampler(),
+            constraint: PolicySpec::default_constraint(),
+            parser: PolicySpec::default_parser(),
         }
     }
 }
@@ -69,6 +77,12 @@ impl PolicySpec {
     fn default_sampler() -> Self {
         Self::builtin("default")
     }
+    fn default_constraint() -> Self {
+        Self::builtin("llguidance")
+    }
+    fn default_parser() -> Self {
+        Self::builtin("tool-parsers")
+    }
 }
 
 /// `[plugins]`: limits applied to every plugin call.
@@ -79,9 +93,16 @@ pub struct PluginsConfig {
     pub deadline_ms: u64,
     /// Most linear memory one plugin instance may grow to.
     pub memory_bytes: u64,
-    /// Plugin instances that may exist at once (pooling allocator slots): one router, one
-    /// evictor and one sampler per replica, twice over while a reload is under way.
+    /// Plugin instances that may exist at once (pooling allocator slots): per replica a router,
+    /// evictor, sampler, constraint and parser, plus the constraint instances that check
+    /// grammars; twice over while a reload is under way.
     pub max_instances: u32,
+    /// The constraint plugin's budget for one call: compiling one grammar (a request's
+    /// grammar that takes longer is refused with a 400) or one response's mask.
+    pub constraint_deadline_ms: u64,
+    /// The constraint plugin's memory (it holds the vocabulary's token trie and every
+    /// response's matcher).
+    pub constraint_memory_bytes: u64,
 }
 
 impl Default for PluginsConfig {
@@ -90,7 +111,26 @@ impl Default for PluginsConfig {
             deadline_ms: 20,
             memory_bytes: 64 << 20,
             max_instances: 128,
+            constraint_deadline_ms: 1000,
+            constraint_memory_bytes: 1 << 30,
         }
+    }
+}
+
+impl PluginsConfig {
+    /// The limits a plugin of `kind` runs under.
+    pub fn for_kind(&self, kind: PluginKind) -> PluginsConfig {
+        let mut limits = self.clone();
+        if kind == PluginKind::Constraint {
+            limits.deadline_ms = self.constraint_deadline_ms;
+            limits.memory_bytes = self.constraint_memory_bytes;
+        }
+        limits
+    }
+
+    /// The most memory any plugin may grow to.
+    pub fn largest_memory(&self) -> u64 {
+        self.memory_bytes.max(self.constraint_memory_bytes)
     }
 }
 
@@ -135,6 +175,8 @@ pub fn builtin_names(kind: PluginKind) -> &'static [&'static str] {
         PluginKind::Router => &["least-loaded", "prefix-aware"],
         PluginKind::Evictor => &["lru"],
         PluginKind::Sampler => &["default"],
+        PluginKind::Constraint => &["llguidance"],
+        PluginKind::Parser => &["tool-parsers"],
     }
 }
 
@@ -328,12 +370,8 @@ impl PolicyConfig {
         Ok(())
     }
 
-    pub fn specs(&self) -> [(PluginKind, &PolicySpec); 3] {
-        [
-            (PluginKind::Router, &self.router),
-            (PluginKind::Evictor, &self.evictor),
-            (PluginKind::Sampler, &self.sampler),
-        ]
+    pub fn specs(&self) -> [(PluginKind, &PolicySpec); 5] {
+        PluginKind::ALL.map(|kind| (kind, self.spec(kind)))
     }
 
     pub fn spec(&self, kind: PluginKind) -> &PolicySpec {
@@ -341,6 +379,8 @@ impl PolicyConfig {
             PluginKind::Router => &self.router,
             PluginKind::Evictor => &self.evictor,
             PluginKind::Sampler => &self.sampler,
+            PluginKind::Constraint => &self.constraint,
+            PluginKind::Parser => &self.parser,
         }
     }
 }
@@ -367,6 +407,24 @@ impl PluginsConfig {
             return Err(ConfigError::new(
                 format!("{path}.max_instances"),
                 format!("must be in 1..=10000, got {}", self.max_instances),
+            ));
+        }
+        if !(1..=60_000).contains(&self.constraint_deadline_ms) {
+            return Err(ConfigError::new(
+                format!("{path}.constraint_deadline_ms"),
+                format!(
+                    "must be in 1..=60000 milliseconds, got {}",
+                    self.constraint_deadline_ms
+                ),
+            ));
+        }
+        if !((16 << 20)..=(4 << 30)).contains(&self.constraint_memory_bytes) {
+            return Err(ConfigError::new(
+                format!("{path}.constraint_memory_bytes"),
+                format!(
+                    "must be between 16 MiB and 4 GiB, got {}",
+                    self.constraint_memory_bytes
+                ),
             ));
         }
         Ok(())

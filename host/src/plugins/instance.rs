@@ -11,10 +11,13 @@ use std::time::Instant;
 use wasmtime::component::{ComponentNamedList, Func, Lift, Lower};
 use wasmtime::{ResourceLimiter, Store, Trap};
 
-use super::PluginError;
-use super::abi::{self, WitCacheEvents, WitReplicaColumns, WitRouteRequest, WitSamplerBatch};
+use super::abi::{
+    self, WitCacheEvents, WitParseRequest, WitParsed, WitReplicaColumns, WitRouteRequest,
+    WitSamplerBatch,
+};
 use super::metrics::FallbackReason;
 use super::runtime::{EPOCH_TICK, LoadedPlugin};
+use super::{PluginError, PluginKind};
 
 /// Per-store state: the memory limiter, and what the host functions need.
 pub struct StoreData {
@@ -184,8 +187,15 @@ impl Instance {
             deadline_ticks,
         };
         let entries = abi::config_entries(&this.plugin.config);
-        let (result,) =
-            this.call::<(&[abi::WitConfigEntry],), (Result<(), String>,)>(0, (&entries,))?;
+        let (result,) = if this.plugin.kind == PluginKind::Constraint {
+            let vocabulary = this.plugin.vocabulary.clone();
+            this.call::<(&[abi::WitConfigEntry], abi::WitVocabulary<'_>), (Result<(), String>,)>(
+                0,
+                (&entries, vocabulary.arg()),
+            )?
+        } else {
+            this.call::<(&[abi::WitConfigEntry],), (Result<(), String>,)>(0, (&entries,))?
+        };
         result.map_err(|message| CallError {
             reason: FallbackReason::Invalid,
             detail: message,
@@ -244,6 +254,68 @@ impl Instance {
 
     pub fn sample(&mut self, batch: WitSamplerBatch<'_>) -> Result<Option<Vec<u32>>, CallError> {
         self.call::<_, (Option<Vec<u32>>,)>(1, (batch,))
+            .map(|(r,)| r)
+    }
+}
+
+/// The `constraining` interface (0.2.0).
+impl Instance {
+    pub fn open(&mut self, kind: &str, grammar: &str) -> Result<Result<u32, String>, CallError> {
+        self.call::<_, (Result<u32, String>,)>(1, (kind, grammar))
+            .map(|(r,)| r)
+    }
+
+    pub fn next(
+        &mut self,
+        matcher: u32,
+        tokens: &[u32],
+    ) -> Result<Result<Vec<u32>, String>, CallError> {
+        self.call::<_, (Result<Vec<u32>, String>,)>(2, (matcher, tokens))
+            .map(|(r,)| r)
+    }
+
+    pub fn rollback(&mut self, matcher: u32, count: u32) -> Result<Result<(), String>, CallError> {
+        self.call::<_, (Result<(), String>,)>(3, (matcher, count))
+            .map(|(r,)| r)
+    }
+
+    pub fn close(&mut self, matcher: u32) -> Result<(), CallError> {
+        self.call::<_, ()>(4, (matcher,))
+    }
+}
+
+/// The `parsing` interface (0.2.0).
+impl Instance {
+    pub fn formats(&mut self) -> Result<(Vec<String>, Vec<String>), CallError> {
+        self.call::<(), ((Vec<String>, Vec<String>),)>(1, ())
+            .map(|(r,)| r)
+    }
+
+    pub fn open_parser(
+        &mut self,
+        request: WitParseRequest<'_>,
+    ) -> Result<Result<u32, String>, CallError> {
+        self.call::<_, (Result<u32, String>,)>(2, (request,))
+            .map(|(r,)| r)
+    }
+
+    pub fn feed(&mut self, parser: u32, text: &str) -> Result<WitParsed, CallError> {
+        self.call::<_, (WitParsed,)>(3, (parser, text))
+            .map(|(r,)| r)
+    }
+
+    pub fn finish(&mut self, parser: u32) -> Result<WitParsed, CallError> {
+        self.call::<_, (WitParsed,)>(4, (parser,)).map(|(r,)| r)
+    }
+
+    pub fn call_grammar(
+        &mut self,
+        format: &str,
+        tools: &str,
+        choice: &str,
+        parallel: bool,
+    ) -> Result<Result<String, String>, CallError> {
+        self.call::<_, (Result<String, String>,)>(5, (format, tools, choice, parallel))
             .map(|(r,)| r)
     }
 }

@@ -21,6 +21,7 @@
 
 pub mod abi;
 mod adapters;
+pub mod agent;
 pub mod builtin;
 pub mod check;
 pub mod config;
@@ -36,6 +37,7 @@ use std::sync::Arc;
 use chimera_policy_core::Config;
 
 pub use adapters::{WasmEvictor, WasmRouter, WasmSampler};
+pub use agent::{WasmConstrainer, WasmParser};
 pub use check::{CheckReport, check_plugin};
 pub use config::{
     ConfigError, Grants, PluginSource, PluginsConfig, PolicyConfig, PolicySpec, parse_plugin_config,
@@ -45,18 +47,30 @@ pub use runtime::{LoadedPlugin, PluginRuntime};
 pub use slot::PluginHandle;
 
 use crate::policy::native::{self, LruEvictor};
-use crate::policy::{Evictor, Router, Sampler};
+use crate::policy::{Constrainer, Evictor, OutputParser, Router, Sampler};
+pub use abi::Vocabulary;
 
-/// The three policy kinds, one WIT world (and interface) each.
+/// The plugin kinds, one WIT world (and interface) each: three policies (0.1.0 on) and the two
+/// kinds of agent requests (0.2.0 on).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PluginKind {
     Router,
     Evictor,
     Sampler,
+    /// Allowed-token masks of constrained responses (grammars, JSON schemas, forced calls).
+    Constraint,
+    /// Responses' text turned into content, reasoning and tool calls.
+    Parser,
 }
 
 impl PluginKind {
-    pub const ALL: [PluginKind; 3] = [PluginKind::Router, PluginKind::Evictor, PluginKind::Sampler];
+    pub const ALL: [PluginKind; 5] = [
+        PluginKind::Router,
+        PluginKind::Evictor,
+        PluginKind::Sampler,
+        PluginKind::Constraint,
+        PluginKind::Parser,
+    ];
 
     /// The exported WIT interface of this kind.
     pub fn interface(self) -> &'static str {
@@ -64,6 +78,8 @@ impl PluginKind {
             PluginKind::Router => "routing",
             PluginKind::Evictor => "eviction",
             PluginKind::Sampler => "sampling",
+            PluginKind::Constraint => "constraining",
+            PluginKind::Parser => "parsing",
         }
     }
 
@@ -73,6 +89,8 @@ impl PluginKind {
             PluginKind::Router => "router",
             PluginKind::Evictor => "evictor",
             PluginKind::Sampler => "sampler",
+            PluginKind::Constraint => "constraint",
+            PluginKind::Parser => "parser",
         }
     }
 
@@ -82,6 +100,8 @@ impl PluginKind {
             PluginKind::Router => "prefix-aware",
             PluginKind::Evictor => "lru",
             PluginKind::Sampler => "default",
+            PluginKind::Constraint => "llguidance",
+            PluginKind::Parser => "tool-parsers",
         }
     }
 }
@@ -166,7 +186,7 @@ enum Provider {
 pub struct PolicyPlugins {
     runtime: PluginRuntime,
     metrics: Arc<PluginMetrics>,
-    providers: [Provider; 3],
+    providers: [Provider; 5],
 }
 
 impl PolicyPlugins {
@@ -177,12 +197,28 @@ impl PolicyPlugins {
         limits: &PluginsConfig,
         metrics: Arc<PluginMetrics>,
     ) -> Result<Self, PluginError> {
+        Self::with_vocabulary(policy, limits, metrics, None)
+    }
+
+    /// As [`PolicyPlugins::new`], with the served model's vocabulary for the constraint plugin
+    /// (without one it is checked against a small stand-in and cannot serve requests).
+    pub fn with_vocabulary(
+        policy: &PolicyConfig,
+        limits: &PluginsConfig,
+        metrics: Arc<PluginMetrics>,
+        vocabulary: Option<Arc<Vocabulary>>,
+    ) -> Result<Self, PluginError> {
         policy.validate("policy")?;
-        let runtime = PluginRuntime::new(limits)?;
+        let mut runtime = PluginRuntime::new(limits)?;
+        if let Some(v) = vocabulary {
+            runtime.set_vocabulary(v);
+        }
         let providers = [
             Self::provider(&runtime, PluginKind::Router, &policy.router)?,
             Self::provider(&runtime, PluginKind::Evictor, &policy.evictor)?,
             Self::provider(&runtime, PluginKind::Sampler, &policy.sampler)?,
+            Self::provider(&runtime, PluginKind::Constraint, &policy.constraint)?,
+            Self::provider(&runtime, PluginKind::Parser, &policy.parser)?,
         ];
         Ok(Self {
             runtime,
@@ -311,6 +347,41 @@ impl PolicyPlugins {
         }
     }
 
+    /// A new constraint for one engine (its own plugin instance); `None` when no vocabulary
+    /// was given (the plugin only checked).
+    pub fn constrainer(&self) -> Box<dyn Constrainer> {
+        let words = self.runtime.vocabulary().mask_words();
+        match self.provider_of(PluginKind::Constraint) {
+            Provider::Native { config, .. } => {
+                native::constrainer(config, self.runtime.vocabulary())
+            }
+            Provider::Wasm { handle, .. } => {
+                let counters = self
+                    .metrics
+                    .counters(&handle.current().name, PluginKind::Constraint);
+                Box::new(WasmConstrainer::new(handle.clone(), counters, words))
+            }
+        }
+    }
+
+    /// A new output parser (its own plugin instance).
+    pub fn parser(&self) -> Box<dyn OutputParser> {
+        match self.provider_of(PluginKind::Parser) {
+            Provider::Native { config, .. } => native::parser(config),
+            Provider::Wasm { handle, .. } => {
+                let counters = self
+                    .metrics
+                    .counters(&handle.current().name, PluginKind::Parser);
+                Box::new(WasmParser::new(handle.clone(), counters))
+            }
+        }
+    }
+
+    /// The vocabulary constraint plugins are initialised with.
+    pub fn vocabulary(&self) -> &Arc<Vocabulary> {
+        self.runtime.vocabulary()
+    }
+
     /// Replaces the plugin of `kind` while serving: compiles and checks `wasm` with `config`
     /// and `grants` on the calling thread (call it off the engine threads), then swaps it in;
     /// every adapter switches at its next call. On error the running plugin stays.
@@ -348,6 +419,8 @@ fn check_native(kind: PluginKind, name: &str, config: &Config) -> Result<(), Str
         PluginKind::Router => native::router(name, config).map(drop),
         PluginKind::Evictor => native::evictor(name, config).map(drop),
         PluginKind::Sampler => native::sampler(name, config).map(drop),
+        PluginKind::Constraint => native::check_constraint(name, config),
+        PluginKind::Parser => native::check_parser(name, config),
     }
 }
 

@@ -20,7 +20,7 @@ use wasmtime::component::{
 };
 use wasmtime::{Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
 
-use super::abi::{self, ACCEPTED, AbiVersion};
+use super::abi::{self, ACCEPTED, AbiVersion, Vocabulary};
 use super::config::{Grants, PluginsConfig};
 use super::instance::{Instance, StoreData, host_log, host_now_ns};
 use super::{PluginError, PluginKind};
@@ -34,6 +34,8 @@ pub struct PluginRuntime {
     engine: Engine,
     limits: PluginsConfig,
     pooling: bool,
+    /// What constraint plugins loaded here are initialised with.
+    vocabulary: Arc<Vocabulary>,
 }
 
 impl PluginRuntime {
@@ -56,7 +58,18 @@ impl PluginRuntime {
             engine,
             limits: limits.clone(),
             pooling,
+            vocabulary: Arc::new(Vocabulary::sample()),
         })
+    }
+
+    /// Constraint plugins loaded from now on are initialised with `vocabulary` (the served
+    /// model's) instead of the small stand-in used to check them.
+    pub fn set_vocabulary(&mut self, vocabulary: Arc<Vocabulary>) {
+        self.vocabulary = vocabulary;
+    }
+
+    pub fn vocabulary(&self) -> &Arc<Vocabulary> {
+        &self.vocabulary
     }
 
     pub fn engine(&self) -> &Engine {
@@ -181,7 +194,7 @@ impl PluginRuntime {
             return Err(PluginError::Exports {
                 plugin: name.to_string(),
                 message: format!(
-                    "exports no chimera:plugin interface (routing, eviction or sampling); exports: [{}]",
+                    "exports no chimera:plugin interface (routing, eviction, sampling, constraining or parsing); exports: [{}]",
                     others.join(", ")
                 ),
             });
@@ -197,6 +210,16 @@ impl PluginRuntime {
                 plugin: name.to_string(),
                 found: version,
                 accepted: ACCEPTED,
+            });
+        }
+        if version < abi::introduced(kind) {
+            return Err(PluginError::Exports {
+                plugin: name.to_string(),
+                message: format!(
+                    "`{export}`: the {} interface exists from ABI {} on, not in {version}",
+                    kind.interface(),
+                    abi::introduced(kind)
+                ),
             });
         }
         let Some(iface) = component.get_export_index(None, export.as_str()) else {
@@ -234,7 +257,8 @@ impl PluginRuntime {
             host_functions,
             pre,
             config: config.clone(),
-            limits: self.limits.clone(),
+            limits: self.limits.for_kind(kind),
+            vocabulary: self.vocabulary.clone(),
         })
     }
 }
@@ -257,6 +281,8 @@ pub struct LoadedPlugin {
     pub(crate) pre: InstancePre<StoreData>,
     pub config: Config,
     pub(crate) limits: PluginsConfig,
+    /// `init`'s vocabulary, for a constraint plugin.
+    pub(crate) vocabulary: Arc<Vocabulary>,
 }
 
 impl std::fmt::Debug for LoadedPlugin {
@@ -289,7 +315,7 @@ fn engine_config(limits: &PluginsConfig, pooling: bool) -> wasmtime::Config {
             .total_memories(n)
             .total_tables(n.saturating_mul(2))
             // Above the store limit, so the limiter (which records why) refuses first.
-            .max_memory_size(limits.memory_bytes as usize + (1 << 20));
+            .max_memory_size(limits.largest_memory() as usize + (1 << 20));
         cfg.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
     }
     cfg

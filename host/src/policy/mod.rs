@@ -164,3 +164,71 @@ pub trait Sampler: Send {
     /// Chooses one token per request (each must be one of that request's candidates).
     fn sample(&mut self, batch: &SamplerBatch) -> Decision<Vec<u32>>;
 }
+
+/// Why a constraint could not answer for one response.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConstraintError {
+    /// The grammar is wrong or beyond the limits: the client's fault (a 400).
+    #[error("{0}")]
+    Grammar(String),
+    /// The tokens broke the grammar, or the plugin failed: the response ends with this.
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// The constraints of one engine (ABI `constraining`): a matcher per constrained response,
+/// advanced by the tokens sampled for it, answering the allowed-token mask of its next
+/// position (`ceil(vocab / 32)` words, bit `t % 32` of word `t / 32` for token `t`).
+pub trait Constrainer: Send {
+    /// Compiles `grammar` (`json-schema`, `regex`, `choice`, `lark`) into a matcher.
+    fn open(&mut self, kind: &str, grammar: &str) -> Result<u32, ConstraintError>;
+
+    /// Advances `matcher` by `tokens` and writes its next mask into `mask`.
+    fn next(&mut self, matcher: u32, tokens: &[u32], mask: &mut [u32]) -> Result<(), String>;
+
+    /// Takes back the last `count` tokens.
+    fn rollback(&mut self, matcher: u32, count: u32) -> Result<(), String>;
+
+    fn close(&mut self, matcher: u32);
+}
+
+/// The output parsers of one replica's output pass (ABI `parsing`).
+pub trait OutputParser: Send {
+    /// Tool-call formats, then reasoning formats.
+    fn formats(&mut self) -> (Vec<String>, Vec<String>);
+
+    fn open(&mut self, request: &ParseRequest) -> Result<u32, String>;
+
+    fn feed(&mut self, parser: u32, text: &str) -> chimera_policy_core::Parsed;
+
+    fn finish(&mut self, parser: u32) -> chimera_policy_core::Parsed;
+
+    /// A Lark grammar forcing tool calls (see the WIT `call-grammar`).
+    fn call_grammar(
+        &mut self,
+        format: &str,
+        tools: &str,
+        choice: &str,
+        parallel: bool,
+    ) -> Result<String, String>;
+}
+
+/// What one response is parsed for (owned; see `chimera_policy_core::ParseRequestView`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ParseRequest {
+    pub tool_format: String,
+    pub reasoning_format: String,
+    pub reasoning_open: bool,
+    pub tools: String,
+}
+
+impl ParseRequest {
+    pub fn view(&self) -> chimera_policy_core::ParseRequestView<'_> {
+        chimera_policy_core::ParseRequestView {
+            tool_format: &self.tool_format,
+            reasoning_format: &self.reasoning_format,
+            reasoning_open: self.reasoning_open,
+            tools: &self.tools,
+        }
+    }
+}

@@ -52,6 +52,13 @@ pub struct ServerConfig {
     /// Seconds between two stats lines in the log (throughput, running and waiting requests,
     /// KV cache usage, prefix-cache hit rate), written while there is work; 0 turns them off.
     pub stats_log_interval_secs: u32,
+    /// The tool-call format the parser plugin reads responses in (vLLM's names: `hermes`,
+    /// `qwen3_coder`, `llama3_json`, `granite`). Unset: inferred from the chat template;
+    /// requests with tools (other than `tool_choice: "none"`) to a model with neither get 400.
+    pub tool_call_parser: Option<String>,
+    /// The reasoning format split into `reasoning_content` (`qwen3`, `deepseek_r1`). Unset:
+    /// `qwen3` when the chat template uses `<think>`, else none.
+    pub reasoning_parser: Option<String>,
 }
 
 /// The values of `configs/default.toml` (a test checks they agree).
@@ -74,6 +81,8 @@ impl Default for ServerConfig {
             served_model_name: None,
             router_mirror_max_blocks: 1 << 20,
             stats_log_interval_secs: 10,
+            tool_call_parser: None,
+            reasoning_parser: None,
         }
     }
 }

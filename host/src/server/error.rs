@@ -107,7 +107,9 @@ impl AppError {
             Self::Engine { kind, .. } => match kind {
                 FailureKind::InvalidRequest | FailureKind::PromptTooLong => StatusCode::BAD_REQUEST,
                 FailureKind::QueueFull => StatusCode::SERVICE_UNAVAILABLE,
-                FailureKind::Executor | FailureKind::Cache => StatusCode::INTERNAL_SERVER_ERROR,
+                FailureKind::Executor | FailureKind::Cache | FailureKind::Constraint => {
+                    StatusCode::INTERNAL_SERVER_ERROR
+                }
             },
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }

@@ -27,6 +27,7 @@
 //! [`router`] + [`prefix_mirror`] (replica choice), [`metrics`], and [`mock_tokenizer`] (a
 //! small tokenizer for tests).
 
+pub mod agent;
 pub mod config;
 pub mod detok;
 pub mod error;
@@ -111,7 +112,13 @@ pub struct AppParts {
     pub replicas: Vec<Replica>,
     pub policy: Box<dyn crate::policy::Router>,
     pub admin_hooks: Option<Arc<dyn AdminHooks>>,
+    /// Makes parser plugin instances (one per output pass, one for the request path); `None`:
+    /// responses are never parsed and requests that need a parser get 400.
+    pub parsers: Option<ParserFactory>,
 }
+
+/// Makes a parser plugin instance.
+pub type ParserFactory = Arc<dyn Fn() -> Box<dyn crate::policy::OutputParser> + Send + Sync>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -147,6 +154,10 @@ pub(crate) struct Inner {
     pub limits: Limits,
     pub created: u64,
     pub admin_hooks: Option<Arc<dyn AdminHooks>>,
+    /// The tool-call and reasoning formats responses are parsed in.
+    pub formats: agent::Formats,
+    /// A parser plugin instance for the request path (forced tool calls' grammars).
+    pub request_parser: Option<std::sync::Mutex<Box<dyn crate::policy::OutputParser>>>,
     next_id: AtomicU64,
     /// Random per process: response ids (`cmpl-…`) never repeat across restarts.
     id_key: u64,
@@ -184,8 +195,17 @@ impl AppState {
         }
         let metrics = Arc::new(Metrics::new(parts.replicas.len()));
         let outputs = (0..parts.replicas.len())
-            .map(output::OutputPass::spawn)
+            .map(|r| output::OutputPass::spawn(r, parts.parsers.as_ref().map(|make| make())))
             .collect::<Result<Vec<_>, _>>()?;
+        let formats = agent::Formats::resolve(
+            parts.config.tool_call_parser.as_deref(),
+            parts.config.reasoning_parser.as_deref(),
+            parts.codec.chat_template(),
+        );
+        let request_parser = parts
+            .parsers
+            .as_ref()
+            .map(|make| std::sync::Mutex::new(make()));
         let router = RouterHandle::spawn(
             parts.replicas,
             parts.policy,
@@ -237,6 +257,8 @@ impl AppState {
                 limits,
                 created,
                 admin_hooks: parts.admin_hooks,
+                formats,
+                request_parser,
                 next_id: AtomicU64::new(1),
                 id_key: random_key(),
                 shutting_down: AtomicBool::new(false),

@@ -21,6 +21,7 @@ use serde_json::{Value, json};
 use tokio::sync::OwnedSemaphorePermit;
 
 use super::AppState;
+use super::agent::{self, AgentFields, AgentPlan};
 use super::error::AppError;
 use super::output::OutputState;
 use super::params::{GenParams, validate_common};
@@ -307,14 +308,22 @@ fn engine_request(
         block_hashes: Some(prep.hashes.clone()),
         checkpoints: prep.checkpoints.clone(),
         priority: params.priority,
+        constraint: None,
     }
 }
 
+/// The last part of a response id (`chatcmpl-<hex>`), to make tool-call ids unique.
+fn meta_tag(response_id: &str) -> &str {
+    response_id.rsplit('-').next().unwrap_or(response_id)
+}
+
 /// Routes and submits every choice; returns the runs and their (index, prompt) pairs.
+#[allow(clippy::too_many_arguments)]
 async fn submit(
     state: &AppState,
     prepared: &[Prepared],
     params: &GenParams,
+    agent: &AgentPlan,
     mut permit: OwnedSemaphorePermit,
     tenant: String,
     start: Instant,
@@ -355,7 +364,8 @@ async fn submit(
         for k in 0..params.n {
             let index = p as u32 * params.n + k;
             let id = state.next_id();
-            let request = engine_request(id, k, prep, params, max_tokens);
+            let mut request = engine_request(id, k, prep, params, max_tokens);
+            request.constraint = agent.grammar.clone();
             let out = OutputState::new(
                 inner.codec.clone(),
                 tail,
@@ -367,6 +377,12 @@ async fn submit(
                 params.sampling.min_tokens,
                 params.include_stop_str_in_output,
             );
+            let out = match &agent.parse {
+                Some(p) => {
+                    out.with_parsing(p.clone(), format!("call_{}_{index}_", meta_tag(request_id)))
+                }
+                None => out,
+            };
             let one = permit
                 .split(1)
                 .ok_or_else(|| AppError::Internal("admission accounting".into()))?;
@@ -498,7 +514,14 @@ pub async fn completions(
     let (params, prepared) = (job.params, job.prepared);
     let meta = meta(&state, "cmpl", &params, &prepared);
     let (runs, indices) = submit(
-        &state, &prepared, &params, job.permit, job.tenant, start, &meta.id,
+        &state,
+        &prepared,
+        &params,
+        &AgentPlan::default(),
+        job.permit,
+        job.tenant,
+        start,
+        &meta.id,
     )
     .await?;
     let shape = Shape::Completion {
@@ -644,33 +667,36 @@ fn template_tool_calls(calls: &Value) -> Result<Value, AppError> {
     Ok(Value::Array(out))
 }
 
-/// The template variables of a chat request besides its messages. Tool definitions reach the
-/// template only with `tool_choice: "none"` (the model may read them, and answers in text):
-/// turning a model's output into `tool_calls` needs a tool-call parser, which this server does
-/// not have yet, so any other `tool_choice` (`auto`, the default with tools, included) is
-/// refused rather than answered with unparsed call text.
-fn template_extras(req: &ChatRequest) -> Result<super::text::TemplateExtras, AppError> {
-    let tools = req
-        .tools
-        .as_ref()
-        .filter(|t| !t.is_null() && t.as_array().is_none_or(|a| !a.is_empty()));
-    if let Some(tools) = tools {
-        if !tools.is_array() {
-            return Err(AppError::invalid("tools", "tools must be a list"));
-        }
-        let choice = req.tool_choice.as_ref().filter(|c| !c.is_null());
-        if choice.and_then(Value::as_str) != Some("none") {
-            return Err(AppError::Unsupported(
-                "tool calls (tools with tool_choice other than \"none\"; the default with tools \
-                 is \"auto\"): this server has no tool-call parser yet"
-                    .into(),
-            ));
-        }
-    }
-    Ok(super::text::TemplateExtras {
-        tools: tools.cloned(),
+/// The template variables of a chat request besides its messages: the tool definitions (when
+/// the plan puts them there) and `chat_template_kwargs`.
+fn template_extras(req: &ChatRequest, plan: &AgentPlan) -> super::text::TemplateExtras {
+    super::text::TemplateExtras {
+        tools: req.tools.clone().filter(|_| plan.tools_in_template),
         kwargs: req.chat_template_kwargs.clone().unwrap_or_default(),
-    })
+    }
+}
+
+/// What the request's agent fields ask of the engine and the output pass.
+fn agent_plan(state: &AppState, req: &ChatRequest) -> Result<AgentPlan, AppError> {
+    let inner = state.inner();
+    let fields = AgentFields {
+        tools: req.tools.as_ref(),
+        tool_choice: req.tool_choice.as_ref(),
+        parallel_tool_calls: req.parallel_tool_calls,
+        response_format: req.response_format.as_ref(),
+        structured_outputs: req.structured_outputs.as_ref(),
+    };
+    let Some(parser) = &inner.request_parser else {
+        let mut none = |_: &str, _: &str, _: &str, _: bool| -> Result<String, String> {
+            Err("this server has no parser plugin".into())
+        };
+        return agent::plan(&fields, &agent::Formats::default(), &mut none);
+    };
+    let mut parser = parser.lock().unwrap_or_else(|p| p.into_inner());
+    let mut grammar = |format: &str, tools: &str, choice: &str, parallel: bool| {
+        parser.call_grammar(format, tools, choice, parallel)
+    };
+    agent::plan(&fields, &inner.formats, &mut grammar)
 }
 
 /// A parsed, validated, templated and tokenized chat request.
@@ -679,6 +705,7 @@ struct ChatJob {
     prepared: Vec<Prepared>,
     permit: OwnedSemaphorePermit,
     tenant: String,
+    agent: AgentPlan,
 }
 
 async fn chat_job(
@@ -694,15 +721,8 @@ async fn chat_job(
     let req: ChatRequest = parse(&body)?;
     warn_unknown(endpoint, &req.unknown);
     check_model(state, req.common.model.as_deref())?;
-    let extras = template_extras(&req)?;
-    if let Some(rf) = &req.response_format
-        && !rf.is_null()
-        && rf.get("type").and_then(Value::as_str) != Some("text")
-    {
-        return Err(AppError::Unsupported(
-            "response_format other than text".into(),
-        ));
-    }
+    let mut agent = agent_plan(state, &req)?;
+    let extras = template_extras(&req, &agent);
     let logprobs = match (req.logprobs, req.top_logprobs) {
         (Some(true), k) => Some(k.unwrap_or(0)),
         (_, Some(k)) if k > 0 => {
@@ -728,6 +748,11 @@ async fn chat_job(
     })
     .await
     .map_err(|e| AppError::Internal(format!("template task failed: {e}")))??;
+    // A template that opens the reasoning section itself (Qwen3 with thinking on).
+    if let Some(parse) = agent.parse.as_mut() {
+        parse.reasoning_open =
+            !parse.reasoning_format.is_empty() && rendered.trim_end().ends_with("<think>");
+    }
     // The template already holds BOS and special markers.
     let mut prepared = prepare(
         state,
@@ -750,6 +775,7 @@ async fn chat_job(
         prepared,
         permit,
         tenant: req.common.user.clone().unwrap_or_default(),
+        agent,
     })
 }
 
@@ -763,7 +789,7 @@ pub async fn chat_completions(
     let (params, prepared) = (job.params, job.prepared);
     let meta = meta(&state, "chatcmpl", &params, &prepared);
     let (runs, indices) = submit(
-        &state, &prepared, &params, job.permit, job.tenant, start, &meta.id,
+        &state, &prepared, &params, &job.agent, job.permit, job.tenant, start, &meta.id,
     )
     .await?;
     finish(Shape::Chat, meta, &params, runs, indices).await

@@ -20,6 +20,7 @@ use std::thread::JoinHandle;
 
 use tokio::sync::Notify;
 
+use super::agent::CallDelta;
 use super::detok::{IncrementalDetokenizer, StopMatcher};
 use super::error::AppError;
 use super::pipeline::TokenInfo;
@@ -28,6 +29,9 @@ use crate::engine::api::{
     EngineEvent, EventBatch, EventSender, FailureKind, FinishReason, SharedEvents, TokenLogprob,
     Usage,
 };
+use crate::policy::{OutputParser, ParseRequest};
+use chimera_policy_core::Parsed;
+use chimera_policy_core::columns::parsed_kind;
 
 /// One request's text state: everything that turns its events into text.
 pub struct OutputState {
@@ -41,6 +45,11 @@ pub struct OutputState {
     min_tokens: u32,
     /// A stop string ended the text: later events only bring the engine's end.
     stopped: bool,
+    /// What the response is parsed for (tool calls, reasoning), and its parser once opened.
+    parse: Option<ParseRequest>,
+    parser: Option<u32>,
+    /// Prefix of this response's tool-call ids.
+    call_ids: String,
 }
 
 /// What one pass made of a request's events (several merged, when its reader was slow).
@@ -60,6 +69,12 @@ pub struct Processed {
     pub failed: Option<(FailureKind, String)>,
     /// The text could not be made (a token the tokenizer cannot decode).
     pub error: Option<String>,
+    /// Reasoning text the parser split out of the response.
+    pub reasoning: String,
+    /// Tool-call pieces the parser found, in order.
+    pub calls: Vec<CallDelta>,
+    /// Malformed tool calls the parser returned as text.
+    pub parse_failures: u32,
 }
 
 impl Processed {
@@ -78,6 +93,9 @@ impl Processed {
         self.finished = self.finished.take().or(later.finished);
         self.failed = self.failed.take().or(later.failed);
         self.error = self.error.take().or(later.error);
+        self.reasoning.push_str(&later.reasoning);
+        self.calls.extend(later.calls);
+        self.parse_failures += later.parse_failures;
     }
 
     /// Whether the request's output ends here.
@@ -103,7 +121,18 @@ impl OutputState {
             stop_token: None,
             min_tokens: 0,
             stopped: false,
+            parse: None,
+            parser: None,
+            call_ids: String::new(),
         }
+    }
+
+    /// Parses the response for tool calls and reasoning (with the output pass's parser);
+    /// `call_ids` prefixes its tool calls' ids.
+    pub fn with_parsing(mut self, request: ParseRequest, call_ids: String) -> Self {
+        self.parse = Some(request);
+        self.call_ids = call_ids;
+        self
     }
 
     /// vLLM's `min_tokens` (stops are not matched before) and `include_stop_str_in_output`
@@ -130,15 +159,89 @@ impl OutputState {
         })
     }
 
-    /// Turns a request's events (in order) into text, logprobs and its end.
-    pub fn process(&mut self, events: impl IntoIterator<Item = EngineEvent>) -> Processed {
+    /// Turns a request's events (in order) into text, logprobs and its end; with a parse
+    /// request and the pass's `parser`, the text is split into content, reasoning and tool
+    /// calls.
+    pub fn process(
+        &mut self,
+        events: impl IntoIterator<Item = EngineEvent>,
+        parser: Option<&mut (dyn OutputParser + '_)>,
+    ) -> Processed {
         let mut out = Processed::default();
         if let Err(e) = self.process_into(events, &mut out) {
             out.error = Some(e.to_string());
         }
         out.generated = self.generated;
         out.stop_token = self.stop_token;
+        if let (Some(request), Some(parser)) = (&self.parse, parser) {
+            self.parse_text(request.clone(), parser, &mut out);
+        }
         out
+    }
+
+    /// Runs `out.text` through the response's parser (opened at its first text).
+    fn parse_text(
+        &mut self,
+        request: ParseRequest,
+        parser: &mut dyn OutputParser,
+        out: &mut Processed,
+    ) {
+        let ends = out.is_last() || out.stop_string.is_some();
+        if out.text.is_empty() && !ends {
+            return;
+        }
+        let id = match self.parser {
+            Some(id) => id,
+            None => match parser.open(&request) {
+                Ok(id) => {
+                    self.parser = Some(id);
+                    id
+                }
+                Err(why) => {
+                    // The text stays as it is.
+                    tracing::warn!(error = %why, "the response's parser could not be opened");
+                    out.parse_failures += 1;
+                    self.parse = None;
+                    return;
+                }
+            },
+        };
+        let text = std::mem::take(&mut out.text);
+        let mut parsed = parser.feed(id, &text);
+        if ends {
+            parsed.extend(parser.finish(id));
+            self.parser = None;
+            self.parse = None;
+        }
+        self.take_parsed(parsed, out);
+    }
+
+    fn take_parsed(&self, parsed: Parsed, out: &mut Processed) {
+        for ((kind, call), text) in parsed.kinds.into_iter().zip(parsed.calls).zip(parsed.texts) {
+            match kind {
+                parsed_kind::CONTENT => out.text.push_str(&text),
+                parsed_kind::REASONING => out.reasoning.push_str(&text),
+                parsed_kind::CALL_BEGIN => out.calls.push(CallDelta {
+                    index: call,
+                    id: Some(format!("{}{call}", self.call_ids)),
+                    name: Some(text),
+                    arguments: String::new(),
+                }),
+                parsed_kind::CALL_ARGUMENTS => match out.calls.last_mut() {
+                    Some(last) if last.index == call => last.arguments.push_str(&text),
+                    _ => out.calls.push(CallDelta {
+                        index: call,
+                        id: None,
+                        name: None,
+                        arguments: text,
+                    }),
+                },
+                _ => {
+                    tracing::warn!(reason = %text, "a tool call could not be parsed; it is returned as text");
+                    out.parse_failures += 1;
+                }
+            }
+        }
     }
 
     fn process_into(
@@ -281,13 +384,14 @@ pub struct OutputPass {
 }
 
 impl OutputPass {
-    /// Starts the pass of replica `replica` on a thread of its own.
-    pub fn spawn(replica: usize) -> std::io::Result<Self> {
+    /// Starts the pass of replica `replica` on a thread of its own, with the parser plugin
+    /// instance its responses are parsed with (`None`: text is never parsed).
+    pub fn spawn(replica: usize, parser: Option<Box<dyn OutputParser>>) -> std::io::Result<Self> {
         let (events, batches) = SharedEvents::channel();
         let (registrations, registered) = channel();
         let thread = std::thread::Builder::new()
             .name(format!("chimera-output-{replica}"))
-            .spawn(move || run(batches, registered))?;
+            .spawn(move || run(batches, registered, parser))?;
         Ok(Self {
             events,
             registrations,
@@ -377,7 +481,11 @@ impl Drop for Stopping {
 }
 
 /// The pass's thread: one batch (one engine step) at a time, each request of it once.
-fn run(batches: Receiver<EventBatch>, registered: Receiver<Registration>) {
+fn run(
+    batches: Receiver<EventBatch>,
+    registered: Receiver<Registration>,
+    mut parser: Option<Box<dyn OutputParser>>,
+) {
     let mut pass = Stopping {
         open: HashMap::new(),
         registered,
@@ -422,7 +530,9 @@ fn run(batches: Receiver<EventBatch>, registered: Receiver<Registration>) {
             let Some(entry) = open.get_mut(&id) else {
                 continue;
             };
-            let processed = entry.state.process(entry.events.drain(..));
+            let processed = entry
+                .state
+                .process(entry.events.drain(..), parser.as_deref_mut());
             let last = processed.is_last();
             entry.slot.put(processed);
             if last {
@@ -476,7 +586,7 @@ mod tests {
     #[test]
     fn a_batch_reaches_every_registered_request() {
         let codec = Arc::new(TextCodec::embedded().unwrap());
-        let pass = OutputPass::spawn(0).unwrap();
+        let pass = OutputPass::spawn(0, None).unwrap();
         let state = || OutputState::new(codec.clone(), &[], Vec::new(), HashSet::new(), false);
         let a = pass.register(1, state()).unwrap();
         let b = pass.register(2, state()).unwrap();
@@ -509,7 +619,7 @@ mod tests {
     #[test]
     fn a_stopped_pass_fails_its_open_requests() {
         let codec = Arc::new(TextCodec::embedded().unwrap());
-        let pass = OutputPass::spawn(0).unwrap();
+        let pass = OutputPass::spawn(0, None).unwrap();
         let state = OutputState::new(codec, &[], Vec::new(), HashSet::new(), false);
         let slot = pass.register(7, state).unwrap();
         drop(pass);

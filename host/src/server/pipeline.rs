@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use tokio::sync::{OwnedSemaphorePermit, watch};
 
+use super::agent::CallDelta;
 use super::error::AppError;
 use super::metrics::{Finished, Metrics};
 use super::output::{OutputSlot, Processed};
@@ -111,6 +112,10 @@ pub struct ChoiceChunk {
     /// a stop token included).
     pub token_ids: Vec<u32>,
     pub finish: Option<FinishInfo>,
+    /// Reasoning text split out of the response (chat, with a reasoning parser).
+    pub reasoning: String,
+    /// Tool-call pieces (chat, with a tool-call parser).
+    pub calls: Vec<CallDelta>,
 }
 
 /// What every choice of one HTTP request shares.
@@ -144,6 +149,8 @@ pub struct ChoiceRun {
     generated: u32,
     /// Generated ids not yet sent (their text is still held back).
     held_ids: Vec<u32>,
+    /// The parser found a tool call in this choice: a natural end is `tool_calls`.
+    made_calls: bool,
     done: bool,
 }
 
@@ -175,6 +182,7 @@ impl ChoiceRun {
             last_token: None,
             generated: 0,
             held_ids: Vec::new(),
+            made_calls: false,
             done: false,
         }
     }
@@ -193,6 +201,8 @@ impl ChoiceRun {
             prompt_logprobs: None,
             token_ids: Vec::new(),
             finish,
+            reasoning: String::new(),
+            calls: Vec::new(),
         }
     }
 
@@ -306,8 +316,17 @@ impl ChoiceRun {
                 retry_after_secs: self.retry_after_secs,
             });
         }
-        let finish = self.finish_of(&mut out).await;
+        self.made_calls |= !out.calls.is_empty();
+        let mut finish = self.finish_of(&mut out).await;
+        if let Some(f) = finish.as_mut()
+            && self.made_calls
+            && f.reason == "stop"
+        {
+            f.reason = "tool_calls";
+        }
         if out.text.is_empty()
+            && out.reasoning.is_empty()
+            && out.calls.is_empty()
             && out.logprobs.is_empty()
             && out.prompt_logprobs.is_none()
             && finish.is_none()
@@ -316,6 +335,8 @@ impl ChoiceRun {
             return Ok(None);
         }
         let mut chunk = self.chunk(out.text, out.logprobs, finish);
+        chunk.reasoning = out.reasoning;
+        chunk.calls = out.calls;
         chunk.prompt_logprobs = out.prompt_logprobs;
         chunk.token_ids = std::mem::take(&mut self.held_ids);
         chunk.token_ids.extend(out.token_ids);
@@ -362,6 +383,13 @@ impl ChoiceRun {
         while let Some(c) = self.next().await {
             let c = c?;
             all.text.push_str(&c.text);
+            all.reasoning.push_str(&c.reasoning);
+            for d in c.calls {
+                match all.calls.iter_mut().find(|a| a.index == d.index) {
+                    Some(a) => a.arguments.push_str(&d.arguments),
+                    None => all.calls.push(d),
+                }
+            }
             all.logprobs.extend(c.logprobs);
             all.token_ids.extend(c.token_ids);
             if c.prompt_logprobs.is_some() {

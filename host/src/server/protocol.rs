@@ -130,6 +130,9 @@ pub struct ChatRequest {
     pub tools: Option<Value>,
     pub tool_choice: Option<Value>,
     pub response_format: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
+    /// vLLM's structured outputs: one of `json`, `regex`, `choice`, `grammar`.
+    pub structured_outputs: Option<Value>,
     pub add_generation_prompt: Option<bool>,
     /// Extra variables for the chat template (vLLM's field; e.g. `enable_thinking: false` for
     /// the Qwen3 family). The request's own variables (`messages`, `tools`, …) win over them.
@@ -233,7 +236,33 @@ pub struct ChatLogprobs {
 #[derive(Debug, Clone, Serialize)]
 pub struct ChatMessageOut {
     pub role: &'static str,
-    pub content: String,
+    /// `null` when the message is only tool calls (as OpenAI sends it).
+    pub content: Option<String>,
+    /// Reasoning the parser split out (vLLM's field), when the model reasoned.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCallOut>,
+}
+
+/// One tool call of a message, or one piece of it in a stream (`index` set there).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ToolCallOut {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub index: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    pub function: FunctionCallOut,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct FunctionCallOut {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// JSON text (OpenAI sends arguments as a string).
+    pub arguments: String,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -271,6 +300,10 @@ pub struct ChatDelta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCallOut>,
 }
 
 #[derive(Debug, Clone, Serialize)]

@@ -304,7 +304,21 @@ fn full_chat(meta: &Meta, choices: Vec<ChoiceChunk>, usage: UsageBody) -> Vec<u8
             index: c.index,
             message: ChatMessageOut {
                 role: "assistant",
-                content: c.text,
+                content: (!c.text.is_empty() || c.calls.is_empty()).then_some(c.text),
+                reasoning_content: (!c.reasoning.is_empty()).then_some(c.reasoning),
+                tool_calls: c
+                    .calls
+                    .into_iter()
+                    .map(|d| ToolCallOut {
+                        index: None,
+                        id: d.id,
+                        kind: Some("function"),
+                        function: FunctionCallOut {
+                            name: d.name,
+                            arguments: d.arguments,
+                        },
+                    })
+                    .collect(),
             },
             logprobs: meta.logprobs.then(|| chat_logprobs(&c.logprobs)),
             finish_reason: c.finish.as_ref().map(|f| f.reason),
@@ -430,7 +444,23 @@ impl SseState {
                     index: c.index,
                     delta: ChatDelta {
                         role: None,
-                        content: (!c.text.is_empty() || c.finish.is_none()).then_some(c.text),
+                        content: (!c.text.is_empty()
+                            || c.finish.is_none() && c.reasoning.is_empty() && c.calls.is_empty())
+                        .then_some(c.text),
+                        reasoning_content: (!c.reasoning.is_empty()).then_some(c.reasoning),
+                        tool_calls: c
+                            .calls
+                            .into_iter()
+                            .map(|d| ToolCallOut {
+                                index: Some(d.index),
+                                kind: d.id.is_some().then_some("function"),
+                                id: d.id,
+                                function: FunctionCallOut {
+                                    name: d.name,
+                                    arguments: d.arguments,
+                                },
+                            })
+                            .collect(),
                     },
                     logprobs: self.meta.logprobs.then(|| chat_logprobs(&c.logprobs)),
                     finish_reason: c.finish.as_ref().map(|f| f.reason),
@@ -466,6 +496,7 @@ impl SseState {
                         delta: ChatDelta {
                             role: Some("assistant"),
                             content: Some(String::new()),
+                            ..ChatDelta::default()
                         },
                         logprobs: None,
                         finish_reason: None,

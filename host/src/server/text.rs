@@ -138,6 +138,11 @@ impl TextCodec {
         self.env.is_some()
     }
 
+    /// The chat template's source, if the model has one.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.tokenizer.chat_template.as_deref()
+    }
+
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TextError> {
         self.tokenizer
             .encode(text, add_special_tokens)

@@ -99,6 +99,7 @@ pub fn request(id: u64, prompt: Vec<u32>, max_tokens: u32) -> GenerateRequest {
         block_hashes: None,
         checkpoints: Vec::new(),
         priority: 0,
+        constraint: None,
     }
 }
 

@@ -11,7 +11,7 @@
 use rayon::prelude::*;
 
 use super::{CpuBackend, CpuStep, CpuTensor};
-use crate::backend::sample::{BIAS_ONLY, Penalties, SampleOut, SampleRows};
+use crate::backend::sample::{BIAS_ONLY, NO_MASK, Penalties, SampleOut, SampleRows};
 use crate::backend::{BackendError, Result};
 
 /// Logits handled by one parallel task at least.
@@ -51,6 +51,9 @@ pub fn sample_tail(
                     presence: rows.presence[i],
                     frequency: rows.frequency[i],
                 };
+                if let Some(mask) = rows.mask(i, vocab.div_ceil(32)) {
+                    apply_mask(row, mask);
+                }
                 let (hist, counts) = rows.history(i);
                 apply_penalties(row, pen, hist, counts, rows.bias(i));
                 best_keys(row, k, keys);
@@ -90,7 +93,31 @@ fn check(logits: &[f32], vocab: usize, rows: &SampleRows) -> Result<()> {
     if !offsets_ok {
         return bad("history offsets do not describe the history columns".into());
     }
+    let words = vocab.div_ceil(32);
+    let masks_ok = rows.mask_of.len() == n
+        && rows.masks.len() % words == 0
+        && rows
+            .mask_of
+            .iter()
+            .all(|&m| m == NO_MASK || (m as usize + 1) * words <= rows.masks.len());
+    if !masks_ok {
+        return bad("mask rows do not describe the mask words".into());
+    }
     Ok(())
+}
+
+/// Sets the logit of every token `mask` does not allow to negative infinity.
+fn apply_mask(row: &mut [f32], mask: &[u32]) {
+    for (chunk, &word) in row.chunks_mut(32).zip(mask) {
+        if word == u32::MAX {
+            continue;
+        }
+        for (b, x) in chunk.iter_mut().enumerate() {
+            if word >> b & 1 == 0 {
+                *x = f32::NEG_INFINITY;
+            }
+        }
+    }
 }
 
 /// Penalises the logits of the row's history tokens (distinct; ids outside the row are

@@ -434,6 +434,11 @@ impl LayerOps for CudaBackend {
 }
 
 impl StepBackend for CudaBackend {
+    /// The device tail has no mask kernel yet.
+    fn applies_token_masks(&self) -> bool {
+        false
+    }
+
     forward! { self =>
         new_step -> new_step_object,
         upload_step -> upload_eager,

@@ -218,6 +218,9 @@ impl CudaStep {
         c.hist_tokens = Self::push(s, r.hist_tokens.iter().copied());
         c.hist_counts = Self::push(s, r.hist_counts.iter().copied());
         c.hist_bias = Self::push(s, r.hist_bias.iter().map(|v| v.to_bits()));
+        // Token masks never reach this backend: `applies_token_masks` is false, so engines
+        // refuse constrained requests before they are planned.
+        debug_assert!(!r.has_masks(), "token masks planned for the CUDA backend");
     }
 
     /// As [`Self::push`], padded with zeros to `cap` words (a fixed layout); `None` when the

@@ -6,9 +6,12 @@
 //! directly with `plugin = "native:NAME"`. This module also turns the host's column structs
 //! into the borrowed views the algorithms take. Must not depend on wasmtime or plugin glue.
 
+mod agent;
 mod lru;
 mod router;
 mod sampler;
+
+pub use agent::{check_constraint, check_parser, constrainer, parser};
 
 pub use lru::LruEvictor;
 pub use router::{LeastLoadedRouter, PrefixAwareRouter, least_loaded};
