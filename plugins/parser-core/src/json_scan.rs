@@ -22,6 +22,8 @@ pub(crate) struct JsonScan {
     /// Bytes of the text already scanned.
     pos: usize,
     start: Option<usize>,
+    /// Set once the value ended; later calls report the same extent.
+    end: Option<usize>,
     depth: u32,
     in_string: bool,
     escaped: bool,
@@ -31,6 +33,9 @@ impl JsonScan {
     /// Continues over `text` (the same text as before, possibly longer). `closer`: a marker
     /// that ends the call region when it appears outside a string.
     pub(crate) fn advance(&mut self, text: &str, closer: Option<&str>) -> Scan {
+        if let (Some(start), Some(end)) = (self.start, self.end) {
+            return Scan::Complete { start, end };
+        }
         let bytes = text.as_bytes();
         while self.pos < bytes.len() {
             let i = self.pos;
@@ -64,6 +69,7 @@ impl JsonScan {
                     if self.depth == 0 {
                         self.pos += 1;
                         let start = self.start.unwrap_or(i);
+                        self.end = Some(i + 1);
                         return Scan::Complete { start, end: i + 1 };
                     }
                 }
@@ -107,13 +113,13 @@ mod tests {
         for n in 1..full.len() {
             assert_eq!(scan.advance(&full[..n], None), Scan::NeedMore, "at {n}");
         }
-        assert_eq!(
-            scan.advance(full, None),
-            Scan::Complete {
-                start: 0,
-                end: full.len()
-            }
-        );
+        let complete = Scan::Complete {
+            start: 0,
+            end: full.len(),
+        };
+        assert_eq!(scan.advance(full, None), complete);
+        // Text after the value does not move its end.
+        assert_eq!(scan.advance(&format!("{full} <x"), Some("<x>")), complete);
     }
 
     #[test]

@@ -168,9 +168,8 @@ impl TaggedParser {
         };
         out.content(&self.buf[..keep]);
         self.buf.drain(..keep);
-        self.state = State::Text {
-            after_call: after_call && self.buf.is_empty(),
-        };
+        // Text other than whitespace came after the call (and is out or held).
+        self.state = State::Text { after_call: false };
         false
     }
 
