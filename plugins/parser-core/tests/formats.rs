@@ -485,3 +485,88 @@ fn unknown_formats_are_refused_by_name() {
     assert!(err.contains("`o1`") && err.contains("qwen3, deepseek_r1"));
     assert!(ResponseParser::new("qwen3_coder", "", false, "{").is_err());
 }
+
+/// Random responses built from marker fragments, for every pair of formats: no panic,
+/// consistent columns, and the same merged pieces whole, one char at a time and in random
+/// chunks.
+#[test]
+fn random_fragments_split_anyhow_parse_the_same() {
+    const FRAGMENTS: &[&str] = &[
+        "<tool_call>",
+        "</tool_call>",
+        "<|tool_call|>",
+        "<think>",
+        "</think>",
+        "<|python_tag|>",
+        "<function=get_time>",
+        "</function>",
+        "<parameter=timezone>",
+        "</parameter>",
+        "{",
+        "}",
+        "[",
+        "]",
+        "\"",
+        "\\",
+        ";",
+        ":",
+        ",",
+        "\"name\"",
+        "\"arguments\"",
+        "\"get_time\"",
+        "<",
+        "</",
+        " ",
+        "\n",
+        "a",
+        "é",
+        "🔵",
+    ];
+    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = move |n: usize| {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((seed >> 33) % n as u64) as usize
+    };
+    for _ in 0..400 {
+        let text: String = (0..next(40))
+            .map(|_| FRAGMENTS[next(FRAGMENTS.len())])
+            .collect();
+        for tool_format in ["", "hermes", "qwen3_coder", "llama3_json", "granite"] {
+            for (reasoning, open) in [
+                ("", false),
+                ("qwen3", false),
+                ("qwen3", true),
+                ("deepseek_r1", false),
+            ] {
+                let s = Setup {
+                    tool_format,
+                    reasoning,
+                    open,
+                    tools: WEATHER_TOOLS,
+                };
+                let whole = run(real(s)(), &[&text]);
+                assert!(whole.is_consistent());
+                let mut chunks = Vec::new();
+                let mut from = 0;
+                while from < text.len() {
+                    let mut to = (from + 1 + next(12)).min(text.len());
+                    while !text.is_char_boundary(to) {
+                        to += 1;
+                    }
+                    chunks.push(&text[from..to]);
+                    from = to;
+                }
+                let one_by_one: Vec<&str> = text
+                    .char_indices()
+                    .map(|(i, ch)| &text[i..i + ch.len_utf8()])
+                    .collect();
+                for split in [chunks, one_by_one] {
+                    let got = run(real(s)(), &split);
+                    assert_eq!(got, whole, "{tool_format}/{reasoning}/{open} on {split:?}");
+                }
+            }
+        }
+    }
+}
