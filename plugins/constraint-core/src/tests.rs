@@ -584,3 +584,130 @@ fn unusable_vocabularies_are_refused() {
     assert!(err.contains("`max_open`"), "{err}");
     assert!(Limits::KEYS.contains(&"max_open"));
 }
+
+#[test]
+fn engine_can_move_to_another_thread() {
+    fn send<T: Send>() {}
+    send::<Constraints>();
+}
+
+#[test]
+fn local_refs_resolve_and_remote_refs_are_refused() {
+    let v = Vocab::new();
+    let mut c = engine(&v);
+    let schema = r##"{"$defs": {"pet": {"enum": ["cat", "dog"]}},
+        "type": "array", "items": {"$ref": "#/$defs/pet"}, "maxItems": 2}"##;
+    let id = c.open("json-schema", schema).expect("compiles");
+    drive(&mut c, &v, id, r#"["dog", "cat"]"#, End::EosOnly);
+    let err = c
+        .open("json-schema", r#"{"$ref": "https://example.com/s.json"}"#)
+        .unwrap_err();
+    assert!(err.to_string().contains("$ref"), "{err}");
+    let err = c
+        .open("json-schema", r#"{"type": "array", "uniqueItems": true}"#)
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("uniqueItems"),
+        "unsupported keys are named: {err}"
+    );
+}
+
+/// Grammar-like garbage for every kind: each `open` (and a few steps of a matcher that
+/// opened) answers Ok or a client error, never a caught panic (`internal`, or a matcher
+/// error that llguidance's own catch turned into "panic: ...").
+#[test]
+fn garbage_grammars_never_panic() {
+    const PIECES: &[&str] = &[
+        "{",
+        "}",
+        "[",
+        "]",
+        "\"",
+        ":",
+        ",",
+        "type",
+        "object",
+        "string",
+        "properties",
+        "$ref",
+        "#/",
+        "enum",
+        "null",
+        "1e309",
+        "-0",
+        "start",
+        ":",
+        "|",
+        "(",
+        ")",
+        "*",
+        "+",
+        "?",
+        "{2,}",
+        "/",
+        "\\",
+        "%json",
+        "%ignore",
+        "<[",
+        "]>",
+        "\n",
+        "a",
+        "é",
+        "\u{0}",
+        "..",
+        "~",
+        "^",
+        "$",
+        "anyOf",
+        "pattern",
+        "minLength",
+        "99999999999",
+        "items",
+        "required",
+        "%import",
+        "@",
+    ];
+    let v = Vocab::new();
+    let mut c = engine(&v);
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut rand = move |n: usize| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % n as u64) as usize
+    };
+    let mut counts = [0usize; 2];
+    for round in 0..1200 {
+        let kind = ["json-schema", "regex", "choice", "lark"][round % 4];
+        let grammar: String = (0..1 + rand(24))
+            .map(|_| PIECES[rand(PIECES.len())])
+            .collect();
+        match c.open(kind, &grammar) {
+            Ok(id) => {
+                counts[0] += 1;
+                for _ in 0..4 {
+                    let token = rand(v.texts.len()) as u32;
+                    match c.next(id, &[token]) {
+                        Ok(_) => {}
+                        Err(e) => {
+                            assert_ne!(e.kind(), "internal", "{kind} {grammar:?}: {e}");
+                            assert!(!e.to_string().contains("panic"), "{grammar:?}: {e}");
+                            break;
+                        }
+                    }
+                }
+                c.close(id);
+            }
+            Err(e) => {
+                counts[1] += 1;
+                assert_ne!(e.kind(), "internal", "{kind} {grammar:?}: {e}");
+                assert!(!e.to_string().contains("panic"), "{grammar:?}: {e}");
+            }
+        }
+    }
+    eprintln!(
+        "garbage grammars: {} opened, {} refused",
+        counts[0], counts[1]
+    );
+    assert!(counts[0] > 0 && counts[1] > 0);
+}

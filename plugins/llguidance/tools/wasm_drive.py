@@ -3,10 +3,12 @@
 
 Needs the `wasmtime` package (PyPI). Usage:
   wasm_drive.py MODULE.wasm            a small byte vocabulary: JSON schema, choice, rollback
-  wasm_drive.py MODULE.wasm GGUF       the GGUF's vocabulary: per-token mask time of a tool
-                                       schema walk (the same walk as the native example)
+  wasm_drive.py MODULE.wasm GGUF [N]   the GGUF's vocabulary (GPT-2 byte-level): time of
+                                       each `next` export call over N tokens (default 200) of
+                                       the tool-call walk of constraint-core's mask_bench example
 """
 import json
+import os
 import struct
 import sys
 import time
@@ -70,7 +72,9 @@ class Plugin:
 
     def next(self, matcher, tokens):
         t = self._alloc(struct.pack(f"<{len(tokens)}I", *tokens), 4)
+        t0 = time.perf_counter()
         ret = self.fns["next"](self.store, matcher, *t)
+        self.last_call_s = time.perf_counter() - t0
 
         def words(p):
             ptr, n = self._u32(p), self._u32(p + 4)
@@ -129,13 +133,108 @@ def small(path):
     print("wasm OK")
 
 
+def gguf_vocabulary(path):
+    """(tokens as bytes, special flags, eos) of a GGUF with a GPT-2 byte-level vocabulary."""
+    data = open(path, "rb").read()
+    assert data[:4] == b"GGUF"
+    at = 24
+    count = struct.unpack_from("<Q", data, 16)[0]
+    sizes = {0: 1, 1: 1, 7: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 10: 8, 11: 8, 12: 8}
+
+    def string(at):
+        n = struct.unpack_from("<Q", data, at)[0]
+        return data[at + 8 : at + 8 + n].decode("utf-8", "replace"), at + 8 + n
+
+    def value(ty, at):
+        if ty == 8:
+            return string(at)
+        if ty == 9:
+            ety, n = struct.unpack_from("<IQ", data, at)
+            at += 12
+            out = []
+            for _ in range(n):
+                v, at = value(ety, at)
+                out.append(v)
+            return out, at
+        size = sizes[ty]
+        fmt = {1: "<B", 2: "<H", 4: "<I", 8: "<Q"}[size]
+        if ty in (1, 3, 5, 11):
+            fmt = fmt.lower()
+        return struct.unpack_from(fmt, data, at)[0], at + size
+
+    meta = {}
+    for _ in range(count):
+        key, at = string(at)
+        ty = struct.unpack_from("<I", data, at)[0]
+        v, at = value(ty, at + 4)
+        meta[key] = v
+    printable = [b for b in range(256) if 33 <= b <= 126 or 161 <= b <= 172 or b >= 174]
+    decoder, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            decoder[chr(b)] = b
+        else:
+            extra += 1
+            decoder[chr(255 + extra)] = b
+    tokens, special = [], []
+    for tok, ty in zip(meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]):
+        if ty == 3:
+            tokens.append(tok.encode())
+        else:
+            tokens.append(b"".join(bytes([decoder[c]]) if c in decoder else c.encode() for c in tok))
+        special.append(1 if ty == 3 else 0)
+    return tokens, special, meta["tokenizer.ggml.eos_token_id"]
+
+
+def bench(path, gguf, steps):
+    examples = os.path.join(os.path.dirname(__file__), "../../constraint-core/examples")
+    schema = open(os.path.join(examples, "tool_schema.json")).read()
+    document = open(os.path.join(examples, "tool_call.json")).read().rstrip().encode()
+    tokens, special, eos = gguf_vocabulary(gguf)
+    p = Plugin(path)
+    t0 = time.perf_counter()
+    assert p.init(tokens, special, eos) == (True, None)
+    print(f"vocabulary: {len(tokens)} tokens; init {1e3 * (time.perf_counter() - t0):.1f} ms")
+    times, opens = [], []
+    while len(times) < steps:
+        t0 = time.perf_counter()
+        ok, m = p.open("json-schema", schema)
+        opens.append(time.perf_counter() - t0)
+        assert ok, m
+        rest, fed = document, []
+        while True:
+            ok, mask = p.next(m, fed)
+            assert ok, mask
+            if fed:
+                times.append(p.last_call_s)
+            if not rest or len(times) >= steps:
+                break
+            best = None
+            for w, word in enumerate(mask):
+                while word:
+                    low = word & -word
+                    t = w * 32 + low.bit_length() - 1
+                    word ^= low
+                    b = tokens[t]
+                    if not special[t] and b and rest.startswith(b) and (best is None or len(b) > len(tokens[best])):
+                        best = t
+            assert best is not None, rest[:40]
+            rest, fed = rest[len(tokens[best]):], [best]
+        p.close(m)
+    print(f"open (compile the schema): {1e3 * opens[0]:.2f} ms first, {1e3 * sum(opens) / len(opens):.2f} ms mean of {len(opens)}")
+    times.sort()
+    us = lambda s: f"{1e6 * s:.1f} us"
+    print(
+        f"next export call over {len(times)} tokens: mean {us(sum(times) / len(times))}, "
+        f"p50 {us(times[len(times) // 2])}, p99 {us(times[round(0.99 * (len(times) - 1))])}, max {us(times[-1])}"
+    )
+
+
 def main():
     if len(sys.argv) == 2:
         small(sys.argv[1])
     else:
-        import gguf_bench
-
-        gguf_bench.run(Plugin(sys.argv[1]), sys.argv[2])
+        bench(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 200)
 
 
 if __name__ == "__main__":
