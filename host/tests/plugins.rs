@@ -648,7 +648,7 @@ fn wrong_abi_version_is_refused_at_load_naming_both_versions() {
         let text = err.to_string();
         assert!(matches!(err, PluginError::AbiVersion { .. }), "{text}");
         assert!(
-            text.contains(version) && text.contains(">=0.1.0, <0.2.0"),
+            text.contains(version) && text.contains(">=0.1.0, <0.3.0"),
             "{text}"
         );
         let policy = PolicyConfig {

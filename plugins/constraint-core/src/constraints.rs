@@ -94,7 +94,12 @@ impl Constraints {
         if self.open >= self.limits.max_open {
             return Err(ConstraintError::TooManyOpen(self.limits.max_open));
         }
-        let description = describe(kind, grammar, self.limits.max_grammar_bytes)?;
+        let description = describe(
+            kind,
+            grammar,
+            self.limits.max_grammar_bytes,
+            self.limits.json_whitespace_max,
+        )?;
         let factory = &self.factory;
         let matcher = guard(|| {
             let matcher = Matcher::new(factory.create_parser(description));

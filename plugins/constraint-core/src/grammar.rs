@@ -51,10 +51,13 @@ impl GrammarKind {
 }
 
 /// Checks `grammar`'s size and reads it as `kind`.
+/// A JSON schema's output gets at most `json_whitespace_max` whitespace characters between
+/// two tokens (see [`crate::Limits::json_whitespace_max`]).
 pub fn describe(
     kind: GrammarKind,
     grammar: &str,
     max_bytes: u32,
+    json_whitespace_max: u32,
 ) -> Result<TopLevelGrammar, ConstraintError> {
     if grammar.len() > max_bytes as usize {
         return Err(ConstraintError::TooLarge {
@@ -69,7 +72,10 @@ pub fn describe(
             if !(schema.is_object() || schema.is_boolean()) {
                 return Err(kind.invalid("a schema is a JSON object or a boolean"));
             }
-            Ok(TopLevelGrammar::from_json_schema(schema))
+            Ok(TopLevelGrammar::from_json_schema(bounded_whitespace(
+                schema,
+                json_whitespace_max,
+            )))
         }
         GrammarKind::Regex => Ok(TopLevelGrammar::from_regex(grammar)),
         GrammarKind::Choice => choice_lark(grammar)
@@ -82,6 +88,29 @@ pub fn describe(
             Ok(TopLevelGrammar::from_lark(grammar.to_string()))
         }
     }
+}
+
+/// `schema` with llguidance's whitespace option bounding the whitespace between tokens,
+/// unless it sets its own `x-guidance` options.
+fn bounded_whitespace(schema: serde_json::Value, max: u32) -> serde_json::Value {
+    let serde_json::Value::Object(mut map) = schema else {
+        // `true` / `false`: any JSON value, or none; written out so the option applies.
+        let any = schema.as_bool() == Some(true);
+        let mut map = serde_json::Map::new();
+        if !any {
+            map.insert("not".into(), serde_json::json!({}));
+        }
+        return bounded_whitespace(serde_json::Value::Object(map), max);
+    };
+    if !map.contains_key("x-guidance") {
+        let options = if max == 0 {
+            serde_json::json!({"whitespace_flexible": false})
+        } else {
+            serde_json::json!({"whitespace_pattern": format!("[\\x20\\x0A\\x0D\\x09]{{1,{max}}}")})
+        };
+        map.insert("x-guidance".into(), options);
+    }
+    serde_json::Value::Object(map)
 }
 
 /// `["a", "b"]` as the Lark grammar `start: "a" | "b"` (Lark string literals are JSON strings).

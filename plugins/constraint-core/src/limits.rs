@@ -32,6 +32,11 @@ pub struct Limits {
     pub max_lexer_states: u32,
     /// `max_grammar_size`: symbols in the compiled grammar's productions (default 500000).
     pub max_grammar_size: u32,
+    /// `json_whitespace_max`: the most whitespace characters a JSON schema's output may have
+    /// between two of its tokens (default 16: room for a newline and indentation); 0 allows
+    /// none. Bounded so that a model cannot pad a response with whitespace until it runs out
+    /// of tokens. A schema that carries its own `x-guidance` options keeps them.
+    pub json_whitespace_max: u32,
 }
 
 impl Limits {
@@ -45,6 +50,7 @@ impl Limits {
         "step_max_items",
         "max_lexer_states",
         "max_grammar_size",
+        "json_whitespace_max",
     ];
 
     /// Reads the limits from `config`, refusing unknown keys.
@@ -70,6 +76,12 @@ impl Limits {
             step_max_items: config.u32_in("step_max_items", d.step_max_items, 1, u32::MAX)?,
             max_lexer_states: config.u32_in("max_lexer_states", d.max_lexer_states, 1, u32::MAX)?,
             max_grammar_size: config.u32_in("max_grammar_size", d.max_grammar_size, 1, u32::MAX)?,
+            json_whitespace_max: config.u32_in(
+                "json_whitespace_max",
+                d.json_whitespace_max,
+                0,
+                1024,
+            )?,
         })
     }
 
@@ -103,6 +115,7 @@ impl Default for Limits {
             step_max_items: fit(llg.step_max_items as u64),
             max_lexer_states: fit(llg.max_lexer_states as u64),
             max_grammar_size: fit(llg.max_grammar_size as u64),
+            json_whitespace_max: 16,
         }
     }
 }

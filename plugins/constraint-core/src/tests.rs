@@ -711,3 +711,46 @@ fn garbage_grammars_never_panic() {
     );
     assert!(counts[0] > 0 && counts[1] > 0);
 }
+
+/// A walk that takes a whitespace token whenever one is allowed: with the whitespace bound it
+/// still reaches the end of a small object, and each gap holds at most the bound; with the
+/// bound at 0 no whitespace is allowed at all.
+#[test]
+fn json_whitespace_is_bounded_between_tokens() {
+    let v = Vocab::new();
+    let schema = r#"{"type":"object","properties":{"a":{"type":"boolean"}},"required":["a"],"additionalProperties":false}"#;
+    for max in [0i64, 3] {
+        let mut c = Constraints::new(&config(&[("json_whitespace_max", max)]), &v.view())
+            .expect("engine builds");
+        let id = c.open("json-schema", schema).expect("schema compiles");
+        let space = v.id(" ");
+        let mut mask = c.next(id, &[]).expect("first mask");
+        let mut text = Vec::new();
+        for _ in 0..200 {
+            if allowed(&mask, v.eos) {
+                break;
+            }
+            // Whitespace first; else the first allowed non-special token.
+            let t = if allowed(&mask, space) {
+                space
+            } else {
+                *allowed_tokens(&mask, v.texts.len())
+                    .iter()
+                    .find(|&&t| v.special[t as usize] == 0)
+                    .expect("a text token is allowed")
+            };
+            text.extend_from_slice(&v.texts[t as usize]);
+            mask = c.next(id, &[t]).expect("token accepted");
+        }
+        let text = String::from_utf8(text).expect("utf-8");
+        assert!(allowed(&mask, v.eos), "no end within 200 tokens: {text:?}");
+        let longest_gap = text
+            .split(|ch: char| !ch.is_whitespace())
+            .map(str::len)
+            .max()
+            .unwrap_or(0);
+        assert!(longest_gap <= max as usize, "max {max}: {text:?}");
+        let value: Value = serde_json::from_str(text.trim()).expect("valid JSON");
+        assert!(value["a"].is_boolean(), "{text}");
+    }
+}
