@@ -575,7 +575,7 @@ fn available_memory() -> Option<u64> {
 /// (`model_vocab`), each token's bytes from the tokenizer (empty past its end). `None` for a
 /// tokenizer whose token bytes are not known (only byte-level BPE tokenizers are read so far)
 /// or without an EOS token: such a server refuses constrained requests, saying why.
-fn constraint_vocabulary(codec: &TextCodec, model_vocab: usize) -> Option<Vocabulary> {
+pub fn constraint_vocabulary(codec: &TextCodec, model_vocab: usize) -> Option<Vocabulary> {
     let table = codec.byte_table()?;
     let eos = *codec.eos_token_ids().first()?;
     if eos as usize >= model_vocab {
@@ -662,6 +662,9 @@ fn start<B: StepBackend>(
             let plugins = plugins.clone();
             Arc::new(move || plugins.parser())
         }),
+        grammar_check: vocabulary
+            .as_ref()
+            .map(|v| (plugins.constrainer(), v.mask_words())),
     };
     Ok(Stack {
         parts,

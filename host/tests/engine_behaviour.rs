@@ -1016,3 +1016,127 @@ fn cancels_arriving_mid_step_end_only_their_requests() {
         }
     }
 }
+
+/// Constrained responses (the native llguidance twin over a byte vocabulary): each response
+/// is exactly what its grammar allows and ends with EOS, a bad grammar is refused at once, an
+/// unconstrained request beside them gets the very tokens it gets alone, and the pipelined
+/// engine (arrivals during a step) gives the same outputs as the step-by-step one.
+#[test]
+fn constrained_responses_follow_their_grammar_and_leave_others_alone() {
+    use chimera::engine::Policies;
+    use chimera::engine::api::Grammar;
+    use chimera::plugins::Vocabulary;
+    use std::sync::Arc;
+
+    // Tokens 0..256 are bytes; 256.. a few words; the last is EOS.
+    let words = ["ab", "cd", "\"yes\"", "\"no\"", "true", "false"];
+    let mut texts: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
+    texts.extend(words.iter().map(|w| w.as_bytes().to_vec()));
+    let eos = texts.len() as u32;
+    texts.push(b"<|end|>".to_vec());
+    let vocab = texts.len();
+    let vocabulary = Arc::new(Vocabulary::from_tokens(
+        texts
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (&t[..], i as u32 == eos)),
+        eos,
+    ));
+    let exec = || {
+        MockExecutor::new(MockConfig {
+            vocab,
+            eos: vec![eos],
+            ..MockConfig::default()
+        })
+    };
+    let engine = || {
+        let exec = exec();
+        let policies = Policies {
+            constrainer: Some(chimera::policy::native::constrainer(
+                &Default::default(),
+                &vocabulary,
+            )),
+            ..Policies::builtin()
+        };
+        chimera::engine::Engine::new(setup(&exec, Knobs::default()), exec, policies).unwrap()
+    };
+    let grammar = |kind: &str, text: &str| {
+        Some(Grammar {
+            kind: kind.into(),
+            text: text.into(),
+        })
+    };
+    let constrained = [
+        (1u64, grammar("regex", "(ab|cd){3}x")),
+        (
+            2,
+            grammar(
+                "json-schema",
+                r#"{"type":"object","properties":{"ok":{"type":"boolean"},"say":{"enum":["yes","no"]}},"required":["ok","say"],"additionalProperties":false}"#,
+            ),
+        ),
+        (3, grammar("choice", r#"["true", "false"]"#)),
+        (4, grammar("regex", "(")),
+    ];
+    let free = || request(9, Tokens::new(9).take(12, 256), 24);
+    let requests = || {
+        let mut all: Vec<(u64, GenerateRequest)> = constrained
+            .iter()
+            .map(|(id, g)| {
+                let mut r = request(*id, Tokens::new(*id).take(10, 256), 300);
+                r.constraint = g.clone();
+                (0, r)
+            })
+            .collect();
+        all.push((1, free()));
+        all
+    };
+    let text = |tokens: &[u32]| {
+        let bytes: Vec<u8> = tokens
+            .iter()
+            .filter(|&&t| t != eos)
+            .flat_map(|&t| texts[t as usize].clone())
+            .collect();
+        String::from_utf8(bytes).unwrap()
+    };
+
+    let alone = drive(&mut engine(), vec![(0, free())]);
+    let step_by_step = drive(&mut engine(), requests());
+    let pipelined = drive_arriving(&mut engine(), requests());
+    for run in [&step_by_step, &pipelined] {
+        let o = &run.outcomes;
+        for id in [1, 2, 3] {
+            assert_eq!(
+                o[&id].finish,
+                Some(FinishReason::Stop),
+                "{id}: {:?}",
+                o[&id]
+            );
+            assert_eq!(o[&id].tokens.last(), Some(&eos), "{id} ends with EOS");
+        }
+        let regex = text(&o[&1].tokens);
+        assert!(
+            regex.len() == 7
+                && regex.ends_with('x')
+                && regex[..6]
+                    .as_bytes()
+                    .chunks(2)
+                    .all(|p| p == b"ab" || p == b"cd"),
+            "{regex:?}"
+        );
+        let json: serde_json::Value = serde_json::from_str(&text(&o[&2].tokens)).unwrap();
+        assert!(
+            json["ok"].is_boolean() && ["yes", "no"].contains(&json["say"].as_str().unwrap()),
+            "{json}"
+        );
+        assert!(["true", "false"].contains(&text(&o[&3].tokens).as_str()));
+        let (kind, message) = o[&4].failed.clone().expect("a bad regex is refused");
+        assert_eq!(kind, FailureKind::InvalidRequest);
+        assert!(message.contains("regex"), "{message}");
+        assert_eq!(
+            o[&9].tokens, alone.outcomes[&9].tokens,
+            "the free request is untouched"
+        );
+    }
+    assert_eq!(step_by_step.tokens(), pipelined.tokens());
+}

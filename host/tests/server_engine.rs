@@ -100,6 +100,7 @@ async fn start() -> Live {
         policy: Box::new(PrefixAware),
         admin_hooks: None,
         parsers: None,
+        grammar_check: None,
     };
     let state = AppState::new(parts).expect("state");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")

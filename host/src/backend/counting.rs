@@ -99,7 +99,7 @@ impl<B: LayerOps> LayerOps for Counting<B> {
 
 impl<B: StepBackend> StepBackend for Counting<B> {
     forward! { self.inner =>
-        new_step, arena_stats, packs_ahead, pack_step, repack_tokens,
+        new_step, arena_stats, applies_token_masks, packs_ahead, pack_step, repack_tokens,
         graph_buckets, upload_graph_step, capture_graph, replay_graph,
         step_clock_start, step_clock_end, sample_finish, sample_ready,
     }

@@ -258,6 +258,9 @@ macro_rules! forward {
     (@sig arena_stats $h:tt) => {
         forward!(@emit $h arena_stats [] () -> $crate::backend::ArenaStats);
     };
+    (@sig applies_token_masks $h:tt) => {
+        forward!(@emit $h applies_token_masks [] () -> bool);
+    };
     (@sig packs_ahead $h:tt) => {
         forward!(@emit $h packs_ahead [] () -> bool);
     };

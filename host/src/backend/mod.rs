@@ -711,9 +711,7 @@ pub trait StepBackend: LayerOps {
 
     /// Whether the sampling tail applies the plan's token masks (`SampleRows::masks`): an
     /// engine on a backend that does not refuses constrained requests.
-    fn applies_token_masks(&self) -> bool {
-        true
-    }
+    fn applies_token_masks(&self) -> bool;
 
     // ---- packing ahead ----------------------------------------------------------------------
     /// Whether [`StepBackend::pack_step`], [`StepBackend::repack_tokens`] and

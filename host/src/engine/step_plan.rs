@@ -253,7 +253,10 @@ mod tests {
                 break;
             }
             let mut built = Built::default();
-            build(&mut plan, BS, &out, &sched, &cache, &sampling, &mut built).unwrap();
+            build(
+                &mut plan, BS, &out, &sched, &cache, &sampling, None, &mut built,
+            )
+            .unwrap();
             assert!(built.placeholders.is_empty());
             assert_eq!(plan.seqs.len(), out.seqs.len());
             for (i, (c, s)) in plan.seqs.iter().zip(&out.seqs).enumerate() {

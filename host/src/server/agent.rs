@@ -321,6 +321,44 @@ pub fn plan(
     Ok(plan)
 }
 
+/// The most a grammar may cost to compile (with its first mask) on the request path: an
+/// engine compiles it again when the request arrives, on its own thread, and must not stall
+/// the other requests' steps for longer.
+pub const MAX_COMPILE: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// Compiles `grammar` and computes its first mask with `check` (a constraint plugin instance
+/// of the request path), within [`MAX_COMPILE`]: a grammar the plugin refuses, or one that costs
+/// more, is the client's error (400). Blocking: run it off the async threads.
+pub fn check(
+    check: &std::sync::Mutex<Box<dyn crate::policy::Constrainer>>,
+    grammar: &Grammar,
+    mask_words: usize,
+) -> Result<(), AppError> {
+    let field = "response_format / structured_outputs / tools";
+    let mut c = check.lock().unwrap_or_else(|p| p.into_inner());
+    let start = std::time::Instant::now();
+    let matcher = c.open(&grammar.kind, &grammar.text).map_err(|e| match e {
+        crate::policy::ConstraintError::Grammar(m) => AppError::invalid(field, m),
+        crate::policy::ConstraintError::Failed(m) => AppError::Internal(m),
+    })?;
+    let mut mask = vec![0u32; mask_words];
+    let first = c.next(matcher, &[], &mut mask);
+    c.close(matcher);
+    first.map_err(|m| AppError::invalid(field, format!("the grammar allows no answer: {m}")))?;
+    let took = start.elapsed();
+    if took > MAX_COMPILE {
+        return Err(AppError::invalid(
+            field,
+            format!(
+                "the grammar took {} ms to compile, more than the {} ms allowed",
+                took.as_millis(),
+                MAX_COMPILE.as_millis()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -346,9 +384,9 @@ mod tests {
     #[test]
     fn forced_choices_ask_the_parser_for_a_call_grammar() {
         let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]);
-        let mut asked = Vec::new();
+        let asked = std::cell::RefCell::new(Vec::new());
         let mut grammar = |f: &str, _t: &str, c: &str, p: bool| {
-            asked.push((f.to_string(), c.to_string(), p));
+            asked.borrow_mut().push((f.to_string(), c.to_string(), p));
             Ok("start: \"x\"".to_string())
         };
         let p = plan(&fields(&tools, &json!("required")), &hermes(), &mut grammar).unwrap();
@@ -360,7 +398,7 @@ mod tests {
         let named = json!({"type": "function", "function": {"name": "get_weather"}});
         plan(&fields(&tools, &named), &hermes(), &mut grammar).unwrap();
         assert_eq!(
-            asked,
+            *asked.borrow(),
             vec![
                 ("hermes".into(), "required".into(), true),
                 ("hermes".into(), "get_weather".into(), false)

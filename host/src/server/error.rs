@@ -267,7 +267,7 @@ mod tests {
             let (status, retry) = match kind {
                 FailureKind::InvalidRequest | FailureKind::PromptTooLong => (400, None),
                 FailureKind::QueueFull => (503, Some("7")),
-                FailureKind::Executor | FailureKind::Cache => (500, None),
+                FailureKind::Executor | FailureKind::Cache | FailureKind::Constraint => (500, None),
             };
             let r = e.clone().into_response();
             assert_eq!(r.status().as_u16(), status, "{kind}");

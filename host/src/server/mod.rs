@@ -115,6 +115,10 @@ pub struct AppParts {
     /// Makes parser plugin instances (one per output pass, one for the request path); `None`:
     /// responses are never parsed and requests that need a parser get 400.
     pub parsers: Option<ParserFactory>,
+    /// A constraint plugin instance that checks requests' grammars before they reach an
+    /// engine, and its mask words per position; `None`: grammars are checked by the engines
+    /// only.
+    pub grammar_check: Option<(Box<dyn crate::policy::Constrainer>, usize)>,
 }
 
 /// Makes a parser plugin instance.
@@ -158,6 +162,10 @@ pub(crate) struct Inner {
     pub formats: agent::Formats,
     /// A parser plugin instance for the request path (forced tool calls' grammars).
     pub request_parser: Option<std::sync::Mutex<Box<dyn crate::policy::OutputParser>>>,
+    /// Compiles each request's grammar once before it is submitted (see `agent::check`).
+    pub grammar_check: Option<Arc<std::sync::Mutex<Box<dyn crate::policy::Constrainer>>>>,
+    /// Mask words per position of `grammar_check`.
+    pub constraint_words: usize,
     next_id: AtomicU64,
     /// Random per process: response ids (`cmpl-…`) never repeat across restarts.
     id_key: u64,
@@ -259,6 +267,10 @@ impl AppState {
                 admin_hooks: parts.admin_hooks,
                 formats,
                 request_parser,
+                constraint_words: parts.grammar_check.as_ref().map_or(0, |c| c.1),
+                grammar_check: parts
+                    .grammar_check
+                    .map(|(c, _)| Arc::new(std::sync::Mutex::new(c))),
                 next_id: AtomicU64::new(1),
                 id_key: random_key(),
                 shutting_down: AtomicBool::new(false),

@@ -722,6 +722,13 @@ async fn chat_job(
     warn_unknown(endpoint, &req.unknown);
     check_model(state, req.common.model.as_deref())?;
     let mut agent = agent_plan(state, &req)?;
+    if let (Some(grammar), Some(check)) = (&agent.grammar, &state.inner().grammar_check) {
+        let (grammar, check) = (grammar.clone(), check.clone());
+        let words = state.inner().constraint_words;
+        tokio::task::spawn_blocking(move || agent::check(&check, &grammar, words))
+            .await
+            .map_err(|e| AppError::Internal(format!("grammar check failed: {e}")))??;
+    }
     let extras = template_extras(&req, &agent);
     let logprobs = match (req.logprobs, req.top_logprobs) {
         (Some(true), k) => Some(k.unwrap_or(0)),
@@ -995,31 +1002,17 @@ mod tests {
     }
 
     #[test]
-    fn tools_reach_the_template_only_with_tool_choice_none() {
+    fn tools_reach_the_template_as_the_plan_says() {
         let tools = json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
-        let e = template_extras(&chat(json!({"tools": tools, "tool_choice": "none",
-            "chat_template_kwargs": {"enable_thinking": false}})))
-        .unwrap();
+        let req = chat(json!({"tools": tools, "tool_choice": "none",
+            "chat_template_kwargs": {"enable_thinking": false}}));
+        let with = AgentPlan {
+            tools_in_template: true,
+            ..AgentPlan::default()
+        };
+        let e = template_extras(&req, &with);
         assert_eq!(e.tools, Some(tools.clone()));
         assert_eq!(e.kwargs["enable_thinking"], json!(false));
-        // No parser yet: auto (the default with tools), required and a named function are
-        // refused, naming why.
-        for choice in [
-            Value::Null,
-            json!("auto"),
-            json!("required"),
-            json!({"type": "function", "function": {"name": "f"}}),
-        ] {
-            let err = template_extras(&chat(json!({"tools": tools, "tool_choice": choice})))
-                .err()
-                .unwrap();
-            assert!(err.to_string().contains("tool-call parser"), "{err}");
-        }
-        // An empty tool list is no tools; a non-list is a bad request.
-        assert_eq!(
-            template_extras(&chat(json!({"tools": []}))).unwrap().tools,
-            None
-        );
-        assert!(template_extras(&chat(json!({"tools": {"a": 1}, "tool_choice": "none"}))).is_err());
+        assert_eq!(template_extras(&req, &AgentPlan::default()).tools, None);
     }
 }

@@ -288,6 +288,7 @@ impl TestServer {
                 .unwrap_or_else(|| Box::new(chimera::policy::native::LeastLoadedRouter)),
             admin_hooks: None,
             parsers: None,
+            grammar_check: None,
         };
         let state = AppState::new(parts).expect("state");
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");

@@ -189,6 +189,11 @@ impl LayerOps for CpuBackend {
 }
 
 impl StepBackend for CpuBackend {
+    /// The CPU tail applies the plan's token masks.
+    fn applies_token_masks(&self) -> bool {
+        true
+    }
+
     forward! { self =>
         new_step -> new_step_object,
         upload_step -> upload_plan,

