@@ -78,6 +78,7 @@ fn serving_policies() -> Policies {
         sampler: plugins.sampler(),
         fallback_sampler: Box::new(DefaultSampler::default()),
         evictor: Some(plugins.evictor()),
+        constrainer: None,
     }
 }
 

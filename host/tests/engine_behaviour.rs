@@ -773,6 +773,7 @@ fn scheduling_ahead_changes_no_output() {
         sampler: Box::new(DefaultSampler::default()),
         fallback_sampler: Box::new(DefaultSampler::default()),
         evictor: None,
+        constrainer: None,
     };
     let mut work = shared_prefix_workload(11, 30, VOCAB);
     for (_, req) in work.iter_mut() {
@@ -1024,7 +1025,7 @@ fn cancels_arriving_mid_step_end_only_their_requests() {
 #[test]
 fn constrained_responses_follow_their_grammar_and_leave_others_alone() {
     use chimera::engine::Policies;
-    use chimera::engine::api::Grammar;
+    use chimera::engine::api::{GenerateRequest, Grammar};
     use chimera::plugins::Vocabulary;
     use std::sync::Arc;
 

@@ -195,12 +195,12 @@ fn custom_pin_router_changes_routing() {
 
     let report = check_plugin(&path, &Config::default()).unwrap();
     assert_eq!(report.kind, PluginKind::Router);
-    assert_eq!(report.abi.to_string(), "0.1.1");
+    assert_eq!(report.abi.to_string(), "0.2.0");
     assert!(report.componentized);
     assert!(report.ok(), "{report}");
     let text = report.to_string();
     assert!(
-        text.contains("routing@0.1.1") && text.contains("replica 0"),
+        text.contains("routing@0.2.0") && text.contains("replica 0"),
         "{text}"
     );
 }
@@ -251,6 +251,7 @@ fn misbehaving_router_falls_back_and_recovers() {
         deadline_ms: 50,
         memory_bytes: 16 << 20,
         max_instances: 8,
+        ..PluginsConfig::default()
     };
     let (p, metrics) = policies_with(spec(&name, "replica = 3"), limits);
     let mut router = p.router();
@@ -320,6 +321,7 @@ fn plugin_failing_every_call_is_quarantined_then_tried_again() {
         deadline_ms,
         memory_bytes: 16 << 20,
         max_instances: 8,
+        ..PluginsConfig::default()
     };
     let (p, metrics) = policies_with(spec(&name, "replica = 3"), limits);
     let mut router = p.router();
@@ -442,7 +444,7 @@ fn host_functions_load_only_with_their_grants_and_work() {
         "switched after {switched:?}"
     );
     let report = check_plugin(&path, &Config::default()).unwrap();
-    assert_eq!(report.abi.to_string(), "0.1.1");
+    assert_eq!(report.abi.to_string(), "0.2.0");
     let text = report.to_string();
     assert!(
         text.contains("host.now-ns (needs grants = [\"clock\"])"),
@@ -677,8 +679,8 @@ fn check_reports_every_builtin() {
         let report = check_plugin(&path, &Config::default()).unwrap();
         assert_eq!(report.kind, b.kind);
         assert!(report.ok(), "{report}");
-        // Built against ABI 0.1.1 and calling no host function: they need no grant.
-        assert_eq!(report.abi.to_string(), "0.1.1");
+        // Built against ABI 0.2.0 and calling no host function: they need no grant.
+        assert_eq!(report.abi.to_string(), "0.2.0");
         assert!(report.host_functions.is_empty(), "{report}");
     }
     let junk = dir.join("junk.wasm");
@@ -719,7 +721,7 @@ fn plugin_check_dry_runs_a_plugin_with_a_given_config() {
     assert!(ok, "{text}");
     for want in [
         "kind:      router",
-        "abi:       0.1.1",
+        "abi:       0.2.0",
         "init:      ok with config { replica = 2 }",
         "-> replica 2",
         "µs incl. instantiation",
@@ -865,4 +867,39 @@ fn sdk_readme_plugins_build_outside_the_repo_from_a_git_dependency() {
         assert!(report.ok(), "{report}");
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The constraint and parser kinds exist from ABI 0.2.0 on: a component exporting one of their
+/// interfaces under an 0.1.x version is refused at load, naming the version that defines it;
+/// under 0.2.0 it passes the ABI checks (and is refused only because its dummy `init` traps).
+#[test]
+fn agent_kinds_load_only_from_the_abi_that_defines_them() {
+    let dir = std::env::temp_dir().join(format!("chimera-agent-abi-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (world, interface) in [("constraint", "constraining"), ("parser", "parsing")] {
+        let early = dir.join(format!("{world}-0.1.5.wasm"));
+        std::fs::write(&early, dummy_plugin_of("0.2.0", world, "0.1.5")).unwrap();
+        let err = check_plugin(&early, &Config::default())
+            .err()
+            .expect("refused");
+        let text = err.to_string();
+        assert!(matches!(err, PluginError::Exports { .. }), "{text}");
+        assert!(text.contains(interface) && text.contains("0.2.0"), "{text}");
+
+        let current = dir.join(format!("{world}-0.2.0.wasm"));
+        std::fs::write(&current, dummy_plugin_of("0.2.0", world, "0.2.0")).unwrap();
+        match check_plugin(&current, &Config::default()) {
+            Ok(report) => {
+                assert_eq!(report.abi.to_string(), "0.2.0");
+                assert!(!report.ok(), "a dummy's init cannot succeed: {report}");
+            }
+            Err(e) => assert!(
+                !matches!(
+                    e,
+                    PluginError::Exports { .. } | PluginError::AbiVersion { .. }
+                ),
+                "{e}"
+            ),
+        }
+    }
 }

@@ -408,11 +408,38 @@ fn corpus() -> Vec<Case> {
             IR,
         ),
         case(
-            "chat response_format json",
+            "chat response_format of an unknown type",
             CHAT,
-            chw("response_format", json!({"type": "json_object"})),
+            chw("response_format", json!({"type": "xml"})),
             BAD,
-            UNS,
+            IR,
+        ),
+        case(
+            "chat json_schema without a schema",
+            CHAT,
+            chw(
+                "response_format",
+                json!({"type": "json_schema", "json_schema": {"name": "x"}}),
+            ),
+            BAD,
+            IR,
+        ),
+        case(
+            "chat structured_outputs with two constraints",
+            CHAT,
+            chw("structured_outputs", json!({"regex": "a", "choice": ["a"]})),
+            BAD,
+            IR,
+        ),
+        case(
+            "chat tool_choice naming no tool",
+            CHAT,
+            chw(
+                "tool_choice",
+                json!({"type": "function", "function": {"name": "f"}}),
+            ),
+            BAD,
+            IR,
         ),
         case(
             "chat max_completion_tokens negative",

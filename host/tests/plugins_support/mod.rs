@@ -70,9 +70,15 @@ pub fn test_plugins_dir() -> Option<&'static Path> {
 /// A core module implementing `world` of the 0.1.0 WIT with `@0.1.0` replaced by
 /// `@{version}`: every function body is `unreachable`, so every call traps.
 pub fn dummy_plugin(world: &str, version: &str) -> Vec<u8> {
-    let wit = std::fs::read_to_string(repo_root().join("plugin-sdk/wit/v0.1.0/plugin.wit"))
-        .expect("read WIT");
-    let wit = wit.replace("@0.1.0", &format!("@{version}"));
+    dummy_plugin_of("0.1.0", world, version)
+}
+
+/// As [`dummy_plugin`], from the WIT of release `release` (e.g. `0.2.0` for its new worlds).
+pub fn dummy_plugin_of(release: &str, world: &str, version: &str) -> Vec<u8> {
+    let wit =
+        std::fs::read_to_string(repo_root().join(format!("plugin-sdk/wit/v{release}/plugin.wit")))
+            .expect("read WIT");
+    let wit = wit.replace(&format!("@{release}"), &format!("@{version}"));
     let mut resolve = wit_parser::Resolve::default();
     let pkg = resolve.push_str("plugin.wit", &wit).expect("parse WIT");
     let world = resolve.select_world(&[pkg], Some(world)).expect("world");

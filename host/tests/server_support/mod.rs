@@ -133,6 +133,7 @@ impl Options {
             sampler: Box::new(DefaultSampler::default()),
             fallback_sampler: Box::new(DefaultSampler::default()),
             evictor: None,
+            constrainer: None,
         }
     }
 
