@@ -117,7 +117,13 @@ def test_json_schema_answers_parse_and_validate():
 
 def test_json_object_and_structured_outputs():
     r = chat(messages=[{"role": "user", "content": "Any JSON object."}], response_format={"type": "json_object"})
-    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    # Any object may be longer than max_tokens; one that ended must parse.
+    c = r.choices[0]
+    assert c.finish_reason in ("stop", "length"), c
+    if c.finish_reason == "stop":
+        assert isinstance(json.loads(c.message.content), dict), c.message.content
+    else:
+        assert c.message.content.lstrip().startswith("{"), c.message.content
     r = chat(
         messages=[{"role": "user", "content": "Yes or no?"}],
         extra_body={"structured_outputs": {"choice": ["yes", "no"]}},

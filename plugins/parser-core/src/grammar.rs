@@ -45,12 +45,12 @@ pub fn call_grammar(
             "\"\\n\"",
             format!(
                 "call: \"<tool_call>\\n\" args \"\\n</tool_call>\"\nargs: %json {}\n",
-                call_schema(&chosen, "arguments")
+                laid_out(call_schema(&chosen, "arguments"))
             ),
         ),
         "llama3_json" => (
             "\"; \"",
-            format!("call: %json {}\n", call_schema(&chosen, "parameters")),
+            format!("call: %json {}\n", laid_out(call_schema(&chosen, "parameters"))),
         ),
         "qwen3_coder" => ("\"\\n\"", coder_rules(&chosen)),
         other => {
@@ -88,6 +88,22 @@ fn call_schema(tools: &[&Tool], key: &str) -> Value {
         each.remove(0)
     } else {
         json!({ "anyOf": each })
+    }
+}
+
+/// `schema` with llguidance's layout options for the JSON it makes: a space after `,` and `:`
+/// as models write calls (`{"name": "f", "arguments": {...}}`), and no other whitespace, so a
+/// forced call cannot be padded until the response runs out of tokens. A schema that sets its
+/// own `x-guidance` keeps it.
+fn laid_out(schema: Value) -> Value {
+    match schema {
+        Value::Object(mut map) => {
+            map.entry("x-guidance").or_insert_with(|| {
+                json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
+            });
+            Value::Object(map)
+        }
+        other => other,
     }
 }
 
@@ -153,7 +169,7 @@ fn value_expansion(prop: &Value) -> String {
             format!("({}) {CLOSE}", options.join(" | "))
         }
         (ParamType::String, _) => "text_value".to_owned(),
-        _ => format!("%json {prop} {CLOSE}"),
+        _ => format!("%json {} {CLOSE}", laid_out(prop.clone())),
     }
 }
 
@@ -195,7 +211,8 @@ mod tests {
             "start: call\ncall: \"<tool_call>\\n\" args \"\\n</tool_call>\"\nargs: %json \
              {\"type\":\"object\",\"properties\":{\"name\":{\"const\":\"now\"},\"arguments\":\
              {\"type\":\"object\"}},\"required\":[\"name\",\"arguments\"],\
-             \"additionalProperties\":false}\n"
+             \"additionalProperties\":false,\"x-guidance\":{\"whitespace_flexible\":false,\
+             \"item_separator\":\", \",\"key_separator\":\": \"}}\n"
         );
     }
 
