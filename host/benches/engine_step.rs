@@ -150,6 +150,7 @@ fn request(id: u64, prompt_len: usize, max_tokens: u32) -> GenerateRequest {
         block_hashes: None,
         checkpoints: Vec::new(),
         priority: 0,
+        constraint: None,
     }
 }
 

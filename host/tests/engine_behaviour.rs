@@ -1119,8 +1119,7 @@ fn constrained_responses_follow_their_grammar_and_leave_others_alone() {
         assert!(
             regex.len() == 7
                 && regex.ends_with('x')
-                && regex[..6]
-                    .as_bytes()
+                && regex.as_bytes()[..6]
                     .chunks(2)
                     .all(|p| p == b"ab" || p == b"cd"),
             "{regex:?}"

@@ -879,9 +879,7 @@ fn agent_kinds_load_only_from_the_abi_that_defines_them() {
     for (world, interface) in [("constraint", "constraining"), ("parser", "parsing")] {
         let early = dir.join(format!("{world}-0.1.5.wasm"));
         std::fs::write(&early, dummy_plugin_of("0.2.0", world, "0.1.5")).unwrap();
-        let err = check_plugin(&early, &Config::default())
-            .err()
-            .expect("refused");
+        let err = check_plugin(&early, &Config::default()).expect_err("refused");
         let text = err.to_string();
         assert!(matches!(err, PluginError::Exports { .. }), "{text}");
         assert!(text.contains(interface) && text.contains("0.2.0"), "{text}");

@@ -896,6 +896,7 @@ fn greedy_request(
         block_hashes: None,
         checkpoints: Vec::new(),
         priority: 0,
+        constraint: None,
     }
 }
 

@@ -361,6 +361,7 @@ pub(super) fn drive_engine_with<B: StepBackend>(
                 block_hashes: None,
                 checkpoints: Vec::new(),
                 priority: 0,
+                constraint: None,
             },
             tx,
         );

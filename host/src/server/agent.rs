@@ -226,12 +226,15 @@ pub struct AgentFields<'a> {
     pub structured_outputs: Option<&'a Value>,
 }
 
-/// Works out what a chat request asks for. `call_grammar` asks the parser plugin for the
-/// grammar that forces tool calls (`format`, tools JSON, choice, parallel).
+/// Asks the parser plugin for the grammar that forces tool calls: (format, tools JSON, choice,
+/// parallel) to a Lark grammar.
+pub type CallGrammar<'a> = dyn FnMut(&str, &str, &str, bool) -> Result<String, String> + 'a;
+
+/// Works out what a chat request asks for.
 pub fn plan(
     f: &AgentFields<'_>,
     formats: &Formats,
-    call_grammar: &mut dyn FnMut(&str, &str, &str, bool) -> Result<String, String>,
+    call_grammar: &mut CallGrammar<'_>,
 ) -> Result<AgentPlan, AppError> {
     let mut plan = AgentPlan::default();
     let tools: &[Value] = match f.tools {

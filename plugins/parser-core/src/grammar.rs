@@ -50,7 +50,10 @@ pub fn call_grammar(
         ),
         "llama3_json" => (
             "\"; \"",
-            format!("call: %json {}\n", laid_out(call_schema(&chosen, "parameters"))),
+            format!(
+                "call: %json {}\n",
+                laid_out(call_schema(&chosen, "parameters"))
+            ),
         ),
         "qwen3_coder" => ("\"\\n\"", coder_rules(&chosen)),
         other => {

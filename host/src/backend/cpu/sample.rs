@@ -95,7 +95,7 @@ fn check(logits: &[f32], vocab: usize, rows: &SampleRows) -> Result<()> {
     }
     let words = vocab.div_ceil(32);
     let masks_ok = rows.mask_of.len() == n
-        && rows.masks.len() % words == 0
+        && rows.masks.len().is_multiple_of(words)
         && rows
             .mask_of
             .iter()
