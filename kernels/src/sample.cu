@@ -443,3 +443,29 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) sample_row_topk(
         for (u32 j = threadIdx.x; j < k; j += ROW_THREADS) values[j] = x[tokens[j]];
     }
 }
+
+// Token masks of constrained rows (grammars), applied before the penalties: for sampled row
+// `blockIdx.y` with a mask (`mask_of[row] != SAMPLE_FULL`), every token whose bit is clear in
+// its `words`-word mask gets a logit of -inf. One thread per mask word (32 tokens); a word with
+// every bit set is skipped. Rows without a mask return at once. The CPU reference is
+// `apply_mask` in host/src/backend/cpu/sample.rs.
+extern "C" __global__ void __launch_bounds__(256) sample_apply_masks(
+    float* __restrict__ logits,
+    const u32* __restrict__ sample_rows,
+    const u32* __restrict__ mask_of,
+    const u32* __restrict__ masks,
+    u32 vocab,
+    u32 words) { CHIMERA_PDL_ENTRY();
+    const u32 i = blockIdx.y;
+    const u32 m = mask_of[i];
+    const u32 w = blockIdx.x * blockDim.x + threadIdx.x;
+    if (m == SAMPLE_FULL || w >= words) return;
+    const u32 bits = masks[(u64)m * words + w];
+    if (bits == SAMPLE_FULL) return;
+    float* x = logits + (u64)sample_rows[i] * vocab;
+    const u32 base = w * 32u;
+    const u32 end = min(base + 32u, vocab);
+    for (u32 t = base; t < end; ++t) {
+        if (!((bits >> (t - base)) & 1u)) x[t] = -CHIMERA_INF;
+    }
+}

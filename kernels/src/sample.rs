@@ -28,6 +28,7 @@ const MERGE: &[Param] = &[Ptr, Ptr, Ptr, U32, U32, U32, U32, Ptr, Ptr, Ptr, Ptr,
 const ROW_TOPK: &[Param] = &[
     Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, Ptr, Ptr, Ptr,
 ];
+const APPLY_MASKS: &[Param] = &[Ptr, Ptr, Ptr, Ptr, U32, U32];
 
 pub const ENTRIES: &[Entry] = &[
     Entry {
@@ -41,6 +42,10 @@ pub const ENTRIES: &[Entry] = &[
     Entry {
         name: "sample_row_topk",
         params: ROW_TOPK,
+    },
+    Entry {
+        name: "sample_apply_masks",
+        params: APPLY_MASKS,
     },
 ];
 
@@ -79,6 +84,11 @@ pub enum SampleArg {
     Lse,
     /// Scratch buffer `i`, of `scratch_bytes(..)[i]` bytes, uninitialised, 8-byte aligned.
     Scratch(usize),
+    /// u32 `[n]`: the mask of each sampled row, as an index into `Masks`, or `u32::MAX` for
+    /// none (`SampleRows::mask_of`).
+    MaskOf,
+    /// u32 `[masks, ceil(vocab / 32)]`: allowed-token bits (`SampleRows::masks`).
+    Masks,
     /// A value passed as it is.
     U32(u32),
 }
@@ -245,6 +255,31 @@ impl Geometry {
 /// The kernels of the sampling tail for `n` sampled rows, in launch order.
 pub fn launches(n: usize, vocab: usize, k: usize) -> Vec<Launch<SampleArg>> {
     Geometry::new(n, vocab, k).launches()
+}
+
+/// The launch that applies the token masks of constrained rows (`n` sampled rows of `vocab`
+/// logits), to go before [`launches`]' kernels when the step has masks; a step without any
+/// launches nothing for them (`None` for an empty batch or vocabulary too).
+pub fn mask_launch(n: usize, vocab: usize) -> Option<Launch<SampleArg>> {
+    const THREADS: u32 = 256;
+    if n == 0 || vocab == 0 {
+        return None;
+    }
+    let words = to_u32(vocab.div_ceil(32));
+    Some(Launch {
+        entry: "sample_apply_masks",
+        grid: (words.div_ceil(THREADS), to_u32(n), 1),
+        block: (THREADS, 1, 1),
+        smem: 0,
+        args: vec![
+            SampleArg::Logits,
+            SampleArg::SampleRows,
+            SampleArg::MaskOf,
+            SampleArg::Masks,
+            SampleArg::U32(to_u32(vocab)),
+            SampleArg::U32(words),
+        ],
+    })
 }
 
 /// The scratch buffers [`launches`] refers to as `Scratch(i)`, in bytes.
@@ -430,6 +465,42 @@ mod tests {
         let l = launches(3, 5000, 1 << 20);
         assert_eq!(l[0].entry, "sample_row_topk");
         assert_eq!(u32_args(&l[0]), vec![5000, 5000, 1]);
+    }
+
+    /// The mask launch covers every word of every sampled row with one thread, passes the
+    /// declared argument kinds, and launches nothing for an empty batch or vocabulary.
+    #[test]
+    fn the_mask_launch_covers_every_word_of_every_row() {
+        for (n, vocab) in [(1, 1), (3, 33), (64, 49152), (256, 248320), (5, 8191)] {
+            let l = mask_launch(n, vocab).unwrap();
+            let e = ENTRIES.iter().find(|e| e.name == l.entry).unwrap();
+            assert_eq!(l.args.len(), e.params.len());
+            assert!(l.args.iter().zip(e.params).all(|(a, p)| kinds_match(a, *p)));
+            let words = vocab.div_ceil(32);
+            assert_eq!(u32_args(&l), vec![vocab as u32, words as u32]);
+            assert!(
+                l.grid.0 as usize * l.block.0 as usize >= words,
+                "{n} {vocab}"
+            );
+            assert!(
+                (l.grid.0 as usize - 1) * (l.block.0 as usize) < words,
+                "no idle block"
+            );
+            assert_eq!(
+                (l.grid.1 as usize, l.grid.2, l.block.1, l.block.2),
+                (n, 1, 1, 1)
+            );
+            assert_eq!(
+                &l.args[..4],
+                &[
+                    SampleArg::Logits,
+                    SampleArg::SampleRows,
+                    SampleArg::MaskOf,
+                    SampleArg::Masks
+                ]
+            );
+        }
+        assert!(mask_launch(0, 100).is_none() && mask_launch(4, 0).is_none());
     }
 
     #[test]

@@ -187,6 +187,7 @@ pub fn run(
     stress(report, f32_gpu, "nemotronh-a", &fixture, seed);
     for gpu in [f32_gpu, bf16_gpu] {
         ahead(report, gpu, "nemotronh-a", &fixture);
+        constrained(report, gpu, "nemotronh-a", &fixture);
     }
     // The same on a full-size NemotronH-8B shape (dummy weights) in the serving mode.
     stress(
@@ -877,6 +878,195 @@ fn ahead(report: &mut Report, gpu: &CudaBackend, model: &str, dir: &std::path::P
         }
         Err(e) => report.failed(SUITE, label, format!("{e:#}")),
     }
+}
+
+/// Constrained responses on the device (the token masks applied by `sample_apply_masks`, the
+/// native llguidance twin over a synthetic byte vocabulary): every constrained response is
+/// what its grammar allows and ends with EOS. How many unconstrained requests beside them get
+/// the tokens they get alone is reported, not required: the batches differ, and the device's
+/// kernels may round differently at another batch size.
+fn constrained(report: &mut Report, gpu: &CudaBackend, model: &str, dir: &std::path::Path) {
+    let tag = if gpu.dtype() == DType::F32 {
+        "f32"
+    } else {
+        "bf16"
+    };
+    let label = format!(
+        "{model} {tag} engine: 12 constrained responses (regex, choice, JSON schema) follow their grammar"
+    );
+    let result = constrained_run(gpu, dir, false)
+        .and_then(|alone| constrained_run(gpu, dir, true).map(|mixed| (alone, mixed)));
+    match result {
+        Ok(((free_alone, _), (free_mixed, bad))) => {
+            let same = free_alone
+                .iter()
+                .zip(&free_mixed)
+                .filter(|(a, b)| a == b)
+                .count();
+            for b in &bad {
+                eprintln!("      {b}");
+            }
+            report.push(
+                SUITE,
+                label,
+                bad.len() as f64,
+                format!(
+                    "{} off-grammar ({same}/{} free requests identical to their run alone)",
+                    bad.len(),
+                    free_alone.len()
+                ),
+                "0 off-grammar".into(),
+                bad.is_empty(),
+            );
+        }
+        Err(e) => report.failed(SUITE, label, format!("{e:#}")),
+    }
+}
+
+/// The free requests' tokens, and what went wrong with the constrained ones (with them only
+/// when `with_constrained`).
+fn constrained_run(
+    gpu: &CudaBackend,
+    dir: &std::path::Path,
+    with_constrained: bool,
+) -> R<(Vec<Vec<u32>>, Vec<String>)> {
+    use chimera::cache::{ByteSize, CacheConfig};
+    use chimera::engine::api::{EngineEvent, FinishReason, Grammar};
+    use chimera::engine::{Engine, EngineConfig, EngineSetup, ModelRunner, Policies};
+    use chimera::plugins::Vocabulary;
+    let backend = gpu.replica()?;
+    let model = std::sync::Arc::new(chimera::model::load(dir, &backend)?);
+    let vocab = model.info.vocab_size;
+    let eos = *model
+        .info
+        .eos_token_ids
+        .first()
+        .filter(|&&e| (e as usize) < vocab)
+        .ok_or_else(|| anyhow::anyhow!("the fixture has no EOS inside its vocabulary"))?;
+    // Tokens below 256 are bytes, the rest `t<id>`; EOS is special.
+    let texts: Vec<Vec<u8>> = (0..vocab)
+        .map(|i| match i {
+            _ if i == eos as usize => b"<|eos|>".to_vec(),
+            0..256 => vec![i as u8],
+            _ => format!("t{i}").into_bytes(),
+        })
+        .collect();
+    let vocabulary = std::sync::Arc::new(Vocabulary::from_tokens(
+        texts
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (&t[..], i == eos as usize)),
+        eos,
+    ));
+    let setup = EngineSetup {
+        engine: EngineConfig {
+            max_batched_tokens: 256,
+            max_running: 32,
+            ..Default::default()
+        },
+        cache: CacheConfig {
+            memory_budget: Some(ByteSize(64 << 20)),
+            block_size: 16,
+            prefix_caching: true,
+            ..Default::default()
+        },
+        hash_salt: "constrained".into(),
+    };
+    let policies = Policies {
+        constrainer: Some(chimera::policy::native::constrainer(
+            &Default::default(),
+            &vocabulary,
+        )),
+        ..Policies::builtin()
+    };
+    let mut engine = Engine::new(setup, ModelRunner::new(backend, model), policies)?;
+    let schema = r#"{"type":"object","properties":{"ok":{"type":"boolean"},"n":{"enum":[1,2,3]}},"required":["ok","n"],"additionalProperties":false}"#;
+    let grammars = [
+        ("regex", "(ab|cd){4}x"),
+        ("choice", r#"["alpha", "beta", "gamma"]"#),
+        ("json-schema", schema),
+    ];
+    let mut rng = Rng::new(0x434f_4e53);
+    let mut free = Vec::new();
+    let mut constrained = Vec::new();
+    for id in 0..24u64 {
+        let prompt: Vec<u32> = (0..1 + rng.below(60) as u32)
+            .map(|_| rng.below(vocab.min(400) - 1) as u32 + 1)
+            .collect();
+        let (tx, r) = tokio::sync::mpsc::unbounded_channel();
+        let mut req = greedy_request(id, prompt, 20);
+        if id % 2 == 1 {
+            if !with_constrained {
+                continue;
+            }
+            let (kind, text) = grammars[(id / 2) as usize % grammars.len()];
+            req.constraint = Some(Grammar {
+                kind: kind.into(),
+                text: text.into(),
+            });
+            req.ignore_eos = false;
+            req.max_tokens = 200;
+            constrained.push((kind, r));
+        } else {
+            free.push(r);
+        }
+        engine.add(req, tx);
+    }
+    let mut steps = 0;
+    while !engine.is_idle() {
+        engine.step();
+        steps += 1;
+        anyhow::ensure!(steps < 20_000, "the engine made no progress");
+    }
+    let drain = |r: &mut tokio::sync::mpsc::UnboundedReceiver<EngineEvent>| {
+        let (mut tokens, mut end) = (Vec::new(), None);
+        while let Ok(ev) = r.try_recv() {
+            match ev {
+                EngineEvent::Tokens { tokens: t, .. } => tokens.extend(t),
+                EngineEvent::Finished { reason, .. } => end = Some(Ok(reason)),
+                EngineEvent::Failed { message, .. } => end = Some(Err(message)),
+                _ => {}
+            }
+        }
+        (tokens, end)
+    };
+    let mut free_tokens = Vec::new();
+    for r in &mut free {
+        let (t, end) = drain(r);
+        if let Some(Err(m)) = end {
+            anyhow::bail!("a free request failed: {m}");
+        }
+        free_tokens.push(t);
+    }
+    let mut bad = Vec::new();
+    for (kind, r) in &mut constrained {
+        let (tokens, end) = drain(r);
+        let text: Vec<u8> = tokens
+            .iter()
+            .filter(|&&t| t != eos)
+            .flat_map(|&t| texts[t as usize].clone())
+            .collect();
+        let text = String::from_utf8_lossy(&text).into_owned();
+        let ok = end == Some(Ok(FinishReason::Stop))
+            && tokens.last() == Some(&eos)
+            && match *kind {
+                "regex" => {
+                    text.len() == 9
+                        && text.ends_with('x')
+                        && text.as_bytes()[..8]
+                            .chunks(2)
+                            .all(|p| p == b"ab" || p == b"cd")
+                }
+                "choice" => ["alpha", "beta", "gamma"].contains(&text.as_str()),
+                _ => serde_json::from_str::<serde_json::Value>(&text).is_ok_and(|v| {
+                    v["ok"].is_boolean() && [1, 2, 3].contains(&v["n"].as_i64().unwrap_or(0))
+                }),
+            };
+        if !ok {
+            bad.push(format!("{kind}: {text:?} ended {end:?}"));
+        }
+    }
+    Ok((free_tokens, bad))
 }
 
 /// A greedy request that ignores EOS: `max_tokens` tokens exactly.

@@ -814,7 +814,7 @@ fn attention_prefill_paths(c: &mut Ctx<'_>) {
 }
 
 /// The sampling tail: candidates must equal the CPU's bit for bit in f32 mode (ties, NaN,
-/// infinities, penalties), log-sum-exp within rounding.
+/// infinities, penalties, token masks of constrained rows), log-sum-exp within rounding.
 fn sampling(c: &mut Ctx<'_>) {
     let cases: &[(usize, usize, usize, &str)] = &[
         (1, 512, 64, "decode"),
@@ -823,6 +823,9 @@ fn sampling(c: &mut Ctx<'_>) {
         (3, 32_000, 1, "decode"),
         (8, 50_000, 200, "decode"),
         (4, 2048, 64, "prompt-logprob rows interleaved"),
+        (64, 512, 512, "decode, token masks"),
+        (5, 131_072, 64, "decode, token masks"),
+        (8, 50_001, 200, "decode, token masks"),
     ];
     for &(n, vocab, k, kind) in cases {
         let label = format!("sample n={n} vocab={vocab} k={k} {kind}, ties/NaN/inf/penalties");
@@ -831,7 +834,8 @@ fn sampling(c: &mut Ctx<'_>) {
             c.report.failed("kernels", format!("{tag} {label}"), e);
             continue;
         }
-        match sample_case(c, n, vocab, k, kind != "decode") {
+        let masked = kind.ends_with("token masks");
+        match sample_case(c, n, vocab, k, kind.starts_with("prompt"), masked) {
             Ok((exact, lse_err)) => {
                 c.report.push(
                     "kernels",
@@ -863,6 +867,7 @@ fn sample_case(
     vocab: usize,
     k: usize,
     prompt_rows: bool,
+    masked: bool,
 ) -> R<(bool, f64)> {
     let mut plan = StepPlan::new(16);
     let table: Vec<u32> = (0..8).collect();
@@ -913,6 +918,28 @@ fn sample_case(
             bias.dedup_by_key(|b| b.0);
             let banned = [c.rng.below(vocab) as u32];
             plan.sampling.bias_last_row(&bias, &banned);
+        }
+        // Constrained rows: a sparse mask (a few percent of the tokens), a mask allowing one
+        // token, and a mask allowing all but one word; every fourth row has none.
+        if masked && r % 4 != 3 {
+            let words = vocab.div_ceil(32);
+            let mask = plan.sampling.mask_last_row(words);
+            match r % 4 {
+                0 => {
+                    for w in mask.iter_mut() {
+                        *w = (0..2).fold(0, |m, _| m | 1 << c.rng.below(32));
+                    }
+                }
+                1 => mask[c.rng.below(vocab) / 32] |= 1,
+                _ => {
+                    mask.fill(u32::MAX);
+                    mask[c.rng.below(words)] = 0;
+                }
+            }
+            if !vocab.is_multiple_of(32) {
+                mask[words - 1] &= (1u32 << (vocab % 32)) - 1;
+                mask[0] |= 1;
+            }
         }
     }
     let lrows = plan.logit_rows.len();

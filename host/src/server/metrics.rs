@@ -54,6 +54,8 @@ pub mod names {
     pub const PLACEMENT_FALLBACKS: &str = "chimera:router_placement_fallbacks_total";
     pub const REQUEST_ERRORS: &str = "chimera:request_errors_total";
     pub const CLIENT_DISCONNECTS: &str = "chimera:client_disconnects_total";
+    /// Tool calls the parser could not read (returned to the client as text).
+    pub const TOOL_CALL_PARSE_FAILURES: &str = "chimera:tool_call_parse_failures_total";
     pub const SERVER_IN_FLIGHT: &str = "chimera:server_requests_in_flight";
     /// Device time on steps, and device time idle between back-to-back steps (host overhead).
     pub const DEVICE_BUSY: &str = "chimera:device_busy_seconds_total";
@@ -124,6 +126,7 @@ pub struct Metrics {
     routed: Vec<AtomicU64>,
     router_fallbacks: AtomicU64,
     client_disconnects: AtomicU64,
+    parse_failures: AtomicU64,
     in_flight: AtomicI64,
     sources: Mutex<Vec<Arc<dyn MetricsSource>>>,
 }
@@ -140,6 +143,7 @@ impl Metrics {
             routed: (0..replicas).map(|_| AtomicU64::new(0)).collect(),
             router_fallbacks: AtomicU64::new(0),
             client_disconnects: AtomicU64::new(0),
+            parse_failures: AtomicU64::new(0),
             in_flight: AtomicI64::new(0),
             sources: Mutex::new(Vec::new()),
         }
@@ -179,6 +183,16 @@ impl Metrics {
 
     pub fn client_disconnect(&self) {
         self.client_disconnects.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts tool calls the parser returned as text.
+    pub fn parse_failures(&self, n: u32) {
+        self.parse_failures
+            .fetch_add(u64::from(n), Ordering::Relaxed);
+    }
+
+    pub fn parse_failure_count(&self) -> u64 {
+        self.parse_failures.load(Ordering::Relaxed)
     }
 
     pub fn in_flight_add(&self, d: i64) {
@@ -292,6 +306,13 @@ impl Metrics {
             "counter",
             "Engine requests cancelled because the client went away.",
             self.client_disconnects.load(Ordering::Relaxed),
+        );
+        single(
+            out,
+            TOOL_CALL_PARSE_FAILURES,
+            "counter",
+            "Tool calls the parser could not read; their text went to the client as content.",
+            self.parse_failures.load(Ordering::Relaxed),
         );
         single(
             out,

@@ -633,4 +633,56 @@ mod tests {
         let got = got.expect("the open request heard of the stop");
         assert!(got.error.is_some_and(|e| e.contains("output pass stopped")));
     }
+
+    /// With a parse request, the response's text is split by the pass's parser (the native
+    /// twin of the built-in) into reasoning, content and tool calls, the same whether the
+    /// tokens arrive at once or one event at a time; a call's id carries the given prefix.
+    #[test]
+    fn parsed_output_is_split_into_reasoning_content_and_calls() {
+        let codec = Arc::new(TextCodec::embedded().unwrap());
+        let text = "<think>sunny?</think>Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>";
+        let ids = codec.encode(text, false).unwrap();
+        let request = ParseRequest {
+            tool_format: "hermes".into(),
+            reasoning_format: "qwen3".into(),
+            reasoning_open: false,
+            tools: String::new(),
+        };
+        let end = EngineEvent::Finished {
+            reason: FinishReason::Stop,
+            usage: Usage::default(),
+        };
+        let run = |chunks: Vec<Vec<u32>>| {
+            let mut parser = crate::policy::native::parser(&Default::default());
+            let mut state = OutputState::new(codec.clone(), &[], Vec::new(), HashSet::new(), false)
+                .with_parsing(request.clone(), "call_t_".into());
+            let mut all = Processed::default();
+            for c in chunks {
+                all.merge(state.process([tokens(&c)], Some(parser.as_mut())));
+            }
+            all.merge(state.process([end.clone()], Some(parser.as_mut())));
+            all
+        };
+        let whole = run(vec![ids.clone()]);
+        assert_eq!(whole.reasoning, "sunny?");
+        assert_eq!(whole.text, "Let me check.");
+        assert_eq!(whole.calls.len(), 1, "{:?}", whole.calls);
+        let call = &whole.calls[0];
+        assert_eq!(call.id.as_deref(), Some("call_t_0"));
+        assert_eq!(call.name.as_deref(), Some("get_weather"));
+        assert_eq!(call.arguments, r#"{"city":"Oslo"}"#);
+        assert_eq!(whole.parse_failures, 0);
+        let one_by_one = run(ids.iter().map(|&t| vec![t]).collect());
+        assert_eq!(
+            (&one_by_one.reasoning, &one_by_one.text, &one_by_one.calls),
+            (&whole.reasoning, &whole.text, &whole.calls)
+        );
+        // A broken call comes back as text, counted.
+        let broken = codec
+            .encode("<tool_call>\n{\"name\": oops}\n</tool_call>", false)
+            .unwrap();
+        let out = run(vec![broken]);
+        assert!(out.calls.is_empty() && out.text.contains("oops"), "{out:?}");
+        assert_eq!(out.parse_failures, 1);
+    }
 }

@@ -317,6 +317,9 @@ impl ChoiceRun {
             });
         }
         self.made_calls |= !out.calls.is_empty();
+        if out.parse_failures > 0 {
+            self.metrics.parse_failures(out.parse_failures);
+        }
         let mut finish = self.finish_of(&mut out).await;
         if let Some(f) = finish.as_mut()
             && self.made_calls

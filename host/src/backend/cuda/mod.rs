@@ -434,9 +434,9 @@ impl LayerOps for CudaBackend {
 }
 
 impl StepBackend for CudaBackend {
-    /// The device tail has no mask kernel yet: engines refuse constrained requests.
+    /// The tail launches `sample_apply_masks` for steps with token masks.
     fn applies_token_masks(&self) -> bool {
-        false
+        true
     }
 
     forward! { self =>

@@ -112,12 +112,22 @@ impl CudaBackend {
             .map(|b| self.tmp(&[b.div_ceil(4).max(1)], DType::F32))
             .collect::<Result<_>>()?;
         let c = &step.cols;
-        for l in chimera_kernels::sample::launches(n, vocab, k) {
+        let masks = step
+            .dims
+            .masks
+            .then(|| chimera_kernels::sample::mask_launch(n, vocab))
+            .flatten();
+        for l in masks
+            .into_iter()
+            .chain(chimera_kernels::sample::launches(n, vocab, k))
+        {
             let args: Vec<Arg> = l
                 .args
                 .iter()
                 .map(|a| {
                     Ok(match *a {
+                        SampleArg::MaskOf => Arg::Ptr(step.col(c.mask_of)),
+                        SampleArg::Masks => Arg::Ptr(step.col(c.masks)),
                         SampleArg::Logits => Arg::Ptr(lg.ptr),
                         SampleArg::SampleRows => Arg::Ptr(step.col(c.sample_rows)),
                         SampleArg::Repetition => Arg::Ptr(step.col(c.repetition)),

@@ -34,6 +34,9 @@ pub struct Columns {
     pub hist_tokens: usize,
     pub hist_counts: usize,
     pub hist_bias: usize,
+    /// Token masks of constrained rows (`SampleRows::mask_of`, `SampleRows::masks`).
+    pub mask_of: usize,
+    pub masks: usize,
     /// The attention planner's work columns, in [`WorkCol::ALL`] order.
     pub attn: [usize; WorkCol::ALL.len()],
     /// The SSM planner's work columns, in [`ssm::WorkCol::ALL`] order.
@@ -49,6 +52,8 @@ pub struct StepDims {
     pub logit_rows: usize,
     pub sample_rows: usize,
     pub k: usize,
+    /// Some sampled row has a token mask: the tail launches the mask kernel first.
+    pub masks: bool,
 }
 
 pub struct CudaStep {
@@ -218,9 +223,8 @@ impl CudaStep {
         c.hist_tokens = Self::push(s, r.hist_tokens.iter().copied());
         c.hist_counts = Self::push(s, r.hist_counts.iter().copied());
         c.hist_bias = Self::push(s, r.hist_bias.iter().map(|v| v.to_bits()));
-        // Token masks never reach this backend: `applies_token_masks` is false, so engines
-        // refuse constrained requests before they are planned.
-        debug_assert!(!r.has_masks(), "token masks planned for the CUDA backend");
+        c.mask_of = Self::push(s, r.mask_of.iter().copied());
+        c.masks = Self::push(s, r.masks.iter().copied());
     }
 
     /// As [`Self::push`], padded with zeros to `cap` words (a fixed layout); `None` when the
@@ -421,6 +425,7 @@ impl CudaStep {
             logit_rows: chunks,
             sample_rows: plan.sample_rows.len(),
             k: plan.sampling.k,
+            masks: plan.sampling.has_masks(),
         };
         let s = &mut self.staging;
         let c = &mut self.cols;
@@ -680,6 +685,7 @@ impl CudaStep {
             logit_rows: plan.logit_rows.len(),
             sample_rows: plan.sample_rows.len(),
             k: plan.sampling.k,
+            masks: plan.sampling.has_masks(),
         };
         let bytes = 4 * s.len();
         if self.pinned.as_ref().is_none_or(|p| p.bytes < bytes) {
