@@ -65,8 +65,9 @@ run_check() {
 }
 
 serve_suite() {
-  # The repo's openai-client test against `chimera serve` on the GPU (f32 mode, a Llama
-  # fixture), with streaming and prefix caching; then a hung-up stream must free its blocks.
+  # The repo's openai-client tests against `chimera serve` on the GPU (f32 mode, a Llama
+  # fixture), with streaming, prefix caching and agent requests; then a hung-up stream must
+  # free its blocks.
   echo "== serve"
   if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
@@ -74,7 +75,7 @@ serve_suite() {
   fi
   local port=8017
   "$bin" serve --model tests/fixtures/models/llama-gqa --backend cuda --dtype float32 \
-    --port $port > "$out/serve.log" 2>&1 &
+    --tool-call-parser hermes --port $port > "$out/serve.log" 2>&1 &
   local pid=$!
   for _ in $(seq 1 120); do
     curl -sf "http://127.0.0.1:$port/health" > /dev/null && break
@@ -84,6 +85,10 @@ serve_suite() {
     > "$out/openai.log" 2>&1
   local rc=$?
   tail -n 3 "$out/openai.log"
+  # Agent requests (constrained on the device): structured outputs, forced tool calls.
+  CHIMERA_BASE_URL="http://127.0.0.1:$port/v1" timeout 300 python3 tests/openai_client/test_agents.py \
+    > "$out/agents.log" 2>&1 || rc=1
+  tail -n 7 "$out/agents.log"
   python3 tests/gpu/hangup.py --port $port --json "$out/serve.json" --openai-rc $rc \
     --openai-log "$out/openai.log" || status=1
   kill $pid 2>/dev/null
