@@ -69,8 +69,12 @@ serve_suite() {
   # fixture), with streaming, prefix caching and agent requests; then a hung-up stream must
   # free its blocks.
   echo "== serve"
-  if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+  # Wheels for this machine's Python: .whl/cpXY/ (one folder per version), else .whl/.
+  local whl
+  whl=.whl/cp$(python3 -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')
+  [ -d "$whl" ] || whl=.whl
+  if ls "$whl"/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$whl"/*.whl \
       && export PYTHONPATH=/tmp/site
   fi
   local port=8017
