@@ -93,6 +93,11 @@ serve_suite() {
   CHIMERA_BASE_URL="http://127.0.0.1:$port/v1" timeout 300 python3 tests/openai_client/test_agents.py \
     > "$out/agents.log" 2>&1 || rc=1
   tail -n 7 "$out/agents.log"
+  # Device idle between steps with 64 constrained responses at once, against the same load
+  # unconstrained (reported: the masks are computed before the step is launched, not yet
+  # while the device runs the step before).
+  timeout 240 python3 tests/gpu/constrained_load.py --port $port --json "$out/constrained.json" \
+    || status=1
   python3 tests/gpu/hangup.py --port $port --json "$out/serve.json" --openai-rc $rc \
     --openai-log "$out/openai.log" || status=1
   kill $pid 2>/dev/null

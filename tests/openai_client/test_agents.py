@@ -137,6 +137,14 @@ def test_json_object_and_structured_outputs():
     assert len(content) == 10 and content[:2] == "20" and content[4] == "-", content
 
 
+def test_completions_take_structured_outputs():
+    r = client.completions.create(
+        model=model(), prompt="The answer is", max_tokens=16, temperature=0,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    )
+    assert r.choices[0].text in ("yes", "no"), r.choices[0]
+
+
 def test_named_and_required_tool_calls_validate_and_stream_the_same():
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     named = {"type": "function", "function": {"name": "get_weather"}}

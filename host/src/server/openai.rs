@@ -439,6 +439,8 @@ struct CompletionJob {
     prepared: Vec<Prepared>,
     permit: OwnedSemaphorePermit,
     tenant: String,
+    /// Structured outputs only: completions have no tools and no parsing.
+    agent: AgentPlan,
 }
 
 async fn completion_job(
@@ -457,6 +459,19 @@ async fn completion_job(
     if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(AppError::Unsupported("suffix".into()));
     }
+    let fields = AgentFields {
+        tools: None,
+        tool_choice: None,
+        parallel_tool_calls: None,
+        response_format: req.response_format.as_ref(),
+        structured_outputs: req.structured_outputs.as_ref(),
+    };
+    let mut no_calls = |_: &str, _: &str, _: &str, _: bool| -> Result<String, String> {
+        Err("completions take no tools".into())
+    };
+    let mut agent = agent::plan(&fields, &agent::Formats::default(), &mut no_calls)?;
+    agent.parse = None;
+    check_grammar(state, &agent).await?;
     let mut params = validate_common(
         &req.common,
         req.common.max_tokens,
@@ -501,6 +516,7 @@ async fn completion_job(
         prepared,
         permit,
         tenant: req.common.user.clone().unwrap_or_default(),
+        agent,
     })
 }
 
@@ -514,14 +530,7 @@ pub async fn completions(
     let (params, prepared) = (job.params, job.prepared);
     let meta = meta(&state, "cmpl", &params, &prepared);
     let (runs, indices) = submit(
-        &state,
-        &prepared,
-        &params,
-        &AgentPlan::default(),
-        job.permit,
-        job.tenant,
-        start,
-        &meta.id,
+        &state, &prepared, &params, &job.agent, job.permit, job.tenant, start, &meta.id,
     )
     .await?;
     let shape = Shape::Completion {
@@ -676,6 +685,18 @@ fn template_extras(req: &ChatRequest, plan: &AgentPlan) -> super::text::Template
     }
 }
 
+/// Compiles the plan's grammar once off the async threads (see `agent::check`).
+async fn check_grammar(state: &AppState, plan: &AgentPlan) -> Result<(), AppError> {
+    let (Some(grammar), Some(check)) = (&plan.grammar, &state.inner().grammar_check) else {
+        return Ok(());
+    };
+    let (grammar, check) = (grammar.clone(), check.clone());
+    let words = state.inner().constraint_words;
+    tokio::task::spawn_blocking(move || agent::check(&check, &grammar, words))
+        .await
+        .map_err(|e| AppError::Internal(format!("grammar check failed: {e}")))?
+}
+
 /// What the request's agent fields ask of the engine and the output pass.
 fn agent_plan(state: &AppState, req: &ChatRequest) -> Result<AgentPlan, AppError> {
     let inner = state.inner();
@@ -722,13 +743,7 @@ async fn chat_job(
     warn_unknown(endpoint, &req.unknown);
     check_model(state, req.common.model.as_deref())?;
     let mut agent = agent_plan(state, &req)?;
-    if let (Some(grammar), Some(check)) = (&agent.grammar, &state.inner().grammar_check) {
-        let (grammar, check) = (grammar.clone(), check.clone());
-        let words = state.inner().constraint_words;
-        tokio::task::spawn_blocking(move || agent::check(&check, &grammar, words))
-            .await
-            .map_err(|e| AppError::Internal(format!("grammar check failed: {e}")))??;
-    }
+    check_grammar(state, &agent).await?;
     let extras = template_extras(&req, &agent);
     let logprobs = match (req.logprobs, req.top_logprobs) {
         (Some(true), k) => Some(k.unwrap_or(0)),

@@ -85,6 +85,9 @@ pub struct CompletionRequest {
     pub echo: Option<bool>,
     pub best_of: Option<u32>,
     pub suffix: Option<String>,
+    pub response_format: Option<Value>,
+    /// vLLM's structured outputs: one of `json`, `regex`, `choice`, `grammar`.
+    pub structured_outputs: Option<Value>,
     /// chimera's extension: prompt token offsets (each in `1 ..= prompt length`) where the
     /// SSM state should be kept as a snapshot, budget permitting (rounded down to a block).
     pub cache_checkpoints: Option<Vec<u32>>,

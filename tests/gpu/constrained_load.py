@@ -1,0 +1,125 @@
+"""Device idle between steps with constrained responses: 64 concurrent completions, each
+constrained by a JSON schema (structured_outputs), against the same load unconstrained, on a
+running `chimera serve`. Reads chimera:device_busy_seconds_total and
+chimera:device_idle_between_steps_seconds_total from /metrics around each load and prints both
+shares (reported rows for tests/gpu/table.py with --json).
+
+python3 tests/gpu/constrained_load.py --port 8017 [--concurrency 64] [--json out.json]
+"""
+
+import argparse
+import json
+import random
+import threading
+import time
+import urllib.request
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Rome", "Oslo", "Lima"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+        "metric": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 4},
+    },
+    "required": ["city", "days", "metric", "tags"],
+    "additionalProperties": False,
+}
+
+
+def post(port, body):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+def metrics(port):
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    sums = {}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name, value = line.rsplit(" ", 1)
+        name = name.split("{", 1)[0]
+        try:
+            sums[name] = sums.get(name, 0.0) + float(value)
+        except ValueError:
+            pass
+    return sums
+
+
+def load(port, model, concurrency, per_thread, constrained, vocab):
+    errors, tokens, parsed = [], [0], [0]
+    lock = threading.Lock()
+
+    def worker(seed):
+        rng = random.Random(seed)
+        for _ in range(per_thread):
+            body = {"model": model, "prompt": [rng.randrange(3, vocab) for _ in range(64)],
+                    "max_tokens": 64, "temperature": 0}
+            if constrained:
+                # Room to finish the object (a random model may take every whitespace allowed).
+                body["structured_outputs"] = {"json": SCHEMA}
+                body["max_tokens"] = 400
+            else:
+                body["ignore_eos"] = True
+            try:
+                r = post(port, body)
+                c = r["choices"][0]
+                with lock:
+                    tokens[0] += r["usage"]["completion_tokens"]
+                    if constrained and c["finish_reason"] == "stop":
+                        json.loads(c["text"])
+                        parsed[0] += 1
+            except Exception as e:  # noqa: BLE001 -- counted and reported
+                with lock:
+                    errors.append(repr(e)[:200])
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
+    start = time.time()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.time() - start, tokens[0], parsed[0], errors
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--per-thread", type=int, default=3)
+    p.add_argument("--json")
+    args = p.parse_args()
+    models = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{args.port}/v1/models").read())
+    model = models["data"][0]["id"]
+    vocab = 256
+    rows = []
+    for constrained in (False, True):
+        before = metrics(args.port)
+        wall, tokens, parsed, errors = load(args.port, model, args.concurrency, args.per_thread,
+                                            constrained, vocab)
+        after = metrics(args.port)
+        busy = after.get("chimera:device_busy_seconds_total", 0) - before.get("chimera:device_busy_seconds_total", 0)
+        idle = (after.get("chimera:device_idle_between_steps_seconds_total", 0)
+                - before.get("chimera:device_idle_between_steps_seconds_total", 0))
+        steps = after.get("chimera:engine_steps_total", 0) - before.get("chimera:engine_steps_total", 0)
+        n = args.concurrency * args.per_thread
+        kind = "constrained (JSON schema)" if constrained else "unconstrained"
+        measured = (f"idle/busy {100 * idle / busy:.1f} % ({1e3 * idle:.0f} of {1e3 * busy:.0f} ms, "
+                    f"{steps:.0f} steps, {1e3 * busy / max(steps, 1):.2f} ms busy a step); "
+                    f"{tokens} tokens in {wall:.1f} s"
+                    + (f"; {parsed}/{n} ended by the grammar, each parsed" if constrained else "")
+                    + (f"; {len(errors)} errors: {errors[0]}" if errors else ""))
+        ok = not errors
+        print(f"{kind}, c={args.concurrency}: {measured} {'ok' if ok else 'FAILED'}", flush=True)
+        rows.append({"suite": "serve", "check": f"device idle between steps, {n} {kind} completions at c={args.concurrency} (reported)",
+                     "measured": measured, "bound": "reported", "pass": ok})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
