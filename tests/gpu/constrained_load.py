@@ -107,7 +107,8 @@ def main():
         steps = after.get("chimera:engine_steps_total", 0) - before.get("chimera:engine_steps_total", 0)
         n = args.concurrency * args.per_thread
         kind = "constrained (JSON schema)" if constrained else "unconstrained"
-        measured = (f"idle/busy {100 * idle / busy:.1f} % ({1e3 * idle:.0f} of {1e3 * busy:.0f} ms, "
+        share = f"{100 * idle / busy:.1f} %" if busy > 0 else "n/a (no device timing)"
+        measured = (f"idle/busy {share} ({1e3 * idle:.0f} of {1e3 * busy:.0f} ms, "
                     f"{steps:.0f} steps, {1e3 * busy / max(steps, 1):.2f} ms busy a step); "
                     f"{tokens} tokens in {wall:.1f} s"
                     + (f"; {parsed}/{n} ended by the grammar, each parsed" if constrained else "")
