@@ -142,7 +142,11 @@ fn build_from_source(root: &Path, out_dir: &Path) {
     // 128-bit SIMD lets the sampler's loops vectorise; every Wasm engine in use supports it.
     // Paths of registry crates (in panic locations) must not depend on where CARGO_HOME is,
     // so the bytes are the same on every machine (workspace paths are already relative).
-    let mut flags = vec!["-Ctarget-feature=+simd128".to_string()];
+    // getrandom (ahash's seed in the llguidance plugin) takes its bytes from the plugin itself.
+    let mut flags = vec![
+        "-Ctarget-feature=+simd128".to_string(),
+        "--cfg=getrandom_backend=\"custom\"".to_string(),
+    ];
     if let Some(home) = cargo_home() {
         flags.push(format!("--remap-path-prefix={}=/cargo", home.display()));
     }

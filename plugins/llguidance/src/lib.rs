@@ -46,6 +46,31 @@ pub extern "C" fn now() -> f64 {
     0.0
 }
 
+/// getrandom's custom source (`--cfg getrandom_backend="custom"`), which ahash reads once to
+/// seed llguidance's hashers: a plugin has no randomness, so the bytes are a fixed sequence.
+/// Hashing with a known seed changes no mask; hostile inputs are bounded by the grammar limits
+/// and the plugin's deadline, not by the seed.
+///
+/// # Safety
+/// getrandom calls it with `dest` valid for `len` bytes.
+#[cfg(target_arch = "wasm32")]
+#[unsafe(no_mangle)]
+pub unsafe extern "Rust" fn __getrandom_v03_custom(
+    dest: *mut u8,
+    len: usize,
+) -> Result<(), getrandom::Error> {
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    for i in 0..len {
+        x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = x;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        // SAFETY: `i < len`, and getrandom passes `len` writable bytes at `dest`.
+        unsafe { dest.add(i).write((z ^ (z >> 31)) as u8) };
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
