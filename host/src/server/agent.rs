@@ -324,6 +324,20 @@ pub fn plan(
     Ok(plan)
 }
 
+/// Whether the response starts inside its reasoning section: the rendered prompt ends by
+/// opening it (`<think>`, a thinking model's generation prompt) and the server parses
+/// reasoning. Not when a grammar constrains the response: a constrained answer (JSON, forced
+/// tool calls) has no room for reasoning, so it is parsed as the answer from its first
+/// character (otherwise the whole answer would come back as reasoning).
+pub fn starts_in_reasoning(plan: &AgentPlan, rendered: &str) -> bool {
+    plan.grammar.is_none()
+        && plan
+            .parse
+            .as_ref()
+            .is_some_and(|p| !p.reasoning_format.is_empty())
+        && rendered.trim_end().ends_with("<think>")
+}
+
 /// The most a grammar may cost to compile (with its first mask) on the request path: an
 /// engine compiles it again when the request arrives, on its own thread, and must not stall
 /// the other requests' steps for longer.
@@ -472,6 +486,29 @@ mod tests {
             structured_outputs: None,
         };
         assert!(plan(&f, &Formats::default(), &mut no_grammar).is_err());
+    }
+
+    #[test]
+    fn a_constrained_answer_never_starts_inside_reasoning() {
+        let thinking = AgentPlan {
+            parse: Some(ParseRequest {
+                reasoning_format: "qwen3".into(),
+                ..ParseRequest::default()
+            }),
+            ..AgentPlan::default()
+        };
+        let prompt = "<|im_start|>assistant\n<think>\n";
+        assert!(starts_in_reasoning(&thinking, prompt));
+        assert!(!starts_in_reasoning(&thinking, "<|im_start|>assistant\n"));
+        let constrained = AgentPlan {
+            grammar: Some(Grammar {
+                kind: "json-schema".into(),
+                text: "{}".into(),
+            }),
+            ..thinking.clone()
+        };
+        assert!(!starts_in_reasoning(&constrained, prompt));
+        assert!(!starts_in_reasoning(&AgentPlan::default(), prompt));
     }
 
     #[test]

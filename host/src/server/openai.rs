@@ -770,10 +770,9 @@ async fn chat_job(
     })
     .await
     .map_err(|e| AppError::Internal(format!("template task failed: {e}")))??;
-    // A template that opens the reasoning section itself (Qwen3 with thinking on).
+    let open = agent::starts_in_reasoning(&agent, &rendered);
     if let Some(parse) = agent.parse.as_mut() {
-        parse.reasoning_open =
-            !parse.reasoning_format.is_empty() && rendered.trim_end().ends_with("<think>");
+        parse.reasoning_open = open;
     }
     // The template already holds BOS and special markers.
     let mut prepared = prepare(
