@@ -596,6 +596,12 @@ fn start<B: StepBackend>(
         .first()
         .map_or(0, |(_, model, _)| model.info.vocab_size);
     let vocabulary = constraint_vocabulary(&loaded.codec, model_vocab).map(Arc::new);
+    if vocabulary.is_none() {
+        tracing::warn!(
+            model = %loaded.name,
+            "constrained responses are unavailable: the tokenizer is not byte-level BPE (its tokens' bytes are unknown) or has no EOS inside the model's vocabulary; such requests get 400"
+        );
+    }
     let plugins = Arc::new(
         PolicyPlugins::with_vocabulary(
             &config.policy,

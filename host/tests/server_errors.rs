@@ -425,6 +425,13 @@ fn corpus() -> Vec<Case> {
             IR,
         ),
         case(
+            "chat json_object on a server without a constraint vocabulary",
+            CHAT,
+            chw("response_format", json!({"type": "json_object"})),
+            BAD,
+            UNS,
+        ),
+        case(
             "chat structured_outputs with two constraints",
             CHAT,
             chw("structured_outputs", json!({"regex": "a", "choice": ["a"]})),

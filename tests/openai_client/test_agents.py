@@ -9,7 +9,6 @@ follow its schema whatever the weights, so what is checked is the server, not th
 
 import json
 import os
-import sys
 import time
 
 import openai
@@ -204,14 +203,6 @@ def test_bad_and_hostile_grammars_are_refused_quickly():
 
 
 if __name__ == "__main__":
-    tests = [(n, f) for n, f in sorted(globals().items()) if n.startswith("test_") and callable(f)]
-    failed = 0
-    for name, f in tests:
-        try:
-            f()
-            print(f"ok   {name}")
-        except Exception as e:  # report every failure, then exit non-zero
-            failed += 1
-            print(f"FAIL {name}: {type(e).__name__}: {e}")
-    print(f"{len(tests) - failed} passed, {failed} failed")
-    sys.exit(1 if failed else 0)
+    from runner import run_tests
+
+    run_tests(globals())

@@ -7,7 +7,6 @@ hold for any model, the embedded random-weight one included.
 """
 
 import os
-import sys
 
 import openai
 
@@ -120,14 +119,6 @@ def test_errors():
 
 
 if __name__ == "__main__":
-    tests = [(n, f) for n, f in sorted(globals().items()) if n.startswith("test_") and callable(f)]
-    failed = 0
-    for name, f in tests:
-        try:
-            f()
-            print(f"ok   {name}")
-        except Exception as e:  # report every failure, then exit non-zero
-            failed += 1
-            print(f"FAIL {name}: {type(e).__name__}: {e}")
-    print(f"{len(tests) - failed} passed, {failed} failed")
-    sys.exit(1 if failed else 0)
+    from runner import run_tests
+
+    run_tests(globals())

@@ -438,9 +438,11 @@ impl<E: StepExecutor> Engine<E> {
         let Some(c) = self.policies.constrainer.as_mut() else {
             return Err("this server has no constraint plugin for constrained responses".into());
         };
-        let matcher = c
-            .open(&grammar.kind, &grammar.text)
-            .map_err(|e| format!("the {} grammar: {e}", grammar.kind))?;
+        let matcher = c.open(&grammar.kind, &grammar.text).map_err(|e| {
+            // The server checks grammars before submitting; one refused here got past it.
+            tracing::warn!(request = req.id, kind = %grammar.kind, error = %e, "a grammar was refused at admission");
+            format!("the {} grammar: {e}", grammar.kind)
+        })?;
         Ok(Some(ActiveConstraint {
             matcher,
             fed: std::cell::Cell::new(0),

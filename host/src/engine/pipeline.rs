@@ -568,6 +568,7 @@ impl<E: StepExecutor> Engine<E> {
             if r.phase == Phase::Finished {
                 continue;
             }
+            tracing::warn!(request = id, error = %why, "a response's constraint failed; the response ends");
             let message = format!("the response's constraint failed: {why}");
             self.outbox.send(
                 id,

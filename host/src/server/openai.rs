@@ -687,8 +687,15 @@ fn template_extras(req: &ChatRequest, plan: &AgentPlan) -> super::text::Template
 
 /// Compiles the plan's grammar once off the async threads (see `agent::check`).
 async fn check_grammar(state: &AppState, plan: &AgentPlan) -> Result<(), AppError> {
-    let (Some(grammar), Some(check)) = (&plan.grammar, &state.inner().grammar_check) else {
+    let Some(grammar) = &plan.grammar else {
         return Ok(());
+    };
+    let Some(check) = &state.inner().grammar_check else {
+        return Err(AppError::Unsupported(
+            "constrained responses (response_format, structured_outputs, forced tool calls) on \
+             this server: it has no constraint vocabulary for its model (the startup log says why)"
+                .into(),
+        ));
     };
     let (grammar, check) = (grammar.clone(), check.clone());
     let words = state.inner().constraint_words;

@@ -173,26 +173,22 @@ impl OutputState {
         }
         out.generated = self.generated;
         out.stop_token = self.stop_token;
-        if let (Some(request), Some(parser)) = (&self.parse, parser) {
-            self.parse_text(request.clone(), parser, &mut out);
+        if let (true, Some(parser)) = (self.parse.is_some(), parser) {
+            self.parse_text(parser, &mut out);
         }
         out
     }
 
     /// Runs `out.text` through the response's parser (opened at its first text).
-    fn parse_text(
-        &mut self,
-        request: ParseRequest,
-        parser: &mut dyn OutputParser,
-        out: &mut Processed,
-    ) {
+    fn parse_text(&mut self, parser: &mut dyn OutputParser, out: &mut Processed) {
         let ends = out.is_last() || out.stop_string.is_some();
         if out.text.is_empty() && !ends {
             return;
         }
-        let id = match self.parser {
-            Some(id) => id,
-            None => match parser.open(&request) {
+        let id = match (self.parser, &self.parse) {
+            (Some(id), _) => id,
+            (None, None) => return,
+            (None, Some(request)) => match parser.open(request) {
                 Ok(id) => {
                     self.parser = Some(id);
                     id
