@@ -120,6 +120,7 @@ fn make_engine(
             ..CacheConfig::default()
         },
         hash_salt: "bench".into(),
+        speculative: Default::default(),
     };
     let policies = if serving {
         serving_policies()
@@ -151,6 +152,7 @@ fn request(id: u64, prompt_len: usize, max_tokens: u32) -> GenerateRequest {
         checkpoints: Vec::new(),
         priority: 0,
         constraint: None,
+        speculative: true,
     }
 }
 

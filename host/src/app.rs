@@ -620,6 +620,7 @@ fn start<B: StepBackend>(
             engine: config.engine.clone(),
             cache,
             hash_salt: salt.clone(),
+            speculative: config.speculative.clone(),
         };
         let policies = Policies {
             sampler: plugins.sampler(),

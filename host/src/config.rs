@@ -19,6 +19,7 @@ use serde::Deserialize;
 
 use crate::cache::config::CacheConfig;
 use crate::engine::EngineConfig;
+use crate::engine::speculative::SpeculativeConfig;
 use crate::model::builtin;
 use crate::plugins::{PluginsConfig, PolicyConfig};
 use crate::server::ServerConfig;
@@ -82,6 +83,7 @@ pub struct Config {
     pub cache: CacheConfig,
     pub policy: PolicyConfig,
     pub plugins: PluginsConfig,
+    pub speculative: SpeculativeConfig,
 }
 
 /// Command-line flags that override config keys.
@@ -102,6 +104,8 @@ pub struct Overrides {
     pub load_format: Option<String>,
     pub max_model_len: Option<usize>,
     pub gpu_memory_utilization: Option<f64>,
+    pub speculative_method: Option<String>,
+    pub num_speculative_tokens: Option<usize>,
 }
 
 impl Config {
@@ -177,6 +181,12 @@ impl Config {
         if let Some(u) = o.gpu_memory_utilization {
             self.cache.gpu_memory_utilization = u;
         }
+        if let Some(m) = o.speculative_method {
+            self.speculative.method = m;
+        }
+        if let Some(k) = o.num_speculative_tokens {
+            self.speculative.num_tokens = k;
+        }
         self.validate("command line")?;
         Ok(self)
     }
@@ -193,6 +203,14 @@ impl Config {
         self.engine
             .validate()
             .map_err(|e| invalid("engine".into(), e.to_string()))?;
+        self.speculative.validate().map_err(|message| {
+            let key = message
+                .split(' ')
+                .next()
+                .unwrap_or("speculative")
+                .to_string();
+            invalid(key, message)
+        })?;
         self.policy
             .validate("policy")
             .map_err(|e| invalid(e.path.clone(), e.message.clone()))?;

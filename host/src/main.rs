@@ -121,6 +121,12 @@ struct ServeArgs {
     /// leave of it (`cache.memory_budget = "auto"`, the default).
     #[arg(long)]
     gpu_memory_utilization: Option<f64>,
+    /// Overrides `speculative.method`: off, or ngram (drafts looked up in the context).
+    #[arg(long)]
+    speculative_method: Option<String>,
+    /// Overrides `speculative.num_tokens`: drafts verified per step.
+    #[arg(long)]
+    num_speculative_tokens: Option<usize>,
 }
 
 #[derive(clap::Args)]
@@ -282,6 +288,8 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         load_format: args.load_format,
         max_model_len: args.max_model_len,
         gpu_memory_utilization: args.gpu_memory_utilization,
+        speculative_method: args.speculative_method,
+        num_speculative_tokens: args.num_speculative_tokens,
     })?;
     runtime()?.block_on(chimera::app::serve(config))
 }

@@ -51,6 +51,7 @@ fn attention_free_engine_stays_near_its_budget() {
         engine: config.engine.clone(),
         cache: config.cache.clone(),
         hash_salt: "test".into(),
+        speculative: Default::default(),
     };
 
     let before = resident_bytes();
@@ -98,6 +99,7 @@ fn attention_free_engine_stays_near_its_budget() {
             checkpoints: Vec::new(),
             priority: 0,
             constraint: None,
+            speculative: true,
         },
         tx,
     );

@@ -89,6 +89,7 @@ fn engine(m: Model<CpuBackend>, s: &Setup) -> Engine<ModelRunner<CpuBackend>> {
             ..CacheConfig::default()
         },
         hash_salt: "test".into(),
+        speculative: Default::default(),
     };
     Engine::new(
         setup,
@@ -124,6 +125,7 @@ fn submit(
             checkpoints: Vec::new(),
             priority: 0,
             constraint: None,
+            speculative: true,
         },
         tx,
     );
@@ -433,6 +435,7 @@ fn prompt_logprobs_match_the_full_forward_pass_despite_chunks_and_cache() {
                 checkpoints: Vec::new(),
                 priority: 0,
                 constraint: None,
+                speculative: true,
             },
             tx,
         );
@@ -520,6 +523,7 @@ fn each_step_uploads_once_and_reads_once() {
                 ..CacheConfig::default()
             },
             hash_salt: "test".into(),
+            speculative: Default::default(),
         };
         let mut e = Engine::new(
             setup,
@@ -553,6 +557,7 @@ fn each_step_uploads_once_and_reads_once() {
                             checkpoints: Vec::new(),
                             priority: 0,
                             constraint: None,
+                            speculative: true,
                         },
                         tx,
                     );
@@ -749,6 +754,7 @@ fn submit_checkpoints(
             checkpoints,
             priority: 0,
             constraint: None,
+            speculative: true,
         },
         tx,
     );

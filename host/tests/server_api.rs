@@ -439,6 +439,7 @@ async fn completion_logprobs_and_echo() {
         checkpoints: Vec::new(),
         priority: 0,
         constraint: None,
+        speculative: true,
     });
     let want = direct
         .iter()

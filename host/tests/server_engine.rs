@@ -67,6 +67,7 @@ async fn start() -> Live {
                 ..CacheConfig::default()
             },
             hash_salt: SALT.into(),
+            speculative: Default::default(),
         };
         let (handle, _join, kv) = spawn_engine(
             setup,

@@ -760,6 +760,7 @@ fn the_engine_fails_malformed_requests_as_invalid_request() {
         checkpoints: Vec::new(),
         priority: 0,
         constraint: None,
+        speculative: true,
     };
     let vocab = o.mock.vocab as u32;
     let cases = [

@@ -38,6 +38,7 @@ fn cold(o: &Options, prompt: &[u32], n: u32) -> Vec<u32> {
         checkpoints: Vec::new(),
         priority: 0,
         constraint: None,
+        speculative: true,
     });
     events
         .into_iter()

@@ -219,6 +219,7 @@ fn run_with_hashes(prompt: &[u32], given: Option<Vec<BlockHash>>) -> (u64, Vec<u
         checkpoints: Vec::new(),
         priority: 0,
         constraint: None,
+        speculative: true,
     };
     e.add(request, tx);
     while !e.is_idle() {

@@ -17,6 +17,8 @@ mod sources_support;
 mod engine_behaviour;
 #[path = "engine_models.rs"]
 mod engine_models;
+#[path = "engine_speculative.rs"]
+mod engine_speculative;
 #[path = "engine_thread.rs"]
 mod engine_thread;
 #[path = "model_sources.rs"]

@@ -971,6 +971,7 @@ fn constrained_run(
             ..Default::default()
         },
         hash_salt: "constrained".into(),
+        speculative: Default::default(),
     };
     let policies = Policies {
         constrainer: Some(chimera::policy::native::constrainer(
@@ -1087,6 +1088,7 @@ fn greedy_request(
         checkpoints: Vec::new(),
         priority: 0,
         constraint: None,
+        speculative: true,
     }
 }
 
@@ -1116,6 +1118,7 @@ fn ahead_run(
             ..Default::default()
         },
         hash_salt: "ahead".into(),
+        speculative: Default::default(),
     };
     let mut engine = Engine::new(setup, ModelRunner::new(backend, model), Policies::builtin())?;
     let mut rng = Rng::new(0x4148_4541);
@@ -1185,6 +1188,7 @@ fn stress_run(
             ..Default::default()
         },
         hash_salt: "stress".into(),
+        speculative: Default::default(),
     };
     let mut engine = Engine::new(
         setup,

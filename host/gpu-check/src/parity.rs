@@ -344,6 +344,7 @@ pub(super) fn drive_engine_with<B: StepBackend>(
             ..Default::default()
         },
         hash_salt: "gpu-check".into(),
+        speculative: Default::default(),
     };
     let mut engine = Engine::new(setup, ModelRunner::new(backend, model), Policies::builtin())?;
     let mut rx = BTreeMap::new();
@@ -362,6 +363,7 @@ pub(super) fn drive_engine_with<B: StepBackend>(
                 checkpoints: Vec::new(),
                 priority: 0,
                 constraint: None,
+                speculative: true,
             },
             tx,
         );

@@ -199,6 +199,19 @@ impl SampleRows {
     /// tokens when any penalty is on, prompt-only tokens when the repetition penalty is on.
     /// Allocates nothing once the columns have grown to a step's size.
     pub fn push_row(&mut self, pen: Penalties, want_lse: bool, prompt: &[u32], output: &[u32]) {
+        self.push_row_after(pen, want_lse, prompt, output, &[]);
+    }
+
+    /// [`Self::push_row`] for a row whose history continues with `drafts` after `output` (a
+    /// verify row: the drafts before its position count as output).
+    pub fn push_row_after(
+        &mut self,
+        pen: Penalties,
+        want_lse: bool,
+        prompt: &[u32],
+        output: &[u32],
+        drafts: &[u32],
+    ) {
         if self.hist_offsets.is_empty() {
             self.hist_offsets.push(0);
         }
@@ -212,6 +225,7 @@ impl SampleRows {
             let start = self.hist_tokens.len();
             // Output tokens, sorted, compressed in place into (token, count) runs.
             self.hist_tokens.extend_from_slice(output);
+            self.hist_tokens.extend_from_slice(drafts);
             self.hist_tokens[start..].sort_unstable();
             let end = self.hist_tokens.len();
             let (mut r, mut w) = (start, start);

@@ -11,7 +11,9 @@
 //! cache row of token `t` (`block * block_size + pos % block_size`); `cu_seqlens` are the chunk
 //! boundaries; every token is in exactly one of the decode/prefill chunk lists; snapshot targets
 //! lie strictly inside or at the end of their chunk; `logit_rows` lists, in chunk order, every
-//! token of an `all_logits` chunk and the last token of any other `want_logits` chunk.
+//! token of an `all_logits` or `sample_all` chunk and the last token of any other
+//! `want_logits` chunk; `sample_rows` every row of a `sample_all` chunk and the last row of
+//! any other `want_logits` chunk.
 //!
 //! Nothing here knows what a request is or why a block was chosen.
 
@@ -46,6 +48,9 @@ pub struct SeqChunk {
     pub want_logits: bool,
     /// Whether the logits of every token of the chunk are wanted (prompt logprobs).
     pub all_logits: bool,
+    /// Every token of the chunk is a sampled row (a speculative verify chunk: a decode of
+    /// several positions); implies `want_logits`.
+    pub sample_all: bool,
 }
 
 /// SSM slot set-up done before the step's layers run: all restores and zeros in one batch.
@@ -88,7 +93,7 @@ pub struct StepPlan {
     /// Rows of the hidden states whose logits are computed, in output order.
     pub logit_rows: Vec<u32>,
     /// Rows of the logits (indices into `logit_rows`) that are sampled: the last row of every
-    /// `want_logits` chunk, in chunk order.
+    /// `want_logits` chunk and every row of a `sample_all` chunk, in chunk order.
     pub sample_rows: Vec<u32>,
     /// Per-row sampling inputs (penalties, token history, K) for `sample_rows`, filled by the
     /// engine's sampling stage.
@@ -174,9 +179,22 @@ impl StepPlan {
             snaps: (self.snapshots.len() as u32, 0),
             want_logits,
             all_logits: false,
+            sample_all: false,
         });
         let last = self.seqs.len() - 1;
         &mut self.seqs[last]
+    }
+
+    /// Appends `tokens` to the chunk added last (positions continuing it).
+    pub fn extend_last(&mut self, tokens: &[u32]) {
+        let Some(s) = self.seqs.last_mut() else {
+            return;
+        };
+        let from = s.context_len + s.len;
+        s.len += tokens.len();
+        self.tokens.extend_from_slice(tokens);
+        self.positions
+            .extend((from..from + tokens.len()).map(|p| p as u32));
     }
 
     /// Asks for a snapshot after `after` tokens of the chunk added last.
@@ -226,6 +244,13 @@ impl StepPlan {
                 self.prefill_seqs.push(i as u32);
             }
             let end = (s.offset + s.len) as u32;
+            if s.sample_all {
+                for t in s.offset as u32..end {
+                    self.logit_rows.push(t);
+                    self.sample_rows.push(self.logit_rows.len() as u32 - 1);
+                }
+                continue;
+            }
             if s.all_logits {
                 self.logit_rows.extend(s.offset as u32..end);
             } else if s.want_logits {

@@ -106,6 +106,8 @@ struct SeqCache {
     committed: usize,
     /// The rolling snapshot slot of a decoding hybrid sequence.
     rolling: Option<Rolling>,
+    /// Draft slots lent to this speculating hybrid sequence (see [`CacheManager::draft_slots`]).
+    drafts: Vec<u32>,
 }
 
 /// A sequence's rolling snapshot: one durable slot, overwritten at each block boundary the
@@ -392,6 +394,7 @@ impl CacheManager {
             live_slot,
             committed: m.skip_blocks,
             rolling: None,
+            drafts: Vec::new(),
         };
         if self.seqs.len() <= seq as usize {
             self.seqs.resize_with(seq as usize + 1, || None);
@@ -450,6 +453,7 @@ impl CacheManager {
         self.pool.release(&s.keepalive, self.step)?;
         if self.hybrid {
             self.ssm.free_live(s.live_slot);
+            self.ssm.free_drafts(&s.drafts);
         }
         if let Some(r) = s.rolling {
             self.keep_rolling(r);
@@ -472,6 +476,58 @@ impl CacheManager {
             Some(_) => {}
             None => self.ssm.unreserve(r.slot),
         }
+    }
+
+    /// Sets `n` live slots aside as draft slots (before any admission); returns how many.
+    pub fn set_draft_slots(&mut self, n: usize) -> usize {
+        if !self.hybrid {
+            return 0;
+        }
+        self.ssm.carve_drafts(n as u32) as usize
+    }
+
+    /// `k` draft slots of hybrid sequence `seq`, lent on first use and kept until it is
+    /// released: slot `j` receives the recurrent state after `j + 1` tokens of its verify
+    /// chunk. `None` when none can be lent now (the sequence then decodes without drafts);
+    /// `Some(&[])` on a model without recurrent layers.
+    pub fn draft_slots(&mut self, seq: u32, k: usize) -> Option<&[u32]> {
+        let hybrid = self.hybrid;
+        let s = self.seqs.get_mut(seq as usize).and_then(Option::as_mut)?;
+        if !hybrid {
+            return Some(&[]);
+        }
+        if s.drafts.len() < k {
+            let need = k - s.drafts.len();
+            if !self.ssm.alloc_drafts(need, &mut s.drafts) {
+                return None;
+            }
+        }
+        Some(&s.drafts[..k])
+    }
+
+    /// Draft slot `j` of sequence `seq`, if it has one.
+    pub fn draft_slot(&self, seq: u32, j: usize) -> Option<u32> {
+        self.seq(seq).and_then(|s| s.drafts.get(j).copied())
+    }
+
+    /// Releases the blocks of sequence `seq` past those holding its first `tokens` tokens
+    /// (rejected draft positions). Blocks already offered to the index are kept.
+    pub fn shrink(&mut self, seq: u32, tokens: usize) -> Result<(), CacheError> {
+        let keep = self.blocks_for(tokens);
+        let step = self.step;
+        let s = self
+            .seqs
+            .get_mut(seq as usize)
+            .and_then(Option::as_mut)
+            .ok_or(CacheError::UnknownSeq(seq))?;
+        let keep = keep.max(s.committed);
+        if s.blocks.len() <= keep {
+            return Ok(());
+        }
+        let tail = s.blocks.split_off(keep);
+        self.pool.release(&tail, step)?;
+        self.after_pool_change(false);
+        Ok(())
     }
 
     fn seq(&self, seq: u32) -> Option<&SeqCache> {

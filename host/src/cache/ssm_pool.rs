@@ -1,7 +1,9 @@
 //! `SsmPool`: ids of the SSM-state slots of a hybrid model and which of them hold what.
 //!
 //! Slots `0 .. live` are *live* slots: one per running request, holding its current recurrent
-//! state. Slots `live .. live + durable` are *durable* snapshot slots: each holds the state of
+//! state; with speculative decoding the last of them are carved out as *draft* slots
+//! ([`SsmPool::carve_drafts`]), a request's states after each draft position of its verify
+//! chunk. Slots `live .. live + durable` are *durable* snapshot slots: each holds the state of
 //! some sequence at the end of one cached KV block (keyed by that block's id; the block's hash
 //! identifies the prefix). A snapshot exists only while its block is in the prefix index: the
 //! cache manager drops it when the block is evicted or the index is cleared.
@@ -37,6 +39,9 @@ pub struct SsmPool {
     durable_total: u32,
     live_free: Vec<u32>,
     durable_free: Vec<u32>,
+    /// Draft slots not lent to a request.
+    draft_free: Vec<u32>,
+    draft_total: u32,
     /// Cached block id → the durable slot holding the state after that block.
     by_block: HashMap<u32, Snapshot>,
     proven: u32,
@@ -52,6 +57,8 @@ impl SsmPool {
             durable_total: durable,
             live_free: (0..live).rev().collect(),
             durable_free: (live..live + durable).rev().collect(),
+            draft_free: Vec::new(),
+            draft_total: 0,
             by_block: HashMap::new(),
             proven: 0,
             changes: 0,
@@ -78,6 +85,41 @@ impl SsmPool {
     }
     pub fn live_free(&self) -> usize {
         self.live_free.len()
+    }
+
+    /// Turns the last `n` live slots (none of them in use yet) into draft slots; returns how
+    /// many it could.
+    pub fn carve_drafts(&mut self, n: u32) -> u32 {
+        let n = n.min(self.live_free.len() as u32);
+        // `live_free` is in descending id order with the lowest id last: the highest ids lead.
+        self.live_free.sort_unstable_by(|a, b| b.cmp(a));
+        self.draft_free.extend(self.live_free.drain(..n as usize));
+        self.draft_total += n;
+        n
+    }
+
+    /// Draft slots not lent.
+    pub fn draft_free(&self) -> usize {
+        self.draft_free.len()
+    }
+
+    /// Draft slots in all.
+    pub fn draft_total(&self) -> u32 {
+        self.draft_total
+    }
+
+    /// Lends `k` draft slots (all or none).
+    pub fn alloc_drafts(&mut self, k: usize, out: &mut Vec<u32>) -> bool {
+        if self.draft_free.len() < k {
+            return false;
+        }
+        let at = self.draft_free.len() - k;
+        out.extend(self.draft_free.drain(at..));
+        true
+    }
+
+    pub fn free_drafts(&mut self, slots: &[u32]) {
+        self.draft_free.extend_from_slice(slots);
     }
 
     pub fn alloc_live(&mut self) -> Option<u32> {

@@ -91,6 +91,9 @@ pub struct GenerateRequest {
     /// A grammar the response must follow (structured outputs, forced tool calls): the
     /// engine's constraint plugin masks every sampled position with it.
     pub constraint: Option<Grammar>,
+    /// Whether the engine may decode this request speculatively (`[speculative]`); false opts
+    /// out. The output is the same either way.
+    pub speculative: bool,
 }
 
 /// A grammar for the constraint plugin (ABI `constraining.open`).
@@ -117,6 +120,7 @@ impl GenerateRequest {
             checkpoints: Vec::new(),
             priority: 0,
             constraint: None,
+            speculative: true,
         }
     }
 }
@@ -339,6 +343,12 @@ pub struct EngineStats {
     pub ssm_rolling_kept: u64,
     /// Checkpoints requests asked for (offsets past the first block).
     pub checkpoints_requested: u64,
+    /// Speculative decoding: verify chunks with drafts, drafts verified, drafts accepted, and
+    /// accepted drafts by position in their chunk (vLLM's `spec_decode_*`).
+    pub spec_drafts: u64,
+    pub spec_draft_tokens: u64,
+    pub spec_accepted_tokens: u64,
+    pub spec_accepted_per_pos: Vec<u64>,
     /// Device time spent on steps, and device time idle between back-to-back steps (waiting
     /// for the host), from CUDA events; 0 on the CPU.
     pub device_busy_seconds: f64,

@@ -6,6 +6,7 @@
 
 use serde::Deserialize;
 
+use super::speculative::SpeculativeConfig;
 use crate::cache::CacheConfig;
 
 /// `[engine]` section: batching limits of one replica.
@@ -76,6 +77,8 @@ pub enum ConfigError {
     },
     #[error(transparent)]
     Cache(#[from] crate::cache::CacheConfigError),
+    #[error("{0}")]
+    Speculative(String),
 }
 
 impl EngineConfig {
@@ -169,6 +172,8 @@ pub struct EngineSetup {
     /// Mixed into every prefix hash (model id and revision): replicas of different models
     /// never share cache entries.
     pub hash_salt: String,
+    /// `[speculative]`: speculative decoding.
+    pub speculative: SpeculativeConfig,
 }
 
 #[cfg(test)]

@@ -23,6 +23,7 @@ use super::pipeline::Pipeline;
 use super::request::{ActiveConstraint, Phase, Request};
 use super::sampling::SamplingStage;
 use super::scheduler::Scheduler;
+use super::speculative::{Drafter, SpeculativeConfig};
 use super::timings::StepTimings;
 use crate::cache::{CacheLayout, CacheManager, HashSeed};
 use crate::policy::native::DefaultSampler;
@@ -110,9 +111,19 @@ impl<E: StepExecutor> Engine<E> {
     ) -> Result<Self, EngineError> {
         let cfg = &setup.engine;
         cfg.validate()?;
+        setup
+            .speculative
+            .validate()
+            .map_err(ConfigError::Speculative)?;
         let spec = executor.cache_spec();
-        let layout =
-            CacheLayout::plan(&setup.cache, &spec, cfg.max_running).map_err(ConfigError::from)?;
+        // A hybrid's draft slots are planned as live slots, then set aside.
+        let draft_slots = if spec.is_hybrid() {
+            setup.speculative.draft_slots(cfg.max_running)
+        } else {
+            0
+        };
+        let layout = CacheLayout::plan(&setup.cache, &spec, cfg.max_running + draft_slots)
+            .map_err(ConfigError::from)?;
         let need = layout.block_size + 1;
         if cfg.chunked_prefill && cfg.max_batched_tokens < cfg.max_running - 1 + need {
             return Err(EngineError::BudgetTooSmall {
@@ -136,11 +147,16 @@ impl<E: StepExecutor> Engine<E> {
             policies.evictor.take(),
         )
         .with_snapshot_interval(setup.cache.ssm_snapshot_interval / layout.block_size.max(1));
-        let sched = Scheduler::new(
+        let mut cache = cache;
+        cache.set_draft_slots(draft_slots);
+        let mut sched = Scheduler::new(
             cfg.clone(),
             layout.block_size,
             HashSeed::new(&setup.hash_salt),
         );
+        if let Some(drafter) = setup.speculative.drafter() {
+            sched.set_speculation(setup.speculative.clone(), drafter);
+        }
         let stats = EngineStats {
             total_blocks: layout.num_blocks as u32,
             free_blocks: layout.num_blocks as u32,
@@ -191,6 +207,13 @@ impl<E: StepExecutor> Engine<E> {
     }
     pub fn is_idle(&self) -> bool {
         self.sched.is_idle()
+    }
+
+    /// Replaces the drafter (speculation on with `spec`, whatever `[speculative]` said); before
+    /// the first request. Tests and benchmarks use it to verify chosen drafts; a hybrid needs
+    /// the draft slots `spec` implies, planned at construction.
+    pub fn set_drafter(&mut self, spec: SpeculativeConfig, drafter: Box<dyn Drafter>) {
+        self.sched.set_speculation(spec, drafter);
     }
 
     /// Whether the executor's device was lost: the engine must stop (its thread exits, the
@@ -496,5 +519,12 @@ impl<E: StepExecutor> Engine<E> {
         s.ssm_checkpoint_copies = c.checkpoint_copies;
         s.ssm_snapshots_skipped = c.snapshots_skipped + c.rolling_skipped;
         s.ssm_rolling_kept = c.rolling_kept;
+        let spec = &self.sched.spec_counters;
+        s.spec_drafts = spec.drafts;
+        s.spec_draft_tokens = spec.draft_tokens;
+        s.spec_accepted_tokens = spec.accepted_tokens;
+        if s.spec_accepted_per_pos != spec.accepted_per_pos {
+            s.spec_accepted_per_pos.clone_from(&spec.accepted_per_pos);
+        }
     }
 }

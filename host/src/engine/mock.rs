@@ -152,6 +152,8 @@ pub struct MockExecutor {
     sampled: Vec<f32>,
     /// When the launched step's `step_delay` (its device time) ends; `finish` waits for it.
     busy_until: Option<Instant>,
+    /// Scratch: a chunk's SSM state after each of its tokens.
+    states: Vec<u64>,
     pub counters: MockCounters,
 }
 
@@ -165,6 +167,7 @@ impl MockExecutor {
             ssm: Vec::new(),
             sampled: Vec::new(),
             busy_until: None,
+            states: Vec::new(),
             counters: MockCounters::default(),
         }
     }
@@ -343,7 +346,7 @@ impl MockExecutor {
         let rows = inputs
             .seqs
             .iter()
-            .map(|s| match (s.all_logits, s.want_logits) {
+            .map(|s| match (s.all_logits || s.sample_all, s.want_logits) {
                 (true, _) => s.len,
                 (false, want) => usize::from(want),
             })
@@ -406,12 +409,31 @@ impl MockExecutor {
             let k = self.kv_index(block_table, pos)?;
             self.kv[k] = t;
         }
+        let mut states = std::mem::take(&mut self.states);
+        states.clear();
         let state = if self.cfg.ssm_layers > 0 {
-            self.advance_ssm(s.ssm_slot, toks, inputs.snapshots_of(si))?
+            self.advance_ssm(s.ssm_slot, toks, inputs.snapshots_of(si), &mut states)?
         } else {
             0
         };
         self.counters.tokens += s.len as u64;
+        if s.sample_all {
+            // A verify chunk: every position is sampled, from the state after it.
+            for (i, &t) in toks.iter().enumerate() {
+                let st = states.get(i).copied().unwrap_or(0);
+                let pos = s.context_len + i;
+                let seed = self.sampling_seed(block_table, st, pos, t)?;
+                fill_row(logits.row_mut(row), seed);
+                if self.grammar.is_active() {
+                    self.shape_row(logits.row_mut(row), block_table, pos, seed)?;
+                }
+                row += 1;
+                self.counters.rows += 1;
+            }
+            self.states = states;
+            return Ok(row);
+        }
+        self.states = states;
         if s.all_logits {
             // Prompt positions: a pure function of position and token. The last token of
             // a final chunk gets the sampling row below.
@@ -443,6 +465,7 @@ impl MockExecutor {
         slot: u32,
         toks: &[u32],
         snapshots: &[SnapshotTarget],
+        states: &mut Vec<u64>,
     ) -> Result<u64, ExecutorError> {
         let mut st = self
             .slot(slot)?
@@ -450,6 +473,7 @@ impl MockExecutor {
         let mut snaps = snapshots.iter().peekable();
         for (i, &t) in toks.iter().enumerate() {
             st = mix(st, u64::from(t));
+            states.push(st);
             while let Some(sn) = snaps.next_if(|sn| sn.after as usize == i + 1) {
                 if sn.slot == slot {
                     return Err(ExecutorError::InvalidBatch(

@@ -26,6 +26,7 @@ pub mod pipeline;
 pub mod request;
 pub mod sampling;
 pub mod scheduler;
+pub mod speculative;
 pub mod step_plan;
 pub mod thread;
 pub mod timings;

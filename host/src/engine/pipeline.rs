@@ -103,6 +103,8 @@ pub struct Step {
     pub prompt_done: Vec<(u32, Vec<Option<TokenLogprob>>)>,
     /// Requests this step ended, with why.
     pub finished: Vec<(u32, StopReason)>,
+    /// Tokens appended per chunk with sampled rows (see `Scheduler::update_from_output`).
+    pub emitted: Vec<u32>,
 }
 
 impl Step {
@@ -112,6 +114,7 @@ impl Step {
         self.tokens.clear();
         self.prompt_done.clear();
         self.finished.clear();
+        self.emitted.clear();
     }
 }
 
@@ -279,7 +282,9 @@ impl<E: StepExecutor> Engine<E> {
         }
         let scores_prompt =
             (self.pipeline.launched.as_ref()).is_some_and(|s| s.plan.wants_full_rows());
-        if self.setup.engine.schedule_ahead && !scores_prompt {
+        // Speculating requests draft from their last accepted token: their next step is
+        // scheduled once this one is applied.
+        if self.setup.engine.schedule_ahead && !scores_prompt && !self.sched.speculation_active() {
             self.schedule_ahead();
         }
         self.overlap();
@@ -618,21 +623,25 @@ impl<E: StepExecutor> Engine<E> {
             &step.tokens,
             eos,
             &mut step.finished,
+            &mut step.emitted,
         );
         // The step succeeded: its cache changes (new blocks, snapshots) become visible. The
         // pipeline is the one place that commits (here, and on idle steps) or aborts
         // (`fail_launched`, `fail_unlaunched`) a step.
         self.cache.commit_step_of(step.work.step);
         let mut generated = 0;
-        let rows = step.work.seqs.iter().filter(|s| s.want_logits);
-        for (s, sampled) in rows.zip(step.sampled.iter_mut()) {
+        let mut row = 0;
+        let seqs = step.work.seqs.iter().filter(|s| s.want_logits);
+        for (s, &n) in seqs.zip(&step.emitted) {
+            let first = row;
+            row += s.rows();
             let Some(r) = self.sched.request(s.slot) else {
                 continue;
             };
-            if r.phase == Phase::Finished {
+            if n == 0 || r.phase == Phase::Finished {
                 continue;
             }
-            generated += 1;
+            generated += u64::from(n);
             if s.all_logits
                 && let Some(i) = step
                     .prompt_done
@@ -645,9 +654,12 @@ impl<E: StepExecutor> Engine<E> {
                     self.closed.push(r.id);
                 }
             }
-            let logprob = sampled.logprob.take();
-            if !(self.outbox).send_token(r.id, &r.events, sampled.token, logprob) {
-                self.closed.push(r.id);
+            for sampled in &mut step.sampled[first..first + n as usize] {
+                let logprob = sampled.logprob.take();
+                if !(self.outbox).send_token(r.id, &r.events, sampled.token, logprob) {
+                    self.closed.push(r.id);
+                    break;
+                }
             }
         }
         self.stats.generation_tokens += generated;
@@ -683,7 +695,7 @@ impl<E: StepExecutor> Engine<E> {
         }
         let mut src = 0;
         for (s, c) in step.work.seqs.iter().zip(&step.plan.seqs) {
-            let rows = if c.all_logits {
+            let rows = if c.all_logits || c.sample_all {
                 c.len
             } else {
                 usize::from(c.want_logits)

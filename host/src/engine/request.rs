@@ -74,6 +74,15 @@ pub struct Request {
     pub min_ban: Vec<u32>,
     /// The response's matcher in the engine's constraint plugin, if it has a grammar.
     pub constraint: Option<ActiveConstraint>,
+    /// Whether this request may speculate (the engine's `[speculative]` permitting).
+    pub speculative: bool,
+    /// The drafts of the verify chunk in flight (positions `tokens.len() ..`), empty when the
+    /// request's last chunk carried none.
+    pub drafts: Vec<u32>,
+    /// A draft slot holding the recurrent state after the last accepted token of the last
+    /// verify chunk, to be copied into the live slot before the request's next chunk (a draft
+    /// was rejected, so the live state ran past it).
+    pub spec_restore: Option<u32>,
     pub events: EventSender,
 }
 
@@ -112,6 +121,9 @@ impl Request {
             prompt_top,
             min_ban: Vec::new(),
             constraint: None,
+            speculative: req.speculative,
+            drafts: Vec::new(),
+            spec_restore: None,
             events,
         }
     }
@@ -128,6 +140,16 @@ impl Request {
     /// `min_tokens` are generated (counting those being sampled), else none.
     pub fn banned_now(&self) -> &[u32] {
         if self.generated() + self.in_flight < self.params.min_tokens as usize {
+            &self.min_ban
+        } else {
+            &[]
+        }
+    }
+
+    /// Tokens row `j` of a verify chunk must not take (it stands for the `j`-th token after
+    /// the known ones): the stop tokens while fewer than `min_tokens` would be generated.
+    pub fn banned_at(&self, j: usize) -> &[u32] {
+        if self.generated() + j < self.params.min_tokens as usize {
             &self.min_ban
         } else {
             &[]

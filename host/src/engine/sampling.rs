@@ -41,6 +41,9 @@ pub struct RowInfo<'a> {
     pub params: &'a SamplingParams,
     pub prompt: &'a [u32],
     pub output: &'a [u32],
+    /// Drafts before this row's position in a verify chunk: part of its history, as if they
+    /// were output (empty for any other row).
+    pub drafts: &'a [u32],
     pub seed: u64,
     /// Tokens masked out of this row (`min_tokens` not reached yet), sorted.
     pub banned: &'a [u32],
@@ -148,7 +151,13 @@ impl SamplingStage {
             presence: p.presence_penalty,
             frequency: p.frequency_penalty,
         };
-        out.push_row(pen, p.logprobs.is_some(), info.prompt, info.output);
+        out.push_row_after(
+            pen,
+            p.logprobs.is_some(),
+            info.prompt,
+            info.output,
+            info.drafts,
+        );
         if !p.logit_bias.is_empty() || !info.banned.is_empty() {
             out.bias_last_row(&p.logit_bias, info.banned);
         }
@@ -247,7 +256,9 @@ impl SamplingStage {
         self.batch.top_p.push(p.top_p);
         self.batch.min_p.push(p.min_p);
         self.batch.seed.push(info.seed);
-        self.batch.counter.push(info.output.len() as u64);
+        self.batch
+            .counter
+            .push((info.output.len() + info.drafts.len()) as u64);
     }
 
     /// The sampler's validated answer for the batch, else the fallback's, else the best
@@ -307,7 +318,8 @@ impl SamplingStage {
         let vocab = row.len();
         if p.repetition_penalty != 1.0 && p.repetition_penalty > 0.0 {
             self.scratch.clear();
-            self.scratch.extend(info.prompt.iter().chain(info.output));
+            self.scratch
+                .extend(info.prompt.iter().chain(info.output).chain(info.drafts));
             self.scratch.sort_unstable();
             self.scratch.dedup();
             for &t in &self.scratch {
@@ -323,7 +335,7 @@ impl SamplingStage {
         if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
             self.scratch.clear();
             self.scratch
-                .extend(info.output.iter().filter(|&&t| (t as usize) < vocab));
+                .extend((info.output.iter().chain(info.drafts)).filter(|&&t| (t as usize) < vocab));
             self.scratch.sort_unstable();
             for run in self.scratch.chunk_by(|a, b| a == b) {
                 let x = &mut row[run[0] as usize];

@@ -14,6 +14,7 @@ fn info<'a>(params: &'a SamplingParams, prompt: &'a [u32], output: &'a [u32]) ->
         params,
         prompt,
         output,
+        drafts: &[],
         seed: 1,
         banned: &[],
     }
@@ -358,6 +359,7 @@ mod tail {
                     params: &r.params,
                     prompt: &r.prompt,
                     output: &r.output,
+                    drafts: &[],
                     seed: r.seed,
                     banned: &[],
                 })

@@ -25,6 +25,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use super::api::FailureKind;
 use super::config::EngineConfig;
 use super::request::{Phase, Request};
+use super::speculative::{Drafter, SpecCounters, SpeculativeConfig, accepted};
 use crate::cache::{BlockHash, CacheError, CacheManager, HashSeed, PrefixMatch, SsmInit};
 use crate::model::SsmSnapshot;
 
@@ -39,7 +40,17 @@ pub struct ScheduledSeq {
     pub want_logits: bool,
     /// Logits of every token of the chunk are wanted too (prompt logprobs).
     pub all_logits: bool,
+    /// A verify chunk: its last `drafts` tokens are the request's drafts
+    /// ([`Request::drafts`]), and every token is a sampled row. 0 for any other chunk.
+    pub drafts: usize,
     pub snapshots: Vec<SsmSnapshot>,
+}
+
+impl ScheduledSeq {
+    /// Sampled rows of this chunk.
+    pub fn rows(&self) -> usize {
+        if self.want_logits { 1 + self.drafts } else { 0 }
+    }
 }
 
 /// A request leaving the scheduler because it can never run.
@@ -58,6 +69,9 @@ pub struct SchedulerOutput {
     pub num_tokens: usize,
     /// SSM-state setup of newly admitted requests, to run before the forward pass.
     pub ssm_init: Vec<SsmInit>,
+    /// `(slot, draft slot)`: restore the request's live state from its draft slot first
+    /// (see [`Request::spec_restore`]).
+    pub spec_restores: Vec<(u32, u32)>,
     pub admitted: Vec<u64>,
     pub resumed: Vec<u64>,
     pub paused: Vec<u64>,
@@ -73,6 +87,7 @@ impl SchedulerOutput {
         self.seqs.clear();
         self.num_tokens = 0;
         self.ssm_init.clear();
+        self.spec_restores.clear();
         self.admitted.clear();
         self.resumed.clear();
         self.paused.clear();
@@ -116,6 +131,10 @@ pub struct Scheduler {
     /// Block hashes this scheduler computed itself (prompts without adopted hashes, checks
     /// of adopted ones, recomputes after preemption).
     pub blocks_hashed: u64,
+    /// Speculative decoding: its settings and drafter (`None`: off).
+    spec: SpeculativeConfig,
+    drafter: Option<Box<dyn Drafter>>,
+    pub spec_counters: SpecCounters,
 }
 
 impl Scheduler {
@@ -138,6 +157,52 @@ impl Scheduler {
             preemptions: 0,
             prefix_waits: 0,
             blocks_hashed: 0,
+            spec: SpeculativeConfig::default(),
+            drafter: None,
+            spec_counters: SpecCounters::default(),
+        }
+    }
+
+    /// Turns speculative decoding on with `drafter` (`spec` says how far).
+    pub fn set_speculation(&mut self, spec: SpeculativeConfig, drafter: Box<dyn Drafter>) {
+        self.spec = spec;
+        self.drafter = Some(drafter);
+    }
+
+    /// Whether the next step may carry verify chunks: speculation is on and few enough
+    /// requests run. The engine then schedules each step after the one before it is applied
+    /// (a request's drafts follow its last accepted token).
+    pub fn speculation_active(&self) -> bool {
+        self.drafter.is_some() && self.num_running() <= self.spec.max_batch
+    }
+
+    /// The drafts request `r` (decoding from `start`, every token known) verifies this step:
+    /// at most `num_tokens`, `budget - 1` and one fewer than the tokens it may still emit.
+    fn propose(&mut self, slot: u32, budget: usize, out: &mut Vec<u32>) {
+        out.clear();
+        let Some(drafter) = self.drafter.as_mut() else {
+            return;
+        };
+        let Some(r) = self.slots[slot as usize].as_ref() else {
+            return;
+        };
+        if !r.speculative
+            || r.constraint.is_some()
+            || r.in_flight > 0
+            || r.is_prefill()
+            || r.computed + 1 != r.tokens.len()
+        {
+            return;
+        }
+        let left = r.max_tokens.saturating_sub(r.generated());
+        let k = self
+            .spec
+            .num_tokens
+            .min(budget.saturating_sub(1))
+            .min(left.saturating_sub(1));
+        if k > 0 {
+            drafter.propose(r.id, &r.tokens, k, out);
+            out.truncate(k);
         }
     }
 
@@ -315,6 +380,11 @@ impl Scheduler {
                 r.in_flight += usize::from(s.want_logits);
             }
         }
+        for &(slot, _) in &out.spec_restores {
+            if let Some(r) = self.slots[slot as usize].as_mut() {
+                r.spec_restore = None;
+            }
+        }
         self.launched_step = Some(out.step);
         self.launched_computing.clear();
         self.launched_computing
@@ -366,6 +436,9 @@ impl Scheduler {
         for s in &out.seqs {
             if let Some(r) = self.slots[s.slot as usize].as_mut() {
                 r.hash_pending = false;
+                if s.drafts > 0 {
+                    r.drafts.clear();
+                }
             }
         }
         self.release(out, cache);
@@ -399,6 +472,7 @@ impl Scheduler {
         budget: &mut usize,
         decodes: bool,
     ) {
+        let speculate = decodes && self.speculation_active();
         for i in 0..self.running.len() {
             if *budget == 0 {
                 return;
@@ -408,9 +482,11 @@ impl Scheduler {
                 continue;
             };
             let (start, total, phase) = (r.computed, r.total_len(), r.phase);
-            // Done, or ended by length by the token the launched step samples.
+            // Done, ended by length by the token the launched step samples, or verifying
+            // drafts (its next position is not known yet).
             if phase == Phase::Finished
                 || r.in_flight > 0 && r.generated() + r.in_flight >= r.max_tokens
+                || r.in_flight > 0 && !r.drafts.is_empty()
             {
                 continue;
             }
@@ -422,6 +498,9 @@ impl Scheduler {
             } else {
                 self.chunk_len(start, r.prompt_len - start, prefill_budget(r, *budget))
             };
+            if decodes && speculate && self.verify(cache, out, slot, budget) {
+                continue;
+            }
             if n == 0 {
                 continue;
             }
@@ -439,6 +518,60 @@ impl Scheduler {
             self.push_seq(cache, out, slot, start, n, start + n == total);
             *budget -= n;
         }
+    }
+
+    /// Schedules running request `slot` as a verify chunk when it has drafts and their
+    /// blocks and draft slots can be had; false leaves it to be scheduled as a plain decode.
+    fn verify(
+        &mut self,
+        cache: &mut CacheManager,
+        out: &mut SchedulerOutput,
+        slot: u32,
+        budget: &mut usize,
+    ) -> bool {
+        let mut drafts = match self.slots[slot as usize].as_mut() {
+            Some(r) => std::mem::take(&mut r.drafts),
+            None => return false,
+        };
+        self.propose(slot, *budget, &mut drafts);
+        let k = drafts.len();
+        let Some(r) = self.slots[slot as usize].as_mut() else {
+            return false;
+        };
+        r.drafts = drafts;
+        let (start, phase) = (r.computed, r.phase);
+        if k == 0 || cache.grow(slot, start + 1 + k).is_err() {
+            r.drafts.clear();
+            return false;
+        }
+        let mut snapshots = match cache.draft_slots(slot, k) {
+            Some(slots) => (slots.iter().enumerate())
+                .map(|(j, &slot)| SsmSnapshot { after: j + 1, slot })
+                .collect::<Vec<_>>(),
+            None => {
+                r.drafts.clear();
+                return false;
+            }
+        };
+        // A block boundary inside the chunk: the rolling snapshot there (named once the
+        // accepted tokens are known; worthless if they stop short of it).
+        let bs = self.block_size;
+        let end = start + 1 + k;
+        let boundary = end / bs * bs;
+        if boundary > start && cache.prefix_caching() {
+            cache.plan_rolling_snapshot(slot, None, boundary - start, &mut snapshots);
+            snapshots.sort_by_key(|s| s.after);
+        }
+        if phase == Phase::Paused {
+            self.set_phase(slot, Phase::Running);
+            out.resumed.push(self.id_of(slot));
+        }
+        self.push_chunk(out, slot, start, 1 + k, true, false, snapshots);
+        if let Some(s) = out.seqs.last_mut() {
+            s.drafts = k;
+        }
+        *budget -= 1 + k;
+        true
     }
 
     fn set_phase(&mut self, slot: u32, phase: Phase) {
@@ -530,6 +663,10 @@ impl Scheduler {
     ) {
         if let Some(r) = self.slots[slot as usize].as_mut() {
             r.holds += 1;
+            // A rejected draft left the live state past the last accepted token.
+            if let Some(from) = r.spec_restore {
+                out.spec_restores.push((slot, from));
+            }
         }
         out.seqs.push(ScheduledSeq {
             slot,
@@ -537,6 +674,7 @@ impl Scheduler {
             len: n,
             want_logits: last,
             all_logits,
+            drafts: 0,
             snapshots,
         });
     }
@@ -571,6 +709,9 @@ impl Scheduler {
             r.prompt_len = r.tokens.len();
             r.computed = 0;
             r.preemptions += 1;
+            // Its draft slots went with its cache state; it starts again from the tokens.
+            r.spec_restore = None;
+            r.drafts.clear();
             let before = r.hashes.len();
             seed.extend(&mut r.hashes, &r.tokens, bs);
             self.blocks_hashed += (r.hashes.len() - before) as u64;
@@ -702,10 +843,13 @@ impl Scheduler {
     }
 
     /// Applies the launched step `step` after it succeeded: offers the prompt and output
-    /// blocks its chunks completed to the cache and appends the sampled tokens (`sampled[i]`
-    /// for the i-th sequence with `want_logits`); a request the step reached only ahead of
-    /// its stop ([`Phase::Finished`]) takes nothing. Returns the requests that stopped, with
-    /// the reason. Commit the step's cache plans after this, then [`Self::release`] it.
+    /// blocks its chunks completed to the cache and appends the sampled tokens (`sampled`:
+    /// every sampled row in chunk order, [`ScheduledSeq::rows`] per chunk); a request the step
+    /// reached only ahead of its stop ([`Phase::Finished`]) takes nothing. A verify chunk
+    /// appends its accepted drafts and the token after them, up to a stop; its rejected
+    /// positions are rolled back (see [`super::speculative`]). `emitted` gets, per chunk with
+    /// rows, how many of its rows' tokens were appended. Pushes the requests that stopped,
+    /// with the reason. Commit the step's cache plans after this, then [`Self::release`] it.
     pub fn update_from_output(
         &mut self,
         cache: &mut CacheManager,
@@ -713,18 +857,41 @@ impl Scheduler {
         sampled: &[u32],
         eos: &[u32],
         finished: &mut Vec<(u32, StopReason)>,
+        emitted: &mut Vec<u32>,
     ) {
         let bs = self.block_size;
+        emitted.clear();
         // One pass: a sequence's commit reads only its own hashes, which the token appended
         // after it does not change.
         let mut row = 0;
         for s in &step.seqs {
-            let tok = s.want_logits.then(|| sampled.get(row).copied()).flatten();
-            row += usize::from(s.want_logits);
+            let rows = sampled.get(row..row + s.rows()).unwrap_or(&[]);
+            row += s.rows();
+            if s.want_logits {
+                emitted.push(0);
+            }
             let Some(r) = self.slots[s.slot as usize].as_mut() else {
                 continue;
             };
             if r.phase == Phase::Finished {
+                continue;
+            }
+            if s.drafts > 0 {
+                let n = Self::apply_verify(
+                    &self.seed,
+                    &mut self.blocks_hashed,
+                    cache,
+                    r,
+                    s,
+                    rows,
+                    eos,
+                    finished,
+                );
+                self.spec_counters
+                    .count(s.drafts, n.saturating_sub(1).min(s.drafts));
+                if let Some(e) = emitted.last_mut() {
+                    *e = n as u32;
+                }
                 continue;
             }
             cache.commit_seq(s.slot, &r.hashes, s.start + s.len);
@@ -732,9 +899,12 @@ impl Scheduler {
                 continue;
             }
             r.in_flight = r.in_flight.saturating_sub(1);
-            let Some(tok) = tok else {
+            let Some(&tok) = rows.first() else {
                 continue;
             };
+            if let Some(e) = emitted.last_mut() {
+                *e = 1;
+            }
             r.tokens.push(tok);
             if std::mem::take(&mut r.hash_pending) {
                 // The step scheduled ahead decodes this token and completes a block with it.
@@ -745,14 +915,83 @@ impl Scheduler {
                     cache.set_rolling_hash(s.slot, h);
                 }
             }
-            let stop = r.generated() >= r.params.min_tokens as usize
-                && (r.stop_token_ids.contains(&tok) || (!r.ignore_eos && eos.contains(&tok)));
-            if stop {
-                finished.push((s.slot, StopReason::Stop));
-            } else if r.generated() >= r.max_tokens {
-                finished.push((s.slot, StopReason::Length));
+            if let Some(why) = stop_after(r, tok, eos) {
+                finished.push((s.slot, why));
             }
         }
+    }
+
+    /// Applies verify chunk `s` of request `r` (`rows`: its sampled tokens): the accepted
+    /// drafts and the token after them are appended, up to a stop; the request's computed
+    /// tokens end after the last accepted one, blocks past them are released, its block
+    /// hashes and commits cover accepted tokens only, its rolling snapshot is named if the
+    /// accepted tokens reach it, and where a draft was rejected the live recurrent state is
+    /// to be restored from the draft slot after the last accepted token. Returns the tokens
+    /// appended.
+    #[allow(clippy::too_many_arguments)]
+    fn apply_verify(
+        seed: &HashSeed,
+        blocks_hashed: &mut u64,
+        cache: &mut CacheManager,
+        r: &mut Request,
+        s: &ScheduledSeq,
+        rows: &[u32],
+        eos: &[u32],
+        finished: &mut Vec<(u32, StopReason)>,
+    ) -> usize {
+        let bs = cache.block_size();
+        r.in_flight = r.in_flight.saturating_sub(1);
+        let drafts = std::mem::take(&mut r.drafts);
+        let a = accepted(rows, &drafts[..s.drafts.min(drafts.len())]);
+        // The chunk's first token and the accepted drafts are computed; the rest is not.
+        let computed = s.start + 1 + a;
+        r.computed = computed;
+        if a < s.drafts {
+            // The live state ran past the last accepted token; draft slot `a` holds the
+            // state after the chunk's first `1 + a` tokens.
+            r.spec_restore = cache.draft_slot(s.slot, a);
+        }
+        if let Err(e) = cache.shrink(s.slot, computed + 1) {
+            tracing::error!(request = r.id, error = %e, "releasing rejected draft blocks failed");
+        }
+        let mut n = 0;
+        for &tok in &rows[..(a + 1).min(rows.len())] {
+            r.tokens.push(tok);
+            n += 1;
+            if let Some(why) = stop_after(r, tok, eos) {
+                finished.push((s.slot, why));
+                break;
+            }
+        }
+        if cache.prefix_caching() {
+            let before = r.hashes.len();
+            seed.extend(&mut r.hashes, &r.tokens[..computed], bs);
+            *blocks_hashed += (r.hashes.len() - before) as u64;
+            cache.commit_seq(s.slot, &r.hashes, computed);
+            // The rolling snapshot planned at the chunk's last block boundary holds that
+            // block's end state only if the accepted tokens reach it.
+            let boundary = (s.start + s.len) / bs * bs;
+            if boundary > s.start
+                && computed >= boundary
+                && let Some(&h) = r.hashes.get(boundary / bs - 1)
+            {
+                cache.set_rolling_hash(s.slot, h);
+            }
+        }
+        n
+    }
+}
+
+/// Why `r` stops after appending `tok`, if it does.
+fn stop_after(r: &Request, tok: u32, eos: &[u32]) -> Option<StopReason> {
+    let stop = r.generated() >= r.params.min_tokens as usize
+        && (r.stop_token_ids.contains(&tok) || (!r.ignore_eos && eos.contains(&tok)));
+    if stop {
+        Some(StopReason::Stop)
+    } else if r.generated() >= r.max_tokens {
+        Some(StopReason::Length)
+    } else {
+        None
     }
 }
 

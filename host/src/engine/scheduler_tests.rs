@@ -71,7 +71,7 @@ fn finish_step(
     let rows = o.seqs.iter().filter(|q| q.want_logits).count();
     let mut fin = Vec::new();
     s.launched(o);
-    s.update_from_output(c, o, &vec![7; rows], &[], &mut fin);
+    s.update_from_output(c, o, &vec![7; rows], &[], &mut fin, &mut Vec::new());
     c.commit_step();
     s.release(o, c);
     fin

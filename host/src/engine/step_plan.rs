@@ -9,8 +9,9 @@
 //! sampling: each such token is a placeholder in the plan, listed in [`Built::placeholders`]
 //! and filled in by [`fill_placeholders`] once the tokens are sampled, before the launch.
 
+use super::request::Request;
 use super::sampling::{RowInfo, SamplingStage};
-use super::scheduler::{Scheduler, SchedulerOutput};
+use super::scheduler::{ScheduledSeq, Scheduler, SchedulerOutput};
 use crate::backend::{PlanError, SlotOp, StepPlan};
 use crate::cache::{CacheManager, SsmInit};
 use crate::policy::Constrainer;
@@ -66,6 +67,13 @@ pub fn build(
         let r = sched
             .request(s.slot)
             .ok_or_else(|| PlanError(format!("scheduled slot {} holds no request", s.slot)))?;
+        if s.drafts > 0 {
+            push_verify(plan, s, r, cache)?;
+            for snap in &s.snapshots {
+                plan.snapshot(snap.after, snap.slot);
+            }
+            continue;
+        }
         let known = r.tokens.len().clamp(s.start, s.start + s.len);
         let missing = s.start + s.len - known;
         if missing > 1 || missing == 1 && s.len != 1 {
@@ -102,6 +110,7 @@ pub fn build(
                 params: &r.params,
                 prompt: &r.tokens[..r.orig_prompt_len],
                 output: r.output(),
+                drafts: &[],
                 seed: r.seed,
                 banned: r.banned_now(),
             };
@@ -141,7 +150,56 @@ pub fn build(
             SsmInit::Restore { from, live } => plan.slot_ops.push(SlotOp::Copy { from, to: live }),
         }
     }
+    for &(slot, from) in &out.spec_restores {
+        let to = cache.live_slot(slot);
+        plan.slot_ops.push(SlotOp::Copy { from, to });
+    }
     plan.finish()?;
+    Ok(())
+}
+
+/// Adds verify chunk `s` of request `r`: its last known token and its drafts, every position a
+/// sampled row whose history holds the drafts before it (see [`super::speculative`]).
+fn push_verify(
+    plan: &mut StepPlan,
+    s: &ScheduledSeq,
+    r: &Request,
+    cache: &CacheManager,
+) -> Result<(), PlanError> {
+    if r.in_flight > 0
+        || r.tokens.len() != s.start + 1
+        || r.drafts.len() != s.drafts
+        || s.len != 1 + s.drafts
+    {
+        return Err(PlanError(format!(
+            "slot {}: a verify chunk of {} tokens from {} with {} drafts does not follow the {} known",
+            s.slot,
+            s.len,
+            s.start,
+            r.drafts.len(),
+            r.tokens.len()
+        )));
+    }
+    plan.push(
+        &r.tokens[s.start..],
+        s.start,
+        cache.block_table(s.slot),
+        cache.live_slot(s.slot),
+        true,
+    )
+    .sample_all = true;
+    plan.extend_last(&r.drafts);
+    for j in 0..=s.drafts {
+        let row = RowInfo {
+            params: &r.params,
+            prompt: &r.tokens[..r.orig_prompt_len],
+            output: r.output(),
+            drafts: &r.drafts[..j],
+            seed: r.seed,
+            banned: r.banned_at(j),
+        };
+        SamplingStage::push_sample_row(&mut plan.sampling, &row);
+    }
     Ok(())
 }
 
@@ -155,13 +213,18 @@ pub fn fill_placeholders(
     row_of: &mut Vec<u32>,
 ) -> Result<(), PlanError> {
     row_of.clear();
-    let rows = launched.seqs.iter().filter(|s| s.want_logits);
-    for (row, s) in rows.enumerate() {
+    let mut row = 0;
+    for s in &launched.seqs {
+        // A verify chunk's request is never decoded ahead: its last row is as good as any.
+        row += s.rows();
+        if s.rows() == 0 {
+            continue;
+        }
         let i = s.slot as usize;
         if row_of.len() <= i {
             row_of.resize(i + 1, u32::MAX);
         }
-        row_of[i] = row as u32;
+        row_of[i] = (row - 1) as u32;
     }
     for p in placeholders {
         let token = row_of
@@ -183,14 +246,17 @@ pub fn sampled_rows<'a>(
         .seqs
         .iter()
         .filter(|s| s.want_logits)
-        .filter_map(|s| sched.request(s.slot))
-        .map(|r| RowInfo {
-            params: &r.params,
-            prompt: &r.tokens[..r.orig_prompt_len],
-            output: r.output(),
-            seed: r.seed,
-            // Bans are in the candidates' logits already (negative infinity).
-            banned: &[],
+        .filter_map(|s| sched.request(s.slot).map(|r| (s, r)))
+        .flat_map(|(s, r)| {
+            (0..=s.drafts).map(move |j| RowInfo {
+                params: &r.params,
+                prompt: &r.tokens[..r.orig_prompt_len],
+                output: r.output(),
+                drafts: &r.drafts[..j.min(r.drafts.len())],
+                seed: r.seed,
+                // Bans are in the candidates' logits already (negative infinity).
+                banned: &[],
+            })
         })
 }
 
@@ -291,7 +357,7 @@ mod tests {
             let tokens = vec![7; plan.sample_rows.len()];
             let mut fin = Vec::new();
             sched.launched(&out);
-            sched.update_from_output(&mut cache, &out, &tokens, &[], &mut fin);
+            sched.update_from_output(&mut cache, &out, &tokens, &[], &mut fin, &mut Vec::new());
             cache.commit_step();
             sched.release(&out, &mut cache);
         }

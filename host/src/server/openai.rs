@@ -309,6 +309,7 @@ fn engine_request(
         checkpoints: prep.checkpoints.clone(),
         priority: params.priority,
         constraint: None,
+        speculative: true,
     }
 }
 

@@ -77,6 +77,7 @@ pub fn setup<E: StepExecutor>(exec: &E, k: Knobs) -> EngineSetup {
             ..CacheConfig::default()
         },
         hash_salt: "test-model".into(),
+        speculative: Default::default(),
     }
 }
 
@@ -100,6 +101,7 @@ pub fn request(id: u64, prompt: Vec<u32>, max_tokens: u32) -> GenerateRequest {
         checkpoints: Vec::new(),
         priority: 0,
         constraint: None,
+        speculative: true,
     }
 }
 
@@ -111,6 +113,8 @@ pub struct Outcome {
     pub usage: Usage,
     pub failed: Option<(FailureKind, String)>,
     pub prompt_logprobs: Option<Vec<Option<TokenLogprob>>>,
+    /// The generated tokens' logprobs, where asked for.
+    pub logprobs: Vec<TokenLogprob>,
 }
 
 #[derive(Debug, Default)]
@@ -231,7 +235,10 @@ fn collect(rx: &mut BTreeMap<u64, UnboundedReceiver<EngineEvent>>, run: &mut Run
         let o = run.outcomes.entry(id).or_default();
         while let Ok(ev) = r.try_recv() {
             match ev {
-                EngineEvent::Tokens { tokens, .. } => o.tokens.extend(tokens),
+                EngineEvent::Tokens { tokens, logprobs } => {
+                    o.tokens.extend(tokens);
+                    o.logprobs.extend(logprobs.into_iter().flatten());
+                }
                 EngineEvent::PromptLogprobs { logprobs } => o.prompt_logprobs = Some(logprobs),
                 EngineEvent::Finished { reason, usage } => {
                     o.finish = Some(reason);

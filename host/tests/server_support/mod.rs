@@ -123,6 +123,7 @@ impl Options {
                 ..CacheConfig::default()
             },
             hash_salt: SALT.into(),
+            speculative: Default::default(),
         }
     }
 

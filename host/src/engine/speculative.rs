@@ -1,0 +1,258 @@
+//! Speculative decoding: a decoding request's next tokens are guessed (drafted) and checked by
+//! the target model in one step, so one weight pass can yield several tokens.
+//!
+//! A *verify chunk* is the request's last known token followed by its `k` drafts (a decode of
+//! `1 + k` positions); every position is a sampled row. Row `j` is sampled exactly as the
+//! `j`-th next token would be without speculation: its penalty history is the output plus the
+//! drafts before it, and its sampler counter is `output.len() + j`. The drafts are accepted
+//! while they equal what their rows sampled ([`accepted`]); the row after the last accepted
+//! draft supplies the next token. For the drafts proposed here (one token per position, no
+//! distribution) this is the rejection rule of speculative sampling with a point-mass draft:
+//! a draft `d` survives with probability `p(d)`, and a rejected row's token is distributed as
+//! `p` without `d`, renormalised. Since every row samples with the randomness of the position
+//! it stands for, a seeded request's output is *the same tokens* with speculation on or off,
+//! at any temperature, and the sampler plugin sees the same per-token semantics.
+//!
+//! The state after the last accepted token is exact: attention rows past it are simply never
+//! read again (their blocks released, see [`crate::cache::CacheManager::shrink`]), and on
+//! hybrids the verify scan writes the recurrent state after each of the first `k` positions
+//! into the request's draft slots (the in-scan snapshot mechanism), from which the live slot
+//! is restored before the request's next chunk when a draft was rejected. Block hashes and
+//! snapshots only ever cover accepted tokens.
+
+use serde::Deserialize;
+
+/// `[speculative]` section.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SpeculativeConfig {
+    /// "off", or "ngram": prompt lookup (drafts copied from where the context's last tokens
+    /// occurred before; no extra weights).
+    pub method: String,
+    /// Drafts per verify step (`k`).
+    pub num_tokens: usize,
+    /// Speculate only while at most this many requests run: a larger batch is bound by
+    /// compute, where rejected drafts cost throughput (and the step ahead, which speculation
+    /// gives up, hides more host time).
+    pub max_batch: usize,
+    /// N-gram sizes tried, longest first, when looking up the context's suffix.
+    pub prompt_lookup_min: usize,
+    pub prompt_lookup_max: usize,
+}
+
+impl Default for SpeculativeConfig {
+    fn default() -> Self {
+        Self {
+            method: "off".into(),
+            num_tokens: 3,
+            max_batch: 16,
+            prompt_lookup_min: 2,
+            prompt_lookup_max: 4,
+        }
+    }
+}
+
+/// Most drafts per verify step.
+pub const MAX_DRAFTS: usize = 16;
+
+impl SpeculativeConfig {
+    pub fn enabled(&self) -> bool {
+        self.method != "off"
+    }
+
+    /// A bad value, named by its key.
+    pub fn validate(&self) -> Result<(), String> {
+        if !matches!(self.method.as_str(), "off" | "ngram") {
+            return Err(format!(
+                "speculative.method = {:?}: must be \"off\" or \"ngram\"",
+                self.method
+            ));
+        }
+        if !(1..=MAX_DRAFTS).contains(&self.num_tokens) {
+            return Err(format!(
+                "speculative.num_tokens = {}: must be between 1 and {MAX_DRAFTS}",
+                self.num_tokens
+            ));
+        }
+        if self.max_batch == 0 {
+            return Err("speculative.max_batch = 0: must be at least 1".into());
+        }
+        if self.prompt_lookup_min == 0 || self.prompt_lookup_min > self.prompt_lookup_max {
+            return Err(format!(
+                "speculative.prompt_lookup_min = {} / prompt_lookup_max = {}: need 1 ≤ min ≤ max",
+                self.prompt_lookup_min, self.prompt_lookup_max
+            ));
+        }
+        Ok(())
+    }
+
+    /// The drafter this configuration names (`None` when off).
+    pub fn drafter(&self) -> Option<Box<dyn Drafter>> {
+        match self.method.as_str() {
+            "ngram" => Some(Box::new(NgramDrafter {
+                min: self.prompt_lookup_min,
+                max: self.prompt_lookup_max,
+            })),
+            _ => None,
+        }
+    }
+
+    /// Recurrent-state slots a hybrid needs for the drafts of the requests that may speculate
+    /// at once (`max_running` at most).
+    pub fn draft_slots(&self, max_running: usize) -> usize {
+        if self.enabled() {
+            self.max_batch.min(max_running) * self.num_tokens
+        } else {
+            0
+        }
+    }
+}
+
+/// Proposes a decoding request's next tokens.
+pub trait Drafter: Send {
+    /// Appends up to `k` guesses of what follows `tokens` (the request's prompt and output)
+    /// to `out`; fewer, or none, when it has no guess. `id` is the request's.
+    fn propose(&mut self, id: u64, tokens: &[u32], k: usize, out: &mut Vec<u32>);
+}
+
+/// Prompt lookup: finds the latest earlier occurrence of the context's last `n` tokens
+/// (`n` from `max` down to `min`) and proposes the tokens that followed it.
+#[derive(Debug, Clone)]
+pub struct NgramDrafter {
+    pub min: usize,
+    pub max: usize,
+}
+
+impl Drafter for NgramDrafter {
+    fn propose(&mut self, _id: u64, tokens: &[u32], k: usize, out: &mut Vec<u32>) {
+        let len = tokens.len();
+        for n in (self.min..=self.max.min(len.saturating_sub(1))).rev() {
+            let suffix = &tokens[len - n..];
+            // Latest match first; the match must end before the suffix itself.
+            let found = (0..len - n).rev().find(|&i| &tokens[i..i + n] == suffix);
+            if let Some(i) = found {
+                let from = i + n;
+                out.extend_from_slice(&tokens[from..(from + k).min(len)]);
+                return;
+            }
+        }
+    }
+}
+
+/// How many of `drafts` are accepted given `sampled`, the tokens the verify rows sampled
+/// (row `j` at the position of draft `j`): the leading drafts equal to their row's token.
+pub fn accepted(sampled: &[u32], drafts: &[u32]) -> usize {
+    sampled
+        .iter()
+        .zip(drafts)
+        .take_while(|(s, d)| s == d)
+        .count()
+}
+
+/// Counters of speculative decoding, vLLM's `spec_decode_*` figures.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SpecCounters {
+    /// Verify chunks that carried at least one draft.
+    pub drafts: u64,
+    /// Draft tokens proposed (verified).
+    pub draft_tokens: u64,
+    /// Draft tokens accepted.
+    pub accepted_tokens: u64,
+    /// Accepted drafts by position in their chunk (index 0: the first draft).
+    pub accepted_per_pos: Vec<u64>,
+}
+
+impl SpecCounters {
+    /// Counts one verify chunk of `proposed` drafts of which `accepted` were accepted.
+    pub fn count(&mut self, proposed: usize, accepted: usize) {
+        if proposed == 0 {
+            return;
+        }
+        self.drafts += 1;
+        self.draft_tokens += proposed as u64;
+        self.accepted_tokens += accepted as u64;
+        if self.accepted_per_pos.len() < proposed {
+            self.accepted_per_pos.resize(proposed, 0);
+        }
+        for c in &mut self.accepted_per_pos[..accepted] {
+            *c += 1;
+        }
+    }
+
+    /// Tokens per verify chunk: the accepted drafts plus the one token every chunk yields.
+    pub fn mean_acceptance_length(&self) -> f64 {
+        if self.drafts == 0 {
+            return 0.0;
+        }
+        1.0 + self.accepted_tokens as f64 / self.drafts as f64
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn propose(d: &mut NgramDrafter, tokens: &[u32], k: usize) -> Vec<u32> {
+        let mut out = Vec::new();
+        d.propose(0, tokens, k, &mut out);
+        out
+    }
+
+    #[test]
+    fn ngram_proposes_what_followed_the_latest_match() {
+        let mut d = NgramDrafter { min: 1, max: 3 };
+        // "1 2 3" occurs at 0 and 5; the latest earlier one (at 5) is followed by 9 9.
+        let t = [1, 2, 3, 4, 5, 1, 2, 3, 9, 9, 7, 1, 2, 3];
+        assert_eq!(propose(&mut d, &t, 2), vec![9, 9]);
+        // Fewer tokens follow than asked: what there is.
+        assert_eq!(propose(&mut d, &[5, 6, 5, 6], 4), vec![5, 6]);
+        // No match of any size: nothing.
+        assert!(propose(&mut d, &[1, 2, 3, 4], 3).is_empty());
+        // Only a shorter n-gram matches.
+        assert_eq!(propose(&mut d, &[8, 4, 2, 7, 3, 4], 2), vec![2, 7]);
+        // Too short to look anything up.
+        assert!(propose(&mut d, &[1], 3).is_empty());
+        let mut two = NgramDrafter { min: 2, max: 2 };
+        assert!(propose(&mut two, &[8, 4, 2, 7, 3, 4], 2).is_empty());
+    }
+
+    #[test]
+    fn acceptance_stops_at_the_first_mismatch() {
+        assert_eq!(accepted(&[5, 6, 7, 8], &[5, 6, 7]), 3);
+        assert_eq!(accepted(&[5, 1, 7, 8], &[5, 6, 7]), 1);
+        assert_eq!(accepted(&[4, 6, 7, 8], &[5, 6, 7]), 0);
+        assert_eq!(accepted(&[4], &[]), 0);
+        let mut c = SpecCounters::default();
+        c.count(3, 2);
+        c.count(3, 0);
+        c.count(0, 0);
+        assert_eq!((c.drafts, c.draft_tokens, c.accepted_tokens), (2, 6, 2));
+        assert_eq!(c.accepted_per_pos, vec![1, 1, 0]);
+        assert_eq!(c.mean_acceptance_length(), 2.0);
+    }
+
+    #[test]
+    fn config_is_checked() {
+        assert!(SpeculativeConfig::default().validate().is_ok());
+        let bad = SpeculativeConfig {
+            method: "eagle".into(),
+            ..Default::default()
+        };
+        assert!(bad.validate().unwrap_err().contains("speculative.method"));
+        let bad = SpeculativeConfig {
+            num_tokens: 0,
+            ..Default::default()
+        };
+        assert!(bad.validate().unwrap_err().contains("num_tokens"));
+        let on = SpeculativeConfig {
+            method: "ngram".into(),
+            num_tokens: 4,
+            max_batch: 8,
+            ..Default::default()
+        };
+        assert_eq!(on.draft_slots(64), 32);
+        assert_eq!(on.draft_slots(2), 8);
+        assert_eq!(SpeculativeConfig::default().draft_slots(64), 0);
+    }
+}
