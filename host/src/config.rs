@@ -371,7 +371,15 @@ mod tests {
         let top = fields_of("");
         assert_eq!(
             top,
-            ["server", "model", "engine", "cache", "policy", "plugins"]
+            [
+                "server",
+                "model",
+                "engine",
+                "cache",
+                "policy",
+                "plugins",
+                "speculative"
+            ]
         );
         let mut sections: Vec<String> = top.into_iter().filter(|s| s != "policy").collect();
         sections.extend(["policy.router", "policy.evictor", "policy.sampler"].map(String::from));

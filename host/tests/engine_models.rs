@@ -13,6 +13,7 @@ use chimera::cache::config::{ByteSize, CacheConfig, CacheLayout};
 use chimera::engine::api::{
     EngineEvent, FailureKind, FinishReason, GenerateRequest, MissReason, SamplingParams, Usage,
 };
+use chimera::engine::speculative::SpeculativeConfig;
 use chimera::engine::{Engine, EngineConfig, EngineSetup, ModelRunner, Policies};
 use chimera::model::{self, LogitsMode, Model};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
@@ -61,6 +62,7 @@ struct Setup {
     chunked: bool,
     max_batched_tokens: usize,
     budget: u64,
+    speculative: SpeculativeConfig,
 }
 
 impl Default for Setup {
@@ -70,6 +72,7 @@ impl Default for Setup {
             chunked: true,
             max_batched_tokens: 2048,
             budget: 64 << 20,
+            speculative: SpeculativeConfig::default(),
         }
     }
 }
@@ -89,7 +92,7 @@ fn engine(m: Model<CpuBackend>, s: &Setup) -> Engine<ModelRunner<CpuBackend>> {
             ..CacheConfig::default()
         },
         hash_salt: "test".into(),
-        speculative: Default::default(),
+        speculative: s.speculative.clone(),
     };
     Engine::new(
         setup,
@@ -250,6 +253,112 @@ fn outputs_do_not_depend_on_batching_or_caching() {
             e.cache().check_invariants().expect("cache invariants");
         }
     }
+}
+
+/// Prompt-lookup speculation on every fixture: the greedy output is the model-level reference
+/// token for token, with prefix caching, chunked prefill, a tight token budget and eviction
+/// pressure, and a follow-up turn served from the cache; drafts are accepted on the way.
+#[test]
+fn ngram_speculation_keeps_every_fixtures_greedy_output() {
+    let spec = SpeculativeConfig {
+        method: "ngram".into(),
+        num_tokens: 4,
+        max_batch: 8,
+        prompt_lookup_min: 1,
+        prompt_lookup_max: 3,
+    };
+    let variants = [
+        ("default", Setup::default()),
+        (
+            "no prefix caching, no chunking",
+            Setup {
+                prefix_caching: false,
+                chunked: false,
+                ..Setup::default()
+            },
+        ),
+        (
+            "token budget 24",
+            Setup {
+                max_batched_tokens: 24,
+                ..Setup::default()
+            },
+        ),
+        (
+            "eviction pressure",
+            Setup {
+                budget: 0,
+                max_batched_tokens: 40,
+                ..Setup::default()
+            },
+        ),
+    ];
+    let mut report = Vec::new();
+    for name in MODELS {
+        let m = load(name);
+        // Repetitive prompts give the lookup something to find; tiny random models also
+        // repeat themselves.
+        let unit = tokens(21, 7);
+        let rep: Vec<u32> = unit.iter().cycle().take(40).copied().collect();
+        let prompts: Vec<Vec<u32>> = vec![
+            rep.clone(),
+            tokens(8, 5),
+            [&tokens(9, 20)[..], &rep[..19]].concat(),
+        ];
+        let n = 24;
+        let want: Vec<Vec<u32>> = prompts.iter().map(|p| reference(&m, p, n)).collect();
+        let (mut drafted, mut accepted) = (0, 0);
+        for (label, setup) in &variants {
+            let mut setup = Setup {
+                speculative: spec.clone(),
+                ..setup.clone()
+            };
+            if setup.budget == 0 {
+                let draft = spec.draft_slots(8) as u64;
+                let slot = m.info.cache.ssm_slot_bytes() as u64;
+                setup.budget = tight_budget(&m, 9)
+                    + if m.info.cache.is_hybrid() {
+                        draft * slot
+                    } else {
+                        0
+                    };
+            }
+            let mut e = engine(load(name), &setup);
+            let rxs = prompts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| submit(&mut e, i as u64, p, n as u32))
+                .collect();
+            let got = run_all(&mut e, rxs);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(&g.tokens, w, "{name} [{label}] request {i}");
+            }
+            // The next turn: the first conversation continued, its prefix from the cache.
+            let turn: Vec<u32> = [&prompts[0][..], &want[0][..], &tokens(30, 6)[..]].concat();
+            let want_turn = reference(&m, &turn, n);
+            let rx = submit(&mut e, 9, &turn, n as u32);
+            let got = run_all(&mut e, vec![rx]);
+            assert_eq!(got[0].tokens, want_turn, "{name} [{label}] second turn");
+            if setup.prefix_caching && label == &"default" {
+                assert!(
+                    got[0].usage.cached_tokens > 0,
+                    "{name}: the second turn missed the cache"
+                );
+            }
+            let st = e.stats();
+            drafted += st.spec_draft_tokens;
+            accepted += st.spec_accepted_tokens;
+            assert_eq!(
+                e.cache().pool().available(),
+                e.cache().total_blocks(),
+                "{name} [{label}]"
+            );
+            e.cache().check_invariants().expect("cache invariants");
+        }
+        assert!(drafted > 0, "{name}: nothing drafted");
+        report.push(format!("{name}: {accepted}/{drafted}"));
+    }
+    eprintln!("accepted/drafted: {}", report.join(", "));
 }
 
 /// The smallest memory budget whose planned layout has exactly `blocks` KV blocks.
