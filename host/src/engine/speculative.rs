@@ -232,6 +232,132 @@ mod tests {
         assert_eq!(c.mean_acceptance_length(), 2.0);
     }
 
+    /// Two positions over a 4-token vocabulary, position 1's distribution depending on
+    /// position 0's token. Speculation proposes fixed drafts, the rows are sampled by the
+    /// built-in sampler (temperature 1, the seed and counter of the position each row stands
+    /// for), the drafts are accepted by `rule`, and a rejected position is sampled afresh in
+    /// the context of the token that replaced the draft. Returns the counts of the 16
+    /// two-token outputs over `n` seeds, and their expected probabilities.
+    fn two_token_outputs(
+        rule: impl Fn(&[u32], &[u32], &[[f32; 4]]) -> Vec<u32>,
+        drafts: [u32; 2],
+        n: u64,
+    ) -> (Vec<u64>, Vec<f64>) {
+        use crate::policy::native::DefaultSampler;
+        use crate::policy::{Decision, Sampler, SamplerBatch};
+        let l0 = [1.0f32, 0.2, -0.5, 0.6];
+        let l1 = |x0: u32| -> [f32; 4] {
+            let mut l = [0.3f32, -0.4, 0.9, 0.0];
+            l[x0 as usize] += 1.2;
+            l
+        };
+        let softmax = |l: &[f32; 4]| {
+            let m = l.iter().fold(f32::MIN, |a, &b| a.max(b));
+            let e: Vec<f64> = l.iter().map(|&x| f64::from(x - m).exp()).collect();
+            let z: f64 = e.iter().sum();
+            e.into_iter().map(|x| x / z).collect::<Vec<_>>()
+        };
+        let mut sampler = DefaultSampler::default();
+        // The token the sampler draws from `logits` for `seed` at `counter`.
+        let mut draw = |logits: &[f32; 4], seed: u64, counter: u64| -> u32 {
+            let mut order: Vec<u32> = (0..4).collect();
+            order.sort_by(|&a, &b| {
+                logits[b as usize]
+                    .total_cmp(&logits[a as usize])
+                    .then(a.cmp(&b))
+            });
+            let batch = SamplerBatch {
+                k: 4,
+                temperature: vec![1.0],
+                top_k: vec![0],
+                top_p: vec![1.0],
+                min_p: vec![0.0],
+                seed: vec![seed],
+                counter: vec![counter],
+                cand_logits: order.iter().map(|&t| logits[t as usize]).collect(),
+                cand_tokens: order,
+            };
+            match sampler.sample(&batch) {
+                Decision::Use(v) => v[0],
+                Decision::UseDefault => panic!("the default sampler decides"),
+            }
+        };
+        let mut counts = vec![0u64; 16];
+        for seed in 0..n {
+            // The verify step: row 0 at position 0, row 1 at position 1 after draft 0.
+            let rows = [l0, l1(drafts[0])];
+            let sampled = [draw(&rows[0], seed, 0), draw(&rows[1], seed, 1)];
+            let mut out = rule(&sampled, &drafts[..1], &rows);
+            if out.len() < 2 {
+                // The next step samples position 1 after the token emitted at position 0.
+                out.push(draw(&l1(out[0]), seed, 1));
+            }
+            counts[(out[0] * 4 + out[1]) as usize] += 1;
+        }
+        let p0 = softmax(&l0);
+        let expected = (0..16)
+            .map(|c| p0[c / 4] * softmax(&l1(c as u32 / 4))[c % 4])
+            .collect();
+        (counts, expected)
+    }
+
+    /// Pearson's χ² of `counts` against `probs`.
+    fn chi_square(counts: &[u64], probs: &[f64]) -> f64 {
+        let n: u64 = counts.iter().sum();
+        counts
+            .iter()
+            .zip(probs)
+            .map(|(&c, &p)| {
+                let e = p * n as f64;
+                (c as f64 - e).powi(2) / e
+            })
+            .sum()
+    }
+
+    /// The acceptance rule keeps the target distribution: over 40 000 seeds the two-token
+    /// outputs of speculative sampling fit the model's joint distribution (χ² below its 0.999
+    /// quantile for 15 degrees of freedom, 37.7), whatever the drafts; the same test rejects
+    /// two plausible wrong rules, so it can fail.
+    #[test]
+    fn acceptance_keeps_the_target_distribution() {
+        const CHI2_15_999: f64 = 37.7;
+        let n = 40_000;
+        // The engine's rule: the accepted drafts, then the row after them.
+        let right = |sampled: &[u32], drafts: &[u32], _: &[[f32; 4]]| {
+            let a = accepted(sampled, drafts);
+            sampled[..=a].to_vec()
+        };
+        for drafts in [[0, 0], [2, 2], [1, 3]] {
+            let (counts, p) = two_token_outputs(right, drafts, n);
+            let x2 = chi_square(&counts, &p);
+            eprintln!("drafts {drafts:?}: χ² = {x2:.1}");
+            assert!(x2 < CHI2_15_999, "drafts {drafts:?}: χ² = {x2:.1}");
+        }
+        // Wrong: the second row's token kept although the draft it followed was rejected.
+        let stale = |sampled: &[u32], _: &[u32], _: &[[f32; 4]]| sampled.to_vec();
+        let (counts, p) = two_token_outputs(stale, [2, 2], n);
+        let x2 = chi_square(&counts, &p);
+        eprintln!("stale: χ² = {x2:.1}");
+        assert!(x2 > 10.0 * CHI2_15_999, "a stale row passed: χ² = {x2:.1}");
+        // Wrong: a draft the model finds likely enough (p ≥ 0.2) accepted without its row.
+        let lenient = |sampled: &[u32], drafts: &[u32], rows: &[[f32; 4]]| {
+            let l = &rows[0];
+            let z: f32 = l.iter().map(|x| x.exp()).sum();
+            if l[drafts[0] as usize].exp() / z >= 0.2 {
+                vec![drafts[0], sampled[1]]
+            } else {
+                vec![sampled[0]]
+            }
+        };
+        let (counts, p) = two_token_outputs(lenient, [0, 0], n);
+        let x2 = chi_square(&counts, &p);
+        eprintln!("lenient: χ² = {x2:.1}");
+        assert!(
+            x2 > 10.0 * CHI2_15_999,
+            "a lenient rule passed: χ² = {x2:.1}"
+        );
+    }
+
     #[test]
     fn config_is_checked() {
         assert!(SpeculativeConfig::default().validate().is_ok());
