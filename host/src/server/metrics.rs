@@ -43,6 +43,13 @@ pub mod names {
     pub const SSM_SNAPSHOTS_SKIPPED: &str = "chimera:ssm_snapshots_skipped_total";
     pub const SSM_ROLLING_KEPT: &str = "chimera:ssm_rolling_snapshots_kept_total";
     pub const CACHE_CHECKPOINTS: &str = "chimera:cache_checkpoints_requested_total";
+    // Speculative decoding, as vLLM's `spec_decode_*` (counters: `_total`).
+    pub const SPEC_DECODE_DRAFTS: &str = "chimera:spec_decode_num_drafts_total";
+    pub const SPEC_DECODE_DRAFT_TOKENS: &str = "chimera:spec_decode_num_draft_tokens_total";
+    pub const SPEC_DECODE_ACCEPTED_TOKENS: &str = "chimera:spec_decode_num_accepted_tokens_total";
+    /// Accepted drafts by `position` in their verify step (0: the first draft).
+    pub const SPEC_DECODE_ACCEPTED_PER_POS: &str =
+        "chimera:spec_decode_num_accepted_tokens_per_pos_total";
     pub const ROUTED_REQUESTS: &str = "chimera:router_requests_total";
     /// Time the router policy (a plugin with its native fallback, or a native policy) took to
     /// choose a replica. The plugins' own call latencies, calls and fallbacks, by plugin and
@@ -213,6 +220,7 @@ impl Metrics {
         engines.render_tokens(&mut out);
         engines.render_steps(&mut out);
         engines.render_cache_reuse(&mut out);
+        engines.render_speculation(&mut out);
         render_cache_config(&mut out, stats, cache);
         let labels = format!("model_name=\"{m}\"");
         self.render_latencies(&mut out, &labels);
@@ -520,6 +528,45 @@ impl EngineFamilies<'_> {
                 ),
             ],
         );
+    }
+
+    /// Speculative decoding: verify steps with drafts, drafts proposed and accepted, and
+    /// accepted drafts by position (a sample per position any replica has seen).
+    fn render_speculation(&self, out: &mut String) {
+        use names::*;
+        self.per_engine(
+            out,
+            "counter",
+            &[
+                (
+                    SPEC_DECODE_DRAFTS,
+                    "Verify steps of a request that carried drafts.",
+                    |s| s.spec_drafts as f64,
+                ),
+                (SPEC_DECODE_DRAFT_TOKENS, "Draft tokens verified.", |s| {
+                    s.spec_draft_tokens as f64
+                }),
+                (SPEC_DECODE_ACCEPTED_TOKENS, "Draft tokens accepted.", |s| {
+                    s.spec_accepted_tokens as f64
+                }),
+            ],
+        );
+        let name = SPEC_DECODE_ACCEPTED_PER_POS;
+        header(
+            out,
+            name,
+            "counter",
+            "Accepted draft tokens by position in their verify step (0: the first draft).",
+        );
+        for (i, s) in self.stats.iter().enumerate() {
+            for (pos, n) in s.spec_accepted_per_pos.iter().enumerate() {
+                let _ = writeln!(
+                    out,
+                    "{name}{{model_name=\"{}\",engine=\"{i}\",position=\"{pos}\"}} {n}",
+                    self.model
+                );
+            }
+        }
     }
 
     /// Families of one sample per replica, each of `kind`, in the order given.

@@ -309,7 +309,7 @@ fn engine_request(
         checkpoints: prep.checkpoints.clone(),
         priority: params.priority,
         constraint: None,
-        speculative: true,
+        speculative: params.speculative,
     }
 }
 
@@ -574,6 +574,7 @@ fn rendered(state: &AppState, prep: &Prepared, params: &GenParams) -> Result<Val
             "prompt_logprobs": params.prompt_logprobs,
             "truncate_prompt_tokens": params.truncate_prompt_tokens,
             "priority": params.priority,
+            "speculative": params.speculative,
         },
         "cache_checkpoints": prep.checkpoints,
     }))

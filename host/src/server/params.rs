@@ -62,6 +62,8 @@ pub struct GenParams {
     pub truncate_prompt_tokens: Option<usize>,
     /// vLLM's `priority` (lower first under the priority scheduling policy).
     pub priority: i32,
+    /// Whether the engine may decode this request speculatively.
+    pub speculative: bool,
 }
 
 fn finite(param: &'static str, v: Option<f64>) -> Result<Option<f64>, AppError> {
@@ -151,6 +153,7 @@ pub fn validate_common(
         prompt_logprobs,
         truncate_prompt_tokens,
         priority,
+        speculative: c.speculative.unwrap_or(true),
     })
 }
 

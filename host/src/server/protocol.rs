@@ -73,6 +73,9 @@ pub struct CommonFields {
     pub truncate_prompt_tokens: Option<i64>,
     /// vLLM's: admission order under `engine.scheduling_policy = "priority"` (lower first).
     pub priority: Option<i64>,
+    /// chimera's: `false` keeps this request out of speculative decoding (`[speculative]`);
+    /// the output is the same either way.
+    pub speculative: Option<bool>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
