@@ -105,7 +105,7 @@ serve_suite() {
 }
 
 case $suite in
-  kernels|hybrid|parity|archs|graphs|bench|bench-kernels|bench-archs|bench-mixed|moe|attention|model|fixtures) run_check "$suite" ;;
+  kernels|hybrid|parity|archs|graphs|bench|bench-kernels|bench-archs|bench-mixed|moe|attention|model|fixtures|spec|bench-spec) run_check "$suite" ;;
   # chimera serve + chimera bench with NemotronH-8B-shaped dummy weights (tests/gpu/serving.py;
   # QUICK=1 for a small workload); serving-routing needs two GPUs.
   serving-caching|serving-idle|serving-prefill|serving-routing)

@@ -27,6 +27,7 @@ mod model_d128;
 mod moe;
 mod parity;
 pub mod rng;
+mod spec;
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -43,7 +44,9 @@ pub struct GpuCheckArgs {
     /// Llama-shaped model of parity), archs (the Gated DeltaNet rows and the Granite 4.0,
     /// Falcon-H1 and Gated DeltaNet fixtures end to end), fixtures (every fixture end to end,
     /// with the bf16 logits dumped), graphs, bench, bench-archs (the delta rule's timings and
-    /// the Qwen3.5 decodes), moe (the MoE rows of hybrid and bench) or all.
+    /// the Qwen3.5 decodes), moe (the MoE rows of hybrid and bench), spec (speculative
+    /// decoding: every fixture with drafts, GPU = CPU), bench-spec (verify-step cost and
+    /// speed-ups on the 8B shapes) or all.
     #[arg(long, default_value = "all")]
     pub suite: String,
     /// The committed model fixtures (`tests/fixtures/models`).
@@ -330,6 +333,14 @@ pub fn run(args: &GpuCheckArgs) -> anyhow::Result<Report> {
             args,
             &["granite-", "falconh1-", "qwen3next-", "qwen35"],
         );
+    }
+    if args.suite == "spec" {
+        ran = true;
+        spec::checks(&mut report, &f32_gpu, &bf16_gpu, args);
+    }
+    if args.suite == "bench-spec" {
+        ran = true;
+        spec::bench(&mut report, &bf16_gpu, args);
     }
     if args.suite == "bench-archs" {
         ran = true;

@@ -155,7 +155,7 @@ impl<E: StepExecutor> Engine<E> {
             HashSeed::new(&setup.hash_salt),
         );
         if let Some(drafter) = setup.speculative.drafter() {
-            sched.set_speculation(setup.speculative.clone(), drafter);
+            sched.set_speculation(setup.speculative.clone(), drafter, executor.vocab_size());
         }
         let stats = EngineStats {
             total_blocks: layout.num_blocks as u32,
@@ -213,7 +213,7 @@ impl<E: StepExecutor> Engine<E> {
     /// the first request. Tests and benchmarks use it to verify chosen drafts; a hybrid needs
     /// the draft slots `spec` implies, planned at construction.
     pub fn set_drafter(&mut self, spec: SpeculativeConfig, drafter: Box<dyn Drafter>) {
-        self.sched.set_speculation(spec, drafter);
+        self.sched.set_speculation(spec, drafter, self.vocab);
     }
 
     /// Whether the executor's device was lost: the engine must stop (its thread exits, the

@@ -134,6 +134,7 @@ pub struct Scheduler {
     /// Speculative decoding: its settings and drafter (`None`: off).
     spec: SpeculativeConfig,
     drafter: Option<Box<dyn Drafter>>,
+    vocab: usize,
     pub spec_counters: SpecCounters,
 }
 
@@ -159,14 +160,22 @@ impl Scheduler {
             blocks_hashed: 0,
             spec: SpeculativeConfig::default(),
             drafter: None,
+            vocab: 0,
             spec_counters: SpecCounters::default(),
         }
     }
 
-    /// Turns speculative decoding on with `drafter` (`spec` says how far).
-    pub fn set_speculation(&mut self, spec: SpeculativeConfig, drafter: Box<dyn Drafter>) {
+    /// Turns speculative decoding on with `drafter` (`spec` says how far) for a model of
+    /// `vocab` tokens (drafts from the first one outside it on are dropped).
+    pub fn set_speculation(
+        &mut self,
+        spec: SpeculativeConfig,
+        drafter: Box<dyn Drafter>,
+        vocab: usize,
+    ) {
         self.spec = spec;
         self.drafter = Some(drafter);
+        self.vocab = vocab;
     }
 
     /// Whether the next step may carry verify chunks: speculation is on and few enough
@@ -202,7 +211,12 @@ impl Scheduler {
             .min(left.saturating_sub(1));
         if k > 0 {
             drafter.propose(r.id, &r.tokens, k, out);
-            out.truncate(k);
+            let valid = out
+                .iter()
+                .take(k)
+                .take_while(|&&t| (t as usize) < self.vocab)
+                .count();
+            out.truncate(valid);
         }
     }
 

@@ -139,6 +139,35 @@ impl Drafter for NgramDrafter {
     }
 }
 
+/// A benchmark's drafter: proposes each request's known continuation (`answers`: request id
+/// → the whole expected sequence, prompt and output, e.g. from a run without speculation) with
+/// each draft right with probability `accept` (a fixed hash of the request, position and
+/// draft index decides; a wrong draft is another token). It measures what verifying costs at a
+/// chosen acceptance rate without trained draft weights; it is not a serving drafter.
+#[derive(Debug, Clone, Default)]
+pub struct ReplayDrafter {
+    pub answers: std::collections::HashMap<u64, Vec<u32>>,
+    pub accept: f64,
+}
+
+impl Drafter for ReplayDrafter {
+    fn propose(&mut self, id: u64, tokens: &[u32], k: usize, out: &mut Vec<u32>) {
+        let Some(answer) = self.answers.get(&id) else {
+            return;
+        };
+        for (j, &t) in answer.iter().skip(tokens.len()).take(k).enumerate() {
+            let h =
+                crate::engine::request::derive_seed(id ^ ((tokens.len() as u64) << 20) ^ j as u64);
+            let right = ((h >> 11) as f64 / (1u64 << 53) as f64) < self.accept;
+            out.push(if right {
+                t
+            } else {
+                t.checked_sub(1).unwrap_or(1)
+            });
+        }
+    }
+}
+
 /// How many of `drafts` are accepted given `sampled`, the tokens the verify rows sampled
 /// (row `j` at the position of draft `j`): the leading drafts equal to their row's token.
 pub fn accepted(sampled: &[u32], drafts: &[u32]) -> usize {
