@@ -131,6 +131,26 @@ fn drive<B: StepBackend>(backend: B, m: Arc<Model<B>>, job: Job<'_>) -> anyhow::
     })
 }
 
+/// How a timed run's steps ran: graph kinds, the device's idle share between steps.
+fn report_run(report: &mut Report, name: &str, label: &str, r: &Run) {
+    let s = &r.stats;
+    let idle = s.device_idle_seconds / s.device_busy_seconds.max(1e-9);
+    report.push(
+        BENCH,
+        format!("{name} bs1 {label}: steps eager / decode graph / mixed graph, device idle over busy (reported)"),
+        idle,
+        format!(
+            "{} / {} / {}, idle {:.1} %",
+            s.steps_eager,
+            s.steps_decode_graph,
+            s.steps_mixed_graph,
+            100.0 * idle
+        ),
+        "reported".into(),
+        true,
+    );
+}
+
 fn ngram(k: usize) -> SpeculativeConfig {
     SpeculativeConfig {
         method: "ngram".into(),
@@ -346,9 +366,31 @@ fn bench_model(
             },
         )
     };
+    report_run(report, &name, "plain", &base);
+    // bf16 verify steps round differently from decode steps, so the plain run's continuation
+    // is not always the one a verify run produces: each k replays its own runs' output until
+    // every draft is accepted (the target's own continuation under speculation).
+    let own = |r: &Run| -> HashMap<u64, Vec<u32>> {
+        r.tokens
+            .iter()
+            .map(|(&id, t)| (id, [&prompts[id as usize][..], &t[..]].concat()))
+            .collect()
+    };
+    let settle = |k: usize| -> anyhow::Result<HashMap<u64, Vec<u32>>> {
+        let mut answers = answers.clone();
+        for _ in 0..4 {
+            let r = with(k, 1.0, &prompts, 4, budget, &answers)?;
+            if r.stats.spec_accepted_tokens == r.stats.spec_draft_tokens {
+                break;
+            }
+            answers = own(&r);
+        }
+        Ok(answers)
+    };
     for (k, bound) in [(1usize, 1.10), (2, 1.15), (4, 1.30)] {
-        with(k, 1.0, &prompts, 4, budget, &answers)?;
+        let answers = settle(k)?;
         let r = with(k, 1.0, &prompts, 4, budget, &answers)?;
+        report_run(report, &name, &format!("k={k}"), &r);
         let steps = r.stats.spec_drafts.max(1) as f64;
         let verify_ms = r.decode_s * 1e3 / steps;
         let ratio = verify_ms / step_ms;
@@ -370,7 +412,7 @@ fn bench_model(
     // A mean acceptance length near 2.5: per-draft acceptance p with 1 + p + p² + p³ ≈ 2.5 at
     // k = 3 (p ≈ 0.69), and the same rate at k = 4.
     for k in [3usize, 4] {
-        with(k, 0.69, &prompts, 4, budget, &answers)?;
+        let answers = settle(k)?;
         let r = with(k, 0.69, &prompts, 4, budget, &answers)?;
         let len = 1.0 + r.stats.spec_accepted_tokens as f64 / r.stats.spec_drafts.max(1) as f64;
         let speedup =
@@ -384,6 +426,53 @@ fn bench_model(
             speedup >= 2.0 || len < 2.45,
         );
     }
+    // Where a step's device time goes, eager (graphs off): plain decode and k = 4 verify.
+    for (label, k) in [("plain decode", 0usize), ("verify k=4", 4)] {
+        let job = Job {
+            prompts: &prompts,
+            max_tokens: 40,
+            spec: if k == 0 {
+                SpeculativeConfig::default()
+            } else {
+                SpeculativeConfig {
+                    method: "ngram".into(),
+                    num_tokens: k,
+                    max_batch: 16,
+                    ..Default::default()
+                }
+            },
+            drafter: (k > 0).then(|| {
+                Box::new(ReplayDrafter {
+                    answers: answers.clone(),
+                    accept: 1.0,
+                }) as Box<dyn Drafter>
+            }),
+            budget,
+            max_running: 4,
+            graphs: false,
+        };
+        let mut steps = 0u64;
+        let ops = gpu.profile_ops(|| -> anyhow::Result<()> {
+            let r = drive(gpu.replica()?, m.clone(), job)?;
+            steps = r.stats.engine_steps;
+            Ok(())
+        })?;
+        let total: f64 = ops.iter().map(|o| o.ms).sum::<f64>() / steps.max(1) as f64;
+        for o in ops.iter().take(8) {
+            let us = o.ms * 1e3 / steps.max(1) as f64;
+            report.push(
+                BENCH,
+                format!(
+                    "{name} bs1 eager {label}: device time of {} (a step, prefill included; all ops {total:.2} ms; reported)",
+                    o.name
+                ),
+                us,
+                format!("{us:.0} µs"),
+                "reported".into(),
+                true,
+            );
+        }
+    }
     // Serving batches: speculation left on (max_batch 16 turns it off above 16 running).
     for batch in [64usize, 256] {
         let ctx = 512;
@@ -394,7 +483,7 @@ fn bench_model(
                     .collect()
             })
             .collect();
-        let budget = 24u64 << 30;
+        let budget = 40u64 << 30;
         let off = plain(&prompts, batch, budget)?;
         let answers: HashMap<u64, Vec<u32>> = off
             .tokens

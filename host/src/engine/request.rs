@@ -83,6 +83,12 @@ pub struct Request {
     /// verify chunk, to be copied into the live slot before the request's next chunk (a draft
     /// was rejected, so the live state ran past it).
     pub spec_restore: Option<u32>,
+    /// Verify steps in a row that accepted no draft, and the decodes left to run without
+    /// drafts before the next try (twice as many after each miss, at most
+    /// [`super::speculative::MAX_BACKOFF`]): text the drafter cannot predict stops paying for
+    /// verify steps.
+    pub spec_misses: u32,
+    pub spec_backoff: u32,
     pub events: EventSender,
 }
 
@@ -124,6 +130,8 @@ impl Request {
             speculative: req.speculative,
             drafts: Vec::new(),
             spec_restore: None,
+            spec_misses: 0,
+            spec_backoff: 0,
             events,
         }
     }

@@ -25,7 +25,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use super::api::FailureKind;
 use super::config::EngineConfig;
 use super::request::{Phase, Request};
-use super::speculative::{Drafter, SpecCounters, SpeculativeConfig, accepted};
+use super::speculative::{Drafter, SpecCounters, SpeculativeConfig, accepted, backoff};
 use crate::cache::{BlockHash, CacheError, CacheManager, HashSeed, PrefixMatch, SsmInit};
 use crate::model::SsmSnapshot;
 
@@ -192,9 +192,13 @@ impl Scheduler {
         let Some(drafter) = self.drafter.as_mut() else {
             return;
         };
-        let Some(r) = self.slots[slot as usize].as_ref() else {
+        let Some(r) = self.slots[slot as usize].as_mut() else {
             return;
         };
+        if r.spec_backoff > 0 {
+            r.spec_backoff -= 1;
+            return;
+        }
         if !r.speculative
             || r.constraint.is_some()
             || r.in_flight > 0
@@ -960,6 +964,8 @@ impl Scheduler {
         // The chunk's first token and the accepted drafts are computed; the rest is not.
         let computed = s.start + 1 + a;
         r.computed = computed;
+        r.spec_misses = if a == 0 { r.spec_misses + 1 } else { 0 };
+        r.spec_backoff = backoff(r.spec_misses);
         if a < s.drafts {
             // The live state ran past the last accepted token; draft slot `a` holds the
             // state after the chunk's first `1 + a` tokens.

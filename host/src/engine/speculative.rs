@@ -55,6 +55,18 @@ impl Default for SpeculativeConfig {
 /// Most drafts per verify step.
 pub const MAX_DRAFTS: usize = 16;
 
+/// Most decodes a request runs without drafts after verify steps that accepted none.
+pub const MAX_BACKOFF: u32 = 32;
+
+/// Decodes to run without drafts after `misses` verify steps in a row accepted none: 0 after
+/// the first miss, then 1, 2, 4, … up to [`MAX_BACKOFF`].
+pub fn backoff(misses: u32) -> u32 {
+    match misses {
+        0 | 1 => 0,
+        m => (1u32 << (m - 2).min(5)).min(MAX_BACKOFF),
+    }
+}
+
 impl SpeculativeConfig {
     pub fn enabled(&self) -> bool {
         self.method != "off"
@@ -259,6 +271,8 @@ mod tests {
         assert_eq!((c.drafts, c.draft_tokens, c.accepted_tokens), (2, 6, 2));
         assert_eq!(c.accepted_per_pos, vec![1, 1, 0]);
         assert_eq!(c.mean_acceptance_length(), 2.0);
+        let waits: Vec<u32> = (0..10).map(backoff).collect();
+        assert_eq!(waits, vec![0, 0, 1, 2, 4, 8, 16, 32, 32, 32]);
     }
 
     /// Two positions over a 4-token vocabulary, position 1's distribution depending on
