@@ -7,11 +7,13 @@
 //! the prompt path's kernels, a decode the GEMV's, so bf16 rounding differs).
 //!
 //! `bench-spec` (speed, bf16 serving mode, dummy 8B weights): one request at context 2048
-//! decoding through the engine with CUDA graphs, plain and with `k` = 1, 2, 4 drafts all
-//! accepted (a replayed continuation: [`ReplayDrafter`]), for the verify step's cost over a
-//! plain decode step; then drafts accepted at a rate that gives a mean acceptance length near
-//! 2.5, for the tokens per second one user gets; then batches of 64 and 256 with speculation
-//! left on (`max_batch` 16 switches it off there) against off.
+//! decoding through the engine with CUDA graphs, plain and with `k` = 1, 2, 4 drafts of the
+//! target's own continuation (a replayed earlier run: [`ReplayDrafter`]; bf16 verify steps
+//! round differently from decodes, so each `k` replays its own runs until they agree or four
+//! tries pass), for the verify step's cost over a plain decode step (plain steps in the run
+//! charged at the plain run's time); then drafts accepted at a rate that gives a mean
+//! acceptance length near 2.5, for the tokens per second one user gets; then batches of 64 and
+//! 256 with speculation left on (`max_batch` 16 switches it off there) against off.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -391,22 +393,22 @@ fn bench_model(
         let answers = settle(k)?;
         let r = with(k, 1.0, &prompts, 4, budget, &answers)?;
         report_run(report, &name, &format!("k={k}"), &r);
-        let steps = r.stats.spec_drafts.max(1) as f64;
-        let verify_ms = r.decode_s * 1e3 / steps;
+        // A run mixes verify steps with plain decodes (a draft rejected, or a request backing
+        // off): the plain ones are charged at the plain run's step time.
+        let verify = r.stats.spec_drafts.max(1) as f64;
+        let plain_steps = r.stats.engine_steps.saturating_sub(1 + r.stats.spec_drafts) as f64;
+        let verify_ms = (r.decode_s * 1e3 - plain_steps * step_ms).max(0.0) / verify;
         let ratio = verify_ms / step_ms;
-        let same = r.tokens == base.tokens;
         report.push(
             BENCH,
-            format!(
-                "{name} bs1: verify step with k={k} drafts (all accepted) over a plain decode step"
-            ),
+            format!("{name} bs1: verify step with k={k} drafts over a plain decode step"),
             ratio,
             format!(
-                "{ratio:.3}× ({verify_ms:.3} ms){}",
-                if same { "" } else { ", tokens DIFFER" }
+                "{ratio:.3}× ({verify_ms:.3} ms; {} verify + {plain_steps} plain steps, {}/{} accepted)",
+                r.stats.spec_drafts, r.stats.spec_accepted_tokens, r.stats.spec_draft_tokens
             ),
             format!("≤ {bound:.2}×"),
-            ratio <= bound && same,
+            ratio <= bound,
         );
     }
     // A mean acceptance length near 2.5: per-draft acceptance p with 1 + p + p² + p³ ≈ 2.5 at
@@ -425,53 +427,6 @@ fn bench_model(
             "≥ 2× at length 2.5".into(),
             speedup >= 2.0 || len < 2.45,
         );
-    }
-    // Where a step's device time goes, eager (graphs off): plain decode and k = 4 verify.
-    for (label, k) in [("plain decode", 0usize), ("verify k=4", 4)] {
-        let job = Job {
-            prompts: &prompts,
-            max_tokens: 40,
-            spec: if k == 0 {
-                SpeculativeConfig::default()
-            } else {
-                SpeculativeConfig {
-                    method: "ngram".into(),
-                    num_tokens: k,
-                    max_batch: 16,
-                    ..Default::default()
-                }
-            },
-            drafter: (k > 0).then(|| {
-                Box::new(ReplayDrafter {
-                    answers: answers.clone(),
-                    accept: 1.0,
-                }) as Box<dyn Drafter>
-            }),
-            budget,
-            max_running: 4,
-            graphs: false,
-        };
-        let mut steps = 0u64;
-        let ops = gpu.profile_ops(|| -> anyhow::Result<()> {
-            let r = drive(gpu.replica()?, m.clone(), job)?;
-            steps = r.stats.engine_steps;
-            Ok(())
-        })?;
-        let total: f64 = ops.iter().map(|o| o.ms).sum::<f64>() / steps.max(1) as f64;
-        for o in ops.iter().take(8) {
-            let us = o.ms * 1e3 / steps.max(1) as f64;
-            report.push(
-                BENCH,
-                format!(
-                    "{name} bs1 eager {label}: device time of {} (a step, prefill included; all ops {total:.2} ms; reported)",
-                    o.name
-                ),
-                us,
-                format!("{us:.0} µs"),
-                "reported".into(),
-                true,
-            );
-        }
     }
     // Serving batches: speculation left on (max_batch 16 turns it off above 16 running).
     for batch in [64usize, 256] {
