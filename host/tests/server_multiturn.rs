@@ -396,3 +396,54 @@ async fn checkpoints_are_validated_passed_on_and_counted() {
         3.0
     );
 }
+
+/// Speculative decoding through the HTTP API (prompt lookup on a hybrid): replies equal a
+/// server's without speculation, `/metrics` counts the drafts as vLLM names them, and a
+/// request with `"speculative": false` is never verified.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn speculative_replies_equal_plain_ones_and_are_counted() {
+    let mut spec = hybrid();
+    spec.speculative = chimera::engine::speculative::SpeculativeConfig {
+        method: "ngram".into(),
+        num_tokens: 3,
+        max_batch: 8,
+        prompt_lookup_min: 1,
+        prompt_lookup_max: 3,
+    };
+    let on = TestServer::start(spec).await;
+    let off = TestServer::start(hybrid()).await;
+    let prompt = "the cat sat on the mat and the cat sat on the mat and the cat";
+    let body = |speculative: bool| {
+        json!({"model": MODEL, "prompt": prompt, "max_tokens": 40, "temperature": 0,
+               "ignore_eos": true, "return_token_ids": true, "speculative": speculative})
+    };
+    let plain = post(off.addr, "/v1/completions", &body(true)).await.json();
+    let fast = post(on.addr, "/v1/completions", &body(true)).await.json();
+    assert_eq!(
+        fast["choices"][0]["token_ids"], plain["choices"][0]["token_ids"],
+        "{fast}"
+    );
+    let m = on.metrics().await;
+    let drafts = parse_metric(&m, "chimera:spec_decode_num_drafts_total");
+    let proposed = parse_metric(&m, "chimera:spec_decode_num_draft_tokens_total");
+    let accepted = parse_metric(&m, "chimera:spec_decode_num_accepted_tokens_total");
+    assert!(
+        drafts > 0.0 && proposed >= drafts && accepted <= proposed,
+        "{m}"
+    );
+    assert!(
+        m.contains("chimera:spec_decode_num_accepted_tokens_per_pos_total{") || accepted == 0.0,
+        "{m}"
+    );
+    // Opted out: the same reply, no verify step.
+    let out = post(on.addr, "/v1/completions", &body(false)).await.json();
+    assert_eq!(
+        out["choices"][0]["token_ids"],
+        plain["choices"][0]["token_ids"]
+    );
+    let m = on.metrics().await;
+    assert_eq!(
+        parse_metric(&m, "chimera:spec_decode_num_drafts_total"),
+        drafts
+    );
+}

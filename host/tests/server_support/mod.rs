@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use chimera::cache::{ByteSize, CacheConfig};
 use chimera::engine::api::{Command, EngineEvent, EngineHandle, EngineStats, GenerateRequest};
+use chimera::engine::speculative::SpeculativeConfig;
 use chimera::engine::{
     Engine, EngineConfig, EngineSetup, MockConfig, MockExecutor, Policies, StepExecutor,
     spawn_engine,
@@ -64,6 +65,8 @@ pub struct Options {
     pub max_model_len: u32,
     /// Other ids the model answers to (`ModelInfo::aliases`).
     pub aliases: Vec<String>,
+    /// `[speculative]` of every replica (a hybrid gets its draft slots on top of the rest).
+    pub speculative: SpeculativeConfig,
 }
 
 impl Default for Options {
@@ -94,6 +97,7 @@ impl Default for Options {
             policy: None,
             max_model_len: 4096,
             aliases: Vec::new(),
+            speculative: SpeculativeConfig::default(),
         }
     }
 }
@@ -106,7 +110,8 @@ impl Options {
         let kv = (spec.kv_block_bytes(self.block_size) * self.blocks) as u64;
         let (ssm, share) = if spec.is_hybrid() {
             let slot = spec.ssm_slot_bytes() as u64;
-            let ssm = (self.engine.max_running + self.snapshots) as u64 * slot;
+            let drafts = self.speculative.draft_slots(self.engine.max_running);
+            let ssm = (self.engine.max_running + drafts + self.snapshots) as u64 * slot;
             // Half a slot of slack so the share's rounding lands on exactly that many slots.
             let share = (ssm as f64 + slot as f64 / 2.0) / (kv + ssm) as f64;
             (ssm, Some(share))
@@ -123,7 +128,7 @@ impl Options {
                 ..CacheConfig::default()
             },
             hash_salt: SALT.into(),
-            speculative: Default::default(),
+            speculative: self.speculative.clone(),
         }
     }
 
