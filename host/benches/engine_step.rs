@@ -79,6 +79,7 @@ fn serving_policies() -> Policies {
         fallback_sampler: Box::new(DefaultSampler::default()),
         evictor: Some(plugins.evictor()),
         constrainer: None,
+        drafter: None,
     }
 }
 

@@ -13,7 +13,7 @@ use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::{CudaBackend, CudaOptions};
 use crate::backend::{DType, LayerOps, StepBackend};
 use crate::config::Config;
-use crate::engine::{EngineSetup, ModelRunner, Policies, spawn_engine};
+use crate::engine::{Engine, EngineSetup, ModelRunner, Policies, spawn_engine};
 use crate::model::{self, Model, builtin, hub};
 use crate::plugins::{PluginError, PluginKind, PluginMetrics, PolicyPlugins, Vocabulary};
 use crate::policy::native::DefaultSampler;
@@ -585,7 +585,7 @@ pub fn constraint_vocabulary(codec: &TextCodec, model_vocab: usize) -> Option<Vo
     Some(Vocabulary::from_tokens(tokens, eos))
 }
 
-fn start<B: StepBackend>(
+fn start<B: StepBackend + Clone>(
     config: &Config,
     loaded: LoadedModel,
     replicas_in: Vec<(B, Arc<Model<B>>, crate::cache::CacheConfig)>,
@@ -612,6 +612,7 @@ fn start<B: StepBackend>(
         .context("loading policy plugins")?,
     );
     let salt = format!("{}:{}", config.model.path, loaded.name);
+    let draft = DraftSource::open(config)?;
     let mut replicas = Vec::with_capacity(replicas_in.len());
     let mut info = None;
     for (r, (backend, model, cache)) in replicas_in.into_iter().enumerate() {
@@ -622,11 +623,16 @@ fn start<B: StepBackend>(
             hash_salt: salt.clone(),
             speculative: config.speculative.clone(),
         };
+        let drafter = match &draft {
+            Some(d) => Some(d.drafter(config, &backend, &model)?),
+            None => None,
+        };
         let policies = Policies {
             sampler: plugins.sampler(),
             fallback_sampler: Box::new(DefaultSampler::default()),
             evictor: Some(plugins.evictor()),
             constrainer: vocabulary.is_some().then(|| plugins.constrainer()),
+            drafter,
         };
         let runner = ModelRunner::new(backend, model).with_graphs(config.engine.cuda_graphs);
         let (handle, _join, kv) = spawn_engine(setup, runner, policies)
@@ -677,6 +683,60 @@ fn start<B: StepBackend>(
         parts,
         plugin_metrics,
     })
+}
+
+/// The draft model of `speculative.method = "draft_model"`, opened once for every replica.
+struct DraftSource {
+    loaded: LoadedModel,
+    budget: crate::cache::ByteSize,
+}
+
+impl DraftSource {
+    fn open(config: &Config) -> anyhow::Result<Option<Self>> {
+        let spec = &config.speculative;
+        if spec.method != "draft_model" {
+            return Ok(None);
+        }
+        let loaded = LoadedModel::open(&spec.draft_model, "main")
+            .with_context(|| format!("opening the draft model {:?}", spec.draft_model))?;
+        let budget = crate::cache::ByteSize::parse(&spec.draft_memory_budget)
+            .map_err(|e| anyhow::anyhow!("speculative.draft_memory_budget: {e}"))?;
+        Ok(Some(Self { loaded, budget }))
+    }
+
+    /// The draft engine of one replica, on that replica's backend, after checking that the
+    /// draft model's vocabulary is the served model's.
+    fn drafter<B: StepBackend + Clone>(
+        &self,
+        config: &Config,
+        backend: &B,
+        target: &Model<B>,
+    ) -> anyhow::Result<Box<dyn crate::engine::speculative::Drafter>> {
+        use crate::engine::speculative::{DraftModelDrafter, draft_setup};
+        let dummy = config.model.load_format == "dummy";
+        let model = Arc::new(self.loaded.model(backend, dummy)?);
+        let (dv, tv) = (model.info.vocab_size, target.info.vocab_size);
+        anyhow::ensure!(
+            dv == tv && model.info.eos_token_ids == target.info.eos_token_ids,
+            "the draft model {:?} does not share the served model's tokenizer: vocabulary {dv} vs {tv}, EOS {:?} vs {:?}",
+            config.speculative.draft_model,
+            model.info.eos_token_ids,
+            target.info.eos_token_ids
+        );
+        let runner = ModelRunner::new(backend.clone(), model);
+        let engine = Engine::new(
+            draft_setup(self.budget, config.cache.block_size),
+            runner,
+            Policies::builtin(),
+        )
+        .context("starting the draft model's engine")?;
+        tracing::info!(
+            draft = %config.speculative.draft_model,
+            blocks = engine.stats().total_blocks,
+            "draft model loaded"
+        );
+        Ok(Box::new(DraftModelDrafter::new(engine)))
+    }
 }
 
 /// Starts serving on the configured address until Ctrl-C / SIGTERM.

@@ -106,6 +106,7 @@ pub struct Overrides {
     pub gpu_memory_utilization: Option<f64>,
     pub speculative_method: Option<String>,
     pub num_speculative_tokens: Option<usize>,
+    pub draft_model: Option<String>,
 }
 
 impl Config {
@@ -186,6 +187,9 @@ impl Config {
         }
         if let Some(k) = o.num_speculative_tokens {
             self.speculative.num_tokens = k;
+        }
+        if let Some(m) = o.draft_model {
+            self.speculative.draft_model = m;
         }
         self.validate("command line")?;
         Ok(self)

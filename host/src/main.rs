@@ -121,9 +121,14 @@ struct ServeArgs {
     /// leave of it (`cache.memory_budget = "auto"`, the default).
     #[arg(long)]
     gpu_memory_utilization: Option<f64>,
-    /// Overrides `speculative.method`: off, or ngram (drafts looked up in the context).
+    /// Overrides `speculative.method`: off, ngram (drafts looked up in the context) or
+    /// draft_model (drafts from `--draft-model`).
     #[arg(long)]
     speculative_method: Option<String>,
+    /// Overrides `speculative.draft_model`: a smaller model with the same tokenizer (a folder,
+    /// a .gguf file or a hub id).
+    #[arg(long)]
+    draft_model: Option<String>,
     /// Overrides `speculative.num_tokens`: drafts verified per step.
     #[arg(long)]
     num_speculative_tokens: Option<usize>,
@@ -290,6 +295,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         gpu_memory_utilization: args.gpu_memory_utilization,
         speculative_method: args.speculative_method,
         num_speculative_tokens: args.num_speculative_tokens,
+        draft_model: args.draft_model,
     })?;
     runtime()?.block_on(chimera::app::serve(config))
 }

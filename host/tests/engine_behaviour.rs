@@ -774,6 +774,7 @@ fn scheduling_ahead_changes_no_output() {
         fallback_sampler: Box::new(DefaultSampler::default()),
         evictor: None,
         constrainer: None,
+        drafter: None,
     };
     let mut work = shared_prefix_workload(11, 30, VOCAB);
     for (_, req) in work.iter_mut() {

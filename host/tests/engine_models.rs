@@ -266,6 +266,7 @@ fn ngram_speculation_keeps_every_fixtures_greedy_output() {
         max_batch: 8,
         prompt_lookup_min: 1,
         prompt_lookup_max: 3,
+        ..Default::default()
     };
     let variants = [
         ("default", Setup::default()),
@@ -359,6 +360,84 @@ fn ngram_speculation_keeps_every_fixtures_greedy_output() {
         report.push(format!("{name}: {accepted}/{drafted}"));
     }
     eprintln!("accepted/drafted: {}", report.join(", "));
+}
+
+/// Draft-model speculation: a draft engine over a second fixture of the same vocabulary
+/// proposes the drafts. Every greedy output is the model-level reference; a draft model that
+/// is the target itself gets nearly every draft accepted.
+#[test]
+fn draft_model_speculation_keeps_the_greedy_output() {
+    use chimera::engine::speculative::{DraftModelDrafter, draft_setup};
+    let pairs = [
+        ("llama-gqa", "llama-gqa"),
+        ("nemotronh-a", "nemotronh-a"),
+        ("qwen35-vl-b", "qwen35-vl-b"),
+        ("bamba-b", "mamba2-g2"),
+        ("qwen3next-a", "llama-gqa"),
+    ];
+    let prompts: Vec<Vec<u32>> = vec![tokens(8, 5), tokens(9, 33), tokens(12, 70)];
+    let n = 20;
+    for (target, draft) in pairs {
+        let m = load(target);
+        let want: Vec<Vec<u32>> = prompts.iter().map(|p| reference(&m, p, n)).collect();
+        let spec = SpeculativeConfig {
+            method: "draft_model".into(),
+            num_tokens: 4,
+            max_batch: 8,
+            draft_model: draft.into(),
+            ..SpeculativeConfig::default()
+        };
+        let draft_engine = Engine::new(
+            draft_setup(ByteSize(32 << 20), 16),
+            ModelRunner::new(CpuBackend::default(), load(draft)),
+            Policies::builtin(),
+        )
+        .expect("draft engine");
+        let setup = EngineSetup {
+            engine: EngineConfig {
+                max_batched_tokens: 256,
+                max_running: 8,
+                ..EngineConfig::default()
+            },
+            cache: CacheConfig {
+                memory_budget: Some(ByteSize(64 << 20)),
+                block_size: 16,
+                prefix_caching: true,
+                ..CacheConfig::default()
+            },
+            hash_salt: "test".into(),
+            speculative: spec,
+        };
+        let policies = Policies {
+            drafter: Some(Box::new(DraftModelDrafter::new(draft_engine))),
+            ..Policies::builtin()
+        };
+        let mut e = Engine::new(setup, ModelRunner::new(CpuBackend::default(), m), policies)
+            .expect("engine");
+        let rxs = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| submit(&mut e, i as u64, p, n as u32))
+            .collect();
+        let got = run_all(&mut e, rxs);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(&g.tokens, w, "{target} drafted by {draft}: request {i}");
+        }
+        let st = e.stats();
+        assert!(
+            st.spec_draft_tokens > 0,
+            "{target}/{draft}: nothing drafted"
+        );
+        if target == draft {
+            assert!(
+                st.spec_accepted_tokens * 10 >= st.spec_draft_tokens * 9,
+                "{target} drafting for itself: {} of {} accepted",
+                st.spec_accepted_tokens,
+                st.spec_draft_tokens
+            );
+        }
+        assert_eq!(e.cache().pool().available(), e.cache().total_blocks());
+    }
 }
 
 /// The smallest memory budget whose planned layout has exactly `blocks` KV blocks.

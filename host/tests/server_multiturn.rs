@@ -409,6 +409,7 @@ async fn speculative_replies_equal_plain_ones_and_are_counted() {
         max_batch: 8,
         prompt_lookup_min: 1,
         prompt_lookup_max: 3,
+        ..Default::default()
     };
     let on = TestServer::start(spec).await;
     let off = TestServer::start(hybrid()).await;

@@ -160,6 +160,7 @@ fn ngram(k: usize) -> SpeculativeConfig {
         max_batch: 8,
         prompt_lookup_min: 1,
         prompt_lookup_max: 3,
+        ..Default::default()
     }
 }
 

@@ -39,6 +39,9 @@ pub struct Policies {
     pub evictor: Option<Box<dyn Evictor>>,
     /// The constraint plugin's instance for this engine; `None` refuses constrained requests.
     pub constrainer: Option<Box<dyn Constrainer>>,
+    /// A drafter built by the caller (a draft model's); `None` takes the one `[speculative]`
+    /// names.
+    pub drafter: Option<Box<dyn Drafter>>,
 }
 
 impl Policies {
@@ -50,6 +53,7 @@ impl Policies {
             fallback_sampler: Box::new(DefaultSampler::default()),
             evictor: None,
             constrainer: None,
+            drafter: None,
         }
     }
 }
@@ -154,7 +158,11 @@ impl<E: StepExecutor> Engine<E> {
             layout.block_size,
             HashSeed::new(&setup.hash_salt),
         );
-        if let Some(drafter) = setup.speculative.drafter() {
+        if let Some(drafter) = policies
+            .drafter
+            .take()
+            .or_else(|| setup.speculative.drafter())
+        {
             sched.set_speculation(setup.speculative.clone(), drafter, executor.vocab_size());
         }
         let stats = EngineStats {

@@ -26,8 +26,9 @@ use serde::Deserialize;
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SpeculativeConfig {
-    /// "off", or "ngram": prompt lookup (drafts copied from where the context's last tokens
-    /// occurred before; no extra weights).
+    /// "off"; "ngram": prompt lookup (drafts copied from where the context's last tokens
+    /// occurred before; no extra weights); or "draft_model": a smaller model with the same
+    /// tokenizer (`draft_model`) decodes the drafts greedily.
     pub method: String,
     /// Drafts per verify step (`k`).
     pub num_tokens: usize,
@@ -38,6 +39,12 @@ pub struct SpeculativeConfig {
     /// N-gram sizes tried, longest first, when looking up the context's suffix.
     pub prompt_lookup_min: usize,
     pub prompt_lookup_max: usize,
+    /// The draft model of "draft_model": a folder, a `.gguf` file or a hub id, as
+    /// `model.path`. Its vocabulary must be the served model's.
+    pub draft_model: String,
+    /// The draft model's cache (its KV blocks and recurrent-state slots, prefix caching on),
+    /// per replica.
+    pub draft_memory_budget: String,
 }
 
 impl Default for SpeculativeConfig {
@@ -48,6 +55,8 @@ impl Default for SpeculativeConfig {
             max_batch: 16,
             prompt_lookup_min: 2,
             prompt_lookup_max: 4,
+            draft_model: String::new(),
+            draft_memory_budget: "512MiB".into(),
         }
     }
 }
@@ -74,10 +83,22 @@ impl SpeculativeConfig {
 
     /// A bad value, named by its key.
     pub fn validate(&self) -> Result<(), String> {
-        if !matches!(self.method.as_str(), "off" | "ngram") {
+        if !matches!(self.method.as_str(), "off" | "ngram" | "draft_model") {
             return Err(format!(
-                "speculative.method = {:?}: must be \"off\" or \"ngram\"",
+                "speculative.method = {:?}: must be \"off\", \"ngram\" or \"draft_model\"",
                 self.method
+            ));
+        }
+        if self.method == "draft_model" && self.draft_model.trim().is_empty() {
+            return Err(
+                "speculative.draft_model = \"\": method \"draft_model\" needs the draft model's path"
+                    .into(),
+            );
+        }
+        if let Err(e) = crate::cache::ByteSize::parse(&self.draft_memory_budget) {
+            return Err(format!(
+                "speculative.draft_memory_budget = {:?}: {e}",
+                self.draft_memory_budget
             ));
         }
         if !(1..=MAX_DRAFTS).contains(&self.num_tokens) {
@@ -98,7 +119,8 @@ impl SpeculativeConfig {
         Ok(())
     }
 
-    /// The drafter this configuration names (`None` when off).
+    /// The drafter this configuration names (`None` when off, and for "draft_model", whose
+    /// drafter the caller builds with the loaded draft model: [`DraftModelDrafter`]).
     pub fn drafter(&self) -> Option<Box<dyn Drafter>> {
         match self.method.as_str() {
             "ngram" => Some(Box::new(NgramDrafter {
@@ -177,6 +199,105 @@ impl Drafter for ReplayDrafter {
                 t.checked_sub(1).unwrap_or(1)
             });
         }
+    }
+}
+
+/// Drafts from a smaller model with the same tokenizer: an engine of its own over the draft
+/// model (greedy, prefix caching on, one request at a time) continues the request's tokens by
+/// `k`. Consecutive proposals for a request share all but their last tokens, so the draft
+/// engine's prefix cache serves them and each proposal computes only the tokens accepted since
+/// the last one, the partial last block and the `k` drafts. A proposal the draft engine cannot
+/// make (its cache too small for the context) proposes nothing.
+pub struct DraftModelDrafter<E: super::StepExecutor> {
+    engine: super::Engine<E>,
+    next_id: u64,
+    warned: bool,
+}
+
+impl<E: super::StepExecutor> DraftModelDrafter<E> {
+    /// Over a draft engine (see [`draft_setup`]).
+    pub fn new(engine: super::Engine<E>) -> Self {
+        Self {
+            engine,
+            next_id: 0,
+            warned: false,
+        }
+    }
+
+    pub fn engine(&self) -> &super::Engine<E> {
+        &self.engine
+    }
+}
+
+/// The draft engine's setup: one request at a time, chunked prefill, prefix caching, a cache of
+/// `budget` bytes in blocks of `block_size`.
+pub fn draft_setup(budget: crate::cache::ByteSize, block_size: usize) -> super::EngineSetup {
+    super::EngineSetup {
+        engine: super::EngineConfig {
+            max_running: 1,
+            max_waiting: 1,
+            max_batched_tokens: 2048,
+            schedule_ahead: false,
+            cuda_graphs: false,
+            ..Default::default()
+        },
+        cache: crate::cache::CacheConfig {
+            memory_budget: Some(budget),
+            block_size,
+            prefix_caching: true,
+            ..Default::default()
+        },
+        hash_salt: "draft-model".into(),
+        speculative: SpeculativeConfig::default(),
+    }
+}
+
+impl<E: super::StepExecutor> Drafter for DraftModelDrafter<E> {
+    fn propose(&mut self, _id: u64, tokens: &[u32], k: usize, out: &mut Vec<u32>) {
+        use super::api::{EngineEvent, GenerateRequest, SamplingParams};
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        self.next_id += 1;
+        self.engine.add(
+            GenerateRequest {
+                id: self.next_id,
+                prompt: tokens.to_vec(),
+                params: SamplingParams::default(),
+                max_tokens: k as u32,
+                stop_token_ids: Vec::new(),
+                ignore_eos: true,
+                prompt_logprobs: None,
+                block_hashes: None,
+                checkpoints: Vec::new(),
+                priority: 0,
+                constraint: None,
+                speculative: false,
+            },
+            tx,
+        );
+        let start = out.len();
+        loop {
+            let ran = self.engine.step();
+            let mut done = false;
+            while let Ok(ev) = rx.try_recv() {
+                match ev {
+                    EngineEvent::Tokens { tokens, .. } => out.extend(tokens),
+                    EngineEvent::Finished { .. } => done = true,
+                    EngineEvent::Failed { message, .. } => {
+                        if !std::mem::replace(&mut self.warned, true) {
+                            tracing::warn!(error = %message, "the draft model could not draft (said once)");
+                        }
+                        out.truncate(start);
+                        done = true;
+                    }
+                    EngineEvent::PromptLogprobs { .. } => {}
+                }
+            }
+            if done || !ran {
+                break;
+            }
+        }
+        // A step scheduled ahead may still hold the request: let it go.
+        while !self.engine.is_idle() && self.engine.step() {}
     }
 }
 

@@ -140,6 +140,7 @@ impl Options {
             fallback_sampler: Box::new(DefaultSampler::default()),
             evictor: None,
             constrainer: None,
+            drafter: None,
         }
     }
 
