@@ -81,7 +81,7 @@ pub fn kernels(report: &mut Report, gpu: &CudaBackend) -> Option<f64> {
 }
 
 /// `rows` sampling rows without penalties (top-k candidates 64), as the decode benches sample.
-fn plain_sampling(plan: &mut StepPlan, rows: usize) {
+pub(super) fn plain_sampling(plan: &mut StepPlan, rows: usize) {
     plan.sampling.clear(64);
     for _ in 0..rows {
         plan.sampling.push_row(

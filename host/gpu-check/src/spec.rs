@@ -133,6 +133,103 @@ fn drive<B: StepBackend>(backend: B, m: Arc<Model<B>>, job: Job<'_>) -> anyhow::
     })
 }
 
+/// Eager steps at the plan level, context 2048, batch 1: a plain decode and verify chunks of
+/// 1 + k tokens (every position sampled, the recurrent state snapshotted after each draft
+/// position on a hybrid), each timed over 50 steps, and where the device time of the plain and
+/// the k = 4 step goes (per kernel, five steps profiled).
+fn profile_steps(
+    report: &mut Report,
+    gpu: &CudaBackend,
+    m: &Model<CudaBackend>,
+    name: &str,
+) -> anyhow::Result<()> {
+    use chimera::backend::StepPlan;
+    use chimera::backend::sample::SampleOut;
+    const CONTEXT: usize = 2048;
+    const BLOCK: usize = 16;
+    let hybrid = m.info.cache.is_hybrid();
+    let per_seq = (CONTEXT + 8).div_ceil(BLOCK);
+    let mut caches = m.new_caches(gpu, per_seq, BLOCK, if hybrid { 5 } else { 1 })?;
+    let table: Vec<u32> = (0..per_seq as u32).collect();
+    let plan_of = |k: usize| -> anyhow::Result<StepPlan> {
+        let mut plan = StepPlan::new(BLOCK);
+        let chunk = plan.push(&[17], CONTEXT, &table, 0, true);
+        chunk.sample_all = k > 0;
+        let drafts: Vec<u32> = (0..k as u32).map(|j| 100 + j).collect();
+        plan.extend_last(&drafts);
+        if hybrid {
+            for j in 0..k {
+                plan.snapshot(j + 1, 1 + j as u32);
+            }
+        }
+        plan.finish()?;
+        let rows = plan.sample_rows.len();
+        super::bench::plain_sampling(&mut plan, rows);
+        Ok(plan)
+    };
+    let mut step = gpu.new_step(64)?;
+    let mut out = SampleOut::default();
+    let mut base_ms = 0.0;
+    for k in [0usize, 1, 2, 4] {
+        let plan = plan_of(k)?;
+        let mut one = || -> anyhow::Result<()> {
+            gpu.upload_step(&plan, &mut step)?;
+            let mut logits = m.forward(gpu, &mut step, &mut caches)?;
+            gpu.sample(&mut logits, &mut step, &mut out)?;
+            Ok(())
+        };
+        for _ in 0..3 {
+            one()?;
+        }
+        gpu.synchronize()?;
+        let t0 = Instant::now();
+        for _ in 0..50 {
+            one()?;
+        }
+        gpu.synchronize()?;
+        let ms = t0.elapsed().as_secs_f64() * 1e3 / 50.0;
+        if k == 0 {
+            base_ms = ms;
+        }
+        report.push(
+            BENCH,
+            format!(
+                "{name} bs1 eager step, plan level: 1 + {k} tokens over a plain decode (reported)"
+            ),
+            ms / base_ms,
+            format!("{:.3}× ({ms:.3} ms)", ms / base_ms),
+            "reported".into(),
+            true,
+        );
+        if k == 0 || k == 4 {
+            const PROFILED: usize = 5;
+            let ops = gpu.profile_ops(|| -> anyhow::Result<()> {
+                for _ in 0..PROFILED {
+                    one()?;
+                }
+                Ok(())
+            })?;
+            let total: f64 = ops.iter().map(|o| o.ms).sum::<f64>() / PROFILED as f64;
+            for o in ops.iter().take(10) {
+                let us = o.ms * 1e3 / PROFILED as f64;
+                report.push(
+                    BENCH,
+                    format!(
+                        "{name} bs1 eager 1+{k} tokens: device time of {} ({} a step; all ops {total:.2} ms; reported)",
+                        o.name,
+                        o.calls / PROFILED
+                    ),
+                    us,
+                    format!("{us:.0} µs"),
+                    "reported".into(),
+                    true,
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 /// How a timed run's steps ran: graph kinds, the device's idle share between steps.
 fn report_run(report: &mut Report, name: &str, label: &str, r: &Run) {
     let s = &r.stats;
@@ -429,6 +526,7 @@ fn bench_model(
             speedup >= 2.0 || len < 2.45,
         );
     }
+    profile_steps(report, gpu, &m, &name)?;
     // Serving batches: speculation left on (max_batch 16 turns it off above 16 running).
     for batch in [64usize, 256] {
         let ctx = 512;
