@@ -115,23 +115,7 @@ fn submit(
     max_tokens: u32,
 ) -> UnboundedReceiver<EngineEvent> {
     let (tx, rx) = unbounded_channel();
-    e.add(
-        GenerateRequest {
-            id,
-            prompt: prompt.to_vec(),
-            params: SamplingParams::default(),
-            max_tokens,
-            stop_token_ids: Vec::new(),
-            ignore_eos: true,
-            prompt_logprobs: None,
-            block_hashes: None,
-            checkpoints: Vec::new(),
-            priority: 0,
-            constraint: None,
-            speculative: true,
-        },
-        tx,
-    );
+    e.add(GenerateRequest::greedy(id, prompt.to_vec(), max_tokens), tx);
     rx
 }
 

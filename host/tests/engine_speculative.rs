@@ -35,7 +35,7 @@ impl Drafter for Oracle {
         // After a preemption the output is part of the prompt: positions still line up.
         let at = tokens.len() - prompt;
         let mut x = mix(id, tokens.len() as u64);
-        let k = if x % 5 == 0 {
+        let k = if x.is_multiple_of(5) {
             k.min(1 + (x as usize >> 8) % k)
         } else {
             k
@@ -45,7 +45,7 @@ impl Drafter for Oracle {
                 return;
             };
             x = mix(x, j as u64);
-            out.push(if x % self.wrong == 0 {
+            out.push(if x.is_multiple_of(self.wrong) {
                 (t + 1 + (x >> 20) as u32 % (VOCAB - 1)) % VOCAB
             } else {
                 t

@@ -26,7 +26,7 @@ use chimera::backend::StepBackend;
 use chimera::backend::cpu::CpuBackend;
 use chimera::backend::cuda::CudaBackend;
 use chimera::cache::{ByteSize, CacheConfig};
-use chimera::engine::api::{EngineEvent, EngineStats, GenerateRequest, SamplingParams};
+use chimera::engine::api::{EngineEvent, EngineStats, GenerateRequest};
 use chimera::engine::speculative::{Drafter, ReplayDrafter, SpeculativeConfig};
 use chimera::engine::{Engine, EngineConfig, EngineSetup, ModelRunner, Policies};
 use chimera::model::{self, Model};
@@ -79,20 +79,7 @@ fn drive<B: StepBackend>(backend: B, m: Arc<Model<B>>, job: Job<'_>) -> anyhow::
     for (i, p) in job.prompts.iter().enumerate() {
         let (tx, r) = unbounded_channel();
         engine.add(
-            GenerateRequest {
-                id: i as u64,
-                prompt: p.clone(),
-                params: SamplingParams::default(),
-                max_tokens: job.max_tokens,
-                stop_token_ids: vec![],
-                ignore_eos: true,
-                prompt_logprobs: None,
-                block_hashes: None,
-                checkpoints: Vec::new(),
-                priority: 0,
-                constraint: None,
-                speculative: true,
-            },
+            GenerateRequest::greedy(i as u64, p.clone(), job.max_tokens),
             tx,
         );
         rx.insert(i as u64, r);
@@ -174,8 +161,8 @@ fn profile_steps(
         let plan = plan_of(k)?;
         let mut one = || -> anyhow::Result<()> {
             gpu.upload_step(&plan, &mut step)?;
-            let mut logits = m.forward(gpu, &mut step, &mut caches)?;
-            gpu.sample(&mut logits, &mut step, &mut out)?;
+            let mut logits = m.forward(gpu, &step, &mut caches)?;
+            gpu.sample(&mut logits, &step, &mut out)?;
             Ok(())
         };
         for _ in 0..3 {

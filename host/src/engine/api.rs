@@ -104,10 +104,10 @@ pub struct Grammar {
     pub text: String,
 }
 
-#[cfg(test)]
 impl GenerateRequest {
-    /// A unit test's request: default sampling, no stop tokens, EOS ignored, nothing else asked.
-    pub(crate) fn for_test(id: u64, prompt: Vec<u32>, max_tokens: u32) -> Self {
+    /// A request for `max_tokens` greedy tokens after `prompt`, EOS ignored, nothing else
+    /// asked (benchmarks, drafters, tests).
+    pub fn greedy(id: u64, prompt: Vec<u32>, max_tokens: u32) -> Self {
         Self {
             id,
             prompt,
@@ -122,6 +122,12 @@ impl GenerateRequest {
             constraint: None,
             speculative: true,
         }
+    }
+
+    /// A unit test's request ([`Self::greedy`]).
+    #[cfg(test)]
+    pub(crate) fn for_test(id: u64, prompt: Vec<u32>, max_tokens: u32) -> Self {
+        Self::greedy(id, prompt, max_tokens)
     }
 }
 

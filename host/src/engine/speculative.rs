@@ -254,23 +254,13 @@ pub fn draft_setup(budget: crate::cache::ByteSize, block_size: usize) -> super::
 
 impl<E: super::StepExecutor> Drafter for DraftModelDrafter<E> {
     fn propose(&mut self, _id: u64, tokens: &[u32], k: usize, out: &mut Vec<u32>) {
-        use super::api::{EngineEvent, GenerateRequest, SamplingParams};
+        use super::api::{EngineEvent, GenerateRequest};
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         self.next_id += 1;
         self.engine.add(
             GenerateRequest {
-                id: self.next_id,
-                prompt: tokens.to_vec(),
-                params: SamplingParams::default(),
-                max_tokens: k as u32,
-                stop_token_ids: Vec::new(),
-                ignore_eos: true,
-                prompt_logprobs: None,
-                block_hashes: None,
-                checkpoints: Vec::new(),
-                priority: 0,
-                constraint: None,
                 speculative: false,
+                ..GenerateRequest::greedy(self.next_id, tokens.to_vec(), k as u32)
             },
             tx,
         );
