@@ -215,6 +215,31 @@ impl HttpClient {
             .map_err(|e| fail("request", e.to_string()))
     }
 
+    /// GET `path` and return the reply's text (used for `/metrics`).
+    pub async fn get_text(&self, path: &str, timeout: Duration) -> Result<String, Failure> {
+        let req = self.request("GET", path, Bytes::new())?;
+        let fut = async {
+            let resp = self.client.request(req).await.map_err(client_failure)?;
+            let status = resp.status();
+            let bytes = resp
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| fail("stream", e.to_string()))?
+                .to_bytes();
+            if !status.is_success() {
+                return Err(fail(
+                    format!("http_{}", status.as_u16()),
+                    String::from_utf8_lossy(&bytes).into_owned(),
+                ));
+            }
+            Ok(String::from_utf8_lossy(&bytes).into_owned())
+        };
+        tokio::time::timeout(timeout, fut)
+            .await
+            .unwrap_or_else(|_| Err(fail("timeout", format!("no reply in {timeout:?}"))))
+    }
+
     /// GET `path` and parse the JSON reply (used for `/v1/models`).
     pub async fn get_json(&self, path: &str, timeout: Duration) -> Result<Value, Failure> {
         let req = self.request("GET", path, Bytes::new())?;

@@ -161,6 +161,15 @@ fn progress_bar(args: &BenchArgs, len: Option<usize>, what: &str) -> ProgressBar
 
 /// Runs the benchmark described by `args`: every load point in turn, printing a table per
 /// point (unless `--quiet`) and writing the JSON report and plot when asked.
+/// The server's speculative-decoding counters (`None` when `/metrics` cannot be read).
+async fn spec_decode(
+    client: &HttpClient,
+    timeout: std::time::Duration,
+) -> Option<report::SpecDecode> {
+    let text = client.get_text("/metrics", timeout).await.ok()?;
+    Some(report::SpecDecode::parse(&text))
+}
+
 pub async fn run(args: BenchArgs) -> anyhow::Result<BenchReport> {
     let plan = args.plan()?;
     let baseline = args
@@ -296,14 +305,23 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<BenchReport> {
             progress: progress.clone(),
             stop: stop.clone(),
         });
+        let spec_before = spec_decode(&client, plan.timeout).await;
         let out = runner::run_point(ctx, *point, bounds, seed).await;
         progress.finish_and_clear();
         let summary = PointSummary::compute(point, &out.records, out.duration_s, out.skipped_turns);
+        let spec = match (spec_before, spec_decode(&client, plan.timeout).await) {
+            (Some(b), Some(a)) => a.since(b),
+            _ => None,
+        };
         if !args.quiet {
             print!("{}", report::point_table(&summary));
+            if let Some(s) = &spec {
+                print!("{}", s.line());
+            }
         }
         report.points.push(PointReport {
             summary,
+            spec_decode: spec,
             records: args.save_requests.then_some(out.records),
         });
     }

@@ -73,11 +73,84 @@ pub struct RunInfo {
     pub interrupted: bool,
 }
 
+/// Speculative decoding during one point, from the server's `/metrics` before and after it
+/// (`chimera:` or `vllm:` `spec_decode_*` counters, summed over replicas).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct SpecDecode {
+    /// Verify steps that carried drafts.
+    pub drafts: f64,
+    pub draft_tokens: f64,
+    pub accepted_tokens: f64,
+}
+
+impl SpecDecode {
+    /// The counters in a Prometheus text page (zeros where the server has none).
+    pub fn parse(metrics: &str) -> Self {
+        let mut s = Self::default();
+        for line in metrics.lines().filter(|l| !l.starts_with('#')) {
+            let Some((series, value)) = line.rsplit_once(' ') else {
+                continue;
+            };
+            let name = series.split('{').next().unwrap_or(series);
+            let name = name
+                .strip_prefix("chimera:")
+                .or_else(|| name.strip_prefix("vllm:"))
+                .unwrap_or("");
+            let name = name.strip_suffix("_total").unwrap_or(name);
+            let Ok(v) = value.trim().parse::<f64>() else {
+                continue;
+            };
+            match name {
+                "spec_decode_num_drafts" => s.drafts += v,
+                "spec_decode_num_draft_tokens" => s.draft_tokens += v,
+                "spec_decode_num_accepted_tokens" => s.accepted_tokens += v,
+                _ => {}
+            }
+        }
+        s
+    }
+
+    /// What happened between `before` and `self` (`None` when no draft was verified).
+    pub fn since(self, before: Self) -> Option<Self> {
+        let d = Self {
+            drafts: self.drafts - before.drafts,
+            draft_tokens: self.draft_tokens - before.draft_tokens,
+            accepted_tokens: self.accepted_tokens - before.accepted_tokens,
+        };
+        (d.drafts > 0.0).then_some(d)
+    }
+
+    /// Accepted drafts over drafts verified.
+    pub fn acceptance_rate(&self) -> f64 {
+        self.accepted_tokens / self.draft_tokens.max(1.0)
+    }
+
+    /// Tokens per verify step: the accepted drafts plus the one every step yields.
+    pub fn mean_acceptance_length(&self) -> f64 {
+        1.0 + self.accepted_tokens / self.drafts.max(1.0)
+    }
+
+    /// One line for the point's table.
+    pub fn line(&self) -> String {
+        format!(
+            "speculative {} verify steps  {} / {} drafts accepted ({:.1} %)  mean acceptance length {:.2}\n",
+            self.drafts,
+            self.accepted_tokens,
+            self.draft_tokens,
+            100.0 * self.acceptance_rate(),
+            self.mean_acceptance_length()
+        )
+    }
+}
+
 /// One load point: its summary, and the per-request records when `--save-requests` is given.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PointReport {
     #[serde(flatten)]
     pub summary: PointSummary,
+    /// Speculative decoding during the point, when the server verified drafts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spec_decode: Option<SpecDecode>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub records: Option<Vec<RequestRecord>>,
 }
@@ -483,6 +556,7 @@ mod tests {
             .collect();
         PointReport {
             summary: PointSummary::compute(&load, &records, 1.0, 0),
+            spec_decode: None,
             records: None,
         }
     }
@@ -588,5 +662,38 @@ mod tests {
         let svg = std::fs::read_to_string(&path).unwrap();
         assert!(svg.contains("request rate (req/s)") && svg.contains("throughput"));
         let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod spec_tests {
+    use super::SpecDecode;
+
+    #[test]
+    fn spec_decode_counters_are_read_from_either_prefix() {
+        let page = "# HELP x\n\
+chimera:spec_decode_num_drafts_total{model_name=\"m\",engine=\"0\"} 10\n\
+chimera:spec_decode_num_drafts_total{model_name=\"m\",engine=\"1\"} 6\n\
+chimera:spec_decode_num_draft_tokens_total{engine=\"0\"} 48\n\
+chimera:spec_decode_num_accepted_tokens_total{engine=\"0\"} 24\n\
+chimera:spec_decode_num_accepted_tokens_per_pos_total{engine=\"0\",position=\"0\"} 14\n";
+        let s = SpecDecode::parse(page);
+        assert_eq!(
+            (s.drafts, s.draft_tokens, s.accepted_tokens),
+            (16.0, 48.0, 24.0)
+        );
+        let v = SpecDecode::parse(
+            "vllm:spec_decode_num_drafts_total 4\nvllm:spec_decode_num_draft_tokens_total 12\nvllm:spec_decode_num_accepted_tokens_total 6\n",
+        );
+        let d = v.since(SpecDecode::default()).unwrap();
+        assert_eq!(d.mean_acceptance_length(), 2.5);
+        assert_eq!(d.acceptance_rate(), 0.5);
+        assert!(v.since(v).is_none(), "no verify step in between");
+        assert!(
+            d.line().contains("mean acceptance length 2.50"),
+            "{}",
+            d.line()
+        );
     }
 }

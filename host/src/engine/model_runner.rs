@@ -67,6 +67,13 @@ enum Packed {
 /// bucket whose SSD-chunk capacity is too small refuses after planning the step.
 const MAX_MIXED_TRIES: usize = 4;
 
+/// A step of verify chunks (speculative decoding) with at most this many tokens runs eagerly:
+/// the smallest mixed bucket pads it to 32 rows, and the padded GEMMs cost more than the
+/// launches. Measured on an H100 at batch 1, context 2048 (`gpu-check --suite bench-spec`):
+/// Llama-3-8B, 2 tokens eager 1.06× a decode step, in the 32-token mixed graph 1.36×;
+/// NemotronH-8B, 5 tokens eager 1.43×, in the graph 1.64×.
+const EAGER_VERIFY_TOKENS: usize = 8;
+
 /// One captured bucket: its graph and where it leaves its logits.
 struct CapturedGraph {
     bucket: GraphBucket,
@@ -405,6 +412,9 @@ impl<B: StepBackend> ModelRunner<B> {
             return Ok(None);
         }
         let decodes = plan.seqs.iter().filter(|q| q.len == 1).count();
+        if plan.tokens.len() <= EAGER_VERIFY_TOKENS && plan.seqs.iter().any(|q| q.sample_all) {
+            return Ok(None);
+        }
         let prompts = plan.seqs.len() - decodes;
         let mut mixed_tries = 0;
         for (i, g) in graphs.iter().enumerate() {
@@ -537,5 +547,40 @@ impl<B: StepBackend> ModelRunner<B> {
             self.packed = Some(Packed::Eager);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    /// A small step of verify chunks runs eagerly; the same tokens as a prompt chunk, or a
+    /// verify step too big for that rule, take the mixed bucket.
+    #[test]
+    fn small_verify_steps_run_eagerly() {
+        let graphs = [CapturedGraph {
+            bucket: GraphBucket::Mixed {
+                tokens: 32,
+                decodes: 1,
+                prompts: 2,
+            },
+            id: 0,
+            out: 0,
+        }];
+        let plan = |tokens: usize, verify: bool| {
+            let mut p = StepPlan::new(16);
+            let toks: Vec<u32> = (0..tokens as u32).collect();
+            p.push(&toks, 40, &[0, 1, 2, 3], 0, true).sample_all = verify;
+            p.finish().unwrap();
+            p
+        };
+        let pick = |p: &StepPlan| {
+            ModelRunner::<crate::backend::cpu::CpuBackend>::pick_graph(&graphs, p, |_| Ok(true))
+                .unwrap()
+        };
+        assert_eq!(pick(&plan(5, true)), None);
+        assert_eq!(pick(&plan(5, false)), Some(0));
+        assert_eq!(pick(&plan(12, true)), Some(0));
     }
 }
