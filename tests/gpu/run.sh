@@ -3,7 +3,7 @@
 # .gpu/chimera.xz and .gpu/chimera-gpu-check.xz (tests/gpu/prepare.sh makes them on a machine
 # without a GPU; they are unpacked here when the .xz is newer than the binary or it is missing):
 #
-#   tests/gpu/run.sh kernels|hybrid|parity|archs|graphs|bench|bench-kernels|bench-archs|bench-mixed|moe|serve|all
+#   tests/gpu/run.sh kernels|hybrid|parity|archs|graphs|bench|bench-kernels|bench-archs|bench-mixed|moe|spec|bench-spec|serve|all
 #   tests/gpu/run.sh attention|model|fixtures   (subsets of kernels and parity/hybrid, for planted faults)
 #   tests/gpu/run.sh serving-caching|serving-idle|serving-prefill|serving-routing   (QUICK=1: small)
 #
