@@ -725,7 +725,11 @@ impl DraftSource {
         );
         let runner = ModelRunner::new(backend.clone(), model);
         let engine = Engine::new(
-            draft_setup(self.budget, config.cache.block_size),
+            draft_setup(
+                self.budget,
+                config.cache.block_size,
+                config.speculative.max_batch.min(config.engine.max_running),
+            ),
             runner,
             Policies::builtin(),
         )

@@ -372,7 +372,7 @@ fn draft_model_speculation_keeps_the_greedy_output() {
             ..SpeculativeConfig::default()
         };
         let draft_engine = Engine::new(
-            draft_setup(ByteSize(32 << 20), 16),
+            draft_setup(ByteSize(32 << 20), 16, 8),
             ModelRunner::new(CpuBackend::default(), load(draft)),
             Policies::builtin(),
         )

@@ -25,7 +25,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use super::api::FailureKind;
 use super::config::EngineConfig;
 use super::request::{Phase, Request};
-use super::speculative::{Drafter, SpecCounters, SpeculativeConfig, accepted, backoff};
+use super::speculative::{DraftAsk, Drafter, SpecCounters, SpeculativeConfig, accepted, backoff};
 use crate::cache::{BlockHash, CacheError, CacheManager, HashSeed, PrefixMatch, SsmInit};
 use crate::model::SsmSnapshot;
 
@@ -185,42 +185,65 @@ impl Scheduler {
         self.drafter.is_some() && self.num_running() <= self.spec.max_batch
     }
 
-    /// The drafts request `r` (decoding from `start`, every token known) verifies this step:
-    /// at most `num_tokens`, `budget - 1` and one fewer than the tokens it may still emit.
-    fn propose(&mut self, slot: u32, budget: usize, out: &mut Vec<u32>) {
-        out.clear();
+    /// Drafts for every running request that may speculate this step, asked of the drafter
+    /// in one batch and left in [`Request::drafts`] (at most `num_tokens`, and one fewer than
+    /// the tokens the request may still emit; the step's token budget trims them when the
+    /// request is scheduled). A request backing off counts one decode down instead.
+    fn draft_all(&mut self) {
         let Some(drafter) = self.drafter.as_mut() else {
             return;
         };
-        let Some(r) = self.slots[slot as usize].as_mut() else {
-            return;
-        };
-        if r.spec_backoff > 0 {
-            r.spec_backoff -= 1;
+        let mut asks = Vec::new();
+        for &slot in &self.running {
+            let Some(r) = self.slots[slot as usize].as_mut() else {
+                continue;
+            };
+            if r.phase != Phase::Running
+                || !r.speculative
+                || r.constraint.is_some()
+                || r.in_flight > 0
+                || r.is_prefill()
+                || r.computed + 1 != r.tokens.len()
+            {
+                continue;
+            }
+            if r.spec_backoff > 0 {
+                r.spec_backoff -= 1;
+                continue;
+            }
+            let left = r.max_tokens.saturating_sub(r.generated());
+            let k = self.spec.num_tokens.min(left.saturating_sub(1));
+            if k > 0 {
+                asks.push((slot, k));
+            }
+        }
+        if asks.is_empty() {
             return;
         }
-        if !r.speculative
-            || r.constraint.is_some()
-            || r.in_flight > 0
-            || r.is_prefill()
-            || r.computed + 1 != r.tokens.len()
-        {
-            return;
-        }
-        let left = r.max_tokens.saturating_sub(r.generated());
-        let k = self
-            .spec
-            .num_tokens
-            .min(budget.saturating_sub(1))
-            .min(left.saturating_sub(1));
-        if k > 0 {
-            drafter.propose(r.id, &r.tokens, k, out);
-            let valid = out
+        let requests: Vec<DraftAsk<'_>> = asks
+            .iter()
+            .filter_map(|&(slot, k)| {
+                let r = self.slots[slot as usize].as_ref()?;
+                Some(DraftAsk {
+                    id: r.id,
+                    tokens: &r.tokens,
+                    k,
+                })
+            })
+            .collect();
+        let mut drafts = vec![Vec::new(); requests.len()];
+        drafter.propose_many(&requests, &mut drafts);
+        drop(requests);
+        for ((slot, k), mut d) in asks.into_iter().zip(drafts) {
+            let valid = d
                 .iter()
                 .take(k)
                 .take_while(|&&t| (t as usize) < self.vocab)
                 .count();
-            out.truncate(valid);
+            d.truncate(valid);
+            if let Some(r) = self.slots[slot as usize].as_mut() {
+                r.drafts = d;
+            }
         }
     }
 
@@ -358,6 +381,10 @@ impl Scheduler {
         out.clear();
         out.step = self.step;
         let mut budget = self.cfg.max_batched_tokens;
+        let drafted = self.speculation_active();
+        if drafted {
+            self.draft_all();
+        }
         loop {
             self.schedule_running(cache, out, &mut budget, true);
             self.schedule_running(cache, out, &mut budget, false);
@@ -366,6 +393,19 @@ impl Scheduler {
             }
             if !self.evict_newest_paused(cache, out) {
                 break;
+            }
+        }
+        if drafted {
+            // Drafts of requests this step did not verify (out of budget) are stale by the
+            // next step.
+            for &slot in &self.running {
+                let verifying = out.seqs.iter().any(|s| s.slot == slot && s.drafts > 0);
+                if let Some(r) = self.slots[slot as usize].as_mut()
+                    && !verifying
+                    && r.in_flight == 0
+                {
+                    r.drafts.clear();
+                }
             }
         }
         if self.num_paused == 0 {
@@ -547,16 +587,12 @@ impl Scheduler {
         slot: u32,
         budget: &mut usize,
     ) -> bool {
-        let mut drafts = match self.slots[slot as usize].as_mut() {
-            Some(r) => std::mem::take(&mut r.drafts),
-            None => return false,
-        };
-        self.propose(slot, *budget, &mut drafts);
-        let k = drafts.len();
         let Some(r) = self.slots[slot as usize].as_mut() else {
             return false;
         };
-        r.drafts = drafts;
+        // Drafted by `draft_all` for this step; the token budget may trim them.
+        r.drafts.truncate(budget.saturating_sub(1));
+        let k = r.drafts.len();
         let (start, phase) = (r.computed, r.phase);
         if k == 0 || cache.grow(slot, start + 1 + k).is_err() {
             r.drafts.clear();

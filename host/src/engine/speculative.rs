@@ -142,11 +142,27 @@ impl SpeculativeConfig {
     }
 }
 
-/// Proposes a decoding request's next tokens.
+/// One request's ask of a drafter: up to `k` tokens after `tokens` (its prompt and output).
+#[derive(Debug, Clone, Copy)]
+pub struct DraftAsk<'a> {
+    pub id: u64,
+    pub tokens: &'a [u32],
+    pub k: usize,
+}
+
+/// Proposes decoding requests' next tokens.
 pub trait Drafter: Send {
     /// Appends up to `k` guesses of what follows `tokens` (the request's prompt and output)
     /// to `out`; fewer, or none, when it has no guess. `id` is the request's.
     fn propose(&mut self, id: u64, tokens: &[u32], k: usize, out: &mut Vec<u32>);
+
+    /// [`Self::propose`] for every ask of a step, `out[i]` (empty on entry) for `asks[i]`. A
+    /// drafter that runs a model drafts them as one batch.
+    fn propose_many(&mut self, asks: &[DraftAsk<'_>], out: &mut [Vec<u32>]) {
+        for (a, o) in asks.iter().zip(out) {
+            self.propose(a.id, a.tokens, a.k, o);
+        }
+    }
 }
 
 /// Prompt lookup: finds the latest earlier occurrence of the context's last `n` tokens
@@ -203,8 +219,8 @@ impl Drafter for ReplayDrafter {
 }
 
 /// Drafts from a smaller model with the same tokenizer: an engine of its own over the draft
-/// model (greedy, prefix caching on, one request at a time) continues the request's tokens by
-/// `k`. Consecutive proposals for a request share all but their last tokens, so the draft
+/// model (greedy, prefix caching on, a step's asks as one batch) continues each request's
+/// tokens by `k`. Consecutive proposals for a request share all but their last tokens, so the draft
 /// engine's prefix cache serves them and each proposal computes only the tokens accepted since
 /// the last one, the partial last block and the `k` drafts. A proposal the draft engine cannot
 /// make (its cache too small for the context) proposes nothing.
@@ -229,13 +245,17 @@ impl<E: super::StepExecutor> DraftModelDrafter<E> {
     }
 }
 
-/// The draft engine's setup: one request at a time, chunked prefill, prefix caching, a cache of
-/// `budget` bytes in blocks of `block_size`.
-pub fn draft_setup(budget: crate::cache::ByteSize, block_size: usize) -> super::EngineSetup {
+/// The draft engine's setup: the requests of one step's asks at once (`max_batch`), chunked
+/// prefill, prefix caching, a cache of `budget` bytes in blocks of `block_size`.
+pub fn draft_setup(
+    budget: crate::cache::ByteSize,
+    block_size: usize,
+    max_batch: usize,
+) -> super::EngineSetup {
     super::EngineSetup {
         engine: super::EngineConfig {
-            max_running: 1,
-            max_waiting: 1,
+            max_running: max_batch.max(1),
+            max_waiting: max_batch.max(1) * 4,
             max_batched_tokens: 2048,
             schedule_ahead: false,
             cuda_graphs: false,
@@ -253,40 +273,56 @@ pub fn draft_setup(budget: crate::cache::ByteSize, block_size: usize) -> super::
 }
 
 impl<E: super::StepExecutor> Drafter for DraftModelDrafter<E> {
-    fn propose(&mut self, _id: u64, tokens: &[u32], k: usize, out: &mut Vec<u32>) {
+    fn propose(&mut self, id: u64, tokens: &[u32], k: usize, out: &mut Vec<u32>) {
+        let ask = [DraftAsk { id, tokens, k }];
+        let mut one = [std::mem::take(out)];
+        self.propose_many(&ask, &mut one);
+        *out = std::mem::take(&mut one[0]);
+    }
+
+    fn propose_many(&mut self, asks: &[DraftAsk<'_>], out: &mut [Vec<u32>]) {
         use super::api::{EngineEvent, GenerateRequest};
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        self.next_id += 1;
-        self.engine.add(
-            GenerateRequest {
-                speculative: false,
-                ..GenerateRequest::greedy(self.next_id, tokens.to_vec(), k as u32)
-            },
-            tx,
-        );
-        let start = out.len();
-        loop {
+        let mut streams = Vec::with_capacity(asks.len());
+        for ask in asks {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            self.next_id += 1;
+            self.engine.add(
+                GenerateRequest {
+                    speculative: false,
+                    ..GenerateRequest::greedy(self.next_id, ask.tokens.to_vec(), ask.k as u32)
+                },
+                tx,
+            );
+            streams.push((rx, false));
+        }
+        let mut open = asks.len();
+        while open > 0 {
             let ran = self.engine.step();
-            let mut done = false;
-            while let Ok(ev) = rx.try_recv() {
-                match ev {
-                    EngineEvent::Tokens { tokens, .. } => out.extend(tokens),
-                    EngineEvent::Finished { .. } => done = true,
-                    EngineEvent::Failed { message, .. } => {
-                        if !std::mem::replace(&mut self.warned, true) {
-                            tracing::warn!(error = %message, "the draft model could not draft (said once)");
+            for ((rx, done), o) in streams.iter_mut().zip(out.iter_mut()) {
+                while let Ok(ev) = rx.try_recv() {
+                    match ev {
+                        EngineEvent::Tokens { tokens, .. } => o.extend(tokens),
+                        EngineEvent::Finished { .. } => {
+                            *done = true;
+                            open -= 1;
                         }
-                        out.truncate(start);
-                        done = true;
+                        EngineEvent::Failed { message, .. } => {
+                            if !std::mem::replace(&mut self.warned, true) {
+                                tracing::warn!(error = %message, "the draft model could not draft (said once)");
+                            }
+                            o.clear();
+                            *done = true;
+                            open -= 1;
+                        }
+                        EngineEvent::PromptLogprobs { .. } => {}
                     }
-                    EngineEvent::PromptLogprobs { .. } => {}
                 }
             }
-            if done || !ran {
+            if !ran {
                 break;
             }
         }
-        // A step scheduled ahead may still hold the request: let it go.
+        // A step scheduled ahead may still hold a request: let it go.
         while !self.engine.is_idle() && self.engine.step() {}
     }
 }
