@@ -610,3 +610,58 @@ fn snapshot_interval_points_stay_inside_the_chunk() {
     cm.abort_step();
     cm.check_invariants().unwrap();
 }
+
+/// A verify chunk's rejected positions: `shrink` gives back the blocks past the accepted
+/// tokens (never one already in the index), and draft slots are lent once per sequence, come
+/// from their own range, and return when the sequence is released.
+#[test]
+fn rejected_draft_blocks_and_draft_slots_come_back() {
+    let mut cm = CacheManager::new(&layout(16, 4, 2), true, true, None);
+    assert_eq!(
+        cm.set_draft_slots(2),
+        2,
+        "two of the four live slots set aside"
+    );
+    let a: Vec<u32> = (0..10).collect();
+    run_prompt(&mut cm, 0, &a);
+    let free = cm.available_blocks();
+    // A verify chunk of 1 + 5 tokens from position 10 needs blocks up to position 15.
+    cm.grow(0, 16).unwrap();
+    assert_eq!(cm.available_blocks(), free - 1);
+    let drafts = cm.draft_slots(0, 2).unwrap().to_vec();
+    assert_eq!(drafts.len(), 2);
+    assert!(
+        drafts.iter().all(|&s| s >= 2 && s < 4),
+        "draft slots {drafts:?}"
+    );
+    assert_eq!(cm.draft_slots(0, 2).unwrap(), &drafts[..], "lent once");
+    assert_eq!(cm.draft_slot(0, 1), Some(drafts[1]));
+    // Nothing is left for a second sequence.
+    let b: Vec<u32> = (50..55).collect();
+    run_prompt(&mut cm, 1, &b);
+    assert!(cm.draft_slots(1, 1).is_none());
+    // One draft accepted: 12 tokens computed and position 12 next need the same four blocks
+    // (sequence 1 holds two more now).
+    cm.shrink(0, 13).unwrap();
+    assert_eq!(cm.available_blocks(), free - 1 - 2);
+    // The sequence grows to 24 tokens, then only 14 are accepted: two blocks come back.
+    cm.grow(0, 24).unwrap();
+    let before = cm.available_blocks();
+    cm.shrink(0, 14).unwrap();
+    assert_eq!(cm.available_blocks(), before + 2);
+    assert_eq!(cm.block_table(0).len(), 4);
+    // Committed blocks are never given back.
+    cm.shrink(0, 1).unwrap();
+    assert_eq!(
+        cm.block_table(0).len(),
+        2,
+        "the two indexed prompt blocks stay"
+    );
+    cm.release(0).unwrap();
+    assert_eq!(
+        cm.draft_slots(1, 2).map(<[u32]>::len),
+        Some(2),
+        "released with sequence 0"
+    );
+    cm.check_invariants().unwrap();
+}
