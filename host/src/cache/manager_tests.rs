@@ -631,7 +631,7 @@ fn rejected_draft_blocks_and_draft_slots_come_back() {
     let drafts = cm.draft_slots(0, 2).unwrap().to_vec();
     assert_eq!(drafts.len(), 2);
     assert!(
-        drafts.iter().all(|&s| s >= 2 && s < 4),
+        drafts.iter().all(|s| (2..4).contains(s)),
         "draft slots {drafts:?}"
     );
     assert_eq!(cm.draft_slots(0, 2).unwrap(), &drafts[..], "lent once");
