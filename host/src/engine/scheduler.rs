@@ -983,6 +983,8 @@ impl Scheduler {
     /// to be restored from the draft slot after the last accepted token. Returns the tokens
     /// appended.
     #[allow(clippy::too_many_arguments)]
+    #[cold]
+    #[inline(never)]
     fn apply_verify(
         seed: &HashSeed,
         blocks_hashed: &mut u64,
@@ -1039,6 +1041,7 @@ impl Scheduler {
 }
 
 /// Why `r` stops after appending `tok`, if it does.
+#[inline]
 fn stop_after(r: &Request, tok: u32, eos: &[u32]) -> Option<StopReason> {
     let stop = r.generated() >= r.params.min_tokens as usize
         && (r.stop_token_ids.contains(&tok) || (!r.ignore_eos && eos.contains(&tok)));

@@ -160,6 +160,8 @@ pub fn build(
 
 /// Adds verify chunk `s` of request `r`: its last known token and its drafts, every position a
 /// sampled row whose history holds the drafts before it (see [`super::speculative`]).
+#[cold]
+#[inline(never)]
 fn push_verify(
     plan: &mut StepPlan,
     s: &ScheduledSeq,
@@ -238,26 +240,55 @@ pub fn fill_placeholders(
 
 /// What the sampling stage needs about each sampled row of the launched step `launched`, in
 /// row order.
-pub fn sampled_rows<'a>(
+pub fn sampled_rows<'a>(sched: &'a Scheduler, launched: &'a SchedulerOutput) -> SampledRows<'a> {
+    SampledRows {
+        sched,
+        seqs: launched.seqs.iter(),
+        verify: None,
+    }
+}
+
+/// The iterator of [`sampled_rows`]: one row per chunk with logits, `1 + drafts` for a verify
+/// chunk (a plain loop, not a `flat_map`: it is walked twice per step on the critical path).
+#[derive(Clone)]
+pub struct SampledRows<'a> {
     sched: &'a Scheduler,
-    launched: &'a SchedulerOutput,
-) -> impl Iterator<Item = RowInfo<'a>> + Clone {
-    launched
-        .seqs
-        .iter()
-        .filter(|s| s.want_logits)
-        .filter_map(|s| sched.request(s.slot).map(|r| (s, r)))
-        .flat_map(|(s, r)| {
-            (0..=s.drafts).map(move |j| RowInfo {
-                params: &r.params,
-                prompt: &r.tokens[..r.orig_prompt_len],
-                output: r.output(),
-                drafts: &r.drafts[..j.min(r.drafts.len())],
-                seed: r.seed,
-                // Bans are in the candidates' logits already (negative infinity).
-                banned: &[],
-            })
-        })
+    seqs: std::slice::Iter<'a, ScheduledSeq>,
+    /// The verify chunk being walked: its request, the next row, its drafts.
+    verify: Option<(&'a Request, usize, usize)>,
+}
+
+impl<'a> Iterator for SampledRows<'a> {
+    type Item = RowInfo<'a>;
+
+    fn next(&mut self) -> Option<RowInfo<'a>> {
+        let row = |r: &'a Request, j: usize| RowInfo {
+            params: &r.params,
+            prompt: &r.tokens[..r.orig_prompt_len],
+            output: r.output(),
+            drafts: &r.drafts[..j.min(r.drafts.len())],
+            seed: r.seed,
+            // Bans are in the candidates' logits already (negative infinity).
+            banned: &[],
+        };
+        loop {
+            if let Some((r, j, n)) = self.verify {
+                self.verify = (j < n).then_some((r, j + 1, n));
+                return Some(row(r, j));
+            }
+            let s = self.seqs.next()?;
+            if !s.want_logits {
+                continue;
+            }
+            let Some(r) = self.sched.request(s.slot) else {
+                continue;
+            };
+            if s.drafts > 0 {
+                self.verify = Some((r, 1, s.drafts));
+            }
+            return Some(row(r, 0));
+        }
+    }
 }
 
 #[cfg(test)]
