@@ -242,27 +242,8 @@ impl HttpClient {
 
     /// GET `path` and parse the JSON reply (used for `/v1/models`).
     pub async fn get_json(&self, path: &str, timeout: Duration) -> Result<Value, Failure> {
-        let req = self.request("GET", path, Bytes::new())?;
-        let fut = async {
-            let resp = self.client.request(req).await.map_err(client_failure)?;
-            let status = resp.status();
-            let bytes = resp
-                .into_body()
-                .collect()
-                .await
-                .map_err(|e| fail("stream", e.to_string()))?
-                .to_bytes();
-            if !status.is_success() {
-                return Err(fail(
-                    format!("http_{}", status.as_u16()),
-                    String::from_utf8_lossy(&bytes).into_owned(),
-                ));
-            }
-            serde_json::from_slice(&bytes).map_err(|e| fail("bad_event", e.to_string()))
-        };
-        tokio::time::timeout(timeout, fut)
-            .await
-            .unwrap_or_else(|_| Err(fail("timeout", format!("no reply in {timeout:?}"))))
+        let text = self.get_text(path, timeout).await?;
+        serde_json::from_str(&text).map_err(|e| fail("bad_event", e.to_string()))
     }
 
     /// POSTs `body` to `path` and reads the streamed reply, giving up after `timeout`.

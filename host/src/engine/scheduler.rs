@@ -240,6 +240,16 @@ impl Scheduler {
                 .take(k)
                 .take_while(|&&t| (t as usize) < self.vocab)
                 .count();
+            if valid < d.len().min(k) {
+                static WARNED: std::sync::atomic::AtomicBool =
+                    std::sync::atomic::AtomicBool::new(false);
+                if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                    tracing::warn!(
+                        vocab = self.vocab,
+                        "the drafter proposed a token outside the vocabulary; drafts from it on are dropped (said once)"
+                    );
+                }
+            }
             d.truncate(valid);
             if let Some(r) = self.slots[slot as usize].as_mut() {
                 r.drafts = d;
