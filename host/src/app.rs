@@ -139,27 +139,33 @@ impl LoadedModel {
 
     /// Loads the weights onto `backend` (replicas on one device share this copy); with
     /// `dummy`, seeded random weights of the configured shapes instead of the checkpoint.
-    pub fn model<B: LayerOps>(&self, backend: &B, dummy: bool) -> anyhow::Result<Model<B>> {
+    pub fn model<B: LayerOps>(
+        &self,
+        backend: &B,
+        dummy: bool,
+        options: model::LoadOptions,
+    ) -> anyhow::Result<Model<B>> {
         match &self.source {
-            ModelSource::Folder(dir) if dummy => model::load_dummy(dir, backend, 0)
+            ModelSource::Folder(dir) if dummy => model::load_dummy_with(dir, backend, 0, options)
                 .with_context(|| format!("building dummy weights for {}", dir.display())),
             ModelSource::Builtin => {
                 let eos = self.codec.eos_token_ids().first().copied().unwrap_or(0);
-                Ok(builtin::load(
+                Ok(builtin::load_with(
                     backend,
                     self.codec.vocab_size() as usize,
                     eos,
                     1,
+                    options,
                 )?)
             }
-            ModelSource::Folder(dir) => model::load(dir, backend)
+            ModelSource::Folder(dir) => model::load_with(dir, backend, options)
                 .with_context(|| format!("loading the model in {}", dir.display())),
             ModelSource::Gguf(_) if dummy => {
                 anyhow::bail!(
                     "model.load_format = \"dummy\" needs a config.json folder, not a GGUF file"
                 )
             }
-            ModelSource::Gguf(file) => model::gguf::load(file, backend)
+            ModelSource::Gguf(file) => model::gguf::load_with(file, backend, options)
                 .with_context(|| format!("loading the GGUF file {}", file.display())),
         }
     }
@@ -365,6 +371,13 @@ pub fn choose_backend(config: &Config, cuda_gap: Option<&str>) -> anyhow::Result
     })
 }
 
+/// What the config asks of the model loader beyond the files.
+pub fn load_options(config: &Config) -> model::LoadOptions {
+    model::LoadOptions {
+        fp8: config.model.quantization == "fp8",
+    }
+}
+
 /// Builds the whole serving stack (engine threads started) from a validated config.
 pub fn build(config: &Config) -> anyhow::Result<Stack> {
     let loaded = LoadedModel::open(&config.model.path, &config.model.revision)?;
@@ -380,7 +393,7 @@ pub fn build(config: &Config) -> anyhow::Result<Stack> {
                 let started = std::time::Instant::now();
                 let backend = CudaBackend::new(CudaOptions { device, dtype })
                     .with_context(|| format!("opening CUDA device {device}"))?;
-                let model = Arc::new(loaded.model(&backend, dummy)?);
+                let model = Arc::new(loaded.model(&backend, dummy, load_options(config))?);
                 backend.synchronize()?;
                 let (free, total) = backend.mem_info()?;
                 let on_device = (i..count).step_by(devices.len()).count();
@@ -415,7 +428,11 @@ fn build_cpu(config: &Config, loaded: LoadedModel) -> anyhow::Result<Stack> {
     // One copy of the weights, read by every replica (each has its own backend handle: its
     // step arena).
     let backend = CpuBackend::default();
-    let model = Arc::new(loaded.model(&backend, config.model.load_format == "dummy")?);
+    let model = Arc::new(loaded.model(
+        &backend,
+        config.model.load_format == "dummy",
+        load_options(config),
+    )?);
     let spec = model.cache_spec_on(&backend);
     let (cache, max_model_len) = size_cache(config, &model.info, &spec, None)?;
     let replicas = (0..config.engine.replicas)
@@ -714,7 +731,7 @@ impl DraftSource {
     ) -> anyhow::Result<Box<dyn crate::engine::speculative::Drafter>> {
         use crate::engine::speculative::{DraftModelDrafter, draft_setup};
         let dummy = config.model.load_format == "dummy";
-        let model = Arc::new(self.loaded.model(backend, dummy)?);
+        let model = Arc::new(self.loaded.model(backend, dummy, load_options(config))?);
         let (dv, tv) = (model.info.vocab_size, target.info.vocab_size);
         anyhow::ensure!(
             dv == tv && model.info.eos_token_ids == target.info.eos_token_ids,

@@ -56,6 +56,9 @@ pub struct ModelConfig {
     /// "auto" (the checkpoint) or "dummy" (seeded random weights of the right shapes: a
     /// full-size `config.json` runs without its weights).
     pub load_format: String,
+    /// "none", or "fp8": quantize a bf16 checkpoint's big projections to FP8 e4m3 at load, one
+    /// scale per output row (an FP8 checkpoint loads as FP8 without it; see `model::quant`).
+    pub quantization: String,
     /// The longest context (prompt + output tokens) a request may have, as vLLM's
     /// `--max-model-len`. `None`: the model's `max_position_embeddings`.
     pub max_model_len: Option<usize>,
@@ -68,6 +71,7 @@ impl Default for ModelConfig {
             revision: "main".into(),
             dtype: "auto".into(),
             load_format: "auto".into(),
+            quantization: "none".into(),
             max_model_len: None,
         }
     }
@@ -102,6 +106,7 @@ pub struct Overrides {
     pub devices: Option<Vec<usize>>,
     pub dtype: Option<String>,
     pub load_format: Option<String>,
+    pub quantization: Option<String>,
     pub max_model_len: Option<usize>,
     pub gpu_memory_utilization: Option<f64>,
     pub speculative_method: Option<String>,
@@ -175,6 +180,9 @@ impl Config {
         }
         if let Some(f) = o.load_format {
             self.model.load_format = f;
+        }
+        if let Some(q) = o.quantization {
+            self.model.quantization = q;
         }
         if let Some(n) = o.max_model_len {
             self.model.max_model_len = Some(n);
@@ -277,6 +285,16 @@ impl Config {
                 format!(
                     "{}: must be a multiple of cache.block_size ({}), or 0 to turn it off",
                     self.cache.ssm_snapshot_interval, self.cache.block_size
+                ),
+            ));
+        }
+        if !crate::model::quant::ONLINE_SCHEMES.contains(&self.model.quantization.as_str()) {
+            return Err(invalid(
+                "model.quantization".into(),
+                format!(
+                    "{:?}: must be \"none\" or \"fp8\" (FP8 e4m3 weights, one scale per \
+                     output row; AWQ, GPTQ, NVFP4 and other schemes are not supported)",
+                    self.model.quantization
                 ),
             ));
         }

@@ -112,6 +112,10 @@ struct ServeArgs {
     /// Overrides `model.load_format`: auto or dummy (seeded random weights).
     #[arg(long)]
     load_format: Option<String>,
+    /// Overrides `model.quantization`: none, or fp8 (quantize a bf16 checkpoint's projections
+    /// to FP8 e4m3 at load, one scale per output row).
+    #[arg(long)]
+    quantization: Option<String>,
     /// Overrides `model.max_model_len`: the longest context (prompt + output tokens) a
     /// request may have. Default: the model's `max_position_embeddings`.
     #[arg(long)]
@@ -291,6 +295,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         devices: args.devices,
         dtype: args.dtype,
         load_format: args.load_format,
+        quantization: args.quantization,
         max_model_len: args.max_model_len,
         gpu_memory_utilization: args.gpu_memory_utilization,
         speculative_method: args.speculative_method,
@@ -307,7 +312,7 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         .unwrap_or_else(|| chimera::model::builtin::NAME.to_string());
     let loaded = LoadedModel::open(&path, &args.revision)?;
     let backend = CpuBackend::default();
-    let model = loaded.model(&backend, false)?;
+    let model = loaded.model(&backend, false, chimera::model::LoadOptions::default())?;
     let codec = &loaded.codec;
     let load_time = started.elapsed();
     let prompt = codec.encode(&args.prompt, true)?;

@@ -166,6 +166,12 @@ pub fn sources() -> &'static [Source] {
             entries: gemv::ENTRIES,
             sm90a_only: false,
         },
+        Source {
+            name: "fp8.cu",
+            code: include_str!("fp8.cu"),
+            entries: fp8::ENTRIES,
+            sm90a_only: false,
+        },
     ];
     SOURCES
 }
@@ -412,6 +418,39 @@ pub mod gemv {
             _ => None,
         }
     }
+}
+
+/// FP8 e4m3 weights (`fp8.cu`): per-row quantization (weights at load, activations per token
+/// before an FP8 GEMM), dequantization, and the small-batch GEMV over the codes.
+pub mod fp8 {
+    use super::Entry;
+    use super::Param::{self, Ptr, U32};
+
+    const fn e(name: &'static str, params: &'static [Param]) -> Entry {
+        Entry { name, params }
+    }
+
+    /// Warps per GEMV block.
+    pub const WARPS: u32 = 8;
+    /// Output features per GEMV block (every `m` must be a multiple of it).
+    pub const GEMV_ROWS: usize = 4;
+    /// The most input rows the GEMV takes.
+    pub const GEMV_MAX_N: usize = 2;
+
+    const QUANTIZE: &[Param] = &[Ptr, Ptr, Ptr, U32];
+    const DEQUANTIZE: &[Param] = &[Ptr, Ptr, Ptr, U32, U32, U32, U32];
+    const GEMV: &[Param] = &[Ptr, U32, U32, Ptr, Ptr, U32, U32, Ptr, Ptr, U32];
+
+    pub const ENTRIES: &[Entry] = &[
+        e("fp8_quantize_rows_f32", QUANTIZE),
+        e("fp8_quantize_rows_bf16", QUANTIZE),
+        e("fp8_dequantize_f32", DEQUANTIZE),
+        e("fp8_dequantize_bf16", DEQUANTIZE),
+        e("fp8_gemv_f32_n1", GEMV),
+        e("fp8_gemv_f32_n2", GEMV),
+        e("fp8_gemv_bf16_n1", GEMV),
+        e("fp8_gemv_bf16_n2", GEMV),
+    ];
 }
 
 #[cfg(test)]

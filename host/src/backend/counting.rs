@@ -77,9 +77,11 @@ impl<B: Backend> Backend for Counting<B> {
     forward! { self.inner =>
         name, act_dtype, is_lost, bf16_ssm_state, shape, dtype, zeros,
     }
-    forward! { self.inner, first self.traffic.uploads.fetch_add(1, Ordering::Relaxed) => upload }
+    forward! { self.inner, first self.traffic.uploads.fetch_add(1, Ordering::Relaxed) =>
+        upload, upload_fp8,
+    }
     forward! { self.inner, first self.traffic.downloads.fetch_add(1, Ordering::Relaxed) => download }
-    forward! { self.inner, first self.kernel() => copy_into, fill_dummy }
+    forward! { self.inner, first self.kernel() => copy_into, fill_dummy, quantize_fp8 }
 }
 
 impl<B: LayerOps> LayerOps for Counting<B> {

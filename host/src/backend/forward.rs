@@ -69,6 +69,14 @@ macro_rules! forward {
             host: $crate::backend::HostTensor<'_>
         ) -> $crate::backend::Result<Self::Tensor>);
     };
+    (@sig upload_fp8 $h:tt) => {
+        forward!(@emit $h upload_fp8 [] (
+            w: $crate::backend::fp8::Fp8Weight<'_>
+        ) -> $crate::backend::Result<Self::Tensor>);
+    };
+    (@sig quantize_fp8 $h:tt) => {
+        forward!(@emit $h quantize_fp8 [] (w: &Self::Tensor) -> $crate::backend::Result<Self::Tensor>);
+    };
     (@sig download $h:tt) => {
         forward!(@emit $h download [] (t: &Self::Tensor) -> $crate::backend::Result<Vec<f32>>);
     };
@@ -343,8 +351,8 @@ mod tests {
         type Tensor = CpuTensor;
 
         forward! { self.inner, first self.calls.fetch_add(1, Ordering::Relaxed) =>
-            name, act_dtype, is_lost, bf16_ssm_state, upload, download, shape, dtype, zeros,
-            copy_into, fill_dummy,
+            name, act_dtype, is_lost, bf16_ssm_state, upload, upload_fp8, quantize_fp8,
+            download, shape, dtype, zeros, copy_into, fill_dummy,
         }
     }
 

@@ -46,6 +46,7 @@ pub mod counting;
 pub mod cpu;
 pub mod cuda;
 mod forward;
+pub mod fp8;
 pub mod sample;
 pub mod step;
 
@@ -58,6 +59,8 @@ pub enum DType {
     F32,
     BF16,
     F16,
+    /// FP8 e4m3 codes of a quantized weight (its scales travel beside it: [`fp8`]).
+    F8E4M3,
 }
 
 impl DType {
@@ -65,6 +68,7 @@ impl DType {
         match self {
             DType::F32 => 4,
             DType::BF16 | DType::F16 => 2,
+            DType::F8E4M3 => 1,
         }
     }
 }
@@ -136,6 +140,8 @@ impl<'a> HostTensor<'a> {
                 .chunks_exact(2)
                 .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect(),
+            // Codes without their scales: only the tests look at these.
+            DType::F8E4M3 => b.iter().map(|&c| fp8::e4m3_to_f32(c)).collect(),
         }
     }
 
@@ -426,6 +432,16 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Copies a host tensor in (weights: straight from the checkpoint's memory map).
     fn upload(&self, host: HostTensor<'_>) -> Result<Self::Tensor>;
+
+    /// Copies a quantized weight in (an FP8 checkpoint's codes and scales). A backend without
+    /// FP8 math keeps its exact dequantization (the CPU: the oracle); a GPU keeps the codes.
+    fn upload_fp8(&self, w: fp8::Fp8Weight<'_>) -> Result<Self::Tensor>;
+
+    /// Quantizes a weight (`[rows, cols]` or `[experts, rows, cols]`, of the backend's dtype) to
+    /// FP8 e4m3 with one scale per row, `max|row| / 448` (online quantization). A backend
+    /// without FP8 math returns the dequantized values, which are what one with it computes
+    /// with.
+    fn quantize_fp8(&self, w: &Self::Tensor) -> Result<Self::Tensor>;
 
     /// Copies a tensor out, widened to f32 (a device-to-host transfer; not on the step path
     /// except for prompt-logprob rows).

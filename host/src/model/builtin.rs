@@ -222,7 +222,22 @@ pub fn load<B: LayerOps>(
     eos: u32,
     bos: u32,
 ) -> Result<Model<B>, ModelError> {
+    load_with(backend, vocab, eos, bos, super::LoadOptions::default())
+}
+
+/// [`load`] with options (online FP8 quantization of the projections).
+pub fn load_with<B: LayerOps>(
+    backend: &B,
+    vocab: usize,
+    eos: u32,
+    bos: u32,
+    options: super::LoadOptions,
+) -> Result<Model<B>, ModelError> {
     let config = HfConfig::parse(&config_json(vocab, eos, bos), NAME.into())?;
-    let store = WeightStore::from_memory(tensors(vocab));
+    let mut store = WeightStore::from_memory(tensors(vocab));
+    store.set_quantization(super::quant::Quantization::from_config(
+        &config,
+        options.fp8,
+    )?);
     super::arch::build(&config, &store, backend)
 }

@@ -15,6 +15,7 @@ pub mod config;
 pub mod gguf;
 pub mod hub;
 pub mod layers;
+pub mod quant;
 pub mod weights;
 
 use std::path::{Path, PathBuf};
@@ -46,7 +47,8 @@ pub enum ModelError {
         expected: Vec<usize>,
     },
     #[error(
-        "{path}: tensor `{tensor}` has dtype {dtype}; only f32, bf16, f16 and f64 weights load"
+        "{path}: tensor `{tensor}` has dtype {dtype}; only f32, bf16, f16, f64 and FP8 e4m3 \
+         (with scales) weights load"
     )]
     TensorDtype {
         path: PathBuf,
@@ -327,8 +329,25 @@ impl<B: StepBackend> Model<B> {
     }
 }
 
+/// How a model is loaded beyond its files.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// `model.quantization = "fp8"`: bf16 projections are quantized to FP8 at load
+    /// ([`quant`]).
+    pub fp8: bool,
+}
+
 /// Loads the model in `dir` (Hugging Face layout) onto `backend`.
 pub fn load<B: LayerOps>(dir: &Path, backend: &B) -> Result<Model<B>, ModelError> {
+    load_with(dir, backend, LoadOptions::default())
+}
+
+/// [`load`] with options (online quantization).
+pub fn load_with<B: LayerOps>(
+    dir: &Path,
+    backend: &B,
+    options: LoadOptions,
+) -> Result<Model<B>, ModelError> {
     if !dir.is_dir() {
         return Err(ModelError::Io {
             path: dir.to_path_buf(),
@@ -336,7 +355,8 @@ pub fn load<B: LayerOps>(dir: &Path, backend: &B) -> Result<Model<B>, ModelError
         });
     }
     let config = config::HfConfig::load(dir)?;
-    let store = weights::WeightStore::open(dir)?;
+    let mut store = weights::WeightStore::open(dir)?;
+    store.set_quantization(quant::Quantization::from_config(&config, options.fp8)?);
     arch::build(&config, &store, backend)
 }
 
@@ -348,13 +368,25 @@ pub fn load_dummy<B: LayerOps>(
     backend: &B,
     seed: u64,
 ) -> Result<Model<B>, ModelError> {
+    load_dummy_with(path, backend, seed, LoadOptions::default())
+}
+
+/// [`load_dummy`] with options: FP8 projections (made-up values quantized per row) where
+/// the config's `quantization_config` or `options` asks for them.
+pub fn load_dummy_with<B: LayerOps>(
+    path: &Path,
+    backend: &B,
+    seed: u64,
+    options: LoadOptions,
+) -> Result<Model<B>, ModelError> {
     let dir = if path.is_dir() {
         path.to_path_buf()
     } else {
         path.parent().map(Path::to_path_buf).unwrap_or_default()
     };
     let config = config::HfConfig::load(&dir)?;
-    let store = weights::WeightStore::dummy(seed);
+    let mut store = weights::WeightStore::dummy(seed);
+    store.set_quantization(quant::Quantization::from_config(&config, options.fp8)?);
     arch::build(&config, &store, backend)
 }
 

@@ -18,6 +18,8 @@ use safetensors::{Dtype, SafeTensors, tensor::TensorInfo};
 use std::borrow::Cow;
 
 use super::ModelError;
+use super::quant::Quantization;
+use crate::backend::fp8::{Fp8Scales, Fp8Weight};
 use crate::backend::{DType, HostTensor, LayerOps, f32_bytes};
 
 /// A tensor's bytes as stored (or narrowed to f32 for f64 checkpoints), with its dtype.
@@ -67,6 +69,8 @@ pub struct WeightStore {
     /// shape the architecture asks for (norm weights are ones), so full-size configs run
     /// without their weights. The value is the seed.
     dummy: Option<u64>,
+    /// Which projections are FP8 (the checkpoint's scheme, online quantization).
+    quant: Quantization,
 }
 
 impl WeightStore {
@@ -136,6 +140,7 @@ impl WeightStore {
             loaded_bytes: Cell::new(0),
             next_report: Cell::new(0),
             dummy: None,
+            quant: Quantization::default(),
         })
     }
 
@@ -151,6 +156,7 @@ impl WeightStore {
             loaded_bytes: Cell::new(0),
             next_report: Cell::new(0),
             dummy: None,
+            quant: Quantization::default(),
         }
     }
 
@@ -175,6 +181,11 @@ impl WeightStore {
             dummy: Some(seed),
             ..Self::from_memory(HashMap::new())
         }
+    }
+
+    /// Sets which projections are FP8 ([`WeightStore::load_linear`]).
+    pub fn set_quantization(&mut self, quant: Quantization) {
+        self.quant = quant;
     }
 
     /// Whether this store makes up its tensors (`model.load_format = "dummy"`).
@@ -225,6 +236,129 @@ impl WeightStore {
         backend
             .upload(raw.host())
             .map_err(|e| ModelError::Backend(e.to_string()))
+    }
+
+    /// The weight of the projection `module` (`{module}.weight`, exactly `shape`): FP8 codes
+    /// and scales where the checkpoint stores it so, quantized at load where online
+    /// quantization asks for it (dummy weights: where either scheme would make it FP8), else
+    /// as [`WeightStore::load`].
+    pub fn load_linear<B: LayerOps>(
+        &self,
+        backend: &B,
+        module: &str,
+        shape: &[usize],
+    ) -> Result<B::Tensor, ModelError> {
+        let name = format!("{module}.weight");
+        let backend_err = |e: crate::backend::BackendError| ModelError::Backend(e.to_string());
+        if self.dummy.is_some() {
+            let t = self.load(backend, &name, shape)?;
+            let kept = self.quant.checkpoint.as_ref().is_some_and(|c| {
+                c.keep
+                    .iter()
+                    .any(|k| super::quant::module_matches(k, module))
+            });
+            let fp8 = (self.quant.online || self.quant.checkpoint.is_some()) && !kept;
+            return if fp8 {
+                backend.quantize_fp8(&t).map_err(backend_err)
+            } else {
+                Ok(t)
+            };
+        }
+        if let Some(w) = self.fp8(&name)? {
+            if w.shape != shape {
+                return Err(ModelError::TensorShape {
+                    path: self.path_of(&name),
+                    tensor: name,
+                    got: w.shape,
+                    expected: shape.to_vec(),
+                });
+            }
+            return backend.upload_fp8(w).map_err(backend_err);
+        }
+        let t = self.load(backend, &name, shape)?;
+        if self.quant.quantize_online(module) {
+            backend.quantize_fp8(&t).map_err(backend_err)
+        } else {
+            Ok(t)
+        }
+    }
+
+    /// A tensor the checkpoint stores as FP8 e4m3, with its scales (`{name}_scale_inv` or
+    /// `{name}_scale`: one value, one per output row, or one per block); `None` for a tensor of
+    /// another dtype.
+    pub fn fp8(&self, name: &str) -> Result<Option<Fp8Weight<'_>>, ModelError> {
+        let Some(&idx) = self.by_name.get(name) else {
+            return Ok(None);
+        };
+        if self.memory.contains_key(name) || self.once_shapes.contains_key(name) {
+            return Ok(None);
+        }
+        let shard = &self.shards[idx];
+        let info = &shard.tensors[name];
+        if info.dtype != Dtype::F8_E4M3 {
+            return Ok(None);
+        }
+        let bad = |message: String| ModelError::Weights {
+            path: shard.path.clone(),
+            message,
+        };
+        let (start, end) = info.data_offsets;
+        let codes = &shard.mmap[shard.data_start + start..shard.data_start + end];
+        let scale_name = [format!("{name}_scale_inv"), format!("{name}_scale")]
+            .into_iter()
+            .find(|n| self.by_name.contains_key(n))
+            .ok_or_else(|| {
+                bad(format!(
+                    "FP8 tensor `{name}` has no scale (`{name}_scale_inv` or `{name}_scale`)"
+                ))
+            })?;
+        let (scales, scale_shape) = self.read_f32(&scale_name)?;
+        let shape = info.shape.clone();
+        let (e, r, c) = match shape[..] {
+            [r, c] => (1, r, c),
+            [e, r, c] => (e, r, c),
+            _ => {
+                return Err(bad(format!(
+                    "FP8 tensor `{name}` of shape {shape:?} is not a matrix"
+                )));
+            }
+        };
+        let scales = match scales.len() {
+            1 => Fp8Scales::Rows(Cow::Owned(vec![scales[0]; e * r])),
+            n if n == e * r => Fp8Scales::Rows(Cow::Owned(scales)),
+            n if e > 1 && n == e => Fp8Scales::Rows(Cow::Owned(
+                scales
+                    .iter()
+                    .flat_map(|&s| std::iter::repeat_n(s, r))
+                    .collect(),
+            )),
+            n => {
+                let block = self
+                    .quant
+                    .checkpoint
+                    .as_ref()
+                    .and_then(|c| c.block)
+                    .unwrap_or([128, 128]);
+                if n != e * r.div_ceil(block[0]) * c.div_ceil(block[1]) {
+                    return Err(bad(format!(
+                        "the scale `{scale_name}` of shape {scale_shape:?} fits no layout of                          `{name}` {shape:?} (one value, one per row, or one per {block:?} block)"
+                    )));
+                }
+                Fp8Scales::Blocks {
+                    block,
+                    scales: Cow::Owned(scales),
+                }
+            }
+        };
+        self.report_progress(end - start);
+        let w = Fp8Weight {
+            shape,
+            codes: Cow::Borrowed(codes),
+            scales,
+        };
+        w.check()
+            .map_err(|e| bad(format!("FP8 tensor `{name}`: {e}")))?;
+        Ok(Some(w))
     }
 
     /// [`WeightStore::load`] of a tensor handed over once: uploaded, then its host copy freed.
@@ -336,6 +470,17 @@ impl WeightStore {
             dtype: format!("{:?}", info.dtype),
         };
         let (dtype, bytes) = match info.dtype {
+            // Read where a loader rewrites a weight (regrouped rows, stacked experts): exact
+            // values, so it works everywhere; projections load codes through `load_linear`.
+            Dtype::F8_E4M3 => {
+                let w = self.fp8(name)?.ok_or_else(unsupported)?;
+                let values = w.dequantize();
+                return Ok(RawTensor {
+                    dtype: DType::F32,
+                    shape: info.shape.clone(),
+                    bytes: Cow::Owned(f32_bytes(&values).to_vec()),
+                });
+            }
             Dtype::F32 => (DType::F32, Cow::Borrowed(bytes)),
             Dtype::BF16 => (DType::BF16, Cow::Borrowed(bytes)),
             Dtype::F16 => (DType::F16, Cow::Borrowed(bytes)),

@@ -120,6 +120,8 @@ impl Backend for CpuBackend {
     }
     forward! { self =>
         upload -> upload_host,
+        upload_fp8 -> upload_dequantized,
+        quantize_fp8 -> quantize_dequantized,
         download -> download_f32,
         zeros -> zeros_persistent,
         copy_into -> copy_values,

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::CpuBackend;
+use crate::backend::fp8::{self, Fp8Weight};
 use crate::backend::{ArenaStats, BackendError, DType, HostTensor, Result};
 
 /// A dense f32 tensor in host memory.
@@ -137,6 +138,22 @@ impl CpuBackend {
         self.uploaded
             .fetch_add((t.data.len() * 4) as u64, Ordering::Relaxed);
         Ok(t)
+    }
+
+    /// An FP8 weight as the exact values it stands for (the oracle of the FP8 kernels).
+    pub(super) fn upload_dequantized(&self, w: Fp8Weight<'_>) -> Result<CpuTensor> {
+        w.check()?;
+        let t = CpuTensor::new(w.dequantize(), &w.shape)?;
+        self.uploaded
+            .fetch_add((t.data.len() * 4) as u64, Ordering::Relaxed);
+        Ok(t)
+    }
+
+    /// Online quantization, simulated: each row quantized to e4m3 with its scale
+    /// `max|row| / 448`, then dequantized (the values a device with FP8 math multiplies by).
+    pub(super) fn quantize_dequantized(&self, w: &CpuTensor) -> Result<CpuTensor> {
+        let q = fp8::quantize_rows(&w.data, &w.shape);
+        CpuTensor::new(q.dequantize(), &w.shape)
     }
 
     pub(super) fn download_f32(&self, t: &CpuTensor) -> Result<Vec<f32>> {

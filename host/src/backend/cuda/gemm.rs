@@ -30,7 +30,10 @@ struct Key {
     n: usize,
     k: usize,
     bias: bool,
+    /// The output dtype (and the inputs' unless `fp8`).
     dtype: DType,
+    /// e4m3 inputs with one f32 scale per row of each (cuBLASLt's outer-vector scaling).
+    fp8: bool,
 }
 
 struct Plan {
@@ -85,6 +88,7 @@ fn data_type(d: DType) -> lts::cudaDataType {
         DType::F32 => lts::cudaDataType::CUDA_R_32F,
         DType::BF16 => lts::cudaDataType::CUDA_R_16BF,
         DType::F16 => lts::cudaDataType::CUDA_R_16F,
+        DType::F8E4M3 => lts::cudaDataType::CUDA_R_8F_E4M3,
     }
 }
 
@@ -132,6 +136,21 @@ impl Gemm {
             (&op_n as *const i32).cast(),
             4,
         )?;
+        if key.fp8 {
+            // One scale per row of the weight (per output feature) and per token.
+            let outer =
+                lts::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+            for attr in [
+                lts::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+                lts::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
+            ] {
+                set(
+                    attr,
+                    (&outer as *const lts::cublasLtMatmulMatrixScale_t).cast(),
+                    std::mem::size_of::<lts::cublasLtMatmulMatrixScale_t>(),
+                )?;
+            }
+        }
         if key.bias {
             let epi = lts::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
             set(
@@ -140,13 +159,18 @@ impl Gemm {
                 std::mem::size_of::<lts::cublasLtEpilogue_t>(),
             )?;
         }
-        let layout = |rows: usize, cols: usize, ld: usize| {
+        let in_ty = if key.fp8 {
+            data_type(DType::F8E4M3)
+        } else {
+            ty
+        };
+        let layout = |ty, rows: usize, cols: usize, ld: usize| {
             lt::create_matrix_layout(ty, rows as u64, cols as u64, ld as i64)
                 .map_err(|e| lt_err("creating a layout", e))
         };
-        let a = layout(key.k, key.m, key.k)?;
-        let b = layout(key.k, key.n, key.k)?;
-        let d = layout(key.m, key.n, key.m)?;
+        let a = layout(in_ty, key.k, key.m, key.k)?;
+        let b = layout(in_ty, key.k, key.n, key.k)?;
+        let d = layout(ty, key.m, key.n, key.m)?;
         let pref = lt::create_matmul_pref().map_err(|e| lt_err("creating a preference", e))?;
         let ws = WORKSPACE_BYTES as u64;
         // SAFETY: `pref` is live; the value is a u64 as the attribute requires.
@@ -174,8 +198,12 @@ impl Gemm {
             .map_err(|e| {
                 lt_err(
                     &format!(
-                        "finding an algorithm for {}×{}·{}ᵀ ({:?})",
-                        key.n, key.k, key.m, key.dtype
+                        "finding an algorithm for {}×{}·{}ᵀ ({:?}{})",
+                        key.n,
+                        key.k,
+                        key.m,
+                        key.dtype,
+                        if key.fp8 { ", e4m3 inputs" } else { "" }
                     ),
                     e,
                 )
@@ -196,21 +224,83 @@ impl Gemm {
         y: u64,
         (n, k, m): (usize, usize, usize),
     ) -> Result<()> {
-        if n == 0 || m == 0 {
-            return Ok(());
-        }
         let key = Key {
             m,
             n,
             k,
             bias: bias.is_some(),
             dtype,
+            fp8: false,
         };
+        self.run(stream, key, x, w, bias, y, None)
+    }
+
+    /// `y[n, m] = (x · sx)[n, k] · (w · sw)[m, k]ᵀ (+ bias[m])` with e4m3 `x` and `w`, f32
+    /// scales `sx[n]` (per token) and `sw[m]` (per output feature), and `dtype` output and
+    /// bias: cuBLASLt's FP8 GEMM with outer-vector scaling (cuBLAS 12.9 on). `Err` where this
+    /// cuBLASLt has no algorithm for it (the caller then takes another path).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn linear_fp8(
+        &self,
+        stream: drv::CUstream,
+        dtype: DType,
+        (x, sx): (u64, u64),
+        (w, sw): (u64, u64),
+        bias: Option<u64>,
+        y: u64,
+        (n, k, m): (usize, usize, usize),
+    ) -> Result<()> {
+        let key = Key {
+            m,
+            n,
+            k,
+            bias: bias.is_some(),
+            dtype,
+            fp8: true,
+        };
+        self.run(stream, key, x, w, bias, y, Some((sw, sx)))
+    }
+
+    /// Runs the plan of `key` (made once); `scales` are the weight's and the input's scale
+    /// vectors of an FP8 plan.
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        stream: drv::CUstream,
+        key: Key,
+        x: u64,
+        w: u64,
+        bias: Option<u64>,
+        y: u64,
+        scales: Option<(u64, u64)>,
+    ) -> Result<()> {
+        let Key { m, n, k, .. } = key;
+        if n == 0 || m == 0 {
+            return Ok(());
+        }
         let mut plans = self.plans.lock().unwrap_or_else(|p| p.into_inner());
         let plan = match plans.entry(key) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => v.insert(self.plan(key)?),
         };
+        if let Some((sa, sb)) = scales {
+            for (attr, p) in [
+                (
+                    lts::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                    sa,
+                ),
+                (
+                    lts::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                    sb,
+                ),
+            ] {
+                // SAFETY: the descriptor is live; the value is a device pointer.
+                unsafe {
+                    lt::set_matmul_desc_attribute(plan.desc, attr, (&p as *const u64).cast(), 8)
+                }
+                .map_err(|e| lt_err("setting a scale pointer", e))?;
+            }
+        }
         if let Some(b) = bias {
             // SAFETY: the descriptor is live; the value is a device pointer.
             unsafe {

@@ -32,6 +32,9 @@ impl CudaBackend {
         w: &CudaTensor,
         bias: Option<&CudaTensor>,
     ) -> Result<CudaTensor> {
+        if w.fp8.is_some() {
+            return self.project_fp8(x, w, bias);
+        }
         let (n, k) = x.rows_cols();
         let (m, wk) = w.rows_cols();
         if wk != k {

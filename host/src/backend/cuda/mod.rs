@@ -33,6 +33,7 @@ mod attention;
 mod clock;
 mod dense;
 pub mod device;
+mod fp8;
 mod gated;
 pub mod gemm;
 mod graph;
@@ -94,6 +95,10 @@ struct Inner {
     /// bf16 linear layers of one or two rows use the one-pass GEMV (`gemv.cu`) instead of
     /// cuBLASLt (switchable so the bench can time both in one run).
     small_m_gemv: AtomicBool,
+    /// FP8 weights at more than two rows (bf16 mode) use cuBLASLt's FP8 GEMM with per-token
+    /// activation scales; turned off (with a warning) when this cuBLASLt has no algorithm for
+    /// it, and switchable so the bench can time both paths.
+    fp8_gemm: AtomicBool,
     /// Events timing steps on the device (created on first use).
     clock: Mutex<Option<StepClock>>,
 }
@@ -138,6 +143,7 @@ impl CudaBackend {
                 ropes: Mutex::new(HashMap::new()),
                 readback: Mutex::new(None),
                 pending_read: Mutex::new(None),
+                fp8_gemm: AtomicBool::new(true),
                 graphs: Mutex::new(Vec::new()),
                 small_m_gemv: AtomicBool::new(true),
                 clock: Mutex::new(None),
@@ -286,7 +292,9 @@ impl CudaBackend {
         let suffix = match dtype {
             DType::F32 => "f32",
             DType::BF16 => "bf16",
-            DType::F16 => return Err(BackendError::Invalid("f16 tensors on CUDA".into())),
+            d @ (DType::F16 | DType::F8E4M3) => {
+                return Err(BackendError::Invalid(format!("{d:?} tensors in {name}")));
+            }
         };
         let k = self.dev().kernel(&format!("{name}_{suffix}"))?;
         self.dev().launch(self.stream(), k, grid, block, smem, args)
@@ -368,6 +376,8 @@ impl Backend for CudaBackend {
     forward! { self =>
         is_lost -> is_broken,
         upload -> upload_host,
+        upload_fp8 -> upload_fp8_weight,
+        quantize_fp8 -> quantize_on_device,
         download -> download_f32,
         zeros -> zeros_persistent,
         copy_into -> copy_on_device,

@@ -30,12 +30,23 @@ enum Mem {
     },
 }
 
+/// The scales of an FP8 weight ([`DType::F8E4M3`] codes): f32, one per row of every matrix
+/// (`block` `None`), or one per `block` tile.
+pub(super) struct Fp8Scales {
+    pub ptr: u64,
+    pub block: Option<[usize; 2]>,
+    #[allow(dead_code, reason = "owns the memory `ptr` points into")]
+    mem: Arc<DevAlloc>,
+}
+
 /// A dense row-major tensor in device memory.
 pub struct CudaTensor {
     pub(super) ptr: u64,
     pub(super) shape: Vec<usize>,
     pub(super) dtype: DType,
     mem: Mem,
+    /// The scales of FP8 codes (`dtype` [`DType::F8E4M3`]).
+    pub(super) fp8: Option<Arc<Fp8Scales>>,
 }
 
 impl std::fmt::Debug for CudaTensor {
@@ -138,10 +149,14 @@ impl CudaBackend {
             shape: host.shape.to_vec(),
             dtype: to,
             mem: Mem::Owned(dst),
+            fp8: None,
         })
     }
 
     pub(super) fn download_f32(&self, t: &CudaTensor) -> Result<Vec<f32>> {
+        if t.fp8.is_some() {
+            return self.download_fp8(t);
+        }
         let dev = self.dev();
         dev.bind()?;
         let mut bytes = vec![0u8; t.len() * t.dtype.size()];
@@ -194,6 +209,7 @@ impl CudaBackend {
             shape: shape.to_vec(),
             dtype,
             mem: Mem::Owned(buf),
+            fp8: None,
         })
     }
 
@@ -262,6 +278,7 @@ impl CudaBackend {
                 buf: Some(buf),
                 row_bytes,
             },
+            fp8: None,
         }
     }
 
@@ -311,6 +328,28 @@ impl CudaBackend {
         ArenaStats {
             grown: self.inner.stats.arena_grown.load(Ordering::Relaxed),
             bytes: self.inner.stats.arena_bytes.load(Ordering::Relaxed),
+        }
+    }
+}
+
+impl CudaTensor {
+    /// An FP8 weight: `codes` (one byte an element) and `scales` in persistent allocations.
+    pub(super) fn fp8_weight(
+        codes: Arc<DevAlloc>,
+        scales: Arc<DevAlloc>,
+        shape: Vec<usize>,
+        block: Option<[usize; 2]>,
+    ) -> Self {
+        CudaTensor {
+            ptr: codes.ptr,
+            shape,
+            dtype: DType::F8E4M3,
+            mem: Mem::Owned(codes),
+            fp8: Some(Arc::new(Fp8Scales {
+                ptr: scales.ptr,
+                block,
+                mem: scales,
+            })),
         }
     }
 }

@@ -330,12 +330,25 @@ impl GgufModel {
 
     /// Builds the model on `backend`.
     pub fn load<B: LayerOps>(&self, backend: &B) -> Result<Model<B>, ModelError> {
+        self.load_with(backend, super::LoadOptions::default())
+    }
+
+    /// [`GgufModel::load`] with options (online FP8 quantization of the dequantized weights).
+    pub fn load_with<B: LayerOps>(
+        &self,
+        backend: &B,
+        options: super::LoadOptions,
+    ) -> Result<Model<B>, ModelError> {
         let config = self.hf_config()?;
         let tensors = self.tensors(&config)?;
         let f32_bytes: usize = tensors.values().map(|(v, _)| v.len() * 4).sum();
         // Each host tensor is freed as the backend takes it: the host and backend copies of the
         // model never coexist.
-        let store = WeightStore::from_memory_once(tensors);
+        let mut store = WeightStore::from_memory_once(tensors);
+        store.set_quantization(super::quant::Quantization::from_config(
+            &config,
+            options.fp8,
+        )?);
         let model = arch::build(&config, &store, backend)?;
         drop(store);
         super::weights::release_free_memory();
@@ -354,6 +367,15 @@ impl GgufModel {
 /// Loads the GGUF file at `path` onto `backend`.
 pub fn load<B: LayerOps>(path: &Path, backend: &B) -> Result<Model<B>, ModelError> {
     GgufModel::open(path)?.load(backend)
+}
+
+/// [`load`] with options.
+pub fn load_with<B: LayerOps>(
+    path: &Path,
+    backend: &B,
+    options: super::LoadOptions,
+) -> Result<Model<B>, ModelError> {
+    GgufModel::open(path)?.load_with(backend, options)
 }
 
 /// The transformers name of a llama.cpp tensor name.

@@ -42,7 +42,9 @@ impl<B: LayerOps> Loader<'_, B> {
         }
     }
 
-    /// `{prefix}.weight` `[out, inp]` and, when `bias`, `{prefix}.bias` `[out]`.
+    /// `{prefix}.weight` `[out, inp]` and, when `bias`, `{prefix}.bias` `[out]`. The weight is
+    /// FP8 where the checkpoint or online quantization makes it so
+    /// ([`WeightStore::load_linear`]).
     pub fn linear(
         &self,
         prefix: &str,
@@ -50,7 +52,7 @@ impl<B: LayerOps> Loader<'_, B> {
         inp: usize,
         bias: bool,
     ) -> Result<Linear<B>, ModelError> {
-        let w = self.tensor(&format!("{prefix}.weight"), &[out, inp])?;
+        let w = self.store.load_linear(self.backend, prefix, &[out, inp])?;
         let b = if bias {
             Some(self.tensor(&format!("{prefix}.bias"), &[out])?)
         } else {

@@ -1,0 +1,248 @@
+//! FP8 weights on the CUDA backend: e4m3 codes and f32 scales kept on the device (`fp8.cu`),
+//! and the linear layers over them.
+//!
+//! - One or two input rows (decode): the FP8 GEMV streams the codes once, in f32 or bf16 mode,
+//!   with row or block scales.
+//! - More rows in bf16 mode with row scales: the input is quantized per token (one e4m3 scale a
+//!   row, the same kernel that quantizes weights) and cuBLASLt runs the FP8 GEMM with
+//!   outer-vector scaling (weight scale per output feature, input scale per token), bias and
+//!   bf16 output in its epilogue.
+//! - Otherwise (f32 mode, the oracle; block scales at more than two rows; a cuBLASLt without
+//!   the FP8 algorithm): the weight is dequantized into a step temporary and the float GEMM
+//!   runs, so every path computes with the exact weight values.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use chimera_kernels::fp8 as k8;
+
+use super::device::Arg;
+use super::memory::{DevAlloc, dtoh, htod, sync};
+use super::{BLOCK, CudaBackend, CudaTensor, grid_for, shape_err};
+use crate::backend::fp8::{Fp8Scales, Fp8Weight};
+use crate::backend::{BackendError, DType, Result, f32_bytes};
+
+fn suffix(dtype: DType) -> Result<&'static str> {
+    match dtype {
+        DType::F32 => Ok("f32"),
+        DType::BF16 => Ok("bf16"),
+        d => Err(BackendError::Invalid(format!(
+            "FP8 linear layers take f32 or bf16 inputs, not {d:?}"
+        ))),
+    }
+}
+
+impl CudaBackend {
+    pub(super) fn upload_fp8_weight(&self, w: Fp8Weight<'_>) -> Result<CudaTensor> {
+        w.check()?;
+        let (scales, block) = match &w.scales {
+            Fp8Scales::Rows(s) => (s, None),
+            Fp8Scales::Blocks { block, scales } => (scales, Some(*block)),
+        };
+        let dev = self.dev();
+        dev.bind()?;
+        let codes = Arc::new(DevAlloc::new(dev, w.codes.len(), &self.inner.stats)?);
+        let sbuf = Arc::new(DevAlloc::new(dev, scales.len() * 4, &self.inner.stats)?);
+        // SAFETY: each allocation holds exactly the bytes copied into it.
+        unsafe {
+            htod(dev, self.stream(), codes.ptr, &w.codes)?;
+            htod(dev, self.stream(), sbuf.ptr, f32_bytes(scales))?;
+        }
+        sync(dev, self.stream())?;
+        Ok(CudaTensor::fp8_weight(codes, sbuf, w.shape.clone(), block))
+    }
+
+    /// Online quantization on the device: one scale per row, `max|row| / 448`.
+    pub(super) fn quantize_on_device(&self, w: &CudaTensor) -> Result<CudaTensor> {
+        if w.fp8.is_some() {
+            return Err(BackendError::Invalid(
+                "quantize_fp8: the weight is FP8 already".into(),
+            ));
+        }
+        let (rows, cols) = w.rows_cols();
+        let dev = self.dev();
+        dev.bind()?;
+        let codes = Arc::new(DevAlloc::new(dev, rows * cols, &self.inner.stats)?);
+        let scales = Arc::new(DevAlloc::new(dev, rows * 4, &self.inner.stats)?);
+        self.quantize_rows(w.ptr, w.dtype, codes.ptr, scales.ptr, rows, cols)?;
+        sync(dev, self.stream())?;
+        Ok(CudaTensor::fp8_weight(codes, scales, w.shape.clone(), None))
+    }
+
+    fn quantize_rows(
+        &self,
+        src: u64,
+        dtype: DType,
+        codes: u64,
+        scales: u64,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        self.launch_geo(
+            "fp8_quantize_rows",
+            dtype,
+            (rows as u32, 1, 1),
+            (BLOCK, 1, 1),
+            0,
+            &[
+                Arg::Ptr(src),
+                Arg::Ptr(codes),
+                Arg::Ptr(scales),
+                Arg::U32(cols as u32),
+            ],
+        )
+    }
+
+    /// An FP8 weight's exact values on the host (load-time rewrites, tests).
+    pub(super) fn download_fp8(&self, t: &CudaTensor) -> Result<Vec<f32>> {
+        let meta = t.fp8.as_ref().expect("an FP8 tensor");
+        let dev = self.dev();
+        dev.bind()?;
+        let mut codes = vec![0u8; t.len()];
+        let (rows, cols) = t.rows_cols();
+        let n_scales = match meta.block {
+            None => rows,
+            Some(b) => {
+                let per = t.shape[t.shape.len() - 2];
+                (rows / per.max(1)) * per.div_ceil(b[0]) * cols.div_ceil(b[1])
+            }
+        };
+        let mut scale_bytes = vec![0u8; n_scales * 4];
+        // SAFETY: the allocations hold these many bytes; `sync` waits for the copies.
+        unsafe {
+            dtoh(dev, self.stream(), &mut codes, t.ptr)?;
+            dtoh(dev, self.stream(), &mut scale_bytes, meta.ptr)?;
+        }
+        sync(dev, self.stream())?;
+        let scales: Vec<f32> = scale_bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let w = Fp8Weight {
+            shape: t.shape.clone(),
+            codes: codes.into(),
+            scales: match meta.block {
+                None => Fp8Scales::Rows(scales.into()),
+                Some(block) => Fp8Scales::Blocks {
+                    block,
+                    scales: scales.into(),
+                },
+            },
+        };
+        w.check()?;
+        Ok(w.dequantize())
+    }
+
+    /// `x · wᵀ (+ b)` for an FP8 weight `w` (see the module docs for the paths).
+    pub(super) fn project_fp8(
+        &self,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        bias: Option<&CudaTensor>,
+    ) -> Result<CudaTensor> {
+        let meta = w.fp8.as_ref().expect("an FP8 weight");
+        let (n, k) = x.rows_cols();
+        let (m, wk) = w.rows_cols();
+        if wk != k || w.shape.len() != 2 {
+            return Err(shape_err("FP8 linear weight", &w.shape, vec![m, k]));
+        }
+        if let Some(b) = bias
+            && (b.len() != m || b.dtype != x.dtype)
+        {
+            return Err(shape_err("linear bias", &b.shape, vec![m]));
+        }
+        self.check_dtype("linear input", x)?;
+        let t = suffix(x.dtype)?;
+        let out = self.tmp(&[n, m], x.dtype)?;
+        let (b0, b1) = meta.block.map_or((0, 0), |b| (b[0] as u32, b[1] as u32));
+        let bias_ptr = bias.map_or(0, |b| b.ptr);
+        if (1..=k8::GEMV_MAX_N).contains(&n)
+            && k.is_multiple_of(16)
+            && m.is_multiple_of(k8::GEMV_ROWS)
+            && (b0 == 0 || b1 % 16 == 0)
+        {
+            self.launch_exact(
+                &format!("fp8_gemv_{t}_n{n}"),
+                ((m / k8::GEMV_ROWS) as u32, 1, 1),
+                (k8::WARPS * 32, 1, 1),
+                0,
+                &[
+                    Arg::Ptr(x.ptr),
+                    Arg::U32(n as u32),
+                    Arg::U32(k as u32),
+                    Arg::Ptr(w.ptr),
+                    Arg::Ptr(meta.ptr),
+                    Arg::U32(b0),
+                    Arg::U32(b1),
+                    Arg::Ptr(bias_ptr),
+                    Arg::Ptr(out.ptr),
+                    Arg::U32(m as u32),
+                ],
+            )?;
+            return Ok(out);
+        }
+        if x.dtype == DType::BF16
+            && meta.block.is_none()
+            && k.is_multiple_of(16)
+            && self.inner.fp8_gemm.load(Ordering::Relaxed)
+        {
+            let xq = self.tmp(&[n, k], DType::F8E4M3)?;
+            let xs = self.tmp(&[n], DType::F32)?;
+            self.quantize_rows(x.ptr, x.dtype, xq.ptr, xs.ptr, n, k)?;
+            match self.inner.gemm.linear_fp8(
+                self.stream(),
+                x.dtype,
+                (xq.ptr, xs.ptr),
+                (w.ptr, meta.ptr),
+                bias.map(|b| b.ptr),
+                out.ptr,
+                (n, k, m),
+            ) {
+                Ok(()) => return Ok(out),
+                Err(e) => {
+                    // Only plan creation fails this way (no FP8 algorithm for outer-vector
+                    // scales in this cuBLASLt); nothing was enqueued but the quantization.
+                    tracing::warn!(
+                        error = %e,
+                        "cuBLASLt has no FP8 GEMM with per-row scales here: FP8 weights at more \
+                         than two rows are dequantized for a bf16 GEMM instead (slower prefill)"
+                    );
+                    self.inner.fp8_gemm.store(false, Ordering::Relaxed);
+                }
+            }
+        }
+        let wd = self.tmp(&[m, k], x.dtype)?;
+        self.launch_geo(
+            "fp8_dequantize",
+            x.dtype,
+            (grid_for((m * k) as u64, self.sm_count()), 1, 1),
+            (BLOCK, 1, 1),
+            0,
+            &[
+                Arg::Ptr(w.ptr),
+                Arg::Ptr(meta.ptr),
+                Arg::Ptr(wd.ptr),
+                Arg::U32(m as u32),
+                Arg::U32(k as u32),
+                Arg::U32(b0),
+                Arg::U32(b1),
+            ],
+        )?;
+        self.inner.gemm.linear(
+            self.stream(),
+            x.dtype,
+            x.ptr,
+            wd.ptr,
+            bias.map(|b| b.ptr),
+            out.ptr,
+            (n, k, m),
+        )?;
+        Ok(out)
+    }
+
+    /// Whether FP8 weights at more than two rows use cuBLASLt's FP8 GEMM (bf16 mode, row
+    /// scales) or are dequantized for the float GEMM (the bench times both).
+    pub fn set_fp8_gemm(&self, on: bool) {
+        self.inner.fp8_gemm.store(on, Ordering::Relaxed);
+    }
+}

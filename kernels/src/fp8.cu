@@ -1,0 +1,220 @@
+// FP8 (e4m3) weights: per-row quantization (online quantization of weights, and of activations
+// per token before an FP8 GEMM), dequantization, and the small-batch GEMV that streams the
+// codes once.
+//
+// A weight is `codes` (one byte an element, row-major [rows, cols]) and f32 `scales`: one per
+// row when `b0 == 0`, else one per b0 × b1 block, [ceil(rows / b0), ceil(cols / b1)] of them.
+//
+// Decoding without a conversion instruction: an e4m3 code's bits, shifted so that its 4-bit
+// exponent and 3-bit mantissa sit at the top of an f32's exponent and mantissa fields, are an
+// f32 whose value is the code's times 2^-120 (the exponent biases are 7 and 127). Subnormal
+// codes land on f32 subnormals with the same property, so the decode is exact for every
+// finite code; the 2^120 is folded into the scale.
+#include "common.cuh"
+
+typedef unsigned char u8;
+
+#define FP8_WARPS 8
+#define FP8_MAX 448.0f
+// 2^120, exactly.
+#define FP8_UNBIAS 1.329227995784916e+36f
+
+// The four codes of `w` (lowest byte first) as f32 × 2^-120.
+__device__ __forceinline__ void fp8x4_scaled(u32 w, float* f) {
+    f[0] = __uint_as_float(((w & 0x7fu) << 20) | ((w & 0x80u) << 24));
+    f[1] = __uint_as_float(((w & 0x7f00u) << 12) | ((w & 0x8000u) << 16));
+    f[2] = __uint_as_float(((w & 0x7f0000u) << 4) | ((w & 0x800000u) << 8));
+    f[3] = __uint_as_float(((w & 0x7f000000u) >> 4) | (w & 0x80000000u));
+}
+
+__device__ __forceinline__ float fp8_to_f32(u8 code) {
+    float f[4];
+    fp8x4_scaled(code, f);
+    return f[0] * FP8_UNBIAS;
+}
+
+// Round to nearest even, saturating at ±448 (NaN stays NaN): the hardware conversion from
+// sm_89 on, the same rounding in software before (Ampere has no FP8 conversion).
+__device__ __forceinline__ u8 f32_to_fp8(float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(v));
+    return (u8)(r & 0xff);
+#else
+    if (isnan(v)) return 0x7f;
+    const u32 sign = (__float_as_uint(v) >> 24) & 0x80u;
+    const float a = fabsf(v);
+    // Below the smallest normal (2^-6) the grid is uniform with step 2^-9 (a · 512 is exact).
+    if (a < 0.015625f) return (u8)(sign | (u32)__float2int_rn(a * 512.0f));
+    if (a >= FP8_MAX) return (u8)(sign | 0x7eu);
+    int e;
+    frexpf(a, &e);
+    e -= 1;  // 2^e ≤ a < 2^(e+1)
+    int q = __float2int_rn((ldexpf(a, -e) - 1.0f) * 8.0f);
+    if (q == 8) {
+        q = 0;
+        e += 1;
+    }
+    const u32 code = min((u32)(((e + 7) << 3) | q), 0x7eu);
+    return (u8)(sign | code);
+#endif
+}
+
+// One block a row: scales[row] = max|src| / 448 (1 for an all-zero row), codes = src / scale.
+template <typename T>
+__device__ void quantize_rows(const T* __restrict__ src, u8* __restrict__ codes,
+                              float* __restrict__ scales, u32 cols) {
+    __shared__ float scratch[32];
+    const u64 base = (u64)blockIdx.x * cols;
+    float amax = 0.0f;
+    for (u32 j = threadIdx.x; j < cols; j += blockDim.x) amax = fmaxf(amax, fabsf(load(src, base + j)));
+    amax = block_max(amax, scratch);
+    const float s = (amax > 0.0f && amax <= 3.4028234663852886e38f) ? amax / FP8_MAX : 1.0f;
+    if (threadIdx.x == 0) scales[blockIdx.x] = s;
+    for (u32 j = threadIdx.x; j < cols; j += blockDim.x) codes[base + j] = f32_to_fp8(load(src, base + j) / s);
+}
+
+#define FP8_QUANTIZE(NAME, T)                                                                     \
+    extern "C" __global__ void NAME(const T* src, u8* codes, float* scales, u32 cols) {           \
+        CHIMERA_PDL_ENTRY();                                                                      \
+        quantize_rows<T>(src, codes, scales, cols);                                               \
+    }
+FP8_QUANTIZE(fp8_quantize_rows_f32, float)
+FP8_QUANTIZE(fp8_quantize_rows_bf16, bf16)
+
+// dst[r, c] = decode(codes[r, c]) · scale(r, c), grid-stride over all elements.
+template <typename T>
+__device__ void dequantize(const u8* __restrict__ codes, const float* __restrict__ scales,
+                           T* __restrict__ dst, u32 rows, u32 cols, u32 b0, u32 b1) {
+    const u64 n = (u64)rows * cols;
+    const u32 bc = b0 ? (cols + b1 - 1) / b1 : 0;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        const u32 r = (u32)(i / cols), c = (u32)(i % cols);
+        const float s = b0 ? scales[(r / b0) * bc + c / b1] : scales[r];
+        store(dst, i, fp8_to_f32(codes[i]) * s);
+    }
+}
+
+#define FP8_DEQUANTIZE(NAME, T)                                                                   \
+    extern "C" __global__ void NAME(const u8* codes, const float* scales, T* dst, u32 rows,       \
+                                    u32 cols, u32 b0, u32 b1) {                                   \
+        CHIMERA_PDL_ENTRY();                                                                      \
+        dequantize<T>(codes, scales, dst, rows, cols, b0, b1);                                    \
+    }
+FP8_DEQUANTIZE(fp8_dequantize_f32, float)
+FP8_DEQUANTIZE(fp8_dequantize_bf16, bf16)
+
+// Sixteen activations as f32 (16-byte aligned: k is a multiple of 16).
+__device__ __forceinline__ void load_x16(const float* p, float* v) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) load16(p, 4 * j, v + 4 * j);
+}
+__device__ __forceinline__ void load_x16(const bf16* p, float* v) {
+    load16(p, 0, v);
+    load16(p, 8, v + 8);
+}
+
+__device__ __forceinline__ uint4 ld16_nc(const u8* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// Σ of 16 decoded codes (× 2^-120) times 16 activations.
+__device__ __forceinline__ float dot16(const uint4& w, const float* x) {
+    const u32 ws[4] = {w.x, w.y, w.z, w.w};
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        float f[4];
+        fp8x4_scaled(ws[j], f);
+#pragma unroll
+        for (int t = 0; t < 4; ++t) acc = fmaf(f[t], x[4 * j + t], acc);
+    }
+    return acc;
+}
+
+// y[n, m] = x[n, k] · (codes · scales)[m, k]ᵀ (+ bias[m]) for n ≤ N rows. A block of FP8_WARPS
+// warps owns ROWS output features; lane l of warp w reads the 16-byte chunks at
+// (j · FP8_WARPS + w) · 32 + l of each row, U chunks per row in flight, and multiplies them
+// with the same 16 activations of every x row. With block scales each 16-byte chunk lies in
+// one block (b1 a multiple of 16), so its partial sum takes that block's scale; with row
+// scales the scale is applied once at the end. Requirements checked by the host: k a multiple
+// of 16, m a multiple of ROWS.
+template <typename T, int N, int ROWS, int U>
+__device__ void fp8_gemv(const T* __restrict__ x, u32 n, u32 k, const u8* __restrict__ w,
+                         const float* __restrict__ scales, u32 b0, u32 b1,
+                         const T* __restrict__ bias, T* __restrict__ y, u32 m) {
+    __shared__ float part[FP8_WARPS][N * ROWS];
+    const u32 lane = threadIdx.x & 31;
+    const u32 warp = threadIdx.x >> 5;
+    const u32 row0 = blockIdx.x * ROWS;
+    const u32 stride = FP8_WARPS * 32 * 16;
+    const u32 first = (warp * 32 + lane) * 16;
+    const u32 bc = b0 ? (k + b1 - 1) / b1 : 0;
+    float acc[N][ROWS];
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) acc[i][r] = 0.0f;
+    CHIMERA_PDL_WAIT();
+    for (u32 base = first; base < k; base += stride * U) {
+        uint4 wv[U][ROWS];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const u32 c = base + u * stride;
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r)
+                if (c < k) wv[u][r] = ld16_nc(w + (u64)(row0 + r) * k + c);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const u32 c = base + u * stride;
+            if (c >= k) break;
+            float s[ROWS];
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) s[r] = b0 ? scales[((row0 + r) / b0) * bc + c / b1] : 1.0f;
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                if (i >= (int)n) break;
+                float xv[16];
+                load_x16(x + (u64)i * k + c, xv);
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r) acc[i][r] = fmaf(s[r], dot16(wv[u][r], xv), acc[i][r]);
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            const float v = warp_sum(acc[i][r]);
+            if (lane == 0) part[warp][i * ROWS + r] = v;
+        }
+    __syncthreads();
+    CHIMERA_PDL_LAUNCH_DEPENDENTS();
+    const u32 t = threadIdx.x;
+    if (t < n * ROWS) {
+        const u32 i = t / ROWS, r = t % ROWS;
+        float v = 0.0f;
+#pragma unroll
+        for (int q = 0; q < FP8_WARPS; ++q) v += part[q][i * ROWS + r];
+        v *= FP8_UNBIAS;
+        if (!b0) v *= scales[row0 + r];
+        if (bias) v += load(bias, row0 + r);
+        store(y, (u64)i * m + row0 + r, v);
+    }
+}
+
+#define FP8_GEMV(NAME, T, N, ROWS, U)                                                             \
+    extern "C" __global__ void __launch_bounds__(FP8_WARPS * 32)                                  \
+        NAME(const T* x, u32 n, u32 k, const u8* w, const float* scales, u32 b0, u32 b1,          \
+             const T* bias, T* y, u32 m) {                                                        \
+        fp8_gemv<T, N, ROWS, U>(x, n, k, w, scales, b0, b1, bias, y, m);                          \
+    }
+FP8_GEMV(fp8_gemv_f32_n1, float, 1, 4, 2)
+FP8_GEMV(fp8_gemv_f32_n2, float, 2, 4, 2)
+FP8_GEMV(fp8_gemv_bf16_n1, bf16, 1, 4, 2)
+FP8_GEMV(fp8_gemv_bf16_n2, bf16, 2, 4, 2)
