@@ -139,7 +139,12 @@ impl LoadedModel {
 
     /// Loads the weights onto `backend` (replicas on one device share this copy); with
     /// `dummy`, seeded random weights of the configured shapes instead of the checkpoint.
-    pub fn model<B: LayerOps>(
+    pub fn model<B: LayerOps>(&self, backend: &B, dummy: bool) -> anyhow::Result<Model<B>> {
+        self.model_with(backend, dummy, model::LoadOptions::default())
+    }
+
+    /// [`LoadedModel::model`] with load options (online FP8 quantization).
+    pub fn model_with<B: LayerOps>(
         &self,
         backend: &B,
         dummy: bool,
@@ -393,7 +398,7 @@ pub fn build(config: &Config) -> anyhow::Result<Stack> {
                 let started = std::time::Instant::now();
                 let backend = CudaBackend::new(CudaOptions { device, dtype })
                     .with_context(|| format!("opening CUDA device {device}"))?;
-                let model = Arc::new(loaded.model(&backend, dummy, load_options(config))?);
+                let model = Arc::new(loaded.model_with(&backend, dummy, load_options(config))?);
                 backend.synchronize()?;
                 let (free, total) = backend.mem_info()?;
                 let on_device = (i..count).step_by(devices.len()).count();
@@ -428,7 +433,7 @@ fn build_cpu(config: &Config, loaded: LoadedModel) -> anyhow::Result<Stack> {
     // One copy of the weights, read by every replica (each has its own backend handle: its
     // step arena).
     let backend = CpuBackend::default();
-    let model = Arc::new(loaded.model(
+    let model = Arc::new(loaded.model_with(
         &backend,
         config.model.load_format == "dummy",
         load_options(config),
@@ -731,7 +736,10 @@ impl DraftSource {
     ) -> anyhow::Result<Box<dyn crate::engine::speculative::Drafter>> {
         use crate::engine::speculative::{DraftModelDrafter, draft_setup};
         let dummy = config.model.load_format == "dummy";
-        let model = Arc::new(self.loaded.model(backend, dummy, load_options(config))?);
+        let model = Arc::new(
+            self.loaded
+                .model_with(backend, dummy, load_options(config))?,
+        );
         let (dv, tv) = (model.info.vocab_size, target.info.vocab_size);
         anyhow::ensure!(
             dv == tv && model.info.eos_token_ids == target.info.eos_token_ids,

@@ -312,7 +312,7 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         .unwrap_or_else(|| chimera::model::builtin::NAME.to_string());
     let loaded = LoadedModel::open(&path, &args.revision)?;
     let backend = CpuBackend::default();
-    let model = loaded.model(&backend, false, chimera::model::LoadOptions::default())?;
+    let model = loaded.model(&backend, false)?;
     let codec = &loaded.codec;
     let load_time = started.elapsed();
     let prompt = codec.encode(&args.prompt, true)?;

