@@ -27,7 +27,14 @@ pub fn run(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) {
         return;
     };
     for dir in [&args.bench_model, &args.hybrid_model] {
-        if let Err(e) = decode(report, gpu, dir, bw, args.steps) {
+        if let Err(e) = decode(
+            report,
+            gpu,
+            dir,
+            bw,
+            args.steps,
+            model::LoadOptions::default(),
+        ) {
             report.failed(
                 SUITE,
                 format!("dummy {} decode", dir.display()),
@@ -375,20 +382,26 @@ fn ssm_timings(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn decode(
+/// Returns the seconds of an 8192-token prefill step (eager, from an empty context).
+pub(super) fn decode(
     report: &mut Report,
     gpu: &CudaBackend,
     dir: &std::path::Path,
     bw: f64,
     steps_bs1: usize,
-) -> anyhow::Result<()> {
+    options: model::LoadOptions,
+) -> anyhow::Result<f64> {
     let started = Instant::now();
     let before = gpu.allocated_bytes();
-    let m: Model<CudaBackend> = model::load_dummy(dir, gpu, 0)?;
+    let m: Model<CudaBackend> = model::load_dummy_with(dir, gpu, 0, options)?;
     gpu.synchronize()?;
     let weights_total = (gpu.allocated_bytes() - before) as usize;
     let load_s = started.elapsed().as_secs_f64();
-    let name = m.info.architecture.clone();
+    let name = if options.fp8 {
+        format!("{} fp8", m.info.architecture)
+    } else {
+        m.info.architecture.clone()
+    };
     report.push(
         SUITE,
         format!("{name} dummy weights: load (alloc + fill) time"),
@@ -606,7 +619,32 @@ fn decode(
             true,
         );
     }
-    Ok(())
+    // An 8192-token prompt in one step (the prefill rate; best of three).
+    let t = 8192usize;
+    let mut plan = StepPlan::new(BLOCK);
+    let table: Vec<u32> = (0..t.div_ceil(BLOCK) as u32).collect();
+    plan.push(&vec![1u32; t], 0, &table, 0, true);
+    plan.finish()?;
+    plain_sampling(&mut plan, 1);
+    let mut step = gpu.new_step(t)?;
+    let mut best = f64::INFINITY;
+    for _ in 0..4 {
+        let t0 = Instant::now();
+        gpu.upload_step(&plan, &mut step)?;
+        let mut logits = m.forward(gpu, &step, &mut caches)?;
+        gpu.sample(&mut logits, &step, &mut out)?;
+        gpu.synchronize()?;
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    report.push(
+        SUITE,
+        format!("{name} prefill {t} tokens in one step (eager, best of 4; reported)"),
+        best * 1e3,
+        format!("{:.1} ms ({:.0} tok/s)", best * 1e3, t as f64 / best),
+        "reported".into(),
+        true,
+    );
+    Ok(best)
 }
 
 /// A decode step captured as a graph and replayed `steps` times (padded upload, replay,
@@ -737,7 +775,14 @@ pub fn archs(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) {
         report.failed(SUITE, "gated delta rule timings", format!("{e:#}"));
     }
     for dir in &args.arch_models {
-        if let Err(e) = decode(report, gpu, dir, bw, args.steps.min(200)) {
+        if let Err(e) = decode(
+            report,
+            gpu,
+            dir,
+            bw,
+            args.steps.min(200),
+            model::LoadOptions::default(),
+        ) {
             report.failed(
                 SUITE,
                 format!("dummy {} decode", dir.display()),
@@ -749,7 +794,7 @@ pub fn archs(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) {
 
 /// The device-to-device copy bandwidth (bytes read + written per second, over 2 GiB), as a
 /// row; `None` (and a failed row) when it could not be measured.
-fn copy_bandwidth(report: &mut Report, gpu: &CudaBackend) -> Option<f64> {
+pub(super) fn copy_bandwidth(report: &mut Report, gpu: &CudaBackend) -> Option<f64> {
     match gpu.copy_bandwidth(2 << 30) {
         Ok(bw) => {
             report.push(

@@ -17,6 +17,7 @@
 
 mod bench;
 mod bench_mixed;
+mod fp8;
 mod gdn;
 mod gemv;
 mod graphs;
@@ -366,6 +367,14 @@ pub fn run(args: &GpuCheckArgs) -> anyhow::Result<Report> {
         ran = true;
         bench::kernels(&mut report, &bf16_gpu);
     }
+    if args.suite == "fp8" {
+        ran = true;
+        fp8::checks(&mut report, &f32_gpu, &bf16_gpu, args, seed);
+    }
+    if args.suite == "bench-fp8" {
+        ran = true;
+        fp8::bench(&mut report, &bf16_gpu, args);
+    }
     if args.suite == "moe" {
         // The MoE rows of `hybrid` and `bench` alone.
         ran = true;
@@ -375,7 +384,7 @@ pub fn run(args: &GpuCheckArgs) -> anyhow::Result<Report> {
     }
     anyhow::ensure!(
         ran,
-        "unknown suite {:?} (kernels, attention, hybrid, parity, model, archs, fixtures, graphs, bench, bench-kernels, bench-archs, bench-mixed, moe, all)",
+        "unknown suite {:?} (kernels, attention, hybrid, parity, model, archs, fixtures, graphs, bench, bench-kernels, bench-archs, bench-mixed, moe, fp8, bench-fp8, all)",
         args.suite
     );
     if let Some(path) = &args.json {

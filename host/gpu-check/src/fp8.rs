@@ -1,0 +1,267 @@
+//! FP8 weights on the GPU.
+//!
+//! `fp8` (correctness): the FP8 fixtures end to end (f32 mode against the CPU oracle, which
+//! dequantizes exactly; bf16 mode against its bound), then FP8 linear layers on random weights
+//! with row and 128 × 128 block scales at 1, 2, 3 and 64 rows (the GEMV, cuBLASLt's FP8 GEMM
+//! and the dequantizing path) against the CPU's exact product, and online quantization on the
+//! device against the host's codes.
+//!
+//! `bench-fp8` (bf16 serving mode, one run): the copy bandwidth; the FP8 GEMV against the bf16
+//! GEMV on the decode shapes of Llama-3-8B and NemotronH-8B (bandwidth of the bytes each reads);
+//! decode at batch 1 / 64 / 256 and an 8192-token prefill of both models with bf16 and with
+//! FP8 dummy weights, each against its own memory floor, and the prefill-rate ratio.
+
+use std::time::Instant;
+
+use super::rng::Rng;
+use super::{GpuCheckArgs, Report};
+use chimera::backend::cpu::CpuBackend;
+use chimera::backend::cuda::{CudaBackend, CudaTensor};
+use chimera::backend::fp8::{self, Fp8Scales, Fp8Weight};
+use chimera::backend::{Backend, DType, HostTensor, LayerOps, StepBackend};
+use chimera::model::LoadOptions;
+
+const SUITE: &str = "fp8";
+const BENCH: &str = "bench-fp8";
+
+fn max_rel(a: &[f32], b: &[f32]) -> f64 {
+    let scale = b.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max) as f64
+        / scale as f64
+}
+
+/// Random FP8 weight: codes of N(0, 1)-ish values, scales in [0.5, 1.5) / 448.
+fn random_weight(rng: &mut Rng, m: usize, k: usize, block: Option<usize>) -> Fp8Weight<'static> {
+    let codes: Vec<u8> = (0..m * k)
+        .map(|_| fp8::f32_to_e4m3(rng.sym(300.0)))
+        .collect();
+    let scales = match block {
+        None => Fp8Scales::Rows((0..m).map(|_| (0.5 + rng.unit()) / 448.0).collect()),
+        Some(b) => Fp8Scales::Blocks {
+            block: [b, b],
+            scales: (0..m.div_ceil(b) * k.div_ceil(b))
+                .map(|_| (0.5 + rng.unit()) / 448.0)
+                .collect(),
+        },
+    };
+    Fp8Weight {
+        shape: vec![m, k],
+        codes: codes.into(),
+        scales,
+    }
+}
+
+pub fn checks(
+    report: &mut Report,
+    f32_gpu: &CudaBackend,
+    bf16_gpu: &CudaBackend,
+    args: &GpuCheckArgs,
+    seed: u64,
+) {
+    super::parity::run_fixtures(
+        report,
+        f32_gpu,
+        bf16_gpu,
+        args,
+        &["llama-gqa-fp8", "nemotronh-a-fp8", "qwen3next-a-fp8"],
+    );
+    let mut rng = Rng::new(seed ^ 0xf8f8);
+    let cpu = CpuBackend::default();
+    for (m, k) in [(256usize, 512usize), (1024, 4096), (4096, 1024)] {
+        for block in [None, Some(128)] {
+            let w = random_weight(&mut rng, m, k, block);
+            let bias: Vec<f32> = (0..m).map(|_| rng.sym(0.2)).collect();
+            let scheme = if block.is_some() {
+                "128×128 blocks"
+            } else {
+                "rows"
+            };
+            for n in [1usize, 2, 3, 64] {
+                let x: Vec<f32> = rng.vec(n * k, 1.0);
+                for (gpu, mode, bound) in [(f32_gpu, "f32", 1e-5), (bf16_gpu, "bf16", 4e-2)] {
+                    let check = format!("{mode} FP8 linear {n}×{k}·{m}ᵀ + bias, {scheme}");
+                    let run = || -> anyhow::Result<f64> {
+                        let want = {
+                            let wc = cpu.upload_fp8(w.clone())?;
+                            let b = cpu.upload(HostTensor::f32(&bias, &[m]))?;
+                            let xc = cpu.upload(HostTensor::f32(&x, &[n, k]))?;
+                            cpu.download(&cpu.linear(&xc, &wc, Some(&b))?)?
+                        };
+                        let wg = gpu.upload_fp8(w.clone())?;
+                        let b = gpu.upload(HostTensor::f32(&bias, &[m]))?;
+                        let xg = gpu.upload(HostTensor::f32(&x, &[n, k]))?;
+                        let got = gpu.download(&gpu.linear(&xg, &wg, Some(&b))?)?;
+                        gpu.synchronize()?;
+                        Ok(max_rel(&got, &want))
+                    };
+                    match run() {
+                        Ok(e) => report.push(
+                            SUITE,
+                            check,
+                            e,
+                            format!("max rel {e:.2e}"),
+                            format!("≤ {bound:.0e}"),
+                            e <= bound,
+                        ),
+                        Err(e) => report.failed(SUITE, check, format!("{e:#}")),
+                    }
+                }
+            }
+        }
+    }
+    // Online quantization on the device makes the host's codes and scales (f32 weights: the
+    // same division and rounding).
+    let (m, k) = (512usize, 1024usize);
+    let w: Vec<f32> = rng.vec(m * k, 0.05);
+    let check = format!("f32 online quantization of a {m}×{k} weight on the device = the host's");
+    let run = || -> anyhow::Result<f64> {
+        let t = f32_gpu.upload(HostTensor::f32(&w, &[m, k]))?;
+        let q = f32_gpu.quantize_fp8(&t)?;
+        let got = f32_gpu.download(&q)?;
+        let want = fp8::quantize_rows(&w, &[m, k]).dequantize();
+        Ok(got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max) as f64)
+    };
+    match run() {
+        Ok(e) => report.push(
+            SUITE,
+            check,
+            e,
+            format!("max |Δ| {e:.1e}"),
+            "= 0".into(),
+            e == 0.0,
+        ),
+        Err(e) => report.failed(SUITE, check, format!("{e:#}")),
+    }
+}
+
+/// (label, m, k): the single projections of the decode shapes.
+const SHAPES: &[(&str, usize, usize)] = &[
+    ("Llama-3-8B q_proj", 4096, 4096),
+    ("Llama-3-8B k_proj", 1024, 4096),
+    ("Llama-3-8B gate_proj", 14336, 4096),
+    ("Llama-3-8B down_proj", 4096, 14336),
+    ("NemotronH-8B mamba in_proj", 18560, 4096),
+    ("NemotronH-8B mamba out_proj", 4096, 8192),
+    ("NemotronH-8B mlp up", 21504, 4096),
+    ("NemotronH-8B mlp down", 4096, 21504),
+];
+
+const CALLS: usize = 20;
+
+/// Seconds per call of `x[n, k] · wᵀ` with weights in rotation (≥ 256 MiB, past the L2),
+/// timed from a graph of CALLS calls.
+fn time_linear(
+    gpu: &CudaBackend,
+    n: usize,
+    weights: &[CudaTensor],
+    k: usize,
+) -> anyhow::Result<f64> {
+    let x = gpu.zeros(&[n, k], DType::BF16)?;
+    let mut calls = || -> chimera::backend::Result<()> {
+        for c in 0..CALLS {
+            drop(gpu.linear(&x, &weights[c % weights.len()], None)?);
+        }
+        Ok(())
+    };
+    calls()?;
+    let id = gpu.capture_graph(&mut calls)?;
+    gpu.replay_graph(id)?;
+    gpu.synchronize()?;
+    let reps = 5;
+    let t0 = Instant::now();
+    for _ in 0..reps {
+        gpu.replay_graph(id)?;
+    }
+    gpu.synchronize()?;
+    Ok(t0.elapsed().as_secs_f64() / (reps * CALLS) as f64)
+}
+
+pub fn bench(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) {
+    let Some(bw) = super::bench::copy_bandwidth(report, gpu) else {
+        return;
+    };
+    for &(label, m, k) in SHAPES {
+        let check = format!("linear n=1 {label} {m}×{k}: FP8 GEMV (bf16 GEMV in the same run)");
+        let run = || -> anyhow::Result<(f64, f64)> {
+            let bf16_bytes = m * k * 2;
+            let copies = (256usize << 20).div_ceil(bf16_bytes).clamp(1, CALLS);
+            let bf16: Vec<CudaTensor> = (0..copies)
+                .map(|_| gpu.zeros(&[m, k], DType::BF16))
+                .collect::<Result<_, _>>()?;
+            let bf16_s = time_linear(gpu, 1, &bf16, k)?;
+            let fp8_copies = (256usize << 20).div_ceil(m * k).clamp(1, CALLS);
+            let fp8: Vec<CudaTensor> = (0..fp8_copies)
+                .map(|_| {
+                    gpu.zeros(&[m, k], DType::BF16)
+                        .and_then(|t| gpu.quantize_fp8(&t))
+                })
+                .collect::<Result<_, _>>()?;
+            drop(bf16);
+            let fp8_s = time_linear(gpu, 1, &fp8, k)?;
+            Ok((bf16_bytes as f64 / bf16_s, (m * k + 4 * m) as f64 / fp8_s))
+        };
+        match run() {
+            Ok((bf16_bw, fp8_bw)) => report.push(
+                BENCH,
+                format!("{check}: bf16 {:.2} TB/s", bf16_bw / 1e12),
+                fp8_bw,
+                format!(
+                    "{:.2} TB/s ({:.0} % of copy)",
+                    fp8_bw / 1e12,
+                    100.0 * fp8_bw / bw
+                ),
+                // The target holds where the bf16 GEMV reaches 85 % of the copy bandwidth.
+                if bf16_bw >= 0.85 * bw {
+                    format!("≥ {:.2} TB/s", 0.85 * bw / 1e12)
+                } else {
+                    "reported (bf16 below 85 %)".into()
+                },
+                bf16_bw < 0.85 * bw || fp8_bw >= 0.85 * bw,
+            ),
+            Err(e) => report.failed(BENCH, check, format!("{e:#}")),
+        }
+    }
+    for dir in [&args.bench_model, &args.hybrid_model] {
+        let mut prefill = [0.0f64; 2];
+        for (i, fp8) in [false, true].into_iter().enumerate() {
+            match super::bench::decode(
+                report,
+                gpu,
+                dir,
+                bw,
+                args.steps.min(200),
+                LoadOptions { fp8 },
+            ) {
+                Ok(s) => prefill[i] = s,
+                Err(e) => report.failed(
+                    BENCH,
+                    format!("dummy {} decode (fp8 {fp8})", dir.display()),
+                    format!("{e:#}"),
+                ),
+            }
+        }
+        if prefill.iter().all(|&s| s > 0.0) {
+            let ratio = prefill[0] / prefill[1];
+            report.push(
+                BENCH,
+                format!(
+                    "{} 8192-token prefill rate, FP8 / bf16 (same run)",
+                    dir.file_name()
+                        .map(|n| n.to_string_lossy())
+                        .unwrap_or_default()
+                ),
+                ratio,
+                format!("{ratio:.2}×"),
+                "≥ 1.5×".into(),
+                ratio >= 1.5,
+            );
+        }
+    }
+}
