@@ -183,13 +183,11 @@ fn parse(q: &Value) -> Result<CheckpointFp8, String> {
 }
 
 fn block_size(v: &Value) -> Result<[usize; 2], String> {
-    match v
+    let sizes: Option<Vec<u64>> = v
         .as_array()
-        .map(|a| a.iter().map(Value::as_u64).collect::<Vec<_>>())
-    {
-        Some(b) if b.len() == 2 && b.iter().all(|x| x.is_some_and(|x| x > 0)) => {
-            Ok([b[0].unwrap() as usize, b[1].unwrap() as usize])
-        }
+        .and_then(|a| a.iter().map(Value::as_u64).collect());
+    match sizes.as_deref() {
+        Some(&[r, c]) if r > 0 && c > 0 => Ok([r as usize, c as usize]),
         _ => Err(format!(
             "weight block size {v} is not two positive integers"
         )),
