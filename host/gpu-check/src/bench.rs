@@ -590,11 +590,7 @@ pub(super) fn decode(
     // A 4096-token prefill chunk (the serving default's chunk) from an empty context: where
     // its device time goes, per kernel.
     let t = 4096usize;
-    let mut plan = StepPlan::new(BLOCK);
-    let table: Vec<u32> = (0..t.div_ceil(BLOCK) as u32).collect();
-    plan.push(&vec![1u32; t], 0, &table, 0, true);
-    plan.finish()?;
-    plain_sampling(&mut plan, 1);
+    let plan = one_prompt(t)?;
     let mut step = gpu.new_step(t)?;
     let mut out = SampleOut::default();
     let mut one = || -> anyhow::Result<()> {
@@ -619,13 +615,9 @@ pub(super) fn decode(
             true,
         );
     }
-    // An 8192-token prompt in one step (the prefill rate; best of three).
+    // An 8192-token prompt in one step (the prefill rate; best of four).
     let t = 8192usize;
-    let mut plan = StepPlan::new(BLOCK);
-    let table: Vec<u32> = (0..t.div_ceil(BLOCK) as u32).collect();
-    plan.push(&vec![1u32; t], 0, &table, 0, true);
-    plan.finish()?;
-    plain_sampling(&mut plan, 1);
+    let plan = one_prompt(t)?;
     let mut step = gpu.new_step(t)?;
     let mut best = f64::INFINITY;
     for _ in 0..4 {
@@ -645,6 +637,16 @@ pub(super) fn decode(
         true,
     );
     Ok(best)
+}
+
+/// A step of one `t`-token prompt from an empty context (blocks `0..`), sampling its last row.
+fn one_prompt(t: usize) -> anyhow::Result<StepPlan> {
+    let mut plan = StepPlan::new(BLOCK);
+    let table: Vec<u32> = (0..t.div_ceil(BLOCK) as u32).collect();
+    plan.push(&vec![1u32; t], 0, &table, 0, true);
+    plan.finish()?;
+    plain_sampling(&mut plan, 1);
+    Ok(plan)
 }
 
 /// A decode step captured as a graph and replayed `steps` times (padded upload, replay,

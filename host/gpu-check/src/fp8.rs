@@ -11,14 +11,12 @@
 //! decode at batch 1 / 64 / 256 and an 8192-token prefill of both models with bf16 and with
 //! FP8 dummy weights, each against its own memory floor, and the prefill-rate ratio.
 
-use std::time::Instant;
-
 use super::rng::Rng;
 use super::{GpuCheckArgs, Report};
 use chimera::backend::cpu::CpuBackend;
 use chimera::backend::cuda::{CudaBackend, CudaTensor};
 use chimera::backend::fp8::{self, Fp8Scales, Fp8Weight};
-use chimera::backend::{Backend, DType, HostTensor, LayerOps, StepBackend};
+use chimera::backend::{Backend, DType, HostTensor, LayerOps};
 use chimera::model::LoadOptions;
 
 const SUITE: &str = "fp8";
@@ -164,23 +162,12 @@ fn time_linear(
     k: usize,
 ) -> anyhow::Result<f64> {
     let x = gpu.zeros(&[n, k], DType::BF16)?;
-    let mut calls = || -> chimera::backend::Result<()> {
+    super::gemv::graph_seconds_per_call(gpu, CALLS, &mut || {
         for c in 0..CALLS {
             drop(gpu.linear(&x, &weights[c % weights.len()], None)?);
         }
         Ok(())
-    };
-    calls()?;
-    let id = gpu.capture_graph(&mut calls)?;
-    gpu.replay_graph(id)?;
-    gpu.synchronize()?;
-    let reps = 5;
-    let t0 = Instant::now();
-    for _ in 0..reps {
-        gpu.replay_graph(id)?;
-    }
-    gpu.synchronize()?;
-    Ok(t0.elapsed().as_secs_f64() / (reps * CALLS) as f64)
+    })
 }
 
 pub fn bench(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) {

@@ -84,25 +84,34 @@ fn time_shape(
     let mut per_call = [0.0f64; 2];
     for (i, on) in [true, false].into_iter().enumerate() {
         gpu.set_small_m_gemv(on);
-        let mut calls = || -> chimera::backend::Result<()> {
+        per_call[i] = graph_seconds_per_call(gpu, CALLS, &mut || {
             for c in 0..CALLS {
                 let ws: Vec<_> = weights[c % copies].iter().map(|w| (w, None)).collect();
                 drop(gpu.linear_shared(&x, &ws)?);
             }
             Ok(())
-        };
-        calls()?;
-        let id = gpu.capture_graph(&mut calls)?;
-        gpu.replay_graph(id)?;
-        gpu.synchronize()?;
-        let reps = 5;
-        let t0 = Instant::now();
-        for _ in 0..reps {
-            gpu.replay_graph(id)?;
-        }
-        gpu.synchronize()?;
-        per_call[i] = t0.elapsed().as_secs_f64() / (reps * CALLS) as f64;
+        })?;
     }
     gpu.set_small_m_gemv(true);
     Ok((per_call[0], per_call[1], bytes as f64))
+}
+
+/// Seconds per call of `run`, which makes `calls` calls: run once eagerly (warm-up), captured
+/// as a graph, then the graph replayed five times and timed (launch gaps do not count).
+pub(super) fn graph_seconds_per_call(
+    gpu: &CudaBackend,
+    calls: usize,
+    run: &mut dyn FnMut() -> chimera::backend::Result<()>,
+) -> anyhow::Result<f64> {
+    run()?;
+    let id = gpu.capture_graph(run)?;
+    gpu.replay_graph(id)?;
+    gpu.synchronize()?;
+    let reps = 5;
+    let t0 = Instant::now();
+    for _ in 0..reps {
+        gpu.replay_graph(id)?;
+    }
+    gpu.synchronize()?;
+    Ok(t0.elapsed().as_secs_f64() / (reps * calls) as f64)
 }

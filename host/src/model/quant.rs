@@ -74,11 +74,20 @@ impl Quantization {
     /// the checkpoint stores it in a float dtype: only under online quantization, and never for
     /// a module the checkpoint kept unquantized.
     pub fn quantize_online(&self, module: &str) -> bool {
-        self.online
-            && !self
-                .checkpoint
-                .as_ref()
-                .is_some_and(|c| c.keep.iter().any(|k| module_matches(k, module)))
+        self.online && !self.keeps(module)
+    }
+
+    /// Whether a made-up (dummy) weight of `module` is FP8: where either scheme would make it
+    /// so — a published FP8 config.json run with dummy weights is FP8 like its checkpoint.
+    pub fn dummy_fp8(&self, module: &str) -> bool {
+        (self.online || self.checkpoint.is_some()) && !self.keeps(module)
+    }
+
+    /// Whether the checkpoint lists `module` as left unquantized.
+    fn keeps(&self, module: &str) -> bool {
+        self.checkpoint
+            .as_ref()
+            .is_some_and(|c| c.keep.iter().any(|k| module_matches(k, module)))
     }
 }
 

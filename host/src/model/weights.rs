@@ -252,13 +252,7 @@ impl WeightStore {
         let backend_err = |e: crate::backend::BackendError| ModelError::Backend(e.to_string());
         if self.dummy.is_some() {
             let t = self.load(backend, &name, shape)?;
-            let kept = self.quant.checkpoint.as_ref().is_some_and(|c| {
-                c.keep
-                    .iter()
-                    .any(|k| super::quant::module_matches(k, module))
-            });
-            let fp8 = (self.quant.online || self.quant.checkpoint.is_some()) && !kept;
-            return if fp8 {
+            return if self.quant.dummy_fp8(module) {
                 backend.quantize_fp8(&t).map_err(backend_err)
             } else {
                 Ok(t)

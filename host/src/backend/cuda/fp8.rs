@@ -146,10 +146,11 @@ impl CudaBackend {
         if wk != k || w.shape.len() != 2 {
             return Err(shape_err("FP8 linear weight", &w.shape, vec![m, k]));
         }
-        if let Some(b) = bias
-            && (b.len() != m || b.dtype != x.dtype)
-        {
-            return Err(shape_err("linear bias", &b.shape, vec![m]));
+        if let Some(b) = bias {
+            if b.len() != m {
+                return Err(shape_err("linear bias", &b.shape, vec![m]));
+            }
+            self.check_dtype("linear bias", b)?;
         }
         self.check_dtype("linear input", x)?;
         let t = suffix(x.dtype)?;
@@ -186,22 +187,27 @@ impl CudaBackend {
             && k.is_multiple_of(16)
             && self.inner.fp8_gemm.load(Ordering::Relaxed)
         {
-            let xq = self.tmp(&[n, k], DType::F8E4M3)?;
-            let xs = self.tmp(&[n], DType::F32)?;
-            self.quantize_rows(x.ptr, x.dtype, xq.ptr, xs.ptr, n, k)?;
-            match self.inner.gemm.linear_fp8(
-                self.stream(),
-                x.dtype,
-                (xq.ptr, xs.ptr),
-                (w.ptr, meta.ptr),
-                bias.map(|b| b.ptr),
-                out.ptr,
-                (n, k, m),
-            ) {
-                Ok(()) => return Ok(out),
+            match self
+                .inner
+                .gemm
+                .prepare_fp8(x.dtype, bias.is_some(), (n, k, m))
+            {
+                Ok(()) => {
+                    let xq = self.tmp(&[n, k], DType::F8E4M3)?;
+                    let xs = self.tmp(&[n], DType::F32)?;
+                    self.quantize_rows(x.ptr, x.dtype, xq.ptr, xs.ptr, n, k)?;
+                    self.inner.gemm.linear_fp8(
+                        self.stream(),
+                        x.dtype,
+                        (xq.ptr, xs.ptr),
+                        (w.ptr, meta.ptr),
+                        bias.map(|b| b.ptr),
+                        out.ptr,
+                        (n, k, m),
+                    )?;
+                    return Ok(out);
+                }
                 Err(e) => {
-                    // Only plan creation fails this way (no FP8 algorithm for outer-vector
-                    // scales in this cuBLASLt); nothing was enqueued but the quantization.
                     tracing::warn!(
                         error = %e,
                         "cuBLASLt has no FP8 GEMM with per-row scales here: FP8 weights at more \

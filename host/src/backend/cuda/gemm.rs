@@ -237,8 +237,8 @@ impl Gemm {
 
     /// `y[n, m] = (x · sx)[n, k] · (w · sw)[m, k]ᵀ (+ bias[m])` with e4m3 `x` and `w`, f32
     /// scales `sx[n]` (per token) and `sw[m]` (per output feature), and `dtype` output and
-    /// bias: cuBLASLt's FP8 GEMM with outer-vector scaling (cuBLAS 12.9 on). `Err` where this
-    /// cuBLASLt has no algorithm for it (the caller then takes another path).
+    /// bias: cuBLASLt's FP8 GEMM with outer-vector scaling (cuBLAS 12.9 on; see
+    /// [`Gemm::prepare_fp8`] for whether this cuBLASLt has it).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn linear_fp8(
         &self,
@@ -259,6 +259,29 @@ impl Gemm {
             fp8: true,
         };
         self.run(stream, key, x, w, bias, y, Some((sw, sx)))
+    }
+
+    /// Makes (once) the plan of the FP8 GEMM [`Gemm::linear_fp8`] runs for this shape: `Err`
+    /// where this cuBLASLt has no algorithm for it, before anything is enqueued.
+    pub(crate) fn prepare_fp8(
+        &self,
+        dtype: DType,
+        bias: bool,
+        (n, k, m): (usize, usize, usize),
+    ) -> Result<()> {
+        let key = Key {
+            m,
+            n,
+            k,
+            bias,
+            dtype,
+            fp8: true,
+        };
+        let mut plans = self.plans.lock().unwrap_or_else(|p| p.into_inner());
+        if let std::collections::hash_map::Entry::Vacant(v) = plans.entry(key) {
+            v.insert(self.plan(key)?);
+        }
+        Ok(())
     }
 
     /// Runs the plan of `key` (made once); `scales` are the weight's and the input's scale
