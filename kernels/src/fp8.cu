@@ -218,3 +218,9 @@ FP8_GEMV(fp8_gemv_f32_n1, float, 1, 4, 2)
 FP8_GEMV(fp8_gemv_f32_n2, float, 2, 4, 2)
 FP8_GEMV(fp8_gemv_bf16_n1, bf16, 1, 4, 2)
 FP8_GEMV(fp8_gemv_bf16_n2, bf16, 2, 4, 2)
+// Other shapes of the one-row bf16 GEMV (ROWS features a block, U chunks a row in flight),
+// timed against the default by `bench-fp8` (CudaBackend::set_fp8_gemv_variant).
+FP8_GEMV(fp8_gemv_bf16_n1_r8u1, bf16, 1, 8, 1)
+FP8_GEMV(fp8_gemv_bf16_n1_r8u2, bf16, 1, 8, 2)
+FP8_GEMV(fp8_gemv_bf16_n1_r16u1, bf16, 1, 16, 1)
+FP8_GEMV(fp8_gemv_bf16_n1_r2u4, bf16, 1, 2, 4)

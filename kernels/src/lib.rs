@@ -432,7 +432,8 @@ pub mod fp8 {
 
     /// Warps per GEMV block.
     pub const WARPS: u32 = 8;
-    /// Output features per GEMV block (every `m` must be a multiple of it).
+    /// Output features per block of the default GEMV entries (every `m` must be a multiple of
+    /// the entry's).
     pub const GEMV_ROWS: usize = 4;
     /// The most input rows the GEMV takes.
     pub const GEMV_MAX_N: usize = 2;
@@ -450,6 +451,20 @@ pub mod fp8 {
         e("fp8_gemv_f32_n2", GEMV),
         e("fp8_gemv_bf16_n1", GEMV),
         e("fp8_gemv_bf16_n2", GEMV),
+        e("fp8_gemv_bf16_n1_r8u1", GEMV),
+        e("fp8_gemv_bf16_n1_r8u2", GEMV),
+        e("fp8_gemv_bf16_n1_r16u1", GEMV),
+        e("fp8_gemv_bf16_n1_r2u4", GEMV),
+    ];
+
+    /// The one-row bf16 GEMV's variants, (entry, output features a block): the first is the
+    /// default; the bench times the others against it.
+    pub const GEMV_N1_BF16: &[(&str, usize)] = &[
+        ("fp8_gemv_bf16_n1", 4),
+        ("fp8_gemv_bf16_n1_r8u1", 8),
+        ("fp8_gemv_bf16_n1_r8u2", 8),
+        ("fp8_gemv_bf16_n1_r16u1", 16),
+        ("fp8_gemv_bf16_n1_r2u4", 2),
     ];
 }
 

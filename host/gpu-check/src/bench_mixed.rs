@@ -83,6 +83,22 @@ pub fn mixed_steps(
             });
         }
         plan.finish()?;
+        // The caches were sized for the largest decode batch that fits beside the weights
+        // (an 8B model on an 80 GB card holds 64 sequences, not 256): a mix with more
+        // sequences would address blocks past them.
+        if let Err(e) = caches.check(&plan) {
+            report.push(
+                SUITE,
+                format!(
+                    "{name} mixed step: {decodes} decodes + a {chunk}-token prompt chunk: does not fit the caches on this GPU (reported)"
+                ),
+                f64::NAN,
+                format!("skipped: {e}"),
+                "reported".into(),
+                true,
+            );
+            continue;
+        }
         plan.sampling.clear(1);
         let none = chimera::backend::sample::Penalties {
             repetition: 1.0,

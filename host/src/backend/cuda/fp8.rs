@@ -22,16 +22,6 @@ use super::{BLOCK, CudaBackend, CudaTensor, grid_for, shape_err};
 use crate::backend::fp8::{Fp8Scales, Fp8Weight};
 use crate::backend::{BackendError, DType, Result, f32_bytes};
 
-fn suffix(dtype: DType) -> Result<&'static str> {
-    match dtype {
-        DType::F32 => Ok("f32"),
-        DType::BF16 => Ok("bf16"),
-        d => Err(BackendError::Invalid(format!(
-            "FP8 linear layers take f32 or bf16 inputs, not {d:?}"
-        ))),
-    }
-}
-
 impl CudaBackend {
     pub(super) fn upload_fp8_weight(&self, w: Fp8Weight<'_>) -> Result<CudaTensor> {
         w.check()?;
@@ -153,18 +143,23 @@ impl CudaBackend {
             self.check_dtype("linear bias", b)?;
         }
         self.check_dtype("linear input", x)?;
-        let t = suffix(x.dtype)?;
         let out = self.tmp(&[n, m], x.dtype)?;
         let (b0, b1) = meta.block.map_or((0, 0), |b| (b[0] as u32, b[1] as u32));
         let bias_ptr = bias.map_or(0, |b| b.ptr);
-        if (1..=k8::GEMV_MAX_N).contains(&n)
-            && k.is_multiple_of(16)
-            && m.is_multiple_of(k8::GEMV_ROWS)
-            && (b0 == 0 || b1 % 16 == 0)
-        {
+        let (entry, rows) = match (x.dtype, n) {
+            (DType::BF16, 1) => {
+                let v = self.inner.fp8_gemv_variant.load(Ordering::Relaxed);
+                k8::GEMV_N1_BF16[v.min(k8::GEMV_N1_BF16.len() - 1)]
+            }
+            (DType::BF16, 2) => ("fp8_gemv_bf16_n2", k8::GEMV_ROWS),
+            (DType::F32, 1) => ("fp8_gemv_f32_n1", k8::GEMV_ROWS),
+            (DType::F32, 2) => ("fp8_gemv_f32_n2", k8::GEMV_ROWS),
+            _ => ("", 0),
+        };
+        if rows > 0 && k.is_multiple_of(16) && m.is_multiple_of(rows) && (b0 == 0 || b1 % 16 == 0) {
             self.launch_exact(
-                &format!("fp8_gemv_{t}_n{n}"),
-                ((m / k8::GEMV_ROWS) as u32, 1, 1),
+                entry,
+                ((m / rows) as u32, 1, 1),
                 (k8::WARPS * 32, 1, 1),
                 0,
                 &[
@@ -244,6 +239,14 @@ impl CudaBackend {
             (n, k, m),
         )?;
         Ok(out)
+    }
+
+    /// Which variant of `chimera_kernels::fp8::GEMV_N1_BF16` one-row FP8 projections use (the
+    /// bench times each; out-of-range picks the last).
+    pub fn set_fp8_gemv_variant(&self, variant: usize) {
+        self.inner
+            .fp8_gemv_variant
+            .store(variant, Ordering::Relaxed);
     }
 
     /// Whether FP8 weights at more than two rows use cuBLASLt's FP8 GEMM (bf16 mode, row

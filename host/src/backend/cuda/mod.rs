@@ -99,6 +99,9 @@ struct Inner {
     /// activation scales; turned off (with a warning) when this cuBLASLt has no algorithm for
     /// it, and switchable so the bench can time both paths.
     fp8_gemm: AtomicBool,
+    /// Which of `chimera_kernels::fp8::GEMV_N1_BF16` one-row bf16 FP8 projections use (the
+    /// bench times them; 0, the default, otherwise).
+    fp8_gemv_variant: std::sync::atomic::AtomicUsize,
     /// Events timing steps on the device (created on first use).
     clock: Mutex<Option<StepClock>>,
 }
@@ -144,6 +147,7 @@ impl CudaBackend {
                 readback: Mutex::new(None),
                 pending_read: Mutex::new(None),
                 fp8_gemm: AtomicBool::new(true),
+                fp8_gemv_variant: std::sync::atomic::AtomicUsize::new(0),
                 graphs: Mutex::new(Vec::new()),
                 small_m_gemv: AtomicBool::new(true),
                 clock: Mutex::new(None),
