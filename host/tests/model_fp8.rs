@@ -246,3 +246,80 @@ fn online_fp8_keeps_smollm2_perplexity_within_three_percent() {
     );
     assert!(agree >= 0.8, "greedy agreement {agree}");
 }
+
+/// Online FP8 on the Gated DeltaNet hybrids: `q | k | v | z` become FP8 with row scales (the
+/// values are the host quantization of the unquantized rows), the per-head gates `b | a` are a
+/// separate projection left exactly as stored, and the model's logits move a little.
+#[test]
+fn online_fp8_quantizes_delta_net_projections_but_not_their_gates() {
+    use chimera::backend::Backend;
+    use chimera::backend::fp8::quantize_rows;
+    use chimera::model::layers::{GatedDeltaNet, Mixer};
+    fn first_gdn(m: &Model<CpuBackend>) -> &GatedDeltaNet<CpuBackend> {
+        m.layers
+            .iter()
+            .find_map(|l| match &l.mixer {
+                Mixer::GatedDeltaNet(g) => Some(g),
+                _ => None,
+            })
+            .expect("a Gated DeltaNet layer")
+    }
+    let cpu = CpuBackend::default();
+    for name in ["qwen35-a", "qwen3next-a"] {
+        let plain = model::load(&fixture(name), &cpu).unwrap();
+        let fp8 = model::load_with(&fixture(name), &cpu, LoadOptions { fp8: true }).unwrap();
+        let (p, q) = (first_gdn(&plain), first_gdn(&fp8));
+        assert!(
+            p.gates.is_none(),
+            "{name}: unquantized keeps one projection"
+        );
+        let gates = q.gates.as_ref().expect("FP8 splits the gates off");
+        let all = cpu.download(&p.in_proj.w).unwrap();
+        let hidden = cpu.shape(&p.in_proj.w)[1];
+        let main_rows = p.shape.conv_dim() + p.shape.value_dim();
+        let (main, rest) = all.split_at(main_rows * hidden);
+        assert_eq!(
+            cpu.download(&gates.w).unwrap(),
+            rest,
+            "{name}: gates as stored"
+        );
+        let got = cpu.download(&q.in_proj.w).unwrap();
+        assert_eq!(
+            got,
+            quantize_rows(main, &[main_rows, hidden]).dequantize(),
+            "{name}"
+        );
+        assert_ne!(got, main, "{name}: quantization changed nothing");
+        // The split forward (two projections, then the columns) computes what one projection
+        // of the joined rows does: the same model with each layer's two joined again.
+        let tokens: Vec<u32> = (0..40).map(|i| 5 + (i * 37) % 500).collect();
+        let split = all_logits(&fp8, &tokens);
+        let mut joined = fp8;
+        let mut layers = 0;
+        for l in &mut joined.layers {
+            if let Mixer::GatedDeltaNet(g) = &mut l.mixer {
+                let mut rows = cpu.download(&g.in_proj.w).unwrap();
+                let gates = g.gates.take().expect("split");
+                rows.extend(cpu.download(&gates.w).unwrap());
+                let n = rows.len() / hidden;
+                g.in_proj.w = cpu
+                    .upload(chimera::backend::HostTensor::f32(&rows, &[n, hidden]))
+                    .unwrap();
+                layers += 1;
+            }
+        }
+        assert!(layers > 0);
+        let one = all_logits(&joined, &tokens);
+        let scale = one.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+        let diff = one
+            .iter()
+            .zip(&split)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            diff <= 1e-5 * scale,
+            "{name}: split vs joined {diff} of {scale}"
+        );
+        assert_ne!(split, all_logits(&plain, &tokens), "{name}");
+    }
+}

@@ -188,6 +188,11 @@ impl WeightStore {
         self.quant = quant;
     }
 
+    /// Which projections are FP8.
+    pub fn quantization(&self) -> &Quantization {
+        &self.quant
+    }
+
     /// Whether this store makes up its tensors (`model.load_format = "dummy"`).
     pub fn is_dummy(&self) -> bool {
         self.dummy.is_some()

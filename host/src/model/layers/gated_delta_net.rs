@@ -10,17 +10,27 @@
 //! `in_proj_b`, `in_proj_a`. Qwen3-Next stores `in_proj_qkvz` and `in_proj_ba`, with rows
 //! grouped per key head (`[q_h, k_h, v_h…, z_h…]` and `[b_h…, a_h…]`); those rows are permuted
 //! once at load so both layouts run the same code.
+//!
+//! Under online FP8 quantization the projection is two: `q | k | v | z` in FP8 and the small
+//! per-head gates `b | a` left as they are (quantizing β and the decay input costs accuracy
+//! and saves almost nothing). A published FP8 checkpoint's values here are dequantized at
+//! load and served in float: re-quantizing its regrouped block-scaled rows per row would not
+//! be the checkpoint's weights.
 
 use super::{Linear, Loader, StepCtx};
-use crate::backend::{Activation, GdnShape, HostTensor, LayerOps};
+use crate::backend::{Activation, DType, GdnShape, HostTensor, LayerOps, f32_bytes};
 use crate::model::ModelError;
+use crate::model::weights::RawTensor;
 
 /// The chunk length of the prompt form of the delta rule (transformers' default).
 pub const GDN_CHUNK: usize = 64;
 
 pub struct GatedDeltaNet<B: LayerOps> {
-    /// `[q | k | v | z | b | a]` rows (one GEMM for every projection).
+    /// `[q | k | v | z | b | a]` rows (one GEMM for every projection), or `[q | k | v | z]`
+    /// when `gates` holds `b | a` apart (online FP8).
     pub in_proj: Linear<B>,
+    /// `[b | a]` rows, apart from an FP8 `in_proj`.
+    pub gates: Option<Linear<B>>,
     pub conv_w: B::Tensor,
     pub dt_bias: B::Tensor,
     pub a_log: B::Tensor,
@@ -67,7 +77,7 @@ impl<B: LayerOps> GatedDeltaNet<B> {
         }
         let p = |n: &str| format!("{prefix}.{n}");
         let rows = sh.conv_dim() + sh.value_dim() + 2 * sh.v_heads;
-        let in_proj = if l.store.has(&p("in_proj_qkvz.weight")) {
+        let host = if l.store.has(&p("in_proj_qkvz.weight")) {
             fused_qwen3_next(l, prefix, &sh, s.hidden)?
         } else {
             let parts = [
@@ -78,16 +88,39 @@ impl<B: LayerOps> GatedDeltaNet<B> {
             ];
             concat_rows(l, &parts, s.hidden)?
         };
-        // Dummy weights have no rows to regroup: one made-up tensor stands in.
-        let in_proj = match in_proj {
-            Some(w) => w,
-            None => l.tensor(&p("in_proj.weight"), &[rows, s.hidden])?,
+        let main_rows = sh.conv_dim() + sh.value_dim();
+        let fp8 = l.store.quantization().quantize_online(&p("in_proj"));
+        let upload = |dtype, bytes: &[u8], rows: usize| -> Result<B::Tensor, ModelError> {
+            Ok(l.backend.upload(HostTensor {
+                dtype,
+                shape: &[rows, s.hidden],
+                bytes,
+            })?)
+        };
+        let quantized =
+            |t: B::Tensor| -> Result<B::Tensor, ModelError> { Ok(l.backend.quantize_fp8(&t)?) };
+        // Dummy weights have no rows to regroup: made-up tensors stand in.
+        let (in_proj, gates) = match (host, fp8) {
+            (Some((dtype, bytes)), false) => (upload(dtype, &bytes, rows)?, None),
+            (Some((dtype, bytes)), true) => {
+                let split = main_rows * s.hidden * dtype.size();
+                (
+                    quantized(upload(dtype, &bytes[..split], main_rows)?)?,
+                    Some(upload(dtype, &bytes[split..], rows - main_rows)?),
+                )
+            }
+            (None, false) => (l.tensor(&p("in_proj.weight"), &[rows, s.hidden])?, None),
+            (None, true) => (
+                quantized(l.tensor(&p("in_proj_qkvz.weight"), &[main_rows, s.hidden])?)?,
+                Some(l.tensor(&p("in_proj_ba.weight"), &[rows - main_rows, s.hidden])?),
+            ),
         };
         Ok(Self {
             in_proj: Linear {
                 w: in_proj,
                 b: None,
             },
+            gates: gates.map(|w| Linear { w, b: None }),
             conv_w: l.tensor(&p("conv1d.weight"), &[sh.conv_dim(), 1, s.conv_kernel])?,
             dt_bias: l.tensor(&p("dt_bias"), &[sh.v_heads])?,
             a_log: l.tensor(&p("A_log"), &[sh.v_heads])?,
@@ -106,11 +139,18 @@ impl<B: LayerOps> GatedDeltaNet<B> {
         ctx: &mut StepCtx<'_, B>,
     ) -> Result<B::Tensor, ModelError> {
         let sh = self.shape;
-        let proj = self.in_proj.forward(b, x)?;
-        let [qkv, z, beta, a] = b.split_cols(
-            &proj,
-            [sh.conv_dim(), sh.value_dim(), sh.v_heads, sh.v_heads],
-        )?;
+        let [qkv, z, beta, a] = match &self.gates {
+            None => b.split_cols(
+                &self.in_proj.forward(b, x)?,
+                [sh.conv_dim(), sh.value_dim(), sh.v_heads, sh.v_heads],
+            )?,
+            Some(gates) => {
+                let [main, gates] = Linear::forward_shared(b, x, [&self.in_proj, gates])?;
+                let [qkv, z] = b.split_cols(&main, [sh.conv_dim(), sh.value_dim()])?;
+                let [beta, a] = b.split_cols(&gates, [sh.v_heads, sh.v_heads])?;
+                [qkv, z, beta, a]
+            }
+        };
         let pools = ctx.ssm.as_deref_mut().ok_or_else(|| {
             ModelError::Backend(format!("no recurrent state for layer {}", self.cache))
         })?;
@@ -135,14 +175,27 @@ impl<B: LayerOps> GatedDeltaNet<B> {
     }
 }
 
+/// The rows of a regrouped projection on the host: their dtype and bytes.
+type HostRows = (DType, Vec<u8>);
+
+/// Two stored projections in one dtype: as stored when they agree, else both widened to f32
+/// (an FP8 checkpoint's dequantized `in_proj_qkvz` beside its bf16 `in_proj_ba`).
+fn same_dtype(a: RawTensor<'_>, b: RawTensor<'_>) -> (DType, Vec<u8>, Vec<u8>) {
+    if a.dtype == b.dtype {
+        return (a.dtype, a.bytes.into_owned(), b.bytes.into_owned());
+    }
+    let widen = |t: &RawTensor<'_>| f32_bytes(&t.host().to_f32()).to_vec();
+    (DType::F32, widen(&a), widen(&b))
+}
+
 /// Qwen3-Next's fused projections, rows regrouped into `[q | k | v | z | b | a]`. `None` for
-/// dummy weights (there are no rows to permute; one made-up tensor stands in).
+/// dummy weights (there are no rows to permute; made-up tensors stand in).
 fn fused_qwen3_next<B: LayerOps>(
     l: &Loader<'_, B>,
     prefix: &str,
     sh: &GdnShape,
     hidden: usize,
-) -> Result<Option<B::Tensor>, ModelError> {
+) -> Result<Option<HostRows>, ModelError> {
     if l.store.is_dummy() {
         return Ok(None);
     }
@@ -157,11 +210,7 @@ fn fused_qwen3_next<B: LayerOps>(
     let ba = l
         .store
         .raw_rows(&format!("{prefix}.in_proj_ba.weight"), nk * 2 * r, hidden)?;
-    if qkvz.dtype != ba.dtype {
-        return Err(ModelError::Unsupported(format!(
-            "{prefix}: in_proj_qkvz and in_proj_ba stored in different dtypes"
-        )));
-    }
+    let (dtype, qkvz, ba) = same_dtype(qkvz, ba);
     // Source row ranges in output order.
     let mut order: Vec<(usize, usize, bool)> = Vec::new();
     let head = |h: usize| h * per_head;
@@ -183,48 +232,37 @@ fn fused_qwen3_next<B: LayerOps>(
     for h in 0..nk {
         order.push((h * 2 * r + r, r, false)); // a
     }
-    let row_bytes = hidden * qkvz.dtype.size();
-    let mut bytes = Vec::with_capacity(qkvz.bytes.len() + ba.bytes.len());
+    let row_bytes = hidden * dtype.size();
+    let mut bytes = Vec::with_capacity(qkvz.len() + ba.len());
     for (start, n, from_qkvz) in order {
-        let src = if from_qkvz { &qkvz.bytes } else { &ba.bytes };
+        let src = if from_qkvz { &qkvz } else { &ba };
         bytes.extend_from_slice(&src[start * row_bytes..(start + n) * row_bytes]);
     }
-    let rows = bytes.len() / row_bytes;
-    let host = HostTensor {
-        dtype: qkvz.dtype,
-        shape: &[rows, hidden],
-        bytes: &bytes,
-    };
-    Ok(Some(l.backend.upload(host)?))
+    Ok(Some((dtype, bytes)))
 }
 
 /// Several `[rows_i, hidden]` tensors stacked into one `[Σ rows_i, hidden]` (one host copy at
-/// load). `None` for dummy weights.
+/// load), in their stored dtype, or all widened to f32 where they differ. `None` for dummy
+/// weights.
 fn concat_rows<B: LayerOps>(
     l: &Loader<'_, B>,
     parts: &[(String, usize)],
     hidden: usize,
-) -> Result<Option<B::Tensor>, ModelError> {
+) -> Result<Option<HostRows>, ModelError> {
     if l.store.is_dummy() {
         return Ok(None);
     }
-    let mut bytes = Vec::new();
-    let mut dtype = None;
-    let mut rows = 0;
-    for (name, n) in parts {
-        let raw = l.store.raw_rows(name, *n, hidden)?;
-        if *dtype.get_or_insert(raw.dtype) != raw.dtype {
-            return Err(ModelError::Unsupported(format!(
-                "{name}: Gated DeltaNet projections stored in different dtypes"
-            )));
-        }
-        bytes.extend_from_slice(&raw.bytes);
-        rows += n;
+    let raws = parts
+        .iter()
+        .map(|(name, n)| l.store.raw_rows(name, *n, hidden))
+        .collect::<Result<Vec<_>, _>>()?;
+    let dtype = raws.first().map_or(DType::F32, |r| r.dtype);
+    if raws.iter().all(|r| r.dtype == dtype) {
+        return Ok(Some((
+            dtype,
+            raws.iter().flat_map(|r| r.bytes.iter().copied()).collect(),
+        )));
     }
-    let host = HostTensor {
-        dtype: dtype.unwrap_or(crate::backend::DType::F32),
-        shape: &[rows, hidden],
-        bytes: &bytes,
-    };
-    Ok(Some(l.backend.upload(host)?))
+    let values: Vec<f32> = raws.iter().flat_map(|r| r.host().to_f32()).collect();
+    Ok(Some((DType::F32, f32_bytes(&values).to_vec())))
 }
