@@ -17,8 +17,9 @@ What it writes (tests/fixtures/models/<name>/, read by the same parity tests as 
                               `channel` strategy: `weight_scale` [out, 1] in bf16 (Mamba2
                               in/out projections, attention, MLP and expert projections)
     qwen3next-a-fp8-block     quant_method "fp8" with 16 × 16 blocks on a Gated DeltaNet + MoE
-                              hybrid, the router, shared-expert gate and `in_proj_ba` left in
-                              float32 as the published Qwen3-Next FP8 checkpoint lists them
+                              hybrid, the router, shared-expert gate and `in_proj_ba` left
+                              unquantized as the published Qwen3-Next FP8 checkpoint lists
+                              them, and every unquantized tensor stored in bf16 as there
 
 The reference is what the FP8 checkpoint means: each quantized weight dequantized exactly
 (`code · scale` in float32), loaded into transformers in float32 and run with the same prompts
@@ -88,8 +89,10 @@ FP8 = [
                     weight_block_size=[16, 16],
                     modules_to_not_convert=["lm_head", "mlp.gate", "mlp.shared_expert_gate",
                                             "linear_attn.in_proj_ba"]),
+        rest="bfloat16",
         covers="FP8 checkpoint (quant_method fp8, 16x16 block scales) on a Gated DeltaNet + "
-               "MoE hybrid: regrouped and stacked FP8 weights, kept gates",
+               "MoE hybrid: regrouped and stacked FP8 weights, kept gates, every other tensor "
+               "in bf16 as releases store them (in_proj_qkvz FP8 beside a bf16 in_proj_ba)",
     ),
 ]
 
@@ -152,6 +155,10 @@ def make(spec, index):
             fp8[name + key] = s.contiguous()
             exact[name] = deq.contiguous()
             quantized += 1
+        elif spec.get("rest"):
+            stored = t.to(getattr(torch, spec["rest"]))
+            fp8[name] = stored.contiguous()
+            exact[name] = stored.float().contiguous()
         else:
             fp8[name] = t
             exact[name] = t
