@@ -142,18 +142,38 @@ __device__ __forceinline__ float dot16(const uint4& w, const float* x) {
 // with the same 16 activations of every x row. With block scales each 16-byte chunk lies in
 // one block (b1 a multiple of 16), so its partial sum takes that block's scale; with row
 // scales the scale is applied once at the end. Requirements checked by the host: k a multiple
-// of 16, m a multiple of ROWS.
+// of 16, m a multiple of ROWS (of ROWS / 2 when gated).
+//
+// Gated (w2 non-null: w the gate, w2 the up projection, same shape and scale layout): a
+// block's rows are ROWS / 2 of each and it writes act(gate) · up, each rounded to the output
+// type first as the separate projections and product kernel would, so the fused result
+// equals theirs.
 template <typename T, int N, int ROWS, int U>
 __device__ void fp8_gemv(const T* __restrict__ x, u32 n, u32 k, const u8* __restrict__ w,
                          const float* __restrict__ scales, u32 b0, u32 b1,
-                         const T* __restrict__ bias, T* __restrict__ y, u32 m) {
+                         const T* __restrict__ bias, T* __restrict__ y, u32 m,
+                         const u8* __restrict__ w2, const float* __restrict__ scales2,
+                         const T* __restrict__ bias2, u32 act) {
     __shared__ float part[FP8_WARPS][N * ROWS];
     const u32 lane = threadIdx.x & 31;
     const u32 warp = threadIdx.x >> 5;
-    const u32 row0 = blockIdx.x * ROWS;
+    const bool gated = w2 != nullptr;
+    const u32 per_block = gated ? ROWS / 2 : ROWS;
+    const u32 feat0 = blockIdx.x * per_block;
     const u32 stride = FP8_WARPS * 32 * 16;
     const u32 first = (warp * 32 + lane) * 16;
     const u32 bc = b0 ? (k + b1 - 1) / b1 : 0;
+    // Each of the block's rows: its codes, its scales and its row within its own matrix.
+    const u8* wr[ROWS];
+    const float* sr[ROWS];
+    u32 rr[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const bool second = gated && r >= ROWS / 2;
+        rr[r] = feat0 + (second ? r - ROWS / 2 : r);
+        wr[r] = (second ? w2 : w) + (u64)rr[r] * k;
+        sr[r] = second ? scales2 : scales;
+    }
     float acc[N][ROWS];
 #pragma unroll
     for (int i = 0; i < N; ++i)
@@ -167,7 +187,7 @@ __device__ void fp8_gemv(const T* __restrict__ x, u32 n, u32 k, const u8* __rest
             const u32 c = base + u * stride;
 #pragma unroll
             for (int r = 0; r < ROWS; ++r)
-                if (c < k) wv[u][r] = ld16_nc(w + (u64)(row0 + r) * k + c);
+                if (c < k) wv[u][r] = ld16_nc(wr[r] + c);
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -175,7 +195,7 @@ __device__ void fp8_gemv(const T* __restrict__ x, u32 n, u32 k, const u8* __rest
             if (c >= k) break;
             float s[ROWS];
 #pragma unroll
-            for (int r = 0; r < ROWS; ++r) s[r] = b0 ? scales[((row0 + r) / b0) * bc + c / b1] : 1.0f;
+            for (int r = 0; r < ROWS; ++r) s[r] = b0 ? sr[r][(rr[r] / b0) * bc + c / b1] : 1.0f;
 #pragma unroll
             for (int i = 0; i < N; ++i) {
                 if (i >= (int)n) break;
@@ -196,23 +216,37 @@ __device__ void fp8_gemv(const T* __restrict__ x, u32 n, u32 k, const u8* __rest
     __syncthreads();
     CHIMERA_PDL_LAUNCH_DEPENDENTS();
     const u32 t = threadIdx.x;
-    if (t < n * ROWS) {
-        const u32 i = t / ROWS, r = t % ROWS;
+    // Row r's finished dot product for input row i, bias included.
+    auto result = [&](u32 i, u32 r) {
         float v = 0.0f;
 #pragma unroll
         for (int q = 0; q < FP8_WARPS; ++q) v += part[q][i * ROWS + r];
         v *= FP8_UNBIAS;
-        if (!b0) v *= scales[row0 + r];
-        if (bias) v += load(bias, row0 + r);
-        store(y, (u64)i * m + row0 + r, v);
+        if (!b0) v *= sr[r][rr[r]];
+        const T* b = gated && r >= ROWS / 2 ? bias2 : bias;
+        if (b) v += load(b, rr[r]);
+        return v;
+    };
+    if (t < n * per_block) {
+        const u32 i = t / per_block, r = t % per_block;
+        float v = result(i, r);
+        if (gated) {
+            const float up = result(i, r + ROWS / 2);
+            T g, u;
+            store(&g, 0, v);
+            store(&u, 0, up);
+            v = apply_act(load(&g, 0), act) * load(&u, 0);
+        }
+        store(y, (u64)i * m + feat0 + r, v);
     }
 }
 
 #define FP8_GEMV(NAME, T, N, ROWS, U)                                                             \
     extern "C" __global__ void __launch_bounds__(FP8_WARPS * 32)                                  \
         NAME(const T* x, u32 n, u32 k, const u8* w, const float* scales, u32 b0, u32 b1,          \
-             const T* bias, T* y, u32 m) {                                                        \
-        fp8_gemv<T, N, ROWS, U>(x, n, k, w, scales, b0, b1, bias, y, m);                          \
+             const T* bias, T* y, u32 m, const u8* w2, const float* scales2, const T* bias2,      \
+             u32 act) {                                                                           \
+        fp8_gemv<T, N, ROWS, U>(x, n, k, w, scales, b0, b1, bias, y, m, w2, scales2, bias2, act); \
     }
 FP8_GEMV(fp8_gemv_f32_n1, float, 1, 4, 2)
 FP8_GEMV(fp8_gemv_f32_n2, float, 2, 4, 2)

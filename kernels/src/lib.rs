@@ -440,7 +440,9 @@ pub mod fp8 {
 
     const QUANTIZE: &[Param] = &[Ptr, Ptr, Ptr, U32];
     const DEQUANTIZE: &[Param] = &[Ptr, Ptr, Ptr, U32, U32, U32, U32];
-    const GEMV: &[Param] = &[Ptr, U32, U32, Ptr, Ptr, U32, U32, Ptr, Ptr, U32];
+    const GEMV: &[Param] = &[
+        Ptr, U32, U32, Ptr, Ptr, U32, U32, Ptr, Ptr, U32, Ptr, Ptr, Ptr, U32,
+    ];
 
     pub const ENTRIES: &[Entry] = &[
         e("fp8_quantize_rows_f32", QUANTIZE),

@@ -16,7 +16,7 @@ use super::{GpuCheckArgs, Report};
 use chimera::backend::cpu::CpuBackend;
 use chimera::backend::cuda::{CudaBackend, CudaTensor};
 use chimera::backend::fp8::{self, Fp8Scales, Fp8Weight};
-use chimera::backend::{Backend, DType, HostTensor, LayerOps};
+use chimera::backend::{Activation, Backend, DType, HostTensor, LayerOps};
 use chimera::model::LoadOptions;
 use chimera_kernels::fp8 as k8;
 
@@ -107,6 +107,50 @@ pub fn checks(
                         ),
                         Err(e) => report.failed(SUITE, check, format!("{e:#}")),
                     }
+                }
+            }
+        }
+    }
+    // Gate and up in one launch (the fused GEMV at 1 and 2 rows; the separate projections and
+    // product otherwise) against the CPU's composition.
+    for block in [None, Some(128)] {
+        let (m, k) = (1024usize, 2048usize);
+        let gate = random_weight(&mut rng, m, k, block);
+        let up = random_weight(&mut rng, m, k, block);
+        let scheme = if block.is_some() {
+            "128×128 blocks"
+        } else {
+            "rows"
+        };
+        for n in [1usize, 2, 5] {
+            let x = rng.vec(n * k, 1.0);
+            for (gpu, mode, bound) in [(f32_gpu, "f32", 1e-5), (bf16_gpu, "bf16", 4e-2)] {
+                let check = format!(
+                    "{mode} FP8 gated MLP input silu({n}×{k}·gateᵀ)·up, {m} features, {scheme}"
+                );
+                let run = || -> anyhow::Result<f64> {
+                    let want = {
+                        let (g, u) = (cpu.upload_fp8(gate.clone())?, cpu.upload_fp8(up.clone())?);
+                        let xc = cpu.upload(HostTensor::f32(&x, &[n, k]))?;
+                        let y = cpu.gated_linear(&xc, (&g, None), (&u, None), Activation::Silu)?;
+                        cpu.download(&y)?
+                    };
+                    let (g, u) = (gpu.upload_fp8(gate.clone())?, gpu.upload_fp8(up.clone())?);
+                    let xg = gpu.upload(HostTensor::f32(&x, &[n, k]))?;
+                    let y = gpu.gated_linear(&xg, (&g, None), (&u, None), Activation::Silu)?;
+                    let got = gpu.download(&y)?;
+                    Ok(max_rel(&got, &want))
+                };
+                match run() {
+                    Ok(e) => report.push(
+                        SUITE,
+                        check,
+                        e,
+                        format!("max rel {e:.2e}"),
+                        format!("≤ {bound:.0e}"),
+                        e <= bound,
+                    ),
+                    Err(e) => report.failed(SUITE, check, format!("{e:#}")),
                 }
             }
         }

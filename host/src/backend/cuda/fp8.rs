@@ -18,9 +18,9 @@ use chimera_kernels::fp8 as k8;
 
 use super::device::Arg;
 use super::memory::{DevAlloc, dtoh, htod, sync};
-use super::{BLOCK, CudaBackend, CudaTensor, grid_for, shape_err};
+use super::{BLOCK, CudaBackend, CudaTensor, act_code, grid_for, shape_err};
 use crate::backend::fp8::{Fp8Scales, Fp8Weight};
-use crate::backend::{BackendError, DType, Result, f32_bytes};
+use crate::backend::{Activation, BackendError, DType, Result, f32_bytes};
 
 impl CudaBackend {
     pub(super) fn upload_fp8_weight(&self, w: Fp8Weight<'_>) -> Result<CudaTensor> {
@@ -143,40 +143,11 @@ impl CudaBackend {
             self.check_dtype("linear bias", b)?;
         }
         self.check_dtype("linear input", x)?;
-        let out = self.tmp(&[n, m], x.dtype)?;
-        let (b0, b1) = meta.block.map_or((0, 0), |b| (b[0] as u32, b[1] as u32));
-        let bias_ptr = bias.map_or(0, |b| b.ptr);
-        let (entry, rows) = match (x.dtype, n) {
-            (DType::BF16, 1) => {
-                let v = self.inner.fp8_gemv_variant.load(Ordering::Relaxed);
-                k8::GEMV_N1_BF16[v.min(k8::GEMV_N1_BF16.len() - 1)]
-            }
-            (DType::BF16, 2) => ("fp8_gemv_bf16_n2", k8::GEMV_ROWS),
-            (DType::F32, 1) => ("fp8_gemv_f32_n1", k8::GEMV_ROWS),
-            (DType::F32, 2) => ("fp8_gemv_f32_n2", k8::GEMV_ROWS),
-            _ => ("", 0),
-        };
-        if rows > 0 && k.is_multiple_of(16) && m.is_multiple_of(rows) && (b0 == 0 || b1 % 16 == 0) {
-            self.launch_exact(
-                entry,
-                ((m / rows) as u32, 1, 1),
-                (k8::WARPS * 32, 1, 1),
-                0,
-                &[
-                    Arg::Ptr(x.ptr),
-                    Arg::U32(n as u32),
-                    Arg::U32(k as u32),
-                    Arg::Ptr(w.ptr),
-                    Arg::Ptr(meta.ptr),
-                    Arg::U32(b0),
-                    Arg::U32(b1),
-                    Arg::Ptr(bias_ptr),
-                    Arg::Ptr(out.ptr),
-                    Arg::U32(m as u32),
-                ],
-            )?;
+        if let Some(out) = self.fp8_gemv(x, (w, bias), None)? {
             return Ok(out);
         }
+        let out = self.tmp(&[n, m], x.dtype)?;
+        let (b0, b1) = meta.block.map_or((0, 0), |b| (b[0] as u32, b[1] as u32));
         if x.dtype == DType::BF16
             && meta.block.is_none()
             && k.is_multiple_of(16)
@@ -239,6 +210,105 @@ impl CudaBackend {
             (n, k, m),
         )?;
         Ok(out)
+    }
+
+    /// The FP8 GEMV (`fp8.cu`) for one or two input rows: `x · wᵀ (+ b)`, or with `gated`
+    /// (the up projection, its bias and the activation) `act(x · wᵀ + b) · (x · upᵀ + b_up)` in
+    /// one launch. `None` where the shapes do not suit it (more rows, `k` not a multiple of 16,
+    /// `m` not a multiple of the block's features, blocks narrower than 16 columns, gate and up
+    /// of different shapes or scale layouts). The caller has checked shapes and dtypes.
+    fn fp8_gemv(
+        &self,
+        x: &CudaTensor,
+        (w, bias): (&CudaTensor, Option<&CudaTensor>),
+        gated: Option<(&CudaTensor, Option<&CudaTensor>, Activation)>,
+    ) -> Result<Option<CudaTensor>> {
+        let Some(meta) = w.fp8.as_ref() else {
+            return Ok(None);
+        };
+        let (n, k) = x.rows_cols();
+        let (m, _) = w.rows_cols();
+        let (b0, b1) = meta.block.map_or((0, 0), |b| (b[0] as u32, b[1] as u32));
+        let (entry, rows) = match (x.dtype, n) {
+            (DType::BF16, 1) => {
+                let v = self.inner.fp8_gemv_variant.load(Ordering::Relaxed);
+                k8::GEMV_N1_BF16[v.min(k8::GEMV_N1_BF16.len() - 1)]
+            }
+            (DType::BF16, 2) => ("fp8_gemv_bf16_n2", k8::GEMV_ROWS),
+            (DType::F32, 1) => ("fp8_gemv_f32_n1", k8::GEMV_ROWS),
+            (DType::F32, 2) => ("fp8_gemv_f32_n2", k8::GEMV_ROWS),
+            _ => return Ok(None),
+        };
+        // A gated block computes half its rows' features (the other half are the up rows).
+        let per_block = if gated.is_some() { rows / 2 } else { rows };
+        let up = match gated {
+            None => None,
+            Some((up, up_bias, act)) => {
+                let Some(up_meta) = up.fp8.as_ref() else {
+                    return Ok(None);
+                };
+                if up.shape != w.shape || up_meta.block != meta.block {
+                    return Ok(None);
+                }
+                Some((
+                    up.ptr,
+                    up_meta.ptr,
+                    up_bias.map_or(0, |b| b.ptr),
+                    act_code(act),
+                ))
+            }
+        };
+        if per_block == 0
+            || !k.is_multiple_of(16)
+            || !m.is_multiple_of(per_block)
+            || (b0 != 0 && b1 % 16 != 0)
+        {
+            return Ok(None);
+        }
+        let out = self.tmp(&[n, m], x.dtype)?;
+        let (w2, s2, bias2, act) = up.unwrap_or((0, 0, 0, 0));
+        self.launch_exact(
+            entry,
+            ((m / per_block) as u32, 1, 1),
+            (k8::WARPS * 32, 1, 1),
+            0,
+            &[
+                Arg::Ptr(x.ptr),
+                Arg::U32(n as u32),
+                Arg::U32(k as u32),
+                Arg::Ptr(w.ptr),
+                Arg::Ptr(meta.ptr),
+                Arg::U32(b0),
+                Arg::U32(b1),
+                Arg::Ptr(bias.map_or(0, |b| b.ptr)),
+                Arg::Ptr(out.ptr),
+                Arg::U32(m as u32),
+                Arg::Ptr(w2),
+                Arg::Ptr(s2),
+                Arg::Ptr(bias2),
+                Arg::U32(act),
+            ],
+        )?;
+        Ok(Some(out))
+    }
+
+    /// `act(x · gateᵀ (+ b)) · (x · upᵀ (+ b))` for FP8 gate and up weights through the fused
+    /// GEMV; `None` where it does not apply (the caller runs the two projections and the
+    /// product).
+    pub(super) fn project_gated_fp8(
+        &self,
+        x: &CudaTensor,
+        gate: (&CudaTensor, Option<&CudaTensor>),
+        up: (&CudaTensor, Option<&CudaTensor>),
+        act: Activation,
+    ) -> Result<Option<CudaTensor>> {
+        let biases_fit = [gate, up]
+            .iter()
+            .all(|(w, b)| b.is_none_or(|b| b.len() == w.rows_cols().0 && b.dtype == x.dtype));
+        if x.dtype != self.inner.dtype || gate.0.rows_cols().1 != x.rows_cols().1 || !biases_fit {
+            return Ok(None);
+        }
+        self.fp8_gemv(x, gate, Some((up.0, up.1, act)))
     }
 
     /// Which variant of `chimera_kernels::fp8::GEMV_N1_BF16` one-row FP8 projections use (the

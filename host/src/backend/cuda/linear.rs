@@ -83,6 +83,9 @@ impl CudaBackend {
         up: (&CudaTensor, Option<&CudaTensor>),
         act: Activation,
     ) -> Result<CudaTensor> {
+        if let Some(out) = self.project_gated_fp8(x, gate, up, act)? {
+            return Ok(out);
+        }
         let weights = [gate, up];
         if self.gemv_inputs_fit(x, &weights)
             && let Some(mut outs) = self.try_gemv(x, &weights, GemvMode::Gated, act)?
