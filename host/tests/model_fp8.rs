@@ -323,3 +323,53 @@ fn online_fp8_quantizes_delta_net_projections_but_not_their_gates() {
         assert_ne!(split, all_logits(&plain, &tokens), "{name}");
     }
 }
+
+/// Online FP8 on the MoE hybrids: the stacked routed experts (gate, up, down) become FP8 with
+/// one scale per expert row — their values are the host quantization of the float experts —
+/// and the router stays as stored.
+#[test]
+fn online_fp8_quantizes_routed_experts_per_row_and_keeps_the_router() {
+    use chimera::backend::Backend;
+    use chimera::backend::fp8::quantize_rows;
+    use chimera::model::layers::{Mixer, Moe};
+    fn first_moe(m: &Model<CpuBackend>) -> &Moe<CpuBackend> {
+        fn find(mixer: &Mixer<CpuBackend>) -> Option<&Moe<CpuBackend>> {
+            match mixer {
+                Mixer::Moe(m) => Some(m),
+                Mixer::Parallel(ms) => ms.iter().find_map(find),
+                _ => None,
+            }
+        }
+        m.layers
+            .iter()
+            .find_map(|l| find(&l.mixer))
+            .expect("a MoE layer")
+    }
+    let cpu = CpuBackend::default();
+    for name in ["nemotronh-a", "qwen3next-a", "qwen35moe-a", "granite-moe"] {
+        let plain = model::load(&fixture(name), &cpu).unwrap();
+        let fp8 = model::load_with(&fixture(name), &cpu, LoadOptions { fp8: true }).unwrap();
+        let (p, q) = (first_moe(&plain), first_moe(&fp8));
+        let pairs = [
+            (Some(&p.experts.up), Some(&q.experts.up)),
+            (Some(&p.experts.down), Some(&q.experts.down)),
+            (p.experts.gate.as_ref(), q.experts.gate.as_ref()),
+        ];
+        for (a, b) in pairs {
+            let (Some(a), Some(b)) = (a, b) else {
+                assert!(a.is_none() && b.is_none(), "{name}");
+                continue;
+            };
+            let shape = cpu.shape(a).to_vec();
+            let want = quantize_rows(&cpu.download(a).unwrap(), &shape).dequantize();
+            let got = cpu.download(b).unwrap();
+            assert_eq!(got, want, "{name} {shape:?}");
+            assert_ne!(got, cpu.download(a).unwrap(), "{name}: nothing quantized");
+        }
+        assert_eq!(
+            cpu.download(&p.router).unwrap(),
+            cpu.download(&q.router).unwrap(),
+            "{name}: the router is kept"
+        );
+    }
+}

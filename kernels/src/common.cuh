@@ -151,3 +151,27 @@ __device__ __forceinline__ float apply_act(float x, u32 act) {
 
 #define CHIMERA_INF __int_as_float(0x7f800000)
 #define CHIMERA_NAN __int_as_float(0x7fc00000)
+
+// ---- FP8 e4m3 codes ---------------------------------------------------------------------------
+typedef unsigned char u8;
+
+// 2^120, exactly.
+#define FP8_UNBIAS 1.329227995784916e+36f
+
+// The four e4m3 codes of `w` (lowest byte first) as f32 × 2^-120: a code's bits, shifted so
+// that its 4-bit exponent and 3-bit mantissa sit at the top of an f32's exponent and mantissa
+// fields, are an f32 whose value is the code's times 2^-120 (the exponent biases are 7 and
+// 127); subnormal codes land on f32 subnormals with the same property, so this is exact for
+// every finite code. Multiply by FP8_UNBIAS (or fold it into a scale) for the value.
+__device__ __forceinline__ void fp8x4_scaled(u32 w, float* f) {
+    f[0] = __uint_as_float(((w & 0x7fu) << 20) | ((w & 0x80u) << 24));
+    f[1] = __uint_as_float(((w & 0x7f00u) << 12) | ((w & 0x8000u) << 16));
+    f[2] = __uint_as_float(((w & 0x7f0000u) << 4) | ((w & 0x800000u) << 8));
+    f[3] = __uint_as_float(((w & 0x7f000000u) >> 4) | (w & 0x80000000u));
+}
+
+__device__ __forceinline__ float fp8_to_f32(u8 code) {
+    float f[4];
+    fp8x4_scaled(code, f);
+    return f[0] * FP8_UNBIAS;
+}

@@ -12,26 +12,8 @@
 // finite code; the 2^120 is folded into the scale.
 #include "common.cuh"
 
-typedef unsigned char u8;
-
 #define FP8_WARPS 8
 #define FP8_MAX 448.0f
-// 2^120, exactly.
-#define FP8_UNBIAS 1.329227995784916e+36f
-
-// The four codes of `w` (lowest byte first) as f32 × 2^-120.
-__device__ __forceinline__ void fp8x4_scaled(u32 w, float* f) {
-    f[0] = __uint_as_float(((w & 0x7fu) << 20) | ((w & 0x80u) << 24));
-    f[1] = __uint_as_float(((w & 0x7f00u) << 12) | ((w & 0x8000u) << 16));
-    f[2] = __uint_as_float(((w & 0x7f0000u) << 4) | ((w & 0x800000u) << 8));
-    f[3] = __uint_as_float(((w & 0x7f000000u) >> 4) | (w & 0x80000000u));
-}
-
-__device__ __forceinline__ float fp8_to_f32(u8 code) {
-    float f[4];
-    fp8x4_scaled(code, f);
-    return f[0] * FP8_UNBIAS;
-}
 
 // Round to nearest even, saturating at ±448 (NaN stays NaN): the hardware conversion from
 // sm_89 on, the same rounding in software before (Ampere has no FP8 conversion).

@@ -169,10 +169,15 @@ __device__ __forceinline__ u32 tile_off(u32 r, u32 c) { return r * 128u + ((c ^ 
 
 extern __shared__ __align__(128) u16 moe_gemm_smem[];
 
-template <int MODE>
-__device__ __forceinline__ void grouped_mma(bf16* c, const bf16* a, const bf16* b, const bf16* gate,
-                                            const float* w, Groups g, u32 K, u32 N, u32 top_k,
-                                            u32 act) {
+// FP8 experts (BT = u8: e4m3 codes, `bs` / `gs` one f32 scale per expert row of B / gate):
+// each K step's code tile is staged by cp.async (64-byte rows, plain), converted after the
+// stage's wait into one bf16 tile (the codes' exact values; swizzled as the bf16 path's), and
+// the scales are applied per output column in the epilogue. K must be a multiple of 16.
+template <int MODE, typename BT>
+__device__ __forceinline__ void grouped_mma(bf16* c, const bf16* a, const BT* b, const BT* gate,
+                                            const float* bs, const float* gs, const float* w,
+                                            Groups g, u32 K, u32 N, u32 top_k, u32 act) {
+    constexpr bool FP8 = sizeof(BT) == 1;
     u32 tile = blockIdx.x;
     if (tile >= g.n_tiles[0]) return;
     const u32 e = g.tile_e[tile];
@@ -191,12 +196,12 @@ __device__ __forceinline__ void grouped_mma(bf16* c, const bf16* a, const bf16* 
         if (a_ok[i]) src_row = MODE == MODE_DOWN ? p : g.sorted[p] / top_k;
         a_src[i] = a + (i64)src_row * K;
     }
-    const bf16* b_src[8];
+    const BT* b_src[8];
     bool b_ok[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         u32 r = lr + 16 * i, col;
-        const bf16* base = b;
+        const BT* base = b;
         if (MODE == MODE_UP_GATED) {
             // Warp column wn holds the gate rows of its 32 output columns, then their up rows.
             u32 q = r & 63;
@@ -209,8 +214,12 @@ __device__ __forceinline__ void grouped_mma(bf16* c, const bf16* a, const bf16* 
         b_src[i] = base + ((i64)e * N + (b_ok[i] ? col : 0)) * K;
     }
     const u32 sa0 = smem_addr(moe_gemm_smem), sb0 = sa0 + G_STAGES * GB_M * GB_K * 2;
-    const u32 sa_bytes = GB_M * GB_K * 2, sb_bytes = GB_N * GB_K * 2;
+    const u32 sa_bytes = GB_M * GB_K * 2, sb_bytes = GB_N * GB_K * sizeof(BT);
+    // FP8: byte offsets (from moe_gemm_smem) of the code stages and of the converted tile.
+    const u32 sb_off = G_STAGES * sa_bytes, sbt_off = sb_off + G_STAGES * sb_bytes;
     const u32 ktiles = (K + GB_K - 1) / GB_K;
+    // FP8: thread (lr, lc) stages 16-code chunk lc & 3 of rows lr + 16 (h + 2 j), h = lc >> 2.
+    const u32 c4 = lc & 3, h4 = lc >> 2;
     auto load = [&](u32 kt, u32 s) {
         u32 k = kt * GB_K + lc * 8;
         bool kin = k < K;
@@ -219,10 +228,42 @@ __device__ __forceinline__ void grouped_mma(bf16* c, const bf16* a, const bf16* 
             bool ok = a_ok[i] && kin;
             cp_async_16(sa0 + s * sa_bytes + tile_off(lr + 16 * i, lc), ok ? a_src[i] + k : a, ok ? 16 : 0);
         }
+        if constexpr (FP8) {
+            const u32 kc = kt * GB_K + c4 * 16;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            bool ok = b_ok[i] && kin;
-            cp_async_16(sb0 + s * sb_bytes + tile_off(lr + 16 * i, lc), ok ? b_src[i] + k : b, ok ? 16 : 0);
+            for (int j = 0; j < 4; ++j) {
+                const u32 i = h4 + 2 * j;
+                bool ok = b_ok[i] && kc < K;
+                cp_async_16(sb0 + s * sb_bytes + (lr + 16 * i) * GB_K + c4 * 16,
+                            ok ? (const void*)(b_src[i] + kc) : (const void*)b, ok ? 16 : 0);
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                bool ok = b_ok[i] && kin;
+                cp_async_16(sb0 + s * sb_bytes + tile_off(lr + 16 * i, lc), ok ? (const void*)(b_src[i] + k) : (const void*)b, ok ? 16 : 0);
+            }
+        }
+    };
+    // FP8: the staged codes of stage s as bf16 values in the tile after the stages.
+    auto convert = [&](u32 s) {
+        const char* smem = reinterpret_cast<const char*>(moe_gemm_smem);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const u32 r = lr + 16 * (h4 + 2 * j);
+            const uint4 q = *reinterpret_cast<const uint4*>(smem + sb_off + s * sb_bytes + r * GB_K + c4 * 16);
+            const u32 words[4] = {q.x, q.y, q.z, q.w};
+            u32 out[8];
+#pragma unroll
+            for (int t = 0; t < 4; ++t) {
+                float f[4];
+                fp8x4_scaled(words[t], f);
+                out[2 * t] = pack_bf16x2(f[0] * FP8_UNBIAS, f[1] * FP8_UNBIAS);
+                out[2 * t + 1] = pack_bf16x2(f[2] * FP8_UNBIAS, f[3] * FP8_UNBIAS);
+            }
+            char* tile = reinterpret_cast<char*>(moe_gemm_smem) + sbt_off;
+            *reinterpret_cast<uint4*>(tile + tile_off(r, 2 * c4)) = make_uint4(out[0], out[1], out[2], out[3]);
+            *reinterpret_cast<uint4*>(tile + tile_off(r, 2 * c4 + 1)) = make_uint4(out[4], out[5], out[6], out[7]);
         }
     };
     float acc[2][8][4];
@@ -245,7 +286,13 @@ __device__ __forceinline__ void grouped_mma(bf16* c, const bf16* a, const bf16* 
         if (next < ktiles) load(next, next % G_STAGES);
         cp_async_commit_group();
         u32 s = kt % G_STAGES;
-        u32 as = sa0 + s * sa_bytes, bs = sb0 + s * sb_bytes;
+        if constexpr (FP8) {
+            convert(s);
+            __syncthreads();
+        }
+        u32 as = sa0 + s * sa_bytes, bt;
+        if constexpr (FP8) bt = sa0 + sbt_off;
+        else bt = sb0 + s * sb_bytes;
 #pragma unroll
         for (u32 kk = 0; kk < GB_K / 16; ++kk) {
             u32 af[2][4];
@@ -255,7 +302,7 @@ __device__ __forceinline__ void grouped_mma(bf16* c, const bf16* a, const bf16* 
 #pragma unroll
             for (u32 np = 0; np < 4; ++np) {
                 u32 bf[4];
-                ldmatrix_x4(bf, bs + tile_off(wn * 64 + np * 16 + (lane & 7) + ((lane >> 4) << 3),
+                ldmatrix_x4(bf, bt + tile_off(wn * 64 + np * 16 + (lane & 7) + ((lane >> 4) << 3),
                                               kk * 2 + ((lane >> 3) & 1)));
 #pragma unroll
                 for (u32 mt = 0; mt < 2; ++mt) {
@@ -280,8 +327,17 @@ __device__ __forceinline__ void grouped_mma(bf16* c, const bf16* a, const bf16* 
                 for (u32 nt = 0; nt < 4; ++nt) {
                     u32 col = n0 + wn * 32 + nt * 8 + 2 * tg;
                     if (col >= N) continue;
-                    float v0 = apply_act(acc[mt][nt][2 * h], act) * acc[mt][nt + 4][2 * h];
-                    float v1 = apply_act(acc[mt][nt][2 * h + 1], act) * acc[mt][nt + 4][2 * h + 1];
+                    float g0 = acc[mt][nt][2 * h], g1 = acc[mt][nt][2 * h + 1];
+                    float u0 = acc[mt][nt + 4][2 * h], u1 = acc[mt][nt + 4][2 * h + 1];
+                    if constexpr (FP8) {
+                        const i64 sc = (i64)e * N + col;
+                        g0 *= gs[sc];
+                        g1 *= gs[sc + 1];
+                        u0 *= bs[sc];
+                        u1 *= bs[sc + 1];
+                    }
+                    float v0 = apply_act(g0, act) * u0;
+                    float v1 = apply_act(g1, act) * u1;
                     *(u32*)(dst + col) = pack_bf16x2(v0, v1);
                 }
             } else {
@@ -293,6 +349,11 @@ __device__ __forceinline__ void grouped_mma(bf16* c, const bf16* a, const bf16* 
                     u32 col = n0 + wn * 64 + nt * 8 + 2 * tg;
                     if (col >= N) continue;
                     float v0 = acc[mt][nt][2 * h], v1 = acc[mt][nt][2 * h + 1];
+                    if constexpr (FP8) {
+                        const i64 sc = (i64)e * N + col;
+                        v0 *= bs[sc];
+                        v1 *= bs[sc + 1];
+                    }
                     if (MODE == MODE_DOWN) {
                         v0 *= scale;
                         v1 *= scale;
@@ -316,10 +377,19 @@ __device__ __forceinline__ void grouped_mma(bf16* c, const bf16* a, const bf16* 
 #define FS_K 16
 #define FS_THREADS 256
 
-template <int MODE>
-__device__ __forceinline__ void grouped_simt(float* c, const float* a, const float* b,
-                                             const float* gate, const float* w, Groups g, u32 K,
-                                             u32 N, u32 top_k, u32 act) {
+// An element of B as f32: itself, or an FP8 code times its row's scale (exactly the CPU's
+// dequantized value).
+__device__ __forceinline__ float b_value(const float* p, i64 k, float) { return p[k]; }
+__device__ __forceinline__ float b_value(const u8* p, i64 k, float scale) {
+    return fp8_to_f32(p[k]) * scale;
+}
+
+template <int MODE, typename BT>
+__device__ __forceinline__ void grouped_simt(float* c, const float* a, const BT* b,
+                                             const BT* gate, const float* bs, const float* gs,
+                                             const float* w, Groups g, u32 K, u32 N, u32 top_k,
+                                             u32 act) {
+    constexpr bool FP8 = sizeof(BT) == 1;
     u32 tile = blockIdx.x;
     if (tile >= g.n_tiles[0]) return;
     __shared__ float sa[FS_K][FS_M + 1];
@@ -330,8 +400,9 @@ __device__ __forceinline__ void grouped_simt(float* c, const float* a, const flo
     const u32 tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
     const u32 n0 = blockIdx.y * FS_N;
     const float* a_src[4];
-    const float* b_src[4];
-    const float* g_src[4];
+    const BT* b_src[4];
+    const BT* g_src[4];
+    float b_scale[4], g_scale[4];
     bool a_ok[4], b_ok[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -345,6 +416,9 @@ __device__ __forceinline__ void grouped_simt(float* c, const float* a, const flo
         i64 brow = ((i64)e * N + (b_ok[i] ? col : 0)) * K;
         b_src[i] = b + brow;
         g_src[i] = MODE == MODE_UP_GATED ? gate + brow : b;
+        const i64 sc = (i64)e * N + (b_ok[i] ? col : 0);
+        b_scale[i] = FP8 ? bs[sc] : 1.0f;
+        g_scale[i] = FP8 && MODE == MODE_UP_GATED ? gs[sc] : 1.0f;
     }
     float acc[4][4], accg[4][4];
 #pragma unroll
@@ -357,8 +431,9 @@ __device__ __forceinline__ void grouped_simt(float* c, const float* a, const flo
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             sa[tx][ty + 16 * i] = a_ok[i] && kin ? a_src[i][k] : 0.0f;
-            sb[tx][ty + 16 * i] = b_ok[i] && kin ? b_src[i][k] : 0.0f;
-            if (MODE == MODE_UP_GATED) sg[tx][ty + 16 * i] = b_ok[i] && kin ? g_src[i][k] : 0.0f;
+            sb[tx][ty + 16 * i] = b_ok[i] && kin ? b_value(b_src[i], k, b_scale[i]) : 0.0f;
+            if (MODE == MODE_UP_GATED)
+                sg[tx][ty + 16 * i] = b_ok[i] && kin ? b_value(g_src[i], k, g_scale[i]) : 0.0f;
         }
         __syncthreads();
 #pragma unroll
@@ -433,23 +508,46 @@ __device__ __forceinline__ void moe_combine(T* out, const T* y, const u32* ids, 
         u32 top_k, u32 act
 #define GROUPS Groups{sorted, offsets, tile_e, tile_m, n_tiles}
 
+#define FP8_GEMM_PARAMS(T)                                                                         \
+    T *c, const T *a, const u8 *b, const u8 *gate, const float *bs, const float *gs,               \
+        const float *w, const u32 *sorted, const u32 *offsets, const u32 *tile_e,                  \
+        const u32 *tile_m, const u32 *n_tiles, u32 K, u32 N, u32 top_k, u32 act
+
 extern "C" __global__ void __launch_bounds__(G_THREADS, 3) moe_up_bf16(GEMM_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
-    grouped_mma<MODE_UP>(c, a, b, gate, w, GROUPS, K, N, top_k, act);
+    grouped_mma<MODE_UP, bf16>(c, a, b, gate, nullptr, nullptr, w, GROUPS, K, N, top_k, act);
 }
 extern "C" __global__ void __launch_bounds__(G_THREADS, 3) moe_up_gated_bf16(GEMM_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
-    grouped_mma<MODE_UP_GATED>(c, a, b, gate, w, GROUPS, K, N, top_k, act);
+    grouped_mma<MODE_UP_GATED, bf16>(c, a, b, gate, nullptr, nullptr, w, GROUPS, K, N, top_k, act);
 }
 extern "C" __global__ void __launch_bounds__(G_THREADS, 3) moe_down_bf16(GEMM_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
-    grouped_mma<MODE_DOWN>(c, a, b, gate, w, GROUPS, K, N, top_k, act);
+    grouped_mma<MODE_DOWN, bf16>(c, a, b, gate, nullptr, nullptr, w, GROUPS, K, N, top_k, act);
 }
 extern "C" __global__ void __launch_bounds__(FS_THREADS) moe_up_f32(GEMM_PARAMS(float)) { CHIMERA_PDL_ENTRY();
-    grouped_simt<MODE_UP>(c, a, b, gate, w, GROUPS, K, N, top_k, act);
+    grouped_simt<MODE_UP, float>(c, a, b, gate, nullptr, nullptr, w, GROUPS, K, N, top_k, act);
 }
 extern "C" __global__ void __launch_bounds__(FS_THREADS) moe_up_gated_f32(GEMM_PARAMS(float)) { CHIMERA_PDL_ENTRY();
-    grouped_simt<MODE_UP_GATED>(c, a, b, gate, w, GROUPS, K, N, top_k, act);
+    grouped_simt<MODE_UP_GATED, float>(c, a, b, gate, nullptr, nullptr, w, GROUPS, K, N, top_k, act);
 }
 extern "C" __global__ void __launch_bounds__(FS_THREADS) moe_down_f32(GEMM_PARAMS(float)) { CHIMERA_PDL_ENTRY();
-    grouped_simt<MODE_DOWN>(c, a, b, gate, w, GROUPS, K, N, top_k, act);
+    grouped_simt<MODE_DOWN, float>(c, a, b, gate, nullptr, nullptr, w, GROUPS, K, N, top_k, act);
+}
+extern "C" __global__ void __launch_bounds__(G_THREADS, 2) moe_up_fp8_bf16(FP8_GEMM_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
+    grouped_mma<MODE_UP, u8>(c, a, b, gate, bs, gs, w, GROUPS, K, N, top_k, act);
+}
+extern "C" __global__ void __launch_bounds__(G_THREADS, 2) moe_up_gated_fp8_bf16(FP8_GEMM_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
+    grouped_mma<MODE_UP_GATED, u8>(c, a, b, gate, bs, gs, w, GROUPS, K, N, top_k, act);
+}
+extern "C" __global__ void __launch_bounds__(G_THREADS, 2) moe_down_fp8_bf16(FP8_GEMM_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
+    grouped_mma<MODE_DOWN, u8>(c, a, b, gate, bs, gs, w, GROUPS, K, N, top_k, act);
+}
+extern "C" __global__ void __launch_bounds__(FS_THREADS) moe_up_fp8_f32(FP8_GEMM_PARAMS(float)) { CHIMERA_PDL_ENTRY();
+    grouped_simt<MODE_UP, u8>(c, a, b, gate, bs, gs, w, GROUPS, K, N, top_k, act);
+}
+extern "C" __global__ void __launch_bounds__(FS_THREADS) moe_up_gated_fp8_f32(FP8_GEMM_PARAMS(float)) { CHIMERA_PDL_ENTRY();
+    grouped_simt<MODE_UP_GATED, u8>(c, a, b, gate, bs, gs, w, GROUPS, K, N, top_k, act);
+}
+extern "C" __global__ void __launch_bounds__(FS_THREADS) moe_down_fp8_f32(FP8_GEMM_PARAMS(float)) { CHIMERA_PDL_ENTRY();
+    grouped_simt<MODE_DOWN, u8>(c, a, b, gate, bs, gs, w, GROUPS, K, N, top_k, act);
 }
 extern "C" __global__ void moe_combine_f32(float* out, const float* y, const u32* ids, u32 top_k,
                                            u32 hidden, u32 experts) { CHIMERA_PDL_ENTRY();

@@ -53,6 +53,11 @@ const COMBINE_THREADS: u32 = 256;
 const GEMM: &[Param] = &[
     Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32,
 ];
+/// `c, a, b, gate, b_scales, gate_scales, w, sorted, offsets, tile_e, tile_m, n_tiles, K, N,
+/// top_k, act` (FP8 experts: `b` and `gate` e4m3 codes, one f32 scale per expert row).
+const FP8_GEMM: &[Param] = &[
+    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32,
+];
 /// `out, y, ids, top_k, hidden, experts`.
 const COMBINE: &[Param] = &[Ptr, Ptr, Ptr, U32, U32, U32];
 
@@ -85,6 +90,30 @@ pub const ENTRIES: &[Entry] = &[
     Entry {
         name: "moe_down_f32",
         params: GEMM,
+    },
+    Entry {
+        name: "moe_up_fp8_bf16",
+        params: FP8_GEMM,
+    },
+    Entry {
+        name: "moe_up_gated_fp8_bf16",
+        params: FP8_GEMM,
+    },
+    Entry {
+        name: "moe_down_fp8_bf16",
+        params: FP8_GEMM,
+    },
+    Entry {
+        name: "moe_up_fp8_f32",
+        params: FP8_GEMM,
+    },
+    Entry {
+        name: "moe_up_gated_fp8_f32",
+        params: FP8_GEMM,
+    },
+    Entry {
+        name: "moe_down_fp8_f32",
+        params: FP8_GEMM,
     },
     Entry {
         name: "moe_combine_f32",
@@ -222,9 +251,34 @@ pub enum MoeArg {
     Mid,
     /// `[entries, hidden]`, activation dtype.
     Y,
+    /// FP8 experts: the scales of `Up`, `Gate` and `Down` (one f32 per expert row).
+    UpScales,
+    GateScales,
+    DownScales,
     /// A null pointer (a parameter the launch's kernel never reads).
     Null,
     U32(u32),
+}
+
+/// [`launches`] for FP8 experts (e4m3 codes with one scale per expert row; `hidden` and
+/// `inter` multiples of 16): the GEMMs' `_fp8` entries, with the scales after the gate.
+pub fn fp8_launches(d: &MoeDims, bf16: bool) -> Vec<Launch<MoeArg>> {
+    use MoeArg as A;
+    let mut ls = launches(d, bf16);
+    for l in &mut ls {
+        let (entry, scales) = match l.entry {
+            "moe_up_bf16" => ("moe_up_fp8_bf16", [A::UpScales, A::Null]),
+            "moe_up_gated_bf16" => ("moe_up_gated_fp8_bf16", [A::UpScales, A::GateScales]),
+            "moe_down_bf16" => ("moe_down_fp8_bf16", [A::DownScales, A::Null]),
+            "moe_up_f32" => ("moe_up_fp8_f32", [A::UpScales, A::Null]),
+            "moe_up_gated_f32" => ("moe_up_gated_fp8_f32", [A::UpScales, A::GateScales]),
+            "moe_down_f32" => ("moe_down_fp8_f32", [A::DownScales, A::Null]),
+            _ => continue,
+        };
+        l.entry = entry;
+        l.args.splice(4..4, scales);
+    }
+    ls
 }
 
 /// The sort, up, down and combine launches of one layer (after `moe_route`), for the bf16

@@ -23,14 +23,7 @@ use chimera_kernels::fp8 as k8;
 const SUITE: &str = "fp8";
 const BENCH: &str = "bench-fp8";
 
-fn max_rel(a: &[f32], b: &[f32]) -> f64 {
-    let scale = b.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0f32, f32::max) as f64
-        / scale as f64
-}
+use super::parity::max_rel;
 
 /// Random FP8 weight: codes of N(0, 1)-ish values, scales in [0.5, 1.5) / 448.
 fn random_weight(rng: &mut Rng, m: usize, k: usize, block: Option<usize>) -> Fp8Weight<'static> {
@@ -67,8 +60,63 @@ pub fn checks(
         args,
         &["llama-gqa-fp8", "nemotronh-a-fp8", "qwen3next-a-fp8"],
     );
-    let mut rng = Rng::new(seed ^ 0xf8f8);
     let cpu = CpuBackend::default();
+    // Online quantization end to end on fixtures with FP8 experts (routed and shared), FP8
+    // Gated DeltaNet projections and FP8 Mamba2 projections: CUDA against the CPU, each
+    // quantizing the same float weights (f32 mode: the same codes, so the logits agree to
+    // rounding; bf16 mode rounds the weights to bf16 before quantizing: reported).
+    for name in ["nemotronh-a", "qwen3next-a", "qwen35moe-a", "granite-moe"] {
+        let dir = args.fixtures.join(name);
+        let run = || -> anyhow::Result<(f64, f64, f64)> {
+            let opts = LoadOptions { fp8: true };
+            let prompt = super::parity::prompts(&dir)?
+                .into_iter()
+                .max_by_key(Vec::len)
+                .ok_or_else(|| anyhow::anyhow!("no prompts"))?;
+            let want = {
+                let m = chimera::model::load_with(&dir, &cpu, opts)?;
+                super::parity::full(&m, &cpu, &prompt)?
+            };
+            let got32 = {
+                let m = chimera::model::load_with(&dir, f32_gpu, opts)?;
+                super::parity::full(&m, f32_gpu, &prompt)?
+            };
+            let got16 = {
+                let m = chimera::model::load_with(&dir, bf16_gpu, opts)?;
+                super::parity::full(&m, bf16_gpu, &prompt)?
+            };
+            let vocab = want.len() / prompt.len();
+            let argmax = |v: &[f32]| -> Vec<u32> {
+                v.chunks_exact(vocab).map(chimera::model::argmax).collect()
+            };
+            let (a, b) = (argmax(&want), argmax(&got16));
+            let agree = a.iter().zip(&b).filter(|(x, y)| x == y).count() as f64 / a.len() as f64;
+            Ok((max_rel(&got32, &want), max_rel(&got16, &want), agree))
+        };
+        let check = format!("{name} online FP8 (experts, projections): CUDA vs CPU logits");
+        match run() {
+            Ok((e32, e16, agree)) => {
+                report.push(
+                    SUITE,
+                    format!("f32 {check}"),
+                    e32,
+                    format!("{e32:.2e}"),
+                    "≤ 1e-4".into(),
+                    e32 <= 1e-4,
+                );
+                report.push(
+                    SUITE,
+                    format!("bf16 {check} (max rel; argmax agreement; reported)"),
+                    e16,
+                    format!("{e16:.2e}; {:.0} %", 100.0 * agree),
+                    "reported".into(),
+                    true,
+                );
+            }
+            Err(e) => report.failed(SUITE, check, format!("{e:#}")),
+        }
+    }
+    let mut rng = Rng::new(seed ^ 0xf8f8);
     for (m, k) in [(256usize, 512usize), (1024, 4096), (4096, 1024)] {
         for block in [None, Some(128)] {
             let w = random_weight(&mut rng, m, k, block);

@@ -29,7 +29,7 @@ fn scale(a: &[f32]) -> f32 {
 }
 
 /// max |a − b| over the reference's largest magnitude (NaN anywhere: infinite).
-fn max_rel(a: &[f32], b: &[f32]) -> f64 {
+pub(super) fn max_rel(a: &[f32], b: &[f32]) -> f64 {
     if a.len() != b.len() || a.iter().any(|x| x.is_nan()) {
         return f64::INFINITY;
     }
@@ -42,7 +42,11 @@ fn max_rel(a: &[f32], b: &[f32]) -> f64 {
 }
 
 /// Logits of every position of `tokens` in one chunk.
-fn full<B: StepBackend>(m: &Model<B>, b: &B, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
+pub(super) fn full<B: StepBackend>(
+    m: &Model<B>,
+    b: &B,
+    tokens: &[u32],
+) -> anyhow::Result<Vec<f32>> {
     let blocks = tokens.len().div_ceil(BLOCK);
     let mut caches = m.new_caches(b, blocks, BLOCK, 1)?;
     let mut plan = StepPlan::new(BLOCK);
@@ -93,7 +97,7 @@ fn batched_last<B: StepBackend>(
     Ok(m.forward_host(b, &mut plan, &mut caches, LogitsMode::Last)?)
 }
 
-fn prompts(dir: &Path) -> anyhow::Result<Vec<Vec<u32>>> {
+pub(super) fn prompts(dir: &Path) -> anyhow::Result<Vec<Vec<u32>>> {
     let bytes = std::fs::read(dir.join("reference.safetensors"))?;
     let st = safetensors::SafeTensors::deserialize(&bytes)?;
     let meta: serde_json::Value =

@@ -189,3 +189,36 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn fp8_launches_take_the_fp8_entries_with_scales_after_the_gate() {
+    for gated in [false, true] {
+        for bf16 in [false, true] {
+            let d = dims(37, 16, 4, gated);
+            let plain = launches(&d, bf16);
+            let fp8 = fp8_launches(&d, bf16);
+            assert_eq!(plain.len(), fp8.len());
+            for (p, f) in plain.iter().zip(&fp8) {
+                if !p.entry.starts_with("moe_up") && !p.entry.starts_with("moe_down") {
+                    assert_eq!(p.entry, f.entry);
+                    continue;
+                }
+                assert!(f.entry.contains("_fp8_"), "{}", f.entry);
+                let entry = ENTRIES
+                    .iter()
+                    .find(|e| e.name == f.entry)
+                    .expect("an entry");
+                assert_eq!(entry.params.len(), f.args.len(), "{}", f.entry);
+                assert_eq!((p.grid, p.block, p.smem), (f.grid, f.block, f.smem));
+                let want = if f.entry.contains("down") {
+                    MoeArg::DownScales
+                } else {
+                    MoeArg::UpScales
+                };
+                assert_eq!(f.args[4], want);
+                let gate_scales = f.entry.contains("gated");
+                assert_eq!(f.args[5] == MoeArg::GateScales, gate_scales, "{}", f.entry);
+            }
+        }
+    }
+}

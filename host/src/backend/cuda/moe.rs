@@ -52,10 +52,22 @@ impl CudaBackend {
             && up[2] == hidden
             && router_logits.rows_cols() == (tokens, up[0])
             && experts.gate.as_ref().is_none_or(|g| &g.shape == up);
-        let dtypes_ok = [&experts.up, &experts.down, out]
-            .into_iter()
-            .chain(experts.gate.as_ref())
-            .all(|t| t.dtype == x.dtype);
+        // Experts are all of the activation dtype, or all FP8 with row scales (then the
+        // widths are multiples of 16: the kernels stage 16-code chunks).
+        let weights = || {
+            [&experts.up, &experts.down]
+                .into_iter()
+                .chain(experts.gate.as_ref())
+        };
+        let fp8 = experts.up.fp8.is_some();
+        let dtypes_ok = out.dtype == x.dtype
+            && if fp8 {
+                weights().all(|t| t.fp8.as_ref().is_some_and(|m| m.block.is_none()))
+                    && hidden.is_multiple_of(16)
+                    && up[1].is_multiple_of(16)
+            } else {
+                weights().all(|t| t.dtype == x.dtype)
+            };
         if !shapes_ok || !dtypes_ok {
             return Err(BackendError::Invalid(format!(
                 "moe: x {:?} {:?}, router logits {:?}, up {up:?} {:?}, down {:?} {:?}, gate {:?}, \
@@ -223,7 +235,14 @@ impl CudaBackend {
         let mid = self.tmp_rows_with_capacity(n, d.inter, cap, x.dtype)?;
         let y = self.tmp_rows_with_capacity(n, d.hidden, cap, x.dtype)?;
         let (ids, weights) = (routed.ptr, routed.ptr + 4 * n as u64);
-        for l in kmoe::launches(&d, x.dtype == DType::BF16) {
+        let bf16 = x.dtype == DType::BF16;
+        let scales = |t: &CudaTensor| t.fp8.as_ref().map_or(0, |m| m.ptr);
+        let launches = if experts.up.fp8.is_some() {
+            kmoe::fp8_launches(&d, bf16)
+        } else {
+            kmoe::launches(&d, bf16)
+        };
+        for l in launches {
             let args: Vec<Arg> = l
                 .args
                 .iter()
@@ -238,6 +257,9 @@ impl CudaBackend {
                     MoeArg::Index(word) => Arg::Ptr(index.ptr + 4 * word as u64),
                     MoeArg::Mid => Arg::Ptr(mid.ptr),
                     MoeArg::Y => Arg::Ptr(y.ptr),
+                    MoeArg::UpScales => Arg::Ptr(scales(&experts.up)),
+                    MoeArg::GateScales => Arg::Ptr(experts.gate.as_ref().map_or(0, scales)),
+                    MoeArg::DownScales => Arg::Ptr(scales(&experts.down)),
                     MoeArg::Null => Arg::Ptr(0),
                     MoeArg::U32(v) => Arg::U32(v),
                 })
@@ -260,6 +282,11 @@ impl CudaBackend {
         out: &mut CudaTensor,
     ) -> Result<()> {
         let d = self.moe_dims(x, router_logits, routing, experts, out)?;
+        if experts.up.fp8.is_some() {
+            return Err(BackendError::Invalid(
+                "moe_per_expert: FP8 experts (the grouped path runs them)".into(),
+            ));
+        }
         if d.gated {
             return Err(BackendError::Invalid(
                 "moe_per_expert: gated experts (the grouped path runs them)".into(),

@@ -251,12 +251,16 @@ fn load_moe<B: LayerOps>(
             norm_topk_prob: true,
             scaling: 1.0,
         },
-        experts: StackedExperts {
-            up: l.upload_f32(&up, &[e, i, h])?,
-            down: l.upload_f32(&down, &[e, h, i])?,
-            gate: Some(l.upload_f32(&gate, &[e, i, h])?),
-            act: Activation::Silu,
-        },
+        experts: moe::fp8_experts(
+            l,
+            prefix,
+            StackedExperts {
+                up: l.upload_f32(&up, &[e, i, h])?,
+                down: l.upload_f32(&down, &[e, h, i])?,
+                gate: Some(l.upload_f32(&gate, &[e, i, h])?),
+                act: Activation::Silu,
+            },
+        )?,
         shared: Some(shared),
         shared_gate: None,
     })

@@ -98,12 +98,16 @@ impl<B: LayerOps> Moe<B> {
                 norm_topk_prob: s.norm_topk_prob,
                 scaling: s.scaling as f32,
             },
-            experts: StackedExperts {
-                up,
-                down,
-                gate: None,
-                act: s.act,
-            },
+            experts: fp8_experts(
+                l,
+                prefix,
+                StackedExperts {
+                    up,
+                    down,
+                    gate: None,
+                    act: s.act,
+                },
+            )?,
             shared,
             shared_gate: None,
         })
@@ -200,16 +204,49 @@ impl<B: LayerOps> Moe<B> {
                 norm_topk_prob: s.norm_topk_prob,
                 scaling: 1.0,
             },
-            experts: StackedExperts {
-                up,
-                down,
-                gate: Some(gate),
-                act: s.act,
-            },
+            experts: fp8_experts(
+                l,
+                prefix,
+                StackedExperts {
+                    up,
+                    down,
+                    gate: Some(gate),
+                    act: s.act,
+                },
+            )?,
             shared,
             shared_gate,
         })
     }
+}
+
+/// The stacked experts of the MoE layer at `prefix`, quantized to FP8 (one scale per expert
+/// row) under online quantization, or with made-up weights where the config is FP8 (a
+/// published FP8 checkpoint's experts are FP8); else as loaded. A published checkpoint's FP8
+/// experts are dequantized at load for now (block scales are not in the expert kernels).
+pub fn fp8_experts<B: LayerOps>(
+    l: &Loader<'_, B>,
+    prefix: &str,
+    experts: StackedExperts<B::Tensor>,
+) -> Result<StackedExperts<B::Tensor>, ModelError> {
+    let q = l.store.quantization();
+    let module = format!("{prefix}.experts");
+    let fp8 = if l.store.is_dummy() {
+        q.dummy_fp8(&module)
+    } else {
+        q.quantize_online(&module)
+    };
+    if !fp8 {
+        return Ok(experts);
+    }
+    let quantize =
+        |t: &B::Tensor| -> Result<B::Tensor, ModelError> { Ok(l.backend.quantize_fp8(t)?) };
+    Ok(StackedExperts {
+        up: quantize(&experts.up)?,
+        down: quantize(&experts.down)?,
+        gate: experts.gate.as_ref().map(quantize).transpose()?,
+        act: experts.act,
+    })
 }
 
 /// `[E, 2I, H]` fused expert weights split into gate `[E, I, H]` (the first `I` rows of each
