@@ -366,4 +366,38 @@ pub fn bench(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) {
             );
         }
     }
+    // Qwen3-Next-80B-A3B whole, in FP8 (the release's config, dummy weights): about 80 GB,
+    // so one H200 (on an 80 GB card: a row saying so).
+    let big = std::path::Path::new("tests/gpu/configs/qwen3-next-80b-a3b-fp8");
+    match gpu.mem_info() {
+        Ok((_, total)) if total > 100 << 30 => {
+            if let Err(e) = super::bench::decode(
+                report,
+                gpu,
+                big,
+                bw,
+                args.steps.min(100),
+                LoadOptions::default(),
+            ) {
+                report.failed(
+                    BENCH,
+                    format!("dummy {} decode", big.display()),
+                    format!("{e:#}"),
+                );
+            }
+        }
+        Ok((_, total)) => report.push(
+            BENCH,
+            format!(
+                "dummy {} decode: needs more than {:.0} GiB (reported)",
+                big.display(),
+                total as f64 / (1u64 << 30) as f64
+            ),
+            f64::NAN,
+            "skipped".into(),
+            "reported".into(),
+            true,
+        ),
+        Err(e) => report.failed(BENCH, "device memory", format!("{e:#}")),
+    }
 }
