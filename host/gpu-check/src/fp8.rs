@@ -117,6 +117,7 @@ pub fn checks(
         }
     }
     let mut rng = Rng::new(seed ^ 0xf8f8);
+    super::moe::fp8_checks(report, SUITE, f32_gpu, bf16_gpu, &mut rng);
     for (m, k) in [(256usize, 512usize), (1024, 4096), (4096, 1024)] {
         for block in [None, Some(128)] {
             let w = random_weight(&mut rng, m, k, block);

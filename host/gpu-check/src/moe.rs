@@ -206,6 +206,52 @@ pub fn checks(
     }
 }
 
+/// Every case whose widths are multiples of 16 with FP8 experts (each backend quantizes the
+/// same bf16-exact weights per expert row, so both hold the same codes and scales), on both
+/// GPU modes against the CPU, with the float cases' bounds.
+pub fn fp8_checks(
+    report: &mut Report,
+    suite: &str,
+    f32_gpu: &CudaBackend,
+    bf16_gpu: &CudaBackend,
+    rng: &mut Rng,
+) {
+    fn fp8_layer<B: StepBackend>(b: &B, c: &Case, inp: &Inputs) -> R<Layer<B>> {
+        let mut l = layer(b, c, inp)?;
+        let e = &l.experts;
+        l.experts = StackedExperts {
+            up: b.quantize_fp8(&e.up)?,
+            down: b.quantize_fp8(&e.down)?,
+            gate: e.gate.as_ref().map(|g| b.quantize_fp8(g)).transpose()?,
+            act: e.act,
+        };
+        Ok(l)
+    }
+    let cpu = CpuBackend::default();
+    for gpu in [f32_gpu, bf16_gpu] {
+        let bf16 = gpu.dtype() == DType::BF16;
+        let (tag, tol) = if bf16 { ("bf16", 1e-2) } else { ("f32", 1e-4) };
+        for c in CASES
+            .iter()
+            .filter(|c| c.hidden % 16 == 0 && c.inter % 16 == 0)
+        {
+            let label = format!("{} (FP8 experts)", c.label(tag));
+            // Rounded to bf16 on both modes: the same codes on every backend.
+            let inp = Inputs::new(c, rng, true);
+            let run = || -> R<f64> {
+                let shape = [c.tokens, c.hidden];
+                let g = forward(gpu, &fp8_layer(gpu, c, &inp)?, &inp.base, &shape)?;
+                let want = forward(&cpu, &fp8_layer(&cpu, c, &inp)?, &inp.base, &shape)?;
+                Ok(rel_err(&g, &want))
+            };
+            match run() {
+                Ok(err) => report.err(suite, label, err, tol),
+                Err(e) => report.failed(suite, label, format!("{e:#}")),
+            }
+        }
+    }
+}
+
 /// Eager twice (bit-identical), then a captured graph that copies the logits from a source
 /// buffer, resets `out` and runs the layer: replayed, it must equal the eager result bit for
 /// bit; with new logits in the source, it must match the CPU for those. Returns (identical,
