@@ -191,9 +191,16 @@ pub fn max_tiles(entries: usize, experts: usize) -> usize {
 /// Kernels that launch with more than the default 48 KiB of dynamic shared memory, and how
 /// much (the backend raises their limit once at load).
 pub fn smem_opt_in() -> impl Iterator<Item = (&'static str, u32)> {
-    ["moe_up_bf16", "moe_up_gated_bf16", "moe_down_bf16"]
-        .into_iter()
-        .map(|name| (name, MMA_SMEM))
+    [
+        "moe_up_bf16",
+        "moe_up_gated_bf16",
+        "moe_down_bf16",
+        "moe_up_fp8_bf16",
+        "moe_up_gated_fp8_bf16",
+        "moe_down_fp8_bf16",
+    ]
+    .into_iter()
+    .map(|name| (name, MMA_SMEM))
 }
 
 /// Word offsets of the sort's outputs in the one u32 index buffer.

@@ -392,12 +392,15 @@ pub(super) fn decode(
     options: model::LoadOptions,
 ) -> anyhow::Result<f64> {
     let started = Instant::now();
-    let before = gpu.allocated_bytes();
+    // Device memory in use, not allocated: FP8 weights are quantized from float temporaries
+    // that are freed again.
+    gpu.synchronize()?;
+    let (free_before, _) = gpu.mem_info()?;
     let m: Model<CudaBackend> = model::load_dummy_with(dir, gpu, 0, options)?;
     gpu.synchronize()?;
-    let weights_total = (gpu.allocated_bytes() - before) as usize;
+    let weights_total = free_before.saturating_sub(gpu.mem_info()?.0) as usize;
     let load_s = started.elapsed().as_secs_f64();
-    let name = if options.fp8 {
+    let name = if options.fp8 || dir.to_string_lossy().contains("fp8") {
         format!("{} fp8", m.info.architecture)
     } else {
         m.info.architecture.clone()

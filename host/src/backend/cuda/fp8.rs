@@ -173,14 +173,13 @@ impl CudaBackend {
                     )?;
                     return Ok(out);
                 }
-                Err(e) => {
-                    tracing::warn!(
-                        error = %e,
-                        "cuBLASLt has no FP8 GEMM with per-row scales here: FP8 weights at more \
-                         than two rows are dequantized for a bf16 GEMM instead (slower prefill)"
-                    );
-                    self.inner.fp8_gemm.store(false, Ordering::Relaxed);
-                }
+                // Logged once per shape (later calls of the shape fail fast, quietly).
+                Err(BackendError::Device(e)) => tracing::warn!(
+                    error = %e,
+                    "cuBLASLt has no FP8 GEMM with per-row scales for this shape: its FP8 \
+                     weight is dequantized for a bf16 GEMM instead (slower)"
+                ),
+                Err(_) => {}
             }
         }
         let wd = self.tmp(&[m, k], x.dtype)?;

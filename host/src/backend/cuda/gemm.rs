@@ -72,6 +72,8 @@ pub struct Gemm {
     handle: Handle,
     workspace: DevAlloc,
     plans: Mutex<HashMap<Key, Plan>>,
+    /// FP8 shapes this cuBLASLt has no algorithm for (asked once each).
+    unsupported: Mutex<std::collections::HashSet<Key>>,
     device: Arc<Device>,
 }
 
@@ -109,6 +111,7 @@ impl Gemm {
             handle,
             workspace,
             plans: Mutex::new(HashMap::new()),
+            unsupported: Mutex::new(std::collections::HashSet::new()),
             device: device.clone(),
         })
     }
@@ -137,6 +140,15 @@ impl Gemm {
             4,
         )?;
         if key.fp8 {
+            // The heuristic checks that the scale pointers are set: any device address stands
+            // in (each call sets the real ones).
+            let stand_in = self.workspace.ptr;
+            for attr in [
+                lts::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                lts::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+            ] {
+                set(attr, (&stand_in as *const u64).cast(), 8)?;
+            }
             // One scale per row of the weight (per output feature) and per token.
             let outer =
                 lts::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
@@ -278,10 +290,25 @@ impl Gemm {
             fp8: true,
         };
         let mut plans = self.plans.lock().unwrap_or_else(|p| p.into_inner());
-        if let std::collections::hash_map::Entry::Vacant(v) = plans.entry(key) {
-            v.insert(self.plan(key)?);
+        if plans.contains_key(&key) {
+            return Ok(());
         }
-        Ok(())
+        let mut unsupported = self.unsupported.lock().unwrap_or_else(|p| p.into_inner());
+        if unsupported.contains(&key) {
+            return Err(BackendError::Invalid(format!(
+                "no FP8 GEMM for {n}×{k}·{m}ᵀ in this cuBLASLt"
+            )));
+        }
+        match self.plan(key) {
+            Ok(plan) => {
+                plans.insert(key, plan);
+                Ok(())
+            }
+            Err(e) => {
+                unsupported.insert(key);
+                Err(e)
+            }
+        }
     }
 
     /// Runs the plan of `key` (made once); `scales` are the weight's and the input's scale

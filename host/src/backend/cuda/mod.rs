@@ -96,8 +96,8 @@ struct Inner {
     /// cuBLASLt (switchable so the bench can time both in one run).
     small_m_gemv: AtomicBool,
     /// FP8 weights at more than two rows (bf16 mode) use cuBLASLt's FP8 GEMM with per-token
-    /// activation scales; turned off (with a warning) when this cuBLASLt has no algorithm for
-    /// it, and switchable so the bench can time both paths.
+    /// activation scales where it has an algorithm for the shape (switchable so the bench can
+    /// time both paths).
     fp8_gemm: AtomicBool,
     /// Which of `chimera_kernels::fp8::GEMV_N1_BF16` one-row bf16 FP8 projections use (the
     /// bench times them; 0, the default, otherwise).
