@@ -398,7 +398,7 @@ pub(super) fn decode(
     let (free_before, _) = gpu.mem_info()?;
     let m: Model<CudaBackend> = model::load_dummy_with(dir, gpu, 0, options)?;
     gpu.synchronize()?;
-    let weights_total = free_before.saturating_sub(gpu.mem_info()?.0) as usize;
+    let weights_total = free_before.saturating_sub(gpu.mem_info()?.0);
     let load_s = started.elapsed().as_secs_f64();
     let name = if options.fp8 || dir.to_string_lossy().contains("fp8") {
         format!("{} fp8", m.info.architecture)
