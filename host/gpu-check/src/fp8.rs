@@ -146,14 +146,7 @@ pub fn checks(
                         Ok(max_rel(&got, &want))
                     };
                     match run() {
-                        Ok(e) => report.push(
-                            SUITE,
-                            check,
-                            e,
-                            format!("max rel {e:.2e}"),
-                            format!("≤ {bound:.0e}"),
-                            e <= bound,
-                        ),
+                        Ok(e) => report.err(SUITE, check, e, bound),
                         Err(e) => report.failed(SUITE, check, format!("{e:#}")),
                     }
                 }
@@ -191,14 +184,7 @@ pub fn checks(
                     Ok(max_rel(&got, &want))
                 };
                 match run() {
-                    Ok(e) => report.push(
-                        SUITE,
-                        check,
-                        e,
-                        format!("max rel {e:.2e}"),
-                        format!("≤ {bound:.0e}"),
-                        e <= bound,
-                    ),
+                    Ok(e) => report.err(SUITE, check, e, bound),
                     Err(e) => report.failed(SUITE, check, format!("{e:#}")),
                 }
             }
