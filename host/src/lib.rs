@@ -8,6 +8,7 @@
 //! - [`backend`]: tensor storage and kernels (`cpu` reference backend, `cuda` on NVIDIA
 //!   GPUs with the kernels of the `chimera-kernels` crate).
 //! - [`cache`]: the KV block pool, prefix index and SSM-state pool of one replica.
+//! - [`cluster`]: what chimera tells cluster routers (Dynamo, llm-d) about its caches.
 //! - [`server`]: the OpenAI-compatible HTTP server, replica router and metrics.
 //! - [`tokenizer`]: the embedded model's tokenizer files.
 //! - [`config`]: the TOML configuration; [`app`]: assembling a serving process from it;
@@ -26,6 +27,7 @@ pub mod backend;
 /// `chimera bench` lives in its own crate (it talks to servers only over HTTP).
 pub use chimera_bench as bench;
 pub mod cache;
+pub mod cluster;
 pub mod config;
 pub mod engine;
 pub mod histogram;

@@ -318,8 +318,8 @@ fn a_failed_step_fails_its_batch_and_caches_nothing() {
             .kv_events
             .iter()
             .map(|ev| {
-                if let KvEvent::Stored { hashes, .. } = ev {
-                    hashes.len()
+                if let KvEvent::Stored { blocks, .. } = ev {
+                    blocks.len()
                 } else {
                     0
                 }
@@ -422,20 +422,18 @@ fn logit_bias_and_min_tokens_steer_sampling() {
 }
 
 #[test]
-fn stored_events_carry_the_prefix_hashes() {
+fn stored_events_carry_the_prefix_hashes_and_tokens() {
     let mut e = engine(MockExecutor::transformer(), Knobs::default());
     let p = Tokens::new(8).take(9, VOCAB);
     let run = drive(&mut e, vec![(0, request(1, p.clone(), 1))]);
     let mut want = Vec::new();
     chimera::cache::HashSeed::new("test-model").extend(&mut want, &p, 4);
     let want: Vec<u64> = want.iter().map(|h| h.short()).collect();
-    assert_eq!(
-        run.kv_events,
-        vec![KvEvent::Stored {
-            hashes: want,
-            with_snapshot: vec![false, false]
-        }]
-    );
+    let mut stored = KvEvent::chain(&want, &[false, false]);
+    if let KvEvent::Stored { tokens, .. } = &mut stored {
+        *tokens = p[..8].to_vec();
+    }
+    assert_eq!(run.kv_events, vec![stored]);
 }
 
 /// The engine thread's event delivery (a threaded outbox) changes when events arrive, never

@@ -230,7 +230,7 @@ fn run_with_hashes(prompt: &[u32], given: Option<Vec<BlockHash>>) -> (u64, Vec<u
     let stored = events
         .into_iter()
         .flat_map(|ev| match ev {
-            KvEvent::Stored { hashes, .. } => hashes,
+            KvEvent::Stored { blocks, .. } => blocks.iter().map(|b| b.hash).collect(),
             _ => Vec::new(),
         })
         .collect();

@@ -37,7 +37,7 @@ fn run_prompt(cm: &mut CacheManager, seq: u32, tokens: &[u32]) -> (PrefixMatch, 
         tokens.len() - ctx,
         &mut snaps,
     );
-    cm.commit_seq(seq, &h, tokens.len());
+    cm.commit_seq(seq, &h, tokens, tokens.len());
     cm.commit_step();
     (m, init)
 }
@@ -184,8 +184,16 @@ fn evicting_a_block_drops_its_snapshot() {
     assert_eq!(cm.ssm().snapshots(), 2);
     let mut ev = Vec::new();
     cm.take_events(&mut ev);
-    assert!(matches!(&ev[0], KvEvent::Stored { hashes, with_snapshot }
-        if hashes.len() == 2 && with_snapshot == &vec![true, true]));
+    let KvEvent::Stored { blocks, tokens } = &ev[0] else {
+        panic!("{ev:?}")
+    };
+    assert_eq!(blocks.len(), 2);
+    assert!(blocks.iter().all(|b| b.snapshot), "{blocks:?}");
+    assert_eq!(blocks[0].parent, None);
+    assert_eq!(blocks[1].parent, Some(blocks[0].hash));
+    // The tokens of both full blocks, in order; the trailing partial block is not stored.
+    assert_eq!(tokens, &a[..8]);
+    assert_eq!(ev[0].block_tokens(1), &a[4..8]);
     // An unrelated 16-token prompt needs all 4 blocks: both cached blocks are evicted.
     let b: Vec<u32> = (100..116).collect();
     run_prompt(&mut cm, 0, &b);
@@ -405,7 +413,7 @@ fn decode(cm: &mut CacheManager, seq: u32, tokens: &[u32], start: usize) -> Vec<
     if (start + 1).is_multiple_of(BS) {
         cm.plan_rolling_snapshot(seq, Some(h[(start + 1) / BS - 1]), 1, &mut snaps);
     }
-    cm.commit_seq(seq, &h, start + 1);
+    cm.commit_seq(seq, &h, &tokens[..start + 1], start + 1);
     snaps
 }
 
@@ -448,11 +456,19 @@ fn rolling_snapshot_follows_decoding_and_is_kept_at_release() {
     let mut ev = Vec::new();
     cm.commit_step();
     cm.take_events(&mut ev);
+    // Indexed while decoding (no snapshot yet), then the kept rolling slot's snapshot.
     assert!(
         ev.iter()
-            .any(|e| matches!(e, KvEvent::Stored { hashes, with_snapshot }
-        if hashes == &vec![h[2].short()] && with_snapshot == &vec![true])),
+            .any(|e| matches!(e, KvEvent::Stored { blocks, tokens }
+            if blocks.len() == 1 && blocks[0].hash == h[2].short() && !blocks[0].snapshot
+                && blocks[0].parent == Some(h[1].short()) && tokens[..] == t[8..12])),
         "{ev:?}"
+    );
+    assert_eq!(
+        ev.last(),
+        Some(&KvEvent::SnapshotStored {
+            hashes: vec![h[2].short()]
+        })
     );
     cm.check_invariants().unwrap();
 }
@@ -558,7 +574,7 @@ fn checkpoints_add_snapshot_points_rounded_down_to_blocks() {
         "17 rounds to 16, already planned"
     );
     assert_eq!(cm.counters.snapshot_copies, 3);
-    cm.commit_seq(0, &h, t.len());
+    cm.commit_seq(0, &h, &t, t.len());
     cm.commit_step();
     cm.release(0).unwrap();
     let mut b = t[..9].to_vec();

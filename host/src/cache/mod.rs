@@ -38,7 +38,7 @@ mod stats;
 
 pub use block_pool::{BlockPool, NO_PARENT, PoolError};
 pub use config::{ByteSize, CacheConfig, CacheConfigError, CacheLayout};
-pub use events::KvEvent;
+pub use events::{KvEvent, StoredBlock};
 pub use hash::{BlockHash, HashSeed};
 pub use miss::{MissMemory, MissReason};
 pub use spec::{CacheSpec, SsmStateDtype};
@@ -140,7 +140,10 @@ pub struct CacheManager {
     seqs: Vec<Option<SeqCache>>,
     pending: Vec<PendingSnapshot>,
     removed_scratch: Vec<(u32, BlockHash)>,
-    stored: Vec<BlockHash>,
+    /// Blocks indexed this step with their parent's short hash, and their tokens
+    /// (`block_size` per block, in the same order).
+    stored: Vec<(BlockHash, Option<u64>)>,
+    stored_tokens: Vec<u32>,
     snapshot_only: Vec<BlockHash>,
     removed: Vec<u64>,
     snapshot_removed: Vec<u64>,
@@ -184,6 +187,7 @@ impl CacheManager {
             pending: Vec::new(),
             removed_scratch: Vec::new(),
             stored: Vec::new(),
+            stored_tokens: Vec::new(),
             snapshot_only: Vec::new(),
             removed: Vec::new(),
             snapshot_removed: Vec::new(),
@@ -621,13 +625,14 @@ impl CacheManager {
         out.sort_unstable_by_key(|t| t.after);
     }
 
-    /// After a successful step: offers the prompt blocks that sequence `seq` completed (its
-    /// first `computed` tokens are now in the cache) to the index.
-    pub fn commit_seq(&mut self, seq: u32, hashes: &[BlockHash], computed: usize) {
+    /// After a successful step: offers the blocks that sequence `seq` completed (its first
+    /// `computed` tokens, of `tokens`, are now in the cache) to the index.
+    pub fn commit_seq(&mut self, seq: u32, hashes: &[BlockHash], tokens: &[u32], computed: usize) {
         if !self.prefix_caching {
             return;
         }
-        let full = (computed / self.block_size).min(hashes.len());
+        let bs = self.block_size;
+        let full = (computed / bs).min(hashes.len()).min(tokens.len() / bs);
         let step = self.step;
         let Some(s) = self.seqs.get_mut(seq as usize).and_then(Option::as_mut) else {
             return;
@@ -642,7 +647,10 @@ impl CacheManager {
                 },
             };
             if self.pool.register(s.blocks[j], hashes[j], parent, step) {
-                self.stored.push(hashes[j]);
+                let parent = j.checked_sub(1).map(|p| hashes[p].short());
+                self.stored.push((hashes[j], parent));
+                self.stored_tokens
+                    .extend_from_slice(&tokens[j * bs..(j + 1) * bs]);
                 self.memory.indexed(hashes[j]);
             }
             s.committed += 1;
@@ -714,7 +722,7 @@ impl CacheManager {
                     self.pool.note_snapshot(b, true, self.step);
                     self.memory.snapshot_taken(p.hash);
                     self.counters.snapshots_taken += 1;
-                    if !self.stored.contains(&p.hash) {
+                    if !self.stored.iter().any(|&(h, _)| h == p.hash) {
                         self.snapshot_only.push(p.hash);
                     }
                 }
@@ -864,21 +872,23 @@ impl CacheManager {
             let hashes = std::mem::take(&mut self.snapshot_removed);
             self.events.push(KvEvent::SnapshotRemoved { hashes });
         }
-        if !self.stored.is_empty() || !self.snapshot_only.is_empty() {
-            let mut hashes = Vec::with_capacity(self.stored.len() + self.snapshot_only.len());
-            let mut with_snapshot = Vec::with_capacity(hashes.capacity());
-            let mut all = std::mem::take(&mut self.stored);
-            all.append(&mut self.snapshot_only);
-            for &h in &all {
-                hashes.push(h.short());
-                with_snapshot.push(self.snapshot_at(h).is_some());
-            }
-            all.clear();
-            self.stored = all;
-            self.events.push(KvEvent::Stored {
-                hashes,
-                with_snapshot,
-            });
+        if !self.stored.is_empty() {
+            let (pool, ssm) = (&self.pool, &self.ssm);
+            let blocks = self
+                .stored
+                .drain(..)
+                .map(|(h, parent)| StoredBlock {
+                    hash: h.short(),
+                    parent,
+                    snapshot: pool.lookup(h).and_then(|b| ssm.snapshot_of(b)).is_some(),
+                })
+                .collect();
+            let tokens = std::mem::take(&mut self.stored_tokens);
+            self.events.push(KvEvent::Stored { blocks, tokens });
+        }
+        if !self.snapshot_only.is_empty() {
+            let hashes = self.snapshot_only.drain(..).map(|h| h.short()).collect();
+            self.events.push(KvEvent::SnapshotStored { hashes });
         }
     }
 
@@ -898,6 +908,7 @@ impl CacheManager {
         self.removed.clear();
         self.snapshot_removed.clear();
         self.stored.clear();
+        self.stored_tokens.clear();
         self.snapshot_only.clear();
         self.events.clear();
         self.events.push(KvEvent::Cleared);

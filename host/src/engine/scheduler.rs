@@ -958,7 +958,7 @@ impl Scheduler {
                 }
                 continue;
             }
-            cache.commit_seq(s.slot, &r.hashes, s.start + s.len);
+            cache.commit_seq(s.slot, &r.hashes, &r.tokens, s.start + s.len);
             if !s.want_logits {
                 continue;
             }
@@ -1035,7 +1035,7 @@ impl Scheduler {
             let before = r.hashes.len();
             seed.extend(&mut r.hashes, &r.tokens[..computed], bs);
             *blocks_hashed += (r.hashes.len() - before) as u64;
-            cache.commit_seq(s.slot, &r.hashes, computed);
+            cache.commit_seq(s.slot, &r.hashes, &r.tokens, computed);
             // The rolling snapshot planned at the chunk's last block boundary holds that
             // block's end state only if the accepted tokens reach it.
             let boundary = (s.start + s.len) / bs * bs;

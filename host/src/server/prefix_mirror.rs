@@ -67,14 +67,9 @@ impl PrefixMirror {
 
     pub fn apply(&mut self, event: &KvEvent) {
         match event {
-            KvEvent::Stored {
-                hashes,
-                with_snapshot,
-            } => {
-                for (i, h) in hashes.iter().enumerate() {
-                    let snap = with_snapshot.get(i).copied().unwrap_or(false);
-                    let entry = self.blocks.entry(*h).or_insert(false);
-                    *entry |= snap;
+            KvEvent::Stored { blocks, .. } => {
+                for b in blocks {
+                    *self.blocks.entry(b.hash).or_insert(false) |= b.snapshot;
                 }
                 if self.blocks.len() > self.max_blocks {
                     self.blocks.clear();
@@ -84,6 +79,13 @@ impl PrefixMirror {
             KvEvent::Removed { hashes } => {
                 for h in hashes {
                     self.blocks.remove(h);
+                }
+            }
+            KvEvent::SnapshotStored { hashes } => {
+                for h in hashes {
+                    if let Some(snap) = self.blocks.get_mut(h) {
+                        *snap = true;
+                    }
                 }
             }
             KvEvent::SnapshotRemoved { hashes } => {
@@ -148,13 +150,14 @@ mod tests {
     fn mirror_tracks_store_remove_snapshot_clear() {
         let h = prompt_block_hashes("m", &[1, 2, 3, 4, 5, 6], 2);
         let mut m = PrefixMirror::new(100);
-        m.apply(&KvEvent::Stored {
-            hashes: short(&h),
-            with_snapshot: vec![false, true, false],
-        });
+        m.apply(&KvEvent::chain(&short(&h), &[false, true, false]));
         assert_eq!(m.hit(&h), hit(3, 2));
+        m.apply(&KvEvent::SnapshotStored {
+            hashes: vec![h[2].short()],
+        });
+        assert_eq!(m.hit(&h), hit(3, 3));
         m.apply(&KvEvent::SnapshotRemoved {
-            hashes: vec![h[1].short()],
+            hashes: vec![h[1].short(), h[2].short()],
         });
         assert_eq!(m.hit(&h), hit(3, 0));
         m.apply(&KvEvent::Removed {
@@ -169,10 +172,7 @@ mod tests {
     #[test]
     fn mirror_is_bounded() {
         let mut m = PrefixMirror::new(2);
-        m.apply(&KvEvent::Stored {
-            hashes: vec![1, 2, 3],
-            with_snapshot: vec![],
-        });
+        m.apply(&KvEvent::chain(&[1, 2, 3], &[]));
         assert!(m.len() <= 2);
         assert_eq!(m.overflows(), 1);
     }
