@@ -139,6 +139,40 @@ impl LoadedModel {
 
     /// Loads the weights onto `backend` (replicas on one device share this copy); with
     /// `dummy`, seeded random weights of the configured shapes instead of the checkpoint.
+    /// A Hugging Face-style folder describing this model to other programs (a cluster
+    /// frontend that tokenizes and applies the chat template itself): a model folder is its
+    /// own; the embedded model's `config.json` and tokenizer files are written under `scratch`.
+    /// A GGUF file has no such folder (its tokenizer lives inside the file).
+    pub fn card_folder(&self, scratch: &std::path::Path) -> anyhow::Result<std::path::PathBuf> {
+        match &self.source {
+            ModelSource::Folder(dir) => Ok(dir.clone()),
+            ModelSource::Builtin => {
+                let dir = scratch.join(&self.name);
+                std::fs::create_dir_all(&dir)
+                    .with_context(|| format!("creating {}", dir.display()))?;
+                let eos = self.codec.eos_token_ids().first().copied().unwrap_or(0);
+                let config = builtin::config_json(self.codec.vocab_size() as usize, eos, 1);
+                for (file, bytes) in [
+                    ("config.json", config.as_bytes()),
+                    ("tokenizer.json", crate::tokenizer::EMBEDDED_TOKENIZER),
+                    (
+                        "tokenizer_config.json",
+                        crate::tokenizer::EMBEDDED_TOKENIZER_CONFIG,
+                    ),
+                ] {
+                    std::fs::write(dir.join(file), bytes)
+                        .with_context(|| format!("writing {}", dir.join(file).display()))?;
+                }
+                Ok(dir)
+            }
+            ModelSource::Gguf(path) => anyhow::bail!(
+                "{}: a GGUF file carries its tokenizer inside; serve the model's Hugging Face \
+                 folder (config.json, tokenizer.json) so that the frontend can tokenize",
+                path.display()
+            ),
+        }
+    }
+
     pub fn model<B: LayerOps>(&self, backend: &B, dummy: bool) -> anyhow::Result<Model<B>> {
         self.model_with(backend, dummy, model::LoadOptions::default())
     }

@@ -11,7 +11,7 @@
 //! - [`cluster`]: what chimera tells cluster routers (Dynamo, llm-d) about its caches.
 //! - [`server`]: the OpenAI-compatible HTTP server, replica router and metrics.
 //! - [`tokenizer`]: the embedded model's tokenizer files.
-//! - [`config`]: the TOML configuration; [`app`]: assembling a serving process from it;
+//! - [`config`]: the TOML configuration; [`cli`]: the engine flags the binaries share; [`app`]: assembling a serving process from it;
 //!   [`logging`]: the binary's log output (text or JSON, filter, colour); [`histogram`]: the
 //!   lock-free histogram behind the latency metrics.
 //! - [`plugins`]: WebAssembly policy plugins (load, sandbox, fall back, reload) behind the
@@ -27,6 +27,7 @@ pub mod backend;
 /// `chimera bench` lives in its own crate (it talks to servers only over HTTP).
 pub use chimera_bench as bench;
 pub mod cache;
+pub mod cli;
 pub mod cluster;
 pub mod config;
 pub mod engine;

@@ -9,7 +9,8 @@ use clap::{Parser, Subcommand};
 
 use chimera::app::LoadedModel;
 use chimera::backend::cpu::CpuBackend;
-use chimera::config::{Config, Overrides};
+use chimera::cli::EngineArgs;
+use chimera::config::Config;
 use chimera::logging::LogFormat;
 use chimera::model;
 
@@ -65,77 +66,18 @@ enum KernelsCommand {
 
 #[derive(clap::Args)]
 struct ServeArgs {
-    /// A TOML configuration file (default: the built-in configs/default.toml).
-    #[arg(long)]
-    config: Option<PathBuf>,
-    /// Overrides `model.path`: `builtin:tiny-hybrid`, a Hugging Face model folder, a `.gguf`
-    /// file, or a hub model id `org/name` (downloaded into the Hugging Face cache;
-    /// `org/name:Q4_K_M` picks one file of a repo of GGUF files).
-    #[arg(long)]
-    model: Option<String>,
-    /// Overrides `model.revision`: the hub branch, tag or commit of a hub model id.
-    #[arg(long)]
-    revision: Option<String>,
-    /// Overrides `server.served_model_name`: the model ids the API accepts (the first is the
-    /// one responses carry). Default: the `--model` value, then the model's short name.
-    #[arg(long, num_args = 1..)]
-    served_model_name: Option<Vec<String>>,
+    #[command(flatten)]
+    engine: EngineArgs,
     /// Overrides `server.api_key`: every `/v1/*` request must send
     /// `Authorization: Bearer <key>`.
     #[arg(long)]
     api_key: Option<String>,
-    /// Overrides `server.tool_call_parser`: the tool-call format of the model's responses
-    /// (`hermes`, `qwen3_coder`, `llama3_json`, `granite`).
-    #[arg(long)]
-    tool_call_parser: Option<String>,
-    /// Overrides `server.reasoning_parser`: the reasoning format (`qwen3`, `deepseek_r1`).
-    #[arg(long)]
-    reasoning_parser: Option<String>,
     /// Overrides `server.host`: the address to listen on.
     #[arg(long)]
     host: Option<String>,
     /// Overrides `server.port`.
     #[arg(long)]
     port: Option<u16>,
-    /// Overrides `engine.replicas`.
-    #[arg(long)]
-    replicas: Option<usize>,
-    /// Overrides `engine.backend`: cpu, cuda or auto.
-    #[arg(long)]
-    backend: Option<String>,
-    /// Overrides `engine.devices` (comma-separated CUDA device ordinals).
-    #[arg(long, value_delimiter = ',')]
-    devices: Option<Vec<usize>>,
-    /// Overrides `model.dtype`: auto, bfloat16 or float32.
-    #[arg(long)]
-    dtype: Option<String>,
-    /// Overrides `model.load_format`: auto or dummy (seeded random weights).
-    #[arg(long)]
-    load_format: Option<String>,
-    /// Overrides `model.quantization`: none, or fp8 (quantize a bf16 checkpoint's projections
-    /// to FP8 e4m3 at load, one scale per output row).
-    #[arg(long)]
-    quantization: Option<String>,
-    /// Overrides `model.max_model_len`: the longest context (prompt + output tokens) a
-    /// request may have. Default: the model's `max_position_embeddings`.
-    #[arg(long)]
-    max_model_len: Option<usize>,
-    /// Overrides `cache.gpu_memory_utilization`: the share of each GPU's memory this process
-    /// may hold (weights, cache and activations), in (0, 1]; the cache gets what the weights
-    /// leave of it (`cache.memory_budget = "auto"`, the default).
-    #[arg(long)]
-    gpu_memory_utilization: Option<f64>,
-    /// Overrides `speculative.method`: off, ngram (drafts looked up in the context) or
-    /// draft_model (drafts from `--draft-model`).
-    #[arg(long)]
-    speculative_method: Option<String>,
-    /// Overrides `speculative.draft_model`: a smaller model with the same tokenizer (a folder,
-    /// a .gguf file or a hub id).
-    #[arg(long)]
-    draft_model: Option<String>,
-    /// Overrides `speculative.num_tokens`: drafts verified per step.
-    #[arg(long)]
-    num_speculative_tokens: Option<usize>,
 }
 
 #[derive(clap::Args)]
@@ -281,27 +223,11 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 }
 
 fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let config = Config::load(args.config.as_deref())?.with_overrides(Overrides {
-        model: args.model,
-        revision: args.revision,
-        served_model_name: args.served_model_name,
-        api_key: args.api_key,
-        tool_call_parser: args.tool_call_parser,
-        reasoning_parser: args.reasoning_parser,
-        host: args.host,
-        port: args.port,
-        replicas: args.replicas,
-        backend: args.backend,
-        devices: args.devices,
-        dtype: args.dtype,
-        load_format: args.load_format,
-        quantization: args.quantization,
-        max_model_len: args.max_model_len,
-        gpu_memory_utilization: args.gpu_memory_utilization,
-        speculative_method: args.speculative_method,
-        num_speculative_tokens: args.num_speculative_tokens,
-        draft_model: args.draft_model,
-    })?;
+    let mut overrides = args.engine.overrides();
+    overrides.api_key = args.api_key;
+    overrides.host = args.host;
+    overrides.port = args.port;
+    let config = Config::load(args.engine.config.as_deref())?.with_overrides(overrides)?;
     runtime()?.block_on(chimera::app::serve(config))
 }
 

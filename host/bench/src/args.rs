@@ -45,9 +45,33 @@ pub enum SweepPrompts {
 /// latency percentiles, throughput and prefix-cache hits.
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchArgs {
-    /// Server root URL (plain http), e.g. http://127.0.0.1:8000.
+    /// Server root URL (plain http), e.g. http://127.0.0.1:8000; not with --dynamo-workers,
+    /// which starts the server.
+    #[arg(
+        long,
+        required_unless_present = "dynamo_workers",
+        conflicts_with = "dynamo_workers"
+    )]
+    pub url: Option<String>,
+    /// Start a Dynamo cluster on this machine and drive its frontend: etcd, NATS, Dynamo's
+    /// frontend and this many `chimera-dynamo` workers (ports on 127.0.0.1; stopped at the
+    /// end). Needs `etcd`, `nats-server` and a Python with `ai-dynamo` ($CHIMERA_DYNAMO_PYTHON).
     #[arg(long)]
-    pub url: String,
+    pub dynamo_workers: Option<usize>,
+    /// --dynamo-workers: the frontend's router (`kv`, `round-robin`, `random`, ...).
+    #[arg(long, default_value = "kv")]
+    pub dynamo_router: String,
+    /// --dynamo-workers: the worker binary (default: `chimera-dynamo` beside this program,
+    /// else on PATH).
+    #[arg(long)]
+    pub dynamo_worker: Option<PathBuf>,
+    /// --dynamo-workers: arguments for every worker, space-separated (e.g. "--model
+    /// builtin:tiny-hybrid --replicas 1").
+    #[arg(long, default_value = "", allow_hyphen_values = true)]
+    pub dynamo_worker_args: String,
+    /// --dynamo-workers: the workers' KV block size (what the frontend's router hashes with).
+    #[arg(long, default_value_t = 16)]
+    pub dynamo_block_size: u32,
     /// Model name sent in requests; default: the first id listed by GET /v1/models.
     #[arg(long)]
     pub model: Option<String>,

@@ -11,7 +11,9 @@
 //! - [`client`] and [`sse`]: one streamed request, timed per chunk;
 //! - [`runner`]: the dispatch loops of one load point;
 //! - [`stats`]: per-request records, percentiles and the point summary;
-//! - [`report`]: JSON (schema in `docs/bench-schema.md`), tables and the sweep plot.
+//! - [`report`]: JSON (schema in `docs/bench-schema.md`), tables and the sweep plot;
+//! - [`cluster`]: a Dynamo cluster on one machine (etcd, NATS, frontend, chimera workers) to
+//!   drive (`--dynamo-workers`).
 //!
 //! Invariants: the same arguments and seed send the same prompts in the same order with the
 //! same arrival offsets; every request sent is in the statistics, failed ones as failures.
@@ -20,6 +22,7 @@
 mod args;
 pub mod arrivals;
 pub mod client;
+pub mod cluster;
 pub mod report;
 pub mod rng;
 mod runner;
@@ -178,7 +181,30 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<BenchReport> {
         .map(BenchReport::read_json)
         .transpose()?;
     let tokenizer = Arc::new(PromptTokenizer::load(&plan.tokenizer)?);
-    let client = HttpClient::new(&args.url, args.api_key.clone())?;
+    let cluster = match args.dynamo_workers {
+        Some(n) => {
+            let spec = dynamo_spec(&args, n)?;
+            let c = tokio::task::spawn_blocking(move || cluster::Cluster::start(spec)).await??;
+            if !args.quiet {
+                eprintln!(
+                    "dynamo cluster: {n} worker(s), router {}, frontend {}",
+                    args.dynamo_router, c.url
+                );
+            }
+            Some(c)
+        }
+        None => None,
+    };
+    let url = match (&cluster, &args.url) {
+        (Some(c), _) => c.url.clone(),
+        (None, Some(u)) => u.clone(),
+        (None, None) => {
+            return Err(
+                BenchError::InvalidArg("--url or --dynamo-workers is needed".into()).into(),
+            );
+        }
+    };
+    let client = HttpClient::new(&url, args.api_key.clone())?;
     let path = args
         .path
         .clone()
@@ -207,7 +233,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<BenchReport> {
         metadata: plan.metadata.clone(),
         started_at_unix_s,
         server: ServerInfo {
-            url: args.url.clone(),
+            url: url.clone(),
             endpoint: match args.endpoint {
                 Endpoint::Completions => "completions".into(),
                 Endpoint::Chat => "chat".into(),
@@ -329,6 +355,22 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<BenchReport> {
     if report.run.interrupted && !args.quiet {
         println!("interrupted: the last point is partial and later points were not run");
     }
+    if let Some(c) = &cluster {
+        report
+            .metadata
+            .insert("dynamo.router".into(), args.dynamo_router.clone());
+        for (key, name) in DYNAMO_COUNTERS {
+            let v = c.worker_counter(name);
+            report.metadata.insert(key.into(), format!("{v}"));
+        }
+        if !args.quiet {
+            let line: Vec<String> = DYNAMO_COUNTERS
+                .iter()
+                .map(|(k, _)| format!("{k}={}", report.metadata[*k]))
+                .collect();
+            println!("workers: {}", line.join("  "));
+        }
+    }
     if !args.quiet && report.points.len() > 1 {
         print!("\n{}", report.sweep_table());
     }
@@ -352,5 +394,51 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<BenchReport> {
             println!("wrote {}", p.display());
         }
     }
+    if let Some(c) = cluster {
+        // Stopping waits for the processes: off the async threads.
+        let _ = tokio::task::spawn_blocking(move || drop(c)).await;
+    }
     Ok(report)
+}
+
+/// The workers' routing counters a `--dynamo-workers` run records in the report's metadata.
+const DYNAMO_COUNTERS: [(&str, &str); 5] = [
+    ("dynamo.requests", "chimera_dynamo_requests_total"),
+    (
+        "dynamo.routed_on_overlap",
+        "chimera_dynamo_routed_on_overlap_total",
+    ),
+    (
+        "dynamo.routed_without_state",
+        "chimera_dynamo_routed_without_state_total",
+    ),
+    (
+        "dynamo.reused_prompt_tokens",
+        "chimera_dynamo_reused_prompt_tokens_total",
+    ),
+    ("dynamo.prompt_tokens", "chimera_dynamo_prompt_tokens_total"),
+];
+
+/// The cluster `--dynamo-workers` asks for.
+fn dynamo_spec(args: &BenchArgs, workers: usize) -> anyhow::Result<cluster::ClusterSpec> {
+    let bin = match &args.dynamo_worker {
+        Some(p) => p.clone(),
+        None => {
+            let beside = std::env::current_exe()
+                .ok()
+                .and_then(|e| e.parent().map(|d| d.join("chimera-dynamo")));
+            match beside {
+                Some(p) if p.exists() => p,
+                _ => PathBuf::from("chimera-dynamo"),
+            }
+        }
+    };
+    let mut spec = cluster::ClusterSpec::new(workers, &args.dynamo_router, bin);
+    spec.worker_args = args
+        .dynamo_worker_args
+        .split_whitespace()
+        .map(str::to_string)
+        .collect();
+    spec.block_size = args.dynamo_block_size;
+    Ok(spec)
 }

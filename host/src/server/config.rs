@@ -49,6 +49,10 @@ pub struct ServerConfig {
     pub served_model_name: Option<ServedNames>,
     /// Upper bound on each replica's prefix-index mirror, in blocks.
     pub router_mirror_max_blocks: u32,
+    /// Names of the `/metrics` families vLLM also exports: `chimera` (`chimera:...`) or
+    /// `vllm` (`vllm:...`, for scrapers written for vLLM: llm-d's endpoint picker, Ray Serve,
+    /// Dynamo's planner); chimera's own families keep `chimera:` either way.
+    pub metrics_names: super::metrics::MetricNames,
     /// Seconds between two stats lines in the log (throughput, running and waiting requests,
     /// KV cache usage, prefix-cache hit rate), written while there is work; 0 turns them off.
     pub stats_log_interval_secs: u32,
@@ -80,6 +84,7 @@ impl Default for ServerConfig {
             shutdown_grace_secs: 30,
             served_model_name: None,
             router_mirror_max_blocks: 1 << 20,
+            metrics_names: super::metrics::MetricNames::Chimera,
             stats_log_interval_secs: 10,
             tool_call_parser: None,
             reasoning_parser: None,

@@ -78,6 +78,74 @@ pub mod names {
     pub const ENGINE_STEPS_BY_KIND: &str = "chimera:engine_steps_by_kind_total";
 }
 
+/// The families whose names are vLLM's with `chimera:` for `vllm:`: under
+/// `server.metrics_names = "vllm"` they are exported as `vllm:...` (what llm-d's endpoint
+/// picker, Ray Serve and Dynamo's planner scrape); chimera's own families keep their prefix.
+pub const VLLM_FAMILIES: &[&str] = &[
+    names::NUM_REQUESTS_RUNNING,
+    names::NUM_REQUESTS_WAITING,
+    names::KV_CACHE_USAGE_PERC,
+    names::PREFIX_CACHE_QUERIES,
+    names::PREFIX_CACHE_HITS,
+    names::NUM_PREEMPTIONS,
+    names::PROMPT_TOKENS,
+    names::GENERATION_TOKENS,
+    names::CACHE_CONFIG_INFO,
+    names::TIME_TO_FIRST_TOKEN,
+    names::INTER_TOKEN_LATENCY,
+    names::E2E_REQUEST_LATENCY,
+    names::REQUEST_SUCCESS,
+    names::SPEC_DECODE_DRAFTS,
+    names::SPEC_DECODE_DRAFT_TOKENS,
+    names::SPEC_DECODE_ACCEPTED_TOKENS,
+    names::SPEC_DECODE_ACCEPTED_PER_POS,
+];
+
+/// Which names `/metrics` uses for the families vLLM also exports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MetricNames {
+    /// `chimera:...` throughout.
+    #[default]
+    Chimera,
+    /// vLLM's `vllm:...` for [`VLLM_FAMILIES`], `chimera:...` for the rest.
+    Vllm,
+}
+
+/// Renames the [`VLLM_FAMILIES`] series of an exposition text to `vllm:` (comments, samples,
+/// and histogram `_bucket` / `_sum` / `_count` series alike).
+pub fn with_vllm_names(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for line in text.split_inclusive('\n') {
+        let (lead, rest) = match line
+            .strip_prefix("# HELP ")
+            .map(|r| ("# HELP ", r))
+            .or_else(|| line.strip_prefix("# TYPE ").map(|r| ("# TYPE ", r)))
+        {
+            Some(x) => x,
+            None => ("", line),
+        };
+        let end = rest
+            .find(|c: char| c == '{' || c == ' ')
+            .unwrap_or(rest.len());
+        let name = &rest[..end];
+        let family = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|sfx| name.strip_suffix(sfx))
+            .filter(|f| VLLM_FAMILIES.contains(f))
+            .unwrap_or(name);
+        match VLLM_FAMILIES.contains(&family) {
+            true => {
+                out.push_str(lead);
+                out.push_str("vllm:");
+                out.push_str(&rest["chimera:".len()..]);
+            }
+            false => out.push_str(line),
+        }
+    }
+    out
+}
+
 const TTFT_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
@@ -645,6 +713,31 @@ fn escape(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn vllm_names_rename_vllm_families_only() {
+        let m = Metrics::new(1);
+        m.routed(0);
+        let s = [EngineStats {
+            running: 2,
+            ..Default::default()
+        }];
+        let chimera = m.render("m", &s, &CacheInfo::default());
+        let vllm = with_vllm_names(&chimera);
+        assert!(vllm.contains("vllm:num_requests_running{model_name=\"m\",engine=\"0\"} 2"));
+        assert!(vllm.contains("# TYPE vllm:time_to_first_token_seconds histogram"));
+        assert!(vllm.contains("vllm:time_to_first_token_seconds_bucket{"));
+        assert!(vllm.contains("vllm:time_to_first_token_seconds_count{"));
+        assert!(vllm.contains("vllm:cache_config_info{"));
+        // chimera's own families keep their names; no vLLM family is left under chimera:.
+        assert!(vllm.contains("chimera:router_requests_total{engine=\"0\"} 1"));
+        for f in VLLM_FAMILIES {
+            let rest = &f["chimera:".len()..];
+            assert!(!vllm.contains(&format!("chimera:{rest}{{")), "{f}");
+            assert!(!vllm.contains(&format!("chimera:{rest} ")), "{f}");
+        }
+        assert_eq!(vllm.lines().count(), chimera.lines().count());
+    }
 
     #[test]
     fn renders_engine_gauges_per_replica() {

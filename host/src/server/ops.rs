@@ -55,9 +55,12 @@ pub async fn health(State(state): State<AppState>) -> Response {
 
 pub async fn metrics(State(state): State<AppState>) -> Response {
     let stats = state.router().stats();
-    let text = state
+    let mut text = state
         .metrics()
         .render(state.model_id(), &stats, &state.cache_info());
+    if state.config().metrics_names == super::metrics::MetricNames::Vllm {
+        text = super::metrics::with_vllm_names(&text);
+    }
     let mut r = Response::new(Body::from(text));
     r.headers_mut().insert(
         header::CONTENT_TYPE,

@@ -1,0 +1,94 @@
+//! `chimera-dynamo`: chimera's engines as an NVIDIA Dynamo worker.
+//!
+//! Dynamo's frontend serves the OpenAI API (tokenizing with the model's own tokenizer and chat
+//! template), its KV router picks a worker, and this process runs the request on one of its
+//! engine replicas, chosen by chimera's own router plugin. Registration, the request and
+//! response planes, cancellation, draining on SIGTERM and health probes are Dynamo's
+//! (`dynamo-backend-common`'s `Worker`); the engine side is [`engine::ChimeraEngine`]. KV
+//! events follow the hybrid rule ([`chimera::cluster::Announcer`]): a block is announced to the
+//! router only once a recurrent state can resume from it.
+
+mod engine;
+mod kv;
+
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::Parser;
+use dynamo_backend_common::{CommonArgs, DisaggregationMode, WorkerConfig};
+
+use chimera::app::LoadedModel;
+use chimera::cli::EngineArgs;
+
+use crate::kv::AnnounceRule;
+
+#[derive(Parser)]
+#[command(
+    name = "chimera-dynamo",
+    version,
+    about = "chimera's engines as an NVIDIA Dynamo worker (etcd + NATS discovery, Dynamo's frontend and KV router)"
+)]
+struct Args {
+    #[command(flatten)]
+    dynamo: CommonArgs,
+    #[command(flatten)]
+    engine: EngineArgs,
+    /// Which cached blocks the KV router is told of: `hybrid` (a block only once a recurrent
+    /// state can resume from it: an SSM snapshot at or past it exists) or `all` (every KV
+    /// block, as attention-only engines announce; on a hybrid this overstates reuse).
+    #[arg(long, value_enum, default_value_t = AnnounceRule::Hybrid, env = "CHIMERA_KV_ANNOUNCE")]
+    kv_announce: AnnounceRule,
+    /// Publish no KV events (the router then routes by load only).
+    #[arg(long)]
+    no_kv_events: bool,
+    /// Where the embedded model's card (config.json, tokenizer files) is written for the
+    /// frontend. Default: a folder under the system's temporary directory.
+    #[arg(long)]
+    card_dir: Option<std::path::PathBuf>,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    if args.dynamo.disaggregation_mode != DisaggregationMode::Aggregated {
+        anyhow::bail!(
+            "--disaggregation-mode {:?}: chimera workers serve aggregated (prefill and decode \
+             in one engine); disaggregated roles are not supported",
+            args.dynamo.disaggregation_mode
+        );
+    }
+    let config = args.engine.config()?;
+    // The frontend tokenizes and renders the chat template from the model's card.
+    let loaded = LoadedModel::open(&config.model.path, &config.model.revision)?;
+    let scratch = args.card_dir.clone().unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("chimera-dynamo-card-{}", std::process::id()))
+    });
+    let card = loaded
+        .card_folder(&scratch)
+        .context("preparing the model card for the Dynamo frontend")?;
+    let served = config
+        .server
+        .served_model_name
+        .as_ref()
+        .and_then(|n| n.names().first().cloned())
+        .unwrap_or_else(|| loaded.name.clone());
+    let common = args.dynamo;
+    let worker = WorkerConfig {
+        namespace: common.namespace,
+        component: common.component,
+        endpoint: common.endpoint,
+        model_name: card.to_string_lossy().into_owned(),
+        served_model_name: Some(served.clone()),
+        endpoint_types: common.endpoint_types,
+        custom_jinja_template: common.custom_jinja_template,
+        tool_call_parser: common.dyn_tool_call_parser,
+        reasoning_parser: common.dyn_reasoning_parser,
+        exclude_tools_when_tool_choice_none: common.exclude_tools_when_tool_choice_none,
+        enable_kv_routing: !args.no_kv_events,
+        metrics_labels: vec![("model".into(), served.clone())],
+        runtime: common.runtime,
+        enable_rl: common.enable_rl,
+        ..WorkerConfig::default()
+    };
+    let engine = engine::ChimeraEngine::new(config, served, args.kv_announce);
+    dynamo_backend_common::run(Arc::new(engine), worker)
+}
