@@ -804,7 +804,11 @@ impl DraftSource {
 
 /// Starts serving on the configured address until Ctrl-C / SIGTERM.
 pub async fn serve(config: Config) -> anyhow::Result<()> {
-    let state = build(&config)?.into_state()?;
+    let mut stack = build(&config)?;
+    if config.kv_events.publisher == "zmq" {
+        stack = publish_kv_events(&config, stack).await?;
+    }
+    let state = stack.into_state()?;
     let addr = format!("{}:{}", config.server.host, config.server.port);
     let listener = TcpListener::bind(&addr)
         .await
@@ -820,6 +824,39 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
     );
     crate::server::serve(state, listener).await?;
     Ok(())
+}
+
+/// Starts the `[kv_events]` ZMQ publisher and feeds it every replica's cache events.
+async fn publish_kv_events(config: &Config, mut stack: Stack) -> anyhow::Result<Stack> {
+    let parts = &mut stack.parts;
+    let model = parts
+        .config
+        .served_model_name
+        .as_ref()
+        .and_then(|n| n.names().first().cloned())
+        .unwrap_or_else(|| parts.model.name.clone());
+    let topic = match config.kv_events.topic.as_str() {
+        "" => format!("kv@{}:{}@{model}", config.server.host, config.server.port),
+        t => t.to_string(),
+    };
+    let hybrid = parts
+        .replicas
+        .first()
+        .is_some_and(|r| r.handle.stats().ssm_slots_total > 0);
+    let publisher = crate::cluster::ZmqPublisher::start(
+        &config.kv_events,
+        topic,
+        parts.replicas.len(),
+        hybrid,
+        parts.model.block_size,
+    )
+    .await?;
+    let replicas = std::mem::take(&mut parts.replicas);
+    parts.replicas = crate::cluster::tee(
+        replicas,
+        Arc::new(move |replica, events| publisher.send(replica, events)),
+    );
+    Ok(stack)
 }
 
 #[cfg(test)]

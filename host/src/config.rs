@@ -88,6 +88,8 @@ pub struct Config {
     pub policy: PolicyConfig,
     pub plugins: PluginsConfig,
     pub speculative: SpeculativeConfig,
+    /// `[kv_events]`: the cache's block events for cluster routers (vLLM's ZMQ format).
+    pub kv_events: crate::cluster::KvEventsConfig,
 }
 
 /// Command-line flags that override config keys.
@@ -229,6 +231,9 @@ impl Config {
         self.plugins
             .validate("plugins")
             .map_err(|e| invalid(e.path.clone(), e.message.clone()))?;
+        self.kv_events
+            .validate()
+            .map_err(|(key, message)| invalid(format!("kv_events.{key}"), message))?;
         if self.model.path.trim().is_empty() {
             return Err(invalid("model.path".into(), "must name a model".into()));
         }
@@ -400,7 +405,8 @@ mod tests {
                 "cache",
                 "policy",
                 "plugins",
-                "speculative"
+                "speculative",
+                "kv_events"
             ]
         );
         let mut sections: Vec<String> = top.into_iter().filter(|s| s != "policy").collect();

@@ -19,7 +19,6 @@ use dynamo_backend_common::{
     PreprocessedRequest, PromptTokensDetails, SnapshotPublisher, TopLogprob, usage,
 };
 use futures::stream::BoxStream;
-use tokio::sync::mpsc;
 
 use chimera::cache::BlockHash;
 use chimera::config::Config;
@@ -29,7 +28,7 @@ use chimera::engine::api::{
 };
 use chimera::server::metrics::{CacheInfo, MetricNames, Metrics, with_vllm_names};
 use chimera::server::prefix_mirror::prompt_block_hashes;
-use chimera::server::router::{Replica, RouterHandle};
+use chimera::server::router::RouterHandle;
 
 use crate::kv::{AnnounceRule, KvState};
 
@@ -279,26 +278,11 @@ impl LLMEngine for ChimeraEngine {
         let kv = Arc::new(KvState::new(replicas, hybrid, self.rule, model.block_size));
         // Each replica's cache events feed both the in-process router's mirror and the
         // announcer for Dynamo's router.
-        let mut teed = Vec::with_capacity(replicas);
-        for (i, r) in parts.replicas.into_iter().enumerate() {
-            let kv_events = r.kv_events.map(|mut rx| {
-                let (tx, out) = mpsc::unbounded_channel();
-                let kv = kv.clone();
-                tokio::spawn(async move {
-                    while let Some(batch) = rx.recv().await {
-                        kv.apply(i, &batch);
-                        if tx.send(batch).is_err() {
-                            break;
-                        }
-                    }
-                });
-                out
-            });
-            teed.push(Replica {
-                handle: r.handle,
-                kv_events,
-            });
-        }
+        let sink = kv.clone();
+        let teed = chimera::cluster::tee(
+            parts.replicas,
+            Arc::new(move |replica, events| sink.apply(replica, events)),
+        );
         let metrics = Arc::new(Metrics::new(replicas));
         let router = RouterHandle::spawn(
             teed,
