@@ -14,7 +14,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use dynamo_backend_common::engine::GenerateContext;
 use dynamo_backend_common::{
-    AsyncEngineContext, ComponentSnapshot, DynamoError, EngineConfig, ErrorType, KvEventSource,
+    AsyncEngineContext, ComponentSnapshot, DynamoError, EngineConfig, ErrorType, HEALTH_CHECK_KEY,
+    KvEventSource,
     LLMEngine, LLMEngineOutput, LLMEngineOutputExt, LlmRegistration, MetricsBindings, MetricsCtx,
     PreprocessedRequest, PromptTokensDetails, SnapshotPublisher, TopLogprob, usage,
 };
@@ -352,6 +353,11 @@ impl LLMEngine for ChimeraEngine {
             SubmitError::QueueFull => error(ErrorType::CapacityExhausted, e.to_string()),
             SubmitError::ShuttingDown => error(ErrorType::Unavailable, e.to_string()),
         })?;
+        // Health canaries are not traffic: the routing counters leave them out.
+        let canary = request
+            .extra_args
+            .as_ref()
+            .is_some_and(|a| a.get(HEALTH_CHECK_KEY).is_some());
         let kv = run.kv.clone();
         let mut guard = CancelOnDrop {
             handle,
@@ -378,7 +384,9 @@ impl LLMEngine for ChimeraEngine {
                         Some(EngineEvent::PromptLogprobs { .. }) => {}
                         Some(EngineEvent::Finished { reason, usage: u }) => {
                             guard.done = true;
-                            kv.record(prompt_len, announced, u.cached_tokens, u.cacheable_tokens);
+                            if !canary {
+                                kv.record(prompt_len, announced, u.cached_tokens, u.cacheable_tokens);
+                            }
                             let mut done_usage = usage(u.prompt_tokens, u.completion_tokens);
                             done_usage.prompt_tokens_details = Some(PromptTokensDetails {
                                 cached_tokens: Some(u.cached_tokens),
@@ -490,6 +498,7 @@ impl LLMEngine for ChimeraEngine {
             "output_options": {},
             "eos_token_ids": [],
             "annotations": [],
+            "extra_args": {HEALTH_CHECK_KEY: true},
         })))
     }
 }

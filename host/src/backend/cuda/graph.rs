@@ -93,18 +93,22 @@ impl CudaBackend {
         let graph = unsafe { result::stream::end_capture(self.stream()) };
         ran?;
         let graph = graph.map_err(|e| dev.fail("ending a graph capture", e))?;
-        // SAFETY: a graph just captured; flags 0.
-        let exec =
-            match unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) } {
-                Ok(exec) => exec,
-                Err(e) => {
-                    // SAFETY: the graph was created above and is not used again.
-                    unsafe {
-                        let _ = result::graph::destroy(graph);
-                    }
-                    return Err(dev.fail("instantiating a graph", e));
+        // SAFETY: a graph just captured; flags 0. The driver call itself: the flags' Rust type
+        // differs between cudarc's bindings of CUDA versions, the C parameter does not.
+        let mut exec = std::mem::MaybeUninit::<sys::CUgraphExec>::uninit();
+        let instantiated =
+            unsafe { sys::cuGraphInstantiateWithFlags(exec.as_mut_ptr(), graph, 0).result() }
+                .map(|()| unsafe { exec.assume_init() });
+        let exec = match instantiated {
+            Ok(exec) => exec,
+            Err(e) => {
+                // SAFETY: the graph was created above and is not used again.
+                unsafe {
+                    let _ = result::graph::destroy(graph);
                 }
-            };
+                return Err(dev.fail("instantiating a graph", e));
+            }
+        };
         let mut graphs = self.inner.graphs.lock().unwrap_or_else(|p| p.into_inner());
         graphs.push(Graph { graph, exec });
         Ok(graphs.len() - 1)
