@@ -112,9 +112,23 @@ pub struct Cluster {
     namespace: String,
 }
 
-/// A free TCP port on 127.0.0.1 (bound, then released for the child to take).
+/// A free TCP port on 127.0.0.1 (bound, then released for the child to take), below 32768:
+/// Dynamo reads `DYN_SYSTEM_PORT` as a signed 16-bit number, and the kernel's ephemeral range
+/// (where port 0 binds) starts above it. Successive calls walk the range from a per-process
+/// offset, so that two harnesses on one machine rarely try the same ports.
 pub fn free_port() -> anyhow::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    const LOW: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    let base = std::process::id().wrapping_mul(2_654_435_761) % SPAN;
+    for _ in 0..SPAN {
+        let port = LOW + (base + NEXT.fetch_add(1, Ordering::Relaxed)) % SPAN;
+        if TcpListener::bind(("127.0.0.1", port as u16)).is_ok() {
+            return Ok(port as u16);
+        }
+    }
+    bail!("no free TCP port in {LOW}..{}", LOW + SPAN)
 }
 
 /// A plain HTTP/1.0 GET on 127.0.0.1: the status and body.
@@ -257,7 +271,8 @@ impl Cluster {
             }
         };
         let name = format!("worker-{i}");
-        let card = self.dir.join(format!("card-{i}"));
+        // One card folder for all: workers of one model must register identical cards.
+        let card = self.dir.join("card");
         let proc = self.spawn(
             &name,
             Command::new(&self.spec.worker_bin)

@@ -222,6 +222,13 @@ struct CancelOnDrop {
     done: bool,
 }
 
+impl CancelOnDrop {
+    /// The request ended in the engine: nothing to cancel.
+    fn finished(&mut self) {
+        self.done = true;
+    }
+}
+
 impl Drop for CancelOnDrop {
     fn drop(&mut self) {
         if !self.done {
@@ -340,7 +347,7 @@ impl LLMEngine for ChimeraEngine {
         let prompt_len = req.prompt.len() as u32;
         let hashes: Arc<[BlockHash]> =
             prompt_block_hashes(&run.salt, &req.prompt, run.block_size).into();
-        let short: Vec<u64> = hashes.iter().map(BlockHash::short).collect();
+        let short: Vec<u64> = hashes.iter().map(|h| h.short()).collect();
         let announced = run.kv.announced_prefix(&short) as u32;
         let placement = run
             .router
@@ -383,7 +390,7 @@ impl LLMEngine for ChimeraEngine {
                         }
                         Some(EngineEvent::PromptLogprobs { .. }) => {}
                         Some(EngineEvent::Finished { reason, usage: u }) => {
-                            guard.done = true;
+                            guard.finished();
                             if !canary {
                                 kv.record(prompt_len, announced, u.cached_tokens, u.cacheable_tokens);
                             }
@@ -401,12 +408,12 @@ impl LLMEngine for ChimeraEngine {
                             break;
                         }
                         Some(EngineEvent::Failed { kind, message }) => {
-                            guard.done = true;
+                            guard.finished();
                             yield Err(failure(kind, message));
                             break;
                         }
                         None => {
-                            guard.done = true;
+                            guard.finished();
                             yield Err(error(
                                 ErrorType::Unavailable,
                                 "the engine replica stopped before the request finished",

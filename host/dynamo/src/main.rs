@@ -42,7 +42,9 @@ struct Args {
     #[arg(long)]
     no_kv_events: bool,
     /// Where the embedded model's card (config.json, tokenizer files) is written for the
-    /// frontend. Default: a folder under the system's temporary directory.
+    /// frontend. Every worker of a model must register the same card (its path included):
+    /// the default, `chimera-dynamo-card` under the system's temporary directory, is one
+    /// folder for every worker of a machine.
     #[arg(long)]
     card_dir: Option<std::path::PathBuf>,
 }
@@ -59,9 +61,10 @@ fn main() -> anyhow::Result<()> {
     let config = args.engine.config()?;
     // The frontend tokenizes and renders the chat template from the model's card.
     let loaded = LoadedModel::open(&config.model.path, &config.model.revision)?;
-    let scratch = args.card_dir.clone().unwrap_or_else(|| {
-        std::env::temp_dir().join(format!("chimera-dynamo-card-{}", std::process::id()))
-    });
+    let scratch = args
+        .card_dir
+        .clone()
+        .unwrap_or_else(|| std::env::temp_dir().join("chimera-dynamo-card"));
     let card = loaded
         .card_folder(&scratch)
         .context("preparing the model card for the Dynamo frontend")?;

@@ -86,6 +86,8 @@ fn drive(cluster: &Cluster, args: &[&str]) -> Value {
 
 /// What a multi-turn run reused, summed over the workers' counters.
 struct Reuse {
+    /// Requests each worker finished.
+    per_worker: Vec<f64>,
     reused: f64,
     prompt: f64,
     requests: f64,
@@ -116,7 +118,15 @@ fn multi_turn(cluster: &Cluster) -> Reuse {
         .sum();
     assert_eq!(turns, 24, "every turn answered: {r}");
     let c = |name: &str| cluster.worker_counter(name);
+    let per_worker = (0..cluster.worker_ports.len())
+        .map(|i| {
+            cluster.worker_metrics(i).map_or(0.0, |m| {
+                chimera::bench::cluster::counter(&m, "chimera_dynamo_requests_total")
+            })
+        })
+        .collect();
     Reuse {
+        per_worker,
         reused: c("chimera_dynamo_reused_prompt_tokens_total"),
         prompt: c("chimera_dynamo_prompt_tokens_total"),
         requests: c("chimera_dynamo_requests_total"),
@@ -162,8 +172,8 @@ fn kv_router_reuses_what_one_worker_would_on_a_hybrid() {
     );
     println!(
         "KV router: {:.0} requests, {:.0} arrived where blocks of their prompt were announced, \
-         {:.0} of those without the state",
-        kv.requests, kv.routed_on_overlap, kv.routed_without_state
+         {:.0} of those without the state; requests per worker: KV {:?}, round robin {:?}",
+        kv.requests, kv.routed_on_overlap, kv.routed_without_state, kv.per_worker, rr.per_worker
     );
     assert_eq!(single.requests, 24.0);
     assert!(
