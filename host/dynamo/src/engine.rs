@@ -15,9 +15,9 @@ use async_trait::async_trait;
 use dynamo_backend_common::engine::GenerateContext;
 use dynamo_backend_common::{
     AsyncEngineContext, ComponentSnapshot, DynamoError, EngineConfig, ErrorType, HEALTH_CHECK_KEY,
-    KvEventSource,
-    LLMEngine, LLMEngineOutput, LLMEngineOutputExt, LlmRegistration, MetricsBindings, MetricsCtx,
-    PreprocessedRequest, PromptTokensDetails, SnapshotPublisher, TopLogprob, usage,
+    KvEventSource, LLMEngine, LLMEngineOutput, LLMEngineOutputExt, LlmRegistration,
+    MetricsBindings, MetricsCtx, PreprocessedRequest, PromptTokensDetails, SnapshotPublisher,
+    TopLogprob, usage,
 };
 use futures::stream::BoxStream;
 

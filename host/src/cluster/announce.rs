@@ -235,12 +235,11 @@ impl Forest {
                 .filter_map(|c| self.nodes.get(c))
                 .map(|c| c.below)
                 .sum::<u32>();
-        match parent {
-            Some(p) => match self.nodes.get_mut(&p) {
+        if let Some(p) = parent {
+            match self.nodes.get_mut(&p) {
                 Some(n) => n.children.push(hash),
                 None => self.orphans.entry(p).or_default().push(hash),
-            },
-            None => {}
+            }
         }
         self.nodes.insert(
             hash,

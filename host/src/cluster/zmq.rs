@@ -69,7 +69,8 @@ impl KvEventsConfig {
             ("endpoint", &self.endpoint),
             ("replay_endpoint", &self.replay_endpoint),
         ] {
-            if !(v.is_empty() && key == "replay_endpoint") && !v.starts_with("tcp://") {
+            let unset = v.is_empty() && key == "replay_endpoint";
+            if !unset && !v.starts_with("tcp://") {
                 return Err((key, format!("`{v}`: use tcp://HOST:PORT")));
             }
         }
@@ -79,6 +80,9 @@ impl KvEventsConfig {
         Ok(())
     }
 }
+
+/// Sent batches by sequence number, kept for replay.
+type Buffer = Arc<Mutex<VecDeque<(u64, Vec<u8>)>>>;
 
 /// The sequence number that ends a replay.
 const END_SEQ: i64 = -1;
@@ -180,7 +184,7 @@ impl ZmqPublisher {
             .bind(&bindable(&config.endpoint))
             .await
             .with_context(|| format!("kv_events.endpoint {}", config.endpoint))?;
-        let buffer = Arc::new(Mutex::new(VecDeque::<(u64, Vec<u8>)>::new()));
+        let buffer: Buffer = Arc::new(Mutex::new(VecDeque::new()));
         if !config.replay_endpoint.is_empty() {
             let mut router = zeromq::RouterSocket::new();
             router
@@ -220,7 +224,7 @@ impl ZmqPublisher {
 struct Publishing {
     topic: String,
     block_size: u32,
-    buffer: Arc<Mutex<VecDeque<(u64, Vec<u8>)>>>,
+    buffer: Buffer,
     keep: usize,
 }
 
@@ -266,7 +270,7 @@ async fn publish(
 }
 
 /// Answers replay requests from the buffer.
-async fn replay(mut socket: zeromq::RouterSocket, buffer: Arc<Mutex<VecDeque<(u64, Vec<u8>)>>>) {
+async fn replay(mut socket: zeromq::RouterSocket, buffer: Buffer) {
     while let Ok(request) = socket.recv().await {
         let frames: Vec<Vec<u8>> = request.into_vec().into_iter().map(|b| b.to_vec()).collect();
         // [identity, "", start_seq] (a DEALER with an empty delimiter) or [identity, start_seq].

@@ -125,9 +125,7 @@ pub fn with_vllm_names(text: &str) -> String {
             Some(x) => x,
             None => ("", line),
         };
-        let end = rest
-            .find(|c: char| c == '{' || c == ' ')
-            .unwrap_or(rest.len());
+        let end = rest.find(['{', ' ']).unwrap_or(rest.len());
         let name = &rest[..end];
         let family = ["_bucket", "_sum", "_count"]
             .iter()
