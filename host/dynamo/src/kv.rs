@@ -234,6 +234,56 @@ mod tests {
         assert_eq!(s.blocks[1].tokens_hash, want[1]);
     }
 
+    /// chimera's vLLM-format batches (`[kv_events]`) decode with the reader Dynamo's ZMQ relay
+    /// uses, to the same blocks, parents, tokens and removals.
+    #[test]
+    fn vllm_format_batches_decode_with_dynamos_relay_reader() {
+        use dynamo_kv_router::zmq_wire::{RawKvEvent, decode_event_batch};
+        let events = [
+            Announcement::Stored {
+                parent: Some(5),
+                blocks: vec![11, 12],
+                tokens: (0..8).collect(),
+            },
+            Announcement::Removed { hashes: vec![12] },
+        ];
+        let bytes = chimera::cluster::zmq::encode_batch(2.5, &events, 4, 0);
+        let batch = decode_event_batch(&bytes).expect("Dynamo reads the batch");
+        assert_eq!(batch.ts, 2.5);
+        assert_eq!(batch.data_parallel_rank, Some(0));
+        assert_eq!(batch.events.len(), 2);
+        match &batch.events[0] {
+            RawKvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                medium,
+                ..
+            } => {
+                let hashes: Vec<u64> = block_hashes.iter().map(|h| h.into_u64()).collect();
+                assert_eq!(hashes, vec![11, 12]);
+                assert_eq!(parent_block_hash.map(|h| h.into_u64()), Some(5));
+                assert_eq!(token_ids, &(0..8).collect::<Vec<u32>>());
+                assert_eq!(*block_size, 4);
+                assert_eq!(medium.as_deref(), Some("GPU"));
+            }
+            other => panic!("{other:?}"),
+        }
+        match &batch.events[1] {
+            RawKvEvent::BlockRemoved { block_hashes, .. } => {
+                assert_eq!(block_hashes[0].into_u64(), 12);
+            }
+            other => panic!("{other:?}"),
+        }
+        let cleared = decode_event_batch(&chimera::cluster::zmq::encode_cleared(1.0, 0))
+            .expect("Dynamo reads the cleared batch");
+        assert!(matches!(
+            cleared.events[..],
+            [RawKvEvent::AllBlocksCleared { .. }]
+        ));
+    }
+
     #[test]
     fn requests_routed_without_state_are_counted() {
         let kv = KvState::new(1, true, AnnounceRule::Hybrid, 16);
