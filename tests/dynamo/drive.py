@@ -3,8 +3,9 @@ client; prints one JSON object with what every request got.
 
     drive.py URL multi-turn --conversations 6 --turns 4 --max-tokens 16 --seed 0
         Conversations in parallel, turns of one conversation in order: each turn's prompt is
-        the whole conversation so far (a shared system prompt, then user and assistant
-        messages), so a worker holding the previous turn can reuse it.
+        the whole conversation so far (a system prompt, then user and assistant messages), so
+        a worker holding the previous turn can reuse it. Each conversation's system prompt is
+        its own, unless --shared-system gives them all one.
     drive.py URL stream --requests 9 --max-tokens 3000
         Concurrent long streamed completions (EOS ignored); each ends as "ok" (tokens
         received, finish reason) or "error" (the message), with its duration.
@@ -35,12 +36,16 @@ def words(rng, n):
 def multi_turn(args):
     c = client(args.url, args.timeout)
     model = c.models.list().data[0].id
-    system = "You are a careful assistant. " + words(random.Random(1234), args.system_words)
+    shared = words(random.Random(1234), args.system_words)
     results = [None] * args.conversations
     errors = []
 
     def conversation(i):
         rng = random.Random(args.seed * 1000 + i)
+        # Without --shared-system, the conversation's own words come first: no two
+        # conversations share a whole block.
+        system = ("You are a careful assistant. " + shared if args.shared_system
+                  else f"Conversation {i}: " + words(rng, args.system_words))
         messages = [{"role": "system", "content": system}]
         turns = []
         for t in range(args.turns):
@@ -115,6 +120,7 @@ def main():
     m.add_argument("--system-words", type=int, default=60)
     m.add_argument("--user-words", type=int, default=12)
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--shared-system", action="store_true")
     s = sub.add_parser("stream")
     s.add_argument("--requests", type=int, default=9)
     s.add_argument("--max-tokens", type=int, default=3000)

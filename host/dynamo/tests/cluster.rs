@@ -138,7 +138,10 @@ fn multi_turn(cluster: &Cluster) -> Reuse {
 /// Three workers on the embedded hybrid model: the KV router, fed chimera's events under the
 /// hybrid rule, reuses at least 80 % of what one worker holding every conversation reuses;
 /// round robin is measured in the same run for comparison; no turn is routed to a worker on
-/// a KV match without the recurrent state.
+/// a KV match without the recurrent state. The conversations share no block with each other
+/// (see `drive.py`): a prefix shared across conversations is announced wherever a snapshot
+/// lies past it on some conversation's chain, and a new conversation sent there on that
+/// match finds no state at the branch point until the engine snapshots it (docs/cluster.md).
 #[test]
 fn kv_router_reuses_what_one_worker_would_on_a_hybrid() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
