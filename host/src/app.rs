@@ -829,20 +829,12 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
 /// Starts the `[kv_events]` ZMQ publisher and feeds it every replica's cache events.
 async fn publish_kv_events(config: &Config, mut stack: Stack) -> anyhow::Result<Stack> {
     let parts = &mut stack.parts;
-    let model = parts
-        .config
-        .served_model_name
-        .as_ref()
-        .and_then(|n| n.names().first().cloned())
-        .unwrap_or_else(|| parts.model.name.clone());
+    let model = parts.config.served_name(&parts.model.name);
     let topic = match config.kv_events.topic.as_str() {
         "" => format!("kv@{}:{}@{model}", config.server.host, config.server.port),
         t => t.to_string(),
     };
-    let hybrid = parts
-        .replicas
-        .first()
-        .is_some_and(|r| r.handle.stats().ssm_slots_total > 0);
+    let hybrid = parts.is_hybrid();
     let publisher = crate::cluster::ZmqPublisher::start(
         &config.kv_events,
         topic,

@@ -1020,7 +1020,9 @@ fn cancels_arriving_mid_step_end_only_their_requests() {
 /// Constrained responses (the native llguidance twin over a byte vocabulary): each response
 /// is exactly what its grammar allows and ends with EOS, a bad grammar is refused at once, an
 /// unconstrained request beside them gets the very tokens it gets alone, and the pipelined
-/// engine (arrivals during a step) gives the same outputs as the step-by-step one.
+/// engine (arrivals during a step) gives the same outputs as the step-by-step one. Masks are
+/// computed while the forward pass of the step ahead runs where the executor splits its
+/// launch, and the plan waits for the tokens where it does not: the same outputs either way.
 #[test]
 fn constrained_responses_follow_their_grammar_and_leave_others_alone() {
     use chimera::engine::Policies;
@@ -1042,15 +1044,16 @@ fn constrained_responses_follow_their_grammar_and_leave_others_alone() {
             .map(|(i, t)| (&t[..], i as u32 == eos)),
         eos,
     ));
-    let exec = || {
+    let exec = |split_tail| {
         MockExecutor::new(MockConfig {
             vocab,
             eos: vec![eos],
+            split_tail,
             ..MockConfig::default()
         })
     };
-    let engine = || {
-        let exec = exec();
+    let engine_split = |split| {
+        let exec = exec(split);
         let policies = Policies {
             constrainer: Some(chimera::policy::native::constrainer(
                 &Default::default(),
@@ -1060,6 +1063,7 @@ fn constrained_responses_follow_their_grammar_and_leave_others_alone() {
         };
         chimera::engine::Engine::new(setup(&exec, Knobs::default()), exec, policies).unwrap()
     };
+    let engine = || engine_split(true);
     let grammar = |kind: &str, text: &str| {
         Some(Grammar {
             kind: kind.into(),
@@ -1101,9 +1105,15 @@ fn constrained_responses_follow_their_grammar_and_leave_others_alone() {
     };
 
     let alone = drive(&mut engine(), vec![(0, free())]);
-    let step_by_step = drive(&mut engine(), requests());
+    let mut split = engine();
+    let step_by_step = drive(&mut split, requests());
+    let late = split.stats().late_masks;
     let pipelined = drive_arriving(&mut engine(), requests());
-    for run in [&step_by_step, &pipelined] {
+    let mut unsplit = engine_split(false);
+    let waiting = drive(&mut unsplit, requests());
+    assert!(late > 0, "no mask was computed while a forward pass ran");
+    assert_eq!(unsplit.stats().late_masks, 0);
+    for run in [&step_by_step, &pipelined, &waiting] {
         let o = &run.outcomes;
         for id in [1, 2, 3] {
             assert_eq!(
@@ -1138,4 +1148,5 @@ fn constrained_responses_follow_their_grammar_and_leave_others_alone() {
         );
     }
     assert_eq!(step_by_step.tokens(), pipelined.tokens());
+    assert_eq!(step_by_step.tokens(), waiting.tokens());
 }

@@ -6,6 +6,9 @@
 #   tests/gpu/run.sh kernels|hybrid|parity|archs|graphs|bench|bench-kernels|bench-archs|bench-mixed|moe|spec|bench-spec|fp8|bench-fp8|serve|all
 #   tests/gpu/run.sh attention|model|fixtures   (subsets of kernels and parity/hybrid, for planted faults)
 #   tests/gpu/run.sh serving-caching|serving-idle|serving-prefill|serving-routing   (QUICK=1: small)
+#   tests/gpu/run.sh serving-dynamo   (also .gpu/chimera-dynamo.xz and a Dynamo stage: see
+#                                      tests/gpu/prepare_dynamo.sh)
+#   tests/gpu/run.sh serving-constrained   (64 JSON-schema responses on a Llama-3-8B shape)
 #
 # Prints one table (check | measured | bound | pass), writes every row as JSON under $OUT (or
 # .gpu/out), and exits non-zero if any row fails. Each suite finishes in under 8 minutes.
@@ -26,7 +29,13 @@ unpack() {
 with lzma.open(sys.argv[1]) as i, open(sys.argv[2], "wb") as o: shutil.copyfileobj(i, o)' "$1.xz" "$1"
   fi && chmod +x "$1" && touch -r "$1.xz" "$1"
 }
-for b in "$bin" "$check_bin"; do
+# The serving suites need `chimera` (and serving-dynamo the worker), the others the checker.
+case $suite in
+  serving-dynamo) needed=("$bin" .gpu/chimera-dynamo) ;;
+  serving-*) needed=("$bin") ;;
+  *) needed=("$bin" "$check_bin") ;;
+esac
+for b in "${needed[@]}"; do
   if [ -f "$b.xz" ] && [ "$b.xz" -nt "$b" ]; then
     unpack "$b" || { echo "cannot unpack $b.xz" >&2; exit 2; }
   fi
@@ -104,14 +113,49 @@ serve_suite() {
   wait $pid 2>/dev/null
 }
 
+constrained_suite() {
+  # Device idle with 64 constrained responses at once (a 2.7 KB tool-call schema) on a
+  # Llama-3-8B shape with dummy weights and a 49,152-token byte-level tokenizer trained here
+  # (tests/gpu/constrained_model.py): the masks are computed while the forward pass runs.
+  echo "== serving-constrained"
+  local model=/tmp/chimera-constrained-model port=8019
+  if ! timeout 300 python3 tests/gpu/constrained_model.py "$model" > "$out/constrained-model.log" 2>&1; then
+    tail -n 5 "$out/constrained-model.log"
+    status=1
+    return
+  fi
+  tail -n 1 "$out/constrained-model.log"
+  printf '[model]\npath = "%s"\nload_format = "dummy"\ndtype = "bfloat16"\n\n[engine]\nbackend = "cuda"\nmax_running = 128\n\n[cache]\nmemory_fraction = 0.85\n' \
+    "$model" > "$out/constrained.toml"
+  "$bin" serve --config "$out/constrained.toml" --port $port > "$out/constrained-serve.log" 2>&1 &
+  local pid=$! up=0
+  for _ in $(seq 1 600); do
+    if curl -sf "http://127.0.0.1:$port/health" > /dev/null; then up=1; break; fi
+    kill -0 $pid 2>/dev/null || break
+    sleep 0.5
+  done
+  if [ "$up" = 1 ]; then
+    timeout 420 python3 tests/gpu/constrained_load.py --port $port --concurrency 64 --per-thread 2 \
+      --schema plugins/constraint-core/examples/tool_schema.json --vocab 49152 --bound 0.02 \
+      --json "$out/serving-constrained.json" || status=1
+  else
+    echo "chimera serve did not come up:"; tail -n 20 "$out/constrained-serve.log"
+    status=1
+  fi
+  kill $pid 2>/dev/null
+  wait $pid 2>/dev/null
+}
+
 case $suite in
   kernels|hybrid|parity|archs|graphs|bench|bench-kernels|bench-archs|bench-mixed|moe|attention|model|fixtures|spec|bench-spec|fp8|bench-fp8) run_check "$suite" ;;
   # chimera serve + chimera bench with NemotronH-8B-shaped dummy weights (tests/gpu/serving.py;
   # QUICK=1 for a small workload); serving-routing needs two GPUs.
-  serving-caching|serving-idle|serving-prefill|serving-routing)
+  # serving-dynamo: two Dynamo workers sharing the GPU behind Dynamo's frontend.
+  serving-caching|serving-idle|serving-prefill|serving-routing|serving-dynamo)
     echo "== $suite"
     python3 tests/gpu/serving.py "${suite#serving-}" ${QUICK:+--quick} ${SERVING_ARGS:-} --out "$out" || status=1 ;;
   serve) serve_suite ;;
+  serving-constrained) constrained_suite ;;
   all) run_check kernels; run_check hybrid; run_check parity; run_check graphs; run_check bench; serve_suite ;;
   *) echo "unknown suite $suite" >&2; exit 2 ;;
 esac

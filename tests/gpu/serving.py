@@ -6,6 +6,7 @@ weights of a full-size model (NemotronH-8B's shape by default), started by this 
     python3 tests/gpu/serving.py routing [--quick]   # two GPUs: prefix-aware vs least-loaded routing
     python3 tests/gpu/serving.py idle [--quick]      # one GPU: device idle between steps at c = 1, 64, 256
     python3 tests/gpu/serving.py prefill [--quick]   # one GPU: an 8192-token prompt vs the GEMM rate
+    python3 tests/gpu/serving.py dynamo [--quick]    # one GPU: two Dynamo workers, KV router vs round robin
 
 --quick runs a small workload with looser bounds of its own (tests/gpu/bounds.py), which a build
 that lost the property still fails.
@@ -22,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -33,9 +35,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def parse_args():
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["caching", "routing", "idle", "prefill"])
+    p.add_argument("scenario", choices=["caching", "routing", "idle", "prefill", "dynamo"])
     p.add_argument("--quick", action="store_true", help="a small workload to check the set-up")
     p.add_argument("--bin", default=str(ROOT / ".gpu/chimera"))
+    p.add_argument("--worker-bin", default=str(ROOT / ".gpu/chimera-dynamo"),
+                   help="dynamo: the Dynamo worker binary")
+    p.add_argument("--dynamo-stage",
+                   default=os.environ.get("CHIMERA_DYNAMO_STAGE",
+                                          str(Path.home() / "chimera-dynamo-stage")),
+                   help="dynamo: where tests/gpu/dynamo_stage.sh put Dynamo's frontend, etcd and NATS")
     p.add_argument("--out", default=os.environ.get("OUT", str(ROOT / ".gpu/out")))
     p.add_argument("--model-config", default=str(ROOT / "tests/gpu/configs/nemotron-h-8b"))
     p.add_argument("--backend", default="cuda")
@@ -155,7 +163,7 @@ class Runner:
                  f"{shown}; {skipped:.0f}", "reported", True)
 
     def config(self, caching, engine_extra="", cache_extra="", router="builtin:prefix-aware",
-               max_running=128):
+               max_running=128, memory_fraction=True):
         return f"""[model]
 path = "{self.model}"
 load_format = "dummy"
@@ -169,7 +177,7 @@ max_running = {max_running}
 
 [cache]
 prefix_caching = {"true" if caching else "false"}
-memory_fraction = 0.85
+{"memory_fraction = 0.85" if memory_fraction else ""}
 memory_budget = "{'8GiB' if self.args.backend == 'cuda' else '1GiB'}"
 # A hybrid's KV is small (NemotronH-8B: 4 attention layers, 16 KiB a token) and its SSM
 # slots large (about 100 MB in f32): most of the budget goes to live states and snapshots.
@@ -304,6 +312,99 @@ def routing(r, quick):
           f"{ttft_p50(pa):.0f} / {ttft_p50(ll):.0f} ms", "reported", True)
 
 
+def dynamo(r, quick):
+    """chimera as NVIDIA Dynamo workers on one GPU: etcd, NATS, Dynamo's frontend and
+    `chimera-dynamo` workers sharing the GPU (each its own process, cache budget and CUDA
+    graphs), started and driven by `chimera bench --dynamo-workers` (the harness of
+    host/bench/src/cluster.rs). Multi-turn conversations, each with its own system prompt, sent
+    as text so that every turn carries the whole history: the frontend's KV router (fed by the
+    workers' KV events under the hybrid rule) against round robin over two workers, and one
+    worker taking all the traffic as the reference for reuse."""
+    stage = Path(r.args.dynamo_stage)
+    if not (stage / "ready").exists():
+        raise RuntimeError(f"{stage}: no staged Dynamo frontend; run tests/gpu/dynamo_stage.sh")
+    env = dict(os.environ)
+    env["PATH"] = f"{stage / 'bin'}:{env.get('PATH', '')}"
+    env["PYTHONPATH"] = f"{stage / 'site'}" + (f":{env['PYTHONPATH']}" if env.get("PYTHONPATH") else "")
+    env["CHIMERA_DYNAMO_PYTHON"] = sys.executable
+    env["HF_HUB_OFFLINE"] = "1"
+    env["CHIMERA_KEEP_CLUSTER"] = "1"
+    if quick:
+        sizes = ["--conversations", "8", "--turns", "3", "--prefix-len", "1024",
+                 "--question-len", "128", "--output-len", "32"]
+        load = ["--concurrency", "8"]
+    else:
+        # 32 conversations of 4 turns: a 1024-token system prompt of its own each, 256-token
+        # questions, 128-token answers (the 4th turn's prompt is 2,432 tokens); 16 clients.
+        sizes = ["--conversations", "32", "--turns", "4", "--prefix-len", "1024",
+                 "--question-len", "256", "--output-len", "128"]
+        load = ["--concurrency", "16"]
+    workload = ["--workload", "multi-turn", *sizes]
+    # Two processes share the GPU: an explicit cache budget each (a fraction of free memory
+    # would let the first take what the second needs).
+    cfg = r.work / "worker.toml"
+    cfg.write_text(r.config(True, max_running=64, memory_fraction=False))
+    reports = {}
+    for label, workers, router in (("one-worker", 1, "kv"), ("kv", 2, "kv"),
+                                   ("round-robin", 2, "round-robin")):
+        out = r.work / f"dynamo-{label}.json"
+        cmd = [r.args.bin, "bench", "--dynamo-workers", str(workers), "--dynamo-router", router,
+               "--dynamo-worker", r.args.worker_bin, "--dynamo-worker-args", f"--config {cfg}",
+               "--dynamo-block-size", "16", "--endpoint", "completions", "--prompt-format", "text",
+               "--tokenizer", str(r.model / "tokenizer.json"), "--ignore-eos", "--no-progress",
+               "--seed", "1", "--label", label, "--output", str(out), *workload, *load]
+        started = time.time()
+        with open(r.work / f"dynamo-{label}.txt", "w") as f:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                timeout=480).returncode
+        print(f"   bench dynamo {label}: rc {rc}, {time.time() - started:.1f} s", flush=True)
+        print(tail(r.work / f"dynamo-{label}.txt", 16), flush=True)
+        # The harness keeps its folder (CHIMERA_KEEP_CLUSTER): the workers' and frontend's
+        # logs go into this scenario's archive (etcd's and NATS's data do not).
+        for d in sorted(Path(tempfile.gettempdir()).glob("chimera-dynamo-cluster-*")):
+            keep = r.work / f"cluster-{label}-{d.name.rsplit('-', 1)[-1]}"
+            keep.mkdir()
+            for log in d.glob("*.log"):
+                shutil.copy(log, keep / log.name)
+            shutil.rmtree(d, ignore_errors=True)
+        if rc != 0:
+            raise RuntimeError(f"bench dynamo {label} failed (rc {rc})")
+        reports[label] = json.loads(out.read_text())
+    # Reuse is counted by the workers (prompt tokens their engines found cached, summed over
+    # the workers' /metrics), which does not depend on the frontend passing usage details on.
+    def reused(label):
+        return float(reports[label].get("metadata", {}).get("dynamo.reused_prompt_tokens", 0))
+
+    for label, rep in reports.items():
+        p = point(rep)
+        meta = rep.get("metadata", {})
+        failed = p["requests"]["failed"]
+        r.row(f"{label}: requests completed / failed | prompt tokens reused by the workers "
+              f"(and as the client saw them)",
+              f"{p['requests']['completed']} / {failed} | {reused(label):.0f} of "
+              f"{meta.get('dynamo.prompt_tokens', '?')} ({p['tokens']['cached']})", "0 failed",
+              failed == 0 and p["requests"]["completed"] > 0)
+    one, kv, rr = (point(reports[k]) for k in ("one-worker", "kv", "round-robin"))
+    for label in ("kv", "round-robin"):
+        bound, ok = bounds.dynamo_reuse(reused(label), reused("one-worker"))
+        r.row(f"{label} router, 2 workers: prompt tokens reused / one worker's",
+              f"{reused(label) / max(reused('one-worker'), 1):.3f}",
+              bound if label == "kv" else "reported", ok if label == "kv" else True)
+    without = reports["kv"].get("metadata", {}).get("dynamo.routed_without_state", "missing")
+    r.row("kv router: turns routed to a worker whose announced blocks had no state behind them",
+          str(without), "0", without == "0")
+    for label, p in (("one-worker", one), ("kv", kv), ("round-robin", rr)):
+        lat = p["latency_ms"]
+        r.row(f"{label}: median TTFT | output tok/s | total tok/s | ITL p50 (reported)",
+              f"{lat['ttft']['p50']:.0f} ms | {p['throughput']['output_tokens_per_s']:.0f} | "
+              f"{p['throughput']['total_tokens_per_s']:.0f} | {lat['itl']['p50']:.1f} ms",
+              "reported", True)
+    r.row("kv vs round robin: median TTFT, total throughput (reported)",
+          f"{ttft_p50(rr) / ttft_p50(kv):.2f}x faster, "
+          f"{kv['throughput']['total_tokens_per_s'] / rr['throughput']['total_tokens_per_s']:.2f}x",
+          "reported", True)
+
+
 def idle(r, quick):
     """Device idle time between back-to-back engine steps (CUDA events in the engine), as a
     share of device busy time, on a decode-heavy workload at 1, 64 and 256 concurrent
@@ -424,7 +525,7 @@ def main():
     r = Runner(args)
     try:
         {"caching": caching, "routing": routing, "idle": idle,
-         "prefill": prefill}[args.scenario](r, args.quick)
+         "prefill": prefill, "dynamo": dynamo}[args.scenario](r, args.quick)
     except Exception as e:  # noqa: BLE001 -- every failure becomes a failed row
         r.row(f"{args.scenario}: the run finished", f"error: {e}"[:200], "finished", False)
         print(e, file=sys.stderr)

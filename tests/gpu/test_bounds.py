@@ -59,6 +59,11 @@ class QuickServingBounds(unittest.TestCase):
         self.assertFalse(bounds.routing_throughput(0.55, True)[1])  # one replica did it all
         self.assertFalse(bounds.routing_throughput(1.2, False)[1])
 
+    def test_dynamo(self):
+        self.assertTrue(bounds.dynamo_reuse(9000, 10000)[1])
+        self.assertFalse(bounds.dynamo_reuse(5000, 10000)[1])  # round robin's share
+        self.assertFalse(bounds.dynamo_reuse(0, 0)[1])  # nothing served from cache
+
     def test_idle(self):
         self.assertTrue(bounds.idle_share(0.02, 1.0, True)[1])
         self.assertFalse(bounds.idle_share(0.10, 1.0, True)[1])

@@ -60,7 +60,7 @@ struct Proc {
 
 impl Proc {
     fn terminate(&self) {
-        unsafe_kill(self.child.id() as i32, Signal::Term);
+        send_signal(self.child.id() as i32, Signal::Term);
     }
 
     /// Waits for the process to exit until `deadline`, then kills it.
@@ -86,7 +86,7 @@ enum Signal {
 }
 
 /// Sends a signal with the `kill` command (no libc binding needed here).
-fn unsafe_kill(pid: i32, signal: Signal) {
+fn send_signal(pid: i32, signal: Signal) {
     let sig = match signal {
         Signal::Term => "-TERM",
         Signal::Kill => "-KILL",
@@ -362,7 +362,7 @@ impl Cluster {
     /// Kills worker `i` at once (SIGKILL: no drain, no unregister), as a crash would.
     pub fn kill_worker(&mut self, i: usize) {
         if let Some(mut p) = self.workers.get_mut(i).and_then(Option::take) {
-            unsafe_kill(p.child.id() as i32, Signal::Kill);
+            send_signal(p.child.id() as i32, Signal::Kill);
             let _ = p.child.wait();
         }
     }

@@ -279,10 +279,7 @@ impl LLMEngine for ChimeraEngine {
         let parts = stack.parts;
         let model = parts.model.clone();
         let replicas = parts.replicas.len();
-        let hybrid = parts
-            .replicas
-            .first()
-            .is_some_and(|r| r.handle.stats().ssm_slots_total > 0);
+        let hybrid = parts.is_hybrid();
         let kv = Arc::new(KvState::new(replicas, hybrid, self.rule, model.block_size));
         // Each replica's cache events feed both the in-process router's mirror and the
         // announcer for Dynamo's router.

@@ -87,6 +87,9 @@ impl KvState {
         let mut out = Vec::new();
         {
             let Ok(mut a) = self.announcer.lock() else {
+                tracing::error!(
+                    "the KV announcer panicked earlier; cache events are not announced"
+                );
                 return;
             };
             for ev in events {
@@ -97,6 +100,11 @@ impl KvState {
             return;
         }
         let Some(publisher) = self.publisher.get() else {
+            // Only before registration, when no request has run yet.
+            tracing::debug!(
+                announcements = out.len(),
+                "KV announcements before Dynamo handed over its publisher: not sent"
+            );
             return;
         };
         let batch: Vec<KvCacheEvent> = out

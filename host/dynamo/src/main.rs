@@ -68,12 +68,7 @@ fn main() -> anyhow::Result<()> {
     let card = loaded
         .card_folder(&scratch)
         .context("preparing the model card for the Dynamo frontend")?;
-    let served = config
-        .server
-        .served_model_name
-        .as_ref()
-        .and_then(|n| n.names().first().cloned())
-        .unwrap_or_else(|| loaded.name.clone());
+    let served = config.server.served_name(&loaded.name);
     let common = args.dynamo;
     let worker = WorkerConfig {
         namespace: common.namespace,

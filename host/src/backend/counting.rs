@@ -103,7 +103,8 @@ impl<B: StepBackend> StepBackend for Counting<B> {
     forward! { self.inner =>
         new_step, arena_stats, applies_token_masks, packs_ahead, pack_step, repack_tokens,
         graph_buckets, upload_graph_step, capture_graph, replay_graph,
-        step_clock_start, step_clock_end, sample_finish, sample_ready,
+        step_clock_start, step_clock_end, sample_finish, sample_ready, hold_tail,
+        send_masks,
     }
     forward! { self.inner, first self.traffic.step_uploads.fetch_add(1, Ordering::Relaxed) =>
         upload_step, send_step,

@@ -283,6 +283,14 @@ macro_rules! forward {
             plan: &$crate::backend::StepPlan, step: &mut Self::Step
         ) -> $crate::backend::Result<()>);
     };
+    (@sig send_masks $h:tt) => {
+        forward!(@emit $h send_masks [] (
+            plan: &$crate::backend::StepPlan, step: &mut Self::Step
+        ) -> $crate::backend::Result<()>);
+    };
+    (@sig hold_tail $h:tt) => {
+        forward!(@emit $h hold_tail [] () -> $crate::backend::Result<()>);
+    };
     (@sig send_step $h:tt) => {
         forward!(@emit $h send_step [] (step: &mut Self::Step) -> $crate::backend::Result<()>);
     };

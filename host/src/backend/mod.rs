@@ -406,8 +406,10 @@ pub type Result<T> = std::result::Result<T, BackendError>;
 pub struct DeviceStepTime {
     /// From the step's first device operation to its read-back.
     pub busy_s: f64,
-    /// From the previous timed step's read-back to this step's first operation: time the
-    /// device waited for the host.
+    /// From the previous timed step's read-back to this step's first operation, and, in a
+    /// step whose tail waited for masks computed on the host ([`StepBackend::hold_tail`]),
+    /// from its forward pass's end to those masks' arrival: time the device waited for the
+    /// host.
     pub idle_before_s: f64,
 }
 
@@ -753,6 +755,18 @@ pub trait StepBackend: LayerOps {
     /// The packed step's upload (its first device work): as [`StepBackend::upload_step`] after
     /// packing.
     fn send_step(&self, step: &mut Self::Step) -> Result<()>;
+
+    /// Writes `plan`'s token masks (`SampleRows::masks`) over those of the step uploaded from it
+    /// (its forward pass may be computing) and sends them, ordered after the work enqueued so
+    /// far and before the sampling tail that follows: the masks of constrained rows computed
+    /// while the device runs the forward pass. The same plan otherwise, with as many mask
+    /// words.
+    fn send_masks(&self, plan: &StepPlan, step: &mut Self::Step) -> Result<()>;
+
+    /// Marks the step whose forward pass was just enqueued as one whose sampling tail waits
+    /// for [`StepBackend::send_masks`]: the device clock counts the device's wait for those
+    /// masks as idle time, not as the step's busy time.
+    fn hold_tail(&self) -> Result<()>;
 
     // ---- device graphs (steps replayed without per-kernel launches) -------------------------
     /// The step shapes this backend replays as captured graphs, for steps of at most

@@ -375,6 +375,8 @@ pub struct EngineStats {
     /// ahead (not time the device waits), and how many joined it that way.
     pub host_top_up_seconds: f64,
     pub late_admissions: u64,
+    /// Token masks of constrained rows computed while their step's forward pass ran.
+    pub late_masks: u64,
     /// Steps the model runner ran eagerly, and replayed from decode and mixed CUDA graphs.
     pub steps_eager: u64,
     pub steps_decode_graph: u64,

@@ -12,7 +12,9 @@
 //! step's output, while a device computes the step: it schedules and builds the next step and
 //! hands its plan to `prepare` (again, when requests that arrive meanwhile join it, while
 //! `output_ready` says the step still computes); after `finish` it fills in that plan's
-//! placeholder tokens and calls `launch_prepared`.
+//! placeholder tokens and calls `launch_prepared` — or, where the executor
+//! [`splits_tail`](StepExecutor::splits_tail) and constrained rows wait for masks that need
+//! those tokens, `launch_forward`, computes the masks, and `launch_tail`.
 
 use crate::backend::{BackendError, SampleOut, StepPlan};
 use crate::cache::SsmStateDtype;
@@ -122,6 +124,33 @@ pub trait StepExecutor: Send {
     ) -> Result<(), ExecutorError> {
         self.launch(plan, out)
     }
+    /// Whether [`Self::launch_forward`] and [`Self::launch_tail`] split a launch, so that
+    /// the engine computes the token masks of constrained rows while the forward pass runs.
+    fn splits_tail(&self) -> bool {
+        false
+    }
+    /// [`Self::launch_prepared`] up to the forward pass: the step's sampling tail waits for
+    /// [`Self::launch_tail`], which must come before [`Self::finish`].
+    fn launch_forward(
+        &mut self,
+        _plan: &StepPlan,
+        _out: &mut StepOutput,
+    ) -> Result<(), ExecutorError> {
+        Err(ExecutorError::InvalidBatch(
+            "this executor does not split a launch".into(),
+        ))
+    }
+    /// The sampling tail of the step [`Self::launch_forward`] started, with `plan`'s token
+    /// masks as they are now (the same plan otherwise).
+    fn launch_tail(
+        &mut self,
+        _plan: &StepPlan,
+        _out: &mut StepOutput,
+    ) -> Result<(), ExecutorError> {
+        Err(ExecutorError::InvalidBatch(
+            "this executor does not split a launch".into(),
+        ))
+    }
     /// Completes the step [`Self::launch`] started (nothing when it failed or ran to the
     /// end): `out` is filled as [`Self::execute`] says.
     fn finish(&mut self, _out: &mut StepOutput) -> Result<(), ExecutorError> {
@@ -184,6 +213,19 @@ impl<E: StepExecutor + ?Sized> StepExecutor for Box<E> {
         out: &mut StepOutput,
     ) -> Result<(), ExecutorError> {
         (**self).launch_prepared(plan, out)
+    }
+    fn splits_tail(&self) -> bool {
+        (**self).splits_tail()
+    }
+    fn launch_forward(
+        &mut self,
+        plan: &StepPlan,
+        out: &mut StepOutput,
+    ) -> Result<(), ExecutorError> {
+        (**self).launch_forward(plan, out)
+    }
+    fn launch_tail(&mut self, plan: &StepPlan, out: &mut StepOutput) -> Result<(), ExecutorError> {
+        (**self).launch_tail(plan, out)
     }
     fn finish(&mut self, out: &mut StepOutput) -> Result<(), ExecutorError> {
         (**self).finish(out)

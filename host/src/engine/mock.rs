@@ -61,6 +61,9 @@ pub struct MockConfig {
     /// Every step takes at least this long (a slow model): slept in `finish`, after `launch`
     /// has computed the step, as a device computes while the host goes on.
     pub step_delay: Duration,
+    /// Split launches into the forward pass and the sampling tail
+    /// ([`StepExecutor::splits_tail`]), as the model runner does.
+    pub split_tail: bool,
 }
 
 impl Default for MockConfig {
@@ -76,6 +79,7 @@ impl Default for MockConfig {
             units: Vec::new(),
             eos_one_in: 0,
             step_delay: Duration::ZERO,
+            split_tail: true,
         }
     }
 }
@@ -291,9 +295,28 @@ impl StepExecutor for MockExecutor {
     /// Computes the step; its `step_delay` (the device's time) passes in `finish`, as a
     /// device computes while the host goes on.
     fn launch(&mut self, plan: &StepPlan, out: &mut StepOutput) -> Result<(), ExecutorError> {
+        self.launch_forward(plan, out)?;
+        self.launch_tail(plan, out)
+    }
+
+    fn splits_tail(&self) -> bool {
+        self.cfg.split_tail
+    }
+
+    /// The logits now, the device's time from now.
+    fn launch_forward(
+        &mut self,
+        plan: &StepPlan,
+        out: &mut StepOutput,
+    ) -> Result<(), ExecutorError> {
         self.busy_until =
             (!self.cfg.step_delay.is_zero()).then(|| Instant::now() + self.cfg.step_delay);
-        self.logits_rows(plan, &mut out.full)?;
+        self.logits_rows(plan, &mut out.full)
+    }
+
+    /// The sampling tail over the logits of `launch_forward`, with `plan`'s masks as they are
+    /// now.
+    fn launch_tail(&mut self, plan: &StepPlan, out: &mut StepOutput) -> Result<(), ExecutorError> {
         if plan.sampling.is_empty() {
             out.cands.reshape(0, 1);
             return Ok(());

@@ -52,6 +52,14 @@ pub struct ModelRunner<B: StepBackend> {
     in_flight: bool,
     /// The step [`StepExecutor::prepare`] packed for the next launch.
     packed: Option<Packed>,
+    /// The launched step's sampling tail, held for [`StepExecutor::launch_tail`].
+    held: Option<Tail<B>>,
+}
+
+/// Where a step's sampling tail reads: a graph's step object and logits, or the eager step's.
+enum Tail<B: StepBackend> {
+    Graph { out: usize },
+    Eager { logits: B::Tensor },
 }
 
 /// A step packed on the host ahead of its launch.
@@ -136,6 +144,7 @@ impl<B: StepBackend> ModelRunner<B> {
             graph_logits_bytes: 0,
             device_time: None,
             in_flight: false,
+            held: None,
             packed: None,
         }
     }
@@ -337,27 +346,36 @@ impl<B: StepBackend> StepExecutor for ModelRunner<B> {
         plan: &StepPlan,
         out: &mut StepOutput,
     ) -> Result<(), ExecutorError> {
-        self.device_time = None;
-        // A step launched and never finished is waited for first: its read-back shares the
-        // buffers this one uses.
-        self.finish(out)?;
-        let ran = self
-            .backend
-            .step_clock_start()
-            .map_err(ExecutorError::Backend)
-            .and_then(|()| self.run_step(plan, out));
-        if let Err(e) = ran {
-            // Read the clock even after a failure, so the next step starts a fresh measurement.
-            let _ = self.backend.step_clock_end();
-            return Err(self.lost_or(e));
-        }
-        self.in_flight = true;
-        Ok(())
+        self.start_forward(plan, out, false)?;
+        self.start_tail(plan, out, false)
+    }
+
+    fn splits_tail(&self) -> bool {
+        true
+    }
+
+    fn launch_forward(
+        &mut self,
+        plan: &StepPlan,
+        out: &mut StepOutput,
+    ) -> Result<(), ExecutorError> {
+        self.start_forward(plan, out, true)
+    }
+
+    fn launch_tail(&mut self, plan: &StepPlan, out: &mut StepOutput) -> Result<(), ExecutorError> {
+        self.start_tail(plan, out, true)
     }
 
     fn finish(&mut self, out: &mut StepOutput) -> Result<(), ExecutorError> {
         if !std::mem::take(&mut self.in_flight) {
             return Ok(());
+        }
+        if self.held.take().is_some() {
+            // Its forward pass is done or will be; nothing waits on the host for it.
+            let _ = self.backend.step_clock_end();
+            return Err(ExecutorError::InvalidBatch(
+                "a step finished without its sampling tail".into(),
+            ));
         }
         let done = self
             .backend
@@ -391,6 +409,91 @@ impl<B: StepBackend> StepExecutor for ModelRunner<B> {
 }
 
 impl<B: StepBackend> ModelRunner<B> {
+    /// Enqueues `plan`'s forward pass (see [`Self::run_forward`]) and holds its sampling tail
+    /// for [`Self::start_tail`]; `late_masks`: the plan's masks are sent with the tail (the
+    /// device clock counts the wait for them as idle).
+    fn start_forward(
+        &mut self,
+        plan: &StepPlan,
+        out: &mut StepOutput,
+        late_masks: bool,
+    ) -> Result<(), ExecutorError> {
+        self.device_time = None;
+        // A step launched and never finished is waited for first: its read-back shares the
+        // buffers this one uses.
+        self.finish(out)?;
+        let ran = self
+            .backend
+            .step_clock_start()
+            .map_err(ExecutorError::Backend)
+            .and_then(|()| self.run_forward(plan, out, late_masks));
+        match ran {
+            Ok(tail) => {
+                self.held = Some(tail);
+                self.in_flight = true;
+                Ok(())
+            }
+            Err(e) => Err(self.fail_launch(e)),
+        }
+    }
+
+    /// Enqueues the held sampling tail of the launched step; `late_masks`: `plan`'s masks are
+    /// sent first (computed while the forward pass ran).
+    fn start_tail(
+        &mut self,
+        plan: &StepPlan,
+        out: &mut StepOutput,
+        late_masks: bool,
+    ) -> Result<(), ExecutorError> {
+        let Some(tail) = self.held.take() else {
+            return Err(ExecutorError::InvalidBatch(
+                "a sampling tail launched with no forward pass before it".into(),
+            ));
+        };
+        let forward = ExecutorError::Backend;
+        let backend = &self.backend;
+        let ran = match tail {
+            Tail::Graph { out: i } => {
+                match (self.graph_step.as_mut(), self.graph_outputs.get_mut(i)) {
+                    (Some(gstep), Some(logits)) => (if late_masks {
+                        backend.send_masks(plan, gstep)
+                    } else {
+                        Ok(())
+                    })
+                    .and_then(|()| backend.sample_start(logits, gstep, &mut out.cands))
+                    .map_err(forward),
+                    _ => Err(ExecutorError::Forward(
+                        "a graph step without its output".into(),
+                    )),
+                }
+            }
+            Tail::Eager { mut logits } => match self.step.as_mut() {
+                Some(step) => (if late_masks {
+                    backend.send_masks(plan, step)
+                } else {
+                    Ok(())
+                })
+                .and_then(|()| backend.sample_start(&mut logits, step, &mut out.cands))
+                .map_err(forward),
+                None => Err(ExecutorError::Allocation(
+                    "caches used before allocate()".into(),
+                )),
+            },
+        };
+        ran.map_err(|e| {
+            self.in_flight = false;
+            self.fail_launch(e)
+        })
+    }
+
+    /// A launch that failed: the clock is read even so, so that the next step starts a fresh
+    /// measurement.
+    fn fail_launch(&mut self, e: ExecutorError) -> ExecutorError {
+        self.held = None;
+        let _ = self.backend.step_clock_end();
+        self.lost_or(e)
+    }
+
     /// `e`, or the replica's loss when the device is out of service.
     fn lost_or(&self, e: ExecutorError) -> ExecutorError {
         if self.backend.is_lost() {
@@ -437,9 +540,15 @@ impl<B: StepBackend> ModelRunner<B> {
     }
 
     /// Uploads the step (or sends the one [`StepExecutor::prepare`] packed, its tokens
-    /// rewritten) and enqueues its forward pass and sampling tail (the read-back is waited for
-    /// by `finish`). A step that a graph takes: slot ops, replay, sample.
-    fn run_step(&mut self, plan: &StepPlan, out: &mut StepOutput) -> Result<(), ExecutorError> {
+    /// rewritten) and enqueues its forward pass; returns where its sampling tail reads (the
+    /// tail's read-back is waited for by `finish`). A step that a graph takes: slot ops,
+    /// replay. `late_masks`: the tail waits for masks the host computes meanwhile.
+    fn run_forward(
+        &mut self,
+        plan: &StepPlan,
+        out: &mut StepOutput,
+        late_masks: bool,
+    ) -> Result<Tail<B>, ExecutorError> {
         let vocab = self.model.info.vocab_size;
         let (Some(caches), Some(step)) = (self.caches.as_mut(), self.step.as_mut()) else {
             return Err(ExecutorError::Allocation(
@@ -498,25 +607,23 @@ impl<B: StepBackend> ModelRunner<B> {
             }
             backend.replay_graph(g.id).map_err(forward)?;
             self.graph_steps += 1;
-            let logits = self
-                .graph_outputs
-                .get_mut(g.out)
-                .ok_or_else(|| ExecutorError::Forward("a graph without its output".into()))?;
-            return backend
-                .sample_start(logits, gstep, &mut out.cands)
-                .map_err(forward);
+            if late_masks {
+                backend.hold_tail().map_err(forward)?;
+            }
+            return Ok(Tail::Graph { out: g.out });
         }
         self.eager_steps += 1;
-        let mut logits = self
+        let logits = self
             .model
             .forward(backend, step, caches)
             .map_err(|e| ExecutorError::Forward(e.to_string()))?;
         if plan.wants_full_rows() {
             out.full.data = backend.download(&logits).map_err(forward)?;
         }
-        backend
-            .sample_start(&mut logits, step, &mut out.cands)
-            .map_err(forward)
+        if late_masks {
+            backend.hold_tail().map_err(forward)?;
+        }
+        Ok(Tail::Eager { logits })
     }
 
     /// Packs `plan` on the host for its launch (see [`StepExecutor::prepare`]).

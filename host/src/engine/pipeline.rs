@@ -21,8 +21,12 @@
 //! (it is `Finished`: its events are out, it is never scheduled again), and a request the
 //! launched step ends by length is not scheduled again. A step that scores prompt tokens is
 //! not followed by one scheduled ahead, and a step ahead whose penalised rows need a token
-//! still being sampled is built again once it is known. Output is the same as scheduling
-//! after each step's update.
+//! still being sampled is built again once it is known. A constrained row's mask needs that
+//! token too: where the executor splits a launch ([`StepExecutor::splits_tail`]) the step
+//! ahead goes to the device up to its forward pass, the launched step is applied, the masks
+//! are computed while the forward pass runs, and the sampling tail follows them; elsewhere
+//! the plan is built again like a penalised one. Output is the same as scheduling after each
+//! step's update.
 //!
 //! Cache events of a step are released only after its forward pass succeeded; a failed pass
 //! fails the requests in that batch, drops the step ahead (its new admissions go back to the
@@ -377,6 +381,10 @@ impl<E: StepExecutor> Engine<E> {
                 let r = r.and_then(|()| self.launch_ahead(&mut next, &step, false));
                 Some((next, r))
             }
+            (Some(mut next), Some(Ok(ns))) if !next.built.late_masks.is_empty() => {
+                let r = self.launch_late_tail(&mut next).map(|masks| ns + masks);
+                Some((next, r))
+            }
             (Some(next), Some(r)) => Some((next, r)),
             (None, _) => None,
         };
@@ -496,6 +504,7 @@ impl<E: StepExecutor> Engine<E> {
             &self.cache,
             &self.sampling,
             constraints,
+            ahead && self.executor.splits_tail(),
             &mut step.built,
         )
         .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))?;
@@ -526,7 +535,10 @@ impl<E: StepExecutor> Engine<E> {
         .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))?;
         let t = Instant::now();
         let output = &mut self.pipeline.output;
-        let r = if prepared {
+        let r = if !next.built.late_masks.is_empty() {
+            // Up to the forward pass: the masks follow (see `launch_late_tail`).
+            self.executor.launch_forward(&next.plan, output)
+        } else if prepared {
             self.executor.launch_prepared(&next.plan, output)
         } else {
             self.executor.launch(&next.plan, output)
@@ -540,6 +552,26 @@ impl<E: StepExecutor> Engine<E> {
         self.stats.prompt_tokens_computed += next.built.prompt_tokens;
         self.sched.launched(&next.work);
         Ok(ns)
+    }
+
+    /// The step ahead went to the device up to its forward pass: the masks of its constrained
+    /// rows, which needed the tokens just applied, are computed while that pass runs, then its
+    /// sampling tail follows them. Returns the host time taken (counted with the plan's
+    /// inputs, not the update).
+    fn launch_late_tail(&mut self, next: &mut Step) -> Result<u64, ExecutorError> {
+        let t = Instant::now();
+        let words = self.executor.vocab_size().div_ceil(32);
+        if let Some(c) = self.policies.constrainer.as_deref_mut() {
+            step_plan::fill_late_masks(&mut next.plan, &mut next.built, &self.sched, c, words);
+        }
+        self.fail_constraints(&mut next.built);
+        let r = self
+            .executor
+            .launch_tail(&next.plan, &mut self.pipeline.output);
+        let ns = t.elapsed().as_nanos() as u64;
+        self.timings.inputs_ns += ns;
+        self.timings.late_masks += next.built.late_masks.len() as u64;
+        r.map(|()| ns)
     }
 
     /// The common end of a step that ran a batch: the update phase is the time from

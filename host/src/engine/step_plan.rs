@@ -7,9 +7,12 @@
 //!
 //! A step scheduled while the one before it computes decodes tokens that step is still
 //! sampling: each such token is a placeholder in the plan, listed in [`Built::placeholders`]
-//! and filled in by [`fill_placeholders`] once the tokens are sampled, before the launch.
+//! and filled in by [`fill_placeholders`] once the tokens are sampled, before the launch. The
+//! mask of a constrained row whose previous token is such a placeholder is left for later
+//! ([`Built::late_masks`]) where the executor takes masks after the forward pass: it is
+//! computed by [`fill_late_masks`] while that pass runs.
 
-use super::request::Request;
+use super::request::{Phase, Request};
 use super::sampling::{RowInfo, SamplingStage};
 use super::scheduler::{ScheduledSeq, Scheduler, SchedulerOutput};
 use crate::backend::{PlanError, SlotOp, StepPlan};
@@ -20,6 +23,15 @@ use crate::policy::Constrainer;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Placeholder {
     /// Index into the plan's `tokens`.
+    pub at: usize,
+    /// The request's scheduler slot.
+    pub slot: u32,
+}
+
+/// A constrained row's mask that waits for the token before it ([`fill_late_masks`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LateMask {
+    /// Where the row's mask starts in the plan's `sampling.masks`.
     pub at: usize,
     /// The request's scheduler slot.
     pub slot: u32,
@@ -38,9 +50,14 @@ pub struct Built {
     /// Constrained requests whose constraint failed while the plan was built (request id and
     /// why); their rows carry no mask, and the engine fails them.
     pub constraint_failures: Vec<(u64, String)>,
+    /// Masks that need a token still being sampled, computed once it is known (each row
+    /// allows every token until then).
+    pub late_masks: Vec<LateMask>,
 }
 
-/// Fills `plan` for `out`, the step the scheduler planned last.
+/// Fills `plan` for `out`, the step the scheduler planned last. `late_masks`: a constrained
+/// row whose previous token is being sampled gets its mask later ([`Built::late_masks`])
+/// instead of making the plan wait for that token ([`Built::history_incomplete`]).
 #[allow(clippy::too_many_arguments)]
 pub fn build(
     plan: &mut StepPlan,
@@ -50,6 +67,7 @@ pub fn build(
     cache: &CacheManager,
     sampling: &SamplingStage,
     constraints: Option<(&mut (dyn Constrainer + '_), usize)>,
+    late_masks: bool,
     built: &mut Built,
 ) -> Result<(), PlanError> {
     plan.clear(block_size);
@@ -58,6 +76,7 @@ pub fn build(
     built.placeholders.clear();
     built.history_incomplete = false;
     built.constraint_failures.clear();
+    built.late_masks.clear();
     // The constraint, and its mask words per row.
     let (mut constraints, words) = match constraints {
         Some((c, words)) => (Some(c), words),
@@ -116,12 +135,16 @@ pub fn build(
             };
             SamplingStage::push_sample_row(&mut plan.sampling, &row);
             if let Some(active) = &r.constraint {
-                // The mask needs every token before this position: a token still being
-                // sampled makes the plan wait for it (built again once it is known).
-                built.history_incomplete |= r.in_flight > 0;
-                if r.in_flight == 0
-                    && let Some(c) = constraints.as_deref_mut()
-                {
+                // The mask needs every token before this position: one still being sampled
+                // is waited for, by the mask (computed while the forward pass runs) or else
+                // by the whole plan (built again once it is known).
+                if r.in_flight == 1 && late_masks && constraints.is_some() {
+                    let at = plan.sampling.masks.len();
+                    plan.sampling.mask_last_row(words).fill(u32::MAX);
+                    built.late_masks.push(LateMask { at, slot: s.slot });
+                } else if r.in_flight > 0 {
+                    built.history_incomplete = true;
+                } else if let Some(c) = constraints.as_deref_mut() {
                     let output = r.output();
                     let fed = active.fed.get().min(output.len());
                     let mask = plan.sampling.mask_last_row(words);
@@ -203,6 +226,40 @@ fn push_verify(
         SamplingStage::push_sample_row(&mut plan.sampling, &row);
     }
     Ok(())
+}
+
+/// Computes the masks [`build`] left for later ([`Built::late_masks`]), the launched step's
+/// tokens now applied to its requests: each constrained request's matcher takes the tokens it
+/// has not seen and writes its row's mask. A request that finished meanwhile keeps its row
+/// unmasked (the row is never used); one whose constraint fails keeps it unmasked and is
+/// listed in `built.constraint_failures`.
+pub fn fill_late_masks(
+    plan: &mut StepPlan,
+    built: &mut Built,
+    sched: &Scheduler,
+    c: &mut (dyn Constrainer + '_),
+    words: usize,
+) {
+    for m in &built.late_masks {
+        let Some(r) = sched.request(m.slot) else {
+            continue;
+        };
+        let Some(active) = r.constraint.as_ref().filter(|_| r.phase != Phase::Finished) else {
+            continue;
+        };
+        let Some(mask) = plan.sampling.masks.get_mut(m.at..m.at + words) else {
+            continue;
+        };
+        let output = r.output();
+        let fed = active.fed.get().min(output.len());
+        match c.next(active.matcher, &output[fed..], mask) {
+            Ok(()) => active.fed.set(output.len()),
+            Err(why) => {
+                mask.fill(u32::MAX);
+                built.constraint_failures.push((r.id, why));
+            }
+        }
+    }
 }
 
 /// Writes the tokens the launched step `launched` sampled (`sampled[i]` for its i-th sampled
@@ -351,7 +408,7 @@ mod tests {
             }
             let mut built = Built::default();
             build(
-                &mut plan, BS, &out, &sched, &cache, &sampling, None, &mut built,
+                &mut plan, BS, &out, &sched, &cache, &sampling, None, false, &mut built,
             )
             .unwrap();
             assert!(built.placeholders.is_empty());

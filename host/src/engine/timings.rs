@@ -37,6 +37,8 @@ pub struct StepTimings {
     pub top_up_ns: u64,
     /// Requests admitted into a step scheduled ahead after it was scheduled.
     pub late_admissions: u64,
+    /// Token masks of constrained rows computed while the forward pass of their step ran.
+    pub late_masks: u64,
     /// Device time of the executed steps (CUDA events; 0 on the CPU).
     pub device_busy_ns: u64,
     /// Device time idle between back-to-back steps: from one step's read-back to the next
@@ -63,6 +65,7 @@ impl StepTimings {
             sample_ns: d(self.sample_ns, before.sample_ns),
             top_up_ns: d(self.top_up_ns, before.top_up_ns),
             late_admissions: d(self.late_admissions, before.late_admissions),
+            late_masks: d(self.late_masks, before.late_masks),
             device_busy_ns: d(self.device_busy_ns, before.device_busy_ns),
             device_idle_ns: d(self.device_idle_ns, before.device_idle_ns),
             device_gaps: d(self.device_gaps, before.device_gaps),
@@ -83,5 +86,6 @@ impl StepTimings {
         s.host_overlap_seconds = secs(self.overlap_ns);
         s.host_top_up_seconds = secs(self.top_up_ns);
         s.late_admissions = self.late_admissions;
+        s.late_masks = self.late_masks;
     }
 }

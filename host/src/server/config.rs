@@ -110,6 +110,15 @@ impl ServedNames {
 }
 
 impl ServerConfig {
+    /// The id responses carry: the first of `served_model_name`, else `model_name` (the
+    /// model's own short name).
+    pub fn served_name(&self, model_name: &str) -> String {
+        self.served_model_name
+            .as_ref()
+            .and_then(|n| n.names().first().cloned())
+            .unwrap_or_else(|| model_name.to_string())
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         let err = |key, message: &str| {
             Err(ConfigError {

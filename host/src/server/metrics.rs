@@ -74,6 +74,9 @@ pub mod names {
     /// Requests admitted into a step scheduled ahead after it was scheduled (they arrived
     /// while the step before computed).
     pub const LATE_ADMISSIONS: &str = "chimera:engine_late_admissions_total";
+    /// Token masks of constrained rows computed while the forward pass of their step ran
+    /// (the step scheduled ahead, launched before the tokens its masks need were known).
+    pub const LATE_MASKS: &str = "chimera:engine_late_masks_total";
     /// Steps the model runner ran, by `kind`: eager, decode_graph, mixed_graph.
     pub const ENGINE_STEPS_BY_KIND: &str = "chimera:engine_steps_by_kind_total";
 }
@@ -497,6 +500,11 @@ impl EngineFamilies<'_> {
                     LATE_ADMISSIONS,
                     "Requests admitted into a step scheduled ahead after it was scheduled (they arrived while the step before computed).",
                     |s| s.late_admissions as f64,
+                ),
+                (
+                    LATE_MASKS,
+                    "Token masks of constrained rows computed while the forward pass of their step ran.",
+                    |s| s.late_masks as f64,
                 ),
             ],
         );

@@ -121,6 +121,16 @@ pub struct AppParts {
     pub grammar_check: Option<(Box<dyn crate::policy::Constrainer>, usize)>,
 }
 
+impl AppParts {
+    /// Whether the model keeps recurrent state (its replicas hold SSM slots): what decides
+    /// how cache blocks are announced to external prefix routers.
+    pub fn is_hybrid(&self) -> bool {
+        self.replicas
+            .first()
+            .is_some_and(|r| r.handle.stats().ssm_slots_total > 0)
+    }
+}
+
 /// Makes a parser plugin instance.
 pub type ParserFactory = Arc<dyn Fn() -> Box<dyn crate::policy::OutputParser> + Send + Sync>;
 

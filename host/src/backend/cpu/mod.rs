@@ -202,6 +202,7 @@ impl StepBackend for CpuBackend {
         arena_stats -> arena_growth,
         pack_step -> pack_eager_only,
         repack_tokens -> repack_plan_tokens,
+        send_masks -> repack_plan_masks,
         sample -> sample_rows,
         // The device is the host: the whole tail runs here and the finish has nothing left.
         sample_start -> sample_rows,
@@ -211,6 +212,10 @@ impl StepBackend for CpuBackend {
         true
     }
     fn send_step(&self, _step: &mut CpuStep) -> Result<()> {
+        Ok(())
+    }
+    /// No device clock: nothing waits.
+    fn hold_tail(&self) -> Result<()> {
         Ok(())
     }
     fn graph_buckets(&self, _max_batch: usize, _max_tokens: usize) -> Vec<GraphBucket> {

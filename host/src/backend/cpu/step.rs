@@ -50,4 +50,18 @@ impl CpuBackend {
         step.plan.tokens.copy_from_slice(&plan.tokens);
         Ok(())
     }
+
+    /// The host is the device: the masks are copied into the step the tail reads.
+    pub(super) fn repack_plan_masks(&self, plan: &StepPlan, step: &mut CpuStep) -> Result<()> {
+        let (from, to) = (&plan.sampling.masks, &mut step.plan.sampling.masks);
+        if from.len() != to.len() {
+            return Err(BackendError::Invalid(format!(
+                "{} mask words written over a step of {}",
+                from.len(),
+                to.len()
+            )));
+        }
+        to.copy_from_slice(from);
+        Ok(())
+    }
 }

@@ -15,6 +15,13 @@ pub(super) struct StepClock {
     end: sys::CUevent,
     prev_end: sys::CUevent,
     done: sys::CUevent,
+    /// A held tail's marks: the forward pass's end, and the arrival of its masks.
+    held: sys::CUevent,
+    resumed: sys::CUevent,
+    /// `held` is recorded for the step being timed, and `resumed` not yet.
+    holding: bool,
+    /// Both are recorded for the step being timed.
+    was_held: bool,
     /// A step is being timed: its start is recorded with its first device operation.
     timing: bool,
     /// Its start is recorded (just before the step's upload, see [`CudaBackend::mark_step_start`]).
@@ -36,6 +43,10 @@ impl StepClock {
             end: event()?,
             prev_end: event()?,
             done: event()?,
+            held: event()?,
+            resumed: event()?,
+            holding: false,
+            was_held: false,
             timing: false,
             started: false,
             ended: false,
@@ -52,6 +63,8 @@ impl Drop for StepClock {
             let _ = result::event::destroy(self.end);
             let _ = result::event::destroy(self.prev_end);
             let _ = result::event::destroy(self.done);
+            let _ = result::event::destroy(self.held);
+            let _ = result::event::destroy(self.resumed);
         }
     }
 }
@@ -65,6 +78,8 @@ impl CudaBackend {
             c.timing = true;
             c.started = false;
             c.ended = false;
+            c.holding = false;
+            c.was_held = false;
         }
         Ok(())
     }
@@ -88,17 +103,23 @@ impl CudaBackend {
                 .map(f64::from)
                 .map_err(|e| dev.fail("reading an event", e))
         };
-        let busy = ms(c.start, c.end)?;
-        let idle = if c.have_prev {
-            ms(c.prev_end, c.start)?
+        let mut busy = ms(c.start, c.end)?;
+        let mut idle = if c.have_prev {
+            ms(c.prev_end, c.start)?.max(0.0)
         } else {
             0.0
         };
+        if c.was_held {
+            // The tail's wait for its masks: the device idled inside the step.
+            let wait = ms(c.held, c.resumed)?.max(0.0);
+            busy = (busy - wait).max(0.0);
+            idle += wait;
+        }
         std::mem::swap(&mut c.end, &mut c.prev_end);
         c.have_prev = true;
         Ok(Some(DeviceStepTime {
             busy_s: busy / 1e3,
-            idle_before_s: idle.max(0.0) / 1e3,
+            idle_before_s: idle / 1e3,
         }))
     }
 
@@ -120,6 +141,32 @@ impl CudaBackend {
             unsafe { result::event::record(c.start, self.stream()) }
                 .map_err(|e| self.dev().fail("recording an event", e))?;
             c.started = true;
+        }
+        Ok(())
+    }
+
+    /// [`crate::backend::StepBackend::hold_tail`]: the forward pass's end, recorded after it.
+    pub(super) fn mark_tail_held(&self) -> Result<()> {
+        self.dev().bind()?;
+        let mut clock = self.clock()?;
+        if let Some(c) = clock.as_mut().filter(|c| c.timing) {
+            // SAFETY: an event of this context, recorded on its stream.
+            unsafe { result::event::record(c.held, self.stream()) }
+                .map_err(|e| self.dev().fail("recording an event", e))?;
+            c.holding = true;
+        }
+        Ok(())
+    }
+
+    /// The held tail's masks are about to be sent: the device resumes from here.
+    pub(super) fn mark_masks_sent(&self) -> Result<()> {
+        let mut clock = self.clock()?;
+        if let Some(c) = clock.as_mut().filter(|c| c.timing && c.holding) {
+            // SAFETY: an event of this context, recorded on its stream.
+            unsafe { result::event::record(c.resumed, self.stream()) }
+                .map_err(|e| self.dev().fail("recording an event", e))?;
+            c.holding = false;
+            c.was_held = true;
         }
         Ok(())
     }

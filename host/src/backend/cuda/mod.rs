@@ -458,6 +458,8 @@ impl StepBackend for CudaBackend {
         upload_step -> upload_eager,
         arena_stats -> arena_growth,
         send_step -> send,
+        send_masks -> send_late_masks,
+        hold_tail -> mark_tail_held,
         upload_graph_step -> upload_for_graph,
         capture_graph -> capture,
         replay_graph -> replay,

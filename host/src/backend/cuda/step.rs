@@ -54,6 +54,8 @@ pub struct StepDims {
     pub k: usize,
     /// Some sampled row has a token mask: the tail launches the mask kernel first.
     pub masks: bool,
+    /// Words of the mask column (`SampleRows::masks`), which [`CudaStep::copy_masks`] rewrites.
+    pub mask_words: usize,
 }
 
 pub struct CudaStep {
@@ -426,6 +428,7 @@ impl CudaStep {
             sample_rows: plan.sample_rows.len(),
             k: plan.sampling.k,
             masks: plan.sampling.has_masks(),
+            mask_words: plan.sampling.masks.len(),
         };
         let s = &mut self.staging;
         let c = &mut self.cols;
@@ -605,6 +608,49 @@ impl CudaStep {
         Ok(())
     }
 
+    /// Writes `plan`'s token masks over the mask column of the uploaded step and copies that
+    /// column to the device on `stream`, ordered after the step's upload and its forward pass
+    /// (which reads no mask) and before the sampling tail enqueued next.
+    pub(crate) fn copy_masks(
+        &mut self,
+        device: &Arc<Device>,
+        stream: cudarc::driver::sys::CUstream,
+        plan: &StepPlan,
+    ) -> Result<()> {
+        let masks = &plan.sampling.masks;
+        let (at, n) = (self.cols.masks, masks.len());
+        if !self.uploaded || n != self.dims.mask_words || at + n > self.staging.len() {
+            return Err(crate::backend::BackendError::Invalid(format!(
+                "{n} mask words sent over a step of {} (uploaded: {})",
+                self.dims.mask_words, self.uploaded
+            )));
+        }
+        self.staging[at..at + n].copy_from_slice(masks);
+        let (Some(pinned), Some(buf)) = (self.pinned.as_mut(), self.buf.as_ref()) else {
+            return Err(crate::backend::BackendError::Invalid(
+                "masks sent before their step was packed".into(),
+            ));
+        };
+        let bytes = 4 * at..4 * (at + n);
+        for (d, w) in pinned.as_mut_slice()[bytes.clone()]
+            .chunks_exact_mut(4)
+            .zip(masks)
+        {
+            d.copy_from_slice(&w.to_le_bytes());
+        }
+        // SAFETY: the device buffer holds the packed step, this range included. The step's
+        // own copy may still read the same pinned bytes: it then takes these masks or the
+        // placeholders before them, and this copy, ordered after it, writes these either way.
+        unsafe {
+            htod(
+                device,
+                stream,
+                buf.ptr + bytes.start as u64,
+                &pinned.as_slice()[bytes],
+            )
+        }
+    }
+
     /// Writes `plan`'s tokens over the token column of the packed step (the plan packed last,
     /// whose placeholder tokens are now known): the same number of tokens, at the column's
     /// head, before padding.
@@ -686,6 +732,7 @@ impl CudaStep {
             sample_rows: plan.sample_rows.len(),
             k: plan.sampling.k,
             masks: plan.sampling.has_masks(),
+            mask_words: plan.sampling.masks.len(),
         };
         let bytes = 4 * s.len();
         if self.pinned.as_ref().is_none_or(|p| p.bytes < bytes) {

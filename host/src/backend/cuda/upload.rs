@@ -142,6 +142,14 @@ impl CudaBackend {
         step.copy(self.dev(), self.stream())
     }
 
+    /// Sends the masks of the step on the device (see [`crate::backend::StepBackend::send_masks`]),
+    /// with the step clock's marks of the device's wait for them.
+    pub(super) fn send_late_masks(&self, plan: &StepPlan, step: &mut CudaStep) -> Result<()> {
+        self.dev().bind()?;
+        self.mark_masks_sent()?;
+        step.copy_masks(self.dev(), self.stream(), plan)
+    }
+
     /// Packs `plan` as a graph step of `shape` and copies it, the step clock's start recorded
     /// between the two. `Ok(false)`, nothing copied, when the plan does not fit.
     fn upload_graph_shape(
