@@ -24,13 +24,16 @@ done
 parts=.dyn-parts
 mkdir -p "$parts/a" "$parts/b" "$parts/download" .gpu
 
-if [ ! -e "$parts/a/dynamo-core.so.xz" ]; then
-  # The worker: Dynamo's tree in release (about 25 minutes from scratch on 2 cores).
+# The worker: Dynamo's tree in release (about 25 minutes from scratch on 2 cores). WORKER=0
+# stages the parts alone.
+if [ "${WORKER:-1}" != 0 ]; then
   (cd host/dynamo && cargo build --release --locked --bin chimera-dynamo)
   strip -o .gpu/chimera-dynamo "${CARGO_TARGET_DIR:-host/dynamo/target}/release/chimera-dynamo"
   xz -T0 -6 -f .gpu/chimera-dynamo
   echo "staged .gpu/chimera-dynamo.xz: $(($(stat -c %s .gpu/chimera-dynamo.xz) / 1048576)) MiB"
+fi
 
+if [ ! -e "$parts/a/dynamo-core.so.xz" ]; then
   dl() {
     python3 -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
       --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
@@ -73,7 +76,7 @@ PY
   xz -T0 -9 -c "$deb/x/usr/sbin/nats-server" > "$parts/b/nats-server.xz"
   rm -rf "$deb"
 fi
-du -sh "$parts/a" "$parts/b" .gpu/chimera-dynamo.xz
+du -sh "$parts/a" "$parts/b"
 
 if [ -n "${PART:-}" ]; then
   rm -rf .dyn
