@@ -136,9 +136,7 @@ pub trait StepExecutor: Send {
         _plan: &StepPlan,
         _out: &mut StepOutput,
     ) -> Result<(), ExecutorError> {
-        Err(ExecutorError::InvalidBatch(
-            "this executor does not split a launch".into(),
-        ))
+        Err(unsplit())
     }
     /// The sampling tail of the step [`Self::launch_forward`] started, with `plan`'s token
     /// masks as they are now (the same plan otherwise).
@@ -147,9 +145,7 @@ pub trait StepExecutor: Send {
         _plan: &StepPlan,
         _out: &mut StepOutput,
     ) -> Result<(), ExecutorError> {
-        Err(ExecutorError::InvalidBatch(
-            "this executor does not split a launch".into(),
-        ))
+        Err(unsplit())
     }
     /// Completes the step [`Self::launch`] started (nothing when it failed or ran to the
     /// end): `out` is filled as [`Self::execute`] says.
@@ -174,6 +170,11 @@ pub trait StepExecutor: Send {
     fn applies_token_masks(&self) -> bool {
         true
     }
+}
+
+/// What the split launch of an executor that does not split answers.
+fn unsplit() -> ExecutorError {
+    ExecutorError::InvalidBatch("this executor does not split a launch".into())
 }
 
 /// Steps an executor ran, by how: every kernel launched from the host, or replayed from a
