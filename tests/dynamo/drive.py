@@ -49,6 +49,10 @@ def multi_turn(args):
         messages = [{"role": "system", "content": system}]
         turns = []
         for t in range(args.turns):
+            if t > 0 and args.think > 0:
+                # The user reads the answer and types the next question: the worker's KV
+                # events reach the router meanwhile, as they do between real turns.
+                time.sleep(args.think)
             messages.append({"role": "user", "content": f"Question {t}: " + words(rng, args.user_words)})
             try:
                 r = c.chat.completions.create(
@@ -121,6 +125,8 @@ def main():
     m.add_argument("--user-words", type=int, default=12)
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--shared-system", action="store_true")
+    m.add_argument("--think", type=float, default=0.0,
+                   help="seconds between an answer and the next question of a conversation")
     s = sub.add_parser("stream")
     s.add_argument("--requests", type=int, default=9)
     s.add_argument("--max-tokens", type=int, default=3000)
