@@ -561,8 +561,20 @@ impl<E: StepExecutor> Engine<E> {
     fn launch_late_tail(&mut self, next: &mut Step) -> Result<u64, ExecutorError> {
         let t = Instant::now();
         let words = self.executor.vocab_size().div_ceil(32);
-        if let Some(c) = self.policies.constrainer.as_deref_mut() {
-            step_plan::fill_late_masks(&mut next.plan, &mut next.built, &self.sched, c, words);
+        match self.policies.constrainer.as_deref_mut() {
+            Some(c) => {
+                step_plan::fill_late_masks(&mut next.plan, &mut next.built, &self.sched, c, words)
+            }
+            // Late masks are only left where a constraint plugin is loaded; never unmasked
+            // quietly.
+            None => {
+                for m in &next.built.late_masks {
+                    if let Some(r) = self.sched.request(m.slot) {
+                        let why = "no constraint plugin to compute the mask".to_string();
+                        next.built.constraint_failures.push((r.id, why));
+                    }
+                }
+            }
         }
         self.fail_constraints(&mut next.built);
         let r = self

@@ -248,6 +248,15 @@ pub fn fill_late_masks(
             continue;
         };
         let Some(mask) = plan.sampling.masks.get_mut(m.at..m.at + words) else {
+            // A plan that lost the row's mask: never quietly unmasked.
+            built.constraint_failures.push((
+                r.id,
+                format!(
+                    "no mask at word {} of the step's {}",
+                    m.at,
+                    plan.sampling.masks.len()
+                ),
+            ));
             continue;
         };
         let output = r.output();
