@@ -389,6 +389,12 @@ impl LLMEngine for ChimeraEngine {
                         Some(EngineEvent::Finished { reason, usage: u }) => {
                             guard.finished();
                             if !canary {
+                                tracing::debug!(
+                                    prompt = prompt_len,
+                                    announced_blocks = announced,
+                                    reused = u.cached_tokens,
+                                    "request finished"
+                                );
                                 kv.record(prompt_len, announced, u.cached_tokens, u.cacheable_tokens);
                             }
                             let mut done_usage = usage(u.prompt_tokens, u.completion_tokens);

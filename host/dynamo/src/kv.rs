@@ -93,7 +93,18 @@ impl KvState {
                 return;
             };
             for ev in events {
+                let before = out.len();
                 a.apply(replica, ev, &mut out);
+                for ann in &out[before..] {
+                    if let Announcement::Removed { hashes } = ann {
+                        tracing::debug!(
+                            replica,
+                            blocks = hashes.len(),
+                            cause = ev.kind(),
+                            "blocks withdrawn from the router"
+                        );
+                    }
+                }
             }
         }
         if out.is_empty() {

@@ -54,6 +54,17 @@ impl KvEvent {
         }
     }
 
+    /// The event's name, for logs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Stored { .. } => "stored",
+            Self::SnapshotStored { .. } => "snapshot_stored",
+            Self::Removed { .. } => "removed",
+            Self::SnapshotRemoved { .. } => "snapshot_removed",
+            Self::Cleared => "cleared",
+        }
+    }
+
     /// A `Stored` event's tokens of block `i` (empty for other events or out of range).
     pub fn block_tokens(&self, i: usize) -> &[u32] {
         match self {
