@@ -158,9 +158,12 @@ struct Pace {
 /// The two slots and the spent steps.
 #[derive(Debug)]
 pub struct Pipeline {
-    launched: Option<Step>,
-    ahead: Option<(Step, Ahead)>,
-    spare: Vec<Step>,
+    // Boxed: a step is a few kilobytes of buffer headers, moved between the slots every step.
+    launched: Option<Box<Step>>,
+    ahead: Option<(Box<Step>, Ahead)>,
+    /// Spent steps, their boxes kept to go back into a slot as they are.
+    #[allow(clippy::vec_box)]
+    spare: Vec<Box<Step>>,
     /// What the executor returns for the launched step.
     output: StepOutput,
     /// Scratch of [`step_plan::fill_placeholders`].
@@ -189,13 +192,13 @@ impl Default for Pipeline {
 
 impl Pipeline {
     /// A spent step to plan into (its buffers kept), or a new one.
-    fn fresh(&mut self) -> Step {
+    fn fresh(&mut self) -> Box<Step> {
         let mut step = self.spare.pop().unwrap_or_default();
         step.reset();
         step
     }
 
-    fn recycle(&mut self, step: Step) {
+    fn recycle(&mut self, step: Box<Step>) {
         self.spare.push(step);
     }
 
@@ -774,7 +777,7 @@ impl<E: StepExecutor> Engine<E> {
     /// The launched step failed (its forward pass, or its output): its requests fail and
     /// nothing of it is cached; the step scheduled ahead, not launched, is dropped, its new
     /// admissions going back to the queue.
-    fn fail_launched(&mut self, step: Step, e: ExecutorError) {
+    fn fail_launched(&mut self, step: Box<Step>, e: ExecutorError) {
         self.note_failure(&e);
         self.cache.abort_step_of(step.work.step);
         let ids = self.ids_of(&step.work);
@@ -789,7 +792,7 @@ impl<E: StepExecutor> Engine<E> {
 
     /// `step`, scheduled but not launched, could not be launched (its plan or its upload
     /// failed): its requests fail and its cache plans are dropped.
-    fn fail_unlaunched(&mut self, step: Step, e: ExecutorError) {
+    fn fail_unlaunched(&mut self, step: Box<Step>, e: ExecutorError) {
         self.note_failure(&e);
         self.cache.abort_step_of(step.work.step);
         let ids = self.ids_of(&step.work);
