@@ -434,14 +434,40 @@ async fn finish(
     Ok(full_response(&shape, &meta, choices))
 }
 
-/// A parsed, validated and tokenized completions request.
-struct CompletionJob {
+/// A parsed, validated, templated and tokenized request of either endpoint.
+struct Job {
     params: GenParams,
     prepared: Vec<Prepared>,
     permit: OwnedSemaphorePermit,
     tenant: String,
-    /// Structured outputs only: completions have no tools and no parsing.
+    /// Completions: structured outputs only (no tools, no parsing).
     agent: AgentPlan,
+}
+
+impl Job {
+    /// Submits every choice and answers in the shape `shape` makes of the prepared prompts,
+    /// whole or streamed; response ids start with `id_prefix`.
+    async fn serve(
+        self,
+        state: &AppState,
+        id_prefix: &str,
+        start: Instant,
+        shape: impl FnOnce(Vec<Prepared>) -> Shape,
+    ) -> Result<Response, AppError> {
+        let Job {
+            params,
+            prepared,
+            permit,
+            tenant,
+            agent,
+        } = self;
+        let meta = meta(state, id_prefix, &params, &prepared);
+        let (runs, indices) = submit(
+            state, &prepared, &params, &agent, permit, tenant, start, &meta.id,
+        )
+        .await?;
+        finish(shape(prepared), meta, &params, runs, indices).await
+    }
 }
 
 async fn completion_job(
@@ -449,7 +475,7 @@ async fn completion_job(
     headers: &HeaderMap,
     body: Body,
     endpoint: &str,
-) -> Result<CompletionJob, AppError> {
+) -> Result<Job, AppError> {
     if state.is_shutting_down() {
         return Err(AppError::ShuttingDown);
     }
@@ -464,8 +490,8 @@ async fn completion_job(
         tools: None,
         tool_choice: None,
         parallel_tool_calls: None,
-        response_format: req.response_format.as_ref(),
-        structured_outputs: req.structured_outputs.as_ref(),
+        response_format: req.common.response_format.as_ref(),
+        structured_outputs: req.common.structured_outputs.as_ref(),
     };
     let mut no_calls = |_: &str, _: &str, _: &str, _: bool| -> Result<String, String> {
         Err("completions take no tools".into())
@@ -512,7 +538,7 @@ async fn completion_job(
             p.checkpoints = p.shift(offsets);
         }
     }
-    Ok(CompletionJob {
+    Ok(Job {
         params,
         prepared,
         permit,
@@ -528,17 +554,11 @@ pub async fn completions(
 ) -> Result<Response, AppError> {
     let start = Instant::now();
     let job = completion_job(&state, &headers, body, "/v1/completions").await?;
-    let (params, prepared) = (job.params, job.prepared);
-    let meta = meta(&state, "cmpl", &params, &prepared);
-    let (runs, indices) = submit(
-        &state, &prepared, &params, &job.agent, job.permit, job.tenant, start, &meta.id,
-    )
-    .await?;
-    let shape = Shape::Completion {
+    let shape = |prepared: Vec<Prepared>| Shape::Completion {
         echo: prepared.iter().map(|p| p.echo.clone()).collect(),
         echo_tokens: prepared.into_iter().map(|p| p.echo_tokens).collect(),
     };
-    finish(shape, meta, &params, runs, indices).await
+    job.serve(&state, "cmpl", start, shape).await
 }
 
 /// One rendered request in vLLM's token-in shape (`GenerateRequest`): the ids the request
@@ -713,8 +733,8 @@ fn agent_plan(state: &AppState, req: &ChatRequest) -> Result<AgentPlan, AppError
         tools: req.tools.as_ref(),
         tool_choice: req.tool_choice.as_ref(),
         parallel_tool_calls: req.parallel_tool_calls,
-        response_format: req.response_format.as_ref(),
-        structured_outputs: req.structured_outputs.as_ref(),
+        response_format: req.common.response_format.as_ref(),
+        structured_outputs: req.common.structured_outputs.as_ref(),
     };
     let Some(parser) = &inner.request_parser else {
         let mut none = |_: &str, _: &str, _: &str, _: bool| -> Result<String, String> {
@@ -729,21 +749,12 @@ fn agent_plan(state: &AppState, req: &ChatRequest) -> Result<AgentPlan, AppError
     agent::plan(&fields, &inner.formats, &mut grammar)
 }
 
-/// A parsed, validated, templated and tokenized chat request.
-struct ChatJob {
-    params: GenParams,
-    prepared: Vec<Prepared>,
-    permit: OwnedSemaphorePermit,
-    tenant: String,
-    agent: AgentPlan,
-}
-
 async fn chat_job(
     state: &AppState,
     headers: &HeaderMap,
     body: Body,
     endpoint: &str,
-) -> Result<ChatJob, AppError> {
+) -> Result<Job, AppError> {
     if state.is_shutting_down() {
         return Err(AppError::ShuttingDown);
     }
@@ -800,7 +811,7 @@ async fn chat_job(
             .collect();
         p.checkpoints = p.shift(&ends);
     }
-    Ok(ChatJob {
+    Ok(Job {
         params,
         prepared,
         permit,
@@ -816,13 +827,7 @@ pub async fn chat_completions(
 ) -> Result<Response, AppError> {
     let start = Instant::now();
     let job = chat_job(&state, &headers, body, "/v1/chat/completions").await?;
-    let (params, prepared) = (job.params, job.prepared);
-    let meta = meta(&state, "chatcmpl", &params, &prepared);
-    let (runs, indices) = submit(
-        &state, &prepared, &params, &job.agent, job.permit, job.tenant, start, &meta.id,
-    )
-    .await?;
-    finish(Shape::Chat, meta, &params, runs, indices).await
+    job.serve(&state, "chatcmpl", start, |_| Shape::Chat).await
 }
 
 /// `POST /v1/chat/completions/render` (vLLM's shape): a chat request → the token-in request

@@ -76,6 +76,10 @@ pub struct CommonFields {
     /// chimera's: `false` keeps this request out of speculative decoding (`[speculative]`);
     /// the output is the same either way.
     pub speculative: Option<bool>,
+    /// OpenAI's `json_schema` / `json_object` / `text`.
+    pub response_format: Option<Value>,
+    /// vLLM's structured outputs: one of `json`, `regex`, `choice`, `grammar`.
+    pub structured_outputs: Option<Value>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -88,9 +92,6 @@ pub struct CompletionRequest {
     pub echo: Option<bool>,
     pub best_of: Option<u32>,
     pub suffix: Option<String>,
-    pub response_format: Option<Value>,
-    /// vLLM's structured outputs: one of `json`, `regex`, `choice`, `grammar`.
-    pub structured_outputs: Option<Value>,
     /// chimera's extension: prompt token offsets (each in `1 ..= prompt length`) where the
     /// SSM state should be kept as a snapshot, budget permitting (rounded down to a block).
     pub cache_checkpoints: Option<Vec<u32>>,
@@ -135,10 +136,7 @@ pub struct ChatRequest {
     pub top_logprobs: Option<u32>,
     pub tools: Option<Value>,
     pub tool_choice: Option<Value>,
-    pub response_format: Option<Value>,
     pub parallel_tool_calls: Option<bool>,
-    /// vLLM's structured outputs: one of `json`, `regex`, `choice`, `grammar`.
-    pub structured_outputs: Option<Value>,
     pub add_generation_prompt: Option<bool>,
     /// Extra variables for the chat template (vLLM's field; e.g. `enable_thinking: false` for
     /// the Qwen3 family). The request's own variables (`messages`, `tools`, …) win over them.
@@ -205,19 +203,52 @@ pub struct CompletionChoice {
     pub token_ids: Option<Vec<u32>>,
 }
 
+/// The body every completion and chat response and stream chunk shares: identity, the choices
+/// (`C`, one shape per endpoint and framing) and the usage (`U`: always present in a whole chat
+/// response; elsewhere `Option<Option<_>>`, present as `null` on stream chunks only when
+/// `include_usage` was asked, filled on the last chunk, or on every chunk with the running counts
+/// when `continuous_usage_stats` was asked too).
 #[derive(Debug, Clone, Serialize)]
-pub struct CompletionResponse {
+pub struct Envelope<C, U: UsageField> {
     pub id: String,
     pub object: &'static str,
     pub created: u64,
     pub model: String,
-    pub choices: Vec<CompletionChoice>,
-    /// Always present in a full response; on stream chunks present (as `null`) only when
-    /// `include_usage` was asked, and filled on the last chunk (on every chunk, with the
-    /// running counts, when `continuous_usage_stats` was asked too).
+    pub choices: Vec<C>,
+    #[serde(skip_serializing_if = "UsageField::absent")]
+    pub usage: U,
+    /// With `return_token_ids`: the rendered prompt's ids (chat; on a stream, the first chunk
+    /// only).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub usage: Option<Option<UsageBody>>,
+    pub prompt_token_ids: Option<Vec<u32>>,
+    /// vLLM's `prompt_logprobs` of the rendered prompt (a whole chat response).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<Value>,
 }
+
+/// The usage member of an [`Envelope`]: whether it is left out of the body.
+pub trait UsageField {
+    fn absent(&self) -> bool;
+}
+
+impl UsageField for UsageBody {
+    fn absent(&self) -> bool {
+        false
+    }
+}
+
+impl UsageField for Option<Option<UsageBody>> {
+    fn absent(&self) -> bool {
+        self.is_none()
+    }
+}
+
+/// A `text_completion` body: a whole response or one chunk of a stream.
+pub type CompletionResponse = Envelope<CompletionChoice, Option<Option<UsageBody>>>;
+/// A `chat.completion` body.
+pub type ChatResponse = Envelope<ChatChoice, UsageBody>;
+/// A `chat.completion.chunk` body.
+pub type ChatChunk = Envelope<ChatChunkChoice, Option<Option<UsageBody>>>;
 
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct TopLogprob {
@@ -284,22 +315,6 @@ pub struct ChatChoice {
     pub token_ids: Option<Vec<u32>>,
 }
 
-#[derive(Debug, Clone, Serialize)]
-pub struct ChatResponse {
-    pub id: String,
-    pub object: &'static str,
-    pub created: u64,
-    pub model: String,
-    pub choices: Vec<ChatChoice>,
-    pub usage: UsageBody,
-    /// With `return_token_ids`: the rendered prompt's ids.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub prompt_token_ids: Option<Vec<u32>>,
-    /// vLLM's `prompt_logprobs` of the rendered prompt.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub prompt_logprobs: Option<Value>,
-}
-
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct ChatDelta {
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -323,22 +338,6 @@ pub struct ChatChunkChoice {
     /// With `return_token_ids`: the ids this chunk adds.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token_ids: Option<Vec<u32>>,
-}
-
-#[derive(Debug, Clone, Serialize)]
-pub struct ChatChunk {
-    pub id: String,
-    pub object: &'static str,
-    pub created: u64,
-    pub model: String,
-    pub choices: Vec<ChatChunkChoice>,
-    /// Present (as `null`) on every chunk when `include_usage` was asked, filled on the last
-    /// (on every chunk, with the running counts, when `continuous_usage_stats` was asked too).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub usage: Option<Option<UsageBody>>,
-    /// With `return_token_ids`: the rendered prompt's ids, on the first chunk only.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub prompt_token_ids: Option<Vec<u32>>,
 }
 
 #[derive(Debug, Clone, Serialize)]

@@ -61,20 +61,33 @@ impl Meta {
             .map(|p| p.get(prompt_idx).cloned().unwrap_or_default())
     }
 
+    /// A response body or stream chunk of `object`'s kind (its prompt ids and logprobs are
+    /// set by the callers that have them).
+    fn envelope<C, U: UsageField>(
+        &self,
+        object: &'static str,
+        choices: Vec<C>,
+        usage: U,
+    ) -> Envelope<C, U> {
+        Envelope {
+            id: self.id.clone(),
+            object,
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage,
+            prompt_token_ids: None,
+            prompt_logprobs: None,
+        }
+    }
+
     /// A `text_completion` body: a whole response, or one chunk of a stream.
     fn completion_json(
         &self,
         choices: Vec<CompletionChoice>,
         usage: Option<Option<UsageBody>>,
     ) -> Vec<u8> {
-        to_json(&CompletionResponse {
-            id: self.id.clone(),
-            object: "text_completion",
-            created: self.created,
-            model: self.model.clone(),
-            choices,
-            usage,
-        })
+        to_json(&self.envelope("text_completion", choices, usage))
     }
 
     /// A `chat.completion.chunk` body.
@@ -85,13 +98,8 @@ impl Meta {
         prompt_token_ids: Option<Vec<u32>>,
     ) -> Vec<u8> {
         to_json(&ChatChunk {
-            id: self.id.clone(),
-            object: "chat.completion.chunk",
-            created: self.created,
-            model: self.model.clone(),
-            choices,
-            usage,
             prompt_token_ids,
+            ..self.envelope("chat.completion.chunk", choices, usage)
         })
     }
 }
@@ -327,14 +335,9 @@ fn full_chat(meta: &Meta, choices: Vec<ChoiceChunk>, usage: UsageBody) -> Vec<u8
         })
         .collect();
     to_json(&ChatResponse {
-        id: meta.id.clone(),
-        object: "chat.completion",
-        created: meta.created,
-        model: meta.model.clone(),
-        choices,
-        usage,
         prompt_token_ids: meta.prompt_ids(0),
         prompt_logprobs,
+        ..meta.envelope("chat.completion", choices, usage)
     })
 }
 
