@@ -687,7 +687,7 @@ fn start<B: StepBackend + Clone>(
             sampler: plugins.sampler(),
             fallback_sampler: Box::new(DefaultSampler::default()),
             evictor: Some(plugins.evictor()),
-            constrainer: vocabulary.is_some().then(|| plugins.constrainer()),
+            constrainer: vocabulary.is_some().then(|| plugins.engine_constrainer()),
             drafter,
         };
         let runner = ModelRunner::new(backend, model).with_graphs(config.engine.cuda_graphs);

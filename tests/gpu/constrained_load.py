@@ -41,17 +41,25 @@ def post(port, body):
 
 
 def metrics(port):
+    """Each family summed over its labels, and the host time by phase (`phase:NAME`) and the
+    constraint plugin's call time (`plugin:constraint`) apart."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     sums = {}
     for line in text.splitlines():
         if line.startswith("#") or " " not in line:
             continue
         name, value = line.rsplit(" ", 1)
-        name = name.split("{", 1)[0]
+        family = name.split("{", 1)[0]
         try:
-            sums[name] = sums.get(name, 0.0) + float(value)
+            v = float(value)
         except ValueError:
-            pass
+            continue
+        sums[family] = sums.get(family, 0.0) + v
+        if family == "chimera:engine_host_seconds_total" and 'phase="' in name:
+            phase = name.split('phase="', 1)[1].split('"', 1)[0]
+            sums[f"phase:{phase}"] = sums.get(f"phase:{phase}", 0.0) + v
+        if family == "chimera:plugin_call_latency_seconds_sum" and 'kind="constrain' in name:
+            sums["plugin:constraint"] = sums.get("plugin:constraint", 0.0) + v
     return sums
 
 
@@ -126,6 +134,11 @@ def main():
                     + (f"; {parsed}/{n} ended by the grammar, each parsed; {late:.0f} masks "
                        f"computed during the forward pass" if constrained else "")
                     + (f"; {len(errors)} errors: {errors[0]}" if errors else ""))
+        per_step = lambda key: 1e6 * (after.get(key, 0) - before.get(key, 0)) / max(steps, 1)
+        phases = sorted(k for k in after if k.startswith("phase:"))
+        measured += "; host µs a step: " + ", ".join(f"{k[6:]} {per_step(k):.0f}" for k in phases)
+        if constrained:
+            measured += f"; constraint plugin {per_step('plugin:constraint'):.0f}"
         ok = not errors
         bound = "reported"
         if constrained and args.bound is not None:

@@ -17,7 +17,7 @@ use super::sampling::{RowInfo, SamplingStage};
 use super::scheduler::{ScheduledSeq, Scheduler, SchedulerOutput};
 use crate::backend::{PlanError, SlotOp, StepPlan};
 use crate::cache::{CacheManager, SsmInit};
-use crate::policy::Constrainer;
+use crate::policy::{Constrainer, MaskJob};
 
 /// A plan's token that the step before it is still sampling.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -240,6 +240,11 @@ pub fn fill_late_masks(
     c: &mut (dyn Constrainer + '_),
     words: usize,
 ) {
+    // The rows' masks as disjoint slices of the plan's mask words (`at` rises with the rows).
+    let mut rest: &mut [u32] = &mut plan.sampling.masks;
+    let mut base = 0;
+    let mut jobs = Vec::with_capacity(built.late_masks.len());
+    let mut owners = Vec::with_capacity(built.late_masks.len());
     for m in &built.late_masks {
         let Some(r) = sched.request(m.slot) else {
             continue;
@@ -247,25 +252,38 @@ pub fn fill_late_masks(
         let Some(active) = r.constraint.as_ref().filter(|_| r.phase != Phase::Finished) else {
             continue;
         };
-        let Some(mask) = plan.sampling.masks.get_mut(m.at..m.at + words) else {
+        if m.at < base || m.at + words > base + rest.len() {
             // A plan that lost the row's mask: never quietly unmasked.
             built.constraint_failures.push((
                 r.id,
                 format!(
                     "no mask at word {} of the step's {}",
                     m.at,
-                    plan.sampling.masks.len()
+                    base + rest.len()
                 ),
             ));
             continue;
-        };
+        }
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(m.at - base);
+        let (mask, tail) = tail.split_at_mut(words);
+        (rest, base) = (tail, m.at + words);
         let output = r.output();
         let fed = active.fed.get().min(output.len());
-        match c.next(active.matcher, &output[fed..], mask) {
-            Ok(()) => active.fed.set(output.len()),
+        jobs.push(MaskJob {
+            matcher: active.matcher,
+            tokens: &output[fed..],
+            mask,
+            result: Ok(()),
+        });
+        owners.push((r.id, active, output.len()));
+    }
+    c.next_batch(&mut jobs);
+    for (job, (id, active, fed)) in jobs.into_iter().zip(owners) {
+        match job.result {
+            Ok(()) => active.fed.set(fed),
             Err(why) => {
-                mask.fill(u32::MAX);
-                built.constraint_failures.push((r.id, why));
+                job.mask.fill(u32::MAX);
+                built.constraint_failures.push((id, why));
             }
         }
     }

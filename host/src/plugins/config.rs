@@ -94,7 +94,7 @@ pub struct PluginsConfig {
     /// Most linear memory one plugin instance may grow to.
     pub memory_bytes: u64,
     /// Plugin instances that may exist at once (pooling allocator slots): per replica a router,
-    /// evictor, sampler, constraint and parser, plus the constraint instances that check
+    /// evictor, sampler, `constraint_threads` constraints and a parser, plus the constraint instances that check
     /// grammars; twice over while a reload is under way.
     pub max_instances: u32,
     /// The constraint plugin's budget for one call: compiling one grammar (a request's
@@ -103,6 +103,9 @@ pub struct PluginsConfig {
     /// The constraint plugin's memory (it holds the vocabulary's token trie and every
     /// response's matcher).
     pub constraint_memory_bytes: u64,
+    /// Constraint instances (and threads) per replica computing one step's masks at once; a
+    /// response's matcher lives in one of them.
+    pub constraint_threads: u32,
 }
 
 impl Default for PluginsConfig {
@@ -113,6 +116,7 @@ impl Default for PluginsConfig {
             max_instances: 128,
             constraint_deadline_ms: 1000,
             constraint_memory_bytes: 1 << 30,
+            constraint_threads: 4,
         }
     }
 }
@@ -407,6 +411,12 @@ impl PluginsConfig {
             return Err(ConfigError::new(
                 format!("{path}.max_instances"),
                 format!("must be in 1..=10000, got {}", self.max_instances),
+            ));
+        }
+        if !(1..=64).contains(&self.constraint_threads) {
+            return Err(ConfigError::new(
+                format!("{path}.constraint_threads"),
+                format!("must be in 1..=64, got {}", self.constraint_threads),
             ));
         }
         if !(1..=60_000).contains(&self.constraint_deadline_ms) {

@@ -47,7 +47,7 @@ pub use runtime::{LoadedPlugin, PluginRuntime};
 pub use slot::PluginHandle;
 
 use crate::policy::native::{self, LruEvictor};
-use crate::policy::{Constrainer, Evictor, OutputParser, Router, Sampler};
+use crate::policy::{Constrainer, ConstraintLanes, Evictor, OutputParser, Router, Sampler};
 pub use abi::Vocabulary;
 
 /// The plugin kinds, one WIT world (and interface) each: three policies (0.1.0 on) and the two
@@ -345,6 +345,18 @@ impl PolicyPlugins {
                 Box::new(WasmSampler::new(handle.clone(), counters, native()))
             }
         }
+    }
+
+    /// One engine's constraints: `[plugins] constraint_threads` constrainers (each its own
+    /// plugin instance) as lanes computing a step's masks at once.
+    pub fn engine_constrainer(&self) -> Box<dyn Constrainer> {
+        let n = self.runtime.limits().constraint_threads.max(1);
+        if n == 1 {
+            return self.constrainer();
+        }
+        Box::new(ConstraintLanes::new(
+            (0..n).map(|_| self.constrainer()).collect(),
+        ))
     }
 
     /// A new constraint for one engine (its own plugin instance); `None` when no vocabulary

@@ -9,7 +9,10 @@
 //! All bulk data is passed as columns of primitives (one slice per field), mirroring the WIT
 //! ABI in `plugin-sdk/wit/`, so an adapter can hand the slices to a plugin without reshaping.
 
+pub mod lanes;
 pub mod native;
+
+pub use lanes::ConstraintLanes;
 
 /// A policy's answer: a concrete choice, or "let the host's built-in default decide".
 #[derive(Debug, Clone, PartialEq)]
@@ -186,10 +189,27 @@ pub trait Constrainer: Send {
     /// Advances `matcher` by `tokens` and writes its next mask into `mask`.
     fn next(&mut self, matcher: u32, tokens: &[u32], mask: &mut [u32]) -> Result<(), String>;
 
+    /// [`Self::next`] for each job, its answer in `job.result`; the matchers are distinct. One
+    /// after another here; [`ConstraintLanes`] spreads them over its lanes' threads.
+    fn next_batch(&mut self, jobs: &mut [MaskJob<'_>]) {
+        for job in jobs {
+            job.result = self.next(job.matcher, job.tokens, job.mask);
+        }
+    }
+
     /// Takes back the last `count` tokens.
     fn rollback(&mut self, matcher: u32, count: u32) -> Result<(), String>;
 
     fn close(&mut self, matcher: u32);
+}
+
+/// One mask of a step's batch ([`Constrainer::next_batch`]).
+pub struct MaskJob<'a> {
+    pub matcher: u32,
+    /// The tokens the matcher has not consumed yet.
+    pub tokens: &'a [u32],
+    pub mask: &'a mut [u32],
+    pub result: Result<(), String>,
 }
 
 /// The output parsers of one replica's output pass (ABI `parsing`).

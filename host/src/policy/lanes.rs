@@ -1,0 +1,283 @@
+//! [`ConstraintLanes`]: one engine's constraints spread over several constrainers (lanes), each
+//! its own plugin instance, so that a step's masks are computed on several threads at once.
+//!
+//! A step's masks are due while its forward pass runs (the tokens they follow were sampled by
+//! the step before): with 64 constrained responses at ~50 µs a mask, one thread takes ~3 ms of
+//! an 8 ms pass, and a slower host or grammar leaves the device waiting. A matcher lives in the
+//! lane that opened it (the one with the fewest open); a batch runs each lane's masks on its
+//! own thread of a small pool, the first lane's on the calling thread.
+
+use super::{Constrainer, ConstraintError, MaskJob};
+
+pub struct ConstraintLanes {
+    lanes: Vec<Box<dyn Constrainer>>,
+    /// Matchers open in each lane.
+    open: Vec<u32>,
+    /// By outer matcher id: its lane and its id there (`None`: free, listed in `free`).
+    ids: Vec<Option<(u32, u32)>>,
+    free: Vec<u32>,
+    /// Threads for the lanes after the first (`None` with one lane, or when the pool could
+    /// not start: the lanes then run one after another).
+    pool: Option<rayon::ThreadPool>,
+}
+
+impl ConstraintLanes {
+    /// `lanes`: at least one constrainer, each with its own state (plugin instance).
+    pub fn new(lanes: Vec<Box<dyn Constrainer>>) -> Self {
+        assert!(!lanes.is_empty(), "ConstraintLanes needs a lane");
+        let n = lanes.len();
+        let pool = (n > 1)
+            .then(|| {
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(n - 1)
+                    .thread_name(|i| format!("chimera-masks-{i}"))
+                    .build()
+            })
+            .and_then(|p| {
+                p.map_err(|e| tracing::warn!(error = %e, "no threads for the constraint lanes; masks are computed one after another"))
+                    .ok()
+            });
+        Self {
+            open: vec![0; n],
+            lanes,
+            ids: Vec::new(),
+            free: Vec::new(),
+            pool,
+        }
+    }
+
+    pub fn lanes(&self) -> usize {
+        self.lanes.len()
+    }
+
+    fn route(&self, matcher: u32) -> Result<(usize, u32), String> {
+        match self.ids.get(matcher as usize) {
+            Some(Some((lane, id))) => Ok((*lane as usize, *id)),
+            _ => Err(format!("no matcher {matcher}")),
+        }
+    }
+}
+
+impl Constrainer for ConstraintLanes {
+    fn open(&mut self, kind: &str, grammar: &str) -> Result<u32, ConstraintError> {
+        let lane = (0..self.lanes.len())
+            .min_by_key(|&l| self.open[l])
+            .unwrap_or(0);
+        let id = self.lanes[lane].open(kind, grammar)?;
+        self.open[lane] += 1;
+        let entry = Some((lane as u32, id));
+        Ok(match self.free.pop() {
+            Some(outer) => {
+                self.ids[outer as usize] = entry;
+                outer
+            }
+            None => {
+                self.ids.push(entry);
+                (self.ids.len() - 1) as u32
+            }
+        })
+    }
+
+    fn next(&mut self, matcher: u32, tokens: &[u32], mask: &mut [u32]) -> Result<(), String> {
+        let (lane, id) = self.route(matcher)?;
+        self.lanes[lane].next(id, tokens, mask)
+    }
+
+    fn next_batch(&mut self, jobs: &mut [MaskJob<'_>]) {
+        let mut by_lane: Vec<Vec<&mut MaskJob<'_>>> =
+            (0..self.lanes.len()).map(|_| Vec::new()).collect();
+        for job in jobs.iter_mut() {
+            match self.route(job.matcher) {
+                Ok((lane, id)) => {
+                    job.matcher = id;
+                    by_lane[lane].push(job);
+                }
+                Err(e) => job.result = Err(e),
+            }
+        }
+        let run = |lane: &mut Box<dyn Constrainer>, list: Vec<&mut MaskJob<'_>>| {
+            for job in list {
+                job.result = lane.next(job.matcher, job.tokens, job.mask);
+            }
+        };
+        let busy = by_lane.iter().filter(|l| !l.is_empty()).count();
+        match &self.pool {
+            Some(pool) if busy > 1 => {
+                let mut pairs = self.lanes.iter_mut().zip(by_lane);
+                let first = pairs.next();
+                pool.in_place_scope(|s| {
+                    for (lane, list) in pairs {
+                        if !list.is_empty() {
+                            s.spawn(move |_| run(lane, list));
+                        }
+                    }
+                    if let Some((lane, list)) = first {
+                        run(lane, list);
+                    }
+                });
+            }
+            _ => {
+                for (lane, list) in self.lanes.iter_mut().zip(by_lane) {
+                    run(lane, list);
+                }
+            }
+        }
+    }
+
+    fn rollback(&mut self, matcher: u32, count: u32) -> Result<(), String> {
+        let (lane, id) = self.route(matcher)?;
+        self.lanes[lane].rollback(id, count)
+    }
+
+    fn close(&mut self, matcher: u32) {
+        let Ok((lane, id)) = self.route(matcher) else {
+            return;
+        };
+        self.lanes[lane].close(id);
+        self.open[lane] = self.open[lane].saturating_sub(1);
+        self.ids[matcher as usize] = None;
+        self.free.push(matcher);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    /// A constrainer whose mask for a matcher is its grammar's number plus the tokens it has
+    /// consumed, in every word; `lane` tags its answers.
+    struct Counting {
+        lane: u32,
+        matchers: HashMap<u32, (u32, u32)>,
+        next_id: u32,
+    }
+
+    impl Constrainer for Counting {
+        fn open(&mut self, _kind: &str, grammar: &str) -> Result<u32, ConstraintError> {
+            let n = grammar
+                .parse()
+                .map_err(|_| ConstraintError::Grammar(format!("not a number: {grammar}")))?;
+            self.next_id += 1;
+            self.matchers.insert(self.next_id, (n, 0));
+            Ok(self.next_id)
+        }
+
+        fn next(&mut self, matcher: u32, tokens: &[u32], mask: &mut [u32]) -> Result<(), String> {
+            let (n, fed) = self.matchers.get_mut(&matcher).ok_or("unknown")?;
+            *fed += tokens.len() as u32;
+            if *n == 13 {
+                return Err("thirteen".into());
+            }
+            mask.fill(*n * 1000 + *fed * 10 + self.lane);
+            Ok(())
+        }
+
+        fn rollback(&mut self, matcher: u32, count: u32) -> Result<(), String> {
+            let (_, fed) = self.matchers.get_mut(&matcher).ok_or("unknown")?;
+            *fed = fed.checked_sub(count).ok_or("too far")?;
+            Ok(())
+        }
+
+        fn close(&mut self, matcher: u32) {
+            self.matchers.remove(&matcher);
+        }
+    }
+
+    fn lanes(n: u32) -> ConstraintLanes {
+        ConstraintLanes::new(
+            (0..n)
+                .map(|lane| {
+                    Box::new(Counting {
+                        lane,
+                        matchers: HashMap::new(),
+                        next_id: 100 * lane,
+                    }) as Box<dyn Constrainer>
+                })
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn a_batch_answers_each_matcher_from_its_own_lane() {
+        let mut c = lanes(3);
+        let ids: Vec<u32> = (1..=9)
+            .map(|n| c.open("test", &n.to_string()).unwrap())
+            .collect();
+        assert_eq!(ids, (0..9).collect::<Vec<_>>());
+        let tokens = [7u32, 8, 9];
+        let mut masks = [0u32; 9 * 4];
+        let mut jobs: Vec<MaskJob<'_>> = masks
+            .chunks_mut(4)
+            .zip(&ids)
+            .map(|(mask, &matcher)| MaskJob {
+                matcher,
+                tokens: &tokens[..(matcher as usize % 3) + 1],
+                mask,
+                result: Ok(()),
+            })
+            .collect();
+        c.next_batch(&mut jobs);
+        assert!(jobs.iter().all(|j| j.result.is_ok()));
+        drop(jobs);
+        for (i, row) in masks.chunks(4).enumerate() {
+            // Opened round-robin over the three lanes (each had the fewest open in turn).
+            let want = (i as u32 + 1) * 1000 + (i as u32 % 3 + 1) * 10 + i as u32 % 3;
+            assert_eq!(row, [want; 4], "matcher {i}");
+        }
+        // One at a time, the same routing.
+        let mut mask = [0u32; 4];
+        c.next(4, &[], &mut mask).unwrap();
+        assert_eq!(mask, [5000 + 20 + 1; 4]);
+        c.rollback(4, 2).unwrap();
+        c.next(4, &[1], &mut mask).unwrap();
+        assert_eq!(mask, [5000 + 10 + 1; 4]);
+    }
+
+    #[test]
+    fn failures_stay_with_their_job_and_closed_ids_are_reused() {
+        let mut c = lanes(2);
+        let a = c.open("test", "12").unwrap();
+        let b = c.open("test", "13").unwrap();
+        assert!(matches!(
+            c.open("test", "x"),
+            Err(ConstraintError::Grammar(_))
+        ));
+        let mut masks = [0u32; 3 * 2];
+        let mut rows = masks.chunks_mut(2);
+        let mut jobs = vec![
+            MaskJob {
+                matcher: a,
+                tokens: &[],
+                mask: rows.next().unwrap(),
+                result: Ok(()),
+            },
+            MaskJob {
+                matcher: b,
+                tokens: &[],
+                mask: rows.next().unwrap(),
+                result: Ok(()),
+            },
+            MaskJob {
+                matcher: 77,
+                tokens: &[],
+                mask: rows.next().unwrap(),
+                result: Ok(()),
+            },
+        ];
+        c.next_batch(&mut jobs);
+        assert!(jobs[0].result.is_ok());
+        assert_eq!(jobs[1].result, Err("thirteen".to_string()));
+        assert_eq!(jobs[2].result, Err("no matcher 77".to_string()));
+        drop(jobs);
+        c.close(a);
+        c.close(a);
+        assert_eq!(c.next(a, &[], &mut [0; 2]), Err(format!("no matcher {a}")));
+        // The freed id comes back, in the lane with the fewest open (the one `a` left).
+        assert_eq!(c.open("test", "3").unwrap(), a);
+        let mut mask = [0u32; 2];
+        c.next(a, &[], &mut mask).unwrap();
+        assert_eq!(mask, [3000; 2]);
+    }
+}
