@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use chimera::app::{LoadedModel, constraint_vocabulary};
 use chimera::plugins::{PluginMetrics, PluginsConfig, PolicyConfig, PolicyPlugins, Vocabulary};
-use chimera::policy::Constrainer;
+use chimera::policy::{Constrainer, MaskJob};
 
 const SCHEMA: &str = include_str!("../../plugins/constraint-core/examples/tool_schema.json");
 const DOCUMENT: &str = include_str!("../../plugins/constraint-core/examples/tool_call.json");
@@ -102,6 +102,57 @@ fn replay(c: &mut dyn Constrainer, v: &Vocabulary, tokens: &[u32]) -> (Vec<f64>,
     (times, masks)
 }
 
+/// Responses in one step's batch of masks.
+const ROWS: usize = 64;
+
+/// One step's masks at once, as the engine asks for them while a forward pass runs: `ROWS`
+/// responses walk the first document in lockstep, each step one `next_batch` of a token for
+/// every response. Returns each step's wall time in microseconds and every step's masks.
+fn batches(c: &mut dyn Constrainer, v: &Vocabulary, tokens: &[u32]) -> (Vec<f64>, Vec<Vec<u32>>) {
+    let words = v.mask_words();
+    let doc_len = DOCUMENT.trim_end().len();
+    let mut text = 0;
+    let doc: Vec<u32> = tokens
+        .iter()
+        .copied()
+        .take_while(|&t| {
+            let more = text < doc_len;
+            text += v.view().token(t as usize).len();
+            more
+        })
+        .collect();
+    let ids: Vec<u32> = (0..ROWS)
+        .map(|_| c.open("json-schema", SCHEMA).expect("the schema compiles"))
+        .collect();
+    let mut masks = vec![0u32; ROWS * words];
+    let (mut times, mut out) = (Vec::new(), Vec::new());
+    for step in 0..=doc.len() {
+        let fed = &doc[step.saturating_sub(1)..step];
+        let mut jobs: Vec<MaskJob<'_>> = masks
+            .chunks_mut(words)
+            .zip(&ids)
+            .map(|(mask, &matcher)| MaskJob {
+                matcher,
+                tokens: fed,
+                mask,
+                result: Ok(()),
+            })
+            .collect();
+        let start = Instant::now();
+        c.next_batch(&mut jobs);
+        times.push(start.elapsed().as_secs_f64() * 1e6);
+        for j in &jobs {
+            j.result.as_ref().expect("the walk stays in the grammar");
+        }
+        drop(jobs);
+        out.push(masks.clone());
+    }
+    for id in ids {
+        c.close(id);
+    }
+    (times, out)
+}
+
 fn stats(times: &[f64]) -> (f64, f64, f64, f64) {
     let mut s = times.to_vec();
     s.sort_by(f64::total_cmp);
@@ -178,4 +229,40 @@ fn main() {
         std::process::exit(1);
     }
     println!("masks agree at all {} positions", mw.len());
+
+    // A step's batch: the engine's lanes ([plugins] constraint_threads) against one instance.
+    let lanes = PluginsConfig::default().constraint_threads;
+    let mut many = plugins.engine_constrainer();
+    let _ = batches(wasm.as_mut(), &v, &tokens[..tokens.len().min(20)]);
+    let _ = batches(many.as_mut(), &v, &tokens[..tokens.len().min(20)]);
+    let (t1, m1) = batches(wasm.as_mut(), &v, &tokens);
+    let (tk, mk) = batches(many.as_mut(), &v, &tokens);
+    let (one, k) = (stats(&t1), stats(&tk));
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!(
+        "a step's {ROWS} masks (µs, {} steps, {cores} cores here) {:>6} {:>9} {:>9} {:>9}",
+        t1.len(),
+        "mean",
+        "p50",
+        "p99",
+        "max"
+    );
+    println!(
+        "{:<28} {:>9.0} {:>9.0} {:>9.0} {:>9.0}",
+        "wasm, one instance", one.0, one.1, one.2, one.3
+    );
+    println!(
+        "{:<28} {:>9.0} {:>9.0} {:>9.0} {:>9.0}",
+        format!("wasm, {lanes} lanes"),
+        k.0,
+        k.1,
+        k.2,
+        k.3
+    );
+    println!("one instance / lanes: mean {:.2}×", one.0 / k.0);
+    if m1 != mk {
+        eprintln!("error: the lanes' masks differ from one instance's");
+        std::process::exit(1);
+    }
+    println!("the lanes' masks agree at all {} steps", m1.len());
 }

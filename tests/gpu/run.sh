@@ -125,8 +125,12 @@ constrained_suite() {
     return
   fi
   tail -n 1 "$out/constrained-model.log"
+  # CONSTRAINT_THREADS: [plugins] constraint_threads (the default when unset).
   printf '[model]\npath = "%s"\nload_format = "dummy"\ndtype = "bfloat16"\n\n[engine]\nbackend = "cuda"\nmax_running = 128\n\n[cache]\nmemory_fraction = 0.85\n' \
     "$model" > "$out/constrained.toml"
+  if [ -n "${CONSTRAINT_THREADS:-}" ]; then
+    printf '\n[plugins]\nconstraint_threads = %s\n' "$CONSTRAINT_THREADS" >> "$out/constrained.toml"
+  fi
   "$bin" serve --config "$out/constrained.toml" --port $port > "$out/constrained-serve.log" 2>&1 &
   local pid=$! up=0
   for _ in $(seq 1 600); do
