@@ -1052,17 +1052,24 @@ fn constrained_responses_follow_their_grammar_and_leave_others_alone() {
             ..MockConfig::default()
         })
     };
-    let engine_split = |split| {
+    // `lanes` > 1: the constraints spread over that many constrainers, a step's masks
+    // computed on as many threads.
+    let engine_lanes = |split, lanes: usize| {
         let exec = exec(split);
+        let one = || chimera::policy::native::constrainer(&Default::default(), &vocabulary);
+        let constrainer = match lanes {
+            1 => one(),
+            n => Box::new(chimera::policy::ConstraintLanes::new(
+                (0..n).map(|_| one()).collect(),
+            )) as Box<dyn chimera::policy::Constrainer>,
+        };
         let policies = Policies {
-            constrainer: Some(chimera::policy::native::constrainer(
-                &Default::default(),
-                &vocabulary,
-            )),
+            constrainer: Some(constrainer),
             ..Policies::builtin()
         };
         chimera::engine::Engine::new(setup(&exec, Knobs::default()), exec, policies).unwrap()
     };
+    let engine_split = |split| engine_lanes(split, 1);
     let engine = || engine_split(true);
     let grammar = |kind: &str, text: &str| {
         Some(Grammar {
@@ -1111,9 +1118,12 @@ fn constrained_responses_follow_their_grammar_and_leave_others_alone() {
     let pipelined = drive_arriving(&mut engine(), requests());
     let mut unsplit = engine_split(false);
     let waiting = drive(&mut unsplit, requests());
+    let mut laned = engine_lanes(true, 3);
+    let on_lanes = drive(&mut laned, requests());
     assert!(late > 0, "no mask was computed while a forward pass ran");
     assert_eq!(unsplit.stats().late_masks, 0);
-    for run in [&step_by_step, &pipelined, &waiting] {
+    assert!(laned.stats().late_masks > 0);
+    for run in [&step_by_step, &pipelined, &waiting, &on_lanes] {
         let o = &run.outcomes;
         for id in [1, 2, 3] {
             assert_eq!(
@@ -1149,4 +1159,5 @@ fn constrained_responses_follow_their_grammar_and_leave_others_alone() {
     }
     assert_eq!(step_by_step.tokens(), pipelined.tokens());
     assert_eq!(step_by_step.tokens(), waiting.tokens());
+    assert_eq!(step_by_step.tokens(), on_lanes.tokens());
 }
