@@ -172,7 +172,8 @@ impl SamplingStage {
     /// produced for `rows` (see [`Self::sample_rows`]): the same [`SamplerBatch`], the same
     /// validation and fallback, and the same logprobs as [`Self::sample`] over full rows
     /// (the chosen token is always a candidate, so its logit is among them).
-    /// `rows` is walked twice (parameters, then logprobs), so it is a cloneable iterator.
+    /// `rows` is walked once, and again for the logprobs when a row asks for them, so it is a
+    /// cloneable iterator.
     ///
     /// The candidate columns are taken, not copied, when no logit is NaN (nothing to map):
     /// `cands.cand_tokens` and `cands.cand_logits` then come back holding this stage's spare
@@ -187,7 +188,14 @@ impl SamplingStage {
         out: &mut Vec<Sampled>,
     ) -> Result<(), CandidateShapeError> {
         out.clear();
-        let (n, k) = (rows.clone().count(), cands.k);
+        let k = cands.k;
+        self.reset_batch(k);
+        let mut logprobs = false;
+        for info in rows.clone() {
+            logprobs |= info.params.logprobs.is_some();
+            self.push_params(&info);
+        }
+        let n = self.batch.temperature.len();
         if k == 0
             || cands.cand_tokens.len() != n * k
             || cands.cand_logits.len() != n * k
@@ -200,10 +208,6 @@ impl SamplingStage {
                 logits: cands.cand_logits.len(),
                 lse: cands.lse.len(),
             });
-        }
-        self.reset_batch(k);
-        for info in rows.clone() {
-            self.push_params(&info);
         }
         // The sampler sees NaN as negative infinity; without a NaN the columns are taken as
         // they are (the logprobs below read the unmapped logits either way).
@@ -221,6 +225,13 @@ impl SamplingStage {
             );
         }
         let chosen = self.decide(sampler, fallback);
+        if !logprobs {
+            out.extend(chosen.iter().map(|&token| Sampled {
+                token,
+                logprob: None,
+            }));
+            return Ok(());
+        }
         let raw_logits = if taken {
             &self.batch.cand_logits
         } else {
