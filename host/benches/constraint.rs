@@ -10,6 +10,9 @@
 //! next mask, copy it out) is timed. Prints mean, p50, p99 and max per token and the ratio;
 //! the targets for the Wasm plugin are a 50 µs mean and a 500 µs p99. Exits non-zero
 //! if the two builds' masks differ anywhere (or a call fails).
+//!
+//! `-- --plugin FILE.wasm` adds a row for a constraint plugin of one's own (a rebuilt
+//! built-in, another grammar engine) over the same walk, its masks held to the same rule.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -153,6 +156,27 @@ fn batches(c: &mut dyn Constrainer, v: &Vocabulary, tokens: &[u32]) -> (Vec<f64>
     (times, out)
 }
 
+/// The constraint plugin named by `--plugin FILE.wasm`, instantiated as the server would
+/// (`[policy.constraint] plugin = FILE`), with the file's name.
+fn plugin_file(v: &Arc<Vocabulary>) -> Option<(String, Box<dyn Constrainer>)> {
+    let args: Vec<String> = std::env::args().collect();
+    let file = args.iter().position(|a| a == "--plugin").map(|i| {
+        args.get(i + 1)
+            .expect("--plugin takes a .wasm file")
+            .clone()
+    })?;
+    let mut policy = PolicyConfig::default();
+    policy.constraint.plugin = file.clone();
+    let plugins = PolicyPlugins::with_vocabulary(
+        &policy,
+        &PluginsConfig::default(),
+        PluginMetrics::new(),
+        Some(v.clone()),
+    )
+    .unwrap_or_else(|e| panic!("the plugin {file} loads: {e}"));
+    Some((file, plugins.constrainer()))
+}
+
 fn stats(times: &[f64]) -> (f64, f64, f64, f64) {
     let mut s = times.to_vec();
     s.sort_by(f64::total_cmp);
@@ -198,6 +222,11 @@ fn main() {
     let (tw, mw) = replay(wasm.as_mut(), &v, &tokens);
     let (tn, mn) = replay(native.as_mut(), &v, &tokens);
     let (w, n) = (stats(&tw), stats(&tn));
+    let file = plugin_file(&v).map(|(name, mut c)| {
+        let _ = replay(c.as_mut(), &v, &tokens[..tokens.len().min(50)]);
+        let (t, m) = replay(c.as_mut(), &v, &tokens);
+        (name, stats(&t), m)
+    });
     println!(
         "{:<28} {:>9} {:>9} {:>9} {:>9}",
         "per token (µs)", "mean", "p50", "p99", "max"
@@ -210,6 +239,16 @@ fn main() {
         "{:<28} {:>9.1} {:>9.1} {:>9.1} {:>9.1}",
         "native llguidance", n.0, n.1, n.2, n.3
     );
+    if let Some((name, f, _)) = &file {
+        println!(
+            "{:<28} {:>9.1} {:>9.1} {:>9.1} {:>9.1}",
+            format!("wasm  {name}"),
+            f.0,
+            f.1,
+            f.2,
+            f.3
+        );
+    }
     println!(
         "wasm / native: mean {:.2}×, p99 {:.2}×   (targets for wasm: mean ≤ 50 µs, p99 ≤ 500 µs: {})",
         w.0 / n.0,
@@ -227,6 +266,17 @@ fn main() {
             mw.len()
         );
         std::process::exit(1);
+    }
+    if let Some((name, f, m)) = &file {
+        println!(
+            "{name} / native: mean {:.2}×, p99 {:.2}×",
+            f.0 / n.0,
+            f.2 / n.2
+        );
+        if m != &mn {
+            eprintln!("error: the masks of {name} differ from native llguidance's");
+            std::process::exit(1);
+        }
     }
     println!("masks agree at all {} positions", mw.len());
 
