@@ -21,12 +21,16 @@
 // - gdn_decode: the decodes when the value dim is a multiple of the state's 16-byte vector
 //   (every published shape): the same step with the state read and written in whole lines
 //   (see the kernel); gdn_scan with C = 8 takes the other shapes.
+// - gdn_prompt: the prompts when dk ≤ 128 (every published shape): the same recurrence with
+//   the tokens staged through shared memory a block ahead and four row lanes a column (see
+//   the kernel); gdn_scan with C = 2 takes larger key dims.
 //
 // The state pool is f32 or bf16 (rounded once per step and at each snapshot); every sum is
 // f32. This is the recurrent form for prompts too: exact against the CPU's chunked form up to
-// rounding, bound by the per-token chain of the recurrence rather than by memory for long
-// prompts (the chunked tensor-core form is the next step); decode reads and writes the state
-// once.
+// rounding, bound by the per-token chain of the recurrence (a few shuffles and FMAs a token
+// once the operands are staged) rather than by memory for long prompts; the chunked
+// tensor-core form would take that chain from per token to per chunk. Decode reads and writes
+// the state once.
 #include "ssm.cuh"
 
 namespace ssm {
@@ -227,6 +231,223 @@ __device__ void gdn_scan(const float* qn, const float* kn, const float* qk, cons
     gdn_state_io<S, R, C>(live + head_off, s, lane, c0, dk, dv, true);
 }
 
+// Prompts with their tokens staged through shared memory: CTA (prompt entry, value head,
+// 4·8·C columns of v), 4 warps; lane (rl = lane / 8, cl = lane mod 8) of warp w holds columns
+// c0 + cl·C + j (c0 = the warp's first, j < C) of rows 16m + 4·rl + u (m < R/4, u < 4) of S,
+// so a token's column sums reduce over the four row lanes in two shuffles (gdn_scan: five),
+// and a lane reads its rows of k and q as R/4 16-byte vectors whose four row lanes hit
+// distinct banks. The entry's tokens go through shared memory in blocks of GDN_TB: the normed
+// k and q by cp.async, v, e^g, β and k·q through registers, the next block in flight while
+// this one runs, so no global load sits on the per-token chain (gdn_scan waits for the next
+// token's operands from L2 at every token). dk ≤ 4R (rows past dk are zeros).
+constexpr int GDN_TB = 16;
+
+template <int R, int COLS>
+struct GdnStage {
+    float kq[2][GDN_TB][2][4 * R];  // normed k, then q (zeros past dk)
+    float v[2][GDN_TB][COLS];
+    float sc[2][GDN_TB][3];  // e^g, β, k·q
+};
+
+template <typename T, typename S, int R, int C>
+__device__ void gdn_prompt(const float* qn, const float* kn, const float* qk, const float* g,
+                           const float* beta, const T* v, T* out, S* pool, const u32* seq_tok,
+                           const u32* seq_len, const u32* seq_slot, const u32* seq_chunk,
+                           const u32* seq_chunks, const u32* ck_tok, const u32* ck_len,
+                           const u32* ck_snap, const u32* ck_snaps, const u32* snap_slot, u32 e0,
+                           u32 k_heads, u32 v_heads, u32 dk, u32 dv, u32 v_ld, u32 out_ld,
+                           u32 layer, u32 layers, u32 slots) {
+    constexpr int COLS = GDN_THREADS / 32 * 8 * C, DKP = 4 * R;
+    __shared__ __align__(16) GdnStage<R, COLS> sm;
+    const u32 col_blocks = (dv + COLS - 1) / COLS;
+    const u32 cb = blockIdx.x % col_blocks;
+    const u32 h = (blockIdx.x / col_blocks) % v_heads;
+    const u32 e = e0 + blockIdx.x / (col_blocks * v_heads);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int rl = lane >> 3, cl = lane & 7;
+    const u32 cta_c0 = cb * COLS;
+    const int lc0 = warp * 8 * C + cl * C;  // this lane's first column in the CTA's
+    const u32 kh = h / (v_heads / k_heads);
+    const u32 tok0 = seq_tok[e], len = seq_len[e];
+    const u64 per = (u64)v_heads * dk * dv, head_off = (u64)h * dk * dv;
+    S* live = layer_state(pool, seq_slot[e], slots, layer, layers, per);
+    if (!live) {
+        for (u32 t = tok0; t < tok0 + len; ++t)
+            for (u32 c = tid; c < COLS; c += GDN_THREADS)
+                if (cta_c0 + c < dv) store(out, (i64)t * out_ld + h * dv + cta_c0 + c, 0.0f);
+        return;
+    }
+    // Rows past dk stay zero in both buffers (the copies below write rows < dk only).
+    for (int i = tid; i < 2 * GDN_TB * 2 * DKP; i += GDN_THREADS) (&sm.kq[0][0][0][0])[i] = 0.0f;
+    __syncthreads();
+
+    const u32 kcols = k_heads * dk;
+    const bool vec4 = dk % 4 == 0;
+    // Stage block b's k and q (cp.async) into buffer b & 1.
+    auto stage_kq = [&](u32 b) {
+        const int buf = b & 1;
+        const u32 t0 = b * GDN_TB;
+        const u32 n = min((u32)GDN_TB, len - t0);
+        if (vec4) {
+            const u32 per_row = dk / 4;
+            for (u32 x = tid; x < n * 2 * per_row; x += GDN_THREADS) {
+                const u32 tt = x / (2 * per_row), rest = x % (2 * per_row);
+                const u32 which = rest / per_row, i = 4 * (rest % per_row);
+                const float* src = (which ? qn : kn) + (i64)(tok0 + t0 + tt) * kcols + kh * dk + i;
+                cp_async_16(smem_addr(&sm.kq[buf][tt][which][i]), src, 16);
+            }
+        } else {
+            for (u32 x = tid; x < n * 2 * dk; x += GDN_THREADS) {
+                const u32 tt = x / (2 * dk), rest = x % (2 * dk);
+                const u32 which = rest / dk, i = rest % dk;
+                const float* src = (which ? qn : kn) + (i64)(tok0 + t0 + tt) * kcols + kh * dk + i;
+                cp_async_4(smem_addr(&sm.kq[buf][tt][which][i]), src, 4);
+            }
+        }
+        cp_async_commit_group();
+    };
+    // Block b's v columns and scalars into registers (VR values a thread), then into
+    // shared memory once the block before has been read.
+    constexpr int VR = (GDN_TB * COLS + GDN_THREADS - 1) / GDN_THREADS;
+    float vreg[VR], sreg = 0.0f;
+    auto load_regs = [&](u32 b) {
+        const u32 t0 = b * GDN_TB;
+#pragma unroll
+        for (int k = 0; k < VR; ++k) {
+            const int x = tid + k * GDN_THREADS;
+            const u32 tt = x / COLS, c = x % COLS;
+            const bool in = x < GDN_TB * COLS && t0 + tt < len && cta_c0 + c < dv;
+            vreg[k] = in ? load(v, (i64)(tok0 + t0 + tt) * v_ld + h * dv + cta_c0 + c) : 0.0f;
+        }
+        if (tid < 3 * GDN_TB) {
+            const u32 tt = tid / 3, which = tid % 3;
+            const u32 t = tok0 + t0 + tt;
+            if (t0 + tt < len) {
+                sreg = which == 0   ? expf(g[(i64)t * v_heads + h])
+                       : which == 1 ? beta[(i64)t * v_heads + h]
+                                    : qk[(i64)t * k_heads + kh];
+            }
+        }
+    };
+    auto store_regs = [&](u32 b) {
+        const int buf = b & 1;
+#pragma unroll
+        for (int k = 0; k < VR; ++k) {
+            const int x = tid + k * GDN_THREADS;
+            if (x < GDN_TB * COLS) sm.v[buf][x / COLS][x % COLS] = vreg[k];
+        }
+        if (tid < 3 * GDN_TB) sm.sc[buf][tid / 3][tid % 3] = sreg;
+    };
+
+    float s[R][C];
+#pragma unroll
+    for (int m = 0; m < R / 4; ++m) {
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const u32 i = 16 * m + 4 * rl + u;
+#pragma unroll
+            for (int j = 0; j < C; ++j) {
+                const u32 c = cta_c0 + lc0 + j;
+                s[4 * m + u][j] =
+                    i < dk && c < dv ? load(live + head_off, (i64)i * dv + c) : 0.0f;
+            }
+        }
+    }
+    // Writes this lane's part of the state to `dst` (a head's [dk, dv]). The row stride goes
+    // through an empty asm so the R·C offsets are computed at each write, not hoisted out of
+    // the token loop into registers the state needs.
+    auto write_state = [&](S* dst) {
+        u32 stride = dv;
+        asm volatile("" : "+r"(stride));
+        dst += (i64)(4 * rl) * stride + cta_c0 + lc0;
+#pragma unroll
+        for (int m = 0; m < R / 4; ++m) {
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const u32 i = 16 * m + 4 * rl + u;
+#pragma unroll
+                for (int j = 0; j < C; ++j) {
+                    if (i < dk && cta_c0 + lc0 + j < dv)
+                        store(dst, (i64)(16 * m + u) * stride + j, s[4 * m + u][j]);
+                }
+            }
+        }
+    };
+
+    u32 ck = seq_chunk[e];
+    const u32 ck_end = ck + seq_chunks[e];
+    u32 next_end = ck < ck_end ? ck_tok[ck] + ck_len[ck] : 0;
+    const u32 blocks = (len + GDN_TB - 1) / GDN_TB;
+    stage_kq(0);
+    load_regs(0);
+    store_regs(0);
+#pragma unroll 1
+    for (u32 b = 0; b < blocks; ++b) {
+        const int buf = b & 1;
+        if (b + 1 < blocks) {
+            stage_kq(b + 1);
+            load_regs(b + 1);
+            cp_async_wait_groups<1>();
+        } else {
+            cp_async_wait_groups<0>();
+        }
+        __syncthreads();
+        const u32 n = min((u32)GDN_TB, len - b * GDN_TB);
+#pragma unroll 1
+        for (u32 tt = 0; tt < n; ++tt) {
+            const u32 t = tok0 + b * GDN_TB + tt;
+            float kr[R], qr[R];
+#pragma unroll
+            for (int m = 0; m < R / 4; ++m) {
+                const float4 a = *reinterpret_cast<const float4*>(&sm.kq[buf][tt][0][16 * m + 4 * rl]);
+                const float4 c = *reinterpret_cast<const float4*>(&sm.kq[buf][tt][1][16 * m + 4 * rl]);
+                kr[4 * m] = a.x, kr[4 * m + 1] = a.y, kr[4 * m + 2] = a.z, kr[4 * m + 3] = a.w;
+                qr[4 * m] = c.x, qr[4 * m + 1] = c.y, qr[4 * m + 2] = c.z, qr[4 * m + 3] = c.w;
+            }
+            // Column sums with four partial sums each (a shorter dependent chain).
+            float sk[C], sq[C];
+#pragma unroll
+            for (int j = 0; j < C; ++j) {
+                float a[4] = {0.0f, 0.0f, 0.0f, 0.0f}, q4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    a[r & 3] += s[r][j] * kr[r];
+                    q4[r & 3] += s[r][j] * qr[r];
+                }
+                sk[j] = (a[0] + a[1]) + (a[2] + a[3]);
+                sq[j] = (q4[0] + q4[1]) + (q4[2] + q4[3]);
+            }
+#pragma unroll
+            for (int j = 0; j < C; ++j) {
+                sk[j] += __shfl_xor_sync(0xffffffffu, sk[j], 8);
+                sq[j] += __shfl_xor_sync(0xffffffffu, sq[j], 8);
+                sk[j] += __shfl_xor_sync(0xffffffffu, sk[j], 16);
+                sq[j] += __shfl_xor_sync(0xffffffffu, sq[j], 16);
+            }
+            const float decay = sm.sc[buf][tt][0], bt = sm.sc[buf][tt][1], kq = sm.sc[buf][tt][2];
+#pragma unroll
+            for (int j = 0; j < C; ++j) {
+                const float delta = bt * (sm.v[buf][tt][lc0 + j] - decay * sk[j]);
+                const u32 c = cta_c0 + lc0 + j;
+                if (rl == 0 && c < dv) store(out, (i64)t * out_ld + h * dv + c, decay * sq[j] + delta * kq);
+#pragma unroll
+                for (int r = 0; r < R; ++r) s[r][j] = decay * s[r][j] + kr[r] * delta;
+            }
+            if (t + 1 == next_end) {
+                for (u32 m = ck_snap[ck]; m < ck_snap[ck] + ck_snaps[ck]; ++m) {
+                    S* dst = layer_state(pool, snap_slot[m], slots, layer, layers, per);
+                    if (dst) write_state(dst + head_off);
+                }
+                ++ck;
+                next_end = ck < ck_end ? ck_tok[ck] + ck_len[ck] : 0;
+            }
+        }
+        __syncthreads();
+        if (b + 1 < blocks) store_regs(b + 1);
+    }
+    write_state(live + head_off);
+}
+
 // Decode, the state read and written in whole 128-byte lines: CTA (decode entry, value head,
 // COLS = 8·VEC<S> columns: 32 for an f32 state, 64 for bf16), W warps; lane l of warp w holds
 // one 16-byte vector (VEC<S> columns: (l mod 8)·VEC<S>) of rows 4w + l/8 + 4W·r, r < R
@@ -391,6 +612,27 @@ __device__ void gdn_decode(const float* qn, const float* kn, const float* qk, co
                                     v_ld, out_ld, layer, layers, slots);                       \
     }
 
+#define GDN_PROMPT(NAME, T, S, R, C)                                                            \
+    extern "C" __global__ void __launch_bounds__(ssm::GDN_THREADS) NAME(                        \
+        const float* qn, const float* kn, const float* qk, const float* g, const float* beta,   \
+        const T* v, T* out, S* pool, const u32* seq_tok, const u32* seq_len,                    \
+        const u32* seq_slot, const u32* seq_chunk, const u32* seq_chunks, const u32* seq_snap,  \
+        const u32* seq_snaps, const u32* ck_tok, const u32* ck_len, const u32* ck_snap,         \
+        const u32* ck_snaps, const u32* snap_slot, u32 e0, u32 decodes, u32 k_heads,            \
+        u32 v_heads, u32 dk, u32 dv, u32 v_ld, u32 out_ld, u32 layer, u32 layers, u32 slots) {  \
+        CHIMERA_PDL_ENTRY();                                                                    \
+        ssm::gdn_prompt<T, S, R, C>(qn, kn, qk, g, beta, v, out, pool, seq_tok, seq_len,       \
+                                    seq_slot, seq_chunk, seq_chunks, ck_tok, ck_len, ck_snap,  \
+                                    ck_snaps, snap_slot, e0, k_heads, v_heads, dk, dv, v_ld,   \
+                                    out_ld, layer, layers, slots);                             \
+    }
+
+#define GDN_PROMPTS(R, C)                                                        \
+    GDN_PROMPT(gdn_prompt_r##R##_c##C##_f32, float, float, R, C)                 \
+    GDN_PROMPT(gdn_prompt_r##R##_c##C##_bf16, bf16, float, R, C)                 \
+    GDN_PROMPT(gdn_prompt_r##R##_c##C##_f32_sbf16, float, bf16, R, C)            \
+    GDN_PROMPT(gdn_prompt_r##R##_c##C##_bf16_sbf16, bf16, bf16, R, C)
+
 // The warps of a decode CTA by state type (gdn.rs: decode_warps).
 #define GDN_DECODES(R)                                                   \
     GDN_DECODE(gdn_decode_r##R##_f32, float, float, R, 4)                \
@@ -418,3 +660,11 @@ GDN_DECODES(2)
 GDN_DECODES(4)
 GDN_DECODES(8)
 GDN_DECODES(16)
+// (gdn.rs: ENTRIES) Two columns a lane up to 16 rows a lane: 32 rows of two spill.
+GDN_PROMPTS(4, 1)
+GDN_PROMPTS(8, 1)
+GDN_PROMPTS(16, 1)
+GDN_PROMPTS(32, 1)
+GDN_PROMPTS(4, 2)
+GDN_PROMPTS(8, 2)
+GDN_PROMPTS(16, 2)

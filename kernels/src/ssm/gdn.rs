@@ -14,27 +14,34 @@ const DECODE_COLS: u32 = 8;
 const PROMPT_COLS: u32 = 2;
 /// Largest key head dim (32 rows a lane at most 8).
 pub const MAX_GDN_KEY_DIM: u32 = 256;
+/// Largest key head dim of `gdn_prompt` (4 row lanes of at most 32 rows); `gdn_scan` takes
+/// the prompts of larger ones.
+const MAX_STAGED_KEY_DIM: u32 = 128;
+/// Below this many CTAs at two columns a lane, `gdn_prompt` takes one column a lane (twice
+/// the CTAs: a long prompt alone on a card of 132 SMs is one entry × heads × column blocks).
+/// Key dims over 64 always take one (two would not fit the registers).
+const WIDE_GRID_CTAS: u64 = 128;
 
 /// `q, k, a, b, a_log, dt_bias, qn, kn, qk, g, beta, k_heads, dk, v_heads, q_ld, ab_ld`.
 const PREP: &[Param] = &[
     Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, U32,
 ];
-/// `qn, kn, qk, g, beta, v, out, pool, seq_tok, seq_len, seq_slot, seq_chunk, seq_chunks,
-/// seq_snap, seq_snaps, ck_tok, ck_len, ck_snap, ck_snaps, snap_slot, e0 (the first entry),
-/// decodes, k_heads, v_heads, dk, dv, v_ld, out_ld, layer, layers, slots`.
 /// `qn, kn, qk, g, beta, v, out, pool, seq_tok, seq_slot, seq_snap, seq_snaps, snap_slot,
 /// k_heads, v_heads, dk, dv, v_ld, out_ld, layer, layers, slots`.
 const DECODE: &[Param] = &[
     Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, U32, U32,
     U32, U32, U32,
 ];
+/// `gdn_scan` and `gdn_prompt`: `qn, kn, qk, g, beta, v, out, pool, seq_tok, seq_len, seq_slot,
+/// seq_chunk, seq_chunks, seq_snap, seq_snaps, ck_tok, ck_len, ck_snap, ck_snaps, snap_slot, e0
+/// (the first entry), decodes, k_heads, v_heads, dk, dv, v_ld, out_ld, layer, layers, slots`.
 const SCAN: &[Param] = &[
     Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr,
     Ptr, U32, U32, U32, U32, U32, U32, U32, U32, U32, U32, U32,
 ];
 
 macro_rules! scans {
-    ($(($r:literal, $c:literal)),*; $($d:literal),*) => {
+    ($(($r:literal, $c:literal)),*; $(($pr:literal, $pc:literal)),*; $($d:literal),*) => {
         &[
             e("gdn_prep_f32", PREP),
             e("gdn_prep_bf16", PREP),
@@ -43,6 +50,12 @@ macro_rules! scans {
                 e(concat!("gdn_scan_r", $r, "_c", $c, "_bf16"), SCAN),
                 e(concat!("gdn_scan_r", $r, "_c", $c, "_f32_sbf16"), SCAN),
                 e(concat!("gdn_scan_r", $r, "_c", $c, "_bf16_sbf16"), SCAN),
+            )*
+            $(
+                e(concat!("gdn_prompt_r", $pr, "_c", $pc, "_f32"), SCAN),
+                e(concat!("gdn_prompt_r", $pr, "_c", $pc, "_bf16"), SCAN),
+                e(concat!("gdn_prompt_r", $pr, "_c", $pc, "_f32_sbf16"), SCAN),
+                e(concat!("gdn_prompt_r", $pr, "_c", $pc, "_bf16_sbf16"), SCAN),
             )*
             $(
                 e(concat!("gdn_decode_r", $d, "_f32"), DECODE),
@@ -64,6 +77,13 @@ pub const ENTRIES: &[Entry] = scans!(
     (2, 2),
     (4, 2),
     (8, 2);
+    (4, 1),
+    (8, 1),
+    (16, 1),
+    (32, 1),
+    (4, 2),
+    (8, 2),
+    (16, 2);
     2,
     4,
     8,
@@ -164,17 +184,20 @@ pub fn launches_gdn(
             U32(d.ab_ld),
         ],
     });
-    let rows = d.dk.div_ceil(32).next_power_of_two();
-    // Decodes, then prompts: one launch each, with their own columns a warp (decodes whose
-    // value dim splits into the state's 16-byte vectors take gdn_decode).
+    // Decodes, then prompts: one launch each. Decodes whose value dim splits into the state's
+    // 16-byte vectors take gdn_decode, the others gdn_scan at DECODE_COLS; prompts take
+    // gdn_prompt (staged tokens) up to MAX_STAGED_KEY_DIM, gdn_scan at PROMPT_COLS above.
     let vec = if d.state_bf16 { 8 } else { 4 };
-    let mut groups = vec![(plan.decodes(), plan.prompts(), PROMPT_COLS)];
+    let mut groups = vec![(plan.decodes(), plan.prompts(), Some(PROMPT_COLS))];
     if plan.decodes() > 0 && d.dv.is_multiple_of(vec) {
         out.push(decode_launch(plan.decodes(), d, ty, vec)?);
     } else {
-        groups.insert(0, (0, plan.decodes(), DECODE_COLS));
+        groups.insert(0, (0, plan.decodes(), Some(DECODE_COLS)));
     }
-    for (e0, count, cols) in groups {
+    if d.dk <= MAX_STAGED_KEY_DIM {
+        groups.last_mut().expect("the prompts' group").2 = None;
+    }
+    for (e0, count, scan_cols) in groups {
         if count == 0 {
             continue;
         }
@@ -209,13 +232,35 @@ pub fn launches_gdn(
             U32(d.layers),
             U32(d.slots),
         ]);
-        let col_blocks = d.dv.div_ceil(4 * cols);
+        let heads = count as u64 * u64::from(d.v_heads);
+        let (entry, ctas) = match scan_cols {
+            Some(cols) => {
+                let rows = d.dk.div_ceil(32).next_power_of_two();
+                let name = format!(
+                    "gdn_scan_r{rows}_c{cols}_{ty}{}",
+                    state_suffix(d.state_bf16)
+                );
+                (name, heads * u64::from(d.dv.div_ceil(4 * cols)))
+            }
+            None => {
+                // 4 warps of 8 column lanes, `cols` columns a lane; 4 row lanes of `rows`.
+                let rows = d.dk.div_ceil(4).next_power_of_two().max(4);
+                let blocks = |cols: u32| heads * u64::from(d.dv.div_ceil(32 * cols));
+                let cols = if rows <= 16 && blocks(2) >= WIDE_GRID_CTAS {
+                    2
+                } else {
+                    1
+                };
+                let name = format!(
+                    "gdn_prompt_r{rows}_c{cols}_{ty}{}",
+                    state_suffix(d.state_bf16)
+                );
+                (name, blocks(cols))
+            }
+        };
         out.push(Launch {
-            entry: entry_name(&format!(
-                "gdn_scan_r{rows}_c{cols}_{ty}{}",
-                state_suffix(d.state_bf16)
-            )),
-            grid: grid(count as u64 * u64::from(d.v_heads) * u64::from(col_blocks))?,
+            entry: entry_name(&entry),
+            grid: grid(ctas)?,
             block: (GDN_THREADS, 1, 1),
             smem: 0,
             args,

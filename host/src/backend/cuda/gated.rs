@@ -1,8 +1,9 @@
 //! The gated delta rule of Gated DeltaNet layers (Qwen3-Next, Qwen3.5) on the CUDA backend:
-//! `gdn_prep` (normalised q/k, decays and βs of the step's tokens) then `gdn_scan` (the
-//! recurrence per entry, value head and 32 columns of the state; decodes and prompts in one
-//! launch, snapshots at the plan's chunk ends) from `chimera_kernels::ssm`, over the same
-//! step plan, work columns and state pools as the Mamba2 scan.
+//! `gdn_prep` (normalised q/k, decays and βs of the step's tokens) then the recurrence per
+//! entry, value head and block of state columns (`gdn_decode` for the decodes, `gdn_prompt`
+//! for the prompts, their tokens staged through shared memory; `gdn_scan` for the shapes
+//! those do not take; snapshots at the plan's chunk ends) from `chimera_kernels::ssm`, over
+//! the same step plan, work columns and state pools as the Mamba2 scan.
 
 use chimera_kernels::ssm;
 

@@ -224,9 +224,9 @@ fn the_entry_table_is_the_ssm_sources_tables() {
     assert_eq!(table, sources);
     assert_eq!(
         table.len(),
-        76,
+        104,
         "2 slot ops, 4 conv, 4 decode, 10 SSD state, 6 SSD scan, 2 GDN prep, 32 GDN scan, \
-         16 GDN decode"
+         28 GDN prompt, 16 GDN decode"
     );
 }
 
@@ -793,7 +793,9 @@ fn a_plan_over_a_capacity_is_not_padded() {
 /// The delta rule's launches over a mixed step: every argument of the kind its entry declares,
 /// the prep over every token, the decodes in `gdn_decode` (value dim a multiple of the state's
 /// 16-byte vector) or in `gdn_scan` with 8 columns a warp (otherwise), the prompts in
-/// `gdn_scan` with 2, each grid covering its entries × value heads × column blocks.
+/// `gdn_prompt` (key dim ≤ 128: two columns a lane when that grid is wide, else one) or in
+/// `gdn_scan` with 2 columns a warp (larger key dims), each grid covering its entries × value
+/// heads × column blocks.
 #[test]
 fn the_delta_rule_launches_cover_every_entry_with_declared_arguments() {
     let lens = [1, 131, 1, 3, 40, 1];
@@ -806,7 +808,12 @@ fn the_delta_rule_launches_cover_every_entry_with_declared_arguments() {
     let (_, p) = build(&lens, &snaps, 64);
     let (decodes, prompts) = (p.decodes() as u32, p.prompts() as u32);
     assert_eq!((decodes, prompts), (3, 3));
-    for (dk, dv, k_heads, v_heads) in [(128, 128, 16, 32), (40, 24, 2, 6), (8, 20, 1, 3)] {
+    for (dk, dv, k_heads, v_heads) in [
+        (128, 128, 16, 32),
+        (40, 24, 2, 6),
+        (8, 20, 1, 3),
+        (256, 64, 2, 4),
+    ] {
         for (bf16, state_bf16) in [(false, false), (true, false), (false, true), (true, true)] {
             let d = GdnDims {
                 layer: 1,
@@ -834,8 +841,19 @@ fn the_delta_rule_launches_cover_every_entry_with_declared_arguments() {
                 assert!(decode.entry.contains("_c8_"), "{names:?}");
                 assert_eq!(decode.grid.0, decodes * v_heads * dv.div_ceil(32));
             }
-            assert!(prompt.entry.contains("_c2_"), "{names:?}");
-            assert_eq!(prompt.grid.0, prompts * v_heads * dv.div_ceil(8));
+            if dk > 128 {
+                assert!(prompt.entry.starts_with("gdn_scan_r8_c2_"), "{names:?}");
+                assert_eq!(prompt.grid.0, prompts * v_heads * dv.div_ceil(8));
+            } else {
+                // 4 row lanes of a power of two rows, at least 4.
+                let rows = dk.div_ceil(4).next_power_of_two().max(4);
+                let wide = prompts * v_heads * dv.div_ceil(64) >= 128;
+                let cols = if rows <= 16 && wide { 2 } else { 1 };
+                let name = format!("gdn_prompt_r{rows}_c{cols}_");
+                assert!(prompt.entry.starts_with(&name), "{name} in {names:?}");
+                assert_eq!(prompt.block.0, 128);
+                assert_eq!(prompt.grid.0, prompts * v_heads * dv.div_ceil(32 * cols));
+            }
             // The prompt launch starts at the first prompt entry.
             let e0_at = prompt.args.len() - 11;
             assert_eq!(u32_arg(prompt, e0_at), decodes);
