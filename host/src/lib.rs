@@ -37,4 +37,5 @@ pub mod model;
 pub mod plugins;
 pub mod policy;
 pub mod server;
+mod slab;
 pub mod tokenizer;

@@ -19,46 +19,7 @@ use super::instance::CallError;
 use super::metrics::{FallbackReason, PluginCounters};
 use super::slot::PluginHandle;
 use crate::policy::{Constrainer, ConstraintError, OutputParser, ParseRequest};
-
-/// Ids handed out by an adapter, with free ones reused.
-struct Slab<T> {
-    items: Vec<Option<T>>,
-    free: Vec<u32>,
-}
-
-impl<T> Slab<T> {
-    fn new() -> Self {
-        Self {
-            items: Vec::new(),
-            free: Vec::new(),
-        }
-    }
-
-    fn insert(&mut self, item: T) -> u32 {
-        match self.free.pop() {
-            Some(id) => {
-                self.items[id as usize] = Some(item);
-                id
-            }
-            None => {
-                self.items.push(Some(item));
-                (self.items.len() - 1) as u32
-            }
-        }
-    }
-
-    fn get_mut(&mut self, id: u32) -> Option<&mut T> {
-        self.items.get_mut(id as usize).and_then(Option::as_mut)
-    }
-
-    fn remove(&mut self, id: u32) -> Option<T> {
-        let item = self.items.get_mut(id as usize)?.take();
-        if item.is_some() {
-            self.free.push(id);
-        }
-        item
-    }
-}
+use crate::slab::Slab;
 
 /// Counts instances: a matcher or parser id of the plugin is valid only in the instance that
 /// gave it.

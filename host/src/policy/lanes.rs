@@ -9,14 +9,14 @@
 //! own thread of a small pool, the first lane's on the calling thread.
 
 use super::{Constrainer, ConstraintError, MaskJob};
+use crate::slab::Slab;
 
 pub struct ConstraintLanes {
     lanes: Vec<Box<dyn Constrainer>>,
     /// Matchers open in each lane.
     open: Vec<u32>,
-    /// By outer matcher id: its lane and its id there (`None`: free, listed in `free`).
-    ids: Vec<Option<(u32, u32)>>,
-    free: Vec<u32>,
+    /// By outer matcher id: its lane and its id there.
+    ids: Slab<(u32, u32)>,
     /// Threads for the lanes after the first (`None` with one lane, or when the pool could
     /// not start: the lanes then run one after another).
     pool: Option<rayon::ThreadPool>,
@@ -41,16 +41,15 @@ impl ConstraintLanes {
         Self {
             open: vec![0; n],
             lanes,
-            ids: Vec::new(),
-            free: Vec::new(),
+            ids: Slab::new(),
             pool,
         }
     }
 
     fn route(&self, matcher: u32) -> Result<(usize, u32), String> {
-        match self.ids.get(matcher as usize) {
-            Some(Some((lane, id))) => Ok((*lane as usize, *id)),
-            _ => Err(format!("no matcher {matcher}")),
+        match self.ids.get(matcher) {
+            Some(&(lane, id)) => Ok((lane as usize, id)),
+            None => Err(format!("no matcher {matcher}")),
         }
     }
 }
@@ -62,17 +61,7 @@ impl Constrainer for ConstraintLanes {
             .unwrap_or(0);
         let id = self.lanes[lane].open(kind, grammar)?;
         self.open[lane] += 1;
-        let entry = Some((lane as u32, id));
-        Ok(match self.free.pop() {
-            Some(outer) => {
-                self.ids[outer as usize] = entry;
-                outer
-            }
-            None => {
-                self.ids.push(entry);
-                (self.ids.len() - 1) as u32
-            }
-        })
+        Ok(self.ids.insert((lane as u32, id)))
     }
 
     fn next(&mut self, matcher: u32, tokens: &[u32], mask: &mut [u32]) -> Result<(), String> {
@@ -127,13 +116,12 @@ impl Constrainer for ConstraintLanes {
     }
 
     fn close(&mut self, matcher: u32) {
-        let Ok((lane, id)) = self.route(matcher) else {
+        let Some((lane, id)) = self.ids.remove(matcher) else {
             return;
         };
+        let lane = lane as usize;
         self.lanes[lane].close(id);
         self.open[lane] = self.open[lane].saturating_sub(1);
-        self.ids[matcher as usize] = None;
-        self.free.push(matcher);
     }
 }
 
