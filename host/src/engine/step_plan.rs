@@ -120,44 +120,15 @@ pub fn build(
         );
         chunk.all_logits = s.all_logits;
         if s.want_logits {
-            let p = &r.params;
-            let penalised = p.repetition_penalty != 1.0 && p.repetition_penalty > 0.0
-                || p.presence_penalty != 0.0
-                || p.frequency_penalty != 0.0;
-            built.history_incomplete |= penalised && r.in_flight > 0;
-            let row = RowInfo {
-                params: &r.params,
-                prompt: &r.tokens[..r.orig_prompt_len],
-                output: r.output(),
-                drafts: &[],
-                seed: r.seed,
-                banned: r.banned_now(),
-            };
-            SamplingStage::push_sample_row(&mut plan.sampling, &row);
-            if let Some(active) = &r.constraint {
-                // The mask needs every token before this position: one still being sampled
-                // is waited for, by the mask (computed while the forward pass runs) or else
-                // by the whole plan (built again once it is known).
-                if r.in_flight == 1 && late_masks && constraints.is_some() {
-                    let at = plan.sampling.masks.len();
-                    plan.sampling.mask_last_row(words).fill(u32::MAX);
-                    built.late_masks.push(LateMask { at, slot: s.slot });
-                } else if r.in_flight > 0 {
-                    built.history_incomplete = true;
-                } else if let Some(c) = constraints.as_deref_mut() {
-                    let output = r.output();
-                    let fed = active.fed.get().min(output.len());
-                    let mask = plan.sampling.mask_last_row(words);
-                    match c.next(active.matcher, &output[fed..], mask) {
-                        Ok(()) => active.fed.set(output.len()),
-                        Err(why) => {
-                            // Unmasked, as if it had no constraint; the engine fails it.
-                            mask.fill(u32::MAX);
-                            built.constraint_failures.push((r.id, why));
-                        }
-                    }
-                }
-            }
+            push_sampled_row(
+                plan,
+                built,
+                r,
+                s.slot,
+                constraints.as_deref_mut(),
+                words,
+                late_masks,
+            );
         }
         for snap in &s.snapshots {
             plan.snapshot(snap.after, snap.slot);
@@ -166,6 +137,14 @@ pub fn build(
             built.prompt_tokens += (s.start + s.len).min(r.prompt_len) as u64 - s.start as u64;
         }
     }
+    push_slot_ops(plan, out, cache);
+    plan.finish()?;
+    Ok(())
+}
+
+/// The SSM slot operations of the step: each scheduled chunk's state init (zero, or restore
+/// from a snapshot), then the restores of speculative rollbacks.
+fn push_slot_ops(plan: &mut StepPlan, out: &SchedulerOutput, cache: &CacheManager) {
     for init in &out.ssm_init {
         match *init {
             SsmInit::None => {}
@@ -177,8 +156,58 @@ pub fn build(
         let to = cache.live_slot(slot);
         plan.slot_ops.push(SlotOp::Copy { from, to });
     }
-    plan.finish()?;
-    Ok(())
+}
+
+/// The sampled row of request `r`'s chunk (in `slot`): its sampling parameters and history, and
+/// its constraint's mask — computed now, left for the forward pass (`late_masks`, when the
+/// token before is still being sampled), or the whole plan marked to be built again.
+fn push_sampled_row(
+    plan: &mut StepPlan,
+    built: &mut Built,
+    r: &Request,
+    slot: u32,
+    constraints: Option<&mut (dyn Constrainer + '_)>,
+    words: usize,
+    late_masks: bool,
+) {
+    let p = &r.params;
+    let penalised = p.repetition_penalty != 1.0 && p.repetition_penalty > 0.0
+        || p.presence_penalty != 0.0
+        || p.frequency_penalty != 0.0;
+    built.history_incomplete |= penalised && r.in_flight > 0;
+    let row = RowInfo {
+        params: &r.params,
+        prompt: &r.tokens[..r.orig_prompt_len],
+        output: r.output(),
+        drafts: &[],
+        seed: r.seed,
+        banned: r.banned_now(),
+    };
+    SamplingStage::push_sample_row(&mut plan.sampling, &row);
+    if let Some(active) = &r.constraint {
+        // The mask needs every token before this position: one still being sampled
+        // is waited for, by the mask (computed while the forward pass runs) or else
+        // by the whole plan (built again once it is known).
+        if r.in_flight == 1 && late_masks && constraints.is_some() {
+            let at = plan.sampling.masks.len();
+            plan.sampling.mask_last_row(words).fill(u32::MAX);
+            built.late_masks.push(LateMask { at, slot });
+        } else if r.in_flight > 0 {
+            built.history_incomplete = true;
+        } else if let Some(c) = constraints {
+            let output = r.output();
+            let fed = active.fed.get().min(output.len());
+            let mask = plan.sampling.mask_last_row(words);
+            match c.next(active.matcher, &output[fed..], mask) {
+                Ok(()) => active.fed.set(output.len()),
+                Err(why) => {
+                    // Unmasked, as if it had no constraint; the engine fails it.
+                    mask.fill(u32::MAX);
+                    built.constraint_failures.push((r.id, why));
+                }
+            }
+        }
+    }
 }
 
 /// Adds verify chunk `s` of request `r`: its last known token and its drafts, every position a
