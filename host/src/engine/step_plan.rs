@@ -55,6 +55,17 @@ pub struct Built {
     pub late_masks: Vec<LateMask>,
 }
 
+impl Built {
+    /// Empty, its buffers kept.
+    fn clear(&mut self) {
+        self.prompt_tokens = 0;
+        self.placeholders.clear();
+        self.history_incomplete = false;
+        self.constraint_failures.clear();
+        self.late_masks.clear();
+    }
+}
+
 /// Fills `plan` for `out`, the step the scheduler planned last. `late_masks`: a constrained
 /// row whose previous token is being sampled gets its mask later ([`Built::late_masks`])
 /// instead of making the plan wait for that token ([`Built::history_incomplete`]).
@@ -72,11 +83,7 @@ pub fn build(
 ) -> Result<(), PlanError> {
     plan.clear(block_size);
     plan.sampling.clear(sampling.k());
-    built.prompt_tokens = 0;
-    built.placeholders.clear();
-    built.history_incomplete = false;
-    built.constraint_failures.clear();
-    built.late_masks.clear();
+    built.clear();
     // The constraint, and its mask words per row.
     let (mut constraints, words) = match constraints {
         Some((c, words)) => (Some(c), words),

@@ -249,20 +249,7 @@ pub fn plan(
     } else {
         Value::Array(tools.to_vec()).to_string()
     };
-    let mut grammar = match f.response_format.filter(|v| !v.is_null()) {
-        Some(rf) => response_format_grammar(rf)?,
-        None => None,
-    };
-    if let Some(so) = f.structured_outputs.filter(|v| !v.is_null()) {
-        let g = structured_outputs_grammar(so)?;
-        if g.is_some() && grammar.is_some() {
-            return Err(AppError::invalid(
-                "structured_outputs",
-                "give either response_format or structured_outputs, not both",
-            ));
-        }
-        grammar = grammar.or(g);
-    }
+    let mut grammar = output_grammar(f)?;
     let mut tool_format = String::new();
     if !tools.is_empty() {
         plan.tools_in_template = true;
@@ -275,20 +262,7 @@ pub fn plan(
                         .into(),
                 ));
             };
-            let forced = match &choice {
-                ToolChoice::Required => Some("required".to_string()),
-                ToolChoice::Named(n) => {
-                    if !names.contains(n) {
-                        return Err(AppError::invalid(
-                            "tool_choice",
-                            format!("no tool named `{n}` in tools"),
-                        ));
-                    }
-                    Some(n.clone())
-                }
-                _ => None,
-            };
-            if let Some(c) = forced {
+            if let Some(c) = forced_call(&choice, &names)? {
                 if grammar.is_some() {
                     return Err(AppError::invalid(
                         "tool_choice",
@@ -322,6 +296,42 @@ pub fn plan(
     }
     plan.grammar = grammar;
     Ok(plan)
+}
+
+/// The grammar `response_format` or `structured_outputs` asks for (not both).
+fn output_grammar(f: &AgentFields<'_>) -> Result<Option<Grammar>, AppError> {
+    let grammar = match f.response_format.filter(|v| !v.is_null()) {
+        Some(rf) => response_format_grammar(rf)?,
+        None => None,
+    };
+    let Some(so) = f.structured_outputs.filter(|v| !v.is_null()) else {
+        return Ok(grammar);
+    };
+    let g = structured_outputs_grammar(so)?;
+    if g.is_some() && grammar.is_some() {
+        return Err(AppError::invalid(
+            "structured_outputs",
+            "give either response_format or structured_outputs, not both",
+        ));
+    }
+    Ok(grammar.or(g))
+}
+
+/// The call a `tool_choice` forces: `required` (any tool) or a named tool that `names` holds.
+fn forced_call(choice: &ToolChoice, names: &[String]) -> Result<Option<String>, AppError> {
+    Ok(match choice {
+        ToolChoice::Required => Some("required".to_string()),
+        ToolChoice::Named(n) => {
+            if !names.contains(n) {
+                return Err(AppError::invalid(
+                    "tool_choice",
+                    format!("no tool named `{n}` in tools"),
+                ));
+            }
+            Some(n.clone())
+        }
+        _ => None,
+    })
 }
 
 /// Whether the response starts inside its reasoning section: the rendered prompt ends by
