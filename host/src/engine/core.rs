@@ -26,6 +26,7 @@ use super::scheduler::Scheduler;
 use super::speculative::{Drafter, SpeculativeConfig};
 use super::timings::StepTimings;
 use crate::cache::{CacheLayout, CacheManager, HashSeed};
+use crate::model::CacheSpec;
 use crate::policy::native::DefaultSampler;
 use crate::policy::{Constrainer, Evictor, Sampler};
 
@@ -114,28 +115,8 @@ impl<E: StepExecutor> Engine<E> {
         mut policies: Policies,
     ) -> Result<Self, EngineError> {
         let cfg = &setup.engine;
-        cfg.validate()?;
-        setup
-            .speculative
-            .validate()
-            .map_err(ConfigError::Speculative)?;
         let spec = executor.cache_spec();
-        // A hybrid's draft slots are planned as live slots, then set aside.
-        let draft_slots = if spec.is_hybrid() {
-            setup.speculative.draft_slots(cfg.max_running)
-        } else {
-            0
-        };
-        let layout = CacheLayout::plan(&setup.cache, &spec, cfg.max_running + draft_slots)
-            .map_err(ConfigError::from)?;
-        let need = layout.block_size + 1;
-        if cfg.chunked_prefill && cfg.max_batched_tokens < cfg.max_running - 1 + need {
-            return Err(EngineError::BudgetTooSmall {
-                tokens: cfg.max_batched_tokens,
-                running: cfg.max_running,
-                need,
-            });
-        }
+        let (layout, draft_slots) = plan_layout(&setup, &spec)?;
         executor.allocate(CacheAllocation {
             num_blocks: layout.num_blocks,
             block_size: layout.block_size,
@@ -535,4 +516,33 @@ impl<E: StepExecutor> Engine<E> {
             s.spec_accepted_per_pos.clone_from(&spec.accepted_per_pos);
         }
     }
+}
+
+/// The cache layout for `setup` over a model of `spec`, and the slots a hybrid sets aside for
+/// speculative drafts; the configuration checked first (a chunked-prefill budget must fit a
+/// decode of every running request beside one block of prompt).
+fn plan_layout(setup: &EngineSetup, spec: &CacheSpec) -> Result<(CacheLayout, usize), EngineError> {
+    let cfg = &setup.engine;
+    cfg.validate()?;
+    setup
+        .speculative
+        .validate()
+        .map_err(ConfigError::Speculative)?;
+    // A hybrid's draft slots are planned as live slots, then set aside.
+    let draft_slots = if spec.is_hybrid() {
+        setup.speculative.draft_slots(cfg.max_running)
+    } else {
+        0
+    };
+    let layout = CacheLayout::plan(&setup.cache, spec, cfg.max_running + draft_slots)
+        .map_err(ConfigError::from)?;
+    let need = layout.block_size + 1;
+    if cfg.chunked_prefill && cfg.max_batched_tokens < cfg.max_running - 1 + need {
+        return Err(EngineError::BudgetTooSmall {
+            tokens: cfg.max_batched_tokens,
+            running: cfg.max_running,
+            need,
+        });
+    }
+    Ok((layout, draft_slots))
 }
