@@ -109,6 +109,9 @@ pub struct GdnDims {
     pub out_ld: u32,
     /// The SSM pool stores bf16.
     pub state_bf16: bool,
+    /// Prompts in `gdn_prompt` where the key dim allows (else `gdn_scan`, the first kernel,
+    /// kept to compare against).
+    pub staged_prompts: bool,
 }
 
 impl GdnDims {
@@ -127,6 +130,7 @@ impl GdnDims {
             v_ld: v_heads * dv,
             out_ld: v_heads * dv,
             state_bf16: false,
+            staged_prompts: true,
         }
     }
 }
@@ -194,7 +198,7 @@ pub fn launches_gdn(
     } else {
         groups.insert(0, (0, plan.decodes(), Some(DECODE_COLS)));
     }
-    if d.dk <= MAX_STAGED_KEY_DIM {
+    if d.staged_prompts && d.dk <= MAX_STAGED_KEY_DIM {
         groups.last_mut().expect("the prompts' group").2 = None;
     }
     for (e0, count, scan_cols) in groups {

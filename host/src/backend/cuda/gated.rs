@@ -57,6 +57,7 @@ impl CudaBackend {
             layers: pools.layers as u32,
             slots: pools.slots as u32,
             state_bf16: pools.ssm.dtype == DType::BF16,
+            staged_prompts: staged_prompts(),
             ..ssm::GdnDims::packed(
                 shape.k_heads as u32,
                 shape.v_heads as u32,
@@ -84,4 +85,11 @@ impl CudaBackend {
         self.run_ssm(launches, step, pools, &t, &scratch)?;
         Ok(out)
     }
+}
+
+/// Whether prompts take `gdn_prompt` (the default) or the first kernel, `gdn_scan`:
+/// `CHIMERA_GDN_PROMPTS=scan` picks the latter, for comparing the two on a GPU (read once).
+fn staged_prompts() -> bool {
+    static STAGED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *STAGED.get_or_init(|| std::env::var("CHIMERA_GDN_PROMPTS").map_or(true, |v| v != "scan"))
 }

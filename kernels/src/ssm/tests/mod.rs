@@ -859,6 +859,17 @@ fn the_delta_rule_launches_cover_every_entry_with_declared_arguments() {
             assert_eq!(u32_arg(prompt, e0_at), decodes);
         }
     }
+    // Without staged prompts they take gdn_scan at two columns a warp.
+    let d = GdnDims {
+        staged_prompts: false,
+        ..GdnDims::packed(16, 32, 128, 128)
+    };
+    let launches = launches_gdn(&p, d, true).expect("launches");
+    assert!(
+        launches[2].entry.starts_with("gdn_scan_r4_c2_"),
+        "{}",
+        launches[2].entry
+    );
     // A key dim beyond the kernels' rows is refused, not launched.
     assert!(launches_gdn(&p, GdnDims::packed(1, 1, 512, 64), false).is_err());
 }
