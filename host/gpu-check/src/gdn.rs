@@ -1,11 +1,13 @@
-//! The Gated DeltaNet delta rule on the GPU (`gdn_prep` + `gdn_scan`) against the CPU's
+//! The Gated DeltaNet delta rule on the GPU (`gdn_prep`, then `gdn_decode`, `gdn_prompt` and
+//! for key dims over 128 `gdn_scan`) against the CPU's
 //! chunked form, and its timings: the rows of the `archs` suite (checks) and the
 //! `bench-archs` suite (timings).
 //!
 //! Checks: mixed steps (prompt chunks with a snapshot at every 16-token boundary beside
 //! decodes, some decodes with a snapshot of their own), the Qwen3.5 layer
 //! (16 key heads, 32 value heads, 128 × 128) and odd shapes (key dim 40: two rows a lane with
-//! guards; value dim 20: no vector path), f32 and bf16 activations, f32 and bf16 state. Every
+//! guards; value dim 20: no vector path; key dim 160: prompts in `gdn_scan`), f32 and bf16
+//! activations, f32 and bf16 state. Every
 //! output, live state and snapshot state is compared; the untouched slots must stay as they
 //! were.
 //!
@@ -42,13 +44,15 @@ fn shape(k_heads: usize, v_heads: usize, k_dim: usize, v_dim: usize) -> GdnShape
 /// The checks, for one backend (its dtype: the activations).
 pub(super) fn checks(report: &mut Report, suite: &str, gpu: &CudaBackend, rng: &mut Rng) {
     let qwen = shape(16, 32, 128, 128);
-    let cases: [(GdnShape, &[usize], bool); 6] = [
+    // Key dims ≤ 128 take gdn_prompt for their prompts; 160 takes gdn_scan.
+    let cases: [(GdnShape, &[usize], bool); 7] = [
         (qwen, &[1; 8], false),
         (qwen, &[1, 300, 1, 1, 45], false),
         (qwen, &[1, 300, 1, 1, 45], true),
         (shape(2, 6, 40, 24), &[131, 1, 40, 1, 7, 1], false),
         (shape(1, 3, 8, 20), &[70, 1, 1, 33], false),
         (shape(2, 4, 16, 16), &[1, 1, 1], true),
+        (shape(1, 2, 160, 24), &[1, 70, 1, 20], false),
     ];
     let tag = if gpu.dtype() == DType::F32 {
         "f32"
