@@ -584,14 +584,18 @@ __device__ void gdn_decode(const float* qn, const float* kn, const float* qk, co
                       q_ld, ab_ld);                                                             \
     }
 
-#define GDN_SCAN(NAME, T, S, R, C)                                                              \
-    extern "C" __global__ void __launch_bounds__(ssm::GDN_THREADS) NAME(                        \
-        const float* qn, const float* kn, const float* qk, const float* g, const float* beta,   \
+// The parameters of gdn_scan and gdn_prompt (gdn.rs: SCAN).
+#define GDN_SCAN_PARAMS(T, S)                                                                   \
+    const float* qn, const float* kn, const float* qk, const float* g, const float* beta,       \
         const T* v, T* out, S* pool, const u32* seq_tok, const u32* seq_len,                    \
         const u32* seq_slot, const u32* seq_chunk, const u32* seq_chunks, const u32* seq_snap,  \
         const u32* seq_snaps, const u32* ck_tok, const u32* ck_len, const u32* ck_snap,         \
         const u32* ck_snaps, const u32* snap_slot, u32 e0, u32 decodes, u32 k_heads,            \
-        u32 v_heads, u32 dk, u32 dv, u32 v_ld, u32 out_ld, u32 layer, u32 layers, u32 slots) {  \
+        u32 v_heads, u32 dk, u32 dv, u32 v_ld, u32 out_ld, u32 layer, u32 layers, u32 slots
+
+#define GDN_SCAN(NAME, T, S, R, C)                                                              \
+    extern "C" __global__ void __launch_bounds__(ssm::GDN_THREADS) NAME(                        \
+        GDN_SCAN_PARAMS(T, S)) {                                                                \
         CHIMERA_PDL_ENTRY();                                                                    \
         ssm::gdn_scan<T, S, R, C>(qn, kn, qk, g, beta, v, out, pool, seq_tok, seq_len,         \
                                   seq_slot, seq_chunk, seq_chunks, seq_snap, seq_snaps,        \
@@ -614,12 +618,7 @@ __device__ void gdn_decode(const float* qn, const float* kn, const float* qk, co
 
 #define GDN_PROMPT(NAME, T, S, R, C)                                                            \
     extern "C" __global__ void __launch_bounds__(ssm::GDN_THREADS) NAME(                        \
-        const float* qn, const float* kn, const float* qk, const float* g, const float* beta,   \
-        const T* v, T* out, S* pool, const u32* seq_tok, const u32* seq_len,                    \
-        const u32* seq_slot, const u32* seq_chunk, const u32* seq_chunks, const u32* seq_snap,  \
-        const u32* seq_snaps, const u32* ck_tok, const u32* ck_len, const u32* ck_snap,         \
-        const u32* ck_snaps, const u32* snap_slot, u32 e0, u32 decodes, u32 k_heads,            \
-        u32 v_heads, u32 dk, u32 dv, u32 v_ld, u32 out_ld, u32 layer, u32 layers, u32 slots) {  \
+        GDN_SCAN_PARAMS(T, S)) {                                                                \
         CHIMERA_PDL_ENTRY();                                                                    \
         ssm::gdn_prompt<T, S, R, C>(qn, kn, qk, g, beta, v, out, pool, seq_tok, seq_len,       \
                                     seq_slot, seq_chunk, seq_chunks, ck_tok, ck_len, ck_snap,  \
