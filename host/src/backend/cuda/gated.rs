@@ -87,9 +87,18 @@ impl CudaBackend {
     }
 }
 
-/// Whether prompts take `gdn_prompt` (the default) or the first kernel, `gdn_scan`:
-/// `CHIMERA_GDN_PROMPTS=scan` picks the latter, for comparing the two on a GPU (read once).
+/// Whether prompts take `gdn_prompt` (the default, `CHIMERA_GDN_PROMPTS` unset or `prompt`)
+/// or the first kernel, `gdn_scan` (`CHIMERA_GDN_PROMPTS=scan`), for comparing the two on a
+/// GPU. Read once; another value is named in a warning and the default kept.
 fn staged_prompts() -> bool {
     static STAGED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *STAGED.get_or_init(|| std::env::var("CHIMERA_GDN_PROMPTS").map_or(true, |v| v != "scan"))
+    *STAGED.get_or_init(|| match std::env::var("CHIMERA_GDN_PROMPTS") {
+        Err(_) => true,
+        Ok(v) if v == "prompt" => true,
+        Ok(v) if v == "scan" => false,
+        Ok(v) => {
+            tracing::warn!(value = %v, "CHIMERA_GDN_PROMPTS is `prompt` or `scan`; using `prompt`");
+            true
+        }
+    })
 }
