@@ -1023,6 +1023,149 @@ fn cancels_arriving_mid_step_end_only_their_requests() {
 /// engine (arrivals during a step) gives the same outputs as the step-by-step one. Masks are
 /// computed while the forward pass of the step ahead runs where the executor splits its
 /// launch, and the plan waits for the tokens where it does not: the same outputs either way.
+/// A grammar compiles on the constraint lanes' threads: `add` does not wait for it, the other
+/// requests step on meanwhile, and the request joins once its matcher is open, its output
+/// following the grammar. A request cancelled while its grammar compiles ends cancelled.
+#[test]
+fn a_grammar_compiles_off_the_engine_thread_while_other_requests_run() {
+    use chimera::engine::Policies;
+    use chimera::engine::api::{EngineEvent, Grammar};
+    use chimera::plugins::Vocabulary;
+    use chimera::policy::{Constrainer, ConstraintError, ConstraintLanes};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+    use tokio::sync::mpsc::unbounded_channel;
+
+    /// A constraint whose grammars take 80 ms to compile.
+    struct SlowOpen(Box<dyn Constrainer>);
+    impl Constrainer for SlowOpen {
+        fn open(&mut self, kind: &str, grammar: &str) -> Result<u32, ConstraintError> {
+            std::thread::sleep(Duration::from_millis(80));
+            self.0.open(kind, grammar)
+        }
+        fn next(&mut self, m: u32, tokens: &[u32], mask: &mut [u32]) -> Result<(), String> {
+            self.0.next(m, tokens, mask)
+        }
+        fn rollback(&mut self, m: u32, count: u32) -> Result<(), String> {
+            self.0.rollback(m, count)
+        }
+        fn close(&mut self, m: u32) {
+            self.0.close(m)
+        }
+    }
+
+    let eos = 256u32;
+    let mut texts: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
+    texts.push(b"<|end|>".to_vec());
+    let vocabulary = Arc::new(Vocabulary::from_tokens(
+        texts
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (&t[..], i as u32 == eos)),
+        eos,
+    ));
+    let exec = MockExecutor::new(MockConfig {
+        vocab: texts.len(),
+        eos: vec![eos],
+        ..MockConfig::default()
+    });
+    let native = chimera::policy::native::constrainer(&Default::default(), &vocabulary);
+    let lanes = ConstraintLanes::new(vec![Box::new(SlowOpen(native)) as Box<dyn Constrainer>]);
+    let policies = Policies {
+        constrainer: Some(Box::new(lanes)),
+        ..Policies::builtin()
+    };
+    let mut e =
+        chimera::engine::Engine::new(setup(&exec, Knobs::default()), exec, policies).unwrap();
+    let constrained = |id| {
+        let mut r = request(id, Tokens::new(id).take(10, 256), 50);
+        r.constraint = Some(Grammar {
+            kind: "regex".into(),
+            text: "(ab|cd){3}x".into(),
+        });
+        r
+    };
+
+    let (free_tx, mut free_rx) = unbounded_channel();
+    e.add(request(9, Tokens::new(9).take(12, 256), 16), free_tx);
+    assert!(e.step());
+    let (tx, mut rx) = unbounded_channel();
+    let (gone_tx, mut gone_rx) = unbounded_channel();
+    let t = Instant::now();
+    e.add(constrained(1), tx);
+    e.add(constrained(2), gone_tx);
+    let took = t.elapsed();
+    assert!(
+        took < Duration::from_millis(40),
+        "add waited {took:?} for the compilation"
+    );
+    e.cancel(2);
+    assert!(e.step());
+    assert_eq!(e.stats().waiting, 1, "the request waits for its matcher");
+
+    // Step until all is done, noting when the free request finished and when the
+    // constrained one got its first token.
+    let (mut free_done, mut first, mut steps) = (None, None, 0u32);
+    let (mut text, mut ended) = (Vec::new(), None);
+    let start = Instant::now();
+    while !e.is_idle() {
+        assert!(start.elapsed() < Duration::from_secs(20), "no progress");
+        if e.step() {
+            steps += 1;
+        } else {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        while let Ok(ev) = free_rx.try_recv() {
+            if matches!(ev, EngineEvent::Finished { .. }) {
+                free_done.get_or_insert(steps);
+            }
+        }
+        while let Ok(ev) = rx.try_recv() {
+            match ev {
+                EngineEvent::Tokens { tokens, .. } => {
+                    first.get_or_insert(steps);
+                    text.extend(tokens);
+                }
+                EngineEvent::Finished { reason, .. } => ended = Some(reason),
+                EngineEvent::Failed { message, .. } => panic!("failed: {message}"),
+                EngineEvent::PromptLogprobs { .. } => {}
+            }
+        }
+    }
+    let (free_done, first) = (free_done.unwrap(), first.unwrap());
+    assert!(
+        free_done < first,
+        "the free request ran while the grammar compiled (it finished at step {free_done}, the \
+         constrained one's first token came at step {first})"
+    );
+    assert_eq!(ended, Some(FinishReason::Stop));
+    let body: Vec<u8> = text
+        .iter()
+        .filter(|&&t| t != eos)
+        .map(|&t| t as u8)
+        .collect();
+    let body = String::from_utf8(body).unwrap();
+    assert!(
+        body.len() == 7
+            && body.ends_with('x')
+            && body.as_bytes()[..6]
+                .chunks(2)
+                .all(|p| p == b"ab" || p == b"cd"),
+        "{body:?}"
+    );
+    let gone: Vec<EngineEvent> = std::iter::from_fn(|| gone_rx.try_recv().ok()).collect();
+    assert!(
+        matches!(
+            gone.as_slice(),
+            [EngineEvent::Finished {
+                reason: FinishReason::Cancelled,
+                ..
+            }]
+        ),
+        "{gone:?}"
+    );
+}
+
 #[test]
 fn constrained_responses_follow_their_grammar_and_leave_others_alone() {
     use chimera::engine::Policies;

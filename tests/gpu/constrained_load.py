@@ -122,6 +122,8 @@ def main():
         busy = after.get("chimera:device_busy_seconds_total", 0) - before.get("chimera:device_busy_seconds_total", 0)
         idle = (after.get("chimera:device_idle_between_steps_seconds_total", 0)
                 - before.get("chimera:device_idle_between_steps_seconds_total", 0))
+        mask_wait = (after.get("chimera:device_mask_wait_seconds_total", 0)
+                     - before.get("chimera:device_mask_wait_seconds_total", 0))
         steps = after.get("chimera:engine_steps_total", 0) - before.get("chimera:engine_steps_total", 0)
         late = (after.get("chimera:engine_late_masks_total", 0)
                 - before.get("chimera:engine_late_masks_total", 0))
@@ -132,7 +134,8 @@ def main():
                     f"{steps:.0f} steps, {1e3 * busy / max(steps, 1):.2f} ms busy a step); "
                     f"{tokens} tokens in {wall:.1f} s"
                     + (f"; {parsed}/{n} ended by the grammar, each parsed; {late:.0f} masks "
-                       f"computed during the forward pass" if constrained else "")
+                       f"computed during the forward pass, the device waiting {1e3 * mask_wait:.0f} ms "
+                       f"of the idle for them" if constrained else "")
                     + (f"; {len(errors)} errors: {errors[0]}" if errors else ""))
         per_step = lambda key: 1e6 * (after.get(key, 0) - before.get(key, 0)) / max(steps, 1)
         phases = sorted(k for k in after if k.startswith("phase:"))

@@ -411,6 +411,8 @@ pub struct DeviceStepTime {
     /// from its forward pass's end to those masks' arrival: time the device waited for the
     /// host.
     pub idle_before_s: f64,
+    /// Of `idle_before_s`, the wait for the held tail's masks.
+    pub mask_wait_s: f64,
 }
 
 /// Tensor storage: what everything that holds tensors calls (model loaders, caches, the

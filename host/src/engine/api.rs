@@ -359,6 +359,9 @@ pub struct EngineStats {
     /// for the host), from CUDA events; 0 on the CPU.
     pub device_busy_seconds: f64,
     pub device_idle_seconds: f64,
+    /// Of `device_idle_seconds`, the device waiting for masks of constrained rows computed
+    /// while their forward pass ran.
+    pub device_mask_wait_seconds: f64,
     /// Steps that ran a batch, and the host's time in each phase of them: scheduling and
     /// cache bookkeeping, building the step plan, and sampling/committing/sending events.
     pub engine_steps: u64,

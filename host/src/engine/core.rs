@@ -12,12 +12,15 @@
 //! the hand-over overlaps the device's work (a step after which nothing runs hands them on
 //! itself). An idle step changes nothing.
 
+use std::sync::Arc;
+
 use super::api::{
     EngineEvent, EngineStats, EventSender, FailureKind, FinishReason, GenerateRequest, KvEvent,
     Usage,
 };
 use super::config::{ConfigError, EngineSetup};
 use super::executor::{CacheAllocation, ExecutorError, StepExecutor};
+use super::opening::{Openings, Pending};
 use super::outbox::Outbox;
 use super::pipeline::Pipeline;
 use super::request::{ActiveConstraint, Phase, Request};
@@ -25,7 +28,7 @@ use super::sampling::SamplingStage;
 use super::scheduler::Scheduler;
 use super::speculative::{Drafter, SpeculativeConfig};
 use super::timings::StepTimings;
-use crate::cache::{CacheLayout, CacheManager, HashSeed};
+use crate::cache::{BlockHash, CacheLayout, CacheManager, HashSeed};
 use crate::model::CacheSpec;
 use crate::policy::native::DefaultSampler;
 use crate::policy::{Constrainer, Evictor, Sampler};
@@ -95,6 +98,8 @@ pub struct Engine<E: StepExecutor> {
     /// Requests whose stream was found closed, to cancel.
     pub(super) closed: Vec<u64>,
     pub(super) kv_events: Vec<KvEvent>,
+    /// Constrained requests waiting for their grammar to compile.
+    pub(super) openings: Openings,
     /// Where requests' events go (inline unless [`Self::set_outbox`] says otherwise).
     pub(super) outbox: Outbox,
     pub(super) stats: EngineStats,
@@ -171,6 +176,7 @@ impl<E: StepExecutor> Engine<E> {
             pipeline: Pipeline::default(),
             closed: Vec::new(),
             kv_events: Vec::new(),
+            openings: Openings::default(),
             outbox: Outbox::inline(),
             stats,
             timings: StepTimings::default(),
@@ -195,7 +201,7 @@ impl<E: StepExecutor> Engine<E> {
         &self.stats
     }
     pub fn is_idle(&self) -> bool {
-        self.sched.is_idle()
+        self.sched.is_idle() && self.openings.is_empty()
     }
 
     /// Replaces the drafter (speculation on with `spec`, whatever `[speculative]` said); before
@@ -293,20 +299,36 @@ impl<E: StepExecutor> Engine<E> {
         } else {
             Vec::new()
         };
-        let constraint = match self.open_constraint(&mut req) {
-            Ok(c) => c,
-            Err(message) => {
-                self.outbox.reject(
-                    id,
-                    &events,
-                    EngineEvent::Failed {
-                        kind: FailureKind::InvalidRequest,
-                        message,
-                    },
-                );
+        if let Some(grammar) = req.constraint.take() {
+            if let Err(message) = self.can_constrain() {
+                let failed = EngineEvent::Failed {
+                    kind: FailureKind::InvalidRequest,
+                    message,
+                };
+                self.outbox.reject(id, &events, failed);
                 return self.outbox.flush();
             }
-        };
+            self.openings
+                .push(Pending::new(req, events, min_ban, hashes, grammar));
+            // With a step on the device, compilations start after its masks (`pump_opens`).
+            if !self.pipeline.is_launched() {
+                self.pump_opens(true);
+            }
+            return;
+        }
+        self.admit(req, events, min_ban, hashes, None);
+    }
+
+    /// Queues a request whose matcher (if it has a grammar) is open.
+    fn admit(
+        &mut self,
+        req: GenerateRequest,
+        events: EventSender,
+        min_ban: Vec<u32>,
+        hashes: Option<Arc<[BlockHash]>>,
+        constraint: Option<ActiveConstraint>,
+    ) {
+        let id = req.id;
         self.sched.add(|slot| {
             let mut r = Request::new(req, slot, events);
             r.min_ban = min_ban;
@@ -324,6 +346,39 @@ impl<E: StepExecutor> Engine<E> {
                     request = id,
                     "sent block hashes differ from the engine's (salt or block size); rehashing"
                 );
+            }
+        }
+    }
+
+    /// Takes in the grammars that compiled (their requests join the queue, or fail if the
+    /// plugin refused the grammar) and, with `start`, starts compiling those waiting.
+    pub(super) fn pump_opens(&mut self, start: bool) {
+        if self.openings.is_empty() {
+            return;
+        }
+        let Some(c) = self.policies.constrainer.as_deref_mut() else {
+            return;
+        };
+        for (p, r) in self.openings.pump(c, start) {
+            match r {
+                Ok(matcher) => {
+                    let constraint = ActiveConstraint {
+                        matcher,
+                        fed: std::cell::Cell::new(0),
+                    };
+                    self.admit(p.req, p.events, p.min_ban, p.hashes, Some(constraint));
+                }
+                Err(e) => {
+                    // The server checks grammars before submitting; one refused here got past it.
+                    let kind = &p.grammar.kind;
+                    tracing::warn!(request = p.req.id, kind = %kind, error = %e, "a grammar was refused at admission");
+                    let message = format!("the {kind} grammar: {e}");
+                    let failed = EngineEvent::Failed {
+                        kind: FailureKind::InvalidRequest,
+                        message,
+                    };
+                    self.outbox.send(p.req.id, &p.events, failed);
+                }
             }
         }
     }
@@ -372,6 +427,17 @@ impl<E: StepExecutor> Engine<E> {
     /// Cancels a request wherever it is; its blocks return to the pool at once, or once the
     /// launched step that holds it is applied.
     pub fn cancel(&mut self, id: u64) {
+        if let Some((req, events)) = self.openings.cancel(id) {
+            // Its grammar is compiling: it never reached the scheduler.
+            let usage = Usage {
+                prompt_tokens: req.prompt.len() as u32,
+                ..Usage::default()
+            };
+            let reason = FinishReason::Cancelled;
+            self.outbox
+                .send(id, &events, EngineEvent::Finished { reason, usage });
+            self.stats.requests_finished += 1;
+        }
         self.retire(id, Some(FinishReason::Cancelled));
         self.close_constraints();
         self.outbox.flush();
@@ -403,6 +469,9 @@ impl<E: StepExecutor> Engine<E> {
 
     /// Cancels everything in flight (shutdown).
     pub fn cancel_all(&mut self) {
+        for id in self.openings.ids() {
+            self.cancel(id);
+        }
         for id in self.sched.ids() {
             self.cancel(id);
         }
@@ -432,14 +501,8 @@ impl<E: StepExecutor> Engine<E> {
         stats.requests_finished += 1;
     }
 
-    /// Opens the matcher of a request with a grammar (none without one).
-    fn open_constraint(
-        &mut self,
-        req: &mut GenerateRequest,
-    ) -> Result<Option<ActiveConstraint>, String> {
-        let Some(grammar) = req.constraint.take() else {
-            return Ok(None);
-        };
+    /// Why this engine cannot take a constrained request, if it cannot.
+    fn can_constrain(&self) -> Result<(), String> {
         if !self.executor.applies_token_masks() {
             return Err(
                 "constrained responses (response_format, structured_outputs, forced tool calls) \
@@ -447,18 +510,10 @@ impl<E: StepExecutor> Engine<E> {
                     .into(),
             );
         }
-        let Some(c) = self.policies.constrainer.as_mut() else {
+        if self.policies.constrainer.is_none() {
             return Err("this server has no constraint plugin for constrained responses".into());
-        };
-        let matcher = c.open(&grammar.kind, &grammar.text).map_err(|e| {
-            // The server checks grammars before submitting; one refused here got past it.
-            tracing::warn!(request = req.id, kind = %grammar.kind, error = %e, "a grammar was refused at admission");
-            format!("the {} grammar: {e}", grammar.kind)
-        })?;
-        Ok(Some(ActiveConstraint {
-            matcher,
-            fed: std::cell::Cell::new(0),
-        }))
+        }
+        Ok(())
     }
 
     /// Closes the matchers of requests that left the scheduler.
@@ -493,7 +548,7 @@ impl<E: StepExecutor> Engine<E> {
         let pool = self.cache.pool();
         let c = self.cache.counters;
         s.running = self.sched.num_running() as u32;
-        s.waiting = self.sched.num_waiting() as u32;
+        s.waiting = (self.sched.num_waiting() + self.openings.len()) as u32;
         s.paused = self.sched.num_paused() as u32;
         s.free_blocks = pool.available() as u32;
         s.cached_blocks = pool.indexed() as u32;

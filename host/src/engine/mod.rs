@@ -21,6 +21,7 @@ pub mod core;
 pub mod executor;
 pub mod mock;
 pub mod model_runner;
+mod opening;
 pub mod outbox;
 pub mod pipeline;
 pub mod request;

@@ -231,6 +231,7 @@ impl Pipeline {
         timings.device_busy_ns += busy;
         if self.pace.back_to_back {
             timings.device_idle_ns += (t.idle_before_s * 1e9) as u64;
+            timings.device_mask_wait_ns += (t.mask_wait_s * 1e9) as u64;
             timings.device_gaps += 1;
         }
     }
@@ -271,6 +272,8 @@ impl<E: StepExecutor> Engine<E> {
         {
             self.timings.between_ns += (t0 - end).as_nanos() as u64;
         }
+        // Requests whose grammar compiled join the queue before it is scheduled.
+        self.pump_opens(true);
         if !self.pipeline.is_launched() {
             let mut step = self.pipeline.fresh();
             step.clock.scheduled = t0;
@@ -323,6 +326,8 @@ impl<E: StepExecutor> Engine<E> {
             return 0;
         };
         let t = Instant::now();
+        // Grammars that compiled meanwhile; none starts now, just before the step's masks.
+        self.pump_opens(false);
         let admitted = self.sched.top_up(&mut self.cache, &mut next.work);
         self.fail_rejected();
         if admitted > 0 {
@@ -384,13 +389,17 @@ impl<E: StepExecutor> Engine<E> {
                 let r = r.and_then(|()| self.launch_ahead(&mut next, &step, false));
                 Some((next, r))
             }
-            (Some(mut next), Some(Ok(ns))) if !next.built.late_masks.is_empty() => {
-                let r = self.launch_late_tail(&mut next).map(|masks| ns + masks);
-                Some((next, r))
-            }
             (Some(next), Some(r)) => Some((next, r)),
             (None, _) => None,
         };
+        // Launched up to its forward pass: the masks, then the sampling tail.
+        let launch = launch.map(|(mut next, r)| match r {
+            Ok(ns) if !next.built.late_masks.is_empty() => {
+                let r = self.launch_late_tail(&mut next).map(|masks| ns + masks);
+                (next, r)
+            }
+            r => (next, r),
+        });
         self.pipeline.recycle(step);
         let mut launch_ns = 0;
         match launch {
@@ -593,6 +602,8 @@ impl<E: StepExecutor> Engine<E> {
     /// `output_in` on, less `launch_ns` (the next step's launch, counted apart).
     fn end_step(&mut self, output_in: Instant, launch_ns: u64) {
         self.close_constraints();
+        // The step ahead's masks are out: grammars compile in the lanes until the next ones.
+        self.pump_opens(true);
         self.cache.take_events(&mut self.kv_events);
         self.outbox.take_closed(&mut self.closed);
         for id in std::mem::take(&mut self.closed) {

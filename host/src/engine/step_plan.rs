@@ -10,7 +10,9 @@
 //! and filled in by [`fill_placeholders`] once the tokens are sampled, before the launch. The
 //! mask of a constrained row whose previous token is such a placeholder is left for later
 //! ([`Built::late_masks`]) where the executor takes masks after the forward pass: it is
-//! computed by [`fill_late_masks`] while that pass runs.
+//! computed by [`fill_late_masks`] while that pass runs, on the constraint lanes' threads with
+//! the step's other masks. A constrained row with no token in flight (its prompt's end) goes
+//! the same way there, so that no mask is computed one at a time on the engine thread.
 
 use super::request::{Phase, Request};
 use super::sampling::{RowInfo, SamplingStage};
@@ -50,8 +52,9 @@ pub struct Built {
     /// Constrained requests whose constraint failed while the plan was built (request id and
     /// why); their rows carry no mask, and the engine fails them.
     pub constraint_failures: Vec<(u64, String)>,
-    /// Masks that need a token still being sampled, computed once it is known (each row
-    /// allows every token until then).
+    /// Masks of constrained rows, computed in one batch ([`fill_late_masks`]) once every
+    /// token they follow is known: after the launched step is applied where the plan allows
+    /// late masks (each row allows every token until then), else by [`build`] itself.
     pub late_masks: Vec<LateMask>,
 }
 
@@ -85,7 +88,7 @@ pub fn build(
     plan.sampling.clear(sampling.k());
     built.clear();
     // The constraint, and its mask words per row.
-    let (mut constraints, words) = match constraints {
+    let (constraints, words) = match constraints {
         Some((c, words)) => (Some(c), words),
         None => (None, 0),
     };
@@ -132,7 +135,7 @@ pub fn build(
                 built,
                 r,
                 s.slot,
-                constraints.as_deref_mut(),
+                constraints.is_some(),
                 words,
                 late_masks,
             );
@@ -143,6 +146,15 @@ pub fn build(
         if s.start < r.prompt_len {
             built.prompt_tokens += (s.start + s.len).min(r.prompt_len) as u64 - s.start as u64;
         }
+    }
+    // Launched whole: the masks of rows with nothing in flight are due now, computed at once
+    // (on the constraint lanes' threads).
+    if !late_masks
+        && !built.late_masks.is_empty()
+        && let Some(c) = constraints
+    {
+        fill_late_masks(plan, built, sched, c, words);
+        built.late_masks.clear();
     }
     push_slot_ops(plan, out, cache);
     plan.finish()?;
@@ -166,14 +178,15 @@ fn push_slot_ops(plan: &mut StepPlan, out: &SchedulerOutput, cache: &CacheManage
 }
 
 /// The sampled row of request `r`'s chunk (in `slot`): its sampling parameters and history, and
-/// its constraint's mask — computed now, left for the forward pass (`late_masks`, when the
-/// token before is still being sampled), or the whole plan marked to be built again.
+/// its constraint's mask, listed in [`Built::late_masks`] to be computed with the step's others
+/// (at the end of [`build`], or while the forward pass runs when the token before is still
+/// being sampled and `late_masks` allows), or else the whole plan marked to be built again.
 fn push_sampled_row(
     plan: &mut StepPlan,
     built: &mut Built,
     r: &Request,
     slot: u32,
-    constraints: Option<&mut (dyn Constrainer + '_)>,
+    has_constrainer: bool,
     words: usize,
     late_masks: bool,
 ) {
@@ -191,28 +204,19 @@ fn push_sampled_row(
         banned: r.banned_now(),
     };
     SamplingStage::push_sample_row(&mut plan.sampling, &row);
-    if let Some(active) = &r.constraint {
+    if r.constraint.is_some() {
         // The mask needs every token before this position: one still being sampled
         // is waited for, by the mask (computed while the forward pass runs) or else
-        // by the whole plan (built again once it is known).
-        if r.in_flight == 1 && late_masks && constraints.is_some() {
+        // by the whole plan (built again once it is known). Every mask is listed and
+        // computed with the step's others in one batch (the lanes' threads at once): at
+        // the end of `build`, or while the forward pass runs where masks can come late.
+        let batched = r.in_flight == 0 || r.in_flight == 1 && late_masks;
+        if batched && has_constrainer {
             let at = plan.sampling.masks.len();
             plan.sampling.mask_last_row(words).fill(u32::MAX);
             built.late_masks.push(LateMask { at, slot });
         } else if r.in_flight > 0 {
             built.history_incomplete = true;
-        } else if let Some(c) = constraints {
-            let output = r.output();
-            let fed = active.fed.get().min(output.len());
-            let mask = plan.sampling.mask_last_row(words);
-            match c.next(active.matcher, &output[fed..], mask) {
-                Ok(()) => active.fed.set(output.len()),
-                Err(why) => {
-                    // Unmasked, as if it had no constraint; the engine fails it.
-                    mask.fill(u32::MAX);
-                    built.constraint_failures.push((r.id, why));
-                }
-            }
         }
     }
 }

@@ -45,6 +45,9 @@ pub struct StepTimings {
     /// step's first operation, counted only when the engine had work waiting throughout
     /// (not after waiting for requests).
     pub device_idle_ns: u64,
+    /// Of `device_idle_ns`, the device waiting inside steps for constrained rows' masks
+    /// computed while their forward pass ran.
+    pub device_mask_wait_ns: u64,
     /// Steps whose idle gap was counted.
     pub device_gaps: u64,
 }
@@ -68,6 +71,7 @@ impl StepTimings {
             late_masks: d(self.late_masks, before.late_masks),
             device_busy_ns: d(self.device_busy_ns, before.device_busy_ns),
             device_idle_ns: d(self.device_idle_ns, before.device_idle_ns),
+            device_mask_wait_ns: d(self.device_mask_wait_ns, before.device_mask_wait_ns),
             device_gaps: d(self.device_gaps, before.device_gaps),
         }
     }
@@ -77,6 +81,7 @@ impl StepTimings {
         let secs = |ns: u64| ns as f64 * 1e-9;
         s.device_busy_seconds = secs(self.device_busy_ns);
         s.device_idle_seconds = secs(self.device_idle_ns);
+        s.device_mask_wait_seconds = secs(self.device_mask_wait_ns);
         s.engine_steps = self.steps;
         s.host_schedule_seconds = secs(self.schedule_ns);
         s.host_inputs_seconds = secs(self.inputs_ns);

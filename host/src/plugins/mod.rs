@@ -348,12 +348,10 @@ impl PolicyPlugins {
     }
 
     /// One engine's constraints: `[plugins] constraint_threads` constrainers (each its own
-    /// plugin instance) as lanes computing a step's masks at once.
+    /// plugin instance) as lanes computing a step's masks at once and compiling grammars off
+    /// the engine thread (one lane too).
     pub fn engine_constrainer(&self) -> Box<dyn Constrainer> {
         let n = self.runtime.limits().constraint_threads.max(1);
-        if n == 1 {
-            return self.constrainer();
-        }
         Box::new(ConstraintLanes::new(
             (0..n).map(|_| self.constrainer()).collect(),
         ))

@@ -1,25 +1,70 @@
 //! [`ConstraintLanes`]: one engine's constraints spread over several constrainers (lanes), each
-//! its own plugin instance, so that a step's masks are computed on several threads at once.
+//! its own plugin instance, so that a step's masks are computed on several threads at once and
+//! grammars compile off the engine thread.
 //!
 //! A step's masks are due while its forward pass runs (the tokens they follow were sampled by
 //! the step before): 64 masks of a 2.7 KB tool-call schema took 4–12 ms on one thread of the
 //! build machine (`cargo bench --bench constraint`), as long as an 8B model's forward pass, and
-//! the device waited for them. A matcher lives in the
-//! lane that opened it (the one with the fewest open); a batch runs each lane's masks on its
-//! own thread of a small pool, the first lane's on the calling thread.
+//! the device waited for them. A matcher lives in the lane that opened it (the one with the
+//! fewest open); a batch runs each lane's masks on its own thread of a small pool, the first
+//! lane's on the calling thread.
+//!
+//! A grammar compiles in a lane too (up to `agent::MAX_COMPILE`, 200 ms, for a grammar the
+//! server let through), and on the engine thread the device would wait for it: [`start_open`]
+//! compiles on a thread of the lanes' own, at most one grammar a lane at a time so that a
+//! step's masks never wait for more than one compilation in their lane, and the engine takes
+//! the matchers from [`take_opened`] when it next schedules.
+//!
+//! [`start_open`]: Constrainer::start_open
+//! [`take_opened`]: Constrainer::take_opened
 
-use super::{Constrainer, ConstraintError, MaskJob};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::{Constrainer, ConstraintError, MaskJob, Opening};
 use crate::slab::Slab;
 
+/// A lane: one constrainer, locked by whichever thread computes with it.
+type Lane = Arc<Mutex<Box<dyn Constrainer>>>;
+
+/// A compilation's answer: the response's tag, the lane, the matcher there or why not.
+type Compiled = (u64, usize, Result<u32, ConstraintError>);
+
 pub struct ConstraintLanes {
-    lanes: Vec<Box<dyn Constrainer>>,
-    /// Matchers open in each lane.
+    lanes: Vec<Lane>,
+    /// Matchers open in each lane, those compiling included.
     open: Vec<u32>,
+    /// A grammar compiles in the lane.
+    compiling: Vec<bool>,
     /// By outer matcher id: its lane and its id there.
     ids: Slab<(u32, u32)>,
-    /// Threads for the lanes after the first (`None` with one lane, or when the pool could
-    /// not start: the lanes then run one after another).
+    /// Threads for the lanes' masks after the first (`None` with one lane, or when the pool
+    /// could not start: the lanes then run one after another).
     pool: Option<rayon::ThreadPool>,
+    /// Threads for compilations, one a lane (`None` when they could not start: grammars then
+    /// compile on the calling thread).
+    compilers: Option<rayon::ThreadPool>,
+    done_tx: mpsc::Sender<Compiled>,
+    done_rx: mpsc::Receiver<Compiled>,
+}
+
+fn lock(lane: &Lane) -> MutexGuard<'_, Box<dyn Constrainer>> {
+    // A lane whose thread panicked holds matchers of other responses: kept in use.
+    lane.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn pool(threads: usize, name: &'static str) -> Option<rayon::ThreadPool> {
+    (threads > 0)
+        .then(|| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .thread_name(move |i| format!("{name}-{i}"))
+                .build()
+        })
+        .and_then(|p| {
+            p.map_err(|e| tracing::warn!(error = %e, threads = name, "no threads for the constraint lanes; their work runs on the engine thread"))
+                .ok()
+        })
 }
 
 impl ConstraintLanes {
@@ -27,22 +72,16 @@ impl ConstraintLanes {
     pub fn new(lanes: Vec<Box<dyn Constrainer>>) -> Self {
         assert!(!lanes.is_empty(), "ConstraintLanes needs a lane");
         let n = lanes.len();
-        let pool = (n > 1)
-            .then(|| {
-                rayon::ThreadPoolBuilder::new()
-                    .num_threads(n - 1)
-                    .thread_name(|i| format!("chimera-masks-{i}"))
-                    .build()
-            })
-            .and_then(|p| {
-                p.map_err(|e| tracing::warn!(error = %e, "no threads for the constraint lanes; masks are computed one after another"))
-                    .ok()
-            });
+        let (done_tx, done_rx) = mpsc::channel();
         Self {
             open: vec![0; n],
-            lanes,
+            compiling: vec![false; n],
+            lanes: lanes.into_iter().map(|l| Arc::new(Mutex::new(l))).collect(),
             ids: Slab::new(),
-            pool,
+            pool: pool(n - 1, "chimera-masks"),
+            compilers: pool(n, "chimera-grammars"),
+            done_tx,
+            done_rx,
         }
     }
 
@@ -52,21 +91,73 @@ impl ConstraintLanes {
             None => Err(format!("no matcher {matcher}")),
         }
     }
+
+    /// The lane with the fewest matchers open, of those `free` allows.
+    fn least_open(&self, free: impl Fn(usize) -> bool) -> Option<usize> {
+        (0..self.lanes.len())
+            .filter(|&l| free(l))
+            .min_by_key(|&l| self.open[l])
+    }
+
+    /// Takes in a compilation's answer: the matcher gets its outer id.
+    fn adopt(
+        &mut self,
+        lane: usize,
+        r: Result<u32, ConstraintError>,
+    ) -> Result<u32, ConstraintError> {
+        match r {
+            Ok(id) => Ok(self.ids.insert((lane as u32, id))),
+            Err(e) => {
+                self.open[lane] = self.open[lane].saturating_sub(1);
+                Err(e)
+            }
+        }
+    }
 }
 
 impl Constrainer for ConstraintLanes {
     fn open(&mut self, kind: &str, grammar: &str) -> Result<u32, ConstraintError> {
-        let lane = (0..self.lanes.len())
-            .min_by_key(|&l| self.open[l])
-            .unwrap_or(0);
-        let id = self.lanes[lane].open(kind, grammar)?;
+        let lane = self.least_open(|_| true).unwrap_or(0);
         self.open[lane] += 1;
-        Ok(self.ids.insert((lane as u32, id)))
+        let r = lock(&self.lanes[lane]).open(kind, grammar);
+        self.adopt(lane, r)
+    }
+
+    fn start_open(&mut self, tag: u64, kind: &str, grammar: &str) -> Opening {
+        let Some(compilers) = &self.compilers else {
+            return Opening::Done(self.open(kind, grammar));
+        };
+        let Some(lane) = self.least_open(|l| !self.compiling[l]) else {
+            return Opening::Busy;
+        };
+        self.open[lane] += 1;
+        self.compiling[lane] = true;
+        let (worker, tx) = (self.lanes[lane].clone(), self.done_tx.clone());
+        let (kind, grammar) = (kind.to_string(), grammar.to_string());
+        compilers.spawn(move || {
+            let r = lock(&worker).open(&kind, &grammar);
+            // The lanes are gone when no one listens: their instances (and this matcher)
+            // go with the last reference.
+            let _ = tx.send((tag, lane, r));
+        });
+        Opening::Started
+    }
+
+    fn take_opened(&mut self, done: &mut Vec<(u64, Result<u32, ConstraintError>)>) {
+        while let Ok((tag, lane, r)) = self.done_rx.try_recv() {
+            self.compiling[lane] = false;
+            let r = self.adopt(lane, r);
+            done.push((tag, r));
+        }
+    }
+
+    fn opening(&self) -> usize {
+        self.compiling.iter().filter(|&&c| c).count()
     }
 
     fn next(&mut self, matcher: u32, tokens: &[u32], mask: &mut [u32]) -> Result<(), String> {
         let (lane, id) = self.route(matcher)?;
-        self.lanes[lane].next(id, tokens, mask)
+        lock(&self.lanes[lane]).next(id, tokens, mask)
     }
 
     fn next_batch(&mut self, jobs: &mut [MaskJob<'_>]) {
@@ -81,15 +172,16 @@ impl Constrainer for ConstraintLanes {
                 Err(e) => job.result = Err(e),
             }
         }
-        let run = |lane: &mut Box<dyn Constrainer>, list: Vec<&mut MaskJob<'_>>| {
+        let run = |lane: &Lane, list: Vec<&mut MaskJob<'_>>| {
+            let mut c = lock(lane);
             for job in list {
-                job.result = lane.next(job.matcher, job.tokens, job.mask);
+                job.result = c.next(job.matcher, job.tokens, job.mask);
             }
         };
         let busy = by_lane.iter().filter(|l| !l.is_empty()).count();
         match &self.pool {
             Some(pool) if busy > 1 => {
-                let mut pairs = self.lanes.iter_mut().zip(by_lane);
+                let mut pairs = self.lanes.iter().zip(by_lane);
                 let first = pairs.next();
                 pool.in_place_scope(|s| {
                     for (lane, list) in pairs {
@@ -103,8 +195,10 @@ impl Constrainer for ConstraintLanes {
                 });
             }
             _ => {
-                for (lane, list) in self.lanes.iter_mut().zip(by_lane) {
-                    run(lane, list);
+                for (lane, list) in self.lanes.iter().zip(by_lane) {
+                    if !list.is_empty() {
+                        run(lane, list);
+                    }
                 }
             }
         }
@@ -112,7 +206,7 @@ impl Constrainer for ConstraintLanes {
 
     fn rollback(&mut self, matcher: u32, count: u32) -> Result<(), String> {
         let (lane, id) = self.route(matcher)?;
-        self.lanes[lane].rollback(id, count)
+        lock(&self.lanes[lane]).rollback(id, count)
     }
 
     fn close(&mut self, matcher: u32) {
@@ -120,7 +214,7 @@ impl Constrainer for ConstraintLanes {
             return;
         };
         let lane = lane as usize;
-        self.lanes[lane].close(id);
+        lock(&self.lanes[lane]).close(id);
         self.open[lane] = self.open[lane].saturating_sub(1);
     }
 }

@@ -201,6 +201,36 @@ pub trait Constrainer: Send {
     fn rollback(&mut self, matcher: u32, count: u32) -> Result<(), String>;
 
     fn close(&mut self, matcher: u32);
+
+    /// Starts compiling `grammar` for the response `tag`: compiled on the calling thread here
+    /// ([`Opening::Done`]); [`ConstraintLanes`] compiles on a thread of its own and answers
+    /// through [`Self::take_opened`], or says it is busy.
+    fn start_open(&mut self, tag: u64, kind: &str, grammar: &str) -> Opening {
+        let _ = tag;
+        Opening::Done(self.open(kind, grammar))
+    }
+
+    /// Appends the compilations started by [`Self::start_open`] that have ended since the
+    /// last call, with their tags. None here (this one compiles at once).
+    fn take_opened(&mut self, done: &mut Vec<(u64, Result<u32, ConstraintError>)>) {
+        let _ = done;
+    }
+
+    /// Compilations started and not yet taken.
+    fn opening(&self) -> usize {
+        0
+    }
+}
+
+/// What [`Constrainer::start_open`] did with a grammar.
+#[derive(Debug)]
+pub enum Opening {
+    /// Compiled on the calling thread: the matcher, or why not.
+    Done(Result<u32, ConstraintError>),
+    /// Compiling elsewhere; the answer comes from [`Constrainer::take_opened`].
+    Started,
+    /// No compiler is free now: ask again later.
+    Busy,
 }
 
 /// One mask of a step's batch ([`Constrainer::next_batch`]).

@@ -67,6 +67,8 @@ pub mod names {
     /// Device time on steps, and device time idle between back-to-back steps (host overhead).
     pub const DEVICE_BUSY: &str = "chimera:device_busy_seconds_total";
     pub const DEVICE_IDLE: &str = "chimera:device_idle_between_steps_seconds_total";
+    /// Of the idle time, the device waiting for constrained rows' masks.
+    pub const DEVICE_MASK_WAIT: &str = "chimera:device_mask_wait_seconds_total";
     /// Engine steps that ran a batch, and the host's time in them by `phase` (schedule,
     /// inputs, update).
     pub const ENGINE_STEPS: &str = "chimera:engine_steps_total";
@@ -492,6 +494,11 @@ impl EngineFamilies<'_> {
                     DEVICE_IDLE,
                     "Device time idle between back-to-back engine steps, waiting for the host.",
                     |s| s.device_idle_seconds,
+                ),
+                (
+                    DEVICE_MASK_WAIT,
+                    "Of the device's idle time between steps, the time it waited inside a step for the masks of constrained rows, computed on the host while the step's forward pass ran.",
+                    |s| s.device_mask_wait_seconds,
                 ),
                 (ENGINE_STEPS, "Engine steps that ran a batch.", |s| {
                     s.engine_steps as f64

@@ -104,6 +104,7 @@ impl CudaBackend {
                 .map_err(|e| dev.fail("reading an event", e))
         };
         let mut busy = ms(c.start, c.end)?;
+        let mut mask_wait = 0.0;
         let mut idle = if c.have_prev {
             ms(c.prev_end, c.start)?.max(0.0)
         } else {
@@ -114,12 +115,14 @@ impl CudaBackend {
             let wait = ms(c.held, c.resumed)?.max(0.0);
             busy = (busy - wait).max(0.0);
             idle += wait;
+            mask_wait = wait;
         }
         std::mem::swap(&mut c.end, &mut c.prev_end);
         c.have_prev = true;
         Ok(Some(DeviceStepTime {
             busy_s: busy / 1e3,
             idle_before_s: idle / 1e3,
+            mask_wait_s: mask_wait / 1e3,
         }))
     }
 
