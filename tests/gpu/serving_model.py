@@ -47,7 +47,10 @@ def main() -> None:
         },
     }
     (dst / "tokenizer.json").write_text(json.dumps(tokenizer))
-    print(f"{dst}: config.json and a {vocab}-word tokenizer.json")
+    # A plain chat template: Dynamo's frontend registers a model for chat only with one.
+    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    (dst / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    print(f"{dst}: config.json, a {vocab}-word tokenizer.json and a plain chat template")
 
 
 if __name__ == "__main__":

@@ -402,7 +402,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<BenchReport> {
 }
 
 /// The workers' routing counters a `--dynamo-workers` run records in the report's metadata.
-const DYNAMO_COUNTERS: [(&str, &str); 5] = [
+const DYNAMO_COUNTERS: [(&str, &str); 6] = [
     ("dynamo.requests", "chimera_dynamo_requests_total"),
     (
         "dynamo.routed_on_overlap",
@@ -411,6 +411,10 @@ const DYNAMO_COUNTERS: [(&str, &str); 5] = [
     (
         "dynamo.routed_without_state",
         "chimera_dynamo_routed_without_state_total",
+    ),
+    (
+        "dynamo.routed_state_evicted",
+        "chimera_dynamo_routed_state_evicted_total",
     ),
     (
         "dynamo.reused_prompt_tokens",

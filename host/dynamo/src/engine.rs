@@ -395,7 +395,7 @@ impl LLMEngine for ChimeraEngine {
                                     reused = u.cached_tokens,
                                     "request finished"
                                 );
-                                kv.record(prompt_len, announced, u.cached_tokens, u.cacheable_tokens);
+                                kv.record(prompt_len, announced, u.cached_tokens, u.cacheable_tokens, u.cache_miss);
                             }
                             let mut done_usage = usage(u.prompt_tokens, u.completion_tokens);
                             done_usage.prompt_tokens_details = Some(PromptTokensDetails {

@@ -16,7 +16,7 @@ use dynamo_llm::kv_router::protocols::{
     KvCacheStoreData, KvCacheStoredBlockData, compute_block_hash_for_seq,
 };
 
-use chimera::cache::KvEvent;
+use chimera::cache::{KvEvent, MissReason};
 use chimera::cluster::{Announcement, Announcer};
 
 /// Which cached blocks the router is told of.
@@ -37,6 +37,10 @@ pub struct ReuseCounters {
     /// but this worker had no state to resume from (what attention-only events cause on a
     /// hybrid).
     pub routed_without_state: AtomicU64,
+    /// Of those, requests whose state was here when they arrived and was evicted before their
+    /// admission (the cache's miss reason `evicted` or `snapshot_budget_full`): the
+    /// announcement was true, memory pressure took it back. Not in `routed_without_state`.
+    pub routed_state_evicted: AtomicU64,
     /// Prompt tokens in announced blocks at arrival (capped at what the cache could serve the
     /// prompt), and prompt tokens reused, summed over requests.
     pub announced_tokens: AtomicU64,
@@ -132,8 +136,16 @@ impl KvState {
     }
 
     /// Records one finished request: `announced` leading prompt blocks were announced here when
-    /// it arrived; it reused `reused` prompt tokens of at most `cacheable`.
-    pub fn record(&self, prompt: u32, announced: u32, reused: u32, cacheable: u32) {
+    /// it arrived; it reused `reused` prompt tokens of at most `cacheable`, `miss` saying why
+    /// not all.
+    pub fn record(
+        &self,
+        prompt: u32,
+        announced: u32,
+        reused: u32,
+        cacheable: u32,
+        miss: Option<MissReason>,
+    ) {
         let c = &self.counters;
         c.requests.fetch_add(1, Ordering::Relaxed);
         c.prompt_tokens
@@ -147,7 +159,13 @@ impl KvState {
             .fetch_add(u64::from(promised), Ordering::Relaxed);
         if promised > 0 {
             c.routed_on_overlap.fetch_add(1, Ordering::Relaxed);
-            if reused == 0 {
+            let evicted = matches!(
+                miss,
+                Some(MissReason::Evicted | MissReason::SnapshotBudgetFull)
+            );
+            if reused == 0 && evicted {
+                c.routed_state_evicted.fetch_add(1, Ordering::Relaxed);
+            } else if reused == 0 {
                 c.routed_without_state.fetch_add(1, Ordering::Relaxed);
             }
         }
@@ -172,6 +190,11 @@ impl KvState {
                 "chimera_dynamo_routed_without_state_total",
                 "Requests that arrived with prompt blocks announced here but reused no prompt token (the router matched KV this worker could not resume from).",
                 &c.routed_without_state,
+            ),
+            (
+                "chimera_dynamo_routed_state_evicted_total",
+                "Requests that arrived with prompt blocks announced here whose state was evicted before their admission (memory pressure after routing), reusing no prompt token.",
+                &c.routed_state_evicted,
             ),
             (
                 "chimera_dynamo_announced_prompt_tokens_total",
@@ -307,15 +330,19 @@ mod tests {
     fn requests_routed_without_state_are_counted() {
         let kv = KvState::new(1, true, AnnounceRule::Hybrid, 16);
         // Two blocks announced, both reused (up to what the cache could serve).
-        kv.record(40, 2, 32, 32);
+        kv.record(40, 2, 32, 32, None);
         // Two blocks announced, nothing reused: routed here without the state.
-        kv.record(40, 2, 0, 32);
+        kv.record(40, 2, 0, 32, Some(MissReason::NoSnapshot));
+        // Two blocks announced, their state evicted after the request arrived.
+        kv.record(40, 2, 0, 32, Some(MissReason::Evicted));
+        kv.record(40, 2, 0, 32, Some(MissReason::SnapshotBudgetFull));
         // Nothing announced: not routed on overlap.
-        kv.record(40, 0, 0, 32);
+        kv.record(40, 0, 0, 32, Some(MissReason::NoKvMatch));
         let c = &kv.counters;
-        assert_eq!(c.routed_on_overlap.load(Ordering::Relaxed), 2);
+        assert_eq!(c.routed_on_overlap.load(Ordering::Relaxed), 4);
         assert_eq!(c.routed_without_state.load(Ordering::Relaxed), 1);
-        assert_eq!(c.announced_tokens.load(Ordering::Relaxed), 64);
+        assert_eq!(c.routed_state_evicted.load(Ordering::Relaxed), 2);
+        assert_eq!(c.announced_tokens.load(Ordering::Relaxed), 4 * 32);
         assert!(
             kv.render()
                 .contains("chimera_dynamo_routed_without_state_total 1")

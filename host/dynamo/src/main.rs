@@ -70,13 +70,18 @@ fn main() -> anyhow::Result<()> {
         .context("preparing the model card for the Dynamo frontend")?;
     let served = config.server.served_name(&loaded.name);
     let common = args.dynamo;
+    let endpoint_types = endpoint_types(
+        &common.endpoint_types,
+        loaded.codec.has_chat_template(),
+        &served,
+    )?;
     let worker = WorkerConfig {
         namespace: common.namespace,
         component: common.component,
         endpoint: common.endpoint,
         model_name: card.to_string_lossy().into_owned(),
         served_model_name: Some(served.clone()),
-        endpoint_types: common.endpoint_types,
+        endpoint_types,
         custom_jinja_template: common.custom_jinja_template,
         tool_call_parser: common.dyn_tool_call_parser,
         reasoning_parser: common.dyn_reasoning_parser,
@@ -89,4 +94,54 @@ fn main() -> anyhow::Result<()> {
     };
     let engine = engine::ChimeraEngine::new(config, served, args.kv_announce);
     dynamo_backend_common::run(Arc::new(engine), worker)
+}
+
+/// The endpoint types to register: those asked for, less `chat` when the model has no chat
+/// template (Dynamo's frontend cannot render chat messages without one and would never serve
+/// the model); an error when nothing is left.
+fn endpoint_types(asked: &str, has_template: bool, model: &str) -> anyhow::Result<String> {
+    if has_template {
+        return Ok(asked.to_string());
+    }
+    let kept: Vec<&str> = asked
+        .split(',')
+        .map(str::trim)
+        .filter(|t| !t.is_empty() && !t.eq_ignore_ascii_case("chat"))
+        .collect();
+    if kept.is_empty() {
+        anyhow::bail!(
+            "--endpoint-types {asked:?}: {model} has no chat template (tokenizer_config.json \
+             `chat_template` or chat_template.jinja), so it cannot serve chat; add \
+             `completions`, or give the model a template"
+        );
+    }
+    let kept = kept.join(",");
+    if kept != asked.trim() {
+        // Logging starts with Dynamo's runtime, after registration is decided.
+        eprintln!("warning: {model} has no chat template: registered for {kept} only, not chat");
+    }
+    Ok(kept)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::endpoint_types;
+
+    #[test]
+    fn a_model_without_a_chat_template_registers_without_chat() {
+        assert_eq!(
+            endpoint_types("chat,completions", true, "m").unwrap(),
+            "chat,completions"
+        );
+        assert_eq!(
+            endpoint_types("chat, completions", false, "m").unwrap(),
+            "completions"
+        );
+        assert_eq!(
+            endpoint_types("completions", false, "m").unwrap(),
+            "completions"
+        );
+        let e = endpoint_types("chat", false, "m").unwrap_err().to_string();
+        assert!(e.contains("no chat template"), "{e}");
+    }
 }

@@ -62,6 +62,10 @@ enum Tail<B: StepBackend> {
     Eager { logits: B::Tensor },
 }
 
+fn not_allocated() -> ExecutorError {
+    ExecutorError::Allocation("caches used before allocate()".into())
+}
+
 /// A step packed on the host ahead of its launch.
 #[derive(Debug, Clone, Copy)]
 enum Packed {
@@ -475,9 +479,7 @@ impl<B: StepBackend> ModelRunner<B> {
                 })
                 .and_then(|()| backend.sample_start(&mut logits, step, &mut out.cands))
                 .map_err(forward),
-                None => Err(ExecutorError::Allocation(
-                    "caches used before allocate()".into(),
-                )),
+                None => Err(not_allocated()),
             },
         };
         ran.map_err(|e| {
@@ -549,53 +551,13 @@ impl<B: StepBackend> ModelRunner<B> {
         out: &mut StepOutput,
         late_masks: bool,
     ) -> Result<Tail<B>, ExecutorError> {
-        let vocab = self.model.info.vocab_size;
+        let packed = self.upload(plan)?;
         let (Some(caches), Some(step)) = (self.caches.as_mut(), self.step.as_mut()) else {
-            return Err(ExecutorError::Allocation(
-                "caches used before allocate()".into(),
-            ));
+            return Err(not_allocated());
         };
         let forward = ExecutorError::Backend;
-        let invalid = ExecutorError::Backend;
         let backend = &self.backend;
-        let packed = match self.packed.take() {
-            Some(p) => {
-                let target = match (p, self.graph_step.as_mut()) {
-                    (Packed::Graph(_), Some(gstep)) => gstep,
-                    (Packed::Graph(_), None) => {
-                        return Err(ExecutorError::InvalidBatch(
-                            "a step packed for a graph without graphs".into(),
-                        ));
-                    }
-                    (Packed::Eager, _) => &mut *step,
-                };
-                backend.repack_tokens(plan, target).map_err(invalid)?;
-                backend.send_step(target).map_err(invalid)?;
-                p
-            }
-            None => {
-                caches
-                    .check(plan)
-                    .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))?;
-                let blocks = self.graph_blocks;
-                let graph = match self.graph_step.as_mut() {
-                    Some(gstep) => Self::pick_graph(&self.graphs, plan, |bucket| {
-                        backend
-                            .upload_graph_step(plan, gstep, bucket, blocks)
-                            .map_err(invalid)
-                    })?,
-                    None => None,
-                };
-                match graph {
-                    Some(i) => Packed::Graph(i),
-                    None => {
-                        backend.upload_step(plan, step).map_err(invalid)?;
-                        Packed::Eager
-                    }
-                }
-            }
-        };
-        out.full.vocab = vocab;
+        out.full.vocab = self.model.info.vocab_size;
         out.full.data.clear();
         if let (Packed::Graph(i), Some(gstep)) = (packed, self.graph_step.as_mut()) {
             let g = &self.graphs[i];
@@ -626,12 +588,51 @@ impl<B: StepBackend> ModelRunner<B> {
         Ok(Tail::Eager { logits })
     }
 
+    /// Puts `plan`'s inputs on the device: the tokens of a step packed ahead
+    /// ([`Self::pack_ahead`]), else the whole step, into a graph's buffers where one fits.
+    fn upload(&mut self, plan: &StepPlan) -> Result<Packed, ExecutorError> {
+        let (Some(caches), Some(step)) = (self.caches.as_ref(), self.step.as_mut()) else {
+            return Err(not_allocated());
+        };
+        let invalid = ExecutorError::Backend;
+        let backend = &self.backend;
+        if let Some(p) = self.packed.take() {
+            let target = match (p, self.graph_step.as_mut()) {
+                (Packed::Graph(_), Some(gstep)) => gstep,
+                (Packed::Graph(_), None) => {
+                    return Err(ExecutorError::InvalidBatch(
+                        "a step packed for a graph without graphs".into(),
+                    ));
+                }
+                (Packed::Eager, _) => step,
+            };
+            backend.repack_tokens(plan, target).map_err(invalid)?;
+            backend.send_step(target).map_err(invalid)?;
+            return Ok(p);
+        }
+        caches
+            .check(plan)
+            .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))?;
+        let blocks = self.graph_blocks;
+        let graph = match self.graph_step.as_mut() {
+            Some(gstep) => Self::pick_graph(&self.graphs, plan, |bucket| {
+                backend
+                    .upload_graph_step(plan, gstep, bucket, blocks)
+                    .map_err(invalid)
+            })?,
+            None => None,
+        };
+        if let Some(i) = graph {
+            return Ok(Packed::Graph(i));
+        }
+        backend.upload_step(plan, step).map_err(invalid)?;
+        Ok(Packed::Eager)
+    }
+
     /// Packs `plan` on the host for its launch (see [`StepExecutor::prepare`]).
     fn pack_ahead(&mut self, plan: &StepPlan) -> Result<(), ExecutorError> {
         let (Some(caches), Some(step)) = (self.caches.as_mut(), self.step.as_mut()) else {
-            return Err(ExecutorError::Allocation(
-                "caches used before allocate()".into(),
-            ));
+            return Err(not_allocated());
         };
         caches
             .check(plan)
