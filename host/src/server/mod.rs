@@ -204,6 +204,24 @@ fn mix64(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// The names the model is served under, and how many of them `/v1/models` lists: the
+/// configured `served_model_name`s, else the model's name and its aliases (only the name
+/// listed).
+fn served_names(config: &ServerConfig, model: &ModelInfo) -> (Vec<String>, usize) {
+    if let Some(names) = &config.served_model_name {
+        let names = names.names();
+        let listed = names.len();
+        return (names, listed);
+    }
+    let mut names = vec![model.name.clone()];
+    for alias in &model.aliases {
+        if !names.contains(alias) {
+            names.push(alias.clone());
+        }
+    }
+    (names, 1)
+}
+
 impl AppState {
     /// Validates the config and starts the router actor (needs a tokio runtime).
     pub fn new(parts: AppParts) -> Result<Self, ServeError> {
@@ -240,22 +258,7 @@ impl AppState {
             max_model_len: parts.model.max_model_len,
             priority_scheduling: parts.model.priority_scheduling,
         };
-        let listed_names = match &parts.config.served_model_name {
-            Some(names) => names.names().len(),
-            None => 1,
-        };
-        let served_names = match &parts.config.served_model_name {
-            Some(names) => names.names(),
-            None => {
-                let mut names = vec![parts.model.name.clone()];
-                for alias in &parts.model.aliases {
-                    if !names.contains(alias) {
-                        names.push(alias.clone());
-                    }
-                }
-                names
-            }
-        };
+        let (served_names, listed_names) = served_names(&parts.config, &parts.model);
         let created = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs())
