@@ -330,6 +330,9 @@ def dynamo(r, quick):
     env["CHIMERA_DYNAMO_PYTHON"] = sys.executable
     env["HF_HUB_OFFLINE"] = "1"
     env["CHIMERA_KEEP_CLUSTER"] = "1"
+    # One line per finished request in the workers' logs (announced blocks at arrival, tokens
+    # reused, the cache's miss reason): what explains a turn routed without its state.
+    env.setdefault("DYN_LOG", "info,chimera_dynamo=debug")
     if quick:
         sizes = ["--conversations", "8", "--turns", "3", "--prefix-len", "1024",
                  "--question-len", "128", "--output-len", "32"]

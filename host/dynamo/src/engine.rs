@@ -393,6 +393,8 @@ impl LLMEngine for ChimeraEngine {
                                     prompt = prompt_len,
                                     announced_blocks = announced,
                                     reused = u.cached_tokens,
+                                    cacheable = u.cacheable_tokens,
+                                    miss = u.cache_miss.map(|m| m.as_str()),
                                     "request finished"
                                 );
                                 kv.record(prompt_len, announced, u.cached_tokens, u.cacheable_tokens, u.cache_miss);
