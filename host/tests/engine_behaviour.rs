@@ -1023,6 +1023,15 @@ fn cancels_arriving_mid_step_end_only_their_requests() {
 /// engine (arrivals during a step) gives the same outputs as the step-by-step one. Masks are
 /// computed while the forward pass of the step ahead runs where the executor splits its
 /// launch, and the plan waits for the tokens where it does not: the same outputs either way.
+/// Whether `text` is a whole match of the regex `(ab|cd){3}x` the constrained tests use.
+fn matches_ab_cd_x(text: &str) -> bool {
+    text.len() == 7
+        && text.ends_with('x')
+        && text.as_bytes()[..6]
+            .chunks(2)
+            .all(|p| p == b"ab" || p == b"cd")
+}
+
 /// A grammar compiles on the constraint lanes' threads: `add` does not wait for it, the other
 /// requests step on meanwhile, and the request joins once its matcher is open, its output
 /// following the grammar. A request cancelled while its grammar compiles ends cancelled.
@@ -1145,14 +1154,7 @@ fn a_grammar_compiles_off_the_engine_thread_while_other_requests_run() {
         .map(|&t| t as u8)
         .collect();
     let body = String::from_utf8(body).unwrap();
-    assert!(
-        body.len() == 7
-            && body.ends_with('x')
-            && body.as_bytes()[..6]
-                .chunks(2)
-                .all(|p| p == b"ab" || p == b"cd"),
-        "{body:?}"
-    );
+    assert!(matches_ab_cd_x(&body), "{body:?}");
     let gone: Vec<EngineEvent> = std::iter::from_fn(|| gone_rx.try_recv().ok()).collect();
     assert!(
         matches!(
@@ -1278,14 +1280,7 @@ fn constrained_responses_follow_their_grammar_and_leave_others_alone() {
             assert_eq!(o[&id].tokens.last(), Some(&eos), "{id} ends with EOS");
         }
         let regex = text(&o[&1].tokens);
-        assert!(
-            regex.len() == 7
-                && regex.ends_with('x')
-                && regex.as_bytes()[..6]
-                    .chunks(2)
-                    .all(|p| p == b"ab" || p == b"cd"),
-            "{regex:?}"
-        );
+        assert!(matches_ab_cd_x(&regex), "{regex:?}");
         let json: serde_json::Value = serde_json::from_str(&text(&o[&2].tokens)).unwrap();
         assert!(
             json["ok"].is_boolean() && ["yes", "no"].contains(&json["say"].as_str().unwrap()),
