@@ -143,6 +143,9 @@ mod tests {
 
     impl Constrainer for Numbered {
         fn open(&mut self, _kind: &str, grammar: &str) -> Result<u32, ConstraintError> {
+            if grammar == "panic" {
+                panic!("a plugin bug");
+            }
             if grammar == "bad" {
                 return Err(ConstraintError::Grammar("bad grammar".into()));
             }
@@ -263,6 +266,22 @@ mod tests {
         local.sort_unstable();
         assert_eq!(local, vec![1, 1, 2, 2, 3], "{masks:?}");
         assert_eq!(c.opening(), 0);
+    }
+
+    #[test]
+    fn a_compilation_that_panics_fails_its_request_and_the_lane_goes_on() {
+        let lanes: Vec<Box<dyn Constrainer>> = vec![Box::new(Numbered::default())];
+        let mut c = ConstraintLanes::new(lanes);
+        let mut o = Openings::default();
+        o.push(pending(1, "panic"));
+        o.push(pending(2, "g"));
+        let mut got = drain(&mut o, &mut c);
+        got.sort_by_key(|(id, _)| *id);
+        assert!(
+            matches!(&got[0], (1, Err(ConstraintError::Failed(m))) if m.contains("compiling")),
+            "{got:?}"
+        );
+        assert_eq!(got[1], (2, Ok(0)));
     }
 
     #[test]

@@ -135,7 +135,15 @@ impl Constrainer for ConstraintLanes {
         let (worker, tx) = (self.lanes[lane].clone(), self.done_tx.clone());
         let (kind, grammar) = (kind.to_string(), grammar.to_string());
         compilers.spawn(move || {
-            let r = lock(&worker).open(&kind, &grammar);
+            // A compilation that panics still answers: the request fails instead of waiting
+            // for a matcher forever.
+            let open = std::panic::AssertUnwindSafe(|| lock(&worker).open(&kind, &grammar));
+            let r = std::panic::catch_unwind(open).unwrap_or_else(|_| {
+                tracing::error!(lane, "the constraint plugin panicked compiling a grammar");
+                Err(ConstraintError::Failed(
+                    "the constraint plugin failed while compiling the grammar".into(),
+                ))
+            });
             // The lanes are gone when no one listens: their instances (and this matcher)
             // go with the last reference.
             let _ = tx.send((tag, lane, r));
