@@ -135,6 +135,16 @@ fn multi_turn(cluster: &Cluster) -> Reuse {
     }
 }
 
+/// The KV router's weighing of locality against load for this workload. Its cost for a worker
+/// is the prompt blocks it would compute there (scaled by this) plus the blocks its running
+/// requests hold. A follow-up turn here is ~28 blocks of prompt, ~25 of them cached on its
+/// worker, and 1 block of answer: the prefill is what a turn costs. At the default scale 1, a
+/// worker running two other turns' ~56 blocks looks dearer than recomputing ~25 blocks on an
+/// idle one, so a burst of turns spreads over the workers and the KV router's share of one
+/// worker's reuse varied 66–93 % over runs on this machine (docs/benchmarks.md). At 4 a turn
+/// leaves its state only for a worker ~100 blocks (four running turns) less loaded.
+const KV_ROUTER_ARGS: [&str; 2] = ["--router-prefill-load-scale", "4"];
+
 /// Three workers on the embedded hybrid model: the KV router, fed chimera's events under the
 /// hybrid rule, reuses at least 80 % of what one worker holding every conversation reuses;
 /// round robin is measured in the same run for comparison; no turn is routed to a worker on
@@ -153,7 +163,9 @@ fn kv_router_reuses_what_one_worker_would_on_a_hybrid() {
         multi_turn(&c)
     };
     let kv = {
-        let c = Cluster::start(spec(3, "kv", &[])).expect("three workers, KV router");
+        let mut s = spec(3, "kv", &[]);
+        s.frontend_args = KV_ROUTER_ARGS.iter().map(|a| a.to_string()).collect();
+        let c = Cluster::start(s).expect("three workers, KV router");
         multi_turn(&c)
     };
     let rr = {
