@@ -517,6 +517,37 @@ fn rolling_snapshot_of_a_failed_step_is_not_kept_and_a_full_budget_skips() {
     cm.check_invariants().unwrap();
 }
 
+#[test]
+fn a_snapshot_given_up_below_the_deepest_cached_block_is_a_budget_miss() {
+    // Two durable slots. A: a 6-token prompt (snapshot at 4), then a decode whose step
+    // writing the rolling snapshot at 8 fails: block 2's KV is cached, its end never had a
+    // snapshot.
+    let mut cm = CacheManager::new(&layout(32, 2, 2), true, true, None);
+    let t: Vec<u32> = (0..9).collect();
+    run_prompt(&mut cm, 0, &t[..6]);
+    decode(&mut cm, 0, &t, 6);
+    cm.commit_step();
+    assert_eq!(decode(&mut cm, 0, &t, 7).len(), 1);
+    cm.abort_step();
+    cm.release(0).unwrap();
+    let mut next = t[..8].to_vec();
+    next.extend([40, 41, 42]);
+    let m = cm.match_prefix(&hashes(&next), next.len());
+    assert_eq!((m.kv_blocks, m.skip_blocks), (2, 1));
+    // B's two snapshots take the free slot and A's (unused, least recently used).
+    cm.begin_step(5);
+    run_prompt(&mut cm, 1, &(100..109).collect::<Vec<u32>>());
+    assert_eq!(cm.counters.snapshots_dropped, 1);
+    let m = cm.match_prefix(&hashes(&next), next.len());
+    assert_eq!((m.kv_blocks, m.skip_blocks), (2, 0));
+    // The deepest cached boundary never had a snapshot; the one below it was given up.
+    assert_eq!(
+        cm.miss_reason(&hashes(&next), next.len(), m, false),
+        Some(MissReason::SnapshotBudgetFull)
+    );
+    cm.check_invariants().unwrap();
+}
+
 /// A search for a snapshot to give up that found none is not repeated while nothing it read
 /// changed (other sequences completing blocks in the same step get the same answer without
 /// a search), and is repeated once something did: a release frees the block of the only

@@ -295,10 +295,14 @@ impl CacheManager {
             return None;
         }
         if m.kv_blocks > m.skip_blocks {
-            // KV reaches further than the skip: the deepest usable KV boundary has no snapshot.
-            let boundary = hashes[m.kv_blocks.min(cacheable) - 1];
+            // KV reaches further than the skip: no boundary past the skip has a snapshot. Any
+            // of them given up or skipped for want of a slot is what pressure cost (a turn's
+            // prompt-end snapshot reclaimed while its answer's blocks, which never had one,
+            // stay cached is the common case).
+            let past_skip = &hashes[m.skip_blocks..m.kv_blocks.min(cacheable)];
             let no_slots = self.ssm.durable_total() == 0;
-            return Some(if no_slots || self.memory.lost_snapshot(boundary) {
+            let lost = past_skip.iter().any(|&h| self.memory.lost_snapshot(h));
+            return Some(if no_slots || lost {
                 MissReason::SnapshotBudgetFull
             } else {
                 MissReason::NoSnapshot
