@@ -16,6 +16,7 @@ use llguidance::earley::SlicedBiasComputer;
 use llguidance::{Matcher, ParserFactory};
 use toktrie::InferenceCapabilities;
 
+use crate::compiled::{Compiled, Key};
 use crate::error::{ConstraintError, clip};
 use crate::grammar::{GrammarKind, describe};
 use crate::limits::Limits;
@@ -25,12 +26,19 @@ use crate::vocabulary;
 pub struct Constraints {
     limits: Limits,
     factory: ParserFactory,
+    compiled: Compiled,
     vocab_size: usize,
     /// Slot `id` holds matcher `id` while it is open.
-    slots: Vec<Option<Matcher>>,
+    slots: Vec<Option<Open>>,
     /// Closed slots, reused before the vector grows.
     free: Vec<u32>,
     open: u32,
+}
+
+/// An open matcher and the key of the template it was cloned from or kept as.
+struct Open {
+    matcher: Matcher,
+    template: Option<Key>,
 }
 
 impl Constraints {
@@ -59,6 +67,7 @@ impl Constraints {
             Ok(factory)
         })?;
         Ok(Self {
+            compiled: Compiled::new(limits.grammar_cache_entries as usize),
             limits,
             factory,
             vocab_size,
@@ -87,13 +96,58 @@ impl Constraints {
         self.open
     }
 
+    /// Compiled grammars kept for reuse now (at most the `grammar_cache_entries` limit).
+    pub fn cached_grammars(&self) -> usize {
+        self.compiled.len()
+    }
+
     /// Compiles `grammar` as `kind` (`json-schema`, `regex`, `choice`, `lark`) and opens a
-    /// matcher for it. Errors say what was wrong with the grammar, fit for the client.
+    /// matcher for it; a grammar compiled before (same kind and text) is cloned from its kept
+    /// template instead (see [`crate::compiled`]). Errors say what was wrong with the grammar,
+    /// fit for the client.
     pub fn open(&mut self, kind: &str, grammar: &str) -> Result<u32, ConstraintError> {
         let kind = GrammarKind::parse(kind)?;
         if self.open >= self.limits.max_open {
             return Err(ConstraintError::TooManyOpen(self.limits.max_open));
         }
+        // Checked before the text is hashed (`describe` checks it again when compiling).
+        let limit = self.limits.max_grammar_bytes;
+        if grammar.len() > limit as usize {
+            return Err(ConstraintError::TooLarge {
+                len: grammar.len(),
+                limit,
+            });
+        }
+        let key = Compiled::key(kind, grammar);
+        let matcher = match self.compiled.get(key, kind, grammar) {
+            Some(matcher) => matcher,
+            None => {
+                let matcher = self.compile(kind, grammar)?;
+                self.compiled.insert(key, kind, grammar, &matcher);
+                matcher
+            }
+        };
+        let open = Open {
+            matcher,
+            template: Some(key),
+        };
+        let id = match self.free.pop() {
+            Some(id) => {
+                self.slots[id as usize] = Some(open);
+                id
+            }
+            None => {
+                // `open < max_open ≤ 2^20` slots, so the index fits.
+                let id = self.slots.len() as u32;
+                self.slots.push(Some(open));
+                id
+            }
+        };
+        self.open += 1;
+        Ok(id)
+    }
+
+    fn compile(&self, kind: GrammarKind, grammar: &str) -> Result<Matcher, ConstraintError> {
         let description = describe(
             kind,
             grammar,
@@ -101,7 +155,7 @@ impl Constraints {
             self.limits.json_whitespace_max,
         )?;
         let factory = &self.factory;
-        let matcher = guard(|| {
+        guard(|| {
             let matcher = Matcher::new(factory.create_parser(description));
             match matcher.get_error() {
                 Some(message) => Err(ConstraintError::Invalid {
@@ -110,21 +164,7 @@ impl Constraints {
                 }),
                 None => Ok(matcher),
             }
-        })?;
-        let id = match self.free.pop() {
-            Some(id) => {
-                self.slots[id as usize] = Some(matcher);
-                id
-            }
-            None => {
-                // `open < max_open ≤ 2^20` slots, so the index fits.
-                let id = self.slots.len() as u32;
-                self.slots.push(Some(matcher));
-                id
-            }
-        };
-        self.open += 1;
-        Ok(id)
+        })
     }
 
     /// Advances matcher `id` by `tokens` and returns the next position's mask.
@@ -155,14 +195,19 @@ impl Constraints {
             return Err(ConstraintError::TokenOutOfRange { token, vocab });
         }
         let matcher = self.matcher(id)?;
-        if !tokens.is_empty() {
-            matcher
-                .consume_tokens(tokens)
-                .map_err(|e| ConstraintError::Matcher(clip(e.to_string())))?;
-        }
-        let set = matcher
-            .compute_mask_or_eos()
-            .map_err(|e| ConstraintError::Matcher(clip(e.to_string())))?;
+        let set = (|| {
+            if !tokens.is_empty() {
+                matcher.consume_tokens(tokens)?;
+            }
+            matcher.compute_mask_or_eos()
+        })();
+        let set = match set {
+            Ok(set) => set,
+            Err(e) => {
+                self.failed(id);
+                return Err(ConstraintError::Matcher(clip(e.to_string())));
+            }
+        };
         let words = set.as_slice();
         let n = words.len().min(expected);
         mask[..n].copy_from_slice(&words[..n]);
@@ -178,9 +223,23 @@ impl Constraints {
 
     /// Takes back the last `count` tokens matcher `id` consumed.
     pub fn rollback(&mut self, id: u32, count: u32) -> Result<(), ConstraintError> {
-        self.matcher(id)?
-            .rollback(count as usize)
-            .map_err(|e| ConstraintError::Matcher(clip(e.to_string())))
+        let result = self.matcher(id)?.rollback(count as usize);
+        result.map_err(|e| {
+            self.failed(id);
+            ConstraintError::Matcher(clip(e.to_string()))
+        })
+    }
+
+    /// Matcher `id` failed: the template it shares a lexer with is not handed on.
+    fn failed(&mut self, id: u32) {
+        if let Some(key) = self
+            .slots
+            .get(id as usize)
+            .and_then(Option::as_ref)
+            .and_then(|o| o.template)
+        {
+            self.compiled.forget(key);
+        }
     }
 
     /// Closes matcher `id`; its id may be handed out again. Closing an id that is not open
@@ -198,6 +257,7 @@ impl Constraints {
         self.slots
             .get_mut(id as usize)
             .and_then(Option::as_mut)
+            .map(|o| &mut o.matcher)
             .ok_or(ConstraintError::UnknownMatcher(id))
     }
 }

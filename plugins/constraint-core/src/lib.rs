@@ -5,11 +5,12 @@
 //! vocabulary; per response it opens a matcher from a grammar (JSON Schema, regex, choice,
 //! Lark), advances it by sampled tokens and answers the allowed-token bitmask for the next
 //! position (`ceil(n / 32)` words, bit `t % 32` of word `t / 32`). Modules: [`limits`]
-//! (config), [`vocabulary`] (token trie), [`grammar`] (grammar kinds), [`constraints`] (the
-//! matchers), [`error`].
+//! (config), [`vocabulary`] (token trie), [`grammar`] (grammar kinds), [`compiled`] (grammars
+//! kept for the next request that sends them), [`constraints`] (the matchers), [`error`].
 //!
 //! This crate does no I/O and keeps no global state of its own.
 
+pub mod compiled;
 pub mod constraints;
 pub mod error;
 pub mod grammar;

@@ -37,6 +37,11 @@ pub struct Limits {
     /// none. Bounded so that a model cannot pad a response with whitespace until it runs out
     /// of tokens. A schema that carries its own `x-guidance` options keeps them.
     pub json_whitespace_max: u32,
+    /// `grammar_cache_entries`: compiled grammars one plugin instance keeps for requests that
+    /// send the same grammar again (default 64; 0 compiles every request's). Each holds its
+    /// compiled grammar and the lexer states its requests built (bounded by
+    /// `max_lexer_states`); the least recently used goes first.
+    pub grammar_cache_entries: u32,
 }
 
 impl Limits {
@@ -51,6 +56,7 @@ impl Limits {
         "max_lexer_states",
         "max_grammar_size",
         "json_whitespace_max",
+        "grammar_cache_entries",
     ];
 
     /// Reads the limits from `config`, refusing unknown keys.
@@ -81,6 +87,12 @@ impl Limits {
                 d.json_whitespace_max,
                 0,
                 1024,
+            )?,
+            grammar_cache_entries: config.u32_in(
+                "grammar_cache_entries",
+                d.grammar_cache_entries,
+                0,
+                4096,
             )?,
         })
     }
@@ -116,6 +128,7 @@ impl Default for Limits {
             max_lexer_states: fit(llg.max_lexer_states as u64),
             max_grammar_size: fit(llg.max_grammar_size as u64),
             json_whitespace_max: 16,
+            grammar_cache_entries: 64,
         }
     }
 }

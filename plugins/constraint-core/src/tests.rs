@@ -419,6 +419,72 @@ fn refused_tokens_and_bad_ids_are_errors() {
     assert_eq!(err.kind(), "invalid_grammar", "{err}");
 }
 
+#[test]
+fn a_grammar_sent_again_starts_from_its_compiled_template() {
+    let v = Vocab::new();
+    let mut c = engine(&v);
+    let text = r#"{"name": "Rex", "kind": "dog", "age": 3}"#;
+    let first = c.open("json-schema", PET_SCHEMA).expect("compiles");
+    let tokens = drive(&mut c, &v, first, text, End::EosOnly);
+    assert_eq!(c.cached_grammars(), 1);
+    // The same text again: a clone of the template, walking the same masks, and independent
+    // of the first (still finished) and of a third one (still at its start).
+    let second = c
+        .open("json-schema", PET_SCHEMA)
+        .expect("from the template");
+    let third = c
+        .open("json-schema", PET_SCHEMA)
+        .expect("from the template");
+    assert_eq!(c.cached_grammars(), 1);
+    assert_eq!(drive(&mut c, &v, second, text, End::EosOnly), tokens);
+    assert_eq!(
+        allowed_tokens(&c.next(first, &[]).expect("mask"), v.texts.len()),
+        vec![v.eos]
+    );
+    let mut fresh =
+        Constraints::new(&config(&[("grammar_cache_entries", 0)]), &v.view()).expect("builds");
+    let cold = fresh.open("json-schema", PET_SCHEMA).expect("compiles");
+    assert_eq!(fresh.cached_grammars(), 0, "a cache of 0 keeps nothing");
+    assert_eq!(
+        c.next(third, &[]).expect("mask"),
+        fresh.next(cold, &[]).expect("mask"),
+        "a clone starts where a fresh compilation does"
+    );
+    // The same text as another kind is another grammar: `true` is any JSON value as a schema,
+    // the word "true" as a regex.
+    let any = c.open("json-schema", "true").expect("compiles");
+    let word = c.open("regex", "true").expect("compiles");
+    assert_eq!(c.cached_grammars(), 3);
+    let (any, word) = (
+        c.next(any, &[]).expect("mask"),
+        c.next(word, &[]).expect("mask"),
+    );
+    assert!(allowed(&any, b'{' as u32) && !allowed(&word, b'{' as u32));
+}
+
+#[test]
+fn the_grammar_cache_drops_the_least_recently_used_and_forgets_failed_templates() {
+    let v = Vocab::new();
+    let mut c =
+        Constraints::new(&config(&[("grammar_cache_entries", 2)]), &v.view()).expect("builds");
+    let a = c.open("regex", "[0-9]+").expect("a");
+    c.open("regex", "[a-z]+").expect("b");
+    // `a` used again, then a third grammar: `b` is the least recently used and goes.
+    c.open("regex", "[0-9]+").expect("a again");
+    c.open("regex", "x+").expect("c");
+    assert_eq!(c.cached_grammars(), 2);
+    // A matcher that fails (a refused token) takes its template with it.
+    assert_eq!(c.next(a, &[b'x' as u32]).unwrap_err().kind(), "matcher");
+    assert_eq!(c.cached_grammars(), 1);
+    // Compiled again on the next open, and kept again.
+    let a2 = c.open("regex", "[0-9]+").expect("recompiled");
+    assert!(allowed(&c.next(a2, &[]).expect("mask"), b'7' as u32));
+    assert_eq!(c.cached_grammars(), 2);
+    // A grammar that does not compile is not kept.
+    assert!(c.open("regex", "(unclosed").is_err());
+    assert_eq!(c.cached_grammars(), 2);
+}
+
 fn config(entries: &[(&str, i64)]) -> Config {
     Config::new(
         entries

@@ -4,7 +4,8 @@
 //! This crate only adapts [`Constraints`] to the SDK trait and, in the Wasm build, defines
 //! the clock llguidance reads. Config keys: those of `chimera_constraint_core::Limits`
 //! (`max_grammar_bytes`, `max_open`, `max_items_in_row`, `initial_lexer_fuel`,
-//! `step_lexer_fuel`, `step_max_items`, `max_lexer_states`, `max_grammar_size`).
+//! `step_lexer_fuel`, `step_max_items`, `max_lexer_states`, `max_grammar_size`,
+//! `json_whitespace_max`, `grammar_cache_entries`).
 
 use chimera_constraint_core::Constraints;
 use chimera_plugin_sdk::{Config, ConstraintPlugin, VocabularyView};
