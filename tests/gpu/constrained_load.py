@@ -10,6 +10,13 @@ python3 tests/gpu/constrained_load.py --port 8017 [--concurrency 64] [--json out
 --bound holds the constrained load's idle share to it (a row that fails above it) and needs
 the masks computed while the device runs the forward pass (chimera:engine_late_masks_total
 grows); without it both rows are reported.
+
+With --schema, every other constrained request uses the small built-in schema instead: its
+strings are enums and its array is bounded, so with at most 16 whitespace characters between
+two tokens (the constraint plugin's json_whitespace_max) every such response ends by the
+grammar within 400 tokens even from random weights, and each must parse and hold to the
+schema (a row that fails otherwise). The given schema (a tool call's, with free strings) runs
+to max_tokens on a random model, so its responses say nothing about parsing.
 """
 
 import argparse
@@ -31,6 +38,18 @@ SCHEMA = {
     "required": ["city", "days", "metric", "tags"],
     "additionalProperties": False,
 }
+
+
+def holds_to_small_schema(obj):
+    """Whether `obj` is an instance of SCHEMA (checked by hand: no jsonschema package here)."""
+    props = SCHEMA["properties"]
+    return (isinstance(obj, dict) and set(obj) == set(SCHEMA["required"])
+            and obj["city"] in props["city"]["enum"]
+            and isinstance(obj["days"], int) and not isinstance(obj["days"], bool)
+            and 1 <= obj["days"] <= 9
+            and isinstance(obj["metric"], bool)
+            and isinstance(obj["tags"], list) and len(obj["tags"]) <= 4
+            and all(t in ("a", "b", "c") for t in obj["tags"]))
 
 
 def post(port, body):
@@ -64,17 +83,21 @@ def metrics(port):
 
 
 def load(port, model, concurrency, per_thread, constrained, vocab, schema):
-    errors, tokens, parsed = [], [0], [0]
+    """Returns the wall time, completion tokens, the constrained responses that ended by the
+    grammar and parsed, the small-schema requests sent, and the errors (a small-schema
+    response that did not end by the grammar, parse and hold to the schema among them)."""
+    errors, tokens, parsed, small = [], [0], [0], [0]
     lock = threading.Lock()
 
     def worker(seed):
         rng = random.Random(seed)
-        for _ in range(per_thread):
+        for i in range(per_thread):
             body = {"model": model, "prompt": [rng.randrange(3, vocab) for _ in range(64)],
                     "max_tokens": 64, "temperature": 0}
+            bounded = constrained and (schema is SCHEMA or (seed + i) % 2 == 1)
             if constrained:
                 # Room to finish the object (a random model may take every whitespace allowed).
-                body["structured_outputs"] = {"json": schema}
+                body["structured_outputs"] = {"json": SCHEMA if bounded else schema}
                 body["max_tokens"] = 400
             else:
                 body["ignore_eos"] = True
@@ -83,9 +106,15 @@ def load(port, model, concurrency, per_thread, constrained, vocab, schema):
                 c = r["choices"][0]
                 with lock:
                     tokens[0] += r["usage"]["completion_tokens"]
+                    small[0] += bounded
                     if constrained and c["finish_reason"] == "stop":
-                        json.loads(c["text"])
+                        obj = json.loads(c["text"])
+                        if bounded and not holds_to_small_schema(obj):
+                            raise ValueError(f"not an instance of the small schema: {c['text'][:120]}")
                         parsed[0] += 1
+                    elif bounded:
+                        raise ValueError(f"a small-schema response ended by {c['finish_reason']} "
+                                         f"after {r['usage']['completion_tokens']} tokens")
             except Exception as e:  # noqa: BLE001 -- counted and reported
                 with lock:
                     errors.append(repr(e)[:200])
@@ -96,7 +125,7 @@ def load(port, model, concurrency, per_thread, constrained, vocab, schema):
         t.start()
     for t in threads:
         t.join()
-    return time.time() - start, tokens[0], parsed[0], errors
+    return time.time() - start, tokens[0], parsed[0], small[0], errors
 
 
 def main():
@@ -116,8 +145,8 @@ def main():
     rows = []
     for constrained in (False, True):
         before = metrics(args.port)
-        wall, tokens, parsed, errors = load(args.port, model, args.concurrency, args.per_thread,
-                                            constrained, vocab, schema)
+        wall, tokens, parsed, small, errors = load(args.port, model, args.concurrency,
+                                                   args.per_thread, constrained, vocab, schema)
         after = metrics(args.port)
         busy = after.get("chimera:device_busy_seconds_total", 0) - before.get("chimera:device_busy_seconds_total", 0)
         idle = (after.get("chimera:device_idle_between_steps_seconds_total", 0)
@@ -133,7 +162,8 @@ def main():
         measured = (f"idle/busy {share} ({1e3 * idle:.0f} of {1e3 * busy:.0f} ms, "
                     f"{steps:.0f} steps, {1e3 * busy / max(steps, 1):.2f} ms busy a step); "
                     f"{tokens} tokens in {wall:.1f} s"
-                    + (f"; {parsed}/{n} ended by the grammar, each parsed; {late:.0f} masks "
+                    + (f"; {parsed}/{n} ended by the grammar and parsed ({small} of the small "
+                       f"schema, each of which must); {late:.0f} masks "
                        f"computed during the forward pass, the device waiting {1e3 * mask_wait:.0f} ms "
                        f"of the idle for them" if constrained else "")
                     + (f"; {len(errors)} errors: {errors[0]}" if errors else ""))
@@ -142,7 +172,7 @@ def main():
         measured += "; host µs a step: " + ", ".join(f"{k[6:]} {per_step(k):.0f}" for k in phases)
         if constrained:
             measured += f"; constraint plugin {per_step('plugin:constraint'):.0f}"
-        ok = not errors
+        ok = not errors and (not constrained or small > 0)
         bound = "reported"
         if constrained and args.bound is not None:
             bound = f"<= {100 * args.bound:g} %, masks during the forward pass"
