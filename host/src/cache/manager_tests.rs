@@ -496,13 +496,7 @@ fn rolling_snapshot_of_a_failed_step_is_not_kept_and_a_full_budget_skips() {
         Some(MissReason::SnapshotBudgetFull)
     );
     // A step that fails after writing the rolling slot leaves nothing behind.
-    let mut cm = CacheManager::new(&layout(32, 2, 4), true, true, None);
-    run_prompt(&mut cm, 0, &t[..6]);
-    decode(&mut cm, 0, &t, 6);
-    cm.commit_step();
-    assert_eq!(decode(&mut cm, 0, &t, 7).len(), 1);
-    cm.abort_step();
-    cm.release(0).unwrap();
+    let cm = prompt_then_failed_rolling_step(4, &t);
     assert_eq!(cm.counters.rolling_kept, 0);
     assert_eq!(
         cm.ssm().durable_used(),
@@ -517,19 +511,27 @@ fn rolling_snapshot_of_a_failed_step_is_not_kept_and_a_full_budget_skips() {
     cm.check_invariants().unwrap();
 }
 
+/// A cache with `durable` snapshot slots after sequence 0 ran `t[..6]` as a prompt (snapshot
+/// at 4), decoded `t[6]`, and failed the step that decoded `t[7]` and wrote the rolling
+/// snapshot at 8; the sequence is released.
+fn prompt_then_failed_rolling_step(durable: usize, t: &[u32]) -> CacheManager {
+    let mut cm = CacheManager::new(&layout(32, 2, durable), true, true, None);
+    run_prompt(&mut cm, 0, &t[..6]);
+    decode(&mut cm, 0, t, 6);
+    cm.commit_step();
+    assert_eq!(decode(&mut cm, 0, t, 7).len(), 1);
+    cm.abort_step();
+    cm.release(0).unwrap();
+    cm
+}
+
 #[test]
 fn a_snapshot_given_up_below_the_deepest_cached_block_is_a_budget_miss() {
     // Two durable slots. A: a 6-token prompt (snapshot at 4), then a decode whose step
     // writing the rolling snapshot at 8 fails: block 2's KV is cached, its end never had a
     // snapshot.
-    let mut cm = CacheManager::new(&layout(32, 2, 2), true, true, None);
     let t: Vec<u32> = (0..9).collect();
-    run_prompt(&mut cm, 0, &t[..6]);
-    decode(&mut cm, 0, &t, 6);
-    cm.commit_step();
-    assert_eq!(decode(&mut cm, 0, &t, 7).len(), 1);
-    cm.abort_step();
-    cm.release(0).unwrap();
+    let mut cm = prompt_then_failed_rolling_step(2, &t);
     let mut next = t[..8].to_vec();
     next.extend([40, 41, 42]);
     let m = cm.match_prefix(&hashes(&next), next.len());
