@@ -550,6 +550,44 @@ fn a_snapshot_given_up_below_the_deepest_cached_block_is_a_budget_miss() {
     cm.check_invariants().unwrap();
 }
 
+#[test]
+fn a_snapshot_a_waiting_request_will_resume_from_is_kept_while_it_waits() {
+    // Two durable slots, both taken by A's snapshots (at 4 and 8); A is done.
+    let mut cm = CacheManager::new(&layout(32, 2, 2), true, true, None);
+    let a: Vec<u32> = (0..9).collect();
+    run_prompt(&mut cm, 0, &a);
+    cm.release(0).unwrap();
+    assert!(cm.snapshot_slots_full());
+    // A's follow-up waits: it would resume from A's block 2.
+    let mut follow = a[..8].to_vec();
+    follow.extend([40, 41, 42]);
+    let wanted = cm.resume_block(&hashes(&follow), follow.len());
+    assert_eq!(wanted, cm.pool().lookup(hashes(&a)[1]));
+    cm.set_wanted(wanted.into_iter().collect());
+    // B's two snapshots may take only the slot nobody waits for.
+    cm.begin_step(5);
+    run_prompt(&mut cm, 1, &(100..109).collect::<Vec<u32>>());
+    assert_eq!(
+        (cm.counters.snapshots_dropped, cm.counters.snapshots_skipped),
+        (1, 1)
+    );
+    assert_eq!(
+        cm.match_prefix(&hashes(&follow), follow.len()).skip_blocks,
+        2
+    );
+    cm.release(1).unwrap();
+    // Admitted (nothing waits any more): it may go like any other.
+    cm.set_wanted(Vec::new());
+    cm.begin_step(6);
+    run_prompt(&mut cm, 2, &(200..205).collect::<Vec<u32>>());
+    assert_eq!(cm.counters.snapshots_dropped, 2);
+    assert_eq!(
+        cm.match_prefix(&hashes(&follow), follow.len()).skip_blocks,
+        0
+    );
+    cm.check_invariants().unwrap();
+}
+
 /// A search for a snapshot to give up that found none is not repeated while nothing it read
 /// changed (other sequences completing blocks in the same step get the same answer without
 /// a search), and is repeated once something did: a release frees the block of the only

@@ -156,6 +156,9 @@ pub struct CacheManager {
     /// The latest reclaim that found nothing to give up: what it read and its newcomer
     /// class (see [`Self::reclaim_snapshot`]).
     no_victim: Option<(VictimInputs, u8)>,
+    /// Blocks whose snapshots waiting requests will resume from (sorted; see
+    /// [`Self::set_wanted`]).
+    wanted: Vec<u32>,
     pub counters: CacheCounters,
 }
 
@@ -196,6 +199,7 @@ impl CacheManager {
             memory: MissMemory::new(4 * layout.num_blocks.max(16)),
             snapshot_every: 0,
             no_victim: None,
+            wanted: Vec::new(),
             counters: CacheCounters::default(),
         }
     }
@@ -262,6 +266,36 @@ impl CacheManager {
         PrefixMatch {
             kv_blocks: kv,
             skip_blocks: skip,
+        }
+    }
+
+    /// Whether taking a snapshot now means giving one up: a hybrid caching prefixes with every
+    /// durable slot taken.
+    pub fn snapshot_slots_full(&self) -> bool {
+        self.hybrid && self.prefix_caching && self.ssm.durable_used() >= self.ssm.durable_total()
+    }
+
+    /// The block whose snapshot a prompt would resume from if admitted now (`None`: nothing
+    /// to skip, or not a hybrid).
+    pub fn resume_block(&self, hashes: &[BlockHash], prompt_len: usize) -> Option<u32> {
+        if !self.hybrid {
+            return None;
+        }
+        let m = self.match_prefix(hashes, prompt_len);
+        let last = m.skip_blocks.checked_sub(1)?;
+        self.pool.lookup(hashes[last])
+    }
+
+    /// The blocks whose snapshots waiting requests will resume from: until the next call,
+    /// those snapshots are given up for a new one only as one a running request uses would be
+    /// (a request that arrived on a cached prefix keeps it while it waits for admission). The
+    /// scheduler sets them at each step while the slots are full.
+    pub fn set_wanted(&mut self, mut blocks: Vec<u32>) {
+        blocks.sort_unstable();
+        blocks.dedup();
+        if blocks != self.wanted {
+            self.wanted = blocks;
+            self.no_victim = None;
         }
     }
 
@@ -686,11 +720,13 @@ impl CacheManager {
             return false;
         }
         self.counters.reclaim_searches += 1;
-        let pool = &self.pool;
-        let Some(b) = self
-            .ssm
-            .victim(self.step, newcomer, |b| (pool.refs(b), pool.last_access(b)))
-        else {
+        let (pool, wanted) = (&self.pool, &self.wanted);
+        // A snapshot a waiting request will resume from counts as one a running request uses.
+        let info = |b| {
+            let waiting = u32::from(wanted.binary_search(&b).is_ok());
+            (pool.refs(b) + waiting, pool.last_access(b))
+        };
+        let Some(b) = self.ssm.victim(self.step, newcomer, info) else {
             self.no_victim = Some((inputs, newcomer));
             return false;
         };

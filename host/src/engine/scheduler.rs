@@ -388,6 +388,7 @@ impl Scheduler {
     pub fn schedule(&mut self, cache: &mut CacheManager, out: &mut SchedulerOutput) {
         self.step += 1;
         cache.begin_step(self.step);
+        self.mark_wanted(cache);
         out.clear();
         out.step = self.step;
         let mut budget = self.cfg.max_batched_tokens;
@@ -830,6 +831,36 @@ impl Scheduler {
         None
     }
 
+    /// Tells the cache which snapshots the first [`WANTED_HEAD`] waiting requests will resume
+    /// from, so that this step's new snapshots do not take them (a turn that arrived on its
+    /// conversation's cached state would otherwise lose it to the running requests' snapshots
+    /// while it waits, least recently used as it is). Only while every snapshot slot is taken,
+    /// the only time one is given up; otherwise nothing is matched.
+    fn mark_wanted(&mut self, cache: &mut CacheManager) {
+        if !cache.snapshot_slots_full() {
+            cache.set_wanted(Vec::new());
+            return;
+        }
+        let bs = self.block_size;
+        let mut wanted = Vec::new();
+        for &slot in self.waiting.iter().take(WANTED_HEAD) {
+            let Some(r) = self.slots[slot as usize].as_mut() else {
+                continue;
+            };
+            if r.prompt_logprobs.is_some() {
+                continue;
+            }
+            let prompt_len = r.prompt_len;
+            if r.hashes.len() < prompt_len / bs {
+                let before = r.hashes.len();
+                self.seed.extend(&mut r.hashes, &r.tokens[..prompt_len], bs);
+                self.blocks_hashed += (r.hashes.len() - before) as u64;
+            }
+            wanted.extend(cache.resume_block(&r.hashes, prompt_len));
+        }
+        cache.set_wanted(wanted);
+    }
+
     fn admit_waiting(
         &mut self,
         cache: &mut CacheManager,
@@ -1090,6 +1121,10 @@ fn note_admission(
 /// a full row of logits, so this bounds that request's rows to this many × vocab per step
 /// (with chunked prefill on).
 const PROMPT_LOGITS_CHUNK: usize = 128;
+
+/// Waiting requests whose resume snapshots [`Scheduler::mark_wanted`] keeps: the head of the
+/// queue, those the next steps admit (bounded so that a long queue costs a step little).
+const WANTED_HEAD: usize = 64;
 
 /// The token budget `r`'s next prefill chunk may use.
 fn prefill_budget(r: &Request, budget: usize) -> usize {
