@@ -356,9 +356,15 @@ def dynamo(r, quick):
     for label, workers, router in (("one-worker", 1, "kv"), ("kv", 2, "kv"),
                                    ("round-robin", 2, "round-robin")):
         out = r.work / f"dynamo-{label}.json"
+        # The KV router weighs a turn's cached prefill (1,300–2,300 tokens here) against the
+        # blocks the workers' running requests hold at 4 to 1, not Dynamo's default 1 to 1,
+        # which sends a burst of follow-up turns to the idle worker to recompute their state
+        # (docs/cluster.md). Round robin ignores it.
+        frontend = "--router-prefill-load-scale 4" if router == "kv" else ""
         cmd = [r.args.bin, "bench", "--dynamo-workers", str(workers), "--dynamo-router", router,
                "--dynamo-worker", r.args.worker_bin, "--dynamo-worker-args", f"--config {cfg}",
-               "--dynamo-block-size", "16", "--endpoint", "completions", "--prompt-format", "text",
+               "--dynamo-block-size", "16", "--dynamo-frontend-args", frontend,
+               "--endpoint", "completions", "--prompt-format", "text",
                "--tokenizer", str(r.model / "tokenizer.json"), "--ignore-eos", "--no-progress",
                "--seed", "1", "--label", label, "--output", str(out), *workload, *load]
         started = time.time()

@@ -69,6 +69,10 @@ pub struct BenchArgs {
     /// builtin:tiny-hybrid --replicas 1").
     #[arg(long, default_value = "", allow_hyphen_values = true)]
     pub dynamo_worker_args: String,
+    /// --dynamo-workers: more arguments for Dynamo's frontend, space-separated (e.g.
+    /// "--router-prefill-load-scale 4").
+    #[arg(long, default_value = "", allow_hyphen_values = true)]
+    pub dynamo_frontend_args: String,
     /// --dynamo-workers: the workers' KV block size (what the frontend's router hashes with).
     #[arg(long, default_value_t = 16)]
     pub dynamo_block_size: u32,

@@ -443,6 +443,11 @@ fn dynamo_spec(args: &BenchArgs, workers: usize) -> anyhow::Result<cluster::Clus
         .split_whitespace()
         .map(str::to_string)
         .collect();
+    spec.frontend_args = args
+        .dynamo_frontend_args
+        .split_whitespace()
+        .map(str::to_string)
+        .collect();
     spec.block_size = args.dynamo_block_size;
     Ok(spec)
 }
