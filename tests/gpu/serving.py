@@ -368,6 +368,8 @@ def dynamo(r, quick):
                "--tokenizer", str(r.model / "tokenizer.json"), "--ignore-eos", "--no-progress",
                "--seed", "1", "--label", label, "--output", str(out), *workload, *load]
         started = time.time()
+        # Cluster folders of other runs on this machine are theirs: only this run's are taken.
+        others = set(Path(tempfile.gettempdir()).glob("chimera-dynamo-cluster-*"))
         with open(r.work / f"dynamo-{label}.txt", "w") as f:
             rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
                                 timeout=480).returncode
@@ -375,7 +377,7 @@ def dynamo(r, quick):
         print(tail(r.work / f"dynamo-{label}.txt", 16), flush=True)
         # The harness keeps its folder (CHIMERA_KEEP_CLUSTER): the workers' and frontend's
         # logs go into this scenario's archive (etcd's and NATS's data do not).
-        for d in sorted(Path(tempfile.gettempdir()).glob("chimera-dynamo-cluster-*")):
+        for d in sorted(set(Path(tempfile.gettempdir()).glob("chimera-dynamo-cluster-*")) - others):
             keep = r.work / f"cluster-{label}-{d.name.rsplit('-', 1)[-1]}"
             keep.mkdir()
             for log in d.glob("*.log"):
