@@ -1017,12 +1017,6 @@ fn cancels_arriving_mid_step_end_only_their_requests() {
     }
 }
 
-/// Constrained responses (the native llguidance twin over a byte vocabulary): each response
-/// is exactly what its grammar allows and ends with EOS, a bad grammar is refused at once, an
-/// unconstrained request beside them gets the very tokens it gets alone, and the pipelined
-/// engine (arrivals during a step) gives the same outputs as the step-by-step one. Masks are
-/// computed while the forward pass of the step ahead runs where the executor splits its
-/// launch, and the plan waits for the tokens where it does not: the same outputs either way.
 /// Whether `text` is a whole match of the regex `(ab|cd){3}x` the constrained tests use.
 fn matches_ab_cd_x(text: &str) -> bool {
     text.len() == 7
@@ -1168,6 +1162,12 @@ fn a_grammar_compiles_off_the_engine_thread_while_other_requests_run() {
     );
 }
 
+/// Constrained responses (the native llguidance twin over a byte vocabulary): each response
+/// is exactly what its grammar allows and ends with EOS, a bad grammar is refused at once, an
+/// unconstrained request beside them gets the very tokens it gets alone, and the pipelined
+/// engine (arrivals during a step) gives the same outputs as the step-by-step one. Masks are
+/// computed while the forward pass of the step ahead runs where the executor splits its
+/// launch, and the plan waits for the tokens where it does not: the same outputs either way.
 #[test]
 fn constrained_responses_follow_their_grammar_and_leave_others_alone() {
     use chimera::engine::Policies;

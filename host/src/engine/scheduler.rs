@@ -850,13 +850,8 @@ impl Scheduler {
             if r.prompt_logprobs.is_some() {
                 continue;
             }
-            let prompt_len = r.prompt_len;
-            if r.hashes.len() < prompt_len / bs {
-                let before = r.hashes.len();
-                self.seed.extend(&mut r.hashes, &r.tokens[..prompt_len], bs);
-                self.blocks_hashed += (r.hashes.len() - before) as u64;
-            }
-            wanted.extend(cache.resume_block(&r.hashes, prompt_len));
+            self.blocks_hashed += hash_prompt(&self.seed, r, bs);
+            wanted.extend(cache.resume_block(&r.hashes, r.prompt_len));
         }
         cache.set_wanted(wanted);
     }
@@ -880,11 +875,7 @@ impl Scheduler {
                 self.reject(i, FailureKind::PromptTooLong, msg);
                 continue;
             }
-            if r.hashes.len() < prompt_len / bs {
-                let before = r.hashes.len();
-                self.seed.extend(&mut r.hashes, &r.tokens[..prompt_len], bs);
-                self.blocks_hashed += (r.hashes.len() - before) as u64;
-            }
+            self.blocks_hashed += hash_prompt(&self.seed, r, bs);
             let mut m = cache.match_prefix(&r.hashes, prompt_len);
             if r.prompt_logprobs.is_some() {
                 // Prompt logprobs need the logits of every prompt position: nothing is
@@ -1125,6 +1116,18 @@ const PROMPT_LOGITS_CHUNK: usize = 128;
 /// Waiting requests whose resume snapshots [`Scheduler::mark_wanted`] keeps: the head of the
 /// queue, those the next steps admit (bounded so that a long queue costs a step little).
 const WANTED_HEAD: usize = 64;
+
+/// Extends `r`'s block hashes over its whole prompt where they fall short (they are computed
+/// when first needed); returns how many blocks it hashed.
+fn hash_prompt(seed: &HashSeed, r: &mut Request, bs: usize) -> u64 {
+    let prompt_len = r.prompt_len;
+    if r.hashes.len() >= prompt_len / bs {
+        return 0;
+    }
+    let before = r.hashes.len();
+    seed.extend(&mut r.hashes, &r.tokens[..prompt_len], bs);
+    (r.hashes.len() - before) as u64
+}
 
 /// The token budget `r`'s next prefill chunk may use.
 fn prefill_budget(r: &Request, budget: usize) -> usize {

@@ -18,7 +18,7 @@ use toktrie::InferenceCapabilities;
 
 use crate::compiled::{Compiled, Key};
 use crate::error::{ConstraintError, clip};
-use crate::grammar::{GrammarKind, describe};
+use crate::grammar::{GrammarKind, check_size, describe};
 use crate::limits::Limits;
 use crate::vocabulary;
 
@@ -35,10 +35,11 @@ pub struct Constraints {
     open: u32,
 }
 
-/// An open matcher and the key of the template it was cloned from or kept as.
+/// An open matcher and the key of its grammar's kept template (it was cloned from it or kept
+/// as it).
 struct Open {
     matcher: Matcher,
-    template: Option<Key>,
+    template: Key,
 }
 
 impl Constraints {
@@ -110,14 +111,8 @@ impl Constraints {
         if self.open >= self.limits.max_open {
             return Err(ConstraintError::TooManyOpen(self.limits.max_open));
         }
-        // Checked before the text is hashed (`describe` checks it again when compiling).
-        let limit = self.limits.max_grammar_bytes;
-        if grammar.len() > limit as usize {
-            return Err(ConstraintError::TooLarge {
-                len: grammar.len(),
-                limit,
-            });
-        }
+        // Before the text is hashed (`describe` checks it again when compiling).
+        check_size(grammar, self.limits.max_grammar_bytes)?;
         let key = Compiled::key(kind, grammar);
         let matcher = match self.compiled.get(key, kind, grammar) {
             Some(matcher) => matcher,
@@ -129,7 +124,7 @@ impl Constraints {
         };
         let open = Open {
             matcher,
-            template: Some(key),
+            template: key,
         };
         let id = match self.free.pop() {
             Some(id) => {
@@ -236,7 +231,7 @@ impl Constraints {
             .slots
             .get(id as usize)
             .and_then(Option::as_ref)
-            .and_then(|o| o.template)
+            .map(|o| o.template)
         {
             self.compiled.forget(key);
         }

@@ -50,6 +50,17 @@ impl GrammarKind {
     }
 }
 
+/// Refuses a grammar text longer than `max_bytes`.
+pub fn check_size(grammar: &str, max_bytes: u32) -> Result<(), ConstraintError> {
+    if grammar.len() > max_bytes as usize {
+        return Err(ConstraintError::TooLarge {
+            len: grammar.len(),
+            limit: max_bytes,
+        });
+    }
+    Ok(())
+}
+
 /// Checks `grammar`'s size and reads it as `kind`.
 /// A JSON schema's output gets at most `json_whitespace_max` whitespace characters between
 /// two tokens (see [`crate::Limits::json_whitespace_max`]).
@@ -59,12 +70,7 @@ pub fn describe(
     max_bytes: u32,
     json_whitespace_max: u32,
 ) -> Result<TopLevelGrammar, ConstraintError> {
-    if grammar.len() > max_bytes as usize {
-        return Err(ConstraintError::TooLarge {
-            len: grammar.len(),
-            limit: max_bytes,
-        });
-    }
+    check_size(grammar, max_bytes)?;
     match kind {
         GrammarKind::JsonSchema => {
             let schema: serde_json::Value = serde_json::from_str(grammar)
