@@ -59,6 +59,10 @@ pub struct EngineArgs {
     /// leave of it (`cache.memory_budget = "auto"`, the default).
     #[arg(long)]
     pub gpu_memory_utilization: Option<f64>,
+    /// Overrides `cache.kv_dtype`: auto (the dtype the model computes in) or fp8_e4m3 (also
+    /// fp8): K and V stored as FP8 with per-layer scales, half a bf16 cache's bytes.
+    #[arg(long)]
+    pub kv_cache_dtype: Option<String>,
     /// Overrides `speculative.method`: off, ngram (drafts looked up in the context) or
     /// draft_model (drafts from `--draft-model`).
     #[arg(long)]
@@ -93,6 +97,7 @@ impl EngineArgs {
             quantization: a.quantization,
             max_model_len: a.max_model_len,
             gpu_memory_utilization: a.gpu_memory_utilization,
+            kv_cache_dtype: a.kv_cache_dtype,
             speculative_method: a.speculative_method,
             num_speculative_tokens: a.num_speculative_tokens,
             draft_model: a.draft_model,

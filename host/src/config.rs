@@ -111,6 +111,7 @@ pub struct Overrides {
     pub quantization: Option<String>,
     pub max_model_len: Option<usize>,
     pub gpu_memory_utilization: Option<f64>,
+    pub kv_cache_dtype: Option<String>,
     pub speculative_method: Option<String>,
     pub num_speculative_tokens: Option<usize>,
     pub draft_model: Option<String>,
@@ -191,6 +192,13 @@ impl Config {
         }
         if let Some(u) = o.gpu_memory_utilization {
             self.cache.gpu_memory_utilization = u;
+        }
+        if let Some(d) = o.kv_cache_dtype {
+            self.cache.kv_dtype = d.parse().map_err(|message| ConfigError::Invalid {
+                file: "command line".into(),
+                key: "--kv-cache-dtype".into(),
+                message,
+            })?;
         }
         if let Some(m) = o.speculative_method {
             self.speculative.method = m;
@@ -509,5 +517,23 @@ mod tests {
             ..Default::default()
         });
         assert!(e.is_err());
+        let c = Config::default()
+            .with_overrides(Overrides {
+                kv_cache_dtype: Some("fp8".into()),
+                ..Default::default()
+            })
+            .unwrap();
+        assert_eq!(c.cache.kv_dtype, crate::cache::KvCacheDtype::Fp8E4M3);
+        let e = Config::default()
+            .with_overrides(Overrides {
+                kv_cache_dtype: Some("fp8_e5m2".into()),
+                ..Default::default()
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("command line: --kv-cache-dtype: cache.kv_dtype = \"fp8_e5m2\""),
+            "{e}"
+        );
     }
 }

@@ -64,8 +64,8 @@ constexpr int S_KV_FLOATS = 6144;                 // K tile [kt][D + 1] + V tile
 constexpr int S_MAX_KT = 64;
 constexpr int S_DPL = S_MAX_D / 32;               // dims per lane
 
-template <typename T>
-__device__ __forceinline__ void simt(const Args<T>& a) {
+template <typename T, typename KV>
+__device__ __forceinline__ void simt(const Args<T, KV>& a) {
     __shared__ float sq[S_ROWS * S_MAX_D];
     __shared__ float skv[S_KV_FLOATS];
     __shared__ float sp[WARPS][S_ROWS_PER_WARP][S_MAX_KT];
@@ -108,8 +108,8 @@ __device__ __forceinline__ void simt(const Args<T>& a) {
             const int key = i / D, d = i - key * D;
             const u32 row = cache_row(t.bt, p0 + key, a.block_size);
             const i64 off = kv_offset(row, a.kv_heads, t.kvh, D) + d;
-            sk[key * (D + 1) + d] = load(a.k_cache, off);
-            sv[key * D + d] = load(a.v_cache, off);
+            sk[key * (D + 1) + d] = load_kv(a.k_cache, off, a.k_scale);
+            sv[key * D + d] = load_kv(a.v_cache, off, a.v_scale);
         }
         __syncthreads();
         if (!active) continue;
@@ -216,6 +216,18 @@ __device__ __forceinline__ u32 swz(int r, int c) {
 
 extern __shared__ __align__(128) u16 attn_dyn_smem[];
 
+// Eight e4m3 codes (lowest byte first) as eight bf16 values, exactly (every e4m3 value is a
+// bf16 value), packed in pairs as mma.sync wants them.
+__device__ __forceinline__ u32 fp8x2_to_bf16x2(u32 w) {
+    const float lo = __uint_as_float(((w & 0x7fu) << 20) | ((w & 0x80u) << 24)) * FP8_UNBIAS;
+    const float hi = __uint_as_float(((w & 0x7f00u) << 12) | ((w & 0x8000u) << 16)) * FP8_UNBIAS;
+    return pack_bf16x2(lo, hi);
+}
+__device__ __forceinline__ uint4 fp8x8_to_bf16x8(uint2 c) {
+    return make_uint4(fp8x2_to_bf16x2(c.x), fp8x2_to_bf16x2(c.x >> 16), fp8x2_to_bf16x2(c.y),
+                      fp8x2_to_bf16x2(c.y >> 16));
+}
+
 
 // Shared memory of the tensor-core kernel: the KV tiles (STAGES slots of a K tile and a V
 // tile), then Q when it stays in shared memory (else Q is staged over the KV tiles), then
@@ -232,8 +244,8 @@ struct MmaShape {
 
 // Warp-split epilogue: each warp holds (m, l, O) of the CTA's 16 rows over its share of the
 // keys; they are merged through shared memory (the KV tiles are done with) and stored.
-template <int D, int NW, int NTH>
-__device__ __forceinline__ void merge_warps(const Args<bf16>& a, const Tile& t, float (&o)[D / 8][4],
+template <int D, int NW, int NTH, typename KV>
+__device__ __forceinline__ void merge_warps(const Args<bf16, KV>& a, const Tile& t, float (&o)[D / 8][4],
                                             float (&m)[2], float (&l)[2]) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, tq = lane & 3;
@@ -272,10 +284,10 @@ __device__ __forceinline__ void merge_warps(const Args<bf16>& a, const Tile& t, 
             sum += f * sml[(w * 16 + r) * 2 + 1];
         }
         if (t.part == NO_PART) {
-            store(a.out, qo_offset(a, t, r) + c, sum > 0.0f ? acc / sum : 0.0f);
+            store(a.out, qo_offset(a, t, r) + c, sum > 0.0f ? acc * a.v_scale / sum : 0.0f);
         } else {
             const i64 pi = part_index(a, t, r);
-            a.part_o[pi * D + c] = acc;
+            a.part_o[pi * D + c] = acc * a.v_scale;
             if (c == 0) {
                 a.part_ml[pi * 2] = mx == -CHIMERA_INF ? mx : mx * LN2;  // natural-log units
                 a.part_ml[pi * 2 + 1] = sum;
@@ -290,8 +302,8 @@ __device__ __forceinline__ void merge_warps(const Args<bf16>& a, const Tile& t, 
 // during PV, two barriers a tile); STAGES ≥ 2: a ring of K+V tiles, STAGES − 1 in flight,
 // one barrier a tile. WS (warp split, for decodes): the warps share one m16 tile of rows and
 // each takes 16 keys of every KV tile; their (m, l, O) are merged through shared memory.
-template <int D, int BN, int MT, bool Q_SMEM, int NW, int STAGES, bool WS = false>
-__device__ __forceinline__ void mma(const Args<bf16>& a) {
+template <int D, int BN, int MT, bool Q_SMEM, int NW, int STAGES, bool WS = false, typename KV = bf16>
+__device__ __forceinline__ void mma(const Args<bf16, KV>& a) {
     using Sh = MmaShape<D, BN, MT, Q_SMEM, NW, STAGES, WS>;
     constexpr int BM = Sh::BM;
     constexpr int NTH = 32 * NW;
@@ -345,19 +357,40 @@ __device__ __forceinline__ void mma(const Args<bf16>& a) {
             dst[tid] = p < t.hi ? cache_row(t.bt, p, a.block_size) : NO_PART;
         }
     };
-    // Gathers one K or V tile through a row table (no commit).
-    auto gather = [&](u32 dst, const bf16* cache, const u32* tile_rows) {
+    // Gathers one K or V tile through a row table (no commit). An FP8 cache's 8-byte chunks
+    // are loaded to registers (every pass's first), widened to bf16 exactly (an e4m3 value is
+    // a bf16 value; the scales are applied to the scores and the output) and stored: the
+    // same tile layout, written synchronously where cp.async writes asynchronously.
+    auto gather = [&](u32 dst, const KV* cache, const u32* tile_rows) {
+        if constexpr (sizeof(KV) == 1) {
+            uint2 raw[KV_PASSES];
 #pragma unroll
-        for (int k = 0; k < KV_PASSES; ++k) {
-            const int r = my_row + k * RPP;
-            const u32 row = tile_rows[r];
-            const bf16* src = cache;
-            u32 bytes = 0;
-            if (row != NO_PART) {
-                src = cache + kv_offset(row, a.kv_heads, t.kvh, D) + my_chunk * 8;
-                bytes = 16;
+            for (int k = 0; k < KV_PASSES; ++k) {
+                const u32 row = tile_rows[my_row + k * RPP];
+                raw[k] = row != NO_PART
+                             ? *(const uint2*)(cache + kv_offset(row, a.kv_heads, t.kvh, D) + my_chunk * 8)
+                             : make_uint2(0u, 0u);
             }
-            cp_async_16(dst + swz<D>(r, my_chunk), src, bytes);
+#pragma unroll
+            for (int k = 0; k < KV_PASSES; ++k) {
+                const uint4 w = fp8x8_to_bf16x8(raw[k]);
+                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst + swz<D>(my_row + k * RPP, my_chunk)),
+                             "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w)
+                             : "memory");
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < KV_PASSES; ++k) {
+                const int r = my_row + k * RPP;
+                const u32 row = tile_rows[r];
+                const bf16* src = cache;
+                u32 bytes = 0;
+                if (row != NO_PART) {
+                    src = cache + kv_offset(row, a.kv_heads, t.kvh, D) + my_chunk * 8;
+                    bytes = 16;
+                }
+                cp_async_16(dst + swz<D>(r, my_chunk), src, bytes);
+            }
         }
     };
 
@@ -382,7 +415,7 @@ __device__ __forceinline__ void mma(const Args<bf16>& a) {
             lim[mt][h] = r < t.nrows ? row_limit(t, r) : t.hi;
         }
     const bool active = wrow < t.nrows;
-    const float sl2 = a.scale * LOG2E;  // exponentials in base 2
+    const float sl2 = a.scale * a.k_scale * LOG2E;  // exponentials in base 2; K's FP8 scale
 
     float o[MT][DT][4];
     float m[MT][2], l[MT][2];
@@ -633,35 +666,38 @@ __device__ __forceinline__ void combine(T* out, const float* part_o, const float
 // Entry points (attention.rs: ENTRIES). Every main kernel takes the same parameters.
 
 
-extern "C" __global__ void __launch_bounds__(128) attn_simt_f32(ATTN_PARAMS(float)) { CHIMERA_PDL_ENTRY();
-    attn::simt(ATTN_ARGS(float));
-}
-extern "C" __global__ void __launch_bounds__(128) attn_simt_bf16(ATTN_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
-    attn::simt(ATTN_ARGS(bf16));
-}
+// Each main kernel twice: over a cache of the activations' dtype, and over an FP8 cache
+// (`_kvfp8`, codes with per-layer K and V scales).
+#define ATTN_MAIN(NAME, THREADS, T, BODY)                                                          \
+    extern "C" __global__ void __launch_bounds__(THREADS) NAME(ATTN_PARAMS(T, T)) {               \
+        CHIMERA_PDL_ENTRY();                                                                       \
+        BODY(T, ATTN_ARGS(T, T));                                                                  \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(THREADS) NAME##_kvfp8(ATTN_PARAMS(T, u8)) {      \
+        CHIMERA_PDL_ENTRY();                                                                       \
+        BODY(u8, ATTN_ARGS(T, u8));                                                                \
+    }
+
+#define SIMT(KV, ARGS) attn::simt(ARGS)
+ATTN_MAIN(attn_simt_f32, 128, float, SIMT)
+ATTN_MAIN(attn_simt_bf16, 128, bf16, SIMT)
 // Decodes (at most 16 packed rows): 4 warps split every 64-key tile, 2-stage K+V ring.
 // d = 128 takes 64.5 KiB of dynamic shared memory (the limit must be raised).
-extern "C" __global__ void __launch_bounds__(128) attn_decode_d64_bf16(ATTN_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
-    attn::mma<64, 64, 1, false, 4, 2, true>(ATTN_ARGS(bf16));
-}
-extern "C" __global__ void __launch_bounds__(128) attn_decode_d128_bf16(ATTN_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
-    attn::mma<128, 64, 1, false, 4, 2, true>(ATTN_ARGS(bf16));
-}
+#define DECODE_D64(KV, ARGS) attn::mma<64, 64, 1, false, 4, 2, true, KV>(ARGS)
+#define DECODE_D128(KV, ARGS) attn::mma<128, 64, 1, false, 4, 2, true, KV>(ARGS)
+ATTN_MAIN(attn_decode_d64_bf16, 128, bf16, DECODE_D64)
+ATTN_MAIN(attn_decode_d128_bf16, 128, bf16, DECODE_D128)
 // Small chunks, and the tiles of head dims without a prefill kernel: 4 warps × 16 rows.
-extern "C" __global__ void __launch_bounds__(128) attn_mma_d64_bf16(ATTN_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
-    attn::mma<64, 64, 1, false, 4, 1>(ATTN_ARGS(bf16));
-}
-extern "C" __global__ void __launch_bounds__(128) attn_mma_d128_bf16(ATTN_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
-    attn::mma<128, 64, 1, false, 4, 1>(ATTN_ARGS(bf16));
-}
-extern "C" __global__ void __launch_bounds__(128) attn_mma_d256_bf16(ATTN_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
-    attn::mma<256, 16, 1, false, 4, 1>(ATTN_ARGS(bf16));
-}
+#define MMA_D64(KV, ARGS) attn::mma<64, 64, 1, false, 4, 1, false, KV>(ARGS)
+#define MMA_D128(KV, ARGS) attn::mma<128, 64, 1, false, 4, 1, false, KV>(ARGS)
+#define MMA_D256(KV, ARGS) attn::mma<256, 16, 1, false, 4, 1, false, KV>(ARGS)
+ATTN_MAIN(attn_mma_d64_bf16, 128, bf16, MMA_D64)
+ATTN_MAIN(attn_mma_d128_bf16, 128, bf16, MMA_D128)
+ATTN_MAIN(attn_mma_d256_bf16, 128, bf16, MMA_D256)
 // Prefill tiles, d = 128: 8 warps × 32 rows, Q in shared memory (96.5 KiB: the limit must
 // be raised).
-extern "C" __global__ void __launch_bounds__(256) attn_prefill_d128_bf16(ATTN_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
-    attn::mma<128, 64, 2, true, 8, 1>(ATTN_ARGS(bf16));
-}
+#define PREFILL_D128(KV, ARGS) attn::mma<128, 64, 2, true, 8, 1, false, KV>(ARGS)
+ATTN_MAIN(attn_prefill_d128_bf16, 256, bf16, PREFILL_D128)
 
 #define COMBINE_PARAMS(T)                                                                  \
     T *out, const float *part_o, const float *part_ml, const u32 *c_token, const u32 *c_part, \

@@ -47,10 +47,10 @@ use Param::{F32, Ptr, U32};
 
 /// Every main kernel: `q, k_cache, v_cache, out, cu_seqlens, ctx_lens, bt_offsets,
 /// block_tables, w_seq, w_q_first, w_q_count, w_kv_first, w_kv_end, w_part, part_o, part_ml,
-/// item_base, heads, kv_heads, head_dim, block_size, scale`.
+/// item_base, heads, kv_heads, head_dim, block_size, scale, k_scale, v_scale`.
 const MAIN: &[Param] = &[
     Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32,
-    U32, U32, F32,
+    U32, U32, F32, F32, F32,
 ];
 /// `out, part_o, part_ml, c_token, c_part, c_stride, c_splits, item_base, heads, head_dim`.
 const COMBINE: &[Param] = &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32];
@@ -68,6 +68,14 @@ pub const ENTRIES: &[Entry] = &[
     e("attn_mma_d128_bf16", MAIN),
     e("attn_mma_d256_bf16", MAIN),
     e("attn_prefill_d128_bf16", MAIN),
+    e("attn_simt_f32_kvfp8", MAIN),
+    e("attn_simt_bf16_kvfp8", MAIN),
+    e("attn_decode_d64_bf16_kvfp8", MAIN),
+    e("attn_decode_d128_bf16_kvfp8", MAIN),
+    e("attn_mma_d64_bf16_kvfp8", MAIN),
+    e("attn_mma_d128_bf16_kvfp8", MAIN),
+    e("attn_mma_d256_bf16_kvfp8", MAIN),
+    e("attn_prefill_d128_bf16_kvfp8", MAIN),
     e("attn_combine_f32", COMBINE),
     e("attn_combine_bf16", COMBINE),
 ];
@@ -497,6 +505,9 @@ pub struct AttnDims {
     pub block_size: u32,
     /// Chunks in the step (`ctx_lens.len()`); checked against the plan.
     pub num_seqs: u32,
+    /// The cache holds FP8 e4m3 codes (`u8`) with per-layer K and V scales
+    /// ([`AttnArg::KScale`], [`AttnArg::VScale`]) rather than the launch's dtype.
+    pub kv_fp8: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -559,6 +570,10 @@ pub enum AttnArg {
     U32(u32),
     /// The softmax scale (`f32`, > 0) that multiplies q·k.
     F32Scale,
+    /// The FP8 cache's K scale (a cached key is its code times this); 1.0 for other caches.
+    KScale,
+    /// The FP8 cache's V scale; 1.0 for other caches.
+    VScale,
 }
 
 impl AttnArg {
@@ -566,26 +581,35 @@ impl AttnArg {
     pub fn param(&self) -> Param {
         match self {
             AttnArg::U32(_) => Param::U32,
-            AttnArg::F32Scale => Param::F32,
+            AttnArg::F32Scale | AttnArg::KScale | AttnArg::VScale => Param::F32,
             _ => Param::Ptr,
         }
     }
 }
 
-/// A main kernel: its entry, packed (token, head) rows per CTA, threads per CTA and
+/// A main kernel: its entry, its twin over an FP8 cache (the same shape and shared memory;
+/// empty for kernels without one), packed (token, head) rows per CTA, threads per CTA and
 /// dynamic shared memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Kernel {
     entry: &'static str,
+    kvfp8: &'static str,
     rows: u32,
     threads: u32,
     smem: u32,
 }
 
+impl Kernel {
+    const fn with_kvfp8(self, kvfp8: &'static str) -> Kernel {
+        Kernel { kvfp8, ..self }
+    }
+}
+
 /// The SIMT kernel: 16 rows, static shared memory (attention.cu `S_ROWS`).
-const fn simt(entry: &'static str) -> Kernel {
+const fn simt(entry: &'static str, kvfp8: &'static str) -> Kernel {
     Kernel {
         entry,
+        kvfp8,
         rows: 16,
         threads: 128,
         smem: 0,
@@ -619,23 +643,33 @@ const fn mma(
     };
     Kernel {
         entry,
+        kvfp8: "",
         rows,
         threads: 32 * warps,
         smem: tiles + 2 * bn * 4,
     }
 }
 
-const DECODE_D64: Kernel = mma("attn_decode_d64_bf16", 64, 64, 1, false, 4, 2, true);
-const DECODE_D128: Kernel = mma("attn_decode_d128_bf16", 128, 64, 1, false, 4, 2, true);
-const MMA_D64: Kernel = mma("attn_mma_d64_bf16", 64, 64, 1, false, 4, 1, false);
-const MMA_D128: Kernel = mma("attn_mma_d128_bf16", 128, 64, 1, false, 4, 1, false);
-const MMA_D256: Kernel = mma("attn_mma_d256_bf16", 256, 16, 1, false, 4, 1, false);
-const PREFILL_D128: Kernel = mma("attn_prefill_d128_bf16", 128, 64, 2, true, 8, 1, false);
+const DECODE_D64: Kernel = mma("attn_decode_d64_bf16", 64, 64, 1, false, 4, 2, true)
+    .with_kvfp8("attn_decode_d64_bf16_kvfp8");
+const DECODE_D128: Kernel = mma("attn_decode_d128_bf16", 128, 64, 1, false, 4, 2, true)
+    .with_kvfp8("attn_decode_d128_bf16_kvfp8");
+const MMA_D64: Kernel =
+    mma("attn_mma_d64_bf16", 64, 64, 1, false, 4, 1, false).with_kvfp8("attn_mma_d64_bf16_kvfp8");
+const MMA_D128: Kernel = mma("attn_mma_d128_bf16", 128, 64, 1, false, 4, 1, false)
+    .with_kvfp8("attn_mma_d128_bf16_kvfp8");
+const MMA_D256: Kernel = mma("attn_mma_d256_bf16", 256, 16, 1, false, 4, 1, false)
+    .with_kvfp8("attn_mma_d256_bf16_kvfp8");
+const PREFILL_D128: Kernel = mma("attn_prefill_d128_bf16", 128, 64, 2, true, 8, 1, false)
+    .with_kvfp8("attn_prefill_d128_bf16_kvfp8");
+const SIMT_F32: Kernel = simt("attn_simt_f32", "attn_simt_f32_kvfp8");
+const SIMT_BF16: Kernel = simt("attn_simt_bf16", "attn_simt_bf16_kvfp8");
 /// `attention_sm90.cu`: two warpgroups of 64 rows, Q [128 × 128] and 3 stages of K + V tiles
 /// of 128 keys (bf16), 3 × 2 mbarriers, and 1024 bytes to align the tiles to the 128-byte
 /// swizzle's 1024-byte period.
 const WGMMA_D128: Kernel = Kernel {
     entry: "attn_prefill_wgmma_d128_bf16",
+    kvfp8: "",
     rows: 128,
     threads: 256,
     smem: 1024 + 128 * 128 * 2 + 3 * 2 * 128 * 128 * 2 + 2 * 3 * 8,
@@ -645,8 +679,8 @@ const WGMMA_PP_D128: Kernel = Kernel {
     ..WGMMA_D128
 };
 const KERNELS: &[Kernel] = &[
-    simt("attn_simt_f32"),
-    simt("attn_simt_bf16"),
+    SIMT_F32,
+    SIMT_BF16,
     DECODE_D64,
     DECODE_D128,
     MMA_D64,
@@ -664,25 +698,39 @@ pub fn smem_opt_in() -> impl Iterator<Item = (&'static str, u32)> {
     KERNELS
         .iter()
         .filter(|k| k.smem > DEFAULT_SMEM_LIMIT)
-        .map(|k| (k.entry, k.smem))
+        .flat_map(|k| [(k.entry, k.smem), (k.kvfp8, k.smem)])
+        .filter(|(entry, _)| !entry.is_empty())
 }
 
 /// The kernel for a launch whose items have at most `max_rows` packed rows: in bf16, the
 /// warp-split decode kernel when they fit its 16 rows, the `prefill` kernel (d = 128) when
 /// they fill one of its CTAs, else the one-m-tile tensor-core kernel; SIMT in f32 and for
-/// other head dims.
-fn kernel(head_dim: u32, bf16: bool, max_rows: u32, prefill: PrefillKernel) -> Kernel {
-    if !bf16 {
-        return KERNELS[0];
-    }
-    match head_dim {
-        64 if max_rows <= DECODE_D64.rows => DECODE_D64,
-        64 => MMA_D64,
-        128 if max_rows <= DECODE_D128.rows => DECODE_D128,
-        128 if max_rows >= prefill.kernel().rows => prefill.kernel(),
-        128 => MMA_D128,
-        256 => MMA_D256,
-        _ => KERNELS[1],
+/// other head dims. Over an FP8 cache each kernel's `_kvfp8` twin, the `mma.sync` prefill
+/// kernel standing in for the warpgroup-MMA ones (which have no twin).
+fn kernel(shape: &AttnDims, bf16: bool, max_rows: u32, prefill: PrefillKernel) -> Kernel {
+    let k = if !bf16 {
+        SIMT_F32
+    } else {
+        let prefill = match shape.kv_fp8 {
+            true => PREFILL_D128,
+            false => prefill.kernel(),
+        };
+        match shape.head_dim {
+            64 if max_rows <= DECODE_D64.rows => DECODE_D64,
+            64 => MMA_D64,
+            128 if max_rows <= DECODE_D128.rows => DECODE_D128,
+            128 if max_rows >= prefill.rows => prefill,
+            128 => MMA_D128,
+            256 => MMA_D256,
+            _ => SIMT_BF16,
+        }
+    };
+    match shape.kv_fp8 {
+        true => Kernel {
+            entry: k.kvfp8,
+            ..k
+        },
+        false => k,
     }
 }
 
@@ -729,7 +777,7 @@ pub fn launches(
         (plan.small..plan.items(), plan.max_q_large),
     ];
     for (range, max_q) in classes {
-        let k = kernel(shape.head_dim, bf16, max_q * group, prefill);
+        let k = kernel(&shape, bf16, max_q * group, prefill);
         let row_tiles = (max_q * group).div_ceil(k.rows);
         let mut base = range.start;
         while base < range.end {
@@ -800,6 +848,8 @@ fn main_args(item_base: u32, shape: AttnDims) -> Vec<AttnArg> {
         U32(shape.head_dim),
         U32(shape.block_size),
         F32Scale,
+        KScale,
+        VScale,
     ]
 }
 

@@ -578,13 +578,13 @@ __device__ __forceinline__ void prefill_d128(const Args<bf16>& a) {
 }  // namespace attn
 
 // attention.rs: SM90_ENTRIES. 230448 bytes of dynamic shared memory (the limit must be raised).
-extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma_d128_bf16(ATTN_PARAMS(bf16)) {
+extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma_d128_bf16(ATTN_PARAMS(bf16, bf16)) {
     CHIMERA_PDL_ENTRY();
-    attn::sm90::prefill_d128<attn::sm90::PLAIN>(ATTN_ARGS(bf16));
+    attn::sm90::prefill_d128<attn::sm90::PLAIN>(ATTN_ARGS(bf16, bf16));
 }
 // The same with the two warpgroups taking turns on the tensor cores (ping-pong).
-extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma_pp_d128_bf16(ATTN_PARAMS(bf16)) {
+extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma_pp_d128_bf16(ATTN_PARAMS(bf16, bf16)) {
     CHIMERA_PDL_ENTRY();
-    attn::sm90::prefill_d128<attn::sm90::PINGPONG>(ATTN_ARGS(bf16));
+    attn::sm90::prefill_d128<attn::sm90::PINGPONG>(ATTN_ARGS(bf16, bf16));
 }
 

@@ -371,18 +371,25 @@ __device__ void gather_rows(T* out, const T* x, const u32* rows, u32 n_out, u32 
     }
 }
 
+// A cache element: as computed (C = T), or the FP8 e4m3 code of v / scale (C = u8, an FP8 KV
+// cache; `cache.kv_dtype = "fp8_e4m3"`, rounded as the CPU's oracle rounds).
+__device__ __forceinline__ void store_kv(float* p, i64 i, float v, float) { p[i] = v; }
+__device__ __forceinline__ void store_kv(bf16* p, i64 i, float v, float) { p[i] = f32_to_bf16(v); }
+__device__ __forceinline__ void store_kv(u8* p, i64 i, float v, float scale) { p[i] = f32_to_fp8(v / scale); }
+
 // Writes token t's K and V rows into cache row slot_mapping[t] (a slot ≥ cache_rows, e.g. the
-// padding slot 0xffffffff, is skipped). One block per token.
-template <typename T>
-__device__ void kv_write(T* k_cache, T* v_cache, const T* k, const T* v, const u32* slot_mapping,
-                         u32 n, u32 kv_width, u64 cache_rows) {
+// padding slot 0xffffffff, is skipped). One block per token. The scales matter only for an
+// FP8 cache.
+template <typename T, typename C>
+__device__ void kv_write(C* k_cache, C* v_cache, const T* k, const T* v, const u32* slot_mapping,
+                         u32 n, u32 kv_width, u64 cache_rows, float k_scale, float v_scale) {
     u32 t = blockIdx.x;
     if (t >= n) return;
     u64 slot = slot_mapping[t];
     if (slot >= cache_rows) return;
     for (u32 c = threadIdx.x; c < kv_width; c += blockDim.x) {
-        k_cache[slot * kv_width + c] = k[(i64)t * kv_width + c];
-        v_cache[slot * kv_width + c] = v[(i64)t * kv_width + c];
+        store_kv(k_cache, slot * kv_width + c, load(k, (i64)t * kv_width + c), k_scale);
+        store_kv(v_cache, slot * kv_width + c, load(v, (i64)t * kv_width + c), v_scale);
     }
 }
 
@@ -390,11 +397,11 @@ __device__ void kv_write(T* k_cache, T* v_cache, const T* k, const T* v, const u
 // RoPE of K fused with the paged KV write. One block per token; a slot ≥ cache_rows (padding)
 // is skipped. `k` itself is left as it was. The entry point also rotates the token's queries
 // in place (`rope`), so that Q's and K's rotations and the KV write are one launch.
-template <typename T>
-__device__ void rope_kv_write(T* k_cache, T* v_cache, const T* k, const T* v,
+template <typename T, typename C>
+__device__ void rope_kv_write(C* k_cache, C* v_cache, const T* k, const T* v,
                               const u32* slot_mapping, u32 n, u32 kv_heads, u32 head_dim,
                               u32 half, const u32* positions, const float* inv_freq,
-                              float scaling, u64 cache_rows) {
+                              float scaling, u64 cache_rows, float k_scale, float v_scale) {
     u32 t = blockIdx.x;
     if (t >= n) return;
     u64 slot = slot_mapping[t];
@@ -402,12 +409,12 @@ __device__ void rope_kv_write(T* k_cache, T* v_cache, const T* k, const T* v,
     u32 width = kv_heads * head_dim;
     float p = (float)positions[t];
     const T* src = k + (i64)t * width;
-    T* dst = k_cache + slot * width;
+    C* dst = k_cache + slot * width;
     // Up to 8 elements per thread: all loads first (see the row kernels above).
     constexpr int R = 8;
     for (u32 j0 = threadIdx.x; j0 < width; j0 += R * blockDim.x) {
         float own[R], other[R];
-        T vv[R];
+        float vv[R];
 #pragma unroll
         for (int k = 0; k < R; ++k) {
             const u32 j = j0 + k * blockDim.x;
@@ -417,7 +424,7 @@ __device__ void rope_kv_write(T* k_cache, T* v_cache, const T* k, const T* v,
             own[k] = in ? load(src, base + d) : 0.0f;
             const i64 pair = d < half ? base + d + half : base + d - half;
             other[k] = in && d < 2 * half ? load(src, pair) : 0.0f;
-            if (in) vv[k] = v[(i64)t * width + j];
+            if (in) vv[k] = load(v, (i64)t * width + j);
         }
 #pragma unroll
         for (int k = 0; k < R; ++k) {
@@ -431,8 +438,8 @@ __device__ void rope_kv_write(T* k_cache, T* v_cache, const T* k, const T* v,
                 out = d < half ? own[k] * (c * scaling) - other[k] * (s * scaling)
                                : own[k] * (c * scaling) + other[k] * (s * scaling);
             }
-            store(dst, j, out);
-            v_cache[slot * width + j] = vv[k];
+            store_kv(dst, j, out, k_scale);
+            store_kv(v_cache, slot * width + j, vv[k], v_scale);
         }
     }
 }
@@ -672,14 +679,29 @@ extern "C" __global__ void cast_f16_to_f32(float* out, const u16* in, u64 n) { C
     extern "C" __global__ void kv_write_##S(T* k_cache, T* v_cache, const T* k, const T* v,         \
                                             const u32* slot_mapping, u32 n, u32 kv_width,           \
                                             u64 cache_rows) { CHIMERA_PDL_ENTRY();                                       \
-        kv_write(k_cache, v_cache, k, v, slot_mapping, n, kv_width, cache_rows);                    \
+        kv_write(k_cache, v_cache, k, v, slot_mapping, n, kv_width, cache_rows, 1.0f, 1.0f);        \
+    }                                                                                               \
+    extern "C" __global__ void kv_write_fp8_##S(u8* k_cache, u8* v_cache, const T* k, const T* v,   \
+                                                const u32* slot_mapping, u32 n, u32 kv_width,       \
+                                                u64 cache_rows, float k_scale, float v_scale) {     \
+        CHIMERA_PDL_ENTRY();                                                                        \
+        kv_write(k_cache, v_cache, k, v, slot_mapping, n, kv_width, cache_rows, k_scale, v_scale);  \
     }                                                                                               \
     extern "C" __global__ void rope_kv_write_##S(                                                  \
         T* k_cache, T* v_cache, const T* k, const T* v, const u32* slot_mapping, u32 n,             \
         u32 kv_heads, u32 head_dim, u32 half, const u32* positions, const float* inv_freq,          \
         float scaling, u64 cache_rows, T* q, u32 heads) { CHIMERA_PDL_ENTRY();                       \
         rope_kv_write(k_cache, v_cache, k, v, slot_mapping, n, kv_heads, head_dim, half, positions, \
-                      inv_freq, scaling, cache_rows);                                               \
+                      inv_freq, scaling, cache_rows, 1.0f, 1.0f);                                   \
+        rope(q, n, heads, head_dim, half, positions, inv_freq, scaling, heads * head_dim);          \
+    }                                                                                               \
+    extern "C" __global__ void rope_kv_write_fp8_##S(                                              \
+        u8* k_cache, u8* v_cache, const T* k, const T* v, const u32* slot_mapping, u32 n,           \
+        u32 kv_heads, u32 head_dim, u32 half, const u32* positions, const float* inv_freq,          \
+        float scaling, u64 cache_rows, T* q, u32 heads, float k_scale, float v_scale) {             \
+        CHIMERA_PDL_ENTRY();                                                                        \
+        rope_kv_write(k_cache, v_cache, k, v, slot_mapping, n, kv_heads, head_dim, half, positions, \
+                      inv_freq, scaling, cache_rows, k_scale, v_scale);                             \
         rope(q, n, heads, head_dim, half, positions, inv_freq, scaling, heads * head_dim);          \
     }                                                                                               \
     extern "C" __global__ void moe_route_##S(u32* ids, float* weights, float* choice,               \

@@ -13,34 +13,6 @@
 #include "common.cuh"
 
 #define FP8_WARPS 8
-#define FP8_MAX 448.0f
-
-// Round to nearest even, saturating at ±448 (NaN stays NaN): the hardware conversion from
-// sm_89 on, the same rounding in software before (Ampere has no FP8 conversion).
-__device__ __forceinline__ u8 f32_to_fp8(float v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    unsigned short r;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(v));
-    return (u8)(r & 0xff);
-#else
-    if (isnan(v)) return 0x7f;
-    const u32 sign = (__float_as_uint(v) >> 24) & 0x80u;
-    const float a = fabsf(v);
-    // Below the smallest normal (2^-6) the grid is uniform with step 2^-9 (a · 512 is exact).
-    if (a < 0.015625f) return (u8)(sign | (u32)__float2int_rn(a * 512.0f));
-    if (a >= FP8_MAX) return (u8)(sign | 0x7eu);
-    int e;
-    frexpf(a, &e);
-    e -= 1;  // 2^e ≤ a < 2^(e+1)
-    int q = __float2int_rn((ldexpf(a, -e) - 1.0f) * 8.0f);
-    if (q == 8) {
-        q = 0;
-        e += 1;
-    }
-    const u32 code = min((u32)(((e + 7) << 3) | q), 0x7eu);
-    return (u8)(sign | code);
-#endif
-}
 
 // One block a row: scales[row] = max|src| / 448 (1 for an all-zero row), codes = src / scale.
 template <typename T>

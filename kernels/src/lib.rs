@@ -320,6 +320,11 @@ pub mod dense {
     const ROPE_KV_WRITE: &[Param] = &[
         Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, Ptr, Ptr, F32, U64, Ptr, U32,
     ];
+    // The FP8 cache's writes: the same, then the K and V scales.
+    const KV_WRITE_FP8: &[Param] = &[Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U64, F32, F32];
+    const ROPE_KV_WRITE_FP8: &[Param] = &[
+        Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, Ptr, Ptr, F32, U64, Ptr, U32, F32, F32,
+    ];
     const BIAS: &[Param] = &[Ptr, Ptr, U32, U32];
     const MOE_ROUTE: &[Param] = &[Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, U32, U32, F32];
     const MOE_SCATTER: &[Param] = &[Ptr, Ptr, Ptr, Ptr, U32, U32];
@@ -355,6 +360,10 @@ pub mod dense {
         e("kv_write_bf16", KV_WRITE),
         e("rope_kv_write_f32", ROPE_KV_WRITE),
         e("rope_kv_write_bf16", ROPE_KV_WRITE),
+        e("kv_write_fp8_f32", KV_WRITE_FP8),
+        e("kv_write_fp8_bf16", KV_WRITE_FP8),
+        e("rope_kv_write_fp8_f32", ROPE_KV_WRITE_FP8),
+        e("rope_kv_write_fp8_bf16", ROPE_KV_WRITE_FP8),
         e("moe_route_f32", MOE_ROUTE),
         e("moe_route_bf16", MOE_ROUTE),
         e("moe_scatter_add_f32", MOE_SCATTER),

@@ -122,10 +122,7 @@ fn attention_inputs(
     };
     let (q, k, v) = (up(q_w)?, up(kv_w)?, up(kv_w)?);
     let shape = [blocks, BLOCK, attn.kv_heads, attn.head_dim];
-    let cache = KvLayer {
-        k: gpu.zeros(&shape, gpu.dtype())?,
-        v: gpu.zeros(&shape, gpu.dtype())?,
-    };
+    let cache = KvLayer::plain(gpu.zeros(&shape, gpu.dtype())?, gpu.zeros(&shape, gpu.dtype())?);
     Ok((q, k, v, cache))
 }
 
@@ -654,19 +651,19 @@ fn one_prompt(t: usize) -> anyhow::Result<StepPlan> {
 
 /// A decode step captured as a graph and replayed `steps` times (padded upload, replay,
 /// sampling tail).
-struct GraphRun<'a> {
-    gpu: &'a CudaBackend,
-    m: &'a Model<CudaBackend>,
-    plan: &'a StepPlan,
-    batch: usize,
-    per_seq: usize,
-    steps: usize,
+pub(super) struct GraphRun<'a> {
+    pub(super) gpu: &'a CudaBackend,
+    pub(super) m: &'a Model<CudaBackend>,
+    pub(super) plan: &'a StepPlan,
+    pub(super) batch: usize,
+    pub(super) per_seq: usize,
+    pub(super) steps: usize,
 }
 
 impl GraphRun<'_> {
     /// Capture milliseconds and milliseconds per replayed step, with the one-pass GEMV on or off
     /// (on again afterwards).
-    fn run(
+    pub(super) fn run(
         &self,
         gstep: &mut chimera::backend::cuda::CudaStep,
         caches: &mut chimera::model::ModelCaches<CudaBackend>,

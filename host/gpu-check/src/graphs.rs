@@ -21,7 +21,6 @@ use super::{GpuCheckArgs, Report};
 use chimera::backend::cuda::CudaBackend;
 use chimera::backend::sample::Penalties;
 use chimera::backend::{DType, SlotOp, StepPlan};
-use chimera::cache::SsmStateDtype;
 use chimera::engine::ModelRunner;
 use chimera::engine::executor::{CacheAllocation, StepExecutor, StepOutput};
 
@@ -108,7 +107,7 @@ fn case(
         block_size: BLOCK,
         num_ssm_slots: SEQS,
         max_tokens: 2048,
-        ssm_state_dtype: SsmStateDtype::Float32,
+        dtypes: Default::default(),
         max_running: SEQS,
     };
     let mut eager = ModelRunner::new(gpu.replica()?, model.clone()).with_graphs(false);
@@ -246,7 +245,7 @@ fn mixed_case(
         block_size: BLOCK,
         num_ssm_slots: 2 * MIXED_SEQS,
         max_tokens: 2048,
-        ssm_state_dtype: SsmStateDtype::Float32,
+        dtypes: Default::default(),
         max_running: MIXED_SEQS,
     };
     let mut eager = ModelRunner::new(gpu.replica()?, model.clone()).with_graphs(false);

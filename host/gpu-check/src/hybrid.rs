@@ -213,7 +213,11 @@ fn decode_run(
     use chimera::model::LogitsMode;
     const BLOCK: usize = 16;
     let blocks = (prompt.len() + decodes).div_ceil(BLOCK);
-    let mut caches = m.new_caches_with_state(b, blocks, BLOCK, 1, state)?;
+    let dtypes = chimera::model::CacheDtypes {
+        ssm_state: state,
+        ..Default::default()
+    };
+    let mut caches = m.new_caches_with(b, blocks, BLOCK, 1, dtypes)?;
     let table: Vec<u32> = (0..blocks as u32).collect();
     let mut plan = StepPlan::new(BLOCK);
     let mut logits = Vec::new();

@@ -628,8 +628,8 @@ fn attention_measure(
     let (kcc, kcg) = c.up(&kc, &shape)?;
     let (vcc, vcg) = c.up(&vc, &shape)?;
     drop((kc, vc));
-    let mut cache_c = KvLayer { k: kcc, v: vcc };
-    let mut cache_g = KvLayer { k: kcg, v: vcg };
+    let mut cache_c = KvLayer::plain(kcc, vcc);
+    let mut cache_g = KvLayer::plain(kcg, vcg);
     let q = c.rand(n * heads * head_dim, 1.0);
     let k = c.rand(n * kvw, 1.0);
     let v = c.rand(n * kvw, 1.0);

@@ -23,6 +23,7 @@ mod gemv;
 mod graphs;
 mod hybrid;
 mod kernels;
+mod kv_fp8;
 mod mamba_mix;
 mod model_d128;
 mod moe;
@@ -370,10 +371,12 @@ pub fn run(args: &GpuCheckArgs) -> anyhow::Result<Report> {
     if args.suite == "fp8" {
         ran = true;
         fp8::checks(&mut report, &f32_gpu, &bf16_gpu, args, seed);
+        kv_fp8::checks(&mut report, &f32_gpu, &bf16_gpu, args, seed);
     }
     if args.suite == "bench-fp8" {
         ran = true;
         fp8::bench(&mut report, &bf16_gpu, args);
+        kv_fp8::bench(&mut report, &bf16_gpu, args);
     }
     if args.suite == "moe" {
         // The MoE rows of `hybrid` and `bench` alone.

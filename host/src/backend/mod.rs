@@ -355,6 +355,32 @@ pub struct StackedExperts<T> {
 pub struct KvLayer<T> {
     pub k: T,
     pub v: T,
+    /// Set when the cache holds FP8 e4m3 codes (`cache.kv_dtype = "fp8_e4m3"`): the scales a
+    /// written value is divided by before rounding, and a code multiplied by when read. A
+    /// backend without FP8 storage (the CPU) keeps the dequantized values.
+    pub fp8: Option<KvScales>,
+}
+
+impl<T> KvLayer<T> {
+    /// A cache that stores K and V as they are computed.
+    pub fn plain(k: T, v: T) -> Self {
+        Self { k, v, fp8: None }
+    }
+}
+
+/// The per-layer scales of an FP8 KV cache: a cached K element is `code · k`, a V element
+/// `code · v`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KvScales {
+    pub k: f32,
+    pub v: f32,
+}
+
+impl Default for KvScales {
+    /// 1.0 for both, as vLLM uses for a checkpoint without scales.
+    fn default() -> Self {
+        Self { k: 1.0, v: 1.0 }
+    }
 }
 
 /// Recurrent state of every slot, slot-major over layers: conv `[slots, layers, conv_dim,

@@ -13,7 +13,7 @@ use std::fmt;
 
 use serde::{Deserialize, Deserializer};
 
-use super::spec::{CacheSpec, SsmStateDtype};
+use super::spec::{CacheSpec, KvCacheDtype, SsmStateDtype};
 
 /// Share of the budget left after live SSM slots that goes to durable snapshots when
 /// `ssm_share` is not set.
@@ -51,6 +51,10 @@ pub struct CacheConfig {
     /// the SSM slots. The CPU backend computes and stores the state in f32 whatever this says,
     /// so on the CPU it only changes how the budget is split.
     pub ssm_state_dtype: SsmStateDtype,
+    /// Storage type of the paged KV cache: "auto" (what the backend computes in) or
+    /// "fp8_e4m3" (FP8 codes with a per-layer scale for K and for V; half a bf16 cache's
+    /// bytes). It sizes the KV blocks; see [`KvCacheDtype`].
+    pub kv_dtype: KvCacheDtype,
     /// On a GPU: the budget is this fraction of the device memory left free once the weights
     /// are loaded (replacing `memory_budget`); the rest stays for activations. Ignored on the CPU.
     pub memory_fraction: Option<f64>,
@@ -75,6 +79,7 @@ impl Default for CacheConfig {
             prefix_caching: true,
             ssm_share: None,
             ssm_state_dtype: SsmStateDtype::Float32,
+            kv_dtype: KvCacheDtype::Auto,
             memory_fraction: None,
             gpu_memory_utilization: 0.9,
             ssm_snapshot_interval: 512,
@@ -211,7 +216,8 @@ impl CacheLayout {
     }
 
     /// Splits `cfg.memory_budget` for a model with `spec`, serving up to `max_running`
-    /// requests at once. SSM slots are sized with `cfg.ssm_state_dtype`.
+    /// requests at once. SSM slots are sized with `cfg.ssm_state_dtype`, KV blocks with
+    /// `cfg.kv_dtype`.
     ///
     /// KV blocks get what the SSM slots leave. On an attention-free model a block holds no
     /// data, so the count is the smaller of
@@ -233,7 +239,9 @@ impl CacheLayout {
         {
             return Err(CacheConfigError::Share(r));
         }
-        let spec = spec.with_ssm_state_dtype(cfg.ssm_state_dtype);
+        let spec = spec
+            .with_ssm_state_dtype(cfg.ssm_state_dtype)
+            .with_kv_dtype(cfg.kv_dtype);
         let memory_budget = cfg.memory_budget.ok_or(CacheConfigError::Unresolved)?;
         let budget = memory_budget.0;
         let (live_slots, durable_slots, ssm_bytes) = if spec.is_hybrid() {
@@ -419,6 +427,31 @@ mod tests {
         assert_eq!(l.durable_slots, (25_000 - 4 * 240) / 240);
         assert_eq!(l.ssm_bytes, (4 + l.durable_slots as u64) * 240);
         assert_eq!(l.num_blocks as u64, (100_000 - l.ssm_bytes) / 2048);
+    }
+
+    #[test]
+    fn fp8_kv_sizes_blocks_at_one_byte_an_element() {
+        let bf16 = CacheConfig {
+            memory_budget: Some(ByteSize(100_000)),
+            ssm_share: Some(0.25),
+            ..Default::default()
+        };
+        let fp8 = CacheConfig {
+            kv_dtype: "fp8_e4m3".parse().unwrap(),
+            ..bf16.clone()
+        };
+        let a = CacheLayout::plan(&bf16, &spec(3), 4).unwrap();
+        let b = CacheLayout::plan(&fp8, &spec(3), 4).unwrap();
+        assert_eq!(a.ssm_bytes, b.ssm_bytes, "the SSM split does not move");
+        assert_eq!(a.num_blocks as u64, (100_000 - a.ssm_bytes) / 2048);
+        // 2 (K, V) · 2 layers · 16 tokens · 2 heads · 4 dims · 1 byte (f32: 4 bytes).
+        assert_eq!(b.num_blocks as u64, (100_000 - b.ssm_bytes) / 512);
+        let t: CacheConfig = toml::from_str("kv_dtype = \"fp8\"").unwrap();
+        assert_eq!(t.kv_dtype, KvCacheDtype::Fp8E4M3);
+        let err = toml::from_str::<CacheConfig>("kv_dtype = \"fp8_e5m2\"")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("e5m2 caches are not supported"), "{err}");
     }
 
     #[test]

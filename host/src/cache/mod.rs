@@ -41,7 +41,7 @@ pub use config::{ByteSize, CacheConfig, CacheConfigError, CacheLayout};
 pub use events::{KvEvent, StoredBlock};
 pub use hash::{BlockHash, HashSeed};
 pub use miss::{MissMemory, MissReason};
-pub use spec::{CacheSpec, SsmStateDtype};
+pub use spec::{CacheSpec, KvCacheDtype, SsmStateDtype};
 pub use ssm_pool::SsmPool;
 pub use stats::CacheCounters;
 

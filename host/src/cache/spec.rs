@@ -1,5 +1,6 @@
 //! [`CacheSpec`]: what a model needs from the caches, in numbers the cache can size pools from,
-//! and [`SsmStateDtype`], the storage type of the SSM recurrent state (`cache.ssm_state_dtype`).
+//! [`SsmStateDtype`], the storage type of the SSM recurrent state (`cache.ssm_state_dtype`), and
+//! [`KvCacheDtype`], that of the paged KV cache (`cache.kv_dtype`).
 //!
 //! The spec is plain data reported by the executor (the model); the cache reads it to turn a
 //! byte budget into block and slot counts and never learns anything else about the model.
@@ -53,6 +54,14 @@ impl CacheSpec {
     pub fn with_ssm_state_dtype(&self, dtype: SsmStateDtype) -> Self {
         Self {
             ssm_elem_bytes: dtype.elem_bytes(),
+            ..self.clone()
+        }
+    }
+
+    /// This spec with the paged K and V stored as `dtype`.
+    pub fn with_kv_dtype(&self, dtype: KvCacheDtype) -> Self {
+        Self {
+            kv_elem_bytes: dtype.elem_bytes().unwrap_or(self.kv_elem_bytes),
             ..self.clone()
         }
     }
@@ -124,6 +133,75 @@ impl<'de> Deserialize<'de> for SsmStateDtype {
     }
 }
 
+/// Storage type of the paged KV cache (`cache.kv_dtype`). `Auto` stores K and V as the
+/// backend computes them (bf16 on a serving GPU, f32 on the CPU and in a GPU's oracle mode);
+/// `Fp8E4M3` stores them as FP8 e4m3 codes with one scale per layer for K and one for V (the
+/// checkpoint's `k_scale` / `v_scale`, else 1.0, as vLLM does), halving a bf16 cache. The CPU
+/// keeps its f32 storage and rounds every written value through e4m3 (the oracle the GPU's
+/// FP8 cache is checked against); there the setting sizes blocks as one byte an element, as
+/// `cache.ssm_state_dtype` sizes slots.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum KvCacheDtype {
+    #[default]
+    Auto,
+    Fp8E4M3,
+}
+
+impl KvCacheDtype {
+    pub const ALLOWED: &'static str = "\"auto\" or \"fp8_e4m3\" (also \"fp8\")";
+
+    /// Bytes per element, or `None` for the backend's own dtype.
+    pub fn elem_bytes(self) -> Option<usize> {
+        match self {
+            Self::Auto => None,
+            Self::Fp8E4M3 => Some(1),
+        }
+    }
+
+    pub fn is_fp8(self) -> bool {
+        self == Self::Fp8E4M3
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Fp8E4M3 => "fp8_e4m3",
+        }
+    }
+}
+
+impl fmt::Display for KvCacheDtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for KvCacheDtype {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "fp8" | "fp8_e4m3" => Ok(Self::Fp8E4M3),
+            "fp8_e5m2" => Err(format!(
+                "cache.kv_dtype = \"{s}\": FP8 e5m2 caches are not supported (e4m3 is: \"fp8_e4m3\")"
+            )),
+            other => Err(format!(
+                "cache.kv_dtype = \"{other}\": must be {}",
+                Self::ALLOWED
+            )),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for KvCacheDtype {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -153,6 +231,10 @@ mod tests {
         let bf16 = s.with_ssm_state_dtype(SsmStateDtype::Bfloat16);
         assert_eq!(bf16.ssm_slot_bytes(), 3 * (8 * 2 + 24 * 2));
         assert_eq!(bf16.kv_block_bytes(16), 1024);
+        assert_eq!(s.with_kv_dtype(KvCacheDtype::Auto).kv_block_bytes(16), 1024);
+        let fp8 = s.with_kv_dtype(KvCacheDtype::Fp8E4M3);
+        assert_eq!(fp8.kv_block_bytes(16), 512, "one byte an element: half of bf16");
+        assert_eq!(fp8.ssm_slot_bytes(), 336);
         assert!(!s.is_attention_free());
         let mamba = CacheSpec {
             attn_layers: 0,
@@ -170,6 +252,21 @@ mod tests {
         assert_eq!(
             e,
             "cache.ssm_state_dtype = \"float16\": must be \"float32\" or \"bfloat16\""
+        );
+    }
+
+    #[test]
+    fn kv_dtype_parses_vllm_names_and_refuses_e5m2_by_name() {
+        assert_eq!("auto".parse(), Ok(KvCacheDtype::Auto));
+        assert_eq!("fp8".parse(), Ok(KvCacheDtype::Fp8E4M3));
+        assert_eq!("fp8_e4m3".parse(), Ok(KvCacheDtype::Fp8E4M3));
+        assert_eq!(KvCacheDtype::default(), KvCacheDtype::Auto);
+        let e = "fp8_e5m2".parse::<KvCacheDtype>().unwrap_err();
+        assert!(e.contains("e5m2 caches are not supported"), "{e}");
+        let e = "int8".parse::<KvCacheDtype>().unwrap_err();
+        assert_eq!(
+            e,
+            "cache.kv_dtype = \"int8\": must be \"auto\" or \"fp8_e4m3\" (also \"fp8\")"
         );
     }
 }

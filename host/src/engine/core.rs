@@ -29,7 +29,7 @@ use super::scheduler::Scheduler;
 use super::speculative::{Drafter, SpeculativeConfig};
 use super::timings::StepTimings;
 use crate::cache::{BlockHash, CacheLayout, CacheManager, HashSeed};
-use crate::model::CacheSpec;
+use crate::model::{CacheDtypes, CacheSpec};
 use crate::policy::native::DefaultSampler;
 use crate::policy::{Constrainer, Evictor, Sampler};
 
@@ -127,7 +127,10 @@ impl<E: StepExecutor> Engine<E> {
             block_size: layout.block_size,
             num_ssm_slots: layout.ssm_slots(),
             max_tokens: cfg.max_batched_tokens,
-            ssm_state_dtype: setup.cache.ssm_state_dtype,
+            dtypes: CacheDtypes {
+                kv: setup.cache.kv_dtype,
+                ssm_state: setup.cache.ssm_state_dtype,
+            },
             max_running: cfg.max_running,
         })?;
         let cache = CacheManager::new(

@@ -17,8 +17,7 @@
 //! those tokens, `launch_forward`, computes the masks, and `launch_tail`.
 
 use crate::backend::{BackendError, SampleOut, StepPlan};
-use crate::cache::SsmStateDtype;
-use crate::model::CacheSpec;
+use crate::model::{CacheDtypes, CacheSpec};
 
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
 pub enum ExecutorError {
@@ -85,8 +84,9 @@ pub struct CacheAllocation {
     pub num_ssm_slots: usize,
     /// Tokens of the largest step (`engine.max_batched_tokens`): sizes step temporaries.
     pub max_tokens: usize,
-    /// Storage type of the SSM recurrent state (`cache.ssm_state_dtype`).
-    pub ssm_state_dtype: SsmStateDtype,
+    /// Storage types of K and V (`cache.kv_dtype`) and of the SSM recurrent state
+    /// (`cache.ssm_state_dtype`).
+    pub dtypes: CacheDtypes,
     /// Most sequences in one step (`engine.max_running`).
     pub max_running: usize,
 }

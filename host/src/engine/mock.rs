@@ -590,7 +590,7 @@ mod tests {
             block_size: 4,
             num_ssm_slots: 3,
             max_tokens: 64,
-            ssm_state_dtype: Default::default(),
+            dtypes: Default::default(),
             max_running: 4,
         })
         .unwrap();

@@ -308,12 +308,12 @@ impl<B: StepBackend> StepExecutor for ModelRunner<B> {
     fn allocate(&mut self, alloc: CacheAllocation) -> Result<(), ExecutorError> {
         let caches = self
             .model
-            .new_caches_with_state(
+            .new_caches_with(
                 &self.backend,
                 alloc.num_blocks,
                 alloc.block_size,
                 alloc.num_ssm_slots,
-                alloc.ssm_state_dtype,
+                alloc.dtypes,
             )
             .map_err(|e| ExecutorError::Allocation(e.to_string()))?;
         self.caches = Some(caches);

@@ -20,10 +20,12 @@ pub mod weights;
 
 use std::path::{Path, PathBuf};
 
-use crate::cache::SsmStateDtype;
+use crate::cache::{KvCacheDtype, SsmStateDtype};
 pub use batch::{CacheSpec, SsmSnapshot};
 
-use crate::backend::{BackendError, DType, KvLayer, LayerOps, SsmPools, StepBackend, StepPlan};
+use crate::backend::{
+    BackendError, DType, KvLayer, KvScales, LayerOps, SsmPools, StepBackend, StepPlan,
+};
 use layers::{Linear, RmsNorm, StepCtx, Sublayer};
 
 #[derive(Debug, thiserror::Error)]
@@ -90,6 +92,13 @@ pub enum LogitsMode {
     All,
 }
 
+/// Storage types of a model's caches (`cache.kv_dtype`, `cache.ssm_state_dtype`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheDtypes {
+    pub kv: KvCacheDtype,
+    pub ssm_state: SsmStateDtype,
+}
+
 /// The caches a forward pass reads and writes, owned by the engine.
 pub struct ModelCaches<B: LayerOps> {
     pub kv: Vec<KvLayer<B::Tensor>>,
@@ -102,8 +111,9 @@ pub struct ModelCaches<B: LayerOps> {
 
 impl<B: LayerOps> ModelCaches<B> {
     /// Zeroed caches: `num_blocks` KV blocks of `block_size` tokens per attention layer and
-    /// `num_slots` SSM-state slots holding every SSM layer. The recurrent state is stored as
-    /// `ssm_state` where the backend can (bf16 is opt-in), else f32.
+    /// `num_slots` SSM-state slots holding every SSM layer. K and V are stored as
+    /// `dtypes.kv` (FP8 with `kv_scales[layer]`, 1.0 where the list is short), the recurrent
+    /// state as `dtypes.ssm_state` where the backend can (bf16 is opt-in), else f32.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         backend: &B,
@@ -113,14 +123,24 @@ impl<B: LayerOps> ModelCaches<B> {
         num_blocks: usize,
         block_size: usize,
         num_slots: usize,
-        ssm_state: SsmStateDtype,
+        dtypes: CacheDtypes,
+        kv_scales: &[KvScales],
     ) -> Result<Self, ModelError> {
         let kv_shape = [num_blocks, block_size, spec.kv_heads, spec.head_dim];
+        let kv_dtype = if dtypes.kv.is_fp8() {
+            DType::F8E4M3
+        } else {
+            backend.act_dtype()
+        };
         let kv = (0..spec.attn_layers)
-            .map(|_| {
+            .map(|layer| {
                 Ok(KvLayer {
-                    k: backend.zeros(&kv_shape, backend.act_dtype())?,
-                    v: backend.zeros(&kv_shape, backend.act_dtype())?,
+                    k: backend.zeros(&kv_shape, kv_dtype)?,
+                    v: backend.zeros(&kv_shape, kv_dtype)?,
+                    fp8: dtypes
+                        .kv
+                        .is_fp8()
+                        .then(|| kv_scales.get(layer).copied().unwrap_or_default()),
                 })
             })
             .collect::<Result<_, BackendError>>()?;
@@ -131,7 +151,7 @@ impl<B: LayerOps> ModelCaches<B> {
                     .zeros(&[num_slots, layers, conv_shape.0, conv_shape.1], DType::F32)?,
                 ssm: backend.zeros(
                     &[num_slots, layers, ssm_shape.0, ssm_shape.1, ssm_shape.2],
-                    if ssm_state == SsmStateDtype::Bfloat16 && backend.bf16_ssm_state() {
+                    if dtypes.ssm_state == SsmStateDtype::Bfloat16 && backend.bf16_ssm_state() {
                         DType::BF16
                     } else {
                         DType::F32
@@ -201,7 +221,8 @@ impl<B: LayerOps> Model<B> {
         }
     }
 
-    /// Zeroed caches sized for this model.
+    /// Zeroed caches sized for this model, K, V and the recurrent state in the backend's
+    /// own dtypes.
     pub fn new_caches(
         &self,
         backend: &B,
@@ -209,24 +230,25 @@ impl<B: LayerOps> Model<B> {
         block_size: usize,
         num_slots: usize,
     ) -> Result<ModelCaches<B>, ModelError> {
-        self.new_caches_with_state(
+        self.new_caches_with(
             backend,
             num_blocks,
             block_size,
             num_slots,
-            SsmStateDtype::Float32,
+            CacheDtypes::default(),
         )
     }
 
-    /// [`Self::new_caches`] with the recurrent state stored as `ssm_state` (where the backend
-    /// supports it).
-    pub fn new_caches_with_state(
+    /// [`Self::new_caches`] with K and V stored as `dtypes.kv` (an FP8 cache takes the
+    /// checkpoint's scales, [`Self::kv_scales`]) and the recurrent state as `dtypes.ssm_state`
+    /// (where the backend supports it).
+    pub fn new_caches_with(
         &self,
         backend: &B,
         num_blocks: usize,
         block_size: usize,
         num_slots: usize,
-        ssm_state: SsmStateDtype,
+        dtypes: CacheDtypes,
     ) -> Result<ModelCaches<B>, ModelError> {
         ModelCaches::new(
             backend,
@@ -236,8 +258,23 @@ impl<B: LayerOps> Model<B> {
             num_blocks,
             block_size,
             num_slots,
-            ssm_state,
+            dtypes,
+            &self.kv_scales(),
         )
+    }
+
+    /// The FP8 KV-cache scales of each attention layer (its cache index): the checkpoint's
+    /// where it has them, else 1.0.
+    pub fn kv_scales(&self) -> Vec<KvScales> {
+        let mut scales = vec![KvScales::default(); self.info.cache.attn_layers];
+        for l in &self.layers {
+            l.mixer.each_kv_scales(&mut |cache, s| {
+                if let Some(slot) = scales.get_mut(cache) {
+                    *slot = s;
+                }
+            });
+        }
+        scales
     }
 
     /// The step's SSM slot restores and zeros, the first part of [`Self::forward`] (a mixed

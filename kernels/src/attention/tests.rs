@@ -22,6 +22,7 @@ fn dims(heads: u32, kv_heads: u32, head_dim: u32, num_seqs: usize) -> AttnDims {
         head_dim,
         block_size: 16,
         num_seqs: num_seqs as u32,
+        kv_fp8: false,
     }
 }
 
@@ -290,6 +291,48 @@ fn a_prefill_is_tiled_long_tiles_first_and_not_split() {
     check_coverage(&[8192], &[0], dims(32, 8, 128, 1), true);
 }
 
+/// Over an FP8 cache every main launch is its kernel's `_kvfp8` twin with the same grid and
+/// shared memory, the `mma.sync` prefill kernel stands in for the warpgroup-MMA ones, every
+/// entry exists, and the twins whose shared memory needs the limit raised are listed.
+#[test]
+fn an_fp8_cache_runs_each_kernels_fp8_twin() {
+    let cases: [(&[u32], &[u32], u32, bool); 5] = [
+        (&[8192], &[0], 128, true),       // prefill tiles
+        (&[1; 64], &[2048; 64], 128, true), // decodes
+        (&[1], &[39_999], 64, true),      // a split decode
+        (&[40, 1], &[100, 7], 256, true), // small chunks, d = 256
+        (&[5, 1], &[3, 9], 128, false),   // f32: SIMT
+    ];
+    let opt_in: Vec<(&str, u32)> = smem_opt_in().collect();
+    for (q, ctx, head_dim, bf16) in cases {
+        let mut p = AttnPlan::new();
+        plan(&cu_of(q), ctx, &mut p);
+        let plain = dims(32, 8, head_dim, q.len());
+        let fp8 = AttnDims {
+            kv_fp8: true,
+            ..plain
+        };
+        for prefill in PrefillKernel::ALL {
+            let a = launches(&p, plain, bf16, PrefillKernel::MmaSync).expect("shape");
+            let b = launches(&p, fp8, bf16, prefill).expect("shape");
+            assert_eq!(a.len(), b.len());
+            for (a, b) in a.iter().zip(&b) {
+                if a.entry.starts_with("attn_combine") {
+                    assert_eq!(a, b, "the combine reads f32 partials either way");
+                    continue;
+                }
+                assert_eq!(b.entry, format!("{}_kvfp8", a.entry));
+                assert_eq!((a.grid, a.block, a.smem), (b.grid, b.block, b.smem));
+                assert!(ENTRIES.iter().any(|e| e.name == b.entry), "{}", b.entry);
+                assert_eq!(&b.args[b.args.len() - 2..], [AttnArg::KScale, AttnArg::VScale]);
+                if b.smem > DEFAULT_SMEM_LIMIT {
+                    assert!(opt_in.contains(&(b.entry, b.smem)), "{}", b.entry);
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn a_lone_long_decode_is_split_and_combined() {
     let mut p = AttnPlan::new();
@@ -375,7 +418,7 @@ fn a_mixed_batch_covers_every_query_once() {
 
 #[test]
 fn the_kernel_follows_dtype_head_dim_and_rows() {
-    let entry = |d, bf16, rows| kernel(d, bf16, rows, PrefillKernel::MmaSync).entry;
+    let entry = |d, bf16, rows| kernel(&dims(8, 8, d, 1), bf16, rows, PrefillKernel::MmaSync).entry;
     assert_eq!(entry(128, false, 512), "attn_simt_f32");
     assert_eq!(entry(24, true, 512), "attn_simt_bf16");
     assert_eq!(entry(64, true, 16), "attn_decode_d64_bf16");
@@ -386,7 +429,7 @@ fn the_kernel_follows_dtype_head_dim_and_rows() {
     assert_eq!(entry(256, true, 4), "attn_mma_d256_bf16");
     // With Hopper's wgmma kernel: d = 128 tiles that fill one of its 128-row CTAs; f32,
     // decodes and other head dims as before.
-    let hopper = |d, bf16, rows| kernel(d, bf16, rows, PrefillKernel::Wgmma).entry;
+    let hopper = |d, bf16, rows| kernel(&dims(8, 8, d, 1), bf16, rows, PrefillKernel::Wgmma).entry;
     assert_eq!(hopper(128, true, 16), "attn_decode_d128_bf16");
     assert_eq!(hopper(128, true, 127), "attn_mma_d128_bf16");
     assert_eq!(hopper(128, true, 128), "attn_prefill_wgmma_d128_bf16");
@@ -395,7 +438,7 @@ fn the_kernel_follows_dtype_head_dim_and_rows() {
     assert_eq!(hopper(64, true, 512), "attn_mma_d64_bf16");
     assert_eq!(hopper(256, true, 512), "attn_mma_d256_bf16");
     assert_eq!(
-        kernel(128, true, 200, PrefillKernel::WgmmaPingPong).entry,
+        kernel(&dims(8, 8, 128, 1), true, 200, PrefillKernel::WgmmaPingPong).entry,
         "attn_prefill_wgmma_pp_d128_bf16"
     );
     // Shared memory as attention.cu's MmaShape lays it out (the kernels trap on less).
@@ -435,7 +478,9 @@ fn the_kernel_follows_dtype_head_dim_and_rows() {
         smem_opt_in().collect::<Vec<_>>(),
         [
             ("attn_decode_d128_bf16", 66048),
+            ("attn_decode_d128_bf16_kvfp8", 66048),
             ("attn_prefill_d128_bf16", 98816),
+            ("attn_prefill_d128_bf16_kvfp8", 98816),
             ("attn_prefill_wgmma_d128_bf16", 230448),
             ("attn_prefill_wgmma_pp_d128_bf16", 230448)
         ]

@@ -8,7 +8,7 @@ use rayon::prelude::*;
 
 use super::matmul::dot;
 use super::{CpuBackend, CpuStep, CpuTensor, min_rows};
-use crate::backend::{AttnShape, BackendError, KvLayer, Result, Rope, StepPlan};
+use crate::backend::{AttnShape, BackendError, KvLayer, Result, Rope, StepPlan, fp8};
 
 pub(super) fn paged_attention(
     q: &CpuTensor,
@@ -129,7 +129,8 @@ fn check_inputs(
 }
 
 /// Writes the step's keys and values (`kv_width` wide) into their paged rows (the step's slot
-/// mapping).
+/// mapping). An FP8 cache stores each value rounded through e4m3 at its scale (what a GPU's
+/// FP8 cache reads back).
 fn write_kv(
     k: &CpuTensor,
     v: &CpuTensor,
@@ -145,12 +146,23 @@ fn write_kv(
                 "KV row {slot} out of {rows} (block table too short or block id out of range)"
             )));
         }
-        cache.k.data[slot * kv_width..(slot + 1) * kv_width]
-            .copy_from_slice(&k.data[t * kv_width..(t + 1) * kv_width]);
-        cache.v.data[slot * kv_width..(slot + 1) * kv_width]
-            .copy_from_slice(&v.data[t * kv_width..(t + 1) * kv_width]);
+        let (dst, src) = (slot * kv_width..(slot + 1) * kv_width, t * kv_width..(t + 1) * kv_width);
+        cache.k.data[dst.clone()].copy_from_slice(&k.data[src.clone()]);
+        cache.v.data[dst.clone()].copy_from_slice(&v.data[src]);
+        if let Some(s) = cache.fp8 {
+            fp8_round(&mut cache.k.data[dst.clone()], s.k);
+            fp8_round(&mut cache.v.data[dst], s.v);
+        }
     }
     Ok(())
+}
+
+/// Each value replaced by the e4m3 code of `value / scale`, times `scale` (saturating at
+/// ±448 · scale).
+fn fp8_round(values: &mut [f32], scale: f32) {
+    for x in values {
+        *x = fp8::e4m3_to_f32(fp8::f32_to_e4m3(*x / scale)) * scale;
+    }
 }
 
 impl CpuBackend {

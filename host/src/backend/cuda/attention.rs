@@ -59,21 +59,24 @@ impl CudaBackend {
         self.check_attention(q, k, v, cache, shape, step)?;
         let n = step.dims.tokens;
         let kv_width = shape.kv_heads * shape.head_dim;
-        self.launch(
-            "kv_write",
-            q.dtype,
-            n as u32,
-            &[
-                Arg::Ptr(cache.k.ptr),
-                Arg::Ptr(cache.v.ptr),
-                Arg::Ptr(k.ptr),
-                Arg::Ptr(v.ptr),
-                Arg::Ptr(step.col(step.cols.slot_mapping)),
-                Arg::U32(n as u32),
-                Arg::U32(kv_width as u32),
-                Arg::U64(cache_rows(cache)),
-            ],
-        )?;
+        let mut args = vec![
+            Arg::Ptr(cache.k.ptr),
+            Arg::Ptr(cache.v.ptr),
+            Arg::Ptr(k.ptr),
+            Arg::Ptr(v.ptr),
+            Arg::Ptr(step.col(step.cols.slot_mapping)),
+            Arg::U32(n as u32),
+            Arg::U32(kv_width as u32),
+            Arg::U64(cache_rows(cache)),
+        ];
+        let name = match cache.fp8 {
+            Some(s) => {
+                args.extend([Arg::F32(s.k), Arg::F32(s.v)]);
+                "kv_write_fp8"
+            }
+            None => "kv_write",
+        };
+        self.launch(name, q.dtype, n as u32, &args)?;
         self.attend(q, cache, shape, step)
     }
 
@@ -97,28 +100,31 @@ impl CudaBackend {
         }
         let n = step.dims.tokens;
         let table = self.rope_table(rope)?;
-        self.launch(
-            "rope_kv_write",
-            q.dtype,
-            n as u32,
-            &[
-                Arg::Ptr(cache.k.ptr),
-                Arg::Ptr(cache.v.ptr),
-                Arg::Ptr(k.ptr),
-                Arg::Ptr(v.ptr),
-                Arg::Ptr(step.col(step.cols.slot_mapping)),
-                Arg::U32(n as u32),
-                Arg::U32(shape.kv_heads as u32),
-                Arg::U32(shape.head_dim as u32),
-                Arg::U32((rope.rotary_dim / 2) as u32),
-                Arg::Ptr(step.col(step.cols.positions)),
-                Arg::Ptr(table),
-                Arg::F32(rope.attention_scaling),
-                Arg::U64(cache_rows(cache)),
-                Arg::Ptr(q.ptr),
-                Arg::U32(shape.heads as u32),
-            ],
-        )?;
+        let mut args = vec![
+            Arg::Ptr(cache.k.ptr),
+            Arg::Ptr(cache.v.ptr),
+            Arg::Ptr(k.ptr),
+            Arg::Ptr(v.ptr),
+            Arg::Ptr(step.col(step.cols.slot_mapping)),
+            Arg::U32(n as u32),
+            Arg::U32(shape.kv_heads as u32),
+            Arg::U32(shape.head_dim as u32),
+            Arg::U32((rope.rotary_dim / 2) as u32),
+            Arg::Ptr(step.col(step.cols.positions)),
+            Arg::Ptr(table),
+            Arg::F32(rope.attention_scaling),
+            Arg::U64(cache_rows(cache)),
+            Arg::Ptr(q.ptr),
+            Arg::U32(shape.heads as u32),
+        ];
+        let name = match cache.fp8 {
+            Some(s) => {
+                args.extend([Arg::F32(s.k), Arg::F32(s.v)]);
+                "rope_kv_write_fp8"
+            }
+            None => "rope_kv_write",
+        };
+        self.launch(name, q.dtype, n as u32, &args)?;
         self.attend(&q, cache, shape, step)
     }
 
@@ -171,8 +177,20 @@ impl CudaBackend {
                 q.shape, k.shape, v.shape, cache.k.shape
             )));
         }
-        for t in [q, k, v, &cache.k, &cache.v] {
+        for t in [q, k, v] {
             self.check_dtype("attention", t)?;
+        }
+        for t in [&cache.k, &cache.v] {
+            match cache.fp8 {
+                None => self.check_dtype("attention cache", t)?,
+                Some(_) if t.dtype == DType::F8E4M3 => {}
+                Some(_) => {
+                    return Err(BackendError::Invalid(format!(
+                        "attention: an FP8 cache holds {:?} tensors",
+                        t.dtype
+                    )));
+                }
+            }
         }
         Ok(())
     }
@@ -198,7 +216,9 @@ impl CudaBackend {
             head_dim: head_dim as u32,
             block_size: step.dims.block_size as u32,
             num_seqs: step.dims.seqs as u32,
+            kv_fp8: cache.fp8.is_some(),
         };
+        let scales = cache.fp8.unwrap_or_default();
         let bf16 = q.dtype == DType::BF16;
         let attn_err =
             |e: chimera_kernels::attention::AttnError| BackendError::Invalid(e.to_string());
@@ -234,6 +254,8 @@ impl CudaBackend {
                         ),
                         AttnArg::U32(v) => Arg::U32(v),
                         AttnArg::F32Scale => Arg::F32(scale),
+                        AttnArg::KScale => Arg::F32(scales.k),
+                        AttnArg::VScale => Arg::F32(scales.v),
                     })
                 })
                 .collect::<Result<_>>()?;

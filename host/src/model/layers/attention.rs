@@ -1,7 +1,7 @@
 //! Multi-head attention with grouped KV heads, optional RoPE and a paged KV cache.
 
 use super::{Linear, Loader, StepCtx};
-use crate::backend::{AttnShape, LayerOps, Rope};
+use crate::backend::{AttnShape, KvScales, LayerOps, Rope};
 use crate::model::ModelError;
 
 pub struct Attention<B: LayerOps> {
@@ -14,6 +14,8 @@ pub struct Attention<B: LayerOps> {
     pub rope: Option<Rope>,
     /// Index of this layer among the model's attention layers (its KV cache).
     pub cache: usize,
+    /// The checkpoint's FP8 KV-cache scales, if it has them.
+    pub kv_scales: Option<KvScales>,
 }
 
 /// What an architecture file states about one attention layer.
@@ -50,6 +52,7 @@ impl<B: LayerOps> Attention<B> {
             },
             rope: s.rope,
             cache: s.cache,
+            kv_scales: l.kv_scales(prefix)?,
         })
     }
 

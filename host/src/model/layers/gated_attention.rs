@@ -7,7 +7,7 @@
 //! rows are regrouped once at load into `[q | gate]` so the step splits columns only.
 
 use super::{Linear, Loader, RmsNorm, StepCtx};
-use crate::backend::{AttnShape, HostTensor, LayerOps, Rope};
+use crate::backend::{AttnShape, HostTensor, KvScales, LayerOps, Rope};
 use crate::model::ModelError;
 
 pub struct GatedAttention<B: LayerOps> {
@@ -22,6 +22,8 @@ pub struct GatedAttention<B: LayerOps> {
     pub rope: Rope,
     /// Index of this layer among the model's attention layers (its KV cache).
     pub cache: usize,
+    /// The checkpoint's FP8 KV-cache scales, if it has them.
+    pub kv_scales: Option<KvScales>,
 }
 
 /// What an architecture file states about one gated attention layer.
@@ -78,6 +80,7 @@ impl<B: LayerOps> GatedAttention<B> {
             },
             rope: s.rope,
             cache: s.cache,
+            kv_scales: l.kv_scales(prefix)?,
         })
     }
 

@@ -14,7 +14,7 @@ pub mod rope;
 
 use super::ModelError;
 use super::weights::WeightStore;
-use crate::backend::{HostTensor, KvLayer, LayerOps, SsmPools};
+use crate::backend::{HostTensor, KvLayer, KvScales, LayerOps, SsmPools};
 
 pub use attention::Attention;
 pub use gated_attention::GatedAttention;
@@ -40,6 +40,30 @@ impl<B: LayerOps> Loader<'_, B> {
         } else {
             Ok(None)
         }
+    }
+
+    /// The FP8 KV-cache scales an attention module's checkpoint carries (`{prefix}.k_scale` and
+    /// `{prefix}.v_scale`, one value each, as vLLM reads them), or `None`. Used only when the
+    /// cache is FP8 (`cache.kv_dtype`); one without the other, or a scale that is not a
+    /// positive finite number, is an error naming the tensor.
+    pub fn kv_scales(&self, prefix: &str) -> Result<Option<KvScales>, ModelError> {
+        let (k, v) = (format!("{prefix}.k_scale"), format!("{prefix}.v_scale"));
+        if !self.store.has(&k) && !self.store.has(&v) {
+            return Ok(None);
+        }
+        let one = |name: &str| -> Result<f32, ModelError> {
+            let (values, _) = self.store.read_f32(name)?;
+            match values[..] {
+                [x] if x.is_finite() && x > 0.0 => Ok(x),
+                _ => Err(ModelError::Unsupported(format!(
+                    "{name}: an FP8 KV-cache scale must be one positive finite value, found {values:?}"
+                ))),
+            }
+        };
+        Ok(Some(KvScales {
+            k: one(&k)?,
+            v: one(&v)?,
+        }))
     }
 
     /// `{prefix}.weight` `[out, inp]` and, when `bias`, `{prefix}.bias` `[out]`. The weight is
@@ -247,6 +271,19 @@ impl<B: LayerOps> Mixer<B> {
 pub struct Sublayer<B: LayerOps> {
     pub norm: RmsNorm<B>,
     pub mixer: Mixer<B>,
+}
+
+impl<B: LayerOps> Mixer<B> {
+    /// Calls `f(cache, scales)` for each attention layer in this mixer with the checkpoint's
+    /// FP8 KV-cache scales.
+    pub fn each_kv_scales(&self, f: &mut impl FnMut(usize, KvScales)) {
+        match self {
+            Mixer::Attention(a) => a.kv_scales.into_iter().for_each(|s| f(a.cache, s)),
+            Mixer::GatedAttention(a) => a.kv_scales.into_iter().for_each(|s| f(a.cache, s)),
+            Mixer::Parallel(parts) => parts.iter().for_each(|m| m.each_kv_scales(f)),
+            Mixer::Mamba2(_) | Mixer::GatedDeltaNet(_) | Mixer::Mlp(_) | Mixer::Moe(_) => {}
+        }
+    }
 }
 
 impl<B: LayerOps> Sublayer<B> {
