@@ -9,13 +9,14 @@ use std::path::{Path, PathBuf};
 
 use chimera::backend::StepPlan;
 use chimera::backend::cpu::CpuBackend;
+use chimera::cache::KvCacheDtype;
 use chimera::cache::config::{ByteSize, CacheConfig, CacheLayout};
 use chimera::engine::api::{
     EngineEvent, FailureKind, FinishReason, GenerateRequest, MissReason, SamplingParams, Usage,
 };
 use chimera::engine::speculative::SpeculativeConfig;
 use chimera::engine::{Engine, EngineConfig, EngineSetup, ModelRunner, Policies};
-use chimera::model::{self, LogitsMode, Model};
+use chimera::model::{self, CacheDtypes, LogitsMode, Model};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 const MODELS: &[&str] = &[
@@ -63,6 +64,7 @@ struct Setup {
     max_batched_tokens: usize,
     budget: u64,
     speculative: SpeculativeConfig,
+    kv_dtype: KvCacheDtype,
 }
 
 impl Default for Setup {
@@ -73,6 +75,7 @@ impl Default for Setup {
             max_batched_tokens: 2048,
             budget: 64 << 20,
             speculative: SpeculativeConfig::default(),
+            kv_dtype: KvCacheDtype::Auto,
         }
     }
 }
@@ -89,6 +92,7 @@ fn engine(m: Model<CpuBackend>, s: &Setup) -> Engine<ModelRunner<CpuBackend>> {
             memory_budget: Some(ByteSize(s.budget)),
             block_size: 16,
             prefix_caching: s.prefix_caching,
+            kv_dtype: s.kv_dtype,
             ..CacheConfig::default()
         },
         hash_salt: "test".into(),
@@ -237,6 +241,111 @@ fn outputs_do_not_depend_on_batching_or_caching() {
             e.cache().check_invariants().expect("cache invariants");
         }
     }
+}
+
+/// Greedy tokens of `prompt` with K and V cached as FP8: the prompt in one step, then one
+/// token a step (the model-level reference for an engine with `cache.kv_dtype = "fp8_e4m3"`).
+fn fp8_kv_reference(m: &Model<CpuBackend>, prompt: &[u32], n: usize) -> Vec<u32> {
+    let b = CpuBackend::default();
+    let blocks = (prompt.len() + n).div_ceil(16);
+    let dtypes = CacheDtypes {
+        kv: KvCacheDtype::Fp8E4M3,
+        ..Default::default()
+    };
+    let mut caches = m.new_caches_with(&b, blocks, 16, 1, dtypes).unwrap();
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    let mut plan = StepPlan::new(16);
+    plan.slot_ops
+        .push(chimera::backend::SlotOp::Zero { slot: 0 });
+    plan.push(prompt, 0, &table, 0, true);
+    let mut logits = m
+        .forward_host(&b, &mut plan, &mut caches, LogitsMode::Last)
+        .unwrap();
+    let mut out = Vec::new();
+    for i in 0..n {
+        let next = model::argmax(&logits);
+        out.push(next);
+        plan.clear(16);
+        plan.push(&[next], prompt.len() + i, &table, 0, true);
+        logits = m
+            .forward_host(&b, &mut plan, &mut caches, LogitsMode::Last)
+            .unwrap();
+    }
+    out
+}
+
+/// `cache.kv_dtype = "fp8_e4m3"` on every fixture with attention layers: the engine's greedy
+/// output is the FP8-cache reference's whatever the batching, chunking, prefix caching or
+/// eviction (a cached block holds the same rounded values as a recomputed one), and the FP8
+/// cache is not a no-op (some fixture's output differs from the f32 cache's).
+#[test]
+fn an_fp8_kv_cache_gives_its_reference_output_under_batching_and_caching() {
+    let variants = [
+        ("default", Setup::default()),
+        (
+            "no prefix caching, token budget 40",
+            Setup {
+                prefix_caching: false,
+                max_batched_tokens: 40,
+                ..Setup::default()
+            },
+        ),
+        (
+            "eviction pressure",
+            Setup {
+                budget: 0,
+                max_batched_tokens: 40,
+                ..Setup::default()
+            },
+        ),
+    ];
+    let mut moved = 0;
+    for name in MODELS {
+        let m = load(name);
+        if m.info.cache.attn_layers == 0 {
+            continue;
+        }
+        let base = tokens(17, 70);
+        let prompts: Vec<Vec<u32>> = vec![
+            base.clone(),
+            tokens(18, 9),
+            [&base[..48], &tokens(19, 20)[..]].concat(),
+        ];
+        let want: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|p| fp8_kv_reference(&m, p, 12))
+            .collect();
+        moved += prompts
+            .iter()
+            .zip(&want)
+            .filter(|(p, w)| reference(&m, p, 12) != **w)
+            .count();
+        for (label, setup) in &variants {
+            let mut setup = Setup {
+                kv_dtype: KvCacheDtype::Fp8E4M3,
+                ..setup.clone()
+            };
+            if setup.budget == 0 {
+                setup.budget = tight_budget_with(&m, 9, KvCacheDtype::Fp8E4M3);
+            }
+            let mut e = engine(load(name), &setup);
+            let rxs = prompts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| submit(&mut e, i as u64, p, 12))
+                .collect();
+            let got = run_all(&mut e, rxs);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(&g.tokens, w, "{name} [{label}] request {i}");
+            }
+            assert_eq!(
+                e.cache().pool().available(),
+                e.cache().total_blocks(),
+                "{name} [{label}]"
+            );
+        }
+    }
+    assert!(moved > 0, "no fixture's output moved with an FP8 KV cache");
 }
 
 /// Prompt-lookup speculation on every fixture: the greedy output is the model-level reference
@@ -426,12 +535,23 @@ fn draft_model_speculation_keeps_the_greedy_output() {
 
 /// The smallest memory budget whose planned layout has exactly `blocks` KV blocks.
 fn tight_budget(m: &Model<CpuBackend>, blocks: usize) -> u64 {
-    let kv = m.info.cache.kv_block_bytes(16).max(1) as u64;
+    tight_budget_with(m, blocks, KvCacheDtype::Auto)
+}
+
+/// [`tight_budget`] with K and V stored as `kv_dtype`.
+fn tight_budget_with(m: &Model<CpuBackend>, blocks: usize, kv_dtype: KvCacheDtype) -> u64 {
+    let kv = m
+        .info
+        .cache
+        .with_kv_dtype(kv_dtype)
+        .kv_block_bytes(16)
+        .max(1) as u64;
     let mut budget = kv * blocks as u64;
     loop {
         let cfg = CacheConfig {
             memory_budget: Some(ByteSize(budget)),
             block_size: 16,
+            kv_dtype,
             ..CacheConfig::default()
         };
         if let Ok(l) = CacheLayout::plan(&cfg, &m.info.cache, 8) {

@@ -9,8 +9,8 @@ use chimera::app::LoadedModel;
 use chimera::backend::StepPlan;
 use chimera::backend::cpu::CpuBackend;
 use chimera::backend::fp8::Fp8Scales;
-use chimera::model::weights::WeightStore;
 use chimera::cache::KvCacheDtype;
+use chimera::model::weights::WeightStore;
 use chimera::model::{self, CacheDtypes, LoadOptions, LogitsMode, Model};
 
 fn fixture(name: &str) -> PathBuf {
@@ -257,6 +257,103 @@ fn online_fp8_keeps_smollm2_perplexity_within_three_percent() {
     assert!(agree >= 0.8, "greedy agreement {agree}");
 }
 
+/// A checkpoint's FP8 KV-cache scales (`self_attn.k_scale` / `v_scale`, as vLLM reads them)
+/// reach each attention layer's cache; a checkpoint with one of the pair, or a scale that is
+/// not one positive number, is refused naming the tensor; and the scales change what an FP8
+/// cache stores.
+#[test]
+fn checkpoint_kv_scales_reach_the_fp8_cache() {
+    fn write_scales(dir: &Path, tensors: &[(String, Vec<f32>)]) {
+        let bytes: Vec<(String, Vec<u8>, Vec<usize>)> = tensors
+            .iter()
+            .map(|(n, v)| {
+                let shape = if v.len() == 1 { vec![] } else { vec![v.len()] };
+                (
+                    n.clone(),
+                    v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                    shape,
+                )
+            })
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = bytes
+            .iter()
+            .map(|(n, b, s)| {
+                let view =
+                    safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                        .unwrap();
+                (n.clone(), view)
+            })
+            .collect();
+        std::fs::write(
+            dir.join("kv_scales.safetensors"),
+            safetensors::serialize(views, None).unwrap(),
+        )
+        .unwrap();
+    }
+    let name = |layer: usize, which: &str| format!("model.layers.{layer}.self_attn.{which}_scale");
+    let backend = CpuBackend::default();
+    let dir = temp_copy("llama-gqa", "kv-scales");
+    write_scales(
+        &dir,
+        &[
+            (name(0, "k"), vec![0.5]),
+            (name(0, "v"), vec![0.25]),
+            (name(1, "k"), vec![2.0]),
+            (name(1, "v"), vec![4.0]),
+        ],
+    );
+    let m = model::load(&dir, &backend).unwrap();
+    assert_eq!(
+        m.kv_scales(),
+        [
+            chimera::backend::KvScales { k: 0.5, v: 0.25 },
+            chimera::backend::KvScales { k: 2.0, v: 4.0 }
+        ]
+    );
+    let fp8 = CacheDtypes {
+        kv: KvCacheDtype::Fp8E4M3,
+        ..Default::default()
+    };
+    let caches = m.new_caches_with(&backend, 4, 16, 1, fp8).unwrap();
+    assert_eq!(
+        caches.kv[1].fp8,
+        Some(chimera::backend::KvScales { k: 2.0, v: 4.0 })
+    );
+    let plain = m.new_caches(&backend, 4, 16, 1).unwrap();
+    assert_eq!(
+        plain.kv[1].fp8, None,
+        "the scales are used only by an FP8 cache"
+    );
+    // Scales change the rounding grid: the logits move against scale 1.0.
+    let tokens: Vec<u32> = (5..45).collect();
+    let scaled = all_logits(&m, &tokens, KvCacheDtype::Fp8E4M3);
+    let unscaled = all_logits(
+        &model::load(&fixture("llama-gqa"), &backend).unwrap(),
+        &tokens,
+        KvCacheDtype::Fp8E4M3,
+    );
+    assert_ne!(scaled, unscaled);
+    // Half a pair, and a scale that is not one positive number.
+    write_scales(&dir, &[(name(0, "k"), vec![0.5])]);
+    let e = model::load(&dir, &backend).err().unwrap().to_string();
+    assert!(e.contains(&name(0, "v")), "{e}");
+    write_scales(
+        &dir,
+        &[(name(0, "k"), vec![0.5, 0.5]), (name(0, "v"), vec![1.0])],
+    );
+    let e = model::load(&dir, &backend).err().unwrap().to_string();
+    assert!(
+        e.contains(&name(0, "k")) && e.contains("one positive finite value"),
+        "{e}"
+    );
+    write_scales(
+        &dir,
+        &[(name(0, "k"), vec![0.0]), (name(0, "v"), vec![1.0])],
+    );
+    assert!(model::load(&dir, &backend).is_err());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// `cache.kv_dtype = "fp8_e4m3"` on the CPU oracle: every attention layer reads back K and V
 /// rounded through e4m3 at scale 1.0 (SmolLM2 ships no KV scales). On the same English text
 /// as above the perplexity moves by at most 2 % and most greedy choices stay; the numbers are
@@ -302,7 +399,10 @@ fn fp8_kv_cache_keeps_smollm2_perplexity_within_two_percent() {
     }
     assert!(ppl_plain.is_finite() && ppl_plain > 1.0, "{ppl_plain}");
     assert!(ppl_fp8 / ppl_plain <= 1.02, "fp8 {ppl_fp8} vs {ppl_plain}");
-    assert!(ppl_fp8 != ppl_plain, "the FP8 cache computed the same values");
+    assert!(
+        ppl_fp8 != ppl_plain,
+        "the FP8 cache computed the same values"
+    );
     assert!(agree >= 0.9, "greedy agreement {agree}");
 }
 
@@ -379,7 +479,11 @@ fn online_fp8_quantizes_delta_net_projections_but_not_their_gates() {
             diff <= 1e-5 * scale,
             "{name}: split vs joined {diff} of {scale}"
         );
-        assert_ne!(split, all_logits(&plain, &tokens, KvCacheDtype::Auto), "{name}");
+        assert_ne!(
+            split,
+            all_logits(&plain, &tokens, KvCacheDtype::Auto),
+            "{name}"
+        );
     }
 }
 

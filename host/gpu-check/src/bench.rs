@@ -122,7 +122,10 @@ fn attention_inputs(
     };
     let (q, k, v) = (up(q_w)?, up(kv_w)?, up(kv_w)?);
     let shape = [blocks, BLOCK, attn.kv_heads, attn.head_dim];
-    let cache = KvLayer::plain(gpu.zeros(&shape, gpu.dtype())?, gpu.zeros(&shape, gpu.dtype())?);
+    let cache = KvLayer::plain(
+        gpu.zeros(&shape, gpu.dtype())?,
+        gpu.zeros(&shape, gpu.dtype())?,
+    );
     Ok((q, k, v, cache))
 }
 

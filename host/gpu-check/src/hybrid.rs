@@ -180,7 +180,12 @@ pub fn run(
         let label = format!(
             "nemotronh-a {tag}: bf16 vs f32 SSM state, 2048-token prompt + 256 decodes (reported)"
         );
-        if let Err(e) = state_drift(report, &dir, gpu, &label) {
+        let f32_state = chimera::model::CacheDtypes::default();
+        let bf16_state = chimera::model::CacheDtypes {
+            ssm_state: chimera::cache::SsmStateDtype::Bfloat16,
+            ..f32_state
+        };
+        if let Err(e) = drift(report, SUITE, &dir, gpu, &label, f32_state, bf16_state) {
             report.failed(SUITE, label, format!("{e:#}"));
         }
     }
@@ -200,7 +205,7 @@ pub fn run(
 }
 
 /// A prompt prefilled in 512-token chunks, then `decodes` greedy steps (or, with `forced`,
-/// those tokens fed instead of the argmax), with the SSM state stored as `state`. Returns the
+/// those tokens fed instead of the argmax), with the caches stored as `dtypes`. Returns the
 /// argmax of every step's logits and the logits.
 fn decode_run(
     m: &chimera::model::Model<CudaBackend>,
@@ -208,15 +213,11 @@ fn decode_run(
     prompt: &[u32],
     decodes: usize,
     forced: Option<&[u32]>,
-    state: chimera::cache::SsmStateDtype,
+    dtypes: chimera::model::CacheDtypes,
 ) -> R<(Vec<u32>, Vec<Vec<f32>>)> {
     use chimera::model::LogitsMode;
     const BLOCK: usize = 16;
     let blocks = (prompt.len() + decodes).div_ceil(BLOCK);
-    let dtypes = chimera::model::CacheDtypes {
-        ssm_state: state,
-        ..Default::default()
-    };
     let mut caches = m.new_caches_with(b, blocks, BLOCK, 1, dtypes)?;
     let table: Vec<u32> = (0..blocks as u32).collect();
     let mut plan = StepPlan::new(BLOCK);
@@ -245,23 +246,26 @@ fn decode_run(
     Ok((picks, all))
 }
 
-/// The drift report of the opt-in bf16 state: the f32-state run's greedy tokens are fed to a
-/// bf16-state run (teacher forcing), and every step's logits compared; a free-running bf16-state
-/// run says how long its greedy output stays identical.
-fn state_drift(
+/// The drift report of an opt-in narrower cache (the bf16 SSM state, the FP8 KV cache): the
+/// `base` run's greedy tokens are fed to an `other` run (teacher forcing), and every step's
+/// logits compared; a free-running `other` run says how long its greedy output stays
+/// identical. 2048 random prompt tokens, 256 decodes.
+pub(super) fn drift(
     report: &mut Report,
+    suite: &str,
     dir: &std::path::Path,
     gpu: &CudaBackend,
     label: &str,
+    base: chimera::model::CacheDtypes,
+    other: chimera::model::CacheDtypes,
 ) -> R<()> {
-    use chimera::cache::SsmStateDtype::{Bfloat16, Float32};
     let m = chimera::model::load(dir, gpu)?;
     let mut rng = Rng::new(0x4452_4946);
     let vocab = m.info.vocab_size;
     let prompt: Vec<u32> = (0..2048).map(|_| 5 + rng.below(vocab - 5) as u32).collect();
-    let (want, ref_logits) = decode_run(&m, gpu, &prompt, 256, None, Float32)?;
-    let (picks, logits) = decode_run(&m, gpu, &prompt, 256, Some(&want), Bfloat16)?;
-    let (free, _) = decode_run(&m, gpu, &prompt, 256, None, Bfloat16)?;
+    let (want, ref_logits) = decode_run(&m, gpu, &prompt, 256, None, base)?;
+    let (picks, logits) = decode_run(&m, gpu, &prompt, 256, Some(&want), other)?;
+    let (free, _) = decode_run(&m, gpu, &prompt, 256, None, other)?;
     // Per step: max |Δlogit| over the step's largest reference logit.
     let mut steps: Vec<f64> = logits
         .iter()
@@ -282,7 +286,7 @@ fn state_drift(
     let agree = picks.iter().zip(&want).filter(|(a, b)| a == b).count();
     let same_prefix = free.iter().zip(&want).take_while(|(a, b)| a == b).count();
     report.push(
-        SUITE,
+        suite,
         label.to_string(),
         worst,
         format!(

@@ -34,7 +34,11 @@ type Caches = (
     KvLayer<<CudaBackend as Backend>::Tensor>,
 );
 /// A head shape `(heads, kv_heads, head_dim)`, chunks `(context, new tokens)`, RoPE or not.
-type Case<'a> = ((usize, usize, usize), &'a [(usize, usize)], Option<&'a Rope>);
+type Case<'a> = (
+    (usize, usize, usize),
+    &'a [(usize, usize)],
+    Option<&'a Rope>,
+);
 
 pub fn checks(
     report: &mut Report,
@@ -60,7 +64,11 @@ pub fn checks(
         let cases: [Case<'_>; 6] = [
             ((32, 8, 128), &[(1327, 1), (200, 1), (36, 1), (0, 1)], None),
             ((32, 8, 128), &[(463, 129), (0, 700), (61, 7)], None),
-            ((32, 8, 128), &[(1327, 1), (0, 131), (463, 129)], Some(&rope)),
+            (
+                (32, 8, 128),
+                &[(1327, 1), (0, 131), (463, 129)],
+                Some(&rope),
+            ),
             ((8, 2, 64), &[(9000, 1), (17, 33), (0, 300)], None),
             ((16, 4, 256), &[(300, 1), (40, 20)], None),
             ((6, 2, 40), &[(129, 1), (5, 18)], None),
@@ -72,7 +80,26 @@ pub fn checks(
     for name in ["llama-gqa", "nemotronh-a", "qwen35-a"] {
         let dir = args.fixtures.join(name);
         if let Err(e) = fixture(report, f32_gpu, bf16_gpu, &dir, name) {
-            report.failed(SUITE, format!("{name} with an FP8 KV cache"), format!("{e:#}"));
+            report.failed(
+                SUITE,
+                format!("{name} with an FP8 KV cache"),
+                format!("{e:#}"),
+            );
+        }
+    }
+    // The drift report, as the bf16 SSM state's (`hybrid`): FP8 against a bf16 cache.
+    for name in ["llama-gqa", "nemotronh-a"] {
+        let label = format!(
+            "bf16 {name}: FP8 vs bf16 KV cache, 2048-token prompt + 256 decodes (reported)"
+        );
+        let plain = CacheDtypes::default();
+        let fp8 = CacheDtypes {
+            kv: KvCacheDtype::Fp8E4M3,
+            ..plain
+        };
+        let dir = args.fixtures.join(name);
+        if let Err(e) = super::hybrid::drift(report, SUITE, &dir, bf16_gpu, &label, plain, fp8) {
+            report.failed(SUITE, label, format!("{e:#}"));
         }
     }
 }
@@ -95,12 +122,7 @@ fn rand(rng: &mut Rng, gpu: &CudaBackend, n: usize) -> Vec<f32> {
 }
 
 /// Empty FP8 caches of `rows` rows on both backends (the CPU's: f32 storage, rounded writes).
-fn fp8_caches(
-    cpu: &CpuBackend,
-    gpu: &CudaBackend,
-    shape: &[usize],
-    scales: KvScales,
-) -> R<Caches> {
+fn fp8_caches(cpu: &CpuBackend, gpu: &CudaBackend, shape: &[usize], scales: KvScales) -> R<Caches> {
     let c = KvLayer {
         k: cpu.zeros(shape, DType::F32)?,
         v: cpu.zeros(shape, DType::F32)?,
@@ -278,7 +300,8 @@ fn run_prompts<B: StepBackend>(
         for c in p.chunks(chunk) {
             plan.clear(BLOCK);
             if done == 0 {
-                plan.slot_ops.push(chimera::backend::SlotOp::Zero { slot: 0 });
+                plan.slot_ops
+                    .push(chimera::backend::SlotOp::Zero { slot: 0 });
             }
             plan.push(c, done, &table, 0, done + c.len() == p.len());
             logits = m.forward_host(b, &mut plan, &mut caches, LogitsMode::Last)?;
@@ -320,7 +343,11 @@ fn fixture(
             .zip(&g)
             .map(|(c, g)| max_rel(g, c))
             .fold(0.0f64, f64::max);
-        let how = if chunk == 7 { "in chunks of 7" } else { "one-shot" };
+        let how = if chunk == 7 {
+            "in chunks of 7"
+        } else {
+            "one-shot"
+        };
         report.err(
             SUITE,
             format!(
@@ -371,12 +398,8 @@ fn bench_inner(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) -> R
     const BATCH: usize = 64;
     const CONTEXT: usize = 2048;
     const STEPS: usize = 100;
-    let m: Model<CudaBackend> = model::load_dummy_with(
-        &args.bench_model,
-        gpu,
-        0,
-        model::LoadOptions::default(),
-    )?;
+    let m: Model<CudaBackend> =
+        model::load_dummy_with(&args.bench_model, gpu, 0, model::LoadOptions::default())?;
     let name = m.info.architecture.clone();
     let per_seq = (2 * CONTEXT).div_ceil(BLOCK) + 1;
     let mut decode_ms = [0.0f64; 2];
@@ -406,7 +429,12 @@ fn bench_inner(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) -> R
         super::bench::plain_sampling(&mut plan, BATCH);
         let mut gstep = gpu.new_step(BATCH)?;
         anyhow::ensure!(
-            gpu.upload_graph_step(&plan, &mut gstep, GraphBucket::Decode { seqs: BATCH }, per_seq)?,
+            gpu.upload_graph_step(
+                &plan,
+                &mut gstep,
+                GraphBucket::Decode { seqs: BATCH },
+                per_seq
+            )?,
             "the decode step does not fit a graph step"
         );
         drop(m.forward(gpu, &gstep, &mut caches)?);
@@ -445,7 +473,12 @@ fn bench_inner(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) -> R
         BENCH,
         format!("{name}: KV cache bytes per token, FP8 vs bf16 (device memory allocated)"),
         bytes[1] / bytes[0],
-        format!("{:.0} vs {:.0} B ({:.3}×)", bytes[1], bytes[0], bytes[1] / bytes[0]),
+        format!(
+            "{:.0} vs {:.0} B ({:.3}×)",
+            bytes[1],
+            bytes[0],
+            bytes[1] / bytes[0]
+        ),
         "≤ 0.51×".into(),
         bytes[1] / bytes[0] <= 0.51,
     );
@@ -467,7 +500,10 @@ fn bench_inner(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) -> R
             BENCH,
             format!("{name} prefill 2048 tokens {what}: FP8 vs bf16 KV cache"),
             r,
-            format!("{:.2} vs {:.2} ms ({r:.3}×)", prefill_ms[j][1], prefill_ms[j][0]),
+            format!(
+                "{:.2} vs {:.2} ms ({r:.3}×)",
+                prefill_ms[j][1], prefill_ms[j][0]
+            ),
             "≤ 1.05×".into(),
             r <= 1.05,
         );

@@ -233,7 +233,11 @@ mod tests {
         assert_eq!(bf16.kv_block_bytes(16), 1024);
         assert_eq!(s.with_kv_dtype(KvCacheDtype::Auto).kv_block_bytes(16), 1024);
         let fp8 = s.with_kv_dtype(KvCacheDtype::Fp8E4M3);
-        assert_eq!(fp8.kv_block_bytes(16), 512, "one byte an element: half of bf16");
+        assert_eq!(
+            fp8.kv_block_bytes(16),
+            512,
+            "one byte an element: half of bf16"
+        );
         assert_eq!(fp8.ssm_slot_bytes(), 336);
         assert!(!s.is_attention_free());
         let mamba = CacheSpec {

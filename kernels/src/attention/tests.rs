@@ -297,11 +297,11 @@ fn a_prefill_is_tiled_long_tiles_first_and_not_split() {
 #[test]
 fn an_fp8_cache_runs_each_kernels_fp8_twin() {
     let cases: [(&[u32], &[u32], u32, bool); 5] = [
-        (&[8192], &[0], 128, true),       // prefill tiles
+        (&[8192], &[0], 128, true),         // prefill tiles
         (&[1; 64], &[2048; 64], 128, true), // decodes
-        (&[1], &[39_999], 64, true),      // a split decode
-        (&[40, 1], &[100, 7], 256, true), // small chunks, d = 256
-        (&[5, 1], &[3, 9], 128, false),   // f32: SIMT
+        (&[1], &[39_999], 64, true),        // a split decode
+        (&[40, 1], &[100, 7], 256, true),   // small chunks, d = 256
+        (&[5, 1], &[3, 9], 128, false),     // f32: SIMT
     ];
     let opt_in: Vec<(&str, u32)> = smem_opt_in().collect();
     for (q, ctx, head_dim, bf16) in cases {
@@ -324,7 +324,10 @@ fn an_fp8_cache_runs_each_kernels_fp8_twin() {
                 assert_eq!(b.entry, format!("{}_kvfp8", a.entry));
                 assert_eq!((a.grid, a.block, a.smem), (b.grid, b.block, b.smem));
                 assert!(ENTRIES.iter().any(|e| e.name == b.entry), "{}", b.entry);
-                assert_eq!(&b.args[b.args.len() - 2..], [AttnArg::KScale, AttnArg::VScale]);
+                assert_eq!(
+                    &b.args[b.args.len() - 2..],
+                    [AttnArg::KScale, AttnArg::VScale]
+                );
                 if b.smem > DEFAULT_SMEM_LIMIT {
                     assert!(opt_in.contains(&(b.entry, b.smem)), "{}", b.entry);
                 }

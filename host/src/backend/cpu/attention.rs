@@ -146,7 +146,10 @@ fn write_kv(
                 "KV row {slot} out of {rows} (block table too short or block id out of range)"
             )));
         }
-        let (dst, src) = (slot * kv_width..(slot + 1) * kv_width, t * kv_width..(t + 1) * kv_width);
+        let (dst, src) = (
+            slot * kv_width..(slot + 1) * kv_width,
+            t * kv_width..(t + 1) * kv_width,
+        );
         cache.k.data[dst.clone()].copy_from_slice(&k.data[src.clone()]);
         cache.v.data[dst.clone()].copy_from_slice(&v.data[src]);
         if let Some(s) = cache.fp8 {
