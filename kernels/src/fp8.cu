@@ -195,6 +195,117 @@ __device__ void fp8_gemv(const T* __restrict__ x, u32 n, u32 k, const u8* __rest
     }
 }
 
+// The same product with one warp per group of R output features (R / 2 gate and R / 2 up
+// rows when gated) instead of a block: each lane streams the 16-byte chunks lane · 16 +
+// j · 512 of the warp's rows, U chunks a row in flight and the next U loaded while the
+// current are multiplied, and the warp's sums reduce by shuffles alone (no shared memory, no
+// barrier). A block's warps are independent, so a grid of m / (FP8_WARPS · R) blocks has no
+// partial last wave of whole-block work: the per-block kernel above, with few chunks a row
+// (k = 4096: one a thread), spends its time in a second wave of short blocks. The weights
+// of the first chunks are read before waiting on the previous kernel (they are written only
+// at load, which synchronises); x after it.
+template <typename T, int N, int R, int U>
+__device__ void fp8_gemv_warp(const T* __restrict__ x, u32 n, u32 k, const u8* __restrict__ w,
+                              const float* __restrict__ scales, u32 b0, u32 b1,
+                              const T* __restrict__ bias, T* __restrict__ y, u32 m,
+                              const u8* __restrict__ w2, const float* __restrict__ scales2,
+                              const T* __restrict__ bias2, u32 act) {
+    const u32 lane = threadIdx.x & 31;
+    const bool gated = w2 != nullptr;
+    const u32 per_warp = gated ? R / 2 : R;
+    const u32 feat0 = (blockIdx.x * FP8_WARPS + (threadIdx.x >> 5)) * per_warp;
+    if (feat0 >= m) return;  // warp-uniform; the host launches whole groups
+    const u32 bc = b0 ? (k + b1 - 1) / b1 : 0;
+    const u8* wr[R];
+    const float* sr[R];
+    u32 rr[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const bool second = gated && r >= R / 2;
+        rr[r] = feat0 + (second ? r - R / 2 : r);
+        wr[r] = (second ? w2 : w) + (u64)rr[r] * k;
+        sr[r] = second ? scales2 : scales;
+    }
+    constexpr u32 STRIDE = 32 * 16;
+    const u32 iters = (k + STRIDE * U - 1) / (STRIDE * U);
+    auto fetch = [&](u32 it, uint4 (&wv)[U][R]) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const u32 c = (it * U + u) * STRIDE + lane * 16;
+#pragma unroll
+            for (int r = 0; r < R; ++r) wv[u][r] = c < k ? ld16_nc(wr[r] + c) : make_uint4(0, 0, 0, 0);
+        }
+    };
+    float acc[N][R];
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[i][r] = 0.0f;
+    uint4 cur[U][R], next[U][R];
+    fetch(0, cur);
+    CHIMERA_PDL_WAIT();
+    for (u32 it = 0; it < iters; ++it) {
+        if (it + 1 < iters) fetch(it + 1, next);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const u32 c = (it * U + u) * STRIDE + lane * 16;
+            if (c >= k) break;
+            float s[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) s[r] = b0 ? sr[r][(rr[r] / b0) * bc + c / b1] : 1.0f;
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                if (i >= (int)n) break;
+                float xv[16];
+                load_x16(x + (u64)i * k + c, xv);
+#pragma unroll
+                for (int r = 0; r < R; ++r) acc[i][r] = fmaf(s[r], dot16(cur[u][r], xv), acc[i][r]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int r = 0; r < R; ++r) cur[u][r] = next[u][r];
+    }
+    CHIMERA_PDL_LAUNCH_DEPENDENTS();
+    float v[N][R];
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            v[i][r] = warp_sum(acc[i][r]) * FP8_UNBIAS;
+            if (!b0) v[i][r] *= sr[r][rr[r]];
+            const T* b = gated && r >= R / 2 ? bias2 : bias;
+            if (b) v[i][r] += load(b, rr[r]);
+        }
+    if (lane != 0) return;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        if (i >= (int)n) break;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if (r >= (int)per_warp) break;
+            float out = v[i][r];
+            if (gated) {
+                T g, u;
+                store(&g, 0, out);
+                store(&u, 0, v[i][r + R / 2]);
+                out = apply_act(load(&g, 0), act) * load(&u, 0);
+            }
+            store(y, (u64)i * m + feat0 + r, out);
+        }
+    }
+}
+
+#define FP8_GEMV_WARP(NAME, T, N, R, U)                                                           \
+    extern "C" __global__ void __launch_bounds__(FP8_WARPS * 32)                                  \
+        NAME(const T* x, u32 n, u32 k, const u8* w, const float* scales, u32 b0, u32 b1,          \
+             const T* bias, T* y, u32 m, const u8* w2, const float* scales2, const T* bias2,      \
+             u32 act) {                                                                           \
+        fp8_gemv_warp<T, N, R, U>(x, n, k, w, scales, b0, b1, bias, y, m, w2, scales2, bias2,     \
+                                  act);                                                           \
+    }
+
 #define FP8_GEMV(NAME, T, N, ROWS, U)                                                             \
     extern "C" __global__ void __launch_bounds__(FP8_WARPS * 32)                                  \
         NAME(const T* x, u32 n, u32 k, const u8* w, const float* scales, u32 b0, u32 b1,          \
@@ -212,3 +323,7 @@ FP8_GEMV(fp8_gemv_bf16_n1_r8u1, bf16, 1, 8, 1)
 FP8_GEMV(fp8_gemv_bf16_n1_r8u2, bf16, 1, 8, 2)
 FP8_GEMV(fp8_gemv_bf16_n1_r16u1, bf16, 1, 16, 1)
 FP8_GEMV(fp8_gemv_bf16_n1_r2u4, bf16, 1, 2, 4)
+// A warp a group of features (fp8_gemv_warp): R features a warp, U chunks a row in flight.
+FP8_GEMV_WARP(fp8_gemv_bf16_n1_w2u4, bf16, 1, 2, 4)
+FP8_GEMV_WARP(fp8_gemv_bf16_n1_w4u2, bf16, 1, 4, 2)
+FP8_GEMV_WARP(fp8_gemv_bf16_n1_w2u2, bf16, 1, 2, 2)

@@ -466,6 +466,9 @@ pub mod fp8 {
         e("fp8_gemv_bf16_n1_r8u2", GEMV),
         e("fp8_gemv_bf16_n1_r16u1", GEMV),
         e("fp8_gemv_bf16_n1_r2u4", GEMV),
+        e("fp8_gemv_bf16_n1_w2u4", GEMV),
+        e("fp8_gemv_bf16_n1_w4u2", GEMV),
+        e("fp8_gemv_bf16_n1_w2u2", GEMV),
     ];
 
     /// The one-row bf16 GEMV's variants, (entry, output features a block): the first is the
@@ -476,6 +479,10 @@ pub mod fp8 {
         ("fp8_gemv_bf16_n1_r8u2", 8),
         ("fp8_gemv_bf16_n1_r16u1", 16),
         ("fp8_gemv_bf16_n1_r2u4", 2),
+        // A warp per group of features: WARPS warps × R features a block.
+        ("fp8_gemv_bf16_n1_w2u4", WARPS as usize * 2),
+        ("fp8_gemv_bf16_n1_w4u2", WARPS as usize * 4),
+        ("fp8_gemv_bf16_n1_w2u2", WARPS as usize * 2),
     ];
 }
 

@@ -190,6 +190,50 @@ pub fn checks(
             }
         }
     }
+    // Every other variant of the one-row bf16 GEMV (bench-fp8 times them) on plain and gated
+    // products, row and block scales, against the CPU.
+    for (v, (entry, _)) in k8::GEMV_N1_BF16.iter().enumerate().skip(1) {
+        bf16_gpu.set_fp8_gemv_variant(v);
+        for block in [None, Some(128)] {
+            let (m, k) = (1024usize, 4096usize);
+            let (w, up) = (
+                random_weight(&mut rng, m, k, block),
+                random_weight(&mut rng, m, k, block),
+            );
+            let x = rng.vec(k, 1.0);
+            let scheme = if block.is_some() { "blocks" } else { "rows" };
+            let check = format!("bf16 FP8 GEMV {entry}: 1×{k}·{m}ᵀ and silu(gate)·up, {scheme}");
+            let run = || -> anyhow::Result<f64> {
+                let xc = cpu.upload(HostTensor::f32(&x, &[1, k]))?;
+                let xg = bf16_gpu.upload(HostTensor::f32(&x, &[1, k]))?;
+                let (wc, uc) = (cpu.upload_fp8(w.clone())?, cpu.upload_fp8(up.clone())?);
+                let (wg, ug) = (
+                    bf16_gpu.upload_fp8(w.clone())?,
+                    bf16_gpu.upload_fp8(up.clone())?,
+                );
+                let plain = max_rel(
+                    &bf16_gpu.download(&bf16_gpu.linear(&xg, &wg, None)?)?,
+                    &cpu.download(&cpu.linear(&xc, &wc, None)?)?,
+                );
+                let act = Activation::Silu;
+                let gated = max_rel(
+                    &bf16_gpu.download(&bf16_gpu.gated_linear(
+                        &xg,
+                        (&wg, None),
+                        (&ug, None),
+                        act,
+                    )?)?,
+                    &cpu.download(&cpu.gated_linear(&xc, (&wc, None), (&uc, None), act)?)?,
+                );
+                Ok(plain.max(gated))
+            };
+            match run() {
+                Ok(e) => report.err(SUITE, check, e, 4e-2),
+                Err(e) => report.failed(SUITE, check, format!("{e:#}")),
+            }
+        }
+    }
+    bf16_gpu.set_fp8_gemv_variant(0);
     // Online quantization on the device makes the host's codes and scales (f32 weights: the
     // same division and rounding).
     let (m, k) = (512usize, 1024usize);
