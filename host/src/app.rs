@@ -605,6 +605,7 @@ pub fn size_cache(
         budget = %cache.memory_budget.map_or_else(String::new, |b| b.to_string()),
         kv_tokens = holds,
         kv_blocks = layout.num_blocks,
+        kv_dtype = %cache.kv_dtype,
         ssm_slots = layout.ssm_slots(),
         max_model_len = max_len,
         "cache sized from {source}"
