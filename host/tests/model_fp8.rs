@@ -194,6 +194,25 @@ fn nll(
     (total, count, argmax)
 }
 
+/// The fixed English text (`tests/fixtures/text/english.txt`, about 2,800 tokens) as `loaded`
+/// tokenizes it.
+fn english_tokens(loaded: &LoadedModel) -> Vec<u32> {
+    let text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/text/english.txt"),
+    )
+    .unwrap();
+    loaded.codec.encode(&text, false).unwrap()
+}
+
+/// The perplexities of two [`nll`] runs over the same predictions, and the share of positions
+/// where their argmax agree.
+fn compare_runs(a: &(f64, usize, Vec<u32>), b: &(f64, usize, Vec<u32>)) -> (f64, f64, f64) {
+    assert_eq!(a.1, b.1, "the runs made different numbers of predictions");
+    let agree = a.2.iter().zip(&b.2).filter(|(x, y)| x == y).count() as f64 / a.2.len() as f64;
+    let n = a.1 as f64;
+    ((a.0 / n).exp(), (b.0 / n).exp(), agree)
+}
+
 /// The accuracy target for online quantization: SmolLM2-135M-Instruct with its
 /// projections quantized to FP8 at load (one scale per output row) has a perplexity within 3 %
 /// of the unquantized model's (the GGUF's weights dequantized to f32, at least as accurate as
@@ -207,31 +226,20 @@ fn online_fp8_keeps_smollm2_perplexity_within_three_percent() {
         return;
     };
     let loaded = LoadedModel::open(path.to_str().unwrap(), "main").unwrap();
-    let text = std::fs::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/text/english.txt"),
-    )
-    .unwrap();
-    let tokens = loaded.codec.encode(&text, false).unwrap();
+    let tokens = english_tokens(&loaded);
     assert!(tokens.len() > 2000, "{} tokens", tokens.len());
     let windows: Vec<&[u32]> = tokens.chunks(512).filter(|w| w.len() > 1).collect();
     let backend = CpuBackend::default();
     let plain = loaded.model(&backend, false).unwrap();
     let vocab = plain.info.vocab_size;
-    let (nll_plain, n, greedy_plain) = nll(&plain, &windows, vocab, KvCacheDtype::Auto);
+    let run_plain = nll(&plain, &windows, vocab, KvCacheDtype::Auto);
     drop(plain);
     let fp8 = loaded
         .model_with(&backend, false, LoadOptions { fp8: true })
         .unwrap();
-    let (nll_fp8, n8, greedy_fp8) = nll(&fp8, &windows, vocab, KvCacheDtype::Auto);
-    assert_eq!(n, n8);
-    let ppl_plain = (nll_plain / n as f64).exp();
-    let ppl_fp8 = (nll_fp8 / n as f64).exp();
-    let agree = greedy_plain
-        .iter()
-        .zip(&greedy_fp8)
-        .filter(|(a, b)| a == b)
-        .count() as f64
-        / greedy_plain.len() as f64;
+    let run_fp8 = nll(&fp8, &windows, vocab, KvCacheDtype::Auto);
+    let (ppl_plain, ppl_fp8, agree) = compare_runs(&run_plain, &run_fp8);
+    let n = run_plain.1;
     {
         use std::io::Write;
         let _ = writeln!(
@@ -366,27 +374,17 @@ fn fp8_kv_cache_keeps_smollm2_perplexity_within_two_percent() {
         return;
     };
     let loaded = LoadedModel::open(path.to_str().unwrap(), "main").unwrap();
-    let text = std::fs::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/text/english.txt"),
-    )
-    .unwrap();
-    let tokens = loaded.codec.encode(&text, false).unwrap();
+    let tokens = english_tokens(&loaded);
     let windows: Vec<&[u32]> = tokens.chunks(512).filter(|w| w.len() > 1).collect();
     let backend = CpuBackend::default();
     let m = loaded.model(&backend, false).unwrap();
     let vocab = m.info.vocab_size;
     assert!(m.kv_scales().iter().all(|s| *s == Default::default()));
-    let (nll_plain, n, greedy_plain) = nll(&m, &windows, vocab, KvCacheDtype::Auto);
-    let (nll_fp8, n8, greedy_fp8) = nll(&m, &windows, vocab, KvCacheDtype::Fp8E4M3);
-    assert_eq!(n, n8);
-    let ppl_plain = (nll_plain / n as f64).exp();
-    let ppl_fp8 = (nll_fp8 / n as f64).exp();
-    let agree = greedy_plain
-        .iter()
-        .zip(&greedy_fp8)
-        .filter(|(a, b)| a == b)
-        .count() as f64
-        / greedy_plain.len() as f64;
+    let (ppl_plain, ppl_fp8, agree) = compare_runs(
+        &nll(&m, &windows, vocab, KvCacheDtype::Auto),
+        &nll(&m, &windows, vocab, KvCacheDtype::Fp8E4M3),
+    );
+    let n = windows.iter().map(|w| w.len() - 1).sum::<usize>();
     {
         use std::io::Write;
         let _ = writeln!(

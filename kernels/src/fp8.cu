@@ -90,6 +90,46 @@ __device__ __forceinline__ float dot16(const uint4& w, const float* x) {
     return acc;
 }
 
+// The R weight rows a GEMV block or warp reads, from output feature feat0 on: each row's codes,
+// its scales and its row within its own matrix (gated: the first R / 2 rows are the gate's,
+// the rest the up projection's rows of the same features).
+template <int R>
+struct GemvRows {
+    const u8* w[R];
+    const float* s[R];
+    u32 row[R];
+
+    __device__ __forceinline__ GemvRows(const u8* w1, const float* s1, const u8* w2, const float* s2,
+                                        u32 feat0, u32 k) {
+        const bool gated = w2 != nullptr;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const bool second = gated && r >= R / 2;
+            row[r] = feat0 + (second ? r - R / 2 : r);
+            w[r] = (second ? w2 : w1) + (u64)row[r] * k;
+            s[r] = second ? s2 : s1;
+        }
+    }
+};
+
+// acc[i][r] += (chunk c of row r, 16 codes) · x[i, c .. c + 16] for the n ≤ N input rows, with
+// the chunk's block scale (b0 > 0; bc blocks a row) or none (row scales come at the end).
+template <typename T, int N, int R>
+__device__ __forceinline__ void gemv_chunk(float (&acc)[N][R], const uint4 (&wv)[R], const GemvRows<R>& rows,
+                                           const T* x, u32 n, u32 k, u32 c, u32 b0, u32 b1, u32 bc) {
+    float s[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) s[r] = b0 ? rows.s[r][(rows.row[r] / b0) * bc + c / b1] : 1.0f;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        if (i >= (int)n) break;
+        float xv[16];
+        load_x16(x + (u64)i * k + c, xv);
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[i][r] = fmaf(s[r], dot16(wv[r], xv), acc[i][r]);
+    }
+}
+
 // y[n, m] = x[n, k] · (codes · scales)[m, k]ᵀ (+ bias[m]) for n ≤ N rows. A block of FP8_WARPS
 // warps owns ROWS output features; lane l of warp w reads the 16-byte chunks at
 // (j · FP8_WARPS + w) · 32 + l of each row, U chunks per row in flight, and multiplies them
@@ -117,17 +157,7 @@ __device__ void fp8_gemv(const T* __restrict__ x, u32 n, u32 k, const u8* __rest
     const u32 stride = FP8_WARPS * 32 * 16;
     const u32 first = (warp * 32 + lane) * 16;
     const u32 bc = b0 ? (k + b1 - 1) / b1 : 0;
-    // Each of the block's rows: its codes, its scales and its row within its own matrix.
-    const u8* wr[ROWS];
-    const float* sr[ROWS];
-    u32 rr[ROWS];
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        const bool second = gated && r >= ROWS / 2;
-        rr[r] = feat0 + (second ? r - ROWS / 2 : r);
-        wr[r] = (second ? w2 : w) + (u64)rr[r] * k;
-        sr[r] = second ? scales2 : scales;
-    }
+    const GemvRows<ROWS> rows(w, scales, w2, scales2, feat0, k);
     float acc[N][ROWS];
 #pragma unroll
     for (int i = 0; i < N; ++i)
@@ -141,23 +171,13 @@ __device__ void fp8_gemv(const T* __restrict__ x, u32 n, u32 k, const u8* __rest
             const u32 c = base + u * stride;
 #pragma unroll
             for (int r = 0; r < ROWS; ++r)
-                if (c < k) wv[u][r] = ld16_nc(wr[r] + c);
+                if (c < k) wv[u][r] = ld16_nc(rows.w[r] + c);
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const u32 c = base + u * stride;
             if (c >= k) break;
-            float s[ROWS];
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) s[r] = b0 ? sr[r][(rr[r] / b0) * bc + c / b1] : 1.0f;
-#pragma unroll
-            for (int i = 0; i < N; ++i) {
-                if (i >= (int)n) break;
-                float xv[16];
-                load_x16(x + (u64)i * k + c, xv);
-#pragma unroll
-                for (int r = 0; r < ROWS; ++r) acc[i][r] = fmaf(s[r], dot16(wv[u][r], xv), acc[i][r]);
-            }
+            gemv_chunk<T, N, ROWS>(acc, wv[u], rows, x, n, k, c, b0, b1, bc);
         }
     }
 #pragma unroll
@@ -170,6 +190,15 @@ __device__ void fp8_gemv(const T* __restrict__ x, u32 n, u32 k, const u8* __rest
     __syncthreads();
     CHIMERA_PDL_LAUNCH_DEPENDENTS();
     const u32 t = threadIdx.x;
+    // The epilogue indexes rows by a thread's r: copies, so that `rows` itself (indexed only
+    // by unrolled constants above) stays in registers.
+    const float* sr[ROWS];
+    u32 rr[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        sr[r] = rows.s[r];
+        rr[r] = rows.row[r];
+    }
     // Row r's finished dot product for input row i, bias included.
     auto result = [&](u32 i, u32 r) {
         float v = 0.0f;
@@ -216,16 +245,7 @@ __device__ void fp8_gemv_warp(const T* __restrict__ x, u32 n, u32 k, const u8* _
     const u32 feat0 = (blockIdx.x * FP8_WARPS + (threadIdx.x >> 5)) * per_warp;
     if (feat0 >= m) return;  // warp-uniform; the host launches whole groups
     const u32 bc = b0 ? (k + b1 - 1) / b1 : 0;
-    const u8* wr[R];
-    const float* sr[R];
-    u32 rr[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-        const bool second = gated && r >= R / 2;
-        rr[r] = feat0 + (second ? r - R / 2 : r);
-        wr[r] = (second ? w2 : w) + (u64)rr[r] * k;
-        sr[r] = second ? scales2 : scales;
-    }
+    const GemvRows<R> rows(w, scales, w2, scales2, feat0, k);
     constexpr u32 STRIDE = 32 * 16;
     const u32 iters = (k + STRIDE * U - 1) / (STRIDE * U);
     auto fetch = [&](u32 it, uint4 (&wv)[U][R]) {
@@ -233,7 +253,7 @@ __device__ void fp8_gemv_warp(const T* __restrict__ x, u32 n, u32 k, const u8* _
         for (int u = 0; u < U; ++u) {
             const u32 c = (it * U + u) * STRIDE + lane * 16;
 #pragma unroll
-            for (int r = 0; r < R; ++r) wv[u][r] = c < k ? ld16_nc(wr[r] + c) : make_uint4(0, 0, 0, 0);
+            for (int r = 0; r < R; ++r) wv[u][r] = c < k ? ld16_nc(rows.w[r] + c) : make_uint4(0, 0, 0, 0);
         }
     };
     float acc[N][R];
@@ -250,17 +270,7 @@ __device__ void fp8_gemv_warp(const T* __restrict__ x, u32 n, u32 k, const u8* _
         for (int u = 0; u < U; ++u) {
             const u32 c = (it * U + u) * STRIDE + lane * 16;
             if (c >= k) break;
-            float s[R];
-#pragma unroll
-            for (int r = 0; r < R; ++r) s[r] = b0 ? sr[r][(rr[r] / b0) * bc + c / b1] : 1.0f;
-#pragma unroll
-            for (int i = 0; i < N; ++i) {
-                if (i >= (int)n) break;
-                float xv[16];
-                load_x16(x + (u64)i * k + c, xv);
-#pragma unroll
-                for (int r = 0; r < R; ++r) acc[i][r] = fmaf(s[r], dot16(cur[u][r], xv), acc[i][r]);
-            }
+            gemv_chunk<T, N, R>(acc, cur[u], rows, x, n, k, c, b0, b1, bc);
         }
 #pragma unroll
         for (int u = 0; u < U; ++u)
@@ -274,9 +284,9 @@ __device__ void fp8_gemv_warp(const T* __restrict__ x, u32 n, u32 k, const u8* _
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             v[i][r] = warp_sum(acc[i][r]) * FP8_UNBIAS;
-            if (!b0) v[i][r] *= sr[r][rr[r]];
+            if (!b0) v[i][r] *= rows.s[r][rows.row[r]];
             const T* b = gated && r >= R / 2 ? bias2 : bias;
-            if (b) v[i][r] += load(b, rr[r]);
+            if (b) v[i][r] += load(b, rows.row[r]);
         }
     if (lane != 0) return;
 #pragma unroll

@@ -69,13 +69,7 @@ impl CudaBackend {
             Arg::U32(kv_width as u32),
             Arg::U64(cache_rows(cache)),
         ];
-        let name = match cache.fp8 {
-            Some(s) => {
-                args.extend([Arg::F32(s.k), Arg::F32(s.v)]);
-                "kv_write_fp8"
-            }
-            None => "kv_write",
-        };
+        let name = kv_write_entry(["kv_write", "kv_write_fp8"], cache, &mut args);
         self.launch(name, q.dtype, n as u32, &args)?;
         self.attend(q, cache, shape, step)
     }
@@ -117,13 +111,7 @@ impl CudaBackend {
             Arg::Ptr(q.ptr),
             Arg::U32(shape.heads as u32),
         ];
-        let name = match cache.fp8 {
-            Some(s) => {
-                args.extend([Arg::F32(s.k), Arg::F32(s.v)]);
-                "rope_kv_write_fp8"
-            }
-            None => "rope_kv_write",
-        };
+        let name = kv_write_entry(["rope_kv_write", "rope_kv_write_fp8"], cache, &mut args);
         self.launch(name, q.dtype, n as u32, &args)?;
         self.attend(&q, cache, shape, step)
     }
@@ -262,6 +250,22 @@ impl CudaBackend {
             self.launch_exact(l.entry, l.grid, l.block, l.smem, &args)?;
         }
         Ok(out)
+    }
+}
+
+/// The write kernel for `cache`: `[plain, fp8]`'s first, or its FP8 twin with the cache's K
+/// and V scales appended to `args`.
+fn kv_write_entry(
+    [plain, fp8]: [&'static str; 2],
+    cache: &KvLayer<CudaTensor>,
+    args: &mut Vec<Arg>,
+) -> &'static str {
+    match cache.fp8 {
+        Some(s) => {
+            args.extend([Arg::F32(s.k), Arg::F32(s.v)]);
+            fp8
+        }
+        None => plain,
     }
 }
 
