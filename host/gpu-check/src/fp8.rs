@@ -298,6 +298,13 @@ pub fn bench(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) {
     let Some(bw) = super::bench::copy_bandwidth(report, gpu) else {
         return;
     };
+    gemv_bench(report, gpu, bw);
+    models_bench(report, gpu, args, bw);
+}
+
+/// The FP8 GEMV and its variants against the bf16 GEMV on the decode shapes, as shares of the
+/// copy bandwidth `bw` (`--suite bench-fp8-gemv` alone).
+pub fn gemv_bench(report: &mut Report, gpu: &CudaBackend, bw: f64) {
     for &(label, m, k) in SHAPES {
         let check = format!("linear n=1 {label} {m}×{k}: FP8 GEMV (bf16 GEMV in the same run)");
         let run = || -> anyhow::Result<(f64, f64, Vec<f64>)> {
@@ -361,6 +368,11 @@ pub fn bench(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) {
             Err(e) => report.failed(BENCH, check, format!("{e:#}")),
         }
     }
+}
+
+/// Decode and prefill of the 8B shapes with bf16 and FP8 weights, and Qwen3-Next-80B-A3B in
+/// FP8 where the card holds it.
+fn models_bench(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs, bw: f64) {
     for dir in [&args.bench_model, &args.hybrid_model] {
         let mut prefill = [0.0f64; 2];
         for (i, fp8) in [false, true].into_iter().enumerate() {

@@ -48,7 +48,9 @@ pub struct GpuCheckArgs {
     /// with the bf16 logits dumped), graphs, bench, bench-archs (the delta rule's timings and
     /// the Qwen3.5 decodes), moe (the MoE rows of hybrid and bench), spec (speculative
     /// decoding: every fixture with drafts, GPU = CPU), bench-spec (verify-step cost and
-    /// speed-ups on the 8B shapes) or all.
+    /// speed-ups on the 8B shapes), fp8 (FP8 weights and the FP8 KV cache against the CPU),
+    /// bench-fp8 (their timings), bench-fp8-short (the FP8 GEMV variants and the FP8 KV
+    /// cache's timings alone) or all.
     #[arg(long, default_value = "all")]
     pub suite: String,
     /// The committed model fixtures (`tests/fixtures/models`).
@@ -378,6 +380,14 @@ pub fn run(args: &GpuCheckArgs) -> anyhow::Result<Report> {
         fp8::bench(&mut report, &bf16_gpu, args);
         kv_fp8::bench(&mut report, &bf16_gpu, args);
     }
+    if args.suite == "bench-fp8-short" {
+        // The FP8 GEMV variants and the FP8 KV cache against bf16, without the model decodes.
+        ran = true;
+        if let Some(bw) = bench::copy_bandwidth(&mut report, &bf16_gpu) {
+            fp8::gemv_bench(&mut report, &bf16_gpu, bw);
+        }
+        kv_fp8::bench(&mut report, &bf16_gpu, args);
+    }
     if args.suite == "moe" {
         // The MoE rows of `hybrid` and `bench` alone.
         ran = true;
@@ -387,7 +397,7 @@ pub fn run(args: &GpuCheckArgs) -> anyhow::Result<Report> {
     }
     anyhow::ensure!(
         ran,
-        "unknown suite {:?} (kernels, attention, hybrid, parity, model, archs, fixtures, graphs, bench, bench-kernels, bench-archs, bench-mixed, moe, fp8, bench-fp8, all)",
+        "unknown suite {:?} (kernels, attention, hybrid, parity, model, archs, fixtures, graphs, bench, bench-kernels, bench-archs, bench-mixed, moe, fp8, bench-fp8, bench-fp8-short, all)",
         args.suite
     );
     if let Some(path) = &args.json {
