@@ -357,32 +357,25 @@ __device__ __forceinline__ void mma(const Args<bf16, KV>& a) {
             dst[tid] = p < t.hi ? cache_row(t.bt, p, a.block_size) : NO_PART;
         }
     };
-    // Gathers one K or V tile through a row table (no commit). An FP8 cache's 8-byte chunks
-    // are loaded to registers (every pass's first), widened to bf16 exactly (an e4m3 value is
-    // a bf16 value; the scales are applied to the scores and the output) and stored: the
-    // same tile layout, written synchronously where cp.async writes asynchronously.
-    auto gather = [&](u32 dst, const KV* cache, const u32* tile_rows) {
-        if constexpr (sizeof(KV) == 1) {
-            uint2 raw[KV_PASSES];
+    // A K or V tile is gathered through a row table in two halves: `issue` starts the loads
+    // (no commit), `land` finishes them. bf16: issue is the tile's 16-byte cp.async copies and
+    // land does nothing. FP8: issue loads the 8-byte chunks of codes into `raw` (registers),
+    // and land widens them to bf16 exactly (an e4m3 value is a bf16 value; the scales are
+    // applied to the scores and the output) and stores them in the same tile layout. The
+    // loops issue a tile before the maths of the tile they compute and land it after, so the
+    // codes' latency hides behind that maths as cp.async's does; land's stores are visible
+    // after the barrier that also publishes a cp.async tile.
+    using Raw = uint2[KV_PASSES];
+    auto issue = [&](u32 dst, const KV* cache, const u32* tile_rows, Raw& raw) {
 #pragma unroll
-            for (int k = 0; k < KV_PASSES; ++k) {
-                const u32 row = tile_rows[my_row + k * RPP];
+        for (int k = 0; k < KV_PASSES; ++k) {
+            const int r = my_row + k * RPP;
+            const u32 row = tile_rows[r];
+            if constexpr (sizeof(KV) == 1) {
                 raw[k] = row != NO_PART
                              ? *(const uint2*)(cache + kv_offset(row, a.kv_heads, t.kvh, D) + my_chunk * 8)
                              : make_uint2(0u, 0u);
-            }
-#pragma unroll
-            for (int k = 0; k < KV_PASSES; ++k) {
-                const uint4 w = fp8x8_to_bf16x8(raw[k]);
-                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst + swz<D>(my_row + k * RPP, my_chunk)),
-                             "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w)
-                             : "memory");
-            }
-        } else {
-#pragma unroll
-            for (int k = 0; k < KV_PASSES; ++k) {
-                const int r = my_row + k * RPP;
-                const u32 row = tile_rows[r];
+            } else {
                 const bf16* src = cache;
                 u32 bytes = 0;
                 if (row != NO_PART) {
@@ -393,6 +386,18 @@ __device__ __forceinline__ void mma(const Args<bf16, KV>& a) {
             }
         }
     };
+    auto land = [&](u32 dst, const Raw& raw) {
+        if constexpr (sizeof(KV) == 1) {
+#pragma unroll
+            for (int k = 0; k < KV_PASSES; ++k) {
+                const uint4 w = fp8x8_to_bf16x8(raw[k]);
+                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst + swz<D>(my_row + k * RPP, my_chunk)),
+                             "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w)
+                             : "memory");
+            }
+        }
+    };
+    Raw raw_k, raw_v;  // FP8 only (unused registers are dropped for bf16)
 
     // A-fragment address parts: row within a 16-row tile and chunk parity of this lane.
     const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8, a_hi = lane >> 4;
@@ -530,7 +535,8 @@ __device__ __forceinline__ void mma(const Args<bf16, KV>& a) {
     if (STAGES == 1) {
         const u32 s_k = s_kv, s_v = s_kv + Sh::TILE_BYTES;
         if (ntiles > 0) {
-            gather(s_k, a.k_cache, rows);
+            issue(s_k, a.k_cache, rows, raw_k);
+            land(s_k, raw_k);
             cp_async_commit_group();
         }
         for (int j = 0; j < ntiles; ++j) {
@@ -539,19 +545,21 @@ __device__ __forceinline__ void mma(const Args<bf16, KV>& a) {
             u32* next = rows + ((j + 1) & 1) * BN;
             cp_async_wait_groups<0>();  // K(j) (and Q, the first time)
             __syncthreads();      // ... visible to all; every warp is done with V(j-1)
-            gather(s_v, a.v_cache, cur);
+            issue(s_v, a.v_cache, cur, raw_v);
             cp_async_commit_group();
             // The next tile's block-table reads overlap this tile's maths; its readers come
             // after the barrier below, and this buffer's last readers were before the last.
             if (j + 1 < ntiles) rows_of(j + 1, next);
             if (active) scores(s_k, p0);
+            land(s_v, raw_v);
             cp_async_wait_groups<0>();  // V(j)
             __syncthreads();      // ... visible to all; every warp is done with K(j)
             if (j + 1 < ntiles) {
-                gather(s_k, a.k_cache, next);
+                issue(s_k, a.k_cache, next, raw_k);
                 cp_async_commit_group();
             }
             if (active) accumulate(s_v);
+            if (j + 1 < ntiles) land(s_k, raw_k);
         }
     } else {
         // Prologue: tiles 0 .. STAGES-2 in flight, the table of tile STAGES-1 written.
@@ -559,8 +567,10 @@ __device__ __forceinline__ void mma(const Args<bf16, KV>& a) {
             if (i < ntiles) {
                 const u32* tr = rows + (i & 1) * BN;
                 const u32 slot = s_kv + 2 * i * Sh::TILE_BYTES;
-                gather(slot, a.k_cache, tr);
-                gather(slot + Sh::TILE_BYTES, a.v_cache, tr);
+                issue(slot, a.k_cache, tr, raw_k);
+                issue(slot + Sh::TILE_BYTES, a.v_cache, tr, raw_v);
+                land(slot, raw_k);
+                land(slot + Sh::TILE_BYTES, raw_v);
             }
             cp_async_commit_group();
             __syncthreads();  // every thread has read table i & 1
@@ -573,20 +583,26 @@ __device__ __forceinline__ void mma(const Args<bf16, KV>& a) {
             asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2) : "memory");
             __syncthreads();  // tile j visible to all; every warp is done with tile j-1
             const int ahead = j + STAGES - 1;
+            const u32 ahead_slot = s_kv + 2 * (ahead % STAGES) * Sh::TILE_BYTES;
             if (ahead < ntiles) {
                 const u32* tr = rows + (ahead & 1) * BN;
-                const u32 slot = s_kv + 2 * (ahead % STAGES) * Sh::TILE_BYTES;
-                gather(slot, a.k_cache, tr);
-                gather(slot + Sh::TILE_BYTES, a.v_cache, tr);
+                issue(ahead_slot, a.k_cache, tr, raw_k);
+                issue(ahead_slot + Sh::TILE_BYTES, a.v_cache, tr, raw_v);
             }
             cp_async_commit_group();  // possibly empty: keeps one group per tile
             // Table of tile ahead + 1: read after the next barrier; its buffer's last
-            // reader was the gather of tile ahead - 1, before this barrier.
+            // reader was the issue of tile ahead - 1, before this barrier.
             if (ahead + 1 < ntiles) rows_of(ahead + 1, rows + ((ahead + 1) & 1) * BN);
             if (active) {
                 const u32 slot = s_kv + 2 * (j % STAGES) * Sh::TILE_BYTES;
                 scores(slot, p0);
                 accumulate(slot + Sh::TILE_BYTES);
+            }
+            // Tile ahead's slot held tile j - 1, which every warp finished before the barrier
+            // above; it is read after the next one.
+            if (ahead < ntiles) {
+                land(ahead_slot, raw_k);
+                land(ahead_slot + Sh::TILE_BYTES, raw_v);
             }
         }
     }
