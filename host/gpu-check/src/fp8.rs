@@ -299,6 +299,7 @@ pub fn bench(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) {
         return;
     };
     gemv_bench(report, gpu, bw);
+    batched_bench(report, gpu);
     models_bench(report, gpu, args, bw);
 }
 
@@ -366,6 +367,56 @@ pub fn gemv_bench(report: &mut Report, gpu: &CudaBackend, bw: f64) {
                 )
             }
             Err(e) => report.failed(BENCH, check, format!("{e:#}")),
+        }
+    }
+}
+
+/// FP8 linear layers at more rows than the GEMV takes (a decode batch, a prefill chunk):
+/// cuBLASLt's FP8 GEMM after the per-token quantization, and the dequantize-then-bf16-GEMM
+/// fallback, each timed against the bf16 GEMM of the shape in the same run (reported: where
+/// FP8 loses to bf16 at a batch size, this row says by how much and on which path).
+pub fn batched_bench(report: &mut Report, gpu: &CudaBackend) {
+    const BATCHED: &[(&str, usize, usize)] = &[
+        ("Llama-3-8B gate_proj", 14336, 4096),
+        ("Llama-3-8B down_proj", 4096, 14336),
+    ];
+    for &(label, m, k) in BATCHED {
+        for n in [8usize, 64, 256, 2048] {
+            let check = format!("linear n={n} {label} {m}×{k}: FP8 / bf16 time");
+            let run = || -> anyhow::Result<(f64, f64, f64)> {
+                let copies = (256usize << 20).div_ceil(m * k * 2).clamp(1, CALLS);
+                let bf16: Vec<CudaTensor> = (0..copies)
+                    .map(|_| gpu.zeros(&[m, k], DType::BF16))
+                    .collect::<Result<_, _>>()?;
+                let bf16_s = time_linear(gpu, n, &bf16, k)?;
+                let fp8: Vec<CudaTensor> = bf16
+                    .iter()
+                    .map(|t| gpu.quantize_fp8(t))
+                    .collect::<Result<_, _>>()?;
+                drop(bf16);
+                let gemm_s = time_linear(gpu, n, &fp8, k)?;
+                gpu.set_fp8_gemm(false);
+                let dequant_s = time_linear(gpu, n, &fp8, k);
+                gpu.set_fp8_gemm(true);
+                Ok((bf16_s, gemm_s, dequant_s?))
+            };
+            match run() {
+                Ok((bf16_s, gemm_s, dequant_s)) => report.push(
+                    BENCH,
+                    check,
+                    gemm_s / bf16_s,
+                    format!(
+                        "{:.3}× ({:.1} µs FP8 GEMM, {:.1} µs dequantized, {:.1} µs bf16)",
+                        gemm_s / bf16_s,
+                        gemm_s * 1e6,
+                        dequant_s * 1e6,
+                        bf16_s * 1e6
+                    ),
+                    "reported".into(),
+                    true,
+                ),
+                Err(e) => report.failed(BENCH, check, format!("{e:#}")),
+            }
         }
     }
 }

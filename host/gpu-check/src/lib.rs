@@ -49,8 +49,8 @@ pub struct GpuCheckArgs {
     /// the Qwen3.5 decodes), moe (the MoE rows of hybrid and bench), spec (speculative
     /// decoding: every fixture with drafts, GPU = CPU), bench-spec (verify-step cost and
     /// speed-ups on the 8B shapes), fp8 (FP8 weights and the FP8 KV cache against the CPU),
-    /// bench-fp8 (their timings), bench-fp8-short (the FP8 GEMV variants and the FP8 KV
-    /// cache's timings alone) or all.
+    /// bench-fp8 (their timings), bench-fp8-short (the FP8 GEMV variants, the
+    /// batched FP8 linear layers and the FP8 KV cache's timings alone) or all.
     #[arg(long, default_value = "all")]
     pub suite: String,
     /// The committed model fixtures (`tests/fixtures/models`).
@@ -386,6 +386,7 @@ pub fn run(args: &GpuCheckArgs) -> anyhow::Result<Report> {
         if let Some(bw) = bench::copy_bandwidth(&mut report, &bf16_gpu) {
             fp8::gemv_bench(&mut report, &bf16_gpu, bw);
         }
+        fp8::batched_bench(&mut report, &bf16_gpu);
         kv_fp8::bench(&mut report, &bf16_gpu, args);
     }
     if args.suite == "moe" {

@@ -98,53 +98,12 @@ pub fn build(
             .ok_or_else(|| PlanError(format!("scheduled slot {} holds no request", s.slot)))?;
         if s.drafts > 0 {
             push_verify(plan, s, r, cache)?;
-            for snap in &s.snapshots {
-                plan.snapshot(snap.after, snap.slot);
-            }
-            continue;
-        }
-        let known = r.tokens.len().clamp(s.start, s.start + s.len);
-        let missing = s.start + s.len - known;
-        if missing > 1 || missing == 1 && s.len != 1 {
-            return Err(PlanError(format!(
-                "slot {}: a chunk of {} tokens from {} past the {} known",
-                s.slot,
-                s.len,
-                s.start,
-                r.tokens.len()
-            )));
-        }
-        let at = plan.tokens.len();
-        let tokens: &[u32] = if missing == 1 {
-            built.placeholders.push(Placeholder { at, slot: s.slot });
-            &[0]
         } else {
-            &r.tokens[s.start..s.start + s.len]
-        };
-        let chunk = plan.push(
-            tokens,
-            s.start,
-            cache.block_table(s.slot),
-            cache.live_slot(s.slot),
-            s.want_logits,
-        );
-        chunk.all_logits = s.all_logits;
-        if s.want_logits {
-            push_sampled_row(
-                plan,
-                built,
-                r,
-                s.slot,
-                constraints.is_some(),
-                words,
-                late_masks,
-            );
+            let words = constraints.is_some().then_some(words);
+            push_chunk(plan, built, (s, r), cache, words, late_masks)?;
         }
         for snap in &s.snapshots {
             plan.snapshot(snap.after, snap.slot);
-        }
-        if s.start < r.prompt_len {
-            built.prompt_tokens += (s.start + s.len).min(r.prompt_len) as u64 - s.start as u64;
         }
     }
     // Launched whole: the masks of rows with nothing in flight are due now, computed at once
@@ -158,6 +117,60 @@ pub fn build(
     }
     push_slot_ops(plan, out, cache);
     plan.finish()?;
+    Ok(())
+}
+
+/// The chunk of a scheduled sequence without drafts: its tokens (a placeholder for the one
+/// being sampled) and its sampled row. `words`: the constraint mask's words per
+/// row when the step has a constraint.
+fn push_chunk(
+    plan: &mut StepPlan,
+    built: &mut Built,
+    (s, r): (&ScheduledSeq, &Request),
+    cache: &CacheManager,
+    words: Option<usize>,
+    late_masks: bool,
+) -> Result<(), PlanError> {
+    let known = r.tokens.len().clamp(s.start, s.start + s.len);
+    let missing = s.start + s.len - known;
+    if missing > 1 || missing == 1 && s.len != 1 {
+        return Err(PlanError(format!(
+            "slot {}: a chunk of {} tokens from {} past the {} known",
+            s.slot,
+            s.len,
+            s.start,
+            r.tokens.len()
+        )));
+    }
+    let at = plan.tokens.len();
+    let tokens: &[u32] = if missing == 1 {
+        built.placeholders.push(Placeholder { at, slot: s.slot });
+        &[0]
+    } else {
+        &r.tokens[s.start..s.start + s.len]
+    };
+    let chunk = plan.push(
+        tokens,
+        s.start,
+        cache.block_table(s.slot),
+        cache.live_slot(s.slot),
+        s.want_logits,
+    );
+    chunk.all_logits = s.all_logits;
+    if s.want_logits {
+        push_sampled_row(
+            plan,
+            built,
+            r,
+            s.slot,
+            words.is_some(),
+            words.unwrap_or(0),
+            late_masks,
+        );
+    }
+    if s.start < r.prompt_len {
+        built.prompt_tokens += (s.start + s.len).min(r.prompt_len) as u64 - s.start as u64;
+    }
     Ok(())
 }
 

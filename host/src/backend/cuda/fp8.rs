@@ -146,42 +146,10 @@ impl CudaBackend {
         if let Some(out) = self.fp8_gemv(x, (w, bias), None)? {
             return Ok(out);
         }
-        let out = self.tmp(&[n, m], x.dtype)?;
-        let (b0, b1) = meta.block.map_or((0, 0), |b| (b[0] as u32, b[1] as u32));
-        if x.dtype == DType::BF16
-            && meta.block.is_none()
-            && k.is_multiple_of(16)
-            && self.inner.fp8_gemm.load(Ordering::Relaxed)
-        {
-            match self
-                .inner
-                .gemm
-                .prepare_fp8(x.dtype, bias.is_some(), (n, k, m))
-            {
-                Ok(()) => {
-                    let xq = self.tmp(&[n, k], DType::F8E4M3)?;
-                    let xs = self.tmp(&[n], DType::F32)?;
-                    self.quantize_rows(x.ptr, x.dtype, xq.ptr, xs.ptr, n, k)?;
-                    self.inner.gemm.linear_fp8(
-                        self.stream(),
-                        x.dtype,
-                        (xq.ptr, xs.ptr),
-                        (w.ptr, meta.ptr),
-                        bias.map(|b| b.ptr),
-                        out.ptr,
-                        (n, k, m),
-                    )?;
-                    return Ok(out);
-                }
-                // Logged once per shape (later calls of the shape fail fast, quietly).
-                Err(BackendError::Device(e)) => tracing::warn!(
-                    error = %e,
-                    "cuBLASLt has no FP8 GEMM with per-row scales for this shape: its FP8 \
-                     weight is dequantized for a bf16 GEMM instead (slower)"
-                ),
-                Err(_) => {}
-            }
+        if let Some(out) = self.fp8_gemm(x, w, bias)? {
+            return Ok(out);
         }
+        let (b0, b1) = meta.block.map_or((0, 0), |b| (b[0] as u32, b[1] as u32));
         let wd = self.tmp(&[m, k], x.dtype)?;
         self.launch_geo(
             "fp8_dequantize",
@@ -199,6 +167,7 @@ impl CudaBackend {
                 Arg::U32(b1),
             ],
         )?;
+        let out = self.tmp(&[n, m], x.dtype)?;
         self.inner.gemm.linear(
             self.stream(),
             x.dtype,
@@ -209,6 +178,59 @@ impl CudaBackend {
             (n, k, m),
         )?;
         Ok(out)
+    }
+
+    /// cuBLASLt's FP8 GEMM for `x · wᵀ (+ b)`, the input rows quantized per token first:
+    /// `None` where it does not apply (f32 mode, block scales, `k` not a multiple of 16, the
+    /// path switched off, or no algorithm for the shape in this cuBLASLt), and the caller
+    /// dequantizes the weight for a GEMM in the activations' dtype instead.
+    fn fp8_gemm(
+        &self,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        bias: Option<&CudaTensor>,
+    ) -> Result<Option<CudaTensor>> {
+        let meta = w.fp8.as_ref().expect("an FP8 weight");
+        let (n, k) = x.rows_cols();
+        let m = w.rows_cols().0;
+        if x.dtype != DType::BF16
+            || meta.block.is_some()
+            || !k.is_multiple_of(16)
+            || !self.inner.fp8_gemm.load(Ordering::Relaxed)
+        {
+            return Ok(None);
+        }
+        match self
+            .inner
+            .gemm
+            .prepare_fp8(x.dtype, bias.is_some(), (n, k, m))
+        {
+            Ok(()) => {}
+            // Logged once per shape (later calls of the shape fail fast, quietly).
+            Err(BackendError::Device(e)) => {
+                tracing::warn!(
+                    error = %e,
+                    "cuBLASLt has no FP8 GEMM with per-row scales for this shape: its FP8 \
+                     weight is dequantized for a bf16 GEMM instead (slower)"
+                );
+                return Ok(None);
+            }
+            Err(_) => return Ok(None),
+        }
+        let out = self.tmp(&[n, m], x.dtype)?;
+        let xq = self.tmp(&[n, k], DType::F8E4M3)?;
+        let xs = self.tmp(&[n], DType::F32)?;
+        self.quantize_rows(x.ptr, x.dtype, xq.ptr, xs.ptr, n, k)?;
+        self.inner.gemm.linear_fp8(
+            self.stream(),
+            x.dtype,
+            (xq.ptr, xs.ptr),
+            (w.ptr, meta.ptr),
+            bias.map(|b| b.ptr),
+            out.ptr,
+            (n, k, m),
+        )?;
+        Ok(Some(out))
     }
 
     /// The FP8 GEMV (`fp8.cu`) for one or two input rows: `x · wᵀ (+ b)`, or with `gated`

@@ -47,10 +47,13 @@ struct Plan {
 impl Drop for Plan {
     fn drop(&mut self) {
         // SAFETY: each handle was created once for this plan and is destroyed once.
+        // (A layout left null by a failed `Gemm::plan` is skipped.)
         unsafe {
-            let _ = lt::destroy_matrix_layout(self.a);
-            let _ = lt::destroy_matrix_layout(self.b);
-            let _ = lt::destroy_matrix_layout(self.d);
+            for layout in [self.a, self.b, self.d] {
+                if !layout.is_null() {
+                    let _ = lt::destroy_matrix_layout(layout);
+                }
+            }
             let _ = lt::destroy_matmul_desc(self.desc);
         }
     }
@@ -94,6 +97,25 @@ fn data_type(d: DType) -> lts::cudaDataType {
     }
 }
 
+/// Sets a descriptor attribute to `value` (a plain value of the type the attribute takes:
+/// an i32 flag, an enum, a device pointer as u64).
+fn set_attr<T: Copy>(
+    desc: lts::cublasLtMatmulDesc_t,
+    attr: lts::cublasLtMatmulDescAttributes_t,
+    value: &T,
+) -> Result<()> {
+    // SAFETY: `desc` is live; `value` points at `size_of::<T>()` readable bytes.
+    unsafe {
+        lt::set_matmul_desc_attribute(
+            desc,
+            attr,
+            (value as *const T).cast(),
+            std::mem::size_of::<T>(),
+        )
+    }
+    .map_err(|e| lt_err(&format!("setting {attr:?}"), e))
+}
+
 impl Gemm {
     pub fn new(device: &Arc<Device>, stats: &MemStats) -> Result<Self> {
         // SAFETY: probing for the shared library has no preconditions.
@@ -116,112 +138,110 @@ impl Gemm {
         })
     }
 
+    /// The descriptor, layouts and algorithm of `key`.
     fn plan(&self, key: Key) -> Result<Plan> {
-        let ty = data_type(key.dtype);
+        let desc = self.describe(key)?;
+        let in_ty = data_type(if key.fp8 { DType::F8E4M3 } else { key.dtype });
+        let layout = |ty, rows: usize, cols: usize, ld: usize| {
+            lt::create_matrix_layout(ty, rows as u64, cols as u64, ld as i64)
+                .map_err(|e| lt_err("creating a layout", e))
+        };
+        // The plan owns each handle as soon as it exists (its Drop destroys them, also on
+        // error); a layout not made yet is null, which destroying ignores.
+        let mut plan = Plan {
+            desc,
+            a: std::ptr::null_mut(),
+            b: std::ptr::null_mut(),
+            d: std::ptr::null_mut(),
+            algo: lts::cublasLtMatmulAlgo_t { data: [0; 8] },
+        };
+        plan.a = layout(in_ty, key.k, key.m, key.k)?;
+        plan.b = layout(in_ty, key.k, key.n, key.k)?;
+        plan.d = layout(data_type(key.dtype), key.m, key.n, key.m)?;
+        plan.algo = self.heuristic(key, &plan)?;
+        Ok(plan)
+    }
+
+    /// The operation descriptor of `key`: `op_T(W) · Xᵀ` in f32 compute, the FP8 scale modes
+    /// and the bias epilogue where `key` has them.
+    fn describe(&self, key: Key) -> Result<lts::cublasLtMatmulDesc_t> {
+        use lts::cublasLtMatmulDescAttributes_t as A;
         let desc = lt::create_matmul_desc(
             lts::cublasComputeType_t::CUBLAS_COMPUTE_32F,
             lts::cudaDataType::CUDA_R_32F,
         )
         .map_err(|e| lt_err("creating a matmul descriptor", e))?;
-        let set = |attr, v: *const c_void, size| {
-            // SAFETY: `desc` is live; `v` points at `size` readable bytes.
-            unsafe { lt::set_matmul_desc_attribute(desc, attr, v, size) }
-                .map_err(|e| lt_err("setting a descriptor attribute", e))
-        };
-        let (op_t, op_n): (i32, i32) = (1, 0);
-        set(
-            lts::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
-            (&op_t as *const i32).cast(),
-            4,
-        )?;
-        set(
-            lts::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
-            (&op_n as *const i32).cast(),
-            4,
-        )?;
-        if key.fp8 {
-            // The heuristic checks that the scale pointers are set: any device address stands
-            // in (each call sets the real ones).
-            let stand_in = self.workspace.ptr;
-            for attr in [
-                lts::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-                lts::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-            ] {
-                set(attr, (&stand_in as *const u64).cast(), 8)?;
+        let configure = || -> Result<()> {
+            let (op_t, op_n): (i32, i32) = (1, 0);
+            set_attr(desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &op_t)?;
+            set_attr(desc, A::CUBLASLT_MATMUL_DESC_TRANSB, &op_n)?;
+            if key.fp8 {
+                // The heuristic checks that the scale pointers are set: any device address
+                // stands in (each call sets the real ones).
+                let stand_in = self.workspace.ptr;
+                set_attr(desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &stand_in)?;
+                set_attr(desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &stand_in)?;
+                // One scale per row of the weight (per output feature) and per token.
+                let outer =
+                    lts::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+                set_attr(desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &outer)?;
+                set_attr(desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &outer)?;
             }
-            // One scale per row of the weight (per output feature) and per token.
-            let outer =
-                lts::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
-            for attr in [
-                lts::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
-                lts::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
-            ] {
-                set(
-                    attr,
-                    (&outer as *const lts::cublasLtMatmulMatrixScale_t).cast(),
-                    std::mem::size_of::<lts::cublasLtMatmulMatrixScale_t>(),
-                )?;
+            if key.bias {
+                let epi = lts::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
+                set_attr(desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epi)?;
             }
-        }
-        if key.bias {
-            let epi = lts::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
-            set(
-                lts::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE,
-                (&epi as *const lts::cublasLtEpilogue_t).cast(),
-                std::mem::size_of::<lts::cublasLtEpilogue_t>(),
-            )?;
-        }
-        let in_ty = if key.fp8 {
-            data_type(DType::F8E4M3)
-        } else {
-            ty
+            Ok(())
         };
-        let layout = |ty, rows: usize, cols: usize, ld: usize| {
-            lt::create_matrix_layout(ty, rows as u64, cols as u64, ld as i64)
-                .map_err(|e| lt_err("creating a layout", e))
-        };
-        let a = layout(in_ty, key.k, key.m, key.k)?;
-        let b = layout(in_ty, key.k, key.n, key.k)?;
-        let d = layout(ty, key.m, key.n, key.m)?;
+        configure().inspect_err(|_| {
+            // SAFETY: created above and not handed out.
+            let _ = unsafe { lt::destroy_matmul_desc(desc) };
+        })?;
+        Ok(desc)
+    }
+
+    /// cuBLASLt's first algorithm for `plan` (descriptor and layouts of `key`) within the
+    /// workspace.
+    fn heuristic(&self, key: Key, plan: &Plan) -> Result<lts::cublasLtMatmulAlgo_t> {
         let pref = lt::create_matmul_pref().map_err(|e| lt_err("creating a preference", e))?;
         let ws = WORKSPACE_BYTES as u64;
         // SAFETY: `pref` is live; the value is a u64 as the attribute requires.
-        let heuristic = unsafe {
+        let found = unsafe {
             lt::set_matmul_pref_attribute(
                 pref,
                 lts::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                 (&ws as *const u64).cast(),
                 8,
             )
-            .map_err(|e| lt_err("setting the workspace preference", e))?;
-            let h = lt::get_matmul_algo_heuristic(self.handle.0, desc, a, b, d, d, pref);
-            let _ = lt::destroy_matmul_pref(pref);
-            h
-        };
-        // The plan owns the handles from here on (its Drop destroys them, also on error).
-        let mut plan = Plan {
-            desc,
-            a,
-            b,
-            d,
-            algo: lts::cublasLtMatmulAlgo_t { data: [0; 8] },
-        };
-        plan.algo = heuristic
-            .map_err(|e| {
-                lt_err(
-                    &format!(
-                        "finding an algorithm for {}×{}·{}ᵀ ({:?}{})",
-                        key.n,
-                        key.k,
-                        key.m,
-                        key.dtype,
-                        if key.fp8 { ", e4m3 inputs" } else { "" }
-                    ),
-                    e,
+            .map_err(|e| lt_err("setting the workspace preference", e))
+            .map(|()| {
+                lt::get_matmul_algo_heuristic(
+                    self.handle.0,
+                    plan.desc,
+                    plan.a,
+                    plan.b,
+                    plan.d,
+                    plan.d,
+                    pref,
                 )
-            })?
-            .algo;
-        Ok(plan)
+            })
+        };
+        // SAFETY: created above; nothing else holds it.
+        let _ = unsafe { lt::destroy_matmul_pref(pref) };
+        let heuristic = found?.map_err(|e| {
+            lt_err(
+                &format!(
+                    "finding an algorithm for {}×{}·{}ᵀ ({:?}{})",
+                    key.n,
+                    key.k,
+                    key.m,
+                    key.dtype,
+                    if key.fp8 { ", e4m3 inputs" } else { "" }
+                ),
+                e,
+            )
+        })?;
+        Ok(heuristic.algo)
     }
 
     /// `y[n, m] = x[n, k] · w[m, k]ᵀ (+ bias[m])`, all of `dtype`, enqueued on `stream`.
@@ -333,35 +353,13 @@ impl Gemm {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => v.insert(self.plan(key)?),
         };
+        use lts::cublasLtMatmulDescAttributes_t as A;
         if let Some((sa, sb)) = scales {
-            for (attr, p) in [
-                (
-                    lts::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-                    sa,
-                ),
-                (
-                    lts::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-                    sb,
-                ),
-            ] {
-                // SAFETY: the descriptor is live; the value is a device pointer.
-                unsafe {
-                    lt::set_matmul_desc_attribute(plan.desc, attr, (&p as *const u64).cast(), 8)
-                }
-                .map_err(|e| lt_err("setting a scale pointer", e))?;
-            }
+            set_attr(plan.desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa)?;
+            set_attr(plan.desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb)?;
         }
         if let Some(b) = bias {
-            // SAFETY: the descriptor is live; the value is a device pointer.
-            unsafe {
-                lt::set_matmul_desc_attribute(
-                    plan.desc,
-                    lts::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                    (&b as *const u64).cast(),
-                    8,
-                )
-            }
-            .map_err(|e| lt_err("setting the bias pointer", e))?;
+            set_attr(plan.desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &b)?;
         }
         let (alpha, beta) = (1.0f32, 0.0f32);
         let timed = self.device.op_begin(stream)?;
