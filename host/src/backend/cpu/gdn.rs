@@ -33,21 +33,46 @@ fn l2_normalize(x: &mut [f32]) {
     }
 }
 
-/// One value head's recurrence over `len` tokens. `q`/`k` `[len, dk]` (normalised, `q`
-/// scaled), `v` `[len, dv]`, `g` (log-decay) and `beta` `[len]`, `state [dk, dv]`; writes `o
-/// [len, dv]`.
-#[allow(clippy::too_many_arguments)]
-pub fn gdn_recurrent_head(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    g: &[f32],
-    beta: &[f32],
-    dk: usize,
-    dv: usize,
-    state: &mut [f32],
-    o: &mut [f32],
-) {
+/// One value head's inputs over `len` tokens: `q`/`k` `[len, dk]` (normalised, `q` scaled),
+/// `v` `[len, dv]`, `g` (log-decay) and `beta` `[len]`.
+#[derive(Clone, Copy)]
+pub struct GdnHeadSeq<'a> {
+    pub q: &'a [f32],
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub g: &'a [f32],
+    pub beta: &'a [f32],
+    pub dk: usize,
+    pub dv: usize,
+}
+
+impl<'a> GdnHeadSeq<'a> {
+    /// Tokens `from..to`.
+    pub fn tokens(&self, from: usize, to: usize) -> Self {
+        let (dk, dv) = (self.dk, self.dv);
+        Self {
+            q: &self.q[from * dk..to * dk],
+            k: &self.k[from * dk..to * dk],
+            v: &self.v[from * dv..to * dv],
+            g: &self.g[from..to],
+            beta: &self.beta[from..to],
+            dk,
+            dv,
+        }
+    }
+}
+
+/// One value head's recurrence over its tokens from `state [dk, dv]`; writes `o [len, dv]`.
+pub fn gdn_recurrent_head(seq: &GdnHeadSeq<'_>, state: &mut [f32], o: &mut [f32]) {
+    let GdnHeadSeq {
+        q,
+        k,
+        v,
+        g,
+        beta,
+        dk,
+        dv,
+    } = *seq;
     let mut delta = vec![0.0f32; dv];
     for t in 0..g.len() {
         let decay = g[t].exp();
@@ -89,19 +114,16 @@ pub fn gdn_recurrent_head(
 /// `u_t = β_t (v_t − e^{G_t} S₀ᵀk_t − Σ_{s<t} e^{G_t−G_s} (k_t·k_s) u_s)` (forward
 /// substitution), the outputs are `o_t = e^{G_t} S₀ᵀq_t + Σ_{s≤t} e^{G_t−G_s} (q_t·k_s) u_s`,
 /// and the state leaves as `S = e^{G_L} S₀ + Σ_s e^{G_L−G_s} k_s u_sᵀ`.
-#[allow(clippy::too_many_arguments)]
-pub fn gdn_chunked_head(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    g: &[f32],
-    beta: &[f32],
-    dk: usize,
-    dv: usize,
-    chunk: usize,
-    state: &mut [f32],
-    o: &mut [f32],
-) {
+pub fn gdn_chunked_head(seq: &GdnHeadSeq<'_>, chunk: usize, state: &mut [f32], o: &mut [f32]) {
+    let GdnHeadSeq {
+        q,
+        k,
+        v,
+        g,
+        beta,
+        dk,
+        dv,
+    } = *seq;
     let len = g.len();
     let chunk = chunk.max(1);
     let mut cum = vec![0.0f32; chunk];
@@ -307,22 +329,26 @@ pub(super) fn gated_delta_rule(
             .into_par_iter()
             .map(|h| {
                 let x = inp.gather(&shape, seq, h);
+                let head = GdnHeadSeq {
+                    q: &x.q,
+                    k: &x.k,
+                    v: &x.v,
+                    g: &x.g,
+                    beta: &x.beta,
+                    dk,
+                    dv,
+                };
                 let mut s = live[h * head_state..(h + 1) * head_state].to_vec();
                 let mut o = vec![0.0f32; seq.len * dv];
                 let mut snaps = Vec::with_capacity(ends.len());
                 let mut from = 0;
                 for &to in &ends {
-                    let (qs, ks, vs) = (
-                        &x.q[from * dk..to * dk],
-                        &x.k[from * dk..to * dk],
-                        &x.v[from * dv..to * dv],
-                    );
-                    let (gs, bs) = (&x.g[from..to], &x.beta[from..to]);
+                    let part = head.tokens(from, to);
                     let os = &mut o[from * dv..to * dv];
                     if to - from == 1 {
-                        gdn_recurrent_head(qs, ks, vs, gs, bs, dk, dv, &mut s, os);
+                        gdn_recurrent_head(&part, &mut s, os);
                     } else {
-                        gdn_chunked_head(qs, ks, vs, gs, bs, dk, dv, shape.chunk_size, &mut s, os);
+                        gdn_chunked_head(&part, shape.chunk_size, &mut s, os);
                     }
                     snaps.push(s.clone());
                     from = to;
@@ -388,11 +414,24 @@ impl CpuBackend {
 mod tests {
     use super::*;
 
-    fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((*seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+    use crate::backend::cpu::test_rng::lcg;
+
+    fn head<'a>(
+        q: &'a [f32],
+        k: &'a [f32],
+        v: &'a [f32],
+        (g, beta): (&'a [f32], &'a [f32]),
+        (dk, dv): (usize, usize),
+    ) -> GdnHeadSeq<'a> {
+        GdnHeadSeq {
+            q,
+            k,
+            v,
+            g,
+            beta,
+            dk,
+            dv,
+        }
     }
 
     fn unit(seed: &mut u64, n: usize, rows: usize) -> Vec<f32> {
@@ -435,8 +474,9 @@ mod tests {
             let init: Vec<f32> = (0..dk * dv).map(|_| lcg(&mut seed)).collect();
             let (mut s1, mut s2) = (init.clone(), init.clone());
             let (mut o1, mut o2) = (vec![f32::NAN; len * dv], vec![f32::NAN; len * dv]);
-            gdn_recurrent_head(&q, &k, &v, &g, &beta, dk, dv, &mut s1, &mut o1);
-            gdn_chunked_head(&q, &k, &v, &g, &beta, dk, dv, chunk, &mut s2, &mut o2);
+            let seq = head(&q, &k, &v, (&g, &beta), (dk, dv));
+            gdn_recurrent_head(&seq, &mut s1, &mut o1);
+            gdn_chunked_head(&seq, chunk, &mut s2, &mut o2);
             let (d_o, d_s) = (max_diff(&o1, &o2), max_diff(&s1, &s2));
             assert!(
                 o2.iter().all(|x| x.is_finite()),
@@ -463,34 +503,13 @@ mod tests {
         let beta = vec![0.7f32; len];
         let mut whole = vec![0.0; dk * dv];
         let mut o = vec![0.0; len * dv];
-        gdn_chunked_head(&q, &k, &v, &g, &beta, dk, dv, 16, &mut whole, &mut o);
+        let seq = head(&q, &k, &v, (&g, &beta), (dk, dv));
+        gdn_chunked_head(&seq, 16, &mut whole, &mut o);
         let mut split = vec![0.0; dk * dv];
         let mut o2 = vec![0.0; len * dv];
         let cut = 13;
-        gdn_chunked_head(
-            &q[..cut * dk],
-            &k[..cut * dk],
-            &v[..cut * dv],
-            &g[..cut],
-            &beta[..cut],
-            dk,
-            dv,
-            16,
-            &mut split,
-            &mut o2[..cut * dv],
-        );
-        gdn_chunked_head(
-            &q[cut * dk..],
-            &k[cut * dk..],
-            &v[cut * dv..],
-            &g[cut..],
-            &beta[cut..],
-            dk,
-            dv,
-            16,
-            &mut split,
-            &mut o2[cut * dv..],
-        );
+        gdn_chunked_head(&seq.tokens(0, cut), 16, &mut split, &mut o2[..cut * dv]);
+        gdn_chunked_head(&seq.tokens(cut, len), 16, &mut split, &mut o2[cut * dv..]);
         assert!(max_diff(&whole, &split) < 1e-5);
         assert!(max_diff(&o, &o2) < 1e-5);
     }

@@ -28,8 +28,20 @@ mod ssm;
 mod step;
 mod tensor;
 
-pub use gdn::{gdn_chunked_head, gdn_recurrent_head};
-pub use ssm::{ssm_chunked_head, ssm_recurrent_head};
+/// The kernels' tests' pseudo-random numbers.
+#[cfg(test)]
+pub(crate) mod test_rng {
+    /// A linear congruential step of `seed`, as a float uniform in [-0.5, 0.5).
+    pub fn lcg(seed: &mut u64) -> f32 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((*seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+    }
+}
+
+pub use gdn::{GdnHeadSeq, gdn_chunked_head, gdn_recurrent_head};
+pub use ssm::{HeadSeq, ssm_chunked_head, ssm_recurrent_head};
 pub use step::CpuStep;
 pub use tensor::{Arena, CpuTensor};
 

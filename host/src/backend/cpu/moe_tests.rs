@@ -2,11 +2,9 @@ use proptest::prelude::*;
 
 use super::*;
 
+/// Uniform in [-1, 1).
 fn lcg(seed: &mut u64) -> f32 {
-    *seed = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    crate::backend::cpu::test_rng::lcg(seed) * 2.0
 }
 
 fn routing(experts: usize, n_group: usize, topk_group: usize, top_k: usize) -> MoeRouting {
@@ -254,23 +252,28 @@ fn experts_match_plain_loops() {
     }
 }
 
-#[test]
-fn gated_experts_match_plain_loops() {
-    let mut seed = 5;
-    let shape = ExpertShape {
-        experts: 6,
-        hidden: 24,
-        inter: 40,
-        top_k: 3,
-        act: Activation::Silu,
-    };
+/// A gated MoE case: experts of `shape` with a random gate, 7 tokens routed by `routing`
+/// (top-k of `shape`), `moe_experts_gated`'s output checked against plain loops. Returns the
+/// inputs and the output for the caller's further checks.
+struct GatedCase {
+    ex: Experts,
+    gate: Vec<f32>,
+    x: Vec<f32>,
+    ids: Vec<u32>,
+    w: Vec<f32>,
+    got: Vec<f32>,
+}
+
+fn gated_case(seed: u64, shape: ExpertShape, routing: &MoeRouting) -> GatedCase {
+    let mut seed = seed;
+    let (e, h, i, k) = (shape.experts, shape.hidden, shape.inter, shape.top_k);
     let ex = experts(&mut seed, shape);
-    let gate: Vec<f32> = (0..ex.up.len()).map(|_| lcg(&mut seed) * 0.5).collect();
+    let gate: Vec<f32> = (0..e * i * h).map(|_| lcg(&mut seed) * 0.5).collect();
     let tokens = 7;
-    let x: Vec<f32> = (0..tokens * 24).map(|_| lcg(&mut seed)).collect();
-    let logits: Vec<f32> = (0..tokens * 6).map(|_| lcg(&mut seed) * 3.0).collect();
-    let (ids, w) = route(&logits, &[0.0; 6], &routing(6, 3, 2, 3));
-    let mut got = vec![0.0f32; tokens * 24];
+    let x: Vec<f32> = (0..tokens * h).map(|_| lcg(&mut seed)).collect();
+    let logits: Vec<f32> = (0..tokens * e).map(|_| lcg(&mut seed) * 3.0).collect();
+    let (ids, w) = route(&logits, &vec![0.0; e], routing);
+    let mut got = vec![0.0f32; tokens * h];
     moe_experts_gated(
         &x,
         &ids,
@@ -282,51 +285,99 @@ fn gated_experts_match_plain_loops() {
         &mut got,
     )
     .unwrap();
-    let (h, i) = (24, 40);
+    let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(p, q)| p * q).sum::<f32>();
     for (t, xt) in x.chunks(h).enumerate() {
         let mut want = vec![0.0f32; h];
-        for j in 0..3 {
-            let e = ids[t * 3 + j] as usize;
-            let dot = |m: &[f32], r: usize| -> f32 {
-                m[(e * i + r) * h..(e * i + r + 1) * h]
-                    .iter()
-                    .zip(xt)
-                    .map(|(a, b)| a * b)
-                    .sum()
-            };
+        for j in 0..k {
+            let ex_id = ids[t * k + j] as usize;
             let mid: Vec<f32> = (0..i)
-                .map(|r| apply_act(dot(&gate, r), Activation::Silu) * dot(&ex.up, r))
+                .map(|r| {
+                    let at = (ex_id * i + r) * h..(ex_id * i + r + 1) * h;
+                    apply_act(dot(&gate[at.clone()], xt), shape.act) * dot(&ex.up[at], xt)
+                })
                 .collect();
             for (c, o) in want.iter_mut().enumerate() {
-                let row = &ex.down[(e * h + c) * i..(e * h + c + 1) * i];
-                *o += w[t * 3 + j] * row.iter().zip(&mid).map(|(a, b)| a * b).sum::<f32>();
+                let row = &ex.down[(ex_id * h + c) * i..(ex_id * h + c + 1) * i];
+                *o += w[t * k + j] * dot(row, &mid);
             }
         }
-        for (c, (g, e)) in got[t * h..(t + 1) * h].iter().zip(&want).enumerate() {
+        for (c, (g, wv)) in got[t * h..(t + 1) * h].iter().zip(&want).enumerate() {
             assert!(
-                (g - e).abs() <= 1e-5 * e.abs().max(1.0),
-                "token {t} col {c}: {g} vs {e}"
+                (g - wv).abs() <= 1e-5 * wv.abs().max(1.0),
+                "token {t} col {c}: {g} vs {wv}"
             );
         }
     }
-    // The gate matters: without it the result differs.
-    let mut plain = vec![0.0f32; tokens * 24];
-    moe_experts(&x, &ids, &w, &ex.up, &ex.down, &shape, &mut plain).unwrap();
-    assert!(plain.iter().zip(&got).any(|(a, b)| (a - b).abs() > 1e-3));
-    let short = &gate[1..];
+    GatedCase {
+        ex,
+        gate,
+        x,
+        ids,
+        w,
+        got,
+    }
+}
+
+/// `moe_experts_gated` with a gate one element short is an error.
+fn short_gate_is_refused(case: &GatedCase, shape: &ExpertShape) {
+    let mut out = vec![0.0f32; case.got.len()];
     assert!(
         moe_experts_gated(
-            &x,
-            &ids,
-            &w,
-            Some(short),
-            &ex.up,
-            &ex.down,
-            &shape,
-            &mut got
+            &case.x,
+            &case.ids,
+            &case.w,
+            Some(&case.gate[1..]),
+            &case.ex.up,
+            &case.ex.down,
+            shape,
+            &mut out
         )
         .is_err()
     );
+}
+
+#[test]
+fn gated_experts_match_plain_loops() {
+    let shape = ExpertShape {
+        experts: 6,
+        hidden: 24,
+        inter: 40,
+        top_k: 3,
+        act: Activation::Silu,
+    };
+    let case = gated_case(5, shape, &routing(6, 3, 2, 3));
+    // The gate matters: without it the result differs.
+    let mut plain = vec![0.0f32; case.got.len()];
+    moe_experts(
+        &case.x,
+        &case.ids,
+        &case.w,
+        &case.ex.up,
+        &case.ex.down,
+        &shape,
+        &mut plain,
+    )
+    .unwrap();
+    assert!(
+        plain
+            .iter()
+            .zip(&case.got)
+            .any(|(a, b)| (a - b).abs() > 1e-3)
+    );
+    short_gate_is_refused(&case, &shape);
+}
+
+#[test]
+fn gated_experts_of_another_shape_match_plain_loops() {
+    let shape = ExpertShape {
+        experts: 5,
+        hidden: 12,
+        inter: 20,
+        top_k: 2,
+        act: Activation::Silu,
+    };
+    let case = gated_case(17, shape, &routing(5, 1, 1, 2));
+    short_gate_is_refused(&case, &shape);
 }
 
 #[test]
@@ -431,73 +482,4 @@ fn softmax_routing_picks_the_largest_logits_and_normalises_over_them() {
     assert_eq!(ids, [3, 2]);
     assert!((w[0] - 2.0 / z).abs() <= 1e-6 && (w[1] - 2.0 * (-1.0f32).exp() / z).abs() <= 1e-6);
     assert!(moe_route_softmax(&logits, 1, &routing(4, 1, 1, 5), &mut ids, &mut w).is_err());
-}
-
-#[test]
-fn gated_experts_of_another_shape_match_plain_loops() {
-    let mut seed = 17;
-    let shape = ExpertShape {
-        experts: 5,
-        hidden: 12,
-        inter: 20,
-        top_k: 2,
-        act: Activation::Silu,
-    };
-    let (e, h, i) = (shape.experts, shape.hidden, shape.inter);
-    let ex = experts(&mut seed, shape);
-    let gate: Vec<f32> = (0..e * i * h).map(|_| lcg(&mut seed) * 0.5).collect();
-    let tokens = 7;
-    let x: Vec<f32> = (0..tokens * h).map(|_| lcg(&mut seed)).collect();
-    let logits: Vec<f32> = (0..tokens * e).map(|_| lcg(&mut seed) * 3.0).collect();
-    let (ids, w) = route(&logits, &[0.0; 5], &routing(5, 1, 1, 2));
-    let mut got = vec![0.0f32; tokens * h];
-    moe_experts_gated(
-        &x,
-        &ids,
-        &w,
-        Some(&gate),
-        &ex.up,
-        &ex.down,
-        &shape,
-        &mut got,
-    )
-    .unwrap();
-    let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(p, q)| p * q).sum::<f32>();
-    for (t, xt) in x.chunks(h).enumerate() {
-        let mut want = vec![0.0f32; h];
-        for j in 0..2 {
-            let ex_id = ids[t * 2 + j] as usize;
-            let mid: Vec<f32> = (0..i)
-                .map(|r| {
-                    let at = (ex_id * i + r) * h..(ex_id * i + r + 1) * h;
-                    apply_act(dot(&gate[at.clone()], xt), Activation::Silu) * dot(&ex.up[at], xt)
-                })
-                .collect();
-            for (c, o) in want.iter_mut().enumerate() {
-                let row = &ex.down[(ex_id * h + c) * i..(ex_id * h + c + 1) * i];
-                *o += w[t * 2 + j] * dot(row, &mid);
-            }
-        }
-        for (c, (g, wv)) in got[t * h..(t + 1) * h].iter().zip(&want).enumerate() {
-            assert!(
-                (g - wv).abs() <= 1e-5 * wv.abs().max(1.0),
-                "token {t} col {c}: {g} vs {wv}"
-            );
-        }
-    }
-    // A gate of the wrong size is an error.
-    let mut out = vec![0.0f32; tokens * h];
-    assert!(
-        moe_experts_gated(
-            &x,
-            &ids,
-            &w,
-            Some(&gate[1..]),
-            &ex.up,
-            &ex.down,
-            &shape,
-            &mut out
-        )
-        .is_err()
-    );
 }

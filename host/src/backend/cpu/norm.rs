@@ -43,18 +43,7 @@ impl CpuBackend {
         }
         let mut out = self.tmp(&x.shape);
         out.data.copy_from_slice(&x.data);
-        out.data
-            .par_chunks_mut(group)
-            .with_min_len(min_rows(group))
-            .enumerate()
-            .for_each(|(i, seg)| {
-                let ms = seg.iter().map(|v| v * v).sum::<f32>() / group as f32;
-                let inv = 1.0 / (ms + eps).sqrt();
-                let base = (i * group) % cols;
-                for (v, wv) in seg.iter_mut().zip(&w.data[base..base + group]) {
-                    *v = wv * (*v * inv);
-                }
-            });
+        normalize_segments(&mut out.data, group, &w.data, eps);
         Ok(out)
     }
 
@@ -78,18 +67,7 @@ impl CpuBackend {
         for ((o, v), g) in out.data.iter_mut().zip(&x.data).zip(&gate.data) {
             *o = v * silu(*g);
         }
-        out.data
-            .par_chunks_mut(group)
-            .with_min_len(min_rows(group))
-            .enumerate()
-            .for_each(|(i, seg)| {
-                let ms = seg.iter().map(|v| v * v).sum::<f32>() / group as f32;
-                let inv = 1.0 / (ms + eps).sqrt();
-                let base = (i * group) % cols;
-                for (j, v) in seg.iter_mut().enumerate() {
-                    *v = w.data[base + j] * (*v * inv);
-                }
-            });
+        normalize_segments(&mut out.data, group, &w.data, eps);
         Ok(out)
     }
 
@@ -109,16 +87,7 @@ impl CpuBackend {
         }
         let mut out = self.tmp(&x.shape);
         out.data.copy_from_slice(&x.data);
-        out.data
-            .par_chunks_mut(head_dim)
-            .with_min_len(min_rows(head_dim))
-            .for_each(|seg| {
-                let ms = seg.iter().map(|v| v * v).sum::<f32>() / head_dim as f32;
-                let inv = 1.0 / (ms + eps).sqrt();
-                for (v, wv) in seg.iter_mut().zip(&w.data) {
-                    *v = wv * (*v * inv);
-                }
-            });
+        normalize_segments(&mut out.data, head_dim, &w.data, eps);
         Ok(out)
     }
 
@@ -147,4 +116,21 @@ impl CpuBackend {
             });
         Ok(())
     }
+}
+
+/// RMS-normalises every `seg`-wide slice of `data` in place and scales it by its slice of `w`:
+/// `w` is one weight per column of a row (`seg` dividing its length, each slice its own part of
+/// it) or, `seg` long, the same weight for every slice (per-head norms).
+fn normalize_segments(data: &mut [f32], seg: usize, w: &[f32], eps: f32) {
+    data.par_chunks_mut(seg)
+        .with_min_len(min_rows(seg))
+        .enumerate()
+        .for_each(|(i, slice)| {
+            let ms = slice.iter().map(|v| v * v).sum::<f32>() / seg as f32;
+            let inv = 1.0 / (ms + eps).sqrt();
+            let base = (i * seg) % w.len();
+            for (v, wv) in slice.iter_mut().zip(&w[base..base + seg]) {
+                *v = wv * (*v * inv);
+            }
+        });
 }

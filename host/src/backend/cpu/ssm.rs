@@ -159,21 +159,32 @@ fn softplus(x: f32) -> f32 {
     if x > 20.0 { x } else { x.exp().ln_1p() }
 }
 
-/// One head's recurrence over `len` tokens: `S ← exp(dt·a)·S + dt·x⊗B`, `y = S·C + d·x`.
-/// `x`/`y` are `[len, p]`, `b`/`c` `[len, n]`, `state` `[p, n]`.
-#[allow(clippy::too_many_arguments)]
-pub fn ssm_recurrent_head(
-    x: &[f32],
-    b: &[f32],
-    c: &[f32],
-    dt: &[f32],
-    a: f32,
-    d: f32,
-    p: usize,
-    n: usize,
-    state: &mut [f32],
-    y: &mut [f32],
-) {
+/// One head's inputs over `len` tokens: `x` `[len, p]`, `b`/`c` `[len, n]`, `dt` `[len]`,
+/// the head's decay `a` and skip `d`.
+pub struct HeadSeq<'a> {
+    pub x: &'a [f32],
+    pub b: &'a [f32],
+    pub c: &'a [f32],
+    pub dt: &'a [f32],
+    pub a: f32,
+    pub d: f32,
+    pub p: usize,
+    pub n: usize,
+}
+
+/// One head's recurrence over `len` tokens: `S ← exp(dt·a)·S + dt·x⊗B`, `y = S·C + d·x`;
+/// `state` `[p, n]`, `y` `[len, p]`.
+pub fn ssm_recurrent_head(seq: &HeadSeq<'_>, state: &mut [f32], y: &mut [f32]) {
+    let HeadSeq {
+        x,
+        b,
+        c,
+        dt,
+        a,
+        d,
+        p,
+        n,
+    } = *seq;
     for t in 0..dt.len() {
         let decay = (dt[t] * a).exp();
         let (xt, bt, ct) = (
@@ -197,20 +208,17 @@ pub fn ssm_recurrent_head(
 /// The same result as [`ssm_recurrent_head`], computed chunk by chunk in the SSD form:
 /// within a chunk `y_l = exp(A_l)·C_l·S + Σ_{s≤l} exp(A_l − A_s)·dt_s·(C_l·B_s)·x_s + d·x_l`
 /// (A = cumulative `dt·a`), and the state is carried from chunk to chunk.
-#[allow(clippy::too_many_arguments)]
-pub fn ssm_chunked_head(
-    x: &[f32],
-    b: &[f32],
-    c: &[f32],
-    dt: &[f32],
-    a: f32,
-    d: f32,
-    p: usize,
-    n: usize,
-    chunk: usize,
-    state: &mut [f32],
-    y: &mut [f32],
-) {
+pub fn ssm_chunked_head(seq: &HeadSeq<'_>, chunk: usize, state: &mut [f32], y: &mut [f32]) {
+    let HeadSeq {
+        x,
+        b,
+        c,
+        dt,
+        a,
+        d,
+        p,
+        n,
+    } = *seq;
     let len = dt.len();
     let chunk = chunk.max(1);
     let mut acum = vec![0.0f32; chunk];
@@ -282,15 +290,22 @@ struct HeadInputs {
     dt: Vec<f32>,
 }
 
-#[allow(clippy::too_many_arguments)]
+/// One scan's inputs: `x [n, heads·head_dim]`, `b`/`c` `[n, groups·state_size]`, `dt [n,
+/// heads]` (before the bias and softplus), and per head `a_log`, the skip `d` and `dt_bias`.
+pub(super) struct ScanInputs<'a> {
+    pub x: &'a CpuTensor,
+    pub b: &'a CpuTensor,
+    pub c: &'a CpuTensor,
+    pub dt: &'a CpuTensor,
+    pub a_log: &'a CpuTensor,
+    pub d: &'a CpuTensor,
+    pub dt_bias: &'a CpuTensor,
+}
+
+/// The selective scan of every chunk of `plan` from and into `state` (snapshots where the plan
+/// asks), writing `out` like `x`.
 pub(super) fn ssm_scan(
-    x: &CpuTensor,
-    b: &CpuTensor,
-    c: &CpuTensor,
-    dt: &CpuTensor,
-    a_log: &CpuTensor,
-    d: &CpuTensor,
-    dt_bias: &CpuTensor,
+    inputs: &ScanInputs<'_>,
     shape: SsmShape,
     state: LayerState<'_>,
     plan: &StepPlan,
@@ -302,11 +317,11 @@ pub(super) fn ssm_scan(
         groups,
         state_size: n,
         chunk_size,
-        dt_min,
-        dt_max,
+        ..
     } = shape;
+    let ScanInputs { x, a_log, d, .. } = *inputs;
     let xcols = x.rows_cols().1;
-    check_scan(x, b, c, dt, shape, &state, out)?;
+    check_scan(inputs, shape, &state, out)?;
     let heads_per_group = heads / groups;
     let head_state = p * n;
     let y = &mut out.data;
@@ -324,9 +339,7 @@ pub(super) fn ssm_scan(
             .into_par_iter()
             .map(|h| {
                 let g = h / heads_per_group;
-                let inp = gather_head(
-                    x, b, c, dt, dt_bias, seq, h, g, p, n, heads, groups, dt_min, dt_max,
-                );
+                let inp = gather_head(inputs, &shape, seq, (h, g));
                 let a = -a_log.data[h].exp();
                 let dh = d.data[h];
                 let s = live[h * head_state..(h + 1) * head_state].to_vec();
@@ -360,10 +373,7 @@ pub(super) fn ssm_scan(
 
 /// Checks the scan's inputs against each other, the shape, the state and the output.
 fn check_scan(
-    x: &CpuTensor,
-    b: &CpuTensor,
-    c: &CpuTensor,
-    dt: &CpuTensor,
+    inputs: &ScanInputs<'_>,
     shape: SsmShape,
     state: &LayerState<'_>,
     out: &CpuTensor,
@@ -375,6 +385,7 @@ fn check_scan(
         state_size: n,
         ..
     } = shape;
+    let ScanInputs { x, b, c, dt, .. } = *inputs;
     let (rows, xcols) = x.rows_cols();
     let bc_cols = groups * n;
     if xcols != heads * p
@@ -410,17 +421,21 @@ fn scan_segments(
     let mut snaps = Vec::with_capacity(ends.len());
     let mut from = 0;
     for &to in ends {
-        let (xs, bs, cs, dts) = (
-            &inp.x[from * p..to * p],
-            &inp.b[from * n..to * n],
-            &inp.c[from * n..to * n],
-            &inp.dt[from..to],
-        );
+        let seq = HeadSeq {
+            x: &inp.x[from * p..to * p],
+            b: &inp.b[from * n..to * n],
+            c: &inp.c[from * n..to * n],
+            dt: &inp.dt[from..to],
+            a,
+            d: dh,
+            p,
+            n,
+        };
         let ys = &mut yh[from * p..to * p];
         if to - from == 1 {
-            ssm_recurrent_head(xs, bs, cs, dts, a, dh, p, n, &mut s, ys);
+            ssm_recurrent_head(&seq, &mut s, ys);
         } else {
-            ssm_chunked_head(xs, bs, cs, dts, a, dh, p, n, chunk_size, &mut s, ys);
+            ssm_chunked_head(&seq, chunk_size, &mut s, ys);
         }
         snaps.push(s.clone());
         from = to;
@@ -432,23 +447,31 @@ fn scan_segments(
     }
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Head `h`'s (of group `g`) inputs for one sequence chunk, `dt` biased, softplus-ed and
+/// clamped.
 fn gather_head(
-    x: &CpuTensor,
-    b: &CpuTensor,
-    c: &CpuTensor,
-    dt: &CpuTensor,
-    dt_bias: &CpuTensor,
+    inputs: &ScanInputs<'_>,
+    shape: &SsmShape,
     seq: &SeqChunk,
-    h: usize,
-    g: usize,
-    p: usize,
-    n: usize,
-    heads: usize,
-    groups: usize,
-    dt_min: f32,
-    dt_max: f32,
+    (h, g): (usize, usize),
 ) -> HeadInputs {
+    let ScanInputs {
+        x,
+        b,
+        c,
+        dt,
+        dt_bias,
+        ..
+    } = *inputs;
+    let SsmShape {
+        heads,
+        head_dim: p,
+        groups,
+        state_size: n,
+        dt_min,
+        dt_max,
+        ..
+    } = *shape;
     let xcols = heads * p;
     let bc_cols = groups * n;
     let mut out = HeadInputs {
@@ -541,9 +564,16 @@ impl CpuBackend {
     ) -> Result<CpuTensor> {
         let mut out = self.tmp(&x.shape);
         let state = LayerState::new(&mut pools.ssm, layer)?;
-        ssm_scan(
-            x, b, c, dt, a_log, d, dt_bias, shape, state, &step.plan, &mut out,
-        )?;
+        let inputs = ScanInputs {
+            x,
+            b,
+            c,
+            dt,
+            a_log,
+            d,
+            dt_bias,
+        };
+        ssm_scan(&inputs, shape, state, &step.plan, &mut out)?;
         Ok(out)
     }
 }
@@ -552,12 +582,7 @@ impl CpuBackend {
 mod tests {
     use super::*;
 
-    fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((*seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-    }
+    use crate::backend::cpu::test_rng::lcg;
 
     #[test]
     fn chunked_scan_equals_recurrence() {
@@ -572,8 +597,18 @@ mod tests {
             let (a, d) = (-0.7, 0.3);
             let (mut s1, mut s2) = (init.clone(), init);
             let (mut y1, mut y2) = (vec![0.0; len * p], vec![0.0; len * p]);
-            ssm_recurrent_head(&x, &b, &c, &dt, a, d, p, n, &mut s1, &mut y1);
-            ssm_chunked_head(&x, &b, &c, &dt, a, d, p, n, chunk, &mut s2, &mut y2);
+            let seq = HeadSeq {
+                x: &x,
+                b: &b,
+                c: &c,
+                dt: &dt,
+                a,
+                d,
+                p,
+                n,
+            };
+            ssm_recurrent_head(&seq, &mut s1, &mut y1);
+            ssm_chunked_head(&seq, chunk, &mut s2, &mut y2);
             let dy = y1
                 .iter()
                 .zip(&y2)

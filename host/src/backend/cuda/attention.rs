@@ -59,16 +59,8 @@ impl CudaBackend {
         self.check_attention(q, k, v, cache, shape, step)?;
         let n = step.dims.tokens;
         let kv_width = shape.kv_heads * shape.head_dim;
-        let mut args = vec![
-            Arg::Ptr(cache.k.ptr),
-            Arg::Ptr(cache.v.ptr),
-            Arg::Ptr(k.ptr),
-            Arg::Ptr(v.ptr),
-            Arg::Ptr(step.col(step.cols.slot_mapping)),
-            Arg::U32(n as u32),
-            Arg::U32(kv_width as u32),
-            Arg::U64(cache_rows(cache)),
-        ];
+        let mut args = kv_write_args(cache, (k.ptr, v.ptr), step, n);
+        args.extend([Arg::U32(kv_width as u32), Arg::U64(cache_rows(cache))]);
         let name = kv_write_entry(["kv_write", "kv_write_fp8"], cache, &mut args);
         self.launch(name, q.dtype, n as u32, &args)?;
         self.attend(q, cache, shape, step)
@@ -94,13 +86,8 @@ impl CudaBackend {
         }
         let n = step.dims.tokens;
         let table = self.rope_table(rope)?;
-        let mut args = vec![
-            Arg::Ptr(cache.k.ptr),
-            Arg::Ptr(cache.v.ptr),
-            Arg::Ptr(k.ptr),
-            Arg::Ptr(v.ptr),
-            Arg::Ptr(step.col(step.cols.slot_mapping)),
-            Arg::U32(n as u32),
+        let mut args = kv_write_args(cache, (k.ptr, v.ptr), step, n);
+        args.extend([
             Arg::U32(shape.kv_heads as u32),
             Arg::U32(shape.head_dim as u32),
             Arg::U32((rope.rotary_dim / 2) as u32),
@@ -110,7 +97,7 @@ impl CudaBackend {
             Arg::U64(cache_rows(cache)),
             Arg::Ptr(q.ptr),
             Arg::U32(shape.heads as u32),
-        ];
+        ]);
         let name = kv_write_entry(["rope_kv_write", "rope_kv_write_fp8"], cache, &mut args);
         self.launch(name, q.dtype, n as u32, &args)?;
         self.attend(&q, cache, shape, step)
@@ -277,4 +264,22 @@ fn cache_rows(cache: &KvLayer<CudaTensor>) -> u64 {
 fn f32_bits(v: &[f32]) -> &[u32] {
     // SAFETY: f32 and u32 have the same size and alignment and every bit pattern is a valid u32.
     unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u32>(), v.len()) }
+}
+
+/// The leading arguments of the paged KV writes: the cache's K and V, the new rows of `k` and
+/// `v` (device pointers), the step's slot mapping and its token count `n`.
+fn kv_write_args(
+    cache: &KvLayer<CudaTensor>,
+    (k, v): (u64, u64),
+    step: &CudaStep,
+    n: usize,
+) -> Vec<Arg> {
+    vec![
+        Arg::Ptr(cache.k.ptr),
+        Arg::Ptr(cache.v.ptr),
+        Arg::Ptr(k),
+        Arg::Ptr(v),
+        Arg::Ptr(step.col(step.cols.slot_mapping)),
+        Arg::U32(n as u32),
+    ]
 }

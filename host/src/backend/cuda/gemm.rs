@@ -36,6 +36,19 @@ struct Key {
     fp8: bool,
 }
 
+impl Key {
+    fn new((n, k, m): (usize, usize, usize), bias: bool, dtype: DType, fp8: bool) -> Self {
+        Self {
+            m,
+            n,
+            k,
+            bias,
+            dtype,
+            fp8,
+        }
+    }
+}
+
 struct Plan {
     desc: lts::cublasLtMatmulDesc_t,
     a: lts::cublasLtMatrixLayout_t,
@@ -256,14 +269,7 @@ impl Gemm {
         y: u64,
         (n, k, m): (usize, usize, usize),
     ) -> Result<()> {
-        let key = Key {
-            m,
-            n,
-            k,
-            bias: bias.is_some(),
-            dtype,
-            fp8: false,
-        };
+        let key = Key::new((n, k, m), bias.is_some(), dtype, false);
         self.run(stream, key, x, w, bias, y, None)
     }
 
@@ -282,14 +288,7 @@ impl Gemm {
         y: u64,
         (n, k, m): (usize, usize, usize),
     ) -> Result<()> {
-        let key = Key {
-            m,
-            n,
-            k,
-            bias: bias.is_some(),
-            dtype,
-            fp8: true,
-        };
+        let key = Key::new((n, k, m), bias.is_some(), dtype, true);
         self.run(stream, key, x, w, bias, y, Some((sw, sx)))
     }
 
@@ -301,14 +300,7 @@ impl Gemm {
         bias: bool,
         (n, k, m): (usize, usize, usize),
     ) -> Result<()> {
-        let key = Key {
-            m,
-            n,
-            k,
-            bias,
-            dtype,
-            fp8: true,
-        };
+        let key = Key::new((n, k, m), bias, dtype, true);
         let mut plans = self.plans.lock().unwrap_or_else(|p| p.into_inner());
         if plans.contains_key(&key) {
             return Ok(());

@@ -123,29 +123,52 @@ impl CudaBackend {
                 r.top_k, r.n_group, r.topk_group
             )));
         }
-        let n = tokens * r.top_k;
-        let res = self.tmp(&[2 * n.max(1)], DType::F32)?;
         let choice = self.tmp(&[tokens.max(1), n_experts], DType::F32)?;
-        self.launch_geo(
+        self.launch_route(
             "moe_route",
-            router_logits.dtype,
-            ((tokens as u32).div_ceil(128).max(1), 1, 1),
-            (128, 1, 1),
-            0,
+            router_logits,
+            r,
+            &[Arg::Ptr(choice.ptr)],
             &[
-                Arg::Ptr(res.ptr),
-                Arg::Ptr(res.ptr + 4 * n as u64),
-                Arg::Ptr(choice.ptr),
-                Arg::Ptr(router_logits.ptr),
                 Arg::Ptr(r.correction_bias.ptr),
                 Arg::U32(tokens as u32),
                 Arg::U32(n_experts as u32),
                 Arg::U32(r.n_group as u32),
                 Arg::U32(r.topk_group as u32),
-                Arg::U32(r.top_k as u32),
-                Arg::U32(u32::from(r.norm_topk_prob)),
-                Arg::F32(r.scaling),
             ],
+        )
+    }
+
+    /// Launches the routing kernel `kernel` (a thread a token) into a new buffer of `2 ×
+    /// tokens × top_k` words (expert ids, then weights): its arguments are the two halves,
+    /// `before` the logits, the logits, `after` them, then top-k, renormalisation and scaling.
+    fn launch_route(
+        &self,
+        kernel: &str,
+        router_logits: &CudaTensor,
+        r: &MoeRouting<CudaTensor>,
+        before: &[Arg],
+        after: &[Arg],
+    ) -> Result<CudaTensor> {
+        let tokens = router_logits.rows_cols().0;
+        let n = tokens * r.top_k;
+        let res = self.tmp(&[2 * n.max(1)], DType::F32)?;
+        let mut args = vec![Arg::Ptr(res.ptr), Arg::Ptr(res.ptr + 4 * n as u64)];
+        args.extend_from_slice(before);
+        args.push(Arg::Ptr(router_logits.ptr));
+        args.extend_from_slice(after);
+        args.extend([
+            Arg::U32(r.top_k as u32),
+            Arg::U32(u32::from(r.norm_topk_prob)),
+            Arg::F32(r.scaling),
+        ]);
+        self.launch_geo(
+            kernel,
+            router_logits.dtype,
+            ((tokens as u32).div_ceil(128).max(1), 1, 1),
+            (128, 1, 1),
+            0,
+            &args,
         )?;
         Ok(res)
     }
@@ -164,26 +187,13 @@ impl CudaBackend {
                 r.top_k
             )));
         }
-        let n = tokens * r.top_k;
-        let res = self.tmp(&[2 * n.max(1)], DType::F32)?;
-        self.launch_geo(
+        self.launch_route(
             "moe_route_softmax",
-            router_logits.dtype,
-            ((tokens as u32).div_ceil(128).max(1), 1, 1),
-            (128, 1, 1),
-            0,
-            &[
-                Arg::Ptr(res.ptr),
-                Arg::Ptr(res.ptr + 4 * n as u64),
-                Arg::Ptr(router_logits.ptr),
-                Arg::U32(tokens as u32),
-                Arg::U32(n_experts as u32),
-                Arg::U32(r.top_k as u32),
-                Arg::U32(u32::from(r.norm_topk_prob)),
-                Arg::F32(r.scaling),
-            ],
-        )?;
-        Ok(res)
+            router_logits,
+            r,
+            &[],
+            &[Arg::U32(tokens as u32), Arg::U32(n_experts as u32)],
+        )
     }
 
     /// [`Self::route_on_device`], then the expert ids and weights (`[tokens, top_k]`) brought
