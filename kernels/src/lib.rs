@@ -484,11 +484,51 @@ pub mod fp8 {
         ("fp8_gemv_bf16_n1_w4u2", WARPS as usize * 4),
         ("fp8_gemv_bf16_n1_w2u2", WARPS as usize * 2),
     ];
+
+    /// The variant of [`GEMV_N1_BF16`] for an `m × k` weight on `sms` multiprocessors, from
+    /// `bench-fp8` on an H100 (2026-12-07): the warp-per-features kernel with two chunks in
+    /// flight (`w2u2`) wherever its blocks fill every multiprocessor and the reduction is at
+    /// most twice the output (64–92 % of the copy bandwidth on the 8B shapes, against 58–81 % for
+    /// the four-feature block kernel); the two-feature block kernel with four chunks in flight
+    /// (`r2u4`) for long reductions of large weights (down projections: 88–89 % against 82–86 %);
+    /// the four-feature block kernel for small outputs (k_proj's 1024: more, smaller blocks).
+    pub fn gemv_n1_bf16_pick(m: usize, k: usize, sms: usize) -> usize {
+        let index = |name: &str| {
+            GEMV_N1_BF16
+                .iter()
+                .position(|(n, _)| *n == name)
+                .expect("a listed variant")
+        };
+        let large = m * k >= 32 << 20;
+        if k > 2 * m && large {
+            index("fp8_gemv_bf16_n1_r2u4")
+        } else if k <= 2 * m && m / (WARPS as usize * 2) >= sms {
+            index("fp8_gemv_bf16_n1_w2u2")
+        } else {
+            0
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_fp8_gemv_pick_follows_the_measured_shapes() {
+        let name = |m: usize, k: usize| fp8::GEMV_N1_BF16[fp8::gemv_n1_bf16_pick(m, k, 132)].0;
+        // Wide outputs: the warp-per-features kernel; long reductions of large weights: two
+        // features a block with four chunks in flight; few outputs: the default.
+        for (m, k) in [(4096, 4096), (14336, 4096), (18560, 4096), (4096, 8192)] {
+            assert_eq!(name(m, k), "fp8_gemv_bf16_n1_w2u2", "{m}×{k}");
+        }
+        for (m, k) in [(4096, 14336), (4096, 21504)] {
+            assert_eq!(name(m, k), "fp8_gemv_bf16_n1_r2u4", "{m}×{k}");
+        }
+        assert_eq!(name(1024, 4096), fp8::GEMV_N1_BF16[0].0);
+        // A GPU with more multiprocessors than blocks keeps the default.
+        assert_eq!(fp8::gemv_n1_bf16_pick(4096, 4096, 1024), 0);
+    }
 
     #[test]
     fn every_source_inlines_and_names_unique_entries() {

@@ -3,7 +3,7 @@
 # .gpu/chimera.xz and .gpu/chimera-gpu-check.xz (tests/gpu/prepare.sh makes them on a machine
 # without a GPU; they are unpacked here when the .xz is newer than the binary or it is missing):
 #
-#   tests/gpu/run.sh kernels|hybrid|parity|archs|graphs|bench|bench-kernels|bench-archs|bench-mixed|moe|spec|bench-spec|fp8|bench-fp8|bench-fp8-short|serve|all
+#   tests/gpu/run.sh kernels|hybrid|parity|archs|graphs|bench|bench-kernels|bench-archs|bench-mixed|moe|spec|bench-spec|fp8|bench-fp8|bench-fp8-short|kv-fp8|serve|all
 #   tests/gpu/run.sh attention|model|fixtures   (subsets of kernels and parity/hybrid, for planted faults)
 #   tests/gpu/run.sh serving-caching|serving-idle|serving-prefill|serving-routing   (QUICK=1: small)
 #   tests/gpu/run.sh serving-dynamo   (also .gpu/chimera-dynamo.xz and a Dynamo stage: see
@@ -151,7 +151,7 @@ constrained_suite() {
 }
 
 case $suite in
-  kernels|hybrid|parity|archs|graphs|bench|bench-kernels|bench-archs|bench-mixed|moe|attention|model|fixtures|spec|bench-spec|fp8|bench-fp8|bench-fp8-short) run_check "$suite" ;;
+  kernels|hybrid|parity|archs|graphs|bench|bench-kernels|bench-archs|bench-mixed|moe|attention|model|fixtures|spec|bench-spec|fp8|bench-fp8|bench-fp8-short|kv-fp8) run_check "$suite" ;;
   # chimera serve + chimera bench with NemotronH-8B-shaped dummy weights (tests/gpu/serving.py;
   # QUICK=1 for a small workload); serving-routing needs two GPUs.
   # serving-dynamo: two Dynamo workers sharing the GPU behind Dynamo's frontend.

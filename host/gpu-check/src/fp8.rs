@@ -14,7 +14,7 @@
 use super::rng::Rng;
 use super::{GpuCheckArgs, Report};
 use chimera::backend::cpu::CpuBackend;
-use chimera::backend::cuda::{CudaBackend, CudaTensor};
+use chimera::backend::cuda::{CudaBackend, CudaTensor, FP8_GEMV_AUTO};
 use chimera::backend::fp8::{self, Fp8Scales, Fp8Weight};
 use chimera::backend::{Activation, Backend, DType, HostTensor, LayerOps};
 use chimera::model::LoadOptions;
@@ -192,7 +192,7 @@ pub fn checks(
     }
     // Every other variant of the one-row bf16 GEMV (bench-fp8 times them) on plain and gated
     // products, row and block scales, against the CPU.
-    for (v, (entry, _)) in k8::GEMV_N1_BF16.iter().enumerate().skip(1) {
+    for (v, (entry, _)) in k8::GEMV_N1_BF16.iter().enumerate() {
         bf16_gpu.set_fp8_gemv_variant(v);
         for block in [None, Some(128)] {
             let (m, k) = (1024usize, 4096usize);
@@ -233,7 +233,7 @@ pub fn checks(
             }
         }
     }
-    bf16_gpu.set_fp8_gemv_variant(0);
+    bf16_gpu.set_fp8_gemv_variant(FP8_GEMV_AUTO);
     // Online quantization on the device makes the host's codes and scales (f32 weights: the
     // same division and rounding).
     let (m, k) = (512usize, 1024usize);
@@ -307,7 +307,9 @@ pub fn bench(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) {
 /// copy bandwidth `bw` (`--suite bench-fp8-gemv` alone).
 pub fn gemv_bench(report: &mut Report, gpu: &CudaBackend, bw: f64) {
     for &(label, m, k) in SHAPES {
-        let check = format!("linear n=1 {label} {m}×{k}: FP8 GEMV (bf16 GEMV in the same run)");
+        let check = format!(
+            "linear n=1 {label} {m}×{k}: FP8 GEMV, picked by shape (bf16 GEMV in the same run)"
+        );
         let run = || -> anyhow::Result<(f64, f64, Vec<f64>)> {
             let bf16_bytes = m * k * 2;
             let copies = (256usize << 20).div_ceil(bf16_bytes).clamp(1, CALLS);
@@ -324,18 +326,19 @@ pub fn gemv_bench(report: &mut Report, gpu: &CudaBackend, bw: f64) {
                 .collect::<Result<_, _>>()?;
             drop(bf16);
             let fp8_bytes = (m * k + 4 * m) as f64;
-            // Every variant of the one-row kernel, the default (0) first.
+            // Every variant of the one-row kernel, then the default (picked by shape).
             let mut variants = Vec::new();
             for v in 0..k8::GEMV_N1_BF16.len() {
                 gpu.set_fp8_gemv_variant(v);
                 variants.push(fp8_bytes / time_linear(gpu, 1, &fp8, k)?);
             }
-            gpu.set_fp8_gemv_variant(0);
-            Ok((bf16_bytes as f64 / bf16_s, variants[0], variants))
+            gpu.set_fp8_gemv_variant(FP8_GEMV_AUTO);
+            let picked = fp8_bytes / time_linear(gpu, 1, &fp8, k)?;
+            Ok((bf16_bytes as f64 / bf16_s, picked, variants))
         };
         match run() {
             Ok((bf16_bw, fp8_bw, variants)) => {
-                for (v, vbw) in variants.iter().enumerate().skip(1) {
+                for (v, vbw) in variants.iter().enumerate() {
                     report.push(
                         BENCH,
                         format!(

@@ -249,14 +249,23 @@ fn attention_case(
     };
     match run() {
         Ok((out_row, differ, total)) => {
-            let bound = if gpu.dtype() == DType::BF16 {
-                1e-2
+            // f32: the same maths over the same codes agrees to 1e-4; a code on the other side
+            // of a rounding boundary (RoPE's K rows, counted below) moves its element by a whole
+            // e4m3 step (1/16 to 1/8 of it), which f32 mode's bound allows for as 1e-3 (one such
+            // code measured 1.8e-4 on an H100).
+            let bound = match (gpu.dtype(), differ) {
+                (DType::BF16, _) => 1e-2,
+                (_, 0) => 1e-4,
+                _ => 1e-3,
+            };
+            let flipped = if differ > 0 {
+                format!(" ({differ} codes across a rounding boundary)")
             } else {
-                1e-4
+                String::new()
             };
             report.err(
                 SUITE,
-                format!("{label}: output, worst row max|Δ|/max|ref|"),
+                format!("{label}: output, worst row max|Δ|/max|ref|{flipped}"),
                 out_row,
                 bound,
             );

@@ -50,7 +50,8 @@ pub struct GpuCheckArgs {
     /// decoding: every fixture with drafts, GPU = CPU), bench-spec (verify-step cost and
     /// speed-ups on the 8B shapes), fp8 (FP8 weights and the FP8 KV cache against the CPU),
     /// bench-fp8 (their timings), bench-fp8-short (the FP8 GEMV variants, the
-    /// batched FP8 linear layers and the FP8 KV cache's timings alone) or all.
+    /// batched FP8 linear layers and the FP8 KV cache's timings alone), kv-fp8 (the FP8 KV
+    /// cache's checks and timings, then the FP8 linear layers' timings) or all.
     #[arg(long, default_value = "all")]
     pub suite: String,
     /// The committed model fixtures (`tests/fixtures/models`).
@@ -380,6 +381,17 @@ pub fn run(args: &GpuCheckArgs) -> anyhow::Result<Report> {
         fp8::bench(&mut report, &bf16_gpu, args);
         kv_fp8::bench(&mut report, &bf16_gpu, args);
     }
+    if args.suite == "kv-fp8" {
+        // The FP8 KV cache's checks and timings, then the FP8 linear layers' timings: the
+        // newest FP8 code first, for a short GPU call.
+        ran = true;
+        kv_fp8::checks(&mut report, &f32_gpu, &bf16_gpu, args, seed);
+        kv_fp8::bench(&mut report, &bf16_gpu, args);
+        if let Some(bw) = bench::copy_bandwidth(&mut report, &bf16_gpu) {
+            fp8::gemv_bench(&mut report, &bf16_gpu, bw);
+        }
+        fp8::batched_bench(&mut report, &bf16_gpu);
+    }
     if args.suite == "bench-fp8-short" {
         // The FP8 GEMV variants and the FP8 KV cache against bf16, without the model decodes.
         ran = true;
@@ -398,7 +410,7 @@ pub fn run(args: &GpuCheckArgs) -> anyhow::Result<Report> {
     }
     anyhow::ensure!(
         ran,
-        "unknown suite {:?} (kernels, attention, hybrid, parity, model, archs, fixtures, graphs, bench, bench-kernels, bench-archs, bench-mixed, moe, fp8, bench-fp8, bench-fp8-short, all)",
+        "unknown suite {:?} (kernels, attention, hybrid, parity, model, archs, fixtures, graphs, bench, bench-kernels, bench-archs, bench-mixed, moe, fp8, bench-fp8, bench-fp8-short, kv-fp8, all)",
         args.suite
     );
     if let Some(path) = &args.json {

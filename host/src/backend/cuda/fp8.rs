@@ -22,6 +22,9 @@ use super::{BLOCK, CudaBackend, CudaTensor, act_code, grid_for, shape_err};
 use crate::backend::fp8::{Fp8Scales, Fp8Weight};
 use crate::backend::{Activation, BackendError, DType, Result, f32_bytes};
 
+/// [`CudaBackend::set_fp8_gemv_variant`]'s "pick by shape".
+pub const FP8_GEMV_AUTO: usize = usize::MAX;
+
 impl CudaBackend {
     pub(super) fn upload_fp8_weight(&self, w: Fp8Weight<'_>) -> Result<CudaTensor> {
         w.check()?;
@@ -252,8 +255,20 @@ impl CudaBackend {
         let (b0, b1) = meta.block.map_or((0, 0), |b| (b[0] as u32, b[1] as u32));
         let (entry, rows) = match (x.dtype, n) {
             (DType::BF16, 1) => {
-                let v = self.inner.fp8_gemv_variant.load(Ordering::Relaxed);
-                k8::GEMV_N1_BF16[v.min(k8::GEMV_N1_BF16.len() - 1)]
+                let v = match self.inner.fp8_gemv_variant.load(Ordering::Relaxed) {
+                    FP8_GEMV_AUTO => {
+                        let pick = k8::gemv_n1_bf16_pick(m, k, self.sm_count() as usize);
+                        // A variant whose blocks do not tile `m` gives way to the default.
+                        let per_block = k8::GEMV_N1_BF16[pick].1 / (1 + gated.is_some() as usize);
+                        if m.is_multiple_of(per_block.max(1)) {
+                            pick
+                        } else {
+                            0
+                        }
+                    }
+                    v => v.min(k8::GEMV_N1_BF16.len() - 1),
+                };
+                k8::GEMV_N1_BF16[v]
             }
             (DType::BF16, 2) => ("fp8_gemv_bf16_n2", k8::GEMV_ROWS),
             (DType::F32, 1) => ("fp8_gemv_f32_n1", k8::GEMV_ROWS),
@@ -333,7 +348,8 @@ impl CudaBackend {
     }
 
     /// Which variant of `chimera_kernels::fp8::GEMV_N1_BF16` one-row FP8 projections use (the
-    /// bench times each; out-of-range picks the last).
+    /// bench times each; out-of-range picks the last): [`FP8_GEMV_AUTO`], the default, picks
+    /// by shape (`chimera_kernels::fp8::gemv_n1_bf16_pick`).
     pub fn set_fp8_gemv_variant(&self, variant: usize) {
         self.inner
             .fp8_gemv_variant

@@ -58,6 +58,7 @@ use cudarc::driver::{CudaStream, result, sys};
 
 use self::clock::StepClock;
 use self::device::{Arg, Device};
+pub use self::fp8::FP8_GEMV_AUTO;
 use self::graph::Graph;
 use self::memory::{Arena, DevAlloc, MemStats, Pinned, sync};
 use self::sample::PendingRead;
@@ -147,7 +148,7 @@ impl CudaBackend {
                 readback: Mutex::new(None),
                 pending_read: Mutex::new(None),
                 fp8_gemm: AtomicBool::new(true),
-                fp8_gemv_variant: std::sync::atomic::AtomicUsize::new(0),
+                fp8_gemv_variant: std::sync::atomic::AtomicUsize::new(fp8::FP8_GEMV_AUTO),
                 graphs: Mutex::new(Vec::new()),
                 small_m_gemv: AtomicBool::new(true),
                 clock: Mutex::new(None),
