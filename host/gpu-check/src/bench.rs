@@ -10,8 +10,8 @@ use super::rng::Rng;
 use super::{GpuCheckArgs, Report};
 use chimera::backend::cuda::CudaBackend;
 use chimera::backend::{
-    AttnShape, Backend, GraphBucket, HostTensor, KvLayer, LayerOps, SampleOut, StepBackend,
-    StepPlan,
+    AttnShape, Backend, GraphBucket, HostTensor, KvLayer, LayerOps, SampleOut, SsmOperands,
+    StepBackend, StepPlan,
 };
 
 use chimera::model::layers::Mixer;
@@ -330,12 +330,16 @@ fn ssm_timings(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()> {
                 slots: seqs,
                 layers: 1,
             };
-            let mut run = || {
-                gpu.ssm_scan(
-                    &x, &b, &c, &dt, &a_log, &d, &dt_bias, shape, &mut pools, 0, &step,
-                )
-                .map(drop)
+            let ops = SsmOperands {
+                x: &x,
+                b: &b,
+                c: &c,
+                dt: &dt,
+                a_log: &a_log,
+                d: &d,
+                dt_bias: &dt_bias,
             };
+            let mut run = || gpu.ssm_scan(&ops, shape, &mut pools, 0, &step).map(drop);
             for _ in 0..3 {
                 run()?;
             }

@@ -22,7 +22,7 @@ use super::{Report, rel_err, round_if_bf16};
 use chimera::backend::cpu::CpuBackend;
 use chimera::backend::cuda::CudaBackend;
 use chimera::backend::{
-    Backend, DType, GdnShape, HostTensor, LayerOps, SsmPools, StepBackend, StepPlan,
+    Backend, DType, GdnOperands, GdnShape, HostTensor, LayerOps, SsmPools, StepBackend, StepPlan,
 };
 
 type R<T> = anyhow::Result<T>;
@@ -233,9 +233,16 @@ fn run<B: StepBackend>(
     let dt_bias = up(&i.dt_bias, &[sh.v_heads])?;
     let mut step = b.new_step(n)?;
     b.upload_step(plan, &mut step)?;
-    let o = b.gated_delta_rule(
-        &q, &k, &v, &a, &bb, &a_log, &dt_bias, sh, &mut pools, LAYER, &step,
-    )?;
+    let ops = GdnOperands {
+        q: &q,
+        k: &k,
+        v: &v,
+        a: &a,
+        b: &bb,
+        a_log: &a_log,
+        dt_bias: &dt_bias,
+    };
+    let o = b.gated_delta_rule(&ops, sh, &mut pools, LAYER, &step)?;
     if b.shape(&o) != [n, sh.value_dim()] {
         anyhow::bail!("o {:?}, expected [{n}, {}]", b.shape(&o), sh.value_dim());
     }
@@ -339,10 +346,17 @@ fn time_layer(
         slots,
         layers: 1,
     };
+    let ops = GdnOperands {
+        q: &q,
+        k: &k,
+        v: &v,
+        a: &a,
+        b: &b,
+        a_log: &a_log,
+        dt_bias: &dt_bias,
+    };
     let mut run = || -> R<()> {
-        gpu.gated_delta_rule(
-            &q, &k, &v, &a, &b, &a_log, &dt_bias, sh, &mut pools, 0, &step,
-        )?;
+        gpu.gated_delta_rule(&ops, sh, &mut pools, 0, &step)?;
         Ok(())
     };
     for _ in 0..3 {

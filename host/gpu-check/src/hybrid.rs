@@ -11,8 +11,8 @@ use chimera::backend::cpu::CpuBackend;
 use chimera::backend::cpu::moe as cpu_moe;
 use chimera::backend::cuda::CudaBackend;
 use chimera::backend::{
-    Backend, DType, HostTensor, LayerOps, MoeRouting, MoeScoring, SlotOp, SsmPools, StepBackend,
-    StepPlan,
+    Backend, DType, HostTensor, LayerOps, MoeRouting, MoeScoring, SlotOp, SsmOperands, SsmPools,
+    StepBackend, StepPlan,
 };
 
 const SUITE: &str = "hybrid";
@@ -586,9 +586,16 @@ fn layer_on<B: StepBackend>(
     b.upload_step(plan, &mut step)?;
     let conv = b.causal_conv1d(&xt, &wt, Some(&bt), &mut pools, layer, &step)?;
     let [xs, bm, cm] = b.split_cols(&conv, [h * p, g * n, g * n])?;
-    let y = b.ssm_scan(
-        &xs, &bm, &cm, &dtt, &al, &dd, &db, shape, &mut pools, layer, &step,
-    )?;
+    let ops = SsmOperands {
+        x: &xs,
+        b: &bm,
+        c: &cm,
+        dt: &dtt,
+        a_log: &al,
+        d: &dd,
+        dt_bias: &db,
+    };
+    let y = b.ssm_scan(&ops, shape, &mut pools, layer, &step)?;
     let mut out = b.download(&conv)?;
     out.extend(b.download(&y)?);
     Ok((out, b.download(&pools.conv)?, b.download(&pools.ssm)?))

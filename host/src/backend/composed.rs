@@ -6,8 +6,8 @@
 //! (and a wrapper) can see it.
 
 use super::{
-    Activation, AttnShape, BackendError, KvLayer, LayerOps, Mamba2Mix, Result, Rope, SsmOutNorm,
-    SsmPools,
+    Activation, AttnShape, BackendError, KvLayer, LayerOps, Mamba2Mix, Result, Rope, SsmOperands,
+    SsmOutNorm, SsmPools,
 };
 
 /// [`LayerOps::gated_linear`] as [`LayerOps::linear_shared`] then
@@ -115,8 +115,15 @@ pub fn mamba2_scan<B: LayerOps>(
     let [z, xbc, dt] = b.split_cols(zxbcdt, [d_inner, m.conv_dim(), sh.heads])?;
     let xbc = b.causal_conv1d(&xbc, m.conv_w, m.conv_b, pools, layer, step)?;
     let [xs, bm, cm] = b.split_cols(&xbc, [d_inner, bc, bc])?;
-    let y = b.ssm_scan(
-        &xs, &bm, &cm, &dt, m.a_log, m.d, m.dt_bias, sh, pools, layer, step,
-    )?;
+    let ops = SsmOperands {
+        x: &xs,
+        b: &bm,
+        c: &cm,
+        dt: &dt,
+        a_log: m.a_log,
+        d: m.d,
+        dt_bias: m.dt_bias,
+    };
+    let y = b.ssm_scan(&ops, sh, pools, layer, step)?;
     Ok((z, y))
 }

@@ -216,10 +216,8 @@ macro_rules! forward {
     };
     (@sig ssm_scan $h:tt) => {
         forward!(@emit $h ssm_scan [] (
-            x: &Self::Tensor, b: &Self::Tensor, c: &Self::Tensor, dt: &Self::Tensor,
-            a_log: &Self::Tensor, d: &Self::Tensor, dt_bias: &Self::Tensor,
-            shape: $crate::backend::SsmShape, pools: &mut $crate::backend::SsmPools<Self::Tensor>,
-            layer: usize, step: &Self::Step
+            x: &$crate::backend::SsmOperands<'_, Self::Tensor>, shape: $crate::backend::SsmShape,
+            pools: &mut $crate::backend::SsmPools<Self::Tensor>, layer: usize, step: &Self::Step
         ) -> $crate::backend::Result<Self::Tensor>);
     };
     (@sig mamba2_mix $h:tt) => {
@@ -240,10 +238,8 @@ macro_rules! forward {
     };
     (@sig gated_delta_rule $h:tt) => {
         forward!(@emit $h gated_delta_rule [] (
-            q: &Self::Tensor, k: &Self::Tensor, v: &Self::Tensor, a: &Self::Tensor,
-            b: &Self::Tensor, a_log: &Self::Tensor, dt_bias: &Self::Tensor,
-            shape: $crate::backend::GdnShape, pools: &mut $crate::backend::SsmPools<Self::Tensor>,
-            layer: usize, step: &Self::Step
+            x: &$crate::backend::GdnOperands<'_, Self::Tensor>, shape: $crate::backend::GdnShape,
+            pools: &mut $crate::backend::SsmPools<Self::Tensor>, layer: usize, step: &Self::Step
         ) -> $crate::backend::Result<Self::Tensor>);
     };
     (@sig moe $h:tt) => {

@@ -243,8 +243,33 @@ impl SsmShape {
     }
 }
 
-/// One Gated DeltaNet layer's operands of [`LayerOps::gated_delta_rule`], gathered so that a
-/// backend's implementation passes them around as one value.
+/// Checks that the column widths of a [`LayerOps::split_cols`] cover a row of `cols` exactly.
+pub(crate) fn check_split(widths: &[usize], cols: usize) -> Result<()> {
+    if widths.iter().sum::<usize>() != cols {
+        return Err(BackendError::Invalid(format!(
+            "split widths {widths:?} do not sum to {cols} columns"
+        )));
+    }
+    Ok(())
+}
+
+/// One Mamba2 scan's operands of [`LayerOps::ssm_scan`]: `x [n, heads·head_dim]`, `b`/`c` `[n,
+/// groups·state_size]`, `dt [n, heads]` (raw: the bias and softplus are applied by the scan),
+/// and per head `a_log`, the skip `d` and `dt_bias`. A backend may hold the per-token inputs as
+/// views of another kind `X` (column ranges of one wider tensor, say).
+pub struct SsmOperands<'a, T, X = &'a T> {
+    pub x: X,
+    pub b: X,
+    pub c: X,
+    pub dt: X,
+    pub a_log: &'a T,
+    pub d: &'a T,
+    pub dt_bias: &'a T,
+}
+
+/// One Gated DeltaNet layer's operands of [`LayerOps::gated_delta_rule`]: `q`/`k` `[n,
+/// k_heads·k_dim]`, `v [n, v_heads·v_dim]`, the raw `a`/`b` `[n, v_heads]`, and per value head
+/// `a_log` and `dt_bias`.
 pub struct GdnOperands<'a, T> {
     pub q: &'a T,
     pub k: &'a T,
@@ -655,21 +680,14 @@ pub trait LayerOps: Backend {
         step: &Self::Step,
     ) -> Result<Self::Tensor>;
 
-    /// The Mamba2 selective scan. `x[n, heads*head_dim]`, `b`/`c` `[n, groups*state]`,
-    /// `dt[n, heads]` (raw: bias and softplus applied here). Continues from and updates each
-    /// sequence's recurrent state of SSM layer `layer`; prompts use the chunked (SSD) form,
-    /// single tokens the recurrent step; snapshot targets receive the state at their offsets.
-    /// Adds the `D` skip. Returns `y[n, heads*head_dim]`.
-    #[allow(clippy::too_many_arguments)]
+    /// The Mamba2 selective scan of `x` ([`SsmOperands`]: `x[n, heads*head_dim]`, `b`/`c` `[n,
+    /// groups*state]`, `dt[n, heads]` raw, bias and softplus applied here). Continues from and
+    /// updates each sequence's recurrent state of SSM layer `layer`; prompts use the chunked
+    /// (SSD) form, single tokens the recurrent step; snapshot targets receive the state at their
+    /// offsets. Adds the `D` skip. Returns `y[n, heads*head_dim]`.
     fn ssm_scan(
         &self,
-        x: &Self::Tensor,
-        b: &Self::Tensor,
-        c: &Self::Tensor,
-        dt: &Self::Tensor,
-        a_log: &Self::Tensor,
-        d: &Self::Tensor,
-        dt_bias: &Self::Tensor,
+        x: &SsmOperands<'_, Self::Tensor>,
         shape: SsmShape,
         pools: &mut SsmPools<Self::Tensor>,
         layer: usize,
@@ -706,24 +724,17 @@ pub trait LayerOps: Backend {
     /// broadcast over the row): the output gate of gated attention and the shared-expert gate.
     fn sigmoid_gate(&self, x: &mut Self::Tensor, gate: &Self::Tensor) -> Result<()>;
 
-    /// The gated delta rule of a Gated DeltaNet layer. `q`/`k` `[n, k_heads*k_dim]` (already
-    /// convolved; L2-normalised here, `q` also scaled by `k_dim^-1/2`), `v` `[n,
-    /// v_heads*v_dim]`, `a`/`b` `[n, v_heads]` raw (decay `g = −exp(a_log)·softplus(a +
-    /// dt_bias)` and `β = sigmoid(b)` are taken here). Per value head, with state `S [k_dim,
-    /// v_dim]`: `S ← exp(g)·S; S += k ⊗ β(v − Sᵀk); o = Sᵀq`. Continues from and updates each
-    /// sequence's state of recurrent layer `layer` (`pools.ssm`); prompts use the chunked form,
-    /// single tokens the recurrent step; snapshot targets receive the state at their offsets.
-    /// Returns `o [n, v_heads*v_dim]`.
-    #[allow(clippy::too_many_arguments)]
+    /// The gated delta rule of a Gated DeltaNet layer ([`GdnOperands`]). `q`/`k` `[n,
+    /// k_heads*k_dim]` (already convolved; L2-normalised here, `q` also scaled by
+    /// `k_dim^-1/2`), `v` `[n, v_heads*v_dim]`, `a`/`b` `[n, v_heads]` raw (decay `g =
+    /// −exp(a_log)·softplus(a + dt_bias)` and `β = sigmoid(b)` are taken here). Per value head,
+    /// with state `S [k_dim, v_dim]`: `S ← exp(g)·S; S += k ⊗ β(v − Sᵀk); o = Sᵀq`. Continues
+    /// from and updates each sequence's state of recurrent layer `layer` (`pools.ssm`); prompts
+    /// use the chunked form, single tokens the recurrent step; snapshot targets receive the
+    /// state at their offsets. Returns `o [n, v_heads*v_dim]`.
     fn gated_delta_rule(
         &self,
-        q: &Self::Tensor,
-        k: &Self::Tensor,
-        v: &Self::Tensor,
-        a: &Self::Tensor,
-        b: &Self::Tensor,
-        a_log: &Self::Tensor,
-        dt_bias: &Self::Tensor,
+        x: &GdnOperands<'_, Self::Tensor>,
         shape: GdnShape,
         pools: &mut SsmPools<Self::Tensor>,
         layer: usize,

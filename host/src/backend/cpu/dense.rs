@@ -6,7 +6,7 @@ use rayon::prelude::*;
 
 use super::matmul::{Product, gemm_nt_shared};
 use super::{CpuBackend, CpuStep, CpuTensor, PAR_MIN_ELEMS, apply_act, same_shape};
-use crate::backend::{Activation, BackendError, Result};
+use crate::backend::{Activation, BackendError, Result, check_split};
 
 impl CpuBackend {
     pub(super) fn project(
@@ -83,30 +83,33 @@ impl CpuBackend {
     }
 
     pub(super) fn embed_rows(&self, table: &CpuTensor, step: &CpuStep) -> Result<CpuTensor> {
-        let (rows, cols) = table.rows_cols();
-        let ids = &step.plan.tokens;
+        self.gather_rows(table, &step.plan.tokens, |id, rows| {
+            format!("token id {id} is outside the vocabulary of {rows}")
+        })
+    }
+
+    pub(super) fn gather_logits(&self, x: &CpuTensor, step: &CpuStep) -> Result<CpuTensor> {
+        self.gather_rows(x, &step.plan.logit_rows, |r, n| {
+            format!("row {r} out of {n}")
+        })
+    }
+
+    /// Rows `ids` of `x` as a new `[ids.len(), cols]` tensor; an id past the rows is an error
+    /// worded by `out_of_range(id, rows)`.
+    fn gather_rows(
+        &self,
+        x: &CpuTensor,
+        ids: &[u32],
+        out_of_range: impl Fn(usize, usize) -> String,
+    ) -> Result<CpuTensor> {
+        let (rows, cols) = x.rows_cols();
         let mut out = self.tmp(&[ids.len(), cols]);
         for (o, &id) in out.data.chunks_mut(cols.max(1)).zip(ids) {
             let id = id as usize;
             if id >= rows {
-                return Err(BackendError::Invalid(format!(
-                    "token id {id} is outside the vocabulary of {rows}"
-                )));
+                return Err(BackendError::Invalid(out_of_range(id, rows)));
             }
-            o.copy_from_slice(table.row(id));
-        }
-        Ok(out)
-    }
-
-    pub(super) fn gather_logits(&self, x: &CpuTensor, step: &CpuStep) -> Result<CpuTensor> {
-        let (n, cols) = x.rows_cols();
-        let rows = &step.plan.logit_rows;
-        let mut out = self.tmp(&[rows.len(), cols]);
-        for (o, &r) in out.data.chunks_mut(cols.max(1)).zip(rows) {
-            if r as usize >= n {
-                return Err(BackendError::Invalid(format!("row {r} out of {n}")));
-            }
-            o.copy_from_slice(x.row(r as usize));
+            o.copy_from_slice(x.row(id));
         }
         Ok(out)
     }
@@ -156,11 +159,7 @@ impl CpuBackend {
         widths: [usize; N],
     ) -> Result<[CpuTensor; N]> {
         let (rows, cols) = x.rows_cols();
-        if widths.iter().sum::<usize>() != cols {
-            return Err(BackendError::Invalid(format!(
-                "split widths {widths:?} do not sum to {cols} columns"
-            )));
-        }
+        check_split(&widths, cols)?;
         let mut parts: [CpuTensor; N] = std::array::from_fn(|i| self.tmp(&[rows, widths[i]]));
         for r in 0..rows {
             let row = x.row(r);

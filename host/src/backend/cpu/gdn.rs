@@ -378,34 +378,18 @@ pub(super) fn gated_delta_rule(
 }
 
 impl CpuBackend {
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn delta_rule_layer(
         &self,
-        q: &CpuTensor,
-        k: &CpuTensor,
-        v: &CpuTensor,
-        a: &CpuTensor,
-        b: &CpuTensor,
-        a_log: &CpuTensor,
-        dt_bias: &CpuTensor,
+        x: &GdnOperands<'_, CpuTensor>,
         shape: GdnShape,
         pools: &mut SsmPools<CpuTensor>,
         layer: usize,
         step: &CpuStep,
     ) -> Result<CpuTensor> {
-        let rows = q.rows_cols().0;
+        let rows = x.q.rows_cols().0;
         let mut out = self.tmp(&[rows, shape.value_dim()]);
         let state = LayerState::new(&mut pools.ssm, layer)?;
-        let inputs = GdnOperands {
-            q,
-            k,
-            v,
-            a,
-            b,
-            a_log,
-            dt_bias,
-        };
-        gated_delta_rule(&inputs, shape, state, &step.plan, &mut out)?;
+        gated_delta_rule(x, shape, state, &step.plan, &mut out)?;
         Ok(out)
     }
 }

@@ -66,18 +66,35 @@ pub fn moe_route(
         ids_out,
         weights_out,
     )?;
-    if tokens == 0 {
-        return Ok(());
+    route_tokens(
+        router_logits,
+        r,
+        (ids_out, weights_out),
+        || RouteScratch::new(r),
+        |s, logits, ids, weights| route_token(logits, r, correction_bias, s, ids, weights),
+    );
+    Ok(())
+}
+
+/// Runs `route` on every token's router logits and its `top_k` routing columns, tokens in
+/// parallel, each worker with its own scratch value made by `scratch`.
+fn route_tokens<S>(
+    router_logits: &[f32],
+    r: &MoeRouting,
+    (ids_out, weights_out): (&mut [u32], &mut [f32]),
+    scratch: impl Fn() -> S + Send + Sync,
+    route: impl Fn(&mut S, &[f32], &mut [u32], &mut [f32]) + Send + Sync,
+) {
+    if r.experts == 0 || r.top_k == 0 {
+        return;
     }
     router_logits
         .par_chunks(r.experts)
         .zip(ids_out.par_chunks_mut(r.top_k))
         .zip(weights_out.par_chunks_mut(r.top_k))
-        .for_each_init(
-            || RouteScratch::new(r),
-            |s, ((logits, ids), weights)| route_token(logits, r, correction_bias, s, ids, weights),
-        );
-    Ok(())
+        .for_each_init(scratch, |s, ((logits, ids), weights)| {
+            route(s, logits, ids, weights)
+        });
 }
 
 fn check_routing(
@@ -243,41 +260,65 @@ pub fn moe_route_softmax(
             r.top_k
         )));
     }
-    if tokens == 0 {
-        return Ok(());
-    }
-    router_logits
-        .par_chunks(r.experts)
-        .zip(ids_out.par_chunks_mut(r.top_k))
-        .zip(weights_out.par_chunks_mut(r.top_k))
-        .for_each_init(
-            || Vec::with_capacity(r.experts),
-            |order: &mut Vec<u32>, ((logits, ids), weights)| {
-                order.clear();
-                order.extend(0..r.experts as u32);
-                order.sort_unstable_by(|&x, &y| {
-                    logits[y as usize]
-                        .total_cmp(&logits[x as usize])
-                        .then(x.cmp(&y))
-                });
-                let max = logits[order[0] as usize];
-                let z: f32 = logits.iter().map(|&v| (v - max).exp()).sum();
-                for ((id, w), &e) in ids.iter_mut().zip(weights.iter_mut()).zip(order.iter()) {
-                    *id = e;
-                    *w = (logits[e as usize] - max).exp() / z;
-                }
-                if r.norm_topk_prob {
-                    let sum: f32 = weights.iter().sum::<f32>() + 1e-20;
-                    for w in weights.iter_mut() {
-                        *w /= sum;
-                    }
-                }
+    route_tokens(
+        router_logits,
+        r,
+        (ids_out, weights_out),
+        || Vec::with_capacity(r.experts),
+        |order: &mut Vec<u32>, logits, ids, weights| {
+            order.clear();
+            order.extend(0..r.experts as u32);
+            order.sort_unstable_by(|&x, &y| {
+                logits[y as usize]
+                    .total_cmp(&logits[x as usize])
+                    .then(x.cmp(&y))
+            });
+            let max = logits[order[0] as usize];
+            let z: f32 = logits.iter().map(|&v| (v - max).exp()).sum();
+            for ((id, w), &e) in ids.iter_mut().zip(weights.iter_mut()).zip(order.iter()) {
+                *id = e;
+                *w = (logits[e as usize] - max).exp() / z;
+            }
+            if r.norm_topk_prob {
+                let sum: f32 = weights.iter().sum::<f32>() + 1e-20;
                 for w in weights.iter_mut() {
-                    *w *= r.scaling;
+                    *w /= sum;
                 }
-            },
-        );
+            }
+            for w in weights.iter_mut() {
+                *w *= r.scaling;
+            }
+        },
+    );
     Ok(())
+}
+
+/// The routed entries grouped by expert on the host, a counting sort: each expert's
+/// first entry (`n_experts + 1` offsets), and per entry its token row and routing weight,
+/// experts in ascending id and each expert's entries in routing order.
+pub fn group_by_expert(
+    ids: &[u32],
+    weights: &[f32],
+    n_experts: usize,
+    top_k: usize,
+) -> (Vec<usize>, Vec<u32>, Vec<f32>) {
+    let mut start = vec![0usize; n_experts + 1];
+    for &e in ids {
+        start[e as usize + 1] += 1;
+    }
+    for e in 0..n_experts {
+        start[e + 1] += start[e];
+    }
+    let mut fill = start.clone();
+    let mut rows = vec![0u32; ids.len()];
+    let mut row_w = vec![0f32; ids.len()];
+    for (j, (&e, &w)) in ids.iter().zip(weights).enumerate() {
+        let at = &mut fill[e as usize];
+        rows[*at] = (j / top_k.max(1)) as u32;
+        row_w[*at] = w;
+        *at += 1;
+    }
+    (start, rows, row_w)
 }
 
 /// Adds every token's routed experts to `out` (`[tokens, hidden]`, accumulated into):
@@ -367,23 +408,7 @@ pub fn moe_experts_gated(
 ) -> Result<()> {
     let (h, i) = (s.hidden, s.inter);
     check_experts(x, ids, weights, (gate, up, down), s, out)?;
-    // Counting sort of the (token, weight) pairs by expert, tokens ascending within an expert.
-    let mut start = vec![0usize; s.experts + 1];
-    for &e in ids {
-        start[e as usize + 1] += 1;
-    }
-    for e in 0..s.experts {
-        start[e + 1] += start[e];
-    }
-    let mut fill = start.clone();
-    let mut rows = vec![0usize; ids.len()];
-    let mut row_w = vec![0f32; ids.len()];
-    for (j, (&e, &w)) in ids.iter().zip(weights).enumerate() {
-        let at = &mut fill[e as usize];
-        rows[*at] = j / s.top_k.max(1);
-        row_w[*at] = w;
-        *at += 1;
-    }
+    let (start, rows, row_w) = group_by_expert(ids, weights, s.experts, s.top_k);
     let most = (0..s.experts)
         .map(|e| start[e + 1] - start[e])
         .max()
@@ -399,6 +424,7 @@ pub fn moe_experts_gated(
             continue;
         }
         for (dst, &t) in xs.chunks_exact_mut(h).zip(&rows[a..b]) {
+            let t = t as usize;
             dst.copy_from_slice(&x[t * h..(t + 1) * h]);
         }
         let (xs, mid, ys) = (&xs[..n * h], &mut mid[..n * i], &mut ys[..n * h]);
@@ -414,6 +440,7 @@ pub fn moe_experts_gated(
         }
         gemm_nt(mid, &down[e * h * i..(e + 1) * h * i], ys, n, i, h);
         for ((y, &t), &w) in ys.chunks_exact(h).zip(&rows[a..b]).zip(&row_w[a..b]) {
+            let t = t as usize;
             for (o, v) in out[t * h..(t + 1) * h].iter_mut().zip(y) {
                 *o += w * v;
             }

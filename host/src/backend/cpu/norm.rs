@@ -41,10 +41,7 @@ impl CpuBackend {
                 w.shape
             )));
         }
-        let mut out = self.tmp(&x.shape);
-        out.data.copy_from_slice(&x.data);
-        normalize_segments(&mut out.data, group, &w.data, eps);
-        Ok(out)
+        Ok(self.normalized(x, group, w, eps))
     }
 
     pub(super) fn gated_rms_norm_groups(
@@ -85,10 +82,16 @@ impl CpuBackend {
                 w.shape
             )));
         }
+        Ok(self.normalized(x, head_dim, w, eps))
+    }
+
+    /// `x` with every `segment`-wide slice of each row RMS-normalised, times `w` (one
+    /// `segment`-wide weight for every slice, or one `[cols]` weight for the row).
+    fn normalized(&self, x: &CpuTensor, segment: usize, w: &CpuTensor, eps: f32) -> CpuTensor {
         let mut out = self.tmp(&x.shape);
         out.data.copy_from_slice(&x.data);
-        normalize_segments(&mut out.data, head_dim, &w.data, eps);
-        Ok(out)
+        normalize_segments(&mut out.data, segment, &w.data, eps);
+        out
     }
 
     pub(super) fn sigmoid_gate_rows(&self, x: &mut CpuTensor, gate: &CpuTensor) -> Result<()> {

@@ -14,7 +14,8 @@ use rayon::prelude::*;
 
 use super::{CpuBackend, CpuStep, CpuTensor, slot_elems};
 use crate::backend::{
-    BackendError, Result, SeqChunk, SlotOp, SnapshotTarget, SsmPools, SsmShape, StepPlan,
+    BackendError, Result, SeqChunk, SlotOp, SnapshotTarget, SsmOperands, SsmPools, SsmShape,
+    StepPlan,
 };
 
 /// One SSM layer's state inside a slot-major pool `[slots, layers, per-layer elems]`.
@@ -290,22 +291,10 @@ struct HeadInputs {
     dt: Vec<f32>,
 }
 
-/// One scan's inputs: `x [n, heads·head_dim]`, `b`/`c` `[n, groups·state_size]`, `dt [n,
-/// heads]` (before the bias and softplus), and per head `a_log`, the skip `d` and `dt_bias`.
-pub(super) struct ScanInputs<'a> {
-    pub x: &'a CpuTensor,
-    pub b: &'a CpuTensor,
-    pub c: &'a CpuTensor,
-    pub dt: &'a CpuTensor,
-    pub a_log: &'a CpuTensor,
-    pub d: &'a CpuTensor,
-    pub dt_bias: &'a CpuTensor,
-}
-
 /// The selective scan of every chunk of `plan` from and into `state` (snapshots where the plan
 /// asks), writing `out` like `x`.
 pub(super) fn ssm_scan(
-    inputs: &ScanInputs<'_>,
+    inputs: &SsmOperands<'_, CpuTensor>,
     shape: SsmShape,
     state: LayerState<'_>,
     plan: &StepPlan,
@@ -319,7 +308,7 @@ pub(super) fn ssm_scan(
         chunk_size,
         ..
     } = shape;
-    let ScanInputs { x, a_log, d, .. } = *inputs;
+    let SsmOperands { x, a_log, d, .. } = *inputs;
     let xcols = x.rows_cols().1;
     check_scan(inputs, shape, &state, out)?;
     let heads_per_group = heads / groups;
@@ -373,7 +362,7 @@ pub(super) fn ssm_scan(
 
 /// Checks the scan's inputs against each other, the shape, the state and the output.
 fn check_scan(
-    inputs: &ScanInputs<'_>,
+    inputs: &SsmOperands<'_, CpuTensor>,
     shape: SsmShape,
     state: &LayerState<'_>,
     out: &CpuTensor,
@@ -385,7 +374,7 @@ fn check_scan(
         state_size: n,
         ..
     } = shape;
-    let ScanInputs { x, b, c, dt, .. } = *inputs;
+    let SsmOperands { x, b, c, dt, .. } = *inputs;
     let (rows, xcols) = x.rows_cols();
     let bc_cols = groups * n;
     if xcols != heads * p
@@ -450,12 +439,12 @@ fn scan_segments(
 /// Head `h`'s (of group `g`) inputs for one sequence chunk, `dt` biased, softplus-ed and
 /// clamped.
 fn gather_head(
-    inputs: &ScanInputs<'_>,
+    inputs: &SsmOperands<'_, CpuTensor>,
     shape: &SsmShape,
     seq: &SeqChunk,
     (h, g): (usize, usize),
 ) -> HeadInputs {
-    let ScanInputs {
+    let SsmOperands {
         x,
         b,
         c,
@@ -547,33 +536,17 @@ impl CpuBackend {
         Ok(out)
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn scan_layer(
         &self,
-        x: &CpuTensor,
-        b: &CpuTensor,
-        c: &CpuTensor,
-        dt: &CpuTensor,
-        a_log: &CpuTensor,
-        d: &CpuTensor,
-        dt_bias: &CpuTensor,
+        x: &SsmOperands<'_, CpuTensor>,
         shape: SsmShape,
         pools: &mut SsmPools<CpuTensor>,
         layer: usize,
         step: &CpuStep,
     ) -> Result<CpuTensor> {
-        let mut out = self.tmp(&x.shape);
+        let mut out = self.tmp(&x.x.shape);
         let state = LayerState::new(&mut pools.ssm, layer)?;
-        let inputs = ScanInputs {
-            x,
-            b,
-            c,
-            dt,
-            a_log,
-            d,
-            dt_bias,
-        };
-        ssm_scan(&inputs, shape, state, &step.plan, &mut out)?;
+        ssm_scan(x, shape, state, &step.plan, &mut out)?;
         Ok(out)
     }
 }

@@ -8,7 +8,7 @@ use chimera_kernels::attention::{AttnArg, AttnDims};
 
 use super::device::Arg;
 use super::memory::{DevAlloc, htod, sync};
-use super::{CudaBackend, CudaStep, CudaTensor};
+use super::{CudaBackend, CudaStep, CudaTensor, scratch_arg};
 use crate::backend::{AttnShape, BackendError, DType, KvLayer, Result, Rope};
 
 impl CudaBackend {
@@ -204,38 +204,24 @@ impl CudaBackend {
             .into_iter()
             .map(|b| self.tmp(&[b.div_ceil(4).max(1)], DType::F32))
             .collect::<Result<_>>()?;
-        for l in launches {
-            let args: Vec<Arg> = l
-                .args
-                .iter()
-                .map(|a| {
-                    Ok(match *a {
-                        AttnArg::Q => Arg::Ptr(q.ptr),
-                        AttnArg::KCache => Arg::Ptr(cache.k.ptr),
-                        AttnArg::VCache => Arg::Ptr(cache.v.ptr),
-                        AttnArg::Out => Arg::Ptr(out.ptr),
-                        AttnArg::CuSeqlens => Arg::Ptr(step.col(step.cols.cu_seqlens)),
-                        AttnArg::CtxLens => Arg::Ptr(step.col(step.cols.ctx_lens)),
-                        AttnArg::BtOffsets => Arg::Ptr(step.col(step.cols.bt_offsets)),
-                        AttnArg::BlockTables => Arg::Ptr(step.col(step.cols.block_tables)),
-                        AttnArg::Work(c) => Arg::Ptr(step.attn_col(c)),
-                        AttnArg::Scratch(i) => Arg::Ptr(
-                            scratch
-                                .get(i)
-                                .ok_or_else(|| {
-                                    BackendError::Invalid(format!("attention scratch {i}"))
-                                })?
-                                .ptr,
-                        ),
-                        AttnArg::U32(v) => Arg::U32(v),
-                        AttnArg::F32Scale => Arg::F32(scale),
-                        AttnArg::KScale => Arg::F32(scales.k),
-                        AttnArg::VScale => Arg::F32(scales.v),
-                    })
-                })
-                .collect::<Result<_>>()?;
-            self.launch_exact(l.entry, l.grid, l.block, l.smem, &args)?;
-        }
+        self.run_launches(launches, |a| {
+            Ok(match *a {
+                AttnArg::Q => Arg::Ptr(q.ptr),
+                AttnArg::KCache => Arg::Ptr(cache.k.ptr),
+                AttnArg::VCache => Arg::Ptr(cache.v.ptr),
+                AttnArg::Out => Arg::Ptr(out.ptr),
+                AttnArg::CuSeqlens => Arg::Ptr(step.col(step.cols.cu_seqlens)),
+                AttnArg::CtxLens => Arg::Ptr(step.col(step.cols.ctx_lens)),
+                AttnArg::BtOffsets => Arg::Ptr(step.col(step.cols.bt_offsets)),
+                AttnArg::BlockTables => Arg::Ptr(step.col(step.cols.block_tables)),
+                AttnArg::Work(c) => Arg::Ptr(step.attn_col(c)),
+                AttnArg::Scratch(i) => scratch_arg(&scratch, i, "attention")?,
+                AttnArg::U32(v) => Arg::U32(v),
+                AttnArg::F32Scale => Arg::F32(scale),
+                AttnArg::KScale => Arg::F32(scales.k),
+                AttnArg::VScale => Arg::F32(scales.v),
+            })
+        })?;
         Ok(out)
     }
 }

@@ -4,7 +4,7 @@
 
 use super::device::Arg;
 use super::{CudaBackend, CudaStep, CudaTensor, act_code, grid_for, shape_err};
-use crate::backend::{Activation, BackendError, Result};
+use crate::backend::{Activation, BackendError, Result, check_split};
 
 impl CudaBackend {
     pub(super) fn embed_rows(&self, table: &CudaTensor, step: &CudaStep) -> Result<CudaTensor> {
@@ -103,11 +103,7 @@ impl CudaBackend {
         widths: [usize; N],
     ) -> Result<[CudaTensor; N]> {
         let (rows, cols) = x.rows_cols();
-        if widths.iter().sum::<usize>() != cols {
-            return Err(BackendError::Invalid(format!(
-                "split widths {widths:?} do not sum to {cols} columns"
-            )));
-        }
+        check_split(&widths, cols)?;
         let mut parts = Vec::with_capacity(N);
         let mut start = 0;
         for &w in &widths {

@@ -7,7 +7,7 @@
 use std::sync::atomic::Ordering;
 
 use super::device::Arg;
-use super::{CudaBackend, CudaTensor, act_code, shape_err};
+use super::{CudaBackend, CudaTensor, act_code, shape_err, tuning_knob};
 use crate::backend::{Activation, BackendError, DType, LayerOps, Result};
 
 use chimera_kernels::gemv::Mode as GemvMode;
@@ -17,12 +17,7 @@ use chimera_kernels::gemv::Mode as GemvMode;
 /// row group.
 fn gemv_blocks_per_sm() -> u32 {
     static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *V.get_or_init(|| {
-        std::env::var("CHIMERA_GEMV_BLOCKS_PER_SM")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    })
+    *V.get_or_init(|| tuning_knob("CHIMERA_GEMV_BLOCKS_PER_SM"))
 }
 
 impl CudaBackend {

@@ -17,19 +17,16 @@ use chimera_kernels::ssm;
 
 use super::device::Arg;
 use super::ssm::SsmTensors;
-use super::{BLOCK, CudaBackend, CudaStep, CudaTensor};
-use crate::backend::{BackendError, DType, Mamba2Mix, Result, SsmOutNorm, SsmPools, SsmShape};
+use super::{BLOCK, CudaBackend, CudaStep, CudaTensor, tuning_knob};
+use crate::backend::{
+    BackendError, DType, Mamba2Mix, Result, SsmOperands, SsmOutNorm, SsmPools, SsmShape,
+};
 
 /// SSD tuning knob for kernel work: heads one group-scan CTA walks (`CHIMERA_SSD_HEADS`; 0 or
 /// unset: the planner's choice).
 fn ssd_group_scan_heads() -> u32 {
     static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *V.get_or_init(|| {
-        std::env::var("CHIMERA_SSD_HEADS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    })
+    *V.get_or_init(|| tuning_knob("CHIMERA_SSD_HEADS"))
 }
 
 /// `rows` rows of `cols` elements from device address `ptr`, `ld` elements apart: a whole
@@ -144,18 +141,23 @@ impl CudaBackend {
 
     /// The selective scan over column ranges `x`, `b`, `c` and `dt`:
     /// [`crate::backend::LayerOps::ssm_scan`]. Returns a dense `y [n, heads·head_dim]`.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn scan_cols(
         &self,
-        [x, b, c, dt]: [Cols; 4],
-        a_log: &CudaTensor,
-        d: &CudaTensor,
-        dt_bias: &CudaTensor,
+        ops: &SsmOperands<'_, CudaTensor, Cols>,
         shape: SsmShape,
         pools: &mut SsmPools<CudaTensor>,
         layer: usize,
         step: &CudaStep,
     ) -> Result<CudaTensor> {
+        let SsmOperands {
+            x,
+            b,
+            c,
+            dt,
+            a_log,
+            d,
+            dt_bias,
+        } = *ops;
         self.step_ready(step)?;
         self.check_pools(pools, step, true)?;
         let n = step.dims.tokens;
@@ -306,21 +308,16 @@ impl CudaBackend {
         let dt = all.range(d_inner + conv_dim, sh.heads)?;
         let conv_out = self.conv_cols(xbc, m.conv_w, m.conv_b, pools, layer, step)?;
         let conv = Cols::all(&conv_out);
-        let y_out = self.scan_cols(
-            [
-                conv.range(0, d_inner)?,
-                conv.range(d_inner, bc)?,
-                conv.range(d_inner + bc, bc)?,
-                dt,
-            ],
-            m.a_log,
-            m.d,
-            m.dt_bias,
-            sh,
-            pools,
-            layer,
-            step,
-        )?;
+        let ops = SsmOperands {
+            x: conv.range(0, d_inner)?,
+            b: conv.range(d_inner, bc)?,
+            c: conv.range(d_inner + bc, bc)?,
+            dt,
+            a_log: m.a_log,
+            d: m.d,
+            dt_bias: m.dt_bias,
+        };
+        let y_out = self.scan_cols(&ops, sh, pools, layer, step)?;
         let y = Cols::all(&y_out);
         match m.norm {
             SsmOutNorm::GateThenNorm(w) => self.gate_norm_cols(
@@ -360,24 +357,25 @@ impl CudaBackend {
         Ok(out.reshaped(&x.shape))
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn scan_dense(
         &self,
-        x: &CudaTensor,
-        b: &CudaTensor,
-        c: &CudaTensor,
-        dt: &CudaTensor,
-        a_log: &CudaTensor,
-        d: &CudaTensor,
-        dt_bias: &CudaTensor,
+        x: &SsmOperands<'_, CudaTensor>,
         shape: SsmShape,
         pools: &mut SsmPools<CudaTensor>,
         layer: usize,
         step: &CudaStep,
     ) -> Result<CudaTensor> {
-        let cols = [x, b, c, dt].map(Cols::all);
-        let out = self.scan_cols(cols, a_log, d, dt_bias, shape, pools, layer, step)?;
-        Ok(out.reshaped(&x.shape))
+        let ops = SsmOperands {
+            x: Cols::all(x.x),
+            b: Cols::all(x.b),
+            c: Cols::all(x.c),
+            dt: Cols::all(x.dt),
+            a_log: x.a_log,
+            d: x.d,
+            dt_bias: x.dt_bias,
+        };
+        let out = self.scan_cols(&ops, shape, pools, layer, step)?;
+        Ok(out.reshaped(&x.x.shape))
     }
 }
 

@@ -66,8 +66,7 @@ pub use self::step::CudaStep;
 pub use self::tensor::CudaTensor;
 use super::forward::forward;
 use super::{
-    Activation, Backend, BackendError, DType, GdnShape, GraphBucket, LayerOps, Result, SsmPools,
-    StepBackend, StepPlan,
+    Activation, Backend, BackendError, DType, GraphBucket, LayerOps, Result, StepBackend, StepPlan,
 };
 
 /// Which numeric mode and device a backend runs.
@@ -317,6 +316,19 @@ impl CudaBackend {
         self.dev().launch(self.stream(), k, grid, block, smem, args)
     }
 
+    /// Launches a planner's kernels in order, each symbolic argument given its value by `arg`.
+    fn run_launches<A>(
+        &self,
+        launches: impl IntoIterator<Item = chimera_kernels::Launch<A>>,
+        arg: impl Fn(&A) -> Result<Arg>,
+    ) -> Result<()> {
+        for l in launches {
+            let args = l.args.iter().map(&arg).collect::<Result<Vec<Arg>>>()?;
+            self.launch_exact(l.entry, l.grid, l.block, l.smem, &args)?;
+        }
+        Ok(())
+    }
+
     fn check_dtype(&self, what: &str, t: &CudaTensor) -> Result<()> {
         if t.dtype != self.inner.dtype {
             return Err(BackendError::Invalid(format!(
@@ -420,31 +432,7 @@ impl LayerOps for CudaBackend {
         head_rms_norm -> head_rms_norm_rows,
         sigmoid_gate -> sigmoid_gate_rows,
         moe -> moe_on_device,
-    }
-    fn gated_delta_rule(
-        &self,
-        q: &CudaTensor,
-        k: &CudaTensor,
-        v: &CudaTensor,
-        a: &CudaTensor,
-        b: &CudaTensor,
-        a_log: &CudaTensor,
-        dt_bias: &CudaTensor,
-        shape: GdnShape,
-        pools: &mut SsmPools<CudaTensor>,
-        layer: usize,
-        step: &CudaStep,
-    ) -> Result<CudaTensor> {
-        let x = super::GdnOperands {
-            q,
-            k,
-            v,
-            a,
-            b,
-            a_log,
-            dt_bias,
-        };
-        self.delta_rule_layer(&x, shape, pools, layer, step)
+        gated_delta_rule -> delta_rule_layer,
     }
 }
 
@@ -503,4 +491,21 @@ fn act_code(a: Activation) -> u32 {
         Activation::Relu2 => 1,
         Activation::Gelu => 2,
     }
+}
+
+/// A whole-number tuning knob for kernel work from the environment variable `name`; 0 when unset
+/// or not a number (the planner's choice).
+fn tuning_knob(name: &str) -> u32 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Scratch buffer `i` of a planner's launches as an argument (`what` names the planner).
+fn scratch_arg(scratch: &[CudaTensor], i: usize, what: &str) -> Result<Arg> {
+    scratch
+        .get(i)
+        .map(|t| Arg::Ptr(t.ptr))
+        .ok_or_else(|| BackendError::Invalid(format!("{what} scratch {i}")))
 }

@@ -14,6 +14,7 @@ use chimera_kernels::moe::{self as kmoe, MoeArg, MoeDims};
 use super::device::Arg;
 use super::memory::{dtoh, htod, sync};
 use super::{CudaBackend, CudaTensor, act_code, u32_bytes};
+use crate::backend::cpu::moe::group_by_expert;
 use crate::backend::{
     BackendError, DType, LayerOps, MoeRouting, MoeScoring, Result, StackedExperts,
 };
@@ -252,31 +253,25 @@ impl CudaBackend {
         } else {
             kmoe::launches(&d, bf16)
         };
-        for l in launches {
-            let args: Vec<Arg> = l
-                .args
-                .iter()
-                .map(|a| match *a {
-                    MoeArg::X => Arg::Ptr(x.ptr),
-                    MoeArg::Out => Arg::Ptr(out.ptr),
-                    MoeArg::Up => Arg::Ptr(experts.up.ptr),
-                    MoeArg::Gate => Arg::Ptr(experts.gate.as_ref().map_or(0, |g| g.ptr)),
-                    MoeArg::Down => Arg::Ptr(experts.down.ptr),
-                    MoeArg::Ids => Arg::Ptr(ids),
-                    MoeArg::Weights => Arg::Ptr(weights),
-                    MoeArg::Index(word) => Arg::Ptr(index.ptr + 4 * word as u64),
-                    MoeArg::Mid => Arg::Ptr(mid.ptr),
-                    MoeArg::Y => Arg::Ptr(y.ptr),
-                    MoeArg::UpScales => Arg::Ptr(scales(&experts.up)),
-                    MoeArg::GateScales => Arg::Ptr(experts.gate.as_ref().map_or(0, scales)),
-                    MoeArg::DownScales => Arg::Ptr(scales(&experts.down)),
-                    MoeArg::Null => Arg::Ptr(0),
-                    MoeArg::U32(v) => Arg::U32(v),
-                })
-                .collect();
-            self.launch_exact(l.entry, l.grid, l.block, l.smem, &args)?;
-        }
-        Ok(())
+        self.run_launches(launches, |a| {
+            Ok(match *a {
+                MoeArg::X => Arg::Ptr(x.ptr),
+                MoeArg::Out => Arg::Ptr(out.ptr),
+                MoeArg::Up => Arg::Ptr(experts.up.ptr),
+                MoeArg::Gate => Arg::Ptr(experts.gate.as_ref().map_or(0, |g| g.ptr)),
+                MoeArg::Down => Arg::Ptr(experts.down.ptr),
+                MoeArg::Ids => Arg::Ptr(ids),
+                MoeArg::Weights => Arg::Ptr(weights),
+                MoeArg::Index(word) => Arg::Ptr(index.ptr + 4 * word as u64),
+                MoeArg::Mid => Arg::Ptr(mid.ptr),
+                MoeArg::Y => Arg::Ptr(y.ptr),
+                MoeArg::UpScales => Arg::Ptr(scales(&experts.up)),
+                MoeArg::GateScales => Arg::Ptr(experts.gate.as_ref().map_or(0, scales)),
+                MoeArg::DownScales => Arg::Ptr(scales(&experts.down)),
+                MoeArg::Null => Arg::Ptr(0),
+                MoeArg::U32(v) => Arg::U32(v),
+            })
+        })
     }
 
     /// The former per-expert path, kept only for the bench's comparison: the routing comes
@@ -325,28 +320,21 @@ impl CudaBackend {
             if n == 0 {
                 continue;
             }
+            // `[n, k] → [n, m]` through expert `e`'s slice of the stacked weights `w`.
+            let expert = |w: &CudaTensor, input: &CudaTensor, output: &CudaTensor, (k, m)| {
+                let we = w.ptr + (e * m * k) as u64 * esize;
+                let dims = (n, k, m);
+                let stream = self.stream();
+                self.inner
+                    .gemm
+                    .linear(stream, x.dtype, input.ptr, we, None, output.ptr, dims)
+            };
             let xs = self.gather_rows(x, rows_ptr + 4 * a as u64, n)?;
             let mut mid = self.tmp(&[n, inter], x.dtype)?;
-            self.inner.gemm.linear(
-                self.stream(),
-                x.dtype,
-                xs.ptr,
-                experts.up.ptr + (e * inter * hidden) as u64 * esize,
-                None,
-                mid.ptr,
-                (n, hidden, inter),
-            )?;
+            expert(&experts.up, &xs, &mid, (hidden, inter))?;
             self.activate(&mut mid, experts.act)?;
             let ys = self.tmp(&[n, hidden], x.dtype)?;
-            self.inner.gemm.linear(
-                self.stream(),
-                x.dtype,
-                mid.ptr,
-                experts.down.ptr + (e * hidden * inter) as u64 * esize,
-                None,
-                ys.ptr,
-                (n, inter, hidden),
-            )?;
+            expert(&experts.down, &mid, &ys, (inter, hidden))?;
             self.launch(
                 "moe_scatter_add",
                 x.dtype,
@@ -363,32 +351,4 @@ impl CudaBackend {
         }
         Ok(())
     }
-}
-
-/// The routed entries grouped by expert on the host, for the per-expert path: each expert's
-/// first entry (`n_experts + 1` offsets), and per entry its token row and routing weight,
-/// experts in ascending id and each expert's entries in routing order.
-fn group_by_expert(
-    ids: &[u32],
-    weights: &[f32],
-    n_experts: usize,
-    top_k: usize,
-) -> (Vec<usize>, Vec<u32>, Vec<f32>) {
-    let mut start = vec![0usize; n_experts + 1];
-    for &e in ids {
-        start[e as usize + 1] += 1;
-    }
-    for e in 0..n_experts {
-        start[e + 1] += start[e];
-    }
-    let mut fill = start.clone();
-    let mut rows = vec![0u32; ids.len()];
-    let mut row_w = vec![0f32; ids.len()];
-    for (j, (&e, &w)) in ids.iter().zip(weights).enumerate() {
-        let at = &mut fill[e as usize];
-        rows[*at] = (j / top_k.max(1)) as u32;
-        row_w[*at] = w;
-        *at += 1;
-    }
-    (start, rows, row_w)
 }

@@ -8,7 +8,7 @@ use cudarc::driver::sys;
 
 use super::device::Arg;
 use super::memory::{self, Pinned, bad_tensor, dtoh};
-use super::{BLOCK, CudaBackend, CudaStep, CudaTensor, grid_for};
+use super::{BLOCK, CudaBackend, CudaStep, CudaTensor, grid_for, scratch_arg};
 use crate::backend::{BackendError, DType, Result, SampleOut};
 
 /// A read-back in flight: `rows × k` candidates (and `rows` log-sum-exps) land in the pinned
@@ -64,14 +64,7 @@ impl CudaBackend {
             logits
         } else {
             let w = self.tmp(&logits.shape, DType::F32)?;
-            let len = w.len() as u64;
-            self.launch_exact(
-                "cast_bf16_to_f32",
-                (grid_for(len, self.sm_count()), 1, 1),
-                (BLOCK, 1, 1),
-                0,
-                &[Arg::Ptr(w.ptr), Arg::Ptr(logits.ptr), Arg::U64(len)],
-            )?;
+            self.cast("cast_bf16_to_f32", &w, logits)?;
             widened = w;
             &widened
         };
@@ -81,16 +74,21 @@ impl CudaBackend {
         self.launch_sample_tail(lg, step, (n, vocab, k), &res)?;
         // Penalties were applied to the f32 copy; keep the caller's rows in step with them.
         if logits.dtype != DType::F32 {
-            let len = lg.len() as u64;
-            self.launch_exact(
-                "cast_f32_to_bf16",
-                (grid_for(len, self.sm_count()), 1, 1),
-                (BLOCK, 1, 1),
-                0,
-                &[Arg::Ptr(logits.ptr), Arg::Ptr(lg.ptr), Arg::U64(len)],
-            )?;
+            self.cast("cast_f32_to_bf16", logits, lg)?;
         }
         self.enqueue_readback(&res, words, n, k)
+    }
+
+    /// `dst = src` elementwise through the cast kernel `entry` (the two the same length).
+    fn cast(&self, entry: &str, dst: &CudaTensor, src: &CudaTensor) -> Result<()> {
+        let len = src.len() as u64;
+        self.launch_exact(
+            entry,
+            (grid_for(len, self.sm_count()), 1, 1),
+            (BLOCK, 1, 1),
+            0,
+            &[Arg::Ptr(dst.ptr), Arg::Ptr(src.ptr), Arg::U64(len)],
+        )
     }
 
     /// Launches the tail's kernels over the f32 logits `lg` (`n` sampled rows of `vocab`, `k`
@@ -117,45 +115,30 @@ impl CudaBackend {
             .masks
             .then(|| chimera_kernels::sample::mask_launch(n, vocab))
             .flatten();
-        for l in masks
+        let launches = masks
             .into_iter()
-            .chain(chimera_kernels::sample::launches(n, vocab, k))
-        {
-            let args: Vec<Arg> = l
-                .args
-                .iter()
-                .map(|a| {
-                    Ok(match *a {
-                        SampleArg::MaskOf => Arg::Ptr(step.col(c.mask_of)),
-                        SampleArg::Masks => Arg::Ptr(step.col(c.masks)),
-                        SampleArg::Logits => Arg::Ptr(lg.ptr),
-                        SampleArg::SampleRows => Arg::Ptr(step.col(c.sample_rows)),
-                        SampleArg::Repetition => Arg::Ptr(step.col(c.repetition)),
-                        SampleArg::Presence => Arg::Ptr(step.col(c.presence)),
-                        SampleArg::Frequency => Arg::Ptr(step.col(c.frequency)),
-                        SampleArg::WantLse => Arg::Ptr(step.col(c.want_lse)),
-                        SampleArg::HistOffsets => Arg::Ptr(step.col(c.hist_offsets)),
-                        SampleArg::HistTokens => Arg::Ptr(step.col(c.hist_tokens)),
-                        SampleArg::HistCounts => Arg::Ptr(step.col(c.hist_counts)),
-                        SampleArg::HistBias => Arg::Ptr(step.col(c.hist_bias)),
-                        SampleArg::CandTokens => Arg::Ptr(tok_ptr),
-                        SampleArg::CandLogits => Arg::Ptr(cand_ptr),
-                        SampleArg::Lse => Arg::Ptr(lse_ptr),
-                        SampleArg::Scratch(i) => Arg::Ptr(
-                            scratch
-                                .get(i)
-                                .ok_or_else(|| {
-                                    BackendError::Invalid(format!("sampling scratch {i}"))
-                                })?
-                                .ptr,
-                        ),
-                        SampleArg::U32(v) => Arg::U32(v),
-                    })
-                })
-                .collect::<Result<_>>()?;
-            self.launch_exact(l.entry, l.grid, l.block, l.smem, &args)?;
-        }
-        Ok(())
+            .chain(chimera_kernels::sample::launches(n, vocab, k));
+        self.run_launches(launches, |a| {
+            Ok(match *a {
+                SampleArg::MaskOf => Arg::Ptr(step.col(c.mask_of)),
+                SampleArg::Masks => Arg::Ptr(step.col(c.masks)),
+                SampleArg::Logits => Arg::Ptr(lg.ptr),
+                SampleArg::SampleRows => Arg::Ptr(step.col(c.sample_rows)),
+                SampleArg::Repetition => Arg::Ptr(step.col(c.repetition)),
+                SampleArg::Presence => Arg::Ptr(step.col(c.presence)),
+                SampleArg::Frequency => Arg::Ptr(step.col(c.frequency)),
+                SampleArg::WantLse => Arg::Ptr(step.col(c.want_lse)),
+                SampleArg::HistOffsets => Arg::Ptr(step.col(c.hist_offsets)),
+                SampleArg::HistTokens => Arg::Ptr(step.col(c.hist_tokens)),
+                SampleArg::HistCounts => Arg::Ptr(step.col(c.hist_counts)),
+                SampleArg::HistBias => Arg::Ptr(step.col(c.hist_bias)),
+                SampleArg::CandTokens => Arg::Ptr(tok_ptr),
+                SampleArg::CandLogits => Arg::Ptr(cand_ptr),
+                SampleArg::Lse => Arg::Ptr(lse_ptr),
+                SampleArg::Scratch(i) => scratch_arg(&scratch, i, "sampling")?,
+                SampleArg::U32(v) => Arg::U32(v),
+            })
+        })
     }
 
     /// Enqueues the step's one device-to-host copy of `res` (`words` words: `n` rows of `k`

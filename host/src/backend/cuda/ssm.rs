@@ -6,7 +6,7 @@
 use chimera_kernels::ssm;
 
 use super::device::Arg;
-use super::{CudaBackend, CudaStep, CudaTensor};
+use super::{CudaBackend, CudaStep, CudaTensor, scratch_arg};
 use crate::backend::{BackendError, DType, Result, SsmPools};
 
 /// Device addresses of one SSM operation's tensors (0 where the operation has none).
@@ -93,39 +93,26 @@ impl CudaBackend {
         scratch: &[CudaTensor],
     ) -> Result<()> {
         use ssm::SsmArg as A;
-        for l in launches {
-            let args: Vec<Arg> = l
-                .args
-                .iter()
-                .map(|a| {
-                    Ok(match *a {
-                        A::X => Arg::Ptr(t.x),
-                        A::B => Arg::Ptr(t.b),
-                        A::C => Arg::Ptr(t.c),
-                        A::Dt => Arg::Ptr(t.dt),
-                        A::ALog => Arg::Ptr(t.a_log),
-                        A::D => Arg::Ptr(t.d),
-                        A::DtBias => Arg::Ptr(t.dt_bias),
-                        A::Weight => Arg::Ptr(t.weight),
-                        A::Bias => Arg::Ptr(t.bias),
-                        A::Out => Arg::Ptr(t.out),
-                        A::ConvPool => Arg::Ptr(pools.conv.ptr),
-                        A::SsmPool => Arg::Ptr(pools.ssm.ptr),
-                        A::Work(c) => Arg::Ptr(step.ssm_col(c)),
-                        A::Scratch(i) => Arg::Ptr(
-                            scratch
-                                .get(i)
-                                .ok_or_else(|| BackendError::Invalid(format!("SSM scratch {i}")))?
-                                .ptr,
-                        ),
-                        A::U32(v) => Arg::U32(v),
-                        A::U64(v) => Arg::U64(v),
-                        A::F32(v) => Arg::F32(v),
-                    })
-                })
-                .collect::<Result<_>>()?;
-            self.launch_exact(l.entry, l.grid, l.block, l.smem, &args)?;
-        }
-        Ok(())
+        self.run_launches(launches, |a| {
+            Ok(match *a {
+                A::X => Arg::Ptr(t.x),
+                A::B => Arg::Ptr(t.b),
+                A::C => Arg::Ptr(t.c),
+                A::Dt => Arg::Ptr(t.dt),
+                A::ALog => Arg::Ptr(t.a_log),
+                A::D => Arg::Ptr(t.d),
+                A::DtBias => Arg::Ptr(t.dt_bias),
+                A::Weight => Arg::Ptr(t.weight),
+                A::Bias => Arg::Ptr(t.bias),
+                A::Out => Arg::Ptr(t.out),
+                A::ConvPool => Arg::Ptr(pools.conv.ptr),
+                A::SsmPool => Arg::Ptr(pools.ssm.ptr),
+                A::Work(c) => Arg::Ptr(step.ssm_col(c)),
+                A::Scratch(i) => scratch_arg(scratch, i, "SSM")?,
+                A::U32(v) => Arg::U32(v),
+                A::U64(v) => Arg::U64(v),
+                A::F32(v) => Arg::F32(v),
+            })
+        })
     }
 }

@@ -18,7 +18,7 @@
 //! be the checkpoint's weights.
 
 use super::{Linear, Loader, StepCtx};
-use crate::backend::{Activation, DType, GdnShape, HostTensor, LayerOps, f32_bytes};
+use crate::backend::{Activation, DType, GdnOperands, GdnShape, HostTensor, LayerOps, f32_bytes};
 use crate::model::ModelError;
 use crate::model::weights::RawTensor;
 
@@ -156,19 +156,16 @@ impl<B: LayerOps> GatedDeltaNet<B> {
         })?;
         let qkv = b.causal_conv1d(&qkv, &self.conv_w, None, pools, self.cache, ctx.step)?;
         let [q, k, v] = b.split_cols(&qkv, [sh.key_dim(), sh.key_dim(), sh.value_dim()])?;
-        let o = b.gated_delta_rule(
-            &q,
-            &k,
-            &v,
-            &a,
-            &beta,
-            &self.a_log,
-            &self.dt_bias,
-            sh,
-            pools,
-            self.cache,
-            ctx.step,
-        )?;
+        let ops = GdnOperands {
+            q: &q,
+            k: &k,
+            v: &v,
+            a: &a,
+            b: &beta,
+            a_log: &self.a_log,
+            dt_bias: &self.dt_bias,
+        };
+        let o = b.gated_delta_rule(&ops, sh, pools, self.cache, ctx.step)?;
         let o = b.head_rms_norm(&o, &self.norm_w, sh.v_dim, self.eps)?;
         let o = b.gated_activation(&z, &o, Activation::Silu)?;
         self.out_proj.forward(b, &o)
