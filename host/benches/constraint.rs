@@ -268,7 +268,8 @@ fn main() {
     let file = plugin_file(&v).map(|(name, mut c)| {
         let _ = replay(c.as_mut(), &v, &tokens, Schema::Repeated);
         let (t, m) = replay(c.as_mut(), &v, &tokens, Schema::Repeated);
-        (name, stats(&t), m)
+        let (t_new, m_new) = replay(c.as_mut(), &v, &tokens, Schema::New);
+        (name, stats(&t), m, stats(&t_new), m_new)
     });
     println!(
         "{:<44} {:>9} {:>9} {:>9} {:>9}",
@@ -284,8 +285,9 @@ fn main() {
     row("native llguidance, schema sent before", n);
     row("wasm  builtin:llguidance, a new schema", w_new);
     row("native llguidance, a new schema", n_new);
-    if let Some((name, f, _)) = &file {
+    if let Some((name, f, _, f_new, _)) = &file {
         row(&format!("wasm  {name}, schema sent before"), *f);
+        row(&format!("wasm  {name}, a new schema"), *f_new);
     }
     let verdict = |s: (f64, f64, f64, f64)| {
         if s.0 <= 50.0 && s.2 <= 500.0 {
@@ -322,13 +324,16 @@ fn main() {
         eprintln!("error: a kept grammar's masks differ from a fresh compilation's");
         std::process::exit(1);
     }
-    if let Some((name, f, m)) = &file {
+    if let Some((name, f, m, f_new, m_new)) = &file {
         println!(
-            "{name} / native: mean {:.2}×, p99 {:.2}×",
+            "{name} / native: mean {:.2}×, p99 {:.2}× (schema sent before), {:.2}× / {:.2}× (a \
+             new schema)",
             f.0 / n.0,
-            f.2 / n.2
+            f.2 / n.2,
+            f_new.0 / n_new.0,
+            f_new.2 / n_new.2
         );
-        if m != &mn {
+        if m != &mn || m_new != &mn_new {
             eprintln!("error: the masks of {name} differ from native llguidance's");
             std::process::exit(1);
         }

@@ -243,37 +243,6 @@ fn outputs_do_not_depend_on_batching_or_caching() {
     }
 }
 
-/// Greedy tokens of `prompt` with K and V cached as FP8: the prompt in one step, then one
-/// token a step (the model-level reference for an engine with `cache.kv_dtype = "fp8_e4m3"`).
-fn fp8_kv_reference(m: &Model<CpuBackend>, prompt: &[u32], n: usize) -> Vec<u32> {
-    let b = CpuBackend::default();
-    let blocks = (prompt.len() + n).div_ceil(16);
-    let dtypes = CacheDtypes {
-        kv: KvCacheDtype::Fp8E4M3,
-        ..Default::default()
-    };
-    let mut caches = m.new_caches_with(&b, blocks, 16, 1, dtypes).unwrap();
-    let table: Vec<u32> = (0..blocks as u32).collect();
-    let mut plan = StepPlan::new(16);
-    plan.slot_ops
-        .push(chimera::backend::SlotOp::Zero { slot: 0 });
-    plan.push(prompt, 0, &table, 0, true);
-    let mut logits = m
-        .forward_host(&b, &mut plan, &mut caches, LogitsMode::Last)
-        .unwrap();
-    let mut out = Vec::new();
-    for i in 0..n {
-        let next = model::argmax(&logits);
-        out.push(next);
-        plan.clear(16);
-        plan.push(&[next], prompt.len() + i, &table, 0, true);
-        logits = m
-            .forward_host(&b, &mut plan, &mut caches, LogitsMode::Last)
-            .unwrap();
-    }
-    out
-}
-
 /// `cache.kv_dtype = "fp8_e4m3"` on every fixture with attention layers: the engine's greedy
 /// output is the FP8-cache reference's whatever the batching, chunking, prefix caching or
 /// eviction (a cached block holds the same rounded values as a recomputed one), and the FP8
@@ -313,7 +282,14 @@ fn an_fp8_kv_cache_gives_its_reference_output_under_batching_and_caching() {
         ];
         let want: Vec<Vec<u32>> = prompts
             .iter()
-            .map(|p| fp8_kv_reference(&m, p, 12))
+            .map(|p| {
+                let dtypes = CacheDtypes {
+                    kv: KvCacheDtype::Fp8E4M3,
+                    ..Default::default()
+                };
+                let b = CpuBackend::default();
+                model::greedy_generate_cached(&m, &b, p, (12, &[]), usize::MAX, dtypes).unwrap()
+            })
             .collect();
         moved += prompts
             .iter()

@@ -450,6 +450,27 @@ pub fn greedy_generate<B: StepBackend>(
     stop_ids: &[u32],
     prefill_chunk: usize,
 ) -> Result<Vec<u32>, ModelError> {
+    let dtypes = CacheDtypes::default();
+    greedy_generate_cached(
+        model,
+        backend,
+        prompt,
+        (max_tokens, stop_ids),
+        prefill_chunk,
+        dtypes,
+    )
+}
+
+/// [`greedy_generate`] (`until`: its `max_tokens` and `stop_ids`) with caches of `dtypes`
+/// (an FP8 KV cache, say): the reference of the engine with those caches.
+pub fn greedy_generate_cached<B: StepBackend>(
+    model: &Model<B>,
+    backend: &B,
+    prompt: &[u32],
+    (max_tokens, stop_ids): (usize, &[u32]),
+    prefill_chunk: usize,
+    dtypes: CacheDtypes,
+) -> Result<Vec<u32>, ModelError> {
     const BLOCK: usize = 16;
     if prompt.is_empty() {
         return Err(ModelError::Unsupported(
@@ -458,7 +479,7 @@ pub fn greedy_generate<B: StepBackend>(
     }
     let total = prompt.len() + max_tokens;
     let blocks = total.div_ceil(BLOCK);
-    let mut caches = model.new_caches(backend, blocks, BLOCK, 1)?;
+    let mut caches = model.new_caches_with(backend, blocks, BLOCK, 1, dtypes)?;
     let table: Vec<u32> = (0..blocks as u32).collect();
     let mut done = 0;
     let mut logits = Vec::new();
