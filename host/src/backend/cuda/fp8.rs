@@ -236,6 +236,40 @@ impl CudaBackend {
         Ok(Some(out))
     }
 
+    /// The FP8 GEMV kernel for `n` rows of `dtype` activations through an `m × k` weight (its
+    /// gate-and-up form where `gated`), with the rows its blocks cover; `None` for more than two
+    /// rows. One bf16 row takes the variant [`k8::gemv_n1_bf16_pick`] picks for the shape (or
+    /// the one [`Self::set_fp8_gemv_variant`] set), the default where that variant's blocks do
+    /// not tile `m`.
+    fn fp8_gemv_entry(
+        &self,
+        dtype: DType,
+        (n, k, m): (usize, usize, usize),
+        gated: bool,
+    ) -> Option<(&'static str, usize)> {
+        Some(match (dtype, n) {
+            (DType::BF16, 1) => {
+                let v = match self.inner.fp8_gemv_variant.load(Ordering::Relaxed) {
+                    FP8_GEMV_AUTO => {
+                        let pick = k8::gemv_n1_bf16_pick(m, k, self.sm_count() as usize);
+                        let per_block = k8::GEMV_N1_BF16[pick].1 / (1 + usize::from(gated));
+                        if m.is_multiple_of(per_block.max(1)) {
+                            pick
+                        } else {
+                            0
+                        }
+                    }
+                    v => v.min(k8::GEMV_N1_BF16.len() - 1),
+                };
+                k8::GEMV_N1_BF16[v]
+            }
+            (DType::BF16, 2) => ("fp8_gemv_bf16_n2", k8::GEMV_ROWS),
+            (DType::F32, 1) => ("fp8_gemv_f32_n1", k8::GEMV_ROWS),
+            (DType::F32, 2) => ("fp8_gemv_f32_n2", k8::GEMV_ROWS),
+            _ => return None,
+        })
+    }
+
     /// The FP8 GEMV (`fp8.cu`) for one or two input rows: `x · wᵀ (+ b)`, or with `gated`
     /// (the up projection, its bias and the activation) `act(x · wᵀ + b) · (x · upᵀ + b_up)` in
     /// one launch. `None` where the shapes do not suit it (more rows, `k` not a multiple of 16,
@@ -253,27 +287,8 @@ impl CudaBackend {
         let (n, k) = x.rows_cols();
         let (m, _) = w.rows_cols();
         let (b0, b1) = meta.block.map_or((0, 0), |b| (b[0] as u32, b[1] as u32));
-        let (entry, rows) = match (x.dtype, n) {
-            (DType::BF16, 1) => {
-                let v = match self.inner.fp8_gemv_variant.load(Ordering::Relaxed) {
-                    FP8_GEMV_AUTO => {
-                        let pick = k8::gemv_n1_bf16_pick(m, k, self.sm_count() as usize);
-                        // A variant whose blocks do not tile `m` gives way to the default.
-                        let per_block = k8::GEMV_N1_BF16[pick].1 / (1 + gated.is_some() as usize);
-                        if m.is_multiple_of(per_block.max(1)) {
-                            pick
-                        } else {
-                            0
-                        }
-                    }
-                    v => v.min(k8::GEMV_N1_BF16.len() - 1),
-                };
-                k8::GEMV_N1_BF16[v]
-            }
-            (DType::BF16, 2) => ("fp8_gemv_bf16_n2", k8::GEMV_ROWS),
-            (DType::F32, 1) => ("fp8_gemv_f32_n1", k8::GEMV_ROWS),
-            (DType::F32, 2) => ("fp8_gemv_f32_n2", k8::GEMV_ROWS),
-            _ => return Ok(None),
+        let Some((entry, rows)) = self.fp8_gemv_entry(x.dtype, (n, k, m), gated.is_some()) else {
+            return Ok(None);
         };
         // A gated block computes half its rows' features (the other half are the up rows).
         let per_block = if gated.is_some() { rows / 2 } else { rows };

@@ -139,16 +139,18 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// The selective scan over column ranges `x`, `b`, `c` and `dt`:
-    /// [`crate::backend::LayerOps::ssm_scan`]. Returns a dense `y [n, heads·head_dim]`.
-    pub(super) fn scan_cols(
+    /// Checks a scan's operands against the shape, the step and the pools.
+    fn check_scan(
         &self,
         ops: &SsmOperands<'_, CudaTensor, Cols>,
         shape: SsmShape,
-        pools: &mut SsmPools<CudaTensor>,
+        pools: &SsmPools<CudaTensor>,
         layer: usize,
         step: &CudaStep,
-    ) -> Result<CudaTensor> {
+    ) -> Result<()> {
+        self.step_ready(step)?;
+        self.check_pools(pools, step, true)?;
+        let n = step.dims.tokens;
         let SsmOperands {
             x,
             b,
@@ -158,9 +160,6 @@ impl CudaBackend {
             d,
             dt_bias,
         } = *ops;
-        self.step_ready(step)?;
-        self.check_pools(pools, step, true)?;
-        let n = step.dims.tokens;
         let bc = shape.groups * shape.state_size;
         let dtypes_ok = [b.dtype, c.dtype, dt.dtype].iter().all(|&t| t == x.dtype);
         let per_head_ok = [a_log, d, dt_bias].iter().all(|t| t.len() == shape.heads);
@@ -184,6 +183,30 @@ impl CudaBackend {
                 shape.chunk_size
             )));
         }
+        Ok(())
+    }
+
+    /// The selective scan over column ranges `x`, `b`, `c` and `dt`:
+    /// [`crate::backend::LayerOps::ssm_scan`]. Returns a dense `y [n, heads·head_dim]`.
+    pub(super) fn scan_cols(
+        &self,
+        ops: &SsmOperands<'_, CudaTensor, Cols>,
+        shape: SsmShape,
+        pools: &mut SsmPools<CudaTensor>,
+        layer: usize,
+        step: &CudaStep,
+    ) -> Result<CudaTensor> {
+        let SsmOperands {
+            x,
+            b,
+            c,
+            dt,
+            a_log,
+            d,
+            dt_bias,
+        } = *ops;
+        self.check_scan(ops, shape, pools, layer, step)?;
+        let n = step.dims.tokens;
         let out = self.tmp(&[n, shape.d_inner()], x.dtype)?;
         let dims = ssm::ScanDims {
             layer: layer as u32,
