@@ -48,7 +48,7 @@ pub fn run(
                 if same {
                     "identical".into()
                 } else {
-                    "DIFFER".into()
+                    format!("DIFFER (seed {seed})")
                 },
                 "ids+order identical, weights ≤ 1e-6".into(),
                 same,
@@ -418,6 +418,14 @@ fn pressure(report: &mut Report, dir: &std::path::Path, gpu: &CudaBackend, label
 }
 
 /// Router logits on a coarse grid (many ties) through both routers.
+///
+/// Every tie must be between scores computed from the same inputs, so both devices see it as a
+/// tie: the logits are non-negative (`sigmoid(x) + sigmoid(-x) = 1` would make group scores of
+/// different logits equal on paper and an ulp apart on one device, the GPU's `expf` not being
+/// the CPU's `exp`), and the correction bias is one value per group (with two biases in a group,
+/// `(s(a) + 0) + (s(c) + 0.25)` and `(s(a) + 0.25) + (s(c) + 0)` round differently). With
+/// `x = k / 2, k ≥ 0` the sigmoids `1 / (1 + e^(-k/2))` are independent over the rationals, so
+/// no two different sets of inputs give equal scores.
 fn routing_case(
     gpu: &CudaBackend,
     rng: &mut Rng,
@@ -426,10 +434,13 @@ fn routing_case(
     (n_group, topk_group, top_k, norm): (usize, usize, usize, bool),
 ) -> R<bool> {
     let logits: Vec<f32> = (0..tokens * experts)
-        .map(|_| (rng.sym(3.0) * 2.0).round() / 2.0)
+        .map(|_| (rng.sym(3.0).abs() * 2.0).round() / 2.0)
+        .collect();
+    let group_bias: Vec<f32> = (0..n_group)
+        .map(|_| (rng.sym(0.5) * 4.0).round() / 4.0)
         .collect();
     let bias: Vec<f32> = (0..experts)
-        .map(|_| (rng.sym(0.5) * 4.0).round() / 4.0)
+        .map(|e| group_bias[e / (experts / n_group)])
         .collect();
     let lg = gpu.upload(HostTensor::f32(&logits, &[tokens, experts]))?;
     let routing = MoeRouting {
