@@ -130,6 +130,16 @@ impl BlockPool {
         self.meta.get(block as usize).and_then(|m| m.hash)
     }
 
+    /// The block holding `hash`, trying `likely` first: a sequence's previous block usually
+    /// is the one indexed under its hash, and reading its metadata spares a probe of the index
+    /// (a block carries a hash exactly when the index maps that hash to it).
+    pub fn lookup_likely(&self, hash: BlockHash, likely: u32) -> Option<u32> {
+        if self.hash_of(likely) == Some(hash) {
+            return Some(likely);
+        }
+        self.lookup(hash)
+    }
+
     /// The block holding `hash`, if cached or in use.
     pub fn lookup(&self, hash: BlockHash) -> Option<u32> {
         self.index.get(&hash).copied()
@@ -235,9 +245,10 @@ impl BlockPool {
     /// by `parent` (or [`NO_PARENT`]). Returns false, changing nothing, when the hash is
     /// already indexed (another block holds the same content) or the parent is not indexed.
     pub fn register(&mut self, block: u32, hash: BlockHash, parent: u32, step: u64) -> bool {
-        if self.index.contains_key(&hash) {
+        // One probe of the index: the vacant entry is filled once the block qualifies.
+        let std::collections::hash_map::Entry::Vacant(slot) = self.index.entry(hash) else {
             return false;
-        }
+        };
         let Some(m) = self.meta.get(block as usize) else {
             return false;
         };
@@ -260,7 +271,7 @@ impl BlockPool {
         m.hash = Some(hash);
         m.parent = parent;
         m.last_access = step;
-        self.index.insert(hash, block);
+        slot.insert(block);
         self.events.push(EventKind::Stored, block, parent, step);
         true
     }

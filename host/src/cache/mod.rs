@@ -679,7 +679,7 @@ impl CacheManager {
             let j = s.committed;
             let parent = match j {
                 0 => NO_PARENT,
-                _ => match self.pool.lookup(hashes[j - 1]) {
+                _ => match self.pool.lookup_likely(hashes[j - 1], s.blocks[j - 1]) {
                     Some(p) => p,
                     None => break,
                 },
@@ -923,7 +923,9 @@ impl CacheManager {
                     snapshot: pool.lookup(h).and_then(|b| ssm.snapshot_of(b)).is_some(),
                 })
                 .collect();
-            let tokens = std::mem::take(&mut self.stored_tokens);
+            // The next step stores about as many: start its buffer at this one's size.
+            let next = Vec::with_capacity(self.stored_tokens.len());
+            let tokens = std::mem::replace(&mut self.stored_tokens, next);
             self.events.push(KvEvent::Stored { blocks, tokens });
         }
         if !self.snapshot_only.is_empty() {

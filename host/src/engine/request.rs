@@ -92,17 +92,24 @@ pub struct Request {
     pub events: EventSender,
 }
 
+/// Output tokens a new request reserves room for (4 KiB of token ids).
+const RESERVED_OUTPUT: usize = 1024;
+
 impl Request {
     pub fn new(req: GenerateRequest, slot: u32, events: EventSender) -> Self {
         let seed = req.params.seed.unwrap_or_else(|| derive_seed(req.id));
         let prompt_len = req.prompt.len();
         let prompt_logprobs = req.prompt_logprobs.map(|_| vec![None; prompt_len]);
         let prompt_top = req.prompt_logprobs.unwrap_or(0) as usize;
+        // Room for the output up front (bounded: `max_tokens` may be the whole context), so
+        // appending a decoded token does not reallocate and copy the sequence every doubling.
+        let mut tokens = req.prompt;
+        tokens.reserve((req.max_tokens as usize).min(RESERVED_OUTPUT));
         Self {
             id: req.id,
             slot,
             phase: Phase::Waiting,
-            tokens: req.prompt,
+            tokens,
             prompt_len,
             orig_prompt_len: prompt_len,
             computed: 0,
