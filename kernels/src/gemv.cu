@@ -1,5 +1,6 @@
-// Small-batch linear layers in bf16: y[n, m] = x[n, k] · w[m, k]ᵀ (+ b[m]) for n ≤ 2 rows, the
-// decode-time shape where the whole cost is streaming the weight once.
+// Small-batch linear layers in bf16: y[n, m] = x[n, k] · w[m, k]ᵀ (+ b[m]) for n ≤ 8 rows, the
+// decode-time shape (and a verify step's few tokens) where the whole cost is streaming the
+// weight once.
 //
 // cuBLASLt picks split-K kernels for these shapes: several partial passes plus a reduction
 // kernel, and the smaller projections (K/V, 1024 × 4096) reach only 1.2–2.9 TB/s of the H200's
@@ -18,6 +19,7 @@
 // Requirements checked by the host: k a multiple of 8 (16-byte rows), every segment's m a
 // multiple of ROWS, pointers 16-byte aligned (the arena and the weight allocations are).
 #include "common.cuh"
+#include "mma.cuh"
 
 #define GEMV_WARPS 8
 
@@ -187,3 +189,133 @@ __device__ void gemv(const bf16* __restrict__ x, u32 n, u32 k, const bf16* w0, c
 // looping over more groups (CHIMERA_GEMV_BLOCKS_PER_SM) measured no better.
 GEMV_ENTRY(gemv_bf16_n1, 1, 2, 1, 8)
 GEMV_ENTRY(gemv_bf16_n2, 2, 4, 2, 2)
+
+// Three to eight rows (a verify step's last token and its drafts, a small batch): with FMAs
+// the conversions and products per weight byte grow with n until the SMs, not the memory,
+// set the pace (the two-row kernel widened to four lost to cuBLASLt). Here the products run on
+// the tensor cores, one m16n8k16 bf16 MMA with f32 accumulation per 16 weights of 16 rows: a
+// block owns a group of 16 output features (a gated launch: 8 of gate, 8 of up), its 8 warps
+// split k, and the n ≤ 8 input rows are the MMA's 8 columns (rows past n are zeros).
+//
+// The fragments come straight from 16-byte loads. A dot product does not care in which order
+// k is walked, as long as the weight and x walk it alike: lane (g, t) = (lane / 4, lane % 4)
+// loads the 8 weights at columns c + 8t of rows g and g + 8 and the 8 values of x row g at the
+// same columns, and hands the first four of each to one MMA (its k pairs 2t and 2t + 8) and
+// the last four to a second. Four lanes read 64 contiguous bytes of a row: whole sectors.
+// The epilogues are the one- and two-row kernel's, with the same roundings.
+template <int U>
+__device__ void gemv_mma(const bf16* __restrict__ x, u32 n, u32 k, const bf16* w0,
+                         const bf16* b0, bf16* y0, u32 m0, const bf16* w1, const bf16* b1,
+                         bf16* y1, u32 m1, const bf16* w2, const bf16* b2, bf16* y2, u32 m2,
+                         u32 mode, u32 act) {
+    // Two buffers, as above: [warp][feature * 8 + input row].
+    __shared__ float part[2][GEMV_WARPS][16 * 8];
+    const u32 lane = threadIdx.x & 31;
+    const u32 warp = threadIdx.x >> 5;
+    const u32 g = lane >> 2, t = lane & 3;
+    const bool gated = mode == GEMV_GATED;
+    const u32 groups = gated ? m0 / 8 : (m0 + m1 + m2) / 16;
+    // Columns per trip of the whole block; a warp's trips start at warp * 32 (warp-uniform
+    // bounds: every lane must reach each mma.sync), a lane's loads 8t further.
+    const u32 stride = GEMV_WARPS * 32;
+    const u32 first = warp * 32;
+    const bf16* xr = g < n ? x + (u64)g * k : nullptr;
+    const u32x4 zero = {0u, 0u, 0u, 0u};
+    for (u32 grp = blockIdx.x, it = 0; grp < groups; grp += gridDim.x, ++it) {
+        u32 row;
+        const bf16* b;
+        bf16* y;
+        u32 m;
+        const bf16* lo;
+        const bf16* hi;
+        if (gated) {
+            row = grp * 8;
+            b = b0, y = y0, m = m0;
+            lo = w0 + (u64)(row + g) * k;
+            hi = w1 + (u64)(row + g) * k;
+        } else {
+            row = grp * 16;
+            const bf16* w;
+            if (row < m0) {
+                w = w0, b = b0, y = y0, m = m0;
+            } else if (row < m0 + m1) {
+                row -= m0;
+                w = w1, b = b1, y = y1, m = m1;
+            } else {
+                row -= m0 + m1;
+                w = w2, b = b2, y = y2, m = m2;
+            }
+            lo = w + (u64)(row + g) * k;
+            hi = w + (u64)(row + 8 + g) * k;
+        }
+        u32x4 wl[U], wh[U], xv[U];
+        auto load_w = [&](u32 base) {
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const u32 c = base + u * stride + t * 8;
+                wl[u] = c < k ? ld16(lo + c) : zero;
+                wh[u] = c < k ? ld16(hi + c) : zero;
+            }
+        };
+        auto load_x = [&](u32 base) {
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const u32 c = base + u * stride + t * 8;
+                xv[u] = xr && c < k ? ld16(xr + c) : zero;
+            }
+        };
+        // Two accumulators halve the chain of dependent MMAs.
+        float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+        load_w(first);
+        // As above: the weights' first loads go out before waiting for the previous kernel.
+        if (it == 0) CHIMERA_PDL_WAIT();
+        for (u32 base = first; base < k; base += stride * U) {
+            if (base != first) load_w(base);
+            load_x(base);
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const u32 a0[4] = {wl[u].a, wh[u].a, wl[u].b, wh[u].b};
+                mma_bf16_16816(acc[0], a0, xv[u].a, xv[u].b);
+                const u32 a1[4] = {wl[u].c, wh[u].c, wl[u].d, wh[u].d};
+                mma_bf16_16816(acc[1], a1, xv[u].c, xv[u].d);
+            }
+        }
+        // Lane (g, t) holds features g and g + 8 for input rows 2t and 2t + 1.
+        float* sums = part[it & 1][warp];
+        sums[g * 8 + 2 * t] = acc[0][0] + acc[1][0];
+        sums[g * 8 + 2 * t + 1] = acc[0][1] + acc[1][1];
+        sums[(g + 8) * 8 + 2 * t] = acc[0][2] + acc[1][2];
+        sums[(g + 8) * 8 + 2 * t + 1] = acc[0][3] + acc[1][3];
+        __syncthreads();
+        const u32 tid = threadIdx.x;
+        auto sum_of = [&](u32 i, u32 r) {
+            float s = 0.0f;
+#pragma unroll
+            for (int v = 0; v < GEMV_WARPS; ++v) s += part[it & 1][v][r * 8 + i];
+            return s;
+        };
+        auto rounded = [](float v) { return bf16_to_f32(f32_to_bf16(v)); };
+        if (gated) {
+            if (tid < n * 8) {
+                const u32 i = tid / 8, r = tid % 8;
+                const float gs = sum_of(i, r) + (b0 ? bf16_to_f32(b0[row + r]) : 0.0f);
+                const float us = sum_of(i, 8 + r) + (b1 ? bf16_to_f32(b1[row + r]) : 0.0f);
+                y[(u64)i * m + row + r] = f32_to_bf16(apply_act(rounded(gs), act) * rounded(us));
+            }
+        } else if (tid < n * 16) {
+            const u32 i = tid / 16, r = tid % 16;
+            float s = sum_of(i, r) + (b ? bf16_to_f32(b[row + r]) : 0.0f);
+            if (mode == GEMV_ACT) s = apply_act(rounded(s), act);
+            y[(u64)i * m + row + r] = f32_to_bf16(s);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 2)
+    gemv_bf16_mma(const bf16* x, u32 n, u32 k, const bf16* w0, const bf16* b0, bf16* y0, u32 m0,
+                  const bf16* w1, const bf16* b1, bf16* y1, u32 m1, const bf16* w2,
+                  const bf16* b2, bf16* y2, u32 m2, u32 mode, u32 act) {
+    CHIMERA_PDL_LAUNCH_DEPENDENTS();
+    if (n > 8) return;  // the host sends 3..8 rows here
+    gemv_mma<4>(x, n, k, w0, b0, y0, m0, w1, b1, y1, m1, w2, b2, y2, m2, mode, act);
+}

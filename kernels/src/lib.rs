@@ -383,7 +383,7 @@ pub mod dense {
     ];
 }
 
-/// Small-batch bf16 linear layers (`gemv.cu`): `y = x · wᵀ (+ b)` for one or two input rows,
+/// Small-batch bf16 linear layers (`gemv.cu`): `y = x · wᵀ (+ b)` for one to eight input rows,
 /// over up to three weights that share the input in one launch.
 pub mod gemv {
     use super::Entry;
@@ -416,14 +416,22 @@ pub mod gemv {
             name: "gemv_bf16_n2",
             params: PARAMS,
         },
+        Entry {
+            name: "gemv_bf16_mma",
+            params: PARAMS,
+        },
     ];
 
-    /// The entry for `n` input rows (1 or 2) and the output features each block computes
-    /// (every segment's `m` must be a multiple of it).
+    /// The most input rows the GEMV takes (more go to cuBLASLt).
+    pub const MAX_ROWS: usize = 8;
+
+    /// The entry for `n` input rows (1 to [`MAX_ROWS`]) and the output features each block
+    /// computes (every segment's `m` must be a multiple of it).
     pub fn variant(n: usize) -> Option<(&'static str, u32)> {
         match n {
             1 => Some(("gemv_bf16_n1", 2)),
             2 => Some(("gemv_bf16_n2", 4)),
+            3..=MAX_ROWS => Some(("gemv_bf16_mma", 16)),
             _ => None,
         }
     }

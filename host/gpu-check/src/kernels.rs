@@ -201,6 +201,12 @@ fn dense(c: &mut Ctx<'_>) {
         (1, 520, &[132, 68, 4][..]),
         (4, 2048, &[768, 768][..]),
         (12, 512, &[64, 32, 32][..]),
+        // The tensor-core GEMV (3..8 rows): k past the last whole trip (1032, 520), three
+        // segments, and a width that is no multiple of its 16 features (cuBLASLt).
+        (3, 4096, &[1024, 256, 256][..]),
+        (5, 1032, &[272, 16][..]),
+        (8, 520, &[128, 64, 32][..]),
+        (7, 2048, &[776][..]),
     ] {
         c.check(
             &format!("linear_shared {n}×{k}·{ms:?}ᵀ +bias on the first"),
@@ -243,6 +249,8 @@ fn dense(c: &mut Ctx<'_>) {
         (2, 1032, 260, true, Activation::Gelu),
         (1, 2048, 1026, true, Activation::Relu2),
         (3, 512, 256, false, Activation::Silu),
+        (5, 1032, 272, true, Activation::Gelu),
+        (8, 4096, 1024, false, Activation::Relu2),
     ] {
         let tag = format!("{n}×{k}·{m}ᵀ{} {act:?}", if bias { " +bias" } else { "" });
         let inputs = |c: &mut Ctx<'_>| -> R<_> {

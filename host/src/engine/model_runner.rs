@@ -79,12 +79,22 @@ enum Packed {
 /// bucket whose SSD-chunk capacity is too small refuses after planning the step.
 const MAX_MIXED_TRIES: usize = 4;
 
-/// A step of verify chunks (speculative decoding) with at most this many tokens runs eagerly:
-/// the smallest mixed bucket pads it to 32 rows, and the padded GEMMs cost more than the
-/// launches. Measured on an H100 at batch 1, context 2048 (`gpu-check --suite bench-spec`):
-/// Llama-3-8B, 2 tokens eager 1.06× a decode step, in the 32-token mixed graph 1.36×;
-/// NemotronH-8B, 5 tokens eager 1.43×, in the graph 1.64×.
-const EAGER_VERIFY_TOKENS: usize = 8;
+/// Verify steps (speculative decoding) of at most this many tokens run eagerly
+/// (`CHIMERA_EAGER_VERIFY_TOKENS`, a knob for measuring; 0, the default, sends them to the
+/// smallest mixed graph that holds them). Before the 8- and 16-token mixed buckets and the
+/// tensor-core GEMV of up to 8 rows, the smallest bucket padded a verify step to 32 rows of
+/// cuBLASLt GEMMs and 8 was the better setting (H100, batch 1, context 2048: Llama-3-8B, 2
+/// tokens eager 1.06× a decode step, in the 32-token graph 1.36×; NemotronH-8B, 5 tokens
+/// 1.43× and 1.64×).
+fn eager_verify_tokens() -> usize {
+    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *V.get_or_init(|| {
+        std::env::var("CHIMERA_EAGER_VERIFY_TOKENS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    })
+}
 
 /// One captured bucket: its graph and where it leaves its logits.
 struct CapturedGraph {
@@ -511,13 +521,14 @@ impl<B: StepBackend> ModelRunner<B> {
     fn pick_graph(
         graphs: &[CapturedGraph],
         plan: &StepPlan,
+        eager_verify: usize,
         mut fits: impl FnMut(GraphBucket) -> Result<bool, ExecutorError>,
     ) -> Result<Option<usize>, ExecutorError> {
         if plan.wants_full_rows() {
             return Ok(None);
         }
         let decodes = plan.seqs.iter().filter(|q| q.len == 1).count();
-        if plan.tokens.len() <= EAGER_VERIFY_TOKENS && plan.seqs.iter().any(|q| q.sample_all) {
+        if plan.tokens.len() <= eager_verify && plan.seqs.iter().any(|q| q.sample_all) {
             return Ok(None);
         }
         let prompts = plan.seqs.len() - decodes;
@@ -615,7 +626,7 @@ impl<B: StepBackend> ModelRunner<B> {
             .map_err(|e| ExecutorError::InvalidBatch(e.to_string()))?;
         let blocks = self.graph_blocks;
         let graph = match self.graph_step.as_mut() {
-            Some(gstep) => Self::pick_graph(&self.graphs, plan, |bucket| {
+            Some(gstep) => Self::pick_graph(&self.graphs, plan, eager_verify_tokens(), |bucket| {
                 backend
                     .upload_graph_step(plan, gstep, bucket, blocks)
                     .map_err(invalid)
@@ -640,11 +651,12 @@ impl<B: StepBackend> ModelRunner<B> {
         let invalid = ExecutorError::Backend;
         let (backend, blocks) = (&self.backend, self.graph_blocks);
         if let Some(gstep) = self.graph_step.as_mut()
-            && let Some(i) = Self::pick_graph(&self.graphs, plan, |bucket| {
-                backend
-                    .pack_step(plan, gstep, Some(bucket), blocks)
-                    .map_err(invalid)
-            })?
+            && let Some(i) =
+                Self::pick_graph(&self.graphs, plan, eager_verify_tokens(), |bucket| {
+                    backend
+                        .pack_step(plan, gstep, Some(bucket), blocks)
+                        .map_err(invalid)
+                })?
         {
             self.packed = Some(Packed::Graph(i));
             return Ok(());
@@ -663,10 +675,10 @@ impl<B: StepBackend> ModelRunner<B> {
 mod tests {
     use super::*;
 
-    /// A small step of verify chunks runs eagerly; the same tokens as a prompt chunk, or a
-    /// verify step too big for that rule, take the mixed bucket.
+    /// A verify step takes the mixed bucket like a prompt chunk of its tokens, unless the
+    /// eager rule keeps verify steps of its size off the graphs.
     #[test]
-    fn small_verify_steps_run_eagerly() {
+    fn verify_steps_take_the_mixed_bucket_unless_kept_eager() {
         let graphs = [CapturedGraph {
             bucket: GraphBucket::Mixed {
                 tokens: 32,
@@ -683,12 +695,13 @@ mod tests {
             p.finish().unwrap();
             p
         };
-        let pick = |p: &StepPlan| {
-            ModelRunner::<crate::backend::cpu::CpuBackend>::pick_graph(&graphs, p, |_| Ok(true))
-                .unwrap()
+        let pick = |p: &StepPlan, eager: usize| {
+            type Runner = ModelRunner<crate::backend::cpu::CpuBackend>;
+            Runner::pick_graph(&graphs, p, eager, |_| Ok(true)).unwrap()
         };
-        assert_eq!(pick(&plan(5, true)), None);
-        assert_eq!(pick(&plan(5, false)), Some(0));
-        assert_eq!(pick(&plan(12, true)), Some(0));
+        assert_eq!(pick(&plan(5, true), 0), Some(0));
+        assert_eq!(pick(&plan(5, true), 8), None);
+        assert_eq!(pick(&plan(5, false), 8), Some(0));
+        assert_eq!(pick(&plan(12, true), 8), Some(0));
     }
 }

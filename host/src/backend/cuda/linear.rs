@@ -1,4 +1,4 @@
-//! Linear layers on the CUDA backend: bf16 projections of one or two rows go to the one-pass
+//! Linear layers on the CUDA backend: bf16 projections of one to eight rows go to the one-pass
 //! GEMV (`gemv.cu`: up to three weights sharing the input in one launch, with an activation
 //! or a gated MLP's product in its epilogue); everything else to cuBLASLt ([`super::gemm`]).
 //! A shape the GEMV does not take falls back to cuBLASLt and the separate element-wise
@@ -18,6 +18,17 @@ use chimera_kernels::gemv::Mode as GemvMode;
 fn gemv_blocks_per_sm() -> u32 {
     static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
     *V.get_or_init(|| tuning_knob("CHIMERA_GEMV_BLOCKS_PER_SM"))
+}
+
+/// The most rows a GEMV launch takes (`CHIMERA_GEMV_MAX_ROWS`, a tuning knob for kernel work:
+/// 2 keeps three to eight rows on cuBLASLt, as before the tensor-core GEMV); 0, the default,
+/// is [`chimera_kernels::gemv::MAX_ROWS`].
+fn gemv_max_rows() -> usize {
+    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *V.get_or_init(|| match tuning_knob("CHIMERA_GEMV_MAX_ROWS") {
+        0 => chimera_kernels::gemv::MAX_ROWS,
+        n => n as usize,
+    })
 }
 
 impl CudaBackend {
@@ -111,7 +122,7 @@ impl CudaBackend {
 
     /// `y_s = x · w_sᵀ (+ b_s)` for up to three weights sharing `x` in one GEMV launch, with
     /// the epilogue `mode` (an activation, or a gated MLP's product: then one output), when
-    /// the shapes allow it (bf16, one or two rows, `k` a multiple of 8, every `m` a multiple of
+    /// the shapes allow it (bf16, one to eight rows, `k` a multiple of 8, every `m` a multiple of
     /// the variant's features per block, or of half of it for a gate and up of equal shape);
     /// `None` leaves the work to cuBLASLt.
     fn try_gemv(
@@ -122,6 +133,9 @@ impl CudaBackend {
         act: Activation,
     ) -> Result<Option<Vec<CudaTensor>>> {
         let (n, k) = x.rows_cols();
+        if n > gemv_max_rows() {
+            return Ok(None);
+        }
         let Some((entry, per_block)) = chimera_kernels::gemv::variant(n) else {
             return Ok(None);
         };
