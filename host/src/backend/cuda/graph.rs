@@ -63,9 +63,10 @@ pub(super) fn buckets(max_batch: usize, max_tokens: usize) -> Vec<GraphBucket> {
     let small = MIXED_SMALL_TOKENS.into_iter().filter(|&t| t <= max_tokens);
     for tokens in small.chain((MIXED_TOKEN_STEP..=top).step_by(MIXED_TOKEN_STEP)) {
         for prompts in MIXED_PROMPTS {
+            // A layout whose chunks outnumber its tokens could never be filled.
             out.extend(
                 decodes()
-                    .filter(|&d| d <= tokens / 2)
+                    .filter(|&d| d <= tokens / 2 && d + prompts <= tokens)
                     .map(|decodes| GraphBucket::Mixed {
                         tokens,
                         decodes,
