@@ -358,7 +358,12 @@ impl Scheduler {
                 if r.phase == Phase::Paused {
                     self.num_paused -= 1;
                 }
-                self.running.retain(|&s| s != slot);
+                // A slot is running once: stop at it and shift the rest (a retain over
+                // every running request, at each of a step's removals, was 1.6 % of a
+                // decode profile at 256 requests).
+                if let Some(i) = self.running.iter().position(|&s| s == slot) {
+                    self.running.remove(i);
+                }
                 if let Err(e) = cache.release(slot) {
                     tracing::error!(request = id, error = %e, "releasing cache state failed");
                 }
