@@ -425,13 +425,22 @@ pub mod gemv {
     /// The most input rows the GEMV takes (more go to cuBLASLt).
     pub const MAX_ROWS: usize = 8;
 
-    /// The entry for `n` input rows (1 to [`MAX_ROWS`]) and the output features each block
-    /// computes (every segment's `m` must be a multiple of it).
-    pub fn variant(n: usize) -> Option<(&'static str, u32)> {
+    /// The longest rows (`k`) the tensor-core entry takes: each of its warps waits for one
+    /// trip of loads at a time, so long rows over few output groups leave the memory idle.
+    /// Measured on an H100 at 3, 5 and 8 rows against cuBLASLt (`gpu-check --suite
+    /// bench-kernels`): faster on every 8B decode shape up to k = 8192 (q|k|v 18.7–19.2 against
+    /// 30.4–30.7 µs, o_proj 12.3–12.7 / 15.4, gate|up 77–78 / 80–82, in_proj 51–52 / 58–59,
+    /// out_proj k = 8192 24.4–25.5 / 26.1–26.4, lm_head 335–340 / 363), slower past it (down_proj
+    /// k = 14336 43.9–45.0 / 42.2–42.4, NemotronH's MLP down k = 21504 67–69 / 61–62).
+    pub const MMA_MAX_K: usize = 8192;
+
+    /// The entry for `n` input rows (1 to [`MAX_ROWS`]) of length `k` and the output features
+    /// each block computes (every segment's `m` must be a multiple of it); `None`: cuBLASLt.
+    pub fn variant(n: usize, k: usize) -> Option<(&'static str, u32)> {
         match n {
             1 => Some(("gemv_bf16_n1", 2)),
             2 => Some(("gemv_bf16_n2", 4)),
-            3..=MAX_ROWS => Some(("gemv_bf16_mma", 16)),
+            3..=MAX_ROWS if k <= MMA_MAX_K => Some(("gemv_bf16_mma", 16)),
             _ => None,
         }
     }

@@ -80,19 +80,21 @@ enum Packed {
 const MAX_MIXED_TRIES: usize = 4;
 
 /// Verify steps (speculative decoding) of at most this many tokens run eagerly
-/// (`CHIMERA_EAGER_VERIFY_TOKENS`, a knob for measuring; 0, the default, sends them to the
-/// smallest mixed graph that holds them). Before the 8- and 16-token mixed buckets and the
-/// tensor-core GEMV of up to 8 rows, the smallest bucket padded a verify step to 32 rows of
-/// cuBLASLt GEMMs and 8 was the better setting (H100, batch 1, context 2048: Llama-3-8B, 2
-/// tokens eager 1.06× a decode step, in the 32-token graph 1.36×; NemotronH-8B, 5 tokens
-/// 1.43× and 1.64×).
+/// (`CHIMERA_EAGER_VERIFY_TOKENS`, a knob for measuring; default 8): a mixed graph pads them to
+/// its bucket's layout and costs more than their launches. Measured on an H100 at batch 1,
+/// context 2048 (`gpu-check --suite bench-spec`, one call), a verify step over a plain decode
+/// step with k = 1 / 2 / 4 drafts: in mixed graphs of 8 and 16 tokens (with the tensor-core
+/// GEMV) Llama-3-8B 1.202 / 1.206 / 1.276×, NemotronH-8B 1.450 / 1.549 / 1.572×; eagerly (with
+/// cuBLASLt from 3 rows) Llama 1.098 / 1.304 / 1.368×, NemotronH 1.243 / 1.456 / 1.616×; the
+/// eager step with the tensor-core GEMV, at the plan level, Llama 1.064 / 1.095 / 1.100×,
+/// NemotronH 1.194 / 1.271 / 1.378×.
 fn eager_verify_tokens() -> usize {
     static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *V.get_or_init(|| {
         std::env::var("CHIMERA_EAGER_VERIFY_TOKENS")
             .ok()
             .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
+            .unwrap_or(8)
     })
 }
 

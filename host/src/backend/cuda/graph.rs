@@ -32,13 +32,11 @@ impl Drop for Graph {
 /// Decode batch sizes captured as graphs.
 const GRAPH_BUCKETS: [usize; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
 
-/// Token buckets of the mixed graphs (steps with prefill chunks): 8 and 16, then every 32
-/// tokens up to 512. Past about 200 rows a step's GEMMs are compute-bound on an H200, so each
-/// padding row costs its share (at most 31 rows here); larger steps run eagerly, their
-/// launches hidden behind kernels that long. The small buckets hold verify steps (a request's
-/// token and its drafts) and short chunks: up to 8 rows the GEMV reads each weight once, so
-/// the 8-token bucket's padding costs almost nothing.
-const MIXED_SMALL_TOKENS: [usize; 2] = [8, 16];
+/// Token buckets of the mixed graphs (steps with prefill chunks): every 32 tokens up to 512.
+/// Past about 200 rows a step's GEMMs are compute-bound on an H200, so each padding row costs
+/// its share (at most 31 rows here); larger steps run eagerly, their launches hidden behind
+/// kernels that long. (Buckets of 8 and 16 tokens were tried for verify steps: on an H100
+/// their graphs cost more than the eager steps: see `eager_verify_tokens` in the model runner.)
 const MIXED_TOKEN_STEP: usize = 32;
 const MIXED_MAX_TOKENS: usize = 512;
 
@@ -48,9 +46,9 @@ const MIXED_MAX_TOKENS: usize = 512;
 const MIXED_PROMPTS: [usize; 2] = [2, 8];
 
 /// Decode buckets of 1 to 256 sequences (powers of two up to the batch's); mixed buckets
-/// of [`MIXED_SMALL_TOKENS`] and every [`MIXED_TOKEN_STEP`] tokens up to [`MIXED_MAX_TOKENS`]
-/// (and the step's budget), each with a power of two of decodes up to half the tokens and
-/// each count of [`MIXED_PROMPTS`] prompt chunks.
+/// of every [`MIXED_TOKEN_STEP`] tokens up to [`MIXED_MAX_TOKENS`] (and the step's budget),
+/// each with a power of two of decodes up to half the tokens and each count of
+/// [`MIXED_PROMPTS`] prompt chunks.
 pub(super) fn buckets(max_batch: usize, max_tokens: usize) -> Vec<GraphBucket> {
     let decodes = || {
         GRAPH_BUCKETS
@@ -60,13 +58,11 @@ pub(super) fn buckets(max_batch: usize, max_tokens: usize) -> Vec<GraphBucket> {
     };
     let mut out: Vec<GraphBucket> = decodes().map(|seqs| GraphBucket::Decode { seqs }).collect();
     let top = MIXED_MAX_TOKENS.min(max_tokens.next_multiple_of(MIXED_TOKEN_STEP));
-    let small = MIXED_SMALL_TOKENS.into_iter().filter(|&t| t <= max_tokens);
-    for tokens in small.chain((MIXED_TOKEN_STEP..=top).step_by(MIXED_TOKEN_STEP)) {
+    for tokens in (MIXED_TOKEN_STEP..=top).step_by(MIXED_TOKEN_STEP) {
         for prompts in MIXED_PROMPTS {
-            // A layout whose chunks outnumber its tokens could never be filled.
             out.extend(
                 decodes()
-                    .filter(|&d| d <= tokens / 2 && d + prompts <= tokens)
+                    .filter(|&d| d <= tokens / 2)
                     .map(|decodes| GraphBucket::Mixed {
                         tokens,
                         decodes,

@@ -136,7 +136,7 @@ impl CudaBackend {
         if n > gemv_max_rows() {
             return Ok(None);
         }
-        let Some((entry, per_block)) = chimera_kernels::gemv::variant(n) else {
+        let Some((entry, per_block)) = chimera_kernels::gemv::variant(n, k) else {
             return Ok(None);
         };
         let gated = mode == GemvMode::Gated;
