@@ -57,6 +57,29 @@ __device__ __forceinline__ float dot8(const u32x4& w, const u32x4& x, float acc)
 #define GEMV_ACT 1u
 #define GEMV_GATED 2u
 
+// The segment that row `row` of the groups laid end to end falls in: its weight, bias, output
+// and width, with `row` made relative to it.
+struct GemvSegment {
+    const bf16* w;
+    const bf16* b;
+    bf16* y;
+    u32 m;
+};
+
+__device__ __forceinline__ GemvSegment segment_of(u32& row, const bf16* w0, const bf16* b0,
+                                                  bf16* y0, u32 m0, const bf16* w1,
+                                                  const bf16* b1, bf16* y1, u32 m1,
+                                                  const bf16* w2, const bf16* b2, bf16* y2,
+                                                  u32 m2) {
+    if (row < m0) return {w0, b0, y0, m0};
+    if (row < m0 + m1) {
+        row -= m0;
+        return {w1, b1, y1, m1};
+    }
+    row -= m0 + m1;
+    return {w2, b2, y2, m2};
+}
+
 template <int N, int ROWS, int U>
 __device__ void gemv(const bf16* __restrict__ x, u32 n, u32 k, const bf16* w0, const bf16* b0,
                      bf16* y0, u32 m0, const bf16* w1, const bf16* b1, bf16* y1, u32 m1,
@@ -100,15 +123,8 @@ __device__ void gemv(const bf16* __restrict__ x, u32 n, u32 k, const bf16* w0, c
                 wr[ROWS / 2 + r] = w1 + (u64)(row + r) * k;
             }
         } else {
-            if (row < m0) {
-                w = w0, b = b0, y = y0, m = m0;
-            } else if (row < m0 + m1) {
-                row -= m0;
-                w = w1, b = b1, y = y1, m = m1;
-            } else {
-                row -= m0 + m1;
-                w = w2, b = b2, y = y2, m = m2;
-            }
+            const GemvSegment seg = segment_of(row, w0, b0, y0, m0, w1, b1, y1, m1, w2, b2, y2, m2);
+            w = seg.w, b = seg.b, y = seg.y, m = seg.m;
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) wr[r] = w + (u64)(row + r) * k;
         }
@@ -235,18 +251,10 @@ __device__ void gemv_mma(const bf16* __restrict__ x, u32 n, u32 k, const bf16* w
             hi = w1 + (u64)(row + g) * k;
         } else {
             row = grp * 16;
-            const bf16* w;
-            if (row < m0) {
-                w = w0, b = b0, y = y0, m = m0;
-            } else if (row < m0 + m1) {
-                row -= m0;
-                w = w1, b = b1, y = y1, m = m1;
-            } else {
-                row -= m0 + m1;
-                w = w2, b = b2, y = y2, m = m2;
-            }
-            lo = w + (u64)(row + g) * k;
-            hi = w + (u64)(row + 8 + g) * k;
+            const GemvSegment seg = segment_of(row, w0, b0, y0, m0, w1, b1, y1, m1, w2, b2, y2, m2);
+            b = seg.b, y = seg.y, m = seg.m;
+            lo = seg.w + (u64)(row + g) * k;
+            hi = seg.w + (u64)(row + 8 + g) * k;
         }
         u32x4 wl[U], wh[U], xv[U];
         auto load_w = [&](u32 base) {
