@@ -298,7 +298,8 @@ fn capture_case(gpu: &CudaBackend, cpu: &CpuBackend, c: &Case, rng: &mut Rng) ->
 }
 
 /// The grouped layer (eager and graph-replayed) against the former per-expert path on the
-/// NemotronH shape (hidden 2688, expert ffn 1856, 128 experts top-6 in 8 groups, relu²), bf16.
+/// NemotronH shape (hidden 2688, expert ffn 1856, 128 experts top-6 in 8 groups, relu²), bf16,
+/// timed, and their outputs compared.
 pub fn bench(report: &mut Report, suite: &str, gpu: &CudaBackend) {
     if let Err(e) = bench_inner(report, suite, gpu) {
         report.failed(suite, "moe NemotronH layer timings", format!("{e:#}"));
@@ -351,6 +352,21 @@ fn bench_inner(report: &mut Report, suite: &str, gpu: &CudaBackend) -> R<()> {
             gpu.capture_graph(&mut || gpu.moe(&x, &logits, &routing, &experts, &mut out))?;
         let graphed = time(&mut || Ok(gpu.replay_graph(graph)?))?;
         let flops = 2.0 * 2.0 * (t * top_k * h * i) as f64;
+        // The per-expert path is timed above; its output must be the grouped one's too.
+        let mut grouped_out = gpu.zeros(&[t, h], dt)?;
+        gpu.moe(&x, &logits, &routing, &experts, &mut grouped_out)?;
+        let mut per_expert_out = gpu.zeros(&[t, h], dt)?;
+        gpu.moe_per_expert(&x, &logits, &routing, &experts, &mut per_expert_out)?;
+        let err = rel_err(
+            &gpu.download(&per_expert_out)?,
+            &gpu.download(&grouped_out)?,
+        );
+        report.err(
+            suite,
+            format!("moe NemotronH layer T={t} bf16: per-expert path = grouped path"),
+            err,
+            1e-2,
+        );
         report.push(
             suite,
             format!(
