@@ -24,6 +24,25 @@ use crate::model::builtin;
 use crate::plugins::{PluginsConfig, PolicyConfig};
 use crate::server::ServerConfig;
 
+/// A tuning knob from the environment variable `name`, for comparing paths on a GPU (settings
+/// belong in the TOML; the knobs are listed in `docs/gpu.md`): `None` when unset or empty; a
+/// value that does not parse is named in a warning and ignored. Callers read a knob once (a
+/// `OnceLock`), so the warning comes once.
+pub fn env_knob<T: std::str::FromStr>(name: &str) -> Option<T> {
+    let raw = std::env::var(name).ok()?;
+    let v = raw.trim();
+    if v.is_empty() {
+        return None;
+    }
+    match v.parse() {
+        Ok(x) => Some(x),
+        Err(_) => {
+            tracing::warn!(knob = name, value = %raw, "ignored: not a valid value for this knob");
+            None
+        }
+    }
+}
+
 /// The configuration shipped as the laptop default (`configs/default.toml`).
 pub const DEFAULT_TOML: &str = include_str!("../../configs/default.toml");
 

@@ -53,6 +53,9 @@ pub fn kernels(report: &mut Report, gpu: &CudaBackend) -> Option<f64> {
     if let Err(e) = ssm_timings(report, gpu) {
         report.failed(SUITE, "mamba2 scan timings", format!("{e:#}"));
     }
+    if let Err(e) = ssm_verify_timings(report, gpu) {
+        report.failed(SUITE, "mamba2 verify-step scan timings", format!("{e:#}"));
+    }
     super::moe::bench(report, SUITE, gpu);
     // Causal prefill attention through each prefill kernel in the same run: Hopper's wgmma
     // ones (where built) and the portable mma.sync one (what `CHIMERA_WGMMA=0` runs).
@@ -383,6 +386,123 @@ fn ssm_timings(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// The Mamba2 scan of a verify step (k = 4 drafts: 5 tokens a request, a state after every
+/// position) on the NemotronH-8B layer shape, token by token (`ssm_recurrent`) and by the
+/// chunked SSD, in the same run: device time per kernel and the ratio.
+fn ssm_verify_timings(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()> {
+    use chimera::backend::{DType, SsmPools, SsmShape};
+    let shape = SsmShape {
+        heads: 128,
+        head_dim: 64,
+        groups: 8,
+        state_size: 128,
+        chunk_size: 128,
+        dt_min: 0.0,
+        dt_max: f32::INFINITY,
+    };
+    gpu.set_ssm_chunk_size(shape.chunk_size);
+    let (h, p, g, n) = (shape.heads, shape.head_dim, shape.groups, shape.state_size);
+    let mut rng = Rng::new(12);
+    let k = 4usize;
+    for seqs in [1usize, 64] {
+        let t = seqs * (k + 1);
+        let mut plan = StepPlan::new(BLOCK);
+        let per = 2101usize.div_ceil(BLOCK);
+        for s in 0..seqs {
+            let table: Vec<u32> = ((s * per) as u32..((s + 1) * per) as u32).collect();
+            plan.push(&vec![1u32; k + 1], 2096, &table, s as u32, false);
+            for after in 1..=k + 1 {
+                plan.snapshot(after, (seqs + s * (k + 1) + after - 1) as u32);
+            }
+        }
+        plan.finish()?;
+        let slots = seqs * (k + 2);
+        let mut step = gpu.new_step(t)?;
+        gpu.upload_step(&plan, &mut step)?;
+        let up = |v: Vec<f32>, shape: &[usize]| gpu.upload(HostTensor::f32(&v, shape));
+        let x = up(rng.vec(t * h * p, 1.0), &[t, h * p])?;
+        let b = up(rng.vec(t * g * n, 0.5), &[t, g * n])?;
+        let c = up(rng.vec(t * g * n, 0.5), &[t, g * n])?;
+        let dt = up(rng.vec(t * h, 1.0), &[t, h])?;
+        let a_log = up((0..h).map(|_| rng.unit() * 2.0).collect(), &[h])?;
+        let d = up(rng.vec(h, 1.0), &[h])?;
+        let dt_bias = up(rng.vec(h, 0.5), &[h])?;
+        for dtype in [DType::F32, DType::BF16] {
+            let mut pools = SsmPools {
+                conv: gpu.zeros(&[slots, 1, h * p + 2 * g * n, 3], DType::F32)?,
+                ssm: gpu.zeros(&[slots, 1, h, p, n], dtype)?,
+                slots,
+                layers: 1,
+            };
+            let ops = SsmOperands {
+                x: &x,
+                b: &b,
+                c: &c,
+                dt: &dt,
+                a_log: &a_log,
+                d: &d,
+                dt_bias: &dt_bias,
+            };
+            let state = if dtype == DType::F32 { "f32" } else { "bf16" };
+            let reps = 50;
+            let mut device_ms = [0.0f64; 2];
+            for (i, tokens) in [chimera_kernels::ssm::RECURRENT_TOKENS, 0]
+                .into_iter()
+                .enumerate()
+            {
+                gpu.set_ssm_recurrent_tokens(tokens);
+                let mut run = || gpu.ssm_scan(&ops, shape, &mut pools, 0, &step).map(drop);
+                for _ in 0..3 {
+                    run()?;
+                }
+                gpu.synchronize()?;
+                let prof = gpu.profile_ops(|| -> anyhow::Result<()> {
+                    for _ in 0..reps {
+                        run()?;
+                    }
+                    Ok(())
+                })?;
+                let per_kernel = prof
+                    .iter()
+                    .map(|o| format!("{} {:.1} µs", o.name, o.ms * 1e3 / f64::from(reps)))
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                device_ms[i] = prof.iter().map(|o| o.ms).sum::<f64>() / f64::from(reps);
+                let path = if tokens > 0 {
+                    "token by token"
+                } else {
+                    "chunked SSD"
+                };
+                report.push(
+                    SUITE,
+                    format!(
+                        "mamba2 verify scan, batch {seqs} × {} tokens, {state} state, {path}: device time ({per_kernel}; reported)",
+                        k + 1
+                    ),
+                    device_ms[i],
+                    format!("{:.1} µs", device_ms[i] * 1e3),
+                    "reported".into(),
+                    true,
+                );
+            }
+            let ratio = device_ms[0] / device_ms[1];
+            report.push(
+                SUITE,
+                format!(
+                    "mamba2 verify scan, batch {seqs} × {} tokens, {state} state: token by token over chunked SSD",
+                    k + 1
+                ),
+                ratio,
+                format!("{ratio:.3}×"),
+                "≤ 1.00×".into(),
+                ratio <= 1.0,
+            );
+        }
+    }
+    gpu.set_ssm_recurrent_tokens(chimera_kernels::ssm::RECURRENT_TOKENS);
     Ok(())
 }
 

@@ -136,6 +136,19 @@ pub fn run(
             ssm_layer_case(report, gpu, Some(bf16_gpu), &mut rng, shape, chunks, 16);
         }
     }
+    // Verify steps: decodes and requests of k + 1 tokens with a state after every position,
+    // every prompt short, so the prompts take `ssm_recurrent` (token by token) instead of the
+    // SSD; odd shapes (rows not a multiple of 16, a state narrower than a warp), the bf16 pool.
+    for gpu in [f32_gpu, bf16_gpu] {
+        for (shape, state) in [
+            (sh(128, 64, 8, 128, 128), None),
+            (sh(6, 24, 3, 16, 8), None),
+            (sh(4, 32, 1, 32, 29), None),
+            (sh(16, 64, 4, 64, 128), Some(bf16_gpu)),
+        ] {
+            ssm_layer_case(report, gpu, state, &mut rng, shape, &[1, 5, 2, 1, 9], 1);
+        }
+    }
     // Decoding a sequence one token at a time leaves the same state as one prompt chunk.
     for (shape, len) in [(sh(8, 16, 2, 16, 8), 37usize), (sh(8, 64, 2, 128, 256), 40)] {
         let label = format!(

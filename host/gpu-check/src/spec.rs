@@ -496,6 +496,28 @@ fn bench_model(
             ratio <= bound,
         );
     }
+    // Mamba2 layers: the same verify steps with the prompts' scan on the chunked SSD instead of
+    // token by token (`ssm_recurrent`), for comparison in the same run.
+    if m.info.cache.ssm_layers > 0 {
+        gpu.set_ssm_recurrent_tokens(0);
+        for k in [1usize, 2, 4] {
+            let answers = settle(k)?;
+            let r = with(k, 1.0, &prompts, 4, budget, &answers)?;
+            let verify = r.stats.spec_drafts.max(1) as f64;
+            let plain_steps = r.stats.engine_steps.saturating_sub(1 + r.stats.spec_drafts) as f64;
+            let verify_ms = (r.decode_s * 1e3 - plain_steps * step_ms).max(0.0) / verify;
+            let ratio = verify_ms / step_ms;
+            report.push(
+                BENCH,
+                format!("{name} bs1: verify step with k={k} drafts over a plain decode step, Mamba2 prompts on the chunked SSD (for comparison)"),
+                ratio,
+                format!("{ratio:.3}× ({verify_ms:.3} ms; {} verify + {plain_steps} plain steps)", r.stats.spec_drafts),
+                "reported".into(),
+                true,
+            );
+        }
+        gpu.set_ssm_recurrent_tokens(chimera_kernels::ssm::RECURRENT_TOKENS);
+    }
     // A mean acceptance length near 2.5: per-draft acceptance p with 1 + p + p² + p³ ≈ 2.5 at
     // k = 3 (p ≈ 0.69), and the same rate at k = 4.
     for k in [3usize, 4] {

@@ -90,12 +90,7 @@ const MAX_MIXED_TRIES: usize = 4;
 /// NemotronH 1.194 / 1.271 / 1.378×.
 fn eager_verify_tokens() -> usize {
     static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *V.get_or_init(|| {
-        std::env::var("CHIMERA_EAGER_VERIFY_TOKENS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(8)
-    })
+    *V.get_or_init(|| crate::config::env_knob("CHIMERA_EAGER_VERIFY_TOKENS").unwrap_or(8))
 }
 
 /// One captured bucket: its graph and where it leaves its logits.

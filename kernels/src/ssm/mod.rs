@@ -37,7 +37,9 @@
 //!
 //! **Kernels** (the algorithms: the headers of the `.cu` files): conv `ssm_conv_chunks`
 //! (prompt chunks, and their snapshot conv states) then `ssm_conv_update` (every entry's new
-//! live conv state; the decodes' outputs and snapshots); scan `ssm_decode` (decodes), then
+//! live conv state; the decodes' outputs and snapshots); scan `ssm_decode` (decodes), then,
+//! when every prompt of the step is short (a verify step), `ssm_recurrent` over the prompts
+//! token by token ([`recurrent_prompts`]), else
 //! `ssd_dt` and, for bf16 with head_dim 64 and state 64 or 128, the tensor-core
 //! `ssd_chunk_pass_mma` (chunk states and state passing in one walk: entering states, live
 //! and snapshot states) and `ssd_scan_group_mma` (`ssd_scan_mma` for chunks over 128
@@ -235,7 +237,14 @@ pub struct ScanDims {
     /// Heads one `ssd_scan_group_mma` CTA walks (a tuning knob; 0: the planner's choice, see
     /// `group_scan_heads`; clamped to the heads of a group).
     pub group_scan_heads: u32,
+    /// Steps whose prompts are all at most this long scan them token by token
+    /// ([`recurrent_prompts`]); 0: never ([`RECURRENT_TOKENS`] by default).
+    pub recurrent_tokens: u32,
 }
+
+/// The default [`ScanDims::recurrent_tokens`]: verify steps of up to 15 drafts. Measured on one
+/// H100 (NemotronH-8B layer shape, bf16): see `docs/benchmarks.md`.
+pub const RECURRENT_TOKENS: u32 = 16;
 
 impl ScanDims {
     /// Contiguous tensors; `layer`, `layers`, `slots` zero and dt unclamped (set them).
@@ -257,6 +266,7 @@ impl ScanDims {
             state_bf16: false,
             aligned16: true,
             group_scan_heads: 0,
+            recurrent_tokens: RECURRENT_TOKENS,
         }
     }
 
@@ -324,7 +334,9 @@ fn grid(blocks: u64) -> Result<(u32, u32, u32), SsmError> {
 }
 
 /// One scan layer: `ssm_decode` over the decodes, then the SSD pipeline over the prompt
-/// chunks (`ssd_dt`, then the tensor-core or the SIMT kernels; see `ssd.rs`), in this order.
+/// chunks (`ssd_dt`, then the tensor-core or the SIMT kernels; see `ssd.rs`), in this order;
+/// or `ssm_recurrent` over the prompts instead of the SSD when they are all short
+/// ([`recurrent_prompts`]).
 pub fn launches_scan(
     plan: &SsmPlan,
     dims: ScanDims,
@@ -333,8 +345,23 @@ pub fn launches_scan(
     dims.check()?;
     let mut out = Vec::new();
     state_update::launches(plan, dims, bf16, &mut out)?;
-    ssd::launches(plan, dims, bf16, &mut out)?;
+    if recurrent_prompts(plan, dims) {
+        state_update::launches_recurrent(plan, dims, bf16, &mut out)?;
+    } else {
+        ssd::launches(plan, dims, bf16, &mut out)?;
+    }
     Ok(out)
+}
+
+/// Whether the prompts of `plan` take the recurrent step token by token (`ssm_recurrent`)
+/// rather than the chunked SSD: every prompt is at most `dims.recurrent_tokens` long (a verify
+/// step's k + 1 tokens, cut at every draft position, where the SSD's four kernels run on
+/// one-token chunks) and the state fits the kernel. Never for a padded plan, whose launches
+/// must depend only on its capacities.
+pub fn recurrent_prompts(plan: &SsmPlan, dims: ScanDims) -> bool {
+    plan.prompts() > 0
+        && plan.longest_prompt <= dims.recurrent_tokens
+        && dims.state <= state_update::REC_MAX_STATE
 }
 
 #[cfg(test)]

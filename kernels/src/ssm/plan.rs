@@ -109,6 +109,8 @@ pub struct SsmPlan {
     /// SSD chunks the group scan's CTA shape is chosen for: the plan's own, or for a padded
     /// plan those of its token rows in one prompt (most of its chunks are padding).
     pub(super) scan_chunks: usize,
+    /// Tokens of the longest prompt entry (`u32::MAX` once padded: [`super::recurrent_prompts`]).
+    pub(super) longest_prompt: u32,
     pub(super) waves: Vec<(usize, usize)>,
     // Planning scratch (kept for reuse).
     pub(super) order: Vec<(u32, u32, u32)>,
@@ -242,8 +244,10 @@ pub fn plan(inp: SsmStepInputs<'_>, out: &mut SsmPlan) -> Result<(), SsmError> {
         out.push_snaps(r, inp.snapshots);
     }
     out.decodes = out.seqs();
+    out.longest_prompt = 0;
     for s in (0..n).filter(|&s| len(s) > 1) {
         let (tok, l) = (cu[s], len(s));
+        out.longest_prompt = out.longest_prompt.max(l);
         let r = range_of(&out.order, s);
         let entry = out.seqs() as u32;
         let (first_chunk, first_snap) = (out.chunks() as u32, out.snapshots() as u32);
@@ -338,6 +342,7 @@ impl SsmPlan {
         self.decodes = caps.decodes;
         self.tokens = caps.rows;
         self.scan_chunks = caps.rows.div_ceil(self.chunk_size.max(1)).max(1) as usize;
+        self.longest_prompt = u32::MAX;
         true
     }
 }

@@ -84,9 +84,9 @@ pub const SCAN_ENTRIES: &[Entry] = &[
 /// launches' dtype): dt and the cumulative dA `[tokens, heads]` (f32) each, the chunk states
 /// `[chunks, heads, head_dim, state]` (f32; bf16 entering states on the tensor-core path),
 /// then the cumulative dA and dt again, chunk-major `[chunks, heads, rec_rows]` (f32,
-/// [`rec_rows`]). All zero when the plan has no prompt chunks.
+/// [`rec_rows`]). All zero when the plan has no prompt chunks or scans them token by token.
 pub fn scratch_bytes(plan: &SsmPlan, dims: ScanDims, bf16: bool) -> Vec<usize> {
-    if plan.chunks() == 0 {
+    if plan.chunks() == 0 || super::recurrent_prompts(plan, dims) {
         return vec![0; 5];
     }
     let th = plan.tokens as usize * dims.heads as usize * 4;

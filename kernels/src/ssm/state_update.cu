@@ -2,6 +2,8 @@
 // selective_state_update (the planner: state_update.rs; columns and layouts: ssm.cuh). For
 // head h of group g: dt = clamp(softplus(dt_raw + dt_bias)), a = −exp(A_log);
 // - ssm_decode: one token: S ← exp(dt·a)·S + dt·x⊗B, y = S·C + D·x (f32), live and snapshots.
+// - ssm_recurrent: the same step token by token over short prompts (verify steps), snapshots at
+//   chunk ends.
 #include "ssm.cuh"
 
 namespace ssm {
@@ -418,6 +420,103 @@ __device__ void decode(const T* x, const T* b, const T* c, const T* dt, const T*
     else
         decode_rows(x, b, c, out, st, pool, snap_slot, k0, nk, p0, p1, N, xrow, brow, yrow, step);
 }
+
+// Short prompts (a verify step's k + 1 tokens, when every prompt of the step is short): the
+// recurrent step token by token, as the CPU reference scans one-token segments, instead of the
+// chunked SSD's four kernels. The state stays in registers in f32 through the entry and is
+// rounded to the pool's type only where it is stored, as the SSD stores it: at each chunk end
+// that carries snapshots (a verify step's plan ends a chunk at every draft position) and in the
+// live slot at the end. CTA (prompt entry, head, slice of REC_ROWS rows of p); warp w owns
+// rows p0 + w·REC_WARP_ROWS + i, lane l the columns n = l + 32·j (N ≤ 32·REC_COLS).
+constexpr int REC_WARP_ROWS = 4;
+constexpr int REC_COLS = 8;  // state_update.rs: REC_MAX_STATE = 32 · REC_COLS
+constexpr u32 REC_ROWS = REC_WARP_ROWS * DEC_WARPS;  // state_update.rs: REC_ROWS
+
+template <typename S>
+__device__ __forceinline__ void rec_store(S* dst, u32 pw, u32 P, u32 N, u32 lane,
+                                          const float (&s)[REC_WARP_ROWS][REC_COLS]) {
+#pragma unroll
+    for (int i = 0; i < REC_WARP_ROWS; ++i) {
+        if (pw + i >= P) break;
+#pragma unroll
+        for (int j = 0; j < REC_COLS; ++j) {
+            const u32 n = lane + 32 * j;
+            if (n < N) store(dst, (u64)(pw + i) * N + n, s[i][j]);
+        }
+    }
+}
+
+template <typename T, typename S>
+__device__ void recurrent(const T* x, const T* b, const T* c, const T* dt, const T* a_log,
+                          const T* d, const T* dt_bias, T* out, S* pool, const u32* seq_slot,
+                          const u32* seq_chunk, const u32* seq_chunks, const u32* ck_tok,
+                          const u32* ck_len, const u32* ck_snap, const u32* ck_snaps,
+                          const u32* snap_slot, u32 seq_base, u32 heads, u32 P, u32 groups,
+                          u32 N, u32 x_ld, u32 bc_ld, u32 dt_ld, u32 out_ld, u32 layer,
+                          u32 layers, u32 slots, float dt_min, float dt_max) {
+    const u32 slices = (P + REC_ROWS - 1) / REC_ROWS;
+    u32 r = blockIdx.x;
+    const u32 slice = r % slices;
+    r /= slices;
+    const u32 h = r % heads, e = seq_base + r / heads;
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 pw = slice * REC_ROWS + warp * REC_WARP_ROWS;  // the warp's first row
+    const u64 pn = (u64)P * N, per_layer = pn * heads;
+    const u32 c0 = seq_chunk[e], c1 = c0 + seq_chunks[e];
+    S* live = layer_state(pool, seq_slot[e], slots, layer, layers, per_layer);
+    if (!live) {  // a padding entry: zero outputs, no state
+        for (u32 k = c0; k < c1; ++k)
+            for (u32 t = ck_tok[k]; t < ck_tok[k] + ck_len[k]; ++t)
+                for (u32 i = lane; i < REC_WARP_ROWS; i += 32)
+                    if (pw + i < P) store(out, (i64)t * out_ld + (i64)h * P + pw + i, 0.0f);
+        return;
+    }
+    live += h * pn;
+    float s[REC_WARP_ROWS][REC_COLS];
+#pragma unroll
+    for (int i = 0; i < REC_WARP_ROWS; ++i)
+#pragma unroll
+        for (int j = 0; j < REC_COLS; ++j) {
+            const u32 n = lane + 32 * j;
+            s[i][j] = pw + i < P && n < N ? load(live, (u64)(pw + i) * N + n) : 0.0f;
+        }
+    const u32 g = h / (heads / groups);
+    const float a = -expf(load(a_log, h)), dh = load(d, h), bias = load(dt_bias, h);
+    for (u32 k = c0; k < c1; ++k) {
+        const u32 t0 = ck_tok[k], t1 = t0 + ck_len[k];
+        for (u32 t = t0; t < t1; ++t) {
+            const float dtv = dt_of(load(dt, (i64)t * dt_ld + h), bias, dt_min, dt_max);
+            const float decay = expf(dtv * a);
+            const i64 brow = (i64)t * bc_ld + (i64)g * N, xrow = (i64)t * x_ld + (i64)h * P;
+            float bn[REC_COLS], cn[REC_COLS];
+#pragma unroll
+            for (int j = 0; j < REC_COLS; ++j) {
+                const u32 n = lane + 32 * j;
+                bn[j] = n < N ? load(b, brow + n) : 0.0f;
+                cn[j] = n < N ? load(c, brow + n) : 0.0f;
+            }
+#pragma unroll
+            for (int i = 0; i < REC_WARP_ROWS; ++i) {
+                const bool row = pw + i < P;
+                const float xv = row ? load(x, xrow + pw + i) : 0.0f;
+                const float dx = dtv * xv;
+                float acc = 0.0f;
+#pragma unroll
+                for (int j = 0; j < REC_COLS; ++j) {
+                    s[i][j] = s[i][j] * decay + dx * bn[j];
+                    acc += s[i][j] * cn[j];
+                }
+                acc = warp_sum(acc);
+                if (lane == 0 && row) store(out, (i64)t * out_ld + (i64)h * P + pw + i, acc + dh * xv);
+            }
+        }
+        for (u32 q = ck_snap[k]; q < ck_snap[k] + ck_snaps[k]; ++q) {
+            S* dst = layer_state(pool, snap_slot[q], slots, layer, layers, per_layer);
+            if (dst) rec_store(dst + h * pn, pw, P, N, lane, s);
+        }
+    }
+    rec_store(live, pw, P, N, lane, s);
+}
 }  // namespace ssm
 
 // ---------------------------------------------------------------------------------------
@@ -446,4 +545,29 @@ extern "C" __global__ void __launch_bounds__(128, 8) ssm_decode_f32_sbf16(DECODE
 }
 extern "C" __global__ void __launch_bounds__(128, 8) ssm_decode_bf16_sbf16(DECODE_PARAMS(bf16, bf16)) { CHIMERA_PDL_ENTRY();
     ssm::decode(DECODE_ARGS);
+}
+
+#define RECURRENT_PARAMS(T, S)                                                                \
+    const T *x, const T *b, const T *c, const T *dt, const T *a_log, const T *d,                \
+        const T *dt_bias, T *out, S *pool, const u32 *seq_slot, const u32 *seq_chunk,          \
+        const u32 *seq_chunks, const u32 *ck_tok, const u32 *ck_len, const u32 *ck_snap,      \
+        const u32 *ck_snaps, const u32 *snap_slot, u32 seq_base, u32 heads, u32 head_dim,     \
+        u32 groups, u32 state, u32 x_ld, u32 bc_ld, u32 dt_ld, u32 out_ld, u32 layer,         \
+        u32 layers, u32 slots, float dt_min, float dt_max
+#define RECURRENT_ARGS                                                                        \
+    x, b, c, dt, a_log, d, dt_bias, out, pool, seq_slot, seq_chunk, seq_chunks, ck_tok, ck_len, \
+        ck_snap, ck_snaps, snap_slot, seq_base, heads, head_dim, groups, state, x_ld, bc_ld,   \
+        dt_ld, out_ld, layer, layers, slots, dt_min, dt_max
+
+extern "C" __global__ void __launch_bounds__(128, 4) ssm_recurrent_f32(RECURRENT_PARAMS(float, float)) { CHIMERA_PDL_ENTRY();
+    ssm::recurrent(RECURRENT_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(128, 4) ssm_recurrent_bf16(RECURRENT_PARAMS(bf16, float)) { CHIMERA_PDL_ENTRY();
+    ssm::recurrent(RECURRENT_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(128, 4) ssm_recurrent_f32_sbf16(RECURRENT_PARAMS(float, bf16)) { CHIMERA_PDL_ENTRY();
+    ssm::recurrent(RECURRENT_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(128, 4) ssm_recurrent_bf16_sbf16(RECURRENT_PARAMS(bf16, bf16)) { CHIMERA_PDL_ENTRY();
+    ssm::recurrent(RECURRENT_ARGS);
 }

@@ -96,6 +96,10 @@ pub struct Device {
     pub(crate) sticky: AtomicBool,
     /// The SSD chunk size of the model's Mamba2 layers (0: none), set at model load.
     pub(crate) ssm_chunk: std::sync::atomic::AtomicU32,
+    /// Steps whose Mamba2 prompts are all at most this long scan them token by token
+    /// (`ssm::recurrent_prompts`; 0: never): `CHIMERA_SSM_RECURRENT_TOKENS` at start, else
+    /// `ssm::RECURRENT_TOKENS`; switchable so the bench can time both paths in one run.
+    pub(crate) ssm_recurrent_tokens: std::sync::atomic::AtomicU32,
     /// Launch kernels with programmatic stream serialization (see [`Device::launch`]).
     pdl: AtomicBool,
     /// The d = 128 prefill attention kernel, a [`PrefillKernel`] as u8 (see
@@ -182,6 +186,10 @@ impl Device {
             modules,
             sticky: AtomicBool::new(false),
             ssm_chunk: std::sync::atomic::AtomicU32::new(0),
+            ssm_recurrent_tokens: std::sync::atomic::AtomicU32::new(
+                crate::config::env_knob("CHIMERA_SSM_RECURRENT_TOKENS")
+                    .unwrap_or(chimera_kernels::ssm::RECURRENT_TOKENS),
+            ),
             // Programmatic dependent launch exists from compute capability 9.0 on.
             pdl: AtomicBool::new(
                 major >= 9 && std::env::var("CHIMERA_PDL").map_or(true, |v| v != "0"),

@@ -13,6 +13,8 @@
 //! Every address comes from tensors of the step's arena, so a captured graph replays the
 //! same addresses.
 
+use std::sync::atomic::Ordering;
+
 use chimera_kernels::ssm;
 
 use super::device::Arg;
@@ -220,6 +222,7 @@ impl CudaBackend {
             dt_ld: dt.ld32(),
             aligned16: [x.ptr, b.ptr, c.ptr].iter().all(|p| p % 16 == 0),
             group_scan_heads: ssd_group_scan_heads(),
+            recurrent_tokens: self.dev().ssm_recurrent_tokens.load(Ordering::Relaxed),
             ..ssm::ScanDims::packed(
                 shape.heads as u32,
                 shape.head_dim as u32,

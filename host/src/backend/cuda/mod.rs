@@ -172,6 +172,15 @@ impl CudaBackend {
         self.inner.small_m_gemv.store(on, Ordering::Relaxed);
     }
 
+    /// Mamba2 prompts of at most `tokens` tokens, when a step has no longer one, take the
+    /// recurrent step token by token instead of the chunked SSD (0: never), on every replica of
+    /// the device. Results agree to rounding either way.
+    pub fn set_ssm_recurrent_tokens(&self, tokens: u32) {
+        self.dev()
+            .ssm_recurrent_tokens
+            .store(tokens, Ordering::Relaxed);
+    }
+
     /// Programmatic dependent launch on or off for the kernels launched (or captured) from now
     /// on (on by default; `CHIMERA_PDL=0` turns it off at start).
     pub fn set_pdl(&self, on: bool) {
@@ -494,12 +503,9 @@ fn act_code(a: Activation) -> u32 {
 }
 
 /// A whole-number tuning knob for kernel work from the environment variable `name`; 0 when unset
-/// or not a number (the planner's choice).
+/// (the planner's choice; a value that is not a number is named in a warning and ignored).
 fn tuning_knob(name: &str) -> u32 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
+    crate::config::env_knob(name).unwrap_or(0)
 }
 
 /// Scratch buffer `i` of a planner's launches as an argument (`what` names the planner).

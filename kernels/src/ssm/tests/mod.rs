@@ -6,7 +6,7 @@
 
 use super::conv::{CONV_CHUNKS, CONV_ROWS, CONV_THREADS};
 use super::ssd::{CHUNK_PASS_SPLIT, DT_HEADS, PASS_PER, PASS_THREADS, SCAN_ROWS, SIMT_TM, SIMT_TN};
-use super::state_update::DEC_THREADS;
+use super::state_update::{DEC_THREADS, REC_ROWS};
 use super::*;
 use proptest::prelude::*;
 use std::collections::HashMap;
@@ -224,8 +224,8 @@ fn the_entry_table_is_the_ssm_sources_tables() {
     assert_eq!(table, sources);
     assert_eq!(
         table.len(),
-        104,
-        "2 slot ops, 4 conv, 4 decode, 10 SSD state, 6 SSD scan, 2 GDN prep, 32 GDN scan, \
+        108,
+        "2 slot ops, 4 conv, 4 decode, 4 recurrent, 10 SSD state, 6 SSD scan, 2 GDN prep, 32 GDN scan, \
          28 GDN prompt, 16 GDN decode"
     );
 }
@@ -628,6 +628,103 @@ fn a_warm_plan_does_not_allocate() {
     plan(inp, &mut p).expect("plan");
     assert_eq!((ptrs(&p), p.order.capacity(), p.waves.capacity()), before);
     assert_eq!(first.cols, p.cols);
+}
+
+/// A verify step (decodes, and requests of k + 1 tokens with a state after every position)
+/// scans its prompts token by token: `ssm_recurrent` in place of the SSD's kernels, no
+/// scratch; a step with a longer prompt, a padded plan, a state too wide for the kernel or the
+/// knob at 0 keep the SSD.
+#[test]
+fn a_verify_step_scans_its_prompts_token_by_token() {
+    let lens = [1, 5, 5, 1, 3];
+    let mut snaps = Vec::new();
+    for (seq, len) in [(1u32, 5u32), (2, 5), (4, 3)] {
+        for after in 1..=len {
+            snaps.push(snap(seq, after, 10 * seq + after));
+        }
+    }
+    let (_, p) = build(&lens, &snaps, 128);
+    let dims = scan_dims(128, 64, 8, 128);
+    for bf16 in [false, true] {
+        let names: Vec<_> = launches_scan(&p, dims, bf16)
+            .expect("shape")
+            .iter()
+            .map(|l| l.entry)
+            .collect();
+        let ty = if bf16 { "bf16" } else { "f32" };
+        assert_eq!(
+            names,
+            [format!("ssm_decode_{ty}"), format!("ssm_recurrent_{ty}")]
+        );
+        replay_scan(&p, dims, bf16);
+        assert_eq!(scratch_bytes(&p, dims, bf16), [0; 5]);
+    }
+    let bf16_state = ScanDims {
+        state_bf16: true,
+        ..dims
+    };
+    assert_eq!(
+        launches_scan(&p, bf16_state, true).expect("shape")[1].entry,
+        "ssm_recurrent_bf16_sbf16"
+    );
+    replay_scan(&p, bf16_state, true);
+    // Odd shapes: rows not a multiple of the CTA's 16, a state narrower than a warp.
+    for d in [scan_dims(6, 24, 3, 16), scan_dims(2, 3, 1, 4)] {
+        assert!(recurrent_prompts(&p, d));
+        replay_scan(&p, d, false);
+    }
+    let ssd = |p: &SsmPlan, d: ScanDims| {
+        assert!(!recurrent_prompts(p, d));
+        let l = launches_scan(p, d, true).expect("shape");
+        assert_eq!(l[1].entry, "ssd_dt_bf16");
+    };
+    let long = build(&[1, 5, 17], &[], 128).1;
+    ssd(&long, dims);
+    replay_scan(&long, dims, true);
+    ssd(
+        &p,
+        ScanDims {
+            recurrent_tokens: 0,
+            ..dims
+        },
+    );
+    replay_scan(
+        &p,
+        ScanDims {
+            recurrent_tokens: 0,
+            ..dims
+        },
+        true,
+    );
+    ssd(
+        &p,
+        ScanDims {
+            recurrent_tokens: 4,
+            ..dims
+        },
+    );
+    assert!(recurrent_prompts(
+        &p,
+        ScanDims {
+            recurrent_tokens: 5,
+            ..dims
+        }
+    ));
+    ssd(&p, scan_dims(8, 64, 2, 512));
+    let caps = FixedCaps {
+        decodes: 4,
+        prompts: 4,
+        chunks: 16,
+        snapshots: 16,
+        rows: 15 + 2, // a padding row for each padding decode
+    };
+    let mut q = p.clone();
+    assert!(q.pad_to(caps));
+    ssd(&q, dims); // (the padding chunks belong to no entry: no replay)
+    // Decodes only: no prompt launch at all.
+    let (_, d) = build(&[1, 1, 1], &[], 128);
+    assert!(!recurrent_prompts(&d, dims));
+    assert_eq!(launches_scan(&d, dims, true).expect("shape").len(), 1);
 }
 
 fn chunk_len() -> impl Strategy<Value = u32> {

@@ -146,6 +146,37 @@ pub(super) fn replay_scan(p: &SsmPlan, dims: ScanDims, bf16: bool) {
                     snaps[k * heads + h] += elems;
                 }
             }
+        } else if name.starts_with("ssm_recurrent") {
+            // CTA (prompt entry, head, slice of REC_ROWS rows of p): every token of the
+            // entry's chunks for those rows, its snapshots and its live state.
+            order.push("recurrent");
+            assert_eq!(l.block.0, DEC_THREADS);
+            assert_eq!(name.ends_with("_sbf16"), dims.state_bf16, "{name}");
+            let base = u32_arg(l, 17) as usize;
+            assert_eq!(base, p.decodes());
+            let rows = REC_ROWS as usize;
+            let slices = pd.div_ceil(rows);
+            for bid in 0..l.grid.0 as usize {
+                let (slice, r) = (bid % slices, bid / slices);
+                let (h, e) = (r % heads, base + r / heads);
+                assert!(e < p.seqs());
+                let (p0, p1) = (slice * rows, ((slice + 1) * rows).min(pd));
+                let elems = (p1 - p0) * nd;
+                live[e * heads + h] += elems;
+                let c0 = col(WorkCol::SeqChunk, e);
+                for c in c0..c0 + col(WorkCol::SeqChunks, e) {
+                    assert_eq!(col(WorkCol::CkSeq, c), e);
+                    for i in 0..col(WorkCol::CkLen, c) {
+                        for q in p0..p1 {
+                            *out.entry((col(WorkCol::CkTok, c) + i, h, q)).or_default() += 1;
+                        }
+                    }
+                    let k0 = col(WorkCol::CkSnap, c);
+                    for k in k0..k0 + col(WorkCol::CkSnaps, c) {
+                        snaps[k * heads + h] += elems;
+                    }
+                }
+            }
         } else if name.starts_with("ssd_dt") {
             order.push("dt");
             let hb = u32_arg(l, 11) as usize;
@@ -285,7 +316,10 @@ pub(super) fn replay_scan(p: &SsmPlan, dims: ScanDims, bf16: bool) {
     if p.decodes() > 0 {
         want.push("decode");
     }
-    if p.chunks() > 0 && mma.is_some() {
+    let recurrent = recurrent_prompts(p, dims);
+    if recurrent {
+        want.push("recurrent");
+    } else if p.chunks() > 0 && mma.is_some() {
         want.extend(["dt", "chunk_pass", "scan"]);
     } else if p.chunks() > 0 {
         want.extend(["dt", "states", "pass", "scan"]);
@@ -298,14 +332,22 @@ pub(super) fn replay_scan(p: &SsmPlan, dims: ScanDims, bf16: bool) {
     );
     assert!(out.values().all(|&n| n == 1), "outputs written once");
     let prompt_tokens: usize = (0..p.chunks()).map(|c| col(WorkCol::CkLen, c)).sum();
-    assert_eq!(dt_rows.len(), prompt_tokens * heads);
+    assert_eq!(
+        dt_rows.len(),
+        if recurrent { 0 } else { prompt_tokens * heads }
+    );
     assert!(dt_rows.values().all(|&n| n == 1));
     assert!(tiles_seen.values().all(|&n| n == 1), "tiles once");
-    assert!(states.iter().all(|&n| n == pn), "chunk states once");
+    // The recurrent step keeps its state in registers: no chunk states.
+    let chunk_state = if recurrent { 0 } else { pn };
+    assert!(
+        states.iter().all(|&n| n == chunk_state),
+        "chunk states once"
+    );
     assert!(live.iter().all(|&n| n == pn), "live states once");
     assert!(snaps.iter().all(|&n| n == pn), "snapshots once");
     let sb = scratch_bytes(p, dims, bf16);
-    if p.chunks() > 0 {
+    if p.chunks() > 0 && !recurrent {
         let elem = if mma.is_some() { 2 } else { 4 };
         let recs = p.chunks() * heads * rec_rows(p) as usize * 4;
         assert_eq!(
