@@ -7,6 +7,8 @@
 // - ssm_conv_update: one thread per (sequence, channel): the new live state (the last k − 1
 //   inputs of the sequence), and for decodes the output and snapshots. Launched after
 //   conv_chunks, so prompt chunks have read the old state before it is replaced.
+// - ssm_conv_recurrent: when every prompt of the step is short (verify steps), one thread per
+//   (prompt, channel) walks the prompt token by token in place of both for the prompts.
 #include "ssm.cuh"
 
 namespace ssm {
@@ -80,6 +82,66 @@ __device__ void conv_chunks(const T* x, const T* weight, const T* bias, T* out, 
         for (int j = 0; j < MAXK; ++j)
             if (j >= MAXK - hist) dst[j - (MAXK - hist)] = win[j];
     }
+}
+
+// Short prompts (a verify step's, when every prompt of the step is short; conv.rs
+// launches_conv): one thread per (prompt entry, channel) walks the entry's tokens with the
+// right-aligned window of conv_chunks, starting from the live state, writing each output, the
+// snapshot states at the chunk ends that carry them, and the new live state: one launch in place
+// of conv_chunks and the prompts' share of conv_update (which then takes the decodes only).
+template <typename T>
+__device__ void conv_recurrent(const T* x, const T* weight, const T* bias, T* out, float* pool,
+                               const u32* seq_slot, const u32* seq_chunk, const u32* seq_chunks,
+                               const u32* ck_tok, const u32* ck_len, const u32* ck_snap,
+                               const u32* ck_snaps, const u32* snap_slot, u32 seq_base,
+                               u32 channels, u32 kernel, u32 x_ld, u32 out_ld, u32 layer,
+                               u32 layers, u32 slots, u32 ch_blocks) {
+    const u32 e = seq_base + blockIdx.x / ch_blocks;
+    const u32 c = (blockIdx.x % ch_blocks) * CONV_THREADS + threadIdx.x;
+    if (c >= channels) return;
+    const u32 c0 = seq_chunk[e], c1 = c0 + seq_chunks[e];
+    const int hist = (int)kernel - 1;
+    const u64 per = (u64)channels * hist;
+    float* st = layer_state(pool, seq_slot[e], slots, layer, layers, per);
+    if (!st) {  // a padding entry: zero outputs, no state
+        for (u32 k = c0; k < c1; ++k)
+            for (u32 t = ck_tok[k]; t < ck_tok[k] + ck_len[k]; ++t) store(out, (i64)t * out_ld + c, 0.0f);
+        return;
+    }
+    st += (u64)c * hist;
+    // Right-aligned: win[MAXK−1] is the newest input, wr[MAXK−k + j] = w_j.
+    float wr[MAXK], win[MAXK];
+#pragma unroll
+    for (int j = 0; j < MAXK; ++j) {
+        const int src = j - (MAXK - (int)kernel);
+        wr[j] = src >= 0 ? load(weight, (i64)c * kernel + src) : 0.0f;
+        win[j] = j >= MAXK - hist ? st[j - (MAXK - hist)] : 0.0f;
+    }
+    const float b = bias ? load(bias, c) : 0.0f;
+    for (u32 k = c0; k < c1; ++k) {
+        const u32 t0 = ck_tok[k], t1 = t0 + ck_len[k];
+        for (u32 t = t0; t < t1; ++t) {
+#pragma unroll
+            for (int j = 0; j < MAXK - 1; ++j) win[j] = win[j + 1];
+            win[MAXK - 1] = load(x, (i64)t * x_ld + c);
+            float acc = 0.0f;  // the CPU's order: Σ_j w_j·in_j from j = 0
+#pragma unroll
+            for (int j = 0; j < MAXK; ++j)
+                if (j >= MAXK - (int)kernel) acc += wr[j] * win[j];
+            store(out, (i64)t * out_ld + c, silu(acc + b));
+        }
+        for (u32 q = ck_snap[k]; q < ck_snap[k] + ck_snaps[k]; ++q) {
+            float* dst = layer_state(pool, snap_slot[q], slots, layer, layers, per);
+            if (!dst) continue;
+            dst += (u64)c * hist;
+#pragma unroll
+            for (int j = 0; j < MAXK; ++j)
+                if (j >= MAXK - hist) dst[j - (MAXK - hist)] = win[j];
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < MAXK; ++j)
+        if (j >= MAXK - hist) st[j - (MAXK - hist)] = win[j];
 }
 
 // Channels a conv_update thread takes: four when the conv is 4 wide (3 history columns, so
@@ -213,4 +275,22 @@ extern "C" __global__ void __launch_bounds__(128) ssm_conv_update_f32(CONV_UPDAT
 }
 extern "C" __global__ void __launch_bounds__(128) ssm_conv_update_bf16(CONV_UPDATE_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
     ssm::conv_update(CONV_UPDATE_ARGS);
+}
+
+#define CONV_RECURRENT_PARAMS(T)                                                             \
+    const T *x, const T *weight, const T *bias, T *out, float *pool, const u32 *seq_slot,      \
+        const u32 *seq_chunk, const u32 *seq_chunks, const u32 *ck_tok, const u32 *ck_len,   \
+        const u32 *ck_snap, const u32 *ck_snaps, const u32 *snap_slot, u32 seq_base,         \
+        u32 channels, u32 kernel, u32 x_ld, u32 out_ld, u32 layer, u32 layers, u32 slots,    \
+        u32 ch_blocks
+#define CONV_RECURRENT_ARGS                                                                  \
+    x, weight, bias, out, pool, seq_slot, seq_chunk, seq_chunks, ck_tok, ck_len, ck_snap,     \
+        ck_snaps, snap_slot, seq_base, channels, kernel, x_ld, out_ld, layer, layers, slots,  \
+        ch_blocks
+
+extern "C" __global__ void __launch_bounds__(128) ssm_conv_recurrent_f32(CONV_RECURRENT_PARAMS(float)) { CHIMERA_PDL_ENTRY();
+    ssm::conv_recurrent(CONV_RECURRENT_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(128) ssm_conv_recurrent_bf16(CONV_RECURRENT_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
+    ssm::conv_recurrent(CONV_RECURRENT_ARGS);
 }

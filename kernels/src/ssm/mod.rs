@@ -37,7 +37,8 @@
 //!
 //! **Kernels** (the algorithms: the headers of the `.cu` files): conv `ssm_conv_chunks`
 //! (prompt chunks, and their snapshot conv states) then `ssm_conv_update` (every entry's new
-//! live conv state; the decodes' outputs and snapshots); scan `ssm_decode` (decodes), then,
+//! live conv state; the decodes' outputs and snapshots), or `ssm_conv_recurrent` over the
+//! prompts when all are short ([`short_prompts`]) and `ssm_conv_update` over the decodes; scan `ssm_decode` (decodes), then,
 //! when every prompt of the step is short (a verify step), `ssm_recurrent` over the prompts
 //! token by token ([`recurrent_prompts`]), else
 //! `ssd_dt` and, for bf16 with head_dim 64 and state 64 or 128, the tensor-core
@@ -359,9 +360,13 @@ pub fn launches_scan(
 /// one-token chunks) and the state fits the kernel. Never for a padded plan, whose launches
 /// must depend only on its capacities.
 pub fn recurrent_prompts(plan: &SsmPlan, dims: ScanDims) -> bool {
-    plan.prompts() > 0
-        && plan.longest_prompt <= dims.recurrent_tokens
-        && dims.state <= state_update::REC_MAX_STATE
+    short_prompts(plan, dims.recurrent_tokens) && dims.state <= state_update::REC_MAX_STATE
+}
+
+/// Whether `plan` has prompts and all of them are at most `tokens` long (never for a padded
+/// plan): the conv's and the scan's test for their token-by-token kernels.
+pub fn short_prompts(plan: &SsmPlan, tokens: u32) -> bool {
+    plan.prompts() > 0 && plan.longest_prompt <= tokens
 }
 
 #[cfg(test)]

@@ -127,6 +127,7 @@ impl CudaBackend {
             slots: pools.slots as u32,
             x_ld: x.ld32(),
             out_ld: channels as u32,
+            recurrent_tokens: self.dev().ssm_recurrent_tokens.load(Ordering::Relaxed),
         };
         let launches = ssm::launches_conv(&step.ssm, dims, x.dtype == DType::BF16)
             .map_err(|e| BackendError::Invalid(e.to_string()))?;

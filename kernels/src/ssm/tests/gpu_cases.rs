@@ -59,6 +59,7 @@ fn gpu_case(
         slots,
         x_ld: channels,
         out_ld: channels,
+        recurrent_tokens: RECURRENT_TOKENS,
     };
     let scan = ScanDims {
         layer,

@@ -4,7 +4,7 @@
 //! token-by-token recurrence (`maths.rs`), slot-op waves, the PTX ABI, and the GPU harness's
 //! case dump (`gpu_cases.rs`).
 
-use super::conv::{CONV_CHUNKS, CONV_ROWS, CONV_THREADS};
+use super::conv::{CONV_ROWS, CONV_THREADS};
 use super::ssd::{CHUNK_PASS_SPLIT, DT_HEADS, PASS_PER, PASS_THREADS, SCAN_ROWS, SIMT_TM, SIMT_TN};
 use super::state_update::{DEC_THREADS, REC_ROWS};
 use super::*;
@@ -164,6 +164,7 @@ fn conv_dims(channels: u32, kernel: u32) -> ConvDims {
         slots: 200,
         x_ld: channels,
         out_ld: channels,
+        recurrent_tokens: RECURRENT_TOKENS,
     }
 }
 
@@ -224,8 +225,8 @@ fn the_entry_table_is_the_ssm_sources_tables() {
     assert_eq!(table, sources);
     assert_eq!(
         table.len(),
-        108,
-        "2 slot ops, 4 conv, 4 decode, 4 recurrent, 10 SSD state, 6 SSD scan, 2 GDN prep, 32 GDN scan, \
+        110,
+        "2 slot ops, 6 conv, 4 decode, 4 recurrent, 10 SSD state, 6 SSD scan, 2 GDN prep, 32 GDN scan, \
          28 GDN prompt, 16 GDN decode"
     );
 }
@@ -658,7 +659,31 @@ fn a_verify_step_scans_its_prompts_token_by_token() {
         );
         replay_scan(&p, dims, bf16);
         assert_eq!(scratch_bytes(&p, dims, bf16), [0; 5]);
+        let conv: Vec<_> = launches_conv(&p, conv_dims(200, 4), bf16)
+            .expect("conv shape")
+            .iter()
+            .map(|l| l.entry)
+            .collect();
+        assert_eq!(
+            conv,
+            [
+                format!("ssm_conv_recurrent_{ty}"),
+                format!("ssm_conv_update_{ty}")
+            ]
+        );
+        replay_conv(&p, conv_dims(200, 4), bf16);
+        replay_conv(&p, conv_dims(37, 3), bf16);
     }
+    // The conv alone: the SSD's fallback, a longer prompt.
+    let off = ConvDims {
+        recurrent_tokens: 0,
+        ..conv_dims(200, 4)
+    };
+    assert_eq!(
+        launches_conv(&p, off, true).expect("conv shape")[0].entry,
+        "ssm_conv_chunks_bf16"
+    );
+    replay_conv(&p, off, true);
     let bf16_state = ScanDims {
         state_bf16: true,
         ..dims
@@ -725,6 +750,21 @@ fn a_verify_step_scans_its_prompts_token_by_token() {
     let (_, d) = build(&[1, 1, 1], &[], 128);
     assert!(!recurrent_prompts(&d, dims));
     assert_eq!(launches_scan(&d, dims, true).expect("shape").len(), 1);
+    assert_eq!(
+        launches_conv(&d, conv_dims(200, 4), true)
+            .expect("conv shape")
+            .len(),
+        1
+    );
+    // Prompts only: conv_recurrent alone.
+    let (_, only) = build(&[5, 3], &[], 128);
+    assert_eq!(
+        launches_conv(&only, conv_dims(200, 4), true)
+            .expect("conv shape")
+            .len(),
+        1
+    );
+    replay_conv(&only, conv_dims(200, 4), true);
 }
 
 fn chunk_len() -> impl Strategy<Value = u32> {

@@ -3,9 +3,9 @@
 
 use super::*;
 
-/// Replays the conv kernels' grid decomposition (conv.cu conv_chunks, conv_update):
-/// every (token, channel block) output written once, every live state once, every
-/// snapshot once, and the prompt chunks before the update.
+/// Replays the conv kernels' grid decomposition (conv.cu conv_chunks, conv_update,
+/// conv_recurrent): every (token, channel block) output written once, every live state once,
+/// every snapshot once, and the prompt chunks before the update.
 pub(super) fn replay_conv(p: &SsmPlan, dims: ConvDims, bf16: bool) {
     let launches = launches_conv(p, dims, bf16).expect("conv shape");
     let col = |c: WorkCol, i: usize| p.column(c)[i] as usize;
@@ -14,26 +14,32 @@ pub(super) fn replay_conv(p: &SsmPlan, dims: ConvDims, bf16: bool) {
     let mut snaps = vec![0u32; p.snapshots()];
     let names: Vec<&str> = launches.iter().map(|l| l.entry).collect();
     let ty = suffix(bf16);
+    let recurrent = short_prompts(p, dims.recurrent_tokens);
     let mut want = Vec::new();
-    if p.chunks() > 0 {
+    if recurrent {
+        want.push(format!("ssm_conv_recurrent_{ty}"));
+    } else if p.chunks() > 0 {
         want.push(format!("ssm_conv_chunks_{ty}"));
     }
-    if p.seqs() > 0 {
+    if (recurrent && p.decodes() > 0) || (!recurrent && p.seqs() > 0) {
         want.push(format!("ssm_conv_update_{ty}"));
     }
     assert_eq!(names, want);
     for l in &launches {
         check_kinds(l);
         assert_eq!(l.block.0, CONV_THREADS);
+        let chunks = l.entry.starts_with("ssm_conv_chunks");
+        let update = l.entry.starts_with("ssm_conv_update");
         let ch_blocks = u32_arg(
             l,
-            if l.args.len() == CONV_CHUNKS.len() {
+            if update {
+                19
+            } else if chunks {
                 20
             } else {
-                19
+                21
             },
         );
-        let update = l.args.len() != CONV_CHUNKS.len();
         // Channels a thread covers (conv_update takes four of a 4-wide conv).
         let cpt = if update && dims.kernel == 4 && dims.channels.is_multiple_of(4) {
             4
@@ -49,7 +55,7 @@ pub(super) fn replay_conv(p: &SsmPlan, dims: ConvDims, bf16: bool) {
             let cb = bid % ch_blocks;
             let span = CONV_THREADS * cpt;
             let chans = cb * span..((cb + 1) * span).min(dims.channels);
-            if l.args.len() == CONV_CHUNKS.len() {
+            if chunks {
                 let row_blocks = u32_arg(l, 21);
                 let rest = bid / ch_blocks;
                 let (rb, ck) = ((rest % row_blocks) as usize, (rest / row_blocks) as usize);
@@ -70,8 +76,12 @@ pub(super) fn replay_conv(p: &SsmPlan, dims: ConvDims, bf16: bool) {
                         *n += 1;
                     }
                 }
-            } else {
+            } else if update {
                 let e = (bid / ch_blocks) as usize;
+                assert!(
+                    !recurrent || e < p.decodes(),
+                    "prompts left to conv_recurrent"
+                );
                 if e < p.decodes() {
                     for c in chans.clone() {
                         *out.entry((col(WorkCol::SeqTok, e), c)).or_default() += 1;
@@ -79,6 +89,29 @@ pub(super) fn replay_conv(p: &SsmPlan, dims: ConvDims, bf16: bool) {
                     if cb == 0 {
                         let k0 = col(WorkCol::SeqSnap, e);
                         for n in &mut snaps[k0..k0 + col(WorkCol::SeqSnaps, e)] {
+                            *n += 1;
+                        }
+                    }
+                }
+                if cb == 0 {
+                    live[e] += 1;
+                }
+            } else {
+                // conv_recurrent: CTA (prompt entry, channel block), every token of the entry.
+                let base = u32_arg(l, 13) as usize;
+                assert_eq!(base, p.decodes());
+                let e = base + (bid / ch_blocks) as usize;
+                let c0 = col(WorkCol::SeqChunk, e);
+                for ck in c0..c0 + col(WorkCol::SeqChunks, e) {
+                    assert_eq!(col(WorkCol::CkSeq, ck), e);
+                    for r in 0..col(WorkCol::CkLen, ck) {
+                        for c in chans.clone() {
+                            *out.entry((col(WorkCol::CkTok, ck) + r, c)).or_default() += 1;
+                        }
+                    }
+                    if cb == 0 {
+                        let k0 = col(WorkCol::CkSnap, ck);
+                        for n in &mut snaps[k0..k0 + col(WorkCol::CkSnaps, ck)] {
                             *n += 1;
                         }
                     }
