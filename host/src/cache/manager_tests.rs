@@ -744,11 +744,28 @@ fn rejected_draft_blocks_and_draft_slots_come_back() {
         2,
         "the two indexed prompt blocks stay"
     );
+    // A rollback to draft position 1: that draft slot becomes the live slot and the old live
+    // slot a draft slot, nothing copied.
+    let live = cm.live_slot(0);
+    assert!(cm.adopt_draft(0, 1));
+    assert_eq!(cm.live_slot(0), drafts[1]);
+    assert_eq!(cm.draft_slot(0, 1), Some(live));
+    assert_eq!(cm.draft_slot(0, 0), Some(drafts[0]));
+    assert!(!cm.adopt_draft(0, 2), "no third draft slot");
+    assert!(!cm.adopt_draft(7, 0), "no such sequence");
     cm.release(0).unwrap();
-    assert_eq!(
-        cm.draft_slots(1, 2).map(<[u32]>::len),
-        Some(2),
-        "released with sequence 0"
-    );
+    // Both came back, each to the other pool: sequence 1's draft slots are the first draft
+    // slot and the old live slot, and a new sequence's live slot is the adopted one.
+    let mut lent = cm
+        .draft_slots(1, 2)
+        .expect("released with sequence 0")
+        .to_vec();
+    lent.sort_unstable();
+    let mut want = vec![drafts[0], live];
+    want.sort_unstable();
+    assert_eq!(lent, want);
+    let c: Vec<u32> = (80..85).collect();
+    run_prompt(&mut cm, 2, &c);
+    assert_eq!(cm.live_slot(2), drafts[1]);
     cm.check_invariants().unwrap();
 }

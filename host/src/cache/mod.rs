@@ -547,6 +547,22 @@ impl CacheManager {
         Some(&s.drafts[..k])
     }
 
+    /// Rolls hybrid sequence `seq` back to the state after `j + 1` tokens of the verify chunk
+    /// just applied, without copying a state: draft slot `j` (which that step wrote) becomes the
+    /// live slot, and the old live slot (past the last accepted token) takes its place among the
+    /// draft slots, to be written again by the next verify step. False, changing nothing, when
+    /// `seq` has no draft slot `j` (a model without recurrent layers has none to roll back).
+    pub fn adopt_draft(&mut self, seq: u32, j: usize) -> bool {
+        let Some(s) = self.seqs.get_mut(seq as usize).and_then(Option::as_mut) else {
+            return false;
+        };
+        let Some(d) = s.drafts.get_mut(j) else {
+            return false;
+        };
+        std::mem::swap(d, &mut s.live_slot);
+        true
+    }
+
     /// Draft slot `j` of sequence `seq`, if it has one.
     pub fn draft_slot(&self, seq: u32, j: usize) -> Option<u32> {
         self.seq(seq).and_then(|s| s.drafts.get(j).copied())

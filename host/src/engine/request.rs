@@ -79,10 +79,6 @@ pub struct Request {
     /// The drafts of the verify chunk in flight (positions `tokens.len() ..`), empty when the
     /// request's last chunk carried none.
     pub drafts: Vec<u32>,
-    /// A draft slot holding the recurrent state after the last accepted token of the last
-    /// verify chunk, to be copied into the live slot before the request's next chunk (a draft
-    /// was rejected, so the live state ran past it).
-    pub spec_restore: Option<u32>,
     /// Verify steps in a row that accepted no draft, and the decodes left to run without
     /// drafts before the next try (twice as many after each miss, at most
     /// [`super::speculative::MAX_BACKOFF`]): text the drafter cannot predict stops paying for
@@ -136,7 +132,6 @@ impl Request {
             constraint: None,
             speculative: req.speculative,
             drafts: Vec::new(),
-            spec_restore: None,
             spec_misses: 0,
             spec_backoff: 0,
             events,

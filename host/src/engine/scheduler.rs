@@ -69,9 +69,6 @@ pub struct SchedulerOutput {
     pub num_tokens: usize,
     /// SSM-state setup of newly admitted requests, to run before the forward pass.
     pub ssm_init: Vec<SsmInit>,
-    /// `(slot, draft slot)`: restore the request's live state from its draft slot first
-    /// (see [`Request::spec_restore`]).
-    pub spec_restores: Vec<(u32, u32)>,
     pub admitted: Vec<u64>,
     pub resumed: Vec<u64>,
     pub paused: Vec<u64>,
@@ -87,7 +84,6 @@ impl SchedulerOutput {
         self.seqs.clear();
         self.num_tokens = 0;
         self.ssm_init.clear();
-        self.spec_restores.clear();
         self.admitted.clear();
         self.resumed.clear();
         self.paused.clear();
@@ -454,11 +450,6 @@ impl Scheduler {
                 r.in_flight += usize::from(s.want_logits);
             }
         }
-        for &(slot, _) in &out.spec_restores {
-            if let Some(r) = self.slots[slot as usize].as_mut() {
-                r.spec_restore = None;
-            }
-        }
         self.launched_step = Some(out.step);
         self.launched_computing.clear();
         self.launched_computing
@@ -733,10 +724,6 @@ impl Scheduler {
     ) {
         if let Some(r) = self.slots[slot as usize].as_mut() {
             r.holds += 1;
-            // A rejected draft left the live state past the last accepted token.
-            if let Some(from) = r.spec_restore {
-                out.spec_restores.push((slot, from));
-            }
         }
         out.seqs.push(ScheduledSeq {
             slot,
@@ -780,7 +767,6 @@ impl Scheduler {
             r.computed = 0;
             r.preemptions += 1;
             // Its draft slots went with its cache state; it starts again from the tokens.
-            r.spec_restore = None;
             r.drafts.clear();
             let before = r.hashes.len();
             seed.extend(&mut r.hashes, &r.tokens, bs);
@@ -1016,8 +1002,8 @@ impl Scheduler {
     /// drafts and the token after them are appended, up to a stop; the request's computed
     /// tokens end after the last accepted one, blocks past them are released, its block
     /// hashes and commits cover accepted tokens only, its rolling snapshot is named if the
-    /// accepted tokens reach it, and where a draft was rejected the live recurrent state is
-    /// to be restored from the draft slot after the last accepted token. Returns the tokens
+    /// accepted tokens reach it, and where a draft was rejected the draft slot holding the
+    /// recurrent state after the last accepted token becomes the live slot. Returns the tokens
     /// appended.
     #[allow(clippy::too_many_arguments)]
     #[cold]
@@ -1043,8 +1029,9 @@ impl Scheduler {
         r.spec_backoff = backoff(r.spec_misses);
         if a < s.drafts {
             // The live state ran past the last accepted token; draft slot `a` holds the
-            // state after the chunk's first `1 + a` tokens.
-            r.spec_restore = cache.draft_slot(s.slot, a);
+            // state after the chunk's first `1 + a` tokens and becomes the live slot (no step
+            // is scheduled ahead while requests speculate, so none has read the old one).
+            cache.adopt_draft(s.slot, a);
         }
         if let Err(e) = cache.shrink(s.slot, computed + 1) {
             tracing::error!(request = r.id, error = %e, "releasing rejected draft blocks failed");

@@ -115,7 +115,7 @@ pub fn build(
         fill_late_masks(plan, built, sched, c, words);
         built.late_masks.clear();
     }
-    push_slot_ops(plan, out, cache);
+    push_slot_ops(plan, out);
     plan.finish()?;
     Ok(())
 }
@@ -175,18 +175,15 @@ fn push_chunk(
 }
 
 /// The SSM slot operations of the step: each scheduled chunk's state init (zero, or restore
-/// from a snapshot), then the restores of speculative rollbacks.
-fn push_slot_ops(plan: &mut StepPlan, out: &SchedulerOutput, cache: &CacheManager) {
+/// from a snapshot). (A speculative rollback copies nothing: the draft slot holding the state
+/// after the last accepted token becomes the live slot, `CacheManager::adopt_draft`.)
+fn push_slot_ops(plan: &mut StepPlan, out: &SchedulerOutput) {
     for init in &out.ssm_init {
         match *init {
             SsmInit::None => {}
             SsmInit::Zero { live } => plan.slot_ops.push(SlotOp::Zero { slot: live }),
             SsmInit::Restore { from, live } => plan.slot_ops.push(SlotOp::Copy { from, to: live }),
         }
-    }
-    for &(slot, from) in &out.spec_restores {
-        let to = cache.live_slot(slot);
-        plan.slot_ops.push(SlotOp::Copy { from, to });
     }
 }
 
