@@ -16,9 +16,12 @@
 //! The state after the last accepted token is exact: attention rows past it are simply never
 //! read again (their blocks released, see [`crate::cache::CacheManager::shrink`]), and on
 //! hybrids the verify scan writes the recurrent state after each of the first `k` positions
-//! into the request's draft slots (the in-scan snapshot mechanism), from which the live slot
-//! is restored before the request's next chunk when a draft was rejected. Block hashes and
-//! snapshots only ever cover accepted tokens.
+//! into the request's draft slots (the in-scan snapshot mechanism; verify steps scan their
+//! short prompts token by token, `ssm_recurrent` on CUDA). When a draft was rejected, the draft
+//! slot after the last accepted token becomes the live slot and the old live slot a draft slot
+//! ([`crate::cache::CacheManager::adopt_draft`]): no state is copied, and the next step, a
+//! plain decode, can replay the decode graph. Block hashes and snapshots only ever cover
+//! accepted tokens.
 
 use serde::Deserialize;
 
