@@ -287,16 +287,8 @@ fn attention_decode(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()
 /// 128): one 8192-token prompt, and one decode step of 256 sequences, with f32 and bf16 state
 /// pools. The decode reads and writes every sequence's state once.
 fn ssm_timings(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()> {
-    use chimera::backend::{DType, SsmPools, SsmShape};
-    let shape = SsmShape {
-        heads: 128,
-        head_dim: 64,
-        groups: 8,
-        state_size: 128,
-        chunk_size: 128,
-        dt_min: 0.0,
-        dt_max: f32::INFINITY,
-    };
+    use chimera::backend::{DType, SsmPools};
+    let shape = nemotron_ssm_shape();
     gpu.set_ssm_chunk_size(shape.chunk_size);
     let (h, p, g, n) = (shape.heads, shape.head_dim, shape.groups, shape.state_size);
     let mut rng = Rng::new(11);
@@ -318,14 +310,7 @@ fn ssm_timings(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()> {
         plan.finish()?;
         let mut step = gpu.new_step(t)?;
         gpu.upload_step(&plan, &mut step)?;
-        let up = |v: Vec<f32>, shape: &[usize]| gpu.upload(HostTensor::f32(&v, shape));
-        let x = up(rng.vec(t * h * p, 1.0), &[t, h * p])?;
-        let b = up(rng.vec(t * g * n, 0.5), &[t, g * n])?;
-        let c = up(rng.vec(t * g * n, 0.5), &[t, g * n])?;
-        let dt = up(rng.vec(t * h, 1.0), &[t, h])?;
-        let a_log = up((0..h).map(|_| rng.unit() * 2.0).collect(), &[h])?;
-        let d = up(rng.vec(h, 1.0), &[h])?;
-        let dt_bias = up(rng.vec(h, 0.5), &[h])?;
+        let [x, b, c, dt, a_log, d, dt_bias] = scan_inputs(gpu, &mut rng, shape, t)?;
         for (dtype, bound) in [(DType::F32, bound_f32), (DType::BF16, bound_bf16)] {
             let mut pools = SsmPools {
                 conv: gpu.zeros(&[seqs, 1, h * p + 2 * g * n, 3], DType::F32)?,
@@ -389,12 +374,9 @@ fn ssm_timings(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The Mamba2 scan of a verify step (k = 4 drafts: 5 tokens a request, a state after every
-/// position) on the NemotronH-8B layer shape, token by token (`ssm_recurrent`) and by the
-/// chunked SSD, in the same run: device time per kernel and the ratio.
-fn ssm_verify_timings(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()> {
-    use chimera::backend::{DType, SsmPools, SsmShape};
-    let shape = SsmShape {
+/// NemotronH-8B's Mamba2 layer shape (128 heads × 64, 8 groups, state 128, chunk 128).
+fn nemotron_ssm_shape() -> chimera::backend::SsmShape {
+    chimera::backend::SsmShape {
         heads: 128,
         head_dim: 64,
         groups: 8,
@@ -402,7 +384,36 @@ fn ssm_verify_timings(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<
         chunk_size: 128,
         dt_min: 0.0,
         dt_max: f32::INFINITY,
-    };
+    }
+}
+
+/// Random scan operands of `t` token rows on the device: `x`, `B`, `C`, `dt`, `A_log`, `D`,
+/// `dt_bias`.
+fn scan_inputs(
+    gpu: &CudaBackend,
+    rng: &mut Rng,
+    shape: chimera::backend::SsmShape,
+    t: usize,
+) -> anyhow::Result<[chimera::backend::cuda::CudaTensor; 7]> {
+    let (h, p, g, n) = (shape.heads, shape.head_dim, shape.groups, shape.state_size);
+    let up = |v: Vec<f32>, shape: &[usize]| gpu.upload(HostTensor::f32(&v, shape));
+    Ok([
+        up(rng.vec(t * h * p, 1.0), &[t, h * p])?,
+        up(rng.vec(t * g * n, 0.5), &[t, g * n])?,
+        up(rng.vec(t * g * n, 0.5), &[t, g * n])?,
+        up(rng.vec(t * h, 1.0), &[t, h])?,
+        up((0..h).map(|_| rng.unit() * 2.0).collect(), &[h])?,
+        up(rng.vec(h, 1.0), &[h])?,
+        up(rng.vec(h, 0.5), &[h])?,
+    ])
+}
+
+/// The Mamba2 scan of a verify step (k = 4 drafts: 5 tokens a request, a state after every
+/// position) on the NemotronH-8B layer shape, token by token (`ssm_recurrent`) and by the
+/// chunked SSD, in the same run: device time per kernel and the ratio.
+fn ssm_verify_timings(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()> {
+    use chimera::backend::{DType, SsmPools};
+    let shape = nemotron_ssm_shape();
     gpu.set_ssm_chunk_size(shape.chunk_size);
     let (h, p, g, n) = (shape.heads, shape.head_dim, shape.groups, shape.state_size);
     let mut rng = Rng::new(12);
@@ -422,14 +433,7 @@ fn ssm_verify_timings(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<
         let slots = seqs * (k + 2);
         let mut step = gpu.new_step(t)?;
         gpu.upload_step(&plan, &mut step)?;
-        let up = |v: Vec<f32>, shape: &[usize]| gpu.upload(HostTensor::f32(&v, shape));
-        let x = up(rng.vec(t * h * p, 1.0), &[t, h * p])?;
-        let b = up(rng.vec(t * g * n, 0.5), &[t, g * n])?;
-        let c = up(rng.vec(t * g * n, 0.5), &[t, g * n])?;
-        let dt = up(rng.vec(t * h, 1.0), &[t, h])?;
-        let a_log = up((0..h).map(|_| rng.unit() * 2.0).collect(), &[h])?;
-        let d = up(rng.vec(h, 1.0), &[h])?;
-        let dt_bias = up(rng.vec(h, 0.5), &[h])?;
+        let [x, b, c, dt, a_log, d, dt_bias] = scan_inputs(gpu, &mut rng, shape, t)?;
         for dtype in [DType::F32, DType::BF16] {
             let mut pools = SsmPools {
                 conv: gpu.zeros(&[slots, 1, h * p + 2 * g * n, 3], DType::F32)?,

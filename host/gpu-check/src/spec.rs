@@ -474,16 +474,20 @@ fn bench_model(
         }
         Ok(answers)
     };
+    // A run mixes verify steps with plain decodes (a draft rejected, or a request backing off):
+    // the plain ones are charged at the plain run's step time. (verify over plain, verify ms,
+    // plain steps.)
+    let verify_cost = |r: &Run| -> (f64, f64, f64) {
+        let verify = r.stats.spec_drafts.max(1) as f64;
+        let plain_steps = r.stats.engine_steps.saturating_sub(1 + r.stats.spec_drafts) as f64;
+        let verify_ms = (r.decode_s * 1e3 - plain_steps * step_ms).max(0.0) / verify;
+        (verify_ms / step_ms, verify_ms, plain_steps)
+    };
     for (k, bound) in [(1usize, 1.10), (2, 1.15), (4, 1.30)] {
         let answers = settle(k)?;
         let r = with(k, 1.0, &prompts, 4, budget, &answers)?;
         report_run(report, &name, &format!("k={k}"), &r);
-        // A run mixes verify steps with plain decodes (a draft rejected, or a request backing
-        // off): the plain ones are charged at the plain run's step time.
-        let verify = r.stats.spec_drafts.max(1) as f64;
-        let plain_steps = r.stats.engine_steps.saturating_sub(1 + r.stats.spec_drafts) as f64;
-        let verify_ms = (r.decode_s * 1e3 - plain_steps * step_ms).max(0.0) / verify;
-        let ratio = verify_ms / step_ms;
+        let (ratio, verify_ms, plain_steps) = verify_cost(&r);
         report.push(
             BENCH,
             format!("{name} bs1: verify step with k={k} drafts over a plain decode step"),
@@ -503,10 +507,7 @@ fn bench_model(
         for k in [1usize, 2, 4] {
             let answers = settle(k)?;
             let r = with(k, 1.0, &prompts, 4, budget, &answers)?;
-            let verify = r.stats.spec_drafts.max(1) as f64;
-            let plain_steps = r.stats.engine_steps.saturating_sub(1 + r.stats.spec_drafts) as f64;
-            let verify_ms = (r.decode_s * 1e3 - plain_steps * step_ms).max(0.0) / verify;
-            let ratio = verify_ms / step_ms;
+            let (ratio, verify_ms, plain_steps) = verify_cost(&r);
             report.push(
                 BENCH,
                 format!("{name} bs1: verify step with k={k} drafts over a plain decode step, Mamba2 prompts on the chunked SSD (for comparison)"),

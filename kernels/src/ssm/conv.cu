@@ -118,25 +118,34 @@ __device__ void conv_recurrent(const T* x, const T* weight, const T* bias, T* ou
         win[j] = j >= MAXK - hist ? st[j - (MAXK - hist)] : 0.0f;
     }
     const float b = bias ? load(bias, c) : 0.0f;
-    for (u32 k = c0; k < c1; ++k) {
-        const u32 t0 = ck_tok[k], t1 = t0 + ck_len[k];
-        for (u32 t = t0; t < t1; ++t) {
+    // The entry's chunks are consecutive token rows; each input is requested a token ahead,
+    // so its load overlaps the step before instead of waiting behind its store.
+    if (c1 == c0) return;  // (a real entry has at least one chunk)
+    const u32 tb = ck_tok[c0], te = ck_tok[c1 - 1] + ck_len[c1 - 1];
+    float next = load(x, (i64)tb * x_ld + c);
+    u32 k = c0, kend = tb + ck_len[c0];
+    for (u32 t = tb; t < te; ++t) {
 #pragma unroll
-            for (int j = 0; j < MAXK - 1; ++j) win[j] = win[j + 1];
-            win[MAXK - 1] = load(x, (i64)t * x_ld + c);
-            float acc = 0.0f;  // the CPU's order: Σ_j w_j·in_j from j = 0
+        for (int j = 0; j < MAXK - 1; ++j) win[j] = win[j + 1];
+        win[MAXK - 1] = next;
+        if (t + 1 < te) next = load(x, (i64)(t + 1) * x_ld + c);
+        float acc = 0.0f;  // the CPU's order: Σ_j w_j·in_j from j = 0
 #pragma unroll
-            for (int j = 0; j < MAXK; ++j)
-                if (j >= MAXK - (int)kernel) acc += wr[j] * win[j];
-            store(out, (i64)t * out_ld + c, silu(acc + b));
-        }
-        for (u32 q = ck_snap[k]; q < ck_snap[k] + ck_snaps[k]; ++q) {
-            float* dst = layer_state(pool, snap_slot[q], slots, layer, layers, per);
-            if (!dst) continue;
-            dst += (u64)c * hist;
+        for (int j = 0; j < MAXK; ++j)
+            if (j >= MAXK - (int)kernel) acc += wr[j] * win[j];
+        store(out, (i64)t * out_ld + c, silu(acc + b));
+        // A chunk end (a verify step's plan ends one at every draft position; chunks are at
+        // least a token long): its snapshots.
+        if (t + 1 == kend) {
+            for (u32 q = ck_snap[k]; q < ck_snap[k] + ck_snaps[k]; ++q) {
+                float* dst = layer_state(pool, snap_slot[q], slots, layer, layers, per);
+                if (!dst) continue;
+                dst += (u64)c * hist;
 #pragma unroll
-            for (int j = 0; j < MAXK; ++j)
-                if (j >= MAXK - hist) dst[j - (MAXK - hist)] = win[j];
+                for (int j = 0; j < MAXK; ++j)
+                    if (j >= MAXK - hist) dst[j - (MAXK - hist)] = win[j];
+            }
+            if (++k < c1) kend = ck_tok[k] + ck_len[k];
         }
     }
 #pragma unroll

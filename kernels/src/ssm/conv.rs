@@ -94,19 +94,7 @@ pub fn launches_conv(
     let recurrent = super::short_prompts(plan, dims.recurrent_tokens);
     if recurrent {
         let mut args = vec![X, Weight, Bias, Out, ConvPool];
-        args.extend(
-            [
-                WorkCol::SeqSlot,
-                WorkCol::SeqChunk,
-                WorkCol::SeqChunks,
-                WorkCol::CkTok,
-                WorkCol::CkLen,
-                WorkCol::CkSnap,
-                WorkCol::CkSnaps,
-                WorkCol::SnapSlot,
-            ]
-            .map(Work),
-        );
+        args.extend(super::ENTRY_CHUNK_COLS.map(Work));
         args.push(U32(plan.decodes as u32));
         args.extend(shape);
         out.push(Launch {

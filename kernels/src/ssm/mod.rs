@@ -93,6 +93,20 @@ pub use plan::{
 pub use slot_ops::{PoolDims, launches_slot_ops};
 pub use ssd::{rec_rows, scratch_bytes, smem_opt_in};
 
+/// The work columns of the kernels that walk a prompt entry's chunks in order (`ssd_pass`,
+/// `ssd_chunk_pass_mma`, `ssm_recurrent`, `ssm_conv_recurrent`), in their parameter order: the
+/// entry's live slot and chunk range, each chunk's rows and snapshots, the snapshot slots.
+const ENTRY_CHUNK_COLS: [WorkCol; 8] = [
+    WorkCol::SeqSlot,
+    WorkCol::SeqChunk,
+    WorkCol::SeqChunks,
+    WorkCol::CkTok,
+    WorkCol::CkLen,
+    WorkCol::CkSnap,
+    WorkCol::CkSnaps,
+    WorkCol::SnapSlot,
+];
+
 /// The stages' entry tables, in the order of their sources in [`crate::sources`].
 const STAGES: [&[Entry]; 6] = [
     slot_ops::ENTRIES,

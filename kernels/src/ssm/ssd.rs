@@ -160,19 +160,6 @@ pub(super) fn launches(
     Ok(())
 }
 
-/// The work columns of the state-passing kernels (`ssd_pass`, `ssd_chunk_pass_mma`), in their
-/// parameter order.
-const PASS_COLS: [WorkCol; 8] = [
-    WorkCol::SeqSlot,
-    WorkCol::SeqChunk,
-    WorkCol::SeqChunks,
-    WorkCol::CkTok,
-    WorkCol::CkLen,
-    WorkCol::CkSnap,
-    WorkCol::CkSnaps,
-    WorkCol::SnapSlot,
-];
-
 /// The chunk scans' leading arguments: x, B, C, D, dt and dA (scratch buffers `dt`, `da`),
 /// the entering states, the output and the chunk columns.
 fn scan_args(dt: usize, da: usize) -> Vec<SsmArg> {
@@ -205,7 +192,7 @@ fn launches_ssd_mma(
     let (p, n) = (dims.head_dim, dims.state);
     let (chunks, heads) = (plan.chunks() as u64, u64::from(dims.heads));
     let mut args = vec![X, B, Scratch(4), Scratch(3), Scratch(2), SsmPool];
-    args.extend(PASS_COLS.map(Work));
+    args.extend(super::ENTRY_CHUNK_COLS.map(Work));
     args.extend([
         U32(plan.decodes as u32),
         U32(dims.heads),
@@ -330,7 +317,7 @@ fn launches_ssd_simt(
     let pn = p * n;
     let pass_tiles = pn.div_ceil(PASS_THREADS * PASS_PER);
     let mut args = vec![Scratch(2), Scratch(1), SsmPool];
-    args.extend(PASS_COLS.map(Work));
+    args.extend(super::ENTRY_CHUNK_COLS.map(Work));
     args.extend([
         U32(plan.decodes as u32),
         U32(dims.heads),

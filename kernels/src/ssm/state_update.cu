@@ -446,6 +446,12 @@ __device__ __forceinline__ void rec_store(S* dst, u32 pw, u32 P, u32 N, u32 lane
     }
 }
 
+// One token's operands of a warp's rows: raw dt, its lanes' B and C columns, its rows' x.
+struct RecIn {
+    float dt;
+    float b[REC_COLS], c[REC_COLS], x[REC_WARP_ROWS];
+};
+
 template <typename T, typename S>
 __device__ void recurrent(const T* x, const T* b, const T* c, const T* dt, const T* a_log,
                           const T* d, const T* dt_bias, T* out, S* pool, const u32* seq_slot,
@@ -482,38 +488,53 @@ __device__ void recurrent(const T* x, const T* b, const T* c, const T* dt, const
         }
     const u32 g = h / (heads / groups);
     const float a = -expf(load(a_log, h)), dh = load(d, h), bias = load(dt_bias, h);
-    for (u32 k = c0; k < c1; ++k) {
-        const u32 t0 = ck_tok[k], t1 = t0 + ck_len[k];
-        for (u32 t = t0; t < t1; ++t) {
-            const float dtv = dt_of(load(dt, (i64)t * dt_ld + h), bias, dt_min, dt_max);
-            const float decay = expf(dtv * a);
-            const i64 brow = (i64)t * bc_ld + (i64)g * N, xrow = (i64)t * x_ld + (i64)h * P;
-            float bn[REC_COLS], cn[REC_COLS];
+    // The entry's chunks are consecutive token rows. Each token's operands are requested a
+    // token ahead, so their loads overlap the step before instead of waiting behind its
+    // stores (which the compiler may not move loads across).
+    if (c1 == c0) return;  // (a real entry has at least one chunk)
+    const u32 tb = ck_tok[c0], te = ck_tok[c1 - 1] + ck_len[c1 - 1];
+    auto fetch = [&](u32 t, RecIn& in) {
+        in.dt = load(dt, (i64)t * dt_ld + h);
+        const i64 brow = (i64)t * bc_ld + (i64)g * N, xrow = (i64)t * x_ld + (i64)h * P;
+#pragma unroll
+        for (int j = 0; j < REC_COLS; ++j) {
+            const u32 n = lane + 32 * j;
+            in.b[j] = n < N ? load(b, brow + n) : 0.0f;
+            in.c[j] = n < N ? load(c, brow + n) : 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < REC_WARP_ROWS; ++i) in.x[i] = pw + i < P ? load(x, xrow + pw + i) : 0.0f;
+    };
+    RecIn cur, next;
+    fetch(tb, cur);
+    u32 k = c0, kend = tb + ck_len[c0];
+    for (u32 t = tb; t < te; ++t) {
+        if (t + 1 < te) fetch(t + 1, next);
+        const float dtv = dt_of(cur.dt, bias, dt_min, dt_max);
+        const float decay = expf(dtv * a);
+#pragma unroll
+        for (int i = 0; i < REC_WARP_ROWS; ++i) {
+            const float dx = dtv * cur.x[i];
+            float acc = 0.0f;
 #pragma unroll
             for (int j = 0; j < REC_COLS; ++j) {
-                const u32 n = lane + 32 * j;
-                bn[j] = n < N ? load(b, brow + n) : 0.0f;
-                cn[j] = n < N ? load(c, brow + n) : 0.0f;
+                s[i][j] = s[i][j] * decay + dx * cur.b[j];
+                acc += s[i][j] * cur.c[j];
             }
-#pragma unroll
-            for (int i = 0; i < REC_WARP_ROWS; ++i) {
-                const bool row = pw + i < P;
-                const float xv = row ? load(x, xrow + pw + i) : 0.0f;
-                const float dx = dtv * xv;
-                float acc = 0.0f;
-#pragma unroll
-                for (int j = 0; j < REC_COLS; ++j) {
-                    s[i][j] = s[i][j] * decay + dx * bn[j];
-                    acc += s[i][j] * cn[j];
-                }
-                acc = warp_sum(acc);
-                if (lane == 0 && row) store(out, (i64)t * out_ld + (i64)h * P + pw + i, acc + dh * xv);
+            acc = warp_sum(acc);
+            if (lane == 0 && pw + i < P)
+                store(out, (i64)t * out_ld + (i64)h * P + pw + i, acc + dh * cur.x[i]);
+        }
+        // A chunk end (a verify step's plan ends one at every draft position; chunks are at
+        // least a token long): its snapshots.
+        if (t + 1 == kend) {
+            for (u32 q = ck_snap[k]; q < ck_snap[k] + ck_snaps[k]; ++q) {
+                S* dst = layer_state(pool, snap_slot[q], slots, layer, layers, per_layer);
+                if (dst) rec_store(dst + h * pn, pw, P, N, lane, s);
             }
+            if (++k < c1) kend = ck_tok[k] + ck_len[k];
         }
-        for (u32 q = ck_snap[k]; q < ck_snap[k] + ck_snaps[k]; ++q) {
-            S* dst = layer_state(pool, snap_slot[q], slots, layer, layers, per_layer);
-            if (dst) rec_store(dst + h * pn, pw, P, N, lane, s);
-        }
+        cur = next;
     }
     rec_store(live, pw, P, N, lane, s);
 }

@@ -115,19 +115,7 @@ pub(super) fn launches_recurrent(
     let ty = suffix(bf16);
     let slices = u64::from(dims.head_dim.div_ceil(REC_ROWS));
     let mut args = vec![X, B, C, Dt, ALog, D, DtBias, Out, SsmPool];
-    args.extend(
-        [
-            WorkCol::SeqSlot,
-            WorkCol::SeqChunk,
-            WorkCol::SeqChunks,
-            WorkCol::CkTok,
-            WorkCol::CkLen,
-            WorkCol::CkSnap,
-            WorkCol::CkSnaps,
-            WorkCol::SnapSlot,
-        ]
-        .map(Work),
-    );
+    args.extend(super::ENTRY_CHUNK_COLS.map(Work));
     args.extend([
         U32(plan.decodes as u32),
         U32(dims.heads),
