@@ -463,14 +463,18 @@ fn bench_model(
             .map(|(&id, t)| (id, [&prompts[id as usize][..], &t[..]].concat()))
             .collect()
     };
-    let settle = |k: usize| -> anyhow::Result<HashMap<u64, Vec<u32>>> {
+    // Runs at acceptance `accept` until the output is the continuation the drafter replays
+    // (a fixed point: with `accept` < 1 the verify steps fall elsewhere than in a run that
+    // accepts every draft, and round differently).
+    let settle = |k: usize, accept: f64| -> anyhow::Result<HashMap<u64, Vec<u32>>> {
         let mut answers = answers.clone();
         for _ in 0..4 {
-            let r = with(k, 1.0, &prompts, 4, budget, &answers)?;
-            if r.stats.spec_accepted_tokens == r.stats.spec_draft_tokens {
+            let r = with(k, accept, &prompts, 4, budget, &answers)?;
+            let next = own(&r);
+            if next == answers {
                 break;
             }
-            answers = own(&r);
+            answers = next;
         }
         Ok(answers)
     };
@@ -484,7 +488,7 @@ fn bench_model(
         (verify_ms / step_ms, verify_ms, plain_steps)
     };
     for (k, bound) in [(1usize, 1.10), (2, 1.15), (4, 1.30)] {
-        let answers = settle(k)?;
+        let answers = settle(k, 1.0)?;
         let r = with(k, 1.0, &prompts, 4, budget, &answers)?;
         report_run(report, &name, &format!("k={k}"), &r);
         let (ratio, verify_ms, plain_steps) = verify_cost(&r);
@@ -505,7 +509,7 @@ fn bench_model(
     if m.info.cache.ssm_layers > 0 {
         gpu.set_ssm_recurrent_tokens(0);
         for k in [1usize, 2, 4] {
-            let answers = settle(k)?;
+            let answers = settle(k, 1.0)?;
             let r = with(k, 1.0, &prompts, 4, budget, &answers)?;
             let (ratio, verify_ms, plain_steps) = verify_cost(&r);
             report.push(
@@ -519,21 +523,28 @@ fn bench_model(
         }
         gpu.set_ssm_recurrent_tokens(chimera_kernels::ssm::RECURRENT_TOKENS);
     }
-    // A mean acceptance length near 2.5: per-draft acceptance p with 1 + p + p² + p³ ≈ 2.5 at
-    // k = 3 (p ≈ 0.69), and the same rate at k = 4.
-    for k in [3usize, 4] {
-        let answers = settle(k)?;
-        let r = with(k, 0.69, &prompts, 4, budget, &answers)?;
+    // A mean acceptance length near 2.5: per-draft acceptance p with 1 + p + … + p^k ≈ 2.5
+    // (k = 3: p = 0.69, 2.49; k = 4: p = 0.645, 2.50). The target (≥ 2× the tokens/s of plain
+    // decoding at length 2.5) scales with the length the run reached; a run that stays below
+    // 2.3 cannot show it and fails as such (it passed by default before).
+    for (k, accept) in [(3usize, 0.69), (4, 0.645)] {
+        let answers = settle(k, accept)?;
+        let r = with(k, accept, &prompts, 4, budget, &answers)?;
         let len = 1.0 + r.stats.spec_accepted_tokens as f64 / r.stats.spec_drafts.max(1) as f64;
         let speedup =
             (r.decode_tokens as f64 / r.decode_s) / (base.decode_tokens as f64 / base.decode_s);
+        let want = 2.0 * len / 2.5;
         report.push(
             BENCH,
             format!("{name} bs1: tokens/s with k={k}, acceptance length {len:.2}, over plain"),
             speedup,
             format!("{speedup:.2}×"),
-            "≥ 2× at length 2.5".into(),
-            speedup >= 2.0 || len < 2.45,
+            if len < 2.3 {
+                format!("≥ 2× at length 2.5 (length {len:.2} reached: below 2.3, not shown)")
+            } else {
+                format!("≥ {want:.2}× (2× at length 2.5)")
+            },
+            len >= 2.3 && speedup >= want,
         );
     }
     profile_steps(report, gpu, &m, &name)?;
