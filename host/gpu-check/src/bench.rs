@@ -50,7 +50,7 @@ pub fn run(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs) {
 pub fn kernels(report: &mut Report, gpu: &CudaBackend) -> Option<f64> {
     let bw = copy_bandwidth(report, gpu)?;
     super::gemv::bench(report, SUITE, gpu, bw);
-    if let Err(e) = ssm_timings(report, gpu) {
+    if let Err(e) = ssm_timings(report, gpu, bw) {
         report.failed(SUITE, "mamba2 scan timings", format!("{e:#}"));
     }
     if let Err(e) = ssm_verify_timings(report, gpu) {
@@ -286,15 +286,20 @@ fn attention_decode(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()
 /// state update) on NemotronH-8B's layer shape (128 heads × 64, 8 groups, state 128, chunk
 /// 128): one 8192-token prompt, and one decode step of 256 sequences, with f32 and bf16 state
 /// pools. The decode reads and writes every sequence's state once.
-fn ssm_timings(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()> {
+fn ssm_timings(report: &mut Report, gpu: &CudaBackend, bw: f64) -> anyhow::Result<()> {
     use chimera::backend::{DType, SsmPools};
     let shape = nemotron_ssm_shape();
     gpu.set_ssm_chunk_size(shape.chunk_size);
     let (h, p, g, n) = (shape.heads, shape.head_dim, shape.groups, shape.state_size);
     let mut rng = Rng::new(11);
-    for (label, t, seqs, bound_f32, bound_bf16) in [
-        ("prompt T=8192", 8192usize, 1usize, 0.55, 0.55),
-        ("decode batch 256", 256, 256, 0.56, 0.30),
+    // Bounds: the prompt scan's are absolute (an H200 target; it is bound by compute); the
+    // decode reads and writes every sequence's state once, so its bound is the time to move
+    // those bytes at a share of the copy bandwidth measured in the same run: 90 % (f32 state)
+    // and 84 % (bf16), the shares the H200 targets of 0.56 / 0.30 ms are of that machine's
+    // 4.24 TB/s (they were absolute, and failed on an H100 at 98 % / 96 % of its copy).
+    for (label, t, seqs, share_f32, share_bf16) in [
+        ("prompt T=8192", 8192usize, 1usize, None, None),
+        ("decode batch 256", 256, 256, Some(0.90), Some(0.84)),
     ] {
         let mut plan = StepPlan::new(BLOCK);
         if seqs == 1 {
@@ -311,7 +316,9 @@ fn ssm_timings(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()> {
         let mut step = gpu.new_step(t)?;
         gpu.upload_step(&plan, &mut step)?;
         let [x, b, c, dt, a_log, d, dt_bias] = scan_inputs(gpu, &mut rng, shape, t)?;
-        for (dtype, bound) in [(DType::F32, bound_f32), (DType::BF16, bound_bf16)] {
+        for (dtype, share) in [(DType::F32, share_f32), (DType::BF16, share_bf16)] {
+            let state_bytes = (seqs * h * p * n * dtype.size()) as f64;
+            let bound: f64 = share.map_or(0.55, |f: f64| 2.0 * state_bytes / (f * bw) * 1e3);
             let mut pools = SsmPools {
                 conv: gpu.zeros(&[seqs, 1, h * p + 2 * g * n, 3], DType::F32)?,
                 ssm: gpu.zeros(&[seqs, 1, h, p, n], dtype)?,
@@ -365,8 +372,17 @@ fn ssm_timings(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<()> {
                     "mamba2 scan {label}, {state} state (NemotronH-8B layer: 128h×64 g8 n128 chunk 128)"
                 ),
                 ms,
-                format!("{ms:.3} ms"),
-                format!("≤ {bound:.2} ms"),
+                match share {
+                    Some(_) => format!(
+                        "{ms:.3} ms, {:.2} TB/s of state",
+                        2.0 * state_bytes / (ms * 1e-3) / 1e12
+                    ),
+                    None => format!("{ms:.3} ms"),
+                },
+                match share {
+                    Some(f) => format!("≤ {bound:.3} ms ({:.0} % of copy)", f * 100.0),
+                    None => format!("≤ {bound:.2} ms"),
+                },
                 ms <= bound,
             );
         }
