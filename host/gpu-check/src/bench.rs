@@ -334,7 +334,9 @@ fn ssm_timings(report: &mut Report, gpu: &CudaBackend, bw: f64) -> anyhow::Resul
                 d: &d,
                 dt_bias: &dt_bias,
             };
-            let mut run = || gpu.ssm_scan(&ops, shape, &mut pools, 0, &step).map(drop);
+            let mut run = || -> anyhow::Result<()> {
+                Ok(gpu.ssm_scan(&ops, shape, &mut pools, 0, &step).map(drop)?)
+            };
             for _ in 0..3 {
                 run()?;
             }
@@ -346,23 +348,13 @@ fn ssm_timings(report: &mut Report, gpu: &CudaBackend, bw: f64) -> anyhow::Resul
             }
             gpu.synchronize()?;
             let ms = started.elapsed().as_secs_f64() * 1e3 / f64::from(reps);
-            let ops = gpu.profile_ops(|| -> anyhow::Result<()> {
-                for _ in 0..reps {
-                    run()?;
-                }
-                Ok(())
-            })?;
-            let per_kernel = ops
-                .iter()
-                .map(|o| format!("{} {:.0} µs", o.name, o.ms * 1e3 / f64::from(reps)))
-                .collect::<Vec<_>>()
-                .join(", ");
+            let (device_ms, per_kernel) = device_time(gpu, reps, &mut run)?;
             let state = if dtype == DType::F32 { "f32" } else { "bf16" };
             report.push(
                 SUITE,
                 format!("mamba2 scan {label}, {state} state: device time per kernel ({per_kernel}; reported)"),
-                ops.iter().map(|o| o.ms).sum::<f64>() / f64::from(reps),
-                format!("{:.3} ms", ops.iter().map(|o| o.ms).sum::<f64>() / f64::from(reps)),
+                device_ms,
+                format!("{device_ms:.3} ms"),
                 "reported".into(),
                 true,
             );
@@ -388,6 +380,30 @@ fn ssm_timings(report: &mut Report, gpu: &CudaBackend, bw: f64) -> anyhow::Resul
         }
     }
     Ok(())
+}
+
+/// Device time of `reps` profiled calls of `run`, per call: the total (ms) and each kernel's
+/// share ("name 12.3 µs, …").
+fn device_time(
+    gpu: &CudaBackend,
+    reps: u32,
+    run: &mut dyn FnMut() -> anyhow::Result<()>,
+) -> anyhow::Result<(f64, String)> {
+    let ops = gpu.profile_ops(|| -> anyhow::Result<()> {
+        for _ in 0..reps {
+            run()?;
+        }
+        Ok(())
+    })?;
+    let per_kernel = ops
+        .iter()
+        .map(|o| format!("{} {:.1} µs", o.name, o.ms * 1e3 / f64::from(reps)))
+        .collect::<Vec<_>>()
+        .join(", ");
+    Ok((
+        ops.iter().map(|o| o.ms).sum::<f64>() / f64::from(reps),
+        per_kernel,
+    ))
 }
 
 /// NemotronH-8B's Mamba2 layer shape (128 heads × 64, 8 groups, state 128, chunk 128).
@@ -474,23 +490,15 @@ fn ssm_verify_timings(report: &mut Report, gpu: &CudaBackend) -> anyhow::Result<
                 .enumerate()
             {
                 gpu.set_ssm_recurrent_tokens(tokens);
-                let mut run = || gpu.ssm_scan(&ops, shape, &mut pools, 0, &step).map(drop);
+                let mut run = || -> anyhow::Result<()> {
+                    Ok(gpu.ssm_scan(&ops, shape, &mut pools, 0, &step).map(drop)?)
+                };
                 for _ in 0..3 {
                     run()?;
                 }
                 gpu.synchronize()?;
-                let prof = gpu.profile_ops(|| -> anyhow::Result<()> {
-                    for _ in 0..reps {
-                        run()?;
-                    }
-                    Ok(())
-                })?;
-                let per_kernel = prof
-                    .iter()
-                    .map(|o| format!("{} {:.1} µs", o.name, o.ms * 1e3 / f64::from(reps)))
-                    .collect::<Vec<_>>()
-                    .join(", ");
-                device_ms[i] = prof.iter().map(|o| o.ms).sum::<f64>() / f64::from(reps);
+                let per_kernel;
+                (device_ms[i], per_kernel) = device_time(gpu, reps, &mut run)?;
                 let path = if tokens > 0 {
                     "token by token"
                 } else {

@@ -550,12 +550,17 @@ impl CacheManager {
     /// Rolls hybrid sequence `seq` back to the state after `j + 1` tokens of the verify chunk
     /// just applied, without copying a state: draft slot `j` (which that step wrote) becomes the
     /// live slot, and the old live slot (past the last accepted token) takes its place among the
-    /// draft slots, to be written again by the next verify step. False, changing nothing, when
-    /// `seq` has no draft slot `j` (a model without recurrent layers has none to roll back).
+    /// draft slots, to be written again by the next verify step. True, changing nothing, on a
+    /// model without recurrent layers (nothing to roll back); false, changing nothing, when
+    /// `seq` is unknown or has no draft slot `j`.
     pub fn adopt_draft(&mut self, seq: u32, j: usize) -> bool {
+        let hybrid = self.hybrid;
         let Some(s) = self.seqs.get_mut(seq as usize).and_then(Option::as_mut) else {
             return false;
         };
+        if !hybrid {
+            return true;
+        }
         let Some(d) = s.drafts.get_mut(j) else {
             return false;
         };

@@ -1031,7 +1031,15 @@ impl Scheduler {
             // The live state ran past the last accepted token; draft slot `a` holds the
             // state after the chunk's first `1 + a` tokens and becomes the live slot (no step
             // is scheduled ahead while requests speculate, so none has read the old one).
-            cache.adopt_draft(s.slot, a);
+            if !cache.adopt_draft(s.slot, a) {
+                // Cannot happen while the verify chunk holds its draft slots; the live state
+                // would run past the accepted tokens, so say so loudly.
+                tracing::error!(
+                    request = r.id,
+                    accepted = a,
+                    "no draft slot to roll the recurrent state back to"
+                );
+            }
         }
         if let Err(e) = cache.shrink(s.slot, computed + 1) {
             tracing::error!(request = r.id, error = %e, "releasing rejected draft blocks failed");

@@ -47,6 +47,25 @@ pub const ENTRIES: &[Entry] = &[
     e("ssm_recurrent_bf16_sbf16", RECURRENT),
 ];
 
+/// The shape, strides and pool place both recurrent-step kernels take, in their parameter
+/// order: `heads, head_dim, groups, state, x_ld, bc_ld, dt_ld, out_ld, layer, layers, slots`.
+fn step_scalars(dims: ScanDims) -> [SsmArg; 11] {
+    use SsmArg::U32;
+    [
+        U32(dims.heads),
+        U32(dims.head_dim),
+        U32(dims.groups),
+        U32(dims.state),
+        U32(dims.x_ld),
+        U32(dims.bc_ld),
+        U32(dims.dt_ld),
+        U32(dims.out_ld),
+        U32(dims.layer),
+        U32(dims.layers),
+        U32(dims.slots),
+    ]
+}
+
 /// `ssm_decode` over the decodes of `plan`, into `out` (nothing without decodes).
 pub(super) fn launches(
     plan: &SsmPlan,
@@ -73,22 +92,8 @@ pub(super) fn launches(
             ]
             .map(Work),
         );
-        args.extend([
-            U32(dims.heads),
-            U32(dims.head_dim),
-            U32(dims.groups),
-            U32(dims.state),
-            U32(dims.x_ld),
-            U32(dims.bc_ld),
-            U32(dims.dt_ld),
-            U32(dims.out_ld),
-            U32(dims.layer),
-            U32(dims.layers),
-            U32(dims.slots),
-            U32(slice_rows),
-            F32(dims.dt_min),
-            F32(dims.dt_max),
-        ]);
+        args.extend(step_scalars(dims));
+        args.extend([U32(slice_rows), F32(dims.dt_min), F32(dims.dt_max)]);
         out.push(Launch {
             entry: entry_name(&format!("ssm_decode_{ty}{}", state_suffix(dims.state_bf16))),
             grid: grid(plan.decodes as u64 * heads * u64::from(slices))?,
@@ -116,22 +121,9 @@ pub(super) fn launches_recurrent(
     let slices = u64::from(dims.head_dim.div_ceil(REC_ROWS));
     let mut args = vec![X, B, C, Dt, ALog, D, DtBias, Out, SsmPool];
     args.extend(super::ENTRY_CHUNK_COLS.map(Work));
-    args.extend([
-        U32(plan.decodes as u32),
-        U32(dims.heads),
-        U32(dims.head_dim),
-        U32(dims.groups),
-        U32(dims.state),
-        U32(dims.x_ld),
-        U32(dims.bc_ld),
-        U32(dims.dt_ld),
-        U32(dims.out_ld),
-        U32(dims.layer),
-        U32(dims.layers),
-        U32(dims.slots),
-        F32(dims.dt_min),
-        F32(dims.dt_max),
-    ]);
+    args.push(U32(plan.decodes as u32));
+    args.extend(step_scalars(dims));
+    args.extend([F32(dims.dt_min), F32(dims.dt_max)]);
     out.push(Launch {
         entry: entry_name(&format!(
             "ssm_recurrent_{ty}{}",
