@@ -414,6 +414,7 @@ pub fn choose_backend(config: &Config, cuda_gap: Option<&str>) -> anyhow::Result
 pub fn load_options(config: &Config) -> model::LoadOptions {
     model::LoadOptions {
         fp8: config.model.quantization == "fp8",
+        mtp: config.speculative.method == "mtp",
     }
 }
 

@@ -63,8 +63,8 @@ pub struct EngineArgs {
     /// fp8): K and V stored as FP8 with per-layer scales, half a bf16 cache's bytes.
     #[arg(long)]
     pub kv_cache_dtype: Option<String>,
-    /// Overrides `speculative.method`: off, ngram (drafts looked up in the context) or
-    /// draft_model (drafts from `--draft-model`).
+    /// Overrides `speculative.method`: off, ngram (drafts looked up in the context),
+    /// draft_model (drafts from `--draft-model`) or mtp (the checkpoint's MTP head).
     #[arg(long)]
     pub speculative_method: Option<String>,
     /// Overrides `speculative.draft_model`: a smaller model with the same tokenizer (a folder,

@@ -456,7 +456,8 @@ fn granite_expert_layouts_load_the_same_model() {
     let config = HfConfig::load(&dir).expect("config");
     for (label, tensors) in [("stacked", stacked), ("per expert", per_expert)] {
         let store = WeightStore::from_memory(tensors);
-        let m = model::arch::build(&config, &store, &CpuBackend::default()).expect(label);
+        let m = model::arch::build(&config, &store, &CpuBackend::default(), Default::default())
+            .expect(label);
         assert_eq!(full_forward(&m, &prompt), want, "{label}");
     }
 }

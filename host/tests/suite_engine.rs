@@ -17,6 +17,8 @@ mod sources_support;
 mod engine_behaviour;
 #[path = "engine_models.rs"]
 mod engine_models;
+#[path = "engine_mtp.rs"]
+mod engine_mtp;
 #[path = "engine_speculative.rs"]
 mod engine_speculative;
 #[path = "engine_thread.rs"]

@@ -730,7 +730,10 @@ def check(name):
 
 
 def main():
-    names = sys.argv[1:] or sorted(os.listdir(MODELS))
+    # Folders without reference.json (the MTP-head fixtures, checked by their own script's
+    # reference) are skipped.
+    names = sys.argv[1:] or sorted(
+        n for n in os.listdir(MODELS) if os.path.exists(os.path.join(MODELS, n, "reference.json")))
     results = [check(n) for n in names]
     worst = max(w for _, w in results)
     failed = [n for n, (ok, _) in zip(names, results) if not ok]

@@ -68,7 +68,10 @@ pub fn checks(
     for name in ["nemotronh-a", "qwen3next-a", "qwen35moe-a", "granite-moe"] {
         let dir = args.fixtures.join(name);
         let run = || -> anyhow::Result<(f64, f64, f64)> {
-            let opts = LoadOptions { fp8: true };
+            let opts = LoadOptions {
+                fp8: true,
+                ..Default::default()
+            };
             let prompt = super::parity::prompts(&dir)?
                 .into_iter()
                 .max_by_key(Vec::len)
@@ -436,7 +439,10 @@ fn models_bench(report: &mut Report, gpu: &CudaBackend, args: &GpuCheckArgs, bw:
                 dir,
                 bw,
                 args.steps.min(200),
-                LoadOptions { fp8 },
+                LoadOptions {
+                    fp8,
+                    ..Default::default()
+                },
             ) {
                 Ok(s) => prefill[i] = s,
                 Err(e) => report.failed(

@@ -81,6 +81,10 @@ pub enum EngineError {
     },
     #[error("the executor could not allocate the caches: {0}")]
     Executor(#[from] ExecutorError),
+    #[error(
+        "speculative.method = \"mtp\": the model has no MTP head (a Qwen3.5 or Qwen3-Next checkpoint with mtp.* tensors, loaded with the method set)"
+    )]
+    NoMtpHead,
 }
 
 pub struct Engine<E: StepExecutor> {
@@ -106,6 +110,8 @@ pub struct Engine<E: StepExecutor> {
     pub(super) timings: StepTimings,
     /// Set when a step failed with [`ExecutorError::DeviceLost`].
     pub(super) lost: bool,
+    /// The MTP pass's state (`speculative.method = "mtp"`).
+    pub(super) mtp: Option<super::mtp::MtpState>,
     publisher: Option<Publisher>,
     /// The figures of a publication deferred to the next step (see
     /// [`Self::defer_publication`]).
@@ -147,7 +153,19 @@ impl<E: StepExecutor> Engine<E> {
             layout.block_size,
             HashSeed::new(&setup.hash_salt),
         );
-        if let Some(drafter) = policies
+        let mut mtp = None;
+        if setup.speculative.method == "mtp" {
+            if !executor.has_mtp() {
+                return Err(EngineError::NoMtpHead);
+            }
+            let (state, drafter) = super::mtp::MtpState::new();
+            mtp = Some(state);
+            sched.set_speculation(
+                setup.speculative.clone(),
+                Box::new(drafter),
+                executor.vocab_size(),
+            );
+        } else if let Some(drafter) = policies
             .drafter
             .take()
             .or_else(|| setup.speculative.drafter())
@@ -167,6 +185,7 @@ impl<E: StepExecutor> Engine<E> {
         };
         Ok(Self {
             lost: false,
+            mtp,
             sampling: SamplingStage::new(cfg.sampler_candidates),
             eos: executor.eos_token_ids().to_vec(),
             vocab: executor.vocab_size(),
@@ -216,6 +235,16 @@ impl<E: StepExecutor> Engine<E> {
 
     /// Whether the executor's device was lost: the engine must stop (its thread exits, the
     /// router stops sending it work and `/health` reports the replica dead).
+    /// Records the drafter's proposals from now on (see [`Scheduler::take_draft_log`]).
+    pub fn record_drafts(&mut self, on: bool) {
+        self.sched.record_drafts(on);
+    }
+
+    /// The proposals recorded since the last call: request id, its token count, the drafts.
+    pub fn take_draft_log(&mut self) -> Vec<(u64, usize, Vec<u32>)> {
+        self.sched.take_draft_log()
+    }
+
     pub fn is_lost(&self) -> bool {
         self.lost
     }

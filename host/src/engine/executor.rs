@@ -170,6 +170,35 @@ pub trait StepExecutor: Send {
     fn applies_token_masks(&self) -> bool {
         true
     }
+    /// Whether the model has a multi-token-prediction head ([`Self::mtp_draft`]); such an
+    /// executor keeps every step's final hidden states for it.
+    fn has_mtp(&self) -> bool {
+        false
+    }
+    /// Runs the MTP head over `plan` ([`crate::model::mtp`]): each token of the plan is the
+    /// token *after* its row's position, and `rows[i]` is where token `i`'s hidden state is in
+    /// `source`. The head's K/V of every row is written (the plan's slot mapping); the
+    /// greedy draft of each of the plan's `logit_rows` is appended to `drafts`.
+    fn mtp_draft(
+        &mut self,
+        _plan: &StepPlan,
+        _source: MtpSource,
+        _rows: &[u32],
+        _drafts: &mut Vec<u32>,
+    ) -> Result<(), ExecutorError> {
+        Err(ExecutorError::InvalidBatch(
+            "this executor has no MTP head".into(),
+        ))
+    }
+}
+
+/// Where the hidden states an MTP pass reads come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MtpSource {
+    /// The rows of the step just run (the target's final hidden states).
+    Step,
+    /// The logit rows of the MTP pass before (a chain of drafts).
+    Chain,
 }
 
 /// What the split launch of an executor that does not split answers.
@@ -242,5 +271,17 @@ impl<E: StepExecutor + ?Sized> StepExecutor for Box<E> {
     }
     fn applies_token_masks(&self) -> bool {
         (**self).applies_token_masks()
+    }
+    fn has_mtp(&self) -> bool {
+        (**self).has_mtp()
+    }
+    fn mtp_draft(
+        &mut self,
+        plan: &StepPlan,
+        source: MtpSource,
+        rows: &[u32],
+        drafts: &mut Vec<u32>,
+    ) -> Result<(), ExecutorError> {
+        (**self).mtp_draft(plan, source, rows, drafts)
     }
 }

@@ -21,6 +21,7 @@ pub mod core;
 pub mod executor;
 pub mod mock;
 pub mod model_runner;
+mod mtp;
 mod opening;
 pub mod outbox;
 pub mod pipeline;
@@ -34,7 +35,7 @@ pub mod timings;
 
 pub use config::{EngineConfig, EngineSetup};
 pub use core::{Engine, EngineError, Policies, Publisher};
-pub use executor::{CacheAllocation, ExecutorError, Logits, StepExecutor, StepKinds};
+pub use executor::{CacheAllocation, ExecutorError, Logits, MtpSource, StepExecutor, StepKinds};
 pub use mock::{MockConfig, MockExecutor};
 pub use model_runner::ModelRunner;
 pub use pipeline::{Step, StepClock};

@@ -18,7 +18,7 @@
 
 use std::sync::Arc;
 
-use super::executor::{CacheAllocation, ExecutorError, StepExecutor, StepOutput};
+use super::executor::{CacheAllocation, ExecutorError, MtpSource, StepExecutor, StepOutput};
 use crate::backend::{GraphBucket, StepBackend, StepPlan};
 use crate::model::{CacheSpec, Model, ModelCaches};
 
@@ -54,6 +54,10 @@ pub struct ModelRunner<B: StepBackend> {
     packed: Option<Packed>,
     /// The launched step's sampling tail, held for [`StepExecutor::launch_tail`].
     held: Option<Tail<B>>,
+    /// The MTP head's step objects (its plan, and the rows its hidden states are gathered
+    /// from) and the normalised output of its last pass's logit rows (a chain's next input).
+    mtp_steps: Option<(B::Step, B::Step)>,
+    mtp_last: Option<B::Tensor>,
 }
 
 /// Where a step's sampling tail reads: a graph's step object and logits, or the eager step's.
@@ -157,6 +161,8 @@ impl<B: StepBackend> ModelRunner<B> {
             in_flight: false,
             held: None,
             packed: None,
+            mtp_steps: None,
+            mtp_last: None,
         }
     }
 
@@ -324,11 +330,23 @@ impl<B: StepBackend> StepExecutor for ModelRunner<B> {
             )
             .map_err(|e| ExecutorError::Allocation(e.to_string()))?;
         self.caches = Some(caches);
-        self.step = Some(
-            self.backend
-                .new_step(alloc.max_tokens)
-                .map_err(|e| ExecutorError::Allocation(e.to_string()))?,
-        );
+        let new_step = |b: &B| {
+            b.new_step(alloc.max_tokens)
+                .map_err(|e| ExecutorError::Allocation(e.to_string()))
+        };
+        self.step = Some(new_step(&self.backend)?);
+        if self.model.mtp.is_some() {
+            // The head reads every row's final hidden state, which a replayed graph does not
+            // leave: the steps run eagerly.
+            if let Some(c) = self.caches.as_mut() {
+                c.keep_hidden = true;
+            }
+            self.mtp_steps = Some((new_step(&self.backend)?, new_step(&self.backend)?));
+            if self.use_graphs {
+                tracing::info!("CUDA graphs off: the MTP head reads every step's hidden states");
+                self.use_graphs = false;
+            }
+        }
         if self.use_graphs {
             self.capture_graphs(alloc.max_running.min(alloc.max_tokens), alloc.max_tokens)?;
         }
@@ -408,6 +426,53 @@ impl<B: StepBackend> StepExecutor for ModelRunner<B> {
 
     fn applies_token_masks(&self) -> bool {
         self.backend.applies_token_masks()
+    }
+
+    fn has_mtp(&self) -> bool {
+        self.model.mtp.is_some()
+    }
+
+    fn mtp_draft(
+        &mut self,
+        plan: &StepPlan,
+        source: MtpSource,
+        rows: &[u32],
+        drafts: &mut Vec<u32>,
+    ) -> Result<(), ExecutorError> {
+        let caches = self.caches.as_mut().ok_or_else(not_allocated)?;
+        let (step, gather) = self
+            .mtp_steps
+            .as_mut()
+            .ok_or_else(|| ExecutorError::InvalidBatch("this executor has no MTP head".into()))?;
+        if rows.len() != plan.num_tokens() {
+            return Err(ExecutorError::InvalidBatch(format!(
+                "an MTP pass of {} tokens with {} hidden rows",
+                plan.num_tokens(),
+                rows.len()
+            )));
+        }
+        let backend = &self.backend;
+        let from = match source {
+            MtpSource::Step => caches.hidden.as_ref(),
+            MtpSource::Chain => self.mtp_last.as_ref(),
+        }
+        .ok_or_else(|| ExecutorError::InvalidBatch("an MTP pass with no hidden states".into()))?;
+        // The rows are gathered as an embedding lookup whose ids are row numbers.
+        let mut by_row = plan.clone();
+        by_row.tokens.clear();
+        by_row.tokens.extend_from_slice(rows);
+        backend.upload_step(&by_row, gather)?;
+        let hidden = backend.embedding(from, gather)?;
+        backend.upload_step(plan, step)?;
+        let (out, logits) = self
+            .model
+            .mtp_forward(backend, step, caches, &hidden)
+            .map_err(|e| ExecutorError::Forward(e.to_string()))?;
+        let vocab = self.model.info.vocab_size;
+        let host = backend.download(&logits)?;
+        drafts.extend(host.chunks(vocab.max(1)).map(crate::model::argmax));
+        self.mtp_last = Some(out);
+        Ok(())
     }
 
     fn step_kinds(&self) -> super::executor::StepKinds {

@@ -294,7 +294,12 @@ impl<E: StepExecutor> Engine<E> {
             (self.pipeline.launched.as_ref()).is_some_and(|s| s.plan.wants_full_rows());
         // Speculating requests draft from their last accepted token: their next step is
         // scheduled once this one is applied.
-        if self.setup.engine.schedule_ahead && !scores_prompt && !self.sched.speculation_active() {
+        // The MTP pass after each step needs its tokens: no step is scheduled ahead of it.
+        if self.setup.engine.schedule_ahead
+            && !scores_prompt
+            && !self.sched.speculation_active()
+            && self.mtp.is_none()
+        {
             self.schedule_ahead();
         }
         self.overlap();
@@ -380,6 +385,7 @@ impl<E: StepExecutor> Engine<E> {
             None => (None, None),
         };
         self.apply(&mut step);
+        self.mtp_pass(&step);
         let launch = match (next, launch) {
             (Some(mut next), None) => {
                 // Penalised rows needed this step's tokens: built now that they are known.

@@ -132,6 +132,9 @@ pub struct Scheduler {
     drafter: Option<Box<dyn Drafter>>,
     vocab: usize,
     pub spec_counters: SpecCounters,
+    /// Every proposal the drafter made, when recording (tests compare drafters with their
+    /// references): request id, its token count, the drafts kept.
+    draft_log: Option<Vec<(u64, usize, Vec<u32>)>>,
 }
 
 impl Scheduler {
@@ -158,6 +161,7 @@ impl Scheduler {
             drafter: None,
             vocab: 0,
             spec_counters: SpecCounters::default(),
+            draft_log: None,
         }
     }
 
@@ -172,6 +176,20 @@ impl Scheduler {
         self.spec = spec;
         self.drafter = Some(drafter);
         self.vocab = vocab;
+    }
+
+    /// Starts (or stops) recording the drafter's proposals ([`Self::take_draft_log`]).
+    pub fn record_drafts(&mut self, on: bool) {
+        self.draft_log = on.then(Vec::new);
+    }
+
+    /// The proposals recorded since the last call: request id, the request's token count
+    /// when asked, the drafts (after the vocabulary check).
+    pub fn take_draft_log(&mut self) -> Vec<(u64, usize, Vec<u32>)> {
+        self.draft_log
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     /// Whether the next step may carry verify chunks: speculation is on and few enough
@@ -248,6 +266,9 @@ impl Scheduler {
             }
             d.truncate(valid);
             if let Some(r) = self.slots[slot as usize].as_mut() {
+                if let Some(log) = self.draft_log.as_mut() {
+                    log.push((r.id, r.tokens.len(), d.clone()));
+                }
                 r.drafts = d;
             }
         }

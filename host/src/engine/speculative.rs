@@ -30,8 +30,10 @@ use serde::Deserialize;
 #[serde(deny_unknown_fields, default)]
 pub struct SpeculativeConfig {
     /// "off"; "ngram": prompt lookup (drafts copied from where the context's last tokens
-    /// occurred before; no extra weights); or "draft_model": a smaller model with the same
-    /// tokenizer (`draft_model`) decodes the drafts greedily.
+    /// occurred before; no extra weights); "draft_model": a smaller model with the same
+    /// tokenizer (`draft_model`) decodes the drafts greedily; or "mtp": the checkpoint's
+    /// multi-token-prediction head (Qwen3.5, Qwen3-Next `mtp.*`) drafts them from the
+    /// target's hidden states (steps then run eagerly, none scheduled ahead).
     pub method: String,
     /// Drafts per verify step (`k`).
     pub num_tokens: usize,
@@ -86,9 +88,12 @@ impl SpeculativeConfig {
 
     /// A bad value, named by its key.
     pub fn validate(&self) -> Result<(), String> {
-        if !matches!(self.method.as_str(), "off" | "ngram" | "draft_model") {
+        if !matches!(
+            self.method.as_str(),
+            "off" | "ngram" | "draft_model" | "mtp"
+        ) {
             return Err(format!(
-                "speculative.method = {:?}: must be \"off\", \"ngram\" or \"draft_model\"",
+                "speculative.method = {:?}: must be \"off\", \"ngram\", \"draft_model\" or \"mtp\"",
                 self.method
             ));
         }
@@ -122,8 +127,9 @@ impl SpeculativeConfig {
         Ok(())
     }
 
-    /// The drafter this configuration names (`None` when off, and for "draft_model", whose
-    /// drafter the caller builds with the loaded draft model: [`DraftModelDrafter`]).
+    /// The drafter this configuration names (`None` when off; for "draft_model", whose
+    /// drafter the caller builds with the loaded draft model: [`DraftModelDrafter`]; and for
+    /// "mtp", whose drafter the engine builds over its MTP pass).
     pub fn drafter(&self) -> Option<Box<dyn Drafter>> {
         match self.method.as_str() {
             "ngram" => Some(Box::new(NgramDrafter {

@@ -239,5 +239,5 @@ pub fn load_with<B: LayerOps>(
         &config,
         options.fp8,
     )?);
-    super::arch::build(&config, &store, backend)
+    super::arch::build(&config, &store, backend, options)
 }

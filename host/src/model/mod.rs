@@ -15,6 +15,7 @@ pub mod config;
 pub mod gguf;
 pub mod hub;
 pub mod layers;
+pub mod mtp;
 pub mod quant;
 pub mod weights;
 
@@ -107,6 +108,12 @@ pub struct ModelCaches<B: LayerOps> {
     pub block_size: usize,
     pub num_blocks: usize,
     pub num_slots: usize,
+    /// Keep every row's final hidden state ([`Self::hidden`]) in each forward pass: the MTP
+    /// head reads them.
+    pub keep_hidden: bool,
+    /// The last forward pass's final (normalised) hidden state of every row, `[tokens,
+    /// hidden]`, when `keep_hidden`.
+    pub hidden: Option<B::Tensor>,
 }
 
 impl<B: LayerOps> ModelCaches<B> {
@@ -169,6 +176,8 @@ impl<B: LayerOps> ModelCaches<B> {
             block_size,
             num_blocks,
             num_slots,
+            keep_hidden: false,
+            hidden: None,
         })
     }
 
@@ -208,6 +217,9 @@ pub struct Model<B: LayerOps> {
     /// are folded into their weights at load.
     pub embed_scale: f32,
     pub logits_scale: f32,
+    /// The multi-token-prediction head, loaded when asked for ([`LoadOptions::mtp`]) and the
+    /// checkpoint has one; its attention layer is the last of `info.cache.attn_layers`.
+    pub mtp: Option<mtp::MtpHead<B>>,
 }
 
 impl<B: LayerOps> Model<B> {
@@ -309,18 +321,46 @@ impl<B: LayerOps> Model<B> {
             kv: &mut caches.kv,
             ssm: caches.ssm.as_mut(),
         };
-        // Each sublayer's residual add is fused into the next norm (`add_rms_norm`); the
-        // last one is applied to the logit rows only, fused into the final norm.
+        let keep = caches.keep_hidden;
+        let (all, h) =
+            self.run_layers(backend, &self.layers, h, &mut ctx, &self.final_norm, keep)?;
+        if keep {
+            caches.hidden = all;
+        }
+        self.logits(backend, &h)
+    }
+
+    /// `layers` over `h`, then `norm`: the normalised hidden state of the step's logit rows,
+    /// and with `keep_all` of every row as well. Each sublayer's residual add is fused into
+    /// the next norm (`add_rms_norm`); the last one into the final norm, over the logit rows
+    /// only unless every row is kept.
+    pub(crate) fn run_layers(
+        &self,
+        backend: &B,
+        layers: &[Sublayer<B>],
+        mut h: B::Tensor,
+        ctx: &mut StepCtx<'_, B>,
+        norm: &RmsNorm<B>,
+        keep_all: bool,
+    ) -> Result<(Option<B::Tensor>, B::Tensor), ModelError> {
+        let step = ctx.step;
         let mut pending: Option<B::Tensor> = None;
-        for layer in &self.layers {
+        for layer in layers {
             let x = match pending.take() {
                 None => layer.norm.forward(backend, &h)?,
                 Some(y) => backend.add_rms_norm(&mut h, &y, &layer.norm.w, layer.norm.eps)?,
             };
-            pending = Some(layer.mix(backend, &x, &mut ctx)?);
+            pending = Some(layer.mix(backend, &x, ctx)?);
+        }
+        if keep_all {
+            let all = match pending {
+                None => norm.forward(backend, &h)?,
+                Some(y) => backend.add_rms_norm(&mut h, &y, &norm.w, norm.eps)?,
+            };
+            let rows = backend.gather_logit_rows(&all, step)?;
+            return Ok((Some(all), rows));
         }
         let mut h = backend.gather_logit_rows(&h, step)?;
-        let norm = &self.final_norm;
         let h = match pending {
             None => norm.forward(backend, &h)?,
             Some(y) => {
@@ -328,9 +368,14 @@ impl<B: LayerOps> Model<B> {
                 backend.add_rms_norm(&mut h, &y, &norm.w, norm.eps)?
             }
         };
+        Ok((None, h))
+    }
+
+    /// The LM head (shared by the MTP head) over normalised hidden rows.
+    pub(crate) fn logits(&self, backend: &B, h: &B::Tensor) -> Result<B::Tensor, ModelError> {
         let mut logits = match &self.lm_head {
-            Some(head) => head.forward(backend, &h)?,
-            None => backend.linear(&h, &self.embed, None)?,
+            Some(head) => head.forward(backend, h)?,
+            None => backend.linear(h, &self.embed, None)?,
         };
         if self.logits_scale != 1.0 {
             backend.scale_assign(&mut logits, self.logits_scale)?;
@@ -372,6 +417,9 @@ pub struct LoadOptions {
     /// `model.quantization = "fp8"`: bf16 projections are quantized to FP8 at load
     /// ([`quant`]).
     pub fp8: bool,
+    /// `speculative.method = "mtp"`: the checkpoint's MTP head is loaded (else its `mtp.*`
+    /// tensors are left unread).
+    pub mtp: bool,
 }
 
 /// Loads the model in `dir` (Hugging Face layout) onto `backend`.
@@ -394,7 +442,7 @@ pub fn load_with<B: LayerOps>(
     let config = config::HfConfig::load(dir)?;
     let mut store = weights::WeightStore::open(dir)?;
     store.set_quantization(quant::Quantization::from_config(&config, options.fp8)?);
-    arch::build(&config, &store, backend)
+    arch::build(&config, &store, backend, options)
 }
 
 /// Builds the model described by the `config.json` in `dir` (or the file itself) with
@@ -424,7 +472,7 @@ pub fn load_dummy_with<B: LayerOps>(
     let config = config::HfConfig::load(&dir)?;
     let mut store = weights::WeightStore::dummy(seed);
     store.set_quantization(quant::Quantization::from_config(&config, options.fp8)?);
-    arch::build(&config, &store, backend)
+    arch::build(&config, &store, backend, options)
 }
 
 /// Index of the largest value (first on ties).

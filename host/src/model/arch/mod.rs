@@ -42,9 +42,14 @@ pub fn build<B: LayerOps>(
     config: &HfConfig,
     store: &WeightStore,
     backend: &B,
+    options: super::LoadOptions,
 ) -> Result<Model<B>, ModelError> {
     let arch = config.architecture()?;
-    let l = Loader { store, backend };
+    let l = Loader {
+        store,
+        backend,
+        mtp: options.mtp,
+    };
     match arch.as_str() {
         "LlamaForCausalLM" | "MistralForCausalLM" => llama::build(config, &l),
         "Mamba2ForCausalLM" => mamba2::build(config, &l),
@@ -263,6 +268,7 @@ impl<B: LayerOps> Assembly<B> {
             ssm_shape,
             embed_scale: 1.0,
             logits_scale: 1.0,
+            mtp: None,
         })
     }
 }

@@ -11,6 +11,7 @@ use crate::model::layers::gated_attention::{GatedAttention, GatedAttentionSpec};
 use crate::model::layers::gated_delta_net::{GDN_CHUNK, GatedDeltaNet, GdnSpec};
 use crate::model::layers::moe::SoftmaxMoeSpec;
 use crate::model::layers::{Loader, Mixer, Mlp, Moe, Sublayer, rope};
+use crate::model::mtp::MtpHead;
 use crate::model::{Model, ModelError};
 
 /// Which layers get the MoE block instead of the dense MLP.
@@ -123,26 +124,57 @@ pub(super) fn build_stack<B: LayerOps>(
         }
     };
 
+    // The channel mixer of a layer: the MoE block or the gated SiLU MLP.
+    let channel_mixer = |prefix: &str, moe: bool| -> Result<Mixer<B>, ModelError> {
+        Ok(if moe {
+            Mixer::Moe(Moe::load_softmax(
+                l,
+                prefix,
+                SoftmaxMoeSpec {
+                    hidden,
+                    experts: c.usize("num_experts")?,
+                    expert_inter: c.usize("moe_intermediate_size")?,
+                    shared_inter: c.usize_or("shared_expert_intermediate_size", 0)?,
+                    top_k: c.usize("num_experts_per_tok")?,
+                    norm_topk_prob: ffn == FeedForward::Moe || c.bool_or("norm_topk_prob", true)?,
+                    act: Activation::Silu,
+                },
+            )?)
+        } else {
+            Mixer::Mlp(Mlp::load_gated(
+                l,
+                prefix,
+                hidden,
+                c.usize("intermediate_size")?,
+                false,
+                Activation::Silu,
+            )?)
+        })
+    };
+    let attention = |prefix: &str, cache: usize| -> Result<Mixer<B>, ModelError> {
+        Ok(Mixer::GatedAttention(GatedAttention::load(
+            l,
+            prefix,
+            GatedAttentionSpec {
+                hidden,
+                heads,
+                kv_heads,
+                head_dim,
+                bias: c.bool_or("attention_bias", false)?,
+                eps,
+                rope: rope.clone(),
+                cache,
+            },
+        )?))
+    };
+
     let (mut n_attn, mut n_gdn) = (0, 0);
     let mut subs = Vec::with_capacity(2 * layers);
     for (i, &full) in kinds.iter().enumerate() {
         let p = format!("{root}.layers.{i}");
         let mixer = if full {
             n_attn += 1;
-            Mixer::GatedAttention(GatedAttention::load(
-                l,
-                &format!("{p}.self_attn"),
-                GatedAttentionSpec {
-                    hidden,
-                    heads,
-                    kv_heads,
-                    head_dim,
-                    bias: c.bool_or("attention_bias", false)?,
-                    eps,
-                    rope: rope.clone(),
-                    cache: n_attn - 1,
-                },
-            )?)
+            attention(&format!("{p}.self_attn"), n_attn - 1)?
         } else {
             n_gdn += 1;
             Mixer::GatedDeltaNet(GatedDeltaNet::load(
@@ -158,31 +190,7 @@ pub(super) fn build_stack<B: LayerOps>(
             norm: l.rms_norm_centred(&format!("{p}.input_layernorm.weight"), hidden, eps)?,
             mixer,
         });
-        let mlp_prefix = format!("{p}.mlp");
-        let ff = if is_moe(i) {
-            Mixer::Moe(Moe::load_softmax(
-                l,
-                &mlp_prefix,
-                SoftmaxMoeSpec {
-                    hidden,
-                    experts: c.usize("num_experts")?,
-                    expert_inter: c.usize("moe_intermediate_size")?,
-                    shared_inter: c.usize_or("shared_expert_intermediate_size", 0)?,
-                    top_k: c.usize("num_experts_per_tok")?,
-                    norm_topk_prob: ffn == FeedForward::Moe || c.bool_or("norm_topk_prob", true)?,
-                    act: Activation::Silu,
-                },
-            )?)
-        } else {
-            Mixer::Mlp(Mlp::load_gated(
-                l,
-                &mlp_prefix,
-                hidden,
-                c.usize("intermediate_size")?,
-                false,
-                Activation::Silu,
-            )?)
-        };
+        let ff = channel_mixer(&format!("{p}.mlp"), is_moe(i))?;
         subs.push(Sublayer {
             norm: l.rms_norm_centred(
                 &format!("{p}.post_attention_layernorm.weight"),
@@ -198,7 +206,38 @@ pub(super) fn build_stack<B: LayerOps>(
         // offset) for the delta rule, as it does for a Mamba2 scan.
         l.backend.set_ssm_chunk_size(GDN_CHUNK);
     }
-    Assembly {
+    // The MTP head: one more decoder layer (gated full attention, the channel mixer the
+    // checkpoint has) whose KV is the last attention layer of the cache.
+    let mtp_layers = crate::model::mtp::declared_layers(c)?;
+    let mtp = if l.mtp && (mtp_layers > 0 || l.store.has("mtp.fc.weight")) {
+        if mtp_layers > 1 {
+            return Err(c.error(format!(
+                "{mtp_layers} MTP layers: chimera drafts with one (every published Qwen3.5 and \
+                 Qwen3-Next checkpoint has one)"
+            )));
+        }
+        let p = "mtp.layers.0";
+        let moe = l.store.has(&format!("{p}.mlp.gate.weight"))
+            || (l.store.is_dummy() && ffn != FeedForward::Dense && n_experts > 0);
+        let layers = vec![
+            Sublayer {
+                norm: l.rms_norm_centred(&format!("{p}.input_layernorm.weight"), hidden, eps)?,
+                mixer: attention(&format!("{p}.self_attn"), n_attn)?,
+            },
+            Sublayer {
+                norm: l.rms_norm_centred(
+                    &format!("{p}.post_attention_layernorm.weight"),
+                    hidden,
+                    eps,
+                )?,
+                mixer: channel_mixer(&format!("{p}.mlp"), moe)?,
+            },
+        ];
+        Some(MtpHead::load(l, "mtp", hidden, eps, layers)?)
+    } else {
+        None
+    };
+    let mut model = Assembly {
         arch: c.architecture()?,
         vocab,
         hidden,
@@ -224,5 +263,13 @@ pub(super) fn build_stack<B: LayerOps>(
             conv: (sh.conv_dim(), gdn.conv_kernel - 1),
             state: (sh.v_heads, sh.k_dim, sh.v_dim),
         }),
-    )
+    )?;
+    if mtp.is_some() {
+        model.info.cache.attn_layers += 1;
+        if model.info.cache.kv_heads == 0 {
+            (model.info.cache.kv_heads, model.info.cache.head_dim) = (kv_heads, head_dim);
+        }
+    }
+    model.mtp = mtp;
+    Ok(model)
 }

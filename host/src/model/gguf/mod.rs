@@ -349,7 +349,7 @@ impl GgufModel {
             &config,
             options.fp8,
         )?);
-        let model = arch::build(&config, &store, backend)?;
+        let model = arch::build(&config, &store, backend, options)?;
         drop(store);
         super::weights::release_free_memory();
         let rss = super::weights::process_memory().map(|(rss, _)| rss);

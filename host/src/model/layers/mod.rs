@@ -27,6 +27,8 @@ pub use moe::Moe;
 pub struct Loader<'a, B: LayerOps> {
     pub store: &'a WeightStore,
     pub backend: &'a B,
+    /// Load the checkpoint's MTP head, where the architecture has one.
+    pub mtp: bool,
 }
 
 impl<B: LayerOps> Loader<'_, B> {

@@ -1,0 +1,190 @@
+//! The engine's MTP pass (`speculative.method = "mtp"`): after every step, the model's
+//! multi-token-prediction head ([`crate::model::mtp`]) runs over the rows the step kept, each
+//! fed the token after it, so that its own K/V covers every computed position; from the last
+//! row of each request that will speculate it then drafts a chain of `num_tokens` tokens,
+//! which [`MtpDrafter`] hands to the scheduler when the request's next step is planned.
+//!
+//! Rows a step did not keep (drafts it rejected) are left out; so are requests the step
+//! finished. The chain's own positions (past the last computed one) get blocks now — the
+//! verify step that follows needs them anyway — and their head K/V is written over by the
+//! pass after that step.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use super::Engine;
+use super::executor::{MtpSource, StepExecutor};
+use super::pipeline::Step;
+use super::request::Phase;
+use super::speculative::Drafter;
+use crate::backend::StepPlan;
+
+/// Drafts the MTP pass made, by request id: the request's token count they follow, and the
+/// tokens.
+type Made = Arc<Mutex<HashMap<u64, (usize, Vec<u32>)>>>;
+
+/// The drafter of `speculative.method = "mtp"`: it proposes what the engine's last MTP pass
+/// drafted for a request, when they follow its tokens as they are now (and nothing else).
+pub struct MtpDrafter {
+    made: Made,
+}
+
+impl Drafter for MtpDrafter {
+    fn propose(&mut self, id: u64, tokens: &[u32], k: usize, out: &mut Vec<u32>) {
+        let Ok(mut made) = self.made.lock() else {
+            return;
+        };
+        if let Some((len, drafts)) = made.remove(&id)
+            && len == tokens.len()
+        {
+            out.extend(drafts.iter().take(k));
+        }
+    }
+}
+
+/// The engine's side of the MTP pass: its plans and buffers, and the drafts it made.
+#[derive(Default)]
+pub struct MtpState {
+    made: Made,
+    plan: StepPlan,
+    rows: Vec<u32>,
+    /// The chains being drafted: slot, request id, token count, drafts wanted, drafts so far.
+    chains: Vec<(u32, u64, usize, usize, Vec<u32>)>,
+    drafts: Vec<u32>,
+    warned: bool,
+}
+
+impl MtpState {
+    /// The state and the drafter that reads what it drafts.
+    pub fn new() -> (Self, MtpDrafter) {
+        let state = Self::default();
+        let drafter = MtpDrafter {
+            made: state.made.clone(),
+        };
+        (state, drafter)
+    }
+}
+
+impl<E: StepExecutor> Engine<E> {
+    /// The MTP pass after `step` was applied (see the module doc). A failure leaves the
+    /// requests without drafts (they decode plainly) and is logged once.
+    pub(super) fn mtp_pass(&mut self, step: &Step) {
+        let Some(mut st) = self.mtp.take() else {
+            return;
+        };
+        if let Err(e) = self.run_mtp(step, &mut st) {
+            if !std::mem::replace(&mut st.warned, true) {
+                tracing::warn!(error = %e, "the MTP head could not draft (said once)");
+            }
+            if let Ok(mut made) = st.made.lock() {
+                made.clear();
+            }
+        }
+        self.mtp = Some(st);
+    }
+
+    fn run_mtp(&mut self, step: &Step, st: &mut MtpState) -> Result<(), super::ExecutorError> {
+        let k_max = self.setup.speculative.num_tokens;
+        let speculate = self.sched.speculation_active();
+        st.plan.clear(self.layout.block_size);
+        st.rows.clear();
+        st.chains.clear();
+        for (s, w) in step.plan.seqs.iter().zip(&step.work.seqs) {
+            let Some(r) = self.sched.request(w.slot) else {
+                continue;
+            };
+            if r.phase == Phase::Finished || r.computed <= s.context_len {
+                continue;
+            }
+            // The rows kept: those now computed (a verify chunk's accepted prefix).
+            let kept = (r.computed - s.context_len).min(s.len);
+            let (start, end) = (s.context_len, s.context_len + kept);
+            if r.tokens.len() <= end {
+                continue;
+            }
+            let left = r.max_tokens.saturating_sub(r.generated());
+            let k = k_max.min(left.saturating_sub(1));
+            let chain = speculate
+                && k > 0
+                && r.speculative
+                && r.constraint.is_none()
+                && r.spec_backoff == 0
+                && r.phase == Phase::Running
+                && r.computed + 1 == r.tokens.len();
+            st.plan.push(
+                &r.tokens[start + 1..=end],
+                start,
+                self.cache.block_table(w.slot),
+                self.cache.live_slot(w.slot),
+                chain,
+            );
+            st.rows
+                .extend((s.offset..s.offset + kept).map(|i| i as u32));
+            if chain {
+                st.chains
+                    .push((w.slot, r.id, r.tokens.len(), k, Vec::with_capacity(k)));
+            }
+        }
+        if st.plan.seqs.is_empty() {
+            return Ok(());
+        }
+        st.plan
+            .finish()
+            .map_err(|e| super::ExecutorError::InvalidBatch(e.to_string()))?;
+        st.drafts.clear();
+        self.executor
+            .mtp_draft(&st.plan, MtpSource::Step, &st.rows, &mut st.drafts)?;
+        for (c, &d) in st.chains.iter_mut().zip(&st.drafts) {
+            c.4.push(d);
+        }
+        // Each further draft: one row per chain still going, at the position after its last
+        // draft, fed that draft and the head's output for it.
+        let mut going: Vec<usize> = (0..st.chains.len()).collect();
+        for j in 1..k_max {
+            let mut next = Vec::with_capacity(going.len());
+            st.plan.clear(self.layout.block_size);
+            st.rows.clear();
+            for (row, &c) in going.iter().enumerate() {
+                let (slot, _, len, k, ref drafts) = st.chains[c];
+                if drafts.len() >= k {
+                    continue;
+                }
+                // The last computed position is `len - 2` (token `len - 1` was just sampled);
+                // draft `j + 1` comes from the row after draft `j`'s.
+                let pos = len - 2 + j;
+                if self.cache.grow(slot, pos + 1).is_err() {
+                    continue;
+                }
+                st.plan.push(
+                    &drafts[j - 1..j],
+                    pos,
+                    self.cache.block_table(slot),
+                    self.cache.live_slot(slot),
+                    true,
+                );
+                st.rows.push(row as u32);
+                next.push(c);
+            }
+            if next.is_empty() {
+                break;
+            }
+            st.plan
+                .finish()
+                .map_err(|e| super::ExecutorError::InvalidBatch(e.to_string()))?;
+            st.drafts.clear();
+            self.executor
+                .mtp_draft(&st.plan, MtpSource::Chain, &st.rows, &mut st.drafts)?;
+            for (&c, &d) in next.iter().zip(&st.drafts) {
+                st.chains[c].4.push(d);
+            }
+            going = next;
+        }
+        if let Ok(mut made) = st.made.lock() {
+            made.clear();
+            for (_, id, len, _, drafts) in st.chains.drain(..) {
+                made.insert(id, (len, drafts));
+            }
+        }
+        Ok(())
+    }
+}
