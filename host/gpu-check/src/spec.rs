@@ -267,6 +267,7 @@ pub fn checks(
     bf16_gpu: &CudaBackend,
     args: &GpuCheckArgs,
 ) {
+    mtp_checks(report, f32_gpu, args);
     let prompts = fixture_prompts();
     for name in [
         "llama-gqa",
@@ -360,6 +361,75 @@ pub fn checks(
                     format!("{same}/{n} leading tokens equal"),
                     "reported".into(),
                     true,
+                );
+            }
+            Err(e) => report.failed(SUITE, label, format!("{e:#}")),
+        }
+    }
+}
+
+/// MTP-head speculation on the fixtures with a head: the f32 CUDA engine gives the CPU's
+/// tokens and drafts (the head's pass over every kept row, its chains, the row gathers).
+fn mtp_checks(report: &mut Report, f32_gpu: &CudaBackend, args: &GpuCheckArgs) {
+    let prompts = fixture_prompts();
+    let spec = SpeculativeConfig {
+        method: "mtp".into(),
+        num_tokens: 3,
+        max_batch: 8,
+        ..Default::default()
+    };
+    let options = model::LoadOptions {
+        mtp: true,
+        ..Default::default()
+    };
+    for name in ["qwen35-a-mtp", "qwen3next-a-mtp"] {
+        let dir = args.fixtures.join(name);
+        let label = format!(
+            "{name} f32 engine, MTP-head drafts (k=3): tokens and accepted drafts GPU = CPU"
+        );
+        let result = (|| -> anyhow::Result<(Run, Run)> {
+            let job = || Job {
+                prompts: &prompts,
+                max_tokens: 24,
+                spec: spec.clone(),
+                drafter: None,
+                budget: 64 << 20,
+                max_running: 8,
+                graphs: true,
+            };
+            let cpu = CpuBackend::default();
+            let c = drive(
+                cpu.clone(),
+                Arc::new(model::load_with(&dir, &cpu, options)?),
+                job(),
+            )?;
+            let g = drive(
+                f32_gpu.replica()?,
+                Arc::new(model::load_with(&dir, f32_gpu, options)?),
+                job(),
+            )?;
+            Ok((c, g))
+        })();
+        match result {
+            Ok((c, g)) => {
+                let same = c.tokens == g.tokens
+                    && c.stats.spec_accepted_tokens == g.stats.spec_accepted_tokens
+                    && c.stats.spec_draft_tokens == g.stats.spec_draft_tokens;
+                report.push(
+                    SUITE,
+                    label,
+                    if same { 1.0 } else { 0.0 },
+                    format!(
+                        "{} ({}/{} accepted)",
+                        if same { "identical" } else { "DIFFER" },
+                        g.stats.spec_accepted_tokens,
+                        g.stats.spec_draft_tokens
+                    ),
+                    format!(
+                        "identical ({}/{})",
+                        c.stats.spec_accepted_tokens, c.stats.spec_draft_tokens
+                    ),
+                    same && g.stats.spec_draft_tokens > 0,
                 );
             }
             Err(e) => report.failed(SUITE, label, format!("{e:#}")),
