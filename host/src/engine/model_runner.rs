@@ -342,10 +342,13 @@ impl<B: StepBackend> StepExecutor for ModelRunner<B> {
                 c.keep_hidden = true;
             }
             self.mtp_steps = Some((new_step(&self.backend)?, new_step(&self.backend)?));
-            if self.use_graphs {
+            let buckets = self
+                .backend
+                .graph_buckets(alloc.max_running, alloc.max_tokens);
+            if self.use_graphs && !buckets.is_empty() {
                 tracing::info!("CUDA graphs off: the MTP head reads every step's hidden states");
-                self.use_graphs = false;
             }
+            self.use_graphs = false;
         }
         if self.use_graphs {
             self.capture_graphs(alloc.max_running.min(alloc.max_tokens), alloc.max_tokens)?;

@@ -104,6 +104,7 @@ __device__ void conv_recurrent(const T* x, const T* weight, const T* bias, T* ou
     const u64 per = (u64)channels * hist;
     float* st = layer_state(pool, seq_slot[e], slots, layer, layers, per);
     if (!st) {  // a padding entry: zero outputs, no state
+        CHIMERA_PDL_WAIT();
         for (u32 k = c0; k < c1; ++k)
             for (u32 t = ck_tok[k]; t < ck_tok[k] + ck_len[k]; ++t) store(out, (i64)t * out_ld + c, 0.0f);
         return;
@@ -122,6 +123,10 @@ __device__ void conv_recurrent(const T* x, const T* weight, const T* bias, T* ou
     // so its load overlaps the step before instead of waiting behind its store.
     if (c1 == c0) return;  // (a real entry has at least one chunk)
     const u32 tb = ck_tok[c0], te = ck_tok[c1 - 1] + ck_len[c1 - 1];
+    // Everything above (the plan, the weights, the live state: none written by the kernels
+    // just before this one) was read before waiting for them; the inputs and every store
+    // come after (see the entry point).
+    CHIMERA_PDL_WAIT();
     float next = load(x, (i64)tb * x_ld + c);
     u32 k = c0, kend = tb + ck_len[c0];
     for (u32 t = tb; t < te; ++t) {
@@ -292,14 +297,18 @@ extern "C" __global__ void __launch_bounds__(128) ssm_conv_update_bf16(CONV_UPDA
         const u32 *ck_snap, const u32 *ck_snaps, const u32 *snap_slot, u32 seq_base,         \
         u32 channels, u32 kernel, u32 x_ld, u32 out_ld, u32 layer, u32 layers, u32 slots,    \
         u32 ch_blocks
+// The recurrent conv reads the plan, its weights and the live state before waiting for the
+// kernels before it (programmatic dependent launch, common.cuh): none of them writes those
+// (the step's slot restores ran before its first layer, which waited for them), and every
+// store comes after the wait. It lets the next kernel start at once, as the GEMV does.
 #define CONV_RECURRENT_ARGS                                                                  \
     x, weight, bias, out, pool, seq_slot, seq_chunk, seq_chunks, ck_tok, ck_len, ck_snap,     \
         ck_snaps, snap_slot, seq_base, channels, kernel, x_ld, out_ld, layer, layers, slots,  \
         ch_blocks
 
-extern "C" __global__ void __launch_bounds__(128) ssm_conv_recurrent_f32(CONV_RECURRENT_PARAMS(float)) { CHIMERA_PDL_ENTRY();
+extern "C" __global__ void __launch_bounds__(128) ssm_conv_recurrent_f32(CONV_RECURRENT_PARAMS(float)) { CHIMERA_PDL_LAUNCH_DEPENDENTS();
     ssm::conv_recurrent(CONV_RECURRENT_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(128) ssm_conv_recurrent_bf16(CONV_RECURRENT_PARAMS(bf16)) { CHIMERA_PDL_ENTRY();
+extern "C" __global__ void __launch_bounds__(128) ssm_conv_recurrent_bf16(CONV_RECURRENT_PARAMS(bf16)) { CHIMERA_PDL_LAUNCH_DEPENDENTS();
     ssm::conv_recurrent(CONV_RECURRENT_ARGS);
 }
