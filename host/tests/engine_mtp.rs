@@ -11,7 +11,7 @@
 use std::path::{Path, PathBuf};
 
 use chimera::backend::cpu::CpuBackend;
-use chimera::cache::config::{ByteSize, CacheConfig};
+use chimera::cache::config::{ByteSize, CacheConfig, CacheLayout};
 use chimera::engine::api::{EngineEvent, GenerateRequest};
 use chimera::engine::speculative::SpeculativeConfig;
 use chimera::engine::{Engine, EngineConfig, EngineError, EngineSetup, ModelRunner, Policies};
@@ -73,6 +73,16 @@ fn engine(
     max_batched_tokens: usize,
     prefix_caching: bool,
 ) -> Result<Engine<ModelRunner<CpuBackend>>, EngineError> {
+    engine_with_budget(m, k, max_batched_tokens, prefix_caching, 32 << 20)
+}
+
+fn engine_with_budget(
+    m: Model<CpuBackend>,
+    k: usize,
+    max_batched_tokens: usize,
+    prefix_caching: bool,
+    budget: u64,
+) -> Result<Engine<ModelRunner<CpuBackend>>, EngineError> {
     let setup = EngineSetup {
         engine: EngineConfig {
             max_batched_tokens,
@@ -80,7 +90,7 @@ fn engine(
             ..EngineConfig::default()
         },
         cache: CacheConfig {
-            memory_budget: Some(ByteSize(32 << 20)),
+            memory_budget: Some(ByteSize(budget)),
             block_size: 16,
             prefix_caching,
             ..CacheConfig::default()
@@ -209,6 +219,60 @@ fn mtp_drafts_are_the_heads_reference_and_the_output_is_the_greedy_one() {
             );
         }
     }
+}
+
+/// A pool of a few blocks: three requests each take a block for their 7-token prompt, all
+/// need a second one at 17 tokens, pause, and the newest is evicted and recomputed. The
+/// head's K/V of the recomputed positions is written again: its drafts are still the
+/// reference's.
+#[test]
+fn mtp_drafts_survive_preemption() {
+    let name = "qwen35-a-mtp";
+    let (k, cases) = reference(name);
+    let n = cases[0].greedy.len();
+    assert!(
+        cases[0].prompt.len() + n > 17,
+        "the requests must outgrow a block"
+    );
+    let m = load(name, true);
+    // The budget that gives 3 blocks besides the live and draft slots of 4 running requests.
+    let spec = m.info.cache.clone();
+    let mut budget = 3 * spec.kv_block_bytes(16) as u64;
+    loop {
+        let cfg = CacheConfig {
+            memory_budget: Some(ByteSize(budget)),
+            block_size: 16,
+            ..CacheConfig::default()
+        };
+        if let Ok(l) = CacheLayout::plan(&cfg, &spec, 4 + 4 * k) {
+            assert!(l.num_blocks <= 3, "no budget gives exactly 3 blocks");
+            if l.num_blocks == 3 {
+                break;
+            }
+        }
+        budget += 64;
+    }
+    let mut e = engine_with_budget(m, k, 256, false, budget).expect("engine");
+    e.record_drafts(true);
+    let requests: Vec<(u64, &[u32], usize)> =
+        (0..3).map(|i| (i, &cases[0].prompt[..], n)).collect();
+    let got = run(&mut e, &requests);
+    for (i, g) in got.iter().enumerate() {
+        assert_eq!(g, &cases[0].greedy, "request {i}");
+    }
+    let checked = check_proposals(name, &e.take_draft_log(), &cases, |_| 0);
+    let st = e.stats().clone();
+    eprintln!(
+        "{name} under preemption: {} preemptions, {checked} drafts checked",
+        st.preemptions
+    );
+    assert!(
+        st.preemptions > 0,
+        "the pool was not tight: no request was evicted"
+    );
+    assert!(checked > 0);
+    assert_eq!(e.cache().pool().available(), 3, "blocks leaked");
+    e.cache().check_invariants().expect("cache invariants");
 }
 
 #[test]
