@@ -153,25 +153,7 @@ impl<E: StepExecutor> Engine<E> {
             layout.block_size,
             HashSeed::new(&setup.hash_salt),
         );
-        let mut mtp = None;
-        if setup.speculative.method == "mtp" {
-            if !executor.has_mtp() {
-                return Err(EngineError::NoMtpHead);
-            }
-            let (state, drafter) = super::mtp::MtpState::new();
-            mtp = Some(state);
-            sched.set_speculation(
-                setup.speculative.clone(),
-                Box::new(drafter),
-                executor.vocab_size(),
-            );
-        } else if let Some(drafter) = policies
-            .drafter
-            .take()
-            .or_else(|| setup.speculative.drafter())
-        {
-            sched.set_speculation(setup.speculative.clone(), drafter, executor.vocab_size());
-        }
+        let mtp = speculation(&setup, &executor, &mut policies, &mut sched)?;
         let stats = EngineStats {
             total_blocks: layout.num_blocks as u32,
             free_blocks: layout.num_blocks as u32,
@@ -608,6 +590,30 @@ impl<E: StepExecutor> Engine<E> {
 /// The cache layout for `setup` over a model of `spec`, and the slots a hybrid sets aside for
 /// speculative drafts; the configuration checked first (a chunked-prefill budget must fit a
 /// decode of every running request beside one block of prompt).
+/// Turns speculative decoding on in `sched` as `[speculative]` says, with the caller's
+/// drafter where it built one; for the "mtp" method, the MTP pass's state (the executor must
+/// have the head).
+fn speculation<E: StepExecutor>(
+    setup: &EngineSetup,
+    executor: &E,
+    policies: &mut Policies,
+    sched: &mut Scheduler,
+) -> Result<Option<super::mtp::MtpState>, EngineError> {
+    let spec = &setup.speculative;
+    if spec.method == "mtp" {
+        if !executor.has_mtp() {
+            return Err(EngineError::NoMtpHead);
+        }
+        let (state, drafter) = super::mtp::MtpState::new();
+        sched.set_speculation(spec.clone(), Box::new(drafter), executor.vocab_size());
+        return Ok(Some(state));
+    }
+    if let Some(drafter) = policies.drafter.take().or_else(|| spec.drafter()) {
+        sched.set_speculation(spec.clone(), drafter, executor.vocab_size());
+    }
+    Ok(None)
+}
+
 fn plan_layout(setup: &EngineSetup, spec: &CacheSpec) -> Result<(CacheLayout, usize), EngineError> {
     let cfg = &setup.engine;
     cfg.validate()?;

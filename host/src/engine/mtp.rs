@@ -42,14 +42,24 @@ impl Drafter for MtpDrafter {
     }
 }
 
+/// One request's drafts being made.
+struct Chain {
+    slot: u32,
+    id: u64,
+    /// The request's token count the drafts follow.
+    len: usize,
+    /// Drafts wanted.
+    k: usize,
+    drafts: Vec<u32>,
+}
+
 /// The engine's side of the MTP pass: its plans and buffers, and the drafts it made.
 #[derive(Default)]
 pub struct MtpState {
     made: Made,
     plan: StepPlan,
     rows: Vec<u32>,
-    /// The chains being drafted: slot, request id, token count, drafts wanted, drafts so far.
-    chains: Vec<(u32, u64, usize, usize, Vec<u32>)>,
+    chains: Vec<Chain>,
     drafts: Vec<u32>,
     warned: bool,
 }
@@ -84,11 +94,26 @@ impl<E: StepExecutor> Engine<E> {
     }
 
     fn run_mtp(&mut self, step: &Step, st: &mut MtpState) -> Result<(), super::ExecutorError> {
+        st.chains.clear();
+        if self.fill_pass(step, st)? {
+            self.chain_passes(st)?;
+        }
+        if let Ok(mut made) = st.made.lock() {
+            made.clear();
+            for c in st.chains.drain(..) {
+                made.insert(c.id, (c.len, c.drafts));
+            }
+        }
+        Ok(())
+    }
+
+    /// The head over every row `step` kept, each fed the token after it; the first draft of
+    /// each request that will speculate (its chain). False when the step kept no row.
+    fn fill_pass(&mut self, step: &Step, st: &mut MtpState) -> Result<bool, super::ExecutorError> {
         let k_max = self.setup.speculative.num_tokens;
         let speculate = self.sched.speculation_active();
         st.plan.clear(self.layout.block_size);
         st.rows.clear();
-        st.chains.clear();
         for (s, w) in step.plan.seqs.iter().zip(&step.work.seqs) {
             let Some(r) = self.sched.request(w.slot) else {
                 continue;
@@ -121,12 +146,17 @@ impl<E: StepExecutor> Engine<E> {
             st.rows
                 .extend((s.offset..s.offset + kept).map(|i| i as u32));
             if chain {
-                st.chains
-                    .push((w.slot, r.id, r.tokens.len(), k, Vec::with_capacity(k)));
+                st.chains.push(Chain {
+                    slot: w.slot,
+                    id: r.id,
+                    len: r.tokens.len(),
+                    k,
+                    drafts: Vec::with_capacity(k),
+                });
             }
         }
         if st.plan.seqs.is_empty() {
-            return Ok(());
+            return Ok(false);
         }
         st.plan
             .finish()
@@ -135,35 +165,39 @@ impl<E: StepExecutor> Engine<E> {
         self.executor
             .mtp_draft(&st.plan, MtpSource::Step, &st.rows, &mut st.drafts)?;
         for (c, &d) in st.chains.iter_mut().zip(&st.drafts) {
-            c.4.push(d);
+            c.drafts.push(d);
         }
-        // Each further draft: one row per chain still going, at the position after its last
-        // draft, fed that draft and the head's output for it.
+        Ok(true)
+    }
+
+    /// Each further draft of the chains: one row per chain still going, at the position after
+    /// its last draft's, fed that draft and the head's output for it. A chain whose position
+    /// cannot get a block stops there.
+    fn chain_passes(&mut self, st: &mut MtpState) -> Result<(), super::ExecutorError> {
         let mut going: Vec<usize> = (0..st.chains.len()).collect();
-        for j in 1..k_max {
+        for j in 1..self.setup.speculative.num_tokens {
             let mut next = Vec::with_capacity(going.len());
             st.plan.clear(self.layout.block_size);
             st.rows.clear();
-            for (row, &c) in going.iter().enumerate() {
-                let (slot, _, len, k, ref drafts) = st.chains[c];
-                if drafts.len() >= k {
+            for (row, &i) in going.iter().enumerate() {
+                let c = &st.chains[i];
+                if c.drafts.len() >= c.k {
                     continue;
                 }
-                // The last computed position is `len - 2` (token `len - 1` was just sampled);
-                // draft `j + 1` comes from the row after draft `j`'s.
-                let pos = len - 2 + j;
-                if self.cache.grow(slot, pos + 1).is_err() {
+                // The last computed position is `len - 2` (token `len - 1` was just sampled).
+                let pos = c.len - 2 + j;
+                if self.cache.grow(c.slot, pos + 1).is_err() {
                     continue;
                 }
                 st.plan.push(
-                    &drafts[j - 1..j],
+                    &c.drafts[j - 1..j],
                     pos,
-                    self.cache.block_table(slot),
-                    self.cache.live_slot(slot),
+                    self.cache.block_table(c.slot),
+                    self.cache.live_slot(c.slot),
                     true,
                 );
                 st.rows.push(row as u32);
-                next.push(c);
+                next.push(i);
             }
             if next.is_empty() {
                 break;
@@ -174,16 +208,10 @@ impl<E: StepExecutor> Engine<E> {
             st.drafts.clear();
             self.executor
                 .mtp_draft(&st.plan, MtpSource::Chain, &st.rows, &mut st.drafts)?;
-            for (&c, &d) in next.iter().zip(&st.drafts) {
-                st.chains[c].4.push(d);
+            for (&i, &d) in next.iter().zip(&st.drafts) {
+                st.chains[i].drafts.push(d);
             }
             going = next;
-        }
-        if let Ok(mut made) = st.made.lock() {
-            made.clear();
-            for (_, id, len, _, drafts) in st.chains.drain(..) {
-                made.insert(id, (len, drafts));
-            }
         }
         Ok(())
     }
