@@ -234,16 +234,7 @@ fn online_fp8_keeps_smollm2_perplexity_within_three_percent() {
     let vocab = plain.info.vocab_size;
     let run_plain = nll(&plain, &windows, vocab, KvCacheDtype::Auto);
     drop(plain);
-    let fp8 = loaded
-        .model_with(
-            &backend,
-            false,
-            LoadOptions {
-                fp8: true,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+    let fp8 = loaded.model_with(&backend, false, fp8_options()).unwrap();
     let run_fp8 = nll(&fp8, &windows, vocab, KvCacheDtype::Auto);
     let (ppl_plain, ppl_fp8, agree) = compare_runs(&run_plain, &run_fp8);
     let n = run_plain.1;
@@ -431,15 +422,7 @@ fn online_fp8_quantizes_delta_net_projections_but_not_their_gates() {
     let cpu = CpuBackend::default();
     for name in ["qwen35-a", "qwen3next-a"] {
         let plain = model::load(&fixture(name), &cpu).unwrap();
-        let fp8 = model::load_with(
-            &fixture(name),
-            &cpu,
-            LoadOptions {
-                fp8: true,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        let fp8 = model::load_with(&fixture(name), &cpu, fp8_options()).unwrap();
         let (p, q) = (first_gdn(&plain), first_gdn(&fp8));
         assert!(
             p.gates.is_none(),
@@ -524,15 +507,7 @@ fn online_fp8_quantizes_routed_experts_per_row_and_keeps_the_router() {
     let cpu = CpuBackend::default();
     for name in ["nemotronh-a", "qwen3next-a", "qwen35moe-a", "granite-moe"] {
         let plain = model::load(&fixture(name), &cpu).unwrap();
-        let fp8 = model::load_with(
-            &fixture(name),
-            &cpu,
-            LoadOptions {
-                fp8: true,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        let fp8 = model::load_with(&fixture(name), &cpu, fp8_options()).unwrap();
         let (p, q) = (first_moe(&plain), first_moe(&fp8));
         let pairs = [
             (Some(&p.experts.up), Some(&q.experts.up)),
@@ -555,5 +530,13 @@ fn online_fp8_quantizes_routed_experts_per_row_and_keeps_the_router() {
             cpu.download(&q.router).unwrap(),
             "{name}: the router is kept"
         );
+    }
+}
+
+/// Online FP8 quantization of the projections (`model.quantization = "fp8"`).
+fn fp8_options() -> LoadOptions {
+    LoadOptions {
+        fp8: true,
+        ..Default::default()
     }
 }

@@ -303,30 +303,7 @@ pub fn checks(
             )?;
             Ok((c, g))
         })();
-        match result {
-            Ok((c, g)) => {
-                let same = c.tokens == g.tokens
-                    && c.stats.spec_accepted_tokens == g.stats.spec_accepted_tokens
-                    && c.stats.spec_draft_tokens == g.stats.spec_draft_tokens;
-                report.push(
-                    SUITE,
-                    label,
-                    if same { 1.0 } else { 0.0 },
-                    format!(
-                        "{} ({}/{} accepted)",
-                        if same { "identical" } else { "DIFFER" },
-                        g.stats.spec_accepted_tokens,
-                        g.stats.spec_draft_tokens
-                    ),
-                    format!(
-                        "identical ({}/{})",
-                        c.stats.spec_accepted_tokens, c.stats.spec_draft_tokens
-                    ),
-                    same && g.stats.spec_draft_tokens > 0,
-                );
-            }
-            Err(e) => report.failed(SUITE, label, format!("{e:#}")),
-        }
+        report_same(report, label, result);
         let label = format!("{name} bf16 engine: tokens with drafts = without (reported)");
         let result = (|| -> anyhow::Result<(Run, Run)> {
             let m = Arc::new(model::load(&dir, bf16_gpu)?);
@@ -365,6 +342,35 @@ pub fn checks(
             }
             Err(e) => report.failed(SUITE, label, format!("{e:#}")),
         }
+    }
+}
+
+/// The row of a CPU-against-GPU engine comparison: the same tokens and the same drafts
+/// accepted, some drafted.
+fn report_same(report: &mut Report, label: String, result: anyhow::Result<(Run, Run)>) {
+    match result {
+        Ok((c, g)) => {
+            let same = c.tokens == g.tokens
+                && c.stats.spec_accepted_tokens == g.stats.spec_accepted_tokens
+                && c.stats.spec_draft_tokens == g.stats.spec_draft_tokens;
+            report.push(
+                SUITE,
+                label,
+                if same { 1.0 } else { 0.0 },
+                format!(
+                    "{} ({}/{} accepted)",
+                    if same { "identical" } else { "DIFFER" },
+                    g.stats.spec_accepted_tokens,
+                    g.stats.spec_draft_tokens
+                ),
+                format!(
+                    "identical ({}/{})",
+                    c.stats.spec_accepted_tokens, c.stats.spec_draft_tokens
+                ),
+                same && g.stats.spec_draft_tokens > 0,
+            );
+        }
+        Err(e) => report.failed(SUITE, label, format!("{e:#}")),
     }
 }
 
@@ -410,30 +416,7 @@ fn mtp_checks(report: &mut Report, f32_gpu: &CudaBackend, args: &GpuCheckArgs) {
             )?;
             Ok((c, g))
         })();
-        match result {
-            Ok((c, g)) => {
-                let same = c.tokens == g.tokens
-                    && c.stats.spec_accepted_tokens == g.stats.spec_accepted_tokens
-                    && c.stats.spec_draft_tokens == g.stats.spec_draft_tokens;
-                report.push(
-                    SUITE,
-                    label,
-                    if same { 1.0 } else { 0.0 },
-                    format!(
-                        "{} ({}/{} accepted)",
-                        if same { "identical" } else { "DIFFER" },
-                        g.stats.spec_accepted_tokens,
-                        g.stats.spec_draft_tokens
-                    ),
-                    format!(
-                        "identical ({}/{})",
-                        c.stats.spec_accepted_tokens, c.stats.spec_draft_tokens
-                    ),
-                    same && g.stats.spec_draft_tokens > 0,
-                );
-            }
-            Err(e) => report.failed(SUITE, label, format!("{e:#}")),
-        }
+        report_same(report, label, result);
     }
 }
 
