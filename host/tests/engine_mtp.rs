@@ -83,6 +83,17 @@ fn engine_with_budget(
     prefix_caching: bool,
     budget: u64,
 ) -> Result<Engine<ModelRunner<CpuBackend>>, EngineError> {
+    engine_with(m, k, max_batched_tokens, prefix_caching, budget, 4)
+}
+
+fn engine_with(
+    m: Model<CpuBackend>,
+    k: usize,
+    max_batched_tokens: usize,
+    prefix_caching: bool,
+    budget: u64,
+    max_batch: usize,
+) -> Result<Engine<ModelRunner<CpuBackend>>, EngineError> {
     let setup = EngineSetup {
         engine: EngineConfig {
             max_batched_tokens,
@@ -99,7 +110,7 @@ fn engine_with_budget(
         speculative: SpeculativeConfig {
             method: "mtp".into(),
             num_tokens: k,
-            max_batch: 4,
+            max_batch,
             ..SpeculativeConfig::default()
         },
     };
@@ -272,6 +283,59 @@ fn mtp_drafts_survive_preemption() {
     );
     assert!(checked > 0);
     assert_eq!(e.cache().pool().available(), 3, "blocks leaked");
+    e.cache().check_invariants().expect("cache invariants");
+}
+
+/// More requests than `max_batch`: speculation is off and steps are scheduled ahead, so the
+/// head cannot follow them; their requests stop drafting (a draft from K/V with holes would
+/// differ from the reference), and a request admitted afterwards drafts as usual.
+#[test]
+fn mtp_stops_drafting_for_requests_computed_while_speculation_was_off() {
+    let name = "qwen35-a-mtp";
+    let (k, cases) = reference(name);
+    let n = cases[0].greedy.len();
+    let mut e = engine_with(load(name, true), k, 256, false, 32 << 20, 1).expect("engine");
+    e.record_drafts(true);
+    let submit = |e: &mut Engine<ModelRunner<CpuBackend>>, id: u64, case: usize| {
+        let (tx, rx) = unbounded_channel();
+        let c: &Case = &cases[case];
+        e.add(GenerateRequest::greedy(id, c.prompt.clone(), n as u32), tx);
+        rx
+    };
+    // Request 0 alone drafts; request 1 joins it and speculation goes off for both.
+    let mut rxs = vec![submit(&mut e, 0, 0)];
+    for _ in 0..4 {
+        e.step();
+    }
+    let alone = e.take_draft_log();
+    assert!(!alone.is_empty(), "request 0 drafted nothing while alone");
+    rxs.push(submit(&mut e, 1, 1));
+    while e.step() {}
+    let together = e.take_draft_log();
+    // Request 2 comes after both: its head K/V is whole.
+    rxs.push(submit(&mut e, 2, 1));
+    while e.step() {}
+    let after = e.take_draft_log();
+    for (i, rx) in rxs.iter_mut().enumerate() {
+        let mut out = Vec::new();
+        while let Ok(ev) = rx.try_recv() {
+            if let EngineEvent::Tokens { tokens, .. } = ev {
+                out.extend(tokens);
+            }
+        }
+        assert_eq!(out, cases[i.min(1)].greedy, "request {i}");
+    }
+    let case_of = |id: u64| (id as usize).min(1);
+    check_proposals(name, &alone, &cases, case_of);
+    check_proposals(name, &together, &cases, case_of);
+    assert!(
+        together.iter().all(|(id, _, _)| *id == 0),
+        "request 1 drafted though its head K/V has holes: {together:?}"
+    );
+    assert!(
+        check_proposals(name, &after, &cases, case_of) > 0,
+        "request 2 drafted nothing"
+    );
     e.cache().check_invariants().expect("cache invariants");
 }
 

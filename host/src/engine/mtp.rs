@@ -5,7 +5,10 @@
 //! which [`MtpDrafter`] hands to the scheduler when the request's next step is planned.
 //!
 //! Rows a step did not keep (drafts it rejected) are left out; so are requests the step
-//! finished. The chain's own positions (past the last computed one) get blocks now — the
+//! finished. While speculation is off (more than `max_batch` requests) steps are scheduled
+//! ahead as without the head, which then cannot run (the step ahead replaces the hidden states
+//! it reads): the requests of such a step stop drafting (`Request::mtp_stale`) until they
+//! are recomputed, and requests admitted later draft as usual. The chain's own positions (past the last computed one) get blocks now — the
 //! verify step that follows needs them anyway — and their head K/V is written over by the
 //! pass after that step.
 
@@ -78,10 +81,21 @@ impl MtpState {
 impl<E: StepExecutor> Engine<E> {
     /// The MTP pass after `step` was applied (see the module doc). A failure leaves the
     /// requests without drafts (they decode plainly) and is logged once.
-    pub(super) fn mtp_pass(&mut self, step: &Step) {
+    pub(super) fn mtp_pass(&mut self, step: &Step, ahead: bool) {
         let Some(mut st) = self.mtp.take() else {
             return;
         };
+        if ahead {
+            // Speculation is off (a big batch) and steps overlap: the head's K/V misses these
+            // rows, so their requests draft no more (until recomputed).
+            for w in &step.work.seqs {
+                if let Some(r) = self.sched.request_mut(w.slot) {
+                    r.mtp_stale = true;
+                }
+            }
+            self.mtp = Some(st);
+            return;
+        }
         if let Err(e) = self.run_mtp(step, &mut st) {
             if !std::mem::replace(&mut st.warned, true) {
                 tracing::warn!(error = %e, "the MTP head could not draft (said once)");
@@ -118,7 +132,7 @@ impl<E: StepExecutor> Engine<E> {
             let Some(r) = self.sched.request(w.slot) else {
                 continue;
             };
-            if r.phase == Phase::Finished || r.computed <= s.context_len {
+            if r.phase == Phase::Finished || r.mtp_stale || r.computed <= s.context_len {
                 continue;
             }
             // The rows kept: those now computed (a verify chunk's accepted prefix).

@@ -294,12 +294,7 @@ impl<E: StepExecutor> Engine<E> {
             (self.pipeline.launched.as_ref()).is_some_and(|s| s.plan.wants_full_rows());
         // Speculating requests draft from their last accepted token: their next step is
         // scheduled once this one is applied.
-        // The MTP pass after each step needs its tokens: no step is scheduled ahead of it.
-        if self.setup.engine.schedule_ahead
-            && !scores_prompt
-            && !self.sched.speculation_active()
-            && self.mtp.is_none()
-        {
+        if self.setup.engine.schedule_ahead && !scores_prompt && !self.sched.speculation_active() {
             self.schedule_ahead();
         }
         self.overlap();
@@ -385,7 +380,9 @@ impl<E: StepExecutor> Engine<E> {
             None => (None, None),
         };
         self.apply(&mut step);
-        self.mtp_pass(&step);
+        // The MTP pass reads this step's hidden states, which a step launched ahead of it
+        // has replaced.
+        self.mtp_pass(&step, next.is_some());
         let launch = match (next, launch) {
             (Some(mut next), None) => {
                 // Penalised rows needed this step's tokens: built now that they are known.

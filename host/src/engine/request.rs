@@ -85,6 +85,10 @@ pub struct Request {
     /// verify steps.
     pub spec_misses: u32,
     pub spec_backoff: u32,
+    /// Some of its positions were computed by a step the MTP pass did not follow (a step
+    /// scheduled ahead while speculation was off): the head's K/V has holes, and it drafts no
+    /// more until it is computed again from its first token.
+    pub mtp_stale: bool,
     pub events: EventSender,
 }
 
@@ -134,6 +138,7 @@ impl Request {
             drafts: Vec::new(),
             spec_misses: 0,
             spec_backoff: 0,
+            mtp_stale: false,
             events,
         }
     }

@@ -132,8 +132,8 @@ pub struct Scheduler {
     drafter: Option<Box<dyn Drafter>>,
     vocab: usize,
     pub spec_counters: SpecCounters,
-    /// Every proposal the drafter made, when recording (tests compare drafters with their
-    /// references): request id, its token count, the drafts kept.
+    /// Every proposal the drafter made (of at least one draft), when recording (tests compare
+    /// drafters with their references): request id, its token count, the drafts kept.
     draft_log: Option<Vec<(u64, usize, Vec<u32>)>>,
 }
 
@@ -266,7 +266,9 @@ impl Scheduler {
             }
             d.truncate(valid);
             if let Some(r) = self.slots[slot as usize].as_mut() {
-                if let Some(log) = self.draft_log.as_mut() {
+                if let Some(log) = self.draft_log.as_mut()
+                    && !d.is_empty()
+                {
                     log.push((r.id, r.tokens.len(), d.clone()));
                 }
                 r.drafts = d;
@@ -786,6 +788,7 @@ impl Scheduler {
         if let Some(r) = self.slots[slot as usize].as_mut() {
             r.prompt_len = r.tokens.len();
             r.computed = 0;
+            r.mtp_stale = false;
             r.preemptions += 1;
             // Its draft slots went with its cache state; it starts again from the tokens.
             r.drafts.clear();
