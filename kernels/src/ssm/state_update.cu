@@ -471,7 +471,6 @@ __device__ void recurrent(const T* x, const T* b, const T* c, const T* dt, const
     const u32 c0 = seq_chunk[e], c1 = c0 + seq_chunks[e];
     S* live = layer_state(pool, seq_slot[e], slots, layer, layers, per_layer);
     if (!live) {  // a padding entry: zero outputs, no state
-        CHIMERA_PDL_WAIT();
         for (u32 k = c0; k < c1; ++k)
             for (u32 t = ck_tok[k]; t < ck_tok[k] + ck_len[k]; ++t)
                 for (u32 i = lane; i < REC_WARP_ROWS; i += 32)
@@ -494,10 +493,6 @@ __device__ void recurrent(const T* x, const T* b, const T* c, const T* dt, const
     // stores (which the compiler may not move loads across).
     if (c1 == c0) return;  // (a real entry has at least one chunk)
     const u32 tb = ck_tok[c0], te = ck_tok[c1 - 1] + ck_len[c1 - 1];
-    // The state, the plan and the head's parameters (none written by the kernels just before
-    // this one) were read before waiting for them; the token operands and every store come
-    // after (see the entry points).
-    CHIMERA_PDL_WAIT();
     auto fetch = [&](u32 t, RecIn& in) {
         in.dt = load(dt, (i64)t * dt_ld + h);
         const i64 brow = (i64)t * bc_ld + (i64)g * N, xrow = (i64)t * x_ld + (i64)h * P;
@@ -580,24 +575,20 @@ extern "C" __global__ void __launch_bounds__(128, 8) ssm_decode_bf16_sbf16(DECOD
         const u32 *ck_snaps, const u32 *snap_slot, u32 seq_base, u32 heads, u32 head_dim,     \
         u32 groups, u32 state, u32 x_ld, u32 bc_ld, u32 dt_ld, u32 out_ld, u32 layer,         \
         u32 layers, u32 slots, float dt_min, float dt_max
-// The token-by-token scan loads its state, the plan and the head's parameters before waiting
-// for the kernels before it (programmatic dependent launch, common.cuh): none of them writes
-// those (the step's slot restores ran before its first layer, which waited for them), and the
-// token operands and every store come after the wait. The next kernel may start at once.
 #define RECURRENT_ARGS                                                                        \
     x, b, c, dt, a_log, d, dt_bias, out, pool, seq_slot, seq_chunk, seq_chunks, ck_tok, ck_len, \
         ck_snap, ck_snaps, snap_slot, seq_base, heads, head_dim, groups, state, x_ld, bc_ld,   \
         dt_ld, out_ld, layer, layers, slots, dt_min, dt_max
 
-extern "C" __global__ void __launch_bounds__(128, 4) ssm_recurrent_f32(RECURRENT_PARAMS(float, float)) { CHIMERA_PDL_LAUNCH_DEPENDENTS();
+extern "C" __global__ void __launch_bounds__(128, 4) ssm_recurrent_f32(RECURRENT_PARAMS(float, float)) { CHIMERA_PDL_ENTRY();
     ssm::recurrent(RECURRENT_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(128, 4) ssm_recurrent_bf16(RECURRENT_PARAMS(bf16, float)) { CHIMERA_PDL_LAUNCH_DEPENDENTS();
+extern "C" __global__ void __launch_bounds__(128, 4) ssm_recurrent_bf16(RECURRENT_PARAMS(bf16, float)) { CHIMERA_PDL_ENTRY();
     ssm::recurrent(RECURRENT_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(128, 4) ssm_recurrent_f32_sbf16(RECURRENT_PARAMS(float, bf16)) { CHIMERA_PDL_LAUNCH_DEPENDENTS();
+extern "C" __global__ void __launch_bounds__(128, 4) ssm_recurrent_f32_sbf16(RECURRENT_PARAMS(float, bf16)) { CHIMERA_PDL_ENTRY();
     ssm::recurrent(RECURRENT_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(128, 4) ssm_recurrent_bf16_sbf16(RECURRENT_PARAMS(bf16, bf16)) { CHIMERA_PDL_LAUNCH_DEPENDENTS();
+extern "C" __global__ void __launch_bounds__(128, 4) ssm_recurrent_bf16_sbf16(RECURRENT_PARAMS(bf16, bf16)) { CHIMERA_PDL_ENTRY();
     ssm::recurrent(RECURRENT_ARGS);
 }
