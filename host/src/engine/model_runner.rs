@@ -58,6 +58,8 @@ pub struct ModelRunner<B: StepBackend> {
     /// from) and the normalised output of its last pass's logit rows (a chain's next input).
     mtp_steps: Option<(B::Step, B::Step)>,
     mtp_last: Option<B::Tensor>,
+    /// The MTP pass's plan with row numbers for tokens (its buffers kept between passes).
+    mtp_rows: StepPlan,
 }
 
 /// Where a step's sampling tail reads: a graph's step object and logits, or the eager step's.
@@ -163,6 +165,7 @@ impl<B: StepBackend> ModelRunner<B> {
             packed: None,
             mtp_steps: None,
             mtp_last: None,
+            mtp_rows: StepPlan::default(),
         }
     }
 
@@ -461,10 +464,11 @@ impl<B: StepBackend> StepExecutor for ModelRunner<B> {
         }
         .ok_or_else(|| ExecutorError::InvalidBatch("an MTP pass with no hidden states".into()))?;
         // The rows are gathered as an embedding lookup whose ids are row numbers.
-        let mut by_row = plan.clone();
+        let by_row = &mut self.mtp_rows;
+        by_row.copy_from(plan);
         by_row.tokens.clear();
         by_row.tokens.extend_from_slice(rows);
-        backend.upload_step(&by_row, gather)?;
+        backend.upload_step(by_row, gather)?;
         let hidden = backend.embedding(from, gather)?;
         backend.upload_step(plan, step)?;
         let (out, logits) = self
